@@ -1,0 +1,1 @@
+"""Fused Triton kernels for the TTT inner loop (installed as ``vit3.kernels``)."""

@@ -1,0 +1,31 @@
+"""Shared test helpers: paths to the official fixtures, float64 defaults, seeding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+FIXTURES = SHARED / "fixtures" / "official"
+
+
+def load_fixture(name: str) -> dict:
+    """Loads an official golden fixture, skipping the test when ``../shared`` is absent."""
+    path = FIXTURES / name
+    if not path.exists():
+        pytest.skip(f"official fixture {path} not found (../shared is not laid out beside the repo)")
+    return torch.load(path, weights_only=True)
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest elementwise error relative to the largest magnitude of ``b``."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

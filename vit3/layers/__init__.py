@@ -1,0 +1,31 @@
+"""Building blocks of vit3: the TTT mixer, its inner models and losses, 2-D RoPE."""
+
+from .config import INNER_LOSSES, INNER_MODELS, TTTConfig
+from .inner import DWConvInner, InnerModel, LinearInner, MLPInner, SiLUInner, SwiGLUInner, create_inner_model
+from .losses import loss_grad, loss_value
+from .rope import apply_rope_2d, rope_angles
+from .ttt import IMPL_ENV, OFFICIAL_MIXER_KEYS, TTTMixer, convert_official_mixer_key, inner_loop, normalize_grad, resolve_impl
+
+__all__ = [
+    "IMPL_ENV",
+    "INNER_LOSSES",
+    "INNER_MODELS",
+    "DWConvInner",
+    "InnerModel",
+    "LinearInner",
+    "MLPInner",
+    "SiLUInner",
+    "SwiGLUInner",
+    "TTTConfig",
+    "OFFICIAL_MIXER_KEYS",
+    "TTTMixer",
+    "convert_official_mixer_key",
+    "apply_rope_2d",
+    "create_inner_model",
+    "inner_loop",
+    "loss_grad",
+    "loss_value",
+    "normalize_grad",
+    "resolve_impl",
+    "rope_angles",
+]

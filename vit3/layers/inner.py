@@ -1,0 +1,310 @@
+"""Inner models of the TTT mixer, each with a closed-form gradient of its inner loss.
+
+An inner model is a tiny network whose weights are trained at test time on the (k, v) pairs of one sample.
+Its learnable *initial* weights are ordinary parameters shared by the batch; the inner loop returns
+per-sample weights that are used once, on q, and thrown away. All tensors use the token layout
+``[B, G, n, c]`` (``G`` heads of ``c`` channels); per-sample weights carry a leading dim ``B`` or 1
+(broadcast). Gradients are written out by hand (no autograd inside the inner loop), while ordinary
+autograd flows through them so the outer model trains.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "DWConvInner",
+    "InnerModel",
+    "LinearInner",
+    "MLPInner",
+    "SiLUInner",
+    "SwiGLUInner",
+    "create_inner_model",
+]
+
+Params = dict[str, Tensor]
+Cache = dict[str, Tensor]
+
+
+def silu_grad(z: Tensor, sig: Tensor | None = None) -> Tensor:
+    """``d silu(z) / dz = σ(z) (1 + z (1 - σ(z)))``."""
+    sig = torch.sigmoid(z) if sig is None else sig
+    return sig * (1.0 + z * (1.0 - sig))
+
+
+def gelu_grad(z: Tensor) -> Tensor:
+    """Derivative of the exact (erf) GELU: ``Φ(z) + z φ(z)``."""
+    cdf = 0.5 * (1.0 + torch.erf(z * (0.5**0.5)))
+    pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + z * pdf
+
+
+def _act(name: str, z: Tensor) -> Tensor:
+    return F.silu(z) if name == "silu" else F.gelu(z)
+
+
+def _act_grad(name: str, z: Tensor) -> Tensor:
+    return silu_grad(z) if name == "silu" else gelu_grad(z)
+
+
+def _init_weight(shape: tuple[int, ...]) -> nn.Parameter:
+    w = nn.Parameter(torch.empty(shape))
+    nn.init.trunc_normal_(w, std=0.02)
+    return w
+
+
+class InnerModel(nn.Module):
+    """Base class: a model applied to ``[B, G, n, c]`` tokens with hand-written inner gradients.
+
+    Attributes:
+        token_wise: True when each token is processed alone (then inner mini-batches slice the tokens);
+            False for models that mix neighbouring grid positions (then mini-batches mask the error).
+    """
+
+    token_wise: bool = True
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = head_dim
+
+    def initial_params(self) -> Params:
+        """The learnable initial weights, shaped for broadcasting over the batch (leading dim 1)."""
+        raise NotImplementedError
+
+    def forward_train(
+        self, p: Params, k: Tensor, grid: tuple[int, int], need_output: bool
+    ) -> tuple[Tensor | None, Cache]:
+        """Forward on keys ``[B, G, n, c]``; returns the prediction (if asked for) and what ``grads`` needs."""
+        raise NotImplementedError
+
+    def grads(self, p: Params, k: Tensor, e: Tensor, cache: Cache, grid: tuple[int, int]) -> Params:
+        """Closed-form gradients of ``sum_n <e_n, v_hat_n>`` w.r.t. each weight, per sample.
+
+        Args:
+            p: current weights.
+            k: keys ``[B, G, n, c]``.
+            e: ``dL/dv_hat`` ``[B, G, n, c]`` (loss scale, lr gates and masks already applied).
+            cache: from ``forward_train``.
+            grid: the token grid ``(h, w)``.
+        """
+        raise NotImplementedError
+
+    def apply_to(self, p: Params, q: Tensor, grid: tuple[int, int]) -> Tensor:
+        """The updated model on queries ``[B, G, n, c]`` -> ``[B, G, n, c]``."""
+        raise NotImplementedError
+
+    def norm_dims(self, name: str) -> tuple[int, ...]:
+        """Dims over which ``G / (||G|| + 1)`` takes the norm: the input dim of each output column."""
+        return (-2,)
+
+
+class LinearInner(InnerModel):
+    """One FC layer ``v_hat = k W``; with the dot loss one step is non-causal linear attention."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__(heads, head_dim)
+        self.w = _init_weight((1, heads, head_dim, head_dim))
+
+    def initial_params(self) -> Params:
+        return {"w": self.w}
+
+    def forward_train(self, p, k, grid, need_output):
+        return (k @ p["w"] if need_output else None), {}
+
+    def grads(self, p, k, e, cache, grid):
+        return {"w": k.transpose(-2, -1) @ e}
+
+    def apply_to(self, p, q, grid):
+        return q @ p["w"]
+
+
+class SiLUInner(InnerModel):
+    """``v_hat = SiLU(k W)`` (the paper's SiLU(FC))."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__(heads, head_dim)
+        self.w = _init_weight((1, heads, head_dim, head_dim))
+
+    def initial_params(self) -> Params:
+        return {"w": self.w}
+
+    def forward_train(self, p, k, grid, need_output):
+        z = k @ p["w"]
+        return (F.silu(z) if need_output else None), {"z": z}
+
+    def grads(self, p, k, e, cache, grid):
+        return {"w": k.transpose(-2, -1) @ (e * silu_grad(cache["z"]))}
+
+    def apply_to(self, p, q, grid):
+        return F.silu(q @ p["w"])
+
+
+class SwiGLUInner(InnerModel):
+    """The official ViT³ inner model ``v_hat = (k W1) ⊙ SiLU(k W2)`` (SwiGLU with an identity output layer)."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__(heads, head_dim)
+        self.w1 = _init_weight((1, heads, head_dim, head_dim))
+        self.w2 = _init_weight((1, heads, head_dim, head_dim))
+
+    def initial_params(self) -> Params:
+        return {"w1": self.w1, "w2": self.w2}
+
+    def forward_train(self, p, k, grid, need_output):
+        z1 = k @ p["w1"]
+        z2 = k @ p["w2"]
+        sig = torch.sigmoid(z2)
+        a = z2 * sig
+        return (z1 * a if need_output else None), {"z1": z1, "z2": z2, "sig": sig, "a": a}
+
+    def grads(self, p, k, e, cache, grid):
+        kt = k.transpose(-2, -1)
+        g1 = kt @ (e * cache["a"])
+        g2 = kt @ (e * cache["z1"] * silu_grad(cache["z2"], cache["sig"]))
+        return {"w1": g1, "w2": g2}
+
+    def apply_to(self, p, q, grid):
+        return (q @ p["w1"]) * F.silu(q @ p["w2"])
+
+
+class MLPInner(InnerModel):
+    """Two-layer MLP ``v_hat = act(k W1) W2`` and the paper's residual variants.
+
+    ``residual="add"``: ``act(k W1) W2 + k``; ``residual="identity"``: ``act(k W1)(W2 + I)``;
+    ``identity_init``: W2 starts as I. The last two need ``ratio == 1``.
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        ratio: float = 1.0,
+        act: str = "gelu",
+        residual: str = "none",
+        identity_init: bool = False,
+    ) -> None:
+        super().__init__(heads, head_dim)
+        hidden = int(round(head_dim * ratio))
+        if hidden < 1:
+            raise ValueError(f"mlp_ratio {ratio} gives an empty hidden layer for head_dim {head_dim}")
+        if (residual == "identity" or identity_init) and hidden != head_dim:
+            raise ValueError(
+                f"mlp_residual='identity' and mlp_identity_init need mlp_ratio 1 (hidden {hidden} != {head_dim})"
+            )
+        self.act, self.residual, self.hidden = act, residual, hidden
+        self.w1 = _init_weight((1, heads, head_dim, hidden))
+        self.w2 = _init_weight((1, heads, hidden, head_dim))
+        if identity_init:
+            with torch.no_grad():
+                self.w2.copy_(torch.eye(head_dim).expand_as(self.w2))
+
+    def initial_params(self) -> Params:
+        return {"w1": self.w1, "w2": self.w2}
+
+    def _out(self, p: Params, x: Tensor, a: Tensor) -> Tensor:
+        y = a @ p["w2"]
+        if self.residual == "identity":
+            y = y + a
+        elif self.residual == "add":
+            y = y + x
+        return y
+
+    def forward_train(self, p, k, grid, need_output):
+        h = k @ p["w1"]
+        a = _act(self.act, h)
+        return (self._out(p, k, a) if need_output else None), {"h": h, "a": a}
+
+    def grads(self, p, k, e, cache, grid):
+        g2 = cache["a"].transpose(-2, -1) @ e
+        da = e @ p["w2"].transpose(-2, -1)
+        if self.residual == "identity":
+            da = da + e
+        g1 = k.transpose(-2, -1) @ (da * _act_grad(self.act, cache["h"]))
+        return {"w1": g1, "w2": g2}
+
+    def apply_to(self, p, q, grid):
+        return self._out(p, q, _act(self.act, q @ p["w1"]))
+
+
+class DWConvInner(InnerModel):
+    """A 3x3 depthwise convolution over the grid (zero padding), one kernel per channel.
+
+    Channels are the ``G * c`` channels of the branch. The weight is stored as a conv weight ``[G*c, 1, 3, 3]``
+    (the official layout); per-sample weights are ``[B|1, G*c, 3, 3]``.
+    """
+
+    token_wise = False
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__(heads, head_dim)
+        self.weight = _init_weight((heads * head_dim, 1, 3, 3))
+
+    def initial_params(self) -> Params:
+        return {"weight": self.weight.view(1, -1, 3, 3)}
+
+    @staticmethod
+    def to_map(x: Tensor, grid: tuple[int, int]) -> Tensor:
+        """``[B, G, n, c]`` tokens -> ``[B, G*c, h, w]`` maps."""
+        b, g, _, c = x.shape
+        return x.permute(0, 1, 3, 2).reshape(b, g * c, grid[0], grid[1])
+
+    def from_map(self, x: Tensor) -> Tensor:
+        """``[B, G*c, h, w]`` maps -> ``[B, G, n, c]`` tokens."""
+        b = x.shape[0]
+        return x.reshape(b, self.heads, self.head_dim, -1).transpose(-2, -1)
+
+    @staticmethod
+    def conv(x: Tensor, weight: Tensor) -> Tensor:
+        """Per-sample depthwise 3x3 conv: maps ``[B, C, h, w]`` with weights ``[B|1, C, 3, 3]``."""
+        b, ch, h, w = x.shape
+        if weight.shape[0] == 1:
+            return F.conv2d(x, weight.reshape(ch, 1, 3, 3), padding=1, groups=ch)
+        # Fold the batch into groups so every sample gets its own kernels in one call.
+        out = F.conv2d(x.reshape(1, b * ch, h, w), weight.reshape(b * ch, 1, 3, 3), padding=1, groups=b * ch)
+        return out.view(b, ch, h, w)
+
+    def forward_train(self, p, k, grid, need_output):
+        km = self.to_map(k, grid)
+        out = self.from_map(self.conv(km, p["weight"])) if need_output else None
+        return out, {"k_map": km}
+
+    def grads(self, p, k, e, cache, grid):
+        km = cache["k_map"]
+        b, ch, h, w = km.shape
+        em = self.to_map(e, grid)
+        # G[c, δ] = sum_p k[c, p + δ] e[c, p]: a correlation of k with e, as one grouped conv with e as kernel.
+        g = F.conv2d(km.reshape(1, b * ch, h, w), em.reshape(b * ch, 1, h, w), padding=1, groups=b * ch)
+        return {"weight": g.view(b, ch, 3, 3)}
+
+    def apply_to(self, p, q, grid):
+        return self.from_map(self.conv(self.to_map(q, grid), p["weight"]))
+
+    def norm_dims(self, name: str) -> tuple[int, ...]:
+        return (-2, -1)
+
+
+def create_inner_model(name: str, heads: int, head_dim: int, cfg: object) -> InnerModel:
+    """Builds inner model ``name`` with ``heads`` heads of ``head_dim`` (options read from a ``TTTConfig``)."""
+    if name == "linear":
+        return LinearInner(heads, head_dim)
+    if name == "silu":
+        return SiLUInner(heads, head_dim)
+    if name == "swiglu":
+        return SwiGLUInner(heads, head_dim)
+    if name == "mlp":
+        return MLPInner(
+            heads,
+            head_dim,
+            ratio=cfg.mlp_ratio,
+            act=cfg.mlp_act,
+            residual=cfg.mlp_residual,
+            identity_init=cfg.mlp_identity_init,
+        )
+    if name == "dwconv":
+        return DWConvInner(heads, head_dim)
+    raise ValueError(f"unknown inner model {name!r}")

@@ -1,0 +1,273 @@
+"""The TTT token mixer: attention replaced by a small inner model trained at test time.
+
+For each sample, each branch's inner model takes one (or more) gradient steps on the inner loss of all
+(k, v) pairs of the image (non-causal, full sequence), then is applied to q. See ``TTTConfig`` for the
+design space and ``../shared/notes/ttt-math.md`` (in the repository docs) for the formulas.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .config import TTTConfig
+from .inner import InnerModel, Params, create_inner_model
+from .losses import loss_grad, loss_needs_prediction
+from .rope import apply_rope_2d
+
+__all__ = ["IMPL_ENV", "OFFICIAL_MIXER_KEYS", "TTTMixer", "convert_official_mixer_key", "inner_loop", "normalize_grad", "resolve_impl"]
+
+IMPL_ENV = "VIT3_TTT_IMPL"
+CHECK_FINITE_ENV = "VIT3_CHECK_FINITE"
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def resolve_impl(impl: str = "auto") -> str:
+    """The implementation asked for: an explicit ``"torch"``/``"triton"`` argument wins, else ``$VIT3_TTT_IMPL``."""
+    if impl != "auto":
+        return impl
+    env = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    if env not in ("auto", "torch", "triton"):
+        raise ValueError(f"${IMPL_ENV} must be 'auto', 'torch' or 'triton', got {env!r}")
+    return env
+
+
+def normalize_grad(g: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """The official gradient normalisation ``G / (||G|| + 1)``, the norm over ``dims``."""
+    return g / (torch.linalg.vector_norm(g, dim=dims, keepdim=True) + 1.0)
+
+
+def inner_loop(
+    model: InnerModel,
+    params: Params,
+    k: Tensor,
+    v: Tensor,
+    grid: tuple[int, int],
+    *,
+    loss: str = "dot",
+    scale: float = 9**-0.5,
+    lr: float = 1.0,
+    steps: int = 1,
+    mini_batches: int = 1,
+    grad_norm: bool = True,
+    token_lr: Tensor | None = None,
+) -> Params:
+    """Trains an inner model on ``(k, v)`` and returns its per-sample weights.
+
+    Args:
+        model: the inner model (its closed-form gradients are used).
+        params: initial weights (leading dim 1 or B).
+        k: keys ``[B, G, N, c]``.
+        v: values ``[B, G, N, c]``.
+        grid: ``(h, w)`` with ``h * w == N``.
+        loss: inner loss name.
+        scale: loss scale s; each mini-batch loss is ``(s / n) * sum_n l_n``.
+        lr: inner learning rate η.
+        steps: epochs over the sequence.
+        mini_batches: contiguous chunks per epoch (one step each).
+        grad_norm: apply ``G / (||G|| + 1)`` before the step.
+        token_lr: optional per-token gate ``[B, G, N]`` multiplying each token's gradient (η·σ(x W_η)).
+
+    Returns:
+        The updated weights, each ``[B, ...]`` (or ``[1, ...]`` where nothing depends on the sample).
+    """
+    n_tok = k.shape[-2]
+    if mini_batches > n_tok:
+        raise ValueError(f"mini_batches={mini_batches} is larger than the sequence length N={n_tok}")
+    bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(n_tok).tensor_split(mini_batches)]
+    need_pred = loss_needs_prediction(loss)
+    for _ in range(steps):
+        for start, end in bounds:
+            full = start == 0 and end == n_tok
+            if model.token_wise or full:
+                kc, vc = (k, v) if full else (k[..., start:end, :], v[..., start:end, :])
+            else:
+                kc, vc = k, v  # grid models see the whole grid; the error is masked to the chunk below
+            v_hat, cache = model.forward_train(params, kc, grid, need_pred)
+            e = loss_grad(loss, v_hat, vc) * (scale / (end - start))
+            if token_lr is not None:
+                gate = token_lr if (full or not model.token_wise) else token_lr[..., start:end]
+                e = e * gate.unsqueeze(-1)
+            if not (model.token_wise or full):
+                mask = torch.zeros(n_tok, 1, dtype=e.dtype, device=e.device)
+                mask[start:end] = 1.0
+                e = e * mask
+            grads = model.grads(params, kc, e, cache, grid)
+            if grad_norm:
+                grads = {name: normalize_grad(g, model.norm_dims(name)) for name, g in grads.items()}
+            params = {name: params[name] - lr * grads[name] for name in params}
+    return params
+
+
+def _fused_backend() -> tuple[Any, str]:
+    """The fused-kernel module ``vit3.kernels``, or ``None`` with the reason it is unavailable."""
+    try:
+        import vit3.kernels as backend  # noqa: PLC0415 - optional, imports Triton
+    except Exception as exc:  # Triton missing or broken: the PyTorch path serves
+        return None, f"vit3.kernels could not be imported ({type(exc).__name__}: {exc})"
+    if not hasattr(backend, "fused_ttt"):
+        return None, "vit3.kernels provides no fused_ttt op"
+    return backend, ""
+
+
+class TTTMixer(nn.Module):
+    """Test-time-training token mixer (ViT³) for tokens ``[B, N, C]`` on an ``h x w`` grid.
+
+    Branches sit side by side, each with its own heads of ``head_dim = dim // num_heads`` channels and its
+    own q, k, v (laid out branch by branch in one ``qkv`` projection, as the official code does); their
+    outputs are concatenated and projected back to ``dim``.
+
+    Args:
+        dim: token width C.
+        num_heads: heads of the main branch (branch specs without ``:k``).
+        cfg: a ``TTTConfig`` (or dict); keyword overrides are applied on top.
+    """
+
+    def __init__(
+        self, dim: int, num_heads: int = 8, cfg: TTTConfig | dict[str, Any] | None = None, **overrides: Any
+    ) -> None:
+        super().__init__()
+        if num_heads < 1 or dim % num_heads:
+            raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
+        self.cfg = cfg = TTTConfig.create(cfg, **overrides)
+        self.dim, self.num_heads = dim, num_heads
+        self.head_dim = head_dim = dim // num_heads
+        self.branch_specs = cfg.branch_specs(num_heads)
+        self.widths = [heads * head_dim for _, heads in self.branch_specs]
+        if cfg.rope:
+            for (name, _), width in zip(self.branch_specs, self.widths):
+                if name != "dwconv" and width % 4:
+                    raise ValueError(f"RoPE needs branch widths divisible by 4; branch {name!r} has {width}")
+        self.scale = cfg.resolve_scale(head_dim)
+        total = sum(self.widths)
+        self.qkv = nn.Linear(dim, 3 * total, bias=cfg.qkv_bias)
+        self.inner = nn.ModuleList(
+            [create_inner_model(name, heads, head_dim, cfg) for name, heads in self.branch_specs]
+        )
+        self.lr_gate = nn.Linear(dim, sum(h for _, h in self.branch_specs)) if cfg.lr_mode == "token" else None
+        self.proj = nn.Linear(total, dim)
+
+    def _check(self, x: Tensor, grid: tuple[int, int]) -> None:
+        if x.ndim != 3:
+            raise ValueError(f"TTTMixer expects tokens [B, N, C], got a tensor of rank {x.ndim} {tuple(x.shape)}")
+        _, n, c = x.shape
+        if c != self.dim:
+            raise ValueError(f"TTTMixer built for C={self.dim} channels got C={c} (input {tuple(x.shape)})")
+        h, w = grid
+        if h < 1 or w < 1 or h * w != n:
+            raise ValueError(f"grid {h}x{w} = {h * w} tokens does not fit N={n} (input {tuple(x.shape)})")
+        tracing = torch.jit.is_tracing() or torch.compiler.is_compiling()
+        if self.cfg.check_finite and not tracing and os.environ.get(CHECK_FINITE_ENV, "1") != "0":
+            if not torch.isfinite(x).all():
+                raise ValueError("TTTMixer input contains non-finite values (NaN or Inf)")
+
+    def _fused_branch(self, name: str, x: Tensor, gated: bool) -> Any:
+        """The fused op for branch ``name`` when it should (and can) run, else ``None``.
+
+        ``impl="triton"`` forces the kernel (on any device, e.g. CPU under ``TRITON_INTERPRET=1``) and falls back
+        with a warning naming the reason; ``"auto"`` uses it for CUDA tensors when the configuration allows.
+        """
+        impl = resolve_impl(self.cfg.impl)
+        if impl == "torch" or (impl == "auto" and x.device.type != "cuda"):
+            return None
+        backend, why = _fused_backend()
+        if backend is not None and not gated and backend.fused_supports(name, self.cfg, x):
+            return backend.fused_ttt
+        if impl == "triton":
+            reason = why or f"inner model {name!r} with this configuration is not supported by the kernel"
+            _warn_once(f"TTTMixer: fused Triton path requested but unavailable ({reason}); using PyTorch.")
+        return None
+
+    def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
+        """Mixes tokens ``[B, N, C]`` laid out on ``grid = (h, w)`` (raster order); returns ``[B, N, C]``."""
+        self._check(x, grid)
+        b, n, _ = x.shape
+        qkv = self.qkv(x)  # [B, N, 3 * total]
+        gates = torch.sigmoid(self.lr_gate(x)).transpose(1, 2) if self.lr_gate is not None else None  # [B, G, N]
+        io_dtype = qkv.dtype
+        # The inner loop runs in float32 at least (bf16/fp16 gradients of the inner loss are too coarse).
+        compute = torch.promote_types(io_dtype, torch.float32)
+        outs, offset, gate_offset = [], 0, 0
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            for (name, heads), width, model in zip(self.branch_specs, self.widths, self.inner):
+                q, k, v = qkv[..., offset : offset + 3 * width].split(width, dim=-1)  # [B, N, width] each
+                offset += 3 * width
+                gate = None
+                if gates is not None:
+                    gate = gates[:, gate_offset : gate_offset + heads].float()
+                    gate_offset += heads
+                if self.cfg.rope and model.token_wise:
+                    q, k = apply_rope_2d(q, grid, self.cfg.rope_base), apply_rope_2d(k, grid, self.cfg.rope_base)
+                # [B, N, G*c] -> [B, G, N, c]: strided views of qkv, no copy
+                q, k, v = (t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
+                op = self._fused_branch(name, x, gate is not None)
+                if op is not None:
+                    y = op(name, q, k, v, model.initial_params(), grid=grid, scale=self.scale,
+                           lr=self.cfg.inner_lr, grad_norm=self.cfg.grad_norm)
+                else:
+                    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+                    params = {nm: p.to(compute) for nm, p in model.initial_params().items()}
+                    params = inner_loop(
+                        model,
+                        params,
+                        k,
+                        v,
+                        grid,
+                        loss=self.cfg.loss,
+                        scale=self.scale,
+                        lr=self.cfg.inner_lr,
+                        steps=self.cfg.steps,
+                        mini_batches=self.cfg.mini_batches,
+                        grad_norm=self.cfg.grad_norm,
+                        token_lr=gate,
+                    )
+                    y = model.apply_to(params, q, grid)
+                outs.append(y.transpose(1, 2).reshape(b, n, width).to(io_dtype))  # [B, N, width]
+        return self.proj(torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0])
+
+    def extra_repr(self) -> str:
+        branches = ", ".join(f"{name}x{heads}" for name, heads in self.branch_specs)
+        c = self.cfg
+        return (
+            f"dim={self.dim}, num_heads={self.num_heads}, branches=[{branches}], loss={c.loss}, "
+            f"lr={c.inner_lr}({c.lr_mode}), steps={c.steps}, mini_batches={c.mini_batches}, "
+            f"grad_norm={c.grad_norm}, scale={self.scale:.4g}, rope={c.rope}"
+        )
+
+
+def _register_fx_leaf() -> None:
+    # The mixer validates shapes and values with Python control flow: FX must treat it as one leaf call.
+    try:
+        from timm.layers import register_notrace_module  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - older timm
+        return
+    register_notrace_module(TTTMixer)
+
+
+_register_fx_leaf()
+
+
+# Official ViT³ mixer parameter names -> ours (the official mixer is branches ("swiglu", "dwconv:1")).
+OFFICIAL_MIXER_KEYS = {"w1": "inner.0.w1", "w2": "inner.0.w2", "w3": "inner.1.weight"}
+
+
+def convert_official_mixer_key(key: str) -> str:
+    """Maps an official mixer key (``attn.w3``, ``layers.0.blocks.1.attn.w1``, ``qkv.weight``...) to ours.
+
+    Only the inner weights move (``w1``/``w2`` -> ``inner.0.*``, ``w3`` -> ``inner.1.weight``); ``qkv`` and
+    ``proj`` keep their names and every official tensor keeps its shape.
+    """
+    prefix, _, leaf = key.rpartition(".")
+    if leaf in OFFICIAL_MIXER_KEYS:
+        return f"{prefix}.{OFFICIAL_MIXER_KEYS[leaf]}" if prefix else OFFICIAL_MIXER_KEYS[leaf]
+    return key
