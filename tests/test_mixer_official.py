@@ -33,7 +33,9 @@ def test_output_and_every_gradient_match_official(name: str, rtol: float):
     (out * fx["out_proj"]).sum().backward()
     params = dict(mixer.named_parameters())
     grads = fx["grads"]
-    assert set(grads) == {"input0"} | set(fx["state_dict"]), "fixture gradients cover input and every parameter"
+    assert set(grads) == {"input0"} | set(fx["state_dict"]), (
+        "fixture gradients cover input and every parameter"
+    )
     for key, expected in grads.items():
         got = x.grad if key == "input0" else params[convert_official_mixer_key(key)].grad
         assert got is not None, key

@@ -4,12 +4,21 @@ from .config import INNER_LOSSES, INNER_MODELS, TTTConfig
 from .inner import DWConvInner, InnerModel, LinearInner, MLPInner, SiLUInner, SwiGLUInner, create_inner_model
 from .losses import loss_grad, loss_value
 from .rope import apply_rope_2d, rope_angles
-from .ttt import IMPL_ENV, OFFICIAL_MIXER_KEYS, TTTMixer, convert_official_mixer_key, inner_loop, normalize_grad, resolve_impl
+from .ttt import (
+    IMPL_ENV,
+    OFFICIAL_MIXER_KEYS,
+    TTTMixer,
+    convert_official_mixer_key,
+    inner_loop,
+    normalize_grad,
+    resolve_impl,
+)
 
 __all__ = [
     "IMPL_ENV",
     "INNER_LOSSES",
     "INNER_MODELS",
+    "OFFICIAL_MIXER_KEYS",
     "DWConvInner",
     "InnerModel",
     "LinearInner",
@@ -17,10 +26,9 @@ __all__ = [
     "SiLUInner",
     "SwiGLUInner",
     "TTTConfig",
-    "OFFICIAL_MIXER_KEYS",
     "TTTMixer",
-    "convert_official_mixer_key",
     "apply_rope_2d",
+    "convert_official_mixer_key",
     "create_inner_model",
     "inner_loop",
     "loss_grad",

@@ -189,7 +189,7 @@ class MLPInner(InnerModel):
         identity_init: bool = False,
     ) -> None:
         super().__init__(heads, head_dim)
-        hidden = int(round(head_dim * ratio))
+        hidden = round(head_dim * ratio)
         if hidden < 1:
             raise ValueError(f"mlp_ratio {ratio} gives an empty hidden layer for head_dim {head_dim}")
         if (residual == "identity" or identity_init) and hidden != head_dim:
@@ -277,8 +277,21 @@ class DWConvInner(InnerModel):
         km = cache["k_map"]
         b, ch, h, w = km.shape
         em = self.to_map(e, grid)
-        # G[c, δ] = sum_p k[c, p + δ] e[c, p]: a correlation of k with e, as one grouped conv with e as kernel.
-        g = F.conv2d(km.reshape(1, b * ch, h, w), em.reshape(b * ch, 1, h, w), padding=1, groups=b * ch)
+        # G[c, δ] = sum_p k[c, p + δ] e[c, p] is the weight gradient of a depthwise conv of k with output
+        # gradient e; with the batch folded into groups, the native kernel yields it per sample in one call.
+        _, g, _ = torch.ops.aten.convolution_backward(
+            em.reshape(1, b * ch, h, w),
+            km.reshape(1, b * ch, h, w),
+            km.new_empty(b * ch, 1, 3, 3),
+            None,
+            [1, 1],
+            [1, 1],
+            [1, 1],
+            False,
+            [0, 0],
+            b * ch,
+            [False, True, False],
+        )
         return {"weight": g.view(b, ch, 3, 3)}
 
     def apply_to(self, p, q, grid):

@@ -13,7 +13,9 @@ from torch import Tensor
 __all__ = ["apply_rope_2d", "rope_angles"]
 
 
-def rope_angles(grid: tuple[int, int], dim: int, base: float, device: torch.device, dtype: torch.dtype) -> Tensor:
+def rope_angles(
+    grid: tuple[int, int], dim: int, base: float, device: torch.device, dtype: torch.dtype
+) -> Tensor:
     """Rotation angles ``[h * w, dim / 2]`` for a ``dim``-channel RoPE on an ``h x w`` grid (raster order)."""
     if dim % 4:
         raise ValueError(f"2-D RoPE needs channels divisible by 4, got {dim}")

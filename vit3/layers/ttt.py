@@ -15,11 +15,20 @@ import torch
 from torch import Tensor, nn
 
 from .config import TTTConfig
-from .inner import InnerModel, Params, create_inner_model
+from .fast_swiglu import swiglu_ttt
+from .inner import InnerModel, Params, SwiGLUInner, create_inner_model
 from .losses import loss_grad, loss_needs_prediction
 from .rope import apply_rope_2d
 
-__all__ = ["IMPL_ENV", "OFFICIAL_MIXER_KEYS", "TTTMixer", "convert_official_mixer_key", "inner_loop", "normalize_grad", "resolve_impl"]
+__all__ = [
+    "IMPL_ENV",
+    "OFFICIAL_MIXER_KEYS",
+    "TTTMixer",
+    "convert_official_mixer_key",
+    "inner_loop",
+    "normalize_grad",
+    "resolve_impl",
+]
 
 IMPL_ENV = "VIT3_TTT_IMPL"
 CHECK_FINITE_ENV = "VIT3_CHECK_FINITE"
@@ -112,7 +121,7 @@ def inner_loop(
 def _fused_backend() -> tuple[Any, str]:
     """The fused-kernel module ``vit3.kernels``, or ``None`` with the reason it is unavailable."""
     try:
-        import vit3.kernels as backend  # noqa: PLC0415 - optional, imports Triton
+        import vit3.kernels as backend
     except Exception as exc:  # Triton missing or broken: the PyTorch path serves
         return None, f"vit3.kernels could not be imported ({type(exc).__name__}: {exc})"
     if not hasattr(backend, "fused_ttt"):
@@ -154,12 +163,16 @@ class TTTMixer(nn.Module):
         self.inner = nn.ModuleList(
             [create_inner_model(name, heads, head_dim, cfg) for name, heads in self.branch_specs]
         )
-        self.lr_gate = nn.Linear(dim, sum(h for _, h in self.branch_specs)) if cfg.lr_mode == "token" else None
+        self.lr_gate = (
+            nn.Linear(dim, sum(h for _, h in self.branch_specs)) if cfg.lr_mode == "token" else None
+        )
         self.proj = nn.Linear(total, dim)
 
     def _check(self, x: Tensor, grid: tuple[int, int]) -> None:
         if x.ndim != 3:
-            raise ValueError(f"TTTMixer expects tokens [B, N, C], got a tensor of rank {x.ndim} {tuple(x.shape)}")
+            raise ValueError(
+                f"TTTMixer expects tokens [B, N, C], got a tensor of rank {x.ndim} {tuple(x.shape)}"
+            )
         _, n, c = x.shape
         if c != self.dim:
             raise ValueError(f"TTTMixer built for C={self.dim} channels got C={c} (input {tuple(x.shape)})")
@@ -188,52 +201,99 @@ class TTTMixer(nn.Module):
             _warn_once(f"TTTMixer: fused Triton path requested but unavailable ({reason}); using PyTorch.")
         return None
 
+    def _fast_swiglu(self, model: InnerModel, gate: Tensor | None) -> bool:
+        """Whether the hand-fused PyTorch path serves this branch (the official one-step dot-loss case)."""
+        c = self.cfg
+        return (
+            isinstance(model, SwiGLUInner)
+            and gate is None
+            and c.loss == "dot"
+            and c.steps == 1
+            and c.mini_batches == 1
+        )
+
     def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """Mixes tokens ``[B, N, C]`` laid out on ``grid = (h, w)`` (raster order); returns ``[B, N, C]``."""
         self._check(x, grid)
-        b, n, _ = x.shape
-        qkv = self.qkv(x)  # [B, N, 3 * total]
-        gates = torch.sigmoid(self.lr_gate(x)).transpose(1, 2) if self.lr_gate is not None else None  # [B, G, N]
+        gates = (
+            torch.sigmoid(self.lr_gate(x)).transpose(1, 2) if self.lr_gate is not None else None
+        )  # [B, G, N]
+        return self.proj(self.mix(self.qkv(x), grid, gates))
+
+    def mix(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None = None) -> Tensor:
+        """The inner loops of every branch, between the two projections.
+
+        Args:
+            qkv: the qkv projection output ``[B, N, 3 * sum(widths)]`` (branch by branch: q, k, v).
+            grid: ``(h, w)``.
+            gates: token lr gates ``[B, sum(heads), N]`` when ``lr_mode="token"``.
+
+        Returns:
+            The branch read-outs concatenated, ``[B, N, sum(widths)]``, in ``qkv``'s dtype.
+        """
+        b, n, _ = qkv.shape
         io_dtype = qkv.dtype
         # The inner loop runs in float32 at least (bf16/fp16 gradients of the inner loss are too coarse).
         compute = torch.promote_types(io_dtype, torch.float32)
+        cfg = self.cfg
         outs, offset, gate_offset = [], 0, 0
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with torch.autocast(device_type=qkv.device.type, enabled=False):
             for (name, heads), width, model in zip(self.branch_specs, self.widths, self.inner):
                 q, k, v = qkv[..., offset : offset + 3 * width].split(width, dim=-1)  # [B, N, width] each
                 offset += 3 * width
                 gate = None
                 if gates is not None:
-                    gate = gates[:, gate_offset : gate_offset + heads].float()
+                    gate = gates[:, gate_offset : gate_offset + heads].to(compute)
                     gate_offset += heads
-                if self.cfg.rope and model.token_wise:
-                    q, k = apply_rope_2d(q, grid, self.cfg.rope_base), apply_rope_2d(k, grid, self.cfg.rope_base)
+                if cfg.rope and model.token_wise:
+                    q, k = apply_rope_2d(q, grid, cfg.rope_base), apply_rope_2d(k, grid, cfg.rope_base)
                 # [B, N, G*c] -> [B, G, N, c]: strided views of qkv, no copy
                 q, k, v = (t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
-                op = self._fused_branch(name, x, gate is not None)
+                op = self._fused_branch(name, qkv, gate is not None)
                 if op is not None:
-                    y = op(name, q, k, v, model.initial_params(), grid=grid, scale=self.scale,
-                           lr=self.cfg.inner_lr, grad_norm=self.cfg.grad_norm)
+                    y = op(
+                        name,
+                        q,
+                        k,
+                        v,
+                        model.initial_params(),
+                        grid=grid,
+                        scale=self.scale,
+                        lr=cfg.inner_lr,
+                        grad_norm=cfg.grad_norm,
+                    )
                 else:
                     q, k, v = q.to(compute), k.to(compute), v.to(compute)
                     params = {nm: p.to(compute) for nm, p in model.initial_params().items()}
-                    params = inner_loop(
-                        model,
-                        params,
-                        k,
-                        v,
-                        grid,
-                        loss=self.cfg.loss,
-                        scale=self.scale,
-                        lr=self.cfg.inner_lr,
-                        steps=self.cfg.steps,
-                        mini_batches=self.cfg.mini_batches,
-                        grad_norm=self.cfg.grad_norm,
-                        token_lr=gate,
-                    )
-                    y = model.apply_to(params, q, grid)
+                    if self._fast_swiglu(model, gate):
+                        y = swiglu_ttt(
+                            q,
+                            k,
+                            v,
+                            params["w1"],
+                            params["w2"],
+                            scale=self.scale,
+                            lr=cfg.inner_lr,
+                            grad_norm=cfg.grad_norm,
+                        )
+                    else:
+                        params = inner_loop(
+                            model,
+                            params,
+                            k,
+                            v,
+                            grid,
+                            loss=cfg.loss,
+                            scale=self.scale,
+                            lr=cfg.inner_lr,
+                            steps=cfg.steps,
+                            mini_batches=cfg.mini_batches,
+                            grad_norm=cfg.grad_norm,
+                            token_lr=gate,
+                        )
+                        y = model.apply_to(params, q, grid)
                 outs.append(y.transpose(1, 2).reshape(b, n, width).to(io_dtype))  # [B, N, width]
-        return self.proj(torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0])
+        return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
 
     def extra_repr(self) -> str:
         branches = ", ".join(f"{name}x{heads}" for name, heads in self.branch_specs)
@@ -248,7 +308,7 @@ class TTTMixer(nn.Module):
 def _register_fx_leaf() -> None:
     # The mixer validates shapes and values with Python control flow: FX must treat it as one leaf call.
     try:
-        from timm.layers import register_notrace_module  # noqa: PLC0415
+        from timm.layers import register_notrace_module
     except ImportError:  # pragma: no cover - older timm
         return
     register_notrace_module(TTTMixer)

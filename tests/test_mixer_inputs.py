@@ -1,0 +1,147 @@
+"""The mixer on awkward shapes, low precision, RoPE tables, the implementation switch and bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.ttt_reference import reference_mixer
+from vit3.layers import IMPL_ENV, TTTConfig, TTTMixer, apply_rope_2d, resolve_impl
+
+SHAPES = [
+    pytest.param(2, 8, 2, (1, 13), id="grid1x13"),
+    pytest.param(2, 8, 2, (13, 1), id="grid13x1"),
+    pytest.param(2, 16, 4, (5, 11), id="grid5x11"),
+    pytest.param(1, 16, 4, (7, 9), id="batch1-grid7x9"),
+    pytest.param(3, 8, 1, (3, 3), id="one-head-odd-N"),
+    pytest.param(1, 8, 2, (1, 1), id="single-token"),
+]
+
+
+@pytest.mark.parametrize(("b", "dim", "heads", "grid"), SHAPES)
+@pytest.mark.parametrize("rope", [False, True], ids=["no-rope", "rope"])
+def test_awkward_shapes_match_reference(b, dim, heads, grid, rope):
+    mixer = TTTMixer(dim, heads, rope=rope).double()
+    n = grid[0] * grid[1]
+    x = torch.randn(b, n, dim, dtype=torch.float64, requires_grad=True)
+    out = mixer(x, grid)
+    assert out.shape == (b, n, dim)
+    ref = reference_mixer(mixer, x, grid)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    g, g_ref = (torch.autograd.grad(o.sum(), x)[0] for o in (out, ref))
+    torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_runs_inner_loop_in_float32(dtype):
+    torch.manual_seed(0)
+    mixer = TTTMixer(32, 4)
+    ref_mixer = TTTMixer(32, 4).double()
+    ref_mixer.load_state_dict(mixer.state_dict())
+    x = torch.randn(2, 35, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        out = mixer(x, (5, 7))
+    assert out.dtype == dtype
+    out.float().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    for name, p in mixer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    ref = ref_mixer(x.detach().double(), (5, 7))
+    rel = (out.double() - ref).norm() / ref.norm()
+    assert rel < 3e-2, f"relative error {rel:.2e} against float64"
+
+
+def test_low_precision_inputs_give_low_precision_output():
+    mixer = TTTMixer(16, 2).to(torch.bfloat16)
+    x = torch.randn(1, 12, 16, dtype=torch.bfloat16)
+    out = mixer(x, (3, 4))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("grid", [(6, 8), (5, 3), (1, 7)], ids=lambda g: f"{g[0]}x{g[1]}")
+def test_rope_equals_official_tables(grid):
+    h, w = grid
+    dim = 16
+    # Official construction: RoPE(shape=(h, w, dim)) tables, complex multiply on channel pairs.
+    k_max = dim // 4
+    theta = 1 / (10000 ** (torch.arange(k_max, dtype=torch.float64) / k_max))
+    coords = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    angles = torch.cat([c.unsqueeze(-1).double() * theta for c in coords], dim=-1)  # [h, w, dim/2]
+    rot = torch.polar(torch.ones_like(angles), angles)
+    x = torch.randn(2, h, w, dim, dtype=torch.float64)
+    expected = torch.view_as_real(rot * torch.view_as_complex(x.reshape(2, h, w, -1, 2))).flatten(-2)
+    got = apply_rope_2d(x.reshape(2, h * w, dim), grid)
+    torch.testing.assert_close(got, expected.reshape(2, h * w, dim), rtol=1e-12, atol=1e-12)
+
+
+class TestImplSwitch:
+    def test_argument_wins_over_environment(self, monkeypatch):
+        monkeypatch.setenv(IMPL_ENV, "triton")
+        assert resolve_impl("torch") == "torch"
+        assert resolve_impl("auto") == "triton"
+        monkeypatch.setenv(IMPL_ENV, "cuda-please")
+        with pytest.raises(ValueError, match=IMPL_ENV):
+            resolve_impl("auto")
+
+    def test_forced_kernel_on_unsupported_config_falls_back_with_a_message(self):
+        torch.manual_seed(0)
+        fast = TTTMixer(16, 2, loss="mse", steps=2, impl="triton")
+        ref = TTTMixer(16, 2, loss="mse", steps=2, impl="torch")
+        ref.load_state_dict(fast.state_dict())
+        x = torch.randn(2, 12, 16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = fast(x, (3, 4))
+        assert any("fused Triton path requested but unavailable" in str(w.message) for w in caught)
+        torch.testing.assert_close(out, ref(x, (3, 4)))
+
+
+class TestBadInput:
+    def test_dim_not_divisible_by_heads(self):
+        with pytest.raises(ValueError, match="divisible by num_heads"):
+            TTTMixer(30, 4)
+
+    def test_grid_does_not_fit_tokens(self):
+        with pytest.raises(ValueError, match=r"grid 4x4 = 16 tokens does not fit N=12"):
+            TTTMixer(16, 2)(torch.randn(1, 12, 16), (4, 4))
+
+    @pytest.mark.parametrize("shape", [(12, 16), (1, 1, 12, 16)], ids=["rank2", "rank4"])
+    def test_wrong_rank(self, shape):
+        with pytest.raises(ValueError, match="expects tokens \\[B, N, C\\]"):
+            TTTMixer(16, 2)(torch.randn(*shape), (3, 4))
+
+    def test_wrong_channels(self):
+        with pytest.raises(ValueError, match="C=16 channels got C=8"):
+            TTTMixer(16, 2)(torch.randn(1, 12, 8), (3, 4))
+
+    @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+    def test_non_finite_values(self, bad):
+        x = torch.randn(1, 12, 16)
+        x[0, 5, 3] = bad
+        with pytest.raises(ValueError, match="non-finite"):
+            TTTMixer(16, 2)(x, (3, 4))
+
+    def test_too_many_mini_batches(self):
+        with pytest.raises(ValueError, match="mini_batches=20 is larger than the sequence length N=12"):
+            TTTMixer(16, 2, mini_batches=20)(torch.randn(1, 12, 16), (3, 4))
+
+    @pytest.mark.parametrize(
+        ("overrides", "match"),
+        [
+            ({"loss": "huber2"}, "unknown inner loss"),
+            ({"branches": ("transformer",)}, "unknown inner model"),
+            ({"inner_lrr": 1.0}, "unknown TTT config keys"),
+            ({"mlp_residual": "identity", "mlp_ratio": 2.0, "branches": ("mlp",)}, "need mlp_ratio 1"),
+            ({"rope": True, "branches": ("swiglu:1",)}, "divisible by 4"),
+        ],
+        ids=["loss", "model", "key", "mlp-identity-ratio", "rope-width"],
+    )
+    def test_bad_config(self, overrides, match):
+        with pytest.raises(ValueError, match=match):
+            TTTMixer(6, 3, **overrides) if "rope" in overrides else TTTMixer(16, 2, **overrides)
+
+    def test_config_roundtrip_from_dict(self):
+        cfg = TTTConfig.create({"loss": "mse", "branches": "linear,dwconv:1"})
+        assert cfg.branches == ("linear", "dwconv:1") and cfg.loss == "mse"

@@ -1,0 +1,243 @@
+"""Building blocks of the ViT³ backbones, shared by the plain and the hierarchical family.
+
+Every block works on channels-last maps ``[B, H, W, C]`` so the token grid travels with the tensor: any
+``H`` and ``W`` (non-square included) work, and the grid handed to the TTT mixer is read from the shape at
+run time. Convolutions (stem, downsampling) work on ``[B, C, H, W]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from timm.layers import DropPath, Mlp, register_notrace_function
+from torch import Tensor, nn
+
+from .config import TTTConfig
+from .ttt import TTTMixer
+
+__all__ = ["ConvDownsample", "ConvFFN", "ConvNormAct", "ConvPosEnc", "ConvStem", "TTTBlock", "check_image"]
+
+LayerType = Callable[..., nn.Module]
+
+
+def _nchw(x: Tensor) -> Tensor:
+    return x.permute(0, 3, 1, 2)  # [B, H, W, C] -> [B, C, H, W]
+
+
+def _nhwc(x: Tensor) -> Tensor:
+    return x.permute(0, 2, 3, 1)  # [B, C, H, W] -> [B, H, W, C]
+
+
+class ConvPosEnc(nn.Conv2d):
+    """Residual depthwise 3x3 convolution on a channels-last map: ``x + dwconv(x)``.
+
+    It is the conditional position encoding (CPE) in front of every ViT³ block and the depthwise step inside
+    the H-ViT³ ConvFFN; both are the same operation. Parameters ``weight [C, 1, k, k]`` and ``bias [C]`` keep
+    the official names (``cpe.*``, ``mlp.dwc.*``).
+
+    Args:
+        dim: channels C.
+        kernel_size: odd kernel size (zero padding keeps the map size).
+    """
+
+    def __init__(self, dim: int, kernel_size: int = 3) -> None:
+        super().__init__(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[B, H, W, C] -> [B, H, W, C]``."""
+        return x + _nhwc(super().forward(_nchw(x)))
+
+
+class ConvFFN(nn.Module):
+    """The H-ViT³ feed-forward: ``fc2(act(ConvPosEnc(drop(act(fc1(x))))))`` on a channels-last map.
+
+    Args:
+        in_features: input and output width C.
+        hidden_features: hidden width.
+        act_layer: activation (GELU).
+        drop: dropout after the activation and after ``fc2``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int | None = None,
+        act_layer: LayerType = nn.GELU,
+        drop: float = 0.0,
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        hidden = hidden_features or in_features
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.act = act_layer()
+        self.drop1 = nn.Dropout(drop)
+        self.dwc = ConvPosEnc(hidden)
+        self.fc2 = nn.Linear(hidden, in_features)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[B, H, W, C] -> [B, H, W, C]``."""
+        x = self.drop1(self.act(self.fc1(x)))
+        x = self.act(self.dwc(x))
+        return self.drop2(self.fc2(x))
+
+
+class TTTBlock(nn.Module):
+    """A ViT³ block on a channels-last map: CPE, then TTT mixer and feed-forward, each pre-norm and residual.
+
+    ``x = x + dwconv(x); x = x + DropPath(TTT(LN x)); x = x + DropPath(FFN(LN x))``. The plain ViT³ block uses
+    ``mlp_layer=Mlp`` (timm's, names ``fc1``/``fc2``) and LayerNorm eps 1e-6; the H-ViT³ block uses ``mlp_layer=ConvFFN``, eps 1e-5 and a
+    mixer with RoPE. Parameter names follow the official code (``cpe``, ``norm1``, ``attn``, ``norm2``,
+    ``mlp``).
+
+    Args:
+        dim: width C.
+        num_heads: mixer heads.
+        mlp_ratio: feed-forward hidden width / C.
+        ttt_cfg: mixer configuration (``TTTConfig`` or dict), passed to ``TTTMixer``.
+        proj_drop: dropout inside the feed-forward.
+        drop_path: stochastic depth rate.
+        mlp_layer: feed-forward class (timm ``Mlp`` or ``ConvFFN``).
+        norm_layer: normalisation over the last dim.
+        act_layer: feed-forward activation.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        ttt_cfg: TTTConfig | dict[str, Any] | None = None,
+        proj_drop: float = 0.0,
+        drop_path: float = 0.0,
+        mlp_layer: LayerType = Mlp,
+        norm_layer: LayerType = nn.LayerNorm,
+        act_layer: LayerType = nn.GELU,
+    ) -> None:
+        super().__init__()
+        self.cpe = ConvPosEnc(dim)
+        self.norm1 = norm_layer(dim)
+        self.attn = TTTMixer(dim, num_heads, ttt_cfg)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = mlp_layer(
+            in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop
+        )
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[B, H, W, C] -> [B, H, W, C]``; the mixer sees the ``H x W`` raster of tokens."""
+        b, h, w, c = x.shape
+        x = self.cpe(x)
+        y = self.attn(self.norm1(x).reshape(b, h * w, c), grid=(h, w))  # [B, H*W, C]
+        x = x + self.drop_path1(y.reshape(b, h, w, c))
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class ConvNormAct(nn.Module):
+    """``act(norm(conv(x)))`` with optional BatchNorm and ReLU (official ``ConvLayer`` names: conv, norm).
+
+    Args:
+        in_chs: input channels.
+        out_chs: output channels.
+        kernel_size: square kernel.
+        stride: stride.
+        groups: convolution groups.
+        bias: convolution bias.
+        norm: add BatchNorm2d.
+        act: add ReLU.
+    """
+
+    def __init__(
+        self,
+        in_chs: int,
+        out_chs: int,
+        kernel_size: int = 1,
+        stride: int = 1,
+        groups: int = 1,
+        bias: bool = True,
+        norm: bool = True,
+        act: bool = True,
+    ) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(
+            in_chs, out_chs, kernel_size, stride, kernel_size // 2, groups=groups, bias=bias
+        )
+        self.norm = nn.BatchNorm2d(out_chs) if norm else nn.Identity()
+        self.act = nn.ReLU() if act else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[B, in_chs, H, W] -> [B, out_chs, ceil(H / stride), ceil(W / stride)]``."""
+        return self.act(self.norm(self.conv(x)))
+
+
+class ConvStem(nn.Sequential):
+    """The H-ViT³ stem, stride 4: 3x3 s2 -> two 3x3 -> 3x3 s2 to 4C -> 1x1 to C, BN everywhere, ReLU but last.
+
+    Padded convolutions give ``ceil(H / 4) x ceil(W / 4)`` for any ``H, W``.
+
+    Args:
+        in_chans: image channels.
+        dim: output width C (the hidden width is C / 2).
+    """
+
+    def __init__(self, in_chans: int, dim: int) -> None:
+        half = dim // 2
+        super().__init__(
+            ConvNormAct(in_chans, half, 3, stride=2, bias=False),
+            ConvNormAct(half, half, 3, bias=False),
+            ConvNormAct(half, half, 3, bias=False),
+            ConvNormAct(half, dim * 4, 3, stride=2, bias=False),
+            ConvNormAct(dim * 4, dim, 1, bias=False, act=False),
+        )
+
+
+class ConvDownsample(nn.Sequential):
+    """The H-ViT³ downsampling, stride 2: 1x1 to 4C_out + ReLU, depthwise 3x3 s2 + ReLU, 1x1 to C_out + BN.
+
+    Args:
+        in_chs: input width.
+        out_chs: output width C_out.
+        ratio: hidden width / C_out.
+    """
+
+    def __init__(self, in_chs: int, out_chs: int, ratio: float = 4.0) -> None:
+        hidden = int(out_chs * ratio)
+        super().__init__(
+            ConvNormAct(in_chs, hidden, 1, norm=False),
+            ConvNormAct(hidden, hidden, 3, stride=2, groups=hidden, norm=False),
+            ConvNormAct(hidden, out_chs, 1, act=False),
+        )
+
+
+def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = True) -> Tensor:
+    """Validates an image batch ``[B, C, H, W]`` and returns it unchanged.
+
+    Registered with timm as an FX leaf function (the checks are Python control flow on shapes and values);
+    returning ``x`` keeps the call in traced graphs.
+
+    Raises:
+        ValueError: wrong rank or channel count, a side smaller than ``min_size`` (the model's total
+            reduction), or non-finite values.
+    """
+    if x.ndim != 4:
+        raise ValueError(f"expected images [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
+    if x.shape[1] != in_chans:
+        raise ValueError(
+            f"model expects {in_chans} input channels, got {x.shape[1]} (input {tuple(x.shape)})"
+        )
+    h, w = x.shape[-2:]
+    if h < min_size or w < min_size:
+        raise ValueError(
+            f"image {h}x{w} is too small for this model: both sides must be at least {min_size} pixels "
+            f"(its total reduction)"
+        )
+    if check_finite and not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+        if not torch.isfinite(x).all():
+            raise ValueError("input images contain non-finite values (NaN or Inf)")
+    return x
+
+
+register_notrace_function(check_image)
