@@ -4,7 +4,8 @@
 """
 
 from .layers import TTTConfig, TTTMixer
+from .models import HViT3, ViT3, swap_attention_for_ttt  # registers the timm models
 
 __version__ = "0.1.0"
 
-__all__ = ["TTTConfig", "TTTMixer", "__version__"]
+__all__ = ["HViT3", "TTTConfig", "TTTMixer", "ViT3", "__version__", "swap_attention_for_ttt"]

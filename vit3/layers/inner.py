@@ -231,6 +231,29 @@ class MLPInner(InnerModel):
         return self._out(p, q, _act(self.act, q @ p["w1"]))
 
 
+def _tracing() -> bool:
+    """True under ``torch.jit.trace`` (fvcore FLOP counting) and ONNX export, which need plain ops."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+
+
+def _shifted_dwconv(x: Tensor, weight: Tensor) -> Tensor:
+    """Per-sample depthwise 3x3 conv (zero padding) as nine shifted multiply-adds: ``[B, C, h, w]`` maps,
+    ``[B|1, C, 3, 3]`` weights. Used for ONNX export, where the batch-folded grouped conv (groups = B*C) and
+    ``aten.convolution_backward`` cannot be exported with a dynamic batch."""
+    h, w = x.shape[-2:]
+    xp = F.pad(x, (1, 1, 1, 1))
+    return sum(xp[..., i : i + h, j : j + w] * weight[..., i, j, None, None] for i in range(3) for j in range(3))
+
+
+def _shifted_dwconv_weight_grad(k: Tensor, e: Tensor) -> Tensor:
+    """``G[b, c, i, j] = sum_p k_pad[b, c, p + (i, j)] e[b, c, p]`` for ``[B, C, h, w]`` maps -> ``[B, C, 3, 3]``
+    (the export-friendly twin of the ``convolution_backward`` call in :meth:`DWConvInner.grads`)."""
+    h, w = k.shape[-2:]
+    kp = F.pad(k, (1, 1, 1, 1))
+    taps = [(kp[..., i : i + h, j : j + w] * e).sum((-2, -1)) for i in range(3) for j in range(3)]
+    return torch.stack(taps, -1).unflatten(-1, (3, 3))
+
+
 class DWConvInner(InnerModel):
     """A 3x3 depthwise convolution over the grid (zero padding), one kernel per channel.
 
@@ -251,7 +274,8 @@ class DWConvInner(InnerModel):
     def to_map(x: Tensor, grid: tuple[int, int]) -> Tensor:
         """``[B, G, n, c]`` tokens -> ``[B, G*c, h, w]`` maps."""
         b, g, _, c = x.shape
-        return x.permute(0, 1, 3, 2).reshape(b, g * c, grid[0], grid[1])
+        # Contiguous NCHW: on channels-last strides PyTorch's depthwise kernels take a slow path (CPU ~40x).
+        return x.permute(0, 1, 3, 2).reshape(b, g * c, grid[0], grid[1]).contiguous()
 
     def from_map(self, x: Tensor) -> Tensor:
         """``[B, G*c, h, w]`` maps -> ``[B, G, n, c]`` tokens."""
@@ -262,6 +286,8 @@ class DWConvInner(InnerModel):
     def conv(x: Tensor, weight: Tensor) -> Tensor:
         """Per-sample depthwise 3x3 conv: maps ``[B, C, h, w]`` with weights ``[B|1, C, 3, 3]``."""
         b, ch, h, w = x.shape
+        if _tracing():
+            return _shifted_dwconv(x, weight)
         if weight.shape[0] == 1:
             return F.conv2d(x, weight.reshape(ch, 1, 3, 3), padding=1, groups=ch)
         # Fold the batch into groups so every sample gets its own kernels in one call.
@@ -277,6 +303,8 @@ class DWConvInner(InnerModel):
         km = cache["k_map"]
         b, ch, h, w = km.shape
         em = self.to_map(e, grid)
+        if _tracing():
+            return {"weight": _shifted_dwconv_weight_grad(km, em)}
         # G[c, δ] = sum_p k[c, p + δ] e[c, p] is the weight gradient of a depthwise conv of k with output
         # gradient e; with the batch folded into groups, the native kernel yields it per sample in one call.
         _, g, _ = torch.ops.aten.convolution_backward(

@@ -93,7 +93,11 @@ def inner_loop(
     n_tok = k.shape[-2]
     if mini_batches > n_tok:
         raise ValueError(f"mini_batches={mini_batches} is larger than the sequence length N={n_tok}")
-    bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(n_tok).tensor_split(mini_batches)]
+    # Chunk bounds as torch.tensor_split cuts them (the first N % m chunks one longer), in plain integer
+    # arithmetic so that tracing / ONNX export sees no data-dependent values.
+    size, extra = n_tok // mini_batches, n_tok % mini_batches
+    ends = [(i + 1) * size + min(i + 1, extra) for i in range(mini_batches)]
+    bounds = list(zip([0, *ends[:-1]], ends))
     need_pred = loss_needs_prediction(loss)
     for _ in range(steps):
         for start, end in bounds:
@@ -206,6 +210,7 @@ class TTTMixer(nn.Module):
         c = self.cfg
         return (
             isinstance(model, SwiGLUInner)
+            and not torch.jit.is_tracing()  # tracers (fvcore, ONNX) need the plain ops, not one opaque node
             and gate is None
             and c.loss == "dot"
             and c.steps == 1

@@ -1,0 +1,102 @@
+"""Shared benchmark plumbing: interleaved timing, peak memory, machine peaks, CSV and PNG output."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def sync(device: torch.device) -> None:
+    """Waits for queued device work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 5, warmup: int = 1
+) -> dict[str, float]:
+    """Median seconds per call of each function, timed in turn (A B C A B C ...) so drift hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 2048) -> float:
+    """Measured dense matmul throughput (FLOP/s) of this device: the roofline's compute roof."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    t = time_interleaved({"mm": lambda: a @ b}, device, repeats=5)["mm"]
+    return 2 * size**3 / t
+
+
+def memory_bandwidth(device: torch.device, numel: int = 1 << 25) -> float:
+    """Measured copy bandwidth (bytes/s, read + write) of this device: the roofline's memory roof."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    t = time_interleaved({"copy": lambda: dst.copy_(src)}, device, repeats=5)["copy"]
+    return 2 * numel * src.element_size() / t
+
+
+def write_csv(rows: Sequence[dict], path: Path) -> None:
+    """Writes dict rows (keys of the first row as header)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def print_table(rows: Sequence[dict], floatfmt: str = "{:.3g}") -> None:
+    """Prints dict rows as an aligned text table."""
+    if not rows:
+        return
+    keys = list(rows[0])
+    cells = [[floatfmt.format(r[k]) if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+def plot_loglog(
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    path: Path,
+) -> None:
+    """One log-log line per series ``name -> (xs, ys)``, saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for name, (xs, ys) in series.items():
+        ax.loglog(xs, ys, marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

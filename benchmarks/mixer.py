@@ -1,0 +1,139 @@
+"""The TTT mixer against the official eager formulation and softmax attention, across sequence lengths.
+
+Side by side in one run, per N: (1) the inner loop alone (q, k, v -> read-out; what the official code spends
+its ~37 eager ops on) for our PyTorch path and the official formulation, forward and forward+backward;
+(2) the whole mixer (with the qkv/output projections) against an SDPA attention layer of the same width.
+Prints a table with ratios, time per token (linear scaling check) and achieved GFLOP/s against the measured
+matmul roof, and writes CSV + PNG to ``benchmarks/results/``.
+
+    python benchmarks/mixer.py                  # CPU defaults: dim 384, 6 heads, batch 4
+    python benchmarks/mixer.py --tokens 196 784 3136 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (
+    RESULTS,
+    matmul_peak_flops,
+    plot_loglog,
+    print_table,
+    time_interleaved,
+    write_csv,
+)
+from benchmarks.official_baseline import official_inner
+from vit3.layers import TTTMixer
+
+
+class SDPAAttention(nn.Module):
+    """timm-style multi-head softmax attention (qkv + SDPA + proj) of the same width."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
+
+
+def grid_for(n: int) -> tuple[int, int]:
+    """The most square grid with exactly ``n`` tokens."""
+    h = int(n**0.5)
+    while n % h:
+        h -= 1
+    return h, n // h
+
+
+def inner_flops(n: int, dim: int, heads: int) -> float:
+    """Matmul FLOPs of one inner-loop forward (SwiGLU branch 6 N d² per head, dwconv branch ~ 36 N d)."""
+    d = dim // heads
+    return 2 * 6 * n * d * d * heads + 2 * 2 * 9 * n * d
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    dim, heads, b = args.dim, args.heads, args.batch
+    mixer = TTTMixer(dim, heads).to(device)
+    attn = SDPAAttention(dim, heads).to(device)
+    w1, w2, w3 = mixer.inner[0].w1, mixer.inner[0].w2, mixer.inner[1].weight
+    peak = matmul_peak_flops(device)
+    rows = []
+    for n in args.tokens:
+        grid = grid_for(n)
+        qkv = torch.randn(b, n, mixer.qkv.out_features, device=device, requires_grad=True)
+        x = torch.randn(b, n, dim, device=device, requires_grad=True)
+
+        def step(fn, backward):
+            out = fn()
+            if backward:
+                out.float().sum().backward()
+
+        fns = {}
+        for bw in (False, True):
+            tag = "fwd+bwd" if bw else "fwd"
+            fns[f"ours/{tag}"] = lambda bw=bw: step(lambda: mixer.mix(qkv, grid), bw)
+            fns[f"official/{tag}"] = lambda bw=bw: step(
+                lambda: official_inner(qkv, heads, grid, w1, w2, w3), bw
+            )
+            fns[f"mixer/{tag}"] = lambda bw=bw: step(lambda: mixer(x, grid), bw)
+            fns[f"sdpa/{tag}"] = lambda bw=bw: step(lambda: attn(x), bw)
+        t = time_interleaved(fns, device, repeats=args.repeats)
+        row = {"N": n, "grid": f"{grid[0]}x{grid[1]}"}
+        for tag in ("fwd", "fwd+bwd"):
+            row[f"inner_ours_{tag}_ms"] = 1e3 * t[f"ours/{tag}"]
+            row[f"inner_official_{tag}_ms"] = 1e3 * t[f"official/{tag}"]
+            row[f"inner_speedup_{tag}"] = t[f"official/{tag}"] / t[f"ours/{tag}"]
+            row[f"mixer_{tag}_ms"] = 1e3 * t[f"mixer/{tag}"]
+            row[f"sdpa_{tag}_ms"] = 1e3 * t[f"sdpa/{tag}"]
+            row[f"sdpa_over_mixer_{tag}"] = t[f"sdpa/{tag}"] / t[f"mixer/{tag}"]
+        row["inner_us_per_token_fwd+bwd"] = 1e6 * t["ours/fwd+bwd"] / (b * n)
+        row["inner_gflops_fwd"] = b * inner_flops(n, dim, heads) / t["ours/fwd"] / 1e9
+        row["matmul_roof_gflops"] = peak / 1e9
+        rows.append(row)
+        print(f"N={n} done", flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--tokens", type=int, nargs="+", default=[196, 1024, 3136, 9216, 16384])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=RESULTS / "mixer_cpu.csv")
+    args = p.parse_args()
+    rows = run(args)
+    print_table(rows)
+    scale = [r["inner_us_per_token_fwd+bwd"] for r in rows]
+    print(f"time per token, largest N over smallest: {scale[-1] / scale[0]:.2f}x")
+    write_csv(rows, args.out)
+    ns = [r["N"] for r in rows]
+    series = {
+        "ours inner fwd+bwd": (ns, [r["inner_ours_fwd+bwd_ms"] for r in rows]),
+        "official inner fwd+bwd": (ns, [r["inner_official_fwd+bwd_ms"] for r in rows]),
+        "TTT mixer fwd+bwd": (ns, [r["mixer_fwd+bwd_ms"] for r in rows]),
+        "SDPA attention fwd+bwd": (ns, [r["sdpa_fwd+bwd_ms"] for r in rows]),
+    }
+    png = args.out.with_suffix(".png")
+    plot_loglog(series, "tokens N", "ms", f"TTT mixer vs attention (dim {args.dim}, batch {args.batch})", png)
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The benchmark scripts run end to end on tiny sizes and write their CSV and plots (no timing asserted)."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _run(script: str, *args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_mixer_benchmark_writes_rows_for_every_length(tmp_path):
+    out = tmp_path / "mixer.csv"
+    _run(
+        "mixer.py",
+        "--dim",
+        "32",
+        "--heads",
+        "2",
+        "--batch",
+        "1",
+        "--tokens",
+        "16",
+        "35",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    )
+    rows = list(csv.DictReader(out.open()))
+    assert [int(r["N"]) for r in rows] == [16, 35]
+    assert all(float(r["inner_ours_fwd+bwd_ms"]) > 0 and float(r["sdpa_fwd_ms"]) > 0 for r in rows)
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_models_benchmark_compares_vit3_with_deit(tmp_path):
+    out = tmp_path / "models.csv"
+    _run(
+        "models.py",
+        "--pairs",
+        "test_vit3_ttt:deit_tiny_patch16_224",
+        "--res",
+        "32",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    )
+    rows = list(csv.DictReader(out.open()))
+    assert {(r["model"], r["mode"]) for r in rows} == {
+        (m, mode) for m in ("test_vit3_ttt", "deit_tiny_patch16_224") for mode in ("infer", "train")
+    }
+    assert all(float(r["img_per_s"]) > 0 and float(r["gflops_per_img"]) > 0 for r in rows)

@@ -1,0 +1,423 @@
+"""H-ViT³: the hierarchical (four-stage) ViT³ backbone.
+
+Paper: "ViT³: Unlocking Test-Time Training in Vision" (arXiv 2512.01643, CVPR 2026); official code
+https://github.com/LeapLabTHU/ViTTT (MIT).
+
+Architecture (official): conv stem (stride 4) -> 4 stages (stages 2-4 start with a stride-2 conv
+downsampling) of blocks [CPE, x + TTT-with-2-D-RoPE(LN x), x + ConvFFN(LN x)] -> BatchNorm -> mean -> Linear.
+
+Unlike the official code (grid fixed at construction, downsampling at the end of each stage) this model takes
+any ``H x W`` image: padded stride-2 convolutions give ``ceil`` sizes, every block reads its grid from the
+feature map and RoPE is computed on the fly for that grid. Stages start with their downsampling so that stage
+``i`` outputs the stride ``4 * 2**i`` map (``features_only`` / ``forward_intermediates``: four NCHW maps).
+``forward_features`` returns the normed map ``[B, C, ceil(H/32), ceil(W/32)]``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import checkpoint_seq, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+from timm.models._input import update_model_input_size
+from torch import Tensor, nn
+
+from vit3.layers import TTTConfig, convert_official_mixer_key
+from vit3.layers.blocks import ConvDownsample, ConvFFN, ConvStem, TTTBlock, check_image
+
+from ._pretrained import check_state_dict, create_model_with_official_weights
+from .vit3 import check_pool_type, init_weights, merge_ttt_cfg, pool_features, stochastic_depth_rates
+
+__all__ = ["HViT3", "HViT3Stage", "checkpoint_filter_fn"]
+
+
+class HViT3Stage(nn.Module):
+    """One H-ViT³ stage: optional stride-2 downsampling, then ``depth`` TTT blocks with ConvFFN.
+
+    Args:
+        in_dim: input width.
+        dim: stage width C.
+        depth: blocks.
+        num_heads: mixer heads.
+        downsample: start with ``ConvDownsample(in_dim, dim)`` (stages 2-4).
+        mlp_ratio: ConvFFN hidden width / C.
+        ttt_cfg: mixer configuration.
+        proj_drop: dropout in the ConvFFN.
+        drop_path: stochastic depth rate of each block.
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        dim: int,
+        depth: int,
+        num_heads: int,
+        downsample: bool,
+        mlp_ratio: float = 4.0,
+        ttt_cfg: TTTConfig | None = None,
+        proj_drop: float = 0.0,
+        drop_path: Sequence[float] = (),
+    ) -> None:
+        super().__init__()
+        self.grad_checkpointing = False
+        self.downsample = ConvDownsample(in_dim, dim) if downsample else nn.Identity()
+        drop_path = list(drop_path) or [0.0] * depth
+        self.blocks = nn.Sequential(
+            *[
+                TTTBlock(
+                    dim,
+                    num_heads,
+                    mlp_ratio=mlp_ratio,
+                    ttt_cfg=ttt_cfg,
+                    proj_drop=proj_drop,
+                    drop_path=drop_path[i],
+                    mlp_layer=ConvFFN,
+                    norm_layer=nn.LayerNorm,
+                )
+                for i in range(depth)
+            ]
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[B, in_dim, H, W] -> [B, dim, H', W']`` (``H' = ceil(H / 2)`` with downsampling)."""
+        x = self.downsample(x).permute(0, 2, 3, 1)  # [B, C, H, W] -> [B, H, W, C]: blocks are channels-last
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        return x.permute(0, 3, 1, 2)  # [B, H, W, C] -> [B, C, H, W]
+
+
+class HViT3(nn.Module):
+    """Hierarchical ViT³ (H-ViT³).
+
+    Args:
+        img_size: nominal input size (the model runs on any size of at least 32 pixels a side).
+        in_chans: image channels.
+        num_classes: classes of the linear head (0: no head).
+        global_pool: ``'avg'`` (official), ``'max'``, ``'avgmax'`` or ``''`` (no pooling).
+        dims: width of each stage.
+        depths: blocks of each stage.
+        num_heads: mixer heads of each stage (official head dim 32).
+        mlp_ratio: ConvFFN hidden width / C.
+        qkv_bias: bias of the mixers' qkv projections (overrides ``ttt_cfg``).
+        drop_rate: dropout before the classifier.
+        pos_drop_rate: dropout after the stem (the official ``drop_rate`` also acts here).
+        proj_drop_rate: dropout inside the ConvFFNs (the official ``drop_rate``).
+        drop_path_rate: stochastic depth, linearly increasing over all blocks (official training: T 0.2,
+            S 0.4, B 0.6).
+        ttt_cfg: mixer configuration (``TTTConfig`` or dict); a dict is applied over the H-ViT³ default
+            ``rope=True``, a ``TTTConfig`` is used as given.
+    """
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "avg",
+        dims: Sequence[int] = (64, 128, 320, 512),
+        depths: Sequence[int] = (1, 3, 9, 4),
+        num_heads: Sequence[int] = (2, 4, 10, 16),
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        pos_drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        ttt_cfg: TTTConfig | dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if not len(dims) == len(depths) == len(num_heads):
+            raise ValueError(
+                f"dims, depths and num_heads must have equal lengths, got {dims}, {depths}, {num_heads}"
+            )
+        self.num_classes = num_classes
+        self.global_pool = check_pool_type(global_pool)
+        self.in_chans = in_chans
+        self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        self.num_features = self.head_hidden_size = dims[-1]
+        self.output_fmt = "NCHW"
+        self.grad_checkpointing = False
+        self.reduction = 4 * 2 ** (len(dims) - 1)
+        self.ttt_cfg = cfg = TTTConfig.create(merge_ttt_cfg(ttt_cfg, rope=True), qkv_bias=qkv_bias)
+
+        self.stem = ConvStem(in_chans, dims[0])
+        self.pos_drop = nn.Dropout(pos_drop_rate)
+        dpr = stochastic_depth_rates(drop_path_rate, sum(depths))
+        self.stages = nn.Sequential(
+            *[
+                HViT3Stage(
+                    dims[max(i - 1, 0)],
+                    dims[i],
+                    depths[i],
+                    num_heads[i],
+                    downsample=i > 0,
+                    mlp_ratio=mlp_ratio,
+                    ttt_cfg=cfg,
+                    proj_drop=proj_drop_rate,
+                    drop_path=dpr[sum(depths[:i]) : sum(depths[: i + 1])],
+                )
+                for i in range(len(dims))
+            ]
+        )
+        self.feature_info = [
+            dict(module=f"stages.{i}", num_chs=dims[i], reduction=4 * 2**i) for i in range(len(dims))
+        ]
+        self.norm = nn.BatchNorm2d(dims[-1])  # official BatchNorm1d over tokens: same statistics and keys
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.apply(init_weights)
+
+    # --- timm model API -------------------------------------------------------------------------------
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """No named exceptions: like the official optimizer, skip 1-D parameters and biases by shape."""
+        return set()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups for layer-wise lr decay: stem, then stages (coarse) or blocks, final norm last."""
+        blocks = (
+            r"^stages\.(\d+)"
+            if coarse
+            else [
+                (r"^stages\.(\d+)\.downsample", (0,)),
+                (r"^stages\.(\d+)\.blocks\.(\d+)", None),
+                (r"^norm", (99999,)),
+            ]
+        )
+        return dict(stem=r"^stem", blocks=blocks)
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in the backward pass."""
+        self.grad_checkpointing = enable
+        for stage in self.stages:
+            stage.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        """The classifier head."""
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replaces the head with a fresh one of ``num_classes`` (0: identity); optionally changes the pooling."""
+        self.num_classes = num_classes
+        if global_pool is not None:
+            self.global_pool = check_pool_type(global_pool)
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    def set_input_size(self, img_size: int | tuple[int, int] | None = None) -> None:
+        """Records a new nominal input size; the model itself runs on any size (nothing is resized)."""
+        if img_size is not None:
+            self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        update_model_input_size(self, self.img_size)
+
+    # --- forward --------------------------------------------------------------------------------------
+
+    def _stem(self, x: Tensor) -> Tensor:
+        """Images ``[B, C_in, H, W]`` -> stem map ``[B, C_0, ceil(H/4), ceil(W/4)]``."""
+        x = check_image(x, self.in_chans, self.reduction, self.ttt_cfg.check_finite)
+        return self.pos_drop(self.stem(x))
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Images ``[B, C_in, H, W]`` -> normed, unpooled features ``[B, C, ceil(H/32), ceil(W/32)]``."""
+        x = self._stem(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.stages, x)
+        else:
+            x = self.stages(x)
+        return self.norm(x)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Features ``[B, C, h, w]`` -> logits ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``)."""
+        x = pool_features(x, self.global_pool, (2, 3))
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Images ``[B, C_in, H, W]`` -> logits ``[B, num_classes]``."""
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | list[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """Forward pass that also returns stage outputs.
+
+        Args:
+            x: images ``[B, C_in, H, W]``.
+            indices: last n stages if int, all if None, else the listed stage indices (negative from the end).
+            norm: apply the final norm to the last stage's output (it is sized for that stage only).
+            stop_early: stop after the last stage asked for.
+            output_fmt: ``'NCHW'`` (``[B, C_i, H/r_i, W/r_i]``) or ``'NHWC'``.
+            intermediates_only: return only the intermediates.
+
+        Returns:
+            The intermediates, or ``(final features, intermediates)``; the final features equal
+            ``forward_features`` when every stage ran.
+        """
+        if output_fmt not in ("NCHW", "NHWC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
+        num_stages = len(self.stages)
+        take_indices, max_index = feature_take_indices(num_stages, indices)
+        x = self._stem(x)
+        stages = self.stages if torch.jit.is_scripting() or not stop_early else self.stages[: max_index + 1]
+        intermediates = []
+        last = -1
+        for last, stage in enumerate(stages):
+            x = stage(x)
+            if last in take_indices:
+                y = self.norm(x) if norm and last == num_stages - 1 else x
+                intermediates.append(y if output_fmt == "NCHW" else y.permute(0, 2, 3, 1))
+        if intermediates_only:
+            return intermediates
+        if last == num_stages - 1:
+            x = self.norm(x)
+        return x, intermediates
+
+    def prune_intermediate_layers(
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """Drops the stages after the last index kept (the final norm too when it no longer fits); returns them."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        prune_end = max_index < len(self.stages) - 1
+        self.stages = self.stages[: max_index + 1]
+        if prune_norm or prune_end:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
+
+
+# --- checkpoints -------------------------------------------------------------------------------------
+
+_STAGE_RULES = (
+    (re.compile(r"^patch_embed\.conv\."), lambda m: "stem."),
+    (
+        re.compile(r"^layers\.(\d+)\.downsample\.conv\."),
+        lambda m: f"stages.{int(m.group(1)) + 1}.downsample.",
+    ),
+    (re.compile(r"^layers\.(\d+)\.blocks\."), lambda m: f"stages.{m.group(1)}.blocks."),
+)
+
+
+def convert_official_key(key: str) -> str | None:
+    """Maps one official H-ViT³ key to ours (``None`` for the RoPE tables, recomputed per grid).
+
+    ``patch_embed.conv.i`` -> ``stem.i``; ``layers.i.blocks`` -> ``stages.i.blocks``; ``layers.i.downsample.conv.j``
+    (end of stage i) -> ``stages.{i+1}.downsample.j`` (start of stage i+1); mixer inner weights as in
+    ``convert_official_mixer_key``.
+    """
+    if key.endswith(".rope.rotations"):
+        return None
+    key = convert_official_mixer_key(key)
+    for pattern, repl in _STAGE_RULES:
+        m = pattern.match(key)
+        if m:
+            return repl(m) + key[m.end() :]
+    return key
+
+
+def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: HViT3) -> dict[str, Tensor]:
+    """Converts official ViTTT weights (``h_vittt_*``) to this model and checks they fit.
+
+    See ``convert_official_key``; weights already in our names pass through. Raises ``ValueError`` listing
+    missing, unexpected and mis-shaped keys when the checkpoint belongs to another model or size.
+    """
+    for key in ("model", "state_dict"):
+        if isinstance(state_dict.get(key), dict):
+            state_dict = state_dict[key]
+    ours = any(k.startswith("stages.") for k in state_dict)
+    out = {}
+    for key, value in state_dict.items():
+        new = key if ours else convert_official_key(key)
+        if new is not None:
+            out[new] = value
+    check_state_dict(out, model, ignore_prefixes=("head.",), in_chans_keys=("stem.0.conv.weight",))
+    return out
+
+
+def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> HViT3:
+    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
+    return create_model_with_official_weights(
+        HViT3,
+        variant,
+        pretrained,
+        checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        **kwargs,
+    )
+
+
+def _cfg(url: str = "", **kwargs: Any) -> dict[str, Any]:
+    """Official evaluation: resize 256 -> center crop 224 (crop_pct 0.875), bicubic, ImageNet mean/std."""
+    return {
+        "url": url,
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": (7, 7),
+        "crop_pct": 0.875,
+        "interpolation": "bicubic",
+        "fixed_input_size": False,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "stem.0.conv",
+        "classifier": "head",
+        "license": "mit",
+        "paper_ids": "arXiv:2512.01643",
+        "paper_name": "ViT³: Unlocking Test-Time Training in Vision",
+        "origin_url": "https://github.com/LeapLabTHU/ViTTT",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs(
+    {
+        "h_vit3_tiny.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/f0c7c73ceabe49b7b161/?dl=1"),
+        "h_vit3_small.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/3eeab8621a7f43929a87/?dl=1"),
+        "h_vit3_base.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/1d0d7fb840254275b29d/?dl=1"),
+        "test_h_vit3.untrained": _cfg(input_size=(3, 64, 64), pool_size=(2, 2), crop_pct=1.0),
+    }
+)
+
+
+@register_model
+def h_vit3_tiny(pretrained: bool = False, **kwargs: Any) -> HViT3:
+    """H-ViT³-T: dims 64-128-320-512, depths 1-3-9-4 (28.70M params, 4.92 GFLOPs, top-1 84.0 with MESA)."""
+    args = dict(dims=(64, 128, 320, 512), depths=(1, 3, 9, 4), num_heads=(2, 4, 10, 16))
+    return _create("h_vit3_tiny", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def h_vit3_small(pretrained: bool = False, **kwargs: Any) -> HViT3:
+    """H-ViT³-S: dims 64-128-320-512, depths 2-6-18-8 (54.36M params, 8.76 GFLOPs, top-1 84.9 with MESA)."""
+    args = dict(dims=(64, 128, 320, 512), depths=(2, 6, 18, 8), num_heads=(2, 4, 10, 16))
+    return _create("h_vit3_small", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def h_vit3_base(pretrained: bool = False, **kwargs: Any) -> HViT3:
+    """H-ViT³-B: dims 96-192-448-640, depths 2-6-18-8 (94.37M params, 16.72 GFLOPs, top-1 85.5 with MESA)."""
+    args = dict(dims=(96, 192, 448, 640), depths=(2, 6, 18, 8), num_heads=(3, 6, 14, 20))
+    return _create("h_vit3_base", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def test_h_vit3(pretrained: bool = False, **kwargs: Any) -> HViT3:
+    """Tiny H-ViT³ for tests: dims 16-32-48-64, one block per stage, head dim 16, 64x64 nominal input."""
+    args = dict(
+        img_size=64, dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 3, 4), mlp_ratio=2.0
+    )
+    return _create("test_h_vit3", pretrained, **dict(args, **kwargs))

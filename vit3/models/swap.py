@@ -1,0 +1,228 @@
+"""TTT in timm's own models: replace the attention of a timm ViT/DeiT or Swin Transformer by TTT mixers.
+
+``swap_attention_for_ttt(model)`` works in place on a timm ``VisionTransformer`` (DeiT and distilled DeiT
+included) or ``SwinTransformer``, also inside a ``features_only`` wrapper, and returns the model. Each
+attention module becomes a ``TTTMixer`` of the same width and head count; its ``qkv`` and ``proj`` weights are
+copied into the mixer's main (full-width) branch, so only the extra branches (the official depthwise-conv
+head) and the inner-model weights start fresh. Everything else (embeddings, norms, MLPs, heads,
+``forward_features``, ``forward_intermediates``, ``features_only``) stays timm's; the model can be fine-tuned.
+
+Token layout:
+
+- ViT / DeiT: the patch tokens form the ``h x w`` grid of the image (read from the image size at every call,
+  so ``dynamic_img_size`` models keep working). Prefix tokens (class, distillation, register) are not on the
+  grid: they are left out of the inner training and their mixer output is the mean of the patch tokens'
+  outputs (global average "attention").
+- Swin: ``scope="stage"`` (default) runs one mixer over the whole stage map ``[B, H, W, C]``: TTT costs
+  linear time in the number of tokens, so the window partition, cyclic shift and shift mask (which exist to
+  keep softmax attention local and affordable) are dropped and every token sees the whole image, as in
+  ViT³. ``scope="window"`` keeps Swin's windows and shifts and runs the mixer inside each window (grid
+  ``window_size``); the shift mask is ignored (TTT has no masking), so the wrapped-around border windows of
+  shifted blocks mix tokens from opposite image borders. Swin's relative position bias has no TTT
+  counterpart and is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from timm.layers import Attention
+from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention
+from timm.models.vision_transformer import VisionTransformer
+from torch import Tensor, nn
+
+from vit3.layers import TTTConfig, TTTMixer
+
+__all__ = ["SwinStageTTTBlock", "TokenTTT", "WindowTTT", "copy_attention_weights", "swap_attention_for_ttt"]
+
+SWIN_SCOPES = ("stage", "window")
+
+
+@torch.no_grad()
+def copy_attention_weights(mixer: TTTMixer, qkv: nn.Linear, proj: nn.Linear) -> bool:
+    """Copies an attention's ``qkv`` ``[3C, C]`` and ``proj`` ``[C, C]`` into the mixer's first full-width branch.
+
+    The mixer's ``qkv`` rows are laid out branch by branch, ``[q, k, v]`` each, and its ``proj`` columns
+    likewise; the rows and columns of the other branches keep their initialisation. A missing attention
+    ``qkv`` bias copies as zeros. Returns ``False`` (nothing copied) when no branch has the attention's shapes.
+    """
+    width = qkv.out_features // 3
+    if qkv.in_features != mixer.dim or proj.out_features != mixer.dim or proj.in_features != width:
+        return False
+    if width not in mixer.widths:
+        return False
+    offset = sum(mixer.widths[: mixer.widths.index(width)])  # channels of the branches before it
+    rows = slice(3 * offset, 3 * (offset + width))
+    mixer.qkv.weight[rows] = qkv.weight
+    if mixer.qkv.bias is not None:
+        mixer.qkv.bias[rows] = qkv.bias if qkv.bias is not None else 0.0
+    mixer.proj.weight[:, offset : offset + width] = proj.weight
+    if proj.bias is not None:
+        mixer.proj.bias.copy_(proj.bias)
+    return True
+
+
+def _mixer_like(
+    attn: nn.Module, dim: int, ttt_cfg: TTTConfig | dict[str, Any] | None, init: bool
+) -> TTTMixer:
+    """A mixer with the attention's width, heads and qkv bias, initialised from its weights where shapes allow."""
+    if isinstance(ttt_cfg, TTTConfig):
+        cfg = ttt_cfg
+    else:
+        cfg = TTTConfig.create({"qkv_bias": attn.qkv.bias is not None, **(ttt_cfg or {})})
+    mixer = TTTMixer(dim, attn.num_heads, cfg)
+    if init:
+        copy_attention_weights(mixer, attn.qkv, attn.proj)
+    return mixer.to(device=attn.qkv.weight.device, dtype=attn.qkv.weight.dtype)
+
+
+class _GridState:
+    """The current patch grid of one ViT, set by a pre-hook on its patch embedding."""
+
+    def __init__(self, patch_embed: nn.Module) -> None:
+        self.grid: tuple[int, int] | None = None
+        self.handle = patch_embed.register_forward_pre_hook(self._record)
+
+    def _record(self, module: nn.Module, args: tuple[Tensor, ...]) -> None:
+        h, w = args[0].shape[-2:]
+        self.grid = tuple(module.dynamic_feat_size((h, w)))
+
+
+class TokenTTT(nn.Module):
+    """A ``TTTMixer`` in place of a timm ViT ``Attention``: prefix tokens + an ``h x w`` grid of patch tokens.
+
+    Args:
+        mixer: the mixer (width C).
+        num_prefix_tokens: class/distillation/register tokens in front of the patch tokens.
+        grid_state: where the model's current patch grid is recorded.
+    """
+
+    def __init__(self, mixer: TTTMixer, num_prefix_tokens: int, grid_state: _GridState) -> None:
+        super().__init__()
+        self.mixer = mixer
+        self.num_prefix_tokens = num_prefix_tokens
+        self._grid_state = grid_state
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, **_: Any) -> Tensor:
+        """``[B, P + h*w, C] -> [B, P + h*w, C]``; prefix outputs are the mean of the patch outputs."""
+        if attn_mask is not None:
+            raise ValueError("a TTT mixer has no attention mask; attn_mask must be None")
+        p = self.num_prefix_tokens
+        n = x.shape[1] - p
+        grid = self._grid_state.grid
+        if grid is None or grid[0] * grid[1] != n:
+            raise ValueError(
+                f"cannot lay {n} patch tokens on the recorded grid {grid}; call the model on images"
+            )
+        y = self.mixer(x[:, p:], grid=grid)  # [B, h*w, C]
+        if p == 0:
+            return y
+        return torch.cat([y.mean(1, keepdim=True).expand(-1, p, -1), y], dim=1)
+
+
+class WindowTTT(nn.Module):
+    """A ``TTTMixer`` in place of a Swin ``WindowAttention``: one inner model per window (grid = window size)."""
+
+    def __init__(self, mixer: TTTMixer, window_size: tuple[int, int]) -> None:
+        super().__init__()
+        self.mixer = mixer
+        self.window_size = tuple(window_size)
+
+    def set_window_size(self, window_size: tuple[int, int]) -> None:
+        """Called by Swin's ``set_input_size``."""
+        self.window_size = tuple(window_size)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Windows ``[B*nW, wh*ww, C] -> [B*nW, wh*ww, C]`` (the shift mask is ignored, see module doc)."""
+        return self.mixer(x, grid=self.window_size)
+
+
+class SwinStageTTTBlock(nn.Module):
+    """A Swin block whose token mixer is one ``TTTMixer`` over the whole stage map (no windows, no shift).
+
+    Reuses the Swin block's ``norm1``, ``drop_path1``, ``norm2``, ``mlp``, ``drop_path2`` (same names, so the
+    rest of a Swin checkpoint still loads); ``attn`` is the mixer.
+    """
+
+    def __init__(self, block: SwinTransformerBlock, mixer: TTTMixer) -> None:
+        super().__init__()
+        self.dim = block.dim
+        self.norm1 = block.norm1
+        self.attn = mixer
+        self.drop_path1 = block.drop_path1
+        self.norm2 = block.norm2
+        self.mlp = block.mlp
+        self.drop_path2 = block.drop_path2
+
+    def set_input_size(self, *args: Any, **kwargs: Any) -> None:
+        """Called by Swin's ``set_input_size``: a stage-wide mixer works on any map size, nothing to do."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[B, H, W, C] -> [B, H, W, C]``."""
+        b, h, w, c = x.shape
+        y = self.attn(self.norm1(x).reshape(b, h * w, c), grid=(h, w))  # [B, H*W, C]
+        x = x + self.drop_path1(y.reshape(b, h, w, c))
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+def _swap_vit(vit: VisionTransformer, ttt_cfg: Any, init: bool) -> int:
+    state = _GridState(vit.patch_embed)
+    count = 0
+    for block in vit.blocks:
+        if isinstance(block.attn, Attention):
+            mixer = _mixer_like(block.attn, block.attn.qkv.in_features, ttt_cfg, init)
+            block.attn = TokenTTT(mixer, vit.num_prefix_tokens, state)
+            count += 1
+    return count
+
+
+def _swap_swin_blocks(model: nn.Module, ttt_cfg: Any, init: bool, scope: str) -> int:
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, SwinTransformerBlock) or not isinstance(child.attn, WindowAttention):
+                continue
+            mixer = _mixer_like(child.attn, child.dim, ttt_cfg, init)
+            if scope == "stage":
+                setattr(parent, name, SwinStageTTTBlock(child, mixer))
+            else:
+                child.attn = WindowTTT(mixer, child.window_size)
+            count += 1
+    return count
+
+
+def swap_attention_for_ttt(
+    model: nn.Module,
+    ttt_cfg: TTTConfig | dict[str, Any] | None = None,
+    init_from_attention: bool = True,
+    scope: str = "stage",
+) -> nn.Module:
+    """Replaces every attention of a timm ViT/DeiT or Swin Transformer by a ``TTTMixer`` (in place).
+
+    Args:
+        model: a timm ``VisionTransformer`` (DeiT included) or ``SwinTransformer``, or a ``features_only``
+            wrapper of one.
+        ttt_cfg: mixer configuration for every mixer (default: the official ViT³ mixer; a dict takes the
+            attention's qkv bias unless it says otherwise, a ``TTTConfig`` is used as given).
+        init_from_attention: copy the attention's ``qkv``/``proj`` weights into the mixer's main branch.
+        scope: Swin only: ``"stage"`` (one mixer over the whole stage map) or ``"window"`` (per window).
+
+    Returns:
+        The same model, with TTT mixers.
+
+    Raises:
+        ValueError: unknown ``scope``, or no timm attention found to replace.
+    """
+    if scope not in SWIN_SCOPES:
+        raise ValueError(f"scope must be one of {SWIN_SCOPES}, got {scope!r}")
+    count = 0
+    for module in list(model.modules()):
+        if isinstance(module, VisionTransformer):
+            count += _swap_vit(module, ttt_cfg, init_from_attention)
+    count += _swap_swin_blocks(model, ttt_cfg, init_from_attention, scope)
+    if count == 0:
+        raise ValueError(
+            f"found no timm ViT Attention or Swin WindowAttention to replace in {type(model).__name__}"
+        )
+    return model

@@ -1,0 +1,392 @@
+"""Plain ViT³: a DeiT-style isotropic backbone whose attention is the TTT mixer.
+
+Paper: "ViT³: Unlocking Test-Time Training in Vision" (arXiv 2512.01643, CVPR 2026); official code
+https://github.com/LeapLabTHU/ViTTT (MIT).
+
+Architecture (official): patch embedding (conv, stride p) -> ``depth`` x [CPE (x + dwconv3x3 x),
+x + TTT(LN x), x + MLP(LN x)] -> LN -> mean over tokens -> Linear. No class token, no absolute position
+embedding, LayerNorm eps 1e-6.
+
+Unlike the official code this model takes any ``H x W`` image: the image is zero-padded on the bottom/right
+to a multiple of the patch size and every block reads its ``h x w`` token grid from the feature map.
+``forward_features`` returns the normed, unpooled map channels-last ``[B, h, w, C]`` (``output_fmt='NHWC'``);
+``forward_intermediates`` and ``features_only=True`` give stride-p maps ``[B, C, h, w]`` of chosen blocks.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import PatchEmbed, resample_patch_embed, trunc_normal_
+from timm.models import checkpoint_seq, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+from timm.models._input import update_model_input_size
+from torch import Tensor, nn
+
+from vit3.layers import TTTConfig, convert_official_mixer_key
+from vit3.layers.blocks import TTTBlock, check_image
+
+from ._pretrained import check_state_dict, create_model_with_official_weights
+
+__all__ = ["ViT3", "checkpoint_filter_fn", "merge_ttt_cfg"]
+
+POOL_TYPES = ("avg", "max", "avgmax", "")
+
+
+def merge_ttt_cfg(ttt_cfg: TTTConfig | dict[str, Any] | None, **defaults: Any) -> TTTConfig:
+    """The mixer config of a model: ``defaults`` (the model's own, e.g. ``rope=True``) under a user dict.
+
+    A ``TTTConfig`` instance is taken as the complete mixer spec; a dict only overrides the keys it names.
+    """
+    if isinstance(ttt_cfg, TTTConfig):
+        return ttt_cfg
+    return TTTConfig.create({**defaults, **(ttt_cfg or {})})
+
+
+def pool_features(x: Tensor, pool_type: str, spatial_dims: tuple[int, int]) -> Tensor:
+    """Global pooling over ``spatial_dims`` (``'avg'``, ``'max'``, ``'avgmax'``; ``''`` returns ``x``)."""
+    if pool_type == "avg":
+        return x.mean(spatial_dims)
+    if pool_type == "max":
+        return x.amax(spatial_dims)
+    if pool_type == "avgmax":
+        return 0.5 * (x.mean(spatial_dims) + x.amax(spatial_dims))
+    return x
+
+
+def check_pool_type(global_pool: str) -> str:
+    """Validates a ``global_pool`` name."""
+    if global_pool not in POOL_TYPES:
+        raise ValueError(f"global_pool must be one of {POOL_TYPES}, got {global_pool!r}")
+    return global_pool
+
+
+def stochastic_depth_rates(drop_path_rate: float, n: int) -> list[float]:
+    """``n`` rates rising linearly from 0 to ``drop_path_rate`` (plain Python: works under the meta device)."""
+    return [drop_path_rate * i / max(n - 1, 1) for i in range(n)]
+
+
+def init_weights(module: nn.Module) -> None:
+    """Official init: Linear trunc-normal(0.02) with zero bias, norms to identity; convs keep PyTorch's init."""
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+class ViT3(nn.Module):
+    """Plain (isotropic) ViT³.
+
+    Args:
+        img_size: nominal input size (the model runs on any size; used for ``pretrained_cfg``/feature sizes).
+        patch_size: patch size p (the stride of every feature map).
+        in_chans: image channels.
+        num_classes: classes of the linear head (0: no head).
+        global_pool: ``'avg'`` (official), ``'max'``, ``'avgmax'`` or ``''`` (no pooling).
+        embed_dim: width C.
+        depth: number of blocks.
+        num_heads: TTT heads per block.
+        mlp_ratio: MLP hidden width / C.
+        qkv_bias: bias of the mixer's qkv projection (overrides ``ttt_cfg``).
+        drop_rate: dropout before the classifier.
+        proj_drop_rate: dropout inside the MLPs (the official ``drop_rate``).
+        drop_path_rate: stochastic depth, linearly increasing over the blocks (official training: T 0.0,
+            S 0.1, B 0.4).
+        ttt_cfg: mixer configuration (``TTTConfig`` or dict of its fields), used by every block.
+        act_layer: MLP activation.
+    """
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        global_pool: str = "avg",
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        ttt_cfg: TTTConfig | dict[str, Any] | None = None,
+        act_layer: type[nn.Module] = nn.GELU,
+    ) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.global_pool = check_pool_type(global_pool)
+        self.in_chans = in_chans
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.output_fmt = "NHWC"  # forward_features keeps the token grid: [B, h, w, C]
+        self.feature_dim = -1  # channel dim of forward_features outputs (timm convention for NHWC models)
+        self.grad_checkpointing = False
+        self.ttt_cfg = cfg = TTTConfig.create(merge_ttt_cfg(ttt_cfg), qkv_bias=qkv_bias)
+
+        self.patch_embed = PatchEmbed(
+            img_size=img_size,
+            patch_size=patch_size,
+            in_chans=in_chans,
+            embed_dim=embed_dim,
+            output_fmt="NHWC",
+            strict_img_size=False,
+            dynamic_img_pad=True,  # any H, W: pad bottom/right to a multiple of p
+        )
+        norm_layer = partial(nn.LayerNorm, eps=1e-6)
+        dpr = stochastic_depth_rates(drop_path_rate, depth)
+        self.blocks = nn.Sequential(
+            *[
+                TTTBlock(
+                    embed_dim,
+                    num_heads,
+                    mlp_ratio=mlp_ratio,
+                    ttt_cfg=cfg,
+                    proj_drop=proj_drop_rate,
+                    drop_path=dpr[i],
+                    norm_layer=norm_layer,
+                    act_layer=act_layer,
+                )
+                for i in range(depth)
+            ]
+        )
+        reduction = max(self.patch_embed.patch_size)
+        self.feature_info = [
+            dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=reduction) for i in range(depth)
+        ]
+        self.norm = norm_layer(embed_dim)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.apply(init_weights)
+
+    # --- timm model API -------------------------------------------------------------------------------
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """No named exceptions: like the official optimizer, skip 1-D parameters and biases by shape."""
+        return set()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups for layer-wise lr decay: stem, each block, final norm last."""
+        return dict(stem=r"^patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in the backward pass."""
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        """The classifier head."""
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replaces the head with a fresh one of ``num_classes`` (0: identity); optionally changes the pooling."""
+        self.num_classes = num_classes
+        if global_pool is not None:
+            self.global_pool = check_pool_type(global_pool)
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+
+    def set_input_size(
+        self, img_size: int | tuple[int, int] | None = None, patch_size: int | None = None
+    ) -> None:
+        """Sets the nominal input size and optionally a new patch size (the patch weights are resampled).
+
+        The model runs on any size regardless; this updates ``patch_embed`` and the recorded input size.
+        """
+        old_kernel = self.patch_embed.proj.weight.shape[-2:]
+        self.patch_embed.set_input_size(img_size=img_size, patch_size=patch_size)
+        if patch_size is not None and tuple(self.patch_embed.patch_size) != tuple(old_kernel):
+            with torch.no_grad():
+                weight = resample_patch_embed(self.patch_embed.proj.weight, list(self.patch_embed.patch_size))
+            self.patch_embed.proj.weight = nn.Parameter(weight)
+            for info in self.feature_info:
+                info["reduction"] = max(self.patch_embed.patch_size)
+        update_model_input_size(self, self.patch_embed.img_size, patch_size=patch_size)
+
+    # --- forward --------------------------------------------------------------------------------------
+
+    def _embed(self, x: Tensor) -> Tensor:
+        """Images ``[B, C_in, H, W]`` -> tokens ``[B, ceil(H/p), ceil(W/p), C]``."""
+        x = check_image(x, self.in_chans, max(self.patch_embed.patch_size), self.ttt_cfg.check_finite)
+        return self.patch_embed(x)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Images ``[B, C_in, H, W]`` -> normed, unpooled features ``[B, ceil(H/p), ceil(W/p), C]``."""
+        x = self._embed(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        return self.norm(x)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Features ``[B, h, w, C]`` -> logits ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``)."""
+        x = pool_features(x, self.global_pool, (1, 2))
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Images ``[B, C_in, H, W]`` -> logits ``[B, num_classes]``."""
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | list[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """Forward pass that also returns block outputs.
+
+        Args:
+            x: images ``[B, C_in, H, W]``.
+            indices: last n blocks if int, all if None, else the listed block indices (negative from the end).
+            norm: apply the final norm to every intermediate.
+            stop_early: stop after the last block asked for.
+            output_fmt: ``'NCHW'`` (``[B, C, h, w]``) or ``'NHWC'`` (``[B, h, w, C]``) intermediates.
+            intermediates_only: return only the intermediates.
+
+        Returns:
+            The intermediates, or ``(forward_features output [B, h, w, C], intermediates)``.
+        """
+        if output_fmt not in ("NCHW", "NHWC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        x = self._embed(x)
+        blocks = self.blocks if torch.jit.is_scripting() or not stop_early else self.blocks[: max_index + 1]
+        intermediates = []
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+            if i in take_indices:
+                y = self.norm(x) if norm else x
+                intermediates.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == "NCHW" else y)
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
+    def prune_intermediate_layers(
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """Drops the blocks after the last index kept (and the final norm / head if asked); returns the indices."""
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
+
+
+# --- checkpoints -------------------------------------------------------------------------------------
+
+
+def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ViT3) -> dict[str, Tensor]:
+    """Converts official ViTTT weights (``vittt_*``) to this model and checks they fit.
+
+    Official names equal ours except the mixer's inner weights (``attn.w1/w2/w3`` ->
+    ``attn.inner.0.w1/inner.0.w2/inner.1.weight``); weights already in our names pass through. A different
+    patch size is resampled (timm ``resample_patch_embed``). Raises ``ValueError`` listing missing, unexpected
+    and mis-shaped keys when the checkpoint belongs to another model or size.
+    """
+    for key in ("model", "state_dict"):
+        if isinstance(state_dict.get(key), dict):
+            state_dict = state_dict[key]
+    ours = any(".attn.inner." in k for k in state_dict)
+    out = {}
+    for key, value in state_dict.items():
+        key = key if ours else convert_official_mixer_key(key)
+        if key == "patch_embed.proj.weight" and value.ndim == 4:
+            target = model.patch_embed.proj.weight.shape[-2:]
+            if value.shape[-2:] != target:
+                value = resample_patch_embed(value, list(target))
+        out[key] = value
+    check_state_dict(out, model, ignore_prefixes=("head.",), in_chans_keys=("patch_embed.proj.weight",))
+    return out
+
+
+def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ViT3:
+    out_indices = kwargs.pop("out_indices", min(3, kwargs.get("depth", 12)))  # last 3 blocks, like timm's ViT
+    return create_model_with_official_weights(
+        ViT3,
+        variant,
+        pretrained,
+        checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        **kwargs,
+    )
+
+
+def _cfg(url: str = "", **kwargs: Any) -> dict[str, Any]:
+    """Official evaluation: resize 256 -> center crop 224 (crop_pct 0.875), bicubic, ImageNet mean/std."""
+    return {
+        "url": url,
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": (14, 14),
+        "crop_pct": 0.875,
+        "interpolation": "bicubic",
+        "fixed_input_size": False,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        "license": "mit",
+        "paper_ids": "arXiv:2512.01643",
+        "paper_name": "ViT³: Unlocking Test-Time Training in Vision",
+        "origin_url": "https://github.com/LeapLabTHU/ViTTT",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs(
+    {
+        "vit3_tiny.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/e12d1bd1c20c4e06a2da/?dl=1"),
+        "vit3_small.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/4ab59ca54b474dff9b70/?dl=1"),
+        "vit3_base.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/c9e9bb09f85d449ab8cf/?dl=1"),
+        "test_vit3_ttt.untrained": _cfg(input_size=(3, 64, 64), pool_size=(4, 4), crop_pct=1.0),
+    }
+)
+
+
+@register_model
+def vit3_tiny(pretrained: bool = False, **kwargs: Any) -> ViT3:
+    """ViT³-T: dim 192, depth 12, 6 heads, patch 16 (6.15M params, 1.22 GFLOPs at 224², top-1 76.5)."""
+    return _create(
+        "vit3_tiny", pretrained, **dict(dict(patch_size=16, embed_dim=192, depth=12, num_heads=6), **kwargs)
+    )
+
+
+@register_model
+def vit3_small(pretrained: bool = False, **kwargs: Any) -> ViT3:
+    """ViT³-S: dim 384, depth 12, 6 heads, patch 16 (23.80M params, 4.82 GFLOPs at 224², top-1 81.6)."""
+    return _create(
+        "vit3_small", pretrained, **dict(dict(patch_size=16, embed_dim=384, depth=12, num_heads=6), **kwargs)
+    )
+
+
+@register_model
+def vit3_base(pretrained: bool = False, **kwargs: Any) -> ViT3:
+    """ViT³-B: dim 768, depth 12, 12 heads, patch 16 (90.06M params, 17.96 GFLOPs at 224², top-1 82.6)."""
+    return _create(
+        "vit3_base", pretrained, **dict(dict(patch_size=16, embed_dim=768, depth=12, num_heads=12), **kwargs)
+    )
+
+
+@register_model
+def test_vit3_ttt(pretrained: bool = False, **kwargs: Any) -> ViT3:
+    """Tiny plain ViT³ for tests: dim 32, depth 3, 2 heads, patch 16, 64x64 nominal input."""
+    args = dict(img_size=64, patch_size=16, embed_dim=32, depth=3, num_heads=2, mlp_ratio=2.0)
+    return _create("test_vit3_ttt", pretrained, **dict(args, **kwargs))
