@@ -1,1 +1,34 @@
-"""vit3.engine"""
+"""vit3.engine: run configs (``vit3.engine.config``) and the task engines behind ``train.py``/``eval.py``.
+
+``run(cfg, mode)`` dispatches on ``cfg.task``: ``classification`` -> ``vit3.engine.classification``,
+``detection``/``segmentation`` -> ``vit3.engine.dense`` (imported lazily, so a missing dense stack never
+breaks classification).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import Config, ConfigError, load_config, save_config
+
+TASKS = ("classification", "detection", "segmentation")
+
+__all__ = ["TASKS", "Config", "ConfigError", "load_config", "run", "save_config"]
+
+
+def run(cfg: Config, mode: str) -> Any:
+    """Runs ``mode`` ("train" or "eval") of the engine that ``cfg.task`` names.
+
+    Raises:
+        ConfigError: ``cfg.task`` or ``mode`` is not one of the known names.
+    """
+    task = cfg.get("task", "classification")
+    if task not in TASKS:
+        raise ConfigError(f"unknown task '{task}': expected one of {', '.join(TASKS)}")
+    if mode not in ("train", "eval"):
+        raise ConfigError(f"unknown mode '{mode}': expected train or eval")
+    if task == "classification":
+        from . import classification as engine
+    else:
+        from . import dense as engine  # written by the dense-tasks engineer: train(cfg), evaluate(cfg)
+    return engine.train(cfg) if mode == "train" else engine.evaluate(cfg)

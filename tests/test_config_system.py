@@ -1,0 +1,127 @@
+"""vit3.engine.config: inheritance, typed overrides, unknown keys, saved metadata; the shipped recipes."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from vit3.engine import run
+from vit3.engine.config import (
+    CONFIG_DIR,
+    DEFAULT_CONFIG,
+    ConfigError,
+    load_config,
+    parse_override,
+    save_config,
+)
+
+
+def _write(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_base_inheritance_merges_deeply_and_child_keys_are_valid(tmp_path):
+    _write(tmp_path / "parent.yaml", {"a": {"x": 1, "y": 2}, "b": "p"})
+    child = _write(tmp_path / "child.yaml", {"base": "parent.yaml", "a": {"y": 3}, "dense": {"anchors": 9}})
+    cfg = load_config(child, ["dense.anchors=5"])  # a key the child introduced is overridable
+    assert cfg.a.x == 1 and cfg.a.y == 3 and cfg.b == "p" and cfg.dense.anchors == 5
+    assert "base" not in cfg
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "value"),
+    [
+        ("train.base_lr=1e-3", "train.base_lr", 1e-3),
+        ("train.epochs=7", "train.epochs", 7),
+        ("aug.mixup=null", "aug.mixup", None),
+        ("aug.scale=[0.5, 1]", "aug.scale", [0.5, 1]),
+        ("model.name=vit3_small", "model.name", "vit3_small"),
+        ("train.ema=true", "train.ema", True),
+        ("output=a=b", "output", "a=b"),
+    ],
+    ids=["float", "int", "null", "list", "str", "bool", "equals-in-value"],
+)
+def test_overrides_are_yaml_typed(text, key, value):
+    assert parse_override(text) == (key, value)
+    assert load_config(None, [text]).get_path(key) == value
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [("train.epoch=3", "train.epochs"), ("trian.epochs=3", "train.epochs"), ("model.nmae=x", "model.name")],
+    ids=["leaf-typo", "section-typo", "model-typo"],
+)
+def test_unknown_key_is_named_with_close_matches(override, suggestion):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    key = override.split("=")[0]
+    assert f"unknown config key '{key}'" in str(err.value) and suggestion in str(err.value)
+
+
+def test_kwargs_sections_are_free_form():
+    cfg = load_config(None, ["model.kwargs.embed_dim=64"])
+    assert cfg.model.kwargs == {"embed_dim": 64}
+
+
+@pytest.mark.parametrize("bad", ["novalue", "=3", "a..b=1"], ids=["no-equals", "no-key", "empty-part"])
+def test_malformed_override_is_rejected(bad):
+    with pytest.raises(ConfigError, match="bad override"):
+        parse_override(bad)
+
+
+def test_inheritance_cycle_and_missing_file_are_reported(tmp_path):
+    _write(tmp_path / "a.yaml", {"base": "b.yaml"})
+    _write(tmp_path / "b.yaml", {"base": "a.yaml"})
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_saved_config_round_trips_with_git_metadata(tmp_path):
+    cfg = load_config(None, ["train.epochs=3"])
+    path = save_config(cfg, tmp_path)
+    saved = yaml.safe_load(path.read_text())
+    meta = saved.pop("_meta")
+    assert set(meta) >= {"git_commit", "command", "time_utc"}
+    assert saved["train"]["epochs"] == 3 and saved == cfg.to_dict()
+
+
+def test_unknown_task_is_rejected():
+    with pytest.raises(ConfigError, match="unknown task 'depth'"):
+        run(load_config(None, ["task=depth"]), "train")
+
+
+# The paper's ImageNet-1K recipe (official vittt/cfgs + config.py + main_ema.py).
+PAPER = {
+    "vit3_tiny": (0.0, False, 0.0),
+    "vit3_small": (0.1, False, 0.0),
+    "vit3_base": (0.4, False, 0.0),
+    "h_vit3_tiny": (0.2, True, 1.0),
+    "h_vit3_small": (0.4, True, 1.5),
+    "h_vit3_base": (0.6, True, 2.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_imagenet_recipes_follow_the_paper(name):
+    cfg = load_config(CONFIG_DIR / "imagenet" / f"{name}.yaml")
+    drop_path, ema, mesa = PAPER[name]
+    assert cfg.model.name == name and cfg.model.drop_path_rate == drop_path
+    assert cfg.train.ema is ema and cfg.train.mesa == mesa
+    if mesa:
+        assert cfg.train.mesa_start == 0.25 and cfg.train.ema_decay == 0.9996
+    t, a, d = cfg.train, cfg.aug, cfg.data
+    assert (t.epochs, t.warmup_epochs, t.base_lr, t.lr_batch) == (300, 20, 5e-4, 512)
+    assert (t.warmup_lr, t.min_lr, t.weight_decay, t.clip_grad) == (5e-7, 5e-6, 0.05, 5.0)
+    assert (a.mixup, a.cutmix, a.mixup_switch_prob, a.label_smoothing) == (0.8, 1.0, 0.5, 0.1)
+    assert (a.auto_augment, a.color_jitter, a.reprob) == ("rand-m9-mstd0.5-inc1", 0.4, 0.25)
+    assert (d.img_size, d.interpolation, d.crop_pct) == (224, "bicubic", 224 / 256)
+
+
+def test_every_shipped_config_loads():
+    files = sorted(CONFIG_DIR.rglob("*.yaml"))
+    assert DEFAULT_CONFIG in files and len(files) >= 9
+    for f in files:
+        assert load_config(f).task in ("classification", "detection", "segmentation"), f

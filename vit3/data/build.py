@@ -1,0 +1,254 @@
+"""Datasets, transforms, samplers and loaders for classification runs (config sections ``data``/``aug``).
+
+Reproducibility: every sample's augmentation is drawn from its own RNG seeded by (seed, epoch, index)
+(:class:`SeededTransform`), and the training order comes from :class:`ResumableDistributedSampler`
+(seed + epoch). A batch therefore depends only on (seed, epoch, position), never on the number of
+loader workers, and a run resumed in the middle of an epoch sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from timm.data import Mixup, create_transform
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .folder import ImageFolderDataset, find_classes
+from .mnist import MNIST5k
+
+DATASETS = ("folder", "mnist5k")
+
+__all__ = [
+    "DATASETS",
+    "ResumableDistributedSampler",
+    "SeededTransform",
+    "ShardSampler",
+    "build_datasets",
+    "build_mixup",
+    "build_train_loader",
+    "build_transform",
+    "build_val_loader",
+]
+
+
+def _none_if_off(value: Any) -> Any:
+    return None if value in (None, "", "none", 0, 0.0) else value
+
+
+def build_transform(
+    cfg, is_train: bool, mean: tuple[float, ...], std: tuple[float, ...], img_size: int | None = None
+) -> Callable:
+    """timm's ``create_transform`` from the ``data``/``aug`` config sections.
+
+    Training: RandomResizedCrop(scale, ratio) + flip + RandAugment + color jitter + random erasing.
+    Evaluation: resize to ``img_size / crop_pct`` and center-crop ``img_size`` (224/256 by default).
+    """
+    size = int(img_size or cfg.data.img_size)
+    if not is_train:
+        return create_transform(
+            size, is_training=False, interpolation=cfg.data.interpolation, mean=mean, std=std,
+            crop_pct=cfg.data.crop_pct,
+        )  # fmt: skip
+    aug = cfg.aug
+    return create_transform(
+        size,
+        is_training=True,
+        scale=tuple(aug.scale),
+        ratio=tuple(aug.ratio),
+        hflip=aug.hflip,
+        color_jitter=_none_if_off(aug.color_jitter),
+        auto_augment=_none_if_off(aug.auto_augment),
+        interpolation=cfg.data.interpolation,
+        mean=mean,
+        std=std,
+        re_prob=aug.reprob,
+        re_mode=aug.remode,
+        re_count=aug.recount,
+    )
+
+
+@contextlib.contextmanager
+def _private_rng(seed: int) -> Iterator[None]:
+    """Seeds python/numpy/torch-CPU RNGs for the block and restores the caller's states afterwards."""
+    # timm/torchvision augmentations draw on the legacy global numpy RNG, hence np.random here.
+    py, np_state, th = random.getstate(), np.random.get_state(), torch.get_rng_state()  # noqa: NPY002
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # noqa: NPY002
+    torch.default_generator.manual_seed(seed)  # CPU only: never touches the CUDA generators
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)  # noqa: NPY002
+        torch.set_rng_state(th)
+
+
+class SeededTransform(Dataset):
+    """Wraps a dataset of PIL images; sample ``i`` of epoch ``e`` is transformed under seed (seed, e, i)."""
+
+    def __init__(self, dataset: Dataset, transform: Callable, seed: int) -> None:
+        self.dataset, self.transform, self.seed, self.epoch = dataset, transform, int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        img, target = self.dataset[index]
+        seed = int(np.random.SeedSequence([self.seed, self.epoch, int(index)]).generate_state(1)[0])
+        with _private_rng(seed):
+            return self.transform(img), target
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """DistributedSampler-like shuffling (seed + epoch, padded to a multiple of the world size) that can
+    start part-way through an epoch.
+
+    Args:
+        size: dataset length.
+        num_replicas: world size; rank: this process.
+        shuffle: permute each epoch (else dataset order).
+        seed: base seed shared by all ranks.
+    """
+
+    def __init__(self, size: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
+        if size <= 0:
+            raise ValueError("cannot sample from an empty dataset")
+        self.size, self.num_replicas, self.rank, self.shuffle, self.seed = (
+            size,
+            num_replicas,
+            rank,
+            shuffle,
+            seed,
+        )
+        self.num_samples = -(-size // num_replicas)  # ceil: every rank gets the same count
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Selects the epoch's order and skips its first ``start`` samples of this rank."""
+        self.epoch, self.start = int(epoch), int(start)
+
+    def indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=g).tolist()
+        else:
+            order = list(range(self.size))
+        total = self.num_samples * self.num_replicas
+        order += (order * (-(-total // len(order))))[: total - len(order)]  # pad by repeating
+        return order[self.rank : total : self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices()[self.start :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+class ShardSampler(Sampler[int]):
+    """Rank ``r`` of ``w`` takes indices ``r, r + w, ...`` in order (evaluation: every sample once)."""
+
+    def __init__(self, size: int, num_replicas: int = 1, rank: int = 0) -> None:
+        self.order = list(range(rank, size, num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def build_datasets(cfg, in_chans: int = 3, splits: tuple[str, ...] = ("train", "val")) -> dict[str, Dataset]:
+    """Untransformed datasets (PIL images) of ``cfg.data`` for the given splits, plus ``"classes"``.
+
+    Raises:
+        FileNotFoundError / ValueError: missing data directory, empty class folder, unknown dataset.
+    """
+    data = cfg.data
+    out: dict[str, Any] = {}
+    if data.dataset == "mnist5k":
+        if in_chans != 1:
+            raise ValueError(f"data.dataset=mnist5k is grayscale: the model needs in_chans=1, not {in_chans}")
+        for split in splits:
+            out[split] = MNIST5k(split)
+        out["classes"] = list(MNIST5k.classes)
+        return out
+    if data.dataset != "folder":
+        raise ValueError(f"unknown data.dataset '{data.dataset}': expected one of {', '.join(DATASETS)}")
+    if not data.path:
+        raise ValueError("data.path is empty: give the dataset root holding train/ and val/ (data.path=DIR)")
+    root = Path(data.path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"data directory not found: {root}")
+    mode = "L" if in_chans == 1 else "RGB"
+    split_dirs = {"train": data.train_split, "val": data.val_split}
+    # Labels come from the training folders whenever they exist, so val labels always match training.
+    classes = find_classes(root / data.train_split) if (root / data.train_split).is_dir() else None
+    for split in splits:
+        out[split] = ImageFolderDataset(root / split_dirs[split], None, classes, data.corrupt_images, mode)
+        classes = classes or out[split].classes
+    out["classes"] = classes
+    return out
+
+
+def build_mixup(cfg, num_classes: int) -> Mixup | None:
+    """timm Mixup/CutMix with label smoothing (``None`` when both alphas are 0 and no minmax is set)."""
+    aug = cfg.aug
+    if not (aug.mixup > 0 or aug.cutmix > 0 or aug.cutmix_minmax is not None):
+        return None
+    return Mixup(
+        mixup_alpha=aug.mixup,
+        cutmix_alpha=aug.cutmix,
+        cutmix_minmax=aug.cutmix_minmax,
+        prob=aug.mixup_prob,
+        switch_prob=aug.mixup_switch_prob,
+        mode=aug.mixup_mode,
+        label_smoothing=aug.label_smoothing,
+        num_classes=num_classes,
+    )
+
+
+def _loader(
+    dataset: Dataset, sampler: Sampler, batch_size: int, cfg, drop_last: bool, seed: int
+) -> DataLoader:
+    workers = int(cfg.data.num_workers)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=bool(cfg.data.pin_memory) and torch.cuda.is_available(),
+        drop_last=drop_last,
+        persistent_workers=False,  # workers must see SeededTransform.set_epoch of each epoch
+        generator=torch.Generator().manual_seed(seed),  # keeps the global RNG untouched by loader setup
+    )
+
+
+def build_train_loader(
+    dataset: Dataset, transform: Callable, cfg, rank: int = 0, world: int = 1
+) -> tuple[DataLoader, SeededTransform, ResumableDistributedSampler]:
+    """Shuffled, sharded, full-batch training loader; call ``set_epoch`` on the returned wrapper/sampler."""
+    wrapped = SeededTransform(dataset, transform, cfg.seed)
+    sampler = ResumableDistributedSampler(len(dataset), world, rank, shuffle=True, seed=cfg.seed)
+    if sampler.num_samples < cfg.data.batch_size:
+        raise ValueError(
+            f"data.batch_size={cfg.data.batch_size} exceeds the {sampler.num_samples} training images per "
+            f"process: lower data.batch_size"
+        )
+    return _loader(wrapped, sampler, cfg.data.batch_size, cfg, True, cfg.seed), wrapped, sampler
+
+
+def build_val_loader(
+    dataset: Dataset, transform: Callable, cfg, batch_size: int, rank: int = 0, world: int = 1
+) -> DataLoader:
+    """In-order loader over this rank's shard (every image is evaluated exactly once over all ranks)."""
+    wrapped = SeededTransform(dataset, transform, cfg.seed)
+    return _loader(wrapped, ShardSampler(len(dataset), world, rank), batch_size, cfg, False, cfg.seed)

@@ -1,0 +1,673 @@
+"""Image classification: training (``train.py``) and evaluation (``eval.py``) of timm / vit3 models.
+
+The training recipe follows the official ViTTT code (main.py / main_ema.py): AdamW with no decay on 1-D
+params, linearly scaled lr with per-step warmup + cosine, Mixup/CutMix with label smoothing, gradient
+clipping, AMP, EMA of the weights and MESA. MESA (``train.mesa`` = m > 0, needs ``train.ema``): from epoch
+``int(mesa_start * epochs)`` on, the EMA model acts as a teacher on the same (mixed) batch and the loss
+becomes ``CE(student, target) + m * CE(student, softmax(teacher))`` (teacher without gradient).
+
+Resuming (``train.resume``) restores the model, optimizer, scheduler, grad scaler, EMA, every rank's RNG
+states, the epoch, the batch inside it and the optimizer step; together with the per-sample seeded data
+pipeline (vit3.data.build) a run killed after a checkpoint and resumed ends with the same weights as an
+uninterrupted one. ``VIT3_KILL_AT_STEP=k`` (environment) hard-exits the process right after optimizer
+step k, simulating a crash (used by the tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import resource
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import timm
+import torch
+import torch.nn.functional as F
+from timm.data import resolve_data_config
+from timm.utils import ModelEmaV3
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from ..data import build_datasets, build_mixup, build_train_loader, build_transform, build_val_loader
+from ..data.folder import CORRUPT_POLICIES
+from ..data.mnist import MEAN as MNIST_MEAN
+from ..data.mnist import STD as MNIST_STD
+from .checkpoint import (
+    get_rng_state,
+    load_checkpoint,
+    load_model_weights,
+    peek_vit3_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+)
+from .config import Config, ConfigError, run_metadata, save_config
+from .distributed import DistInfo, all_gather_objects, barrier, cleanup, init_distributed, sum_tensor
+from .metrics import plot_curves, write_metrics
+from .optim import build_optimizer, build_scheduler, scaled_lrs
+
+AMP_MODES = ("auto", "none", "bf16", "fp16")
+KILL_ENV = "VIT3_KILL_AT_STEP"
+
+__all__ = ["build_model", "evaluate", "soft_cross_entropy", "train", "validate"]
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _log(info: DistInfo, msg: str) -> None:
+    if info.is_main:
+        tqdm.write(msg, file=sys.stdout)
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Mean over the batch of ``-sum_c probs[b, c] log_softmax(logits)[b, c]``; logits/probs [B, K]."""
+    return torch.sum(-probs * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+
+
+def _label_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """Soft targets [B, K] (Mixup, smoothing included) or class indices [B] with label smoothing."""
+    if target.ndim == 2:
+        return soft_cross_entropy(logits, target)
+    return F.cross_entropy(logits.float(), target, label_smoothing=smoothing)
+
+
+def _amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
+    if mode == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+
+
+def _set_threads(cfg: Config) -> None:
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+
+
+def _check_train_cfg(cfg: Config) -> None:
+    t = cfg.train
+    if t.amp not in AMP_MODES:
+        raise ConfigError(f"train.amp must be one of {', '.join(AMP_MODES)}, got '{t.amp}'")
+    if int(t.accum_steps) < 1:
+        raise ConfigError(f"train.accum_steps must be >= 1, got {t.accum_steps}")
+    if t.mesa and t.mesa > 0 and not t.ema:
+        raise ConfigError("train.mesa > 0 needs the EMA teacher: set train.ema=true")
+    if cfg.data.corrupt_images not in CORRUPT_POLICIES:
+        raise ConfigError(
+            f"data.corrupt_images must be one of {CORRUPT_POLICIES}, got '{cfg.data.corrupt_images}'"
+        )
+    if int(t.epochs) < 1:
+        raise ConfigError(f"train.epochs must be >= 1, got {t.epochs}")
+
+
+def _in_chans(cfg: Config) -> int:
+    return int(cfg.model.kwargs.get("in_chans", 3))
+
+
+def _data_stats(cfg: Config, model: nn.Module, in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Normalisation: ``data.mean/std``, else MNIST's for the demo data, else the model's pretrained_cfg."""
+    if cfg.data.mean is not None and cfg.data.std is not None:
+        return tuple(cfg.data.mean), tuple(cfg.data.std)
+    if cfg.data.dataset == "mnist5k":
+        return MNIST_MEAN, MNIST_STD
+    resolved = resolve_data_config({}, model=model)
+    mean, std = tuple(resolved["mean"]), tuple(resolved["std"])
+    if in_chans == 1 and len(mean) == 3:  # a one-channel model on RGB statistics: use their average
+        mean, std = (sum(mean) / 3,), (sum(std) / 3,)
+    return mean, std
+
+
+def build_model(cfg: Config, num_classes: int, pretrained: str = "") -> tuple[nn.Module, list[str]]:
+    """``timm.create_model(cfg.model.name, ...)``, optionally initialised from ``pretrained``.
+
+    Args:
+        cfg: run config (``model`` section).
+        num_classes: classifier size K.
+        pretrained: a vit3 checkpoint (weights loaded, new head when its class count differs) or an
+            official ViTTT file (through the model's ``pretrained_cfg_overlay``); "" for random init.
+
+    Returns:
+        ``(model, fresh)`` where ``fresh`` names the parameters of a new (re-initialised) head.
+    """
+    import vit3.models  # noqa: F401  (registers the vit3 models in timm)
+
+    kwargs = dict(cfg.model.kwargs)
+    kwargs.setdefault("drop_path_rate", cfg.model.drop_path_rate)
+    name = cfg.model.name
+    if pretrained:
+        if not Path(pretrained).is_file():
+            raise FileNotFoundError(f"model.pretrained file not found: {pretrained}")
+        obj = peek_vit3_checkpoint(pretrained)
+        if obj is not None:
+            model = timm.create_model(name, num_classes=num_classes, **kwargs)
+            fresh = load_model_weights(model, obj, cfg.model.pretrained_ema, new_head=True, source=pretrained)
+            return model, fresh
+        # An official ViTTT file: the vit3 models' loader converts it (EMA weights with pretrained_ema).
+        if cfg.model.pretrained_ema:
+            kwargs["pretrained_ema"] = True
+        model = timm.create_model(
+            name,
+            pretrained=True,
+            pretrained_cfg_overlay={"file": str(pretrained)},
+            num_classes=num_classes,
+            **kwargs,
+        )
+        return model, []
+    return timm.create_model(name, num_classes=num_classes, **kwargs), []
+
+
+def _param_digest(model: nn.Module) -> str:
+    """SHA-1 of all parameters (not buffers: DDP broadcasts rank 0's BatchNorm statistics at each forward,
+    so after the last step the other ranks' running statistics legitimately differ)."""
+    h = hashlib.sha1()
+    for _, p in sorted(model.named_parameters()):
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def validate(
+    model: nn.Module, loader, device: torch.device, amp_dtype: torch.dtype | None = None
+) -> dict[str, float]:
+    """Top-1/top-5 (%) and mean cross-entropy over the loader, summed over all ranks."""
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, count
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            logits = model(x)
+        logits = logits.float()
+        k = min(5, logits.shape[-1])
+        topk = logits.topk(k, dim=-1).indices  # [B, k]
+        hits = topk.eq(y[:, None])
+        batch = [
+            F.cross_entropy(logits, y, reduction="sum"),
+            hits[:, 0].sum(),
+            hits.any(-1).sum(),
+            y.new_tensor(len(y)),
+        ]
+        sums += torch.stack([v.to(sums.dtype) for v in batch])
+    loss, top1, top5, n = sum_tensor(sums).tolist()
+    n = max(n, 1.0)
+    return {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n, "loss": loss / n, "images": int(n)}
+
+
+# ---------------------------------------------------------------------------------------------- training
+@dataclass
+class _Progress:
+    """Counters that a checkpoint stores and a resume restores."""
+
+    epoch: int = 0  # the epoch to run (0-based)
+    batch_in_epoch: int = 0  # batches of that epoch already done
+    global_step: int = 0  # optimizer updates done
+    loss_sum: float = 0.0  # running training loss of the partial epoch
+    loss_count: int = 0
+    best_top1: float = -1.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Run:
+    cfg: Config
+    info: DistInfo
+    model: nn.Module  # unwrapped
+    net: nn.Module  # DDP-wrapped or the model itself
+    ema: ModelEmaV3 | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None
+    mixup: Any
+    loader: Any
+    wrapped: Any
+    sampler: Any
+    val_loader: Any
+    batches_per_epoch: int
+    out: Path
+    num_classes: int
+    classes: list[str]
+    progress: _Progress
+
+
+def _state(run: _Run) -> dict[str, Any]:
+    """The checkpoint dict (collective: gathers every rank's RNG state)."""
+    rng = all_gather_objects(get_rng_state())
+    p = run.progress
+    return {
+        "model_name": run.cfg.model.name,
+        "model_kwargs": dict(run.cfg.model.kwargs),
+        "num_classes": run.num_classes,
+        "classes": list(run.classes),
+        "model": run.model.state_dict(),
+        "ema": run.ema.module.state_dict() if run.ema is not None else None,
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "rng": rng,
+        "world_size": run.info.world,
+        "epoch": p.epoch,
+        "batch_in_epoch": p.batch_in_epoch,
+        "global_step": p.global_step,
+        "epoch_loss": (p.loss_sum, p.loss_count),
+        "best_top1": p.best_top1,
+        "history": p.history,
+        "config": run.cfg.to_dict(),
+        "meta": run_metadata(),
+    }
+
+
+def _save(run: _Run, name: str) -> Path:
+    state = _state(run)  # every rank takes part in the RNG gather
+    path = run.out / name
+    if run.info.is_main:
+        save_checkpoint(path, state)
+    barrier()
+    return path
+
+
+def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
+    load_model_weights(run.model, ckpt, source=source)
+    if run.ema is not None:
+        if ckpt.get("ema") is None:
+            raise ValueError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
+        run.ema.module.load_state_dict(ckpt["ema"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    schedule = ("epochs", "warmup_epochs", "base_lr", "warmup_lr", "min_lr", "lr_batch", "accum_steps")
+    before = ckpt["config"].get("train", {})
+    if all(before.get(k) == run.cfg.train[k] for k in schedule):
+        run.scheduler.load_state_dict(ckpt["scheduler"])
+    else:  # e.g. more epochs: the lr schedule follows the new config from the restored step on
+        _log(
+            run.info,
+            f"note: the lr schedule settings differ from {source}; the new config's schedule applies",
+        )
+    run.scaler.load_state_dict(ckpt["scaler"])
+    p = run.progress
+    p.epoch, p.batch_in_epoch, p.global_step = ckpt["epoch"], ckpt["batch_in_epoch"], ckpt["global_step"]
+    p.loss_sum, p.loss_count = ckpt["epoch_loss"]
+    p.best_top1, p.history = ckpt["best_top1"], list(ckpt["history"])
+    if p.batch_in_epoch >= run.batches_per_epoch:
+        p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+
+
+def _resume_path(cfg: Config, out: Path) -> str:
+    resume = cfg.train.resume or ""
+    if resume == "auto":
+        return str(out / "last.pt") if (out / "last.pt").is_file() else ""
+    return str(resume)
+
+
+def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
+    _check_train_cfg(cfg)
+    _set_threads(cfg)
+    torch.manual_seed(cfg.seed + info.rank)
+    random.seed(cfg.seed + info.rank)
+    np.random.seed(cfg.seed + info.rank)  # noqa: NPY002  (timm Mixup draws on the global numpy RNG)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = not cfg.deterministic
+
+    out = Path(cfg.output)
+    resume = _resume_path(cfg, out)
+    ckpt = load_checkpoint(resume) if resume else None
+    in_chans = _in_chans(cfg)
+    data = build_datasets(cfg, in_chans)
+    classes = data["classes"]
+    num_classes = int(cfg.model.num_classes or len(classes))
+    if num_classes < len(classes):
+        raise ConfigError(f"model.num_classes={num_classes} is below the {len(classes)} classes of the data")
+    # A resumed run takes its weights from the checkpoint, never from model.pretrained.
+    model, fresh = build_model(cfg, num_classes, "" if ckpt else cfg.model.pretrained)
+    if fresh:
+        _log(
+            info,
+            f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} classes",
+        )
+    mean, std = _data_stats(cfg, model, in_chans)
+    loader, wrapped, sampler = build_train_loader(
+        data["train"], build_transform(cfg, True, mean, std), cfg, info.rank, info.world
+    )
+    val_loader = build_val_loader(
+        data["val"], build_transform(cfg, False, mean, std), cfg, cfg.data.batch_size, info.rank, info.world
+    )
+    accum = int(cfg.train.accum_steps)
+    batches_per_epoch = (sampler.num_samples // cfg.data.batch_size) // accum * accum
+    if batches_per_epoch == 0:
+        raise ConfigError(
+            f"train.accum_steps={accum} exceeds the {sampler.num_samples // cfg.data.batch_size} batches per epoch"
+        )
+    if build_mixup(cfg, num_classes) is not None and cfg.data.batch_size % 2:
+        raise ConfigError(f"Mixup/CutMix needs an even data.batch_size, got {cfg.data.batch_size}")
+
+    model.to(info.device)
+    if cfg.model.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    total_batch = cfg.data.batch_size * info.world * accum
+    lrs = scaled_lrs(cfg.train, total_batch)
+    optimizer = build_optimizer(model, cfg.train, lrs["base_lr"])
+    scheduler = build_scheduler(optimizer, cfg.train, lrs, batches_per_epoch // accum)
+    amp_dtype = _amp_dtype(cfg.train.amp, info.device)
+    scaler = torch.amp.GradScaler(info.device.type, enabled=amp_dtype == torch.float16)
+    ema = None
+    if cfg.train.ema:
+        decay = float(cfg.train.ema_decay) ** (total_batch / float(cfg.train.ema_batch))  # as official
+        ema = ModelEmaV3(model, decay=decay)
+    net = model
+    if info.distributed:
+        dev_ids = [info.device.index] if info.device.type == "cuda" else None
+        net = DistributedDataParallel(
+            model, device_ids=dev_ids, find_unused_parameters=cfg.dist.find_unused_parameters
+        )
+    run = _Run(
+        cfg, info, model, net, ema, optimizer, scheduler, scaler, amp_dtype, build_mixup(cfg, num_classes),
+        loader, wrapped, sampler, val_loader, batches_per_epoch, out, num_classes, classes, _Progress(),
+    )  # fmt: skip
+    _log(
+        info,
+        f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {num_classes} "
+        f"classes | data: {len(data['train'])} train / {len(data['val'])} val images | {info.world} process(es) "
+        f"on {info.device}, total batch {total_batch}, lr {lrs['base_lr']:.3g} | amp {amp_dtype} | "
+        f"ema {'on' if ema else 'off'} | mesa {cfg.train.mesa}",
+    )
+    if ckpt is not None:
+        _restore(run, ckpt, resume)
+        _log(
+            info,
+            f"resumed from {resume}: epoch {run.progress.epoch + 1}, batch {run.progress.batch_in_epoch}, step {run.progress.global_step}",
+        )
+    return run, ckpt
+
+
+def _train_epoch(run: _Run) -> None:
+    cfg, info, p = run.cfg, run.info, run.progress
+    accum, bs = int(cfg.train.accum_steps), cfg.data.batch_size
+    run.net.train()
+    run.wrapped.set_epoch(p.epoch)
+    run.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
+    mesa = float(cfg.train.mesa or 0.0)
+    mesa_on = mesa > 0 and p.epoch >= int(cfg.train.mesa_start * cfg.train.epochs)
+    kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
+    bar = tqdm(
+        total=run.batches_per_epoch, initial=p.batch_in_epoch, desc=f"epoch {p.epoch + 1}/{cfg.train.epochs}",
+        disable=not (info.is_main and cfg.train.progress), dynamic_ncols=True, leave=False, file=sys.stdout,
+    )  # fmt: skip
+    tick, seen = time.perf_counter(), 0
+    dev = info.device
+    for b, (x, y) in enumerate(run.loader, start=p.batch_in_epoch):
+        if b >= run.batches_per_epoch:
+            break
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        if run.mixup is not None:
+            x, y = run.mixup(x, y)
+        update = (b + 1) % accum == 0
+        sync = run.net.no_sync() if info.distributed and not update else contextlib.nullcontext()
+        with sync:
+            with torch.autocast(
+                dev.type, dtype=run.amp_dtype or torch.float32, enabled=run.amp_dtype is not None
+            ):
+                logits = run.net(x)
+                loss = _label_loss(logits, y, cfg.aug.label_smoothing)
+                if mesa_on:
+                    with torch.no_grad():
+                        teacher = run.ema.module(x).float().softmax(dim=-1)  # [B, K]
+                    loss = loss + mesa * soft_cross_entropy(logits, teacher)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"non-finite training loss {loss.item()} at epoch {p.epoch + 1}, batch {b}"
+                )
+            run.scaler.scale(loss / accum).backward()
+        p.loss_sum += float(loss.detach())
+        p.loss_count += 1
+        seen += x.shape[0] * info.world
+        p.batch_in_epoch = b + 1
+        if update:
+            run.scheduler.step_update(p.global_step)  # lr of this update
+            if cfg.train.clip_grad:
+                run.scaler.unscale_(run.optimizer)
+                nn.utils.clip_grad_norm_(run.model.parameters(), float(cfg.train.clip_grad))
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
+            run.optimizer.zero_grad(set_to_none=True)
+            p.global_step += 1
+            if run.ema is not None:
+                run.ema.update(run.model)
+            if kill_at and p.global_step == kill_at:
+                os._exit(75)  # simulated crash: no cleanup, no checkpoint of this step
+            every = int(cfg.train.save_every_steps or 0)
+            if every and p.global_step % every == 0 and p.batch_in_epoch < run.batches_per_epoch:
+                _save(run, "last.pt")
+        bar.update(1)
+        if info.is_main and (b + 1) % max(1, int(cfg.train.log_every)) == 0:
+            rate = seen / max(time.perf_counter() - tick, 1e-9)
+            lr = max(g["lr"] for g in run.optimizer.param_groups)
+            bar.set_postfix(loss=f"{p.loss_sum / p.loss_count:.4f}", lr=f"{lr:.2e}", img_s=f"{rate:.0f}")
+    bar.close()
+
+
+def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
+    cfg, p = run.cfg, run.progress
+    row: dict[str, Any] = {
+        "epoch": p.epoch + 1,
+        "step": p.global_step,
+        "train_loss": p.loss_sum / max(p.loss_count, 1),
+        "lr": max(g["lr"] for g in run.optimizer.param_groups),
+        "epoch_time_s": round(epoch_time, 3),
+        "img_per_s": round(images / max(epoch_time, 1e-9), 1),
+    }
+    last = p.epoch + 1 == cfg.train.epochs
+    if last or (p.epoch + 1) % max(1, int(cfg.train.eval_every)) == 0:
+        val = validate(run.model, run.val_loader, run.info.device, run.amp_dtype)
+        row.update(val_loss=val["loss"], val_top1=val["top1"], val_top5=val["top5"])
+        if run.ema is not None:
+            ev = validate(run.ema.module, run.val_loader, run.info.device, run.amp_dtype)
+            row.update(ema_loss=ev["loss"], ema_top1=ev["top1"], ema_top5=ev["top5"])
+    p.history.append(row)
+    p.epoch, p.batch_in_epoch, p.loss_sum, p.loss_count = p.epoch + 1, 0, 0.0, 0
+    top1 = max(row.get("val_top1", -1.0), row.get("ema_top1", -1.0))
+    improved = top1 > p.best_top1
+    p.best_top1 = max(p.best_top1, top1)
+    _save(run, "last.pt")
+    if improved and cfg.train.keep_best:
+        _save(run, "best.pt")
+    if run.info.is_main:
+        write_metrics(p.history, run.out)
+        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        _log(run.info, shown)
+    return row
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Trains ``cfg`` (see module docstring) and returns the run summary (also in ``<output>/summary.json``)."""
+    info = init_distributed(cfg.device, cfg.dist.backend)
+    try:
+        return _train(cfg, info)
+    finally:
+        cleanup()
+
+
+def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
+    start = time.perf_counter()
+    run, ckpt = _setup(cfg, info)
+    if info.is_main:
+        save_config(cfg, run.out)
+    if ckpt is not None:
+        rng = ckpt["rng"]
+        if len(rng) != info.world:
+            _log(
+                info, f"warning: checkpoint from {len(rng)} process(es), now {info.world}: RNG streams differ"
+            )
+        set_rng_state(rng[info.rank % len(rng)])
+    p = run.progress
+    while p.epoch < cfg.train.epochs:
+        tick, batch0 = time.perf_counter(), p.batch_in_epoch
+        _train_epoch(run)
+        images = (run.batches_per_epoch - batch0) * cfg.data.batch_size * info.world
+        _finish_epoch(run, time.perf_counter() - tick, images)
+    digests = all_gather_objects(_param_digest(run.model))
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"DDP ranks disagree on the final weights: {digests}")
+    summary = {
+        "output": str(run.out),
+        "last": str(run.out / "last.pt"),
+        "best": str(run.out / "best.pt") if cfg.train.keep_best else None,
+        "final": p.history[-1] if p.history else {},
+        "best_top1": p.best_top1,
+        "world_size": info.world,
+        "ranks_agree": True,
+        "weights_sha1": digests[0],
+        "wall_time_s": round(time.perf_counter() - start, 1),
+    }
+    if info.is_main:
+        curves = plot_curves(p.history, run.out / "curves.png")
+        summary["curves"] = str(curves) if curves else None
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        final = summary["final"]
+        _log(
+            info,
+            f"\ndone in {summary['wall_time_s']:.0f} s: val top-1 {final.get('val_top1', float('nan')):.2f}% "
+            f"(best {p.best_top1:.2f}%)\n  checkpoint: {summary['last']}\n  best:       {summary['best']}\n"
+            f"  curves:     {summary['curves']}\n  metrics:    {run.out / 'metrics.csv'}\n"
+            f"  evaluate:   python eval.py --checkpoint {summary['best'] or summary['last']}",
+        )
+    return summary
+
+
+# -------------------------------------------------------------------------------------------- evaluation
+def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process peak RSS"
+
+
+@torch.no_grad()
+def _throughput(model: nn.Module, x: torch.Tensor, batches: int, amp_dtype: torch.dtype | None) -> float:
+    dev = x.device
+    with torch.autocast(dev.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        model(x)  # warm-up
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        tick = time.perf_counter()
+        for _ in range(batches):
+            model(x)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    return batches * x.shape[0] / max(time.perf_counter() - tick, 1e-9)
+
+
+def _flops(model: nn.Module, x: torch.Tensor) -> float | None:
+    with warnings.catch_warnings():  # fvcore uses the deprecated torch.jit helpers
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            from fvcore.nn import FlopCountAnalysis
+        except ImportError:
+            return None
+        analysis = FlopCountAnalysis(model, x[:1])
+        analysis.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
+        return float(analysis.total())
+
+
+def evaluate(cfg: Config) -> dict[str, Any]:
+    """Evaluates ``cfg.eval.checkpoint`` on the val split at each of ``cfg.eval.img_sizes``.
+
+    Returns (and writes as JSON): params, and per resolution top-1/top-5/loss, images/s, peak memory
+    and fvcore FLOPs (per image).
+    """
+    info = init_distributed(cfg.device, cfg.dist.backend)
+    try:
+        return _evaluate(cfg, info)
+    finally:
+        cleanup()
+
+
+def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
+    import vit3.models  # noqa: F401  (registers the vit3 models in timm)
+
+    _set_threads(cfg)
+    path = str(cfg.eval.checkpoint)
+    if not path:
+        raise ConfigError("eval.checkpoint is empty: pass --checkpoint FILE")
+    ckpt = peek_vit3_checkpoint(path)
+    in_chans = _in_chans(cfg)
+    data = build_datasets(cfg, in_chans, splits=("val",))
+    if ckpt is not None:
+        name, num_classes = ckpt["model_name"], int(ckpt["num_classes"])
+        model = timm.create_model(name, num_classes=num_classes, **ckpt["model_kwargs"])
+        load_model_weights(model, ckpt, use_ema=cfg.eval.use_ema, source=path)
+    else:
+        if cfg.eval.use_ema:
+            raise ConfigError(
+                "eval.use_ema applies to vit3 checkpoints; an official file holds one set of weights"
+            )
+        name = cfg.model.name
+        num_classes = int(cfg.model.num_classes or len(data["classes"]))
+        model, _ = build_model(cfg, num_classes, path)
+    if len(data["classes"]) > num_classes:
+        raise ValueError(
+            f"{len(data['classes'])} val classes but the checkpoint's classifier has {num_classes}"
+        )
+    model.to(info.device).eval()
+    mean, std = _data_stats(cfg, model, in_chans)
+    amp_dtype = _amp_dtype(cfg.train.amp, info.device)
+    sizes = [int(s) for s in (cfg.eval.img_sizes or [cfg.data.img_size])]
+    results = []
+    for size in sizes:
+        loader = build_val_loader(
+            data["val"],
+            build_transform(cfg, False, mean, std, size),
+            cfg,
+            cfg.eval.batch_size,
+            info.rank,
+            info.world,
+        )
+        if info.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(info.device)
+        metrics = validate(model, loader, info.device, amp_dtype)
+        x = next(iter(loader))[0].to(info.device)
+        rate = _throughput(model, x, int(cfg.eval.throughput_batches), amp_dtype)
+        memory, memory_kind = _peak_memory_mb(info.device)
+        flops = _flops(model, x) if cfg.eval.flops else None
+        results.append(
+            {
+                "img_size": size,
+                **metrics,
+                "throughput_img_s": round(rate, 1),
+                "throughput_batch": int(x.shape[0]),
+                "peak_memory_mb": round(memory, 1),
+                "peak_memory_kind": memory_kind,
+                "gflops_per_image": None if flops is None else flops / 1e9,
+            }
+        )
+    report = {
+        "checkpoint": path,
+        "model": name,
+        "weights": "ema" if cfg.eval.use_ema else "model",
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "device": str(info.device),
+        "amp": str(amp_dtype),
+        "results": results,
+    }
+    out = Path(cfg.eval.json) if cfg.eval.json else Path(path).with_suffix(".eval.json")
+    if info.is_main:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1), encoding="utf-8")
+        _log(info, f"{name} ({report['weights']} weights, {report['params_m']:.2f}M params) on {info.device}")
+        _log(
+            info,
+            f"{'size':>5} {'top-1':>7} {'top-5':>7} {'loss':>7} {'img/s':>9} {'peak MB':>9} {'GFLOPs':>8}",
+        )
+        for r in results:
+            g = "n/a" if r["gflops_per_image"] is None else f"{r['gflops_per_image']:.3f}"
+            _log(
+                info,
+                f"{r['img_size']:>5} {r['top1']:>7.2f} {r['top5']:>7.2f} {r['loss']:>7.4f} "
+                f"{r['throughput_img_s']:>9.1f} {r['peak_memory_mb']:>9.1f} {g:>8}",
+            )
+        _log(info, f"wrote {out}")
+    report["json"] = str(out)
+    return report

@@ -1,0 +1,286 @@
+"""YAML run configs: ``base:`` inheritance, dotted command-line overrides, strict keys, saved with outputs.
+
+API (used by ``train.py``, ``eval.py`` and the task engines):
+
+* ``load_config(path=None, overrides=())`` -> :class:`Config` (``config_from_dict(data, overrides)`` does the
+  same for an already resolved dict, e.g. the config stored in a checkpoint). ``path`` is a YAML file (``None``: the
+  repository's ``configs/default.yaml``, :data:`DEFAULT_CONFIG`). A file may name another file with
+  ``base: other.yaml`` (relative to the file; a list of files is merged left to right); the file's own keys
+  are deep-merged over its base. A file may introduce keys that its bases do not have (e.g. a ``dense:``
+  section for detection): they are valid for every run of that file.
+* ``overrides`` are ``"key.sub=value"`` strings (what a user types after ``python train.py``); the value is
+  parsed as YAML (``train.lr=1e-3`` -> float, ``aug.mixup=null`` -> None, ``data.scale=[0.5,1]`` -> list,
+  ``model.name=vit3_tiny`` -> str). An override must name an existing key: an unknown key raises
+  :class:`ConfigError` naming it and listing close matches (``difflib``). Mappings whose name ends in
+  ``kwargs`` (``model.kwargs``) are free-form: ``model.kwargs.embed_dim=64`` adds a key.
+* :class:`Config` is a ``dict`` with attribute access (``cfg.train.epochs``), ``cfg.get_path("a.b")``,
+  ``cfg.set_path("a.b", v)`` and ``cfg.to_dict()`` (plain nested dicts, for YAML/JSON/checkpoints).
+* ``save_config(cfg, out_dir)`` writes ``out_dir/config.yaml``: the resolved config plus ``_meta``
+  (git commit, whether the tree was dirty, the command line, the UTC time). Call it on rank 0 only.
+* ``git_commit()`` -> the current commit hash of the source checkout (``None`` outside git).
+
+The ``task`` key selects the engine: ``classification`` (``vit3.engine.classification``) or
+``detection`` / ``segmentation`` (``vit3.engine.dense``); ``vit3.engine.run(cfg, mode)`` dispatches.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import difflib
+import re
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO_ROOT / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+
+__all__ = [
+    "CONFIG_DIR",
+    "DEFAULT_CONFIG",
+    "Config",
+    "ConfigError",
+    "config_from_dict",
+    "git_commit",
+    "load_config",
+    "parse_override",
+    "save_config",
+]
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` / ``5E4`` as floats (YAML 1.1 needs a dot: ``1.0e-3``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(stream: Any) -> Any:
+    return yaml.load(stream, Loader=_Loader)
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid (unknown key, bad syntax, missing file, inheritance cycle)."""
+
+
+class Config(dict):
+    """A nested ``dict`` with attribute access; nested mappings are converted to :class:`Config`."""
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        for key, value in (data or {}).items():
+            self[key] = _wrap(value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(_unknown_key_message(name, self.keys())) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = _wrap(value)
+
+    def __deepcopy__(self, memo: dict) -> Config:
+        return Config(copy.deepcopy(self.to_dict(), memo))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns plain nested dicts/lists (safe for YAML, JSON and ``torch.load(weights_only=True)``)."""
+        return {k: (v.to_dict() if isinstance(v, Config) else copy.deepcopy(v)) for k, v in self.items()}
+
+    def get_path(self, dotted: str) -> Any:
+        """Returns the value at ``"a.b.c"``; raises :class:`ConfigError` naming an unknown key."""
+        node: Any = self
+        for i, part in enumerate(dotted.split(".")):
+            if not isinstance(node, Mapping) or part not in node:
+                known = node.keys() if isinstance(node, Mapping) else []
+                prefix = ".".join(dotted.split(".")[:i])
+                raise ConfigError(_unknown_key_message(dotted, _full_keys(known, prefix)))
+            node = node[part]
+        return node
+
+    def set_path(self, dotted: str, value: Any) -> None:
+        """Sets an existing key ``"a.b.c"`` (raises :class:`ConfigError` for an unknown one)."""
+        parent_path, _, leaf = dotted.rpartition(".")
+        parent = self.get_path(parent_path) if parent_path else self
+        free_form = parent_path.rpartition(".")[2].endswith("kwargs")  # e.g. model.kwargs.embed_dim
+        if not isinstance(parent, Mapping) or (leaf not in parent and not free_form):
+            known = parent.keys() if isinstance(parent, Mapping) else []
+            raise ConfigError(_unknown_key_message(dotted, _full_keys(known, parent_path)))
+        parent[leaf] = _wrap(value)
+
+
+def _wrap(value: Any) -> Any:
+    if isinstance(value, Config):
+        return value
+    if isinstance(value, Mapping):
+        return Config(value)
+    return value
+
+
+def _full_keys(keys: Iterable[str], prefix: str) -> list[str]:
+    return [f"{prefix}.{k}" if prefix else str(k) for k in keys]
+
+
+def _all_dotted_keys(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        out.append(dotted)
+        if isinstance(value, Mapping):
+            out.extend(_all_dotted_keys(value, dotted))
+    return out
+
+
+def _unknown_key_message(key: str, candidates: Iterable[str]) -> str:
+    candidates = list(candidates)
+    close = difflib.get_close_matches(key, candidates, n=5, cutoff=0.5)
+    if not close:  # also match on the last component ("lr" -> "train.base_lr")
+        leaf = key.rsplit(".", 1)[-1]
+        close = [c for c in candidates if leaf and leaf in c.rsplit(".", 1)[-1]][:5]
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown config key '{key}'{hint}"
+
+
+def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """Merges ``top`` over ``base`` (mappings recursively, everything else replaced)."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(dict(out[key]), value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _read_yaml_tree(path: Path, stack: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Reads ``path`` and its ``base:`` chain into one merged dict (``base`` removed)."""
+    path = path.resolve()
+    if path in stack:
+        chain = " -> ".join(str(p) for p in (*stack, path))
+        raise ConfigError(f"config inheritance cycle: {chain}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = _yaml_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"cannot parse config file {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} must hold a mapping at the top level, got {type(data).__name__}"
+        )
+    bases = data.pop("base", None) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    merged: dict[str, Any] = {}
+    for base in bases:
+        merged = _deep_merge(merged, _read_yaml_tree(path.parent / base, (*stack, path)))
+    return _deep_merge(merged, data)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parses ``"key.sub=value"`` into ``("key.sub", value)`` with the value read as YAML."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"bad override '{text}': expected key.sub=value (e.g. train.epochs=10)")
+    try:
+        value = _yaml_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # a string YAML cannot parse (e.g. "a: b") is taken literally
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Loads a YAML config with its ``base:`` chain and applies dotted ``key=value`` overrides.
+
+    Args:
+        path: config file; ``None`` loads :data:`DEFAULT_CONFIG`.
+        overrides: ``"key.sub=value"`` strings; each must name a key present after the files are merged.
+
+    Returns:
+        The resolved :class:`Config`, with ``_config_file`` recording the file it came from.
+
+    Raises:
+        ConfigError: missing/unparsable file, inheritance cycle, bad override syntax or unknown key.
+    """
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    cfg = config_from_dict(_read_yaml_tree(path), overrides)
+    cfg["_config_file"] = str(path.resolve())
+    return cfg
+
+
+def config_from_dict(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> Config:
+    """Builds a :class:`Config` from a resolved dict (e.g. the one stored in a checkpoint) plus overrides.
+
+    Raises:
+        ConfigError: bad override syntax or unknown key.
+    """
+    cfg = Config({k: v for k, v in data.items() if k != "_meta"})
+    for text in overrides:
+        key, value = parse_override(text)
+        try:
+            cfg.set_path(key, value)
+        except ConfigError:  # re-raise with close matches searched over every key of the config
+            raise ConfigError(_unknown_key_message(key, _all_dotted_keys(cfg))) from None
+    return cfg
+
+
+def git_commit(cwd: str | Path = REPO_ROOT) -> str | None:
+    """Returns the commit hash of the checkout at ``cwd`` (``None`` when git or the repo is absent)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _git_dirty(cwd: str | Path = REPO_ROOT) -> bool | None:
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip())
+
+
+def run_metadata() -> dict[str, Any]:
+    """Git commit, dirty flag, command line and UTC time of this run (stored with configs and checkpoints)."""
+    return {
+        "git_commit": git_commit(),
+        "git_dirty": _git_dirty(),
+        "command": " ".join(sys.argv),
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def save_config(cfg: Config, out_dir: str | Path) -> Path:
+    """Writes the resolved config plus run metadata (git commit, command) to ``out_dir/config.yaml``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = cfg.to_dict()
+    data["_meta"] = run_metadata()
+    path = out_dir / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+    tmp.replace(path)
+    return path

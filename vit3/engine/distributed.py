@@ -1,0 +1,84 @@
+"""torchrun process groups: gloo on CPU, nccl on CUDA; helpers that also work without a process group."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistInfo", "all_gather_objects", "barrier", "cleanup", "init_distributed", "sum_tensor"]
+
+
+class DistInfo:
+    """Rank, world size and device of this process."""
+
+    def __init__(self, rank: int, world: int, local_rank: int, device: torch.device) -> None:
+        self.rank, self.world, self.local_rank, self.device = rank, world, local_rank, device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def _pick_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        name = f"cuda:{local_rank}"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={name} requested but CUDA is not available (use device=cpu)")
+        torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
+    """Joins the torchrun process group when ``WORLD_SIZE`` > 1 (env:// rendezvous).
+
+    Args:
+        device: "auto" | "cpu" | "cuda" | "cuda:N" (under torchrun "cuda" means cuda:LOCAL_RANK).
+        backend: "auto" (nccl for CUDA, gloo for CPU) or an explicit backend name.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _pick_device(device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, init_method="env://", world_size=world, rank=rank)
+    return DistInfo(rank, world, local_rank, dev)
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def sum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """All-reduce sum across ranks (identity without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Python objects of every rank, in rank order (``[obj]`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

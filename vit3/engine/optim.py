@@ -1,0 +1,75 @@
+"""AdamW with the paper's parameter groups and the per-step warmup + cosine schedule.
+
+* Weight decay is applied to every parameter except 1-D ones (norms, biases, scales), ``*.bias`` and the
+  names in ``model.no_weight_decay()`` (official optimizer.py).
+* Optional layer-wise lr decay (``train.layer_decay``): timm's ``param_groups_layer_decay`` through the
+  model's ``group_matcher``; each group's ``lr_scale`` is applied by the timm scheduler.
+* The learning rates scale linearly with the total batch (batch x processes x accumulation) / ``lr_batch``
+  — base, warmup-start and minimum lr alike, as in the official main.py.
+* ``CosineLRScheduler(t_in_epochs=False)`` stepped per optimizer update: linear warmup from ``warmup_lr``
+  over ``warmup_epochs``, then cosine to ``min_lr`` at ``epochs`` (cosine counted from step 0, as official).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from timm.optim import param_groups_layer_decay, param_groups_weight_decay
+from timm.scheduler import CosineLRScheduler
+from torch import nn
+
+__all__ = ["build_optimizer", "build_scheduler", "scaled_lrs"]
+
+
+def scaled_lrs(train_cfg, total_batch: int) -> dict[str, float]:
+    """``base_lr``, ``warmup_lr`` and ``min_lr`` times ``total_batch / lr_batch``."""
+    scale = total_batch / float(train_cfg.lr_batch)
+    return {k: float(train_cfg[k]) * scale for k in ("base_lr", "warmup_lr", "min_lr")}
+
+
+def build_optimizer(model: nn.Module, train_cfg, lr: float) -> torch.optim.AdamW:
+    """AdamW over decay / no-decay (and, with ``layer_decay``, per-layer) parameter groups.
+
+    Raises:
+        ValueError: ``layer_decay`` is set but the model has no ``group_matcher``.
+    """
+    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    wd = float(train_cfg.weight_decay)
+    if train_cfg.layer_decay is not None:
+        if not hasattr(model, "group_matcher"):
+            raise ValueError(
+                f"train.layer_decay needs model.group_matcher(), which {type(model).__name__} lacks"
+            )
+        groups: list[dict[str, Any]] = param_groups_layer_decay(
+            model, weight_decay=wd, no_weight_decay_list=skip, layer_decay=float(train_cfg.layer_decay)
+        )
+    else:
+        groups = param_groups_weight_decay(model, weight_decay=wd, no_weight_decay_list=skip)
+    # timm's groups exclude 1-D params; the official code also exempts every "*.bias" (e.g. a 2-D bias).
+    split: list[dict[str, Any]] = []
+    for g in groups:
+        if g.get("weight_decay", 0.0) > 0:
+            names = {id(p): n for n, p in model.named_parameters()}
+            bias = [p for p in g["params"] if names.get(id(p), "").endswith(".bias")]
+            if bias:
+                keep = [p for p in g["params"] if not names.get(id(p), "").endswith(".bias")]
+                split.append({**g, "params": bias, "weight_decay": 0.0})
+                g = {**g, "params": keep}
+        split.append(g)
+    return torch.optim.AdamW(
+        [g for g in split if g["params"]], lr=lr, betas=tuple(train_cfg.betas), eps=float(train_cfg.eps)
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, float], steps_per_epoch: int):
+    """Per-update warmup + cosine (``step_update(num_updates)`` before each optimizer step)."""
+    return CosineLRScheduler(
+        optimizer,
+        t_initial=max(1, int(train_cfg.epochs * steps_per_epoch)),
+        lr_min=lrs["min_lr"],
+        warmup_lr_init=lrs["warmup_lr"],
+        warmup_t=int(train_cfg.warmup_epochs * steps_per_epoch),
+        cycle_limit=1,
+        t_in_epochs=False,
+    )
