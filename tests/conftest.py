@@ -28,7 +28,7 @@ def load_fixture(name: str) -> dict:
 
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest elementwise error relative to the largest magnitude of ``b``."""
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+    return float(((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).detach())
 
 
 @pytest.fixture(autouse=True)

@@ -198,7 +198,7 @@ class TTTMixer(nn.Module):
         if impl == "torch" or (impl == "auto" and x.device.type != "cuda"):
             return None
         backend, why = _fused_backend()
-        if backend is not None and not gated and backend.fused_supports(name, self.cfg, x):
+        if backend is not None and not gated and backend.fused_supports(name, self.cfg, x, head_dim=self.head_dim):
             return backend.fused_ttt
         if impl == "triton":
             reason = why or f"inner model {name!r} with this configuration is not supported by the kernel"
@@ -266,6 +266,7 @@ class TTTMixer(nn.Module):
                         scale=self.scale,
                         lr=cfg.inner_lr,
                         grad_norm=cfg.grad_norm,
+                        loss=cfg.loss,
                     )
                 else:
                     q, k, v = q.to(compute), k.to(compute), v.to(compute)

@@ -1,0 +1,269 @@
+"""Times the SwiGLU-branch TTT inner loop: fused Triton op vs PyTorch paths vs official eager vs SDPA.
+
+Per configuration (N tokens, head dim d, B*H = ``--bh`` sample-heads, the input dtype) and mode (forward
+under ``no_grad``, forward + backward to qkv and the inner weights), it times side by side:
+
+- ``fused``: ``vit3.kernels.fused_ttt`` (Triton; CUDA only, skipped on CPU);
+- ``torch_fast``: the mixer's hand-fused PyTorch path ``vit3.layers.fast_swiglu.swiglu_ttt`` (when present);
+- ``torch_loop``: the generic PyTorch path ``vit3.layers.inner_loop`` + ``SwiGLUInner.apply_to``;
+- ``official``: the official eager formulation (~37 eager ops forward), re-written here as the baseline;
+- ``sdpa``: softmax attention ``F.scaled_dot_product_attention`` at the same width (same q, k, v);
+- ``dwconv``: the official mixer's other branch, the 3x3 depthwise-conv inner model (PyTorch), on one
+  ``d``-channel head per sample (as in the official mixer): its cost next to the SwiGLU branch's is what
+  a fused dwconv kernel could save at most.
+
+It prints times, speed-ups over ``official``, achieved GB/s and TFLOP/s (and % of the device peak when
+known or given) using the work model of the ViT³ note: per (sample, head) the fused op needs
+12·N·d² FLOPs forward and 32·N·d² backward, and moves 4·N·d elements forward (q, k, v in, out) and
+7·N·d backward (q, k, v, dO in, dq, dk, dv out) — 8·N·d / 14·N·d bytes in bf16. SDPA is rated with
+4·N²·d FLOPs forward and 10·N²·d backward and the same bytes. Results go to ``--out-dir`` as CSV and PNG.
+
+Examples::
+
+    python benchmarks/ttt_kernel.py --quick            # small CPU run (reference paths only)
+    python benchmarks/ttt_kernel.py                    # GPU: all paths, N in {196, 784, 3136, 12544}, d in {32, 64}
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS, print_table, time_interleaved, write_csv
+from benchmarks.official_baseline import official_swiglu_branch
+from vit3.layers import DWConvInner, SwiGLUInner, inner_loop
+
+SCALE = 9**-0.5
+# Dense bf16 tensor-core TFLOP/s and HBM GB/s of common accelerators (vendor datasheets).
+PEAKS = {"H200": (989.0, 4800.0), "H100": (989.0, 3350.0), "A100": (312.0, 2039.0), "L40S": (362.0, 864.0)}
+PATHS = ("fused", "torch_fast", "torch_loop", "official", "sdpa", "dwconv")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def split_heads(qkv: Tensor, heads: int) -> list[Tensor]:
+    """``[B, N, 3*H*d]`` -> q, k, v ``[B, H, N, d]`` as strided views (the mixer's layout)."""
+    return [t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1)]
+
+
+def official_eager(qkv: Tensor, w1: Tensor, w2: Tensor, heads: int) -> Tensor:
+    """The official code's head split (reshape + permute), its eager inner step and read-out, head merge."""
+    b, n, _ = qkv.shape
+    q, k, v = qkv.reshape(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4)  # [B, H, N, d] each
+    return official_swiglu_branch(q, k, v, w1, w2).transpose(1, 2).reshape(b, n, -1)
+
+
+def build_paths(
+    heads: int, d: int, device: torch.device
+) -> dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]]:
+    """Each path maps ``(qkv [B, N, 3*H*d], w1, w2 [1, H, d, d])`` to ``[B, N, H*d]``."""
+    model = SwiGLUInner(heads, d).to(device)
+
+    def merge(y: Tensor, dtype: torch.dtype) -> Tensor:
+        return y.transpose(1, 2).flatten(2).to(dtype)  # [B, H, N, d] -> [B, N, H*d]
+
+    def torch_loop(qkv, w1, w2):
+        ct = torch.promote_types(qkv.dtype, torch.float32)  # the mixer runs the inner loop in fp32 at least
+        q, k, v = (t.to(ct) for t in split_heads(qkv, heads))
+        grid = (1, q.shape[2])
+        p = inner_loop(model, {"w1": w1.to(ct), "w2": w2.to(ct)}, k, v, grid, scale=SCALE)
+        return merge(model.apply_to(p, q, grid), qkv.dtype)
+
+    def sdpa(qkv, w1, w2):
+        return merge(F.scaled_dot_product_attention(*split_heads(qkv, heads)), qkv.dtype)
+
+    conv = DWConvInner(1, d).to(device)
+
+    def dwconv(qkv, w1, w2):
+        # Head 0 of q, k, v as the branch's d channels on a 1 x N grid (the cost does not depend on the shape).
+        ct = torch.promote_types(qkv.dtype, torch.float32)
+        q, k, v = (t[:, :1].to(ct) for t in split_heads(qkv, heads))  # [B, 1, N, d]
+        grid = (1, q.shape[2])
+        p = inner_loop(conv, conv.initial_params(), k, v, grid, scale=SCALE)
+        return merge(conv.apply_to(p, q, grid), qkv.dtype)
+
+    paths = {
+        "dwconv": dwconv,
+        "torch_loop": torch_loop,
+        "official": lambda qkv, w1, w2: official_eager(qkv, w1, w2, heads),
+        "sdpa": sdpa,
+    }
+    try:
+        from vit3.layers.fast_swiglu import swiglu_ttt
+
+        def torch_fast(qkv, w1, w2):
+            ct = torch.promote_types(qkv.dtype, torch.float32)
+            q, k, v = (t.to(ct) for t in split_heads(qkv, heads))
+            return merge(swiglu_ttt(q, k, v, w1.to(ct), w2.to(ct), scale=SCALE), qkv.dtype)
+
+        paths["torch_fast"] = torch_fast
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        from vit3.kernels import fused_ttt
+
+        def fused(qkv, w1, w2):
+            y = fused_ttt(
+                "swiglu", *split_heads(qkv, heads), {"w1": w1, "w2": w2}, scale=SCALE, backend="triton"
+            )
+            return y.transpose(1, 2).flatten(2)  # token-major output: a free view
+
+        paths["fused"] = fused
+    return {name: paths[name] for name in PATHS if name in paths}
+
+
+def step(fn: Callable, mode: str, qkv: Tensor, w1: Tensor, w2: Tensor, dout: Tensor) -> object:
+    """One measured call: the forward under ``no_grad``, or forward + backward to qkv and the weights."""
+    if mode == "fwd":
+        with torch.no_grad():
+            return fn(qkv, w1, w2)
+    out = fn(qkv, w1, w2)
+    return torch.autograd.grad(out, [qkv, w1, w2], dout[..., : out.shape[-1]], allow_unused=True)
+
+
+def work(path: str, mode: str, n: int, d: int, bh: int, heads: int, esize: int) -> tuple[float, float]:
+    """(bytes, FLOPs) the computation needs (the note's model), summed over ``bh`` sample-heads."""
+    elems = 4 * n * d if mode == "fwd" else 11 * n * d
+    if path == "dwconv":  # one head per sample; 3x3 taps per output element
+        bh //= heads
+        return float(elems * esize * bh), float((36 if mode == "fwd" else 108) * n * d * bh)
+    if path == "sdpa":
+        flops = 4 * n * n * d if mode == "fwd" else 14 * n * n * d
+    else:
+        flops = 12 * n * d * d if mode == "fwd" else 44 * n * d * d
+    return float(elems * esize * bh), float(flops * bh)
+
+
+def detect_peaks(
+    device: torch.device, tflops: float | None, gbs: float | None
+) -> tuple[str, float | None, float | None]:
+    """Device name and its (TFLOP/s, GB/s) peaks: flags win, else the table for known GPUs, else unknown."""
+    if device.type != "cuda":
+        return "cpu", tflops, gbs
+    name = torch.cuda.get_device_name(device)
+    known = next((v for k, v in PEAKS.items() if k in name), (None, None))
+    return name, tflops if tflops is not None else known[0], gbs if gbs is not None else known[1]
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Times every path on every (d, N, mode); returns one row per measurement."""
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    esize = torch.empty((), dtype=dtype).element_size()
+    dev_name, peak_tflops, peak_gbs = detect_peaks(device, args.peak_tflops, args.peak_gbs)
+    heads = args.heads
+    if args.bh % heads:
+        raise ValueError(f"--bh {args.bh} must be a multiple of --heads {heads}")
+    batch = args.bh // heads
+    print(f"device: {dev_name}  dtype: {args.dtype}  B x H = {batch} x {heads}  peaks: "
+          f"{peak_tflops or '?'} TFLOP/s, {peak_gbs or '?'} GB/s")  # fmt: skip
+    rows = []
+    for d in args.d:
+        paths = {k: fn for k, fn in build_paths(heads, d, device).items() if k not in args.skip}
+        for n in args.n:
+            qkv = torch.randn(batch, n, 3 * heads * d, device=device, dtype=dtype, requires_grad=True)
+            w1, w2 = (
+                (0.02 * torch.randn(1, heads, d, d, device=device)).requires_grad_(True) for _ in range(2)
+            )
+            dout = torch.randn(batch, n, heads * d, device=device, dtype=dtype)
+            for mode in ("fwd", "fwd+bwd"):
+                calls = {
+                    path: functools.partial(step, fn, mode, qkv, w1, w2, dout) for path, fn in paths.items()
+                }
+                seconds = time_interleaved(calls, device, repeats=args.repeats, warmup=1)
+                for path, sec in seconds.items():
+                    nbytes, flops = work(path, mode, n, d, args.bh, heads, esize)
+                    row = {"device": dev_name, "dtype": args.dtype, "mode": mode, "path": path, "N": n, "d": d,
+                           "BH": args.bh, "ms": 1e3 * sec, "GB/s": nbytes / sec / 1e9,
+                           "TFLOP/s": flops / sec / 1e12}  # fmt: skip
+                    row["%HBM"] = 100 * row["GB/s"] / peak_gbs if peak_gbs else math.nan
+                    row["%peak_FLOP"] = 100 * row["TFLOP/s"] / peak_tflops if peak_tflops else math.nan
+                    rows.append(row)
+                print(f"  d={d} N={n} {mode}: " + ", ".join(f"{k} {1e3 * t:.3f} ms" for k, t in seconds.items()),
+                      file=sys.stderr, flush=True)  # fmt: skip
+    base = {(r["mode"], r["N"], r["d"]): r["ms"] for r in rows if r["path"] == "official"}
+    for r in rows:
+        b = base.get((r["mode"], r["N"], r["d"]))
+        r["x_official"] = b / r["ms"] if b and r["path"] != "dwconv" else math.nan  # dwconv: other work
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Time against N (log-log), one panel per (mode, d), one line per path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ds = sorted({r["d"] for r in rows})
+    modes = ("fwd", "fwd+bwd")
+    fig, axes = plt.subplots(len(modes), len(ds), figsize=(5 * len(ds), 4 * len(modes)), squeeze=False)
+    for i, mode in enumerate(modes):
+        for j, d in enumerate(ds):
+            ax = axes[i][j]
+            for name in PATHS:
+                pts = sorted(
+                    (r["N"], r["ms"]) for r in rows if (r["mode"], r["d"], r["path"]) == (mode, d, name)
+                )
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=name)
+            ax.set(xscale="log", yscale="log", xlabel="tokens N", ylabel="ms", title=f"{mode}, d={d}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    r0 = rows[0]
+    fig.suptitle(f"TTT SwiGLU inner loop: {r0['device']}, {r0['dtype']}, B·H={r0['BH']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--n", type=int, nargs="+", default=[196, 784, 3136, 12544], help="token counts")
+    p.add_argument("--d", type=int, nargs="+", default=[32, 64], help="head dims")
+    p.add_argument("--bh", type=int, default=None, help="batch x heads (default 64 on CUDA, 4 on CPU)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--skip", nargs="*", default=[], choices=PATHS, help="paths not to time")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per path (default 20 CUDA, 3 CPU)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak (dense bf16) TFLOP/s")
+    p.add_argument("--peak-gbs", type=float, default=None, help="device peak memory bandwidth GB/s")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier on shared machines)")
+    p.add_argument(
+        "--quick", action="store_true", help="small CPU-sized run: N in {196, 784}, d = 32, B*H = 4"
+    )
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    on_cuda = args.device.startswith("cuda")
+    args.dtype = args.dtype or ("bf16" if on_cuda else "fp32")
+    args.bh = args.bh or (64 if on_cuda else 4)
+    args.repeats = args.repeats or (20 if on_cuda else 3)
+    if args.quick:
+        args.n, args.d, args.bh, args.heads = [196, 784], [32], 4, 2
+    args.heads = min(args.heads, args.bh)
+    rows = run(args)
+    print_table(rows)
+    tag = "cpu" if not on_cuda else re.sub(r"[^A-Za-z0-9]+", "_", rows[0]["device"]).strip("_").lower()
+    tag += "_quick" if args.quick else ""
+    csv_path, png_path = args.out_dir / f"ttt_kernel_{tag}.csv", args.out_dir / f"ttt_kernel_{tag}.png"
+    write_csv(rows, csv_path)
+    plot(rows, png_path)
+    print(f"wrote {csv_path} and {png_path}")
+
+
+if __name__ == "__main__":
+    main()

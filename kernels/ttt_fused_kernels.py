@@ -1,0 +1,556 @@
+"""Triton kernels of the fused TTT inner loop: one full-batch step of a linear, SwiGLU or 3x3 dwconv model.
+
+Per (sample b, head g) with tokens ``q, k, v [N, d]`` and initial weights ``W [d, d]`` (``W1, W2`` for
+SwiGLU), the forward is three launches:
+
+1. ``grad_partial_kernel`` (grid ``[S, B*G]``): each program sums the inner gradient ``kᵀ P`` over one
+   chunk of tokens (``S`` chunks split N) into a partial ``[d, d]`` per weight;
+2. ``step_kernel`` (grid ``[B*G]``): adds the partials in a fixed order (deterministic), normalises each
+   output column ``G / (||G|| + 1)``, takes the step ``W' = W - lr G`` and saves ``G``, ``W'``, ``||G||``;
+3. ``readout_kernel`` (grid ``[S, B*G]``): applies ``W'`` to the queries.
+
+The backward (``../shared/notes/ttt-math.md``, last section) is four launches: read-out backward (``dq``
+and partial ``dW'``), the step backward through the normalisation (``dG``), the gradient backward
+(``dk``, ``dv``, partial ``kᵀ dZ``) recomputing ``Z``, ``σ`` and the activations from ``k`` instead of
+saving ``N``-sized tensors, and a reduction of the weight gradient over chunks and samples (in a fixed
+order). All tiles are upcast to the accumulator type (fp32, or fp64 for fp64 inputs) before ``tl.dot``.
+
+Constexpr switches: ``SWIGLU`` (else linear), ``MSE`` (linear only: ``E = s (kW - v) / N``, else the dot
+loss ``E = -s v / N``), ``GRAD_NORM``, ``PREC`` (``tl.dot`` input precision, ``"ieee"`` or ``"tf32"``).
+Weight buffers are ``[B*G, slots, NW, R, d]`` contiguous, ``NW`` = 2 for SwiGLU and 1 otherwise, ``R`` = d
+(matrices) or 9 (the taps of the depthwise conv, whose own kernels are at the end of this module and share
+the step, step-backward and weight-gradient reduction kernels).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "conv_grad_bwd_kernel",
+    "conv_grad_partial_kernel",
+    "conv_readout_bwd_kernel",
+    "conv_readout_kernel",
+    "grad_bwd_kernel",
+    "grad_partial_kernel",
+    "readout_bwd_kernel",
+    "readout_kernel",
+    "step_bwd_kernel",
+    "step_kernel",
+    "wgrad_reduce_kernel",
+]
+
+
+@triton.jit
+def _load_tokens(base, stride_n, stride_c, rows, cols, n_tok, d, ACC: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_D]`` tile of tokens, zero outside ``n_tok x d``, upcast to ``ACC``."""
+    mask = (rows[:, None] < n_tok) & (cols[None, :] < d)
+    ptrs = base + rows[:, None] * stride_n + cols[None, :] * stride_c
+    return tl.load(ptrs, mask=mask, other=0.0).to(ACC)
+
+
+@triton.jit
+def _store_tokens(base, stride_n, stride_c, rows, cols, n_tok, d, x):
+    mask = (rows[:, None] < n_tok) & (cols[None, :] < d)
+    tl.store(
+        base + rows[:, None] * stride_n + cols[None, :] * stride_c, x.to(base.dtype.element_ty), mask=mask
+    )
+
+
+@triton.jit
+def _load_mat(base, stride_r, stride_c, rr, rc, n_rows, n_cols, ACC: tl.constexpr):
+    """A ``[BLOCK_R, BLOCK_C]`` tile of an ``n_rows x n_cols`` matrix, zero padded, upcast to ``ACC``."""
+    mask = (rr[:, None] < n_rows) & (rc[None, :] < n_cols)
+    return tl.load(base + rr[:, None] * stride_r + rc[None, :] * stride_c, mask=mask, other=0.0).to(ACC)
+
+
+@triton.jit
+def _store_mat(base, rr, rc, n_rows, n_cols, x):
+    """Stores a tile into a contiguous ``[n_rows, n_cols]`` slot of a buffer."""
+    mask = (rr[:, None] < n_rows) & (rc[None, :] < n_cols)
+    tl.store(base + rr[:, None] * n_cols + rc[None, :], x.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_square(base, stride_r, stride_c, rd, d, ACC: tl.constexpr):
+    """A ``[BLOCK_D, BLOCK_D]`` weight tile, zero padded beyond ``d``."""
+    return _load_mat(base, stride_r, stride_c, rd, rd, d, d, ACC)
+
+
+@triton.jit
+def _store_square(base, rd, d, x):
+    _store_mat(base, rd, rd, d, d, x)
+
+
+@triton.jit
+def _swiglu_acts(z2):
+    """``σ(z2)``, ``A = silu(z2)`` and ``A' = silu'(z2) = σ (1 + z2 (1 - σ))``."""
+    sig = tl.sigmoid(z2)
+    return sig, z2 * sig, sig * (1.0 + z2 * (1.0 - sig))
+
+
+@triton.jit
+def grad_partial_kernel(
+    k_ptr, v_ptr, w_ptr, part_ptr,
+    G, N, D, CHUNK,
+    skb, skg, skn, skc, svb, svg, svn, svc,
+    swg, swr, swc, sw_next,
+    coef,
+    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Partial inner gradients ``kᵀ P`` of one chunk of tokens; ``coef = s / N``.
+
+    ``w_ptr`` is W (or W1) at head 0, ``sw_next`` the offset from W1 to W2; ``part_ptr`` is
+    ``[B*G, S, NW, d, d]``.
+    """
+    pid_s = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = (pid_bg % G).to(tl.int64)
+    rd = tl.arange(0, BLOCK_D)
+    rn = tl.arange(0, BLOCK_N)
+    k_base = k_ptr + b * skb + g * skg
+    v_base = v_ptr + b * svb + g * svg
+    w1 = _load_square(w_ptr + g * swg, swr, swc, rd, D, ACC)
+    acc1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=ACC)
+    if SWIGLU:
+        w2 = _load_square(w_ptr + sw_next + g * swg, swr, swc, rd, D, ACC)
+        acc2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=ACC)
+    lo = pid_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, N)
+    for start in range(lo, hi, BLOCK_N):
+        rows = start + rn
+        k = _load_tokens(k_base, skn, skc, rows, rd, N, D, ACC)
+        v = _load_tokens(v_base, svn, svc, rows, rd, N, D, ACC)
+        kt = tl.trans(k)
+        if SWIGLU:
+            z1 = tl.dot(k, w1, input_precision=PREC)
+            z2 = tl.dot(k, w2, input_precision=PREC)
+            _, a, da = _swiglu_acts(z2)
+            e = -coef * v
+            acc1 += tl.dot(kt, e * a, input_precision=PREC)
+            acc2 += tl.dot(kt, e * z1 * da, input_precision=PREC)
+        else:
+            if MSE:
+                e = coef * (tl.dot(k, w1, input_precision=PREC) - v)  # padded rows: k = v = 0 -> e = 0
+            else:
+                e = -coef * v
+            acc1 += tl.dot(kt, e, input_precision=PREC)
+    part = part_ptr + (pid_bg.to(tl.int64) * tl.num_programs(0) + pid_s) * NW * D * D
+    _store_square(part, rd, D, acc1)
+    if SWIGLU:
+        _store_square(part + D * D, rd, D, acc2)
+
+
+@triton.jit
+def step_kernel(
+    w_ptr, part_ptr, g_ptr, wp_ptr, n_ptr,
+    G, R, D, S,
+    swg, swr, swc, sw_next,
+    lr,
+    NW: tl.constexpr, GRAD_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Sums the ``S`` partials, normalises and steps: ``W' = W - lr G / (||G||_col + 1)``.
+
+    Weights are ``R x D`` (``d x d``; 9 taps x channels for the depthwise conv), the norm over the ``R``
+    rows of each column. Writes the raw gradient ``G`` and ``W'`` (``[B*G, NW, R, D]``) and the column
+    norms (``[B*G, NW, D]``).
+    """
+    pid_bg = tl.program_id(0).to(tl.int64)
+    g = pid_bg % G
+    rr = tl.arange(0, BLOCK_R)
+    rd = tl.arange(0, BLOCK_D)
+    for i in tl.static_range(NW):
+        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=ACC)
+        for s in range(S):
+            acc += _load_mat(part_ptr + ((pid_bg * S + s) * NW + i) * R * D, D, 1, rr, rd, R, D, ACC)
+        w = _load_mat(w_ptr + i * sw_next + g * swg, swr, swc, rr, rd, R, D, ACC)
+        norm = tl.sqrt(tl.sum(acc * acc, axis=0))  # [BLOCK_D], one per output column
+        if GRAD_NORM:
+            step = acc / (norm[None, :] + 1.0)
+        else:
+            step = acc
+        slot = (pid_bg * NW + i) * R * D
+        _store_mat(g_ptr + slot, rr, rd, R, D, acc)
+        _store_mat(wp_ptr + slot, rr, rd, R, D, w - lr * step)
+        tl.store(n_ptr + (pid_bg * NW + i) * D + rd, norm.to(n_ptr.dtype.element_ty), mask=rd < D)
+
+
+@triton.jit
+def readout_kernel(
+    q_ptr, wp_ptr, o_ptr,
+    G, N, D, CHUNK,
+    sqb, sqg, sqn, sqc, sob, sog, son, soc,
+    SWIGLU: tl.constexpr, NW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """``O = q W'`` (linear) or ``(q W1') ⊙ silu(q W2')`` (SwiGLU) for one chunk of queries."""
+    pid_s = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = (pid_bg % G).to(tl.int64)
+    rd = tl.arange(0, BLOCK_D)
+    rn = tl.arange(0, BLOCK_N)
+    wp = wp_ptr + pid_bg.to(tl.int64) * NW * D * D
+    w1 = _load_square(wp, D, 1, rd, D, ACC)
+    if SWIGLU:
+        w2 = _load_square(wp + D * D, D, 1, rd, D, ACC)
+    q_base = q_ptr + b * sqb + g * sqg
+    o_base = o_ptr + b * sob + g * sog
+    lo = pid_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, N)
+    for start in range(lo, hi, BLOCK_N):
+        rows = start + rn
+        q = _load_tokens(q_base, sqn, sqc, rows, rd, N, D, ACC)
+        y = tl.dot(q, w1, input_precision=PREC)
+        if SWIGLU:
+            y2 = tl.dot(q, w2, input_precision=PREC)
+            y = y * y2 * tl.sigmoid(y2)
+        _store_tokens(o_base, son, soc, rows, rd, N, D, y)
+
+
+@triton.jit
+def readout_bwd_kernel(
+    q_ptr, do_ptr, wp_ptr, dq_ptr, part_ptr,
+    G, N, D, CHUNK,
+    sqb, sqg, sqn, sqc, sdob, sdog, sdon, sdoc, sdqb, sdqg, sdqn, sdqc,
+    SWIGLU: tl.constexpr, NW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Read-out backward for one chunk: ``dq`` (written) and the partial ``dW' = qᵀ dY`` per weight."""
+    pid_s = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = (pid_bg % G).to(tl.int64)
+    rd = tl.arange(0, BLOCK_D)
+    rn = tl.arange(0, BLOCK_N)
+    wp = wp_ptr + pid_bg.to(tl.int64) * NW * D * D
+    w1 = _load_square(wp, D, 1, rd, D, ACC)
+    acc1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=ACC)
+    if SWIGLU:
+        w2 = _load_square(wp + D * D, D, 1, rd, D, ACC)
+        acc2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=ACC)
+    q_base = q_ptr + b * sqb + g * sqg
+    do_base = do_ptr + b * sdob + g * sdog
+    dq_base = dq_ptr + b * sdqb + g * sdqg
+    lo = pid_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, N)
+    for start in range(lo, hi, BLOCK_N):
+        rows = start + rn
+        q = _load_tokens(q_base, sqn, sqc, rows, rd, N, D, ACC)
+        do = _load_tokens(do_base, sdon, sdoc, rows, rd, N, D, ACC)
+        qt = tl.trans(q)
+        if SWIGLU:
+            y1 = tl.dot(q, w1, input_precision=PREC)
+            y2 = tl.dot(q, w2, input_precision=PREC)
+            _, act, dact = _swiglu_acts(y2)
+            dy1 = do * act
+            dy2 = do * y1 * dact
+            dq = tl.dot(dy1, tl.trans(w1), input_precision=PREC) + tl.dot(
+                dy2, tl.trans(w2), input_precision=PREC
+            )
+            acc1 += tl.dot(qt, dy1, input_precision=PREC)
+            acc2 += tl.dot(qt, dy2, input_precision=PREC)
+        else:
+            dq = tl.dot(do, tl.trans(w1), input_precision=PREC)
+            acc1 += tl.dot(qt, do, input_precision=PREC)
+        _store_tokens(dq_base, sdqn, sdqc, rows, rd, N, D, dq)
+    part = part_ptr + (pid_bg.to(tl.int64) * (tl.num_programs(0) + 1) + pid_s) * NW * D * D
+    _store_square(part, rd, D, acc1)
+    if SWIGLU:
+        _store_square(part + D * D, rd, D, acc2)
+
+
+@triton.jit
+def step_bwd_kernel(
+    part_ptr, g_ptr, n_ptr, dg_ptr,
+    R, D, S,
+    lr,
+    NW: tl.constexpr, GRAD_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Sums the read-out partials into ``dW'`` and back-propagates the step and the normalisation.
+
+    ``part_ptr`` is ``[B*G, S + 1, NW, R, D]``: slots ``0..S-1`` hold the read-out partials, slot ``S``
+    receives ``dW'`` (the direct part of the initial weights' gradient). With ``Ĝ = G / (n + 1)``,
+    ``dĜ = -lr dW'`` and ``dG = dĜ / (n + 1) - G (G·dĜ)_col / (n (n + 1)²)`` (0 where ``n = 0``).
+    """
+    pid_bg = tl.program_id(0).to(tl.int64)
+    rr = tl.arange(0, BLOCK_R)
+    rd = tl.arange(0, BLOCK_D)
+    for i in tl.static_range(NW):
+        dwp = tl.zeros((BLOCK_R, BLOCK_D), dtype=ACC)
+        for s in range(S):
+            dwp += _load_mat(part_ptr + ((pid_bg * (S + 1) + s) * NW + i) * R * D, D, 1, rr, rd, R, D, ACC)
+        _store_mat(part_ptr + ((pid_bg * (S + 1) + S) * NW + i) * R * D, rr, rd, R, D, dwp)
+        dgh = -lr * dwp
+        slot = (pid_bg * NW + i) * R * D
+        if GRAD_NORM:
+            grad = _load_mat(g_ptr + slot, D, 1, rr, rd, R, D, ACC)
+            n = tl.load(n_ptr + (pid_bg * NW + i) * D + rd, mask=rd < D, other=0.0).to(ACC)
+            proj = tl.sum(grad * dgh, axis=0)  # [BLOCK_D]: G[:, j]·dĜ[:, j]
+            denom = n * (n + 1.0) * (n + 1.0)
+            coef = tl.where(n > 0.0, proj / tl.where(n > 0.0, denom, 1.0), 0.0)
+            dg = dgh / (n[None, :] + 1.0) - grad * coef[None, :]
+        else:
+            dg = dgh
+        _store_mat(dg_ptr + slot, rr, rd, R, D, dg)
+
+
+@triton.jit
+def grad_bwd_kernel(
+    k_ptr, v_ptr, w_ptr, dg_ptr, dk_ptr, dv_ptr, part_ptr,
+    G, N, D, CHUNK,
+    skb, skg, skn, skc, svb, svg, svn, svc,
+    sdkb, sdkg, sdkn, sdkc, sdvb, sdvg, sdvn, sdvc,
+    swg, swr, swc, sw_next,
+    coef,
+    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Inner-gradient backward for one chunk: ``dk``, ``dv`` (written) and partial ``kᵀ dZ`` per weight.
+
+    Recomputes ``Z1 = k W1``, ``Z2 = k W2`` and the activations; ``dP = k dG`` (see the module docstring).
+    Partials go to slots ``0..S-1`` of ``part_ptr`` ``[B*G, S + 1, NW, d, d]``.
+    """
+    pid_s = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = (pid_bg % G).to(tl.int64)
+    rd = tl.arange(0, BLOCK_D)
+    rn = tl.arange(0, BLOCK_N)
+    dgs = dg_ptr + pid_bg.to(tl.int64) * NW * D * D
+    w1 = _load_square(w_ptr + g * swg, swr, swc, rd, D, ACC)
+    dg1 = _load_square(dgs, D, 1, rd, D, ACC)
+    acc1 = tl.zeros((BLOCK_D, BLOCK_D), dtype=ACC)
+    if SWIGLU:
+        w2 = _load_square(w_ptr + sw_next + g * swg, swr, swc, rd, D, ACC)
+        dg2 = _load_square(dgs + D * D, D, 1, rd, D, ACC)
+        acc2 = tl.zeros((BLOCK_D, BLOCK_D), dtype=ACC)
+    k_base = k_ptr + b * skb + g * skg
+    v_base = v_ptr + b * svb + g * svg
+    dk_base = dk_ptr + b * sdkb + g * sdkg
+    dv_base = dv_ptr + b * sdvb + g * sdvg
+    lo = pid_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, N)
+    for start in range(lo, hi, BLOCK_N):
+        rows = start + rn
+        k = _load_tokens(k_base, skn, skc, rows, rd, N, D, ACC)
+        v = _load_tokens(v_base, svn, svc, rows, rd, N, D, ACC)
+        kt = tl.trans(k)
+        dp1 = tl.dot(k, dg1, input_precision=PREC)
+        if SWIGLU:
+            z1 = tl.dot(k, w1, input_precision=PREC)
+            z2 = tl.dot(k, w2, input_precision=PREC)
+            sig, a, da = _swiglu_acts(z2)
+            dda = sig * (1.0 - sig) * (2.0 + z2 * (1.0 - 2.0 * sig))  # silu''(z2)
+            e = -coef * v
+            dp2 = tl.dot(k, dg2, input_precision=PREC)
+            dz1 = dp2 * e * da
+            dz2 = dp1 * e * da + dp2 * e * z1 * dda
+            dv = -coef * (dp1 * a + dp2 * z1 * da)
+            dk = tl.dot(e * a, tl.trans(dg1), input_precision=PREC)
+            dk += tl.dot(e * z1 * da, tl.trans(dg2), input_precision=PREC)
+            dk += tl.dot(dz1, tl.trans(w1), input_precision=PREC)
+            dk += tl.dot(dz2, tl.trans(w2), input_precision=PREC)
+            acc1 += tl.dot(kt, dz1, input_precision=PREC)
+            acc2 += tl.dot(kt, dz2, input_precision=PREC)
+        else:
+            dv = -coef * dp1
+            if MSE:
+                e = coef * (tl.dot(k, w1, input_precision=PREC) - v)
+                dz = coef * dp1
+                dk = tl.dot(e, tl.trans(dg1), input_precision=PREC) + tl.dot(
+                    dz, tl.trans(w1), input_precision=PREC
+                )
+                acc1 += tl.dot(kt, dz, input_precision=PREC)
+            else:
+                dk = tl.dot(-coef * v, tl.trans(dg1), input_precision=PREC)
+        _store_tokens(dk_base, sdkn, sdkc, rows, rd, N, D, dk)
+        _store_tokens(dv_base, sdvn, sdvc, rows, rd, N, D, dv)
+    part = part_ptr + (pid_bg.to(tl.int64) * (tl.num_programs(0) + 1) + pid_s) * NW * D * D
+    _store_square(part, rd, D, acc1)
+    if SWIGLU:
+        _store_square(part + D * D, rd, D, acc2)
+
+
+@triton.jit
+def wgrad_reduce_kernel(
+    part_ptr, dw_ptr,
+    B, G, R, D, SLOTS,
+    NW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """``dW[g] = Σ_b Σ_slot part[b, g, slot]``, in a fixed order; ``dw_ptr`` is ``[G, NW, R, D]``."""
+    g = tl.program_id(0).to(tl.int64)
+    rr = tl.arange(0, BLOCK_R)
+    rd = tl.arange(0, BLOCK_D)
+    for i in tl.static_range(NW):
+        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=ACC)
+        for b in range(B):
+            for s in range(SLOTS):
+                acc += _load_mat(
+                    part_ptr + (((b * G + g) * SLOTS + s) * NW + i) * R * D, D, 1, rr, rd, R, D, ACC
+                )
+        _store_mat(dw_ptr + (g * NW + i) * R * D, rr, rd, R, D, acc)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The 3x3 depthwise-conv inner model on an H x W raster grid of tokens. Weights are [9 taps, channels]; tap
+# (ty, tx) reads the neighbour at offset (ty - 1, tx - 1) with zero padding (PyTorch's conv2d, padding 1).
+#   G[δ, c] = Σ_p E[p, c] k[p + δ, c]      out[p, c] = Σ_δ W'[δ, c] q[p + δ, c]
+#   dW'[δ, c] = Σ_p dO[p, c] q[p + δ, c]   dq[p, c] = Σ_δ W'[δ, c] dO[p - δ, c]
+#   dv[p, c] = -coef Σ_δ dG[δ, c] k[p + δ, c]   dk[p, c] = Σ_δ dG[δ, c] E[p - δ, c]
+# The weight enters only through the read-out (E does not depend on it), so dW = Σ_b dW'.
+
+
+@triton.jit
+def _load_shifted(base, stride_n, stride_c, rows, cols, dy, dx, n_tok, h, w, d, ACC: tl.constexpr):
+    """Tokens at grid offset ``(dy, dx)`` from raster tokens ``rows`` (zero where outside the grid)."""
+    i = rows // w
+    j = rows % w
+    ii = i + dy
+    jj = j + dx
+    ok = (rows < n_tok) & (ii >= 0) & (ii < h) & (jj >= 0) & (jj < w)
+    idx = tl.where(ok, ii * w + jj, 0)
+    mask = ok[:, None] & (cols[None, :] < d)
+    return tl.load(base + idx[:, None] * stride_n + cols[None, :] * stride_c, mask=mask, other=0.0).to(ACC)
+
+
+@triton.jit
+def _tap(tile, rr, tap):
+    """Row ``tap`` of a ``[BLOCK_R, BLOCK_D]`` tile, as a ``[BLOCK_D]`` vector."""
+    return tl.sum(tl.where(rr[:, None] == tap, tile, 0.0), axis=0)
+
+
+@triton.jit
+def conv_grad_partial_kernel(
+    k_ptr, v_ptr, part_ptr,
+    G, N, D, CHUNK, H, W,
+    skb, skg, skn, skc, svb, svg, svn, svc,
+    coef,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Partial ``G[δ, c]`` of one chunk of tokens into ``part_ptr`` ``[B*G, S, 9, d]``."""
+    pid_s = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = (pid_bg % G).to(tl.int64)
+    rd = tl.arange(0, BLOCK_D)
+    rn = tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, 16)
+    k_base = k_ptr + b * skb + g * skg
+    v_base = v_ptr + b * svb + g * svg
+    acc = tl.zeros((16, BLOCK_D), dtype=ACC)
+    lo = pid_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, N)
+    for start in range(lo, hi, BLOCK_N):
+        rows = start + rn
+        e = -coef * _load_tokens(v_base, svn, svc, rows, rd, N, D, ACC)
+        for tap in tl.static_range(9):
+            ks = _load_shifted(k_base, skn, skc, rows, rd, tap // 3 - 1, tap % 3 - 1, N, H, W, D, ACC)
+            acc += tl.where(rr[:, None] == tap, tl.sum(e * ks, axis=0)[None, :], 0.0)
+    _store_mat(part_ptr + (pid_bg.to(tl.int64) * tl.num_programs(0) + pid_s) * 9 * D, rr, rd, 9, D, acc)
+
+
+@triton.jit
+def conv_readout_kernel(
+    q_ptr, wp_ptr, o_ptr,
+    G, N, D, CHUNK, H, W,
+    sqb, sqg, sqn, sqc, sob, sog, son, soc,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """``out = dwconv3x3(q; W')`` for one chunk of tokens."""
+    pid_s = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = (pid_bg % G).to(tl.int64)
+    rd = tl.arange(0, BLOCK_D)
+    rn = tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, 16)
+    wp = _load_mat(wp_ptr + pid_bg.to(tl.int64) * 9 * D, D, 1, rr, rd, 9, D, ACC)
+    q_base = q_ptr + b * sqb + g * sqg
+    o_base = o_ptr + b * sob + g * sog
+    lo = pid_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, N)
+    for start in range(lo, hi, BLOCK_N):
+        rows = start + rn
+        y = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+        for tap in tl.static_range(9):
+            qs = _load_shifted(q_base, sqn, sqc, rows, rd, tap // 3 - 1, tap % 3 - 1, N, H, W, D, ACC)
+            y += _tap(wp, rr, tap)[None, :] * qs
+        _store_tokens(o_base, son, soc, rows, rd, N, D, y)
+
+
+@triton.jit
+def conv_readout_bwd_kernel(
+    q_ptr, do_ptr, wp_ptr, dq_ptr, part_ptr,
+    G, N, D, CHUNK, H, W,
+    sqb, sqg, sqn, sqc, sdob, sdog, sdon, sdoc, sdqb, sdqg, sdqn, sdqc,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Read-out backward for one chunk: ``dq`` (written) and the partial ``dW'`` (slots of ``[B*G, S+1, 9, d]``)."""
+    pid_s = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = (pid_bg % G).to(tl.int64)
+    rd = tl.arange(0, BLOCK_D)
+    rn = tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, 16)
+    wp = _load_mat(wp_ptr + pid_bg.to(tl.int64) * 9 * D, D, 1, rr, rd, 9, D, ACC)
+    q_base = q_ptr + b * sqb + g * sqg
+    do_base = do_ptr + b * sdob + g * sdog
+    dq_base = dq_ptr + b * sdqb + g * sdqg
+    acc = tl.zeros((16, BLOCK_D), dtype=ACC)
+    lo = pid_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, N)
+    for start in range(lo, hi, BLOCK_N):
+        rows = start + rn
+        do = _load_tokens(do_base, sdon, sdoc, rows, rd, N, D, ACC)
+        dq = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+        for tap in tl.static_range(9):
+            qs = _load_shifted(q_base, sqn, sqc, rows, rd, tap // 3 - 1, tap % 3 - 1, N, H, W, D, ACC)
+            acc += tl.where(rr[:, None] == tap, tl.sum(do * qs, axis=0)[None, :], 0.0)
+            dos = _load_shifted(do_base, sdon, sdoc, rows, rd, 1 - tap // 3, 1 - tap % 3, N, H, W, D, ACC)
+            dq += _tap(wp, rr, tap)[None, :] * dos
+        _store_tokens(dq_base, sdqn, sdqc, rows, rd, N, D, dq)
+    part = part_ptr + (pid_bg.to(tl.int64) * (tl.num_programs(0) + 1) + pid_s) * 9 * D
+    _store_mat(part, rr, rd, 9, D, acc)
+
+
+@triton.jit
+def conv_grad_bwd_kernel(
+    k_ptr, v_ptr, dg_ptr, dk_ptr, dv_ptr, part_ptr,
+    G, N, D, CHUNK, H, W,
+    skb, skg, skn, skc, svb, svg, svn, svc,
+    sdkb, sdkg, sdkn, sdkc, sdvb, sdvg, sdvn, sdvc,
+    coef,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Inner-gradient backward for one chunk: ``dk``, ``dv``; its weight-gradient partial is zero."""
+    pid_s = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = (pid_bg % G).to(tl.int64)
+    rd = tl.arange(0, BLOCK_D)
+    rn = tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, 16)
+    dg = _load_mat(dg_ptr + pid_bg.to(tl.int64) * 9 * D, D, 1, rr, rd, 9, D, ACC)
+    k_base = k_ptr + b * skb + g * skg
+    v_base = v_ptr + b * svb + g * svg
+    dk_base = dk_ptr + b * sdkb + g * sdkg
+    dv_base = dv_ptr + b * sdvb + g * sdvg
+    lo = pid_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, N)
+    for start in range(lo, hi, BLOCK_N):
+        rows = start + rn
+        dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+        de = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+        for tap in tl.static_range(9):
+            row = _tap(dg, rr, tap)[None, :]
+            de += row * _load_shifted(k_base, skn, skc, rows, rd, tap // 3 - 1, tap % 3 - 1, N, H, W, D, ACC)
+            dk += row * _load_shifted(v_base, svn, svc, rows, rd, 1 - tap // 3, 1 - tap % 3, N, H, W, D, ACC)
+        _store_tokens(dk_base, sdkn, sdkc, rows, rd, N, D, -coef * dk)
+        _store_tokens(dv_base, sdvn, sdvc, rows, rd, N, D, -coef * de)
+    part = part_ptr + (pid_bg.to(tl.int64) * (tl.num_programs(0) + 1) + pid_s) * 9 * D
+    _store_mat(part, rr, rd, 9, D, tl.zeros((16, BLOCK_D), dtype=ACC))

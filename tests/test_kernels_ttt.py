@@ -1,0 +1,395 @@
+"""The fused Triton TTT op equals the mixer's PyTorch inner loop: output and every gradient.
+
+Runs through Triton's interpreter on CPU (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU).
+Every buffer the op allocates is filled with NaN first (``ttt_fused.DEBUG_FILL``), so an element a kernel
+fails to write shows up as a mismatch. q, k, v are always strided views of one qkv projection output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import vit3.kernels as kernels
+from vit3.kernels import ttt_fused
+
+from tests.conftest import max_rel_err as _max_rel_err
+from vit3.layers import TTTConfig, TTTMixer, create_inner_model, inner_loop
+
+pytestmark = pytest.mark.triton
+
+SCALE = 9**-0.5
+# The compiled kernels on a GPU; the interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 there).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+WEIGHTS = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
+
+
+@pytest.fixture(autouse=True)
+def _nan_fill(monkeypatch):
+    monkeypatch.setattr(ttt_fused, "DEBUG_FILL", float("nan"))
+
+
+def make_inputs(name: str, b: int, g: int, n: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+    """A qkv projection output ``[B, N, 3*G*d]`` and initial weights (leaves, with grads).
+
+    Weights are ``[1, G, d, d]``, or ``[1, G*d, 3, 3]`` for the depthwise conv, float32 unless float64.
+    """
+    qkv = torch.randn(b, n, 3 * g * d, dtype=torch.float64).to(DEVICE, dtype).requires_grad_(True)
+    shape = (1, g * d, 3, 3) if name == "dwconv" else (1, g, d, d)
+    params = {
+        w: (0.3 * torch.randn(shape, dtype=torch.float64)).to(DEVICE, torch.float32).requires_grad_(True)
+        for w in WEIGHTS[name]
+    }
+    if dtype == torch.float64:
+        params = {w: p.detach().double().requires_grad_(True) for w, p in params.items()}
+    return qkv, params
+
+
+def split_heads(qkv: torch.Tensor, g: int) -> list[torch.Tensor]:
+    """``[B, N, 3*G*d]`` -> q, k, v ``[B, G, N, d]``: strided views, as the mixer passes them."""
+    return [t.unflatten(-1, (g, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1)]
+
+
+def torch_path(name, q, k, v, params, *, grid, scale, lr, grad_norm, loss):
+    """The mixer's PyTorch path: ``inner_loop`` + ``apply_to`` in float32 at least."""
+    ct = torch.promote_types(q.dtype, torch.float32)
+    cfg = TTTConfig(branches=(name,), loss=loss)
+    model = create_inner_model(name, q.shape[1], q.shape[-1], cfg)
+    q, k, v = q.to(ct), k.to(ct), v.to(ct)
+    p = inner_loop(model, {w: t.to(ct) for w, t in params.items()}, k, v, grid, loss=loss,
+                   scale=scale, lr=lr, grad_norm=grad_norm)  # fmt: skip
+    return model.apply_to(p, q, grid)
+
+
+def run_both(name, shape, dtype, *, loss="dot", lr=1.0, grad_norm=True, chunk=None, backend="triton"):
+    """Output and gradients (qkv, then each weight) of the fused op and of the PyTorch path.
+
+    ``shape`` is ``(B, G, N, d)`` (a 1 x N grid) or ``(B, G, (h, w), d)``.
+    """
+    b, g, n, d = shape
+    grid = n if isinstance(n, tuple) else (1, n)
+    qkv, params = make_inputs(name, b, g, grid[0] * grid[1], d, dtype)
+    kw = {"grid": grid, "scale": SCALE, "lr": lr, "grad_norm": grad_norm, "loss": loss}
+    out = kernels.fused_ttt(name, *split_heads(qkv, g), params, backend=backend, chunk=chunk, **kw)
+    ref = torch_path(name, *split_heads(qkv, g), params, **kw)
+    dout = torch.randn(ref.shape, dtype=torch.float64).to(ref.device, ref.dtype)
+    inputs = [qkv, *params.values()]
+    got = torch.autograd.grad(out, inputs, dout.to(out.dtype))
+    exp = torch.autograd.grad(ref, inputs, dout)
+    return out, ref, got, exp, list(params)
+
+
+def grad_names(weights: list[str]) -> list[str]:
+    return ["q", "k", "v", *weights]
+
+
+def per_tensor(got, exp, weights):
+    """Splits the qkv gradient into q, k, v so each gradient is compared (and named) on its own."""
+    return zip(grad_names(weights), [*got[0].chunk(3, -1), *got[1:]], [*exp[0].chunk(3, -1), *exp[1:]])
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return _max_rel_err(a.detach(), b.detach())
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+CASES = [
+    pytest.param("swiglu", "dot", (1, 1, 1, 16), None, id="swiglu-N1-d16"),
+    pytest.param("swiglu", "dot", (2, 3, 63, 32), None, id="swiglu-N63-d32-G3"),
+    pytest.param("swiglu", "dot", (2, 3, 63, 32), 16, id="swiglu-N63-d32-G3-split4"),
+    pytest.param("swiglu", "dot", (1, 2, 197, 64), 64, id="swiglu-N197-d64-split4"),
+    pytest.param("swiglu", "dot", (2, 2, 197, 24), None, id="swiglu-N197-d24"),
+    pytest.param("linear", "dot", (1, 1, 1, 16), None, id="linear-dot-N1-d16"),
+    pytest.param("linear", "dot", (2, 3, 197, 32), 64, id="linear-dot-N197-d32-split4"),
+    pytest.param("linear", "mse", (2, 2, 63, 64), None, id="linear-mse-N63-d64"),
+    pytest.param("linear", "mse", (1, 3, 197, 16), 32, id="linear-mse-N197-d16-split7"),
+    pytest.param("dwconv", "dot", (1, 1, (1, 1), 16), None, id="dwconv-1x1-d16"),
+    pytest.param("dwconv", "dot", (2, 2, (7, 9), 32), 32, id="dwconv-7x9-d32-G2-split2"),
+    pytest.param("dwconv", "dot", (1, 1, (1, 197), 64), None, id="dwconv-1x197-d64"),
+    pytest.param("dwconv", "dot", (2, 1, (13, 15), 24), 64, id="dwconv-13x15-d24-split4"),
+]
+
+
+@pytest.mark.parametrize(("name", "loss", "shape", "chunk"), CASES)
+def test_fp32_output_and_every_gradient_match_torch_path(name, loss, shape, chunk):
+    out, ref, got, exp, weights = run_both(name, shape, torch.float32, loss=loss, chunk=chunk)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert max_rel_err(out, ref) < 2e-5
+    for label, a, e in per_tensor(got, exp, weights):
+        assert torch.isfinite(a).all(), f"gradient of {label} has unwritten (NaN) entries"
+        assert max_rel_err(a, e) < 5e-5, f"gradient of {label}"
+
+
+@pytest.mark.parametrize(
+    ("name", "loss", "grad_norm", "lr"),
+    [
+        pytest.param("swiglu", "dot", True, 1.0, id="swiglu-norm"),
+        pytest.param("swiglu", "dot", False, 0.5, id="swiglu-nonorm-lr0.5"),
+        pytest.param("linear", "mse", False, 2.0, id="linear-mse-nonorm-lr2"),
+        pytest.param("dwconv", "dot", True, 1.0, id="dwconv-norm"),
+    ],
+)
+def test_fp64_matches_torch_path_to_rounding(name, loss, grad_norm, lr):
+    out, ref, got, exp, weights = run_both(name, (1, 2, (7, 9), 32), torch.float64, loss=loss, lr=lr,
+                                           grad_norm=grad_norm, chunk=32)  # fmt: skip
+    assert max_rel_err(out, ref) < 1e-12
+    for label, a, e in per_tensor(got, exp, weights):
+        assert max_rel_err(a, e) < 1e-12, f"gradient of {label}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    ("name", "loss"), [("swiglu", "dot"), ("linear", "mse")], ids=["swiglu", "linear-mse"]
+)
+def test_half_inputs_match_torch_path_loosely(name, loss, dtype):
+    out, ref, got, exp, weights = run_both(name, (2, 2, 197, 32), dtype, loss=loss, chunk=64)
+    assert out.dtype == dtype
+    assert rel_rms(out, ref) < 1e-2
+    for label, a, e in per_tensor(got, exp, weights):
+        assert a.dtype == (dtype if label in ("q", "k", "v") else torch.float32), label
+        assert rel_rms(a, e) < 1e-2, f"gradient of {label}"
+
+
+def test_split_reduction_is_deterministic():
+    b, g, n, d = 1, 2, 100, 32
+    qkv, params = make_inputs("swiglu", b, g, n, d, torch.float32)
+    runs = []
+    for _ in range(2):
+        out = kernels.fused_ttt(
+            "swiglu", *split_heads(qkv, g), params, scale=SCALE, backend="triton", chunk=32
+        )
+        runs.append([out, *torch.autograd.grad(out.square().sum(), [qkv, *params.values()])])
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_output_is_token_major_so_the_head_merge_is_free():
+    qkv, params = make_inputs("linear", 1, 3, 5, 16, torch.float32)
+    out = kernels.fused_ttt("linear", *split_heads(qkv, 3), params, scale=SCALE, backend="triton")
+    assert out.transpose(1, 2).is_contiguous()
+
+
+# ------------------------------------------------------------------------------------ reference switch
+
+
+@pytest.mark.parametrize("name", ["swiglu", "linear", "dwconv"])
+def test_reference_switch_by_argument_and_environment(name, monkeypatch):
+    b, g, n, d = 1, 2, 40, 16
+    qkv, params = make_inputs(name, b, g, n, d, torch.float32)
+    calls = []
+    ref_fn = f"{name}_ttt_ref"
+    original = getattr(ttt_fused, ref_fn)
+    monkeypatch.setattr(ttt_fused, ref_fn, lambda *a, **k: calls.append(1) or original(*a, **k))
+
+    def run(**kw):
+        out = kernels.fused_ttt(name, *split_heads(qkv, g), params, grid=(5, 8), scale=SCALE, **kw)
+        return [out, *torch.autograd.grad(out.square().sum(), [qkv, *params.values()])]
+
+    fused = run(backend="triton")
+    assert not calls
+    reference = run(backend="reference")
+    assert len(calls) == 1
+    monkeypatch.setenv(kernels.BACKEND_ENV, "reference")
+    assert all(torch.equal(a, e) for a, e in zip(run(), reference)) and len(calls) == 2
+    assert torch.equal(run(backend="triton")[0], fused[0]) and len(calls) == 2  # the argument wins
+    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
+    assert torch.equal(run()[0], fused[0]) and len(calls) == 2
+    for a, e in zip(fused, reference):
+        assert max_rel_err(a, e) < 5e-5
+
+
+def test_bad_backend_value_is_rejected(monkeypatch):
+    monkeypatch.setenv(kernels.BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="VIT3_TTT_KERNEL"):
+        kernels.resolve_backend()
+    with pytest.raises(ValueError, match="backend"):
+        kernels.resolve_backend("fast")
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "weights", "loss", "match"),
+    [
+        pytest.param("mlp", (1, 1, 4, 16), ("w",), "dot", "inner models", id="unknown-model"),
+        pytest.param("dwconv", (1, 1, 4, 16), ("weight",), "dot", "grid", id="dwconv-without-grid"),
+        pytest.param("swiglu", (1, 1, 4, 16), ("w1", "w2"), "mse", "losses", id="swiglu-mse"),
+        pytest.param("swiglu", (1, 1, 4, 16), ("w1",), "dot", "weights", id="missing-weight"),
+        pytest.param("linear", (1, 1, 0, 16), ("w",), "dot", "N >= 1", id="no-tokens"),
+        pytest.param("linear", (1, 1, 4, 8), ("w",), "dot", "head dims", id="head-dim-8"),
+    ],
+)
+def test_bad_inputs_raise_value_error(name, shape, weights, loss, match):
+    b, g, n, d = shape
+    q = torch.randn(b, g, n, d, device=DEVICE)
+    params = {
+        w: torch.randn((1, g * d, 3, 3) if name == "dwconv" else (1, g, d, d), device=DEVICE) for w in weights
+    }
+    with pytest.raises(ValueError, match=match):
+        kernels.fused_ttt(name, q, q, q, params, scale=SCALE, loss=loss, backend="triton")
+
+
+def test_weight_shape_mismatch_is_named():
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match=r"\[1, 2, 16, 16\]"):
+        kernels.fused_ttt("linear", q, q, q, {"w": torch.randn(2, 2, 16, 16)}, scale=SCALE)
+    with pytest.raises(ValueError, match=r"\[1, 32, 3, 3\]"):
+        kernels.fused_ttt("dwconv", q, q, q, {"weight": torch.randn(1, 16, 3, 3)}, grid=(2, 2), scale=SCALE)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.fused_ttt("linear", q, q, q, {"w": torch.randn(1, 2, 16, 16)}, grid=(3, 2), scale=SCALE)
+
+
+# ---------------------------------------------------------------------------------- torch.library, compile
+
+
+@pytest.mark.parametrize(
+    ("model", "weight_shape"), [("swiglu", (2, 16)), ("dwconv", (1, 9))], ids=["swiglu", "dwconv"]
+)
+def test_custom_op_registration_passes_opcheck(model, weight_shape):
+    q, k, v = (
+        torch.randn(1, 2, 20, 16, dtype=torch.float64, device=DEVICE, requires_grad=True) for _ in range(3)
+    )
+    w = torch.randn(
+        1, 2, *weight_shape, 16, dtype=torch.float64, device=DEVICE, requires_grad=True
+    )  # [1, G, NW, R, c]
+    args = (
+        q,
+        k,
+        v,
+        w,
+        model,
+        "dot",
+        4,
+        5,
+        SCALE,
+        1.0,
+        True,
+        0,
+    )  # ..., grid 4 x 5, scale, lr, grad_norm, chunk
+    # test_aot_dispatch_dynamic would re-run the interpreter for many symbolic shapes: too slow on CPU.
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
+    torch.library.opcheck(torch.ops.vit3.ttt_fused_fwd.default, args, test_utils=tests)
+
+
+def test_compiles_with_fullgraph_and_keeps_gradients():
+    b, g, n, d = 2, 2, 30, 16
+    qkv, params = make_inputs("swiglu", b, g, n, d, torch.float32)
+
+    def branch(qkv, w1, w2):
+        return kernels.fused_ttt(
+            "swiglu", *split_heads(qkv, g), {"w1": w1, "w2": w2}, scale=SCALE, backend="triton"
+        )
+
+    torch._dynamo.reset()
+    # aot_eager runs dynamo + AOT autograd (graph capture, fake tensors, the registered backward) without
+    # Inductor's C++ build; fullgraph=True fails on any graph break.
+    compiled = torch.compile(branch, fullgraph=True, backend="aot_eager")
+    inputs = [qkv, *params.values()]
+    got = [compiled(*inputs)]
+    got += torch.autograd.grad(got[0].square().sum(), inputs)
+    exp = [branch(*inputs)]
+    exp += torch.autograd.grad(exp[0].square().sum(), inputs)
+    for a, e in zip(got, exp):
+        assert torch.equal(a, e)
+
+
+# -------------------------------------------------------------------------------------------- the mixer
+
+
+def mixer_pair(branches: tuple[str, ...], dim: int = 64, heads: int = 2) -> tuple[TTTMixer, TTTMixer]:
+    fused = TTTMixer(dim, heads, branches=branches, impl="triton").to(DEVICE)
+    plain = TTTMixer(dim, heads, branches=branches, impl="torch").to(DEVICE)
+    plain.load_state_dict(fused.state_dict())
+    return fused, plain
+
+
+def mixer_run(
+    mixer: TTTMixer, x: torch.Tensor, grid: tuple[int, int]
+) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    x = x.clone().requires_grad_(True)
+    out = mixer(x, grid)
+    out.backward(torch.ones_like(out) + out.detach())
+    return out, {k: p.grad for k, p in mixer.named_parameters()}, x.grad
+
+
+@pytest.mark.parametrize("branches", [("swiglu", "dwconv:1"), ("linear",)], ids=["official", "linear"])
+def test_mixer_triton_equals_torch_end_to_end(branches, monkeypatch):
+    calls = []
+    original = kernels.fused_ttt
+    monkeypatch.setattr(kernels, "fused_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
+    fused, plain = mixer_pair(branches)
+    x = torch.randn(2, 35, 64, device=DEVICE)
+    out_f, grads_f, dx_f = mixer_run(fused, x, (5, 7))
+    out_p, grads_p, dx_p = mixer_run(plain, x, (5, 7))
+    assert calls == [name.partition(":")[0] for name in branches]
+    assert max_rel_err(out_f, out_p) < 2e-5
+    assert max_rel_err(dx_f, dx_p) < 5e-5
+    assert set(grads_f) == set(grads_p)
+    for key, g in grads_f.items():
+        assert max_rel_err(g, grads_p[key]) < 5e-5, f"gradient of {key}"
+
+
+def test_mixer_environment_variable_flips_the_implementation(monkeypatch):
+    calls = []
+    original = kernels.fused_ttt
+    monkeypatch.setattr(kernels, "fused_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
+    mixer = TTTMixer(32, 2, branches=("swiglu",)).to(DEVICE)  # impl="auto": the kernel for CUDA tensors only
+    x = torch.randn(1, 12, 32, device=DEVICE)
+    with torch.no_grad():
+        monkeypatch.setenv("VIT3_TTT_IMPL", "torch")
+        plain = mixer(x, (3, 4))
+        assert calls == []
+        monkeypatch.setenv("VIT3_TTT_IMPL", "triton")
+        fused = mixer(x, (3, 4))
+        assert calls == ["swiglu"]
+        monkeypatch.delenv("VIT3_TTT_IMPL")
+        auto = mixer(x, (3, 4))
+        assert len(calls) == (2 if DEVICE.type == "cuda" else 1)
+    assert torch.equal(auto, fused if DEVICE.type == "cuda" else plain)
+    assert max_rel_err(fused, plain) < 2e-5
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "expected"),
+    [
+        pytest.param("swiglu", {}, True, id="official"),
+        pytest.param("linear", {}, True, id="linear-dot"),
+        pytest.param("dwconv", {}, True, id="dwconv"),
+        pytest.param("mlp", {}, False, id="mlp"),
+        pytest.param("swiglu", {"loss": "mse"}, False, id="swiglu-mse"),
+        pytest.param("swiglu", {"steps": 2}, False, id="two-steps"),
+        pytest.param("swiglu", {"mini_batches": 2}, False, id="mini-batches"),
+        pytest.param("swiglu", {"lr_mode": "token"}, False, id="token-lr"),
+    ],
+)
+def test_fused_supports(name, overrides, expected):
+    cfg = TTTConfig(**overrides)
+    assert kernels.fused_supports(name, cfg, torch.randn(1, 4, 32, device=DEVICE)) is expected
+
+
+def test_fused_supports_checks_head_dim_and_device(monkeypatch):
+    cfg = TTTConfig()
+    x = torch.randn(1, 4, 32, device=DEVICE)
+    assert kernels.fused_supports("swiglu", cfg, x, head_dim=64)
+    assert not kernels.fused_supports("swiglu", cfg, x, head_dim=128)  # d x d tiles exceed shared memory
+    assert kernels.fused_supports("dwconv", cfg, x, head_dim=128)
+    assert not kernels.fused_supports(
+        "swiglu", cfg, x.double(), head_dim=64
+    )  # fp64 matrix kernels stop at 32
+    assert not kernels.fused_supports("swiglu", cfg, x, head_dim=8)
+    assert not kernels.fused_supports("swiglu", cfg, x.int())
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor without the interpreter: no Triton
+    assert not kernels.fused_supports("swiglu", cfg, x.cpu())
+
+
+def test_unsupported_head_dim_falls_back_to_reference_or_raises(monkeypatch):
+    g, n, d = 1, 6, 80
+    qkv, params = make_inputs("linear", 1, g, n, d, torch.float32)
+    calls = []
+    original = ttt_fused.linear_ttt_ref
+    monkeypatch.setattr(ttt_fused, "linear_ttt_ref", lambda *a, **k: calls.append(1) or original(*a, **k))
+    out = kernels.fused_ttt("linear", *split_heads(qkv, g), params, scale=SCALE)
+    assert calls == [1] and out.shape == (1, g, n, d)
+    with pytest.raises(ValueError, match="shared memory"):
+        kernels.fused_ttt("linear", *split_heads(qkv, g), params, scale=SCALE, backend="triton")
