@@ -1,10 +1,12 @@
 """A hand-fused PyTorch path for the official SwiGLU inner model (dot loss, one full-batch step).
 
-Same numbers as ``inner_loop`` + ``SwiGLUInner.apply_to``, fewer passes over memory: W1 and W2 are applied
-as one ``[d, 2d]`` matmul, both inner gradients come from one ``kᵀ [P1 | P2]`` matmul, and the backward is
-written out (the formulas of the ViT³ note, "Outer-loop backward of the SwiGLU branch") so autograd does
-not store a dozen N-sized intermediates: only q, k, v and the small per-(sample, head) weights are saved,
-and the cheap elementwise work is recomputed.
+Same numbers as ``inner_loop`` + ``SwiGLUInner.apply_to``, less memory traffic. On CPUs the eager cost of an
+elementwise op is dominated by writing a freshly allocated N-sized tensor (first-touch page faults: about 3x
+an in-place update of the same size), so this path allocates each N-sized intermediate once and updates it in
+place, accumulates matmul results inside BLAS (``baddbmm``) instead of adding tensors, and writes the backward
+out (the formulas of the ViT³ note, "Outer-loop backward of the SwiGLU branch") instead of letting autograd
+store a dozen intermediates. Saved for backward: contiguous q, k, v, the pre-activations Z and read-out Y,
+and the small per-(sample, head) weights.
 """
 
 from __future__ import annotations
@@ -16,93 +18,115 @@ from torch.autograd.function import once_differentiable
 __all__ = ["swiglu_ttt"]
 
 
-def _silu_terms(z2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``σ(z)``, ``t = σ(1 - σ)``, ``silu(z) = z σ`` and ``silu'(z) = σ + z t`` of ``z2`` ``[..., N, d]``."""
-    sig = torch.sigmoid(z2)
-    t = torch.addcmul(sig, sig, sig, value=-1.0)
-    return sig, t, z2 * sig, torch.addcmul(sig, z2, t)
+def _flat(t: Tensor) -> Tensor:
+    """``[B, H, ...]`` -> ``[B*H, ...]`` (a view of a contiguous tensor)."""
+    return t.reshape(-1, *t.shape[2:])
 
 
-def _sum_to(t: Tensor, shape: torch.Size) -> Tensor:
-    """Sums a per-sample weight gradient ``[B, ...]`` over the batch when the weight is shared (``[1, ...]``)."""
-    return t.sum(0, keepdim=True) if shape[0] == 1 and t.shape[0] != 1 else t
+def _batched(w: Tensor, like: Tensor) -> Tensor:
+    """Inner weights ``[1|B, H, d, d]`` -> contiguous ``[B*H, d, d]`` matching tokens ``like`` ``[B, H, N, d]``."""
+    return _flat(w.expand(*like.shape[:2], *w.shape[2:]).contiguous())
 
 
-def _write_p(p: Tensor, v: Tensor, z1: Tensor, a: Tensor, a_prime: Tensor) -> None:
-    """``p <- [v ⊙ A | v ⊙ Z1 ⊙ A']`` in place (``p`` ``[..., N, 2d]``, possibly a strided slice)."""
-    d = v.shape[-1]
-    torch.mul(v, a, out=p[..., :d])
-    torch.mul(torch.mul(v, z1), a_prime, out=p[..., d:])
+def _silu_and_grad(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``σ(z)``, ``silu(z) = z σ`` and ``silu'(z) = σ + silu(z)(1 - σ)``, three fresh tensors."""
+    sig = torch.sigmoid(z)
+    act = z * sig
+    grad = torch.rsub(sig, 1.0).mul_(act).add_(sig)
+    return sig, act, grad
+
+
+def _step(g: Tensor, w: Tensor, lr: float, grad_norm: bool) -> tuple[Tensor, Tensor]:
+    """``W' = W - lr G / (||G|| + 1)`` (norm per output column) and the norms ``[BH, 1, d]``."""
+    norm = torch.linalg.vector_norm(g, dim=-2, keepdim=True) if grad_norm else torch.zeros_like(g[:, :1])
+    return w - lr * (g / (norm + 1.0) if grad_norm else g), norm
+
+
+def _step_backward(dw_new: Tensor, g: Tensor, norm: Tensor, lr: float, grad_norm: bool) -> Tensor:
+    """dL/dG from dL/dW' through ``W' = W - lr G / (||G|| + 1)``."""
+    dg_hat = dw_new * (-lr)
+    if not grad_norm:
+        return dg_hat
+    proj = (g * dg_hat).sum(-2, keepdim=True)
+    # d(G/(n+1)) = dĜ/(n+1) - G (G·dĜ) / (n (n+1)^2); the second term vanishes with G where n = 0.
+    return dg_hat / (norm + 1.0) - g * (proj / (norm.clamp_min(1e-30) * (norm + 1.0) ** 2))
 
 
 class _SwiGLUTTT(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool):
-        q, k, v = (
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-        )  # one copy each; every matmul then reads them in place
-        d = q.shape[-1]
-        c = scale / k.shape[-2]
-        w = torch.cat([w1, w2], dim=-1)  # [1|B, H, d, 2d]
-        z = k @ w  # [B, H, N, 2d] = [Z1 | Z2]
-        z1, z2 = z[..., :d], z[..., d:]
-        _, _, a, a_prime = _silu_terms(z2)
-        p = z.new_empty(z.shape)
-        _write_p(p, v, z1, a, a_prime)  # E = -c v is folded into g below
-        g = (k.transpose(-2, -1) @ p).mul_(-c)  # [B, H, d, 2d] = [G1 | G2]
-        if grad_norm:
-            norm = torch.linalg.vector_norm(g, dim=-2, keepdim=True)  # [B, H, 1, 2d]: per output column
-            w_new = w - lr * (g / (norm + 1.0))
-        else:
-            norm = g.new_zeros(())
-            w_new = w - lr * g
-        y = q @ w_new  # [B, H, N, 2d] = [Y1 | Y2]
-        out = y[..., :d] * torch.nn.functional.silu(y[..., d:])
-        ctx.save_for_backward(q, k, v, w, z, g, norm, w_new, y)
+        shape = q.shape  # [B, H, N, d]
+        c = scale / shape[-2]
+        # One contiguous copy each ([B*H, N, d]); every matmul below then reads them in place.
+        q, k, v = (_flat(t.contiguous()) for t in (q, k, v))
+        w1b, w2b = _batched(w1, q.view(shape)), _batched(w2, q.view(shape))
+        kt = k.transpose(-2, -1)
+        z1, z2 = torch.bmm(k, w1b), torch.bmm(k, w2b)  # [BH, N, d]
+        _, a, a_prime = _silu_and_grad(z2)
+        # G1 = kᵀ(E ⊙ A), G2 = kᵀ(E ⊙ Z1 ⊙ A') with E = -c v (the -c is applied to the small G).
+        g1 = torch.bmm(kt, a.mul_(v)).mul_(-c)
+        g2 = torch.bmm(kt, a_prime.mul_(z1).mul_(v)).mul_(-c)
+        w1n, n1 = _step(g1, w1b, lr, grad_norm)
+        w2n, n2 = _step(g2, w2b, lr, grad_norm)
+        y1, y2 = torch.bmm(q, w1n), torch.bmm(q, w2n)
+        out = torch.nn.functional.silu(y2).mul_(y1)
+        ctx.save_for_backward(q, k, v, w1b, w2b, z1, z2, g1, g2, n1, n2, w1n, w2n, y1, y2)
         ctx.scale, ctx.lr, ctx.grad_norm = scale, lr, grad_norm
-        ctx.w_shapes = (w1.shape, w2.shape)
-        return out
+        ctx.shapes = (shape, w1.shape, w2.shape)
+        return out.view(shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
-        q, k, v, w, z, g, norm, w_new, y = ctx.saved_tensors
-        d = q.shape[-1]
-        c = ctx.scale / k.shape[-2]
-        # Read-out O = Y1 ⊙ silu(Y2), Y = q W':  dY = [dO ⊙ silu(Y2) | dO ⊙ Y1 ⊙ silu'(Y2)].
-        y1, y2 = y[..., :d], y[..., d:]
-        _, _, silu2, dsilu2 = _silu_terms(y2)
-        dy = y.new_empty(y.shape)
-        torch.mul(d_out, silu2, out=dy[..., :d])
-        torch.mul(torch.mul(d_out, y1), dsilu2, out=dy[..., d:])
-        dq = dy @ w_new.transpose(-2, -1)
-        dw_new = q.transpose(-2, -1) @ dy  # [B, H, d, 2d]
-        # Step and normalisation: W' = W - lr Ĝ, Ĝ = G / (n + 1).
-        dg = dw_new * (-ctx.lr)
-        if ctx.grad_norm:
-            proj = (g * dg).sum(-2, keepdim=True)
-            # d(G/(n+1)) = dĜ/(n+1) - G (G·dĜ) / (n (n+1)^2); the second term vanishes with G where n = 0.
-            dg = dg / (norm + 1.0) - g * (proj / (norm.clamp_min(1e-30) * (norm + 1.0) ** 2))
-        dg = dg * (-c)  # G = -c kᵀ P, P = [v ⊙ A | v ⊙ Z1 ⊙ A']: fold -c once
-        # Inner terms of Z = k W (saved), A = silu(Z2), A'' = σ(1-σ)(2 + Z2 (1 - 2σ)).
-        z1, z2 = z[..., :d], z[..., d:]
-        sig, t, a, a_prime = _silu_terms(z2)
-        a_second = torch.mul(sig, -2.0).add_(1.0).mul_(z2).add_(2.0).mul_(t)
-        dp = k @ dg  # [B, H, N, 2d] = dP
-        dp1, dp2 = dp[..., :d], dp[..., d:]
-        dv = torch.mul(dp1, a).addcmul_(torch.mul(dp2, z1), a_prime)
-        # One buffer [P | dZ1 | dZ2] so dk = P dGᵀ + dZ Wᵀ is a single matmul.
-        pdz = z.new_empty((*z.shape[:-1], 4 * d))
-        _write_p(pdz[..., : 2 * d], v, z1, a, a_prime)
-        vdp2 = v * dp2
-        torch.mul(vdp2, a_prime, out=pdz[..., 2 * d : 3 * d])
-        torch.addcmul(torch.mul(dp1, v).mul_(a_prime), torch.mul(vdp2, z1), a_second, out=pdz[..., 3 * d :])
-        dk = pdz @ torch.cat([dg, w.expand_as(dg)], dim=-1).transpose(-2, -1)
-        dw = dw_new + k.transpose(-2, -1) @ pdz[..., 2 * d :]  # [B, H, d, 2d]
-        s1, s2 = ctx.w_shapes
-        return dq, dk, dv, _sum_to(dw[..., :d], s1), _sum_to(dw[..., d:], s2), None, None, None
+        q, k, v, w1b, w2b, z1, z2, g1, g2, n1, n2, w1n, w2n, y1, y2 = ctx.saved_tensors
+        shape, w1_shape, w2_shape = ctx.shapes
+        c = ctx.scale / shape[-2]
+        d_out = _flat(d_out.contiguous())
+        # Read-out O = Y1 ⊙ silu(Y2), Y = q W': dY1 = dO ⊙ silu(Y2), dY2 = dO ⊙ Y1 ⊙ silu'(Y2).
+        _, dy1, dy2 = _silu_and_grad(y2)
+        dy1.mul_(d_out)
+        dy2.mul_(y1).mul_(d_out)
+        dq = torch.bmm(dy1, w1n.transpose(-2, -1)).baddbmm_(dy2, w2n.transpose(-2, -1))
+        qt = q.transpose(-2, -1)
+        dw1, dw2 = torch.bmm(qt, dy1), torch.bmm(qt, dy2)  # dL/dW', also the W' -> W path of dL/dW
+        dg1 = _step_backward(dw1, g1, n1, ctx.lr, ctx.grad_norm).mul_(-c)
+        dg2 = _step_backward(dw2, g2, n2, ctx.lr, ctx.grad_norm).mul_(-c)
+        del dy1, dy2
+        # Inner terms again from the saved Z: A = silu(Z2), A', A'' = σ(1-σ)(2 + Z2 (1 - 2σ)).
+        sig, a, a_prime = _silu_and_grad(z2)
+        a_second = torch.mul(sig, -2.0).add_(1.0).mul_(z2).add_(2.0)
+        a_second.mul_(sig.addcmul_(sig, sig, value=-1.0))
+        del sig
+        # dP = k dG (with -c folded in), P1 = v ⊙ A, P2 = v ⊙ Z1 ⊙ A'.
+        dp1, dp2 = torch.bmm(k, dg1), torch.bmm(k, dg2)
+        r = dp2 * z1
+        dv = torch.mul(dp1, a).addcmul_(r, a_prime)
+        dz1 = torch.mul(v, a_prime).mul_(dp2)
+        del dp2
+        dz2 = dp1.mul_(a_prime).addcmul_(r, a_second).mul_(v)  # v ⊙ (dP1 ⊙ A' + dP2 ⊙ Z1 ⊙ A'')
+        del r, a_second
+        p1, p2 = a.mul_(v), a_prime.mul_(z1).mul_(v)
+        # dk = P1 dG1ᵀ + P2 dG2ᵀ + dZ1 W1ᵀ + dZ2 W2ᵀ, accumulated inside BLAS.
+        dk = torch.bmm(p1, dg1.transpose(-2, -1)).baddbmm_(p2, dg2.transpose(-2, -1))
+        dk.baddbmm_(dz1, w1b.transpose(-2, -1)).baddbmm_(dz2, w2b.transpose(-2, -1))
+        kt = k.transpose(-2, -1)
+        dw1.baddbmm_(kt, dz1)
+        dw2.baddbmm_(kt, dz2)
+
+        def weight_grad(dw: Tensor, w_shape: torch.Size) -> Tensor:
+            dw = dw.view(*shape[:2], *dw.shape[1:])  # [B, H, d, d]
+            return dw.sum(0, keepdim=True) if w_shape[0] == 1 and shape[0] != 1 else dw
+
+        return (
+            dq.view(shape),
+            dk.view(shape),
+            dv.view(shape),
+            weight_grad(dw1, w1_shape),
+            weight_grad(dw2, w2_shape),
+            None,
+            None,
+            None,
+        )
 
 
 def swiglu_ttt(
@@ -119,13 +143,16 @@ def swiglu_ttt(
     """One full-batch dot-loss TTT step of the SwiGLU inner model, then its read-out on q.
 
     Args:
-        q, k, v: ``[B, H, N, d]`` (any strides).
-        w1, w2: initial inner weights ``[1|B, H, d, d]``.
+        q: queries ``[B, H, N, d]`` (any strides).
+        k: keys ``[B, H, N, d]`` (any strides).
+        v: values ``[B, H, N, d]`` (any strides).
+        w1: initial inner weight of the linear factor ``[1|B, H, d, d]``.
+        w2: initial inner weight of the gate ``[1|B, H, d, d]``.
         scale: loss scale s (the official 1/3).
         lr: inner learning rate.
         grad_norm: apply ``G / (||G|| + 1)`` per output column.
 
     Returns:
-        ``(q W1') ⊙ silu(q W2')`` ``[B, H, N, d]``.
+        ``(q W1') ⊙ silu(q W2')`` ``[B, H, N, d]``, W' the per-sample weights after the step.
     """
     return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm)

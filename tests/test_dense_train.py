@@ -1,0 +1,150 @@
+"""End to end: train a detector and a segmenter on real-digit canvases for a few steps (the loss falls), then
+evaluate the checkpoints with eval.py through pycocotools and mIoU; config errors are named."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest_dense import write_ade_digits, write_coco_digits
+from conftest_train import load_script
+
+from vit3.engine import ConfigError, load_config
+from vit3.engine.config import CONFIG_DIR
+from vit3.engine.dense import train
+
+DET = CONFIG_DIR / "dense" / "demo_detection.yaml"
+SEG = CONFIG_DIR / "dense" / "demo_segmentation.yaml"
+
+
+@pytest.fixture(scope="module")
+def coco_root(tmp_path_factory):
+    return write_coco_digits(tmp_path_factory.mktemp("coco"))
+
+
+@pytest.fixture(scope="module")
+def ade_root(tmp_path_factory):
+    return write_ade_digits(tmp_path_factory.mktemp("ade"))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _det_overrides(coco_root, out) -> list[str]:
+    return [
+        "data.dataset=coco",
+        f"data.path={coco_root}",
+        f"output={out}",
+        "device=cpu",
+        "data.batch_size=2",
+        "train.epochs=4",
+        "train.eval_every=4",
+        "train.log_every=0",
+        "dense.warmup_iters=2",
+        "dense.milestones=[10]",
+        "dense.min_size=64",
+        "dense.max_size=64",
+        "dense.anchor_sizes=[8,16,32,64,128]",
+    ]
+
+
+def test_mask_rcnn_trains_and_evaluates_through_pycocotools(coco_root, tmp_path):
+    cfg = load_config(DET, _det_overrides(coco_root, tmp_path / "run"))
+    result = train(cfg)
+    losses = result["losses"]
+    assert len(losses) == 4 * 4  # 7 annotated images (one empty skipped) in batches of 2, four epochs
+    assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4]), losses
+    ckpt = tmp_path / "run" / "last.pt"
+    assert ckpt.exists() and (tmp_path / "run" / "best.pt").exists()
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())[-1]["step"] == 16
+    out = tmp_path / "eval.json"
+    assert load_script("eval").main(["--checkpoint", str(ckpt), "--json", str(out), "device=cpu"]) == 0
+    metrics = json.loads(out.read_text())["metrics"]
+    for key in ("bbox_AP", "bbox_AP50", "segm_AP", "segm_AP50"):
+        assert 0.0 <= metrics[key] <= 1.0
+    assert metrics["bbox_AP"] == pytest.approx(
+        result["final"]["bbox_AP"]
+    )  # eval.py reproduces the run's eval
+
+
+def test_upernet_on_a_plain_backbone_trains_and_evaluates_miou(ade_root, tmp_path):
+    overrides = [
+        "data.dataset=ade20k",
+        f"data.path={ade_root}",
+        f"output={tmp_path / 'run'}",
+        "model.name=test_vit3_ttt",
+        "device=cpu",
+        "data.batch_size=4",
+        "train.epochs=6",
+        "train.eval_every=6",
+        "train.log_every=0",
+        "dense.warmup_iters=2",
+        "dense.head_channels=16",
+        "dense.scale=[64,64]",
+        "dense.crop_size=[64,64]",
+        "dense.class_names=[background,three,seven]",
+        "dense.num_classes=3",
+    ]
+    assert load_script("train").main(["--config", str(SEG), *overrides]) == 0
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert history[-1]["step"] == 12
+    first = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert first["num_classes"] == 3
+    out = tmp_path / "eval.json"
+    args = ["--checkpoint", str(tmp_path / "run" / "best.pt"), "--json", str(out), "dense.inference=slide"]
+    assert load_script("eval").main([*args, "dense.slide_crop=[48,48]", "dense.slide_stride=[32,32]"]) == 0
+    metrics = json.loads(out.read_text())["metrics"]
+    assert set(metrics["per_class_IoU"]) == {"background", "three", "seven"}
+    ious = list(metrics["per_class_IoU"].values())
+    assert metrics["mIoU"] == pytest.approx(np.nanmean(ious)) and 0.0 <= metrics["aAcc"] <= 1.0
+
+
+def test_segmentation_loss_falls_in_a_few_steps(ade_root, tmp_path):
+    overrides = [
+        "data.dataset=ade20k",
+        f"data.path={ade_root}",
+        f"output={tmp_path}",
+        "device=cpu",
+        "train.epochs=5",
+        "train.eval_every=100",
+        "train.log_every=0",
+        "data.batch_size=4",
+        "dense.warmup_iters=1",
+        "dense.head_channels=16",
+        "dense.aux_weight=0",
+        "dense.arch=semantic_fpn",
+        "dense.scale=[64,64]",
+        "dense.crop_size=[64,64]",
+        "dense.num_classes=3",
+        "dense.class_names=null",
+        "train.base_lr=3.0e-3",
+        "dense.lr_schedule=step",  # constant after the warmup
+        "dense.ratio_range=[1,1]",  # crops are whole images: less noise between steps
+    ]
+    result = train(load_config(SEG, overrides))
+    losses = result["losses"]
+    assert len(losses) == 10 and np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+    assert 0.0 <= result["final"]["mIoU"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["dense.arch=upernet"], "not a detection arch"),
+        (["data.dataset=ade20k"], "does not fit task detection"),
+        (["task=segmentation", "dense.arch=upernet", "data.dataset=ade20k"], "dense.num_classes"),
+        (["train.amp=fp8"], "unknown train.amp"),
+    ],
+    ids=["arch-of-other-task", "dataset-of-other-task", "segmentation-without-classes", "bad-amp"],
+)
+def test_config_errors_are_named(coco_root, tmp_path, overrides, match):
+    cfg = load_config(DET, [*_det_overrides(coco_root, tmp_path), *overrides])
+    with pytest.raises(ConfigError, match=match):
+        train(cfg)

@@ -1,0 +1,123 @@
+"""Feature export: safetensors files of multi-scale backbone features for a folder of images, with a manifest."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from torchvision import transforms as T
+
+import vit3  # noqa: F401  (registers the vit3 models)
+from vit3.data.synthetic_dense import make_canvases
+from vit3.export import FeatureExtractor, export_features
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the test models' pretrained_cfg
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    """Three real-digit canvases of different sizes and aspect ratios."""
+    root = tmp_path_factory.mktemp("images")
+    for i, size in enumerate([(64, 64), (72, 96), (90, 70)]):
+        Image.fromarray(make_canvases(1, size, digit_size=(20, 30), seed=i)[0].image).save(
+            root / f"img{i}.png"
+        )
+    return root
+
+
+def _reference_features(model: FeatureExtractor, path, size: int) -> list[torch.Tensor]:
+    """Independent preprocessing (torchvision resize + center crop + normalise) and the raw timm feature model."""
+    tf = T.Compose(
+        [
+            T.Resize(size, interpolation=T.InterpolationMode.BICUBIC),
+            T.CenterCrop(size),
+            T.ToTensor(),
+            T.Normalize(MEAN, STD),
+        ]
+    )
+    with torch.no_grad():
+        return model.backbone.body(tf(Image.open(path).convert("RGB"))[None])
+
+
+@pytest.mark.parametrize(
+    "name, strides",
+    [("test_h_vit3", [4, 8, 16, 32]), ("test_vit3_ttt", [16, 16, 16])],
+    ids=["hierarchical", "plain"],
+)
+def test_features_and_manifest(image_dir, tmp_path, name, strides):
+    model = FeatureExtractor(name)
+    manifest = json.loads(
+        export_features(model, image_dir, tmp_path, img_size=64, crop_pct=1.0, batch_size=2).read_text()
+    )
+    assert manifest["model"] == name and [f["stride"] for f in manifest["features"]] == strides
+    assert manifest["preprocessing"]["mean"] == list(MEAN) and manifest["preprocessing"]["input_size"] == [
+        3,
+        64,
+        64,
+    ]
+    assert [f["shape"] for f in manifest["features"]] == [
+        [f["channels"], 64 // s, 64 // s] for f, s in zip(manifest["features"], strides)
+    ]
+    assert [f["image"] for f in manifest["files"]] == ["img0.png", "img1.png", "img2.png"]
+    for entry in manifest["files"]:
+        stored = load_file(tmp_path / entry["file"])
+        ref = _reference_features(model, image_dir / entry["image"], 64)
+        assert list(stored) == [f["name"] for f in manifest["features"]]
+        for f, r in zip(manifest["features"], ref):
+            torch.testing.assert_close(stored[f["name"]], r[0], rtol=1e-4, atol=1e-4)
+
+
+def test_half_precision_export_and_its_metadata(image_dir, tmp_path):
+    model = FeatureExtractor("test_h_vit3")
+    export_features(model, image_dir, tmp_path, img_size=64, dtype=torch.float16)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "img1.safetensors", "pt") as f:
+        assert f.metadata() == {"image": "img1.png", "model": "test_h_vit3"}
+        t = f.get_tensor("feat0_s4")
+    ref = _reference_features(model, image_dir / "img1.png", 64)[0][0]
+    assert t.dtype == torch.float16 and torch.allclose(t.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_bad_image_folders_are_named(tmp_path):
+    model = FeatureExtractor("test_vit3_ttt")
+    with pytest.raises(FileNotFoundError, match="image folder not found"):
+        export_features(model, tmp_path / "nope", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no images"):
+        export_features(model, tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "dup").mkdir()
+    for suffix in (".png", ".jpg"):
+        Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(tmp_path / "dup" / f"a{suffix}")
+    with pytest.raises(ValueError, match="share file stems"):
+        export_features(model, tmp_path / "dup", tmp_path / "out")
+
+
+def test_export_script_features_command(image_dir, tmp_path):
+    from conftest_train import load_script
+
+    out = tmp_path / "feats"
+    args = [
+        "features",
+        "--model",
+        "test_h_vit3",
+        "--images",
+        str(image_dir),
+        "--out",
+        str(out),
+        "--img-size",
+        "64",
+    ]
+    assert load_script("export").main(args) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["files"]) == 3 and all((out / f["file"]).exists() for f in manifest["files"])
+    assert (
+        load_script("export").main(
+            ["features", "--model", "test_h_vit3", "--images", str(tmp_path / "nope"), "--out", str(out)]
+        )
+        == 2
+    )

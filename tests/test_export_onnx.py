@@ -1,0 +1,119 @@
+"""ONNX export of the multi-scale feature extractor, checked against PyTorch with onnxruntime, and the
+export-time formulation of the depthwise-conv inner model (nine shifted multiply-adds) against the native one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vit3  # noqa: F401  (registers the vit3 models)
+from vit3.export import FeatureExtractor, check_onnx, export_onnx
+from vit3.layers import TTTMixer
+from vit3.layers.inner import _shifted_dwconv, _shifted_dwconv_weight_grad
+
+
+# ------------------------------------------------------------------------- export-time DWConv formulation
+@pytest.mark.parametrize("per_sample", [False, True], ids=["shared-weight", "per-sample-weight"])
+def test_shifted_dwconv_matches_conv2d_with_gradients(per_sample):
+    b, c, h, w = 3, 4, 5, 7
+    x = torch.randn(b, c, h, w, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(b if per_sample else 1, c, 3, 3, dtype=torch.float64, requires_grad=True)
+    ref = torch.cat(
+        [
+            F.conv2d(x[i : i + 1], weight[i if per_sample else 0][:, None], padding=1, groups=c)
+            for i in range(b)
+        ]
+    )
+    got = _shifted_dwconv(x, weight)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (x, weight), g)
+    got_grads = torch.autograd.grad(got, (x, weight), g)
+    for a, b_ in zip(got_grads, ref_grads):
+        torch.testing.assert_close(a, b_, rtol=1e-12, atol=1e-12)
+
+
+def test_shifted_weight_grad_is_the_conv_weight_gradient():
+    k = torch.randn(2, 3, 6, 4, dtype=torch.float64, requires_grad=True)
+    e = torch.randn(2, 3, 6, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.zeros(2, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    # G = d/dW sum(dwconv(k; W) * e), per sample: autograd of conv2d is the independent reference.
+    out = torch.cat([F.conv2d(k[i : i + 1], weight[i][:, None], padding=1, groups=3) for i in range(2)])
+    (ref,) = torch.autograd.grad((out * e).sum(), weight, create_graph=True)
+    got = _shifted_dwconv_weight_grad(k, e)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(ref)  # and its own gradients (k and e), as the outer loop needs them
+    for a, b in zip(torch.autograd.grad(got, (k, e), g), torch.autograd.grad(ref, (k, e), g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_mixer_output_is_unchanged_by_the_export_formulation(monkeypatch):
+    mixer = TTTMixer(32, 2).double()
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    ref = mixer(x, grid=(3, 4))
+    monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)
+    torch.testing.assert_close(mixer(x, grid=(3, 4)), ref, rtol=1e-12, atol=1e-12)
+
+
+# -------------------------------------------------------------------------------------------- ONNX
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_onnx_hierarchical_dynamic_batch(tmp_path):
+    # A fixed image size keeps this export quick; the plain model's test below covers a dynamic size.
+    model = FeatureExtractor("test_h_vit3")
+    info = export_onnx(model, tmp_path / "h.onnx", 64, dynamic_size=False, exporter="dynamo")
+    assert info["exporter"] == "dynamo" and info["dynamic_batch"] and not info["dynamic_size"]
+    assert check_onnx(info["path"], model, [torch.rand(1, 3, 64, 64), torch.rand(3, 3, 64, 64)]) < 1e-4
+
+
+@pytest.mark.slow
+def test_export_script_onnx_command_checks_against_pytorch(tmp_path, capsys):
+    import onnx
+    from conftest_train import load_script
+
+    out = tmp_path / "plain.onnx"
+    assert (
+        load_script("export").main(
+            ["onnx", "--model", "test_vit3_ttt", "--img-size", "64", "--out", str(out)]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    info = json.loads(
+        text[text.rindex("\n{") + 1 :]
+    )  # the script's JSON comes last, after the exporter's log
+    assert info["exporter"] == "dynamo" and info["max_abs_err"] < 1e-4
+    graph = onnx.load(str(out)).graph
+    dims = graph.input[0].type.tensor_type.shape.dim
+    assert dims[1].dim_value == 3 and all(d.dim_param for d in (dims[0], dims[2], dims[3]))  # dynamic B, H, W
+    assert [o.name for o in graph.output] == ["feat0_s16", "feat1_s16", "feat2_s16"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the (quick) TorchScript exporter is deprecated
+def test_check_onnx_reports_shape_mismatch(tmp_path):
+    class Tiny(torch.nn.Module):
+        names = ("a",)
+
+        def forward(self, x):
+            return (x[:, :1],)
+
+    torch.onnx.export(
+        Tiny(), (torch.rand(1, 3, 8, 8),), tmp_path / "t.onnx", input_names=["images"], dynamo=False
+    )
+
+    class Other(Tiny):
+        def forward(self, x):
+            return (x[:, :2],)
+
+    with pytest.raises(ValueError, match="has shape"):
+        check_onnx(tmp_path / "t.onnx", Other(), [torch.rand(1, 3, 8, 8)])
