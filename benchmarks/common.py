@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import ctypes
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +38,32 @@ def time_interleaved(
             sync(device)
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def _rss_hwm_bytes() -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) * 1024
+
+
+def _rss_bytes() -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) * 1024
+
+
+def peak_memory(fn, device: torch.device) -> float:
+    """Peak extra memory (MiB) of one call of ``fn``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed blocks back so the baseline is what is live
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS high-water mark
+    base = _rss_bytes()
+    fn()
+    return (_rss_hwm_bytes() - base) / 2**20
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 2048) -> float:

@@ -3,8 +3,8 @@
 Side by side in one run, per N: (1) the inner loop alone (q, k, v -> read-out; what the official code spends
 its ~37 eager ops on) for our PyTorch path and the official formulation, forward and forward+backward;
 (2) the whole mixer (with the qkv/output projections) against an SDPA attention layer of the same width.
-Prints a table with ratios, time per token (linear scaling check) and achieved GFLOP/s against the measured
-matmul roof, and writes CSV + PNG to ``benchmarks/results/``.
+Prints a table with ratios, peak memory of the inner loop's forward+backward, time per token (linear scaling
+check) and achieved GFLOP/s against the measured matmul roof, and writes CSV + PNG to ``benchmarks/results/``.
 
     python benchmarks/mixer.py                  # CPU defaults: dim 384, 6 heads, batch 4
     python benchmarks/mixer.py --tokens 196 784 3136 --repeats 3
@@ -25,12 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (
     RESULTS,
     matmul_peak_flops,
+    peak_memory,
     plot_loglog,
     print_table,
     time_interleaved,
     write_csv,
 )
 from benchmarks.official_baseline import official_inner
+from vit3.engine.cpu import tune_malloc
 from vit3.layers import TTTMixer
 
 
@@ -90,7 +92,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 lambda: official_inner(qkv, heads, grid, w1, w2, w3), bw
             )
             fns[f"mixer/{tag}"] = lambda bw=bw: step(lambda: mixer(x, grid), bw)
-            fns[f"sdpa/{tag}"] = lambda bw=bw: step(lambda: attn(x), bw)
+            if n <= args.sdpa_max_tokens:  # quadratic: minutes per call on a CPU at 16k tokens
+                fns[f"sdpa/{tag}"] = lambda bw=bw: step(lambda: attn(x), bw)
         t = time_interleaved(fns, device, repeats=args.repeats)
         row = {"N": n, "grid": f"{grid[0]}x{grid[1]}"}
         for tag in ("fwd", "fwd+bwd"):
@@ -98,8 +101,11 @@ def run(args: argparse.Namespace) -> list[dict]:
             row[f"inner_official_{tag}_ms"] = 1e3 * t[f"official/{tag}"]
             row[f"inner_speedup_{tag}"] = t[f"official/{tag}"] / t[f"ours/{tag}"]
             row[f"mixer_{tag}_ms"] = 1e3 * t[f"mixer/{tag}"]
-            row[f"sdpa_{tag}_ms"] = 1e3 * t[f"sdpa/{tag}"]
-            row[f"sdpa_over_mixer_{tag}"] = t[f"sdpa/{tag}"] / t[f"mixer/{tag}"]
+            sdpa = t.get(f"sdpa/{tag}", float("nan"))
+            row[f"sdpa_{tag}_ms"] = 1e3 * sdpa
+            row[f"sdpa_over_mixer_{tag}"] = sdpa / t[f"mixer/{tag}"]
+        for name in ("ours", "official"):
+            row[f"inner_{name}_fwd+bwd_peak_mib"] = peak_memory(fns[f"{name}/fwd+bwd"], device)
         row["inner_us_per_token_fwd+bwd"] = 1e6 * t["ours/fwd+bwd"] / (b * n)
         row["inner_gflops_fwd"] = b * inner_flops(n, dim, heads) / t["ours/fwd"] / 1e9
         row["matmul_roof_gflops"] = peak / 1e9
@@ -116,12 +122,26 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--tokens", type=int, nargs="+", default=[196, 1024, 3136, 9216, 16384])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--sdpa-max-tokens", type=int, default=9216, help="skip SDPA above this N (NaN in the table)"
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "mixer_cpu.csv")
+    p.add_argument(
+        "--no-tune-malloc",
+        dest="tune_malloc",
+        action="store_false",
+        help="keep glibc's default allocator thresholds (see vit3/engine/cpu.py)",
+    )
     args = p.parse_args()
+    if args.tune_malloc and args.device == "cpu":
+        tune_malloc()  # the same process-wide setting for every path compared
     rows = run(args)
     print_table(rows)
-    scale = [r["inner_us_per_token_fwd+bwd"] for r in rows]
-    print(f"time per token, largest N over smallest: {scale[-1] / scale[0]:.2f}x")
+    # Linear scaling check, from 1k tokens on (below that fixed per-call overheads dominate).
+    base = next((r for r in rows if r["N"] >= 1024), rows[0])
+    last = rows[-1]
+    ratio = last["inner_us_per_token_fwd+bwd"] / base["inner_us_per_token_fwd+bwd"]
+    print(f"inner-loop time per token at N={last['N']} over N={base['N']}: {ratio:.2f}x")
     write_csv(rows, args.out)
     ns = [r["N"] for r in rows]
     series = {

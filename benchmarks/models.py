@@ -13,8 +13,6 @@ achieved GFLOP/s of the forward (fvcore FLOPs) against the measured matmul roof 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import re
 import sys
 from pathlib import Path
 
@@ -27,37 +25,13 @@ import vit3  # noqa: F401  - registers the vit3 models in timm
 from benchmarks.common import (
     RESULTS,
     matmul_peak_flops,
+    peak_memory,
     plot_loglog,
     print_table,
     time_interleaved,
     write_csv,
 )
-
-
-def _rss_hwm_bytes() -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) * 1024
-
-
-def _rss_bytes() -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) * 1024
-
-
-def peak_memory(fn, device: torch.device) -> float:
-    """Peak extra memory (MiB) of one call of ``fn``."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed blocks back so the baseline is what is live
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS high-water mark
-    base = _rss_bytes()
-    fn()
-    return (_rss_hwm_bytes() - base) / 2**20
+from vit3.engine.cpu import tune_malloc
 
 
 def build(name: str, res: int, device: torch.device) -> torch.nn.Module:
@@ -137,7 +111,15 @@ def main() -> None:
     p.add_argument("--no-train", action="store_true", help="skip the training-step measurement")
     p.add_argument("--no-flops", dest="flops", action="store_false", help="skip fvcore FLOP counting")
     p.add_argument("--out", type=Path, default=RESULTS / "models_cpu.csv")
+    p.add_argument(
+        "--no-tune-malloc",
+        dest="tune_malloc",
+        action="store_false",
+        help="keep glibc's default allocator thresholds (see vit3/engine/cpu.py)",
+    )
     args = p.parse_args()
+    if args.tune_malloc and args.device == "cpu":
+        tune_malloc()  # the same process-wide setting for every path compared
     rows = run(args)
     print_table(rows)
     for mode in ("infer", "train"):
@@ -149,7 +131,7 @@ def main() -> None:
                     ra, rb = by[(a, res)], by[(b, res)]
                     print(
                         f"{mode} {res}px: {a} {ra['img_per_s'] / rb['img_per_s']:.2f}x the img/s of {b}, "
-                        f"{100 * (1 - ra['peak_mib'] / max(rb['peak_mib'], 1e-9)):.1f}% less peak memory"
+                        f"{ra['peak_mib'] / max(rb['peak_mib'], 1e-9):.2f}x its peak memory"
                     )
     write_csv(rows, args.out)
     for metric, label in (("ms", "ms per batch"), ("peak_mib", "peak MiB")):

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .config import Config, ConfigError, load_config, save_config
+from .cpu import tune_malloc
 
 TASKS = ("classification", "detection", "segmentation")
 
-__all__ = ["TASKS", "Config", "ConfigError", "load_config", "run", "save_config"]
+__all__ = ["TASKS", "Config", "ConfigError", "load_config", "run", "save_config", "tune_malloc"]
 
 
 def run(cfg: Config, mode: str) -> Any:
@@ -27,6 +30,11 @@ def run(cfg: Config, mode: str) -> Any:
         raise ConfigError(f"unknown task '{task}': expected one of {', '.join(TASKS)}")
     if mode not in ("train", "eval"):
         raise ConfigError(f"unknown mode '{mode}': expected train or eval")
+    device = str(cfg.get("device", "auto"))
+    if cfg.get("cpu_malloc", True) and (
+        device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    ):
+        tune_malloc()  # large activations reuse freed heap blocks instead of fresh pages (see engine/cpu.py)
     if task == "classification":
         from . import classification as engine
     else:

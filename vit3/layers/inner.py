@@ -242,7 +242,9 @@ def _shifted_dwconv(x: Tensor, weight: Tensor) -> Tensor:
     ``aten.convolution_backward`` cannot be exported with a dynamic batch."""
     h, w = x.shape[-2:]
     xp = F.pad(x, (1, 1, 1, 1))
-    return sum(xp[..., i : i + h, j : j + w] * weight[..., i, j, None, None] for i in range(3) for j in range(3))
+    return sum(
+        xp[..., i : i + h, j : j + w] * weight[..., i, j, None, None] for i in range(3) for j in range(3)
+    )
 
 
 def _shifted_dwconv_weight_grad(k: Tensor, e: Tensor) -> Tensor:

@@ -198,7 +198,11 @@ class TTTMixer(nn.Module):
         if impl == "torch" or (impl == "auto" and x.device.type != "cuda"):
             return None
         backend, why = _fused_backend()
-        if backend is not None and not gated and backend.fused_supports(name, self.cfg, x, head_dim=self.head_dim):
+        if (
+            backend is not None
+            and not gated
+            and backend.fused_supports(name, self.cfg, x, head_dim=self.head_dim)
+        ):
             return backend.fused_ttt
         if impl == "triton":
             reason = why or f"inner model {name!r} with this configuration is not supported by the kernel"
@@ -241,11 +245,13 @@ class TTTMixer(nn.Module):
         # The inner loop runs in float32 at least (bf16/fp16 gradients of the inner loss are too coarse).
         compute = torch.promote_types(io_dtype, torch.float32)
         cfg = self.cfg
-        outs, offset, gate_offset = [], 0, 0
+        outs, gate_offset = [], 0
+        # One split for all branches: its backward is a single concatenation, where slicing per branch would
+        # make autograd zero-fill and add a full-size qkv gradient for every slice.
+        pieces = qkv.split([w for w in self.widths for _ in range(3)], dim=-1)  # [B, N, width] each
         with torch.autocast(device_type=qkv.device.type, enabled=False):
-            for (name, heads), width, model in zip(self.branch_specs, self.widths, self.inner):
-                q, k, v = qkv[..., offset : offset + 3 * width].split(width, dim=-1)  # [B, N, width] each
-                offset += 3 * width
+            for i, ((name, heads), model) in enumerate(zip(self.branch_specs, self.inner)):
+                q, k, v = pieces[3 * i : 3 * i + 3]
                 gate = None
                 if gates is not None:
                     gate = gates[:, gate_offset : gate_offset + heads].to(compute)
@@ -298,8 +304,9 @@ class TTTMixer(nn.Module):
                             token_lr=gate,
                         )
                         y = model.apply_to(params, q, grid)
-                outs.append(y.transpose(1, 2).reshape(b, n, width).to(io_dtype))  # [B, N, width]
-        return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+                outs.append(y.to(io_dtype).transpose(1, 2))  # [B, N, G, c]
+        # One pass: concatenating along the head dim writes [B, N, sum(G), c] directly in token order.
+        return torch.cat(outs, dim=2).view(b, n, -1) if len(outs) > 1 else outs[0].reshape(b, n, -1)
 
     def extra_repr(self) -> str:
         branches = ", ".join(f"{name}x{heads}" for name, heads in self.branch_specs)
