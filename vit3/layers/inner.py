@@ -231,9 +231,10 @@ class MLPInner(InnerModel):
         return self._out(p, q, _act(self.act, q @ p["w1"]))
 
 
-def _tracing() -> bool:
-    """True under ``torch.jit.trace`` (fvcore FLOP counting) and ONNX export, which need plain ops."""
-    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+def tracing() -> bool:
+    """True under ``torch.jit.trace`` (fvcore FLOP counting), ONNX export and ``torch.compile``/``torch.export``,
+    which need plain, traceable ops rather than the eager fast paths."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
 
 
 def _shifted_dwconv(x: Tensor, weight: Tensor) -> Tensor:
@@ -288,7 +289,7 @@ class DWConvInner(InnerModel):
     def conv(x: Tensor, weight: Tensor) -> Tensor:
         """Per-sample depthwise 3x3 conv: maps ``[B, C, h, w]`` with weights ``[B|1, C, 3, 3]``."""
         b, ch, h, w = x.shape
-        if _tracing():
+        if tracing():
             return _shifted_dwconv(x, weight)
         if weight.shape[0] == 1:
             return F.conv2d(x, weight.reshape(ch, 1, 3, 3), padding=1, groups=ch)
@@ -305,7 +306,7 @@ class DWConvInner(InnerModel):
         km = cache["k_map"]
         b, ch, h, w = km.shape
         em = self.to_map(e, grid)
-        if _tracing():
+        if tracing():
             return {"weight": _shifted_dwconv_weight_grad(km, em)}
         # G[c, δ] = sum_p k[c, p + δ] e[c, p] is the weight gradient of a depthwise conv of k with output
         # gradient e; with the batch folded into groups, the native kernel yields it per sample in one call.

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .config import TTTConfig
 from .fast_swiglu import swiglu_ttt
-from .inner import InnerModel, Params, SwiGLUInner, create_inner_model
+from .inner import InnerModel, Params, SwiGLUInner, create_inner_model, tracing
 from .losses import loss_grad, loss_needs_prediction
 from .rope import apply_rope_2d
 
@@ -183,8 +183,7 @@ class TTTMixer(nn.Module):
         h, w = grid
         if h < 1 or w < 1 or h * w != n:
             raise ValueError(f"grid {h}x{w} = {h * w} tokens does not fit N={n} (input {tuple(x.shape)})")
-        tracing = torch.jit.is_tracing() or torch.compiler.is_compiling()
-        if self.cfg.check_finite and not tracing and os.environ.get(CHECK_FINITE_ENV, "1") != "0":
+        if self.cfg.check_finite and not tracing() and os.environ.get(CHECK_FINITE_ENV, "1") != "0":
             if not torch.isfinite(x).all():
                 raise ValueError("TTTMixer input contains non-finite values (NaN or Inf)")
 
@@ -214,7 +213,7 @@ class TTTMixer(nn.Module):
         c = self.cfg
         return (
             isinstance(model, SwiGLUInner)
-            and not torch.jit.is_tracing()  # tracers (fvcore, ONNX) need the plain ops, not one opaque node
+            and not tracing()  # tracers and compilers need the plain ops, not one opaque eager node
             and gate is None
             and c.loss == "dot"
             and c.steps == 1
