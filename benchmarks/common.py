@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import ctypes
 import re
@@ -128,3 +129,22 @@ def plot_loglog(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """The options every benchmark shares: the device and the CPU allocator setting."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--no-tune-malloc",
+        dest="tune_malloc",
+        action="store_false",
+        help="keep glibc's default allocator thresholds (see vit3/engine/cpu.py)",
+    )
+
+
+def apply_runtime(args: argparse.Namespace) -> None:
+    """Applies the shared options: on CPU, one process-wide allocator setting for every path compared."""
+    if args.tune_malloc and args.device == "cpu":
+        from vit3.engine.cpu import tune_malloc
+
+        tune_malloc()

@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
     RESULTS,
+    add_runtime_args,
+    apply_runtime,
     matmul_peak_flops,
     peak_memory,
     plot_loglog,
@@ -32,7 +34,6 @@ from benchmarks.common import (
     write_csv,
 )
 from benchmarks.official_baseline import official_inner
-from vit3.engine.cpu import tune_malloc
 from vit3.layers import TTTMixer
 
 
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_runtime_args(p)
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--batch", type=int, default=4)
@@ -126,15 +127,8 @@ def main() -> None:
         "--sdpa-max-tokens", type=int, default=9216, help="skip SDPA above this N (NaN in the table)"
     )
     p.add_argument("--out", type=Path, default=RESULTS / "mixer_cpu.csv")
-    p.add_argument(
-        "--no-tune-malloc",
-        dest="tune_malloc",
-        action="store_false",
-        help="keep glibc's default allocator thresholds (see vit3/engine/cpu.py)",
-    )
     args = p.parse_args()
-    if args.tune_malloc and args.device == "cpu":
-        tune_malloc()  # the same process-wide setting for every path compared
+    apply_runtime(args)
     rows = run(args)
     print_table(rows)
     # Linear scaling check, from 1k tokens on (below that fixed per-call overheads dominate).

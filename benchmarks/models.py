@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vit3  # noqa: F401  - registers the vit3 models in timm
 from benchmarks.common import (
     RESULTS,
+    add_runtime_args,
+    apply_runtime,
     matmul_peak_flops,
     peak_memory,
     plot_loglog,
@@ -31,7 +33,6 @@ from benchmarks.common import (
     time_interleaved,
     write_csv,
 )
-from vit3.engine.cpu import tune_malloc
 
 
 def build(name: str, res: int, device: torch.device) -> torch.nn.Module:
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_runtime_args(p)
     p.add_argument("--pairs", nargs="+", default=["vit3_tiny:deit_tiny_patch16_224"])
     p.add_argument("--res", type=int, nargs="+", default=[224, 448, 672, 896, 1248])
     p.add_argument("--batch", type=int, default=1)
@@ -111,15 +112,8 @@ def main() -> None:
     p.add_argument("--no-train", action="store_true", help="skip the training-step measurement")
     p.add_argument("--no-flops", dest="flops", action="store_false", help="skip fvcore FLOP counting")
     p.add_argument("--out", type=Path, default=RESULTS / "models_cpu.csv")
-    p.add_argument(
-        "--no-tune-malloc",
-        dest="tune_malloc",
-        action="store_false",
-        help="keep glibc's default allocator thresholds (see vit3/engine/cpu.py)",
-    )
     args = p.parse_args()
-    if args.tune_malloc and args.device == "cpu":
-        tune_malloc()  # the same process-wide setting for every path compared
+    apply_runtime(args)
     rows = run(args)
     print_table(rows)
     for mode in ("infer", "train"):

@@ -35,3 +35,19 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def coco_root(tmp_path_factory):
+    """A COCO-format dataset of real MNIST digits on canvases (one per test module)."""
+    from conftest_dense import write_coco_digits
+
+    return write_coco_digits(tmp_path_factory.mktemp("coco"))
+
+
+@pytest.fixture(scope="module")
+def ade_root(tmp_path_factory):
+    """An ADE20K-format dataset of real MNIST digits on canvases (one per test module)."""
+    from conftest_dense import write_ade_digits
+
+    return write_ade_digits(tmp_path_factory.mktemp("ade"))

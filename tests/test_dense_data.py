@@ -9,22 +9,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest_dense import DIGITS, write_ade_digits, write_coco_digits
+from conftest_dense import DIGITS
 from PIL import Image
 
 from vit3.data.ade import IGNORE_INDEX, ADESegmentation, rescale_size
 from vit3.data.coco import CocoDetection, load_coco
 from vit3.data.synthetic_dense import make_canvases, write_coco
-
-
-@pytest.fixture(scope="module")
-def coco_root(tmp_path_factory):
-    return write_coco_digits(tmp_path_factory.mktemp("coco"))
-
-
-@pytest.fixture(scope="module")
-def ade_root(tmp_path_factory):
-    return write_ade_digits(tmp_path_factory.mktemp("ade"))
 
 
 # ---------------------------------------------------------------------------------- synthetic canvases

@@ -6,17 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest_dense import write_coco_digits
 from torch import nn
 
 from vit3.data.coco import CocoDetection
 from vit3.engine.config import Config
 from vit3.engine.dense import confusion_matrix, evaluate_detection, lr_factor, segmentation_metrics
-
-
-@pytest.fixture(scope="module")
-def coco_root(tmp_path_factory):
-    return write_coco_digits(tmp_path_factory.mktemp("coco"))
 
 
 # ------------------------------------------------------------------------------------------ mIoU

@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest_dense import write_ade_digits, write_coco_digits
 from conftest_train import load_script
 
 from vit3.engine import ConfigError, load_config
@@ -17,16 +16,6 @@ from vit3.engine.dense import train
 
 DET = CONFIG_DIR / "dense" / "demo_detection.yaml"
 SEG = CONFIG_DIR / "dense" / "demo_segmentation.yaml"
-
-
-@pytest.fixture(scope="module")
-def coco_root(tmp_path_factory):
-    return write_coco_digits(tmp_path_factory.mktemp("coco"))
-
-
-@pytest.fixture(scope="module")
-def ade_root(tmp_path_factory):
-    return write_ade_digits(tmp_path_factory.mktemp("ade"))
 
 
 @pytest.fixture(autouse=True)
