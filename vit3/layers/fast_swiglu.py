@@ -9,10 +9,12 @@ updated weights) between passes, as the Triton kernel does:
 - forward: pass 1 accumulates ``G = kᵀ P`` tile by tile (``baddbmm`` into G), the step updates the weights,
   pass 2 writes the read-out ``(q W1') ⊙ silu(q W2')``;
 - backward (the formulas of the ViT³ note, "Outer-loop backward of the SwiGLU branch"): pass 1 writes ``dq``
-  and accumulates ``dW'``, the step's backward gives ``dG``, pass 2 recomputes the inner terms from k and
-  writes ``dk``, ``dv`` and accumulates ``dW``.
+  and accumulates ``dW'``, the step's backward gives ``dG``, pass 2 recomputes the cheap elementwise inner
+  terms from the saved pre-activations and writes ``dk``, ``dv`` and accumulates ``dW``.
 
-Saved for backward: contiguous q, k, v and the ``[B*H, d, d]`` weights; nothing N-sized beyond the inputs.
+Saved for backward: contiguous q, k, v, the pre-activations ``Z = k W`` and ``Y = q W'`` (four N-sized
+tensors, saving four matmuls) and the ``[B*H, d, d]`` weights; autograd through the official formulation
+keeps about three times as much.
 """
 
 from __future__ import annotations
@@ -84,10 +86,11 @@ class _SwiGLUTTT(torch.autograd.Function):
         w1b, w2b = _batched(w1, shape), _batched(w2, shape)
         # Pass 1: G1 = kᵀ(E ⊙ A), G2 = kᵀ(E ⊙ Z1 ⊙ A'), E = -c v (the -c is applied to the small G).
         g1, g2 = torch.zeros_like(w1b), torch.zeros_like(w2b)
+        z1_all, z2_all = torch.empty_like(k), torch.empty_like(k)  # Z = k W, kept for the backward
         for rows, toks in _tiles(*k.shape, k.element_size()):
             kt, vt = k[rows, toks], v[rows, toks]
-            z1 = torch.bmm(kt, w1b[rows])
-            _, a, a_prime = _silu_and_grad(torch.bmm(kt, w2b[rows]))
+            z1 = torch.bmm(kt, w1b[rows], out=z1_all[rows, toks])
+            _, a, a_prime = _silu_and_grad(torch.bmm(kt, w2b[rows], out=z2_all[rows, toks]))
             ktt = kt.transpose(-2, -1)
             g1[rows].baddbmm_(ktt, a.mul_(vt))
             g2[rows].baddbmm_(ktt, a_prime.mul_(z1).mul_(vt))
@@ -96,14 +99,13 @@ class _SwiGLUTTT(torch.autograd.Function):
         w1n, n1 = _step(g1, w1b, lr, grad_norm)
         w2n, n2 = _step(g2, w2b, lr, grad_norm)
         # Pass 2: read-out (q W1') ⊙ silu(q W2').
-        out = torch.empty_like(q)
+        out, y1_all, y2_all = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
         for rows, toks in _tiles(*q.shape, q.element_size()):
             qt = q[rows, toks]
-            y2 = torch.bmm(qt, w2n[rows])
-            torch.mul(
-                torch.nn.functional.silu(y2, inplace=True), torch.bmm(qt, w1n[rows]), out=out[rows, toks]
-            )
-        ctx.save_for_backward(q, k, v, w1b, w2b, g1, g2, n1, n2, w1n, w2n)
+            y1 = torch.bmm(qt, w1n[rows], out=y1_all[rows, toks])
+            y2 = torch.bmm(qt, w2n[rows], out=y2_all[rows, toks])
+            torch.mul(torch.nn.functional.silu(y2), y1, out=out[rows, toks])
+        ctx.save_for_backward(q, k, v, w1b, w2b, g1, g2, n1, n2, w1n, w2n, z1_all, z2_all, y1_all, y2_all)
         ctx.scale, ctx.lr, ctx.grad_norm = scale, lr, grad_norm
         ctx.shapes = (shape, w1.shape, w2.shape)
         return out.view(shape)
@@ -111,7 +113,7 @@ class _SwiGLUTTT(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
-        q, k, v, w1b, w2b, g1, g2, n1, n2, w1n, w2n = ctx.saved_tensors
+        q, k, v, w1b, w2b, g1, g2, n1, n2, w1n, w2n, z1_all, z2_all, y1_all, y2_all = ctx.saved_tensors
         shape, w1_shape, w2_shape = ctx.shapes
         c = ctx.scale / shape[-2]
         d_out = _flat(d_out.contiguous())
@@ -122,9 +124,8 @@ class _SwiGLUTTT(torch.autograd.Function):
         dw1, dw2 = torch.zeros_like(w1n), torch.zeros_like(w2n)
         w1nt, w2nt = w1n.transpose(-2, -1), w2n.transpose(-2, -1)
         for rows, toks in tiles:
-            qt, dot = q[rows, toks], d_out[rows, toks]
-            y1 = torch.bmm(qt, w1n[rows])
-            _, dy1, dy2 = _silu_and_grad(torch.bmm(qt, w2n[rows]))
+            qt, dot, y1 = q[rows, toks], d_out[rows, toks], y1_all[rows, toks]
+            _, dy1, dy2 = _silu_and_grad(y2_all[rows, toks])
             dy1.mul_(dot)
             dy2.mul_(y1).mul_(dot)
             dq[rows, toks] = torch.bmm(dy1, w1nt[rows]).baddbmm_(dy2, w2nt[rows])
@@ -141,8 +142,7 @@ class _SwiGLUTTT(torch.autograd.Function):
         dg1t, dg2t = dg1.transpose(-2, -1), dg2.transpose(-2, -1)
         w1t, w2t = w1b.transpose(-2, -1), w2b.transpose(-2, -1)
         for rows, toks in tiles:
-            kt, vt = k[rows, toks], v[rows, toks]
-            z1, z2 = torch.bmm(kt, w1b[rows]), torch.bmm(kt, w2b[rows])
+            kt, vt, z1, z2 = k[rows, toks], v[rows, toks], z1_all[rows, toks], z2_all[rows, toks]
             sig, a, a_prime = _silu_and_grad(z2)
             # A'' = σ(1-σ)(2 + Z2 (1 - 2σ))
             a_second = (
