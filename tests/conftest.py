@@ -31,6 +31,18 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).detach())
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, two spinning OpenMP threads are far slower.
+
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -10,7 +10,6 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 
@@ -23,15 +22,6 @@ DEMO = CONFIG_DIR / "demo_mnist.yaml"
 
 # The tiny H-ViT³ test model of vit3.models for 32x32 one-channel digits (it learns digits in a few steps).
 TINY_MODEL = ["model.name=test_h_vit3", "model.kwargs={img_size: 32, in_chans: 1}", "data.img_size=32"]
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, two spinning OpenMP threads are far slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_digit_folder(

@@ -36,13 +36,7 @@ TINY_DET = dict(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: two spinning threads are slower on the shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------ pyramids

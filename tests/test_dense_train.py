@@ -18,12 +18,7 @@ DET = CONFIG_DIR / "dense" / "demo_detection.yaml"
 SEG = CONFIG_DIR / "dense" / "demo_segmentation.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _det_overrides(coco_root, out) -> list[str]:

@@ -6,13 +6,12 @@ import json
 
 import pytest
 import torch
-from conftest_train import load_script, make_digit_folder, one_thread, read_ckpt, tiny_cfg
+from conftest_train import load_script, make_digit_folder, read_ckpt, tiny_cfg
 
 from vit3.engine import run
 from vit3.engine.checkpoint import save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-assert one_thread  # imported for pytest's fixture lookup
 
 
 @pytest.fixture(scope="module")

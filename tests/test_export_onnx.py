@@ -14,6 +14,8 @@ from vit3.export import FeatureExtractor, check_onnx, export_onnx
 from vit3.layers import TTTMixer
 from vit3.layers.inner import _shifted_dwconv, _shifted_dwconv_weight_grad
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 # ------------------------------------------------------------------------- export-time DWConv formulation
 @pytest.mark.parametrize("per_sample", [False, True], ids=["shared-weight", "per-sample-weight"])
@@ -59,12 +61,6 @@ def test_mixer_output_is_unchanged_by_the_export_formulation(monkeypatch):
 
 
 # -------------------------------------------------------------------------------------------- ONNX
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.slow

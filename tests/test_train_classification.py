@@ -15,7 +15,6 @@ from conftest_train import (
     assert_same_tensors,
     load_script,
     make_digit_folder,
-    one_thread,
     read_ckpt,
     tiny_cfg,
 )
@@ -25,7 +24,6 @@ from vit3.engine.checkpoint import CheckpointMismatchError
 from vit3.engine.classification import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-assert one_thread  # imported for pytest's fixture lookup
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import math
 import pytest
 import timm
 import torch
-from conftest_train import assert_same_tensors, make_digit_folder, one_thread, read_ckpt, tiny_cfg
+from conftest_train import assert_same_tensors, make_digit_folder, read_ckpt, tiny_cfg
 
 import vit3.models  # noqa: F401  (registers the models)
 from vit3.engine import load_config, run
@@ -16,7 +16,6 @@ from vit3.engine.classification import soft_cross_entropy
 from vit3.engine.optim import build_optimizer, build_scheduler, scaled_lrs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-assert one_thread  # imported for pytest's fixture lookup
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from timm.layers import DropPath, Mlp, register_notrace_function
 from torch import Tensor, nn
 
 from .config import TTTConfig
+from .inner import tracing
 from .ttt import TTTMixer
 
 __all__ = ["ConvDownsample", "ConvFFN", "ConvNormAct", "ConvPosEnc", "ConvStem", "TTTBlock", "check_image"]
@@ -120,7 +121,9 @@ class TTTBlock(nn.Module):
         super().__init__()
         self.cpe = ConvPosEnc(dim)
         self.norm1 = norm_layer(dim)
-        self.attn = TTTMixer(dim, num_heads, ttt_cfg)
+        # The model validates its image once (check_image); per-block finiteness checks would re-read every
+        # activation on the hot path.
+        self.attn = TTTMixer(dim, num_heads, ttt_cfg, check_finite=False)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim)
         self.mlp = mlp_layer(
@@ -235,7 +238,7 @@ def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = Tr
             f"image {h}x{w} is too small for this model: both sides must be at least {min_size} pixels "
             f"(its total reduction)"
         )
-    if check_finite and not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+    if check_finite and not tracing():
         if not torch.isfinite(x).all():
             raise ValueError("input images contain non-finite values (NaN or Inf)")
     return x

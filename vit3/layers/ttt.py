@@ -7,6 +7,7 @@ design space and ``../shared/notes/ttt-math.md`` (in the repository docs) for th
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Any
@@ -122,8 +123,12 @@ def inner_loop(
     return params
 
 
+@functools.cache
 def _fused_backend() -> tuple[Any, str]:
-    """The fused-kernel module ``vit3.kernels``, or ``None`` with the reason it is unavailable."""
+    """The fused-kernel module ``vit3.kernels``, or ``None`` with the reason it is unavailable.
+
+    Cached: a failing import (no Triton) would otherwise be retried by every mixer on every forward.
+    """
     try:
         import vit3.kernels as backend
     except Exception as exc:  # Triton missing or broken: the PyTorch path serves
