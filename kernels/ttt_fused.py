@@ -37,25 +37,28 @@ __all__ = [
     "head_dim_supported",
     "max_head_dim",
     "resolve_backend",
+    "small_tile",
     "triton_runs_on",
 ]
 
 BACKEND_ENV = "VIT3_TTT_KERNEL"
 FUSED_LOSSES = {"swiglu": ("dot",), "linear": ("dot", "mse"), "dwconv": ("dot",)}
 WEIGHT_NAMES = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
-# Head dims the kernels take. The matrix models keep d x d weights and gradients on chip: at d = 128 their
-# backward kernels need 311-606 KB of shared memory on sm_90 (measured with an ahead-of-time compile), more
-# than the 227 KB an H100/H200 block may use, so they stop at 64; the depthwise conv keeps only 9 x d.
-# float64 tiles take twice the room: the fp64 matrix kernels stop at 32 (a checking mode, not a fast path).
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 64
-MAX_HEAD_DIM_DWCONV, MAX_HEAD_DIM_FP64 = 128, 32
+# Head dims the kernels take. The matrix models' kernels keep [BLOCK_D, BLOCK_C] column blocks of the d x d
+# weights and gradients on chip (``gpu_tiles``: the whole matrix up to d = 64, 16 columns beyond): whole
+# 128 x 128 matrices would need 311-606 KB of shared memory in the backward kernels on sm_90, more than the
+# 227 KB an H100/H200 block may use; in 16-column blocks they need at most 120 KB (184 KB in float64).
+# Beyond 128 the full-width k/q tiles and the dq/dk accumulators outgrow it; the depthwise conv keeps only
+# 9 x d weights and full-width tiles, up to 128 as well.
+MIN_HEAD_DIM, MAX_HEAD_DIM, MAX_HEAD_DIM_DWCONV = 16, 128, 128
 
 
 def max_head_dim(name: str, dtype: torch.dtype | None = None) -> int:
-    """The largest head dim the kernels of inner model ``name`` take for inputs of ``dtype``."""
-    if name == "dwconv":
-        return MAX_HEAD_DIM_DWCONV
-    return MAX_HEAD_DIM_FP64 if dtype == torch.float64 else MAX_HEAD_DIM
+    """The largest head dim the kernels of inner model ``name`` take for inputs of ``dtype``.
+
+    The same for every dtype: float64 (a checking mode) takes narrower column blocks where needed.
+    """
+    return MAX_HEAD_DIM_DWCONV if name == "dwconv" else MAX_HEAD_DIM
 
 
 def head_dim_supported(name: str, head_dim: int, dtype: torch.dtype | None = None) -> bool:
@@ -112,27 +115,63 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def gpu_tiles(block_d: int) -> tuple[int, int]:
-    """``(BLOCK_N, num_warps)`` on a GPU for ``BLOCK_D``-wide heads.
+def gpu_tiles(block_d: int, dtype: torch.dtype, model: str) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_C, num_warps)`` of inner model ``model``'s kernels for ``BLOCK_D``-wide heads of ``dtype``.
 
-    32-token tiles: 64 make ptxas spill registers in the backward kernels (sm_90); 8 warps from d = 64,
-    where the d x d weights and gradients take most of the registers.
+    ``BLOCK_C`` (output columns per program, also on the interpreter) is the whole head up to
+    ``BLOCK_D = 64`` (32 for float64): one column block, one fused launch per stage. On a GPU: 32-token
+    tiles (64 make ptxas spill registers in the backward kernels, sm_90), 8 warps from d = 64, where the
+    weights and gradients take most of the registers. Wider heads take 16-column blocks, which keep every
+    kernel within 120 KB of shared memory (184 KB for float64) and nearly free of spills
+    (``tests/test_kernels_compile.py``), with 64-token tiles for 16-bit inputs (Hopper's warp-group MMA)
+    and 32 for fp32/fp64 ones. The depthwise conv keeps 9 x d weights: its kernels always take the first
+    branch (``BLOCK_C`` unused).
+
+    Args:
+        block_d: the head dim padded to a power of two (16..128).
+        dtype: the q/k/v dtype.
+        model: ``"swiglu"``, ``"linear"`` or ``"dwconv"``.
+
+    Returns:
+        ``(BLOCK_N, BLOCK_C, num_warps)``; the matrix kernels run ``cdiv(d, BLOCK_C)`` column blocks.
     """
-    return 32, 4 if block_d <= 32 else 8
+    if model == "dwconv" or block_d <= (32 if dtype == torch.float64 else 64):
+        return 32, block_d, 4 if block_d <= 32 else 8
+    return 64 if dtype.itemsize == 2 else 32, 16, 8
 
 
-def _launch(n_tok: int, d: int, bg: int, device: torch.device, chunk: int | None) -> dict[str, int]:
+def small_tile(block_r: int, block_d: int, dtype: torch.dtype) -> int:
+    """Columns per program of the step, step-backward and reduction kernels (``[BLOCK_R, cols]`` tiles).
+
+    At most 2048 fp32 (1024 fp64) elements per tile: 4096 (the d = 64 matrices) make them spill registers.
+
+    Args:
+        block_r: rows of the weight tiles (``BLOCK_D``, or 16 for the 9 taps of the depthwise conv).
+        block_d: the head dim padded to a power of two.
+        dtype: the q/k/v dtype (float64 tiles take twice the registers).
+
+    Returns:
+        The column tile; the kernels run ``cdiv(d, tile)`` programs per (sample, head) or head.
+    """
+    elems = 1024 if dtype == torch.float64 else 2048
+    return min(block_d, max(16, elems // block_r))
+
+
+def _launch(
+    n_tok: int, d: int, bg: int, device: torch.device, chunk: int | None, dtype: torch.dtype, model: str
+) -> dict[str, int]:
     """Tile sizes and the split of the N tokens into ``S`` chunks of ``CHUNK`` (a multiple of ``BLOCK_N``).
 
     On a GPU the split gives about two programs per SM; the interpreter runs programs one after another,
-    so it takes one chunk (unless ``chunk`` forces a split, as the tests do) and large tiles.
+    so it takes one chunk (unless ``chunk`` forces a split, as the tests do) and large tiles. The column
+    blocks (``BLOCK_C``, ``C`` of them) are the same on both, so the interpreter runs the GPU's split.
     """
     block_d = max(16, triton.next_power_of_2(d))
+    block_n, block_c, warps = gpu_tiles(block_d, dtype, model)
     if _interpreting() or device.type != "cuda":
         block_n, want = min(256, max(16, triton.next_power_of_2(n_tok))), n_tok
         warps = 4
     else:
-        block_n, warps = gpu_tiles(block_d)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         want = triton.cdiv(n_tok, max(1, triton.cdiv(2 * sms, bg)))
     if chunk is not None:
@@ -142,6 +181,8 @@ def _launch(n_tok: int, d: int, bg: int, device: torch.device, chunk: int | None
     return {
         "BLOCK_N": block_n,
         "BLOCK_D": block_d,
+        "BLOCK_C": block_c,
+        "C": triton.cdiv(d, block_c),
         "CHUNK": size,
         "S": triton.cdiv(n_tok, size),
         "warps": warps,
@@ -178,15 +219,26 @@ def _setup(q: Tensor, w: Tensor, model: str, chunk: int) -> tuple[dict[str, int]
     """Launch sizes, the constexpr flags shared by the kernels, and the accumulator dtype."""
     b, g, n_tok, d = q.shape
     acc, acc_tl = _acc_dtype(q.dtype)
-    cfg = _launch(n_tok, d, b * g, q.device, chunk if chunk > 0 else None)
+    cfg = _launch(n_tok, d, b * g, q.device, chunk if chunk > 0 else None, q.dtype, model)
     cfg["R"] = w.shape[3]  # rows of each weight: d, or 9 taps for the depthwise conv
     cfg["BLOCK_R"] = 16 if model == "dwconv" else cfg["BLOCK_D"]
+    cfg["BLOCK_CS"] = small_tile(cfg["BLOCK_R"], cfg["BLOCK_D"], q.dtype)
+    cfg["CS"] = triton.cdiv(d, cfg["BLOCK_CS"])  # column blocks of the step and reduction kernels
     tiles = {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": cfg["BLOCK_D"], "ACC": acc_tl, "num_warps": cfg["warps"]}
     return cfg, tiles, acc
 
 
-def _matrix_flags(model: str, loss: str, nw: int, dtype: torch.dtype) -> dict[str, Any]:
-    return {"SWIGLU": model == "swiglu", "MSE": loss == "mse", "NW": nw, "PREC": _precision(dtype)}
+def _matrix_flags(model: str, loss: str, nw: int, dtype: torch.dtype, block_c: int) -> dict[str, Any]:
+    flags = {"SWIGLU": model == "swiglu", "MSE": loss == "mse", "NW": nw, "PREC": _precision(dtype)}
+    return flags | {"BLOCK_C": block_c}
+
+
+def _backward_passes(n_col: int) -> list[dict[str, bool]]:
+    """The ``COLS`` / ``CROSS`` launches of a backward stage: one fused launch for a single column block,
+    else the column launch (per-column outputs) and the cross launch (``dq`` / ``dk``, all columns)."""
+    if n_col == 1:
+        return [{"COLS": True, "CROSS": True}]
+    return [{"COLS": True, "CROSS": False}, {"COLS": False, "CROSS": True}]
 
 
 @_kernel_op("vit3::ttt_fused_fwd")
@@ -211,28 +263,28 @@ def _fwd_op(
     if not _live(q):
         return out, gbuf, wpbuf, nbuf
     grid, sizes = (s, b * g), (g, n_tok, d, cfg["CHUNK"])
+    cgrid = (s, b * g, cfg["C"])  # matrix kernels: one program per chunk, (sample, head), column block
     w_strides = (w.stride(1), w.stride(3), w.stride(4), w.stride(2))
+    flags = _matrix_flags(model, loss, nw, q.dtype, cfg["BLOCK_C"])
     if model == "dwconv":
         wrap_triton(K.conv_grad_partial_kernel)[grid](
             k, v, part, *sizes, h, wd, *k.stride(), *v.stride(), coef, **tiles
         )
     else:
-        flags = _matrix_flags(model, loss, nw, q.dtype)
-        wrap_triton(K.grad_partial_kernel)[grid](
+        wrap_triton(K.grad_partial_kernel)[cgrid](
             k, v, w, part, *sizes, *k.stride(), *v.stride(), *w_strides, coef, **flags, **tiles
         )
-    wrap_triton(K.step_kernel)[(b * g,)](
+    wrap_triton(K.step_kernel)[(b * g, cfg["CS"])](
         w, part, gbuf, wpbuf, nbuf, g, r, d, s, *w_strides, lr,
-        NW=nw, GRAD_NORM=grad_norm, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], ACC=tiles["ACC"],
+        NW=nw, GRAD_NORM=grad_norm, BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_CS"], ACC=tiles["ACC"],
     )  # fmt: skip
     if model == "dwconv":
         wrap_triton(K.conv_readout_kernel)[grid](
             q, wpbuf, out, *sizes, h, wd, *q.stride(), *out.stride(), **tiles
         )
     else:
-        flags = _matrix_flags(model, loss, nw, q.dtype)
         del flags["MSE"]
-        wrap_triton(K.readout_kernel)[grid](
+        wrap_triton(K.readout_kernel)[cgrid](
             q, wpbuf, out, *sizes, *q.stride(), *out.stride(), **flags, **tiles
         )
     return out, gbuf, wpbuf, nbuf
@@ -258,14 +310,18 @@ def _bwd_op(
     grid, sizes = (s, b * g), (g, n_tok, d, cfg["CHUNK"])
     w_strides = (w.stride(1), w.stride(3), w.stride(4), w.stride(2))
     io = (*q.stride(), *dout.stride(), *dq.stride())
+    flags = _matrix_flags(model, loss, nw, q.dtype, cfg["BLOCK_C"])
+    passes = _backward_passes(cfg["C"])
     if model == "dwconv":
         wrap_triton(K.conv_readout_bwd_kernel)[grid](q, dout, wpbuf, dq, part, *sizes, h, wd, *io, **tiles)
     else:
-        flags = _matrix_flags(model, loss, nw, q.dtype)
-        del flags["MSE"]
-        wrap_triton(K.readout_bwd_kernel)[grid](q, dout, wpbuf, dq, part, *sizes, *io, **flags, **tiles)
-    small = {"BLOCK_R": cfg["BLOCK_R"], "BLOCK_D": cfg["BLOCK_D"], "ACC": tiles["ACC"]}
-    wrap_triton(K.step_bwd_kernel)[(b * g,)](
+        ro_flags = {key: val for key, val in flags.items() if key != "MSE"}
+        for p in passes:
+            wrap_triton(K.readout_bwd_kernel)[(s, b * g, cfg["C"] if p["COLS"] else 1)](
+                q, dout, wpbuf, dq, part, *sizes, *io, **p, **ro_flags, **tiles
+            )
+    small = {"BLOCK_R": cfg["BLOCK_R"], "BLOCK_C": cfg["BLOCK_CS"], "ACC": tiles["ACC"]}
+    wrap_triton(K.step_bwd_kernel)[(b * g, cfg["CS"])](
         part, gbuf, nbuf, dgbuf, r, d, s, lr, NW=nw, GRAD_NORM=grad_norm, **small
     )
     kv = (*k.stride(), *v.stride(), *dk.stride(), *dv.stride())
@@ -274,11 +330,11 @@ def _bwd_op(
             k, v, dgbuf, dk, dv, part, *sizes, h, wd, *kv, coef, **tiles
         )
     else:
-        flags = _matrix_flags(model, loss, nw, q.dtype)
-        wrap_triton(K.grad_bwd_kernel)[grid](
-            k, v, w, dgbuf, dk, dv, part, *sizes, *kv, *w_strides, coef, **flags, **tiles
-        )
-    wrap_triton(K.wgrad_reduce_kernel)[(g,)](part, dw, b, g, r, d, s + 1, NW=nw, **small)
+        for p in passes:
+            wrap_triton(K.grad_bwd_kernel)[(s, b * g, cfg["C"] if p["COLS"] else 1)](
+                k, v, w, dgbuf, dk, dv, part, *sizes, *kv, *w_strides, coef, **p, **flags, **tiles
+            )
+    wrap_triton(K.wgrad_reduce_kernel)[(g, cfg["CS"])](part, dw, b, g, r, d, s + 1, NW=nw, **small)
     return dq, dk, dv, dw
 
 
@@ -365,7 +421,7 @@ def fused_ttt(
         grad_norm: the official ``G / (||G||_col + 1)``.
         loss: ``"dot"`` (both models) or ``"mse"`` (linear only).
         backend: ``"triton"``, ``"reference"`` or ``"auto"`` (``$VIT3_TTT_KERNEL``, else Triton where it runs
-            and takes the head dim, 16..64 (16..128 for ``"dwconv"``), else the reference).
+            and takes the head dim, 16..128, else the reference).
         chunk: tokens per program (tests force a split of N with it); ``None`` chooses.
 
     Returns:
@@ -397,7 +453,7 @@ def fused_ttt(
         raise ValueError(f"the Triton kernel cannot run on {q.device} (CUDA, or CPU with TRITON_INTERPRET=1)")
     if not head_dim_supported(name, d, q.dtype):
         top = max_head_dim(name, q.dtype)
-        why = " (larger d x d weights exceed on-chip shared memory)" if d > top and name != "dwconv" else ""
+        why = " (wider tiles exceed on-chip shared memory)" if d > top else ""
         raise ValueError(
             f"the Triton kernel for {name!r} with {q.dtype} supports head dims {MIN_HEAD_DIM}..{top}, got {d}{why}"
         )

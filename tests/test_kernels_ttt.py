@@ -110,6 +110,13 @@ CASES = [
     pytest.param("dwconv", "dot", (2, 2, (7, 9), 32), 32, id="dwconv-7x9-d32-G2-split2"),
     pytest.param("dwconv", "dot", (1, 1, (1, 197), 64), None, id="dwconv-1x197-d64"),
     pytest.param("dwconv", "dot", (2, 1, (13, 15), 24), 64, id="dwconv-13x15-d24-split4"),
+    # Heads wider than 64: the matrix kernels split the columns into 16-wide blocks (a column launch and a
+    # cross launch for dq/dk per backward stage). d = 96 pads BLOCK_D to 128; d = 72 ends in a partial block.
+    pytest.param("swiglu", "dot", (2, 1, 63, 96), None, id="swiglu-N63-d96-6cols"),
+    pytest.param("swiglu", "dot", (1, 2, 63, 128), 32, id="swiglu-N63-d128-G2-split2-8cols"),
+    pytest.param("linear", "dot", (2, 1, 63, 72), 32, id="linear-dot-N63-d72-split2-5cols"),
+    pytest.param("linear", "mse", (1, 2, 63, 96), 32, id="linear-mse-N63-d96-G2-split2-6cols"),
+    pytest.param("linear", "mse", (1, 1, 63, 128), None, id="linear-mse-N63-d128-8cols"),
 ]
 
 
@@ -124,16 +131,18 @@ def test_fp32_output_and_every_gradient_match_torch_path(name, loss, shape, chun
 
 
 @pytest.mark.parametrize(
-    ("name", "loss", "grad_norm", "lr"),
+    ("name", "loss", "grad_norm", "lr", "d"),
     [
-        pytest.param("swiglu", "dot", True, 1.0, id="swiglu-norm"),
-        pytest.param("swiglu", "dot", False, 0.5, id="swiglu-nonorm-lr0.5"),
-        pytest.param("linear", "mse", False, 2.0, id="linear-mse-nonorm-lr2"),
-        pytest.param("dwconv", "dot", True, 1.0, id="dwconv-norm"),
+        pytest.param("swiglu", "dot", True, 1.0, 32, id="swiglu-norm"),
+        pytest.param("swiglu", "dot", False, 0.5, 32, id="swiglu-nonorm-lr0.5"),
+        pytest.param("linear", "mse", False, 2.0, 32, id="linear-mse-nonorm-lr2"),
+        pytest.param("dwconv", "dot", True, 1.0, 32, id="dwconv-norm"),
+        pytest.param("swiglu", "dot", True, 1.0, 128, id="swiglu-norm-d128-8cols"),
+        pytest.param("linear", "mse", True, 1.0, 64, id="linear-mse-norm-d64-4cols"),
     ],
 )
-def test_fp64_matches_torch_path_to_rounding(name, loss, grad_norm, lr):
-    out, ref, got, exp, weights = run_both(name, (1, 2, (7, 9), 32), torch.float64, loss=loss, lr=lr,
+def test_fp64_matches_torch_path_to_rounding(name, loss, grad_norm, lr, d):
+    out, ref, got, exp, weights = run_both(name, (1, 2, (7, 9), d), torch.float64, loss=loss, lr=lr,
                                            grad_norm=grad_norm, chunk=32)  # fmt: skip
     assert max_rel_err(out, ref) < 1e-12
     for label, a, e in per_tensor(got, exp, weights):
@@ -151,6 +160,41 @@ def test_half_inputs_match_torch_path_loosely(name, loss, dtype):
     for label, a, e in per_tensor(got, exp, weights):
         assert a.dtype == (dtype if label in ("q", "k", "v") else torch.float32), label
         assert rel_rms(a, e) < 1e-2, f"gradient of {label}"
+
+
+@pytest.mark.parametrize(
+    ("name", "loss", "dtype"),
+    [
+        pytest.param("swiglu", "dot", torch.bfloat16, id="swiglu-bf16"),
+        pytest.param("linear", "mse", torch.float16, id="linear-mse-fp16"),
+    ],
+)
+def test_half_inputs_at_head_dim_128_match_torch_path_loosely(name, loss, dtype):
+    out, ref, got, exp, weights = run_both(name, (1, 1, 63, 128), dtype, loss=loss, chunk=32)
+    assert rel_rms(out, ref) < 1e-2
+    for label, a, e in per_tensor(got, exp, weights):
+        assert rel_rms(a, e) < 1e-2, f"gradient of {label}"
+
+
+@pytest.mark.parametrize("n", [pytest.param(3136, id="N3136"), pytest.param(16384, id="N16384")])
+def test_large_n_matches_torch_path(n):
+    """N = 3136 (56 x 56) and 16384 (128 x 128) tokens, unsplit: many token tiles in one program."""
+    out, ref, got, exp, weights = run_both("swiglu", (1, 1, n, 32), torch.float32)
+    assert max_rel_err(out, ref) < 2e-5
+    for label, a, e in per_tensor(got, exp, weights):
+        assert max_rel_err(a, e) < 5e-5, f"gradient of {label}"
+
+
+def test_column_blocks_only_beyond_head_dim_64():
+    """d <= 64 keeps one column block (one fused launch per stage); wider heads split into several."""
+    for d in (16, 32, 64):
+        _, block_c, _ = ttt_fused.gpu_tiles(d, torch.bfloat16, "swiglu")
+        assert block_c == d
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        _, block_c, _ = ttt_fused.gpu_tiles(128, dtype, "linear")
+        assert 16 <= block_c <= 64 and 128 // block_c >= 2
+    assert ttt_fused._backward_passes(1) == [{"COLS": True, "CROSS": True}]
+    assert len(ttt_fused._backward_passes(2)) == 2
 
 
 def test_split_reduction_is_deterministic():
@@ -372,11 +416,11 @@ def test_fused_supports_checks_head_dim_and_device(monkeypatch):
     cfg = TTTConfig()
     x = torch.randn(1, 4, 32, device=DEVICE)
     assert kernels.fused_supports("swiglu", cfg, x, head_dim=64)
-    assert not kernels.fused_supports("swiglu", cfg, x, head_dim=128)  # d x d tiles exceed shared memory
+    assert kernels.fused_supports("swiglu", cfg, x, head_dim=128)  # in column blocks
+    assert kernels.fused_supports("linear", cfg, x.double(), head_dim=128)
     assert kernels.fused_supports("dwconv", cfg, x, head_dim=128)
-    assert not kernels.fused_supports(
-        "swiglu", cfg, x.double(), head_dim=64
-    )  # fp64 matrix kernels stop at 32
+    assert not kernels.fused_supports("swiglu", cfg, x, head_dim=256)  # full-width tiles exceed shared memory
+    assert not kernels.fused_supports("dwconv", cfg, x, head_dim=256)
     assert not kernels.fused_supports("swiglu", cfg, x, head_dim=8)
     assert not kernels.fused_supports("swiglu", cfg, x.int())
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor without the interpreter: no Triton
@@ -384,7 +428,7 @@ def test_fused_supports_checks_head_dim_and_device(monkeypatch):
 
 
 def test_unsupported_head_dim_falls_back_to_reference_or_raises(monkeypatch):
-    g, n, d = 1, 6, 80
+    g, n, d = 1, 6, 136
     qkv, params = make_inputs("linear", 1, g, n, d, torch.float32)
     calls = []
     original = ttt_fused.linear_ttt_ref
