@@ -80,10 +80,19 @@ def run(args: argparse.Namespace) -> list[dict]:
         qkv = torch.randn(b, n, mixer.qkv.out_features, device=device, requires_grad=True)
         x = torch.randn(b, n, dim, device=device, requires_grad=True)
 
+        upstream = {}  # dense output gradients, one per output shape, made once (not timed)
+        leaves = [qkv, x, *mixer.parameters(), *attn.parameters()]
+
         def step(fn, backward):
+            # As a training step: gradients set to None first (optimizer.zero_grad), so nothing accumulates
+            # into .grad, and a dense upstream gradient, as the next layer would send.
+            for t in leaves:
+                t.grad = None
             out = fn()
             if backward:
-                out.float().sum().backward()
+                if out.shape not in upstream:
+                    upstream[out.shape] = torch.randn(out.shape, device=device)
+                out.backward(upstream[out.shape].to(out.dtype))
 
         fns = {}
         for bw in (False, True):

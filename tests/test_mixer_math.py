@@ -124,7 +124,9 @@ def test_linear_dot_one_step_is_noncausal_linear_attention(grid):
     torch.testing.assert_close(out, direct, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("tile_bytes", [10**9, 1000], ids=["one-tile", "many-tiles"])
+@pytest.mark.parametrize(
+    "tile_bytes", [10**9, 10**4, 1000], ids=["folded-one-tile", "folded-tiles", "strided-tiles"]
+)
 @pytest.mark.parametrize("grad_norm", [True, False], ids=["norm", "no-norm"])
 @pytest.mark.parametrize("shared_weights", [True, False], ids=["shared-w", "per-sample-w"])
 def test_fused_swiglu_path_equals_generic_inner_loop(monkeypatch, tile_bytes, grad_norm, shared_weights):

@@ -24,6 +24,7 @@ __all__ = [
     "SiLUInner",
     "SwiGLUInner",
     "create_inner_model",
+    "dwconv_backward",
 ]
 
 Params = dict[str, Tensor]
@@ -257,6 +258,39 @@ def _shifted_dwconv_weight_grad(k: Tensor, e: Tensor) -> Tensor:
     return torch.stack(taps, -1).unflatten(-1, (3, 3))
 
 
+def dwconv_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor | None, *, need_input: bool = True, need_weight: bool = True
+) -> tuple[Tensor | None, Tensor | None]:
+    """Backward of the per-sample depthwise 3x3 conv ``DWConvInner.conv`` (zero padding 1), in one native call.
+
+    Args:
+        grad_out: gradient of the conv output ``[B, C, h, w]``.
+        x: the conv input ``[B, C, h, w]``.
+        weight: the kernels ``[B|1, C, 3, 3]`` (only needed for the input gradient).
+        need_input: return dL/dx ``[B, C, h, w]`` (else ``None``).
+        need_weight: return the per-sample dL/dweight ``[B, C, 3, 3]`` (else ``None``).
+    """
+    b, ch, h, w = x.shape
+    # The batch folded into groups: every sample has its own kernels, and one call serves them all.
+    kernels = (
+        x.new_empty(b * ch, 1, 3, 3) if weight is None else weight.expand(b, ch, 3, 3).reshape(-1, 1, 3, 3)
+    )
+    gx, gw, _ = torch.ops.aten.convolution_backward(
+        grad_out.reshape(1, b * ch, h, w),
+        x.reshape(1, b * ch, h, w),
+        kernels,
+        None,
+        [1, 1],
+        [1, 1],
+        [1, 1],
+        False,
+        [0, 0],
+        b * ch,
+        [need_input, need_weight, False],
+    )
+    return (gx.view(b, ch, h, w) if need_input else None, gw.view(b, ch, 3, 3) if need_weight else None)
+
+
 class DWConvInner(InnerModel):
     """A 3x3 depthwise convolution over the grid (zero padding), one kernel per channel.
 
@@ -304,26 +338,12 @@ class DWConvInner(InnerModel):
 
     def grads(self, p, k, e, cache, grid):
         km = cache["k_map"]
-        b, ch, h, w = km.shape
         em = self.to_map(e, grid)
         if tracing():
             return {"weight": _shifted_dwconv_weight_grad(km, em)}
         # G[c, δ] = sum_p k[c, p + δ] e[c, p] is the weight gradient of a depthwise conv of k with output
-        # gradient e; with the batch folded into groups, the native kernel yields it per sample in one call.
-        _, g, _ = torch.ops.aten.convolution_backward(
-            em.reshape(1, b * ch, h, w),
-            km.reshape(1, b * ch, h, w),
-            km.new_empty(b * ch, 1, 3, 3),
-            None,
-            [1, 1],
-            [1, 1],
-            [1, 1],
-            False,
-            [0, 0],
-            b * ch,
-            [False, True, False],
-        )
-        return {"weight": g.view(b, ch, 3, 3)}
+        # gradient e.
+        return {"weight": dwconv_backward(em, km, None, need_input=False)[1]}
 
     def apply_to(self, p, q, grid):
         return self.from_map(self.conv(self.to_map(q, grid), p["weight"]))

@@ -28,14 +28,17 @@ def rope_angles(
     return angles.reshape(h * w, dim // 2)
 
 
-def apply_rope_2d(x: Tensor, grid: tuple[int, int], base: float = 10000.0) -> Tensor:
+def apply_rope_2d(x: Tensor, grid: tuple[int, int], base: float = 10000.0, inverse: bool = False) -> Tensor:
     """Rotates tokens ``[B, N, C]`` (``N = h * w``, raster order) by their 2-D position.
 
     Computed in float32 at least (float64 inputs stay float64); the result has the computation's dtype.
+    ``inverse=True`` rotates back, which is also the transpose (the backward) of the rotation.
     """
     dtype = torch.promote_types(x.dtype, torch.float32)
     ang = rope_angles(grid, x.shape[-1], base, x.device, dtype)  # [N, C/2]
     cos, sin = ang.cos(), ang.sin()
+    if inverse:
+        sin = -sin
     xp = x.to(dtype).unflatten(-1, (-1, 2))  # [B, N, C/2, 2]
     re, im = xp[..., 0], xp[..., 1]
     out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import TTTConfig
+from .fast_mix import MixBranch, MixPlan, fused_mix, mix_supports
 from .fast_swiglu import swiglu_ttt
 from .inner import InnerModel, Params, SwiGLUInner, create_inner_model, tracing
 from .losses import loss_grad, loss_needs_prediction
@@ -225,6 +226,22 @@ class TTTMixer(nn.Module):
             and c.mini_batches == 1
         )
 
+    def _mix_plan(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None) -> MixPlan | None:
+        """The plan of the fused eager path (``fast_mix``) when it serves every branch, else ``None``."""
+        cfg = self.cfg
+        impl = resolve_impl(cfg.impl)
+        if gates is not None or tracing() or impl == "triton":
+            return None
+        if not all(mix_supports(name, cfg) for name, _ in self.branch_specs):
+            return None
+        if impl == "auto" and any(self._fused_branch(name, qkv, False) for name, _ in self.branch_specs):
+            return None  # the Triton kernel serves
+        branches, offset = [], 0
+        for (name, heads), width in zip(self.branch_specs, self.widths):
+            branches.append(MixBranch(name, offset, heads, self.head_dim, cfg.rope and name != "dwconv"))
+            offset += 3 * width
+        return MixPlan(tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base)
+
     def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """Mixes tokens ``[B, N, C]`` laid out on ``grid = (h, w)`` (raster order); returns ``[B, N, C]``."""
         self._check(x, grid)
@@ -249,6 +266,11 @@ class TTTMixer(nn.Module):
         # The inner loop runs in float32 at least (bf16/fp16 gradients of the inner loss are too coarse).
         compute = torch.promote_types(io_dtype, torch.float32)
         cfg = self.cfg
+        plan = self._mix_plan(qkv, grid, gates)
+        if plan is not None:
+            with torch.autocast(device_type=qkv.device.type, enabled=False):
+                weights = [p.to(compute) for m in self.inner for p in m.initial_params().values()]
+                return fused_mix(qkv.to(compute), plan, weights).to(io_dtype)
         outs, gate_offset = [], 0
         # One split for all branches: its backward is a single concatenation, where slicing per branch would
         # make autograd zero-fill and add a full-size qkv gradient for every slice.

@@ -1,0 +1,153 @@
+"""The mixer's fused eager path (``vit3.layers.fast_mix``): when it serves, and that it computes what the mixer
+defines (float64 autograd reference), every gradient included, in each tiling mode, without gradients, under
+activation checkpointing and for low-precision inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import vit3.layers.fast_mix as fast_mix
+import vit3.layers.fast_swiglu as fast
+import vit3.layers.ttt as ttt
+from tests.ttt_reference import reference_mixer
+from vit3.layers import TTTMixer
+
+GRID = (5, 7)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the mixer's calls of the fused path."""
+    count = {"n": 0}
+    real = ttt.fused_mix
+
+    def counting(*args, **kwargs):
+        count["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ttt, "fused_mix", counting)
+    return count
+
+
+def _mixer(dim: int = 32, heads: int = 4, **cfg) -> TTTMixer:
+    torch.manual_seed(3)
+    mixer = TTTMixer(dim, heads, **cfg).double()
+    with torch.no_grad():  # larger initial inner weights so the step is not negligible
+        for model in mixer.inner:
+            for p in model.parameters():
+                p.mul_(20)
+    return mixer
+
+
+SERVED = {
+    "official": ({}, True),
+    "official-rope": ({"rope": True}, True),
+    "official-no-norm-lr": ({"grad_norm": False, "inner_lr": 0.3}, True),
+    "swiglu-only": ({"branches": ("swiglu",)}, True),
+    "dwconv-only": ({"branches": ("dwconv",)}, True),
+    "with-linear": ({"branches": ("swiglu:2", "linear:2", "dwconv:1")}, False),
+    "token-lr": ({"lr_mode": "token"}, False),
+    "two-steps": ({"steps": 2}, False),
+    "mini-batches": ({"mini_batches": 2}, False),
+    "mse-loss": ({"loss": "mse"}, False),
+    "impl-triton": ({"impl": "triton"}, False),
+}
+
+
+@pytest.mark.parametrize(("cfg", "served"), list(SERVED.values()), ids=list(SERVED))
+def test_fused_path_serves_exactly_the_supported_configs(calls, monkeypatch, cfg, served):
+    monkeypatch.setattr(ttt, "_warned", set())  # the fallback warning is once per process: keep it for others
+    mixer = _mixer(**cfg)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64)
+    if cfg.get("impl") == "triton":  # without a GPU the kernel falls back to the per-branch PyTorch path
+        with pytest.warns(UserWarning, match="unavailable|not supported"):
+            mixer(x, GRID)
+    else:
+        mixer(x, GRID)
+    assert calls["n"] == int(served)
+
+
+def test_fused_path_is_skipped_under_tracing(calls):
+    mixer = _mixer()
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64)
+    wrapped = torch.nn.Module()
+    wrapped.mixer = mixer
+    wrapped.forward = lambda t: wrapped.mixer(t, GRID)
+    torch.jit.trace(wrapped, x, check_trace=False)
+    assert calls["n"] == 0
+
+
+TILINGS = {
+    "folded-one-tile": 10**9,  # one sample is tiny: samples folded together, one tile
+    "folded-tiles": 6000,  # folded, tiles spanning samples
+    "strided-tiles": 300,  # per-sample tiles of a few tokens, read and written in place
+}
+
+
+@pytest.mark.parametrize("nhwc_min_tokens", [0, 10**9], ids=["dwconv-per-sample-nhwc", "dwconv-folded-nchw"])
+@pytest.mark.parametrize("tile_bytes", list(TILINGS.values()), ids=list(TILINGS))
+@pytest.mark.parametrize("cfg", ["official", "official-rope", "official-no-norm-lr"])
+def test_fused_path_output_and_every_gradient_match_reference(
+    calls, monkeypatch, tile_bytes, cfg, nhwc_min_tokens
+):
+    monkeypatch.setattr(fast_mix, "NHWC_MIN_TOKENS", nhwc_min_tokens)
+    monkeypatch.setattr(fast, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(fast, "MIN_TILE_TOKENS", 4)
+    mixer = _mixer(**SERVED[cfg][0])
+    x = torch.randn(3, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(3, GRID[0] * GRID[1], 32, dtype=torch.float64)
+
+    out = mixer(x, GRID)
+    assert calls["n"] == 1
+    grads = torch.autograd.grad((out * dout).sum(), [x, *mixer.parameters()])
+    ref = reference_mixer(mixer, x, GRID)
+    ref_grads = torch.autograd.grad((ref * dout).sum(), [x, *mixer.parameters()])
+
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    names = ["input", *(n for n, _ in mixer.named_parameters())]
+    for name, g, g_ref in zip(names, grads, ref_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-12, msg=f"gradient of {name}")
+
+
+def test_without_gradients_nothing_is_saved_and_output_is_unchanged(calls, monkeypatch):
+    saves = []
+    real = fast.swiglu_forward
+
+    def spy(*args, save=True, **kwargs):
+        saves.append(save)
+        return real(*args, save=save, **kwargs)
+
+    monkeypatch.setattr("vit3.layers.fast_mix.swiglu_forward", spy)
+    mixer = _mixer()
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64)
+    with torch.no_grad():
+        out = mixer(x, GRID)
+    ref = mixer(x.requires_grad_(), GRID)
+    assert saves == [False, True]
+    torch.testing.assert_close(out, ref.detach(), rtol=0, atol=0)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(calls):
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    params = [x, *mixer.parameters()]
+    plain = torch.autograd.grad(mixer(x, GRID).square().sum(), params)
+    ckpt = checkpoint(lambda t: mixer(t, GRID), x, use_reentrant=False)
+    got = torch.autograd.grad(ckpt.square().sum(), params)
+    assert calls["n"] == 3  # forward, checkpointed forward, its recomputation
+    for g, g_ref in zip(got, plain):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-14)
+
+
+def test_bfloat16_tokens_run_in_float32_and_come_back_in_bfloat16(calls):
+    mixer = _mixer().float()
+    x = torch.randn(2, GRID[0] * GRID[1], 32)
+    ref = mixer(x, GRID)
+    out = mixer.to(torch.bfloat16)(x.to(torch.bfloat16).requires_grad_(), GRID)
+    assert out.dtype == torch.bfloat16 and calls["n"] == 2
+    out.float().sum().backward()
+    rel = (out.float() - ref).norm() / ref.norm()
+    assert rel < 3e-2
+    assert all(torch.isfinite(p.grad).all() for p in mixer.parameters())

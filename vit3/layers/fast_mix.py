@@ -1,0 +1,214 @@
+"""The mixer's fused eager path: the inner loops of all branches, between the two projections, as one node.
+
+The per-branch path slices q, k and v out of the qkv projection, runs each branch and concatenates the
+read-outs; autograd then pays for layout copies both ways (q, k, v made contiguous, read-outs transposed and
+concatenated, and the q, k, v gradients transposed and concatenated back into one qkv gradient). Here the
+branches take q, k and v as views of qkv and write their read-outs straight into the output
+``[B, N, sum(widths)]``, and the backward writes dq, dk and dv straight into one qkv gradient.
+
+Branches served (``mix_supports``), one full-batch dot-loss step each:
+
+- the official SwiGLU model, optionally with RoPE on q and k, through ``fast_swiglu``;
+- the 3x3 depthwise conv in closed form: with ``E = -s v / N`` and maps ``[B, C, h, w]``,
+  ``G = Σ_p E[p] k[p + δ]`` (a conv weight gradient), ``W' = W - lr G / (||G|| + 1)``,
+  ``out = dwconv(q; W')``; backward ``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)``.
+
+The mixer keeps its per-branch path for every other configuration and whenever the Triton kernel serves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .fast_swiglu import SwiGLUSaved, step, step_backward, swiglu_backward, swiglu_forward, weight_grad
+from .inner import DWConvInner, dwconv_backward
+from .rope import apply_rope_2d
+
+__all__ = ["MixBranch", "MixPlan", "fused_mix", "mix_supports"]
+
+KINDS = ("swiglu", "dwconv")
+
+
+class MixBranch(NamedTuple):
+    """One branch: its inner model, where its q, k, v start in qkv (``[q | k | v]``, ``heads * head_dim`` each)."""
+
+    kind: str
+    offset: int
+    heads: int
+    head_dim: int
+    rope: bool
+
+
+class MixPlan(NamedTuple):
+    """The branches in qkv (and output) order and the inner-loop settings they share."""
+
+    branches: tuple[MixBranch, ...]
+    grid: tuple[int, int]
+    scale: float
+    lr: float
+    grad_norm: bool
+    rope_base: float
+
+
+def mix_supports(name: str, cfg: Any) -> bool:
+    """Whether the fused path serves branch ``name`` under ``TTTConfig`` ``cfg``."""
+    return (
+        name in KINDS
+        and cfg.loss == "dot"
+        and cfg.steps == 1
+        and cfg.mini_batches == 1
+        and cfg.lr_mode == "fixed"
+    )
+
+
+def _heads(t: Tensor, heads: int) -> Tensor:
+    """``[B, N, G*c]`` -> ``[B, G, N, c]`` (a view)."""
+    return t.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+# Per-sample NHWC convs beat one batch-folded NCHW conv (no transposes, and oneDNN's channels-last depthwise
+# kernels need no layout reorders: ~3x on a CPU at 56x56) once maps are this large; below it the per-call
+# overhead of a loop over samples dominates (~4x slower at 7x7 with a batch of 128).
+NHWC_MIN_TOKENS = 256
+
+
+def _dw_groups(b: int, n: int) -> list[slice]:
+    """Batch slices the depthwise-conv branch runs on: every sample alone (NHWC) or all together (NCHW)."""
+    return [slice(i, i + 1) for i in range(b)] if n >= NHWC_MIN_TOKENS else [slice(0, b)]
+
+
+def _to_map(t: Tensor, grid: tuple[int, int], nhwc: bool) -> Tensor:
+    """Tokens ``[B, N, C]`` (any strides) -> maps ``[B, C, h, w]``, channels-last or contiguous NCHW.
+
+    Both start from one dense copy of the rows: gathering rows and then transposing a dense tensor is about
+    twice as fast on a CPU as one strided transposing copy.
+    """
+    b, _, c = t.shape
+    rows = t.contiguous()
+    if nhwc:
+        return rows.view(b, *grid, c).permute(0, 3, 1, 2)
+    return rows.transpose(1, 2).reshape(b, c, *grid).contiguous()
+
+
+def _from_map(m: Tensor, dest: Tensor) -> None:
+    """Writes maps ``[B, C, h, w]`` (either layout) into tokens ``dest`` ``[B, N, C]`` (any strides)."""
+    dest.copy_(m.flatten(2).transpose(1, 2))
+
+
+class _FusedMix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv: Tensor, plan: MixPlan, save: bool, *weights: Tensor) -> Tensor:
+        b, n, _ = qkv.shape
+        widths = [br.heads * br.head_dim for br in plan.branches]
+        out = qkv.new_empty(b, n, sum(widths))
+        hyper = {"scale": plan.scale, "lr": plan.lr, "grad_norm": plan.grad_norm}
+        saved: list[Tensor] = []
+        layout: list[tuple[int, int, bool]] = []  # per branch: first saved tensor, count, folded (SwiGLU)
+        col, wi = 0, 0
+        for br, width in zip(plan.branches, widths):
+            q, k, v = (qkv[..., br.offset + j * width : br.offset + (j + 1) * width] for j in range(3))
+            dest = out[..., col : col + width]
+            start = len(saved)
+            if br.kind == "swiglu":
+                w1, w2 = weights[wi : wi + 2]
+                if br.rope:
+                    q, k = (apply_rope_2d(t, plan.grid, plan.rope_base) for t in (q, k))
+                q, k, v, dest = (_heads(t, br.heads) for t in (q, k, v, dest))  # [B, G, N, c] views
+                st = swiglu_forward(q, k, v, w1, w2, dest, save=save, **hyper)
+                folded = st is not None and st.folded
+                saved += list(st[:-1]) if st is not None else []
+            else:
+                w, folded = weights[wi], False
+                c = plan.scale / n
+                groups = _dw_groups(b, n)
+                for sl in groups:
+                    qm, km, vm = (_to_map(t[sl], plan.grid, len(groups) > 1) for t in (q, k, v))
+                    g = dwconv_backward(vm, km, None, need_input=False)[1].mul_(-c)  # [b, C, 3, 3]
+                    w_new, norm = step(g, w, plan.lr, plan.grad_norm, dims=(-2, -1))
+                    _from_map(DWConvInner.conv(qm, w_new), dest[sl])
+                    saved += [qm, km, vm, g, norm, w_new]
+            layout.append((start, len(saved) - start, folded))
+            wi += 2 if br.kind == "swiglu" else 1
+            col += width
+        if save:
+            ctx.save_for_backward(*saved)
+        ctx.plan, ctx.layout, ctx.hyper = plan, layout, hyper
+        ctx.shapes = (qkv.shape, [w.shape for w in weights])
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        plan, hyper = ctx.plan, ctx.hyper
+        qkv_shape, weight_shapes = ctx.shapes
+        b, n, _ = qkv_shape
+        saved = ctx.saved_tensors
+        dqkv = d_out.new_empty(qkv_shape)
+        grads: list[Tensor] = []
+        col, wi = 0, 0
+        for br, (start, count, folded) in zip(plan.branches, ctx.layout):
+            width = br.heads * br.head_dim
+            dq, dk, dv = (dqkv[..., br.offset + j * width : br.offset + (j + 1) * width] for j in range(3))
+            dout = d_out[..., col : col + width]
+            mine = saved[start : start + count]
+            if br.kind == "swiglu":
+                # RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place.
+                rq, rk = (torch.empty_like(dout) for _ in range(2)) if br.rope else (dq, dk)
+                dws = swiglu_backward(
+                    _heads(dout, br.heads),
+                    SwiGLUSaved(*mine, folded),
+                    _heads(rq, br.heads),
+                    _heads(rk, br.heads),
+                    _heads(dv, br.heads),
+                    **hyper,
+                )
+                if br.rope:
+                    dq.copy_(apply_rope_2d(rq, plan.grid, plan.rope_base, inverse=True))
+                    dk.copy_(apply_rope_2d(rk, plan.grid, plan.rope_base, inverse=True))
+                grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + 2])]
+                wi += 2
+            else:
+                c = plan.scale / n
+                groups = _dw_groups(b, n)
+                dws = []
+                for j, sl in enumerate(groups):
+                    qm, km, vm, g, norm, w_new = mine[6 * j : 6 * j + 6]
+                    dqm, dw_new = dwconv_backward(_to_map(dout[sl], plan.grid, len(groups) > 1), qm, w_new)
+                    dg = step_backward(dw_new, g, norm, plan.lr, plan.grad_norm, dims=(-2, -1))
+                    _from_map(dqm, dq[sl])
+                    _from_map(dwconv_backward(vm, km, dg, need_weight=False)[0].mul_(-c), dk[sl])
+                    _from_map(DWConvInner.conv(km, dg).mul_(-c), dv[sl])
+                    dws.append(dw_new)
+                grads.append(weight_grad(torch.cat(dws), weight_shapes[wi]))
+                wi += 1
+            col += width
+        return (dqkv, None, None, *grads)
+
+
+def fused_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
+    """All branches' inner loops and read-outs as one autograd node.
+
+    Args:
+        qkv: the qkv projection ``[B, N, 3 * sum(widths)]`` (branch by branch ``[q | k | v]``), float32 or
+            float64.
+        plan: the branches and shared settings.
+        weights: the initial inner weights, branch by branch: ``w1, w2 [1, G, c, c]`` (SwiGLU) or
+            ``weight [1, G*c, 3, 3]`` (depthwise conv), in qkv's dtype.
+
+    Returns:
+        The read-outs concatenated ``[B, N, sum(widths)]``.
+    """
+    widths = sum(br.heads * br.head_dim for br in plan.branches)
+    if qkv.shape[-1] != 3 * widths:
+        raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * widths}")
+    if any(br.kind not in KINDS for br in plan.branches):
+        raise ValueError(
+            f"fused_mix serves the inner models {KINDS}, got {[br.kind for br in plan.branches]}"
+        )
+    # Saving for the backward only when autograd will call it (not under no_grad / inference).
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (qkv, *weights))
+    return _FusedMix.apply(qkv, plan, save, *weights)
