@@ -93,6 +93,17 @@ def _store_mat(base, rr, rc, n_rows, n_cols, x):
 
 
 @triton.jit
+def _store_partials(part_ptr, pid_bg, slot, slots, rd, cols, d, acc1, acc2, SWIGLU: tl.constexpr):
+    """Stores a program's weight-gradient partial(s) ``[BLOCK_D, BLOCK_C]`` into slot ``slot`` of
+    ``part_ptr`` ``[B*G, slots, NW, d, d]`` (``acc2``: the second weight, SwiGLU only)."""
+    nw: tl.constexpr = 2 if SWIGLU else 1
+    part = part_ptr + (pid_bg.to(tl.int64) * slots + slot) * nw * d * d
+    _store_mat(part, rd, cols, d, d, acc1)
+    if SWIGLU:
+        _store_mat(part + d * d, rd, cols, d, d, acc2)
+
+
+@triton.jit
 def _load_cols(base, stride_r, stride_c, sw_next, rd, cols, d, SWIGLU: tl.constexpr, ACC: tl.constexpr):
     """Columns ``cols`` of the ``d x d`` weight(s) at ``base``: ``[BLOCK_D, BLOCK_C]`` tiles ``(M1, M2)``.
 
@@ -216,8 +227,7 @@ def grad_partial_kernel(
     v_base = v_ptr + b * svb + g * svg
     w1, w2 = _load_cols(w_ptr + g * swg, swr, swc, sw_next, rd, cols, D, SWIGLU, ACC)
     acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
-    if SWIGLU:
-        acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
+    acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
     lo = pid_s * CHUNK
     hi = tl.minimum(lo + CHUNK, N)
     for start in range(lo, hi, BLOCK_N):
@@ -238,10 +248,7 @@ def grad_partial_kernel(
             else:
                 e = -coef * v
             acc1 += tl.dot(kt, e, input_precision=PREC)
-    part = part_ptr + (pid_bg.to(tl.int64) * tl.num_programs(0) + pid_s) * NW * D * D
-    _store_mat(part, rd, cols, D, D, acc1)
-    if SWIGLU:
-        _store_mat(part + D * D, rd, cols, D, D, acc2)
+    _store_partials(part_ptr, pid_bg, pid_s, tl.num_programs(0), rd, cols, D, acc1, acc2, SWIGLU)
 
 
 @triton.jit
@@ -337,8 +344,7 @@ def readout_bwd_kernel(
         cols = tl.program_id(2) * BLOCK_C + rc
         w1, w2 = _load_cols(wp, D, 1, D * D, rd, cols, D, SWIGLU, ACC)
         acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
-        if SWIGLU:
-            acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
+        acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
     q_base = q_ptr + b * sqb + g * sqg
     do_base = do_ptr + b * sdob + g * sdog
     dq_base = dq_ptr + b * sdqb + g * sdqg
@@ -367,10 +373,7 @@ def readout_bwd_kernel(
                 dq += _readout_dq(dy1, dy2, wj1, wj2, SWIGLU, PREC)
             _store_tokens(dq_base, sdqn, sdqc, rows, rd, N, D, dq)
     if COLS:
-        part = part_ptr + (pid_bg.to(tl.int64) * (tl.num_programs(0) + 1) + pid_s) * NW * D * D
-        _store_mat(part, rd, cols, D, D, acc1)
-        if SWIGLU:
-            _store_mat(part + D * D, rd, cols, D, D, acc2)
+        _store_partials(part_ptr, pid_bg, pid_s, tl.num_programs(0) + 1, rd, cols, D, acc1, acc2, SWIGLU)
 
 
 @triton.jit
@@ -441,8 +444,7 @@ def grad_bwd_kernel(
         w1, w2 = _load_cols(ws, swr, swc, sw_next, rd, cols, D, SWIGLU, ACC)
         dg1, dg2 = _load_cols(dgs, D, 1, D * D, rd, cols, D, SWIGLU, ACC)
         acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
-        if SWIGLU:
-            acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
+        acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
     k_base = k_ptr + b * skb + g * skg
     v_base = v_ptr + b * svb + g * svg
     dk_base = dk_ptr + b * sdkb + g * sdkg
@@ -478,10 +480,7 @@ def grad_bwd_kernel(
                 dk += _grad_bwd_dk(p1, p2, dz1, dz2, wj1, wj2, dgj1, dgj2, SWIGLU, MSE, PREC)
             _store_tokens(dk_base, sdkn, sdkc, rows, rd, N, D, dk)
     if COLS:
-        part = part_ptr + (pid_bg.to(tl.int64) * (tl.num_programs(0) + 1) + pid_s) * NW * D * D
-        _store_mat(part, rd, cols, D, D, acc1)
-        if SWIGLU:
-            _store_mat(part + D * D, rd, cols, D, D, acc2)
+        _store_partials(part_ptr, pid_bg, pid_s, tl.num_programs(0) + 1, rd, cols, D, acc1, acc2, SWIGLU)
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ttt_reference import reference_forward, reference_mixer
+from tests.ttt_reference import assert_mixer_matches_reference, reference_forward
 from vit3.layers import (
     INNER_LOSSES,
     TTTConfig,
@@ -97,17 +97,7 @@ def test_mixer_equals_autograd_reference(case: str):
             for p in model.parameters():
                 p.mul_(20)
     x = torch.randn(2, GRID[0] * GRID[1], 32, requires_grad=True)
-    dout = torch.randn(2, GRID[0] * GRID[1], 32)
-
-    out = mixer(x, GRID)
-    grads = torch.autograd.grad((out * dout).sum(), [x, *mixer.parameters()])
-    ref = reference_mixer(mixer, x, GRID)
-    ref_grads = torch.autograd.grad((ref * dout).sum(), [x, *mixer.parameters()])
-
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    names = ["input", *(n for n, _ in mixer.named_parameters())]
-    for name, g, g_ref in zip(names, grads, ref_grads):
-        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-12, msg=f"gradient of {name}")
+    assert_mixer_matches_reference(mixer, x, GRID)
 
 
 @pytest.mark.parametrize("grid", [(1, 13), (5, 11), (7, 9), (3, 1)], ids=lambda g: f"{g[0]}x{g[1]}")
