@@ -63,6 +63,16 @@ __all__ = [
 
 
 @triton.jit
+def _program(G, N, CHUNK):
+    """Who this program is on a ``[S, B*G, ...]`` grid: ``pid_s, pid_bg``, sample ``b`` and head ``g`` (int64),
+    and its tokens ``lo .. hi`` (chunk ``pid_s`` of ``CHUNK``)."""
+    pid_s = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    lo = pid_s * CHUNK
+    return pid_s, pid_bg, (pid_bg // G).to(tl.int64), (pid_bg % G).to(tl.int64), lo, tl.minimum(lo + CHUNK, N)
+
+
+@triton.jit
 def _load_tokens(base, stride_n, stride_c, rows, cols, n_tok, d, ACC: tl.constexpr):
     """A ``[BLOCK_N, len(cols)]`` tile of tokens, zero outside ``n_tok x d``, upcast to ``ACC``."""
     mask = (rows[:, None] < n_tok) & (cols[None, :] < d)
@@ -216,10 +226,7 @@ def grad_partial_kernel(
     ``w_ptr`` is W (or W1) at head 0, ``sw_next`` the offset from W1 to W2; ``part_ptr`` is
     ``[B*G, S, NW, d, d]``.
     """
-    pid_s = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = (pid_bg % G).to(tl.int64)
+    pid_s, pid_bg, b, g, lo, hi = _program(G, N, CHUNK)
     rd = tl.arange(0, BLOCK_D)
     rn = tl.arange(0, BLOCK_N)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -228,8 +235,6 @@ def grad_partial_kernel(
     w1, w2 = _load_cols(w_ptr + g * swg, swr, swc, sw_next, rd, cols, D, SWIGLU, ACC)
     acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
     acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
-    lo = pid_s * CHUNK
-    hi = tl.minimum(lo + CHUNK, N)
     for start in range(lo, hi, BLOCK_N):
         rows = start + rn
         k = _load_tokens(k_base, skn, skc, rows, rd, N, D, ACC)
@@ -294,10 +299,7 @@ def readout_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """``O = q W'`` (linear) or ``(q W1') ⊙ silu(q W2')`` (SwiGLU) for one chunk of queries, one column block."""
-    pid_s = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = (pid_bg % G).to(tl.int64)
+    _pid_s, pid_bg, b, g, lo, hi = _program(G, N, CHUNK)
     rd = tl.arange(0, BLOCK_D)
     rn = tl.arange(0, BLOCK_N)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -305,8 +307,6 @@ def readout_kernel(
     w1, w2 = _load_cols(wp, D, 1, D * D, rd, cols, D, SWIGLU, ACC)
     q_base = q_ptr + b * sqb + g * sqg
     o_base = o_ptr + b * sob + g * sog
-    lo = pid_s * CHUNK
-    hi = tl.minimum(lo + CHUNK, N)
     for start in range(lo, hi, BLOCK_N):
         rows = start + rn
         q = _load_tokens(q_base, sqn, sqc, rows, rd, N, D, ACC)
@@ -332,10 +332,7 @@ def readout_bwd_kernel(
     ``COLS``, the grid must have one block, ``C == 1``; without, the grid is ``[S, B*G, 1]`` and each program
     walks the blocks in order, re-reading ``W'``).
     """
-    pid_s = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = (pid_bg % G).to(tl.int64)
+    pid_s, pid_bg, b, g, lo, hi = _program(G, N, CHUNK)
     rd = tl.arange(0, BLOCK_D)
     rc = tl.arange(0, BLOCK_C)
     rn = tl.arange(0, BLOCK_N)
@@ -348,8 +345,6 @@ def readout_bwd_kernel(
     q_base = q_ptr + b * sqb + g * sqg
     do_base = do_ptr + b * sdob + g * sdog
     dq_base = dq_ptr + b * sdqb + g * sdqg
-    lo = pid_s * CHUNK
-    hi = tl.minimum(lo + CHUNK, N)
     for start in range(lo, hi, BLOCK_N):
         rows = start + rn
         q = _load_tokens(q_base, sqn, sqc, rows, rd, N, D, ACC)
@@ -430,10 +425,7 @@ def grad_bwd_kernel(
     ``0..S-1`` of ``part_ptr`` ``[B*G, S + 1, NW, d, d]``). ``CROSS``: ``dk``, summed over every column
     block (as in ``readout_bwd_kernel``: with ``COLS`` only for ``C == 1``).
     """
-    pid_s = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = (pid_bg % G).to(tl.int64)
+    pid_s, pid_bg, b, g, lo, hi = _program(G, N, CHUNK)
     rd = tl.arange(0, BLOCK_D)
     rc = tl.arange(0, BLOCK_C)
     rn = tl.arange(0, BLOCK_N)
@@ -449,8 +441,6 @@ def grad_bwd_kernel(
     v_base = v_ptr + b * svb + g * svg
     dk_base = dk_ptr + b * sdkb + g * sdkg
     dv_base = dv_ptr + b * sdvb + g * sdvg
-    lo = pid_s * CHUNK
-    hi = tl.minimum(lo + CHUNK, N)
     for start in range(lo, hi, BLOCK_N):
         rows = start + rn
         k = _load_tokens(k_base, skn, skc, rows, rd, N, D, ACC)
@@ -543,18 +533,13 @@ def conv_grad_partial_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Partial ``G[δ, c]`` of one chunk of tokens into ``part_ptr`` ``[B*G, S, 9, d]``."""
-    pid_s = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = (pid_bg % G).to(tl.int64)
+    pid_s, pid_bg, b, g, lo, hi = _program(G, N, CHUNK)
     rd = tl.arange(0, BLOCK_D)
     rn = tl.arange(0, BLOCK_N)
     rr = tl.arange(0, 16)
     k_base = k_ptr + b * skb + g * skg
     v_base = v_ptr + b * svb + g * svg
     acc = tl.zeros((16, BLOCK_D), dtype=ACC)
-    lo = pid_s * CHUNK
-    hi = tl.minimum(lo + CHUNK, N)
     for start in range(lo, hi, BLOCK_N):
         rows = start + rn
         e = -coef * _load_tokens(v_base, svn, svc, rows, rd, N, D, ACC)
@@ -572,18 +557,13 @@ def conv_readout_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """``out = dwconv3x3(q; W')`` for one chunk of tokens."""
-    pid_s = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = (pid_bg % G).to(tl.int64)
+    _pid_s, pid_bg, b, g, lo, hi = _program(G, N, CHUNK)
     rd = tl.arange(0, BLOCK_D)
     rn = tl.arange(0, BLOCK_N)
     rr = tl.arange(0, 16)
     wp = _load_mat(wp_ptr + pid_bg.to(tl.int64) * 9 * D, D, 1, rr, rd, 9, D, ACC)
     q_base = q_ptr + b * sqb + g * sqg
     o_base = o_ptr + b * sob + g * sog
-    lo = pid_s * CHUNK
-    hi = tl.minimum(lo + CHUNK, N)
     for start in range(lo, hi, BLOCK_N):
         rows = start + rn
         y = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
@@ -601,10 +581,7 @@ def conv_readout_bwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Read-out backward for one chunk: ``dq`` (written) and the partial ``dW'`` (slots of ``[B*G, S+1, 9, d]``)."""
-    pid_s = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = (pid_bg % G).to(tl.int64)
+    pid_s, pid_bg, b, g, lo, hi = _program(G, N, CHUNK)
     rd = tl.arange(0, BLOCK_D)
     rn = tl.arange(0, BLOCK_N)
     rr = tl.arange(0, 16)
@@ -613,8 +590,6 @@ def conv_readout_bwd_kernel(
     do_base = do_ptr + b * sdob + g * sdog
     dq_base = dq_ptr + b * sdqb + g * sdqg
     acc = tl.zeros((16, BLOCK_D), dtype=ACC)
-    lo = pid_s * CHUNK
-    hi = tl.minimum(lo + CHUNK, N)
     for start in range(lo, hi, BLOCK_N):
         rows = start + rn
         do = _load_tokens(do_base, sdon, sdoc, rows, rd, N, D, ACC)
@@ -639,10 +614,7 @@ def conv_grad_bwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Inner-gradient backward for one chunk: ``dk``, ``dv``; its weight-gradient partial is zero."""
-    pid_s = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = (pid_bg % G).to(tl.int64)
+    pid_s, pid_bg, b, g, lo, hi = _program(G, N, CHUNK)
     rd = tl.arange(0, BLOCK_D)
     rn = tl.arange(0, BLOCK_N)
     rr = tl.arange(0, 16)
@@ -651,8 +623,6 @@ def conv_grad_bwd_kernel(
     v_base = v_ptr + b * svb + g * svg
     dk_base = dk_ptr + b * sdkb + g * sdkg
     dv_base = dv_ptr + b * sdvb + g * sdvg
-    lo = pid_s * CHUNK
-    hi = tl.minimum(lo + CHUNK, N)
     for start in range(lo, hi, BLOCK_N):
         rows = start + rn
         dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)

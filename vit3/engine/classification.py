@@ -51,7 +51,7 @@ from .checkpoint import (
     set_rng_state,
 )
 from .config import Config, ConfigError, run_metadata, save_config
-from .distributed import DistInfo, all_gather_objects, barrier, cleanup, init_distributed, sum_tensor
+from .distributed import DistInfo, all_gather_objects, barrier, distributed, sum_tensor
 from .metrics import plot_curves, write_metrics
 from .optim import build_optimizer, build_scheduler, scaled_lrs
 
@@ -484,11 +484,8 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Trains ``cfg`` (see module docstring) and returns the run summary (also in ``<output>/summary.json``)."""
-    info = init_distributed(cfg.device, cfg.dist.backend)
-    try:
+    with distributed(cfg.device, cfg.dist.backend) as info:
         return _train(cfg, info)
-    finally:
-        cleanup()
 
 
 def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
@@ -578,11 +575,8 @@ def evaluate(cfg: Config) -> dict[str, Any]:
     Returns (and writes as JSON): params, and per resolution top-1/top-5/loss, images/s, peak memory
     and fvcore FLOPs (per image).
     """
-    info = init_distributed(cfg.device, cfg.dist.backend)
-    try:
+    with distributed(cfg.device, cfg.dist.backend) as info:
         return _evaluate(cfg, info)
-    finally:
-        cleanup()
 
 
 def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from ..tasks.detection import build_detector
 from ..tasks.segmentation import SegmentationModel, build_segmenter
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, save_config
-from .distributed import barrier, init_distributed
+from .distributed import DistInfo, barrier, distributed
 
 __all__ = [
     "build_dense_model",
@@ -327,7 +327,11 @@ def train(cfg: Config) -> dict[str, Any]:
         ``{"history": [...], "final": metrics of the last evaluation, "losses": per-step total losses}``.
     """
     d = _dense(cfg)
-    dist_info = init_distributed(cfg.device, cfg.dist.backend)
+    with distributed(cfg.device, cfg.dist.backend) as dist_info:
+        return _train(cfg, d, dist_info)
+
+
+def _train(cfg: Config, d: Any, dist_info: DistInfo) -> dict[str, Any]:
     device = dist_info.device
     torch.manual_seed(cfg.seed + dist_info.rank)
     random.seed(cfg.seed + dist_info.rank)
@@ -621,7 +625,11 @@ def evaluate(cfg: Config) -> dict[str, Any]:
         The metrics (COCO AP for detection; mIoU, mAcc, aAcc and per-class IoU for segmentation).
     """
     _dense(cfg)
-    device = init_distributed(cfg.device, cfg.dist.backend).device
+    with distributed(cfg.device, cfg.dist.backend) as dist_info:
+        return _evaluate(cfg, dist_info.device)
+
+
+def _evaluate(cfg: Config, device: torch.device) -> dict[str, Any]:
     path = cfg.eval.checkpoint
     ckpt = load_checkpoint(path) if path else None
     model, _, dataset = _model_and_data(cfg, with_train=False)

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "all_gather_objects", "barrier", "cleanup", "init_distributed", "sum_tensor"]
+__all__ = [
+    "DistInfo",
+    "all_gather_objects",
+    "barrier",
+    "cleanup",
+    "distributed",
+    "init_distributed",
+    "sum_tensor",
+]
 
 
 class DistInfo:
@@ -82,3 +92,13 @@ def all_gather_objects(obj: Any) -> list[Any]:
 def cleanup() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(device: str = "auto", backend: str = "auto") -> Iterator[DistInfo]:
+    """``init_distributed`` for the body of a run; the process group is destroyed after it, also on errors."""
+    info = init_distributed(device, backend)
+    try:
+        yield info
+    finally:
+        cleanup()
