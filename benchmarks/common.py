@@ -22,10 +22,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_interleaved(
+def time_samples(
     fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 5, warmup: int = 1
-) -> dict[str, float]:
-    """Median seconds per call of each function, timed in turn (A B C A B C ...) so drift hits all alike."""
+) -> dict[str, list[float]]:
+    """Seconds of every call of each function, timed in turn (A B C A B C ...) so drift hits all alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -38,7 +38,23 @@ def time_interleaved(
             fn()
             sync(device)
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in samples.items()}
+    return samples
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 5, warmup: int = 1
+) -> dict[str, float]:
+    """Median seconds per call of each function, timed in turn (``time_samples``)."""
+    return {name: statistics.median(ts) for name, ts in time_samples(fns, device, repeats, warmup).items()}
+
+
+def paired_ratio(base: list[float], other: list[float]) -> float:
+    """Median over rounds of ``base[i] / other[i]``: a speed-up measured side by side within each round.
+
+    On a shared VM a whole stretch of rounds can run 1.3-1.5x slower, for one path more than another; the
+    ratio of two medians can then pair a slow stretch of one path with a fast one of the other.
+    """
+    return statistics.median(b / o for b, o in zip(base, other))
 
 
 def _rss_hwm_bytes() -> int:

@@ -13,6 +13,7 @@ check) and achieved GFLOP/s against the measured matmul roof, and writes CSV + P
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -27,10 +28,11 @@ from benchmarks.common import (
     add_runtime_args,
     apply_runtime,
     matmul_peak_flops,
+    paired_ratio,
     peak_memory,
     plot_loglog,
     print_table,
-    time_interleaved,
+    time_samples,
     write_csv,
 )
 from benchmarks.official_baseline import official_inner
@@ -104,12 +106,14 @@ def run(args: argparse.Namespace) -> list[dict]:
             fns[f"mixer/{tag}"] = lambda bw=bw: step(lambda: mixer(x, grid), bw)
             if n <= args.sdpa_max_tokens:  # quadratic: minutes per call on a CPU at 16k tokens
                 fns[f"sdpa/{tag}"] = lambda bw=bw: step(lambda: attn(x), bw)
-        t = time_interleaved(fns, device, repeats=args.repeats)
+        samples = time_samples(fns, device, repeats=args.repeats)
+        t = {name: statistics.median(ts) for name, ts in samples.items()}
         row = {"N": n, "grid": f"{grid[0]}x{grid[1]}"}
         for tag in ("fwd", "fwd+bwd"):
             row[f"inner_ours_{tag}_ms"] = 1e3 * t[f"ours/{tag}"]
             row[f"inner_official_{tag}_ms"] = 1e3 * t[f"official/{tag}"]
-            row[f"inner_speedup_{tag}"] = t[f"official/{tag}"] / t[f"ours/{tag}"]
+            # official / ours within each round (see paired_ratio), then the median over rounds
+            row[f"inner_speedup_{tag}"] = paired_ratio(samples[f"official/{tag}"], samples[f"ours/{tag}"])
             row[f"mixer_{tag}_ms"] = 1e3 * t[f"mixer/{tag}"]
             sdpa = t.get(f"sdpa/{tag}", float("nan"))
             row[f"sdpa_{tag}_ms"] = 1e3 * sdpa

@@ -65,3 +65,10 @@ def test_models_benchmark_compares_vit3_with_deit(tmp_path):
         (m, mode) for m in ("test_vit3_ttt", "deit_tiny_patch16_224") for mode in ("infer", "train")
     }
     assert all(float(r["img_per_s"]) > 0 and float(r["gflops_per_img"]) > 0 for r in rows)
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    from benchmarks.common import paired_ratio
+
+    # per round 2, 0.5, 3 -> median 2, where the ratio of the medians would say 4 / 3
+    assert paired_ratio([2.0, 4.0, 9.0], [1.0, 8.0, 3.0]) == 2.0

@@ -86,13 +86,9 @@ TILINGS = {
 }
 
 
-@pytest.mark.parametrize("nhwc_min_tokens", [0, 10**9], ids=["dwconv-per-sample-nhwc", "dwconv-folded-nchw"])
 @pytest.mark.parametrize("tile_bytes", list(TILINGS.values()), ids=list(TILINGS))
 @pytest.mark.parametrize("cfg", ["official", "official-rope", "official-no-norm-lr"])
-def test_fused_path_output_and_every_gradient_match_reference(
-    calls, monkeypatch, tile_bytes, cfg, nhwc_min_tokens
-):
-    monkeypatch.setattr(fast_mix, "NHWC_MIN_TOKENS", nhwc_min_tokens)
+def test_fused_path_output_and_every_gradient_match_reference(calls, monkeypatch, tile_bytes, cfg):
     monkeypatch.setattr(fast, "TILE_BYTES", tile_bytes)
     monkeypatch.setattr(fast, "MIN_TILE_TOKENS", 4)
     mixer = _mixer(**SERVED[cfg][0])
@@ -141,3 +137,31 @@ def test_bfloat16_tokens_run_in_float32_and_come_back_in_bfloat16(calls):
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < 3e-2
     assert all(torch.isfinite(p.grad).all() for p in mixer.parameters())
+
+
+def test_depthwise_maps_fold_the_batch_into_channels_last_and_back():
+    b, (h, w), c = 3, GRID, 4
+    qkv = torch.randn(b, h * w, 5 * c)
+    tokens = qkv[..., c : 2 * c]  # a strided view, as the mixer's q, k, v are
+    m = fast_mix._to_map(tokens, GRID)
+    assert m.shape == (1, b * c, h, w) and m.is_contiguous(memory_format=torch.channels_last)
+    # channel b*C + c of the folded map is channel c of sample b, in raster order
+    torch.testing.assert_close(m[0].view(b, c, h * w).transpose(1, 2), tokens, rtol=0, atol=0)
+    dest = torch.zeros(b, h * w, 3 * c)[..., c : 2 * c]
+    fast_mix._from_map(m, dest)
+    torch.testing.assert_close(dest, tokens, rtol=0, atol=0)
+
+
+def test_one_sample_depthwise_backward_stays_channels_last_and_matches_nchw():
+    """A one-sample map keeps its layout: reshaping it would lose channels-last (and cost two NCHW copies)."""
+    from vit3.layers.inner import dwconv_backward
+
+    c, (h, w) = 6, GRID
+    grad_out, x = (torch.randn(1, c, h, w, dtype=torch.float64) for _ in range(2))
+    weight = torch.randn(1, c, 3, 3, dtype=torch.float64)
+    cl = [t.contiguous(memory_format=torch.channels_last) for t in (grad_out, x)]
+    gx, gw = dwconv_backward(*cl, weight)
+    assert gx.is_contiguous(memory_format=torch.channels_last)
+    gx_ref, gw_ref = dwconv_backward(grad_out, x, weight)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-12, atol=1e-12)

@@ -122,6 +122,19 @@ def _tmm_pair_acc(x: Tensor, p: Tensor, acc: Tensor) -> None:
             acc[:, j].baddbmm_(xt, p[j])
 
 
+def _baddbmm_(c: Tensor, a: Tensor, b: Tensor, beta: float = 1.0) -> Tensor:
+    """``c = beta c + a b`` in place over ``[h, n, ·]`` tiles.
+
+    A tile of one head is done as a 2-D gemm: as a batch of one, a strided view of the qkv gradient has an odd
+    batch stride, and ``baddbmm_`` then gemms into a temporary and copies it back (two extra passes).
+    """
+    if c.shape[0] == 1:
+        c[0].addmm_(a[0], b[0], beta=beta)
+    else:
+        c.baddbmm_(a, b, beta=beta)
+    return c
+
+
 def _fold(shape: torch.Size, itemsize: int) -> bool:
     """Whether to fold ``[B, H, N, d]`` to ``[1, B*H, N, d]``: one sample fills less than half a tile."""
     b, h, n, d = shape
@@ -220,13 +233,14 @@ def swiglu_forward(
     g = torch.zeros_like(w)
     z_all, y_all = (tiles.buffer(k) if save else None for _ in range(2))
     scratch = tiles.scratch(k, 3)
+    one = k.new_ones(())
     for i, (bi, hs, ns) in enumerate(tiles.index):
         kt, vt = k[bi, hs, ns], v[bi, hs, ns]
         pz, pp, s0 = tiles.views(scratch, i)
         z1, z2 = _mm_pair(kt, w[bi, hs], tiles.part(z_all, i) if save else pz)
         sig = torch.sigmoid(z2, out=s0[0])
         a = torch.mul(z2, sig, out=pp[0])  # A = silu(Z2)
-        a_prime = sig.addcmul_(a, sig, value=-1.0).add_(a)  # A' = σ + A (1 - σ)
+        a_prime = sig.lerp_(one, a)  # A' = σ + A (1 - σ), one op
         a.mul_(vt)
         torch.mul(a_prime, z1, out=pp[1]).mul_(vt)
         _tmm_pair_acc(kt, pp, g[bi, hs])
@@ -286,8 +300,8 @@ def swiglu_backward(
         _silu_out(y2, out=dy[0]).mul_(dot)
         _silu_backward_out(torch.mul(dot, y1, out=dy[1]), y2, grad_input=dy[1])
         wt = w_new_t[bi, hs]  # [h, 2, d, d]
-        # beta=0 instead of bmm(out=): a strided destination is then written by the gemm itself, not via a copy
-        dq[bi, hs, ns].baddbmm_(dy[0], wt[:, 0], beta=0.0).baddbmm_(dy[1], wt[:, 1])
+        dqt = _baddbmm_(dq[bi, hs, ns], dy[0], wt[:, 0], beta=0.0)
+        _baddbmm_(dqt, dy[1], wt[:, 1])
         _tmm_pair_acc(q[bi, hs, ns], dy, dw[bi, hs])
     # The step: dG from dW' (dW' is also the W' -> W path of dW); -c folded into dG.
     dg = step_backward(dw, g, norm, lr, grad_norm).mul_(-c)
@@ -312,8 +326,9 @@ def swiglu_backward(
         dz2 = torch.mul(dp1, va, out=dz[1]).addcmul_(r.mul_(vt), a_second)
         p1, p2 = a.mul_(vt), va.mul_(z1)
         gt, wt = dg_t[bi, hs], w_t[bi, hs]  # [h, 2, d, d]
-        dkt = dk[bi, hs, ns].baddbmm_(p1, gt[:, 0], beta=0.0)
-        dkt.baddbmm_(p2, gt[:, 1]).baddbmm_(dz1, wt[:, 0]).baddbmm_(dz2, wt[:, 1])
+        dkt = _baddbmm_(dk[bi, hs, ns], p1, gt[:, 0], beta=0.0)
+        for x, y in ((p2, gt[:, 1]), (dz1, wt[:, 0]), (dz2, wt[:, 1])):
+            _baddbmm_(dkt, x, y)
         _tmm_pair_acc(kt, dz, dw[bi, hs])
     if folded:
         for dest, grad in zip(dests, (dq, dk, dv)):

@@ -275,9 +275,12 @@ def dwconv_backward(
     kernels = (
         x.new_empty(b * ch, 1, 3, 3) if weight is None else weight.expand(b, ch, 3, 3).reshape(-1, 1, 3, 3)
     )
+    # One sample stays as it is: reshaping would set its (arbitrary) batch stride and lose a channels-last
+    # layout, which convolution_backward then copies back to NCHW (two copies per call).
+    fold = (lambda t: t) if b == 1 else (lambda t: t.reshape(1, b * ch, h, w))
     gx, gw, _ = torch.ops.aten.convolution_backward(
-        grad_out.reshape(1, b * ch, h, w),
-        x.reshape(1, b * ch, h, w),
+        fold(grad_out),
+        fold(x),
         kernels,
         None,
         [1, 1],
