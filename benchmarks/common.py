@@ -150,6 +150,7 @@ def plot_loglog(
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     """The options every benchmark shares: the device and the CPU allocator setting."""
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's)")
     p.add_argument(
         "--no-tune-malloc",
         dest="tune_malloc",
@@ -160,6 +161,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
 
 def apply_runtime(args: argparse.Namespace) -> None:
     """Applies the shared options: on CPU, one process-wide allocator setting for every path compared."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.tune_malloc and args.device == "cpu":
         from vit3.engine.cpu import tune_malloc
 

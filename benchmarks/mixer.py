@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 fns[f"sdpa/{tag}"] = lambda bw=bw: step(lambda: attn(x), bw)
         samples = time_samples(fns, device, repeats=args.repeats)
         t = {name: statistics.median(ts) for name, ts in samples.items()}
-        row = {"N": n, "grid": f"{grid[0]}x{grid[1]}"}
+        row = {"N": n, "grid": f"{grid[0]}x{grid[1]}", "threads": torch.get_num_threads()}
         for tag in ("fwd", "fwd+bwd"):
             row[f"inner_ours_{tag}_ms"] = 1e3 * t[f"ours/{tag}"]
             row[f"inner_official_{tag}_ms"] = 1e3 * t[f"official/{tag}"]
