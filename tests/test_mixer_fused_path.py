@@ -13,6 +13,7 @@ import vit3.layers.fast_swiglu as fast
 import vit3.layers.ttt as ttt
 from tests.ttt_reference import assert_mixer_matches_reference
 from vit3.layers import TTTMixer
+from vit3.layers.inner import dwconv_backward, fold_batch
 
 GRID = (5, 7)
 
@@ -143,10 +144,14 @@ def test_depthwise_maps_fold_the_batch_into_channels_last_and_back():
     b, (h, w), c = 3, GRID, 4
     qkv = torch.randn(b, h * w, 5 * c)
     tokens = qkv[..., c : 2 * c]  # a strided view, as the mixer's q, k, v are
-    m = fast_mix._to_map(tokens, GRID)
-    assert m.shape == (1, b * c, h, w) and m.is_contiguous(memory_format=torch.channels_last)
+    m = fast_mix._to_map(tokens, GRID)  # [B, C, h, w]
+    folded = fold_batch(m)
+    assert folded.shape == (1, b * c, h, w) and folded.is_contiguous(memory_format=torch.channels_last)
+    assert folded.data_ptr() == m.data_ptr()  # the fold is a view
+    # ... with a true channels-last batch stride (a plain reshape leaves C there, and the conv ops then copy)
+    assert folded.stride() == (b * c * h * w, 1, w * b * c, b * c)
     # channel b*C + c of the folded map is channel c of sample b, in raster order
-    torch.testing.assert_close(m[0].view(b, c, h * w).transpose(1, 2), tokens, rtol=0, atol=0)
+    torch.testing.assert_close(folded[0].view(b, c, h * w).transpose(1, 2), tokens, rtol=0, atol=0)
     dest = torch.zeros(b, h * w, 3 * c)[..., c : 2 * c]
     fast_mix._from_map(m, dest)
     torch.testing.assert_close(dest, tokens, rtol=0, atol=0)
@@ -154,8 +159,6 @@ def test_depthwise_maps_fold_the_batch_into_channels_last_and_back():
 
 def test_one_sample_depthwise_backward_stays_channels_last_and_matches_nchw():
     """A one-sample map keeps its layout: reshaping it would lose channels-last (and cost two NCHW copies)."""
-    from vit3.layers.inner import dwconv_backward
-
     c, (h, w) = 6, GRID
     grad_out, x = (torch.randn(1, c, h, w, dtype=torch.float64) for _ in range(2))
     weight = torch.randn(1, c, 3, 3, dtype=torch.float64)

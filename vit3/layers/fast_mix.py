@@ -9,7 +9,7 @@ branches take q, k and v as views of qkv and write their read-outs straight into
 Branches served (``mix_supports``), one full-batch dot-loss step each:
 
 - the official SwiGLU model, optionally with RoPE on q and k, through ``fast_swiglu``;
-- the 3x3 depthwise conv in closed form, on one batch-folded channels-last map: with ``E = -s v / N``,
+- the 3x3 depthwise conv in closed form, one convolution per stage for the whole batch: with ``E = -s v / N``,
   ``G = Σ_p E[p] k[p + δ]`` (a conv weight gradient), ``W' = W - lr G / (||G|| + 1)``,
   ``out = dwconv(q; W')``; backward ``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)``.
 
@@ -71,23 +71,14 @@ def _heads(t: Tensor, heads: int) -> Tensor:
 
 
 def _to_map(t: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Tokens ``[B, N, C]`` (any strides) -> one batch-folded channels-last map ``[1, B*C, h, w]``.
-
-    Channel ``b*C + c`` is channel ``c`` of sample ``b``, so one depthwise conv with per-sample kernels
-    ``[B*C, 1, 3, 3]`` serves the batch. oneDNN's channels-last depthwise kernels need no layout reorders;
-    measured on a CPU, against per-sample NHWC convs or a batch-folded NCHW map (which needs transposes), this
-    is 1.4-1.7x faster at 4x56x56 and ~12x at 128x7x7 (copies included).
-    """
-    b, n, c = t.shape
-    m = t.new_empty(1, *grid, b * c)
-    m.view(n, b, c).copy_(t.transpose(0, 1))
-    return m.permute(0, 3, 1, 2)
+    """Tokens ``[B, N, C]`` (any strides) -> maps ``[B, C, h, w]``, views of one batch-folded channels-last map
+    (``DWConvInner.to_map``), so every depthwise stage below is one convolution call for the whole batch."""
+    return DWConvInner.to_map(t.unsqueeze(1), grid)
 
 
 def _from_map(m: Tensor, dest: Tensor) -> None:
-    """Writes a folded map ``[1, B*C, h, w]`` (channels-last) into tokens ``dest`` ``[B, N, C]`` (any strides)."""
-    b, n, c = dest.shape
-    dest.copy_(m.permute(0, 2, 3, 1).reshape(n, b, c).transpose(0, 1))
+    """Writes maps ``[B, C, h, w]`` into tokens ``dest`` ``[B, N, C]`` (any strides)."""
+    dest.copy_(m.flatten(2).transpose(1, 2))
 
 
 class _FusedMix(torch.autograd.Function):
@@ -116,9 +107,9 @@ class _FusedMix(torch.autograd.Function):
                 w, folded = weights[wi], False
                 c = plan.scale / n
                 qm, km, vm = (_to_map(t, plan.grid) for t in (q, k, v))
-                g = dwconv_backward(vm, km, None, need_input=False)[1].view(b, -1, 3, 3).mul_(-c)
-                w_new, norm = step(g, w, plan.lr, plan.grad_norm, dims=(-2, -1))  # [B, C, 3, 3]
-                _from_map(DWConvInner.conv(qm, w_new.reshape(1, -1, 3, 3)), dest)
+                g = dwconv_backward(vm, km, None, need_input=False)[1].mul_(-c)  # [B, C, 3, 3]
+                w_new, norm = step(g, w, plan.lr, plan.grad_norm, dims=(-2, -1))
+                _from_map(DWConvInner.conv(qm, w_new), dest)
                 saved += [qm, km, vm, g, norm, w_new]
             layout.append((start, len(saved) - start, folded))
             wi += 2 if br.kind == "swiglu" else 1
@@ -163,14 +154,12 @@ class _FusedMix(torch.autograd.Function):
             else:
                 c = plan.scale / n
                 qm, km, vm, g, norm, w_new = mine
-                folded_w = w_new.reshape(1, -1, 3, 3)  # [1, B*C, 3, 3], as the folded maps
-                dqm, dw_new = dwconv_backward(_to_map(dout, plan.grid), qm, folded_w)
-                dg = step_backward(dw_new.view_as(w_new), g, norm, plan.lr, plan.grad_norm, dims=(-2, -1))
+                dqm, dw_new = dwconv_backward(_to_map(dout, plan.grid), qm, w_new)
+                dg = step_backward(dw_new, g, norm, plan.lr, plan.grad_norm, dims=(-2, -1))
                 _from_map(dqm, dq)
-                dg_folded = dg.reshape(1, -1, 3, 3)
-                _from_map(dwconv_backward(vm, km, dg_folded, need_weight=False)[0].mul_(-c), dk)
-                _from_map(DWConvInner.conv(km, dg_folded).mul_(-c), dv)
-                grads.append(weight_grad(dw_new.view_as(w_new), weight_shapes[wi]))
+                _from_map(dwconv_backward(vm, km, dg, need_weight=False)[0].mul_(-c), dk)
+                _from_map(DWConvInner.conv(km, dg).mul_(-c), dv)
+                grads.append(weight_grad(dw_new, weight_shapes[wi]))
                 wi += 1
             col += width
         return (dqkv, None, None, *grads)

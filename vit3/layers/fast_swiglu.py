@@ -327,8 +327,8 @@ def swiglu_backward(
         p1, p2 = a.mul_(vt), va.mul_(z1)
         gt, wt = dg_t[bi, hs], w_t[bi, hs]  # [h, 2, d, d]
         dkt = _baddbmm_(dk[bi, hs, ns], p1, gt[:, 0], beta=0.0)
-        for x, y in ((p2, gt[:, 1]), (dz1, wt[:, 0]), (dz2, wt[:, 1])):
-            _baddbmm_(dkt, x, y)
+        for lhs, rhs in ((p2, gt[:, 1]), (dz1, wt[:, 0]), (dz2, wt[:, 1])):
+            _baddbmm_(dkt, lhs, rhs)
         _tmm_pair_acc(kt, dz, dw[bi, hs])
     if folded:
         for dest, grad in zip(dests, (dq, dk, dv)):
