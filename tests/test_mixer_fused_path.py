@@ -89,7 +89,11 @@ TILINGS = {
 
 @pytest.mark.parametrize("tile_bytes", list(TILINGS.values()), ids=list(TILINGS))
 @pytest.mark.parametrize("cfg", ["official", "official-rope", "official-no-norm-lr"])
-def test_fused_path_output_and_every_gradient_match_reference(calls, monkeypatch, tile_bytes, cfg):
+@pytest.mark.parametrize("cpu_kernel", ["0", "1"], ids=["tiles", "cpu-kernel"])
+def test_fused_path_output_and_every_gradient_match_reference(
+    calls, monkeypatch, tile_bytes, cfg, cpu_kernel
+):
+    monkeypatch.setenv("VIT3_CPU_KERNEL", cpu_kernel)
     monkeypatch.setattr(fast, "TILE_BYTES", tile_bytes)
     monkeypatch.setattr(fast, "MIN_TILE_TOKENS", 4)
     mixer = _mixer(**SERVED[cfg][0])

@@ -119,8 +119,12 @@ def test_linear_dot_one_step_is_noncausal_linear_attention(grid):
 )
 @pytest.mark.parametrize("grad_norm", [True, False], ids=["norm", "no-norm"])
 @pytest.mark.parametrize("shared_weights", [True, False], ids=["shared-w", "per-sample-w"])
-def test_fused_swiglu_path_equals_generic_inner_loop(monkeypatch, tile_bytes, grad_norm, shared_weights):
-    """The hand-fused tiled SwiGLU path (custom backward) against the generic closed-form path + autograd."""
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["tiles", "cpu-kernel"])
+def test_fused_swiglu_path_equals_generic_inner_loop(
+    monkeypatch, tile_bytes, grad_norm, shared_weights, cpu_kernel
+):
+    """The hand-fused SwiGLU path (custom backward; tiled PyTorch or the C++ CPU kernel, whose blocks follow
+    the same tile size) against the generic closed-form path + autograd."""
     import vit3.layers.fast_swiglu as fast
 
     monkeypatch.setattr(fast, "TILE_BYTES", tile_bytes)
@@ -133,7 +137,7 @@ def test_fused_swiglu_path_equals_generic_inner_loop(monkeypatch, tile_bytes, gr
     w1, w2 = (torch.randn(1 if shared_weights else b, h, d, d, requires_grad=True) for _ in range(2))
     dout = torch.randn(b, h, n, d)
 
-    out = fast.swiglu_ttt(q, k, v, w1, w2, scale=0.4, lr=0.8, grad_norm=grad_norm)
+    out = fast.swiglu_ttt(q, k, v, w1, w2, scale=0.4, lr=0.8, grad_norm=grad_norm, cpu_kernel=cpu_kernel)
     params = inner_loop(model, {"w1": w1, "w2": w2}, k, v, grid, scale=0.4, lr=0.8, grad_norm=grad_norm)
     ref = model.apply_to(params, q, grid)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

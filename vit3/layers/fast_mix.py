@@ -52,6 +52,7 @@ class MixPlan(NamedTuple):
     lr: float
     grad_norm: bool
     rope_base: float
+    cpu_kernel: bool | None = None  # SwiGLU passes in the C++ CPU kernel (None: ``$VIT3_CPU_KERNEL``)
 
 
 def mix_supports(name: str, cfg: Any) -> bool:
@@ -89,7 +90,7 @@ class _FusedMix(torch.autograd.Function):
         out = qkv.new_empty(b, n, sum(widths))
         hyper = {"scale": plan.scale, "lr": plan.lr, "grad_norm": plan.grad_norm}
         saved: list[Tensor] = []
-        layout: list[tuple[int, int, bool]] = []  # per branch: first saved tensor, count, folded (SwiGLU)
+        layout: list[tuple[int, int, str]] = []  # per branch: first saved tensor, count, SwiGLUSaved.layout
         col, wi = 0, 0
         for br, width in zip(plan.branches, widths):
             q, k, v = (qkv[..., br.offset + j * width : br.offset + (j + 1) * width] for j in range(3))
@@ -100,18 +101,18 @@ class _FusedMix(torch.autograd.Function):
                 if br.rope:
                     q, k = (apply_rope_2d(t, plan.grid, plan.rope_base) for t in (q, k))
                 q, k, v, dest = (_heads(t, br.heads) for t in (q, k, v, dest))  # [B, G, N, c] views
-                st = swiglu_forward(q, k, v, w1, w2, dest, save=save, **hyper)
-                folded = st is not None and st.folded
+                st = swiglu_forward(q, k, v, w1, w2, dest, save=save, cpu_kernel=plan.cpu_kernel, **hyper)
+                kind = st.layout if st is not None else ""
                 saved += list(st[:-1]) if st is not None else []
             else:
-                w, folded = weights[wi], False
+                w, kind = weights[wi], ""
                 c = plan.scale / n
                 qm, km, vm = (_to_map(t, plan.grid) for t in (q, k, v))
                 g = dwconv_backward(vm, km, None, need_input=False)[1].mul_(-c)  # [B, C, 3, 3]
                 w_new, norm = step(g, w, plan.lr, plan.grad_norm, dims=(-2, -1))
                 _from_map(DWConvInner.conv(qm, w_new), dest)
                 saved += [qm, km, vm, g, norm, w_new]
-            layout.append((start, len(saved) - start, folded))
+            layout.append((start, len(saved) - start, kind))
             wi += 2 if br.kind == "swiglu" else 1
             col += width
         if save:
@@ -130,7 +131,7 @@ class _FusedMix(torch.autograd.Function):
         dqkv = d_out.new_empty(qkv_shape)
         grads: list[Tensor] = []
         col, wi = 0, 0
-        for br, (start, count, folded) in zip(plan.branches, ctx.layout):
+        for br, (start, count, kind) in zip(plan.branches, ctx.layout):
             width = br.heads * br.head_dim
             dq, dk, dv = (dqkv[..., br.offset + j * width : br.offset + (j + 1) * width] for j in range(3))
             dout = d_out[..., col : col + width]
@@ -140,7 +141,7 @@ class _FusedMix(torch.autograd.Function):
                 rq, rk = (torch.empty_like(dout) for _ in range(2)) if br.rope else (dq, dk)
                 dws = swiglu_backward(
                     _heads(dout, br.heads),
-                    SwiGLUSaved(*mine, folded),
+                    SwiGLUSaved(*mine, kind),
                     _heads(rq, br.heads),
                     _heads(rk, br.heads),
                     _heads(dv, br.heads),

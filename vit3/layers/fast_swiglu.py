@@ -21,6 +21,10 @@ Problems small enough that a whole sample fits in one tile are folded to ``[1, B
 samples and per-op overheads stay amortised. Elementwise work writes into a few reused scratch tiles: fresh
 allocations would cost more than the ops.
 
+On CPUs the four passes run in the C++ kernel ``vit3.kernels.swiglu_cpu`` when it can be built (the same
+passes, blocks of ``block_tokens`` tokens, elementwise chains fused; ``cpu_kernel`` / ``$VIT3_CPU_KERNEL``
+choose): this tiled path is its pure-PyTorch reference and the path everywhere else.
+
 Saved for backward: dense q, k, v, the pre-activations ``Z = k W`` and ``Y = q W'`` (four N-sized tensors
 in tile order, saving four matmuls; nothing is saved when no gradient is needed) and the ``[B, H, 2, d, d]``
 weights; autograd through the official formulation keeps about twice as much.
@@ -28,7 +32,7 @@ weights; autograd through the official formulation keeps about twice as much.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -50,6 +54,11 @@ TILE_BYTES = 1 << 20
 MIN_TILE_TOKENS = 64
 
 
+def block_tokens(n: int, d: int, itemsize: int) -> int:
+    """Tokens per tile of one head: about ``TILE_BYTES`` of ``[tokens, d]`` (the C++ kernel's blocks too)."""
+    return min(n, max(MIN_TILE_TOKENS, TILE_BYTES // (d * itemsize)))
+
+
 class _Tiles:
     """A fixed walk over ``[B, H, N, d]`` in ``(sample, heads, tokens)`` tiles of about ``TILE_BYTES``.
 
@@ -60,7 +69,7 @@ class _Tiles:
     def __init__(self, shape: torch.Size, itemsize: int) -> None:
         b, h, n, d = shape
         row = d * itemsize
-        n_block = min(n, max(MIN_TILE_TOKENS, TILE_BYTES // row))
+        n_block = block_tokens(n, d, itemsize)
         h_block = min(h, max(1, TILE_BYTES // (n_block * row)))
         self.d = d
         self._views: dict[tuple, list[Tensor]] = {}
@@ -187,9 +196,9 @@ class SwiGLUSaved(NamedTuple):
     g: Tensor
     norm: Tensor
     w_new: Tensor
-    z: Tensor  # tile-ordered pairs (``_Tiles.buffer``) of Z = k W and Y = q W'
+    z: Tensor  # Z = k W and Y = q W': tile-ordered pairs (``_Tiles.buffer``), or [B, H, 2, N, d] (kernel)
     y: Tensor
-    folded: bool
+    layout: str  # who wrote z and y: "tiles", "folded" (tiles over [1, B*H, N, d]) or "kernel" (C++)
 
 
 def swiglu_forward(
@@ -204,6 +213,7 @@ def swiglu_forward(
     lr: float,
     grad_norm: bool,
     save: bool = True,
+    cpu_kernel: bool | None = None,
 ) -> SwiGLUSaved | None:
     """Inner step and read-out, written into ``out``; returns what the backward needs (when ``save``).
 
@@ -216,14 +226,20 @@ def swiglu_forward(
         lr: inner learning rate.
         grad_norm: apply ``G / (||G|| + 1)`` per output column.
         save: keep the pre-activations and weights for ``swiglu_backward``.
+        cpu_kernel: run the passes in the C++ CPU kernel (``vit3.kernels.swiglu_cpu``); ``None`` follows
+            ``$VIT3_CPU_KERNEL`` (default: on for float32/float64 CPU tensors when it can be built).
     """
     b, h, n, d = q.shape
     c = scale / n
-    folded = _fold(q.shape, q.element_size())
     w = torch.stack([w1.expand(b, h, d, d), w2.expand(b, h, d, d)], dim=2)  # [B, H, 2, d, d]
     # One dense copy of each input: matmuls reading rows strided across a whole qkv tensor touch ~20x the
-    # pages and run ~30% slower on a CPU, on every one of the dozen passes that read them.
+    # pages and run ~30% slower on a CPU, on every one of the dozen passes that read them (measured in the
+    # kernel too: one copy here beats copying each block there).
     q, k, v = (t.contiguous() for t in (q, k, v))
+    ops = _kernel(cpu_kernel, q)
+    if ops is not None:
+        return _kernel_forward(ops, q, k, v, w, out, c=c, lr=lr, grad_norm=grad_norm, save=save)
+    folded = _fold(q.shape, q.element_size())
     dest = out
     if folded:
         q, k, v, w = (_folded(t) for t in (q, k, v, w))
@@ -255,7 +271,7 @@ def swiglu_forward(
         dest.copy_(out.view(dest.shape))
     if not save:
         return None
-    return SwiGLUSaved(q, k, v, w, g, norm, w_new, z_all, y_all, folded)
+    return SwiGLUSaved(q, k, v, w, g, norm, w_new, z_all, y_all, "folded" if folded else "tiles")
 
 
 def swiglu_backward(
@@ -269,7 +285,7 @@ def swiglu_backward(
     lr: float,
     grad_norm: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Gradients of ``swiglu_forward``: writes ``dq``, ``dk``, ``dv`` in place, returns ``dW1, dW2``.
+    """Gradients of ``swiglu_forward`` (in the C++ kernel when the forward ran there): writes ``dq``, ``dk``, ``dv`` in place, returns ``dW1, dW2``.
 
     Args:
         d_out: gradient of the read-out ``[B, H, N, d]``, any strides.
@@ -280,9 +296,12 @@ def swiglu_backward(
     Returns:
         ``dW1, dW2`` per sample, ``[B, H, d, d]`` (sum over B for shared initial weights).
     """
-    q, k, v, w, g, norm, w_new, z_all, y_all, folded = saved
+    q, k, v, w, g, norm, w_new, z_all, y_all, layout = saved
     shape = d_out.shape
     c = scale / shape[-2]
+    if layout == "kernel":
+        return _kernel_backward(d_out, saved, dq, dk, dv, c=c, lr=lr, grad_norm=grad_norm)
+    folded = layout == "folded"
     dests = (dq, dk, dv)
     if folded:
         d_out = _folded(d_out)
@@ -337,15 +356,86 @@ def swiglu_backward(
     return dw[:, :, 0], dw[:, :, 1]
 
 
+def _kernel(flag: bool | None, like: Tensor) -> Any:
+    """The C++ CPU kernel's ops when they serve ``like`` (``vit3.kernels.swiglu_cpu``), else ``None``."""
+    if flag is False:
+        return None
+    try:
+        from vit3.kernels.swiglu_cpu import cpu_kernel_ops
+    except ImportError:  # vit3.kernels needs Triton, absent off Linux: the tiled path serves
+        if flag:
+            raise
+        return None
+    return cpu_kernel_ops(flag, like)
+
+
+def _unit_stride(t: Tensor) -> Tensor:
+    """``t`` itself when its last dim has unit stride (the kernel's need), else a dense copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _kernel_forward(
+    ops: Any,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w: Tensor,
+    out: Tensor,
+    *,
+    c: float,
+    lr: float,
+    grad_norm: bool,
+    save: bool,
+) -> SwiGLUSaved | None:
+    """``swiglu_forward`` in the C++ kernel: dense q, k, v, paired weights ``[B, H, 2, d, d]``."""
+    b, h, n, d = q.shape
+    block = block_tokens(n, d, q.element_size())
+    z, y = (q.new_empty(b, h, 2, n, d) if save else None for _ in range(2))
+    g = torch.zeros_like(w)
+    ops.inner_grad(k, v, w, g, z, block)
+    w_new, norm = step(g.mul_(-c), w, lr, grad_norm)
+    dest = _unit_stride(out)
+    ops.readout(q, w_new, dest, y, block)
+    if dest is not out:
+        out.copy_(dest)
+    return SwiGLUSaved(q, k, v, w, g, norm, w_new, z, y, "kernel") if save else None
+
+
+def _kernel_backward(
+    d_out: Tensor,
+    saved: SwiGLUSaved,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    *,
+    c: float,
+    lr: float,
+    grad_norm: bool,
+) -> tuple[Tensor, Tensor]:
+    """``swiglu_backward`` in the C++ kernel (its forward ran there)."""
+    ops = _kernel(True, saved.q)
+    q, k, v, w, g, norm, w_new, z, y, _ = saved
+    block = block_tokens(q.shape[2], q.shape[3], q.element_size())
+    dests = [_unit_stride(t) for t in (dq, dk, dv)]
+    dw = torch.zeros_like(w_new)
+    ops.readout_backward(_unit_stride(d_out), q, y, w_new, dests[0], dw, block)
+    dg = step_backward(dw, g, norm, lr, grad_norm).mul_(-c)  # before dw gathers kᵀ dZ below
+    ops.inner_backward(k, v, z, w, dg.contiguous(), dests[1], dests[2], dw, block)
+    for dest, t in zip(dests, (dq, dk, dv)):
+        if dest is not t:
+            t.copy_(dest)
+    return dw[:, :, 0], dw[:, :, 1]
+
+
 class _SwiGLUTTT(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool, save: bool):
+    def forward(ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool, save: bool, cpu_kernel):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         hyper = {"scale": scale, "lr": lr, "grad_norm": grad_norm}
-        saved = swiglu_forward(q, k, v, w1, w2, out, save=save, **hyper)
+        saved = swiglu_forward(q, k, v, w1, w2, out, save=save, cpu_kernel=cpu_kernel, **hyper)
         if saved is not None:  # through save_for_backward, so saved-tensor hooks (checkpointing) see them
             ctx.save_for_backward(*saved[:-1])
-            ctx.folded = saved.folded
+            ctx.layout = saved.layout
         ctx.hyper, ctx.weight_shapes = hyper, (w1.shape, w2.shape)
         return out
 
@@ -354,10 +444,10 @@ class _SwiGLUTTT(torch.autograd.Function):
     def backward(ctx, d_out):
         dq, dk, dv = (torch.empty(d_out.shape, dtype=d_out.dtype, device=d_out.device) for _ in range(3))
         dw1, dw2 = swiglu_backward(
-            d_out, SwiGLUSaved(*ctx.saved_tensors, ctx.folded), dq, dk, dv, **ctx.hyper
+            d_out, SwiGLUSaved(*ctx.saved_tensors, ctx.layout), dq, dk, dv, **ctx.hyper
         )
         s1, s2 = ctx.weight_shapes
-        return dq, dk, dv, weight_grad(dw1, s1), weight_grad(dw2, s2), None, None, None, None
+        return dq, dk, dv, weight_grad(dw1, s1), weight_grad(dw2, s2), None, None, None, None, None
 
 
 def swiglu_ttt(
@@ -370,6 +460,7 @@ def swiglu_ttt(
     scale: float,
     lr: float = 1.0,
     grad_norm: bool = True,
+    cpu_kernel: bool | None = None,
 ) -> Tensor:
     """One full-batch dot-loss TTT step of the SwiGLU inner model, then its read-out on q.
 
@@ -382,9 +473,10 @@ def swiglu_ttt(
         scale: loss scale s (the official 1/3).
         lr: inner learning rate.
         grad_norm: apply ``G / (||G|| + 1)`` per output column.
+        cpu_kernel: C++ CPU kernel or the tiled PyTorch path (``swiglu_forward``).
 
     Returns:
         ``(q W1') ⊙ silu(q W2')`` ``[B, H, N, d]``, W' the per-sample weights after the step.
     """
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w1, w2))
-    return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm, save)
+    return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm, save, cpu_kernel)

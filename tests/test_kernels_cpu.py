@@ -1,0 +1,200 @@
+"""The C++ CPU kernel of the SwiGLU inner model (``vit3.kernels.swiglu_cpu``): that it computes what the generic
+inner loop defines (float64 autograd, every gradient) whether its problems spread over threads or not, that the
+switch (argument and ``$VIT3_CPU_KERNEL``) picks the path it names and both paths agree, and that it fails
+loudly or falls back cleanly.
+
+The tiled PyTorch path and the kernel are also both checked against the references in ``test_mixer_math`` and
+``test_mixer_fused_path`` (parametrised ``tiles`` / ``cpu-kernel``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import vit3.kernels.swiglu_cpu as swiglu_cpu
+
+import vit3.layers.fast_swiglu as fast
+from vit3.layers import TTTConfig, create_inner_model, inner_loop
+
+H, D = 2, 8
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts forwards that ran in the kernel."""
+    count = {"n": 0}
+    real = fast._kernel_forward
+
+    def counting(*args, **kwargs):
+        count["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fast, "_kernel_forward", counting)
+    return count
+
+
+@pytest.fixture
+def threads():
+    """Sets the intra-op thread count for one test."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _inputs(b: int, h: int, n: int, d: int, dtype=torch.float64, shared: bool = True, gain: float = 1.0):
+    torch.manual_seed(5)
+    qkv = (gain * torch.randn(b, n, 3 * h * d, dtype=dtype)).requires_grad_()
+    q, k, v = (t.unflatten(-1, (h, d)).transpose(1, 2) for t in qkv.split(h * d, dim=-1))  # strided views
+    w1, w2 = (torch.randn(1 if shared else b, h, d, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    return qkv, q, k, v, w1, w2
+
+
+def _grads(out: torch.Tensor, dout: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(torch.autograd.grad((out * dout).sum(), leaves))
+
+
+def _reference(q, k, v, w1, w2, *, scale: float, lr: float, grad_norm: bool) -> torch.Tensor:
+    """The generic closed-form inner loop and read-out, differentiated by autograd."""
+    model = create_inner_model("swiglu", heads=q.shape[1], head_dim=q.shape[-1], cfg=TTTConfig())
+    params = inner_loop(
+        model, {"w1": w1, "w2": w2}, k, v, (1, q.shape[2]), scale=scale, lr=lr, grad_norm=grad_norm
+    )
+    return model.apply_to(params, q, (1, q.shape[2]))
+
+
+PROBLEMS = {
+    # (B, H, N, d, tile bytes, threads): one block per head or several with a short last one; problems spread
+    # over the threads (B*H >= threads) or run one after another with parallel ops (B*H < threads); a head
+    # width that fills whole vectors of doubles (8) or leaves a scalar tail (12).
+    "spread-one-block": (3, H, 35, D, 10**9, 2),
+    "spread-blocks": (3, H, 35, D, 6 * D * 8, 2),
+    "serial-blocks": (1, 1, 35, D, 6 * D * 8, 2),
+    "one-thread-blocks": (2, H, 35, D, 6 * D * 8, 1),
+    "vector-tail": (2, H, 21, 12, 10**9, 2),
+}
+
+
+@pytest.mark.parametrize(
+    ("b", "h", "n", "d", "tile_bytes", "n_threads"), list(PROBLEMS.values()), ids=list(PROBLEMS)
+)
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-w", "per-sample-w"])
+def test_kernel_matches_float64_reference_every_gradient(
+    monkeypatch, kernel_calls, threads, b, h, n, d, tile_bytes, n_threads, shared
+):
+    monkeypatch.setattr(fast, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(fast, "MIN_TILE_TOKENS", 4)
+    threads(n_threads)
+    qkv, q, k, v, w1, w2 = _inputs(b, h, n, d, shared=shared)
+    hyper = {"scale": 0.4, "lr": 0.8, "grad_norm": True}
+    out = fast.swiglu_ttt(q, k, v, w1, w2, cpu_kernel=True, **hyper)
+    ref = _reference(q, k, v, w1, w2, **hyper)
+    assert kernel_calls["n"] == 1
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(out)
+    got, want = _grads(out, dout, [qkv, w1, w2]), _grads(ref, dout, [qkv, w1, w2])
+    for name, g, g_ref in zip(["qkv", "w1", "w2"], got, want):
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
+
+
+def test_saturated_gates_stay_finite_and_match_float64(kernel_calls):
+    """Pre-activations of ±50 and beyond: the vectorised sigmoid must saturate cleanly, as exp over/underflows."""
+    qkv, q, k, v, w1, w2 = _inputs(2, H, 20, D, gain=30.0)
+    hyper = {"scale": 0.4, "lr": 0.5, "grad_norm": True}
+    ref = _reference(q, k, v, w1, w2, **hyper)
+    dout = torch.randn_like(ref)
+    want = _grads(ref, dout, [qkv, w1, w2])
+    qkv32, w1_32, w2_32 = (t.detach().float().requires_grad_() for t in (qkv, w1, w2))
+    q32, k32, v32 = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in qkv32.split(H * D, dim=-1))
+    out = fast.swiglu_ttt(q32, k32, v32, w1_32, w2_32, cpu_kernel=True, **hyper)
+    got = _grads(out, dout.float(), [qkv32, w1_32, w2_32])
+    assert kernel_calls["n"] == 1
+    assert (k32.detach() @ w2_32.detach()).abs().max() > 50  # the gates really saturate
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    for name, g, g_ref in zip(["qkv", "w1", "w2"], got, want):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g.double(), g_ref, rtol=1e-3, atol=1e-3 * g_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("how", ["argument", "env"])
+def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls, how):
+    qkv, q, k, v, w1, w2 = _inputs(2, H, 30, D, dtype=torch.float32)
+    dout = torch.randn(2, H, 30, D)
+    results = {}
+    for on in (False, True):
+        before = kernel_calls["n"]
+        if how == "argument":
+            out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=on)
+        else:
+            monkeypatch.setenv(swiglu_cpu.CPU_KERNEL_ENV, "1" if on else "0")
+            out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3)
+        assert kernel_calls["n"] - before == int(on)
+        results[on] = [out, *_grads(out, dout, [qkv, w1, w2])]
+    for a, b in zip(results[False], results[True]):  # float32, sums in different orders
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
+
+
+def test_auto_uses_the_kernel_for_cpu_floats_only(monkeypatch):
+    monkeypatch.setenv(swiglu_cpu.CPU_KERNEL_ENV, "auto")
+    assert swiglu_cpu.use_cpu_kernel(None, torch.zeros(1))
+    assert swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, dtype=torch.float64))
+    assert not swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, dtype=torch.bfloat16))
+    assert not swiglu_cpu.use_cpu_kernel(False, torch.zeros(1))
+
+
+def test_ops_read_strided_token_views_like_dense_ones():
+    """The ops take q, k, v as views with unit stride along d (each block is copied dense when it is not)."""
+    ops, _ = swiglu_cpu.load()
+    b, n = 2, 40
+    qkv = torch.randn(b, n, 3 * H * D)
+    q, k, v = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in qkv.split(H * D, dim=-1))
+    w = 0.3 * torch.randn(b, H, 2, D, D)
+    results = []
+    for tokens in ((q, k, v), tuple(t.contiguous() for t in (q, k, v))):
+        g, z = torch.zeros_like(w), torch.empty(b, H, 2, n, D)
+        out, y = torch.empty(b, H, n, D), torch.empty(b, H, 2, n, D)
+        ops.inner_grad(tokens[1], tokens[2], w, g, z, 16)
+        ops.readout(tokens[0], w, out, y, 16)
+        results.append((g, z, out, y))
+    assert not q.is_contiguous()
+    for a, c in zip(*results):
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
+
+
+def test_ops_reject_mismatched_inputs_by_name():
+    ops, _ = swiglu_cpu.load()
+    k, v = torch.randn(1, H, 10, D), torch.randn(1, H, 11, D)
+    w = torch.randn(1, H, 2, D, D)
+    with pytest.raises(RuntimeError, match=r"\[B, H, N, d\] of one shape"):
+        ops.inner_grad(k, v, w, torch.zeros_like(w), None, 8)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.inner_grad(k, k.double(), w, torch.zeros_like(w), None, 8)
+    with pytest.raises(RuntimeError, match="positive number of tokens"):
+        ops.inner_grad(k, k, w, torch.zeros_like(w), None, 0)
+
+
+def test_forcing_the_kernel_onto_unsupported_tensors_names_the_problem(monkeypatch):
+    _, q, k, v, w1, w2 = _inputs(1, H, 6, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"float32/float64 CPU tensors, got torch\.bfloat16"):
+        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=True)
+    monkeypatch.setenv(swiglu_cpu.CPU_KERNEL_ENV, "yes")
+    with pytest.raises(ValueError, match="VIT3_CPU_KERNEL must be"):
+        swiglu_cpu.use_cpu_kernel(None, q)
+
+
+def test_a_failed_build_warns_once_and_the_pytorch_path_serves(monkeypatch, kernel_calls):
+    monkeypatch.setattr(swiglu_cpu, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
+    monkeypatch.setattr(swiglu_cpu, "_warned", [])
+    _, q, k, v, w1, w2 = _inputs(2, H, 12, D)
+    with pytest.warns(UserWarning, match="could not be built.*no C\\+\\+ compiler"):
+        out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3)
+    assert kernel_calls["n"] == 0
+    torch.testing.assert_close(out, fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=False))
+
+
+def test_build_targets_the_cpus_vector_unit():
+    suffix, flags = swiglu_cpu._build_flags()
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert "-O3" in flags and "-fopenmp" in flags
+    if capability in ("AVX512", "AVX2"):
+        assert suffix == capability.lower() and f"-DCPU_CAPABILITY_{capability}" in flags
+    else:
+        assert suffix == "portable" and not any(f.startswith("-DCPU_CAPABILITY") for f in flags)
