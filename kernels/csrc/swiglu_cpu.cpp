@@ -106,6 +106,16 @@ void for_problems(int64_t count, int64_t slots, int64_t rows_, int64_t d, const 
 
 // dense: contiguous buffers (weights, saved pre-activations); views: [B, H, N, d] tensors with unit stride along
 // d. All share the first operand's dtype.
+// Runs body(b, h, n0, n, scratch) over every (sample, head) of tokens [B, H, N, d] and its token blocks
+// [n0, n0 + n) of at most nb tokens, in order within a problem (accumulations stay per problem).
+template <typename F>
+void for_blocks(const Tensor& tokens, int64_t nb, int64_t slots, F body) {
+  const int64_t H = tokens.size(1), N = tokens.size(2), d = tokens.size(3);
+  for_problems(tokens.size(0) * H, slots, nb, d, tokens, [&](int64_t i, const Tensor& s) {
+    for (int64_t n0 = 0; n0 < N; n0 += nb) body(i / H, i % H, n0, std::min(nb, N - n0), s);
+  });
+}
+
 void check_inputs(const std::vector<Tensor>& dense, const std::vector<Tensor>& views) {
   const auto dtype = views.front().scalar_type();
   for (const auto& t : dense) {
@@ -125,69 +135,60 @@ void check_inputs(const std::vector<Tensor>& dense, const std::vector<Tensor>& v
 template <typename T>
 void inner_grad_impl(
     const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& g, const Tensor& z, int64_t nb) {
-  const int64_t B = k.size(0), H = k.size(1), N = k.size(2), d = k.size(3);
+  const int64_t d = k.size(3);
   const bool save = z.defined();
-  for_problems(B * H, 5, nb, d, k, [&](int64_t i, const Tensor& s) {
-    const int64_t b = i / H, h = i % H;
-    const Tensor kh = k[b][h], vh = v[b][h], wh = w[b][h];
-    Tensor gh = g[b][h];
-    for (int64_t n0 = 0; n0 < N; n0 += nb) {
-      const int64_t n = std::min(nb, N - n0);
-      const Tensor kt = dense_block(kh.narrow(0, n0, n), s[4]);
-      Tensor z1 = save ? z[b][h][0].narrow(0, n0, n) : s[0].narrow(0, 0, n);
-      Tensor z2 = save ? z[b][h][1].narrow(0, n0, n) : s[1].narrow(0, 0, n);
-      const Tensor p1 = s[2].narrow(0, 0, n), p2 = s[3].narrow(0, 0, n);
-      at::mm_out(z1, kt, wh[0]);
-      at::mm_out(z2, kt, wh[1]);
-      auto Z1 = block_of<T>(z1), Z2 = block_of<T>(z2), P1 = block_of<T>(p1), P2 = block_of<T>(p2);
-      auto V = block_of<T>(vh.narrow(0, n0, n));
-      rows<T>(
-          n, d,
-          [&](int64_t r, int64_t c) {
-            const Vec<T> z2v = Vec<T>::loadu(Z2.row(r) + c), vv = Vec<T>::loadu(V.row(r) + c);
-            const Vec<T> sig = vsigmoid(z2v), a = z2v * sig;
-            (a * vv).store(P1.row(r) + c);
-            ((sig + a * (Vec<T>(T(1)) - sig)) * Vec<T>::loadu(Z1.row(r) + c) * vv).store(P2.row(r) + c);
-          },
-          [&](int64_t r, int64_t c) {
-            const T z2s = Z2.row(r)[c], vs = V.row(r)[c], sig = ssigmoid(z2s), a = z2s * sig;
-            P1.row(r)[c] = a * vs;
-            P2.row(r)[c] = (sig + a * (T(1) - sig)) * Z1.row(r)[c] * vs;
-          });
-      const Tensor kt_t = kt.t();
-      gh[0].addmm_(kt_t, p1);
-      gh[1].addmm_(kt_t, p2);
-    }
+  for_blocks(k, nb, 5, [&](int64_t b, int64_t h, int64_t n0, int64_t n, const Tensor& s) {
+    const Tensor kh = k[b][h], vh = v[b][h], wh = w[b][h], gh = g[b][h];
+    const Tensor kt = dense_block(kh.narrow(0, n0, n), s[4]);
+    Tensor z1 = save ? z[b][h][0].narrow(0, n0, n) : s[0].narrow(0, 0, n);
+    Tensor z2 = save ? z[b][h][1].narrow(0, n0, n) : s[1].narrow(0, 0, n);
+    const Tensor p1 = s[2].narrow(0, 0, n), p2 = s[3].narrow(0, 0, n);
+    at::mm_out(z1, kt, wh[0]);
+    at::mm_out(z2, kt, wh[1]);
+    auto Z1 = block_of<T>(z1), Z2 = block_of<T>(z2), P1 = block_of<T>(p1), P2 = block_of<T>(p2);
+    auto V = block_of<T>(vh.narrow(0, n0, n));
+    rows<T>(
+        n, d,
+        [&](int64_t r, int64_t c) {
+          const Vec<T> z2v = Vec<T>::loadu(Z2.row(r) + c), vv = Vec<T>::loadu(V.row(r) + c);
+          const Vec<T> sig = vsigmoid(z2v), a = z2v * sig;
+          (a * vv).store(P1.row(r) + c);
+          ((sig + a * (Vec<T>(T(1)) - sig)) * Vec<T>::loadu(Z1.row(r) + c) * vv).store(P2.row(r) + c);
+        },
+        [&](int64_t r, int64_t c) {
+          const T z2s = Z2.row(r)[c], vs = V.row(r)[c], sig = ssigmoid(z2s), a = z2s * sig;
+          P1.row(r)[c] = a * vs;
+          P2.row(r)[c] = (sig + a * (T(1) - sig)) * Z1.row(r)[c] * vs;
+        });
+    const Tensor kt_t = kt.t();
+    gh[0].addmm_(kt_t, p1);
+    gh[1].addmm_(kt_t, p2);
   });
 }
 
 // Pass 2 of the forward: Y = q W', out = Y1 ⊙ silu(Y2). y [B, H, 2, N, d] or undefined.
 template <typename T>
 void readout_impl(const Tensor& q, const Tensor& w_new, const Tensor& out, const Tensor& y, int64_t nb) {
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
+  const int64_t d = q.size(3);
   const bool save = y.defined();
-  for_problems(B * H, 3, nb, d, q, [&](int64_t i, const Tensor& s) {
-    const int64_t b = i / H, h = i % H;
+  for_blocks(q, nb, 3, [&](int64_t b, int64_t h, int64_t n0, int64_t n, const Tensor& s) {
     const Tensor qh = q[b][h], wh = w_new[b][h], oh = out[b][h];
-    for (int64_t n0 = 0; n0 < N; n0 += nb) {
-      const int64_t n = std::min(nb, N - n0);
-      const Tensor qt = dense_block(qh.narrow(0, n0, n), s[2]);
-      Tensor y1 = save ? y[b][h][0].narrow(0, n0, n) : s[0].narrow(0, 0, n);
-      Tensor y2 = save ? y[b][h][1].narrow(0, n0, n) : s[1].narrow(0, 0, n);
-      at::mm_out(y1, qt, wh[0]);
-      at::mm_out(y2, qt, wh[1]);
-      auto Y1 = block_of<T>(y1), Y2 = block_of<T>(y2), O = block_of<T>(oh.narrow(0, n0, n));
-      rows<T>(
-          n, d,
-          [&](int64_t r, int64_t c) {
-            const Vec<T> y2v = Vec<T>::loadu(Y2.row(r) + c);
-            (Vec<T>::loadu(Y1.row(r) + c) * y2v * vsigmoid(y2v)).store(O.row(r) + c);
-          },
-          [&](int64_t r, int64_t c) {
-            const T y2s = Y2.row(r)[c];
-            O.row(r)[c] = Y1.row(r)[c] * y2s * ssigmoid(y2s);
-          });
-    }
+    const Tensor qt = dense_block(qh.narrow(0, n0, n), s[2]);
+    Tensor y1 = save ? y[b][h][0].narrow(0, n0, n) : s[0].narrow(0, 0, n);
+    Tensor y2 = save ? y[b][h][1].narrow(0, n0, n) : s[1].narrow(0, 0, n);
+    at::mm_out(y1, qt, wh[0]);
+    at::mm_out(y2, qt, wh[1]);
+    auto Y1 = block_of<T>(y1), Y2 = block_of<T>(y2), O = block_of<T>(oh.narrow(0, n0, n));
+    rows<T>(
+        n, d,
+        [&](int64_t r, int64_t c) {
+          const Vec<T> y2v = Vec<T>::loadu(Y2.row(r) + c);
+          (Vec<T>::loadu(Y1.row(r) + c) * y2v * vsigmoid(y2v)).store(O.row(r) + c);
+        },
+        [&](int64_t r, int64_t c) {
+          const T y2s = Y2.row(r)[c];
+          O.row(r)[c] = Y1.row(r)[c] * y2s * ssigmoid(y2s);
+        });
   });
 }
 
@@ -202,35 +203,31 @@ void readout_backward_impl(
     const Tensor& dq,
     const Tensor& dw,
     int64_t nb) {
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
-  for_problems(B * H, 3, nb, d, q, [&](int64_t i, const Tensor& s) {
-    const int64_t b = i / H, h = i % H;
+  const int64_t d = q.size(3);
+  for_blocks(q, nb, 3, [&](int64_t b, int64_t h, int64_t n0, int64_t n, const Tensor& s) {
     const Tensor qh = q[b][h], wh = w_new[b][h], dwh = dw[b][h], dqh = dq[b][h], doh = d_out[b][h];
-    for (int64_t n0 = 0; n0 < N; n0 += nb) {
-      const int64_t n = std::min(nb, N - n0);
-      const Tensor dy1 = s[0].narrow(0, 0, n), dy2 = s[1].narrow(0, 0, n);
-      auto Y1 = block_of<T>(y[b][h][0].narrow(0, n0, n)), Y2 = block_of<T>(y[b][h][1].narrow(0, n0, n));
-      auto DO = block_of<T>(doh.narrow(0, n0, n)), D1 = block_of<T>(dy1), D2 = block_of<T>(dy2);
-      rows<T>(
-          n, d,
-          [&](int64_t r, int64_t c) {
-            const Vec<T> y2v = Vec<T>::loadu(Y2.row(r) + c), dov = Vec<T>::loadu(DO.row(r) + c);
-            const Vec<T> sig = vsigmoid(y2v), one(T(1));
-            (dov * y2v * sig).store(D1.row(r) + c);
-            (dov * Vec<T>::loadu(Y1.row(r) + c) * sig * (one + y2v * (one - sig))).store(D2.row(r) + c);
-          },
-          [&](int64_t r, int64_t c) {
-            const T y2s = Y2.row(r)[c], dos = DO.row(r)[c], sig = ssigmoid(y2s);
-            D1.row(r)[c] = dos * y2s * sig;
-            D2.row(r)[c] = dos * Y1.row(r)[c] * sig * (T(1) + y2s * (T(1) - sig));
-          });
-      Tensor dqt = dqh.narrow(0, n0, n);
-      at::mm_out(dqt, dy1, wh[0].t());
-      dqt.addmm_(dy2, wh[1].t());
-      const Tensor qt_t = dense_block(qh.narrow(0, n0, n), s[2]).t();
-      dwh[0].addmm_(qt_t, dy1);
-      dwh[1].addmm_(qt_t, dy2);
-    }
+    const Tensor dy1 = s[0].narrow(0, 0, n), dy2 = s[1].narrow(0, 0, n);
+    auto Y1 = block_of<T>(y[b][h][0].narrow(0, n0, n)), Y2 = block_of<T>(y[b][h][1].narrow(0, n0, n));
+    auto DO = block_of<T>(doh.narrow(0, n0, n)), D1 = block_of<T>(dy1), D2 = block_of<T>(dy2);
+    rows<T>(
+        n, d,
+        [&](int64_t r, int64_t c) {
+          const Vec<T> y2v = Vec<T>::loadu(Y2.row(r) + c), dov = Vec<T>::loadu(DO.row(r) + c);
+          const Vec<T> sig = vsigmoid(y2v), one(T(1));
+          (dov * y2v * sig).store(D1.row(r) + c);
+          (dov * Vec<T>::loadu(Y1.row(r) + c) * sig * (one + y2v * (one - sig))).store(D2.row(r) + c);
+        },
+        [&](int64_t r, int64_t c) {
+          const T y2s = Y2.row(r)[c], dos = DO.row(r)[c], sig = ssigmoid(y2s);
+          D1.row(r)[c] = dos * y2s * sig;
+          D2.row(r)[c] = dos * Y1.row(r)[c] * sig * (T(1) + y2s * (T(1) - sig));
+        });
+    Tensor dqt = dqh.narrow(0, n0, n);
+    at::mm_out(dqt, dy1, wh[0].t());
+    dqt.addmm_(dy2, wh[1].t());
+    const Tensor qt_t = dense_block(qh.narrow(0, n0, n), s[2]).t();
+    dwh[0].addmm_(qt_t, dy1);
+    dwh[1].addmm_(qt_t, dy2);
   });
 }
 
@@ -248,59 +245,55 @@ void inner_backward_impl(
     const Tensor& dv,
     const Tensor& dw,
     int64_t nb) {
-  const int64_t B = k.size(0), H = k.size(1), N = k.size(2), d = k.size(3);
-  for_problems(B * H, 7, nb, d, k, [&](int64_t i, const Tensor& s) {
-    const int64_t b = i / H, h = i % H;
+  const int64_t d = k.size(3);
+  for_blocks(k, nb, 7, [&](int64_t b, int64_t h, int64_t n0, int64_t n, const Tensor& s) {
     const Tensor kh = k[b][h], vh = v[b][h], wh = w[b][h], dgh = dg[b][h], dwh = dw[b][h];
     const Tensor dkh = dk[b][h], dvh = dv[b][h];
-    for (int64_t n0 = 0; n0 < N; n0 += nb) {
-      const int64_t n = std::min(nb, N - n0);
-      const Tensor kt = dense_block(kh.narrow(0, n0, n), s[6]);
-      Tensor dp1 = s[0].narrow(0, 0, n), dp2 = s[1].narrow(0, 0, n), dz1 = s[2].narrow(0, 0, n);
-      Tensor dz2 = s[3].narrow(0, 0, n), p1 = s[4].narrow(0, 0, n), p2 = s[5].narrow(0, 0, n);
-      at::mm_out(dp1, kt, dgh[0]);
-      at::mm_out(dp2, kt, dgh[1]);
-      auto Z1 = block_of<T>(z[b][h][0].narrow(0, n0, n)), Z2 = block_of<T>(z[b][h][1].narrow(0, n0, n));
-      auto V = block_of<T>(vh.narrow(0, n0, n)), DV = block_of<T>(dvh.narrow(0, n0, n));
-      auto DP1 = block_of<T>(dp1), DP2 = block_of<T>(dp2), DZ1 = block_of<T>(dz1), DZ2 = block_of<T>(dz2);
-      auto P1 = block_of<T>(p1), P2 = block_of<T>(p2);
-      rows<T>(
-          n, d,
-          [&](int64_t r, int64_t c) {
-            const Vec<T> one(T(1)), two(T(2));
-            const Vec<T> z1v = Vec<T>::loadu(Z1.row(r) + c), z2v = Vec<T>::loadu(Z2.row(r) + c);
-            const Vec<T> vv = Vec<T>::loadu(V.row(r) + c);
-            const Vec<T> dp1v = Vec<T>::loadu(DP1.row(r) + c), dp2v = Vec<T>::loadu(DP2.row(r) + c);
-            const Vec<T> sig = vsigmoid(z2v), a = z2v * sig, u = sig * (one - sig);
-            const Vec<T> a1 = sig + z2v * u, a2 = u * (two + z2v - two * a);
-            const Vec<T> rr = dp2v * z1v, va = vv * a1;
-            (dp1v * a + rr * a1).store(DV.row(r) + c);
-            (dp2v * va).store(DZ1.row(r) + c);
-            (dp1v * va + rr * vv * a2).store(DZ2.row(r) + c);
-            (a * vv).store(P1.row(r) + c);
-            (va * z1v).store(P2.row(r) + c);
-          },
-          [&](int64_t r, int64_t c) {
-            const T z1s = Z1.row(r)[c], z2s = Z2.row(r)[c], vs = V.row(r)[c];
-            const T dp1s = DP1.row(r)[c], dp2s = DP2.row(r)[c];
-            const T sig = ssigmoid(z2s), a = z2s * sig, u = sig * (T(1) - sig);
-            const T a1 = sig + z2s * u, a2 = u * (T(2) + z2s - T(2) * a);
-            const T rr = dp2s * z1s, va = vs * a1;
-            DV.row(r)[c] = dp1s * a + rr * a1;
-            DZ1.row(r)[c] = dp2s * va;
-            DZ2.row(r)[c] = dp1s * va + rr * vs * a2;
-            P1.row(r)[c] = a * vs;
-            P2.row(r)[c] = va * z1s;
-          });
-      Tensor dkt = dkh.narrow(0, n0, n);
-      at::mm_out(dkt, p1, dgh[0].t());
-      dkt.addmm_(p2, dgh[1].t());
-      dkt.addmm_(dz1, wh[0].t());
-      dkt.addmm_(dz2, wh[1].t());
-      const Tensor kt_t = kt.t();
-      dwh[0].addmm_(kt_t, dz1);
-      dwh[1].addmm_(kt_t, dz2);
-    }
+    const Tensor kt = dense_block(kh.narrow(0, n0, n), s[6]);
+    Tensor dp1 = s[0].narrow(0, 0, n), dp2 = s[1].narrow(0, 0, n), dz1 = s[2].narrow(0, 0, n);
+    Tensor dz2 = s[3].narrow(0, 0, n), p1 = s[4].narrow(0, 0, n), p2 = s[5].narrow(0, 0, n);
+    at::mm_out(dp1, kt, dgh[0]);
+    at::mm_out(dp2, kt, dgh[1]);
+    auto Z1 = block_of<T>(z[b][h][0].narrow(0, n0, n)), Z2 = block_of<T>(z[b][h][1].narrow(0, n0, n));
+    auto V = block_of<T>(vh.narrow(0, n0, n)), DV = block_of<T>(dvh.narrow(0, n0, n));
+    auto DP1 = block_of<T>(dp1), DP2 = block_of<T>(dp2), DZ1 = block_of<T>(dz1), DZ2 = block_of<T>(dz2);
+    auto P1 = block_of<T>(p1), P2 = block_of<T>(p2);
+    rows<T>(
+        n, d,
+        [&](int64_t r, int64_t c) {
+          const Vec<T> one(T(1)), two(T(2));
+          const Vec<T> z1v = Vec<T>::loadu(Z1.row(r) + c), z2v = Vec<T>::loadu(Z2.row(r) + c);
+          const Vec<T> vv = Vec<T>::loadu(V.row(r) + c);
+          const Vec<T> dp1v = Vec<T>::loadu(DP1.row(r) + c), dp2v = Vec<T>::loadu(DP2.row(r) + c);
+          const Vec<T> sig = vsigmoid(z2v), a = z2v * sig, u = sig * (one - sig);
+          const Vec<T> a1 = sig + z2v * u, a2 = u * (two + z2v - two * a);
+          const Vec<T> rr = dp2v * z1v, va = vv * a1;
+          (dp1v * a + rr * a1).store(DV.row(r) + c);
+          (dp2v * va).store(DZ1.row(r) + c);
+          (dp1v * va + rr * vv * a2).store(DZ2.row(r) + c);
+          (a * vv).store(P1.row(r) + c);
+          (va * z1v).store(P2.row(r) + c);
+        },
+        [&](int64_t r, int64_t c) {
+          const T z1s = Z1.row(r)[c], z2s = Z2.row(r)[c], vs = V.row(r)[c];
+          const T dp1s = DP1.row(r)[c], dp2s = DP2.row(r)[c];
+          const T sig = ssigmoid(z2s), a = z2s * sig, u = sig * (T(1) - sig);
+          const T a1 = sig + z2s * u, a2 = u * (T(2) + z2s - T(2) * a);
+          const T rr = dp2s * z1s, va = vs * a1;
+          DV.row(r)[c] = dp1s * a + rr * a1;
+          DZ1.row(r)[c] = dp2s * va;
+          DZ2.row(r)[c] = dp1s * va + rr * vs * a2;
+          P1.row(r)[c] = a * vs;
+          P2.row(r)[c] = va * z1s;
+        });
+    Tensor dkt = dkh.narrow(0, n0, n);
+    at::mm_out(dkt, p1, dgh[0].t());
+    dkt.addmm_(p2, dgh[1].t());
+    dkt.addmm_(dz1, wh[0].t());
+    dkt.addmm_(dz2, wh[1].t());
+    const Tensor kt_t = kt.t();
+    dwh[0].addmm_(kt_t, dz1);
+    dwh[1].addmm_(kt_t, dz2);
   });
 }
 
