@@ -1,7 +1,8 @@
 """The TTT mixer against the official eager formulation and softmax attention, across sequence lengths.
 
 Side by side in one run, per N: (1) the inner loop alone (q, k, v -> read-out; what the official code spends
-its ~37 eager ops on) for our PyTorch path and the official formulation, forward and forward+backward;
+its ~37 eager ops on) for our path (on a CPU: the C++ kernel, and beside it the tiled pure-PyTorch path it
+replaces) and the official formulation, forward and forward+backward;
 (2) the whole mixer (with the qkv/output projections) against an SDPA attention layer of the same width.
 Prints a table with ratios, peak memory of the inner loop's forward+backward, time per token (linear scaling
 check) and achieved GFLOP/s against the measured matmul roof, and writes CSV + PNG to ``benchmarks/results/``.
@@ -13,6 +14,7 @@ check) and achieved GFLOP/s against the measured matmul roof, and writes CSV + P
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +38,7 @@ from benchmarks.common import (
     write_csv,
 )
 from benchmarks.official_baseline import official_inner
+from vit3.kernels.swiglu_cpu import CPU_KERNEL_ENV
 from vit3.layers import TTTMixer
 
 
@@ -66,6 +69,20 @@ def inner_flops(n: int, dim: int, heads: int) -> float:
     """Matmul FLOPs of one inner-loop forward (SwiGLU branch 6 N d² per head, dwconv branch ~ 36 N d)."""
     d = dim // heads
     return 2 * 6 * n * d * d * heads + 2 * 2 * 9 * n * d
+
+
+def tiled_mix(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """``mixer.mix`` on the tiled pure-PyTorch path (the C++ CPU kernel switched off for this call; the
+    backward follows what the forward ran)."""
+    before = os.environ.get(CPU_KERNEL_ENV)
+    os.environ[CPU_KERNEL_ENV] = "0"
+    try:
+        return mixer.mix(qkv, grid)
+    finally:
+        if before is None:
+            del os.environ[CPU_KERNEL_ENV]
+        else:
+            os.environ[CPU_KERNEL_ENV] = before
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -100,6 +117,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         for bw in (False, True):
             tag = "fwd+bwd" if bw else "fwd"
             fns[f"ours/{tag}"] = lambda bw=bw: step(lambda: mixer.mix(qkv, grid), bw)
+            if device.type == "cpu":  # ours is the C++ kernel there; its pure-PyTorch reference beside it
+                fns[f"tiled/{tag}"] = lambda bw=bw: step(lambda: tiled_mix(mixer, qkv, grid), bw)
             fns[f"official/{tag}"] = lambda bw=bw: step(
                 lambda: official_inner(qkv, heads, grid, w1, w2, w3), bw
             )
@@ -114,6 +133,11 @@ def run(args: argparse.Namespace) -> list[dict]:
             row[f"inner_official_{tag}_ms"] = 1e3 * t[f"official/{tag}"]
             # official / ours within each round (see paired_ratio), then the median over rounds
             row[f"inner_speedup_{tag}"] = paired_ratio(samples[f"official/{tag}"], samples[f"ours/{tag}"])
+            if f"tiled/{tag}" in samples:
+                row[f"inner_tiled_{tag}_ms"] = 1e3 * t[f"tiled/{tag}"]
+                row[f"kernel_over_tiled_{tag}"] = paired_ratio(
+                    samples[f"tiled/{tag}"], samples[f"ours/{tag}"]
+                )
             row[f"mixer_{tag}_ms"] = 1e3 * t[f"mixer/{tag}"]
             sdpa = t.get(f"sdpa/{tag}", float("nan"))
             row[f"sdpa_{tag}_ms"] = 1e3 * sdpa

@@ -4,7 +4,8 @@ Per configuration (N tokens, head dim d, B*H = ``--bh`` sample-heads, the input 
 under ``no_grad``, forward + backward to qkv and the inner weights), it times side by side:
 
 - ``fused``: ``vit3.kernels.fused_ttt`` (Triton; CUDA only, skipped on CPU);
-- ``torch_fast``: the mixer's hand-fused PyTorch path ``vit3.layers.fast_swiglu.swiglu_ttt`` (when present);
+- ``torch_fast``: the mixer's hand-fused path ``vit3.layers.fast_swiglu.swiglu_ttt`` (when present; on a CPU
+  its passes run in the C++ kernel ``vit3.kernels.swiglu_cpu``);
 - ``torch_loop``: the generic PyTorch path ``vit3.layers.inner_loop`` + ``SwiGLUInner.apply_to``;
 - ``official``: the official eager formulation (~37 eager ops forward), re-written here as the baseline;
 - ``sdpa``: softmax attention ``F.scaled_dot_product_attention`` at the same width (same q, k, v);

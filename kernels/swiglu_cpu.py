@@ -22,6 +22,7 @@ the PyTorch path serves.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import warnings
@@ -36,6 +37,7 @@ __all__ = ["CPU_KERNEL_ENV", "SOURCE", "cpu_kernel_ops", "load", "use_cpu_kernel
 CPU_KERNEL_ENV = "VIT3_CPU_KERNEL"
 SOURCE = Path(__file__).with_name("csrc") / "swiglu_cpu.cpp"
 _DTYPES = (torch.float32, torch.float64)
+_log = logging.getLogger(__name__)
 # Vector-unit flags per capability (``torch.backends.cpu.get_cpu_capability()``); ATen's vector headers pick
 # their implementation from the CPU_CAPABILITY macros.
 _ISA_FLAGS = {
@@ -67,6 +69,7 @@ def load() -> tuple[Any, str]:
         except ImportError:
             pass
     suffix, flags = _build_flags()
+    _log.info("loading the C++ CPU kernel (the first use on a machine builds it: 10-30 s)")
     try:
         load_extension(
             f"vit3_swiglu_cpu_{suffix}",

@@ -19,6 +19,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+
 from vit3.kernels import MAX_HEAD_DIM, MAX_HEAD_DIM_DWCONV, ttt_fused, ttt_fused_kernels
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import vit3.kernels.swiglu_cpu as swiglu_cpu
 
+import vit3.kernels.swiglu_cpu as swiglu_cpu
 import vit3.layers.fast_swiglu as fast
 from vit3.layers import TTTConfig, create_inner_model, inner_loop
 

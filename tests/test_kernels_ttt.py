@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import vit3.kernels as kernels
-from vit3.kernels import ttt_fused
 
+import vit3.kernels as kernels
 from tests.conftest import max_rel_err as _max_rel_err
+from vit3.kernels import ttt_fused
 from vit3.layers import TTTConfig, TTTMixer, create_inner_model, inner_loop
 
 pytestmark = pytest.mark.triton
