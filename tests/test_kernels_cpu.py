@@ -132,12 +132,15 @@ def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
 
 
-def test_auto_uses_the_kernel_for_cpu_floats_only(monkeypatch):
+def test_auto_uses_the_kernel_for_cpu_floats_with_enough_tokens_only(monkeypatch):
     monkeypatch.setenv(swiglu_cpu.CPU_KERNEL_ENV, "auto")
-    assert swiglu_cpu.use_cpu_kernel(None, torch.zeros(1))
-    assert swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, dtype=torch.float64))
-    assert not swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, dtype=torch.bfloat16))
-    assert not swiglu_cpu.use_cpu_kernel(False, torch.zeros(1))
+    n = swiglu_cpu.MIN_AUTO_TOKENS
+    assert swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, 1, n, D))
+    assert swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, 1, n, D, dtype=torch.float64))
+    assert not swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, 1, n, D, dtype=torch.bfloat16))
+    assert not swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, 1, n - 1, D))  # small problems: tiled path
+    assert swiglu_cpu.use_cpu_kernel(True, torch.zeros(1, 1, n - 1, D))  # forcing it on always wins
+    assert not swiglu_cpu.use_cpu_kernel(False, torch.zeros(1, 1, n, D))
 
 
 def test_ops_read_strided_token_views_like_dense_ones():
@@ -183,6 +186,7 @@ def test_forcing_the_kernel_onto_unsupported_tensors_names_the_problem(monkeypat
 def test_a_failed_build_warns_once_and_the_pytorch_path_serves(monkeypatch, kernel_calls):
     monkeypatch.setattr(swiglu_cpu, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
     monkeypatch.setattr(swiglu_cpu, "_warned", [])
+    monkeypatch.setenv(swiglu_cpu.CPU_KERNEL_ENV, "1")
     _, q, k, v, w1, w2 = _inputs(2, H, 12, D)
     with pytest.warns(UserWarning, match="could not be built.*no C\\+\\+ compiler"):
         out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3)
