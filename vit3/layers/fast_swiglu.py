@@ -227,7 +227,8 @@ def swiglu_forward(
         grad_norm: apply ``G / (||G|| + 1)`` per output column.
         save: keep the pre-activations and weights for ``swiglu_backward``.
         cpu_kernel: run the passes in the C++ CPU kernel (``vit3.kernels.swiglu_cpu``); ``None`` follows
-            ``$VIT3_CPU_KERNEL`` (default: on for float32/float64 CPU tensors when it can be built).
+            ``$VIT3_CPU_KERNEL`` (default: on for float32/float64 CPU tensors with at least
+            ``MIN_AUTO_TOKENS`` tokens per head, when it can be built).
     """
     b, h, n, d = q.shape
     c = scale / n
@@ -285,7 +286,9 @@ def swiglu_backward(
     lr: float,
     grad_norm: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Gradients of ``swiglu_forward`` (in the C++ kernel when the forward ran there): writes ``dq``, ``dk``, ``dv`` in place, returns ``dW1, dW2``.
+    """Gradients of ``swiglu_forward``: writes ``dq``, ``dk``, ``dv`` in place, returns ``dW1, dW2``.
+
+    Runs in the C++ kernel when the forward did (``saved.layout == "kernel"``).
 
     Args:
         d_out: gradient of the read-out ``[B, H, N, d]``, any strides.
