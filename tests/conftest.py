@@ -31,6 +31,19 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).detach())
 
 
+def count_calls(monkeypatch, owner, name: str) -> dict[str, int]:
+    """Replaces ``owner.name`` by a wrapper counting its calls (``["n"]``) for one test."""
+    count = {"n": 0}
+    real = getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        count["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counting)
+    return count
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread: on a shared 2-core machine, two spinning OpenMP threads are far slower.

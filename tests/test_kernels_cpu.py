@@ -13,6 +13,7 @@ import torch
 
 import vit3.kernels.swiglu_cpu as swiglu_cpu
 import vit3.layers.fast_swiglu as fast
+from tests.conftest import count_calls
 from vit3.layers import TTTConfig, create_inner_model, inner_loop
 
 H, D = 2, 8
@@ -21,15 +22,7 @@ H, D = 2, 8
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts forwards that ran in the kernel."""
-    count = {"n": 0}
-    real = fast._kernel_forward
-
-    def counting(*args, **kwargs):
-        count["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fast, "_kernel_forward", counting)
-    return count
+    return count_calls(monkeypatch, fast, "_kernel_forward")
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 import vit3.layers.fast_mix as fast_mix
 import vit3.layers.fast_swiglu as fast
 import vit3.layers.ttt as ttt
+from tests.conftest import count_calls
 from tests.ttt_reference import assert_mixer_matches_reference
 from vit3.layers import TTTMixer
 from vit3.layers.inner import dwconv_backward, fold_batch
@@ -21,15 +22,7 @@ GRID = (5, 7)
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the mixer's calls of the fused path."""
-    count = {"n": 0}
-    real = ttt.fused_mix
-
-    def counting(*args, **kwargs):
-        count["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ttt, "fused_mix", counting)
-    return count
+    return count_calls(monkeypatch, ttt, "fused_mix")
 
 
 def _mixer(dim: int = 32, heads: int = 4, **cfg) -> TTTMixer:

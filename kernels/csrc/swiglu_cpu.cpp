@@ -83,39 +83,35 @@ inline Tensor dense_block(const Tensor& block, const Tensor& slot) {
   return slot.narrow(0, 0, block.size(0)).copy_(block);
 }
 
-// Runs body(problem, scratch) for problems [0, count): across threads when there are enough problems,
-// else one after another (every op then parallel inside). scratch: `slots` [rows, d] matrices per thread.
+// Runs body(b, h, n0, n, scratch) over every (sample, head) problem of tokens [B, H, N, d] and its token blocks
+// [n0, n0 + n) of at most nb tokens, in order within a problem (accumulations stay per problem). Problems are
+// spread across threads when there are enough of them, else run one after another (every op then parallel
+// inside). scratch: `slots` [nb, d] matrices per thread.
 template <typename F>
-void for_problems(int64_t count, int64_t slots, int64_t rows_, int64_t d, const Tensor& like, F body) {
+void for_blocks(const Tensor& tokens, int64_t nb, int64_t slots, F body) {
+  const int64_t H = tokens.size(1), N = tokens.size(2), d = tokens.size(3), count = tokens.size(0) * H;
   const int64_t threads = at::get_num_threads();
   const bool spread = threads > 1 && count >= threads;
-  const int64_t owners = spread ? threads : 1;
-  Tensor scratch = at::empty({owners, slots, rows_, d}, like.options());
+  Tensor scratch = at::empty({spread ? threads : 1, slots, nb, d}, tokens.options());
+  auto problems = [&](int64_t begin, int64_t end, const Tensor& s) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t n0 = 0; n0 < N; n0 += nb) body(i / H, i % H, n0, std::min(nb, N - n0), s);
+    }
+  };
   if (!spread) {
-    for (int64_t i = 0; i < count; ++i) body(i, scratch[0]);
+    problems(0, count, scratch[0]);
     return;
   }
   // Worker threads start with default thread-local state (grad mode on, autograd keys active): give them ours.
   const at::ThreadLocalState state;
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard guard(state);
-    Tensor mine = scratch[at::get_thread_num()];
-    for (int64_t i = begin; i < end; ++i) body(i, mine);
+    problems(begin, end, scratch[at::get_thread_num()]);
   });
 }
 
 // dense: contiguous buffers (weights, saved pre-activations); views: [B, H, N, d] tensors with unit stride along
 // d. All share the first operand's dtype.
-// Runs body(b, h, n0, n, scratch) over every (sample, head) of tokens [B, H, N, d] and its token blocks
-// [n0, n0 + n) of at most nb tokens, in order within a problem (accumulations stay per problem).
-template <typename F>
-void for_blocks(const Tensor& tokens, int64_t nb, int64_t slots, F body) {
-  const int64_t H = tokens.size(1), N = tokens.size(2), d = tokens.size(3);
-  for_problems(tokens.size(0) * H, slots, nb, d, tokens, [&](int64_t i, const Tensor& s) {
-    for (int64_t n0 = 0; n0 < N; n0 += nb) body(i / H, i % H, n0, std::min(nb, N - n0), s);
-  });
-}
-
 void check_inputs(const std::vector<Tensor>& dense, const std::vector<Tensor>& views) {
   const auto dtype = views.front().scalar_type();
   for (const auto& t : dense) {
