@@ -38,8 +38,8 @@ from benchmarks.common import (
     write_csv,
 )
 from benchmarks.official_baseline import official_inner
-from vit3.kernels.swiglu_cpu import CPU_KERNEL_ENV
 from vit3.layers import TTTMixer
+from vit3.layers.backends import BACKEND_ENV
 
 
 class SDPAAttention(nn.Module):
@@ -72,17 +72,17 @@ def inner_flops(n: int, dim: int, heads: int) -> float:
 
 
 def tiled_mix(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """``mixer.mix`` on the tiled pure-PyTorch path (the C++ CPU kernel switched off for this call; the
-    backward follows what the forward ran)."""
-    before = os.environ.get(CPU_KERNEL_ENV)
-    os.environ[CPU_KERNEL_ENV] = "0"
+    """``mixer.mix`` on the tiled pure-PyTorch path (backend ``eager`` for this call, not the C++ CPU kernel;
+    the backward follows what the forward ran)."""
+    before = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = "eager"
     try:
         return mixer.mix(qkv, grid)
     finally:
         if before is None:
-            del os.environ[CPU_KERNEL_ENV]
+            del os.environ[BACKEND_ENV]
         else:
-            os.environ[CPU_KERNEL_ENV] = before
+            os.environ[BACKEND_ENV] = before
 
 
 def run(args: argparse.Namespace) -> list[dict]:

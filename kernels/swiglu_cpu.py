@@ -14,10 +14,9 @@ It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler a
 loaded from the build cache in ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The build
 targets the CPU's vector unit as PyTorch reports it (AVX512, AVX2 or portable code), one build per kind.
 
-Choosing: an explicit argument wins, else ``$VIT3_CPU_KERNEL`` (``auto``, ``1`` or ``0``); ``auto`` uses the
-kernel for float32/float64 CPU tensors with at least ``MIN_AUTO_TOKENS`` tokens per head (below that the tiled
-path, which batches small problems together, is faster). When the build fails (no compiler), a warning names the error once and
-the PyTorch path serves.
+The mixer's backend registry (``vit3.layers.backends``, backend ``cpu``) decides when it runs. When the build
+fails (no compiler), ``cpu_kernel_ops`` raises with the error, and the registry demotes the backend with a
+warning: the tiled PyTorch path serves.
 """
 
 from __future__ import annotations
@@ -26,22 +25,16 @@ import functools
 import logging
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["CPU_KERNEL_ENV", "MIN_AUTO_TOKENS", "SOURCE", "cpu_kernel_ops", "load", "use_cpu_kernel"]
+__all__ = ["SOURCE", "cpu_kernel_ops", "load"]
 
-CPU_KERNEL_ENV = "VIT3_CPU_KERNEL"
 SOURCE = Path(__file__).with_name("csrc") / "swiglu_cpu.cpp"
 _DTYPES = (torch.float32, torch.float64)
-# Fewer tokens per head than this and ``auto`` keeps the tiled path: it folds many small (sample, head)
-# problems into batched matmuls, where the kernel pays a few ATen calls per problem (measured: the kernel is
-# 0.7-0.8x the tiled path at 4-16 tokens with B*H = 256, even at 64, 1.15-1.45x from 144 tokens on).
-MIN_AUTO_TOKENS = 100
 _log = logging.getLogger(__name__)
 # Vector-unit flags per capability (``torch.backends.cpu.get_cpu_capability()``); ATen's vector headers pick
 # their implementation from the CPU_CAPABILITY macros.
@@ -89,41 +82,18 @@ def load() -> tuple[Any, str]:
     return torch.ops.vit3_swiglu_cpu, ""
 
 
-def use_cpu_kernel(flag: bool | None, like: Tensor) -> bool:
-    """Whether to run the kernel for tokens like ``like`` ``[B, H, N, d]``: ``flag`` if given, else
-    ``$VIT3_CPU_KERNEL``.
+def cpu_kernel_ops(like: Tensor) -> Any:
+    """The kernel's ops (``torch.ops.vit3_swiglu_cpu``) for tokens like ``like`` ``[B, H, N, d]``.
 
-    ``auto`` (the default) means float32/float64 CPU tensors with at least ``MIN_AUTO_TOKENS`` tokens per head.
-    Forcing it on for other tensors is an error.
+    Raises:
+        ValueError: ``like`` is not a float32/float64 CPU tensor.
+        RuntimeError: the kernel could not be built (the error names why).
     """
-    if flag is None:
-        env = os.environ.get(CPU_KERNEL_ENV, "auto").strip().lower() or "auto"
-        if env not in ("auto", "1", "0"):
-            raise ValueError(f"${CPU_KERNEL_ENV} must be 'auto', '1' or '0', got {env!r}")
-        if env == "0":
-            return False
-        flag = None if env == "auto" else True
-    fits = like.device.type == "cpu" and like.dtype in _DTYPES
-    if flag and not fits:
+    if like.device.type != "cpu" or like.dtype not in _DTYPES:
         raise ValueError(
             f"the CPU kernel runs float32/float64 CPU tensors, got {like.dtype} on {like.device.type}"
         )
-    return (fits and like.shape[-2] >= MIN_AUTO_TOKENS) if flag is None else flag
-
-
-_warned: list[str] = []
-
-
-def cpu_kernel_ops(flag: bool | None, like: Tensor) -> Any:
-    """The kernel's ops when they should run for ``like`` (``use_cpu_kernel``) and could be built, else None."""
-    if not use_cpu_kernel(flag, like):
-        return None
     ops, why = load()
-    if ops is None and not _warned:
-        _warned.append(why)
-        warnings.warn(
-            f"vit3: the C++ CPU kernel could not be built ({why}); using the PyTorch path "
-            f"(set {CPU_KERNEL_ENV}=0 to skip the attempt).",
-            stacklevel=3,
-        )
+    if ops is None:
+        raise RuntimeError(f"the C++ CPU kernel could not be built ({why})")
     return ops

@@ -5,8 +5,9 @@ dot loss; ``"linear"``: dot or MSE loss; ``"dwconv"``: the official 3x3 depthwis
 per (sample, head) and applies the result to the
 queries, forward and backward in Triton. It is registered as the custom ops ``vit3::ttt_fused_fwd`` /
 ``vit3::ttt_fused_bwd`` (``torch.library.triton_op``) so ``torch.compile`` sees the kernels without a
-graph break. ``backend="reference"`` (or ``$VIT3_TTT_KERNEL=reference``) runs the pure-PyTorch reference
-formulation instead (``swiglu_ttt_ref``/``linear_ttt_ref``).
+graph break. ``backend="reference"`` runs the pure-PyTorch reference formulation instead
+(``swiglu_ttt_ref``/``linear_ttt_ref``). Which implementation a mixer runs is decided by
+``vit3.layers.backends``: this op reads no environment variable.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from .linear_ttt_ref import linear_ttt_ref
 from .swiglu_ttt_ref import swiglu_ttt_ref
 
 __all__ = [
-    "BACKEND_ENV",
     "FUSED_LOSSES",
     "MAX_HEAD_DIM",
     "MAX_HEAD_DIM_DWCONV",
     "MIN_HEAD_DIM",
+    "fits_device",
     "fused_ttt",
     "gpu_tiles",
     "head_dim_supported",
@@ -41,7 +42,6 @@ __all__ = [
     "triton_runs_on",
 ]
 
-BACKEND_ENV = "VIT3_TTT_KERNEL"
 FUSED_LOSSES = {"swiglu": ("dot",), "linear": ("dot", "mse"), "dwconv": ("dot",)}
 WEIGHT_NAMES = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
 # Head dims the kernels take. The matrix models' kernels keep [BLOCK_D, BLOCK_C] column blocks of the d x d
@@ -87,13 +87,18 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and _interpreting())
 
 
+def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
+    """Whether the kernels of inner model ``name`` at ``head_dim`` / ``dtype`` have a launch configuration that
+    fits ``device`` (compute capability, opt-in shared memory per block), and the reason if not.
+
+    Pending: the per-architecture check; today every CUDA device and the interpreter pass.
+    """
+    return True, ""
+
+
 def resolve_backend(backend: str = "auto") -> str:
-    """``"triton"`` or ``"reference"``: an explicit argument wins, else ``$VIT3_TTT_KERNEL``, else ``"auto"``."""
-    if backend == "auto":
-        backend = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-        if backend not in ("auto", "triton", "reference"):
-            raise ValueError(f"${BACKEND_ENV} must be 'auto', 'triton' or 'reference', got {backend!r}")
-    elif backend not in ("triton", "reference"):
+    """Checks ``backend``: ``"auto"``, ``"triton"`` or ``"reference"``."""
+    if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
     return backend
 
@@ -420,8 +425,8 @@ def fused_ttt(
         lr: inner learning rate.
         grad_norm: the official ``G / (||G||_col + 1)``.
         loss: ``"dot"`` (both models) or ``"mse"`` (linear only).
-        backend: ``"triton"``, ``"reference"`` or ``"auto"`` (``$VIT3_TTT_KERNEL``, else Triton where it runs
-            and takes the head dim, 16..128, else the reference).
+        backend: ``"triton"``, ``"reference"`` or ``"auto"`` (Triton where it runs and takes the head dim,
+            16..128, else the reference).
         chunk: tokens per program (tests force a split of N with it); ``None`` chooses.
 
     Returns:

@@ -62,6 +62,15 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_backend_registry():
+    """Each test starts with no cached mixer plans, demotions or backend warnings."""
+    from vit3.layers import backends
+
+    backends.reset()
+    yield
+
+
 @pytest.fixture(scope="module")
 def coco_root(tmp_path_factory):
     """A COCO-format dataset of real MNIST digits on canvases (one per test module)."""

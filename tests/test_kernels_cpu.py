@@ -1,7 +1,7 @@
 """The C++ CPU kernel of the SwiGLU inner model (``vit3.kernels.swiglu_cpu``): that it computes what the generic
 inner loop defines (float64 autograd, every gradient) whether its problems spread over threads or not, that the
-switch (argument and ``$VIT3_CPU_KERNEL``) picks the path it names and both paths agree, and that it fails
-loudly or falls back cleanly.
+``cpu_kernel`` argument picks the path it names and both paths agree, and that it fails loudly (the mixer's
+backend registry then falls back: ``test_mixer_backends``).
 
 The tiled PyTorch path and the kernel are also both checked against the references in ``test_mixer_math`` and
 ``test_mixer_fused_path`` (parametrised ``tiles`` / ``cpu-kernel``)."""
@@ -14,7 +14,7 @@ import torch
 import vit3.kernels.swiglu_cpu as swiglu_cpu
 import vit3.layers.fast_swiglu as fast
 from tests.conftest import count_calls
-from vit3.layers import TTTConfig, create_inner_model, inner_loop
+from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
 
 H, D = 2, 8
 
@@ -107,7 +107,7 @@ def test_saturated_gates_stay_finite_and_match_float64(kernel_calls):
         torch.testing.assert_close(g.double(), g_ref, rtol=1e-3, atol=1e-3 * g_ref.abs().max().item())
 
 
-@pytest.mark.parametrize("how", ["argument", "env"])
+@pytest.mark.parametrize("how", ["argument", "mixer-backend"])
 def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls, how):
     qkv, q, k, v, w1, w2 = _inputs(2, H, 30, D, dtype=torch.float32)
     dout = torch.randn(2, H, 30, D)
@@ -116,24 +116,15 @@ def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls
         before = kernel_calls["n"]
         if how == "argument":
             out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=on)
-        else:
-            monkeypatch.setenv(swiglu_cpu.CPU_KERNEL_ENV, "1" if on else "0")
-            out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3)
+        else:  # the mixer registry's backends pass the flag down
+            model = create_inner_model("swiglu", H, D, TTTConfig())
+            step = backends.Step("swiglu", model, (1, 30), 1 / 3, TTTConfig())
+            run = backends.BACKENDS["cpu" if on else "eager"].run
+            out = run(step, q, k, v, {"w1": w1, "w2": w2}, None)
         assert kernel_calls["n"] - before == int(on)
         results[on] = [out, *_grads(out, dout, [qkv, w1, w2])]
     for a, b in zip(results[False], results[True]):  # float32, sums in different orders
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
-
-
-def test_auto_uses_the_kernel_for_cpu_floats_with_enough_tokens_only(monkeypatch):
-    monkeypatch.setenv(swiglu_cpu.CPU_KERNEL_ENV, "auto")
-    n = swiglu_cpu.MIN_AUTO_TOKENS
-    assert swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, 1, n, D))
-    assert swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, 1, n, D, dtype=torch.float64))
-    assert not swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, 1, n, D, dtype=torch.bfloat16))
-    assert not swiglu_cpu.use_cpu_kernel(None, torch.zeros(1, 1, n - 1, D))  # small problems: tiled path
-    assert swiglu_cpu.use_cpu_kernel(True, torch.zeros(1, 1, n - 1, D))  # forcing it on always wins
-    assert not swiglu_cpu.use_cpu_kernel(False, torch.zeros(1, 1, n, D))
 
 
 def test_ops_read_strided_token_views_like_dense_ones():
@@ -167,24 +158,18 @@ def test_ops_reject_mismatched_inputs_by_name():
         ops.inner_grad(k, k, w, torch.zeros_like(w), None, 0)
 
 
-def test_forcing_the_kernel_onto_unsupported_tensors_names_the_problem(monkeypatch):
+def test_forcing_the_kernel_onto_unsupported_tensors_names_the_problem():
     _, q, k, v, w1, w2 = _inputs(1, H, 6, D, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"float32/float64 CPU tensors, got torch\.bfloat16"):
         fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=True)
-    monkeypatch.setenv(swiglu_cpu.CPU_KERNEL_ENV, "yes")
-    with pytest.raises(ValueError, match="VIT3_CPU_KERNEL must be"):
-        swiglu_cpu.use_cpu_kernel(None, q)
 
 
-def test_a_failed_build_warns_once_and_the_pytorch_path_serves(monkeypatch, kernel_calls):
+def test_a_failed_build_raises_naming_the_error(monkeypatch, kernel_calls):
     monkeypatch.setattr(swiglu_cpu, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
-    monkeypatch.setattr(swiglu_cpu, "_warned", [])
-    monkeypatch.setenv(swiglu_cpu.CPU_KERNEL_ENV, "1")
     _, q, k, v, w1, w2 = _inputs(2, H, 12, D)
-    with pytest.warns(UserWarning, match="could not be built.*no C\\+\\+ compiler"):
-        out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3)
+    with pytest.raises(RuntimeError, match=r"could not be built.*no C\+\+ compiler"):
+        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=True)
     assert kernel_calls["n"] == 0
-    torch.testing.assert_close(out, fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=False))
 
 
 def test_build_targets_the_cpus_vector_unit():

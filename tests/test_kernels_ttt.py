@@ -13,7 +13,7 @@ import torch
 import vit3.kernels as kernels
 from tests.conftest import max_rel_err as _max_rel_err
 from vit3.kernels import ttt_fused
-from vit3.layers import TTTConfig, TTTMixer, create_inner_model, inner_loop
+from vit3.layers import TTTConfig, TTTMixer, backends, create_inner_model, inner_loop
 
 pytestmark = pytest.mark.triton
 
@@ -220,7 +220,7 @@ def test_output_is_token_major_so_the_head_merge_is_free():
 
 
 @pytest.mark.parametrize("name", ["swiglu", "linear", "dwconv"])
-def test_reference_switch_by_argument_and_environment(name, monkeypatch):
+def test_reference_switch_by_argument_only(name, monkeypatch):
     b, g, n, d = 1, 2, 40, 16
     qkv, params = make_inputs(name, b, g, n, d, torch.float32)
     calls = []
@@ -236,20 +236,14 @@ def test_reference_switch_by_argument_and_environment(name, monkeypatch):
     assert not calls
     reference = run(backend="reference")
     assert len(calls) == 1
-    monkeypatch.setenv(kernels.BACKEND_ENV, "reference")
-    assert all(torch.equal(a, e) for a, e in zip(run(), reference)) and len(calls) == 2
-    assert torch.equal(run(backend="triton")[0], fused[0]) and len(calls) == 2  # the argument wins
-    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
-    assert torch.equal(run()[0], fused[0]) and len(calls) == 2
+    monkeypatch.setenv("VIT3_TTT_KERNEL", "reference")  # removed: the op reads no environment variable
+    assert torch.equal(run()[0], fused[0]) and len(calls) == 1
     for a, e in zip(fused, reference):
         assert max_rel_err(a, e) < 5e-5
 
 
-def test_bad_backend_value_is_rejected(monkeypatch):
-    monkeypatch.setenv(kernels.BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match="VIT3_TTT_KERNEL"):
-        kernels.resolve_backend()
-    with pytest.raises(ValueError, match="backend"):
+def test_bad_backend_value_is_rejected():
+    with pytest.raises(ValueError, match="backend must be 'auto', 'triton' or 'reference'"):
         kernels.resolve_backend("fast")
 
 
@@ -342,8 +336,8 @@ def test_compiles_with_fullgraph_and_keeps_gradients():
 
 
 def mixer_pair(branches: tuple[str, ...], dim: int = 64, heads: int = 2) -> tuple[TTTMixer, TTTMixer]:
-    fused = TTTMixer(dim, heads, branches=branches, impl="triton").to(DEVICE)
-    plain = TTTMixer(dim, heads, branches=branches, impl="torch").to(DEVICE)
+    fused = TTTMixer(dim, heads, branches=branches, backend="triton").to(DEVICE)
+    plain = TTTMixer(dim, heads, branches=branches, backend="generic").to(DEVICE)
     plain.load_state_dict(fused.state_dict())
     return fused, plain
 
@@ -378,53 +372,68 @@ def test_mixer_environment_variable_flips_the_implementation(monkeypatch):
     calls = []
     original = kernels.fused_ttt
     monkeypatch.setattr(kernels, "fused_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
-    mixer = TTTMixer(32, 2, branches=("swiglu",)).to(DEVICE)  # impl="auto": the kernel for CUDA tensors only
+    mixer = TTTMixer(32, 2, branches=("swiglu",)).to(DEVICE)  # backend="auto": the kernel on CUDA only
     x = torch.randn(1, 12, 32, device=DEVICE)
     with torch.no_grad():
-        monkeypatch.setenv("VIT3_TTT_IMPL", "torch")
+        monkeypatch.setenv("VIT3_TTT_BACKEND", "generic")
         plain = mixer(x, (3, 4))
         assert calls == []
-        monkeypatch.setenv("VIT3_TTT_IMPL", "triton")
+        monkeypatch.setenv("VIT3_TTT_BACKEND", "triton")
         fused = mixer(x, (3, 4))
         assert calls == ["swiglu"]
-        monkeypatch.delenv("VIT3_TTT_IMPL")
+        monkeypatch.setenv("VIT3_TTT_BACKEND", "eager")
+        eager = mixer(x, (3, 4))
+        monkeypatch.delenv("VIT3_TTT_BACKEND")
         auto = mixer(x, (3, 4))
         assert len(calls) == (2 if DEVICE.type == "cuda" else 1)
-    assert torch.equal(auto, fused if DEVICE.type == "cuda" else plain)
-    assert max_rel_err(fused, plain) < 2e-5
+    assert torch.equal(auto, fused if DEVICE.type == "cuda" else eager)
+    assert max_rel_err(fused, plain) < 2e-5 and max_rel_err(eager, plain) < 2e-5
+
+
+def _triton_serves(name: str, cfg: TTTConfig, x: torch.Tensor, head_dim: int = 32) -> tuple[bool, str]:
+    """The mixer registry's verdict on the Triton backend for one branch."""
+    inputs = backends.Inputs(x.device, x.dtype, backends.token_class(x.shape[1]), False, "")
+    settings = backends.Settings(cfg.loss, cfg.steps, cfg.mini_batches, cfg.lr_mode)
+    return backends.BACKENDS["triton"].supports(backends.Branch(0, name, 1, head_dim), settings, inputs)
 
 
 @pytest.mark.parametrize(
     ("name", "overrides", "expected"),
     [
-        pytest.param("swiglu", {}, True, id="official"),
-        pytest.param("linear", {}, True, id="linear-dot"),
-        pytest.param("dwconv", {}, True, id="dwconv"),
-        pytest.param("mlp", {}, False, id="mlp"),
-        pytest.param("swiglu", {"loss": "mse"}, False, id="swiglu-mse"),
-        pytest.param("swiglu", {"steps": 2}, False, id="two-steps"),
-        pytest.param("swiglu", {"mini_batches": 2}, False, id="mini-batches"),
-        pytest.param("swiglu", {"lr_mode": "token"}, False, id="token-lr"),
+        pytest.param("swiglu", {}, "", id="official"),
+        pytest.param("linear", {}, "", id="linear-dot"),
+        pytest.param("linear", {"loss": "mse"}, "", id="linear-mse"),
+        pytest.param("dwconv", {}, "", id="dwconv"),
+        pytest.param("swiglu", {"loss": "mse"}, "loss 'mse' is not fused", id="swiglu-mse"),
+        pytest.param("swiglu", {"steps": 2}, "steps=2", id="two-steps"),
+        pytest.param("swiglu", {"mini_batches": 2}, "mini_batches=2", id="mini-batches"),
+        pytest.param("swiglu", {"lr_mode": "token"}, "lr_mode='token'", id="token-lr"),
     ],
 )
-def test_fused_supports(name, overrides, expected):
-    cfg = TTTConfig(**overrides)
-    assert kernels.fused_supports(name, cfg, torch.randn(1, 4, 32, device=DEVICE)) is expected
+def test_triton_backend_supports(name, overrides, expected):
+    ok, why = _triton_serves(name, TTTConfig(**overrides), torch.randn(1, 4, 32, device=DEVICE))
+    assert ok is (not expected) and expected in why
 
 
-def test_fused_supports_checks_head_dim_and_device(monkeypatch):
+def test_triton_backend_checks_head_dim_and_device(monkeypatch):
     cfg = TTTConfig()
     x = torch.randn(1, 4, 32, device=DEVICE)
-    assert kernels.fused_supports("swiglu", cfg, x, head_dim=64)
-    assert kernels.fused_supports("swiglu", cfg, x, head_dim=128)  # in column blocks
-    assert kernels.fused_supports("linear", cfg, x.double(), head_dim=128)
-    assert kernels.fused_supports("dwconv", cfg, x, head_dim=128)
-    assert not kernels.fused_supports("swiglu", cfg, x, head_dim=256)  # full-width tiles exceed shared memory
-    assert not kernels.fused_supports("dwconv", cfg, x, head_dim=256)
-    assert not kernels.fused_supports("swiglu", cfg, x, head_dim=8)
-    assert not kernels.fused_supports("swiglu", cfg, x.int())
+    assert _triton_serves("swiglu", cfg, x, head_dim=64)[0]
+    assert _triton_serves("swiglu", cfg, x, head_dim=128)[0]  # in column blocks
+    assert _triton_serves("linear", cfg, x.double(), head_dim=128)[0]
+    assert _triton_serves("dwconv", cfg, x, head_dim=128)[0]
+    assert _triton_serves("swiglu", cfg, x, head_dim=256) == (
+        False,
+        "head dim 256 > 128: wider tiles exceed on-chip shared memory",
+    )
+    assert not _triton_serves("dwconv", cfg, x, head_dim=256)[0]
+    assert _triton_serves("swiglu", cfg, x, head_dim=8) == (
+        False,
+        "head dim 8 < 16: below the smallest dot tile",
+    )
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor without the interpreter: no Triton
-    assert not kernels.fused_supports("swiglu", cfg, x.cpu())
+    ok, why = _triton_serves("swiglu", cfg, x.cpu())
+    assert not ok and "TRITON_INTERPRET=1" in why
 
 
 def test_unsupported_head_dim_falls_back_to_reference_or_raises(monkeypatch):

@@ -46,21 +46,23 @@ SERVED = {
     "two-steps": ({"steps": 2}, False),
     "mini-batches": ({"mini_batches": 2}, False),
     "mse-loss": ({"loss": "mse"}, False),
-    "impl-triton": ({"impl": "triton"}, False),
+    "generic-named": ({"backend": "generic"}, False),
+    # head dim 8 is below the kernels' 16: the named backend steps aside with a warning, auto's path serves
+    "triton-named-narrow-heads": ({"backend": "triton"}, True),
 }
 
 
 @pytest.mark.parametrize(("cfg", "served"), list(SERVED.values()), ids=list(SERVED))
-def test_fused_path_serves_exactly_the_supported_configs(calls, monkeypatch, cfg, served):
-    monkeypatch.setattr(ttt, "_warned", set())  # the fallback warning is once per process: keep it for others
+def test_fused_path_serves_exactly_the_supported_configs(calls, cfg, served):
     mixer = _mixer(**cfg)
     x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64)
-    if cfg.get("impl") == "triton":  # without a GPU the kernel falls back to the per-branch PyTorch path
-        with pytest.warns(UserWarning, match="unavailable|not supported"):
+    if cfg.get("backend") == "triton":
+        with pytest.warns(UserWarning, match="branch: head dim 8 < 16"):
             mixer(x, GRID)
     else:
         mixer(x, GRID)
     assert calls["n"] == int(served)
+    assert mixer.explain(x, GRID).fused is served
 
 
 def test_fused_path_is_skipped_under_tracing(calls):
@@ -82,17 +84,17 @@ TILINGS = {
 
 @pytest.mark.parametrize("tile_bytes", list(TILINGS.values()), ids=list(TILINGS))
 @pytest.mark.parametrize("cfg", ["official", "official-rope", "official-no-norm-lr"])
-@pytest.mark.parametrize("cpu_kernel", ["0", "1"], ids=["tiles", "cpu-kernel"])
-def test_fused_path_output_and_every_gradient_match_reference(
-    calls, monkeypatch, tile_bytes, cfg, cpu_kernel
-):
-    monkeypatch.setenv("VIT3_CPU_KERNEL", cpu_kernel)
+@pytest.mark.parametrize("backend", ["eager", "cpu"], ids=["tiles", "cpu-kernel"])
+def test_fused_path_output_and_every_gradient_match_reference(calls, monkeypatch, tile_bytes, cfg, backend):
+    kernel = count_calls(monkeypatch, fast, "_kernel_forward")
+    monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
     monkeypatch.setattr(fast, "TILE_BYTES", tile_bytes)
     monkeypatch.setattr(fast, "MIN_TILE_TOKENS", 4)
     mixer = _mixer(**SERVED[cfg][0])
     x = torch.randn(3, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
     assert_mixer_matches_reference(mixer, x, GRID)
     assert calls["n"] == 1  # the checked call took the fused path (the reference only reads the weights)
+    assert kernel["n"] == int(backend == "cpu")
 
 
 def test_without_gradients_nothing_is_saved_and_output_is_unchanged(calls, monkeypatch):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.ttt_reference import reference_mixer
-from vit3.layers import IMPL_ENV, TTTConfig, TTTMixer, apply_rope_2d, resolve_impl
+from vit3.layers import TTTConfig, TTTMixer, apply_rope_2d
+from vit3.layers.backends import BACKEND_ENV
 
 SHAPES = [
     pytest.param(2, 8, 2, (1, 13), id="grid1x13"),
@@ -76,25 +77,25 @@ def test_rope_equals_official_tables(grid):
     torch.testing.assert_close(got, expected.reshape(2, h * w, dim), rtol=1e-12, atol=1e-12)
 
 
-class TestImplSwitch:
-    def test_argument_wins_over_environment(self, monkeypatch):
-        monkeypatch.setenv(IMPL_ENV, "triton")
-        assert resolve_impl("torch") == "torch"
-        assert resolve_impl("auto") == "triton"
-        monkeypatch.setenv(IMPL_ENV, "cuda-please")
-        with pytest.raises(ValueError, match=IMPL_ENV):
-            resolve_impl("auto")
+class TestBackendSwitch:
+    def test_config_wins_over_environment(self, monkeypatch):
+        monkeypatch.setenv(BACKEND_ENV, "generic")
+        x = torch.randn(2, 12, 16)
+        assert [b.backend for b in TTTMixer(16, 2).explain(x, (3, 4)).branches] == ["generic", "generic"]
+        named = TTTMixer(16, 2, backend="eager").explain(x, (3, 4))
+        assert [b.backend for b in named.branches] == ["eager", "eager"]
+        assert named.requested == "TTTConfig.backend='eager'"
 
     def test_forced_kernel_on_unsupported_config_falls_back_with_a_message(self):
         torch.manual_seed(0)
-        fast = TTTMixer(16, 2, loss="mse", steps=2, impl="triton")
-        ref = TTTMixer(16, 2, loss="mse", steps=2, impl="torch")
+        fast = TTTMixer(16, 2, loss="mse", steps=2, backend="triton")
+        ref = TTTMixer(16, 2, loss="mse", steps=2, backend="generic")
         ref.load_state_dict(fast.state_dict())
         x = torch.randn(2, 12, 16)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = fast(x, (3, 4))
-        assert any("fused Triton path requested but unavailable" in str(w.message) for w in caught)
+        assert any("backend 'triton'" in str(w.message) and "cannot serve" in str(w.message) for w in caught)
         torch.testing.assert_close(out, ref(x, (3, 4)))
 
 

@@ -4,18 +4,9 @@ from .config import INNER_LOSSES, INNER_MODELS, TTTConfig
 from .inner import DWConvInner, InnerModel, LinearInner, MLPInner, SiLUInner, SwiGLUInner, create_inner_model
 from .losses import loss_grad, loss_value
 from .rope import apply_rope_2d, rope_angles
-from .ttt import (
-    IMPL_ENV,
-    OFFICIAL_MIXER_KEYS,
-    TTTMixer,
-    convert_official_mixer_key,
-    inner_loop,
-    normalize_grad,
-    resolve_impl,
-)
+from .ttt import OFFICIAL_MIXER_KEYS, TTTMixer, convert_official_mixer_key, inner_loop, normalize_grad
 
 __all__ = [
-    "IMPL_ENV",
     "INNER_LOSSES",
     "INNER_MODELS",
     "OFFICIAL_MIXER_KEYS",
@@ -34,6 +25,5 @@ __all__ = [
     "loss_grad",
     "loss_value",
     "normalize_grad",
-    "resolve_impl",
     "rope_angles",
 ]

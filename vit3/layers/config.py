@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -11,7 +12,8 @@ __all__ = ["INNER_LOSSES", "INNER_MODELS", "TTTConfig", "parse_branch"]
 INNER_MODELS = ("linear", "silu", "mlp", "swiglu", "dwconv")
 INNER_LOSSES = ("dot", "mse", "rmse", "mae", "smooth_l1")
 MLP_RESIDUALS = ("none", "add", "identity")
-IMPLS = ("auto", "torch", "triton")
+# The removed ``impl`` key of old configs and checkpoints, read as ``backend``.
+IMPL_TO_BACKEND = {"auto": "auto", "torch": "eager", "triton": "triton"}
 
 
 def parse_branch(spec: str, num_heads: int) -> tuple[str, int]:
@@ -55,7 +57,10 @@ class TTTConfig:
         rope: 2-D RoPE on q and k of the token-wise branches (H-ViT³).
         rope_base: RoPE base.
         qkv_bias: bias of the qkv projection.
-        impl: ``"auto"``, ``"torch"`` or ``"triton"``; the environment variable ``VIT3_TTT_IMPL`` overrides.
+        backend: the implementation of the inner loops: ``"auto"`` (the default: ``$VIT3_TTT_BACKEND``, else
+            the best that serves), ``"triton"``, ``"cpu"``, ``"eager"`` or ``"generic"``; see
+            ``vit3.layers.backends``. It wins over ``$VIT3_TTT_BACKEND``. (Old configs' ``impl`` is read as
+            this: ``"torch"`` as ``"eager"``.)
         check_finite: raise on non-finite input tokens (skipped under tracing and compilation).
     """
 
@@ -74,7 +79,7 @@ class TTTConfig:
     rope: bool = False
     rope_base: float = 10000.0
     qkv_bias: bool = True
-    impl: str = "auto"
+    backend: str = "auto"
     check_finite: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -96,8 +101,10 @@ class TTTConfig:
             raise ValueError(f"mlp_act must be 'gelu' or 'silu', got {self.mlp_act!r}")
         if self.mlp_residual not in MLP_RESIDUALS:
             raise ValueError(f"mlp_residual must be one of {MLP_RESIDUALS}, got {self.mlp_residual!r}")
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        from .backends import NAMES  # the registry imports this module
+
+        if self.backend not in NAMES:
+            raise ValueError(f"backend must be one of {NAMES}, got {self.backend!r}")
         if isinstance(self.scale, str) and self.scale != "head_dim":
             raise ValueError(f"scale must be a number, None or 'head_dim', got {self.scale!r}")
         if not math.isfinite(self.inner_lr):
@@ -111,6 +118,8 @@ class TTTConfig:
         else:
             base = dict(cfg or {})
         base.update(overrides)
+        if "impl" in base:
+            base = _read_impl(base)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(base) - known)
         if unknown:
@@ -128,3 +137,30 @@ class TTTConfig:
     def branch_specs(self, num_heads: int) -> list[tuple[str, int]]:
         """``[(inner model name, heads), ...]`` for a mixer with ``num_heads`` heads."""
         return [parse_branch(b, num_heads) for b in self.branches]
+
+
+def _read_impl(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Old configs and checkpoints carry ``impl``, renamed ``backend``: read it as that, with a warning."""
+    cfg = dict(cfg)
+    impl = cfg.pop("impl")
+    if impl not in IMPL_TO_BACKEND:
+        raise ValueError(
+            f"TTT config key 'impl' was renamed 'backend' (auto, triton, cpu, eager, generic); got impl={impl!r}"
+        )
+    backend = IMPL_TO_BACKEND[impl]
+    if "backend" in cfg and cfg["backend"] != backend:
+        raise ValueError(
+            f"TTT config has both impl={impl!r} and backend={cfg['backend']!r}; keep only 'backend'"
+        )
+    if backend == "auto":
+        warnings.warn(
+            "TTT config key 'impl' was renamed 'backend'; impl='auto' is dropped", DeprecationWarning, 3
+        )
+    else:
+        warnings.warn(
+            f"TTT config key 'impl' was renamed 'backend'; impl={impl!r} reads as backend={backend!r}",
+            FutureWarning,
+            3,
+        )
+        cfg["backend"] = backend
+    return cfg

@@ -6,14 +6,15 @@ concatenated, and the q, k, v gradients transposed and concatenated back into on
 branches take q, k and v as views of qkv and write their read-outs straight into the output
 ``[B, N, sum(widths)]``, and the backward writes dq, dk and dv straight into one qkv gradient.
 
-Branches served (``mix_supports``), one full-batch dot-loss step each:
+Branches served, one full-batch dot-loss step each (``vit3.layers.backends`` decides when this path runs):
 
-- the official SwiGLU model, optionally with RoPE on q and k, through ``fast_swiglu``;
+- the official SwiGLU model, optionally with RoPE on q and k, through ``fast_swiglu`` (its passes in the C++
+  CPU kernel for branches with ``MixBranch.cpu_kernel``);
 - the 3x3 depthwise conv in closed form, one convolution per stage for the whole batch: with ``E = -s v / N``,
   ``G = Σ_p E[p] k[p + δ]`` (a conv weight gradient), ``W' = W - lr G / (||G|| + 1)``,
   ``out = dwconv(q; W')``; backward ``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)``.
 
-The mixer keeps its per-branch path for every other configuration and whenever the Triton kernel serves.
+The mixer runs branch by branch whenever a branch takes another backend.
 """
 
 from __future__ import annotations
@@ -28,19 +29,21 @@ from .fast_swiglu import SwiGLUSaved, step, step_backward, swiglu_backward, swig
 from .inner import DWConvInner, dwconv_backward
 from .rope import apply_rope_2d
 
-__all__ = ["MixBranch", "MixPlan", "fused_mix", "mix_supports"]
+__all__ = ["KINDS", "MixBranch", "MixPlan", "fused_mix"]
 
 KINDS = ("swiglu", "dwconv")
 
 
 class MixBranch(NamedTuple):
-    """One branch: its inner model, where its q, k, v start in qkv (``[q | k | v]``, ``heads * head_dim`` each)."""
+    """One branch: its inner model, where its q, k, v start in qkv (``[q | k | v]``, ``heads * head_dim`` each),
+    RoPE on q and k, and whether its SwiGLU passes run in the C++ CPU kernel."""
 
     kind: str
     offset: int
     heads: int
     head_dim: int
     rope: bool
+    cpu_kernel: bool = False
 
 
 class MixPlan(NamedTuple):
@@ -52,18 +55,6 @@ class MixPlan(NamedTuple):
     lr: float
     grad_norm: bool
     rope_base: float
-    cpu_kernel: bool | None = None  # SwiGLU passes in the C++ CPU kernel (None: ``$VIT3_CPU_KERNEL``)
-
-
-def mix_supports(name: str, cfg: Any) -> bool:
-    """Whether the fused path serves branch ``name`` under ``TTTConfig`` ``cfg``."""
-    return (
-        name in KINDS
-        and cfg.loss == "dot"
-        and cfg.steps == 1
-        and cfg.mini_batches == 1
-        and cfg.lr_mode == "fixed"
-    )
 
 
 def _heads(t: Tensor, heads: int) -> Tensor:
@@ -101,7 +92,7 @@ class _FusedMix(torch.autograd.Function):
                 if br.rope:
                     q, k = (apply_rope_2d(t, plan.grid, plan.rope_base) for t in (q, k))
                 q, k, v, dest = (_heads(t, br.heads) for t in (q, k, v, dest))  # [B, G, N, c] views
-                st = swiglu_forward(q, k, v, w1, w2, dest, save=save, cpu_kernel=plan.cpu_kernel, **hyper)
+                st = swiglu_forward(q, k, v, w1, w2, dest, save=save, cpu_kernel=br.cpu_kernel, **hyper)
                 kind = st.layout if st is not None else ""
                 saved += list(st[:-1]) if st is not None else []
             else:

@@ -21,9 +21,9 @@ Problems small enough that a whole sample fits in one tile are folded to ``[1, B
 samples and per-op overheads stay amortised. Elementwise work writes into a few reused scratch tiles: fresh
 allocations would cost more than the ops.
 
-On CPUs the four passes run in the C++ kernel ``vit3.kernels.swiglu_cpu`` when it can be built (the same
-passes, blocks of ``block_tokens`` tokens, elementwise chains fused; ``cpu_kernel`` / ``$VIT3_CPU_KERNEL``
-choose): this tiled path is its pure-PyTorch reference and the path everywhere else.
+With ``cpu_kernel=True`` the four passes run in the C++ CPU kernel ``vit3.kernels.swiglu_cpu`` (the same
+passes, blocks of ``block_tokens`` tokens, elementwise chains fused; the mixer's backend registry
+``vit3.layers.backends`` decides when): this tiled path is its pure-PyTorch reference.
 
 Saved for backward: dense q, k, v, the pre-activations ``Z = k W`` and ``Y = q W'`` (four N-sized tensors
 in tile order, saving four matmuls; nothing is saved when no gradient is needed) and the ``[B, H, 2, d, d]``
@@ -213,7 +213,7 @@ def swiglu_forward(
     lr: float,
     grad_norm: bool,
     save: bool = True,
-    cpu_kernel: bool | None = None,
+    cpu_kernel: bool = False,
 ) -> SwiGLUSaved | None:
     """Inner step and read-out, written into ``out``; returns what the backward needs (when ``save``).
 
@@ -226,9 +226,8 @@ def swiglu_forward(
         lr: inner learning rate.
         grad_norm: apply ``G / (||G|| + 1)`` per output column.
         save: keep the pre-activations and weights for ``swiglu_backward``.
-        cpu_kernel: run the passes in the C++ CPU kernel (``vit3.kernels.swiglu_cpu``); ``None`` follows
-            ``$VIT3_CPU_KERNEL`` (default: on for float32/float64 CPU tensors with at least
-            ``MIN_AUTO_TOKENS`` tokens per head, when it can be built).
+        cpu_kernel: run the passes in the C++ CPU kernel (``vit3.kernels.swiglu_cpu``: float32/float64 CPU
+            tensors; raises when it cannot be built), else the tiled PyTorch path.
     """
     b, h, n, d = q.shape
     c = scale / n
@@ -359,17 +358,14 @@ def swiglu_backward(
     return dw[:, :, 0], dw[:, :, 1]
 
 
-def _kernel(flag: bool | None, like: Tensor) -> Any:
-    """The C++ CPU kernel's ops when they serve ``like`` (``vit3.kernels.swiglu_cpu``), else ``None``."""
-    if flag is False:
+def _kernel(flag: bool, like: Tensor) -> Any:
+    """The C++ CPU kernel's ops for tensors like ``like`` when ``flag`` (``vit3.kernels.swiglu_cpu``), else
+    ``None``."""
+    if not flag:
         return None
-    try:
-        from vit3.kernels.swiglu_cpu import cpu_kernel_ops
-    except ImportError:  # vit3.kernels needs Triton, absent off Linux: the tiled path serves
-        if flag:
-            raise
-        return None
-    return cpu_kernel_ops(flag, like)
+    from vit3.kernels.swiglu_cpu import cpu_kernel_ops
+
+    return cpu_kernel_ops(like)
 
 
 def _unit_stride(t: Tensor) -> Tensor:
@@ -463,7 +459,7 @@ def swiglu_ttt(
     scale: float,
     lr: float = 1.0,
     grad_norm: bool = True,
-    cpu_kernel: bool | None = None,
+    cpu_kernel: bool = False,
 ) -> Tensor:
     """One full-batch dot-loss TTT step of the SwiGLU inner model, then its read-out on q.
 

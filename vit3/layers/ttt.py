@@ -7,50 +7,28 @@ design space and ``../shared/notes/ttt-math.md`` (in the repository docs) for th
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from . import backends
 from .config import TTTConfig
-from .fast_mix import MixBranch, MixPlan, fused_mix, mix_supports
-from .fast_swiglu import swiglu_ttt
-from .inner import InnerModel, Params, SwiGLUInner, create_inner_model, tracing
+from .fast_mix import MixBranch, MixPlan, fused_mix
+from .inner import InnerModel, Params, create_inner_model, tracing
 from .losses import loss_grad, loss_needs_prediction
 from .rope import apply_rope_2d
 
 __all__ = [
-    "IMPL_ENV",
     "OFFICIAL_MIXER_KEYS",
     "TTTMixer",
     "convert_official_mixer_key",
     "inner_loop",
     "normalize_grad",
-    "resolve_impl",
 ]
 
-IMPL_ENV = "VIT3_TTT_IMPL"
 CHECK_FINITE_ENV = "VIT3_CHECK_FINITE"
-_warned: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        warnings.warn(msg, stacklevel=3)
-
-
-def resolve_impl(impl: str = "auto") -> str:
-    """The implementation asked for: an explicit ``"torch"``/``"triton"`` argument wins, else ``$VIT3_TTT_IMPL``."""
-    if impl != "auto":
-        return impl
-    env = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
-    if env not in ("auto", "torch", "triton"):
-        raise ValueError(f"${IMPL_ENV} must be 'auto', 'torch' or 'triton', got {env!r}")
-    return env
 
 
 def normalize_grad(g: Tensor, dims: tuple[int, ...]) -> Tensor:
@@ -124,27 +102,15 @@ def inner_loop(
     return params
 
 
-@functools.cache
-def _fused_backend() -> tuple[Any, str]:
-    """The fused-kernel module ``vit3.kernels``, or ``None`` with the reason it is unavailable.
-
-    Cached: a failing import (no Triton) would otherwise be retried by every mixer on every forward.
-    """
-    try:
-        import vit3.kernels as backend
-    except Exception as exc:  # Triton missing or broken: the PyTorch path serves
-        return None, f"vit3.kernels could not be imported ({type(exc).__name__}: {exc})"
-    if not hasattr(backend, "fused_ttt"):
-        return None, "vit3.kernels provides no fused_ttt op"
-    return backend, ""
-
-
 class TTTMixer(nn.Module):
     """Test-time-training token mixer (ViT³) for tokens ``[B, N, C]`` on an ``h x w`` grid.
 
     Branches sit side by side, each with its own heads of ``head_dim = dim // num_heads`` channels and its
     own q, k, v (laid out branch by branch in one ``qkv`` projection, as the official code does); their
     outputs are concatenated and projected back to ``dim``.
+
+    Which implementation runs each branch (the Triton kernel, the C++ CPU kernel, the fused eager path or
+    the generic inner loop) is decided by ``vit3.layers.backends``; ``explain`` says which and why.
 
     Args:
         dim: token width C.
@@ -162,6 +128,7 @@ class TTTMixer(nn.Module):
         self.dim, self.num_heads = dim, num_heads
         self.head_dim = head_dim = dim // num_heads
         self.branch_specs = cfg.branch_specs(num_heads)
+        self._branches = tuple((name, heads, head_dim) for name, heads in self.branch_specs)
         self.widths = [heads * head_dim for _, heads in self.branch_specs]
         if cfg.rope:
             for (name, _), width in zip(self.branch_specs, self.widths):
@@ -193,54 +160,47 @@ class TTTMixer(nn.Module):
             if not torch.isfinite(x).all():
                 raise ValueError("TTTMixer input contains non-finite values (NaN or Inf)")
 
-    def _fused_branch(self, name: str, x: Tensor, gated: bool) -> Any:
-        """The fused op for branch ``name`` when it should (and can) run, else ``None``.
-
-        ``impl="triton"`` forces the kernel (on any device, e.g. CPU under ``TRITON_INTERPRET=1``) and falls back
-        with a warning naming the reason; ``"auto"`` uses it for CUDA tensors when the configuration allows.
-        """
-        impl = resolve_impl(self.cfg.impl)
-        if impl == "torch" or (impl == "auto" and x.device.type != "cuda"):
-            return None
-        backend, why = _fused_backend()
-        if (
-            backend is not None
-            and not gated
-            and backend.fused_supports(name, self.cfg, x, head_dim=self.head_dim)
-        ):
-            return backend.fused_ttt
-        if impl == "triton":
-            reason = why or f"inner model {name!r} with this configuration is not supported by the kernel"
-            _warn_once(f"TTTMixer: fused Triton path requested but unavailable ({reason}); using PyTorch.")
-        return None
-
-    def _fast_swiglu(self, model: InnerModel, gate: Tensor | None) -> bool:
-        """Whether the hand-fused PyTorch path serves this branch (the official one-step dot-loss case)."""
+    def _plan(self, qkv: Tensor, gates: Tensor | None, weights: list[Params]) -> backends.Plan:
+        """The backends of this call (resolved once per key and cached by ``backends.plan``)."""
         c = self.cfg
-        return (
-            isinstance(model, SwiGLUInner)
-            and not tracing()  # tracers and compilers need the plain ops, not one opaque eager node
-            and gate is None
-            and c.loss == "dot"
-            and c.steps == 1
-            and c.mini_batches == 1
+        grad = torch.is_grad_enabled() and (
+            qkv.requires_grad
+            or (gates is not None and gates.requires_grad)
+            or any(p.requires_grad for w in weights for p in w.values())
+        )
+        return backends.plan(
+            (c.loss, c.steps, c.mini_batches, c.lr_mode),
+            c.backend,
+            self._branches,
+            qkv.device,
+            qkv.dtype,
+            backends.token_class(qkv.shape[1]),
+            grad,
+            backends.tracing_kind(),
         )
 
-    def _mix_plan(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None) -> MixPlan | None:
-        """The plan of the fused eager path (``fast_mix``) when it serves every branch, else ``None``."""
-        cfg = self.cfg
-        impl = resolve_impl(cfg.impl)
-        if gates is not None or tracing() or impl == "triton":
-            return None
-        if not all(mix_supports(name, cfg) for name, _ in self.branch_specs):
-            return None
-        if impl == "auto" and any(self._fused_branch(name, qkv, False) for name, _ in self.branch_specs):
-            return None  # the Triton kernel serves
-        branches, offset = [], 0
-        for (name, heads), width in zip(self.branch_specs, self.widths):
-            branches.append(MixBranch(name, offset, heads, self.head_dim, cfg.rope and name != "dwconv"))
-            offset += 3 * width
-        return MixPlan(tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base)
+    def explain(
+        self, x: Tensor, grid: tuple[int, int], grad: bool | None = None
+    ) -> backends.MixerExplanation:
+        """Which backend a forward on ``x`` would run for each branch, and why each other one was passed over.
+
+        Args:
+            x: tokens ``[B, N, C]`` (only their device, dtype under the current autocast, and N matter).
+            grid: ``(h, w)``.
+            grad: explain the plan with gradients flowing; ``None``: as a forward here would (grad mode on
+                and parameters or ``x`` requiring grad).
+
+        Returns:
+            A ``MixerExplanation`` (``str()`` is a table; ``to_dict()`` for JSON).
+        """
+        self._check(x, grid)
+        if grad is None:
+            grad = torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in self.parameters())
+            )
+        with torch.no_grad():
+            qkv = self.qkv(x[:, :1])  # the dtype the backends read (autocast's, under autocast)
+        return backends.explain_mixer(self, qkv.device, qkv.dtype, grid, grad)
 
     def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """Mixes tokens ``[B, N, C]`` laid out on ``grid = (h, w)`` (raster order); returns ``[B, N, C]``."""
@@ -261,76 +221,62 @@ class TTTMixer(nn.Module):
         Returns:
             The branch read-outs concatenated, ``[B, N, sum(widths)]``, in ``qkv``'s dtype.
         """
+        weights = [model.initial_params() for model in self.inner]
+        plan = self._plan(qkv, gates, weights)
+        with torch.autocast(device_type=qkv.device.type, enabled=False):
+            if not plan.fused:
+                return self._mix(plan, qkv, grid, gates, weights, guard=True)
+            names = [list(w) for w in weights]
+
+            def compute(p: backends.Plan, qkv: Tensor, *flat: Tensor) -> Tensor:
+                it = iter(flat)
+                again = [{name: next(it) for name in branch} for branch in names]
+                return self._mix(p, qkv, grid, gates, again, guard=False)
+
+            flat = [p for w in weights for p in w.values()]
+            return backends.run(plan, tuple(range(len(weights))), compute, [qkv, *flat])
+
+    def _mix(
+        self,
+        plan: backends.Plan,
+        qkv: Tensor,
+        grid: tuple[int, int],
+        gates: Tensor | None,
+        weights: list[Params],
+        guard: bool,
+    ) -> Tensor:
+        """``mix`` on ``plan``: one fused eager node, or branch by branch (each guarded when ``guard``)."""
         b, n, _ = qkv.shape
         io_dtype = qkv.dtype
         # The inner loop runs in float32 at least (bf16/fp16 gradients of the inner loss are too coarse).
         compute = torch.promote_types(io_dtype, torch.float32)
         cfg = self.cfg
-        plan = self._mix_plan(qkv, grid, gates)
-        if plan is not None:
-            with torch.autocast(device_type=qkv.device.type, enabled=False):
-                weights = [p.to(compute) for m in self.inner for p in m.initial_params().values()]
-                return fused_mix(qkv.to(compute), plan, weights).to(io_dtype)
+        if plan.fused:
+            branches, offset = [], 0
+            for (name, heads), width, backend in zip(self.branch_specs, self.widths, plan.backends):
+                rope = cfg.rope and name != "dwconv"
+                branches.append(MixBranch(name, offset, heads, self.head_dim, rope, backend == "cpu"))
+                offset += 3 * width
+            mix_plan = MixPlan(tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base)
+            flat = [p.to(compute) for w in weights for p in w.values()]
+            return fused_mix(qkv.to(compute), mix_plan, flat).to(io_dtype)
         outs, gate_offset = [], 0
         # One split for all branches: its backward is a single concatenation, where slicing per branch would
         # make autograd zero-fill and add a full-size qkv gradient for every slice.
         pieces = qkv.split([w for w in self.widths for _ in range(3)], dim=-1)  # [B, N, width] each
-        with torch.autocast(device_type=qkv.device.type, enabled=False):
-            for i, ((name, heads), model) in enumerate(zip(self.branch_specs, self.inner)):
-                q, k, v = pieces[3 * i : 3 * i + 3]
-                gate = None
-                if gates is not None:
-                    gate = gates[:, gate_offset : gate_offset + heads].to(compute)
-                    gate_offset += heads
-                if cfg.rope and model.token_wise:
-                    q, k = apply_rope_2d(q, grid, cfg.rope_base), apply_rope_2d(k, grid, cfg.rope_base)
-                # [B, N, G*c] -> [B, G, N, c]: strided views of qkv, no copy
-                q, k, v = (t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
-                op = self._fused_branch(name, qkv, gate is not None)
-                if op is not None:
-                    y = op(
-                        name,
-                        q,
-                        k,
-                        v,
-                        model.initial_params(),
-                        grid=grid,
-                        scale=self.scale,
-                        lr=cfg.inner_lr,
-                        grad_norm=cfg.grad_norm,
-                        loss=cfg.loss,
-                    )
-                else:
-                    q, k, v = q.to(compute), k.to(compute), v.to(compute)
-                    params = {nm: p.to(compute) for nm, p in model.initial_params().items()}
-                    if self._fast_swiglu(model, gate):
-                        y = swiglu_ttt(
-                            q,
-                            k,
-                            v,
-                            params["w1"],
-                            params["w2"],
-                            scale=self.scale,
-                            lr=cfg.inner_lr,
-                            grad_norm=cfg.grad_norm,
-                        )
-                    else:
-                        params = inner_loop(
-                            model,
-                            params,
-                            k,
-                            v,
-                            grid,
-                            loss=cfg.loss,
-                            scale=self.scale,
-                            lr=cfg.inner_lr,
-                            steps=cfg.steps,
-                            mini_batches=cfg.mini_batches,
-                            grad_norm=cfg.grad_norm,
-                            token_lr=gate,
-                        )
-                        y = model.apply_to(params, q, grid)
-                outs.append(y.to(io_dtype).transpose(1, 2))  # [B, N, G, c]
+        for i, ((name, heads), model) in enumerate(zip(self.branch_specs, self.inner)):
+            q, k, v = pieces[3 * i : 3 * i + 3]
+            gate = None
+            if gates is not None:
+                gate = gates[:, gate_offset : gate_offset + heads].to(compute)
+                gate_offset += heads
+            if cfg.rope and model.token_wise:
+                q, k = apply_rope_2d(q, grid, cfg.rope_base), apply_rope_2d(k, grid, cfg.rope_base)
+            # [B, N, G*c] -> [B, G, N, c]: strided views of qkv, no copy
+            q, k, v = (t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
+            step = backends.Step(name, model, grid, self.scale, cfg)
+            y = backends.run_branch(plan, i, step, q, k, v, weights[i], gate, guard=guard)
+            outs.append(y.to(io_dtype).transpose(1, 2))  # [B, N, G, c]
         # One pass: concatenating along the head dim writes [B, N, sum(G), c] directly in token order.
         return torch.cat(outs, dim=2).view(b, n, -1) if len(outs) > 1 else outs[0].reshape(b, n, -1)
 

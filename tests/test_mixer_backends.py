@@ -1,0 +1,532 @@
+"""The mixer's backend registry (``vit3.layers.backends``): what it chooses and why (``explain``), that every
+backend it can be forced onto computes the generic path's output and gradients, that plans are resolved once
+per key, that a backend failing in the forward or in the backward steps aside with one warning (or raises
+under ``VIT3_TTT_STRICT=1``), that the removed variables warn, and the model-level ``explain`` and its CLI.
+
+Triton runs through its interpreter here (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU);
+its failures are raised from the interpreter's launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import timm
+import torch
+from torch.utils.checkpoint import checkpoint
+from triton.runtime.errors import OutOfResources
+from triton.runtime.interpreter import InterpretedFunction
+
+import vit3
+import vit3.layers.fast_swiglu as fast
+from tests.conftest import REPO, count_calls
+from vit3.kernels import swiglu_cpu
+from vit3.layers import TTTConfig, TTTMixer
+from vit3.layers import backends as reg
+from vit3.layers.backends.__main__ import main as cli_main
+
+GRID = (5, 7)  # 35 tokens: below the CPU kernel's 100
+BIG_GRID = (10, 12)  # 120 tokens
+CPU = torch.device("cpu")
+interpreter_only = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="failures are injected into Triton's interpreter"
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_env(monkeypatch):
+    for name in (reg.BACKEND_ENV, reg.STRICT_ENV, *reg.REMOVED_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _mixer(dim: int = 32, heads: int = 2, dtype=torch.float64, **cfg) -> TTTMixer:
+    torch.manual_seed(3)
+    mixer = TTTMixer(dim, heads, **cfg).to(dtype)
+    with torch.no_grad():  # larger initial inner weights so the step is not negligible
+        for model in mixer.inner:
+            for p in model.parameters():
+                p.mul_(5)
+    return mixer
+
+
+def _generic_twin(mixer: TTTMixer) -> TTTMixer:
+    twin = TTTMixer(mixer.dim, mixer.num_heads, mixer.cfg, backend="generic").to(
+        next(mixer.parameters()).dtype
+    )
+    twin.load_state_dict(mixer.state_dict())
+    return twin
+
+
+def _run(mixer: TTTMixer, x: torch.Tensor, grid, dout: torch.Tensor) -> list[torch.Tensor]:
+    """Output, input gradient and every parameter gradient."""
+    x = x.detach().requires_grad_()
+    out = mixer(x, grid)
+    return [out, *torch.autograd.grad((out * dout).sum(), [x, *mixer.parameters()])]
+
+
+def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor], names: list[str], rtol: float = 1e-10):
+    for name, g, w in zip(names, got, want):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * 1e-2 * w.abs().max().item(), msg=name)
+
+
+def _names(mixer: TTTMixer) -> list[str]:
+    return ["output", "input grad", *(n for n, _ in mixer.named_parameters())]
+
+
+def _backends(expl: reg.MixerExplanation) -> list[str]:
+    return [b.backend for b in expl.branches]
+
+
+def _reason(expl: reg.MixerExplanation, branch: int, backend: str) -> str:
+    return dict(expl.branches[branch].passed_over)[backend]
+
+
+def _tokens(grid, dim=32, b=2, dtype=torch.float64):
+    return torch.randn(b, grid[0] * grid[1], dim, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------ explain
+
+
+def test_explain_default_cpu_config_cpu_kernel_from_100_tokens():
+    mixer = _mixer(dtype=torch.float32)
+    big = mixer.explain(_tokens(BIG_GRID, dtype=torch.float32), BIG_GRID)
+    assert _backends(big) == ["cpu", "eager"] and big.fused
+    assert "ranks higher on cpu" in _reason(big, 0, "eager")
+    assert "no 'dwconv' in the C++ CPU kernel" in _reason(big, 1, "cpu")
+    assert "unless named" in _reason(big, 0, "triton")  # the interpreter serves only when named
+    small = mixer.explain(_tokens(GRID, dtype=torch.float32), GRID)
+    assert _backends(small) == ["eager", "eager"] and small.fused
+    assert "fewer than 100 tokens per head" in _reason(small, 0, "cpu")
+    text = str(big)
+    assert "one fused eager node" in text and "0 swiglu x2 d=16" in text and "cpu" in text
+    assert json.loads(json.dumps(big.to_dict()))["branches"][0]["backend"] == "cpu"
+
+
+def test_explain_says_triton_needs_the_interpreter_on_cpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    expl = _mixer().explain(_tokens(GRID), GRID)
+    assert _reason(expl, 0, "triton") == "CPU tensors: Triton runs them only under TRITON_INTERPRET=1"
+
+
+def test_explain_default_cuda_plan_is_triton_then_generic():
+    """The CUDA plan is resolved without a GPU: the registry only reads the device type."""
+    mixer = _mixer(dim=64, heads=2)
+    expl = reg.explain_mixer(mixer, torch.device("cuda"), torch.bfloat16, BIG_GRID, grad=True)
+    assert _backends(expl) == ["triton", "triton"] and not expl.fused
+    assert _reason(expl, 0, "cpu") == "cuda tensors: the C++ kernel runs CPU tensors"
+    assert _reason(expl, 0, "generic") == "'triton' ranks higher on cuda"
+    wide = reg.explain_mixer(_mixer(dim=512, heads=2), torch.device("cuda"), torch.bfloat16, GRID, grad=True)
+    assert _backends(wide) == ["generic", "generic"]  # the eager tile walk is tuned for CPU caches
+    assert "head dim 256 > 128" in _reason(wide, 0, "triton")
+    assert _reason(wide, 0, "eager") == "'generic' ranks higher on cuda"
+
+
+def test_explain_without_triton_names_the_import_error(monkeypatch):
+    monkeypatch.setattr(
+        reg, "_kernels", lambda: (None, "vit3.kernels cannot be imported (ImportError: no triton)")
+    )
+    expl = reg.explain_mixer(_mixer(), torch.device("cuda"), torch.float16, GRID, grad=False)
+    assert _backends(expl) == ["generic", "generic"]
+    assert "ImportError: no triton" in _reason(expl, 0, "triton")
+    cpu = _mixer().explain(_tokens(BIG_GRID), BIG_GRID)
+    assert _backends(cpu) == ["eager", "eager"] and "ImportError" in _reason(cpu, 0, "cpu")
+
+
+VARIANTS = {
+    # name: (config, expected backends per branch, (branch, backend, reason substring))
+    "mse-loss": ({"loss": "mse"}, ["generic", "generic"], (0, "eager", "loss 'mse' is not fused")),
+    "two-steps": ({"steps": 2}, ["generic", "generic"], (0, "cpu", "steps=2")),
+    "mini-batches": ({"mini_batches": 2}, ["generic", "generic"], (1, "eager", "mini_batches=2")),
+    "token-lr": ({"lr_mode": "token"}, ["generic", "generic"], (0, "triton", "lr_mode='token'")),
+    "mlp": ({"branches": ("mlp",)}, ["generic"], (0, "triton", "no 'mlp' in the Triton kernels")),
+    "with-linear": (
+        {"branches": ("swiglu:2", "linear:2", "dwconv:1")},
+        ["cpu", "generic", "eager"],
+        (1, "eager", "no 'linear' in the fused eager path"),
+    ),
+    "named-generic": ({"backend": "generic"}, ["generic", "generic"], (0, "cpu", "'generic' is named")),
+    "named-triton": ({"backend": "triton"}, ["triton", "triton"], (0, "cpu", "'triton' is named")),
+    "named-eager": ({"backend": "eager"}, ["eager", "eager"], (0, "cpu", "'eager' is named")),
+    "named-triton-narrow-heads": (
+        {"backend": "triton", "heads": 4},
+        ["cpu", "eager"],
+        (0, "triton", "head dim 8 < 16"),
+    ),
+}
+
+
+@pytest.mark.parametrize(("cfg", "expected", "why"), list(VARIANTS.values()), ids=list(VARIANTS))
+def test_explain_variants(cfg, expected, why):
+    cfg = dict(cfg)
+    mixer = _mixer(heads=cfg.pop("heads", 2), **cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", reg.BackendWarning)
+        expl = mixer.explain(_tokens(BIG_GRID), BIG_GRID)
+    assert _backends(expl) == expected
+    branch, backend, text = why
+    assert text in _reason(expl, branch, backend)
+
+
+def test_traced_and_compiled_calls_plan_traceable_ops():
+    mixer = _mixer()
+    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer._branches, CPU, torch.float64, "N>=100", True)
+    assert reg.plan(*args, "trace").backends == ("generic", "generic")
+    assert reg.plan(*args, "compile").backends == ("generic", "generic")
+    assert reg.plan(*args, "").backends == ("cpu", "eager")
+    named = ((mixer.cfg.loss, 1, 1, "fixed"), "triton", *args[2:])
+    assert reg.plan(*named, "compile").backends == ("triton", "triton")  # the custom op compiles
+    with pytest.warns(reg.BackendWarning, match="jit tracing / ONNX export"):
+        assert reg.plan(*named, "trace").backends == ("generic", "generic")
+
+
+def test_compiled_mixer_has_no_graph_break_and_matches_eager():
+    """The plan is a constant of the compiled graph (fullgraph fails on any break)."""
+    mixer = _mixer()
+    x, dout = _tokens(BIG_GRID), _tokens(BIG_GRID)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: mixer(t, BIG_GRID), fullgraph=True, backend="eager")
+    x_ = x.detach().requires_grad_()
+    out = compiled(x_)
+    got = [out, *torch.autograd.grad((out * dout).sum(), [x_, *mixer.parameters()])]
+    _assert_same(got, _run(mixer, x, BIG_GRID, dout), _names(mixer))
+
+
+# ------------------------------------------------------------------------------------ forcing a backend
+
+
+FORCED = {
+    "triton": {"swiglu": "triton", "dwconv": "triton"},
+    "cpu": {"swiglu": "cpu", "dwconv": "eager"},  # the C++ kernel has SwiGLU passes only
+    "eager": {"swiglu": "eager", "dwconv": "eager"},
+    "generic": {"swiglu": "generic", "dwconv": "generic"},
+}
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("how", ["env", "cfg"])
+@pytest.mark.parametrize("name", list(FORCED))
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"rope": True}, {"branches": ("swiglu:1", "linear:1", "dwconv:1")}],
+    ids=["official", "rope", "with-linear"],
+)
+def test_forced_backend_gives_generic_output_and_gradients(monkeypatch, name, how, cfg):
+    if how == "env":
+        monkeypatch.setenv(reg.BACKEND_ENV, name)
+        mixer = _mixer(**cfg)
+    else:
+        monkeypatch.setenv(reg.BACKEND_ENV, "generic")  # the config wins over the variable
+        mixer = _mixer(backend=name, **cfg)
+    reference = _generic_twin(mixer)
+    monkeypatch.delenv(reg.BACKEND_ENV)
+    if how == "env":
+        monkeypatch.setenv(reg.BACKEND_ENV, name)
+    x, dout = _tokens(GRID), _tokens(GRID)
+    expl = mixer.explain(x, GRID)
+    assert {b.name: b.backend for b in expl.branches if b.name != "linear"} == FORCED[name]
+    kernel = count_calls(monkeypatch, fast, "_kernel_forward")
+    got = _run(mixer, x, GRID, dout)
+    assert kernel["n"] == int(name == "cpu")  # the C++ kernel ran exactly when named
+    monkeypatch.delenv(reg.BACKEND_ENV, raising=False)
+    _assert_same(got, _run(reference, x, GRID, dout), _names(mixer))
+
+
+def test_named_backend_that_cannot_serve_warns_once_or_raises_when_strict(monkeypatch):
+    mixer = _mixer(loss="mse")
+    monkeypatch.setenv(reg.BACKEND_ENV, "cpu")
+    x = _tokens(GRID)
+    with pytest.warns(
+        reg.BackendWarning, match=r"backend 'cpu' .* cannot serve the 'swiglu' branch: loss 'mse'"
+    ):
+        out = mixer(x, GRID)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(mixer(x, GRID), out, rtol=0, atol=0)
+    torch.testing.assert_close(out, _generic_twin(mixer)(x, GRID), rtol=0, atol=0)
+    monkeypatch.setenv(reg.STRICT_ENV, "1")
+    with pytest.raises(ValueError, match="cannot serve the 'swiglu' branch"):
+        mixer(x, GRID)
+
+
+def test_named_backend_implementing_no_branch_warns():
+    mixer = _mixer(branches=("mlp", "linear"), backend="eager")
+    with pytest.warns(
+        reg.BackendWarning, match=r"cannot serve the mixer: no 'mlp', 'linear' in the fused eager"
+    ):
+        mixer(_tokens(GRID), GRID)
+
+
+def test_bad_backend_values_are_rejected_by_name(monkeypatch):
+    monkeypatch.setenv(reg.BACKEND_ENV, "cuda-please")
+    with pytest.raises(ValueError, match="VIT3_TTT_BACKEND must be one of auto, triton, cpu, eager, generic"):
+        _mixer()(_tokens(GRID), GRID)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        TTTConfig(backend="torch")
+    monkeypatch.delenv(reg.BACKEND_ENV)
+    monkeypatch.setenv(reg.STRICT_ENV, "maybe")
+    with pytest.raises(ValueError, match="VIT3_TTT_STRICT must be 0 or 1"):
+        _mixer(backend="cpu", loss="mse")(_tokens(GRID), GRID)
+
+
+# --------------------------------------------------------------------------------------------- caching
+
+
+def test_plans_are_resolved_once_per_key(monkeypatch):
+    resolved = count_calls(monkeypatch, reg, "_resolve")
+    first, second = _mixer(), _mixer()
+    x = _tokens(GRID)
+    for _ in range(3):
+        first(x, GRID)
+        second(x, GRID)
+    assert resolved["n"] == 1  # one key: both mixers, three calls each
+    with torch.no_grad():
+        first(x, GRID)  # no gradients: another key
+    first(_tokens(BIG_GRID), BIG_GRID)  # the token-count class
+    first(_tokens((6, 7)), (6, 7))  # same class as GRID: cached
+    assert resolved["n"] == 3
+    monkeypatch.setenv(reg.BACKEND_ENV, "generic")
+    first(x, GRID)
+    first(x, GRID)
+    assert resolved["n"] == 4
+
+
+def test_a_key_runs_guarded_until_one_forward_and_backward_succeeded(monkeypatch):
+    guards = count_calls(monkeypatch, reg._GuardFn, "apply")
+    mixer, x = _mixer(), _tokens(GRID, b=1)
+    out = mixer(x, GRID)
+    assert guards["n"] == 1
+    mixer(x, GRID)
+    assert guards["n"] == 2  # no backward yet
+    out.sum().backward()
+    mixer(x, GRID).sum().backward()
+    assert guards["n"] == 2
+    with torch.no_grad():  # the inference key: no guard Function, and verified by one forward
+        mixer(x, GRID)
+    assert guards["n"] == 2
+
+
+# ---------------------------------------------------------------------------------- failures demote
+
+
+def _failing_launch(monkeypatch, kernels: set[str], swiglu_only: bool = True) -> dict[str, int]:
+    """Makes Triton launches of ``kernels`` (of the SwiGLU model when ``swiglu_only``) raise
+    ``OutOfResources``, as a GPU with too little shared memory per block does; counts the raises."""
+    real = InterpretedFunction.run
+    raised = {"n": 0}
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if self.fn.__name__ in kernels and (kwargs.get("SWIGLU") or not swiglu_only):
+            raised["n"] += 1
+            raise OutOfResources(188416, 101376, "shared memory")
+        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    return raised
+
+
+BACKWARD_KERNELS = {"readout_bwd_kernel", "grad_bwd_kernel"}
+FORWARD_KERNELS = {"readout_kernel"}
+
+
+def _two_blocks(mixer: TTTMixer, x: torch.Tensor) -> torch.Tensor:
+    """Two mixer calls of one key in one graph, as two blocks of a model make."""
+    return mixer(mixer(x, GRID), GRID)
+
+
+@interpreter_only
+@pytest.mark.triton
+def test_backward_out_of_resources_demotes_with_one_warning_and_correct_gradients(monkeypatch):
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    mixer, x = _mixer(), _tokens(GRID)
+    reference = _generic_twin(mixer)
+    raised = _failing_launch(monkeypatch, BACKWARD_KERNELS)
+    dout = _tokens(GRID)
+    x_ = x.detach().requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _two_blocks(mixer, x_)
+        got = [out, *torch.autograd.grad((out * dout).sum(), [x_, *mixer.parameters()])]
+    demoted = [w for w in caught if issubclass(w.category, reg.BackendWarning)]
+    assert len(demoted) == 1, [str(w.message) for w in caught]
+    message = str(demoted[0].message)
+    for part in (
+        "'triton' failed in the backward on cpu",
+        "swiglu branch, head dim 16",
+        "OutOfResources",
+        "shared memory",
+        "'eager' computes the result",
+    ):
+        assert part in message, message
+    assert raised["n"] == 2  # each block's first backward launch, then never again
+    x_ref = x.detach().requires_grad_()
+    ref = _two_blocks(reference, x_ref)
+    want = [ref, *torch.autograd.grad((ref * dout).sum(), [x_ref, *reference.parameters()])]
+    _assert_same(got, want, _names(mixer))
+    # The demotion holds for training calls of this key only: the forward kernels still serve inference.
+    train = mixer.explain(x.requires_grad_(), GRID)
+    assert _backends(train) == ["eager", "triton"]
+    assert "demoted after it failed here: OutOfResources" in _reason(train, 0, "triton")
+    assert _backends(mixer.explain(x, GRID, grad=False)) == ["triton", "triton"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run(mixer, x, GRID, dout)  # no second warning, no failing launch
+    assert raised["n"] == 2
+
+
+@interpreter_only
+@pytest.mark.triton
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_forward_out_of_resources_demotes_with_one_warning(monkeypatch, grad):
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    mixer, x = _mixer(), _tokens(GRID)
+    reference = _generic_twin(mixer)
+    raised = _failing_launch(monkeypatch, FORWARD_KERNELS)
+    with pytest.warns(reg.BackendWarning, match="'triton' failed in the forward on cpu") as caught:
+        with torch.set_grad_enabled(grad):
+            out = _two_blocks(mixer, x.requires_grad_(grad))
+    assert len([w for w in caught if issubclass(w.category, reg.BackendWarning)]) == 1
+    assert raised["n"] == 1  # the second block already took the demoted plan
+    torch.testing.assert_close(out, _two_blocks(reference, x), rtol=1e-10, atol=1e-12)
+    if grad:
+        dout = _tokens(GRID)
+        _assert_same(_run(mixer, x, GRID, dout), _run(reference, x, GRID, dout), _names(mixer))
+    # A forward that fails fails in both modes: the other mode's key is demoted too, without a warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _backends(mixer.explain(x, GRID, grad=not grad)) == ["eager", "triton"]
+        with torch.set_grad_enabled(not grad):
+            mixer(x, GRID)
+    assert raised["n"] == 1
+
+
+@interpreter_only
+@pytest.mark.triton
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_failure_raises_when_strict(monkeypatch, phase):
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    monkeypatch.setenv(reg.STRICT_ENV, "1")
+    _failing_launch(monkeypatch, FORWARD_KERNELS if phase == "forward" else BACKWARD_KERNELS)
+    with pytest.raises(OutOfResources):
+        _mixer()(_tokens(GRID).requires_grad_(), GRID).sum().backward()
+
+
+@interpreter_only
+@pytest.mark.triton
+def test_backward_failure_under_activation_checkpointing(monkeypatch):
+    """The recomputation of the second checkpointed block keeps the plan of its forward (the demotion applies
+    once the backward pass is over), so checkpointing sees the tensors it saved."""
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    mixer, x = _mixer(), _tokens(GRID)
+    reference = _generic_twin(mixer)
+    _failing_launch(monkeypatch, BACKWARD_KERNELS)
+
+    def blocks(m, t):
+        for _ in range(2):
+            t = checkpoint(lambda u, m=m: m(u, GRID), t, use_reentrant=False)
+        return t
+
+    x_ = x.detach().requires_grad_()
+    with pytest.warns(reg.BackendWarning, match="failed in the backward"):
+        got = torch.autograd.grad(blocks(mixer, x_).square().sum(), [x_, *mixer.parameters()])
+    x_ref = x.detach().requires_grad_()
+    want = torch.autograd.grad(blocks(reference, x_ref).square().sum(), [x_ref, *reference.parameters()])
+    _assert_same(list(got), list(want), _names(mixer)[1:])
+
+
+def test_cpu_kernel_that_cannot_be_built_demotes_to_the_tiled_path(monkeypatch):
+    monkeypatch.setattr(swiglu_cpu, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
+    mixer, x = _mixer(), _tokens(BIG_GRID)
+    tiled = TTTMixer(32, 2, mixer.cfg, backend="eager").double()
+    tiled.load_state_dict(mixer.state_dict())
+    dout = _tokens(BIG_GRID)
+    with pytest.warns(reg.BackendWarning, match="'cpu' failed in the forward.*could not be built.*no C"):
+        got = _run(mixer, x, BIG_GRID, dout)
+    _assert_same(got, _run(tiled, x, BIG_GRID, dout), _names(mixer), rtol=0)
+    assert _backends(mixer.explain(x, BIG_GRID)) == ["eager", "eager"]
+
+
+# ------------------------------------------------------------------------------------------ old names
+
+
+@pytest.mark.parametrize("name", list(reg.REMOVED_ENV))
+def test_removed_environment_variables_warn_once_naming_the_replacement(monkeypatch, name):
+    monkeypatch.setenv(name, "0")
+    mixer = _mixer()
+    with pytest.warns(reg.BackendWarning, match=rf"\${name} is no longer read.*use VIT3_TTT_BACKEND"):
+        mixer(_tokens(GRID), GRID)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixer(_tokens(BIG_GRID), BIG_GRID)  # a new key: still no second warning
+
+
+def test_old_impl_key_reads_as_backend():
+    with pytest.warns(DeprecationWarning, match="impl='auto' is dropped"):
+        assert TTTConfig.create({"impl": "auto"}).backend == "auto"
+    with pytest.warns(FutureWarning, match="impl='torch' reads as backend='eager'"):
+        assert TTTConfig.create({"impl": "torch"}).backend == "eager"
+    with pytest.warns(FutureWarning):
+        assert TTTMixer(16, 2, impl="triton").cfg.backend == "triton"
+    with pytest.raises(ValueError, match="'impl' was renamed 'backend'"):
+        TTTConfig.create({"impl": "cuda"})
+    with pytest.raises(ValueError, match="both impl='torch' and backend='generic'"):
+        TTTConfig.create({"impl": "torch", "backend": "generic"})
+    with pytest.warns(FutureWarning):  # an old checkpoint's model kwargs
+        model = timm.create_model("test_vit3_ttt", ttt_cfg={"impl": "torch"})
+    assert model.blocks[0].attn.cfg.backend == "eager"
+
+
+# --------------------------------------------------------------------------------- model-level explain
+
+
+def test_model_explain_groups_mixers_with_one_plan():
+    model = timm.create_model("test_vit3_ttt")
+    report = vit3.explain(model, 64)
+    ((names, expl),) = report.groups
+    assert names == ("blocks.0.attn", "blocks.1.attn", "blocks.2.attn")
+    assert expl.tokens == 16 and not expl.grad and _backends(expl) == ["eager", "eager"]
+    assert "blocks.0.attn ... blocks.2.attn (3 mixers)" in str(report)
+    assert _backends(vit3.explain(model, torch.randn(1, 3, 176, 176), grad=True).groups[0][1]) == [
+        "cpu",
+        "eager",
+    ]
+
+
+def test_model_explain_of_a_hierarchical_model_lists_each_stage():
+    model = timm.create_model("test_h_vit3")
+    report = vit3.explain(model, (64, 96))
+    assert len(report.groups) > 1
+    assert sum(len(names) for names, _ in report.groups) == sum(
+        isinstance(m, TTTMixer) for m in model.modules()
+    )
+    assert len({expl.tokens for _, expl in report.groups}) == len(report.groups)
+
+
+def test_cli_prints_the_explanation(capsys):
+    cli_main(["test_vit3_ttt", "--img-size", "64", "--batch", "2"])
+    out = capsys.readouterr().out
+    assert "test_vit3_ttt" in out and "blocks.0.attn ... blocks.2.attn (3 mixers)" in out
+    cli_main(["test_vit3_ttt", "--img-size", "64", "--dtype", "bf16", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert (
+        data["mixers"][0]["dtype"] == "torch.bfloat16" and data["mixers"][0]["mixers"][0] == "blocks.0.attn"
+    )
+
+
+def test_cli_runs_as_a_module_and_rejects_bad_arguments():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vit3.layers.backends", "test_vit3_ttt", "--img-size", "32", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "RuntimeWarning" not in proc.stderr
+    assert json.loads(proc.stdout)["model"] == "test_vit3_ttt"
+    with pytest.raises(SystemExit):
+        cli_main(["test_vit3_ttt", "--dtype", "fp8"])

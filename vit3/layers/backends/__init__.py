@@ -1,0 +1,944 @@
+"""Which implementation runs each branch of a TTT mixer, and why: the one place that decides.
+
+A *backend* is one implementation of a branch's inner loop + read-out. Each declares the inner models it
+implements, ``supports(branch, cfg, x) -> (ok, reason)`` and a priority per device type:
+
+========  ==========================================================  ===========================
+backend   what runs                                                   auto order
+========  ==========================================================  ===========================
+triton    the fused Triton op ``vit3.kernels.fused_ttt``              CUDA: first
+cpu       the C++ CPU kernel for the SwiGLU passes (``swiglu_cpu``)   CPU: first, from 100 tokens
+eager     the fused eager path (``fast_mix`` / ``fast_swiglu``)       CPU: second; CUDA: last
+generic   closed-form ``inner_loop`` + ``apply_to`` (every config)    CPU: last; CUDA: second
+========  ==========================================================  ===========================
+
+``TTTConfig.backend`` names one (it wins over ``$VIT3_TTT_BACKEND``; both default to ``auto``); a named
+backend that cannot serve a branch it implements falls back with a warning (an error under
+``VIT3_TTT_STRICT=1``); branches it does not implement take the auto order silently. When every branch runs
+on ``cpu`` / ``eager``, all branches form one fused eager node (``fast_mix.fused_mix``).
+
+The mixer resolves its plan once per key (device, dtype, the inner-loop settings, each branch's inner model
+and head dim, the token-count class, grad mode, tracing, the backend asked for) and caches it.
+
+Failures demote, never kill: the first calls of a key run guarded. A backend that raises there (a compile
+error, ``OutOfResources``, a launch or build error), in the forward or in the backward, is demoted for that
+key with one warning naming the device, the key and the error, and the next backend computes the result
+(the backward recomputes the forward on the saved inputs). After one good forward (+ backward when grads
+flow) the key runs unguarded. ``VIT3_TTT_STRICT=1`` raises instead. Traced and compiled code runs unguarded
+(only ``triton`` under ``torch.compile`` and ``generic`` serve there).
+
+``TTTMixer.explain``, ``explain(model, input)`` and ``python -m vit3.layers.backends <model>`` report the
+backend of every branch and why each other one was passed over.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ..fast_mix import KINDS, MixBranch, MixPlan, fused_mix
+from ..fast_swiglu import swiglu_ttt
+
+if TYPE_CHECKING:
+    from ..inner import InnerModel
+    from ..ttt import TTTMixer
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "MIN_CPU_KERNEL_TOKENS",
+    "NAMES",
+    "REMOVED_ENV",
+    "STRICT_ENV",
+    "Backend",
+    "BackendWarning",
+    "BranchExplanation",
+    "MixerExplanation",
+    "ModelExplanation",
+    "Plan",
+    "explain",
+    "explain_mixer",
+    "plan",
+    "reset",
+]
+
+BACKEND_ENV = "VIT3_TTT_BACKEND"
+STRICT_ENV = "VIT3_TTT_STRICT"
+# The variables VIT3_TTT_BACKEND replaced: setting one warns once, naming its replacement.
+REMOVED_ENV = {
+    "VIT3_TTT_IMPL": "VIT3_TTT_BACKEND ('torch' -> 'eager' or 'generic', 'triton' -> 'triton')",
+    "VIT3_TTT_KERNEL": "VIT3_TTT_BACKEND ('reference' -> 'generic')",
+    "VIT3_CPU_KERNEL": "VIT3_TTT_BACKEND ('1' -> 'cpu', '0' -> 'eager')",
+}
+# Fewer tokens per head than this and auto keeps the tiled eager path on CPUs: it folds many small
+# (sample, head) problems into batched matmuls, where the C++ kernel pays a few ATen calls per problem
+# (measured: the kernel is 0.7-0.8x the tiled path at 4-16 tokens with B*H = 256, even at 64, 1.15-1.45x
+# from 144 tokens on).
+MIN_CPU_KERNEL_TOKENS = 100
+
+
+class BackendWarning(UserWarning):
+    """A backend was passed over or demoted (``warnings.filterwarnings`` can silence this category)."""
+
+
+# ------------------------------------------------------------------------------------------- what is seen
+
+
+class Branch(NamedTuple):
+    """A mixer branch as a backend sees it."""
+
+    index: int
+    name: str  # inner model
+    heads: int
+    head_dim: int
+
+
+class Settings(NamedTuple):
+    """The ``TTTConfig`` fields a backend's ``supports`` may read (all of them are in the plan key)."""
+
+    loss: str
+    steps: int
+    mini_batches: int
+    lr_mode: str
+
+
+class Inputs(NamedTuple):
+    """What a backend's ``supports`` may read of the mixer input x (all of it is in the plan key)."""
+
+    device: torch.device
+    dtype: torch.dtype  # of the qkv projection output, what the backends read
+    tokens: str  # token-count class: "N<100" or "N>=100" (``MIN_CPU_KERNEL_TOKENS``)
+    grad: bool  # gradients flow through the mixer
+    tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
+
+
+class Step(NamedTuple):
+    """What a backend's ``run`` computes: one branch's inner loop and read-out."""
+
+    name: str
+    model: InnerModel
+    grid: tuple[int, int]
+    scale: float
+    cfg: Any  # the mixer's TTTConfig
+
+
+_FEW_TOKENS = f"N<{MIN_CPU_KERNEL_TOKENS}"
+
+
+def token_class(n: int) -> str:
+    """The token-count class of ``n`` tokens per head (only the CPU kernel's rule tells them apart)."""
+    return f"N>={MIN_CPU_KERNEL_TOKENS}" if n >= MIN_CPU_KERNEL_TOKENS else _FEW_TOKENS
+
+
+def tracing_kind() -> str:
+    """``"trace"`` under ``torch.jit.trace`` / ONNX export, ``"compile"`` under torch.compile / export, else ``""``."""
+    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+        return "trace"
+    return "compile" if torch.compiler.is_compiling() else ""
+
+
+# ---------------------------------------------------------------------------------------------- backends
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of a branch's inner loop + read-out.
+
+    Attributes:
+        name: what ``TTTConfig.backend`` / ``$VIT3_TTT_BACKEND`` call it.
+        what: a noun phrase for messages ("the Triton kernels").
+        models: the inner models it implements (``None``: all).
+        priority: rank per device type (higher first; ``"*"``: other device types); absent: only when named.
+        supports: ``(branch, cfg, x) -> (ok, reason)``; may read only ``Settings`` / ``Inputs`` fields.
+        run: ``(step, q, k, v, params, gate) -> out``, q, k, v ``[B, G, N, c]`` in the io dtype, the
+            initial weights by name, the token lr gate ``[B, G, N]`` or ``None``; returns ``[B, G, N, c]``.
+        prefers: auto only: ``(branch, cfg, x) -> (ok, reason)``, where auto passes a serving backend over.
+        native: compiled code (kernels), the likeliest culprit when a fused node of several fails.
+    """
+
+    name: str
+    what: str
+    models: tuple[str, ...] | None
+    priority: Mapping[str, int]
+    supports: Callable[[Branch, Settings, Inputs], tuple[bool, str]]
+    run: Callable[..., Tensor]
+    prefers: Callable[[Branch, Settings, Inputs], tuple[bool, str]] | None = None
+    native: bool = False
+
+    def rank(self, device_type: str) -> int | None:
+        return self.priority.get(device_type, self.priority.get("*"))
+
+
+@functools.cache
+def _kernels() -> tuple[Any, str]:
+    """``vit3.kernels`` (Triton ops and the C++ CPU kernel), or ``None`` and why it cannot be imported.
+
+    Cached: a failing import (no Triton) would otherwise be retried by every mixer call.
+    """
+    try:
+        import vit3.kernels as kernels
+    except Exception as exc:  # Triton missing or broken: the PyTorch paths serve
+        return None, f"vit3.kernels cannot be imported ({type(exc).__name__}: {exc})"
+    return kernels, ""
+
+
+def _one_step(cfg: Settings) -> str:
+    """Why a fused path cannot run ``cfg``'s inner loop (``""`` when it can): one full-batch step, fixed lr."""
+    if cfg.steps != 1:
+        return f"steps={cfg.steps}: fused paths take one inner step"
+    if cfg.mini_batches != 1:
+        return f"mini_batches={cfg.mini_batches}: fused paths take one full-batch step"
+    if cfg.lr_mode != "fixed":
+        return f"lr_mode={cfg.lr_mode!r}: per-token lr gates are not fused"
+    return ""
+
+
+def _triton_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+    kernels, why = _kernels()
+    if kernels is None:
+        return False, why
+    losses = kernels.FUSED_LOSSES[branch.name]
+    if cfg.loss not in losses:
+        return False, f"loss {cfg.loss!r} is not fused for {branch.name!r} (fused: {', '.join(losses)})"
+    if why := _one_step(cfg):
+        return False, why
+    if x.tracing == "trace":
+        return False, "jit tracing / ONNX export: traceable ops serve"
+    if x.dtype not in kernels.IO_DTYPES:
+        return False, f"{x.dtype} inputs are not fused"
+    if not kernels.triton_runs_on(x.device):
+        if x.device.type == "cpu":
+            return False, "CPU tensors: Triton runs them only under TRITON_INTERPRET=1"
+        return False, f"{x.device.type} tensors: the Triton kernels run on CUDA GPUs"
+    top = kernels.max_head_dim(branch.name, x.dtype)
+    if branch.head_dim > top:
+        return False, f"head dim {branch.head_dim} > {top}: wider tiles exceed on-chip shared memory"
+    if branch.head_dim < kernels.MIN_HEAD_DIM:
+        return False, f"head dim {branch.head_dim} < {kernels.MIN_HEAD_DIM}: below the smallest dot tile"
+    return kernels.fits_device(branch.name, branch.head_dim, x.dtype, x.device)
+
+
+def _eager_why(cfg: Settings, x: Inputs) -> str:
+    """Why the fused eager path (and the CPU kernel inside it) cannot serve, ``""`` when it can."""
+    if cfg.loss != "dot":
+        return f"loss {cfg.loss!r} is not fused (the eager path runs the dot loss)"
+    if why := _one_step(cfg):
+        return why
+    if x.tracing:
+        return "tracing/compiling: traceable ops serve"
+    return ""
+
+
+def _eager_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+    why = _eager_why(cfg, x)
+    return not why, why
+
+
+def _cpu_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+    if why := _eager_why(cfg, x):
+        return False, why
+    if x.device.type != "cpu":
+        return False, f"{x.device.type} tensors: the C++ kernel runs CPU tensors"
+    kernels, why = _kernels()
+    return kernels is not None, why
+
+
+def _cpu_prefers(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+    if x.tokens == _FEW_TOKENS:
+        return False, (
+            f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path batches small problems faster"
+        )
+    return True, ""
+
+
+def _compute(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> tuple[Tensor, ...]:
+    """q, k, v and the weights in the inner loop's dtype: float32 at least (bf16/fp16 inner gradients are
+    too coarse)."""
+    ct = torch.promote_types(q.dtype, torch.float32)
+    return q.to(ct), k.to(ct), v.to(ct), {name: p.to(ct) for name, p in params.items()}
+
+
+def _run_triton(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
+    c = step.cfg
+    return _kernels()[0].fused_ttt(
+        step.name,
+        q,
+        k,
+        v,
+        params,
+        grid=step.grid,
+        scale=step.scale,
+        lr=c.inner_lr,
+        grad_norm=c.grad_norm,
+        loss=c.loss,
+        backend="triton",
+    )
+
+
+def _run_tiled(cpu_kernel: bool) -> Callable[..., Tensor]:
+    """The fused eager path of one branch: SwiGLU through ``swiglu_ttt`` (tiles or the C++ kernel), the
+    depthwise conv as a one-branch ``fused_mix`` node."""
+
+    def run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
+        q, k, v, params = _compute(q, k, v, params)
+        c = step.cfg
+        if step.name == "swiglu":
+            return swiglu_ttt(
+                q,
+                k,
+                v,
+                params["w1"],
+                params["w2"],
+                scale=step.scale,
+                lr=c.inner_lr,
+                grad_norm=c.grad_norm,
+                cpu_kernel=cpu_kernel,
+            )
+        b, g, n, d = q.shape
+        qkv = torch.cat([t.transpose(1, 2).reshape(b, n, g * d) for t in (q, k, v)], dim=-1)  # [B, N, 3*G*d]
+        plan = MixPlan(
+            (MixBranch("dwconv", 0, g, d, False),),
+            step.grid,
+            step.scale,
+            c.inner_lr,
+            c.grad_norm,
+            c.rope_base,
+        )
+        return fused_mix(qkv, plan, [params["weight"]]).unflatten(-1, (g, d)).transpose(1, 2)
+
+    return run
+
+
+def _run_generic(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
+    from ..ttt import inner_loop  # the mixer module imports this one
+
+    q, k, v, params = _compute(q, k, v, params)
+    c = step.cfg
+    params = inner_loop(
+        step.model,
+        params,
+        k,
+        v,
+        step.grid,
+        loss=c.loss,
+        scale=step.scale,
+        lr=c.inner_lr,
+        steps=c.steps,
+        mini_batches=c.mini_batches,
+        grad_norm=c.grad_norm,
+        token_lr=gate,
+    )
+    return step.model.apply_to(params, q, step.grid)
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend(
+            "triton",
+            what="the Triton kernels",
+            models=("swiglu", "linear", "dwconv"),
+            priority={"cuda": 3},
+            supports=_triton_supports,
+            run=_run_triton,
+            native=True,
+        ),
+        Backend(
+            "cpu",
+            what="the C++ CPU kernel",
+            models=("swiglu",),
+            priority={"cpu": 3},
+            supports=_cpu_supports,
+            run=_run_tiled(cpu_kernel=True),
+            prefers=_cpu_prefers,
+            native=True,
+        ),
+        # The tiled walk is tuned for CPU caches: elsewhere auto prefers the generic path.
+        Backend(
+            "eager",
+            what="the fused eager path",
+            models=KINDS,
+            priority={"cpu": 2, "*": 1},
+            supports=_eager_supports,
+            run=_run_tiled(cpu_kernel=False),
+        ),
+        Backend(
+            "generic",
+            what="the generic inner loop",
+            models=None,
+            priority={"cpu": 1, "*": 2},
+            supports=lambda branch, cfg, x: (True, ""),
+            run=_run_generic,
+        ),
+    )
+}
+NAMES = ("auto", *BACKENDS)
+# Backends that join the all-branches fused eager node.
+_NODE = ("cpu", "eager")
+
+
+def order(device_type: str) -> list[str]:
+    """The backends auto tries on ``device_type``, first to last."""
+    ranked = [(b.rank(device_type), b.name) for b in BACKENDS.values() if b.rank(device_type) is not None]
+    return [name for _, name in sorted(ranked, key=lambda r: -r[0])]
+
+
+# ------------------------------------------------------------------------------------------- the choice
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"${name} must be 0 or 1, got {value!r}")
+
+
+def _requested(cfg_backend: str) -> tuple[str, str]:
+    """The backend asked for and who asked: the config (argument) wins over ``$VIT3_TTT_BACKEND``."""
+    if cfg_backend != "auto":
+        if cfg_backend not in NAMES:
+            raise ValueError(f"TTTConfig.backend must be one of {', '.join(NAMES)}, got {cfg_backend!r}")
+        return cfg_backend, f"TTTConfig.backend={cfg_backend!r}"
+    env = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
+    if env not in NAMES:
+        raise ValueError(f"${BACKEND_ENV} must be one of {', '.join(NAMES)}, got {env!r}")
+    return env, f"{BACKEND_ENV}={env}"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, BackendWarning, stacklevel=4)
+
+
+def _warn_removed_env() -> None:
+    for name, replacement in REMOVED_ENV.items():
+        if os.environ.get(name):
+            _warn_once(
+                f"vit3: ${name} is no longer read (it is set to {os.environ[name]!r}); use {replacement}."
+            )
+
+
+class BranchKey(NamedTuple):
+    """What a branch's backend choice, its demotions and its guard depend on."""
+
+    device: torch.device
+    dtype: torch.dtype
+    tokens: str
+    grad: bool
+    settings: Settings
+    name: str
+    head_dim: int
+
+    def __str__(self) -> str:
+        mode = "training" if self.grad else "inference"
+        s = self.settings
+        return (
+            f"{self.name} branch, head dim {self.head_dim}, {self.dtype}, {self.tokens} tokens, {mode}, "
+            f"loss {s.loss}, steps {s.steps}, mini_batches {s.mini_batches}, lr_mode {s.lr_mode}"
+        )
+
+
+def _not_in(b: Backend, names: list[str]) -> str:
+    """Why ``b`` cannot serve inner models ``names`` it does not implement."""
+    return f"no {', '.join(map(repr, dict.fromkeys(names)))} in {b.what} ({', '.join(b.models or ())} only)"
+
+
+class Choice(NamedTuple):
+    backend: str
+    passed_over: tuple[tuple[str, str], ...]  # (backend, reason), in the order they were considered
+    named_refused: str  # why the named backend cannot serve this branch it implements ("" if it can / n.a.)
+
+
+def _choose(
+    branch: Branch, cfg: Settings, x: Inputs, requested: str, source: str, demoted: Mapping[str, str]
+) -> Choice:
+    """The backend of one branch: the named one when it serves, else the first of the auto order that does."""
+    dev = x.device.type
+    verdicts: dict[str, str] = {}  # backend -> why it cannot serve ("" if it can)
+    for b in BACKENDS.values():
+        if b.name in demoted:
+            verdicts[b.name] = f"demoted after it failed here: {demoted[b.name]}"
+        elif b.models is not None and branch.name not in b.models:
+            verdicts[b.name] = _not_in(b, [branch.name])
+        else:
+            ok, why = b.supports(branch, cfg, x)
+            verdicts[b.name] = "" if ok else (why or "not supported")
+    chosen, refused = None, ""
+    if requested != "auto":
+        b = BACKENDS[requested]
+        if not verdicts[requested]:
+            chosen = requested
+        elif (b.models is None or branch.name in b.models) and requested not in demoted:
+            refused = verdicts[requested]
+    auto = order(dev)
+    for name in auto if chosen is None else ():
+        if verdicts[name]:
+            continue
+        prefers = BACKENDS[name].prefers
+        ok, why = prefers(branch, cfg, x) if prefers is not None else (True, "")
+        if ok:
+            chosen = name
+            break
+        verdicts[name] = why
+    assert chosen is not None, "the generic backend serves every branch"
+    passed = []
+    considered = [requested] * (requested != "auto") + auto + list(BACKENDS)
+    for name in dict.fromkeys(n for n in considered if n != chosen):
+        if verdicts[name]:
+            why = verdicts[name]
+        elif chosen == requested:
+            why = f"{chosen!r} is named ({source})"
+        elif name in auto:
+            why = f"{chosen!r} ranks higher on {dev}"
+        else:
+            why = f"not used on {dev} unless named ({BACKEND_ENV}={name} or TTTConfig.backend)"
+        passed.append((name, why))
+    return Choice(chosen, tuple(passed), refused)
+
+
+class Plan(NamedTuple):
+    """A mixer call's plan: the backend of each branch, whether they form one fused eager node, the keys."""
+
+    backends: tuple[str, ...]
+    fused: bool
+    keys: tuple[BranchKey, ...]
+    tracing: str
+    args: tuple  # what ``plan`` was called with (to re-plan after a demotion)
+
+
+_plans: dict[tuple, Plan] = {}
+_demoted: dict[BranchKey, dict[str, str]] = {}  # key -> {backend: error}
+_pending: dict[BranchKey, dict[str, str]] = {}  # demoted during a backward pass, applied at its end
+_verified: set[tuple[BranchKey, str]] = set()  # (key, backend) that ran a guarded forward (+ backward)
+
+
+def reset() -> None:
+    """Forgets every cached plan, demotion, verified key and warning (tests; a new device)."""
+    for state in (_plans, _demoted, _pending, _verified, _warned):
+        state.clear()
+
+
+def _keys(settings: Settings, branches: tuple, x: Inputs) -> tuple[BranchKey, ...]:
+    return tuple(BranchKey(x.device, x.dtype, x.tokens, x.grad, settings, name, d) for name, _, d in branches)
+
+
+def _merged(*maps: Mapping[BranchKey, Mapping[str, str]]) -> dict[BranchKey, dict[str, str]]:
+    out: dict[BranchKey, dict[str, str]] = {}
+    for m in maps:
+        for key, errors in m.items():
+            out.setdefault(key, {}).update(errors)
+    return out
+
+
+def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: bool) -> Plan:
+    settings, cfg_backend, branches, device, dtype, tokens, grad, tracing = args
+    settings = Settings(*settings)
+    x = Inputs(device, dtype, tokens, grad, tracing)
+    requested, source = _requested(cfg_backend)
+    keys = _keys(settings, branches, x)
+    choices = [
+        _choose(Branch(i, name, heads, d), settings, x, requested, source, demoted.get(key, {}))
+        for i, ((name, heads, d), key) in enumerate(zip(branches, keys))
+    ]
+    if warn and requested != "auto":
+        strict = _env_flag(STRICT_ENV)
+        impl = BACKENDS[requested].models
+        if impl is not None and not any(name in impl for name, _, _ in branches):
+            problems = [f"mixer: {_not_in(BACKENDS[requested], [name for name, _, _ in branches])}"]
+        else:
+            problems = [
+                f"{name!r} branch: {c.named_refused}; {c.backend!r} serves it"
+                for (name, _, _), c in zip(branches, choices)
+                if c.named_refused
+            ]
+        for problem in problems:
+            message = (
+                f"vit3: backend {requested!r} ({source}) cannot serve the {problem} (on {device}, {dtype})"
+            )
+            if strict:
+                raise ValueError(f"{message}; unset {STRICT_ENV} to fall back")
+            _warn_once(message + ".")
+    names = tuple(c.backend for c in choices)
+    return Plan(names, all(n in _NODE for n in names), keys, tracing, args)
+
+
+@torch.compiler.assume_constant_result  # traced once by torch.compile: the plan is a constant of the graph
+def plan(
+    settings: tuple,
+    cfg_backend: str,
+    branches: tuple,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokens: str,
+    grad: bool,
+    tracing: str,
+) -> Plan:
+    """The cached plan of a mixer call (plain values only, so that compilers can fold the call).
+
+    Args:
+        settings: ``Settings`` fields of the mixer's config, as a tuple.
+        cfg_backend: ``TTTConfig.backend``.
+        branches: ``((inner model, heads, head_dim), ...)``.
+        device, dtype: of the qkv projection output.
+        tokens: ``token_class(N)``.
+        grad: whether gradients flow through the mixer.
+        tracing: ``tracing_kind()``.
+    """
+    args = (settings, cfg_backend, branches, device, dtype, tokens, grad, tracing)
+    key = (*args, os.environ.get(BACKEND_ENV), os.environ.get(STRICT_ENV))
+    found = _plans.get(key)
+    if found is None:
+        _warn_removed_env()
+        found = _plans[key] = _resolve(args, _demoted, warn=True)
+    return found
+
+
+# ------------------------------------------------------------------------------------ guards and demotion
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            return f"{torch.cuda.get_device_name(device)} ({device})"
+        except Exception:  # no driver: name the device only
+            pass
+    return str(device)
+
+
+def _apply_pending() -> None:
+    """End of a backward pass: its demotions apply to the calls that follow."""
+    for key, errors in _pending.items():
+        _demoted.setdefault(key, {}).update(errors)
+    _pending.clear()
+    _plans.clear()
+
+
+@contextmanager
+def _no_autocast(device: torch.device) -> Iterator[None]:
+    with torch.autocast(device_type=device.type, enabled=False):
+        yield
+
+
+class _Guard:
+    """One guarded unit of a mixer call: branches ``units`` computed by ``compute(plan, *tensors)``."""
+
+    def __init__(self, plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor]) -> None:
+        self.plan, self.units, self.compute = plan, units, compute
+
+    def demote(self, exc: Exception, phase: str, in_backward: bool) -> None:
+        """Demotes the backend(s) that raised ``exc`` for their keys and re-plans; re-raises when strict,
+        for out-of-memory errors and when only the generic path was left."""
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or _env_flag(STRICT_ENV):
+            raise exc
+        p = self.plan
+        live = [i for i in self.units if p.backends[i] != "generic"]
+        # In a fused node of several branches the kernels are the likeliest culprits.
+        culprits = [i for i in live if BACKENDS[p.backends[i]].native] or live
+        if not culprits:
+            raise exc
+        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+        fresh = []
+        for i in culprits:
+            key, name = p.keys[i], p.backends[i]
+            if name not in {**_demoted.get(key, {}), **_pending.get(key, {})}:
+                fresh.append((i, key, name))
+            # A forward that fails fails with or without gradients: both keys are demoted.
+            for k in (key, key._replace(grad=not key.grad)) if phase == "forward" else (key,):
+                (_pending if in_backward else _demoted).setdefault(k, {})[name] = f"{error} ({phase})"
+        if in_backward:
+            try:  # the demotion applies once this backward pass is over (recomputations keep their plan)
+                torch.autograd.Variable._execution_engine.queue_callback(_apply_pending)
+            except RuntimeError:
+                _apply_pending()
+        else:
+            _plans.clear()
+        self.plan = _resolve(p.args, _merged(_demoted, _pending), warn=False)
+        for i, key, name in fresh:
+            _warn_once(
+                f"vit3: backend {name!r} failed in the {phase} on {_device_name(key.device)} for the {key}: "
+                f"{error}. It is demoted for this key; {self.plan.backends[i]!r} computes the result "
+                f"(set {STRICT_ENV}=1 to raise instead)."
+            )
+
+    def verify(self) -> None:
+        _verified.update((self.plan.keys[i], self.plan.backends[i]) for i in self.units)
+
+
+class _GuardFn(torch.autograd.Function):
+    """Runs a unit under its own autograd graph so that a failing backward can be caught and recomputed."""
+
+    @staticmethod
+    def forward(ctx: Any, guard: _Guard, *tensors: Tensor) -> Tensor:
+        # Leaves of the inner graph; nothing goes through save_for_backward, so the saved tensors (and the
+        # saved-tensor hooks of activation checkpointing) are those of the unguarded path.
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        with torch.enable_grad():
+            out = guard.compute(guard.plan, *leaves)
+        ctx.guard, ctx.leaves, ctx.out = guard, leaves, out
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        guard, leaves, out = ctx.guard, ctx.leaves, ctx.out
+        wanted = [t for t in leaves if t.requires_grad]
+        while True:
+            try:
+                if out is None:  # re-run the forward on the saved inputs with the demoted plan
+                    with torch.enable_grad(), _no_autocast(grad_out.device):
+                        out = ctx.out = guard.compute(guard.plan, *leaves)
+                grads = torch.autograd.grad(
+                    out,
+                    wanted,
+                    grad_out,
+                    retain_graph=True,
+                    create_graph=torch.is_grad_enabled(),
+                    allow_unused=True,
+                )
+                break
+            except Exception as exc:
+                guard.demote(exc, "forward" if out is None else "backward", in_backward=True)
+                out = None
+        guard.verify()
+        it = iter(grads)
+        return (None, *(next(it) if t.requires_grad else None for t in leaves))
+
+
+def run(
+    plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor], tensors: Sequence[Tensor]
+) -> Tensor:
+    """``compute(plan, *tensors)`` for branches ``units`` of a mixer call, guarded on a key's first calls.
+
+    Args:
+        plan: the call's plan.
+        units: the branches ``compute`` covers (one, or all of a fused node).
+        compute: ``(plan, *tensors) -> Tensor``, run again with the re-planned backends after a failure.
+        tensors: every tensor input gradients may flow to (q, k, v or qkv, the weights, a gate).
+    """
+    if plan.tracing or all(plan.backends[i] == "generic" for i in units):
+        return compute(plan, *tensors)
+    if all((plan.keys[i], plan.backends[i]) in _verified for i in units):
+        return compute(plan, *tensors)
+    guard = _Guard(plan, units, compute)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    while True:
+        try:
+            out = _GuardFn.apply(guard, *tensors) if grad else compute(guard.plan, *tensors)
+        except Exception as exc:
+            guard.demote(exc, "forward", in_backward=False)
+            continue
+        if not grad:
+            guard.verify()
+        return out
+
+
+def run_branch(
+    plan: Plan,
+    i: int,
+    step: Step,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: dict[str, Tensor],
+    gate: Tensor | None,
+    guard: bool = True,
+) -> Tensor:
+    """Branch ``i``'s inner loop and read-out on its planned backend (guarded unless ``guard=False``).
+
+    Args:
+        q, k, v: ``[B, G, N, c]`` (views of the qkv projection, io dtype).
+        params: the branch's initial weights by name.
+        gate: the token lr gate ``[B, G, N]`` or ``None``.
+
+    Returns:
+        ``[B, G, N, c]``.
+    """
+    names = list(params)
+
+    def compute(p: Plan, q: Tensor, k: Tensor, v: Tensor, *rest: Tensor) -> Tensor:
+        g = rest[len(names)] if gate is not None else None
+        return BACKENDS[p.backends[i]].run(step, q, k, v, dict(zip(names, rest)), g)
+
+    tensors = [q, k, v, *params.values(), *([gate] if gate is not None else [])]
+    return run(plan, (i,), compute, tensors) if guard else compute(plan, *tensors)
+
+
+# ------------------------------------------------------------------------------------------------ explain
+
+
+@dataclass(frozen=True)
+class BranchExplanation:
+    """One branch: the backend chosen and why each other one was passed over."""
+
+    index: int
+    name: str
+    heads: int
+    head_dim: int
+    backend: str
+    passed_over: tuple[tuple[str, str], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "branch": self.index,
+            "inner_model": self.name,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "backend": self.backend,
+            "passed_over": dict(self.passed_over),
+        }
+
+
+@dataclass(frozen=True)
+class MixerExplanation:
+    """Which backend runs each branch of a mixer for one input, and why (``str()`` is a readable table)."""
+
+    dim: int
+    num_heads: int
+    device: str
+    dtype: str
+    tokens: int
+    grid: tuple[int, int]
+    grad: bool
+    requested: str
+    fused: bool
+    branches: tuple[BranchExplanation, ...]
+
+    def __str__(self) -> str:
+        mode = "training" if self.grad else "inference"
+        lines = [
+            f"TTTMixer dim={self.dim} heads={self.num_heads} | {self.device} {self.dtype} | N={self.tokens} "
+            f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
+            "  " + ("one fused eager node runs every branch" if self.fused else "branch by branch"),
+        ]
+        rows = [("branch", "backend", "passed over")]
+        for b in self.branches:
+            label = f"{b.index} {b.name} x{b.heads} d={b.head_dim}"
+            first = True
+            for name, why in b.passed_over or (("", ""),):
+                rows.append(
+                    (label if first else "", b.backend if first else "", f"{name}: {why}" if name else "")
+                )
+                first = False
+        widths = [max(len(r[j]) for r in rows) for j in range(2)]
+        lines += [f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}".rstrip() for r in rows]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dim": self.dim,
+            "num_heads": self.num_heads,
+            "device": self.device,
+            "dtype": self.dtype,
+            "tokens": self.tokens,
+            "grid": list(self.grid),
+            "grad": self.grad,
+            "requested": self.requested,
+            "fused_node": self.fused,
+            "branches": [b.to_dict() for b in self.branches],
+        }
+
+
+def explain_mixer(
+    mixer: TTTMixer, device: torch.device, dtype: torch.dtype, grid: tuple[int, int], grad: bool
+) -> MixerExplanation:
+    """The plan a call of ``mixer`` would take, with reasons (no warnings, nothing cached)."""
+    cfg = mixer.cfg
+    settings = Settings(cfg.loss, cfg.steps, cfg.mini_batches, cfg.lr_mode)
+    n = grid[0] * grid[1]
+    x = Inputs(device, dtype, token_class(n), grad, "")
+    requested, source = _requested(cfg.backend)
+    branches = tuple((name, heads, mixer.head_dim) for name, heads in mixer.branch_specs)
+    demoted = _merged(_demoted, _pending)
+    out = []
+    for i, ((name, heads, d), key) in enumerate(zip(branches, _keys(settings, branches, x))):
+        c = _choose(Branch(i, name, heads, d), settings, x, requested, source, demoted.get(key, {}))
+        out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
+    return MixerExplanation(
+        mixer.dim,
+        mixer.num_heads,
+        str(device),
+        str(dtype),
+        n,
+        tuple(grid),
+        grad,
+        "auto" if requested == "auto" else source,
+        all(b.backend in _NODE for b in out),
+        tuple(out),
+    )
+
+
+@dataclass(frozen=True)
+class ModelExplanation:
+    """``explain(model, input)``: each distinct mixer plan, with the mixers (module names) that take it."""
+
+    groups: tuple[tuple[tuple[str, ...], MixerExplanation], ...]
+
+    def __str__(self) -> str:
+        if not self.groups:
+            return "no TTT mixers ran"
+        parts = []
+        for names, expl in self.groups:
+            where = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]} ({len(names)} mixers)"
+            parts.append(f"{where}:\n{expl}")
+        return "\n\n".join(parts)
+
+    def to_dict(self) -> list[dict[str, Any]]:
+        return [{"mixers": list(names), **expl.to_dict()} for names, expl in self.groups]
+
+
+def explain(
+    model: nn.Module, inputs: Tensor | int | tuple[int, ...], *, grad: bool = False, batch: int = 1
+) -> ModelExplanation:
+    """The backend of every branch of every TTT mixer of ``model`` for one input, and why.
+
+    Runs one forward (without gradients) with hooks that capture each mixer's input and grid; mixers with
+    the same plan are listed together.
+
+    Args:
+        model: any module holding ``TTTMixer`` s (vit3 models, ``swap_attention_for_ttt`` results).
+        inputs: an input batch, or an image size (``224``, ``(h, w)``) for random images of ``batch`` samples
+            on the model's device and dtype.
+        grad: explain the training plan (gradients flowing) instead of the inference one.
+        batch: samples of the random batch.
+    """
+    from ..ttt import TTTMixer
+
+    if not isinstance(inputs, Tensor):
+        h, w = (inputs, inputs) if isinstance(inputs, int) else inputs[-2:]
+        ref = next(model.parameters())
+        inputs = torch.randn(batch, getattr(model, "in_chans", 3), h, w, device=ref.device, dtype=ref.dtype)
+    found: dict[MixerExplanation, list[str]] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def capture(module: TTTMixer, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs["x"]
+            grid = args[1] if len(args) > 1 else kwargs["grid"]
+            found.setdefault(module.explain(x, grid, grad=grad), []).append(name)
+
+        return capture
+
+    handles = [
+        m.register_forward_pre_hook(hook(name), with_kwargs=True)
+        for name, m in model.named_modules()
+        if isinstance(m, TTTMixer)
+    ]
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ModelExplanation(tuple((tuple(names), expl) for expl, names in found.items()))

@@ -1,0 +1,72 @@
+"""``python -m vit3.layers.backends <timm model> --img-size 224``: which backend runs every TTT mixer branch of
+a model, and why each other one was passed over (``vit3.layers.backends.explain``).
+
+Honours ``$VIT3_TTT_BACKEND`` and the model's ``TTTConfig.backend``; ``--dtype bf16``/``fp16`` run the forward
+under autocast (the mixers then read 16-bit q, k, v), ``fp32``/``fp64`` cast the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+import timm
+import torch
+
+import vit3  # registers the vit3 models in timm
+
+from . import BACKEND_ENV, STRICT_ENV, explain
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vit3.layers.backends", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("model", help="timm model name (e.g. vit3_small, h_vit3_tiny)")
+    parser.add_argument("--img-size", type=int, default=224, help="input height and width in pixels")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--train", action="store_true", help="explain the training plan (gradients flowing)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    args = parser.parse_args(argv)
+    if args.batch < 1 or args.img_size < 1:
+        parser.error("--batch and --img-size must be positive")
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    model = timm.create_model(args.model, pretrained=False).to(device).eval()
+    autocast = dtype in (torch.bfloat16, torch.float16)
+    if not autocast:
+        model = model.to(dtype)
+    context = torch.autocast(device.type, dtype=dtype) if autocast else contextlib.nullcontext()
+    with context:
+        report = explain(model, args.img_size, grad=args.train, batch=args.batch)
+    setting = {
+        "model": args.model,
+        "img_size": args.img_size,
+        "batch": args.batch,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+        "dtype": args.dtype + (" (autocast)" if autocast else ""),
+        "train": args.train,
+        "torch": torch.__version__,
+        "vit3": vit3.__version__,
+        BACKEND_ENV: os.environ.get(BACKEND_ENV, ""),
+        STRICT_ENV: os.environ.get(STRICT_ENV, ""),
+    }
+    if args.json:
+        print(json.dumps({**setting, "mixers": report.to_dict()}, indent=2))
+    else:
+        print(" | ".join(f"{key} {value}" for key, value in setting.items() if value not in ("", False)))
+        print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
