@@ -57,6 +57,7 @@ def fused_supports(name: str, cfg: Any, x: Tensor, head_dim: int | None = None) 
     losses = FUSED_LOSSES.get(name, ())
     return (
         name in FUSED_LOSSES
+        and cfg.plain_branch(name)  # no LayerNorm wrapper, no biases
         and cfg.loss in losses
         and cfg.steps == 1
         and cfg.mini_batches == 1

@@ -59,6 +59,7 @@ def mix_supports(name: str, cfg: Any) -> bool:
     """Whether the fused path serves branch ``name`` under ``TTTConfig`` ``cfg``."""
     return (
         name in KINDS
+        and cfg.plain_branch(name)  # no LayerNorm wrapper, no biases
         and cfg.loss == "dot"
         and cfg.steps == 1
         and cfg.mini_batches == 1

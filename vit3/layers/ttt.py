@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .config import TTTConfig
+from .config import GRID_MODELS, TTTConfig
 from .fast_mix import MixBranch, MixPlan, fused_mix, mix_supports
 from .fast_swiglu import swiglu_ttt
 from .inner import InnerModel, Params, SwiGLUInner, create_inner_model, tracing
@@ -165,7 +165,7 @@ class TTTMixer(nn.Module):
         self.widths = [heads * head_dim for _, heads in self.branch_specs]
         if cfg.rope:
             for (name, _), width in zip(self.branch_specs, self.widths):
-                if name != "dwconv" and width % 4:
+                if name not in GRID_MODELS and width % 4:
                     raise ValueError(f"RoPE needs branch widths divisible by 4; branch {name!r} has {width}")
         self.scale = cfg.resolve_scale(head_dim)
         total = sum(self.widths)
