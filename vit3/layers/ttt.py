@@ -25,6 +25,7 @@ from .rope import apply_rope_2d
 __all__ = [
     "IMPL_ENV",
     "OFFICIAL_MIXER_KEYS",
+    "NonFiniteError",
     "TTTMixer",
     "convert_official_mixer_key",
     "inner_loop",
@@ -41,6 +42,10 @@ def _warn_once(msg: str) -> None:
     if msg not in _warned:
         _warned.add(msg)
         warnings.warn(msg, stacklevel=3)
+
+
+class NonFiniteError(ValueError):
+    """The mixer met non-finite tokens: bad input, or (inside a finite-image training step) a diverged model."""
 
 
 def resolve_impl(impl: str = "auto") -> str:
@@ -191,7 +196,7 @@ class TTTMixer(nn.Module):
             raise ValueError(f"grid {h}x{w} = {h * w} tokens does not fit N={n} (input {tuple(x.shape)})")
         if self.cfg.check_finite and not tracing() and os.environ.get(CHECK_FINITE_ENV, "1") != "0":
             if not torch.isfinite(x).all():
-                raise ValueError("TTTMixer input contains non-finite values (NaN or Inf)")
+                raise NonFiniteError("TTTMixer input contains non-finite values (NaN or Inf)")
 
     def _fused_branch(self, name: str, x: Tensor, gated: bool) -> Any:
         """The fused op for branch ``name`` when it should (and can) run, else ``None``.
