@@ -91,7 +91,7 @@ class TestBudget:
         cfg = row_config(row, tmp_path, epochs=3)
         assert cfg.data.dataset == "mnist5k" and cfg.model.kwargs.in_chans == 1
         assert cfg.model.kwargs.ttt_cfg.mini_batches == 4 and cfg.model.kwargs.num_heads == 6
-        assert cfg.train.epochs == 3 and cfg.train.warmup_epochs == pytest.approx(3 / 5)
+        assert cfg.train.epochs == 3 and cfg.train.warmup_epochs == pytest.approx(3 / 6)
         assert cfg.output == str(tmp_path / "n4") and cfg.train.progress == "run"
 
     def test_folder_data_keeps_the_recipe(self, tmp_path):
