@@ -136,12 +136,34 @@ class TestBadInput:
             ({"inner_lrr": 1.0}, "unknown TTT config keys"),
             ({"mlp_residual": "identity", "mlp_ratio": 2.0, "branches": ("mlp",)}, "need mlp_ratio 1"),
             ({"rope": True, "branches": ("swiglu:1",)}, "divisible by 4"),
+            ({"inner_norm": "rms"}, "inner_norm must be one of"),
+            ({"inner_norm": "ln", "branches": ("conv", "dwconv:1")}, "wraps token-wise inner models"),
+            ({"inner_bias": True, "branches": ("swiglu", "dwconv:1")}, "inner_bias applies to"),
+            ({"mlp_act": "relu"}, "mlp_act must be one of"),
+            ({"scale": "1/d"}, "scale must be a number"),
+            ({"mlp_identity_init": True, "mlp_ratio": 2.0, "branches": ("swiglu_out",)}, "needs mlp_ratio 1"),
         ],
-        ids=["loss", "model", "key", "mlp-identity-ratio", "rope-width"],
+        ids=[
+            "loss",
+            "model",
+            "key",
+            "mlp-identity-ratio",
+            "rope-width",
+            "norm-name",
+            "norm-grid-only",
+            "bias-no-fc",
+            "act",
+            "scale",
+            "swiglu_out-identity-ratio",
+        ],
     )
     def test_bad_config(self, overrides, match):
         with pytest.raises(ValueError, match=match):
             TTTMixer(6, 3, **overrides) if "rope" in overrides else TTTMixer(16, 2, **overrides)
+
+    def test_scale_names(self):
+        assert TTTConfig(scale="head_dim").resolve_scale(64) == 0.125
+        assert TTTConfig(scale="1/head_dim").resolve_scale(64) == 1 / 64
 
     def test_config_roundtrip_from_dict(self):
         cfg = TTTConfig.create({"loss": "mse", "branches": "linear,dwconv:1"})

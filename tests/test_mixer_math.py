@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ttt_reference import assert_mixer_matches_reference, reference_forward
+from tests.ttt_reference import assert_mixer_matches_reference, reference_forward, reference_params
 from vit3.layers import (
     INNER_LOSSES,
+    MLPInner,
+    ResidualNormInner,
     TTTConfig,
     TTTMixer,
     create_inner_model,
@@ -15,6 +17,7 @@ from vit3.layers import (
     loss_grad,
     loss_value,
 )
+from vit3.layers.inner import activation, activation_grad, layer_norm_backward, layer_norm_forward
 
 
 @pytest.fixture(autouse=True)
@@ -27,22 +30,48 @@ def _float64():
 
 MODELS = {
     "linear": {},
+    "linear-bias": {"inner_bias": True},
     "silu": {},
+    "silu-bias": {"inner_bias": True},
     "swiglu": {},
+    "swiglu_out": {},
+    "swiglu_out-r2": {"mlp_ratio": 2.0},
+    "swiglu_out-identity-init": {"mlp_identity_init": True},
     "mlp-gelu-r2": {"mlp_ratio": 2.0, "mlp_act": "gelu"},
+    "mlp-gelu_tanh-r4-bias": {"mlp_ratio": 4.0, "mlp_act": "gelu_tanh", "inner_bias": True},
     "mlp-silu-add": {"mlp_act": "silu", "mlp_residual": "add"},
     "mlp-silu-identity": {"mlp_act": "silu", "mlp_residual": "identity"},
     "mlp-identity-init": {"mlp_act": "silu", "mlp_identity_init": True},
+    "mlp3-silu": {"mlp_act": "silu"},
+    "mlp3-gelu-r2-bias": {"mlp_ratio": 2.0, "inner_bias": True},
+    "mlp3-silu-identity": {"mlp_act": "silu", "mlp_residual": "identity"},
+    "mlp3-add-identity-init": {"mlp_residual": "add", "mlp_identity_init": True},
+    "conv": {},
     "dwconv": {},
+    # x + LN(g(x)): TTT-Linear, TTT-MLP and the wrapper around other token-wise models
+    "linear-ln-bias": {"inner_norm": "ln", "inner_bias": True},
+    "mlp-ln-bias-r4-gelu_tanh": {
+        "inner_norm": "ln",
+        "inner_bias": True,
+        "mlp_ratio": 4.0,
+        "mlp_act": "gelu_tanh",
+    },
+    "mlp3-ln-silu": {"inner_norm": "ln", "mlp_act": "silu"},
+    "swiglu-ln": {"inner_norm": "ln"},
+    "swiglu_out-ln": {"inner_norm": "ln"},
 }
 GRID = (5, 7)
 
 
 def _model(model_id: str):
     name = model_id.split("-")[0]
-    cfg = TTTConfig.create(**MODELS[model_id])
+    cfg = TTTConfig.create(branches=(name,), **MODELS[model_id])
     torch.manual_seed(1)
     model = create_inner_model(name, heads=3, head_dim=8, cfg=cfg).double()
+    with torch.no_grad():  # biases and LayerNorm affine start at 0 / 1: move them so every term is exercised
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.5 * torch.randn_like(p))
     return name, cfg, model
 
 
@@ -62,19 +91,55 @@ def test_closed_form_inner_gradient_equals_autograd(model_id: str, loss: str):
         key: val.expand(b, *val.shape[1:]).clone().requires_grad_(True)
         for key, val in _perturbed(model).items()
     }
+    _, norm = reference_params(name, model)
 
-    pred = reference_forward(name, p, k, GRID, cfg)
+    pred = reference_forward(name, p, k, GRID, cfg, norm)
     total = loss_value(loss, pred, v).sum() * (0.37 / n)
     expected = torch.autograd.grad(total, list(p.values()))
 
     v_hat, cache = model.forward_train(p, k, GRID, need_output=True)
     torch.testing.assert_close(v_hat, pred, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.apply_to(p, k, GRID), pred, rtol=1e-12, atol=1e-12)
     e = loss_grad(loss, v_hat, v) * (0.37 / n)
     got = model.grads(p, k, e, cache, GRID)
+    assert list(got) == list(p)
     for (key, g_ref), key2 in zip(zip(p, expected), got):
         assert key == key2
         torch.testing.assert_close(got[key], g_ref, rtol=1e-10, atol=1e-12, msg=f"{model_id}/{loss}/{key}")
+    if loss == "dot":  # the dot loss needs no prediction: the cache of need_output=False must serve too
+        _, lean = model.forward_train(p, k, GRID, need_output=False)
+        for key, g in model.grads(p, k, e, lean, GRID).items():
+            torch.testing.assert_close(g, got[key], rtol=1e-12, atol=1e-14)
 
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu"])
+def test_activation_derivatives_equal_autograd(name: str):
+    z = torch.linspace(-8, 8, 401, requires_grad=True)
+    (expected,) = torch.autograd.grad(activation(name, z).sum(), z)
+    torch.testing.assert_close(activation_grad(name, z.detach()), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_layer_norm_backward_equals_autograd():
+    z = torch.randn(3, 4, 9, 16, requires_grad=True)
+    weight, bias, dy = torch.randn(16), torch.randn(16), torch.randn(3, 4, 9, 16)
+    y, z_hat, rstd = layer_norm_forward(z, weight, bias)
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(z, (16,), weight, bias, eps=1e-6))
+    (expected,) = torch.autograd.grad((y * dy).sum(), z)
+    torch.testing.assert_close(layer_norm_backward(dy, z_hat, rstd, weight), expected, rtol=1e-10, atol=1e-12)
+
+
+# TTT-Linear / TTT-MLP (Sun et al. 2024) as configs/ablations/ttt_{linear,mlp}.yaml define them
+TTT_LINEAR = {
+    "branches": ("linear",),
+    "inner_norm": "ln",
+    "inner_bias": True,
+    "loss": "mse",
+    "inner_lr": 1.0,
+    "lr_mode": "token",
+    "grad_norm": False,
+    "scale": "1/head_dim",
+}
+TTT_MLP = {**TTT_LINEAR, "branches": ("mlp",), "mlp_ratio": 4.0, "mlp_act": "gelu_tanh", "inner_lr": 0.1}
 
 MIXER_CASES = {
     "official": {},
@@ -85,17 +150,57 @@ MIXER_CASES = {
     "silu-mae-nonorm": {"branches": ("silu",), "loss": "mae", "grad_norm": False},
     "dwconv-only-minibatch2": {"branches": ("dwconv",), "mini_batches": 2, "steps": 2, "loss": "mse"},
     "three-branches-headdim-scale": {"branches": ("swiglu:2", "linear:2", "dwconv:1"), "scale": "head_dim"},
+    "mlp3-mse-minibatch2-token-lr": {
+        "branches": ("mlp3",),
+        "loss": "mse",
+        "mini_batches": 2,
+        "lr_mode": "token",
+    },
+    "conv-dot": {"branches": ("conv",)},
+    "conv-smoothl1-minibatch3-token-lr-2steps": {
+        "branches": ("conv", "dwconv:1"),
+        "loss": "smooth_l1",
+        "mini_batches": 3,
+        "lr_mode": "token",
+        "steps": 2,
+    },
+    "swiglu_out-rmse-2steps-r2": {"branches": ("swiglu_out",), "loss": "rmse", "steps": 2, "mlp_ratio": 2.0},
+    "linear-bias-mae-dwconv": {"branches": ("linear:2", "dwconv:1"), "inner_bias": True, "loss": "mae"},
+    "ttt-linear": {**TTT_LINEAR},
+    "ttt-linear-minibatch3-2steps": {**TTT_LINEAR, "mini_batches": 3, "steps": 2},
+    "ttt-mlp-minibatch2": {**TTT_MLP, "mini_batches": 2},
+    # the wrapper on the official SwiGLU branch (the dwconv branch stays plain): the fused paths step aside
+    "official-ln": {"inner_norm": "ln"},
+    "official-ln-rope": {"inner_norm": "ln", "rope": True},
 }
 
 
 @pytest.mark.parametrize("case", list(MIXER_CASES))
 def test_mixer_equals_autograd_reference(case: str):
+    _check_mixer(TTTMixer(32, 4, **MIXER_CASES[case]))
+
+
+def test_forced_kernel_steps_aside_for_the_ttt_wrapper():
+    """The Triton kernel fuses the bare linear model (head dim 16 here, which it takes): with the LayerNorm
+    wrapper and biases it must leave the branch to the generic path, and say why."""
+    mixer = TTTMixer(32, 2, **{**TTT_LINEAR, "lr_mode": "fixed", "backend": "triton"})
+    x = torch.randn(1, GRID[0] * GRID[1], 32, dtype=torch.float64)
+    (branch,) = mixer.double().explain(x, GRID).branches
+    assert branch.backend == "generic"
+    assert "inner_norm" in dict(branch.passed_over)["triton"]
+    with pytest.warns(UserWarning, match="inner_norm / inner_bias"):
+        _check_mixer(mixer)
+
+
+def _check_mixer(mixer: TTTMixer) -> None:
     torch.manual_seed(2)
-    mixer = TTTMixer(32, 4, **MIXER_CASES[case]).double()
+    mixer = mixer.double()
     with torch.no_grad():  # larger initial inner weights so the step is not negligible
         for model in mixer.inner:
             for p in model.parameters():
                 p.mul_(20)
+                if p.ndim == 1:  # biases and LayerNorm affine start at 0 / 1
+                    p.add_(0.5 * torch.randn_like(p))
     x = torch.randn(2, GRID[0] * GRID[1], 32, requires_grad=True)
     assert_mixer_matches_reference(mixer, x, GRID)
 
@@ -112,6 +217,65 @@ def test_linear_dot_one_step_is_noncausal_linear_attention(grid):
     out = model.apply_to(params, q, grid)
     direct = q @ w0 + (0.7 * 0.3 / n) * (q @ k.transpose(-2, -1)) @ v  # non-causal linear attention
     torch.testing.assert_close(out, direct, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("grid", [(1, 13), (5, 7)], ids=lambda g: f"{g[0]}x{g[1]}")
+def test_linear_mse_one_step_is_the_deltanet_update(grid):
+    """With l = ½‖kW - v‖² per token (losses.py) and loss (s/N) Σ_n l_n, one full-batch step without gradient
+    normalisation is W' = W - η (s/N) kᵀ(kW - v) = W + η (s/N) kᵀ(v - kW): the constant is exactly η s / N
+    (the ½ cancels the square's 2)."""
+    n = grid[0] * grid[1]
+    model = create_inner_model("linear", heads=2, head_dim=6, cfg=TTTConfig()).double()
+    q, k, v = (torch.randn(3, 2, n, 6) for _ in range(3))
+    w0 = model.w * 30  # a weight that predicts something, so kW - v is not just -v
+    eta, s = 0.7, 0.3
+    params = inner_loop(model, {"w": w0}, k, v, grid, loss="mse", scale=s, lr=eta, grad_norm=False)
+    w_delta = w0 + (eta * s / n) * k.transpose(-2, -1) @ (v - k @ w0)
+    torch.testing.assert_close(params["w"], w_delta, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(model.apply_to(params, q, grid), q @ w_delta, rtol=1e-10, atol=1e-10)
+
+
+class _IdentityNorm(ResidualNormInner):
+    """``x + g(x)``: the TTT wrapper with its LayerNorm replaced by the identity map."""
+
+    def norm(self, z):
+        return z, {}
+
+    def norm_backward(self, dy, cache):
+        return dy
+
+
+@pytest.mark.parametrize("loss", INNER_LOSSES)
+@pytest.mark.parametrize("name", ["linear", "mlp"])
+def test_ttt_wrapper_with_identity_norm_reduces_to_the_plain_model(name: str, loss: str):
+    """f(x) = x + LN(g(x)) with LN := identity is g with the residual made explicit, f(x) = x + g(x):
+
+    - its inner loop on (k, v) equals the plain g trained on (k, v - k) for the residual losses (l depends on
+      v_hat - v only: l(x + g(x), v) = l(g(x), v - x)) and on (k, v) for the dot loss (the residual adds the
+      weight-free term -<k, v>); its read-out is q + g'(q);
+    - for the MLP it is exactly the plain ``mlp`` with ``mlp_residual="add"`` (SiLU(xW1)W2 + x) on (k, v).
+    """
+    grid, n = (5, 7), 35
+    cfg = TTTConfig(branches=(name,), inner_bias=True, mlp_act="silu")
+    torch.manual_seed(3)
+    plain = create_inner_model(name, heads=2, head_dim=8, cfg=cfg).double()
+    wrapped = _IdentityNorm(plain)
+    q, k, v = (torch.randn(2, 2, n, 8) for _ in range(3))
+    p0 = {key: val * 25 + 0.3 * torch.randn_like(val) for key, val in plain.initial_params().items()}
+    kw = dict(loss=loss, scale=0.4, lr=0.6, steps=2, mini_batches=2, grad_norm=True)
+    got = inner_loop(wrapped, p0, k, v, grid, **kw)
+    target = v if loss == "dot" else v - k
+    want = inner_loop(plain, p0, k, target, grid, **kw)
+    for key in p0:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-10, atol=1e-10, msg=key)
+    out = wrapped.apply_to(got, q, grid)
+    torch.testing.assert_close(out, q + plain.apply_to(want, q, grid), rtol=1e-10, atol=1e-10)
+    if name == "mlp":
+        residual = MLPInner(2, 8, act="silu", residual="add", bias=True).double()
+        explicit = inner_loop(residual, p0, k, v, grid, **kw)
+        for key in p0:
+            torch.testing.assert_close(got[key], explicit[key], rtol=1e-10, atol=1e-10, msg=key)
+        torch.testing.assert_close(out, residual.apply_to(explicit, q, grid), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize(

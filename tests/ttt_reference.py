@@ -11,42 +11,111 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vit3.layers import TTTMixer, apply_rope_2d, loss_value
+from vit3.layers.config import GRID_MODELS
+
+_ACTS = {"gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "silu": F.silu}
 
 
-def _per_sample_dwconv(x: Tensor, weight: Tensor) -> Tensor:
-    """Depthwise 3x3 conv of maps ``[B, C, h, w]`` with per-sample kernels ``[B|1, C, 3, 3]``, one sample at a time."""
+def _bias(p: dict[str, Tensor], name: str) -> Tensor | float:
+    return p[name] if name in p else 0.0
+
+
+def _per_sample_conv(x: Tensor, weight: Tensor, groups: int) -> Tensor:
+    """3x3 conv (zero padding) of maps ``[B, C, h, w]`` with per-sample weights ``[B|1, C, C/groups, 3, 3]``."""
     weight = weight.expand(x.shape[0], *weight.shape[1:])
-    return torch.stack(
-        [F.conv2d(xb[None], wb[:, None], padding=1, groups=xb.shape[0])[0] for xb, wb in zip(x, weight)]
-    )
+    return torch.stack([F.conv2d(xb[None], wb, padding=1, groups=groups)[0] for xb, wb in zip(x, weight)])
 
 
-def reference_forward(name: str, p: dict[str, Tensor], x: Tensor, grid: tuple[int, int], cfg) -> Tensor:
-    """Inner model ``name`` on tokens ``[B, G, n, c]`` written directly from its definition."""
+def _mlp(p: dict[str, Tensor], x: Tensor, cfg, layers: int) -> Tensor:
+    act = _ACTS[cfg.mlp_act]
+    a = x
+    for i in range(1, layers + 1):
+        w = p[f"w{i}"]
+        if cfg.mlp_residual == "identity" and i > 1:
+            w = w + torch.eye(w.shape[-1], dtype=w.dtype)
+        a = a @ w + _bias(p, f"b{i}")
+        if i < layers:
+            a = act(a)
+    return a + x if cfg.mlp_residual == "add" else a
+
+
+def reference_forward(
+    name: str,
+    p: dict[str, Tensor],
+    x: Tensor,
+    grid: tuple[int, int],
+    cfg,
+    norm: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """Inner model ``name`` on tokens ``[B, G, n, c]`` written directly from its definition.
+
+    ``p`` holds per-sample weights in the inner models' documented layouts (leading dim B or 1): FC weights
+    ``[B, G, in, out]``, FC biases ``[B, G, 1, out]``, ``conv`` ``[B, G, 9c, c]`` (row ``i * 9 + 3 * kh + kw``
+    for input channel i), ``dwconv`` ``[B, G*c, 3, 3]``. ``norm = (weight, bias)`` (``[G, c]`` each) makes it
+    ``x + LayerNorm(g(x))``.
+    """
+    y = _reference_g(name, p, x, grid, cfg)
+    if norm is None:
+        return y
+    weight, bias = norm
+    return x + F.layer_norm(y, y.shape[-1:], eps=1e-6) * weight[:, None] + bias[:, None]
+
+
+def _reference_g(name: str, p: dict[str, Tensor], x: Tensor, grid: tuple[int, int], cfg) -> Tensor:
     if name == "linear":
-        return x @ p["w"]
+        return x @ p["w"] + _bias(p, "b")
     if name == "silu":
-        return F.silu(x @ p["w"])
+        return F.silu(x @ p["w"] + _bias(p, "b"))
     if name == "swiglu":
         return (x @ p["w1"]) * F.silu(x @ p["w2"])
-    if name == "mlp":
-        act = F.silu if cfg.mlp_act == "silu" else F.gelu
-        a = act(x @ p["w1"])
-        w2 = p["w2"]
-        if cfg.mlp_residual == "identity":
-            w2 = w2 + torch.eye(w2.shape[-1], dtype=w2.dtype)
-        y = a @ w2
-        return y + x if cfg.mlp_residual == "add" else y
-    if name == "dwconv":
-        b, g, n, c = x.shape
-        maps = x.permute(0, 1, 3, 2).reshape(b, g * c, *grid)  # [B, G*c, h, w]
-        out = _per_sample_dwconv(maps, p["weight"])
-        return out.reshape(b, g, c, n).transpose(-2, -1)
-    raise ValueError(name)
+    if name == "swiglu_out":
+        return ((x @ p["w1"]) * F.silu(x @ p["w2"])) @ p["w3"]
+    if name in ("mlp", "mlp3"):
+        return _mlp(p, x, cfg, 3 if name == "mlp3" else 2)
+    b, g, n, c = x.shape
+    maps = x.permute(0, 1, 3, 2).reshape(b, g * c, *grid)  # [B, G*c, h, w]
+    if name == "conv":
+        w = p["weight"]  # [B|1, G, 9c, c] -> conv weights [B|1, G*c_out, c_in, 3, 3]
+        w = w.transpose(-2, -1).reshape(w.shape[0], g * c, c, 3, 3)
+        out = _per_sample_conv(maps, w, groups=g)
+    elif name == "dwconv":
+        out = _per_sample_conv(maps, p["weight"][:, :, None], groups=g * c)
+    else:
+        raise ValueError(name)
+    return out.reshape(b, g, c, n).transpose(-2, -1)
+
+
+def reference_params(name: str, model) -> tuple[dict[str, Tensor], tuple[Tensor, Tensor] | None]:
+    """The initial inner weights of ``model`` in :func:`reference_forward`'s layouts, and its ``(weight, bias)``
+    LayerNorm (``[G, c]``) when it is wrapped as ``x + LN(g(x))``, read from its named parameters."""
+    heads, c = model.heads, model.head_dim
+    named = dict(model.named_parameters())
+    norm = None
+    if "ln_weight" in named:
+        norm = (named.pop("ln_weight").view(heads, c), named.pop("ln_bias").view(heads, c))
+        named = {key.removeprefix("model."): val for key, val in named.items()}
+    p = {}
+    for key, val in named.items():
+        if name == "dwconv":
+            val = val.reshape(1, -1, 3, 3)  # [G*c, 1, 3, 3] -> [1, G*c, 3, 3]
+        elif name == "conv":
+            val = val.flatten(2).transpose(-2, -1)[None]  # [G, c_out, c_in, 3, 3] -> [1, G, 9c, c_out]
+        elif key.startswith("b"):
+            val = val.view(1, heads, 1, -1)  # flat [G*out] -> [1, G, 1, out]
+        p[key] = val
+    return p, norm
 
 
 def reference_inner_loop(
-    name: str, p0: dict[str, Tensor], k: Tensor, v: Tensor, grid, cfg, scale: float, gate: Tensor | None
+    name: str,
+    p0: dict[str, Tensor],
+    k: Tensor,
+    v: Tensor,
+    grid,
+    cfg,
+    scale: float,
+    gate: Tensor | None,
+    norm: tuple[Tensor, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """Inner training by autograd: per-sample weights, loss ``(s/n) sum_n gate_n l_n`` per mini-batch."""
     b, _, n, _ = k.shape
@@ -54,7 +123,7 @@ def reference_inner_loop(
     chunks = torch.arange(n).tensor_split(cfg.mini_batches)
     for _ in range(cfg.steps):
         for idx in chunks:
-            vhat = reference_forward(name, params, k, grid, cfg)[..., idx, :]
+            vhat = reference_forward(name, params, k, grid, cfg, norm)[..., idx, :]
             per_tok = loss_value(cfg.loss, vhat, v[..., idx, :])  # [B, G, n_c]
             if gate is not None:
                 per_tok = per_tok * gate[..., idx]
@@ -88,14 +157,12 @@ def reference_mixer(mixer: TTTMixer, x: Tensor, grid: tuple[int, int]) -> Tensor
         if gates is not None:
             gate = gates[:, goff : goff + heads]
             goff += heads
-        if cfg.rope and name != "dwconv":
+        if cfg.rope and name not in GRID_MODELS:
             q, k = apply_rope_2d(q, grid, cfg.rope_base), apply_rope_2d(k, grid, cfg.rope_base)
         q, k, v = (t.reshape(b, n, heads, -1).transpose(1, 2) for t in (q, k, v))
-        p0 = dict(model.named_parameters())
-        if name == "dwconv":
-            p0 = {"weight": p0["weight"].reshape(1, -1, 3, 3)}
-        params = reference_inner_loop(name, p0, k, v, grid, cfg, mixer.scale, gate)
-        y = reference_forward(name, params, q, grid, cfg)
+        p0, norm = reference_params(name, model)
+        params = reference_inner_loop(name, p0, k, v, grid, cfg, mixer.scale, gate, norm)
+        y = reference_forward(name, params, q, grid, cfg, norm)
         outs.append(y.transpose(1, 2).reshape(b, n, width))
     return mixer.proj(torch.cat(outs, dim=-1))
 

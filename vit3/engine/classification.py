@@ -11,6 +11,10 @@ states, the epoch, the batch inside it and the optimizer step; together with the
 pipeline (vit3.data.build) a run killed after a checkpoint and resumed ends with the same weights as an
 uninterrupted one. ``VIT3_KILL_AT_STEP=k`` (environment) hard-exits the process right after optimizer
 step k, simulating a crash (used by the tests).
+
+A run that diverges — a non-finite training loss, a non-finite gradient norm (with ``train.clip_grad``, no
+fp16 loss scaling) or non-finite tokens met by a TTT mixer of the forward — raises :class:`TrainingDiverged`
+(a ``FloatingPointError``) naming the epoch and batch, so callers such as ``vit3.ablate`` can report it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from ..data import build_datasets, build_mixup, build_train_loader, build_transf
 from ..data.folder import CORRUPT_POLICIES
 from ..data.mnist import MEAN as MNIST_MEAN
 from ..data.mnist import STD as MNIST_STD
+from ..layers.ttt import NonFiniteError
 from .checkpoint import (
     get_rng_state,
     load_checkpoint,
@@ -58,7 +63,11 @@ from .optim import build_optimizer, build_scheduler, scaled_lrs
 AMP_MODES = ("auto", "none", "bf16", "fp16")
 KILL_ENV = "VIT3_KILL_AT_STEP"
 
-__all__ = ["build_model", "evaluate", "soft_cross_entropy", "train", "validate"]
+__all__ = ["TrainingDiverged", "build_model", "evaluate", "soft_cross_entropy", "train", "validate"]
+
+
+class TrainingDiverged(FloatingPointError):
+    """The training run diverged: its loss, gradient norm or weights became non-finite (NaN or Inf)."""
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -104,6 +113,8 @@ def _check_train_cfg(cfg: Config) -> None:
         )
     if int(t.epochs) < 1:
         raise ConfigError(f"train.epochs must be >= 1, got {t.epochs}")
+    if t.progress not in (True, False, "run"):
+        raise ConfigError(f"train.progress must be true, false or 'run', got {t.progress!r}")
 
 
 def _in_chans(cfg: Config) -> int:
@@ -384,7 +395,18 @@ def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
     return run, ckpt
 
 
-def _train_epoch(run: _Run) -> None:
+@contextlib.contextmanager
+def _diverged_on_nonfinite_tokens(where: str):
+    """Reports the TTT mixers' non-finite-token error as :class:`TrainingDiverged`: inside a training step on
+    finite images (the model checks them first) only the model itself can have produced them."""
+    try:
+        yield
+    except NonFiniteError as exc:
+        raise TrainingDiverged(f"non-finite activations {where}: {exc}") from exc
+
+
+def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
+    """One epoch (from ``progress.batch_in_epoch`` on); ``run_bar``: the run's bar (``train.progress=run``)."""
     cfg, info, p = run.cfg, run.info, run.progress
     accum, bs = int(cfg.train.accum_steps), cfg.data.batch_size
     run.net.train()
@@ -393,10 +415,15 @@ def _train_epoch(run: _Run) -> None:
     mesa = float(cfg.train.mesa or 0.0)
     mesa_on = mesa > 0 and p.epoch >= int(cfg.train.mesa_start * cfg.train.epochs)
     kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
-    bar = tqdm(
-        total=run.batches_per_epoch, initial=p.batch_in_epoch, desc=f"epoch {p.epoch + 1}/{cfg.train.epochs}",
-        disable=not (info.is_main and cfg.train.progress), dynamic_ncols=True, leave=False, file=sys.stdout,
-    )  # fmt: skip
+    desc = f"epoch {p.epoch + 1}/{cfg.train.epochs}"
+    if run_bar is None:
+        bar = tqdm(
+            total=run.batches_per_epoch, initial=p.batch_in_epoch, desc=desc,
+            disable=not (info.is_main and cfg.train.progress), dynamic_ncols=True, leave=False, file=sys.stdout,
+        )  # fmt: skip
+    else:
+        bar = run_bar
+        bar.set_description(f"{Path(cfg.output).name} {desc}")
     tick, seen = time.perf_counter(), 0
     dev = info.device
     for b, (x, y) in enumerate(run.loader, start=p.batch_in_epoch):
@@ -407,7 +434,8 @@ def _train_epoch(run: _Run) -> None:
             x, y = run.mixup(x, y)
         update = (b + 1) % accum == 0
         sync = run.net.no_sync() if info.distributed and not update else contextlib.nullcontext()
-        with sync:
+        where = f"at epoch {p.epoch + 1}, batch {b}"
+        with sync, _diverged_on_nonfinite_tokens(where):
             with torch.autocast(
                 dev.type, dtype=run.amp_dtype or torch.float32, enabled=run.amp_dtype is not None
             ):
@@ -418,9 +446,7 @@ def _train_epoch(run: _Run) -> None:
                         teacher = run.ema.module(x).float().softmax(dim=-1)  # [B, K]
                     loss = loss + mesa * soft_cross_entropy(logits, teacher)
             if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"non-finite training loss {loss.item()} at epoch {p.epoch + 1}, batch {b}"
-                )
+                raise TrainingDiverged(f"non-finite training loss {loss.item()} {where}")
             run.scaler.scale(loss / accum).backward()
         p.loss_sum += float(loss.detach())
         p.loss_count += 1
@@ -430,7 +456,10 @@ def _train_epoch(run: _Run) -> None:
             run.scheduler.step_update(p.global_step)  # lr of this update
             if cfg.train.clip_grad:
                 run.scaler.unscale_(run.optimizer)
-                nn.utils.clip_grad_norm_(run.model.parameters(), float(cfg.train.clip_grad))
+                norm = nn.utils.clip_grad_norm_(run.model.parameters(), float(cfg.train.clip_grad))
+                # fp16 loss scaling skips steps with Inf gradients by design; anything else has diverged
+                if not run.scaler.is_enabled() and not torch.isfinite(norm):
+                    raise TrainingDiverged(f"non-finite gradient norm {float(norm)} {where}")
             run.scaler.step(run.optimizer)
             run.scaler.update()
             run.optimizer.zero_grad(set_to_none=True)
@@ -447,7 +476,8 @@ def _train_epoch(run: _Run) -> None:
             rate = seen / max(time.perf_counter() - tick, 1e-9)
             lr = max(g["lr"] for g in run.optimizer.param_groups)
             bar.set_postfix(loss=f"{p.loss_sum / p.loss_count:.4f}", lr=f"{lr:.2e}", img_s=f"{rate:.0f}")
-    bar.close()
+    if run_bar is None:
+        bar.close()
 
 
 def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
@@ -501,11 +531,21 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
             )
         set_rng_state(rng[info.rank % len(rng)])
     p = run.progress
-    while p.epoch < cfg.train.epochs:
-        tick, batch0 = time.perf_counter(), p.batch_in_epoch
-        _train_epoch(run)
-        images = (run.batches_per_epoch - batch0) * cfg.data.batch_size * info.world
-        _finish_epoch(run, time.perf_counter() - tick, images)
+    run_bar = None
+    if cfg.train.progress == "run":  # one bar for the whole run instead of one per epoch
+        run_bar = tqdm(
+            total=cfg.train.epochs * run.batches_per_epoch, initial=p.epoch * run.batches_per_epoch + p.batch_in_epoch,
+            desc=Path(cfg.output).name, disable=not info.is_main, dynamic_ncols=True, file=sys.stdout,
+        )  # fmt: skip
+    try:
+        while p.epoch < cfg.train.epochs:
+            tick, batch0 = time.perf_counter(), p.batch_in_epoch
+            _train_epoch(run, run_bar)
+            images = (run.batches_per_epoch - batch0) * cfg.data.batch_size * info.world
+            _finish_epoch(run, time.perf_counter() - tick, images)
+    finally:
+        if run_bar is not None:
+            run_bar.close()
     digests = all_gather_objects(_param_digest(run.model))
     if len(set(digests)) != 1:
         raise RuntimeError(f"DDP ranks disagree on the final weights: {digests}")

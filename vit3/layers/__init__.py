@@ -1,7 +1,18 @@
 """Building blocks of vit3: the TTT mixer, its inner models and losses, 2-D RoPE."""
 
 from .config import INNER_LOSSES, INNER_MODELS, TTTConfig
-from .inner import DWConvInner, InnerModel, LinearInner, MLPInner, SiLUInner, SwiGLUInner, create_inner_model
+from .inner import (
+    ConvInner,
+    DWConvInner,
+    InnerModel,
+    LinearInner,
+    MLPInner,
+    ResidualNormInner,
+    SiLUInner,
+    SwiGLUInner,
+    SwiGLUOutInner,
+    create_inner_model,
+)
 from .losses import loss_grad, loss_value
 from .rope import apply_rope_2d, rope_angles
 from .ttt import OFFICIAL_MIXER_KEYS, TTTMixer, convert_official_mixer_key, inner_loop, normalize_grad
@@ -10,12 +21,15 @@ __all__ = [
     "INNER_LOSSES",
     "INNER_MODELS",
     "OFFICIAL_MIXER_KEYS",
+    "ConvInner",
     "DWConvInner",
     "InnerModel",
     "LinearInner",
     "MLPInner",
+    "ResidualNormInner",
     "SiLUInner",
     "SwiGLUInner",
+    "SwiGLUOutInner",
     "TTTConfig",
     "TTTMixer",
     "apply_rope_2d",

@@ -7,11 +7,25 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["INNER_LOSSES", "INNER_MODELS", "TTTConfig", "parse_branch"]
+__all__ = [
+    "BIAS_MODELS",
+    "GRID_MODELS",
+    "INNER_ACTIVATIONS",
+    "INNER_LOSSES",
+    "INNER_MODELS",
+    "INNER_NORMS",
+    "TTTConfig",
+    "parse_branch",
+]
 
-INNER_MODELS = ("linear", "silu", "mlp", "swiglu", "dwconv")
+INNER_MODELS = ("linear", "silu", "mlp", "mlp3", "swiglu", "swiglu_out", "conv", "dwconv")
+GRID_MODELS = ("conv", "dwconv")  # mix neighbouring grid positions; every other inner model is token-wise
+BIAS_MODELS = ("linear", "silu", "mlp", "mlp3")  # the chains of FC layers, which take ``inner_bias``
 INNER_LOSSES = ("dot", "mse", "rmse", "mae", "smooth_l1")
+INNER_ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+INNER_NORMS = ("none", "ln")
 MLP_RESIDUALS = ("none", "add", "identity")
+SCALES = ("head_dim", "1/head_dim")
 # The removed ``impl`` key of old configs and checkpoints, read as ``backend``.
 IMPL_TO_BACKEND = {"auto": "auto", "torch": "eager", "triton": "triton"}
 
@@ -42,18 +56,30 @@ class TTTConfig:
 
     Attributes:
         branches: inner models side by side, each ``"name"`` (``num_heads`` heads) or ``"name:k"`` (k heads
-            of ``head_dim``); names from ``INNER_MODELS``.
+            of ``head_dim``); names from ``INNER_MODELS``: ``linear`` (FC), ``silu`` (SiLU(FC)), ``mlp``
+            (2-layer MLP), ``mlp3`` (3-layer MLP), ``swiglu`` (FC ⊙ SiLU(FC), official), ``swiglu_out``
+            ((FC ⊙ SiLU(FC)) W3), ``conv`` (dense 3x3 conv over the grid, all channels of a head),
+            ``dwconv`` (3x3 depthwise conv, official).
         loss: inner loss, one of ``INNER_LOSSES``.
         inner_lr: inner learning rate η.
         lr_mode: ``"fixed"`` (η) or ``"token"`` (η·σ(x W_η), one gate per token and head).
         steps: inner epochs over the sequence.
         mini_batches: inner mini-batches per epoch (contiguous chunks of the raster order).
         grad_norm: the official normalisation ``G / (||G|| + 1)`` over each output column.
-        scale: loss scale; ``None`` is the official 1/3 (``9 ** -0.5``), ``"head_dim"`` is ``head_dim ** -0.5``.
-        mlp_ratio: hidden width of the ``mlp`` inner model, in units of ``head_dim``.
-        mlp_act: ``"gelu"`` or ``"silu"`` for the ``mlp`` inner model.
-        mlp_residual: ``"none"``, ``"add"`` (SiLU(xW1)W2 + x) or ``"identity"`` (SiLU(xW1)(W2 + I)).
-        mlp_identity_init: initialise W2 of the ``mlp`` inner model as the identity.
+        scale: loss scale; ``None`` is the official 1/3 (``9 ** -0.5``), ``"head_dim"`` is ``head_dim ** -0.5``,
+            ``"1/head_dim"`` is ``1 / head_dim`` (TTT-Linear/TTT-MLP's η / d).
+        mlp_ratio: hidden width of the ``mlp``, ``mlp3`` and ``swiglu_out`` inner models, in units of ``head_dim``.
+        mlp_act: activation of the ``mlp`` and ``mlp3`` inner models: ``"gelu"`` (exact), ``"gelu_tanh"``
+            (the tanh approximation, as TTT-MLP) or ``"silu"``.
+        mlp_residual: ``"none"``, ``"add"`` (SiLU(xW1)W2 + x) or ``"identity"`` (SiLU(xW1)(W2 + I)); for
+            ``mlp3`` ``"identity"`` adds I to every layer after the first.
+        mlp_identity_init: initialise the layers after the first as the identity (W2 of ``mlp``; W2, W3 of
+            ``mlp3``; W3 of ``swiglu_out``); needs ``mlp_ratio`` 1.
+        inner_norm: ``"none"`` or ``"ln"``: every token-wise inner model g becomes f(x) = x + LN(g(x)) with a
+            learnable per-head LayerNorm (weight 1, bias 0 at init, eps 1e-6; trained by the outer loop only),
+            as in TTT-Linear/TTT-MLP (Sun et al. 2024). Grid models (``conv``, ``dwconv``) are left as they are.
+        inner_bias: FC layers of the ``BIAS_MODELS`` with biases (zero at init, trained by the inner loop), as in
+            TTT-Linear/TTT-MLP; other inner models are left as they are.
         rope: 2-D RoPE on q and k of the token-wise branches (H-ViT³).
         rope_base: RoPE base.
         qkv_bias: bias of the qkv projection.
@@ -76,6 +102,8 @@ class TTTConfig:
     mlp_act: str = "gelu"
     mlp_residual: str = "none"
     mlp_identity_init: bool = False
+    inner_norm: str = "none"
+    inner_bias: bool = False
     rope: bool = False
     rope_base: float = 10000.0
     qkv_bias: bool = True
@@ -97,16 +125,28 @@ class TTTConfig:
             raise ValueError(f"lr_mode must be 'fixed' or 'token', got {self.lr_mode!r}")
         if self.steps < 1 or self.mini_batches < 1:
             raise ValueError(f"steps and mini_batches must be >= 1, got {self.steps}, {self.mini_batches}")
-        if self.mlp_act not in ("gelu", "silu"):
-            raise ValueError(f"mlp_act must be 'gelu' or 'silu', got {self.mlp_act!r}")
+        if self.mlp_act not in INNER_ACTIVATIONS:
+            raise ValueError(f"mlp_act must be one of {INNER_ACTIVATIONS}, got {self.mlp_act!r}")
         if self.mlp_residual not in MLP_RESIDUALS:
             raise ValueError(f"mlp_residual must be one of {MLP_RESIDUALS}, got {self.mlp_residual!r}")
         from .backends import NAMES  # the registry imports this module
 
         if self.backend not in NAMES:
             raise ValueError(f"backend must be one of {NAMES}, got {self.backend!r}")
-        if isinstance(self.scale, str) and self.scale != "head_dim":
-            raise ValueError(f"scale must be a number, None or 'head_dim', got {self.scale!r}")
+        if isinstance(self.scale, str) and self.scale not in SCALES:
+            raise ValueError(f"scale must be a number, None, 'head_dim' or '1/head_dim', got {self.scale!r}")
+        if self.inner_norm not in INNER_NORMS:
+            raise ValueError(f"inner_norm must be one of {INNER_NORMS}, got {self.inner_norm!r}")
+        names = [parse_branch(b, 1)[0] for b in self.branches]
+        if self.inner_norm != "none" and all(n in GRID_MODELS for n in names):
+            raise ValueError(
+                f"inner_norm={self.inner_norm!r} wraps token-wise inner models, but branches {self.branches} "
+                f"are all grid models {GRID_MODELS}"
+            )
+        if self.inner_bias and not any(n in BIAS_MODELS for n in names):
+            raise ValueError(
+                f"inner_bias applies to the inner models {BIAS_MODELS}, none of which is in {self.branches}"
+            )
         if not math.isfinite(self.inner_lr):
             raise ValueError(f"inner_lr must be finite, got {self.inner_lr}")
 
@@ -132,7 +172,22 @@ class TTTConfig:
             return 9**-0.5  # official: the "equivalent head dim" of a 3x3 kernel
         if self.scale == "head_dim":
             return head_dim**-0.5
+        if self.scale == "1/head_dim":
+            return 1.0 / head_dim
         return float(self.scale)
+
+    def branch_norm(self, name: str) -> bool:
+        """Whether inner model ``name`` is wrapped as ``x + LN(g(x))`` (``inner_norm="ln"``, token-wise models)."""
+        return self.inner_norm == "ln" and name not in GRID_MODELS
+
+    def branch_bias(self, name: str) -> bool:
+        """Whether the FC layers of inner model ``name`` carry biases (``inner_bias``)."""
+        return self.inner_bias and name in BIAS_MODELS
+
+    def plain_branch(self, name: str) -> bool:
+        """Whether branch ``name`` is the bare named inner model (no LayerNorm wrapper, no biases): the only
+        form the fused paths (Triton kernel, fused eager mix) implement."""
+        return not (self.branch_norm(name) or self.branch_bias(name))
 
     def branch_specs(self, num_heads: int) -> list[tuple[str, int]]:
         """``[(inner model name, heads), ...]`` for a mixer with ``num_heads`` heads."""

@@ -17,18 +17,34 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
+    "LN_EPS",
+    "ConvInner",
     "DWConvInner",
+    "FCChainInner",
     "InnerModel",
     "LinearInner",
     "MLPInner",
+    "ResidualNormInner",
     "SiLUInner",
     "SwiGLUInner",
+    "SwiGLUOutInner",
+    "activation",
+    "activation_grad",
     "create_inner_model",
     "dwconv_backward",
+    "layer_norm_backward",
+    "layer_norm_forward",
 ]
 
 Params = dict[str, Tensor]
 Cache = dict[str, Tensor]
+
+LN_EPS = 1e-6  # the LayerNorm of ``inner_norm="ln"`` (TTT-Linear/TTT-MLP use 1e-6)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_TANH_C = 0.044715
+
+
+# --- shared math: activations and their derivatives, LayerNorm forward/backward ---------------------------
 
 
 def silu_grad(z: Tensor, sig: Tensor | None = None) -> Tensor:
@@ -44,12 +60,55 @@ def gelu_grad(z: Tensor) -> Tensor:
     return cdf + z * pdf
 
 
-def _act(name: str, z: Tensor) -> Tensor:
-    return F.silu(z) if name == "silu" else F.gelu(z)
+def gelu_tanh_grad(z: Tensor) -> Tensor:
+    """Derivative of the tanh-approximated GELU ``0.5 z (1 + tanh(u))``, ``u = √(2/π) (z + 0.044715 z³)``."""
+    t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_TANH_C * z * z * z))
+    du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * z * z)
+    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
 
 
-def _act_grad(name: str, z: Tensor) -> Tensor:
-    return silu_grad(z) if name == "silu" else gelu_grad(z)
+def _gelu_tanh(z: Tensor) -> Tensor:
+    return F.gelu(z, approximate="tanh")
+
+
+# name -> (activation, its derivative); the names are ``config.INNER_ACTIVATIONS``
+_ACTIVATIONS = {
+    "gelu": (F.gelu, gelu_grad),
+    "gelu_tanh": (_gelu_tanh, gelu_tanh_grad),
+    "silu": (F.silu, silu_grad),
+}
+
+
+def activation(name: str, z: Tensor) -> Tensor:
+    """Activation ``name`` (``"gelu"``, ``"gelu_tanh"``, ``"silu"``) applied elementwise."""
+    return _ACTIVATIONS[name][0](z)
+
+
+def activation_grad(name: str, z: Tensor) -> Tensor:
+    """The derivative of activation ``name`` at ``z``, elementwise."""
+    return _ACTIVATIONS[name][1](z)
+
+
+def layer_norm_forward(
+    z: Tensor, weight: Tensor, bias: Tensor, eps: float = LN_EPS
+) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm over the last dim, ``y = weight ⊙ (z - mean) / sqrt(var + eps) + bias`` (biased variance).
+
+    Returns:
+        ``(y, z_hat, rstd)``: the output, the normalised input and ``1 / sqrt(var + eps)`` (``[..., 1]``), the
+        last two for :func:`layer_norm_backward`.
+    """
+    zc = z - z.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(zc.pow(2).mean(-1, keepdim=True) + eps)
+    z_hat = zc * rstd
+    return z_hat * weight + bias, z_hat, rstd
+
+
+def layer_norm_backward(dy: Tensor, z_hat: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """``dL/dz`` of :func:`layer_norm_forward` given ``dL/dy``:
+    ``rstd (g - mean(g) - z_hat mean(g ⊙ z_hat))`` with ``g = dy ⊙ weight`` (means over the last dim)."""
+    g = dy * weight
+    return rstd * (g - g.mean(-1, keepdim=True) - z_hat * (g * z_hat).mean(-1, keepdim=True))
 
 
 def _init_weight(shape: tuple[int, ...]) -> nn.Parameter:
@@ -92,6 +151,9 @@ class InnerModel(nn.Module):
             e: ``dL/dv_hat`` ``[B, G, n, c]`` (loss scale, lr gates and masks already applied).
             cache: from ``forward_train``.
             grid: the token grid ``(h, w)``.
+
+        Returns:
+            One gradient per weight, in the order of ``p``.
         """
         raise NotImplementedError
 
@@ -104,45 +166,164 @@ class InnerModel(nn.Module):
         return (-2,)
 
 
-class LinearInner(InnerModel):
-    """One FC layer ``v_hat = k W``; with the dot loss one step is non-causal linear attention."""
+class FCChainInner(InnerModel):
+    """A chain of FC layers per head, ``a_i = act_i(a_{i-1} W_i + b_i)`` with ``a_0 = x``; the output is ``a_L``.
 
-    def __init__(self, heads: int, head_dim: int) -> None:
+    The closed-form inner gradient is backpropagation through the chain written out:
+    ``dZ_i = dA_i ⊙ act_i'(Z_i)``, ``G_Wi = A_{i-1}ᵀ dZ_i``, ``G_bi = Σ_n dZ_i``, ``dA_{i-1} = dZ_i W_iᵀ``.
+
+    Weights ``[1, G, in, out]`` are named ``w`` (one layer) or ``w1 .. wL``; biases (``bias=True``, zero at
+    init) ``b`` / ``b1 .. bL``, stored flat ``[G * out]`` (1-D, so the outer optimizer does not decay them) and
+    handed to the inner loop as ``[1, G, 1, out]``.
+
+    Args:
+        heads: heads G.
+        head_dim: channels c per head (the chain maps c -> c).
+        widths: ``[c, h_1, ..., c]``, the widths between the layers.
+        acts: activation after each layer (``None``: linear), names of :func:`activation`.
+        bias: FC layers with biases.
+        residual: ``"none"``; ``"add"``: the output is ``a_L + x``; ``"identity"``: every layer after the first
+            uses ``W_i + I``.
+        identity_init: the layers after the first start as ``W_i = I``.
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        widths: list[int],
+        acts: list[str | None],
+        *,
+        bias: bool = False,
+        residual: str = "none",
+        identity_init: bool = False,
+    ) -> None:
         super().__init__(heads, head_dim)
-        self.w = _init_weight((1, heads, head_dim, head_dim))
+        if len(widths) != len(acts) + 1 or widths[0] != head_dim or widths[-1] != head_dim:
+            raise ValueError(f"widths {widths} do not chain {len(acts)} layers from {head_dim} to {head_dim}")
+        if (residual == "identity" or identity_init) and any(w != head_dim for w in widths[1:-1]):
+            raise ValueError(
+                f"mlp_residual='identity' and mlp_identity_init need mlp_ratio 1 (hidden {widths[1]} != {head_dim})"
+            )
+        self.acts, self.residual = tuple(acts), residual
+        layers = len(acts)
+        self.weight_names = ["w"] if layers == 1 else [f"w{i + 1}" for i in range(layers)]
+        self.bias_names = ["b" + name[1:] for name in self.weight_names] if bias else []
+        for i, name in enumerate(self.weight_names):
+            w = _init_weight((1, heads, widths[i], widths[i + 1]))
+            if identity_init and i > 0:
+                with torch.no_grad():
+                    w.copy_(torch.eye(head_dim).expand_as(w))
+            self.register_parameter(name, w)
+        for i, name in enumerate(self.bias_names):
+            self.register_parameter(name, nn.Parameter(torch.zeros(heads * widths[i + 1])))
 
     def initial_params(self) -> Params:
-        return {"w": self.w}
+        p = {name: getattr(self, name) for name in self.weight_names}
+        p.update({name: getattr(self, name).view(1, self.heads, 1, -1) for name in self.bias_names})
+        return p
+
+    def _layer(self, p: Params, i: int, a: Tensor) -> Tensor:
+        z = a @ p[self.weight_names[i]]
+        if self.bias_names:
+            z = z + p[self.bias_names[i]]
+        return z + a if self.residual == "identity" and i > 0 else z
+
+    def _forward(self, p: Params, x: Tensor, cache: Cache | None, need_output: bool = True) -> Tensor | None:
+        a, last = x, len(self.acts) - 1
+        for i, act in enumerate(self.acts):
+            if cache is not None:
+                cache[f"a{i}"] = a  # the input of layer i
+            if i == last and act is None and not need_output:
+                return None  # the gradients need only the inputs of a linear last layer
+            z = self._layer(p, i, a)
+            if act is not None and cache is not None:
+                cache[f"z{i}"] = z
+            a = z if act is None else activation(act, z)
+        return a + x if self.residual == "add" else a
 
     def forward_train(self, p, k, grid, need_output):
-        return (k @ p["w"] if need_output else None), {}
+        cache: Cache = {}
+        return self._forward(p, k, cache, need_output), cache
 
     def grads(self, p, k, e, cache, grid):
-        return {"w": k.transpose(-2, -1) @ e}
+        out, da = {}, e  # da: dL/d(output of layer i); the "add" residual does not depend on the weights
+        for i in reversed(range(len(self.acts))):
+            act = self.acts[i]
+            dz = da if act is None else da * activation_grad(act, cache[f"z{i}"])
+            out[self.weight_names[i]] = cache[f"a{i}"].transpose(-2, -1) @ dz
+            if self.bias_names:
+                out[self.bias_names[i]] = dz.sum(-2, keepdim=True)
+            if i:
+                da = dz @ p[self.weight_names[i]].transpose(-2, -1)
+                if self.residual == "identity":
+                    da = da + dz
+        return {name: out[name] for name in p}
 
     def apply_to(self, p, q, grid):
-        return q @ p["w"]
+        return self._forward(p, q, None)
 
 
-class SiLUInner(InnerModel):
-    """``v_hat = SiLU(k W)`` (the paper's SiLU(FC))."""
+class LinearInner(FCChainInner):
+    """One FC layer ``v_hat = k W (+ b)``; with the dot loss one step is non-causal linear attention."""
 
-    def __init__(self, heads: int, head_dim: int) -> None:
-        super().__init__(heads, head_dim)
-        self.w = _init_weight((1, heads, head_dim, head_dim))
+    def __init__(self, heads: int, head_dim: int, bias: bool = False) -> None:
+        super().__init__(heads, head_dim, [head_dim, head_dim], [None], bias=bias)
 
-    def initial_params(self) -> Params:
-        return {"w": self.w}
 
-    def forward_train(self, p, k, grid, need_output):
-        z = k @ p["w"]
-        return (F.silu(z) if need_output else None), {"z": z}
+class SiLUInner(FCChainInner):
+    """``v_hat = SiLU(k W (+ b))`` (the paper's SiLU(FC))."""
 
-    def grads(self, p, k, e, cache, grid):
-        return {"w": k.transpose(-2, -1) @ (e * silu_grad(cache["z"]))}
+    def __init__(self, heads: int, head_dim: int, bias: bool = False) -> None:
+        super().__init__(heads, head_dim, [head_dim, head_dim], ["silu"], bias=bias)
 
-    def apply_to(self, p, q, grid):
-        return F.silu(q @ p["w"])
+
+class MLPInner(FCChainInner):
+    """MLP with ``layers - 1`` hidden layers of ``ratio * head_dim``: ``act(k W1) W2`` (``layers=2``, the paper's
+    2-layer MLP), ``act(act(k W1) W2) W3`` (``layers=3``), and the paper's residual variants.
+
+    ``residual="add"``: ``act(k W1) W2 + k``; ``residual="identity"``: ``act(k W1)(W2 + I)``;
+    ``identity_init``: W2 (and W3) start as I. The last two need ``ratio == 1``.
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        ratio: float = 1.0,
+        act: str = "gelu",
+        residual: str = "none",
+        identity_init: bool = False,
+        bias: bool = False,
+        layers: int = 2,
+    ) -> None:
+        hidden = round(head_dim * ratio)
+        if hidden < 1:
+            raise ValueError(f"mlp_ratio {ratio} gives an empty hidden layer for head_dim {head_dim}")
+        widths = [head_dim, *[hidden] * (layers - 1), head_dim]
+        acts = [act] * (layers - 1) + [None]
+        super().__init__(
+            heads, head_dim, widths, acts, bias=bias, residual=residual, identity_init=identity_init
+        )
+
+
+def _glu_forward(x: Tensor, w1: Tensor, w2: Tensor, cache: Cache | None) -> Tensor:
+    """``(x W1) ⊙ SiLU(x W2)``, keeping in ``cache`` what :func:`_glu_grads` needs."""
+    z1 = x @ w1
+    z2 = x @ w2
+    sig = torch.sigmoid(z2)
+    a = z2 * sig
+    if cache is not None:
+        cache.update(z1=z1, z2=z2, sig=sig, a=a)
+    return z1 * a
+
+
+def _glu_grads(x: Tensor, dh: Tensor, cache: Cache) -> tuple[Tensor, Tensor]:
+    """Gradients of ``sum <dh, (x W1) ⊙ SiLU(x W2)>`` w.r.t. W1 and W2."""
+    xt = x.transpose(-2, -1)
+    g1 = xt @ (dh * cache["a"])
+    g2 = xt @ (dh * cache["z1"] * silu_grad(cache["z2"], cache["sig"]))
+    return g1, g2
 
 
 class SwiGLUInner(InnerModel):
@@ -157,79 +338,53 @@ class SwiGLUInner(InnerModel):
         return {"w1": self.w1, "w2": self.w2}
 
     def forward_train(self, p, k, grid, need_output):
-        z1 = k @ p["w1"]
-        z2 = k @ p["w2"]
-        sig = torch.sigmoid(z2)
-        a = z2 * sig
-        return (z1 * a if need_output else None), {"z1": z1, "z2": z2, "sig": sig, "a": a}
+        cache: Cache = {}
+        out = _glu_forward(k, p["w1"], p["w2"], cache)
+        return (out if need_output else None), cache
 
     def grads(self, p, k, e, cache, grid):
-        kt = k.transpose(-2, -1)
-        g1 = kt @ (e * cache["a"])
-        g2 = kt @ (e * cache["z1"] * silu_grad(cache["z2"], cache["sig"]))
+        g1, g2 = _glu_grads(k, e, cache)
         return {"w1": g1, "w2": g2}
 
     def apply_to(self, p, q, grid):
-        return (q @ p["w1"]) * F.silu(q @ p["w2"])
+        return _glu_forward(q, p["w1"], p["w2"], None)
 
 
-class MLPInner(InnerModel):
-    """Two-layer MLP ``v_hat = act(k W1) W2`` and the paper's residual variants.
+class SwiGLUOutInner(InnerModel):
+    """SwiGLU with its output layer, ``v_hat = ((k W1) ⊙ SiLU(k W2)) W3`` (the paper's "SwiGLU" row).
 
-    ``residual="add"``: ``act(k W1) W2 + k``; ``residual="identity"``: ``act(k W1)(W2 + I)``;
-    ``identity_init``: W2 starts as I. The last two need ``ratio == 1``.
+    Hidden width ``ratio * head_dim``; all weights trunc-normal(0.02) like the official SwiGLU, or W3 = I
+    with ``identity_init`` (then the model starts as the official ``swiglu``; needs ``ratio == 1``).
     """
 
-    def __init__(
-        self,
-        heads: int,
-        head_dim: int,
-        ratio: float = 1.0,
-        act: str = "gelu",
-        residual: str = "none",
-        identity_init: bool = False,
-    ) -> None:
+    def __init__(self, heads: int, head_dim: int, ratio: float = 1.0, identity_init: bool = False) -> None:
         super().__init__(heads, head_dim)
         hidden = round(head_dim * ratio)
         if hidden < 1:
             raise ValueError(f"mlp_ratio {ratio} gives an empty hidden layer for head_dim {head_dim}")
-        if (residual == "identity" or identity_init) and hidden != head_dim:
-            raise ValueError(
-                f"mlp_residual='identity' and mlp_identity_init need mlp_ratio 1 (hidden {hidden} != {head_dim})"
-            )
-        self.act, self.residual, self.hidden = act, residual, hidden
+        if identity_init and hidden != head_dim:
+            raise ValueError(f"mlp_identity_init needs mlp_ratio 1 (hidden {hidden} != {head_dim})")
         self.w1 = _init_weight((1, heads, head_dim, hidden))
-        self.w2 = _init_weight((1, heads, hidden, head_dim))
+        self.w2 = _init_weight((1, heads, head_dim, hidden))
+        self.w3 = _init_weight((1, heads, hidden, head_dim))
         if identity_init:
             with torch.no_grad():
-                self.w2.copy_(torch.eye(head_dim).expand_as(self.w2))
+                self.w3.copy_(torch.eye(head_dim).expand_as(self.w3))
 
     def initial_params(self) -> Params:
-        return {"w1": self.w1, "w2": self.w2}
-
-    def _out(self, p: Params, x: Tensor, a: Tensor) -> Tensor:
-        y = a @ p["w2"]
-        if self.residual == "identity":
-            y = y + a
-        elif self.residual == "add":
-            y = y + x
-        return y
+        return {"w1": self.w1, "w2": self.w2, "w3": self.w3}
 
     def forward_train(self, p, k, grid, need_output):
-        h = k @ p["w1"]
-        a = _act(self.act, h)
-        return (self._out(p, k, a) if need_output else None), {"h": h, "a": a}
+        cache: Cache = {}
+        h = cache["h"] = _glu_forward(k, p["w1"], p["w2"], cache)
+        return (h @ p["w3"] if need_output else None), cache
 
     def grads(self, p, k, e, cache, grid):
-        g2 = cache["a"].transpose(-2, -1) @ e
-        da = e @ p["w2"].transpose(-2, -1)
-        if self.residual == "identity":
-            da = da + e
-        g1 = k.transpose(-2, -1) @ (da * _act_grad(self.act, cache["h"]))
-        return {"w1": g1, "w2": g2}
+        g1, g2 = _glu_grads(k, e @ p["w3"].transpose(-2, -1), cache)
+        return {"w1": g1, "w2": g2, "w3": cache["h"].transpose(-2, -1) @ e}
 
     def apply_to(self, p, q, grid):
-        return self._out(p, q, _act(self.act, q @ p["w1"]))
+        return _glu_forward(q, p["w1"], p["w2"], None) @ p["w3"]
 
 
 def tracing() -> bool:
@@ -375,23 +530,123 @@ class DWConvInner(InnerModel):
         return (-2, -1)
 
 
+class ConvInner(InnerModel):
+    """A dense 3x3 convolution over the grid (zero padding) from all ``c`` channels of a head to all ``c``.
+
+    The weight is one conv weight per head, ``[G, c_out, c_in, 3, 3]``. In the token layout the conv is an FC
+    layer on each token's 3x3 neighbourhood: ``v_hat = P(k) W`` with the patches ``P(k) [B, G, n, 9c]``
+    (``F.unfold``, row ``i * 9 + 3 * kh + kw`` for input channel ``i``) and ``W [B|1, G, 9c, c]``, so the
+    inner gradient is ``P(k)ᵀ e`` and the gradient normalisation takes each output channel's norm over its
+    ``9c`` inputs (the whole ``c_in x 3 x 3`` kernel, as ``dwconv`` does per channel). Init trunc-normal(0.02).
+    """
+
+    token_wise = False
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__(heads, head_dim)
+        self.weight = _init_weight((heads, head_dim, head_dim, 3, 3))
+
+    def initial_params(self) -> Params:
+        return {"weight": self.weight.flatten(2).transpose(-2, -1).unsqueeze(0)}  # [1, G, 9c, c]
+
+    @staticmethod
+    def patches_t(x: Tensor, grid: tuple[int, int]) -> Tensor:
+        """Transposed 3x3 patches of tokens ``[B, G, n, c]``: ``[B, G, 9c, n]``."""
+        b, g, n, c = x.shape
+        maps = x.transpose(-2, -1).reshape(b * g, c, *grid)  # [B*G, c, h, w]
+        return F.unfold(maps, 3, padding=1).view(b, g, 9 * c, n)
+
+    def forward_train(self, p, k, grid, need_output):
+        cols_t = self.patches_t(k, grid)
+        return (cols_t.transpose(-2, -1) @ p["weight"] if need_output else None), {"cols_t": cols_t}
+
+    def grads(self, p, k, e, cache, grid):
+        return {"weight": cache["cols_t"] @ e}
+
+    def apply_to(self, p, q, grid):
+        return self.patches_t(q, grid).transpose(-2, -1) @ p["weight"]
+
+
+class ResidualNormInner(InnerModel):
+    """``f(x) = x + LN(g(x))`` around a token-wise inner model ``g``: TTT-Linear / TTT-MLP (Sun et al. 2024).
+
+    The LayerNorm is per head (weight and bias ``[G * c]``, 1 and 0 at init, eps 1e-6, biased variance, as the
+    TTT code): its parameters are trained by the outer loop and fixed inside the inner loop, which trains g's
+    weights through the LayerNorm's closed-form backward (:func:`layer_norm_backward`).
+
+    With a residual loss ``l(v_hat - v)`` (MSE, RMSE, MAE, smooth-L1) training f on ``(k, v)`` is training
+    ``LN ∘ g`` on ``(k, v - k)``, the TTT code's "reconstruction target".
+    """
+
+    def __init__(self, model: InnerModel) -> None:
+        if not model.token_wise:
+            raise ValueError(f"x + LN(g(x)) needs a token-wise inner model, not {type(model).__name__}")
+        super().__init__(model.heads, model.head_dim)
+        self.model = model
+        self.ln_weight = nn.Parameter(torch.ones(model.heads * model.head_dim))
+        self.ln_bias = nn.Parameter(torch.zeros(model.heads * model.head_dim))
+
+    def _affine(self) -> tuple[Tensor, Tensor]:
+        shape = (1, self.heads, 1, self.head_dim)
+        return self.ln_weight.view(shape), self.ln_bias.view(shape)
+
+    def norm(self, z: Tensor) -> tuple[Tensor, Cache]:
+        """The LayerNorm of ``g``'s output ``[B, G, n, c]`` and what :meth:`norm_backward` needs."""
+        y, z_hat, rstd = layer_norm_forward(z, *self._affine())
+        return y, {"ln_z_hat": z_hat, "ln_rstd": rstd}
+
+    def norm_backward(self, dy: Tensor, cache: Cache) -> Tensor:
+        """``dL/dz`` from ``dL/dy`` of :meth:`norm`."""
+        return layer_norm_backward(dy, cache["ln_z_hat"], cache["ln_rstd"], self._affine()[0])
+
+    def initial_params(self) -> Params:
+        return self.model.initial_params()
+
+    def forward_train(self, p, k, grid, need_output):
+        z, cache = self.model.forward_train(p, k, grid, True)  # the norm's backward needs z for every loss
+        y, norm_cache = self.norm(z)
+        return (k + y if need_output else None), {**cache, **norm_cache}
+
+    def grads(self, p, k, e, cache, grid):
+        return self.model.grads(p, k, self.norm_backward(e, cache), cache, grid)
+
+    def apply_to(self, p, q, grid):
+        return q + self.norm(self.model.apply_to(p, q, grid))[0]
+
+    def norm_dims(self, name: str) -> tuple[int, ...]:
+        return self.model.norm_dims(name)
+
+
 def create_inner_model(name: str, heads: int, head_dim: int, cfg: object) -> InnerModel:
-    """Builds inner model ``name`` with ``heads`` heads of ``head_dim`` (options read from a ``TTTConfig``)."""
+    """Builds inner model ``name`` with ``heads`` heads of ``head_dim`` (options read from a ``TTTConfig``).
+
+    ``cfg.inner_bias`` gives the FC chains biases; ``cfg.inner_norm="ln"`` wraps a token-wise model as
+    ``x + LN(g(x))`` (``TTTConfig.branch_bias`` / ``branch_norm`` say which branches).
+    """
+    bias = cfg.branch_bias(name)
     if name == "linear":
-        return LinearInner(heads, head_dim)
-    if name == "silu":
-        return SiLUInner(heads, head_dim)
-    if name == "swiglu":
-        return SwiGLUInner(heads, head_dim)
-    if name == "mlp":
-        return MLPInner(
+        model: InnerModel = LinearInner(heads, head_dim, bias=bias)
+    elif name == "silu":
+        model = SiLUInner(heads, head_dim, bias=bias)
+    elif name == "swiglu":
+        model = SwiGLUInner(heads, head_dim)
+    elif name == "swiglu_out":
+        model = SwiGLUOutInner(heads, head_dim, ratio=cfg.mlp_ratio, identity_init=cfg.mlp_identity_init)
+    elif name in ("mlp", "mlp3"):
+        model = MLPInner(
             heads,
             head_dim,
             ratio=cfg.mlp_ratio,
             act=cfg.mlp_act,
             residual=cfg.mlp_residual,
             identity_init=cfg.mlp_identity_init,
+            bias=bias,
+            layers=3 if name == "mlp3" else 2,
         )
-    if name == "dwconv":
-        return DWConvInner(heads, head_dim)
-    raise ValueError(f"unknown inner model {name!r}")
+    elif name == "conv":
+        model = ConvInner(heads, head_dim)
+    elif name == "dwconv":
+        model = DWConvInner(heads, head_dim)
+    else:
+        raise ValueError(f"unknown inner model {name!r}")
+    return ResidualNormInner(model) if cfg.branch_norm(name) else model

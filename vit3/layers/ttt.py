@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from . import backends
-from .config import TTTConfig
+from .config import GRID_MODELS, TTTConfig
 from .fast_mix import MixBranch, MixPlan, fused_mix
 from .inner import InnerModel, Params, create_inner_model, tracing
 from .losses import loss_grad, loss_needs_prediction
@@ -22,6 +22,7 @@ from .rope import apply_rope_2d
 
 __all__ = [
     "OFFICIAL_MIXER_KEYS",
+    "NonFiniteError",
     "TTTMixer",
     "convert_official_mixer_key",
     "inner_loop",
@@ -29,6 +30,10 @@ __all__ = [
 ]
 
 CHECK_FINITE_ENV = "VIT3_CHECK_FINITE"
+
+
+class NonFiniteError(ValueError):
+    """The mixer met non-finite tokens: bad input, or (inside a finite-image training step) a diverged model."""
 
 
 def normalize_grad(g: Tensor, dims: tuple[int, ...]) -> Tensor:
@@ -128,11 +133,14 @@ class TTTMixer(nn.Module):
         self.dim, self.num_heads = dim, num_heads
         self.head_dim = head_dim = dim // num_heads
         self.branch_specs = cfg.branch_specs(num_heads)
-        self._branches = tuple((name, heads, head_dim) for name, heads in self.branch_specs)
+        # What the backend registry sees of each branch: (inner model, heads, head dim, bare model?).
+        self.plan_branches = tuple(
+            (name, heads, head_dim, cfg.plain_branch(name)) for name, heads in self.branch_specs
+        )
         self.widths = [heads * head_dim for _, heads in self.branch_specs]
         if cfg.rope:
             for (name, _), width in zip(self.branch_specs, self.widths):
-                if name != "dwconv" and width % 4:
+                if name not in GRID_MODELS and width % 4:
                     raise ValueError(f"RoPE needs branch widths divisible by 4; branch {name!r} has {width}")
         self.scale = cfg.resolve_scale(head_dim)
         total = sum(self.widths)
@@ -158,7 +166,7 @@ class TTTMixer(nn.Module):
             raise ValueError(f"grid {h}x{w} = {h * w} tokens does not fit N={n} (input {tuple(x.shape)})")
         if self.cfg.check_finite and not tracing() and os.environ.get(CHECK_FINITE_ENV, "1") != "0":
             if not torch.isfinite(x).all():
-                raise ValueError("TTTMixer input contains non-finite values (NaN or Inf)")
+                raise NonFiniteError("TTTMixer input contains non-finite values (NaN or Inf)")
 
     def _plan(self, qkv: Tensor, gates: Tensor | None, weights: list[Params]) -> backends.Plan:
         """The backends of this call (resolved once per key and cached by ``backends.plan``)."""
@@ -171,7 +179,7 @@ class TTTMixer(nn.Module):
         return backends.plan(
             (c.loss, c.steps, c.mini_batches, c.lr_mode),
             c.backend,
-            self._branches,
+            self.plan_branches,
             qkv.device,
             qkv.dtype,
             backends.token_class(qkv.shape[1]),

@@ -99,6 +99,9 @@ class Branch(NamedTuple):
     name: str  # inner model
     heads: int
     head_dim: int
+    plain: (
+        bool  # the bare inner model: no ``inner_norm`` wrapper, no ``inner_bias`` (all the fused paths take)
+    )
 
 
 class Settings(NamedTuple):
@@ -190,6 +193,13 @@ def _kernels() -> tuple[Any, str]:
     return kernels, ""
 
 
+def _bare(branch: Branch) -> str:
+    """Why a fused path cannot run ``branch`` (``""`` when it can): they implement the bare inner models."""
+    if branch.plain:
+        return ""
+    return "inner_norm / inner_bias wrap the inner model: the fused paths implement the bare models"
+
+
 def _one_step(cfg: Settings) -> str:
     """Why a fused path cannot run ``cfg``'s inner loop (``""`` when it can): one full-batch step, fixed lr."""
     if cfg.steps != 1:
@@ -208,7 +218,7 @@ def _triton_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, st
     losses = kernels.FUSED_LOSSES[branch.name]
     if cfg.loss not in losses:
         return False, f"loss {cfg.loss!r} is not fused for {branch.name!r} (fused: {', '.join(losses)})"
-    if why := _one_step(cfg):
+    if why := _bare(branch) or _one_step(cfg):
         return False, why
     if x.tracing == "trace":
         return False, "jit tracing / ONNX export: traceable ops serve"
@@ -226,8 +236,10 @@ def _triton_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, st
     return kernels.fits_device(branch.name, branch.head_dim, x.dtype, x.device)
 
 
-def _eager_why(cfg: Settings, x: Inputs) -> str:
+def _eager_why(branch: Branch, cfg: Settings, x: Inputs) -> str:
     """Why the fused eager path (and the CPU kernel inside it) cannot serve, ``""`` when it can."""
+    if why := _bare(branch):
+        return why
     if cfg.loss != "dot":
         return f"loss {cfg.loss!r} is not fused (the eager path runs the dot loss)"
     if why := _one_step(cfg):
@@ -238,12 +250,12 @@ def _eager_why(cfg: Settings, x: Inputs) -> str:
 
 
 def _eager_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    why = _eager_why(cfg, x)
+    why = _eager_why(branch, cfg, x)
     return not why, why
 
 
 def _cpu_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    if why := _eager_why(cfg, x):
+    if why := _eager_why(branch, cfg, x):
         return False, why
     if x.device.type != "cpu":
         return False, f"{x.device.type} tensors: the C++ kernel runs CPU tensors"
@@ -442,12 +454,14 @@ class BranchKey(NamedTuple):
     settings: Settings
     name: str
     head_dim: int
+    plain: bool
 
     def __str__(self) -> str:
         mode = "training" if self.grad else "inference"
         s = self.settings
+        wrapped = "" if self.plain else " (wrapped: inner_norm / inner_bias)"
         return (
-            f"{self.name} branch, head dim {self.head_dim}, {self.dtype}, {self.tokens} tokens, {mode}, "
+            f"{self.name} branch{wrapped}, head dim {self.head_dim}, {self.dtype}, {self.tokens} tokens, {mode}, "
             f"loss {s.loss}, steps {s.steps}, mini_batches {s.mini_batches}, lr_mode {s.lr_mode}"
         )
 
@@ -533,7 +547,10 @@ def reset() -> None:
 
 
 def _keys(settings: Settings, branches: tuple, x: Inputs) -> tuple[BranchKey, ...]:
-    return tuple(BranchKey(x.device, x.dtype, x.tokens, x.grad, settings, name, d) for name, _, d in branches)
+    return tuple(
+        BranchKey(x.device, x.dtype, x.tokens, x.grad, settings, name, d, plain)
+        for name, _, d, plain in branches
+    )
 
 
 def _merged(*maps: Mapping[BranchKey, Mapping[str, str]]) -> dict[BranchKey, dict[str, str]]:
@@ -551,18 +568,18 @@ def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: 
     requested, source = _requested(cfg_backend)
     keys = _keys(settings, branches, x)
     choices = [
-        _choose(Branch(i, name, heads, d), settings, x, requested, source, demoted.get(key, {}))
-        for i, ((name, heads, d), key) in enumerate(zip(branches, keys))
+        _choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
+        for i, (branch, key) in enumerate(zip(branches, keys))
     ]
     if warn and requested != "auto":
         strict = _env_flag(STRICT_ENV)
         impl = BACKENDS[requested].models
-        if impl is not None and not any(name in impl for name, _, _ in branches):
-            problems = [f"mixer: {_not_in(BACKENDS[requested], [name for name, _, _ in branches])}"]
+        if impl is not None and not any(name in impl for name, *_ in branches):
+            problems = [f"mixer: {_not_in(BACKENDS[requested], [name for name, *_ in branches])}"]
         else:
             problems = [
                 f"{name!r} branch: {c.named_refused}; {c.backend!r} serves it"
-                for (name, _, _), c in zip(branches, choices)
+                for (name, *_), c in zip(branches, choices)
                 if c.named_refused
             ]
         for problem in problems:
@@ -592,7 +609,7 @@ def plan(
     Args:
         settings: ``Settings`` fields of the mixer's config, as a tuple.
         cfg_backend: ``TTTConfig.backend``.
-        branches: ``((inner model, heads, head_dim), ...)``.
+        branches: ``((inner model, heads, head_dim, plain), ...)`` (``Branch`` fields after ``index``).
         device, dtype: of the qkv projection output.
         tokens: ``token_class(N)``.
         grad: whether gradients flow through the mixer.
@@ -860,11 +877,11 @@ def explain_mixer(
     n = grid[0] * grid[1]
     x = Inputs(device, dtype, token_class(n), grad, "")
     requested, source = _requested(cfg.backend)
-    branches = tuple((name, heads, mixer.head_dim) for name, heads in mixer.branch_specs)
+    branches = mixer.plan_branches
     demoted = _merged(_demoted, _pending)
     out = []
-    for i, ((name, heads, d), key) in enumerate(zip(branches, _keys(settings, branches, x))):
-        c = _choose(Branch(i, name, heads, d), settings, x, requested, source, demoted.get(key, {}))
+    for i, ((name, heads, d, plain), key) in enumerate(zip(branches, _keys(settings, branches, x))):
+        c = _choose(Branch(i, name, heads, d, plain), settings, x, requested, source, demoted.get(key, {}))
         out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
     return MixerExplanation(
         mixer.dim,

@@ -1,0 +1,183 @@
+"""The design-space ablation configs (configs/ablations/) and their runner (``python -m vit3.ablate``)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+from vit3 import ablate
+from vit3.ablate import ABLATIONS_DIR, TABLES, catalog_markdown, knob, load_rows, row_config
+from vit3.engine import load_config
+from vit3.engine.classification import TrainingDiverged
+from vit3.engine.config import CONFIG_DIR
+from vit3.layers import TTTConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TABLE_DIRS = [ABLATIONS_DIR / t for t in TABLES]
+ALL_ROWS = load_rows([*TABLE_DIRS, ABLATIONS_DIR / "ttt_linear.yaml", ABLATIONS_DIR / "ttt_mlp.yaml"])
+NOT_KNOBS = ("output", "_config_file", "ablation")
+
+
+def _leaves(cfg) -> dict:
+    return {k: v for k, v in ablate._flatten(cfg.to_dict()).items() if k.split(".")[0] not in NOT_KNOBS}
+
+
+class TestConfigs:
+    def test_every_table_folder_is_listed(self):
+        folders = {p.name for p in ABLATIONS_DIR.iterdir() if p.is_dir()} - {"budgets"}
+        assert folders == set(TABLES)
+
+    @pytest.mark.parametrize("table", TABLES)
+    def test_rows_change_only_their_knob(self, table):
+        """One base row equal to base.yaml; every other row changes mixer keys (and nothing else) from it."""
+        rows = load_rows([ABLATIONS_DIR / table])
+        bases = [r for r in rows if r.base]
+        assert len(bases) == 1, f"{table}: {len(bases)} base rows"
+        base = bases[0]
+        assert _leaves(base.cfg) == _leaves(load_config(ABLATIONS_DIR / "base.yaml"))
+        assert len({r.label for r in rows}) == len(rows) and len({r.order for r in rows}) == len(rows)
+        assert len({r.table for r in rows}) == 1
+        for row in rows:
+            if row is base:
+                continue
+            mine, ref = _leaves(row.cfg), _leaves(base.cfg)
+            changed = {k for k in mine.keys() | ref.keys() if mine.get(k) != ref.get(k)}
+            assert changed, f"{row.path} changes nothing"
+            assert all(k.startswith("model.kwargs.ttt_cfg.") for k in changed), f"{row.path}: {changed}"
+
+    @pytest.mark.parametrize("row", ALL_ROWS, ids=lambda r: f"{r.path.parent.name}/{r.name}")
+    def test_rows_inherit_the_imagenet_recipe(self, row):
+        recipe = load_config(CONFIG_DIR / "imagenet" / "vit3_small.yaml")
+        for section in ("data", "aug", "train"):
+            assert row.cfg[section].to_dict() == recipe[section].to_dict(), f"{row.path}: {section}"
+        assert (
+            row.cfg.model.name == "vit3_small" and row.cfg.model.drop_path_rate == recipe.model.drop_path_rate
+        )
+        assert set(row.cfg.model.kwargs) == {"ttt_cfg"}
+        TTTConfig.create(row.cfg.model.kwargs.ttt_cfg)  # a valid mixer config
+
+    @pytest.mark.parametrize("row", ALL_ROWS, ids=lambda r: f"{r.path.parent.name}/{r.name}")
+    def test_rows_run_under_the_quick_budget(self, row, tmp_path):
+        """Each row builds and trains one step at the runner's quick budget, its mixer config untouched."""
+        cfg = row_config(row, tmp_path, quick=True)
+        assert cfg.model.kwargs.ttt_cfg == row.cfg.model.kwargs.ttt_cfg
+        model = timm.create_model(cfg.model.name, num_classes=10, **cfg.model.kwargs)
+        logits = model(torch.randn(2, 1, cfg.data.img_size, cfg.data.img_size))
+        logits.sum().backward()
+        assert logits.shape == (2, 10) and torch.isfinite(logits).all()
+
+    def test_readme_table_is_the_catalog(self):
+        readme = (ABLATIONS_DIR / "README.md").read_text(encoding="utf-8")
+        assert catalog_markdown() in readme, (
+            "configs/ablations/README.md: rerun `python -m vit3.ablate --catalog`"
+        )
+
+    def test_knob_names_the_change(self):
+        rows = {r.path.relative_to(ABLATIONS_DIR).as_posix(): r for r in ALL_ROWS}
+        base = rows["loss/dot.yaml"]
+        assert knob(rows["loss/mse.yaml"], base) == "loss=mse"
+        assert knob(rows["inner_model/conv.yaml"], base) == "branches=conv"
+        assert knob(base, base) == ""
+
+
+class TestBudget:
+    def test_mnist_budget_keeps_the_knob_and_shrinks_the_backbone(self, tmp_path):
+        row = next(r for r in ALL_ROWS if r.path.name == "n4.yaml")
+        cfg = row_config(row, tmp_path, epochs=3)
+        assert cfg.data.dataset == "mnist5k" and cfg.model.kwargs.in_chans == 1
+        assert cfg.model.kwargs.ttt_cfg.mini_batches == 4 and cfg.model.kwargs.num_heads == 6
+        assert cfg.train.epochs == 3 and cfg.train.warmup_epochs == pytest.approx(3 / 6)
+        assert cfg.output == str(tmp_path / "n4") and cfg.train.progress == "run"
+
+    def test_folder_data_keeps_the_recipe(self, tmp_path):
+        row = ALL_ROWS[0]
+        cfg = row_config(row, tmp_path, data="/data/imagenet", overrides=["device=cuda"])
+        assert cfg.data.dataset == "folder" and cfg.data.path == "/data/imagenet" and cfg.device == "cuda"
+        assert cfg.model.kwargs.to_dict() == row.cfg.model.kwargs.to_dict() and cfg.train.epochs == 300
+
+    def test_bad_override_is_a_clear_error(self, tmp_path, capsys):
+        assert ablate.main([str(ABLATIONS_DIR / "loss"), "train.epochz=3", "--output", str(tmp_path)]) == 2
+        assert "unknown config key 'train.epochz'" in capsys.readouterr().err
+
+    def test_missing_table_is_a_clear_error(self, tmp_path, capsys):
+        assert ablate.main([str(tmp_path / "nope")]) == 2
+        assert "not found" in capsys.readouterr().err
+
+
+def test_runner_reports_diverged_and_failed_rows(monkeypatch, tmp_path):
+    """Diverged rows are reported as diverged, failures as errors (exit status 1), and the table still comes out."""
+
+    def fake_train(cfg):
+        name = Path(cfg.output).name
+        if name == "mae":
+            raise TrainingDiverged("non-finite training loss nan at epoch 1, batch 3")
+        if name == "rmse":
+            raise RuntimeError("out of memory")
+        Path(cfg.output).mkdir(parents=True)
+        return {"final": {"val_top1": 50.0 + len(name), "val_top5": 90.0, "val_loss": 1.0}}
+
+    monkeypatch.setattr(ablate, "_train_row", fake_train)
+    assert ablate.main([str(ABLATIONS_DIR / "loss"), "--quick", "--output", str(tmp_path)]) == 1
+    with open(tmp_path / "results.csv", encoding="utf-8") as f:
+        rows = {r["row"]: r for r in csv.DictReader(f)}
+    assert rows["MAE"]["status"] == "diverged" and "non-finite" in rows["MAE"]["message"]
+    assert rows["RMSE"]["status"] == "error" and "out of memory" in rows["RMSE"]["message"]
+    assert rows["MSE"]["status"] == "ok" and float(rows["MSE"]["top1"]) == 53.0
+    assert rows["MSE"]["paper_top1"] == "79.2" and rows["MSE"]["change"] == "loss=mse"
+    md = (tmp_path / "results.md").read_text(encoding="utf-8")
+    assert "| MAE | `loss/mae.yaml` | loss=mae | 76.5 | -2.40 | diverged |" in md
+    assert "| MSE | `loss/mse.yaml` | loss=mse | 79.2 | +0.30 | 53.00 | +0.00 | ok |" in md
+    assert (tmp_path / "results.png").stat().st_size > 0
+
+
+def test_training_divergence_raises_training_diverged(tmp_path):
+    """The engine's hook: an absurd outer lr blows the model up; the run ends with TrainingDiverged."""
+    from vit3.engine import run
+
+    row = next(r for r in ALL_ROWS if r.path.name == "dot.yaml")
+    cfg = row_config(row, tmp_path, quick=True, overrides=["train.base_lr=1e6", "train.warmup_epochs=0"])
+    cfg.set_path("train.progress", False)
+    with pytest.raises(TrainingDiverged, match="non-finite"):
+        run(cfg, "train")
+
+
+def test_spearman():
+    assert ablate.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert ablate.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert ablate.spearman([1, 2], [1, 2]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_loss_table_end_to_end(tmp_path):
+    """The CI smoke test: ``python -m vit3.ablate configs/ablations/loss/ --quick`` trains all five rows."""
+    assert ablate.main([str(ABLATIONS_DIR / "loss"), "--quick", "--output", str(tmp_path)]) == 0
+    with open(tmp_path / "results.csv", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["row"] for r in rows] == ["dot product", "MSE", "RMSE", "MAE", "smooth L1"]
+    for r in rows:
+        assert r["status"] in ("ok", "diverged"), r
+        if r["status"] == "ok":
+            assert 10.0 < float(r["top1"]) <= 100.0  # above chance on the digits
+            assert (Path(r["output"]) / "last.pt").is_file()
+    assert (tmp_path / "results.md").is_file() and (tmp_path / "results.png").stat().st_size > 0
+
+
+def test_nonfinite_tokens_in_a_training_step_are_divergence():
+    """A TTT mixer meeting NaN tokens inside a training step (the images are checked first) means divergence."""
+    from vit3.engine.classification import _diverged_on_nonfinite_tokens
+    from vit3.layers import TTTMixer
+
+    x = torch.randn(1, 12, 16)
+    x[0, 3, 2] = float("nan")
+    with pytest.raises(TrainingDiverged, match="non-finite activations at epoch 1"):
+        with _diverged_on_nonfinite_tokens("at epoch 1, batch 0"):
+            TTTMixer(16, 2)(x, (3, 4))
+    with pytest.raises(ValueError, match="C=16 channels got C=8"):  # other errors pass through unchanged
+        with _diverged_on_nonfinite_tokens("at epoch 1, batch 0"):
+            TTTMixer(16, 2)(torch.randn(1, 12, 8), (3, 4))

@@ -1,0 +1,484 @@
+"""The paper's design-space tables, runnable: ``python -m vit3.ablate configs/ablations/<table>/``.
+
+Every YAML of ``configs/ablations/<table>/`` is one row of a table of the ViT³ design-space study: the study's
+backbone (``configs/ablations/base.yaml``: DeiT-S-sized plain ViT³ with the ImageNet-1K recipe) with one knob
+changed, and an ``ablation:`` section naming the table, the row and the paper's ImageNet-1K top-1
+(a number, ``diverged`` or null when not reported). The runner trains every row under one budget through the
+classification engine (:func:`vit3.engine.classification.train`) and writes, in its output folder,
+``results.csv``, ``results.md`` (the table beside the paper's numbers) and ``results.png`` (a bar chart), and
+one run folder per row. A row whose training diverges is reported as ``diverged``; a row that fails for
+another reason is reported as ``error`` (the other rows still run; the exit status is then 1).
+
+Budgets (the same for every row of a table; the rows' mixer configs are never touched):
+
+* default: the embedded MNIST demo data with the backbone shrunk alike for all rows
+  (``configs/ablations/budgets/mnist.yaml``);
+* ``--data PATH``: an image folder (``PATH/train/<class>/*``, ``PATH/val/<class>/*``) with the rows' own
+  recipe (on ImageNet-1K: the paper's setting, 300 epochs of the DeiT-S-sized model);
+* ``--quick``: ``budgets/quick.yaml`` on top (one epoch of a smaller backbone at 32x32): a table in a few
+  minutes on a 2-core CPU;
+* ``--epochs N``: N epochs (the warmup keeps its fraction of the schedule).
+
+Examples::
+
+    python -m vit3.ablate configs/ablations/loss/ --quick
+    python -m vit3.ablate configs/ablations/inner_model/ --output output/ablations/inner_model
+    python -m vit3.ablate configs/ablations/lr/ --data /data/imagenet --epochs 100 device=cuda
+    python -m vit3.ablate configs/ablations/ttt_linear.yaml configs/ablations/ttt_mlp.yaml --quick
+    python -m vit3.ablate --catalog   # the table of configs/ablations/README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .engine import Config, ConfigError, load_config
+from .engine.config import CONFIG_DIR, parse_override
+
+ABLATIONS_DIR = CONFIG_DIR / "ablations"
+BUDGET_DIR = ABLATIONS_DIR / "budgets"
+# Keys that differ between rows without being a knob of the study.
+_BOOKKEEPING = ("output", "_config_file", "ablation")
+_KNOB_PREFIX = "model.kwargs.ttt_cfg."
+# The table folders of configs/ablations in the paper's order.
+TABLES = ("loss", "batch", "epochs", "lr", "inner_model", "deep_fixes", "scale")
+
+__all__ = ["Row", "RowResult", "catalog_markdown", "load_rows", "main", "row_config", "run_rows"]
+
+
+# ------------------------------------------------------------------------------------------------- rows
+@dataclass
+class Row:
+    """One row of a design-space table: its config file and what the paper reports for it."""
+
+    path: Path
+    table: str
+    label: str
+    paper: float | str | None  # ImageNet-1K top-1, "diverged", or None (not reported)
+    order: int
+    base: bool
+    cfg: Config = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists and scalars are leaves)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def _read_row(path: Path) -> Row:
+    cfg = load_config(path)
+    meta = cfg.get("ablation")
+    if not isinstance(meta, Mapping) or "table" not in meta or "row" not in meta:
+        raise ConfigError(
+            f"{path} is not an ablation row: it needs an 'ablation:' section with table and row"
+        )
+    paper = meta.get("paper_top1")
+    if not (paper is None or paper == "diverged" or isinstance(paper, (int, float))):
+        raise ConfigError(f"{path}: ablation.paper_top1 must be a number, 'diverged' or null, got {paper!r}")
+    return Row(
+        path, str(meta.table), str(meta.row), paper, int(meta.get("order", 0)), bool(meta.get("base")), cfg
+    )
+
+
+def load_rows(paths: Sequence[str | Path]) -> list[Row]:
+    """The rows of the given table folders and/or row files, in table order (``ablation.order``).
+
+    Raises:
+        ConfigError: a path that does not exist, a folder without YAML files, a file without ``ablation:``.
+    """
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found = sorted(path.glob("*.yaml"))
+            if not found:
+                raise ConfigError(f"no *.yaml rows in {path}")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ConfigError(f"ablation table or row not found: {path}")
+    rows = [_read_row(f) for f in files]
+    return sorted(rows, key=lambda r: (r.table, r.order, r.name))
+
+
+def knob(row: Row, base: Row | None) -> str:
+    """What ``row`` changes from ``base``: ``"loss=mse"`` (mixer keys without their prefix), ``""`` for the base."""
+    if base is None:
+        return ""
+    mine, ref = _flatten(row.cfg.to_dict()), _flatten(base.cfg.to_dict())
+    changed = []
+    for key in sorted(set(mine) | set(ref)):
+        if key.split(".")[0] in _BOOKKEEPING or mine.get(key) == ref.get(key):
+            continue
+        value = mine.get(key)
+        shown = ",".join(map(str, value)) if isinstance(value, list) else value
+        changed.append(f"{key.removeprefix(_KNOB_PREFIX)}={shown}")
+    return " ".join(changed)
+
+
+def _base_row(rows: Sequence[Row]) -> Row | None:
+    bases = [r for r in rows if r.base]
+    return bases[0] if len(bases) == 1 else None
+
+
+# ----------------------------------------------------------------------------------------------- budget
+def _apply(cfg: Config, overlay: Mapping[str, Any]) -> None:
+    for key, value in _flatten(overlay).items():
+        cfg.set_path(key, value)
+
+
+def row_config(
+    row: Row,
+    out: Path,
+    *,
+    data: str | None = None,
+    quick: bool = False,
+    epochs: int | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """The config one row trains with under the runner's budget (see the module docstring).
+
+    Raises:
+        ConfigError: an override names an unknown key.
+    """
+    cfg = load_config(row.path)
+    overlays = [] if data else [BUDGET_DIR / "mnist.yaml"]
+    overlays += [BUDGET_DIR / "quick.yaml"] if quick else []
+    for path in overlays:
+        overlay = load_config(path).to_dict()
+        overlay.pop("_config_file", None)
+        _apply(cfg, overlay)
+    if data:
+        _apply(cfg, {"data": {"dataset": "folder", "path": str(data)}})
+    if epochs is not None:
+        if epochs < 1:
+            raise ConfigError(f"--epochs must be >= 1, got {epochs}")
+        warmup = float(cfg.train.warmup_epochs) * epochs / float(cfg.train.epochs)
+        _apply(cfg, {"train": {"epochs": epochs, "warmup_epochs": warmup}})
+    for text in overrides:
+        cfg.set_path(*parse_override(text))
+    _apply(cfg, {"output": str(out / row.name), "train": {"progress": "run"}})
+    return cfg
+
+
+def budget_summary(cfg: Config) -> str:
+    """One line describing the budget a row config trains with."""
+    kw = cfg.model.kwargs
+    backbone = ", ".join(f"{k} {kw[k]}" for k in ("embed_dim", "depth", "num_heads", "patch_size") if k in kw)
+    data = "MNIST demo digits" if cfg.data.dataset == "mnist5k" else f"image folder {cfg.data.path}"
+    return (
+        f"{cfg.model.name} ({backbone or 'default size'}) at {cfg.data.img_size}px on {data}, "
+        f"{cfg.train.epochs} epoch(s), batch {cfg.data.batch_size}, seed {cfg.seed}"
+    )
+
+
+# -------------------------------------------------------------------------------------------------- run
+@dataclass
+class RowResult:
+    """What one row's run gave."""
+
+    row: Row
+    knob: str
+    status: str  # "ok" | "diverged" | "error"
+    top1: float | None = None
+    top5: float | None = None
+    val_loss: float | None = None
+    params_m: float | None = None
+    wall_s: float = 0.0
+    message: str = ""
+    output: str = ""
+
+
+def _train_row(cfg: Config) -> dict[str, Any]:
+    from .engine import run
+
+    return run(cfg, "train")
+
+
+def run_rows(rows: Sequence[Row], out: Path, log=print, **budget: Any) -> list[RowResult]:
+    """Trains every row under the same budget (keywords of :func:`row_config`); never raises for one row."""
+    from .engine.classification import TrainingDiverged
+
+    base = _base_row(rows)
+    results = []
+    for i, row in enumerate(rows, 1):
+        res = RowResult(row, knob(row, base), "error")
+        log(f"[{i}/{len(rows)}] {row.table}: {row.label} ({row.path}) {res.knob}")
+        tick = time.perf_counter()
+        try:
+            cfg = row_config(row, out, **budget)
+            res.output = str(cfg.output)
+            final = _train_row(cfg)["final"]
+            res.status = "ok"
+            res.top1, res.top5, res.val_loss = (
+                final.get("val_top1"),
+                final.get("val_top5"),
+                final.get("val_loss"),
+            )
+            res.params_m = _params_m(cfg)
+        except TrainingDiverged as exc:
+            res.status, res.message = "diverged", str(exc)
+        except Exception as exc:  # one failing row must not lose the others: it is reported as an error
+            res.message = f"{type(exc).__name__}: {exc}"
+            log(traceback.format_exc())
+        res.wall_s = time.perf_counter() - tick
+        log(
+            f"    -> {res.status}"
+            + (f": top-1 {res.top1:.2f}%" if res.top1 is not None else f" ({res.message})")
+        )
+        results.append(res)
+    return results
+
+
+def _params_m(cfg: Config) -> float | None:
+    """Parameters (millions) of the row's trained model, read from its last checkpoint."""
+    from .engine.checkpoint import load_checkpoint
+
+    try:
+        state = load_checkpoint(Path(cfg.output) / "last.pt")["model"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return sum(t.numel() for t in state.values()) / 1e6  # the plain ViT³ has no buffers
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _paper(paper: float | str | None) -> str:
+    if paper is None:
+        return "n/a"
+    return paper if isinstance(paper, str) else f"{paper:.1f}"
+
+
+def _ours(res: RowResult) -> str:
+    if res.status == "ok" and res.top1 is not None:
+        return f"{res.top1:.2f}"
+    return res.status
+
+
+def _delta(value: float | None, ref: float | None) -> str:
+    if value is None or ref is None:
+        return ""
+    return f"{value - ref:+.2f}" if isinstance(value, float) and isinstance(ref, float) else ""
+
+
+def _num(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    """Ranks (1-based, ties averaged)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of two equally long sequences (``None`` below 3 points or without spread)."""
+    if len(xs) < 3:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var > 0 else None
+
+
+def results_markdown(results: Sequence[RowResult], budget: str, command: str) -> str:
+    """The results as a markdown table beside the paper's numbers (Δ: against the table's base row)."""
+    base = next((r for r in results if r.row.base), None)
+    paper_ref = _num(base.row.paper) if base else None
+    ours_ref = base.top1 if base and base.status == "ok" else None
+    tables = sorted({r.row.table for r in results})
+    lines = [
+        f"### {' / '.join(tables)}",
+        "",
+        f"Budget: {budget}. Command: `{command}`. Paper: ImageNet-1K top-1 of the DeiT-S-sized model, 300 epochs.",
+        "",
+        "| row | config | change | paper top-1 | Δ paper | top-1 here | Δ here | status | wall (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        label = f"**{r.row.label}** (base)" if r.row.base else r.row.label
+        lines.append(
+            f"| {label} | `{r.row.path.parent.name}/{r.row.path.name}` | {r.knob or '—'} | {_paper(r.row.paper)} "
+            f"| {_delta(_num(r.row.paper), paper_ref)} | {_ours(r)} | {_delta(r.top1, ours_ref)} | {r.status} "
+            f"| {r.wall_s:.0f} |"
+        )
+    pairs = [
+        (_num(r.row.paper), r.top1) for r in results if _num(r.row.paper) is not None and r.top1 is not None
+    ]
+    rho = spearman([p for p, _ in pairs], [o for _, o in pairs])
+    total = sum(r.wall_s for r in results)
+    lines += ["", f"Total wall time: {total:.0f} s."]
+    if rho is not None:
+        lines.append(f"Rank correlation with the paper (Spearman, {len(pairs)} rows): {rho:+.2f}.")
+    return "\n".join(lines) + "\n"
+
+
+CSV_FIELDS = (
+    "table", "row", "file", "base", "change", "paper_top1", "status", "top1", "top5", "val_loss", "params_m",
+    "wall_s", "output", "message",
+)  # fmt: skip
+
+
+def write_csv(results: Sequence[RowResult], path: Path) -> Path:
+    """One line per row (``CSV_FIELDS``)."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for r in results:
+            writer.writerow(
+                {
+                    "table": r.row.table, "row": r.row.label, "file": str(r.row.path), "base": r.row.base,
+                    "change": r.knob, "paper_top1": "" if r.row.paper is None else r.row.paper, "status": r.status,
+                    "top1": r.top1, "top5": r.top5, "val_loss": r.val_loss, "params_m": r.params_m,
+                    "wall_s": round(r.wall_s, 1), "output": r.output, "message": r.message,
+                }
+            )  # fmt: skip
+    return path
+
+
+def plot_results(results: Sequence[RowResult], path: Path, budget: str) -> Path | None:
+    """Side-by-side horizontal bars: the paper's ImageNet-1K top-1 and this run's top-1, one bar per row."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # headless
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    labels = [r.row.label + (" (base)" if r.row.base else "") for r in results]
+    panels = [
+        (
+            "paper: ImageNet-1K top-1 (%)",
+            [_num(r.row.paper) for r in results],
+            [_paper(r.row.paper) for r in results],
+        ),
+        ("this run: val top-1 (%)", [r.top1 for r in results], [_ours(r) for r in results]),
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(results) + 1.6), sharey=True)
+    for ax, (title, values, texts) in zip(axes, panels):
+        known = [v for v in values if v is not None]
+        lo = min(known) if known else 0.0
+        hi = max(known) if known else 1.0
+        pad = max(0.5, 0.15 * (hi - lo))
+        left = max(0.0, lo - pad)
+        ys = list(range(len(results)))
+        colours = ["tab:orange" if r.row.base else "tab:blue" for r in results]
+        ax.barh(ys, [(v if v is not None else left) - left for v in values], left=left, color=colours)
+        for y, v, text in zip(ys, values, texts):
+            ax.text(v if v is not None else left, y, f" {text}", va="center", fontsize=8,
+                    color="black" if v is not None else "tab:red")  # fmt: skip
+        ax.set_xlim(left, hi + 1.2 * pad)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(results)), labels, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"{' / '.join(sorted({r.row.table for r in results}))}\n{budget}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- catalog
+def catalog_markdown(root: Path = ABLATIONS_DIR) -> str:
+    """The table of every ablation row under ``root``: file, table, row, change from the base, paper top-1."""
+    lines = [
+        "| file | table | paper's row | change from `base.yaml` | paper top-1 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    folders = [root / t for t in TABLES if (root / t).is_dir()]
+    folders += sorted(p for p in root.iterdir() if p.is_dir() and p not in folders and p.name != "budgets")
+    rows = [row for d in folders for row in load_rows([d])]  # the paper's table order, then row order
+    rows += load_rows(sorted(p for p in root.glob("*.yaml") if p.name != "base.yaml"))
+    base = Row(root / "base.yaml", "", "", None, 0, True, load_config(root / "base.yaml"))
+    for row in rows:
+        rel = row.path.relative_to(root).as_posix()
+        change = knob(row, base) or "— (base row)"
+        lines.append(f"| `{rel}` | {row.table} | {row.label} | {change} | {_paper(row.paper)} |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vit3.ablate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "paths", nargs="*", help="table folders and/or row files, then key.sub=value overrides"
+    )
+    parser.add_argument("--data", default=None, help="an image folder (default: the embedded MNIST digits)")
+    parser.add_argument("--quick", action="store_true", help="the quick budget (budgets/quick.yaml)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs per row (warmup scaled alike)")
+    parser.add_argument("--output", default=None, help="results folder (default: output/ablations/<table>)")
+    parser.add_argument("--catalog", action="store_true", help="print the table of all rows and exit")
+    args = parser.parse_intermixed_args(argv)  # paths, options and overrides in any order
+    if args.catalog:
+        try:
+            print(catalog_markdown(), end="")
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    paths = [p for p in args.paths if "=" not in p]
+    overrides = [p for p in args.paths if "=" in p]
+    if not paths:
+        parser.error("give a table folder (e.g. configs/ablations/loss/) or row files")
+    try:
+        rows = load_rows(paths)
+        if args.output:
+            out = Path(args.output)
+        else:
+            name = Path(paths[0]).stem if len(paths) == 1 else "custom"
+            out = Path("output/ablations") / (name + ("-quick" if args.quick else ""))
+        budget = dict(data=args.data, quick=args.quick, epochs=args.epochs, overrides=overrides)
+        summary = budget_summary(row_config(rows[0], out, **budget))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{len(rows)} row(s); budget: {summary}; results in {out}")
+    results = run_rows(rows, out, **budget)
+    command = "python -m vit3.ablate " + " ".join(argv if argv is not None else sys.argv[1:])
+    md = results_markdown(results, summary, command)
+    (out / "results.md").write_text(md, encoding="utf-8")
+    write_csv(results, out / "results.csv")
+    png = plot_results(results, out / "results.png", summary)
+    print("\n" + md)
+    print(f"wrote {out / 'results.csv'}, {out / 'results.md'}" + (f", {png}" if png else ""))
+    return 1 if any(r.status == "error" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
