@@ -1,4 +1,4 @@
-"""Per-epoch metrics as CSV and JSON, and the loss / accuracy curves as a PNG."""
+"""Per-epoch metrics as CSV and JSON, and loss / accuracy curves as PNGs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_curves", "write_metrics"]
+__all__ = ["plot_curves", "plot_series", "write_metrics"]
 
 
 def _atomic_text(path: Path, text: str) -> None:
@@ -61,6 +61,41 @@ def plot_curves(history: Sequence[Mapping[str, Any]], path: str | Path) -> Path 
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_series(
+    panels: Mapping[str, Mapping[str, Sequence[tuple[float, float]]]],
+    path: str | Path,
+    xlabel: str = "step",
+    log_y: bool = False,
+) -> Path | None:
+    """One panel per entry of ``panels`` (title -> {label: [(x, y), ...]}), saved as a PNG.
+
+    Returns ``None`` (and writes nothing) when no series has a point.
+    """
+    panels = {title: {k: v for k, v in lines.items() if v} for title, lines in panels.items()}
+    panels = {title: lines for title, lines in panels.items() if lines}
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels.items()):
+        for label, pts in lines.items():
+            ax.plot(*zip(*pts), label=label)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set(xlabel=xlabel, title=title)
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
