@@ -169,7 +169,7 @@ def test_bad_sampling_requests_are_named(trained, args, error, match):
 
 def test_guidance_needs_a_model_trained_with_label_dropout(digits, tmp_path):
     with pytest.raises(ConfigError, match=r"sample.cfg_scale=2.0 needs the null class"):
-        run(tiny_gen_cfg(digits, tmp_path, "model.class_dropout_prob=0"), "train")
+        run(tiny_gen_cfg(digits, tmp_path, "model.class_dropout_prob=0", "train.final_eval=true"), "train")
     out = tmp_path / "nocfg"
     run(
         tiny_gen_cfg(digits, out, "model.class_dropout_prob=0", "sample.cfg_scale=1", "train.epochs=1"),

@@ -121,7 +121,7 @@ def build_diffusion(cfg: Config, learn_sigma: bool) -> GaussianDiffusion:
     )
 
 
-def _check_cfg(cfg: Config) -> None:
+def _check_cfg(cfg: Config, sampling: bool) -> None:
     t, s = cfg.train, cfg.sample
     if t.amp not in AMP_MODES:
         raise ConfigError(f"train.amp must be one of {', '.join(AMP_MODES)}, got '{t.amp}'")
@@ -131,7 +131,7 @@ def _check_cfg(cfg: Config) -> None:
         raise ConfigError(f"sample.sampler must be one of {', '.join(SAMPLERS)}, got '{s.sampler}'")
     if int(t.accum_steps) < 1 or int(t.epochs) < 1:
         raise ConfigError(f"train.accum_steps and train.epochs must be >= 1, got {t.accum_steps}, {t.epochs}")
-    if float(s.cfg_scale) != 1.0 and float(cfg.model.class_dropout_prob) <= 0:
+    if sampling and float(s.cfg_scale) != 1.0 and float(cfg.model.class_dropout_prob) <= 0:
         raise ConfigError(
             f"sample.cfg_scale={s.cfg_scale} needs the null class, but model.class_dropout_prob=0 trains none: "
             f"set sample.cfg_scale=1 or model.class_dropout_prob > 0"
@@ -235,7 +235,7 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
 
 
 def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
-    _check_cfg(cfg)
+    _check_cfg(cfg, sampling=bool(cfg.train.final_eval))
     _set_threads(cfg)
     torch.manual_seed(cfg.seed + info.rank)
     random.seed(cfg.seed + info.rank)
@@ -659,7 +659,7 @@ def evaluate(cfg: Config) -> dict[str, Any]:
 
 
 def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
-    _check_cfg(cfg)
+    _check_cfg(cfg, sampling=False)  # the model itself says whether it has the null class
     _set_threads(cfg)
     path = str(cfg.eval.checkpoint)
     if not path:

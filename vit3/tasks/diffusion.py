@@ -31,9 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
-from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor, nn
+
+try:
+    from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
+    from diffusers.utils.torch_utils import randn_tensor
+except ImportError as exc:  # the generation extra is not installed
+    raise ImportError(f"DiT³ diffusion needs diffusers: pip install -e '.[generation]' ({exc})") from exc
 
 __all__ = [
     "SAMPLERS",
