@@ -14,8 +14,12 @@ from vit3.engine.config import CONFIG_DIR
 
 DEMO = CONFIG_DIR / "generation" / "demo_mnist.yaml"
 
-# A DiT³ small enough for a few CPU seconds per epoch on 28x28 digits (7x7 tokens).
-TINY_DIT = ["model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}"]
+# A DiT³ small enough for a few CPU seconds per epoch on 28x28 digits (patch 4: 7x7 tokens).
+TINY_DIT = [
+    "model.name=dit3_s_4",
+    "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}",
+    "data.img_size=28",
+]
 
 
 def write_tiny_vae(root: Path) -> Path:
@@ -57,6 +61,7 @@ def tiny_gen_cfg(data_root: Path, out: Path, *overrides: str) -> Config:
             "sample.num_samples=8",
             "sample.batch_size=4",
             "sample.steps=3",
+            "sample.cfg_scale=2",
             "metrics.classifier=",
             *TINY_DIT,
             *overrides,

@@ -133,7 +133,7 @@ def _check_cfg(cfg: Config, sampling: bool) -> None:
         raise ConfigError(f"train.accum_steps and train.epochs must be >= 1, got {t.accum_steps}, {t.epochs}")
     if sampling and float(s.cfg_scale) != 1.0 and float(cfg.model.class_dropout_prob) <= 0:
         raise ConfigError(
-            f"sample.cfg_scale={s.cfg_scale} needs the null class, but model.class_dropout_prob=0 trains none: "
+            f"sample.cfg_scale={float(s.cfg_scale)} needs the null class, but model.class_dropout_prob=0 trains none: "
             f"set sample.cfg_scale=1 or model.class_dropout_prob > 0"
         )
 
@@ -571,7 +571,7 @@ def sample_and_evaluate(
     s, m = cfg.sample, cfg.metrics
     if float(s.cfg_scale) != 1.0 and not model.has_null_class:
         raise ConfigError(
-            f"sample.cfg_scale={s.cfg_scale} needs the null class, but this model has none (trained with "
+            f"sample.cfg_scale={float(s.cfg_scale)} needs the null class, but this model has none (trained with "
             f"class_dropout_prob=0): pass --cfg-scale 1"
         )
     labels = _labels(cfg, model.num_classes)
