@@ -279,3 +279,27 @@ def test_torchrun_two_processes_train_and_sample(digits, tmp_path):
     assert read_ckpt(out / "last.pt")["global_step"] == 12  # 240 images / (2 ranks x 10)
     npz = np.load(out / "samples" / "samples.npz")
     assert npz["labels"].tolist() == [0, 1, 2, 3, 0]  # both ranks' shards, back in sample order
+
+
+def test_eval_samples_from_an_official_file_named_by_model_and_config(trained, tmp_path):
+    """A bare official-format state dict (official mixer names, its pos_embed table) samples through eval.py."""
+    from conftest_generation import DEMO, TINY_DIT
+
+    from vit3.models.dit3 import sincos_pos_embed_2d
+
+    out, _ = trained
+    state = {}
+    for k, v in read_ckpt(out / "last.pt")["ema"].items():
+        for ours, theirs in (("inner.0.w1", "w1"), ("inner.0.w2", "w2"), ("inner.1.weight", "w3")):
+            k = k.replace(f"attn.{ours}", f"attn.{theirs}")
+        state[k] = v
+    state["pos_embed"] = sincos_pos_embed_2d(32, (7, 7))[None]
+    torch.save(state, tmp_path / "official.pt")
+    eval_script = load_script("eval")
+    options = ["--checkpoint", str(tmp_path / "official.pt"), "--config", str(DEMO), "--num-samples", "4"]
+    overrides = [*TINY_DIT, "model.num_classes=4", "metrics.classifier=", f"sample.out={tmp_path / 's'}"]
+    args = [*options, "--steps", "2", *overrides]
+    assert eval_script.main(args) == 0
+    assert np.load(tmp_path / "s" / "samples.npz")["arr_0"].shape == (4, 28, 28, 3)
+    with pytest.raises(ConfigError, match=r"set model.num_classes"):
+        eval_script.main([*args, "model.num_classes=null"])  # later overrides win
