@@ -3,10 +3,14 @@
     python eval.py --checkpoint output/demo/best.pt                  # the demo's own val split
     python eval.py --checkpoint run/best.pt --data /data/imagenet --img-size 224 256 --ema
     python eval.py --checkpoint h_vittt_t.pth --model h_vit3_tiny --data /data/imagenet   # official file
+    python eval.py --checkpoint output/gen_demo/last.pt --sampler ddim --steps 50 --cfg-scale 4   # generation
 
 A vit3 checkpoint carries its config (model, preprocessing, dataset), so only ``--checkpoint`` is needed;
 an official checkpoint takes its model from ``--model`` and the rest from ``--config`` (default:
-configs/default.yaml). Further ``key.sub=value`` overrides apply on top.
+configs/default.yaml; for an official DiT³ file a generation config, e.g.
+``--config configs/generation/imagenet256.yaml --model dit3_b_2``). Further ``key.sub=value`` overrides apply
+on top. A generation checkpoint samples images (grid PNG, ``.npz`` for the reference evaluation suite) and
+computes the metrics its config asks for.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights (eval.use_ema)")
     parser.add_argument("--batch-size", type=int, default=None, help="eval.batch_size")
     parser.add_argument("--json", default=None, help="output JSON path (eval.json)")
+    gen = parser.add_argument_group("generation (task: generation)")
+    gen.add_argument("--sampler", choices=("ddpm", "ddim", "dpm++"), default=None, help="sample.sampler")
+    gen.add_argument("--steps", type=int, default=None, help="sampling steps (sample.steps)")
+    gen.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (sample.cfg_scale)")
+    gen.add_argument("--num-samples", type=int, default=None, help="images to generate (sample.num_samples)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
@@ -47,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"eval.batch_size={args.batch_size}")
     if args.json is not None:
         overrides.append(f"eval.json={args.json}")
+    for key in ("sampler", "steps", "cfg_scale", "num_samples"):
+        if getattr(args, key) is not None:
+            overrides.append(f"sample.{key}={getattr(args, key)}")
     overrides.append(f"eval.checkpoint={args.checkpoint}")
     try:
         cfg = config_for_checkpoint(args.checkpoint, args.config, overrides)

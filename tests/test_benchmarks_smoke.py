@@ -72,3 +72,12 @@ def test_paired_ratio_is_the_median_of_per_round_ratios():
 
     # per round 2, 0.5, 3 -> median 2, where the ratio of the medians would say 4 / 3
     assert paired_ratio([2.0, 4.0, 9.0], [1.0, 8.0, 3.0]) == 2.0
+
+
+def test_generation_benchmark_compares_dit3_with_dit(tmp_path):
+    out = tmp_path / "generation.csv"
+    _run("generation.py", "--model", "dit3_s_8", "--sizes", "16", "--repeats", "1", "--out", str(out))
+    rows = list(csv.DictReader(out.open()))
+    assert [r["model"] for r in rows] == ["dit3_s_8/ttt", "dit3_s_8/attention"]
+    assert all(float(r["fwd+bwd_ms"]) > 0 and float(r["attention_over_ttt"]) > 0 for r in rows)
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""Per-epoch metrics as CSV and JSON, and the loss / accuracy curves as a PNG."""
+"""Per-epoch metrics as CSV and JSON, and loss / accuracy curves as PNGs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_curves", "write_metrics"]
+__all__ = ["plot_curves", "plot_series", "write_metrics"]
 
 
 def _atomic_text(path: Path, text: str) -> None:
@@ -38,29 +38,53 @@ def write_metrics(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> 
 
 def plot_curves(history: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
     """Two panels: train/val loss and val top-1 (model and EMA) per epoch. ``None`` if nothing to plot."""
-    if not history:
+
+    def points(key: str) -> list[tuple[float, float]]:
+        return [(r["epoch"], r[key]) for r in history if r.get(key) is not None]
+
+    panels = {
+        "loss": {"train": points("train_loss"), "val": points("val_loss")},
+        "accuracy": {
+            "val top-1": points("val_top1"),
+            "EMA top-1": points("ema_top1"),
+            "val top-5": points("val_top5"),
+        },
+    }
+    return plot_series(
+        panels, path, "epoch", ylabels={"loss": "loss", "accuracy": "accuracy (%)"}, marker="o"
+    )
+
+
+def plot_series(
+    panels: Mapping[str, Mapping[str, Sequence[tuple[float, float]]]],
+    path: str | Path,
+    xlabel: str = "step",
+    log_y: bool = False,
+    ylabels: Mapping[str, str] | None = None,
+    marker: str | None = None,
+) -> Path | None:
+    """One panel per entry of ``panels`` (title -> {label: [(x, y), ...]}), saved as a PNG.
+
+    Empty series and panels are left out; returns ``None`` (and writes nothing) when no series has a point.
+    """
+    panels = {title: {k: v for k, v in lines.items() if v} for title, lines in panels.items()}
+    panels = {title: lines for title, lines in panels.items() if lines}
+    if not panels:
         return None
     import matplotlib
 
     matplotlib.use("Agg")  # headless: never needs a display
     import matplotlib.pyplot as plt
 
-    epochs = [row["epoch"] for row in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, label in (("train_loss", "train"), ("val_loss", "val")):
-        pts = [(e, r[key]) for e, r in zip(epochs, history) if r.get(key) is not None]
-        if pts:
-            ax_loss.plot(*zip(*pts), marker="o", label=label)
-    for key, label in (("val_top1", "val top-1"), ("ema_top1", "EMA top-1"), ("val_top5", "val top-5")):
-        pts = [(e, r[key]) for e, r in zip(epochs, history) if r.get(key) is not None]
-        if pts:
-            ax_acc.plot(*zip(*pts), marker="o", label=label)
-    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
-    for ax in (ax_loss, ax_acc):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels.items()):
+        for label, pts in lines.items():
+            ax.plot(*zip(*pts), marker=marker, label=label)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set(xlabel=xlabel, ylabel=(ylabels or {}).get(title, ""), title=title)
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
+        ax.legend()
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

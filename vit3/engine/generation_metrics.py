@@ -1,0 +1,260 @@
+"""Metrics of generated images: FID / Inception Score, and class accuracy + Fréchet distance under a classifier.
+
+* :func:`inception_metrics`: FID (torchmetrics ``FrechetInceptionDistance``, 2048-d pool features) and
+  Inception Score (torchmetrics ``InceptionScore``) on torch-fidelity's Inception-v3, whose weights must be a
+  local file (``metrics.inception_weights``: ``pt_inception-2015-12-05-6726825d.pth``); nothing is
+  downloaded. Without the file the result says so instead of a number.
+* :func:`classifier_metrics`: a vit3 classification checkpoint (e.g. the MNIST demo's ``best.pt``) labels the
+  generated images: per-class and overall accuracy against the requested classes, and the Fréchet distance
+  (torchmetrics' Fréchet computation) between its pooled features of the generated and of real images (its
+  own val split), beside the same distance between its train and val splits (the floor that real images
+  reach).
+* :func:`resolve_classifier`: ``"auto"`` is the MNIST demo classifier: ``output/demo/best.pt`` when present,
+  else it is trained once with ``configs/demo_mnist.yaml`` (1-3 minutes on a CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor, nn
+
+from .checkpoint import load_checkpoint, load_model_weights
+from .config import CONFIG_DIR, ConfigError, config_from_dict, load_config
+
+__all__ = [
+    "DEMO_CLASSIFIER_CONFIG",
+    "classifier_metrics",
+    "inception_metrics",
+    "resolve_classifier",
+]
+
+DEMO_CLASSIFIER_CONFIG = CONFIG_DIR / "demo_mnist.yaml"
+INCEPTION_FILE = "pt_inception-2015-12-05-6726825d.pth"
+
+
+def _batches(images: np.ndarray, size: int) -> Iterator[np.ndarray]:
+    for i in range(0, len(images), size):
+        yield images[i : i + size]
+
+
+def _nchw_rgb(batch: np.ndarray) -> Tensor:
+    """uint8 ``[B, H, W, C]`` (C = 1 or 3) -> uint8 ``[B, 3, H, W]``."""
+    x = torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2)
+    return x.expand(-1, 3, -1, -1).contiguous() if x.shape[1] == 1 else x
+
+
+# --------------------------------------------------------------------------------------- Inception (FID, IS)
+def inception_metrics(
+    images: np.ndarray,
+    reference: Iterable[np.ndarray],
+    weights: str,
+    batch_size: int = 100,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """FID against ``reference`` and Inception Score of ``images`` (uint8 ``[N, H, W, C]``).
+
+    Args:
+        images: generated images.
+        reference: batches of real uint8 images ``[n, H, W, C]``.
+        weights: local Inception-v3 weights file of torch-fidelity ("" or missing: no numbers, a note).
+        batch_size: images per Inception forward.
+        device: where Inception runs.
+
+    Returns:
+        ``fid``, ``is_mean``, ``is_std`` (``None`` with a ``fid_note`` when the weights are not available).
+    """
+    if not weights or not Path(weights).is_file():
+        why = "metrics.inception_weights is empty" if not weights else f"{weights} does not exist"
+        return {
+            "fid": None,
+            "is_mean": None,
+            "is_std": None,
+            "fid_note": f"FID/IS skipped: {why}. They need torch-fidelity's Inception-v3 weights as a local file "
+            f"({INCEPTION_FILE}); nothing is downloaded.",
+        }
+    try:
+        from torchmetrics.image.fid import FrechetInceptionDistance, NoTrainInceptionV3
+        from torchmetrics.image.inception import InceptionScore
+    except ImportError as exc:  # the generation extra is not installed
+        raise ImportError(
+            f"FID needs torchmetrics and torch-fidelity (pip install -e '.[generation]'): {exc}"
+        ) from exc
+    fid = FrechetInceptionDistance(feature=2048, feature_extractor_weights_path=str(weights)).to(device)
+    logits = NoTrainInceptionV3(
+        name="inception-v3-compat",
+        features_list=["logits_unbiased"],
+        feature_extractor_weights_path=str(weights),
+    )
+    score = InceptionScore(feature=logits).to(device)
+    n_real = 0
+    for batch in reference:
+        fid.update(_nchw_rgb(batch).to(device), real=True)
+        n_real += len(batch)
+    for batch in _batches(images, batch_size):
+        x = _nchw_rgb(batch).to(device)
+        fid.update(x, real=False)
+        score.update(x)
+    is_mean, is_std = score.compute()
+    return {
+        "fid": float(fid.compute()),
+        "is_mean": float(is_mean),
+        "is_std": float(is_std),
+        "fid_reference_images": n_real,
+    }
+
+
+# ------------------------------------------------------------------------------- classifier-based metrics
+def resolve_classifier(spec: str) -> Path:
+    """The classifier checkpoint that ``metrics.classifier`` names (``"auto"``: the MNIST demo's).
+
+    ``"auto"`` uses ``<demo output>/best.pt`` (``output/demo/best.pt`` with the shipped config) when it exists
+    and otherwise trains it with ``configs/demo_mnist.yaml`` (single process only).
+
+    Raises:
+        FileNotFoundError: a named file does not exist.
+        ConfigError: ``"auto"`` needs training but this run is one of several processes.
+    """
+    if spec != "auto":
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"metrics.classifier checkpoint not found: {path}")
+        return path
+    demo = load_config(DEMO_CLASSIFIER_CONFIG)
+    path = Path(demo.output) / "best.pt"
+    if path.is_file():
+        return path
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise ConfigError(
+            f"metrics.classifier=auto: {path} does not exist; train it first with `python train.py` "
+            f"(the classification demo) or name a checkpoint with metrics.classifier=FILE"
+        )
+    from .classification import train as train_classifier
+
+    print(
+        f"metrics.classifier=auto: {path} not found, training the MNIST demo classifier ({DEMO_CLASSIFIER_CONFIG.name})"
+    )
+    summary = train_classifier(load_config(DEMO_CLASSIFIER_CONFIG, ["train.progress=false"]))
+    return Path(summary["best"] or summary["last"])
+
+
+def _load_classifier(path: Path) -> tuple[nn.Module, Any, Any, int]:
+    """The classifier (eval mode), its config, its eval transform and its input channels."""
+    import timm
+
+    import vit3.models  # noqa: F401  (registers the vit3 models in timm)
+
+    from ..data import build_transform
+    from .classification import _data_stats, _in_chans
+
+    ckpt = load_checkpoint(path)
+    if ckpt.get("config", {}).get("task", "classification") != "classification":
+        raise ConfigError(
+            f"metrics.classifier {path} is a {ckpt['config'].get('task')} checkpoint, not a classifier"
+        )
+    cfg = config_from_dict(ckpt["config"])
+    model = timm.create_model(
+        ckpt["model_name"], num_classes=int(ckpt["num_classes"]), **ckpt["model_kwargs"]
+    )
+    load_model_weights(model, ckpt, source=str(path))
+    in_chans = _in_chans(cfg)
+    mean, std = _data_stats(cfg, model, in_chans)
+    return model.eval(), cfg, build_transform(cfg, False, mean, std), in_chans
+
+
+def _classify(
+    model: nn.Module, transform, images: Iterable[Image.Image], batch_size: int, device
+) -> tuple[Tensor, Tensor]:
+    """Logits ``[N, K]`` and pooled features ``[N, D]`` of PIL images."""
+    feats, logits, batch = [], [], []
+
+    def flush() -> None:
+        x = model.forward_features(torch.stack(batch).to(device))
+        feats.append(model.forward_head(x, pre_logits=True).float().cpu())
+        logits.append(model.forward_head(x).float().cpu())
+        batch.clear()
+
+    with torch.no_grad():
+        for img in images:
+            batch.append(transform(img))
+            if len(batch) == batch_size:
+                flush()
+        if batch:
+            flush()
+    return torch.cat(logits), torch.cat(feats)
+
+
+def _frechet(a: Tensor, b: Tensor) -> float:
+    """Fréchet distance between two feature sets ``[N, D]`` (torchmetrics' computation, double precision)."""
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    class _Identity(nn.Module):  # the features are precomputed: the metric's extractor passes them on
+        num_features = a.shape[1]
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x
+
+    metric = FrechetInceptionDistance(feature=_Identity())
+    metric.update(a.double(), real=True)
+    metric.update(b.double(), real=False)
+    return float(metric.compute())
+
+
+def classifier_metrics(
+    images: np.ndarray,
+    labels: np.ndarray,
+    classifier: str | Path,
+    batch_size: int = 100,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """Accuracy of a classifier on generated images (against their requested labels) and a Fréchet distance.
+
+    Args:
+        images: generated uint8 ``[N, H, W, C]``.
+        labels: requested classes ``[N]``.
+        classifier: a vit3 classification checkpoint (its config gives the preprocessing and real data).
+        batch_size: images per classifier forward.
+        device: where the classifier runs.
+
+    Returns:
+        ``class_accuracy`` (%), ``per_class_accuracy`` {class: %}, ``frechet_distance`` (generated vs real
+        val), ``frechet_real_floor`` (real train vs real val), ``real_val_accuracy`` (%), counts.
+    """
+    from ..data import build_datasets
+
+    path = Path(classifier)
+    model, cfg, transform, in_chans = _load_classifier(path)
+    model.to(device)
+    target = "L" if in_chans == 1 else "RGB"
+    gen = (Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).convert(target) for img in images)
+    logits, feats = _classify(model, transform, gen, batch_size, device)
+    if logits.shape[1] <= int(labels.max()):
+        raise ValueError(
+            f"classifier {path} has {logits.shape[1]} classes; the samples request class {int(labels.max())}"
+        )
+    pred = logits.argmax(-1).numpy()
+    per_class = {int(c): float(100.0 * (pred[labels == c] == c).mean()) for c in np.unique(labels)}
+    data = build_datasets(cfg, in_chans, splits=("train", "val"))
+
+    def real(split: str) -> Iterator[Image.Image]:
+        return (data[split][i][0] for i in range(len(data[split])))
+
+    val_logits, val_feats = _classify(model, transform, real("val"), batch_size, device)
+    val_labels = np.asarray([data["val"][i][1] for i in range(len(data["val"]))])
+    train_feats = _classify(model, transform, real("train"), batch_size, device)[1]
+    return {
+        "classifier": str(path),
+        "class_accuracy": float(100.0 * (pred == labels).mean()),
+        "per_class_accuracy": per_class,
+        "frechet_distance": _frechet(val_feats, feats),
+        "frechet_real_floor": _frechet(train_feats, val_feats),
+        "real_val_accuracy": float(100.0 * (val_logits.argmax(-1).numpy() == val_labels).mean()),
+        "feature_dim": int(feats.shape[1]),
+        "generated_images": len(images),
+        "real_images": {"train": len(data["train"]), "val": len(data["val"])},
+    }

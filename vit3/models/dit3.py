@@ -1,0 +1,594 @@
+"""DiT³: class-conditional diffusion transformers whose attention is the ViT³ TTT mixer.
+
+Paper: "ViT³: Unlocking Test-Time Training in Vision" (arXiv 2512.01643, CVPR 2026), generation experiments;
+official code https://github.com/LeapLabTHU/ViTTT (``dittt/``, built on facebookresearch/DiT).
+
+Architecture (official ``dittt/models.py``): patch embedding of the (latent) image plus a fixed 2-D sin-cos
+position table -> ``depth`` x DiT block -> final adaLN layer -> unpatchify. A DiT block is
+``x = x + dwconv3x3(x)`` (conditional position encoding), then ``x + g1 * mixer(modulate(LN x, s1, c1))`` and
+``x + g2 * MLP(modulate(LN x, s2, c2))``, where the shifts ``s``, scales ``c`` and gates ``g`` come from the
+conditioning vector (timestep embedding + class embedding) through a zero-initialised linear layer
+(adaLN-Zero). The mixer is vit3's ``TTTMixer`` in the official configuration (SwiGLU + 3x3 depthwise-conv
+inner models, no RoPE); ``mixer="attention"`` swaps timm's ``Attention`` (SDPA) back in for the DiT baseline,
+everything else equal (the depthwise-conv position encoding stays, so only the mixer differs).
+With ``learn_sigma`` the model predicts ``[eps, v]`` (``2 * in_channels`` channels): the noise and the
+interpolation coefficient of the log-variance between the posterior and the beta variance.
+
+Beyond the official code (which assumes square latents of exactly ``input_size``): any ``H x W`` latent
+works. The tokens travel as a channels-last map ``[B, h, w, C]``, the sin-cos table is computed for the
+actual grid, and a side that is not a multiple of the patch size is zero-padded on the bottom/right before
+the patch embedding and cropped off the output (the prediction is ``[B, out_channels, H, W]`` for the input
+``H x W``). ``input_size`` only sets the nominal size. DiT³ is not a classifier, so it is not registered with
+timm (timm's model contract would not hold); build it with :func:`create_dit3`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from timm.layers import Attention, Mlp, PatchEmbed
+from torch import Tensor, nn
+
+from vit3.layers import TTTConfig, TTTMixer, convert_official_mixer_key
+from vit3.layers.blocks import ConvPosEnc
+
+from ._pretrained import _torch_load, check_state_dict
+
+__all__ = [
+    "DIT3_CONFIGS",
+    "DIT3_OVERRIDES",
+    "DiT3",
+    "DiT3Block",
+    "FinalLayer",
+    "LabelEmbedder",
+    "TimestepEmbedder",
+    "convert_official_dit3",
+    "create_dit3",
+    "load_dit3_weights",
+    "num_params",
+    "sincos_pos_embed_2d",
+]
+
+MIXERS = ("ttt", "attention")
+
+# name -> (depth, hidden_size, patch_size, num_heads), the official DiTTT-{S,B,L,XL}/{2,4,8}.
+DIT3_CONFIGS: dict[str, tuple[int, int, int, int]] = {
+    f"dit3_{size}_{patch}": (depth, hidden, patch, heads)
+    for size, (depth, hidden, heads) in {
+        "s": (12, 384, 6),
+        "b": (12, 768, 12),
+        "l": (24, 1024, 16),
+        "xl": (28, 1152, 16),
+    }.items()
+    for patch in (2, 4, 8)
+}
+DIT3_OVERRIDES = (
+    "input_size",
+    "patch_size",
+    "in_channels",
+    "hidden_size",
+    "depth",
+    "num_heads",
+    "mlp_ratio",
+    "num_classes",
+    "learn_sigma",
+    "class_dropout_prob",
+    "ttt_cfg",
+    "mixer",
+)
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """adaLN: ``x * (1 + scale) + shift`` (shift and scale broadcast over the token grid)."""
+    return x * (1 + scale) + shift
+
+
+@functools.lru_cache(maxsize=32)
+def _sincos_table(dim: int, h: int, w: int) -> Tensor:
+    """The table of :func:`sincos_pos_embed_2d` on CPU (cached: it is a pure function of the grid)."""
+    if dim % 4:
+        raise ValueError(f"the 2-D sin-cos position table needs hidden_size divisible by 4, got {dim}")
+    quarter = dim // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)  # [D/4]
+    rows = torch.arange(h, dtype=torch.float64).repeat_interleave(w)  # token i*w+j -> row i
+    cols = torch.arange(w, dtype=torch.float64).repeat(h)  # -> column j
+    parts = []
+    for pos in (cols, rows):  # first half encodes the column (x), second half the row (y), as MAE/DiT
+        angle = pos[:, None] * omega[None]  # [N, D/4]
+        parts += [angle.sin(), angle.cos()]
+    # Rounded to float32 as the official model stores it (its table is a float32 parameter, upcast with the
+    # model): a float64 model then reproduces the official numbers exactly.
+    return torch.cat(parts, dim=1).float()  # [N, D]
+
+
+def sincos_pos_embed_2d(dim: int, grid: tuple[int, int]) -> Tensor:
+    """The fixed 2-D sin-cos position embedding of DiT (MAE's table) for an ``h x w`` token grid.
+
+    Token ``i * w + j`` (row i, column j) gets ``[sin(j ω), cos(j ω), sin(i ω), cos(i ω)]`` with
+    ``ω_k = 10000^(-k / (D/4))``, ``k < D/4``; on a square grid this is the official table.
+
+    Returns:
+        ``[h * w, dim]`` float32 (computed in float64, rounded as the official table).
+    """
+    return _sincos_table(int(dim), int(grid[0]), int(grid[1]))
+
+
+class TimestepEmbedder(nn.Module):
+    """Diffusion timesteps ``[B]`` -> vectors ``[B, D]``: a 256-wide sinusoid through a 2-layer SiLU MLP.
+
+    The sinusoid is ``[cos(t f), sin(t f)]`` with ``f_k = 10000^(-k / 128)`` (GLIDE/DiT), computed in
+    float32, or in float64 for a float64 model (the official code hard-codes float32).
+    """
+
+    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size),
+        )
+        self.frequency_embedding_size = frequency_embedding_size
+
+    @staticmethod
+    def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0, dtype=torch.float32) -> Tensor:
+        """Sinusoidal embedding ``[B, dim]`` of (possibly fractional) timesteps ``t`` ``[B]``."""
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=dtype, device=t.device) / half)
+        args = t[:, None].to(dtype) * freqs[None]  # [B, half]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        if dim % 2:
+            emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
+        return emb
+
+    def forward(self, t: Tensor) -> Tensor:
+        """``[B] -> [B, D]``."""
+        dtype = torch.promote_types(self.mlp[0].weight.dtype, torch.float32)
+        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size, dtype=dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class labels ``[B]`` -> vectors ``[B, D]``, with label dropout for classifier-free guidance.
+
+    With ``dropout_prob > 0`` the table has one extra row, the null (unconditional) class ``num_classes``;
+    during training each label is replaced by it with probability ``dropout_prob``.
+    """
+
+    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float) -> None:
+        super().__init__()
+        self.has_null = dropout_prob > 0
+        self.embedding_table = nn.Embedding(num_classes + int(self.has_null), hidden_size)
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+
+    def token_drop(self, labels: Tensor, force_drop_ids: Tensor | None = None) -> Tensor:
+        """Labels with the dropped ones (random, or where ``force_drop_ids == 1``) set to the null class."""
+        if force_drop_ids is None:
+            drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+        else:
+            drop = force_drop_ids == 1
+        return torch.where(drop, self.num_classes, labels)
+
+    def forward(self, labels: Tensor, train: bool, force_drop_ids: Tensor | None = None) -> Tensor:
+        """``[B] -> [B, D]``."""
+        if (train and self.has_null) or force_drop_ids is not None:
+            labels = self.token_drop(labels, force_drop_ids)
+        return self.embedding_table(labels)
+
+
+class DiT3Block(nn.Module):
+    """A DiT³ block on a channels-last token map ``[B, h, w, C]`` with adaLN-Zero conditioning.
+
+    Parameter names follow the official code (``cpe``, ``norm1``, ``attn``, ``norm2``, ``mlp``,
+    ``adaLN_modulation``).
+
+    Args:
+        hidden_size: width C.
+        num_heads: mixer heads.
+        mlp_ratio: MLP hidden width / C.
+        mixer: ``"ttt"`` (vit3 ``TTTMixer``) or ``"attention"`` (timm ``Attention``, SDPA).
+        ttt_cfg: the TTT mixer's configuration (default: the official one, no RoPE).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        mixer: str = "ttt",
+        ttt_cfg: TTTConfig | dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.mixer = mixer
+        self.cpe = ConvPosEnc(hidden_size)
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        if mixer == "ttt":
+            # The model validates its input once; per-block finiteness checks would re-read every activation.
+            self.attn = TTTMixer(hidden_size, num_heads, ttt_cfg, check_finite=False)
+        else:
+            self.attn = Attention(hidden_size, num_heads=num_heads, qkv_bias=True)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(
+            hidden_size, int(hidden_size * mlp_ratio), act_layer=partial(nn.GELU, approximate="tanh")
+        )
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        """Tokens ``[B, h, w, C]`` and conditioning ``[B, C]`` -> ``[B, h, w, C]``."""
+        b, h, w, ch = x.shape
+        x = self.cpe(x)
+        mod = self.adaLN_modulation(c)[:, None, None, :]  # [B, 1, 1, 6C]: broadcast over the grid
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
+        y = modulate(self.norm1(x), shift1, scale1).reshape(b, h * w, ch)  # [B, N, C]
+        y = self.attn(y, grid=(h, w)) if self.mixer == "ttt" else self.attn(y)
+        x = x + gate1 * y.reshape(b, h, w, ch)
+        return x + gate2 * self.mlp(modulate(self.norm2(x), shift2, scale2))
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated LayerNorm and a linear map to ``p * p * out_channels`` values per token."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int) -> None:
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        """``[B, h, w, C]``, ``[B, C]`` -> ``[B, h, w, p * p * out_channels]``."""
+        shift, scale = self.adaLN_modulation(c)[:, None, None, :].chunk(2, dim=-1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+class DiT3(nn.Module):
+    """Class-conditional diffusion transformer with TTT mixers (see the module docstring).
+
+    Args:
+        input_size: nominal latent size (int or ``(H, W)``); any size runs.
+        patch_size: patch size p.
+        in_channels: latent channels (4 for the Stable Diffusion VAE, 1 or 3 in pixel space).
+        hidden_size: width C.
+        depth: number of blocks.
+        num_heads: mixer heads.
+        mlp_ratio: MLP hidden width / C.
+        class_dropout_prob: label dropout during training (> 0 adds the null class for guidance).
+        num_classes: number of classes K (labels ``0..K-1``; ``K`` is the null class).
+        learn_sigma: predict the variance interpolation ``v`` besides the noise (``2 * in_channels`` outputs).
+        mixer: ``"ttt"`` (DiT³) or ``"attention"`` (DiT).
+        ttt_cfg: TTT mixer configuration (``TTTConfig`` or dict of its fields).
+    """
+
+    def __init__(
+        self,
+        input_size: int | tuple[int, int] = 32,
+        patch_size: int = 2,
+        in_channels: int = 4,
+        hidden_size: int = 1152,
+        depth: int = 28,
+        num_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        class_dropout_prob: float = 0.1,
+        num_classes: int = 1000,
+        learn_sigma: bool = True,
+        mixer: str = "ttt",
+        ttt_cfg: TTTConfig | dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if mixer not in MIXERS:
+            raise ValueError(f"mixer must be one of {MIXERS}, got {mixer!r}")
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} must be divisible by num_heads {num_heads}")
+        if hidden_size % 4:
+            raise ValueError(f"hidden_size must be divisible by 4 (2-D sin-cos table), got {hidden_size}")
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        if not 0.0 <= class_dropout_prob < 1.0:
+            raise ValueError(f"class_dropout_prob must be in [0, 1), got {class_dropout_prob}")
+        self.input_size = (input_size, input_size) if isinstance(input_size, int) else tuple(input_size)
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.out_channels = 2 * in_channels if learn_sigma else in_channels
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.num_classes = num_classes
+        self.learn_sigma = learn_sigma
+        self.mixer = mixer
+        self.grad_checkpointing = False
+        ttt = TTTConfig.create(ttt_cfg) if mixer == "ttt" else None
+        self.ttt_cfg = ttt
+
+        self.x_embedder = PatchEmbed(
+            img_size=self.input_size,
+            patch_size=patch_size,
+            in_chans=in_channels,
+            embed_dim=hidden_size,
+            output_fmt="NHWC",
+            strict_img_size=False,
+            dynamic_img_pad=True,  # any H, W: zero-pad bottom/right to a multiple of p
+        )
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        self.blocks = nn.ModuleList(
+            [DiT3Block(hidden_size, num_heads, mlp_ratio, mixer, ttt) for _ in range(depth)]
+        )
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.initialize_weights()
+
+    @property
+    def has_null_class(self) -> bool:
+        """Whether the model has the unconditional class (needed for classifier-free guidance)."""
+        return self.y_embedder.has_null
+
+    def initialize_weights(self) -> None:
+        """The official init: Xavier-uniform linears with zero bias, the patch embedding like a linear,
+        N(0, 0.02) label table and timestep MLP, and zeros for every adaLN modulation and the output layer."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        w = self.x_embedder.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        for layer in [b.adaLN_modulation[-1] for b in self.blocks] + [
+            self.final_layer.adaLN_modulation[-1],
+            self.final_layer.linear,
+        ]:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in the backward pass."""
+        self.grad_checkpointing = enable
+
+    # --- input checks ---------------------------------------------------------------------------------
+
+    def check_inputs(self, x: Tensor, t: Tensor, y: Tensor) -> None:
+        """Raises ``ValueError`` naming the problem for a wrong latent, timestep or label batch."""
+        if x.ndim != 4:
+            raise ValueError(f"DiT3 expects latents [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
+        if x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"DiT3 built for {self.in_channels} latent channels got {x.shape[1]} (input {tuple(x.shape)}); "
+                f"a VAE latent has its VAE's latent_channels, a pixel-space model the image channels"
+            )
+        b = x.shape[0]
+        if t.ndim != 1 or t.shape[0] != b:
+            raise ValueError(f"timesteps must be [B] = [{b}], got {tuple(t.shape)}")
+        if y.ndim != 1 or y.shape[0] != b:
+            raise ValueError(f"labels must be [B] = [{b}], got {tuple(y.shape)}")
+        if y.is_floating_point() or y.is_complex():
+            raise ValueError(f"labels must be integer class indices, got dtype {y.dtype}")
+        if not torch.compiler.is_compiling() and y.numel():
+            top = self.num_classes if self.has_null_class else self.num_classes - 1
+            lo, hi = int(y.min()), int(y.max())
+            if lo < 0 or hi > top:
+                null = (
+                    f" ({self.num_classes} is the null class)"
+                    if self.has_null_class
+                    else " (no null class: built with class_dropout_prob=0)"
+                )
+                raise ValueError(f"labels must lie in [0, {top}]{null}, got values in [{lo}, {hi}]")
+            if not torch.isfinite(x).all():
+                raise ValueError("DiT3 input latents contain non-finite values (NaN or Inf)")
+
+    # --- forward --------------------------------------------------------------------------------------
+
+    def unpatchify(self, x: Tensor, size: tuple[int, int]) -> Tensor:
+        """Tokens ``[B, h, w, p * p * c]`` -> images ``[B, c, H, W]`` (cropped to ``size``)."""
+        b, h, w, _ = x.shape
+        p, c = self.patch_size, self.out_channels
+        x = x.reshape(b, h, w, p, p, c)
+        x = torch.einsum("nhwpqc->nchpwq", x).reshape(b, c, h * p, w * p)
+        return x[:, :, : size[0], : size[1]]
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+        """Noise (and variance) prediction.
+
+        Args:
+            x: noisy latents ``[B, in_channels, H, W]``.
+            t: diffusion timesteps ``[B]`` (integer or float, in ``[0, num_timesteps)``).
+            y: class labels ``[B]`` (``num_classes`` = the null class, when the model has one).
+
+        Returns:
+            ``[B, out_channels, H, W]``: ``eps`` then, with ``learn_sigma``, ``v``.
+        """
+        self.check_inputs(x, t, y)
+        size = x.shape[-2:]
+        x = self.x_embedder(x)  # [B, h, w, C]
+        _, h, w, ch = x.shape
+        pos = sincos_pos_embed_2d(ch, (h, w)).to(device=x.device, dtype=x.dtype)
+        x = x + pos.view(1, h, w, ch)
+        c = self.t_embedder(t) + self.y_embedder(y, self.training)  # [B, C]
+        for block in self.blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = torch.utils.checkpoint.checkpoint(block, x, c, use_reentrant=False)
+            else:
+                x = block(x, c)
+        return self.unpatchify(self.final_layer(x, c), size)
+
+    def forward_with_cfg(
+        self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float, guided_channels: int | None = None
+    ) -> Tensor:
+        """The official classifier-free-guidance forward: one batched pass over conditional and null labels.
+
+        The first half of ``x`` is run twice (the second half of ``x`` is ignored), with the labels ``y``
+        (first half: classes, second half: normally the null class ``num_classes``); the guided noise
+        ``uncond + cfg_scale * (cond - uncond)`` is returned for both halves.
+
+        Args:
+            x: latents ``[2B, C, H, W]``.
+            t: timesteps ``[2B]``.
+            y: labels ``[2B]``.
+            cfg_scale: guidance scale (1: the conditional prediction).
+            guided_channels: leading output channels that are guided. ``None``: 3, as the official code
+                ("for exact reproducibility"; with 4-channel latents the 4th noise channel and the variance
+                stay conditional), capped at ``in_channels`` so that a 1-channel model never guides its
+                variance. Pass ``in_channels`` for the standard all-noise-channel guidance.
+
+        Returns:
+            ``[2B, out_channels, H, W]``.
+
+        Raises:
+            ValueError: odd batch, or a guidance scale other than 1 on a model without the null class.
+        """
+        if x.shape[0] % 2:
+            raise ValueError(
+                f"forward_with_cfg needs an even batch (conditional + null halves), got {x.shape[0]}"
+            )
+        if cfg_scale != 1.0 and not self.has_null_class:
+            raise ValueError(
+                f"cfg_scale={cfg_scale} needs the null class, but this model was built with "
+                f"class_dropout_prob=0 (no unconditional embedding): sample with cfg_scale=1"
+            )
+        n = x.shape[0] // 2
+        half = x[:n]
+        out = self.forward(torch.cat([half, half], dim=0), t, y)
+        k = min(3, self.in_channels) if guided_channels is None else int(guided_channels)
+        if not 0 < k <= self.out_channels:
+            raise ValueError(f"guided_channels must be in [1, {self.out_channels}], got {k}")
+        eps, rest = out[:, :k], out[:, k:]
+        cond, uncond = eps[:n], eps[n:]
+        guided = uncond + cfg_scale * (cond - uncond)
+        return torch.cat([torch.cat([guided, guided], dim=0), rest], dim=1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"input_size={self.input_size}, patch_size={self.patch_size}, in_channels={self.in_channels}, "
+            f"num_classes={self.num_classes}, learn_sigma={self.learn_sigma}, mixer={self.mixer}"
+        )
+
+
+# --- checkpoints -------------------------------------------------------------------------------------
+
+_WEIGHT_ENTRIES = ("ema", "model", "state_dict")  # the official sampler takes "ema" first (download.py)
+
+
+def _select_state_dict(obj: Any, source: str) -> dict[str, Tensor]:
+    """The weights of a loaded checkpoint: a bare state dict, or its ``ema`` / ``model`` / ``state_dict``."""
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{source} holds a {type(obj).__name__}, not a DiT³ checkpoint or state dict")
+    if any(isinstance(v, Tensor) for v in obj.values()) and not any(
+        isinstance(obj.get(k), Mapping) for k in _WEIGHT_ENTRIES
+    ):
+        state = obj
+    else:
+        entry = next((obj[k] for k in _WEIGHT_ENTRIES if isinstance(obj.get(k), Mapping)), None)
+        if entry is None:
+            raise ValueError(
+                f"{source} has no weights: expected a state dict or an 'ema' / 'model' entry, "
+                f"found keys {sorted(map(str, obj))[:20]}"
+            )
+        state = entry
+    out = {}
+    for key, value in state.items():
+        for prefix in ("_orig_mod.", "module."):  # torch.compile / DDP wrappers
+            key = key.removeprefix(prefix)
+        out[key] = value
+    return out
+
+
+def convert_official_dit3(
+    state_dict: Mapping[str, Tensor], model: DiT3, source: str = "checkpoint"
+) -> dict[str, Tensor]:
+    """Official DiTTT weights (or ours) -> this model's names, checked against ``model``.
+
+    Only the TTT inner weights move (``attn.w1/w2/w3`` -> ``attn.inner.0.w1/inner.0.w2/inner.1.weight``, as
+    :func:`vit3.layers.convert_official_mixer_key`). The official fixed ``pos_embed`` table is not a weight
+    here (computed per grid): it is compared with ours and dropped.
+
+    Raises:
+        ValueError: a key is missing, unexpected or mis-shaped (another architecture or size; all are
+            listed), or the file's ``pos_embed`` is not the sin-cos table of this model.
+    """
+    ours = any(".attn.inner." in k for k in state_dict)
+    out: dict[str, Tensor] = {}
+    for key, value in state_dict.items():
+        if key == "pos_embed":
+            _check_pos_embed(value, model, source)
+            continue
+        out[key if ours or model.mixer != "ttt" else convert_official_mixer_key(key)] = value
+    check_state_dict(out, model, what=source)
+    return out
+
+
+def _check_pos_embed(value: Tensor, model: DiT3, source: str) -> None:
+    h, w = (-(-s // model.patch_size) for s in model.input_size)
+    want = sincos_pos_embed_2d(model.hidden_size, (h, w))
+    if tuple(value.shape) != (1, h * w, model.hidden_size):
+        raise ValueError(
+            f"{source}: pos_embed {tuple(value.shape)} does not fit input_size {model.input_size} with patch "
+            f"{model.patch_size} and hidden_size {model.hidden_size} (expected {(1, h * w, model.hidden_size)}): "
+            f"pass the input_size the checkpoint was trained at"
+        )
+    err = (value[0].double() - want.double()).abs().max().item()
+    if err > 1e-6:  # a float32 table computed another way differs by a few ulps at most
+        raise ValueError(f"{source}: pos_embed is not the fixed 2-D sin-cos table (max deviation {err:.3g})")
+
+
+def load_dit3_weights(model: DiT3, path: str | os.PathLike) -> DiT3:
+    """Loads a checkpoint file into ``model`` (strict; see :func:`create_dit3` for the accepted formats)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"DiT³ checkpoint not found: {path}")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        obj: Any = load_file(path)
+    else:
+        try:
+            obj = _torch_load(path)  # official train.py files pickle an argparse Namespace: read as inert
+        except Exception as exc:
+            raise ValueError(f"cannot read DiT³ checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    state = convert_official_dit3(_select_state_dict(obj, path), model, path)
+    model.load_state_dict(state)
+    return model
+
+
+def _model_args(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    key = name.strip().lower().replace("dittt-", "dit3_").replace("dit3-", "dit3_").replace("/", "_")
+    if key not in DIT3_CONFIGS:
+        raise ValueError(f"unknown DiT³ model {name!r}; choose from {sorted(DIT3_CONFIGS)}")
+    unknown = sorted(set(overrides) - set(DIT3_OVERRIDES))
+    if unknown:
+        raise ValueError(f"unknown create_dit3 overrides {unknown}; known: {list(DIT3_OVERRIDES)}")
+    depth, hidden, patch, heads = DIT3_CONFIGS[key]
+    return {"depth": depth, "hidden_size": hidden, "patch_size": patch, "num_heads": heads, **overrides}
+
+
+def create_dit3(name: str, checkpoint_path: str | os.PathLike | None = None, **overrides: Any) -> DiT3:
+    """Builds ``dit3_{s,b,l,xl}_{2,4,8}`` (the official DiTTT-S/2 ... XL/8; ``"DiTTT-B/2"`` also works).
+
+    Args:
+        name: model name.
+        checkpoint_path: optional weights: a bare official state dict (what the official sampler reads), an
+            official training checkpoint (``ema`` taken before ``model``, as the official sampler), a vit3
+            generation checkpoint (``ema`` if it has one, else ``model``) or a ``.safetensors`` file.
+        **overrides: ``input_size`` (default 32), ``patch_size``, ``in_channels`` (4), ``hidden_size``,
+            ``depth``, ``num_heads``, ``mlp_ratio`` (4), ``num_classes`` (1000), ``learn_sigma`` (True),
+            ``class_dropout_prob`` (0.1), ``ttt_cfg`` (official mixer), ``mixer`` (``"ttt"`` or
+            ``"attention"``).
+
+    Raises:
+        ValueError: unknown name or override, or a checkpoint of another architecture (its missing,
+            unexpected and mis-shaped keys are listed).
+        FileNotFoundError: ``checkpoint_path`` does not exist.
+    """
+    model = DiT3(**_model_args(name, overrides))
+    if checkpoint_path:
+        load_dit3_weights(model, checkpoint_path)
+    return model
+
+
+def num_params(model: nn.Module) -> int:
+    """Trainable parameters (the official count: the fixed position table is not one)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
