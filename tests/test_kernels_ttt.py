@@ -185,18 +185,6 @@ def test_large_n_matches_torch_path(n):
         assert max_rel_err(a, e) < 5e-5, f"gradient of {label}"
 
 
-def test_column_blocks_only_beyond_head_dim_64():
-    """d <= 64 keeps one column block (one fused launch per stage); wider heads split into several."""
-    for d in (16, 32, 64):
-        _, block_c, _ = ttt_fused.gpu_tiles(d, torch.bfloat16, "swiglu")
-        assert block_c == d
-    for dtype in (torch.bfloat16, torch.float32, torch.float64):
-        _, block_c, _ = ttt_fused.gpu_tiles(128, dtype, "linear")
-        assert 16 <= block_c <= 64 and 128 // block_c >= 2
-    assert ttt_fused._backward_passes(1) == [{"COLS": True, "CROSS": True}]
-    assert len(ttt_fused._backward_passes(2)) == 2
-
-
 def test_split_reduction_is_deterministic():
     b, g, n, d = 1, 2, 100, 32
     qkv, params = make_inputs("swiglu", b, g, n, d, torch.float32)
