@@ -7,7 +7,8 @@ that cannot serve falls back with a warning, which the log keeps) and saves the 
 the input and of every parameter. The parent computes the reference, the ``generic`` backend (the
 closed-form inner loop) in float64, and prints per (model, precision, backend) the relative RMS error of
 the output and the worst gradient, with a verdict against stated tolerances: fp32 <= 1e-2 (TF32 dots may
-serve), bf16 autocast <= 5e-2. Writes ``backend_check.csv`` to ``--out-dir``.
+serve), bf16 autocast <= 5e-2, and the registry's fallback warnings (``fallback``: the named backend did not
+serve, or was demoted after a failure). Writes ``backend_check.csv`` to ``--out-dir``.
 
     python benchmarks/backend_check.py --out-dir /tmp/check            # CUDA
     python benchmarks/backend_check.py --device cpu --batch 1 --quick  # CPU dry run
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -88,7 +90,12 @@ def child(args: argparse.Namespace) -> None:
             results[name] = run_one(mixer.to(device).double(), x.to(device).double(), grid, "fp32")
             continue
         for prec in args.precisions:
-            results[(name, prec)] = run_one(mixer.to(device), x.to(device), grid, prec)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                results[(name, prec)] = run_one(mixer.to(device), x.to(device), grid, prec)
+            # The registry's fallbacks and demotions: the named backend did not compute (all of) this.
+            notes = sorted({str(w.message) for w in caught if "Backend" in w.category.__name__})
+            results[(name, prec, "fallback")] = notes
     torch.save(results, args.save)
 
 
@@ -157,14 +164,15 @@ def main() -> None:
         head_dim = first_mixer(name, MODELS[name][0]).head_dim
         for prec in args.precisions:
             for backend, res in runs.items():
-                got = res[(name, prec)]
+                got, notes = res[(name, prec)], res.get((name, prec, "fallback"), [])
                 out_err = rel_rms(got["out"], ref["out"])
                 grads = {k: rel_rms(got[k], ref[k]) for k in ref if k != "out"}
                 worst = max(grads, key=grads.get)
                 rows.append({"model": name, "batch": args.batch, "tokens": ref["out"].shape[1],
                              "head_dim": head_dim, "precision": prec, "backend": backend, "out_rel_rms": out_err,
                              "worst_grad": worst, "worst_grad_rel_rms": grads[worst],
-                             "verdict": "ok" if max(out_err, grads[worst]) <= TOLERANCE[prec] else "FAIL"})  # fmt: skip
+                             "verdict": "ok" if max(out_err, grads[worst]) <= TOLERANCE[prec] else "FAIL",
+                             "fallback": " | ".join(notes)[:160]})  # fmt: skip
     if not rows:
         raise SystemExit("no backend ran")
     print_table(rows)

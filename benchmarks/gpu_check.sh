@@ -7,7 +7,7 @@
 #   env        GPU, driver, torch/Triton versions, the Arch the launcher derives, missing Python modules;
 #              installs the repo (`pip install --no-deps --no-build-isolation -e .`) if vit3 does not import
 #   tests      the kernel tests on the GPU (compiled kernels, not the interpreter)
-#   explain    the backend each mixer branch runs and why, for the six models (bf16, 224 px)
+#   explain    the backend each mixer branch runs and why, for the six models (bf16, 224 px, training)
 #   backends   forward + backward of every backend (VIT3_TTT_BACKEND) against the float64 reference,
 #              at training shapes, fp32 and bf16 autocast (benchmarks/backend_check.py)
 #   kernel     benchmarks/ttt_kernel.py: fused vs PyTorch vs official (bf16 autocast) vs SDPA, peak memory
@@ -101,7 +101,7 @@ explain_all() {
   local rc=0 model
   for model in vit3_tiny vit3_small vit3_base h_vit3_tiny h_vit3_small h_vit3_base; do
     echo "--- $model"
-    "$PY" -m vit3.layers.backends "$model" --img-size 224 --device "$DEVICE" --dtype bf16 || rc=1
+    "$PY" -m vit3.layers.backends "$model" --img-size 224 --device "$DEVICE" --dtype bf16 --train || rc=1
   done
   return $rc
 }
