@@ -362,7 +362,8 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
     On a CUDA device: its compute capability (the kernels are verified from sm_75 on) and its opt-in shared
     memory per block against what ``launch_config`` picks for this head dim, dtype and, for fp32, the dots
     PyTorch allows now (TF32 or IEEE). Cheap: cached per (model, head-dim class, dtype, precision, device).
-    On a CPU: the interpreter (``TRITON_INTERPRET=1``) runs any configuration.
+    On a CPU: the interpreter (``TRITON_INTERPRET=1``) runs any configuration. A CUDA device asked about where
+    no GPU is present (a plan explained ahead of time) passes: the check is made where the GPU is.
 
     Args:
         name: ``"swiglu"``, ``"linear"`` or ``"dwconv"`` (the loss does not change the tiles).
@@ -387,6 +388,10 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
             False,
             f"the Triton kernels run on CUDA GPUs (or on CPU under TRITON_INTERPRET=1), not on {device}",
         )
+    if (
+        not torch.cuda.is_available()
+    ):  # a CUDA plan explained on a machine without the GPU: nothing to inspect
+        return True, ""
     block_d = max(16, triton.next_power_of_2(head_dim))
     return _fits_arch(name, block_d, dtype, _precision(dtype), Arch.of(device))
 

@@ -122,6 +122,7 @@ def gpu(monkeypatch):
     """Pretends the CUDA device is the given ``Arch`` (``fits_device`` asks ``Arch.of``)."""
 
     def use(arch: Arch) -> torch.device:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(ttt_fused.Arch, "of", staticmethod(lambda device: arch))
         ttt_fused._fits_arch.cache_clear()
         return torch.device("cuda")
@@ -145,12 +146,17 @@ def test_fits_device_names_what_is_missing(gpu):
     ok, why = ttt_fused.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(87, 48 * 1024, 16, "Orin-lite")))
     assert not ok and "48 KB" in why and "64 KB" in why
     assert ttt_fused.fits_device("swiglu", 64, torch.bfloat16, gpu(ARCHS["sm_75"])) == (True, "")
-    ok, why = ttt_fused.fits_device("swiglu", 256, torch.bfloat16, torch.device("cuda"))
+    ok, why = ttt_fused.fits_device("swiglu", 256, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "16..128" in why
-    ok, why = ttt_fused.fits_device("mlp", 64, torch.bfloat16, torch.device("cuda"))
+    ok, why = ttt_fused.fits_device("mlp", 64, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "mlp" in why
-    ok, why = ttt_fused.fits_device("swiglu", 64, torch.int32, torch.device("cuda"))
+    ok, why = ttt_fused.fits_device("swiglu", 64, torch.int32, gpu(ARCHS["sm_90"]))
     assert not ok and "int32" in why
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks about a CUDA device where there is none")
+def test_fits_device_without_a_gpu_defers_the_check():
+    assert ttt_fused.fits_device("swiglu", 64, torch.bfloat16, torch.device("cuda")) == (True, "")
 
 
 def test_fits_device_on_cpu_depends_on_the_interpreter(monkeypatch):
