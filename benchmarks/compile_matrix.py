@@ -4,8 +4,9 @@ Compiles every kernel launch of ``fused_ttt`` (forward + backward) for each case
 (arch x inner model x head dim x dtype mode; ``--cases default`` is the CI subset) with the launcher's own
 set-up and Triton's run-time specialisation, no GPU needed (``vit3.kernels.aot``). Prints, per arch, dtype
 mode and head dim, the worst kernel over the inner models (largest shared memory; most registers; most
-spill bytes), flags any kernel over the arch's shared-memory limit or the spill bound
-(``aot.spill_bound``), and writes one row per compiled kernel to ``--out`` (CSV).
+spill bytes), flags any kernel over the arch's shared-memory limit, the declared bound ``fits_device``
+uses (``ttt_fused.smem_need``) or the spill bound (``aot.spill_bound``), lists the cases ``fits_device``
+turns down (their compile must exceed the limit), and writes one row per compiled kernel to ``--out``.
 
     python benchmarks/compile_matrix.py                        # the full matrix, ~1 h on one core
     python benchmarks/compile_matrix.py --cases default --jobs 2
@@ -36,18 +37,28 @@ def rows_of(results: list) -> list[dict]:
     """One row per compiled kernel (or per failed case), with the verdict against the arch's limits."""
     rows = []
     for case, res in results:
-        head = {"arch": case.arch.sm, "model": case.model, "loss": case.loss, "d": case.d, "mode": case.mode}
+        fits, why = aot.fits(case)
+        head = {"arch": case.arch.sm, "model": case.model, "loss": case.loss, "d": case.d, "mode": case.mode,
+                "fits": fits, "limit_kb": case.arch.smem / 1024, "bound_kb": aot.smem_bound(case) / 1024}  # fmt: skip
         if isinstance(res, str):
-            blank = dict.fromkeys(("smem_kb", "limit_kb", "regs", "spill_stores", "spill_loads", "stack"), 0)
+            blank = dict.fromkeys(
+                ("smem_kb", "regs", "spill_stores", "spill_bound", "spill_loads", "stack"), 0
+            )
             blank |= dict.fromkeys(("block_n", "block_c", "num_warps", "num_stages"), 0)
-            rows.append(head | {"kernel": "(compile failed)"} | blank | {"error": res, "ok": False})
+            rows.append(head | {"kernel": "(compile failed)"} | blank | {"note": res, "ok": False})
             continue
+        worst = max(c.smem for c in res)
         for c in res:
-            ok = c.smem <= case.arch.smem and c.spill_stores <= aot.spill_bound(case)
-            rows.append(head | {"kernel": c.kernel, "smem_kb": c.smem / 1024, "limit_kb": case.arch.smem / 1024,
-                                "regs": c.regs, "spill_stores": c.spill_stores, "spill_loads": c.spill_loads,
+            bound = aot.spill_bound(case, c.kernel)
+            if fits:  # within the arch's limit, the declared bound, and the spill bound
+                ok = c.smem <= min(case.arch.smem, aot.smem_bound(case)) and c.spill_stores <= bound
+                note = ""
+            else:  # fits_device says no: the compile must show why (some kernel over the limit)
+                ok, note = worst > case.arch.smem, f"fits_device: {why}"
+            rows.append(head | {"kernel": c.kernel, "smem_kb": c.smem / 1024, "regs": c.regs,
+                                "spill_stores": c.spill_stores, "spill_bound": bound, "spill_loads": c.spill_loads,
                                 "stack": c.stack, "block_n": c.block_n, "block_c": c.block_c,
-                                "num_warps": c.num_warps, "num_stages": c.num_stages, "error": "", "ok": ok})  # fmt: skip
+                                "num_warps": c.num_warps, "num_stages": c.num_stages, "note": note, "ok": ok})  # fmt: skip
     return rows
 
 
@@ -58,7 +69,7 @@ def summary(rows: list[dict]) -> list[dict]:
         groups.setdefault((r["arch"], r["mode"], r["d"]), []).append(r)
     out = []
     for (arch, mode, d), rs in groups.items():
-        done = [r for r in rs if r["kernel"] != "(compile failed)"]
+        done = [r for r in rs if r["kernel"] != "(compile failed)" and r["fits"]]
         top = max(done, key=lambda r: r["smem_kb"]) if done else None
         name = (
             (lambda r: f"{r['model']}{'-mse' if r['loss'] == 'mse' else ''}/{r['kernel']}") if done else None
@@ -71,6 +82,7 @@ def summary(rows: list[dict]) -> list[dict]:
             "max_regs": max((r["regs"] for r in done), default=0),
             "max_spill": max((r["spill_stores"] for r in done), default=0),
             "spill_kernel": name(max(done, key=lambda r: r["spill_stores"])) if done else "-",
+            "no_fit": len({(r["model"], r["loss"]) for r in rs if not r["fits"]}),
             "failed": sum(not r["ok"] for r in rs),
         })  # fmt: skip
     return out
@@ -99,8 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rows if not r["ok"]]
     for r in bad:
         print(f"OVER: {r['arch']} {r['model']}-{r['loss']} d{r['d']} {r['mode']} {r['kernel']}: "
-              f"{r.get('smem_kb', 0):.0f} KB (limit {r.get('limit_kb', 0):.0f}), "
-              f"{r.get('spill_stores', 0)} B spilled {r['error']}")  # fmt: skip
+              f"{r['smem_kb']:.0f} KB (limit {r['limit_kb']:.0f}, bound {r['bound_kb']:.0f}), "
+              f"{r['spill_stores']} B spilled (bound {r['spill_bound']}) {r['note']}")  # fmt: skip
+    for r in {
+        (r["arch"], r["model"], r["loss"], r["d"], r["mode"], r["note"]) for r in rows if not r["fits"]
+    }:
+        print("DOES NOT FIT (as fits_device says):", *r)
     print(
         f"{len(cases)} cases, {len(rows)} kernels in {time.perf_counter() - start:.0f}s; {len(bad)} over a limit"
     )

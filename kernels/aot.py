@@ -43,8 +43,10 @@ __all__ = [
     "compile_case",
     "compile_cases",
     "compile_launch",
+    "fits",
     "matrix",
     "plan_case",
+    "smem_bound",
     "specialise",
     "spill_bound",
 ]
@@ -225,30 +227,48 @@ def compile_cases(cases: list[Case], jobs: int = 1) -> list[tuple[Case, list[Com
         return list(pool.map(_compile_or_error, cases, chunksize=4))
 
 
-def spill_bound(case: Case) -> int:
-    """Spill bytes per thread (ptxas "spill stores") the compile tests allow each kernel of ``case``.
+SMALL_KERNELS = ("step_kernel", "step_bwd_kernel", "wgrad_reduce_kernel")
 
-    0 for 16-bit and fp32 inputs at d <= 64 (the training configurations); 64 bytes for d = 128, whose
-    kernels keep full-width 128-channel tiles, where ptxas's allocator now and then parks a few registers;
-    512 for float64, a checking mode whose FMA dots hold twice the registers.
+
+def spill_bound(case: Case, kernel: str) -> int:
+    """Spill bytes per thread (ptxas "spill stores") the compile tests allow launch ``kernel`` of ``case``.
+
+    The kernels that stream the N tokens: 0 for 16-bit inputs at d <= 64 (the training configurations),
+    64 bytes for fp32 inputs (TF32 or IEEE dots) and for d = 128, where ptxas's allocator now and then parks a
+    few registers, 1024 for fp64 (a checking mode: FMA dots on twice the registers). The step, step-backward
+    and reduction kernels, which touch O(d²) numbers once per (sample, head): 64 bytes.
     """
+    if kernel in SMALL_KERNELS:
+        return 64
     if case.mode == "fp64":
-        return 512
-    return 0 if case.d <= 64 else 64
+        return 1024
+    return 0 if case.d <= 64 and case.mode in ("bf16", "fp16") else 64
+
+
+def smem_bound(case: Case) -> int:
+    """Shared memory (bytes) each kernel of ``case`` is held to: ``ttt_fused.smem_need``, what ``fits_device``
+    compares with the GPU's limit."""
+    dtype, prec = MODES[case.mode]
+    return ttt_fused.smem_need(case.model, case.d, dtype, prec, case.arch)
+
+
+def fits(case: Case) -> tuple[bool, str]:
+    """``fits_device``'s answer for ``case`` on its arch (no GPU needed)."""
+    dtype, prec = MODES[case.mode]
+    block_d = max(16, 1 << (case.d - 1).bit_length())
+    return ttt_fused._fits_arch(case.model, block_d, dtype, prec, case.arch)
 
 
 def matrix(kind: str = "full") -> list[Case]:
-    """The compile cases: ``"full"``, every arch x model x head dim x dtype mode (fp64 on the archs where it
-    matters: the datacenter parts sm_80, sm_90, sm_100, and sm_75, the smallest); ``"default"``, the worst
-    cases of each arch (largest shared memory and register pressure in the full matrix), the CI subset.
+    """The compile cases: ``"full"``, every arch x inner model x head dim x dtype mode; ``"default"``, the
+    worst cases of each arch in the full matrix (most shared memory, most spill-prone), the CI subset.
     """
     if kind == "full":
         cases = []
         for arch in ARCHS.values():
-            modes = [m for m in MODES if m != "fp64" or arch.capability in (75, 80, 90, 100)]
             for model, loss in MODELS:
                 for d in HEAD_DIMS:
-                    cases += [Case(model, loss, d, mode, arch) for mode in modes]
+                    cases += [Case(model, loss, d, mode, arch) for mode in MODES]
         return cases
     if kind != "default":
         raise ValueError(f"the compile matrix is 'full' or 'default', got {kind!r}")

@@ -54,6 +54,7 @@ __all__ = [
     "launch_config",
     "max_head_dim",
     "resolve_backend",
+    "smem_need",
     "triton_runs_on",
 ]
 
@@ -186,13 +187,16 @@ def fp32_uses_tf32() -> bool:
         return False
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: TF32 for half inputs (and fp32 when PyTorch allows TF32), else IEEE."""
-    if _interpreting() or dtype == torch.float64:
-        return "ieee"
-    if dtype == torch.float32 and not fp32_uses_tf32():
+def _gpu_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision on a GPU: TF32 for half inputs (and fp32 when PyTorch allows TF32), else IEEE."""
+    if dtype == torch.float64 or (dtype == torch.float32 and not fp32_uses_tf32()):
         return "ieee"
     return "tf32"
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision of a launch: the GPU's, or IEEE on the interpreter (exact fp32 dots)."""
+    return "ieee" if _interpreting() else _gpu_precision(dtype)
 
 
 # ---------------------------------------------------------------------------------------------- launch set-up
@@ -248,42 +252,52 @@ def _tensor_cores(dtype: torch.dtype, prec: str, arch: Arch) -> bool:
     return prec == "tf32" and dtype != torch.float64 and arch.capability >= 80
 
 
-# A backward matrix stage at d = 64 in one launch keeps W1, W2, dG1, dG2 (and the transposes its dk / dq
-# dots read) on chip: 132-184 KB of shared memory with TF32 dots (sm_80: 144-168 KB plus register spills,
-# sm_90: 176-184 KB spill-free). Parts with at least this much per block take it; the others split the
+# A SwiGLU backward stage at d = 64 in one launch keeps W1, W2, dG1, dG2 (and the transposes its dk / dq dots
+# read) on chip: 132-192 KB of shared memory with TF32 dots (sm_80: 144-168 KB plus register spills; sm_90 and
+# sm_100: up to 192 KB, spill-free). Parts with at least this much per block take it; the others split the
 # columns into 32-wide blocks (a column and a cross launch per stage), which need at most ~60 KB.
 FUSED_BACKWARD_SMEM = 200 * KB
 
 
-def _matrix_tiles(role: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arch) -> Tiles:
+def _matrix_tiles(
+    model: str, loss: str, role: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arch
+) -> Tiles:
     """Tiles of one matrix-kernel role: ``launch_config``'s table.
 
-    ``tests/test_kernels_compile.py`` compiles it for every arch, head dim and dtype mode and holds shared
-    memory to the arch's limit and ptxas's spills to a small bound (``vit3.kernels.aot.spill_bound``).
-    Column blocks: the whole head up to d = 32, 32 columns at d = 64, 16 at d = 128 (float64: 16 throughout).
-    On tensor cores d = 64 keeps the whole head in the forward kernels, and in the backward ones on parts
-    with ``FUSED_BACKWARD_SMEM``; 32-token tiles, two pipeline stages (16-token tiles in the backward at
-    d = 128, whose cross launch holds full-width dk / dq accumulators). FMA dots (IEEE fp32, fp64, sm_75)
-    hold both operands in registers: 16-token tiles over 8 warps, no pipelining (its extra stage of k / v
-    tiles pushes them into spills).
+    ``tests/test_kernels_compile.py`` compiles it for every arch, inner model, head dim and dtype mode and
+    holds each kernel to the arch's shared memory and to a spill bound (``vit3.kernels.aot.spill_bound``);
+    where the table has a choice, it is the one those compiles found spill-free. Column blocks: the whole
+    head up to d = 32, 16 columns at d = 128, and at d = 64 on tensor cores the whole head except in the
+    SwiGLU backward (and its gradient pass) on parts without ``FUSED_BACKWARD_SMEM`` and in the linear MSE
+    backward, which take 32 columns. FMA dots (IEEE fp32, fp64, every dot on sm_75) hold both operands in
+    registers: 16-token tiles over 8 warps, 32 columns at most, no pipelining (its extra stage of k / v tiles
+    pushes them into spills). Tensor cores: two pipeline stages; 16-token tiles where full-width k / dk tiles
+    share the registers with many live column tiles (d = 32, the backward at d = 128, the linear MSE backward).
     """
     if dtype == torch.float64:
         return Tiles(16, 16, 8, 1)
     if not _tensor_cores(dtype, prec, arch):
         return Tiles(16, min(block_d, 32 if block_d <= 64 else 16), 8, 1)
     backward = role.startswith(("readout_bwd", "grad_bwd"))
-    if block_d <= 32:
-        return Tiles(32, block_d, 4 if block_d <= 16 else 8, 2)
-    if block_d == 64:
-        fused = not backward or arch.smem >= FUSED_BACKWARD_SMEM
-        return Tiles(32, 64 if fused else 32, 8, 2)
-    return Tiles(16 if backward else 32, 16, 8, 2)
+    if block_d <= 16:
+        return Tiles(32, block_d, 4, 2)
+    if block_d == 32:
+        return Tiles(16, 32, 8, 2)
+    if block_d == 128:
+        return Tiles(16 if backward else 32, 16, 8, 2)
+    if model == "linear":
+        return Tiles(16, 32, 8, 2) if backward and loss == "mse" else Tiles(32, 64, 4, 2)
+    if arch.smem >= FUSED_BACKWARD_SMEM or role == "readout":
+        return Tiles(32, 64, 8, 2)
+    return Tiles(32, 32, 8, 2)
 
 
 def _conv_tiles(block_d: int, dtype: torch.dtype) -> Tiles:
-    """The depthwise-conv kernels: full-width ``[BLOCK_N, BLOCK_D]`` tiles (their weights are only 9 x d),
-    no dots; 16-token tiles where fp64 or d = 128 tiles would spill."""
-    block_n = 16 if dtype == torch.float64 or block_d > 64 else 32
+    """The depthwise-conv kernels: full-width ``[BLOCK_N, BLOCK_D]`` tiles (their weights are only 9 x d), no
+    dots; the token tile per head dim that the compile matrix found spill-free (16 for fp64)."""
+    if dtype == torch.float64:
+        return Tiles(16, block_d, 4 if block_d <= 32 else 8, 2)
+    block_n = {16: 32, 32: 16, 64: 32}.get(block_d, 16)
     return Tiles(block_n, block_d, 4 if block_d <= 32 else 8, 2)
 
 
@@ -302,6 +316,7 @@ def launch_config(
     dtype: torch.dtype,
     arch: Arch,
     *,
+    loss: str = "dot",
     prec: str | None = None,
     chunk: int | None = None,
     interpret: bool | None = None,
@@ -315,6 +330,7 @@ def launch_config(
         bg: samples x heads (programs along the second grid axis).
         dtype: the q/k/v dtype.
         arch: the GPU (``Arch.of(device)``, or one of ``ARCHS`` for offline compiles).
+        loss: ``"dot"`` or ``"mse"`` (the linear model's MSE backward keeps more tiles live).
         prec: ``tl.dot`` input precision (default: what ``fused_ttt`` picks for ``dtype`` now).
         chunk: tokens per program (tests force a split of N with it); ``None`` chooses.
         interpret: size for Triton's interpreter (default: ``$TRITON_INTERPRET``): the GPU's column blocks
@@ -331,7 +347,7 @@ def launch_config(
     if model == "dwconv":
         tiles = {"conv": _conv_tiles(block_d, dtype)}
     else:
-        tiles = {role: _matrix_tiles(role, block_d, dtype, tile_prec, tile_arch) for role in MATRIX_ROLES}
+        tiles = {r: _matrix_tiles(model, loss, r, block_d, dtype, tile_prec, tile_arch) for r in MATRIX_ROLES}
     tiles["small"] = _small_tiles(block_r, block_d, dtype)
     if interpret:
         big = min(256, max(16, triton.next_power_of_2(n_tok)))
@@ -350,23 +366,39 @@ def launch_config(
     return LaunchConfig(block_d, block_r, size, triton.cdiv(n_tok, size), prec, tiles)
 
 
-# The oldest arch the kernels are compiled and checked for (tests/test_kernels_compile.py), and the shared
-# memory per block every configuration but the fused d = 64 backward stays within (sm_75, the T4, allows 64 KB).
+# The oldest arch the kernels are compiled and checked for (tests/test_kernels_compile.py).
 MIN_CAPABILITY = 75
-BASE_SMEM = 64 * KB
+
+
+def smem_need(model: str, d: int, dtype: torch.dtype, prec: str, arch: Arch) -> int:
+    """Shared memory per block (bytes) the kernels of ``launch_config``'s choice are held to on ``arch``.
+
+    An upper bound the compile matrix checks for every kernel, arch and dtype mode: 64 KB with FMA dots
+    (the T4's limit, which every other part exceeds), 72 KB on tensor cores, 96 KB for fp64 at d = 128
+    (full-width fp64 tiles), ``FUSED_BACKWARD_SMEM`` for the fused SwiGLU backward at d = 64.
+    """
+    block_d = max(16, triton.next_power_of_2(d))
+    if model == "swiglu" and block_d == 64:
+        cfg = launch_config(model, 4096, block_d, 64, dtype, arch, prec=prec, interpret=False)
+        if cfg.cols("grad_bwd", block_d) == 1:
+            return FUSED_BACKWARD_SMEM
+    if dtype == torch.float64 and block_d == 128:
+        return 96 * KB
+    return (72 if _tensor_cores(dtype, prec, arch) else 64) * KB
 
 
 def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
     """Whether the kernels of inner model ``name`` have a launch configuration that fits ``device``.
 
-    On a CUDA device: its compute capability (the kernels are verified from sm_75 on) and its opt-in shared
+    On a CUDA device: its compute capability (the kernels are checked from sm_75 on) and its opt-in shared
     memory per block against what ``launch_config`` picks for this head dim, dtype and, for fp32, the dots
-    PyTorch allows now (TF32 or IEEE). Cheap: cached per (model, head-dim class, dtype, precision, device).
-    On a CPU: the interpreter (``TRITON_INTERPRET=1``) runs any configuration. A CUDA device asked about where
-    no GPU is present (a plan explained ahead of time) passes: the check is made where the GPU is.
+    PyTorch allows now (TF32 or IEEE): ``smem_need``. Cheap: cached per (model, head-dim class, dtype,
+    precision, device). On a CPU the interpreter (``TRITON_INTERPRET=1``) runs any configuration. A CUDA
+    device asked about where no GPU is present (a plan explained ahead of time) passes: the check is made
+    where the GPU is.
 
     Args:
-        name: ``"swiglu"``, ``"linear"`` or ``"dwconv"`` (the loss does not change the tiles).
+        name: ``"swiglu"``, ``"linear"`` or ``"dwconv"`` (the loss does not change the shared memory).
         head_dim: channels per head.
         dtype: the q/k/v dtype.
         device: where q, k, v live.
@@ -386,32 +418,25 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
             return True, ""
         return (
             False,
-            f"the Triton kernels run on CUDA GPUs (or on CPU under TRITON_INTERPRET=1), not on {device}",
+            f"the Triton kernels run on CUDA GPUs (or on CPU with TRITON_INTERPRET=1), not on {device}",
         )
-    if (
-        not torch.cuda.is_available()
-    ):  # a CUDA plan explained on a machine without the GPU: nothing to inspect
+    if not torch.cuda.is_available():  # a CUDA plan explained where there is no GPU to inspect
         return True, ""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    return _fits_arch(name, block_d, dtype, _precision(dtype), Arch.of(device))
+    return _fits_arch(name, block_d, dtype, _gpu_precision(dtype), Arch.of(device))
 
 
 @functools.cache
 def _fits_arch(name: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arch) -> tuple[bool, str]:
     gpu = f"{arch.sm} ({arch.name})" if arch.name else arch.sm
     if arch.capability < MIN_CAPABILITY:
-        return (
-            False,
-            f"the Triton kernels are built and checked for sm_{MIN_CAPABILITY} and newer; this GPU is {gpu}",
-        )
-    cfg = launch_config(name, 4096, block_d, 64, dtype, arch, prec=prec, interpret=False)
-    fused = name != "dwconv" and block_d == 64 and cfg.tiles["grad_bwd"].block_c == 64
-    need = FUSED_BACKWARD_SMEM if fused else BASE_SMEM
+        return False, f"the Triton kernels are built and checked for sm_{MIN_CAPABILITY}+; this GPU is {gpu}"
+    need = smem_need(name, block_d, dtype, prec, arch)
     if need > arch.smem:
         dots = f" ({prec} dots)" if dtype == torch.float32 else ""
         return False, (
-            f"{name} kernels at head dim {block_d} in {dtype}{dots} need {need // KB} KB of shared memory per "
-            f"block; this GPU ({gpu}) allows {arch.smem // KB} KB"
+            f"{name} kernels at head dim {block_d} in {dtype}{dots} need {need // KB} KB of shared memory "
+            f"per block; this GPU ({gpu}) allows {arch.smem // KB} KB"
         )
     return True, ""
 
@@ -470,8 +495,9 @@ def _stage(
 
 
 def _plan_setup(
-    q: Tensor, w: Tensor, model: str, chunk: int, arch: Arch | None, prec: str | None, interpret: bool | None
-) -> tuple[int, int, torch.dtype, Any, LaunchConfig, tuple, tuple, dict[str, Any]]:
+    q: Tensor, w: Tensor, model: str, loss: str, chunk: int, arch: Arch | None, prec: str | None,
+    interpret: bool | None,
+) -> tuple[int, int, torch.dtype, Any, LaunchConfig, tuple, tuple, dict[str, Any]]:  # fmt: skip
     """What both plans start from: weights per head ``NW``, weight rows ``R``, the accumulator dtype (torch,
     triton), the ``LaunchConfig``, the size and weight-stride arguments and the matrix kernels' flags."""
     b, g, n_tok, d = q.shape
@@ -479,7 +505,7 @@ def _plan_setup(
     acc, acc_tl = _acc_dtype(q.dtype)
     arch = arch or _device_arch(q.device)
     cfg = launch_config(
-        model, n_tok, d, b * g, q.dtype, arch, prec=prec, chunk=chunk or None, interpret=interpret
+        model, n_tok, d, b * g, q.dtype, arch, loss=loss, prec=prec, chunk=chunk or None, interpret=interpret
     )
     w_strides = (w.stride(1), w.stride(3), w.stride(4), w.stride(2))
     flags = {"SWIGLU": model == "swiglu", "NW": nw, "PREC": cfg.prec}
@@ -498,7 +524,9 @@ def forward_plan(
     compiles (``vit3.kernels.aot``) plan the launches a GPU would run from shapes and strides alone.
     """
     b, g, n_tok, d = q.shape
-    nw, r, acc, acc_tl, cfg, sizes, w_strides, flags = _plan_setup(q, w, model, chunk, arch, prec, interpret)
+    nw, r, acc, acc_tl, cfg, sizes, w_strides, flags = _plan_setup(
+        q, w, model, loss, chunk, arch, prec, interpret
+    )
     s, coef, dev = cfg.s, scale / n_tok, q.device
     part = _empty(b * g, s, nw, r, d, dtype=acc, device=dev)
     gbuf, wpbuf = (_empty(b * g, nw, r, d, dtype=acc, device=dev) for _ in range(2))
@@ -536,7 +564,9 @@ def backward_plan(
 ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
     """The backward's gradients (allocated, unwritten) and the launches that write them (as ``forward_plan``)."""
     b, g, n_tok, d = q.shape
-    nw, r, acc, acc_tl, cfg, sizes, w_strides, flags = _plan_setup(q, w, model, chunk, arch, prec, interpret)
+    nw, r, acc, acc_tl, cfg, sizes, w_strides, flags = _plan_setup(
+        q, w, model, loss, chunk, arch, prec, interpret
+    )
     s, coef, dev = cfg.s, scale / n_tok, q.device
     # Slots 0..S-1: per-chunk partials (first of the read-out's dW', then, reused, of kᵀdZ); slot S: dW'.
     part = _empty(b * g, s + 1, nw, r, d, dtype=acc, device=dev)

@@ -133,18 +133,23 @@ def gpu(monkeypatch):
 
 @pytest.mark.parametrize("arch", list(ARCHS), ids=list(ARCHS))
 def test_every_current_gpu_fits_every_model_dtype_and_head_dim(arch, gpu):
+    """All but the fp64 checking mode at d = 128 on the T4 (full-width fp64 tiles need ~88 KB, it has 64)."""
     device = gpu(ARCHS[arch])
     for model in MODELS:
         for d in HEAD_DIMS:
             for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-                assert ttt_fused.fits_device(model, d, dtype, device) == (True, ""), (model, d, dtype)
+                ok, why = ttt_fused.fits_device(model, d, dtype, device)
+                if arch == "sm_75" and dtype == torch.float64 and d == 128:
+                    assert not ok and "96 KB" in why and "allows 64 KB" in why and "Tesla T4" in why
+                else:
+                    assert (ok, why) == (True, ""), (model, d, dtype)
 
 
 def test_fits_device_names_what_is_missing(gpu):
     ok, why = ttt_fused.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(70, 96 * 1024, 80, "Tesla V100")))
-    assert not ok and "sm_70 (Tesla V100)" in why and "sm_75" in why
+    assert not ok and "sm_70 (Tesla V100)" in why and "sm_75+" in why
     ok, why = ttt_fused.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(87, 48 * 1024, 16, "Orin-lite")))
-    assert not ok and "48 KB" in why and "64 KB" in why
+    assert not ok and "allows 48 KB" in why and "need 72 KB" in why
     assert ttt_fused.fits_device("swiglu", 64, torch.bfloat16, gpu(ARCHS["sm_75"])) == (True, "")
     ok, why = ttt_fused.fits_device("swiglu", 256, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "16..128" in why
