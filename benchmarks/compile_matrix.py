@@ -8,7 +8,7 @@ spill bytes), flags any kernel over the arch's shared-memory limit, the declared
 uses (``ttt_fused.smem_need``) or the spill bound (``aot.spill_bound``), lists the cases ``fits_device``
 turns down (their compile must exceed the limit), and writes one row per compiled kernel to ``--out``.
 
-    python benchmarks/compile_matrix.py                        # the full matrix, ~1 h on one core
+    python benchmarks/compile_matrix.py --jobs 2               # the full matrix, ~25 min (cold Triton cache)
     python benchmarks/compile_matrix.py --cases default --jobs 2
     python benchmarks/compile_matrix.py --arch sm_86 --d 64 --mode bf16 fp32-ieee
 
@@ -81,7 +81,9 @@ def summary(rows: list[dict]) -> list[dict]:
             "smem_kernel": name(top) if top else "-",
             "max_regs": max((r["regs"] for r in done), default=0),
             "max_spill": max((r["spill_stores"] for r in done), default=0),
-            "spill_kernel": name(max(done, key=lambda r: r["spill_stores"])) if done else "-",
+            "spill_kernel": name(max(done, key=lambda r: r["spill_stores"]))
+            if done and max(r["spill_stores"] for r in done)
+            else "-",
             "no_fit": len({(r["model"], r["loss"]) for r in rs if not r["fits"]}),
             "failed": sum(not r["ok"] for r in rs),
         })  # fmt: skip

@@ -374,15 +374,16 @@ def smem_need(model: str, d: int, dtype: torch.dtype, prec: str, arch: Arch) -> 
     """Shared memory per block (bytes) the kernels of ``launch_config``'s choice are held to on ``arch``.
 
     An upper bound the compile matrix checks for every kernel, arch and dtype mode: 64 KB with FMA dots
-    (the T4's limit, which every other part exceeds), 72 KB on tensor cores, 96 KB for fp64 at d = 128
-    (full-width fp64 tiles), ``FUSED_BACKWARD_SMEM`` for the fused SwiGLU backward at d = 64.
+    (the T4's limit, which every other part exceeds), 72 KB on tensor cores, 96 KB for SwiGLU in fp64 at
+    d = 128 (full-width fp64 tiles of four weights), ``FUSED_BACKWARD_SMEM`` for the fused SwiGLU backward
+    at d = 64.
     """
     block_d = max(16, triton.next_power_of_2(d))
     if model == "swiglu" and block_d == 64:
         cfg = launch_config(model, 4096, block_d, 64, dtype, arch, prec=prec, interpret=False)
         if cfg.cols("grad_bwd", block_d) == 1:
             return FUSED_BACKWARD_SMEM
-    if dtype == torch.float64 and block_d == 128:
+    if model == "swiglu" and dtype == torch.float64 and block_d == 128:
         return 96 * KB
     return (72 if _tensor_cores(dtype, prec, arch) else 64) * KB
 

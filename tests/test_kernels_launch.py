@@ -133,13 +133,13 @@ def gpu(monkeypatch):
 
 @pytest.mark.parametrize("arch", list(ARCHS), ids=list(ARCHS))
 def test_every_current_gpu_fits_every_model_dtype_and_head_dim(arch, gpu):
-    """All but the fp64 checking mode at d = 128 on the T4 (full-width fp64 tiles need ~88 KB, it has 64)."""
+    """All but SwiGLU in the fp64 checking mode at d = 128 on the T4 (its fp64 tiles need ~88 KB, the T4 64)."""
     device = gpu(ARCHS[arch])
     for model in MODELS:
         for d in HEAD_DIMS:
             for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
                 ok, why = ttt_fused.fits_device(model, d, dtype, device)
-                if arch == "sm_75" and dtype == torch.float64 and d == 128:
+                if (arch, model, dtype, d) == ("sm_75", "swiglu", torch.float64, 128):
                     assert not ok and "96 KB" in why and "allows 64 KB" in why and "Tesla T4" in why
                 else:
                     assert (ok, why) == (True, ""), (model, d, dtype)
