@@ -67,8 +67,30 @@ def _rss_bytes() -> int:
     return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) * 1024
 
 
+def peak_tensor_memory(fn, device: torch.device) -> float:
+    """Peak extra tensor memory (MiB) of one call of ``fn``: what its tensors hold at most beyond the live ones.
+
+    CUDA: ``torch.cuda.max_memory_allocated``. CPU: the running sum of the allocations and frees the PyTorch
+    profiler records (``profile_memory``), sampled at the boundaries of top-level ops: tensor storage only,
+    deterministic, unlike the resident set of a small call (see ``peak_memory``), which allocator caching
+    swamps.
+    """
+    if device.type == "cuda":
+        return peak_memory(fn, device)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    top = sorted((e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start)
+    live = peak = 0
+    for event in top:
+        live += event.cpu_memory_usage
+        peak = max(peak, live)
+    return peak / 2**20
+
+
 def peak_memory(fn, device: torch.device) -> float:
-    """Peak extra memory (MiB) of one call of ``fn``."""
+    """Peak extra memory (MiB) of one call of ``fn``: CUDA ``max_memory_allocated``, CPU peak RSS growth."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -1,18 +1,25 @@
 """vit3 backbones against timm's DeiT/ViT (SDPA attention) of the same size, across resolutions.
 
 For each (model, resolution, mode) it measures images/s and peak memory side by side in one run:
-``infer`` is a forward under ``torch.inference_mode``, ``train`` a forward + backward. Peak memory is
-``torch.cuda.max_memory_allocated`` on a GPU and the process's peak resident set growth on CPU (Linux
-``/proc/self/clear_refs`` resets the high-water mark before each measurement). The roofline column is the
-achieved GFLOP/s of the forward (fvcore FLOPs) against the measured matmul roof of the device.
+``infer`` is a forward under ``torch.inference_mode``, ``train`` a training step's forward + backward
+(gradients of every parameter; no optimizer step). ``--amp bf16`` runs both under ``torch.autocast`` (the
+default on CUDA). Peak memory is ``torch.cuda.max_memory_allocated`` on a GPU and the process's peak
+resident set growth on CPU (Linux ``/proc/self/clear_refs`` resets the high-water mark before each
+measurement). The roofline column is the achieved GFLOP/s of the forward (fvcore FLOPs) against the
+measured matmul roof of the device. A group ``a:b:c`` times its models side by side; the ratios printed
+compare each to the last (the baseline).
 
     python benchmarks/models.py                         # CPU: ViT³-T vs DeiT-T, 224..1248, batch 1
     python benchmarks/models.py --pairs vit3_small:deit_small_patch16_224 --res 224 448
+    python benchmarks/models.py --device cuda --pairs vit3_tiny:h_vit3_tiny:deit_tiny_patch16_224 \
+        --res 224 512 1024 1248 --batch 64 16 4 2 --no-flops       # GPU, bf16 autocast
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
 import sys
 from pathlib import Path
 
@@ -52,23 +59,53 @@ def fvcore_flops(model: torch.nn.Module, x: torch.Tensor) -> float:
     return float(analysis.total())
 
 
+AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def batches(args: argparse.Namespace) -> dict[int, int]:
+    """Batch size per resolution: one ``--batch`` for all, or one per ``--res``."""
+    if len(args.batch) == 1:
+        return dict.fromkeys(args.res, args.batch[0])
+    if len(args.batch) != len(args.res):
+        raise SystemExit(f"--batch takes one size or one per --res ({len(args.res)}), got {len(args.batch)}")
+    return dict(zip(args.res, args.batch))
+
+
+def fits_memory(key: str, fn, res: int, device: torch.device) -> bool:
+    """Runs ``fn`` once; False (and a note) where it runs out of memory, so the other models still get timed."""
+    try:
+        fn()
+        return True
+    except torch.OutOfMemoryError:
+        print(f"{key} @ {res}px: out of memory, skipped", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return False
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     torch.manual_seed(0)
-    roof = matmul_peak_flops(device)
+    amp = AMP[args.amp]
+    roof = matmul_peak_flops(device, amp or torch.float32)
     rows = []
     for pair in args.pairs:
         names = pair.split(":")
-        for res in args.res:
-            x = torch.randn(args.batch, 3, res, res, device=device)
+        for res, batch in batches(args).items():
+            x = torch.randn(batch, 3, res, res, device=device)
             models = {n: build(n, res, device).eval() for n in names}
 
+            def autocast():
+                return torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
+
             def infer(m):
-                with torch.inference_mode():
+                with torch.inference_mode(), autocast():
                     m(x)
 
             def train(m):
-                m(x).float().sum().backward()
+                with autocast():
+                    out = m(x)
+                out.float().sum().backward()
                 m.zero_grad(set_to_none=True)
 
             fns = {}
@@ -76,9 +113,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                 fns[f"{n}/infer"] = lambda m=m: infer(m)
                 if not args.no_train:
                     fns[f"{n}/train"] = lambda m=m: train(m)
+            fns = {key: fn for key, fn in fns.items() if fits_memory(key, fn, res, device)}
             times = time_interleaved(fns, device, repeats=args.repeats)
             for n, m in models.items():
-                flops = fvcore_flops(m, x[:1]) * args.batch if args.flops else float("nan")
+                flops = fvcore_flops(m, x[:1]) * batch if args.flops else float("nan")
                 for mode in ("infer", "train"):
                     key = f"{n}/{mode}"
                     if key not in times:
@@ -88,17 +126,20 @@ def run(args: argparse.Namespace) -> list[dict]:
                         {
                             "model": n,
                             "res": res,
+                            "batch": batch,
+                            "amp": args.amp,
                             "mode": mode,
-                            "img_per_s": args.batch / times[key],
+                            "img_per_s": batch / times[key],
                             "ms": 1e3 * times[key],
                             "peak_mib": mem,
-                            "gflops_per_img": flops / args.batch / 1e9,
+                            "gflops_per_img": flops / batch / 1e9,
                             "roofline_pct": 100 * flops / times[key] / roof
                             if mode == "infer"
                             else float("nan"),
                         }
                     )
             print(f"{pair} @ {res} done", flush=True)
+            write_csv(rows, args.out)  # so far: a run cut short keeps what it measured
     return rows
 
 
@@ -107,26 +148,37 @@ def main() -> None:
     add_runtime_args(p)
     p.add_argument("--pairs", nargs="+", default=["vit3_tiny:deit_tiny_patch16_224"])
     p.add_argument("--res", type=int, nargs="+", default=[224, 448, 672, 896, 1248])
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="one size, or one per --res")
+    p.add_argument("--amp", choices=sorted(AMP), default=None, help="autocast dtype (default: bf16 on CUDA)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-train", action="store_true", help="skip the training-step measurement")
     p.add_argument("--no-flops", dest="flops", action="store_false", help="skip fvcore FLOP counting")
-    p.add_argument("--out", type=Path, default=RESULTS / "models_cpu.csv")
+    p.add_argument("--out", type=Path, default=None, help="CSV (default: results/models_<device>.csv)")
     args = p.parse_args()
+    on_cuda = args.device.startswith("cuda")
+    args.amp = args.amp or ("bf16" if on_cuda else "none")
+    if args.out is None:
+        tag = (
+            re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(args.device)).lower()
+            if on_cuda
+            else "cpu"
+        )
+        args.out = RESULTS / f"models_{tag.strip('_')}.csv"
     apply_runtime(args)
     rows = run(args)
     print_table(rows)
     for mode in ("infer", "train"):
         by = {(r["model"], r["res"]): r for r in rows if r["mode"] == mode}
         for pair in args.pairs:
-            a, b = pair.split(":")[:2]
-            for res in args.res:
-                if (a, res) in by and (b, res) in by:
-                    ra, rb = by[(a, res)], by[(b, res)]
-                    print(
-                        f"{mode} {res}px: {a} {ra['img_per_s'] / rb['img_per_s']:.2f}x the img/s of {b}, "
-                        f"{ra['peak_mib'] / max(rb['peak_mib'], 1e-9):.2f}x its peak memory"
-                    )
+            *models, base = pair.split(":")
+            for a in models:
+                for res in args.res:
+                    if (a, res) in by and (base, res) in by:
+                        ra, rb = by[(a, res)], by[(base, res)]
+                        print(
+                            f"{mode} {res}px: {a} {ra['img_per_s'] / rb['img_per_s']:.2f}x the img/s of {base}, "
+                            f"{ra['peak_mib'] / max(rb['peak_mib'], 1e-9):.2f}x its peak memory"
+                        )
     write_csv(rows, args.out)
     for metric, label in (("ms", "ms per batch"), ("peak_mib", "peak MiB")):
         series = {}
@@ -135,7 +187,13 @@ def main() -> None:
             xs.append(r["res"])
             ys.append(r[metric])
         png = args.out.with_name(f"{args.out.stem}_{metric}.png")
-        plot_loglog(series, "resolution (px)", label, f"{label} vs resolution (batch {args.batch})", png)
+        plot_loglog(
+            series,
+            "resolution (px)",
+            label,
+            f"{label} vs resolution ({args.amp}, batch {'/'.join(map(str, args.batch))})",
+            png,
+        )
         print(f"wrote {png}")
     print(f"wrote {args.out}")
 

@@ -7,7 +7,9 @@ under ``no_grad``, forward + backward to qkv and the inner weights), it times si
 - ``torch_fast``: the mixer's hand-fused path ``vit3.layers.fast_swiglu.swiglu_ttt`` (when present; on a CPU
   its passes run in the C++ kernel ``vit3.kernels.swiglu_cpu``);
 - ``torch_loop``: the generic PyTorch path ``vit3.layers.inner_loop`` + ``SwiGLUInner.apply_to``;
-- ``official``: the official eager formulation (~37 eager ops forward), re-written here as the baseline;
+- ``official``: the official eager formulation (~37 eager ops forward), re-written here as the baseline; for
+  half inputs under ``torch.autocast`` in that dtype, as the official code runs in mixed precision (its
+  fp32 inner weights meet half q, k, v in ``k @ w1``);
 - ``sdpa``: softmax attention ``F.scaled_dot_product_attention`` at the same width (same q, k, v);
 - ``dwconv``: the official mixer's other branch, the 3x3 depthwise-conv inner model (PyTorch), on one
   ``d``-channel head per sample (as in the official mixer): its cost next to the SwiGLU branch's is what
@@ -17,7 +19,9 @@ It prints times, speed-ups over ``official``, achieved GB/s and TFLOP/s (and % o
 known or given) using the work model of the ViT³ note: per (sample, head) the fused op needs
 12·N·d² FLOPs forward and 32·N·d² backward, and moves 4·N·d elements forward (q, k, v in, out) and
 7·N·d backward (q, k, v, dO in, dq, dk, dv out) — 8·N·d / 14·N·d bytes in bf16. SDPA is rated with
-4·N²·d FLOPs forward and 10·N²·d backward and the same bytes. Results go to ``--out-dir`` as CSV and PNG.
+4·N²·d FLOPs forward and 10·N²·d backward and the same bytes. Each path's peak memory per call is measured
+once after the timing (``peak_mib``: CUDA ``max_memory_allocated``; CPU the profiler's tensor allocations,
+``benchmarks.common.peak_tensor_memory``). Results go to ``--out-dir`` as CSV and PNG.
 
 Examples::
 
@@ -41,7 +45,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, print_table, time_interleaved, write_csv
+from benchmarks.common import RESULTS, peak_tensor_memory, print_table, time_interleaved, write_csv
 from benchmarks.official_baseline import official_swiglu_branch
 from vit3.layers import DWConvInner, SwiGLUInner, inner_loop
 
@@ -62,6 +66,18 @@ def official_eager(qkv: Tensor, w1: Tensor, w2: Tensor, heads: int) -> Tensor:
     b, n, _ = qkv.shape
     q, k, v = qkv.reshape(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4)  # [B, H, N, d] each
     return official_swiglu_branch(q, k, v, w1, w2).transpose(1, 2).reshape(b, n, -1)
+
+
+def official_mixed(qkv: Tensor, w1: Tensor, w2: Tensor, heads: int) -> Tensor:
+    """``official_eager`` as the official code runs on half inputs: under autocast to their dtype.
+
+    The inner weights stay fp32 parameters; autocast runs each matmul in the half dtype (``k @ w1`` would
+    otherwise mix bf16 and fp32 operands and fail) and keeps the elementwise ops in their inputs' dtypes.
+    """
+    if qkv.dtype not in (torch.float16, torch.bfloat16):
+        return official_eager(qkv, w1, w2, heads)
+    with torch.autocast(qkv.device.type, dtype=qkv.dtype):
+        return official_eager(qkv, w1, w2, heads)
 
 
 def build_paths(
@@ -96,7 +112,7 @@ def build_paths(
     paths = {
         "dwconv": dwconv,
         "torch_loop": torch_loop,
-        "official": lambda qkv, w1, w2: official_eager(qkv, w1, w2, heads),
+        "official": lambda qkv, w1, w2: official_mixed(qkv, w1, w2, heads),
         "sdpa": sdpa,
     }
     try:
@@ -182,11 +198,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                     path: functools.partial(step, fn, mode, qkv, w1, w2, dout) for path, fn in paths.items()
                 }
                 seconds = time_interleaved(calls, device, repeats=args.repeats, warmup=1)
+                peaks = {path: peak_tensor_memory(call, device) for path, call in calls.items()}
                 for path, sec in seconds.items():
                     nbytes, flops = work(path, mode, n, d, args.bh, heads, esize)
                     row = {"device": dev_name, "dtype": args.dtype, "mode": mode, "path": path, "N": n, "d": d,
                            "BH": args.bh, "ms": 1e3 * sec, "GB/s": nbytes / sec / 1e9,
-                           "TFLOP/s": flops / sec / 1e12}  # fmt: skip
+                           "TFLOP/s": flops / sec / 1e12, "peak_mib": peaks[path]}  # fmt: skip
                     row["%HBM"] = 100 * row["GB/s"] / peak_gbs if peak_gbs else math.nan
                     row["%peak_FLOP"] = 100 * row["TFLOP/s"] / peak_tflops if peak_tflops else math.nan
                     rows.append(row)

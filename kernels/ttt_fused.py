@@ -8,11 +8,19 @@ queries, forward and backward in Triton. It is registered as the custom ops ``vi
 graph break. ``backend="reference"`` runs the pure-PyTorch reference formulation instead
 (``swiglu_ttt_ref``/``linear_ttt_ref``). Which implementation a mixer runs is decided by
 ``vit3.layers.backends``: this op reads no environment variable.
+
+Launch set-up: ``launch_config`` sizes every kernel (tiles, column blocks, warps, pipeline stages, the split
+of N) from the GPU (``Arch``: compute capability, opt-in shared memory per block, SM count) and the dot
+precision; ``forward_plan`` / ``backward_plan`` turn it into the list of launches the custom ops execute,
+and plan the same launches on meta tensors for the offline compiles of ``vit3.kernels.aot``.
+``fits_device`` tells a caller whether a GPU can run a configuration at all.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,28 +36,35 @@ from .linear_ttt_ref import linear_ttt_ref
 from .swiglu_ttt_ref import swiglu_ttt_ref
 
 __all__ = [
+    "ARCHS",
     "FUSED_LOSSES",
     "MAX_HEAD_DIM",
     "MAX_HEAD_DIM_DWCONV",
     "MIN_HEAD_DIM",
+    "Arch",
+    "Launch",
+    "LaunchConfig",
+    "Tiles",
+    "backward_plan",
     "fits_device",
+    "forward_plan",
+    "fp32_uses_tf32",
     "fused_ttt",
-    "gpu_tiles",
     "head_dim_supported",
+    "launch_config",
     "max_head_dim",
     "resolve_backend",
-    "small_tile",
+    "smem_need",
     "triton_runs_on",
 ]
 
 FUSED_LOSSES = {"swiglu": ("dot",), "linear": ("dot", "mse"), "dwconv": ("dot",)}
 WEIGHT_NAMES = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
 # Head dims the kernels take. The matrix models' kernels keep [BLOCK_D, BLOCK_C] column blocks of the d x d
-# weights and gradients on chip (``gpu_tiles``: the whole matrix up to d = 64, 16 columns beyond): whole
-# 128 x 128 matrices would need 311-606 KB of shared memory in the backward kernels on sm_90, more than the
-# 227 KB an H100/H200 block may use; in 16-column blocks they need at most 120 KB (184 KB in float64).
-# Beyond 128 the full-width k/q tiles and the dq/dk accumulators outgrow it; the depthwise conv keeps only
-# 9 x d weights and full-width tiles, up to 128 as well.
+# weights and gradients on chip (``launch_config``: 16 columns at d = 128): whole 128 x 128 matrices would need
+# 311-606 KB of shared memory in the backward kernels on sm_90, more than the 227 KB an H100/H200 block may
+# use. Beyond 128 the full-width k/q tiles and the dq/dk accumulators outgrow it; the depthwise conv keeps
+# only 9 x d weights and full-width tiles, up to 128 as well.
 MIN_HEAD_DIM, MAX_HEAD_DIM, MAX_HEAD_DIM_DWCONV = 16, 128, 128
 
 
@@ -87,15 +102,6 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and _interpreting())
 
 
-def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
-    """Whether the kernels of inner model ``name`` at ``head_dim`` / ``dtype`` have a launch configuration that
-    fits ``device`` (compute capability, opt-in shared memory per block), and the reason if not.
-
-    Pending: the per-architecture check; today every CUDA device and the interpreter pass.
-    """
-    return True, ""
-
-
 def resolve_backend(backend: str = "auto") -> str:
     """Checks ``backend``: ``"auto"``, ``"triton"`` or ``"reference"``."""
     if backend not in ("auto", "triton", "reference"):
@@ -103,7 +109,97 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
-# --------------------------------------------------------------------------------------------- launch set-up
+# --------------------------------------------------------------------------------------------------- devices
+
+KB = 1024
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the launch set-up needs to know of a GPU: compute capability, shared memory, SM count.
+
+    ``Arch.of(device)`` reads it from the CUDA device (``torch.cuda.get_device_properties``); offline
+    compiles and tests take one of ``ARCHS`` (or build one) for a GPU that is not there.
+    """
+
+    capability: int  # 10 * major + minor: 75, 80, 86, 89, 90, 100, 120
+    smem: int  # opt-in shared memory one block may use, bytes
+    sms: int  # streaming multiprocessors
+    name: str = ""
+
+    @property
+    def sm(self) -> str:
+        return f"sm_{self.capability}"
+
+    @staticmethod
+    def of(device: torch.device) -> Arch:
+        """The arch of CUDA ``device`` (cached per device)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_arch(index)
+
+
+# The current NVIDIA architectures (opt-in shared memory per block from the CUDA programming guide; the SM
+# count of one common part, used only to size the split of N).
+ARCHS: dict[str, Arch] = {
+    a.sm: a
+    for a in (
+        Arch(75, 64 * KB, 40, "Tesla T4"),
+        Arch(80, 163 * KB, 108, "A100"),
+        Arch(86, 99 * KB, 82, "RTX 3090"),
+        Arch(89, 99 * KB, 142, "L40S"),
+        Arch(90, 227 * KB, 132, "H100 SXM"),
+        Arch(100, 227 * KB, 148, "B200"),
+        Arch(120, 99 * KB, 170, "RTX 5090"),
+    )
+}
+
+
+@functools.cache
+def _cuda_arch(index: int) -> Arch:
+    props = torch.cuda.get_device_properties(index)
+    cap = 10 * props.major + props.minor
+    known = next((a.smem for a in ARCHS.values() if a.capability == cap), 48 * KB)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or known  # older PyTorch lacks the field
+    return Arch(cap, int(smem), props.multi_processor_count, props.name)
+
+
+# The (arch, dot precision) whose tiles the interpreter takes: its column blocks and launch structure are
+# a GPU's (token tiles and the split of N are its own, see ``launch_config``); its dots are exact.
+INTERPRET_TILES: tuple[Arch, str] = (ARCHS["sm_90"], "tf32")
+# Test hook: when set, every launch takes the tiles of this (arch, dot precision), on the interpreter or a
+# GPU, so tests run each configuration of the table on the hardware at hand.
+TILES_AS: tuple[Arch, str] | None = None
+
+
+def fp32_uses_tf32() -> bool:
+    """Whether PyTorch lets fp32 matmuls use TF32 (``fp32_precision``, or the legacy ``allow_tf32``).
+
+    Reading ``allow_tf32`` raises once the ``fp32_precision`` API (PyTorch 2.9+) has been set, so the new
+    API is asked first; ``"none"`` defers to the legacy flag.
+    """
+    matmul = torch.backends.cuda.matmul
+    prec = getattr(matmul, "fp32_precision", "none")
+    if prec in ("tf32", "ieee"):
+        return prec == "tf32"
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:  # a mix of the two APIs, which PyTorch refuses to reconcile
+        return False
+
+
+def _gpu_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision on a GPU: TF32 for half inputs (and fp32 when PyTorch allows TF32), else IEEE."""
+    if dtype == torch.float64 or (dtype == torch.float32 and not fp32_uses_tf32()):
+        return "ieee"
+    return "tf32"
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision of a launch: the GPU's, or IEEE on the interpreter (exact fp32 dots)."""
+    return "ieee" if _interpreting() else _gpu_precision(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- launch set-up
 
 
 def _acc_dtype(dtype: torch.dtype) -> tuple[torch.dtype, Any]:
@@ -111,87 +207,400 @@ def _acc_dtype(dtype: torch.dtype) -> tuple[torch.dtype, Any]:
     return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: TF32 for half inputs (and fp32 when PyTorch allows TF32), else IEEE."""
-    if _interpreting() or dtype == torch.float64:
-        return "ieee"
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's tile constexprs and launch options."""
+
+    block_n: int  # tokens per tile
+    block_c: int  # output columns per program (matrix kernels), or per tile of the small kernels
+    num_warps: int
+    num_stages: int  # Triton's software pipelining of the token loops (1: none)
+
+    def options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-def gpu_tiles(block_d: int, dtype: torch.dtype, model: str) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_C, num_warps)`` of inner model ``model``'s kernels for ``BLOCK_D``-wide heads of ``dtype``.
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything the launches of one ``fused_ttt`` call are sized by (``launch_config``).
 
-    ``BLOCK_C`` (output columns per program, also on the interpreter) is the whole head up to
-    ``BLOCK_D = 64`` (32 for float64): one column block, one fused launch per stage. On a GPU: 32-token
-    tiles (64 make ptxas spill registers in the backward kernels, sm_90), 8 warps from d = 64, where the
-    weights and gradients take most of the registers. Wider heads take 16-column blocks, which keep every
-    kernel within 120 KB of shared memory (184 KB for float64) and nearly free of spills
-    (``tests/test_kernels_compile.py``), with 64-token tiles for 16-bit inputs (Hopper's warp-group MMA)
-    and 32 for fp32/fp64 ones. The depthwise conv keeps 9 x d weights: its kernels always take the first
-    branch (``BLOCK_C`` unused).
-
-    Args:
-        block_d: the head dim padded to a power of two (16..128).
-        dtype: the q/k/v dtype.
-        model: ``"swiglu"``, ``"linear"`` or ``"dwconv"``.
-
-    Returns:
-        ``(BLOCK_N, BLOCK_C, num_warps)``; the matrix kernels run ``cdiv(d, BLOCK_C)`` column blocks.
+    ``tiles`` holds one ``Tiles`` per kernel role: ``"grad"`` (``grad_partial_kernel``), ``"readout"``,
+    ``"readout_bwd"`` / ``"grad_bwd"`` (their column or fused launch) and ``"readout_bwd_cross"`` /
+    ``"grad_bwd_cross"`` (the cross launch, used where the column launch has more than one block),
+    ``"conv"`` (the four depthwise-conv kernels) and ``"small"`` (step, step backward, reduction).
     """
-    if model == "dwconv" or block_d <= (32 if dtype == torch.float64 else 64):
-        return 32, block_d, 4 if block_d <= 32 else 8
-    return 64 if dtype.itemsize == 2 else 32, 16, 8
+
+    block_d: int  # the head dim padded to a power of two
+    block_r: int  # rows of the weights: BLOCK_D, or 16 for the 9 taps of the depthwise conv
+    chunk: int  # tokens per program along N (a multiple of every token tile)
+    s: int  # chunks: cdiv(N, chunk)
+    prec: str  # ``tl.dot`` input precision
+    tiles: dict[str, Tiles]
+
+    def cols(self, role: str, d: int) -> int:
+        """Column blocks of role ``role`` at head dim ``d``."""
+        return triton.cdiv(d, self.tiles[role].block_c)
 
 
-def small_tile(block_r: int, block_d: int, dtype: torch.dtype) -> int:
-    """Columns per program of the step, step-backward and reduction kernels (``[BLOCK_R, cols]`` tiles).
+def _tensor_cores(dtype: torch.dtype, prec: str, arch: Arch) -> bool:
+    """Whether the dots run on tensor cores (TF32 MMA, sm_80+), or as FMA loops (IEEE fp32, fp64, sm_75).
 
-    At most 2048 fp32 (1024 fp64) elements per tile: 4096 (the d = 64 matrices) make them spill registers.
-
-    Args:
-        block_r: rows of the weight tiles (``BLOCK_D``, or 16 for the 9 taps of the depthwise conv).
-        block_d: the head dim padded to a power of two.
-        dtype: the q/k/v dtype (float64 tiles take twice the registers).
-
-    Returns:
-        The column tile; the kernels run ``cdiv(d, tile)`` programs per (sample, head) or head.
+    Every tile is fp32 (fp64) by the time it meets ``tl.dot`` (the kernels upcast on load), so the only
+    tensor-core path is TF32: half and TF32-allowed fp32 inputs on sm_80 and newer. FMA dots keep both
+    operands in registers and need narrower tiles to stay clear of spills.
     """
+    return prec == "tf32" and dtype != torch.float64 and arch.capability >= 80
+
+
+# A SwiGLU backward stage at d = 64 in one launch keeps W1, W2, dG1, dG2 (and the transposes its dk / dq dots
+# read) on chip: 132-192 KB of shared memory with TF32 dots (sm_80: 144-168 KB plus register spills; sm_90 and
+# sm_100: up to 192 KB, spill-free). Parts with at least this much per block take it; the others split the
+# columns into 32-wide blocks (a column and a cross launch per stage), which need at most ~60 KB.
+FUSED_BACKWARD_SMEM = 200 * KB
+
+
+def _matrix_tiles(
+    model: str, loss: str, role: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arch
+) -> Tiles:
+    """Tiles of one matrix-kernel role: ``launch_config``'s table.
+
+    ``tests/test_kernels_compile.py`` compiles it for every arch, inner model, head dim and dtype mode and
+    holds each kernel to the arch's shared memory and to a spill bound (``vit3.kernels.aot.spill_bound``);
+    where the table has a choice, it is the one those compiles found spill-free. Column blocks: the whole
+    head up to d = 32, 16 columns at d = 128, and at d = 64 on tensor cores the whole head except in the
+    SwiGLU backward (and its gradient pass) on parts without ``FUSED_BACKWARD_SMEM`` and in the linear MSE
+    backward, which take 32 columns. FMA dots (IEEE fp32, fp64, every dot on sm_75) hold both operands in
+    registers: 16-token tiles over 8 warps, 32 columns at most, no pipelining (its extra stage of k / v tiles
+    pushes them into spills). Tensor cores: two pipeline stages; 16-token tiles where full-width k / dk tiles
+    share the registers with many live column tiles (d = 32, the backward at d = 128, the linear MSE backward).
+    """
+    if dtype == torch.float64:
+        return Tiles(16, 16, 8, 1)
+    if not _tensor_cores(dtype, prec, arch):
+        return Tiles(16, min(block_d, 32 if block_d <= 64 else 16), 8, 1)
+    backward = role.startswith(("readout_bwd", "grad_bwd"))
+    if block_d <= 16:
+        return Tiles(32, block_d, 4, 2)
+    if block_d == 32:
+        return Tiles(16, 32, 8, 2)
+    if block_d == 128:
+        return Tiles(16 if backward else 32, 16, 8, 2)
+    if model == "linear":
+        return Tiles(16, 32, 8, 2) if backward and loss == "mse" else Tiles(32, 64, 4, 2)
+    if arch.smem >= FUSED_BACKWARD_SMEM or role == "readout":
+        return Tiles(32, 64, 8, 2)
+    return Tiles(32, 32, 8, 2)
+
+
+def _conv_tiles(block_d: int, dtype: torch.dtype) -> Tiles:
+    """The depthwise-conv kernels: full-width ``[BLOCK_N, BLOCK_D]`` tiles (their weights are only 9 x d), no
+    dots; the token tile per head dim that the compile matrix found spill-free (16 for fp64)."""
+    if dtype == torch.float64:
+        return Tiles(16, block_d, 4 if block_d <= 32 else 8, 2)
+    block_n = {16: 32, 32: 16, 64: 32}.get(block_d, 16)
+    return Tiles(block_n, block_d, 4 if block_d <= 32 else 8, 2)
+
+
+def _small_tiles(block_r: int, block_d: int, dtype: torch.dtype) -> Tiles:
+    """The step, step-backward and reduction kernels: ``[BLOCK_R, cols]`` tiles of at most 2048 fp32
+    (1024 fp64) elements (4096, the d = 64 matrices, make them spill registers)."""
     elems = 1024 if dtype == torch.float64 else 2048
-    return min(block_d, max(16, elems // block_r))
+    return Tiles(0, min(block_d, max(16, elems // block_r)), 4, 1)
 
 
-def _launch(
-    n_tok: int, d: int, bg: int, device: torch.device, chunk: int | None, dtype: torch.dtype, model: str
-) -> dict[str, int]:
-    """Tile sizes and the split of the N tokens into ``S`` chunks of ``CHUNK`` (a multiple of ``BLOCK_N``).
+def launch_config(
+    model: str,
+    n_tok: int,
+    d: int,
+    bg: int,
+    dtype: torch.dtype,
+    arch: Arch,
+    *,
+    loss: str = "dot",
+    prec: str | None = None,
+    chunk: int | None = None,
+    interpret: bool | None = None,
+) -> LaunchConfig:
+    """The launch configuration of inner model ``model``'s kernels on ``arch``: the one place that sizes them.
 
-    On a GPU the split gives about two programs per SM; the interpreter runs programs one after another,
-    so it takes one chunk (unless ``chunk`` forces a split, as the tests do) and large tiles. The column
-    blocks (``BLOCK_C``, ``C`` of them) are the same on both, so the interpreter runs the GPU's split.
+    Args:
+        model: ``"swiglu"``, ``"linear"`` or ``"dwconv"``.
+        n_tok: tokens N per (sample, head).
+        d: the head dim.
+        bg: samples x heads (programs along the second grid axis).
+        dtype: the q/k/v dtype.
+        arch: the GPU (``Arch.of(device)``, or one of ``ARCHS`` for offline compiles).
+        loss: ``"dot"`` or ``"mse"`` (the linear model's MSE backward keeps more tiles live).
+        prec: ``tl.dot`` input precision (default: what ``fused_ttt`` picks for ``dtype`` now).
+        chunk: tokens per program (tests force a split of N with it); ``None`` chooses.
+        interpret: size for Triton's interpreter (default: ``$TRITON_INTERPRET``): the GPU's column blocks
+            and warps, but large token tiles and a single chunk, since it runs programs one after another.
+
+    Returns:
+        The ``LaunchConfig``.
+    """
+    interpret = _interpreting() if interpret is None else interpret
+    prec = prec or _precision(dtype)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_r = 16 if model == "dwconv" else block_d
+    tile_arch, tile_prec = TILES_AS or (INTERPRET_TILES if interpret else (arch, prec))
+    if model == "dwconv":
+        tiles = {"conv": _conv_tiles(block_d, dtype)}
+    else:
+        tiles = {r: _matrix_tiles(model, loss, r, block_d, dtype, tile_prec, tile_arch) for r in MATRIX_ROLES}
+    tiles["small"] = _small_tiles(block_r, block_d, dtype)
+    if interpret:
+        big = min(256, max(16, triton.next_power_of_2(n_tok)))
+        tiles = {
+            role: replace(t, block_n=big if role != "small" else 0, num_warps=4) for role, t in tiles.items()
+        }
+        want = n_tok
+    else:
+        want = triton.cdiv(n_tok, max(1, triton.cdiv(2 * arch.sms, bg)))  # about two programs per SM
+    if chunk is not None:
+        cap = max(16, triton.next_power_of_2(chunk))
+        tiles = {role: replace(t, block_n=min(t.block_n, cap)) for role, t in tiles.items()}
+        want = chunk
+    step = max(t.block_n for t in tiles.values())
+    size = triton.cdiv(max(want, 1), step) * step
+    return LaunchConfig(block_d, block_r, size, triton.cdiv(n_tok, size), prec, tiles)
+
+
+# The oldest arch the kernels are compiled and checked for (tests/test_kernels_compile.py).
+MIN_CAPABILITY = 75
+
+
+def smem_need(model: str, d: int, dtype: torch.dtype, prec: str, arch: Arch) -> int:
+    """Shared memory per block (bytes) the kernels of ``launch_config``'s choice are held to on ``arch``.
+
+    An upper bound the compile matrix checks for every kernel, arch and dtype mode: 64 KB with FMA dots
+    (the T4's limit, which every other part exceeds), 72 KB on tensor cores, 96 KB for SwiGLU in fp64 at
+    d = 128 (full-width fp64 tiles of four weights), ``FUSED_BACKWARD_SMEM`` for the fused SwiGLU backward
+    at d = 64.
     """
     block_d = max(16, triton.next_power_of_2(d))
-    block_n, block_c, warps = gpu_tiles(block_d, dtype, model)
-    if _interpreting() or device.type != "cuda":
-        block_n, want = min(256, max(16, triton.next_power_of_2(n_tok))), n_tok
-        warps = 4
+    if model == "swiglu" and block_d == 64:
+        cfg = launch_config(model, 4096, block_d, 64, dtype, arch, prec=prec, interpret=False)
+        if cfg.cols("grad_bwd", block_d) == 1:
+            return FUSED_BACKWARD_SMEM
+    if model == "swiglu" and dtype == torch.float64 and block_d == 128:
+        return 96 * KB
+    return (72 if _tensor_cores(dtype, prec, arch) else 64) * KB
+
+
+def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
+    """Whether the kernels of inner model ``name`` have a launch configuration that fits ``device``.
+
+    On a CUDA device: its compute capability (the kernels are checked from sm_75 on) and its opt-in shared
+    memory per block against what ``launch_config`` picks for this head dim, dtype and, for fp32, the dots
+    PyTorch allows now (TF32 or IEEE): ``smem_need``. Cheap: cached per (model, head-dim class, dtype,
+    precision, device). On a CPU the interpreter (``TRITON_INTERPRET=1``) runs any configuration. A CUDA
+    device asked about where no GPU is present (a plan explained ahead of time) passes: the check is made
+    where the GPU is.
+
+    Args:
+        name: ``"swiglu"``, ``"linear"`` or ``"dwconv"`` (the loss does not change the shared memory).
+        head_dim: channels per head.
+        dtype: the q/k/v dtype.
+        device: where q, k, v live.
+
+    Returns:
+        ``(True, "")``, or ``(False, reason)`` naming the GPU and what it lacks.
+    """
+    if name not in FUSED_LOSSES:
+        return False, f"no Triton kernel for the inner model {name!r} (kernels: {', '.join(FUSED_LOSSES)})"
+    if dtype not in IO_DTYPES:
+        return False, f"the Triton kernels take {', '.join(str(t) for t in IO_DTYPES)} inputs, not {dtype}"
+    if not head_dim_supported(name, head_dim, dtype):
+        top = max_head_dim(name, dtype)
+        return False, f"the Triton kernels take head dims {MIN_HEAD_DIM}..{top}, not {head_dim}"
+    if device.type != "cuda":
+        if device.type == "cpu" and _interpreting():
+            return True, ""
+        return (
+            False,
+            f"the Triton kernels run on CUDA GPUs (or on CPU with TRITON_INTERPRET=1), not on {device}",
+        )
+    if not torch.cuda.is_available():  # a CUDA plan explained where there is no GPU to inspect
+        return True, ""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return _fits_arch(name, block_d, dtype, _gpu_precision(dtype), Arch.of(device))
+
+
+@functools.cache
+def _fits_arch(name: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arch) -> tuple[bool, str]:
+    gpu = f"{arch.sm} ({arch.name})" if arch.name else arch.sm
+    if arch.capability < MIN_CAPABILITY:
+        return False, f"the Triton kernels are built and checked for sm_{MIN_CAPABILITY}+; this GPU is {gpu}"
+    need = smem_need(name, block_d, dtype, prec, arch)
+    if need > arch.smem:
+        dots = f" ({prec} dots)" if dtype == torch.float32 else ""
+        return False, (
+            f"{name} kernels at head dim {block_d} in {dtype}{dots} need {need // KB} KB of shared memory "
+            f"per block; this GPU ({gpu}) allows {arch.smem // KB} KB"
+        )
+    return True, ""
+
+
+MATRIX_ROLES = ("grad", "readout", "readout_bwd", "readout_bwd_cross", "grad_bwd", "grad_bwd_cross")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a plan: ``kernel[grid](*args, **constexprs, **options)``."""
+
+    label: str  # the kernel's name, with ``[cols]`` / ``[cross]`` for the two launches of a split stage
+    kernel: Any  # a ``triton.JITFunction``
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict[str, Any]  # constexprs and launch options (num_warps, num_stages)
+
+    def __call__(self) -> None:
+        wrap_triton(self.kernel)[self.grid](*self.args, **self.kwargs)
+
+
+def _device_arch(device: torch.device) -> Arch:
+    return Arch.of(device) if device.type == "cuda" else INTERPRET_TILES[0]
+
+
+def _tile_kwargs(cfg: LaunchConfig, role: str, acc_tl: Any, **flags: Any) -> dict[str, Any]:
+    t = cfg.tiles[role]
+    out = {"BLOCK_N": t.block_n, "BLOCK_D": cfg.block_d, "ACC": acc_tl, **flags, **t.options()}
+    if role != "conv":
+        out["BLOCK_C"] = t.block_c
+    return out
+
+
+def _small_kwargs(cfg: LaunchConfig, acc_tl: Any, nw: int) -> dict[str, Any]:
+    t = cfg.tiles["small"]
+    return {"NW": nw, "BLOCK_R": cfg.block_r, "BLOCK_C": t.block_c, "ACC": acc_tl, **t.options()}
+
+
+def _stage(
+    cfg: LaunchConfig, role: str, kernel: Any, d: int, args: tuple, acc_tl: Any, flags: dict[str, Any]
+) -> list[Launch]:
+    """The launches of a backward matrix stage: one fused launch for a single column block, else the column
+    launch (per-column outputs) and the cross launch (``dq`` / ``dk``, every column block in turn)."""
+    b_g = args[0].shape[0] * args[0].shape[1]
+    name = kernel.fn.__name__
+    c = cfg.cols(role, d)
+    if c == 1:
+        kw = _tile_kwargs(cfg, role, acc_tl, COLS=True, CROSS=True, **flags)
+        return [Launch(name, kernel, (cfg.s, b_g, 1), args, kw)]
+    cols = _tile_kwargs(cfg, role, acc_tl, COLS=True, CROSS=False, **flags)
+    cross = _tile_kwargs(cfg, role + "_cross", acc_tl, COLS=False, CROSS=True, **flags)
+    return [
+        Launch(name + "[cols]", kernel, (cfg.s, b_g, c), args, cols),
+        Launch(name + "[cross]", kernel, (cfg.s, b_g, 1), args, cross),
+    ]
+
+
+def _plan_setup(
+    q: Tensor, w: Tensor, model: str, loss: str, chunk: int, arch: Arch | None, prec: str | None,
+    interpret: bool | None,
+) -> tuple[int, int, torch.dtype, Any, LaunchConfig, tuple, tuple, dict[str, Any]]:  # fmt: skip
+    """What both plans start from: weights per head ``NW``, weight rows ``R``, the accumulator dtype (torch,
+    triton), the ``LaunchConfig``, the size and weight-stride arguments and the matrix kernels' flags."""
+    b, g, n_tok, d = q.shape
+    nw, r = w.shape[2], w.shape[3]
+    acc, acc_tl = _acc_dtype(q.dtype)
+    arch = arch or _device_arch(q.device)
+    cfg = launch_config(
+        model, n_tok, d, b * g, q.dtype, arch, loss=loss, prec=prec, chunk=chunk or None, interpret=interpret
+    )
+    w_strides = (w.stride(1), w.stride(3), w.stride(4), w.stride(2))
+    flags = {"SWIGLU": model == "swiglu", "NW": nw, "PREC": cfg.prec}
+    return nw, r, acc, acc_tl, cfg, (g, n_tok, d, cfg.chunk), w_strides, flags
+
+
+def forward_plan(
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor, model: str, loss: str, h: int, wd: int, scale: float,
+    lr: float, grad_norm: bool, chunk: int, *, arch: Arch | None = None, prec: str | None = None,
+    interpret: bool | None = None,
+) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
+    """The forward's outputs (allocated, unwritten) and the launches that write them, in order.
+
+    Arguments as ``_fwd_op``'s; ``arch``, ``prec`` and ``interpret`` as ``launch_config``'s (default: ``q``'s
+    device, what PyTorch allows now, ``$TRITON_INTERPRET``). Tensors may live on the meta device: the offline
+    compiles (``vit3.kernels.aot``) plan the launches a GPU would run from shapes and strides alone.
+    """
+    b, g, n_tok, d = q.shape
+    nw, r, acc, acc_tl, cfg, sizes, w_strides, flags = _plan_setup(
+        q, w, model, loss, chunk, arch, prec, interpret
+    )
+    s, coef, dev = cfg.s, scale / n_tok, q.device
+    part = _empty(b * g, s, nw, r, d, dtype=acc, device=dev)
+    gbuf, wpbuf = (_empty(b * g, nw, r, d, dtype=acc, device=dev) for _ in range(2))
+    nbuf = _empty(b * g, nw, d, dtype=acc, device=dev)
+    out = _empty(b, n_tok, g, d, dtype=q.dtype, device=dev).transpose(1, 2)  # [B, G, N, c], token-major
+    launches = []
+    if model == "dwconv":
+        kw = _tile_kwargs(cfg, "conv", acc_tl)
+        args = (k, v, part, *sizes, h, wd, *k.stride(), *v.stride(), coef)
+        launches.append(Launch("conv_grad_partial_kernel", K.conv_grad_partial_kernel, (s, b * g), args, kw))
     else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = triton.cdiv(n_tok, max(1, triton.cdiv(2 * sms, bg)))
-    if chunk is not None:
-        block_n = min(block_n, max(16, triton.next_power_of_2(chunk)))
-        want = chunk
-    size = triton.cdiv(max(want, 1), block_n) * block_n
-    return {
-        "BLOCK_N": block_n,
-        "BLOCK_D": block_d,
-        "BLOCK_C": block_c,
-        "C": triton.cdiv(d, block_c),
-        "CHUNK": size,
-        "S": triton.cdiv(n_tok, size),
-        "warps": warps,
-    }
+        kw = _tile_kwargs(cfg, "grad", acc_tl, MSE=loss == "mse", **flags)
+        args = (k, v, w, part, *sizes, *k.stride(), *v.stride(), *w_strides, coef)
+        grid = (s, b * g, cfg.cols("grad", d))
+        launches.append(Launch("grad_partial_kernel", K.grad_partial_kernel, grid, args, kw))
+    args = (w, part, gbuf, wpbuf, nbuf, g, r, d, s, *w_strides, lr)
+    kw = _small_kwargs(cfg, acc_tl, nw) | {"GRAD_NORM": grad_norm}
+    launches.append(Launch("step_kernel", K.step_kernel, (b * g, cfg.cols("small", d)), args, kw))
+    if model == "dwconv":
+        args = (q, wpbuf, out, *sizes, h, wd, *q.stride(), *out.stride())
+        kw = _tile_kwargs(cfg, "conv", acc_tl)
+        launches.append(Launch("conv_readout_kernel", K.conv_readout_kernel, (s, b * g), args, kw))
+    else:
+        args = (q, wpbuf, out, *sizes, *q.stride(), *out.stride())
+        grid = (s, b * g, cfg.cols("readout", d))
+        kw = _tile_kwargs(cfg, "readout", acc_tl, **flags)
+        launches.append(Launch("readout_kernel", K.readout_kernel, grid, args, kw))
+    return (out, gbuf, wpbuf, nbuf), launches
+
+
+def backward_plan(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor, gbuf: Tensor, wpbuf: Tensor, nbuf: Tensor,
+    model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int, *,
+    arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None,
+) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
+    """The backward's gradients (allocated, unwritten) and the launches that write them (as ``forward_plan``)."""
+    b, g, n_tok, d = q.shape
+    nw, r, acc, acc_tl, cfg, sizes, w_strides, flags = _plan_setup(
+        q, w, model, loss, chunk, arch, prec, interpret
+    )
+    s, coef, dev = cfg.s, scale / n_tok, q.device
+    # Slots 0..S-1: per-chunk partials (first of the read-out's dW', then, reused, of kᵀdZ); slot S: dW'.
+    part = _empty(b * g, s + 1, nw, r, d, dtype=acc, device=dev)
+    dgbuf = _empty(b * g, nw, r, d, dtype=acc, device=dev)
+    dw = _empty(1, g, nw, r, d, dtype=acc, device=dev)
+    dq, dk, dv = (_empty(b, n_tok, g, d, dtype=t.dtype, device=dev).transpose(1, 2) for t in (q, k, v))
+    io = (*q.stride(), *dout.stride(), *dq.stride())
+    kv = (*k.stride(), *v.stride(), *dk.stride(), *dv.stride())
+    small = _small_kwargs(cfg, acc_tl, nw)
+    launches = []
+    if model == "dwconv":
+        conv = _tile_kwargs(cfg, "conv", acc_tl)
+        args = (q, dout, wpbuf, dq, part, *sizes, h, wd, *io)
+        launches.append(Launch("conv_readout_bwd_kernel", K.conv_readout_bwd_kernel, (s, b * g), args, conv))
+    else:
+        args = (q, dout, wpbuf, dq, part, *sizes, *io)
+        launches += _stage(cfg, "readout_bwd", K.readout_bwd_kernel, d, args, acc_tl, flags)
+    args = (part, gbuf, nbuf, dgbuf, r, d, s, lr)
+    kw = small | {"GRAD_NORM": grad_norm}
+    launches.append(Launch("step_bwd_kernel", K.step_bwd_kernel, (b * g, cfg.cols("small", d)), args, kw))
+    if model == "dwconv":
+        args = (k, v, dgbuf, dk, dv, part, *sizes, h, wd, *kv, coef)
+        launches.append(Launch("conv_grad_bwd_kernel", K.conv_grad_bwd_kernel, (s, b * g), args, conv))
+    else:
+        args = (k, v, w, dgbuf, dk, dv, part, *sizes, *kv, *w_strides, coef)
+        launches += _stage(
+            cfg, "grad_bwd", K.grad_bwd_kernel, d, args, acc_tl, flags | {"MSE": loss == "mse"}
+        )
+    args = (part, dw, b, g, r, d, s + 1)
+    launches.append(
+        Launch("wgrad_reduce_kernel", K.wgrad_reduce_kernel, (g, cfg.cols("small", d)), args, small)
+    )
+    return (dq, dk, dv, dw), launches
 
 
 # ------------------------------------------------------------------------------------------- custom ops
@@ -220,32 +629,6 @@ def _live(t: Tensor) -> bool:
     return not isinstance(t, FakeTensor)
 
 
-def _setup(q: Tensor, w: Tensor, model: str, chunk: int) -> tuple[dict[str, int], dict[str, Any], Any]:
-    """Launch sizes, the constexpr flags shared by the kernels, and the accumulator dtype."""
-    b, g, n_tok, d = q.shape
-    acc, acc_tl = _acc_dtype(q.dtype)
-    cfg = _launch(n_tok, d, b * g, q.device, chunk if chunk > 0 else None, q.dtype, model)
-    cfg["R"] = w.shape[3]  # rows of each weight: d, or 9 taps for the depthwise conv
-    cfg["BLOCK_R"] = 16 if model == "dwconv" else cfg["BLOCK_D"]
-    cfg["BLOCK_CS"] = small_tile(cfg["BLOCK_R"], cfg["BLOCK_D"], q.dtype)
-    cfg["CS"] = triton.cdiv(d, cfg["BLOCK_CS"])  # column blocks of the step and reduction kernels
-    tiles = {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": cfg["BLOCK_D"], "ACC": acc_tl, "num_warps": cfg["warps"]}
-    return cfg, tiles, acc
-
-
-def _matrix_flags(model: str, loss: str, nw: int, dtype: torch.dtype, block_c: int) -> dict[str, Any]:
-    flags = {"SWIGLU": model == "swiglu", "MSE": loss == "mse", "NW": nw, "PREC": _precision(dtype)}
-    return flags | {"BLOCK_C": block_c}
-
-
-def _backward_passes(n_col: int) -> list[dict[str, bool]]:
-    """The ``COLS`` / ``CROSS`` launches of a backward stage: one fused launch for a single column block,
-    else the column launch (per-column outputs) and the cross launch (``dq`` / ``dk``, all columns)."""
-    if n_col == 1:
-        return [{"COLS": True, "CROSS": True}]
-    return [{"COLS": True, "CROSS": False}, {"COLS": False, "CROSS": True}]
-
-
 @_kernel_op("vit3::ttt_fused_fwd")
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, w: Tensor, model: str, loss: str, h: int, wd: int, scale: float,
@@ -256,43 +639,11 @@ def _fwd_op(
     ``w`` is ``[1, G, NW, R, c]`` (``NW`` = 2 for SwiGLU; ``R`` = c, or 9 taps for the depthwise conv on
     the ``h x wd`` grid); ``chunk <= 0`` picks the split of N automatically.
     """
-    b, g, n_tok, d = q.shape
-    nw, r = w.shape[2], w.shape[3]
-    cfg, tiles, acc = _setup(q, w, model, chunk)
-    s, coef = cfg["S"], scale / n_tok
-    part = _empty(b * g, s, nw, r, d, dtype=acc, device=q.device)
-    gbuf = _empty(b * g, nw, r, d, dtype=acc, device=q.device)
-    wpbuf = _empty(b * g, nw, r, d, dtype=acc, device=q.device)
-    nbuf = _empty(b * g, nw, d, dtype=acc, device=q.device)
-    out = _empty(b, n_tok, g, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # [B, G, N, c], token-major
-    if not _live(q):
-        return out, gbuf, wpbuf, nbuf
-    grid, sizes = (s, b * g), (g, n_tok, d, cfg["CHUNK"])
-    cgrid = (s, b * g, cfg["C"])  # matrix kernels: one program per chunk, (sample, head), column block
-    w_strides = (w.stride(1), w.stride(3), w.stride(4), w.stride(2))
-    flags = _matrix_flags(model, loss, nw, q.dtype, cfg["BLOCK_C"])
-    if model == "dwconv":
-        wrap_triton(K.conv_grad_partial_kernel)[grid](
-            k, v, part, *sizes, h, wd, *k.stride(), *v.stride(), coef, **tiles
-        )
-    else:
-        wrap_triton(K.grad_partial_kernel)[cgrid](
-            k, v, w, part, *sizes, *k.stride(), *v.stride(), *w_strides, coef, **flags, **tiles
-        )
-    wrap_triton(K.step_kernel)[(b * g, cfg["CS"])](
-        w, part, gbuf, wpbuf, nbuf, g, r, d, s, *w_strides, lr,
-        NW=nw, GRAD_NORM=grad_norm, BLOCK_R=cfg["BLOCK_R"], BLOCK_C=cfg["BLOCK_CS"], ACC=tiles["ACC"],
-    )  # fmt: skip
-    if model == "dwconv":
-        wrap_triton(K.conv_readout_kernel)[grid](
-            q, wpbuf, out, *sizes, h, wd, *q.stride(), *out.stride(), **tiles
-        )
-    else:
-        del flags["MSE"]
-        wrap_triton(K.readout_kernel)[cgrid](
-            q, wpbuf, out, *sizes, *q.stride(), *out.stride(), **flags, **tiles
-        )
-    return out, gbuf, wpbuf, nbuf
+    outs, launches = forward_plan(q, k, v, w, model, loss, h, wd, scale, lr, grad_norm, chunk)
+    if _live(q):
+        for launch in launches:
+            launch()
+    return outs
 
 
 @_kernel_op("vit3::ttt_fused_bwd")
@@ -301,46 +652,13 @@ def _bwd_op(
     model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Backward: ``dq``, ``dk``, ``dv`` ``[B, G, N, c]`` and ``dw [1, G, NW, R, c]`` (accumulator dtype)."""
-    b, g, n_tok, d = q.shape
-    nw, r = w.shape[2], w.shape[3]
-    cfg, tiles, acc = _setup(q, w, model, chunk)
-    s, coef = cfg["S"], scale / n_tok
-    # Slots 0..S-1: per-chunk partials (first of the read-out's dW', then, reused, of kᵀdZ); slot S: dW'.
-    part = _empty(b * g, s + 1, nw, r, d, dtype=acc, device=q.device)
-    dgbuf = _empty(b * g, nw, r, d, dtype=acc, device=q.device)
-    dw = _empty(1, g, nw, r, d, dtype=acc, device=q.device)
-    dq, dk, dv = (_empty(b, n_tok, g, d, dtype=t.dtype, device=q.device).transpose(1, 2) for t in (q, k, v))
-    if not _live(q):
-        return dq, dk, dv, dw
-    grid, sizes = (s, b * g), (g, n_tok, d, cfg["CHUNK"])
-    w_strides = (w.stride(1), w.stride(3), w.stride(4), w.stride(2))
-    io = (*q.stride(), *dout.stride(), *dq.stride())
-    flags = _matrix_flags(model, loss, nw, q.dtype, cfg["BLOCK_C"])
-    passes = _backward_passes(cfg["C"])
-    if model == "dwconv":
-        wrap_triton(K.conv_readout_bwd_kernel)[grid](q, dout, wpbuf, dq, part, *sizes, h, wd, *io, **tiles)
-    else:
-        ro_flags = {key: val for key, val in flags.items() if key != "MSE"}
-        for p in passes:
-            wrap_triton(K.readout_bwd_kernel)[(s, b * g, cfg["C"] if p["COLS"] else 1)](
-                q, dout, wpbuf, dq, part, *sizes, *io, **p, **ro_flags, **tiles
-            )
-    small = {"BLOCK_R": cfg["BLOCK_R"], "BLOCK_C": cfg["BLOCK_CS"], "ACC": tiles["ACC"]}
-    wrap_triton(K.step_bwd_kernel)[(b * g, cfg["CS"])](
-        part, gbuf, nbuf, dgbuf, r, d, s, lr, NW=nw, GRAD_NORM=grad_norm, **small
+    grads, launches = backward_plan(
+        dout, q, k, v, w, gbuf, wpbuf, nbuf, model, loss, h, wd, scale, lr, grad_norm, chunk
     )
-    kv = (*k.stride(), *v.stride(), *dk.stride(), *dv.stride())
-    if model == "dwconv":
-        wrap_triton(K.conv_grad_bwd_kernel)[grid](
-            k, v, dgbuf, dk, dv, part, *sizes, h, wd, *kv, coef, **tiles
-        )
-    else:
-        for p in passes:
-            wrap_triton(K.grad_bwd_kernel)[(s, b * g, cfg["C"] if p["COLS"] else 1)](
-                k, v, w, dgbuf, dk, dv, part, *sizes, *kv, *w_strides, coef, **p, **flags, **tiles
-            )
-    wrap_triton(K.wgrad_reduce_kernel)[(g, cfg["CS"])](part, dw, b, g, r, d, s + 1, NW=nw, **small)
-    return dq, dk, dv, dw
+    if _live(q):
+        for launch in launches:
+            launch()
+    return grads
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

@@ -20,11 +20,11 @@ activations, ``P``, the gradient ``kᵀ P[:, j]``, its norm and step, ``Y = q W'
 ``dZ``, ``dv`` and ``kᵀ dZ[:, j]`` need only column j of the weights (and of ``v``, ``dO``, ``dG``) plus the
 whole ``k`` or ``q`` row. So every program owns one block of ``BLOCK_C`` columns (the third grid axis,
 ``C = cdiv(d, BLOCK_C)`` blocks) and keeps only ``[BLOCK_D, BLOCK_C]`` slices of the weights, gradients and
-accumulators on chip: that is what lets d = 128 fit in shared memory. Two quantities sum over all
-columns: ``dq = dY1 W1'ᵀ + dY2 W2'ᵀ`` (read-out backward) and ``dk = P1 dG1ᵀ + P2 dG2ᵀ + dZ1 W1ᵀ + dZ2 W2ᵀ``
-(gradient backward). With one block (``C == 1``: every d ≤ 64, d ≤ 32 in fp64; ``ttt_fused.gpu_tiles``)
-a single launch computes everything. With ``C > 1`` each backward stage is two launches of the same kernel, chosen by
-the constexpr switches ``COLS`` / ``CROSS``: the column launch (grid ``[S, B*G, C]``) writes the
+accumulators on chip: that is what lets d = 128, and d = 64 on GPUs with 64-164 KB of shared memory per
+block, fit (``ttt_fused.launch_config`` picks ``BLOCK_C`` per GPU). Two quantities sum over all columns:
+``dq = dY1 W1'ᵀ + dY2 W2'ᵀ`` (read-out backward) and ``dk = P1 dG1ᵀ + P2 dG2ᵀ + dZ1 W1ᵀ + dZ2 W2ᵀ``
+(gradient backward). With one block (``C == 1``) a single launch computes everything. With ``C > 1`` each
+backward stage is two launches of the same kernel, chosen by the constexpr switches ``COLS`` / ``CROSS``: the column launch (grid ``[S, B*G, C]``) writes the
 per-column outputs (``dv``, the weight-gradient partials), and the cross launch (grid ``[S, B*G]``) walks
 the column blocks in order for each token tile, recomputes their column quantities (weights re-read from
 L2) and sums ``dq`` or ``dk`` in registers. Each output element is written by exactly one program with a

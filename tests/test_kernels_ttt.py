@@ -185,18 +185,6 @@ def test_large_n_matches_torch_path(n):
         assert max_rel_err(a, e) < 5e-5, f"gradient of {label}"
 
 
-def test_column_blocks_only_beyond_head_dim_64():
-    """d <= 64 keeps one column block (one fused launch per stage); wider heads split into several."""
-    for d in (16, 32, 64):
-        _, block_c, _ = ttt_fused.gpu_tiles(d, torch.bfloat16, "swiglu")
-        assert block_c == d
-    for dtype in (torch.bfloat16, torch.float32, torch.float64):
-        _, block_c, _ = ttt_fused.gpu_tiles(128, dtype, "linear")
-        assert 16 <= block_c <= 64 and 128 // block_c >= 2
-    assert ttt_fused._backward_passes(1) == [{"COLS": True, "CROSS": True}]
-    assert len(ttt_fused._backward_passes(2)) == 2
-
-
 def test_split_reduction_is_deterministic():
     b, g, n, d = 1, 2, 100, 32
     qkv, params = make_inputs("swiglu", b, g, n, d, torch.float32)
@@ -394,7 +382,7 @@ def _triton_serves(name: str, cfg: TTTConfig, x: torch.Tensor, head_dim: int = 3
     """The mixer registry's verdict on the Triton backend for one branch."""
     inputs = backends.Inputs(x.device, x.dtype, backends.token_class(x.shape[1]), False, "")
     settings = backends.Settings(cfg.loss, cfg.steps, cfg.mini_batches, cfg.lr_mode)
-    return backends.BACKENDS["triton"].supports(backends.Branch(0, name, 1, head_dim), settings, inputs)
+    return backends.BACKENDS["triton"].supports(backends.Branch(0, name, 1, head_dim, True), settings, inputs)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,298 @@
+"""Ahead-of-time compiles of the fused TTT kernels for NVIDIA GPUs that are not there.
+
+``compile_case`` compiles every kernel launch ``fused_ttt`` makes for one case (inner model, loss, head dim,
+dtype mode, GPU arch) and reports each binary's shared memory, registers and spills. It does not re-derive
+the launches: ``ttt_fused.forward_plan`` / ``backward_plan`` (the launcher's own set-up, which the custom
+ops execute) plan them on meta tensors with the strides of a real qkv projection, and each launch's
+arguments go through Triton's own JIT binder (``create_function_from_signature``), so the binary has the
+specialisation a real launch gets: ``i32`` / ``i64`` ints, ints equal to 1 (unit strides) folded into
+constants, and ``tt.divisibility = 16`` on 16-aligned pointers and multiples of 16.
+
+Shared memory is Triton's allocation (``metadata.shared``, what the driver checks against the opt-in limit);
+registers and spills come from ``ptxas -v`` (the log of Triton's own ptxas run, or, for a binary from
+Triton's cache, a rerun of the bundled ptxas on its PTX with Triton's flags).
+
+Needs a Triton with the NVIDIA backend (ptxas ships with it) and no ``TRITON_INTERPRET=1`` in the
+process: under the interpreter the kernels are Python functions, which do not compile.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import multiprocessing
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import ttt_fused
+from .ttt_fused import ARCHS, Arch, Launch
+
+__all__ = [
+    "ARCHS",
+    "MODELS",
+    "MODES",
+    "Case",
+    "Compiled",
+    "compile_case",
+    "compile_cases",
+    "compile_launch",
+    "fits",
+    "matrix",
+    "plan_case",
+    "smem_bound",
+    "specialise",
+    "spill_bound",
+]
+
+# Dtype modes: q/k/v dtype and tl.dot input precision (fp32 runs TF32 or IEEE dots as PyTorch allows).
+MODES: dict[str, tuple[torch.dtype, str]] = {
+    "bf16": (torch.bfloat16, "tf32"),
+    "fp16": (torch.float16, "tf32"),
+    "fp32-tf32": (torch.float32, "tf32"),
+    "fp32-ieee": (torch.float32, "ieee"),
+    "fp64": (torch.float64, "ieee"),
+}
+
+
+MODELS = (("swiglu", "dot"), ("linear", "dot"), ("linear", "mse"), ("dwconv", "dot"))
+HEAD_DIMS = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One compile case: what ``fused_ttt`` would launch for these inputs on ``arch``.
+
+    The token count and heads only size the grid and the split of N; ``n_tok`` = 3136 (56 x 56, a
+    multiple of 16 as most training grids are) with B = 2 and G = 4 heads of a ``[B, N, 3*G*d]`` qkv
+    projection is a representative training launch.
+    """
+
+    model: str  # "swiglu", "linear", "dwconv"
+    loss: str  # "dot", or "mse" (linear)
+    d: int
+    mode: str  # a key of MODES
+    arch: Arch
+    n_tok: int = 3136
+    batch: int = 2
+    heads: int = 4
+
+    @property
+    def label(self) -> str:
+        model = self.model if self.model != "linear" else f"linear-{self.loss}"
+        return f"{self.arch.sm}/{model}/d{self.d}/{self.mode}"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What one compiled launch needs on chip."""
+
+    kernel: str  # launch label, e.g. "grad_bwd_kernel[cols]"
+    smem: int  # bytes of shared memory per block
+    regs: int  # registers per thread
+    spill_stores: int  # bytes per thread
+    spill_loads: int
+    stack: int  # stack frame bytes per thread
+    num_warps: int
+    num_stages: int
+    block_n: int
+    block_c: int
+
+
+def plan_case(case: Case) -> list[Launch]:
+    """The launches of one forward + backward of ``case``, planned by ``fused_ttt``'s own set-up."""
+    dtype, prec = MODES[case.mode]
+    b, g, n, d = case.batch, case.heads, case.n_tok, case.d
+    side = int(n**0.5)
+    grid = (side, n // side) if side * (n // side) == n else (1, n)
+    qkv = torch.empty(b, n, 3 * g * d, dtype=dtype, device="meta")
+    q, k, v = (t.unflatten(-1, (g, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))  # [B, G, N, d] views
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    nw, r = (2 if case.model == "swiglu" else 1), (9 if case.model == "dwconv" else d)
+    w = torch.empty(1, g, nw, r, d, dtype=acc, device="meta")
+    common = (case.model, case.loss, *grid, 9**-0.5, 1.0, True, 0)
+    outs, fwd = ttt_fused.forward_plan(q, k, v, w, *common, arch=case.arch, prec=prec, interpret=False)
+    # The upstream gradient of the token-major read-out: [B, N, G*d] contiguous, seen as [B, G, N, d].
+    dout = torch.empty(b, n, g, d, dtype=dtype, device="meta").transpose(1, 2)
+    _, bwd = ttt_fused.backward_plan(dout, q, k, v, w, *outs[1:], *common, arch=case.arch, prec=prec,
+                                     interpret=False)  # fmt: skip
+    return fwd + bwd
+
+
+def _ptxas_usage(log: str) -> tuple[int, int, int, int]:
+    """(registers, spill store bytes, spill load bytes, stack frame bytes) from a ``ptxas -v`` log."""
+
+    def num(pattern: str) -> int:
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+
+    if "Used" not in log:
+        raise RuntimeError(f"no register count in the ptxas log:\n{log}")
+    return (
+        num(r"Used (\d+) registers"),
+        num(r"(\d+) bytes spill stores"),
+        num(r"(\d+) bytes spill loads"),
+        num(r"(\d+) bytes stack frame"),
+    )
+
+
+def _rerun_ptxas(ptx: str, capability: int) -> str:
+    """``ptxas -v`` on ``ptx`` with the flags Triton's own run uses; returns the log."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+               f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o", str(Path(tmp) / "k.o")]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+
+
+def specialise(launch: Launch, arch: Arch) -> tuple[Any, dict, dict, dict]:
+    """``(options, signature, constexprs, attrs)`` of ``launch`` on ``arch``, by ``JITFunction.run``'s own steps:
+    its binder specialises each argument (``native_specialize_impl``: int width, ints equal to 1 as
+    constants, divisibility by 16 of ints and of tensors' data pointers), then ``_pack_args`` packs them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    kernel = launch.kernel
+    if not isinstance(kernel, JITFunction):
+        raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): compile in a fresh process")
+    backend = make_backend(GPUTarget("cuda", arch.capability, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.kwargs, debug=False, instrumentation_mode="")
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    return kernel._pack_args(backend, kwargs, bound, specialization, options)
+
+
+_MEASURED: dict[Any, tuple[int, int, int, int, int]] = {}  # one process's compiles (the matrix repeats many)
+
+
+def compile_launch(launch: Launch, arch: Arch) -> Compiled:
+    """Compiles one planned launch for ``arch`` as Triton's JIT would at that launch; measures it."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel, target = launch.kernel, GPUTarget("cuda", arch.capability, 32)
+    options, signature, constexprs, attrs = specialise(launch, arch)
+    key = (kernel.cache_key, str(signature), str(constexprs), str(attrs), options.hash(), arch.capability)
+    if key not in _MEASURED:
+        log = io.StringIO()
+        with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            knobs.nvidia.dump_ptxas_log = True  # printed only when ptxas runs (not for a cached binary)
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)  # fmt: skip
+        text = log.getvalue()
+        if "Used" not in text:
+            text = _rerun_ptxas(compiled.asm["ptx"], arch.capability)
+        _MEASURED[key] = (int(compiled.metadata.shared), *_ptxas_usage(text))
+    kw = launch.kwargs
+    return Compiled(
+        launch.label, *_MEASURED[key], kw["num_warps"], kw["num_stages"], kw.get("BLOCK_N", 0),
+        kw.get("BLOCK_C", 0),
+    )  # fmt: skip
+
+
+def compile_case(case: Case) -> list[Compiled]:
+    """Every launch of ``case`` compiled and measured (``Compiled`` per launch, in launch order)."""
+    return [compile_launch(launch, case.arch) for launch in plan_case(case)]
+
+
+def _compile_or_error(case: Case) -> tuple[Case, list[Compiled] | str]:
+    try:
+        return case, compile_case(case)
+    except Exception as e:  # a compile error is a result of the matrix, reported with its case
+        return case, f"{type(e).__name__}: {e}"
+
+
+def compile_cases(cases: list[Case], jobs: int = 1) -> list[tuple[Case, list[Compiled] | str]]:
+    """``compile_case`` of every case (a message instead of the list where the compile fails), in order.
+
+    ``jobs > 1`` spreads the cases over that many worker processes (started fresh, without the parent's
+    modules: run the whole call without ``TRITON_INTERPRET=1`` in the environment).
+    """
+    if jobs <= 1:
+        return [_compile_or_error(case) for case in cases]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        return list(pool.map(_compile_or_error, cases, chunksize=4))
+
+
+SMALL_KERNELS = ("step_kernel", "step_bwd_kernel", "wgrad_reduce_kernel")
+
+
+def spill_bound(case: Case, kernel: str) -> int:
+    """Spill bytes per thread (ptxas "spill stores") the compile tests allow launch ``kernel`` of ``case``.
+
+    The kernels that stream the N tokens: 0 for 16-bit inputs at d <= 64 (the training configurations),
+    64 bytes for fp32 inputs (TF32 or IEEE dots) and for d = 128, where ptxas's allocator now and then parks a
+    few registers, 2048 for fp64 (a checking mode: FMA dots on twice the registers; the SwiGLU backward at
+    d = 128 spills 1.1-1.4 KB on sm_86/89/120). The step, step-backward and reduction kernels, which touch
+    O(d²) numbers once per (sample, head): 64 bytes.
+    """
+    if kernel in SMALL_KERNELS:
+        return 64
+    if case.mode == "fp64":
+        return 2048
+    return 0 if case.d <= 64 and case.mode in ("bf16", "fp16") else 64
+
+
+def smem_bound(case: Case) -> int:
+    """Shared memory (bytes) each kernel of ``case`` is held to: ``ttt_fused.smem_need``, what ``fits_device``
+    compares with the GPU's limit."""
+    dtype, prec = MODES[case.mode]
+    return ttt_fused.smem_need(case.model, case.d, dtype, prec, case.arch)
+
+
+def fits(case: Case) -> tuple[bool, str]:
+    """``fits_device``'s answer for ``case`` on its arch (no GPU needed)."""
+    dtype, prec = MODES[case.mode]
+    block_d = max(16, 1 << (case.d - 1).bit_length())
+    return ttt_fused._fits_arch(case.model, block_d, dtype, prec, case.arch)
+
+
+def matrix(kind: str = "full") -> list[Case]:
+    """The compile cases: ``"full"``, every arch x inner model x head dim x dtype mode; ``"default"``, the
+    worst cases of each arch in the full matrix (most shared memory, most spill-prone), the CI subset.
+    """
+    if kind == "full":
+        cases = []
+        for arch in ARCHS.values():
+            for model, loss in MODELS:
+                for d in HEAD_DIMS:
+                    cases += [Case(model, loss, d, mode, arch) for mode in MODES]
+        return cases
+    if kind != "default":
+        raise ValueError(f"the compile matrix is 'full' or 'default', got {kind!r}")
+    cases = []
+    for arch in ARCHS.values():
+        # Every arch: the SwiGLU d = 64 kernels (ViT³-S/B) in bf16, the zero-spill case, fused or split as the
+        # arch's shared memory allows; fp32 with TF32 dots, the most shared memory on most parts; IEEE dots,
+        # the case that spilled ~19 KB per thread before.
+        cases += [Case("swiglu", "dot", 64, mode, arch) for mode in ("bf16", "fp32-tf32", "fp32-ieee")]
+    sm = ARCHS
+    cases += [
+        Case("dwconv", "dot", 128, "bf16", sm["sm_75"]),  # the most spilled bytes of a token kernel
+        Case("swiglu", "dot", 128, "fp32-ieee", sm["sm_75"]),
+        Case("swiglu", "dot", 128, "fp64", sm["sm_75"]),  # does not fit: fits_device says so
+        Case("swiglu", "dot", 128, "fp64", sm["sm_80"]),  # 96 KB
+        Case("swiglu", "dot", 128, "fp32-tf32", sm["sm_86"]),  # 66 KB of 99
+        Case("dwconv", "dot", 64, "fp32-ieee", sm["sm_86"]),
+        Case("linear", "mse", 64, "fp16", sm["sm_89"]),
+        Case("linear", "mse", 128, "fp32-ieee", sm["sm_90"]),
+        Case("linear", "dot", 64, "bf16", sm["sm_100"]),
+        Case("swiglu", "dot", 32, "bf16", sm["sm_120"]),  # H-ViT³'s head dim
+        Case("swiglu", "dot", 32, "fp32-tf32", sm["sm_120"]),
+        Case("swiglu", "dot", 128, "fp64", sm["sm_120"]),  # 88 KB of 99, the most fp64 spills
+        Case("linear", "dot", 16, "fp16", sm["sm_120"]),
+    ]
+    return cases
