@@ -42,7 +42,7 @@ from ..data.coco import CocoDetection, collate_detection
 from ..tasks.backbone import FeatureBackbone, block_layer_ids
 from ..tasks.detection import build_detector
 from ..tasks.segmentation import SegmentationModel, build_segmenter
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointMismatchError, load_checkpoint, make_model_record, save_checkpoint
 from .config import Config, ConfigError, save_config
 from .distributed import DistInfo, barrier, distributed
 
@@ -196,7 +196,7 @@ def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = 
         Backbone keys that got no weight (the added output norms, normally).
 
     Raises:
-        ValueError: no key matched, or a matched key has another shape.
+        CheckpointMismatchError: no key matched, or a matched key has another shape.
     """
     obj = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(obj, dict) and obj.get("format") == "vit3-checkpoint":
@@ -218,12 +218,14 @@ def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = 
             missing.append(key)
             continue
         if state[src].shape != value.shape:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"{path}: weight {src} has shape {tuple(state[src].shape)}, backbone expects {tuple(value.shape)}"
             )
         loaded[key] = state[src]
     if not loaded:
-        raise ValueError(f"{path}: none of its {len(state)} weights fit backbone {backbone.model_name}")
+        raise CheckpointMismatchError(
+            f"{path}: none of its {len(state)} weights fit backbone {backbone.model_name}"
+        )
     backbone.body.load_state_dict(loaded, strict=False)
     return missing
 
@@ -414,6 +416,13 @@ def _train(cfg: Config, d: Any, dist_info: DistInfo) -> dict[str, Any]:
                 key = "bbox_AP" if cfg.task == "detection" else "mIoU"
                 history.append({"step": step, "loss": step_loss, **_scalars(metrics)})
                 state = {
+                    "record": make_model_record(
+                        cfg,
+                        num_classes,
+                        getattr(val_set, "class_names", d.class_names),
+                        cfg.data.mean,
+                        cfg.data.std,
+                    ),
                     "model_name": cfg.model.name,
                     "num_classes": num_classes,
                     "model": model.state_dict(),
@@ -630,6 +639,16 @@ def evaluate(cfg: Config) -> dict[str, Any]:
 
 
 def _evaluate(cfg: Config, device: torch.device) -> dict[str, Any]:
+    if cfg.eval.img_sizes:
+        raise ConfigError(
+            f"--img-size / eval.img_sizes={list(cfg.eval.img_sizes)} sets classification resolutions; a {cfg.task} "
+            "model's test scale is "
+            + (
+                "dense.min_size / dense.max_size (e.g. dense.min_size=640)"
+                if cfg.task == "detection"
+                else "dense.scale (long, short), e.g. dense.scale=[2048,640], and dense.slide_crop"
+            )
+        )
     path = cfg.eval.checkpoint
     ckpt = load_checkpoint(path) if path else None
     model, _, dataset = _model_and_data(cfg, with_train=False)
