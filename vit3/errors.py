@@ -8,7 +8,14 @@ fixed code (``vit3.engine.cli``), while a bug inside vit3 still shows its traceb
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "DataError", "UserError"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "DataError",
+    "MissingWeightsError",
+    "UserError",
+    "WeightsUnavailableError",
+]
 
 
 class UserError(Exception):
@@ -21,3 +28,17 @@ class DataError(UserError, ValueError):
 
 class CheckpointError(UserError, ValueError):
     """A checkpoint file is truncated, unreadable or of another kind than the one asked for."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's weights do not fit the model (another architecture or size)."""
+
+
+class MissingWeightsError(CheckpointError, KeyError):
+    """The weights asked for (e.g. the EMA weights) are not in the checkpoint file."""
+
+    __str__ = Exception.__str__  # the message, not KeyError's quoted repr
+
+
+class WeightsUnavailableError(UserError, RuntimeError):
+    """Pretrained weights cannot be had here (none published, or the download failed); says how to pass a file."""

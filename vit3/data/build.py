@@ -171,7 +171,7 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def __init__(self, size: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
         if size <= 0:
-            raise ValueError("cannot sample from an empty dataset")
+            raise DataError("cannot sample from an empty dataset")
         self.size, self.num_replicas, self.rank, self.shuffle, self.seed = (
             size,
             num_replicas,
@@ -309,7 +309,7 @@ def build_train_loader(
     wrapped = SeededTransform(dataset, transform, cfg.seed)
     sampler = ResumableDistributedSampler(len(dataset), world, rank, shuffle=True, seed=cfg.seed)
     if sampler.num_samples < cfg.data.batch_size:
-        raise ValueError(
+        raise DataError(
             f"data.batch_size={cfg.data.batch_size} exceeds the {sampler.num_samples} training images per "
             f"process: lower data.batch_size"
         )

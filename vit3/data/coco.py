@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from ..errors import DataError
+from .image import open_image
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ class CocoDetection(Dataset):
         """Loads an image as RGB, checking its size against the annotation file."""
         info = self.coco.imgs[image_id]
         path = self.image_dir / info["file_name"]
-        image = Image.open(path).convert("RGB")
+        image = open_image(path, "RGB")
         if "width" in info and (image.width, image.height) != (info["width"], info["height"]):
             raise DataError(
                 f"image {path} is {image.width}x{image.height} but the annotation file says "

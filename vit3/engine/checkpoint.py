@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointMismatchError
 from .config import Config, ConfigError, config_from_dict, load_config
 
 FORMAT = "vit3-checkpoint"
@@ -73,10 +73,6 @@ __all__ = [
     "save_checkpoint",
     "set_rng_state",
 ]
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A checkpoint's weights do not fit the model (another architecture or size)."""
 
 
 def get_rng_state() -> dict[str, Any]:

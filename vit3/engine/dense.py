@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ..data.ade import IGNORE_INDEX, ADESegmentation
 from ..data.coco import CocoDetection, collate_detection
+from ..errors import DataError
 from ..tasks.backbone import FeatureBackbone, block_layer_ids
 from ..tasks.detection import build_detector
 from ..tasks.segmentation import SegmentationModel, build_segmenter
@@ -458,7 +459,7 @@ def _model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]
         val_set = build_dataset(cfg, train=False)
         train_set = build_dataset(cfg, train=True) if with_train else None
         if train_set is not None and train_set.label_to_cat_id != val_set.label_to_cat_id:
-            raise ValueError(
+            raise DataError(
                 f"train and val annotation files have different categories: {sorted(train_set.label_to_cat_id.values())} "
                 f"vs {sorted(val_set.label_to_cat_id.values())}"
             )
@@ -654,7 +655,7 @@ def _evaluate(cfg: Config, device: torch.device) -> dict[str, Any]:
     model, _, dataset = _model_and_data(cfg, with_train=False)
     if ckpt:
         if ckpt.get("num_classes") != dataset.num_classes:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"checkpoint {path} has {ckpt.get('num_classes')} classes, the validation data {dataset.num_classes}"
             )
         model.load_state_dict(ckpt["model"])
