@@ -6,7 +6,7 @@
 
 A vit3 checkpoint carries its model (name, kwargs, input channels) and preprocessing, so ``--model`` is only
 needed for official files (or to override, with a warning). ``features`` writes ``<out>/<image>.safetensors``
-({name: [C, h, w]}) and ``<out>/manifest.json`` (model, preprocessing, feature names, channels, strides,
+({name: [C, h, w]}; images in subfolders keep their subfolder) and ``<out>/manifest.json`` (model, preprocessing, feature names, channels, strides,
 shapes). ``onnx`` writes a graph taking images in [0, 1] ``[B, C_in, H, W]`` (normalisation included) with a
 dynamic batch (and size where the model allows), checks it against PyTorch with onnxruntime and prints the
 largest difference. A mistake in the input ends with one ``error:`` line and exit code 2 (``--debug``).
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_debug_flag(common)
     f = sub.add_parser("features", parents=[common], help="features of a folder of images -> safetensors")
-    f.add_argument("--images", required=True, help="folder of images")
+    f.add_argument("--images", required=True, help="folder of images (subfolders included)")
     f.add_argument("--out", required=True, help="output folder")
     f.add_argument("--crop-pct", type=float, default=None, help="timm crop fraction (1.0: no crop margin)")
     f.add_argument("--batch-size", type=int, default=8)

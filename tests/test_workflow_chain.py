@@ -50,7 +50,7 @@ def test_demo_finetune_eval_features_onnx(tmp_path, capsys):
     assert results[0]["top1"] > 100 / 6  # six photo classes: better than chance after two epochs
 
     export = load_script("export")
-    images = photos / "val" / "china_left"
+    images = photos / "val"  # the class subfolders' images, written as <out>/<class>/<image>.safetensors
     assert (
         export.main(
             ["features", "--checkpoint", str(best), "--images", str(images), "--out", str(tmp_path / "f")]
@@ -59,7 +59,8 @@ def test_demo_finetune_eval_features_onnx(tmp_path, capsys):
     )
     manifest = json.loads((tmp_path / "f" / "manifest.json").read_text())
     assert manifest["model"] == "test_h_vit3" and manifest["preprocessing"]["input_size"] == [1, 32, 32]
-    assert len(manifest["files"]) == 6
+    assert len(manifest["files"]) == 36 and manifest["files"][0]["file"] == "china_left/000.safetensors"
+    assert (tmp_path / "f" / "hopper_right" / "005.safetensors").is_file()
     capsys.readouterr()
     assert export.main(["onnx", "--checkpoint", str(best), "--out", str(tmp_path / "f.onnx")]) == 0
     text = capsys.readouterr().out

@@ -155,11 +155,11 @@ def eval_transform(extractor: FeatureExtractor, img_size: int | None = None, cro
 
 
 def list_images(folder: str | Path) -> list[Path]:
-    """Image files of ``folder`` (not recursive), sorted; raises if there is none."""
+    """Image files of ``folder`` and its subfolders (e.g. ``val/<class>/``), sorted; raises if there is none."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder not found: {folder}")
-    images = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    images = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if not images:
         raise DataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
     return images
@@ -180,7 +180,7 @@ def export_features(
 
     Args:
         extractor: the model.
-        image_dir: folder of images.
+        image_dir: folder of images (subfolders included: ``<out>/<subfolder>/<stem>.safetensors``).
         out_dir: output folder (created).
         img_size: square input size (None: the model's default).
         crop_pct: timm crop fraction (None: the model's; 1.0 resizes the shorter side to ``img_size``).
@@ -194,7 +194,8 @@ def export_features(
     from safetensors.torch import save as safetensors_bytes
 
     images = list_images(image_dir)
-    stems = [p.stem for p in images]
+    image_dir = Path(image_dir)
+    stems = [p.relative_to(image_dir).with_suffix("").as_posix() for p in images]
     dup = sorted({s for s in stems if stems.count(s) > 1})
     if dup:
         raise DataError(f"images in {image_dir} share file stems (outputs would collide): {dup[:5]}")
@@ -211,11 +212,13 @@ def export_features(
         shapes = [list(f.shape[1:]) for f in feats]
         for i, path in enumerate(chunk):
             tensors = {n: f[i].to(dtype).contiguous().cpu() for n, f in zip(extractor.names, feats)}
-            name = f"{path.stem}.safetensors"
-            metadata = {"image": path.name, "model": extractor.backbone.model_name}
+            image = path.relative_to(image_dir).as_posix()  # a subfolder's images keep their subfolder
+            name = f"{image.rpartition('.')[0]}.safetensors"
+            (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            metadata = {"image": image, "model": extractor.backbone.model_name}
             # Written like the manifest (mode 0666 & ~umask); safetensors' save_file creates files 0600.
             (out_dir / name).write_bytes(safetensors_bytes(tensors, metadata=metadata))
-            files.append({"image": path.name, "file": name})
+            files.append({"image": image, "file": name})
     manifest = {
         "model": extractor.backbone.model_name,
         "preprocessing": {**pre, "image_mode": mode, "input_range": "pixels / 255, then (x - mean) / std"},
