@@ -469,6 +469,9 @@ def _model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]
     model = build_dense_model(cfg, d.num_classes)
     dc = _dense_backbone(model).data_config
     mean, std = tuple(cfg.data.mean or dc["mean"]), tuple(cfg.data.std or dc["std"])
+    for key, values in (("mean", mean), ("std", std)):
+        if len(values) != 3:
+            raise ConfigError(f"data.{key} must hold one value per RGB channel (3), got {list(values)}")
     train_set = build_dataset(cfg, True, mean, std) if with_train else None
     return model, train_set, build_dataset(cfg, False, mean, std)
 
