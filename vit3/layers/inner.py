@@ -394,32 +394,28 @@ def tracing() -> bool:
 
 
 def _shifted_taps(x: Tensor) -> Tensor:
-    """The nine zero-padded 3x3 neighbours of every pixel: ``[B, C, h, w]`` -> ``[B, C, 9, h, w]``, tap
-    ``t = 3 i + j`` holding ``x_pad[..., y + i, x + j]``.
+    """The zero-padded 3x3 neighbourhood of every pixel: ``[B, C, h, w]`` -> ``[B, C, h, w, 3, 3]`` (a view:
+    ``taps[..., y, x, i, j] = x_pad[..., y + i, x + j]``).
 
-    One grouped convolution with fixed one-hot kernels (groups = C, independent of the batch) instead of nine
-    slices: under ``torch.export`` with a dynamic image size every slice of a symbolic extent becomes a chain
-    of shape ops, and nine per convolution made the ONNX graph of H-ViT³-T twice as large and its export and
-    optimisation many minutes long.
+    ``Tensor.unfold`` (one Range/Gather pair per axis in ONNX) instead of nine slices: under ``torch.export``
+    with a dynamic image size every slice of a symbolic extent becomes a chain of shape ops, and nine per
+    convolution made the ONNX graph of H-ViT³-T twice as large and its export many minutes long. A view adds
+    no FLOPs to fvcore's count (a convolution with one-hot kernels would add 9x the conv's).
     """
-    b, c, h, w = x.shape
-    eye = torch.eye(9, device=x.device, dtype=x.dtype).view(9, 1, 3, 3).repeat(c, 1, 1, 1)  # [C*9, 1, 3, 3]
-    return F.conv2d(x, eye, padding=1, groups=c).view(b, c, 9, h, w)
+    return F.pad(x, (1, 1, 1, 1)).unfold(2, 3, 1).unfold(3, 3, 1)
 
 
 def _shifted_dwconv(x: Tensor, weight: Tensor) -> Tensor:
     """Per-sample depthwise 3x3 conv (zero padding) as a weighted sum of the shifted taps: ``[B, C, h, w]``
     maps, ``[B|1, C, 3, 3]`` weights. Used for ONNX export, where the batch-folded grouped conv
     (groups = B*C) and ``aten.convolution_backward`` cannot be exported with a dynamic batch."""
-    taps = _shifted_taps(x)  # [B, C, 9, h, w]
-    return (taps * weight.flatten(-2)[..., None, None]).sum(2)
+    return (_shifted_taps(x) * weight[:, :, None, None]).sum((-2, -1))  # [B, C, h, w, 3, 3] -> [B, C, h, w]
 
 
 def _shifted_dwconv_weight_grad(k: Tensor, e: Tensor) -> Tensor:
     """``G[b, c, i, j] = sum_p k_pad[b, c, p + (i, j)] e[b, c, p]`` for ``[B, C, h, w]`` maps -> ``[B, C, 3, 3]``
     (the export-friendly twin of the ``convolution_backward`` call in :meth:`DWConvInner.grads`)."""
-    taps = _shifted_taps(k)  # [B, C, 9, h, w]
-    return (taps * e[:, :, None]).sum((-2, -1)).unflatten(-1, (3, 3))
+    return (_shifted_taps(k) * e[..., None, None]).sum((2, 3))  # [B, C, h, w, 3, 3] -> [B, C, 3, 3]
 
 
 def fold_batch(t: Tensor) -> Tensor:
