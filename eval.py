@@ -5,12 +5,15 @@
     python eval.py --checkpoint h_vittt_t.pth --model h_vit3_tiny --data /data/imagenet   # official file
     python eval.py --checkpoint output/gen_demo/last.pt --sampler ddim --steps 50 --cfg-scale 4   # generation
 
-A vit3 checkpoint carries its config (model, preprocessing, dataset), so only ``--checkpoint`` is needed;
-an official checkpoint takes its model from ``--model`` and the rest from ``--config`` (default:
+A vit3 checkpoint carries its model (name, kwargs, classes, normalisation) and config (preprocessing,
+dataset), so only ``--checkpoint`` is needed; ``--model`` or ``model.kwargs.*`` given anyway win, with a
+warning. Class folders of ``--data`` are matched to the model's classes by name (a subset or another order
+is fine). An official checkpoint takes its model from ``--model`` and the rest from ``--config`` (default:
 configs/default.yaml; for an official DiT³ file a generation config, e.g.
-``--config configs/generation/imagenet256.yaml --model dit3_b_2``). Further ``key.sub=value`` overrides apply
-on top. A generation checkpoint samples images (grid PNG, ``.npz`` for the reference evaluation suite) and
-computes the metrics its config asks for.
+``--config configs/generation/imagenet256.yaml --model dit3_b_2``). Further ``key.sub=value`` overrides
+apply on top, anywhere on the command line. A generation checkpoint samples images (grid PNG, ``.npz`` for
+the reference evaluation suite) and computes the metrics its config asks for.
+A mistake in the input ends with one ``error:`` line and exit code 2 (``--debug`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -18,8 +21,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vit3.engine import ConfigError, run
+from vit3.engine import run
 from vit3.engine.checkpoint import config_for_checkpoint
+from vit3.engine.cli import run_cli
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.model is not None:
+        overrides.append(f"model.name={args.model}")
+    if args.data is not None:
+        overrides += ["data.dataset=folder", f"data.path={args.data}"]
+    if args.img_size is not None:
+        overrides.append(f"eval.img_sizes={list(args.img_size)}")
+    if args.ema:
+        overrides.append("eval.use_ema=true")
+    if args.batch_size is not None:
+        overrides.append(f"eval.batch_size={args.batch_size}")
+    if args.json is not None:
+        overrides.append(f"eval.json={args.json}")
+    for key in ("sampler", "steps", "cfg_scale", "num_samples"):
+        if getattr(args, key) is not None:
+            overrides.append(f"sample.{key}={getattr(args, key)}")
+    overrides.append(f"eval.checkpoint={args.checkpoint}")
+    run(config_for_checkpoint(args.checkpoint, args.config, overrides), "eval")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,31 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (sample.cfg_scale)")
     gen.add_argument("--num-samples", type=int, default=None, help="images to generate (sample.num_samples)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
-    args = parser.parse_args(argv)
-    overrides = list(args.overrides)
-    if args.model is not None:
-        overrides.append(f"model.name={args.model}")
-    if args.data is not None:
-        overrides += ["data.dataset=folder", f"data.path={args.data}"]
-    if args.img_size is not None:
-        overrides.append(f"eval.img_sizes={list(args.img_size)}")
-    if args.ema:
-        overrides.append("eval.use_ema=true")
-    if args.batch_size is not None:
-        overrides.append(f"eval.batch_size={args.batch_size}")
-    if args.json is not None:
-        overrides.append(f"eval.json={args.json}")
-    for key in ("sampler", "steps", "cfg_scale", "num_samples"):
-        if getattr(args, key) is not None:
-            overrides.append(f"sample.{key}={getattr(args, key)}")
-    overrides.append(f"eval.checkpoint={args.checkpoint}")
-    try:
-        cfg = config_for_checkpoint(args.checkpoint, args.config, overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    run(cfg, "eval")
-    return 0
+    return run_cli(parser, _evaluate, argv)
 
 
 if __name__ == "__main__":

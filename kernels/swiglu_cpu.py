@@ -54,10 +54,23 @@ def _build_flags() -> tuple[str, list[str]]:
     return "portable", flags
 
 
+def _import_cpp_extension_load() -> Any:
+    """``torch.utils.cpp_extension.load``, imported without the warning that the import logs on machines
+    without a GPU ("No CUDA runtime is found, using CUDA_HOME=..."): this kernel is CPU code."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+    finally:
+        logger.setLevel(level)
+    return load_extension
+
+
 @functools.cache
 def load() -> tuple[Any, str]:
     """Builds (once per machine) and loads the kernel: the ``torch.ops`` namespace, or ``None`` and why not."""
-    from torch.utils.cpp_extension import load as load_extension
+    load_extension = _import_cpp_extension_load()
 
     if shutil.which("ninja") is None:  # the PyPI ninja package's binary, when its scripts dir is not on PATH
         try:

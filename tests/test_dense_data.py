@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 
 import numpy as np
@@ -150,6 +151,48 @@ def test_coco_image_size_mismatch_is_named(tmp_path, coco_root):
     ds = CocoDetection(images, ann)
     with pytest.raises(ValueError, match="is 50x64 but the annotation file says 64x64"):
         ds[0]
+
+
+def test_coco_boxes_outside_the_image_are_clipped_or_skipped_with_a_warning(tmp_path, coco_root):
+    """A box reaching outside its image is clipped (and kept), one wholly outside or under 1 px is skipped;
+    each is named (file, annotation id) in a warning, and a detector trains on the result (torchvision would
+    stop at the first invalid box with an AssertionError naming neither)."""
+    images, ann = _broken_coco(tmp_path, coco_root, "none")
+    data = json.loads(ann.read_text())
+    first = data["annotations"][0]
+    image = next(i for i in data["images"] if i["id"] == first["image_id"])
+    extra = [
+        {**first, "id": 9001, "bbox": [image["width"] - 10, 5, 30, 20]},  # reaches out on the right
+        {**first, "id": 9002, "bbox": [image["width"] + 5, 5, 10, 10]},  # wholly outside
+        {**first, "id": 9003, "bbox": [10, 10, 0.5, 12]},  # under 1 px wide
+        {**first, "id": 9004, "bbox": [-8, -4, 20, 20]},  # reaches out on the top left
+    ]
+    data["annotations"] += extra
+    ann.write_text(json.dumps(data))
+    with pytest.warns(UserWarning) as caught:
+        ds = CocoDetection(images, ann, train=True, flip_prob=0.0)
+    messages = " | ".join(str(w.message) for w in caught)
+    name = image["file_name"]
+    assert re.search(
+        rf"2 box\(es\) reaching outside their image were clipped.*{name} annotation 9001", messages
+    )
+    assert f"{name} annotation 9004" in messages
+    assert re.search(
+        rf"2 degenerate box\(es\) .* skipped.*{name} annotation 9002.*{name} annotation 9003", messages
+    )
+    _, target = ds[ds.ids.index(image["id"])]
+    boxes = target["boxes"]
+    assert (boxes[:, 2:] > boxes[:, :2]).all() and boxes.min() >= 0 and boxes[:, 2].max() <= image["width"]
+    assert [image["width"] - 10, 5, image["width"], 25] in boxes.tolist() and [0, 0, 12, 16] in boxes.tolist()
+    assert len(boxes) == len(target["labels"]) == len(target["masks"])
+    from vit3.tasks.detection import build_detector
+
+    model = build_detector(
+        "test_h_vit3", ds.num_classes, min_size=64, max_size=64, out_channels=16, box_head_dim=32,
+        mask_head_dim=8, anchor_sizes=(8, 16, 32, 64, 128),
+    )  # fmt: skip
+    losses = model([ds[ds.ids.index(image["id"])][0]], [target])
+    assert all(torch.isfinite(v) for v in losses.values())
 
 
 def test_load_coco_builds_the_pycocotools_index(coco_root):

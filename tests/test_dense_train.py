@@ -118,15 +118,28 @@ def test_segmentation_loss_falls_in_a_few_steps(ade_root, tmp_path):
     assert 0.0 <= result["final"]["mIoU"] <= 1.0
 
 
+SEG_ARGS = ["task=segmentation", "dense.arch=upernet", "data.dataset=ade20k", "dense.num_classes=3"]
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
         (["dense.arch=upernet"], "not a detection arch"),
         (["data.dataset=ade20k"], "does not fit task detection"),
-        (["task=segmentation", "dense.arch=upernet", "data.dataset=ade20k"], "dense.num_classes"),
+        (SEG_ARGS[:3], "dense.num_classes"),
         (["train.amp=fp8"], "unknown train.amp"),
+        (
+            [*SEG_ARGS, "data.mean=[0.5]", "data.std=[0.2]"],
+            r"data.mean must hold one value per RGB channel \(3\), got \[0.5\]",
+        ),
     ],
-    ids=["arch-of-other-task", "dataset-of-other-task", "segmentation-without-classes", "bad-amp"],
+    ids=[
+        "arch-of-other-task",
+        "dataset-of-other-task",
+        "segmentation-without-classes",
+        "bad-amp",
+        "mean-length",
+    ],
 )
 def test_config_errors_are_named(coco_root, tmp_path, overrides, match):
     cfg = load_config(DET, [*_det_overrides(coco_root, tmp_path), *overrides])

@@ -121,3 +121,83 @@ def test_export_script_features_command(image_dir, tmp_path):
         )
         == 2
     )
+
+
+# ------------------------------------------------------------------------------ from a vit3 checkpoint
+@pytest.fixture(scope="module")
+def one_channel_checkpoint(tmp_path_factory):
+    """A fine-tuned-style vit3 checkpoint: a custom one-channel H-ViT³ at 32 px with its own normalisation."""
+    from conftest_train import make_digit_folder, tiny_cfg
+
+    from vit3.engine import run
+
+    data = make_digit_folder(tmp_path_factory.mktemp("digits"), digits=(0, 1), n_train=20, n_val=5)
+    out = tmp_path_factory.mktemp("run")
+    extra = ("train.epochs=1", "model.kwargs.dims=[16, 32, 48, 80]", "data.mean=[0.2]", "data.std=[0.3]")
+    with torch.random.fork_rng():
+        run(tiny_cfg(data, out, *extra), "train")
+    return out / "last.pt"
+
+
+def test_features_take_the_model_and_preprocessing_from_the_checkpoint(
+    one_channel_checkpoint, image_dir, tmp_path
+):
+    """No --model: the checkpoint's model (custom dims, one channel) on RGB photos read as grayscale, at its
+    32 px with its mean / std; the safetensors files get the manifest's permissions."""
+    from conftest_train import load_script
+
+    out = tmp_path / "feats"
+    args = [
+        "features",
+        "--checkpoint",
+        str(one_channel_checkpoint),
+        "--images",
+        str(image_dir),
+        "--out",
+        str(out),
+    ]
+    assert load_script("export").main(args) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    pre = manifest["preprocessing"]
+    assert manifest["model"] == "test_h_vit3" and [f["channels"] for f in manifest["features"]] == [
+        16,
+        32,
+        48,
+        80,
+    ]
+    assert pre["input_size"] == [1, 32, 32] and pre["mean"] == [0.2] and pre["std"] == [0.3]
+    assert pre["image_mode"] == "L" and pre["crop_pct"] == 1.0
+    mode = (out / "manifest.json").stat().st_mode & 0o777
+    for entry in manifest["files"]:
+        assert (out / entry["file"]).stat().st_mode & 0o777 == mode
+    # the stored features are the checkpoint's model on the grayscale image, normalised with its statistics
+    model = FeatureExtractor(checkpoint=str(one_channel_checkpoint))
+    trained = torch.load(one_channel_checkpoint, weights_only=True)["model"]
+    # timm's features_only wrapper prefixes the model's keys with "model."
+    body = {k.removeprefix("model."): v for k, v in model.backbone.body.state_dict().items()}
+    shared = [k for k in body if k in trained]
+    assert len(shared) == len(body) and all(torch.equal(body[k], trained[k]) for k in shared)
+    tf = T.Compose([T.Resize(32, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(32), T.ToTensor()])
+    x = tf(Image.open(image_dir / "img1.png").convert("L"))[None]
+    with torch.no_grad():
+        ref = model.backbone.body((x - 0.2) / 0.3)
+    stored = load_file(out / "img1.safetensors")
+    for f, r in zip(manifest["features"], ref):
+        torch.testing.assert_close(stored[f["name"]], r[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_name_is_needed_without_a_vit3_checkpoint(tmp_path, capsys):
+    from conftest_train import load_script
+
+    torch.save({"model": {}}, tmp_path / "official.pth")
+    args = [
+        "features",
+        "--checkpoint",
+        str(tmp_path / "official.pth"),
+        "--images",
+        ".",
+        "--out",
+        str(tmp_path),
+    ]
+    assert load_script("export").main(args) == 2
+    assert "carries no model record): name its model with --model" in capsys.readouterr().err

@@ -113,3 +113,54 @@ def test_check_onnx_reports_shape_mismatch(tmp_path):
 
     with pytest.raises(ValueError, match="has shape"):
         check_onnx(tmp_path / "t.onnx", Other(), [torch.rand(1, 3, 8, 8)])
+
+
+# ------------------------------------------------------------------------------- export cost and inputs
+def test_export_time_dwconv_has_no_slices_of_symbolic_extent():
+    """Under a dynamic image size every slice of the grid is a chain of shape ops in the exported graph; the
+    nine shifted slices per depthwise conv made H-ViT³-T's ONNX export spend >10 min in onnxscript."""
+
+    class Conv(torch.nn.Module):
+        def forward(self, x, w):
+            return _shifted_dwconv(x, w), _shifted_dwconv_weight_grad(x, x)
+
+    x, w = torch.randn(2, 4, 6, 5), torch.randn(2, 4, 3, 3)
+    dims = {"x": {2: torch.export.Dim.AUTO, 3: torch.export.Dim.AUTO}, "w": None}
+    graph = torch.export.export(Conv(), (x, w), dynamic_shapes=dims).graph
+    ops = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    assert not [op for op in ops if "slice" in op], ops
+
+
+@pytest.mark.slow
+def test_default_export_skips_onnxscripts_pattern_rewrites(tmp_path, monkeypatch):
+    """The rewrite rules' matcher is the part of onnxscript's optimiser that takes minutes on larger graphs:
+    by default only constant folding runs (optimize=True keeps the whole optimiser)."""
+    import onnxscript.rewriter
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("onnxscript's rewriter ran")
+
+    monkeypatch.setattr(onnxscript.rewriter.RewritePass, "call", refuse)
+    model = FeatureExtractor("test_h_vit3")
+    info = export_onnx(model, tmp_path / "h.onnx", 64, exporter="dynamo")
+    assert info["exporter"] == "dynamo" and info["optimized"] == "folded" and info["dynamic_size"]
+    inputs = [torch.rand(1, 3, 64, 64), torch.rand(3, 3, 96, 128)]
+    assert check_onnx(info["path"], model, inputs) < 1e-4
+
+
+@pytest.mark.slow
+def test_onnx_of_a_one_channel_checkpoint_takes_its_model(tmp_path, capsys):
+    import onnx
+    from conftest_train import load_script, make_digit_folder, tiny_cfg
+
+    from vit3.engine import run
+
+    data = make_digit_folder(tmp_path / "digits", digits=(0, 1), n_train=20, n_val=5)
+    run(tiny_cfg(data, tmp_path / "run", "train.epochs=1"), "train")
+    out = tmp_path / "f.onnx"
+    args = ["onnx", "--checkpoint", str(tmp_path / "run" / "last.pt"), "--out", str(out), "--static-size"]
+    assert load_script("export").main(args) == 0
+    text = capsys.readouterr().out
+    assert json.loads(text[text.rindex("\n{") + 1 :])["max_abs_err"] < 1e-4
+    dims = onnx.load(str(out)).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims[1:]] == [1, 32, 32]  # the checkpoint's channels and image size

@@ -180,3 +180,18 @@ def test_build_targets_the_cpus_vector_unit():
         assert suffix == capability.lower() and f"-DCPU_CAPABILITY_{capability}" in flags
     else:
         assert suffix == "portable" and not any(f.startswith("-DCPU_CAPABILITY") for f in flags)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning concerns machines without a CUDA runtime")
+def test_a_cpu_run_logs_no_cuda_home_warning(tmp_path):
+    """Loading the kernel imports torch.utils.cpp_extension, whose import logs "No CUDA runtime is found, using
+    CUDA_HOME=..." on a machine without a GPU whenever CUDA_HOME is set; the kernel is CPU code."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import timm, torch, vit3; timm.create_model('vit3_tiny').eval()(torch.rand(1, 3, 224, 224))"
+    env = {**os.environ, "CUDA_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "No CUDA runtime" not in proc.stdout + proc.stderr and "CUDA_HOME" not in proc.stderr

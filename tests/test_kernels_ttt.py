@@ -382,7 +382,8 @@ def _triton_serves(name: str, cfg: TTTConfig, x: torch.Tensor, head_dim: int = 3
     """The mixer registry's verdict on the Triton backend for one branch."""
     inputs = backends.Inputs(x.device, x.dtype, backends.token_class(x.shape[1]), False, "")
     settings = backends.Settings(cfg.loss, cfg.steps, cfg.mini_batches, cfg.lr_mode)
-    return backends.BACKENDS["triton"].supports(backends.Branch(0, name, 1, head_dim, True), settings, inputs)
+    branch = backends.Branch(0, name, 1, head_dim, plain=True)  # a bare inner model, as the kernels take
+    return backends.BACKENDS["triton"].supports(branch, settings, inputs)
 
 
 @pytest.mark.parametrize(

@@ -291,3 +291,59 @@ def test_bad_input_raises(name, make, match):
         model(make())
     with pytest.raises(ValueError, match=match):
         model.forward_intermediates(make())
+
+
+def test_timm_dynamic_input_kwargs_are_accepted(name):
+    """timm's ViTs take dynamic_img_size / dynamic_img_pad; vit3 models always run on any size."""
+    model = timm.create_model(name, dynamic_img_size=True, dynamic_img_pad=True).eval()
+    assert model(_input(model, size=(70, 90))).shape == (1, model.num_classes)
+    feats = timm.create_model(name, features_only=True, dynamic_img_size=True)
+    assert len(feats(_input(model, size=(70, 90)))) == len(feats.feature_info)
+    if name != "test_vit3_ttt":
+        with pytest.raises(ValueError, match=r"does not support dynamic_img_size=False: H-ViT³ always"):
+            timm.create_model(name, dynamic_img_size=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"class_token": True}, "no class token"),
+        ({"reg_tokens": 4}, "no register tokens"),
+        ({"attn_drop_rate": 0.1}, "no attention probabilities"),
+        ({"qk_norm": True}, "no attention logits"),
+        ({"init_values": 1e-5}, "no LayerScale"),
+        ({"pos_embed": "learn"}, "convolution"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
+)
+def test_timm_vit_kwargs_that_make_no_sense_are_refused_by_name(name, kwargs, why):
+    if name != "test_vit3_ttt":
+        pytest.skip("timm's VisionTransformer kwargs: plain models")
+    key, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError, match=rf"does not support {key}={value!r}: .*{why}"):
+        timm.create_model(name, **kwargs)
+
+
+def test_timm_vit_kwargs_that_describe_vit3_are_accepted_or_take_effect(name):
+    if name != "test_vit3_ttt":
+        pytest.skip("timm's VisionTransformer kwargs: plain models")
+    same = dict(
+        class_token=False, reg_tokens=0, pos_embed="none", no_embed_class=True, fc_norm=None, qk_norm=False
+    )
+    reference = timm.create_model(name).eval()
+    model = timm.create_model(name, **same).eval()
+    model.load_state_dict(reference.state_dict())
+    x = _input(model)
+    torch.testing.assert_close(model(x), reference(x))
+    assert isinstance(timm.create_model(name, final_norm=False).norm, torch.nn.Identity)
+    assert timm.create_model(name, pos_drop_rate=0.25).pos_drop.p == 0.25
+    assert next(timm.create_model(name, dtype=torch.float64).parameters()).dtype == torch.float64
+    strict = timm.create_model(name, dynamic_img_size=False)
+    with pytest.raises(ValueError, match=r"built for 64x64 only \(dynamic_img_size=False\)"):
+        strict(_input(model, size=(64, 80)))
+    unpadded = timm.create_model(name, dynamic_img_pad=False)
+    with pytest.raises(ValueError, match=r"multiples of the patch size 16x16 \(dynamic_img_pad=False\)"):
+        unpadded(_input(model, size=(64, 70)))
+    assert unpadded(_input(model, size=(64, 80))).shape == (1, model.num_classes)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_kwarg'"):
+        timm.create_model(name, no_such_kwarg=1)

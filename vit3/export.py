@@ -1,27 +1,36 @@
 """Export multi-scale backbone features: safetensors files for a folder of images, and ONNX.
 
-- :func:`export_features`: runs a timm ``features_only`` backbone (raw maps: no added norms, no pyramid) over
-  every image of a folder with the model's eval preprocessing (timm ``resolve_data_config`` +
-  ``create_transform``) and writes ``<out>/<image stem>.safetensors`` (one ``[C, h, w]`` tensor per feature
-  map) and ``<out>/manifest.json`` (model, preprocessing, feature names / channels / strides / shapes, files).
-- :func:`export_onnx`: the same extractor as ONNX, with the normalisation inside the graph (input: RGB in
-  [0, 1], ``[B, 3, H, W]``), a dynamic batch and, where the model allows it, a dynamic image size.
+- :class:`FeatureExtractor`: a timm ``features_only`` backbone (raw maps: no added norms, no pyramid) with
+  its normalisation. Given a vit3 checkpoint it builds the checkpoint's model (name, kwargs, input channels;
+  a model name or kwargs given explicitly win, with a warning) and takes its preprocessing (image size,
+  interpolation, crop, mean / std) from the checkpoint's record; otherwise from the model's
+  ``pretrained_cfg``. Official files need the model name.
+- :func:`export_features`: runs it over every image of a folder (read as RGB, or grayscale for one-channel
+  models, by ``vit3.data.image.open_image``) with that eval preprocessing (timm ``create_transform``) and
+  writes ``<out>/<image stem>.safetensors`` (one ``[C, h, w]`` tensor per feature map) and
+  ``<out>/manifest.json`` (model, preprocessing, feature names / channels / strides / shapes, files), all
+  with the same (umask) permissions.
+- :func:`export_onnx`: the same extractor as ONNX, with the normalisation inside the graph (input: images in
+  [0, 1], ``[B, C_in, H, W]``), a dynamic batch and, where the model allows it, a dynamic image size.
   :func:`check_onnx` runs it with onnxruntime and returns the largest difference to PyTorch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import timm
 import torch
-from PIL import Image
 from torch import Tensor, nn
 
+from .data.image import apply_transform, open_image
+from .engine.config import ConfigError
+from .errors import DataError
 from .tasks.backbone import FeatureBackbone
 
 log = logging.getLogger(__name__)
@@ -34,38 +43,60 @@ class FeatureExtractor(nn.Module):
     """Normalisation + timm ``features_only`` backbone.
 
     Args:
-        model_name: timm model name.
+        model_name: timm model name; ``None`` for a vit3 checkpoint's own model (required otherwise).
         checkpoint: weights (a vit3 checkpoint or an official file), loaded into the backbone.
         pretrained: timm pretrained weights instead.
         out_indices: timm ``out_indices`` (None: the model's default).
-        **kwargs: more ``timm.create_model`` kwargs.
+        use_ema: a vit3 checkpoint's EMA weights.
+        **kwargs: more ``timm.create_model`` kwargs (over a vit3 checkpoint's own).
 
-    Forward: ``[B, 3, H, W]`` RGB in [0, 1] -> tuple of ``[B, C_i, H / s_i, W / s_i]``.
+    Forward: ``[B, C_in, H, W]`` images in [0, 1] -> tuple of ``[B, C_i, H / s_i, W / s_i]``.
     """
 
     def __init__(
         self,
-        model_name: str,
+        model_name: str | None = None,
         checkpoint: str | None = None,
         pretrained: bool = False,
         out_indices: Sequence[int] | None = None,
+        use_ema: bool = False,
         **kwargs,
     ) -> None:
         super().__init__()
+        record = None
+        if checkpoint:
+            from .engine.checkpoint import merge_model_spec, model_record, peek_vit3_checkpoint
+
+            ckpt = peek_vit3_checkpoint(checkpoint)
+            if ckpt is not None:
+                record = model_record(ckpt)
+                model_name, kwargs = merge_model_spec(record, model_name, kwargs, checkpoint)
+        if not model_name:
+            raise ConfigError(
+                f"{checkpoint} is not a vit3 checkpoint (it carries no model record): name its model with --model"
+                if checkpoint
+                else "no model: give --model NAME or a vit3 --checkpoint"
+            )
         self.backbone = FeatureBackbone(
             model_name, out_indices, pretrained=pretrained, out_norm=False, **kwargs
         )
         if checkpoint:
             from .engine.dense import load_backbone_weights
 
-            missing = load_backbone_weights(self.backbone, checkpoint)
+            missing = load_backbone_weights(self.backbone, checkpoint, use_ema=use_ema)
             if missing:
                 log.warning(
                     "%s: %d backbone weights not in %s: %s", model_name, len(missing), checkpoint, missing[:5]
                 )
-        dc = self.backbone.data_config
-        self.register_buffer("mean", torch.tensor(dc["mean"]).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(dc["std"]).view(1, 3, 1, 1), persistent=False)
+        self.in_chans = int(kwargs.get("in_chans", self.backbone.data_config["input_size"][0]))
+        self.preprocessing = _preprocessing(self.backbone.data_config, record, self.in_chans)
+        c = self.in_chans
+        self.register_buffer(
+            "mean", torch.tensor(self.preprocessing["mean"]).view(1, c, 1, 1), persistent=False
+        )
+        self.register_buffer(
+            "std", torch.tensor(self.preprocessing["std"]).view(1, c, 1, 1), persistent=False
+        )
         info = self.backbone.body.feature_info
         self.names = [f"feat{i}_s{s}" for i, s in enumerate(info.reduction())]
         self.eval()
@@ -82,32 +113,55 @@ class FeatureExtractor(nn.Module):
         ]
 
 
+def _preprocessing(model_cfg: dict[str, Any], record: dict[str, Any] | None, in_chans: int) -> dict[str, Any]:
+    """Eval preprocessing: the record's settings where it has them, else the model's ``pretrained_cfg``."""
+    record = record or {}
+    size = record.get("img_size") or model_cfg["input_size"][-1]
+    mean = list(record.get("mean") or model_cfg["mean"])
+    std = list(record.get("std") or model_cfg["std"])
+    if len(mean) != in_chans and len(mean) == 3:  # RGB statistics for a one-channel model: their average
+        mean, std = [sum(mean) / 3] * in_chans, [sum(std) / 3] * in_chans
+    return {
+        "input_size": [in_chans, int(size), int(size)],
+        "interpolation": record.get("interpolation") or model_cfg["interpolation"],
+        "crop_pct": float(record.get("crop_pct") or model_cfg["crop_pct"]),
+        "crop_mode": model_cfg.get("crop_mode", "center"),
+        "mean": [float(v) for v in mean],
+        "std": [float(v) for v in std],
+    }
+
+
 def eval_transform(extractor: FeatureExtractor, img_size: int | None = None, crop_pct: float | None = None):
-    """timm eval transform of the model (resize, center crop, to tensor) *without* normalisation.
+    """timm eval transform of the extractor (resize, center crop, to tensor) *without* normalisation.
 
     Returns:
-        ``(transform, config)``: the callable (PIL -> ``[3, H, W]`` in [0, 1]) and its resolved settings.
+        ``(transform, config)``: the callable (PIL -> ``[C_in, H, W]`` in [0, 1]) and its settings.
     """
-    args: dict[str, Any] = {}
+    cfg = dict(extractor.preprocessing)
     if img_size:
-        args["input_size"] = (3, img_size, img_size)
+        cfg["input_size"] = [extractor.in_chans, img_size, img_size]
     if crop_pct:
-        args["crop_pct"] = crop_pct
-    cfg = timm.data.resolve_data_config(args, model=extractor.backbone.body)
+        cfg["crop_pct"] = crop_pct
     transform = timm.data.create_transform(
-        **{**cfg, "mean": (0.0,) * 3, "std": (1.0,) * 3}, is_training=False
+        input_size=tuple(cfg["input_size"]),
+        interpolation=cfg["interpolation"],
+        crop_pct=cfg["crop_pct"],
+        crop_mode=cfg["crop_mode"],
+        mean=(0.0,) * extractor.in_chans,
+        std=(1.0,) * extractor.in_chans,
+        is_training=False,
     )
-    return transform, {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
+    return transform, cfg
 
 
 def list_images(folder: str | Path) -> list[Path]:
-    """Image files of ``folder`` (not recursive), sorted; raises if there is none."""
+    """Image files of ``folder`` and its subfolders (e.g. ``val/<class>/``), sorted; raises if there is none."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder not found: {folder}")
-    images = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    images = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if not images:
-        raise ValueError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
+        raise DataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
     return images
 
 
@@ -126,7 +180,7 @@ def export_features(
 
     Args:
         extractor: the model.
-        image_dir: folder of images.
+        image_dir: folder of images (subfolders included: ``<out>/<subfolder>/<stem>.safetensors``).
         out_dir: output folder (created).
         img_size: square input size (None: the model's default).
         crop_pct: timm crop fraction (None: the model's; 1.0 resizes the shorter side to ``img_size``).
@@ -137,33 +191,37 @@ def export_features(
     Returns:
         The manifest path. Each ``<stem>.safetensors`` holds ``{name: [C, h, w]}``.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save as safetensors_bytes
 
     images = list_images(image_dir)
-    stems = [p.stem for p in images]
+    image_dir = Path(image_dir)
+    stems = [p.relative_to(image_dir).with_suffix("").as_posix() for p in images]
     dup = sorted({s for s in stems if stems.count(s) > 1})
     if dup:
-        raise ValueError(f"images in {image_dir} share file stems (outputs would collide): {dup[:5]}")
+        raise DataError(f"images in {image_dir} share file stems (outputs would collide): {dup[:5]}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     transform, pre = eval_transform(extractor, img_size, crop_pct)
+    mode = "L" if extractor.in_chans == 1 else "RGB"
     extractor = extractor.to(device).eval()
     files, shapes = [], None
     for start in range(0, len(images), batch_size):
         chunk = images[start : start + batch_size]
-        x = torch.stack([transform(Image.open(p).convert("RGB")) for p in chunk]).to(device)  # [b, 3, H, W]
-        feats = extractor(x)
+        x = torch.stack([apply_transform(transform, open_image(p, mode), str(p)) for p in chunk]).to(device)
+        feats = extractor(x)  # x: [b, C_in, H, W]
         shapes = [list(f.shape[1:]) for f in feats]
         for i, path in enumerate(chunk):
             tensors = {n: f[i].to(dtype).contiguous().cpu() for n, f in zip(extractor.names, feats)}
-            name = f"{path.stem}.safetensors"
-            save_file(
-                tensors, out_dir / name, metadata={"image": path.name, "model": extractor.backbone.model_name}
-            )
-            files.append({"image": path.name, "file": name})
+            image = path.relative_to(image_dir).as_posix()  # a subfolder's images keep their subfolder
+            name = f"{image.rpartition('.')[0]}.safetensors"
+            (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            metadata = {"image": image, "model": extractor.backbone.model_name}
+            # Written like the manifest (mode 0666 & ~umask); safetensors' save_file creates files 0600.
+            (out_dir / name).write_bytes(safetensors_bytes(tensors, metadata=metadata))
+            files.append({"image": image, "file": name})
     manifest = {
         "model": extractor.backbone.model_name,
-        "preprocessing": {**pre, "input_range": "RGB / 255, then (x - mean) / std"},
+        "preprocessing": {**pre, "image_mode": mode, "input_range": "pixels / 255, then (x - mean) / std"},
         "dtype": str(dtype).removeprefix("torch."),
         "features": [{**d, "shape": s} for d, s in zip(extractor.describe(), shapes)],
         "files": files,
@@ -171,6 +229,41 @@ def export_features(
     path = out_dir / MANIFEST
     path.write_text(json.dumps(manifest, indent=1))
     return path
+
+
+@contextlib.contextmanager
+def _without_stack_traces() -> Iterator[None]:
+    """torch.fx records the Python stack of every traced op (ONNX debug metadata): ~10% of an export."""
+    import torch.fx.config as fx_config
+
+    before = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before
+
+
+def fold_onnx(model: Any) -> None:
+    """The cheap part of onnxscript's optimiser, in place on an ``onnx_ir`` model: constant folding (the
+    static parts of the shape computations), dead-node removal, common-subexpression elimination and
+    initializer clean-up, without its pattern-rewrite rules, whose matcher takes minutes on graphs of
+    several thousand nodes (``export_onnx(optimize=True)`` runs the whole optimiser)."""
+    import onnx_ir as ir
+    from onnx_ir.passes import common
+    from onnxscript.optimizer import fold_constants
+
+    ir.passes.Sequential(common.InlinePass(), common.RemoveUnusedNodesPass())(model)
+    for _ in range(2):  # folding exposes more constants once dead nodes are gone
+        fold_constants(model)
+        common.RemoveUnusedNodesPass()(model)
+    ir.passes.Sequential(
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.RemoveUnusedNodesPass(),
+        common.NameFixPass(),
+    )(model)
 
 
 def export_onnx(
@@ -181,21 +274,27 @@ def export_onnx(
     dynamic_size: bool = True,
     opset: int = 18,
     exporter: str = "auto",
+    optimize: bool = False,
 ) -> dict[str, Any]:
-    """Exports the extractor to ONNX (input ``images`` ``[B, 3, H, W]`` in [0, 1]; outputs named as features).
+    """Exports the extractor to ONNX (input ``images`` ``[B, C_in, H, W]`` in [0, 1]; outputs named as features).
 
     Args:
         extractor: the model.
         path: output ``.onnx`` file.
-        img_size: example input size.
+        img_size: example input size (with a dynamic size, at least twice the deepest stride: a feature
+            map of one pixel in the example would be fixed at that size in the graph).
         dynamic_batch: symbolic batch dimension.
         dynamic_size: symbolic height / width.
         opset: ONNX opset.
         exporter: ``dynamo`` (torch.export), ``torchscript`` (``dynamo=False``) or ``auto`` (dynamo, then
             TorchScript if dynamo fails).
+        optimize: run onnxscript's whole graph optimiser on the dynamo export (its pattern rewrites take
+            minutes for the larger models; by default only :func:`fold_onnx`, and onnxruntime optimises the
+            graph again when it loads it).
 
     Returns:
-        ``{"path", "exporter", "dynamic_batch", "dynamic_size", "errors"}`` (errors of exporters that failed).
+        ``{"path", "exporter", "dynamic_batch", "dynamic_size", "optimized", "nodes", "errors"}`` (``errors``:
+        of exporters that failed).
     """
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ValueError(f"unknown exporter {exporter!r}: expected auto, dynamo or torchscript")
@@ -203,7 +302,10 @@ def export_onnx(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     extractor = extractor.cpu().eval()
-    x = torch.rand(2 if dynamic_batch else 1, 3, h, w)
+    if dynamic_size:  # torch.export fixes any size it sees as 1: trace with at least a 2x2 deepest grid
+        reach = 2 * max(extractor.backbone.strides)
+        h, w = max(h, reach), max(w, reach)
+    x = torch.rand(2 if dynamic_batch else 1, extractor.in_chans, h, w)
     axes = {**({0: "batch"} if dynamic_batch else {}), **({2: "height", 3: "width"} if dynamic_size else {})}
     errors: dict[str, str] = {}
     for kind in ("dynamo", "torchscript") if exporter == "auto" else (exporter,):
@@ -213,13 +315,27 @@ def export_onnx(
                 "output_names": list(extractor.names),
                 "opset_version": opset,
             }
+            nodes = None
             if kind == "dynamo":
                 dims = {}
                 if dynamic_batch:
                     dims[0] = torch.export.Dim("batch", min=1, max=1024)
                 if dynamic_size:
                     dims[2], dims[3] = torch.export.Dim.AUTO, torch.export.Dim.AUTO
-                torch.onnx.export(extractor, (x,), path, dynamo=True, dynamic_shapes={"x": dims}, **kwargs)
+                with _without_stack_traces():
+                    program = torch.onnx.export(
+                        extractor,
+                        (x,),
+                        None,
+                        dynamo=True,
+                        dynamic_shapes={"x": dims},
+                        optimize=optimize,
+                        **kwargs,
+                    )
+                if not optimize:
+                    fold_onnx(program.model)
+                nodes = len(program.model.graph)
+                program.save(path)
             else:
                 dyn = {"images": axes, **{n: {0: "batch"} if dynamic_batch else {} for n in extractor.names}}
                 torch.onnx.export(extractor, (x,), path, dynamo=False, dynamic_axes=dyn, **kwargs)
@@ -228,6 +344,8 @@ def export_onnx(
                 "exporter": kind,
                 "dynamic_batch": dynamic_batch,
                 "dynamic_size": dynamic_size,
+                "optimized": ("full" if optimize else "folded") if kind == "dynamo" else None,
+                "nodes": nodes,
                 "errors": errors,
             }
         except Exception as e:  # try the next exporter; the caller sees why this one failed
@@ -237,7 +355,7 @@ def export_onnx(
 
 
 def check_onnx(path: str | Path, extractor: FeatureExtractor, inputs: Sequence[Tensor]) -> float:
-    """Runs the ONNX file with onnxruntime on each ``[B, 3, H, W]`` input and compares with PyTorch.
+    """Runs the ONNX file with onnxruntime on each ``[B, C_in, H, W]`` input and compares with PyTorch.
 
     Returns:
         The largest absolute difference over all inputs and outputs.

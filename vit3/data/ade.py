@@ -24,6 +24,9 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from ..errors import DataError
+from .image import open_image
+
 IGNORE_INDEX = 255
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -72,7 +75,7 @@ class ADESegmentation(Dataset):
                 raise FileNotFoundError(f"ADE20K-format folder not found: {d}")
         self.images = sorted(p for p in self.image_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         if not self.images:
-            raise ValueError(f"no images in {self.image_dir}")
+            raise DataError(f"no images in {self.image_dir}")
         missing = [p.name for p in self.images if not (self.ann_dir / f"{p.stem}.png").is_file()]
         if missing:
             raise FileNotFoundError(
@@ -100,13 +103,13 @@ class ADESegmentation(Dataset):
         """
         path = self.images[index]
         ann = self.ann_dir / f"{path.stem}.png"
-        image = np.asarray(Image.open(path).convert("RGB"))
+        image = np.asarray(open_image(path, "RGB"))
         label_img = Image.open(ann)
         if label_img.mode not in ("L", "P", "I", "I;16"):
-            raise ValueError(f"label map {ann} must be a single-channel PNG, got mode {label_img.mode}")
+            raise DataError(f"label map {ann} must be a single-channel PNG, got mode {label_img.mode}")
         label = np.asarray(label_img).astype(np.int64)
         if label.shape != image.shape[:2]:
-            raise ValueError(
+            raise DataError(
                 f"label map {ann} is {label.shape[1]}x{label.shape[0]} but image {path} is {image.shape[1]}x{image.shape[0]}"
             )
         if self.reduce_zero_label:
@@ -114,7 +117,7 @@ class ADESegmentation(Dataset):
             label[label == IGNORE_INDEX - 1] = IGNORE_INDEX  # 255 stays ignored after the shift
         bad = np.unique(label[(label != IGNORE_INDEX) & ((label < 0) | (label >= self.num_classes))])
         if bad.size:
-            raise ValueError(
+            raise DataError(
                 f"label map {ann} has labels {bad[:10].tolist()} outside 0..{self.num_classes - 1} (and ignore {IGNORE_INDEX})"
             )
         return image, label

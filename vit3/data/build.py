@@ -4,6 +4,14 @@ Reproducibility: every sample's augmentation is drawn from its own RNG seeded by
 (:class:`SeededTransform`), and the training order comes from :class:`ResumableDistributedSampler`
 (seed + epoch). A batch therefore depends only on (seed, epoch, position), never on the number of
 loader workers, and a run resumed in the middle of an epoch sees exactly the batches it would have seen.
+
+Augmentation: timm's ``create_transform`` with one correction. RandAugment's ``PosterizeIncreasing``
+(``rand-...-inc1``, the default recipe) keeps ``4 - int(4 * m / 10)`` bits, 0 bits when the sampled magnitude
+reaches 10 (``m9-mstd0.5`` does for about 2% of the posterize draws): in RandAugment's (TensorFlow) meaning a
+black image, which Pillow's ``ImageOps.posterize`` produced before Pillow 13 and refuses since (``bits must
+be between or equal to 1 and 8``). :func:`posterize` restores that meaning for every Pillow version and
+:func:`build_transform` puts it into timm's RandAugment / AutoAugment / AugMix ops. A transform that fails
+anyway names the image file (``vit3.data.image.TransformError``).
 """
 
 from __future__ import annotations
@@ -16,10 +24,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image, ImageOps
 from timm.data import Mixup, create_transform
+from timm.data import auto_augment as timm_auto_augment
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..errors import DataError
 from .folder import ImageFolderDataset, find_classes
+from .image import apply_transform
 from .mnist import MNIST5k
 
 DATASETS = ("folder", "mnist5k")
@@ -34,6 +46,7 @@ __all__ = [
     "build_train_loader",
     "build_transform",
     "build_val_loader",
+    "posterize",
 ]
 
 
@@ -41,10 +54,44 @@ def _none_if_off(value: Any) -> Any:
     return None if value in (None, "", "none", 0, 0.0) else value
 
 
+def posterize(img: Image.Image, bits_to_keep: int, **_: Any) -> Image.Image:
+    """timm's RandAugment posterize, keeping ``bits_to_keep`` most significant bits; 0 bits gives a black image
+    (RandAugment's meaning; Pillow >= 13 refuses 0), 8 or more the image unchanged."""
+    bits = int(bits_to_keep)
+    if bits >= 8:
+        return img
+    if bits <= 0:
+        return Image.new(img.mode, img.size)  # every bit dropped: black
+    return ImageOps.posterize(img, bits)
+
+
+def _augment_ops(transform: Any) -> Iterator[Any]:
+    """timm ``AugmentOp`` s inside a transform (Compose -> RandAugment / AutoAugment / AugMix -> ops)."""
+    if isinstance(transform, timm_auto_augment.AugmentOp):
+        yield transform
+        return
+    for attr in ("transforms", "ops", "policy"):
+        children = getattr(transform, attr, None)
+        if isinstance(children, list | tuple):
+            for child in children:
+                yield from _augment_ops(child)
+    if isinstance(transform, list | tuple):
+        for child in transform:
+            yield from _augment_ops(child)
+
+
+def _correct_augment_ops(transform: Callable) -> Callable:
+    for op in _augment_ops(transform):
+        if op.aug_fn is timm_auto_augment.posterize:
+            op.aug_fn = posterize
+    return transform
+
+
 def build_transform(
     cfg, is_train: bool, mean: tuple[float, ...], std: tuple[float, ...], img_size: int | None = None
 ) -> Callable:
-    """timm's ``create_transform`` from the ``data``/``aug`` config sections.
+    """timm's ``create_transform`` from the ``data``/``aug`` config sections (posterize corrected: see the
+    module docstring).
 
     Training: RandomResizedCrop(scale, ratio) + flip + RandAugment + color jitter + random erasing.
     Evaluation: resize to ``img_size / crop_pct`` and center-crop ``img_size`` (224/256 by default).
@@ -56,7 +103,7 @@ def build_transform(
             crop_pct=cfg.data.crop_pct,
         )  # fmt: skip
     aug = cfg.aug
-    return create_transform(
+    transform = create_transform(
         size,
         is_training=True,
         scale=tuple(aug.scale),
@@ -71,6 +118,7 @@ def build_transform(
         re_mode=aug.remode,
         re_count=aug.recount,
     )
+    return _correct_augment_ops(transform)
 
 
 @contextlib.contextmanager
@@ -102,10 +150,12 @@ class SeededTransform(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        img, target = self.dataset[index]
+        # (image, label, file) where the dataset can say which file: a failing transform names it
+        load = getattr(self.dataset, "load_sample", None)
+        img, target, source = load(index) if load else (*self.dataset[index], f"sample {index}")
         seed = int(np.random.SeedSequence([self.seed, self.epoch, int(index)]).generate_state(1)[0])
         with _private_rng(seed):
-            return self.transform(img), target
+            return apply_transform(self.transform, img, source), target
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -121,7 +171,7 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def __init__(self, size: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
         if size <= 0:
-            raise ValueError("cannot sample from an empty dataset")
+            raise DataError("cannot sample from an empty dataset")
         self.size, self.num_replicas, self.rank, self.shuffle, self.seed = (
             size,
             num_replicas,
@@ -166,47 +216,67 @@ class ShardSampler(Sampler[int]):
         return len(self.order)
 
 
-def build_datasets(cfg, in_chans: int = 3, splits: tuple[str, ...] = ("train", "val")) -> dict[str, Dataset]:
+def build_datasets(
+    cfg,
+    in_chans: int = 3,
+    splits: tuple[str, ...] = ("train", "val"),
+    classes: list[str] | None = None,
+    classes_from: str = "the model",
+) -> dict[str, Any]:
     """Untransformed datasets (PIL images) of ``cfg.data`` for the given splits, plus ``"classes"``.
 
+    Args:
+        cfg: run config (``data`` section).
+        in_chans: model input channels (1: grayscale images, else RGB).
+        splits: "train" and/or "val".
+        classes: class names in label order (e.g. a checkpoint's): class folders are mapped to them by name
+            (a subset or another order is fine, an unknown name is an error). ``None``: the training
+            folder's classes (sorted), or the split's own when there is no training folder.
+        classes_from: what ``classes`` are, for the error naming an unknown class.
+
     Raises:
-        FileNotFoundError / ValueError: missing data directory, empty class folder, unknown dataset.
+        FileNotFoundError / DataError: missing data directory, empty class folder, unknown class or dataset.
     """
     data = cfg.data
     out: dict[str, Any] = {}
     if data.dataset == "mnist5k":
         if in_chans != 1:
-            raise ValueError(f"data.dataset=mnist5k is grayscale: the model needs in_chans=1, not {in_chans}")
+            raise DataError(f"data.dataset=mnist5k is grayscale: the model needs in_chans=1, not {in_chans}")
         for split in splits:
-            out[split] = MNIST5k(split)
-        out["classes"] = list(MNIST5k.classes)
+            out[split] = MNIST5k(split, classes=classes, classes_from=classes_from)
+        out["classes"] = list(classes) if classes is not None else list(MNIST5k.classes)
         return out
     if data.dataset != "folder":
-        raise ValueError(f"unknown data.dataset '{data.dataset}': expected one of {', '.join(DATASETS)}")
+        raise DataError(f"unknown data.dataset '{data.dataset}': expected one of {', '.join(DATASETS)}")
     if not data.path:
-        raise ValueError("data.path is empty: give the dataset root holding train/ and val/ (data.path=DIR)")
+        raise DataError("data.path is empty: give the dataset root holding train/ and val/ (data.path=DIR)")
     root = Path(data.path)
     if not root.is_dir():
         raise FileNotFoundError(f"data directory not found: {root}")
     mode = "L" if in_chans == 1 else "RGB"
     split_dirs = {"train": data.train_split, "val": data.val_split}
     # Labels come from the training folders whenever they exist, so val labels always match training.
-    classes = find_classes(root / data.train_split) if (root / data.train_split).is_dir() else None
+    origin = classes_from
+    if classes is None and (root / data.train_split).is_dir():
+        classes, origin = find_classes(root / data.train_split), "the training data"
     for split in splits:
-        out[split] = ImageFolderDataset(root / split_dirs[split], None, classes, data.corrupt_images, mode)
+        out[split] = ImageFolderDataset(
+            root / split_dirs[split], None, classes, data.corrupt_images, mode, classes_from=origin
+        )
         classes = classes or out[split].classes
     out["classes"] = classes
     return out
 
 
 def build_mixup(cfg, num_classes: int) -> Mixup | None:
-    """timm Mixup/CutMix with label smoothing (``None`` when both alphas are 0 and no minmax is set)."""
+    """timm Mixup/CutMix with label smoothing (``None`` when both alphas are 0 or null and no minmax is set)."""
     aug = cfg.aug
-    if not (aug.mixup > 0 or aug.cutmix > 0 or aug.cutmix_minmax is not None):
+    mixup, cutmix = float(aug.mixup or 0.0), float(aug.cutmix or 0.0)
+    if not (mixup > 0 or cutmix > 0 or aug.cutmix_minmax is not None):
         return None
     return Mixup(
-        mixup_alpha=aug.mixup,
-        cutmix_alpha=aug.cutmix,
+        mixup_alpha=mixup,
+        cutmix_alpha=cutmix,
         cutmix_minmax=aug.cutmix_minmax,
         prob=aug.mixup_prob,
         switch_prob=aug.mixup_switch_prob,
@@ -239,7 +309,7 @@ def build_train_loader(
     wrapped = SeededTransform(dataset, transform, cfg.seed)
     sampler = ResumableDistributedSampler(len(dataset), world, rank, shuffle=True, seed=cfg.seed)
     if sampler.num_samples < cfg.data.batch_size:
-        raise ValueError(
+        raise DataError(
             f"data.batch_size={cfg.data.batch_size} exceeds the {sampler.num_samples} training images per "
             f"process: lower data.batch_size"
         )

@@ -7,9 +7,15 @@ contiguous labels in sorted id order; ``label_to_cat_id`` maps back for the eval
 
 Bad input: a missing or unreadable annotation file, a file without ``images`` / ``annotations`` /
 ``categories``, an annotation naming an unknown image or category, a missing image file, or an image whose
-size disagrees with the file -> ``FileNotFoundError`` / ``ValueError`` naming the problem. Crowd annotations
-and degenerate boxes (width or height < 1 px) are dropped. Images with no (usable) annotation are skipped for
-training (``skip_empty``, logged) and kept for evaluation.
+size disagrees with the file -> ``FileNotFoundError`` / ``DataError`` naming the problem.
+
+Boxes (decided once, when the dataset is built, from the image sizes the file records): a box reaching
+outside its image is clipped to the image and kept; a box that is degenerate (width or height below 1 px,
+negative, or nothing left after clipping, e.g. wholly outside the image) is skipped. Either way one warning
+lists the annotations concerned (file, annotation id, box), so nothing changes silently; torchvision's
+detectors would otherwise stop at the first invalid box without naming it. Crowd annotations are not used for
+training targets. Images with no usable annotation are skipped for training (``skip_empty``, logged) and kept
+for evaluation.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import contextlib
 import io
 import json
 import logging
+import math
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +34,9 @@ import torch
 from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from ..errors import DataError
+from .image import open_image
 
 log = logging.getLogger(__name__)
 
@@ -50,26 +61,29 @@ def load_coco(ann_file: str | Path):
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"COCO annotation file {path} is not valid JSON: {e}") from e
+        raise DataError(f"COCO annotation file {path} is not valid JSON: {e}") from e
     if not isinstance(data, dict) or any(k not in data for k in REQUIRED_KEYS):
         found = sorted(data) if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"COCO annotation file {path} must hold {REQUIRED_KEYS}, found {found}")
+        raise DataError(f"COCO annotation file {path} must hold {REQUIRED_KEYS}, found {found}")
     image_ids = {img["id"] for img in data["images"]}
     cat_ids = {c["id"] for c in data["categories"]}
     if not cat_ids:
-        raise ValueError(f"COCO annotation file {path} has no categories")
+        raise DataError(f"COCO annotation file {path} has no categories")
     for ann in data["annotations"]:
         if ann.get("image_id") not in image_ids:
-            raise ValueError(
+            raise DataError(
                 f"{path}: annotation {ann.get('id')} names unknown image_id {ann.get('image_id')}"
             )
         if ann.get("category_id") not in cat_ids:
-            raise ValueError(
+            raise DataError(
                 f"{path}: annotation {ann.get('id')} has category_id {ann.get('category_id')} outside the "
                 f"categories {sorted(cat_ids)}"
             )
-        if "bbox" not in ann or len(ann["bbox"]) != 4:
-            raise ValueError(f"{path}: annotation {ann.get('id')} has no 4-number bbox")
+        box = ann.get("bbox")
+        if not isinstance(box, list | tuple) or len(box) != 4:
+            raise DataError(f"{path}: annotation {ann.get('id')} has no 4-number bbox")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in box):
+            raise DataError(f"{path}: annotation {ann.get('id')} has a bbox of non-numbers: {box}")
     coco = COCO()
     coco.dataset = data
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
@@ -117,6 +131,8 @@ class CocoDetection(Dataset):
             raise FileNotFoundError(
                 f"{len(missing)} image(s) of {ann_file} missing in {self.image_dir}: {missing[:5]}"
             )
+        self.ann_file = Path(ann_file)
+        self._targets = self._usable_boxes(ids)
         if train if skip_empty is None else skip_empty:
             kept = [i for i in ids if self._usable_anns(i)]
             if len(kept) < len(ids):
@@ -127,7 +143,7 @@ class CocoDetection(Dataset):
                 )
             ids = kept
         if not ids:
-            raise ValueError(f"no usable images in {ann_file} (every image lacks annotations)")
+            raise DataError(f"no usable images in {ann_file} (every image lacks annotations)")
         self.ids = ids
 
     @property
@@ -135,9 +151,46 @@ class CocoDetection(Dataset):
         """Number of object classes (without the background)."""
         return len(self.cat_id_to_label)
 
+    def _usable_boxes(self, ids: list[int]) -> dict[int, tuple[list[dict], list[list[float]]]]:
+        """Per image: the annotations used as targets and their boxes (xyxy), clipped to the image; boxes
+        clipped or skipped (degenerate) are listed in one warning each (see the module docstring)."""
+        out: dict[int, tuple[list[dict], list[list[float]]]] = {}
+        clipped, skipped = [], []
+        for image_id in ids:
+            info = self.coco.imgs[image_id]
+            w, h = info.get("width"), info.get("height")
+            if w is None or h is None:  # the file does not say: read the image header
+                with Image.open(self.image_dir / info["file_name"]) as img:
+                    w, h = img.size
+            anns, boxes = [], []
+            for ann in self.coco.imgToAnns.get(image_id, []):
+                if ann.get("iscrowd", 0):
+                    continue
+                x, y, bw, bh = (float(v) for v in ann["bbox"])
+                box = [max(x, 0.0), max(y, 0.0), min(x + bw, float(w)), min(y + bh, float(h))]
+                where = f"{info['file_name']} annotation {ann.get('id')} bbox {ann['bbox']}"
+                if bw < 1 or bh < 1 or box[2] - box[0] < 1 or box[3] - box[1] < 1:
+                    skipped.append(where)
+                    continue
+                if box != [x, y, x + bw, y + bh]:
+                    clipped.append(where)
+                anns.append(ann)
+                boxes.append(box)
+            out[image_id] = (anns, boxes)
+        reasons = (
+            (clipped, "box(es) reaching outside their image were clipped to it"),
+            (skipped, "degenerate box(es) (width or height below 1 px, or outside the image) were skipped"),
+        )
+        for items, what in reasons:
+            if items:
+                shown = "; ".join(items[:10]) + (
+                    f"; ... and {len(items) - 10} more" if len(items) > 10 else ""
+                )
+                warnings.warn(f"{self.ann_file}: {len(items)} {what}: {shown}", stacklevel=3)
+        return out
+
     def _usable_anns(self, image_id: int) -> list[dict]:
-        anns = self.coco.imgToAnns.get(image_id, [])
-        return [a for a in anns if not a.get("iscrowd", 0) and a["bbox"][2] >= 1 and a["bbox"][3] >= 1]
+        return self._targets[image_id][0]
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -146,9 +199,9 @@ class CocoDetection(Dataset):
         """Loads an image as RGB, checking its size against the annotation file."""
         info = self.coco.imgs[image_id]
         path = self.image_dir / info["file_name"]
-        image = Image.open(path).convert("RGB")
+        image = open_image(path, "RGB")
         if "width" in info and (image.width, image.height) != (info["width"], info["height"]):
-            raise ValueError(
+            raise DataError(
                 f"image {path} is {image.width}x{image.height} but the annotation file says "
                 f"{info['width']}x{info['height']}"
             )
@@ -159,11 +212,8 @@ class CocoDetection(Dataset):
         pil = self.load_image(image_id)
         w, h = pil.size
         image = torch.from_numpy(np.asarray(pil, np.float32) / 255.0).permute(2, 0, 1)  # [3, H, W]
-        anns = self._usable_anns(image_id)
-        boxes = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
-        boxes[:, 2:] += boxes[:, :2]  # xywh -> xyxy
-        boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w)
-        boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h)
+        anns, xyxy = self._targets[image_id]
+        boxes = torch.tensor(xyxy, dtype=torch.float32).reshape(-1, 4)  # clipped to the image
         target = {
             "boxes": boxes,
             "labels": torch.tensor([self.cat_id_to_label[a["category_id"]] for a in anns], dtype=torch.int64),

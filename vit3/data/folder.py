@@ -2,7 +2,10 @@
 
 * missing root or split directory -> ``FileNotFoundError`` naming the path;
 * no class folders, or a class folder without a single image -> ``ValueError`` naming the folder;
-* val classes that the training data does not have -> ``ValueError`` listing them;
+* class folders whose names the label list (the training data's, or a checkpoint's) lacks -> ``DataError``
+  listing them; labels always follow the names, so a subset of the classes or another order is fine;
+* images of every PIL mode are read as 8-bit RGB (or L) by ``vit3.data.image.open_image`` (16-bit images
+  keep their contrast);
 * a corrupt (unreadable) image file: policy ``corrupt_images``:
   ``"error"`` (default) raises :class:`CorruptImageError` naming the file; ``"skip"`` warns once per file
   (naming it) and returns the next readable image of the split instead, so a batch keeps its size.
@@ -15,17 +18,16 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
+
+from ..errors import DataError
+from .image import CorruptImageError, apply_transform, open_image
 
 CORRUPT_POLICIES = ("error", "skip")
 
 __all__ = ["CORRUPT_POLICIES", "CorruptImageError", "ImageFolderDataset", "find_classes"]
-
-
-class CorruptImageError(OSError):
-    """An image file exists but cannot be decoded."""
 
 
 def _is_image(name: str) -> bool:
@@ -37,17 +39,17 @@ def find_classes(root: str | Path) -> list[str]:
 
     Raises:
         FileNotFoundError: ``root`` does not exist or is not a directory.
-        ValueError: ``root`` has no class folders, or a class folder has no image files.
+        DataError: ``root`` has no class folders, or a class folder has no image files.
     """
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"image folder not found: {root} (expected {root}/<class>/<image files>)")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
-        raise ValueError(f"image folder {root} has no class folders (expected {root}/<class>/<image files>)")
+        raise DataError(f"image folder {root} has no class folders (expected {root}/<class>/<image files>)")
     for name in classes:
         if not any(_is_image(f) for _, _, files in os.walk(root / name) for f in files):
-            raise ValueError(
+            raise DataError(
                 f"class folder {root / name} holds no image files (extensions: {', '.join(IMG_EXTENSIONS)})"
             )
     return classes
@@ -59,10 +61,11 @@ class ImageFolderDataset(Dataset):
     Args:
         root: split directory (e.g. ``imagenet/train``).
         transform: applied to the PIL image.
-        classes: class names defining the labels (default: the folders of ``root``); every folder of
-            ``root`` must be one of them.
+        classes: class names defining the labels, in label order (default: the folders of ``root``); every
+            folder of ``root`` must be one of them (a subset, in any order).
         corrupt_images: "error" or "skip" (see the module docstring).
-        mode: PIL mode images are converted to ("RGB", or "L" for one-channel models).
+        mode: mode images are converted to ("RGB", or "L" for one-channel models).
+        classes_from: what ``classes`` are, for the message naming unknown folders.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class ImageFolderDataset(Dataset):
         classes: list[str] | None = None,
         corrupt_images: str = "error",
         mode: str = "RGB",
+        classes_from: str = "the training data",
     ) -> None:
         if corrupt_images not in CORRUPT_POLICIES:
             raise ValueError(f"corrupt_images must be one of {CORRUPT_POLICIES}, got '{corrupt_images}'")
@@ -80,8 +84,10 @@ class ImageFolderDataset(Dataset):
         self.classes = list(classes) if classes is not None else found
         unknown = sorted(set(found) - set(self.classes))
         if unknown:
-            raise ValueError(
-                f"{self.root} has class folders the training data lacks: {', '.join(unknown[:10])}"
+            known = ", ".join(self.classes[:20]) + (" ..." if len(self.classes) > 20 else "")
+            raise DataError(
+                f"{self.root} has class folders that {classes_from} does not know: {', '.join(unknown[:10])} "
+                f"(known classes: {known})"
             )
         index = {c: i for i, c in enumerate(self.classes)}
         self.samples: list[tuple[str, int]] = []
@@ -99,24 +105,20 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def _load(self, path: str) -> Image.Image:
-        try:
-            with Image.open(path) as img:
-                return img.convert(self.mode)
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-            raise CorruptImageError(f"cannot read image file {path}: {e}") from e
-
-    def __getitem__(self, index: int):
+    def load_sample(self, index: int) -> tuple[Image.Image, int, str]:
+        """``(image, label, file)`` of sample ``index`` without the transform (a corrupt file: see the policy)."""
         for offset in range(len(self.samples)):
             path, target = self.samples[(index + offset) % len(self.samples)]
             try:
-                img = self._load(path)
+                return open_image(path, self.mode), target, path
             except CorruptImageError as e:
                 if self.corrupt_images == "error":
                     raise
                 if path not in self._warned:
                     self._warned.add(path)
                     warnings.warn(f"skipping corrupt image file {path} ({e.__cause__})", stacklevel=2)
-                continue
-            return (self.transform(img) if self.transform is not None else img), target
         raise CorruptImageError(f"no readable image in {self.root}")
+
+    def __getitem__(self, index: int):
+        img, target, path = self.load_sample(index)
+        return (apply_transform(self.transform, img, path) if self.transform is not None else img), target

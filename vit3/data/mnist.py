@@ -17,6 +17,9 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ..errors import DataError
+from .image import apply_transform
+
 NUM_PER_CLASS = 500
 TRAIN_PER_CLASS = 400
 CLASSES = [str(d) for d in range(10)]
@@ -65,11 +68,16 @@ class MNIST5k(Dataset):
     Args:
         split: "train" or "val".
         transform: applied to the PIL image.
+        classes: class names in label order (e.g. a checkpoint's) the digits "0".."9" are mapped to by name
+            (default: :data:`CLASSES`); a digit missing from them is an error.
+        classes_from: what ``classes`` are, for that error.
     """
 
     classes = CLASSES
 
-    def __init__(self, split: str = "train", transform=None) -> None:
+    def __init__(
+        self, split: str = "train", transform=None, classes: list[str] | None = None, classes_from: str = ""
+    ) -> None:
         if split not in ("train", "val"):
             raise ValueError(f"MNIST5k split must be 'train' or 'val', got '{split}'")
         images, labels = load_mnist5k()
@@ -77,12 +85,27 @@ class MNIST5k(Dataset):
         for c in np.unique(labels):
             within[labels == c] = np.arange(int((labels == c).sum()))
         keep = within < TRAIN_PER_CLASS if split == "train" else within >= TRAIN_PER_CLASS
+        self.rows = np.flatnonzero(keep)
         self.images, self.targets = images[keep], labels[keep].tolist()
+        if classes is not None and list(classes) != CLASSES:
+            unknown = [c for c in CLASSES if c not in classes]
+            if unknown:
+                raise DataError(
+                    f"the demo digits' classes {', '.join(unknown)} are not classes of {classes_from or 'the model'}"
+                    f" ({', '.join(list(classes)[:20])})"
+                )
+            index = {c: i for i, c in enumerate(classes)}
+            self.targets = [index[CLASSES[t]] for t in self.targets]
         self.transform = transform
 
     def __len__(self) -> int:
         return len(self.targets)
 
-    def __getitem__(self, index: int):
+    def load_sample(self, index: int) -> tuple[Image.Image, int, str]:
+        """``(image, label, source)`` of sample ``index``, untransformed; ``source`` names the file row."""
         img = Image.fromarray(self.images[index])  # uint8 [28, 28] -> mode "L"
-        return (self.transform(img) if self.transform is not None else img), self.targets[index]
+        return img, self.targets[index], f"mnist_5k.csv.gz row {int(self.rows[index])}"
+
+    def __getitem__(self, index: int):
+        img, target, source = self.load_sample(index)
+        return (apply_transform(self.transform, img, source) if self.transform is not None else img), target

@@ -1,20 +1,31 @@
-"""vit3 training checkpoints: atomic writes, exact-resume state, fine-tuning with a new classifier.
+"""vit3 training checkpoints: atomic writes, exact-resume state, the model record, fine-tuning with a new head.
 
 A checkpoint is a ``torch.save`` dict readable with ``torch.load(weights_only=True)``:
-``format`` ("vit3-checkpoint"), ``version``, ``model_name``, ``model_kwargs``, ``num_classes``,
-``classes``, ``model`` (state dict), ``ema`` (state dict or None), ``optimizer``, ``scheduler``,
+``format`` ("vit3-checkpoint"), ``version``, ``record`` (the model record, below), ``model_name``,
+``model_kwargs``, ``num_classes``, ``classes``, ``model`` (state dict), ``ema`` (state dict or None), ``optimizer``, ``scheduler``,
 ``scaler``, ``rng`` (one entry per rank: python/numpy/torch/cuda states), ``epoch`` (the epoch to run
 next), ``batch_in_epoch`` (batches of that epoch already done), ``global_step`` (optimizer steps done),
 ``epoch_loss`` (running loss sum/count of the partial epoch), ``history`` (per-epoch metrics),
 ``best_top1``, ``config`` (resolved config) and ``meta`` (git commit, command, time).
-Files are written to a temporary name in the same directory and moved into place with ``os.replace``,
-so a killed run never leaves a truncated checkpoint.
+Files are written to a temporary name in the same directory, flushed to disk (``fsync``) and moved into
+place with ``os.replace``, so a killed run never leaves a truncated checkpoint; the temporary file a killed
+write left behind is removed by the next save. A file that was truncated anyway (an interrupted copy) is
+reported as truncated.
+
+The model record (:func:`model_record`) is what building the model again needs: ``name`` (timm name),
+``kwargs`` (its ``timm.create_model`` kwargs), ``in_chans``, ``img_size`` (training resolution),
+``num_classes``, ``classes`` (class names, label order), ``mean``/``std`` (the normalisation the weights
+were trained with), ``interpolation`` and ``crop_pct``. Fine-tuning (``model.pretrained``), ``eval.py`` and
+``export.py`` build the model from it (:func:`merge_model_spec`, :func:`apply_model_record`); settings
+the user gives explicitly win, with a warning where they differ. Official files carry no record.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import warnings
+import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,28 +34,45 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import CheckpointError, CheckpointMismatchError
 from .config import Config, ConfigError, config_from_dict, load_config
 
 FORMAT = "vit3-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: adds the model record
+RECORD_FIELDS = (
+    "name", "kwargs", "in_chans", "img_size", "num_classes", "classes", "mean", "std", "interpolation", "crop_pct",
+)  # fmt: skip
+# Settings that fix which samples form each batch: a resume that changes one would continue at another sample.
+DATA_STREAM_KEYS = (
+    "seed",
+    "data.dataset",
+    "data.path",
+    "data.train_split",
+    "data.batch_size",
+    "data.img_size",
+)
 
 __all__ = [
+    "DATA_STREAM_KEYS",
     "FORMAT",
+    "RECORD_FIELDS",
+    "CheckpointError",
     "CheckpointMismatchError",
+    "apply_model_record",
     "classifier_prefixes",
     "config_for_checkpoint",
     "get_rng_state",
     "is_vit3_checkpoint",
     "load_checkpoint",
     "load_model_weights",
+    "make_model_record",
+    "merge_model_spec",
+    "model_record",
     "peek_vit3_checkpoint",
+    "resume_differences",
     "save_checkpoint",
     "set_rng_state",
 ]
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint's weights do not fit the model (another architecture or size)."""
 
 
 def get_rng_state() -> dict[str, Any]:
@@ -73,14 +101,52 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _remove_stale_temp_files(path: Path, keep: Path) -> None:
+    """Removes ``.<name>.tmp<pid>`` files of ``path`` left by writers that died (a killed run)."""
+    for stale in path.parent.glob(f".{path.name}.tmp*"):
+        pid = stale.name.rpartition(".tmp")[2]
+        if stale != keep and not (pid.isdigit() and _pid_alive(int(pid))):
+            stale.unlink(missing_ok=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Makes a rename inside ``folder`` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
-    """Writes ``state`` (plus ``format``/``version``) atomically: temp file in the same dir + ``os.replace``."""
+    """Writes ``state`` (plus ``format``/``version``) atomically: a temp file in the same directory, flushed to
+    disk with ``fsync``, then ``os.replace``; stale temp files of earlier (killed) writes are removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    _remove_stale_temp_files(path, keep=tmp)
     try:
-        torch.save({"format": FORMAT, "version": VERSION, **state}, tmp)
+        with open(tmp, "wb") as f:
+            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -91,6 +157,18 @@ def is_vit3_checkpoint(obj: Any) -> bool:
     return isinstance(obj, Mapping) and obj.get("format") == FORMAT
 
 
+def _truncated(path: Path) -> str | None:
+    """Why ``path`` looks like a cut-off ``torch.save`` file (a zip archive without its end), or ``None``."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
+        return (
+            f"checkpoint {path} is truncated ({path.stat().st_size} bytes, the end of the file is missing): "
+            f"the write or copy that made it was interrupted; use another copy (e.g. best.pt / last.pt)"
+        )
+    return None
+
+
 def _read(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
@@ -98,7 +176,7 @@ def _read(path: str | Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated/foreign file: name it
-        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+        raise CheckpointError(_truncated(path) or f"cannot read checkpoint {path}: {e}") from e
 
 
 def peek_vit3_checkpoint(path: str | Path) -> dict[str, Any] | None:
@@ -107,12 +185,17 @@ def peek_vit3_checkpoint(path: str | Path) -> dict[str, Any] | None:
 
     Raises:
         FileNotFoundError: no such file.
+        CheckpointError: the file is truncated.
     """
-    if not Path(path).is_file():
+    path = Path(path)
+    if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # not ours: unreadable here, left to the model's official-checkpoint loader
+    except Exception as e:  # not ours: unreadable here, left to the model's official-checkpoint loader
+        why = _truncated(path)
+        if why:
+            raise CheckpointError(why) from e
         return None
     return obj if is_vit3_checkpoint(obj) else None
 
@@ -122,15 +205,131 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: unreadable, or not a vit3 checkpoint (an official file goes through model.pretrained).
+        CheckpointError: truncated, unreadable, or not a vit3 checkpoint (an official file goes through
+            model.pretrained).
     """
     obj = _read(path)
     if not is_vit3_checkpoint(obj):
-        raise ValueError(
+        raise CheckpointError(
             f"{path} is not a vit3 training checkpoint (no format='{FORMAT}'); official ViTTT weights are "
             f"loaded with model.pretrained=FILE (fine-tuning) or eval.py --model NAME --checkpoint FILE"
         )
     return obj
+
+
+# ------------------------------------------------------------------------------------------ model record
+def make_model_record(
+    cfg: Config,
+    num_classes: int,
+    classes: Iterable[str] | None,
+    mean: Iterable[float] | None,
+    std: Iterable[float] | None,
+) -> dict[str, Any]:
+    """The record of the model a run of ``cfg`` trains (see the module docstring)."""
+    kwargs = dict(cfg.model.kwargs or {})
+    data = cfg.data
+    return {
+        "name": str(cfg.model.name),
+        "kwargs": kwargs,
+        "in_chans": int(kwargs.get("in_chans", 3)),
+        "img_size": data.get("img_size"),
+        "num_classes": int(num_classes),
+        "classes": list(classes) if classes is not None else None,
+        "mean": [float(v) for v in mean] if mean is not None else None,
+        "std": [float(v) for v in std] if std is not None else None,
+        "interpolation": data.get("interpolation"),
+        "crop_pct": data.get("crop_pct"),
+    }
+
+
+def model_record(ckpt: Mapping[str, Any]) -> dict[str, Any]:
+    """The model record of a vit3 checkpoint; for version-1 files (no ``record``) rebuilt from the fields and
+    the config they hold (``mean``/``std`` ``None`` where the run used the model's defaults)."""
+    record = ckpt.get("record")
+    if isinstance(record, Mapping):
+        return {k: record.get(k) for k in RECORD_FIELDS}
+    cfg = ckpt.get("config") or {}
+    model, data = cfg.get("model") or {}, cfg.get("data") or {}
+    kwargs = dict(ckpt.get("model_kwargs") or model.get("kwargs") or {})
+    mean, std = data.get("mean"), data.get("std")
+    if mean is None and data.get("dataset") == "mnist5k":
+        from ..data.mnist import MEAN, STD
+
+        mean, std = MEAN, STD
+    return {
+        "name": ckpt.get("model_name") or model.get("name"),
+        "kwargs": kwargs,
+        "in_chans": int(kwargs.get("in_chans", 3)),
+        "img_size": data.get("img_size"),
+        "num_classes": ckpt.get("num_classes"),
+        "classes": list(ckpt["classes"]) if ckpt.get("classes") is not None else None,
+        "mean": list(mean) if mean is not None else None,
+        "std": list(std) if std is not None else None,
+        "interpolation": data.get("interpolation"),
+        "crop_pct": data.get("crop_pct"),
+    }
+
+
+def merge_model_spec(
+    record: Mapping[str, Any], name: str | None, kwargs: Mapping[str, Any] | None, source: str
+) -> tuple[str, dict[str, Any]]:
+    """The model to build for a checkpoint: the record's, with what the user set explicitly on top.
+
+    Args:
+        record: :func:`model_record` of the checkpoint.
+        name: the model name the user gave (``None``/"" or the record's: build the record's model).
+        kwargs: ``timm.create_model`` kwargs the user gave; each wins over the record's value of that key.
+        source: the checkpoint file, for messages.
+
+    Returns:
+        ``(name, kwargs)``. A name other than the record's builds that model with the user's kwargs only
+        (the record's are for another model); a warning says so, as it does for each kwarg that differs.
+    """
+    kwargs = dict(kwargs or {})
+    if name and name != record["name"]:
+        warnings.warn(
+            f"model {name!r} was asked for, but {source} holds a {record['name']!r} "
+            f"({record.get('kwargs') or {}}): building {name!r} (leave the model name out to build the "
+            f"checkpoint's model)",
+            stacklevel=2,
+        )
+        return name, kwargs
+    merged = dict(record.get("kwargs") or {})
+    for key, value in kwargs.items():
+        if key in merged and merged[key] != value:
+            warnings.warn(
+                f"model.kwargs.{key}={value!r} differs from {source}'s {merged[key]!r}: using {value!r}",
+                stacklevel=2,
+            )
+        merged[key] = value
+    return str(record["name"]), merged
+
+
+def apply_model_record(cfg: Config, record: Mapping[str, Any], source: str) -> None:
+    """Fills ``cfg`` from a checkpoint's record, in place: ``model.name``/``model.kwargs`` by
+    :func:`merge_model_spec`, and every ``data.img_size``/``interpolation``/``crop_pct``/``mean``/``std``
+    that is null (or ``mean`` and ``std`` both, as they go together)."""
+    cfg.model.name, cfg.model.kwargs = merge_model_spec(record, cfg.model.name, cfg.model.kwargs, source)
+    for key in ("img_size", "interpolation", "crop_pct"):
+        if cfg.data.get(key) is None and record.get(key) is not None:
+            cfg.data[key] = record[key]
+    if cfg.data.mean is None and cfg.data.std is None and record.get("mean") is not None:
+        cfg.data.mean, cfg.data.std = list(record["mean"]), list(record["std"])
+
+
+def resume_differences(
+    saved: Mapping[str, Any], cfg: Config, keys: Iterable[str] = DATA_STREAM_KEYS
+) -> list[str]:
+    """``"key: was A, now B"`` for each of ``keys`` whose value in ``cfg`` differs from the saved config."""
+    out = []
+    for key in keys:
+        old: Any = saved
+        for part in key.split("."):
+            old = old.get(part) if isinstance(old, Mapping) else None
+        new = cfg.get_path(key)
+        if old != new:
+            out.append(f"{key}: was {old!r}, now {new!r}")
+    return out
 
 
 def config_for_checkpoint(
@@ -145,7 +344,10 @@ def config_for_checkpoint(
         return config_from_dict(obj["config"], overrides)
     cfg = load_config(None, overrides)
     if not any(o.startswith("model.name=") for o in overrides):
-        raise ConfigError(f"{path} is not a vit3 checkpoint: name its model with --model (e.g. vit3_tiny)")
+        raise ConfigError(
+            f"{path} is not a vit3 checkpoint (it carries no model record): name its model with --model "
+            f"(e.g. --model vit3_small for an official vittt_s.pth)"
+        )
     return cfg
 
 
@@ -175,8 +377,8 @@ def load_model_weights(
         model: the target model (unwrapped).
         ckpt: what :func:`load_checkpoint` returned.
         use_ema: take ``ckpt["ema"]`` (error if the run had no EMA).
-        new_head: fine-tuning: classifier weights whose shape differs (another class count) are left at
-            the model's fresh initialisation.
+        new_head: fine-tuning: the classifier keeps the model's fresh initialisation (the checkpoint's
+            classifier weights, whatever their shape, are not loaded).
         source: the file name, for messages.
 
     Returns:
@@ -187,17 +389,13 @@ def load_model_weights(
     """
     state = ckpt.get("ema") if use_ema else ckpt["model"]
     if state is None:
-        raise ValueError(f"checkpoint {source} holds no EMA weights (trained with train.ema=false)")
+        raise CheckpointError(f"checkpoint {source} holds no EMA weights (trained with train.ema=false)")
     model_sd = model.state_dict()
     fresh: list[str] = []
     if new_head:
         heads = tuple(classifier_prefixes(model))
-        fresh = [
-            k
-            for k in model_sd
-            if k.startswith(heads) and (k not in state or state[k].shape != model_sd[k].shape)
-        ]
-        state = {k: v for k, v in state.items() if k not in fresh}
+        fresh = [k for k in model_sd if k.startswith(heads)]
+        state = {k: v for k, v in state.items() if not k.startswith(heads)}
     problems = [p for p in _diff(model_sd, state) if not any(p.endswith(f": {k}") for k in fresh)]
     if problems:
         ours = type(model).__name__

@@ -43,15 +43,21 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ..data import build_datasets, build_mixup, build_train_loader, build_transform, build_val_loader
-from ..data.folder import CORRUPT_POLICIES
+from ..data.folder import CORRUPT_POLICIES, find_classes
 from ..data.mnist import MEAN as MNIST_MEAN
 from ..data.mnist import STD as MNIST_STD
+from ..errors import DataError
 from ..layers.ttt import NonFiniteError
 from .checkpoint import (
+    apply_model_record,
+    classifier_prefixes,
     get_rng_state,
     load_checkpoint,
     load_model_weights,
+    make_model_record,
+    model_record,
     peek_vit3_checkpoint,
+    resume_differences,
     save_checkpoint,
     set_rng_state,
 )
@@ -121,27 +127,95 @@ def _in_chans(cfg: Config) -> int:
     return int(cfg.model.kwargs.get("in_chans", 3))
 
 
-def _data_stats(cfg: Config, model: nn.Module, in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Normalisation: ``data.mean/std``, else MNIST's for the demo data, else the model's pretrained_cfg."""
-    if cfg.data.mean is not None and cfg.data.std is not None:
-        return tuple(cfg.data.mean), tuple(cfg.data.std)
-    if cfg.data.dataset == "mnist5k":
-        return MNIST_MEAN, MNIST_STD
+def _resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
+    """Fills the null ``data.img_size``/``interpolation``/``crop_pct``/``mean``/``std`` in place: MNIST's
+    statistics for the demo data, else the model's ``pretrained_cfg`` (a one-channel model on RGB statistics
+    takes their average); checks that ``data.mean``/``std`` fit the model's channels.
+
+    Raises:
+        ConfigError: only one of mean / std given, or a length other than the model's input channels.
+    """
+    d = cfg.data
     resolved = resolve_data_config({}, model=model)
-    mean, std = tuple(resolved["mean"]), tuple(resolved["std"])
-    if in_chans == 1 and len(mean) == 3:  # a one-channel model on RGB statistics: use their average
-        mean, std = (sum(mean) / 3,), (sum(std) / 3,)
-    return mean, std
+    if d.img_size is None:
+        d.img_size = int(resolved["input_size"][-1])
+    if d.interpolation is None:
+        d.interpolation = resolved["interpolation"]
+    if d.crop_pct is None:
+        d.crop_pct = float(resolved["crop_pct"])
+    if (d.mean is None) != (d.std is None):
+        given = "data.mean" if d.mean is not None else "data.std"
+        raise ConfigError(f"{given} is set but not its partner: give data.mean and data.std together")
+    if d.mean is None:
+        if d.dataset == "mnist5k":
+            mean, std = MNIST_MEAN, MNIST_STD
+        else:
+            mean, std = tuple(resolved["mean"]), tuple(resolved["std"])
+            if in_chans == 1 and len(mean) == 3:  # a one-channel model on RGB statistics: use their average
+                mean, std = (sum(mean) / 3,), (sum(std) / 3,)
+        d.mean, d.std = [float(v) for v in mean], [float(v) for v in std]
+    for key in ("mean", "std"):
+        values = d[key]
+        if not isinstance(values, list | tuple) or len(values) != in_chans:
+            raise ConfigError(
+                f"data.{key} must hold one value per input channel of the model ({in_chans}), got {values!r}"
+            )
+    if any(v <= 0 for v in d.std):
+        raise ConfigError(f"data.std values must be positive, got {list(d.std)}")
 
 
-def build_model(cfg: Config, num_classes: int, pretrained: str = "") -> tuple[nn.Module, list[str]]:
+def _data_stats(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The normalisation of a resolved config (:func:`_resolve_data_cfg`)."""
+    return tuple(cfg.data.mean), tuple(cfg.data.std)
+
+
+def _official_classes(num_classes: int) -> list[str] | None:
+    """The class names of an official (ImageNet-1k) classifier: timm's ImageNet synsets, in label order."""
+    if num_classes != 1000:
+        return None
+    from timm.data import ImageNetInfo
+
+    return list(ImageNetInfo().label_names())
+
+
+def _official_eval_classes(cfg: Config, num_classes: int, path: str) -> list[str] | None:
+    """Labels for evaluating an official (ImageNet-1k) classifier on a folder: its synsets, matched to the
+    folders by name when every folder is one; else the sorted folders, when there are as many as classes.
+
+    Raises:
+        DataError: the folders are neither synsets nor as many as the classifier's classes.
+    """
+    names = _official_classes(num_classes)
+    if cfg.data.dataset != "folder" or not cfg.data.path or names is None:
+        return None
+    folders = find_classes(Path(cfg.data.path) / cfg.data.val_split)
+    if set(folders) <= set(names):
+        return names
+    if len(folders) == num_classes:
+        warnings.warn(
+            f"the class folders of {cfg.data.path} are not ImageNet synsets: their sorted order is taken as "
+            f"the label order of {path}",
+            stacklevel=2,
+        )
+        return None
+    raise DataError(
+        f"cannot label the {len(folders)} class folders of {cfg.data.path} for {path}: its {num_classes}-class "
+        f"classifier knows ImageNet synsets (e.g. {names[0]}), and {folders[0]!r} is not one"
+    )
+
+
+def build_model(
+    cfg: Config, num_classes: int, pretrained: str = "", keep_head: bool | None = None
+) -> tuple[nn.Module, list[str]]:
     """``timm.create_model(cfg.model.name, ...)``, optionally initialised from ``pretrained``.
 
     Args:
         cfg: run config (``model`` section).
         num_classes: classifier size K.
-        pretrained: a vit3 checkpoint (weights loaded, new head when its class count differs) or an
-            official ViTTT file (through the model's ``pretrained_cfg_overlay``); "" for random init.
+        pretrained: a vit3 checkpoint or an official ViTTT file (through the model's
+            ``pretrained_cfg_overlay``); "" for random init. The classifier is replaced by a fresh one for
+            K classes unless ``keep_head`` (then K must be the checkpoint's class count).
+        keep_head: load the pretrained classifier too (default: ``model.keep_head``).
 
     Returns:
         ``(model, fresh)`` where ``fresh`` names the parameters of a new (re-initialised) head.
@@ -151,13 +225,16 @@ def build_model(cfg: Config, num_classes: int, pretrained: str = "") -> tuple[nn
     kwargs = dict(cfg.model.kwargs)
     kwargs.setdefault("drop_path_rate", cfg.model.drop_path_rate)
     name = cfg.model.name
+    keep_head = bool(cfg.model.get("keep_head", False)) if keep_head is None else keep_head
     if pretrained:
         if not Path(pretrained).is_file():
             raise FileNotFoundError(f"model.pretrained file not found: {pretrained}")
         obj = peek_vit3_checkpoint(pretrained)
         if obj is not None:
             model = timm.create_model(name, num_classes=num_classes, **kwargs)
-            fresh = load_model_weights(model, obj, cfg.model.pretrained_ema, new_head=True, source=pretrained)
+            fresh = load_model_weights(
+                model, obj, cfg.model.pretrained_ema, new_head=not keep_head, source=pretrained
+            )
             return model, fresh
         # An official ViTTT file: the vit3 models' loader converts it (EMA weights with pretrained_ema).
         if cfg.model.pretrained_ema:
@@ -169,7 +246,14 @@ def build_model(cfg: Config, num_classes: int, pretrained: str = "") -> tuple[nn
             num_classes=num_classes,
             **kwargs,
         )
-        return model, []
+        if keep_head:
+            return model, []
+        heads = tuple(classifier_prefixes(model))
+        fresh = [k for k in model.state_dict() if k.startswith(heads)]
+        if num_classes == model.pretrained_cfg.get("num_classes"):  # timm kept the file's classifier
+            init = timm.create_model(name, num_classes=num_classes, **kwargs).state_dict()
+            model.load_state_dict({k: init[k] for k in fresh}, strict=False)
+        return model, fresh
     return timm.create_model(name, num_classes=num_classes, **kwargs), []
 
 
@@ -250,7 +334,9 @@ def _state(run: _Run) -> dict[str, Any]:
     """The checkpoint dict (collective: gathers every rank's RNG state)."""
     rng = all_gather_objects(get_rng_state())
     p = run.progress
+    mean, std = _data_stats(run.cfg)
     return {
+        "record": make_model_record(run.cfg, run.num_classes, run.classes, mean, std),
         "model_name": run.cfg.model.name,
         "model_kwargs": dict(run.cfg.model.kwargs),
         "num_classes": run.num_classes,
@@ -286,7 +372,7 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
     load_model_weights(run.model, ckpt, source=source)
     if run.ema is not None:
         if ckpt.get("ema") is None:
-            raise ValueError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
+            raise ConfigError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
         run.ema.module.load_state_dict(ckpt["ema"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     schedule = ("epochs", "warmup_epochs", "base_lr", "warmup_lr", "min_lr", "lr_batch", "accum_steps")
@@ -303,6 +389,11 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
     p.epoch, p.batch_in_epoch, p.global_step = ckpt["epoch"], ckpt["batch_in_epoch"], ckpt["global_step"]
     p.loss_sum, p.loss_count = ckpt["epoch_loss"]
     p.best_top1, p.history = ckpt["best_top1"], list(ckpt["history"])
+    old_batch = int(ckpt["config"]["data"]["batch_size"]) * int(ckpt.get("world_size", 1))
+    new_batch = int(run.cfg.data.batch_size) * run.info.world
+    if p.batch_in_epoch and old_batch != new_batch:  # a forced resume: continue after the samples done
+        accum = int(run.cfg.train.accum_steps)
+        p.batch_in_epoch = p.batch_in_epoch * old_batch // new_batch // accum * accum
     if p.batch_in_epoch >= run.batches_per_epoch:
         p.epoch, p.batch_in_epoch = p.epoch + 1, 0
 
@@ -312,6 +403,26 @@ def _resume_path(cfg: Config, out: Path) -> str:
     if resume == "auto":
         return str(out / "last.pt") if (out / "last.pt").is_file() else ""
     return str(resume)
+
+
+def _check_resume(cfg: Config, ckpt: dict[str, Any], world: int, source: str) -> list[str]:
+    """The data-stream settings a resume changes; refused unless ``train.force_resume``.
+
+    Raises:
+        ConfigError: a setting of :data:`~vit3.engine.checkpoint.DATA_STREAM_KEYS` or the number of
+            processes differs from the run that wrote ``source``.
+    """
+    changed = resume_differences(ckpt["config"], cfg)
+    if int(ckpt.get("world_size", world)) != world:
+        changed.append(f"world size (processes): was {ckpt.get('world_size')}, now {world}")
+    if changed and not cfg.train.force_resume:
+        raise ConfigError(
+            f"cannot resume exactly from {source}: settings that decide the data stream changed ("
+            + "; ".join(changed)
+            + "), so the run would continue at other samples than it stopped at. Set them back, or force "
+            "the resume with train.force_resume=true (it continues after the samples already seen)."
+        )
+    return changed
 
 
 def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
@@ -327,20 +438,56 @@ def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
     out = Path(cfg.output)
     resume = _resume_path(cfg, out)
     ckpt = load_checkpoint(resume) if resume else None
+    # A resumed run takes its weights from the checkpoint, never from model.pretrained.
+    pretrained = "" if ckpt else str(cfg.model.pretrained or "")
+    source = ckpt if ckpt is not None else (peek_vit3_checkpoint(pretrained) if pretrained else None)
+    record = model_record(source) if source is not None else None
+    if record is not None:  # the model (and unset preprocessing) of the checkpoint
+        apply_model_record(cfg, record, resume or pretrained)
+    if not cfg.model.name:
+        raise ConfigError(
+            f"model.name is empty and model.pretrained={pretrained} is no vit3 checkpoint to take the model "
+            f"from: name the model, e.g. model.name=vit3_small for an official vittt_s.pth"
+            if pretrained
+            else "model.name is empty: name the model (model.name=...) or fine-tune from a vit3 checkpoint "
+            "(model.pretrained=FILE)"
+        )
+    keep_head = bool(cfg.model.keep_head) and bool(pretrained)
+    # The labels of a kept (or resumed) classifier are its own classes, matched to the folders by name.
+    head = record if record is not None and (ckpt is not None or keep_head) else None
     in_chans = _in_chans(cfg)
-    data = build_datasets(cfg, in_chans)
+    data = build_datasets(
+        cfg,
+        in_chans,
+        classes=head["classes"] if head else None,
+        classes_from=f"the classifier of {resume or pretrained}",
+    )
     classes = data["classes"]
-    num_classes = int(cfg.model.num_classes or len(classes))
+    if head is not None:
+        num_classes = int(head["num_classes"])
+        if cfg.model.num_classes and int(cfg.model.num_classes) != num_classes:
+            raise ConfigError(
+                f"model.num_classes={cfg.model.num_classes}, but the classifier of {resume or pretrained} has "
+                f"{num_classes} classes (it is kept: {'resume' if ckpt else 'model.keep_head=true'})"
+            )
+    elif keep_head:  # an official file's classifier
+        default = timm.models.get_pretrained_cfg_value(cfg.model.name, "num_classes") or 1000
+        num_classes = int(cfg.model.num_classes or default)
+    else:
+        num_classes = int(cfg.model.num_classes or len(classes))
     if num_classes < len(classes):
         raise ConfigError(f"model.num_classes={num_classes} is below the {len(classes)} classes of the data")
-    # A resumed run takes its weights from the checkpoint, never from model.pretrained.
-    model, fresh = build_model(cfg, num_classes, "" if ckpt else cfg.model.pretrained)
+    model, fresh = build_model(cfg, num_classes, pretrained)
     if fresh:
         _log(
             info,
             f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} classes",
         )
-    mean, std = _data_stats(cfg, model, in_chans)
+    _resolve_data_cfg(cfg, model, in_chans)
+    if ckpt is not None:
+        for change in _check_resume(cfg, ckpt, info.world, resume):
+            _log(info, f"warning: train.force_resume=true: {change}")
+    mean, std = _data_stats(cfg)
     loader, wrapped, sampler = build_train_loader(
         data["train"], build_transform(cfg, True, mean, std), cfg, info.rank, info.world
     )
@@ -627,26 +774,35 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
     if not path:
         raise ConfigError("eval.checkpoint is empty: pass --checkpoint FILE")
     ckpt = peek_vit3_checkpoint(path)
-    in_chans = _in_chans(cfg)
-    data = build_datasets(cfg, in_chans, splits=("val",))
     if ckpt is not None:
-        name, num_classes = ckpt["model_name"], int(ckpt["num_classes"])
-        model = timm.create_model(name, num_classes=num_classes, **ckpt["model_kwargs"])
+        # The checkpoint's model (an explicit --model / model.kwargs wins, with a warning); labels by class name.
+        record = model_record(ckpt)
+        apply_model_record(cfg, record, path)
+        num_classes, classes = int(record["num_classes"]), record["classes"]
+        data = build_datasets(
+            cfg, _in_chans(cfg), splits=("val",), classes=classes, classes_from=f"the model of {path}"
+        )
+        model, _ = build_model(cfg, num_classes)
         load_model_weights(model, ckpt, use_ema=cfg.eval.use_ema, source=path)
     else:
         if cfg.eval.use_ema:
             raise ConfigError(
                 "eval.use_ema applies to vit3 checkpoints; an official file holds one set of weights"
             )
-        name = cfg.model.name
-        num_classes = int(cfg.model.num_classes or len(data["classes"]))
-        model, _ = build_model(cfg, num_classes, path)
+        default = timm.models.get_pretrained_cfg_value(cfg.model.name, "num_classes") or 1000
+        num_classes = int(cfg.model.num_classes or default)
+        data = build_datasets(
+            cfg, _in_chans(cfg), splits=("val",), classes=_official_eval_classes(cfg, num_classes, path)
+        )
+        model, _ = build_model(cfg, num_classes, path, keep_head=True)
     if len(data["classes"]) > num_classes:
-        raise ValueError(
+        raise DataError(
             f"{len(data['classes'])} val classes but the checkpoint's classifier has {num_classes}"
         )
+    name = cfg.model.name
     model.to(info.device).eval()
-    mean, std = _data_stats(cfg, model, in_chans)
+    _resolve_data_cfg(cfg, model, _in_chans(cfg))
+    mean, std = _data_stats(cfg)
     amp_dtype = _amp_dtype(cfg.train.amp, info.device)
     sizes = [int(s) for s in (cfg.eval.img_sizes or [cfg.data.img_size])]
     results = []

@@ -13,6 +13,11 @@ API (used by ``train.py``, ``eval.py`` and the task engines):
   ``model.name=vit3_tiny`` -> str). An override must name an existing key: an unknown key raises
   :class:`ConfigError` naming it and listing close matches (``difflib``). Mappings whose name ends in
   ``kwargs`` (``model.kwargs``) are free-form: ``model.kwargs.embed_dim=64`` adds a key.
+* Values are typed by ``configs/default.yaml``: a key it defines must hold a value of its default's type
+  (``train.epochs=1.5`` or ``data.batch_size=12x`` is a :class:`ConfigError` naming the key and the expected
+  type; an integral float such as ``2.0`` becomes ``2`` where an integer is expected, a number becomes a
+  string where a string is). ``null`` is accepted where the default is ``null`` and for the keys of
+  :data:`NULLABLE`. Keys the default config lacks (``dense.*``, ``model.kwargs.*``) are not checked here.
 * :class:`Config` is a ``dict`` with attribute access (``cfg.train.epochs``), ``cfg.get_path("a.b")``,
   ``cfg.set_path("a.b", v)`` and ``cfg.to_dict()`` (plain nested dicts, for YAML/JSON/checkpoints).
 * ``save_config(cfg, out_dir)`` writes ``out_dir/config.yaml``: the resolved config plus ``_meta``
@@ -28,6 +33,7 @@ from __future__ import annotations
 import copy
 import datetime
 import difflib
+import functools
 import re
 import subprocess
 import sys
@@ -37,6 +43,8 @@ from typing import Any
 
 import yaml
 
+from ..errors import UserError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
@@ -44,8 +52,10 @@ DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
 __all__ = [
     "CONFIG_DIR",
     "DEFAULT_CONFIG",
+    "NULLABLE",
     "Config",
     "ConfigError",
+    "check_types",
     "config_from_dict",
     "git_commit",
     "load_config",
@@ -69,8 +79,32 @@ def _yaml_load(stream: Any) -> Any:
     return yaml.load(stream, Loader=_Loader)
 
 
-class ConfigError(ValueError):
-    """A config file or override is invalid (unknown key, bad syntax, missing file, inheritance cycle)."""
+class ConfigError(UserError, ValueError):
+    """A config file or override is invalid (unknown key, bad syntax or type, missing file, inheritance cycle)."""
+
+
+# Keys whose default is a value but that also take null ("off", or "the pretrained model's").
+NULLABLE = frozenset(
+    {
+        "aug.auto_augment",
+        "aug.color_jitter",
+        "aug.mixup",
+        "aug.cutmix",
+        "train.clip_grad",
+        "train.mesa",
+        "data.img_size",
+        "data.crop_pct",
+        "data.interpolation",
+    }
+)
+# Keys that take a second type besides their default's.
+ALTERNATIVES: dict[str, type] = {
+    "train.progress": str,
+    "train.warmup_epochs": float,
+    "aug.color_jitter": list,
+}
+# Lists whose elements must have one type although the default list is empty.
+LIST_ELEMENTS = {"eval.img_sizes": int}
 
 
 class Config(dict):
@@ -233,7 +267,95 @@ def config_from_dict(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> 
             cfg.set_path(key, value)
         except ConfigError:  # re-raise with close matches searched over every key of the config
             raise ConfigError(_unknown_key_message(key, _all_dotted_keys(cfg))) from None
+    check_types(cfg)
     return cfg
+
+
+@functools.cache
+def _default_tree() -> dict[str, Any]:
+    return _read_yaml_tree(DEFAULT_CONFIG)
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """``value`` in the type of ``default`` (see the module docstring); raises :class:`ConfigError`."""
+    if default is None or not isinstance(default, bool | int | float | str | list):
+        return value
+    if value is None:
+        if key in NULLABLE:
+            return None
+        raise ConfigError(f"config key {key} must be {_expected(key, default)}, got null")
+    if key in ALTERNATIVES and isinstance(value, ALTERNATIVES[key]):
+        return list(value) if isinstance(value, tuple) else value
+    kind = type(default)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is bool and isinstance(value, bool):
+        return value
+    if kind is int and number and float(value).is_integer():
+        return int(value)
+    if kind is float and number:
+        return value
+    if kind is str and (isinstance(value, str) or number):
+        return str(value)
+    if kind is list and isinstance(value, list | tuple):
+        element = LIST_ELEMENTS.get(key) or (
+            float if default and all(_is_number(v) for v in default) else None
+        )
+        if element is not None and not all(
+            _is_number(v) and (element is float or float(v).is_integer()) for v in value
+        ):
+            raise ConfigError(f"config key {key} must be {_expected(key, default)}, got {value!r}")
+        return [int(v) for v in value] if element is int else list(value)
+    raise ConfigError(f"config key {key} must be {_expected(key, default)}, got {value!r}")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _expected(key: str, default: Any) -> str:
+    if isinstance(default, list):
+        element = LIST_ELEMENTS.get(key) or (
+            float if default and all(_is_number(v) for v in default) else None
+        )
+        what = {int: "a list of integers", float: "a list of numbers"}.get(element, "a list")
+    else:
+        what = _TYPE_NAMES.get(type(default), type(default).__name__)
+    if key in ALTERNATIVES:
+        what += f" or {_TYPE_NAMES.get(ALTERNATIVES[key], 'a ' + ALTERNATIVES[key].__name__)}"
+    return f"{what} (or null)" if key in NULLABLE else what
+
+
+def check_types(cfg: Config) -> None:
+    """Checks every value of ``cfg`` whose key ``configs/default.yaml`` defines against the default's type
+    (normalising ``2.0`` -> ``2`` for integers and numbers -> strings for strings, in place).
+
+    Raises:
+        ConfigError: naming each key with a value of the wrong type and the type expected.
+    """
+    errors: list[str] = []
+
+    def walk(node: dict[str, Any], ref: Mapping[str, Any], prefix: str) -> None:
+        for key in list(node):
+            if key not in ref:
+                continue
+            dotted, default, value = f"{prefix}{key}", ref[key], node[key]
+            if isinstance(default, Mapping):
+                if not isinstance(value, Mapping):
+                    errors.append(f"config key {dotted} must be a mapping (key: value), got {value!r}")
+                elif not key.endswith("kwargs"):  # kwargs sections are free-form
+                    walk(value, default, f"{dotted}.")
+                continue
+            try:
+                node[key] = _coerce(dotted, value, default)
+            except ConfigError as e:
+                errors.append(str(e))
+
+    walk(cfg, _default_tree(), "")
+    if errors:
+        raise ConfigError(errors[0] if len(errors) == 1 else "bad config values:\n  " + "\n  ".join(errors))
 
 
 def git_commit(cwd: str | Path = REPO_ROOT) -> str | None:

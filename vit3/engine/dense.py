@@ -39,10 +39,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ..data.ade import IGNORE_INDEX, ADESegmentation
 from ..data.coco import CocoDetection, collate_detection
+from ..errors import DataError
 from ..tasks.backbone import FeatureBackbone, block_layer_ids
 from ..tasks.detection import build_detector
 from ..tasks.segmentation import SegmentationModel, build_segmenter
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointMismatchError, load_checkpoint, make_model_record, save_checkpoint
 from .config import Config, ConfigError, save_config
 from .distributed import DistInfo, barrier, distributed
 
@@ -196,7 +197,7 @@ def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = 
         Backbone keys that got no weight (the added output norms, normally).
 
     Raises:
-        ValueError: no key matched, or a matched key has another shape.
+        CheckpointMismatchError: no key matched, or a matched key has another shape.
     """
     obj = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(obj, dict) and obj.get("format") == "vit3-checkpoint":
@@ -218,12 +219,14 @@ def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = 
             missing.append(key)
             continue
         if state[src].shape != value.shape:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"{path}: weight {src} has shape {tuple(state[src].shape)}, backbone expects {tuple(value.shape)}"
             )
         loaded[key] = state[src]
     if not loaded:
-        raise ValueError(f"{path}: none of its {len(state)} weights fit backbone {backbone.model_name}")
+        raise CheckpointMismatchError(
+            f"{path}: none of its {len(state)} weights fit backbone {backbone.model_name}"
+        )
     backbone.body.load_state_dict(loaded, strict=False)
     return missing
 
@@ -414,6 +417,13 @@ def _train(cfg: Config, d: Any, dist_info: DistInfo) -> dict[str, Any]:
                 key = "bbox_AP" if cfg.task == "detection" else "mIoU"
                 history.append({"step": step, "loss": step_loss, **_scalars(metrics)})
                 state = {
+                    "record": make_model_record(
+                        cfg,
+                        num_classes,
+                        getattr(val_set, "class_names", d.class_names),
+                        cfg.data.mean,
+                        cfg.data.std,
+                    ),
                     "model_name": cfg.model.name,
                     "num_classes": num_classes,
                     "model": model.state_dict(),
@@ -449,7 +459,7 @@ def _model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]
         val_set = build_dataset(cfg, train=False)
         train_set = build_dataset(cfg, train=True) if with_train else None
         if train_set is not None and train_set.label_to_cat_id != val_set.label_to_cat_id:
-            raise ValueError(
+            raise DataError(
                 f"train and val annotation files have different categories: {sorted(train_set.label_to_cat_id.values())} "
                 f"vs {sorted(val_set.label_to_cat_id.values())}"
             )
@@ -459,6 +469,9 @@ def _model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]
     model = build_dense_model(cfg, d.num_classes)
     dc = _dense_backbone(model).data_config
     mean, std = tuple(cfg.data.mean or dc["mean"]), tuple(cfg.data.std or dc["std"])
+    for key, values in (("mean", mean), ("std", std)):
+        if len(values) != 3:
+            raise ConfigError(f"data.{key} must hold one value per RGB channel (3), got {list(values)}")
     train_set = build_dataset(cfg, True, mean, std) if with_train else None
     return model, train_set, build_dataset(cfg, False, mean, std)
 
@@ -630,12 +643,22 @@ def evaluate(cfg: Config) -> dict[str, Any]:
 
 
 def _evaluate(cfg: Config, device: torch.device) -> dict[str, Any]:
+    if cfg.eval.img_sizes:
+        raise ConfigError(
+            f"--img-size / eval.img_sizes={list(cfg.eval.img_sizes)} sets classification resolutions; a {cfg.task} "
+            "model's test scale is "
+            + (
+                "dense.min_size / dense.max_size (e.g. dense.min_size=640)"
+                if cfg.task == "detection"
+                else "dense.scale (long, short), e.g. dense.scale=[2048,640], and dense.slide_crop"
+            )
+        )
     path = cfg.eval.checkpoint
     ckpt = load_checkpoint(path) if path else None
     model, _, dataset = _model_and_data(cfg, with_train=False)
     if ckpt:
         if ckpt.get("num_classes") != dataset.num_classes:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"checkpoint {path} has {ckpt.get('num_classes')} classes, the validation data {dataset.num_classes}"
             )
         model.load_state_dict(ckpt["model"])

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .config import ConfigError
+
 __all__ = [
     "DistInfo",
     "all_gather_objects",
@@ -44,7 +46,7 @@ def _pick_device(name: str, local_rank: int) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={name} requested but CUDA is not available (use device=cpu)")
+            raise ConfigError(f"device={name} requested but CUDA is not available (use device=cpu)")
         torch.cuda.set_device(device)
     return device
 

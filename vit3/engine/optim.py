@@ -19,6 +19,8 @@ from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import CosineLRScheduler
 from torch import nn
 
+from .config import ConfigError
+
 __all__ = ["build_optimizer", "build_scheduler", "scaled_lrs"]
 
 
@@ -38,7 +40,7 @@ def build_optimizer(model: nn.Module, train_cfg, lr: float) -> torch.optim.AdamW
     wd = float(train_cfg.weight_decay)
     if train_cfg.layer_decay is not None:
         if not hasattr(model, "group_matcher"):
-            raise ValueError(
+            raise ConfigError(
                 f"train.layer_decay needs model.group_matcher(), which {type(model).__name__} lacks"
             )
         groups: list[dict[str, Any]] = param_groups_layer_decay(

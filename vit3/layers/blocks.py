@@ -18,7 +18,16 @@ from .config import TTTConfig
 from .inner import tracing
 from .ttt import TTTMixer
 
-__all__ = ["ConvDownsample", "ConvFFN", "ConvNormAct", "ConvPosEnc", "ConvStem", "TTTBlock", "check_image"]
+__all__ = [
+    "ConvDownsample",
+    "ConvFFN",
+    "ConvNormAct",
+    "ConvPosEnc",
+    "ConvStem",
+    "TTTBlock",
+    "check_image",
+    "check_image_size",
+]
 
 LayerType = Callable[..., nn.Module]
 
@@ -245,3 +254,28 @@ def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = Tr
 
 
 register_notrace_function(check_image)
+
+
+def check_image_size(
+    x: Tensor, size: tuple[int, int] | None, multiple: tuple[int, int] | None = None
+) -> Tensor:
+    """Checks the image sides of ``[B, C, H, W]``: equal to ``size`` (a model built with
+    ``dynamic_img_size=False``) and multiples of ``multiple`` (``dynamic_img_pad=False``); ``None``: any.
+
+    Raises:
+        ValueError: naming the size found and the one expected.
+    """
+    h, w = x.shape[-2:]
+    if size is not None and (h, w) != tuple(size):
+        raise ValueError(
+            f"image {h}x{w}: this model was built for {size[0]}x{size[1]} only (dynamic_img_size=False)"
+        )
+    if multiple is not None and (h % multiple[0] or w % multiple[1]):
+        raise ValueError(
+            f"image {h}x{w}: the sides must be multiples of the patch size {multiple[0]}x{multiple[1]} "
+            f"(dynamic_img_pad=False)"
+        )
+    return x
+
+
+register_notrace_function(check_image_size)

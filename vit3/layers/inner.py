@@ -393,24 +393,29 @@ def tracing() -> bool:
     return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
 
 
+def _shifted_taps(x: Tensor) -> Tensor:
+    """The zero-padded 3x3 neighbourhood of every pixel: ``[B, C, h, w]`` -> ``[B, C, h, w, 3, 3]`` (a view:
+    ``taps[..., y, x, i, j] = x_pad[..., y + i, x + j]``).
+
+    ``Tensor.unfold`` (one Range/Gather pair per axis in ONNX) instead of nine slices: under ``torch.export``
+    with a dynamic image size every slice of a symbolic extent becomes a chain of shape ops, and nine per
+    convolution made the ONNX graph of H-ViT³-T twice as large and its export many minutes long. A view adds
+    no FLOPs to fvcore's count (a convolution with one-hot kernels would add 9x the conv's).
+    """
+    return F.pad(x, (1, 1, 1, 1)).unfold(2, 3, 1).unfold(3, 3, 1)
+
+
 def _shifted_dwconv(x: Tensor, weight: Tensor) -> Tensor:
-    """Per-sample depthwise 3x3 conv (zero padding) as nine shifted multiply-adds: ``[B, C, h, w]`` maps,
-    ``[B|1, C, 3, 3]`` weights. Used for ONNX export, where the batch-folded grouped conv (groups = B*C) and
-    ``aten.convolution_backward`` cannot be exported with a dynamic batch."""
-    h, w = x.shape[-2:]
-    xp = F.pad(x, (1, 1, 1, 1))
-    return sum(
-        xp[..., i : i + h, j : j + w] * weight[..., i, j, None, None] for i in range(3) for j in range(3)
-    )
+    """Per-sample depthwise 3x3 conv (zero padding) as a weighted sum of the shifted taps: ``[B, C, h, w]``
+    maps, ``[B|1, C, 3, 3]`` weights. Used for ONNX export, where the batch-folded grouped conv
+    (groups = B*C) and ``aten.convolution_backward`` cannot be exported with a dynamic batch."""
+    return (_shifted_taps(x) * weight[:, :, None, None]).sum((-2, -1))  # [B, C, h, w, 3, 3] -> [B, C, h, w]
 
 
 def _shifted_dwconv_weight_grad(k: Tensor, e: Tensor) -> Tensor:
     """``G[b, c, i, j] = sum_p k_pad[b, c, p + (i, j)] e[b, c, p]`` for ``[B, C, h, w]`` maps -> ``[B, C, 3, 3]``
     (the export-friendly twin of the ``convolution_backward`` call in :meth:`DWConvInner.grads`)."""
-    h, w = k.shape[-2:]
-    kp = F.pad(k, (1, 1, 1, 1))
-    taps = [(kp[..., i : i + h, j : j + w] * e).sum((-2, -1)) for i in range(3) for j in range(3)]
-    return torch.stack(taps, -1).unflatten(-1, (3, 3))
+    return (_shifted_taps(k) * e[..., None, None]).sum((2, 3))  # [B, C, h, w, 3, 3] -> [B, C, 3, 3]
 
 
 def fold_batch(t: Tensor) -> Tensor:

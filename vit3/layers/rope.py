@@ -3,6 +3,12 @@
 Matches the official ViT³ tables (``RoPE(shape=(h, w, C))``): the C channels form C/2 complex pairs
 ``(2i, 2i + 1)``; with ``k_max = C / 4`` frequencies ``θ_j = base^(-j / k_max)``, the first C/2 channels rotate
 by ``row · θ`` and the last C/2 by ``col · θ``.
+
+The angle table is formed by broadcasting, ``row · [θ, 0] + col · [0, θ]`` (exactly the official angles:
+the zero terms add exact zeros), and the rotation is applied to the ``[..., h, w, 2, C/4, 2]`` view of the
+tokens: no table is expanded to ``[N, C/2]``. Under ``torch.export`` with a dynamic image size every op on
+the symbolic grid costs a chain of shape computations, so the few ops matter; :func:`rope_tables` lets the
+queries and keys share one table.
 """
 
 from __future__ import annotations
@@ -10,36 +16,67 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["apply_rope_2d", "rope_angles"]
+__all__ = ["apply_rope_2d", "rope_angles", "rope_tables"]
+
+
+def _frequencies(dim: int, base: float, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``[2, 2, dim / 4]``: the row (``[0]``) and column (``[1]``) frequencies of the two channel halves,
+    ``[[θ, 0], [0, θ]]``."""
+    if dim % 4:
+        raise ValueError(f"2-D RoPE needs channels divisible by 4, got {dim}")
+    k_max = dim // 4
+    theta = base ** -(torch.arange(k_max, device=device, dtype=dtype) / k_max)  # [k_max]
+    zero = torch.zeros_like(theta)
+    return torch.stack([torch.stack([theta, zero]), torch.stack([zero, theta])])
+
+
+def _grid_angles(
+    grid: tuple[int, int], dim: int, base: float, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """Rotation angles ``[h, w, 2, dim / 4]`` (channel half, frequency)."""
+    h, w = grid
+    freq = _frequencies(dim, base, device, dtype)
+    rows = torch.arange(h, device=device, dtype=dtype).view(h, 1, 1, 1) * freq[0]  # [h, 1, 2, k_max]
+    cols = torch.arange(w, device=device, dtype=dtype).view(1, w, 1, 1) * freq[1]  # [1, w, 2, k_max]
+    return rows + cols
 
 
 def rope_angles(
     grid: tuple[int, int], dim: int, base: float, device: torch.device, dtype: torch.dtype
 ) -> Tensor:
     """Rotation angles ``[h * w, dim / 2]`` for a ``dim``-channel RoPE on an ``h x w`` grid (raster order)."""
-    if dim % 4:
-        raise ValueError(f"2-D RoPE needs channels divisible by 4, got {dim}")
     h, w = grid
-    k_max = dim // 4
-    theta = base ** -(torch.arange(k_max, device=device, dtype=dtype) / k_max)  # [k_max]
-    rows = torch.arange(h, device=device, dtype=dtype)[:, None, None] * theta  # [h, 1, k_max]
-    cols = torch.arange(w, device=device, dtype=dtype)[None, :, None] * theta  # [1, w, k_max]
-    angles = torch.cat([rows.expand(h, w, k_max), cols.expand(h, w, k_max)], dim=-1)  # [h, w, dim/2]
-    return angles.reshape(h * w, dim // 2)
+    return _grid_angles(grid, dim, base, device, dtype).reshape(h * w, dim // 2)
 
 
-def apply_rope_2d(x: Tensor, grid: tuple[int, int], base: float = 10000.0, inverse: bool = False) -> Tensor:
+def rope_tables(
+    grid: tuple[int, int], dim: int, base: float, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` of the rotation angles, ``[h, w, 2, dim / 4]`` each, for :func:`apply_rope_2d`."""
+    angles = _grid_angles(grid, dim, base, device, dtype)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope_2d(
+    x: Tensor,
+    grid: tuple[int, int],
+    base: float = 10000.0,
+    inverse: bool = False,
+    tables: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """Rotates tokens ``[B, N, C]`` (``N = h * w``, raster order) by their 2-D position.
 
     Computed in float32 at least (float64 inputs stay float64); the result has the computation's dtype.
-    ``inverse=True`` rotates back, which is also the transpose (the backward) of the rotation.
+    ``inverse=True`` rotates back, which is also the transpose (the backward) of the rotation. ``tables``:
+    :func:`rope_tables` of this grid, channel count, base and dtype, when several tensors share them.
     """
     dtype = torch.promote_types(x.dtype, torch.float32)
-    ang = rope_angles(grid, x.shape[-1], base, x.device, dtype)  # [N, C/2]
-    cos, sin = ang.cos(), ang.sin()
+    c = x.shape[-1]
+    cos, sin = tables if tables is not None else rope_tables(grid, c, base, x.device, dtype)
     if inverse:
         sin = -sin
-    xp = x.to(dtype).unflatten(-1, (-1, 2))  # [B, N, C/2, 2]
-    re, im = xp[..., 0], xp[..., 1]
-    out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)
-    return out.flatten(-2)
+    x = x if x.dtype == dtype else x.to(dtype)
+    xp = x.reshape(*x.shape[:-2], *grid, 2, c // 4, 2)  # [B, N, C] -> [B, h, w, 2, C/4, 2]
+    re, im = xp[..., 0], xp[..., 1]  # [B, h, w, 2, C/4] each
+    out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)  # [B, h, w, 2, C/4, 2]
+    return out.reshape(x.shape)  # [B, N, C]

@@ -18,7 +18,7 @@ from .config import GRID_MODELS, TTTConfig
 from .fast_mix import MixBranch, MixPlan, fused_mix
 from .inner import InnerModel, Params, create_inner_model, tracing
 from .losses import loss_grad, loss_needs_prediction
-from .rope import apply_rope_2d
+from .rope import apply_rope_2d, rope_tables
 
 __all__ = [
     "OFFICIAL_MIXER_KEYS",
@@ -278,8 +278,9 @@ class TTTMixer(nn.Module):
             if gates is not None:
                 gate = gates[:, gate_offset : gate_offset + heads].to(compute)
                 gate_offset += heads
-            if cfg.rope and model.token_wise:
-                q, k = apply_rope_2d(q, grid, cfg.rope_base), apply_rope_2d(k, grid, cfg.rope_base)
+            if cfg.rope and model.token_wise:  # one angle table for q and k
+                rope = rope_tables(grid, q.shape[-1], cfg.rope_base, q.device, compute)
+                q, k = (apply_rope_2d(t, grid, cfg.rope_base, tables=rope) for t in (q, k))
             # [B, N, G*c] -> [B, G, N, c]: strided views of qkv, no copy
             q, k, v = (t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
             step = backends.Step(name, model, grid, self.scale, cfg)

@@ -19,6 +19,8 @@ from timm.models._builder import resolve_pretrained_cfg
 from timm.models._pretrained import PretrainedCfg
 from torch import Tensor, nn
 
+from ..errors import CheckpointError, CheckpointMismatchError, MissingWeightsError, WeightsUnavailableError
+
 __all__ = [
     "EMA_KEYS",
     "check_state_dict",
@@ -72,7 +74,7 @@ def select_weights(checkpoint: Mapping[str, Any], use_ema: bool = False) -> dict
         if isinstance(entry, Mapping):
             return dict(entry)
     if use_ema:
-        raise KeyError(
+        raise MissingWeightsError(
             f"checkpoint has no EMA weights (looked for {EMA_KEYS}; top-level keys: {sorted(checkpoint)[:20]})"
         )
     return dict(checkpoint)
@@ -93,7 +95,7 @@ def load_checkpoint_file(path: str | os.PathLike, use_ema: bool = False) -> dict
     else:
         checkpoint = _torch_load(path)
     if not isinstance(checkpoint, Mapping):
-        raise ValueError(f"{path!r} holds a {type(checkpoint).__name__}, not a checkpoint dict")
+        raise CheckpointError(f"{path!r} holds a {type(checkpoint).__name__}, not a checkpoint dict")
     weights = select_weights(checkpoint, use_ema)
     out = {}
     for key, value in weights.items():
@@ -133,7 +135,7 @@ def check_state_dict(
         misshaped.append(f"{key}: checkpoint {a} vs model {b}")
     if missing or unexpected or misshaped:
         name = type(model).__name__
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"{what} does not fit this {name} (another model or size?):\n"
             f"  missing keys ({len(missing)}): {missing}\n"
             f"  unexpected keys ({len(unexpected)}): {unexpected}\n"
@@ -150,14 +152,14 @@ def _official_file(variant: str, cfg: PretrainedCfg) -> str:
         f"pretrained_cfg_overlay=dict(file='/path/to/checkpoint.pth'))"
     )
     if not cfg.url:
-        raise RuntimeError(f"no official weights are published for {variant}; {how}")
+        raise WeightsUnavailableError(f"no official weights are published for {variant}; {how}")
     cache = os.path.join(torch.hub.get_dir(), "checkpoints", "vit3", f"{variant}.pth")
     if not os.path.isfile(cache):
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         try:
             torch.hub.download_url_to_file(cfg.url, cache, progress=False)
         except Exception as exc:  # offline, proxy, HTTP errors: say how to load a local copy
-            raise RuntimeError(
+            raise WeightsUnavailableError(
                 f"could not download the official {variant} weights from {cfg.url} "
                 f"({type(exc).__name__}: {exc}); {how}"
             ) from exc
@@ -198,7 +200,7 @@ def create_model_with_official_weights(
         )
     except RuntimeError as exc:
         if pretrained and "size mismatch for head." in str(exc):
-            raise ValueError(
+            raise CheckpointMismatchError(
                 "the checkpoint's classifier has another class count than the pretrained config: declare it, "
                 "e.g. pretrained_cfg_overlay=dict(file=..., num_classes=<checkpoint classes>) (timm then keeps "
                 "the head, or replaces it when num_classes differs)\n" + str(exc)

@@ -30,9 +30,22 @@ from vit3.layers import TTTConfig, convert_official_mixer_key
 from vit3.layers.blocks import ConvDownsample, ConvFFN, ConvStem, TTTBlock, check_image
 
 from ._pretrained import check_state_dict, create_model_with_official_weights
-from .vit3 import check_pool_type, init_weights, merge_ttt_cfg, pool_features, stochastic_depth_rates
+from .vit3 import (
+    check_pool_type,
+    check_timm_kwargs,
+    init_weights,
+    merge_ttt_cfg,
+    pool_features,
+    stochastic_depth_rates,
+)
 
-__all__ = ["HViT3", "HViT3Stage", "checkpoint_filter_fn"]
+__all__ = ["TIMM_FIXED", "HViT3", "HViT3Stage", "checkpoint_filter_fn"]
+
+# timm kwargs for dynamic inputs: H-ViT³ always takes any size (every stride-2 convolution pads).
+TIMM_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "dynamic_img_size": ((True,), "H-ViT³ always takes any image size"),
+    "dynamic_img_pad": ((True,), "H-ViT³ always pads its strided convolutions (ceil sizes)"),
+}
 
 
 class HViT3Stage(nn.Module):
@@ -112,6 +125,8 @@ class HViT3(nn.Module):
             S 0.4, B 0.6).
         ttt_cfg: mixer configuration (``TTTConfig`` or dict); a dict is applied over the H-ViT³ default
             ``rope=True``, a ``TTTConfig`` is used as given.
+        **timm_kwargs: ``dynamic_img_size=True`` / ``dynamic_img_pad=True`` (what H-ViT³ always does) are
+            accepted, as timm's ViTs take them; other values are refused by name (:data:`TIMM_FIXED`).
     """
 
     def __init__(
@@ -130,7 +145,9 @@ class HViT3(nn.Module):
         proj_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         ttt_cfg: TTTConfig | dict[str, Any] | None = None,
+        **timm_kwargs: Any,
     ) -> None:
+        check_timm_kwargs(type(self).__name__, timm_kwargs, TIMM_FIXED)
         super().__init__()
         if not len(dims) == len(depths) == len(num_heads):
             raise ValueError(

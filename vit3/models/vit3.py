@@ -27,13 +27,61 @@ from timm.models._input import update_model_input_size
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, convert_official_mixer_key
-from vit3.layers.blocks import TTTBlock, check_image
+from vit3.layers.blocks import TTTBlock, check_image, check_image_size
 
 from ._pretrained import check_state_dict, create_model_with_official_weights
 
-__all__ = ["ViT3", "checkpoint_filter_fn", "merge_ttt_cfg"]
+__all__ = ["TIMM_VIT_FIXED", "ViT3", "check_timm_kwargs", "checkpoint_filter_fn", "merge_ttt_cfg"]
 
 POOL_TYPES = ("avg", "max", "avgmax", "")
+
+# timm VisionTransformer kwargs ViT³ has no parameter for: the values that describe ViT³ (accepted, no effect)
+# and why another value makes no sense here. dynamic_img_size / dynamic_img_pad / pos_drop_rate / final_norm
+# / device / dtype are real parameters of ViT3.
+TIMM_VIT_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "qk_norm": ((False,), "the TTT mixer has no attention logits to normalise"),
+    "scale_attn_norm": ((False,), "the TTT mixer has no attention output norm"),
+    "scale_mlp_norm": ((False,), "the MLP has no inner norm"),
+    "proj_bias": ((True,), "the mixer and MLP projections always have a bias"),
+    "init_values": ((None, 0, 0.0), "ViT³ blocks have no LayerScale"),
+    "class_token": ((False,), "ViT³ has no class token (the head pools the tokens)"),
+    "pos_embed": (("", "none"), "ViT³ encodes positions with a convolution (CPE), not an embedding"),
+    "no_embed_class": ((False, True), ""),
+    "reg_tokens": ((0,), "ViT³ has no register tokens"),
+    "pre_norm": ((False,), "ViT³ has no norm before the blocks"),
+    "fc_norm": ((None, False), "ViT³ normalises before pooling (the final norm), not after"),
+    "pool_include_prefix": ((False, True), ""),
+    "patch_drop_rate": ((0, 0.0), "the TTT mixer needs the whole token grid"),
+    "attn_drop_rate": ((0, 0.0), "the TTT mixer has no attention probabilities to drop"),
+    "weight_init": (("",), "ViT³ uses the official initialisation"),
+    "fix_init": ((False,), "ViT³ uses the official initialisation"),
+    "embed_layer": ((None, PatchEmbed), "ViT³'s patch embedding is fixed"),
+    "embed_norm_layer": ((None,), "ViT³'s patch embedding has no norm"),
+    "norm_layer": ((None,), "ViT³'s norms are LayerNorm(eps=1e-6), as official"),
+    "block_fn": ((None,), "ViT³'s blocks are TTT blocks"),
+    "mlp_layer": ((None,), "ViT³'s MLP is fixed"),
+    "attn_layer": (
+        (None,),
+        "the token mixer of ViT³ is TTT (vit3.swap_attention_for_ttt puts it into timm's ViT)",
+    ),
+}
+
+
+def check_timm_kwargs(
+    model: str, kwargs: dict[str, Any], fixed: dict[str, tuple[tuple[Any, ...], str]]
+) -> None:
+    """Accepts timm's standard kwargs at the values that describe this model; refuses others by name.
+
+    Raises:
+        ValueError: a known timm kwarg with a value this model cannot honour (the message says why).
+        TypeError: a kwarg timm's models do not have either.
+    """
+    for key, value in kwargs.items():
+        if key not in fixed:
+            raise TypeError(f"{model} got an unexpected keyword argument {key!r}")
+        allowed, why = fixed[key]
+        if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+            raise ValueError(f"{model} does not support {key}={value!r}: {why}")
 
 
 def merge_ttt_cfg(ttt_cfg: TTTConfig | dict[str, Any] | None, **defaults: Any) -> TTTConfig:
@@ -100,6 +148,15 @@ class ViT3(nn.Module):
             S 0.1, B 0.4).
         ttt_cfg: mixer configuration (``TTTConfig`` or dict of its fields), used by every block.
         act_layer: MLP activation.
+        dynamic_img_size: take any image size (default); ``False``: only ``img_size`` (timm's strict size).
+        dynamic_img_pad: zero-pad the image to a multiple of the patch size (default); ``False``: the sides
+            must be multiples of it.
+        pos_drop_rate: dropout after the patch embedding.
+        final_norm: the LayerNorm after the blocks (``False``: none).
+        device, dtype: where and in which dtype to create the parameters.
+        **timm_kwargs: the other kwargs of timm's ``VisionTransformer``, accepted at the values that
+            describe ViT³ (``class_token=False``, ``reg_tokens=0``, ...) and refused by name otherwise
+            (:data:`TIMM_VIT_FIXED`).
     """
 
     def __init__(
@@ -119,7 +176,15 @@ class ViT3(nn.Module):
         drop_path_rate: float = 0.0,
         ttt_cfg: TTTConfig | dict[str, Any] | None = None,
         act_layer: type[nn.Module] = nn.GELU,
+        dynamic_img_size: bool = True,
+        dynamic_img_pad: bool = True,
+        pos_drop_rate: float = 0.0,
+        final_norm: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **timm_kwargs: Any,
     ) -> None:
+        check_timm_kwargs(type(self).__name__, timm_kwargs, TIMM_VIT_FIXED)
         super().__init__()
         self.num_classes = num_classes
         self.global_pool = check_pool_type(global_pool)
@@ -136,9 +201,10 @@ class ViT3(nn.Module):
             in_chans=in_chans,
             embed_dim=embed_dim,
             output_fmt="NHWC",
-            strict_img_size=False,
-            dynamic_img_pad=True,  # any H, W: pad bottom/right to a multiple of p
+            strict_img_size=not dynamic_img_size,
+            dynamic_img_pad=dynamic_img_pad,  # any H, W: pad bottom/right to a multiple of p
         )
+        self.pos_drop = nn.Dropout(pos_drop_rate)
         norm_layer = partial(nn.LayerNorm, eps=1e-6)
         dpr = stochastic_depth_rates(drop_path_rate, depth)
         self.blocks = nn.Sequential(
@@ -160,10 +226,12 @@ class ViT3(nn.Module):
         self.feature_info = [
             dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=reduction) for i in range(depth)
         ]
-        self.norm = norm_layer(embed_dim)
+        self.norm = norm_layer(embed_dim) if final_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.apply(init_weights)
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
 
     # --- timm model API -------------------------------------------------------------------------------
 
@@ -216,7 +284,11 @@ class ViT3(nn.Module):
     def _embed(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> tokens ``[B, ceil(H/p), ceil(W/p), C]``."""
         x = check_image(x, self.in_chans, max(self.patch_embed.patch_size), self.ttt_cfg.check_finite)
-        return self.patch_embed(x)
+        pe = self.patch_embed
+        if pe.strict_img_size or not pe.dynamic_img_pad:
+            strict, pad = pe.strict_img_size, pe.dynamic_img_pad
+            check_image_size(x, pe.img_size if strict else None, None if pad else pe.patch_size)
+        return self.pos_drop(pe(x))
 
     def forward_features(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> normed, unpooled features ``[B, ceil(H/p), ceil(W/p), C]``."""

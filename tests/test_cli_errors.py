@@ -1,0 +1,148 @@
+"""The command-line boundary: user errors end with one clean ``error:`` line and exit code 2 wherever they are
+raised (config values of the wrong type, engine checks, truncated checkpoints, DataLoader workers);
+``--debug`` / ``VIT3_DEBUG=1`` show the traceback; overrides may come anywhere on the command line."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+from conftest_train import TINY_MODEL, load_script, make_digit_folder
+
+from vit3.engine.checkpoint import CheckpointError, load_checkpoint, peek_vit3_checkpoint, save_checkpoint
+from vit3.engine.cli import DEBUG_ENV, USER_ERROR_EXIT
+from vit3.engine.config import ConfigError, load_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    return make_digit_folder(tmp_path_factory.mktemp("digits"), digits=(0, 1), n_train=12, n_val=4)
+
+
+def _folder_run(digits, out, *extra: str) -> list[str]:
+    return [
+        "data.dataset=folder", f"data.path={digits}", f"output={out}", "data.batch_size=8",
+        "train.epochs=1", "train.progress=false", *TINY_MODEL, *extra,
+    ]  # fmt: skip
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+# --------------------------------------------------------------------------------------- typed config
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.epochs=abc", "train.epochs must be an integer, got 'abc'"),
+        ("data.batch_size=12x", "data.batch_size must be an integer, got '12x'"),
+        ("train.base_lr=abc", "train.base_lr must be a number, got 'abc'"),
+        ("train.epochs=1.5", "train.epochs must be an integer, got 1.5"),
+        ("train.ema=yes please", "train.ema must be true or false"),
+        ("aug.scale=[small, 1]", "aug.scale must be a list of numbers"),
+        ("eval.img_sizes=[224, 25.5]", "eval.img_sizes must be a list of integers"),
+        ("model.kwargs=3", "model.kwargs must be a mapping"),
+    ],
+    ids=[
+        "epochs-word",
+        "batch-size-suffix",
+        "lr-word",
+        "fractional-epochs",
+        "bool",
+        "list",
+        "int-list",
+        "map",
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_key_and_the_type(override, message, capsys):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+    assert load_script("train").main([override]) == USER_ERROR_EXIT
+    assert message in _one_error_line(capsys)
+
+
+def test_values_of_the_right_type_are_normalised():
+    cfg = load_config(None, ["train.epochs=2.0", "train.base_lr=1", "output=2026", "train.warmup_epochs=0.5"])
+    assert cfg.train.epochs == 2 and isinstance(cfg.train.epochs, int)
+    assert cfg.train.base_lr == 1 and cfg.output == "2026" and cfg.train.warmup_epochs == 0.5
+    assert load_config(None, ["aug.mixup=null", "train.progress=run"]).aug.mixup is None
+
+
+def test_a_config_file_value_is_typed_too(tmp_path):
+    (tmp_path / "bad.yaml").write_text(
+        "base: " + str(load_config(None)["_config_file"]) + "\ntrain:\n  epochs: many\n"
+    )
+    with pytest.raises(ConfigError, match=r"train\.epochs must be an integer, got 'many'"):
+        load_config(tmp_path / "bad.yaml")
+
+
+# ------------------------------------------------------------------------------- one clean error line
+def test_engine_errors_are_as_clean_as_config_errors(digits, tmp_path, capsys):
+    train = load_script("train")
+    # Raised deep in the engine (after the data is read), not while loading the config:
+    assert train.main(_folder_run(digits, tmp_path, "model.num_classes=1")) == USER_ERROR_EXIT
+    assert "model.num_classes=1 is below the 2 classes" in _one_error_line(capsys)
+    assert (
+        train.main(_folder_run(digits, tmp_path, "data.mean=[0.5, 0.5, 0.5]", "data.std=[0.2, 0.2, 0.2]"))
+        == 2
+    )
+    line = _one_error_line(capsys)
+    assert "data.mean must hold one value per input channel of the model (1)" in line
+    assert train.main(_folder_run(digits, tmp_path, "data.mean=[0.5]")) == 2
+    assert "data.mean is set but not its partner" in _one_error_line(capsys)
+
+
+def test_debug_flag_and_environment_show_the_traceback(monkeypatch):
+    train = load_script("train")
+    with pytest.raises(ConfigError, match=r"train\.epochs must be an integer"):
+        train.main(["--debug", "train.epochs=abc"])
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(ConfigError, match=r"train\.epochs must be an integer"):
+        load_script("train").main(["train.epochs=abc"])
+
+
+def test_an_error_in_a_dataloader_worker_is_one_line_naming_the_file(digits, tmp_path, capsys):
+    root = tmp_path / "data"
+    shutil.copytree(digits, root)
+    (root / "train" / "digit_1" / "0003.png").write_bytes(b"not a png")
+    code = load_script("train").main(_folder_run(root, tmp_path / "out", "data.num_workers=1"))
+    assert code == USER_ERROR_EXIT
+    line = _one_error_line(capsys)
+    assert re.search(r"^error: cannot read image file \S+digit_1/0003\.png", line), line
+    assert "DataLoader worker" not in line
+
+
+# ------------------------------------------------------------------------------------------- overrides
+def test_overrides_may_come_anywhere_on_the_command_line(digits, tmp_path, capsys):
+    train = load_script("train")
+    args = [f"data.path={digits}", "--output", str(tmp_path / "x"), "train.epochs=abc", "data.batch_size=8"]
+    assert train.main(args) == USER_ERROR_EXIT  # parsed: the config error, not "unrecognized arguments"
+    assert "train.epochs must be an integer" in _one_error_line(capsys)
+    evaluate = load_script("eval")
+    args = ["--img-size", "32", "48", "eval.batch_size=lots", "--checkpoint", str(tmp_path / "none.pt")]
+    assert evaluate.main(args) == USER_ERROR_EXIT
+    assert "checkpoint not found" in _one_error_line(capsys)  # 'eval.batch_size=lots' was no image size
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+def test_a_truncated_checkpoint_is_called_truncated(tmp_path, capsys):
+    path = save_checkpoint(tmp_path / "last.pt", {"model": {"w": torch.randn(256, 256)}, "config": {}})
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    for read in (load_checkpoint, peek_vit3_checkpoint):
+        with pytest.raises(CheckpointError, match=r"cut\.pt is truncated"):
+            read(cut)
+    assert load_script("eval").main(["--checkpoint", str(cut)]) == USER_ERROR_EXIT
+    assert "is truncated" in _one_error_line(capsys)
+    assert peek_vit3_checkpoint(tmp_path / "last.pt") is not None
+    foreign = tmp_path / "foreign.txt"
+    foreign.write_text("not a checkpoint")
+    assert peek_vit3_checkpoint(foreign) is None  # not truncated: another kind of file

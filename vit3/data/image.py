@@ -1,0 +1,73 @@
+"""Image files to the 8-bit RGB or grayscale images the models read, for every mode PIL opens.
+
+PIL's own ``convert("RGB")`` clips 16- and 32-bit integer pixels to 255, so a 16-bit PNG or TIFF would come
+out almost white; :func:`to_model_mode` scales them instead (``I;16*``: value / 257, the full 16-bit range
+onto 0-255; ``I``: the same, values clipped to 0-65535, as PIL reads 16-bit files into ``I`` too), so the
+image keeps its contrast. Palette images with transparency go through RGBA; alpha channels (``RGBA``,
+``LA``, ``PA``) are dropped, as torchvision's and timm's loaders do; ``CMYK``, ``YCbCr``, ``1`` and the rest
+use PIL's conversion. ``F`` (32-bit float) pixels are taken on PIL's 0-255 scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from ..errors import UserError
+
+__all__ = ["CorruptImageError", "TransformError", "apply_transform", "open_image", "to_model_mode"]
+
+SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+class CorruptImageError(UserError, OSError):
+    """An image file exists but cannot be decoded (or converted); the message names it."""
+
+
+class TransformError(RuntimeError):
+    """An image transform (augmentation) failed; the message names the image it failed on."""
+
+
+def to_model_mode(img: Image.Image, mode: str = "RGB") -> Image.Image:
+    """``img`` as an 8-bit ``mode`` image ("RGB" or "L"), converting every PIL mode correctly (module doc)."""
+    if img.mode == mode:
+        return img
+    if img.mode in SIXTEEN_BIT:
+        pixels = np.asarray(img).astype(np.float64)  # [H, W] uint16 / int32
+        img = Image.fromarray(np.rint(np.clip(pixels, 0, 65535) / 257.0).astype(np.uint8))  # -> "L"
+    elif img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")  # PIL's advice for palette transparency; the alpha is dropped below
+    elif img.mode == "F":
+        img = img.convert("L")
+    if img.mode not in ("RGB", "L"):
+        img = img.convert("RGB")
+    return img.convert(mode) if img.mode != mode else img
+
+
+def open_image(path: str | Path, mode: str = "RGB") -> Image.Image:
+    """Reads an image file as an 8-bit ``mode`` image (:func:`to_model_mode`).
+
+    Raises:
+        CorruptImageError: the file cannot be decoded or converted; the message names it.
+    """
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return to_model_mode(img, mode)
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise CorruptImageError(f"cannot read image file {path}: {e}") from e
+
+
+def apply_transform(transform: Callable[[Image.Image], Any], img: Image.Image, source: str) -> Any:
+    """``transform(img)``; a failure is re-raised as :class:`TransformError` naming ``source`` (the file)."""
+    try:
+        return transform(img)
+    except Exception as e:
+        raise TransformError(
+            f"the image transform failed on {source} ({img.mode} {img.width}x{img.height}): "
+            f"{type(e).__name__}: {e}"
+        ) from e
