@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from tests.conftest import REPO
+from helpers.common import REPO
 
 
 def _run(script: str, *args: str) -> None:

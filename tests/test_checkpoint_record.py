@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest_train import load_script, make_digit_folder, read_ckpt, tiny_cfg
+from helpers.train import load_script, make_digit_folder, read_ckpt, tiny_cfg
 
 from vit3.engine import ConfigError, load_config, run
 from vit3.engine.checkpoint import (

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest_train import TINY_MODEL, load_script, make_digit_folder
+from helpers.train import TINY_MODEL, load_script, make_digit_folder
 
 from vit3.engine.checkpoint import CheckpointError, load_checkpoint, peek_vit3_checkpoint, save_checkpoint
 from vit3.engine.cli import DEBUG_ENV, USER_ERROR_EXIT

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest_train import make_digit_folder, sample_photos
+from helpers.train import make_digit_folder, sample_photos
 from PIL import Image, ImageOps
 from torch.utils.data import Dataset
 

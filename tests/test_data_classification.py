@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest_train import make_digit_folder
+from helpers.train import make_digit_folder
 from PIL import Image
 from torch.utils.data import DataLoader
 

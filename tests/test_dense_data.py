@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest_dense import DIGITS
+from helpers.dense import DIGITS
 from PIL import Image
 
 from vit3.data.ade import IGNORE_INDEX, ADESegmentation, rescale_size

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest_train import load_script
+from helpers.train import load_script
 
 from vit3.engine import ConfigError, load_config
 from vit3.engine.config import CONFIG_DIR

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest_train import load_script, make_digit_folder, read_ckpt, tiny_cfg
+from helpers.train import load_script, make_digit_folder, read_ckpt, tiny_cfg
 
 from vit3.engine import run
 from vit3.engine.checkpoint import save_checkpoint

@@ -98,7 +98,7 @@ def test_bad_image_folders_are_named(tmp_path):
 
 
 def test_export_script_features_command(image_dir, tmp_path):
-    from conftest_train import load_script
+    from helpers.train import load_script
 
     out = tmp_path / "feats"
     args = [
@@ -127,7 +127,7 @@ def test_export_script_features_command(image_dir, tmp_path):
 @pytest.fixture(scope="module")
 def one_channel_checkpoint(tmp_path_factory):
     """A fine-tuned-style vit3 checkpoint: a custom one-channel H-ViT³ at 32 px with its own normalisation."""
-    from conftest_train import make_digit_folder, tiny_cfg
+    from helpers.train import make_digit_folder, tiny_cfg
 
     from vit3.engine import run
 
@@ -144,7 +144,7 @@ def test_features_take_the_model_and_preprocessing_from_the_checkpoint(
 ):
     """No --model: the checkpoint's model (custom dims, one channel) on RGB photos read as grayscale, at its
     32 px with its mean / std; the safetensors files get the manifest's permissions."""
-    from conftest_train import load_script
+    from helpers.train import load_script
 
     out = tmp_path / "feats"
     args = [
@@ -187,7 +187,7 @@ def test_features_take_the_model_and_preprocessing_from_the_checkpoint(
 
 
 def test_a_model_name_is_needed_without_a_vit3_checkpoint(tmp_path, capsys):
-    from conftest_train import load_script
+    from helpers.train import load_script
 
     torch.save({"model": {}}, tmp_path / "official.pth")
     args = [

@@ -75,7 +75,7 @@ def test_onnx_hierarchical_dynamic_batch(tmp_path):
 @pytest.mark.slow
 def test_export_script_onnx_command_checks_against_pytorch(tmp_path, capsys):
     import onnx
-    from conftest_train import load_script
+    from helpers.train import load_script
 
     out = tmp_path / "plain.onnx"
     assert (
@@ -151,7 +151,7 @@ def test_default_export_skips_onnxscripts_pattern_rewrites(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_onnx_of_a_one_channel_checkpoint_takes_its_model(tmp_path, capsys):
     import onnx
-    from conftest_train import load_script, make_digit_folder, tiny_cfg
+    from helpers.train import load_script, make_digit_folder, tiny_cfg
 
     from vit3.engine import run
 

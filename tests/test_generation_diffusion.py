@@ -359,6 +359,6 @@ def test_local_vae_encodes_and_decodes(tiny_vae):
 
 @pytest.fixture(scope="module")
 def tiny_vae(tmp_path_factory):
-    from conftest_generation import write_tiny_vae
+    from helpers.generation import write_tiny_vae
 
     return write_tiny_vae(tmp_path_factory.mktemp("vae"))

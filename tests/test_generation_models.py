@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
+from helpers.common import FIXTURES, load_fixture
 
 import vit3
-from tests.conftest import FIXTURES, load_fixture
 from vit3.layers import convert_official_mixer_key
 from vit3.models.dit3 import DIT3_CONFIGS, DiT3, create_dit3, num_params, sincos_pos_embed_2d
 

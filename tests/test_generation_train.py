@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest_generation import tiny_gen_cfg, write_tiny_vae
-from conftest_train import REPO, assert_same_tensors, load_script, make_digit_folder, read_ckpt, tiny_cfg
+from helpers.generation import tiny_gen_cfg, write_tiny_vae
+from helpers.train import REPO, assert_same_tensors, load_script, make_digit_folder, read_ckpt, tiny_cfg
 
 from vit3.engine import ConfigError, run
 from vit3.engine.cli import USER_ERROR_EXIT
@@ -293,7 +293,7 @@ def test_torchrun_two_processes_train_and_sample(digits, tmp_path):
 
 def test_eval_samples_from_an_official_file_named_by_model_and_config(trained, tmp_path, capsys):
     """A bare official-format state dict (official mixer names, its pos_embed table) samples through eval.py."""
-    from conftest_generation import DEMO, TINY_DIT
+    from helpers.generation import DEMO, TINY_DIT
 
     from vit3.models.dit3 import sincos_pos_embed_2d
 

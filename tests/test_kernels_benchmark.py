@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from tests.conftest import REPO
+from helpers.common import REPO
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

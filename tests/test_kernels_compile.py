@@ -19,8 +19,8 @@ import subprocess
 import sys
 
 import pytest
+from helpers.common import REPO
 
-from tests.conftest import REPO
 from vit3.kernels import aot
 
 pytestmark = pytest.mark.triton

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.common import count_calls
 
 import vit3.kernels.swiglu_cpu as swiglu_cpu
 import vit3.layers.fast_swiglu as fast
-from tests.conftest import count_calls
 from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
 
 H, D = 2, 8

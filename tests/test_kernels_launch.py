@@ -13,8 +13,8 @@ import types
 
 import pytest
 import torch
+from test_kernels_ttt import max_rel_err, per_tensor, run_both
 
-from tests.test_kernels_ttt import max_rel_err, per_tensor, run_both
 from vit3.kernels import aot, ttt_fused
 from vit3.kernels.ttt_fused import ARCHS, Arch
 

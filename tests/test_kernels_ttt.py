@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.common import max_rel_err as _max_rel_err
 
 import vit3.kernels as kernels
-from tests.conftest import max_rel_err as _max_rel_err
 from vit3.kernels import ttt_fused
 from vit3.layers import TTTConfig, TTTMixer, backends, create_inner_model, inner_loop
 

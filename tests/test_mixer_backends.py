@@ -17,13 +17,13 @@ import warnings
 import pytest
 import timm
 import torch
+from helpers.common import REPO, count_calls
 from torch.utils.checkpoint import checkpoint
 from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
 
 import vit3
 import vit3.layers.fast_swiglu as fast
-from tests.conftest import REPO, count_calls
 from vit3.kernels import swiglu_cpu
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.common import count_calls
+from helpers.reference import assert_mixer_matches_reference
 from torch.utils.checkpoint import checkpoint
 
 import vit3.layers.fast_mix as fast_mix
 import vit3.layers.fast_swiglu as fast
 import vit3.layers.ttt as ttt
-from tests.conftest import count_calls
-from tests.ttt_reference import assert_mixer_matches_reference
 from vit3.layers import TTTMixer
 from vit3.layers.inner import dwconv_backward, fold_batch
 

@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 import torch
+from helpers.reference import reference_mixer
 
-from tests.ttt_reference import reference_mixer
 from vit3.layers import TTTConfig, TTTMixer, apply_rope_2d
 from vit3.layers.backends import BACKEND_ENV
 

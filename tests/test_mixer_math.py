@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.reference import assert_mixer_matches_reference, reference_forward, reference_params
 
-from tests.ttt_reference import assert_mixer_matches_reference, reference_forward, reference_params
 from vit3.layers import (
     INNER_LOSSES,
     MLPInner,

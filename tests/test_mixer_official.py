@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.common import load_fixture
 
-from tests.conftest import load_fixture
 from vit3.layers import TTTMixer, convert_official_mixer_key
 
 CASES = [

@@ -7,11 +7,11 @@ import math
 import pytest
 import timm
 import torch
+from helpers.models import TINY_MODELS, fx_model, fx_output
 from timm.layers import get_channel_dim, get_spatial_dim
 from timm.models import group_parameters
 
 import vit3  # noqa: F401 - registers the models
-from tests.conftest_models import TINY_MODELS, fx_model, fx_output
 from vit3.layers import TTTMixer
 
 pytestmark = pytest.mark.parametrize("name", TINY_MODELS)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from helpers.common import FIXTURES, load_fixture
 
 import vit3  # noqa: F401 - registers the models
-from tests.conftest import FIXTURES, load_fixture
 from vit3.layers import convert_official_mixer_key
 from vit3.models import _pretrained, h_vit3
 from vit3.models import vit3 as plain

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest_train import (
+from helpers.train import (
     REPO,
     TINY_MODEL,
     assert_same_tensors,

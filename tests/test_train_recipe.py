@@ -8,7 +8,7 @@ import math
 import pytest
 import timm
 import torch
-from conftest_train import assert_same_tensors, make_digit_folder, read_ckpt, tiny_cfg
+from helpers.train import assert_same_tensors, make_digit_folder, read_ckpt, tiny_cfg
 
 import vit3.models  # noqa: F401  (registers the models)
 from vit3.engine import load_config, run

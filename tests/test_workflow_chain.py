@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest_train import load_script, make_digit_folder, make_photo_folder, tiny_cfg
+from helpers.train import load_script, make_digit_folder, make_photo_folder, tiny_cfg
 
 from vit3.engine import run
 from vit3.engine.config import CONFIG_DIR

@@ -1,6 +1,6 @@
 """Helpers for the generation tests: a tiny local AutoencoderKL, tiny DiT³ configs on real digits.
 
-Not a pytest conftest (pytest does not load it automatically): test modules import it.
+Test modules import it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Helpers of the dense-task and export tests: small synthetic digit datasets (real MNIST pixels).
 
-Not a pytest conftest (pytest does not load it automatically): test modules import it and wrap these
+Test modules import it and wrap these
 writers in their own fixtures.
 """
 

@@ -1,6 +1,6 @@
 """Helpers for the training / evaluation / data / config tests: real digit image folders, tiny configs.
 
-Not a pytest conftest (pytest does not load it automatically): test modules import it.
+Test modules import it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from vit3.data.mnist import load_mnist5k
 from vit3.engine import Config, load_config
 from vit3.engine.config import CONFIG_DIR
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO = CONFIG_DIR / "demo_mnist.yaml"
 
 # The tiny H-ViT³ test model of vit3.models for 32x32 one-channel digits (it learns digits in a few steps).

@@ -1,0 +1,1 @@
+"""Test helpers, imported as ``helpers.<module>`` (``tests/`` is on pytest's ``pythonpath``)."""
