@@ -283,13 +283,11 @@ def test_ttt_wrapper_with_identity_norm_reduces_to_the_plain_model(name: str, lo
 )
 @pytest.mark.parametrize("grad_norm", [True, False], ids=["norm", "no-norm"])
 @pytest.mark.parametrize("shared_weights", [True, False], ids=["shared-w", "per-sample-w"])
-@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["tiles", "cpu-kernel"])
-def test_fused_swiglu_path_equals_generic_inner_loop(
-    monkeypatch, tile_bytes, grad_norm, shared_weights, cpu_kernel
-):
+@pytest.mark.parametrize("cpp", [False, True], ids=["tiles", "cpu-kernel"])
+def test_fused_swiglu_path_equals_generic_inner_loop(monkeypatch, tile_bytes, grad_norm, shared_weights, cpp):
     """The hand-fused SwiGLU path (custom backward; tiled PyTorch or the C++ CPU kernel, whose blocks follow
     the same tile size) against the generic closed-form path + autograd."""
-    import vit3.layers.fast_swiglu as fast
+    import vit3.kernels.swiglu.eager as fast
 
     monkeypatch.setattr(fast, "TILE_BYTES", tile_bytes)
     monkeypatch.setattr(fast, "MIN_TILE_TOKENS", 4)
@@ -301,7 +299,7 @@ def test_fused_swiglu_path_equals_generic_inner_loop(
     w1, w2 = (torch.randn(1 if shared_weights else b, h, d, d, requires_grad=True) for _ in range(2))
     dout = torch.randn(b, h, n, d)
 
-    out = fast.swiglu_ttt(q, k, v, w1, w2, scale=0.4, lr=0.8, grad_norm=grad_norm, cpu_kernel=cpu_kernel)
+    out = fast.swiglu_ttt(q, k, v, w1, w2, scale=0.4, lr=0.8, grad_norm=grad_norm, cpp=cpp)
     params = inner_loop(model, {"w1": w1, "w2": w2}, k, v, grid, scale=0.4, lr=0.8, grad_norm=grad_norm)
     ref = model.apply_to(params, q, grid)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

@@ -1,6 +1,6 @@
 """The C++ CPU kernel of the SwiGLU inner model (``vit3.kernels.swiglu_cpu``): that it computes what the generic
 inner loop defines (float64 autograd, every gradient) whether its problems spread over threads or not, that the
-``cpu_kernel`` argument picks the path it names and both paths agree, and that it fails loudly (the mixer's
+``cpp`` argument picks the path it names and both paths agree, and that it fails loudly (the mixer's
 backend registry then falls back: ``test_mixer_backends``).
 
 The tiled PyTorch path and the kernel are also both checked against the references in ``test_mixer_math`` and
@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers.common import count_calls
 
-import vit3.kernels.swiglu_cpu as swiglu_cpu
-import vit3.layers.fast_swiglu as fast
+import vit3.kernels.swiglu.cpp as swiglu_cpu
+import vit3.kernels.swiglu.eager as fast
 from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
 
 H, D = 2, 8
@@ -78,7 +78,7 @@ def test_kernel_matches_float64_reference_every_gradient(
     threads(n_threads)
     qkv, q, k, v, w1, w2 = _inputs(b, h, n, d, shared=shared)
     hyper = {"scale": 0.4, "lr": 0.8, "grad_norm": True}
-    out = fast.swiglu_ttt(q, k, v, w1, w2, cpu_kernel=True, **hyper)
+    out = fast.swiglu_ttt(q, k, v, w1, w2, cpp=True, **hyper)
     ref = _reference(q, k, v, w1, w2, **hyper)
     assert kernel_calls["n"] == 1
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
@@ -97,7 +97,7 @@ def test_saturated_gates_stay_finite_and_match_float64(kernel_calls):
     want = _grads(ref, dout, [qkv, w1, w2])
     qkv32, w1_32, w2_32 = (t.detach().float().requires_grad_() for t in (qkv, w1, w2))
     q32, k32, v32 = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in qkv32.split(H * D, dim=-1))
-    out = fast.swiglu_ttt(q32, k32, v32, w1_32, w2_32, cpu_kernel=True, **hyper)
+    out = fast.swiglu_ttt(q32, k32, v32, w1_32, w2_32, cpp=True, **hyper)
     got = _grads(out, dout.float(), [qkv32, w1_32, w2_32])
     assert kernel_calls["n"] == 1
     assert (k32.detach() @ w2_32.detach()).abs().max() > 50  # the gates really saturate
@@ -115,7 +115,7 @@ def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls
     for on in (False, True):
         before = kernel_calls["n"]
         if how == "argument":
-            out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=on)
+            out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpp=on)
         else:  # the mixer registry's backends pass the flag down
             model = create_inner_model("swiglu", H, D, TTTConfig())
             step = backends.Step("swiglu", model, (1, 30), 1 / 3, TTTConfig())
@@ -161,14 +161,14 @@ def test_ops_reject_mismatched_inputs_by_name():
 def test_forcing_the_kernel_onto_unsupported_tensors_names_the_problem():
     _, q, k, v, w1, w2 = _inputs(1, H, 6, D, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"float32/float64 CPU tensors, got torch\.bfloat16"):
-        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=True)
+        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpp=True)
 
 
 def test_a_failed_build_raises_naming_the_error(monkeypatch, kernel_calls):
     monkeypatch.setattr(swiglu_cpu, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
     _, q, k, v, w1, w2 = _inputs(2, H, 12, D)
     with pytest.raises(RuntimeError, match=r"could not be built.*no C\+\+ compiler"):
-        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=True)
+        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpp=True)
     assert kernel_calls["n"] == 0
 
 

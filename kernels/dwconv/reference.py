@@ -1,9 +1,11 @@
-"""Pure-PyTorch reference of the fused 3x3 depthwise-conv TTT step (an independent, literal formulation).
+"""The depthwise-conv op's reference: the official ViT³ 3x3 depthwise-conv inner model and its TTT step.
 
-Per sample, channel ch and tap δ of the 3x3 window (zero padding): ``E = -s v / N`` (dot loss),
-``G[ch, δ] = Σ_p E[ch, p] k[ch, p + δ]``, optionally ``G <- G / (||G[ch]|| + 1)`` (norm over the 9 taps),
-``W' = W - lr G``, output ``Σ_δ W'[ch, δ] q[ch, p + δ]``. Windows come from ``F.unfold``; autograd
-provides the backward.
+The inner model (``DWConvInner``) convolves each channel of the token grid with its own 3x3 kernel (zero
+padding), written here from the definition: ``v_hat[ch, p] = Σ_δ W[ch, δ] x[ch, p + δ]`` over the
+``F.unfold`` windows. One dot-loss step on ``(k, v)`` (``vit3.kernels.common.ttt_reference``: the inner
+gradient by autograd; the norm of ``G / (||G|| + 1)`` over each channel's 9 taps) is read out on q. Every fast
+path (``vit3.kernels.dwconv.eager``, the Triton kernels, the generic inner loop) is tested against it
+(``tests/test_op_dwconv.py``).
 """
 
 from __future__ import annotations
@@ -12,16 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .swiglu_ttt_ref import column_normalize
+from ..common import ttt_reference
 
-__all__ = ["dwconv_ttt_ref"]
+__all__ = ["dwconv", "dwconv_ttt_ref"]
 
 
-def _windows(x: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Tokens ``[B, G, N, c]`` -> 3x3 neighbourhoods ``[B, G*c, 9, N]`` (zero padded)."""
+def dwconv(x: Tensor, weight: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Per-sample depthwise 3x3 conv of tokens ``[B, G, N, c]`` (raster order on ``grid``) with kernels
+    ``[B|1, G*c, 3, 3]`` (channel ``g*c + i`` = head g, channel i) -> ``[B, G, N, c]``."""
     b, g, n, c = x.shape
-    maps = x.permute(0, 1, 3, 2).reshape(b, g * c, *grid)  # [B, G*c, h, w]; channel g*c + i
-    return F.unfold(maps, kernel_size=3, padding=1).view(b, g * c, 9, n)
+    maps = x.permute(0, 1, 3, 2).reshape(b, g * c, *grid)  # [B, G*c, h, w]
+    windows = F.unfold(maps, kernel_size=3, padding=1).view(b, g * c, 9, n)  # [B, G*c, 9 taps, N]
+    taps = weight.reshape(weight.shape[0], g * c, 9).expand(b, -1, -1)  # [B, G*c, 9]
+    out = torch.einsum("bktn,bkt->bkn", windows, taps)  # [B, G*c, N]
+    return out.view(b, g, c, n).transpose(-1, -2)
 
 
 def dwconv_ttt_ref(
@@ -35,11 +41,11 @@ def dwconv_ttt_ref(
     lr: float,
     grad_norm: bool,
 ) -> Tensor:
-    """One depthwise-conv inner step on ``(k, v)`` applied to ``q``.
+    """One depthwise-conv inner step (dot loss) on ``(k, v)`` applied to ``q``.
 
     Args:
         q, k, v: ``[B, G, N, c]`` tokens in raster order on ``grid``.
-        weight: initial kernels ``[1, G*c, 3, 3]``.
+        weight: initial kernels ``[1|B, G*c, 3, 3]``.
         grid: ``(h, w)`` with ``h * w == N``.
         scale: loss scale s.
         lr: inner learning rate.
@@ -48,13 +54,10 @@ def dwconv_ttt_ref(
     Returns:
         ``[B, G, N, c]`` in q's dtype (computed in float32 at least).
     """
-    out_dtype, ct = q.dtype, torch.promote_types(q.dtype, torch.float32)
-    q, k, v, weight = (t.to(ct) for t in (q, k, v, weight))
-    b, g, n, c = q.shape
-    e = (v * (-scale / n)).permute(0, 1, 3, 2).reshape(b, g * c, n)  # [B, G*c, N]
-    grad = torch.einsum("bktn,bkn->bkt", _windows(k, grid), e)  # [B, G*c, 9]
-    if grad_norm:
-        grad = column_normalize(grad.unsqueeze(-1)).squeeze(-1)
-    w_new = weight.reshape(1, g * c, 9) - lr * grad
-    out = torch.einsum("bktn,bkt->bkn", _windows(q, grid), w_new)  # [B, G*c, N]
-    return out.view(b, g, c, n).transpose(-1, -2).to(out_dtype)
+
+    def model(x: Tensor, w: Tensor) -> Tensor:
+        return dwconv(x, w, grid)
+
+    return ttt_reference(
+        model, (weight,), q, k, v, scale=scale, lr=lr, grad_norm=grad_norm, norm_dims=(-2, -1)
+    )

@@ -1,17 +1,22 @@
-"""Pure-PyTorch reference of the fused linear-inner-model TTT step (non-causal linear attention).
+"""The linear op's reference: one TTT step of ``v_hat = x W`` (non-causal linear attention), in plain PyTorch.
 
-Per (sample b, head g): ``E = -s v / N`` (dot loss) or ``E = s (k W - v) / N`` (MSE), ``G = kᵀE``,
-optionally ``G <- G / (||G||_col + 1)``, ``W' = W - lr G``, output ``q W'``. Autograd provides the backward.
+With the dot loss one step is ``q (W + lr (s/N) kᵀ v)`` (unnormalised), linear attention with a learnt
+initial state. The inner gradient comes from autograd (``vit3.kernels.common.ttt_reference``); the Triton
+kernels and the generic inner loop are tested against it (``tests/test_op_linear.py``).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from .swiglu_ttt_ref import column_normalize
+from ..common import ttt_reference
 
-__all__ = ["linear_ttt_ref"]
+__all__ = ["linear", "linear_ttt_ref"]
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """``x W``: tokens ``[B, G, N, c]``, weight ``[B|1, G, c, e]`` -> ``[B, G, N, e]``."""
+    return x @ w
 
 
 def linear_ttt_ref(
@@ -21,10 +26,10 @@ def linear_ttt_ref(
 
     Args:
         q, k, v: ``[B, G, N, c]`` (any strides and float dtype).
-        w: initial inner weight ``[1, G, c, c]``.
+        w: initial inner weight ``[1|B, G, c, c]``.
         scale: loss scale s.
         lr: inner learning rate.
-        grad_norm: apply the column normalisation.
+        grad_norm: apply ``G / (||G|| + 1)`` per output column.
         loss: ``"dot"`` or ``"mse"``.
 
     Returns:
@@ -32,14 +37,4 @@ def linear_ttt_ref(
     """
     if loss not in ("dot", "mse"):
         raise ValueError(f"linear_ttt_ref supports the 'dot' and 'mse' losses, got {loss!r}")
-    out_dtype, ct = q.dtype, torch.promote_types(q.dtype, torch.float32)
-    q, k, v, w = (t.to(ct) for t in (q, k, v, w))
-    coef = scale / k.shape[-2]
-    if loss == "dot":
-        e = -coef * v
-    else:
-        e = coef * (torch.einsum("bgnc,gcd->bgnd", k, w[0]) - v)
-    grad = torch.einsum("bgnc,bgnd->bgcd", k, e)
-    if grad_norm:
-        grad = column_normalize(grad)
-    return torch.einsum("bgnc,bgcd->bgnd", q, w - lr * grad).to(out_dtype)
+    return ttt_reference(linear, (w,), q, k, v, scale=scale, lr=lr, grad_norm=grad_norm, loss=loss)

@@ -1,0 +1,3 @@
+"""The 3x3 depthwise-conv op (the official ViT³ second branch): ``reference`` (the one definition),
+``eager`` (the closed form, one native convolution call per stage) and the Triton kernels
+(``vit3.kernels.triton_op``)."""

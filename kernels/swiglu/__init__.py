@@ -1,0 +1,3 @@
+"""The SwiGLU op (the official ViT³ inner model): ``reference`` (the one definition), ``eager`` (the tiled
+PyTorch path with a hand-written backward) and ``cpp`` (its passes in the C++ CPU kernel, ``csrc/``); the
+Triton kernels are ``vit3.kernels.triton_op`` (shared with the linear op)."""
