@@ -8,6 +8,8 @@ import torch
 import vit3.kernels as kernels
 from helpers.common import max_rel_err as _max_rel_err
 from vit3.kernels.reference import reference_ttt
+from vit3.layers import TTTMixer, apply_rope_2d
+from vit3.layers.config import GRID_MODELS
 
 SCALE = 9**-0.5
 # The compiled kernels on a GPU; the interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 there).
@@ -70,3 +72,23 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def reference_mixer(mixer: TTTMixer, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """``mixer`` (one full-batch step, fixed lr, bare inner models of the ops) recomputed with the op references
+    (``vit3.kernels.reference.reference_ttt``) between its own qkv and output projections: ``[B, N, C]``."""
+    b, n, _ = x.shape
+    cfg = mixer.cfg
+    pieces = mixer.qkv(x).split([w for w in mixer.widths for _ in range(3)], dim=-1)
+    outs = []
+    for i, ((name, heads), model) in enumerate(zip(mixer.branch_specs, mixer.inner)):
+        q, k, v = pieces[3 * i : 3 * i + 3]
+        if cfg.rope and name not in GRID_MODELS:
+            q, k = (apply_rope_2d(t, grid, cfg.rope_base) for t in (q, k))
+        q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))  # [B, G, N, c]
+        y = reference_ttt(
+            name, q, k, v, model.initial_params(), grid=grid, scale=mixer.scale, lr=cfg.inner_lr,
+            grad_norm=cfg.grad_norm, loss=cfg.loss,
+        )  # fmt: skip
+        outs.append(y.transpose(1, 2).reshape(b, n, -1))
+    return mixer.proj(torch.cat(outs, dim=-1))
