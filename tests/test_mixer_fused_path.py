@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 import vit3.kernels.swiglu.eager as fast
 import vit3.layers.eager_mix as eager_mix
 import vit3.layers.ttt as ttt
-from vit3.kernels.dwconv.eager import dwconv_backward, fold_batch
+from vit3.kernels.dwconv.eager import fold_batch
 from vit3.layers import TTTMixer
 
 GRID = (5, 7)
@@ -154,16 +154,3 @@ def test_depthwise_maps_fold_the_batch_into_channels_last_and_back():
     dest = torch.zeros(b, h * w, 3 * c)[..., c : 2 * c]
     eager_mix._from_map(m, dest)
     torch.testing.assert_close(dest, tokens, rtol=0, atol=0)
-
-
-def test_one_sample_depthwise_backward_stays_channels_last_and_matches_nchw():
-    """A one-sample map keeps its layout: reshaping it would lose channels-last (and cost two NCHW copies)."""
-    c, (h, w) = 6, GRID
-    grad_out, x = (torch.randn(1, c, h, w, dtype=torch.float64) for _ in range(2))
-    weight = torch.randn(1, c, 3, 3, dtype=torch.float64)
-    cl = [t.contiguous(memory_format=torch.channels_last) for t in (grad_out, x)]
-    gx, gw = dwconv_backward(*cl, weight)
-    assert gx.is_contiguous(memory_format=torch.channels_last)
-    gx_ref, gw_ref = dwconv_backward(grad_out, x, weight)
-    torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(gw, gw_ref, rtol=1e-12, atol=1e-12)
