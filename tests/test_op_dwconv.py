@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.common import load_benchmark
+from helpers.ops import assert_matches_reference
 
 from vit3.kernels.dwconv.eager import dwconv_backward
 from vit3.kernels.dwconv.reference import dwconv, dwconv_ttt_ref
@@ -132,14 +133,7 @@ def test_fast_path_output_and_every_gradient_match_reference(path, setting, grid
     qkv, q, k, v, w = _inputs(2, grid, 16, shared=shared)
     hyper = SETTINGS[setting]
     out = PATHS[path](q, k, v, w, grid, **hyper)
-    ref = dwconv_ttt_ref(q, k, v, w, grid, **hyper)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    dout = torch.randn_like(ref)
-    got = torch.autograd.grad((out * dout).sum(), [qkv, w])
-    want = torch.autograd.grad((ref * dout).sum(), [qkv, w])
-    for name, g, g_ref in zip(["q", "k", "v"], got[0].chunk(3, -1), want[0].chunk(3, -1)):
-        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
-    torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-12, msg="gradient of the kernels")
+    assert_matches_reference(out, dwconv_ttt_ref(q, k, v, w, grid, **hyper), qkv, {"weight": w})
 
 
 # ---------------------------------------------------------------------------------------------- the eager path

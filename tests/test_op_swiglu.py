@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 from helpers.common import count_calls, load_benchmark
+from helpers.ops import assert_matches_reference
 
 import vit3.kernels.swiglu.cpp as swiglu_cpu
 import vit3.kernels.swiglu.eager as fast
@@ -129,14 +130,7 @@ def test_fast_path_output_and_every_gradient_match_reference(path, setting, shar
     qkv, q, k, v, w1, w2 = _inputs(2, H, 35, 16, shared=shared)
     hyper = SETTINGS[setting]
     out = PATHS[path](q, k, v, w1, w2, **hyper)
-    ref = swiglu_ttt_ref(q, k, v, w1, w2, **hyper)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    dout = torch.randn_like(ref)
-    got, want = _grads(out, dout, [qkv, w1, w2]), _grads(ref, dout, [qkv, w1, w2])
-    for name, g, g_ref in zip(["q", "k", "v"], got[0].chunk(3, -1), want[0].chunk(3, -1)):
-        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
-    for name, g, g_ref in zip(["w1", "w2"], got[1:], want[1:]):
-        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
+    assert_matches_reference(out, swiglu_ttt_ref(q, k, v, w1, w2, **hyper), qkv, {"w1": w1, "w2": w2})
 
 
 @pytest.mark.parametrize(
@@ -157,15 +151,9 @@ def test_eager_tilings_equal_the_reference(monkeypatch, tile_bytes, grad_norm, s
         torch.randn(1 if shared_weights else b, h, d, d, dtype=torch.float64, requires_grad=True)
         for _ in range(2)
     )
-    dout = torch.randn(b, h, n, d, dtype=torch.float64)
     hyper = {"scale": 0.4, "lr": 0.8, "grad_norm": grad_norm}
     out = fast.swiglu_ttt(q, k, v, w1, w2, cpp=cpp, **hyper)
-    ref = swiglu_ttt_ref(q, k, v, w1, w2, **hyper)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    got = torch.autograd.grad((out * dout).sum(), [qkv, w1, w2])
-    want = torch.autograd.grad((ref * dout).sum(), [qkv, w1, w2])
-    for name, g, g_ref in zip(["qkv", "w1", "w2"], got, want):
-        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
+    assert_matches_reference(out, swiglu_ttt_ref(q, k, v, w1, w2, **hyper), qkv, {"w1": w1, "w2": w2})
 
 
 # --------------------------------------------------------------------------------------------- the C++ kernel

@@ -92,3 +92,19 @@ def reference_mixer(mixer: TTTMixer, x: torch.Tensor, grid: tuple[int, int]) -> 
         )  # fmt: skip
         outs.append(y.transpose(1, 2).reshape(b, n, -1))
     return mixer.proj(torch.cat(outs, dim=-1))
+
+
+def assert_matches_reference(
+    out: torch.Tensor, ref: torch.Tensor, qkv: torch.Tensor, weights: dict[str, torch.Tensor]
+) -> None:
+    """A fast path's read-out ``out`` against the reference's ``ref`` (float64: rtol 1e-12), and the gradients
+    of q, k, v (the three thirds of the ``qkv`` gradient) and of each weight (rtol 1e-10), each named."""
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(ref)
+    leaves = [qkv, *weights.values()]
+    got = torch.autograd.grad((out * dout).sum(), leaves)
+    want = torch.autograd.grad((ref * dout).sum(), leaves)
+    names = ["q", "k", "v", *weights]
+    pairs = zip(names, [*got[0].chunk(3, -1), *got[1:]], [*want[0].chunk(3, -1), *want[1:]])
+    for name, g, g_ref in pairs:
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
