@@ -6,7 +6,8 @@ tested against) and beside it its fast paths: ``swiglu.eager`` (tiled PyTorch, h
 ``swiglu.cpp`` (the C++ CPU kernel of its passes), ``dwconv.eager`` (the closed form in native convolution
 calls). The Triton kernels of all three are shared: ``triton_op`` (custom ops, autograd, launch set-up) over
 ``triton_kernels``. ``common`` holds what all ops share (the gradient normalisation, the step, the reference
-step). The mixer's backend registry (``vit3.layers.backends``) decides which path runs.
+step). Each op declares its fast paths (``<op>.PATHS``); the mixer's backend registry
+(``vit3.layers.backends``) builds its backends' inner-model lists from them and decides which path runs.
 
 Triton is imported only when a Triton name is used (``vit3.kernels.triton_ttt``, ``fits_device`` ...), so
 the references and the C++ kernel load without it.
@@ -16,9 +17,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import dwconv, linear, swiglu
 from .dwconv.reference import dwconv_ttt_ref
 from .linear.reference import linear_ttt_ref
 from .swiglu.reference import swiglu_ttt_ref
+
+# The ops, each with its reference and the fast paths it declares (``<op>.PATHS``).
+OPS = {"swiglu": swiglu, "linear": linear, "dwconv": dwconv}
+
+
+def ops_with(path: str) -> tuple[str, ...]:
+    """The ops that declare fast path ``path`` (``"triton"``, ``"cpp"``, ``"eager"``), in ``OPS`` order."""
+    return tuple(name for name, op in OPS.items() if path in op.PATHS)
+
 
 # Names of ``triton_op`` re-exported here, imported (with Triton) on first use.
 _TRITON_NAMES = (
@@ -35,7 +46,7 @@ _TRITON_NAMES = (
     "triton_ttt",
 )
 
-__all__ = ["dwconv_ttt_ref", "linear_ttt_ref", "swiglu_ttt_ref", *_TRITON_NAMES]
+__all__ = ["OPS", "dwconv_ttt_ref", "linear_ttt_ref", "ops_with", "swiglu_ttt_ref", *_TRITON_NAMES]
 
 
 def __getattr__(name: str) -> Any:

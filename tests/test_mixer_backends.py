@@ -530,3 +530,16 @@ def test_cli_runs_as_a_module_and_rejects_bad_arguments():
     assert json.loads(proc.stdout)["model"] == "test_vit3_ttt"
     with pytest.raises(SystemExit):
         cli_main(["test_vit3_ttt", "--dtype", "fp8"])
+
+
+def test_backends_implement_exactly_the_ops_that_declare_their_path():
+    """Each op under ``kernels/`` declares its fast paths; the registry's inner-model lists follow them, and the
+    Triton op and the eager node serve exactly those ops."""
+    import vit3.kernels as kernels
+    from vit3.kernels import triton_op
+    from vit3.layers.eager_mix import KINDS
+
+    assert reg.BACKENDS["triton"].models == kernels.ops_with("triton") == tuple(triton_op.TRITON_LOSSES)
+    assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpp") == ("swiglu",)
+    assert reg.BACKENDS["eager"].models == kernels.ops_with("eager") == KINDS == ("swiglu", "dwconv")
+    assert reg.BACKENDS["generic"].models is None

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from vit3.kernels import ops_with
 from vit3.kernels.common import weight_grad
 from vit3.kernels.dwconv import eager as dwconv_eager
 from vit3.kernels.swiglu.eager import SwiGLUSaved, swiglu_backward, swiglu_forward
@@ -32,7 +33,7 @@ from .rope import apply_rope_2d
 
 __all__ = ["KINDS", "MixBranch", "MixPlan", "eager_mix"]
 
-KINDS = ("swiglu", "dwconv")
+KINDS = ops_with("eager")  # ("swiglu", "dwconv"): the ops that declare an eager path
 
 
 class MixBranch(NamedTuple):

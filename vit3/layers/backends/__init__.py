@@ -1,7 +1,8 @@
 """Which implementation runs each branch of a TTT mixer, and why: the one place that decides.
 
-A *backend* is one implementation of a branch's inner loop + read-out. Each declares the inner models it
-implements, ``supports(branch, cfg, x) -> (ok, reason)`` and a priority per device type:
+A *backend* is one implementation of a branch's inner loop + read-out. It implements the ops that declare its
+fast path (``vit3.kernels.<op>.PATHS``, read through ``vit3.kernels.ops_with``) and has
+``supports(branch, cfg, x) -> (ok, reason)`` and a priority per device type:
 
 ========  ==========================================================  ===========================
 backend   what runs                                                   auto order
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from vit3.kernels import ops_with
 from vit3.kernels.swiglu.eager import swiglu_ttt
 
 from ..eager_mix import KINDS, MixBranch, MixPlan, eager_mix
@@ -357,7 +359,7 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             "triton",
             what="the Triton kernels",
-            models=("swiglu", "linear", "dwconv"),
+            models=ops_with("triton"),
             priority={"cuda": 3},
             supports=_triton_supports,
             run=_run_triton,
@@ -366,7 +368,7 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             "cpu",
             what="the C++ CPU kernel",
-            models=("swiglu",),
+            models=ops_with("cpp"),
             priority={"cpu": 3},
             supports=_cpu_supports,
             run=_run_eager(cpp=True),
