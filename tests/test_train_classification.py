@@ -114,7 +114,8 @@ def test_finetune_to_a_different_class_count(trained, tmp_path):
             assert torch.equal(v, source[k]), k
     summary = run(cfg, "train")
     assert read_ckpt(tmp_path / "ft" / "last.pt")["num_classes"] == 3
-    assert summary["final"]["val_top1"] >= 0.0
+    # measured 83.3% on the 30 val images; chance is 33.3% (a chance-level model's std: 8.6 points)
+    assert summary["final"]["val_top1"] > 60.0
 
 
 def test_finetune_from_an_official_format_file(digits, tmp_path):
@@ -136,13 +137,14 @@ def test_finetune_from_an_official_format_file(digits, tmp_path):
         weights[k] = v
     torch.save({"model": weights, "epoch": 299}, tmp_path / "official.pth")
     cfg = tiny_cfg(
-        digits, tmp_path / "ft", "model.name=test_vit3_ttt", f"model.kwargs={kwargs}", "train.epochs=1",
+        digits, tmp_path / "ft", "model.name=test_vit3_ttt", f"model.kwargs={kwargs}", "train.epochs=8", "train.base_lr=4e-3",
         f"model.pretrained={tmp_path / 'official.pth'}",
     )  # fmt: skip
     model, _ = build_model(cfg, 4, cfg.model.pretrained)
     assert model.get_classifier().out_features == 4
     assert torch.equal(model.blocks[1].attn.inner[0].w1, source.blocks[1].attn.inner[0].w1)
-    assert run(cfg, "train")["final"]["val_top1"] >= 0.0
+    # measured 57% on the 100 val images after 8 epochs; chance is 25% (std of a chance-level model: 4.3)
+    assert run(cfg, "train")["final"]["val_top1"] > 40.0
 
 
 def test_finetune_from_another_model_names_the_mismatched_keys(trained, tmp_path):
@@ -185,9 +187,9 @@ def test_corrupt_image_error_names_file_and_skip_warns(digits, tmp_path):
         run(tiny_cfg(root, tmp_path / "out", "train.epochs=1"), "train")
     with pytest.warns(UserWarning, match=r"skipping corrupt image file .*0003\.png"):
         summary = run(
-            tiny_cfg(root, tmp_path / "out2", "train.epochs=1", "data.corrupt_images=skip"), "train"
+            tiny_cfg(root, tmp_path / "out2", "train.epochs=3", "data.corrupt_images=skip"), "train"
         )
-    assert summary["final"]["val_top1"] >= 0.0
+    assert summary["final"]["val_top1"] > 60.0  # learns without the skipped image: measured 92%, chance 25%
 
 
 def test_unknown_config_key_exits_with_close_matches(capsys):
@@ -202,8 +204,8 @@ def test_torchrun_two_processes_agree(digits, tmp_path):
     out = tmp_path / "ddp"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-        "data.dataset=folder", f"data.path={digits}", f"output={out}", "data.batch_size=10", "train.epochs=1",
-        "train.progress=false", *TINY_MODEL,
+        "data.dataset=folder", f"data.path={digits}", f"output={out}", "data.batch_size=10", "train.epochs=3",
+        "train.progress=false", *TINY_MODEL, "train.base_lr=2e-3", "train.lr_batch=20", "train.warmup_epochs=0",
         "train.ema=true", "aug.mixup=0.8",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -215,9 +217,10 @@ def test_torchrun_two_processes_agree(digits, tmp_path):
     # each rank's SHA-1 of its final weights, compared in the run: equal, and the weights it saved
     assert summary["rank_weights_sha1"] == [saved_weights_sha1(ckpt)] * 2
     assert len(ckpt["rng"]) == 2  # one RNG state per rank
-    # 240 images / (2 ranks x 10) = 12 optimizer steps, and every val image counted once
-    assert ckpt["global_step"] == 12
-    assert json.loads((out / "metrics.json").read_text())[0]["val_top1"] >= 0.0
+    # 240 images / (2 ranks x 10) = 12 optimizer steps per epoch, and every val image counted once
+    assert ckpt["global_step"] == 36
+    # both ranks learnt together: measured 82% on the 100 val images (each counted once); chance is 25%
+    assert json.loads((out / "metrics.json").read_text())[-1]["val_top1"] > 50.0
 
 
 @pytest.mark.slow
