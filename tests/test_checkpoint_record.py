@@ -100,7 +100,7 @@ def test_keep_head_keeps_the_classifier_and_its_class_names(pretrained, digits, 
     from vit3.engine.distributed import distributed
 
     with distributed("cpu", "auto") as info:
-        run_, _ = _setup(cfg, info)
+        run_ = _setup(cfg, info)
     assert run_.classes == ["digit_0", "digit_1", "digit_2", "digit_3"] and run_.num_classes == 4
     assert sorted(set(run_.wrapped.dataset.targets)) == [1, 3]
     assert torch.equal(run_.model.head.weight, read_ckpt(pretrained)["model"]["head.weight"])

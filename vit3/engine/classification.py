@@ -53,22 +53,26 @@ from .checkpoint import (
 )
 from .common import (
     Progress,
+    TrainRun,
     amp_dtype,
     autocast,
-    check_ranks_agree,
     check_resume,
     check_resume_task,
+    in_process_group,
     log,
+    log_row,
     optimizer_step,
     restore_rng,
     resume_path,
+    run_epochs,
+    run_summary,
     save_state,
     seed_process,
     set_threads,
     wrap_ddp,
 )
 from .config import Config, ConfigError, run_metadata, save_config
-from .distributed import DistInfo, distributed, sum_tensor
+from .distributed import DistInfo, sum_tensor
 from .metrics import plot_curves, write_metrics
 from .optim import build_optimizer, build_scheduler, scaled_lrs
 
@@ -282,16 +286,7 @@ class _Progress(Progress):
 
 
 @dataclass
-class _Run:
-    cfg: Config
-    info: DistInfo
-    model: nn.Module  # unwrapped
-    net: nn.Module  # DDP-wrapped or the model itself
-    ema: ModelEmaV3 | None
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: torch.amp.GradScaler
-    amp_dtype: torch.dtype | None
+class _Run(TrainRun):
     mixup: Any
     loader: Any
     wrapped: Any
@@ -314,11 +309,7 @@ def _state(run: _Run) -> dict[str, Any]:
         "model_kwargs": dict(run.cfg.model.kwargs),
         "num_classes": run.num_classes,
         "classes": list(run.classes),
-        "model": run.model.state_dict(),
-        "ema": run.ema.module.state_dict() if run.ema is not None else None,
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "scaler": run.scaler.state_dict(),
+        **run.training_state(),
         **p.counters(),
         "epoch_loss": (p.loss_sum, p.loss_count),
         "best_top1": p.best_top1,
@@ -334,22 +325,15 @@ def _save(run: _Run, name: str) -> Path:
 
 def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
     check_resume_task(ckpt, "classification", source)
-    load_model_weights(run.model, ckpt, source=source)
-    if run.ema is not None:
-        if ckpt.get("ema") is None:
-            raise ConfigError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
-        run.ema.module.load_state_dict(ckpt["ema"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
     schedule = ("epochs", "warmup_epochs", "base_lr", "warmup_lr", "min_lr", "lr_batch", "accum_steps")
     before = ckpt["config"].get("train", {})
-    if all(before.get(k) == run.cfg.train[k] for k in schedule):
-        run.scheduler.load_state_dict(ckpt["scheduler"])
-    else:  # e.g. more epochs: the lr schedule follows the new config from the restored step on
+    same_schedule = all(before.get(k) == run.cfg.train[k] for k in schedule)
+    run.load_training_state(ckpt, source, scheduler=same_schedule)
+    if not same_schedule:  # e.g. more epochs: the new config's schedule applies from the restored step on
         log(
             run.info,
             f"note: the lr schedule settings differ from {source}; the new config's schedule applies",
         )
-    run.scaler.load_state_dict(ckpt["scaler"])
     p = run.progress
     p.restore(ckpt)
     p.loss_sum, p.loss_count = ckpt["epoch_loss"]
@@ -362,7 +346,8 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
     p.roll_over(run.batches_per_epoch)
 
 
-def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
+def _setup(cfg: Config, info: DistInfo) -> _Run:
+    """The run of ``cfg`` (resumed from ``train.resume`` when set), its config saved in the output folder."""
     _check_train_cfg(cfg)
     set_threads(cfg)
     seed_process(cfg, info)
@@ -465,7 +450,11 @@ def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
             info,
             f"resumed from {resume}: epoch {run.progress.epoch + 1}, batch {run.progress.batch_in_epoch}, step {run.progress.global_step}",
         )
-    return run, ckpt
+    if info.is_main:
+        save_config(cfg, out)
+    if ckpt is not None:
+        restore_rng(ckpt, info)  # last: building the run drew on the RNGs
+    return run
 
 
 @contextlib.contextmanager
@@ -573,24 +562,18 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
         _save(run, "best.pt")
     if run.info.is_main:
         write_metrics(p.history, run.out)
-        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-        log(run.info, shown)
+        log_row(run.info, row)
     return row
 
 
 def train(cfg: Config) -> dict[str, Any]:
     """Trains ``cfg`` (see module docstring) and returns the run summary (also in ``<output>/summary.json``)."""
-    with distributed(cfg.device, cfg.dist.backend) as info:
-        return _train(cfg, info)
+    return in_process_group(cfg, _train)
 
 
 def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     start = time.perf_counter()
-    run, ckpt = _setup(cfg, info)
-    if info.is_main:
-        save_config(cfg, run.out)
-    if ckpt is not None:
-        restore_rng(ckpt, info)
+    run = _setup(cfg, info)
     p = run.progress
     run_bar = None
     if cfg.train.progress == "run":  # one bar for the whole run instead of one per epoch
@@ -599,24 +582,17 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
             desc=Path(cfg.output).name, disable=not info.is_main, dynamic_ncols=True, file=sys.stdout,
         )  # fmt: skip
     try:
-        while p.epoch < cfg.train.epochs:
-            tick, batch0 = time.perf_counter(), p.batch_in_epoch
-            _train_epoch(run, run_bar)
-            images = (run.batches_per_epoch - batch0) * cfg.data.batch_size * info.world
-            _finish_epoch(run, time.perf_counter() - tick, images)
+        run_epochs(
+            run, p, run.batches_per_epoch, lambda: _train_epoch(run, run_bar),
+            lambda seconds, images: _finish_epoch(run, seconds, images),
+        )  # fmt: skip
     finally:
         if run_bar is not None:
             run_bar.close()
-    digests = check_ranks_agree(run.model)
     summary = {
-        "output": str(run.out),
-        "last": str(run.out / "last.pt"),
+        **run_summary(run, run.out, p.history),
         "best": str(run.out / "best.pt") if cfg.train.keep_best else None,
-        "final": p.history[-1] if p.history else {},
         "best_top1": p.best_top1,
-        "world_size": info.world,
-        "rank_weights_sha1": digests,  # compared by check_ranks_agree: one per rank, all equal
-        "weights_sha1": digests[0],
         "wall_time_s": round(time.perf_counter() - start, 1),
     }
     if info.is_main:
@@ -674,8 +650,7 @@ def evaluate(cfg: Config) -> dict[str, Any]:
     Returns (and writes as JSON): params, and per resolution top-1/top-5/loss, images/s, peak memory
     and fvcore FLOPs (per image).
     """
-    with distributed(cfg.device, cfg.dist.backend) as info:
-        return _evaluate(cfg, info)
+    return in_process_group(cfg, _evaluate)
 
 
 def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:

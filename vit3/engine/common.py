@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import random
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,26 +31,31 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .checkpoint import get_rng_state, resume_differences, save_checkpoint, set_rng_state
+from .checkpoint import get_rng_state, load_model_weights, resume_differences, save_checkpoint, set_rng_state
 from .config import Config, ConfigError
-from .distributed import DistInfo, all_gather_objects, barrier
+from .distributed import DistInfo, all_gather_objects, barrier, distributed
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
 
 __all__ = [
     "AMP_MODES",
     "Progress",
+    "TrainRun",
     "amp_dtype",
     "autocast",
     "check_ranks_agree",
     "check_resume",
     "check_resume_task",
     "checkpoint_task",
+    "in_process_group",
     "log",
+    "log_row",
     "optimizer_step",
     "param_digest",
     "restore_rng",
     "resume_path",
+    "run_epochs",
+    "run_summary",
     "save_state",
     "seed_process",
     "set_threads",
@@ -61,6 +67,17 @@ def log(info: DistInfo, msg: str) -> None:
     """Prints ``msg`` on rank 0 (through tqdm, so that progress bars stay intact)."""
     if info.is_main:
         tqdm.write(msg, file=sys.stdout)
+
+
+def log_row(info: DistInfo, row: dict[str, Any]) -> None:
+    """Logs a metrics row as ``key value`` pairs (floats to 4 significant digits)."""
+    log(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+
+
+def in_process_group(cfg: Config, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(cfg, *args, info)`` inside the run's process group (``torchrun``; one process otherwise)."""
+    with distributed(cfg.device, cfg.dist.backend) as info:
+        return fn(cfg, *args, info)
 
 
 def set_threads(cfg: Config) -> None:
@@ -153,6 +170,48 @@ class Progress:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
 
+@dataclass
+class TrainRun:
+    """What every epoch-based training run holds (engines extend it with their data and task state)."""
+
+    cfg: Config
+    info: DistInfo
+    model: nn.Module  # unwrapped
+    net: nn.Module  # DDP-wrapped or the model itself
+    ema: Any  # timm ModelEmaV3 or None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None
+
+    def training_state(self) -> dict[str, Any]:
+        """The weights (model, EMA) and the optimizer, scheduler and scaler states, for a checkpoint."""
+        return {
+            "model": self.model.state_dict(),
+            "ema": self.ema.module.state_dict() if self.ema is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_training_state(self, ckpt: Mapping[str, Any], source: str, scheduler: bool = True) -> None:
+        """Restores :meth:`training_state` from ``ckpt`` (the scheduler's only with ``scheduler``).
+
+        Raises:
+            ConfigError: the run has an EMA and ``ckpt`` holds none.
+            CheckpointMismatchError: the weights are another model's.
+        """
+        load_model_weights(self.model, ckpt, source=source)
+        if self.ema is not None:
+            if ckpt.get("ema") is None:
+                raise ConfigError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
+            self.ema.module.load_state_dict(ckpt["ema"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        if scheduler:
+            self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+
+
 def resume_path(cfg: Config, out: Path) -> str:
     """The checkpoint ``train.resume`` names (``auto``: ``<output>/last.pt`` if it exists), or ""."""
     resume = cfg.train.resume or ""
@@ -243,3 +302,33 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     if ema is not None:
         ema.update(model)
+
+
+def run_epochs(
+    run: TrainRun,
+    progress: Progress,
+    batches_per_epoch: int,
+    train_epoch: Callable[[], None],
+    finish_epoch: Callable[[float, int], Any],
+) -> None:
+    """Runs the epochs left (``train.epochs``): ``train_epoch()`` from the batch ``progress`` stands at, then
+    ``finish_epoch(seconds, images)`` with the epoch's time and the images it trained on (all ranks)."""
+    cfg = run.cfg
+    while progress.epoch < cfg.train.epochs:
+        tick, batch0 = time.perf_counter(), progress.batch_in_epoch
+        train_epoch()
+        images = (batches_per_epoch - batch0) * int(cfg.data.batch_size) * run.info.world
+        finish_epoch(time.perf_counter() - tick, images)
+
+
+def run_summary(run: TrainRun, out: Path, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary fields every engine reports (collective: the ranks' weights are compared first)."""
+    digests = check_ranks_agree(run.model)
+    return {
+        "output": str(out),
+        "last": str(out / "last.pt"),
+        "final": history[-1] if history else {},
+        "world_size": run.info.world,
+        "rank_weights_sha1": digests,  # compared by check_ranks_agree: one per rank, all equal
+        "weights_sha1": digests[0],
+    }

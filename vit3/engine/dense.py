@@ -54,6 +54,7 @@ from .common import (
     autocast,
     check_resume,
     check_resume_task,
+    in_process_group,
     log,
     optimizer_step,
     restore_rng,
@@ -310,8 +311,7 @@ def train(cfg: Config) -> dict[str, Any]:
         ``{"history": [...], "final": metrics of the last evaluation, "losses": per-step total losses}``.
     """
     d = _dense(cfg)
-    with distributed(cfg.device, cfg.dist.backend) as dist_info:
-        return _train(cfg, d, dist_info)
+    return in_process_group(cfg, _train, d)
 
 
 @dataclass

@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 from timm.utils import ModelEmaV3
-from torch import nn
 from tqdm import tqdm
 
 from ..data import build_datasets, build_train_loader
@@ -47,21 +46,25 @@ from ..tasks.diffusion import SAMPLERS, GaussianDiffusion, LatentAutoencoder
 from .checkpoint import load_checkpoint, load_model_weights, peek_vit3_checkpoint
 from .common import (
     Progress,
+    TrainRun,
     amp_dtype,
     autocast,
-    check_ranks_agree,
     check_resume_task,
+    in_process_group,
     log,
+    log_row,
     optimizer_step,
     restore_rng,
     resume_path,
+    run_epochs,
+    run_summary,
     save_state,
     seed_process,
     set_threads,
     wrap_ddp,
 )
 from .config import Config, ConfigError, run_metadata, save_config
-from .distributed import DistInfo, barrier, distributed
+from .distributed import DistInfo, barrier
 from .metrics import plot_series, write_metrics
 from .optim import build_optimizer, build_scheduler, scaled_lrs
 
@@ -155,16 +158,8 @@ class _Progress(Progress):
 
 
 @dataclass
-class _Run:
-    cfg: Config
-    info: DistInfo
+class _Run(TrainRun):
     model: DiT3
-    net: nn.Module
-    ema: ModelEmaV3 | None
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: torch.amp.GradScaler
-    amp_dtype: torch.dtype | None
     diffusion: GaussianDiffusion
     vae: LatentAutoencoder | None
     loader: Any
@@ -186,11 +181,7 @@ def _state(run: _Run) -> dict[str, Any]:
         "model_kwargs": dict(run.model_kwargs),
         "num_classes": run.model.num_classes,
         "classes": list(run.classes),
-        "model": run.model.state_dict(),
-        "ema": run.ema.module.state_dict() if run.ema is not None else None,
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "scaler": run.scaler.state_dict(),
+        **run.training_state(),
         **p.counters(),
         "epoch_loss": {"sums": dict(p.sums), "count": p.count, "window": dict(p.window)},
         "history": p.history,
@@ -206,14 +197,7 @@ def _save(run: _Run, name: str) -> Path:
 
 def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
     check_resume_task(ckpt, "generation", source)
-    load_model_weights(run.model, ckpt, source=source)
-    if run.ema is not None:
-        if ckpt.get("ema") is None:
-            raise ValueError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
-        run.ema.module.load_state_dict(ckpt["ema"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.scheduler.load_state_dict(ckpt["scheduler"])
-    run.scaler.load_state_dict(ckpt["scaler"])
+    run.load_training_state(ckpt, source)
     p, loss = run.progress, ckpt["epoch_loss"]
     p.restore(ckpt)
     p.sums, p.count, p.window = dict(loss["sums"]), int(loss["count"]), dict(loss["window"])
@@ -221,7 +205,8 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
     p.roll_over(run.batches_per_epoch)
 
 
-def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
+def _setup(cfg: Config, info: DistInfo) -> _Run:
+    """The run of ``cfg`` (resumed from ``train.resume`` when set), its config saved in the output folder."""
     _check_cfg(cfg, sampling=bool(cfg.train.final_eval))
     set_threads(cfg)
     seed_process(cfg, info)
@@ -281,7 +266,11 @@ def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
             info,
             f"resumed from {resume}: epoch {p.epoch + 1}, batch {p.batch_in_epoch}, step {p.global_step}",
         )
-    return run, ckpt
+    if info.is_main:
+        save_config(cfg, out)
+    if ckpt is not None:
+        restore_rng(ckpt, info)  # last: building the run drew on the RNGs
+    return run
 
 
 def _add(acc: dict[str, float], terms: dict[str, float]) -> None:
@@ -373,42 +362,24 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
     if run.info.is_main:
         write_metrics(p.history, run.out)
         _plot(run)
-        log(
-            run.info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-        )
+        log_row(run.info, row)
     return row
 
 
 def train(cfg: Config) -> dict[str, Any]:
     """Trains ``cfg`` (see the module docstring); returns the run summary (also ``<output>/summary.json``)."""
-    with distributed(cfg.device, cfg.dist.backend) as info:
-        return _train(cfg, info)
+    return in_process_group(cfg, _train)
 
 
 def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     start = time.perf_counter()
-    run, ckpt = _setup(cfg, info)
-    if info.is_main:
-        save_config(cfg, run.out)
-    if ckpt is not None:
-        restore_rng(ckpt, info)
+    run = _setup(cfg, info)
     p = run.progress
-    while p.epoch < cfg.train.epochs:
-        tick, batch0 = time.perf_counter(), p.batch_in_epoch
-        _train_epoch(run)
-        images = (run.batches_per_epoch - batch0) * int(cfg.data.batch_size) * info.world
-        _finish_epoch(run, time.perf_counter() - tick, images)
-    digests = check_ranks_agree(run.model)
-    train_time = time.perf_counter() - start
-    summary: dict[str, Any] = {
-        "output": str(run.out),
-        "last": str(run.out / "last.pt"),
-        "final": p.history[-1] if p.history else {},
-        "world_size": info.world,
-        "rank_weights_sha1": digests,  # compared by check_ranks_agree: one per rank, all equal
-        "weights_sha1": digests[0],
-        "train_time_s": round(train_time, 1),
-    }
+    run_epochs(
+        run, p, run.batches_per_epoch, lambda: _train_epoch(run), lambda s, n: _finish_epoch(run, s, n)
+    )
+    summary: dict[str, Any] = run_summary(run, run.out, p.history)
+    summary["train_time_s"] = round(time.perf_counter() - start, 1)
     if info.is_main:
         curves = _plot(run)
         summary["curves"] = str(curves) if curves else None
@@ -618,8 +589,7 @@ def _default_out(cfg: Config, path: str) -> Path:
 def evaluate(cfg: Config) -> dict[str, Any]:
     """Samples from ``eval.checkpoint`` (a vit3 generation checkpoint or an official DiT³ file with
     ``model.name`` set) and evaluates the samples (see the module docstring); returns the report."""
-    with distributed(cfg.device, cfg.dist.backend) as info:
-        return _evaluate(cfg, info)
+    return in_process_group(cfg, _evaluate)
 
 
 def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
