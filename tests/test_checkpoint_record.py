@@ -29,12 +29,6 @@ DEMO_KWARGS = "model.kwargs={img_size: 32, in_chans: 1, dims: [16, 32, 48, 64], 
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    """Real MNIST digits 0-3: 60 train / 25 val per class."""
-    return make_digit_folder(tmp_path_factory.mktemp("digits"), n_train=60, n_val=25)
-
-
-@pytest.fixture(scope="module")
 def pretrained(digits, tmp_path_factory):
     """A small one-channel H-ViT³ trained on the digit folder (what `python train.py` gives, in miniature)."""
     out = tmp_path_factory.mktemp("pretrained")

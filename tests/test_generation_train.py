@@ -19,7 +19,6 @@ from helpers.train import (
     assert_same_tensors,
     crash_after_checkpoint,
     load_script,
-    make_digit_folder,
     read_ckpt,
     saved_weights_sha1,
     tiny_cfg,
@@ -30,12 +29,6 @@ from vit3.engine.cli import USER_ERROR_EXIT
 from vit3.engine.generation_metrics import classifier_metrics, inception_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    """Real MNIST digits 0-3 as an image folder: 60 train / 25 val images per class (12 steps of 20)."""
-    return make_digit_folder(tmp_path_factory.mktemp("digits"))
 
 
 @pytest.fixture(scope="module")

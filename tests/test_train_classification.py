@@ -31,12 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    """Real MNIST digits 0-3 as an image folder: 60 train / 25 val images per class."""
-    return make_digit_folder(tmp_path_factory.mktemp("digits"))
-
-
-@pytest.fixture(scope="module")
 def trained(digits, tmp_path_factory):
     """One short run shared by the tests that need a checkpoint: 3 epochs x 12 steps, EMA on."""
     out = tmp_path_factory.mktemp("run")

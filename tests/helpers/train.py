@@ -45,24 +45,25 @@ def make_digit_folder(
     return root
 
 
+def short_run(data_root: Path, out: Path, base_lr: float) -> list[str]:
+    """The overrides of a short CPU run on a digit folder: 2 epochs of batches of 20 at ``base_lr``, no warmup,
+    no progress bars."""
+    return [
+        "data.dataset=folder",
+        f"data.path={data_root}",
+        f"output={out}",
+        "data.batch_size=20",
+        "train.lr_batch=20",
+        f"train.base_lr={base_lr}",
+        "train.epochs=2",
+        "train.warmup_epochs=0",
+        "train.progress=false",
+    ]
+
+
 def tiny_cfg(data_root: Path, out: Path, *overrides: str) -> Config:
     """The demo config on a digit folder with the tiny model: a few seconds per epoch on one CPU core."""
-    return load_config(
-        DEMO,
-        [
-            "data.dataset=folder",
-            f"data.path={data_root}",
-            f"output={out}",
-            "data.batch_size=20",
-            "train.lr_batch=20",
-            "train.base_lr=2e-3",
-            "train.epochs=2",
-            "train.warmup_epochs=0",
-            "train.progress=false",
-            *TINY_MODEL,
-            *overrides,
-        ],
-    )
+    return load_config(DEMO, [*short_run(data_root, out, 2e-3), *TINY_MODEL, *overrides])
 
 
 def load_script(name: str) -> ModuleType:
