@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -50,8 +51,10 @@ def installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("pkg")
     src, wheels, site = _copy_sources(root / "src"), root / "wheels", root / "site"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    # the environment's setuptools when it has one (no download); else pip's isolated build environment
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
     build = subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
+        [*pip, "wheel", "--no-deps", *isolation, "-w", str(wheels), str(src)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]

@@ -51,7 +51,12 @@ from ..errors import UserError
 
 # The installed configs: the repository's configs/ (package-dir mapping in pyproject.toml), a plain folder of
 # an installed or editable package (vit3 is never imported from a zip).
-CONFIG_DIR = Path(str(resources.files("vit3.configs")))
+try:
+    CONFIG_DIR = Path(str(resources.files("vit3.configs")))
+except ModuleNotFoundError as e:  # an editable install made before configs/ became vit3.configs
+    raise ImportError(
+        "vit3.configs (the repository's configs/) is not installed: reinstall vit3 (pip install -e .)"
+    ) from e
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
