@@ -7,8 +7,8 @@
   ``forward_head`` / ``no_weight_decay``) over :func:`pool_features`. ``forward`` stays in each model file:
   FX tracing wraps the leaf functions (``check_image``) found in the globals of the module defining it;
 * pretrained configs and checkpoints: :func:`family_cfg` (the official evaluation preprocessing and the
-  paper's metadata), :func:`unwrap_state_dict` (the weights inside a training checkpoint) and
-  :func:`create_family_model`.
+  paper's metadata) and :func:`create_family_model` (the checkpoint filters unwrap a training checkpoint with
+  :func:`vit3.models._pretrained.select_weights`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ __all__ = [
     "merge_ttt_cfg",
     "pool_features",
     "stochastic_depth_rates",
-    "unwrap_state_dict",
 ]
 
 POOL_TYPES = ("avg", "max", "avgmax", "")
@@ -174,14 +173,6 @@ def family_cfg(url: str = "", **kwargs: Any) -> dict[str, Any]:
         "origin_url": "https://github.com/LeapLabTHU/ViTTT",
         **kwargs,
     }
-
-
-def unwrap_state_dict(state_dict: dict[str, Any]) -> dict[str, Tensor]:
-    """The weights of a file: its ``"model"`` or ``"state_dict"`` entry (training checkpoints), else itself."""
-    for key in ("model", "state_dict"):
-        if isinstance(state_dict.get(key), dict):
-            state_dict = state_dict[key]
-    return state_dict
 
 
 def create_family_model(

@@ -37,9 +37,8 @@ from ._family import (
     init_weights,
     merge_ttt_cfg,
     stochastic_depth_rates,
-    unwrap_state_dict,
 )
-from ._pretrained import check_state_dict
+from ._pretrained import check_state_dict, select_weights
 
 __all__ = ["TIMM_FIXED", "HViT3", "HViT3Stage", "checkpoint_filter_fn"]
 
@@ -334,7 +333,7 @@ def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: HViT3) -> dict[st
     See ``convert_official_key``; weights already in our names pass through. Raises ``ValueError`` listing
     missing, unexpected and mis-shaped keys when the checkpoint belongs to another model or size.
     """
-    state_dict = unwrap_state_dict(state_dict)
+    state_dict = select_weights(state_dict)  # the "model" / "state_dict" entry of a training checkpoint
     ours = any(k.startswith("stages.") for k in state_dict)
     out = {}
     for key, value in state_dict.items():
