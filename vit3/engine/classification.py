@@ -76,7 +76,17 @@ from .distributed import DistInfo, sum_tensor
 from .metrics import plot_curves, write_metrics
 from .optim import build_optimizer, build_scheduler, scaled_lrs
 
-__all__ = ["TrainingDiverged", "build_model", "evaluate", "soft_cross_entropy", "train", "validate"]
+__all__ = [
+    "TrainingDiverged",
+    "build_model",
+    "data_stats",
+    "evaluate",
+    "input_channels",
+    "resolve_data_cfg",
+    "soft_cross_entropy",
+    "train",
+    "validate",
+]
 
 
 class TrainingDiverged(FloatingPointError):
@@ -113,11 +123,12 @@ def _check_train_cfg(cfg: Config) -> None:
         raise ConfigError(f"train.progress must be true, false or 'run', got {t.progress!r}")
 
 
-def _in_chans(cfg: Config) -> int:
+def input_channels(cfg: Config) -> int:
+    """The model's input channels (``model.kwargs.in_chans``, default 3)."""
     return int(cfg.model.kwargs.get("in_chans", 3))
 
 
-def _resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
+def resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
     """Fills the null ``data.img_size``/``interpolation``/``crop_pct``/``mean``/``std`` in place: MNIST's
     statistics for the demo data, else the model's ``pretrained_cfg`` (a one-channel model on RGB statistics
     takes their average); checks that ``data.mean``/``std`` fit the model's channels.
@@ -154,8 +165,8 @@ def _resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
         raise ConfigError(f"data.std values must be positive, got {list(d.std)}")
 
 
-def _data_stats(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The normalisation of a resolved config (:func:`_resolve_data_cfg`)."""
+def data_stats(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The normalisation of a resolved config (:func:`resolve_data_cfg`)."""
     return tuple(cfg.data.mean), tuple(cfg.data.std)
 
 
@@ -302,7 +313,7 @@ class _Run(TrainRun):
 def _state(run: _Run) -> dict[str, Any]:
     """The checkpoint dict (:func:`~vit3.engine.common.save_state` adds the RNG states)."""
     p = run.progress
-    mean, std = _data_stats(run.cfg)
+    mean, std = data_stats(run.cfg)
     return {
         "record": make_model_record(run.cfg, run.num_classes, run.classes, mean, std),
         "model_name": run.cfg.model.name,
@@ -371,7 +382,7 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
     keep_head = bool(cfg.model.keep_head) and bool(pretrained)
     # The labels of a kept (or resumed) classifier are its own classes, matched to the folders by name.
     head = record if record is not None and (ckpt is not None or keep_head) else None
-    in_chans = _in_chans(cfg)
+    in_chans = input_channels(cfg)
     data = build_datasets(
         cfg,
         in_chans,
@@ -399,11 +410,11 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
             info,
             f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} classes",
         )
-    _resolve_data_cfg(cfg, model, in_chans)
+    resolve_data_cfg(cfg, model, in_chans)
     if ckpt is not None:
         for change in check_resume(cfg, ckpt, info.world, resume):
             log(info, f"warning: train.force_resume=true: {change}")
-    mean, std = _data_stats(cfg)
+    mean, std = data_stats(cfg)
     loader, wrapped, sampler = build_train_loader(
         data["train"], build_transform(cfg, True, mean, std), cfg, info.rank, info.world
     )
@@ -667,7 +678,7 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         apply_model_record(cfg, record, path)
         num_classes, classes = int(record["num_classes"]), record["classes"]
         data = build_datasets(
-            cfg, _in_chans(cfg), splits=("val",), classes=classes, classes_from=f"the model of {path}"
+            cfg, input_channels(cfg), splits=("val",), classes=classes, classes_from=f"the model of {path}"
         )
         model, _ = build_model(cfg, num_classes)
         load_model_weights(model, ckpt, use_ema=cfg.eval.use_ema, source=path)
@@ -679,7 +690,7 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         default = timm.models.get_pretrained_cfg_value(cfg.model.name, "num_classes") or 1000
         num_classes = int(cfg.model.num_classes or default)
         data = build_datasets(
-            cfg, _in_chans(cfg), splits=("val",), classes=_official_eval_classes(cfg, num_classes, path)
+            cfg, input_channels(cfg), splits=("val",), classes=_official_eval_classes(cfg, num_classes, path)
         )
         model, _ = build_model(cfg, num_classes, path, keep_head=True)
     if len(data["classes"]) > num_classes:
@@ -688,8 +699,8 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         )
     name = cfg.model.name
     model.to(info.device).eval()
-    _resolve_data_cfg(cfg, model, _in_chans(cfg))
-    mean, std = _data_stats(cfg)
+    resolve_data_cfg(cfg, model, input_channels(cfg))
+    mean, std = data_stats(cfg)
     amp = amp_dtype(cfg.train.amp, info.device)
     sizes = [int(s) for s in (cfg.eval.img_sizes or [cfg.data.img_size])]
     results = []
