@@ -1,4 +1,4 @@
-"""The mixer's fused eager path: the inner loops of all branches, between the two projections, as one node.
+"""The mixer's eager node: the inner loops of all branches, between the two projections, as one autograd node.
 
 The per-branch path slices q, k and v out of the qkv projection, runs each branch and concatenates the
 read-outs; autograd then pays for layout copies both ways (q, k, v made contiguous, read-outs transposed and
@@ -8,11 +8,10 @@ branches take q, k and v as views of qkv and write their read-outs straight into
 
 Branches served, one full-batch dot-loss step each (``vit3.layers.backends`` decides when this path runs):
 
-- the official SwiGLU model, optionally with RoPE on q and k, through ``fast_swiglu`` (its passes in the C++
-  CPU kernel for branches with ``MixBranch.cpu_kernel``);
-- the 3x3 depthwise conv in closed form, one convolution per stage for the whole batch: with ``E = -s v / N``,
-  ``G = Σ_p E[p] k[p + δ]`` (a conv weight gradient), ``W' = W - lr G / (||G|| + 1)``,
-  ``out = dwconv(q; W')``; backward ``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)``.
+- the official SwiGLU model, optionally with RoPE on q and k, through ``vit3.kernels.swiglu.eager`` (its
+  passes in the C++ CPU kernel ``vit3.kernels.swiglu.cpp`` for branches with ``MixBranch.cpp``);
+- the 3x3 depthwise conv through ``vit3.kernels.dwconv.eager`` (the closed form, one convolution per stage
+  for the whole batch).
 
 The mixer runs branch by branch whenever a branch takes another backend.
 """
@@ -25,25 +24,28 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .fast_swiglu import SwiGLUSaved, step, step_backward, swiglu_backward, swiglu_forward, weight_grad
-from .inner import DWConvInner, dwconv_backward
+from vit3.kernels import ops_with
+from vit3.kernels.common import weight_grad
+from vit3.kernels.dwconv import eager as dwconv_eager
+from vit3.kernels.swiglu.eager import SwiGLUSaved, swiglu_backward, swiglu_forward
+
 from .rope import apply_rope_2d
 
-__all__ = ["KINDS", "MixBranch", "MixPlan", "fused_mix"]
+__all__ = ["KINDS", "MixBranch", "MixPlan", "eager_mix"]
 
-KINDS = ("swiglu", "dwconv")
+KINDS = ops_with("eager")  # ("swiglu", "dwconv"): the ops that declare an eager path
 
 
 class MixBranch(NamedTuple):
     """One branch: its inner model, where its q, k, v start in qkv (``[q | k | v]``, ``heads * head_dim`` each),
-    RoPE on q and k, and whether its SwiGLU passes run in the C++ CPU kernel."""
+    RoPE on q and k, and whether its SwiGLU passes run in the C++ CPU kernel (``cpp``)."""
 
     kind: str
     offset: int
     heads: int
     head_dim: int
     rope: bool
-    cpu_kernel: bool = False
+    cpp: bool = False
 
 
 class MixPlan(NamedTuple):
@@ -64,8 +66,8 @@ def _heads(t: Tensor, heads: int) -> Tensor:
 
 def _to_map(t: Tensor, grid: tuple[int, int]) -> Tensor:
     """Tokens ``[B, N, C]`` (any strides) -> maps ``[B, C, h, w]``, views of one batch-folded channels-last map
-    (``DWConvInner.to_map``), so every depthwise stage below is one convolution call for the whole batch."""
-    return DWConvInner.to_map(t.unsqueeze(1), grid)
+    (``dwconv.eager.to_map``), so every depthwise stage below is one convolution call for the whole batch."""
+    return dwconv_eager.to_map(t.unsqueeze(1), grid)
 
 
 def _from_map(m: Tensor, dest: Tensor) -> None:
@@ -73,13 +75,14 @@ def _from_map(m: Tensor, dest: Tensor) -> None:
     dest.copy_(m.flatten(2).transpose(1, 2))
 
 
-class _FusedMix(torch.autograd.Function):
+class _EagerMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: Tensor, plan: MixPlan, save: bool, *weights: Tensor) -> Tensor:
         b, n, _ = qkv.shape
         widths = [br.heads * br.head_dim for br in plan.branches]
         out = qkv.new_empty(b, n, sum(widths))
         hyper = {"scale": plan.scale, "lr": plan.lr, "grad_norm": plan.grad_norm}
+        dw_hyper = {"lr": plan.lr, "grad_norm": plan.grad_norm}
         saved: list[Tensor] = []
         layout: list[tuple[int, int, str]] = []  # per branch: first saved tensor, count, SwiGLUSaved.layout
         col, wi = 0, 0
@@ -92,17 +95,15 @@ class _FusedMix(torch.autograd.Function):
                 if br.rope:
                     q, k = (apply_rope_2d(t, plan.grid, plan.rope_base) for t in (q, k))
                 q, k, v, dest = (_heads(t, br.heads) for t in (q, k, v, dest))  # [B, G, N, c] views
-                st = swiglu_forward(q, k, v, w1, w2, dest, save=save, cpu_kernel=br.cpu_kernel, **hyper)
+                st = swiglu_forward(q, k, v, w1, w2, dest, save=save, cpp=br.cpp, **hyper)
                 kind = st.layout if st is not None else ""
                 saved += list(st[:-1]) if st is not None else []
             else:
-                w, kind = weights[wi], ""
-                c = plan.scale / n
-                qm, km, vm = (_to_map(t, plan.grid) for t in (q, k, v))
-                g = dwconv_backward(vm, km, None, need_input=False)[1].mul_(-c)  # [B, C, 3, 3]
-                w_new, norm = step(g, w, plan.lr, plan.grad_norm, dims=(-2, -1))
-                _from_map(DWConvInner.conv(qm, w_new), dest)
-                saved += [qm, km, vm, g, norm, w_new]
+                kind = ""
+                maps = (_to_map(t, plan.grid) for t in (q, k, v))
+                om, st = dwconv_eager.ttt_forward(*maps, weights[wi], c=plan.scale / n, **dw_hyper)
+                _from_map(om, dest)
+                saved += list(st)
             layout.append((start, len(saved) - start, kind))
             wi += 2 if br.kind == "swiglu" else 1
             col += width
@@ -144,20 +145,18 @@ class _FusedMix(torch.autograd.Function):
                 grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + 2])]
                 wi += 2
             else:
-                c = plan.scale / n
-                qm, km, vm, g, norm, w_new = mine
-                dqm, dw_new = dwconv_backward(_to_map(dout, plan.grid), qm, w_new)
-                dg = step_backward(dw_new, g, norm, plan.lr, plan.grad_norm, dims=(-2, -1))
-                _from_map(dqm, dq)
-                _from_map(dwconv_backward(vm, km, dg, need_weight=False)[0].mul_(-c), dk)
-                _from_map(DWConvInner.conv(km, dg).mul_(-c), dv)
-                grads.append(weight_grad(dw_new, weight_shapes[wi]))
+                *maps, dw = dwconv_eager.ttt_backward(
+                    _to_map(dout, plan.grid), mine, c=plan.scale / n, lr=plan.lr, grad_norm=plan.grad_norm
+                )
+                for m, dest in zip(maps, (dq, dk, dv)):
+                    _from_map(m, dest)
+                grads.append(weight_grad(dw, weight_shapes[wi]))
                 wi += 1
             col += width
         return (dqkv, None, None, *grads)
 
 
-def fused_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
+def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     """All branches' inner loops and read-outs as one autograd node.
 
     Args:
@@ -175,8 +174,8 @@ def fused_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
         raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * widths}")
     if any(br.kind not in KINDS for br in plan.branches):
         raise ValueError(
-            f"fused_mix serves the inner models {KINDS}, got {[br.kind for br in plan.branches]}"
+            f"eager_mix serves the inner models {KINDS}, got {[br.kind for br in plan.branches]}"
         )
     # Saving for the backward only when autograd will call it (not under no_grad / inference).
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (qkv, *weights))
-    return _FusedMix.apply(qkv, plan, save, *weights)
+    return _EagerMix.apply(qkv, plan, save, *weights)
