@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers.common import REPO
+from helpers.common import REPO, load_benchmark
 
 
 def _run(script: str, *args: str) -> None:
@@ -67,8 +67,7 @@ def test_models_benchmark_compares_vit3_with_deit(tmp_path):
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios():
-    from benchmarks.common import paired_ratio
-
+    paired_ratio = load_benchmark("common").paired_ratio
     # per round 2, 0.5, 3 -> median 2, where the ratio of the medians would say 4 / 3
     assert paired_ratio([2.0, 4.0, 9.0], [1.0, 8.0, 3.0]) == 2.0
 
