@@ -29,7 +29,7 @@ from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends.__main__ import main as cli_main
 
-GRID = (5, 7)  # 35 tokens: below the CPU kernel's 100
+GRID = (4, 6)  # 24 tokens: below the CPU kernel's 32
 BIG_GRID = (10, 12)  # 120 tokens
 CPU = torch.device("cpu")
 interpreter_only = pytest.mark.skipif(
@@ -92,7 +92,7 @@ def _tokens(grid, dim=32, b=2, dtype=torch.float64):
 # ------------------------------------------------------------------------------------------------ explain
 
 
-def test_explain_default_cpu_config_cpu_kernel_from_100_tokens():
+def test_explain_default_cpu_config_cpu_kernel_from_32_tokens():
     mixer = _mixer(dtype=torch.float32)
     big = mixer.explain(_tokens(BIG_GRID, dtype=torch.float32), BIG_GRID)
     assert _backends(big) == ["cpu", "eager"] and big.fused
@@ -101,7 +101,7 @@ def test_explain_default_cpu_config_cpu_kernel_from_100_tokens():
     assert "unless named" in _reason(big, 0, "triton")  # the interpreter serves only when named
     small = mixer.explain(_tokens(GRID, dtype=torch.float32), GRID)
     assert _backends(small) == ["eager", "eager"] and small.fused
-    assert "fewer than 100 tokens per head" in _reason(small, 0, "cpu")
+    assert "fewer than 32 tokens per head" in _reason(small, 0, "cpu")
     text = str(big)
     assert "one fused eager node" in text and "0 swiglu x2 d=16" in text and "cpu" in text
     assert json.loads(json.dumps(big.to_dict()))["branches"][0]["backend"] == "cpu"
@@ -174,7 +174,7 @@ def test_explain_variants(cfg, expected, why):
 
 def test_traced_and_compiled_calls_plan_traceable_ops():
     mixer = _mixer()
-    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.plan_branches, CPU, torch.float64, "N>=100", True)
+    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.plan_branches, CPU, torch.float64, "N>=32", True)
     assert reg.plan(*args, "trace").backends == ("generic", "generic")
     assert reg.plan(*args, "compile").backends == ("generic", "generic")
     assert reg.plan(*args, "").backends == ("cpu", "eager")

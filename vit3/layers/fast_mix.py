@@ -47,7 +47,8 @@ class MixBranch(NamedTuple):
 
 
 class MixPlan(NamedTuple):
-    """The branches in qkv (and output) order and the inner-loop settings they share."""
+    """The branches in qkv (and output) order and the inner-loop settings they share; ``recompute``: the
+    SwiGLU backward recomputes Z = k W, Y = q W' instead of saving them (memory-lean)."""
 
     branches: tuple[MixBranch, ...]
     grid: tuple[int, int]
@@ -55,6 +56,7 @@ class MixPlan(NamedTuple):
     lr: float
     grad_norm: bool
     rope_base: float
+    recompute: bool = True
 
 
 def _heads(t: Tensor, heads: int) -> Tensor:
@@ -92,7 +94,18 @@ class _FusedMix(torch.autograd.Function):
                 if br.rope:
                     q, k = (apply_rope_2d(t, plan.grid, plan.rope_base) for t in (q, k))
                 q, k, v, dest = (_heads(t, br.heads) for t in (q, k, v, dest))  # [B, G, N, c] views
-                st = swiglu_forward(q, k, v, w1, w2, dest, save=save, cpu_kernel=br.cpu_kernel, **hyper)
+                st = swiglu_forward(
+                    q,
+                    k,
+                    v,
+                    w1,
+                    w2,
+                    dest,
+                    save=save,
+                    recompute=plan.recompute,
+                    cpu_kernel=br.cpu_kernel,
+                    **hyper,
+                )
                 kind = st.layout if st is not None else ""
                 saved += list(st[:-1]) if st is not None else []
             else:

@@ -185,6 +185,7 @@ class TTTMixer(nn.Module):
             backends.token_class(qkv.shape[1]),
             grad,
             backends.tracing_kind(),
+            c.recompute,
         )
 
     def explain(
@@ -265,7 +266,9 @@ class TTTMixer(nn.Module):
                 rope = cfg.rope and name != "dwconv"
                 branches.append(MixBranch(name, offset, heads, self.head_dim, rope, backend == "cpu"))
                 offset += 3 * width
-            mix_plan = MixPlan(tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base)
+            mix_plan = MixPlan(
+                tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, plan.recompute
+            )
             flat = [p.to(compute) for w in weights for p in w.values()]
             return fused_mix(qkv.to(compute), mix_plan, flat).to(io_dtype)
         outs, gate_offset = [], 0
@@ -283,7 +286,7 @@ class TTTMixer(nn.Module):
                 q, k = (apply_rope_2d(t, grid, cfg.rope_base, tables=rope) for t in (q, k))
             # [B, N, G*c] -> [B, G, N, c]: strided views of qkv, no copy
             q, k, v = (t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
-            step = backends.Step(name, model, grid, self.scale, cfg)
+            step = backends.Step(name, model, grid, self.scale, cfg, plan.recompute)
             y = backends.run_branch(plan, i, step, q, k, v, weights[i], gate, guard=guard)
             outs.append(y.to(io_dtype).transpose(1, 2))  # [B, N, G, c]
         # One pass: concatenating along the head dim writes [B, N, sum(G), c] directly in token order.

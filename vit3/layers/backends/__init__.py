@@ -7,7 +7,7 @@ implements, ``supports(branch, cfg, x) -> (ok, reason)`` and a priority per devi
 backend   what runs                                                   auto order
 ========  ==========================================================  ===========================
 triton    the fused Triton op ``vit3.kernels.fused_ttt``              CUDA: first
-cpu       the C++ CPU kernel for the SwiGLU passes (``swiglu_cpu``)   CPU: first, from 100 tokens
+cpu       the C++ CPU kernel for the SwiGLU passes (``swiglu_cpu``)   CPU: first, from 32 tokens
 eager     the fused eager path (``fast_mix`` / ``fast_swiglu``)       CPU: second; CUDA: last
 generic   closed-form ``inner_loop`` + ``apply_to`` (every config)    CPU: last; CUDA: second
 ========  ==========================================================  ===========================
@@ -27,8 +27,13 @@ key with one warning naming the device, the key and the error, and the next back
 flow) the key runs unguarded. ``VIT3_TTT_STRICT=1`` raises instead. Traced and compiled code runs unguarded
 (only ``triton`` under ``torch.compile`` and ``generic`` serve there).
 
+Memory-lean training: the fused eager paths (``cpu``, ``eager``) save only q, k, v and the small weights of
+a SwiGLU branch and recompute its per-token pre-activations Z = k W, Y = q W' in the backward, as the Triton
+backward does (``recompute``: ``TTTConfig.recompute``, else ``$VIT3_TTT_RECOMPUTE``, ``auto`` = recompute;
+``never`` saves them, up to ~9% faster SwiGLU inner loop on CPU, 4·d more values per token and head).
+
 ``TTTMixer.explain``, ``explain(model, input)`` and ``python -m vit3.layers.backends <model>`` report the
-backend of every branch and why each other one was passed over.
+backend of every branch and why each other one was passed over, and what the backward recomputes.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ __all__ = [
     "BACKEND_ENV",
     "MIN_CPU_KERNEL_TOKENS",
     "NAMES",
+    "RECOMPUTE_ENV",
+    "RECOMPUTE_MODES",
     "REMOVED_ENV",
     "STRICT_ENV",
     "Backend",
@@ -72,17 +79,21 @@ __all__ = [
 
 BACKEND_ENV = "VIT3_TTT_BACKEND"
 STRICT_ENV = "VIT3_TTT_STRICT"
+RECOMPUTE_ENV = "VIT3_TTT_RECOMPUTE"
+# What the SwiGLU backward of the fused eager paths does with the per-token pre-activations Z, Y.
+RECOMPUTE_MODES = ("auto", "always", "never")
 # The variables VIT3_TTT_BACKEND replaced: setting one warns once, naming its replacement.
 REMOVED_ENV = {
     "VIT3_TTT_IMPL": "VIT3_TTT_BACKEND ('torch' -> 'eager' or 'generic', 'triton' -> 'triton')",
     "VIT3_TTT_KERNEL": "VIT3_TTT_BACKEND ('reference' -> 'generic')",
     "VIT3_CPU_KERNEL": "VIT3_TTT_BACKEND ('1' -> 'cpu', '0' -> 'eager')",
 }
-# Fewer tokens per head than this and auto keeps the tiled eager path on CPUs: it folds many small
-# (sample, head) problems into batched matmuls, where the C++ kernel pays a few ATen calls per problem
-# (measured: the kernel is 0.7-0.8x the tiled path at 4-16 tokens with B*H = 256, even at 64, 1.15-1.45x
-# from 144 tokens on).
-MIN_CPU_KERNEL_TOKENS = 100
+# Fewer tokens per head than this and auto keeps the tiled eager path on CPUs: it folds the problems of all
+# samples into one tile, where the C++ kernel groups the heads of each sample into batched matmuls and pays
+# a few ATen calls per sample (measured fwd+bwd, one thread: the kernel is 0.58x / 0.72x the tiled path at
+# 4 / 16 tokens with B*H = 256, on par at 49 tokens with B*H = 1024, 1.1-1.6x at 16-64 tokens with
+# B*H = 32 and from 196 tokens on).
+MIN_CPU_KERNEL_TOKENS = 32
 
 
 class BackendWarning(UserWarning):
@@ -118,7 +129,7 @@ class Inputs(NamedTuple):
 
     device: torch.device
     dtype: torch.dtype  # of the qkv projection output, what the backends read
-    tokens: str  # token-count class: "N<100" or "N>=100" (``MIN_CPU_KERNEL_TOKENS``)
+    tokens: str  # token-count class: "N<32" or "N>=32" (``MIN_CPU_KERNEL_TOKENS``)
     grad: bool  # gradients flow through the mixer
     tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
 
@@ -131,6 +142,7 @@ class Step(NamedTuple):
     grid: tuple[int, int]
     scale: float
     cfg: Any  # the mixer's TTTConfig
+    recompute: bool = True  # the plan's memory-lean backward (``Plan.recompute``)
 
 
 _FEW_TOKENS = f"N<{MIN_CPU_KERNEL_TOKENS}"
@@ -266,7 +278,8 @@ def _cpu_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
 def _cpu_prefers(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
     if x.tokens == _FEW_TOKENS:
         return False, (
-            f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path batches small problems faster"
+            f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path, which folds every sample's "
+            "problems into one tile, is faster"
         )
     return True, ""
 
@@ -312,6 +325,7 @@ def _run_tiled(cpu_kernel: bool) -> Callable[..., Tensor]:
                 scale=step.scale,
                 lr=c.inner_lr,
                 grad_norm=c.grad_norm,
+                recompute=step.recompute,
                 cpu_kernel=cpu_kernel,
             )
         b, g, n, d = q.shape
@@ -323,6 +337,7 @@ def _run_tiled(cpu_kernel: bool) -> Callable[..., Tensor]:
             c.inner_lr,
             c.grad_norm,
             c.rope_base,
+            step.recompute,
         )
         return fused_mix(qkv, plan, [params["weight"]]).unflatten(-1, (g, d)).transpose(1, 2)
 
@@ -525,13 +540,41 @@ def _choose(
 
 
 class Plan(NamedTuple):
-    """A mixer call's plan: the backend of each branch, whether they form one fused eager node, the keys."""
+    """A mixer call's plan: the backend of each branch, whether they form one fused eager node, the keys,
+    and whether the fused eager paths recompute the per-token pre-activations in the backward (and why)."""
 
     backends: tuple[str, ...]
     fused: bool
     keys: tuple[BranchKey, ...]
     tracing: str
     args: tuple  # what ``plan`` was called with (to re-plan after a demotion)
+    recompute: bool = True
+    recompute_why: str = ""
+
+
+def recompute_choice(cfg_recompute: str = "auto") -> tuple[bool, str]:
+    """Whether the SwiGLU backward of the fused eager paths recomputes Z = k W, Y = q W', and why.
+
+    ``TTTConfig.recompute`` wins over ``$VIT3_TTT_RECOMPUTE``; ``auto`` recomputes: measured on CPU, one
+    thread, fwd+bwd of the C++ kernel, recomputing costs 3-9% of the SwiGLU inner loop at 196-1600 tokens
+    (about 1% of a ViT³-T training step) and is no slower at 3136, where saved Z, Y no longer fit the cache;
+    saving them keeps 4·d more values per token and head.
+    """
+    mode, source = cfg_recompute, f"TTTConfig.recompute={cfg_recompute!r}"
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"TTTConfig.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    if mode == "auto":
+        mode = os.environ.get(RECOMPUTE_ENV, "").strip().lower() or "auto"
+        source = f"{RECOMPUTE_ENV}={mode}"
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"${RECOMPUTE_ENV} must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    if mode == "never":
+        return (
+            False,
+            f"saves Z = k W, Y = q W' ({source}: faster, 4·d more values per token and head)",
+        )
+    why = "memory-lean default" if mode == "auto" else source
+    return True, f"recomputes Z = k W, Y = q W' ({why}; saved per token and head: q, k, v)"
 
 
 _plans: dict[tuple, Plan] = {}
@@ -562,7 +605,7 @@ def _merged(*maps: Mapping[BranchKey, Mapping[str, str]]) -> dict[BranchKey, dic
 
 
 def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: bool) -> Plan:
-    settings, cfg_backend, branches, device, dtype, tokens, grad, tracing = args
+    settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, cfg_recompute = args
     settings = Settings(*settings)
     x = Inputs(device, dtype, tokens, grad, tracing)
     requested, source = _requested(cfg_backend)
@@ -590,7 +633,8 @@ def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: 
                 raise ValueError(f"{message}; unset {STRICT_ENV} to fall back")
             _warn_once(message + ".")
     names = tuple(c.backend for c in choices)
-    return Plan(names, all(n in _NODE for n in names), keys, tracing, args)
+    recompute, why = recompute_choice(cfg_recompute)
+    return Plan(names, all(n in _NODE for n in names), keys, tracing, args, recompute, why)
 
 
 @torch.compiler.assume_constant_result  # traced once by torch.compile: the plan is a constant of the graph
@@ -603,6 +647,7 @@ def plan(
     tokens: str,
     grad: bool,
     tracing: str,
+    recompute: str = "auto",
 ) -> Plan:
     """The cached plan of a mixer call (plain values only, so that compilers can fold the call).
 
@@ -614,9 +659,10 @@ def plan(
         tokens: ``token_class(N)``.
         grad: whether gradients flow through the mixer.
         tracing: ``tracing_kind()``.
+        recompute: ``TTTConfig.recompute``.
     """
-    args = (settings, cfg_backend, branches, device, dtype, tokens, grad, tracing)
-    key = (*args, os.environ.get(BACKEND_ENV), os.environ.get(STRICT_ENV))
+    args = (settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, recompute)
+    key = (*args, *(os.environ.get(name) for name in (BACKEND_ENV, STRICT_ENV, RECOMPUTE_ENV)))
     found = _plans.get(key)
     if found is None:
         _warn_removed_env()
@@ -832,6 +878,8 @@ class MixerExplanation:
     requested: str
     fused: bool
     branches: tuple[BranchExplanation, ...]
+    # training with a SwiGLU branch on ``cpu`` / ``eager``: what its backward recomputes or saves, and why
+    recompute: str = ""
 
     def __str__(self) -> str:
         mode = "training" if self.grad else "inference"
@@ -840,6 +888,8 @@ class MixerExplanation:
             f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
             "  " + ("one fused eager node runs every branch" if self.fused else "branch by branch"),
         ]
+        if self.recompute:
+            lines.append(f"  SwiGLU backward: {self.recompute}")
         rows = [("branch", "backend", "passed over")]
         for b in self.branches:
             label = f"{b.index} {b.name} x{b.heads} d={b.head_dim}"
@@ -864,6 +914,7 @@ class MixerExplanation:
             "grad": self.grad,
             "requested": self.requested,
             "fused_node": self.fused,
+            "recompute": self.recompute,
             "branches": [b.to_dict() for b in self.branches],
         }
 
@@ -883,6 +934,7 @@ def explain_mixer(
     for i, ((name, heads, d, plain), key) in enumerate(zip(branches, _keys(settings, branches, x))):
         c = _choose(Branch(i, name, heads, d, plain), settings, x, requested, source, demoted.get(key, {}))
         out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
+    lean = any(b.name == "swiglu" and b.backend in _NODE for b in out) and grad
     return MixerExplanation(
         mixer.dim,
         mixer.num_heads,
@@ -894,6 +946,7 @@ def explain_mixer(
         "auto" if requested == "auto" else source,
         all(b.backend in _NODE for b in out),
         tuple(out),
+        recompute_choice(cfg.recompute)[1] if lean else "",
     )
 
 
