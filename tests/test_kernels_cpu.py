@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers.common import count_calls
 
 import vit3.kernels.swiglu_cpu as swiglu_cpu
@@ -203,3 +204,39 @@ def test_a_cpu_run_logs_no_cuda_home_warning(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "No CUDA runtime" not in proc.stdout + proc.stderr and "CUDA_HOME" not in proc.stderr
+
+
+@pytest.mark.parametrize("grid", [(5, 7), (1, 6), (4, 1)], ids=["5x7", "one-row", "one-column"])
+@pytest.mark.parametrize("channels", [8, 12], ids=["whole-vectors", "vector-tail"])
+def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
+    """``dwconv`` (per-sample or shared taps) and ``dwconv_weight_grad`` against float64 ``F.conv2d`` and its
+    weight gradient, reading and writing [B, N, C] views strided across a wider tensor."""
+    ops, _ = swiglu_cpu.load()
+    b, (h, w), c = 3, grid, channels
+    wide = torch.randn(b, h * w, 3 * c, dtype=torch.float64)
+    x, g = wide[..., :c], wide[..., c : 2 * c]  # [B, N, C] views with row stride 3C
+
+    def maps(t):  # [B, N, C] -> [B, C, h, w]
+        return t.transpose(1, 2).unflatten(-1, (h, w))
+
+    for shared in (False, True):
+        weight = torch.randn(1 if shared else b, c, 3, 3, dtype=torch.float64)
+        taps = weight.flatten(2).transpose(1, 2).contiguous()  # [B|1, 9, C]
+        dest = torch.zeros(b, h * w, 2 * c, dtype=torch.float64)[..., :c]
+        ops.dwconv(x, taps, dest, h, w)
+        want = torch.cat(
+            [
+                F.conv2d(maps(x)[i : i + 1], weight[0 if shared else i, :, None], padding=1, groups=c)
+                for i in range(b)
+            ]
+        )
+        torch.testing.assert_close(maps(dest), want, rtol=1e-12, atol=1e-12)
+    xs = maps(x).clone().requires_grad_()
+    per_sample = torch.zeros(b, c, 3, 3, dtype=torch.float64, requires_grad=True)
+    out = torch.cat([F.conv2d(xs[i : i + 1], per_sample[i, :, None], padding=1, groups=c) for i in range(b)])
+    (want,) = torch.autograd.grad(out, per_sample, maps(g))
+    got = torch.empty(b, 9, c, dtype=torch.float64)
+    ops.dwconv_weight_grad(g, x, got, h, w)
+    torch.testing.assert_close(got.transpose(1, 2).unflatten(-1, (3, 3)), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="does not fit N"):
+        ops.dwconv(x, taps, dest, h + 1, w)

@@ -321,6 +321,108 @@ void inner_backward_impl(
   });
 }
 
+// The official mixer's depthwise 3x3 branch on token rows: x, out [B, N, C] (N = h * w in raster order) with
+// unit stride along C and any other strides (views of the mixer's qkv projection, output and gradient);
+// per-sample taps [1|B, 9, C] contiguous, tap (di, dj) at 3 (di + 1) + dj + 1. Each (sample, channel vector)
+// walks the grid once, with zero padding; oneDNN's depthwise calls cost ~60-100 µs each at 14x14 here, this
+// costs a few.
+
+// A [B, N, C] token tensor with unit stride along C: first element and the sample and token strides.
+template <typename T>
+struct Map {
+  T* ptr;
+  int64_t sb, sn;
+  T* at(int64_t b, int64_t p) const { return ptr + b * sb + p * sn; }
+};
+
+template <typename T>
+Map<T> map_of(const Tensor& t) {
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1)};
+}
+
+// Calls f(b, c0, lanes) over every (sample, channel vector) unit, spread over ATen's threads.
+template <typename F>
+void for_channel_vectors(int64_t B, int64_t C, int64_t W, F f) {
+  const int64_t chunks = (C + W - 1) / W;
+  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t c0 = (u % chunks) * W;
+      f(u / chunks, c0, std::min(W, C - c0));
+    }
+  });
+}
+
+// out[b, p] = Σ_δ w[b, δ] ⊙ x[b, p + δ] (a per-sample depthwise 3x3 conv, cross-correlation as torch's).
+template <typename T>
+void dwconv_impl(const Tensor& x, const Tensor& w, const Tensor& out, int64_t gh, int64_t gw) {
+  const int64_t B = x.size(0), C = x.size(2), ws = w.size(0) == 1 ? 0 : 9 * C;
+  constexpr int64_t W = Vec<T>::size();
+  const auto X = map_of<T>(x), O = map_of<T>(out);
+  const T* taps = w.data_ptr<T>();
+  for_channel_vectors(B, C, W, [&](int64_t b, int64_t c0, int64_t lanes) {
+    const T* tb = taps + b * ws + c0;
+    Vec<T> k[9];
+    for (int64_t t = 0; t < 9; ++t) k[t] = Vec<T>::loadu(tb + t * C, lanes);
+    for (int64_t i = 0; i < gh; ++i) {
+      for (int64_t j = 0; j < gw; ++j) {
+        Vec<T> acc(T(0));
+        for (int64_t di = -1; di <= 1; ++di) {
+          if (i + di < 0 || i + di >= gh) continue;
+          for (int64_t dj = -1; dj <= 1; ++dj) {
+            if (j + dj < 0 || j + dj >= gw) continue;
+            acc = at::vec::fmadd(k[3 * (di + 1) + dj + 1], Vec<T>::loadu(X.at(b, (i + di) * gw + j + dj) + c0, lanes), acc);
+          }
+        }
+        acc.store(O.at(b, i * gw + j) + c0, lanes);
+      }
+    }
+  });
+}
+
+// g_w[b, δ] = Σ_p g[b, p] ⊙ x[b, p + δ] (the weight gradient of dwconv with output gradient g), g_w [B, 9, C].
+template <typename T>
+void dwconv_weight_grad_impl(const Tensor& g, const Tensor& x, const Tensor& gw_out, int64_t gh, int64_t gw) {
+  const int64_t B = x.size(0), C = x.size(2);
+  constexpr int64_t W = Vec<T>::size();
+  const auto G = map_of<T>(g), X = map_of<T>(x);
+  T* out = gw_out.data_ptr<T>();
+  for_channel_vectors(B, C, W, [&](int64_t b, int64_t c0, int64_t lanes) {
+    Vec<T> acc[9];
+    for (int64_t t = 0; t < 9; ++t) acc[t] = Vec<T>(T(0));
+    for (int64_t i = 0; i < gh; ++i) {
+      for (int64_t j = 0; j < gw; ++j) {
+        const Vec<T> gv = Vec<T>::loadu(G.at(b, i * gw + j) + c0, lanes);
+        for (int64_t di = -1; di <= 1; ++di) {
+          if (i + di < 0 || i + di >= gh) continue;
+          for (int64_t dj = -1; dj <= 1; ++dj) {
+            if (j + dj < 0 || j + dj >= gw) continue;
+            const int64_t t = 3 * (di + 1) + dj + 1;
+            acc[t] = at::vec::fmadd(gv, Vec<T>::loadu(X.at(b, (i + di) * gw + j + dj) + c0, lanes), acc[t]);
+          }
+        }
+      }
+    }
+    for (int64_t t = 0; t < 9; ++t) acc[t].store(out + (b * 9 + t) * C + c0, lanes);
+  });
+}
+
+void check_maps(const std::vector<Tensor>& maps, int64_t gh, int64_t gw) {
+  const auto& first = maps.front();
+  for (const auto& t : maps) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == first.scalar_type(), "swiglu_cpu: CPU tensors of one dtype only");
+    TORCH_CHECK(t.dim() == 3 && t.sizes() == first.sizes(), "swiglu_cpu: maps must all be [B, N, C] of one shape");
+    TORCH_CHECK(t.stride(-1) == 1, "swiglu_cpu: maps need unit stride along C");
+  }
+  TORCH_CHECK(gh > 0 && gw > 0 && gh * gw == first.size(1), "swiglu_cpu: grid ", gh, "x", gw, " does not fit N=", first.size(1));
+}
+
+void check_taps(const Tensor& w, const Tensor& x, bool broadcast) {
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous(), "swiglu_cpu: taps must be contiguous, of the maps' dtype");
+  TORCH_CHECK(
+      w.dim() == 3 && (w.size(0) == x.size(0) || (broadcast && w.size(0) == 1)) && w.size(1) == 9 && w.size(2) == x.size(2),
+      "swiglu_cpu: taps must be [", broadcast ? "1|" : "", "B, 9, C], got ", w.sizes());
+}
+
 #define VIT3_DISPATCH(t, name, ...)                                  \
   if ((t).scalar_type() == at::kFloat) {                             \
     name<float>(__VA_ARGS__);                                        \
@@ -409,6 +511,20 @@ void inner_backward(
   VIT3_DISPATCH(k, inner_backward_impl, k, v, zz, dgw, dk, dv, dw, block);
 }
 
+void dwconv(const Tensor& x, const Tensor& w, Tensor out, int64_t gh, int64_t gw) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_maps({x, out}, gh, gw);
+  check_taps(w, x, true);
+  VIT3_DISPATCH(x, dwconv_impl, x, w, out, gh, gw);
+}
+
+void dwconv_weight_grad(const Tensor& g, const Tensor& x, Tensor gw_out, int64_t gh, int64_t gw) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_maps({g, x}, gh, gw);
+  check_taps(gw_out, x, false);
+  VIT3_DISPATCH(x, dwconv_weight_grad_impl, g, x, gw_out, gh, gw);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vit3_swiglu_cpu, m) {
@@ -420,6 +536,8 @@ TORCH_LIBRARY(vit3_swiglu_cpu, m) {
   m.def(
       "inner_backward(Tensor k, Tensor v, Tensor? z, Tensor dgw, Tensor(a!) dk, Tensor(b!) dv, Tensor(c!) dw, "
       "int block) -> ()");
+  m.def("dwconv(Tensor x, Tensor w, Tensor(a!) out, int gh, int gw) -> ()");
+  m.def("dwconv_weight_grad(Tensor g, Tensor x, Tensor(a!) gw_out, int gh, int gw) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vit3_swiglu_cpu, CPU, m) {
@@ -427,4 +545,6 @@ TORCH_LIBRARY_IMPL(vit3_swiglu_cpu, CPU, m) {
   m.impl("readout", &readout);
   m.impl("readout_backward", &readout_backward);
   m.impl("inner_backward", &inner_backward);
+  m.impl("dwconv", &dwconv);
+  m.impl("dwconv_weight_grad", &dwconv_weight_grad);
 }

@@ -12,7 +12,10 @@ Branches served, one full-batch dot-loss step each (``vit3.layers.backends`` dec
   CPU kernel for branches with ``MixBranch.cpu_kernel``);
 - the 3x3 depthwise conv in closed form, one convolution per stage for the whole batch: with ``E = -s v / N``,
   ``G = Σ_p E[p] k[p + δ]`` (a conv weight gradient), ``W' = W - lr G / (||G|| + 1)``,
-  ``out = dwconv(q; W')``; backward ``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)``.
+  ``out = dwconv(q; W')``; backward ``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)``. With
+  ``MixBranch.cpu_kernel`` each stage is one call of the C++ kernel's depthwise ops on the token rows
+  (``_dwconv_kernel_*``: no channels-last maps, no oneDNN calls, whose fixed cost dominates small grids),
+  else oneDNN convolutions over batch-folded channels-last maps.
 
 The mixer runs branch by branch whenever a branch takes another backend.
 """
@@ -75,6 +78,54 @@ def _from_map(m: Tensor, dest: Tensor) -> None:
     dest.copy_(m.flatten(2).transpose(1, 2))
 
 
+def _taps(w: Tensor) -> Tensor:
+    """Depthwise weights ``[B|1, C, 3, 3]`` -> the kernel's taps ``[B|1, 9, C]``."""
+    return w.flatten(2).transpose(1, 2).contiguous()
+
+
+def _untaps(t: Tensor) -> Tensor:
+    """The kernel's taps ``[B, 9, C]`` -> depthwise weights ``[B, C, 3, 3]``."""
+    return t.transpose(1, 2).unflatten(-1, (3, 3))
+
+
+def _dwconv_kernel_forward(
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor, dest: Tensor, plan: MixPlan, n: int, save: bool
+) -> list[Tensor]:
+    """The depthwise branch's step and read-out in the C++ kernel: q, k, v, dest ``[B, N, C]`` views; returns
+    what the backward needs (when ``save``: dense q, k, v ``[B, N, C]``; G, its norms, W' ``[B, C, 3, 3]``)."""
+    from vit3.kernels.swiglu_cpu import cpu_kernel_ops
+
+    ops, (gh, gw) = cpu_kernel_ops(q), plan.grid
+    g = q.new_empty(q.shape[0], 9, q.shape[2])
+    ops.dwconv_weight_grad(v, k, g, gh, gw)  # Σ_p v[p] k[p + δ]
+    g = _untaps(g).mul_(-plan.scale / n)
+    w_new, norm = step(g, w, plan.lr, plan.grad_norm, dims=(-2, -1))
+    ops.dwconv(q, _taps(w_new), dest, gh, gw)
+    return [q.contiguous(), k.contiguous(), v.contiguous(), g, norm, w_new] if save else []
+
+
+def _dwconv_kernel_backward(
+    d_out: Tensor, saved: tuple[Tensor, ...], dq: Tensor, dk: Tensor, dv: Tensor, plan: MixPlan, n: int
+) -> Tensor:
+    """Backward of ``_dwconv_kernel_forward``: writes dq, dk, dv ``[B, N, C]`` views, returns dW ``[B, C, 3, 3]``.
+
+    The input gradient of a 3x3 correlation is the correlation with the flipped taps (tap order reversed).
+    """
+    from vit3.kernels.swiglu_cpu import cpu_kernel_ops
+
+    q, k, v, g, norm, w_new = saved
+    ops, (gh, gw) = cpu_kernel_ops(q), plan.grid
+    d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
+    ops.dwconv(d_out, _taps(w_new).flip(1), dq, gh, gw)
+    dw_new = q.new_empty(q.shape[0], 9, q.shape[2])
+    ops.dwconv_weight_grad(d_out, q, dw_new, gh, gw)
+    dw_new = _untaps(dw_new)
+    dg = _taps(step_backward(dw_new, g, norm, plan.lr, plan.grad_norm, dims=(-2, -1))).mul_(-plan.scale / n)
+    ops.dwconv(v, dg.flip(1), dk, gh, gw)  # dk = dwconv_input_grad(E; dG), E = -c v
+    ops.dwconv(k, dg, dv, gh, gw)  # dv = -c dwconv(k; dG)
+    return dw_new
+
+
 class _FusedMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: Tensor, plan: MixPlan, save: bool, *weights: Tensor) -> Tensor:
@@ -108,6 +159,9 @@ class _FusedMix(torch.autograd.Function):
                 )
                 kind = st.layout if st is not None else ""
                 saved += list(st[:-1]) if st is not None else []
+            elif br.cpu_kernel:
+                w, kind = weights[wi], "kernel"
+                saved += _dwconv_kernel_forward(q, k, v, w, dest, plan, n, save)
             else:
                 w, kind = weights[wi], ""
                 c = plan.scale / n
@@ -156,6 +210,11 @@ class _FusedMix(torch.autograd.Function):
                     dk.copy_(apply_rope_2d(rk, plan.grid, plan.rope_base, inverse=True))
                 grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + 2])]
                 wi += 2
+            elif kind == "kernel":
+                grads.append(
+                    weight_grad(_dwconv_kernel_backward(dout, mine, dq, dk, dv, plan, n), weight_shapes[wi])
+                )
+                wi += 1
             else:
                 c = plan.scale / n
                 qm, km, vm, g, norm, w_new = mine

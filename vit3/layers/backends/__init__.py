@@ -7,7 +7,7 @@ implements, ``supports(branch, cfg, x) -> (ok, reason)`` and a priority per devi
 backend   what runs                                                   auto order
 ========  ==========================================================  ===========================
 triton    the fused Triton op ``vit3.kernels.fused_ttt``              CUDA: first
-cpu       the C++ CPU kernel for the SwiGLU passes (``swiglu_cpu``)   CPU: first, from 32 tokens
+cpu       the C++ CPU kernel: SwiGLU passes, depthwise conv         CPU: first (SwiGLU from 32 tokens)
 eager     the fused eager path (``fast_mix`` / ``fast_swiglu``)       CPU: second; CUDA: last
 generic   closed-form ``inner_loop`` + ``apply_to`` (every config)    CPU: last; CUDA: second
 ========  ==========================================================  ===========================
@@ -276,7 +276,7 @@ def _cpu_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
 
 
 def _cpu_prefers(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    if x.tokens == _FEW_TOKENS:
+    if branch.name == "swiglu" and x.tokens == _FEW_TOKENS:
         return False, (
             f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path, which folds every sample's "
             "problems into one tile, is faster"
@@ -310,7 +310,7 @@ def _run_triton(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, T
 
 def _run_tiled(cpu_kernel: bool) -> Callable[..., Tensor]:
     """The fused eager path of one branch: SwiGLU through ``swiglu_ttt`` (tiles or the C++ kernel), the
-    depthwise conv as a one-branch ``fused_mix`` node."""
+    depthwise conv as a one-branch ``fused_mix`` node (oneDNN convolutions or the C++ kernel)."""
 
     def run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
         q, k, v, params = _compute(q, k, v, params)
@@ -331,7 +331,7 @@ def _run_tiled(cpu_kernel: bool) -> Callable[..., Tensor]:
         b, g, n, d = q.shape
         qkv = torch.cat([t.transpose(1, 2).reshape(b, n, g * d) for t in (q, k, v)], dim=-1)  # [B, N, 3*G*d]
         plan = MixPlan(
-            (MixBranch("dwconv", 0, g, d, False),),
+            (MixBranch("dwconv", 0, g, d, False, cpu_kernel),),
             step.grid,
             step.scale,
             c.inner_lr,
@@ -381,7 +381,7 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             "cpu",
             what="the C++ CPU kernel",
-            models=("swiglu",),
+            models=("swiglu", "dwconv"),
             priority={"cpu": 3},
             supports=_cpu_supports,
             run=_run_tiled(cpu_kernel=True),
