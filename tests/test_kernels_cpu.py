@@ -240,3 +240,24 @@ def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
     torch.testing.assert_close(got.transpose(1, 2).unflatten(-1, (3, 3)), want, rtol=1e-12, atol=1e-12)
     with pytest.raises(RuntimeError, match="does not fit N"):
         ops.dwconv(x, taps, dest, h + 1, w)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_conv_pos_enc_on_the_kernel_matches_onednn_every_gradient(monkeypatch, batch):
+    """ConvPosEnc (x + dwconv(x) + bias, shared weights) takes the kernel's depthwise op on CPU float64 and
+    gives the oneDNN convolution's output and gradients; VIT3_TTT_BACKEND=generic keeps oneDNN."""
+    from vit3.layers.blocks import ConvPosEnc, _ConvPosEncKernel
+
+    kernel = count_calls(monkeypatch, _ConvPosEncKernel, "apply")
+    torch.manual_seed(2)
+    cpe = ConvPosEnc(12).double()
+    x = torch.randn(batch, 5, 7, 12, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(batch, 5, 7, 12, dtype=torch.float64)
+    leaves = [x, cpe.weight, cpe.bias]
+    got = [out := cpe(x), *_grads(out, dout, leaves)]
+    assert kernel["n"] == 1
+    monkeypatch.setenv("VIT3_TTT_BACKEND", "generic")
+    want = [ref := cpe(x), *_grads(ref, dout, leaves)]
+    assert kernel["n"] == 1
+    for name, a, b in zip(["out", "x", "weight", "bias"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)

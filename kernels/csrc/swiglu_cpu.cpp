@@ -352,9 +352,11 @@ void for_channel_vectors(int64_t B, int64_t C, int64_t W, F f) {
   });
 }
 
-// out[b, p] = Σ_δ w[b, δ] ⊙ x[b, p + δ] (a per-sample depthwise 3x3 conv, cross-correlation as torch's).
+// out[b, p] = Σ_δ w[b, δ] ⊙ x[b, p + δ] (a per-sample depthwise 3x3 conv, cross-correlation as torch's),
+// + bias [C] when defined, + x[b, p] when residual (ConvPosEnc: x + dwconv(x)).
 template <typename T>
-void dwconv_impl(const Tensor& x, const Tensor& w, const Tensor& out, int64_t gh, int64_t gw) {
+void dwconv_impl(
+    const Tensor& x, const Tensor& w, const Tensor& out, int64_t gh, int64_t gw, const Tensor& bias, bool residual) {
   const int64_t B = x.size(0), C = x.size(2), ws = w.size(0) == 1 ? 0 : 9 * C;
   constexpr int64_t W = Vec<T>::size();
   const auto X = map_of<T>(x), O = map_of<T>(out);
@@ -363,9 +365,10 @@ void dwconv_impl(const Tensor& x, const Tensor& w, const Tensor& out, int64_t gh
     const T* tb = taps + b * ws + c0;
     Vec<T> k[9];
     for (int64_t t = 0; t < 9; ++t) k[t] = Vec<T>::loadu(tb + t * C, lanes);
+    const Vec<T> start = bias.defined() ? Vec<T>::loadu(bias.data_ptr<T>() + c0, lanes) : Vec<T>(T(0));
     for (int64_t i = 0; i < gh; ++i) {
       for (int64_t j = 0; j < gw; ++j) {
-        Vec<T> acc(T(0));
+        Vec<T> acc = residual ? start + Vec<T>::loadu(X.at(b, i * gw + j) + c0, lanes) : start;
         for (int64_t di = -1; di <= 1; ++di) {
           if (i + di < 0 || i + di >= gh) continue;
           for (int64_t dj = -1; dj <= 1; ++dj) {
@@ -511,11 +514,18 @@ void inner_backward(
   VIT3_DISPATCH(k, inner_backward_impl, k, v, zz, dgw, dk, dv, dw, block);
 }
 
-void dwconv(const Tensor& x, const Tensor& w, Tensor out, int64_t gh, int64_t gw) {
+void dwconv(
+    const Tensor& x, const Tensor& w, Tensor out, int64_t gh, int64_t gw, const std::optional<Tensor>& bias,
+    bool residual) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_maps({x, out}, gh, gw);
   check_taps(w, x, true);
-  VIT3_DISPATCH(x, dwconv_impl, x, w, out, gh, gw);
+  const Tensor bb = bias.has_value() ? *bias : Tensor();
+  if (bb.defined()) {
+    TORCH_CHECK(bb.scalar_type() == x.scalar_type() && bb.is_contiguous() && bb.numel() == x.size(2),
+                "swiglu_cpu: bias must be a contiguous [C] of the maps' dtype");
+  }
+  VIT3_DISPATCH(x, dwconv_impl, x, w, out, gh, gw, bb, residual);
 }
 
 void dwconv_weight_grad(const Tensor& g, const Tensor& x, Tensor gw_out, int64_t gh, int64_t gw) {
@@ -536,7 +546,7 @@ TORCH_LIBRARY(vit3_swiglu_cpu, m) {
   m.def(
       "inner_backward(Tensor k, Tensor v, Tensor? z, Tensor dgw, Tensor(a!) dk, Tensor(b!) dv, Tensor(c!) dw, "
       "int block) -> ()");
-  m.def("dwconv(Tensor x, Tensor w, Tensor(a!) out, int gh, int gw) -> ()");
+  m.def("dwconv(Tensor x, Tensor w, Tensor(a!) out, int gh, int gw, Tensor? bias=None, bool residual=False) -> ()");
   m.def("dwconv_weight_grad(Tensor g, Tensor x, Tensor(a!) gw_out, int gh, int gw) -> ()");
 }
 

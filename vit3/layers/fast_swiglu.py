@@ -168,7 +168,8 @@ def step(
     """``W' = W - lr G / (||G|| + 1)`` and the norms (over ``dims``: per output column of a ``d x d`` weight)."""
     if not grad_norm:
         return w - lr * g, g.new_zeros(())
-    norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True)
+    # sqrt(sum g²): linalg.vector_norm takes ~8x longer over a non-innermost dim of these small tensors
+    norm = g.square().sum(dims, keepdim=True).sqrt_()
     return w - lr * (g / (norm + 1.0)), norm
 
 

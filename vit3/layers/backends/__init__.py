@@ -71,9 +71,11 @@ __all__ = [
     "MixerExplanation",
     "ModelExplanation",
     "Plan",
+    "conv_pos_kernel",
     "explain",
     "explain_mixer",
     "plan",
+    "recompute_choice",
     "reset",
 ]
 
@@ -416,6 +418,31 @@ def order(device_type: str) -> list[str]:
     """The backends auto tries on ``device_type``, first to last."""
     ranked = [(b.rank(device_type), b.name) for b in BACKENDS.values() if b.rank(device_type) is not None]
     return [name for _, name in sorted(ranked, key=lambda r: -r[0])]
+
+
+def conv_pos_kernel(x: Tensor, weight: Tensor) -> bool:
+    """Whether a ``ConvPosEnc`` (CPE, ``x + dwconv3x3(x)``, outside the mixer) runs on the C++ kernel's
+    depthwise op instead of oneDNN (measured one thread, 192 channels: forward 27 µs vs 138 µs at 14x14,
+    0.44 ms vs 7.4 ms at 56x56, where oneDNN also needs an NCHW copy): CPU float32/float64 tensors of one
+    dtype, no autocast, not tracing (FX, jit, ONNX, compile), a 3x3 kernel, ``$VIT3_TTT_BACKEND`` ``auto`` or ``cpu``, and the kernel
+    built (else the oneDNN convolution serves, as a failed build warns through the mixer's backends)."""
+    if (
+        not isinstance(x, Tensor)  # an FX proxy: traced code takes the plain convolution
+        or x.device.type != "cpu"
+        or x.dtype not in (torch.float32, torch.float64)
+        or weight.dtype != x.dtype
+        or weight.shape[-2:] != (3, 3)
+        or torch.is_autocast_enabled("cpu")
+        or tracing_kind()
+    ):
+        return False
+    if (os.environ.get(BACKEND_ENV, "").strip().lower() or "auto") not in ("auto", "cpu"):
+        return False
+    try:
+        from vit3.kernels.swiglu_cpu import load
+    except Exception:  # the kernels package cannot be imported: oneDNN serves
+        return False
+    return load()[0] is not None
 
 
 # ------------------------------------------------------------------------------------------- the choice
