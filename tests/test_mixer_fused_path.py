@@ -146,10 +146,44 @@ def test_recompute_switch_config_wins_over_env_and_explain_says_which(monkeypatc
     generic = _mixer(backend="generic").explain(x, (5, 8), grad=True)
     assert generic.recompute == ""  # autograd's own graph: the switch does not apply
     monkeypatch.setenv("VIT3_TTT_RECOMPUTE", "sometimes")
-    with pytest.raises(ValueError, match=r"\$VIT3_TTT_RECOMPUTE must be one of auto, always, never"):
+    with pytest.raises(ValueError, match=r"\$VIT3_TTT_RECOMPUTE must be one of auto, always, never, qkv"):
         _mixer().explain(x, (5, 8), grad=True)
     with pytest.raises(ValueError, match="recompute must be one of"):
         TTTMixer(32, 4, recompute="yes")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "eager", "generic"])
+def test_recompute_qkv_saves_only_the_mixer_input_and_matches_reference(monkeypatch, backend):
+    """recompute="qkv": the mixer's backward reruns its qkv projection and inner loops (any backend), the
+    output and every gradient are the reference's, and per token the mixer saves only its input (dim values)
+    and the output projection's input (sum of branch widths), against 3·widths more by default."""
+    monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
+    mixer = _mixer(recompute="qkv")
+    x = torch.randn(3, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    assert_mixer_matches_reference(mixer, x, GRID)
+    expl = mixer.explain(x, GRID, grad=True)
+    assert "recomputes its qkv projection" in expl.recompute
+
+    def saved(m: TTTMixer, n: int) -> int:
+        storages: dict[int, int] = {}
+        params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+            return t
+
+        tokens = torch.randn(2, n, 32, dtype=torch.float64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(tokens, (n, 1))
+        return sum(storages.values())
+
+    widths = sum(mixer.widths)
+    per_token = (saved(mixer, 80) - saved(mixer, 40)) / (2 * 40)
+    assert per_token == 32 + widths
+    if backend != "generic":  # the fused node saves q, k, v (autograd's graph of the generic path more)
+        default = _mixer()
+        assert (saved(default, 80) - saved(default, 40)) / (2 * 40) == 32 + 3 * widths + widths
 
 
 def test_without_gradients_nothing_is_saved_and_output_is_unchanged(calls, monkeypatch):

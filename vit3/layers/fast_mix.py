@@ -28,7 +28,15 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .fast_swiglu import SwiGLUSaved, step, step_backward, swiglu_backward, swiglu_forward, weight_grad
+from .fast_swiglu import (
+    SwiGLUSaved,
+    dense_inputs,
+    step,
+    step_backward,
+    swiglu_backward,
+    swiglu_forward,
+    weight_grad,
+)
 from .inner import DWConvInner, dwconv_backward
 from .rope import apply_rope_2d
 
@@ -89,10 +97,11 @@ def _untaps(t: Tensor) -> Tensor:
 
 
 def _dwconv_kernel_forward(
-    q: Tensor, k: Tensor, v: Tensor, w: Tensor, dest: Tensor, plan: MixPlan, n: int, save: bool
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor, dest: Tensor, plan: MixPlan, n: int, save: bool, dense: bool
 ) -> list[Tensor]:
     """The depthwise branch's step and read-out in the C++ kernel: q, k, v, dest ``[B, N, C]`` views; returns
-    what the backward needs (when ``save``: dense q, k, v ``[B, N, C]``; G, its norms, W' ``[B, C, 3, 3]``)."""
+    what the backward needs (when ``save``: q, k, v ``[B, N, C]``, copies when ``dense``; G, its norms,
+    W' ``[B, C, 3, 3]``)."""
     from vit3.kernels.swiglu_cpu import cpu_kernel_ops
 
     ops, (gh, gw) = cpu_kernel_ops(q), plan.grid
@@ -101,7 +110,11 @@ def _dwconv_kernel_forward(
     g = _untaps(g).mul_(-plan.scale / n)
     w_new, norm = step(g, w, plan.lr, plan.grad_norm, dims=(-2, -1))
     ops.dwconv(q, _taps(w_new), dest, gh, gw)
-    return [q.contiguous(), k.contiguous(), v.contiguous(), g, norm, w_new] if save else []
+    if not save:
+        return []
+    if dense:  # as the SwiGLU branch does: views keep the whole qkv projection alive, which its views share
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    return [q, k, v, g, norm, w_new]
 
 
 def _dwconv_kernel_backward(
@@ -134,6 +147,13 @@ class _FusedMix(torch.autograd.Function):
         out = qkv.new_empty(b, n, sum(widths))
         hyper = {"scale": plan.scale, "lr": plan.lr, "grad_norm": plan.grad_norm}
         saved: list[Tensor] = []
+        # Dense copies of every branch's q, k, v or none (the C++ kernel reads small problems in place, the tiled
+        # path copies): saved views of qkv keep all of it alive, copies beside them would double it.
+        dense = any(
+            not br.cpu_kernel or dense_inputs(_heads(qkv[..., br.offset : br.offset + width], br.heads))
+            for br, width in zip(plan.branches, widths)
+            if br.kind == "swiglu"
+        )
         layout: list[tuple[int, int, str]] = []  # per branch: first saved tensor, count, SwiGLUSaved.layout
         col, wi = 0, 0
         for br, width in zip(plan.branches, widths):
@@ -155,13 +175,14 @@ class _FusedMix(torch.autograd.Function):
                     save=save,
                     recompute=plan.recompute,
                     cpu_kernel=br.cpu_kernel,
+                    dense=dense if br.cpu_kernel else None,
                     **hyper,
                 )
                 kind = st.layout if st is not None else ""
                 saved += list(st[:-1]) if st is not None else []
             elif br.cpu_kernel:
                 w, kind = weights[wi], "kernel"
-                saved += _dwconv_kernel_forward(q, k, v, w, dest, plan, n, save)
+                saved += _dwconv_kernel_forward(q, k, v, w, dest, plan, n, save, dense)
             else:
                 w, kind = weights[wi], ""
                 c = plan.scale / n

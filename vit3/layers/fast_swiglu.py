@@ -147,6 +147,17 @@ def _baddbmm_(c: Tensor, a: Tensor, b: Tensor, beta: float = 1.0) -> Tensor:
     return c
 
 
+def dense_inputs(q: Tensor) -> bool:
+    """Whether the C++ kernel gets dense copies of q, k, v ``[B, H, N, d]`` views (else it reads them in place,
+    and the backward saves the views: the qkv projection they view, instead of copies of the same size).
+
+    Copies pay where one sample's heads exceed a tile: its strided rows then no longer stay in cache between
+    the passes; below, the copies cost more than the strided reads (~25 µs each per mixer call at 224 px).
+    """
+    _, h, n, d = q.shape
+    return q.stride(-1) != 1 or (not q.is_contiguous() and h * n * d * q.element_size() > TILE_BYTES)
+
+
 def _fold(shape: torch.Size, itemsize: int) -> bool:
     """Whether to fold ``[B, H, N, d]`` to ``[1, B*H, N, d]``: one sample fills less than half a tile."""
     b, h, n, d = shape
@@ -222,6 +233,7 @@ def swiglu_forward(
     save: bool = True,
     recompute: bool = False,
     cpu_kernel: bool = False,
+    dense: bool | None = None,
 ) -> SwiGLUSaved | None:
     """Inner step and read-out, written into ``out``; returns what the backward needs (when ``save``).
 
@@ -238,14 +250,16 @@ def swiglu_forward(
             (4·d fewer values per token and head, four more ``[N, d] x [d, d]`` matmuls).
         cpu_kernel: run the passes in the C++ CPU kernel (``vit3.kernels.swiglu_cpu``: float32/float64 CPU
             tensors; raises when it cannot be built), else the tiled PyTorch path.
+        dense: the kernel gets dense copies of q, k, v (``None``: ``dense_inputs(q)``); the tiled path always.
     """
     b, h, n, d = q.shape
     c = scale / n
+    ops = _kernel(cpu_kernel, q)
     # One dense copy of each input: matmuls reading rows strided across a whole qkv tensor touch ~20x the
     # pages and run ~30% slower on a CPU, on every one of the dozen passes that read them (measured in the
-    # kernel too: one copy here beats copying each block there).
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    ops = _kernel(cpu_kernel, q)
+    # kernel too: one copy here beats copying each block there). The kernel reads small problems in place.
+    if ops is None or (dense_inputs(q) if dense is None else dense):
+        q, k, v = (t.contiguous() for t in (q, k, v))
     if ops is not None:
         return _kernel_forward(
             ops, q, k, v, w1, w2, out, c=c, lr=lr, grad_norm=grad_norm, save=save, keep=not recompute

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from . import backends
 from .config import GRID_MODELS, TTTConfig
@@ -220,7 +221,23 @@ class TTTMixer(nn.Module):
         gates = (
             torch.sigmoid(self.lr_gate(x)).transpose(1, 2) if self.lr_gate is not None else None
         )  # [B, G, N]
-        return self.proj(self.mix(self.qkv(x), grid, gates))
+        if self._recompute_qkv(x):  # the backward reruns qkv and the inner loops: only x is saved here
+            params = [p for m in (self.qkv, self.inner) for p in m.parameters()]
+            mixed = _RecomputedMix.apply(self, grid, x, gates, *params)
+        else:
+            mixed = self._project_and_mix(x, grid, gates)
+        return self.proj(mixed)
+
+    def _project_and_mix(self, x: Tensor, grid: tuple[int, int], gates: Tensor | None) -> Tensor:
+        return self.mix(self.qkv(x), grid, gates)
+
+    def _recompute_qkv(self, x: Tensor) -> bool:
+        """``recompute="qkv"`` (config or ``$VIT3_TTT_RECOMPUTE``) and gradients flowing, outside tracing."""
+        if not torch.is_grad_enabled() or tracing():
+            return False
+        return backends.recompute_mode(self.cfg.recompute)[0] == "qkv" and (
+            x.requires_grad or self.qkv.weight.requires_grad
+        )
 
     def mix(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None = None) -> Tensor:
         """The inner loops of every branch, between the two projections.
@@ -303,6 +320,39 @@ class TTTMixer(nn.Module):
             f"lr={c.inner_lr}({c.lr_mode}), steps={c.steps}, mini_batches={c.mini_batches}, "
             f"grad_norm={c.grad_norm}, scale={self.scale:.4g}, rope={c.rope}"
         )
+
+
+class _RecomputedMix(torch.autograd.Function):
+    """``mixer.mix(mixer.qkv(x))`` saving only x (and the gates): the backward reruns the projection and the
+    inner loops with gradients and differentiates that (``TTTConfig.recompute="qkv"``).
+
+    Not ``torch.utils.checkpoint``: its non-reentrant form matches the saved tensors of the rerun against the
+    first run's, and the mixer's first calls of a plan run guarded (``backends.run``), later ones not.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, mixer: TTTMixer, grid: tuple[int, int], x: Tensor, gates: Tensor | None, *params: Tensor
+    ):
+        ctx.mixer, ctx.grid, ctx.has_gates = mixer, grid, gates is not None
+        ctx.save_for_backward(x, *([gates] if gates is not None else []))
+        with torch.no_grad():
+            return mixer._project_and_mix(x, grid, gates)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        mixer = ctx.mixer
+        x, *rest = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        gates = rest[0].detach().requires_grad_() if ctx.has_gates else None
+        params = [p for m in (mixer.qkv, mixer.inner) for p in m.parameters()]
+        with torch.enable_grad():
+            out = mixer._project_and_mix(x, ctx.grid, gates)
+        wanted = [x, *([gates] if gates is not None else []), *(p for p in params if p.requires_grad)]
+        grads = iter(torch.autograd.grad(out, wanted, d_out, allow_unused=True))
+        dx, dgates = next(grads), next(grads) if gates is not None else None
+        return None, None, dx, dgates, *(next(grads) if p.requires_grad else None for p in params)
 
 
 def _register_fx_leaf() -> None:

@@ -30,7 +30,8 @@ flow) the key runs unguarded. ``VIT3_TTT_STRICT=1`` raises instead. Traced and c
 Memory-lean training: the fused eager paths (``cpu``, ``eager``) save only q, k, v and the small weights of
 a SwiGLU branch and recompute its per-token pre-activations Z = k W, Y = q W' in the backward, as the Triton
 backward does (``recompute``: ``TTTConfig.recompute``, else ``$VIT3_TTT_RECOMPUTE``, ``auto`` = recompute;
-``never`` saves them, up to ~9% faster SwiGLU inner loop on CPU, 4·d more values per token and head).
+``never`` saves them, up to ~9% faster SwiGLU inner loop on CPU, 4·d more values per token and head; ``qkv``
+recomputes the whole mixer but its output projection in the backward, saving only the mixer's input).
 
 ``TTTMixer.explain``, ``explain(model, input)`` and ``python -m vit3.layers.backends <model>`` report the
 backend of every branch and why each other one was passed over, and what the backward recomputes.
@@ -76,6 +77,7 @@ __all__ = [
     "explain_mixer",
     "plan",
     "recompute_choice",
+    "recompute_mode",
     "reset",
 ]
 
@@ -83,7 +85,7 @@ BACKEND_ENV = "VIT3_TTT_BACKEND"
 STRICT_ENV = "VIT3_TTT_STRICT"
 RECOMPUTE_ENV = "VIT3_TTT_RECOMPUTE"
 # What the SwiGLU backward of the fused eager paths does with the per-token pre-activations Z, Y.
-RECOMPUTE_MODES = ("auto", "always", "never")
+RECOMPUTE_MODES = ("auto", "always", "never", "qkv")
 # The variables VIT3_TTT_BACKEND replaced: setting one warns once, naming its replacement.
 REMOVED_ENV = {
     "VIT3_TTT_IMPL": "VIT3_TTT_BACKEND ('torch' -> 'eager' or 'generic', 'triton' -> 'triton')",
@@ -579,29 +581,41 @@ class Plan(NamedTuple):
     recompute_why: str = ""
 
 
+def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
+    """The recompute mode in force (``always``, ``never`` or ``qkv``; ``auto`` is ``always``) and who set it:
+    ``TTTConfig.recompute`` wins over ``$VIT3_TTT_RECOMPUTE``."""
+    if cfg_recompute not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"TTTConfig.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {cfg_recompute!r}"
+        )
+    if cfg_recompute != "auto":
+        return cfg_recompute, f"TTTConfig.recompute={cfg_recompute!r}"
+    mode = os.environ.get(RECOMPUTE_ENV, "").strip().lower() or "auto"
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"${RECOMPUTE_ENV} must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    return ("always" if mode == "auto" else mode), (
+        "memory-lean default" if mode == "auto" else f"{RECOMPUTE_ENV}={mode}"
+    )
+
+
 def recompute_choice(cfg_recompute: str = "auto") -> tuple[bool, str]:
     """Whether the SwiGLU backward of the fused eager paths recomputes Z = k W, Y = q W', and why.
 
-    ``TTTConfig.recompute`` wins over ``$VIT3_TTT_RECOMPUTE``; ``auto`` recomputes: measured on CPU, one
-    thread, fwd+bwd of the C++ kernel, recomputing costs 3-9% of the SwiGLU inner loop at 196-1600 tokens
-    (about 1% of a ViT³-T training step) and is no slower at 3136, where saved Z, Y no longer fit the cache;
-    saving them keeps 4·d more values per token and head.
+    ``auto`` recomputes: measured on CPU, one thread, fwd+bwd of the C++ kernel, recomputing costs 3-9% of the
+    SwiGLU inner loop at 196-1600 tokens (about 1% of a ViT³-T training step) and is no slower at 3136, where
+    saved Z, Y no longer fit the cache; saving them (``never``) keeps 4·d more values per token and head.
+    ``qkv`` recomputes the mixer's qkv projection and inner loops in its backward (``TTTMixer.forward``): the
+    mixer then saves only its input; inside that recomputation Z, Y are kept (for one mixer at a time).
     """
-    mode, source = cfg_recompute, f"TTTConfig.recompute={cfg_recompute!r}"
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"TTTConfig.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
-    if mode == "auto":
-        mode = os.environ.get(RECOMPUTE_ENV, "").strip().lower() or "auto"
-        source = f"{RECOMPUTE_ENV}={mode}"
-        if mode not in RECOMPUTE_MODES:
-            raise ValueError(f"${RECOMPUTE_ENV} must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    mode, source = recompute_mode(cfg_recompute)
     if mode == "never":
-        return (
-            False,
-            f"saves Z = k W, Y = q W' ({source}: faster, 4·d more values per token and head)",
+        return False, f"saves Z = k W, Y = q W' ({source}: faster, 4·d more values per token and head)"
+    if mode == "qkv":
+        return False, (
+            f"the mixer recomputes its qkv projection and inner loops in the backward ({source}; saved per "
+            "token: the mixer input)"
         )
-    why = "memory-lean default" if mode == "auto" else source
-    return True, f"recomputes Z = k W, Y = q W' ({why}; saved per token and head: q, k, v)"
+    return True, f"recomputes Z = k W, Y = q W' ({source}; saved per token and head: q, k, v)"
 
 
 _plans: dict[tuple, Plan] = {}
@@ -961,7 +975,10 @@ def explain_mixer(
     for i, ((name, heads, d, plain), key) in enumerate(zip(branches, _keys(settings, branches, x))):
         c = _choose(Branch(i, name, heads, d, plain), settings, x, requested, source, demoted.get(key, {}))
         out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
-    lean = any(b.name == "swiglu" and b.backend in _NODE for b in out) and grad
+    lean = grad and (
+        recompute_mode(cfg.recompute)[0] == "qkv"
+        or any(b.name == "swiglu" and b.backend in _NODE for b in out)
+    )
     return MixerExplanation(
         mixer.dim,
         mixer.num_heads,
