@@ -2,7 +2,7 @@
 
 ``fused_ttt`` runs the one-step inner loop and read-out of an inner model (SwiGLU, linear, 3x3 depthwise
 conv), forward and backward, in Triton; the mixer's backend registry (``vit3.layers.backends``) decides when
-it runs. ``swiglu_cpu`` is the C++ CPU kernel of the SwiGLU passes.
+it runs. ``swiglu_cpu`` is the C++ CPU kernel of the SwiGLU passes and the 3x3 depthwise op.
 """
 
 from __future__ import annotations

@@ -174,7 +174,15 @@ def test_explain_variants(cfg, expected, why):
 
 def test_traced_and_compiled_calls_plan_traceable_ops():
     mixer = _mixer()
-    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.plan_branches, CPU, torch.float64, "N>=32", True)
+    args = (
+        (mixer.cfg.loss, 1, 1, "fixed"),
+        "auto",
+        mixer.plan_branches,
+        CPU,
+        torch.float64,
+        "32<=N<512",
+        True,
+    )
     assert reg.plan(*args, "trace").backends == ("generic", "generic")
     assert reg.plan(*args, "compile").backends == ("generic", "generic")
     assert reg.plan(*args, "").backends == ("cpu", "cpu")

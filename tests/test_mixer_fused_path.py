@@ -134,7 +134,13 @@ def test_memory_lean_backward_saves_q_k_v_per_token_and_the_saving_variant_z_y_t
 
 def test_recompute_switch_config_wins_over_env_and_explain_says_which(monkeypatch):
     x = torch.randn(1, 40, 32, dtype=torch.float64)
-    assert "recomputes Z = k W, Y = q W' (memory-lean default" in str(_mixer().explain(x, (5, 8), grad=True))
+    lean = str(_mixer().explain(x, (5, 8), grad=True))
+    assert "recomputes Z = k W, Y = q W' (auto: memory-lean below 512 tokens" in lean
+    big = torch.randn(1, 520, 32, dtype=torch.float64)
+    assert (
+        "saves Z = k W, Y = q W' (auto: from 512 tokens"
+        in _mixer().explain(big, (20, 26), grad=True).recompute
+    )
     assert _mixer().explain(x, (5, 8), grad=False).recompute == ""  # inference saves nothing
     monkeypatch.setenv("VIT3_TTT_RECOMPUTE", "never")
     assert (

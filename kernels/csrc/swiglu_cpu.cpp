@@ -278,12 +278,21 @@ void inner_backward_impl(
     const Tensor& dw,
     int64_t block) {
   const int64_t d = k.size(3);
-  for_groups(k, block, 3, 4 * d, [&](const Group& gr, const Tensor& s) {
+  for_groups(k, block, 2, 4 * d, [&](const Group& gr, const Tensor& s) {
     const Tensor kt = tokens_of(k, gr), mt = weights_of(dgw, gr);
-    Tensor zt = z.defined() ? tokens_of(z, gr) : view(s, 2, gr, 2 * d);
-    if (!z.defined()) at::bmm_out(zt, kt, mt.narrow(2, 2 * d, 2 * d));
-    Tensor dp = view(s, 0, gr, 2 * d), pz = view(s, 1, gr, 4 * d);  // pz = [P1 | P2 | dZ1 | dZ2]
-    at::bmm_out(dp, kt, mt.narrow(2, 0, 2 * d));
+    // dP = k dG and, when Z was not saved, Z = k W: then one matmul k [dG | W] = [dP | Z], twice as wide.
+    Tensor dp, zt;
+    if (z.defined()) {
+      dp = view(s, 0, gr, 2 * d);
+      at::bmm_out(dp, kt, mt.narrow(2, 0, 2 * d));
+      zt = tokens_of(z, gr);
+    } else {
+      Tensor dpz = view(s, 0, gr, 4 * d);
+      at::bmm_out(dpz, kt, mt);
+      dp = dpz.narrow(2, 0, 2 * d);
+      zt = dpz.narrow(2, 2 * d, 2 * d);
+    }
+    Tensor pz = view(s, 1, gr, 4 * d);  // [P1 | P2 | dZ1 | dZ2]
     auto Z1 = cols<T>(zt), Z2 = cols<T>(zt, d), V = cols<T>(tokens_of(v, gr)), DV = cols<T>(tokens_of(dv, gr));
     auto DP1 = cols<T>(dp), DP2 = cols<T>(dp, d);
     auto P1 = cols<T>(pz), P2 = cols<T>(pz, d), DZ1 = cols<T>(pz, 2 * d), DZ2 = cols<T>(pz, 3 * d);

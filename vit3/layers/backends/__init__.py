@@ -29,8 +29,9 @@ flow) the key runs unguarded. ``VIT3_TTT_STRICT=1`` raises instead. Traced and c
 
 Memory-lean training: the fused eager paths (``cpu``, ``eager``) save only q, k, v and the small weights of
 a SwiGLU branch and recompute its per-token pre-activations Z = k W, Y = q W' in the backward, as the Triton
-backward does (``recompute``: ``TTTConfig.recompute``, else ``$VIT3_TTT_RECOMPUTE``, ``auto`` = recompute;
-``never`` saves them, up to ~9% faster SwiGLU inner loop on CPU, 4·d more values per token and head; ``qkv``
+backward does (``recompute``: ``TTTConfig.recompute``, else ``$VIT3_TTT_RECOMPUTE``; ``auto`` recomputes below
+``MAX_RECOMPUTE_TOKENS`` tokens per head, where that costs ~3%, and saves them from there on, ~10% faster;
+``always`` / ``never`` force either, 4·d values per token and head apart; ``qkv``
 recomputes the whole mixer but its output projection in the backward, saving only the mixer's input).
 
 ``TTTMixer.explain``, ``explain(model, input)`` and ``python -m vit3.layers.backends <model>`` report the
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "MAX_RECOMPUTE_TOKENS",
     "MIN_CPU_KERNEL_TOKENS",
     "NAMES",
     "RECOMPUTE_ENV",
@@ -98,6 +100,10 @@ REMOVED_ENV = {
 # 4 / 16 tokens with B*H = 256, on par at 49 tokens with B*H = 1024, 1.1-1.6x at 16-64 tokens with
 # B*H = 32 and from 196 tokens on).
 MIN_CPU_KERNEL_TOKENS = 32
+# From this many tokens per head on, ``recompute="auto"`` saves Z, Y instead of recomputing them: measured on
+# CPU, one thread, fwd+bwd of the mixer's inner loops (B = 4, 6 heads of 64), recomputing costs 3% at 196
+# tokens and none at 400, but 9% at 784-1600 and 10-20% at 3136, where the inner loop is matmul-bound.
+MAX_RECOMPUTE_TOKENS = 512
 
 
 class BackendWarning(UserWarning):
@@ -133,7 +139,7 @@ class Inputs(NamedTuple):
 
     device: torch.device
     dtype: torch.dtype  # of the qkv projection output, what the backends read
-    tokens: str  # token-count class: "N<32" or "N>=32" (``MIN_CPU_KERNEL_TOKENS``)
+    tokens: str  # token-count class (``token_class``): "N<32", "32<=N<512" or "N>=512"
     grad: bool  # gradients flow through the mixer
     tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
 
@@ -150,11 +156,15 @@ class Step(NamedTuple):
 
 
 _FEW_TOKENS = f"N<{MIN_CPU_KERNEL_TOKENS}"
+_MANY_TOKENS = f"N>={MAX_RECOMPUTE_TOKENS}"
 
 
 def token_class(n: int) -> str:
-    """The token-count class of ``n`` tokens per head (only the CPU kernel's rule tells them apart)."""
-    return f"N>={MIN_CPU_KERNEL_TOKENS}" if n >= MIN_CPU_KERNEL_TOKENS else _FEW_TOKENS
+    """The token-count class of ``n`` tokens per head: the CPU kernel's rule (``MIN_CPU_KERNEL_TOKENS``) and
+    the ``auto`` recompute rule (``MAX_RECOMPUTE_TOKENS``) tell them apart."""
+    if n < MIN_CPU_KERNEL_TOKENS:
+        return _FEW_TOKENS
+    return _MANY_TOKENS if n >= MAX_RECOMPUTE_TOKENS else f"{MIN_CPU_KERNEL_TOKENS}<=N<{MAX_RECOMPUTE_TOKENS}"
 
 
 def tracing_kind() -> str:
@@ -598,23 +608,38 @@ def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
     )
 
 
-def recompute_choice(cfg_recompute: str = "auto") -> tuple[bool, str]:
+def recompute_choice(cfg_recompute: str = "auto", tokens: str = "") -> tuple[bool, str]:
     """Whether the SwiGLU backward of the fused eager paths recomputes Z = k W, Y = q W', and why.
 
-    ``auto`` recomputes: measured on CPU, one thread, fwd+bwd of the C++ kernel, recomputing costs 3-9% of the
-    SwiGLU inner loop at 196-1600 tokens (about 1% of a ViT³-T training step) and is no slower at 3136, where
-    saved Z, Y no longer fit the cache; saving them (``never``) keeps 4·d more values per token and head.
-    ``qkv`` recomputes the mixer's qkv projection and inner loops in its backward (``TTTMixer.forward``): the
-    mixer then saves only its input; inside that recomputation Z, Y are kept (for one mixer at a time).
+    ``auto`` recomputes (memory-lean) where that costs little, below ``MAX_RECOMPUTE_TOKENS`` tokens per head
+    (3% of the SwiGLU inner loop at 196 tokens on CPU), and saves them from there on, where recomputing costs
+    ~10% and more; ``always`` / ``never`` force either. ``qkv`` recomputes the mixer's qkv projection and inner
+    loops in its backward (``TTTMixer.forward``): the mixer then saves only its input (~12% more training
+    FLOPs for ViT³-T); inside that recomputation Z, Y are kept (for one mixer at a time).
+
+    Args:
+        cfg_recompute: ``TTTConfig.recompute`` (it wins over ``$VIT3_TTT_RECOMPUTE``).
+        tokens: ``token_class(N)``.
     """
     mode, source = recompute_mode(cfg_recompute)
-    if mode == "never":
-        return False, f"saves Z = k W, Y = q W' ({source}: faster, 4·d more values per token and head)"
     if mode == "qkv":
         return False, (
             f"the mixer recomputes its qkv projection and inner loops in the backward ({source}; saved per "
             "token: the mixer input)"
         )
+    if source == "memory-lean default":
+        if tokens == _MANY_TOKENS:
+            mode, source = (
+                "never",
+                (
+                    f"auto: from {MAX_RECOMPUTE_TOKENS} tokens recomputing costs ~10% of the inner loop; "
+                    "recompute='always' for the lean backward"
+                ),
+            )
+        else:
+            source = f"auto: memory-lean below {MAX_RECOMPUTE_TOKENS} tokens, where recomputing costs ~3%"
+    if mode == "never":
+        return False, f"saves Z = k W, Y = q W' ({source}; 4·d more values per token and head)"
     return True, f"recomputes Z = k W, Y = q W' ({source}; saved per token and head: q, k, v)"
 
 
@@ -674,7 +699,7 @@ def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: 
                 raise ValueError(f"{message}; unset {STRICT_ENV} to fall back")
             _warn_once(message + ".")
     names = tuple(c.backend for c in choices)
-    recompute, why = recompute_choice(cfg_recompute)
+    recompute, why = recompute_choice(cfg_recompute, tokens)
     return Plan(names, all(n in _NODE for n in names), keys, tracing, args, recompute, why)
 
 
@@ -990,7 +1015,7 @@ def explain_mixer(
         "auto" if requested == "auto" else source,
         all(b.backend in _NODE for b in out),
         tuple(out),
-        recompute_choice(cfg.recompute)[1] if lean else "",
+        recompute_choice(cfg.recompute, x.tokens)[1] if lean else "",
     )
 
 
