@@ -85,14 +85,14 @@ for mod in ("triton", "timm", "torchvision", "huggingface_hub", "safetensors", "
     except ImportError as e:
         missing.append(mod)
         print(f"{mod} MISSING ({e})")
-from vit3.kernels import ttt_fused
+from vit3.kernels import triton_op
 if device.type == "cuda":
-    print("arch", ttt_fused.Arch.of(device))
-print("fp32 uses TF32:", ttt_fused.fp32_uses_tf32())
+    print("arch", triton_op.Arch.of(device))
+print("fp32 uses TF32:", triton_op.fp32_uses_tf32())
 for name in ("swiglu", "linear", "dwconv"):
     for d in (16, 32, 64, 128):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            print("fits_device", name, d, dtype, ttt_fused.fits_device(name, d, dtype, device))
+            print("fits_device", name, d, dtype, triton_op.fits_device(name, d, dtype, device))
 print("missing modules:", missing or "none")
 EOF
 }

@@ -3,7 +3,11 @@
 It follows the released code's sequence of eager PyTorch ops (separate matmuls, elementwise ops, the
 nine shifted slices of the depthwise-conv gradient), so benchmarks can compare our paths against what
 users of the official code run. Only the inner loop is here (q, k, v in, read-out out), not the
-qkv/output projections.
+qkv/output projections. It is a transcription of the official op sequence, not the definition: the op
+references (``vit3.kernels.swiglu.reference``, ``vit3.kernels.dwconv.reference``) are, and
+``tests/test_op_swiglu.py`` / ``tests/test_op_dwconv.py`` check this baseline against them in float64. The
+gradient normalisation is the shared one (``vit3.kernels.common.normalize_grad``, the same ops as the
+official ``G / (G.norm() + 1)``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from vit3.kernels.common import normalize_grad
 
 SCALE = 9**-0.5
 
@@ -26,8 +32,7 @@ def official_swiglu_branch(
     e = -v / float(v.shape[2]) * SCALE
     g1 = k.transpose(-2, -1) @ (e * a)
     g2 = k.transpose(-2, -1) @ (e * z1 * (sig * (1.0 + z2 * (1.0 - sig))))
-    g1 = g1 / (g1.norm(dim=-2, keepdim=True) + 1.0)
-    g2 = g2 / (g2.norm(dim=-2, keepdim=True) + 1.0)
+    g1, g2 = normalize_grad(g1), normalize_grad(g2)
     w1, w2 = w1 - lr * g1, w2 - lr * g2
     return (q @ w1) * F.silu(q @ w2)
 
@@ -43,7 +48,7 @@ def official_dwconv_branch(q: Tensor, k: Tensor, v: Tensor, w: Tensor, lr: float
         for dx in (-1, 0, 1)
     ]
     g = torch.stack(dots, dim=-1).reshape(b * c, 1, 3, 3)
-    g = g / (g.norm(dim=[-2, -1], keepdim=True) + 1.0)
+    g = normalize_grad(g, dims=(-2, -1))
     w = w.repeat(b, 1, 1, 1) - lr * g
     return F.conv2d(q.reshape(1, b * c, h, wd), w, padding=1, groups=b * c).reshape(b, c, h, wd)
 

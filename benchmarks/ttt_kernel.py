@@ -3,9 +3,9 @@
 Per configuration (N tokens, head dim d, B*H = ``--bh`` sample-heads, the input dtype) and mode (forward
 under ``no_grad``, forward + backward to qkv and the inner weights), it times side by side:
 
-- ``fused``: ``vit3.kernels.fused_ttt`` (Triton; CUDA only, skipped on CPU);
-- ``torch_fast``: the mixer's hand-fused path ``vit3.layers.fast_swiglu.swiglu_ttt`` (when present; on a CPU
-  its passes run in the C++ kernel ``vit3.kernels.swiglu_cpu``);
+- ``fused``: ``vit3.kernels.triton_ttt`` (Triton; CUDA only, skipped on CPU);
+- ``torch_fast``: the mixer's hand-fused path ``vit3.kernels.swiglu.eager.swiglu_ttt`` (when present; on a CPU
+  its passes run in the C++ kernel ``vit3.kernels.swiglu.cpp``);
 - ``torch_loop``: the generic PyTorch path ``vit3.layers.inner_loop`` + ``SwiGLUInner.apply_to``;
 - ``official``: the official eager formulation (~37 eager ops forward), re-written here as the baseline; for
   half inputs under ``torch.autocast`` in that dtype, as the official code runs in mixed precision (its
@@ -116,7 +116,7 @@ def build_paths(
         "sdpa": sdpa,
     }
     try:
-        from vit3.layers.fast_swiglu import swiglu_ttt
+        from vit3.kernels.swiglu.eager import swiglu_ttt
 
         def torch_fast(qkv, w1, w2):
             ct = torch.promote_types(qkv.dtype, torch.float32)
@@ -127,10 +127,10 @@ def build_paths(
     except ImportError:
         pass
     if device.type == "cuda":
-        from vit3.kernels import fused_ttt
+        from vit3.kernels import triton_ttt
 
         def fused(qkv, w1, w2):
-            y = fused_ttt(
+            y = triton_ttt(
                 "swiglu", *split_heads(qkv, heads), {"w1": w1, "w2": w2}, scale=SCALE, backend="triton"
             )
             return y.transpose(1, 2).flatten(2)  # token-major output: a free view

@@ -1,8 +1,8 @@
 """Ahead-of-time compiles of the fused TTT kernels for NVIDIA GPUs that are not there.
 
-``compile_case`` compiles every kernel launch ``fused_ttt`` makes for one case (inner model, loss, head dim,
+``compile_case`` compiles every kernel launch ``triton_ttt`` makes for one case (inner model, loss, head dim,
 dtype mode, GPU arch) and reports each binary's shared memory, registers and spills. It does not re-derive
-the launches: ``ttt_fused.forward_plan`` / ``backward_plan`` (the launcher's own set-up, which the custom
+the launches: ``triton_op.forward_plan`` / ``backward_plan`` (the launcher's own set-up, which the custom
 ops execute) plan them on meta tensors with the strides of a real qkv projection, and each launch's
 arguments go through Triton's own JIT binder (``create_function_from_signature``), so the binary has the
 specialisation a real launch gets: ``i32`` / ``i64`` ints, ints equal to 1 (unit strides) folded into
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from . import ttt_fused
-from .ttt_fused import ARCHS, Arch, Launch
+from . import triton_op
+from .triton_op import ARCHS, Arch, Launch
 
 __all__ = [
     "ARCHS",
@@ -67,7 +67,7 @@ HEAD_DIMS = (16, 32, 64, 128)
 
 @dataclass(frozen=True)
 class Case:
-    """One compile case: what ``fused_ttt`` would launch for these inputs on ``arch``.
+    """One compile case: what ``triton_ttt`` would launch for these inputs on ``arch``.
 
     The token count and heads only size the grid and the split of N; ``n_tok`` = 3136 (56 x 56, a
     multiple of 16 as most training grids are) with B = 2 and G = 4 heads of a ``[B, N, 3*G*d]`` qkv
@@ -106,7 +106,7 @@ class Compiled:
 
 
 def plan_case(case: Case) -> list[Launch]:
-    """The launches of one forward + backward of ``case``, planned by ``fused_ttt``'s own set-up."""
+    """The launches of one forward + backward of ``case``, planned by ``triton_ttt``'s own set-up."""
     dtype, prec = MODES[case.mode]
     b, g, n, d = case.batch, case.heads, case.n_tok, case.d
     side = int(n**0.5)
@@ -117,10 +117,10 @@ def plan_case(case: Case) -> list[Launch]:
     nw, r = (2 if case.model == "swiglu" else 1), (9 if case.model == "dwconv" else d)
     w = torch.empty(1, g, nw, r, d, dtype=acc, device="meta")
     common = (case.model, case.loss, *grid, 9**-0.5, 1.0, True, 0)
-    outs, fwd = ttt_fused.forward_plan(q, k, v, w, *common, arch=case.arch, prec=prec, interpret=False)
+    outs, fwd = triton_op.forward_plan(q, k, v, w, *common, arch=case.arch, prec=prec, interpret=False)
     # The upstream gradient of the token-major read-out: [B, N, G*d] contiguous, seen as [B, G, N, d].
     dout = torch.empty(b, n, g, d, dtype=dtype, device="meta").transpose(1, 2)
-    _, bwd = ttt_fused.backward_plan(dout, q, k, v, w, *outs[1:], *common, arch=case.arch, prec=prec,
+    _, bwd = triton_op.backward_plan(dout, q, k, v, w, *outs[1:], *common, arch=case.arch, prec=prec,
                                      interpret=False)  # fmt: skip
     return fwd + bwd
 
@@ -247,17 +247,17 @@ def spill_bound(case: Case, kernel: str) -> int:
 
 
 def smem_bound(case: Case) -> int:
-    """Shared memory (bytes) each kernel of ``case`` is held to: ``ttt_fused.smem_need``, what ``fits_device``
+    """Shared memory (bytes) each kernel of ``case`` is held to: ``triton_op.smem_need``, what ``fits_device``
     compares with the GPU's limit."""
     dtype, prec = MODES[case.mode]
-    return ttt_fused.smem_need(case.model, case.d, dtype, prec, case.arch)
+    return triton_op.smem_need(case.model, case.d, dtype, prec, case.arch)
 
 
 def fits(case: Case) -> tuple[bool, str]:
     """``fits_device``'s answer for ``case`` on its arch (no GPU needed)."""
     dtype, prec = MODES[case.mode]
     block_d = max(16, 1 << (case.d - 1).bit_length())
-    return ttt_fused._fits_arch(case.model, block_d, dtype, prec, case.arch)
+    return triton_op._fits_arch(case.model, block_d, dtype, prec, case.arch)
 
 
 def matrix(kind: str = "full") -> list[Case]:

@@ -54,3 +54,12 @@ def ade_root(tmp_path_factory):
     from helpers.dense import write_ade_digits
 
     return write_ade_digits(tmp_path_factory.mktemp("ade"))
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """Real MNIST digits 0-3 as an image folder: 60 train / 25 val images per class (one per test module;
+    a module that needs another folder defines its own ``digits``)."""
+    from helpers.train import make_digit_folder
+
+    return make_digit_folder(tmp_path_factory.mktemp("digits"))

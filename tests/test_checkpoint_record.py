@@ -29,12 +29,6 @@ DEMO_KWARGS = "model.kwargs={img_size: 32, in_chans: 1, dims: [16, 32, 48, 64], 
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    """Real MNIST digits 0-3: 60 train / 25 val per class."""
-    return make_digit_folder(tmp_path_factory.mktemp("digits"), n_train=60, n_val=25)
-
-
-@pytest.fixture(scope="module")
 def pretrained(digits, tmp_path_factory):
     """A small one-channel H-ViT³ trained on the digit folder (what `python train.py` gives, in miniature)."""
     out = tmp_path_factory.mktemp("pretrained")
@@ -100,7 +94,7 @@ def test_keep_head_keeps_the_classifier_and_its_class_names(pretrained, digits, 
     from vit3.engine.distributed import distributed
 
     with distributed("cpu", "auto") as info:
-        run_, _ = _setup(cfg, info)
+        run_ = _setup(cfg, info)
     assert run_.classes == ["digit_0", "digit_1", "digit_2", "digit_3"] and run_.num_classes == 4
     assert sorted(set(run_.wrapped.dataset.targets)) == [1, 3]
     assert torch.equal(run_.model.head.weight, read_ckpt(pretrained)["model"]["head.weight"])

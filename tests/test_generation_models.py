@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 
 import pytest
 import torch
-from helpers.common import FIXTURES, load_fixture
+from helpers.common import FIXTURES, default_dtype, load_fixture
 
 import vit3
 from vit3.layers import convert_official_mixer_key
@@ -20,23 +19,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = dict(input_size=8, patch_size=2, in_channels=4, hidden_size=32, depth=2, num_heads=2, num_classes=10)
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def _fixture_model(fx: dict, path) -> DiT3:
     """The fixture's weights through create_dit3(checkpoint_path=...), built in float64 (no float32 round trip)."""
     with default_dtype(torch.float64):
         return create_dit3("dit3_s_2", checkpoint_path=path, **fx["config"]).eval()
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 1e-10) -> None:
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 1e-12) -> None:
+    """Largest error relative to the largest magnitude, in float64 (measured ~3e-13 on the DiT³ fixture)."""
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < rtol, f"{what}: relative error {err:.3g}"
 

@@ -13,19 +13,22 @@ import numpy as np
 import pytest
 import torch
 from helpers.generation import tiny_gen_cfg, write_tiny_vae
-from helpers.train import REPO, assert_same_tensors, load_script, make_digit_folder, read_ckpt, tiny_cfg
+from helpers.train import (
+    REPO,
+    Crashed,
+    assert_same_tensors,
+    crash_after_checkpoint,
+    load_script,
+    read_ckpt,
+    saved_weights_sha1,
+    tiny_cfg,
+)
 
 from vit3.engine import ConfigError, run
 from vit3.engine.cli import USER_ERROR_EXIT
 from vit3.engine.generation_metrics import classifier_metrics, inception_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    """Real MNIST digits 0-3 as an image folder: 60 train / 25 val images per class (12 steps of 20)."""
-    return make_digit_folder(tmp_path_factory.mktemp("digits"))
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +71,10 @@ def test_kill_and_resume_matches_uninterrupted_run(digits, tmp_path, monkeypatch
     full = tmp_path / "full"
     run(tiny_gen_cfg(digits, full, *recipe), "train")
 
-    class Killed(Exception):
-        pass
-
-    def crash(code):
-        raise Killed(code)
-
     killed = tmp_path / "killed"
-    monkeypatch.setattr(os, "_exit", crash)
-    monkeypatch.setenv("VIT3_KILL_AT_STEP", "9")  # 6 updates per epoch: dies in epoch 2 after step 9
-    with pytest.raises(Killed):
+    with monkeypatch.context() as m, pytest.raises(Crashed):
+        crash_after_checkpoint(m, 8)  # 6 updates per epoch: dies in epoch 2 after the step-8 checkpoint
         run(tiny_gen_cfg(digits, killed, *recipe), "train")
-    monkeypatch.delenv("VIT3_KILL_AT_STEP")
     partial = read_ckpt(killed / "last.pt")
     assert (partial["epoch"], partial["batch_in_epoch"], partial["global_step"]) == (1, 4, 8)
     torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
@@ -285,8 +280,11 @@ def test_torchrun_two_processes_train_and_sample(digits, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["ranks_agree"]
-    assert read_ckpt(out / "last.pt")["global_step"] == 12  # 240 images / (2 ranks x 10)
+    assert summary["world_size"] == 2
+    ckpt = read_ckpt(out / "last.pt")
+    # each rank's SHA-1 of its final weights, compared in the run: equal, and the weights it saved
+    assert summary["rank_weights_sha1"] == [saved_weights_sha1(ckpt)] * 2
+    assert ckpt["global_step"] == 12  # 240 images / (2 ranks x 10)
     npz = np.load(out / "samples" / "samples.npz")
     assert npz["labels"].tolist() == [0, 1, 2, 3, 0]  # both ranks' shards, back in sample order
 

@@ -1,10 +1,10 @@
 """The launch set-up of the Triton kernels: per-GPU tiles, ``fits_device``, the dot precision, every table
 configuration run (interpreter or GPU) against the PyTorch path.
 
-The tile table (``ttt_fused.launch_config``) differs by GPU arch and dot precision; whether each entry fits
+The tile table (``triton_op.launch_config``) differs by GPU arch and dot precision; whether each entry fits
 on chip is checked by the offline compiles (``tests/test_kernels_compile.py``), whether it computes the
 right thing here: each distinct launch structure it produces (column blocks per kernel role) runs through
-``fused_ttt`` with ``ttt_fused.TILES_AS`` set to an (arch, precision) that picks it.
+``triton_ttt`` with ``triton_op.TILES_AS`` set to an (arch, precision) that picks it.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import types
 
 import pytest
 import torch
-from test_kernels_ttt import max_rel_err, per_tensor, run_both
+from helpers.ops import max_rel_err, per_tensor, run_both
 
-from vit3.kernels import aot, ttt_fused
-from vit3.kernels.ttt_fused import ARCHS, Arch
+from vit3.kernels import aot, triton_op
+from vit3.kernels.triton_op import ARCHS, Arch
 
 pytestmark = pytest.mark.triton
 
@@ -26,12 +26,12 @@ MODELS = ("swiglu", "linear", "dwconv")
 
 @pytest.fixture(autouse=True)
 def _nan_fill(monkeypatch):
-    monkeypatch.setattr(ttt_fused, "DEBUG_FILL", float("nan"))
+    monkeypatch.setattr(triton_op, "DEBUG_FILL", float("nan"))
 
 
 def structure(model: str, d: int, dtype: torch.dtype, arch: Arch, prec: str) -> tuple:
     """What decides which launches run and which columns each program owns: column blocks per role."""
-    cfg = ttt_fused.launch_config(model, 3136, d, 8, dtype, arch, prec=prec, interpret=False)
+    cfg = triton_op.launch_config(model, 3136, d, 8, dtype, arch, prec=prec, interpret=False)
     return tuple(sorted((role, t.block_c) for role, t in cfg.tiles.items() if role != "small"))
 
 
@@ -45,7 +45,7 @@ def test_every_configuration_is_well_formed(arch, mode):
     for model in MODELS:
         for d in (*HEAD_DIMS, 24, 72, 96):
             for n in (1, 197, 3136):
-                cfg = ttt_fused.launch_config(model, n, d, 8, dtype, ARCHS[arch], prec=prec, interpret=False)
+                cfg = triton_op.launch_config(model, n, d, 8, dtype, ARCHS[arch], prec=prec, interpret=False)
                 assert cfg.block_d >= d and cfg.block_d & (cfg.block_d - 1) == 0
                 assert cfg.s * cfg.chunk >= n > (cfg.s - 1) * cfg.chunk
                 for role, t in cfg.tiles.items():
@@ -60,25 +60,25 @@ def test_d64_backward_is_one_launch_only_where_it_fits():
     every other GPU splits the columns. The fp32-IEEE case that spilled ~19 KB per thread is split everywhere."""
     for arch in ARCHS.values():
         for mode, (dtype, prec) in aot.MODES.items():
-            cfg = ttt_fused.launch_config("swiglu", 3136, 64, 8, dtype, arch, prec=prec, interpret=False)
+            cfg = triton_op.launch_config("swiglu", 3136, 64, 8, dtype, arch, prec=prec, interpret=False)
             fused = cfg.cols("grad_bwd", 64) == 1
-            expect = arch.smem >= ttt_fused.FUSED_BACKWARD_SMEM and mode in ("bf16", "fp16", "fp32-tf32")
+            expect = arch.smem >= triton_op.FUSED_BACKWARD_SMEM and mode in ("bf16", "fp16", "fp32-tf32")
             assert fused == expect, (arch.sm, mode)
             assert cfg.cols("readout_bwd", 64) == cfg.cols("grad_bwd", 64)
     assert (
-        ttt_fused.launch_config("swiglu", 3136, 128, 8, torch.bfloat16, ARCHS["sm_90"]).cols("grad_bwd", 128)
+        triton_op.launch_config("swiglu", 3136, 128, 8, torch.bfloat16, ARCHS["sm_90"]).cols("grad_bwd", 128)
         > 1
     )
 
 
 def test_interpreter_follows_the_tiles_of_a_gpu(monkeypatch):
-    arch, prec = ttt_fused.INTERPRET_TILES
-    on_gpu = ttt_fused.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec=prec, interpret=False)
-    here = ttt_fused.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec="ieee", interpret=True)
+    arch, prec = triton_op.INTERPRET_TILES
+    on_gpu = triton_op.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec=prec, interpret=False)
+    here = triton_op.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec="ieee", interpret=True)
     assert {r: t.block_c for r, t in here.tiles.items()} == {r: t.block_c for r, t in on_gpu.tiles.items()}
     assert here.s == 1  # one chunk: the interpreter runs programs one after another
-    monkeypatch.setattr(ttt_fused, "TILES_AS", (ARCHS["sm_86"], "tf32"))
-    forced = ttt_fused.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec="ieee", interpret=True)
+    monkeypatch.setattr(triton_op, "TILES_AS", (ARCHS["sm_86"], "tf32"))
+    forced = triton_op.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec="ieee", interpret=True)
     assert forced.cols("grad_bwd", 64) == 2 and forced.prec == "ieee"
 
 
@@ -91,7 +91,7 @@ def _structures() -> list:
     seen, out = set(), []
     for model, loss in (("swiglu", "dot"), ("linear", "dot"), ("linear", "mse"), ("dwconv", "dot")):
         for d in HEAD_DIMS:
-            seen.add((model, loss, d, structure(model, d, torch.float32, *ttt_fused.INTERPRET_TILES)))
+            seen.add((model, loss, d, structure(model, d, torch.float32, *triton_op.INTERPRET_TILES)))
             for arch in ARCHS.values():
                 for prec in ("tf32", "ieee"):
                     key = (model, loss, d, structure(model, d, torch.float32, arch, prec))
@@ -103,9 +103,9 @@ def _structures() -> list:
 
 
 @pytest.mark.parametrize(("model", "loss", "d", "arch", "prec"), _structures())
-def test_each_table_configuration_matches_torch_path(model, loss, d, arch, prec, monkeypatch):
+def test_each_table_configuration_matches_reference(model, loss, d, arch, prec, monkeypatch):
     """Forward and every gradient, with the column blocks the table gives ``arch`` (N = 197 in 4 chunks)."""
-    monkeypatch.setattr(ttt_fused, "TILES_AS", (arch, prec))
+    monkeypatch.setattr(triton_op, "TILES_AS", (arch, prec))
     shape = (2, 2, (1, 197) if model == "dwconv" else 197, d)
     out, ref, got, exp, weights = run_both(model, shape, torch.float32, loss=loss, chunk=64)
     assert max_rel_err(out, ref) < 2e-5
@@ -123,12 +123,12 @@ def gpu(monkeypatch):
 
     def use(arch: Arch) -> torch.device:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(ttt_fused.Arch, "of", staticmethod(lambda device: arch))
-        ttt_fused._fits_arch.cache_clear()
+        monkeypatch.setattr(triton_op.Arch, "of", staticmethod(lambda device: arch))
+        triton_op._fits_arch.cache_clear()
         return torch.device("cuda")
 
     yield use
-    ttt_fused._fits_arch.cache_clear()
+    triton_op._fits_arch.cache_clear()
 
 
 @pytest.mark.parametrize("arch", list(ARCHS), ids=list(ARCHS))
@@ -138,7 +138,7 @@ def test_every_current_gpu_fits_every_model_dtype_and_head_dim(arch, gpu):
     for model in MODELS:
         for d in HEAD_DIMS:
             for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-                ok, why = ttt_fused.fits_device(model, d, dtype, device)
+                ok, why = triton_op.fits_device(model, d, dtype, device)
                 if (arch, model, dtype, d) == ("sm_75", "swiglu", torch.float64, 128):
                     assert not ok and "96 KB" in why and "allows 64 KB" in why and "Tesla T4" in why
                 else:
@@ -146,40 +146,40 @@ def test_every_current_gpu_fits_every_model_dtype_and_head_dim(arch, gpu):
 
 
 def test_fits_device_names_what_is_missing(gpu):
-    ok, why = ttt_fused.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(70, 96 * 1024, 80, "Tesla V100")))
+    ok, why = triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(70, 96 * 1024, 80, "Tesla V100")))
     assert not ok and "sm_70 (Tesla V100)" in why and "sm_75+" in why
-    ok, why = ttt_fused.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(87, 48 * 1024, 16, "Orin-lite")))
+    ok, why = triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(87, 48 * 1024, 16, "Orin-lite")))
     assert not ok and "allows 48 KB" in why and "need 72 KB" in why
-    assert ttt_fused.fits_device("swiglu", 64, torch.bfloat16, gpu(ARCHS["sm_75"])) == (True, "")
-    ok, why = ttt_fused.fits_device("swiglu", 256, torch.bfloat16, gpu(ARCHS["sm_90"]))
+    assert triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(ARCHS["sm_75"])) == (True, "")
+    ok, why = triton_op.fits_device("swiglu", 256, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "16..128" in why
-    ok, why = ttt_fused.fits_device("mlp", 64, torch.bfloat16, gpu(ARCHS["sm_90"]))
+    ok, why = triton_op.fits_device("mlp", 64, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "mlp" in why
-    ok, why = ttt_fused.fits_device("swiglu", 64, torch.int32, gpu(ARCHS["sm_90"]))
+    ok, why = triton_op.fits_device("swiglu", 64, torch.int32, gpu(ARCHS["sm_90"]))
     assert not ok and "int32" in why
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks about a CUDA device where there is none")
 def test_fits_device_without_a_gpu_defers_the_check():
-    assert ttt_fused.fits_device("swiglu", 64, torch.bfloat16, torch.device("cuda")) == (True, "")
+    assert triton_op.fits_device("swiglu", 64, torch.bfloat16, torch.device("cuda")) == (True, "")
 
 
 def test_fits_device_on_cpu_depends_on_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert ttt_fused.fits_device("swiglu", 64, torch.float32, torch.device("cpu")) == (True, "")
+    assert triton_op.fits_device("swiglu", 64, torch.float32, torch.device("cpu")) == (True, "")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    ok, why = ttt_fused.fits_device("swiglu", 64, torch.float32, torch.device("cpu"))
+    ok, why = triton_op.fits_device("swiglu", 64, torch.float32, torch.device("cpu"))
     assert not ok and "TRITON_INTERPRET" in why
 
 
 def test_fits_device_is_cached_per_arch(gpu, monkeypatch):
     device = gpu(ARCHS["sm_86"])
     calls = []
-    real = ttt_fused.launch_config
-    monkeypatch.setattr(ttt_fused, "launch_config", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = triton_op.launch_config
+    monkeypatch.setattr(triton_op, "launch_config", lambda *a, **k: calls.append(1) or real(*a, **k))
     for _ in range(3):
-        ttt_fused.fits_device("swiglu", 64, torch.bfloat16, device)
-    ttt_fused.fits_device("swiglu", 48, torch.bfloat16, device)  # the same 64-wide tiles
+        triton_op.fits_device("swiglu", 64, torch.bfloat16, device)
+    triton_op.fits_device("swiglu", 48, torch.bfloat16, device)  # the same 64-wide tiles
     assert len(calls) == 1
 
 
@@ -188,14 +188,14 @@ def test_arch_of_reads_the_device_properties(monkeypatch):
         major=8, minor=6, shared_memory_per_block_optin=101376, multi_processor_count=72, name="NVIDIA A10"
     )
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    ttt_fused._cuda_arch.cache_clear()
+    triton_op._cuda_arch.cache_clear()
     try:
         assert Arch.of(torch.device("cuda", 0)) == Arch(86, 101376, 72, "NVIDIA A10")
         del props.shared_memory_per_block_optin  # older PyTorch: the table's value for the capability
-        ttt_fused._cuda_arch.cache_clear()
+        triton_op._cuda_arch.cache_clear()
         assert Arch.of(torch.device("cuda", 0)).smem == ARCHS["sm_86"].smem
     finally:
-        ttt_fused._cuda_arch.cache_clear()
+        triton_op._cuda_arch.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------ dot precision
@@ -212,22 +212,22 @@ def restore_fp32_precision():
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="PyTorch < 2.9")
 def test_precision_follows_the_new_fp32_precision_api_without_raising(restore_fp32_precision, monkeypatch):
     matmul = restore_fp32_precision
-    monkeypatch.setattr(ttt_fused, "_interpreting", lambda: False)  # the interpreter always takes IEEE dots
+    monkeypatch.setattr(triton_op, "_interpreting", lambda: False)  # the interpreter always takes IEEE dots
     matmul.fp32_precision = "tf32"
     with pytest.raises(RuntimeError):
         _ = matmul.allow_tf32  # what the old ``_precision`` read: PyTorch refuses once the new API is set
-    assert ttt_fused.fp32_uses_tf32() and ttt_fused._precision(torch.float32) == "tf32"
+    assert triton_op.fp32_uses_tf32() and triton_op._precision(torch.float32) == "tf32"
     matmul.fp32_precision = "ieee"
-    assert not ttt_fused.fp32_uses_tf32() and ttt_fused._precision(torch.float32) == "ieee"
-    assert ttt_fused._precision(torch.bfloat16) == "tf32" and ttt_fused._precision(torch.float64) == "ieee"
+    assert not triton_op.fp32_uses_tf32() and triton_op._precision(torch.float32) == "ieee"
+    assert triton_op._precision(torch.bfloat16) == "tf32" and triton_op._precision(torch.float64) == "ieee"
 
 
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="PyTorch < 2.9")
 def test_precision_follows_the_legacy_flag(restore_fp32_precision, monkeypatch):
     matmul = restore_fp32_precision
-    monkeypatch.setattr(ttt_fused, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_op, "_interpreting", lambda: False)
     matmul.fp32_precision = "none"
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert ttt_fused._precision(torch.float32) == "tf32"
+    assert triton_op._precision(torch.float32) == "tf32"
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert ttt_fused._precision(torch.float32) == "ieee"
+    assert triton_op._precision(torch.float32) == "ieee"

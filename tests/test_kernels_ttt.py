@@ -1,7 +1,7 @@
-"""The fused Triton TTT op equals the mixer's PyTorch inner loop: output and every gradient.
+"""The Triton TTT op equals each op's reference (``vit3.kernels.<op>.reference``): output and every gradient.
 
 Runs through Triton's interpreter on CPU (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU).
-Every buffer the op allocates is filled with NaN first (``ttt_fused.DEBUG_FILL``), so an element a kernel
+Every buffer the op allocates is filled with NaN first (``triton_op.DEBUG_FILL``), so an element a kernel
 fails to write shows up as a mismatch. q, k, v are always strided views of one qkv projection output.
 """
 
@@ -9,91 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.common import max_rel_err as _max_rel_err
+from helpers.ops import DEVICE, SCALE, make_inputs, max_rel_err, per_tensor, rel_rms, run_both, split_heads
 
 import vit3.kernels as kernels
-from vit3.kernels import ttt_fused
-from vit3.layers import TTTConfig, TTTMixer, backends, create_inner_model, inner_loop
+from vit3.kernels import triton_op
+from vit3.layers import TTTConfig, TTTMixer, backends
 
 pytestmark = pytest.mark.triton
-
-SCALE = 9**-0.5
-# The compiled kernels on a GPU; the interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 there).
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-WEIGHTS = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
 
 
 @pytest.fixture(autouse=True)
 def _nan_fill(monkeypatch):
-    monkeypatch.setattr(ttt_fused, "DEBUG_FILL", float("nan"))
-
-
-def make_inputs(name: str, b: int, g: int, n: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
-    """A qkv projection output ``[B, N, 3*G*d]`` and initial weights (leaves, with grads).
-
-    Weights are ``[1, G, d, d]``, or ``[1, G*d, 3, 3]`` for the depthwise conv, float32 unless float64.
-    """
-    qkv = torch.randn(b, n, 3 * g * d, dtype=torch.float64).to(DEVICE, dtype).requires_grad_(True)
-    shape = (1, g * d, 3, 3) if name == "dwconv" else (1, g, d, d)
-    params = {
-        w: (0.3 * torch.randn(shape, dtype=torch.float64)).to(DEVICE, torch.float32).requires_grad_(True)
-        for w in WEIGHTS[name]
-    }
-    if dtype == torch.float64:
-        params = {w: p.detach().double().requires_grad_(True) for w, p in params.items()}
-    return qkv, params
-
-
-def split_heads(qkv: torch.Tensor, g: int) -> list[torch.Tensor]:
-    """``[B, N, 3*G*d]`` -> q, k, v ``[B, G, N, d]``: strided views, as the mixer passes them."""
-    return [t.unflatten(-1, (g, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1)]
-
-
-def torch_path(name, q, k, v, params, *, grid, scale, lr, grad_norm, loss):
-    """The mixer's PyTorch path: ``inner_loop`` + ``apply_to`` in float32 at least."""
-    ct = torch.promote_types(q.dtype, torch.float32)
-    cfg = TTTConfig(branches=(name,), loss=loss)
-    model = create_inner_model(name, q.shape[1], q.shape[-1], cfg)
-    q, k, v = q.to(ct), k.to(ct), v.to(ct)
-    p = inner_loop(model, {w: t.to(ct) for w, t in params.items()}, k, v, grid, loss=loss,
-                   scale=scale, lr=lr, grad_norm=grad_norm)  # fmt: skip
-    return model.apply_to(p, q, grid)
-
-
-def run_both(name, shape, dtype, *, loss="dot", lr=1.0, grad_norm=True, chunk=None, backend="triton"):
-    """Output and gradients (qkv, then each weight) of the fused op and of the PyTorch path.
-
-    ``shape`` is ``(B, G, N, d)`` (a 1 x N grid) or ``(B, G, (h, w), d)``.
-    """
-    b, g, n, d = shape
-    grid = n if isinstance(n, tuple) else (1, n)
-    qkv, params = make_inputs(name, b, g, grid[0] * grid[1], d, dtype)
-    kw = {"grid": grid, "scale": SCALE, "lr": lr, "grad_norm": grad_norm, "loss": loss}
-    out = kernels.fused_ttt(name, *split_heads(qkv, g), params, backend=backend, chunk=chunk, **kw)
-    ref = torch_path(name, *split_heads(qkv, g), params, **kw)
-    dout = torch.randn(ref.shape, dtype=torch.float64).to(ref.device, ref.dtype)
-    inputs = [qkv, *params.values()]
-    got = torch.autograd.grad(out, inputs, dout.to(out.dtype))
-    exp = torch.autograd.grad(ref, inputs, dout)
-    return out, ref, got, exp, list(params)
-
-
-def grad_names(weights: list[str]) -> list[str]:
-    return ["q", "k", "v", *weights]
-
-
-def per_tensor(got, exp, weights):
-    """Splits the qkv gradient into q, k, v so each gradient is compared (and named) on its own."""
-    return zip(grad_names(weights), [*got[0].chunk(3, -1), *got[1:]], [*exp[0].chunk(3, -1), *exp[1:]])
-
-
-def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return _max_rel_err(a.detach(), b.detach())
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+    monkeypatch.setattr(triton_op, "DEBUG_FILL", float("nan"))
 
 
 CASES = [
@@ -121,7 +48,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "loss", "shape", "chunk"), CASES)
-def test_fp32_output_and_every_gradient_match_torch_path(name, loss, shape, chunk):
+def test_fp32_output_and_every_gradient_match_reference(name, loss, shape, chunk):
     out, ref, got, exp, weights = run_both(name, shape, torch.float32, loss=loss, chunk=chunk)
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert max_rel_err(out, ref) < 2e-5
@@ -141,7 +68,7 @@ def test_fp32_output_and_every_gradient_match_torch_path(name, loss, shape, chun
         pytest.param("linear", "mse", True, 1.0, 64, id="linear-mse-norm-d64-4cols"),
     ],
 )
-def test_fp64_matches_torch_path_to_rounding(name, loss, grad_norm, lr, d):
+def test_fp64_matches_reference_to_rounding(name, loss, grad_norm, lr, d):
     out, ref, got, exp, weights = run_both(name, (1, 2, (7, 9), d), torch.float64, loss=loss, lr=lr,
                                            grad_norm=grad_norm, chunk=32)  # fmt: skip
     assert max_rel_err(out, ref) < 1e-12
@@ -153,7 +80,7 @@ def test_fp64_matches_torch_path_to_rounding(name, loss, grad_norm, lr, d):
 @pytest.mark.parametrize(
     ("name", "loss"), [("swiglu", "dot"), ("linear", "mse")], ids=["swiglu", "linear-mse"]
 )
-def test_half_inputs_match_torch_path_loosely(name, loss, dtype):
+def test_half_inputs_match_reference_loosely(name, loss, dtype):
     out, ref, got, exp, weights = run_both(name, (2, 2, 197, 32), dtype, loss=loss, chunk=64)
     assert out.dtype == dtype
     assert rel_rms(out, ref) < 1e-2
@@ -169,7 +96,7 @@ def test_half_inputs_match_torch_path_loosely(name, loss, dtype):
         pytest.param("linear", "mse", torch.float16, id="linear-mse-fp16"),
     ],
 )
-def test_half_inputs_at_head_dim_128_match_torch_path_loosely(name, loss, dtype):
+def test_half_inputs_at_head_dim_128_match_reference_loosely(name, loss, dtype):
     out, ref, got, exp, weights = run_both(name, (1, 1, 63, 128), dtype, loss=loss, chunk=32)
     assert rel_rms(out, ref) < 1e-2
     for label, a, e in per_tensor(got, exp, weights):
@@ -177,7 +104,7 @@ def test_half_inputs_at_head_dim_128_match_torch_path_loosely(name, loss, dtype)
 
 
 @pytest.mark.parametrize("n", [pytest.param(3136, id="N3136"), pytest.param(16384, id="N16384")])
-def test_large_n_matches_torch_path(n):
+def test_large_n_matches_reference(n):
     """N = 3136 (56 x 56) and 16384 (128 x 128) tokens, unsplit: many token tiles in one program."""
     out, ref, got, exp, weights = run_both("swiglu", (1, 1, n, 32), torch.float32)
     assert max_rel_err(out, ref) < 2e-5
@@ -190,7 +117,7 @@ def test_split_reduction_is_deterministic():
     qkv, params = make_inputs("swiglu", b, g, n, d, torch.float32)
     runs = []
     for _ in range(2):
-        out = kernels.fused_ttt(
+        out = kernels.triton_ttt(
             "swiglu", *split_heads(qkv, g), params, scale=SCALE, backend="triton", chunk=32
         )
         runs.append([out, *torch.autograd.grad(out.square().sum(), [qkv, *params.values()])])
@@ -200,7 +127,7 @@ def test_split_reduction_is_deterministic():
 
 def test_output_is_token_major_so_the_head_merge_is_free():
     qkv, params = make_inputs("linear", 1, 3, 5, 16, torch.float32)
-    out = kernels.fused_ttt("linear", *split_heads(qkv, 3), params, scale=SCALE, backend="triton")
+    out = kernels.triton_ttt("linear", *split_heads(qkv, 3), params, scale=SCALE, backend="triton")
     assert out.transpose(1, 2).is_contiguous()
 
 
@@ -212,12 +139,13 @@ def test_reference_switch_by_argument_only(name, monkeypatch):
     b, g, n, d = 1, 2, 40, 16
     qkv, params = make_inputs(name, b, g, n, d, torch.float32)
     calls = []
-    ref_fn = f"{name}_ttt_ref"
-    original = getattr(ttt_fused, ref_fn)
-    monkeypatch.setattr(ttt_fused, ref_fn, lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = triton_op.reference.reference_ttt
+    monkeypatch.setattr(
+        triton_op.reference, "reference_ttt", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
 
     def run(**kw):
-        out = kernels.fused_ttt(name, *split_heads(qkv, g), params, grid=(5, 8), scale=SCALE, **kw)
+        out = kernels.triton_ttt(name, *split_heads(qkv, g), params, grid=(5, 8), scale=SCALE, **kw)
         return [out, *torch.autograd.grad(out.square().sum(), [qkv, *params.values()])]
 
     fused = run(backend="triton")
@@ -253,17 +181,17 @@ def test_bad_inputs_raise_value_error(name, shape, weights, loss, match):
         w: torch.randn((1, g * d, 3, 3) if name == "dwconv" else (1, g, d, d), device=DEVICE) for w in weights
     }
     with pytest.raises(ValueError, match=match):
-        kernels.fused_ttt(name, q, q, q, params, scale=SCALE, loss=loss, backend="triton")
+        kernels.triton_ttt(name, q, q, q, params, scale=SCALE, loss=loss, backend="triton")
 
 
 def test_weight_shape_mismatch_is_named():
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(ValueError, match=r"\[1, 2, 16, 16\]"):
-        kernels.fused_ttt("linear", q, q, q, {"w": torch.randn(2, 2, 16, 16)}, scale=SCALE)
+        kernels.triton_ttt("linear", q, q, q, {"w": torch.randn(2, 2, 16, 16)}, scale=SCALE)
     with pytest.raises(ValueError, match=r"\[1, 32, 3, 3\]"):
-        kernels.fused_ttt("dwconv", q, q, q, {"weight": torch.randn(1, 16, 3, 3)}, grid=(2, 2), scale=SCALE)
+        kernels.triton_ttt("dwconv", q, q, q, {"weight": torch.randn(1, 16, 3, 3)}, grid=(2, 2), scale=SCALE)
     with pytest.raises(ValueError, match="does not fit"):
-        kernels.fused_ttt("linear", q, q, q, {"w": torch.randn(1, 2, 16, 16)}, grid=(3, 2), scale=SCALE)
+        kernels.triton_ttt("linear", q, q, q, {"w": torch.randn(1, 2, 16, 16)}, grid=(3, 2), scale=SCALE)
 
 
 # ---------------------------------------------------------------------------------- torch.library, compile
@@ -295,7 +223,7 @@ def test_custom_op_registration_passes_opcheck(model, weight_shape):
     )  # ..., grid 4 x 5, scale, lr, grad_norm, chunk
     # test_aot_dispatch_dynamic would re-run the interpreter for many symbolic shapes: too slow on CPU.
     tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
-    torch.library.opcheck(torch.ops.vit3.ttt_fused_fwd.default, args, test_utils=tests)
+    torch.library.opcheck(torch.ops.vit3.triton_ttt_fwd.default, args, test_utils=tests)
 
 
 def test_compiles_with_fullgraph_and_keeps_gradients():
@@ -303,7 +231,7 @@ def test_compiles_with_fullgraph_and_keeps_gradients():
     qkv, params = make_inputs("swiglu", b, g, n, d, torch.float32)
 
     def branch(qkv, w1, w2):
-        return kernels.fused_ttt(
+        return kernels.triton_ttt(
             "swiglu", *split_heads(qkv, g), {"w1": w1, "w2": w2}, scale=SCALE, backend="triton"
         )
 
@@ -342,8 +270,8 @@ def mixer_run(
 @pytest.mark.parametrize("branches", [("swiglu", "dwconv:1"), ("linear",)], ids=["official", "linear"])
 def test_mixer_triton_equals_torch_end_to_end(branches, monkeypatch):
     calls = []
-    original = kernels.fused_ttt
-    monkeypatch.setattr(kernels, "fused_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
+    original = triton_op.triton_ttt
+    monkeypatch.setattr(triton_op, "triton_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
     fused, plain = mixer_pair(branches)
     x = torch.randn(2, 35, 64, device=DEVICE)
     out_f, grads_f, dx_f = mixer_run(fused, x, (5, 7))
@@ -358,8 +286,8 @@ def test_mixer_triton_equals_torch_end_to_end(branches, monkeypatch):
 
 def test_mixer_environment_variable_flips_the_implementation(monkeypatch):
     calls = []
-    original = kernels.fused_ttt
-    monkeypatch.setattr(kernels, "fused_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
+    original = triton_op.triton_ttt
+    monkeypatch.setattr(triton_op, "triton_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
     mixer = TTTMixer(32, 2, branches=("swiglu",)).to(DEVICE)  # backend="auto": the kernel on CUDA only
     x = torch.randn(1, 12, 32, device=DEVICE)
     with torch.no_grad():
@@ -429,9 +357,11 @@ def test_unsupported_head_dim_falls_back_to_reference_or_raises(monkeypatch):
     g, n, d = 1, 6, 136
     qkv, params = make_inputs("linear", 1, g, n, d, torch.float32)
     calls = []
-    original = ttt_fused.linear_ttt_ref
-    monkeypatch.setattr(ttt_fused, "linear_ttt_ref", lambda *a, **k: calls.append(1) or original(*a, **k))
-    out = kernels.fused_ttt("linear", *split_heads(qkv, g), params, scale=SCALE)
+    original = triton_op.reference.reference_ttt
+    monkeypatch.setattr(
+        triton_op.reference, "reference_ttt", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    out = kernels.triton_ttt("linear", *split_heads(qkv, g), params, scale=SCALE)
     assert calls == [1] and out.shape == (1, g, n, d)
     with pytest.raises(ValueError, match="shared memory"):
-        kernels.fused_ttt("linear", *split_heads(qkv, g), params, scale=SCALE, backend="triton")
+        kernels.triton_ttt("linear", *split_heads(qkv, g), params, scale=SCALE, backend="triton")

@@ -23,8 +23,8 @@ from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
 
 import vit3
-import vit3.layers.fast_swiglu as fast
-from vit3.kernels import swiglu_cpu
+import vit3.kernels.swiglu.eager as fast
+from vit3.kernels.swiglu import cpp as swiglu_cpu
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends.__main__ import main as cli_main
@@ -126,15 +126,15 @@ def test_explain_default_cuda_plan_is_triton_then_generic():
     assert _reason(wide, 0, "eager") == "'generic' ranks higher on cuda"
 
 
-def test_explain_without_triton_names_the_import_error(monkeypatch):
+def test_explain_without_triton_names_the_import_error_and_keeps_the_cpp_kernel(monkeypatch):
     monkeypatch.setattr(
-        reg, "_kernels", lambda: (None, "vit3.kernels cannot be imported (ImportError: no triton)")
+        reg, "_kernels", lambda: (None, "the Triton kernels cannot be imported (ImportError: no triton)")
     )
     expl = reg.explain_mixer(_mixer(), torch.device("cuda"), torch.float16, GRID, grad=False)
     assert _backends(expl) == ["generic", "generic"]
     assert "ImportError: no triton" in _reason(expl, 0, "triton")
-    cpu = _mixer().explain(_tokens(BIG_GRID), BIG_GRID)
-    assert _backends(cpu) == ["eager", "eager"] and "ImportError" in _reason(cpu, 0, "cpu")
+    cpu = _mixer().explain(_tokens(BIG_GRID), BIG_GRID)  # the C++ kernel needs no Triton
+    assert _backends(cpu) == ["cpu", "eager"] and "ImportError: no triton" in _reason(cpu, 0, "triton")
 
 
 VARIANTS = {
@@ -538,3 +538,16 @@ def test_cli_runs_as_a_module_and_rejects_bad_arguments():
     assert json.loads(proc.stdout)["model"] == "test_vit3_ttt"
     with pytest.raises(SystemExit):
         cli_main(["test_vit3_ttt", "--dtype", "fp8"])
+
+
+def test_backends_implement_exactly_the_ops_that_declare_their_path():
+    """Each op under ``kernels/`` declares its fast paths; the registry's inner-model lists follow them, and the
+    Triton op and the eager node serve exactly those ops."""
+    import vit3.kernels as kernels
+    from vit3.kernels import triton_op
+    from vit3.layers.eager_mix import KINDS
+
+    assert reg.BACKENDS["triton"].models == kernels.ops_with("triton") == tuple(triton_op.TRITON_LOSSES)
+    assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpp") == ("swiglu",)
+    assert reg.BACKENDS["eager"].models == kernels.ops_with("eager") == KINDS == ("swiglu", "dwconv")
+    assert reg.BACKENDS["generic"].models is None

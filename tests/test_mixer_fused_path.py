@@ -1,4 +1,4 @@
-"""The mixer's fused eager path (``vit3.layers.fast_mix``): when it serves, and that it computes what the mixer
+"""The mixer's fused eager path (``vit3.layers.eager_mix``): when it serves, and that it computes what the mixer
 defines (float64 autograd reference), every gradient included, in each tiling mode, without gradients, under
 activation checkpointing and for low-precision inputs."""
 
@@ -10,11 +10,11 @@ from helpers.common import count_calls
 from helpers.reference import assert_mixer_matches_reference
 from torch.utils.checkpoint import checkpoint
 
-import vit3.layers.fast_mix as fast_mix
-import vit3.layers.fast_swiglu as fast
+import vit3.kernels.swiglu.eager as fast
+import vit3.layers.eager_mix as eager_mix
 import vit3.layers.ttt as ttt
+from vit3.kernels.dwconv.eager import fold_batch
 from vit3.layers import TTTMixer
-from vit3.layers.inner import dwconv_backward, fold_batch
 
 GRID = (5, 7)
 
@@ -22,7 +22,7 @@ GRID = (5, 7)
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the mixer's calls of the fused path."""
-    return count_calls(monkeypatch, ttt, "fused_mix")
+    return count_calls(monkeypatch, ttt, "eager_mix")
 
 
 def _mixer(dim: int = 32, heads: int = 4, **cfg) -> TTTMixer:
@@ -200,7 +200,7 @@ def test_without_gradients_nothing_is_saved_and_output_is_unchanged(calls, monke
         saves.append(save)
         return real(*args, save=save, **kwargs)
 
-    monkeypatch.setattr("vit3.layers.fast_mix.swiglu_forward", spy)
+    monkeypatch.setattr("vit3.layers.eager_mix.swiglu_forward", spy)
     mixer = _mixer()
     x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64)
     with torch.no_grad():
@@ -238,7 +238,7 @@ def test_depthwise_maps_fold_the_batch_into_channels_last_and_back():
     b, (h, w), c = 3, GRID, 4
     qkv = torch.randn(b, h * w, 5 * c)
     tokens = qkv[..., c : 2 * c]  # a strided view, as the mixer's q, k, v are
-    m = fast_mix._to_map(tokens, GRID)  # [B, C, h, w]
+    m = eager_mix._to_map(tokens, GRID)  # [B, C, h, w]
     folded = fold_batch(m)
     assert folded.shape == (1, b * c, h, w) and folded.is_contiguous(memory_format=torch.channels_last)
     assert folded.data_ptr() == m.data_ptr()  # the fold is a view
@@ -247,18 +247,5 @@ def test_depthwise_maps_fold_the_batch_into_channels_last_and_back():
     # channel b*C + c of the folded map is channel c of sample b, in raster order
     torch.testing.assert_close(folded[0].view(b, c, h * w).transpose(1, 2), tokens, rtol=0, atol=0)
     dest = torch.zeros(b, h * w, 3 * c)[..., c : 2 * c]
-    fast_mix._from_map(m, dest)
+    eager_mix._from_map(m, dest)
     torch.testing.assert_close(dest, tokens, rtol=0, atol=0)
-
-
-def test_one_sample_depthwise_backward_stays_channels_last_and_matches_nchw():
-    """A one-sample map keeps its layout: reshaping it would lose channels-last (and cost two NCHW copies)."""
-    c, (h, w) = 6, GRID
-    grad_out, x = (torch.randn(1, c, h, w, dtype=torch.float64) for _ in range(2))
-    weight = torch.randn(1, c, 3, 3, dtype=torch.float64)
-    cl = [t.contiguous(memory_format=torch.channels_last) for t in (grad_out, x)]
-    gx, gw = dwconv_backward(*cl, weight)
-    assert gx.is_contiguous(memory_format=torch.channels_last)
-    gx_ref, gw_ref = dwconv_backward(grad_out, x, weight)
-    torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(gw, gw_ref, rtol=1e-12, atol=1e-12)

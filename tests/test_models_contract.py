@@ -12,7 +12,7 @@ from timm.layers import get_channel_dim, get_spatial_dim
 from timm.models import group_parameters
 
 import vit3  # noqa: F401 - registers the models
-from vit3.layers import TTTMixer
+from vit3.layers import TTTConfig, TTTMixer
 
 pytestmark = pytest.mark.parametrize("name", TINY_MODELS)
 
@@ -347,3 +347,24 @@ def test_timm_vit_kwargs_that_describe_vit3_are_accepted_or_take_effect(name):
     assert unpadded(_input(model, size=(64, 80))).shape == (1, model.num_classes)
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_kwarg'"):
         timm.create_model(name, no_such_kwarg=1)
+
+
+def test_qkv_bias_and_ttt_cfg_set_the_qkv_bias_once(name):
+    """``qkv_bias`` (timm's kwarg) and ``ttt_cfg``'s ``qkv_bias`` both set it; a contradiction names both."""
+
+    def qkv_biases(model):
+        return [k for k in model.state_dict() if k.endswith("qkv.bias")]
+
+    assert qkv_biases(timm.create_model(name)) and timm.create_model(name).ttt_cfg.qkv_bias is True
+    for kwargs in (
+        {"qkv_bias": False},
+        {"ttt_cfg": {"qkv_bias": False}},
+        {"ttt_cfg": TTTConfig(qkv_bias=False)},
+    ):
+        model = timm.create_model(name, **kwargs)
+        assert model.ttt_cfg.qkv_bias is False and not qkv_biases(model), kwargs
+    agree = timm.create_model(name, qkv_bias=False, ttt_cfg={"qkv_bias": False, "inner_lr": 0.5})
+    assert agree.ttt_cfg.qkv_bias is False and agree.ttt_cfg.inner_lr == 0.5
+    for ttt_cfg in ({"qkv_bias": False}, TTTConfig(qkv_bias=False)):
+        with pytest.raises(ValueError, match=r"qkv_bias=True contradicts ttt_cfg qkv_bias=False"):
+            timm.create_model(name, qkv_bias=True, ttt_cfg=ttt_cfg)

@@ -109,11 +109,13 @@ def test_grad_checkpointing_gives_the_same_weights(digits, tmp_path):
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_amp_modes_train_on_cpu(digits, tmp_path, amp):
-    summary = run(tiny_cfg(digits, tmp_path, "train.epochs=1", f"train.amp={amp}"), "train")
+    overrides = ("train.epochs=6", "data.batch_size=8", "train.lr_batch=8", f"train.amp={amp}")
+    summary = run(tiny_cfg(digits, tmp_path, *overrides), "train")
     ckpt = read_ckpt(tmp_path / "last.pt")
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
     if amp == "fp16":  # fp16 runs through a GradScaler; bf16 needs none
         assert ckpt["scaler"]["scale"] > 0
     else:
         assert ckpt["scaler"] == {}
-    assert summary["final"]["val_top1"] >= 0.0
+    # it learns: measured 85% (bf16) and 82.5% (fp16) on the 40 val images; chance is 25% (std 6.8 points)
+    assert summary["final"]["val_top1"] > 50.0

@@ -1,9 +1,13 @@
 """Paths and small helpers shared by the test modules: the repository, the official fixtures, error metrics,
-call counting."""
+call counting, a default-dtype switch, benchmark modules."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -37,3 +41,24 @@ def count_calls(monkeypatch, owner, name: str) -> dict[str, int]:
 
     monkeypatch.setattr(owner, name, counting)
     return count
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.set_default_dtype(dtype)`` for a block: models built in it hold float64 fixture weights exactly
+    (no float32 round trip)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module: the repository root is not on ``sys.path`` under plain ``pytest``
+    (and must not be: its ``vit3/`` would shadow an installed package's ``vit3.kernels``)."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

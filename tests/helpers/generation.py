@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from helpers.train import short_run
 from vit3.engine import Config, load_config
 from vit3.engine.config import CONFIG_DIR
 
@@ -47,15 +48,7 @@ def tiny_gen_cfg(data_root: Path, out: Path, *overrides: str) -> Config:
     return load_config(
         DEMO,
         [
-            "data.dataset=folder",
-            f"data.path={data_root}",
-            f"output={out}",
-            "data.batch_size=20",
-            "train.lr_batch=20",
-            "train.base_lr=3e-3",
-            "train.epochs=2",
-            "train.warmup_epochs=0",
-            "train.progress=false",
+            *short_run(data_root, out, 3e-3),
             "train.final_eval=false",
             "train.log_every=2",
             "sample.num_samples=8",

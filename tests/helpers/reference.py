@@ -1,7 +1,9 @@
 """An independent float64 reference of the TTT mixer: inner models written as plain forward functions and
 inner gradients taken with ``torch.autograd.grad(create_graph=True)`` instead of closed forms.
 
-Nothing here calls the closed-form gradients of ``vit3.layers.inner``; the tests compare the two.
+Nothing here calls the closed-form gradients of ``vit3.layers.inner``; the tests compare the two. The
+inner models with an op of their own (``swiglu``, ``linear``, ``dwconv``) are that op's reference model
+(``vit3.kernels.<op>.reference``), and the normalisation is the shared ``normalize_grad``: no formula twice.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vit3.kernels.common import normalize_grad
+from vit3.kernels.dwconv.reference import dwconv
+from vit3.kernels.linear.reference import linear
+from vit3.kernels.swiglu.reference import swiglu
 from vit3.layers import TTTMixer, apply_rope_2d, loss_value
 from vit3.layers.config import GRID_MODELS
 
@@ -63,13 +69,15 @@ def reference_forward(
 
 def _reference_g(name: str, p: dict[str, Tensor], x: Tensor, grid: tuple[int, int], cfg) -> Tensor:
     if name == "linear":
-        return x @ p["w"] + _bias(p, "b")
+        return linear(x, p["w"]) + _bias(p, "b")
     if name == "silu":
-        return F.silu(x @ p["w"] + _bias(p, "b"))
+        return F.silu(linear(x, p["w"]) + _bias(p, "b"))
     if name == "swiglu":
-        return (x @ p["w1"]) * F.silu(x @ p["w2"])
+        return swiglu(x, p["w1"], p["w2"])
     if name == "swiglu_out":
-        return ((x @ p["w1"]) * F.silu(x @ p["w2"])) @ p["w3"]
+        return swiglu(x, p["w1"], p["w2"]) @ p["w3"]
+    if name == "dwconv":
+        return dwconv(x, p["weight"], grid)
     if name in ("mlp", "mlp3"):
         return _mlp(p, x, cfg, 3 if name == "mlp3" else 2)
     b, g, n, c = x.shape
@@ -78,8 +86,6 @@ def _reference_g(name: str, p: dict[str, Tensor], x: Tensor, grid: tuple[int, in
         w = p["weight"]  # [B|1, G, 9c, c] -> conv weights [B|1, G*c_out, c_in, 3, 3]
         w = w.transpose(-2, -1).reshape(w.shape[0], g * c, c, 3, 3)
         out = _per_sample_conv(maps, w, groups=g)
-    elif name == "dwconv":
-        out = _per_sample_conv(maps, p["weight"][:, :, None], groups=g * c)
     else:
         raise ValueError(name)
     return out.reshape(b, g, c, n).transpose(-2, -1)
@@ -132,8 +138,7 @@ def reference_inner_loop(
             new = {}
             for (key, w), g in zip(params.items(), grads):
                 if cfg.grad_norm:
-                    dims = (-2, -1) if name == "dwconv" else (-2,)
-                    g = g / (g.pow(2).sum(dims, keepdim=True).sqrt() + 1.0)
+                    g = normalize_grad(g, (-2, -1) if name == "dwconv" else (-2,))
                 new[key] = w - cfg.inner_lr * g
             params = new
     return params

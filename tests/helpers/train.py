@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -40,24 +45,25 @@ def make_digit_folder(
     return root
 
 
+def short_run(data_root: Path, out: Path, base_lr: float) -> list[str]:
+    """The overrides of a short CPU run on a digit folder: 2 epochs of batches of 20 at ``base_lr``, no warmup,
+    no progress bars."""
+    return [
+        "data.dataset=folder",
+        f"data.path={data_root}",
+        f"output={out}",
+        "data.batch_size=20",
+        "train.lr_batch=20",
+        f"train.base_lr={base_lr}",
+        "train.epochs=2",
+        "train.warmup_epochs=0",
+        "train.progress=false",
+    ]
+
+
 def tiny_cfg(data_root: Path, out: Path, *overrides: str) -> Config:
     """The demo config on a digit folder with the tiny model: a few seconds per epoch on one CPU core."""
-    return load_config(
-        DEMO,
-        [
-            "data.dataset=folder",
-            f"data.path={data_root}",
-            f"output={out}",
-            "data.batch_size=20",
-            "train.lr_batch=20",
-            "train.base_lr=2e-3",
-            "train.epochs=2",
-            "train.warmup_epochs=0",
-            "train.progress=false",
-            *TINY_MODEL,
-            *overrides,
-        ],
-    )
+    return load_config(DEMO, [*short_run(data_root, out, 2e-3), *TINY_MODEL, *overrides])
 
 
 def load_script(name: str) -> ModuleType:
@@ -70,6 +76,75 @@ def load_script(name: str) -> ModuleType:
 
 def read_ckpt(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class Crashed(Exception):
+    """Raised by :func:`crash_after_checkpoint` in place of the process dying."""
+
+
+def crash_after_checkpoint(monkeypatch, global_step: int) -> None:
+    """Makes training die (raise :class:`Crashed`) right after it writes the checkpoint of optimizer step
+    ``global_step``: what a kill at any point before the next checkpoint leaves on disk. Use it inside
+    ``monkeypatch.context()``."""
+    import vit3.engine.common as common
+
+    real = common.save_checkpoint
+
+    def save_then_crash(path, state):
+        written = real(path, state)
+        if state.get("global_step") == global_step:
+            raise Crashed(f"after writing {path} at step {global_step}")
+        return written
+
+    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+
+
+def kill_when_checkpoint(
+    cmd: Sequence[str],
+    checkpoint: Path,
+    ready: Callable[[dict], bool],
+    timeout: float = 600.0,
+    **popen,
+) -> dict:
+    """Runs ``cmd`` and SIGKILLs it (kill -9: no cleanup, no handler) as soon as ``checkpoint`` holds a
+    state for which ``ready(state)`` is true; returns the checkpoint as the killed process left it.
+
+    Raises:
+        AssertionError: the process ended (or ran past ``timeout``) before such a checkpoint appeared.
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            # checkpoints are replaced atomically (rename), so a file that exists is complete
+            if checkpoint.is_file() and ready(read_ckpt(checkpoint)):
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None and time.monotonic() >= deadline:
+            proc.kill()
+        _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, f"not killed (exit {proc.returncode}): {err[-3000:]!r}"
+    return read_ckpt(checkpoint)
+
+
+def saved_weights_sha1(ckpt: dict) -> str:
+    """:func:`vit3.engine.common.param_digest` of the model a training checkpoint holds (rebuilt from its
+    record: timm name and kwargs, or the DiT³ kwargs of a generation checkpoint)."""
+    import timm
+
+    import vit3.models  # noqa: F401  (registers the vit3 models in timm)
+    from vit3.engine.common import param_digest
+    from vit3.models.dit3 import create_dit3
+
+    kwargs = dict(ckpt["model_kwargs"])
+    if ckpt.get("task") == "generation":
+        model = create_dit3(ckpt["model_name"], **kwargs)
+    else:
+        model = timm.create_model(ckpt["model_name"], num_classes=ckpt["num_classes"], **kwargs)
+    model.load_state_dict(ckpt["model"])
+    return param_digest(model)
 
 
 def assert_same_tensors(a, b, where: str = "") -> None:

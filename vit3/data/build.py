@@ -138,9 +138,13 @@ def _private_rng(seed: int) -> Iterator[None]:
 
 
 class SeededTransform(Dataset):
-    """Wraps a dataset of PIL images; sample ``i`` of epoch ``e`` is transformed under seed (seed, e, i)."""
+    """Wraps a dataset of PIL images; sample ``i`` of epoch ``e`` is transformed under seed (seed, e, i).
 
-    def __init__(self, dataset: Dataset, transform: Callable, seed: int) -> None:
+    ``transform=None``: the dataset augments its samples itself (the dense datasets); ``dataset[i]`` is then
+    read under that seed.
+    """
+
+    def __init__(self, dataset: Dataset, transform: Callable | None, seed: int) -> None:
         self.dataset, self.transform, self.seed, self.epoch = dataset, transform, int(seed), 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -150,10 +154,13 @@ class SeededTransform(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int):
+        seed = int(np.random.SeedSequence([self.seed, self.epoch, int(index)]).generate_state(1)[0])
+        if self.transform is None:
+            with _private_rng(seed):
+                return self.dataset[index]
         # (image, label, file) where the dataset can say which file: a failing transform names it
         load = getattr(self.dataset, "load_sample", None)
         img, target, source = load(index) if load else (*self.dataset[index], f"sample {index}")
-        seed = int(np.random.SeedSequence([self.seed, self.epoch, int(index)]).generate_state(1)[0])
         with _private_rng(seed):
             return apply_transform(self.transform, img, source), target
 
@@ -287,7 +294,13 @@ def build_mixup(cfg, num_classes: int) -> Mixup | None:
 
 
 def _loader(
-    dataset: Dataset, sampler: Sampler, batch_size: int, cfg, drop_last: bool, seed: int
+    dataset: Dataset,
+    sampler: Sampler,
+    batch_size: int,
+    cfg,
+    drop_last: bool,
+    seed: int,
+    collate_fn: Callable | None = None,
 ) -> DataLoader:
     workers = int(cfg.data.num_workers)
     return DataLoader(
@@ -295,6 +308,7 @@ def _loader(
         batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,
+        collate_fn=collate_fn,
         pin_memory=bool(cfg.data.pin_memory) and torch.cuda.is_available(),
         drop_last=drop_last,
         persistent_workers=False,  # workers must see SeededTransform.set_epoch of each epoch
@@ -303,9 +317,16 @@ def _loader(
 
 
 def build_train_loader(
-    dataset: Dataset, transform: Callable, cfg, rank: int = 0, world: int = 1
+    dataset: Dataset,
+    transform: Callable | None,
+    cfg,
+    rank: int = 0,
+    world: int = 1,
+    drop_last: bool = True,
+    collate_fn: Callable | None = None,
 ) -> tuple[DataLoader, SeededTransform, ResumableDistributedSampler]:
-    """Shuffled, sharded, full-batch training loader; call ``set_epoch`` on the returned wrapper/sampler."""
+    """Shuffled, sharded training loader (full batches unless ``drop_last=False``); call ``set_epoch`` on the
+    returned wrapper and sampler. ``transform=None``: the dataset augments its samples itself."""
     wrapped = SeededTransform(dataset, transform, cfg.seed)
     sampler = ResumableDistributedSampler(len(dataset), world, rank, shuffle=True, seed=cfg.seed)
     if sampler.num_samples < cfg.data.batch_size:
@@ -313,7 +334,8 @@ def build_train_loader(
             f"data.batch_size={cfg.data.batch_size} exceeds the {sampler.num_samples} training images per "
             f"process: lower data.batch_size"
         )
-    return _loader(wrapped, sampler, cfg.data.batch_size, cfg, True, cfg.seed), wrapped, sampler
+    loader = _loader(wrapped, sampler, cfg.data.batch_size, cfg, drop_last, cfg.seed, collate_fn)
+    return loader, wrapped, sampler
 
 
 def build_val_loader(

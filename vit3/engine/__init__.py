@@ -40,5 +40,5 @@ def run(cfg: Config, mode: str) -> Any:
     elif task == "generation":
         from . import generation as engine  # DiT³ on diffusers: train(cfg), evaluate(cfg)
     else:
-        from . import dense as engine  # written by the dense-tasks engineer: train(cfg), evaluate(cfg)
+        from . import dense as engine  # detection / segmentation: train(cfg), evaluate(cfg)
     return engine.train(cfg) if mode == "train" else engine.evaluate(cfg)

@@ -9,8 +9,7 @@ becomes ``CE(student, target) + m * CE(student, softmax(teacher))`` (teacher wit
 Resuming (``train.resume``) restores the model, optimizer, scheduler, grad scaler, EMA, every rank's RNG
 states, the epoch, the batch inside it and the optimizer step; together with the per-sample seeded data
 pipeline (vit3.data.build) a run killed after a checkpoint and resumed ends with the same weights as an
-uninterrupted one. ``VIT3_KILL_AT_STEP=k`` (environment) hard-exits the process right after optimizer
-step k, simulating a crash (used by the tests).
+uninterrupted one (the plumbing: :mod:`vit3.engine.common`).
 
 A run that diverges — a non-finite training loss, a non-finite gradient norm (with ``train.clip_grad``, no
 fp16 loss scaling) or non-finite tokens met by a TTT mixer of the forward — raises :class:`TrainingDiverged`
@@ -20,10 +19,7 @@ fp16 loss scaling) or non-finite tokens met by a TTT mixer of the forward — ra
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import os
-import random
 import resource
 import sys
 import time
@@ -32,14 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import timm
 import torch
 import torch.nn.functional as F
 from timm.data import resolve_data_config
 from timm.utils import ModelEmaV3
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ..data import build_datasets, build_mixup, build_train_loader, build_transform, build_val_loader
@@ -51,25 +45,48 @@ from ..layers.ttt import NonFiniteError
 from .checkpoint import (
     apply_model_record,
     classifier_prefixes,
-    get_rng_state,
     load_checkpoint,
     load_model_weights,
     make_model_record,
     model_record,
     peek_vit3_checkpoint,
-    resume_differences,
-    save_checkpoint,
-    set_rng_state,
+)
+from .common import (
+    Progress,
+    TrainRun,
+    amp_dtype,
+    autocast,
+    check_resume,
+    check_resume_task,
+    in_process_group,
+    log,
+    log_row,
+    optimizer_step,
+    restore_rng,
+    resume_path,
+    run_epochs,
+    run_summary,
+    save_state,
+    seed_process,
+    set_threads,
+    wrap_ddp,
 )
 from .config import Config, ConfigError, run_metadata, save_config
-from .distributed import DistInfo, all_gather_objects, barrier, distributed, sum_tensor
+from .distributed import DistInfo, sum_tensor
 from .metrics import plot_curves, write_metrics
 from .optim import build_optimizer, build_scheduler, scaled_lrs
 
-AMP_MODES = ("auto", "none", "bf16", "fp16")
-KILL_ENV = "VIT3_KILL_AT_STEP"
-
-__all__ = ["TrainingDiverged", "build_model", "evaluate", "soft_cross_entropy", "train", "validate"]
+__all__ = [
+    "TrainingDiverged",
+    "build_model",
+    "data_stats",
+    "evaluate",
+    "input_channels",
+    "resolve_data_cfg",
+    "soft_cross_entropy",
+    "train",
+    "validate",
+]
 
 
 class TrainingDiverged(FloatingPointError):
@@ -77,11 +94,6 @@ class TrainingDiverged(FloatingPointError):
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _log(info: DistInfo, msg: str) -> None:
-    if info.is_main:
-        tqdm.write(msg, file=sys.stdout)
-
-
 def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """Mean over the batch of ``-sum_c probs[b, c] log_softmax(logits)[b, c]``; logits/probs [B, K]."""
     return torch.sum(-probs * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
@@ -94,21 +106,9 @@ def _label_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) ->
     return F.cross_entropy(logits.float(), target, label_smoothing=smoothing)
 
 
-def _amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
-    if mode == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
-
-
-def _set_threads(cfg: Config) -> None:
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
-
-
 def _check_train_cfg(cfg: Config) -> None:
     t = cfg.train
-    if t.amp not in AMP_MODES:
-        raise ConfigError(f"train.amp must be one of {', '.join(AMP_MODES)}, got '{t.amp}'")
+    amp_dtype(t.amp, torch.device("cpu"))  # a known train.amp
     if int(t.accum_steps) < 1:
         raise ConfigError(f"train.accum_steps must be >= 1, got {t.accum_steps}")
     if t.mesa and t.mesa > 0 and not t.ema:
@@ -123,11 +123,12 @@ def _check_train_cfg(cfg: Config) -> None:
         raise ConfigError(f"train.progress must be true, false or 'run', got {t.progress!r}")
 
 
-def _in_chans(cfg: Config) -> int:
+def input_channels(cfg: Config) -> int:
+    """The model's input channels (``model.kwargs.in_chans``, default 3)."""
     return int(cfg.model.kwargs.get("in_chans", 3))
 
 
-def _resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
+def resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
     """Fills the null ``data.img_size``/``interpolation``/``crop_pct``/``mean``/``std`` in place: MNIST's
     statistics for the demo data, else the model's ``pretrained_cfg`` (a one-channel model on RGB statistics
     takes their average); checks that ``data.mean``/``std`` fit the model's channels.
@@ -164,8 +165,8 @@ def _resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
         raise ConfigError(f"data.std values must be positive, got {list(d.std)}")
 
 
-def _data_stats(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The normalisation of a resolved config (:func:`_resolve_data_cfg`)."""
+def data_stats(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The normalisation of a resolved config (:func:`resolve_data_cfg`)."""
     return tuple(cfg.data.mean), tuple(cfg.data.std)
 
 
@@ -257,15 +258,6 @@ def build_model(
     return timm.create_model(name, num_classes=num_classes, **kwargs), []
 
 
-def _param_digest(model: nn.Module) -> str:
-    """SHA-1 of all parameters (not buffers: DDP broadcasts rank 0's BatchNorm statistics at each forward,
-    so after the last step the other ranks' running statistics legitimately differ)."""
-    h = hashlib.sha1()
-    for _, p in sorted(model.named_parameters()):
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 @torch.no_grad()
 def validate(
     model: nn.Module, loader, device: torch.device, amp_dtype: torch.dtype | None = None
@@ -275,7 +267,7 @@ def validate(
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, count
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        with autocast(device, amp_dtype):
             logits = model(x)
         logits = logits.float()
         k = min(5, logits.shape[-1])
@@ -295,12 +287,9 @@ def validate(
 
 # ---------------------------------------------------------------------------------------------- training
 @dataclass
-class _Progress:
-    """Counters that a checkpoint stores and a resume restores."""
+class _Progress(Progress):
+    """The counters of :class:`~vit3.engine.common.Progress` plus the partial epoch's loss and the history."""
 
-    epoch: int = 0  # the epoch to run (0-based)
-    batch_in_epoch: int = 0  # batches of that epoch already done
-    global_step: int = 0  # optimizer updates done
     loss_sum: float = 0.0  # running training loss of the partial epoch
     loss_count: int = 0
     best_top1: float = -1.0
@@ -308,16 +297,7 @@ class _Progress:
 
 
 @dataclass
-class _Run:
-    cfg: Config
-    info: DistInfo
-    model: nn.Module  # unwrapped
-    net: nn.Module  # DDP-wrapped or the model itself
-    ema: ModelEmaV3 | None
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: torch.amp.GradScaler
-    amp_dtype: torch.dtype | None
+class _Run(TrainRun):
     mixup: Any
     loader: Any
     wrapped: Any
@@ -331,26 +311,17 @@ class _Run:
 
 
 def _state(run: _Run) -> dict[str, Any]:
-    """The checkpoint dict (collective: gathers every rank's RNG state)."""
-    rng = all_gather_objects(get_rng_state())
+    """The checkpoint dict (:func:`~vit3.engine.common.save_state` adds the RNG states)."""
     p = run.progress
-    mean, std = _data_stats(run.cfg)
+    mean, std = data_stats(run.cfg)
     return {
         "record": make_model_record(run.cfg, run.num_classes, run.classes, mean, std),
         "model_name": run.cfg.model.name,
         "model_kwargs": dict(run.cfg.model.kwargs),
         "num_classes": run.num_classes,
         "classes": list(run.classes),
-        "model": run.model.state_dict(),
-        "ema": run.ema.module.state_dict() if run.ema is not None else None,
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "scaler": run.scaler.state_dict(),
-        "rng": rng,
-        "world_size": run.info.world,
-        "epoch": p.epoch,
-        "batch_in_epoch": p.batch_in_epoch,
-        "global_step": p.global_step,
+        **run.training_state(),
+        **p.counters(),
         "epoch_loss": (p.loss_sum, p.loss_count),
         "best_top1": p.best_top1,
         "history": p.history,
@@ -360,33 +331,22 @@ def _state(run: _Run) -> dict[str, Any]:
 
 
 def _save(run: _Run, name: str) -> Path:
-    state = _state(run)  # every rank takes part in the RNG gather
-    path = run.out / name
-    if run.info.is_main:
-        save_checkpoint(path, state)
-    barrier()
-    return path
+    return save_state(lambda: _state(run), run.out / name, run.info)
 
 
 def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
-    load_model_weights(run.model, ckpt, source=source)
-    if run.ema is not None:
-        if ckpt.get("ema") is None:
-            raise ConfigError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
-        run.ema.module.load_state_dict(ckpt["ema"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
+    check_resume_task(ckpt, "classification", source)
     schedule = ("epochs", "warmup_epochs", "base_lr", "warmup_lr", "min_lr", "lr_batch", "accum_steps")
     before = ckpt["config"].get("train", {})
-    if all(before.get(k) == run.cfg.train[k] for k in schedule):
-        run.scheduler.load_state_dict(ckpt["scheduler"])
-    else:  # e.g. more epochs: the lr schedule follows the new config from the restored step on
-        _log(
+    same_schedule = all(before.get(k) == run.cfg.train[k] for k in schedule)
+    run.load_training_state(ckpt, source, scheduler=same_schedule)
+    if not same_schedule:  # e.g. more epochs: the new config's schedule applies from the restored step on
+        log(
             run.info,
             f"note: the lr schedule settings differ from {source}; the new config's schedule applies",
         )
-    run.scaler.load_state_dict(ckpt["scaler"])
     p = run.progress
-    p.epoch, p.batch_in_epoch, p.global_step = ckpt["epoch"], ckpt["batch_in_epoch"], ckpt["global_step"]
+    p.restore(ckpt)
     p.loss_sum, p.loss_count = ckpt["epoch_loss"]
     p.best_top1, p.history = ckpt["best_top1"], list(ckpt["history"])
     old_batch = int(ckpt["config"]["data"]["batch_size"]) * int(ckpt.get("world_size", 1))
@@ -394,49 +354,16 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
     if p.batch_in_epoch and old_batch != new_batch:  # a forced resume: continue after the samples done
         accum = int(run.cfg.train.accum_steps)
         p.batch_in_epoch = p.batch_in_epoch * old_batch // new_batch // accum * accum
-    if p.batch_in_epoch >= run.batches_per_epoch:
-        p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+    p.roll_over(run.batches_per_epoch)
 
 
-def _resume_path(cfg: Config, out: Path) -> str:
-    resume = cfg.train.resume or ""
-    if resume == "auto":
-        return str(out / "last.pt") if (out / "last.pt").is_file() else ""
-    return str(resume)
-
-
-def _check_resume(cfg: Config, ckpt: dict[str, Any], world: int, source: str) -> list[str]:
-    """The data-stream settings a resume changes; refused unless ``train.force_resume``.
-
-    Raises:
-        ConfigError: a setting of :data:`~vit3.engine.checkpoint.DATA_STREAM_KEYS` or the number of
-            processes differs from the run that wrote ``source``.
-    """
-    changed = resume_differences(ckpt["config"], cfg)
-    if int(ckpt.get("world_size", world)) != world:
-        changed.append(f"world size (processes): was {ckpt.get('world_size')}, now {world}")
-    if changed and not cfg.train.force_resume:
-        raise ConfigError(
-            f"cannot resume exactly from {source}: settings that decide the data stream changed ("
-            + "; ".join(changed)
-            + "), so the run would continue at other samples than it stopped at. Set them back, or force "
-            "the resume with train.force_resume=true (it continues after the samples already seen)."
-        )
-    return changed
-
-
-def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
+def _setup(cfg: Config, info: DistInfo) -> _Run:
+    """The run of ``cfg`` (resumed from ``train.resume`` when set), its config saved in the output folder."""
     _check_train_cfg(cfg)
-    _set_threads(cfg)
-    torch.manual_seed(cfg.seed + info.rank)
-    random.seed(cfg.seed + info.rank)
-    np.random.seed(cfg.seed + info.rank)  # noqa: NPY002  (timm Mixup draws on the global numpy RNG)
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = not cfg.deterministic
-
+    set_threads(cfg)
+    seed_process(cfg, info)
     out = Path(cfg.output)
-    resume = _resume_path(cfg, out)
+    resume = resume_path(cfg, out)
     ckpt = load_checkpoint(resume) if resume else None
     # A resumed run takes its weights from the checkpoint, never from model.pretrained.
     pretrained = "" if ckpt else str(cfg.model.pretrained or "")
@@ -455,7 +382,7 @@ def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
     keep_head = bool(cfg.model.keep_head) and bool(pretrained)
     # The labels of a kept (or resumed) classifier are its own classes, matched to the folders by name.
     head = record if record is not None and (ckpt is not None or keep_head) else None
-    in_chans = _in_chans(cfg)
+    in_chans = input_channels(cfg)
     data = build_datasets(
         cfg,
         in_chans,
@@ -479,15 +406,15 @@ def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
         raise ConfigError(f"model.num_classes={num_classes} is below the {len(classes)} classes of the data")
     model, fresh = build_model(cfg, num_classes, pretrained)
     if fresh:
-        _log(
+        log(
             info,
             f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} classes",
         )
-    _resolve_data_cfg(cfg, model, in_chans)
+    resolve_data_cfg(cfg, model, in_chans)
     if ckpt is not None:
-        for change in _check_resume(cfg, ckpt, info.world, resume):
-            _log(info, f"warning: train.force_resume=true: {change}")
-    mean, std = _data_stats(cfg)
+        for change in check_resume(cfg, ckpt, info.world, resume):
+            log(info, f"warning: train.force_resume=true: {change}")
+    mean, std = data_stats(cfg)
     loader, wrapped, sampler = build_train_loader(
         data["train"], build_transform(cfg, True, mean, std), cfg, info.rank, info.world
     )
@@ -510,36 +437,35 @@ def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
     lrs = scaled_lrs(cfg.train, total_batch)
     optimizer = build_optimizer(model, cfg.train, lrs["base_lr"])
     scheduler = build_scheduler(optimizer, cfg.train, lrs, batches_per_epoch // accum)
-    amp_dtype = _amp_dtype(cfg.train.amp, info.device)
-    scaler = torch.amp.GradScaler(info.device.type, enabled=amp_dtype == torch.float16)
+    amp = amp_dtype(cfg.train.amp, info.device)
+    scaler = torch.amp.GradScaler(info.device.type, enabled=amp == torch.float16)
     ema = None
     if cfg.train.ema:
         decay = float(cfg.train.ema_decay) ** (total_batch / float(cfg.train.ema_batch))  # as official
         ema = ModelEmaV3(model, decay=decay)
-    net = model
-    if info.distributed:
-        dev_ids = [info.device.index] if info.device.type == "cuda" else None
-        net = DistributedDataParallel(
-            model, device_ids=dev_ids, find_unused_parameters=cfg.dist.find_unused_parameters
-        )
+    net = wrap_ddp(model, cfg, info)
     run = _Run(
-        cfg, info, model, net, ema, optimizer, scheduler, scaler, amp_dtype, build_mixup(cfg, num_classes),
+        cfg, info, model, net, ema, optimizer, scheduler, scaler, amp, build_mixup(cfg, num_classes),
         loader, wrapped, sampler, val_loader, batches_per_epoch, out, num_classes, classes, _Progress(),
     )  # fmt: skip
-    _log(
+    log(
         info,
         f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {num_classes} "
         f"classes | data: {len(data['train'])} train / {len(data['val'])} val images | {info.world} process(es) "
-        f"on {info.device}, total batch {total_batch}, lr {lrs['base_lr']:.3g} | amp {amp_dtype} | "
+        f"on {info.device}, total batch {total_batch}, lr {lrs['base_lr']:.3g} | amp {amp} | "
         f"ema {'on' if ema else 'off'} | mesa {cfg.train.mesa}",
     )
     if ckpt is not None:
         _restore(run, ckpt, resume)
-        _log(
+        log(
             info,
             f"resumed from {resume}: epoch {run.progress.epoch + 1}, batch {run.progress.batch_in_epoch}, step {run.progress.global_step}",
         )
-    return run, ckpt
+    if info.is_main:
+        save_config(cfg, out)
+    if ckpt is not None:
+        restore_rng(ckpt, info)  # last: building the run drew on the RNGs
+    return run
 
 
 @contextlib.contextmanager
@@ -561,7 +487,6 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
     run.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
     mesa = float(cfg.train.mesa or 0.0)
     mesa_on = mesa > 0 and p.epoch >= int(cfg.train.mesa_start * cfg.train.epochs)
-    kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
     desc = f"epoch {p.epoch + 1}/{cfg.train.epochs}"
     if run_bar is None:
         bar = tqdm(
@@ -583,9 +508,7 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
         sync = run.net.no_sync() if info.distributed and not update else contextlib.nullcontext()
         where = f"at epoch {p.epoch + 1}, batch {b}"
         with sync, _diverged_on_nonfinite_tokens(where):
-            with torch.autocast(
-                dev.type, dtype=run.amp_dtype or torch.float32, enabled=run.amp_dtype is not None
-            ):
+            with autocast(dev, run.amp_dtype):
                 logits = run.net(x)
                 loss = _label_loss(logits, y, cfg.aug.label_smoothing)
                 if mesa_on:
@@ -600,21 +523,17 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
         seen += x.shape[0] * info.world
         p.batch_in_epoch = b + 1
         if update:
-            run.scheduler.step_update(p.global_step)  # lr of this update
-            if cfg.train.clip_grad:
-                run.scaler.unscale_(run.optimizer)
-                norm = nn.utils.clip_grad_norm_(run.model.parameters(), float(cfg.train.clip_grad))
+
+            def check_norm(norm: torch.Tensor, where: str = where) -> None:
                 # fp16 loss scaling skips steps with Inf gradients by design; anything else has diverged
                 if not run.scaler.is_enabled() and not torch.isfinite(norm):
                     raise TrainingDiverged(f"non-finite gradient norm {float(norm)} {where}")
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-            run.optimizer.zero_grad(set_to_none=True)
+
+            optimizer_step(
+                run.model, run.optimizer, run.scaler, cfg.train.clip_grad, run.scheduler, p.global_step,
+                run.ema, check_norm,
+            )  # fmt: skip
             p.global_step += 1
-            if run.ema is not None:
-                run.ema.update(run.model)
-            if kill_at and p.global_step == kill_at:
-                os._exit(75)  # simulated crash: no cleanup, no checkpoint of this step
             every = int(cfg.train.save_every_steps or 0)
             if every and p.global_step % every == 0 and p.batch_in_epoch < run.batches_per_epoch:
                 _save(run, "last.pt")
@@ -654,29 +573,18 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
         _save(run, "best.pt")
     if run.info.is_main:
         write_metrics(p.history, run.out)
-        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-        _log(run.info, shown)
+        log_row(run.info, row)
     return row
 
 
 def train(cfg: Config) -> dict[str, Any]:
     """Trains ``cfg`` (see module docstring) and returns the run summary (also in ``<output>/summary.json``)."""
-    with distributed(cfg.device, cfg.dist.backend) as info:
-        return _train(cfg, info)
+    return in_process_group(cfg, _train)
 
 
 def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     start = time.perf_counter()
-    run, ckpt = _setup(cfg, info)
-    if info.is_main:
-        save_config(cfg, run.out)
-    if ckpt is not None:
-        rng = ckpt["rng"]
-        if len(rng) != info.world:
-            _log(
-                info, f"warning: checkpoint from {len(rng)} process(es), now {info.world}: RNG streams differ"
-            )
-        set_rng_state(rng[info.rank % len(rng)])
+    run = _setup(cfg, info)
     p = run.progress
     run_bar = None
     if cfg.train.progress == "run":  # one bar for the whole run instead of one per epoch
@@ -685,26 +593,17 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
             desc=Path(cfg.output).name, disable=not info.is_main, dynamic_ncols=True, file=sys.stdout,
         )  # fmt: skip
     try:
-        while p.epoch < cfg.train.epochs:
-            tick, batch0 = time.perf_counter(), p.batch_in_epoch
-            _train_epoch(run, run_bar)
-            images = (run.batches_per_epoch - batch0) * cfg.data.batch_size * info.world
-            _finish_epoch(run, time.perf_counter() - tick, images)
+        run_epochs(
+            run, p, run.batches_per_epoch, lambda: _train_epoch(run, run_bar),
+            lambda seconds, images: _finish_epoch(run, seconds, images),
+        )  # fmt: skip
     finally:
         if run_bar is not None:
             run_bar.close()
-    digests = all_gather_objects(_param_digest(run.model))
-    if len(set(digests)) != 1:
-        raise RuntimeError(f"DDP ranks disagree on the final weights: {digests}")
     summary = {
-        "output": str(run.out),
-        "last": str(run.out / "last.pt"),
+        **run_summary(run, run.out, p.history),
         "best": str(run.out / "best.pt") if cfg.train.keep_best else None,
-        "final": p.history[-1] if p.history else {},
         "best_top1": p.best_top1,
-        "world_size": info.world,
-        "ranks_agree": True,
-        "weights_sha1": digests[0],
         "wall_time_s": round(time.perf_counter() - start, 1),
     }
     if info.is_main:
@@ -712,7 +611,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
         summary["curves"] = str(curves) if curves else None
         (run.out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
         final = summary["final"]
-        _log(
+        log(
             info,
             f"\ndone in {summary['wall_time_s']:.0f} s: val top-1 {final.get('val_top1', float('nan')):.2f}% "
             f"(best {p.best_top1:.2f}%)\n  checkpoint: {summary['last']}\n  best:       {summary['best']}\n"
@@ -732,7 +631,7 @@ def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
 @torch.no_grad()
 def _throughput(model: nn.Module, x: torch.Tensor, batches: int, amp_dtype: torch.dtype | None) -> float:
     dev = x.device
-    with torch.autocast(dev.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+    with autocast(dev, amp_dtype):
         model(x)  # warm-up
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -762,14 +661,13 @@ def evaluate(cfg: Config) -> dict[str, Any]:
     Returns (and writes as JSON): params, and per resolution top-1/top-5/loss, images/s, peak memory
     and fvcore FLOPs (per image).
     """
-    with distributed(cfg.device, cfg.dist.backend) as info:
-        return _evaluate(cfg, info)
+    return in_process_group(cfg, _evaluate)
 
 
 def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
     import vit3.models  # noqa: F401  (registers the vit3 models in timm)
 
-    _set_threads(cfg)
+    set_threads(cfg)
     path = str(cfg.eval.checkpoint)
     if not path:
         raise ConfigError("eval.checkpoint is empty: pass --checkpoint FILE")
@@ -780,7 +678,7 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         apply_model_record(cfg, record, path)
         num_classes, classes = int(record["num_classes"]), record["classes"]
         data = build_datasets(
-            cfg, _in_chans(cfg), splits=("val",), classes=classes, classes_from=f"the model of {path}"
+            cfg, input_channels(cfg), splits=("val",), classes=classes, classes_from=f"the model of {path}"
         )
         model, _ = build_model(cfg, num_classes)
         load_model_weights(model, ckpt, use_ema=cfg.eval.use_ema, source=path)
@@ -792,7 +690,7 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         default = timm.models.get_pretrained_cfg_value(cfg.model.name, "num_classes") or 1000
         num_classes = int(cfg.model.num_classes or default)
         data = build_datasets(
-            cfg, _in_chans(cfg), splits=("val",), classes=_official_eval_classes(cfg, num_classes, path)
+            cfg, input_channels(cfg), splits=("val",), classes=_official_eval_classes(cfg, num_classes, path)
         )
         model, _ = build_model(cfg, num_classes, path, keep_head=True)
     if len(data["classes"]) > num_classes:
@@ -801,9 +699,9 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         )
     name = cfg.model.name
     model.to(info.device).eval()
-    _resolve_data_cfg(cfg, model, _in_chans(cfg))
-    mean, std = _data_stats(cfg)
-    amp_dtype = _amp_dtype(cfg.train.amp, info.device)
+    resolve_data_cfg(cfg, model, input_channels(cfg))
+    mean, std = data_stats(cfg)
+    amp = amp_dtype(cfg.train.amp, info.device)
     sizes = [int(s) for s in (cfg.eval.img_sizes or [cfg.data.img_size])]
     results = []
     for size in sizes:
@@ -817,9 +715,9 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         )
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(info.device)
-        metrics = validate(model, loader, info.device, amp_dtype)
+        metrics = validate(model, loader, info.device, amp)
         x = next(iter(loader))[0].to(info.device)
-        rate = _throughput(model, x, int(cfg.eval.throughput_batches), amp_dtype)
+        rate = _throughput(model, x, int(cfg.eval.throughput_batches), amp)
         memory, memory_kind = _peak_memory_mb(info.device)
         flops = _flops(model, x) if cfg.eval.flops else None
         results.append(
@@ -839,25 +737,25 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         "weights": "ema" if cfg.eval.use_ema else "model",
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "device": str(info.device),
-        "amp": str(amp_dtype),
+        "amp": str(amp),
         "results": results,
     }
     out = Path(cfg.eval.json) if cfg.eval.json else Path(path).with_suffix(".eval.json")
     if info.is_main:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1), encoding="utf-8")
-        _log(info, f"{name} ({report['weights']} weights, {report['params_m']:.2f}M params) on {info.device}")
-        _log(
+        log(info, f"{name} ({report['weights']} weights, {report['params_m']:.2f}M params) on {info.device}")
+        log(
             info,
             f"{'size':>5} {'top-1':>7} {'top-5':>7} {'loss':>7} {'img/s':>9} {'peak MB':>9} {'GFLOPs':>8}",
         )
         for r in results:
             g = "n/a" if r["gflops_per_image"] is None else f"{r['gflops_per_image']:.3f}"
-            _log(
+            log(
                 info,
                 f"{r['img_size']:>5} {r['top1']:>7.2f} {r['top5']:>7.2f} {r['loss']:>7.4f} "
                 f"{r['throughput_img_s']:>9.1f} {r['peak_memory_mb']:>9.1f} {g:>8}",
             )
-        _log(info, f"wrote {out}")
+        log(info, f"wrote {out}")
     report["json"] = str(out)
     return report

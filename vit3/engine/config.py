@@ -3,8 +3,11 @@
 API (used by ``train.py``, ``eval.py`` and the task engines):
 
 * ``load_config(path=None, overrides=())`` -> :class:`Config` (``config_from_dict(data, overrides)`` does the
-  same for an already resolved dict, e.g. the config stored in a checkpoint). ``path`` is a YAML file (``None``: the
-  repository's ``configs/default.yaml``, :data:`DEFAULT_CONFIG`). A file may name another file with
+  same for an already resolved dict, e.g. the config stored in a checkpoint). ``path`` is a YAML file (``None``:
+  ``configs/default.yaml``, :data:`DEFAULT_CONFIG`). The repository's ``configs/`` folder installs as the package
+  ``vit3.configs`` (:data:`CONFIG_DIR`, found through ``importlib.resources``), so a ``configs/...`` path that
+  does not exist from the working directory is read from the installed copy (:func:`resolve_config_path`):
+  the README's commands run from any directory of a non-editable install too. A file may name another file with
   ``base: other.yaml`` (relative to the file; a list of files is merged left to right); the file's own keys
   are deep-merged over its base. A file may introduce keys that its bases do not have (e.g. a ``dense:``
   section for detection): they are valid for every run of that file.
@@ -38,6 +41,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +49,16 @@ import yaml
 
 from ..errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = REPO_ROOT / "configs"
+# The installed configs: the repository's configs/ (package-dir mapping in pyproject.toml), a plain folder of
+# an installed or editable package (vit3 is never imported from a zip).
+try:
+    CONFIG_DIR = Path(str(resources.files("vit3.configs")))
+except ModuleNotFoundError as e:  # an editable install made before configs/ became vit3.configs
+    raise ImportError(
+        "vit3.configs (the repository's configs/) is not installed: reinstall vit3 (pip install -e .)"
+    ) from e
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 __all__ = [
     "CONFIG_DIR",
@@ -60,6 +71,7 @@ __all__ = [
     "git_commit",
     "load_config",
     "parse_override",
+    "resolve_config_path",
     "save_config",
 ]
 
@@ -248,10 +260,22 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     Raises:
         ConfigError: missing/unparsable file, inheritance cycle, bad override syntax or unknown key.
     """
-    path = Path(path) if path is not None else DEFAULT_CONFIG
+    path = resolve_config_path(path) if path is not None else DEFAULT_CONFIG
     cfg = config_from_dict(_read_yaml_tree(path), overrides)
     cfg["_config_file"] = str(path.resolve())
     return cfg
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """``path`` itself when it exists, else the installed copy of a ``configs/<file>`` path (what the README
+    names, run from outside the repository): ``configs/dense/demo_detection.yaml`` ->
+    ``CONFIG_DIR / "dense/demo_detection.yaml"``. A path found nowhere is returned unchanged (loading it
+    raises :class:`ConfigError` naming it)."""
+    path = Path(path)
+    if path.exists() or path.is_absolute() or not path.parts or path.parts[0] != "configs":
+        return path
+    installed = CONFIG_DIR.joinpath(*path.parts[1:])
+    return installed if installed.is_file() else path
 
 
 def config_from_dict(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> Config:
@@ -358,8 +382,27 @@ def check_types(cfg: Config) -> None:
         raise ConfigError(errors[0] if len(errors) == 1 else "bad config values:\n  " + "\n  ".join(errors))
 
 
-def git_commit(cwd: str | Path = REPO_ROOT) -> str | None:
-    """Returns the commit hash of the checkout at ``cwd`` (``None`` when git or the repo is absent)."""
+@functools.cache
+def _source_checkout() -> Path | None:
+    """The git work tree that holds this vit3 package at its top level (``None`` for an installed wheel, even
+    one installed inside some other repository)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], cwd=_PACKAGE_DIR, capture_output=True, text=True,
+            timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    top = Path(out.stdout.strip())
+    return top if (top / "vit3").resolve() == _PACKAGE_DIR else None
+
+
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    """Returns the commit hash of the checkout at ``cwd`` (default: vit3's source checkout; ``None`` when git
+    or the checkout is absent, e.g. for an installed wheel)."""
+    cwd = cwd if cwd is not None else _source_checkout()
+    if cwd is None:
+        return None
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
@@ -369,7 +412,10 @@ def git_commit(cwd: str | Path = REPO_ROOT) -> str | None:
     return out.stdout.strip() or None
 
 
-def _git_dirty(cwd: str | Path = REPO_ROOT) -> bool | None:
+def _git_dirty(cwd: str | Path | None = None) -> bool | None:
+    cwd = cwd if cwd is not None else _source_checkout()
+    if cwd is None:
+        return None
     try:
         out = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],

@@ -17,7 +17,11 @@
 - metrics: COCO box / mask AP through pycocotools; mIoU, per-class IoU, pixel accuracy (aAcc) and mAcc.
 
 Outputs in ``cfg.output``: ``config.yaml``, ``last.pt`` / ``best.pt`` (vit3 checkpoints with the config, so
-``eval.py --checkpoint`` needs nothing else) and ``metrics.json`` (history).
+``eval.py --checkpoint`` needs nothing else) and ``metrics.json`` (history). ``last.pt`` is written at each
+evaluation and every ``train.save_every_steps`` steps; ``train.resume`` continues at its epoch, batch and
+step with its RNG states, on the seeded data stream of ``vit3.data.build``, so a killed run resumed ends with
+the weights of an uninterrupted one (the plumbing: :mod:`vit3.engine.common`). An optimizer step accumulates
+``train.accum_steps`` batches of one epoch.
 """
 
 from __future__ import annotations
@@ -26,26 +30,43 @@ import contextlib
 import io
 import json
 import math
-import random
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler
 
 from ..data.ade import IGNORE_INDEX, ADESegmentation
+from ..data.build import build_train_loader
 from ..data.coco import CocoDetection, collate_detection
 from ..errors import DataError
+from ..models._pretrained import load_checkpoint_file
 from ..tasks.backbone import FeatureBackbone, block_layer_ids
 from ..tasks.detection import build_detector
 from ..tasks.segmentation import SegmentationModel, build_segmenter
-from .checkpoint import CheckpointMismatchError, load_checkpoint, make_model_record, save_checkpoint
-from .config import Config, ConfigError, save_config
+from .checkpoint import CheckpointMismatchError, is_vit3_checkpoint, load_checkpoint, make_model_record
+from .common import (
+    Progress,
+    amp_dtype,
+    autocast,
+    check_resume,
+    check_resume_task,
+    in_process_group,
+    log,
+    optimizer_step,
+    restore_rng,
+    resume_path,
+    save_state,
+    seed_process,
+    set_threads,
+    wrap_ddp,
+)
+from .config import Config, ConfigError, run_metadata, save_config
 from .distributed import DistInfo, barrier, distributed
+from .optim import scaled_lrs
 
 __all__ = [
     "build_dense_model",
@@ -200,15 +221,10 @@ def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = 
         CheckpointMismatchError: no key matched, or a matched key has another shape.
     """
     obj = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(obj, dict) and obj.get("format") == "vit3-checkpoint":
+    if is_vit3_checkpoint(obj):
         state = load_checkpoint(path)["ema" if use_ema else "model"]
     else:
-        try:
-            from ..models._pretrained import load_checkpoint_file  # official layouts (converted keys)
-
-            state = load_checkpoint_file(path, use_ema=use_ema)
-        except ImportError:
-            state = obj.get("model", obj) if isinstance(obj, dict) else obj
+        state = load_checkpoint_file(path, use_ema=use_ema)  # official layouts (converted keys)
     body = backbone.body.state_dict()
     loaded, missing = {}, []
     for key, value in body.items():
@@ -277,16 +293,6 @@ def lr_factor(step: int, total: int, d: Config, iters_per_epoch: int) -> float:
     return factor
 
 
-def _amp(cfg: Config, device: torch.device) -> tuple[torch.dtype | None, bool]:
-    amp = cfg.train.amp
-    if amp == "auto":
-        amp = "bf16" if device.type == "cuda" else "none"
-    if amp not in ("bf16", "fp16", "none", None, False):
-        raise ConfigError(f"unknown train.amp '{amp}': expected auto, bf16, fp16 or none")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
-    return dtype, amp == "fp16"
-
-
 # ---------------------------------------------------------------------------------------------- train
 
 
@@ -298,31 +304,6 @@ def _to(batch, device: torch.device, task: str):
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def _loader(cfg: Config, dataset, train: bool, dist_info) -> DataLoader:
-    sampler = DistributedSampler(dataset, shuffle=train) if dist_info.distributed and train else None
-    return DataLoader(
-        dataset,
-        batch_size=cfg.data.batch_size if train else 1,
-        shuffle=train and sampler is None,
-        sampler=sampler,
-        num_workers=cfg.data.num_workers,
-        collate_fn=collate_detection if cfg.task == "detection" else None,
-        drop_last=train and cfg.task == "segmentation",  # BatchNorm in the heads needs >= 2 samples
-        pin_memory=cfg.data.pin_memory and dist_info.device.type == "cuda",
-        persistent_workers=False,
-    )
-
-
-def _forever(loader: DataLoader) -> Iterator[tuple[int, Any]]:
-    epoch = 0
-    while True:
-        if isinstance(loader.sampler, DistributedSampler):
-            loader.sampler.set_epoch(epoch)
-        for batch in loader:
-            yield epoch, batch
-        epoch += 1
-
-
 def train(cfg: Config) -> dict[str, Any]:
     """Trains a detector or segmenter as ``cfg`` says; evaluates every ``train.eval_every`` epochs and at the end.
 
@@ -330,122 +311,148 @@ def train(cfg: Config) -> dict[str, Any]:
         ``{"history": [...], "final": metrics of the last evaluation, "losses": per-step total losses}``.
     """
     d = _dense(cfg)
-    with distributed(cfg.device, cfg.dist.backend) as dist_info:
-        return _train(cfg, d, dist_info)
+    return in_process_group(cfg, _train, d)
 
 
-def _train(cfg: Config, d: Any, dist_info: DistInfo) -> dict[str, Any]:
-    device = dist_info.device
-    torch.manual_seed(cfg.seed + dist_info.rank)
-    random.seed(cfg.seed + dist_info.rank)
+@dataclass
+class _Progress(Progress):
+    """The counters of :class:`~vit3.engine.common.Progress` plus the history, the losses and the best score."""
+
+    history: list[dict[str, Any]] = field(default_factory=list)  # one row per evaluation
+    losses: list[float] = field(default_factory=list)  # one total loss per optimizer step
+    best: float = -math.inf
+
+
+def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
+    device = info.device
+    amp = amp_dtype(cfg.train.amp, device)
+    set_threads(cfg)
+    seed_process(cfg, info)
     if cfg.task == "segmentation" and cfg.data.batch_size < 2:
         raise ConfigError(
             "segmentation needs data.batch_size >= 2 per process (BatchNorm in the decode heads)"
         )
     out = Path(cfg.output)
-    if dist_info.is_main:
+    resume = resume_path(cfg, out)
+    ckpt = load_checkpoint(resume) if resume else None
+    if ckpt is not None:
+        check_resume_task(ckpt, cfg.task, resume)
+        for change in check_resume(cfg, ckpt, info.world, resume):
+            log(info, f"warning: train.force_resume=true: {change}")
+    if info.is_main:
         save_config(cfg, out)
     model, train_set, val_set = _model_and_data(cfg, with_train=True)
     model.to(device)
     num_classes = val_set.num_classes
-    loader = _loader(cfg, train_set, True, dist_info)
-    iters_per_epoch = max(len(loader) // cfg.train.accum_steps, 1)
+    # The per-sample seeded, resumable stream of the classification engine (vit3.data.build); BatchNorm in
+    # the segmentation heads needs full batches.
+    loader, wrapped, sampler = build_train_loader(
+        train_set, None, cfg, info.rank, info.world, drop_last=cfg.task == "segmentation",
+        collate_fn=collate_detection if cfg.task == "detection" else None,
+    )  # fmt: skip
+    accum, bs = int(cfg.train.accum_steps), int(cfg.data.batch_size)
+    batches_per_epoch = len(loader) // accum * accum  # every optimizer step accumulates within one epoch
+    if batches_per_epoch == 0:
+        raise ConfigError(f"train.accum_steps={accum} exceeds the {len(loader)} batches per epoch")
+    iters_per_epoch = batches_per_epoch // accum
     total = d.iters or cfg.train.epochs * iters_per_epoch
-    lr = (
-        cfg.train.base_lr * cfg.data.batch_size * dist_info.world * cfg.train.accum_steps / cfg.train.lr_batch
-    )
+    lr = scaled_lrs(cfg.train, bs * info.world * accum)["base_lr"]
     groups = param_groups(
         model, lr, cfg.train.weight_decay, d.backbone_lr_mult, cfg.train.layer_decay, tuple(d.no_decay_keys)
     )
     opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps)
-    amp_dtype, use_scaler = _amp(cfg, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
-    ddp = model
-    if dist_info.distributed:
-        ddp = nn.parallel.DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=cfg.dist.find_unused_parameters,
-        )
-    step, history, losses, best = 0, [], [], -math.inf
-    resume = cfg.train.resume
-    if resume == "auto":
-        resume = str(out / "last.pt") if (out / "last.pt").exists() else ""
-    if resume:
-        ckpt = load_checkpoint(resume)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
+    net = wrap_ddp(model, cfg, info)
+    p = _Progress()
+    if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
-        step, history, best = ckpt["global_step"], ckpt["history"], ckpt.get("best", -math.inf)
+        p.restore(ckpt)
+        p.roll_over(batches_per_epoch)
+        p.history, p.losses, p.best = list(ckpt["history"]), list(ckpt["losses"]), float(ckpt["best"])
+        restore_rng(ckpt, info)
+        log(
+            info,
+            f"resumed from {resume}: epoch {p.epoch + 1}, batch {p.batch_in_epoch}, step {p.global_step}",
+        )
+    class_names = getattr(val_set, "class_names", d.class_names)
+
+    def state() -> dict[str, Any]:
+        return {
+            "task": cfg.task,
+            "record": make_model_record(cfg, num_classes, class_names, cfg.data.mean, cfg.data.std),
+            "model_name": cfg.model.name,
+            "num_classes": num_classes,
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scaler": scaler.state_dict(),
+            **p.counters(),
+            "history": p.history,
+            "losses": p.losses,
+            "best": p.best,
+            "config": cfg.to_dict(),
+            "meta": run_metadata(),
+        }
+
     eval_every = d.eval_interval or (cfg.train.eval_every or 1) * iters_per_epoch
-    model.train()
+    save_every = int(cfg.train.save_every_steps or 0)
+    key = "bbox_AP" if cfg.task == "detection" else "mIoU"
+    net.train()
     t0 = time.time()
-    stream = _forever(loader)
-    while step < total:
-        for g in opt.param_groups:
-            g["lr"] = lr * g["lr_scale"] * lr_factor(step, total, d, iters_per_epoch)
+    while p.global_step < total:
+        wrapped.set_epoch(p.epoch)
+        sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
         step_loss = 0.0
-        for _ in range(cfg.train.accum_steps):
-            _, batch = next(stream)
-            inputs = _to(batch, device, cfg.task)
-            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                parts = ddp(*inputs)  # detector(images, targets) / segmenter(x, labels): loss dict
-                loss = sum(parts.values())
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"non-finite loss at step {step}: { {k: float(v) for k, v in parts.items()} }"
-                )
-            scaler.scale(loss / cfg.train.accum_steps).backward()
-            step_loss += float(loss.detach()) / cfg.train.accum_steps
-        if cfg.train.clip_grad:
-            scaler.unscale_(opt)
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        losses.append(step_loss)
-        if dist_info.is_main and cfg.train.log_every and step % cfg.train.log_every == 0:
-            print(
-                f"step {step}/{total} loss {step_loss:.4f} lr {opt.param_groups[0]['lr']:.2e} ({time.time() - t0:.0f}s)",
-                flush=True,
-            )
-        if step % eval_every == 0 or step == total:
-            metrics = {}
-            if dist_info.is_main:
-                metrics = _evaluate_model(cfg, model, val_set, device)
-                key = "bbox_AP" if cfg.task == "detection" else "mIoU"
-                history.append({"step": step, "loss": step_loss, **_scalars(metrics)})
-                state = {
-                    "record": make_model_record(
-                        cfg,
-                        num_classes,
-                        getattr(val_set, "class_names", d.class_names),
-                        cfg.data.mean,
-                        cfg.data.std,
-                    ),
-                    "model_name": cfg.model.name,
-                    "num_classes": num_classes,
-                    "model": model.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "scaler": scaler.state_dict(),
-                    "global_step": step,
-                    "history": history,
-                    "best": max(best, metrics[key]),
-                    "config": cfg.to_dict(),
-                }
-                save_checkpoint(out / "last.pt", state)
-                if metrics[key] > best:
-                    best = metrics[key]
-                    save_checkpoint(out / "best.pt", state)
-                (out / "metrics.json").write_text(_json(history))
+        for b, batch in enumerate(loader, start=p.batch_in_epoch):
+            if b >= batches_per_epoch or p.global_step >= total:
+                break
+            for g in opt.param_groups:
+                g["lr"] = lr * g["lr_scale"] * lr_factor(p.global_step, total, d, iters_per_epoch)
+            update = (b + 1) % accum == 0
+            sync = net.no_sync() if info.distributed and not update else contextlib.nullcontext()
+            with sync:
+                with autocast(device, amp):
+                    parts = net(*_to(batch, device, cfg.task))  # detector(images, targets) / segmenter(x, y)
+                    loss = sum(parts.values())
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(
+                        f"non-finite loss at step {p.global_step}: { {k: float(v) for k, v in parts.items()} }"
+                    )
+                scaler.scale(loss / accum).backward()
+            step_loss += float(loss.detach()) / accum
+            p.batch_in_epoch = b + 1
+            if not update:
+                continue
+            optimizer_step(model, opt, scaler, cfg.train.clip_grad)
+            p.global_step += 1
+            p.losses.append(step_loss)
+            step, step_loss = p.global_step, 0.0
+            if info.is_main and cfg.train.log_every and step % cfg.train.log_every == 0:
                 print(
-                    f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in _scalars(metrics).items()),
+                    f"step {step}/{total} loss {p.losses[-1]:.4f} lr {opt.param_groups[0]['lr']:.2e} "
+                    f"({time.time() - t0:.0f}s)",
                     flush=True,
                 )
-            barrier()
-            model.train()
-    return {"history": history, "final": history[-1] if history else {}, "losses": losses}
+            if step % eval_every == 0 or step == total:
+                metrics = _evaluate_model(cfg, model, val_set, device) if info.is_main else {}
+                improved = info.is_main and metrics[key] > p.best
+                if info.is_main:
+                    p.history.append({"step": step, "loss": p.losses[-1], **_scalars(metrics)})
+                    p.best = max(p.best, metrics[key])
+                save_state(state, out / "last.pt", info, [out / "best.pt"] if improved else [])
+                if info.is_main:
+                    (out / "metrics.json").write_text(_json(p.history))
+                    print(
+                        f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in _scalars(metrics).items()),
+                        flush=True,
+                    )
+                barrier()
+                net.train()
+            elif save_every and step % save_every == 0:
+                save_state(state, out / "last.pt", info)
+        p.roll_over(batches_per_epoch)
+    return {"history": p.history, "final": p.history[-1] if p.history else {}, "losses": p.losses}
 
 
 def _model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]:

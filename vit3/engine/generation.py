@@ -10,7 +10,7 @@ resumable data pipeline (``vit3.data``), AdamW groups and the warmup + cosine sc
 ``min_lr = base_lr`` is the official constant lr), AMP with a GradScaler for fp16, grad clipping, gradient
 accumulation, torchrun DDP, atomic checkpoints and exact resume (model, EMA, optimizer, scheduler, scaler,
 every rank's RNG states, epoch, batch and step: a run killed after a checkpoint and resumed ends with the same
-weights as an uninterrupted one; ``VIT3_KILL_AT_STEP=k`` simulates the crash). Outputs in ``output``:
+weights as an uninterrupted one; :mod:`vit3.engine.common`). Outputs in ``output``:
 ``config.yaml``, ``last.pt``, ``metrics.csv/json`` (per epoch), ``curves.png`` (loss, MSE and VB terms per
 ``train.log_every`` steps) and ``summary.json``; with ``train.final_eval`` also the samples and metrics.
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,25 +37,34 @@ from typing import Any
 import numpy as np
 import torch
 from timm.utils import ModelEmaV3
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ..data import build_datasets, build_train_loader
 from ..data.generation import build_generation_transform, to_uint8
 from ..models.dit3 import DiT3, create_dit3
 from ..tasks.diffusion import SAMPLERS, GaussianDiffusion, LatentAutoencoder
-from .checkpoint import (
-    get_rng_state,
-    load_checkpoint,
-    load_model_weights,
-    peek_vit3_checkpoint,
-    save_checkpoint,
-    set_rng_state,
+from .checkpoint import load_checkpoint, load_model_weights, peek_vit3_checkpoint
+from .common import (
+    Progress,
+    TrainRun,
+    amp_dtype,
+    autocast,
+    check_resume_task,
+    in_process_group,
+    log,
+    log_row,
+    optimizer_step,
+    restore_rng,
+    resume_path,
+    run_epochs,
+    run_summary,
+    save_state,
+    seed_process,
+    set_threads,
+    wrap_ddp,
 )
-from .classification import AMP_MODES, KILL_ENV, _amp_dtype, _log, _param_digest, _resume_path, _set_threads
 from .config import Config, ConfigError, run_metadata, save_config
-from .distributed import DistInfo, all_gather_objects, barrier, distributed
+from .distributed import DistInfo, barrier
 from .metrics import plot_series, write_metrics
 from .optim import build_optimizer, build_scheduler, scaled_lrs
 
@@ -123,8 +131,7 @@ def build_diffusion(cfg: Config, learn_sigma: bool) -> GaussianDiffusion:
 
 def _check_cfg(cfg: Config, sampling: bool) -> None:
     t, s = cfg.train, cfg.sample
-    if t.amp not in AMP_MODES:
-        raise ConfigError(f"train.amp must be one of {', '.join(AMP_MODES)}, got '{t.amp}'")
+    amp_dtype(t.amp, torch.device("cpu"))  # a known train.amp
     if s.amp not in ("none", "bf16", "fp16"):
         raise ConfigError(f"sample.amp must be none, bf16 or fp16, got '{s.amp}'")
     if s.sampler not in SAMPLERS:
@@ -140,12 +147,9 @@ def _check_cfg(cfg: Config, sampling: bool) -> None:
 
 # ---------------------------------------------------------------------------------------------- training
 @dataclass
-class _Progress:
-    """Counters that a checkpoint stores and a resume restores."""
+class _Progress(Progress):
+    """The counters of :class:`~vit3.engine.common.Progress` plus the loss terms, history and curve."""
 
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    global_step: int = 0
     sums: dict[str, float] = field(default_factory=dict)  # running loss terms of the partial epoch
     count: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)  # one row per epoch
@@ -154,16 +158,8 @@ class _Progress:
 
 
 @dataclass
-class _Run:
-    cfg: Config
-    info: DistInfo
+class _Run(TrainRun):
     model: DiT3
-    net: nn.Module
-    ema: ModelEmaV3 | None
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: torch.amp.GradScaler
-    amp_dtype: torch.dtype | None
     diffusion: GaussianDiffusion
     vae: LatentAutoencoder | None
     loader: Any
@@ -177,8 +173,7 @@ class _Run:
 
 
 def _state(run: _Run) -> dict[str, Any]:
-    """The checkpoint dict (collective: gathers every rank's RNG state)."""
-    rng = all_gather_objects(get_rng_state())
+    """The checkpoint dict (:func:`~vit3.engine.common.save_state` adds the RNG states)."""
     p = run.progress
     return {
         "task": "generation",
@@ -186,16 +181,8 @@ def _state(run: _Run) -> dict[str, Any]:
         "model_kwargs": dict(run.model_kwargs),
         "num_classes": run.model.num_classes,
         "classes": list(run.classes),
-        "model": run.model.state_dict(),
-        "ema": run.ema.module.state_dict() if run.ema is not None else None,
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "scaler": run.scaler.state_dict(),
-        "rng": rng,
-        "world_size": run.info.world,
-        "epoch": p.epoch,
-        "batch_in_epoch": p.batch_in_epoch,
-        "global_step": p.global_step,
+        **run.training_state(),
+        **p.counters(),
         "epoch_loss": {"sums": dict(p.sums), "count": p.count, "window": dict(p.window)},
         "history": p.history,
         "curve": p.curve,
@@ -205,47 +192,26 @@ def _state(run: _Run) -> dict[str, Any]:
 
 
 def _save(run: _Run, name: str) -> Path:
-    state = _state(run)
-    path = run.out / name
-    if run.info.is_main:
-        save_checkpoint(path, state)
-    barrier()
-    return path
+    return save_state(lambda: _state(run), run.out / name, run.info)
 
 
 def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
-    if ckpt.get("task") != "generation":
-        raise ConfigError(
-            f"cannot resume a generation run from {source}: it is a {ckpt.get('task', 'classification')} checkpoint"
-        )
-    load_model_weights(run.model, ckpt, source=source)
-    if run.ema is not None:
-        if ckpt.get("ema") is None:
-            raise ValueError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
-        run.ema.module.load_state_dict(ckpt["ema"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.scheduler.load_state_dict(ckpt["scheduler"])
-    run.scaler.load_state_dict(ckpt["scaler"])
+    check_resume_task(ckpt, "generation", source)
+    run.load_training_state(ckpt, source)
     p, loss = run.progress, ckpt["epoch_loss"]
-    p.epoch, p.batch_in_epoch, p.global_step = ckpt["epoch"], ckpt["batch_in_epoch"], ckpt["global_step"]
+    p.restore(ckpt)
     p.sums, p.count, p.window = dict(loss["sums"]), int(loss["count"]), dict(loss["window"])
     p.history, p.curve = list(ckpt["history"]), list(ckpt["curve"])
-    if p.batch_in_epoch >= run.batches_per_epoch:
-        p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+    p.roll_over(run.batches_per_epoch)
 
 
-def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
+def _setup(cfg: Config, info: DistInfo) -> _Run:
+    """The run of ``cfg`` (resumed from ``train.resume`` when set), its config saved in the output folder."""
     _check_cfg(cfg, sampling=bool(cfg.train.final_eval))
-    _set_threads(cfg)
-    torch.manual_seed(cfg.seed + info.rank)
-    random.seed(cfg.seed + info.rank)
-    np.random.seed(cfg.seed + info.rank)  # noqa: NPY002
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = not cfg.deterministic
-
+    set_threads(cfg)
+    seed_process(cfg, info)
     out = Path(cfg.output)
-    resume = _resume_path(cfg, out)
+    resume = resume_path(cfg, out)
     ckpt = load_checkpoint(resume) if resume else None
     vae, in_channels, input_size = latent_space(cfg, info.device)
     data = build_datasets(cfg, int(cfg.data.channels), splits=("train",))
@@ -272,18 +238,13 @@ def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
     lrs = scaled_lrs(cfg.train, total_batch)
     optimizer = build_optimizer(model, cfg.train, lrs["base_lr"])
     scheduler = build_scheduler(optimizer, cfg.train, lrs, batches_per_epoch // accum)
-    amp_dtype = _amp_dtype(cfg.train.amp, info.device)
-    scaler = torch.amp.GradScaler(info.device.type, enabled=amp_dtype == torch.float16)
+    amp = amp_dtype(cfg.train.amp, info.device)
+    scaler = torch.amp.GradScaler(info.device.type, enabled=amp == torch.float16)
     ema = ModelEmaV3(model, decay=float(cfg.train.ema_decay)) if cfg.train.ema else None
-    net: nn.Module = model
-    if info.distributed:
-        dev_ids = [info.device.index] if info.device.type == "cuda" else None
-        net = DistributedDataParallel(
-            model, device_ids=dev_ids, find_unused_parameters=cfg.dist.find_unused_parameters
-        )
+    net = wrap_ddp(model, cfg, info)
     diffusion = build_diffusion(cfg, model.learn_sigma)
     run = _Run(
-        cfg, info, model, net, ema, optimizer, scheduler, scaler, amp_dtype, diffusion, vae, loader, wrapped,
+        cfg, info, model, net, ema, optimizer, scheduler, scaler, amp, diffusion, vae, loader, wrapped,
         sampler, batches_per_epoch, out, kwargs, classes, _Progress(),
     )  # fmt: skip
     space = (
@@ -291,21 +252,25 @@ def _setup(cfg: Config, info: DistInfo) -> tuple[_Run, dict[str, Any] | None]:
         if vae
         else f"pixels {in_channels}x{input_size}²"
     )
-    _log(
+    log(
         info,
         f"model {cfg.model.name} ({model.mixer}): {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
         f"{num_classes} classes, {space} | data: {len(data['train'])} images | {info.world} process(es) on "
-        f"{info.device}, total batch {total_batch}, lr {lrs['base_lr']:.3g} | amp {amp_dtype} | "
+        f"{info.device}, total batch {total_batch}, lr {lrs['base_lr']:.3g} | amp {amp} | "
         f"ema {'on' if ema else 'off'}",
     )
     if ckpt is not None:
         _restore(run, ckpt, resume)
         p = run.progress
-        _log(
+        log(
             info,
             f"resumed from {resume}: epoch {p.epoch + 1}, batch {p.batch_in_epoch}, step {p.global_step}",
         )
-    return run, ckpt
+    if info.is_main:
+        save_config(cfg, out)
+    if ckpt is not None:
+        restore_rng(ckpt, info)  # last: building the run drew on the RNGs
+    return run
 
 
 def _add(acc: dict[str, float], terms: dict[str, float]) -> None:
@@ -320,7 +285,6 @@ def _train_epoch(run: _Run) -> None:
     run.net.train()
     run.wrapped.set_epoch(p.epoch)
     run.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
-    kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
     bar = tqdm(
         total=run.batches_per_epoch, initial=p.batch_in_epoch, desc=f"epoch {p.epoch + 1}/{cfg.train.epochs}",
         disable=not (info.is_main and cfg.train.progress), dynamic_ncols=True, leave=False, file=sys.stdout,
@@ -338,9 +302,7 @@ def _train_epoch(run: _Run) -> None:
         update = (b + 1) % accum == 0
         sync = run.net.no_sync() if info.distributed and not update else contextlib.nullcontext()
         with sync:
-            with torch.autocast(
-                dev.type, dtype=run.amp_dtype or torch.float32, enabled=run.amp_dtype is not None
-            ):
+            with autocast(dev, run.amp_dtype):
                 out = run.net(x_t, t, y)
             terms = diffusion.training_losses(out, x, x_t, t, noise)
             loss = terms["loss"].mean()
@@ -355,23 +317,21 @@ def _train_epoch(run: _Run) -> None:
         p.count += 1
         p.batch_in_epoch = b + 1
         if update:
-            run.scheduler.step_update(p.global_step)
-            if cfg.train.clip_grad:
-                run.scaler.unscale_(run.optimizer)
-                nn.utils.clip_grad_norm_(run.model.parameters(), float(cfg.train.clip_grad))
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-            run.optimizer.zero_grad(set_to_none=True)
+            optimizer_step(
+                run.model,
+                run.optimizer,
+                run.scaler,
+                cfg.train.clip_grad,
+                run.scheduler,
+                p.global_step,
+                run.ema,
+            )
             p.global_step += 1
-            if run.ema is not None:
-                run.ema.update(run.model)
             if p.global_step % log_every == 0:
                 n = p.window.pop("n")
                 p.curve.append({"step": p.global_step, **{k: v / n for k, v in p.window.items()}})
                 p.window = {}
                 bar.set_postfix(loss=f"{p.curve[-1]['loss']:.4f}")
-            if kill_at and p.global_step == kill_at:
-                os._exit(75)  # simulated crash: no cleanup, no checkpoint of this step
             every = int(cfg.train.save_every_steps or 0)
             if every and p.global_step % every == 0 and p.batch_in_epoch < run.batches_per_epoch:
                 _save(run, "last.pt")
@@ -402,49 +362,24 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
     if run.info.is_main:
         write_metrics(p.history, run.out)
         _plot(run)
-        _log(
-            run.info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-        )
+        log_row(run.info, row)
     return row
 
 
 def train(cfg: Config) -> dict[str, Any]:
     """Trains ``cfg`` (see the module docstring); returns the run summary (also ``<output>/summary.json``)."""
-    with distributed(cfg.device, cfg.dist.backend) as info:
-        return _train(cfg, info)
+    return in_process_group(cfg, _train)
 
 
 def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     start = time.perf_counter()
-    run, ckpt = _setup(cfg, info)
-    if info.is_main:
-        save_config(cfg, run.out)
-    if ckpt is not None:
-        rng = ckpt["rng"]
-        if len(rng) != info.world:
-            _log(
-                info, f"warning: checkpoint from {len(rng)} process(es), now {info.world}: RNG streams differ"
-            )
-        set_rng_state(rng[info.rank % len(rng)])
+    run = _setup(cfg, info)
     p = run.progress
-    while p.epoch < cfg.train.epochs:
-        tick, batch0 = time.perf_counter(), p.batch_in_epoch
-        _train_epoch(run)
-        images = (run.batches_per_epoch - batch0) * int(cfg.data.batch_size) * info.world
-        _finish_epoch(run, time.perf_counter() - tick, images)
-    digests = all_gather_objects(_param_digest(run.model))
-    if len(set(digests)) != 1:
-        raise RuntimeError(f"DDP ranks disagree on the final weights: {digests}")
-    train_time = time.perf_counter() - start
-    summary: dict[str, Any] = {
-        "output": str(run.out),
-        "last": str(run.out / "last.pt"),
-        "final": p.history[-1] if p.history else {},
-        "world_size": info.world,
-        "ranks_agree": True,
-        "weights_sha1": digests[0],
-        "train_time_s": round(train_time, 1),
-    }
+    run_epochs(
+        run, p, run.batches_per_epoch, lambda: _train_epoch(run), lambda s, n: _finish_epoch(run, s, n)
+    )
+    summary: dict[str, Any] = run_summary(run, run.out, p.history)
+    summary["train_time_s"] = round(time.perf_counter() - start, 1)
     if info.is_main:
         curves = _plot(run)
         summary["curves"] = str(curves) if curves else None
@@ -456,7 +391,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     summary["wall_time_s"] = round(time.perf_counter() - start, 1)
     if info.is_main:
         (run.out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
-        _log(
+        log(
             info,
             f"\ndone in {summary['wall_time_s']:.0f} s (training {summary['train_time_s']:.0f} s): final loss "
             f"{summary['final'].get('train_loss', float('nan')):.4f}\n  checkpoint: {summary['last']}\n"
@@ -496,14 +431,14 @@ def generate(
     """
     s = cfg.sample
     device = next(model.parameters()).device
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(s.amp)
+    amp = amp_dtype(s.amp, device, "sample.amp")
     out = []
     bs = max(1, int(s.batch_size))
     for i in tqdm(
         range(0, len(labels), bs), disable=not progress, desc="sampling", leave=False, file=sys.stdout
     ):
         gens = [torch.Generator().manual_seed(int(seed)) for seed in seeds[i : i + bs]]
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        with autocast(device, amp):
             z = diffusion.sample(
                 model,
                 torch.as_tensor(labels[i : i + bs]),
@@ -634,10 +569,10 @@ def sample_and_evaluate(
         path.write_text(json.dumps(report, indent=1), encoding="utf-8")
         report["json"] = str(path)
         shown = {k: v for k, v in report.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        _log(info, "generation: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+        log(info, "generation: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
         if report.get("fid_note"):
-            _log(info, report["fid_note"])
-        _log(info, f"  samples: {npz}\n  grid:    {grid}\n  report:  {path}")
+            log(info, report["fid_note"])
+        log(info, f"  samples: {npz}\n  grid:    {grid}\n  report:  {path}")
     barrier()
     return report
 
@@ -654,13 +589,12 @@ def _default_out(cfg: Config, path: str) -> Path:
 def evaluate(cfg: Config) -> dict[str, Any]:
     """Samples from ``eval.checkpoint`` (a vit3 generation checkpoint or an official DiT³ file with
     ``model.name`` set) and evaluates the samples (see the module docstring); returns the report."""
-    with distributed(cfg.device, cfg.dist.backend) as info:
-        return _evaluate(cfg, info)
+    return in_process_group(cfg, _evaluate)
 
 
 def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
     _check_cfg(cfg, sampling=False)  # the model itself says whether it has the null class
-    _set_threads(cfg)
+    set_threads(cfg)
     path = str(cfg.eval.checkpoint)
     if not path:
         raise ConfigError("eval.checkpoint is empty: pass --checkpoint FILE")
@@ -681,7 +615,7 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         model = create_dit3(ckpt["model_name"], **kwargs)
         use_ema = bool(cfg.sample.use_ema) and ckpt.get("ema") is not None
         if cfg.sample.use_ema and not use_ema:
-            _log(info, f"note: {path} holds no EMA weights; sampling with the model weights")
+            log(info, f"note: {path} holds no EMA weights; sampling with the model weights")
         load_model_weights(model, ckpt, use_ema=use_ema, source=path)
         classes = ckpt.get("classes")
     else:  # an official DiTTT file (bare state dict or training checkpoint): the config names the model

@@ -150,7 +150,7 @@ def _load_classifier(path: Path) -> tuple[nn.Module, Any, Any, int]:
     import vit3.models  # noqa: F401  (registers the vit3 models in timm)
 
     from ..data import build_transform
-    from .classification import _data_stats, _in_chans, _resolve_data_cfg
+    from .classification import data_stats, input_channels, resolve_data_cfg
 
     ckpt = load_checkpoint(path)
     if ckpt.get("config", {}).get("task", "classification") != "classification":
@@ -162,9 +162,9 @@ def _load_classifier(path: Path) -> tuple[nn.Module, Any, Any, int]:
         ckpt["model_name"], num_classes=int(ckpt["num_classes"]), **ckpt["model_kwargs"]
     )
     load_model_weights(model, ckpt, source=str(path))
-    in_chans = _in_chans(cfg)
-    _resolve_data_cfg(cfg, model, in_chans)
-    mean, std = _data_stats(cfg)
+    in_chans = input_channels(cfg)
+    resolve_data_cfg(cfg, model, in_chans)
+    mean, std = data_stats(cfg)
     return model.eval(), cfg, build_transform(cfg, False, mean, std), in_chans
 
 

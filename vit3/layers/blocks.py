@@ -72,12 +72,12 @@ register_notrace_module(ConvPosEnc)
 
 class _ConvPosEncKernel(torch.autograd.Function):
     """``x + dwconv3x3(x) + bias`` on a channels-last map ``[B, H, W, C]`` in one call of the C++ kernel's
-    depthwise op on its token rows (``vit3.kernels.swiglu_cpu``), and the backward in two more: the input
+    depthwise op on its token rows (``vit3.kernels.swiglu.cpp``), and the backward in two more: the input
     gradient is the residual plus the correlation with the flipped taps."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        from vit3.kernels.swiglu_cpu import cpu_kernel_ops
+        from vit3.kernels.swiglu.cpp import cpu_kernel_ops
 
         b, h, w, c = x.shape
         tokens = x.reshape(b, h * w, c)  # [B, N, C]
@@ -92,7 +92,7 @@ class _ConvPosEncKernel(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        from vit3.kernels.swiglu_cpu import cpu_kernel_ops
+        from vit3.kernels.swiglu.cpp import cpu_kernel_ops
 
         tokens, taps = ctx.saved_tensors
         (h, w), (b, n, c) = ctx.grid, tokens.shape

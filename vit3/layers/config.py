@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 __all__ = [
@@ -117,7 +117,6 @@ class TTTConfig:
     backend: str = "auto"
     recompute: str = "auto"
     check_finite: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.branches, str):
@@ -168,6 +167,8 @@ class TTTConfig:
         else:
             base = dict(cfg or {})
         base.update(overrides)
+        if base.get("extra") == {}:  # the removed, never-used key that older checkpoints' configs carry
+            del base["extra"]
         if "impl" in base:
             base = _read_impl(base)
         known = {f.name for f in fields(cls)}
@@ -196,7 +197,7 @@ class TTTConfig:
 
     def plain_branch(self, name: str) -> bool:
         """Whether branch ``name`` is the bare named inner model (no LayerNorm wrapper, no biases): the only
-        form the fused paths (Triton kernel, fused eager mix) implement."""
+        form the fast paths (Triton kernels, C++ kernel, eager paths) implement."""
         return not (self.branch_norm(name) or self.branch_bias(name))
 
     def branch_specs(self, num_heads: int) -> list[tuple[str, int]]:

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vit3.kernels.dwconv import eager as dwconv_eager
+
 __all__ = [
     "LN_EPS",
     "ConvInner",
@@ -31,7 +33,6 @@ __all__ = [
     "activation",
     "activation_grad",
     "create_inner_model",
-    "dwconv_backward",
     "layer_norm_backward",
     "layer_norm_forward",
 ]
@@ -418,54 +419,6 @@ def _shifted_dwconv_weight_grad(k: Tensor, e: Tensor) -> Tensor:
     return (_shifted_taps(k) * e[..., None, None]).sum((2, 3))  # [B, C, h, w, 3, 3] -> [B, C, 3, 3]
 
 
-def fold_batch(t: Tensor) -> Tensor:
-    """Maps ``[B, C, h, w]`` -> ``[1, B*C, h, w]`` (a view where the layout allows), channels-last kept.
-
-    A plain reshape of a map whose channels are innermost gives the merged dim the right strides but the new
-    batch dim an arbitrary one; the convolution ops then no longer see channels-last and copy both inputs to
-    NCHW (~1 ms each at 4x64x56x56). Going through ``[h, w, B*C]`` gives a proper channels-last map.
-    """
-    b, ch, h, w = t.shape
-    if b == 1:
-        return t
-    if t.stride(1) == 1:  # channels innermost
-        return t.permute(2, 3, 0, 1).reshape(1, h, w, b * ch).permute(0, 3, 1, 2)
-    return t.reshape(1, b * ch, h, w)
-
-
-def dwconv_backward(
-    grad_out: Tensor, x: Tensor, weight: Tensor | None, *, need_input: bool = True, need_weight: bool = True
-) -> tuple[Tensor | None, Tensor | None]:
-    """Backward of the per-sample depthwise 3x3 conv ``DWConvInner.conv`` (zero padding 1), in one native call.
-
-    Args:
-        grad_out: gradient of the conv output ``[B, C, h, w]``.
-        x: the conv input ``[B, C, h, w]``.
-        weight: the kernels ``[B|1, C, 3, 3]`` (only needed for the input gradient).
-        need_input: return dL/dx ``[B, C, h, w]`` (else ``None``).
-        need_weight: return the per-sample dL/dweight ``[B, C, 3, 3]`` (else ``None``).
-    """
-    b, ch, h, w = x.shape
-    # The batch folded into groups: every sample has its own kernels, and one call serves them all.
-    kernels = (
-        x.new_empty(b * ch, 1, 3, 3) if weight is None else weight.expand(b, ch, 3, 3).reshape(-1, 1, 3, 3)
-    )
-    gx, gw, _ = torch.ops.aten.convolution_backward(
-        fold_batch(grad_out),
-        fold_batch(x),
-        kernels,
-        None,
-        [1, 1],
-        [1, 1],
-        [1, 1],
-        False,
-        [0, 0],
-        b * ch,
-        [need_input, need_weight, False],
-    )
-    return (gx.view(b, ch, h, w) if need_input else None, gw.view(b, ch, 3, 3) if need_weight else None)
-
-
 class DWConvInner(InnerModel):
     """A 3x3 depthwise convolution over the grid (zero padding), one kernel per channel.
 
@@ -482,18 +435,7 @@ class DWConvInner(InnerModel):
     def initial_params(self) -> Params:
         return {"weight": self.weight.view(1, -1, 3, 3)}
 
-    @staticmethod
-    def to_map(x: Tensor, grid: tuple[int, int]) -> Tensor:
-        """``[B, G, n, c]`` tokens -> ``[B, G*c, h, w]`` maps, views of one batch-folded channels-last map.
-
-        The memory is ``[h, w, B*G*c]``, so ``conv`` and ``dwconv_backward`` fold the batch into the channels
-        (``[1, B*C, h, w]``, channels-last) without a copy: oneDNN's channels-last depthwise kernels then run
-        ~28x faster on a CPU than on contiguous NCHW maps (4x64x56x56), or on a folded per-sample
-        channels-last map, whose strides no longer match any layout.
-        """
-        b, g, _, c = x.shape
-        folded = x.permute(2, 0, 1, 3).reshape(*grid, b * g * c)  # [h, w, B*C]
-        return folded.view(*grid, b, g * c).permute(2, 3, 0, 1)
+    to_map = staticmethod(dwconv_eager.to_map)
 
     def from_map(self, x: Tensor) -> Tensor:
         """``[B, G*c, h, w]`` maps -> ``[B, G, n, c]`` tokens."""
@@ -503,16 +445,7 @@ class DWConvInner(InnerModel):
     @staticmethod
     def conv(x: Tensor, weight: Tensor) -> Tensor:
         """Per-sample depthwise 3x3 conv: maps ``[B, C, h, w]`` with weights ``[B|1, C, 3, 3]``."""
-        b, ch, h, w = x.shape
-        if tracing():
-            return _shifted_dwconv(x, weight)
-        if b == 1:
-            return F.conv2d(x, weight.reshape(ch, 1, 3, 3), padding=1, groups=ch)
-        # Fold the batch into groups so every sample gets its own kernels in one call (on ``to_map``'s maps
-        # the fold is a view of a channels-last map).
-        kernels = weight.expand(b, ch, 3, 3).reshape(b * ch, 1, 3, 3)
-        out = F.conv2d(fold_batch(x), kernels, padding=1, groups=b * ch)
-        return out.view(b, ch, h, w)
+        return _shifted_dwconv(x, weight) if tracing() else dwconv_eager.conv(x, weight)
 
     def forward_train(self, p, k, grid, need_output):
         km = self.to_map(k, grid)
@@ -526,7 +459,7 @@ class DWConvInner(InnerModel):
             return {"weight": _shifted_dwconv_weight_grad(km, em)}
         # G[c, δ] = sum_p k[c, p + δ] e[c, p] is the weight gradient of a depthwise conv of k with output
         # gradient e.
-        return {"weight": dwconv_backward(em, km, None, need_input=False)[1]}
+        return {"weight": dwconv_eager.dwconv_backward(em, km, None, need_input=False)[1]}
 
     def apply_to(self, p, q, grid):
         return self.from_map(self.conv(self.to_map(q, grid), p["weight"]))

@@ -2,7 +2,8 @@
 
 For each sample, each branch's inner model takes one (or more) gradient steps on the inner loss of all
 (k, v) pairs of the image (non-causal, full sequence), then is applied to q. See ``TTTConfig`` for the
-design space and ``../shared/notes/ttt-math.md`` (in the repository docs) for the formulas.
+design space, the paper (Han et al., "ViT³: Unlocking Test-Time Training in Vision", CVPR 2026) for the
+method, and the op references (``vit3.kernels.<op>.reference``) for the formulas of the official branches.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from vit3.kernels.common import normalize_grad
+
 from . import backends
 from .config import GRID_MODELS, TTTConfig
-from .fast_mix import MixBranch, MixPlan, fused_mix
+from .eager_mix import MixBranch, MixPlan, eager_mix
 from .inner import InnerModel, Params, create_inner_model, tracing
 from .losses import loss_grad, loss_needs_prediction
 from .rope import apply_rope_2d, rope_tables
@@ -36,11 +39,6 @@ CHECK_FINITE_ENV = "VIT3_CHECK_FINITE"
 
 class NonFiniteError(ValueError):
     """The mixer met non-finite tokens: bad input, or (inside a finite-image training step) a diverged model."""
-
-
-def normalize_grad(g: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """The official gradient normalisation ``G / (||G|| + 1)``, the norm over ``dims``."""
-    return g / (torch.linalg.vector_norm(g, dim=dims, keepdim=True) + 1.0)
 
 
 def inner_loop(
@@ -290,7 +288,7 @@ class TTTMixer(nn.Module):
                 tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, plan.recompute
             )
             flat = [p.to(compute) for w in weights for p in w.values()]
-            return fused_mix(qkv.to(compute), mix_plan, flat).to(io_dtype)
+            return eager_mix(qkv.to(compute), mix_plan, flat).to(io_dtype)
         outs, gate_offset = [], 0
         # One split for all branches: its backward is a single concatenation, where slicing per branch would
         # make autograd zero-fill and add a full-size qkv gradient for every slice.

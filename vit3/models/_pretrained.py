@@ -14,9 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from timm.models import build_model_with_cfg
-from timm.models._builder import resolve_pretrained_cfg
-from timm.models._pretrained import PretrainedCfg
+from timm.models import PretrainedCfg, build_model_with_cfg, resolve_pretrained_cfg
 from torch import Tensor, nn
 
 from ..errors import CheckpointError, CheckpointMismatchError, MissingWeightsError, WeightsUnavailableError
@@ -27,6 +25,7 @@ __all__ = [
     "create_model_with_official_weights",
     "load_checkpoint_file",
     "select_weights",
+    "strip_wrapper_prefixes",
 ]
 
 EMA_KEYS = ("state_dict_ema", "model_ema")
@@ -96,9 +95,13 @@ def load_checkpoint_file(path: str | os.PathLike, use_ema: bool = False) -> dict
         checkpoint = _torch_load(path)
     if not isinstance(checkpoint, Mapping):
         raise CheckpointError(f"{path!r} holds a {type(checkpoint).__name__}, not a checkpoint dict")
-    weights = select_weights(checkpoint, use_ema)
+    return strip_wrapper_prefixes(select_weights(checkpoint, use_ema))
+
+
+def strip_wrapper_prefixes(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Removes the ``_orig_mod.`` / ``module.`` key prefixes that torch.compile and DDP wrappers add."""
     out = {}
-    for key, value in weights.items():
+    for key, value in state_dict.items():
         for prefix in ("_orig_mod.", "module."):
             key = key.removeprefix(prefix)
         out[key] = value

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from vit3.layers import TTTConfig, TTTMixer, convert_official_mixer_key
 from vit3.layers.blocks import ConvPosEnc
 
-from ._pretrained import _torch_load, check_state_dict
+from ._pretrained import _torch_load, check_state_dict, strip_wrapper_prefixes
 
 __all__ = [
     "DIT3_CONFIGS",
@@ -489,12 +489,7 @@ def _select_state_dict(obj: Any, source: str) -> dict[str, Tensor]:
                 f"found keys {sorted(map(str, obj))[:20]}"
             )
         state = entry
-    out = {}
-    for key, value in state.items():
-        for prefix in ("_orig_mod.", "module."):  # torch.compile / DDP wrappers
-            key = key.removeprefix(prefix)
-        out[key] = value
-    return out
+    return strip_wrapper_prefixes(state)
 
 
 def convert_official_dit3(

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_input_size
@@ -29,15 +28,17 @@ from torch import Tensor, nn
 from vit3.layers import TTTConfig, convert_official_mixer_key
 from vit3.layers.blocks import ConvDownsample, ConvFFN, ConvStem, TTTBlock, check_image
 
-from ._pretrained import check_state_dict, create_model_with_official_weights
-from .vit3 import (
+from ._family import (
+    ClassifierHeadMixin,
     check_pool_type,
     check_timm_kwargs,
+    create_family_model,
+    family_cfg,
     init_weights,
     merge_ttt_cfg,
-    pool_features,
     stochastic_depth_rates,
 )
+from ._pretrained import check_state_dict, select_weights
 
 __all__ = ["TIMM_FIXED", "HViT3", "HViT3Stage", "checkpoint_filter_fn"]
 
@@ -105,7 +106,7 @@ class HViT3Stage(nn.Module):
         return x.permute(0, 3, 1, 2)  # [B, H, W, C] -> [B, C, H, W]
 
 
-class HViT3(nn.Module):
+class HViT3(ClassifierHeadMixin, nn.Module):
     """Hierarchical ViT³ (H-ViT³).
 
     Args:
@@ -117,7 +118,8 @@ class HViT3(nn.Module):
         depths: blocks of each stage.
         num_heads: mixer heads of each stage (official head dim 32).
         mlp_ratio: ConvFFN hidden width / C.
-        qkv_bias: bias of the mixers' qkv projections (overrides ``ttt_cfg``).
+        qkv_bias: bias of the mixers' qkv projections (``None``: ``ttt_cfg``'s, default ``True``); giving it
+            and ``ttt_cfg``'s ``qkv_bias`` with different values is an error.
         drop_rate: dropout before the classifier.
         pos_drop_rate: dropout after the stem (the official ``drop_rate`` also acts here).
         proj_drop_rate: dropout inside the ConvFFNs (the official ``drop_rate``).
@@ -139,7 +141,7 @@ class HViT3(nn.Module):
         depths: Sequence[int] = (1, 3, 9, 4),
         num_heads: Sequence[int] = (2, 4, 10, 16),
         mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
+        qkv_bias: bool | None = None,
         drop_rate: float = 0.0,
         pos_drop_rate: float = 0.0,
         proj_drop_rate: float = 0.0,
@@ -158,10 +160,11 @@ class HViT3(nn.Module):
         self.in_chans = in_chans
         self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.num_features = self.head_hidden_size = dims[-1]
+        self.spatial_dims = (2, 3)  # forward_features: [B, C, h, w]
         self.output_fmt = "NCHW"
         self.grad_checkpointing = False
         self.reduction = 4 * 2 ** (len(dims) - 1)
-        self.ttt_cfg = cfg = TTTConfig.create(merge_ttt_cfg(ttt_cfg, rope=True), qkv_bias=qkv_bias)
+        self.ttt_cfg = cfg = merge_ttt_cfg(ttt_cfg, qkv_bias, rope=True)
 
         self.stem = ConvStem(in_chans, dims[0])
         self.pos_drop = nn.Dropout(pos_drop_rate)
@@ -193,11 +196,6 @@ class HViT3(nn.Module):
     # --- timm model API -------------------------------------------------------------------------------
 
     @torch.jit.ignore
-    def no_weight_decay(self) -> set[str]:
-        """No named exceptions: like the official optimizer, skip 1-D parameters and biases by shape."""
-        return set()
-
-    @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """Parameter groups for layer-wise lr decay: stem, then stages (coarse) or blocks, final norm last."""
         blocks = (
@@ -217,18 +215,6 @@ class HViT3(nn.Module):
         self.grad_checkpointing = enable
         for stage in self.stages:
             stage.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        """The classifier head."""
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replaces the head with a fresh one of ``num_classes`` (0: identity); optionally changes the pooling."""
-        self.num_classes = num_classes
-        if global_pool is not None:
-            self.global_pool = check_pool_type(global_pool)
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
     def set_input_size(self, img_size: int | tuple[int, int] | None = None) -> None:
         """Records a new nominal input size; the model itself runs on any size (nothing is resized)."""
@@ -251,12 +237,6 @@ class HViT3(nn.Module):
         else:
             x = self.stages(x)
         return self.norm(x)
-
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Features ``[B, C, h, w]`` -> logits ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``)."""
-        x = pool_features(x, self.global_pool, (2, 3))
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> logits ``[B, num_classes]``."""
@@ -353,9 +333,7 @@ def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: HViT3) -> dict[st
     See ``convert_official_key``; weights already in our names pass through. Raises ``ValueError`` listing
     missing, unexpected and mis-shaped keys when the checkpoint belongs to another model or size.
     """
-    for key in ("model", "state_dict"):
-        if isinstance(state_dict.get(key), dict):
-            state_dict = state_dict[key]
+    state_dict = select_weights(state_dict)  # the "model" / "state_dict" entry of a training checkpoint
     ours = any(k.startswith("stages.") for k in state_dict)
     out = {}
     for key, value in state_dict.items():
@@ -367,37 +345,11 @@ def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: HViT3) -> dict[st
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> HViT3:
-    out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
-    return create_model_with_official_weights(
-        HViT3,
-        variant,
-        pretrained,
-        checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **kwargs,
-    )
+    return create_family_model(HViT3, variant, pretrained, checkpoint_filter_fn, (0, 1, 2, 3), **kwargs)
 
 
 def _cfg(url: str = "", **kwargs: Any) -> dict[str, Any]:
-    """Official evaluation: resize 256 -> center crop 224 (crop_pct 0.875), bicubic, ImageNet mean/std."""
-    return {
-        "url": url,
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": (7, 7),
-        "crop_pct": 0.875,
-        "interpolation": "bicubic",
-        "fixed_input_size": False,
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stem.0.conv",
-        "classifier": "head",
-        "license": "mit",
-        "paper_ids": "arXiv:2512.01643",
-        "paper_name": "ViT³: Unlocking Test-Time Training in Vision",
-        "origin_url": "https://github.com/LeapLabTHU/ViTTT",
-        **kwargs,
-    }
+    return family_cfg(url, **{"pool_size": (7, 7), "first_conv": "stem.0.conv", **kwargs})
 
 
 default_cfgs = generate_default_cfgs(

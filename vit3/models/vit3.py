@@ -19,8 +19,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import PatchEmbed, resample_patch_embed, trunc_normal_
+from timm.layers import PatchEmbed, resample_patch_embed
 from timm.models import checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_input_size
@@ -29,11 +28,19 @@ from torch import Tensor, nn
 from vit3.layers import TTTConfig, convert_official_mixer_key
 from vit3.layers.blocks import TTTBlock, check_image, check_image_size
 
-from ._pretrained import check_state_dict, create_model_with_official_weights
+from ._family import (
+    ClassifierHeadMixin,
+    check_pool_type,
+    check_timm_kwargs,
+    create_family_model,
+    family_cfg,
+    init_weights,
+    merge_ttt_cfg,
+    stochastic_depth_rates,
+)
+from ._pretrained import check_state_dict, select_weights
 
-__all__ = ["TIMM_VIT_FIXED", "ViT3", "check_timm_kwargs", "checkpoint_filter_fn", "merge_ttt_cfg"]
-
-POOL_TYPES = ("avg", "max", "avgmax", "")
+__all__ = ["TIMM_VIT_FIXED", "ViT3", "checkpoint_filter_fn"]
 
 # timm VisionTransformer kwargs ViT³ has no parameter for: the values that describe ViT³ (accepted, no effect)
 # and why another value makes no sense here. dynamic_img_size / dynamic_img_pad / pos_drop_rate / final_norm
@@ -67,68 +74,7 @@ TIMM_VIT_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-def check_timm_kwargs(
-    model: str, kwargs: dict[str, Any], fixed: dict[str, tuple[tuple[Any, ...], str]]
-) -> None:
-    """Accepts timm's standard kwargs at the values that describe this model; refuses others by name.
-
-    Raises:
-        ValueError: a known timm kwarg with a value this model cannot honour (the message says why).
-        TypeError: a kwarg timm's models do not have either.
-    """
-    for key, value in kwargs.items():
-        if key not in fixed:
-            raise TypeError(f"{model} got an unexpected keyword argument {key!r}")
-        allowed, why = fixed[key]
-        if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
-            raise ValueError(f"{model} does not support {key}={value!r}: {why}")
-
-
-def merge_ttt_cfg(ttt_cfg: TTTConfig | dict[str, Any] | None, **defaults: Any) -> TTTConfig:
-    """The mixer config of a model: ``defaults`` (the model's own, e.g. ``rope=True``) under a user dict.
-
-    A ``TTTConfig`` instance is taken as the complete mixer spec; a dict only overrides the keys it names.
-    """
-    if isinstance(ttt_cfg, TTTConfig):
-        return ttt_cfg
-    return TTTConfig.create({**defaults, **(ttt_cfg or {})})
-
-
-def pool_features(x: Tensor, pool_type: str, spatial_dims: tuple[int, int]) -> Tensor:
-    """Global pooling over ``spatial_dims`` (``'avg'``, ``'max'``, ``'avgmax'``; ``''`` returns ``x``)."""
-    if pool_type == "avg":
-        return x.mean(spatial_dims)
-    if pool_type == "max":
-        return x.amax(spatial_dims)
-    if pool_type == "avgmax":
-        return 0.5 * (x.mean(spatial_dims) + x.amax(spatial_dims))
-    return x
-
-
-def check_pool_type(global_pool: str) -> str:
-    """Validates a ``global_pool`` name."""
-    if global_pool not in POOL_TYPES:
-        raise ValueError(f"global_pool must be one of {POOL_TYPES}, got {global_pool!r}")
-    return global_pool
-
-
-def stochastic_depth_rates(drop_path_rate: float, n: int) -> list[float]:
-    """``n`` rates rising linearly from 0 to ``drop_path_rate`` (plain Python: works under the meta device)."""
-    return [drop_path_rate * i / max(n - 1, 1) for i in range(n)]
-
-
-def init_weights(module: nn.Module) -> None:
-    """Official init: Linear trunc-normal(0.02) with zero bias, norms to identity; convs keep PyTorch's init."""
-    if isinstance(module, nn.Linear):
-        trunc_normal_(module.weight, std=0.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.LayerNorm):
-        nn.init.ones_(module.weight)
-        nn.init.zeros_(module.bias)
-
-
-class ViT3(nn.Module):
+class ViT3(ClassifierHeadMixin, nn.Module):
     """Plain (isotropic) ViT³.
 
     Args:
@@ -141,7 +87,8 @@ class ViT3(nn.Module):
         depth: number of blocks.
         num_heads: TTT heads per block.
         mlp_ratio: MLP hidden width / C.
-        qkv_bias: bias of the mixer's qkv projection (overrides ``ttt_cfg``).
+        qkv_bias: bias of the mixer's qkv projection (``None``: ``ttt_cfg``'s, default ``True``); giving it
+            and ``ttt_cfg``'s ``qkv_bias`` with different values is an error.
         drop_rate: dropout before the classifier.
         proj_drop_rate: dropout inside the MLPs (the official ``drop_rate``).
         drop_path_rate: stochastic depth, linearly increasing over the blocks (official training: T 0.0,
@@ -170,7 +117,7 @@ class ViT3(nn.Module):
         depth: int = 12,
         num_heads: int = 12,
         mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
+        qkv_bias: bool | None = None,
         drop_rate: float = 0.0,
         proj_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
@@ -191,9 +138,10 @@ class ViT3(nn.Module):
         self.in_chans = in_chans
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.output_fmt = "NHWC"  # forward_features keeps the token grid: [B, h, w, C]
+        self.spatial_dims = (1, 2)
         self.feature_dim = -1  # channel dim of forward_features outputs (timm convention for NHWC models)
         self.grad_checkpointing = False
-        self.ttt_cfg = cfg = TTTConfig.create(merge_ttt_cfg(ttt_cfg), qkv_bias=qkv_bias)
+        self.ttt_cfg = cfg = merge_ttt_cfg(ttt_cfg, qkv_bias)
 
         self.patch_embed = PatchEmbed(
             img_size=img_size,
@@ -236,11 +184,6 @@ class ViT3(nn.Module):
     # --- timm model API -------------------------------------------------------------------------------
 
     @torch.jit.ignore
-    def no_weight_decay(self) -> set[str]:
-        """No named exceptions: like the official optimizer, skip 1-D parameters and biases by shape."""
-        return set()
-
-    @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """Parameter groups for layer-wise lr decay: stem, each block, final norm last."""
         return dict(stem=r"^patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
@@ -249,18 +192,6 @@ class ViT3(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block in the backward pass."""
         self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        """The classifier head."""
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replaces the head with a fresh one of ``num_classes`` (0: identity); optionally changes the pooling."""
-        self.num_classes = num_classes
-        if global_pool is not None:
-            self.global_pool = check_pool_type(global_pool)
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
 
     def set_input_size(
         self, img_size: int | tuple[int, int] | None = None, patch_size: int | None = None
@@ -298,12 +229,6 @@ class ViT3(nn.Module):
         else:
             x = self.blocks(x)
         return self.norm(x)
-
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Features ``[B, h, w, C]`` -> logits ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``)."""
-        x = pool_features(x, self.global_pool, (1, 2))
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> logits ``[B, num_classes]``."""
@@ -373,9 +298,7 @@ def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ViT3) -> dict[str
     patch size is resampled (timm ``resample_patch_embed``). Raises ``ValueError`` listing missing, unexpected
     and mis-shaped keys when the checkpoint belongs to another model or size.
     """
-    for key in ("model", "state_dict"):
-        if isinstance(state_dict.get(key), dict):
-            state_dict = state_dict[key]
+    state_dict = select_weights(state_dict)  # the "model" / "state_dict" entry of a training checkpoint
     ours = any(".attn.inner." in k for k in state_dict)
     out = {}
     for key, value in state_dict.items():
@@ -390,37 +313,12 @@ def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ViT3) -> dict[str
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ViT3:
-    out_indices = kwargs.pop("out_indices", min(3, kwargs.get("depth", 12)))  # last 3 blocks, like timm's ViT
-    return create_model_with_official_weights(
-        ViT3,
-        variant,
-        pretrained,
-        checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        **kwargs,
-    )
+    depth = kwargs.get("depth", 12)  # features_only: the last 3 blocks, like timm's ViT
+    return create_family_model(ViT3, variant, pretrained, checkpoint_filter_fn, min(3, depth), **kwargs)
 
 
 def _cfg(url: str = "", **kwargs: Any) -> dict[str, Any]:
-    """Official evaluation: resize 256 -> center crop 224 (crop_pct 0.875), bicubic, ImageNet mean/std."""
-    return {
-        "url": url,
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": (14, 14),
-        "crop_pct": 0.875,
-        "interpolation": "bicubic",
-        "fixed_input_size": False,
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed.proj",
-        "classifier": "head",
-        "license": "mit",
-        "paper_ids": "arXiv:2512.01643",
-        "paper_name": "ViT³: Unlocking Test-Time Training in Vision",
-        "origin_url": "https://github.com/LeapLabTHU/ViTTT",
-        **kwargs,
-    }
+    return family_cfg(url, **{"pool_size": (14, 14), "first_conv": "patch_embed.proj", **kwargs})
 
 
 default_cfgs = generate_default_cfgs(

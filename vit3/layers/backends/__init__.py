@@ -1,21 +1,22 @@
 """Which implementation runs each branch of a TTT mixer, and why: the one place that decides.
 
-A *backend* is one implementation of a branch's inner loop + read-out. Each declares the inner models it
-implements, ``supports(branch, cfg, x) -> (ok, reason)`` and a priority per device type:
+A *backend* is one implementation of a branch's inner loop + read-out. It implements the ops that declare its
+fast path (``vit3.kernels.<op>.PATHS``, read through ``vit3.kernels.ops_with``) and has
+``supports(branch, cfg, x) -> (ok, reason)`` and a priority per device type:
 
 ========  ==========================================================  ===========================
 backend   what runs                                                   auto order
 ========  ==========================================================  ===========================
-triton    the fused Triton op ``vit3.kernels.fused_ttt``              CUDA: first
-cpu       the C++ CPU kernel: SwiGLU passes, depthwise conv         CPU: first (SwiGLU from 32 tokens)
-eager     the fused eager path (``fast_mix`` / ``fast_swiglu``)       CPU: second; CUDA: last
+triton    the Triton op ``vit3.kernels.triton_ttt``                    CUDA: first
+cpu       the C++ CPU kernel (``swiglu.cpp``, ``dwconv.cpp``)          CPU: first (SwiGLU from 32 tokens)
+eager     the eager paths (``swiglu.eager``, ``dwconv.eager``)        CPU: second; CUDA: last
 generic   closed-form ``inner_loop`` + ``apply_to`` (every config)    CPU: last; CUDA: second
 ========  ==========================================================  ===========================
 
 ``TTTConfig.backend`` names one (it wins over ``$VIT3_TTT_BACKEND``; both default to ``auto``); a named
 backend that cannot serve a branch it implements falls back with a warning (an error under
 ``VIT3_TTT_STRICT=1``); branches it does not implement take the auto order silently. When every branch runs
-on ``cpu`` / ``eager``, all branches form one fused eager node (``fast_mix.fused_mix``).
+on ``cpu`` / ``eager``, all branches form one eager node (``vit3.layers.eager_mix``).
 
 The mixer resolves its plan once per key (device, dtype, the inner-loop settings, each branch's inner model
 and head dim, the token-count class, grad mode, tracing, the backend asked for) and caches it.
@@ -51,8 +52,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..fast_mix import KINDS, MixBranch, MixPlan, fused_mix
-from ..fast_swiglu import swiglu_ttt
+from vit3.kernels import ops_with
+from vit3.kernels.swiglu.eager import swiglu_ttt
+
+from ..eager_mix import KINDS, MixBranch, MixPlan, eager_mix
 
 if TYPE_CHECKING:
     from ..inner import InnerModel
@@ -208,15 +211,15 @@ class Backend:
 
 @functools.cache
 def _kernels() -> tuple[Any, str]:
-    """``vit3.kernels`` (Triton ops and the C++ CPU kernel), or ``None`` and why it cannot be imported.
+    """The Triton path ``vit3.kernels.triton_op``, or ``None`` and why it cannot be imported.
 
     Cached: a failing import (no Triton) would otherwise be retried by every mixer call.
     """
     try:
-        import vit3.kernels as kernels
-    except Exception as exc:  # Triton missing or broken: the PyTorch paths serve
-        return None, f"vit3.kernels cannot be imported ({type(exc).__name__}: {exc})"
-    return kernels, ""
+        from vit3.kernels import triton_op
+    except Exception as exc:  # Triton missing or broken: the other paths serve
+        return None, f"the Triton kernels cannot be imported ({type(exc).__name__}: {exc})"
+    return triton_op, ""
 
 
 def _bare(branch: Branch) -> str:
@@ -241,7 +244,7 @@ def _triton_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, st
     kernels, why = _kernels()
     if kernels is None:
         return False, why
-    losses = kernels.FUSED_LOSSES[branch.name]
+    losses = kernels.TRITON_LOSSES[branch.name]
     if cfg.loss not in losses:
         return False, f"loss {cfg.loss!r} is not fused for {branch.name!r} (fused: {', '.join(losses)})"
     if why := _bare(branch) or _one_step(cfg):
@@ -254,7 +257,7 @@ def _triton_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, st
         if x.device.type == "cpu":
             return False, "CPU tensors: Triton runs them only under TRITON_INTERPRET=1"
         return False, f"{x.device.type} tensors: the Triton kernels run on CUDA GPUs"
-    top = kernels.max_head_dim(branch.name, x.dtype)
+    top = kernels.max_head_dim(branch.name)
     if branch.head_dim > top:
         return False, f"head dim {branch.head_dim} > {top}: wider tiles exceed on-chip shared memory"
     if branch.head_dim < kernels.MIN_HEAD_DIM:
@@ -285,8 +288,7 @@ def _cpu_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
         return False, why
     if x.device.type != "cpu":
         return False, f"{x.device.type} tensors: the C++ kernel runs CPU tensors"
-    kernels, why = _kernels()
-    return kernels is not None, why
+    return True, ""
 
 
 def _cpu_prefers(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
@@ -307,7 +309,7 @@ def _compute(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> tupl
 
 def _run_triton(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
     c = step.cfg
-    return _kernels()[0].fused_ttt(
+    return _kernels()[0].triton_ttt(
         step.name,
         q,
         k,
@@ -322,9 +324,9 @@ def _run_triton(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, T
     )
 
 
-def _run_tiled(cpu_kernel: bool) -> Callable[..., Tensor]:
-    """The fused eager path of one branch: SwiGLU through ``swiglu_ttt`` (tiles or the C++ kernel), the
-    depthwise conv as a one-branch ``fused_mix`` node (oneDNN convolutions or the C++ kernel)."""
+def _run_eager(cpp: bool) -> Callable[..., Tensor]:
+    """The eager path of one branch: SwiGLU through ``swiglu_ttt`` (tiles, or the C++ kernel when ``cpp``),
+    the depthwise conv as a one-branch ``eager_mix`` node (native convolutions, or the C++ kernel)."""
 
     def run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
         q, k, v, params = _compute(q, k, v, params)
@@ -340,12 +342,12 @@ def _run_tiled(cpu_kernel: bool) -> Callable[..., Tensor]:
                 lr=c.inner_lr,
                 grad_norm=c.grad_norm,
                 recompute=step.recompute,
-                cpu_kernel=cpu_kernel,
+                cpp=cpp,
             )
         b, g, n, d = q.shape
         qkv = torch.cat([t.transpose(1, 2).reshape(b, n, g * d) for t in (q, k, v)], dim=-1)  # [B, N, 3*G*d]
         plan = MixPlan(
-            (MixBranch("dwconv", 0, g, d, False, cpu_kernel),),
+            (MixBranch("dwconv", 0, g, d, False, cpp),),
             step.grid,
             step.scale,
             c.inner_lr,
@@ -353,7 +355,7 @@ def _run_tiled(cpu_kernel: bool) -> Callable[..., Tensor]:
             c.rope_base,
             step.recompute,
         )
-        return fused_mix(qkv, plan, [params["weight"]]).unflatten(-1, (g, d)).transpose(1, 2)
+        return eager_mix(qkv, plan, [params["weight"]]).unflatten(-1, (g, d)).transpose(1, 2)
 
     return run
 
@@ -386,7 +388,7 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             "triton",
             what="the Triton kernels",
-            models=("swiglu", "linear", "dwconv"),
+            models=ops_with("triton"),
             priority={"cuda": 3},
             supports=_triton_supports,
             run=_run_triton,
@@ -395,10 +397,10 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             "cpu",
             what="the C++ CPU kernel",
-            models=("swiglu", "dwconv"),
+            models=ops_with("cpp"),
             priority={"cpu": 3},
             supports=_cpu_supports,
-            run=_run_tiled(cpu_kernel=True),
+            run=_run_eager(cpp=True),
             prefers=_cpu_prefers,
             native=True,
         ),
@@ -409,7 +411,7 @@ BACKENDS: dict[str, Backend] = {
             models=KINDS,
             priority={"cpu": 2, "*": 1},
             supports=_eager_supports,
-            run=_run_tiled(cpu_kernel=False),
+            run=_run_eager(cpp=False),
         ),
         Backend(
             "generic",
@@ -451,7 +453,7 @@ def conv_pos_kernel(x: Tensor, weight: Tensor) -> bool:
     if (os.environ.get(BACKEND_ENV, "").strip().lower() or "auto") not in ("auto", "cpu"):
         return False
     try:
-        from vit3.kernels.swiglu_cpu import load
+        from vit3.kernels.swiglu.cpp import load
     except Exception:  # the kernels package cannot be imported: oneDNN serves
         return False
     return load()[0] is not None

@@ -1,12 +1,12 @@
-"""The fused TTT inner-loop op: custom ``torch.library`` ops around the Triton kernels, autograd, dispatch.
+"""The Triton path of the TTT ops: custom ``torch.library`` ops around the Triton kernels, autograd, launches.
 
-``fused_ttt`` runs one full-batch inner step of an inner model (``"swiglu"``: the official ViT³ branch,
+``triton_ttt`` runs one full-batch inner step of an inner model (``"swiglu"``: the official ViT³ branch,
 dot loss; ``"linear"``: dot or MSE loss; ``"dwconv"``: the official 3x3 depthwise-conv branch, dot loss)
 per (sample, head) and applies the result to the
-queries, forward and backward in Triton. It is registered as the custom ops ``vit3::ttt_fused_fwd`` /
-``vit3::ttt_fused_bwd`` (``torch.library.triton_op``) so ``torch.compile`` sees the kernels without a
+queries, forward and backward in Triton. It is registered as the custom ops ``vit3::triton_ttt_fwd`` /
+``vit3::triton_ttt_bwd`` (``torch.library.triton_op``) so ``torch.compile`` sees the kernels without a
 graph break. ``backend="reference"`` runs the pure-PyTorch reference formulation instead
-(``swiglu_ttt_ref``/``linear_ttt_ref``). Which implementation a mixer runs is decided by
+(``vit3.kernels.reference``). Which implementation a mixer runs is decided by
 ``vit3.layers.backends``: this op reads no environment variable.
 
 Launch set-up: ``launch_config`` sizes every kernel (tiles, column blocks, warps, pipeline stages, the split
@@ -30,17 +30,15 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.library import triton_op, wrap_triton
 
-from . import ttt_fused_kernels as K
-from .dwconv_ttt_ref import dwconv_ttt_ref
-from .linear_ttt_ref import linear_ttt_ref
-from .swiglu_ttt_ref import swiglu_ttt_ref
+from . import reference
+from . import triton_kernels as K
 
 __all__ = [
     "ARCHS",
-    "FUSED_LOSSES",
     "MAX_HEAD_DIM",
     "MAX_HEAD_DIM_DWCONV",
     "MIN_HEAD_DIM",
+    "TRITON_LOSSES",
     "Arch",
     "Launch",
     "LaunchConfig",
@@ -49,16 +47,16 @@ __all__ = [
     "fits_device",
     "forward_plan",
     "fp32_uses_tf32",
-    "fused_ttt",
     "head_dim_supported",
     "launch_config",
     "max_head_dim",
     "resolve_backend",
     "smem_need",
     "triton_runs_on",
+    "triton_ttt",
 ]
 
-FUSED_LOSSES = {"swiglu": ("dot",), "linear": ("dot", "mse"), "dwconv": ("dot",)}
+TRITON_LOSSES = {"swiglu": ("dot",), "linear": ("dot", "mse"), "dwconv": ("dot",)}
 WEIGHT_NAMES = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
 # Head dims the kernels take. The matrix models' kernels keep [BLOCK_D, BLOCK_C] column blocks of the d x d
 # weights and gradients on chip (``launch_config``: 16 columns at d = 128): whole 128 x 128 matrices would need
@@ -68,17 +66,17 @@ WEIGHT_NAMES = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
 MIN_HEAD_DIM, MAX_HEAD_DIM, MAX_HEAD_DIM_DWCONV = 16, 128, 128
 
 
-def max_head_dim(name: str, dtype: torch.dtype | None = None) -> int:
-    """The largest head dim the kernels of inner model ``name`` take for inputs of ``dtype``.
+def max_head_dim(name: str) -> int:
+    """The largest head dim the kernels of inner model ``name`` take.
 
     The same for every dtype: float64 (a checking mode) takes narrower column blocks where needed.
     """
     return MAX_HEAD_DIM_DWCONV if name == "dwconv" else MAX_HEAD_DIM
 
 
-def head_dim_supported(name: str, head_dim: int, dtype: torch.dtype | None = None) -> bool:
-    """Whether the kernels of inner model ``name`` take heads of ``head_dim`` channels (``dtype`` inputs)."""
-    return MIN_HEAD_DIM <= head_dim <= max_head_dim(name, dtype)
+def head_dim_supported(name: str, head_dim: int) -> bool:
+    """Whether the kernels of inner model ``name`` take heads of ``head_dim`` channels (any io dtype)."""
+    return MIN_HEAD_DIM <= head_dim <= max_head_dim(name)
 
 
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -222,7 +220,7 @@ class Tiles:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Everything the launches of one ``fused_ttt`` call are sized by (``launch_config``).
+    """Everything the launches of one ``triton_ttt`` call are sized by (``launch_config``).
 
     ``tiles`` holds one ``Tiles`` per kernel role: ``"grad"`` (``grad_partial_kernel``), ``"readout"``,
     ``"readout_bwd"`` / ``"grad_bwd"`` (their column or fused launch) and ``"readout_bwd_cross"`` /
@@ -331,7 +329,7 @@ def launch_config(
         dtype: the q/k/v dtype.
         arch: the GPU (``Arch.of(device)``, or one of ``ARCHS`` for offline compiles).
         loss: ``"dot"`` or ``"mse"`` (the linear model's MSE backward keeps more tiles live).
-        prec: ``tl.dot`` input precision (default: what ``fused_ttt`` picks for ``dtype`` now).
+        prec: ``tl.dot`` input precision (default: what ``triton_ttt`` picks for ``dtype`` now).
         chunk: tokens per program (tests force a split of N with it); ``None`` chooses.
         interpret: size for Triton's interpreter (default: ``$TRITON_INTERPRET``): the GPU's column blocks
             and warps, but large token tiles and a single chunk, since it runs programs one after another.
@@ -407,12 +405,12 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
     Returns:
         ``(True, "")``, or ``(False, reason)`` naming the GPU and what it lacks.
     """
-    if name not in FUSED_LOSSES:
-        return False, f"no Triton kernel for the inner model {name!r} (kernels: {', '.join(FUSED_LOSSES)})"
+    if name not in TRITON_LOSSES:
+        return False, f"no Triton kernel for the inner model {name!r} (kernels: {', '.join(TRITON_LOSSES)})"
     if dtype not in IO_DTYPES:
         return False, f"the Triton kernels take {', '.join(str(t) for t in IO_DTYPES)} inputs, not {dtype}"
-    if not head_dim_supported(name, head_dim, dtype):
-        top = max_head_dim(name, dtype)
+    if not head_dim_supported(name, head_dim):
+        top = max_head_dim(name)
         return False, f"the Triton kernels take head dims {MIN_HEAD_DIM}..{top}, not {head_dim}"
     if device.type != "cuda":
         if device.type == "cpu" and _interpreting():
@@ -629,7 +627,7 @@ def _live(t: Tensor) -> bool:
     return not isinstance(t, FakeTensor)
 
 
-@_kernel_op("vit3::ttt_fused_fwd")
+@_kernel_op("vit3::triton_ttt_fwd")
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, w: Tensor, model: str, loss: str, h: int, wd: int, scale: float,
     lr: float, grad_norm: bool, chunk: int,
@@ -646,7 +644,7 @@ def _fwd_op(
     return outs
 
 
-@_kernel_op("vit3::ttt_fused_bwd")
+@_kernel_op("vit3::triton_ttt_bwd")
 def _bwd_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor, gbuf: Tensor, wpbuf: Tensor, nbuf: Tensor,
     model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
@@ -675,23 +673,23 @@ def _backward(ctx: Any, dout: Tensor, *_stats: Tensor) -> tuple:
     return (dq, dk, dv, dw) + (None,) * len(ctx.cfg)
 
 
-torch.library.register_autograd("vit3::ttt_fused_fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd("vit3::triton_ttt_fwd", _backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------- public op
 
 
 def _validate(name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], loss: str) -> None:
-    if name not in FUSED_LOSSES:
-        raise ValueError(f"fused_ttt supports the inner models {tuple(FUSED_LOSSES)}, got {name!r}")
-    if loss not in FUSED_LOSSES[name]:
-        raise ValueError(f"fused_ttt supports the losses {FUSED_LOSSES[name]} for {name!r}, got {loss!r}")
+    if name not in TRITON_LOSSES:
+        raise ValueError(f"triton_ttt supports the inner models {tuple(TRITON_LOSSES)}, got {name!r}")
+    if loss not in TRITON_LOSSES[name]:
+        raise ValueError(f"triton_ttt supports the losses {TRITON_LOSSES[name]} for {name!r}, got {loss!r}")
     if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(
             f"q, k, v must all be [B, G, N, c], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if q.shape[2] < 1:
-        raise ValueError("fused_ttt needs at least one token (N >= 1)")
+        raise ValueError("triton_ttt needs at least one token (N >= 1)")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in IO_DTYPES:
         raise ValueError(f"q, k, v must share one dtype of {IO_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -713,7 +711,7 @@ def _validate(name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tens
             )
 
 
-def fused_ttt(
+def triton_ttt(
     name: str,
     q: Tensor,
     k: Tensor,
@@ -761,21 +759,17 @@ def fused_ttt(
     d = q.shape[-1]
     which = resolve_backend(backend)
     if which == "auto":
-        which = "triton" if triton_runs_on(q.device) and head_dim_supported(name, d, q.dtype) else "reference"
+        which = "triton" if triton_runs_on(q.device) and head_dim_supported(name, d) else "reference"
     if q.shape[0] * q.shape[1] == 0:  # nothing to launch
         which = "reference"
     if which == "reference":
-        if name == "swiglu":
-            return swiglu_ttt_ref(
-                q, k, v, params["w1"], params["w2"], scale=scale, lr=lr, grad_norm=grad_norm
-            )
-        if name == "dwconv":
-            return dwconv_ttt_ref(q, k, v, params["weight"], grid, scale=scale, lr=lr, grad_norm=grad_norm)
-        return linear_ttt_ref(q, k, v, params["w"], scale=scale, lr=lr, grad_norm=grad_norm, loss=loss)
+        return reference.reference_ttt(
+            name, q, k, v, params, grid=grid, scale=scale, lr=lr, grad_norm=grad_norm, loss=loss
+        )
     if not triton_runs_on(q.device):
         raise ValueError(f"the Triton kernel cannot run on {q.device} (CUDA, or CPU with TRITON_INTERPRET=1)")
-    if not head_dim_supported(name, d, q.dtype):
-        top = max_head_dim(name, q.dtype)
+    if not head_dim_supported(name, d):
+        top = max_head_dim(name)
         why = " (wider tiles exceed on-chip shared memory)" if d > top else ""
         raise ValueError(
             f"the Triton kernel for {name!r} with {q.dtype} supports head dims {MIN_HEAD_DIM}..{top}, got {d}{why}"

@@ -1,20 +1,25 @@
-"""The C++ CPU kernel of the SwiGLU inner model (``vit3.kernels.swiglu_cpu``): that it computes what the generic
-inner loop defines (float64 autograd, every gradient) whether its problems spread over threads or not, that the
-``cpu_kernel`` argument picks the path it names and both paths agree, and that it fails loudly (the mixer's
-backend registry then falls back: ``test_mixer_backends``).
-
-The tiled PyTorch path and the kernel are also both checked against the references in ``test_mixer_math`` and
-``test_mixer_fused_path`` (parametrised ``tiles`` / ``cpu-kernel``)."""
+"""The SwiGLU op (``vit3.kernels.swiglu``): its reference against float64 finite differences, the official
+code's formulation and (through the mixer, ``test_mixer_official``) the official fixtures; every fast path —
+the tiled eager path, the C++ kernel, the Triton kernels (``TRITON_INTERPRET=1`` on CPU), the generic inner
+loop — forward and every gradient (q, k, v, w1, w2) against the reference; then the C++ kernel's own
+contract: threads and blocks, strided views, loud failures (the registry then falls back:
+``test_mixer_backends``), loading without Triton.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers.common import count_calls
+from helpers.common import count_calls, load_benchmark
+from helpers.ops import assert_matches_reference
 
-import vit3.kernels.swiglu_cpu as swiglu_cpu
-import vit3.layers.fast_swiglu as fast
+import vit3.kernels.swiglu.cpp as swiglu_cpu
+import vit3.kernels.swiglu.eager as fast
+from vit3.kernels.swiglu.reference import swiglu_ttt_ref
 from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
 
 H, D = 2, 8
@@ -46,13 +51,112 @@ def _grads(out: torch.Tensor, dout: torch.Tensor, leaves: list[torch.Tensor]) ->
     return list(torch.autograd.grad((out * dout).sum(), leaves))
 
 
-def _reference(q, k, v, w1, w2, *, scale: float, lr: float, grad_norm: bool) -> torch.Tensor:
-    """The generic closed-form inner loop and read-out, differentiated by autograd."""
+_reference = swiglu_ttt_ref
+
+
+def _generic(q, k, v, w1, w2, *, scale: float, lr: float, grad_norm: bool) -> torch.Tensor:
+    """The generic closed-form inner loop and read-out (``vit3.layers``), differentiated by autograd."""
     model = create_inner_model("swiglu", heads=q.shape[1], head_dim=q.shape[-1], cfg=TTTConfig())
     params = inner_loop(
         model, {"w1": w1, "w2": w2}, k, v, (1, q.shape[2]), scale=scale, lr=lr, grad_norm=grad_norm
     )
     return model.apply_to(params, q, (1, q.shape[2]))
+
+
+def _triton(q, k, v, w1, w2, *, scale: float, lr: float, grad_norm: bool) -> torch.Tensor:
+    from vit3.kernels import triton_ttt  # imports Triton
+
+    params = {"w1": w1, "w2": w2}
+    return triton_ttt("swiglu", q, k, v, params, scale=scale, lr=lr, grad_norm=grad_norm, backend="triton")
+
+
+# Every fast path of the op, called like the reference. Triton takes shared initial weights and d >= 16.
+PATHS = {
+    "eager-tiles": lambda *a, **kw: fast.swiglu_ttt(*a, cpp=False, **kw),
+    "cpp": lambda *a, **kw: fast.swiglu_ttt(*a, cpp=True, **kw),
+    "triton": _triton,
+    "generic": _generic,
+}
+SETTINGS = {
+    "norm-lr1": {"scale": 1 / 3, "lr": 1.0, "grad_norm": True},
+    "no-norm-lr0.7": {"scale": 0.4, "lr": 0.7, "grad_norm": False},
+}
+
+
+# --------------------------------------------------------------------------------------------- the reference
+
+
+@pytest.mark.parametrize("grad_norm", [True, False], ids=["norm", "no-norm"])
+def test_reference_gradients_equal_finite_differences(grad_norm):
+    """The reference's gradients (autograd through its autograd inner step) against float64 finite
+    differences, every input."""
+    _, q, k, v, w1, w2 = _inputs(2, 1, 5, 3)
+    inputs = tuple(t.detach().clone().requires_grad_() for t in (q, k, v, w1, w2))
+
+    def fn(*xs):
+        return swiglu_ttt_ref(*xs, scale=0.4, lr=0.8, grad_norm=grad_norm)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_official_formulation_equals_the_reference_every_gradient():
+    """The benchmarks' transcription of the official eager code (``benchmarks/official_baseline.py``) computes
+    the reference's numbers: forward and every gradient, float64."""
+    qkv, q, k, v, w1, w2 = _inputs(2, H, 35, D)
+    out = load_benchmark("official_baseline").official_swiglu_branch(q, k, v, w1, w2)
+    ref = swiglu_ttt_ref(q, k, v, w1, w2, scale=9**-0.5, lr=1.0, grad_norm=True)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(out)
+    for name, g, g_ref in zip(
+        ["qkv", "w1", "w2"], _grads(out, dout, [qkv, w1, w2]), _grads(ref, dout, [qkv, w1, w2])
+    ):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12, msg=f"gradient of {name}")
+
+
+# ------------------------------------------------------------------------------- every fast path vs reference
+
+CASES = [
+    pytest.param(path, setting, shared, id=f"{path}-{setting}-{'shared' if shared else 'per-sample'}-w")
+    for path in PATHS
+    for setting in SETTINGS
+    for shared in (True, False)
+    if shared or path != "triton"
+]
+
+
+@pytest.mark.parametrize(("path", "setting", "shared"), CASES)
+def test_fast_path_output_and_every_gradient_match_reference(path, setting, shared):
+    """float64, q, k, v strided views of one qkv tensor; gradients of q, k, v (as one qkv gradient), w1, w2."""
+    qkv, q, k, v, w1, w2 = _inputs(2, H, 35, 16, shared=shared)
+    hyper = SETTINGS[setting]
+    out = PATHS[path](q, k, v, w1, w2, **hyper)
+    assert_matches_reference(out, swiglu_ttt_ref(q, k, v, w1, w2, **hyper), qkv, {"w1": w1, "w2": w2})
+
+
+@pytest.mark.parametrize(
+    "tile_bytes", [10**9, 10**4, 1000], ids=["folded-one-tile", "folded-tiles", "strided-tiles"]
+)
+@pytest.mark.parametrize("grad_norm", [True, False], ids=["norm", "no-norm"])
+@pytest.mark.parametrize("shared_weights", [True, False], ids=["shared-w", "per-sample-w"])
+@pytest.mark.parametrize("cpp", [False, True], ids=["tiles", "cpu-kernel"])
+def test_eager_tilings_equal_the_reference(monkeypatch, tile_bytes, grad_norm, shared_weights, cpp):
+    """The tiled eager path (custom backward; tiled PyTorch or the C++ CPU kernel, whose blocks follow the
+    same tile size) over every tiling: one folded tile, folded tiles, strided per-sample tiles."""
+    monkeypatch.setattr(fast, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(fast, "MIN_TILE_TOKENS", 4)
+    b, h, n, d = 3, 2, 35, 8
+    qkv = torch.randn(b, n, 3 * h * d, dtype=torch.float64, requires_grad=True)
+    q, k, v = (t.unflatten(-1, (h, d)).transpose(1, 2) for t in qkv.split(h * d, dim=-1))  # strided views
+    w1, w2 = (
+        torch.randn(1 if shared_weights else b, h, d, d, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
+    hyper = {"scale": 0.4, "lr": 0.8, "grad_norm": grad_norm}
+    out = fast.swiglu_ttt(q, k, v, w1, w2, cpp=cpp, **hyper)
+    assert_matches_reference(out, swiglu_ttt_ref(q, k, v, w1, w2, **hyper), qkv, {"w1": w1, "w2": w2})
+
+
+# --------------------------------------------------------------------------------------------- the C++ kernel
 
 
 PROBLEMS = {
@@ -83,7 +187,7 @@ def test_kernel_matches_float64_reference_every_gradient(
     threads(n_threads)
     qkv, q, k, v, w1, w2 = _inputs(b, h, n, d, shared=shared)
     hyper = {"scale": 0.4, "lr": 0.8, "grad_norm": True}
-    out = fast.swiglu_ttt(q, k, v, w1, w2, cpu_kernel=True, recompute=recompute, **hyper)
+    out = fast.swiglu_ttt(q, k, v, w1, w2, cpp=True, recompute=recompute, **hyper)
     ref = _reference(q, k, v, w1, w2, **hyper)
     assert kernel_calls["n"] == 1
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
@@ -102,7 +206,7 @@ def test_saturated_gates_stay_finite_and_match_float64(kernel_calls):
     want = _grads(ref, dout, [qkv, w1, w2])
     qkv32, w1_32, w2_32 = (t.detach().float().requires_grad_() for t in (qkv, w1, w2))
     q32, k32, v32 = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in qkv32.split(H * D, dim=-1))
-    out = fast.swiglu_ttt(q32, k32, v32, w1_32, w2_32, cpu_kernel=True, **hyper)
+    out = fast.swiglu_ttt(q32, k32, v32, w1_32, w2_32, cpp=True, **hyper)
     got = _grads(out, dout.float(), [qkv32, w1_32, w2_32])
     assert kernel_calls["n"] == 1
     assert (k32.detach() @ w2_32.detach()).abs().max() > 50  # the gates really saturate
@@ -120,7 +224,7 @@ def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls
     for on in (False, True):
         before = kernel_calls["n"]
         if how == "argument":
-            out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=on)
+            out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpp=on)
         else:  # the mixer registry's backends pass the flag down
             model = create_inner_model("swiglu", H, D, TTTConfig())
             step = backends.Step("swiglu", model, (1, 30), 1 / 3, TTTConfig())
@@ -170,14 +274,14 @@ def test_ops_reject_mismatched_inputs_by_name():
 def test_forcing_the_kernel_onto_unsupported_tensors_names_the_problem():
     _, q, k, v, w1, w2 = _inputs(1, H, 6, D, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"float32/float64 CPU tensors, got torch\.bfloat16"):
-        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=True)
+        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpp=True)
 
 
 def test_a_failed_build_raises_naming_the_error(monkeypatch, kernel_calls):
     monkeypatch.setattr(swiglu_cpu, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
     _, q, k, v, w1, w2 = _inputs(2, H, 12, D)
     with pytest.raises(RuntimeError, match=r"could not be built.*no C\+\+ compiler"):
-        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpu_kernel=True)
+        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpp=True)
     assert kernel_calls["n"] == 0
 
 
@@ -195,10 +299,6 @@ def test_build_targets_the_cpus_vector_unit():
 def test_a_cpu_run_logs_no_cuda_home_warning(tmp_path):
     """Loading the kernel imports torch.utils.cpp_extension, whose import logs "No CUDA runtime is found, using
     CUDA_HOME=..." on a machine without a GPU whenever CUDA_HOME is set; the kernel is CPU code."""
-    import os
-    import subprocess
-    import sys
-
     code = "import timm, torch, vit3; timm.create_model('vit3_tiny').eval()(torch.rand(1, 3, 224, 224))"
     env = {**os.environ, "CUDA_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -206,58 +306,27 @@ def test_a_cpu_run_logs_no_cuda_home_warning(tmp_path):
     assert "No CUDA runtime" not in proc.stdout + proc.stderr and "CUDA_HOME" not in proc.stderr
 
 
-@pytest.mark.parametrize("grid", [(5, 7), (1, 6), (4, 1)], ids=["5x7", "one-row", "one-column"])
-@pytest.mark.parametrize("channels", [8, 12], ids=["whole-vectors", "vector-tail"])
-def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
-    """``dwconv`` (per-sample or shared taps) and ``dwconv_weight_grad`` against float64 ``F.conv2d`` and its
-    weight gradient, reading and writing [B, N, C] views strided across a wider tensor."""
-    ops, _ = swiglu_cpu.load()
-    b, (h, w), c = 3, grid, channels
-    wide = torch.randn(b, h * w, 3 * c, dtype=torch.float64)
-    x, g = wide[..., :c], wide[..., c : 2 * c]  # [B, N, C] views with row stride 3C
+def test_the_cpp_kernel_loads_and_runs_without_triton():
+    """With ``triton`` unimportable (``sys.modules["triton"] = None``), the C++ path and the mixer's CPU
+    backends load and run; the registry names why Triton cannot serve."""
+    code = """
+import sys
+sys.modules["triton"] = None
+import torch
+from vit3.kernels.swiglu.cpp import cpu_kernel_ops
+from vit3.kernels.swiglu.eager import swiglu_ttt
+from vit3.layers import TTTMixer, backends
 
-    def maps(t):  # [B, N, C] -> [B, C, h, w]
-        return t.transpose(1, 2).unflatten(-1, (h, w))
-
-    for shared in (False, True):
-        weight = torch.randn(1 if shared else b, c, 3, 3, dtype=torch.float64)
-        taps = weight.flatten(2).transpose(1, 2).contiguous()  # [B|1, 9, C]
-        dest = torch.zeros(b, h * w, 2 * c, dtype=torch.float64)[..., :c]
-        ops.dwconv(x, taps, dest, h, w)
-        want = torch.cat(
-            [
-                F.conv2d(maps(x)[i : i + 1], weight[0 if shared else i, :, None], padding=1, groups=c)
-                for i in range(b)
-            ]
-        )
-        torch.testing.assert_close(maps(dest), want, rtol=1e-12, atol=1e-12)
-    xs = maps(x).clone().requires_grad_()
-    per_sample = torch.zeros(b, c, 3, 3, dtype=torch.float64, requires_grad=True)
-    out = torch.cat([F.conv2d(xs[i : i + 1], per_sample[i, :, None], padding=1, groups=c) for i in range(b)])
-    (want,) = torch.autograd.grad(out, per_sample, maps(g))
-    got = torch.empty(b, 9, c, dtype=torch.float64)
-    ops.dwconv_weight_grad(g, x, got, h, w)
-    torch.testing.assert_close(got.transpose(1, 2).unflatten(-1, (3, 3)), want, rtol=1e-12, atol=1e-12)
-    with pytest.raises(RuntimeError, match="does not fit N"):
-        ops.dwconv(x, taps, dest, h + 1, w)
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_conv_pos_enc_on_the_kernel_matches_onednn_every_gradient(monkeypatch, batch):
-    """ConvPosEnc (x + dwconv(x) + bias, shared weights) takes the kernel's depthwise op on CPU float64 and
-    gives the oneDNN convolution's output and gradients; VIT3_TTT_BACKEND=generic keeps oneDNN."""
-    from vit3.layers.blocks import ConvPosEnc, _ConvPosEncKernel
-
-    kernel = count_calls(monkeypatch, _ConvPosEncKernel, "apply")
-    torch.manual_seed(2)
-    cpe = ConvPosEnc(12).double()
-    x = torch.randn(batch, 5, 7, 12, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(batch, 5, 7, 12, dtype=torch.float64)
-    leaves = [x, cpe.weight, cpe.bias]
-    got = [out := cpe(x), *_grads(out, dout, leaves)]
-    assert kernel["n"] == 1
-    monkeypatch.setenv("VIT3_TTT_BACKEND", "generic")
-    want = [ref := cpe(x), *_grads(ref, dout, leaves)]
-    assert kernel["n"] == 1
-    for name, a, b in zip(["out", "x", "weight", "bias"], got, want):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+q = torch.randn(2, 2, 128, 16)
+w = 0.1 * torch.randn(1, 2, 16, 16)
+assert swiglu_ttt(q, q, q, w, w, scale=1 / 3, cpp=True).shape == q.shape
+cpu_kernel_ops(q)
+expl = TTTMixer(64, 4).explain(torch.randn(1, 144, 64), (12, 12))
+assert [b.backend for b in expl.branches] == ["cpu", "cpu"], expl
+assert "triton" not in sys.modules or sys.modules["triton"] is None
+print("why not triton:", backends._kernels()[1])
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the Triton kernels cannot be imported" in proc.stdout

@@ -1,8 +1,8 @@
-"""The C++ CPU kernel of the SwiGLU inner model's TTT step (``csrc/swiglu_cpu.cpp``): build, load and choose it.
+"""The SwiGLU op's C++ CPU kernel (``csrc/swiglu_cpu.cpp``): build and load it.
 
-The kernel provides the four N-sized passes of the fused PyTorch path (``vit3.layers.fast_swiglu``, which is
-its pure-PyTorch reference and does the small step between the passes) as ``torch.ops.vit3_swiglu_cpu.*``,
-the weights side by side (``w = [W1 | W2]`` ``[B, H, d, 2d]``):
+The kernel provides the four N-sized passes of the tiled eager path (``vit3.kernels.swiglu.eager``, which does
+the small step between the passes in Python) as ``torch.ops.vit3_swiglu_cpu.*``, the weights side by side
+(``w = [W1 | W2]`` ``[B, H, d, 2d]``):
 
 - ``inner_grad(k, v, w, g, z)``: ``Z = k W``, ``G += kᵀ [v ⊙ A | v ⊙ Z1 ⊙ A']``;
 - ``readout(q, w_new, out, y)``: ``Y = q W'``, ``out = Y1 ⊙ silu(Y2)``;
@@ -24,7 +24,8 @@ targets the CPU's vector unit as PyTorch reports it (AVX512, AVX2 or portable co
 
 The mixer's backend registry (``vit3.layers.backends``, backend ``cpu``) decides when it runs. When the build
 fails (no compiler), ``cpu_kernel_ops`` raises with the error, and the registry demotes the backend with a
-warning: the tiled PyTorch path serves.
+warning: the tiled PyTorch path serves. Loading it needs no Triton. It is tested, forward and every gradient,
+against the op's reference ``vit3.kernels.swiglu.reference`` (``tests/test_op_swiglu.py``).
 """
 
 from __future__ import annotations

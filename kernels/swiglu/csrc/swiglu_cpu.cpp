@@ -1,11 +1,12 @@
-// The official SwiGLU inner model's TTT step on a CPU (dot loss, one full-batch step): four passes over the
-// tokens, each one C++ op that walks every (sample, head) problem, small problems grouped, large ones in token
-// blocks of about a MiB.
+// The N-sized passes of the official SwiGLU inner model's TTT step on a CPU (dot loss, one full-batch step):
+// four passes over the tokens, each one C++ op that walks every (sample, head) problem, small problems
+// grouped, large ones in token blocks of about a MiB. The step itself is not here. The same extension holds
+// the 3x3 depthwise op on token rows (the dwconv branch, ConvPosEnc), at the end.
 //
-// Python (vit3.kernels.swiglu_cpu) does the small per-(sample, head) work between the passes (the step
+// Python (vit3/kernels/swiglu/eager.py) does the small per-(sample, head) work between the passes (the step
 // W' = W - lr G / (||G|| + 1) and its backward); the passes here do every N-sized matmul (ATen, i.e. MKL) and
-// fuse each elementwise chain between two matmuls into one loop over a block that is still in cache. The
-// pure-PyTorch reference of the same passes is vit3/layers/fast_swiglu.py; the formulas are the ViT³ note's.
+// fuse each elementwise chain between two matmuls into one loop over a block that is still in cache. The same
+// passes in PyTorch are the tiled path of that module; the op's reference is vit3/kernels/swiglu/reference.py.
 //
 // Layouts: q, k, v [B, H, N, d] with unit stride along d; the two weights side by side, [W1 | W2]
 // [B, H, d, 2d] contiguous, so each product with both (k [W1 | W2], kᵀ [P1 | P2], dY [W1' | W2']ᵀ ...) is one

@@ -1,6 +1,6 @@
-"""A hand-fused, tiled PyTorch path for the official SwiGLU inner model (dot loss, one full-batch step).
+"""The SwiGLU op's eager path: tiled PyTorch with a hand-written backward (dot loss, one full-batch step).
 
-Same numbers as ``inner_loop`` + ``SwiGLUInner.apply_to``, much less memory traffic. Eager elementwise ops
+Same numbers as the op's reference (``vit3.kernels.swiglu.reference``), much less memory traffic. Eager elementwise ops
 over N-sized tensors are bound by DRAM bandwidth and by first-touch page faults of freshly allocated outputs;
 this path instead walks the tokens in tiles of about a MiB (``[heads, tokens, d]`` of one sample), so every
 intermediate lives in cache, and keeps only the small per-(sample, head) results (the inner gradients G, their
@@ -8,12 +8,12 @@ norms, the updated weights) between passes, as the Triton kernel does:
 
 - forward: pass 1 accumulates ``G = kᵀ P`` tile by tile (``baddbmm`` into G), the step updates the weights,
   pass 2 writes the read-out ``(q W1') ⊙ silu(q W2')``;
-- backward (the formulas of the ViT³ note, "Outer-loop backward of the SwiGLU branch"): pass 1 writes ``dq``
+- backward (the chain rule through the step, written out in ``swiglu_backward``): pass 1 writes ``dq``
   and accumulates ``dW'``, the step's backward gives ``dG``, pass 2 recomputes the cheap elementwise inner
   terms from the saved pre-activations and writes ``dk``, ``dv`` and accumulates ``dW``.
 
 The read-out and the input gradients are written in place into caller-given views (``swiglu_forward`` /
-``swiglu_backward``, used by the mixer's fused path ``vit3.layers.fast_mix``: views of its output and of one
+``swiglu_backward``, used by the mixer's eager node ``vit3.layers.eager_mix``: views of its output and of one
 qkv gradient), so no layout copies are made there; q, k, v are copied once into dense tensors, as the
 matmuls read them a dozen times. The two inner weights travel as one pair ``[.., 2, d, d]`` so that each
 matmul with both (``k [W1 | W2]``, ``kᵀ [P1 | P2]`` ...) is one batched call with k broadcast over the pair.
@@ -21,10 +21,10 @@ Problems small enough that a whole sample fits in one tile are folded to ``[1, B
 samples and per-op overheads stay amortised. Elementwise work writes into a few reused scratch tiles: fresh
 allocations would cost more than the ops.
 
-With ``cpu_kernel=True`` the four passes run in the C++ CPU kernel ``vit3.kernels.swiglu_cpu`` (the same
+With ``cpp=True`` the four passes run in the C++ CPU kernel ``vit3.kernels.swiglu.cpp`` (the same
 passes, small problems grouped into batched matmuls, large ones in blocks of tokens, elementwise chains
-fused; the mixer's backend registry ``vit3.layers.backends`` decides when): this tiled path is its
-pure-PyTorch reference.
+fused; the mixer's backend registry ``vit3.layers.backends`` decides when); the step between the passes
+stays in Python either way.
 
 Saved for backward: dense q, k, v and the small ``[.., 2, d, d]`` weights; with ``recompute=False`` also
 the pre-activations ``Z = k W`` and ``Y = q W'`` (four N-sized tensors: 4·d values per token and head,
@@ -41,15 +41,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-__all__ = [
-    "SwiGLUSaved",
-    "step",
-    "step_backward",
-    "swiglu_backward",
-    "swiglu_forward",
-    "swiglu_ttt",
-    "weight_grad",
-]
+from ..common import step, step_backward, weight_grad
+
+__all__ = ["SwiGLUSaved", "dense_inputs", "swiglu_backward", "swiglu_forward", "swiglu_ttt"]
 
 # Bytes of one ``[heads, tokens, d]`` tile; a handful of them must fit in a core's share of cache.
 TILE_BYTES = 1 << 20
@@ -173,34 +167,6 @@ _silu_out = torch.ops.aten.silu.out
 _silu_backward_out = torch.ops.aten.silu_backward.grad_input
 
 
-def step(
-    g: Tensor, w: Tensor, lr: float, grad_norm: bool, dims: tuple[int, ...] = (-2,)
-) -> tuple[Tensor, Tensor]:
-    """``W' = W - lr G / (||G|| + 1)`` and the norms (over ``dims``: per output column of a ``d x d`` weight)."""
-    if not grad_norm:
-        return w - lr * g, g.new_zeros(())
-    # sqrt(sum g²): linalg.vector_norm takes ~8x longer over a non-innermost dim of these small tensors
-    norm = g.square().sum(dims, keepdim=True).sqrt_()
-    return w - lr * (g / (norm + 1.0)), norm
-
-
-def step_backward(
-    dw_new: Tensor, g: Tensor, norm: Tensor, lr: float, grad_norm: bool, dims: tuple[int, ...] = (-2,)
-) -> Tensor:
-    """dL/dG from dL/dW' through ``step``."""
-    dg_hat = dw_new * (-lr)
-    if not grad_norm:
-        return dg_hat
-    proj = (g * dg_hat).sum(dims, keepdim=True)
-    # d(G/(n+1)) = dĜ/(n+1) - G (G·dĜ) / (n (n+1)^2); the second term vanishes with G where n = 0.
-    return dg_hat / (norm + 1.0) - g * (proj / (norm.clamp_min(1e-30) * (norm + 1.0) ** 2))
-
-
-def weight_grad(dw: Tensor, shape: torch.Size) -> Tensor:
-    """Per-sample weight gradient ``[B, ...]`` -> the initial weight's ``shape`` ``[1|B, ...]``."""
-    return dw.sum(0, keepdim=True) if shape[0] == 1 and dw.shape[0] != 1 else dw
-
-
 class SwiGLUSaved(NamedTuple):
     """What ``swiglu_backward`` needs from ``swiglu_forward``; weights ``[B', H', 2, d, d]`` (W1, W2 paired),
     or ``[B, H, d, 2d]`` (``[W1 | W2]``) for the kernel."""
@@ -232,7 +198,7 @@ def swiglu_forward(
     grad_norm: bool,
     save: bool = True,
     recompute: bool = False,
-    cpu_kernel: bool = False,
+    cpp: bool = False,
     dense: bool | None = None,
 ) -> SwiGLUSaved | None:
     """Inner step and read-out, written into ``out``; returns what the backward needs (when ``save``).
@@ -248,13 +214,13 @@ def swiglu_forward(
         save: keep what ``swiglu_backward`` needs.
         recompute: keep only q, k, v and the weights: the backward recomputes the pre-activations Z, Y
             (4·d fewer values per token and head, four more ``[N, d] x [d, d]`` matmuls).
-        cpu_kernel: run the passes in the C++ CPU kernel (``vit3.kernels.swiglu_cpu``: float32/float64 CPU
+        cpp: run the passes in the C++ CPU kernel (``vit3.kernels.swiglu.cpp``: float32/float64 CPU
             tensors; raises when it cannot be built), else the tiled PyTorch path.
         dense: the kernel gets dense copies of q, k, v (``None``: ``dense_inputs(q)``); the tiled path always.
     """
     b, h, n, d = q.shape
     c = scale / n
-    ops = _kernel(cpu_kernel, q)
+    ops = _kernel(cpp, q)
     # One dense copy of each input: matmuls reading rows strided across a whole qkv tensor touch ~20x the
     # pages and run ~30% slower on a CPU, on every one of the dozen passes that read them (measured in the
     # kernel too: one copy here beats copying each block there). The kernel reads small problems in place.
@@ -388,11 +354,11 @@ def swiglu_backward(
 
 
 def _kernel(flag: bool, like: Tensor) -> Any:
-    """The C++ CPU kernel's ops for tensors like ``like`` when ``flag`` (``vit3.kernels.swiglu_cpu``), else
+    """The C++ CPU kernel's ops for tensors like ``like`` when ``flag`` (``vit3.kernels.swiglu.cpp``), else
     ``None``."""
     if not flag:
         return None
-    from vit3.kernels.swiglu_cpu import cpu_kernel_ops
+    from .cpp import cpu_kernel_ops
 
     return cpu_kernel_ops(like)
 
@@ -463,12 +429,12 @@ def _kernel_backward(
 class _SwiGLUTTT(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool, save: bool, recompute, cpu_kernel
+        ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool, save: bool, recompute, cpp
     ):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         hyper = {"scale": scale, "lr": lr, "grad_norm": grad_norm}
         saved = swiglu_forward(
-            q, k, v, w1, w2, out, save=save, recompute=recompute, cpu_kernel=cpu_kernel, **hyper
+            q, k, v, w1, w2, out, save=save, recompute=recompute, cpp=cpp, **hyper
         )
         if saved is not None:  # through save_for_backward, so saved-tensor hooks (checkpointing) see them
             ctx.save_for_backward(*saved[:-1])
@@ -498,7 +464,7 @@ def swiglu_ttt(
     lr: float = 1.0,
     grad_norm: bool = True,
     recompute: bool = False,
-    cpu_kernel: bool = False,
+    cpp: bool = False,
 ) -> Tensor:
     """One full-batch dot-loss TTT step of the SwiGLU inner model, then its read-out on q.
 
@@ -512,10 +478,10 @@ def swiglu_ttt(
         lr: inner learning rate.
         grad_norm: apply ``G / (||G|| + 1)`` per output column.
         recompute: memory-lean backward: recompute the pre-activations Z, Y instead of saving them.
-        cpu_kernel: C++ CPU kernel or the tiled PyTorch path (``swiglu_forward``).
+        cpp: C++ CPU kernel or the tiled PyTorch path (``swiglu_forward``).
 
     Returns:
         ``(q W1') ⊙ silu(q W2')`` ``[B, H, N, d]``, W' the per-sample weights after the step.
     """
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w1, w2))
-    return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm, save, recompute, cpu_kernel)
+    return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm, save, recompute, cpp)

@@ -9,7 +9,8 @@ SwiGLU), the forward is three launches:
    output column ``G / (||G|| + 1)``, takes the step ``W' = W - lr G`` and saves ``G``, ``W'``, ``||G||``;
 3. ``readout_kernel`` (grid ``[S, B*G, C]``): applies ``W'`` to the queries.
 
-The backward (``../shared/notes/ttt-math.md``, last section) is four stages: read-out backward (``dq``
+The backward (the chain rule through the step; the op references in ``vit3.kernels.<op>.reference`` define
+what it differentiates) is four stages: read-out backward (``dq``
 and partial ``dW'``), the step backward through the normalisation (``dG``), the gradient backward
 (``dk``, ``dv``, partial ``kᵀ dZ``) recomputing ``Z``, ``σ`` and the activations from ``k`` instead of
 saving ``N``-sized tensors, and a reduction of the weight gradient over chunks and samples (in a fixed
@@ -21,7 +22,7 @@ activations, ``P``, the gradient ``kᵀ P[:, j]``, its norm and step, ``Y = q W'
 whole ``k`` or ``q`` row. So every program owns one block of ``BLOCK_C`` columns (the third grid axis,
 ``C = cdiv(d, BLOCK_C)`` blocks) and keeps only ``[BLOCK_D, BLOCK_C]`` slices of the weights, gradients and
 accumulators on chip: that is what lets d = 128, and d = 64 on GPUs with 64-164 KB of shared memory per
-block, fit (``ttt_fused.launch_config`` picks ``BLOCK_C`` per GPU). Two quantities sum over all columns:
+block, fit (``triton_op.launch_config`` picks ``BLOCK_C`` per GPU). Two quantities sum over all columns:
 ``dq = dY1 W1'ᵀ + dY2 W2'ᵀ`` (read-out backward) and ``dk = P1 dG1ᵀ + P2 dG2ᵀ + dZ1 W1ᵀ + dZ2 W2ᵀ``
 (gradient backward). With one block (``C == 1``) a single launch computes everything. With ``C > 1`` each
 backward stage is two launches of the same kernel, chosen by the constexpr switches ``COLS`` / ``CROSS``: the column launch (grid ``[S, B*G, C]``) writes the

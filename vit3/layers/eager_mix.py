@@ -1,4 +1,4 @@
-"""The mixer's fused eager path: the inner loops of all branches, between the two projections, as one node.
+"""The mixer's eager node: the inner loops of all branches, between the two projections, as one autograd node.
 
 The per-branch path slices q, k and v out of the qkv projection, runs each branch and concatenates the
 read-outs; autograd then pays for layout copies both ways (q, k, v made contiguous, read-outs transposed and
@@ -8,14 +8,11 @@ branches take q, k and v as views of qkv and write their read-outs straight into
 
 Branches served, one full-batch dot-loss step each (``vit3.layers.backends`` decides when this path runs):
 
-- the official SwiGLU model, optionally with RoPE on q and k, through ``fast_swiglu`` (its passes in the C++
-  CPU kernel for branches with ``MixBranch.cpu_kernel``);
-- the 3x3 depthwise conv in closed form, one convolution per stage for the whole batch: with ``E = -s v / N``,
-  ``G = Σ_p E[p] k[p + δ]`` (a conv weight gradient), ``W' = W - lr G / (||G|| + 1)``,
-  ``out = dwconv(q; W')``; backward ``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)``. With
-  ``MixBranch.cpu_kernel`` each stage is one call of the C++ kernel's depthwise ops on the token rows
-  (``_dwconv_kernel_*``: no channels-last maps, no oneDNN calls, whose fixed cost dominates small grids),
-  else oneDNN convolutions over batch-folded channels-last maps.
+- the official SwiGLU model, optionally with RoPE on q and k, through ``vit3.kernels.swiglu.eager`` (its
+  passes in the C++ CPU kernel ``vit3.kernels.swiglu.cpp`` for branches with ``MixBranch.cpp``);
+- the 3x3 depthwise conv through ``vit3.kernels.dwconv.eager`` (the closed form, one convolution per stage
+  for the whole batch), or with ``MixBranch.cpp`` through ``vit3.kernels.dwconv.cpp`` (the same stages on
+  the token rows in the C++ kernel's depthwise ops).
 
 The mixer runs branch by branch whenever a branch takes another backend.
 """
@@ -28,33 +25,29 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .fast_swiglu import (
-    SwiGLUSaved,
-    dense_inputs,
-    step,
-    step_backward,
-    swiglu_backward,
-    swiglu_forward,
-    weight_grad,
-)
-from .inner import DWConvInner, dwconv_backward
+from vit3.kernels import ops_with
+from vit3.kernels.common import weight_grad
+from vit3.kernels.dwconv import cpp as dwconv_cpp
+from vit3.kernels.dwconv import eager as dwconv_eager
+from vit3.kernels.swiglu.eager import SwiGLUSaved, dense_inputs, swiglu_backward, swiglu_forward
+
 from .rope import apply_rope_2d
 
-__all__ = ["KINDS", "MixBranch", "MixPlan", "fused_mix"]
+__all__ = ["KINDS", "MixBranch", "MixPlan", "eager_mix"]
 
-KINDS = ("swiglu", "dwconv")
+KINDS = ops_with("eager")  # ("swiglu", "dwconv"): the ops that declare an eager path
 
 
 class MixBranch(NamedTuple):
     """One branch: its inner model, where its q, k, v start in qkv (``[q | k | v]``, ``heads * head_dim`` each),
-    RoPE on q and k, and whether its SwiGLU passes run in the C++ CPU kernel."""
+    RoPE on q and k, and whether its SwiGLU passes run in the C++ CPU kernel (``cpp``)."""
 
     kind: str
     offset: int
     heads: int
     head_dim: int
     rope: bool
-    cpu_kernel: bool = False
+    cpp: bool = False
 
 
 class MixPlan(NamedTuple):
@@ -77,8 +70,8 @@ def _heads(t: Tensor, heads: int) -> Tensor:
 
 def _to_map(t: Tensor, grid: tuple[int, int]) -> Tensor:
     """Tokens ``[B, N, C]`` (any strides) -> maps ``[B, C, h, w]``, views of one batch-folded channels-last map
-    (``DWConvInner.to_map``), so every depthwise stage below is one convolution call for the whole batch."""
-    return DWConvInner.to_map(t.unsqueeze(1), grid)
+    (``dwconv.eager.to_map``), so every depthwise stage below is one convolution call for the whole batch."""
+    return dwconv_eager.to_map(t.unsqueeze(1), grid)
 
 
 def _from_map(m: Tensor, dest: Tensor) -> None:
@@ -86,71 +79,19 @@ def _from_map(m: Tensor, dest: Tensor) -> None:
     dest.copy_(m.flatten(2).transpose(1, 2))
 
 
-def _taps(w: Tensor) -> Tensor:
-    """Depthwise weights ``[B|1, C, 3, 3]`` -> the kernel's taps ``[B|1, 9, C]``."""
-    return w.flatten(2).transpose(1, 2).contiguous()
-
-
-def _untaps(t: Tensor) -> Tensor:
-    """The kernel's taps ``[B, 9, C]`` -> depthwise weights ``[B, C, 3, 3]``."""
-    return t.transpose(1, 2).unflatten(-1, (3, 3))
-
-
-def _dwconv_kernel_forward(
-    q: Tensor, k: Tensor, v: Tensor, w: Tensor, dest: Tensor, plan: MixPlan, n: int, save: bool, dense: bool
-) -> list[Tensor]:
-    """The depthwise branch's step and read-out in the C++ kernel: q, k, v, dest ``[B, N, C]`` views; returns
-    what the backward needs (when ``save``: q, k, v ``[B, N, C]``, copies when ``dense``; G, its norms,
-    W' ``[B, C, 3, 3]``)."""
-    from vit3.kernels.swiglu_cpu import cpu_kernel_ops
-
-    ops, (gh, gw) = cpu_kernel_ops(q), plan.grid
-    g = q.new_empty(q.shape[0], 9, q.shape[2])
-    ops.dwconv_weight_grad(v, k, g, gh, gw)  # Σ_p v[p] k[p + δ]
-    g = _untaps(g).mul_(-plan.scale / n)
-    w_new, norm = step(g, w, plan.lr, plan.grad_norm, dims=(-2, -1))
-    ops.dwconv(q, _taps(w_new), dest, gh, gw)
-    if not save:
-        return []
-    if dense:  # as the SwiGLU branch does: views keep the whole qkv projection alive, which its views share
-        q, k, v = (t.contiguous() for t in (q, k, v))
-    return [q, k, v, g, norm, w_new]
-
-
-def _dwconv_kernel_backward(
-    d_out: Tensor, saved: tuple[Tensor, ...], dq: Tensor, dk: Tensor, dv: Tensor, plan: MixPlan, n: int
-) -> Tensor:
-    """Backward of ``_dwconv_kernel_forward``: writes dq, dk, dv ``[B, N, C]`` views, returns dW ``[B, C, 3, 3]``.
-
-    The input gradient of a 3x3 correlation is the correlation with the flipped taps (tap order reversed).
-    """
-    from vit3.kernels.swiglu_cpu import cpu_kernel_ops
-
-    q, k, v, g, norm, w_new = saved
-    ops, (gh, gw) = cpu_kernel_ops(q), plan.grid
-    d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
-    ops.dwconv(d_out, _taps(w_new).flip(1), dq, gh, gw)
-    dw_new = q.new_empty(q.shape[0], 9, q.shape[2])
-    ops.dwconv_weight_grad(d_out, q, dw_new, gh, gw)
-    dw_new = _untaps(dw_new)
-    dg = _taps(step_backward(dw_new, g, norm, plan.lr, plan.grad_norm, dims=(-2, -1))).mul_(-plan.scale / n)
-    ops.dwconv(v, dg.flip(1), dk, gh, gw)  # dk = dwconv_input_grad(E; dG), E = -c v
-    ops.dwconv(k, dg, dv, gh, gw)  # dv = -c dwconv(k; dG)
-    return dw_new
-
-
-class _FusedMix(torch.autograd.Function):
+class _EagerMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: Tensor, plan: MixPlan, save: bool, *weights: Tensor) -> Tensor:
         b, n, _ = qkv.shape
         widths = [br.heads * br.head_dim for br in plan.branches]
         out = qkv.new_empty(b, n, sum(widths))
         hyper = {"scale": plan.scale, "lr": plan.lr, "grad_norm": plan.grad_norm}
+        dw_hyper = {"lr": plan.lr, "grad_norm": plan.grad_norm}
         saved: list[Tensor] = []
         # Dense copies of every branch's q, k, v or none (the C++ kernel reads small problems in place, the tiled
         # path copies): saved views of qkv keep all of it alive, copies beside them would double it.
         dense = any(
-            not br.cpu_kernel or dense_inputs(_heads(qkv[..., br.offset : br.offset + width], br.heads))
+            not br.cpp or dense_inputs(_heads(qkv[..., br.offset : br.offset + width], br.heads))
             for br, width in zip(plan.branches, widths)
             if br.kind == "swiglu"
         )
@@ -174,23 +115,32 @@ class _FusedMix(torch.autograd.Function):
                     dest,
                     save=save,
                     recompute=plan.recompute,
-                    cpu_kernel=br.cpu_kernel,
-                    dense=dense if br.cpu_kernel else None,
+                    cpp=br.cpp,
+                    dense=dense if br.cpp else None,
                     **hyper,
                 )
                 kind = st.layout if st is not None else ""
                 saved += list(st[:-1]) if st is not None else []
-            elif br.cpu_kernel:
-                w, kind = weights[wi], "kernel"
-                saved += _dwconv_kernel_forward(q, k, v, w, dest, plan, n, save, dense)
+            elif br.cpp:
+                kind = "kernel"
+                saved += dwconv_cpp.ttt_forward(
+                    q,
+                    k,
+                    v,
+                    weights[wi],
+                    dest,
+                    grid=plan.grid,
+                    c=plan.scale / n,
+                    save=save,
+                    dense=dense,
+                    **dw_hyper,
+                )
             else:
-                w, kind = weights[wi], ""
-                c = plan.scale / n
-                qm, km, vm = (_to_map(t, plan.grid) for t in (q, k, v))
-                g = dwconv_backward(vm, km, None, need_input=False)[1].mul_(-c)  # [B, C, 3, 3]
-                w_new, norm = step(g, w, plan.lr, plan.grad_norm, dims=(-2, -1))
-                _from_map(DWConvInner.conv(qm, w_new), dest)
-                saved += [qm, km, vm, g, norm, w_new]
+                kind = ""
+                maps = (_to_map(t, plan.grid) for t in (q, k, v))
+                om, st = dwconv_eager.ttt_forward(*maps, weights[wi], c=plan.scale / n, **dw_hyper)
+                _from_map(om, dest)
+                saved += list(st)
             layout.append((start, len(saved) - start, kind))
             wi += 2 if br.kind == "swiglu" else 1
             col += width
@@ -232,25 +182,32 @@ class _FusedMix(torch.autograd.Function):
                 grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + 2])]
                 wi += 2
             elif kind == "kernel":
-                grads.append(
-                    weight_grad(_dwconv_kernel_backward(dout, mine, dq, dk, dv, plan, n), weight_shapes[wi])
+                dw = dwconv_cpp.ttt_backward(
+                    dout,
+                    mine,
+                    dq,
+                    dk,
+                    dv,
+                    grid=plan.grid,
+                    c=plan.scale / n,
+                    lr=plan.lr,
+                    grad_norm=plan.grad_norm,
                 )
+                grads.append(weight_grad(dw, weight_shapes[wi]))
                 wi += 1
             else:
-                c = plan.scale / n
-                qm, km, vm, g, norm, w_new = mine
-                dqm, dw_new = dwconv_backward(_to_map(dout, plan.grid), qm, w_new)
-                dg = step_backward(dw_new, g, norm, plan.lr, plan.grad_norm, dims=(-2, -1))
-                _from_map(dqm, dq)
-                _from_map(dwconv_backward(vm, km, dg, need_weight=False)[0].mul_(-c), dk)
-                _from_map(DWConvInner.conv(km, dg).mul_(-c), dv)
-                grads.append(weight_grad(dw_new, weight_shapes[wi]))
+                *maps, dw = dwconv_eager.ttt_backward(
+                    _to_map(dout, plan.grid), mine, c=plan.scale / n, lr=plan.lr, grad_norm=plan.grad_norm
+                )
+                for m, dest in zip(maps, (dq, dk, dv)):
+                    _from_map(m, dest)
+                grads.append(weight_grad(dw, weight_shapes[wi]))
                 wi += 1
             col += width
         return (dqkv, None, None, *grads)
 
 
-def fused_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
+def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     """All branches' inner loops and read-outs as one autograd node.
 
     Args:
@@ -268,8 +225,8 @@ def fused_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
         raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * widths}")
     if any(br.kind not in KINDS for br in plan.branches):
         raise ValueError(
-            f"fused_mix serves the inner models {KINDS}, got {[br.kind for br in plan.branches]}"
+            f"eager_mix serves the inner models {KINDS}, got {[br.kind for br in plan.branches]}"
         )
     # Saving for the backward only when autograd will call it (not under no_grad / inference).
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (qkv, *weights))
-    return _FusedMix.apply(qkv, plan, save, *weights)
+    return _EagerMix.apply(qkv, plan, save, *weights)

@@ -1,0 +1,222 @@
+"""The 3x3 depthwise-conv op (``vit3.kernels.dwconv``, the official ViT³ second branch): its reference against
+float64 finite differences, the official code's formulation and (through the mixer, ``test_mixer_official``)
+the official fixtures; every fast path — the eager closed form (``vit3.kernels.dwconv.eager``, as the mixer's
+eager backend runs it), the C++ path on token rows (``vit3.kernels.dwconv.cpp``, the cpu backend), the Triton kernels (``TRITON_INTERPRET=1`` on CPU), the generic inner loop — forward
+and every gradient (q, k, v, weight) against the reference; the eager path's layout contract; the C++
+depthwise ops themselves and ``ConvPosEnc`` on them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.common import count_calls, load_benchmark
+from helpers.ops import assert_matches_reference
+
+import vit3.kernels.swiglu.cpp as swiglu_cpu
+from vit3.kernels.dwconv.eager import dwconv_backward
+from vit3.kernels.dwconv.reference import dwconv, dwconv_ttt_ref
+from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
+
+H = 2
+
+
+def _inputs(b: int, grid: tuple[int, int], d: int, *, shared: bool = True, gain: float = 1.0):
+    """A float64 qkv tensor, q, k, v as its strided views ``[B, H, N, d]``, and initial kernels
+    ``[1|B, H*d, 3, 3]``."""
+    n = grid[0] * grid[1]
+    qkv = torch.randn(b, n, 3 * H * d, dtype=torch.float64, requires_grad=True)
+    q, k, v = (t.unflatten(-1, (H, d)).transpose(1, 2) for t in qkv.split(H * d, dim=-1))
+    w = (gain * torch.randn(1 if shared else b, H * d, 3, 3, dtype=torch.float64)).requires_grad_()
+    return qkv, q, k, v, w
+
+
+def _model(q):
+    return create_inner_model("dwconv", heads=q.shape[1], head_dim=q.shape[-1], cfg=TTTConfig())
+
+
+def _generic(q, k, v, w, grid, *, scale, lr, grad_norm):
+    params = inner_loop(_model(q), {"weight": w}, k, v, grid, scale=scale, lr=lr, grad_norm=grad_norm)
+    return _model(q).apply_to(params, q, grid)
+
+
+def _eager(q, k, v, w, grid, *, scale, lr, grad_norm):
+    """The registry's eager backend: the closed form of ``dwconv.eager`` in a one-branch eager node."""
+    cfg = TTTConfig(inner_lr=lr, grad_norm=grad_norm)
+    step = backends.Step("dwconv", _model(q), grid, scale, cfg)
+    return backends.BACKENDS["eager"].run(step, q, k, v, {"weight": w}, None)
+
+
+def _triton(q, k, v, w, grid, *, scale, lr, grad_norm):
+    from vit3.kernels import triton_ttt  # imports Triton
+
+    params = {"weight": w}
+    return triton_ttt(
+        "dwconv", q, k, v, params, grid=grid, scale=scale, lr=lr, grad_norm=grad_norm, backend="triton"
+    )
+
+
+def _cpp(q, k, v, w, grid, *, scale, lr, grad_norm):
+    """The registry's cpu backend: the same stages on token rows in the C++ kernel's depthwise ops."""
+    cfg = TTTConfig(inner_lr=lr, grad_norm=grad_norm)
+    step = backends.Step("dwconv", _model(q), grid, scale, cfg)
+    return backends.BACKENDS["cpu"].run(step, q, k, v, {"weight": w}, None)
+
+
+PATHS = {"eager": _eager, "cpp": _cpp, "triton": _triton, "generic": _generic}
+SETTINGS = {
+    "norm-lr1": {"scale": 1 / 3, "lr": 1.0, "grad_norm": True},
+    "no-norm-lr0.7": {"scale": 0.4, "lr": 0.7, "grad_norm": False},
+}
+
+
+# --------------------------------------------------------------------------------------------- the reference
+
+
+@pytest.mark.parametrize("grad_norm", [True, False], ids=["norm", "no-norm"])
+def test_reference_gradients_equal_finite_differences(grad_norm):
+    _, q, k, v, w = _inputs(2, (3, 4), 2)
+    inputs = tuple(t.detach().clone().requires_grad_() for t in (q, k, v, w))
+
+    def fn(*xs):
+        return dwconv_ttt_ref(*xs, (3, 4), scale=0.4, lr=0.8, grad_norm=grad_norm)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8)
+
+
+def test_reference_model_is_a_zero_padded_depthwise_conv():
+    """The reference's inner model equals ``F.conv2d`` with groups = channels, sample by sample."""
+    b, grid, d = 2, (5, 7), 3
+    x = torch.randn(b, H, grid[0] * grid[1], d, dtype=torch.float64)
+    w = torch.randn(b, H * d, 3, 3, dtype=torch.float64)
+    maps = x.permute(0, 1, 3, 2).reshape(b, H * d, *grid)
+    conv = torch.stack(
+        [
+            torch.nn.functional.conv2d(m[None], wb[:, None], padding=1, groups=H * d)[0]
+            for m, wb in zip(maps, w)
+        ]
+    )
+    torch.testing.assert_close(
+        dwconv(x, w, grid), conv.reshape(b, H, d, -1).transpose(-2, -1), rtol=0, atol=1e-14
+    )
+
+
+def test_official_formulation_equals_the_reference_every_gradient():
+    """The benchmarks' transcription of the official eager code (nine shifted slices, ``conv2d`` read-out) on
+    maps ``[B, C, h, w]`` computes the reference's numbers: forward and every gradient, float64."""
+    grid, d = (6, 8), 4
+    qkv, q, k, v, w = _inputs(2, grid, d)
+    official = load_benchmark("official_baseline").official_dwconv_branch
+
+    def maps(t):  # [B, G, N, c] -> [B, G*c, h, w]
+        return t.transpose(-2, -1).reshape(t.shape[0], -1, *grid)
+
+    out = official(maps(q), maps(k), maps(v), w.reshape(-1, 1, 3, 3))  # [B, C, h, w]
+    ref = dwconv_ttt_ref(q, k, v, w, grid, scale=9**-0.5, lr=1.0, grad_norm=True)
+    torch.testing.assert_close(out, maps(ref), rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad((out * dout).sum(), [qkv, w])
+    want = torch.autograd.grad((maps(ref) * dout).sum(), [qkv, w])
+    for name, g, g_ref in zip(["qkv", "weight"], got, want):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12, msg=f"gradient of {name}")
+
+
+# ------------------------------------------------------------------------------- every fast path vs reference
+
+GRIDS = {"5x7": (5, 7), "1x35": (1, 35), "6x1": (6, 1)}
+CASES = [
+    pytest.param(
+        path, setting, grid, shared, id=f"{path}-{setting}-{grid}-{'shared' if shared else 'per-sample'}-w"
+    )
+    for path in PATHS
+    for setting in SETTINGS
+    for grid in GRIDS
+    for shared in (True, False)
+    if shared or path == "generic"  # the eager, C++ and Triton paths take the mixer's shared initial weights
+]
+
+
+@pytest.mark.parametrize(("path", "setting", "grid", "shared"), CASES)
+def test_fast_path_output_and_every_gradient_match_reference(path, setting, grid, shared):
+    """float64, q, k, v strided views of one qkv tensor; gradients of q, k, v and the kernels."""
+    grid = GRIDS[grid]
+    qkv, q, k, v, w = _inputs(2, grid, 16, shared=shared)
+    hyper = SETTINGS[setting]
+    out = PATHS[path](q, k, v, w, grid, **hyper)
+    assert_matches_reference(out, dwconv_ttt_ref(q, k, v, w, grid, **hyper), qkv, {"weight": w})
+
+
+# ---------------------------------------------------------------------------------------------- the eager path
+
+
+def test_one_sample_depthwise_backward_stays_channels_last_and_matches_nchw():
+    """A one-sample map keeps its layout: reshaping it would lose channels-last (and cost two NCHW copies)."""
+    c, (h, w) = 6, (5, 7)
+    grad_out, x = (torch.randn(1, c, h, w, dtype=torch.float64) for _ in range(2))
+    weight = torch.randn(1, c, 3, 3, dtype=torch.float64)
+    cl = [t.contiguous(memory_format=torch.channels_last) for t in (grad_out, x)]
+    gx, gw = dwconv_backward(*cl, weight)
+    assert gx.is_contiguous(memory_format=torch.channels_last)
+    gx_ref, gw_ref = dwconv_backward(grad_out, x, weight)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------- the C++ path's depthwise ops
+
+
+@pytest.mark.parametrize("grid", [(5, 7), (1, 6), (4, 1)], ids=["5x7", "one-row", "one-column"])
+@pytest.mark.parametrize("channels", [8, 12], ids=["whole-vectors", "vector-tail"])
+def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
+    """``dwconv`` (per-sample or shared taps) and ``dwconv_weight_grad`` against float64 ``F.conv2d`` and its
+    weight gradient, reading and writing [B, N, C] views strided across a wider tensor."""
+    ops, _ = swiglu_cpu.load()
+    b, (h, w), c = 3, grid, channels
+    wide = torch.randn(b, h * w, 3 * c, dtype=torch.float64)
+    x, g = wide[..., :c], wide[..., c : 2 * c]  # [B, N, C] views with row stride 3C
+
+    def maps(t):  # [B, N, C] -> [B, C, h, w]
+        return t.transpose(1, 2).unflatten(-1, (h, w))
+
+    for shared in (False, True):
+        weight = torch.randn(1 if shared else b, c, 3, 3, dtype=torch.float64)
+        taps = weight.flatten(2).transpose(1, 2).contiguous()  # [B|1, 9, C]
+        dest = torch.zeros(b, h * w, 2 * c, dtype=torch.float64)[..., :c]
+        ops.dwconv(x, taps, dest, h, w)
+        want = torch.cat(
+            [
+                F.conv2d(maps(x)[i : i + 1], weight[0 if shared else i, :, None], padding=1, groups=c)
+                for i in range(b)
+            ]
+        )
+        torch.testing.assert_close(maps(dest), want, rtol=1e-12, atol=1e-12)
+    xs = maps(x).clone().requires_grad_()
+    per_sample = torch.zeros(b, c, 3, 3, dtype=torch.float64, requires_grad=True)
+    out = torch.cat([F.conv2d(xs[i : i + 1], per_sample[i, :, None], padding=1, groups=c) for i in range(b)])
+    (want,) = torch.autograd.grad(out, per_sample, maps(g))
+    got = torch.empty(b, 9, c, dtype=torch.float64)
+    ops.dwconv_weight_grad(g, x, got, h, w)
+    torch.testing.assert_close(got.transpose(1, 2).unflatten(-1, (3, 3)), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="does not fit N"):
+        ops.dwconv(x, taps, dest, h + 1, w)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_conv_pos_enc_on_the_kernel_matches_onednn_every_gradient(monkeypatch, batch):
+    """ConvPosEnc (x + dwconv(x) + bias, shared weights) takes the kernel's depthwise op on CPU float64 and
+    gives the oneDNN convolution's output and gradients; VIT3_TTT_BACKEND=generic keeps oneDNN."""
+    from vit3.layers.blocks import ConvPosEnc, _ConvPosEncKernel
+
+    kernel = count_calls(monkeypatch, _ConvPosEncKernel, "apply")
+    torch.manual_seed(2)
+    cpe = ConvPosEnc(12).double()
+    x = torch.randn(batch, 5, 7, 12, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(batch, 5, 7, 12, dtype=torch.float64)
+    leaves = [x, cpe.weight, cpe.bias]
+    got = [out := cpe(x), *torch.autograd.grad((out * dout).sum(), leaves)]
+    assert kernel["n"] == 1
+    monkeypatch.setenv("VIT3_TTT_BACKEND", "generic")
+    want = [ref := cpe(x), *torch.autograd.grad((ref * dout).sum(), leaves)]
+    assert kernel["n"] == 1
+    for name, a, b in zip(["out", "x", "weight", "bias"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)

@@ -1,0 +1,334 @@
+"""The plumbing the training engines share (classification, dense, generation): one of each.
+
+* process set-up: :func:`set_threads`, :func:`seed_process` (per-rank seeds, deterministic algorithms);
+* AMP: :func:`amp_dtype` resolves ``train.amp`` (``auto``: bf16 on a CUDA device that supports it, else
+  float32) and :func:`autocast` enters it;
+* lr scaling lives in :func:`vit3.engine.optim.scaled_lrs` (every engine calls it);
+* DDP: :func:`wrap_ddp`, and :func:`check_ranks_agree`, which compares the SHA-1 of every rank's weights at
+  the end of a run;
+* checkpoints and exact resume: :func:`resume_path`, :func:`check_resume` (data-stream settings a resume
+  would change), :func:`check_resume_task`, :func:`save_state` (collective: every rank's RNG state is
+  gathered into the checkpoint), :func:`restore_rng`, :class:`Progress` (epoch, batch inside it, optimizer
+  step) and :func:`optimizer_step` (scheduler, clipping, scaler, EMA). A run killed at any point and resumed
+  from its last checkpoint ends with the weights of an uninterrupted run, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from .checkpoint import get_rng_state, load_model_weights, resume_differences, save_checkpoint, set_rng_state
+from .config import Config, ConfigError
+from .distributed import DistInfo, all_gather_objects, barrier, distributed
+
+AMP_MODES = ("auto", "none", "bf16", "fp16")
+
+__all__ = [
+    "AMP_MODES",
+    "Progress",
+    "TrainRun",
+    "amp_dtype",
+    "autocast",
+    "check_ranks_agree",
+    "check_resume",
+    "check_resume_task",
+    "checkpoint_task",
+    "in_process_group",
+    "log",
+    "log_row",
+    "optimizer_step",
+    "param_digest",
+    "restore_rng",
+    "resume_path",
+    "run_epochs",
+    "run_summary",
+    "save_state",
+    "seed_process",
+    "set_threads",
+    "wrap_ddp",
+]
+
+
+def log(info: DistInfo, msg: str) -> None:
+    """Prints ``msg`` on rank 0 (through tqdm, so that progress bars stay intact)."""
+    if info.is_main:
+        tqdm.write(msg, file=sys.stdout)
+
+
+def log_row(info: DistInfo, row: dict[str, Any]) -> None:
+    """Logs a metrics row as ``key value`` pairs (floats to 4 significant digits)."""
+    log(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+
+
+def in_process_group(cfg: Config, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(cfg, *args, info)`` inside the run's process group (``torchrun``; one process otherwise)."""
+    with distributed(cfg.device, cfg.dist.backend) as info:
+        return fn(cfg, *args, info)
+
+
+def set_threads(cfg: Config) -> None:
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+
+
+def seed_process(cfg: Config, info: DistInfo) -> None:
+    """Seeds python, numpy and torch with ``seed + rank``; ``deterministic`` selects deterministic kernels."""
+    torch.manual_seed(cfg.seed + info.rank)
+    random.seed(cfg.seed + info.rank)
+    np.random.seed(cfg.seed + info.rank)  # noqa: NPY002  (timm Mixup draws on the global numpy RNG)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = not cfg.deterministic
+
+
+def amp_dtype(mode: str, device: torch.device, key: str = "train.amp") -> torch.dtype | None:
+    """The autocast dtype of an AMP setting (``None``: float32).
+
+    ``auto`` is bf16 on a CUDA device that supports it and float32 elsewhere; ``fp16`` goes with a GradScaler.
+
+    Raises:
+        ConfigError: ``mode`` is not one of :data:`AMP_MODES` (the message names ``key``).
+    """
+    if mode not in AMP_MODES:
+        raise ConfigError(f"{key} must be one of {', '.join(AMP_MODES)}, got '{mode}'")
+    if mode == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` in ``dtype``, or a no-op for float32 (``dtype=None``)."""
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def wrap_ddp(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
+    """``model`` in DistributedDataParallel when the run has several processes, else ``model`` itself."""
+    if not info.distributed:
+        return model
+    dev_ids = [info.device.index] if info.device.type == "cuda" else None
+    return DistributedDataParallel(
+        model, device_ids=dev_ids, find_unused_parameters=cfg.dist.find_unused_parameters
+    )
+
+
+def param_digest(model: nn.Module) -> str:
+    """SHA-1 of all parameters, sorted by name (not buffers: DDP broadcasts rank 0's BatchNorm statistics at
+    each forward, so after the last step the other ranks' running statistics legitimately differ)."""
+    h = hashlib.sha1()
+    for _, p in sorted(model.named_parameters()):
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_ranks_agree(model: nn.Module) -> list[str]:
+    """Every rank's :func:`param_digest` (collective), in rank order.
+
+    Raises:
+        RuntimeError: the ranks' weights differ (naming the ranks that differ from rank 0).
+    """
+    digests = all_gather_objects(param_digest(model))
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise RuntimeError(f"DDP ranks {differ} disagree with rank 0 on the final weights: {digests}")
+    return digests
+
+
+# ------------------------------------------------------------------------------------- checkpoint / resume
+@dataclass
+class Progress:
+    """Where a run stands: what a checkpoint stores and a resume restores (engines extend it)."""
+
+    epoch: int = 0  # the epoch to run (0-based)
+    batch_in_epoch: int = 0  # batches of that epoch already done
+    global_step: int = 0  # optimizer updates done
+
+    def counters(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "global_step": self.global_step}
+
+    def restore(self, ckpt: Mapping[str, Any]) -> None:
+        """Restores the counters of ``ckpt``."""
+        self.epoch, self.batch_in_epoch = int(ckpt["epoch"]), int(ckpt["batch_in_epoch"])
+        self.global_step = int(ckpt["global_step"])
+
+    def roll_over(self, batches_per_epoch: int) -> None:
+        """Moves to the start of the next epoch when this one's batches are all done."""
+        if self.batch_in_epoch >= batches_per_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+
+
+@dataclass
+class TrainRun:
+    """What every epoch-based training run holds (engines extend it with their data and task state)."""
+
+    cfg: Config
+    info: DistInfo
+    model: nn.Module  # unwrapped
+    net: nn.Module  # DDP-wrapped or the model itself
+    ema: Any  # timm ModelEmaV3 or None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None
+
+    def training_state(self) -> dict[str, Any]:
+        """The weights (model, EMA) and the optimizer, scheduler and scaler states, for a checkpoint."""
+        return {
+            "model": self.model.state_dict(),
+            "ema": self.ema.module.state_dict() if self.ema is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_training_state(self, ckpt: Mapping[str, Any], source: str, scheduler: bool = True) -> None:
+        """Restores :meth:`training_state` from ``ckpt`` (the scheduler's only with ``scheduler``).
+
+        Raises:
+            ConfigError: the run has an EMA and ``ckpt`` holds none.
+            CheckpointMismatchError: the weights are another model's.
+        """
+        load_model_weights(self.model, ckpt, source=source)
+        if self.ema is not None:
+            if ckpt.get("ema") is None:
+                raise ConfigError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
+            self.ema.module.load_state_dict(ckpt["ema"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        if scheduler:
+            self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+
+
+def resume_path(cfg: Config, out: Path) -> str:
+    """The checkpoint ``train.resume`` names (``auto``: ``<output>/last.pt`` if it exists), or ""."""
+    resume = cfg.train.resume or ""
+    if resume == "auto":
+        return str(out / "last.pt") if (out / "last.pt").is_file() else ""
+    return str(resume)
+
+
+def checkpoint_task(ckpt: Mapping[str, Any]) -> str:
+    """The task of a vit3 checkpoint (classification checkpoints predate the ``task`` field)."""
+    return str(ckpt.get("task", "classification"))
+
+
+def check_resume_task(ckpt: Mapping[str, Any], task: str, source: str) -> None:
+    """Raises :class:`ConfigError` when ``ckpt`` was written by another task than ``task``."""
+    if checkpoint_task(ckpt) != task:
+        raise ConfigError(
+            f"cannot resume a {task} run from {source}: it is a {checkpoint_task(ckpt)} checkpoint"
+        )
+
+
+def check_resume(cfg: Config, ckpt: Mapping[str, Any], world: int, source: str) -> list[str]:
+    """The data-stream settings a resume changes; refused unless ``train.force_resume``.
+
+    Raises:
+        ConfigError: a setting of :data:`~vit3.engine.checkpoint.DATA_STREAM_KEYS` or the number of
+            processes differs from the run that wrote ``source``.
+    """
+    changed = resume_differences(ckpt["config"], cfg)
+    if int(ckpt.get("world_size", world)) != world:
+        changed.append(f"world size (processes): was {ckpt.get('world_size')}, now {world}")
+    if changed and not cfg.train.force_resume:
+        raise ConfigError(
+            f"cannot resume exactly from {source}: settings that decide the data stream changed ("
+            + "; ".join(changed)
+            + "), so the run would continue at other samples than it stopped at. Set them back, or force "
+            "the resume with train.force_resume=true (it continues after the samples already seen)."
+        )
+    return changed
+
+
+def save_state(
+    make_state: Callable[[], dict[str, Any]], path: Path, info: DistInfo, copies: Iterable[Path] = ()
+) -> Path:
+    """Writes ``make_state()`` plus every rank's RNG state (``"rng"``, one per rank) to ``path`` (and to
+    each of ``copies``, e.g. ``best.pt``) on rank 0.
+
+    Collective: every rank must call it at the same point of the run (``copies`` matters on rank 0 only).
+    """
+    rng = all_gather_objects(get_rng_state())
+    if info.is_main:
+        state = {**make_state(), "rng": rng, "world_size": info.world}
+        for target in (path, *copies):
+            save_checkpoint(target, state)
+    barrier()
+    return path
+
+
+def restore_rng(ckpt: Mapping[str, Any], info: DistInfo) -> None:
+    """Restores this rank's RNG states of ``ckpt`` (rank r of a run with another process count: r mod n)."""
+    rng = ckpt["rng"]
+    if len(rng) != info.world:
+        log(info, f"warning: checkpoint from {len(rng)} process(es), now {info.world}: RNG streams differ")
+    set_rng_state(rng[info.rank % len(rng)])
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    clip_grad: float | None,
+    scheduler: Any = None,
+    step: int = 0,
+    ema: Any = None,
+    check_norm: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """One update of accumulated gradients: the scheduler's lr for ``step``, gradient clipping (unscaled;
+    ``check_norm`` sees the norm before the step), the (scaled) optimizer step, zeroed gradients, the EMA."""
+    if scheduler is not None:
+        scheduler.step_update(step)  # lr of this update
+    if clip_grad:
+        scaler.unscale_(optimizer)
+        norm = nn.utils.clip_grad_norm_(model.parameters(), float(clip_grad))
+        if check_norm is not None:
+            check_norm(norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if ema is not None:
+        ema.update(model)
+
+
+def run_epochs(
+    run: TrainRun,
+    progress: Progress,
+    batches_per_epoch: int,
+    train_epoch: Callable[[], None],
+    finish_epoch: Callable[[float, int], Any],
+) -> None:
+    """Runs the epochs left (``train.epochs``): ``train_epoch()`` from the batch ``progress`` stands at, then
+    ``finish_epoch(seconds, images)`` with the epoch's time and the images it trained on (all ranks)."""
+    cfg = run.cfg
+    while progress.epoch < cfg.train.epochs:
+        tick, batch0 = time.perf_counter(), progress.batch_in_epoch
+        train_epoch()
+        images = (batches_per_epoch - batch0) * int(cfg.data.batch_size) * run.info.world
+        finish_epoch(time.perf_counter() - tick, images)
+
+
+def run_summary(run: TrainRun, out: Path, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary fields every engine reports (collective: the ranks' weights are compared first)."""
+    digests = check_ranks_agree(run.model)
+    return {
+        "output": str(out),
+        "last": str(out / "last.pt"),
+        "final": history[-1] if history else {},
+        "world_size": run.info.world,
+        "rank_weights_sha1": digests,  # compared by check_ranks_agree: one per rank, all equal
+        "weights_sha1": digests[0],
+    }

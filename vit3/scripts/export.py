@@ -1,0 +1,104 @@
+"""Export multi-scale backbone features (safetensors + manifest) or the feature extractor (ONNX).
+
+    python export.py features --checkpoint output/finetune/best.pt --images photos/ --out feats/
+    python export.py onnx --checkpoint output/finetune/best.pt --out features.onnx
+    python export.py features --model h_vit3_tiny --checkpoint h_vittt_t.pth --images photos/ --out feats/
+
+A vit3 checkpoint carries its model (name, kwargs, input channels) and preprocessing, so ``--model`` is only
+needed for official files (or to override, with a warning). ``features`` writes ``<out>/<image>.safetensors``
+({name: [C, h, w]}; images in subfolders keep their subfolder) and ``<out>/manifest.json`` (model, preprocessing, feature names, channels, strides,
+shapes). ``onnx`` writes a graph taking images in [0, 1] ``[B, C_in, H, W]`` (normalisation included) with a
+dynamic batch (and size where the model allows), checks it against PyTorch with onnxruntime and prints the
+largest difference. A mistake in the input ends with one ``error:`` line and exit code 2 (``--debug``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import vit3  # noqa: F401  (registers the vit3 models in timm)
+from vit3.engine.cli import add_debug_flag, run_cli
+from vit3.export import FeatureExtractor, check_onnx, export_features, export_onnx
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _export(args: argparse.Namespace) -> int:
+    extractor = FeatureExtractor(args.model, args.checkpoint, args.pretrained, args.out_indices, args.ema)
+    if args.command == "features":
+        manifest = export_features(
+            extractor,
+            args.images,
+            args.out,
+            args.img_size,
+            args.crop_pct,
+            args.batch_size,
+            DTYPES[args.dtype],
+            args.device,
+        )
+        print(f"wrote {manifest}")
+        return 0
+    size = args.img_size or extractor.preprocessing["input_size"][-1]
+    info = export_onnx(
+        extractor,
+        args.out,
+        size,
+        dynamic_size=not args.static_size,
+        opset=args.opset,
+        exporter=args.exporter,
+        optimize=args.optimize,
+    )
+    if not args.no_check:
+        # A batch of 1 at the export size, and a batch of 3 at another size when the size is dynamic.
+        h2, w2 = (size, size) if args.static_size else (size + 32, size + 64)
+        c = extractor.in_chans
+        inputs = [torch.rand(1, c, size, size), torch.rand(3, c, h2, w2)]
+        info["max_abs_err"] = check_onnx(args.out, extractor, inputs)
+    print(json.dumps(info, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--model", default=None, help="timm model name, e.g. h_vit3_tiny (default: the vit3 checkpoint's)"
+    )
+    common.add_argument("--checkpoint", default=None, help="vit3 checkpoint or official weights file")
+    common.add_argument("--ema", action="store_true", help="the EMA weights of a vit3 checkpoint")
+    common.add_argument("--pretrained", action="store_true", help="timm pretrained weights instead")
+    common.add_argument(
+        "--out-indices", type=int, nargs="+", default=None, help="timm features_only out_indices"
+    )
+    common.add_argument(
+        "--img-size", type=int, default=None, help="square input size (default: the checkpoint's / model's)"
+    )
+    add_debug_flag(common)
+    f = sub.add_parser("features", parents=[common], help="features of a folder of images -> safetensors")
+    f.add_argument("--images", required=True, help="folder of images (subfolders included)")
+    f.add_argument("--out", required=True, help="output folder")
+    f.add_argument("--crop-pct", type=float, default=None, help="timm crop fraction (1.0: no crop margin)")
+    f.add_argument("--batch-size", type=int, default=8)
+    f.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    f.add_argument("--device", default="cpu")
+    o = sub.add_parser("onnx", parents=[common], help="multi-scale feature extractor -> ONNX")
+    o.add_argument("--out", required=True, help="output .onnx file")
+    o.add_argument("--exporter", choices=("auto", "dynamo", "torchscript"), default="auto")
+    o.add_argument("--opset", type=int, default=18)
+    o.add_argument("--static-size", action="store_true", help="fix the image size (dynamic batch only)")
+    o.add_argument(
+        "--optimize", action="store_true", help="run the ONNX graph optimiser (slow for large graphs)"
+    )
+    o.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
+    return run_cli(parser, _export, argv, intermixed=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
