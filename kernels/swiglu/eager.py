@@ -428,14 +428,10 @@ def _kernel_backward(
 
 class _SwiGLUTTT(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool, save: bool, recompute, cpp
-    ):
+    def forward(ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool, save: bool, recompute, cpp):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         hyper = {"scale": scale, "lr": lr, "grad_norm": grad_norm}
-        saved = swiglu_forward(
-            q, k, v, w1, w2, out, save=save, recompute=recompute, cpp=cpp, **hyper
-        )
+        saved = swiglu_forward(q, k, v, w1, w2, out, save=save, recompute=recompute, cpp=cpp, **hyper)
         if saved is not None:  # through save_for_backward, so saved-tensor hooks (checkpointing) see them
             ctx.save_for_backward(*saved[:-1])
             ctx.layout = saved.layout
