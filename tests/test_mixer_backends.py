@@ -134,7 +134,7 @@ def test_explain_without_triton_names_the_import_error_and_keeps_the_cpp_kernel(
     assert _backends(expl) == ["generic", "generic"]
     assert "ImportError: no triton" in _reason(expl, 0, "triton")
     cpu = _mixer().explain(_tokens(BIG_GRID), BIG_GRID)  # the C++ kernel needs no Triton
-    assert _backends(cpu) == ["cpu", "eager"] and "ImportError: no triton" in _reason(cpu, 0, "triton")
+    assert _backends(cpu) == ["cpu", "cpu"] and "ImportError: no triton" in _reason(cpu, 0, "triton")
 
 
 VARIANTS = {
@@ -548,6 +548,6 @@ def test_backends_implement_exactly_the_ops_that_declare_their_path():
     from vit3.layers.eager_mix import KINDS
 
     assert reg.BACKENDS["triton"].models == kernels.ops_with("triton") == tuple(triton_op.TRITON_LOSSES)
-    assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpp") == ("swiglu",)
+    assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpp") == ("swiglu", "dwconv")
     assert reg.BACKENDS["eager"].models == kernels.ops_with("eager") == KINDS == ("swiglu", "dwconv")
     assert reg.BACKENDS["generic"].models is None
