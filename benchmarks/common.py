@@ -122,10 +122,10 @@ def memory_bandwidth(device: torch.device, numel: int = 1 << 25) -> float:
 
 
 def write_csv(rows: Sequence[dict], path: Path) -> None:
-    """Writes dict rows (keys of the first row as header)."""
+    """Writes dict rows (every key as a column, in first-seen order; blank where a row lacks one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)
 

@@ -141,7 +141,11 @@ def run(args: argparse.Namespace) -> list[dict]:
             row[f"mixer_{tag}_ms"] = 1e3 * t[f"mixer/{tag}"]
             sdpa = t.get(f"sdpa/{tag}", float("nan"))
             row[f"sdpa_{tag}_ms"] = 1e3 * sdpa
-            row[f"sdpa_over_mixer_{tag}"] = sdpa / t[f"mixer/{tag}"]
+            row[f"sdpa_over_mixer_{tag}"] = (  # the mixer's speed-up over SDPA attention, paired per round
+                paired_ratio(samples[f"sdpa/{tag}"], samples[f"mixer/{tag}"])
+                if f"sdpa/{tag}" in samples
+                else sdpa
+            )
         for name in ("ours", "official"):
             row[f"inner_{name}_fwd+bwd_peak_mib"] = peak_memory(fns[f"{name}/fwd+bwd"], device)
         row["inner_us_per_token_fwd+bwd"] = 1e6 * t["ours/fwd+bwd"] / (b * n)

@@ -5,7 +5,12 @@ For each (model, resolution, mode) it measures images/s and peak memory side by 
 (gradients of every parameter; no optimizer step). ``--amp bf16`` runs both under ``torch.autocast`` (the
 default on CUDA). Peak memory is ``torch.cuda.max_memory_allocated`` on a GPU and the process's peak
 resident set growth on CPU (Linux ``/proc/self/clear_refs`` resets the high-water mark before each
-measurement). The roofline column is the achieved GFLOP/s of the forward (fvcore FLOPs) against the
+measurement; it includes what the allocator keeps), and beside it on CPU ``peak_tensor_mib``, the peak of the
+tensor storage alive during the call as the PyTorch profiler records it (allocator-independent,
+deterministic: ``common.peak_tensor_memory``). Each row's ``*_vs_base`` columns compare it with the last
+model of its group at the same resolution and mode: ``speed_vs_base`` is the paired median over rounds of
+base time / model time, the memory ones are plain ratios. ``recompute`` records ``$VIT3_TTT_RECOMPUTE``
+(what vit3's mixers save for the backward, ``TTTConfig.recompute``). The roofline column is the achieved GFLOP/s of the forward (fvcore FLOPs) against the
 measured matmul roof of the device. A group ``a:b:c`` times its models side by side; the ratios printed
 compare each to the last (the baseline).
 
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -34,10 +41,12 @@ from benchmarks.common import (
     add_runtime_args,
     apply_runtime,
     matmul_peak_flops,
+    paired_ratio,
     peak_memory,
+    peak_tensor_memory,
     plot_loglog,
     print_table,
-    time_interleaved,
+    time_samples,
     write_csv,
 )
 
@@ -114,7 +123,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                 if not args.no_train:
                     fns[f"{n}/train"] = lambda m=m: train(m)
             fns = {key: fn for key, fn in fns.items() if fits_memory(key, fn, res, device)}
-            times = time_interleaved(fns, device, repeats=args.repeats)
+            samples = time_samples(fns, device, repeats=args.repeats)
+            times = {key: statistics.median(ts) for key, ts in samples.items()}
+            group = []
             for n, m in models.items():
                 flops = fvcore_flops(m, x[:1]) * batch if args.flops else float("nan")
                 for mode in ("infer", "train"):
@@ -122,22 +133,40 @@ def run(args: argparse.Namespace) -> list[dict]:
                     if key not in times:
                         continue
                     mem = peak_memory(lambda key=key: fns[key](), device)
-                    rows.append(
+                    tensor_mem = (
+                        peak_tensor_memory(lambda key=key: fns[key](), device)
+                        if device.type == "cpu"
+                        else float("nan")
+                    )
+                    group.append(
                         {
                             "model": n,
                             "res": res,
                             "batch": batch,
                             "amp": args.amp,
                             "mode": mode,
+                            "recompute": os.environ.get("VIT3_TTT_RECOMPUTE", "auto"),
                             "img_per_s": batch / times[key],
                             "ms": 1e3 * times[key],
                             "peak_mib": mem,
+                            "peak_tensor_mib": tensor_mem,
                             "gflops_per_img": flops / batch / 1e9,
                             "roofline_pct": 100 * flops / times[key] / roof
                             if mode == "infer"
                             else float("nan"),
                         }
                     )
+            base = names[-1]
+            for row in group:
+                ref = next((r for r in group if r["model"] == base and r["mode"] == row["mode"]), None)
+                if ref is None:
+                    continue
+                row["speed_vs_base"] = paired_ratio(
+                    samples[f"{base}/{row['mode']}"], samples[f"{row['model']}/{row['mode']}"]
+                )
+                row["peak_vs_base"] = row["peak_mib"] / max(ref["peak_mib"], 1e-9)
+                row["tensor_peak_vs_base"] = row["peak_tensor_mib"] / max(ref["peak_tensor_mib"], 1e-9)
+            rows += group
             print(f"{pair} @ {res} done", flush=True)
             write_csv(rows, args.out)  # so far: a run cut short keeps what it measured
     return rows
@@ -174,10 +203,11 @@ def main() -> None:
             for a in models:
                 for res in args.res:
                     if (a, res) in by and (base, res) in by:
-                        ra, rb = by[(a, res)], by[(base, res)]
+                        ra = by[(a, res)]
                         print(
-                            f"{mode} {res}px: {a} {ra['img_per_s'] / rb['img_per_s']:.2f}x the img/s of {base}, "
-                            f"{ra['peak_mib'] / max(rb['peak_mib'], 1e-9):.2f}x its peak memory"
+                            f"{mode} {res}px: {a} {ra.get('speed_vs_base', float('nan')):.2f}x the speed of "
+                            f"{base} (paired), {ra.get('peak_vs_base', float('nan')):.2f}x its peak RSS, "
+                            f"{ra.get('tensor_peak_vs_base', float('nan')):.2f}x its peak tensor memory"
                         )
     write_csv(rows, args.out)
     for metric, label in (("ms", "ms per batch"), ("peak_mib", "peak MiB")):

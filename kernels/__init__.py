@@ -3,7 +3,8 @@
 Each op — ``swiglu`` (the official inner model), ``linear`` (non-causal linear attention), ``dwconv`` (the
 official 3x3 depthwise-conv branch) — has one pure-PyTorch ``reference`` (the definition every fast path is
 tested against) and beside it its fast paths: ``swiglu.eager`` (tiled PyTorch, hand-written backward),
-``swiglu.cpp`` (the C++ CPU kernel of its passes), ``dwconv.eager`` (the closed form in native convolution
+``swiglu.cpp`` (the C++ CPU kernel of its passes, and the 3x3 depthwise op on token rows that the
+``dwconv`` op's C++ path and ``ConvPosEnc`` use), ``dwconv.eager`` (the closed form in native convolution
 calls). The Triton kernels of all three are shared: ``triton_op`` (custom ops, autograd, launch set-up) over
 ``triton_kernels``. ``common`` holds what all ops share (the gradient normalisation, the step, the reference
 step). Each op declares its fast paths (``<op>.PATHS``); the mixer's backend registry

@@ -64,6 +64,9 @@ def test_models_benchmark_compares_vit3_with_deit(tmp_path):
         (m, mode) for m in ("test_vit3_ttt", "deit_tiny_patch16_224") for mode in ("infer", "train")
     }
     assert all(float(r["img_per_s"]) > 0 and float(r["gflops_per_img"]) > 0 for r in rows)
+    # the targets' columns: ratios against the group's last model, which is 1 against itself
+    assert all(float(r["peak_tensor_mib"]) > 0 and float(r["speed_vs_base"]) > 0 for r in rows)
+    assert all(float(r["tensor_peak_vs_base"]) == 1.0 for r in rows if r["model"] == "deit_tiny_patch16_224")
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios():

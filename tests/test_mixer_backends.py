@@ -29,7 +29,7 @@ from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends.__main__ import main as cli_main
 
-GRID = (5, 7)  # 35 tokens: below the CPU kernel's 100
+GRID = (4, 6)  # 24 tokens: below the CPU kernel's 32
 BIG_GRID = (10, 12)  # 120 tokens
 CPU = torch.device("cpu")
 interpreter_only = pytest.mark.skipif(
@@ -92,16 +92,16 @@ def _tokens(grid, dim=32, b=2, dtype=torch.float64):
 # ------------------------------------------------------------------------------------------------ explain
 
 
-def test_explain_default_cpu_config_cpu_kernel_from_100_tokens():
+def test_explain_default_cpu_config_cpu_kernel_from_32_tokens():
     mixer = _mixer(dtype=torch.float32)
     big = mixer.explain(_tokens(BIG_GRID, dtype=torch.float32), BIG_GRID)
-    assert _backends(big) == ["cpu", "eager"] and big.fused
+    assert _backends(big) == ["cpu", "cpu"] and big.fused
     assert "ranks higher on cpu" in _reason(big, 0, "eager")
-    assert "no 'dwconv' in the C++ CPU kernel" in _reason(big, 1, "cpu")
+    assert "'cpu' ranks higher on cpu" in _reason(big, 1, "eager")  # the depthwise branch too
     assert "unless named" in _reason(big, 0, "triton")  # the interpreter serves only when named
     small = mixer.explain(_tokens(GRID, dtype=torch.float32), GRID)
-    assert _backends(small) == ["eager", "eager"] and small.fused
-    assert "fewer than 100 tokens per head" in _reason(small, 0, "cpu")
+    assert _backends(small) == ["eager", "cpu"] and small.fused  # the token rule is SwiGLU's only
+    assert "fewer than 32 tokens per head" in _reason(small, 0, "cpu")
     text = str(big)
     assert "one fused eager node" in text and "0 swiglu x2 d=16" in text and "cpu" in text
     assert json.loads(json.dumps(big.to_dict()))["branches"][0]["backend"] == "cpu"
@@ -134,7 +134,7 @@ def test_explain_without_triton_names_the_import_error_and_keeps_the_cpp_kernel(
     assert _backends(expl) == ["generic", "generic"]
     assert "ImportError: no triton" in _reason(expl, 0, "triton")
     cpu = _mixer().explain(_tokens(BIG_GRID), BIG_GRID)  # the C++ kernel needs no Triton
-    assert _backends(cpu) == ["cpu", "eager"] and "ImportError: no triton" in _reason(cpu, 0, "triton")
+    assert _backends(cpu) == ["cpu", "cpu"] and "ImportError: no triton" in _reason(cpu, 0, "triton")
 
 
 VARIANTS = {
@@ -146,7 +146,7 @@ VARIANTS = {
     "mlp": ({"branches": ("mlp",)}, ["generic"], (0, "triton", "no 'mlp' in the Triton kernels")),
     "with-linear": (
         {"branches": ("swiglu:2", "linear:2", "dwconv:1")},
-        ["cpu", "generic", "eager"],
+        ["cpu", "generic", "cpu"],
         (1, "eager", "no 'linear' in the fused eager path"),
     ),
     "named-generic": ({"backend": "generic"}, ["generic", "generic"], (0, "cpu", "'generic' is named")),
@@ -154,7 +154,7 @@ VARIANTS = {
     "named-eager": ({"backend": "eager"}, ["eager", "eager"], (0, "cpu", "'eager' is named")),
     "named-triton-narrow-heads": (
         {"backend": "triton", "heads": 4},
-        ["cpu", "eager"],
+        ["cpu", "cpu"],
         (0, "triton", "head dim 8 < 16"),
     ),
 }
@@ -174,10 +174,18 @@ def test_explain_variants(cfg, expected, why):
 
 def test_traced_and_compiled_calls_plan_traceable_ops():
     mixer = _mixer()
-    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.plan_branches, CPU, torch.float64, "N>=100", True)
+    args = (
+        (mixer.cfg.loss, 1, 1, "fixed"),
+        "auto",
+        mixer.plan_branches,
+        CPU,
+        torch.float64,
+        "32<=N<512",
+        True,
+    )
     assert reg.plan(*args, "trace").backends == ("generic", "generic")
     assert reg.plan(*args, "compile").backends == ("generic", "generic")
-    assert reg.plan(*args, "").backends == ("cpu", "eager")
+    assert reg.plan(*args, "").backends == ("cpu", "cpu")
     named = ((mixer.cfg.loss, 1, 1, "fixed"), "triton", *args[2:])
     assert reg.plan(*named, "compile").backends == ("triton", "triton")  # the custom op compiles
     with pytest.warns(reg.BackendWarning, match="jit tracing / ONNX export"):
@@ -201,7 +209,7 @@ def test_compiled_mixer_has_no_graph_break_and_matches_eager():
 
 FORCED = {
     "triton": {"swiglu": "triton", "dwconv": "triton"},
-    "cpu": {"swiglu": "cpu", "dwconv": "eager"},  # the C++ kernel has SwiGLU passes only
+    "cpu": {"swiglu": "cpu", "dwconv": "cpu"},
     "eager": {"swiglu": "eager", "dwconv": "eager"},
     "generic": {"swiglu": "generic", "dwconv": "generic"},
 }
@@ -488,11 +496,11 @@ def test_model_explain_groups_mixers_with_one_plan():
     report = vit3.explain(model, 64)
     ((names, expl),) = report.groups
     assert names == ("blocks.0.attn", "blocks.1.attn", "blocks.2.attn")
-    assert expl.tokens == 16 and not expl.grad and _backends(expl) == ["eager", "eager"]
+    assert expl.tokens == 16 and not expl.grad and _backends(expl) == ["eager", "cpu"]
     assert "blocks.0.attn ... blocks.2.attn (3 mixers)" in str(report)
     assert _backends(vit3.explain(model, torch.randn(1, 3, 176, 176), grad=True).groups[0][1]) == [
         "cpu",
-        "eager",
+        "cpu",
     ]
 
 
@@ -540,6 +548,6 @@ def test_backends_implement_exactly_the_ops_that_declare_their_path():
     from vit3.layers.eager_mix import KINDS
 
     assert reg.BACKENDS["triton"].models == kernels.ops_with("triton") == tuple(triton_op.TRITON_LOSSES)
-    assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpp") == ("swiglu",)
+    assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpp") == ("swiglu", "dwconv")
     assert reg.BACKENDS["eager"].models == kernels.ops_with("eager") == KINDS == ("swiglu", "dwconv")
     assert reg.BACKENDS["generic"].models is None

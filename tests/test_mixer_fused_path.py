@@ -85,16 +85,111 @@ TILINGS = {
 @pytest.mark.parametrize("tile_bytes", list(TILINGS.values()), ids=list(TILINGS))
 @pytest.mark.parametrize("cfg", ["official", "official-rope", "official-no-norm-lr"])
 @pytest.mark.parametrize("backend", ["eager", "cpu"], ids=["tiles", "cpu-kernel"])
-def test_fused_path_output_and_every_gradient_match_reference(calls, monkeypatch, tile_bytes, cfg, backend):
+@pytest.mark.parametrize("recompute", ["always", "never"], ids=["recompute-zy", "save-zy"])
+def test_fused_path_output_and_every_gradient_match_reference(
+    calls, monkeypatch, tile_bytes, cfg, backend, recompute
+):
     kernel = count_calls(monkeypatch, fast, "_kernel_forward")
     monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
     monkeypatch.setattr(fast, "TILE_BYTES", tile_bytes)
     monkeypatch.setattr(fast, "MIN_TILE_TOKENS", 4)
-    mixer = _mixer(**SERVED[cfg][0])
+    mixer = _mixer(**SERVED[cfg][0], recompute=recompute)
     x = torch.randn(3, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
     assert_mixer_matches_reference(mixer, x, GRID)
     assert calls["n"] == 1  # the checked call took the fused path (the reference only reads the weights)
     assert kernel["n"] == int(backend == "cpu")
+
+
+def _saved_per_token(mixer: TTTMixer, n_tokens: tuple[int, int], batch: int = 2) -> float:
+    """Values the mixer's inner loops save for the backward per token (the slope over two grids: the per-token
+    state, without the small weights)."""
+
+    def saved(n: int) -> int:
+        qkv = torch.randn(batch, n, mixer.qkv.out_features, dtype=torch.float64, requires_grad=True)
+        storages: dict[int, int] = {}  # one entry per storage: views of one buffer count once
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mixer.mix(qkv, (n, 1))
+        return sum(storages.values())
+
+    return (saved(n_tokens[1]) - saved(n_tokens[0])) / (batch * (n_tokens[1] - n_tokens[0]))
+
+
+@pytest.mark.parametrize("backend", ["eager", "cpu"], ids=["tiles", "cpu-kernel"])
+def test_memory_lean_backward_saves_q_k_v_per_token_and_the_saving_variant_z_y_too(monkeypatch, backend):
+    """The per-token saved state of the fused node, as the README's bytes-per-token table states it: q, k, v of
+    every branch (3 values per channel; the SwiGLU heads' 3·H·d and the depthwise head's 3·d), plus
+    Z = k W, Y = q W' (4·H·d) when they are saved instead of recomputed."""
+    monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
+    heads, d = 4, 8
+    lean = _saved_per_token(_mixer(recompute="always"), (40, 80))
+    saving = _saved_per_token(_mixer(recompute="never"), (40, 80))
+    assert lean == 3 * heads * d + 3 * d
+    assert saving == lean + 4 * heads * d
+
+
+def test_recompute_switch_config_wins_over_env_and_explain_says_which(monkeypatch):
+    x = torch.randn(1, 40, 32, dtype=torch.float64)
+    lean = str(_mixer().explain(x, (5, 8), grad=True))
+    assert "recomputes Z = k W, Y = q W' (auto: memory-lean below 512 tokens" in lean
+    big = torch.randn(1, 520, 32, dtype=torch.float64)
+    assert (
+        "saves Z = k W, Y = q W' (auto: from 512 tokens"
+        in _mixer().explain(big, (20, 26), grad=True).recompute
+    )
+    assert _mixer().explain(x, (5, 8), grad=False).recompute == ""  # inference saves nothing
+    monkeypatch.setenv("VIT3_TTT_RECOMPUTE", "never")
+    assert (
+        "saves Z = k W, Y = q W' (VIT3_TTT_RECOMPUTE=never"
+        in _mixer().explain(x, (5, 8), grad=True).recompute
+    )
+    cfg = _mixer(recompute="always").explain(x, (5, 8), grad=True).recompute
+    assert "recomputes" in cfg and "TTTConfig.recompute='always'" in cfg
+    generic = _mixer(backend="generic").explain(x, (5, 8), grad=True)
+    assert generic.recompute == ""  # autograd's own graph: the switch does not apply
+    monkeypatch.setenv("VIT3_TTT_RECOMPUTE", "sometimes")
+    with pytest.raises(ValueError, match=r"\$VIT3_TTT_RECOMPUTE must be one of auto, always, never, qkv"):
+        _mixer().explain(x, (5, 8), grad=True)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        TTTMixer(32, 4, recompute="yes")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "eager", "generic"])
+def test_recompute_qkv_saves_only_the_mixer_input_and_matches_reference(monkeypatch, backend):
+    """recompute="qkv": the mixer's backward reruns its qkv projection and inner loops (any backend), the
+    output and every gradient are the reference's, and per token the mixer saves only its input (dim values)
+    and the output projection's input (sum of branch widths), against 3·widths more by default."""
+    monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
+    mixer = _mixer(recompute="qkv")
+    x = torch.randn(3, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    assert_mixer_matches_reference(mixer, x, GRID)
+    expl = mixer.explain(x, GRID, grad=True)
+    assert "recomputes its qkv projection" in expl.recompute
+
+    def saved(m: TTTMixer, n: int) -> int:
+        storages: dict[int, int] = {}
+        params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+            return t
+
+        tokens = torch.randn(2, n, 32, dtype=torch.float64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(tokens, (n, 1))
+        return sum(storages.values())
+
+    widths = sum(mixer.widths)
+    per_token = (saved(mixer, 80) - saved(mixer, 40)) / (2 * 40)
+    assert per_token == 32 + widths
+    if backend != "generic":  # the fused node saves q, k, v (autograd's graph of the generic path more)
+        default = _mixer()
+        assert (saved(default, 80) - saved(default, 40)) / (2 * 40) == 32 + 3 * widths + widths
 
 
 def test_without_gradients_nothing_is_saved_and_output_is_unchanged(calls, monkeypatch):

@@ -1,16 +1,19 @@
 """The 3x3 depthwise-conv op (``vit3.kernels.dwconv``, the official ViT³ second branch): its reference against
 float64 finite differences, the official code's formulation and (through the mixer, ``test_mixer_official``)
 the official fixtures; every fast path — the eager closed form (``vit3.kernels.dwconv.eager``, as the mixer's
-eager backend runs it), the Triton kernels (``TRITON_INTERPRET=1`` on CPU), the generic inner loop — forward
-and every gradient (q, k, v, weight) against the reference; the eager path's layout contract."""
+eager backend runs it), the C++ path on token rows (``vit3.kernels.dwconv.cpp``, the cpu backend), the Triton kernels (``TRITON_INTERPRET=1`` on CPU), the generic inner loop — forward
+and every gradient (q, k, v, weight) against the reference; the eager path's layout contract; the C++
+depthwise ops themselves and ``ConvPosEnc`` on them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers.common import load_benchmark
+import torch.nn.functional as F
+from helpers.common import count_calls, load_benchmark
 from helpers.ops import assert_matches_reference
 
+import vit3.kernels.swiglu.cpp as swiglu_cpu
 from vit3.kernels.dwconv.eager import dwconv_backward
 from vit3.kernels.dwconv.reference import dwconv, dwconv_ttt_ref
 from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
@@ -53,7 +56,14 @@ def _triton(q, k, v, w, grid, *, scale, lr, grad_norm):
     )
 
 
-PATHS = {"eager": _eager, "triton": _triton, "generic": _generic}
+def _cpp(q, k, v, w, grid, *, scale, lr, grad_norm):
+    """The registry's cpu backend: the same stages on token rows in the C++ kernel's depthwise ops."""
+    cfg = TTTConfig(inner_lr=lr, grad_norm=grad_norm)
+    step = backends.Step("dwconv", _model(q), grid, scale, cfg)
+    return backends.BACKENDS["cpu"].run(step, q, k, v, {"weight": w}, None)
+
+
+PATHS = {"eager": _eager, "cpp": _cpp, "triton": _triton, "generic": _generic}
 SETTINGS = {
     "norm-lr1": {"scale": 1 / 3, "lr": 1.0, "grad_norm": True},
     "no-norm-lr0.7": {"scale": 0.4, "lr": 0.7, "grad_norm": False},
@@ -122,7 +132,7 @@ CASES = [
     for setting in SETTINGS
     for grid in GRIDS
     for shared in (True, False)
-    if shared or path == "generic"  # the eager and Triton paths take the mixer's shared initial weights
+    if shared or path == "generic"  # the eager, C++ and Triton paths take the mixer's shared initial weights
 ]
 
 
@@ -150,3 +160,63 @@ def test_one_sample_depthwise_backward_stays_channels_last_and_matches_nchw():
     gx_ref, gw_ref = dwconv_backward(grad_out, x, weight)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gw, gw_ref, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------- the C++ path's depthwise ops
+
+
+@pytest.mark.parametrize("grid", [(5, 7), (1, 6), (4, 1)], ids=["5x7", "one-row", "one-column"])
+@pytest.mark.parametrize("channels", [8, 12], ids=["whole-vectors", "vector-tail"])
+def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
+    """``dwconv`` (per-sample or shared taps) and ``dwconv_weight_grad`` against float64 ``F.conv2d`` and its
+    weight gradient, reading and writing [B, N, C] views strided across a wider tensor."""
+    ops, _ = swiglu_cpu.load()
+    b, (h, w), c = 3, grid, channels
+    wide = torch.randn(b, h * w, 3 * c, dtype=torch.float64)
+    x, g = wide[..., :c], wide[..., c : 2 * c]  # [B, N, C] views with row stride 3C
+
+    def maps(t):  # [B, N, C] -> [B, C, h, w]
+        return t.transpose(1, 2).unflatten(-1, (h, w))
+
+    for shared in (False, True):
+        weight = torch.randn(1 if shared else b, c, 3, 3, dtype=torch.float64)
+        taps = weight.flatten(2).transpose(1, 2).contiguous()  # [B|1, 9, C]
+        dest = torch.zeros(b, h * w, 2 * c, dtype=torch.float64)[..., :c]
+        ops.dwconv(x, taps, dest, h, w)
+        want = torch.cat(
+            [
+                F.conv2d(maps(x)[i : i + 1], weight[0 if shared else i, :, None], padding=1, groups=c)
+                for i in range(b)
+            ]
+        )
+        torch.testing.assert_close(maps(dest), want, rtol=1e-12, atol=1e-12)
+    xs = maps(x).clone().requires_grad_()
+    per_sample = torch.zeros(b, c, 3, 3, dtype=torch.float64, requires_grad=True)
+    out = torch.cat([F.conv2d(xs[i : i + 1], per_sample[i, :, None], padding=1, groups=c) for i in range(b)])
+    (want,) = torch.autograd.grad(out, per_sample, maps(g))
+    got = torch.empty(b, 9, c, dtype=torch.float64)
+    ops.dwconv_weight_grad(g, x, got, h, w)
+    torch.testing.assert_close(got.transpose(1, 2).unflatten(-1, (3, 3)), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="does not fit N"):
+        ops.dwconv(x, taps, dest, h + 1, w)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_conv_pos_enc_on_the_kernel_matches_onednn_every_gradient(monkeypatch, batch):
+    """ConvPosEnc (x + dwconv(x) + bias, shared weights) takes the kernel's depthwise op on CPU float64 and
+    gives the oneDNN convolution's output and gradients; VIT3_TTT_BACKEND=generic keeps oneDNN."""
+    from vit3.layers.blocks import ConvPosEnc, _ConvPosEncKernel
+
+    kernel = count_calls(monkeypatch, _ConvPosEncKernel, "apply")
+    torch.manual_seed(2)
+    cpe = ConvPosEnc(12).double()
+    x = torch.randn(batch, 5, 7, 12, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(batch, 5, 7, 12, dtype=torch.float64)
+    leaves = [x, cpe.weight, cpe.bias]
+    got = [out := cpe(x), *torch.autograd.grad((out * dout).sum(), leaves)]
+    assert kernel["n"] == 1
+    monkeypatch.setenv("VIT3_TTT_BACKEND", "generic")
+    want = [ref := cpe(x), *torch.autograd.grad((ref * dout).sum(), leaves)]
+    assert kernel["n"] == 1
+    for name, a, b in zip(["out", "x", "weight", "bias"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)

@@ -31,7 +31,7 @@ def test_demo_finetune_eval_features_onnx(tmp_path, capsys):
     quick = [
         "--output",
         str(tmp_path / "ft"),
-        "train.epochs=2",
+        "train.epochs=3",
         "train.warmup_epochs=0",
         "data.batch_size=20",
     ]
@@ -46,7 +46,9 @@ def test_demo_finetune_eval_features_onnx(tmp_path, capsys):
     )
     results = json.loads(report.read_text())["results"]
     assert [r["img_size"] for r in results] == [32, 48] and all(r["images"] == 36 for r in results)
-    assert results[0]["top1"] > 100 / 6  # six photo classes: better than chance after two epochs
+    # six photo classes: better than chance after three epochs (after two, float32 rounding of one backend or
+    # another decided whether one of the 36 images tipped it over chance)
+    assert results[0]["top1"] > 100 / 6
     assert results[0]["top1"] == pytest.approx(record["best_top1"])  # eval.py reproduces the run's best epoch
 
     export = load_script("export")

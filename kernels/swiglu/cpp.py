@@ -1,14 +1,22 @@
 """The SwiGLU op's C++ CPU kernel (``csrc/swiglu_cpu.cpp``): build and load it.
 
 The kernel provides the four N-sized passes of the tiled eager path (``vit3.kernels.swiglu.eager``, which does
-the small step between the passes in Python) as ``torch.ops.vit3_swiglu_cpu.*``:
+the small step between the passes in Python) as ``torch.ops.vit3_swiglu_cpu.*``, the weights side by side
+(``w = [W1 | W2]`` ``[B, H, d, 2d]``):
 
 - ``inner_grad(k, v, w, g, z)``: ``Z = k W``, ``G += kᵀ [v ⊙ A | v ⊙ Z1 ⊙ A']``;
 - ``readout(q, w_new, out, y)``: ``Y = q W'``, ``out = Y1 ⊙ silu(Y2)``;
-- ``readout_backward(d_out, q, y, w_new, dq, dw)`` and ``inner_backward(k, v, z, w, dg, dk, dv, dw)``.
+- ``readout_backward(d_out, q, y, w_new, dq, dw)`` and ``inner_backward(k, v, z, dgw, dk, dv, dw)``, with
+  ``y``, ``z`` the saved pre-activations or ``None`` (recomputed: the memory-lean backward),
+  ``dgw = [dG | W]``;
 
-Each op walks every (sample, head) in cache-sized token blocks inside C++, so a step costs 4 Python calls
-instead of ~40 ops per block, and each elementwise chain is one vectorised loop instead of ~7 passes.
+and the 3x3 depthwise op of the official mixer's other branch and of ``ConvPosEnc`` on token rows
+``[B, N, C]``: ``dwconv(x, taps, out, h, w, bias, residual)`` and ``dwconv_weight_grad(g, x, taps_grad, h, w)``
+(per-sample or shared taps ``[B|1, 9, C]``).
+
+Each op walks every (sample, head) inside C++ (heads of a sample grouped into batched matmuls when their
+tokens fit a cache-sized block, larger problems in token blocks), so a step costs 4 Python calls instead of
+~40 ops per block, and each elementwise chain is one vectorised loop instead of ~7 passes.
 
 It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30-60 s once, then
 loaded from the build cache in ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The build

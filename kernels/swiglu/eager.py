@@ -22,12 +22,15 @@ samples and per-op overheads stay amortised. Elementwise work writes into a few 
 allocations would cost more than the ops.
 
 With ``cpp=True`` the four passes run in the C++ CPU kernel ``vit3.kernels.swiglu.cpp`` (the same
-passes, blocks of ``block_tokens`` tokens, elementwise chains fused; the mixer's backend registry
-``vit3.layers.backends`` decides when); the step between the passes stays in Python either way.
+passes, small problems grouped into batched matmuls, large ones in blocks of tokens, elementwise chains
+fused; the mixer's backend registry ``vit3.layers.backends`` decides when); the step between the passes
+stays in Python either way.
 
-Saved for backward: dense q, k, v, the pre-activations ``Z = k W`` and ``Y = q W'`` (four N-sized tensors
-in tile order, saving four matmuls; nothing is saved when no gradient is needed) and the ``[B, H, 2, d, d]``
-weights; autograd through the official formulation keeps about twice as much.
+Saved for backward: dense q, k, v and the small ``[.., 2, d, d]`` weights; with ``recompute=False`` also
+the pre-activations ``Z = k W`` and ``Y = q W'`` (four N-sized tensors: 4·d values per token and head,
+saving four of the backward's matmuls), with ``recompute=True`` (memory-lean) the backward recomputes them
+tile by tile, as the Triton backward does. Nothing is saved when no gradient is needed. Autograd through
+the official formulation keeps about twice as much as the saving variant.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torch.autograd.function import once_differentiable
 
 from ..common import step, step_backward, weight_grad
 
-__all__ = ["SwiGLUSaved", "swiglu_backward", "swiglu_forward", "swiglu_ttt"]
+__all__ = ["SwiGLUSaved", "dense_inputs", "swiglu_backward", "swiglu_forward", "swiglu_ttt"]
 
 # Bytes of one ``[heads, tokens, d]`` tile; a handful of them must fit in a core's share of cache.
 TILE_BYTES = 1 << 20
@@ -138,6 +141,17 @@ def _baddbmm_(c: Tensor, a: Tensor, b: Tensor, beta: float = 1.0) -> Tensor:
     return c
 
 
+def dense_inputs(q: Tensor) -> bool:
+    """Whether the C++ kernel gets dense copies of q, k, v ``[B, H, N, d]`` views (else it reads them in place,
+    and the backward saves the views: the qkv projection they view, instead of copies of the same size).
+
+    Copies pay where one sample's heads exceed a tile: its strided rows then no longer stay in cache between
+    the passes; below, the copies cost more than the strided reads (~25 µs each per mixer call at 224 px).
+    """
+    _, h, n, d = q.shape
+    return q.stride(-1) != 1 or (not q.is_contiguous() and h * n * d * q.element_size() > TILE_BYTES)
+
+
 def _fold(shape: torch.Size, itemsize: int) -> bool:
     """Whether to fold ``[B, H, N, d]`` to ``[1, B*H, N, d]``: one sample fills less than half a tile."""
     b, h, n, d = shape
@@ -154,7 +168,8 @@ _silu_backward_out = torch.ops.aten.silu_backward.grad_input
 
 
 class SwiGLUSaved(NamedTuple):
-    """What ``swiglu_backward`` needs from ``swiglu_forward``; weights ``[B', H', 2, d, d]`` (W1, W2 paired)."""
+    """What ``swiglu_backward`` needs from ``swiglu_forward``; weights ``[B', H', 2, d, d]`` (W1, W2 paired),
+    or ``[B, H, d, 2d]`` (``[W1 | W2]``) for the kernel."""
 
     q: Tensor
     k: Tensor
@@ -163,8 +178,10 @@ class SwiGLUSaved(NamedTuple):
     g: Tensor
     norm: Tensor
     w_new: Tensor
-    z: Tensor  # Z = k W and Y = q W': tile-ordered pairs (``_Tiles.buffer``), or [B, H, 2, N, d] (kernel)
-    y: Tensor
+    # Z = k W and Y = q W': tile-ordered pairs (``_Tiles.buffer``) or [B, H, N, 2d] (kernel); None when the
+    # backward recomputes them
+    z: Tensor | None
+    y: Tensor | None
     layout: str  # who wrote z and y: "tiles", "folded" (tiles over [1, B*H, N, d]) or "kernel" (C++)
 
 
@@ -180,7 +197,9 @@ def swiglu_forward(
     lr: float,
     grad_norm: bool,
     save: bool = True,
+    recompute: bool = False,
     cpp: bool = False,
+    dense: bool | None = None,
 ) -> SwiGLUSaved | None:
     """Inner step and read-out, written into ``out``; returns what the backward needs (when ``save``).
 
@@ -192,20 +211,26 @@ def swiglu_forward(
         scale: loss scale s.
         lr: inner learning rate.
         grad_norm: apply ``G / (||G|| + 1)`` per output column.
-        save: keep the pre-activations and weights for ``swiglu_backward``.
+        save: keep what ``swiglu_backward`` needs.
+        recompute: keep only q, k, v and the weights: the backward recomputes the pre-activations Z, Y
+            (4·d fewer values per token and head, four more ``[N, d] x [d, d]`` matmuls).
         cpp: run the passes in the C++ CPU kernel (``vit3.kernels.swiglu.cpp``: float32/float64 CPU
             tensors; raises when it cannot be built), else the tiled PyTorch path.
+        dense: the kernel gets dense copies of q, k, v (``None``: ``dense_inputs(q)``); the tiled path always.
     """
     b, h, n, d = q.shape
     c = scale / n
-    w = torch.stack([w1.expand(b, h, d, d), w2.expand(b, h, d, d)], dim=2)  # [B, H, 2, d, d]
+    ops = _kernel(cpp, q)
     # One dense copy of each input: matmuls reading rows strided across a whole qkv tensor touch ~20x the
     # pages and run ~30% slower on a CPU, on every one of the dozen passes that read them (measured in the
-    # kernel too: one copy here beats copying each block there).
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    ops = _kernel(cpp, q)
+    # kernel too: one copy here beats copying each block there). The kernel reads small problems in place.
+    if ops is None or (dense_inputs(q) if dense is None else dense):
+        q, k, v = (t.contiguous() for t in (q, k, v))
     if ops is not None:
-        return _kernel_forward(ops, q, k, v, w, out, c=c, lr=lr, grad_norm=grad_norm, save=save)
+        return _kernel_forward(
+            ops, q, k, v, w1, w2, out, c=c, lr=lr, grad_norm=grad_norm, save=save, keep=not recompute
+        )
+    w = torch.stack([w1.expand(b, h, d, d), w2.expand(b, h, d, d)], dim=2)  # [B, H, 2, d, d]
     folded = _fold(q.shape, q.element_size())
     dest = out
     if folded:
@@ -214,13 +239,14 @@ def swiglu_forward(
     tiles = _Tiles(k.shape, k.element_size())
     # Pass 1: G1 = kᵀ(E ⊙ A), G2 = kᵀ(E ⊙ Z1 ⊙ A'), E = -c v (the -c is applied to the small G).
     g = torch.zeros_like(w)
-    z_all, y_all = (tiles.buffer(k) if save else None for _ in range(2))
+    keep = save and not recompute
+    z_all, y_all = (tiles.buffer(k) if keep else None for _ in range(2))
     scratch = tiles.scratch(k, 3)
     one = k.new_ones(())
     for i, (bi, hs, ns) in enumerate(tiles.index):
         kt, vt = k[bi, hs, ns], v[bi, hs, ns]
         pz, pp, s0 = tiles.views(scratch, i)
-        z1, z2 = _mm_pair(kt, w[bi, hs], tiles.part(z_all, i) if save else pz)
+        z1, z2 = _mm_pair(kt, w[bi, hs], tiles.part(z_all, i) if keep else pz)
         sig = torch.sigmoid(z2, out=s0[0])
         a = torch.mul(z2, sig, out=pp[0])  # A = silu(Z2)
         a_prime = sig.lerp_(one, a)  # A' = σ + A (1 - σ), one op
@@ -232,7 +258,7 @@ def swiglu_forward(
     # Pass 2: read-out (q W1') ⊙ silu(q W2'), straight into the destination.
     for i, (bi, hs, ns) in enumerate(tiles.index):
         py, _, s0 = tiles.views(scratch, i)
-        y1, y2 = _mm_pair(q[bi, hs, ns], w_new[bi, hs], tiles.part(y_all, i) if save else py)
+        y1, y2 = _mm_pair(q[bi, hs, ns], w_new[bi, hs], tiles.part(y_all, i) if keep else py)
         torch.mul(_silu_out(y2, out=s0[0]), y1, out=out[bi, hs, ns])
     if folded:
         dest.copy_(out.view(dest.shape))
@@ -276,15 +302,17 @@ def swiglu_backward(
         d_out = _folded(d_out)
         dq, dk, dv = (torch.empty_like(q) for _ in range(3))
     tiles = _Tiles(q.shape, q.element_size())
-    scratch = tiles.scratch(q, 5)
+    scratch = tiles.scratch(q, 6)
     # Pass 1, read-out O = Y1 ⊙ silu(Y2): dY1 = dO ⊙ silu(Y2), dY2 = dO ⊙ Y1 ⊙ silu'(Y2),
     # dq = dY1 W1'ᵀ + dY2 W2'ᵀ, dW' = qᵀ dY.
     dw = torch.zeros_like(w_new)
     w_new_t = w_new.transpose(-2, -1)
     for i, (bi, hs, ns) in enumerate(tiles.index):
         dot = d_out[bi, hs, ns]
-        y1, y2 = tiles.part(y_all, i)
-        dy = tiles.views(scratch, i)[0]
+        dy, *_, recomputed = tiles.views(scratch, i)
+        y1, y2 = (
+            tiles.part(y_all, i) if y_all is not None else _mm_pair(q[bi, hs, ns], w_new[bi, hs], recomputed)
+        )
         _silu_out(y2, out=dy[0]).mul_(dot)
         _silu_backward_out(torch.mul(dot, y1, out=dy[1]), y2, grad_input=dy[1])
         wt = w_new_t[bi, hs]  # [h, 2, d, d]
@@ -299,8 +327,8 @@ def swiglu_backward(
     dg_t, w_t = dg.transpose(-2, -1), w.transpose(-2, -1)
     for i, (bi, hs, ns) in enumerate(tiles.index):
         kt, vt = k[bi, hs, ns], v[bi, hs, ns]
-        z1, z2 = tiles.part(z_all, i)
-        dp, dz, s0, s1, s2 = tiles.views(scratch, i)
+        dp, dz, s0, s1, s2, recomputed = tiles.views(scratch, i)
+        z1, z2 = tiles.part(z_all, i) if z_all is not None else _mm_pair(kt, w[bi, hs], recomputed)
         sig = torch.sigmoid(z2, out=s0[0])
         a = torch.mul(z2, sig, out=s0[1])
         u = torch.addcmul(sig, sig, sig, value=-1.0, out=s1[0])  # σ (1 - σ)
@@ -345,18 +373,22 @@ def _kernel_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    w: Tensor,
+    w1: Tensor,
+    w2: Tensor,
     out: Tensor,
     *,
     c: float,
     lr: float,
     grad_norm: bool,
     save: bool,
+    keep: bool,
 ) -> SwiGLUSaved | None:
-    """``swiglu_forward`` in the C++ kernel: dense q, k, v, paired weights ``[B, H, 2, d, d]``."""
+    """``swiglu_forward`` in the C++ kernel: dense q, k, v; the weights side by side, ``[W1 | W2]``
+    ``[B, H, d, 2d]`` (the step's column norms are those of W1 and W2); ``keep``: save Z and Y."""
     b, h, n, d = q.shape
-    block = block_tokens(n, d, q.element_size())
-    z, y = (q.new_empty(b, h, 2, n, d) if save else None for _ in range(2))
+    block = block_tokens(n, 2 * d, q.element_size())  # Z, Y blocks are [tokens, 2d]
+    w = torch.cat([w1.expand(b, h, d, d), w2.expand(b, h, d, d)], dim=-1)  # [B, H, d, 2d]
+    z, y = (q.new_empty(b, h, n, 2 * d) if save and keep else None for _ in range(2))
     g = torch.zeros_like(w)
     ops.inner_grad(k, v, w, g, z, block)
     w_new, norm = step(g.mul_(-c), w, lr, grad_norm)
@@ -381,24 +413,25 @@ def _kernel_backward(
     """``swiglu_backward`` in the C++ kernel (its forward ran there)."""
     ops = _kernel(True, saved.q)
     q, k, v, w, g, norm, w_new, z, y, _ = saved
-    block = block_tokens(q.shape[2], q.shape[3], q.element_size())
+    d = q.shape[3]
+    block = block_tokens(q.shape[2], 2 * d, q.element_size())
     dests = [_unit_stride(t) for t in (dq, dk, dv)]
-    dw = torch.zeros_like(w_new)
+    dw = torch.zeros_like(w_new)  # [B, H, d, 2d]
     ops.readout_backward(_unit_stride(d_out), q, y, w_new, dests[0], dw, block)
     dg = step_backward(dw, g, norm, lr, grad_norm).mul_(-c)  # before dw gathers kᵀ dZ below
-    ops.inner_backward(k, v, z, w, dg.contiguous(), dests[1], dests[2], dw, block)
+    ops.inner_backward(k, v, z, torch.cat([dg, w], dim=-1), dests[1], dests[2], dw, block)
     for dest, t in zip(dests, (dq, dk, dv)):
         if dest is not t:
             t.copy_(dest)
-    return dw[:, :, 0], dw[:, :, 1]
+    return dw[..., :d], dw[..., d:]
 
 
 class _SwiGLUTTT(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool, save: bool, cpp: bool):
+    def forward(ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool, save: bool, recompute, cpp):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         hyper = {"scale": scale, "lr": lr, "grad_norm": grad_norm}
-        saved = swiglu_forward(q, k, v, w1, w2, out, save=save, cpp=cpp, **hyper)
+        saved = swiglu_forward(q, k, v, w1, w2, out, save=save, recompute=recompute, cpp=cpp, **hyper)
         if saved is not None:  # through save_for_backward, so saved-tensor hooks (checkpointing) see them
             ctx.save_for_backward(*saved[:-1])
             ctx.layout = saved.layout
@@ -413,7 +446,7 @@ class _SwiGLUTTT(torch.autograd.Function):
             d_out, SwiGLUSaved(*ctx.saved_tensors, ctx.layout), dq, dk, dv, **ctx.hyper
         )
         s1, s2 = ctx.weight_shapes
-        return dq, dk, dv, weight_grad(dw1, s1), weight_grad(dw2, s2), None, None, None, None, None
+        return dq, dk, dv, weight_grad(dw1, s1), weight_grad(dw2, s2), *([None] * 6)
 
 
 def swiglu_ttt(
@@ -426,6 +459,7 @@ def swiglu_ttt(
     scale: float,
     lr: float = 1.0,
     grad_norm: bool = True,
+    recompute: bool = False,
     cpp: bool = False,
 ) -> Tensor:
     """One full-batch dot-loss TTT step of the SwiGLU inner model, then its read-out on q.
@@ -439,10 +473,11 @@ def swiglu_ttt(
         scale: loss scale s (the official 1/3).
         lr: inner learning rate.
         grad_norm: apply ``G / (||G|| + 1)`` per output column.
+        recompute: memory-lean backward: recompute the pre-activations Z, Y instead of saving them.
         cpp: C++ CPU kernel or the tiled PyTorch path (``swiglu_forward``).
 
     Returns:
         ``(q W1') ⊙ silu(q W2')`` ``[B, H, N, d]``, W' the per-sample weights after the step.
     """
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w1, w2))
-    return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm, save, cpp)
+    return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm, save, recompute, cpp)

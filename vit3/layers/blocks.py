@@ -11,9 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from timm.layers import DropPath, Mlp, register_notrace_function
+from timm.layers import DropPath, Mlp, register_notrace_function, register_notrace_module
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
+from . import backends
 from .config import TTTConfig
 from .inner import tracing
 from .ttt import TTTMixer
@@ -57,8 +59,53 @@ class ConvPosEnc(nn.Conv2d):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``."""
+        if self.kernel_size == (3, 3) and backends.conv_pos_kernel(x, self.weight):
+            return _ConvPosEncKernel.apply(x, self.weight, self.bias)
         # NCHW-contiguous input: PyTorch's depthwise kernels are far slower on channels-last strides (CPU 40x)
         return x + _nhwc(self._conv_forward(_nchw(x).contiguous(), self.weight, self.bias))
+
+
+# FX keeps the module as one call, so a traced model runs the same convolution as the eager one (its choice of
+# implementation is Python control flow).
+register_notrace_module(ConvPosEnc)
+
+
+class _ConvPosEncKernel(torch.autograd.Function):
+    """``x + dwconv3x3(x) + bias`` on a channels-last map ``[B, H, W, C]`` in one call of the C++ kernel's
+    depthwise op on its token rows (``vit3.kernels.swiglu.cpp``), and the backward in two more: the input
+    gradient is the residual plus the correlation with the flipped taps."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        from vit3.kernels.swiglu.cpp import cpu_kernel_ops
+
+        b, h, w, c = x.shape
+        tokens = x.reshape(b, h * w, c)  # [B, N, C]
+        tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()  # the op reads channel vectors
+        taps = weight.detach().reshape(c, 9).t().contiguous()[None]  # [1, 9, C]
+        out = torch.empty_like(tokens, memory_format=torch.contiguous_format)
+        cpu_kernel_ops(tokens).dwconv(tokens, taps, out, h, w, None if bias is None else bias.detach(), True)
+        ctx.save_for_backward(tokens, taps)
+        ctx.grid, ctx.has_bias = (h, w), bias is not None
+        return out.view(b, h, w, c)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        from vit3.kernels.swiglu.cpp import cpu_kernel_ops
+
+        tokens, taps = ctx.saved_tensors
+        (h, w), (b, n, c) = ctx.grid, tokens.shape
+        ops = cpu_kernel_ops(tokens)
+        grad = d_out.reshape(b, n, c)
+        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+        dx = torch.empty_like(tokens, memory_format=torch.contiguous_format)
+        ops.dwconv(grad, taps.flip(1), dx, h, w, None, True)
+        dtaps = tokens.new_empty(b, 9, c)
+        ops.dwconv_weight_grad(grad, tokens, dtaps, h, w)
+        dweight = dtaps.sum(0).t().reshape(c, 1, 3, 3)
+        dbias = grad.sum((0, 1)) if ctx.has_bias else None
+        return dx.view(b, h, w, c), dweight, dbias
 
 
 class ConvFFN(nn.Module):

@@ -87,6 +87,13 @@ class TTTConfig:
             the best that serves), ``"triton"``, ``"cpu"``, ``"eager"`` or ``"generic"``; see
             ``vit3.layers.backends``. It wins over ``$VIT3_TTT_BACKEND``. (Old configs' ``impl`` is read as
             this: ``"torch"`` as ``"eager"``.)
+        recompute: what the SwiGLU backward of the fused eager paths (``cpu``, ``eager``) does with the
+            per-token pre-activations Z = k W, Y = q W': ``"auto"`` (the default: ``$VIT3_TTT_RECOMPUTE``,
+            else recompute them below ``backends.MAX_RECOMPUTE_TOKENS`` tokens, where that costs ~3%, save them
+            from there on, where it costs ~10%), ``"always"`` (recompute: memory-lean), ``"never"`` (save them:
+            4·d more values per token and head) or ``"qkv"`` (the mixer's backward reruns
+            its qkv projection and inner loops, any backend: it saves only its input, ~12% more training
+            compute). The Triton backward always recomputes Z, Y.
         check_finite: raise on non-finite input tokens (skipped under tracing and compilation).
     """
 
@@ -108,6 +115,7 @@ class TTTConfig:
     rope_base: float = 10000.0
     qkv_bias: bool = True
     backend: str = "auto"
+    recompute: str = "auto"
     check_finite: bool = True
 
     def __post_init__(self) -> None:
@@ -128,10 +136,12 @@ class TTTConfig:
             raise ValueError(f"mlp_act must be one of {INNER_ACTIVATIONS}, got {self.mlp_act!r}")
         if self.mlp_residual not in MLP_RESIDUALS:
             raise ValueError(f"mlp_residual must be one of {MLP_RESIDUALS}, got {self.mlp_residual!r}")
-        from .backends import NAMES  # the registry imports this module
+        from .backends import NAMES, RECOMPUTE_MODES  # the registry imports this module
 
         if self.backend not in NAMES:
             raise ValueError(f"backend must be one of {NAMES}, got {self.backend!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if isinstance(self.scale, str) and self.scale not in SCALES:
             raise ValueError(f"scale must be a number, None, 'head_dim' or '1/head_dim', got {self.scale!r}")
         if self.inner_norm not in INNER_NORMS:

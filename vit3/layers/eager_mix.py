@@ -11,7 +11,8 @@ Branches served, one full-batch dot-loss step each (``vit3.layers.backends`` dec
 - the official SwiGLU model, optionally with RoPE on q and k, through ``vit3.kernels.swiglu.eager`` (its
   passes in the C++ CPU kernel ``vit3.kernels.swiglu.cpp`` for branches with ``MixBranch.cpp``);
 - the 3x3 depthwise conv through ``vit3.kernels.dwconv.eager`` (the closed form, one convolution per stage
-  for the whole batch).
+  for the whole batch), or with ``MixBranch.cpp`` through ``vit3.kernels.dwconv.cpp`` (the same stages on
+  the token rows in the C++ kernel's depthwise ops).
 
 The mixer runs branch by branch whenever a branch takes another backend.
 """
@@ -26,8 +27,9 @@ from torch.autograd.function import once_differentiable
 
 from vit3.kernels import ops_with
 from vit3.kernels.common import weight_grad
+from vit3.kernels.dwconv import cpp as dwconv_cpp
 from vit3.kernels.dwconv import eager as dwconv_eager
-from vit3.kernels.swiglu.eager import SwiGLUSaved, swiglu_backward, swiglu_forward
+from vit3.kernels.swiglu.eager import SwiGLUSaved, dense_inputs, swiglu_backward, swiglu_forward
 
 from .rope import apply_rope_2d
 
@@ -49,7 +51,8 @@ class MixBranch(NamedTuple):
 
 
 class MixPlan(NamedTuple):
-    """The branches in qkv (and output) order and the inner-loop settings they share."""
+    """The branches in qkv (and output) order and the inner-loop settings they share; ``recompute``: the
+    SwiGLU backward recomputes Z = k W, Y = q W' instead of saving them (memory-lean)."""
 
     branches: tuple[MixBranch, ...]
     grid: tuple[int, int]
@@ -57,6 +60,7 @@ class MixPlan(NamedTuple):
     lr: float
     grad_norm: bool
     rope_base: float
+    recompute: bool = True
 
 
 def _heads(t: Tensor, heads: int) -> Tensor:
@@ -84,6 +88,13 @@ class _EagerMix(torch.autograd.Function):
         hyper = {"scale": plan.scale, "lr": plan.lr, "grad_norm": plan.grad_norm}
         dw_hyper = {"lr": plan.lr, "grad_norm": plan.grad_norm}
         saved: list[Tensor] = []
+        # Dense copies of every branch's q, k, v or none (the C++ kernel reads small problems in place, the tiled
+        # path copies): saved views of qkv keep all of it alive, copies beside them would double it.
+        dense = any(
+            not br.cpp or dense_inputs(_heads(qkv[..., br.offset : br.offset + width], br.heads))
+            for br, width in zip(plan.branches, widths)
+            if br.kind == "swiglu"
+        )
         layout: list[tuple[int, int, str]] = []  # per branch: first saved tensor, count, SwiGLUSaved.layout
         col, wi = 0, 0
         for br, width in zip(plan.branches, widths):
@@ -95,9 +106,35 @@ class _EagerMix(torch.autograd.Function):
                 if br.rope:
                     q, k = (apply_rope_2d(t, plan.grid, plan.rope_base) for t in (q, k))
                 q, k, v, dest = (_heads(t, br.heads) for t in (q, k, v, dest))  # [B, G, N, c] views
-                st = swiglu_forward(q, k, v, w1, w2, dest, save=save, cpp=br.cpp, **hyper)
+                st = swiglu_forward(
+                    q,
+                    k,
+                    v,
+                    w1,
+                    w2,
+                    dest,
+                    save=save,
+                    recompute=plan.recompute,
+                    cpp=br.cpp,
+                    dense=dense if br.cpp else None,
+                    **hyper,
+                )
                 kind = st.layout if st is not None else ""
                 saved += list(st[:-1]) if st is not None else []
+            elif br.cpp:
+                kind = "kernel"
+                saved += dwconv_cpp.ttt_forward(
+                    q,
+                    k,
+                    v,
+                    weights[wi],
+                    dest,
+                    grid=plan.grid,
+                    c=plan.scale / n,
+                    save=save,
+                    dense=dense,
+                    **dw_hyper,
+                )
             else:
                 kind = ""
                 maps = (_to_map(t, plan.grid) for t in (q, k, v))
@@ -144,6 +181,20 @@ class _EagerMix(torch.autograd.Function):
                     dk.copy_(apply_rope_2d(rk, plan.grid, plan.rope_base, inverse=True))
                 grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + 2])]
                 wi += 2
+            elif kind == "kernel":
+                dw = dwconv_cpp.ttt_backward(
+                    dout,
+                    mine,
+                    dq,
+                    dk,
+                    dv,
+                    grid=plan.grid,
+                    c=plan.scale / n,
+                    lr=plan.lr,
+                    grad_norm=plan.grad_norm,
+                )
+                grads.append(weight_grad(dw, weight_shapes[wi]))
+                wi += 1
             else:
                 *maps, dw = dwconv_eager.ttt_backward(
                     _to_map(dout, plan.grid), mine, c=plan.scale / n, lr=plan.lr, grad_norm=plan.grad_norm

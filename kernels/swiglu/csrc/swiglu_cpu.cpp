@@ -1,19 +1,26 @@
 // The N-sized passes of the official SwiGLU inner model's TTT step on a CPU (dot loss, one full-batch step):
-// four passes over the tokens, each one C++ op that walks every (sample, head) in token blocks of about a MiB.
-// The step itself is not here.
+// four passes over the tokens, each one C++ op that walks every (sample, head) problem, small problems
+// grouped, large ones in token blocks of about a MiB. The step itself is not here. The same extension holds
+// the 3x3 depthwise op on token rows (the dwconv branch, ConvPosEnc), at the end.
 //
 // Python (vit3/kernels/swiglu/eager.py) does the small per-(sample, head) work between the passes (the step
 // W' = W - lr G / (||G|| + 1) and its backward); the passes here do every N-sized matmul (ATen, i.e. MKL) and
 // fuse each elementwise chain between two matmuls into one loop over a block that is still in cache. The same
 // passes in PyTorch are the tiled path of that module; the op's reference is vit3/kernels/swiglu/reference.py.
 //
-// Layouts: q, k, v [B, H, N, d] contiguous; weights [B, H, 2, d, d] contiguous (W1, W2 paired); Z = k W and
-// Y = q W' saved as [B, H, 2, N, d]; destinations (out, dq, dk, dv, d_out) [B, H, N, d] with unit stride
-// along d and any other strides (views of the mixer's qkv gradient and output).
+// Layouts: q, k, v [B, H, N, d] with unit stride along d; the two weights side by side, [W1 | W2]
+// [B, H, d, 2d] contiguous, so each product with both (k [W1 | W2], kᵀ [P1 | P2], dY [W1' | W2']ᵀ ...) is one
+// matmul twice as wide; Z = k W and Y = q W' [B, H, N, 2d] when saved (else recomputed in the backward, the
+// memory-lean mode); destinations (out, dq, dk, dv, d_out) [B, H, N, d] with unit stride along d and any
+// other strides (views of the mixer's qkv gradient and output).
 //
-// Threads: the (sample, head) problems are spread over ATen's threads, each walking its own blocks with its
-// own scratch, so matmuls run single-threaded on cache-resident blocks; with fewer problems than threads the
-// problems run one after another and every op is parallel inside.
+// Small problems: the heads of one sample whose tokens fit a block form a group, and each matmul of a group
+// is one batched call (bmm), each elementwise chain one loop over the group: a few ATen calls per group
+// instead of a dozen per (sample, head).
+//
+// Threads: the groups are spread over ATen's threads, each walking its own blocks with its own scratch, so
+// matmuls run single-threaded on cache-resident blocks; with fewer groups than threads the groups run one
+// after another and every op is parallel inside.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,66 +60,100 @@ inline T ssigmoid(T x) {
   return T(1) / (T(1) + std::exp(-x));
 }
 
-// One [rows, d] block: a pointer to its first element and its row stride (elements).
-template <typename T>
-struct Block {
-  T* ptr;
-  int64_t stride;
-  T* row(int64_t r) const { return ptr + r * stride; }
+// One unit of work: heads [h0, h0 + gh) of sample b, tokens [n0, n0 + n). Small problems are grouped (gh > 1,
+// all their tokens: the matmuls of a group are one batched call each), large ones walked in token blocks.
+struct Group {
+  int64_t b, h0, gh, n0, n;
 };
 
-template <typename T>
-Block<T> block_of(const Tensor& t) {
-  return {t.data_ptr<T>(), t.stride(0)};
+// Heads and tokens of a group of a [B, H, N, c] tensor: [gh, n, c] (a view).
+inline Tensor tokens_of(const Tensor& t, const Group& g) {
+  return t.select(0, g.b).narrow(0, g.h0, g.gh).narrow(1, g.n0, g.n);
 }
 
-// Applies f(vector lane group) over each row of a [rows, d] block, with a scalar tail.
+// Heads of a group of a [B, H, r, c] weight tensor: [gh, r, c] (a view).
+inline Tensor weights_of(const Tensor& t, const Group& g) {
+  return t.select(0, g.b).narrow(0, g.h0, g.gh);
+}
+
+// A [groups, rows, d] block: first element, group and row strides (elements).
+template <typename T>
+struct Rows {
+  T* ptr;
+  int64_t s0, s1;
+  T* row(int64_t i, int64_t r) const { return ptr + i * s0 + r * s1; }
+};
+
+// Columns [c0, c0 + d) of a [groups, rows, cols] tensor with unit stride along cols.
+template <typename T>
+Rows<T> cols(const Tensor& t, int64_t c0 = 0) {
+  return {t.data_ptr<T>() + c0, t.stride(0), t.stride(1)};
+}
+
+// Applies f(group, row, first column) over a [groups, rows, d] block in vector lane groups, with a scalar tail.
 template <typename T, typename FV, typename FS>
-inline void rows(int64_t n_rows, int64_t d, FV fv, FS fs) {
+inline void each(const Group& g, int64_t d, FV fv, FS fs) {
   constexpr int64_t W = Vec<T>::size();
-  for (int64_t r = 0; r < n_rows; ++r) {
-    int64_t c = 0;
-    for (; c + W <= d; c += W) fv(r, c);
-    for (; c < d; ++c) fs(r, c);
+  for (int64_t i = 0; i < g.gh; ++i) {
+    for (int64_t r = 0; r < g.n; ++r) {
+      int64_t c = 0;
+      for (; c + W <= d; c += W) fv(i, r, c);
+      for (; c < d; ++c) fs(i, r, c);
+    }
   }
 }
 
-// A token block of an input that matmuls read several times, dense: the block itself when it is, else a copy
-// into `slot` (rows of a q/k view strided across the qkv tensor cost matmuls ~30% more than cached dense rows).
-inline Tensor dense_block(const Tensor& block, const Tensor& slot) {
-  if (block.is_contiguous()) return block;
-  return slot.narrow(0, 0, block.size(0)).copy_(block);
-}
-
-// Runs body(b, h, n0, n, scratch) over every (sample, head) problem of tokens [B, H, N, d] and its token blocks
-// [n0, n0 + n) of at most nb tokens, in order within a problem (accumulations stay per problem). Problems are
-// spread across threads when there are enough of them, else run one after another (every op then parallel
-// inside). scratch: `slots` [nb, d] matrices per thread.
+// Runs body(group, scratch) over tokens [B, H, N, d] cut into groups (see Group) of at most `block` rows
+// (gh * n), in token order within a head (accumulations stay per head). When a head's tokens fit a block,
+// heads of one sample are grouped, as many as fill a block but no fewer groups than threads; else each head
+// is walked in blocks of `block` tokens. Groups are spread across threads when there are enough of them, else
+// run one after another (every op then parallel inside). scratch: `slots` buffers of block * `width` elements
+// per thread; `view(scratch, slot, group, c)` shapes one as [gh, n, c].
 template <typename F>
-void for_blocks(const Tensor& tokens, int64_t nb, int64_t slots, F body) {
-  const int64_t H = tokens.size(1), N = tokens.size(2), d = tokens.size(3), count = tokens.size(0) * H;
+void for_groups(const Tensor& tokens, int64_t block, int64_t slots, int64_t width, F body) {
+  const int64_t B = tokens.size(0), H = tokens.size(1), N = tokens.size(2);
   const int64_t threads = at::get_num_threads();
-  const bool spread = threads > 1 && count >= threads;
-  Tensor scratch = at::empty({spread ? threads : 1, slots, nb, d}, tokens.options());
-  auto problems = [&](int64_t begin, int64_t end, const Tensor& s) {
-    for (int64_t i = begin; i < end; ++i) {
-      for (int64_t n0 = 0; n0 < N; n0 += nb) body(i / H, i % H, n0, std::min(nb, N - n0), s);
+  int64_t gh = 1, nb = std::min(block, N);
+  if (N <= block) {
+    gh = std::max<int64_t>(1, std::min(H, block / N));
+    while (gh > 1 && B * ((H + gh - 1) / gh) < threads) --gh;
+  }
+  std::vector<Group> groups;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h0 = 0; h0 < H; h0 += gh) {
+      for (int64_t n0 = 0; n0 < N; n0 += nb) {
+        groups.push_back({b, h0, std::min(gh, H - h0), n0, std::min(nb, N - n0)});
+      }
+    }
+  }
+  const int64_t per_head = (N + nb - 1) / nb;  // consecutive groups of one head (n0 = 0, nb, ...)
+  const int64_t units = static_cast<int64_t>(groups.size()) / per_head;
+  const bool spread = threads > 1 && units >= threads;
+  Tensor scratch = at::empty({spread ? threads : 1, slots, gh * nb * width}, tokens.options());
+  auto run = [&](int64_t begin, int64_t end, const Tensor& s) {
+    for (int64_t u = begin; u < end; ++u) {
+      for (int64_t j = 0; j < per_head; ++j) body(groups[u * per_head + j], s);
     }
   };
   if (!spread) {
-    problems(0, count, scratch[0]);
+    run(0, units, scratch[0]);
     return;
   }
   // Worker threads start with default thread-local state (grad mode on, autograd keys active): give them ours.
   const at::ThreadLocalState state;
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard guard(state);
-    problems(begin, end, scratch[at::get_thread_num()]);
+    run(begin, end, scratch[at::get_thread_num()]);
   });
 }
 
+// Scratch slot `slot` of one thread as a dense [gh, n, c] tensor for group g.
+inline Tensor view(const Tensor& s, int64_t slot, const Group& g, int64_t c) {
+  return s.select(0, slot).narrow(0, 0, g.gh * g.n * c).view({g.gh, g.n, c});
+}
+
 // dense: contiguous buffers (weights, saved pre-activations); views: [B, H, N, d] tensors with unit stride along
-// d. All share the first operand's dtype.
+// d. All share the first view's dtype.
 void check_inputs(const std::vector<Tensor>& dense, const std::vector<Tensor>& views) {
   const auto dtype = views.front().scalar_type();
   for (const auto& t : dense) {
@@ -127,70 +168,67 @@ void check_inputs(const std::vector<Tensor>& dense, const std::vector<Tensor>& v
   }
 }
 
-// Pass 1 of the forward: Z = k W, P = [v ⊙ A | v ⊙ Z1 ⊙ A'] (A = silu(Z2), A' = σ + A (1 - σ)),
-// G += kᵀ P. g [B, H, 2, d, d] accumulates (zeroed by the caller); z [B, H, 2, N, d] or undefined.
+// [B, H, rows, cols] with the given rows and cols (a weight pair [d, 2d], a saved pre-activation [N, 2d], ...).
+void check_shape(const Tensor& t, const Tensor& tokens, int64_t rows, int64_t width, const char* name) {
+  TORCH_CHECK(
+      t.dim() == 4 && t.size(0) == tokens.size(0) && t.size(1) == tokens.size(1) && t.size(2) == rows &&
+          t.size(3) == width,
+      "swiglu_cpu: ", name, " must be [B, H, ", rows, ", ", width, "], got ", t.sizes());
+}
+
+// Pass 1 of the forward: Z = k [W1 | W2], P = [v ⊙ A | v ⊙ Z1 ⊙ A'] (A = silu(Z2), A' = σ + A (1 - σ)),
+// G += kᵀ P. w, g [B, H, d, 2d] (g accumulates, zeroed by the caller); z [B, H, N, 2d] or undefined.
 template <typename T>
 void inner_grad_impl(
-    const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& g, const Tensor& z, int64_t nb) {
+    const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& g, const Tensor& z, int64_t block) {
   const int64_t d = k.size(3);
-  const bool save = z.defined();
-  for_blocks(k, nb, 5, [&](int64_t b, int64_t h, int64_t n0, int64_t n, const Tensor& s) {
-    const Tensor kh = k[b][h], vh = v[b][h], wh = w[b][h], gh = g[b][h];
-    const Tensor kt = dense_block(kh.narrow(0, n0, n), s[4]);
-    Tensor z1 = save ? z[b][h][0].narrow(0, n0, n) : s[0].narrow(0, 0, n);
-    Tensor z2 = save ? z[b][h][1].narrow(0, n0, n) : s[1].narrow(0, 0, n);
-    const Tensor p1 = s[2].narrow(0, 0, n), p2 = s[3].narrow(0, 0, n);
-    at::mm_out(z1, kt, wh[0]);
-    at::mm_out(z2, kt, wh[1]);
-    auto Z1 = block_of<T>(z1), Z2 = block_of<T>(z2), P1 = block_of<T>(p1), P2 = block_of<T>(p2);
-    auto V = block_of<T>(vh.narrow(0, n0, n));
-    rows<T>(
-        n, d,
-        [&](int64_t r, int64_t c) {
-          const Vec<T> z2v = Vec<T>::loadu(Z2.row(r) + c), vv = Vec<T>::loadu(V.row(r) + c);
+  for_groups(k, block, 2, 2 * d, [&](const Group& gr, const Tensor& s) {
+    const Tensor kt = tokens_of(k, gr);
+    Tensor zt = z.defined() ? tokens_of(z, gr) : view(s, 0, gr, 2 * d);
+    const Tensor p = view(s, 1, gr, 2 * d);
+    at::bmm_out(zt, kt, weights_of(w, gr));
+    auto Z1 = cols<T>(zt), Z2 = cols<T>(zt, d), V = cols<T>(tokens_of(v, gr));
+    auto P1 = cols<T>(p), P2 = cols<T>(p, d);
+    each<T>(
+        gr, d,
+        [&](int64_t i, int64_t r, int64_t c) {
+          const Vec<T> z2v = Vec<T>::loadu(Z2.row(i, r) + c), vv = Vec<T>::loadu(V.row(i, r) + c);
           const Vec<T> sig = vsigmoid(z2v), a = z2v * sig;
-          (a * vv).store(P1.row(r) + c);
-          ((sig + a * (Vec<T>(T(1)) - sig)) * Vec<T>::loadu(Z1.row(r) + c) * vv).store(P2.row(r) + c);
+          (a * vv).store(P1.row(i, r) + c);
+          ((sig + a * (Vec<T>(T(1)) - sig)) * Vec<T>::loadu(Z1.row(i, r) + c) * vv).store(P2.row(i, r) + c);
         },
-        [&](int64_t r, int64_t c) {
-          const T z2s = Z2.row(r)[c], vs = V.row(r)[c], sig = ssigmoid(z2s), a = z2s * sig;
-          P1.row(r)[c] = a * vs;
-          P2.row(r)[c] = (sig + a * (T(1) - sig)) * Z1.row(r)[c] * vs;
+        [&](int64_t i, int64_t r, int64_t c) {
+          const T z2s = Z2.row(i, r)[c], vs = V.row(i, r)[c], sig = ssigmoid(z2s), a = z2s * sig;
+          P1.row(i, r)[c] = a * vs;
+          P2.row(i, r)[c] = (sig + a * (T(1) - sig)) * Z1.row(i, r)[c] * vs;
         });
-    const Tensor kt_t = kt.t();
-    gh[0].addmm_(kt_t, p1);
-    gh[1].addmm_(kt_t, p2);
+    weights_of(g, gr).baddbmm_(kt.transpose(1, 2), p);
   });
 }
 
-// Pass 2 of the forward: Y = q W', out = Y1 ⊙ silu(Y2). y [B, H, 2, N, d] or undefined.
+// Pass 2 of the forward: Y = q [W1' | W2'], out = Y1 ⊙ silu(Y2). y [B, H, N, 2d] or undefined.
 template <typename T>
-void readout_impl(const Tensor& q, const Tensor& w_new, const Tensor& out, const Tensor& y, int64_t nb) {
+void readout_impl(const Tensor& q, const Tensor& w_new, const Tensor& out, const Tensor& y, int64_t block) {
   const int64_t d = q.size(3);
-  const bool save = y.defined();
-  for_blocks(q, nb, 3, [&](int64_t b, int64_t h, int64_t n0, int64_t n, const Tensor& s) {
-    const Tensor qh = q[b][h], wh = w_new[b][h], oh = out[b][h];
-    const Tensor qt = dense_block(qh.narrow(0, n0, n), s[2]);
-    Tensor y1 = save ? y[b][h][0].narrow(0, n0, n) : s[0].narrow(0, 0, n);
-    Tensor y2 = save ? y[b][h][1].narrow(0, n0, n) : s[1].narrow(0, 0, n);
-    at::mm_out(y1, qt, wh[0]);
-    at::mm_out(y2, qt, wh[1]);
-    auto Y1 = block_of<T>(y1), Y2 = block_of<T>(y2), O = block_of<T>(oh.narrow(0, n0, n));
-    rows<T>(
-        n, d,
-        [&](int64_t r, int64_t c) {
-          const Vec<T> y2v = Vec<T>::loadu(Y2.row(r) + c);
-          (Vec<T>::loadu(Y1.row(r) + c) * y2v * vsigmoid(y2v)).store(O.row(r) + c);
+  for_groups(q, block, 1, 2 * d, [&](const Group& gr, const Tensor& s) {
+    Tensor yt = y.defined() ? tokens_of(y, gr) : view(s, 0, gr, 2 * d);
+    at::bmm_out(yt, tokens_of(q, gr), weights_of(w_new, gr));
+    auto Y1 = cols<T>(yt), Y2 = cols<T>(yt, d), O = cols<T>(tokens_of(out, gr));
+    each<T>(
+        gr, d,
+        [&](int64_t i, int64_t r, int64_t c) {
+          const Vec<T> y2v = Vec<T>::loadu(Y2.row(i, r) + c);
+          (Vec<T>::loadu(Y1.row(i, r) + c) * y2v * vsigmoid(y2v)).store(O.row(i, r) + c);
         },
-        [&](int64_t r, int64_t c) {
-          const T y2s = Y2.row(r)[c];
-          O.row(r)[c] = Y1.row(r)[c] * y2s * ssigmoid(y2s);
+        [&](int64_t i, int64_t r, int64_t c) {
+          const T y2s = Y2.row(i, r)[c];
+          O.row(i, r)[c] = Y1.row(i, r)[c] * y2s * ssigmoid(y2s);
         });
   });
 }
 
-// Pass 1 of the backward: dY = [dO ⊙ silu(Y2) | dO ⊙ Y1 ⊙ silu'(Y2)], dq = dY1 W1'ᵀ + dY2 W2'ᵀ,
-// dW' += qᵀ dY (dw [B, H, 2, d, d], zeroed by the caller).
+// Pass 1 of the backward: dY = [dO ⊙ silu(Y2) | dO ⊙ Y1 ⊙ silu'(Y2)], dq = dY [W1' | W2']ᵀ, dW' += qᵀ dY
+// (dw [B, H, d, 2d], zeroed by the caller). y: the saved Y = q W' [B, H, N, 2d], or undefined: recomputed.
 template <typename T>
 void readout_backward_impl(
     const Tensor& d_out,
@@ -199,99 +237,203 @@ void readout_backward_impl(
     const Tensor& w_new,
     const Tensor& dq,
     const Tensor& dw,
-    int64_t nb) {
+    int64_t block) {
   const int64_t d = q.size(3);
-  for_blocks(q, nb, 3, [&](int64_t b, int64_t h, int64_t n0, int64_t n, const Tensor& s) {
-    const Tensor qh = q[b][h], wh = w_new[b][h], dwh = dw[b][h], dqh = dq[b][h], doh = d_out[b][h];
-    const Tensor dy1 = s[0].narrow(0, 0, n), dy2 = s[1].narrow(0, 0, n);
-    auto Y1 = block_of<T>(y[b][h][0].narrow(0, n0, n)), Y2 = block_of<T>(y[b][h][1].narrow(0, n0, n));
-    auto DO = block_of<T>(doh.narrow(0, n0, n)), D1 = block_of<T>(dy1), D2 = block_of<T>(dy2);
-    rows<T>(
-        n, d,
-        [&](int64_t r, int64_t c) {
-          const Vec<T> y2v = Vec<T>::loadu(Y2.row(r) + c), dov = Vec<T>::loadu(DO.row(r) + c);
+  for_groups(q, block, 2, 2 * d, [&](const Group& gr, const Tensor& s) {
+    const Tensor qt = tokens_of(q, gr), wt = weights_of(w_new, gr), dy = view(s, 0, gr, 2 * d);
+    Tensor yt = y.defined() ? tokens_of(y, gr) : view(s, 1, gr, 2 * d);
+    if (!y.defined()) at::bmm_out(yt, qt, wt);
+    auto Y1 = cols<T>(yt), Y2 = cols<T>(yt, d), DO = cols<T>(tokens_of(d_out, gr));
+    auto D1 = cols<T>(dy), D2 = cols<T>(dy, d);
+    each<T>(
+        gr, d,
+        [&](int64_t i, int64_t r, int64_t c) {
+          const Vec<T> y2v = Vec<T>::loadu(Y2.row(i, r) + c), dov = Vec<T>::loadu(DO.row(i, r) + c);
           const Vec<T> sig = vsigmoid(y2v), one(T(1));
-          (dov * y2v * sig).store(D1.row(r) + c);
-          (dov * Vec<T>::loadu(Y1.row(r) + c) * sig * (one + y2v * (one - sig))).store(D2.row(r) + c);
+          (dov * y2v * sig).store(D1.row(i, r) + c);
+          (dov * Vec<T>::loadu(Y1.row(i, r) + c) * sig * (one + y2v * (one - sig))).store(D2.row(i, r) + c);
         },
-        [&](int64_t r, int64_t c) {
-          const T y2s = Y2.row(r)[c], dos = DO.row(r)[c], sig = ssigmoid(y2s);
-          D1.row(r)[c] = dos * y2s * sig;
-          D2.row(r)[c] = dos * Y1.row(r)[c] * sig * (T(1) + y2s * (T(1) - sig));
+        [&](int64_t i, int64_t r, int64_t c) {
+          const T y2s = Y2.row(i, r)[c], dos = DO.row(i, r)[c], sig = ssigmoid(y2s);
+          D1.row(i, r)[c] = dos * y2s * sig;
+          D2.row(i, r)[c] = dos * Y1.row(i, r)[c] * sig * (T(1) + y2s * (T(1) - sig));
         });
-    Tensor dqt = dqh.narrow(0, n0, n);
-    at::mm_out(dqt, dy1, wh[0].t());
-    dqt.addmm_(dy2, wh[1].t());
-    const Tensor qt_t = dense_block(qh.narrow(0, n0, n), s[2]).t();
-    dwh[0].addmm_(qt_t, dy1);
-    dwh[1].addmm_(qt_t, dy2);
+    Tensor dqt = tokens_of(dq, gr);
+    at::bmm_out(dqt, dy, wt.transpose(1, 2));
+    weights_of(dw, gr).baddbmm_(qt.transpose(1, 2), dy);
   });
 }
 
-// Pass 2 of the backward, with dG (the -c of E = -c v folded in): dP = k dG,
-// dv = dP1 ⊙ A + dP2 ⊙ Z1 ⊙ A', dZ1 = v ⊙ dP2 ⊙ A', dZ2 = v ⊙ (dP1 ⊙ A' + dP2 ⊙ Z1 ⊙ A''),
-// dk = P1 dG1ᵀ + P2 dG2ᵀ + dZ1 W1ᵀ + dZ2 W2ᵀ, dW += kᵀ dZ.
+// Pass 2 of the backward. dgw = [dG1 | dG2 | W1 | W2] [B, H, d, 4d] (dG with the -c of E = -c v folded in):
+// dP = k dG, dv = dP1 ⊙ A + dP2 ⊙ Z1 ⊙ A', dZ1 = v ⊙ dP2 ⊙ A', dZ2 = v ⊙ (dP1 ⊙ A' + dP2 ⊙ Z1 ⊙ A''),
+// dk = [P1 | P2 | dZ1 | dZ2] [dG1 | dG2 | W1 | W2]ᵀ (one matmul), dW += kᵀ dZ. z: the saved Z = k W
+// [B, H, N, 2d], or undefined: recomputed.
 template <typename T>
 void inner_backward_impl(
     const Tensor& k,
     const Tensor& v,
     const Tensor& z,
-    const Tensor& w,
-    const Tensor& dg,
+    const Tensor& dgw,
     const Tensor& dk,
     const Tensor& dv,
     const Tensor& dw,
-    int64_t nb) {
+    int64_t block) {
   const int64_t d = k.size(3);
-  for_blocks(k, nb, 7, [&](int64_t b, int64_t h, int64_t n0, int64_t n, const Tensor& s) {
-    const Tensor kh = k[b][h], vh = v[b][h], wh = w[b][h], dgh = dg[b][h], dwh = dw[b][h];
-    const Tensor dkh = dk[b][h], dvh = dv[b][h];
-    const Tensor kt = dense_block(kh.narrow(0, n0, n), s[6]);
-    Tensor dp1 = s[0].narrow(0, 0, n), dp2 = s[1].narrow(0, 0, n), dz1 = s[2].narrow(0, 0, n);
-    Tensor dz2 = s[3].narrow(0, 0, n), p1 = s[4].narrow(0, 0, n), p2 = s[5].narrow(0, 0, n);
-    at::mm_out(dp1, kt, dgh[0]);
-    at::mm_out(dp2, kt, dgh[1]);
-    auto Z1 = block_of<T>(z[b][h][0].narrow(0, n0, n)), Z2 = block_of<T>(z[b][h][1].narrow(0, n0, n));
-    auto V = block_of<T>(vh.narrow(0, n0, n)), DV = block_of<T>(dvh.narrow(0, n0, n));
-    auto DP1 = block_of<T>(dp1), DP2 = block_of<T>(dp2), DZ1 = block_of<T>(dz1), DZ2 = block_of<T>(dz2);
-    auto P1 = block_of<T>(p1), P2 = block_of<T>(p2);
-    rows<T>(
-        n, d,
-        [&](int64_t r, int64_t c) {
+  for_groups(k, block, 2, 4 * d, [&](const Group& gr, const Tensor& s) {
+    const Tensor kt = tokens_of(k, gr), mt = weights_of(dgw, gr);
+    // dP = k dG and, when Z was not saved, Z = k W: then one matmul k [dG | W] = [dP | Z], twice as wide.
+    Tensor dp, zt;
+    if (z.defined()) {
+      dp = view(s, 0, gr, 2 * d);
+      at::bmm_out(dp, kt, mt.narrow(2, 0, 2 * d));
+      zt = tokens_of(z, gr);
+    } else {
+      Tensor dpz = view(s, 0, gr, 4 * d);
+      at::bmm_out(dpz, kt, mt);
+      dp = dpz.narrow(2, 0, 2 * d);
+      zt = dpz.narrow(2, 2 * d, 2 * d);
+    }
+    Tensor pz = view(s, 1, gr, 4 * d);  // [P1 | P2 | dZ1 | dZ2]
+    auto Z1 = cols<T>(zt), Z2 = cols<T>(zt, d), V = cols<T>(tokens_of(v, gr)), DV = cols<T>(tokens_of(dv, gr));
+    auto DP1 = cols<T>(dp), DP2 = cols<T>(dp, d);
+    auto P1 = cols<T>(pz), P2 = cols<T>(pz, d), DZ1 = cols<T>(pz, 2 * d), DZ2 = cols<T>(pz, 3 * d);
+    each<T>(
+        gr, d,
+        [&](int64_t i, int64_t r, int64_t c) {
           const Vec<T> one(T(1)), two(T(2));
-          const Vec<T> z1v = Vec<T>::loadu(Z1.row(r) + c), z2v = Vec<T>::loadu(Z2.row(r) + c);
-          const Vec<T> vv = Vec<T>::loadu(V.row(r) + c);
-          const Vec<T> dp1v = Vec<T>::loadu(DP1.row(r) + c), dp2v = Vec<T>::loadu(DP2.row(r) + c);
+          const Vec<T> z1v = Vec<T>::loadu(Z1.row(i, r) + c), z2v = Vec<T>::loadu(Z2.row(i, r) + c);
+          const Vec<T> vv = Vec<T>::loadu(V.row(i, r) + c);
+          const Vec<T> dp1v = Vec<T>::loadu(DP1.row(i, r) + c), dp2v = Vec<T>::loadu(DP2.row(i, r) + c);
           const Vec<T> sig = vsigmoid(z2v), a = z2v * sig, u = sig * (one - sig);
           const Vec<T> a1 = sig + z2v * u, a2 = u * (two + z2v - two * a);
           const Vec<T> rr = dp2v * z1v, va = vv * a1;
-          (dp1v * a + rr * a1).store(DV.row(r) + c);
-          (dp2v * va).store(DZ1.row(r) + c);
-          (dp1v * va + rr * vv * a2).store(DZ2.row(r) + c);
-          (a * vv).store(P1.row(r) + c);
-          (va * z1v).store(P2.row(r) + c);
+          (dp1v * a + rr * a1).store(DV.row(i, r) + c);
+          (dp2v * va).store(DZ1.row(i, r) + c);
+          (dp1v * va + rr * vv * a2).store(DZ2.row(i, r) + c);
+          (a * vv).store(P1.row(i, r) + c);
+          (va * z1v).store(P2.row(i, r) + c);
         },
-        [&](int64_t r, int64_t c) {
-          const T z1s = Z1.row(r)[c], z2s = Z2.row(r)[c], vs = V.row(r)[c];
-          const T dp1s = DP1.row(r)[c], dp2s = DP2.row(r)[c];
+        [&](int64_t i, int64_t r, int64_t c) {
+          const T z1s = Z1.row(i, r)[c], z2s = Z2.row(i, r)[c], vs = V.row(i, r)[c];
+          const T dp1s = DP1.row(i, r)[c], dp2s = DP2.row(i, r)[c];
           const T sig = ssigmoid(z2s), a = z2s * sig, u = sig * (T(1) - sig);
           const T a1 = sig + z2s * u, a2 = u * (T(2) + z2s - T(2) * a);
           const T rr = dp2s * z1s, va = vs * a1;
-          DV.row(r)[c] = dp1s * a + rr * a1;
-          DZ1.row(r)[c] = dp2s * va;
-          DZ2.row(r)[c] = dp1s * va + rr * vs * a2;
-          P1.row(r)[c] = a * vs;
-          P2.row(r)[c] = va * z1s;
+          DV.row(i, r)[c] = dp1s * a + rr * a1;
+          DZ1.row(i, r)[c] = dp2s * va;
+          DZ2.row(i, r)[c] = dp1s * va + rr * vs * a2;
+          P1.row(i, r)[c] = a * vs;
+          P2.row(i, r)[c] = va * z1s;
         });
-    Tensor dkt = dkh.narrow(0, n0, n);
-    at::mm_out(dkt, p1, dgh[0].t());
-    dkt.addmm_(p2, dgh[1].t());
-    dkt.addmm_(dz1, wh[0].t());
-    dkt.addmm_(dz2, wh[1].t());
-    const Tensor kt_t = kt.t();
-    dwh[0].addmm_(kt_t, dz1);
-    dwh[1].addmm_(kt_t, dz2);
+    Tensor dkt = tokens_of(dk, gr);
+    at::bmm_out(dkt, pz, mt.transpose(1, 2));
+    weights_of(dw, gr).baddbmm_(kt.transpose(1, 2), pz.narrow(2, 2 * d, 2 * d));
   });
+}
+
+// The official mixer's depthwise 3x3 branch on token rows: x, out [B, N, C] (N = h * w in raster order) with
+// unit stride along C and any other strides (views of the mixer's qkv projection, output and gradient);
+// per-sample taps [1|B, 9, C] contiguous, tap (di, dj) at 3 (di + 1) + dj + 1. Each (sample, channel vector)
+// walks the grid once, with zero padding; oneDNN's depthwise calls cost ~60-100 µs each at 14x14 here, this
+// costs a few.
+
+// A [B, N, C] token tensor with unit stride along C: first element and the sample and token strides.
+template <typename T>
+struct Map {
+  T* ptr;
+  int64_t sb, sn;
+  T* at(int64_t b, int64_t p) const { return ptr + b * sb + p * sn; }
+};
+
+template <typename T>
+Map<T> map_of(const Tensor& t) {
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1)};
+}
+
+// Calls f(b, c0, lanes) over every (sample, channel vector) unit, spread over ATen's threads.
+template <typename F>
+void for_channel_vectors(int64_t B, int64_t C, int64_t W, F f) {
+  const int64_t chunks = (C + W - 1) / W;
+  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t c0 = (u % chunks) * W;
+      f(u / chunks, c0, std::min(W, C - c0));
+    }
+  });
+}
+
+// out[b, p] = Σ_δ w[b, δ] ⊙ x[b, p + δ] (a per-sample depthwise 3x3 conv, cross-correlation as torch's),
+// + bias [C] when defined, + x[b, p] when residual (ConvPosEnc: x + dwconv(x)).
+template <typename T>
+void dwconv_impl(
+    const Tensor& x, const Tensor& w, const Tensor& out, int64_t gh, int64_t gw, const Tensor& bias, bool residual) {
+  const int64_t B = x.size(0), C = x.size(2), ws = w.size(0) == 1 ? 0 : 9 * C;
+  constexpr int64_t W = Vec<T>::size();
+  const auto X = map_of<T>(x), O = map_of<T>(out);
+  const T* taps = w.data_ptr<T>();
+  for_channel_vectors(B, C, W, [&](int64_t b, int64_t c0, int64_t lanes) {
+    const T* tb = taps + b * ws + c0;
+    Vec<T> k[9];
+    for (int64_t t = 0; t < 9; ++t) k[t] = Vec<T>::loadu(tb + t * C, lanes);
+    const Vec<T> start = bias.defined() ? Vec<T>::loadu(bias.data_ptr<T>() + c0, lanes) : Vec<T>(T(0));
+    for (int64_t i = 0; i < gh; ++i) {
+      for (int64_t j = 0; j < gw; ++j) {
+        Vec<T> acc = residual ? start + Vec<T>::loadu(X.at(b, i * gw + j) + c0, lanes) : start;
+        for (int64_t di = -1; di <= 1; ++di) {
+          if (i + di < 0 || i + di >= gh) continue;
+          for (int64_t dj = -1; dj <= 1; ++dj) {
+            if (j + dj < 0 || j + dj >= gw) continue;
+            acc = at::vec::fmadd(k[3 * (di + 1) + dj + 1], Vec<T>::loadu(X.at(b, (i + di) * gw + j + dj) + c0, lanes), acc);
+          }
+        }
+        acc.store(O.at(b, i * gw + j) + c0, lanes);
+      }
+    }
+  });
+}
+
+// g_w[b, δ] = Σ_p g[b, p] ⊙ x[b, p + δ] (the weight gradient of dwconv with output gradient g), g_w [B, 9, C].
+template <typename T>
+void dwconv_weight_grad_impl(const Tensor& g, const Tensor& x, const Tensor& gw_out, int64_t gh, int64_t gw) {
+  const int64_t B = x.size(0), C = x.size(2);
+  constexpr int64_t W = Vec<T>::size();
+  const auto G = map_of<T>(g), X = map_of<T>(x);
+  T* out = gw_out.data_ptr<T>();
+  for_channel_vectors(B, C, W, [&](int64_t b, int64_t c0, int64_t lanes) {
+    Vec<T> acc[9];
+    for (int64_t t = 0; t < 9; ++t) acc[t] = Vec<T>(T(0));
+    for (int64_t i = 0; i < gh; ++i) {
+      for (int64_t j = 0; j < gw; ++j) {
+        const Vec<T> gv = Vec<T>::loadu(G.at(b, i * gw + j) + c0, lanes);
+        for (int64_t di = -1; di <= 1; ++di) {
+          if (i + di < 0 || i + di >= gh) continue;
+          for (int64_t dj = -1; dj <= 1; ++dj) {
+            if (j + dj < 0 || j + dj >= gw) continue;
+            const int64_t t = 3 * (di + 1) + dj + 1;
+            acc[t] = at::vec::fmadd(gv, Vec<T>::loadu(X.at(b, (i + di) * gw + j + dj) + c0, lanes), acc[t]);
+          }
+        }
+      }
+    }
+    for (int64_t t = 0; t < 9; ++t) acc[t].store(out + (b * 9 + t) * C + c0, lanes);
+  });
+}
+
+void check_maps(const std::vector<Tensor>& maps, int64_t gh, int64_t gw) {
+  const auto& first = maps.front();
+  for (const auto& t : maps) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == first.scalar_type(), "swiglu_cpu: CPU tensors of one dtype only");
+    TORCH_CHECK(t.dim() == 3 && t.sizes() == first.sizes(), "swiglu_cpu: maps must all be [B, N, C] of one shape");
+    TORCH_CHECK(t.stride(-1) == 1, "swiglu_cpu: maps need unit stride along C");
+  }
+  TORCH_CHECK(gh > 0 && gw > 0 && gh * gw == first.size(1), "swiglu_cpu: grid ", gh, "x", gw, " does not fit N=", first.size(1));
+}
+
+void check_taps(const Tensor& w, const Tensor& x, bool broadcast) {
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous(), "swiglu_cpu: taps must be contiguous, of the maps' dtype");
+  TORCH_CHECK(
+      w.dim() == 3 && (w.size(0) == x.size(0) || (broadcast && w.size(0) == 1)) && w.size(1) == 9 && w.size(2) == x.size(2),
+      "swiglu_cpu: taps must be [", broadcast ? "1|" : "", "B, 9, C], got ", w.sizes());
 }
 
 #define VIT3_DISPATCH(t, name, ...)                                  \
@@ -312,7 +454,13 @@ void inner_grad(
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // raw kernel: its outputs are plain buffers
   const Tensor zz = z.has_value() ? *z : Tensor();
   check_inputs({w, g}, {k, v});
-  if (zz.defined()) check_inputs({zz}, {k});
+  const int64_t d = k.size(3);
+  check_shape(w, k, d, 2 * d, "w");
+  check_shape(g, k, d, 2 * d, "g");
+  if (zz.defined()) {
+    check_inputs({zz}, {k});
+    check_shape(zz, k, k.size(2), 2 * d, "z");
+  }
   check_block(block);
   VIT3_DISPATCH(k, inner_grad_impl, k, v, w, g, zz, block);
 }
@@ -321,7 +469,12 @@ void readout(const Tensor& q, const Tensor& w_new, Tensor out, const std::option
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const Tensor yy = y.has_value() ? *y : Tensor();
   check_inputs({w_new}, {q, out});
-  if (yy.defined()) check_inputs({yy}, {q});
+  const int64_t d = q.size(3);
+  check_shape(w_new, q, d, 2 * d, "w_new");
+  if (yy.defined()) {
+    check_inputs({yy}, {q});
+    check_shape(yy, q, q.size(2), 2 * d, "y");
+  }
   check_block(block);
   VIT3_DISPATCH(q, readout_impl, q, w_new, out, yy, block);
 }
@@ -329,31 +482,67 @@ void readout(const Tensor& q, const Tensor& w_new, Tensor out, const std::option
 void readout_backward(
     const Tensor& d_out,
     const Tensor& q,
-    const Tensor& y,
+    const std::optional<Tensor>& y,
     const Tensor& w_new,
     Tensor dq,
     Tensor dw,
     int64_t block) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_inputs({y, w_new, dw}, {d_out, q, dq});
+  const Tensor yy = y.has_value() ? *y : Tensor();
+  check_inputs({w_new, dw}, {d_out, q, dq});
+  const int64_t d = q.size(3);
+  check_shape(w_new, q, d, 2 * d, "w_new");
+  check_shape(dw, q, d, 2 * d, "dw");
+  if (yy.defined()) {
+    check_inputs({yy}, {q});
+    check_shape(yy, q, q.size(2), 2 * d, "y");
+  }
   check_block(block);
-  VIT3_DISPATCH(q, readout_backward_impl, d_out, q, y, w_new, dq, dw, block);
+  VIT3_DISPATCH(q, readout_backward_impl, d_out, q, yy, w_new, dq, dw, block);
 }
 
 void inner_backward(
     const Tensor& k,
     const Tensor& v,
-    const Tensor& z,
-    const Tensor& w,
-    const Tensor& dg,
+    const std::optional<Tensor>& z,
+    const Tensor& dgw,
     Tensor dk,
     Tensor dv,
     Tensor dw,
     int64_t block) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_inputs({z, w, dg, dw}, {k, v, dk, dv});
+  const Tensor zz = z.has_value() ? *z : Tensor();
+  check_inputs({dgw, dw}, {k, v, dk, dv});
+  const int64_t d = k.size(3);
+  check_shape(dgw, k, d, 4 * d, "dgw");
+  check_shape(dw, k, d, 2 * d, "dw");
+  if (zz.defined()) {
+    check_inputs({zz}, {k});
+    check_shape(zz, k, k.size(2), 2 * d, "z");
+  }
   check_block(block);
-  VIT3_DISPATCH(k, inner_backward_impl, k, v, z, w, dg, dk, dv, dw, block);
+  VIT3_DISPATCH(k, inner_backward_impl, k, v, zz, dgw, dk, dv, dw, block);
+}
+
+void dwconv(
+    const Tensor& x, const Tensor& w, Tensor out, int64_t gh, int64_t gw, const std::optional<Tensor>& bias,
+    bool residual) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_maps({x, out}, gh, gw);
+  check_taps(w, x, true);
+  const Tensor bb = bias.has_value() ? *bias : Tensor();
+  if (bb.defined()) {
+    TORCH_CHECK(bb.scalar_type() == x.scalar_type() && bb.is_contiguous() && bb.numel() == x.size(2),
+                "swiglu_cpu: bias must be a contiguous [C] of the maps' dtype");
+  }
+  VIT3_DISPATCH(x, dwconv_impl, x, w, out, gh, gw, bb, residual);
+}
+
+void dwconv_weight_grad(const Tensor& g, const Tensor& x, Tensor gw_out, int64_t gh, int64_t gw) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_maps({g, x}, gh, gw);
+  check_taps(gw_out, x, false);
+  VIT3_DISPATCH(x, dwconv_weight_grad_impl, g, x, gw_out, gh, gw);
 }
 
 }  // namespace
@@ -362,11 +551,13 @@ TORCH_LIBRARY(vit3_swiglu_cpu, m) {
   m.def("inner_grad(Tensor k, Tensor v, Tensor w, Tensor(a!) g, Tensor(b!)? z, int block) -> ()");
   m.def("readout(Tensor q, Tensor w_new, Tensor(a!) out, Tensor(b!)? y, int block) -> ()");
   m.def(
-      "readout_backward(Tensor d_out, Tensor q, Tensor y, Tensor w_new, Tensor(a!) dq, Tensor(b!) dw, "
+      "readout_backward(Tensor d_out, Tensor q, Tensor? y, Tensor w_new, Tensor(a!) dq, Tensor(b!) dw, "
       "int block) -> ()");
   m.def(
-      "inner_backward(Tensor k, Tensor v, Tensor z, Tensor w, Tensor dg, Tensor(a!) dk, Tensor(b!) dv, "
-      "Tensor(c!) dw, int block) -> ()");
+      "inner_backward(Tensor k, Tensor v, Tensor? z, Tensor dgw, Tensor(a!) dk, Tensor(b!) dv, Tensor(c!) dw, "
+      "int block) -> ()");
+  m.def("dwconv(Tensor x, Tensor w, Tensor(a!) out, int gh, int gw, Tensor? bias=None, bool residual=False) -> ()");
+  m.def("dwconv_weight_grad(Tensor g, Tensor x, Tensor(a!) gw_out, int gh, int gw) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vit3_swiglu_cpu, CPU, m) {
@@ -374,4 +565,6 @@ TORCH_LIBRARY_IMPL(vit3_swiglu_cpu, CPU, m) {
   m.impl("readout", &readout);
   m.impl("readout_backward", &readout_backward);
   m.impl("inner_backward", &inner_backward);
+  m.impl("dwconv", &dwconv);
+  m.impl("dwconv_weight_grad", &dwconv_weight_grad);
 }

@@ -8,7 +8,7 @@ fast path (``vit3.kernels.<op>.PATHS``, read through ``vit3.kernels.ops_with``) 
 backend   what runs                                                   auto order
 ========  ==========================================================  ===========================
 triton    the Triton op ``vit3.kernels.triton_ttt``                    CUDA: first
-cpu       the C++ CPU kernel for the SwiGLU passes (``swiglu.cpp``)   CPU: first, from 100 tokens
+cpu       the C++ CPU kernel (``swiglu.cpp``, ``dwconv.cpp``)          CPU: first (SwiGLU from 32 tokens)
 eager     the eager paths (``swiglu.eager``, ``dwconv.eager``)        CPU: second; CUDA: last
 generic   closed-form ``inner_loop`` + ``apply_to`` (every config)    CPU: last; CUDA: second
 ========  ==========================================================  ===========================
@@ -28,8 +28,15 @@ key with one warning naming the device, the key and the error, and the next back
 flow) the key runs unguarded. ``VIT3_TTT_STRICT=1`` raises instead. Traced and compiled code runs unguarded
 (only ``triton`` under ``torch.compile`` and ``generic`` serve there).
 
+Memory-lean training: the fused eager paths (``cpu``, ``eager``) save only q, k, v and the small weights of
+a SwiGLU branch and recompute its per-token pre-activations Z = k W, Y = q W' in the backward, as the Triton
+backward does (``recompute``: ``TTTConfig.recompute``, else ``$VIT3_TTT_RECOMPUTE``; ``auto`` recomputes below
+``MAX_RECOMPUTE_TOKENS`` tokens per head, where that costs ~3%, and saves them from there on, ~10% faster;
+``always`` / ``never`` force either, 4·d values per token and head apart; ``qkv``
+recomputes the whole mixer but its output projection in the backward, saving only the mixer's input).
+
 ``TTTMixer.explain``, ``explain(model, input)`` and ``python -m vit3.layers.backends <model>`` report the
-backend of every branch and why each other one was passed over.
+backend of every branch and why each other one was passed over, and what the backward recomputes.
 """
 
 from __future__ import annotations
@@ -57,8 +64,11 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "MAX_RECOMPUTE_TOKENS",
     "MIN_CPU_KERNEL_TOKENS",
     "NAMES",
+    "RECOMPUTE_ENV",
+    "RECOMPUTE_MODES",
     "REMOVED_ENV",
     "STRICT_ENV",
     "Backend",
@@ -67,25 +77,36 @@ __all__ = [
     "MixerExplanation",
     "ModelExplanation",
     "Plan",
+    "conv_pos_kernel",
     "explain",
     "explain_mixer",
     "plan",
+    "recompute_choice",
+    "recompute_mode",
     "reset",
 ]
 
 BACKEND_ENV = "VIT3_TTT_BACKEND"
 STRICT_ENV = "VIT3_TTT_STRICT"
+RECOMPUTE_ENV = "VIT3_TTT_RECOMPUTE"
+# What the SwiGLU backward of the fused eager paths does with the per-token pre-activations Z, Y.
+RECOMPUTE_MODES = ("auto", "always", "never", "qkv")
 # The variables VIT3_TTT_BACKEND replaced: setting one warns once, naming its replacement.
 REMOVED_ENV = {
     "VIT3_TTT_IMPL": "VIT3_TTT_BACKEND ('torch' -> 'eager' or 'generic', 'triton' -> 'triton')",
     "VIT3_TTT_KERNEL": "VIT3_TTT_BACKEND ('reference' -> 'generic')",
     "VIT3_CPU_KERNEL": "VIT3_TTT_BACKEND ('1' -> 'cpu', '0' -> 'eager')",
 }
-# Fewer tokens per head than this and auto keeps the tiled eager path on CPUs: it folds many small
-# (sample, head) problems into batched matmuls, where the C++ kernel pays a few ATen calls per problem
-# (measured: the kernel is 0.7-0.8x the tiled path at 4-16 tokens with B*H = 256, even at 64, 1.15-1.45x
-# from 144 tokens on).
-MIN_CPU_KERNEL_TOKENS = 100
+# Fewer tokens per head than this and auto keeps the tiled eager path on CPUs: it folds the problems of all
+# samples into one tile, where the C++ kernel groups the heads of each sample into batched matmuls and pays
+# a few ATen calls per sample (measured fwd+bwd, one thread: the kernel is 0.58x / 0.72x the tiled path at
+# 4 / 16 tokens with B*H = 256, on par at 49 tokens with B*H = 1024, 1.1-1.6x at 16-64 tokens with
+# B*H = 32 and from 196 tokens on).
+MIN_CPU_KERNEL_TOKENS = 32
+# From this many tokens per head on, ``recompute="auto"`` saves Z, Y instead of recomputing them: measured on
+# CPU, one thread, fwd+bwd of the mixer's inner loops (B = 4, 6 heads of 64), recomputing costs 3% at 196
+# tokens and none at 400, but 9% at 784-1600 and 10-20% at 3136, where the inner loop is matmul-bound.
+MAX_RECOMPUTE_TOKENS = 512
 
 
 class BackendWarning(UserWarning):
@@ -121,7 +142,7 @@ class Inputs(NamedTuple):
 
     device: torch.device
     dtype: torch.dtype  # of the qkv projection output, what the backends read
-    tokens: str  # token-count class: "N<100" or "N>=100" (``MIN_CPU_KERNEL_TOKENS``)
+    tokens: str  # token-count class (``token_class``): "N<32", "32<=N<512" or "N>=512"
     grad: bool  # gradients flow through the mixer
     tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
 
@@ -134,14 +155,19 @@ class Step(NamedTuple):
     grid: tuple[int, int]
     scale: float
     cfg: Any  # the mixer's TTTConfig
+    recompute: bool = True  # the plan's memory-lean backward (``Plan.recompute``)
 
 
 _FEW_TOKENS = f"N<{MIN_CPU_KERNEL_TOKENS}"
+_MANY_TOKENS = f"N>={MAX_RECOMPUTE_TOKENS}"
 
 
 def token_class(n: int) -> str:
-    """The token-count class of ``n`` tokens per head (only the CPU kernel's rule tells them apart)."""
-    return f"N>={MIN_CPU_KERNEL_TOKENS}" if n >= MIN_CPU_KERNEL_TOKENS else _FEW_TOKENS
+    """The token-count class of ``n`` tokens per head: the CPU kernel's rule (``MIN_CPU_KERNEL_TOKENS``) and
+    the ``auto`` recompute rule (``MAX_RECOMPUTE_TOKENS``) tell them apart."""
+    if n < MIN_CPU_KERNEL_TOKENS:
+        return _FEW_TOKENS
+    return _MANY_TOKENS if n >= MAX_RECOMPUTE_TOKENS else f"{MIN_CPU_KERNEL_TOKENS}<=N<{MAX_RECOMPUTE_TOKENS}"
 
 
 def tracing_kind() -> str:
@@ -266,9 +292,10 @@ def _cpu_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
 
 
 def _cpu_prefers(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    if x.tokens == _FEW_TOKENS:
+    if branch.name == "swiglu" and x.tokens == _FEW_TOKENS:
         return False, (
-            f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path batches small problems faster"
+            f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path, which folds every sample's "
+            "problems into one tile, is faster"
         )
     return True, ""
 
@@ -299,7 +326,7 @@ def _run_triton(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, T
 
 def _run_eager(cpp: bool) -> Callable[..., Tensor]:
     """The eager path of one branch: SwiGLU through ``swiglu_ttt`` (tiles, or the C++ kernel when ``cpp``),
-    the depthwise conv as a one-branch ``eager_mix`` node."""
+    the depthwise conv as a one-branch ``eager_mix`` node (native convolutions, or the C++ kernel)."""
 
     def run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
         q, k, v, params = _compute(q, k, v, params)
@@ -314,17 +341,19 @@ def _run_eager(cpp: bool) -> Callable[..., Tensor]:
                 scale=step.scale,
                 lr=c.inner_lr,
                 grad_norm=c.grad_norm,
+                recompute=step.recompute,
                 cpp=cpp,
             )
         b, g, n, d = q.shape
         qkv = torch.cat([t.transpose(1, 2).reshape(b, n, g * d) for t in (q, k, v)], dim=-1)  # [B, N, 3*G*d]
         plan = MixPlan(
-            (MixBranch("dwconv", 0, g, d, False),),
+            (MixBranch("dwconv", 0, g, d, False, cpp),),
             step.grid,
             step.scale,
             c.inner_lr,
             c.grad_norm,
             c.rope_base,
+            step.recompute,
         )
         return eager_mix(qkv, plan, [params["weight"]]).unflatten(-1, (g, d)).transpose(1, 2)
 
@@ -403,6 +432,31 @@ def order(device_type: str) -> list[str]:
     """The backends auto tries on ``device_type``, first to last."""
     ranked = [(b.rank(device_type), b.name) for b in BACKENDS.values() if b.rank(device_type) is not None]
     return [name for _, name in sorted(ranked, key=lambda r: -r[0])]
+
+
+def conv_pos_kernel(x: Tensor, weight: Tensor) -> bool:
+    """Whether a ``ConvPosEnc`` (CPE, ``x + dwconv3x3(x)``, outside the mixer) runs on the C++ kernel's
+    depthwise op instead of oneDNN (measured one thread, 192 channels: forward 27 µs vs 138 µs at 14x14,
+    0.44 ms vs 7.4 ms at 56x56, where oneDNN also needs an NCHW copy): CPU float32/float64 tensors of one
+    dtype, no autocast, not tracing (FX, jit, ONNX, compile), a 3x3 kernel, ``$VIT3_TTT_BACKEND`` ``auto`` or ``cpu``, and the kernel
+    built (else the oneDNN convolution serves, as a failed build warns through the mixer's backends)."""
+    if (
+        not isinstance(x, Tensor)  # an FX proxy: traced code takes the plain convolution
+        or x.device.type != "cpu"
+        or x.dtype not in (torch.float32, torch.float64)
+        or weight.dtype != x.dtype
+        or weight.shape[-2:] != (3, 3)
+        or torch.is_autocast_enabled("cpu")
+        or tracing_kind()
+    ):
+        return False
+    if (os.environ.get(BACKEND_ENV, "").strip().lower() or "auto") not in ("auto", "cpu"):
+        return False
+    try:
+        from vit3.kernels.swiglu.cpp import load
+    except Exception:  # the kernels package cannot be imported: oneDNN serves
+        return False
+    return load()[0] is not None
 
 
 # ------------------------------------------------------------------------------------------- the choice
@@ -527,13 +581,68 @@ def _choose(
 
 
 class Plan(NamedTuple):
-    """A mixer call's plan: the backend of each branch, whether they form one fused eager node, the keys."""
+    """A mixer call's plan: the backend of each branch, whether they form one fused eager node, the keys,
+    and whether the fused eager paths recompute the per-token pre-activations in the backward (and why)."""
 
     backends: tuple[str, ...]
     fused: bool
     keys: tuple[BranchKey, ...]
     tracing: str
     args: tuple  # what ``plan`` was called with (to re-plan after a demotion)
+    recompute: bool = True
+    recompute_why: str = ""
+
+
+def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
+    """The recompute mode in force (``always``, ``never`` or ``qkv``; ``auto`` is ``always``) and who set it:
+    ``TTTConfig.recompute`` wins over ``$VIT3_TTT_RECOMPUTE``."""
+    if cfg_recompute not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"TTTConfig.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {cfg_recompute!r}"
+        )
+    if cfg_recompute != "auto":
+        return cfg_recompute, f"TTTConfig.recompute={cfg_recompute!r}"
+    mode = os.environ.get(RECOMPUTE_ENV, "").strip().lower() or "auto"
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"${RECOMPUTE_ENV} must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    return ("always" if mode == "auto" else mode), (
+        "memory-lean default" if mode == "auto" else f"{RECOMPUTE_ENV}={mode}"
+    )
+
+
+def recompute_choice(cfg_recompute: str = "auto", tokens: str = "") -> tuple[bool, str]:
+    """Whether the SwiGLU backward of the fused eager paths recomputes Z = k W, Y = q W', and why.
+
+    ``auto`` recomputes (memory-lean) where that costs little, below ``MAX_RECOMPUTE_TOKENS`` tokens per head
+    (3% of the SwiGLU inner loop at 196 tokens on CPU), and saves them from there on, where recomputing costs
+    ~10% and more; ``always`` / ``never`` force either. ``qkv`` recomputes the mixer's qkv projection and inner
+    loops in its backward (``TTTMixer.forward``): the mixer then saves only its input (~12% more training
+    FLOPs for ViT³-T); inside that recomputation Z, Y are kept (for one mixer at a time).
+
+    Args:
+        cfg_recompute: ``TTTConfig.recompute`` (it wins over ``$VIT3_TTT_RECOMPUTE``).
+        tokens: ``token_class(N)``.
+    """
+    mode, source = recompute_mode(cfg_recompute)
+    if mode == "qkv":
+        return False, (
+            f"the mixer recomputes its qkv projection and inner loops in the backward ({source}; saved per "
+            "token: the mixer input)"
+        )
+    if source == "memory-lean default":
+        if tokens == _MANY_TOKENS:
+            mode, source = (
+                "never",
+                (
+                    f"auto: from {MAX_RECOMPUTE_TOKENS} tokens recomputing costs ~10% of the inner loop; "
+                    "recompute='always' for the lean backward"
+                ),
+            )
+        else:
+            source = f"auto: memory-lean below {MAX_RECOMPUTE_TOKENS} tokens, where recomputing costs ~3%"
+    if mode == "never":
+        return False, f"saves Z = k W, Y = q W' ({source}; 4·d more values per token and head)"
+    return True, f"recomputes Z = k W, Y = q W' ({source}; saved per token and head: q, k, v)"
 
 
 _plans: dict[tuple, Plan] = {}
@@ -564,7 +673,7 @@ def _merged(*maps: Mapping[BranchKey, Mapping[str, str]]) -> dict[BranchKey, dic
 
 
 def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: bool) -> Plan:
-    settings, cfg_backend, branches, device, dtype, tokens, grad, tracing = args
+    settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, cfg_recompute = args
     settings = Settings(*settings)
     x = Inputs(device, dtype, tokens, grad, tracing)
     requested, source = _requested(cfg_backend)
@@ -592,7 +701,8 @@ def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: 
                 raise ValueError(f"{message}; unset {STRICT_ENV} to fall back")
             _warn_once(message + ".")
     names = tuple(c.backend for c in choices)
-    return Plan(names, all(n in _NODE for n in names), keys, tracing, args)
+    recompute, why = recompute_choice(cfg_recompute, tokens)
+    return Plan(names, all(n in _NODE for n in names), keys, tracing, args, recompute, why)
 
 
 @torch.compiler.assume_constant_result  # traced once by torch.compile: the plan is a constant of the graph
@@ -605,6 +715,7 @@ def plan(
     tokens: str,
     grad: bool,
     tracing: str,
+    recompute: str = "auto",
 ) -> Plan:
     """The cached plan of a mixer call (plain values only, so that compilers can fold the call).
 
@@ -616,9 +727,10 @@ def plan(
         tokens: ``token_class(N)``.
         grad: whether gradients flow through the mixer.
         tracing: ``tracing_kind()``.
+        recompute: ``TTTConfig.recompute``.
     """
-    args = (settings, cfg_backend, branches, device, dtype, tokens, grad, tracing)
-    key = (*args, os.environ.get(BACKEND_ENV), os.environ.get(STRICT_ENV))
+    args = (settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, recompute)
+    key = (*args, *(os.environ.get(name) for name in (BACKEND_ENV, STRICT_ENV, RECOMPUTE_ENV)))
     found = _plans.get(key)
     if found is None:
         _warn_removed_env()
@@ -834,6 +946,8 @@ class MixerExplanation:
     requested: str
     fused: bool
     branches: tuple[BranchExplanation, ...]
+    # training with a SwiGLU branch on ``cpu`` / ``eager``: what its backward recomputes or saves, and why
+    recompute: str = ""
 
     def __str__(self) -> str:
         mode = "training" if self.grad else "inference"
@@ -842,6 +956,8 @@ class MixerExplanation:
             f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
             "  " + ("one fused eager node runs every branch" if self.fused else "branch by branch"),
         ]
+        if self.recompute:
+            lines.append(f"  SwiGLU backward: {self.recompute}")
         rows = [("branch", "backend", "passed over")]
         for b in self.branches:
             label = f"{b.index} {b.name} x{b.heads} d={b.head_dim}"
@@ -866,6 +982,7 @@ class MixerExplanation:
             "grad": self.grad,
             "requested": self.requested,
             "fused_node": self.fused,
+            "recompute": self.recompute,
             "branches": [b.to_dict() for b in self.branches],
         }
 
@@ -885,6 +1002,10 @@ def explain_mixer(
     for i, ((name, heads, d, plain), key) in enumerate(zip(branches, _keys(settings, branches, x))):
         c = _choose(Branch(i, name, heads, d, plain), settings, x, requested, source, demoted.get(key, {}))
         out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
+    lean = grad and (
+        recompute_mode(cfg.recompute)[0] == "qkv"
+        or any(b.name == "swiglu" and b.backend in _NODE for b in out)
+    )
     return MixerExplanation(
         mixer.dim,
         mixer.num_heads,
@@ -896,6 +1017,7 @@ def explain_mixer(
         "auto" if requested == "auto" else source,
         all(b.backend in _NODE for b in out),
         tuple(out),
+        recompute_choice(cfg.recompute, x.tokens)[1] if lean else "",
     )
 
 
