@@ -55,10 +55,15 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def load_benchmark(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` as a module: the repository root is not on ``sys.path`` under plain ``pytest``
-    (and must not be: its ``vit3/`` would shadow an installed package's ``vit3.kernels``)."""
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", REPO / "benchmarks" / f"{name}.py")
+def load_module(path: Path, name: str) -> ModuleType:
+    """The Python file ``path`` imported as a module called ``name`` (not through ``sys.path``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module: the repository root is not on ``sys.path`` under plain ``pytest``
+    (and must not be: its ``vit3/`` would shadow an installed package's ``vit3.kernels``)."""
+    return load_module(REPO / "benchmarks" / f"{name}.py", f"benchmarks_{name}")

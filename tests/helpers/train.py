@@ -6,7 +6,6 @@ Test modules import it.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import signal
 import subprocess
@@ -19,11 +18,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from helpers.common import REPO, load_module
 from vit3.data.mnist import load_mnist5k
 from vit3.engine import Config, load_config
 from vit3.engine.config import CONFIG_DIR
 
-REPO = Path(__file__).resolve().parents[2]
 DEMO = CONFIG_DIR / "demo_mnist.yaml"
 
 # The tiny H-ViT³ test model of vit3.models for 32x32 one-channel digits (it learns digits in a few steps).
@@ -68,10 +67,7 @@ def tiny_cfg(data_root: Path, out: Path, *overrides: str) -> Config:
 
 def load_script(name: str) -> ModuleType:
     """Imports ``train.py`` / ``eval.py`` from the repository root as a module."""
-    spec = importlib.util.spec_from_file_location(f"_vit3_script_{name}", REPO / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / f"{name}.py", f"_vit3_script_{name}")
 
 
 def read_ckpt(path: Path) -> dict:
