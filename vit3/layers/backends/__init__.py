@@ -450,7 +450,7 @@ def conv_pos_kernel(x: Tensor, weight: Tensor) -> bool:
         or tracing_kind()
     ):
         return False
-    if (os.environ.get(BACKEND_ENV, "").strip().lower() or "auto") not in ("auto", "cpu"):
+    if _requested("auto")[0] not in ("auto", "cpu"):
         return False
     try:
         from vit3.kernels.swiglu.cpp import load
