@@ -227,7 +227,9 @@ def test_precision_follows_the_legacy_flag(restore_fp32_precision, monkeypatch):
     matmul = restore_fp32_precision
     monkeypatch.setattr(triton_op, "_interpreting", lambda: False)
     matmul.fp32_precision = "none"
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    # Set directly, not by monkeypatch: ``allow_tf32`` is a computed attribute of the cuBLAS module, which
+    # pytest 9.2's undo would try to delete; the fixture restores the precision state.
+    matmul.allow_tf32 = True
     assert triton_op._precision(torch.float32) == "tf32"
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    matmul.allow_tf32 = False
     assert triton_op._precision(torch.float32) == "ieee"
