@@ -118,10 +118,12 @@ def build_paths(
     try:
         from vit3.kernels.swiglu.eager import swiglu_ttt
 
+        cpp = device.type == "cpu"  # as the mixer's ``cpu`` backend runs it
+
         def torch_fast(qkv, w1, w2):
             ct = torch.promote_types(qkv.dtype, torch.float32)
             q, k, v = (t.to(ct) for t in split_heads(qkv, heads))
-            return merge(swiglu_ttt(q, k, v, w1.to(ct), w2.to(ct), scale=SCALE), qkv.dtype)
+            return merge(swiglu_ttt(q, k, v, w1.to(ct), w2.to(ct), scale=SCALE, cpp=cpp), qkv.dtype)
 
         paths["torch_fast"] = torch_fast
     except ImportError:

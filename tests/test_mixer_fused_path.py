@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.common import count_calls
+from helpers.common import count_calls, saved_values
 from helpers.reference import assert_mixer_matches_reference
 from torch.utils.checkpoint import checkpoint
 
@@ -106,15 +106,7 @@ def _saved_per_token(mixer: TTTMixer, n_tokens: tuple[int, int], batch: int = 2)
 
     def saved(n: int) -> int:
         qkv = torch.randn(batch, n, mixer.qkv.out_features, dtype=torch.float64, requires_grad=True)
-        storages: dict[int, int] = {}  # one entry per storage: views of one buffer count once
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mixer.mix(qkv, (n, 1))
-        return sum(storages.values())
+        return saved_values(lambda: mixer.mix(qkv, (n, 1)))
 
     return (saved(n_tokens[1]) - saved(n_tokens[0])) / (batch * (n_tokens[1] - n_tokens[0]))
 
@@ -135,12 +127,9 @@ def test_memory_lean_backward_saves_q_k_v_per_token_and_the_saving_variant_z_y_t
 def test_recompute_switch_config_wins_over_env_and_explain_says_which(monkeypatch):
     x = torch.randn(1, 40, 32, dtype=torch.float64)
     lean = str(_mixer().explain(x, (5, 8), grad=True))
-    assert "recomputes Z = k W, Y = q W' (auto: memory-lean below 512 tokens" in lean
-    big = torch.randn(1, 520, 32, dtype=torch.float64)
-    assert (
-        "saves Z = k W, Y = q W' (auto: from 512 tokens"
-        in _mixer().explain(big, (20, 26), grad=True).recompute
-    )
+    assert "recomputes Z = k W, Y = q W' (auto: memory-lean" in lean
+    big = torch.randn(1, 520, 32, dtype=torch.float64)  # one rule for every length
+    assert "recomputes Z = k W" in _mixer().explain(big, (20, 26), grad=True).recompute
     assert _mixer().explain(x, (5, 8), grad=False).recompute == ""  # inference saves nothing
     monkeypatch.setenv("VIT3_TTT_RECOMPUTE", "never")
     assert (

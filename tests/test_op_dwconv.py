@@ -201,6 +201,15 @@ def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
         ops.dwconv(x, taps, dest, h + 1, w)
 
 
+def test_fused_step_ops_reject_a_weight_of_another_shape_by_name():
+    ops, _ = swiglu_cpu.load()
+    q = torch.randn(2, 12, 8)
+    with pytest.raises(RuntimeError, match=r"depthwise weight must be \[1\|B, C, 3, 3\] = \[1\|2, 8, 3, 3\]"):
+        ops.dwconv_ttt_forward(q, q, q, torch.randn(1, 9, 8), torch.empty_like(q), 3, 4, 0.1, 1.0, True)
+    with pytest.raises(RuntimeError, match="does not fit N"):
+        ops.dwconv_ttt_forward(q, q, q, torch.randn(1, 8, 3, 3), torch.empty_like(q), 3, 3, 0.1, 1.0, True)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_conv_pos_enc_on_the_kernel_matches_onednn_every_gradient(monkeypatch, batch):
     """ConvPosEnc (x + dwconv(x) + bias, shared weights) takes the kernel's depthwise op on CPU float64 and

@@ -237,38 +237,55 @@ def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls
 
 
 @pytest.mark.parametrize("block", [16, 200], ids=["token-blocks", "grouped-heads"])
-def test_ops_read_strided_token_views_like_dense_ones(block):
-    """The ops take q, k, v as views with unit stride along d (matmuls read them with their row strides)."""
+def test_ops_read_and_write_strided_token_views_like_dense_ones(block):
+    """The ops take q, k, v, the read-out and dq, dk, dv as views with unit stride along d (matmuls read and
+    write them with their row strides), in token blocks or with a sample's heads grouped (N = 40 <= block)."""
     ops, _ = swiglu_cpu.load()
     b, n = 2, 40
     qkv = torch.randn(b, n, 3 * H * D)
-    q, k, v = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in qkv.split(H * D, dim=-1))
-    w = 0.3 * torch.randn(b, H, D, 2 * D)  # [W1 | W2]
+    w1, w2 = (0.3 * torch.randn(b, H, D, D) for _ in range(2))
+    d_out = torch.randn(b, n, H * D)
     results = []
-    for tokens in ((q, k, v), tuple(t.contiguous() for t in (q, k, v))):
-        g, z = torch.zeros_like(w), torch.empty(b, H, n, 2 * D)
-        out, y = torch.empty(b, H, n, D), torch.empty(b, H, n, 2 * D)
-        ops.inner_grad(tokens[1], tokens[2], w, g, z, block)
-        ops.readout(tokens[0], w, out, y, block)
-        results.append((g, z, out, y))
-    assert not q.is_contiguous()
+    for strided in (True, False):
+        heads = lambda t: t.unflatten(-1, (H, D)).transpose(1, 2)  # noqa: E731 - [B, N, H*D] -> [B, H, N, D]
+        tokens = [heads(t) for t in qkv.split(H * D, dim=-1)]
+        grads = [heads(t) for t in torch.empty_like(qkv).split(H * D, dim=-1)]
+        out, dout = heads(torch.empty(b, n, H * D)), heads(d_out)
+        if not strided:
+            tokens, grads, dout = (
+                [t.contiguous() for t in tokens],
+                [torch.empty_like(t) for t in tokens],
+                dout.contiguous(),
+            )
+            out = torch.empty_like(tokens[0])
+        z, y = (torch.empty(b, H, n, 2 * D) for _ in range(2))
+        saved = ops.ttt_forward(*tokens, w1, w2, out, z, y, 0.1, 0.9, True, block)
+        dw = ops.ttt_backward(dout, *tokens, z, y, *saved, *grads, 0.1, 0.9, True, block)
+        results.append((out, z, y, *saved, *grads, dw))
+    assert not results[0][0].is_contiguous()
     for a, c in zip(*results):
         torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
 
 
 def test_ops_reject_mismatched_inputs_by_name():
     ops, _ = swiglu_cpu.load()
-    k, v = torch.randn(1, H, 10, D), torch.randn(1, H, 11, D)
-    w = torch.randn(1, H, D, 2 * D)
+    q, v = torch.randn(1, H, 10, D), torch.randn(1, H, 11, D)
+    w = torch.randn(1, H, D, D)
+    out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match=r"\[B, H, N, d\] of one shape"):
-        ops.inner_grad(k, v, w, torch.zeros_like(w), None, 8)
+        ops.ttt_forward(q, q, v, w, w, out, None, None, 0.1, 1.0, True, 8)
     with pytest.raises(RuntimeError, match="one dtype"):
-        ops.inner_grad(k, k.double(), w, torch.zeros_like(w), None, 8)
+        ops.ttt_forward(q, q, q.double(), w, w, out, None, None, 0.1, 1.0, True, 8)
     with pytest.raises(RuntimeError, match="positive number of tokens"):
-        ops.inner_grad(k, k, w, torch.zeros_like(w), None, 0)
-    pair = torch.randn(1, H, 2, D, D)  # the tiled path's paired layout is not the kernel's
-    with pytest.raises(RuntimeError, match=r"w must be \[B, H, 8, 16\]"):
-        ops.inner_grad(k, k, pair, torch.zeros_like(pair), None, 8)
+        ops.ttt_forward(q, q, q, w, w, out, None, None, 0.1, 1.0, True, 0)
+    pair = torch.randn(1, H, D, 2 * D)  # the kernel's [W1 | W2] is built inside: w1, w2 come [1|B, H, d, d]
+    with pytest.raises(RuntimeError, match=r"w1, w2 must be \[1\|B, H, d, d\] = \[1\|1, 2, 8, 8\]"):
+        ops.ttt_forward(q, q, q, pair, pair, out, None, None, 0.1, 1.0, True, 8)
+    with pytest.raises(RuntimeError, match=r"z and y must be \[B, H, 10, 16\]"):
+        ops.ttt_forward(q, q, q, w, w, out, torch.empty(1, H, 10, D), None, 0.1, 1.0, True, 8)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        h = q.half()
+        ops.ttt_forward(h, h, h, w.half(), w.half(), h.clone(), None, None, 0.1, 1.0, True, 8)
 
 
 def test_forcing_the_kernel_onto_unsupported_tensors_names_the_problem():

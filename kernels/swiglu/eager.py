@@ -51,9 +51,20 @@ TILE_BYTES = 1 << 20
 MIN_TILE_TOKENS = 64
 
 
+def block_rows(d: int, itemsize: int) -> int:
+    """Rows of ``[rows, d]`` in about ``TILE_BYTES`` (at least ``MIN_TILE_TOKENS``)."""
+    return max(MIN_TILE_TOKENS, TILE_BYTES // (d * itemsize))
+
+
 def block_tokens(n: int, d: int, itemsize: int) -> int:
-    """Tokens per tile of one head: about ``TILE_BYTES`` of ``[tokens, d]`` (the C++ kernel's blocks too)."""
-    return min(n, max(MIN_TILE_TOKENS, TILE_BYTES // (d * itemsize)))
+    """Tokens per tile of one head: about ``TILE_BYTES`` of ``[tokens, d]``."""
+    return min(n, block_rows(d, itemsize))
+
+
+def kernel_block(d: int, like: Tensor) -> int:
+    """The C++ kernel's block: rows of ``[rows, 2d]`` (Z, Y) in about ``TILE_BYTES``, not capped by N, so that
+    the heads of a sample whose tokens fit together form one group of batched matmuls."""
+    return block_rows(2 * d, like.element_size())
 
 
 class _Tiles:
@@ -383,17 +394,13 @@ def _kernel_forward(
     save: bool,
     keep: bool,
 ) -> SwiGLUSaved | None:
-    """``swiglu_forward`` in the C++ kernel: dense q, k, v; the weights side by side, ``[W1 | W2]``
-    ``[B, H, d, 2d]`` (the step's column norms are those of W1 and W2); ``keep``: save Z and Y."""
+    """``swiglu_forward`` in the C++ kernel, one call (both passes and the step between them); the weights
+    side by side, ``[W1 | W2]`` ``[B, H, d, 2d]`` (the step's column norms are those of W1 and W2); ``keep``:
+    save Z and Y."""
     b, h, n, d = q.shape
-    block = block_tokens(n, 2 * d, q.element_size())  # Z, Y blocks are [tokens, 2d]
-    w = torch.cat([w1.expand(b, h, d, d), w2.expand(b, h, d, d)], dim=-1)  # [B, H, d, 2d]
     z, y = (q.new_empty(b, h, n, 2 * d) if save and keep else None for _ in range(2))
-    g = torch.zeros_like(w)
-    ops.inner_grad(k, v, w, g, z, block)
-    w_new, norm = step(g.mul_(-c), w, lr, grad_norm)
     dest = _unit_stride(out)
-    ops.readout(q, w_new, dest, y, block)
+    w, g, norm, w_new = ops.ttt_forward(q, k, v, w1, w2, dest, z, y, c, lr, grad_norm, kernel_block(d, q))
     if dest is not out:
         out.copy_(dest)
     return SwiGLUSaved(q, k, v, w, g, norm, w_new, z, y, "kernel") if save else None
@@ -410,16 +417,14 @@ def _kernel_backward(
     lr: float,
     grad_norm: bool,
 ) -> tuple[Tensor, Tensor]:
-    """``swiglu_backward`` in the C++ kernel (its forward ran there)."""
+    """``swiglu_backward`` in the C++ kernel (its forward ran there), one call."""
     ops = _kernel(True, saved.q)
     q, k, v, w, g, norm, w_new, z, y, _ = saved
     d = q.shape[3]
-    block = block_tokens(q.shape[2], 2 * d, q.element_size())
     dests = [_unit_stride(t) for t in (dq, dk, dv)]
-    dw = torch.zeros_like(w_new)  # [B, H, d, 2d]
-    ops.readout_backward(_unit_stride(d_out), q, y, w_new, dests[0], dw, block)
-    dg = step_backward(dw, g, norm, lr, grad_norm).mul_(-c)  # before dw gathers kᵀ dZ below
-    ops.inner_backward(k, v, z, torch.cat([dg, w], dim=-1), dests[1], dests[2], dw, block)
+    dw = ops.ttt_backward(
+        _unit_stride(d_out), q, k, v, z, y, w, g, norm, w_new, *dests, c, lr, grad_norm, kernel_block(d, q)
+    )  # [B, H, d, 2d]
     for dest, t in zip(dests, (dq, dk, dv)):
         if dest is not t:
             t.copy_(dest)

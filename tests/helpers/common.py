@@ -1,11 +1,11 @@
 """Paths and small helpers shared by the test modules: the repository, the official fixtures, error metrics,
-call counting, a default-dtype switch, benchmark modules."""
+call counting, a default-dtype switch, benchmark modules, saved-for-backward accounting."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -67,3 +67,17 @@ def load_benchmark(name: str) -> ModuleType:
     """``benchmarks/<name>.py`` as a module: the repository root is not on ``sys.path`` under plain ``pytest``
     (and must not be: its ``vit3/`` would shadow an installed package's ``vit3.kernels``)."""
     return load_module(REPO / "benchmarks" / f"{name}.py", f"benchmarks_{name}")
+
+
+def saved_values(fn: Callable[[], object]) -> int:
+    """Values (elements) that autograd saves for the backward while ``fn()`` builds its graph, one entry per
+    storage (views of one buffer count once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())

@@ -11,9 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, register_notrace_function, register_notrace_module
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 from . import backends
 from .config import TTTConfig
@@ -26,6 +28,7 @@ __all__ = [
     "ConvNormAct",
     "ConvPosEnc",
     "ConvStem",
+    "LeanMlp",
     "TTTBlock",
     "check_image",
     "check_image_size",
@@ -142,13 +145,115 @@ class ConvFFN(nn.Module):
         return self.drop2(self.fc2(x))
 
 
+def _lean_eligible(x: Tensor) -> bool:
+    """Gradients flow and the call is eager: not traced (jit, FX, ONNX) nor compiled, where plain ops serve."""
+    return torch.is_grad_enabled() and not tracing() and not isinstance(x, torch.fx.Proxy)
+
+
+class _LeanMlpFn(torch.autograd.Function):
+    """``fc2(GELU(fc1(LN(x))))`` (the LayerNorm optional) saving x, the norm's statistics and ``h = fc1(LN(x))``
+    only: the backward recomputes ``LN(x)`` for fc1's weight gradient and ``GELU(h)`` for fc2's (elementwise
+    passes), where autograd keeps both (5C values per token at a 4C hidden width)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        ln_w: Tensor | None,
+        ln_b: Tensor | None,
+        eps: float | None,
+        w1: Tensor,
+        b1: Tensor | None,
+        w2: Tensor,
+        b2: Tensor | None,
+        approx: str,
+    ) -> Tensor:
+        stats: list[Tensor] = []
+        n = x
+        if eps is not None:
+            n, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], ln_w, ln_b, eps)
+            stats = [mean, rstd]
+        h = F.linear(n, w1, b1)  # [..., hidden]
+        ctx.save_for_backward(x, h, w1, w2, *stats, *(t for t in (ln_w, ln_b) if t is not None))
+        ctx.eps, ctx.approx = eps, approx
+        ctx.has = (ln_w is not None, ln_b is not None, b1 is not None, b2 is not None)
+        return F.linear(F.gelu(h, approximate=approx), w2, b2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, h, w1, w2, *rest = ctx.saved_tensors
+        has_lw, has_lb, has_b1, has_b2 = ctx.has
+        mean, rstd = rest[:2] if ctx.eps is not None else (None, None)
+        it = iter(rest[2:] if ctx.eps is not None else [])
+        ln_w, ln_b = (next(it) if has_lw else None), (next(it) if has_lb else None)
+        rows = dy.numel() // dy.shape[-1]
+        dy2 = dy.reshape(rows, -1)  # [T, C]
+        a = F.gelu(h, approximate=ctx.approx).reshape(rows, -1)  # [T, hidden], recomputed
+        dw2, db2 = dy2.t() @ a, dy2.sum(0) if has_b2 else None
+        del a
+        dh = torch.ops.aten.gelu_backward(dy2 @ w2, h.reshape(rows, -1), approximate=ctx.approx)
+        if ctx.eps is None:
+            n = x
+        else:  # recomputed: one pass over x
+            n = torch.native_layer_norm(x, x.shape[-1:], ln_w, ln_b, ctx.eps)[0]
+        dw1, db1 = dh.t() @ n.reshape(rows, -1), dh.sum(0) if has_b1 else None
+        dn = (dh @ w1).view(x.shape)
+        if ctx.eps is None:
+            return dn, None, None, None, dw1, db1, dw2, db2, None
+        dx, d_lw, d_lb = torch.ops.aten.native_layer_norm_backward(
+            dn, x, x.shape[-1:], mean, rstd, ln_w, ln_b, [True, has_lw, has_lb]
+        )
+        return dx, d_lw, d_lb, None, dw1, db1, dw2, db2, None
+
+
+class LeanMlp(Mlp):
+    """timm's ``Mlp`` (same parameters and names: ``fc1``, ``fc2``) with a memory-lean training backward that
+    recomputes the GELU output, and the output of the LayerNorm in front (``forward(x, norm=...)``), instead
+    of saving them: per token it keeps x and ``fc1(x)``, 5C values fewer than autograd through
+    ``LayerNorm`` + ``Mlp`` (4C with no norm), for elementwise passes.
+
+    The saving variant (plain ``norm`` then ``Mlp.forward``) runs with ``recompute="never"``
+    (``TTTConfig.recompute`` or ``$VIT3_TTT_RECOMPUTE``), and wherever the lean path does not apply: no
+    gradient, tracing, another activation, dropout in training, a norm between the layers.
+
+    Args:
+        recompute: the block's ``TTTConfig.recompute``; the other arguments are ``Mlp``'s.
+    """
+
+    def __init__(self, *args: Any, recompute: str = "auto", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recompute = recompute
+
+    def _lean(self, x: Tensor) -> bool:
+        if not _lean_eligible(x) or type(self.act) is not nn.GELU:
+            return False
+        if not isinstance(self.norm, nn.Identity) or (
+            self.training and (self.drop1.p > 0 or self.drop2.p > 0)
+        ):
+            return False
+        return backends.recompute_mode(self.recompute)[0] != "never"
+
+    def forward(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
+        """``[..., C] -> [..., C]``: ``Mlp(norm(x))`` (``norm``: an optional LayerNorm over the last dim)."""
+        if not self._lean(x):
+            return super().forward(x if norm is None else norm(x))
+        ln: dict[str, Any] = {"ln_w": None, "ln_b": None, "eps": None}
+        if type(norm) is nn.LayerNorm and norm.normalized_shape == x.shape[-1:]:
+            ln = {"ln_w": norm.weight, "ln_b": norm.bias, "eps": norm.eps}
+        elif norm is not None:
+            x = norm(x)
+        f1, f2 = self.fc1, self.fc2
+        return _LeanMlpFn.apply(x, *ln.values(), f1.weight, f1.bias, f2.weight, f2.bias, self.act.approximate)
+
+
 class TTTBlock(nn.Module):
     """A ViT³ block on a channels-last map: CPE, then TTT mixer and feed-forward, each pre-norm and residual.
 
     ``x = x + dwconv(x); x = x + DropPath(TTT(LN x)); x = x + DropPath(FFN(LN x))``. The plain ViT³ block uses
-    ``mlp_layer=Mlp`` (timm's, names ``fc1``/``fc2``) and LayerNorm eps 1e-6; the H-ViT³ block uses ``mlp_layer=ConvFFN``, eps 1e-5 and a
-    mixer with RoPE. Parameter names follow the official code (``cpe``, ``norm1``, ``attn``, ``norm2``,
-    ``mlp``).
+    ``mlp_layer=LeanMlp`` (timm's ``Mlp``, names ``fc1``/``fc2``, with a memory-lean backward) and LayerNorm
+    eps 1e-6; the H-ViT³ block uses ``mlp_layer=ConvFFN``, eps 1e-5 and a mixer with RoPE. Parameter names
+    follow the official code (``cpe``, ``norm1``, ``attn``, ``norm2``, ``mlp``).
 
     Args:
         dim: width C.
@@ -157,7 +262,8 @@ class TTTBlock(nn.Module):
         ttt_cfg: mixer configuration (``TTTConfig`` or dict), passed to ``TTTMixer``.
         proj_drop: dropout inside the feed-forward.
         drop_path: stochastic depth rate.
-        mlp_layer: feed-forward class (timm ``Mlp`` or ``ConvFFN``).
+        mlp_layer: feed-forward class (``LeanMlp``, timm ``Mlp`` or ``ConvFFN``); a ``LeanMlp`` follows the
+            mixer config's ``recompute``.
         norm_layer: normalisation over the last dim.
         act_layer: feed-forward activation.
     """
@@ -170,7 +276,7 @@ class TTTBlock(nn.Module):
         ttt_cfg: TTTConfig | dict[str, Any] | None = None,
         proj_drop: float = 0.0,
         drop_path: float = 0.0,
-        mlp_layer: LayerType = Mlp,
+        mlp_layer: LayerType = LeanMlp,
         norm_layer: LayerType = nn.LayerNorm,
         act_layer: LayerType = nn.GELU,
     ) -> None:
@@ -182,18 +288,35 @@ class TTTBlock(nn.Module):
         self.attn = TTTMixer(dim, num_heads, ttt_cfg, check_finite=False)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim)
+        lean = (
+            {"recompute": self.attn.cfg.recompute}
+            if isinstance(mlp_layer, type) and issubclass(mlp_layer, LeanMlp)
+            else {}
+        )
         self.mlp = mlp_layer(
-            in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop
+            in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **lean
         )
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def _cpe_norm(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.cpe(x)
+        return x, self.norm1(x)
+
+    def _lean(self, x: Tensor) -> bool:
+        """Memory-lean training: the CPE output (the first norm's input) is not saved but recomputed."""
+        return _lean_eligible(x) and backends.recompute_mode(self.attn.cfg.recompute)[0] != "never"
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``; the mixer sees the ``H x W`` raster of tokens."""
         b, h, w, c = x.shape
-        x = self.cpe(x)
-        y = self.attn(self.norm1(x).reshape(b, h * w, c), grid=(h, w))  # [B, H*W, C]
+        if self._lean(x):  # cpe(x) is recomputed from x in the backward (x is saved by the CPE anyway)
+            x, n = checkpoint(self._cpe_norm, x, use_reentrant=False, preserve_rng_state=False)
+        else:
+            x, n = self._cpe_norm(x)
+        y = self.attn(n.reshape(b, h * w, c), grid=(h, w))  # [B, H*W, C]
         x = x + self.drop_path1(y.reshape(b, h, w, c))
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
+        ffn = self.mlp(x, norm=self.norm2) if isinstance(self.mlp, LeanMlp) else self.mlp(self.norm2(x))
+        return x + self.drop_path2(ffn)
 
 
 class ConvNormAct(nn.Module):

@@ -105,18 +105,20 @@ inline void each(const Group& g, int64_t d, FV fv, FS fs) {
 
 // Runs body(group, scratch) over tokens [B, H, N, d] cut into groups (see Group) of at most `block` rows
 // (gh * n), in token order within a head (accumulations stay per head). When a head's tokens fit a block,
-// heads of one sample are grouped, as many as fill a block but no fewer groups than threads; else each head
-// is walked in blocks of `block` tokens. Groups are spread across threads when there are enough of them, else
-// run one after another (every op then parallel inside). scratch: `slots` buffers of block * `width` elements
-// per thread; `view(scratch, slot, group, c)` shapes one as [gh, n, c].
+// heads of one sample are grouped, as many as fill a block but no fewer groups than threads, the heads split
+// evenly; else each head is walked in blocks of `block` tokens. Groups are spread across threads when there
+// are enough of them, else run one after another (every op then parallel inside). scratch: `slots` buffers of
+// block * `width` elements per thread; `view(scratch, slot, group, c)` shapes one as [gh, n, c].
 template <typename F>
 void for_groups(const Tensor& tokens, int64_t block, int64_t slots, int64_t width, F body) {
   const int64_t B = tokens.size(0), H = tokens.size(1), N = tokens.size(2);
   const int64_t threads = at::get_num_threads();
   int64_t gh = 1, nb = std::min(block, N);
   if (N <= block) {
-    gh = std::max<int64_t>(1, std::min(H, block / N));
-    while (gh > 1 && B * ((H + gh - 1) / gh) < threads) --gh;
+    // as few groups per sample as fill blocks, but no fewer groups than threads, heads split evenly
+    const int64_t most = std::max<int64_t>(1, std::min(H, block / N));
+    const int64_t per_sample = std::min(H, std::max((H + most - 1) / most, (threads + B - 1) / B));
+    gh = (H + per_sample - 1) / per_sample;
   }
   std::vector<Group> groups;
   for (int64_t b = 0; b < B; ++b) {
@@ -331,6 +333,67 @@ void inner_backward_impl(
   });
 }
 
+// The inner step on problems of [rows, cols] (contiguous, one after another): G <- -c G (the -c of E = -c v),
+// n_j = ||G[:, j]||, W' = W - lr G / (n + 1), or W - lr G without the normalisation (n = 0 then). Tiny next to
+// the passes; here so that a step costs no Python and no ATen calls. The formula is kernels/common.py's step.
+template <typename T>
+void step_impl(const Tensor& g, const Tensor& w, const Tensor& w_new, const Tensor& norm, int64_t rows, T c, T lr, bool grad_norm) {
+  const int64_t cols = g.size(-1), problems = g.numel() / (rows * cols);
+  T *G = g.data_ptr<T>(), *Wn = w_new.data_ptr<T>(), *Nm = norm.data_ptr<T>();
+  const T* W = w.data_ptr<T>();
+  for (int64_t p = 0; p < problems; ++p) {
+    T *gp = G + p * rows * cols, *wn = Wn + p * rows * cols, *n = Nm + p * cols;
+    const T* wp = W + p * rows * cols;
+    for (int64_t j = 0; j < cols; ++j) n[j] = T(0);
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const T v = gp[i * cols + j] * -c;
+        gp[i * cols + j] = v;
+        n[j] += v * v;
+      }
+    }
+    for (int64_t j = 0; j < cols; ++j) n[j] = grad_norm ? std::sqrt(n[j]) : T(0);
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const T gv = gp[i * cols + j];
+        wn[i * cols + j] = wp[i * cols + j] - lr * (grad_norm ? gv / (n[j] + T(1)) : gv);
+      }
+    }
+  }
+}
+
+// dL/dG from dL/dW' through step_impl, times -c, into out (row stride out_cols, first column 0):
+// dĜ = -lr dW'; dG = dĜ / (n + 1) - G (G·dĜ)_j / (n_j (n_j + 1)²) (the second term vanishes with G where n = 0).
+template <typename T>
+void step_backward_impl(
+    const Tensor& dw, const Tensor& g, const Tensor& norm, T* out, int64_t out_cols, int64_t rows, T c, T lr, bool grad_norm) {
+  const int64_t cols = g.size(-1), problems = g.numel() / (rows * cols);
+  const T *DW = dw.data_ptr<T>(), *G = g.data_ptr<T>(), *Nm = norm.data_ptr<T>();
+  std::vector<T> coef(cols), inv(cols);  // inv: n + 1
+  for (int64_t p = 0; p < problems; ++p) {
+    const T *dwp = DW + p * rows * cols, *gp = G + p * rows * cols, *n = Nm + p * cols;
+    T* op = out + p * rows * out_cols;
+    for (int64_t j = 0; j < cols; ++j) coef[j] = T(0);
+    if (grad_norm) {
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = 0; j < cols; ++j) coef[j] += gp[i * cols + j] * (dwp[i * cols + j] * -lr);
+      }
+      for (int64_t j = 0; j < cols; ++j) {
+        const T n1 = n[j] + T(1);
+        inv[j] = n1;
+        coef[j] = coef[j] / (std::max(n[j], T(1e-30)) * (n1 * n1));
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const T dg_hat = dwp[i * cols + j] * -lr;
+        const T dg = grad_norm ? dg_hat / inv[j] - gp[i * cols + j] * coef[j] : dg_hat;
+        op[i * out_cols + j] = dg * -c;
+      }
+    }
+  }
+}
+
 // The official mixer's depthwise 3x3 branch on token rows: x, out [B, N, C] (N = h * w in raster order) with
 // unit stride along C and any other strides (views of the mixer's qkv projection, output and gradient);
 // per-sample taps [1|B, 9, C] contiguous, tap (di, dj) at 3 (di + 1) + dj + 1. Each (sample, channel vector)
@@ -445,83 +508,101 @@ void check_taps(const Tensor& w, const Tensor& x, bool broadcast) {
     TORCH_CHECK(false, "swiglu_cpu: float32 or float64, got ", (t).scalar_type()); \
   }
 
+void check_float(const Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "swiglu_cpu: float32 or float64, got ",
+              t.scalar_type());
+}
+
 void check_block(int64_t block) {
   TORCH_CHECK(block > 0, "swiglu_cpu: block must be a positive number of tokens, got ", block);
 }
 
-void inner_grad(
-    const Tensor& k, const Tensor& v, const Tensor& w, Tensor g, const std::optional<Tensor>& z, int64_t block) {
+// The forward of one step: w = [W1 | W2] per sample, pass 1 (G), the step, pass 2 (the read-out into out).
+// Returns w, G (times -c), the column norms [B, H, 1, 2d] and W' [B, H, d, 2d]: what the backward needs.
+std::vector<Tensor> ttt_forward(
+    const Tensor& q,
+    const Tensor& k,
+    const Tensor& v,
+    const Tensor& w1,
+    const Tensor& w2,
+    Tensor out,
+    const std::optional<Tensor>& z,
+    const std::optional<Tensor>& y,
+    double c,
+    double lr,
+    bool grad_norm,
+    int64_t block) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // raw kernel: its outputs are plain buffers
-  const Tensor zz = z.has_value() ? *z : Tensor();
-  check_inputs({w, g}, {k, v});
-  const int64_t d = k.size(3);
-  check_shape(w, k, d, 2 * d, "w");
-  check_shape(g, k, d, 2 * d, "g");
-  if (zz.defined()) {
-    check_inputs({zz}, {k});
-    check_shape(zz, k, k.size(2), 2 * d, "z");
+  check_inputs({}, {q, k, v, out});
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
+  for (const auto* wi : {&w1, &w2}) {
+    TORCH_CHECK(wi->scalar_type() == q.scalar_type() && wi->dim() == 4 && (wi->size(0) == 1 || wi->size(0) == B) &&
+                    wi->size(1) == H && wi->size(2) == d && wi->size(3) == d,
+                "swiglu_cpu: w1, w2 must be [1|B, H, d, d] = [1|", B, ", ", H, ", ", d, ", ", d, "], got ", wi->sizes());
+  }
+  const Tensor w = at::cat({w1.expand({B, H, d, d}), w2.expand({B, H, d, d})}, 3);  // [B, H, d, 2d]
+  const Tensor zz = z.has_value() ? *z : Tensor(), yy = y.has_value() ? *y : Tensor();
+  for (const auto& t : {zz, yy}) {
+    if (t.defined()) {
+      check_inputs({t}, {q});
+      check_shape(t, q, N, 2 * d, "z and y");
+    }
   }
   check_block(block);
-  VIT3_DISPATCH(k, inner_grad_impl, k, v, w, g, zz, block);
+  check_float(q);
+  Tensor g = at::zeros_like(w), w_new = at::empty_like(w), norm = at::empty({B, H, 1, 2 * d}, w.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "swiglu_cpu_ttt_forward", [&] {
+    inner_grad_impl<scalar_t>(k, v, w, g, zz, block);
+    step_impl<scalar_t>(g, w, w_new, norm, d, scalar_t(c), scalar_t(lr), grad_norm);
+    readout_impl<scalar_t>(q, w_new, out, yy, block);
+  });
+  return {w, g, norm, w_new};
 }
 
-void readout(const Tensor& q, const Tensor& w_new, Tensor out, const std::optional<Tensor>& y, int64_t block) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const Tensor yy = y.has_value() ? *y : Tensor();
-  check_inputs({w_new}, {q, out});
-  const int64_t d = q.size(3);
-  check_shape(w_new, q, d, 2 * d, "w_new");
-  if (yy.defined()) {
-    check_inputs({yy}, {q});
-    check_shape(yy, q, q.size(2), 2 * d, "y");
-  }
-  check_block(block);
-  VIT3_DISPATCH(q, readout_impl, q, w_new, out, yy, block);
-}
-
-void readout_backward(
+// The backward of ttt_forward from d_out: pass 1 (dq, dW'), the step's backward (dG), pass 2 (dk, dv, kᵀ dZ).
+// z, y: the saved pre-activations or None (recomputed). Returns dW [B, H, d, 2d] per sample.
+Tensor ttt_backward(
     const Tensor& d_out,
     const Tensor& q,
-    const std::optional<Tensor>& y,
-    const Tensor& w_new,
-    Tensor dq,
-    Tensor dw,
-    int64_t block) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const Tensor yy = y.has_value() ? *y : Tensor();
-  check_inputs({w_new, dw}, {d_out, q, dq});
-  const int64_t d = q.size(3);
-  check_shape(w_new, q, d, 2 * d, "w_new");
-  check_shape(dw, q, d, 2 * d, "dw");
-  if (yy.defined()) {
-    check_inputs({yy}, {q});
-    check_shape(yy, q, q.size(2), 2 * d, "y");
-  }
-  check_block(block);
-  VIT3_DISPATCH(q, readout_backward_impl, d_out, q, yy, w_new, dq, dw, block);
-}
-
-void inner_backward(
     const Tensor& k,
     const Tensor& v,
     const std::optional<Tensor>& z,
-    const Tensor& dgw,
+    const std::optional<Tensor>& y,
+    const Tensor& w,
+    const Tensor& g,
+    const Tensor& norm,
+    const Tensor& w_new,
+    Tensor dq,
     Tensor dk,
     Tensor dv,
-    Tensor dw,
+    double c,
+    double lr,
+    bool grad_norm,
     int64_t block) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const Tensor zz = z.has_value() ? *z : Tensor();
-  check_inputs({dgw, dw}, {k, v, dk, dv});
-  const int64_t d = k.size(3);
-  check_shape(dgw, k, d, 4 * d, "dgw");
-  check_shape(dw, k, d, 2 * d, "dw");
-  if (zz.defined()) {
-    check_inputs({zz}, {k});
-    check_shape(zz, k, k.size(2), 2 * d, "z");
+  check_inputs({w, g, norm, w_new}, {d_out, q, k, v, dq, dk, dv});
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
+  for (const auto* t : {&w, &g, &w_new}) check_shape(*t, q, d, 2 * d, "w, g and w_new");
+  check_shape(norm, q, 1, 2 * d, "norm");
+  const Tensor zz = z.has_value() ? *z : Tensor(), yy = y.has_value() ? *y : Tensor();
+  for (const auto& t : {zz, yy}) {
+    if (t.defined()) {
+      check_inputs({t}, {q});
+      check_shape(t, q, N, 2 * d, "z and y");
+    }
   }
   check_block(block);
-  VIT3_DISPATCH(k, inner_backward_impl, k, v, zz, dgw, dk, dv, dw, block);
+  check_float(q);
+  Tensor dw = at::zeros_like(w);
+  Tensor dgw = at::empty({B, H, d, 4 * d}, w.options());  // [dG | W]
+  dgw.narrow(3, 2 * d, 2 * d).copy_(w);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "swiglu_cpu_ttt_backward", [&] {
+    readout_backward_impl<scalar_t>(d_out, q, yy, w_new, dq, dw, block);
+    // before dw gathers kᵀ dZ below: dW' alone feeds the step's backward
+    step_backward_impl<scalar_t>(dw, g, norm, dgw.data_ptr<scalar_t>(), 4 * d, d, scalar_t(c), scalar_t(lr), grad_norm);
+    inner_backward_impl<scalar_t>(k, v, zz, dgw, dk, dv, dw, block);
+  });
+  return dw;
 }
 
 void dwconv(
@@ -545,26 +626,77 @@ void dwconv_weight_grad(const Tensor& g, const Tensor& x, Tensor gw_out, int64_t
   VIT3_DISPATCH(x, dwconv_weight_grad_impl, g, x, gw_out, gh, gw);
 }
 
+// The depthwise branch's step on token rows (dwconv_impl's layout): G = -c Σ_p v[p] k[p + δ] (taps [B, 9, C]),
+// the step over each channel's 9 taps, out = dwconv(q; W'). weight [1|B, C, 3, 3]. Returns G, the norms
+// [B, 1, C] and W' (taps): what dwconv_ttt_backward needs.
+std::vector<Tensor> dwconv_ttt_forward(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& weight, Tensor out, int64_t gh, int64_t gw,
+    double c, double lr, bool grad_norm) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_maps({q, k, v, out}, gh, gw);
+  check_float(q);
+  const int64_t B = q.size(0), C = q.size(2);
+  TORCH_CHECK(weight.scalar_type() == q.scalar_type() && weight.dim() == 4 && (weight.size(0) == 1 || weight.size(0) == B) &&
+                  weight.size(1) == C && weight.size(2) == 3 && weight.size(3) == 3,
+              "swiglu_cpu: the depthwise weight must be [1|B, C, 3, 3] = [1|", B, ", ", C, ", 3, 3], got ", weight.sizes());
+  const Tensor w = weight.reshape({weight.size(0), C, 9}).transpose(1, 2).expand({B, 9, C}).contiguous();  // taps
+  Tensor g = at::empty_like(w), w_new = at::empty_like(w), norm = at::empty({B, 1, C}, w.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "swiglu_cpu_dwconv_ttt_forward", [&] {
+    dwconv_weight_grad_impl<scalar_t>(v, k, g, gh, gw);
+    step_impl<scalar_t>(g, w, w_new, norm, 9, scalar_t(c), scalar_t(lr), grad_norm);
+    dwconv_impl<scalar_t>(q, w_new, out, gh, gw, Tensor(), false);
+  });
+  return {g, norm, w_new};
+}
+
+// The backward of dwconv_ttt_forward: dq = dwconv(dO; flipped W'), dW' = Σ_p dO[p] q[p + δ], dG through the step,
+// dk = dwconv(v; flipped dG) (the input gradient of E = -c v, -c in dG), dv = dwconv(k; dG). Returns dW' [B, 9, C]
+// (taps), the per-sample weight gradient.
+Tensor dwconv_ttt_backward(
+    const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& norm,
+    const Tensor& w_new, Tensor dq, Tensor dk, Tensor dv, int64_t gh, int64_t gw, double c, double lr, bool grad_norm) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_maps({d_out, q, k, v, dq, dk, dv}, gh, gw);
+  check_float(q);
+  for (const auto* t : {&g, &w_new}) check_taps(*t, q, false);
+  const int64_t B = q.size(0), C = q.size(2);
+  TORCH_CHECK(norm.sizes() == at::IntArrayRef({B, 1, C}) && norm.is_contiguous(), "swiglu_cpu: norm must be [B, 1, C]");
+  Tensor dw_new = at::empty_like(g), dg = at::empty_like(g);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "swiglu_cpu_dwconv_ttt_backward", [&] {
+    dwconv_impl<scalar_t>(d_out, w_new.flip(1), dq, gh, gw, Tensor(), false);
+    dwconv_weight_grad_impl<scalar_t>(d_out, q, dw_new, gh, gw);
+    step_backward_impl<scalar_t>(dw_new, g, norm, dg.data_ptr<scalar_t>(), C, 9, scalar_t(c), scalar_t(lr), grad_norm);
+    dwconv_impl<scalar_t>(v, dg.flip(1), dk, gh, gw, Tensor(), false);
+    dwconv_impl<scalar_t>(k, dg, dv, gh, gw, Tensor(), false);
+  });
+  return dw_new;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vit3_swiglu_cpu, m) {
-  m.def("inner_grad(Tensor k, Tensor v, Tensor w, Tensor(a!) g, Tensor(b!)? z, int block) -> ()");
-  m.def("readout(Tensor q, Tensor w_new, Tensor(a!) out, Tensor(b!)? y, int block) -> ()");
   m.def(
-      "readout_backward(Tensor d_out, Tensor q, Tensor? y, Tensor w_new, Tensor(a!) dq, Tensor(b!) dw, "
-      "int block) -> ()");
+      "ttt_forward(Tensor q, Tensor k, Tensor v, Tensor w1, Tensor w2, Tensor(a!) out, Tensor(b!)? z, "
+      "Tensor(c!)? y, float c, float lr, bool grad_norm, int block) -> Tensor[]");
   m.def(
-      "inner_backward(Tensor k, Tensor v, Tensor? z, Tensor dgw, Tensor(a!) dk, Tensor(b!) dv, Tensor(c!) dw, "
-      "int block) -> ()");
+      "ttt_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor? z, Tensor? y, Tensor w, Tensor g, "
+      "Tensor norm, Tensor w_new, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, float c, float lr, "
+      "bool grad_norm, int block) -> Tensor");
   m.def("dwconv(Tensor x, Tensor w, Tensor(a!) out, int gh, int gw, Tensor? bias=None, bool residual=False) -> ()");
   m.def("dwconv_weight_grad(Tensor g, Tensor x, Tensor(a!) gw_out, int gh, int gw) -> ()");
+  m.def(
+      "dwconv_ttt_forward(Tensor q, Tensor k, Tensor v, Tensor weight, Tensor(a!) out, int gh, int gw, float c, "
+      "float lr, bool grad_norm) -> Tensor[]");
+  m.def(
+      "dwconv_ttt_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor g, Tensor norm, Tensor w_new, "
+      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int gh, int gw, float c, float lr, bool grad_norm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vit3_swiglu_cpu, CPU, m) {
-  m.impl("inner_grad", &inner_grad);
-  m.impl("readout", &readout);
-  m.impl("readout_backward", &readout_backward);
-  m.impl("inner_backward", &inner_backward);
+  m.impl("ttt_forward", &ttt_forward);
+  m.impl("ttt_backward", &ttt_backward);
   m.impl("dwconv", &dwconv);
   m.impl("dwconv_weight_grad", &dwconv_weight_grad);
+  m.impl("dwconv_ttt_forward", &dwconv_ttt_forward);
+  m.impl("dwconv_ttt_backward", &dwconv_ttt_backward);
 }

@@ -30,10 +30,11 @@ flow) the key runs unguarded. ``VIT3_TTT_STRICT=1`` raises instead. Traced and c
 
 Memory-lean training: the fused eager paths (``cpu``, ``eager``) save only q, k, v and the small weights of
 a SwiGLU branch and recompute its per-token pre-activations Z = k W, Y = q W' in the backward, as the Triton
-backward does (``recompute``: ``TTTConfig.recompute``, else ``$VIT3_TTT_RECOMPUTE``; ``auto`` recomputes below
-``MAX_RECOMPUTE_TOKENS`` tokens per head, where that costs ~3%, and saves them from there on, ~10% faster;
-``always`` / ``never`` force either, 4·d values per token and head apart; ``qkv``
-recomputes the whole mixer but its output projection in the backward, saving only the mixer's input).
+backward does (``recompute``: ``TTTConfig.recompute``, else ``$VIT3_TTT_RECOMPUTE``; ``auto`` and ``always``
+recompute, ``never`` saves them, 4·d values per token and head apart, for a few % of a training step; ``qkv``
+recomputes the whole mixer but its output projection in the backward, saving only the mixer's input). The
+same switch makes the ViT³ block recompute its CPE output and its MLP's LayerNorm and GELU outputs
+(``vit3.layers.blocks``) unless it is ``never``.
 
 ``TTTMixer.explain``, ``explain(model, input)`` and ``python -m vit3.layers.backends <model>`` report the
 backend of every branch and why each other one was passed over, and what the backward recomputes.
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
-    "MAX_RECOMPUTE_TOKENS",
     "MIN_CPU_KERNEL_TOKENS",
     "NAMES",
     "RECOMPUTE_ENV",
@@ -103,10 +103,6 @@ REMOVED_ENV = {
 # 4 / 16 tokens with B*H = 256, on par at 49 tokens with B*H = 1024, 1.1-1.6x at 16-64 tokens with
 # B*H = 32 and from 196 tokens on).
 MIN_CPU_KERNEL_TOKENS = 32
-# From this many tokens per head on, ``recompute="auto"`` saves Z, Y instead of recomputing them: measured on
-# CPU, one thread, fwd+bwd of the mixer's inner loops (B = 4, 6 heads of 64), recomputing costs 3% at 196
-# tokens and none at 400, but 9% at 784-1600 and 10-20% at 3136, where the inner loop is matmul-bound.
-MAX_RECOMPUTE_TOKENS = 512
 
 
 class BackendWarning(UserWarning):
@@ -159,15 +155,11 @@ class Step(NamedTuple):
 
 
 _FEW_TOKENS = f"N<{MIN_CPU_KERNEL_TOKENS}"
-_MANY_TOKENS = f"N>={MAX_RECOMPUTE_TOKENS}"
 
 
 def token_class(n: int) -> str:
-    """The token-count class of ``n`` tokens per head: the CPU kernel's rule (``MIN_CPU_KERNEL_TOKENS``) and
-    the ``auto`` recompute rule (``MAX_RECOMPUTE_TOKENS``) tell them apart."""
-    if n < MIN_CPU_KERNEL_TOKENS:
-        return _FEW_TOKENS
-    return _MANY_TOKENS if n >= MAX_RECOMPUTE_TOKENS else f"{MIN_CPU_KERNEL_TOKENS}<=N<{MAX_RECOMPUTE_TOKENS}"
+    """The token-count class of ``n`` tokens per head: the CPU kernel's rule (``MIN_CPU_KERNEL_TOKENS``)."""
+    return _FEW_TOKENS if n < MIN_CPU_KERNEL_TOKENS else f"N>={MIN_CPU_KERNEL_TOKENS}"
 
 
 def tracing_kind() -> str:
@@ -610,18 +602,17 @@ def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
     )
 
 
-def recompute_choice(cfg_recompute: str = "auto", tokens: str = "") -> tuple[bool, str]:
+def recompute_choice(cfg_recompute: str = "auto") -> tuple[bool, str]:
     """Whether the SwiGLU backward of the fused eager paths recomputes Z = k W, Y = q W', and why.
 
-    ``auto`` recomputes (memory-lean) where that costs little, below ``MAX_RECOMPUTE_TOKENS`` tokens per head
-    (3% of the SwiGLU inner loop at 196 tokens on CPU), and saves them from there on, where recomputing costs
-    ~10% and more; ``always`` / ``never`` force either. ``qkv`` recomputes the mixer's qkv projection and inner
-    loops in its backward (``TTTMixer.forward``): the mixer then saves only its input (~12% more training
-    FLOPs for ViT³-T); inside that recomputation Z, Y are kept (for one mixer at a time).
+    ``auto`` (memory-lean: measured on CPU, a ViT³-T training step is within 1-4% of the saving variant at
+    224 and 896 px, while the mixer's inner loop alone pays 3% at 196 tokens per head and 10-20% at 3136) and
+    ``always`` recompute, ``never`` saves them. ``qkv`` recomputes the mixer's qkv projection and inner loops in
+    its backward (``TTTMixer.forward``): the mixer then saves only its input (~12% more training FLOPs for
+    ViT³-T); inside that recomputation Z, Y are kept (for one mixer at a time).
 
     Args:
         cfg_recompute: ``TTTConfig.recompute`` (it wins over ``$VIT3_TTT_RECOMPUTE``).
-        tokens: ``token_class(N)``.
     """
     mode, source = recompute_mode(cfg_recompute)
     if mode == "qkv":
@@ -630,16 +621,7 @@ def recompute_choice(cfg_recompute: str = "auto", tokens: str = "") -> tuple[boo
             "token: the mixer input)"
         )
     if source == "memory-lean default":
-        if tokens == _MANY_TOKENS:
-            mode, source = (
-                "never",
-                (
-                    f"auto: from {MAX_RECOMPUTE_TOKENS} tokens recomputing costs ~10% of the inner loop; "
-                    "recompute='always' for the lean backward"
-                ),
-            )
-        else:
-            source = f"auto: memory-lean below {MAX_RECOMPUTE_TOKENS} tokens, where recomputing costs ~3%"
+        source = "auto: memory-lean"
     if mode == "never":
         return False, f"saves Z = k W, Y = q W' ({source}; 4·d more values per token and head)"
     return True, f"recomputes Z = k W, Y = q W' ({source}; saved per token and head: q, k, v)"
@@ -701,7 +683,7 @@ def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: 
                 raise ValueError(f"{message}; unset {STRICT_ENV} to fall back")
             _warn_once(message + ".")
     names = tuple(c.backend for c in choices)
-    recompute, why = recompute_choice(cfg_recompute, tokens)
+    recompute, why = recompute_choice(cfg_recompute)
     return Plan(names, all(n in _NODE for n in names), keys, tracing, args, recompute, why)
 
 
@@ -1017,7 +999,7 @@ def explain_mixer(
         "auto" if requested == "auto" else source,
         all(b.backend in _NODE for b in out),
         tuple(out),
-        recompute_choice(cfg.recompute, x.tokens)[1] if lean else "",
+        recompute_choice(cfg.recompute)[1] if lean else "",
     )
 
 

@@ -1,0 +1,127 @@
+"""The ViT³ block's memory-lean training backward (``TTTConfig.recompute`` other than ``"never"``): ``LeanMlp``
+(the MLP's LayerNorm and GELU outputs recomputed) and the CPE output recomputed give the saving variant's
+numbers, forward and every gradient, and save per token what the README's table states."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from helpers.common import count_calls, saved_values
+from timm.layers import Mlp
+from torch import nn
+
+import vit3.layers.blocks as blocks
+from vit3.layers.blocks import LeanMlp, TTTBlock
+
+C = 12
+
+
+def _grads(out: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    return list(torch.autograd.grad((out * torch.randn_like(out)).sum(), leaves))
+
+
+def _per_token(fn, tokens: tuple[int, int] = (20, 40)) -> float:
+    """Values saved per token: the slope of ``saved_values(fn(n))`` between two token counts."""
+    a, b = (saved_values(lambda n=n: fn(n)) for n in tokens)
+    return (b - a) / (tokens[1] - tokens[0])
+
+
+@pytest.mark.parametrize("approx", ["none", "tanh"], ids=["gelu", "gelu-tanh"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("norm", [True, False], ids=["layernorm", "no-norm"])
+def test_lean_mlp_matches_norm_then_mlp_every_gradient(monkeypatch, approx, bias, norm):
+    lean_calls = count_calls(monkeypatch, blocks._LeanMlpFn, "apply")
+    torch.manual_seed(0)
+    mlp = LeanMlp(C, 4 * C, bias=bias, act_layer=partial(nn.GELU, approximate=approx)).double()
+    ln = nn.LayerNorm(C, eps=1e-6).double() if norm else None
+    if ln is not None:
+        with torch.no_grad():
+            ln.weight.normal_(), ln.bias.normal_()
+    x = torch.randn(
+        2, 3, 5, C, dtype=torch.float64, requires_grad=True
+    )  # a channels-last map, as in the block
+    leaves = [x, *mlp.parameters(), *(ln.parameters() if ln is not None else [])]
+    got = mlp(x, norm=ln)
+    assert lean_calls["n"] == 1
+    want = Mlp.forward(mlp, ln(x) if ln is not None else x)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    for name, g, g_ref in zip(["x", "mlp", "norm"], _grads(got, leaves), _grads(want, leaves)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-11, atol=1e-12, msg=f"gradient of {name}")
+
+
+def test_lean_mlp_saves_x_and_the_hidden_pre_activation_only():
+    """Per token: x (C), fc1's output (4C) and the LayerNorm statistics (2), where autograd through
+    LayerNorm + Mlp keeps x, the statistics, the norm's output, fc1's output and the GELU output (10C + 2)."""
+    mlp, ln = LeanMlp(C, 4 * C).double(), nn.LayerNorm(C).double()
+
+    def run(n: int, lean: bool):
+        x = torch.randn(n, C, dtype=torch.float64, requires_grad=True)
+        return mlp(x, norm=ln) if lean else Mlp.forward(mlp, ln(x))
+
+    assert _per_token(partial(run, lean=True)) == 5 * C + 2
+    assert _per_token(partial(run, lean=False)) == 10 * C + 2
+
+
+def test_lean_mlp_steps_aside_where_it_does_not_apply(monkeypatch):
+    """The saving variant (``Mlp.forward``) under recompute="never", without gradients, with dropout in
+    training and with another activation."""
+    lean_calls = count_calls(monkeypatch, blocks._LeanMlpFn, "apply")
+    x = torch.randn(4, C, requires_grad=True)
+    LeanMlp(C, 4 * C, recompute="never")(x)
+    with torch.no_grad():
+        LeanMlp(C, 4 * C)(x)
+    LeanMlp(C, 4 * C, drop=0.1).train()(x)
+    LeanMlp(C, 4 * C, act_layer=nn.SiLU)(x)
+    monkeypatch.setenv("VIT3_TTT_RECOMPUTE", "never")
+    LeanMlp(C, 4 * C)(x)
+    assert lean_calls["n"] == 0
+    monkeypatch.setenv("VIT3_TTT_RECOMPUTE", "always")
+    LeanMlp(C, 4 * C, drop=0.1).eval()(x)  # dropout is off in eval
+    assert lean_calls["n"] == 1
+
+
+def _block(recompute: str) -> TTTBlock:
+    torch.manual_seed(4)
+    block = TTTBlock(32, 4, ttt_cfg={"recompute": recompute}).double()
+    with torch.no_grad():  # a non-trivial CPE and norms
+        for p in (block.cpe.weight, block.cpe.bias, block.norm1.weight, block.norm2.bias):
+            p.normal_()
+    return block
+
+
+@pytest.mark.parametrize("backend", ["cpu", "generic"])
+def test_lean_block_matches_the_saving_block_every_gradient(monkeypatch, backend):
+    monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
+    lean, saving = _block("always"), _block("never")
+    x = torch.randn(2, 5, 8, 32, dtype=torch.float64, requires_grad=True)
+    got, want = lean(x), saving(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g_lean = _grads(got, [x, *lean.parameters()])
+    g_saving = _grads(want, [x, *saving.parameters()])
+    names = ["x", *(name for name, _ in lean.named_parameters())]
+    for name, g, g_ref in zip(names, g_lean, g_saving):
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-11, msg=f"gradient of {name}")
+
+
+def test_lean_block_saves_what_the_readme_table_states(monkeypatch):
+    """Per token of a ViT³ block (C = 32, 4 SwiGLU heads of 8 plus a depthwise head of 8: W = 40, MLP 128): the
+    saving variant keeps the CPE input, the norms' inputs and statistics, the qkv input, q, k, v and Z, Y of the
+    mixer, the projection input and the MLP's fc1 input, fc1 output and GELU output; the lean one drops the CPE
+    output (the first norm's input, recomputed with its statistics), Z, Y, the second norm's output and the GELU
+    output."""
+    monkeypatch.setenv("VIT3_TTT_BACKEND", "cpu")
+    dim, width, hidden = 32, 40, 128
+
+    def run(n: int, recompute: str):
+        x = torch.randn(1, 1, n, dim, dtype=torch.float64, requires_grad=True)
+        return _block(recompute)(x)
+
+    lean = (
+        dim + dim + 3 * width + width + dim + 2 + hidden
+    )  # CPE in, qkv in, q k v, proj in, LN2 in + stats, h
+    assert _per_token(partial(run, recompute="always")) == lean
+    dropped = (dim + 2) + 4 * 32 + dim + hidden  # CPE out + LN1 stats, Z and Y, LN2 out, GELU out
+    assert _per_token(partial(run, recompute="never")) == lean + dropped
