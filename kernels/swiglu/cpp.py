@@ -1,22 +1,24 @@
 """The SwiGLU op's C++ CPU kernel (``csrc/swiglu_cpu.cpp``): build and load it.
 
-The kernel provides the four N-sized passes of the tiled eager path (``vit3.kernels.swiglu.eager``, which does
-the small step between the passes in Python) as ``torch.ops.vit3_swiglu_cpu.*``, the weights side by side
-(``w = [W1 | W2]`` ``[B, H, d, 2d]``):
+The kernel runs the tiled eager path's passes (``vit3.kernels.swiglu.eager``) and the step between them as
+``torch.ops.vit3_swiglu_cpu.*``, one call per direction, the weights side by side (``w = [W1 | W2]``
+``[B, H, d, 2d]``, built inside from ``w1, w2`` ``[1|B, H, d, d]``):
 
-- ``inner_grad(k, v, w, g, z)``: ``Z = k W``, ``G += kᵀ [v ⊙ A | v ⊙ Z1 ⊙ A']``;
-- ``readout(q, w_new, out, y)``: ``Y = q W'``, ``out = Y1 ⊙ silu(Y2)``;
-- ``readout_backward(d_out, q, y, w_new, dq, dw)`` and ``inner_backward(k, v, z, dgw, dk, dv, dw)``, with
-  ``y``, ``z`` the saved pre-activations or ``None`` (recomputed: the memory-lean backward),
-  ``dgw = [dG | W]``;
+- ``ttt_forward(q, k, v, w1, w2, out, z, y, c, lr, grad_norm, block) -> [w, g, norm, w_new]``: ``Z = k W``,
+  ``G = -c kᵀ [v ⊙ A | v ⊙ Z1 ⊙ A']``, the step ``W' = W - lr G / (||G|| + 1)``, ``out = Y1 ⊙ silu(Y2)`` with
+  ``Y = q W'``; ``z``, ``y`` buffers to save the pre-activations in, or ``None`` (the memory-lean backward
+  recomputes them);
+- ``ttt_backward(d_out, q, k, v, z, y, w, g, norm, w_new, dq, dk, dv, c, lr, grad_norm, block) -> dw``: the
+  read-out's backward (dq, dW'), the step's backward (dG), the inner pass's (dk, dv, kᵀ dZ);
 
-and the 3x3 depthwise op of the official mixer's other branch and of ``ConvPosEnc`` on token rows
-``[B, N, C]``: ``dwconv(x, taps, out, h, w, bias, residual)`` and ``dwconv_weight_grad(g, x, taps_grad, h, w)``
-(per-sample or shared taps ``[B|1, 9, C]``).
+and the 3x3 depthwise ops of the official mixer's other branch and of ``ConvPosEnc`` on token rows
+``[B, N, C]``: ``dwconv(x, taps, out, h, w, bias, residual)``, ``dwconv_weight_grad(g, x, taps_grad, h, w)``
+(per-sample or shared taps ``[B|1, 9, C]``), and the branch's step built on them, ``dwconv_ttt_forward`` /
+``dwconv_ttt_backward`` (``vit3.kernels.dwconv.cpp``).
 
-Each op walks every (sample, head) inside C++ (heads of a sample grouped into batched matmuls when their
-tokens fit a cache-sized block, larger problems in token blocks), so a step costs 4 Python calls instead of
-~40 ops per block, and each elementwise chain is one vectorised loop instead of ~7 passes.
+Each op walks every (sample, head) inside C++ (the heads of a sample grouped into batched matmuls when their
+tokens fit a cache-sized block of rows, larger problems in token blocks), so a branch costs one Python call per
+direction instead of ~40 ops, and each elementwise chain is one vectorised loop instead of ~7 passes.
 
 It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30-60 s once, then
 loaded from the build cache in ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The build

@@ -23,8 +23,8 @@ allocations would cost more than the ops.
 
 With ``cpp=True`` the four passes run in the C++ CPU kernel ``vit3.kernels.swiglu.cpp`` (the same
 passes, small problems grouped into batched matmuls, large ones in blocks of tokens, elementwise chains
-fused; the mixer's backend registry ``vit3.layers.backends`` decides when); the step between the passes
-stays in Python either way.
+fused, the step between them in C++ too: one call per direction; the mixer's backend registry
+``vit3.layers.backends`` decides when).
 
 Saved for backward: dense q, k, v and the small ``[.., 2, d, d]`` weights; with ``recompute=False`` also
 the pre-activations ``Z = k W`` and ``Y = q W'`` (four N-sized tensors: 4·d values per token and head,

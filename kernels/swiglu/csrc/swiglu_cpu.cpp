@@ -1,12 +1,13 @@
-// The N-sized passes of the official SwiGLU inner model's TTT step on a CPU (dot loss, one full-batch step):
-// four passes over the tokens, each one C++ op that walks every (sample, head) problem, small problems
-// grouped, large ones in token blocks of about a MiB. The step itself is not here. The same extension holds
-// the 3x3 depthwise op on token rows (the dwconv branch, ConvPosEnc), at the end.
+// The official SwiGLU inner model's TTT step on a CPU (dot loss, one full-batch step): ttt_forward and
+// ttt_backward, one op each, so a mixer branch costs one call per direction. Each runs two passes over the
+// tokens that walk every (sample, head) problem, small problems grouped, large ones in token blocks of about
+// a MiB, and the small per-(sample, head) step between them (W' = W - lr G / (||G|| + 1) and its backward,
+// kernels/common.py's step). The same extension holds the 3x3 depthwise op on token rows (the dwconv branch
+// with its step, ConvPosEnc), at the end.
 //
-// Python (vit3/kernels/swiglu/eager.py) does the small per-(sample, head) work between the passes (the step
-// W' = W - lr G / (||G|| + 1) and its backward); the passes here do every N-sized matmul (ATen, i.e. MKL) and
-// fuse each elementwise chain between two matmuls into one loop over a block that is still in cache. The same
-// passes in PyTorch are the tiled path of that module; the op's reference is vit3/kernels/swiglu/reference.py.
+// The passes do every N-sized matmul (ATen, i.e. MKL) and fuse each elementwise chain between two matmuls
+// into one loop over a block that is still in cache. The same passes in PyTorch are the tiled path of
+// vit3/kernels/swiglu/eager.py; the op's reference is vit3/kernels/swiglu/reference.py.
 //
 // Layouts: q, k, v [B, H, N, d] with unit stride along d; the two weights side by side, [W1 | W2]
 // [B, H, d, 2d] contiguous, so each product with both (k [W1 | W2], kᵀ [P1 | P2], dY [W1' | W2']ᵀ ...) is one
@@ -105,18 +106,24 @@ inline void each(const Group& g, int64_t d, FV fv, FS fs) {
 
 // Runs body(group, scratch) over tokens [B, H, N, d] cut into groups (see Group) of at most `block` rows
 // (gh * n), in token order within a head (accumulations stay per head). When a head's tokens fit a block,
-// heads of one sample are grouped, as many as fill a block but no fewer groups than threads, the heads split
-// evenly; else each head is walked in blocks of `block` tokens. Groups are spread across threads when there
+// heads of one sample are grouped, as many as fill kGroupRows but no fewer groups than threads, the heads
+// split evenly; else each head is walked in blocks of `block` tokens. Groups are spread across threads when there
 // are enough of them, else run one after another (every op then parallel inside). scratch: `slots` buffers of
 // block * `width` elements per thread; `view(scratch, slot, group, c)` shapes one as [gh, n, c].
+// Rows (heads x tokens) a group of small problems grows to. Measured on the 2-core VM, one thread, the SwiGLU
+// step forward / forward + backward against one head per call: 1.24x / 1.09x at 6 heads x 196 tokens (d = 32),
+// 1.7x / 1.3x at 16 x 49; larger groups lose it again in training (0.97x at 4096 rows) and at 784 tokens
+// (0.94x), where one head's calls are already long and a group's blocks leave the core's cache.
+constexpr int64_t kGroupRows = 1024;
+
 template <typename F>
 void for_groups(const Tensor& tokens, int64_t block, int64_t slots, int64_t width, F body) {
   const int64_t B = tokens.size(0), H = tokens.size(1), N = tokens.size(2);
   const int64_t threads = at::get_num_threads();
   int64_t gh = 1, nb = std::min(block, N);
   if (N <= block) {
-    // as few groups per sample as fill blocks, but no fewer groups than threads, heads split evenly
-    const int64_t most = std::max<int64_t>(1, std::min(H, block / N));
+    // as few groups per sample as fill kGroupRows, but no fewer groups than threads, heads split evenly
+    const int64_t most = std::max<int64_t>(1, std::min(H, std::min(block, kGroupRows) / N));
     const int64_t per_sample = std::min(H, std::max((H + most - 1) / most, (threads + B - 1) / B));
     gh = (H + per_sample - 1) / per_sample;
   }
