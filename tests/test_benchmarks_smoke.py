@@ -45,6 +45,21 @@ def test_mixer_benchmark_writes_rows_for_every_length(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_mixer_profile_attributes_every_op_of_both_layers(tmp_path):
+    out = tmp_path / "profile.csv"
+    _run(
+        "mixer_profile.py",
+        *("--dim", "32", "--heads", "2", "--batch", "1", "--tokens", "35", "--calls", "1", "--rounds", "1"),
+        *("--threads", "1", "--out", str(out)),
+    )
+    rows = list(csv.DictReader(out.open()))
+    for layer in ("ttt_mixer", "sdpa_attention"):
+        parts = {r["part"]: float(r["ms"]) for r in rows if r["layer"] == layer}
+        assert set(parts) == {"projections", "inner loop", "rest", "total"}
+        assert parts["projections"] > 0 and parts["inner loop"] > 0
+        assert parts["total"] == pytest.approx(parts["projections"] + parts["inner loop"] + parts["rest"])
+
+
 @pytest.mark.slow
 def test_models_benchmark_compares_vit3_with_deit(tmp_path):
     out = tmp_path / "models.csv"
