@@ -156,12 +156,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_runtime_args(p)
+def add_layer_args(p: argparse.ArgumentParser) -> None:
+    """The mixer and attention layers' shape: width, heads, batch (shared with ``mixer_profile.py``)."""
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--batch", type=int, default=4)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_runtime_args(p)
+    add_layer_args(p)
     p.add_argument("--tokens", type=int, nargs="+", default=[196, 1024, 3136, 9216, 16384])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(

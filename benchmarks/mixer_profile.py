@@ -23,7 +23,7 @@ from torch.profiler import profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, add_runtime_args, apply_runtime, print_table, write_csv
-from benchmarks.mixer import SDPAAttention, grid_for
+from benchmarks.mixer import SDPAAttention, add_layer_args, grid_for
 from vit3.layers import TTTMixer
 
 PARTS = ("projections", "inner loop", "rest")
@@ -80,9 +80,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(p)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--batch", type=int, default=4)
+    add_layer_args(p)
     p.add_argument("--tokens", type=int, default=196)
     p.add_argument("--calls", type=int, default=10, help="forward + backward calls per profiled round")
     p.add_argument("--rounds", type=int, default=3)

@@ -168,41 +168,33 @@ class _LeanMlpFn(torch.autograd.Function):
         b2: Tensor | None,
         approx: str,
     ) -> Tensor:
-        stats: list[Tensor] = []
-        n = x
+        n = mean = rstd = None
         if eps is not None:
             n, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], ln_w, ln_b, eps)
-            stats = [mean, rstd]
-        h = F.linear(n, w1, b1)  # [..., hidden]
-        ctx.save_for_backward(x, h, w1, w2, *stats, *(t for t in (ln_w, ln_b) if t is not None))
-        ctx.eps, ctx.approx = eps, approx
-        ctx.has = (ln_w is not None, ln_b is not None, b1 is not None, b2 is not None)
+        h = F.linear(x if n is None else n, w1, b1)  # [..., hidden]
+        ctx.save_for_backward(x, h, w1, w2, mean, rstd, ln_w, ln_b)  # None where absent
+        ctx.eps, ctx.approx, ctx.biases = eps, approx, (b1 is not None, b2 is not None)
         return F.linear(F.gelu(h, approximate=approx), w2, b2)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, h, w1, w2, *rest = ctx.saved_tensors
-        has_lw, has_lb, has_b1, has_b2 = ctx.has
-        mean, rstd = rest[:2] if ctx.eps is not None else (None, None)
-        it = iter(rest[2:] if ctx.eps is not None else [])
-        ln_w, ln_b = (next(it) if has_lw else None), (next(it) if has_lb else None)
+        x, h, w1, w2, mean, rstd, ln_w, ln_b = ctx.saved_tensors
+        has_b1, has_b2 = ctx.biases
         rows = dy.numel() // dy.shape[-1]
         dy2 = dy.reshape(rows, -1)  # [T, C]
         a = F.gelu(h, approximate=ctx.approx).reshape(rows, -1)  # [T, hidden], recomputed
         dw2, db2 = dy2.t() @ a, dy2.sum(0) if has_b2 else None
         del a
         dh = torch.ops.aten.gelu_backward(dy2 @ w2, h.reshape(rows, -1), approximate=ctx.approx)
-        if ctx.eps is None:
-            n = x
-        else:  # recomputed: one pass over x
-            n = torch.native_layer_norm(x, x.shape[-1:], ln_w, ln_b, ctx.eps)[0]
+        norm = ctx.eps is not None
+        n = torch.native_layer_norm(x, x.shape[-1:], ln_w, ln_b, ctx.eps)[0] if norm else x  # recomputed
         dw1, db1 = dh.t() @ n.reshape(rows, -1), dh.sum(0) if has_b1 else None
         dn = (dh @ w1).view(x.shape)
-        if ctx.eps is None:
+        if not norm:
             return dn, None, None, None, dw1, db1, dw2, db2, None
         dx, d_lw, d_lb = torch.ops.aten.native_layer_norm_backward(
-            dn, x, x.shape[-1:], mean, rstd, ln_w, ln_b, [True, has_lw, has_lb]
+            dn, x, x.shape[-1:], mean, rstd, ln_w, ln_b, [True, ln_w is not None, ln_b is not None]
         )
         return dx, d_lw, d_lb, None, dw1, db1, dw2, db2, None
 

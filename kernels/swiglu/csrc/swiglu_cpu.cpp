@@ -524,6 +524,14 @@ void check_block(int64_t block) {
   TORCH_CHECK(block > 0, "swiglu_cpu: block must be a positive number of tokens, got ", block);
 }
 
+// An optional saved pre-activation buffer (Z or Y, [B, H, N, 2d] like q's tokens), checked; undefined if absent.
+Tensor saved_buffer(const std::optional<Tensor>& t, const Tensor& q) {
+  if (!t.has_value()) return Tensor();
+  check_inputs({*t}, {q});
+  check_shape(*t, q, q.size(2), 2 * q.size(3), "z and y");
+  return *t;
+}
+
 // The forward of one step: w = [W1 | W2] per sample, pass 1 (G), the step, pass 2 (the read-out into out).
 // Returns w, G (times -c), the column norms [B, H, 1, 2d] and W' [B, H, d, 2d]: what the backward needs.
 std::vector<Tensor> ttt_forward(
@@ -541,20 +549,14 @@ std::vector<Tensor> ttt_forward(
     int64_t block) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // raw kernel: its outputs are plain buffers
   check_inputs({}, {q, k, v, out});
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
+  const int64_t B = q.size(0), H = q.size(1), d = q.size(3);
   for (const auto* wi : {&w1, &w2}) {
     TORCH_CHECK(wi->scalar_type() == q.scalar_type() && wi->dim() == 4 && (wi->size(0) == 1 || wi->size(0) == B) &&
                     wi->size(1) == H && wi->size(2) == d && wi->size(3) == d,
                 "swiglu_cpu: w1, w2 must be [1|B, H, d, d] = [1|", B, ", ", H, ", ", d, ", ", d, "], got ", wi->sizes());
   }
   const Tensor w = at::cat({w1.expand({B, H, d, d}), w2.expand({B, H, d, d})}, 3);  // [B, H, d, 2d]
-  const Tensor zz = z.has_value() ? *z : Tensor(), yy = y.has_value() ? *y : Tensor();
-  for (const auto& t : {zz, yy}) {
-    if (t.defined()) {
-      check_inputs({t}, {q});
-      check_shape(t, q, N, 2 * d, "z and y");
-    }
-  }
+  const Tensor zz = saved_buffer(z, q), yy = saved_buffer(y, q);
   check_block(block);
   check_float(q);
   Tensor g = at::zeros_like(w), w_new = at::empty_like(w), norm = at::empty({B, H, 1, 2 * d}, w.options());
@@ -588,16 +590,10 @@ Tensor ttt_backward(
     int64_t block) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_inputs({w, g, norm, w_new}, {d_out, q, k, v, dq, dk, dv});
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
+  const int64_t B = q.size(0), H = q.size(1), d = q.size(3);
   for (const auto* t : {&w, &g, &w_new}) check_shape(*t, q, d, 2 * d, "w, g and w_new");
   check_shape(norm, q, 1, 2 * d, "norm");
-  const Tensor zz = z.has_value() ? *z : Tensor(), yy = y.has_value() ? *y : Tensor();
-  for (const auto& t : {zz, yy}) {
-    if (t.defined()) {
-      check_inputs({t}, {q});
-      check_shape(t, q, N, 2 * d, "z and y");
-    }
-  }
+  const Tensor zz = saved_buffer(z, q), yy = saved_buffer(y, q);
   check_block(block);
   check_float(q);
   Tensor dw = at::zeros_like(w);
