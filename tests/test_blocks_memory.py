@@ -1,5 +1,6 @@
 """The ViT³ block's memory-lean training backward (``TTTConfig.recompute`` other than ``"never"``): ``LeanMlp``
-(the MLP's LayerNorm and GELU outputs recomputed) and the CPE output recomputed give the saving variant's
+(the MLP's LayerNorm and GELU outputs recomputed) and the CPE output recomputed (one node with the first norm on
+the C++ kernel, checkpointed elsewhere) give the saving variant's
 numbers, forward and every gradient, and save per token what the README's table states."""
 
 from __future__ import annotations
@@ -94,10 +95,13 @@ def _block(recompute: str) -> TTTBlock:
 
 @pytest.mark.parametrize("backend", ["cpu", "generic"])
 def test_lean_block_matches_the_saving_block_every_gradient(monkeypatch, backend):
+    """On ``cpu`` the CPE and first norm form one node (``_CpeNormFn``), elsewhere they are checkpointed."""
     monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
+    one_node = count_calls(monkeypatch, blocks._CpeNormFn, "apply")
     lean, saving = _block("always"), _block("never")
     x = torch.randn(2, 5, 8, 32, dtype=torch.float64, requires_grad=True)
     got, want = lean(x), saving(x)
+    assert one_node["n"] == (backend == "cpu")
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     g_lean = _grads(got, [x, *lean.parameters()])
     g_saving = _grads(want, [x, *saving.parameters()])
@@ -110,8 +114,8 @@ def test_lean_block_saves_what_the_readme_table_states(monkeypatch):
     """Per token of a ViT³ block (C = 32, 4 SwiGLU heads of 8 plus a depthwise head of 8: W = 40, MLP 128): the
     saving variant keeps the CPE input, the norms' inputs and statistics, the qkv input, q, k, v and Z, Y of the
     mixer, the projection input and the MLP's fc1 input, fc1 output and GELU output; the lean one drops the CPE
-    output (the first norm's input, recomputed with its statistics), Z, Y, the second norm's output and the GELU
-    output."""
+    output (the first norm's input, recomputed; its statistics are kept), Z, Y, the second norm's output and the
+    GELU output."""
     monkeypatch.setenv("VIT3_TTT_BACKEND", "cpu")
     dim, width, hidden = 32, 40, 128
 
@@ -120,8 +124,8 @@ def test_lean_block_saves_what_the_readme_table_states(monkeypatch):
         return _block(recompute)(x)
 
     lean = (
-        dim + dim + 3 * width + width + dim + 2 + hidden
-    )  # CPE in, qkv in, q k v, proj in, LN2 in + stats, h
+        dim + 2 + dim + 3 * width + width + dim + 2 + hidden
+    )  # CPE in, LN1 stats, qkv in, q k v, proj in, LN2 in + stats, h
     assert _per_token(partial(run, recompute="always")) == lean
-    dropped = (dim + 2) + 4 * 32 + dim + hidden  # CPE out + LN1 stats, Z and Y, LN2 out, GELU out
+    dropped = dim + 4 * 32 + dim + hidden  # CPE out, Z and Y, LN2 out, GELU out
     assert _per_token(partial(run, recompute="never")) == lean + dropped

@@ -165,7 +165,11 @@ def test_one_sample_depthwise_backward_stays_channels_last_and_matches_nchw():
 # ------------------------------------------------------------------------- the C++ path's depthwise ops
 
 
-@pytest.mark.parametrize("grid", [(5, 7), (1, 6), (4, 1)], ids=["5x7", "one-row", "one-column"])
+@pytest.mark.parametrize(
+    "grid",
+    [(5, 7), (1, 6), (4, 1), (3, 19), (2, 16)],
+    ids=["5x7", "one-row", "one-column", "column-blocks-and-tail", "whole-column-blocks"],
+)
 @pytest.mark.parametrize("channels", [8, 12], ids=["whole-vectors", "vector-tail"])
 def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
     """``dwconv`` (per-sample or shared taps) and ``dwconv_weight_grad`` against float64 ``F.conv2d`` and its
@@ -190,6 +194,10 @@ def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
             ]
         )
         torch.testing.assert_close(maps(dest), want, rtol=1e-12, atol=1e-12)
+        if shared:  # a conv weight [C, 1, 3, 3] as it is gives the same as its taps
+            dest.zero_()
+            ops.dwconv(x, weight[0, :, None].contiguous(), dest, h, w)
+            torch.testing.assert_close(maps(dest), want, rtol=1e-12, atol=1e-12)
     xs = maps(x).clone().requires_grad_()
     per_sample = torch.zeros(b, c, 3, 3, dtype=torch.float64, requires_grad=True)
     out = torch.cat([F.conv2d(xs[i : i + 1], per_sample[i, :, None], padding=1, groups=c) for i in range(b)])
@@ -199,6 +207,8 @@ def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
     torch.testing.assert_close(got.transpose(1, 2).unflatten(-1, (3, 3)), want, rtol=1e-12, atol=1e-12)
     with pytest.raises(RuntimeError, match="does not fit N"):
         ops.dwconv(x, taps, dest, h + 1, w)
+    with pytest.raises(RuntimeError, match=r"taps must be \[1\|B, 9, C\] or a weight \[C, 1, 3, 3\]"):
+        ops.dwconv(x, torch.randn(c + 1, 1, 3, 3, dtype=torch.float64), dest, h, w)
 
 
 def test_fused_step_ops_reject_a_weight_of_another_shape_by_name():
@@ -229,3 +239,19 @@ def test_conv_pos_enc_on_the_kernel_matches_onednn_every_gradient(monkeypatch, b
     assert kernel["n"] == 1
     for name, a, b in zip(["out", "x", "weight", "bias"], got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_conv_pos_enc_without_gradients_takes_the_kernel_without_a_node(monkeypatch):
+    """Under no_grad the kernel's op runs without building the autograd node, with the same output."""
+    from vit3.layers import blocks
+
+    node = count_calls(monkeypatch, blocks._ConvPosEncKernel, "apply")
+    plain = count_calls(monkeypatch, blocks, "_conv_pos_kernel")
+    torch.manual_seed(4)
+    cpe = blocks.ConvPosEnc(20).double()
+    x = torch.randn(2, 3, 11, 20, dtype=torch.float64)
+    with torch.no_grad():
+        got = cpe(x)
+    assert (node["n"], plain["n"]) == (0, 1)
+    want = x + F.conv2d(x.permute(0, 3, 1, 2), cpe.weight, cpe.bias, padding=1, groups=20).permute(0, 2, 3, 1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -13,7 +13,8 @@ The kernel runs the tiled eager path's passes (``vit3.kernels.swiglu.eager``) an
 
 and the 3x3 depthwise ops of the official mixer's other branch and of ``ConvPosEnc`` on token rows
 ``[B, N, C]``: ``dwconv(x, taps, out, h, w, bias, residual)``, ``dwconv_weight_grad(g, x, taps_grad, h, w)``
-(per-sample or shared taps ``[B|1, 9, C]``), and the branch's step built on them, ``dwconv_ttt_forward`` /
+(per-sample or shared taps ``[B|1, 9, C]``; ``dwconv`` also reads a shared conv weight ``[C, 1, 3, 3]`` as it is),
+and the branch's step built on them, ``dwconv_ttt_forward`` /
 ``dwconv_ttt_backward`` (``vit3.kernels.dwconv.cpp``).
 
 Each op walks every (sample, head) inside C++ (the heads of a sample grouped into batched matmuls when their

@@ -8,7 +8,7 @@ method, and the op references (``vit3.kernels.<op>.reference``) for the formulas
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 from typing import Any
 
@@ -21,7 +21,7 @@ from vit3.kernels.common import normalize_grad
 from . import backends
 from .config import GRID_MODELS, TTTConfig
 from .eager_mix import MixBranch, MixPlan, eager_mix
-from .inner import InnerModel, Params, create_inner_model, tracing
+from .inner import InnerModel, Params, all_finite, create_inner_model, tracing
 from .losses import loss_grad, loss_needs_prediction
 from .rope import apply_rope_2d, rope_tables
 
@@ -165,9 +165,7 @@ class TTTMixer(nn.Module):
         if h < 1 or w < 1 or h * w != n:
             raise ValueError(f"grid {h}x{w} = {h * w} tokens does not fit N={n} (input {tuple(x.shape)})")
         if self.cfg.check_finite and not tracing() and os.environ.get(CHECK_FINITE_ENV, "1") != "0":
-            # A finite sum proves every token finite (NaN and Inf propagate through it) in one reduction,
-            # ~20x cheaper than isfinite().all() at 224 px; only an overflowing sum needs the exact check.
-            if not math.isfinite(x.sum().item()) and not torch.isfinite(x).all():
+            if not all_finite(x):
                 raise NonFiniteError("TTTMixer input contains non-finite values (NaN or Inf)")
 
     def _plan(self, qkv: Tensor, gates: Tensor | None, weights: list[Params]) -> backends.Plan:
@@ -250,7 +248,10 @@ class TTTMixer(nn.Module):
         """
         weights = [model.initial_params() for model in self.inner]
         plan = self._plan(qkv, gates, weights)
-        with torch.autocast(device_type=qkv.device.type, enabled=False):
+        device = qkv.device.type
+        # autocast off inside; entering the context costs more than the check where it is off already
+        no_autocast = torch.autocast(device_type=device, enabled=False)
+        with no_autocast if torch.is_autocast_enabled(device) else contextlib.nullcontext():
             if not plan.fused:
                 return self._mix(plan, qkv, grid, gates, weights, guard=True)
             names = [list(w) for w in weights]
@@ -279,16 +280,10 @@ class TTTMixer(nn.Module):
         compute = torch.promote_types(io_dtype, torch.float32)
         cfg = self.cfg
         if plan.fused:
-            branches, offset = [], 0
-            for (name, heads), width, backend in zip(self.branch_specs, self.widths, plan.backends):
-                rope = cfg.rope and name != "dwconv"
-                branches.append(MixBranch(name, offset, heads, self.head_dim, rope, backend == "cpu"))
-                offset += 3 * width
-            mix_plan = MixPlan(
-                tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, plan.recompute
-            )
-            flat = [p.to(compute) for w in weights for p in w.values()]
-            return eager_mix(qkv.to(compute), mix_plan, flat).to(io_dtype)
+            same = io_dtype == compute  # no casts to call (each costs about a µs)
+            flat = [p if p.dtype == compute else p.to(compute) for w in weights for p in w.values()]
+            out = eager_mix(qkv if same else qkv.to(compute), self._mix_plan(plan, grid), flat)
+            return out if same else out.to(io_dtype)
         outs, gate_offset = [], 0
         # One split for all branches: its backward is a single concatenation, where slicing per branch would
         # make autograd zero-fill and add a full-size qkv gradient for every slice.
@@ -309,6 +304,26 @@ class TTTMixer(nn.Module):
             outs.append(y.to(io_dtype).transpose(1, 2))  # [B, N, G, c]
         # One pass: concatenating along the head dim writes [B, N, sum(G), c] directly in token order.
         return torch.cat(outs, dim=2).view(b, n, -1) if len(outs) > 1 else outs[0].reshape(b, n, -1)
+
+    def _mix_plan(self, plan: backends.Plan, grid: tuple[int, int]) -> MixPlan:
+        """The fused eager node's ``MixPlan`` for ``plan`` on ``grid``, built once per (backends, recompute,
+        grid, inner-loop settings): building it costs about as much as the node's own Python at 224 px."""
+        cfg = self.cfg
+        key = (plan.backends, plan.recompute, grid, cfg.inner_lr, cfg.grad_norm, cfg.rope, cfg.rope_base)
+        cache = self.__dict__.setdefault("_mix_plans", {})
+        found = cache.get(key)
+        if found is None:
+            branches, offset = [], 0
+            for (name, heads), width, backend in zip(self.branch_specs, self.widths, plan.backends):
+                rope = cfg.rope and name != "dwconv"
+                branches.append(MixBranch(name, offset, heads, self.head_dim, rope, backend == "cpu"))
+                offset += 3 * width
+            found = MixPlan(
+                tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, plan.recompute
+            )
+            if not plan.tracing:  # traced grids may be symbolic: not cached
+                cache[key] = found
+        return found
 
     def extra_repr(self) -> str:
         branches = ", ".join(f"{name}x{heads}" for name, heads in self.branch_specs)

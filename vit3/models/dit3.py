@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, TTTMixer, convert_official_mixer_key
 from vit3.layers.blocks import ConvPosEnc
+from vit3.layers.inner import all_finite
 
 from ._pretrained import _torch_load, check_state_dict, strip_wrapper_prefixes
 
@@ -378,7 +379,7 @@ class DiT3(nn.Module):
                     else " (no null class: built with class_dropout_prob=0)"
                 )
                 raise ValueError(f"labels must lie in [0, {top}]{null}, got values in [{lo}, {hi}]")
-            if not torch.isfinite(x).all():
+            if not all_finite(x):
                 raise ValueError("DiT3 input latents contain non-finite values (NaN or Inf)")
 
     # --- forward --------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -432,6 +433,57 @@ void for_channel_vectors(int64_t B, int64_t C, int64_t W, F f) {
   });
 }
 
+// Output columns per register block of the depthwise loops: each input vector is loaded once per block row and
+// feeds up to three accumulators held in registers (one vector per output column), where a loop over the 9 taps
+// per output would chain 9 dependent FMAs and reload every input 3 times per row.
+constexpr int kCols = 8;
+
+// Calls f(std::integral_constant<int, n>) for a block of n = 1..kCols columns (the block loops unroll on n).
+template <typename F>
+inline void with_cols(int64_t n, F f) {
+  switch (n) {
+    case 8: f(std::integral_constant<int, 8>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    default: f(std::integral_constant<int, 1>()); break;
+  }
+}
+static_assert(kCols == 8, "with_cols covers 1..8 columns");
+
+// One input row's contribution to output columns [j0, j0 + NJ) of one channel vector: acc[o] += Σ_dj kr[dj + 1] ⊙
+// x[j0 + o + dj] (zero padding), x the row's first token (token stride sn), kr the row's three taps.
+template <typename T, int NJ>
+inline void conv_row(const T* x, int64_t sn, const Vec<T>* kr, int64_t j0, int64_t gw, int64_t lanes, Vec<T>* acc) {
+#pragma GCC unroll 10
+  for (int t = 0; t < NJ + 2; ++t) {  // input column j0 - 1 + t feeds outputs t (tap 0), t - 1 (1), t - 2 (2)
+    const int64_t j = j0 - 1 + t;
+    if (j < 0 || j >= gw) continue;
+    const Vec<T> xv = Vec<T>::loadu(x + j * sn, lanes);
+    if (t < NJ) acc[t] = at::vec::fmadd(kr[0], xv, acc[t]);
+    if (t >= 1 && t - 1 < NJ) acc[t - 1] = at::vec::fmadd(kr[1], xv, acc[t - 1]);
+    if (t >= 2) acc[t - 2] = at::vec::fmadd(kr[2], xv, acc[t - 2]);
+  }
+}
+
+// One input row's contribution to the three taps kr of one channel vector from output columns [j0, j0 + NJ):
+// acc[dj + 1] += Σ_o g[o] ⊙ x[j0 + o + dj], g the block's output gradient vectors.
+template <typename T, int NJ>
+inline void weight_grad_row(const T* x, int64_t sn, const Vec<T>* g, int64_t j0, int64_t gw, int64_t lanes, Vec<T>* acc) {
+#pragma GCC unroll 10
+  for (int t = 0; t < NJ + 2; ++t) {
+    const int64_t j = j0 - 1 + t;
+    if (j < 0 || j >= gw) continue;
+    const Vec<T> xv = Vec<T>::loadu(x + j * sn, lanes);
+    if (t < NJ) acc[0] = at::vec::fmadd(g[t], xv, acc[0]);
+    if (t >= 1 && t - 1 < NJ) acc[1] = at::vec::fmadd(g[t - 1], xv, acc[1]);
+    if (t >= 2) acc[2] = at::vec::fmadd(g[t - 2], xv, acc[2]);
+  }
+}
+
 // out[b, p] = Σ_δ w[b, δ] ⊙ x[b, p + δ] (a per-sample depthwise 3x3 conv, cross-correlation as torch's),
 // + bias [C] when defined, + x[b, p] when residual (ConvPosEnc: x + dwconv(x)).
 template <typename T>
@@ -441,22 +493,33 @@ void dwconv_impl(
   constexpr int64_t W = Vec<T>::size();
   const auto X = map_of<T>(x), O = map_of<T>(out);
   const T* taps = w.data_ptr<T>();
+  const bool conv_layout = w.dim() == 4;  // a shared conv weight [C, 1, 3, 3]: tap t of channel c at 9 c + t
   for_channel_vectors(B, C, W, [&](int64_t b, int64_t c0, int64_t lanes) {
-    const T* tb = taps + b * ws + c0;
     Vec<T> k[9];
-    for (int64_t t = 0; t < 9; ++t) k[t] = Vec<T>::loadu(tb + t * C, lanes);
+    if (conv_layout) {
+      T buf[W];
+      for (int64_t t = 0; t < 9; ++t) {
+        for (int64_t l = 0; l < lanes; ++l) buf[l] = taps[(c0 + l) * 9 + t];
+        k[t] = Vec<T>::loadu(buf, lanes);
+      }
+    } else {
+      for (int64_t t = 0; t < 9; ++t) k[t] = Vec<T>::loadu(taps + b * ws + c0 + t * C, lanes);
+    }
     const Vec<T> start = bias.defined() ? Vec<T>::loadu(bias.data_ptr<T>() + c0, lanes) : Vec<T>(T(0));
     for (int64_t i = 0; i < gh; ++i) {
-      for (int64_t j = 0; j < gw; ++j) {
-        Vec<T> acc = residual ? start + Vec<T>::loadu(X.at(b, i * gw + j) + c0, lanes) : start;
-        for (int64_t di = -1; di <= 1; ++di) {
-          if (i + di < 0 || i + di >= gh) continue;
-          for (int64_t dj = -1; dj <= 1; ++dj) {
-            if (j + dj < 0 || j + dj >= gw) continue;
-            acc = at::vec::fmadd(k[3 * (di + 1) + dj + 1], Vec<T>::loadu(X.at(b, (i + di) * gw + j + dj) + c0, lanes), acc);
+      for (int64_t j0 = 0; j0 < gw; j0 += kCols) {
+        with_cols(std::min<int64_t>(kCols, gw - j0), [&](auto cols) {
+          constexpr int NJ = decltype(cols)::value;
+          Vec<T> acc[NJ];
+          for (int o = 0; o < NJ; ++o) {
+            acc[o] = residual ? start + Vec<T>::loadu(X.at(b, i * gw + j0 + o) + c0, lanes) : start;
           }
-        }
-        acc.store(O.at(b, i * gw + j) + c0, lanes);
+          const T* row = X.at(b, i * gw) + c0;
+          if (i > 0) conv_row<T, NJ>(row - gw * X.sn, X.sn, k, j0, gw, lanes, acc);
+          conv_row<T, NJ>(row, X.sn, k + 3, j0, gw, lanes, acc);
+          if (i + 1 < gh) conv_row<T, NJ>(row + gw * X.sn, X.sn, k + 6, j0, gw, lanes, acc);
+          for (int o = 0; o < NJ; ++o) acc[o].store(O.at(b, i * gw + j0 + o) + c0, lanes);
+        });
       }
     }
   });
@@ -473,16 +536,17 @@ void dwconv_weight_grad_impl(const Tensor& g, const Tensor& x, const Tensor& gw_
     Vec<T> acc[9];
     for (int64_t t = 0; t < 9; ++t) acc[t] = Vec<T>(T(0));
     for (int64_t i = 0; i < gh; ++i) {
-      for (int64_t j = 0; j < gw; ++j) {
-        const Vec<T> gv = Vec<T>::loadu(G.at(b, i * gw + j) + c0, lanes);
-        for (int64_t di = -1; di <= 1; ++di) {
-          if (i + di < 0 || i + di >= gh) continue;
-          for (int64_t dj = -1; dj <= 1; ++dj) {
-            if (j + dj < 0 || j + dj >= gw) continue;
-            const int64_t t = 3 * (di + 1) + dj + 1;
-            acc[t] = at::vec::fmadd(gv, Vec<T>::loadu(X.at(b, (i + di) * gw + j + dj) + c0, lanes), acc[t]);
-          }
-        }
+      for (int64_t j0 = 0; j0 < gw; j0 += kCols) {
+        with_cols(std::min<int64_t>(kCols, gw - j0), [&](auto cols) {
+          constexpr int NJ = decltype(cols)::value;
+          Vec<T> gv[NJ];
+          for (int o = 0; o < NJ; ++o) gv[o] = Vec<T>::loadu(G.at(b, i * gw + j0 + o) + c0, lanes);
+          // the three rows spelled out: acc stays in registers with constant tap indices
+          const T* row = X.at(b, i * gw) + c0;
+          if (i > 0) weight_grad_row<T, NJ>(row - gw * X.sn, X.sn, gv, j0, gw, lanes, acc);
+          weight_grad_row<T, NJ>(row, X.sn, gv, j0, gw, lanes, acc + 3);
+          if (i + 1 < gh) weight_grad_row<T, NJ>(row + gw * X.sn, X.sn, gv, j0, gw, lanes, acc + 6);
+        });
       }
     }
     for (int64_t t = 0; t < 9; ++t) acc[t].store(out + (b * 9 + t) * C + c0, lanes);
@@ -499,11 +563,15 @@ void check_maps(const std::vector<Tensor>& maps, int64_t gh, int64_t gw) {
   TORCH_CHECK(gh > 0 && gw > 0 && gh * gw == first.size(1), "swiglu_cpu: grid ", gh, "x", gw, " does not fit N=", first.size(1));
 }
 
+// taps [B, 9, C] (with broadcast also [1, 9, C] or a shared conv weight [C, 1, 3, 3]), contiguous, the maps' dtype.
 void check_taps(const Tensor& w, const Tensor& x, bool broadcast) {
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous(), "swiglu_cpu: taps must be contiguous, of the maps' dtype");
+  const int64_t C = x.size(2);
+  const bool conv = broadcast && w.dim() == 4 && w.size(0) == C && w.size(1) == 1 && w.size(2) == 3 && w.size(3) == 3;
   TORCH_CHECK(
-      w.dim() == 3 && (w.size(0) == x.size(0) || (broadcast && w.size(0) == 1)) && w.size(1) == 9 && w.size(2) == x.size(2),
-      "swiglu_cpu: taps must be [", broadcast ? "1|" : "", "B, 9, C], got ", w.sizes());
+      conv || (w.dim() == 3 && (w.size(0) == x.size(0) || (broadcast && w.size(0) == 1)) && w.size(1) == 9 && w.size(2) == C),
+      "swiglu_cpu: taps must be [", broadcast ? "1|" : "", "B, 9, C]", broadcast ? " or a weight [C, 1, 3, 3]" : "", ", got ",
+      w.sizes());
 }
 
 #define VIT3_DISPATCH(t, name, ...)                                  \
