@@ -241,8 +241,9 @@ def test_conv_pos_enc_on_the_kernel_matches_onednn_every_gradient(monkeypatch, b
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
 
 
-def test_conv_pos_enc_without_gradients_takes_the_kernel_without_a_node(monkeypatch):
-    """Under no_grad the kernel's op runs without building the autograd node, with the same output."""
+def test_conv_pos_enc_builds_its_autograd_node_only_where_a_gradient_is_wanted(monkeypatch):
+    """Under no_grad the kernel's op runs without the autograd node, with the same output; a trainable bias alone
+    still gets the node (and its gradient)."""
     from vit3.layers import blocks
 
     node = count_calls(monkeypatch, blocks._ConvPosEncKernel, "apply")
@@ -255,3 +256,7 @@ def test_conv_pos_enc_without_gradients_takes_the_kernel_without_a_node(monkeypa
     assert (node["n"], plain["n"]) == (0, 1)
     want = x + F.conv2d(x.permute(0, 3, 1, 2), cpe.weight, cpe.bias, padding=1, groups=20).permute(0, 2, 3, 1)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    cpe.weight.requires_grad_(False)  # only the bias trains: the node must still be built
+    (dbias,) = torch.autograd.grad(cpe(x).sum(), cpe.bias)
+    assert node["n"] == 1
+    torch.testing.assert_close(dbias, torch.full_like(dbias, x[..., 0].numel()), rtol=1e-12, atol=1e-12)

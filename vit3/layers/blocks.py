@@ -63,7 +63,8 @@ class ConvPosEnc(nn.Conv2d):
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``."""
         if self.kernel_size == (3, 3) and backends.conv_pos_kernel(x, self.weight):
-            if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            params = (self.weight, *(() if self.bias is None else (self.bias,)))
+            if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
                 return _ConvPosEncKernel.apply(x, self.weight, self.bias)
             return _conv_pos_kernel(x, self.weight, self.bias)[0]  # no autograd node to build
         # NCHW-contiguous input: PyTorch's depthwise kernels are far slower on channels-last strides (CPU 40x)

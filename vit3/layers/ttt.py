@@ -250,8 +250,11 @@ class TTTMixer(nn.Module):
         plan = self._plan(qkv, gates, weights)
         device = qkv.device.type
         # autocast off inside; entering the context costs more than the check where it is off already
-        no_autocast = torch.autocast(device_type=device, enabled=False)
-        with no_autocast if torch.is_autocast_enabled(device) else contextlib.nullcontext():
+        with (
+            torch.autocast(device_type=device, enabled=False)
+            if torch.is_autocast_enabled(device)
+            else contextlib.nullcontext()
+        ):
             if not plan.fused:
                 return self._mix(plan, qkv, grid, gates, weights, guard=True)
             names = [list(w) for w in weights]

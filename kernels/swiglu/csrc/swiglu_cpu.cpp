@@ -68,14 +68,18 @@ struct Group {
   int64_t b, h0, gh, n0, n;
 };
 
-// Heads and tokens of a group of a [B, H, N, c] tensor: [gh, n, c] (a view).
+// Heads and tokens of a group of a [B, H, N, c] tensor: [gh, n, c] (a view: one as_strided, where select and
+// two narrows cost three dispatched ops; a mixer call makes a few dozen such views).
 inline Tensor tokens_of(const Tensor& t, const Group& g) {
-  return t.select(0, g.b).narrow(0, g.h0, g.gh).narrow(1, g.n0, g.n);
+  const auto s = t.strides();
+  return t.as_strided({g.gh, g.n, t.size(3)}, {s[1], s[2], s[3]},
+                      t.storage_offset() + g.b * s[0] + g.h0 * s[1] + g.n0 * s[2]);
 }
 
 // Heads of a group of a [B, H, r, c] weight tensor: [gh, r, c] (a view).
 inline Tensor weights_of(const Tensor& t, const Group& g) {
-  return t.select(0, g.b).narrow(0, g.h0, g.gh);
+  const auto s = t.strides();
+  return t.as_strided({g.gh, t.size(2), t.size(3)}, {s[1], s[2], s[3]}, t.storage_offset() + g.b * s[0] + g.h0 * s[1]);
 }
 
 // A [groups, rows, d] block: first element, group and row strides (elements).
@@ -157,9 +161,9 @@ void for_groups(const Tensor& tokens, int64_t block, int64_t slots, int64_t widt
   });
 }
 
-// Scratch slot `slot` of one thread as a dense [gh, n, c] tensor for group g.
+// Scratch slot `slot` of one thread ([slots, size], contiguous) as a dense [gh, n, c] tensor for group g.
 inline Tensor view(const Tensor& s, int64_t slot, const Group& g, int64_t c) {
-  return s.select(0, slot).narrow(0, 0, g.gh * g.n * c).view({g.gh, g.n, c});
+  return s.as_strided({g.gh, g.n, c}, {g.n * c, c, 1}, s.storage_offset() + slot * s.stride(0));
 }
 
 // dense: contiguous buffers (weights, saved pre-activations); views: [B, H, N, d] tensors with unit stride along
