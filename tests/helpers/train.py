@@ -95,6 +95,11 @@ def crash_after_checkpoint(monkeypatch, global_step: int) -> None:
     monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
 
 
+def _file_id(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns
+
+
 def kill_when_checkpoint(
     cmd: Sequence[str],
     checkpoint: Path,
@@ -105,18 +110,32 @@ def kill_when_checkpoint(
     """Runs ``cmd`` and SIGKILLs it (kill -9: no cleanup, no handler) as soon as ``checkpoint`` holds a
     state for which ``ready(state)`` is true; returns the checkpoint as the killed process left it.
 
+    Each new checkpoint is read with the process stopped (SIGSTOP, then SIGCONT unless it is killed): a fast
+    process could otherwise save the next checkpoint while this one is being read, and the state left on disk
+    would not be the one judged ready.
+
     Raises:
         AssertionError: the process ended (or ran past ``timeout``) before such a checkpoint appeared.
     """
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
     deadline = time.monotonic() + timeout
+    seen = None  # (inode, mtime) of the last checkpoint judged
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             # checkpoints are replaced atomically (rename), so a file that exists is complete
-            if checkpoint.is_file() and ready(read_ckpt(checkpoint)):
-                os.kill(proc.pid, signal.SIGKILL)
-                break
+            if checkpoint.is_file() and _file_id(checkpoint) != seen:
+                os.kill(proc.pid, signal.SIGSTOP)
+                seen = _file_id(checkpoint)  # what is on disk now stays there while the process is stopped
+                if ready(read_ckpt(checkpoint)):
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+                os.kill(proc.pid, signal.SIGCONT)
             time.sleep(0.02)
+    except (
+        BaseException
+    ):  # an error while judging a checkpoint: the process must not stay stopped (or run on)
+        proc.kill()
+        raise
     finally:
         if proc.poll() is None and time.monotonic() >= deadline:
             proc.kill()
