@@ -15,7 +15,21 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["normalize_grad", "normalized", "step", "step_backward", "ttt_reference", "weight_grad"]
+__all__ = [
+    "grad_flows",
+    "normalize_grad",
+    "normalized",
+    "step",
+    "step_backward",
+    "ttt_reference",
+    "weight_grad",
+]
+
+
+def grad_flows(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a call on ``tensors``: grad mode is on and one of them requires grad (``None``
+    entries are skipped). The fast paths save for the backward, or build a node at all, only then."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def normalized(g: Tensor, dims: tuple[int, ...] = (-2,)) -> tuple[Tensor, Tensor]:
@@ -99,7 +113,7 @@ def ttt_reference(
 
     out_dtype, ct = q.dtype, torch.promote_types(q.dtype, torch.float32)
     q, k, v = (t.to(ct) for t in (q, k, v))
-    outer = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *weights))
+    outer = grad_flows(q, k, v, *weights)
     with torch.enable_grad():
         # Per-sample copies: the gradient of the summed loss w.r.t. them is each sample's own gradient.
         per_sample = [w.to(ct).expand(k.shape[0], *w.shape[1:]).clone() for w in weights]

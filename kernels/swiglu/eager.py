@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..common import step, step_backward, weight_grad
+from ..common import grad_flows, step, step_backward, weight_grad
 
 __all__ = ["SwiGLUSaved", "dense_inputs", "swiglu_backward", "swiglu_forward", "swiglu_ttt"]
 
@@ -484,5 +484,5 @@ def swiglu_ttt(
     Returns:
         ``(q W1') ⊙ silu(q W2')`` ``[B, H, N, d]``, W' the per-sample weights after the step.
     """
-    save = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w1, w2))
+    save = grad_flows(q, k, v, w1, w2)
     return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm, save, recompute, cpp)

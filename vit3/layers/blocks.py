@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from vit3.kernels.common import grad_flows
+
 from . import backends
 from .config import TTTConfig
 from .inner import all_finite, tracing
@@ -60,11 +62,14 @@ class ConvPosEnc(nn.Conv2d):
     def __init__(self, dim: int, kernel_size: int = 3) -> None:
         super().__init__(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
 
+    def on_kernel(self, x: Tensor) -> bool:
+        """Whether a call on ``x`` takes the C++ kernel's depthwise op (3x3, and the backend registry's rule)."""
+        return self.kernel_size == (3, 3) and backends.conv_pos_kernel(x, self.weight)
+
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``."""
-        if self.kernel_size == (3, 3) and backends.conv_pos_kernel(x, self.weight):
-            params = (self.weight, *(() if self.bias is None else (self.bias,)))
-            if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        if self.on_kernel(x):
+            if grad_flows(x, self.weight, self.bias):
                 return _ConvPosEncKernel.apply(x, self.weight, self.bias)
             return _conv_pos_kernel(x, self.weight, self.bias)[0]  # no autograd node to build
         # NCHW-contiguous input: PyTorch's depthwise kernels are far slower on channels-last strides (CPU 40x)
@@ -374,10 +379,9 @@ class TTTBlock(nn.Module):
         cpe, norm = self.cpe, self.norm1
         if (
             type(cpe) is ConvPosEnc
-            and cpe.kernel_size == (3, 3)
             and type(norm) is nn.LayerNorm
             and norm.normalized_shape == x.shape[-1:]
-            and backends.conv_pos_kernel(x, cpe.weight)
+            and cpe.on_kernel(x)
         ):
             return _CpeNormFn.apply(x, cpe.weight, cpe.bias, norm.weight, norm.bias, norm.eps)
         return checkpoint(self._cpe_norm, x, use_reentrant=False, preserve_rng_state=False)

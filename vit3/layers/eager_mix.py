@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels import ops_with
-from vit3.kernels.common import weight_grad
+from vit3.kernels.common import grad_flows, weight_grad
 from vit3.kernels.dwconv import cpp as dwconv_cpp
 from vit3.kernels.dwconv import eager as dwconv_eager
 from vit3.kernels.swiglu.eager import SwiGLUSaved, dense_inputs, swiglu_backward, swiglu_forward
@@ -252,6 +252,6 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
         )
     # Saving for the backward only when autograd will call it (not under no_grad / inference); without it
     # the node is not needed either.
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (qkv, *weights)):
+    if grad_flows(qkv, *weights):
         return _EagerMix.apply(qkv, plan, True, *weights)
     return _forward(qkv, plan, False, tuple(weights))[0]

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from vit3.kernels.common import normalize_grad
+from vit3.kernels.common import grad_flows, normalize_grad
 
 from . import backends
 from .config import GRID_MODELS, TTTConfig
@@ -171,11 +171,7 @@ class TTTMixer(nn.Module):
     def _plan(self, qkv: Tensor, gates: Tensor | None, weights: list[Params]) -> backends.Plan:
         """The backends of this call (resolved once per key and cached by ``backends.plan``)."""
         c = self.cfg
-        grad = torch.is_grad_enabled() and (
-            qkv.requires_grad
-            or (gates is not None and gates.requires_grad)
-            or any(p.requires_grad for w in weights for p in w.values())
-        )
+        grad = grad_flows(qkv, gates, *(p for w in weights for p in w.values()))
         return backends.plan(
             (c.loss, c.steps, c.mini_batches, c.lr_mode),
             c.backend,
@@ -204,9 +200,7 @@ class TTTMixer(nn.Module):
         """
         self._check(x, grid)
         if grad is None:
-            grad = torch.is_grad_enabled() and (
-                x.requires_grad or any(p.requires_grad for p in self.parameters())
-            )
+            grad = grad_flows(x, *self.parameters())
         with torch.no_grad():
             qkv = self.qkv(x[:, :1])  # the dtype the backends read (autocast's, under autocast)
         return backends.explain_mixer(self, qkv.device, qkv.dtype, grid, grad)

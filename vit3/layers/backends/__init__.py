@@ -54,6 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from vit3.kernels import ops_with
+from vit3.kernels.common import grad_flows
 from vit3.kernels.swiglu.eager import swiglu_ttt
 
 from ..eager_mix import KINDS, MixBranch, MixPlan, eager_mix
@@ -846,7 +847,7 @@ def run(
     if all((plan.keys[i], plan.backends[i]) in _verified for i in units):
         return compute(plan, *tensors)
     guard = _Guard(plan, units, compute)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    grad = grad_flows(*tensors)
     while True:
         try:
             out = _GuardFn.apply(guard, *tensors) if grad else compute(guard.plan, *tensors)
