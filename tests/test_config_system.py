@@ -164,6 +164,7 @@ WRECKING = [
     ),
     (None, "model.drop_path_rate=1.0", "model.drop_path_rate must be in [0, 1), got 1.0"),
     (None, "seed=-1", "seed must be >= 0, got -1"),
+    (None, "data.std=[-0.3]", "data.std must be a list of values > 0 (or null: the model's), got [-0.3]"),
     (DENSE, "dense.gamma=2", "dense.gamma must be in (0, 1], got 2"),
     (DENSE, "dense.backbone_lr_mult=-1", "dense.backbone_lr_mult must be >= 0, got -1"),
     (DENSE, "dense.aux_weight=-0.4", "dense.aux_weight must be >= 0, got -0.4"),

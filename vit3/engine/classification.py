@@ -160,8 +160,6 @@ def resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
             raise ConfigError(
                 f"data.{key} must hold one value per input channel of the model ({in_chans}), got {values!r}"
             )
-    if any(v <= 0 for v in d.std):
-        raise ConfigError(f"data.std values must be positive, got {list(d.std)}")
 
 
 def data_stats(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:

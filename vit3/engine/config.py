@@ -229,6 +229,7 @@ CONSTRAINTS: dict[str, Range] = {
     "model.class_dropout_prob": Range(0, 1, hi_open=True),
     "data.img_size": AT_LEAST_ONE,
     "data.crop_pct": POSITIVE,
+    "data.std": Range(0, lo_open=True, null="the model's"),
     "data.channels": AT_LEAST_ONE,
     "data.hflip": PROBABILITY,
     "data.batch_size": AT_LEAST_ONE,
@@ -273,6 +274,7 @@ CONSTRAINTS: dict[str, Range] = {
     "diffusion.beta_start": Range(0, 1, lo_open=True, hi_open=True),
     "diffusion.beta_end": Range("diffusion.beta_start", 1, hi_open=True),
     "sample.steps": AT_LEAST_ONE,
+    "sample.guided_channels": Range(1, null="the official 3, capped at the latent channels"),
     "sample.cfg_scale": NON_NEGATIVE,
     "sample.num_samples": AT_LEAST_ONE,
     "sample.batch_size": AT_LEAST_ONE,
@@ -304,6 +306,9 @@ CONSTRAINTS: dict[str, Range] = {
     "dense.cat_max_ratio": Range(0, 1, lo_open=True),
     "dense.slide_crop": AT_LEAST_ONE,
     "dense.slide_stride": AT_LEAST_ONE,
+    "dense.synthetic.image_size": AT_LEAST_ONE,
+    "dense.synthetic.max_per_image": AT_LEAST_ONE,
+    "dense.synthetic.digit_size": Range(1, ordered=True),
 }
 
 
