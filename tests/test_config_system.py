@@ -91,8 +91,12 @@ def test_saved_config_round_trips_with_git_metadata(tmp_path):
 
 
 def test_unknown_task_is_rejected():
+    with pytest.raises(ConfigError, match="config key task must be one of classification, .*, got 'depth'"):
+        load_config(None, ["task=depth"])
+    cfg = load_config(None)
+    cfg.task = "depth"  # a config changed in code after it was loaded
     with pytest.raises(ConfigError, match="unknown task 'depth'"):
-        run(load_config(None, ["task=depth"]), "train")
+        run(cfg, "train")
 
 
 # The paper's ImageNet-1K recipe (official vittt/cfgs + config.py + main_ema.py).
@@ -152,7 +156,7 @@ WRECKING = [
     (None, "train.layer_decay=1.5", "train.layer_decay must be in (0, 1] (or null: off), got 1.5"),
     (None, "train.ema_decay=1.5", "train.ema_decay must be in [0, 1), got 1.5"),
     (None, "train.mesa=-1.0", "train.mesa must be >= 0 (or null: off), got -1.0"),
-    (None, "train.betas=[0.9, 1.0]", "train.betas must be a list of values in [0, 1), got [0.9, 1.0]"),
+    (None, "train.betas=[0.9, 1.0]", "train.betas must be a list of 2 values in [0, 1), got [0.9, 1.0]"),
     (None, "aug.label_smoothing=-0.1", "aug.label_smoothing must be in [0, 1), got -0.1"),
     (None, "aug.mixup=-0.5", "aug.mixup must be >= 0 (or null: off), got -0.5"),
     (None, "aug.mixup_prob=1.5", "aug.mixup_prob must be in [0, 1], got 1.5"),
@@ -160,7 +164,7 @@ WRECKING = [
     (
         None,
         "aug.scale=[1.0, 0.08]",
-        "aug.scale must be a list of values in (0, 1], in increasing order, got [1.0, 0.08]",
+        "aug.scale must be a list of 2 values in (0, 1], in increasing order, got [1.0, 0.08]",
     ),
     (None, "model.drop_path_rate=1.0", "model.drop_path_rate must be in [0, 1), got 1.0"),
     (None, "seed=-1", "seed must be >= 0, got -1"),
@@ -173,10 +177,10 @@ WRECKING = [
     (
         DENSE,
         "dense.anchor_sizes=[64, 32, 16]",
-        "dense.anchor_sizes must be a list of values > 0, in increasing order, got [64, 32, 16]",
+        "dense.anchor_sizes must be a list of 5 values > 0, in increasing order, got [64, 32, 16]",
     ),
     (GEN, "model.class_dropout_prob=1.0", "model.class_dropout_prob must be in [0, 1), got 1.0"),
-    (GEN, "sample.cfg_scale=-1", "sample.cfg_scale must be >= 0, got -1"),
+    (GEN, "sample.cfg_scale=-1", "sample.cfg_scale (eval.py --cfg-scale) must be >= 0, got -1"),
     (
         GEN,
         "diffusion.beta_end=1e-5",

@@ -292,6 +292,11 @@ def _not_generation(cfg: Any, mode: str | None = None) -> bool:
     return _task(cfg) != "generation"
 
 
+def _epoch_task(cfg: Any, mode: str | None = None) -> bool:
+    """The task counts its schedule in ``train.epochs`` (a dense task counts ``dense.iters``)."""
+    return _task(cfg) in ("classification", "generation")
+
+
 def _suggest(name: str, names: Sequence[str], fallback: str) -> str:
     close = difflib.get_close_matches(name, list(names), n=3, cutoff=0.6)
     return f"did you mean {', '.join(close)}?" if close else fallback
@@ -667,7 +672,7 @@ CONSTRAINTS: dict[str, Constraint | tuple[Constraint, ...]] = {
     "aug.mixup_mode": Choice(("batch", "pair", "elem")),
     "aug.label_smoothing": Range(0, 1, hi_open=True),
     "train.epochs": AT_LEAST_ONE,
-    "train.warmup_epochs": (NON_NEGATIVE, Advice(test=_warmup, when=_ON_TRAIN)),
+    "train.warmup_epochs": (NON_NEGATIVE, Advice(test=_warmup, when=_ON_TRAIN, only_if=_epoch_task)),
     "train.base_lr": POSITIVE,
     "train.warmup_lr": Range(0, "train.base_lr"),
     "train.min_lr": Range(0, "train.base_lr"),
