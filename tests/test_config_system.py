@@ -91,7 +91,7 @@ def test_saved_config_round_trips_with_git_metadata(tmp_path):
 
 
 def test_unknown_task_is_rejected():
-    with pytest.raises(ConfigError, match="config key task must be one of classification, .*, got 'depth'"):
+    with pytest.raises(ConfigError, match=r"config key task must be one of classification, .*, got 'depth'"):
         load_config(None, ["task=depth"])
     cfg = load_config(None)
     cfg.task = "depth"  # a config changed in code after it was loaded

@@ -135,10 +135,13 @@ def run_cli(
     if "--debug" not in parser._option_string_actions:  # a parser with sub-commands adds it to their parent
         add_debug_flag(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if intermixed:
-        args = parser.parse_intermixed_args(_overrides_last(parser, argv))
-    else:
-        args = parser.parse_args(argv)
+    try:
+        if intermixed:
+            args = parser.parse_intermixed_args(_overrides_last(parser, argv))
+        else:
+            args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed: the script's exit code
+        return exc.code if isinstance(exc.code, int) else USER_ERROR_EXIT
     before, warnings.formatwarning = warnings.formatwarning, _format_warning
     try:
         return body(args)

@@ -490,6 +490,8 @@ def file_problem(path: Path, suffix: str = "") -> str | None:
         return f"the file name must end in {suffix}, so that no other file (a checkpoint, say) is overwritten"
     if path.exists() and not os.access(path, os.W_OK):
         return f"{path} is not writable here"
+    if path.parent.is_file():
+        return f"{path.parent} is a file, so nothing can be made under it"
     return folder_problem(path.parent)
 
 
@@ -944,7 +946,7 @@ def model_arguments(name: str, kwargs: Mapping[str, Any], key: str = "model.kwar
         raise ConfigError(f"{key}.{match.group(1)} is not an argument of {name} ({e})") from e
 
 
-def check_input_size(model: Any, in_chans: int, size: int, name: str) -> None:
+def check_input_size(model: Any, in_chans: int, size: int, name: str, model_name: str = "") -> None:
     """Runs ``model`` once on one ``[1, in_chans, size, size]`` image (no gradient, eval mode, RNG states
     kept) and reports a size it refuses (``ValueError`` / ``AssertionError``, e.g. below its total stride,
     or another size than a fixed-size model's) as a :class:`~vit3.errors.ConfigError` naming ``name`` (the
@@ -960,7 +962,9 @@ def check_input_size(model: Any, in_chans: int, size: int, name: str) -> None:
             model(torch.zeros(1, in_chans, size, size, device=device))
     except (ValueError, AssertionError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        model_name = getattr(model, "default_cfg", {}).get("architecture") or type(model).__name__
+        model_name = (
+            model_name or getattr(model, "default_cfg", {}).get("architecture") or type(model).__name__
+        )
         raise ConfigError(f"{name} must be image sizes {model_name} takes, got {size}: {reason}") from e
     finally:
         model.train(was_training)

@@ -52,7 +52,9 @@ def _export(args: argparse.Namespace) -> int:
             stacklevel=1,
         )
     if args.img_size:
-        check_input_size(extractor, extractor.in_chans, args.img_size, "--img-size")
+        check_input_size(
+            extractor, extractor.in_chans, args.img_size, "--img-size", extractor.backbone.model_name
+        )
     if args.command == "features":
         manifest = export_features(
             extractor,
