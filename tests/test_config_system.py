@@ -7,7 +7,7 @@ import re
 import pytest
 import yaml
 
-from vit3.engine import TASKS, run
+from vit3.engine import TASKS, run, validation
 from vit3.engine.config import (
     CONFIG_DIR,
     DEFAULT_CONFIG,
@@ -230,3 +230,30 @@ def test_the_engines_check_a_config_built_in_code(task, tmp_path):
     with pytest.raises(ConfigError, match=r"train.clip_grad must be > 0"):
         run(cfg, "train")
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+TASK_DEFAULTS = {
+    "classification": None,
+    "dense": CONFIG_DIR / "dense" / "dense_base.yaml",
+    "generation": CONFIG_DIR / "generation" / "default.yaml",
+}
+# mappings whose entries are free-form arguments, checked as a whole
+WHOLE = ("model.kwargs", "dense.detector_kwargs", "dense.synthetic.splits")
+
+
+def _keys(section: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in section.items():
+        key = prefix + name
+        nested = isinstance(value, dict) and value and key not in WHOLE
+        keys += _keys(value, key + ".") if nested else [key]
+    return keys
+
+
+@pytest.mark.parametrize("config", TASK_DEFAULTS.values(), ids=TASK_DEFAULTS.keys())
+def test_every_key_has_its_check(config):
+    """The validation layer covers every option: each key of each task's defaults has its constraints, is
+    checked where the model or the data is built, or takes every value of its type."""
+    keys = [k for k in _keys(load_config(config).to_dict()) if not k.startswith("_")]
+    known = {*validation.CONSTRAINTS, *validation.CHECKED_ON_USE, *validation.FREE}
+    assert [k for k in keys if k not in known] == []

@@ -92,9 +92,8 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _pick_device(device, local_rank)
     if world > 1 and not dist.is_initialized():
-        backend = _backend(
-            backend, dev
-        )  # before the group: a backend it cannot start is one line, not a trace
+        # checked before the group starts: a backend it cannot start is one line, not a trace on every rank
+        backend = _backend(backend, dev)
         dist.init_process_group(backend=backend, init_method="env://", world_size=world, rank=rank)
     return DistInfo(rank, world, local_rank, dev)
 
