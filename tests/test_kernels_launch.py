@@ -13,9 +13,12 @@ import types
 
 import pytest
 import torch
-from helpers.ops import max_rel_err, per_tensor, run_both
+from helpers.ops import AMD_GPUS, SCALE, max_rel_err, per_tensor, run_both
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.runtime.jit import JITFunction
 
 from vit3.kernels import aot, triton_op
+from vit3.kernels.reference import reference_ttt
 from vit3.kernels.triton_op import ARCHS, Arch
 
 pytestmark = pytest.mark.triton
@@ -196,6 +199,91 @@ def test_arch_of_reads_the_device_properties(monkeypatch):
         assert Arch.of(torch.device("cuda", 0)).smem == ARCHS["sm_86"].smem
     finally:
         triton_op._cuda_arch.cache_clear()
+
+
+def test_rocm_takes_triton_only_where_its_dot_precision_is_allowed(fake_gpu):
+    """Triton's AMD backend rejects TF32 dots on most parts (its own option parser says which take them)."""
+    assert "tf32" in triton_op.hip_dot_precisions("gfx942")
+    assert "tf32" not in triton_op.hip_dot_precisions("gfx90a")
+    mi250 = fake_gpu(AMD_GPUS["gfx90a"], hip="6.3")
+    ok, why = triton_op.fits_device("swiglu", 32, torch.bfloat16, mi250)
+    assert not ok and "ROCm gfx90a" in why and "not the tf32 dots" in why and "ieee" in why, why
+    assert triton_op.fits_device("swiglu", 32, torch.float64, mi250) == (True, "")  # IEEE dots
+    mi300 = fake_gpu(AMD_GPUS["gfx942"], hip="6.3")
+    assert "ROCm" not in triton_op.fits_device("swiglu", 32, torch.bfloat16, mi300)[1]
+
+
+# ----------------------------------------------------------------------------------- where launches run
+
+
+class _CurrentDevice:
+    """``torch.cuda.device`` on a machine without GPUs: keeps which CUDA device is current (0 at first)."""
+
+    current = torch.device("cuda", 0)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def __enter__(self) -> None:
+        self.before, _CurrentDevice.current = _CurrentDevice.current, self.device
+
+    def __exit__(self, *exc: object) -> None:
+        _CurrentDevice.current = self.before
+
+
+def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch):
+    """Inputs on GPU 1 while GPU 0 is current (stubbed launches on fake tensors): every launch runs with
+    GPU 1 current (Triton takes the current device and its current stream), on tiles sized for GPU 1."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a GPU host's launch set-up
+    monkeypatch.setattr(triton_op, "K", triton_op._kernel_module(triton_op.K.__name__, interpret=False))
+    archs = {0: ARCHS["sm_90"], 1: ARCHS["sm_86"]}
+    monkeypatch.setattr(triton_op, "_cuda_arch", lambda index: archs[index])
+    monkeypatch.setattr(torch.cuda, "device", _CurrentDevice)
+    monkeypatch.setattr(triton_op, "_live", lambda t: True)  # launch on fake tensors
+    seen = []
+
+    class Launcher:
+        def __init__(self, kernel: JITFunction) -> None:
+            self.name = kernel.fn.__name__
+
+        def __getitem__(self, grid: tuple):
+            return lambda *args, **kwargs: seen.append((self.name, _CurrentDevice.current, kwargs))
+
+    monkeypatch.setattr(triton_op, "wrap_triton", Launcher)
+    cfg = ("swiglu", "dot", 1, 196, SCALE, 1.0, True, 0)
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 2, 196, 64, device="cuda:1", dtype=torch.bfloat16) for _ in range(3))
+        w = torch.empty(1, 2, 2, 64, 64, device="cuda:1")
+        out, *stats = triton_op._fwd_op(q, k, v, w, *cfg)
+        triton_op._bwd_op(out, q, k, v, w, *stats, *cfg)
+    assert len(seen) > 4 and {device for _, device, _ in seen} == {torch.device("cuda", 1)}
+    assert _CurrentDevice.current == torch.device("cuda", 0)  # restored
+    # sm_86 (99 KB per block) splits the d = 64 backward into column and cross launches; sm_90 fuses it.
+    assert [name for name, *_ in seen].count("grad_bwd_kernel") == 2
+    assert triton_op.launch_config("swiglu", 196, 64, 4, torch.bfloat16, archs[0]).cols("grad_bwd", 64) == 1
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_cpu_tensors_run_through_interpreted_twins_of_compiled_kernels(monkeypatch):
+    """A GPU host imports the kernels compiled (``triton.jit`` without the interpreter); a CPU tensor that a
+    test puts through the op under ``TRITON_INTERPRET=1`` still runs, through the interpreter."""
+    compiled = triton_op._kernel_module(triton_op.K.__name__, interpret=False)
+    assert isinstance(compiled.readout_kernel, JITFunction)
+    monkeypatch.setattr(triton_op, "K", compiled)
+    qkv = torch.randn(2, 20, 3 * 2 * 16, dtype=torch.float64, requires_grad=True)
+    params = {
+        w: (0.3 * torch.randn(1, 2, 16, 16, dtype=torch.float64)).requires_grad_() for w in ("w1", "w2")
+    }
+    q, k, v = (t.unflatten(-1, (2, 16)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    out = triton_op.triton_ttt("swiglu", q, k, v, params, scale=SCALE, backend="triton")
+    ref = reference_ttt("swiglu", q, k, v, params, grid=(1, 20), scale=SCALE, lr=1.0, grad_norm=True)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    dout = torch.randn_like(ref)
+    for got, want in zip(
+        torch.autograd.grad(out, [qkv, *params.values()], dout),
+        torch.autograd.grad(ref, [qkv, *params.values()], dout),
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------ dot precision

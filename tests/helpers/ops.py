@@ -3,6 +3,8 @@ views of one qkv projection, the Triton op beside the op's reference."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 import vit3.kernels as kernels
@@ -108,3 +110,20 @@ def assert_matches_reference(
     pairs = zip(names, [*got[0].chunk(3, -1), *got[1:]], [*want[0].chunk(3, -1), *want[1:]])
     for name, g, g_ref in pairs:
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
+
+
+# AMD Instinct GPUs as a ROCm build of PyTorch describes them (``torch.cuda.get_device_properties``).
+AMD_GPUS = {
+    arch: types.SimpleNamespace(
+        gcnArchName=f"{arch}:sramecc+:xnack-",
+        major=9,
+        minor=minor,
+        name=name,
+        multi_processor_count=sms,
+        shared_memory_per_block_optin=64 * 1024,
+    )
+    for arch, minor, name, sms in (
+        ("gfx90a", 0, "AMD Instinct MI250X/MI250", 110),
+        ("gfx942", 4, "AMD Instinct MI300X", 304),
+    )
+}
