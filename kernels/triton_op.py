@@ -14,19 +14,16 @@ of N) from the GPU (``Arch``: compute capability, opt-in shared memory per block
 precision; ``forward_plan`` / ``backward_plan`` turn it into the list of launches the custom ops execute,
 and plan the same launches on meta tensors for the offline compiles of ``vit3.kernels.aot``.
 ``fits_device`` tells a caller whether a GPU can run a configuration at all. A plan's launches run with the
-inputs' GPU current (``_launch_all``: Triton launches on the current device and its current stream); CPU
-tensors run through the interpreter, on interpreted copies of the kernels where they were imported compiled.
-The backward is differentiable for a double backward (``create_graph=True``): autograd through the reference.
+inputs' GPU current (``_launch_all``: Triton launches on the current device and its current stream). The
+backward is differentiable for a double backward (``create_graph=True``): autograd through the reference.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import os
 from dataclasses import dataclass, replace
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -35,7 +32,6 @@ import triton.language as tl
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.library import triton_op, wrap_triton
-from triton.runtime.interpreter import InterpretedFunction
 
 from . import reference
 from . import triton_kernels as K
@@ -494,41 +490,7 @@ class Launch:
     kwargs: dict[str, Any]  # constexprs and launch options (num_warps, num_stages)
 
     def __call__(self) -> None:
-        # Every kernel's first argument is a tensor of the op's device.
-        _launcher(self.kernel, self.args[0].device)[self.grid](*self.args, **self.kwargs)
-
-
-def _launcher(kernel: Any, device: torch.device) -> Any:
-    """What launches ``kernel`` on tensors of ``device``: on a GPU the compiled kernel through ``wrap_triton``
-    (so ``torch.compile`` sees it); on CPU tensors its interpreted twin (``_interpreted``)."""
-    if isinstance(kernel, InterpretedFunction):
-        return kernel
-    return _interpreted(kernel) if device.type == "cpu" else wrap_triton(kernel)
-
-
-def _interpreted(kernel: Any) -> InterpretedFunction:
-    """The interpreted twin of a compiled kernel: CPU tensors run through Triton's interpreter
-    (``TRITON_INTERPRET=1``, which ``triton_runs_on`` asks for) even where the kernels were imported for a
-    GPU, e.g. a test of a GPU host that puts CPU tensors through the op."""
-    return getattr(_kernel_module(kernel.fn.__module__, interpret=True), kernel.fn.__name__)
-
-
-@functools.cache
-def _kernel_module(name: str, interpret: bool) -> ModuleType:
-    """A fresh copy of kernel module ``name`` decorated with the interpreter on or off: ``triton.jit`` reads
-    ``TRITON_INTERPRET`` when a function is decorated, and a kernel calls its helpers from its own module."""
-    spec = importlib.util.find_spec(name)
-    module = importlib.util.module_from_spec(spec)
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    return module
+        wrap_triton(self.kernel)[self.grid](*self.args, **self.kwargs)
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:

@@ -10,10 +10,10 @@ import torch
 # Where no GPU is present Triton's CPU interpreter is the only Triton there is, and the tests that run the
 # kernels on ``helpers.ops.DEVICE`` run them there. It is set before any kernel module is imported:
 # ``triton.jit`` reads it when a kernel is decorated, and the op registers as an opaque custom op under it.
-# On a GPU host the kernels compile; a test that puts CPU tensors through Triton asks for the interpreter
-# itself (the ``triton`` marker where there is no GPU; ``interpreter`` and ``triton_device`` on any host), and
-# those run through interpreted twins of the compiled kernels (``vit3.kernels.triton_op._interpreted``).
-# ``TRITON_INTERPRET=0 pytest ...`` here imports the kernels as a GPU host does.
+# On a GPU host the kernels compile and a test asks for what it needs itself: ``interpreter`` for the
+# registry's decisions on CPU tensors, ``triton_device`` (the GPU, else the interpreter) to launch kernels.
+# ``TRITON_INTERPRET=0 pytest ...`` here imports Triton as a GPU host does: tests that would launch a kernel
+# on the CPU skip (``helpers.ops.needs_kernels``), the others run as they would there.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -55,9 +55,13 @@ def fake_gpu(monkeypatch):
 
 @pytest.fixture
 def triton_device(monkeypatch) -> torch.device:
-    """Where this test's Triton kernels run: the GPU, or the CPU through the interpreter where there is none."""
+    """Where this test's Triton kernels run: the GPU, or the CPU through the interpreter where there is none
+    (skipped where Triton was decorated for a GPU that is not there: ``helpers.ops.needs_kernels``)."""
+    from helpers.ops import needs_kernels
+
     if torch.cuda.is_available():
         return torch.device("cuda")
+    needs_kernels(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return torch.device("cpu")
 

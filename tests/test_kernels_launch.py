@@ -13,12 +13,11 @@ import types
 
 import pytest
 import torch
-from helpers.ops import AMD_GPUS, SCALE, max_rel_err, per_tensor, run_both
+from helpers.ops import AMD_GPUS, SCALE, gpu_kernels, max_rel_err, per_tensor, run_both
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.runtime.jit import JITFunction
 
 from vit3.kernels import aot, triton_op
-from vit3.kernels.reference import reference_ttt
 from vit3.kernels.triton_op import ARCHS, Arch
 
 pytestmark = pytest.mark.triton
@@ -235,7 +234,7 @@ def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch):
     """Inputs on GPU 1 while GPU 0 is current (stubbed launches on fake tensors): every launch runs with
     GPU 1 current (Triton takes the current device and its current stream), on tiles sized for GPU 1."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a GPU host's launch set-up
-    monkeypatch.setattr(triton_op, "K", triton_op._kernel_module(triton_op.K.__name__, interpret=False))
+    monkeypatch.setattr(triton_op, "K", gpu_kernels())
     archs = {0: ARCHS["sm_90"], 1: ARCHS["sm_86"]}
     monkeypatch.setattr(triton_op, "_cuda_arch", lambda index: archs[index])
     monkeypatch.setattr(torch.cuda, "device", _CurrentDevice)
@@ -261,29 +260,6 @@ def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch):
     # sm_86 (99 KB per block) splits the d = 64 backward into column and cross launches; sm_90 fuses it.
     assert [name for name, *_ in seen].count("grad_bwd_kernel") == 2
     assert triton_op.launch_config("swiglu", 196, 64, 4, torch.bfloat16, archs[0]).cols("grad_bwd", 64) == 1
-
-
-@pytest.mark.usefixtures("interpreter")
-def test_cpu_tensors_run_through_interpreted_twins_of_compiled_kernels(monkeypatch):
-    """A GPU host imports the kernels compiled (``triton.jit`` without the interpreter); a CPU tensor that a
-    test puts through the op under ``TRITON_INTERPRET=1`` still runs, through the interpreter."""
-    compiled = triton_op._kernel_module(triton_op.K.__name__, interpret=False)
-    assert isinstance(compiled.readout_kernel, JITFunction)
-    monkeypatch.setattr(triton_op, "K", compiled)
-    qkv = torch.randn(2, 20, 3 * 2 * 16, dtype=torch.float64, requires_grad=True)
-    params = {
-        w: (0.3 * torch.randn(1, 2, 16, 16, dtype=torch.float64)).requires_grad_() for w in ("w1", "w2")
-    }
-    q, k, v = (t.unflatten(-1, (2, 16)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
-    out = triton_op.triton_ttt("swiglu", q, k, v, params, scale=SCALE, backend="triton")
-    ref = reference_ttt("swiglu", q, k, v, params, grid=(1, 20), scale=SCALE, lr=1.0, grad_norm=True)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    dout = torch.randn_like(ref)
-    for got, want in zip(
-        torch.autograd.grad(out, [qkv, *params.values()], dout),
-        torch.autograd.grad(ref, [qkv, *params.values()], dout),
-    ):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------ dot precision

@@ -5,10 +5,11 @@ under ``VIT3_TTT_STRICT=1``), that the first call of each new input specialisati
 verified, that a sticky GPU fault is reported as the kernels', that a double backward works, that the removed
 variables warn, and the model-level ``explain`` and its CLI.
 
-Tests that put CPU tensors through Triton ask for its interpreter (``interpreter``); the failure tests run
-where Triton runs (``triton_device``: the GPU, else the interpreter) with failures injected at the launch
-layer (``triton_op.Launch``). ``TRITON_INTERPRET=0 pytest tests/test_mixer_backends.py`` runs them as a GPU
-host imports the kernels (compiled; CPU tensors through their interpreted twins)."""
+The registry's decisions for CPU tensors under the interpreter ask for it (``interpreter``); the tests that
+launch kernels run where Triton runs (``triton_device``: the GPU, else the interpreter), failures injected at
+the launch layer (``triton_op.Launch``), which runs compiled and interpreted kernels alike.
+``TRITON_INTERPRET=0 pytest tests/test_mixer_backends.py`` imports Triton as a GPU host does: the launching
+tests skip (no GPU to run them), the others pass."""
 
 from __future__ import annotations
 
@@ -55,9 +56,8 @@ def _mixer(dim: int = 32, heads: int = 2, dtype=torch.float64, **cfg) -> TTTMixe
 
 
 def _generic_twin(mixer: TTTMixer) -> TTTMixer:
-    twin = TTTMixer(mixer.dim, mixer.num_heads, mixer.cfg, backend="generic").to(
-        next(mixer.parameters()).dtype
-    )
+    """The same mixer (weights, dtype, device) on the generic backend."""
+    twin = TTTMixer(mixer.dim, mixer.num_heads, mixer.cfg, backend="generic").to(next(mixer.parameters()))
     twin.load_state_dict(mixer.state_dict())
     return twin
 
@@ -253,19 +253,21 @@ FORCED = {
     [{}, {"rope": True}, {"branches": ("swiglu:1", "linear:1", "dwconv:1")}],
     ids=["official", "rope", "with-linear"],
 )
-@pytest.mark.usefixtures("interpreter")
-def test_forced_backend_gives_generic_output_and_gradients(monkeypatch, name, how, cfg):
+def test_forced_backend_gives_generic_output_and_gradients(request, monkeypatch, name, how, cfg):
+    """The Triton kernels where Triton runs (``triton_device``: the GPU, else the interpreter), the others on
+    CPU tensors."""
+    device = request.getfixturevalue("triton_device") if name == "triton" else CPU
     if how == "env":
         monkeypatch.setenv(reg.BACKEND_ENV, name)
-        mixer = _mixer(**cfg)
+        mixer = _mixer(**cfg).to(device)
     else:
         monkeypatch.setenv(reg.BACKEND_ENV, "generic")  # the config wins over the variable
-        mixer = _mixer(backend=name, **cfg)
+        mixer = _mixer(backend=name, **cfg).to(device)
     reference = _generic_twin(mixer)
     monkeypatch.delenv(reg.BACKEND_ENV)
     if how == "env":
         monkeypatch.setenv(reg.BACKEND_ENV, name)
-    x, dout = _tokens(GRID), _tokens(GRID)
+    x, dout = _tokens(GRID).to(device), _tokens(GRID).to(device)
     expl = mixer.explain(x, GRID)
     assert {b.name: b.backend for b in expl.branches if b.name != "linear"} == FORCED[name]
     kernel = count_calls(monkeypatch, fast, "_kernel_forward")
