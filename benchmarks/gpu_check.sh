@@ -48,7 +48,7 @@ WORK=$(cd "$WORK" && pwd)
 LOG="$OUT_DIR/gpu_check.log"
 : >"$LOG"
 : >"$OUT_DIR/summary.txt"
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 BUDGET=${GPU_CHECK_BUDGET:-420}
@@ -62,7 +62,9 @@ export PY DEVICE WORK JOBS
 SLOW=1 # time limits x SLOW (the CPU dry run is slower)
 if [ "$DEVICE" = cuda ]; then
   unset TRITON_INTERPRET # the GPU's compiled kernels, never the interpreter
-  KERNEL_SHAPES=(--d 64 32 --n 3136 196 --bh 64 1024)
+  KERNEL_D=(64 32)
+  KERNEL_N=(3136 196)
+  KERNEL_BH=(64 1024)
   KERNEL_ARGS=(--repeats 10)
   # Batch per resolution: a training-size batch at 224 px, then what keeps DeiT's activations modest.
   RES=(224 512 1024 1248)
@@ -82,7 +84,9 @@ if [ "$DEVICE" = cuda ]; then
 else
   export TRITON_INTERPRET=1
   SLOW=4
-  KERNEL_SHAPES=(--d 16 --n 16 --bh 2 4)
+  KERNEL_D=(16)
+  KERNEL_N=(16)
+  KERNEL_BH=(2 4)
   KERNEL_ARGS=(--heads 2 --repeats 1)
   RES=(32)
   BATCH=(1)
@@ -101,6 +105,7 @@ else
 fi
 # explain runs a forward at the first resolution and batch of the models section: kernels the warm section built.
 export RES_LIST="${RES[*]}" BATCH_LIST="${BATCH[*]}" EXPLAIN_LIST="${EXPLAIN_MODELS[*]}" EXPLAIN_SIZE
+export KERNEL_LIST="${KERNEL_D[*]};${KERNEL_N[*]};${KERNEL_BH[*]}"
 export EXPLAIN_BATCH=${BATCH[0]}
 export COMPILE_BACKEND
 
@@ -179,15 +184,15 @@ EOF
 }
 
 warm_all() {
-  local items=() d n bh i pair name res batch
-  for d in 64 32; do
-    for n in 3136 196; do
-      for bh in 64 1024; do
+  local items=() d n bh i name res batch ds ns bhs
+  IFS=';' read -r ds ns bhs <<<"$KERNEL_LIST"
+  for d in $ds; do
+    for n in $ns; do
+      for bh in $bhs; do
         items+=("kernel:$d:$n:$bh")
       done
     done
   done
-  [ "$DEVICE" = cuda ] || items=("kernel:16:16:2" "kernel:16:16:4")
   read -ra res <<<"$RES_LIST"
   read -ra batch <<<"$BATCH_LIST"
   for name in $WARM_MODELS; do
@@ -222,7 +227,7 @@ export -f env_report warm_all explain_all kernel_tests
 section env 60 env_report
 section warm 90 warm_all $((80 * SLOW))
 section kernel 120 "$PY" benchmarks/ttt_kernel.py --device "$DEVICE" --out-dir "$WORK" --tag "$DEVICE" --profile \
-  --compile-backend "$COMPILE_BACKEND" "${KERNEL_SHAPES[@]}" "${KERNEL_ARGS[@]}"
+  --compile-backend "$COMPILE_BACKEND" --d "${KERNEL_D[@]}" --n "${KERNEL_N[@]}" --bh "${KERNEL_BH[@]}" "${KERNEL_ARGS[@]}"
 section models 75 "$PY" benchmarks/models.py --device "$DEVICE" --no-flops --out "$WORK/models_$DEVICE.csv" \
   --pairs "${PAIRS[@]}" --res "${RES[@]}" --batch "${BATCH[@]}" "${MODEL_ARGS[@]}"
 section compiled 90 "$PY" benchmarks/models.py --device "$DEVICE" --no-flops --variants compiled --modes train \
