@@ -235,7 +235,7 @@ section compiled 90 "$PY" benchmarks/models.py --device "$DEVICE" --no-flops --v
   --res "${COMPILED_RES[@]}" --batch "${COMPILED_BATCH[@]}" "${MODEL_ARGS[@]}"
 section explain 30 explain_all
 section tests 120 kernel_tests "${TESTS[@]}" "${TESTS_ARGS[@]}"
-section backends 60 "$PY" benchmarks/backend_check.py --device "$DEVICE" --timeout $((50 * SLOW)) --out-dir "$WORK" \
+section backends 60 "$PY" benchmarks/backend_check.py --device "$DEVICE" --timeout $((45 * SLOW)) --out-dir "$WORK" \
   --tag "_$DEVICE" "${BACKEND_ARGS[@]}"
 section compile 40 "$PY" benchmarks/compile_model.py --device "$DEVICE" --mode train --backend "$COMPILE_BACKEND" \
   --out-dir "$WORK" --tag "_$DEVICE" --models "${COMPILE_MODELS[@]}" "${COMPILE_ARGS[@]}"
