@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from vit3.kernels.common import grad_flows, normalize_grad
+from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, normalize_grad
 
 from . import backends
 from .config import GRID_MODELS, TTTConfig
@@ -337,10 +337,12 @@ class _RecomputedMix(torch.autograd.Function):
     inner loops with gradients and differentiates that (``TTTConfig.recompute="qkv"``).
 
     Not ``torch.utils.checkpoint``: its non-reentrant form matches the saved tensors of the rerun against the
-    first run's, and the mixer's first calls of a plan run guarded (``backends.run``), later ones not.
+    first run's, and the mixer's first calls of a plan run guarded (``backends.run``), later ones not. The
+    rerun takes the forward's autocast state (``autocast_backward``), so it recomputes what the forward did.
     """
 
     @staticmethod
+    @autocast_forward
     def forward(
         ctx: Any, mixer: TTTMixer, grid: tuple[int, int], x: Tensor, gates: Tensor | None, *params: Tensor
     ):
@@ -350,6 +352,7 @@ class _RecomputedMix(torch.autograd.Function):
             return mixer._project_and_mix(x, grid, gates)
 
     @staticmethod
+    @autocast_backward
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         mixer = ctx.mixer
