@@ -172,15 +172,16 @@ class TTTMixer(nn.Module):
         """The backends of this call (resolved once per key and cached by ``backends.plan``)."""
         c = self.cfg
         grad = grad_flows(qkv, gates, *(p for w in weights for p in w.values()))
+        kind = backends.tracing_kind()
         return backends.plan(
             (c.loss, c.steps, c.mini_batches, c.lr_mode),
             c.backend,
             self.plan_branches,
             qkv.device,
             qkv.dtype,
-            backends.token_class(qkv.shape[1]),
+            backends.token_class(qkv.shape[1], kind),
             grad,
-            backends.tracing_kind(),
+            kind,
             c.recompute,
         )
 
@@ -321,6 +322,16 @@ class TTTMixer(nn.Module):
             if not plan.tracing:  # traced grids may be symbolic: not cached
                 cache[key] = found
         return found
+
+    def __prepare_scriptable__(self) -> TTTMixer:
+        """``torch.jit.script`` calls this on every module first: the mixer refuses, naming what works, before
+        TorchScript's compiler fails deep inside on the Python it cannot compile (the backend registry, its
+        cached plans, the fused nodes)."""
+        raise RuntimeError(
+            "TorchScript (torch.jit.script) cannot compile the ViT³ TTT mixer: its choice of implementation "
+            "and fused paths are Python. Use torch.jit.trace (a static graph), torch.export.export (dynamic "
+            "sizes), torch.compile, or vit3.export.export_onnx / torch.onnx.export instead."
+        )
 
     def extra_repr(self) -> str:
         branches = ", ".join(f"{name}x{heads}" for name, heads in self.branch_specs)
