@@ -146,3 +146,14 @@ def test_gpu_check_dry_run_writes_its_csvs_row_by_row_and_a_summary(tmp_path):
     profile = list(csv.DictReader((out / "ttt_kernel_profile_cpu.csv").open()))
     assert {r["path"] for r in profile} == {"fused", "compiled", "official"}
     assert (work / "kernel.log").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_amp_benchmark_compares_each_mode_with_fp32(tmp_path):
+    out = tmp_path / "amp.csv"
+    small = "model.kwargs={img_size: 32, in_chans: 1, patch_size: 8, embed_dim: 16, depth: 1, num_heads: 1}"
+    _run("amp.py", "--out", str(out), "train.epochs=1", "data.batch_size=500", "train.lr_batch=500", small)
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["run"], r["epoch"]) for r in rows] == [("fp32", "1"), ("bf16", "1"), ("fp32 seed 1", "1")]
+    assert float(rows[0]["train_loss_gap"]) == 0.0 and all(r["finite"] == "True" for r in rows)
+    assert out.with_suffix(".png").stat().st_size > 0

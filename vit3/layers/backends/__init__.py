@@ -151,7 +151,7 @@ class Inputs(NamedTuple):
 
     device: torch.device
     dtype: torch.dtype  # of the qkv projection output, what the backends read
-    tokens: str  # token-count class (``token_class``): "N<32", "32<=N<512" or "N>=512"
+    tokens: str  # token-count class (``token_class``): "N<32", "N>=32", or "any N" under tracing
     grad: bool  # gradients flow through the mixer
     tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
 
@@ -170,8 +170,17 @@ class Step(NamedTuple):
 _FEW_TOKENS = f"N<{MIN_CPU_KERNEL_TOKENS}"
 
 
-def token_class(n: int) -> str:
-    """The token-count class of ``n`` tokens per head: the CPU kernel's rule (``MIN_CPU_KERNEL_TOKENS``)."""
+_ANY_TOKENS = "any N"
+
+
+def token_class(n: int, tracing: str = "") -> str:
+    """The token-count class of ``n`` tokens per head: the CPU kernel's rule (``MIN_CPU_KERNEL_TOKENS``).
+
+    Under tracing (``tracing_kind()``) only the traceable paths serve, and they take any count: one class,
+    decided without reading ``n``, so the rule becomes no guard on the traced program's size.
+    """
+    if tracing:
+        return _ANY_TOKENS
     return _FEW_TOKENS if n < MIN_CPU_KERNEL_TOKENS else f"N>={MIN_CPU_KERNEL_TOKENS}"
 
 
