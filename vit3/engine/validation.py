@@ -364,7 +364,8 @@ def _auto_augment(text: str) -> str | None:
         match = re.fullmatch(r"([a-z]+)(\d.*)", section)
         if match is None or match.group(1) not in _AA_SECTIONS[kind]:
             keys = ", ".join(f"{k}<number>" for k in _AA_SECTIONS[kind])
-            return f"unknown section {section!r} (a {kind} policy takes {keys})"
+            article = "an" if kind[0] in "aeiou" else "a"
+            return f"unknown section {section!r} ({article} {kind} policy takes {keys})"
     try:
         create_transform(8, is_training=True, auto_augment=text)
     except (AssertionError, ValueError, KeyError, TypeError) as e:
