@@ -269,6 +269,17 @@ def test_an_export_mistake_is_one_line_and_nothing_is_written(
     assert not (tmp_path / "feats").exists() and not (tmp_path / "m.onnx").exists()
 
 
+def test_dense_feature_indices_are_checked_against_the_backbone():
+    from vit3.errors import ConfigError
+    from vit3.tasks.backbone import FeatureBackbone
+
+    with pytest.raises(
+        ConfigError, match=r"^dense.out_indices \[1, 4\] do not fit test_h_vit3: its 4 feature"
+    ):
+        FeatureBackbone("test_h_vit3", [1, 4], indices_from="dense.out_indices")
+    assert FeatureBackbone("test_h_vit3", [1, -1]).strides == [8, 32]
+
+
 def test_random_init_is_asked_for_and_recorded(digits, tmp_path):
     out = tmp_path / "feats"
     args = [
