@@ -105,10 +105,16 @@ def test_keep_head_keeps_the_classifier_and_its_class_names(pretrained, digits, 
 
 
 def test_an_explicit_model_name_wins_with_a_warning(pretrained, digits, tmp_path):
-    cfg = load_config(FINETUNE, _finetune(digits, tmp_path / "x", pretrained, "model.name=test_vit3_ttt"))
-    with pytest.warns(UserWarning, match=r"'test_vit3_ttt' was asked for, but .* holds a 'test_h_vit3'"):
+    cfg = load_config(FINETUNE, _finetune(digits, tmp_path / "x", pretrained, "model.name=h_vit3_tiny"))
+    with pytest.warns(UserWarning, match=r"'h_vit3_tiny' was asked for, but .* holds a 'test_h_vit3'"):
         with pytest.raises(CheckpointMismatchError, match="mismatched keys"):
             run(cfg, "train")
+    # a model of another family cannot take the checkpoint's weights or settings at all
+    cfg = load_config(FINETUNE, _finetune(digits, tmp_path / "z", pretrained, "model.name=test_vit3_ttt"))
+    with pytest.raises(
+        ConfigError, match=r"model 'test_vit3_ttt' .* does not fit .*: it holds a 'test_h_vit3'"
+    ):
+        run(cfg, "train")
     cfg = load_config(FINETUNE, _finetune(digits, tmp_path / "y", pretrained, "model.kwargs.img_size=48"))
     with pytest.warns(UserWarning, match=r"model.kwargs.img_size=48 differs from .*'s 32: using 48"):
         run(cfg, "train")
@@ -147,10 +153,10 @@ def test_eval_maps_class_folders_by_name(pretrained, digits, tmp_path):
 
 
 def test_eval_model_flag_takes_effect_with_a_warning(pretrained, tmp_path, capsys):
-    with pytest.warns(UserWarning, match=r"model 'test_vit3_ttt' was asked for, .* building 'test_vit3_ttt'"):
-        code = load_script("eval").main(["--checkpoint", str(pretrained), "--model", "test_vit3_ttt"])
+    with pytest.warns(UserWarning, match=r"model 'h_vit3_tiny' was asked for, .* building 'h_vit3_tiny'"):
+        code = load_script("eval").main(["--checkpoint", str(pretrained), "--model", "h_vit3_tiny"])
     err = capsys.readouterr().err
-    assert code == 2 and "does not fit the model being built (ViT3)" in err
+    assert code == 2 and "does not fit the model being built" in err
 
 
 def test_eval_at_another_size_and_dense_img_size_refused(tmp_path):

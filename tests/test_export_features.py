@@ -111,13 +111,25 @@ def test_export_script_features_command(image_dir, tmp_path):
         str(out),
         "--img-size",
         "64",
+        "--random-init",
     ]
-    assert load_script("export").main(args) == 0
+    with pytest.warns(UserWarning, match="--random-init: exporting a randomly initialised test_h_vit3"):
+        assert load_script("export").main(args) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["files"]) == 3 and all((out / f["file"]).exists() for f in manifest["files"])
+    assert manifest["weights"] == "random init"
     assert (
         load_script("export").main(
-            ["features", "--model", "test_h_vit3", "--images", str(tmp_path / "nope"), "--out", str(out)]
+            [
+                "features",
+                "--model",
+                "test_h_vit3",
+                "--random-init",
+                "--images",
+                str(tmp_path / "nope"),
+                "--out",
+                str(out),
+            ]
         )
         == 2
     )

@@ -80,7 +80,7 @@ def test_export_script_onnx_command_checks_against_pytorch(tmp_path, capsys):
     out = tmp_path / "plain.onnx"
     assert (
         load_script("export").main(
-            ["onnx", "--model", "test_vit3_ttt", "--img-size", "64", "--out", str(out)]
+            ["onnx", "--model", "test_vit3_ttt", "--random-init", "--img-size", "64", "--out", str(out)]
         )
         == 0
     )
@@ -88,7 +88,7 @@ def test_export_script_onnx_command_checks_against_pytorch(tmp_path, capsys):
     info = json.loads(
         text[text.rindex("\n{") + 1 :]
     )  # the script's JSON comes last, after the exporter's log
-    assert info["exporter"] == "dynamo" and info["max_abs_err"] < 1e-4
+    assert info["exporter"] == "dynamo" and info["max_abs_err"] < 1e-4 and info["weights"] == "random init"
     graph = onnx.load(str(out)).graph
     dims = graph.input[0].type.tensor_type.shape.dim
     assert dims[1].dim_value == 3 and all(d.dim_param for d in (dims[0], dims[2], dims[3]))  # dynamic B, H, W

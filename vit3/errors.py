@@ -3,23 +3,64 @@
 Every such error derives from :class:`UserError` (and from the built-in type callers used to catch, e.g.
 ``ValueError``), so that the command-line scripts print its message without a traceback and exit with one
 fixed code (``vit3.engine.cli``), while a bug inside vit3 still shows its traceback. A missing file is a
-``FileNotFoundError``, which the scripts treat the same way.
+``FileNotFoundError``, which the scripts treat the same way, and so is an output the system refuses to take
+(:class:`OutputError`, or any ``OSError`` of :data:`OUTPUT_ERRNOS`: no permission, a full disk, a path under a
+file).
 """
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
+    "OUTPUT_ERRNOS",
     "CheckpointError",
     "CheckpointMismatchError",
+    "ConfigError",
     "DataError",
     "MissingWeightsError",
+    "OutputError",
     "UserError",
     "WeightsUnavailableError",
+    "describe_os_error",
 ]
+
+# What the system answers when it will not take an output the user pointed at: no permission, a read-only or
+# full file system (or quota), a path under a file, a directory where a file goes (or the reverse), a name too
+# long. None of them is a bug of vit3.
+OUTPUT_ERRNOS = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EFBIG,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+        errno.ENAMETOOLONG,
+    }
+)
 
 
 class UserError(Exception):
     """A mistake in what the user gave vit3; the message names the key, file or value and what is expected."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config file, override or command-line value is invalid (unknown key, bad syntax, type or value)."""
+
+
+class OutputError(UserError, OSError):
+    """An output (checkpoint, config, report, export) could not be written: the message names the file, the
+    system's reason and what was left on disk."""
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``"<file>: <reason>"`` for an ``OSError`` (``"No space left on device"``, ``"Permission denied"``, ...)."""
+    reason = exc.strerror or str(exc)
+    return f"{exc.filename}: {reason}" if exc.filename else reason
 
 
 class DataError(UserError, ValueError):

@@ -28,7 +28,7 @@ import timm
 import torch
 from torch import Tensor, nn
 
-from .data.image import apply_transform, open_image
+from .data.image import apply_transform, open_image, warn_if_tiny, warn_skipped
 from .engine.config import ConfigError
 from .errors import DataError
 from .tasks.backbone import FeatureBackbone
@@ -48,7 +48,11 @@ class FeatureExtractor(nn.Module):
         pretrained: timm pretrained weights instead.
         out_indices: timm ``out_indices`` (None: the model's default).
         use_ema: a vit3 checkpoint's EMA weights.
+        indices_from: the flag or key ``out_indices`` came from (named when they do not fit the model).
         **kwargs: more ``timm.create_model`` kwargs (over a vit3 checkpoint's own).
+
+    ``weights`` says where the weights came from (the checkpoint, ``"timm pretrained"`` or
+    ``"random init"``); the manifest and the ONNX report record it.
 
     Forward: ``[B, C_in, H, W]`` images in [0, 1] -> tuple of ``[B, C_i, H / s_i, W / s_i]``.
     """
@@ -60,6 +64,7 @@ class FeatureExtractor(nn.Module):
         pretrained: bool = False,
         out_indices: Sequence[int] | None = None,
         use_ema: bool = False,
+        indices_from: str = "out_indices",
         **kwargs,
     ) -> None:
         super().__init__()
@@ -78,8 +83,14 @@ class FeatureExtractor(nn.Module):
                 else "no model: give --model NAME or a vit3 --checkpoint"
             )
         self.backbone = FeatureBackbone(
-            model_name, out_indices, pretrained=pretrained, out_norm=False, **kwargs
+            model_name,
+            out_indices,
+            pretrained=pretrained,
+            out_norm=False,
+            indices_from=indices_from,
+            **kwargs,
         )
+        self.weights = str(checkpoint) if checkpoint else ("timm pretrained" if pretrained else "random init")
         if checkpoint:
             from .engine.dense import load_backbone_weights
 
@@ -155,13 +166,16 @@ def eval_transform(extractor: FeatureExtractor, img_size: int | None = None, cro
 
 
 def list_images(folder: str | Path) -> list[Path]:
-    """Image files of ``folder`` and its subfolders (e.g. ``val/<class>/``), sorted; raises if there is none."""
+    """Image files of ``folder`` and its subfolders (e.g. ``val/<class>/``), sorted; raises if there is none.
+    Other files are skipped with a warning that names them (hidden files, e.g. ``.DS_Store``, silently)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder not found: {folder}")
-    images = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
     if not images:
         raise DataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
+    warn_skipped(folder, [p for p in files if p.suffix.lower() not in IMAGE_SUFFIXES], IMAGE_SUFFIXES)
     return images
 
 
@@ -207,7 +221,10 @@ def export_features(
     files, shapes = [], None
     for start in range(0, len(images), batch_size):
         chunk = images[start : start + batch_size]
-        x = torch.stack([apply_transform(transform, open_image(p, mode), str(p)) for p in chunk]).to(device)
+        pictures = [open_image(p, mode) for p in chunk]
+        for path, picture in zip(chunk, pictures):
+            warn_if_tiny(picture, path)
+        x = torch.stack([apply_transform(transform, im, str(p)) for p, im in zip(chunk, pictures)]).to(device)
         feats = extractor(x)  # x: [b, C_in, H, W]
         shapes = [list(f.shape[1:]) for f in feats]
         for i, path in enumerate(chunk):
@@ -221,6 +238,7 @@ def export_features(
             files.append({"image": image, "file": name})
     manifest = {
         "model": extractor.backbone.model_name,
+        "weights": extractor.weights,
         "preprocessing": {**pre, "image_mode": mode, "input_range": "pixels / 255, then (x - mean) / std"},
         "dtype": str(dtype).removeprefix("torch."),
         "features": [{**d, "shape": s} for d, s in zip(extractor.describe(), shapes)],
@@ -341,6 +359,7 @@ def export_onnx(
                 torch.onnx.export(extractor, (x,), path, dynamo=False, dynamic_axes=dyn, **kwargs)
             return {
                 "path": str(path),
+                "weights": extractor.weights,
                 "exporter": kind,
                 "dynamic_batch": dynamic_batch,
                 "dynamic_size": dynamic_size,

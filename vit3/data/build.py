@@ -332,7 +332,7 @@ def build_train_loader(
     if sampler.num_samples < cfg.data.batch_size:
         raise DataError(
             f"data.batch_size={cfg.data.batch_size} exceeds the {sampler.num_samples} training images per "
-            f"process: lower data.batch_size"
+            f"process ({len(dataset)} images over {world} process(es)): lower data.batch_size"
         )
     loader = _loader(wrapped, sampler, cfg.data.batch_size, cfg, drop_last, cfg.seed, collate_fn)
     return loader, wrapped, sampler

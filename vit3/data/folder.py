@@ -5,7 +5,9 @@
 * class folders whose names the label list (the training data's, or a checkpoint's) lacks -> ``DataError``
   listing them; labels always follow the names, so a subset of the classes or another order is fine;
 * images of every PIL mode are read as 8-bit RGB (or L) by ``vit3.data.image.open_image`` (16-bit images
-  keep their contrast);
+  keep their contrast); the files of a class folder that are not images are skipped with one warning naming
+  them (hidden files such as ``.DS_Store`` silently, as hidden folders are), an image with a side below
+  ``vit3.data.image.TINY_SIDE`` pixels is used with a warning naming it (once per file and process);
 * a corrupt (unreadable) image file: policy ``corrupt_images``:
   ``"error"`` (default) raises :class:`CorruptImageError` naming the file; ``"skip"`` warns once per file
   (naming it) and returns the next readable image of the split instead, so a batch keeps its size.
@@ -23,7 +25,7 @@ from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import DataError
-from .image import CorruptImageError, apply_transform, open_image
+from .image import CorruptImageError, apply_transform, open_image, warn_if_tiny, warn_skipped
 
 CORRUPT_POLICIES = ("error", "skip")
 
@@ -91,11 +93,15 @@ class ImageFolderDataset(Dataset):
             )
         index = {c: i for i, c in enumerate(self.classes)}
         self.samples: list[tuple[str, int]] = []
+        skipped = []
         for name in found:
             for dirpath, _, files in sorted(os.walk(self.root / name)):
-                self.samples += [
-                    (os.path.join(dirpath, f), index[name]) for f in sorted(files) if _is_image(f)
-                ]
+                for f in sorted(files):
+                    if _is_image(f):
+                        self.samples.append((os.path.join(dirpath, f), index[name]))
+                    elif not f.startswith("."):
+                        skipped.append(os.path.join(dirpath, f))
+        warn_skipped(self.root, skipped, IMG_EXTENSIONS)
         self.targets = [t for _, t in self.samples]
         self.transform = transform
         self.corrupt_images = corrupt_images
@@ -110,13 +116,17 @@ class ImageFolderDataset(Dataset):
         for offset in range(len(self.samples)):
             path, target = self.samples[(index + offset) % len(self.samples)]
             try:
-                return open_image(path, self.mode), target, path
+                img = open_image(path, self.mode)
             except CorruptImageError as e:
                 if self.corrupt_images == "error":
                     raise
                 if path not in self._warned:
                     self._warned.add(path)
                     warnings.warn(f"skipping corrupt image file {path} ({e.__cause__})", stacklevel=2)
+                continue
+            if path not in self._warned and warn_if_tiny(img, path):
+                self._warned.add(path)
+            return img, target, path
         raise CorruptImageError(f"no readable image in {self.root}")
 
     def __getitem__(self, index: int):

@@ -6,11 +6,16 @@ onto 0-255; ``I``: the same, values clipped to 0-65535, as PIL reads 16-bit file
 image keeps its contrast. Palette images with transparency go through RGBA; alpha channels (``RGBA``,
 ``LA``, ``PA``) are dropped, as torchvision's and timm's loaders do; ``CMYK``, ``YCbCr``, ``1`` and the rest
 use PIL's conversion. ``F`` (32-bit float) pixels are taken on PIL's 0-255 scale.
+
+Nothing is dropped or stretched without a word: :func:`warn_skipped` names the files of an image folder that
+are not images (skipped), :func:`warn_if_tiny` an image below :data:`TINY_SIDE` pixels (resized to the input
+like every image, though it holds next to no picture: a 1x1 image is most likely a mistake).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +24,19 @@ from PIL import Image, UnidentifiedImageError
 
 from ..errors import UserError
 
-__all__ = ["CorruptImageError", "TransformError", "apply_transform", "open_image", "to_model_mode"]
+__all__ = [
+    "TINY_SIDE",
+    "CorruptImageError",
+    "TransformError",
+    "apply_transform",
+    "open_image",
+    "to_model_mode",
+    "warn_if_tiny",
+    "warn_skipped",
+]
 
 SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+TINY_SIDE = 8  # an image with a side below this many pixels holds next to no picture
 
 
 class CorruptImageError(UserError, OSError):
@@ -71,3 +86,26 @@ def apply_transform(transform: Callable[[Image.Image], Any], img: Image.Image, s
             f"the image transform failed on {source} ({img.mode} {img.width}x{img.height}): "
             f"{type(e).__name__}: {e}"
         ) from e
+
+
+def warn_if_tiny(img: Image.Image, source: str | Path) -> bool:
+    """Warns (naming ``source``) when a side of ``img`` is below :data:`TINY_SIDE` pixels; returns whether."""
+    if min(img.size) >= TINY_SIDE:
+        return False
+    warnings.warn(
+        f"image {source} is only {img.width}x{img.height} pixels: it is resized to the input size like every "
+        f"image, but holds next to no picture (remove it if it got there by mistake)",
+        stacklevel=2,
+    )
+    return True
+
+
+def warn_skipped(folder: str | Path, files: Sequence[str | Path], kinds: Sequence[str]) -> None:
+    """Warns once that the ``files`` of ``folder`` are skipped (not images: no suffix of ``kinds``)."""
+    if not files:
+        return
+    shown = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    warnings.warn(
+        f"skipping {len(files)} file(s) of {folder} that are not images ({', '.join(kinds)}): {shown}",
+        stacklevel=2,
+    )

@@ -29,6 +29,7 @@ the user gives explicitly win, with a warning where they differ. Official files 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import warnings
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, CheckpointMismatchError
+from ..errors import OUTPUT_ERRNOS, CheckpointError, CheckpointMismatchError, OutputError
 from .config import Config, ConfigError, config_from_checkpoint, load_config, to_plain
 
 FORMAT = "vit3-checkpoint"
@@ -175,22 +176,29 @@ def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
 
     Raises:
         TypeError: ``state`` holds something other than plain data (:func:`check_plain`).
+        OutputError: the system refused the write (no permission, a full disk, a path under a file): the
+            message names the file and the reason; a checkpoint already at ``path`` is left as it was.
     """
     check_plain(dict(state))
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    _remove_stale_temp_files(path, keep=tmp)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temp_files(path, keep=tmp)
         with open(tmp, "wb") as f:
             torch.save({"format": FORMAT, "version": VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except OSError as e:
+        if e.errno not in OUTPUT_ERRNOS:
+            raise
+        kept = "the checkpoint already there is left as it was" if path.is_file() else "nothing was written"
+        raise OutputError(f"cannot write checkpoint {path}: {e.strerror or e} ({kept})") from e
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        with contextlib.suppress(OSError):  # a folder that refused the file may refuse its removal too
+            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -368,9 +376,20 @@ def merge_model_spec(
     Returns:
         ``(name, kwargs)``. A name other than the record's builds that model with the user's kwargs only
         (the record's are for another model); a warning says so, as it does for each kwarg that differs.
+
+    Raises:
+        ConfigError: ``name`` is a model of another family (timm module) than the record's: the
+            checkpoint's weights and settings are for another architecture.
     """
     kwargs = dict(kwargs or {})
     if name and name != record["name"]:
+        asked, held = _model_family(name), _model_family(str(record["name"]))
+        if asked and held and asked != held:
+            raise ConfigError(
+                f"model {name!r} (--model / model.name) does not fit {source}: it holds a {record['name']!r}, a "
+                f"model of {held}, and {name!r} is one of {asked}; leave the model name out to build the "
+                f"checkpoint's model"
+            )
         warnings.warn(
             f"model {name!r} was asked for, but {source} holds a {record['name']!r} "
             f"({record.get('kwargs') or {}}): building {name!r} (leave the model name out to build the "
@@ -387,6 +406,18 @@ def merge_model_spec(
             )
         merged[key] = value
     return str(record["name"]), merged
+
+
+def _model_family(name: str) -> str | None:
+    """The module that registers the timm model ``name`` (its architecture family), or ``None`` if unknown."""
+    import timm
+
+    import vit3.models  # noqa: F401  (registers the vit3 models in timm)
+
+    try:
+        return timm.models.model_entrypoint(name).__module__
+    except KeyError:  # not a timm model name: building it says so
+        return None
 
 
 def apply_model_record(cfg: Config, record: Mapping[str, Any], source: str) -> None:

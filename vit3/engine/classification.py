@@ -37,7 +37,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..data import build_datasets, build_mixup, build_train_loader, build_transform, build_val_loader
-from ..data.folder import CORRUPT_POLICIES, find_classes
+from ..data.folder import find_classes
 from ..data.mnist import MEAN as MNIST_MEAN
 from ..data.mnist import STD as MNIST_STD
 from ..errors import DataError
@@ -77,6 +77,7 @@ from .config import Config, ConfigError, check_config, run_metadata, to_plain
 from .distributed import DistInfo, sum_tensor
 from .metrics import plot_curves, write_metrics
 from .optim import build_optimizer, build_scheduler, scaled_lrs
+from .validation import check_input_size, key_name, model_arguments
 
 __all__ = [
     "TrainingDiverged",
@@ -106,20 +107,6 @@ def _label_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) ->
     if target.ndim == 2:
         return soft_cross_entropy(logits, target)
     return F.cross_entropy(logits.float(), target, label_smoothing=smoothing)
-
-
-def _check_train_cfg(cfg: Config) -> None:
-    check_config(cfg)  # types and ranges (a config built in code has not been through load_config)
-    t = cfg.train
-    amp_dtype(t.amp, torch.device("cpu"))  # a known train.amp
-    if t.mesa and t.mesa > 0 and not t.ema:
-        raise ConfigError("train.mesa > 0 needs the EMA teacher: set train.ema=true")
-    if cfg.data.corrupt_images not in CORRUPT_POLICIES:
-        raise ConfigError(
-            f"data.corrupt_images must be one of {CORRUPT_POLICIES}, got '{cfg.data.corrupt_images}'"
-        )
-    if t.progress not in (True, False, "run"):
-        raise ConfigError(f"train.progress must be true, false or 'run', got {t.progress!r}")
 
 
 def input_channels(cfg: Config) -> int:
@@ -220,6 +207,13 @@ def build_model(
     """
     import vit3.models  # noqa: F401  (registers the vit3 models in timm)
 
+    with model_arguments(cfg.model.name, cfg.model.kwargs):
+        return _build_model(cfg, num_classes, pretrained, keep_head)
+
+
+def _build_model(
+    cfg: Config, num_classes: int, pretrained: str, keep_head: bool | None
+) -> tuple[nn.Module, list[str]]:
     kwargs = dict(cfg.model.kwargs)
     kwargs.setdefault("drop_path_rate", cfg.model.drop_path_rate)
     name = cfg.model.name
@@ -350,7 +344,7 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
 
 def _setup(cfg: Config, info: DistInfo) -> _Run:
     """The run of ``cfg`` (resumed from ``train.resume`` when set), its config saved in the output folder."""
-    _check_train_cfg(cfg)
+    check_config(cfg, "train")  # the config may have been changed in code since it was loaded
     set_threads(cfg)
     seed_process(cfg, info)
     out = Path(cfg.output)
@@ -405,6 +399,7 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
             f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} classes",
         )
     resolve_data_cfg(cfg, model, in_chans)
+    check_input_size(model, in_chans, int(cfg.data.img_size), key_name("data.img_size"))
     if ckpt is not None:
         for change in check_resume(cfg, ckpt, info.world, resume):
             log(info, f"warning: train.force_resume=true: {change}")
@@ -660,6 +655,7 @@ def evaluate(cfg: Config) -> dict[str, Any]:
 def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
     import vit3.models  # noqa: F401  (registers the vit3 models in timm)
 
+    check_config(cfg, "eval")  # the config may have been changed in code since it was loaded
     set_threads(cfg)
     path = str(cfg.eval.checkpoint)
     if not path:
@@ -696,6 +692,13 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
     mean, std = data_stats(cfg)
     amp = amp_dtype(cfg.train.amp, info.device)
     sizes = [int(s) for s in (cfg.eval.img_sizes or [cfg.data.img_size])]
+    for size in sizes:  # every size before the first is evaluated
+        check_input_size(
+            model,
+            input_channels(cfg),
+            size,
+            key_name("eval.img_sizes" if cfg.eval.img_sizes else "data.img_size"),
+        )
     results = []
     for size in sizes:
         loader = build_val_loader(

@@ -2,10 +2,13 @@
 
 :func:`run_cli` parses the arguments (``key.sub=value`` overrides may come before, between or after the
 options) and runs the script's body. A user error (:class:`~vit3.errors.UserError`: a bad config value, an
-unknown class, a truncated or mismatched checkpoint, a corrupt image; or a missing file) ends the script with
-one line ``error: <message>`` on stderr and exit code :data:`USER_ERROR_EXIT`, wherever it was raised, even
-inside a DataLoader worker. ``--debug`` (or ``VIT3_DEBUG=1``) re-raises it with its traceback instead. Any
-other exception is a bug and keeps its traceback.
+unknown class, a truncated or mismatched checkpoint, a corrupt image; a missing file; an output the system
+refuses: no permission, a full disk, a path under a file) ends the script with one line ``error: <message>``
+on stderr and exit code :data:`USER_ERROR_EXIT`, wherever it was raised, even inside a DataLoader worker;
+so do the parser's own usage errors (:class:`ArgumentParser`). Under torchrun, rank 0 reports (a process of
+another rank reports only a mistake rank 0 did not meet: :data:`RANK_REPORT_DELAY_S`). ``--debug`` (or
+``VIT3_DEBUG=1``) re-raises it with its traceback instead. Any other exception is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -14,17 +17,40 @@ import argparse
 import os
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 
-from ..errors import UserError
+from ..errors import OUTPUT_ERRNOS, UserError, describe_os_error
 
 USER_ERROR_EXIT = 2  # the exit code of argparse's own usage errors
 DEBUG_ENV = "VIT3_DEBUG"
 OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")  # key.sub=value
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError)
+# A process of rank > 0 (torchrun) that meets a user error waits this long before it reports it: the same
+# mistake (same command, same data) stops rank 0 too, which reports it, and the launcher then ends every
+# process; a mistake only this rank meets (e.g. a corrupt image in its shard) is still reported, naming the rank.
+RANK_REPORT_DELAY_S = 10.0
 
-__all__ = ["DEBUG_ENV", "USER_ERRORS", "USER_ERROR_EXIT", "add_debug_flag", "run_cli", "user_message"]
+__all__ = [
+    "DEBUG_ENV",
+    "RANK_REPORT_DELAY_S",
+    "USER_ERRORS",
+    "USER_ERROR_EXIT",
+    "ArgumentParser",
+    "add_debug_flag",
+    "is_user_error",
+    "run_cli",
+    "user_message",
+]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors (an unknown flag, a missing value, a bad number) are one
+    ``error:`` line, like every other user error of the scripts (exit code 2, as argparse's own)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(USER_ERROR_EXIT, f"error: {message} (see {self.prog} --help)\n")
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
@@ -39,9 +65,24 @@ def _debug(args: argparse.Namespace | None) -> bool:
     return bool(getattr(args, "debug", False)) or env not in ("", "0", "false", "no")
 
 
+def is_user_error(exc: BaseException) -> bool:
+    """A mistake in the user's input: a :class:`~vit3.errors.UserError`, a missing file, or an output the
+    system refused (an ``OSError`` of :data:`~vit3.errors.OUTPUT_ERRNOS`)."""
+    return isinstance(exc, USER_ERRORS) or (isinstance(exc, OSError) and exc.errno in OUTPUT_ERRNOS)
+
+
+def _rank() -> int:
+    """This process's rank in a torchrun launch (0 without one)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return 0
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 def user_message(exc: BaseException) -> str:
     """The message of a user error; for one re-raised from a DataLoader worker (whose message embeds the
     worker's traceback) the original message only."""
+    if isinstance(exc, OSError) and not isinstance(exc, UserError) and exc.errno in OUTPUT_ERRNOS:
+        return describe_os_error(exc)
     text = str(exc)
     if (
         "Original Traceback" in text
@@ -94,17 +135,24 @@ def run_cli(
     if "--debug" not in parser._option_string_actions:  # a parser with sub-commands adds it to their parent
         add_debug_flag(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if intermixed:
-        args = parser.parse_intermixed_args(_overrides_last(parser, argv))
-    else:
-        args = parser.parse_args(argv)
+    try:
+        if intermixed:
+            args = parser.parse_intermixed_args(_overrides_last(parser, argv))
+        else:
+            args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed: the script's exit code
+        return exc.code if isinstance(exc.code, int) else USER_ERROR_EXIT
     before, warnings.formatwarning = warnings.formatwarning, _format_warning
     try:
         return body(args)
-    except USER_ERRORS as exc:
-        if _debug(args):
+    except Exception as exc:
+        if not is_user_error(exc) or _debug(args):
             raise
-        print(f"error: {user_message(exc)}", file=sys.stderr)
+        message, rank = user_message(exc), _rank()
+        if rank:  # rank 0 reports a mistake every rank meets; see RANK_REPORT_DELAY_S
+            time.sleep(RANK_REPORT_DELAY_S)
+            message = f"(rank {rank}) {message}"
+        print(f"error: {message}", file=sys.stderr)
         return USER_ERROR_EXIT
     finally:
         warnings.formatwarning = before

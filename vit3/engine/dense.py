@@ -75,6 +75,7 @@ from .common import (
 from .config import Config, ConfigError, check_config, run_metadata
 from .distributed import DistInfo, barrier, distributed
 from .optim import scaled_lrs
+from .validation import model_arguments
 
 __all__ = [
     "build_dense_model",
@@ -88,21 +89,13 @@ __all__ = [
     "train",
 ]
 
-DET_ARCHS = ("mask_rcnn", "faster_rcnn")
-SEG_ARCHS = ("upernet", "semantic_fpn")
 COCO_STATS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 
 
 def _dense(cfg: Config) -> Config:
     if "dense" not in cfg:
         raise ConfigError(f"task '{cfg.task}' needs a 'dense:' config section (see configs/dense/*.yaml)")
-    d = cfg.dense
-    archs = DET_ARCHS if cfg.task == "detection" else SEG_ARCHS
-    if d.arch not in archs:
-        raise ConfigError(
-            f"dense.arch '{d.arch}' is not a {cfg.task} arch: expected one of {', '.join(archs)}"
-        )
-    return d
+    return cfg.dense
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -176,16 +169,29 @@ def _backbone_kwargs(cfg: Config) -> dict[str, Any]:
     kw = dict(cfg.model.kwargs or {})
     kw["drop_path_rate"] = cfg.model.drop_path_rate
     if d.out_indices is not None:
-        kw["out_indices"] = tuple(d.out_indices)
+        kw["out_indices"], kw["indices_from"] = tuple(d.out_indices), "dense.out_indices"
     return kw
 
 
 def build_dense_model(cfg: Config, num_classes: int) -> nn.Module:
     """Detector or segmenter of ``cfg`` (backbone weights from ``model.pretrained`` when set)."""
     d = _dense(cfg)
+    with (
+        model_arguments(cfg.model.name, cfg.model.kwargs or {}),
+        model_arguments(d.arch, d.get("detector_kwargs") or {}, "dense.detector_kwargs"),
+    ):
+        model = _build_dense_model(cfg, d, num_classes)
+    if cfg.model.pretrained:
+        load_backbone_weights(_dense_backbone(model), cfg.model.pretrained, use_ema=cfg.model.pretrained_ema)
+    if cfg.model.grad_checkpointing:
+        _dense_backbone(model).set_grad_checkpointing(True)
+    return model
+
+
+def _build_dense_model(cfg: Config, d: Config, num_classes: int) -> nn.Module:
     if cfg.task == "detection":
         min_size = d.min_size if isinstance(d.min_size, int) else tuple(d.min_size)
-        model = build_detector(
+        return build_detector(
             cfg.model.name,
             num_classes,
             arch=d.arch,
@@ -199,17 +205,9 @@ def build_dense_model(cfg: Config, num_classes: int) -> nn.Module:
             box_detections_per_img=d.detections_per_img,
             **(d.detector_kwargs or {}),
         )
-        backbone = model.backbone.backbone
-    else:
-        model = build_segmenter(
-            cfg.model.name, num_classes, d.arch, d.aux_weight, d.head_channels, _backbone_kwargs(cfg)
-        )
-        backbone = model.backbone.backbone
-    if cfg.model.pretrained:
-        load_backbone_weights(backbone, cfg.model.pretrained, use_ema=cfg.model.pretrained_ema)
-    if cfg.model.grad_checkpointing:
-        backbone.set_grad_checkpointing(True)
-    return model
+    return build_segmenter(
+        cfg.model.name, num_classes, d.arch, d.aux_weight, d.head_channels, _backbone_kwargs(cfg)
+    )
 
 
 def _dense_backbone(model: nn.Module) -> FeatureBackbone:
@@ -334,7 +332,7 @@ class _Progress(Progress):
 
 
 def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
-    check_config(cfg)  # types and ranges (a config built in code has not been through load_config)
+    check_config(cfg, "train")  # the config may have been changed in code since it was loaded
     device = info.device
     amp = amp_dtype(cfg.train.amp, device)
     set_threads(cfg)
@@ -350,8 +348,9 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         check_resume_task(ckpt, cfg.task, resume)
         for change in check_resume(cfg, ckpt, info.world, resume):
             log(info, f"warning: train.force_resume=true: {change}")
-    open_output(claim_output(cfg, resume, ckpt), cfg, info)
+    folder = claim_output(cfg, resume, ckpt)
     model, train_set, val_set = _model_and_data(cfg, with_train=True)
+    open_output(folder, cfg, info)  # nothing written before the model and the data are known to be right
     model.to(device)
     num_classes = val_set.num_classes
     # The per-sample seeded, resumable stream of the classification engine (vit3.data.build); BatchNorm in
@@ -660,6 +659,7 @@ def evaluate(cfg: Config) -> dict[str, Any]:
 
 
 def _evaluate(cfg: Config, device: torch.device) -> dict[str, Any]:
+    check_config(cfg, "eval")  # the config may have been changed in code since it was loaded
     if cfg.eval.img_sizes:
         raise ConfigError(
             f"--img-size / eval.img_sizes={list(cfg.eval.img_sizes)} sets classification resolutions; a {cfg.task} "

@@ -47,8 +47,33 @@ def _pick_device(name: str, local_rank: int) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device={name} requested but CUDA is not available (use device=cpu)")
+        if (device.index or 0) >= torch.cuda.device_count():
+            per_node = os.environ.get("LOCAL_WORLD_SIZE")
+            launch = f" (torchrun started {per_node} processes on this machine)" if per_node else ""
+            raise ConfigError(
+                f"device={name}: this machine has {torch.cuda.device_count()} CUDA device(s){launch}; use at most "
+                f"one process per device (torchrun --nproc_per_node={torch.cuda.device_count()})"
+            )
         torch.cuda.set_device(device)
     return device
+
+
+def _backend(backend: str, device: torch.device) -> str:
+    """The process-group backend for ``device`` (``auto``: nccl on CUDA, gloo on CPU).
+
+    Raises:
+        ConfigError: the backend cannot run this device, or this torch build lacks it.
+    """
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            f"dist.backend=nccl needs CUDA devices, but this run is on {device.type}: use dist.backend=gloo, or "
+            f"auto (nccl on CUDA, gloo on CPU)"
+        )
+    if not dist.is_backend_available(backend):
+        raise ConfigError(f"dist.backend={backend} is not available in this torch build (use auto or gloo)")
+    return backend
 
 
 def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
@@ -57,14 +82,18 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
     Args:
         device: "auto" | "cpu" | "cuda" | "cuda:N" (under torchrun "cuda" means cuda:LOCAL_RANK).
         backend: "auto" (nccl for CUDA, gloo for CPU) or an explicit backend name.
+
+    Raises:
+        ConfigError: the device is not on this machine, or the backend cannot run it (checked before the
+            process group starts, so that every rank stops alike and rank 0 reports it: ``vit3.engine.cli``).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _pick_device(device, local_rank)
     if world > 1 and not dist.is_initialized():
-        if backend == "auto":
-            backend = "nccl" if dev.type == "cuda" else "gloo"
+        # checked before the group starts: a backend it cannot start is one line, not a trace on every rank
+        backend = _backend(backend, dev)
         dist.init_process_group(backend=backend, init_method="env://", world_size=world, rank=rank)
     return DistInfo(rank, world, local_rank, dev)
 

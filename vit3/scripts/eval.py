@@ -23,7 +23,7 @@ import sys
 
 from vit3.engine import run
 from vit3.engine.checkpoint import config_for_checkpoint
-from vit3.engine.cli import run_cli
+from vit3.engine.cli import ArgumentParser, run_cli
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -49,9 +49,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="vit3 checkpoint (.pt) or official weights file")
     parser.add_argument(
         "--config", default=None, help="YAML config (default: the one stored in the checkpoint)"

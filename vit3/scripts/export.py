@@ -5,7 +5,9 @@
     python export.py features --model h_vit3_tiny --checkpoint h_vittt_t.pth --images photos/ --out feats/
 
 A vit3 checkpoint carries its model (name, kwargs, input channels) and preprocessing, so ``--model`` is only
-needed for official files (or to override, with a warning). ``features`` writes ``<out>/<image>.safetensors``
+needed for official files (or to override, with a warning). The weights come from ``--checkpoint`` or timm's
+``--pretrained``; the features of a randomly initialised backbone (e.g. to test a pipeline) need
+``--random-init``. ``features`` writes ``<out>/<image>.safetensors``
 ({name: [C, h, w]}; images in subfolders keep their subfolder) and ``<out>/manifest.json`` (model, preprocessing, feature names, channels, strides,
 shapes). ``onnx`` writes a graph taking images in [0, 1] ``[B, C_in, H, W]`` (normalisation included) with a
 dynamic batch (and size where the model allows), checks it against PyTorch with onnxruntime and prints the
@@ -17,18 +19,42 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 import torch
 
 import vit3  # noqa: F401  (registers the vit3 models in timm)
-from vit3.engine.cli import add_debug_flag, run_cli
+from vit3.engine.cli import ArgumentParser, add_debug_flag, run_cli
+from vit3.engine.validation import EXPORT_FLAGS, check_flags, check_input_size
+from vit3.errors import ConfigError
 from vit3.export import FeatureExtractor, check_onnx, export_features, export_onnx
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _export(args: argparse.Namespace) -> int:
-    extractor = FeatureExtractor(args.model, args.checkpoint, args.pretrained, args.out_indices, args.ema)
+    check_flags(args, EXPORT_FLAGS[args.command])
+    if not (args.checkpoint or args.pretrained or args.random_init):
+        raise ConfigError(
+            f"export.py {args.command} needs the weights to export: pass --checkpoint FILE (a vit3 checkpoint or "
+            f"an official file) or --pretrained (timm's weights); --random-init exports a randomly initialised "
+            f"backbone"
+        )
+    if args.ema and not args.checkpoint:
+        raise ConfigError("--ema takes the EMA weights of a vit3 --checkpoint: pass one, or leave --ema out")
+    extractor = FeatureExtractor(
+        args.model, args.checkpoint, args.pretrained, args.out_indices, args.ema, indices_from="--out-indices"
+    )
+    if args.random_init:
+        warnings.warn(
+            f"--random-init: exporting a randomly initialised {extractor.backbone.model_name}, whose features "
+            f"carry no learned information",
+            stacklevel=1,
+        )
+    if args.img_size:
+        check_input_size(
+            extractor, extractor.in_chans, args.img_size, "--img-size", extractor.backbone.model_name
+        )
     if args.command == "features":
         manifest = export_features(
             extractor,
@@ -63,17 +89,21 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = ArgumentParser(add_help=False)
     common.add_argument(
         "--model", default=None, help="timm model name, e.g. h_vit3_tiny (default: the vit3 checkpoint's)"
     )
-    common.add_argument("--checkpoint", default=None, help="vit3 checkpoint or official weights file")
+    weights = common.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", default=None, help="vit3 checkpoint or official weights file")
+    weights.add_argument("--pretrained", action="store_true", help="timm pretrained weights instead")
+    weights.add_argument(
+        "--random-init",
+        action="store_true",
+        help="no weights: a randomly initialised backbone (needs --model)",
+    )
     common.add_argument("--ema", action="store_true", help="the EMA weights of a vit3 checkpoint")
-    common.add_argument("--pretrained", action="store_true", help="timm pretrained weights instead")
     common.add_argument(
         "--out-indices", type=int, nargs="+", default=None, help="timm features_only out_indices"
     )
@@ -83,13 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     add_debug_flag(common)
     f = sub.add_parser("features", parents=[common], help="features of a folder of images -> safetensors")
     f.add_argument("--images", required=True, help="folder of images (subfolders included)")
-    f.add_argument("--out", required=True, help="output folder")
+    f.add_argument("--out", required=True, help="output folder (created; earlier exports there are replaced)")
     f.add_argument("--crop-pct", type=float, default=None, help="timm crop fraction (1.0: no crop margin)")
     f.add_argument("--batch-size", type=int, default=8)
     f.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     f.add_argument("--device", default="cpu")
     o = sub.add_parser("onnx", parents=[common], help="multi-scale feature extractor -> ONNX")
-    o.add_argument("--out", required=True, help="output .onnx file")
+    o.add_argument("--out", required=True, help="output .onnx file (an earlier one is replaced)")
     o.add_argument("--exporter", choices=("auto", "dynamo", "torchscript"), default="auto")
     o.add_argument("--opset", type=int, default=18)
     o.add_argument("--static-size", action="store_true", help="fix the image size (dynamic batch only)")

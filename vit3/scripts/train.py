@@ -21,7 +21,7 @@ import sys
 
 from vit3.engine import load_config, run
 from vit3.engine.checkpoint import config_for_resume
-from vit3.engine.cli import run_cli
+from vit3.engine.cli import ArgumentParser, run_cli
 from vit3.engine.config import CONFIG_DIR, parse_override
 
 DEMO_CONFIG = CONFIG_DIR / "demo_mnist.yaml"
@@ -48,9 +48,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--config",
         default=None,

@@ -18,6 +18,8 @@ import torch
 from timm.layers import LayerNorm2d
 from torch import Tensor, nn
 
+from ..errors import ConfigError
+
 PYRAMID_STRIDES = (4, 8, 16, 32)
 
 
@@ -43,9 +45,13 @@ class FeatureBackbone(nn.Module):
         pretrained: load timm pretrained weights.
         drop_path_rate: stochastic depth of the backbone.
         out_norm: add a channel LayerNorm per output (the official dense backbones do).
+        indices_from: the config key or flag ``out_indices`` came from (named when they do not fit).
         **kwargs: forwarded to ``timm.create_model`` (e.g. ``img_size``, ``pretrained_cfg_overlay``).
 
     Forward: ``[B, 3, H, W]`` -> list of ``[B, C_i, H / s_i, W / s_i]``.
+
+    Raises:
+        ConfigError: ``out_indices`` are not feature levels of the model (the message says which are).
     """
 
     def __init__(
@@ -55,14 +61,28 @@ class FeatureBackbone(nn.Module):
         pretrained: bool = False,
         drop_path_rate: float = 0.0,
         out_norm: bool = True,
+        indices_from: str = "out_indices",
         **kwargs,
     ) -> None:
         super().__init__()
-        if out_indices is not None:
-            kwargs["out_indices"] = tuple(out_indices)
         if drop_path_rate:
             kwargs["drop_path_rate"] = drop_path_rate
-        self.body = timm.create_model(model_name, features_only=True, pretrained=pretrained, **kwargs)
+        try:
+            self.body = timm.create_model(
+                model_name,
+                features_only=True,
+                pretrained=pretrained,
+                **kwargs,
+                **({"out_indices": tuple(out_indices)} if out_indices is not None else {}),
+            )
+        except (AssertionError, IndexError) as e:  # timm's check of the indices (vit3's and timm's models)
+            if out_indices is None:
+                raise
+            n = len(timm.create_model(model_name, **kwargs).feature_info)
+            raise ConfigError(
+                f"{indices_from} {list(out_indices)} do not fit {model_name}: its {n} feature levels are "
+                f"0 to {n - 1} (or -{n} to -1 from the last)"
+            ) from e
         self.model_name = model_name
         self.channels: list[int] = list(self.body.feature_info.channels())
         self.strides: list[int] = list(self.body.feature_info.reduction())
