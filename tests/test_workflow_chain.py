@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.train import load_script, make_digit_folder, make_photo_folder, tiny_cfg
+from helpers.train import load_script, make_digit_folder, tiny_cfg
 
+from vit3.data.samples import make_photo_folder
 from vit3.engine import run
 from vit3.engine.config import CONFIG_DIR
 
