@@ -2,9 +2,10 @@
 per class as well as an ImageNet-sized one (``configs/finetune.yaml``).
 
 * ``data.fit_batch`` = n > 0: an epoch is to have at least n batches per process. A training set too small for
-  that at ``data.batch_size`` gets the batch ``images per process // n`` instead (rounded down to an even number
-  for Mixup/CutMix, at least 2); a large one keeps ``data.batch_size``. 0: the batch is used as given (a batch
-  above the training images per process is an error).
+  that at ``data.batch_size`` gets the batch ``images per process // n`` instead (at least 1; with Mixup/CutMix,
+  which pair a batch's images, rounded down to an even number, at least 2); a large one keeps
+  ``data.batch_size``. 0: the batch is used as given (a batch above the training images per process is an
+  error).
 * ``train.min_steps`` = s > 0: the run is to take at least s optimizer steps. When ``train.epochs`` give fewer,
   the epochs become ``ceil(s / steps per epoch)`` and ``train.warmup_epochs`` grows by the same factor (the
   warmup keeps its share of the run). 0: the epochs are used as given.
@@ -16,7 +17,7 @@ per class as well as an ImageNet-sized one (``configs/finetune.yaml``).
 A fitted value replaces the configured one in the run's config, so ``<output>/config.yaml`` and the
 checkpoints hold what the run used (a config saved by a run fits to itself again: resuming changes nothing),
 and each change is logged as one line naming the key, e.g.
-``data.batch_size: 64 -> 6 (data.fit_batch=8: 48 training images per process)``.
+``data.batch_size: 64 -> 6 (data.fit_batch=8: 48 training images per process, 8 batches per epoch)``.
 """
 
 from __future__ import annotations
