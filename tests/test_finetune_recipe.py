@@ -97,9 +97,10 @@ def test_fit_batch_gives_a_small_folder_enough_batches_per_epoch(images, fit, mi
         assert cfg.data.batch_size == expected
 
 
-def test_a_negative_fit_batch_is_refused():
-    with pytest.raises(ConfigError, match=r"data.fit_batch must be >= 0"):
-        fit_batch_size(load_config(None, ["data.fit_batch=-1"]), 48, even=True)
+@pytest.mark.parametrize("key", ["data.fit_batch", "train.min_steps"])
+def test_a_negative_fit_target_is_refused_naming_the_key(key):
+    with pytest.raises(ConfigError, match=rf"config key {key} must be >= 0, got -1"):
+        load_config(None, [f"{key}=-1"])
 
 
 def test_without_fit_batch_a_batch_above_the_images_names_the_fix(photos, tmp_path):

@@ -50,13 +50,8 @@ def fit_batch_size(cfg: Config, images_per_process: int, even: bool) -> str | No
 
     Returns:
         The log line of the change, or ``None`` when the batch stays.
-
-    Raises:
-        ConfigError: a negative ``data.fit_batch``.
     """
     want = int(cfg.data.fit_batch)
-    if want < 0:
-        raise ConfigError(f"data.fit_batch must be >= 0 (0: off), got {want}")
     batch = int(cfg.data.batch_size)
     if want == 0 or batch * want <= images_per_process:
         return None
@@ -81,14 +76,9 @@ def fit_epochs(cfg: Config, steps_per_epoch: int) -> str | None:
 
     Returns:
         The log line of the change, or ``None`` when the epochs stay.
-
-    Raises:
-        ConfigError: a negative ``train.min_steps``.
     """
     t = cfg.train
     want = int(t.min_steps)
-    if want < 0:
-        raise ConfigError(f"train.min_steps must be >= 0 (0: off), got {want}")
     epochs = int(t.epochs)
     if epochs * steps_per_epoch >= want:
         return None
