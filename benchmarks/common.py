@@ -143,11 +143,13 @@ class CsvRows:
 
 
 def print_table(rows: Sequence[dict], floatfmt: str = "{:.3g}") -> None:
-    """Prints dict rows as an aligned text table."""
+    """Prints dict rows as an aligned text table (every key as a column; blank where a row lacks one)."""
     if not rows:
         return
-    keys = list(rows[0])
-    cells = [[floatfmt.format(r[k]) if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows]
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    cells = [
+        [floatfmt.format(v) if isinstance(v := r.get(k, ""), float) else str(v) for k in keys] for r in rows
+    ]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
     for c in cells:

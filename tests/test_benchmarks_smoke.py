@@ -100,6 +100,40 @@ def test_generation_benchmark_compares_dit3_with_dit(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_finetune_benchmark_runs_the_readme_recipe_and_both_probes(tmp_path):
+    """One 3-class folder, one seed, from a tiny stand-in for the demo (the benchmark trains the real one when
+    output/demo/best.pt is missing), a few steps each (--set)."""
+    from helpers.train import make_digit_folder, tiny_cfg
+
+    from vit3.engine import run
+
+    work = tmp_path / "work"
+    run(
+        tiny_cfg(
+            make_digit_folder(tmp_path / "digits", n_train=10, n_val=2),
+            work / "output" / "demo",
+            "train.epochs=1",
+        ),
+        "train",
+    )
+    out = tmp_path / "finetune.csv"
+    _run(
+        "finetune.py", "--work", str(work), "--classes", "3", "--seeds", "0", "--train", "4", "--val", "2",
+        "--threads", "1", "--set", "train.min_steps=2", "train.epochs=1", "--out", str(out),
+    )  # fmt: skip
+    rows = list(csv.DictReader(out.open()))
+    assert [r["method"] for r in rows] == ["finetune", "probe_recipe", "probe_logreg"]
+    assert all(0 <= float(r["val_top1"]) <= 100 for r in rows)
+    # fitted: 12 training images, >= 8 batches per epoch -> 1, Mixup's even minimum 2
+    assert [r["batch"] for r in rows[:2]] == ["2", "2"]
+    summary = list(csv.DictReader(out.with_name("finetune_summary.csv").open()))
+    assert [(r["classes"], r["method"], r["seeds"]) for r in summary] == [
+        ("3", m, "1") for m in ("finetune", "probe_recipe", "probe_logreg")
+    ]
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
 def _gpu_check(out, work, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(out)],

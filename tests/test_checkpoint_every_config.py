@@ -122,7 +122,7 @@ def test_a_one_step_classification_run_is_read_back(name, few_digits, tmp_path):
     ft = [
         "--config", str(FINETUNE), f"model.pretrained={out / 'best.pt'}", f"data.path={few_digits}",
         f"output={tmp_path / 'ft'}", "data.batch_size=8", "data.num_workers=0", "train.epochs=1",
-        "train.warmup_epochs=0", "train.progress=false", "aug.mixup=0", "aug.cutmix=0",
+        "train.min_steps=0", "train.warmup_epochs=0", "train.progress=false", "aug.mixup=0", "aug.cutmix=0",
     ]  # fmt: skip
     assert train.main(ft) == 0
     assert read_ckpt(tmp_path / "ft" / "last.pt")["record"]["kwargs"] == record["kwargs"]

@@ -39,9 +39,11 @@ def pretrained(digits, tmp_path_factory):
 
 
 def _finetune(data, out, pretrained, *extra) -> list[str]:
+    """One short epoch (no stretching to the recipe's min_steps) at a tiny lr."""
     return [
         f"data.path={data}", f"model.pretrained={pretrained}", f"output={out}", "data.batch_size=10",
-        "train.epochs=1", "train.warmup_epochs=0", "train.progress=false", "data.num_workers=0",
+        "train.epochs=1", "train.min_steps=0", "train.warmup_epochs=0", "train.base_lr=1e-5",
+        "train.progress=false", "data.num_workers=0",
         "aug.auto_augment=null", "aug.reprob=0", "aug.mixup=0", "aug.cutmix=0", *extra,
     ]  # fmt: skip
 

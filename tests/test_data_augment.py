@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.train import make_digit_folder, sample_photos
+from helpers.train import make_digit_folder
 from PIL import Image, ImageOps
 from torch.utils.data import Dataset
 
@@ -18,6 +18,7 @@ from vit3.data import ImageFolderDataset, SeededTransform
 from vit3.data.build import _augment_ops, build_transform, posterize
 from vit3.data.image import TransformError
 from vit3.data.mnist import load_mnist5k
+from vit3.data.samples import sample_photos
 from vit3.engine import load_config
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.train import load_script, make_digit_folder, make_photo_folder, tiny_cfg
+from helpers.train import load_script, make_digit_folder, tiny_cfg
 
+from vit3.data.samples import make_photo_folder
 from vit3.engine import run
 from vit3.engine.config import CONFIG_DIR
 
@@ -32,8 +33,8 @@ def test_demo_finetune_eval_features_onnx(tmp_path, capsys):
         "--output",
         str(tmp_path / "ft"),
         "train.epochs=3",
+        "train.min_steps=0",  # three epochs, not the recipe's 600 steps
         "train.warmup_epochs=0",
-        "data.batch_size=20",
     ]
     assert train.main([*args, *quick, "data.num_workers=0", "train.progress=false"]) == 0
     best = tmp_path / "ft" / "best.pt"

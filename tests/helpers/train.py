@@ -5,7 +5,6 @@ Test modules import it.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import subprocess
@@ -181,37 +180,3 @@ def assert_same_tensors(a, b, where: str = "") -> None:
             assert_same_tensors(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"values differ at {where}: {a} != {b}"
-
-
-@functools.cache
-def sample_photos() -> dict[str, Image.Image]:
-    """The photographs that ship inside installed packages: scikit-learn's china.jpg and flower.jpg and
-    matplotlib's grace_hopper.jpg (RGB; shared: crop or copy them, do not modify them)."""
-    import matplotlib.cbook
-    from sklearn.datasets import load_sample_images
-
-    sk = load_sample_images()
-    photos = {Path(f).stem: Image.fromarray(a) for f, a in zip(sk.filenames, sk.images)}
-    with Image.open(matplotlib.cbook.get_sample_data("grace_hopper.jpg")) as img:
-        photos["hopper"] = img.convert("RGB")
-    return photos
-
-
-def make_photo_folder(root: Path, n_train: int = 24, n_val: int = 8, size: int = 48, seed: int = 0) -> Path:
-    """Six classes of real photographs: random square crops of the left and right halves of each sample
-    photo, as JPEGs ``root/{train,val}/<photo>_<half>/<i>.jpg``."""
-    rng = np.random.default_rng(seed)
-    for name, photo in sample_photos().items():
-        w, h = photo.size
-        for half, box in (("left", (0, 0, w // 2, h)), ("right", (w // 2, 0, w, h))):
-            region = photo.crop(box)
-            rw, rh = region.size
-            for split, n in (("train", n_train), ("val", n_val)):
-                folder = root / split / f"{name}_{half}"
-                folder.mkdir(parents=True, exist_ok=True)
-                for i in range(n):
-                    s = int(rng.integers(min(rw, rh) // 4, min(rw, rh) // 2))
-                    x, y = int(rng.integers(0, rw - s)), int(rng.integers(0, rh - s))
-                    crop = region.crop((x, y, x + s, y + s)).resize((size, size), Image.BICUBIC)
-                    crop.save(folder / f"{i:03d}.jpg", quality=90)
-    return root

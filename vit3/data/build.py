@@ -17,6 +17,7 @@ anyway names the image file (``vit3.data.image.TransformError``).
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -293,6 +294,13 @@ def build_mixup(cfg, num_classes: int) -> Mixup | None:
     )
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on: more loader workers only compete (torch warns about them each epoch)."""
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _loader(
     dataset: Dataset,
     sampler: Sampler,
@@ -302,7 +310,7 @@ def _loader(
     seed: int,
     collate_fn: Callable | None = None,
 ) -> DataLoader:
-    workers = int(cfg.data.num_workers)
+    workers = min(int(cfg.data.num_workers), _usable_cpus())
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -332,7 +340,8 @@ def build_train_loader(
     if sampler.num_samples < cfg.data.batch_size:
         raise DataError(
             f"data.batch_size={cfg.data.batch_size} exceeds the {sampler.num_samples} training images per "
-            f"process ({len(dataset)} images over {world} process(es)): lower data.batch_size"
+            f"process ({len(dataset)} images over {world} process(es)): lower data.batch_size, or let "
+            "data.fit_batch=8 fit it (configs/finetune.yaml does)"
         )
     loader = _loader(wrapped, sampler, cfg.data.batch_size, cfg, drop_last, cfg.seed, collate_fn)
     return loader, wrapped, sampler

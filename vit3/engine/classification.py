@@ -76,7 +76,8 @@ from .common import (
 from .config import Config, ConfigError, check_config, run_metadata, to_plain
 from .distributed import DistInfo, sum_tensor
 from .metrics import plot_curves, write_metrics
-from .optim import build_optimizer, build_scheduler, scaled_lrs
+from .optim import build_optimizer, build_scheduler, lr_factor, scaled_lrs
+from .recipe import eval_frozen, fit_batch_size, fit_epochs, freeze_for_training
 from .validation import check_input_size, key_name, model_arguments
 
 __all__ = [
@@ -326,8 +327,17 @@ def _save(run: _Run, name: str) -> Path:
 
 
 def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
-    schedule = ("epochs", "warmup_epochs", "base_lr", "warmup_lr", "min_lr", "lr_batch", "accum_steps")
-    before = ckpt["config"].get("train", {})
+    schedule = (
+        "epochs",
+        "warmup_epochs",
+        "base_lr",
+        "warmup_lr",
+        "min_lr",
+        "lr_batch",
+        "lr_scale",
+        "accum_steps",
+    )
+    before = {"lr_scale": "linear", **ckpt["config"].get("train", {})}  # linear: runs from before the key
     same_schedule = all(before.get(k) == run.cfg.train[k] for k in schedule)
     run.load_training_state(ckpt, source, scheduler=same_schedule)
     if not same_schedule:  # e.g. more epochs: the new config's schedule applies from the restored step on
@@ -400,6 +410,10 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
         )
     resolve_data_cfg(cfg, model, in_chans)
     check_input_size(model, in_chans, int(cfg.data.img_size), key_name("data.img_size"))
+    mixup = build_mixup(cfg, num_classes)
+    # the recipe fitted to the data (vit3.engine.recipe): each change lands in the saved config and the log;
+    # the batch before the resume check, which compares it with the checkpoint's (fitted alike)
+    fitted = [fit_batch_size(cfg, -(-len(data["train"]) // info.world), even=mixup is not None)]
     if ckpt is not None:
         for change in check_resume(cfg, ckpt, info.world, resume):
             log(info, f"warning: train.force_resume=true: {change}")
@@ -416,8 +430,14 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
         raise ConfigError(
             f"train.accum_steps={accum} exceeds the {sampler.num_samples // cfg.data.batch_size} batches per epoch"
         )
-    if build_mixup(cfg, num_classes) is not None and cfg.data.batch_size % 2:
+    if mixup is not None and cfg.data.batch_size % 2:
         raise ConfigError(f"Mixup/CutMix needs an even data.batch_size, got {cfg.data.batch_size}")
+    fitted.append(fit_epochs(cfg, batches_per_epoch // accum))
+    trainable = freeze_for_training(model, cfg.train.freeze)
+    if cfg.train.freeze != "none":
+        fitted.append(f"train.freeze={cfg.train.freeze}: only {', '.join(trainable)} train")
+    for note in filter(None, fitted):
+        log(info, note)
 
     model.to(info.device)
     if cfg.model.grad_checkpointing:
@@ -434,14 +454,15 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
         ema = ModelEmaV3(model, decay=decay)
     net = wrap_ddp(model, cfg, info)
     run = _Run(
-        cfg, info, model, net, ema, optimizer, scheduler, scaler, amp, build_mixup(cfg, num_classes),
+        cfg, info, model, net, ema, optimizer, scheduler, scaler, amp, mixup,
         loader, wrapped, sampler, val_loader, batches_per_epoch, out, num_classes, classes, _Progress(),
     )  # fmt: skip
     log(
         info,
         f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {num_classes} "
         f"classes | data: {len(data['train'])} train / {len(data['val'])} val images | {info.world} process(es) "
-        f"on {info.device}, total batch {total_batch}, lr {lrs['base_lr']:.3g} | amp {amp} | "
+        f"on {info.device}, total batch {total_batch}, lr {lrs['base_lr']:.3g} (train.base_lr "
+        f"{cfg.train.base_lr:g} x {lr_factor(cfg.train, total_batch):.4g}, {cfg.train.lr_scale} in the batch) | amp {amp} | "
         f"ema {'on' if ema else 'off'} | mesa {cfg.train.mesa}",
     )
     if ckpt is not None:
@@ -471,6 +492,7 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
     cfg, info, p = run.cfg, run.info, run.progress
     accum, bs = int(cfg.train.accum_steps), cfg.data.batch_size
     run.net.train()
+    eval_frozen(run.model, cfg.train.freeze)
     run.wrapped.set_epoch(p.epoch)
     run.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
     mesa = float(cfg.train.mesa or 0.0)

@@ -4,8 +4,10 @@
   names in ``model.no_weight_decay()`` (official optimizer.py).
 * Optional layer-wise lr decay (``train.layer_decay``): timm's ``param_groups_layer_decay`` through the
   model's ``group_matcher``; each group's ``lr_scale`` is applied by the timm scheduler.
-* The learning rates scale linearly with the total batch (batch x processes x accumulation) / ``lr_batch``
-  — base, warmup-start and minimum lr alike, as in the official main.py.
+* The learning rates scale with the total batch (batch x processes x accumulation) over ``lr_batch`` — base,
+  warmup-start and minimum lr alike: linearly (``train.lr_scale: linear``, as in the official main.py) or with
+  its square root (``sqrt``: timm's ``--lr-base-scale`` rule for Adam-type optimizers, the fine-tuning recipe's:
+  a batch fitted down to a few images keeps a usable lr).
 * ``CosineLRScheduler(t_in_epochs=False)`` stepped per optimizer update: linear warmup from ``warmup_lr``
   over ``warmup_epochs``, then cosine to ``min_lr`` at ``epochs`` (cosine counted from step 0, as official).
 """
@@ -21,12 +23,29 @@ from torch import nn
 
 from .config import ConfigError
 
-__all__ = ["build_optimizer", "build_scheduler", "scaled_lrs"]
+__all__ = ["LR_SCALES", "build_optimizer", "build_scheduler", "lr_factor", "scaled_lrs"]
+
+LR_SCALES = ("linear", "sqrt")
+
+
+def lr_factor(train_cfg, total_batch: int) -> float:
+    """What the lrs are multiplied by: ``total_batch / lr_batch``, or its square root (``lr_scale: sqrt``).
+
+    Raises:
+        ConfigError: an unknown ``train.lr_scale`` or a non-positive ``train.lr_batch``.
+    """
+    rule = train_cfg.get("lr_scale", "linear")
+    if rule not in LR_SCALES:
+        raise ConfigError(f"train.lr_scale must be one of {', '.join(LR_SCALES)}, got {rule!r}")
+    if float(train_cfg.lr_batch) <= 0:
+        raise ConfigError(f"train.lr_batch must be positive, got {train_cfg.lr_batch}")
+    ratio = total_batch / float(train_cfg.lr_batch)
+    return ratio**0.5 if rule == "sqrt" else ratio
 
 
 def scaled_lrs(train_cfg, total_batch: int) -> dict[str, float]:
-    """``base_lr``, ``warmup_lr`` and ``min_lr`` times ``total_batch / lr_batch``."""
-    scale = total_batch / float(train_cfg.lr_batch)
+    """``base_lr``, ``warmup_lr`` and ``min_lr`` times :func:`lr_factor`."""
+    scale = lr_factor(train_cfg, total_batch)
     return {k: float(train_cfg[k]) * scale for k in ("base_lr", "warmup_lr", "min_lr")}
 
 
