@@ -332,6 +332,6 @@ def test_torchrun_with_a_batch_larger_than_a_ranks_share_says_so_once(digits, tm
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
         "error: data.batch_size=16 exceeds the 12 training images per process (24 images over 2 process(es)): "
-        "lower data.batch_size"
+        "lower data.batch_size, or let data.fit_batch=8 fit it (configs/finetune.yaml does)"
     ], done.stderr
     assert "exitcode  : 2" in done.stderr  # rank 0's own exit code, in torchrun's summary
