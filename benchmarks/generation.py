@@ -103,16 +103,21 @@ FLOORS = {"class_accuracy": "real_accuracy", "frechet_distance": "frechet_real_f
 
 
 def _settings(cfg) -> dict:
-    return {k: v for k, v in cfg.to_dict().items() if not k.startswith("_")}  # not the file it came from
+    """What makes two demo runs the same run: not the file the config came from, nor how it was resumed."""
+    settings = {k: v for k, v in cfg.to_dict().items() if not k.startswith("_")}
+    settings["train"] = {k: v for k, v in settings["train"].items() if k != "resume"}
+    return settings
 
 
 def train_demo(mixer: str, seed: int, out: Path, overrides: Sequence[str]) -> dict:
     """One demo run (training, then sampling and scoring): its row of the quality table. A run folder that
-    already holds a scored run of the same config is read back instead (delete it to train again)."""
+    already holds a scored run of the same config is read back instead (delete it to train again); a killed
+    run continues from its ``last.pt``."""
     from vit3.engine import load_config, run
 
     run_dir = out / f"{mixer}_seed{seed}"
     fixed = [f"model.mixer={mixer}", f"seed={seed}", f"output={run_dir}", "train.progress=false"]
+    fixed.append("train.resume=auto")  # a killed run continues
     cfg = load_config(DEMO, [*fixed, *overrides])
     done = run_dir / "summary.json"
     saved = run_dir / "config.yaml"
