@@ -112,18 +112,20 @@ def _settings(cfg) -> dict:
 def train_demo(mixer: str, seed: int, out: Path, overrides: Sequence[str]) -> dict:
     """One demo run (training, then sampling and scoring): its row of the quality table. A run folder that
     already holds a scored run of the same config is read back instead (delete it to train again); a killed
-    run continues from its ``last.pt``."""
+    run of the same config continues from its ``last.pt``; a folder of another run is refused by the engine."""
     from vit3.engine import load_config, run
 
     run_dir = out / f"{mixer}_seed{seed}"
     fixed = [f"model.mixer={mixer}", f"seed={seed}", f"output={run_dir}", "train.progress=false"]
-    fixed.append("train.resume=auto")  # a killed run continues
     cfg = load_config(DEMO, [*fixed, *overrides])
     done = run_dir / "summary.json"
     saved = run_dir / "config.yaml"
-    if done.is_file() and saved.is_file() and _settings(load_config(saved)) == _settings(cfg):
+    same = saved.is_file() and _settings(load_config(saved)) == _settings(cfg)
+    if same and done.is_file():
         summary = json.loads(done.read_text(encoding="utf-8"))
     else:
+        if same:
+            cfg.set_path("train.resume", "auto")
         summary = run(cfg, "train")
     if "eval" not in summary:
         raise SystemExit(f"error: {done} holds no scores (the demo config needs train.final_eval=true)")

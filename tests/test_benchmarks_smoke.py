@@ -100,6 +100,19 @@ def test_generation_benchmark_compares_dit3_with_dit(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_generation_quality_reads_a_resumed_run_back_as_the_same_run():
+    """A demo run that was killed and resumed (its saved config names train.resume) is the run the benchmark
+    asks for; another seed or mixer is not."""
+    from vit3.engine import load_config
+
+    gen = load_benchmark("generation")
+    ask = load_config(gen.DEMO, ["seed=0", "output=o"])
+    resumed = load_config(gen.DEMO, ["seed=0", "output=o", "train.resume=o/last.pt"])
+    assert gen._settings(resumed) == gen._settings(ask)
+    for other in ("seed=1", "model.mixer=attention"):
+        assert gen._settings(load_config(gen.DEMO, [other, "output=o"])) != gen._settings(ask)
+
+
 def test_generation_quality_summary_gives_the_spread_over_seeds():
     """benchmarks/generation.py --quality: per mixer the mean and standard deviation over the seeds, and the
     real floor / ceiling at the same sample count beside them."""
