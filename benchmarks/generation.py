@@ -102,10 +102,14 @@ SCORES = ("class_accuracy", "frechet_distance")  # the generated images' scores
 FLOORS = {"class_accuracy": "real_accuracy", "frechet_distance": "frechet_real_floor"}  # real data at N
 
 
+_HOW_STARTED = ("resume", "overwrite", "force_resume")
+
+
 def _settings(cfg) -> dict:
-    """What makes two demo runs the same run: not the file the config came from, nor how it was resumed."""
+    """What makes two demo runs the same run: not the file the config came from, nor how the run was started
+    (resumed, allowed to overwrite: keys a config saved before they existed lacks)."""
     settings = {k: v for k, v in cfg.to_dict().items() if not k.startswith("_")}
-    settings["train"] = {k: v for k, v in settings["train"].items() if k != "resume"}
+    settings["train"] = {k: v for k, v in settings["train"].items() if k not in _HOW_STARTED}
     return settings
 
 

@@ -107,8 +107,11 @@ def test_generation_quality_reads_a_resumed_run_back_as_the_same_run():
 
     gen = load_benchmark("generation")
     ask = load_config(gen.DEMO, ["seed=0", "output=o"])
-    resumed = load_config(gen.DEMO, ["seed=0", "output=o", "train.resume=o/last.pt"])
+    resumed = load_config(gen.DEMO, ["seed=0", "output=o", "train.resume=o/last.pt", "train.overwrite=true"])
     assert gen._settings(resumed) == gen._settings(ask)
+    older = load_config(gen.DEMO, ["seed=0", "output=o"])  # saved before train.force_resume existed
+    del older.train["force_resume"]
+    assert gen._settings(older) == gen._settings(ask)
     for other in ("seed=1", "model.mixer=attention"):
         assert gen._settings(load_config(gen.DEMO, [other, "output=o"])) != gen._settings(ask)
 
