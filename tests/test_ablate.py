@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -85,7 +87,35 @@ class TestConfigs:
         assert knob(base, base) == ""
 
 
+def _budget_entry(doc: str, name: str) -> str:
+    """The bullet (or comment block) of a document that describes ``budgets/<name>``."""
+    entries = [e for e in re.split(r"\n\s*[-*] |\n\n", doc) if f"budgets/{name}" in e]
+    assert entries, f"budgets/{name} is not described"
+    return " ".join(entries)
+
+
+BUDGET_DOCS = {
+    "runner docstring": lambda: ablate.__doc__,
+    "configs/ablations/README.md": lambda: (ABLATIONS_DIR / "README.md").read_text(encoding="utf-8"),
+}
+
+
 class TestBudget:
+    @pytest.mark.parametrize("doc", sorted(BUDGET_DOCS))
+    @pytest.mark.parametrize("budget", sorted(p.name for p in ablate.BUDGET_DIR.glob("*.yaml")))
+    def test_each_budget_is_documented_as_it_trains(self, doc, budget):
+        """The docs state each budget's epochs as its YAML sets them (the YAML's own header too)."""
+        path = ablate.BUDGET_DIR / budget
+        epochs = load_config(path).train.epochs
+        header = "\n".join(
+            line for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("#")
+        )
+        for text in (_budget_entry(BUDGET_DOCS[doc](), budget), header):
+            stated = {int(n) for n in re.findall(r"\b(\d+) epochs?\b", text)}
+            assert stated == {epochs}, (
+                f"{doc if text is not header else budget} states {stated}, {budget} trains {epochs}"
+            )
+
     def test_mnist_budget_keeps_the_knob_and_shrinks_the_backbone(self, tmp_path):
         row = next(r for r in ALL_ROWS if r.path.name == "n4.yaml")
         cfg = row_config(row, tmp_path, epochs=3)
@@ -114,12 +144,15 @@ def test_runner_reports_diverged_and_failed_rows(monkeypatch, tmp_path):
 
     def fake_train(cfg):
         name = Path(cfg.output).name
-        if name == "mae":
-            raise TrainingDiverged("non-finite training loss nan at epoch 1, batch 3")
         if name == "rmse":
             raise RuntimeError("out of memory")
         Path(cfg.output).mkdir(parents=True)
-        return {"final": {"val_top1": 50.0 + len(name), "val_top5": 90.0, "val_loss": 1.0}}
+        last = 50.0 + len(name)
+        history = [{"epoch": e, "val_top1": v} for e, v in ((1, 40.0), (2, last + 5.0), (3, last))]
+        (Path(cfg.output) / "metrics.json").write_text(json.dumps(history[: 1 if name == "mae" else 3]))
+        if name == "mae":
+            raise TrainingDiverged("non-finite training loss nan at epoch 2, batch 3")
+        return {"final": {"val_top1": last, "val_top5": 90.0, "val_loss": 1.0}}
 
     monkeypatch.setattr(ablate, "_train_row", fake_train)
     assert ablate.main([str(ABLATIONS_DIR / "loss"), "--quick", "--output", str(tmp_path)]) == 1
@@ -130,8 +163,19 @@ def test_runner_reports_diverged_and_failed_rows(monkeypatch, tmp_path):
     assert rows["MSE"]["status"] == "ok" and float(rows["MSE"]["top1"]) == 53.0
     assert rows["MSE"]["paper_top1"] == "79.2" and rows["MSE"]["change"] == "loss=mse"
     md = (tmp_path / "results.md").read_text(encoding="utf-8")
-    assert "| MAE | `loss/mae.yaml` | loss=mae | 76.5 | -2.40 | diverged |" in md
-    assert "| MSE | `loss/mse.yaml` | loss=mse | 79.2 | +0.30 | 53.00 | +0.00 | ok |" in md
+    # the last and the best epoch, for a diverged row the best before it diverged
+    assert (
+        "| MAE | `loss/mae.yaml` | loss=mae | 76.5 | -2.40 | diverged |  | 40.00 (epoch 1/1) | diverged |"
+        in md
+    )
+    assert (
+        "| MSE | `loss/mse.yaml` | loss=mse | 79.2 | +0.30 | 53.00 | +0.00 | 58.00 (epoch 2/3) | ok |" in md
+    )
+    assert (
+        rows["MSE"]["best_top1"] == "58.0"
+        and rows["MSE"]["best_epoch"] == "2"
+        and rows["MSE"]["epochs"] == "3"
+    )
     assert (tmp_path / "results.png").stat().st_size > 0
 
 

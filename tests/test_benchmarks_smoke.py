@@ -134,6 +134,46 @@ def test_finetune_benchmark_runs_the_readme_recipe_and_both_probes(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_generation_quality_reads_a_resumed_run_back_as_the_same_run():
+    """A demo run that was killed and resumed (its saved config names train.resume) is the run the benchmark
+    asks for; another seed or mixer is not."""
+    from vit3.engine import load_config
+
+    gen = load_benchmark("generation")
+    ask = load_config(gen.DEMO, ["seed=0", "output=o"])
+    resumed = load_config(gen.DEMO, ["seed=0", "output=o", "train.resume=o/last.pt", "train.overwrite=true"])
+    assert gen._settings(resumed) == gen._settings(ask)
+    older = load_config(gen.DEMO, ["seed=0", "output=o"])  # saved before train.force_resume existed
+    del older.train["force_resume"]
+    assert gen._settings(older) == gen._settings(ask)
+    for other in ("seed=1", "model.mixer=attention"):
+        assert gen._settings(load_config(gen.DEMO, [other, "output=o"])) != gen._settings(ask)
+
+
+def test_generation_quality_summary_gives_the_spread_over_seeds():
+    """benchmarks/generation.py --quality: per mixer the mean and standard deviation over the seeds, and the
+    real floor / ceiling at the same sample count beside them."""
+    gen = load_benchmark("generation")
+    scores = {("ttt", 0): (70.0, 10.0), ("ttt", 1): (80.0, 12.0), ("attention", 0): (60.0, 15.0)}
+    rows = [
+        {"mixer": m, "seed": s, "samples": 200, "class_accuracy": acc, "real_accuracy": 96.0 + s,
+         "real_accuracy_std": 1.0, "frechet_distance": fd, "frechet_real_floor": 2.0 + s,
+         "frechet_real_floor_std": 0.5, "train_s": 1.0}
+        for (m, s), (acc, fd) in scores.items()
+    ]  # fmt: skip
+    ttt, attention, real = gen.summarize(rows)
+    assert ttt["rows"] == "ttt (seeds 0 1)" and attention["rows"] == "attention (seeds 0)"
+    assert ttt["class_accuracy"] == pytest.approx(75.0) and ttt["class_accuracy_std"] == pytest.approx(
+        50**0.5
+    )
+    assert ttt["frechet_distance"] == pytest.approx(11.0) and attention["frechet_distance_std"] == 0.0
+    assert real["rows"].startswith("real images at N = 200")
+    assert real["class_accuracy"] == pytest.approx(96 + 1 / 3) and real["frechet_distance"] == pytest.approx(
+        2 + 1 / 3
+    )
+    assert real["frechet_distance_std"] == pytest.approx(0.5)
+
+
 def _gpu_check(out, work, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(out)],

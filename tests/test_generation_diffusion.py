@@ -1,15 +1,19 @@
-"""vit3.tasks.diffusion: the official objective against a float64 brute force, diffusers round trips, sampling."""
+"""vit3.tasks.diffusion: the official objective against a float64 brute force, the official sampler (fixture), sampling."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from diffusers import DDPMScheduler
+from helpers.common import LOCAL_FIXTURES, default_dtype, load_fixture
 from torch import nn
 
-from vit3.models.dit3 import create_dit3
-from vit3.tasks.diffusion import SAMPLERS, GaussianDiffusion, LatentAutoencoder
+from vit3.models.dit3 import convert_official_dit3, create_dit3
+from vit3.tasks import diffusion as diffusion_module
+from vit3.tasks.diffusion import SAMPLERS, GaussianDiffusion, LatentAutoencoder, space_timesteps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,7 +113,7 @@ def _batch(diffusion, t: list[int], seed: int = 0):
 
 
 def test_variational_bound_matches_a_float64_brute_force(diffusion):
-    brute = BruteForce([float(b) for b in diffusion.scheduler.betas])
+    brute = BruteForce([float(b) for b in diffusion.betas])
     x0, xt, t, _, eps, v = _batch(diffusion, [0, 0, 1, 2, 250, 999])
     want = brute.vb(x0, xt, t, eps, v)
     exact = diffusion.vb_terms(x0, xt, t, eps, v, cdf=torch.special.ndtr)
@@ -143,22 +147,19 @@ def test_training_loss_without_learn_sigma_is_the_mse():
         d.training_losses(torch.cat([eps, eps], 1), x0, xt, t, noise)
 
 
-# ------------------------------------------------------------------------------------- scheduler round trips
+# ------------------------------------------------------------------------------------- schedule and steps
 def _alpha_bar64(diffusion) -> torch.Tensor:
-    return torch.cumprod(1.0 - diffusion.scheduler.betas.double(), 0)
+    return torch.cumprod(1.0 - diffusion.betas, 0)
 
 
 def test_official_schedule_and_add_noise_closed_form(diffusion):
-    betas = diffusion.scheduler.betas.double()
-    torch.testing.assert_close(
-        betas, torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64), rtol=1e-6, atol=0
-    )
+    official = torch.from_numpy(np.linspace(1e-4, 0.02, 1000, dtype=np.float64))  # get_named_beta_schedule
+    torch.testing.assert_close(diffusion.betas, official, rtol=1e-15, atol=0)
     ab = _alpha_bar64(diffusion)
     x0, t = torch.randn(5, 3, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 10, 500, 999])
     noise = torch.randn_like(x0)
     want = ab[t].sqrt().view(-1, 1, 1, 1) * x0 + (1 - ab[t]).sqrt().view(-1, 1, 1, 1) * noise
-    # diffusers keeps float32 tables (its alpha-bar cumprod drifts ~1e-4 relative by t = 999, where it is 4e-5)
-    torch.testing.assert_close(diffusion.q_sample(x0, t, noise), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(diffusion.q_sample(x0, t, noise), want, rtol=1e-13, atol=1e-15)
 
 
 def _closed_form_prev(ab: torch.Tensor, t: int, prev: int, xt, eps, v):
@@ -172,37 +173,51 @@ def _closed_form_prev(ab: torch.Tensor, t: int, prev: int, xt, eps, v):
     return mean, frac * beta.log() + (1 - frac) * post.log()
 
 
-@pytest.mark.parametrize("steps", [1000, 250], ids=["full", "respaced"])
+@pytest.mark.parametrize("steps", [1000, 250, 23], ids=["full", "respaced-250", "respaced-23"])
 def test_ddpm_step_samples_the_distribution_of_the_objective(diffusion, steps):
-    """diffusers' learned-range DDPM step draws from N(mean, exp(logvar)) of the closed form (and, at 1000
-    steps, of the distribution the variational bound trains)."""
+    """The learned-range DDPM step draws from N(mean, exp(logvar)) of the closed form on the chain of the kept
+    timesteps (and, at 1000 steps, of the distribution the variational bound trains)."""
     sched = diffusion.make_scheduler("ddpm")
     sched.set_timesteps(steps)
     ab = _alpha_bar64(diffusion)
     ts = sched.timesteps.tolist()
     for i in (0, len(ts) // 2, len(ts) - 2):
         t, prev = ts[i], ts[i + 1]
-        xt, eps, v = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4), torch.rand(2, 3, 4, 4) * 2 - 1
+        xt, eps = torch.randn(2, 3, 4, 4, dtype=torch.float64), torch.randn(2, 3, 4, 4, dtype=torch.float64)
+        v = torch.rand(2, 3, 4, 4, dtype=torch.float64) * 2 - 1
         got = sched.step(
             torch.cat([eps, v], 1), t, xt, generator=torch.Generator().manual_seed(7)
         ).prev_sample
-        z = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(7))
-        mean, logvar = _closed_form_prev(ab, t, prev, xt.double(), eps.double(), v.double())
-        torch.testing.assert_close(
-            got.double(), mean + (0.5 * logvar).exp() * z.double(), rtol=1e-4, atol=1e-4
-        )
+        z = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        mean, logvar = _closed_form_prev(ab, t, prev, xt, eps, v)
+        torch.testing.assert_close(got, mean + (0.5 * logvar).exp() * z, rtol=1e-12, atol=1e-12)
         if steps == 1000:
-            ours_mean, ours_logvar = diffusion.p_mean_logvar(
-                eps.double(), v.double(), xt.double(), torch.full((2,), t)
-            )
-            torch.testing.assert_close(ours_mean, mean, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(ours_logvar, logvar, rtol=1e-6, atol=1e-6)
+            ours_mean, ours_logvar = diffusion.p_mean_logvar(eps, v, xt, torch.full((2,), t))
+            torch.testing.assert_close(ours_mean, mean, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(ours_logvar, logvar, rtol=1e-12, atol=1e-12)
+
+
+def test_ddpm_step_agrees_with_diffusers_given_the_official_timesteps(diffusion):
+    """diffusers' DDPMScheduler, handed the official timesteps, takes the same respaced step (within its
+    float32 tables): the same chain, the same learned-range variance, the same noise from a generator."""
+    ours = diffusion.make_scheduler("ddpm")
+    ours.set_timesteps(250)
+    theirs = DDPMScheduler(variance_type="learned_range", clip_sample=False)
+    theirs.set_timesteps(timesteps=ours.timesteps.tolist())
+    for t in (999, 169, 164, 4):  # 169 -> 164: a gap of 5
+        xt, out = (
+            torch.randn(2, 3, 4, 4),
+            torch.cat([torch.randn(2, 3, 4, 4), torch.rand(2, 3, 4, 4) * 2 - 1], 1),
+        )
+        a = ours.step(out, t, xt, generator=torch.Generator().manual_seed(t)).prev_sample
+        b = theirs.step(out, t, xt, generator=torch.Generator().manual_seed(t)).prev_sample
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"t={t}")
 
 
 def test_ddpm_last_step_adds_no_noise(diffusion):
     sched = diffusion.make_scheduler("ddpm")
     sched.set_timesteps(250)
-    assert sched.timesteps[0] == 996 and sched.timesteps[-1] == 0  # the official respacing
+    assert sched.timesteps[0] == 999 and sched.timesteps[-1] == 0  # the official respacing
     xt, eps, v = torch.randn(1, 1, 2, 2), torch.randn(1, 1, 2, 2), torch.zeros(1, 1, 2, 2)
     a = sched.step(torch.cat([eps, v], 1), 0, xt, generator=torch.Generator().manual_seed(1)).prev_sample
     b = sched.step(torch.cat([eps, v], 1), 0, xt, generator=torch.Generator().manual_seed(2)).prev_sample
@@ -210,17 +225,93 @@ def test_ddpm_last_step_adds_no_noise(diffusion):
 
 
 def test_ddim_step_is_the_closed_form(diffusion):
+    """Each DDIM step goes to the next kept timestep, even where the official set's gaps are uneven."""
     sched = diffusion.make_scheduler("ddim")
     sched.set_timesteps(50)
     ab = _alpha_bar64(diffusion)
     ts = sched.timesteps.tolist()
+    assert {ts[i] - ts[i + 1] for i in range(49)} == {20, 21}  # the official 50-step set
     for i in (0, 25, 49):
         t = ts[i]
         a_p = ab[ts[i + 1]] if i + 1 < len(ts) else torch.tensor(1.0, dtype=torch.float64)
-        xt, eps = torch.randn(2, 1, 3, 3), torch.randn(2, 1, 3, 3)
-        x0 = (xt.double() - (1 - ab[t]).sqrt() * eps.double()) / ab[t].sqrt()
-        want = a_p.sqrt() * x0 + (1 - a_p).sqrt() * eps.double()
-        torch.testing.assert_close(sched.step(eps, t, xt).prev_sample.double(), want, rtol=1e-4, atol=1e-5)
+        xt, eps = torch.randn(2, 1, 3, 3, dtype=torch.float64), torch.randn(2, 1, 3, 3, dtype=torch.float64)
+        x0 = (xt - (1 - ab[t]).sqrt() * eps) / ab[t].sqrt()
+        want = a_p.sqrt() * x0 + (1 - a_p).sqrt() * eps
+        torch.testing.assert_close(sched.step(eps, t, xt).prev_sample, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_step_at_a_timestep_that_is_not_kept_is_refused(diffusion):
+    sched = diffusion.make_scheduler("ddim")
+    sched.set_timesteps(250)
+    x = torch.zeros(1, 1, 2, 2)
+    with pytest.raises(ValueError, match=r"timestep 996 is not one of the 250 kept by set_timesteps\(250\)"):
+        sched.step(x, 996, x)
+    with pytest.raises(ValueError, match=r"expected 2 channels \(\[eps, v\]\)"):
+        diffusion.make_scheduler("ddpm").step(x, 999, x)
+
+
+# -------------------------------------------------------------------------------- the official sampler
+@pytest.fixture(scope="module")
+def official():
+    """The official DiTTT sampler's numbers (tests/fixtures/make_official_sampling.py) and its model."""
+    fx = torch.load(LOCAL_FIXTURES / "official_dittt_sampling.pt", weights_only=True)
+    weights = load_fixture(fx["model_fixture"])
+    with default_dtype(torch.float64):
+        model = create_dit3("dit3_s_2", **weights["config"])
+    model.load_state_dict(convert_official_dit3(weights["state_dict"], model))
+    return fx, model.eval()
+
+
+def test_respacing_visits_the_official_timesteps(official):
+    fx, _ = official
+    assert space_timesteps(1000, 250)[:4] == [0, 4, 8, 12] and space_timesteps(1000, 250)[-2:] == [995, 999]
+    for steps, want in fx["spacing"].items():
+        assert space_timesteps(1000, steps) == want.tolist(), f"{steps} steps"
+        for sampler in ("ddpm", "ddim"):
+            sched = GaussianDiffusion().make_scheduler(sampler)
+            sched.set_timesteps(steps)
+            assert sched.timesteps.tolist() == want.flip(0).tolist(), f"{sampler}, {steps} steps"
+
+
+@pytest.mark.parametrize("steps", [250, 50])
+def test_respaced_chain_is_the_official_one(official, steps):
+    """Betas 1 - abar_t / abar_prev over the kept timesteps, and the posterior means and variances of them."""
+    fx, _ = official
+    sched = GaussianDiffusion().make_scheduler("ddpm")
+    sched.set_timesteps(steps)
+    want = fx["tables"][steps]
+    names = {
+        "betas": "betas",
+        "alphas_cumprod": "alphas_cumprod",
+        "alphas_cumprod_prev": "alphas_cumprod_prev",
+        "post_var": "posterior_variance",
+        "post_logvar": "posterior_log_variance_clipped",
+        "post_coef1": "posterior_mean_coef1",
+        "post_coef2": "posterior_mean_coef2",
+    }
+    for ours, theirs in names.items():
+        torch.testing.assert_close(sched.tables[ours], want[theirs], rtol=1e-12, atol=0, msg=ours)
+    assert sched.timesteps.flip(0).tolist() == want["timestep_map"].tolist()
+
+
+@pytest.mark.parametrize("run", ["ddpm250_cfg1.5", "ddim50_cfg4", "ddpm25_cond"])
+def test_sampling_reproduces_the_official_loop(official, run, monkeypatch):
+    """From the same initial and per-step noise, a whole sampling run equals the official one in float64."""
+    fx, model = official
+    r = fx["runs"][run]
+    draws = iter([r["z"], *(r["noise"].double() if r["noise"] is not None else [])])
+
+    def fixed_noise(shape, generator=None, device=None, dtype=None):
+        out = next(draws)
+        assert tuple(out.shape) == tuple(shape) and dtype == torch.float64
+        return out
+
+    monkeypatch.setattr(diffusion_module, "randn_tensor", fixed_noise)
+    got = GaussianDiffusion().sample(
+        model, r["labels"], (4, 8, 8), r["sampler"], r["steps"], cfg_scale=r["cfg_scale"]
+    )
+    err = ((got - r["sample"]).abs().max() / r["sample"].abs().max()).item()
+    assert err < 1e-10, f"relative error {err:.3g} against the official {run}"
 
 
 class Oracle(nn.Module):

@@ -27,7 +27,9 @@ from helpers.train import (
 
 from vit3.engine import ConfigError, load_config, run
 from vit3.engine.cli import USER_ERROR_EXIT
+from vit3.engine.config import CONFIG_DIR
 from vit3.engine.generation_metrics import classifier_metrics, inception_metrics
+from vit3.errors import DataError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -249,22 +251,54 @@ def classifier(digits, tmp_path_factory):
     return out / "best.pt"
 
 
-def test_classifier_metrics_tell_real_digits_from_noise(digits, classifier):
+def _folder_digits(root, split: str, per_class: int):
     from PIL import Image
 
     real, labels = [], []
     for d in range(4):
-        for f in sorted((digits / "val" / f"digit_{d}").glob("*.png"))[:10]:
+        for f in sorted((root / split / f"digit_{d}").glob("*.png"))[:per_class]:
             real.append(np.asarray(Image.open(f))[..., None])
             labels.append(d)
-    real, labels = np.stack(real), np.asarray(labels)
-    good = classifier_metrics(real, labels, classifier, batch_size=16)
+    return np.stack(real), np.asarray(labels)
+
+
+def test_classifier_metrics_tell_real_digits_from_noise(digits, classifier):
+    real, labels = _folder_digits(digits, "train", 5)
+    good = classifier_metrics(real, labels, classifier, batch_size=16, draws=4)
     noise = np.random.default_rng(0).integers(0, 256, real.shape, dtype=np.uint8)
-    bad = classifier_metrics(noise, labels, classifier, batch_size=16)
+    bad = classifier_metrics(noise, labels, classifier, batch_size=16, draws=4)
     assert good["class_accuracy"] > 60 and bad["class_accuracy"] < 50, (good, bad)
     assert set(good["per_class_accuracy"]) == {0, 1, 2, 3}
     assert good["frechet_distance"] < bad["frechet_distance"]
-    assert good["frechet_real_floor"] >= 0 and good["real_images"] == {"train": 240, "val": 100}
+    assert good["real_images"] == {"train": 240, "val": 100} and good["floor_draws"] == 4
+
+
+def test_real_floor_is_measured_at_the_sample_count(digits, classifier):
+    """The floor and the ceiling come from as many real images as were generated, with their spread over
+    the draws: smaller samples have a higher Fréchet floor (estimation bias)."""
+    few = classifier_metrics(*_folder_digits(digits, "train", 4), classifier, batch_size=16, draws=6)
+    many = classifier_metrics(*_folder_digits(digits, "train", 16), classifier, batch_size=16, draws=6)
+    for r in (few, many):
+        assert r["frechet_real_floor_min"] <= r["frechet_real_floor"] <= r["frechet_real_floor_max"]
+        assert r["frechet_real_floor_std"] > 0 and 0 <= r["real_accuracy"] <= 100
+    assert few["frechet_real_floor"] > many["frechet_real_floor"]
+    assert few["real_val_accuracy"] == many["real_val_accuracy"]  # all the real images: independent of N
+    with pytest.raises(ValueError, match=r"needs more real images than generated ones"):
+        classifier_metrics(*_folder_digits(digits, "train", 25), classifier, batch_size=16)
+
+
+def test_demo_scorer_trains_on_the_digits_the_generator_never_sees():
+    from vit3.data import build_datasets
+    from vit3.engine import load_config
+    from vit3.engine.generation_metrics import DEMO_CLASSIFIER_CONFIG
+
+    scorer = build_datasets(load_config(DEMO_CLASSIFIER_CONFIG), 1)
+    generator = build_datasets(load_config(CONFIG_DIR / "generation" / "demo_mnist.yaml"), 1)
+    assert len(scorer["train"]) == 1000 and set(scorer["train"].rows).isdisjoint(generator["train"].rows)
+    assert set(scorer["val"].rows) == set(generator["train"].rows)  # real digits the scorer never sees
+    bad = load_config(DEMO_CLASSIFIER_CONFIG, ["data.train_split=test"])
+    with pytest.raises(DataError, match=r"data.train_split='test': data.dataset=mnist5k has the splits"):
+        build_datasets(bad, 1)
 
 
 def test_fid_without_inception_weights_says_why(tmp_path):

@@ -11,12 +11,12 @@ another reason is reported as ``error`` (the other rows still run; the exit stat
 
 Budgets (the same for every row of a table; the rows' mixer configs are never touched):
 
-* default: the embedded MNIST demo data with the backbone shrunk alike for all rows
+* default: the embedded MNIST demo data with the backbone shrunk alike for all rows, 6 epochs
   (``configs/ablations/budgets/mnist.yaml``);
 * ``--data PATH``: an image folder (``PATH/train/<class>/*``, ``PATH/val/<class>/*``) with the rows' own
   recipe (on ImageNet-1K: the paper's setting, 300 epochs of the DeiT-S-sized model);
-* ``--quick``: ``budgets/quick.yaml`` on top (one epoch of a smaller backbone at 32x32): a table in a few
-  minutes on a 2-core CPU;
+* ``--quick``: ``budgets/quick.yaml`` on top (2 epochs of a depth-2 backbone at 32x32, patch 8): a smoke
+  test of a table's rows in a few minutes on a 2-core CPU, not a measurement;
 * ``--epochs N``: N epochs (the warmup keeps its fraction of the schedule).
 
 Output folders: each row trains in ``<output>/<row file name>``. As for every run, a row never writes into a
@@ -246,7 +246,8 @@ def budget_summary(cfg: Config) -> str:
 # -------------------------------------------------------------------------------------------------- run
 @dataclass
 class RowResult:
-    """What one row's run gave."""
+    """What one row's run gave: the last epoch's validation (``top1``, ``top5``, ``val_loss``) and the best
+    epoch's top-1 (a diverged row keeps the best epoch before it diverged)."""
 
     row: Row
     knob: str
@@ -254,6 +255,9 @@ class RowResult:
     top1: float | None = None
     top5: float | None = None
     val_loss: float | None = None
+    best_top1: float | None = None
+    best_epoch: int | None = None
+    epochs: int | None = None  # epochs validated
     params_m: float | None = None
     wall_s: float = 0.0
     message: str = ""
@@ -292,6 +296,8 @@ def run_rows(rows: Sequence[Row], out: Path, log=print, **budget: Any) -> list[R
         except Exception as exc:  # one failing row must not lose the others: it is reported as an error
             res.message = f"{type(exc).__name__}: {exc}"
             log(traceback.format_exc())
+        if res.output:
+            res.best_top1, res.best_epoch, res.epochs = _best_epoch(Path(res.output))
         res.wall_s = time.perf_counter() - tick
         log(
             f"    -> {res.status}"
@@ -299,6 +305,21 @@ def run_rows(rows: Sequence[Row], out: Path, log=print, **budget: Any) -> list[R
         )
         results.append(res)
     return results
+
+
+def _best_epoch(run_dir: Path) -> tuple[float | None, int | None, int | None]:
+    """The best val top-1 of a run, its epoch and the number of validated epochs (``metrics.json``)."""
+    import json
+
+    try:
+        history = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, None, None
+    rows = [r for r in history if _num(r.get("val_top1")) is not None]
+    if not rows:
+        return None, None, None
+    best = max(rows, key=lambda r: r["val_top1"])  # the first of equal bests
+    return float(best["val_top1"]), int(best["epoch"]), len(rows)
 
 
 def _params_m(cfg: Config) -> float | None:
@@ -323,6 +344,10 @@ def _ours(res: RowResult) -> str:
     if res.status == "ok" and res.top1 is not None:
         return f"{res.top1:.2f}"
     return res.status
+
+
+def _best(res: RowResult) -> str:
+    return f"{res.best_top1:.2f} (epoch {res.best_epoch}/{res.epochs})" if res.best_top1 is not None else "—"
 
 
 def _delta(value: float | None, ref: float | None) -> str:
@@ -362,7 +387,8 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
 
 
 def results_markdown(results: Sequence[RowResult], budget: str, command: str) -> str:
-    """The results as a markdown table beside the paper's numbers (Δ: against the table's base row)."""
+    """The results as a markdown table beside the paper's numbers (Δ: against the table's base row; "last":
+    the last epoch's val top-1, "best": the best epoch's, with its epoch out of the epochs validated)."""
     base = next((r for r in results if r.row.base), None)
     paper_ref = _num(base.row.paper) if base else None
     ours_ref = base.top1 if base and base.status == "ok" else None
@@ -372,15 +398,16 @@ def results_markdown(results: Sequence[RowResult], budget: str, command: str) ->
         "",
         f"Budget: {budget}. Command: `{command}`. Paper: ImageNet-1K top-1 of the DeiT-S-sized model, 300 epochs.",
         "",
-        "| row | config | change | paper top-1 | Δ paper | top-1 here | Δ here | status | wall (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| row | config | change | paper top-1 | Δ paper | last top-1 here | Δ here | best top-1 here (epoch) "
+        "| status | wall (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         label = f"**{r.row.label}** (base)" if r.row.base else r.row.label
         lines.append(
             f"| {label} | `{r.row.path.parent.name}/{r.row.path.name}` | {r.knob or '—'} | {_paper(r.row.paper)} "
-            f"| {_delta(_num(r.row.paper), paper_ref)} | {_ours(r)} | {_delta(r.top1, ours_ref)} | {r.status} "
-            f"| {r.wall_s:.0f} |"
+            f"| {_delta(_num(r.row.paper), paper_ref)} | {_ours(r)} | {_delta(r.top1, ours_ref)} | {_best(r)} "
+            f"| {r.status} | {r.wall_s:.0f} |"
         )
     pairs = [
         (_num(r.row.paper), r.top1) for r in results if _num(r.row.paper) is not None and r.top1 is not None
@@ -394,8 +421,8 @@ def results_markdown(results: Sequence[RowResult], budget: str, command: str) ->
 
 
 CSV_FIELDS = (
-    "table", "row", "file", "base", "change", "paper_top1", "status", "top1", "top5", "val_loss", "params_m",
-    "wall_s", "output", "message",
+    "table", "row", "file", "base", "change", "paper_top1", "status", "top1", "top5", "val_loss", "best_top1",
+    "best_epoch", "epochs", "params_m", "wall_s", "output", "message",
 )  # fmt: skip
 
 
@@ -409,7 +436,8 @@ def write_csv(results: Sequence[RowResult], path: Path) -> Path:
                 {
                     "table": r.row.table, "row": r.row.label, "file": str(r.row.path), "base": r.row.base,
                     "change": r.knob, "paper_top1": "" if r.row.paper is None else r.row.paper, "status": r.status,
-                    "top1": r.top1, "top5": r.top5, "val_loss": r.val_loss, "params_m": r.params_m,
+                    "top1": r.top1, "top5": r.top5, "val_loss": r.val_loss, "best_top1": r.best_top1,
+                    "best_epoch": r.best_epoch, "epochs": r.epochs, "params_m": r.params_m,
                     "wall_s": round(r.wall_s, 1), "output": r.output, "message": r.message,
                 }
             )  # fmt: skip
@@ -432,7 +460,7 @@ def plot_results(results: Sequence[RowResult], path: Path, budget: str) -> Path 
             [_num(r.row.paper) for r in results],
             [_paper(r.row.paper) for r in results],
         ),
-        ("this run: val top-1 (%)", [r.top1 for r in results], [_ours(r) for r in results]),
+        ("this run: last-epoch val top-1 (%)", [r.top1 for r in results], [_ours(r) for r in results]),
     ]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(results) + 1.6), sharey=True)
     for ax, (title, values, texts) in zip(axes, panels):

@@ -15,6 +15,9 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 FIXTURES = SHARED / "fixtures" / "official"
+LOCAL_FIXTURES = (
+    REPO / "tests" / "fixtures"
+)  # generated in the repository (each with the script that made it)
 
 
 def load_fixture(name: str) -> dict:

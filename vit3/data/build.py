@@ -250,8 +250,14 @@ def build_datasets(
     if data.dataset == "mnist5k":
         if in_chans != 1:
             raise DataError(f"data.dataset=mnist5k is grayscale: the model needs in_chans=1, not {in_chans}")
+        names = {"train": data.train_split, "val": data.val_split}  # e.g. train on the 1,000 held-out digits
         for split in splits:
-            out[split] = MNIST5k(split, classes=classes, classes_from=classes_from)
+            if names[split] not in ("train", "val"):
+                raise DataError(
+                    f"data.{split}_split={names[split]!r}: data.dataset=mnist5k has the splits 'train' "
+                    f"(4,000 digits) and 'val' (1,000)"
+                )
+            out[split] = MNIST5k(names[split], classes=classes, classes_from=classes_from)
         out["classes"] = list(classes) if classes is not None else list(MNIST5k.classes)
         return out
     if data.dataset != "folder":

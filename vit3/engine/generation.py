@@ -554,7 +554,17 @@ def sample_and_evaluate(
             "grid": str(grid),
         }
         if classifier is not None:
-            report.update(classifier_metrics(images, labels, classifier, int(m.batch_size), info.device))
+            report.update(
+                classifier_metrics(
+                    images,
+                    labels,
+                    classifier,
+                    int(m.batch_size),
+                    info.device,
+                    int(m.floor_draws),
+                    int(s.seed),
+                )
+            )
         if m.fid:
             report.update(
                 inception_metrics(

@@ -4,13 +4,17 @@
   Inception Score (torchmetrics ``InceptionScore``) on torch-fidelity's Inception-v3, whose weights must be a
   local file (``metrics.inception_weights``: ``pt_inception-2015-12-05-6726825d.pth``); nothing is
   downloaded. Without the file the result says so instead of a number.
-* :func:`classifier_metrics`: a vit3 classification checkpoint (e.g. the MNIST demo's ``best.pt``) labels the
-  generated images: per-class and overall accuracy against the requested classes, and the Fréchet distance
-  (torchmetrics' Fréchet computation) between its pooled features of the generated and of real images (its
-  own val split), beside the same distance between its train and val splits (the floor that real images
-  reach).
-* :func:`resolve_classifier`: ``"auto"`` is the MNIST demo classifier: ``output/demo/best.pt`` when present,
-  else it is trained once with ``configs/demo_mnist.yaml`` (1-3 minutes on a CPU).
+* :func:`classifier_metrics`: a vit3 classification checkpoint labels the generated images: per-class and
+  overall accuracy against the requested classes, and the Fréchet distance (torchmetrics' Fréchet
+  computation) between its pooled features of the generated images and of real images it never trained on
+  (its val split). Both numbers depend on the sample count, so the real images are scored at the same count:
+  each of several draws takes as many real images as were generated, and the generated and the drawn real
+  images are both compared with the rest of the real images (mean and spread over the draws). The drawn
+  real images' distance is the floor that real data reaches at that count, their accuracy the ceiling.
+* :func:`resolve_classifier`: ``"auto"`` is the generation demo's scorer
+  (``configs/generation/demo_mnist_scorer.yaml``: the classification demo's H-ViT³ trained on the 1,000
+  held-out digits the generation demo never sees, validated on the 4,000 it trains on):
+  ``output/gen_demo_scorer/best.pt`` when present, else it is trained once (1-2 minutes on a CPU).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ __all__ = [
     "resolve_classifier",
 ]
 
-DEMO_CLASSIFIER_CONFIG = CONFIG_DIR / "demo_mnist.yaml"
+DEMO_CLASSIFIER_CONFIG = CONFIG_DIR / "generation" / "demo_mnist_scorer.yaml"
 INCEPTION_FILE = "pt_inception-2015-12-05-6726825d.pth"
 
 
@@ -111,10 +115,11 @@ def inception_metrics(
 
 # ------------------------------------------------------------------------------- classifier-based metrics
 def resolve_classifier(spec: str) -> Path:
-    """The classifier checkpoint that ``metrics.classifier`` names (``"auto"``: the MNIST demo's).
+    """The classifier checkpoint that ``metrics.classifier`` names (``"auto"``: the generation demo's scorer).
 
-    ``"auto"`` uses ``<demo output>/best.pt`` (``output/demo/best.pt`` with the shipped config) when it exists
-    and otherwise trains it with ``configs/demo_mnist.yaml`` (single process only).
+    ``"auto"`` uses ``<scorer output>/best.pt`` (``output/gen_demo_scorer/best.pt`` with the shipped config)
+    when it exists and otherwise trains it with ``configs/generation/demo_mnist_scorer.yaml`` (single process
+    only).
 
     Raises:
         FileNotFoundError: a named file does not exist.
@@ -131,13 +136,14 @@ def resolve_classifier(spec: str) -> Path:
         return path
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         raise ConfigError(
-            f"metrics.classifier=auto: {path} does not exist; train it first with `python train.py` "
-            f"(the classification demo) or name a checkpoint with metrics.classifier=FILE"
+            f"metrics.classifier=auto: {path} does not exist; train it first with `python train.py --config "
+            f"configs/generation/{DEMO_CLASSIFIER_CONFIG.name}` or name a checkpoint with metrics.classifier=FILE"
         )
     from .classification import train as train_classifier
 
     print(
-        f"metrics.classifier=auto: {path} not found, training the MNIST demo classifier ({DEMO_CLASSIFIER_CONFIG.name})"
+        f"metrics.classifier=auto: {path} not found, training the demo's scorer on the held-out digits "
+        f"({DEMO_CLASSIFIER_CONFIG.name})"
     )
     summary = train_classifier(load_config(DEMO_CLASSIFIER_CONFIG, ["train.progress=false"]))
     return Path(summary["best"] or summary["last"])
@@ -206,14 +212,28 @@ def _frechet(a: Tensor, b: Tensor) -> float:
     return float(metric.compute())
 
 
+def _spread(values: list[float]) -> dict[str, float]:
+    v = np.asarray(values, dtype=np.float64)
+    return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+            "min": float(v.min()), "max": float(v.max())}  # fmt: skip
+
+
 def classifier_metrics(
     images: np.ndarray,
     labels: np.ndarray,
     classifier: str | Path,
     batch_size: int = 100,
     device: torch.device | str = "cpu",
+    draws: int = 10,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Accuracy of a classifier on generated images (against their requested labels) and a Fréchet distance.
+    """Accuracy of a classifier on generated images and their Fréchet distance to real images, each beside
+    what real images reach at the same count.
+
+    The real images are the classifier's val split (images it never trained on). Each of ``draws`` draws
+    picks ``N = len(images)`` of them at random (without replacement, seeded by ``seed``); the generated
+    images and the drawn real images are both compared with the remaining real images, and both are
+    classified. The distances and accuracies are reported as mean and spread over the draws.
 
     Args:
         images: generated uint8 ``[N, H, W, C]``.
@@ -221,10 +241,18 @@ def classifier_metrics(
         classifier: a vit3 classification checkpoint (its config gives the preprocessing and real data).
         batch_size: images per classifier forward.
         device: where the classifier runs.
+        draws: draws of N real images.
+        seed: seed of the draws.
 
     Returns:
-        ``class_accuracy`` (%), ``per_class_accuracy`` {class: %}, ``frechet_distance`` (generated vs real
-        val), ``frechet_real_floor`` (real train vs real val), ``real_val_accuracy`` (%), counts.
+        ``class_accuracy`` (%) and ``per_class_accuracy`` {class: %} of the generated images;
+        ``frechet_distance`` (generated vs the rest of the real images: mean over the draws, ``_std`` beside);
+        ``frechet_real_floor`` (the drawn real images vs the rest: mean, ``_std``, ``_min``, ``_max``);
+        ``real_accuracy`` (% of the drawn real images, mean and ``_std``); ``real_val_accuracy`` (% of all the
+        real images); ``floor_draws``, ``feature_dim``, ``generated_images``, ``real_images`` (split sizes).
+
+    Raises:
+        ValueError: the classifier has too few classes, or there are not more real images than generated.
     """
     from ..data import build_datasets
 
@@ -241,21 +269,42 @@ def classifier_metrics(
     pred = logits.argmax(-1).numpy()
     per_class = {int(c): float(100.0 * (pred[labels == c] == c).mean()) for c in np.unique(labels)}
     data = build_datasets(cfg, in_chans, splits=("train", "val"))
-
-    def real(split: str) -> Iterator[Image.Image]:
-        return (data[split][i][0] for i in range(len(data[split])))
-
-    val_logits, val_feats = _classify(model, transform, real("val"), batch_size, device)
-    val_labels = np.asarray([data["val"][i][1] for i in range(len(data["val"]))])
-    train_feats = _classify(model, transform, real("train"), batch_size, device)[1]
+    val = data["val"]
+    n, n_real = len(images), len(val)
+    if n_real <= n or draws < 1:
+        raise ValueError(
+            f"the real floor needs more real images than generated ones and at least one draw: classifier {path} "
+            f"has {n_real} val images for {n} samples, draws={draws}"
+        )
+    real_logits, real_feats = _classify(
+        model, transform, (val[i][0] for i in range(n_real)), batch_size, device
+    )
+    real_labels = np.asarray([val[i][1] for i in range(n_real)])
+    real_correct = real_logits.argmax(-1).numpy() == real_labels
+    rng = np.random.default_rng(seed)
+    fd_gen, fd_real, acc_real = [], [], []
+    for _ in range(int(draws)):
+        order = rng.permutation(n_real)
+        drawn, rest = order[:n], order[n:]
+        fd_gen.append(_frechet(real_feats[rest], feats))
+        fd_real.append(_frechet(real_feats[rest], real_feats[drawn]))
+        acc_real.append(100.0 * float(real_correct[drawn].mean()))
+    gen_fd, floor, acc = _spread(fd_gen), _spread(fd_real), _spread(acc_real)
     return {
         "classifier": str(path),
         "class_accuracy": float(100.0 * (pred == labels).mean()),
         "per_class_accuracy": per_class,
-        "frechet_distance": _frechet(val_feats, feats),
-        "frechet_real_floor": _frechet(train_feats, val_feats),
-        "real_val_accuracy": float(100.0 * (val_logits.argmax(-1).numpy() == val_labels).mean()),
+        "frechet_distance": gen_fd["mean"],
+        "frechet_distance_std": gen_fd["std"],
+        "frechet_real_floor": floor["mean"],
+        "frechet_real_floor_std": floor["std"],
+        "frechet_real_floor_min": floor["min"],
+        "frechet_real_floor_max": floor["max"],
+        "real_accuracy": acc["mean"],
+        "real_accuracy_std": acc["std"],
+        "real_val_accuracy": float(100.0 * real_correct.mean()),
+        "floor_draws": int(draws),
         "feature_dim": int(feats.shape[1]),
-        "generated_images": len(images),
-        "real_images": {"train": len(data["train"]), "val": len(data["val"])},
+        "generated_images": n,
+        "real_images": {"train": len(data["train"]), "val": n_real},
     }

@@ -20,10 +20,17 @@ actual grid, and a side that is not a multiple of the patch size is zero-padded 
 the patch embedding and cropped off the output (the prediction is ``[B, out_channels, H, W]`` for the input
 ``H x W``). ``input_size`` only sets the nominal size. DiT³ is not a classifier, so it is not registered with
 timm (timm's model contract would not hold); build it with :func:`create_dit3`.
+
+DiT³ is a diffusers model (``ModelMixin`` + ``ConfigMixin``): ``model.config`` holds its constructor
+arguments (the TTT mixer's as a plain dict), ``save_pretrained(folder)`` writes ``config.json`` and
+safetensors weights and ``DiT3.from_pretrained(folder)`` reads them back; ``vit3.tasks.pipeline.DiT3Pipeline``
+samples it as diffusers' ``DiTPipeline`` does, with the official guidance. Importing it needs diffusers
+(the ``generation`` extra).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -34,6 +41,12 @@ from typing import Any
 import torch
 from timm.layers import Attention, Mlp, PatchEmbed
 from torch import Tensor, nn
+
+try:
+    from diffusers import ConfigMixin, ModelMixin
+    from diffusers.configuration_utils import register_to_config
+except ImportError as exc:  # the generation extra is not installed
+    raise ImportError(f"DiT³ needs diffusers: pip install -e '.[generation]' ({exc})") from exc
 
 from vit3.layers import TTTConfig, TTTMixer, convert_official_mixer_key
 from vit3.layers.blocks import ConvPosEnc
@@ -246,8 +259,10 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
-class DiT3(nn.Module):
+class DiT3(ModelMixin, ConfigMixin):
     """Class-conditional diffusion transformer with TTT mixers (see the module docstring).
+
+    A diffusers ``ModelMixin``: ``config``, ``save_pretrained`` / ``from_pretrained`` (safetensors).
 
     Args:
         input_size: nominal latent size (int or ``(H, W)``); any size runs.
@@ -264,6 +279,7 @@ class DiT3(nn.Module):
         ttt_cfg: TTT mixer configuration (``TTTConfig`` or dict of its fields).
     """
 
+    @register_to_config
     def __init__(
         self,
         input_size: int | tuple[int, int] = 32,
@@ -302,6 +318,8 @@ class DiT3(nn.Module):
         self.grad_checkpointing = False
         ttt = TTTConfig.create(ttt_cfg) if mixer == "ttt" else None
         self.ttt_cfg = ttt
+        # the config is JSON (config.json): the mixer's settings as a plain dict, none for the attention baseline
+        self.register_to_config(ttt_cfg=dataclasses.asdict(ttt) if ttt is not None else None)
 
         self.x_embedder = PatchEmbed(
             img_size=self.input_size,

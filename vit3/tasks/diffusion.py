@@ -1,7 +1,10 @@
-"""Gaussian diffusion for DiT³ on ``diffusers``: forward process, the official training objective, samplers.
+"""Gaussian diffusion for DiT³ on ``diffusers``: forward process, the official training objective, the official
+samplers on the official respaced chain.
 
-* Forward process: ``diffusers.DDPMScheduler`` with the official schedule (linear betas 1e-4 .. 0.02 over
-  1000 steps, epsilon prediction, no clipping); ``q_sample`` is its ``add_noise``.
+* Schedule: the official linear betas 1e-4 .. 0.02 over 1000 steps, in float64 (another diffusers
+  ``beta_schedule`` takes diffusers' float32 betas); epsilon prediction, no clipping.
+* Forward process: ``q_sample`` on the float64 tables, as the official one (diffusers' ``add_noise`` takes
+  ``1 - abar`` from float32 alpha-bars, 1e-4 relative off at small ``t``).
 * Objective (the official DiT / improved-DDPM "hybrid" loss, ``LossType.MSE`` with ``LEARNED_RANGE``):
   ``mse = mean((eps - eps_hat)^2)`` and, when the model learns its variance, plus the variational-bound term
   ``vb`` for the variance only (the mean is computed from a stop-gradient copy of ``eps_hat``): at ``t > 0``
@@ -10,16 +13,35 @@
   The model variance interpolates the log of the clipped posterior variance and ``log beta_t`` by
   ``frac = (v + 1) / 2``. diffusers has no training loss for this, so it is written here; the decoder uses
   the official tanh approximation of the normal CDF (``cdf=torch.special.ndtr`` gives the exact one).
-* Samplers (generation): ``ddpm`` (``DDPMScheduler``, ``variance_type="learned_range"`` when the model
-  learns its variance: it reads ``[eps, v]``), ``ddim`` (``DDIMScheduler``, eta 0) and ``dpm++``
-  (``DPMSolverMultistepScheduler``, DPM-Solver++ order 2); the last two read ``eps`` only. ``ddpm`` and
-  ``ddim`` use "leading" timestep spacing, which is the official respacing (``250`` steps: 996, 992, ..., 0).
-  Classifier-free guidance runs through the model's ``forward_with_cfg``.
+* Respacing (:func:`space_timesteps`): sampling with ``S`` steps visits the timesteps the official
+  ``space_timesteps(T, str(S))`` keeps, a fractional stride ``(T - 1) / (S - 1)`` from 0 rounded half to even
+  (250 of 1000: 0, 4, 8, ..., 164, 169, ..., 995, 999; 50: 0, 20, 41, ..., 979, 999). The kept timesteps form
+  a chain of their own: betas ``1 - abar_t / abar_prev`` between consecutive kept timesteps, and the
+  posterior means and (clipped log) variances of those betas (:func:`chain_tables`, which also gives the
+  objective's tables on the full chain). The model is called with the original timesteps, as the official
+  ``_WrappedModel``.
+* Samplers (generation), all diffusers schedulers (``SchedulerMixin`` + ``ConfigMixin``):
+
+  - ``ddpm``: :class:`RespacedDDPMScheduler`, the official ancestral step (``p_sample``) on the respaced chain:
+    ``x0 = sqrt(1 / abar) x_t - sqrt(1 / abar - 1) eps``, ``x_prev = coef1 x0 + coef2 x_t + sigma z`` with the
+    learned-range variance (the model reads ``[eps, v]``) or, for a model without ``v``, the official
+    ``FIXED_LARGE`` one; no noise at the last step;
+  - ``ddim``: :class:`RespacedDDIMScheduler`, the official DDIM step with eta 0 (``ddim_sample``):
+    ``x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev) eps`` on the same chain (``abar_prev = 1`` at the end);
+  - ``dpm++``: ``diffusers.DPMSolverMultistepScheduler`` (DPM-Solver++ order 2), not an official sampler.
+
+  Why not diffusers' ``DDPMScheduler`` / ``DDIMScheduler``: ``DDIMScheduler`` steps from ``t`` to
+  ``t - T // S`` whatever its spacing, so on the official set (gaps of 4 and 5 at 250 steps, 20 and 21 at
+  50) it pairs the wrong alpha-bars; ``DDPMScheduler`` does step to the next kept timestep with the respaced
+  beta (its ``linspace`` spacing is the official set at 250 and 50 steps, not at 278 of the 1000 step counts),
+  but its tables are float32 (alpha-bar off by up to 4e-7 relative), so a float64 model cannot reproduce the
+  official numbers. The two schedulers here keep float64 tables; each coefficient is applied in the
+  sample's dtype (a float32 model gets the official float32-rounded coefficients).
+  Classifier-free guidance runs through the model's ``forward_with_cfg`` (:func:`denoise`).
 * :class:`LatentAutoencoder`: a local ``diffusers.AutoencoderKL`` (a folder in diffusers' layout; nothing is
   downloaded) mapping images in ``[-1, 1]`` to scaled latents and back, as the official train/sample scripts.
 
-The schedule tables of the objective are float64 (computed from the scheduler's betas); the loss runs in the
-model output's precision (at least float32).
+The schedule tables are float64; the loss runs in the model output's precision (at least float32).
 """
 
 from __future__ import annotations
@@ -34,7 +56,9 @@ import torch
 from torch import Tensor, nn
 
 try:
-    from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
+    from diffusers import ConfigMixin, DDPMScheduler, DPMSolverMultistepScheduler, SchedulerMixin
+    from diffusers.configuration_utils import register_to_config
+    from diffusers.schedulers.scheduling_ddpm import DDPMSchedulerOutput
     from diffusers.utils.torch_utils import randn_tensor
 except ImportError as exc:  # the generation extra is not installed
     raise ImportError(f"DiT³ diffusion needs diffusers: pip install -e '.[generation]' ({exc})") from exc
@@ -43,13 +67,21 @@ __all__ = [
     "SAMPLERS",
     "GaussianDiffusion",
     "LatentAutoencoder",
+    "RespacedDDIMScheduler",
+    "RespacedDDPMScheduler",
     "approx_standard_normal_cdf",
+    "chain_tables",
+    "denoise",
     "discretized_gaussian_log_likelihood",
     "normal_kl",
+    "schedule_betas",
+    "space_timesteps",
 ]
 
 SAMPLERS = ("ddpm", "ddim", "dpm++")
+VARIANCE_TYPES = ("learned_range", "fixed_large", "fixed_small")
 Generator = torch.Generator | list[torch.Generator] | None
+Take = Callable[[str], Tensor]  # a chain table's entry at the current timestep(s), broadcastable
 
 
 def normal_kl(mean1: Tensor, logvar1: Tensor, mean2: Tensor, logvar2: Tensor) -> Tensor:
@@ -102,8 +134,333 @@ def _mean_flat(x: Tensor) -> Tensor:
     return x.mean(dim=tuple(range(1, x.ndim)))
 
 
+# ------------------------------------------------------------------------------------ schedule and chains
+def schedule_betas(
+    num_timesteps: int = 1000, beta_schedule: str = "linear", beta_start: float = 1e-4, beta_end: float = 0.02
+) -> Tensor:
+    """The betas ``[T]`` in float64: ``"linear"`` (official) computed here, other schedules diffusers' (float32)."""
+    if beta_schedule == "linear":
+        return torch.linspace(float(beta_start), float(beta_end), int(num_timesteps), dtype=torch.float64)
+    sched = DDPMScheduler(
+        num_train_timesteps=int(num_timesteps),
+        beta_schedule=beta_schedule,
+        beta_start=float(beta_start),
+        beta_end=float(beta_end),
+    )
+    return sched.betas.double()
+
+
+def space_timesteps(num_timesteps: int, steps: int) -> list[int]:
+    """The timesteps ``[S]`` (ascending) that ``steps`` sampling steps visit: the official respacing.
+
+    ``steps`` evenly spaced timesteps from 0 to ``num_timesteps - 1``: a stride of ``(T - 1) / (S - 1)``
+    accumulated in floating point from 0, each position rounded half to even (as improved-DDPM / DiT's
+    ``space_timesteps(T, str(S))``). One step keeps ``[0]``.
+
+    Raises:
+        ValueError: ``steps`` outside ``[1, num_timesteps]``.
+    """
+    if not 1 <= int(steps) <= int(num_timesteps):
+        raise ValueError(f"sampling steps must be in [1, {num_timesteps}], got {steps}")
+    stride = (int(num_timesteps) - 1) / (int(steps) - 1) if steps > 1 else 1.0
+    kept, position = [], 0.0
+    for _ in range(int(steps)):
+        kept.append(round(position))
+        position += stride
+    return kept
+
+
+def chain_tables(alphas_cumprod: Tensor) -> dict[str, Tensor]:
+    """The tables ``[S]`` of a diffusion chain given the alpha-bars ``[S]`` of its timesteps (float64).
+
+    A respaced chain (the kept timesteps' alpha-bars) has the betas ``1 - abar_i / abar_{i-1}`` (``abar_{-1} = 1``);
+    the full chain's are the schedule's. Entries: ``alphas_cumprod``, ``alphas_cumprod_prev``, ``betas``,
+    ``sqrt_ac`` / ``sqrt_1m_ac`` (``q(x_t | x0)``), ``post_var`` (the posterior variance
+    ``beta (1 - abar_prev) / (1 - abar)``), ``post_logvar`` (its log,
+    clipped: at index 0, where it is 0, the official code repeats index 1's), ``large_logvar`` (the official
+    ``FIXED_LARGE``: ``log beta`` with index 0 clipped alike), ``post_coef1`` / ``post_coef2`` (posterior mean
+    ``coef1 x0 + coef2 x_t``), ``sqrt_recip_ac`` / ``sqrt_recipm1_ac`` (``x0`` from ``eps``), ``log_betas``.
+    """
+    ac = alphas_cumprod.double()
+    ac_prev = torch.cat([ac.new_ones(1), ac[:-1]])
+    betas = 1.0 - ac / ac_prev
+    post_var = betas * (1.0 - ac_prev) / (1.0 - ac)
+    first = post_var[1:2] if len(ac) > 1 else post_var[:1]
+    return {
+        "alphas_cumprod": ac,
+        "alphas_cumprod_prev": ac_prev,
+        "betas": betas,
+        "sqrt_ac": torch.sqrt(ac),
+        "sqrt_1m_ac": torch.sqrt(1.0 - ac),
+        "post_var": post_var,
+        "post_logvar": torch.log(torch.cat([first, post_var[1:]])),
+        "large_logvar": torch.log(torch.cat([first, betas[1:]])),
+        "post_coef1": betas * torch.sqrt(ac_prev) / (1.0 - ac),
+        "post_coef2": (1.0 - ac_prev) * torch.sqrt(1.0 - betas) / (1.0 - ac),
+        "sqrt_recip_ac": torch.sqrt(1.0 / ac),
+        "sqrt_recipm1_ac": torch.sqrt(1.0 / ac - 1.0),
+        "log_betas": torch.log(betas),
+    }
+
+
+def _predict_x0(take: Take, x_t: Tensor, eps: Tensor) -> Tensor:
+    """``x0 = sqrt(1 / abar) x_t - sqrt(1 / abar - 1) eps`` (not clipped)."""
+    return take("sqrt_recip_ac") * x_t - take("sqrt_recipm1_ac") * eps
+
+
+def _posterior_mean(take: Take, x0: Tensor, x_t: Tensor) -> Tensor:
+    """The mean of ``q(x_prev | x_t, x0)``."""
+    return take("post_coef1") * x0 + take("post_coef2") * x_t
+
+
+def _learned_logvar(take: Take, v: Tensor) -> Tensor:
+    """``frac * log(beta) + (1 - frac) * post_logvar`` with ``frac = (v + 1) / 2`` (learned range)."""
+    frac = (v + 1) / 2
+    return frac * take("log_betas") + (1 - frac) * take("post_logvar")
+
+
+# ------------------------------------------------------------------------------------------ schedulers
+class _RespacedScheduler(SchedulerMixin, ConfigMixin):
+    """What the respaced samplers share: the float64 chain of the kept timesteps and diffusers' interface.
+
+    ``set_timesteps(S)`` keeps :func:`space_timesteps` ``(T, S)``; ``timesteps`` lists them in sampling order
+    (descending), as diffusers schedulers do. Built with the full chain (``S = T``).
+    """
+
+    order = 1
+    init_noise_sigma = 1.0
+
+    def _build(self) -> None:
+        c = self.config
+        betas = schedule_betas(c.num_train_timesteps, c.beta_schedule, c.beta_start, c.beta_end)
+        self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+        self.set_timesteps(c.num_train_timesteps)
+
+    def set_timesteps(self, num_inference_steps: int, device: torch.device | str | None = None) -> None:
+        """Keeps the official respacing of ``num_inference_steps`` steps (see :func:`space_timesteps`)."""
+        kept = space_timesteps(self.config.num_train_timesteps, int(num_inference_steps))
+        self.tables = chain_tables(self.alphas_cumprod[kept])
+        self.num_inference_steps = len(kept)
+        self.timesteps = torch.tensor(kept[::-1], dtype=torch.long, device=device)
+        self._index = {t: i for i, t in enumerate(kept)}
+
+    def scale_model_input(self, sample: Tensor, timestep: int | Tensor | None = None) -> Tensor:
+        """The model input is the sample itself."""
+        return sample
+
+    def _take(self, timestep: int | Tensor) -> tuple[int, Take]:
+        """The chain index of ``timestep`` and the entries there (0-dim float64: applied in the sample's dtype)."""
+        t = int(timestep)
+        if t not in self._index:
+            raise ValueError(
+                f"timestep {t} is not one of the {self.num_inference_steps} kept by "
+                f"set_timesteps({self.num_inference_steps})"
+            )
+        i = self._index[t]
+        return i, lambda name: self.tables[name][i]
+
+    def __len__(self) -> int:
+        return int(self.config.num_train_timesteps)
+
+
+def _split_output(model_output: Tensor, sample: Tensor, with_variance: bool) -> tuple[Tensor, Tensor | None]:
+    """``eps`` (the first C channels) and, ``with_variance``, ``v`` (the next C) of a model output."""
+    c = sample.shape[1]
+    need = 2 * c if with_variance else c
+    if model_output.shape[1] < need or model_output.shape[2:] != sample.shape[2:]:
+        raise ValueError(
+            f"model output {tuple(model_output.shape)} does not fit the sample {tuple(sample.shape)}: "
+            f"expected {need} channels ({'[eps, v]' if with_variance else 'eps'})"
+        )
+    return model_output[:, :c], model_output[:, c : 2 * c] if with_variance else None
+
+
+class RespacedDDPMScheduler(_RespacedScheduler):
+    """The official DDPM sampler (ancestral ``p_sample``) on the respaced chain, as a diffusers scheduler.
+
+    Args:
+        num_train_timesteps: training diffusion steps T.
+        beta_schedule: ``"linear"`` (official, float64) or another diffusers schedule.
+        beta_start: first beta.
+        beta_end: last beta.
+        variance_type: ``"learned_range"`` (the model output is ``[eps, v]``), ``"fixed_large"`` (official for
+            a model without ``v``: the chain's betas) or ``"fixed_small"`` (the posterior variance).
+    """
+
+    @register_to_config
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        beta_schedule: str = "linear",
+        beta_start: float = 1e-4,
+        beta_end: float = 0.02,
+        variance_type: str = "learned_range",
+    ) -> None:
+        if variance_type not in VARIANCE_TYPES:
+            raise ValueError(f"variance_type must be one of {VARIANCE_TYPES}, got {variance_type!r}")
+        self._build()
+
+    def step(
+        self,
+        model_output: Tensor,
+        timestep: int | Tensor,
+        sample: Tensor,
+        generator: Generator = None,
+        return_dict: bool = True,
+    ) -> DDPMSchedulerOutput | tuple[Tensor, Tensor]:
+        """One step from ``timestep`` to the previous kept timestep.
+
+        Args:
+            model_output: ``[B, 2C, H, W]`` (``[eps, v]``, learned range) or ``[B, C, H, W]`` (``eps``; extra
+                channels are ignored by the fixed variances).
+            timestep: a kept timestep (one of ``timesteps``).
+            sample: ``x_t`` ``[B, C, H, W]``.
+            generator: the noise's generator(s) (one per sample: each sample depends on its own seed only).
+            return_dict: return a ``DDPMSchedulerOutput`` rather than a tuple.
+
+        Returns:
+            ``prev_sample`` (``x_prev``) and ``pred_original_sample`` (``x0``), both ``[B, C, H, W]``.
+        """
+        i, take = self._take(timestep)
+        learned = self.config.variance_type == "learned_range"
+        eps, v = _split_output(model_output, sample, learned)
+        x0 = _predict_x0(take, sample, eps)
+        prev = _posterior_mean(take, x0, sample)
+        if i > 0:  # no noise at the last step
+            if learned:
+                logvar = _learned_logvar(take, v)
+            else:
+                logvar = take("large_logvar" if self.config.variance_type == "fixed_large" else "post_logvar")
+            noise = randn_tensor(eps.shape, generator=generator, device=sample.device, dtype=sample.dtype)
+            prev = prev + torch.exp(0.5 * logvar) * noise
+        return DDPMSchedulerOutput(prev, x0) if return_dict else (prev, x0)
+
+
+class RespacedDDIMScheduler(_RespacedScheduler):
+    """The official DDIM sampler (``ddim_sample``, eta 0) on the respaced chain, as a diffusers scheduler.
+
+    ``x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev) eps`` (the official code re-derives ``eps`` from the
+    unclipped ``x0``, the same number). Deterministic; reads ``eps`` only.
+
+    Args:
+        num_train_timesteps: training diffusion steps T.
+        beta_schedule: ``"linear"`` (official, float64) or another diffusers schedule.
+        beta_start: first beta.
+        beta_end: last beta.
+    """
+
+    @register_to_config
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        beta_schedule: str = "linear",
+        beta_start: float = 1e-4,
+        beta_end: float = 0.02,
+    ) -> None:
+        self._build()
+
+    def step(
+        self,
+        model_output: Tensor,
+        timestep: int | Tensor,
+        sample: Tensor,
+        generator: Generator = None,
+        return_dict: bool = True,
+    ) -> DDPMSchedulerOutput | tuple[Tensor, Tensor]:
+        """One deterministic step (``generator`` is accepted for the common interface and unused)."""
+        _, take = self._take(timestep)
+        eps, _ = _split_output(model_output, sample, False)
+        x0 = _predict_x0(take, sample, eps)
+        ac_prev = take("alphas_cumprod_prev")
+        prev = torch.sqrt(ac_prev) * x0 + torch.sqrt(1.0 - ac_prev) * eps
+        return DDPMSchedulerOutput(prev, x0) if return_dict else (prev, x0)
+
+
+# ----------------------------------------------------------------------------------------- sampling loop
+def _check_labels(model: nn.Module, labels: Tensor, cfg_scale: float) -> None:
+    if cfg_scale != 1.0 and not model.has_null_class:
+        raise ValueError(
+            f"cfg_scale={cfg_scale} needs the null class, but the model was trained with "
+            f"class_dropout_prob=0 (no unconditional embedding): sample with cfg_scale=1"
+        )
+    if labels.ndim != 1 or labels.is_floating_point():
+        raise ValueError(
+            f"labels must be integer class indices [N], got {labels.dtype} {tuple(labels.shape)}"
+        )
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= model.num_classes):
+        raise ValueError(
+            f"labels must lie in [0, {model.num_classes - 1}] (the model's classes), got "
+            f"[{int(labels.min())}, {int(labels.max())}]"
+        )
+
+
+@torch.no_grad()
+def denoise(
+    model: nn.Module,
+    scheduler: Any,
+    latents: Tensor,
+    labels: Tensor,
+    cfg_scale: float = 1.0,
+    guided_channels: int | None = None,
+    generator: Generator = None,
+    progress: Callable[[Any], Any] | None = None,
+) -> Tensor:
+    """The sampling loop: ``latents`` (the noise at the first timestep) through ``scheduler.timesteps``.
+
+    Each step calls the model in eval mode at the original timestep: with ``cfg_scale == 1`` once on the
+    labels, otherwise the official ``forward_with_cfg`` on ``[x, x]`` with ``[labels, null]`` (null = the
+    model's ``num_classes``; guidance on its first ``guided_channels`` channels). A scheduler whose
+    ``variance_type`` is learned gets ``[eps, v]``, the others ``eps``.
+
+    Args:
+        model: a DiT³ (``forward``, ``forward_with_cfg``, ``num_classes``, ``has_null_class``).
+        scheduler: a diffusers scheduler whose ``set_timesteps`` has been called.
+        latents: ``[N, C, H, W]``.
+        labels: class labels ``[N]`` in ``[0, num_classes)``.
+        cfg_scale: classifier-free guidance scale (1: no guidance, one pass per step).
+        guided_channels: passed to ``forward_with_cfg`` (``None``: the official choice).
+        generator: the scheduler's noise generator(s).
+        progress: optional wrapper of the timestep iterator (e.g. ``tqdm``).
+
+    Returns:
+        The final latents ``[N, C, H, W]``.
+
+    Raises:
+        ValueError: labels that are not class indices of the model, or guidance without a null class.
+    """
+    _check_labels(model, labels, cfg_scale)
+    n, c = latents.shape[:2]
+    labels = labels.to(latents.device)
+    null = torch.full_like(labels, model.num_classes)
+    keep_variance = getattr(scheduler.config, "variance_type", None) in ("learned", "learned_range")
+    x = latents
+    was_training = model.training
+    model.eval()
+    try:
+        timesteps = scheduler.timesteps if progress is None else progress(scheduler.timesteps)
+        for t in timesteps:
+            tt = torch.full((n,), int(t), device=x.device, dtype=torch.long)
+            xin = scheduler.scale_model_input(x, t)
+            if cfg_scale == 1.0:
+                out = model(xin, tt, labels)
+            else:
+                both = model.forward_with_cfg(
+                    torch.cat([xin, xin]),
+                    torch.cat([tt, tt]),
+                    torch.cat([labels, null]),
+                    cfg_scale,
+                    guided_channels,
+                )
+                out = both[:n]
+            out = out if keep_variance else out[:, :c]
+            x = scheduler.step(out, t, x, generator=generator).prev_sample
+    finally:
+        model.train(was_training)
+    return x
+
+
 class GaussianDiffusion:
-    """The official DiT diffusion on diffusers' schedulers (see the module docstring).
+    """The official DiT diffusion: schedule, objective and samplers (see the module docstring).
 
     Args:
         num_timesteps: training diffusion steps T.
@@ -130,35 +487,18 @@ class GaussianDiffusion:
             beta_schedule=beta_schedule,
             beta_start=float(beta_start),
             beta_end=float(beta_end),
-            prediction_type="epsilon",
         )
-        self.scheduler = DDPMScheduler(
-            **self._schedule,
-            variance_type="learned_range" if learn_sigma else "fixed_large",
-            clip_sample=False,
-            timestep_spacing="leading",
-        )
-        betas = self.scheduler.betas.double()
-        ac = torch.cumprod(1.0 - betas, dim=0)
-        ac_prev = torch.cat([ac.new_ones(1), ac[:-1]])
-        post_var = betas * (1.0 - ac_prev) / (1.0 - ac)
-        # log clipped at t = 0, where the posterior variance is 0: the official code repeats t = 1's value
-        self._tables = {
-            "sqrt_recip_ac": torch.sqrt(1.0 / ac),
-            "sqrt_recipm1_ac": torch.sqrt(1.0 / ac - 1.0),
-            "post_logvar": torch.log(torch.cat([post_var[1:2], post_var[1:]])),
-            "post_coef1": betas * torch.sqrt(ac_prev) / (1.0 - ac),
-            "post_coef2": (1.0 - ac_prev) * torch.sqrt(1.0 - betas) / (1.0 - ac),
-            "log_betas": torch.log(betas),
-        }
+        self.betas = schedule_betas(self.num_timesteps, beta_schedule, beta_start, beta_end)
+        self._tables = chain_tables(torch.cumprod(1.0 - self.betas, dim=0))
         self._on: dict[tuple[torch.device, torch.dtype], dict[str, Tensor]] = {}
 
-    def _take(self, name: str, t: Tensor, like: Tensor) -> Tensor:
-        """Table ``name`` at timesteps ``t`` ``[B]``, shaped ``[B, 1, ...]`` to broadcast against ``like``."""
+    def _taker(self, t: Tensor, like: Tensor) -> Take:
+        """Tables at timesteps ``t`` ``[B]``, shaped ``[B, 1, ...]`` to broadcast against ``like``."""
         key = (like.device, like.dtype)
         if key not in self._on:
             self._on[key] = {k: v.to(device=like.device, dtype=like.dtype) for k, v in self._tables.items()}
-        return self._on[key][name][t].view(-1, *([1] * (like.ndim - 1)))
+        tables, shape = self._on[key], (-1, *([1] * (like.ndim - 1)))
+        return lambda name: tables[name][t].view(shape)
 
     def _check_timesteps(self, t: Tensor, batch: int) -> None:
         if t.ndim != 1 or t.shape[0] != batch or t.is_floating_point():
@@ -179,14 +519,15 @@ class GaussianDiffusion:
         return torch.randint(0, self.num_timesteps, (batch,), device=device, generator=generator)
 
     def q_sample(self, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
-        """``x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) noise`` (diffusers ``add_noise``); all ``[B, C, H, W]``."""
+        """``x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) noise``; all ``[B, C, H, W]`` (computed in ``x0``'s dtype)."""
         self._check_timesteps(t, x0.shape[0])
-        return self.scheduler.add_noise(x0, noise, t)
+        take = self._taker(t, x0)
+        return take("sqrt_ac") * x0 + take("sqrt_1m_ac") * noise
 
     def q_posterior(self, x0: Tensor, x_t: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
         """Mean and clipped log-variance of ``q(x_{t-1} | x_t, x_0)``, each ``[B, C, H, W]`` (variance broadcast)."""
-        mean = self._take("post_coef1", t, x_t) * x0 + self._take("post_coef2", t, x_t) * x_t
-        return mean, self._take("post_logvar", t, x_t).expand_as(x_t)
+        take = self._taker(t, x_t)
+        return _posterior_mean(take, x0, x_t), take("post_logvar").expand_as(x_t)
 
     def p_mean_logvar(self, eps: Tensor, v: Tensor, x_t: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
         """Mean and log-variance of the model's ``p(x_{t-1} | x_t)`` from ``eps`` and the range output ``v``.
@@ -194,11 +535,8 @@ class GaussianDiffusion:
         ``x0_hat = sqrt(1 / a_t) x_t - sqrt(1 / a_t - 1) eps`` (not clipped), the mean is the posterior mean
         at ``x0_hat``, and ``logvar = frac * log(beta_t) + (1 - frac) * post_logvar_t`` with ``frac = (v + 1) / 2``.
         """
-        x0_hat = self._take("sqrt_recip_ac", t, x_t) * x_t - self._take("sqrt_recipm1_ac", t, x_t) * eps
-        mean, _ = self.q_posterior(x0_hat, x_t, t)
-        frac = (v + 1) / 2
-        logvar = frac * self._take("log_betas", t, x_t) + (1 - frac) * self._take("post_logvar", t, x_t)
-        return mean, logvar
+        take = self._taker(t, x_t)
+        return _posterior_mean(take, _predict_x0(take, x_t, eps), x_t), _learned_logvar(take, v)
 
     # --- objective ------------------------------------------------------------------------------------
 
@@ -257,17 +595,20 @@ class GaussianDiffusion:
 
     # --- sampling -------------------------------------------------------------------------------------
 
-    def make_scheduler(self, sampler: str):
-        """A fresh diffusers scheduler for ``sampler`` on this diffusion's schedule."""
+    def make_scheduler(self, sampler: str) -> Any:
+        """A fresh diffusers scheduler for ``sampler`` on this diffusion's schedule (see the module docstring)."""
         if sampler == "ddpm":
-            return DDPMScheduler.from_config(self.scheduler.config)
+            variance = "learned_range" if self.learn_sigma else "fixed_large"
+            return RespacedDDPMScheduler(**self._schedule, variance_type=variance)
         if sampler == "ddim":
-            return DDIMScheduler(
-                **self._schedule, clip_sample=False, set_alpha_to_one=True, timestep_spacing="leading"
-            )
+            return RespacedDDIMScheduler(**self._schedule)
         if sampler == "dpm++":
             return DPMSolverMultistepScheduler(
-                **self._schedule, algorithm_type="dpmsolver++", solver_order=2, lower_order_final=True
+                **self._schedule,
+                prediction_type="epsilon",
+                algorithm_type="dpmsolver++",
+                solver_order=2,
+                lower_order_final=True,
             )
         raise ValueError(f"unknown sampler {sampler!r}: choose from {', '.join(SAMPLERS)}")
 
@@ -284,14 +625,14 @@ class GaussianDiffusion:
         guided_channels: int | None = None,
         progress: Callable[[Any], Any] | None = None,
     ) -> Tensor:
-        """Generates latents for ``labels`` by running a diffusers sampler over the model.
+        """Generates latents for ``labels``: noise from ``generator``, then :func:`denoise` with ``sampler``.
 
         Args:
             model: a DiT³ (``forward`` / ``forward_with_cfg``; put in eval mode for the call).
             labels: class labels ``[N]`` (in ``[0, num_classes)``).
             shape: ``(C, H, W)`` of one latent.
             sampler: ``"ddpm"``, ``"ddim"`` or ``"dpm++"``.
-            steps: sampling steps (at most ``num_timesteps``).
+            steps: sampling steps (at most ``num_timesteps``; ``ddpm`` / ``ddim``: the official respacing).
             cfg_scale: classifier-free guidance scale (1: no guidance, one pass per step).
             generator: a ``torch.Generator`` or one per sample (then each sample depends on its own seed
                 only, not on the batch it is drawn in).
@@ -308,57 +649,19 @@ class GaussianDiffusion:
             raise ValueError(f"unknown sampler {sampler!r}: choose from {', '.join(SAMPLERS)}")
         if not 1 <= int(steps) <= self.num_timesteps:
             raise ValueError(f"sampling steps must be in [1, {self.num_timesteps}], got {steps}")
-        if cfg_scale != 1.0 and not model.has_null_class:
-            raise ValueError(
-                f"cfg_scale={cfg_scale} needs the null class, but the model was trained with "
-                f"class_dropout_prob=0 (no unconditional embedding): sample with cfg_scale=1"
-            )
-        if labels.ndim != 1 or labels.is_floating_point():
-            raise ValueError(
-                f"labels must be integer class indices [N], got {labels.dtype} {tuple(labels.shape)}"
-            )
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= model.num_classes):
-            raise ValueError(
-                f"labels must lie in [0, {model.num_classes - 1}] (the model's classes), got "
-                f"[{int(labels.min())}, {int(labels.max())}]"
-            )
         if model.learn_sigma != self.learn_sigma:
             raise ValueError(
                 f"model learn_sigma={model.learn_sigma} but the diffusion has learn_sigma={self.learn_sigma}"
             )
+        _check_labels(model, labels, cfg_scale)
         param = next(model.parameters())
-        device, dtype = param.device, param.dtype
-        n, c = labels.shape[0], int(shape[0])
-        labels = labels.to(device)
         sched = self.make_scheduler(sampler)
-        sched.set_timesteps(int(steps), device=device)
-        x = randn_tensor((n, *map(int, shape)), generator=generator, device=device, dtype=dtype)
-        x = x * sched.init_noise_sigma
-        null = torch.full_like(labels, model.num_classes)
-        keep_variance = sampler == "ddpm" and self.learn_sigma
-        was_training = model.training
-        model.eval()
-        try:
-            timesteps = sched.timesteps if progress is None else progress(sched.timesteps)
-            for t in timesteps:
-                tt = torch.full((n,), int(t), device=device, dtype=torch.long)
-                xin = sched.scale_model_input(x, t)
-                if cfg_scale == 1.0:
-                    out = model(xin, tt, labels)
-                else:
-                    both = model.forward_with_cfg(
-                        torch.cat([xin, xin]),
-                        torch.cat([tt, tt]),
-                        torch.cat([labels, null]),
-                        cfg_scale,
-                        guided_channels,
-                    )
-                    out = both[:n]
-                out = out if keep_variance else out[:, :c]
-                x = sched.step(out, t, x, generator=generator).prev_sample
-        finally:
-            model.train(was_training)
-        return x
+        sched.set_timesteps(int(steps), device=param.device)
+        n = labels.shape[0]
+        x = randn_tensor((n, *map(int, shape)), generator=generator, device=param.device, dtype=param.dtype)
+        return denoise(
+            model, sched, x * sched.init_noise_sigma, labels, cfg_scale, guided_channels, generator, progress
+        )
 
 
 class LatentAutoencoder(nn.Module):
