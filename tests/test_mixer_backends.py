@@ -338,7 +338,7 @@ def _failing_launch(monkeypatch, kernels: set[str], swiglu_only: bool = True) ->
 
 
 BACKWARD_KERNELS = {"readout_bwd_kernel", "grad_bwd_kernel"}
-FORWARD_KERNELS = {"readout_kernel"}
+FORWARD_KERNELS = {"readout_kernel", "forward_kernel"}  # N split or not
 
 
 def _two_blocks(mixer: TTTMixer, x: torch.Tensor) -> torch.Tensor:
