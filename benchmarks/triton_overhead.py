@@ -7,12 +7,14 @@ with ``triton_op.Launch.__call__`` a no-op and ``triton_runs_on`` / ``fits_devic
 (the plans are sized for an H100, ``triton_op.INTERPRET_TILES``). Reported per call, median of interleaved
 repeats (``benchmarks.common.time_samples``), in microseconds:
 
-- ``triton_ttt`` of each branch of the official mixer (SwiGLU heads and the depthwise conv), inference
-  (no autograd node), forward with a graph, forward + backward;
-- the whole Triton path of one mixer call: the two branches' ``triton_ttt``, forward + backward (the
-  target: <= 50 us);
+- ``triton_ttt`` of each branch of the official mixer (SwiGLU heads and the depthwise conv): inference (no
+  autograd node), the forward with a graph, the backward inside the op's autograd node (``bwd node``), and
+  forward + backward end to end (with the autograd engine and the gradients of the q, k, v views);
+- the Triton path of one mixer call: the two branches' forward + backward node (the target: <= 50 us), and
+  measured end to end;
 - for scale, a whole ``TTTMixer`` forward + backward on ``backend="triton"`` (the registry, the projections on
-  tiny tensors and the branches; the registry and the projections are not the Triton path).
+  tiny tensors and the branches; the registry and the projections are not the Triton path), and one
+  ``torch.empty`` (what one PyTorch call costs on this machine: a loaded CPU stretches every row alike).
 
 Triton's own launch cost (its binder and the driver call, ~10-20 us per launch in Python) is not in these
 figures: it is what the stub removes, and what CUDA graphs remove on a GPU.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 if os.environ.pop("TRITON_INTERPRET", None) == "1":  # before Triton is imported: the GPU host's custom ops
@@ -107,17 +110,35 @@ def main(argv: list[str] | None = None) -> int:
     def mixer_both() -> None:
         mixer(x, grid).sum().backward()
 
+    node: dict[str, list[float]] = {name: [] for name in heads}
+    real_backward = triton_op._TritonTTT.backward
+
+    def timed_backward(ctx, dout):
+        start = time.perf_counter()
+        grads = real_backward(ctx, dout)
+        node[ctx.key.model].append(time.perf_counter() - start)
+        return grads
+
+    triton_op._TritonTTT.backward = staticmethod(timed_backward)
     fns = {f"{name} {kind}": make(name) for name in heads for kind, make in
            (("infer", infer), ("fwd", forward), ("fwd+bwd", both))}  # fmt: skip
     fns["triton path per mixer call (fwd+bwd)"] = path
     fns["TTTMixer fwd+bwd (backend=triton)"] = mixer_both
+    fns["torch.empty (for scale)"] = lambda: torch.empty(16)
     samples = time_samples(fns, torch.device("cpu"), repeats=args.repeats, warmup=20)
+    for name in heads:
+        samples[f"{name} bwd node"] = node[name]
     launched.clear()
     path()
-    rows = []
-    for label, ts in samples.items():
+
+    def stats(ts: list[float]) -> dict[str, float]:
         ts = sorted(ts)
-        rows.append({"call": label, "median_us": ts[len(ts) // 2] * 1e6, "p10_us": ts[len(ts) // 10] * 1e6})
+        return {"median_us": ts[len(ts) // 2] * 1e6, "p10_us": ts[len(ts) // 10] * 1e6}
+
+    rows = [{"call": label} | stats(ts) for label, ts in samples.items()]
+    by = {r["call"]: r for r in rows}
+    own = {k: sum(by[f"{n} {part}"][k] for n in heads for part in ("fwd", "bwd node")) for k in stats([0.0])}
+    rows.append({"call": "triton path per mixer call: fwd + bwd node, summed"} | own)
     print_table(rows, floatfmt="{:.1f}")
     print(f"launches stubbed per mixer call (fwd+bwd): {len(launched)}; shape B={b} N={n} C={c} heads={h}")
     write_csv(rows, args.out)
