@@ -13,11 +13,14 @@ Launch set-up: ``launch_config`` sizes every kernel (tiles, column blocks, warps
 of N) from the GPU (``Arch``: compute capability, opt-in shared memory per block, SM count) and the dot
 precision; ``forward_plan`` / ``backward_plan`` turn it into the list of launches the custom ops execute,
 and plan the same launches on meta tensors for the offline compiles of ``vit3.kernels.aot``.
-``fits_device`` tells a caller whether a GPU can run a configuration at all.
+``fits_device`` tells a caller whether a GPU can run a configuration at all. A plan's launches run with the
+inputs' GPU current (``_launch_all``: Triton launches on the current device and its current stream). The
+backward is differentiable for a double backward (``create_graph=True``): autograd through the reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -28,12 +31,11 @@ import torch
 import triton.language as tl
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from . import reference
 from . import triton_kernels as K
-from .common import grad_flows
+from .common import autocast_backward, autocast_forward, grad_flows
 
 __all__ = [
     "ARCHS",
@@ -59,6 +61,8 @@ __all__ = [
 ]
 
 TRITON_LOSSES = {"swiglu": ("dot",), "linear": ("dot", "mse"), "dwconv": ("dot",)}
+# The inner models whose kernels multiply with ``tl.dot`` (the depthwise conv's are elementwise).
+DOT_MODELS = ("swiglu", "linear")
 WEIGHT_NAMES = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
 # Head dims the kernels take. The matrix models' kernels keep [BLOCK_D, BLOCK_C] column blocks of the d x d
 # weights and gradients on chip (``launch_config``: 16 columns at d = 128): whole 128 x 128 matrices would need
@@ -368,9 +372,10 @@ def _small_tiles(block_r: int, block_d: int, dtype: torch.dtype) -> Tiles:
     return Tiles(0, min(block_d, max(16, elems // block_r)), 4, 1)
 
 
-# The weight-gradient reduction (``wgrad_reduce_kernel``): BLOCK_T items of BLOCK_E numbers per step, and the
+# The weight-gradient reduction (``wgrad_reduce_kernel``): BLOCK_T items of BLOCK_E numbers per step (BLOCK_E
+# halved down to REDUCE_MIN_BLOCK_E where the output blocks are too few to give every SM a program), and the
 # programs it aims at per SM (its runs are cut so that about this many programs per SM share the work).
-REDUCE_BLOCK_T, REDUCE_BLOCK_E, REDUCE_WARPS, REDUCE_PROGRAMS_PER_SM = 4, 512, 4, 2
+REDUCE_BLOCK_T, REDUCE_BLOCK_E, REDUCE_MIN_BLOCK_E, REDUCE_WARPS, REDUCE_PROGRAMS_PER_SM = 4, 512, 128, 4, 2
 MATRIX_ROLES = ("forward", "grad", "readout", "readout_bwd", "readout_bwd_cross", "grad_bwd", "grad_bwd_cross")  # fmt: skip
 
 
@@ -474,8 +479,9 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
 
     On a CUDA device: its compute capability (the kernels are checked from sm_75 on) and its opt-in shared
     memory per block against what ``launch_config`` picks for this head dim, dtype and, for fp32, the dots
-    PyTorch allows now (TF32 or IEEE): ``smem_need``. Cheap: cached per (model, head-dim class, dtype,
-    precision, device). On a CPU the interpreter (``TRITON_INTERPRET=1``) runs any configuration. A CUDA
+    PyTorch allows now (TF32 or IEEE): ``smem_need``. On ROCm (``torch.version.hip``), first whether Triton's
+    AMD backend takes the dots' input precision on this GPU (most parts reject TF32; ``DOT_MODELS``). Cheap:
+    cached per (model, head-dim class, dtype, precision, device). On a CPU the interpreter (``TRITON_INTERPRET=1``) runs any configuration. A CUDA
     device asked about where no GPU is present (a plan explained ahead of time) passes: the check is made
     where the GPU is.
 
@@ -504,8 +510,38 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
         )
     if not torch.cuda.is_available():  # a CUDA plan explained where there is no GPU to inspect
         return True, ""
+    prec = _gpu_precision(dtype)
+    if torch.version.hip and name in DOT_MODELS:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        arch, allowed = _hip_arch(index)
+        if prec not in allowed:
+            return False, (
+                f"ROCm {arch}: Triton's AMD backend takes {', '.join(allowed)} dots there, not the {prec} dots "
+                f"the kernels take for {dtype} inputs"
+            )
     block_d = max(16, _pow2(head_dim))
-    return _fits_arch(name, block_d, dtype, _gpu_precision(dtype), Arch.of(device))
+    return _fits_arch(name, block_d, dtype, prec, Arch.of(device))
+
+
+@functools.cache
+def _hip_arch(index: int) -> tuple[str, tuple[str, ...]]:
+    """The ROCm GPU ``index``'s architecture (``gfx942`` ...) and the ``tl.dot`` input precisions Triton's AMD
+    backend takes on it (``hip_dot_precisions``)."""
+    arch = torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+    return arch, hip_dot_precisions(arch)
+
+
+def hip_dot_precisions(arch: str) -> tuple[str, ...]:
+    """The ``tl.dot`` input precisions Triton's AMD backend accepts on ``arch``, as Triton's own option parser
+    says (``tf32`` on some parts only, e.g. ``gfx942``); only ``ieee`` where this Triton cannot be asked."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+
+        options = make_backend(GPUTarget("hip", arch, 64)).parse_options({})
+        return tuple(options.allowed_dot_input_precisions)
+    except Exception:  # another Triton's API, or no AMD backend in this build
+        return ("ieee",)
 
 
 @functools.cache
@@ -621,6 +657,23 @@ class _Plan(NamedTuple):
         return tuple(tensors[i] for i in self.outputs), launches
 
 
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a plan's launches run in: ``device`` current on a GPU. Triton launches on the current CUDA
+    device and its current stream: a tensor of another GPU would hand that GPU's pointers to a kernel on the
+    current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Compiled graphs guard
+    their devices themselves."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _launch_all(launches: list[Launch], device: torch.device) -> None:
+    """Runs a plan's launches in order on ``device``, the inputs' (``_on_device``)."""
+    with _on_device(device):
+        for launch in launches:
+            launch()
+
+
 def _device_arch(device: torch.device) -> Arch:
     return Arch.of(device) if device.type == "cuda" else INTERPRET_TILES[0]
 
@@ -673,9 +726,9 @@ def _stage(
 def reduce_split(items: int, blocks: int, arch: Arch) -> tuple[int, int]:
     """How ``wgrad_reduce_kernel`` cuts ``items`` per output block over ``blocks`` output blocks: ``(split,
     per)``, runs of ``per`` items, enough of them that ``blocks * split`` programs give each SM
-    ``REDUCE_PROGRAMS_PER_SM``, but at most ``2 sqrt(items)`` runs (so that the second stage, one program per
+    ``REDUCE_PROGRAMS_PER_SM``, but at most ``4 sqrt(items)`` runs (so that the second stage, one program per
     block summing the runs, stays short) and at least two items a run (``split == 1``: one stage)."""
-    cap = min(items // 2, math.ceil(2 * math.sqrt(items)))
+    cap = min(items // 2, math.ceil(4 * math.sqrt(items)))
     split = max(1, min(_cdiv(REDUCE_PROGRAMS_PER_SM * arch.sms, blocks), cap))
     per = _cdiv(items, split)
     return _cdiv(items, per), per
@@ -684,13 +737,20 @@ def reduce_split(items: int, blocks: int, arch: Arch) -> tuple[int, int]:
 def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: int, slots: tuple[int, int, int],
             conv: bool, arch: Arch, interpret: bool, acc: torch.dtype, acc_tl: Any) -> None:  # fmt: skip
     """The weight-gradient reduction of ``part`` ``[B, G, L, E]`` (slots ``lo .. lo + nuse - 1`` of ``L``) into
-    ``dw``: one launch, or two (runs of items, then the runs) where the first would leave the GPU idle. The
-    interpreter, which runs programs one after another, takes blocks of up to 8192 numbers (fewer programs,
-    the same runs)."""
+    ``dw``: one launch, or two (runs of items, then the runs) where the first would leave the GPU idle, on
+    narrower blocks of numbers where the runs alone cannot give every SM a program. The interpreter, which
+    runs programs one after another, takes blocks of up to 8192 numbers (fewer programs, the same runs)."""
     length, lo, nuse = slots
-    block_e = min(8192, max(REDUCE_BLOCK_E, _pow2(e))) if interpret else REDUCE_BLOCK_E
+
+    def programs(width: int) -> int:
+        return g * _cdiv(e, width) * reduce_split(b * nuse, g * _cdiv(e, width), arch)[0]
+
+    gpu_e = REDUCE_BLOCK_E
+    while gpu_e > REDUCE_MIN_BLOCK_E and programs(gpu_e) < arch.sms:
+        gpu_e //= 2
+    block_e = min(8192, max(gpu_e, _pow2(e))) if interpret else gpu_e
     blocks = g * _cdiv(e, block_e)
-    split, per = reduce_split(b * nuse, g * _cdiv(e, REDUCE_BLOCK_E), arch)
+    split, per = reduce_split(b * nuse, g * _cdiv(e, gpu_e), arch)
     kw = {"BLOCK_T": REDUCE_BLOCK_T, "BLOCK_E": block_e, "ACC": acc_tl, "num_warps": REDUCE_WARPS,
           "num_stages": 1}  # fmt: skip
     final = (1, 9) if conv else (d, 1)  # the conv weight [G*d, 3, 3]: element (tap, c) at c * 9 + tap
@@ -917,8 +977,7 @@ def _run(plan: _Plan, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """Binds ``plan`` to ``inputs``, runs its launches in order (none on fake tensors) and returns its outputs."""
     outs, launches = plan.bind(inputs)
     if _live(inputs[0]):
-        for launch in launches:
-            launch()
+        _launch_all(launches, inputs[0].device)
     return outs
 
 
@@ -979,8 +1038,31 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, dout: Tensor, *_stats: Tensor) -> tuple:
     q, k, v, w1, w2, gbuf, nbuf = ctx.saved_tensors
-    dq, dk, dv, dw = _bwd_op(dout, q, k, v, w1, w2, gbuf, nbuf, *ctx.cfg)
-    return (dq, dk, dv, *_weight_grads(dw, w2 is not None)) + (None,) * len(ctx.cfg)
+    if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
+        grads = _reference_backward(dout, q, k, v, w1, w2, *ctx.cfg)
+    else:
+        dq, dk, dv, dw = _bwd_op(dout, q, k, v, w1, w2, gbuf, nbuf, *ctx.cfg)
+        grads = (dq, dk, dv, *_weight_grads(dw, w2 is not None))
+    return (*grads, *(None,) * len(ctx.cfg))
+
+
+def _reference_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int,
+    wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor | None, ...]:  # fmt: skip
+    """The backward as a differentiable graph, for a double backward: autograd through the op's reference on
+    the saved inputs, in the kernels' accumulator dtype (the kernels' backward has no derivative of its own).
+    Gradients of ``(q, k, v, w1, w2)``, ``None`` where an input does not require one."""
+    inputs = (q, k, v, w1, w2)
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    if not wanted:
+        return (None,) * len(inputs)
+    acc = _acc_dtype(q.dtype)[0]
+    params = {name: t.to(acc) for name, t in zip(WEIGHT_NAMES[model], (w1, w2))}
+    kw = {"grid": (h, wd), "scale": scale, "lr": lr, "grad_norm": grad_norm, "loss": loss}
+    out = reference.reference_ttt(model, *(t.to(acc) for t in (q, k, v)), params, **kw)
+    grads = iter(torch.autograd.grad(out, wanted, dout.to(acc), create_graph=True, allow_unused=True))
+    return tuple(next(grads) if t is not None and t.requires_grad else None for t in inputs)
 
 
 torch.library.register_autograd("vit3::triton_ttt_fwd", _backward, setup_context=_setup_context)
@@ -989,24 +1071,31 @@ torch.library.register_autograd("vit3::triton_ttt_fwd", _backward, setup_context
 class _TritonTTT(torch.autograd.Function):
     """The eager path of the op: the custom ops' plans and launches, without the dispatcher's custom-op
     machinery (tens of microseconds a call in eager mode; ``torch.compile`` traces the custom ops instead).
-    The backward finds its plan by the forward's key: no second look at the settings."""
+    The backward finds its plan by the forward's key: no second look at the settings; it runs under the
+    forward's autocast state (``autocast_backward``), and through the reference where it must be differentiable
+    itself (``create_graph=True``: ``_reference_backward``)."""
 
     @staticmethod
+    @autocast_forward
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, *cfg: Any
     ) -> Tensor:
         (out, gbuf, nbuf), ctx.key, ctx.metas = _forward(q, k, v, w1, w2, *cfg)
         ctx.save_for_backward(q, k, v, w1, w2, gbuf, nbuf)  # G and ||G||: W' is recomputed from them
-        ctx.n_cfg = len(cfg)
+        ctx.cfg = cfg
         return out
 
     @staticmethod
-    @once_differentiable
+    @autocast_backward
     def backward(ctx: Any, dout: Tensor) -> tuple:
         q, k, v, w1, w2, gbuf, nbuf = ctx.saved_tensors
-        plan = _backward_template(ctx.key, ctx.metas, _meta(dout))
-        dq, dk, dv, dw = _run(plan, (dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
-        return (dq, dk, dv, *_weight_grads(dw, w2 is not None)) + (None,) * ctx.n_cfg
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
+            grads = _reference_backward(dout, q, k, v, w1, w2, *ctx.cfg)
+        else:
+            plan = _backward_template(ctx.key, ctx.metas, _meta(dout))
+            dq, dk, dv, dw = _run(plan, (dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
+            grads = (dq, dk, dv, *_weight_grads(dw, w2 is not None))
+        return (*grads, *(None,) * len(ctx.cfg))
 
 
 # ---------------------------------------------------------------------------------------------- public op

@@ -14,7 +14,19 @@ import types
 
 import pytest
 import torch
-from helpers.ops import SCALE, WEIGHTS, make_inputs, max_rel_err, per_tensor, run_both, split_heads
+from helpers.ops import (
+    AMD_GPUS,
+    SCALE,
+    WEIGHTS,
+    gpu_kernels,
+    make_inputs,
+    max_rel_err,
+    per_tensor,
+    run_both,
+    split_heads,
+)
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.runtime.jit import JITFunction
 
 import vit3.kernels as kernels
 from vit3.kernels import aot, triton_op
@@ -173,7 +185,7 @@ def test_fits_device_names_what_is_missing(gpu):
     ok, why = triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(70, 96 * 1024, 80, "Tesla V100")))
     assert not ok and "sm_70 (Tesla V100)" in why and "sm_75+" in why
     ok, why = triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(87, 48 * 1024, 16, "Orin-lite")))
-    assert not ok and "allows 48 KB" in why and "need 72 KB" in why
+    assert not ok and "allows 48 KB" in why and "need 96 KB" in why  # 16-bit SwiGLU at d = 64: wgmma tiles
     assert triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(ARCHS["sm_75"])) == (True, "")
     ok, why = triton_op.fits_device("swiglu", 256, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "16..128" in why
@@ -201,9 +213,9 @@ def test_fits_device_is_cached_per_arch(gpu, monkeypatch):
     calls = []
     real = triton_op.launch_config
     monkeypatch.setattr(triton_op, "launch_config", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for _ in range(3):
-        triton_op.fits_device("swiglu", 64, torch.bfloat16, device)
-    triton_op.fits_device("swiglu", 48, torch.bfloat16, device)  # the same 64-wide tiles
+    for _ in range(3):  # fp32: the tiles decide (16-bit SwiGLU at d = 64 has one declared bound)
+        triton_op.fits_device("swiglu", 64, torch.float32, device)
+    triton_op.fits_device("swiglu", 48, torch.float32, device)  # the same 64-wide tiles
     assert len(calls) == 1
 
 
@@ -220,6 +232,84 @@ def test_arch_of_reads_the_device_properties(monkeypatch):
         assert Arch.of(torch.device("cuda", 0)).smem == ARCHS["sm_86"].smem
     finally:
         triton_op._cuda_arch.cache_clear()
+
+
+def test_rocm_takes_triton_only_where_its_dot_precision_is_allowed(fake_gpu):
+    """Triton's AMD backend rejects TF32 dots on most parts (its own option parser says which take them)."""
+    assert "tf32" in triton_op.hip_dot_precisions("gfx942")
+    assert "tf32" not in triton_op.hip_dot_precisions("gfx90a")
+    mi250 = fake_gpu(AMD_GPUS["gfx90a"], hip="6.3")
+    ok, why = triton_op.fits_device("swiglu", 32, torch.bfloat16, mi250)
+    assert not ok and "ROCm gfx90a" in why and "not the tf32 dots" in why and "ieee" in why, why
+    assert triton_op.fits_device("swiglu", 32, torch.float64, mi250) == (True, "")  # IEEE dots
+    mi300 = fake_gpu(AMD_GPUS["gfx942"], hip="6.3")
+    assert "ROCm" not in triton_op.fits_device("swiglu", 32, torch.bfloat16, mi300)[1]
+
+
+# ----------------------------------------------------------------------------------- where launches run
+
+
+class _CurrentDevice:
+    """``torch.cuda.device`` on a machine without GPUs: keeps which CUDA device is current (0 at first)."""
+
+    current = torch.device("cuda", 0)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def __enter__(self) -> None:
+        self.before, _CurrentDevice.current = _CurrentDevice.current, self.device
+
+    def __exit__(self, *exc: object) -> None:
+        _CurrentDevice.current = self.before
+
+
+@pytest.fixture
+def fresh_plans():
+    """No cached plan before or after the test (a plan holds its kernels, and the tiles of its arch)."""
+    triton_op.clear_plans()
+    yield
+    triton_op.clear_plans()
+
+
+def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch, fresh_plans):
+    """Inputs on GPU 1 while GPU 0 is current (stubbed launches on fake tensors): every launch runs with
+    GPU 1 current (Triton takes the current device and its current stream), on tiles sized for GPU 1."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a GPU host's launch set-up
+    monkeypatch.setattr(triton_op, "K", gpu_kernels())
+    archs = {0: ARCHS["sm_90"], 1: ARCHS["sm_86"]}
+    monkeypatch.setattr(triton_op, "_cuda_arch", lambda index: archs[index])
+    monkeypatch.setattr(torch.cuda, "device", _CurrentDevice)
+    monkeypatch.setattr(triton_op, "_live", lambda t: True)  # launch on fake tensors
+    seen = []
+
+    class Launcher:
+        def __init__(self, kernel: JITFunction) -> None:
+            self.name = kernel.fn.__name__
+
+        def __getitem__(self, grid: tuple):
+            return lambda *args, **kwargs: seen.append((self.name, _CurrentDevice.current, kwargs))
+
+    monkeypatch.setattr(triton_op, "wrap_triton", Launcher)
+    cfg = ("swiglu", "dot", 1, 196, SCALE, 1.0, True, 0)
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 2, 196, 64, device="cuda:1", dtype=torch.bfloat16) for _ in range(3))
+        w1, w2 = (torch.empty(1, 2, 64, 64, device="cuda:1") for _ in range(2))
+        out, *stats = triton_op._fwd_op(q, k, v, w1, w2, *cfg)
+        triton_op._bwd_op(out, q, k, v, w1, w2, *stats, *cfg)
+    assert len(seen) > 4 and {device for _, device, _ in seen} == {torch.device("cuda", 1)}
+    assert _CurrentDevice.current == torch.device("cuda", 0)  # restored
+
+    # The tiles are GPU 1's (sm_86, 99 KB per block: 32-token gradient tiles), not GPU 0's (sm_90: 64).
+    def tiles(arch: Arch) -> list:
+        fwd, bwd = aot.plan_launches(aot.Case("swiglu", "dot", 64, "bf16", arch, n_tok=196, batch=2, heads=2))
+        return [(launch.kernel.fn.__name__, _tiles(launch.kwargs)) for launch in fwd + bwd]
+
+    assert [(name, _tiles(kwargs)) for name, _, kwargs in seen] == tiles(archs[1]) != tiles(archs[0])
+
+
+def _tiles(kwargs: dict) -> dict:
+    return {key: kwargs[key] for key in ("BLOCK_N", "BLOCK_C", "num_warps", "num_stages") if key in kwargs}
 
 
 # ------------------------------------------------------------------------------------------ dot precision
@@ -268,10 +358,12 @@ def plan(model: str, loss: str, batch: int, heads: int, n: int, d: int, arch: Ar
     return aot.plan_launches(aot.Case(model, loss, d, mode, arch, n_tok=n, batch=batch, heads=heads))
 
 
-@pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize(
-    ("model", "loss"), [("swiglu", "dot"), ("linear", "mse")], ids=["swiglu", "linear-mse"]
-)
+    ("model", "loss", "d"),
+    [("swiglu", "dot", 32), ("swiglu", "dot", 64), ("linear", "mse", 32), ("linear", "mse", 64),
+     ("linear", "dot", 64), ("dwconv", "dot", 64)],
+    ids=["swiglu-32", "swiglu-64", "linear-mse-32", "linear-mse-64", "linear-dot-64", "dwconv-64"],
+)  # fmt: skip
 def test_weight_gradient_reduction_fills_a_132_sm_gpu(model, loss, d):
     """At B*H = 64, N = 3136 (the benchmark shape), however the 64 split into samples and heads, the reduction's
     (first) launch runs on >= 132 programs; the old one ran on H x column blocks (4-12) programs."""
@@ -321,8 +413,7 @@ def _fwd_bwd(name: str, qkv: torch.Tensor, g: int, params: dict, grid: tuple, ch
     return [out, *torch.autograd.grad(out.square().sum(), [qkv, *params.values()])]
 
 
-def test_plans_are_built_once_per_key():
-    triton_op.clear_plans()
+def test_plans_are_built_once_per_key(fresh_plans):
     qkv, params = make_inputs("swiglu", 1, 2, 20, 16, torch.float32)
 
     def run(n: int) -> None:
