@@ -496,7 +496,11 @@ def _skipped_launch(monkeypatch, kernels: set[str], batch: int) -> None:
     monkeypatch.setattr(triton_op, "DEBUG_FILL", float("nan"))
 
     def launch(self):
-        if self.kernel.fn.__name__ in kernels and self.args[0].shape[0] == batch and self.kwargs.get("SWIGLU"):
+        if (
+            self.kernel.fn.__name__ in kernels
+            and self.args[0].shape[0] == batch
+            and self.kwargs.get("SWIGLU")
+        ):
             return None
         return real(self)
 
