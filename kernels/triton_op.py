@@ -330,7 +330,8 @@ def _matrix_tiles(
     where the table has a choice, it is the one those compiles found spill-free. 16-bit inputs on sm_80+:
     ``_half_tiles``. fp32 on tensor cores (TF32): column blocks of the whole head up to d = 32, 16 columns at
     d = 128, and at d = 64 the whole head except in the SwiGLU backward (and its gradient pass) on parts
-    without ``FUSED_BACKWARD_SMEM`` and in the linear MSE backward, which take 32 columns; two pipeline
+    without ``FUSED_BACKWARD_SMEM``, in SwiGLU's one-launch forward without ``wgmma`` and in the linear MSE
+    backward, which take 32 columns; two pipeline
     stages; 16-token tiles where full-width k / dk tiles share the registers with many live column tiles
     (d = 32, the backward at d = 128, the linear MSE backward). FMA dots (IEEE fp32, fp64, every dot on sm_75)
     hold both operands in registers: 16-token tiles over 8 warps, 32 columns at most, no pipelining (its
@@ -351,6 +352,8 @@ def _matrix_tiles(
         return Tiles(16 if backward else 32, 16, 8, 2)
     if model == "linear":
         return Tiles(16, 32, 8, 2) if backward and loss == "mse" else Tiles(32, 64, 4, 2)
+    if model == "swiglu" and role == "forward" and not warp_group_mma(arch):
+        return Tiles(32, 32, 8, 2)  # the whole head in one launch spills ~140 B a thread on mma.sync parts
     if arch.smem >= FUSED_BACKWARD_SMEM or role in ("readout", "grad", "forward"):
         return Tiles(32, 64, 8, 2)
     return Tiles(32, 32, 8, 2)
@@ -458,7 +461,7 @@ def smem_need(model: str, d: int, dtype: torch.dtype, prec: str, arch: Arch) -> 
     """Shared memory per block (bytes) the kernels of ``launch_config``'s choice are held to on ``arch``.
 
     An upper bound the compile matrix checks for every kernel, arch and dtype mode: 64 KB with FMA dots
-    (the T4's limit, which every other part exceeds), 72 KB on tensor cores, 96 KB for SwiGLU in fp64 at
+    (the T4's limit, which every other part exceeds), 80 KB on tensor cores, 96 KB for SwiGLU in fp64 at
     d = 128 (full-width fp64 tiles of four weights), ``FUSED_BACKWARD_SMEM`` for the fused SwiGLU backward
     at d = 64 in fp32 and ``HALF_BACKWARD_SMEM`` for SwiGLU at d = 64 with 16-bit operands.
     """
@@ -471,7 +474,8 @@ def smem_need(model: str, d: int, dtype: torch.dtype, prec: str, arch: Arch) -> 
             return FUSED_BACKWARD_SMEM
     if model == "swiglu" and dtype == torch.float64 and block_d == 128:
         return 96 * KB
-    return (72 if _tensor_cores(dtype, prec, arch) else 64) * KB
+    # 80 KB on tensor cores: SwiGLU's fp32 (TF32) read-out cross launch at d = 64 takes 76 KB.
+    return (80 if _tensor_cores(dtype, prec, arch) else 64) * KB
 
 
 def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
