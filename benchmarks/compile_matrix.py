@@ -42,22 +42,26 @@ def rows_of(results: list) -> list[dict]:
                 "fits": fits, "limit_kb": case.arch.smem / 1024, "bound_kb": aot.smem_bound(case) / 1024}  # fmt: skip
         if isinstance(res, str):
             blank = dict.fromkeys(
-                ("smem_kb", "regs", "spill_stores", "spill_bound", "spill_loads", "stack"), 0
+                ("smem_kb", "regs", "spill_stores", "spill_bound", "spill_loads", "loop_spills", "stack"), 0
             )
+            blank |= dict.fromkeys(("wgmma", "tcgen05", "mma"), 0)
             blank |= dict.fromkeys(("block_n", "block_c", "num_warps", "num_stages"), 0)
             rows.append(head | {"kernel": "(compile failed)"} | blank | {"note": res, "ok": False})
             continue
         worst = max(c.smem for c in res)
         for c in res:
             bound = aot.spill_bound(case, c.kernel)
-            if fits:  # within the arch's limit, the declared bound, and the spill bound
+            if fits:  # within the arch's limit, the declared bound, and the spill bounds
                 ok = c.smem <= min(case.arch.smem, aot.smem_bound(case)) and c.spill_stores <= bound
+                ok = ok and not (aot.strict_spills(case, c.kernel) and c.loop_spills)
                 note = ""
             else:  # fits_device says no: the compile must show why (some kernel over the limit)
                 ok, note = worst > case.arch.smem, f"fits_device: {why}"
             rows.append(head | {"kernel": c.kernel, "smem_kb": c.smem / 1024, "regs": c.regs,
                                 "spill_stores": c.spill_stores, "spill_bound": bound, "spill_loads": c.spill_loads,
-                                "stack": c.stack, "block_n": c.block_n, "block_c": c.block_c,
+                                "loop_spills": c.loop_spills, "stack": c.stack, "wgmma": c.wgmma, "tcgen05": c.tcgen05,
+                                "mma": c.mma,
+                                "block_n": c.block_n, "block_c": c.block_c,
                                 "num_warps": c.num_warps, "num_stages": c.num_stages, "note": note, "ok": ok})  # fmt: skip
     return rows
 
@@ -84,6 +88,7 @@ def summary(rows: list[dict]) -> list[dict]:
             "spill_kernel": name(max(done, key=lambda r: r["spill_stores"]))
             if done and max(r["spill_stores"] for r in done)
             else "-",
+            "wgmma": f"{sum(r['wgmma'] > 0 for r in done)}/{sum(r['wgmma'] + r['tcgen05'] + r['mma'] > 0 for r in done)}",
             "no_fit": len({(r["model"], r["loss"]) for r in rs if not r["fits"]}),
             "failed": sum(not r["ok"] for r in rs),
         })  # fmt: skip
@@ -114,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in bad:
         print(f"OVER: {r['arch']} {r['model']}-{r['loss']} d{r['d']} {r['mode']} {r['kernel']}: "
               f"{r['smem_kb']:.0f} KB (limit {r['limit_kb']:.0f}, bound {r['bound_kb']:.0f}), "
-              f"{r['spill_stores']} B spilled (bound {r['spill_bound']}) {r['note']}")  # fmt: skip
+              f"{r['spill_stores']} B spilled (bound {r['spill_bound']}), {r['loop_spills']} spills in loops "
+              f"{r['note']}")  # fmt: skip
     for r in {
         (r["arch"], r["model"], r["loss"], r["d"], r["mode"], r["note"]) for r in rows if not r["fits"]
     }:

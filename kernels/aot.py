@@ -44,11 +44,15 @@ __all__ = [
     "compile_cases",
     "compile_launch",
     "fits",
+    "kernel_name",
+    "loop_spills",
     "matrix",
     "plan_case",
+    "plan_launches",
     "smem_bound",
     "specialise",
     "spill_bound",
+    "strict_spills",
 ]
 
 # Dtype modes: q/k/v dtype and tl.dot input precision (fp32 runs TF32 or IEEE dots as PyTorch allows).
@@ -99,30 +103,49 @@ class Compiled:
     spill_stores: int  # bytes per thread
     spill_loads: int
     stack: int  # stack frame bytes per thread
+    loop_spills: int  # spill instructions (SASS ``STL`` / ``LDL``) inside a loop: run once per token tile
+    wgmma: int  # sm_90's warp-group MMAs (``wgmma.mma_async``) in the PTX
+    tcgen05: int  # sm_100's tensor-memory MMAs (``tcgen05.mma``) in the PTX
+    mma: int  # warp-level MMAs (``mma.sync``) in the PTX
     num_warps: int
     num_stages: int
     block_n: int
     block_c: int
 
 
-def plan_case(case: Case) -> list[Launch]:
-    """The launches of one forward + backward of ``case``, planned by ``triton_ttt``'s own set-up."""
+def plan_launches(case: Case, batch: int | None = None) -> tuple[list[Launch], list[Launch]]:
+    """The forward's and the backward's launches of ``case`` at ``batch`` samples (default ``case.batch``),
+    planned on meta tensors by ``triton_op.forward_plan`` / ``backward_plan``."""
     dtype, prec = MODES[case.mode]
-    b, g, n, d = case.batch, case.heads, case.n_tok, case.d
+    b, g, n, d = batch or case.batch, case.heads, case.n_tok, case.d
     side = int(n**0.5)
     grid = (side, n // side) if side * (n // side) == n else (1, n)
     qkv = torch.empty(b, n, 3 * g * d, dtype=dtype, device="meta")
     q, k, v = (t.unflatten(-1, (g, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))  # [B, G, N, d] views
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    nw, r = (2 if case.model == "swiglu" else 1), (9 if case.model == "dwconv" else d)
-    w = torch.empty(1, g, nw, r, d, dtype=acc, device="meta")
+    acc = torch.float64 if dtype == torch.float64 else torch.float32  # the parameters' dtype
+    shape = (1, g * d, 3, 3) if case.model == "dwconv" else (1, g, d, d)
+    w1 = torch.empty(shape, dtype=acc, device="meta")
+    w2 = torch.empty(shape, dtype=acc, device="meta") if case.model == "swiglu" else None
     common = (case.model, case.loss, *grid, 9**-0.5, 1.0, True, 0)
-    outs, fwd = triton_op.forward_plan(q, k, v, w, *common, arch=case.arch, prec=prec, interpret=False)
+    outs, fwd = triton_op.forward_plan(q, k, v, w1, w2, *common, arch=case.arch, prec=prec, interpret=False)
     # The upstream gradient of the token-major read-out: [B, N, G*d] contiguous, seen as [B, G, N, d].
     dout = torch.empty(b, n, g, d, dtype=dtype, device="meta").transpose(1, 2)
-    _, bwd = triton_op.backward_plan(dout, q, k, v, w, *outs[1:], *common, arch=case.arch, prec=prec,
+    _, bwd = triton_op.backward_plan(dout, q, k, v, w1, w2, *outs[1:], *common, arch=case.arch, prec=prec,
                                      interpret=False)  # fmt: skip
-    return fwd + bwd
+    return fwd, bwd
+
+
+def plan_case(case: Case) -> list[Launch]:
+    """Every distinct launch (by label) ``triton_ttt`` makes for ``case``, planned by its own set-up: at
+    ``case.batch`` samples (N split over programs) and at enough samples for two programs per SM (N whole:
+    the one-launch forward and the fused backward stages)."""
+    whole = -(-2 * case.arch.sms // case.heads)
+    launches: dict[str, Launch] = {}
+    for batch in (case.batch, whole):
+        fwd, bwd = plan_launches(case, batch)
+        for launch in fwd + bwd:
+            launches.setdefault(launch.label, launch)
+    return list(launches.values())
 
 
 def _ptxas_usage(log: str) -> tuple[int, int, int, int]:
@@ -140,6 +163,45 @@ def _ptxas_usage(log: str) -> tuple[int, int, int, int]:
         num(r"(\d+) bytes spill loads"),
         num(r"(\d+) bytes stack frame"),
     )
+
+
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
+_SASS_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*)")
+
+
+def loop_spills(sass: str) -> int:
+    """Spill instructions (``STL`` / ``LDL``) inside a loop of a disassembled kernel (``nvdisasm -c``): between
+    a label and a later branch back to it. Spills outside every loop (a register parked across the token
+    loop) run once per program; inside, once per iteration."""
+    labels: dict[str, int] = {}
+    insns: list[tuple[int, str]] = []
+    pending: list[str] = []
+    for line in sass.splitlines():
+        if m := _SASS_LABEL.match(line.strip()):
+            pending.append(m.group(1))
+        elif m := _SASS_INSN.search(line):
+            addr = int(m.group(1), 16)
+            labels.update(dict.fromkeys(pending, addr))
+            pending = []
+            insns.append((addr, m.group(2)))
+    loops = []
+    for addr, text in insns:
+        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
+        if target and labels.get(target.group(1), addr + 1) <= addr:
+            loops.append((labels[target.group(1)], addr))
+    spills = [addr for addr, text in insns if re.search(r"\b(STL|LDL)\b", text)]
+    return sum(any(lo <= a <= hi for lo, hi in loops) for a in spills)
+
+
+def _disassemble(cubin: bytes) -> str:
+    """``nvdisasm -c`` of a cubin (the disassembler that ships with Triton)."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.cubin"
+        src.write_bytes(cubin)
+        cmd = [knobs.nvidia.nvdisasm.path, "-c", str(src)]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
 
 
 def _rerun_ptxas(ptx: str, capability: int) -> str:
@@ -172,7 +234,7 @@ def specialise(launch: Launch, arch: Arch) -> tuple[Any, dict, dict, dict]:
     return kernel._pack_args(backend, kwargs, bound, specialization, options)
 
 
-_MEASURED: dict[Any, tuple[int, int, int, int, int]] = {}  # one process's compiles (the matrix repeats many)
+_MEASURED: dict[Any, tuple[int, ...]] = {}  # one process's compiles (the matrix repeats many)
 
 
 def compile_launch(launch: Launch, arch: Arch) -> Compiled:
@@ -194,7 +256,11 @@ def compile_launch(launch: Launch, arch: Arch) -> Compiled:
         text = log.getvalue()
         if "Used" not in text:
             text = _rerun_ptxas(compiled.asm["ptx"], arch.capability)
-        _MEASURED[key] = (int(compiled.metadata.shared), *_ptxas_usage(text))
+        ptx = compiled.asm["ptx"]
+        mmas = (ptx.count("wgmma.mma_async"), ptx.count("tcgen05.mma"), ptx.count("mma.sync"))
+        usage = _ptxas_usage(text)
+        in_loops = loop_spills(_disassemble(compiled.asm["cubin"])) if usage[1] or usage[2] else 0
+        _MEASURED[key] = (int(compiled.metadata.shared), *usage, in_loops, *mmas)
     kw = launch.kwargs
     return Compiled(
         launch.label, *_MEASURED[key], kw["num_warps"], kw["num_stages"], kw.get("BLOCK_N", 0),
@@ -230,20 +296,27 @@ def compile_cases(cases: list[Case], jobs: int = 1) -> list[tuple[Case, list[Com
 SMALL_KERNELS = ("step_kernel", "step_bwd_kernel", "wgrad_reduce_kernel")
 
 
+def kernel_name(label: str) -> str:
+    """The kernel of a launch label (``"grad_bwd_kernel[cols,fused]"`` -> ``"grad_bwd_kernel"``)."""
+    return label.partition("[")[0]
+
+
 def spill_bound(case: Case, kernel: str) -> int:
     """Spill bytes per thread (ptxas "spill stores") the compile tests allow launch ``kernel`` of ``case``.
 
-    The kernels that stream the N tokens: 0 for 16-bit inputs at d <= 64 (the training configurations),
-    64 bytes for fp32 inputs (TF32 or IEEE dots) and for d = 128, where ptxas's allocator now and then parks a
-    few registers, 2048 for fp64 (a checking mode: FMA dots on twice the registers; the SwiGLU backward at
-    d = 128 spills 1.1-1.4 KB on sm_86/89/120). The step, step-backward and reduction kernels, which touch
-    O(d²) numbers once per (sample, head): 64 bytes.
+    2048 for fp64 (a checking mode: FMA dots on twice the registers; the SwiGLU backward at d = 128 spills
+    1.1-1.4 KB on sm_86/89/120); 64 bytes for every other kernel: the registers ptxas's allocator now and then
+    parks across a loop (one store and one load per program; sm_120's SwiGLU gradient backward at d = 64 with
+    16-bit operands parks 16), and for the O(d²) step and reduction kernels. The token kernels of 16-bit
+    inputs at d <= 64 (the training configurations) may not spill inside a loop (``strict_spills``).
     """
-    if kernel in SMALL_KERNELS:
-        return 64
-    if case.mode == "fp64":
-        return 2048
-    return 0 if case.d <= 64 and case.mode in ("bf16", "fp16") else 64
+    return 2048 if case.mode == "fp64" and kernel_name(kernel) not in SMALL_KERNELS else 64
+
+
+def strict_spills(case: Case, kernel: str) -> bool:
+    """Whether launch ``kernel`` of ``case`` must keep every spill out of its loops (``loop_spills == 0``): the
+    token kernels of 16-bit inputs at d <= 64."""
+    return kernel_name(kernel) not in SMALL_KERNELS and case.d <= 64 and case.mode in ("bf16", "fp16")
 
 
 def smem_bound(case: Case) -> int:
@@ -290,6 +363,8 @@ def matrix(kind: str = "full") -> list[Case]:
         Case("linear", "mse", 64, "fp16", sm["sm_89"]),
         Case("linear", "mse", 128, "fp32-ieee", sm["sm_90"]),
         Case("linear", "dot", 64, "bf16", sm["sm_100"]),
+        Case("swiglu", "dot", 32, "bf16", sm["sm_90"]),  # H-ViT³'s head dim on an H100: wgmma where 64 rows
+        Case("linear", "dot", 64, "fp16", sm["sm_90"]),
         Case("swiglu", "dot", 32, "bf16", sm["sm_120"]),  # H-ViT³'s head dim
         Case("swiglu", "dot", 32, "fp32-tf32", sm["sm_120"]),
         Case("swiglu", "dot", 128, "fp64", sm["sm_120"]),  # 88 KB of 99, the most fp64 spills

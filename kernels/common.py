@@ -37,6 +37,11 @@ def grad_flows(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _autocast_on(device: str) -> bool:
+    """Whether autocast is on for ``device`` (a type without autocast, such as ``meta``: off)."""
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+
+
 def autocast_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     """Decorates an autograd node's ``forward``: records the autocast state of its tensors' device (the first
     tensor argument's) and the dtype of every tensor argument, for :func:`autocast_backward`.
@@ -48,7 +53,7 @@ def autocast_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def wrapper(ctx: Any, *args: Any) -> Any:
         device = next(a.device.type for a in args if isinstance(a, Tensor))
-        enabled = torch.is_autocast_enabled(device)
+        enabled = _autocast_on(device)
         ctx.autocast = (device, enabled, torch.get_autocast_dtype(device) if enabled else None)
         ctx.input_dtypes = tuple(a.dtype if isinstance(a, Tensor) else None for a in args)
         return forward(ctx, *args)
@@ -68,7 +73,7 @@ def autocast_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grads: Any) -> Any:
         device, enabled, dtype = ctx.autocast
-        now = torch.is_autocast_enabled(device)
+        now = _autocast_on(device)
         if now == enabled and (not now or torch.get_autocast_dtype(device) == dtype):
             out = backward(ctx, *grads)
         elif enabled:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-import triton
 import triton.language as tl
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
@@ -35,6 +35,7 @@ from torch.library import triton_op, wrap_triton
 
 from . import reference
 from . import triton_kernels as K
+from .common import autocast_backward, autocast_forward, grad_flows
 
 __all__ = [
     "ARCHS",
@@ -210,6 +211,18 @@ def _acc_dtype(dtype: torch.dtype) -> tuple[torch.dtype, Any]:
     return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
 
 
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+              torch.float64: tl.float64}  # fmt: skip
+
+
+def native_half(dtype: torch.dtype, arch: Arch) -> bool:
+    """Whether 16-bit inputs meet ``tl.dot`` as they are (fp16 / bf16 MMA with fp32 accumulation, sm_80+).
+
+    sm_75 has no bf16 MMA: its kernels upcast every operand to fp32 (FMA dots), as for IEEE fp32.
+    """
+    return dtype in (torch.float16, torch.bfloat16) and arch.capability >= 80
+
+
 @dataclass(frozen=True)
 class Tiles:
     """One kernel's tile constexprs and launch options."""
@@ -227,32 +240,40 @@ class Tiles:
 class LaunchConfig:
     """Everything the launches of one ``triton_ttt`` call are sized by (``launch_config``).
 
-    ``tiles`` holds one ``Tiles`` per kernel role: ``"grad"`` (``grad_partial_kernel``), ``"readout"``,
+    ``tiles`` holds one ``Tiles`` per kernel role: ``"forward"`` (``forward_kernel``, the whole forward in
+    one launch when N is not split), ``"grad"`` (``grad_partial_kernel``), ``"readout"``,
     ``"readout_bwd"`` / ``"grad_bwd"`` (their column or fused launch) and ``"readout_bwd_cross"`` /
     ``"grad_bwd_cross"`` (the cross launch, used where the column launch has more than one block),
-    ``"conv"`` (the four depthwise-conv kernels) and ``"small"`` (step, step backward, reduction).
+    ``"conv"`` (the four depthwise-conv kernels) and ``"small"`` (step and step backward).
     """
 
     block_d: int  # the head dim padded to a power of two
     block_r: int  # rows of the weights: BLOCK_D, or 16 for the 9 taps of the depthwise conv
     chunk: int  # tokens per program along N (a multiple of every token tile)
     s: int  # chunks: cdiv(N, chunk)
-    prec: str  # ``tl.dot`` input precision
+    prec: str  # ``tl.dot`` input precision of fp32 operands
+    dot: Any  # the dtype of the ``tl.dot`` operands (triton): the input's (16-bit on sm_80+), else ACC's
+    emulate: bool  # bf16 operands on the interpreter: rounded to bf16, multiplied in fp32
+    transposed: bool  # the SwiGLU gradient backward of one column block on transposed tiles (``TRANS``)
     tiles: dict[str, Tiles]
 
     def cols(self, role: str, d: int) -> int:
         """Column blocks of role ``role`` at head dim ``d``."""
-        return triton.cdiv(d, self.tiles[role].block_c)
+        return _cdiv(d, self.tiles[role].block_c)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _tensor_cores(dtype: torch.dtype, prec: str, arch: Arch) -> bool:
-    """Whether the dots run on tensor cores (TF32 MMA, sm_80+), or as FMA loops (IEEE fp32, fp64, sm_75).
-
-    Every tile is fp32 (fp64) by the time it meets ``tl.dot`` (the kernels upcast on load), so the only
-    tensor-core path is TF32: half and TF32-allowed fp32 inputs on sm_80 and newer. FMA dots keep both
-    operands in registers and need narrower tiles to stay clear of spills.
-    """
-    return prec == "tf32" and dtype != torch.float64 and arch.capability >= 80
+    """Whether the dots run on tensor cores (bf16 / fp16 / TF32 MMA, sm_80+), or as FMA loops (IEEE fp32,
+    fp64, sm_75). FMA dots keep both operands in registers and need narrower tiles to stay clear of spills."""
+    return native_half(dtype, arch) or (prec == "tf32" and dtype != torch.float64 and arch.capability >= 80)
 
 
 # A SwiGLU backward stage at d = 64 in one launch keeps W1, W2, dG1, dG2 (and the transposes its dk / dq dots
@@ -260,6 +281,43 @@ def _tensor_cores(dtype: torch.dtype, prec: str, arch: Arch) -> bool:
 # sm_100: up to 192 KB, spill-free). Parts with at least this much per block take it; the others split the
 # columns into 32-wide blocks (a column and a cross launch per stage), which need at most ~60 KB.
 FUSED_BACKWARD_SMEM = 200 * KB
+# The same stage with 16-bit operands (W1, W2, dG1, dG2 and the k / v tiles in bf16 / fp16): 72-84 KB, within
+# the 99 KB of sm_86/89/120.
+HALF_BACKWARD_SMEM = 96 * KB
+
+
+def warp_group_mma(arch: Arch) -> bool:
+    """Whether ``arch``'s tensor cores are driven by warp groups (sm_90 ``wgmma``, sm_100 ``tcgen05``): 64-row
+    dots, accumulators that leave the general registers lighter. sm_80/86/89/120: warp-level ``mma.sync``."""
+    return arch.capability in (90, 100)
+
+
+def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> Tiles:
+    """Tiles of 16-bit operands on tensor cores (sm_80+): 64-token tiles, so the token-row dots (``k W``,
+    ``q W'``, ``dY W'ᵀ``, ``P dGᵀ`` ...) have the 64 rows sm_90's ``wgmma`` needs (a warp group of 4 warps
+    per 64 rows), and so do the weight-gradient dots (``kᵀ P``, ``qᵀ dY``, ``kᵀ dZ``) from d = 64 on.
+
+    The SwiGLU gradient backward with all columns in one block (d <= 64) takes 32-token tiles: at 64 its
+    tiles need more than the 255 registers a thread has (sm_90: ~700 bytes spilled per thread at d = 64,
+    a reload inside the token loop at d = 32); at d = 64 it runs on transposed tiles
+    (``LaunchConfig.transposed``), whose dots all have 64 rows (``wgmma`` on sm_90; on ``mma.sync`` parts
+    the orientation that keeps its fragments out of local memory: the other spills 1.3-12 KB per thread).
+    On ``mma.sync`` parts the other SwiGLU kernels at d = 64 also hold their fragments in registers: 32-token
+    tiles, and the one-launch forward in two column blocks of 32. At d = 128: 16 or 32 columns a block,
+    32-token tiles in the gradient cross launch.
+    """
+    backward = role.startswith(("readout_bwd", "grad_bwd"))
+    if model == "swiglu" and role == "grad_bwd" and block_d in (32, 64):
+        return Tiles(32, block_d, 4 if block_d == 32 else 8, 2)
+    if block_d <= 32:
+        return Tiles(64, block_d, 8 if backward and block_d == 32 else 4, 2)
+    if block_d == 128:
+        if role == "grad_bwd_cross":
+            return Tiles(32, 16, 8, 2)
+        return Tiles(64, 16 if backward else 32, 8, 2)
+    if model == "swiglu" and not warp_group_mma(arch) and role != "readout":
+        return Tiles(64, 32, 8, 2) if role == "forward" else Tiles(32, 64, 8, 2)
+    return Tiles(64, 64, 8, 2)
 
 
 def _matrix_tiles(
@@ -269,16 +327,20 @@ def _matrix_tiles(
 
     ``tests/test_kernels_compile.py`` compiles it for every arch, inner model, head dim and dtype mode and
     holds each kernel to the arch's shared memory and to a spill bound (``vit3.kernels.aot.spill_bound``);
-    where the table has a choice, it is the one those compiles found spill-free. Column blocks: the whole
-    head up to d = 32, 16 columns at d = 128, and at d = 64 on tensor cores the whole head except in the
-    SwiGLU backward (and its gradient pass) on parts without ``FUSED_BACKWARD_SMEM`` and in the linear MSE
-    backward, which take 32 columns. FMA dots (IEEE fp32, fp64, every dot on sm_75) hold both operands in
-    registers: 16-token tiles over 8 warps, 32 columns at most, no pipelining (its extra stage of k / v tiles
-    pushes them into spills). Tensor cores: two pipeline stages; 16-token tiles where full-width k / dk tiles
-    share the registers with many live column tiles (d = 32, the backward at d = 128, the linear MSE backward).
+    where the table has a choice, it is the one those compiles found spill-free. 16-bit inputs on sm_80+:
+    ``_half_tiles``. fp32 on tensor cores (TF32): column blocks of the whole head up to d = 32, 16 columns at
+    d = 128, and at d = 64 the whole head except in the SwiGLU backward (and its gradient pass) on parts
+    without ``FUSED_BACKWARD_SMEM``, in SwiGLU's one-launch forward without ``wgmma`` and in the linear MSE
+    backward, which take 32 columns; two pipeline
+    stages; 16-token tiles where full-width k / dk tiles share the registers with many live column tiles
+    (d = 32, the backward at d = 128, the linear MSE backward). FMA dots (IEEE fp32, fp64, every dot on sm_75)
+    hold both operands in registers: 16-token tiles over 8 warps, 32 columns at most, no pipelining (its
+    extra stage of k / v tiles pushes them into spills).
     """
     if dtype == torch.float64:
         return Tiles(16, 16, 8, 1)
+    if native_half(dtype, arch):
+        return _half_tiles(model, loss, role, block_d, arch)
     if not _tensor_cores(dtype, prec, arch):
         return Tiles(16, min(block_d, 32 if block_d <= 64 else 16), 8, 1)
     backward = role.startswith(("readout_bwd", "grad_bwd"))
@@ -290,7 +352,9 @@ def _matrix_tiles(
         return Tiles(16 if backward else 32, 16, 8, 2)
     if model == "linear":
         return Tiles(16, 32, 8, 2) if backward and loss == "mse" else Tiles(32, 64, 4, 2)
-    if arch.smem >= FUSED_BACKWARD_SMEM or role == "readout":
+    if model == "swiglu" and role == "forward" and not warp_group_mma(arch):
+        return Tiles(32, 32, 8, 2)  # the whole head in one launch spills ~140 B a thread on mma.sync parts
+    if arch.smem >= FUSED_BACKWARD_SMEM or role in ("readout", "grad", "forward"):
         return Tiles(32, 64, 8, 2)
     return Tiles(32, 32, 8, 2)
 
@@ -305,10 +369,51 @@ def _conv_tiles(block_d: int, dtype: torch.dtype) -> Tiles:
 
 
 def _small_tiles(block_r: int, block_d: int, dtype: torch.dtype) -> Tiles:
-    """The step, step-backward and reduction kernels: ``[BLOCK_R, cols]`` tiles of at most 2048 fp32
-    (1024 fp64) elements (4096, the d = 64 matrices, make them spill registers)."""
+    """The step and step-backward kernels: ``[BLOCK_R, cols]`` tiles of at most 2048 fp32 (1024 fp64)
+    elements (4096, the d = 64 matrices, make them spill registers)."""
     elems = 1024 if dtype == torch.float64 else 2048
     return Tiles(0, min(block_d, max(16, elems // block_r)), 4, 1)
+
+
+# The weight-gradient reduction (``wgrad_reduce_kernel``): BLOCK_T items of BLOCK_E numbers per step (BLOCK_E
+# halved down to REDUCE_MIN_BLOCK_E where the output blocks are too few to give every SM a program), and the
+# programs it aims at per SM (its runs are cut so that about this many programs per SM share the work).
+REDUCE_BLOCK_T, REDUCE_BLOCK_E, REDUCE_MIN_BLOCK_E, REDUCE_WARPS, REDUCE_PROGRAMS_PER_SM = 4, 512, 128, 4, 2
+MATRIX_ROLES = ("forward", "grad", "readout", "readout_bwd", "readout_bwd_cross", "grad_bwd", "grad_bwd_cross")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, arch: Arch, loss: str,
+                   prec: str, chunk: int | None, interpret: bool, tiles_as: tuple | None) -> LaunchConfig:  # fmt: skip
+    block_d = max(16, _pow2(d))
+    block_r = 16 if model == "dwconv" else block_d
+    tile_arch, tile_prec = tiles_as or (INTERPRET_TILES if interpret else (arch, prec))
+    if model == "dwconv":
+        tiles = {"conv": _conv_tiles(block_d, dtype)}
+    else:
+        tiles = {r: _matrix_tiles(model, loss, r, block_d, dtype, tile_prec, tile_arch) for r in MATRIX_ROLES}
+    tiles["small"] = _small_tiles(block_r, block_d, dtype)
+    if interpret:
+        big = min(256, max(16, _pow2(n_tok)))
+        tiles = {
+            role: replace(t, block_n=big if role != "small" else 0, num_warps=4) for role, t in tiles.items()
+        }
+        want = n_tok
+    else:
+        want = _cdiv(n_tok, max(1, _cdiv(2 * arch.sms, bg)))  # about two programs per SM
+    if chunk is not None:
+        cap = max(16, _pow2(chunk))
+        tiles = {role: replace(t, block_n=min(t.block_n, cap)) for role, t in tiles.items()}
+        want = chunk
+    step = max(t.block_n for t in tiles.values())
+    size = _cdiv(max(want, 1), step) * step
+    _, acc_tl = _acc_dtype(dtype)
+    native = model != "dwconv" and native_half(dtype, tile_arch)
+    dot = _TL_DTYPES[dtype] if native else acc_tl
+    emulate = native and interpret and dtype == torch.bfloat16
+    # 16-bit operands at d = 64: the one-block gradient backward on transposed 32-token tiles (``_half_tiles``)
+    transposed = native and block_d == 64 and tiles["grad_bwd"].block_c == block_d
+    return LaunchConfig(block_d, block_r, size, _cdiv(n_tok, size), prec, dot, emulate, transposed, tiles)
 
 
 def launch_config(
@@ -330,43 +435,22 @@ def launch_config(
         model: ``"swiglu"``, ``"linear"`` or ``"dwconv"``.
         n_tok: tokens N per (sample, head).
         d: the head dim.
-        bg: samples x heads (programs along the second grid axis).
+        bg: samples x heads.
         dtype: the q/k/v dtype.
         arch: the GPU (``Arch.of(device)``, or one of ``ARCHS`` for offline compiles).
         loss: ``"dot"`` or ``"mse"`` (the linear model's MSE backward keeps more tiles live).
         prec: ``tl.dot`` input precision (default: what ``triton_ttt`` picks for ``dtype`` now).
         chunk: tokens per program (tests force a split of N with it); ``None`` chooses.
-        interpret: size for Triton's interpreter (default: ``$TRITON_INTERPRET``): the GPU's column blocks
-            and warps, but large token tiles and a single chunk, since it runs programs one after another.
+        interpret: size for Triton's interpreter (default: ``$TRITON_INTERPRET``): the GPU's column blocks,
+            dot operands and launch structure, but large token tiles and a single chunk, since it runs
+            programs one after another.
 
     Returns:
-        The ``LaunchConfig``.
+        The ``LaunchConfig`` (cached per arguments and ``TILES_AS``).
     """
     interpret = _interpreting() if interpret is None else interpret
     prec = prec or _precision(dtype)
-    block_d = max(16, triton.next_power_of_2(d))
-    block_r = 16 if model == "dwconv" else block_d
-    tile_arch, tile_prec = TILES_AS or (INTERPRET_TILES if interpret else (arch, prec))
-    if model == "dwconv":
-        tiles = {"conv": _conv_tiles(block_d, dtype)}
-    else:
-        tiles = {r: _matrix_tiles(model, loss, r, block_d, dtype, tile_prec, tile_arch) for r in MATRIX_ROLES}
-    tiles["small"] = _small_tiles(block_r, block_d, dtype)
-    if interpret:
-        big = min(256, max(16, triton.next_power_of_2(n_tok)))
-        tiles = {
-            role: replace(t, block_n=big if role != "small" else 0, num_warps=4) for role, t in tiles.items()
-        }
-        want = n_tok
-    else:
-        want = triton.cdiv(n_tok, max(1, triton.cdiv(2 * arch.sms, bg)))  # about two programs per SM
-    if chunk is not None:
-        cap = max(16, triton.next_power_of_2(chunk))
-        tiles = {role: replace(t, block_n=min(t.block_n, cap)) for role, t in tiles.items()}
-        want = chunk
-    step = max(t.block_n for t in tiles.values())
-    size = triton.cdiv(max(want, 1), step) * step
-    return LaunchConfig(block_d, block_r, size, triton.cdiv(n_tok, size), prec, tiles)
+    return _launch_config(model, n_tok, d, bg, dtype, arch, loss, prec, chunk, interpret, TILES_AS)
 
 
 # The oldest arch the kernels are compiled and checked for (tests/test_kernels_compile.py).
@@ -377,18 +461,21 @@ def smem_need(model: str, d: int, dtype: torch.dtype, prec: str, arch: Arch) -> 
     """Shared memory per block (bytes) the kernels of ``launch_config``'s choice are held to on ``arch``.
 
     An upper bound the compile matrix checks for every kernel, arch and dtype mode: 64 KB with FMA dots
-    (the T4's limit, which every other part exceeds), 72 KB on tensor cores, 96 KB for SwiGLU in fp64 at
+    (the T4's limit, which every other part exceeds), 80 KB on tensor cores, 96 KB for SwiGLU in fp64 at
     d = 128 (full-width fp64 tiles of four weights), ``FUSED_BACKWARD_SMEM`` for the fused SwiGLU backward
-    at d = 64.
+    at d = 64 in fp32 and ``HALF_BACKWARD_SMEM`` for SwiGLU at d = 64 with 16-bit operands.
     """
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, _pow2(d))
+    if model == "swiglu" and block_d == 64 and native_half(dtype, arch):
+        return HALF_BACKWARD_SMEM
     if model == "swiglu" and block_d == 64:
         cfg = launch_config(model, 4096, block_d, 64, dtype, arch, prec=prec, interpret=False)
         if cfg.cols("grad_bwd", block_d) == 1:
             return FUSED_BACKWARD_SMEM
     if model == "swiglu" and dtype == torch.float64 and block_d == 128:
         return 96 * KB
-    return (72 if _tensor_cores(dtype, prec, arch) else 64) * KB
+    # 80 KB on tensor cores: SwiGLU's fp32 (TF32) read-out cross launch at d = 64 takes 76 KB.
+    return (80 if _tensor_cores(dtype, prec, arch) else 64) * KB
 
 
 def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
@@ -436,7 +523,7 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
                 f"ROCm {arch}: Triton's AMD backend takes {', '.join(allowed)} dots there, not the {prec} dots "
                 f"the kernels take for {dtype} inputs"
             )
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, _pow2(head_dim))
     return _fits_arch(name, block_d, dtype, prec, Arch.of(device))
 
 
@@ -476,21 +563,102 @@ def _fits_arch(name: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arc
     return True, ""
 
 
-MATRIX_ROLES = ("grad", "readout", "readout_bwd", "readout_bwd_cross", "grad_bwd", "grad_bwd_cross")
+# ------------------------------------------------------------------------------------------------ launches
+
+# The largest grid axis 0 (CUDA: 2^31 - 1 blocks). Every launch numbers its programs on one flat axis and
+# folds it onto axis 1 only beyond this (``fold_grid``), so B*G never meets the 65,535 cap of axes 1 and 2.
+# Tests lower it to run the folded path.
+GRID_X_MAX = 2**31 - 1
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch of a plan: ``kernel[grid](*args, **constexprs, **options)``."""
+def fold_grid(programs: int) -> tuple[int, int]:
+    """The 2-D grid of ``programs`` flat program ids: ``(x, y)``, ``x * y >= programs``; the kernels map
+    ``(pid_x, pid_y)`` to ``pid_y * x + pid_x`` and return where it is past the last program."""
+    x = min(programs, GRID_X_MAX)
+    return x, _cdiv(programs, x)
+
+
+class Launch(NamedTuple):
+    """One kernel launch of a plan: ``kernel[grid](*args, **constexprs, **options)``.
+
+    The one place a launch executes: the custom ops run each of a plan's launches by calling it.
+    """
 
     label: str  # the kernel's name, with ``[cols]`` / ``[cross]`` for the two launches of a split stage
     kernel: Any  # a ``triton.JITFunction``
     grid: tuple[int, ...]
     args: tuple
     kwargs: dict[str, Any]  # constexprs and launch options (num_warps, num_stages)
+    programs: int = 0  # the programs that do work (``fold_grid``'s grid may round them up)
 
     def __call__(self) -> None:
         wrap_triton(self.kernel)[self.grid](*self.args, **self.kwargs)
+
+
+class _Buffer(NamedTuple):
+    """A buffer a plan allocates per call: ``shape`` (``perm`` of its memory order) and ``stride``."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(shape: tuple[int, ...], dtype: torch.dtype, perm: tuple[int, ...] | None) -> _Buffer:
+        """A contiguous ``shape`` seen through ``perm`` (``None``: as it is)."""
+        t = torch.empty(shape, device="meta")
+        t = t.permute(perm) if perm else t
+        return _Buffer(tuple(t.shape), t.stride(), dtype)
+
+    def alloc(self, device: torch.device) -> Tensor:
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        return out if DEBUG_FILL is None else out.fill_(DEBUG_FILL)
+
+
+class _Builder:
+    """Builds a plan on meta tensors, recording the buffers it allocates and the launches it makes."""
+
+    def __init__(self, inputs: tuple[Tensor | None, ...]) -> None:
+        self.tensors = list(inputs)
+        self.buffers: list[_Buffer] = []
+        self.launches: list[Launch] = []
+
+    def buffer(self, *shape: int, dtype: torch.dtype, perm: tuple[int, ...] | None = None) -> Tensor:
+        self.buffers.append(_Buffer.of(shape, dtype, perm))
+        self.tensors.append(self.buffers[-1].alloc(torch.device("meta")))
+        return self.tensors[-1]
+
+    def launch(self, label: str, kernel: Any, programs: int, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.launches.append(Launch(label, kernel, fold_grid(programs), args, kwargs, programs))
+
+    def plan(self, outputs: tuple[Tensor, ...]) -> _Plan:
+        ids = {id(t): i for i, t in enumerate(self.tensors) if t is not None}
+        templates = []
+        for launch in self.launches:
+            slots = tuple((p, ids[id(a)]) for p, a in enumerate(launch.args) if isinstance(a, Tensor))
+            args = tuple(None if isinstance(a, Tensor) else a for a in launch.args)
+            templates.append((launch._replace(args=args), slots))
+        return _Plan(tuple(self.buffers), tuple(templates), tuple(ids[id(t)] for t in outputs))
+
+
+class _Plan(NamedTuple):
+    """The cached launch plan of one key: buffers to allocate, launches (with their tensor arguments left out:
+    ``slots`` maps argument positions to the plan's tensors, inputs then buffers), which tensors it returns."""
+
+    buffers: tuple[_Buffer, ...]
+    templates: tuple[tuple[Launch, tuple[tuple[int, int], ...]], ...]
+    outputs: tuple[int, ...]
+
+    def bind(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], list[Launch]]:
+        """Allocates the buffers on the inputs' device; returns the outputs and the launches on them."""
+        device = inputs[0].device
+        tensors = [*inputs, *(b.alloc(device) for b in self.buffers)]
+        launches = []
+        for launch, slots in self.templates:
+            args = list(launch.args)
+            for pos, i in slots:
+                args[pos] = tensors[i]
+            launches.append(launch._replace(args=tuple(args)))
+        return tuple(tensors[i] for i in self.outputs), launches
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -518,7 +686,7 @@ def _tile_kwargs(cfg: LaunchConfig, role: str, acc_tl: Any, **flags: Any) -> dic
     t = cfg.tiles[role]
     out = {"BLOCK_N": t.block_n, "BLOCK_D": cfg.block_d, "ACC": acc_tl, **flags, **t.options()}
     if role != "conv":
-        out["BLOCK_C"] = t.block_c
+        out |= {"BLOCK_C": t.block_c, "DOT": cfg.dot, "EMU": cfg.emulate, "PREC": cfg.prec}
     return out
 
 
@@ -527,131 +695,260 @@ def _small_kwargs(cfg: LaunchConfig, acc_tl: Any, nw: int) -> dict[str, Any]:
     return {"NW": nw, "BLOCK_R": cfg.block_r, "BLOCK_C": t.block_c, "ACC": acc_tl, **t.options()}
 
 
+def _weight_strides(model: str, w: Tensor, d: int) -> tuple[int, int, int]:
+    """(head, row, column) strides of the initial weights as the kernels read them: ``[1, G, d, d]``, or the
+    depthwise conv's ``[1, G*d, 3, 3]`` as ``[G, 9 taps, d channels]`` (taps ``3 ty + tx`` one stride apart)."""
+    if model == "dwconv":
+        return d * w.stride(1), w.stride(3), w.stride(1)
+    return w.stride(1), w.stride(2), w.stride(3)
+
+
 def _stage(
-    cfg: LaunchConfig, role: str, kernel: Any, d: int, args: tuple, acc_tl: Any, flags: dict[str, Any]
-) -> list[Launch]:
-    """The launches of a backward matrix stage: one fused launch for a single column block, else the column
-    launch (per-column outputs) and the cross launch (``dq`` / ``dk``, every column block in turn)."""
-    b_g = args[0].shape[0] * args[0].shape[1]
-    name = kernel.fn.__name__
-    c = cfg.cols(role, d)
+    bld: _Builder, cfg: LaunchConfig, role: str, kernel: Any, bg: int, d: int, args: tuple, acc_tl: Any,
+    flags: dict[str, Any],
+) -> None:  # fmt: skip
+    """The launches of a backward matrix stage: one launch for a single column block, else the column launch
+    (per-column outputs) and the cross launch (``dq`` / ``dk``, every column block in turn). Labels name the
+    kernel and, in brackets, the launch (``cols``, ``cross``) and ``fused`` (``FUSED``: N not split)."""
+    name, c = kernel.fn.__name__, cfg.cols(role, d)
+    tag = ["fused"] if flags["FUSED"] else []
+
+    def label(*parts: str) -> str:
+        return f"{name}[{','.join(parts)}]" if parts else name
+
     if c == 1:
         kw = _tile_kwargs(cfg, role, acc_tl, COLS=True, CROSS=True, **flags)
-        return [Launch(name, kernel, (cfg.s, b_g, 1), args, kw)]
+        bld.launch(label(*tag), kernel, bg * cfg.s, args, kw)
+        return
     cols = _tile_kwargs(cfg, role, acc_tl, COLS=True, CROSS=False, **flags)
+    flags = flags | {"FUSED": False} | ({"TRANS": False} if "TRANS" in flags else {})  # COLS-only switches
     cross = _tile_kwargs(cfg, role + "_cross", acc_tl, COLS=False, CROSS=True, **flags)
-    return [
-        Launch(name + "[cols]", kernel, (cfg.s, b_g, c), args, cols),
-        Launch(name + "[cross]", kernel, (cfg.s, b_g, 1), args, cross),
-    ]
+    bld.launch(label("cols", *tag), kernel, bg * cfg.s * c, args, cols)
+    bld.launch(label("cross"), kernel, bg * cfg.s, args, cross)
 
 
-def _plan_setup(
-    q: Tensor, w: Tensor, model: str, loss: str, chunk: int, arch: Arch | None, prec: str | None,
-    interpret: bool | None,
-) -> tuple[int, int, torch.dtype, Any, LaunchConfig, tuple, tuple, dict[str, Any]]:  # fmt: skip
-    """What both plans start from: weights per head ``NW``, weight rows ``R``, the accumulator dtype (torch,
-    triton), the ``LaunchConfig``, the size and weight-stride arguments and the matrix kernels' flags."""
+def reduce_split(items: int, blocks: int, arch: Arch) -> tuple[int, int]:
+    """How ``wgrad_reduce_kernel`` cuts ``items`` per output block over ``blocks`` output blocks: ``(split,
+    per)``, runs of ``per`` items, enough of them that ``blocks * split`` programs give each SM
+    ``REDUCE_PROGRAMS_PER_SM``, but at most ``4 sqrt(items)`` runs (so that the second stage, one program per
+    block summing the runs, stays short) and at least two items a run (``split == 1``: one stage)."""
+    cap = min(items // 2, math.ceil(4 * math.sqrt(items)))
+    split = max(1, min(_cdiv(REDUCE_PROGRAMS_PER_SM * arch.sms, blocks), cap))
+    per = _cdiv(items, split)
+    return _cdiv(items, per), per
+
+
+def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: int, slots: tuple[int, int, int],
+            conv: bool, arch: Arch, interpret: bool, acc: torch.dtype, acc_tl: Any) -> None:  # fmt: skip
+    """The weight-gradient reduction of ``part`` ``[B, G, L, E]`` (slots ``lo .. lo + nuse - 1`` of ``L``) into
+    ``dw``: one launch, or two (runs of items, then the runs) where the first would leave the GPU idle, on
+    narrower blocks of numbers where the runs alone cannot give every SM a program. The interpreter, which
+    runs programs one after another, takes blocks of up to 8192 numbers (fewer programs, the same runs)."""
+    length, lo, nuse = slots
+
+    def programs(width: int) -> int:
+        return g * _cdiv(e, width) * reduce_split(b * nuse, g * _cdiv(e, width), arch)[0]
+
+    gpu_e = REDUCE_BLOCK_E
+    while gpu_e > REDUCE_MIN_BLOCK_E and programs(gpu_e) < arch.sms:
+        gpu_e //= 2
+    block_e = min(8192, max(gpu_e, _pow2(e))) if interpret else gpu_e
+    blocks = g * _cdiv(e, block_e)
+    split, per = reduce_split(b * nuse, g * _cdiv(e, gpu_e), arch)
+    kw = {"BLOCK_T": REDUCE_BLOCK_T, "BLOCK_E": block_e, "ACC": acc_tl, "num_warps": REDUCE_WARPS,
+          "num_stages": 1}  # fmt: skip
+    final = (1, 9) if conv else (d, 1)  # the conv weight [G*d, 3, 3]: element (tap, c) at c * 9 + tap
+    kernel = K.wgrad_reduce_kernel
+    if split == 1:
+        args = (part, dw, b, g, e, d, length, lo, nuse, per, 1, *final)
+        bld.launch("wgrad_reduce_kernel", kernel, blocks, args, kw)
+        return
+    runs = bld.buffer(split, g, e, dtype=acc)
+    args = (part, runs, b, g, e, d, length, lo, nuse, per, split, d, 1)
+    bld.launch("wgrad_reduce_kernel[runs]", kernel, blocks * split, args, kw)
+    args = (runs, dw, split, g, e, d, 1, 0, 1, split, 1, *final)
+    bld.launch("wgrad_reduce_kernel[final]", kernel, blocks, args, kw)
+
+
+class _Key(NamedTuple):
+    """What a plan depends on besides the tensors' shapes, strides and dtypes."""
+
+    model: str
+    loss: str
+    h: int
+    wd: int
+    scale: float
+    lr: float
+    grad_norm: bool
+    chunk: int
+    arch: Arch
+    prec: str
+    interpret: bool
+    tiles_as: tuple | None
+    grid_x: int
+
+
+def _meta(t: Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
+def _key(q: Tensor, model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
+         arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None) -> _Key:  # fmt: skip
+    interpret = _interpreting() if interpret is None else interpret
+    if prec is None:
+        prec = "ieee" if interpret else (_gpu_precision(q.dtype) if q.dtype == torch.float32 else "tf32")
+    return _Key(model, loss, h, wd, scale, lr, grad_norm, chunk, arch or _device_arch(q.device), prec,
+                interpret, TILES_AS, GRID_X_MAX)  # fmt: skip
+
+
+def _on_meta(meta: tuple | None) -> Tensor | None:
+    return None if meta is None else torch.empty_strided(meta[0], meta[1], dtype=meta[2], device="meta")
+
+
+def _config(key: _Key, q: Tensor) -> LaunchConfig:
     b, g, n_tok, d = q.shape
-    nw, r = w.shape[2], w.shape[3]
+    return launch_config(key.model, n_tok, d, b * g, q.dtype, key.arch, loss=key.loss, prec=key.prec,
+                         chunk=key.chunk or None, interpret=key.interpret)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_template(key: _Key, save: bool, metas: tuple) -> _Plan:
+    q, k, v, w1, w2 = (_on_meta(m) for m in metas)
+    bld = _Builder((q, k, v, w1, w2))
+    b, g, n_tok, d = q.shape
+    cfg = _config(key, q)
     acc, acc_tl = _acc_dtype(q.dtype)
-    arch = arch or _device_arch(q.device)
-    cfg = launch_config(
-        model, n_tok, d, b * g, q.dtype, arch, loss=loss, prec=prec, chunk=chunk or None, interpret=interpret
-    )
-    w_strides = (w.stride(1), w.stride(3), w.stride(4), w.stride(2))
-    flags = {"SWIGLU": model == "swiglu", "NW": nw, "PREC": cfg.prec}
-    return nw, r, acc, acc_tl, cfg, (g, n_tok, d, cfg.chunk), w_strides, flags
+    nw, r, bgn, s = (2 if key.model == "swiglu" else 1), (9 if key.model == "dwconv" else d), b * g, cfg.s
+    w2 = w1 if w2 is None else w2
+    coef, ws = key.scale / n_tok, _weight_strides(key.model, w1, d)
+    out = bld.buffer(b, n_tok, g, d, dtype=q.dtype, perm=(0, 2, 1, 3))  # [B, G, N, c], token-major
+    gbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
+    nbuf = bld.buffer(bgn, nw, d, dtype=acc)
+    flags = {"SWIGLU": key.model == "swiglu", "NW": nw}
+    if key.model != "dwconv" and s == 1:
+        kw = _tile_kwargs(cfg, "forward", acc_tl, MSE=key.loss == "mse", GRAD_NORM=key.grad_norm,
+                          SAVE=save, **flags)  # fmt: skip
+        args = (q, k, v, w1, w2, out, gbuf, nbuf, bgn, g, n_tok, d, *q.stride(), *k.stride(), *v.stride(),
+                *out.stride(), *ws, coef, key.lr)  # fmt: skip
+        bld.launch("forward_kernel", K.forward_kernel, bgn * cfg.cols("forward", d), args, kw)
+        return bld.plan((out, gbuf, nbuf))
+    part = bld.buffer(bgn, s, nw, r, d, dtype=acc)
+    sizes = (bgn, g, n_tok, d, cfg.chunk, s)
+    if key.model == "dwconv":
+        conv = _tile_kwargs(cfg, "conv", acc_tl)
+        args = (k, v, part, *sizes, key.h, key.wd, *k.stride(), *v.stride(), coef)
+        bld.launch("conv_grad_partial_kernel", K.conv_grad_partial_kernel, bgn * s, args, conv)
+    else:
+        kw = _tile_kwargs(cfg, "grad", acc_tl, MSE=key.loss == "mse", **flags)
+        args = (k, v, w1, w2, part, *sizes, *k.stride(), *v.stride(), *ws, coef)
+        bld.launch("grad_partial_kernel", K.grad_partial_kernel, bgn * s * cfg.cols("grad", d), args, kw)
+    args = (part, gbuf, nbuf, bgn, r, d, s)
+    bld.launch("step_kernel", K.step_kernel, bgn * cfg.cols("small", d), args, _small_kwargs(cfg, acc_tl, nw))
+    if key.model == "dwconv":
+        args = (q, w1, gbuf, nbuf, out, *sizes, key.h, key.wd, *q.stride(), *out.stride(), *ws, key.lr)
+        kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
+        bld.launch("conv_readout_kernel", K.conv_readout_kernel, bgn * s, args, kw)
+    else:
+        args = (q, w1, w2, gbuf, nbuf, out, *sizes, *q.stride(), *out.stride(), *ws, key.lr)
+        kw = _tile_kwargs(cfg, "readout", acc_tl, GRAD_NORM=key.grad_norm, **flags)
+        bld.launch("readout_kernel", K.readout_kernel, bgn * s * cfg.cols("readout", d), args, kw)
+    return bld.plan((out, gbuf, nbuf))
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_template(key: _Key, metas: tuple, dout_meta: tuple) -> _Plan:
+    """The backward plan after the forward of ``(key, metas)`` (q, k, v, W1, W2), for an upstream gradient
+    ``dout_meta``; its inputs are ``dout, q, k, v, W1, W2 (or W1), G, ||G||``."""
+    q, k, v, w1, w2 = (_on_meta(m) for m in metas)
+    b, g, n_tok, d = q.shape
+    nw, r = (2 if key.model == "swiglu" else 1), (9 if key.model == "dwconv" else d)
+    acc, acc_tl = _acc_dtype(q.dtype)
+    gbuf = torch.empty(b * g, nw, r, d, dtype=acc, device="meta")
+    nbuf = torch.empty(b * g, nw, d, dtype=acc, device="meta")
+    dout = _on_meta(dout_meta)
+    bld = _Builder((dout, q, k, v, w1, w2, gbuf, nbuf))
+    cfg = _config(key, q)
+    conv = key.model == "dwconv"
+    bgn, s = b * g, cfg.s
+    w2 = w1 if w2 is None else w2
+    coef, ws = key.scale / n_tok, _weight_strides(key.model, w1, d)
+    fused = s == 1 and not conv  # one program holds a (sample, head)'s whole dW' and kᵀdZ per column block
+    wgrad = key.model == "swiglu" or key.loss == "mse"  # kᵀdZ != 0: the inner gradient depends on W
+    # Slots 0..S-1: per-chunk partials (first of the read-out's dW', then, reused, of kᵀdZ); slot S: dW'.
+    part = bld.buffer(bgn, s + 1, nw, r, d, dtype=acc)
+    dgbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
+    dq, dk, dv = (bld.buffer(b, n_tok, g, d, dtype=t.dtype, perm=(0, 2, 1, 3)) for t in (q, k, v))
+    dw = bld.buffer(*((1, g * d, 3, 3) if conv else (1, g, nw, d, d) if nw == 2 else (1, g, d, d)), dtype=acc)
+    sizes = (bgn, g, n_tok, d, cfg.chunk, s)
+    io = (*q.stride(), *dout.stride(), *dq.stride())
+    kv = (*k.stride(), *v.stride(), *dk.stride(), *dv.stride())
+    flags = {"SWIGLU": key.model == "swiglu", "NW": nw}
+    if conv:
+        args = (q, dout, w1, gbuf, nbuf, dq, part, *sizes, key.h, key.wd, *io, *ws, key.lr)
+        kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
+        bld.launch("conv_readout_bwd_kernel", K.conv_readout_bwd_kernel, bgn * s, args, kw)
+    else:
+        args = (q, dout, w1, w2, gbuf, nbuf, dq, part, dgbuf, *sizes, *io, *ws, key.lr)
+        rflags = flags | {"GRAD_NORM": key.grad_norm, "FUSED": fused}
+        _stage(bld, cfg, "readout_bwd", K.readout_bwd_kernel, bgn, d, args, acc_tl, rflags)
+    if not fused:
+        args = (part, gbuf, nbuf, dgbuf, bgn, r, d, s, key.lr)
+        kw = _small_kwargs(cfg, acc_tl, nw) | {"GRAD_NORM": key.grad_norm}
+        bld.launch("step_bwd_kernel", K.step_bwd_kernel, bgn * cfg.cols("small", d), args, kw)
+    if conv:
+        args = (k, v, dgbuf, dk, dv, *sizes, key.h, key.wd, *kv, coef)
+        bld.launch(
+            "conv_grad_bwd_kernel", K.conv_grad_bwd_kernel, bgn * s, args, _tile_kwargs(cfg, "conv", acc_tl)
+        )
+    else:
+        args = (k, v, w1, w2, dgbuf, dk, dv, part, *sizes, *kv, *ws, coef)
+        trans = key.model == "swiglu" and cfg.transposed
+        gflags = flags | {"MSE": key.loss == "mse", "FUSED": fused, "WGRAD": wgrad, "TRANS": trans}
+        _stage(bld, cfg, "grad_bwd", K.grad_bwd_kernel, bgn, d, args, acc_tl, gflags)
+    # The weight gradient sums, per head, every sample's slots that hold a part of it: all S + 1 (the kᵀdZ
+    # partials and dW'), only slot 0 when the fused gradient pass added dW' to it, only dW' without kᵀdZ.
+    slots = (s + 1, 0, 1) if fused and wgrad else ((s + 1, 0, s + 1) if wgrad else (s + 1, s, 1))
+    _reduce(bld, part, dw, b, g, nw * r * d, d, slots, conv, key.arch, key.interpret, acc, acc_tl)
+    return bld.plan((dq, dk, dv, dw))
 
 
 def forward_plan(
-    q: Tensor, k: Tensor, v: Tensor, w: Tensor, model: str, loss: str, h: int, wd: int, scale: float,
-    lr: float, grad_norm: bool, chunk: int, *, arch: Arch | None = None, prec: str | None = None,
-    interpret: bool | None = None,
-) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
-    """The forward's outputs (allocated, unwritten) and the launches that write them, in order.
+    q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int, wd: int,
+    scale: float, lr: float, grad_norm: bool, chunk: int, *, save: bool = True, arch: Arch | None = None,
+    prec: str | None = None, interpret: bool | None = None,
+) -> tuple[tuple[Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
+    """The forward's outputs ``(out, G, ||G||)`` (allocated, unwritten) and the launches that write them.
 
-    Arguments as ``_fwd_op``'s; ``arch``, ``prec`` and ``interpret`` as ``launch_config``'s (default: ``q``'s
-    device, what PyTorch allows now, ``$TRITON_INTERPRET``). Tensors may live on the meta device: the offline
-    compiles (``vit3.kernels.aot``) plan the launches a GPU would run from shapes and strides alone.
+    Arguments as ``_fwd_op``'s; ``save=False`` (inference) lets the one-launch forward skip storing ``G`` and
+    ``||G||``; ``arch``, ``prec`` and ``interpret`` as ``launch_config``'s (default: ``q``'s device, what
+    PyTorch allows now, ``$TRITON_INTERPRET``). The plan is built once per key (settings, shapes, strides,
+    dtypes, arch) on meta tensors and cached; each call allocates its buffers and binds its tensors. Tensors
+    may live on the meta device: the offline compiles (``vit3.kernels.aot``) and the roofline
+    (``benchmarks/roofline.py``) read the launches a GPU would run from shapes and strides alone.
     """
-    b, g, n_tok, d = q.shape
-    nw, r, acc, acc_tl, cfg, sizes, w_strides, flags = _plan_setup(
-        q, w, model, loss, chunk, arch, prec, interpret
-    )
-    s, coef, dev = cfg.s, scale / n_tok, q.device
-    part = _empty(b * g, s, nw, r, d, dtype=acc, device=dev)
-    gbuf, wpbuf = (_empty(b * g, nw, r, d, dtype=acc, device=dev) for _ in range(2))
-    nbuf = _empty(b * g, nw, d, dtype=acc, device=dev)
-    out = _empty(b, n_tok, g, d, dtype=q.dtype, device=dev).transpose(1, 2)  # [B, G, N, c], token-major
-    launches = []
-    if model == "dwconv":
-        kw = _tile_kwargs(cfg, "conv", acc_tl)
-        args = (k, v, part, *sizes, h, wd, *k.stride(), *v.stride(), coef)
-        launches.append(Launch("conv_grad_partial_kernel", K.conv_grad_partial_kernel, (s, b * g), args, kw))
-    else:
-        kw = _tile_kwargs(cfg, "grad", acc_tl, MSE=loss == "mse", **flags)
-        args = (k, v, w, part, *sizes, *k.stride(), *v.stride(), *w_strides, coef)
-        grid = (s, b * g, cfg.cols("grad", d))
-        launches.append(Launch("grad_partial_kernel", K.grad_partial_kernel, grid, args, kw))
-    args = (w, part, gbuf, wpbuf, nbuf, g, r, d, s, *w_strides, lr)
-    kw = _small_kwargs(cfg, acc_tl, nw) | {"GRAD_NORM": grad_norm}
-    launches.append(Launch("step_kernel", K.step_kernel, (b * g, cfg.cols("small", d)), args, kw))
-    if model == "dwconv":
-        args = (q, wpbuf, out, *sizes, h, wd, *q.stride(), *out.stride())
-        kw = _tile_kwargs(cfg, "conv", acc_tl)
-        launches.append(Launch("conv_readout_kernel", K.conv_readout_kernel, (s, b * g), args, kw))
-    else:
-        args = (q, wpbuf, out, *sizes, *q.stride(), *out.stride())
-        grid = (s, b * g, cfg.cols("readout", d))
-        kw = _tile_kwargs(cfg, "readout", acc_tl, **flags)
-        launches.append(Launch("readout_kernel", K.readout_kernel, grid, args, kw))
-    return (out, gbuf, wpbuf, nbuf), launches
+    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
+    plan = _forward_template(key, save, tuple(_meta(t) for t in (q, k, v, w1, w2)))
+    return plan.bind((q, k, v, w1, w1 if w2 is None else w2))
 
 
 def backward_plan(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor, gbuf: Tensor, wpbuf: Tensor, nbuf: Tensor,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, gbuf: Tensor, nbuf: Tensor,
     model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int, *,
     arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None,
 ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
-    """The backward's gradients (allocated, unwritten) and the launches that write them (as ``forward_plan``)."""
-    b, g, n_tok, d = q.shape
-    nw, r, acc, acc_tl, cfg, sizes, w_strides, flags = _plan_setup(
-        q, w, model, loss, chunk, arch, prec, interpret
-    )
-    s, coef, dev = cfg.s, scale / n_tok, q.device
-    # Slots 0..S-1: per-chunk partials (first of the read-out's dW', then, reused, of kᵀdZ); slot S: dW'.
-    part = _empty(b * g, s + 1, nw, r, d, dtype=acc, device=dev)
-    dgbuf = _empty(b * g, nw, r, d, dtype=acc, device=dev)
-    dw = _empty(1, g, nw, r, d, dtype=acc, device=dev)
-    dq, dk, dv = (_empty(b, n_tok, g, d, dtype=t.dtype, device=dev).transpose(1, 2) for t in (q, k, v))
-    io = (*q.stride(), *dout.stride(), *dq.stride())
-    kv = (*k.stride(), *v.stride(), *dk.stride(), *dv.stride())
-    small = _small_kwargs(cfg, acc_tl, nw)
-    launches = []
-    if model == "dwconv":
-        conv = _tile_kwargs(cfg, "conv", acc_tl)
-        args = (q, dout, wpbuf, dq, part, *sizes, h, wd, *io)
-        launches.append(Launch("conv_readout_bwd_kernel", K.conv_readout_bwd_kernel, (s, b * g), args, conv))
-    else:
-        args = (q, dout, wpbuf, dq, part, *sizes, *io)
-        launches += _stage(cfg, "readout_bwd", K.readout_bwd_kernel, d, args, acc_tl, flags)
-    args = (part, gbuf, nbuf, dgbuf, r, d, s, lr)
-    kw = small | {"GRAD_NORM": grad_norm}
-    launches.append(Launch("step_bwd_kernel", K.step_bwd_kernel, (b * g, cfg.cols("small", d)), args, kw))
-    if model == "dwconv":
-        args = (k, v, dgbuf, dk, dv, part, *sizes, h, wd, *kv, coef)
-        launches.append(Launch("conv_grad_bwd_kernel", K.conv_grad_bwd_kernel, (s, b * g), args, conv))
-    else:
-        args = (k, v, w, dgbuf, dk, dv, part, *sizes, *kv, *w_strides, coef)
-        launches += _stage(
-            cfg, "grad_bwd", K.grad_bwd_kernel, d, args, acc_tl, flags | {"MSE": loss == "mse"}
-        )
-    args = (part, dw, b, g, r, d, s + 1)
-    launches.append(
-        Launch("wgrad_reduce_kernel", K.wgrad_reduce_kernel, (g, cfg.cols("small", d)), args, small)
-    )
-    return (dq, dk, dv, dw), launches
+    """The backward's gradients ``(dq, dk, dv, dW)`` (allocated, unwritten) and the launches that write them
+    (as ``forward_plan``). ``dW`` is SwiGLU's ``[1, G, 2, c, c]``, the linear model's ``[1, G, c, c]`` or the
+    depthwise conv's ``[1, G*c, 3, 3]``."""
+    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
+    plan = _backward_template(key, tuple(_meta(t) for t in (q, k, v, w1, w2)), _meta(dout))
+    return plan.bind((dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
+
+
+def clear_plans() -> None:
+    """Forgets every cached plan and launch configuration (tests that change a module-level hook)."""
+    _forward_template.cache_clear()
+    _backward_template.cache_clear()
+    _launch_config.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------- custom ops
@@ -680,80 +977,129 @@ def _live(t: Tensor) -> bool:
     return not isinstance(t, FakeTensor)
 
 
+def _run(plan: _Plan, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Binds ``plan`` to ``inputs``, runs its launches in order (none on fake tensors) and returns its outputs."""
+    outs, launches = plan.bind(inputs)
+    if _live(inputs[0]):
+        _launch_all(launches, inputs[0].device)
+    return outs
+
+
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int, wd: int,
+    scale: float, lr: float, grad_norm: bool, chunk: int, save: bool = True,
+) -> tuple[tuple[Tensor, Tensor, Tensor], _Key, tuple]:  # fmt: skip
+    """Runs the forward: ``(out [B, G, N, c], G [B*G, NW, R, c], ||G||)``, and the plan's key and tensor
+    metadata (what the backward's plan is looked up by)."""
+    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
+    metas = (_meta(q), _meta(k), _meta(v), _meta(w1), _meta(w2))
+    return _run(_forward_template(key, save, metas), (q, k, v, w1, w1 if w2 is None else w2)), key, metas
+
+
+def _backward_grads(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, gbuf: Tensor, nbuf: Tensor,
+    model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Runs the backward: ``dq``, ``dk``, ``dv`` ``[B, G, N, c]`` and ``dW`` (accumulator dtype)."""
+    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
+    plan = _backward_template(key, tuple(_meta(t) for t in (q, k, v, w1, w2)), _meta(dout))
+    return _run(plan, (dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
+
+
 @_kernel_op("vit3::triton_ttt_fwd")
 def _fwd_op(
-    q: Tensor, k: Tensor, v: Tensor, w: Tensor, model: str, loss: str, h: int, wd: int, scale: float,
-    lr: float, grad_norm: bool, chunk: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """Forward: ``out [B, G, N, c]`` and the saved statistics ``G``, ``W'`` ``[B*G, NW, R, c]``, ``||G||``.
+    q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int, wd: int,
+    scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Forward: ``out [B, G, N, c]`` and the saved statistics ``G`` ``[B*G, NW, R, c]`` and ``||G||``.
 
-    ``w`` is ``[1, G, NW, R, c]`` (``NW`` = 2 for SwiGLU; ``R`` = c, or 9 taps for the depthwise conv on
-    the ``h x wd`` grid); ``chunk <= 0`` picks the split of N automatically.
+    ``w1`` (and ``w2``, SwiGLU only) are the initial weights ``[1, G, c, c]``, or the depthwise conv's
+    ``[1, G*c, 3, 3]`` on the ``h x wd`` grid (``R`` = 9 taps); ``chunk <= 0`` picks the split of N.
     """
-    outs, launches = forward_plan(q, k, v, w, model, loss, h, wd, scale, lr, grad_norm, chunk)
-    if _live(q):
-        _launch_all(launches, q.device)
-    return outs
+    return _forward(q, k, v, w1, w2, model, loss, h, wd, scale, lr, grad_norm, chunk)[0]
 
 
 @_kernel_op("vit3::triton_ttt_bwd")
 def _bwd_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor, gbuf: Tensor, wpbuf: Tensor, nbuf: Tensor,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, gbuf: Tensor, nbuf: Tensor,
     model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """Backward: ``dq``, ``dk``, ``dv`` ``[B, G, N, c]`` and ``dw [1, G, NW, R, c]`` (accumulator dtype)."""
-    grads, launches = backward_plan(
-        dout, q, k, v, w, gbuf, wpbuf, nbuf, model, loss, h, wd, scale, lr, grad_norm, chunk
-    )
-    if _live(q):
-        _launch_all(launches, q.device)
-    return grads
+    """Backward: ``dq``, ``dk``, ``dv`` ``[B, G, N, c]`` and ``dW`` (``backward_plan``, accumulator dtype)."""
+    return _backward_grads(dout, q, k, v, w1, w2, gbuf, nbuf, model, loss, h, wd, scale, lr, grad_norm, chunk)
+
+
+def _weight_grads(dw: Tensor, two: bool) -> tuple[Tensor, Tensor | None]:
+    """``dW`` of the plan as the weights' gradients: SwiGLU's ``[1, G, 2, c, c]`` in two, else as it is."""
+    return dw.unbind(2) if two else (dw, None)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, w, *cfg = inputs
-    _, gbuf, wpbuf, nbuf = output
-    ctx.save_for_backward(q, k, v, w, gbuf, wpbuf, nbuf)
+    q, k, v, w1, w2, *cfg = inputs
+    ctx.save_for_backward(q, k, v, w1, w2, *output[1:])  # G and ||G||: W' is recomputed from them
     ctx.cfg = cfg
-    ctx.mark_non_differentiable(gbuf, wpbuf, nbuf)
+    ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward(ctx: Any, dout: Tensor, *_stats: Tensor) -> tuple:
-    q, k, v, w, gbuf, wpbuf, nbuf = ctx.saved_tensors
+    q, k, v, w1, w2, gbuf, nbuf = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
-        grads = _reference_backward(dout, q, k, v, w, *ctx.cfg)
+        grads = _reference_backward(dout, q, k, v, w1, w2, *ctx.cfg)
     else:
-        grads = _bwd_op(dout, q, k, v, w, gbuf, wpbuf, nbuf, *ctx.cfg)
+        dq, dk, dv, dw = _bwd_op(dout, q, k, v, w1, w2, gbuf, nbuf, *ctx.cfg)
+        grads = (dq, dk, dv, *_weight_grads(dw, w2 is not None))
     return (*grads, *(None,) * len(ctx.cfg))
 
 
-def _unpack_weights(w: Tensor, model: str, g: int, d: int) -> dict[str, Tensor]:
-    """The initial weights by name from the kernels' weight buffer ``w`` (``triton_ttt``'s packing undone)."""
-    if model == "dwconv":  # [1, G, 1, 9, c] -> [1, G*c, 3, 3]
-        return {"weight": w[:, :, 0].transpose(-1, -2).reshape(1, g * d, 3, 3)}
-    return {key: w[:, :, i] for i, key in enumerate(WEIGHT_NAMES[model])}  # [1, G, c, c] each
-
-
 def _reference_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor, model: str, loss: str, h: int, wd: int,
-    scale: float, lr: float, grad_norm: bool, chunk: int,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int,
+    wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
 ) -> tuple[Tensor | None, ...]:  # fmt: skip
     """The backward as a differentiable graph, for a double backward: autograd through the op's reference on
-    the saved inputs, in the kernels' accumulator dtype (the kernels' backward has no derivative of its own)."""
-    inputs = (q, k, v, w)
-    wanted = [t for t in inputs if t.requires_grad]
+    the saved inputs, in the kernels' accumulator dtype (the kernels' backward has no derivative of its own).
+    Gradients of ``(q, k, v, w1, w2)``, ``None`` where an input does not require one."""
+    inputs = (q, k, v, w1, w2)
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
     if not wanted:
         return (None,) * len(inputs)
-    acc = w.dtype
-    q_, k_, v_ = (t.to(acc) for t in (q, k, v))
-    params = _unpack_weights(w, model, q.shape[1], q.shape[3])
+    acc = _acc_dtype(q.dtype)[0]
+    params = {name: t.to(acc) for name, t in zip(WEIGHT_NAMES[model], (w1, w2))}
     kw = {"grid": (h, wd), "scale": scale, "lr": lr, "grad_norm": grad_norm, "loss": loss}
-    out = reference.reference_ttt(model, q_, k_, v_, params, **kw)
+    out = reference.reference_ttt(model, *(t.to(acc) for t in (q, k, v)), params, **kw)
     grads = iter(torch.autograd.grad(out, wanted, dout.to(acc), create_graph=True, allow_unused=True))
-    return tuple(next(grads) if t.requires_grad else None for t in inputs)
+    return tuple(next(grads) if t is not None and t.requires_grad else None for t in inputs)
 
 
 torch.library.register_autograd("vit3::triton_ttt_fwd", _backward, setup_context=_setup_context)
+
+
+class _TritonTTT(torch.autograd.Function):
+    """The eager path of the op: the custom ops' plans and launches, without the dispatcher's custom-op
+    machinery (tens of microseconds a call in eager mode; ``torch.compile`` traces the custom ops instead).
+    The backward finds its plan by the forward's key: no second look at the settings; it runs under the
+    forward's autocast state (``autocast_backward``), and through the reference where it must be differentiable
+    itself (``create_graph=True``: ``_reference_backward``)."""
+
+    @staticmethod
+    @autocast_forward
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, *cfg: Any
+    ) -> Tensor:
+        (out, gbuf, nbuf), ctx.key, ctx.metas = _forward(q, k, v, w1, w2, *cfg)
+        ctx.save_for_backward(q, k, v, w1, w2, gbuf, nbuf)  # G and ||G||: W' is recomputed from them
+        ctx.cfg = cfg
+        return out
+
+    @staticmethod
+    @autocast_backward
+    def backward(ctx: Any, dout: Tensor) -> tuple:
+        q, k, v, w1, w2, gbuf, nbuf = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
+            grads = _reference_backward(dout, q, k, v, w1, w2, *ctx.cfg)
+        else:
+            plan = _backward_template(ctx.key, ctx.metas, _meta(dout))
+            dq, dk, dv, dw = _run(plan, (dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
+            grads = (dq, dk, dv, *_weight_grads(dw, w2 is not None))
+        return (*grads, *(None,) * len(ctx.cfg))
 
 
 # ---------------------------------------------------------------------------------------------- public op
@@ -775,13 +1121,13 @@ def _validate(name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tens
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     names = WEIGHT_NAMES[name]
-    if set(params) != set(names):
+    if len(params) != len(names) or any(key not in params for key in names):
         raise ValueError(f"inner model {name!r} takes the weights {names}, got {sorted(params)}")
     _, g, _, d = q.shape
     for key in names:
         p = params[key]
         shape = (1, g * d, 3, 3) if name == "dwconv" else (1, g, d, d)
-        if tuple(p.shape) != shape:
+        if p.shape != shape:
             raise ValueError(
                 f"weight {key!r} must be {list(shape)} (shared initial weights), got {list(p.shape)}"
             )
@@ -789,6 +1135,21 @@ def _validate(name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tens
             raise ValueError(
                 f"weight {key!r} must be a floating tensor on {q.device}, got {p.dtype} on {p.device}"
             )
+
+
+def _weights_of(name: str, params: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    """The initial weights as the kernels read them, in place: ``(W1, W2)`` of SwiGLU (one layout: copied
+    only if their strides differ), ``(W, None)`` of the linear model, the conv weight (copied only if its
+    3 x 3 taps are not one stride apart)."""
+    if name == "swiglu":
+        w1, w2 = params["w1"], params["w2"]
+        if w1.stride() != w2.stride() or w1.dtype != w2.dtype:
+            w1, w2 = w1.contiguous(), w2.to(w1.dtype).contiguous()
+        return w1, w2
+    if name == "dwconv":
+        w = params["weight"]
+        return (w if w.stride(2) == 3 * w.stride(3) else w.contiguous()), None
+    return params["w"], None
 
 
 def triton_ttt(
@@ -815,7 +1176,8 @@ def triton_ttt(
         q, k, v: ``[B, G, N, c]``, any strides (e.g. views of one qkv projection; read in place), float16,
             bfloat16, float32 or float64; accumulation in float32 (float64 for float64).
         params: initial weights ``{"w1", "w2"}`` (SwiGLU) or ``{"w"}`` (linear), each ``[1, G, c, c]``, or
-            ``{"weight": [1, G*c, 3, 3]}`` (depthwise conv, channel ``g*c + i`` = head g, channel i).
+            ``{"weight": [1, G*c, 3, 3]}`` (depthwise conv, channel ``g*c + i`` = head g, channel i); read
+            where they are, in their own dtype.
         grid: the raster token grid ``(h, w)``, ``h * w == N`` (needed by ``"dwconv"``, else only checked).
         scale: loss scale s (the loss is ``(s / N) Σ_n l_n``).
         lr: inner learning rate.
@@ -854,13 +1216,10 @@ def triton_ttt(
         raise ValueError(
             f"the Triton kernel for {name!r} with {q.dtype} supports head dims {MIN_HEAD_DIM}..{top}, got {d}{why}"
         )
-    acc, _ = _acc_dtype(q.dtype)
-    if name == "dwconv":  # [1, G*c, 3, 3] -> [1, G, 1, 9, c]: taps as rows, channels as columns
-        w = params["weight"].reshape(1, q.shape[1], d, 9).transpose(-1, -2).unsqueeze(2)
-    else:  # [1, G, NW, c, c]
-        w = torch.stack([params[key][0] for key in WEIGHT_NAMES[name]], dim=1).unsqueeze(0)
-    w = w.to(acc).contiguous()  # tiny copy: the kernels see one fp32 (fp64) weight buffer
-    out, _, _, _ = _fwd_op(
-        q, k, v, w, name, loss, grid[0], grid[1], float(scale), float(lr), bool(grad_norm), chunk or 0
-    )
-    return out
+    w1, w2 = _weights_of(name, params)
+    cfg = (name, loss, grid[0], grid[1], float(scale), float(lr), bool(grad_norm), chunk or 0)
+    if torch.compiler.is_compiling():
+        return _fwd_op(q, k, v, w1, w2, *cfg)[0]
+    if not grad_flows(q, k, v, w1, w2):  # inference: nothing saved, no autograd node
+        return _forward(q, k, v, w1, w2, *cfg, save=False)[0][0]
+    return _TritonTTT.apply(q, k, v, w1, w2, *cfg)

@@ -174,6 +174,38 @@ def test_generation_quality_summary_gives_the_spread_over_seeds():
     assert real["frechet_distance_std"] == pytest.approx(0.5)
 
 
+def test_roofline_prices_every_launch_of_the_plans(tmp_path):
+    """One row per launch the launcher plans (forward and backward), a total per shape, a training step per
+    model; ``--kernels`` loads another checkout's kernels (here this tree's, as a package of its own)."""
+    out = tmp_path / "roofline.csv"
+    _run("roofline.py", "--gpus", "H100", "L4", "--shapes", "bench-d64", "--batch", "4", "2",
+         "--kernels", str(REPO / "kernels"), "--design", "smoke", "--out", str(out))  # fmt: skip
+    rows = list(csv.DictReader(out.open()))
+    aot = pytest.importorskip("vit3.kernels.aot")
+    h100 = aot.ARCHS["sm_90"]
+    fwd, bwd = aot.plan_launches(aot.Case("swiglu", "dot", 64, "bf16", h100, n_tok=3136, batch=16, heads=4))
+    priced = [
+        r["kernel"]
+        for r in rows
+        if r["gpu"] == "H100" and r["shape"] == "bench-d64" and r["phase"] != "fwd+bwd"
+    ]
+    assert priced == [launch.label for launch in fwd + bwd]
+    assert all(float(r["us"]) > 0 and float(r["MB"]) >= 0 for r in rows if r["kernel"] != "(training step)")
+    steps = {(r["gpu"], r["model"]): r for r in rows if r["kernel"] == "(training step)"}
+    assert set(steps) == {(g, m) for g in ("H100", "L4") for m in ("ViT3-S", "H-ViT3-T")}
+    for step in steps.values():
+        assert 0 < float(step["ttt_share"]) < 1 and float(step["step_ms"]) > float(step["ttt_op_ms"]) > 0
+    assert all(r["design"] == "smoke" for r in rows)
+
+
+def test_triton_overhead_benchmark_reports_every_call(tmp_path):
+    out = tmp_path / "overhead.csv"
+    _run("triton_overhead.py", "--repeats", "3", "--out", str(out))
+    rows = list(csv.DictReader(out.open()))
+    calls = [r["call"] for r in rows]
+    assert "triton path per mixer call (fwd+bwd)" in calls and all(float(r["median_us"]) > 0 for r in rows)
+
+
 def _gpu_check(out, work, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(out)],

@@ -72,6 +72,8 @@ def check(case: aot.Case, rows: list[dict]) -> None:
         need = f"{label} needs {r['smem_kb']:.0f} KB (limit {limit:.0f}, bound {bound_kb:.0f})"
         assert r["smem_kb"] <= min(limit, bound_kb), need
         assert r["spill_stores"] <= spill, f"{label} spills {r['spill_stores']} B per thread (bound {spill})"
+        if aot.strict_spills(case, r["kernel"]):
+            assert r["loop_spills"] == 0, f"{label} spills inside its token loop ({r['loop_spills']} in SASS)"
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.label) for c in aot.matrix("default")])
@@ -85,6 +87,23 @@ def test_full_matrix_fits_every_arch(tmp_path):
     rows = compile_matrix("full", tmp_path)
     for case in aot.matrix("full"):
         check(case, rows)
+
+
+def test_sm90_half_kernels_issue_wgmma(default_matrix):
+    """16-bit operands on sm_90: at d = 64 (ViT³-S/B) every dot of every kernel is a ``wgmma`` (no warp-level
+    ``mma.sync`` left: the SwiGLU gradient backward runs on transposed tiles); at d = 32 (H-ViT³), where the
+    weight-gradient dots have 32 rows, every kernel with 64-token tiles issues ``wgmma``."""
+    for case in aot.matrix("default"):
+        if case.arch.sm != "sm_90" or case.mode not in ("bf16", "fp16") or case.d not in (32, 64):
+            continue
+        rows = [r for r in default_matrix if (r["arch"], r["model"], r["loss"], r["d"], r["mode"]) ==
+                (case.arch.sm, case.model, case.loss, case.d, case.mode) and r["wgmma"] + r["mma"] > 0]  # fmt: skip
+        assert rows, case.label
+        for r in rows:
+            if case.d == 64:
+                assert r["wgmma"] > 0 and r["mma"] == 0, f"{case.label} {r['kernel']}: {r['mma']} mma.sync"
+            elif r["block_n"] >= 64:
+                assert r["wgmma"] > 0, f"{case.label} {r['kernel']}"
 
 
 def test_default_cases_cover_every_arch_and_inner_model():
@@ -121,5 +140,5 @@ def test_launches_are_specialised_as_triton_would_launch_them(n_tok):
     sig = spec["signature"]
     assert sig["k_ptr"] == "*bf16" and sig["part_ptr"] == "*fp32" and sig["N"] == "i32"
     assert sig["skc"] == sig["svc"] == "constexpr" and spec["constexprs"]["skc"] == "1"  # channel stride 1
-    assert {"k_ptr", "v_ptr", "w_ptr", "part_ptr", "D", "skn", "svn"} <= set(spec["div16"])
+    assert {"k_ptr", "v_ptr", "w1_ptr", "w2_ptr", "part_ptr", "D", "skn", "svn"} <= set(spec["div16"])
     assert ("N" in spec["div16"]) == (n_tok % 16 == 0)

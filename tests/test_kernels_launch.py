@@ -9,14 +9,26 @@ right thing here: each distinct launch structure it produces (column blocks per 
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
 import torch
-from helpers.ops import AMD_GPUS, SCALE, gpu_kernels, max_rel_err, per_tensor, run_both
+from helpers.ops import (
+    AMD_GPUS,
+    SCALE,
+    WEIGHTS,
+    gpu_kernels,
+    make_inputs,
+    max_rel_err,
+    per_tensor,
+    run_both,
+    split_heads,
+)
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.runtime.jit import JITFunction
 
+import vit3.kernels as kernels
 from vit3.kernels import aot, triton_op
 from vit3.kernels.triton_op import ARCHS, Arch
 
@@ -58,19 +70,41 @@ def test_every_configuration_is_well_formed(arch, mode):
 
 
 def test_d64_backward_is_one_launch_only_where_it_fits():
-    """The fused d = 64 backward (132-184 KB of shared memory) only on >= 200 KB parts, only on tensor cores;
-    every other GPU splits the columns. The fp32-IEEE case that spilled ~19 KB per thread is split everywhere."""
+    """The fused d = 64 SwiGLU backward: 16-bit operands on tensor cores everywhere (sm_80+: 48-84 KB); fp32 TF32
+    operands (132-184 KB of shared memory) only on >= 200 KB parts; every other case splits the columns. The
+    fp32-IEEE case that spilled ~19 KB per thread is split everywhere."""
     for arch in ARCHS.values():
         for mode, (dtype, prec) in aot.MODES.items():
             cfg = triton_op.launch_config("swiglu", 3136, 64, 8, dtype, arch, prec=prec, interpret=False)
             fused = cfg.cols("grad_bwd", 64) == 1
-            expect = arch.smem >= triton_op.FUSED_BACKWARD_SMEM and mode in ("bf16", "fp16", "fp32-tf32")
+            half = mode in ("bf16", "fp16") and arch.capability >= 80
+            expect = half or (arch.smem >= triton_op.FUSED_BACKWARD_SMEM and mode == "fp32-tf32")
             assert fused == expect, (arch.sm, mode)
             assert cfg.cols("readout_bwd", 64) == cfg.cols("grad_bwd", 64)
     assert (
         triton_op.launch_config("swiglu", 3136, 128, 8, torch.bfloat16, ARCHS["sm_90"]).cols("grad_bwd", 128)
         > 1
     )
+
+
+def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
+    """bf16 / fp16 operands from sm_80 on (sm_75 has no bf16 MMA: fp32 operands), the SwiGLU gradient backward
+    of one column block at d = 64 on transposed tiles. On warp-group parts (sm_90, sm_100) 64-token tiles but
+    in that backward; the interpreter takes sm_90's, with bf16 operands emulated."""
+    for arch in ARCHS.values():
+        for dtype in (torch.bfloat16, torch.float16):
+            for d in HEAD_DIMS:
+                cfg = triton_op.launch_config("swiglu", 3136, d, 8, dtype, arch, prec="tf32", interpret=False)
+                native = arch.capability >= 80
+                assert cfg.dot == (triton_op._TL_DTYPES[dtype] if native else triton_op.tl.float32)
+                assert not cfg.emulate
+                assert cfg.transposed == (native and d == 64)
+                if triton_op.warp_group_mma(arch):
+                    long = {r for r, t in cfg.tiles.items() if r != "small" and t.block_n >= 64}
+                    short = {"grad_bwd"} if d in (32, 64) else ({"grad_bwd_cross"} if d == 128 else set())
+                    assert long == set(triton_op.MATRIX_ROLES) - short, (arch.sm, d)
+    here = triton_op.launch_config("swiglu", 197, 64, 2, torch.bfloat16, ARCHS["sm_90"], interpret=True)
+    assert here.dot == triton_op.tl.bfloat16 and here.emulate and here.transposed
 
 
 def test_interpreter_follows_the_tiles_of_a_gpu(monkeypatch):
@@ -151,7 +185,7 @@ def test_fits_device_names_what_is_missing(gpu):
     ok, why = triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(70, 96 * 1024, 80, "Tesla V100")))
     assert not ok and "sm_70 (Tesla V100)" in why and "sm_75+" in why
     ok, why = triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(87, 48 * 1024, 16, "Orin-lite")))
-    assert not ok and "allows 48 KB" in why and "need 72 KB" in why
+    assert not ok and "allows 48 KB" in why and "need 96 KB" in why  # 16-bit SwiGLU at d = 64: wgmma tiles
     assert triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(ARCHS["sm_75"])) == (True, "")
     ok, why = triton_op.fits_device("swiglu", 256, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "16..128" in why
@@ -179,9 +213,9 @@ def test_fits_device_is_cached_per_arch(gpu, monkeypatch):
     calls = []
     real = triton_op.launch_config
     monkeypatch.setattr(triton_op, "launch_config", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for _ in range(3):
-        triton_op.fits_device("swiglu", 64, torch.bfloat16, device)
-    triton_op.fits_device("swiglu", 48, torch.bfloat16, device)  # the same 64-wide tiles
+    for _ in range(3):  # fp32: the tiles decide (16-bit SwiGLU at d = 64 has one declared bound)
+        triton_op.fits_device("swiglu", 64, torch.float32, device)
+    triton_op.fits_device("swiglu", 48, torch.float32, device)  # the same 64-wide tiles
     assert len(calls) == 1
 
 
@@ -230,7 +264,15 @@ class _CurrentDevice:
         _CurrentDevice.current = self.before
 
 
-def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch):
+@pytest.fixture
+def fresh_plans():
+    """No cached plan before or after the test (a plan holds its kernels, and the tiles of its arch)."""
+    triton_op.clear_plans()
+    yield
+    triton_op.clear_plans()
+
+
+def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch, fresh_plans):
     """Inputs on GPU 1 while GPU 0 is current (stubbed launches on fake tensors): every launch runs with
     GPU 1 current (Triton takes the current device and its current stream), on tiles sized for GPU 1."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a GPU host's launch set-up
@@ -252,14 +294,22 @@ def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch):
     cfg = ("swiglu", "dot", 1, 196, SCALE, 1.0, True, 0)
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 2, 196, 64, device="cuda:1", dtype=torch.bfloat16) for _ in range(3))
-        w = torch.empty(1, 2, 2, 64, 64, device="cuda:1")
-        out, *stats = triton_op._fwd_op(q, k, v, w, *cfg)
-        triton_op._bwd_op(out, q, k, v, w, *stats, *cfg)
+        w1, w2 = (torch.empty(1, 2, 64, 64, device="cuda:1") for _ in range(2))
+        out, *stats = triton_op._fwd_op(q, k, v, w1, w2, *cfg)
+        triton_op._bwd_op(out, q, k, v, w1, w2, *stats, *cfg)
     assert len(seen) > 4 and {device for _, device, _ in seen} == {torch.device("cuda", 1)}
     assert _CurrentDevice.current == torch.device("cuda", 0)  # restored
-    # sm_86 (99 KB per block) splits the d = 64 backward into column and cross launches; sm_90 fuses it.
-    assert [name for name, *_ in seen].count("grad_bwd_kernel") == 2
-    assert triton_op.launch_config("swiglu", 196, 64, 4, torch.bfloat16, archs[0]).cols("grad_bwd", 64) == 1
+
+    # The tiles are GPU 1's (sm_86, 99 KB per block: 32-token gradient tiles), not GPU 0's (sm_90: 64).
+    def tiles(arch: Arch) -> list:
+        fwd, bwd = aot.plan_launches(aot.Case("swiglu", "dot", 64, "bf16", arch, n_tok=196, batch=2, heads=2))
+        return [(launch.kernel.fn.__name__, _tiles(launch.kwargs)) for launch in fwd + bwd]
+
+    assert [(name, _tiles(kwargs)) for name, _, kwargs in seen] == tiles(archs[1]) != tiles(archs[0])
+
+
+def _tiles(kwargs: dict) -> dict:
+    return {key: kwargs[key] for key in ("BLOCK_N", "BLOCK_C", "num_warps", "num_stages") if key in kwargs}
 
 
 # ------------------------------------------------------------------------------------------ dot precision
@@ -297,3 +347,124 @@ def test_precision_follows_the_legacy_flag(restore_fp32_precision, monkeypatch):
     assert triton_op._precision(torch.float32) == "tf32"
     matmul.allow_tf32 = False
     assert triton_op._precision(torch.float32) == "ieee"
+
+
+# ------------------------------------------------------------------------------------------------- plans
+
+
+def plan(model: str, loss: str, batch: int, heads: int, n: int, d: int, arch: Arch = ARCHS["sm_90"],
+         mode: str = "bf16") -> tuple[list, list]:  # fmt: skip
+    """The forward's and backward's launches ``triton_ttt`` makes on ``arch`` (meta tensors: no kernel runs)."""
+    return aot.plan_launches(aot.Case(model, loss, d, mode, arch, n_tok=n, batch=batch, heads=heads))
+
+
+@pytest.mark.parametrize(
+    ("model", "loss", "d"),
+    [("swiglu", "dot", 32), ("swiglu", "dot", 64), ("linear", "mse", 32), ("linear", "mse", 64),
+     ("linear", "dot", 64), ("dwconv", "dot", 64)],
+    ids=["swiglu-32", "swiglu-64", "linear-mse-32", "linear-mse-64", "linear-dot-64", "dwconv-64"],
+)  # fmt: skip
+def test_weight_gradient_reduction_fills_a_132_sm_gpu(model, loss, d):
+    """At B*H = 64, N = 3136 (the benchmark shape), however the 64 split into samples and heads, the reduction's
+    (first) launch runs on >= 132 programs; the old one ran on H x column blocks (4-12) programs."""
+    for batch, heads in ((64, 1), (16, 4), (8, 8), (4, 16), (1, 64)):
+        _, bwd = plan(model, loss, batch, heads, 3136, d)
+        first = next(launch for launch in bwd if launch.label.startswith("wgrad_reduce_kernel"))
+        assert first.programs >= 132, (batch, heads, first.label, first.programs)
+        assert first.grid[0] * first.grid[1] >= first.programs
+
+
+def test_batch_times_heads_beyond_the_grid_limits_folds():
+    """4096 samples x 16 heads: 65,536 (sample, head) programs, one more than CUDA's grid axes 1 and 2 take."""
+    for model, loss, d in (("swiglu", "dot", 32), ("dwconv", "dot", 32), ("linear", "mse", 128)):
+        fwd, bwd = plan(model, loss, 4096, 16, 49, d)
+        for launch in fwd + bwd:
+            x, y = launch.grid
+            assert x <= 2**31 - 1 and y <= 65535 and x * y >= launch.programs, (model, launch.label)
+        assert max(launch.programs for launch in fwd) >= 4096 * 16
+
+
+def test_folded_grids_compute_what_unfolded_ones_do():
+    """The folding itself, with a cap of 5 programs on axis 0: the same programs, the same sums, bit for bit."""
+    cases = (
+        ("swiglu", (2, 3, 40, 32), None),
+        ("swiglu", (2, 2, 40, 16), 16),
+        ("dwconv", (2, 1, (5, 8), 16), 16),
+    )
+    for name, (b, g, n, d), chunk in cases:
+        grid = n if isinstance(n, tuple) else (1, n)
+        qkv, params = make_inputs(name, b, g, grid[0] * grid[1], d, torch.float32)
+        run = functools.partial(_fwd_bwd, name, qkv, g, params, grid, chunk)
+        flat = run()
+        launched = []
+        real = triton_op.Launch.__call__
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(triton_op, "GRID_X_MAX", 5)
+            patch.setattr(triton_op.Launch, "__call__", lambda self: launched.append(self.grid) or real(self))  # noqa: B023
+            folded = run()
+        assert any(y > 1 for _, y in launched) and all(x <= 5 for x, _ in launched)
+        for a, e in zip(folded, flat):
+            assert torch.equal(a, e), name
+
+
+def _fwd_bwd(name: str, qkv: torch.Tensor, g: int, params: dict, grid: tuple, chunk: int | None) -> list:
+    out = kernels.triton_ttt(name, *split_heads(qkv, g), params, grid=grid, scale=SCALE, backend="triton",
+                             chunk=chunk)  # fmt: skip
+    return [out, *torch.autograd.grad(out.square().sum(), [qkv, *params.values()])]
+
+
+def test_plans_are_built_once_per_key(fresh_plans):
+    qkv, params = make_inputs("swiglu", 1, 2, 20, 16, torch.float32)
+
+    def run(n: int) -> None:
+        out = kernels.triton_ttt("swiglu", *split_heads(qkv[:, :n], 2), params, scale=SCALE, backend="triton")
+        out.sum().backward()
+
+    for _ in range(3):
+        run(20)
+    fwd, bwd = triton_op._forward_template.cache_info(), triton_op._backward_template.cache_info()
+    assert (fwd.misses, fwd.hits, bwd.misses, bwd.hits) == (1, 2, 1, 2)
+    assert triton_op._launch_config.cache_info().misses == 1
+    run(19)  # a new N: a new plan
+    assert triton_op._forward_template.cache_info().misses == 2
+
+
+def test_forward_and_backward_read_no_tensor_data_on_the_host(monkeypatch):
+    """No host synchronisation, so CUDA graphs can capture the op: the whole Python path (checks, plans,
+    allocations, launches, autograd) runs on meta tensors, where reading a value (``.item()``, ``bool``, a copy
+    to the host) raises."""
+    launched = []
+    monkeypatch.setattr(triton_op, "triton_runs_on", lambda device: True)
+    monkeypatch.setattr(triton_op.Launch, "__call__", lambda self: launched.append(self.label))
+    for name, loss in (("swiglu", "dot"), ("linear", "mse"), ("dwconv", "dot")):
+        qkv = torch.empty(2, 64, 3 * 2 * 32, device="meta", requires_grad=True)
+        shape = (1, 64, 3, 3) if name == "dwconv" else (1, 2, 32, 32)
+        params = {w: torch.empty(shape, device="meta", requires_grad=True) for w in WEIGHTS[name]}
+        for chunk in (None, 16):
+            launched.clear()
+            out = kernels.triton_ttt(name, *split_heads(qkv, 2), params, grid=(8, 8), scale=SCALE, loss=loss,
+                                     backend="triton", chunk=chunk)  # fmt: skip
+            grads = torch.autograd.grad(out.sum(), [qkv, *params.values()])
+            assert out.device.type == "meta" and all(g.device.type == "meta" for g in grads)
+            assert any("wgrad_reduce" in label for label in launched), (name, chunk, launched)
+
+
+def test_backward_saves_g_and_its_norm_not_the_stepped_weights():
+    """What the autograd graph keeps besides the inputs: ``G`` ``[B*G, NW, d, d]`` and ``||G||`` ``[B*G, NW, d]``
+    (fp32); ``W'`` is recomputed from ``W``, ``G`` and the norm (the old op kept it too, twice the bytes)."""
+    b, g, n, d = 2, 3, 24, 16
+    qkv, params = make_inputs("swiglu", b, g, n, d, torch.float16)
+    inputs = {t.data_ptr() for t in (qkv, *params.values())}
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = kernels.triton_ttt("swiglu", *split_heads(qkv, g), params, scale=SCALE, backend="triton")
+    extra = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
+    assert sorted(tuple(t.shape) for t in extra) == [(b * g, 2, d), (b * g, 2, d, d)]
+    assert all(t.dtype == torch.float32 for t in extra)
+    out.float().sum().backward()
+    assert all(p.grad is not None for p in params.values())

@@ -380,7 +380,7 @@ def _failing_launch(monkeypatch, kernels: set[str], swiglu_only: bool = True, er
 
 
 BACKWARD_KERNELS = {"readout_bwd_kernel", "grad_bwd_kernel"}
-FORWARD_KERNELS = {"readout_kernel"}
+FORWARD_KERNELS = {"readout_kernel", "forward_kernel"}  # N split or not
 
 
 def _two_blocks(mixer: TTTMixer, x: torch.Tensor) -> torch.Tensor:
@@ -489,14 +489,18 @@ def test_backward_failure_under_activation_checkpointing(monkeypatch, triton_dev
 # ------------------------------------------------------------------------- new specialisations, GPU faults
 
 
-def _skipped_launch(monkeypatch, kernel: str, batch: int) -> None:
-    """Leaves ``kernel``'s output unwritten (NaN: ``triton_op.DEBUG_FILL``) on inputs of ``batch`` samples,
-    as a kernel that is wrong for one specialisation only would."""
+def _skipped_launch(monkeypatch, kernels: set[str], batch: int) -> None:
+    """Leaves the output of ``kernels`` unwritten (NaN: ``triton_op.DEBUG_FILL``) on inputs of ``batch``
+    samples, as a kernel that is wrong for one specialisation only would."""
     real = triton_op.Launch.__call__
     monkeypatch.setattr(triton_op, "DEBUG_FILL", float("nan"))
 
     def launch(self):
-        if self.kernel.fn.__name__ == kernel and self.args[0].shape[0] == batch and self.kwargs.get("SWIGLU"):
+        if (
+            self.kernel.fn.__name__ in kernels
+            and self.args[0].shape[0] == batch
+            and self.kwargs.get("SWIGLU")
+        ):
             return None
         return real(self)
 
@@ -524,12 +528,12 @@ def test_each_new_input_specialisation_runs_guarded_and_verified_once(monkeypatc
 
 @pytest.mark.triton
 @pytest.mark.parametrize(
-    ("kernel", "phase"),
-    [("readout_kernel", "forward"), ("readout_bwd_kernel", "backward")],
+    ("kernels", "phase"),
+    [(FORWARD_KERNELS, "forward"), ({"readout_bwd_kernel"}, "backward")],
     ids=["fwd", "bwd"],
 )
 def test_a_specialisation_that_computes_wrong_is_caught_and_demoted(
-    monkeypatch, triton_device, kernel, phase
+    monkeypatch, triton_device, kernels, phase
 ):
     """A verified key meets a batch size whose kernel leaves its output unwritten: the verification catches it
     (the unguarded path would return NaN), demotes with a warning and the fallback computes the result."""
@@ -537,7 +541,7 @@ def test_a_specialisation_that_computes_wrong_is_caught_and_demoted(
     mixer, x, dout = _on(triton_device, _mixer(), _tokens(GRID, b=3), _tokens(GRID, b=3))
     reference = _generic_twin(mixer)
     _run(mixer, x[:2], GRID, dout[:2])  # verified at batch 2
-    _skipped_launch(monkeypatch, kernel, batch=3)
+    _skipped_launch(monkeypatch, kernels, batch=3)
     with pytest.warns(
         reg.BackendWarning, match=rf"'triton' failed in the {phase}.*VerificationError.*batch 3"
     ):

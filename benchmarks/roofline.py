@@ -1,0 +1,433 @@
+"""A performance model on paper of the fused TTT op: bytes, FLOPs and predicted time of every launch, per GPU.
+
+The launches are not re-derived: the launcher's own plans (``triton_op.forward_plan`` / ``backward_plan``,
+built on meta tensors with the strides of a real qkv projection, as the offline compiles do) give each
+launch's kernel, grid, tile constexprs and tensors. Per launch this script counts, from those objects:
+
+- HBM bytes: every token tensor the kernel reads or writes (read once per column block where the column
+  blocks of one chunk are not scheduled side by side: the old 3-D grids put them on the slowest grid axis),
+  and the per-(sample, head) state it touches (partials, ``G``, ``W'``, norms, ``dG``), sized from the buffers;
+- tensor-core FLOPs: the dots of each token tile (``2 M K N`` at the padded tile sizes, every tile of every
+  program, recomputations included), priced at the peak of their operand dtype (bf16 / fp16, TF32, IEEE fp32
+  on CUDA cores); on sm_90 a dot whose rows are not a multiple of 64 (or under 4 warps) cannot be a
+  ``wgmma`` and runs as ``mma.sync`` at ``MMA_SYNC_SM90`` of the peak;
+- element-wise FLOPs (activations, products; ``EW`` per tile element, a count of the kernels' operations),
+  on the CUDA cores' fp32 peak;
+- a latency floor: each program's serial loop iterations, one memory round trip (``LATENCY``) each, divided
+  by the pipelining depth (``num_stages``).
+
+Predicted time of a launch: ``LAUNCH + max(bytes / BW / util, (tensor / peak + ew / fp32) / util, latency)``
+with ``util = min(1, programs / SMs)`` (a launch with fewer programs than SMs uses only that many). The training
+step adds, per block, the rest of the block from a simple model (``block_rest``): its GEMMs (qkv, output
+projection, MLP / ConvFFN; forward + two backward GEMMs) at ``GEMM_EFF`` of the bf16 peak or the HBM
+bandwidth, and its element-wise passes (LayerNorms, GELU, residual adds, the conditional position encoding,
+RoPE, the ConvFFN's depthwise conv, the mixer's concatenation) as bf16 traffic at the HBM bandwidth; the stem,
+the downsampling layers, the head and the optimizer are left out (their FLOPs are printed against the
+paper's total). Everything here is a model: no GPU was used, and the constants below are assumptions where
+they do not name a source.
+
+    python benchmarks/roofline.py                                   # the design of this tree
+    python benchmarks/roofline.py --kernels /tmp/main/kernels --design main-8fde993 --out results/roofline_8fde993.csv
+
+``--kernels`` loads ``triton_op`` from another checkout's ``kernels/`` folder (a package of its own), so one
+script prices the design before a change and after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS, print_table, write_csv
+
+KB = 1024
+
+# ------------------------------------------------------------------------------------------- the machines
+
+
+@dataclass(frozen=True)
+class GPU:
+    """Dense peak throughputs and bandwidth of one GPU, and the launch set-up's view of it (capability,
+    opt-in shared memory per block, SMs)."""
+
+    name: str
+    capability: int
+    smem: int
+    sms: int
+    bf16: float  # FLOP/s, tensor cores, fp32 accumulation, dense
+    tf32: float
+    fp32: float  # CUDA cores (FMA = 2 FLOPs)
+    hbm: float  # bytes/s
+    source: str
+
+
+GPUS = {
+    g.name: g
+    for g in (
+        GPU("H100", 90, 227 * KB, 132, 989.4e12, 494.7e12, 66.9e12, 3.35e12,
+            "NVIDIA H100 Tensor Core GPU datasheet, SXM5 (sparsity figures halved)"),
+        GPU("H200", 90, 227 * KB, 132, 989.4e12, 494.7e12, 66.9e12, 4.8e12,
+            "NVIDIA H200 Tensor Core GPU datasheet, SXM (sparsity figures halved)"),
+        GPU("A100", 80, 163 * KB, 108, 312e12, 156e12, 19.5e12, 2.039e12,
+            "NVIDIA A100 Tensor Core GPU datasheet, 80 GB SXM (sparsity figures halved)"),
+        GPU("L4", 89, 99 * KB, 58, 121e12, 60e12, 30.3e12, 300e9,
+            "NVIDIA L4 Tensor Core GPU datasheet (sparsity figures halved)"),
+        GPU("RTX 4090", 89, 99 * KB, 128, 165.2e12, 82.6e12, 82.6e12, 1008e9,
+            "NVIDIA Ada Lovelace GPU architecture whitepaper, GeForce RTX 4090 (fp32 accumulate, dense)"),
+    )
+}  # fmt: skip
+
+# Model constants: assumptions, not measurements.
+LAUNCH = 3e-6  # s per launch in one stream (launch + drain of a dependent kernel); CUDA graphs shrink it
+LATENCY = 0.6e-6  # s, one dependent global-memory round trip (~1000 cycles at ~1.7 GHz)
+MMA_SYNC_SM90 = 0.5  # fraction of sm_90's tensor peak that warp-level mma.sync reaches (wgmma: the peak)
+GEMM_EFF = 0.7  # fraction of the roofline cuBLAS GEMMs of the rest of the block reach
+# Element-wise FLOPs per element of a [BLOCK_N, BLOCK_C] tile (sigmoid ~ 4), per kernel and inner model.
+EW = {
+    ("grad", "swiglu"): 14, ("grad", "linear"): 2, ("readout", "swiglu"): 6, ("readout", "linear"): 0,
+    ("readout_bwd", "swiglu"): 14, ("readout_bwd", "linear"): 0, ("grad_bwd", "swiglu"): 28,
+    ("grad_bwd", "linear"): 3,
+}  # fmt: skip
+CONV_EW = {"conv_grad_partial_kernel": 36, "conv_readout_kernel": 27, "conv_readout_bwd_kernel": 63,
+           "conv_grad_bwd_kernel": 54}  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------- the plans, priced
+
+
+def load_triton_op(kernels: Path | None) -> ModuleType:
+    """``vit3.kernels.triton_op`` of this tree, or of the ``kernels/`` folder of another checkout (imported
+    as a package of its own, so two designs never meet in one process's imports)."""
+    if kernels is None:
+        from vit3.kernels import triton_op
+
+        return triton_op
+    spec = importlib.util.spec_from_file_location(
+        "other_kernels", kernels / "__init__.py", submodule_search_locations=[str(kernels)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["other_kernels"] = package
+    spec.loader.exec_module(package)
+    return importlib.import_module("other_kernels.triton_op")
+
+
+def plan(
+    op: ModuleType, model: str, b: int, g: int, n: int, d: int, gpu: GPU, grid: tuple[int, int]
+) -> tuple:
+    """``(forward, backward)`` launches of one bf16 call on ``gpu``, planned by ``op`` on meta tensors.
+
+    q, k, v are views of one ``[B, N, 3*G*d]`` projection, the upstream gradient a contiguous ``[B, N, G*d]``.
+    Takes either plan signature: separate weights (``w1``, ``w2``) or one stacked ``[1, G, NW, R, d]``.
+    """
+    arch = op.Arch(gpu.capability, gpu.smem, gpu.sms, gpu.name)
+    qkv = torch.empty(b, n, 3 * g * d, dtype=torch.bfloat16, device="meta")
+    q, k, v = (t.unflatten(-1, (g, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    nw, r = (2 if model == "swiglu" else 1), (9 if model == "dwconv" else d)
+    if "w1" in inspect.signature(op.forward_plan).parameters:
+        shape = (1, g * d, 3, 3) if model == "dwconv" else (1, g, d, d)
+        weights = (torch.empty(shape, device="meta"), torch.empty(shape, device="meta") if nw == 2 else None)
+    else:
+        weights = (torch.empty(1, g, nw, r, d, device="meta"),)
+    common = (model, "dot", *grid, 9**-0.5, 1.0, True, 0)
+    outs, fwd = op.forward_plan(q, k, v, *weights, *common, arch=arch, prec="tf32", interpret=False)
+    dout = torch.empty(b, n, g, d, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    _, bwd = op.backward_plan(
+        dout, q, k, v, *weights, *outs[1:], *common, arch=arch, prec="tf32", interpret=False
+    )
+    return fwd, bwd
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+@dataclass
+class Cost:
+    """What one launch moves and computes."""
+
+    label: str
+    programs: int
+    hbm: float  # bytes
+    tensor: float  # tensor-core FLOPs that can run as sm_90 wgmma (64-row dots under >= 4 warps)
+    tensor_sync: float  # tensor-core FLOPs that cannot (warp-level mma.sync on sm_90)
+    dot: str  # the dots' operand type: "bf16", "tf32", "ieee" or "-"
+    ew: float  # CUDA-core FLOPs
+    iters: int  # serial loop iterations of one program
+    stages: int
+
+
+TOKENS = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "o_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+MATRIX_KERNELS = {"grad_partial_kernel": ("grad",), "forward_kernel": ("grad", "readout"),
+                  "readout_kernel": ("readout",), "readout_bwd_kernel": ("readout_bwd",),
+                  "grad_bwd_kernel": ("grad_bwd",)}  # fmt: skip
+
+
+def _dots(role: str, a: dict, swiglu: bool, mse: bool) -> list[tuple[int, int, int]]:
+    """The ``(M, K, N)`` of every dot one token tile of kernel role ``role`` makes (one column block)."""
+    bn, bd, bc = a["BLOCK_N"], a["BLOCK_D"], a["BLOCK_C"]
+    row, wgrad, back = (bn, bd, bc), (bd, bn, bc), (bn, bc, bd)
+    if role == "grad":
+        return [row, row, wgrad, wgrad] if swiglu else ([row, wgrad] if mse else [wgrad])
+    if role == "readout":
+        return [row, row] if swiglu else [row]
+    cols, cross = a.get("COLS", True), a.get("CROSS", True)
+    if role == "readout_bwd":
+        dy, dq = ([row, row], [back, back]) if swiglu else ([], [back])
+        return dy + (dq if cross else []) + ([wgrad] * (2 if swiglu else 1) if cols else [])
+    fwd = [row] * (4 if swiglu else (2 if mse else 1))
+    dk = [back] * (4 if swiglu else (2 if mse else 1))
+    kdz = [wgrad] * (2 if swiglu else (1 if mse else 0)) if a.get("WGRAD", True) else []
+    return fwd + (dk if cross else []) + (kdz if cols else [])
+
+
+def _dot_kind(a: dict) -> str:
+    dot = a.get("DOT")  # the operand dtype (this design); before it, every tile was upcast to fp32
+    if dot is not None and "16" in str(dot):
+        return "bf16"
+    return "tf32" if a.get("PREC", "tf32") == "tf32" else "ieee"
+
+
+def _state_bytes(kernel: str, a: dict, cols: bool) -> float:
+    """Bytes of per-(sample, head) state (partials, G, W', norms, dG) a matrix kernel reads or writes."""
+    part = a.get("part_ptr")
+    slot = _nbytes(part) / part.shape[1] if isinstance(part, torch.Tensor) else 0
+    fused, wgrad = a.get("FUSED", False), a.get("WGRAD", True)
+    stepped = sum(_nbytes(a.get(n)) for n in ("g_ptr", "n_ptr", "wp_ptr"))  # W' recomputed, or W' itself
+    if kernel == "grad_partial_kernel":
+        return slot * part.shape[1]
+    if kernel == "forward_kernel":
+        return stepped if a.get("SAVE", True) else 0
+    if kernel == "readout_kernel":
+        return stepped
+    if kernel == "readout_bwd_kernel":
+        if not cols:
+            return stepped
+        return stepped + (slot + _nbytes(a["dg_ptr"]) if fused else slot * (part.shape[1] - 1))
+    # grad_bwd: dG read; the kᵀdZ partials written where the inner gradient depends on W (always, before)
+    written = (2 * slot if fused else slot * (part.shape[1] - 1)) if wgrad else 0
+    return _nbytes(a["dg_ptr"]) + (written if cols else 0)
+
+
+def price_launch(launch: Any, swiglu: bool) -> Cost:
+    """The ``Cost`` of one planned launch, from its kernel's arguments (by name), constexprs and grid."""
+    kernel = launch.kernel.fn.__name__
+    a = dict(zip(launch.kernel.arg_names, launch.args)) | launch.kwargs
+    programs = getattr(launch, "programs", 0) or math.prod(launch.grid)
+    stages = a.get("num_stages", 1)
+    if kernel == "wgrad_reduce_kernel":
+        return _price_reduce(launch.label, a, programs)
+    if kernel in ("step_kernel", "step_bwd_kernel"):
+        moved = sum(_nbytes(t) for n, t in a.items() if n.endswith("_ptr") and not n.startswith("w"))
+        return Cost(launch.label, programs, moved, 0, 0, "-", 0, a["S"] * a["NW"], 1)
+    tokens = {n: a[n] for n in TOKENS if n in a}
+    b, g, n, d = tokens.get("q_ptr", tokens.get("k_ptr")).shape
+    chunk = min(a.get("CHUNK", n), n)
+    s = math.ceil(n / chunk)
+    tiles_bg = (s - 1) * math.ceil(chunk / a["BLOCK_N"]) + math.ceil((n - (s - 1) * chunk) / a["BLOCK_N"])
+    per_program = math.ceil(chunk / a["BLOCK_N"])
+    if kernel.startswith("conv_"):
+        hbm = sum(_nbytes(t) for t in tokens.values())
+        hbm += sum(_nbytes(a.get(n)) for n in ("part_ptr", "g_ptr", "n_ptr", "wp_ptr", "dg_ptr"))
+        ew = CONV_EW[kernel] * b * g * tiles_bg * a["BLOCK_N"] * a["BLOCK_D"]
+        return Cost(launch.label, programs, hbm, 0, 0, "-", ew, per_program, stages)
+    col_launch, cross = a.get("COLS", True), a.get("CROSS", True)
+    blocks = math.ceil(d / a["BLOCK_C"]) if col_launch else 1  # column blocks the launch's programs span
+    walks = 1 if col_launch else math.ceil(d / a["BLOCK_C"])  # column blocks a program walks per tile
+    old_grid = len(launch.grid) == 3 and launch.grid[2] > 1  # column blocks on the slowest grid axis
+    written = {"o_ptr": True, "dq_ptr": cross, "dk_ptr": cross, "dv_ptr": col_launch}
+    hbm = 0.0
+    for name, t in tokens.items():
+        if not written.get(name, True):
+            continue
+        again = blocks if old_grid and name in ("q_ptr", "k_ptr") else 1  # full-width reads per column block
+        hbm += again * _nbytes(t) / t.numel() * b * g * n * d
+    hbm += _state_bytes(kernel, a, col_launch)
+    mse = a.get("MSE", False)
+    dots = [dot for role in MATRIX_KERNELS[kernel] for dot in _dots(role, a, swiglu, mse)]
+    scale = 2 * b * g * blocks * walks * tiles_bg
+    tensor = scale * sum(m * k_ * n_ for m, k_, n_ in dots if m % 64 == 0 and a["num_warps"] % 4 == 0)
+    total = scale * sum(m * k_ * n_ for m, k_, n_ in dots)
+    inner = "swiglu" if swiglu else "linear"
+    ew = sum(EW[(r, inner)] for r in MATRIX_KERNELS[kernel]) * b * g * blocks * walks * tiles_bg
+    ew *= a["BLOCK_N"] * a["BLOCK_C"]
+    iters = per_program * walks * len(MATRIX_KERNELS[kernel])
+    return Cost(launch.label, programs, hbm, tensor, total - tensor, _dot_kind(a), ew, iters, stages)
+
+
+def _price_reduce(label: str, a: dict, programs: int) -> Cost:
+    part, out = a["part_ptr"], a.get("out_ptr", a.get("dw_ptr"))
+    if "NUSE" in a:  # this design: runs of items over programs, BLOCK_T items a step
+        read = a["B"] * a["G"] * a["NUSE"] * a["E"] * part.element_size()
+        iters = math.ceil(a["PER"] / a["BLOCK_T"])
+    else:  # before: one program per head and column block sums every slot of every sample in turn
+        read = _nbytes(part)
+        iters = a["B"] * a["SLOTS"] * a["NW"]
+    return Cost(label, programs, read + _nbytes(out), 0, 0, "-", 0, iters, 1)
+
+
+def predict(c: Cost, gpu: GPU) -> dict[str, float]:
+    """Seconds of one launch on ``gpu``: memory, compute and latency bounds, and the total."""
+    peak = {"bf16": gpu.bf16, "tf32": gpu.tf32, "ieee": gpu.fp32, "-": gpu.bf16}[c.dot]
+    sync = MMA_SYNC_SM90 if gpu.capability == 90 and c.dot != "ieee" else 1.0
+    t_mem = c.hbm / gpu.hbm
+    t_compute = c.tensor / peak + c.tensor_sync / (peak * sync) + c.ew / gpu.fp32
+    t_latency = c.iters * LATENCY / max(1, c.stages)
+    util = min(1.0, c.programs / gpu.sms)
+    return {"mem_us": t_mem * 1e6, "compute_us": t_compute * 1e6, "latency_us": t_latency * 1e6,
+            "us": (LAUNCH + max(t_mem / util, t_compute / util, t_latency)) * 1e6}  # fmt: skip
+
+
+def price(
+    op: ModuleType, model: str, b: int, g: int, n: int, d: int, gpu: GPU, grid: tuple[int, int]
+) -> list[dict]:
+    """One row per launch of a forward + backward: what it moves and computes, and its predicted time."""
+    fwd, bwd = plan(op, model, b, g, n, d, gpu, grid)
+    rows = []
+    for phase, launches in (("fwd", fwd), ("bwd", bwd)):
+        for launch in launches:
+            c = price_launch(launch, model == "swiglu")
+            flops = c.tensor + c.tensor_sync
+            wgmma = f"{c.tensor / flops:.0%}" if flops and gpu.capability == 90 else "-"
+            rows.append({"phase": phase, "kernel": c.label, "programs": c.programs, "MB": c.hbm / 1e6,
+                         "GFLOP": flops / 1e9, "dot": c.dot, "wgmma": wgmma, **predict(c, gpu)})  # fmt: skip
+    return rows
+
+
+# ------------------------------------------------------------------------------------- the training step
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Blocks of one resolution: width C, heads of the SwiGLU branch, head dim d, tokens h x w, depth."""
+
+    dim: int
+    heads: int
+    side: int
+    depth: int
+    mlp: int  # hidden width / C
+    conv_ffn: bool  # H-ViT³'s ConvFFN (fc1, GELU, x + dw3x3, GELU, fc2) instead of an MLP
+    rope: bool
+
+    @property
+    def d(self) -> int:
+        return self.dim // self.heads
+
+
+# 224 x 224 inputs: ViT³-S (patch 16: 14 x 14 tokens), H-ViT³-T (stem /4, then /8, /16, /32).
+MODELS = {
+    "ViT3-S": ((Stage(384, 6, 14, 12, 4, False, False),), 4.82e9),
+    "H-ViT3-T": (
+        (Stage(64, 2, 56, 1, 4, True, True), Stage(128, 4, 28, 3, 4, True, True),
+         Stage(320, 10, 14, 9, 4, True, True), Stage(512, 16, 7, 4, 4, True, True)),
+        4.92e9,
+    ),
+}  # fmt: skip
+
+
+def block_rest(st: Stage, b: int, gpu: GPU) -> tuple[float, float]:
+    """(seconds, FLOPs per image) of one block's forward + backward outside the TTT op, bf16 activations."""
+    t = b * st.side**2
+    c, width = st.dim, st.dim + st.d  # the SwiGLU heads and the conv branch's d channels
+    gemms = [(c, 3 * width), (width, c), (c, st.mlp * c), (st.mlp * c, c)]
+    seconds = flops = 0.0
+    for k, m in gemms:  # forward, and the two backward GEMMs (input and weight gradients)
+        f = 2 * t * k * m
+        moved = 2 * t * (k + m)  # bf16 input and output
+        seconds += 3 * max(f / (GEMM_EFF * gpu.bf16), moved / (GEMM_EFF * gpu.hbm))
+        flops += f / b
+    act = 2 * t * c  # bytes of one bf16 [T, C] activation
+    passes = 2 * 2 + 2 * 2 + 2  # two LayerNorms, two residual adds (read + write), the CPE (read + write)
+    passes += 2 * st.mlp * (2 if not st.conv_ffn else 6)  # GELU (and the ConvFFN's dw conv + second GELU)
+    passes += 2 * width / c + (4 if st.rope else 0)  # the concatenation of the branch read-outs, RoPE on q, k
+    seconds += 3 * passes * act / gpu.hbm  # backward ~ twice the forward's traffic
+    return seconds, flops
+
+
+def training_step(op: ModuleType, name: str, b: int, gpu: GPU) -> dict[str, Any]:
+    """Predicted seconds of one training step (forward + backward) of ``name`` at batch ``b``, and its split.
+
+    ``modelled_gmacs_fwd``: the forward multiply-adds per image the model covers (the blocks' GEMMs and the TTT
+    op's dots), beside the paper's count (fvcore's, one per multiply-add): the rest is the stem, the
+    downsampling layers, the head and the element-wise work.
+    """
+    stages, paper_flops = MODELS[name]
+    mixer = rest = flops = 0.0
+    for st in stages:
+        grid = (st.side, st.side)
+        rows = price(op, "swiglu", b, st.heads, st.side**2, st.d, gpu, grid)
+        rows += price(op, "dwconv", b, 1, st.side**2, st.d, gpu, grid)
+        other, f = block_rest(st, b, gpu)
+        mixer += st.depth * sum(r["us"] for r in rows) * 1e-6
+        rest += st.depth * other
+        flops += st.depth * (f + sum(r["GFLOP"] for r in rows if r["phase"] == "fwd") * 1e9 / b)
+    return {"model": name, "batch": b, "step_ms": (mixer + rest) * 1e3, "ttt_op_ms": mixer * 1e3,
+            "rest_ms": rest * 1e3, "ttt_share": mixer / (mixer + rest),
+            "modelled_gmacs_fwd": flops / 2e9, "paper_gflops_fwd": paper_flops / 1e9}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+# The kernel benchmark's shape (B*H = 64 at N = 3136: 16 images x 4 heads, 56 x 56 tokens) at ViT³-S's and
+# H-ViT³'s head dims, and the training shapes of the two models' busiest blocks at batch 256 / 128.
+SHAPES = (
+    ("bench-d64", "swiglu", 16, 4, 56, 64),
+    ("bench-d32", "swiglu", 16, 4, 56, 32),
+    ("ViT3-S-b256", "swiglu", 256, 6, 14, 64),
+    ("H-ViT3-T-stage1-b128", "swiglu", 128, 2, 56, 32),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernels", type=Path, default=None, help="another checkout's kernels/ folder")
+    p.add_argument("--design", default="this tree", help="the name of the design in the table")
+    p.add_argument("--gpus", nargs="+", default=list(GPUS), choices=list(GPUS))
+    p.add_argument("--batch", type=int, nargs=2, default=(256, 128), help="ViT3-S and H-ViT3-T batch")
+    p.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
+    p.add_argument("--out", type=Path, default=RESULTS / "roofline.csv")
+    args = p.parse_args(argv)
+    op = load_triton_op(args.kernels)
+    rows, steps = [], []
+    print(f"design: {args.design}; model constants: LAUNCH={LAUNCH * 1e6:.1f} us, LATENCY={LATENCY * 1e6:.1f} us, "
+          f"MMA_SYNC_SM90={MMA_SYNC_SM90}, GEMM_EFF={GEMM_EFF}")  # fmt: skip
+    for gname in args.gpus:
+        gpu = GPUS[gname]
+        for label, model, b, g, side, d in (s for s in SHAPES if s[0] in args.shapes):
+            launches = price(op, model, b, g, side * side, d, gpu, (side, side))
+            head = {"design": args.design, "gpu": gname, "shape": label, "B": b, "G": g, "N": side * side, "d": d}  # fmt: skip
+            rows += [head | r for r in launches]
+            total = sum(r["us"] for r in launches)
+            token_mb = 7 * 2 * b * g * side * side * d / 1e6 + 4 * 2 * b * g * side * side * d / 1e6
+            rows.append(head | {"phase": "fwd+bwd", "kernel": f"(total, {len(launches)} launches)", "programs": 0,
+                                "MB": sum(r["MB"] for r in launches), "GFLOP": sum(r["GFLOP"] for r in launches),
+                                "dot": "", "wgmma": "", "mem_us": token_mb * 1e12 / gpu.hbm, "compute_us": 0.0,
+                                "latency_us": 0.0, "us": total})  # fmt: skip
+        for name, b in zip(MODELS, args.batch):
+            steps.append({"design": args.design, "gpu": gname} | training_step(op, name, b, gpu))
+    print_table([r for r in rows if r["gpu"] == args.gpus[0]], floatfmt="{:.4g}")
+    print(
+        "\n(total) rows: mem_us is the roofline of the token traffic alone (11 bf16 N x d tensors per head)\n"
+    )
+    print_table([r for r in rows if r["kernel"].startswith("(total")], floatfmt="{:.4g}")
+    print()
+    print_table(steps, floatfmt="{:.4g}")
+    for gname in args.gpus:
+        print(f"{gname}: {GPUS[gname].source}")
+    write_csv(rows + [s | {"kernel": "(training step)"} for s in steps], args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
