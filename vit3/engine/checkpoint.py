@@ -226,7 +226,7 @@ def make_model_record(
     std: Iterable[float] | None,
 ) -> dict[str, Any]:
     """The record of the model a run of ``cfg`` trains (see the module docstring)."""
-    kwargs = dict(cfg.model.kwargs or {})
+    kwargs = Config(cfg.model.kwargs or {}).to_dict()  # plain data (nested kwargs too): weights_only loads it
     data = cfg.data
     return {
         "name": str(cfg.model.name),

@@ -24,9 +24,10 @@ import resource
 import sys
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import timm
 import torch
@@ -309,6 +310,38 @@ class _Run(TrainRun):
     classes: list[str]
     progress: _Progress
 
+    # What a task built on this loop (the conversion, vit3.engine.convert) changes: the task a checkpoint
+    # belongs to, the loss of a batch and what an epoch, a checkpoint and the summary report besides.
+    task: ClassVar[str] = "classification"
+
+    def start_epoch(self) -> None:
+        """Called before each epoch's batches (the run may change what trains)."""
+
+    def batch_loss(self, x: torch.Tensor, y: torch.Tensor, mesa_on: bool) -> torch.Tensor:
+        """The training loss of one (mixed) batch ``x [B, C, H, W]``, ``y [B]`` or ``[B, K]``; under autocast."""
+        logits = self.net(x)
+        loss = _label_loss(logits, y, self.cfg.aug.label_smoothing)
+        if mesa_on:
+            with torch.no_grad():
+                teacher = self.ema.module(x).float().softmax(dim=-1)  # [B, K]
+            loss = loss + float(self.cfg.train.mesa) * soft_cross_entropy(logits, teacher)
+        return loss
+
+    def epoch_metrics(self, validated: bool) -> dict[str, Any]:
+        """More columns of the epoch's metrics row (``validated``: the row has this epoch's val figures)."""
+        return {}
+
+    def extra_state(self) -> dict[str, Any]:
+        """More checkpoint entries (restored by :meth:`restore_extra`)."""
+        return {}
+
+    def restore_extra(self, ckpt: Mapping[str, Any]) -> None:
+        """Restores what :meth:`extra_state` saved."""
+
+    def summary_extra(self) -> dict[str, Any]:
+        """More fields of the run summary (called on every rank at the end of the run)."""
+        return {}
+
 
 def _state(run: _Run) -> dict[str, Any]:
     """The checkpoint dict (:func:`~vit3.engine.common.save_state` adds the RNG states)."""
@@ -317,7 +350,7 @@ def _state(run: _Run) -> dict[str, Any]:
     return {
         "record": make_model_record(run.cfg, run.num_classes, run.classes, mean, std),
         "model_name": run.cfg.model.name,
-        "model_kwargs": dict(run.cfg.model.kwargs),
+        "model_kwargs": Config(run.cfg.model.kwargs).to_dict(),
         "num_classes": run.num_classes,
         "classes": list(run.classes),
         **run.training_state(),
@@ -327,6 +360,7 @@ def _state(run: _Run) -> dict[str, Any]:
         "history": p.history,
         "config": run.cfg.to_dict(),
         "meta": run_metadata(),
+        **run.extra_state(),
     }
 
 
@@ -335,7 +369,7 @@ def _save(run: _Run, name: str) -> Path:
 
 
 def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
-    check_resume_task(ckpt, "classification", source)
+    check_resume_task(ckpt, run.task, source)
     schedule = ("epochs", "warmup_epochs", "base_lr", "warmup_lr", "min_lr", "lr_batch", "accum_steps")
     before = ckpt["config"].get("train", {})
     same_schedule = all(before.get(k) == run.cfg.train[k] for k in schedule)
@@ -349,6 +383,7 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
     p.restore(ckpt)
     p.loss_sum, p.loss_count = ckpt["epoch_loss"]
     p.best_top1, p.history = ckpt["best_top1"], list(ckpt["history"])
+    run.restore_extra(ckpt)
     old_batch = int(ckpt["config"]["data"]["batch_size"]) * int(ckpt.get("world_size", 1))
     new_batch = int(run.cfg.data.batch_size) * run.info.world
     if p.batch_in_epoch and old_batch != new_batch:  # a forced resume: continue after the samples done
@@ -410,6 +445,26 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
             info,
             f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} classes",
         )
+    return _assemble(cfg, info, out, model, data, num_classes, ckpt, resume)
+
+
+def _assemble(
+    cfg: Config,
+    info: DistInfo,
+    out: Path,
+    model: nn.Module,
+    data: dict[str, Any],
+    num_classes: int,
+    ckpt: dict[str, Any] | None,
+    resume: str,
+    run_type: Callable[..., _Run] = _Run,
+) -> _Run:
+    """The run around a built ``model`` and its ``data`` (:func:`~vit3.data.build_datasets`): preprocessing,
+    loaders, optimizer, schedule, EMA and DDP, resumed from ``ckpt`` (read from ``resume``) when given; its
+    config saved in ``out``. ``run_type`` makes the run (a :class:`_Run` subclass, given the fields of
+    :class:`_Run` in order)."""
+    classes = data["classes"]
+    in_chans = input_channels(cfg)
     resolve_data_cfg(cfg, model, in_chans)
     if ckpt is not None:
         for change in check_resume(cfg, ckpt, info.world, resume):
@@ -444,7 +499,7 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
         decay = float(cfg.train.ema_decay) ** (total_batch / float(cfg.train.ema_batch))  # as official
         ema = ModelEmaV3(model, decay=decay)
     net = wrap_ddp(model, cfg, info)
-    run = _Run(
+    run = run_type(
         cfg, info, model, net, ema, optimizer, scheduler, scaler, amp, build_mixup(cfg, num_classes),
         loader, wrapped, sampler, val_loader, batches_per_epoch, out, num_classes, classes, _Progress(),
     )  # fmt: skip
@@ -482,11 +537,11 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
     """One epoch (from ``progress.batch_in_epoch`` on); ``run_bar``: the run's bar (``train.progress=run``)."""
     cfg, info, p = run.cfg, run.info, run.progress
     accum, bs = int(cfg.train.accum_steps), cfg.data.batch_size
+    run.start_epoch()
     run.net.train()
     run.wrapped.set_epoch(p.epoch)
     run.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
-    mesa = float(cfg.train.mesa or 0.0)
-    mesa_on = mesa > 0 and p.epoch >= int(cfg.train.mesa_start * cfg.train.epochs)
+    mesa_on = float(cfg.train.mesa or 0.0) > 0 and p.epoch >= int(cfg.train.mesa_start * cfg.train.epochs)
     desc = f"epoch {p.epoch + 1}/{cfg.train.epochs}"
     if run_bar is None:
         bar = tqdm(
@@ -509,12 +564,7 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
         where = f"at epoch {p.epoch + 1}, batch {b}"
         with sync, _diverged_on_nonfinite_tokens(where):
             with autocast(dev, run.amp_dtype):
-                logits = run.net(x)
-                loss = _label_loss(logits, y, cfg.aug.label_smoothing)
-                if mesa_on:
-                    with torch.no_grad():
-                        teacher = run.ema.module(x).float().softmax(dim=-1)  # [B, K]
-                    loss = loss + mesa * soft_cross_entropy(logits, teacher)
+                loss = run.batch_loss(x, y, mesa_on)
             if not torch.isfinite(loss):
                 raise TrainingDiverged(f"non-finite training loss {loss.item()} {where}")
             run.scaler.scale(loss / accum).backward()
@@ -557,12 +607,14 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
         "img_per_s": round(images / max(epoch_time, 1e-9), 1),
     }
     last = p.epoch + 1 == cfg.train.epochs
-    if last or (p.epoch + 1) % max(1, int(cfg.train.eval_every)) == 0:
+    validated = last or (p.epoch + 1) % max(1, int(cfg.train.eval_every)) == 0
+    if validated:
         val = validate(run.model, run.val_loader, run.info.device, run.amp_dtype)
         row.update(val_loss=val["loss"], val_top1=val["top1"], val_top5=val["top5"])
         if run.ema is not None:
             ev = validate(run.ema.module, run.val_loader, run.info.device, run.amp_dtype)
             row.update(ema_loss=ev["loss"], ema_top1=ev["top1"], ema_top5=ev["top5"])
+    row.update(run.epoch_metrics(validated))
     p.history.append(row)
     p.epoch, p.batch_in_epoch, p.loss_sum, p.loss_count = p.epoch + 1, 0, 0.0, 0
     top1 = max(row.get("val_top1", -1.0), row.get("ema_top1", -1.0))
@@ -582,9 +634,10 @@ def train(cfg: Config) -> dict[str, Any]:
     return in_process_group(cfg, _train)
 
 
-def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
+def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run] = _setup) -> dict[str, Any]:
+    """Runs the epochs of the run ``setup`` makes (:func:`_setup`, or a task's own built on :func:`_assemble`)."""
     start = time.perf_counter()
-    run = _setup(cfg, info)
+    run = setup(cfg, info)
     p = run.progress
     run_bar = None
     if cfg.train.progress == "run":  # one bar for the whole run instead of one per epoch
@@ -604,6 +657,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
         **run_summary(run, run.out, p.history),
         "best": str(run.out / "best.pt") if cfg.train.keep_best else None,
         "best_top1": p.best_top1,
+        **run.summary_extra(),
         "wall_time_s": round(time.perf_counter() - start, 1),
     }
     if info.is_main:
