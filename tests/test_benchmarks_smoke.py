@@ -97,3 +97,30 @@ def test_generation_benchmark_compares_dit3_with_dit(tmp_path):
     assert [r["model"] for r in rows] == ["dit3_s_8/ttt", "dit3_s_8/attention"]
     assert all(float(r["fwd+bwd_ms"]) > 0 and float(r["attention_over_ttt"]) > 0 for r in rows)
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_convert_benchmark_rows_for_every_method_and_size(tmp_path):
+    from helpers.train import make_digit_folder
+
+    digits = make_digit_folder(tmp_path / "digits", digits=(0, 1), n_train=20, n_val=10)
+    out = tmp_path / "convert.csv"
+    _run(
+        "convert.py",
+        *("--quick", "--seeds", "0", "--teacher-epochs", "2", "--budget-epochs", "1", "--sizes", "32", "48"),
+        *("--repeats", "1", "--work", str(tmp_path / "runs"), "--out", str(out), "--override"),
+        *("data.dataset=folder", f"data.path={digits}", "data.batch_size=10", "train.warmup_epochs=0"),
+    )
+    rows = list(csv.DictReader(out.open()))
+    acc = {r["method"]: r for r in rows if r["measure"] == "accuracy"}
+    assert set(acc) == {"teacher", "converted", "scratch"}
+    assert (
+        int(acc["teacher"]["steps"]) == 8
+        and int(acc["converted"]["steps"]) == int(acc["scratch"]["steps"]) == 4
+    )
+    assert float(acc["converted"]["budget"]) == 0.5
+    lat = [r for r in rows if r["measure"] == "latency"]
+    assert [(r["method"], int(r["tokens"])) for r in lat] == [
+        ("teacher", 4), ("converted", 4), ("teacher", 9), ("converted", 9)
+    ]  # fmt: skip
+    assert all(float(r["ms_per_image"]) > 0 for r in lat) and lat[-1]["exponent"]
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -255,17 +255,23 @@ def test_convert_task_runs_both_stages_and_reports_them(converted):
     assert ckpt["record"]["kwargs"]["base"] == "vit_tiny_patch16_224" and ckpt["record"]["classes"]
 
 
-def test_stage_one_changes_the_mixers_only(digits, converted, tmp_path):
+def test_stage_one_changes_the_mixers_only_at_the_scaled_lr(digits, converted, tmp_path):
+    from vit3.engine.optim import build_scheduler, scaled_lrs
+
     tmp, _ = converted
     out = tmp_path / "stage1"
-    run(_convert_cfg(digits, tmp, out, "train.epochs=1"), "train")
+    cfg = _convert_cfg(digits, tmp, out, "train.epochs=1", "convert.transfer_lr_scale=3")
+    run(cfg, "train")
     student, teacher = read_ckpt(out / "last.pt")["model"], read_ckpt(tmp / "teacher" / "best.pt")["model"]
     changed = {k for k in student if k in teacher and not torch.equal(student[k], teacher[k])}
     assert not changed, changed  # every weight the teacher has is still the teacher's
-    start = timm.create_model(SWAP_MODEL, **read_ckpt(out / "last.pt")["model_kwargs"], num_classes=4)
-    assert not torch.equal(
-        student["blocks.0.attn.mixer.inner.0.w1"], start.state_dict()["blocks.0.attn.mixer.inner.0.w1"]
-    )
+    history = json.loads((out / "metrics.json").read_text())
+    assert history[1]["val_transfer_loss"] < history[0]["val_transfer_loss"]  # the mixers learnt
+    # the last step's lr: 3x what the schedule gives (cosine over the 12 steps of the epoch)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    scheduler = build_scheduler(optimizer, cfg.train, scaled_lrs(cfg.train, 20), 12)
+    scheduler.step_update(11)
+    assert history[1]["lr"] == pytest.approx(3 * optimizer.param_groups[0]["lr"])
 
 
 def test_conversion_checkpoint_is_taken_by_eval_and_fine_tuning(converted, tmp_path):
@@ -351,3 +357,15 @@ def test_a_weights_file_teacher_keeps_its_classifier(digits, converted, tmp_path
     teacher, record, data, num_classes = _teacher_and_data(cfg)
     assert num_classes == 4 == len(data["classes"]) and record["name"] == "vit_tiny_patch16_224"
     assert_same_tensors(teacher.state_dict(), saved)
+
+
+def test_a_misspelt_key_in_a_config_file_is_named(tmp_path):
+    from vit3.engine.convert import check_convert_cfg
+
+    path = tmp_path / "convert.yaml"
+    path.write_text(f"base: {CONFIG_DIR / 'convert' / 'demo_mnist.yaml'}\nconvert: {{transfr_epochs: 2}}\n")
+    with pytest.raises(
+        ConfigError, match=r"'convert\.transfr_epochs'; did you mean convert\.transfer_epochs"
+    ):
+        check_convert_cfg(load_config(path))
+    check_convert_cfg(load_config(CONFIG_DIR / "convert" / "demo_mnist.yaml"))

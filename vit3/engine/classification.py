@@ -14,6 +14,10 @@ uninterrupted one (the plumbing: :mod:`vit3.engine.common`).
 A run that diverges — a non-finite training loss, a non-finite gradient norm (with ``train.clip_grad``, no
 fp16 loss scaling) or non-finite tokens met by a TTT mixer of the forward — raises :class:`TrainingDiverged`
 (a ``FloatingPointError``) naming the epoch and batch, so callers such as ``vit3.ablate`` can report it.
+
+A task built on this loop (the conversion, :mod:`vit3.engine.convert`) builds its model and data, hands them to
+:func:`_assemble` with a :class:`_Run` subclass (its hooks: ``start_epoch``, ``batch_loss``, ``epoch_metrics``,
+``extra_state`` / ``restore_extra``, ``summary_extra``) and runs :func:`_train` with that setup.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ are ordinary classification checkpoints of the student (model record ``ttt_swap`
 
 from __future__ import annotations
 
+import difflib
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -71,9 +72,13 @@ from .common import (
 from .config import Config, ConfigError, load_config
 from .distributed import DistInfo, sum_tensor
 
-__all__ = ["TRANSFER", "evaluate", "stage_of", "train"]
+__all__ = ["CONVERT_KEYS", "TRANSFER", "check_convert_cfg", "evaluate", "stage_of", "train"]
 
 TRANSFER = "transfer_loss"  # metrics: <prefix>transfer_loss_<layer> and their mean <prefix>transfer_loss
+CONVERT_KEYS = (
+    "teacher", "teacher_model", "teacher_kwargs", "student_kwargs", "teacher_ema", "teacher_config", "ttt_kwargs",
+    "scope", "transfer_epochs", "transfer_lr_scale", "distill", "temperature", "task_weight", "distill_weight",
+)  # fmt: skip
 
 
 def _number(conv: Config, key: str, low: float, strict: bool = False) -> float:
@@ -98,6 +103,11 @@ def check_convert_cfg(cfg: Config) -> Config:
     if "convert" not in cfg:
         raise ConfigError("task 'convert' needs a 'convert:' config section (see configs/convert/base.yaml)")
     conv = cfg.convert
+    for key in conv:
+        if key not in CONVERT_KEYS:
+            close = difflib.get_close_matches(key, CONVERT_KEYS, n=3)
+            hint = f"; did you mean {', '.join(f'convert.{c}' for c in close)}?" if close else ""
+            raise ConfigError(f"unknown config key 'convert.{key}'{hint}")
     if not isinstance(conv.get("teacher"), str) or not conv.teacher:
         raise ConfigError(
             "convert.teacher is empty: name the teacher (a vit3 checkpoint or a timm weights file)"
@@ -120,6 +130,7 @@ def check_convert_cfg(cfg: Config) -> Config:
         raise ConfigError(
             f"convert.transfer_epochs must be an integer from 0 to train.epochs ({cfg.train.epochs}), got {epochs!r}"
         )
+    _number(conv, "transfer_lr_scale", 0.0, strict=True)
     _number(conv, "temperature", 0.0, strict=True)
     _number(conv, "task_weight", 0.0)
     _number(conv, "distill_weight", 0.0)
@@ -249,17 +260,25 @@ class _ConvertRun(classification._Run):
     sums: dict[str, float] = field(default_factory=dict)  # the partial epoch's loss terms
     count: int = 0
     built_stage: int = 0  # the stage the trainable set and ``net`` are set up for (0: none yet)
+    lr_scales: list[float] = field(default_factory=list)  # each param group's own lr scale (layer decay)
 
     task: ClassVar[str] = "convert"
 
+    def __post_init__(self) -> None:
+        self.lr_scales = [float(g.get("lr_scale", 1.0)) for g in self.optimizer.param_groups]
+
     def start_epoch(self) -> None:
-        """Stage 1 trains the mixers only, stage 2 everything; ``net`` (DDP) is rebuilt for what trains."""
+        """Stage 1 trains the mixers only (at ``transfer_lr_scale`` times the schedule's lr), stage 2
+        everything; ``net`` (DDP) is rebuilt for what trains."""
         stage = stage_of(self.cfg, self.progress.epoch)
         if stage == self.built_stage:
             return
         mixers = {id(q) for pair in self.pairs for q in pair.mixer.parameters()}
         for q in self.model.parameters():
             q.requires_grad_(stage == 2 or id(q) in mixers)
+        factor = float(self.cfg.convert.transfer_lr_scale) if stage == 1 else 1.0
+        for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
+            group["lr_scale"] = scale * factor  # timm's scheduler multiplies each group's lr by it
         self.net = wrap_ddp(TransferNet(self.model, self.pairs), self.cfg, self.info)
         self.built_stage = stage
         trained = sum(q.numel() for q in self.model.parameters() if q.requires_grad)
