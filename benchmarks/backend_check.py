@@ -8,7 +8,7 @@ the input and of every parameter. The parent computes the reference, the ``gener
 closed-form inner loop) in float64, and prints per (model, precision, backend) the relative RMS error of
 the output and the worst gradient, with a verdict against stated tolerances: fp32 <= 1e-2 (TF32 dots may
 serve), bf16 autocast <= 5e-2, and the registry's fallback warnings (``fallback``: the named backend did not
-serve, or was demoted after a failure). Writes ``backend_check.csv`` to ``--out-dir``.
+serve, or was demoted after a failure). Writes ``backend_check<--tag>.csv`` to ``--out-dir``.
 
     python benchmarks/backend_check.py --out-dir /tmp/check            # CUDA
     python benchmarks/backend_check.py --device cpu --batch 1 --quick  # CPU dry run
@@ -139,6 +139,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="4 x 4 token grids (a CPU dry run)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for all child processes")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--tag", default="", help="appended to the CSV name: backend_check<tag>.csv")
     p.add_argument("--save", type=Path, default=None, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -176,9 +177,9 @@ def main() -> None:
     if not rows:
         raise SystemExit("no backend ran")
     print_table(rows)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out_dir / "backend_check.csv")
-    print(f"wrote {args.out_dir / 'backend_check.csv'}")
+    path = args.out_dir / f"backend_check{args.tag}.csv"
+    write_csv(rows, path)
+    print(f"wrote {path}")
     if any(r["verdict"] != "ok" for r in rows):
         sys.exit(1)
 

@@ -130,6 +130,18 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
+class CsvRows:
+    """Rows written to ``path`` as they come (the file rewritten each time, so a later row may add columns): a
+    run cut short, e.g. by a time limit, keeps every row it measured."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.rows = path, []
+
+    def add(self, *rows: dict) -> None:
+        self.rows += rows
+        write_csv(self.rows, self.path)
+
+
 def print_table(rows: Sequence[dict], floatfmt: str = "{:.3g}") -> None:
     """Prints dict rows as an aligned text table."""
     if not rows:

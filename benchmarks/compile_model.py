@@ -2,8 +2,9 @@
 
 Per model: the number of graphs and graph breaks Dynamo finds in the forward (and each break's reason),
 then ``torch.compile`` (``--backend``, Inductor by default) of the forward under ``--mode`` (``infer``:
-``inference_mode``; ``train``: forward + backward), the first call's time (the compile) and the median
-time of the compiled and the eager model side by side. Writes ``compile_model.csv`` to ``--out-dir``.
+``inference_mode``, the model in ``eval()``; ``train``: forward + backward, the model in ``train()``), the
+first call's time (the compile) and the median time of the compiled and the eager model side by side.
+Writes ``compile_model<--tag>.csv`` to ``--out-dir``, a row as each model finishes.
 
     python benchmarks/compile_model.py --device cuda --models vit3_tiny h_vit3_tiny --img-size 224
     python benchmarks/compile_model.py --device cpu --models test_vit3_ttt --img-size 64 --backend aot_eager
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vit3  # noqa: F401  - registers the vit3 models in timm
-from benchmarks.common import RESULTS, print_table, sync, time_interleaved, write_csv
+from benchmarks.common import RESULTS, CsvRows, print_table, sync, time_interleaved
 
 
 def graph_breaks(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int, list[str]]:
@@ -45,13 +46,15 @@ def main() -> None:
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--tag", default="", help="appended to the CSV name: compile_model<tag>.csv")
     args = p.parse_args()
     device = torch.device(args.device)
     amp = (args.amp or ("bf16" if device.type == "cuda" else "none")) == "bf16"
-    rows = []
+    rows = CsvRows(args.out_dir / f"compile_model{args.tag}.csv")
     for name in args.models:
         torch.manual_seed(0)
-        model = timm.create_model(name, img_size=args.img_size, num_classes=1000).to(device).eval()
+        model = timm.create_model(name, img_size=args.img_size, num_classes=1000).to(device)
+        model.train(args.mode == "train")
         x = torch.randn(args.batch, 3, args.img_size, args.img_size, device=device)
         graphs, breaks, reasons = graph_breaks(model, x)
         for reason in reasons:
@@ -73,14 +76,12 @@ def main() -> None:
         times = time_interleaved(
             {"compiled": lambda: call(compiled), "eager": lambda: call(model)}, device, repeats=args.repeats
         )
-        rows.append({"model": name, "img": args.img_size, "batch": args.batch, "mode": args.mode,
-                     "amp": "bf16" if amp else "none", "backend": args.backend, "graphs": graphs,
-                     "graph_breaks": breaks, "first_call_s": first, "compiled_ms": 1e3 * times["compiled"],
-                     "eager_ms": 1e3 * times["eager"], "speedup": times["eager"] / times["compiled"]})  # fmt: skip
-    print_table(rows)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out_dir / "compile_model.csv")
-    print(f"wrote {args.out_dir / 'compile_model.csv'}")
+        rows.add({"model": name, "img": args.img_size, "batch": args.batch, "mode": args.mode,
+                  "amp": "bf16" if amp else "none", "backend": args.backend, "graphs": graphs,
+                  "graph_breaks": breaks, "first_call_s": first, "compiled_ms": 1e3 * times["compiled"],
+                  "eager_ms": 1e3 * times["eager"], "speedup": times["eager"] / times["compiled"]})  # fmt: skip
+    print_table(rows.rows)
+    print(f"wrote {rows.path}")
 
 
 if __name__ == "__main__":

@@ -1,33 +1,42 @@
 """vit3 backbones against timm's DeiT/ViT (SDPA attention) of the same size, across resolutions.
 
 For each (model, resolution, mode) it measures images/s and peak memory side by side in one run:
-``infer`` is a forward under ``torch.inference_mode``, ``train`` a training step's forward + backward
-(gradients of every parameter; no optimizer step). ``--amp bf16`` runs both under ``torch.autocast`` (the
-default on CUDA). Peak memory is ``torch.cuda.max_memory_allocated`` on a GPU and the process's peak
-resident set growth on CPU (Linux ``/proc/self/clear_refs`` resets the high-water mark before each
-measurement; it includes what the allocator keeps), and beside it on CPU ``peak_tensor_mib``, the peak of the
-tensor storage alive during the call as the PyTorch profiler records it (allocator-independent,
-deterministic: ``common.peak_tensor_memory``). Each row's ``*_vs_base`` columns compare it with the last
-model of its group at the same resolution and mode: ``speed_vs_base`` is the paired median over rounds of
-base time / model time, the memory ones are plain ratios. ``recompute`` records ``$VIT3_TTT_RECOMPUTE``
-(what vit3's mixers save for the backward, ``TTTConfig.recompute``). The roofline column is the achieved GFLOP/s of the forward (fvcore FLOPs) against the
-measured matmul roof of the device. A group ``a:b:c`` times its models side by side; the ratios printed
-compare each to the last (the baseline).
+``infer`` is a forward under ``torch.inference_mode`` with the model in ``eval()``, ``train`` a training
+step's forward + backward (gradients of every parameter; no optimizer step) with the model in ``train()``.
+``--amp bf16`` runs both under ``torch.autocast`` (the default on CUDA). ``--variants eager compiled`` times
+each model eager and compiled side by side (``torch.compile``, ``--compile-backend``; ``--compile-scope
+blocks``, the default: every transformer block compiled on its own, regional compilation, so one compile per
+block shape serves every block of it and the cold start stays short; ``model``: the whole forward), the
+first call's seconds (the compile) in ``first_call_s``. Peak memory is ``torch.cuda.max_memory_allocated``
+on a GPU and the process's peak resident set growth on CPU (Linux ``/proc/self/clear_refs`` resets the
+high-water mark before each measurement; it includes what the allocator keeps), and beside it on CPU
+``peak_tensor_mib``, the peak of the tensor storage alive during the call as the PyTorch profiler records it
+(allocator-independent, deterministic: ``common.peak_tensor_memory``). Each row's ``*_vs_base`` columns
+compare it with the last model of its group at the same resolution, mode and variant: ``speed_vs_base`` is
+the paired median over rounds of base time / model time, the memory ones are plain ratios. ``recompute``
+records ``$VIT3_TTT_RECOMPUTE`` (what vit3's mixers save for the backward, ``TTTConfig.recompute``). The
+roofline column is the achieved GFLOP/s of the forward (fvcore FLOPs) against the measured matmul roof of
+the device. A group ``a:b:c`` times its models side by side; the ratios printed compare each to the last
+(the baseline). A model whose first call fails (out of memory, a compile error) is reported and left out;
+the CSV is rewritten after every resolution, so a run cut short keeps what it measured.
 
     python benchmarks/models.py                         # CPU: ViT³-T vs DeiT-T, 224..1248, batch 1
     python benchmarks/models.py --pairs vit3_small:deit_small_patch16_224 --res 224 448
     python benchmarks/models.py --device cuda --pairs vit3_tiny:h_vit3_tiny:deit_tiny_patch16_224 \
         --res 224 512 1024 1248 --batch 64 16 4 2 --no-flops       # GPU, bf16 autocast
+    python benchmarks/models.py --device cuda --variants eager compiled --modes train --no-flops  # + compiled
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import timm
@@ -38,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vit3  # noqa: F401  - registers the vit3 models in timm
 from benchmarks.common import (
     RESULTS,
+    CsvRows,
     add_runtime_args,
     apply_runtime,
     matmul_peak_flops,
@@ -46,6 +56,7 @@ from benchmarks.common import (
     peak_tensor_memory,
     plot_loglog,
     print_table,
+    sync,
     time_samples,
     write_csv,
 )
@@ -80,16 +91,31 @@ def batches(args: argparse.Namespace) -> dict[int, int]:
     return dict(zip(args.res, args.batch))
 
 
-def fits_memory(key: str, fn, res: int, device: torch.device) -> bool:
-    """Runs ``fn`` once; False (and a note) where it runs out of memory, so the other models still get timed."""
+def compiled(model: torch.nn.Module, scope: str, backend: str) -> torch.nn.Module:
+    """A compiled copy of ``model``: every ``*Block`` module compiled in place (``scope="blocks"``), or the
+    whole forward (``"model"``)."""
+    model = copy.deepcopy(model)
+    if scope == "model":
+        return torch.compile(model, backend=backend)
+    for m in model.modules():
+        if type(m).__name__.endswith("Block"):
+            m.compile(backend=backend)
+    return model
+
+
+def first_call(key: str, fn, res: int, device: torch.device) -> float | None:
+    """Seconds of the first call of ``fn`` (a compiled model compiles here), or ``None`` (and a note) where it
+    fails, e.g. out of memory or a compile error, so the other models still get timed."""
+    start = time.perf_counter()
     try:
         fn()
-        return True
-    except torch.OutOfMemoryError:
-        print(f"{key} @ {res}px: out of memory, skipped", flush=True)
+        sync(device)
+    except Exception as exc:
+        print(f"{key} @ {res}px: {type(exc).__name__}: {str(exc).strip()[:300]} (left out)", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return False
+        return None
+    return time.perf_counter() - start
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -97,79 +123,94 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.manual_seed(0)
     amp = AMP[args.amp]
     roof = matmul_peak_flops(device, amp or torch.float32)
-    rows = []
+    csv = CsvRows(args.out)
     for pair in args.pairs:
         names = pair.split(":")
         for res, batch in batches(args).items():
             x = torch.randn(batch, 3, res, res, device=device)
-            models = {n: build(n, res, device).eval() for n in names}
+            models = {}
+            for n in names:
+                models[n, "eager"] = build(n, res, device)
+                if "compiled" in args.variants:
+                    models[n, "compiled"] = compiled(
+                        models[n, "eager"], args.compile_scope, args.compile_backend
+                    )
 
             def autocast():
                 return torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
 
             def infer(m):
+                m.eval()
                 with torch.inference_mode(), autocast():
                     m(x)
 
             def train(m):
+                m.train()
                 with autocast():
                     out = m(x)
                 out.float().sum().backward()
                 m.zero_grad(set_to_none=True)
 
             fns = {}
-            for n, m in models.items():
-                fns[f"{n}/infer"] = lambda m=m: infer(m)
-                if not args.no_train:
-                    fns[f"{n}/train"] = lambda m=m: train(m)
-            fns = {key: fn for key, fn in fns.items() if fits_memory(key, fn, res, device)}
+            for (n, variant), m in models.items():
+                if variant not in args.variants:
+                    continue
+                for mode, step in (("infer", infer), ("train", train)):
+                    if mode in args.modes:
+                        fns[n, variant, mode] = lambda m=m, step=step: step(m)
+            first = {key: first_call("/".join(key), fn, res, device) for key, fn in fns.items()}
+            fns = {key: fn for key, fn in fns.items() if first[key] is not None}
             samples = time_samples(fns, device, repeats=args.repeats)
             times = {key: statistics.median(ts) for key, ts in samples.items()}
             group = []
-            for n, m in models.items():
-                flops = fvcore_flops(m, x[:1]) * batch if args.flops else float("nan")
-                for mode in ("infer", "train"):
-                    key = f"{n}/{mode}"
-                    if key not in times:
-                        continue
-                    mem = peak_memory(lambda key=key: fns[key](), device)
-                    tensor_mem = (
-                        peak_tensor_memory(lambda key=key: fns[key](), device)
-                        if device.type == "cpu"
-                        else float("nan")
-                    )
-                    group.append(
-                        {
-                            "model": n,
-                            "res": res,
-                            "batch": batch,
-                            "amp": args.amp,
-                            "mode": mode,
-                            "recompute": os.environ.get("VIT3_TTT_RECOMPUTE", "auto"),
-                            "img_per_s": batch / times[key],
-                            "ms": 1e3 * times[key],
-                            "peak_mib": mem,
-                            "peak_tensor_mib": tensor_mem,
-                            "gflops_per_img": flops / batch / 1e9,
-                            "roofline_pct": 100 * flops / times[key] / roof
-                            if mode == "infer"
-                            else float("nan"),
-                        }
-                    )
+            for (n, variant, mode), fn in fns.items():
+                flops = fvcore_flops(models[n, "eager"].eval(), x[:1]) * batch if args.flops else float("nan")
+                mem = peak_memory(fn, device)
+                tensor_mem = peak_tensor_memory(fn, device) if device.type == "cpu" else float("nan")
+                group.append(
+                    {
+                        "model": n,
+                        "res": res,
+                        "batch": batch,
+                        "amp": args.amp,
+                        "mode": mode,
+                        "variant": variant,
+                        "recompute": os.environ.get("VIT3_TTT_RECOMPUTE", "auto"),
+                        "img_per_s": batch / times[n, variant, mode],
+                        "ms": 1e3 * times[n, variant, mode],
+                        "first_call_s": first[n, variant, mode],
+                        "peak_mib": mem,
+                        "peak_tensor_mib": tensor_mem,
+                        "gflops_per_img": flops / batch / 1e9,
+                        "roofline_pct": 100 * flops / times[n, variant, mode] / roof
+                        if mode == "infer"
+                        else float("nan"),
+                    }
+                )
             base = names[-1]
             for row in group:
-                ref = next((r for r in group if r["model"] == base and r["mode"] == row["mode"]), None)
+                ref = next(
+                    (
+                        r
+                        for r in group
+                        if (r["model"], r["mode"], r["variant"]) == (base, row["mode"], row["variant"])
+                    ),
+                    None,
+                )
                 if ref is None:
                     continue
                 row["speed_vs_base"] = paired_ratio(
-                    samples[f"{base}/{row['mode']}"], samples[f"{row['model']}/{row['mode']}"]
+                    samples[base, row["variant"], row["mode"]],
+                    samples[row["model"], row["variant"], row["mode"]],
                 )
                 row["peak_vs_base"] = row["peak_mib"] / max(ref["peak_mib"], 1e-9)
                 row["tensor_peak_vs_base"] = row["peak_tensor_mib"] / max(ref["peak_tensor_mib"], 1e-9)
-            rows += group
+            csv.add(*group)  # so far: a run cut short keeps what it measured
             print(f"{pair} @ {res} done", flush=True)
-            write_csv(rows, args.out)  # so far: a run cut short keeps what it measured
-    return rows
+            del models, fns
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return csv.rows
 
 
 def main() -> None:
@@ -180,7 +221,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="one size, or one per --res")
     p.add_argument("--amp", choices=sorted(AMP), default=None, help="autocast dtype (default: bf16 on CUDA)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-train", action="store_true", help="skip the training-step measurement")
+    p.add_argument("--modes", nargs="+", choices=["infer", "train"], default=["infer", "train"])
+    p.add_argument("--variants", nargs="+", choices=["eager", "compiled"], default=["eager"])
+    p.add_argument("--compile-scope", choices=["blocks", "model"], default="blocks", help="what is compiled")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
     p.add_argument("--no-flops", dest="flops", action="store_false", help="skip fvcore FLOP counting")
     p.add_argument("--out", type=Path, default=None, help="CSV (default: results/models_<device>.csv)")
     args = p.parse_args()
@@ -194,26 +238,29 @@ def main() -> None:
         )
         args.out = RESULTS / f"models_{tag.strip('_')}.csv"
     apply_runtime(args)
+    # Every block shape, resolution and mode is a compiled graph: room for all of them and their recompiles.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     rows = run(args)
     print_table(rows)
-    for mode in ("infer", "train"):
-        by = {(r["model"], r["res"]): r for r in rows if r["mode"] == mode}
-        for pair in args.pairs:
-            *models, base = pair.split(":")
-            for a in models:
-                for res in args.res:
-                    if (a, res) in by and (base, res) in by:
-                        ra = by[(a, res)]
-                        print(
-                            f"{mode} {res}px: {a} {ra.get('speed_vs_base', float('nan')):.2f}x the speed of "
-                            f"{base} (paired), {ra.get('peak_vs_base', float('nan')):.2f}x its peak RSS, "
-                            f"{ra.get('tensor_peak_vs_base', float('nan')):.2f}x its peak tensor memory"
-                        )
+    for variant in args.variants:
+        for mode in args.modes:
+            by = {(r["model"], r["res"]): r for r in rows if (r["mode"], r["variant"]) == (mode, variant)}
+            for pair in args.pairs:
+                *models, base = pair.split(":")
+                for a in models:
+                    for res in args.res:
+                        if (a, res) in by and (base, res) in by:
+                            ra = by[(a, res)]
+                            print(
+                                f"{mode} {variant} {res}px: {a} {ra.get('speed_vs_base', float('nan')):.2f}x the "
+                                f"speed of {base} (paired), {ra.get('peak_vs_base', float('nan')):.2f}x its peak "
+                                f"memory, {ra.get('tensor_peak_vs_base', float('nan')):.2f}x its peak tensor memory"
+                            )
     write_csv(rows, args.out)
     for metric, label in (("ms", "ms per batch"), ("peak_mib", "peak MiB")):
         series = {}
         for r in rows:
-            xs, ys = series.setdefault(f"{r['model']} {r['mode']}", ([], []))
+            xs, ys = series.setdefault(f"{r['model']} {r['mode']} {r['variant']}", ([], []))
             xs.append(r["res"])
             ys.append(r[metric])
         png = args.out.with_name(f"{args.out.stem}_{metric}.png")

@@ -1,12 +1,16 @@
-"""Times the SwiGLU-branch TTT inner loop: fused Triton op vs PyTorch paths vs official eager vs SDPA.
+"""Times the SwiGLU-branch TTT inner loop: fused Triton op vs compiled and eager PyTorch vs official vs SDPA.
 
-Per configuration (N tokens, head dim d, B*H = ``--bh`` sample-heads, the input dtype) and mode (forward
-under ``no_grad``, forward + backward to qkv and the inner weights), it times side by side:
+Per configuration (N tokens, head dim d, B*H sample-heads, the input dtype) and mode (forward under
+``no_grad``, forward + backward to qkv and the inner weights), it times side by side:
 
-- ``fused``: ``vit3.kernels.triton_ttt`` (Triton; CUDA only, skipped on CPU);
+- ``fused``: ``vit3.kernels.triton_ttt`` (Triton; on CUDA, or on CPU through ``TRITON_INTERPRET=1``);
+- ``compiled``: ``torch.compile`` of the plain PyTorch formulation (``torch_loop`` below), the path a user
+  without the kernel would take on a GPU;
+- ``compiled_official``: ``torch.compile`` of the official eager formulation (``official`` below);
 - ``torch_fast``: the mixer's hand-fused path ``vit3.kernels.swiglu.eager.swiglu_ttt`` (when present; on a CPU
   its passes run in the C++ kernel ``vit3.kernels.swiglu.cpp``);
-- ``torch_loop``: the generic PyTorch path ``vit3.layers.inner_loop`` + ``SwiGLUInner.apply_to``;
+- ``torch_loop``: the generic PyTorch path ``vit3.layers.inner_loop`` + ``SwiGLUInner.apply_to`` (closed-form
+  inner gradient, fp32 compute);
 - ``official``: the official eager formulation (~37 eager ops forward), re-written here as the baseline; for
   half inputs under ``torch.autocast`` in that dtype, as the official code runs in mixed precision (its
   fp32 inner weights meet half q, k, v in ``k @ w1``);
@@ -21,12 +25,17 @@ known or given) using the work model of the ViT³ note: per (sample, head) the f
 7·N·d backward (q, k, v, dO in, dq, dk, dv out) — 8·N·d / 14·N·d bytes in bf16. SDPA is rated with
 4·N²·d FLOPs forward and 10·N²·d backward and the same bytes. Each path's peak memory per call is measured
 once after the timing (``peak_mib``: CUDA ``max_memory_allocated``; CPU the profiler's tensor allocations,
-``benchmarks.common.peak_tensor_memory``). Results go to ``--out-dir`` as CSV and PNG.
+``benchmarks.common.peak_tensor_memory``). ``--bh`` takes several sizes (an inference-size and a
+training-size batch x heads). A path whose first call fails (a compile error, out of memory) is reported and
+left out of that configuration. Rows are written to the CSV as each configuration finishes; ``--profile``
+adds a per-kernel profile of the forward + backward of ``--profile-paths`` (``torch.profiler``: every GPU
+kernel's time per call, or every op's self CPU time on a CPU) to ``ttt_kernel_profile_<tag>.csv``.
 
 Examples::
 
     python benchmarks/ttt_kernel.py --quick            # small CPU run (reference paths only)
     python benchmarks/ttt_kernel.py                    # GPU: all paths, N in {196, 784, 3136, 12544}, d in {32, 64}
+    python benchmarks/ttt_kernel.py --n 3136 196 --d 64 32 --bh 64 1024 --profile --tag cuda   # the GPU check
 """
 
 from __future__ import annotations
@@ -45,14 +54,15 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, peak_tensor_memory, print_table, time_interleaved, write_csv
+from benchmarks.common import RESULTS, CsvRows, peak_tensor_memory, print_table, sync, time_interleaved
 from benchmarks.official_baseline import official_swiglu_branch
 from vit3.layers import DWConvInner, SwiGLUInner, inner_loop
 
 SCALE = 9**-0.5
 # Dense bf16 tensor-core TFLOP/s and HBM GB/s of common accelerators (vendor datasheets).
 PEAKS = {"H200": (989.0, 4800.0), "H100": (989.0, 3350.0), "A100": (312.0, 2039.0), "L40S": (362.0, 864.0)}
-PATHS = ("fused", "torch_fast", "torch_loop", "official", "sdpa", "dwconv")
+PATHS = ("fused", "compiled", "compiled_official", "torch_fast", "torch_loop", "official", "sdpa", "dwconv")
+COMPILED = {"compiled": "torch_loop", "compiled_official": "official"}  # path -> the path it compiles
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -81,7 +91,7 @@ def official_mixed(qkv: Tensor, w1: Tensor, w2: Tensor, heads: int) -> Tensor:
 
 
 def build_paths(
-    heads: int, d: int, device: torch.device
+    heads: int, d: int, device: torch.device, compile_backend: str = "inductor"
 ) -> dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]]:
     """Each path maps ``(qkv [B, N, 3*H*d], w1, w2 [1, H, d, d])`` to ``[B, N, H*d]``."""
     model = SwiGLUInner(heads, d).to(device)
@@ -128,7 +138,11 @@ def build_paths(
         paths["torch_fast"] = torch_fast
     except ImportError:
         pass
-    if device.type == "cuda":
+    for name, source in COMPILED.items():  # compiled on first call (per shape, then with dynamic shapes)
+        paths[name] = torch.compile(paths[source], backend=compile_backend)
+    from vit3.kernels import triton_runs_on
+
+    if triton_runs_on(device):
         from vit3.kernels import triton_ttt
 
         def fused(qkv, w1, w2):
@@ -174,47 +188,109 @@ def detect_peaks(
     return name, tflops if tflops is not None else known[0], gbs if gbs is not None else known[1]
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    """Times every path on every (d, N, mode); returns one row per measurement."""
+def first_call(path: str, call: Callable[[], object], device: torch.device) -> str:
+    """Runs ``call`` once (a compiled path compiles here); the error, ``""`` when it ran."""
+    try:
+        call()
+        sync(device)
+    except Exception as exc:  # a compile error, out of memory: reported, the other paths still timed
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+    return ""
+
+
+def kernel_profile(call: Callable[[], object], device: torch.device, steps: int = 3) -> list[tuple]:
+    """``(name, launches per call, µs per call)`` of every GPU kernel one call of ``call`` runs (on a CPU: every
+    op's self CPU time), by the PyTorch profiler over ``steps`` calls after the warm ones."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            call()
+        sync(device)
+    out = []
+    for e in prof.key_averages():
+        if cuda and e.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None) if cuda else e.self_cpu_time_total
+        if us is None:  # PyTorch < 2.4
+            us = e.self_cuda_time_total
+        if us > 0:
+            out.append((e.key, e.count / steps, us / steps))
+    return sorted(out, key=lambda r: -r[2])
+
+
+def run(args: argparse.Namespace, csv: CsvRows, profile_csv: CsvRows | None = None) -> list[dict]:
+    """Times every path on every (d, N, B*H, mode), in that order; returns one row per measurement (each
+    configuration's rows also go to ``csv`` as it finishes, its kernel profile to ``profile_csv``)."""
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     esize = torch.empty((), dtype=dtype).element_size()
     dev_name, peak_tflops, peak_gbs = detect_peaks(device, args.peak_tflops, args.peak_gbs)
     heads = args.heads
-    if args.bh % heads:
-        raise ValueError(f"--bh {args.bh} must be a multiple of --heads {heads}")
-    batch = args.bh // heads
-    print(f"device: {dev_name}  dtype: {args.dtype}  B x H = {batch} x {heads}  peaks: "
+    for bh in args.bh:
+        if bh % heads:
+            raise ValueError(f"--bh {bh} must be a multiple of --heads {heads}")
+    print(f"device: {dev_name}  dtype: {args.dtype}  B*H: {args.bh} ({heads} heads)  peaks: "
           f"{peak_tflops or '?'} TFLOP/s, {peak_gbs or '?'} GB/s")  # fmt: skip
     rows = []
     for d in args.d:
-        paths = {k: fn for k, fn in build_paths(heads, d, device).items() if k not in args.skip}
+        paths = {
+            k: fn
+            for k, fn in build_paths(heads, d, device, args.compile_backend).items()
+            if k not in args.skip
+        }
         for n in args.n:
-            qkv = torch.randn(batch, n, 3 * heads * d, device=device, dtype=dtype, requires_grad=True)
-            w1, w2 = (
-                (0.02 * torch.randn(1, heads, d, d, device=device)).requires_grad_(True) for _ in range(2)
-            )
-            dout = torch.randn(batch, n, heads * d, device=device, dtype=dtype)
-            for mode in ("fwd", "fwd+bwd"):
-                calls = {
-                    path: functools.partial(step, fn, mode, qkv, w1, w2, dout) for path, fn in paths.items()
-                }
-                seconds = time_interleaved(calls, device, repeats=args.repeats, warmup=1)
-                peaks = {path: peak_tensor_memory(call, device) for path, call in calls.items()}
-                for path, sec in seconds.items():
-                    nbytes, flops = work(path, mode, n, d, args.bh, heads, esize)
-                    row = {"device": dev_name, "dtype": args.dtype, "mode": mode, "path": path, "N": n, "d": d,
-                           "BH": args.bh, "ms": 1e3 * sec, "GB/s": nbytes / sec / 1e9,
-                           "TFLOP/s": flops / sec / 1e12, "peak_mib": peaks[path]}  # fmt: skip
-                    row["%HBM"] = 100 * row["GB/s"] / peak_gbs if peak_gbs else math.nan
-                    row["%peak_FLOP"] = 100 * row["TFLOP/s"] / peak_tflops if peak_tflops else math.nan
-                    rows.append(row)
-                print(f"  d={d} N={n} {mode}: " + ", ".join(f"{k} {1e3 * t:.3f} ms" for k, t in seconds.items()),
-                      file=sys.stderr, flush=True)  # fmt: skip
-    base = {(r["mode"], r["N"], r["d"]): r["ms"] for r in rows if r["path"] == "official"}
-    for r in rows:
-        b = base.get((r["mode"], r["N"], r["d"]))
-        r["x_official"] = b / r["ms"] if b and r["path"] != "dwconv" else math.nan  # dwconv: other work
+            for bh in args.bh:
+                batch = bh // heads
+                qkv = torch.randn(batch, n, 3 * heads * d, device=device, dtype=dtype, requires_grad=True)
+                w1, w2 = (
+                    (0.02 * torch.randn(1, heads, d, d, device=device)).requires_grad_(True) for _ in range(2)
+                )
+                dout = torch.randn(batch, n, heads * d, device=device, dtype=dtype)
+                for mode in ("fwd", "fwd+bwd"):
+                    calls = {
+                        path: functools.partial(step, fn, mode, qkv, w1, w2, dout)
+                        for path, fn in paths.items()
+                    }
+                    for path in list(calls):
+                        if error := first_call(path, calls[path], device):
+                            print(f"  d={d} N={n} BH={bh} {mode}: {path} left out ({error})", file=sys.stderr)
+                            del calls[path]
+                    seconds = time_interleaved(calls, device, repeats=args.repeats, warmup=1)
+                    peaks = {path: peak_tensor_memory(call, device) for path, call in calls.items()}
+                    group = []
+                    for path, sec in seconds.items():
+                        nbytes, flops = work(path, mode, n, d, bh, heads, esize)
+                        row = {"device": dev_name, "dtype": args.dtype, "mode": mode, "path": path, "N": n,
+                               "d": d, "BH": bh, "ms": 1e3 * sec, "GB/s": nbytes / sec / 1e9,
+                               "TFLOP/s": flops / sec / 1e12, "peak_mib": peaks[path]}  # fmt: skip
+                        row["%HBM"] = 100 * row["GB/s"] / peak_gbs if peak_gbs else math.nan
+                        row["%peak_FLOP"] = 100 * row["TFLOP/s"] / peak_tflops if peak_tflops else math.nan
+                        group.append(row)
+                    base = seconds.get("official")
+                    for row in group:  # dwconv is other work
+                        ok = base and row["path"] != "dwconv"
+                        row["x_official"] = 1e3 * base / row["ms"] if ok else math.nan
+                    rows += group
+                    csv.add(*group)
+                    print(f"  d={d} N={n} BH={bh} {mode}: "
+                          + ", ".join(f"{k} {1e3 * t:.3f} ms" for k, t in seconds.items()),
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    if profile_csv is not None and mode == "fwd+bwd":
+                        for path in (p for p in args.profile_paths if p in calls):
+                            for name, count, us in kernel_profile(calls[path], device):
+                                profile_csv.add({"device": dev_name, "dtype": args.dtype, "mode": mode,
+                                                 "path": path, "N": n, "d": d, "BH": bh, "kernel": name,
+                                                 "calls": count, "us": us,
+                                                 "share": us / (1e6 * seconds[path])})  # fmt: skip
+                del qkv, w1, w2, dout, calls
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     return rows
 
 
@@ -226,22 +302,26 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ds = sorted({r["d"] for r in rows})
+    bhs = sorted({r["BH"] for r in rows})
     modes = ("fwd", "fwd+bwd")
     fig, axes = plt.subplots(len(modes), len(ds), figsize=(5 * len(ds), 4 * len(modes)), squeeze=False)
     for i, mode in enumerate(modes):
         for j, d in enumerate(ds):
             ax = axes[i][j]
             for name in PATHS:
-                pts = sorted(
-                    (r["N"], r["ms"]) for r in rows if (r["mode"], r["d"], r["path"]) == (mode, d, name)
-                )
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=name)
+                for bh in bhs:
+                    pts = sorted(
+                        (r["N"], r["ms"])
+                        for r in rows
+                        if (r["mode"], r["d"], r["path"], r["BH"]) == (mode, d, name, bh)
+                    )
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=name if len(bhs) == 1 else f"{name} B·H={bh}")
             ax.set(xscale="log", yscale="log", xlabel="tokens N", ylabel="ms", title=f"{mode}, d={d}")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
     r0 = rows[0]
-    fig.suptitle(f"TTT SwiGLU inner loop: {r0['device']}, {r0['dtype']}, B·H={r0['BH']}")
+    fig.suptitle(f"TTT SwiGLU inner loop: {r0['device']}, {r0['dtype']}, B·H={'/'.join(map(str, bhs))}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -255,34 +335,54 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--n", type=int, nargs="+", default=[196, 784, 3136, 12544], help="token counts")
     p.add_argument("--d", type=int, nargs="+", default=[32, 64], help="head dims")
-    p.add_argument("--bh", type=int, default=None, help="batch x heads (default 64 on CUDA, 4 on CPU)")
+    p.add_argument(
+        "--bh", type=int, nargs="+", default=None, help="batch x heads sizes (default 64 on CUDA, 4 on CPU)"
+    )
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--skip", nargs="*", default=[], choices=PATHS, help="paths not to time")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per path (default 20 CUDA, 3 CPU)")
+    p.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend of the compiled paths"
+    )
+    p.add_argument("--profile", action="store_true", help="per-kernel profile of each fwd+bwd configuration")
+    p.add_argument(
+        "--profile-paths",
+        nargs="+",
+        default=["fused", "compiled", "official"],
+        choices=PATHS,
+        help="profiled",
+    )
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak (dense bf16) TFLOP/s")
     p.add_argument("--peak-gbs", type=float, default=None, help="device peak memory bandwidth GB/s")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier on shared machines)")
     p.add_argument(
         "--quick", action="store_true", help="small CPU-sized run: N in {196, 784}, d = 32, B*H = 4"
     )
+    p.add_argument("--tag", default=None, help="output name tag (default: cpu, or the GPU's name)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     on_cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bf16" if on_cuda else "fp32")
-    args.bh = args.bh or (64 if on_cuda else 4)
+    args.bh = args.bh or [64 if on_cuda else 4]
     args.repeats = args.repeats or (20 if on_cuda else 3)
     if args.quick:
-        args.n, args.d, args.bh, args.heads = [196, 784], [32], 4, 2
-    args.heads = min(args.heads, args.bh)
-    rows = run(args)
-    print_table(rows)
-    tag = "cpu" if not on_cuda else re.sub(r"[^A-Za-z0-9]+", "_", rows[0]["device"]).strip("_").lower()
-    tag += "_quick" if args.quick else ""
+        args.n, args.d, args.bh, args.heads = [196, 784], [32], [4], 2
+    args.heads = min(args.heads, *args.bh)
+    # Every (d, N, B*H, mode) is a shape: room for a compiled path's graphs and their recompiles.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    tag = args.tag or (
+        "cpu"
+        if not on_cuda
+        else re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(args.device)).lower()
+    )
+    tag = tag.strip("_") + ("_quick" if args.quick else "")
     csv_path, png_path = args.out_dir / f"ttt_kernel_{tag}.csv", args.out_dir / f"ttt_kernel_{tag}.png"
-    write_csv(rows, csv_path)
+    profile_csv = CsvRows(args.out_dir / f"ttt_kernel_profile_{tag}.csv") if args.profile else None
+    rows = run(args, CsvRows(csv_path), profile_csv)
+    print_table(rows)
     plot(rows, png_path)
-    print(f"wrote {csv_path} and {png_path}")
+    print(f"wrote {csv_path} and {png_path}" + (f" and {profile_csv.path}" if profile_csv else ""))
 
 
 if __name__ == "__main__":

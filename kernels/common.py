@@ -1,4 +1,5 @@
-"""What every TTT op shares: the gradient normalisation, the inner step, and the reference inner step.
+"""What every TTT op shares: the gradient normalisation, the inner step, the reference inner step, and the
+autocast contract of the hand-written autograd nodes (:func:`autocast_forward` / :func:`autocast_backward`).
 
 The official ViT³ step (Han et al., "ViT³: Unlocking Test-Time Training in Vision", CVPR 2026, and its code,
 github.com/LeapLabTHU/ViTTT) trains an inner model f on ``(k, v)`` with one full-batch gradient step of the
@@ -10,12 +11,16 @@ inner loop of ``vit3.layers``, the eager tiled paths, the official baseline of t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "autocast_backward",
+    "autocast_forward",
     "grad_flows",
     "normalize_grad",
     "normalized",
@@ -30,6 +35,55 @@ def grad_flows(*tensors: Tensor | None) -> bool:
     """Whether autograd records a call on ``tensors``: grad mode is on and one of them requires grad (``None``
     entries are skipped). The fast paths save for the backward, or build a node at all, only then."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def autocast_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorates an autograd node's ``forward``: records the autocast state of its tensors' device (the first
+    tensor argument's) and the dtype of every tensor argument, for :func:`autocast_backward`.
+
+    ``torch.amp.custom_fwd`` / ``custom_bwd`` for a node that runs on any device: those take the device type
+    when the class is defined, our nodes see it in their arguments.
+    """
+
+    @functools.wraps(forward)
+    def wrapper(ctx: Any, *args: Any) -> Any:
+        device = next(a.device.type for a in args if isinstance(a, Tensor))
+        enabled = torch.is_autocast_enabled(device)
+        ctx.autocast = (device, enabled, torch.get_autocast_dtype(device) if enabled else None)
+        ctx.input_dtypes = tuple(a.dtype if isinstance(a, Tensor) else None for a in args)
+        return forward(ctx, *args)
+
+    return wrapper
+
+
+def autocast_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorates the ``backward`` of a node whose ``forward`` has :func:`autocast_forward`: it runs under the
+    forward's autocast state, wherever ``backward()`` is called (inside an autocast region or after it, the
+    usual pattern), and returns each input's gradient in that input's dtype.
+
+    Without it a backward meets the caller's state: fp32 weights saved by a forward under autocast against
+    16-bit gradients outside it, or fp32 math of a node that turned autocast off downcast inside it.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        device, enabled, dtype = ctx.autocast
+        now = torch.is_autocast_enabled(device)
+        if now == enabled and (not now or torch.get_autocast_dtype(device) == dtype):
+            out = backward(ctx, *grads)
+        elif enabled:
+            with torch.autocast(device, dtype=dtype):
+                out = backward(ctx, *grads)
+        else:
+            with torch.autocast(device, enabled=False):
+                out = backward(ctx, *grads)
+        out = out if isinstance(out, tuple) else (out,)
+        return tuple(
+            g if g is None or dt is None or g.dtype == dt else g.to(dt)
+            for g, dt in zip(out, ctx.input_dtypes)
+        )
+
+    return wrapper
 
 
 def normalized(g: Tensor, dims: tuple[int, ...] = (-2,)) -> tuple[Tensor, Tensor]:

@@ -13,11 +13,14 @@ Launch set-up: ``launch_config`` sizes every kernel (tiles, column blocks, warps
 of N) from the GPU (``Arch``: compute capability, opt-in shared memory per block, SM count) and the dot
 precision; ``forward_plan`` / ``backward_plan`` turn it into the list of launches the custom ops execute,
 and plan the same launches on meta tensors for the offline compiles of ``vit3.kernels.aot``.
-``fits_device`` tells a caller whether a GPU can run a configuration at all.
+``fits_device`` tells a caller whether a GPU can run a configuration at all. A plan's launches run with the
+inputs' GPU current (``_launch_all``: Triton launches on the current device and its current stream). The
+backward is differentiable for a double backward (``create_graph=True``): autograd through the reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass, replace
@@ -57,6 +60,8 @@ __all__ = [
 ]
 
 TRITON_LOSSES = {"swiglu": ("dot",), "linear": ("dot", "mse"), "dwconv": ("dot",)}
+# The inner models whose kernels multiply with ``tl.dot`` (the depthwise conv's are elementwise).
+DOT_MODELS = ("swiglu", "linear")
 WEIGHT_NAMES = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
 # Head dims the kernels take. The matrix models' kernels keep [BLOCK_D, BLOCK_C] column blocks of the d x d
 # weights and gradients on chip (``launch_config``: 16 columns at d = 128): whole 128 x 128 matrices would need
@@ -391,8 +396,9 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
 
     On a CUDA device: its compute capability (the kernels are checked from sm_75 on) and its opt-in shared
     memory per block against what ``launch_config`` picks for this head dim, dtype and, for fp32, the dots
-    PyTorch allows now (TF32 or IEEE): ``smem_need``. Cheap: cached per (model, head-dim class, dtype,
-    precision, device). On a CPU the interpreter (``TRITON_INTERPRET=1``) runs any configuration. A CUDA
+    PyTorch allows now (TF32 or IEEE): ``smem_need``. On ROCm (``torch.version.hip``), first whether Triton's
+    AMD backend takes the dots' input precision on this GPU (most parts reject TF32; ``DOT_MODELS``). Cheap:
+    cached per (model, head-dim class, dtype, precision, device). On a CPU the interpreter (``TRITON_INTERPRET=1``) runs any configuration. A CUDA
     device asked about where no GPU is present (a plan explained ahead of time) passes: the check is made
     where the GPU is.
 
@@ -421,8 +427,38 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
         )
     if not torch.cuda.is_available():  # a CUDA plan explained where there is no GPU to inspect
         return True, ""
+    prec = _gpu_precision(dtype)
+    if torch.version.hip and name in DOT_MODELS:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        arch, allowed = _hip_arch(index)
+        if prec not in allowed:
+            return False, (
+                f"ROCm {arch}: Triton's AMD backend takes {', '.join(allowed)} dots there, not the {prec} dots "
+                f"the kernels take for {dtype} inputs"
+            )
     block_d = max(16, triton.next_power_of_2(head_dim))
-    return _fits_arch(name, block_d, dtype, _gpu_precision(dtype), Arch.of(device))
+    return _fits_arch(name, block_d, dtype, prec, Arch.of(device))
+
+
+@functools.cache
+def _hip_arch(index: int) -> tuple[str, tuple[str, ...]]:
+    """The ROCm GPU ``index``'s architecture (``gfx942`` ...) and the ``tl.dot`` input precisions Triton's AMD
+    backend takes on it (``hip_dot_precisions``)."""
+    arch = torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+    return arch, hip_dot_precisions(arch)
+
+
+def hip_dot_precisions(arch: str) -> tuple[str, ...]:
+    """The ``tl.dot`` input precisions Triton's AMD backend accepts on ``arch``, as Triton's own option parser
+    says (``tf32`` on some parts only, e.g. ``gfx942``); only ``ieee`` where this Triton cannot be asked."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+
+        options = make_backend(GPUTarget("hip", arch, 64)).parse_options({})
+        return tuple(options.allowed_dot_input_precisions)
+    except Exception:  # another Triton's API, or no AMD backend in this build
+        return ("ieee",)
 
 
 @functools.cache
@@ -455,6 +491,23 @@ class Launch:
 
     def __call__(self) -> None:
         wrap_triton(self.kernel)[self.grid](*self.args, **self.kwargs)
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a plan's launches run in: ``device`` current on a GPU. Triton launches on the current CUDA
+    device and its current stream: a tensor of another GPU would hand that GPU's pointers to a kernel on the
+    current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Compiled graphs guard
+    their devices themselves."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _launch_all(launches: list[Launch], device: torch.device) -> None:
+    """Runs a plan's launches in order on ``device``, the inputs' (``_on_device``)."""
+    with _on_device(device):
+        for launch in launches:
+            launch()
 
 
 def _device_arch(device: torch.device) -> Arch:
@@ -639,8 +692,7 @@ def _fwd_op(
     """
     outs, launches = forward_plan(q, k, v, w, model, loss, h, wd, scale, lr, grad_norm, chunk)
     if _live(q):
-        for launch in launches:
-            launch()
+        _launch_all(launches, q.device)
     return outs
 
 
@@ -654,8 +706,7 @@ def _bwd_op(
         dout, q, k, v, w, gbuf, wpbuf, nbuf, model, loss, h, wd, scale, lr, grad_norm, chunk
     )
     if _live(q):
-        for launch in launches:
-            launch()
+        _launch_all(launches, q.device)
     return grads
 
 
@@ -669,8 +720,37 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, dout: Tensor, *_stats: Tensor) -> tuple:
     q, k, v, w, gbuf, wpbuf, nbuf = ctx.saved_tensors
-    dq, dk, dv, dw = _bwd_op(dout, q, k, v, w, gbuf, wpbuf, nbuf, *ctx.cfg)
-    return (dq, dk, dv, dw) + (None,) * len(ctx.cfg)
+    if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
+        grads = _reference_backward(dout, q, k, v, w, *ctx.cfg)
+    else:
+        grads = _bwd_op(dout, q, k, v, w, gbuf, wpbuf, nbuf, *ctx.cfg)
+    return (*grads, *(None,) * len(ctx.cfg))
+
+
+def _unpack_weights(w: Tensor, model: str, g: int, d: int) -> dict[str, Tensor]:
+    """The initial weights by name from the kernels' weight buffer ``w`` (``triton_ttt``'s packing undone)."""
+    if model == "dwconv":  # [1, G, 1, 9, c] -> [1, G*c, 3, 3]
+        return {"weight": w[:, :, 0].transpose(-1, -2).reshape(1, g * d, 3, 3)}
+    return {key: w[:, :, i] for i, key in enumerate(WEIGHT_NAMES[model])}  # [1, G, c, c] each
+
+
+def _reference_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w: Tensor, model: str, loss: str, h: int, wd: int,
+    scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor | None, ...]:  # fmt: skip
+    """The backward as a differentiable graph, for a double backward: autograd through the op's reference on
+    the saved inputs, in the kernels' accumulator dtype (the kernels' backward has no derivative of its own)."""
+    inputs = (q, k, v, w)
+    wanted = [t for t in inputs if t.requires_grad]
+    if not wanted:
+        return (None,) * len(inputs)
+    acc = w.dtype
+    q_, k_, v_ = (t.to(acc) for t in (q, k, v))
+    params = _unpack_weights(w, model, q.shape[1], q.shape[3])
+    kw = {"grid": (h, wd), "scale": scale, "lr": lr, "grad_norm": grad_norm, "loss": loss}
+    out = reference.reference_ttt(model, q_, k_, v_, params, **kw)
+    grads = iter(torch.autograd.grad(out, wanted, dout.to(acc), create_graph=True, allow_unused=True))
+    return tuple(next(grads) if t.requires_grad else None for t in inputs)
 
 
 torch.library.register_autograd("vit3::triton_ttt_fwd", _backward, setup_context=_setup_context)

@@ -7,10 +7,63 @@ import os
 import pytest
 import torch
 
-# Triton kernels run through Triton's CPU interpreter where no GPU is present. It must be set before any
-# kernel module is imported (triton.jit reads it at decoration time).
+# Where no GPU is present Triton's CPU interpreter is the only Triton there is, and the tests that run the
+# kernels on ``helpers.ops.DEVICE`` run them there. It is set before any kernel module is imported:
+# ``triton.jit`` reads it when a kernel is decorated, and the op registers as an opaque custom op under it.
+# On a GPU host the kernels compile and a test asks for what it needs itself: ``interpreter`` for the
+# registry's decisions on CPU tensors, ``triton_device`` (the GPU, else the interpreter) to launch kernels.
+# ``TRITON_INTERPRET=0 pytest ...`` here imports Triton as a GPU host does: tests that would launch a kernel
+# on the CPU skip (``helpers.ops.needs_kernels``), the others run as they would there.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _triton_marked(request, monkeypatch):
+    """A test marked ``triton`` runs its kernels on the GPU, or through the interpreter where there is none."""
+    if request.node.get_closest_marker("triton") and not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Triton's interpreter for this test's CPU tensors, on any host (``TRITON_INTERPRET=1`` for the test)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretends one GPU with device properties ``props`` is present (``torch.cuda.get_device_properties``),
+    from a ROCm build of PyTorch where ``hip`` is its version; the launcher's per-device caches are emptied
+    around the test. For code that only asks about the device: nothing may allocate on it."""
+    from vit3.kernels import triton_op
+
+    caches = (triton_op._cuda_arch, triton_op._hip_arch, triton_op._fits_arch)
+
+    def use(props, hip: str | None = None) -> torch.device:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+        monkeypatch.setattr(torch.version, "hip", hip)
+        for cache in caches:
+            cache.cache_clear()
+        return torch.device("cuda", 0)
+
+    yield use
+    for cache in caches:
+        cache.cache_clear()
+
+
+@pytest.fixture
+def triton_device(monkeypatch) -> torch.device:
+    """Where this test's Triton kernels run: the GPU, or the CPU through the interpreter where there is none
+    (skipped where Triton was decorated for a GPU that is not there: ``helpers.ops.needs_kernels``)."""
+    from helpers.ops import needs_kernels
+
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    needs_kernels(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return torch.device("cpu")
 
 
 @pytest.fixture

@@ -135,6 +135,91 @@ def test_runner_reports_diverged_and_failed_rows(monkeypatch, tmp_path):
     assert (tmp_path / "results.png").stat().st_size > 0
 
 
+# ------------------------------------------------------------------------------------- output folders
+def _fake_rows(monkeypatch) -> list[str]:
+    """Replaces the training of a row by writing its checkpoint; returns the rows trained, in order."""
+    trained = []
+
+    def fake_train(cfg):
+        out = Path(cfg.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "last.pt").write_bytes(b"row " + out.name.encode())
+        trained.append(out.name)
+        return {"final": {"val_top1": 50.0, "val_top5": 90.0, "val_loss": 1.0}}
+
+    monkeypatch.setattr(ablate, "_train_row", fake_train)
+    return trained
+
+
+def test_a_second_table_run_refuses_the_first_ones_folders(monkeypatch, tmp_path, capsys):
+    trained = _fake_rows(monkeypatch)
+    args = [str(ABLATIONS_DIR / "loss"), "--quick", "--output", str(tmp_path)]
+    assert ablate.main(args) == 0 and len(trained) == 5
+    first = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert ablate.main(args) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'dot'} holds the checkpoints of an earlier run (and 4 more rows' folders), which "
+        f"this table would overwrite: continue the table with --resume (finished rows are read back, a killed one "
+        f"continues), or give it a new --output; --overwrite moves each row's old files into "
+        f"<row folder>/replaced-<time>/ first\n"
+    )
+    assert len(trained) == 5 and {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == first
+
+
+def test_rows_that_would_share_a_folder_are_refused(monkeypatch, tmp_path, capsys):
+    trained = _fake_rows(monkeypatch)
+    other = tmp_path / "mine" / "dot.yaml"  # another row file of the same name
+    other.parent.mkdir()
+    other.write_text(f"base: {ABLATIONS_DIR / 'loss' / 'dot.yaml'}\nablation: {{table: mine, row: mine}}\n")
+    assert (
+        ablate.main([str(ABLATIONS_DIR / "loss" / "dot.yaml"), str(other), "--output", str(tmp_path / "o")])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "would train in the same folder" in err and str(tmp_path / "o" / "dot") in err and not trained
+
+
+@pytest.fixture(scope="module")
+def few_digits(tmp_path_factory):
+    from helpers.train import make_digit_folder
+
+    return make_digit_folder(tmp_path_factory.mktemp("few"), digits=(0, 1), n_train=20, n_val=5)
+
+
+def test_resume_reads_finished_rows_back_and_overwrite_keeps_them_aside(few_digits, tmp_path, capsys):
+    """A real (tiny) row: a second plain run is refused; --resume reads the finished row back from its
+    checkpoint (the same top-1, and the parameter count of its nested-ttt_cfg checkpoint); --overwrite trains
+    it again after moving the old row's and table's files aside."""
+    row = ABLATIONS_DIR / "ttt_mlp.yaml"
+    tiny = [
+        "data.dataset=folder",
+        f"data.path={few_digits}",
+        "data.batch_size=20",
+        "train.epochs=1",
+        "--quick",
+    ]
+    args = [str(row), *tiny, "--output", str(tmp_path)]
+
+    def table() -> dict:
+        with open(tmp_path / "results.csv", encoding="utf-8") as f:
+            (line,) = csv.DictReader(f)
+        return line
+
+    assert ablate.main(args) == 0
+    first, checkpoint = table(), (tmp_path / "ttt_mlp" / "last.pt").read_bytes()
+    assert first["status"] == "ok" and float(first["params_m"]) > 0
+    assert ablate.main(args) == 2 and "holds the checkpoints of an earlier run" in capsys.readouterr().err
+    assert ablate.main([*args, "--resume"]) == 0
+    again = table()
+    assert (again["top1"], again["params_m"]) == (first["top1"], first["params_m"])
+    assert (tmp_path / "ttt_mlp" / "last.pt").read_bytes() == checkpoint  # read back, not trained again
+    assert ablate.main([*args, "--overwrite"]) == 0
+    (aside,) = (tmp_path / "ttt_mlp").glob("replaced-*")
+    assert (aside / "last.pt").read_bytes() == checkpoint
+    assert len(list(tmp_path.glob("replaced-*/results.csv"))) == 1
+
+
 def test_training_divergence_raises_training_diverged(tmp_path):
     """The engine's hook: an absurd outer lr blows the model up; the run ends with TrainingDiverged."""
     from vit3.engine import run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
 
@@ -96,6 +97,65 @@ def test_generation_benchmark_compares_dit3_with_dit(tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert [r["model"] for r in rows] == ["dit3_s_8/ttt", "dit3_s_8/attention"]
     assert all(float(r["fwd+bwd_ms"]) > 0 and float(r["attention_over_ttt"]) > 0 for r in rows)
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def _gpu_check(out, work, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+        env={
+            **os.environ,
+            "GPU_CHECK_DEVICE": "cpu",
+            "GPU_CHECK_WORK": str(work),
+            "PYTHON": sys.executable,
+            **env,
+        },
+    )
+
+
+def test_gpu_check_skips_what_its_time_budget_cannot_hold(tmp_path):
+    proc = _gpu_check(tmp_path / "out", tmp_path / "work", GPU_CHECK_BUDGET="0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    sections = ["env", "warm", "kernel", "models", "compiled", "explain", "tests", "backends", "compile"]
+    assert [line.split()[0] for line in lines] == [*sections, "total"]
+    assert all("skipped" in line for line in lines[:-1])
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_its_csvs_row_by_row_and_a_summary(tmp_path):
+    """The CPU dry run (``GPU_CHECK_DEVICE=cpu``: the interpreter, tiny sizes) of the environment and kernel
+    sections: the fused path through the interpreter, the compiled paths, two batch x heads sizes, the
+    per-kernel profile; what the device tool brings back (8 plain files at most) lands in the output folder."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = _gpu_check(out, work, GPU_CHECK_ONLY="env kernel")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = (out / "summary.txt").read_text()
+    assert "env rc=0" in summary and "kernel rc=0" in summary, summary
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_check.log", "summary.txt", "ttt_kernel_cpu.csv", "ttt_kernel_profile_cpu.csv"
+    ]  # fmt: skip
+    rows = list(csv.DictReader((out / "ttt_kernel_cpu.csv").open()))
+    assert {(r["path"], r["BH"]) for r in rows} >= {
+        (p, bh) for p in ("fused", "compiled") for bh in ("2", "4")
+    }
+    profile = list(csv.DictReader((out / "ttt_kernel_profile_cpu.csv").open()))
+    assert {r["path"] for r in profile} == {"fused", "compiled", "official"}
+    assert (work / "kernel.log").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_amp_benchmark_compares_each_mode_with_fp32(tmp_path):
+    out = tmp_path / "amp.csv"
+    small = "model.kwargs={img_size: 32, in_chans: 1, patch_size: 8, embed_dim: 16, depth: 1, num_heads: 1}"
+    _run("amp.py", "--out", str(out), "train.epochs=1", "data.batch_size=500", "train.lr_batch=500", small)
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["run"], r["epoch"]) for r in rows] == [("fp32", "1"), ("bf16", "1"), ("fp32 seed 1", "1")]
+    assert float(rows[0]["train_loss_gap"]) == 0.0 and all(r["finite"] == "True" for r in rows)
     assert out.with_suffix(".png").stat().st_size > 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -131,3 +133,96 @@ def test_cpu_malloc_tuning_is_applied_and_reports_success():
     from vit3.engine.cpu import tune_malloc
 
     assert tune_malloc() is True  # glibc (Linux CI): every mallopt call accepted
+
+
+# ---------------------------------------------------------------------- values that would wreck a run
+GEN = CONFIG_DIR / "generation" / "default.yaml"
+DENSE = CONFIG_DIR / "dense" / "dense_base.yaml"
+
+
+WRECKING = [
+    (None, "train.clip_grad=-1", "train.clip_grad must be > 0 (or null: no clipping), got -1"),
+    (None, "train.base_lr=-1e-3", "train.base_lr must be > 0, got -0.001"),
+    (None, "train.min_lr=1e-2", "train.min_lr must be in [0, train.base_lr (0.0005)], got 0.01"),
+    (None, "train.warmup_lr=-1e-6", "train.warmup_lr must be in [0, train.base_lr (0.0005)], got -1e-06"),
+    (None, "train.weight_decay=-0.05", "train.weight_decay must be >= 0, got -0.05"),
+    (None, "train.warmup_epochs=-1", "train.warmup_epochs must be >= 0, got -1"),
+    (None, "train.epochs=0", "train.epochs must be >= 1, got 0"),
+    (None, "train.accum_steps=0", "train.accum_steps must be >= 1, got 0"),
+    (None, "train.layer_decay=1.5", "train.layer_decay must be in (0, 1] (or null: off), got 1.5"),
+    (None, "train.ema_decay=1.5", "train.ema_decay must be in [0, 1), got 1.5"),
+    (None, "train.mesa=-1.0", "train.mesa must be >= 0 (or null: off), got -1.0"),
+    (None, "train.betas=[0.9, 1.0]", "train.betas must be a list of values in [0, 1), got [0.9, 1.0]"),
+    (None, "aug.label_smoothing=-0.1", "aug.label_smoothing must be in [0, 1), got -0.1"),
+    (None, "aug.mixup=-0.5", "aug.mixup must be >= 0 (or null: off), got -0.5"),
+    (None, "aug.mixup_prob=1.5", "aug.mixup_prob must be in [0, 1], got 1.5"),
+    (None, "aug.reprob=-0.25", "aug.reprob must be in [0, 1], got -0.25"),
+    (
+        None,
+        "aug.scale=[1.0, 0.08]",
+        "aug.scale must be a list of values in (0, 1], in increasing order, got [1.0, 0.08]",
+    ),
+    (None, "model.drop_path_rate=1.0", "model.drop_path_rate must be in [0, 1), got 1.0"),
+    (None, "seed=-1", "seed must be >= 0, got -1"),
+    (None, "data.std=[-0.3]", "data.std must be a list of values > 0 (or null: the model's), got [-0.3]"),
+    (DENSE, "dense.gamma=2", "dense.gamma must be in (0, 1], got 2"),
+    (DENSE, "dense.backbone_lr_mult=-1", "dense.backbone_lr_mult must be >= 0, got -1"),
+    (DENSE, "dense.aux_weight=-0.4", "dense.aux_weight must be >= 0, got -0.4"),
+    (DENSE, "dense.warmup_factor=2", "dense.warmup_factor must be in [0, 1], got 2"),
+    (DENSE, "dense.poly_power=-1", "dense.poly_power must be >= 0, got -1"),
+    (
+        DENSE,
+        "dense.anchor_sizes=[64, 32, 16]",
+        "dense.anchor_sizes must be a list of values > 0, in increasing order, got [64, 32, 16]",
+    ),
+    (GEN, "model.class_dropout_prob=1.0", "model.class_dropout_prob must be in [0, 1), got 1.0"),
+    (GEN, "sample.cfg_scale=-1", "sample.cfg_scale must be >= 0, got -1"),
+    (
+        GEN,
+        "diffusion.beta_end=1e-5",
+        "diffusion.beta_end must be in [diffusion.beta_start (0.0001), 1), got 1e-05",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "override", "message"),
+    WRECKING,
+    ids=[override.partition("=")[0] for _, override, _ in WRECKING],
+)
+def test_a_value_that_would_wreck_training_is_refused_with_its_range(config, override, message):
+    """Each of these has the right type but inverts the key's meaning (a negative clip_grad flips every
+    gradient, a negative lr or weight decay climbs the loss, a layer decay above 1 trains the stem fastest, a
+    min_lr above base_lr makes the cosine climb, descending anchors put big boxes on the fine maps, ...) or
+    crashes the run inside a library."""
+    with pytest.raises(ConfigError, match=f"^config key {re.escape(message)}$"):
+        load_config(config, [override])
+
+
+def test_every_bad_value_is_named_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.clip_grad=-1", "train.weight_decay=-1"])
+    assert str(err.value).splitlines() == [
+        "bad config values:",
+        "  config key train.weight_decay must be >= 0, got -1",
+        "  config key train.clip_grad must be > 0 (or null: no clipping), got -1",
+    ]
+
+
+def test_the_cli_refuses_a_negative_clip_grad_in_one_line(capsys):
+    from helpers.train import load_script
+
+    assert load_script("train").main(["train.clip_grad=-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: config key train.clip_grad must be > 0 (or null: no clipping), got -1\n"
+
+
+@pytest.mark.parametrize("task", ["classification", "detection", "generation"])
+def test_the_engines_check_a_config_built_in_code(task, tmp_path):
+    """A config changed after loading (the API, the ablation runner) is checked when a run starts."""
+    config = {"classification": None, "detection": DENSE, "generation": GEN}[task]
+    cfg = load_config(config, [f"output={tmp_path}"])
+    cfg.set_path("train.clip_grad", -1.0)
+    with pytest.raises(ConfigError, match=r"train.clip_grad must be > 0"):
+        run(cfg, "train")
+    assert not any(tmp_path.iterdir())  # refused before anything was written

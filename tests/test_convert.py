@@ -268,19 +268,26 @@ def test_stage_one_changes_the_mixers_only_at_the_scaled_lr(digits, converted, t
     history = json.loads((out / "metrics.json").read_text())
     assert history[1]["val_transfer_loss"] < history[0]["val_transfer_loss"]  # the mixers learnt
     # the last step's lr: 3x what the schedule gives (cosine over the 12 steps of the epoch)
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-    scheduler = build_scheduler(optimizer, cfg.train, scaled_lrs(cfg.train, 20), 12)
+    lrs = scaled_lrs(cfg.train, 20)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lrs["base_lr"])
+    scheduler = build_scheduler(optimizer, cfg.train, lrs, 12)
     scheduler.step_update(11)
     assert history[1]["lr"] == pytest.approx(3 * optimizer.param_groups[0]["lr"])
 
 
-def test_conversion_checkpoint_is_taken_by_eval_and_fine_tuning(converted, tmp_path):
+def test_conversion_checkpoint_is_taken_by_eval_export_and_fine_tuning(digits, converted, tmp_path):
     tmp, summary = converted
     best = tmp / "run" / "best.pt"
     cfg = config_for_checkpoint(best, None, [f"eval.checkpoint={best}", f"eval.json={tmp_path / 'e.json'}"])
     report = run(cfg, "eval")
     assert report["model"] == SWAP_MODEL
     assert report["results"][0]["top1"] == pytest.approx(summary["best_top1"])
+    feats = tmp_path / "feats"
+    export = ["features", "--checkpoint", str(best), "--images", str(digits / "val" / "digit_0")]
+    assert load_script("export").main([*export, "--out-indices", "0", "1", "--out", str(feats)]) == 0
+    manifest = json.loads((feats / "manifest.json").read_text())
+    assert manifest["model"] == SWAP_MODEL and manifest["preprocessing"]["input_size"] == [1, 32, 32]
+    assert [f["shape"] for f in manifest["features"]] == [[64, 4, 4]] * 2 and manifest["files"]
     ft = load_config(CONFIG_DIR / "finetune.yaml", [f"model.pretrained={best}"])
     from vit3.engine.checkpoint import apply_model_record, model_record, peek_vit3_checkpoint
 
@@ -305,6 +312,20 @@ def test_conversion_resumes_exactly_in_either_stage(digits, converted, tmp_path,
     a = json.loads((tmp / "run" / "metrics.json").read_text())
     b = json.loads((out / "metrics.json").read_text())
     assert [r.get("val_transfer_loss") for r in a] == [r.get("val_transfer_loss") for r in b]
+
+
+def test_a_bare_resume_of_an_older_conversion_gets_the_keys_added_since(tmp_path):
+    """``train.py --resume last.pt`` of a conversion written before convert.transfer_lr_scale existed: its
+    config is merged over the conversion's defaults (configs/convert/base.yaml), not classification's."""
+    from vit3.engine.checkpoint import config_for_resume, save_checkpoint
+    from vit3.engine.convert import check_convert_cfg
+
+    saved = load_config(CONFIG_DIR / "convert" / "demo_mnist.yaml", [f"output={tmp_path}"]).to_dict()
+    del saved["convert"]["transfer_lr_scale"]
+    save_checkpoint(tmp_path / "last.pt", {"task": "convert", "config": saved, "global_step": 1})
+    resumed = config_for_resume(tmp_path / "last.pt")
+    assert (resumed.task, resumed.convert.transfer_lr_scale, resumed.train.epochs) == ("convert", 1.0, 3)
+    check_convert_cfg(resumed)
 
 
 @pytest.mark.parametrize(

@@ -12,19 +12,20 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers.generation import tiny_gen_cfg, write_tiny_vae
+from helpers.generation import DEMO, tiny_gen_args, tiny_gen_cfg, write_tiny_vae
 from helpers.train import (
     REPO,
     Crashed,
     assert_same_tensors,
     crash_after_checkpoint,
+    kill_when_checkpoint,
     load_script,
     read_ckpt,
     saved_weights_sha1,
     tiny_cfg,
 )
 
-from vit3.engine import ConfigError, run
+from vit3.engine import ConfigError, load_config, run
 from vit3.engine.cli import USER_ERROR_EXIT
 from vit3.engine.generation_metrics import classifier_metrics, inception_metrics
 
@@ -60,8 +61,9 @@ def _resumable(ckpt_path):
     return {k: ckpt[k] for k in ("model", "ema", "optimizer", "scaler", "global_step", "epoch", "curve")}
 
 
-def test_kill_and_resume_matches_uninterrupted_run(digits, tmp_path, monkeypatch):
-    """Timesteps, noise, label dropout and accumulation all draw on state that the resume must restore."""
+def test_kill_and_bare_resume_matches_uninterrupted_run(digits, tmp_path, monkeypatch):
+    """Timesteps, noise, label dropout and accumulation all draw on state that the resume must restore. The
+    resume is a bare ``train.py --resume FILE``: the generation task and config come from the checkpoint."""
     recipe = (
         "train.accum_steps=2",
         "train.save_every_steps=2",
@@ -78,10 +80,32 @@ def test_kill_and_resume_matches_uninterrupted_run(digits, tmp_path, monkeypatch
     partial = read_ckpt(killed / "last.pt")
     assert (partial["epoch"], partial["batch_in_epoch"], partial["global_step"]) == (1, 4, 8)
     torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
-    run(tiny_gen_cfg(digits, killed, *recipe, "train.resume=auto"), "train")
+    assert load_script("train").main(["--resume", str(killed / "last.pt")]) == 0
     assert_same_tensors(_resumable(full / "last.pt"), _resumable(killed / "last.pt"))
     a, b = (json.loads((d / "metrics.json").read_text()) for d in (full, killed))
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+
+
+@pytest.mark.slow
+def test_real_process_kill_then_bare_resume(digits, tmp_path):
+    """train.py killed with SIGKILL (kill -9) inside epoch 2, then a bare ``train.py --resume FILE``: the
+    generation task, config and folder come from the checkpoint, and the weights, EMA, optimizer state and loss
+    curve equal an uninterrupted run's bit for bit."""
+    args = tiny_gen_args(
+        digits, tmp_path / "full", "train.save_every_steps=4", "model.class_dropout_prob=0.3"
+    )
+    run(load_config(DEMO, args), "train")  # uninterrupted (this process runs one thread, as the child does)
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "train.py", "--config", str(DEMO), *args, f"output={killed}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # 12 steps per epoch, a checkpoint every 4: killed once one inside epoch 2 (step 16 or 20) is on disk
+    left = kill_when_checkpoint(
+        cmd, killed / "last.pt", lambda c: c["epoch"] == 1 and c["batch_in_epoch"] > 0, cwd=REPO, env=env
+    )
+    assert left["epoch"] == 1 and 0 < left["batch_in_epoch"] < 12, (left["epoch"], left["batch_in_epoch"])
+    torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
+    assert load_script("train").main(["--resume", str(killed / "last.pt")]) == 0
+    assert_same_tensors(_resumable(tmp_path / "full" / "last.pt"), _resumable(killed / "last.pt"))
 
 
 def test_resuming_from_a_classification_checkpoint_is_refused(digits, tmp_path):
@@ -291,7 +315,7 @@ def test_torchrun_two_processes_train_and_sample(digits, tmp_path):
 
 def test_eval_samples_from_an_official_file_named_by_model_and_config(trained, tmp_path, capsys):
     """A bare official-format state dict (official mixer names, its pos_embed table) samples through eval.py."""
-    from helpers.generation import DEMO, TINY_DIT
+    from helpers.generation import TINY_DIT
 
     from vit3.models.dit3 import sincos_pos_embed_2d
 

@@ -13,7 +13,9 @@ import types
 
 import pytest
 import torch
-from helpers.ops import max_rel_err, per_tensor, run_both
+from helpers.ops import AMD_GPUS, SCALE, gpu_kernels, max_rel_err, per_tensor, run_both
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.runtime.jit import JITFunction
 
 from vit3.kernels import aot, triton_op
 from vit3.kernels.triton_op import ARCHS, Arch
@@ -196,6 +198,68 @@ def test_arch_of_reads_the_device_properties(monkeypatch):
         assert Arch.of(torch.device("cuda", 0)).smem == ARCHS["sm_86"].smem
     finally:
         triton_op._cuda_arch.cache_clear()
+
+
+def test_rocm_takes_triton_only_where_its_dot_precision_is_allowed(fake_gpu):
+    """Triton's AMD backend rejects TF32 dots on most parts (its own option parser says which take them)."""
+    assert "tf32" in triton_op.hip_dot_precisions("gfx942")
+    assert "tf32" not in triton_op.hip_dot_precisions("gfx90a")
+    mi250 = fake_gpu(AMD_GPUS["gfx90a"], hip="6.3")
+    ok, why = triton_op.fits_device("swiglu", 32, torch.bfloat16, mi250)
+    assert not ok and "ROCm gfx90a" in why and "not the tf32 dots" in why and "ieee" in why, why
+    assert triton_op.fits_device("swiglu", 32, torch.float64, mi250) == (True, "")  # IEEE dots
+    mi300 = fake_gpu(AMD_GPUS["gfx942"], hip="6.3")
+    assert "ROCm" not in triton_op.fits_device("swiglu", 32, torch.bfloat16, mi300)[1]
+
+
+# ----------------------------------------------------------------------------------- where launches run
+
+
+class _CurrentDevice:
+    """``torch.cuda.device`` on a machine without GPUs: keeps which CUDA device is current (0 at first)."""
+
+    current = torch.device("cuda", 0)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def __enter__(self) -> None:
+        self.before, _CurrentDevice.current = _CurrentDevice.current, self.device
+
+    def __exit__(self, *exc: object) -> None:
+        _CurrentDevice.current = self.before
+
+
+def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch):
+    """Inputs on GPU 1 while GPU 0 is current (stubbed launches on fake tensors): every launch runs with
+    GPU 1 current (Triton takes the current device and its current stream), on tiles sized for GPU 1."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a GPU host's launch set-up
+    monkeypatch.setattr(triton_op, "K", gpu_kernels())
+    archs = {0: ARCHS["sm_90"], 1: ARCHS["sm_86"]}
+    monkeypatch.setattr(triton_op, "_cuda_arch", lambda index: archs[index])
+    monkeypatch.setattr(torch.cuda, "device", _CurrentDevice)
+    monkeypatch.setattr(triton_op, "_live", lambda t: True)  # launch on fake tensors
+    seen = []
+
+    class Launcher:
+        def __init__(self, kernel: JITFunction) -> None:
+            self.name = kernel.fn.__name__
+
+        def __getitem__(self, grid: tuple):
+            return lambda *args, **kwargs: seen.append((self.name, _CurrentDevice.current, kwargs))
+
+    monkeypatch.setattr(triton_op, "wrap_triton", Launcher)
+    cfg = ("swiglu", "dot", 1, 196, SCALE, 1.0, True, 0)
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 2, 196, 64, device="cuda:1", dtype=torch.bfloat16) for _ in range(3))
+        w = torch.empty(1, 2, 2, 64, 64, device="cuda:1")
+        out, *stats = triton_op._fwd_op(q, k, v, w, *cfg)
+        triton_op._bwd_op(out, q, k, v, w, *stats, *cfg)
+    assert len(seen) > 4 and {device for _, device, _ in seen} == {torch.device("cuda", 1)}
+    assert _CurrentDevice.current == torch.device("cuda", 0)  # restored
+    # sm_86 (99 KB per block) splits the d = 64 backward into column and cross launches; sm_90 fuses it.
+    assert [name for name, *_ in seen].count("grad_bwd_kernel") == 2
+    assert triton_op.launch_config("swiglu", 196, 64, 4, torch.bfloat16, archs[0]).cols("grad_bwd", 64) == 1
 
 
 # ------------------------------------------------------------------------------------------ dot precision

@@ -1,6 +1,7 @@
 """The Triton TTT op equals each op's reference (``vit3.kernels.<op>.reference``): output and every gradient.
 
-Runs through Triton's interpreter on CPU (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU).
+Runs on ``helpers.ops.DEVICE``: the GPU, or Triton's interpreter on CPU (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1`` where there is no GPU).
 Every buffer the op allocates is filled with NaN first (``triton_op.DEBUG_FILL``), so an element a kernel
 fails to write shows up as a mismatch. q, k, v are always strided views of one qkv projection output.
 """
@@ -13,6 +14,7 @@ from helpers.ops import DEVICE, SCALE, make_inputs, max_rel_err, per_tensor, rel
 
 import vit3.kernels as kernels
 from vit3.kernels import triton_op
+from vit3.kernels.reference import reference_ttt
 from vit3.layers import TTTConfig, TTTMixer, backends
 
 pytestmark = pytest.mark.triton
@@ -123,6 +125,31 @@ def test_split_reduction_is_deterministic():
         runs.append([out, *torch.autograd.grad(out.square().sum(), [qkv, *params.values()])])
     for first, second in zip(*runs):
         assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize(
+    ("name", "loss", "n"),
+    [("swiglu", "dot", 20), ("linear", "mse", 20), ("dwconv", "dot", (4, 5))],
+    ids=["swiglu", "linear-mse", "dwconv"],
+)
+def test_double_backward_matches_reference(name, loss, n):
+    """``create_graph=True`` (a gradient penalty, second-order methods): the op's gradients are differentiable,
+    to the inputs, the weights and the upstream gradient, and their derivatives are the reference's."""
+    grid = n if isinstance(n, tuple) else (1, n)
+    qkv, params = make_inputs(name, 2, 2, grid[0] * grid[1], 16, torch.float64)
+    dout = torch.randn(2, 2, grid[0] * grid[1], 16, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    inputs = [qkv, *params.values(), dout]
+    kw = {"grid": grid, "scale": SCALE, "lr": 1.0, "grad_norm": True, "loss": loss}
+
+    def second_order(op) -> list[torch.Tensor]:
+        out = op(name, *split_heads(qkv, 2), params, **kw)
+        first = torch.autograd.grad(out, inputs[:-1], dout, create_graph=True)
+        return list(torch.autograd.grad(sum(g.square().sum() for g in first), inputs))
+
+    got = second_order(lambda *a, **k: kernels.triton_ttt(*a, backend="triton", **k))
+    want = second_order(reference_ttt)
+    for label, a, e in zip(["qkv", *params, "dout"], got, want):
+        assert max_rel_err(a, e) < 1e-10, f"second-order gradient of {label}"
 
 
 def test_output_is_token_major_so_the_head_merge_is_free():

@@ -1,15 +1,19 @@
 """The mixer's backend registry (``vit3.layers.backends``): what it chooses and why (``explain``), that every
 backend it can be forced onto computes the generic path's output and gradients, that plans are resolved once
 per key, that a backend failing in the forward or in the backward steps aside with one warning (or raises
-under ``VIT3_TTT_STRICT=1``), that the removed variables warn, and the model-level ``explain`` and its CLI.
+under ``VIT3_TTT_STRICT=1``), that the first call of each new input specialisation of the Triton kernels is
+verified, that a sticky GPU fault is reported as the kernels', that a double backward works, that the removed
+variables warn, and the model-level ``explain`` and its CLI.
 
-Triton runs through its interpreter here (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU);
-its failures are raised from the interpreter's launcher."""
+The registry's decisions for CPU tensors under the interpreter ask for it (``interpreter``); the tests that
+launch kernels run where Triton runs (``triton_device``: the GPU, else the interpreter), failures injected at
+the launch layer (``triton_op.Launch``), which runs compiled and interpreted kernels alike.
+``TRITON_INTERPRET=0 pytest tests/test_mixer_backends.py`` imports Triton as a GPU host does: the launching
+tests skip (no GPU to run them), the others pass."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -18,12 +22,13 @@ import pytest
 import timm
 import torch
 from helpers.common import REPO, count_calls
+from helpers.ops import AMD_GPUS
 from torch.utils.checkpoint import checkpoint
 from triton.runtime.errors import OutOfResources
-from triton.runtime.interpreter import InterpretedFunction
 
 import vit3
 import vit3.kernels.swiglu.eager as fast
+from vit3.kernels import triton_op
 from vit3.kernels.swiglu import cpp as swiglu_cpu
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
@@ -32,9 +37,6 @@ from vit3.layers.backends.__main__ import main as cli_main
 GRID = (4, 6)  # 24 tokens: below the CPU kernel's 32
 BIG_GRID = (10, 12)  # 120 tokens
 CPU = torch.device("cpu")
-interpreter_only = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="failures are injected into Triton's interpreter"
-)
 
 
 @pytest.fixture(autouse=True)
@@ -54,9 +56,8 @@ def _mixer(dim: int = 32, heads: int = 2, dtype=torch.float64, **cfg) -> TTTMixe
 
 
 def _generic_twin(mixer: TTTMixer) -> TTTMixer:
-    twin = TTTMixer(mixer.dim, mixer.num_heads, mixer.cfg, backend="generic").to(
-        next(mixer.parameters()).dtype
-    )
+    """The same mixer (weights, dtype, device) on the generic backend."""
+    twin = TTTMixer(mixer.dim, mixer.num_heads, mixer.cfg, backend="generic").to(next(mixer.parameters()))
     twin.load_state_dict(mixer.state_dict())
     return twin
 
@@ -92,6 +93,7 @@ def _tokens(grid, dim=32, b=2, dtype=torch.float64):
 # ------------------------------------------------------------------------------------------------ explain
 
 
+@pytest.mark.usefixtures("interpreter")
 def test_explain_default_cpu_config_cpu_kernel_from_32_tokens():
     mixer = _mixer(dtype=torch.float32)
     big = mixer.explain(_tokens(BIG_GRID, dtype=torch.float32), BIG_GRID)
@@ -124,6 +126,32 @@ def test_explain_default_cuda_plan_is_triton_then_generic():
     assert _backends(wide) == ["generic", "generic"]  # the eager tile walk is tuned for CPU caches
     assert "head dim 256 > 128" in _reason(wide, 0, "triton")
     assert _reason(wide, 0, "eager") == "'generic' ranks higher on cuda"
+
+
+def test_a_gpu_that_cannot_run_the_kernels_steps_aside_with_a_warning(fake_gpu):
+    """ROCm on an MI250 (Triton's AMD backend takes no TF32 dots there): auto says why, warns once and lets
+    the generic path serve; with IEEE dots (float64) the kernels serve."""
+    gpu = fake_gpu(AMD_GPUS["gfx90a"], hip="6.3")
+    mixer = _mixer(dim=64, heads=2)
+    expl = reg.explain_mixer(mixer, gpu, torch.bfloat16, BIG_GRID, grad=True)
+    assert _backends(expl) == ["generic", "generic"]
+    assert _reason(expl, 0, "triton").startswith("ROCm gfx90a: Triton's AMD backend takes")
+    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.plan_branches, gpu)
+    with pytest.warns(reg.BackendWarning) as caught:
+        assert reg.plan(*args, torch.bfloat16, "N>=32", True, "").backends == ("generic", "generic")
+        reg.plan(*args, torch.bfloat16, "N>=32", False, "")  # another key: no second warning
+    warned = [str(w.message) for w in caught if "'swiglu' branch" in str(w.message)]
+    assert len(warned) == 1
+    for part in (
+        "the Triton kernels cannot run",
+        "AMD Instinct MI250X/MI250 (cuda:0)",
+        "ROCm gfx90a",
+        "'generic'",
+    ):
+        assert part in warned[0], warned[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reg.plan(*args, torch.float64, "N>=32", True, "").backends == ("triton", "triton")
 
 
 def test_explain_without_triton_names_the_import_error_and_keeps_the_cpp_kernel(monkeypatch):
@@ -161,6 +189,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize(("cfg", "expected", "why"), list(VARIANTS.values()), ids=list(VARIANTS))
+@pytest.mark.usefixtures("interpreter")
 def test_explain_variants(cfg, expected, why):
     cfg = dict(cfg)
     mixer = _mixer(heads=cfg.pop("heads", 2), **cfg)
@@ -172,6 +201,7 @@ def test_explain_variants(cfg, expected, why):
     assert text in _reason(expl, branch, backend)
 
 
+@pytest.mark.usefixtures("interpreter")
 def test_traced_and_compiled_calls_plan_traceable_ops():
     mixer = _mixer()
     args = (
@@ -223,18 +253,21 @@ FORCED = {
     [{}, {"rope": True}, {"branches": ("swiglu:1", "linear:1", "dwconv:1")}],
     ids=["official", "rope", "with-linear"],
 )
-def test_forced_backend_gives_generic_output_and_gradients(monkeypatch, name, how, cfg):
+def test_forced_backend_gives_generic_output_and_gradients(request, monkeypatch, name, how, cfg):
+    """The Triton kernels where Triton runs (``triton_device``: the GPU, else the interpreter), the others on
+    CPU tensors."""
+    device = request.getfixturevalue("triton_device") if name == "triton" else CPU
     if how == "env":
         monkeypatch.setenv(reg.BACKEND_ENV, name)
-        mixer = _mixer(**cfg)
+        mixer = _mixer(**cfg).to(device)
     else:
         monkeypatch.setenv(reg.BACKEND_ENV, "generic")  # the config wins over the variable
-        mixer = _mixer(backend=name, **cfg)
+        mixer = _mixer(backend=name, **cfg).to(device)
     reference = _generic_twin(mixer)
     monkeypatch.delenv(reg.BACKEND_ENV)
     if how == "env":
         monkeypatch.setenv(reg.BACKEND_ENV, name)
-    x, dout = _tokens(GRID), _tokens(GRID)
+    x, dout = _tokens(GRID).to(device), _tokens(GRID).to(device)
     expl = mixer.explain(x, GRID)
     assert {b.name: b.backend for b in expl.branches if b.name != "linear"} == FORCED[name]
     kernel = count_calls(monkeypatch, fast, "_kernel_forward")
@@ -319,21 +352,30 @@ def test_a_key_runs_guarded_until_one_forward_and_backward_succeeded(monkeypatch
 
 
 # ---------------------------------------------------------------------------------- failures demote
+# Where Triton runs (``triton_device``: the GPU, or the interpreter on CPU), failures injected at the launch
+# layer (``triton_op.Launch``, which runs compiled and interpreted kernels alike).
+
+# The backend auto takes for the SwiGLU branch once Triton is demoted (24 tokens: below the C++ kernel's 32).
+FALLBACK = {"cpu": "eager", "cuda": "generic"}
 
 
-def _failing_launch(monkeypatch, kernels: set[str], swiglu_only: bool = True) -> dict[str, int]:
-    """Makes Triton launches of ``kernels`` (of the SwiGLU model when ``swiglu_only``) raise
-    ``OutOfResources``, as a GPU with too little shared memory per block does; counts the raises."""
-    real = InterpretedFunction.run
+def _on(device: torch.device, mixer: TTTMixer, *tensors: torch.Tensor):
+    return mixer.to(device), *(t.to(device) for t in tensors)
+
+
+def _failing_launch(monkeypatch, kernels: set[str], swiglu_only: bool = True, error=None) -> dict[str, int]:
+    """Makes Triton launches of ``kernels`` (of the SwiGLU model when ``swiglu_only``) raise ``error()``
+    (default ``OutOfResources``, as a GPU with too little shared memory per block does); counts the raises."""
+    real = triton_op.Launch.__call__
     raised = {"n": 0}
 
-    def run(self, *args, grid, warmup, **kwargs):
-        if self.fn.__name__ in kernels and (kwargs.get("SWIGLU") or not swiglu_only):
+    def launch(self):
+        if self.kernel.fn.__name__ in kernels and (self.kwargs.get("SWIGLU") or not swiglu_only):
             raised["n"] += 1
-            raise OutOfResources(188416, 101376, "shared memory")
-        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+            raise error() if error else OutOfResources(188416, 101376, "shared memory")
+        return real(self)
 
-    monkeypatch.setattr(InterpretedFunction, "run", run)
+    monkeypatch.setattr(triton_op.Launch, "__call__", launch)
     return raised
 
 
@@ -346,14 +388,13 @@ def _two_blocks(mixer: TTTMixer, x: torch.Tensor) -> torch.Tensor:
     return mixer(mixer(x, GRID), GRID)
 
 
-@interpreter_only
 @pytest.mark.triton
-def test_backward_out_of_resources_demotes_with_one_warning_and_correct_gradients(monkeypatch):
+def test_backward_out_of_resources_demotes_with_one_warning_and_correct_gradients(monkeypatch, triton_device):
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")
-    mixer, x = _mixer(), _tokens(GRID)
+    fallback = FALLBACK[triton_device.type]
+    mixer, x, dout = _on(triton_device, _mixer(), _tokens(GRID), _tokens(GRID))
     reference = _generic_twin(mixer)
     raised = _failing_launch(monkeypatch, BACKWARD_KERNELS)
-    dout = _tokens(GRID)
     x_ = x.detach().requires_grad_()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -363,11 +404,12 @@ def test_backward_out_of_resources_demotes_with_one_warning_and_correct_gradient
     assert len(demoted) == 1, [str(w.message) for w in caught]
     message = str(demoted[0].message)
     for part in (
-        "'triton' failed in the backward on cpu",
+        "'triton' failed in the backward on",
+        str(triton_device),
         "swiglu branch, head dim 16",
         "OutOfResources",
         "shared memory",
-        "'eager' computes the result",
+        f"{fallback!r} computes the result",
     ):
         assert part in message, message
     assert raised["n"] == 2  # each block's first backward launch, then never again
@@ -377,7 +419,7 @@ def test_backward_out_of_resources_demotes_with_one_warning_and_correct_gradient
     _assert_same(got, want, _names(mixer))
     # The demotion holds for training calls of this key only: the forward kernels still serve inference.
     train = mixer.explain(x.requires_grad_(), GRID)
-    assert _backends(train) == ["eager", "triton"]
+    assert _backends(train) == [fallback, "triton"]
     assert "demoted after it failed here: OutOfResources" in _reason(train, 0, "triton")
     assert _backends(mixer.explain(x, GRID, grad=False)) == ["triton", "triton"]
     with warnings.catch_warnings():
@@ -386,50 +428,48 @@ def test_backward_out_of_resources_demotes_with_one_warning_and_correct_gradient
     assert raised["n"] == 2
 
 
-@interpreter_only
 @pytest.mark.triton
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
-def test_forward_out_of_resources_demotes_with_one_warning(monkeypatch, grad):
+def test_forward_out_of_resources_demotes_with_one_warning(monkeypatch, grad, triton_device):
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")
-    mixer, x = _mixer(), _tokens(GRID)
+    mixer, x = _on(triton_device, _mixer(), _tokens(GRID))
     reference = _generic_twin(mixer)
     raised = _failing_launch(monkeypatch, FORWARD_KERNELS)
-    with pytest.warns(reg.BackendWarning, match="'triton' failed in the forward on cpu") as caught:
+    with pytest.warns(reg.BackendWarning, match="'triton' failed in the forward on") as caught:
         with torch.set_grad_enabled(grad):
             out = _two_blocks(mixer, x.requires_grad_(grad))
     assert len([w for w in caught if issubclass(w.category, reg.BackendWarning)]) == 1
     assert raised["n"] == 1  # the second block already took the demoted plan
     torch.testing.assert_close(out, _two_blocks(reference, x), rtol=1e-10, atol=1e-12)
     if grad:
-        dout = _tokens(GRID)
+        dout = _tokens(GRID).to(triton_device)
         _assert_same(_run(mixer, x, GRID, dout), _run(reference, x, GRID, dout), _names(mixer))
     # A forward that fails fails in both modes: the other mode's key is demoted too, without a warning.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _backends(mixer.explain(x, GRID, grad=not grad)) == ["eager", "triton"]
+        assert _backends(mixer.explain(x, GRID, grad=not grad)) == [FALLBACK[triton_device.type], "triton"]
         with torch.set_grad_enabled(not grad):
             mixer(x, GRID)
     assert raised["n"] == 1
 
 
-@interpreter_only
 @pytest.mark.triton
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_failure_raises_when_strict(monkeypatch, phase):
+def test_failure_raises_when_strict(monkeypatch, phase, triton_device):
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")
     monkeypatch.setenv(reg.STRICT_ENV, "1")
     _failing_launch(monkeypatch, FORWARD_KERNELS if phase == "forward" else BACKWARD_KERNELS)
+    mixer, x = _on(triton_device, _mixer(), _tokens(GRID))
     with pytest.raises(OutOfResources):
-        _mixer()(_tokens(GRID).requires_grad_(), GRID).sum().backward()
+        mixer(x.requires_grad_(), GRID).sum().backward()
 
 
-@interpreter_only
 @pytest.mark.triton
-def test_backward_failure_under_activation_checkpointing(monkeypatch):
+def test_backward_failure_under_activation_checkpointing(monkeypatch, triton_device):
     """The recomputation of the second checkpointed block keeps the plan of its forward (the demotion applies
     once the backward pass is over), so checkpointing sees the tensors it saved."""
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")
-    mixer, x = _mixer(), _tokens(GRID)
+    mixer, x = _on(triton_device, _mixer(), _tokens(GRID))
     reference = _generic_twin(mixer)
     _failing_launch(monkeypatch, BACKWARD_KERNELS)
 
@@ -444,6 +484,128 @@ def test_backward_failure_under_activation_checkpointing(monkeypatch):
     x_ref = x.detach().requires_grad_()
     want = torch.autograd.grad(blocks(reference, x_ref).square().sum(), [x_ref, *reference.parameters()])
     _assert_same(list(got), list(want), _names(mixer)[1:])
+
+
+# ------------------------------------------------------------------------- new specialisations, GPU faults
+
+
+def _skipped_launch(monkeypatch, kernel: str, batch: int) -> None:
+    """Leaves ``kernel``'s output unwritten (NaN: ``triton_op.DEBUG_FILL``) on inputs of ``batch`` samples,
+    as a kernel that is wrong for one specialisation only would."""
+    real = triton_op.Launch.__call__
+    monkeypatch.setattr(triton_op, "DEBUG_FILL", float("nan"))
+
+    def launch(self):
+        if self.kernel.fn.__name__ == kernel and self.args[0].shape[0] == batch and self.kwargs.get("SWIGLU"):
+            return None
+        return real(self)
+
+    monkeypatch.setattr(triton_op.Launch, "__call__", launch)
+
+
+@pytest.mark.triton
+def test_each_new_input_specialisation_runs_guarded_and_verified_once(monkeypatch, triton_device):
+    """The plan key holds no batch size nor exact N; Triton specialises on both (and on strides). Both branches
+    run on Triton: two guarded units per guarded call."""
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    mixer, x, dout = _on(triton_device, _mixer(), _tokens(GRID, b=3), _tokens(GRID, b=3))
+    guarded = count_calls(monkeypatch, reg._Guard, "forward")
+    checked = count_calls(monkeypatch, reg._Guard, "check_backward")
+    for b in (2, 2, 3, 3):
+        _run(mixer, x[:b], GRID, dout[:b])
+    assert guarded["n"] == checked["n"] == 4  # one guarded, verified call per batch size
+    _run(mixer, x[:, :20], (4, 5), dout[:, :20])  # another N of the same token class: a new specialisation
+    assert guarded["n"] == 6
+    with torch.no_grad():  # inference (another key): verified by its forward alone
+        for _ in range(2):
+            mixer(x, GRID)
+    assert guarded["n"] == 8 and checked["n"] == 6
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize(
+    ("kernel", "phase"),
+    [("readout_kernel", "forward"), ("readout_bwd_kernel", "backward")],
+    ids=["fwd", "bwd"],
+)
+def test_a_specialisation_that_computes_wrong_is_caught_and_demoted(
+    monkeypatch, triton_device, kernel, phase
+):
+    """A verified key meets a batch size whose kernel leaves its output unwritten: the verification catches it
+    (the unguarded path would return NaN), demotes with a warning and the fallback computes the result."""
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    mixer, x, dout = _on(triton_device, _mixer(), _tokens(GRID, b=3), _tokens(GRID, b=3))
+    reference = _generic_twin(mixer)
+    _run(mixer, x[:2], GRID, dout[:2])  # verified at batch 2
+    _skipped_launch(monkeypatch, kernel, batch=3)
+    with pytest.warns(
+        reg.BackendWarning, match=rf"'triton' failed in the {phase}.*VerificationError.*batch 3"
+    ):
+        got = _run(mixer, x, GRID, dout)
+    for g in got:
+        assert torch.isfinite(g).all()
+    _assert_same(got, _run(reference, x, GRID, dout), _names(mixer))
+    assert _backends(mixer.explain(x, GRID))[0] == FALLBACK[triton_device.type]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_sticky_gpu_fault_is_reported_as_the_kernels_not_the_fallbacks(monkeypatch, triton_device, phase):
+    """An illegal memory access loses the CUDA context (simulated: ``_context_lost``): no fallback can run,
+    so the error names the Triton backend and the switch that keeps it out, and nothing is demoted."""
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    fault = "CUDA error: an illegal memory access was encountered"
+    accelerator_error = getattr(torch, "AcceleratorError", RuntimeError)
+    kernels = FORWARD_KERNELS if phase == "forward" else BACKWARD_KERNELS
+    _failing_launch(monkeypatch, kernels, error=lambda: accelerator_error(fault))
+    monkeypatch.setattr(reg, "_context_lost", lambda device: True)
+    mixer, x = _on(triton_device, _mixer(), _tokens(GRID))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", reg.BackendWarning)  # no demotion warning
+        with pytest.raises(reg.KernelFault) as caught:
+            mixer(x.requires_grad_(), GRID).sum().backward()
+    message = str(caught.value)
+    for part in (
+        "'triton' faulted on",
+        f"in the {phase}",
+        "illegal memory access",
+        "VIT3_TTT_BACKEND=generic",
+    ):
+        assert part in message, message
+    assert not reg._demoted and not reg._pending
+
+
+def test_context_lost_probes_the_device(monkeypatch):
+    def sync(device=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+    assert reg._context_lost(gpu) and not reg._context_lost(CPU)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert not reg._context_lost(gpu)
+
+
+# ------------------------------------------------------------------------------------- double backward
+
+
+@pytest.mark.triton
+def test_triton_double_backward_matches_the_generic_path(monkeypatch, triton_device):
+    """A gradient penalty: the input gradient (create_graph=True), squared, differentiated again, on a key's
+    first (guarded) call and on a verified one."""
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    mixer, x, dout = _on(triton_device, _mixer(), _tokens(GRID), _tokens(GRID))
+    reference = _generic_twin(mixer)
+
+    def second_order(m):
+        x_ = x.detach().requires_grad_()
+        (gx,) = torch.autograd.grad((m(x_, GRID) * dout).sum(), [x_], create_graph=True)
+        return torch.autograd.grad(gx.square().sum(), [x_, *m.parameters()], materialize_grads=True)
+
+    want = second_order(reference)
+    for _ in range(2):
+        got = second_order(mixer)
+        _assert_same(list(got), list(want), _names(mixer)[1:], rtol=1e-8)
 
 
 def test_cpu_kernel_that_cannot_be_built_demotes_to_the_tiled_path(monkeypatch):

@@ -38,6 +38,17 @@ def _input(model, batch: int = 1, size: tuple[int, int] | None = None) -> torch.
     return torch.randn(batch, c, *(size or (h, w)))
 
 
+def _feature_grid(model, feats: torch.Tensor, x: torch.Tensor) -> tuple[int, int]:
+    """The token grid of ``forward_features``' output: its spatial dims (maps), or, for tokens ``[B, N, C]``
+    (``NLC``, the plain models), ``(h, w)`` as code written for timm's ViT reads it (``N`` checked)."""
+    if model.output_fmt == "NLC":
+        h, w = model.patch_embed.dynamic_feat_size(x.shape[-2:])
+        assert feats.shape[1] == h * w
+        return h, w
+    spatial = get_spatial_dim(model.output_fmt)
+    return feats.shape[spatial[0]], feats.shape[spatial[1]]
+
+
 def test_registered_with_complete_pretrained_cfg(name):
     assert name in timm.list_models("*vit3*")
     model = timm.create_model(name)
@@ -71,16 +82,15 @@ def test_backward_reaches_every_parameter(name):
 
 
 def test_default_cfg_consistency(name):
-    """timm's test_model_default_cfgs, on the model's output_fmt (NHWC plain, NCHW hierarchical)."""
+    """timm's test_model_default_cfgs, on the model's output_fmt (NLC plain, as timm's ViT; NCHW hierarchical)."""
     model = timm.create_model(name).eval()
     cfg = model.pretrained_cfg
     fmt = model.output_fmt
-    spatial, chan = get_spatial_dim(fmt), get_channel_dim(fmt)
     x = _input(model)
     feats = model.forward_features(x)
-    assert feats.ndim == 4
-    assert (feats.shape[spatial[0]], feats.shape[spatial[1]]) == tuple(cfg["pool_size"])
-    assert feats.shape[chan] == model.num_features
+    assert feats.ndim == (3 if fmt == "NLC" else 4)
+    assert _feature_grid(model, feats, x) == tuple(cfg["pool_size"])
+    assert feats.shape[get_channel_dim(fmt)] == model.num_features
     assert feats.shape[getattr(model, "feature_dim", 1)] == model.num_features
     pre = model.forward_head(feats, pre_logits=True)
     assert pre.shape == (1, model.head_hidden_size)
@@ -110,9 +120,7 @@ def test_any_input_size(name, size):
     x = _input(model, size=size)
     feats = model.forward_features(x)
     r = model.feature_info[-1]["reduction"]
-    grid = (math.ceil(size[0] / r), math.ceil(size[1] / r))
-    spatial = get_spatial_dim(model.output_fmt)
-    assert (feats.shape[spatial[0]], feats.shape[spatial[1]]) == grid
+    assert _feature_grid(model, feats, x) == (math.ceil(size[0] / r), math.ceil(size[1] / r))
     assert model(x).shape == (1, 1000)
 
 
@@ -176,11 +184,13 @@ def test_forward_intermediates_options(name):
         torch.testing.assert_close(a, b.permute(0, 2, 3, 1))
     normed = model.forward_intermediates(x, indices=1, norm=True, intermediates_only=True)[0]
     final = model.forward_features(x)
-    torch.testing.assert_close(normed, final if model.output_fmt == "NCHW" else final.permute(0, 3, 1, 2))
+    torch.testing.assert_close(
+        normed, final if model.output_fmt == "NCHW" else final.mT.reshape(normed.shape)
+    )
     _, inter = model.forward_intermediates(x, indices=[0], stop_early=True)
     torch.testing.assert_close(inter[0], everything[0])
     with pytest.raises(ValueError, match="output_fmt"):
-        model.forward_intermediates(x, output_fmt="NLC")
+        model.forward_intermediates(x, output_fmt="NCL")
 
 
 def test_prune_intermediate_layers(name):
@@ -240,7 +250,7 @@ def test_plain_set_input_size_patch_size(name):
     model = timm.create_model(name).eval()
     model.set_input_size(img_size=64, patch_size=8)
     assert model.patch_embed.proj.weight.shape[-2:] == (8, 8)
-    assert model.forward_features(torch.randn(1, 3, 64, 64)).shape == (1, 8, 8, 32)
+    assert model.forward_features(torch.randn(1, 3, 64, 64)).shape == (1, 64, 32)
     assert model.feature_info[0]["reduction"] == 8
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,6 +311,38 @@ def test_build_targets_the_cpus_vector_unit():
         assert suffix == capability.lower() and f"-DCPU_CAPABILITY_{capability}" in flags
     else:
         assert suffix == "portable" and not any(f.startswith("-DCPU_CAPABILITY") for f in flags)
+
+
+def test_the_build_is_keyed_by_its_source_so_checkouts_never_rebuild_each_other(tmp_path, monkeypatch):
+    """Checkouts (source roots) with different kernels get different extension names and build folders; with
+    the same kernel, one build whose inputs name no checkout (a copy of the source in its folder: its ninja file,
+    so the build, is the same whichever loads it). The flags key it too; the folder sits under
+    ``$TORCH_EXTENSIONS_DIR``, else PyTorch's build root."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: calls.append((name, sources, kw)))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    for root, edit in (("clone", b""), ("wheel", b""), ("edited", b"// a change\n")):
+        source = tmp_path / root / "csrc" / "swiglu_cpu.cpp"
+        source.parent.mkdir(parents=True)
+        source.write_bytes(swiglu_cpu.SOURCE.read_bytes() + edit)
+        monkeypatch.setattr(swiglu_cpu, "SOURCE", source)
+        swiglu_cpu.load.__wrapped__()  # uncached: the process's kernel stays loaded
+    clone, wheel, edited = calls
+    assert clone == wheel, "the same source builds once, whichever checkout loads it"
+    name, sources, kw = clone
+    folder = tmp_path / "ext" / name
+    assert kw["build_directory"] == str(folder) and [Path(s).parent for s in sources] == [folder]
+    assert edited[0] != name and edited[2]["build_directory"] != str(folder)
+    suffix, flags = swiglu_cpu._build_flags()
+    assert swiglu_cpu.build_target(source, suffix, flags) != swiglu_cpu.build_target(
+        source, suffix, [*flags, "-g"]
+    )
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert swiglu_cpu.build_target(source, suffix, flags)[1].parent == Path(
+        cpp_extension.get_default_build_root()
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning concerns machines without a CUDA runtime")

@@ -61,8 +61,14 @@ def _weights_and_state(path):
     }
 
 
-def test_kill_and_resume_matches_uninterrupted_run(digits, tmp_path, monkeypatch):
-    """Mixup, drop path, accumulation, EMA and MESA all draw on RNG/state that the resume must restore."""
+def test_kill_and_bare_resume_matches_uninterrupted_run(digits, tmp_path, monkeypatch):
+    """Mixup, drop path, accumulation, EMA and MESA all draw on RNG/state that the resume must restore. The
+    resume is a bare ``train.py --resume FILE``: the run's own config (not the default demo's) and folder,
+    leaving the demo's output/demo alone."""
+    monkeypatch.chdir(tmp_path)  # where the default demo config's output/demo is
+    demo = tmp_path / "output" / "demo"
+    demo.mkdir(parents=True)
+    (demo / "last.pt").write_bytes(b"the finished demo's checkpoint")
     recipe = (
         "train.accum_steps=2",
         "train.save_every_steps=2",
@@ -86,8 +92,11 @@ def test_kill_and_resume_matches_uninterrupted_run(digits, tmp_path, monkeypatch
     assert (partial["epoch"], partial["batch_in_epoch"], partial["global_step"]) == (1, 4, 8)
 
     torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
-    run(tiny_cfg(digits, killed, *recipe, "train.resume=auto"), "train")
+    assert load_script("train").main(["--resume", str(killed / "last.pt")]) == 0
     assert_same_tensors(_weights_and_state(full / "last.pt"), _weights_and_state(killed / "last.pt"))
+    assert (demo / "last.pt").read_bytes() == b"the finished demo's checkpoint" and len(
+        list(demo.iterdir())
+    ) == 1
     a = json.loads((full / "metrics.json").read_text())
     b = json.loads((killed / "metrics.json").read_text())
     for row_a, row_b in zip(a, b, strict=True):
@@ -218,8 +227,9 @@ def test_torchrun_two_processes_agree(digits, tmp_path):
 
 
 @pytest.mark.slow
-def test_real_process_kill_then_resume(digits, tmp_path):
-    """The same resume check through train.py subprocesses, the first killed with SIGKILL mid-epoch."""
+def test_real_process_kill_then_bare_resume(digits, tmp_path):
+    """The same resume check through train.py subprocesses, the first killed with SIGKILL (kill -9) mid-epoch,
+    the second a bare ``train.py --resume FILE``."""
     args = [
         "data.dataset=folder", f"data.path={digits}", "data.batch_size=20", "train.epochs=2",
         "train.progress=false", "train.save_every_steps=4", "aug.mixup=0.8", "model.drop_path_rate=0.1",
@@ -242,7 +252,10 @@ def test_real_process_kill_then_resume(digits, tmp_path):
         cwd=REPO, env=env,
     )  # fmt: skip
     assert left["epoch"] == 1 and 0 < left["batch_in_epoch"] < 12, (left["epoch"], left["batch_in_epoch"])
-    proc = train(tmp_path / "b", f"train.resume={tmp_path / 'b' / 'last.pt'}")
+    proc = subprocess.run(  # a bare resume: the run's own config and folder
+        [sys.executable, "train.py", "--resume", str(tmp_path / "b" / "last.pt")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_tensors(
         _weights_and_state(tmp_path / "a" / "last.pt"), _weights_and_state(tmp_path / "b" / "last.pt")

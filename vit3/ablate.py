@@ -19,12 +19,20 @@ Budgets (the same for every row of a table; the rows' mixer configs are never to
   minutes on a 2-core CPU;
 * ``--epochs N``: N epochs (the warmup keeps its fraction of the schedule).
 
+Output folders: each row trains in ``<output>/<row file name>``. As for every run, a row never writes into a
+folder that holds an earlier run's checkpoints: the runner checks every row's folder before training any and
+refuses, naming the folder, unless ``--resume`` (each row continues from its folder's ``last.pt``: finished
+rows are read back from their checkpoints, a killed row continues exactly, the others train) or
+``--overwrite`` (each row's old files, and the old table's, are first moved into a ``replaced-<time>/``
+subfolder; nothing is deleted).
+
 Examples::
 
     python -m vit3.ablate configs/ablations/loss/ --quick
     python -m vit3.ablate configs/ablations/inner_model/ --output output/ablations/inner_model
     python -m vit3.ablate configs/ablations/lr/ --data /data/imagenet --epochs 100 device=cuda
     python -m vit3.ablate configs/ablations/ttt_linear.yaml configs/ablations/ttt_mlp.yaml --quick
+    python -m vit3.ablate configs/ablations/loss/ --quick --resume   # finish a killed table
     python -m vit3.ablate --catalog   # the table of configs/ablations/README.md
 """
 
@@ -42,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine import Config, ConfigError, load_config
-from .engine.config import CONFIG_DIR, parse_override
+from .engine.config import CONFIG_DIR, check_config, parse_override
 
 ABLATIONS_DIR = CONFIG_DIR / "ablations"
 BUDGET_DIR = ABLATIONS_DIR / "budgets"
@@ -52,7 +60,9 @@ _KNOB_PREFIX = "model.kwargs.ttt_cfg."
 # The table folders of configs/ablations in the paper's order.
 TABLES = ("loss", "batch", "epochs", "lr", "inner_model", "deep_fixes", "scale")
 
-__all__ = ["Row", "RowResult", "catalog_markdown", "load_rows", "main", "row_config", "run_rows"]
+__all__ = [
+    "Row", "RowResult", "catalog_markdown", "check_folders", "load_rows", "main", "row_config", "run_rows",
+]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------- rows
@@ -156,11 +166,15 @@ def row_config(
     quick: bool = False,
     epochs: int | None = None,
     overrides: Sequence[str] = (),
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> Config:
-    """The config one row trains with under the runner's budget (see the module docstring).
+    """The config one row trains with under the runner's budget (see the module docstring), in
+    ``out/<row name>``; ``resume``: continue from that folder's ``last.pt`` if there is one; ``overwrite``:
+    move an earlier run's files there aside.
 
     Raises:
-        ConfigError: an override names an unknown key.
+        ConfigError: an override names an unknown key, or a value has the wrong type or range.
     """
     cfg = load_config(row.path)
     overlays = [] if data else [BUDGET_DIR / "mnist.yaml"]
@@ -179,7 +193,43 @@ def row_config(
     for text in overrides:
         cfg.set_path(*parse_override(text))
     _apply(cfg, {"output": str(out / row.name), "train": {"progress": "run"}})
+    if resume:
+        cfg.set_path("train.resume", "auto")
+    if overwrite:
+        cfg.set_path("train.overwrite", True)
+    check_config(cfg)
     return cfg
+
+
+TABLE_FILES = ("results.csv", "results.md", "results.png")
+
+
+def check_folders(rows: Sequence[Row], out: Path, again: bool = False) -> None:
+    """Checks, before any row trains, that no two rows share a run folder and, unless ``again`` (the runner
+    resumes or overwrites), that no row's folder holds an earlier run's checkpoints.
+
+    Raises:
+        ConfigError: naming the rows or the folder, and the ways on.
+    """
+    from .engine.common import CHECKPOINT_FILES
+
+    owners: dict[Path, Row] = {}
+    for row in rows:
+        folder = out / row.name
+        if folder in owners:
+            raise ConfigError(
+                f"rows {owners[folder].path} and {row.path} would train in the same folder {folder}: run them "
+                f"in separate commands (or give one of the files another name)"
+            )
+        owners[folder] = row
+    taken = [f for f in owners if any((f / name).is_file() for name in CHECKPOINT_FILES)]
+    if taken and not again:
+        more = f" (and {len(taken) - 1} more rows' folders)" if len(taken) > 1 else ""
+        raise ConfigError(
+            f"{taken[0]} holds the checkpoints of an earlier run{more}, which this table would overwrite: "
+            f"continue the table with --resume (finished rows are read back, a killed one continues), or give "
+            f"it a new --output; --overwrite moves each row's old files into <row folder>/replaced-<time>/ first"
+        )
 
 
 def budget_summary(cfg: Config) -> str:
@@ -442,6 +492,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the quick budget (budgets/quick.yaml)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs per row (warmup scaled alike)")
     parser.add_argument("--output", default=None, help="results folder (default: output/ablations/<table>)")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume", action="store_true", help="continue each row from its folder's last.pt (a killed table)"
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="train again in folders that hold an earlier table's rows, moving their files aside first",
+    )
     parser.add_argument("--catalog", action="store_true", help="print the table of all rows and exit")
     args = parser.parse_intermixed_args(argv)  # paths, options and overrides in any order
     if args.catalog:
@@ -462,12 +521,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             name = Path(paths[0]).stem if len(paths) == 1 else "custom"
             out = Path("output/ablations") / (name + ("-quick" if args.quick else ""))
-        budget = dict(data=args.data, quick=args.quick, epochs=args.epochs, overrides=overrides)
+        budget = dict(
+            data=args.data, quick=args.quick, epochs=args.epochs, overrides=overrides, resume=args.resume,
+            overwrite=args.overwrite,
+        )  # fmt: skip
         summary = budget_summary(row_config(rows[0], out, **budget))
+        check_folders(rows, out, again=args.resume or args.overwrite)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    if args.overwrite:
+        from .engine.common import move_aside
+
+        target, moved = move_aside(out, TABLE_FILES, ())
+        if moved:
+            print(f"warning: --overwrite: moved the earlier table's {', '.join(moved)} to {target}")
     print(f"{len(rows)} row(s); budget: {summary}; results in {out}")
     results = run_rows(rows, out, **budget)
     command = "python -m vit3.ablate " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -23,7 +23,11 @@ direction instead of ~40 ops, and each elementwise chain is one vectorised loop 
 
 It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30-60 s once, then
 loaded from the build cache in ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The build
-targets the CPU's vector unit as PyTorch reports it (AVX512, AVX2 or portable code), one build per kind.
+targets the CPU's vector unit as PyTorch reports it (AVX512, AVX2 or portable code). Its name and folder are
+keyed by a hash of what makes the binary (``build_target``: the source's content, the flags, the PyTorch
+build and the Python ABI), and it compiles a copy of the source kept in that folder: two checkouts, or a wheel
+beside a clone, with different sources build apart, with the same source share one build, and never rebuild
+each other (a shared name made each load of the other one's source a full rebuild).
 
 The mixer's backend registry (``vit3.layers.backends``, backend ``cpu``) decides when it runs. When the build
 fails (no compiler), ``cpu_kernel_ops`` raises with the error, and the registry demotes the backend with a
@@ -34,18 +38,21 @@ against the op's reference ``vit3.kernels.swiglu.reference`` (``tests/test_op_sw
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["SOURCE", "cpu_kernel_ops", "load"]
+__all__ = ["LDFLAGS", "SOURCE", "build_target", "cpu_kernel_ops", "load"]
 
 SOURCE = Path(__file__).with_name("csrc") / "swiglu_cpu.cpp"
+LDFLAGS = ["-fopenmp"]
 _DTYPES = (torch.float32, torch.float64)
 _log = logging.getLogger(__name__)
 # Vector-unit flags per capability (``torch.backends.cpu.get_cpu_capability()``); ATen's vector headers pick
@@ -66,24 +73,50 @@ def _build_flags() -> tuple[str, list[str]]:
     return "portable", flags
 
 
-def _import_cpp_extension_load() -> Any:
-    """``torch.utils.cpp_extension.load``, imported without the warning that the import logs on machines
-    without a GPU ("No CUDA runtime is found, using CUDA_HOME=..."): this kernel is CPU code."""
+def _cpp_extension() -> Any:
+    """``torch.utils.cpp_extension``, imported without the warning that the import logs on machines without a
+    GPU ("No CUDA runtime is found, using CUDA_HOME=..."): this kernel is CPU code."""
     logger = logging.getLogger("torch.utils.cpp_extension")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        from torch.utils.cpp_extension import load as load_extension
+        import torch.utils.cpp_extension as cpp_extension
     finally:
         logger.setLevel(level)
-    return load_extension
+    return cpp_extension
+
+
+def build_target(source: Path, suffix: str, flags: list[str]) -> tuple[str, Path]:
+    """The extension's name ``vit3_swiglu_cpu_<suffix>_<key>`` and build folder for ``source`` built with
+    ``flags``: the key hashes the source's content, the compile and link flags, the PyTorch build (version and
+    install folder, whose headers it includes) and the Python ABI; the folder is the name under
+    ``$TORCH_EXTENSIONS_DIR`` (default: PyTorch's build root, ``~/.cache/torch_extensions``)."""
+    digest = hashlib.sha256(source.read_bytes())
+    env = (torch.__version__, os.path.dirname(torch.__file__), sys.version, os.environ.get("CXX", ""))
+    for part in (*flags, "|", *LDFLAGS, "|", *env):
+        digest.update(part.encode() + b"\0")
+    name = f"vit3_swiglu_cpu_{suffix}_{digest.hexdigest()[:16]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension().get_default_build_root()
+    return name, Path(root) / name
+
+
+def _staged_source(source: Path, folder: Path) -> Path:
+    """``source`` copied into the build folder (written only when missing or different, atomically): the
+    build reads the copy, so its ninja file is the same whichever checkout loads it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    copy, text = folder / source.name, source.read_bytes()
+    if not copy.is_file() or copy.read_bytes() != text:
+        tmp = copy.with_name(f".{copy.name}.{os.getpid()}")
+        tmp.write_bytes(text)
+        os.replace(tmp, copy)
+    return copy
 
 
 @functools.cache
 def load() -> tuple[Any, str]:
-    """Builds (once per machine) and loads the kernel: the ``torch.ops`` namespace, or ``None`` and why not."""
-    load_extension = _import_cpp_extension_load()
-
+    """Builds (once per machine and source) and loads the kernel: the ``torch.ops`` namespace, or ``None`` and
+    why not."""
+    cpp_extension = _cpp_extension()
     if shutil.which("ninja") is None:  # the PyPI ninja package's binary, when its scripts dir is not on PATH
         try:
             import ninja
@@ -94,11 +127,13 @@ def load() -> tuple[Any, str]:
     suffix, flags = _build_flags()
     _log.info("loading the C++ CPU kernel (the first use on a machine builds it: 10-30 s)")
     try:
-        load_extension(
-            f"vit3_swiglu_cpu_{suffix}",
-            [str(SOURCE)],
+        name, folder = build_target(SOURCE, suffix, flags)
+        cpp_extension.load(
+            name,
+            [str(_staged_source(SOURCE, folder))],
             extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=LDFLAGS,
+            build_directory=str(folder),
             is_python_module=False,
         )
     except Exception as exc:  # no compiler or ninja, an unsupported platform: the PyTorch path serves

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..common import grad_flows, step, step_backward, weight_grad
+from ..common import autocast_backward, autocast_forward, grad_flows, step, step_backward, weight_grad
 
 __all__ = ["SwiGLUSaved", "dense_inputs", "swiglu_backward", "swiglu_forward", "swiglu_ttt"]
 
@@ -433,6 +433,7 @@ def _kernel_backward(
 
 class _SwiGLUTTT(torch.autograd.Function):
     @staticmethod
+    @autocast_forward
     def forward(ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool, save: bool, recompute, cpp):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         hyper = {"scale": scale, "lr": lr, "grad_norm": grad_norm}
@@ -444,6 +445,7 @@ class _SwiGLUTTT(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_backward
     @once_differentiable
     def backward(ctx, d_out):
         dq, dk, dv = (torch.empty(d_out.shape, dtype=d_out.dtype, device=d_out.device) for _ in range(3))

@@ -43,20 +43,22 @@ def write_tiny_vae(root: Path) -> Path:
     return root
 
 
+def tiny_gen_args(data_root: Path, out: Path, *overrides: str) -> list[str]:
+    """The overrides of :func:`tiny_gen_cfg` (``python train.py --config <DEMO>`` takes them for the same run)."""
+    return [
+        *short_run(data_root, out, 3e-3),
+        "train.final_eval=false",
+        "train.log_every=2",
+        "sample.num_samples=8",
+        "sample.batch_size=4",
+        "sample.steps=3",
+        "sample.cfg_scale=2",
+        "metrics.classifier=",
+        *TINY_DIT,
+        *overrides,
+    ]
+
+
 def tiny_gen_cfg(data_root: Path, out: Path, *overrides: str) -> Config:
     """The generation demo on a digit folder with the tiny model: a few seconds per epoch on one CPU core."""
-    return load_config(
-        DEMO,
-        [
-            *short_run(data_root, out, 3e-3),
-            "train.final_eval=false",
-            "train.log_every=2",
-            "sample.num_samples=8",
-            "sample.batch_size=4",
-            "sample.steps=3",
-            "sample.cfg_scale=2",
-            "metrics.classifier=",
-            *TINY_DIT,
-            *overrides,
-        ],
-    )
+    return load_config(DEMO, tiny_gen_args(data_root, out, *overrides))

@@ -3,6 +3,12 @@ views of one qkv projection, the Triton op beside the op's reference."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import types
+
+import pytest
 import torch
 
 import vit3.kernels as kernels
@@ -17,11 +23,32 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 WEIGHTS = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
 
 
+def interpretable() -> bool:
+    """Whether Triton's interpreter can run the kernels here: they (and ``triton.language``) were decorated
+    under ``TRITON_INTERPRET=1``, which ``triton.jit`` reads once, when a function is decorated."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from vit3.kernels import triton_kernels
+
+    return isinstance(triton_kernels.readout_kernel, InterpretedFunction)
+
+
+def needs_kernels(device: torch.device) -> None:
+    """Skips a test that launches the kernels on ``device`` where nothing can run them: a CPU on which Triton
+    was imported for a GPU (``TRITON_INTERPRET=0``, as a GPU host imports it; there it runs on the GPU)."""
+    if device.type == "cpu" and not interpretable():
+        pytest.skip(
+            "Triton was decorated for a GPU (TRITON_INTERPRET=0) and there is none to run the kernels"
+        )
+
+
 def make_inputs(name: str, b: int, g: int, n: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
-    """A qkv projection output ``[B, N, 3*G*d]`` and initial weights (leaves, with grads).
+    """A qkv projection output ``[B, N, 3*G*d]`` and initial weights (leaves, with grads); skips where nothing
+    can run the kernels (``needs_kernels``).
 
     Weights are ``[1, G, d, d]``, or ``[1, G*d, 3, 3]`` for the depthwise conv, float32 unless float64.
     """
+    needs_kernels(DEVICE)
     qkv = torch.randn(b, n, 3 * g * d, dtype=torch.float64).to(DEVICE, dtype).requires_grad_(True)
     shape = (1, g * d, 3, 3) if name == "dwconv" else (1, g, d, d)
     params = {
@@ -108,3 +135,38 @@ def assert_matches_reference(
     pairs = zip(names, [*got[0].chunk(3, -1), *got[1:]], [*want[0].chunk(3, -1), *want[1:]])
     for name, g, g_ref in pairs:
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
+
+
+# AMD Instinct GPUs as a ROCm build of PyTorch describes them (``torch.cuda.get_device_properties``).
+AMD_GPUS = {
+    arch: types.SimpleNamespace(
+        gcnArchName=f"{arch}:sramecc+:xnack-",
+        major=9,
+        minor=minor,
+        name=name,
+        multi_processor_count=sms,
+        shared_memory_per_block_optin=64 * 1024,
+    )
+    for arch, minor, name, sms in (
+        ("gfx90a", 0, "AMD Instinct MI250X/MI250", 110),
+        ("gfx942", 4, "AMD Instinct MI300X", 304),
+    )
+}
+
+
+@functools.cache
+def gpu_kernels() -> types.ModuleType:
+    """A copy of ``vit3.kernels.triton_kernels`` as a GPU host imports it: decorated without the interpreter
+    (``triton.jit`` reads ``TRITON_INTERPRET`` when a function is decorated), whatever this process has set."""
+    spec = importlib.util.find_spec("vit3.kernels.triton_kernels")
+    module = importlib.util.module_from_spec(spec)
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return module

@@ -60,9 +60,14 @@ def short_run(data_root: Path, out: Path, base_lr: float) -> list[str]:
     ]
 
 
+def tiny_args(data_root: Path, out: Path, *overrides: str) -> list[str]:
+    """The overrides of :func:`tiny_cfg` (what ``python train.py`` takes for the same run)."""
+    return [*short_run(data_root, out, 2e-3), *TINY_MODEL, *overrides]
+
+
 def tiny_cfg(data_root: Path, out: Path, *overrides: str) -> Config:
     """The demo config on a digit folder with the tiny model: a few seconds per epoch on one CPU core."""
-    return load_config(DEMO, [*short_run(data_root, out, 2e-3), *TINY_MODEL, *overrides])
+    return load_config(DEMO, tiny_args(data_root, out, *overrides))
 
 
 def load_script(name: str) -> ModuleType:

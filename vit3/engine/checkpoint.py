@@ -6,7 +6,10 @@ A checkpoint is a ``torch.save`` dict readable with ``torch.load(weights_only=Tr
 ``scaler``, ``rng`` (one entry per rank: python/numpy/torch/cuda states), ``epoch`` (the epoch to run
 next), ``batch_in_epoch`` (batches of that epoch already done), ``global_step`` (optimizer steps done),
 ``epoch_loss`` (running loss sum/count of the partial epoch), ``history`` (per-epoch metrics),
-``best_top1``, ``config`` (resolved config) and ``meta`` (git commit, command, time).
+``best_top1``, ``config`` (resolved config) and ``meta`` (git commit, command, time). Everything in it is
+plain data (dicts, lists, strings, numbers, tensors), checked on save (:func:`check_plain`), so that every
+checkpoint of every task reloads with weights-only loading; a checkpoint of an earlier vit3 whose model kwargs
+pickled a ``Config`` is read with it rebuilt as a plain dict (nothing is imported from the file).
 Files are written to a temporary name in the same directory, flushed to disk (``fsync``) and moved into
 place with ``os.replace``, so a killed run never leaves a truncated checkpoint; the temporary file a killed
 write left behind is removed by the next save. A file that was truncated anyway (an interrupted copy) is
@@ -18,10 +21,14 @@ The model record (:func:`model_record`) is what building the model again needs: 
 were trained with), ``interpolation`` and ``crop_pct``. Fine-tuning (``model.pretrained``), ``eval.py`` and
 ``export.py`` build the model from it (:func:`merge_model_spec`, :func:`apply_model_record`); settings
 the user gives explicitly win, with a warning where they differ. Official files carry no record.
+
+:func:`config_for_resume` is what ``train.py --resume FILE`` runs with: the checkpoint's own config and task
+(or ``--config``'s), overrides on top, in the checkpoint's own folder unless ``output`` names another.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import warnings
@@ -35,7 +42,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, CheckpointMismatchError
-from .config import Config, ConfigError, config_from_dict, load_config
+from .config import Config, ConfigError, config_from_checkpoint, load_config, to_plain
 
 FORMAT = "vit3-checkpoint"
 VERSION = 2  # 2: adds the model record
@@ -59,8 +66,10 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "apply_model_record",
+    "check_plain",
     "classifier_prefixes",
     "config_for_checkpoint",
+    "config_for_resume",
     "get_rng_state",
     "is_vit3_checkpoint",
     "load_checkpoint",
@@ -133,9 +142,41 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+# What torch.load(weights_only=True) reads back besides tensors (checked on save: check_plain).
+_PLAIN_LEAVES = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def check_plain(obj: Any, where: str = "checkpoint") -> None:
+    """Checks that ``obj`` is plain data that ``torch.load(weights_only=True)`` reads back: dicts (and the
+    ``OrderedDict`` of state dicts), lists and tuples of tensors, strings, numbers, booleans and None.
+
+    Raises:
+        TypeError: naming the first entry of another type (e.g. a :class:`~vit3.engine.config.Config` in a
+            model record: a bug of the code that built it, which should have used ``to_plain``).
+    """
+    kind = type(obj)
+    if kind in (dict, collections.OrderedDict):
+        for key, value in obj.items():
+            check_plain(key, f"{where} (a key)")
+            check_plain(value, f"{where}.{key}")
+    elif kind in (list, tuple):
+        for i, value in enumerate(obj):
+            check_plain(value, f"{where}[{i}]")
+    elif not isinstance(obj, torch.Tensor) and kind not in _PLAIN_LEAVES:
+        raise TypeError(
+            f"{where} is a {kind.__module__}.{kind.__qualname__}, which torch.load(weights_only=True) cannot "
+            f"read back: store plain data (vit3.engine.config.to_plain)"
+        )
+
+
 def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
     """Writes ``state`` (plus ``format``/``version``) atomically: a temp file in the same directory, flushed to
-    disk with ``fsync``, then ``os.replace``; stale temp files of earlier (killed) writes are removed."""
+    disk with ``fsync``, then ``os.replace``; stale temp files of earlier (killed) writes are removed.
+
+    Raises:
+        TypeError: ``state`` holds something other than plain data (:func:`check_plain`).
+    """
+    check_plain(dict(state))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -169,14 +210,57 @@ def _truncated(path: Path) -> str | None:
     return None
 
 
-def _read(path: str | Path) -> Any:
+class _PlainDict:
+    """What a :class:`~vit3.engine.config.Config` pickled by an earlier vit3 is read back as: a plain dict."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> dict:
+        return {}
+
+
+_CONFIG_GLOBAL = f"{Config.__module__}.{Config.__qualname__}"
+
+
+def _load(path: Path, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)``; a checkpoint written before records held plain data only (a
+    :class:`~vit3.engine.config.Config` pickled in its model kwargs) is read with that class rebuilt as plain
+    dicts (nothing is imported from the file). ``mmap``: tensors stay on disk until touched (reading the config
+    of a large checkpoint)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as first:
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        except Exception:  # not a zip checkpoint: the first problem is the one to report
+            raise first from None
+        if names != [_CONFIG_GLOBAL]:
+            raise
+        with torch.serialization.safe_globals([(_PlainDict, _CONFIG_GLOBAL)]):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def _unreadable(path: Path, exc: Exception) -> str:
+    """One line on why ``path`` could not be read (torch's own message takes a dozen lines)."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception:  # not a zip checkpoint
+        names = []
+    if names:
+        return (
+            f"cannot read checkpoint {path}: it pickles {', '.join(names)}, which weights-only loading does not "
+            f"import (a vit3 checkpoint holds plain data only)"
+        )
+    first = str(exc).strip().splitlines()
+    return f"cannot read checkpoint {path}: {first[0] if first else type(exc).__name__}"
+
+
+def _read(path: str | Path, mmap: bool = False) -> Any:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return _load(path, mmap)
     except Exception as e:  # a truncated/foreign file: name it
-        raise CheckpointError(_truncated(path) or f"cannot read checkpoint {path}: {e}") from e
+        raise CheckpointError(_truncated(path) or _unreadable(path, e)) from e
 
 
 def peek_vit3_checkpoint(path: str | Path) -> dict[str, Any] | None:
@@ -191,7 +275,7 @@ def peek_vit3_checkpoint(path: str | Path) -> dict[str, Any] | None:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = _load(path)
     except Exception as e:  # not ours: unreadable here, left to the model's official-checkpoint loader
         why = _truncated(path)
         if why:
@@ -200,15 +284,15 @@ def peek_vit3_checkpoint(path: str | Path) -> dict[str, Any] | None:
     return obj if is_vit3_checkpoint(obj) else None
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Reads a vit3 checkpoint on CPU.
+def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """Reads a vit3 checkpoint on CPU (``mmap``: its tensors read from disk when touched).
 
     Raises:
         FileNotFoundError: no such file.
         CheckpointError: truncated, unreadable, or not a vit3 checkpoint (an official file goes through
             model.pretrained).
     """
-    obj = _read(path)
+    obj = _read(path, mmap)
     if not is_vit3_checkpoint(obj):
         raise CheckpointError(
             f"{path} is not a vit3 training checkpoint (no format='{FORMAT}'); official ViTTT weights are "
@@ -225,8 +309,8 @@ def make_model_record(
     mean: Iterable[float] | None,
     std: Iterable[float] | None,
 ) -> dict[str, Any]:
-    """The record of the model a run of ``cfg`` trains (see the module docstring)."""
-    kwargs = Config(cfg.model.kwargs or {}).to_dict()  # plain data (nested kwargs too): weights_only loads it
+    """The record of the model a run of ``cfg`` trains (see the module docstring), as plain data."""
+    kwargs = to_plain(cfg.model.kwargs or {})
     data = cfg.data
     return {
         "name": str(cfg.model.name),
@@ -336,18 +420,60 @@ def config_for_checkpoint(
     path: str | Path, config_path: str | Path | None = None, overrides: Iterable[str] = ()
 ) -> Config:
     """The config to evaluate ``path`` with: ``config_path`` if given, else the one the checkpoint stores
-    (vit3 checkpoints) or ``configs/default.yaml`` (official files); ``overrides`` apply on top."""
+    (vit3 checkpoints, :func:`~vit3.engine.config.config_from_checkpoint`) or ``configs/default.yaml``
+    (official files); ``overrides`` apply on top."""
     if config_path is not None:
         return load_config(config_path, overrides)
     obj = peek_vit3_checkpoint(path)
     if obj is not None:
-        return config_from_dict(obj["config"], overrides)
+        return config_from_checkpoint(obj["config"], overrides)
     cfg = load_config(None, overrides)
     if not any(o.startswith("model.name=") for o in overrides):
         raise ConfigError(
             f"{path} is not a vit3 checkpoint (it carries no model record): name its model with --model "
             f"(e.g. --model vit3_small for an official vittt_s.pth)"
         )
+    return cfg
+
+
+def config_for_resume(
+    path: str | Path,
+    config_path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    output: str | None = None,
+) -> Config:
+    """The config that continues the run of the checkpoint ``path`` (``train.py --resume``).
+
+    Its own config, task included, as the checkpoint stores it
+    (:func:`~vit3.engine.config.config_from_checkpoint`), or ``config_path`` when one is given; ``overrides``
+    apply on top (the engines refuse those that change the data stream, unless ``train.force_resume``). The
+    run continues in the checkpoint's own folder unless ``output`` (or an ``output=`` override) names
+    another one.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: not a vit3 training checkpoint (or unreadable).
+        ConfigError: a bad override.
+    """
+    path = Path(path)
+    saved = load_checkpoint(path, mmap=True)["config"]
+    cfg = (
+        load_config(config_path, overrides)
+        if config_path is not None
+        else config_from_checkpoint(saved, overrides)
+    )
+    if output is None and not any(o.partition("=")[0].strip() == "output" for o in overrides):
+        started = saved.get("output")
+        moved = not started or Path(started).resolve() != path.parent.resolve()
+        output = str(path.parent) if moved else str(started)
+        if moved:
+            warnings.warn(
+                f"{path} was written by a run in {started}; it continues in the checkpoint's folder {output}",
+                stacklevel=2,
+            )
+    if output is not None:
+        cfg.output = output
+    cfg.train.resume = str(path)
     return cfg
 
 

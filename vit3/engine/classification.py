@@ -57,15 +57,18 @@ from .checkpoint import (
     peek_vit3_checkpoint,
 )
 from .common import (
+    OutputFolder,
     Progress,
     TrainRun,
     amp_dtype,
     autocast,
     check_resume,
     check_resume_task,
+    claim_output,
     in_process_group,
     log,
     log_row,
+    open_output,
     optimizer_step,
     restore_rng,
     resume_path,
@@ -76,7 +79,7 @@ from .common import (
     set_threads,
     wrap_ddp,
 )
-from .config import Config, ConfigError, run_metadata, save_config
+from .config import Config, ConfigError, check_config, run_metadata, to_plain
 from .distributed import DistInfo, sum_tensor
 from .metrics import plot_curves, write_metrics
 from .optim import build_optimizer, build_scheduler, scaled_lrs
@@ -112,18 +115,15 @@ def _label_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) ->
 
 
 def _check_train_cfg(cfg: Config) -> None:
+    check_config(cfg)  # types and ranges (a config built in code has not been through load_config)
     t = cfg.train
     amp_dtype(t.amp, torch.device("cpu"))  # a known train.amp
-    if int(t.accum_steps) < 1:
-        raise ConfigError(f"train.accum_steps must be >= 1, got {t.accum_steps}")
     if t.mesa and t.mesa > 0 and not t.ema:
         raise ConfigError("train.mesa > 0 needs the EMA teacher: set train.ema=true")
     if cfg.data.corrupt_images not in CORRUPT_POLICIES:
         raise ConfigError(
             f"data.corrupt_images must be one of {CORRUPT_POLICIES}, got '{cfg.data.corrupt_images}'"
         )
-    if int(t.epochs) < 1:
-        raise ConfigError(f"train.epochs must be >= 1, got {t.epochs}")
     if t.progress not in (True, False, "run"):
         raise ConfigError(f"train.progress must be true, false or 'run', got {t.progress!r}")
 
@@ -166,8 +166,6 @@ def resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
             raise ConfigError(
                 f"data.{key} must hold one value per input channel of the model ({in_chans}), got {values!r}"
             )
-    if any(v <= 0 for v in d.std):
-        raise ConfigError(f"data.std values must be positive, got {list(d.std)}")
 
 
 def data_stats(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -354,7 +352,7 @@ def _state(run: _Run) -> dict[str, Any]:
     return {
         "record": make_model_record(run.cfg, run.num_classes, run.classes, mean, std),
         "model_name": run.cfg.model.name,
-        "model_kwargs": Config(run.cfg.model.kwargs).to_dict(),
+        "model_kwargs": to_plain(run.cfg.model.kwargs),
         "num_classes": run.num_classes,
         "classes": list(run.classes),
         **run.training_state(),
@@ -373,7 +371,6 @@ def _save(run: _Run, name: str) -> Path:
 
 
 def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
-    check_resume_task(ckpt, run.task, source)
     schedule = ("epochs", "warmup_epochs", "base_lr", "warmup_lr", "min_lr", "lr_batch", "accum_steps")
     before = ckpt["config"].get("train", {})
     same_schedule = all(before.get(k) == run.cfg.train[k] for k in schedule)
@@ -384,15 +381,10 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
             f"note: the lr schedule settings differ from {source}; the new config's schedule applies",
         )
     p = run.progress
-    p.restore(ckpt)
+    p.restore(ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps))
     p.loss_sum, p.loss_count = ckpt["epoch_loss"]
     p.best_top1, p.history = ckpt["best_top1"], list(ckpt["history"])
     run.restore_extra(ckpt)
-    old_batch = int(ckpt["config"]["data"]["batch_size"]) * int(ckpt.get("world_size", 1))
-    new_batch = int(run.cfg.data.batch_size) * run.info.world
-    if p.batch_in_epoch and old_batch != new_batch:  # a forced resume: continue after the samples done
-        accum = int(run.cfg.train.accum_steps)
-        p.batch_in_epoch = p.batch_in_epoch * old_batch // new_batch // accum * accum
     p.roll_over(run.batches_per_epoch)
 
 
@@ -404,6 +396,9 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
     out = Path(cfg.output)
     resume = resume_path(cfg, out)
     ckpt = load_checkpoint(resume) if resume else None
+    if ckpt is not None:
+        check_resume_task(ckpt, "classification", resume)
+    folder = claim_output(cfg, resume, ckpt)
     # A resumed run takes its weights from the checkpoint, never from model.pretrained.
     pretrained = "" if ckpt else str(cfg.model.pretrained or "")
     source = ckpt if ckpt is not None else (peek_vit3_checkpoint(pretrained) if pretrained else None)
@@ -449,13 +444,13 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
             info,
             f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} classes",
         )
-    return _assemble(cfg, info, out, model, data, num_classes, ckpt, resume)
+    return _assemble(cfg, info, folder, model, data, num_classes, ckpt, resume)
 
 
 def _assemble(
     cfg: Config,
     info: DistInfo,
-    out: Path,
+    folder: OutputFolder,
     model: nn.Module,
     data: dict[str, Any],
     num_classes: int,
@@ -465,8 +460,8 @@ def _assemble(
 ) -> _Run:
     """The run around a built ``model`` and its ``data`` (:func:`~vit3.data.build_datasets`): preprocessing,
     loaders, optimizer, schedule, EMA and DDP, resumed from ``ckpt`` (read from ``resume``) when given; its
-    config saved in ``out``. ``run_type`` makes the run (a :class:`_Run` subclass, given the fields of
-    :class:`_Run` in order)."""
+    config saved in ``folder`` (what :func:`~vit3.engine.common.claim_output` allowed). ``run_type`` makes
+    the run (a :class:`_Run` subclass, given the fields of :class:`_Run` in order)."""
     classes = data["classes"]
     in_chans = input_channels(cfg)
     resolve_data_cfg(cfg, model, in_chans)
@@ -505,7 +500,7 @@ def _assemble(
     net = wrap_ddp(model, cfg, info)
     run = run_type(
         cfg, info, model, net, ema, optimizer, scheduler, scaler, amp, build_mixup(cfg, num_classes),
-        loader, wrapped, sampler, val_loader, batches_per_epoch, out, num_classes, classes, _Progress(),
+        loader, wrapped, sampler, val_loader, batches_per_epoch, folder.path, num_classes, classes, _Progress(),
     )  # fmt: skip
     log(
         info,
@@ -520,8 +515,7 @@ def _assemble(
             info,
             f"resumed from {resume}: epoch {run.progress.epoch + 1}, batch {run.progress.batch_in_epoch}, step {run.progress.global_step}",
         )
-    if info.is_main:
-        save_config(cfg, out)
+    open_output(folder, cfg, info)
     if ckpt is not None:
         restore_rng(ckpt, info)  # last: building the run drew on the RNGs
     return run

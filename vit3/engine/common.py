@@ -10,7 +10,12 @@
   would change), :func:`check_resume_task`, :func:`save_state` (collective: every rank's RNG state is
   gathered into the checkpoint), :func:`restore_rng`, :class:`Progress` (epoch, batch inside it, optimizer
   step) and :func:`optimizer_step` (scheduler, clipping, scaler, EMA). A run killed at any point and resumed
-  from its last checkpoint ends with the weights of an uninterrupted run, bit for bit.
+  from its last checkpoint ends with the weights of an uninterrupted run, bit for bit;
+* the output folder: :func:`claim_output` and :func:`open_output`. No run writes into a folder that holds
+  another run's checkpoints (``last.pt`` / ``best.pt``): it is refused, naming the folder and the ways on
+  (resume that run, or another ``output``), unless ``train.overwrite`` (``--overwrite``), which first moves that
+  run's files (:data:`RUN_FILES`) into ``<output>/replaced-<UTC time>/``, deleting nothing. A resume continues
+  in its checkpoint's own folder, unless that folder holds a later checkpoint (it would be overwritten).
 """
 
 from __future__ import annotations
@@ -31,14 +36,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .checkpoint import get_rng_state, load_model_weights, resume_differences, save_checkpoint, set_rng_state
-from .config import Config, ConfigError
+from .checkpoint import (
+    CheckpointError,
+    get_rng_state,
+    load_checkpoint,
+    load_model_weights,
+    resume_differences,
+    save_checkpoint,
+    set_rng_state,
+)
+from .config import Config, ConfigError, save_config
 from .distributed import DistInfo, all_gather_objects, barrier, distributed
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
 
 __all__ = [
     "AMP_MODES",
+    "CHECKPOINT_FILES",
+    "RUN_FILES",
+    "RUN_PATTERNS",
+    "OutputFolder",
     "Progress",
     "TrainRun",
     "amp_dtype",
@@ -47,9 +64,12 @@ __all__ = [
     "check_resume",
     "check_resume_task",
     "checkpoint_task",
+    "claim_output",
     "in_process_group",
     "log",
     "log_row",
+    "move_aside",
+    "open_output",
     "optimizer_step",
     "param_digest",
     "restore_rng",
@@ -159,10 +179,16 @@ class Progress:
     def counters(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "global_step": self.global_step}
 
-    def restore(self, ckpt: Mapping[str, Any]) -> None:
-        """Restores the counters of ``ckpt``."""
+    def restore(self, ckpt: Mapping[str, Any], batch_size: int, world: int, accum: int) -> None:
+        """Restores the counters of ``ckpt``. A (forced) resume with another total batch (``batch_size`` per
+        process x ``world``) continues after the samples already seen: the batch inside the epoch is rescaled
+        to whole accumulation steps of ``accum`` batches."""
         self.epoch, self.batch_in_epoch = int(ckpt["epoch"]), int(ckpt["batch_in_epoch"])
         self.global_step = int(ckpt["global_step"])
+        old = int(ckpt["config"]["data"]["batch_size"]) * int(ckpt.get("world_size", 1))
+        new = int(batch_size) * int(world)
+        if self.batch_in_epoch and old != new:
+            self.batch_in_epoch = self.batch_in_epoch * old // new // accum * accum
 
     def roll_over(self, batches_per_epoch: int) -> None:
         """Moves to the start of the next epoch when this one's batches are all done."""
@@ -218,6 +244,105 @@ def resume_path(cfg: Config, out: Path) -> str:
     if resume == "auto":
         return str(out / "last.pt") if (out / "last.pt").is_file() else ""
     return str(resume)
+
+
+# The checkpoints a run writes in its output folder, and every file and folder of its own there (moved aside
+# with them by train.overwrite): records, plots, and what eval.py wrote beside the checkpoints.
+CHECKPOINT_FILES = ("last.pt", "best.pt")
+RUN_FILES = (
+    *CHECKPOINT_FILES,
+    "config.yaml",
+    "summary.json",
+    "metrics.csv",
+    "metrics.json",
+    "curves.png",
+    "samples",
+)
+RUN_PATTERNS = ("*.eval.json", "samples_*")
+
+
+@dataclass
+class OutputFolder:
+    """A run's output folder, checked by :func:`claim_output`; ``replace``: the earlier run's files there
+    are moved aside (``train.overwrite``) by :func:`open_output` before the first write."""
+
+    path: Path
+    replace: bool = False
+
+
+def _global_step(path: Path) -> float:
+    """The optimizer step a checkpoint was written at (inf for an unreadable one: never overwrite it)."""
+    try:
+        return int(load_checkpoint(path, mmap=True).get("global_step", 0))
+    except (CheckpointError, OSError):
+        return float("inf")
+
+
+def claim_output(cfg: Config, resume: str, ckpt: Mapping[str, Any] | None) -> OutputFolder:
+    """Checks that the run of ``cfg`` (resumed from the checkpoint ``resume``, ``ckpt``, or "" / None) may
+    write into ``cfg.output`` (see the module docstring). Call it on every rank before anything is written.
+
+    Raises:
+        ConfigError: the folder holds another run's checkpoints (or, for a resume in its own folder, one later
+            than the checkpoint resumed from), and ``train.overwrite`` is not set.
+    """
+    out = Path(cfg.output)
+    held = [out / name for name in CHECKPOINT_FILES if (out / name).is_file()]
+    if not held:
+        return OutputFolder(out)
+    overwrite = f"--overwrite moves its files into {out / 'replaced-<time>'}/ first"
+    if resume and Path(resume).resolve().parent == out.resolve():  # the run continues in its own folder
+        step = int(ckpt["global_step"]) if ckpt is not None else 0
+        later = [p for p in held if not p.samefile(resume) and _global_step(p) > step]
+        if not later:
+            return OutputFolder(out)
+        problem = (
+            f"{later[0]} was written later than {resume} (step {step}), which this run resumes from, and would "
+            f"be overwritten: resume from {later[0]} instead, or continue in a new folder (output=<folder>); "
+            f"{overwrite}"
+        )
+    else:
+        names = ", ".join(p.name for p in held)
+        problem = (
+            f"{out} holds the checkpoints of another run ({names}), which this run would overwrite: continue "
+            f"that run with --resume {held[0]}, or give this one a new folder (output=<folder>); {overwrite}"
+        )
+    if cfg.train.get("overwrite"):
+        return OutputFolder(out, replace=True)
+    raise ConfigError(problem)
+
+
+def move_aside(
+    folder: Path, names: Iterable[str] = RUN_FILES, patterns: Iterable[str] = RUN_PATTERNS
+) -> tuple[Path, list[str]]:
+    """Moves the entries of ``folder`` named ``names`` or matching one of ``patterns`` into a new
+    ``folder/replaced-<UTC time>/`` (nothing is deleted); returns that folder and the names moved."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target, n = folder / f"replaced-{stamp}", 1
+    while target.exists():  # two replacements within one second
+        n += 1
+        target = folder / f"replaced-{stamp}-{n}"
+    names, patterns = set(names), tuple(patterns)
+    moved = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name in names or any(entry.match(pattern) for pattern in patterns):
+            target.mkdir(exist_ok=True)
+            entry.rename(target / entry.name)
+            moved.append(entry.name)
+    return target, moved
+
+
+def open_output(folder: OutputFolder, cfg: Config, info: DistInfo) -> Path:
+    """Moves the earlier run's files aside when :func:`claim_output` said so, then saves the run's config
+    (rank 0 only; the other ranks do nothing)."""
+    if info.is_main:
+        if folder.replace:
+            target, moved = move_aside(folder.path)
+            log(
+                info, f"warning: train.overwrite=true: moved the earlier run's {', '.join(moved)} to {target}"
+            )
+        save_config(cfg, folder.path)
+    return folder.path
 
 
 def checkpoint_task(ckpt: Mapping[str, Any]) -> str:

@@ -21,6 +21,15 @@ API (used by ``train.py``, ``eval.py`` and the task engines):
   type; an integral float such as ``2.0`` becomes ``2`` where an integer is expected, a number becomes a
   string where a string is). ``null`` is accepted where the default is ``null`` and for the keys of
   :data:`NULLABLE`. Keys the default config lacks (``dense.*``, ``model.kwargs.*``) are not checked here.
+* Values are checked against the ranges they allow (:data:`CONSTRAINTS`, one table for every task: a key is
+  checked where a config has it): a value of the right type that would wreck a run without a word (a negative
+  ``train.clip_grad`` flips every gradient, a negative lr or weight decay climbs the loss, a ``min_lr`` above
+  ``base_lr`` makes the cosine climb, ...) is a :class:`ConfigError` naming the key and the range
+  (:func:`check_values`; :func:`check_config` runs both checks, as the engines do for a config built in code).
+* ``config_from_checkpoint(saved, overrides)``: the config a checkpoint stores, merged over its task's shipped
+  defaults (:data:`TASK_CONFIGS`: keys added since keep working) with the one-command keys
+  (:data:`COMMAND_KEYS`: resume, force_resume, overwrite) reset; ``to_plain(value)``: nested plain dicts and
+  lists (what a checkpoint stores).
 * :class:`Config` is a ``dict`` with attribute access (``cfg.train.epochs``), ``cfg.get_path("a.b")``,
   ``cfg.set_path("a.b", v)`` and ``cfg.to_dict()`` (plain nested dicts, for YAML/JSON/checkpoints).
 * ``save_config(cfg, out_dir)`` writes ``out_dir/config.yaml``: the resolved config plus ``_meta``
@@ -37,10 +46,12 @@ import copy
 import datetime
 import difflib
 import functools
+import itertools
 import re
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -58,21 +69,39 @@ except ModuleNotFoundError as e:  # an editable install made before configs/ bec
         "vit3.configs (the repository's configs/) is not installed: reinstall vit3 (pip install -e .)"
     ) from e
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+# The config that lists every key of each task (relative to CONFIG_DIR).
+TASK_CONFIGS = {
+    "classification": "default.yaml",
+    "detection": "dense/dense_base.yaml",
+    "segmentation": "dense/dense_base.yaml",
+    "generation": "generation/default.yaml",
+    "convert": "convert/base.yaml",
+}
+# Keys that belong to one command rather than to its run: a config rebuilt from a checkpoint resets them.
+COMMAND_KEYS = ("train.resume", "train.force_resume", "train.overwrite")
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 __all__ = [
+    "COMMAND_KEYS",
     "CONFIG_DIR",
+    "CONSTRAINTS",
     "DEFAULT_CONFIG",
     "NULLABLE",
+    "TASK_CONFIGS",
     "Config",
     "ConfigError",
+    "Range",
+    "check_config",
     "check_types",
+    "check_values",
+    "config_from_checkpoint",
     "config_from_dict",
     "git_commit",
     "load_config",
     "parse_override",
     "resolve_config_path",
     "save_config",
+    "to_plain",
 ]
 
 
@@ -117,6 +146,171 @@ ALTERNATIVES: dict[str, type] = {
 }
 # Lists whose elements must have one type although the default list is empty.
 LIST_ELEMENTS = {"eval.img_sizes": int}
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key allows: ``lo``/``hi`` bounds (a number, or another key's dotted name whose
+    value is the bound), each closed unless ``lo_open``/``hi_open``. A list value must hold allowed values
+    only, in increasing order with ``ordered`` (a ``(min, max)`` pair). ``null`` says what null means for a
+    key that takes it (shown in the message; whether null is accepted is the type check's :data:`NULLABLE`).
+    """
+
+    lo: float | str | None = None
+    hi: float | str | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    ordered: bool = False
+    null: str = ""
+
+    def bounds(self, cfg: Config) -> tuple[float | None, float | None]:
+        """The numeric bounds in ``cfg`` (a bound named by a key that ``cfg`` lacks or sets to a non-number
+        is no bound)."""
+
+        def value(bound: float | str | None) -> float | None:
+            if isinstance(bound, str):
+                try:
+                    bound = cfg.get_path(bound)
+                except ConfigError:
+                    return None
+            return float(bound) if _is_number(bound) else None
+
+        return value(self.lo), value(self.hi)
+
+    def allows(self, value: Any, cfg: Config) -> bool:
+        """Whether ``value`` (a number, or a list of numbers) is allowed; other values are the type check's."""
+        lo, hi = self.bounds(cfg)
+
+        def inside(v: float) -> bool:
+            above = lo is None or (v > lo if self.lo_open else v >= lo)
+            below = hi is None or (v < hi if self.hi_open else v <= hi)
+            return above and below
+
+        if isinstance(value, list | tuple):
+            numbers = [v for v in value if _is_number(v)]
+            in_order = not self.ordered or all(a <= b for a, b in itertools.pairwise(numbers))
+            return all(inside(v) for v in numbers) and in_order
+        return not _is_number(value) or inside(value)
+
+    def describe(self, cfg: Config) -> str:
+        """``"> 0"``, ``"in [0, 1)"``, ``"<= train.base_lr (0.001)"``, ... (for messages)."""
+        lo, hi = self.bounds(cfg)
+
+        def shown(bound: float | str | None, number: float | None) -> str:
+            return f"{bound} ({number:g})" if isinstance(bound, str) else f"{number:g}"
+
+        if lo is not None and hi is not None:
+            text = (
+                f"in {'(' if self.lo_open else '['}{shown(self.lo, lo)}, {shown(self.hi, hi)}"
+                f"{')' if self.hi_open else ']'}"
+            )
+        elif lo is not None:
+            text = f"{'>' if self.lo_open else '>='} {shown(self.lo, lo)}"
+        elif hi is not None:
+            text = f"{'<' if self.hi_open else '<='} {shown(self.hi, hi)}"
+        else:
+            text = "any number"
+        return text
+
+
+POSITIVE = Range(0, lo_open=True)
+NON_NEGATIVE = Range(0)
+AT_LEAST_ONE = Range(1)
+PROBABILITY = Range(0, 1)
+# The values each key allows where a value of the right type could still wreck a run without a word (a
+# negative clip_grad flips every gradient, a negative lr or weight decay climbs the loss, a layer decay above 1
+# trains the stem fastest, an EMA decay above 1 diverges, ...), or crash it deep inside a library. Checked for
+# every config (all tasks: a key applies where the config has it) by :func:`check_values`. One table for all
+# tasks, meant to grow into the whole validation layer of the config system.
+CONSTRAINTS: dict[str, Range] = {
+    "seed": NON_NEGATIVE,
+    "threads": Range(1, null="torch's default"),
+    "model.num_classes": Range(1, null="the classes of the data"),
+    "model.drop_path_rate": Range(0, 1, hi_open=True),
+    "model.class_dropout_prob": Range(0, 1, hi_open=True),
+    "data.img_size": AT_LEAST_ONE,
+    "data.crop_pct": POSITIVE,
+    "data.std": Range(0, lo_open=True, null="the model's"),
+    "data.channels": AT_LEAST_ONE,
+    "data.hflip": PROBABILITY,
+    "data.batch_size": AT_LEAST_ONE,
+    "data.num_workers": NON_NEGATIVE,
+    "aug.scale": Range(0, 1, lo_open=True, ordered=True),
+    "aug.ratio": Range(0, lo_open=True, ordered=True),
+    "aug.hflip": PROBABILITY,
+    "aug.color_jitter": Range(0, null="off"),
+    "aug.reprob": PROBABILITY,
+    "aug.recount": AT_LEAST_ONE,
+    "aug.mixup": Range(0, null="off"),
+    "aug.cutmix": Range(0, null="off"),
+    "aug.cutmix_minmax": Range(0, 1, lo_open=True, ordered=True, null="from aug.cutmix"),
+    "aug.mixup_prob": PROBABILITY,
+    "aug.mixup_switch_prob": PROBABILITY,
+    "aug.label_smoothing": Range(0, 1, hi_open=True),
+    "train.epochs": AT_LEAST_ONE,
+    "train.warmup_epochs": NON_NEGATIVE,
+    "train.base_lr": POSITIVE,
+    "train.warmup_lr": Range(0, "train.base_lr"),
+    "train.min_lr": Range(0, "train.base_lr"),
+    "train.lr_batch": POSITIVE,
+    "train.weight_decay": NON_NEGATIVE,
+    "train.betas": Range(0, 1, hi_open=True),
+    "train.eps": POSITIVE,
+    "train.layer_decay": Range(0, 1, lo_open=True, null="off"),
+    "train.clip_grad": Range(0, lo_open=True, null="no clipping"),
+    "train.accum_steps": AT_LEAST_ONE,
+    "train.ema_decay": Range(0, 1, hi_open=True),
+    "train.ema_batch": POSITIVE,
+    "train.mesa": Range(0, null="off"),
+    "train.mesa_start": PROBABILITY,
+    "train.eval_every": AT_LEAST_ONE,
+    "train.save_every_steps": NON_NEGATIVE,
+    "train.log_every": NON_NEGATIVE,
+    "eval.img_sizes": AT_LEAST_ONE,
+    "eval.batch_size": AT_LEAST_ONE,
+    "eval.throughput_batches": AT_LEAST_ONE,
+    # generation
+    "vae.scaling_factor": Range(0, lo_open=True, null="the VAE config's"),
+    "diffusion.num_timesteps": AT_LEAST_ONE,
+    "diffusion.beta_start": Range(0, 1, lo_open=True, hi_open=True),
+    "diffusion.beta_end": Range("diffusion.beta_start", 1, hi_open=True),
+    "sample.steps": AT_LEAST_ONE,
+    "sample.guided_channels": Range(1, null="the official 3, capped at the latent channels"),
+    "sample.cfg_scale": NON_NEGATIVE,
+    "sample.num_samples": AT_LEAST_ONE,
+    "sample.batch_size": AT_LEAST_ONE,
+    "sample.seed": NON_NEGATIVE,
+    "sample.grid": NON_NEGATIVE,
+    "metrics.batch_size": AT_LEAST_ONE,
+    # detection / segmentation
+    "dense.num_classes": Range(1, null="from the data"),
+    "dense.iters": NON_NEGATIVE,
+    "dense.eval_interval": NON_NEGATIVE,
+    "dense.milestones": Range(0, ordered=True),
+    "dense.gamma": Range(0, 1, lo_open=True),
+    "dense.poly_power": NON_NEGATIVE,
+    "dense.warmup_iters": NON_NEGATIVE,
+    "dense.warmup_factor": PROBABILITY,
+    "dense.backbone_lr_mult": NON_NEGATIVE,
+    "dense.out_channels": AT_LEAST_ONE,
+    "dense.min_size": AT_LEAST_ONE,
+    "dense.max_size": AT_LEAST_ONE,
+    "dense.anchor_sizes": Range(0, lo_open=True, ordered=True),
+    "dense.detections_per_img": AT_LEAST_ONE,
+    "dense.box_head_dim": AT_LEAST_ONE,
+    "dense.mask_head_dim": AT_LEAST_ONE,
+    "dense.head_channels": Range(1, null="the head's default"),
+    "dense.aux_weight": NON_NEGATIVE,
+    "dense.scale": AT_LEAST_ONE,
+    "dense.crop_size": AT_LEAST_ONE,
+    "dense.ratio_range": Range(0, lo_open=True, ordered=True),
+    "dense.cat_max_ratio": Range(0, 1, lo_open=True),
+    "dense.slide_crop": AT_LEAST_ONE,
+    "dense.slide_stride": AT_LEAST_ONE,
+    "dense.synthetic.image_size": AT_LEAST_ONE,
+    "dense.synthetic.max_per_image": AT_LEAST_ONE,
+    "dense.synthetic.digit_size": Range(1, ordered=True),
+}
 
 
 class Config(dict):
@@ -291,8 +485,74 @@ def config_from_dict(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> 
             cfg.set_path(key, value)
         except ConfigError:  # re-raise with close matches searched over every key of the config
             raise ConfigError(_unknown_key_message(key, _all_dotted_keys(cfg))) from None
-    check_types(cfg)
+    check_config(cfg)
     return cfg
+
+
+def config_from_checkpoint(saved: Mapping[str, Any], overrides: Iterable[str] = ()) -> Config:
+    """The config a checkpoint's run had (``saved``: its ``config``), plus ``overrides``.
+
+    It is merged over the shipped defaults of its task (:data:`TASK_CONFIGS`), so that keys added to vit3
+    after the checkpoint was written take their default values; the keys of :data:`COMMAND_KEYS` (what one
+    command asked for: resume, force the resume, overwrite) are reset to their defaults.
+
+    Raises:
+        ConfigError: bad override syntax, unknown key, or a value of the wrong type or range.
+    """
+    task = str(saved.get("task", "classification"))
+    defaults = _read_yaml_tree(CONFIG_DIR / TASK_CONFIGS.get(task, "default.yaml"))
+    data = _deep_merge(defaults, {k: v for k, v in saved.items() if k != "_meta"})
+    for key in COMMAND_KEYS:
+        section, _, leaf = key.rpartition(".")
+        if leaf in defaults.get(section, {}):
+            data[section][leaf] = defaults[section][leaf]
+    return config_from_dict(data, overrides)
+
+
+def check_config(cfg: Config) -> None:
+    """Checks the types (:func:`check_types`) and the ranges (:func:`check_values`) of ``cfg``'s values.
+
+    Raises:
+        ConfigError: naming each key with a value of the wrong type, or else out of its range.
+    """
+    check_types(cfg)
+    check_values(cfg)
+
+
+def check_values(cfg: Config) -> None:
+    """Checks every key of :data:`CONSTRAINTS` that ``cfg`` has against the values it allows (null is left
+    to :func:`check_types`).
+
+    Raises:
+        ConfigError: naming each key with a value out of its range and the range allowed.
+    """
+    errors, bad = [], set()
+    for key, allowed in CONSTRAINTS.items():
+        try:
+            value = cfg.get_path(key)
+        except ConfigError:  # a key of another task's config
+            continue
+        if {allowed.lo, allowed.hi} & bad:  # bounded by a key already reported
+            continue
+        if value is not None and not allowed.allows(value, cfg):
+            bad.add(key)
+            what = allowed.describe(cfg)
+            if isinstance(value, list | tuple):
+                what = f"a list of values {what}" + (", in increasing order" if allowed.ordered else "")
+            null = f" (or null: {allowed.null})" if allowed.null else ""
+            errors.append(f"config key {key} must be {what}{null}, got {value!r}")
+    if errors:
+        raise ConfigError(errors[0] if len(errors) == 1 else "bad config values:\n  " + "\n  ".join(errors))
+
+
+def to_plain(value: Any) -> Any:
+    """``value`` as plain data: every mapping (a :class:`Config` too) a ``dict``, every tuple a list, all the
+    way down (what ``torch.load(weights_only=True)``, YAML and JSON read back)."""
+    if isinstance(value, Mapping):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_plain(v) for v in value]
+    return value
 
 
 @functools.cache

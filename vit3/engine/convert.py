@@ -62,6 +62,7 @@ from .checkpoint import (
 from .common import (
     autocast,
     check_resume_task,
+    claim_output,
     in_process_group,
     log,
     resume_path,
@@ -396,6 +397,7 @@ def _setup(cfg: Config, info: DistInfo) -> _ConvertRun:
     ckpt = load_checkpoint(resume) if resume else None
     if ckpt is not None:
         check_resume_task(ckpt, "convert", resume)
+    folder = claim_output(cfg, resume, ckpt)
     teacher, record, data, num_classes = _teacher_and_data(cfg)
     _student_spec(cfg, record)
     if ckpt is not None:
@@ -422,7 +424,7 @@ def _setup(cfg: Config, info: DistInfo) -> _ConvertRun:
         pairs=pairs,
         teacher_info={"file": str(cfg.convert.teacher), "record": record},
     )
-    run = classification._assemble(cfg, info, out, student, data, num_classes, ckpt, resume, make_run)
+    run = classification._assemble(cfg, info, folder, student, data, num_classes, ckpt, resume, make_run)
     log(
         info,
         f"teacher {record['name']} ({cfg.convert.teacher}) -> {SWAP_MODEL}: {len(pairs)} attention layers",
@@ -445,6 +447,9 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
 def train(cfg: Config) -> dict[str, Any]:
     """Converts ``cfg.convert.teacher`` (see the module docstring); returns the run summary."""
     check_convert_cfg(cfg)
+    resume = resume_path(cfg, Path(cfg.output))
+    # A folder this run may not write into is refused before a missing teacher is trained (for minutes).
+    claim_output(cfg, resume, load_checkpoint(resume, mmap=True) if resume else None)
     _train_missing_teacher(cfg)
     return in_process_group(cfg, _train)
 

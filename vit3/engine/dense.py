@@ -47,15 +47,23 @@ from ..models._pretrained import load_checkpoint_file
 from ..tasks.backbone import FeatureBackbone, block_layer_ids
 from ..tasks.detection import build_detector
 from ..tasks.segmentation import SegmentationModel, build_segmenter
-from .checkpoint import CheckpointMismatchError, is_vit3_checkpoint, load_checkpoint, make_model_record
+from .checkpoint import (
+    CheckpointError,
+    CheckpointMismatchError,
+    load_checkpoint,
+    make_model_record,
+    peek_vit3_checkpoint,
+)
 from .common import (
     Progress,
     amp_dtype,
     autocast,
     check_resume,
     check_resume_task,
+    claim_output,
     in_process_group,
     log,
+    open_output,
     optimizer_step,
     restore_rng,
     resume_path,
@@ -64,7 +72,7 @@ from .common import (
     set_threads,
     wrap_ddp,
 )
-from .config import Config, ConfigError, run_metadata, save_config
+from .config import Config, ConfigError, check_config, run_metadata
 from .distributed import DistInfo, barrier, distributed
 from .optim import scaled_lrs
 
@@ -220,9 +228,11 @@ def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = 
     Raises:
         CheckpointMismatchError: no key matched, or a matched key has another shape.
     """
-    obj = torch.load(path, map_location="cpu", weights_only=True)
-    if is_vit3_checkpoint(obj):
-        state = load_checkpoint(path)["ema" if use_ema else "model"]
+    obj = peek_vit3_checkpoint(path)
+    if obj is not None:
+        state = obj["ema" if use_ema else "model"]
+        if state is None:
+            raise CheckpointError(f"checkpoint {path} holds no EMA weights (trained with train.ema=false)")
     else:
         state = load_checkpoint_file(path, use_ema=use_ema)  # official layouts (converted keys)
     body = backbone.body.state_dict()
@@ -324,6 +334,7 @@ class _Progress(Progress):
 
 
 def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
+    check_config(cfg)  # types and ranges (a config built in code has not been through load_config)
     device = info.device
     amp = amp_dtype(cfg.train.amp, device)
     set_threads(cfg)
@@ -339,8 +350,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         check_resume_task(ckpt, cfg.task, resume)
         for change in check_resume(cfg, ckpt, info.world, resume):
             log(info, f"warning: train.force_resume=true: {change}")
-    if info.is_main:
-        save_config(cfg, out)
+    open_output(claim_output(cfg, resume, ckpt), cfg, info)
     model, train_set, val_set = _model_and_data(cfg, with_train=True)
     model.to(device)
     num_classes = val_set.num_classes
@@ -368,7 +378,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
-        p.restore(ckpt)
+        p.restore(ckpt, bs, info.world, accum)
         p.roll_over(batches_per_epoch)
         p.history, p.losses, p.best = list(ckpt["history"]), list(ckpt["losses"]), float(ckpt["best"])
         restore_rng(ckpt, info)

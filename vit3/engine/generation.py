@@ -49,10 +49,13 @@ from .common import (
     TrainRun,
     amp_dtype,
     autocast,
+    check_resume,
     check_resume_task,
+    claim_output,
     in_process_group,
     log,
     log_row,
+    open_output,
     optimizer_step,
     restore_rng,
     resume_path,
@@ -63,7 +66,7 @@ from .common import (
     set_threads,
     wrap_ddp,
 )
-from .config import Config, ConfigError, run_metadata, save_config
+from .config import Config, ConfigError, check_config, run_metadata, to_plain
 from .distributed import DistInfo, barrier
 from .metrics import plot_series, write_metrics
 from .optim import build_optimizer, build_scheduler, scaled_lrs
@@ -130,14 +133,13 @@ def build_diffusion(cfg: Config, learn_sigma: bool) -> GaussianDiffusion:
 
 
 def _check_cfg(cfg: Config, sampling: bool) -> None:
+    check_config(cfg)  # types and ranges (a config built in code has not been through load_config)
     t, s = cfg.train, cfg.sample
     amp_dtype(t.amp, torch.device("cpu"))  # a known train.amp
     if s.amp not in ("none", "bf16", "fp16"):
         raise ConfigError(f"sample.amp must be none, bf16 or fp16, got '{s.amp}'")
     if s.sampler not in SAMPLERS:
         raise ConfigError(f"sample.sampler must be one of {', '.join(SAMPLERS)}, got '{s.sampler}'")
-    if int(t.accum_steps) < 1 or int(t.epochs) < 1:
-        raise ConfigError(f"train.accum_steps and train.epochs must be >= 1, got {t.accum_steps}, {t.epochs}")
     if sampling and float(s.cfg_scale) != 1.0 and float(cfg.model.class_dropout_prob) <= 0:
         raise ConfigError(
             f"sample.cfg_scale={float(s.cfg_scale)} needs the null class, but model.class_dropout_prob=0 trains none: "
@@ -178,7 +180,7 @@ def _state(run: _Run) -> dict[str, Any]:
     return {
         "task": "generation",
         "model_name": run.cfg.model.name,
-        "model_kwargs": dict(run.model_kwargs),
+        "model_kwargs": to_plain(run.model_kwargs),
         "num_classes": run.model.num_classes,
         "classes": list(run.classes),
         **run.training_state(),
@@ -196,10 +198,9 @@ def _save(run: _Run, name: str) -> Path:
 
 
 def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
-    check_resume_task(ckpt, "generation", source)
     run.load_training_state(ckpt, source)
     p, loss = run.progress, ckpt["epoch_loss"]
-    p.restore(ckpt)
+    p.restore(ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps))
     p.sums, p.count, p.window = dict(loss["sums"]), int(loss["count"]), dict(loss["window"])
     p.history, p.curve = list(ckpt["history"]), list(ckpt["curve"])
     p.roll_over(run.batches_per_epoch)
@@ -213,6 +214,11 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
     out = Path(cfg.output)
     resume = resume_path(cfg, out)
     ckpt = load_checkpoint(resume) if resume else None
+    if ckpt is not None:
+        check_resume_task(ckpt, "generation", resume)
+        for change in check_resume(cfg, ckpt, info.world, resume):
+            log(info, f"warning: train.force_resume=true: {change}")
+    folder = claim_output(cfg, resume, ckpt)
     vae, in_channels, input_size = latent_space(cfg, info.device)
     data = build_datasets(cfg, int(cfg.data.channels), splits=("train",))
     classes = list(data["classes"])
@@ -266,8 +272,7 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
             info,
             f"resumed from {resume}: epoch {p.epoch + 1}, batch {p.batch_in_epoch}, step {p.global_step}",
         )
-    if info.is_main:
-        save_config(cfg, out)
+    open_output(folder, cfg, info)
     if ckpt is not None:
         restore_rng(ckpt, info)  # last: building the run drew on the RNGs
     return run

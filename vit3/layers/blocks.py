@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from vit3.kernels.common import grad_flows
+from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows
 
 from . import backends
 from .config import TTTConfig
@@ -122,6 +122,7 @@ class _ConvPosEncKernel(torch.autograd.Function):
     """``_conv_pos_kernel`` as an autograd node (``_conv_pos_kernel_backward``)."""
 
     @staticmethod
+    @autocast_forward
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         out, tokens = _conv_pos_kernel(x, weight, bias)
         ctx.save_for_backward(tokens, weight.detach())
@@ -129,6 +130,7 @@ class _ConvPosEncKernel(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_backward
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         tokens, weight = ctx.saved_tensors
@@ -142,6 +144,7 @@ class _CpeNormFn(torch.autograd.Function):
     its per-call machinery (~0.3 ms a block at 224 px)."""
 
     @staticmethod
+    @autocast_forward
     def forward(
         ctx: Any,
         x: Tensor,
@@ -158,6 +161,7 @@ class _CpeNormFn(torch.autograd.Function):
         return t, n
 
     @staticmethod
+    @autocast_backward
     @once_differentiable
     def backward(ctx: Any, dt: Tensor, dn: Tensor) -> tuple[Tensor | None, ...]:
         tokens, weight, bias, mean, rstd, ln_w, ln_b = ctx.saved_tensors
@@ -214,9 +218,14 @@ def _lean_eligible(x: Tensor) -> bool:
 class _LeanMlpFn(torch.autograd.Function):
     """``fc2(GELU(fc1(LN(x))))`` (the LayerNorm optional) saving x, the norm's statistics and ``h = fc1(LN(x))``
     only: the backward recomputes ``LN(x)`` for fc1's weight gradient and ``GELU(h)`` for fc2's (elementwise
-    passes), where autograd keeps both (5C values per token at a 4C hidden width)."""
+    passes), where autograd keeps both (5C values per token at a 4C hidden width).
+
+    Under autocast it computes what autograd through the layers would: the matmuls in the autocast dtype (the
+    fp32 weights cast by autocast, in the backward too: it runs under the forward's autocast state) and each
+    gradient in the dtype of the tensor it belongs to."""
 
     @staticmethod
+    @autocast_forward
     def forward(
         ctx: Any,
         x: Tensor,
@@ -238,6 +247,7 @@ class _LeanMlpFn(torch.autograd.Function):
         return F.linear(F.gelu(h, approximate=approx), w2, b2)
 
     @staticmethod
+    @autocast_backward
     @once_differentiable
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, h, w1, w2, mean, rstd, ln_w, ln_b = ctx.saved_tensors
@@ -251,11 +261,13 @@ class _LeanMlpFn(torch.autograd.Function):
         norm = ctx.eps is not None
         n = torch.native_layer_norm(x, x.shape[-1:], ln_w, ln_b, ctx.eps)[0] if norm else x  # recomputed
         dw1, db1 = dh.t() @ n.reshape(rows, -1), dh.sum(0) if has_b1 else None
-        dn = (dh @ w1).view(x.shape)
+        dn = (dh @ w1).view(x.shape).to(n.dtype)  # the gradient of the norm's output as it was computed
         if not norm:
             return dn, None, None, None, dw1, db1, dw2, db2, None
+        # the norm's input as it ran: autocast may run the norm in float32 (CUDA does), x cast to it
+        mask = [True, ln_w is not None, ln_b is not None]
         dx, d_lw, d_lb = torch.ops.aten.native_layer_norm_backward(
-            dn, x, x.shape[-1:], mean, rstd, ln_w, ln_b, [True, ln_w is not None, ln_b is not None]
+            dn, x.to(n.dtype), x.shape[-1:], mean, rstd, ln_w, ln_b, mask
         )
         return dx, d_lw, d_lb, None, dw1, db1, dw2, db2, None
 

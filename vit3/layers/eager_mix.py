@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels import ops_with
-from vit3.kernels.common import grad_flows, weight_grad
+from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, weight_grad
 from vit3.kernels.dwconv import cpp as dwconv_cpp
 from vit3.kernels.dwconv import eager as dwconv_eager
 from vit3.kernels.swiglu.eager import SwiGLUSaved, dense_inputs, swiglu_backward, swiglu_forward
@@ -167,6 +167,7 @@ def _forward(
 
 class _EagerMix(torch.autograd.Function):
     @staticmethod
+    @autocast_forward
     def forward(ctx, qkv: Tensor, plan: MixPlan, save: bool, *weights: Tensor) -> Tensor:
         out, saved, layout = _forward(qkv, plan, save, weights)
         if save:
@@ -176,6 +177,7 @@ class _EagerMix(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_backward  # the forward runs with autocast off (the mixer's inner loops): so does this
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         plan = ctx.plan

@@ -410,21 +410,36 @@ def _shifted_taps(x: Tensor) -> Tensor:
     with a dynamic image size every slice of a symbolic extent becomes a chain of shape ops, and nine per
     convolution made the ONNX graph of H-ViT³-T twice as large and its export many minutes long. A view adds
     no FLOPs to fvcore's count (a convolution with one-hot kernels would add 9x the conv's).
+
+    The legacy ONNX exporter (``torch.onnx.export(dynamo=False)``, a ``jit.trace``) has no ``Unfold`` for an
+    input of traced size ("input size not accessible", even at static shapes): it gets the nine slices,
+    stacked (a copy), whose sizes it traces.
     """
-    return F.pad(x, (1, 1, 1, 1)).unfold(2, 3, 1).unfold(3, 3, 1)
+    padded = F.pad(x, (1, 1, 1, 1))
+    if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():
+        h, w = x.shape[-2:]
+        taps = [padded[..., i : i + h, j : j + w] for i in range(3) for j in range(3)]
+        return torch.stack(taps, dim=-1).unflatten(-1, (3, 3))
+    return padded.unfold(2, 3, 1).unfold(3, 3, 1)
 
 
 def _shifted_dwconv(x: Tensor, weight: Tensor) -> Tensor:
     """Per-sample depthwise 3x3 conv (zero padding) as a weighted sum of the shifted taps: ``[B, C, h, w]``
-    maps, ``[B|1, C, 3, 3]`` weights. Used for ONNX export, where the batch-folded grouped conv
-    (groups = B*C) and ``aten.convolution_backward`` cannot be exported with a dynamic batch."""
-    return (_shifted_taps(x) * weight[:, :, None, None]).sum((-2, -1))  # [B, C, h, w, 3, 3] -> [B, C, h, w]
+    maps, ``[B|1, C, 3, 3]`` weights. Used when tracing, where the batch-folded grouped conv (groups = B*C)
+    and ``aten.convolution_backward`` cannot be exported with a dynamic batch.
+
+    An ``einsum``, not ``(taps * weight).sum``: the elementwise product's output strides are chosen by
+    comparing the overlapping strides of the taps view, which ``torch.export`` turns into a guard that every
+    grid side is at least 3 (a graph exported with a dynamic size then refused 2-patch sides eager runs).
+    """
+    return torch.einsum("bchwij,bcij->bchw", _shifted_taps(x), weight)
 
 
 def _shifted_dwconv_weight_grad(k: Tensor, e: Tensor) -> Tensor:
     """``G[b, c, i, j] = sum_p k_pad[b, c, p + (i, j)] e[b, c, p]`` for ``[B, C, h, w]`` maps -> ``[B, C, 3, 3]``
-    (the export-friendly twin of the ``convolution_backward`` call in :meth:`DWConvInner.grads`)."""
-    return (_shifted_taps(k) * e[..., None, None]).sum((2, 3))  # [B, C, h, w, 3, 3] -> [B, C, 3, 3]
+    (the traceable twin of the ``convolution_backward`` call in :meth:`DWConvInner.grads`; an ``einsum`` as in
+    :func:`_shifted_dwconv`)."""
+    return torch.einsum("bchwij,bchw->bcij", _shifted_taps(k), e)
 
 
 class DWConvInner(InnerModel):

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from vit3.kernels.common import grad_flows, normalize_grad
+from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, normalize_grad
 
 from . import backends
 from .config import GRID_MODELS, TTTConfig
@@ -172,15 +172,16 @@ class TTTMixer(nn.Module):
         """The backends of this call (resolved once per key and cached by ``backends.plan``)."""
         c = self.cfg
         grad = grad_flows(qkv, gates, *(p for w in weights for p in w.values()))
+        kind = backends.tracing_kind()
         return backends.plan(
             (c.loss, c.steps, c.mini_batches, c.lr_mode),
             c.backend,
             self.plan_branches,
             qkv.device,
             qkv.dtype,
-            backends.token_class(qkv.shape[1]),
+            backends.token_class(qkv.shape[1], kind),
             grad,
-            backends.tracing_kind(),
+            kind,
             c.recompute,
         )
 
@@ -322,6 +323,16 @@ class TTTMixer(nn.Module):
                 cache[key] = found
         return found
 
+    def __prepare_scriptable__(self) -> TTTMixer:
+        """``torch.jit.script`` calls this on every module first: the mixer refuses, naming what works, before
+        TorchScript's compiler fails deep inside on the Python it cannot compile (the backend registry, its
+        cached plans, the fused nodes)."""
+        raise RuntimeError(
+            "TorchScript (torch.jit.script) cannot compile the ViT³ TTT mixer: its choice of implementation "
+            "and fused paths are Python. Use torch.jit.trace (a static graph), torch.export.export (dynamic "
+            "sizes), torch.compile, or vit3.export.export_onnx / torch.onnx.export instead."
+        )
+
     def extra_repr(self) -> str:
         branches = ", ".join(f"{name}x{heads}" for name, heads in self.branch_specs)
         c = self.cfg
@@ -337,10 +348,12 @@ class _RecomputedMix(torch.autograd.Function):
     inner loops with gradients and differentiates that (``TTTConfig.recompute="qkv"``).
 
     Not ``torch.utils.checkpoint``: its non-reentrant form matches the saved tensors of the rerun against the
-    first run's, and the mixer's first calls of a plan run guarded (``backends.run``), later ones not.
+    first run's, and the mixer's first calls of a plan run guarded (``backends.run``), later ones not. The
+    rerun takes the forward's autocast state (``autocast_backward``), so it recomputes what the forward did.
     """
 
     @staticmethod
+    @autocast_forward
     def forward(
         ctx: Any, mixer: TTTMixer, grid: tuple[int, int], x: Tensor, gates: Tensor | None, *params: Tensor
     ):
@@ -350,6 +363,7 @@ class _RecomputedMix(torch.autograd.Function):
             return mixer._project_and_mix(x, grid, gates)
 
     @staticmethod
+    @autocast_backward
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         mixer = ctx.mixer

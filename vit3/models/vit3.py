@@ -9,8 +9,13 @@ embedding, LayerNorm eps 1e-6.
 
 Unlike the official code this model takes any ``H x W`` image: the image is zero-padded on the bottom/right
 to a multiple of the patch size and every block reads its ``h x w`` token grid from the feature map.
-``forward_features`` returns the normed, unpooled map channels-last ``[B, h, w, C]`` (``output_fmt='NHWC'``);
-``forward_intermediates`` and ``features_only=True`` give stride-p maps ``[B, C, h, w]`` of chosen blocks.
+
+A drop-in for code written against timm's ``VisionTransformer``: ``forward_features`` returns the normed
+tokens ``[B, N, C]`` (``N = h * w`` in raster order, ``output_fmt='NLC'``; no prefix tokens,
+``num_prefix_tokens = 0``; ``patch_embed.dynamic_feat_size((H, W))`` gives ``(h, w)``), which ``forward_head``
+pools; ``forward_intermediates`` takes timm's options (``output_fmt='NCHW'``/``'NLC'`` and ``'NHWC'``,
+``output_dict``, ``return_prefix_tokens``, ...) and ``features_only=True`` gives stride-p maps
+``[B, C, h, w]`` of chosen blocks.
 """
 
 from __future__ import annotations
@@ -137,9 +142,10 @@ class ViT3(ClassifierHeadMixin, nn.Module):
         self.global_pool = check_pool_type(global_pool)
         self.in_chans = in_chans
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.output_fmt = "NHWC"  # forward_features keeps the token grid: [B, h, w, C]
-        self.spatial_dims = (1, 2)
-        self.feature_dim = -1  # channel dim of forward_features outputs (timm convention for NHWC models)
+        self.output_fmt = "NLC"  # forward_features: tokens [B, N, C], as timm's VisionTransformer
+        self.spatial_dims = (1,)  # the token dim forward_head pools
+        self.feature_dim = -1  # channel dim of forward_features outputs
+        self.num_prefix_tokens = 0  # no class / register tokens (timm's VisionTransformer attribute)
         self.grad_checkpointing = False
         self.ttt_cfg = cfg = merge_ttt_cfg(ttt_cfg, qkv_bias)
 
@@ -221,14 +227,24 @@ class ViT3(ClassifierHeadMixin, nn.Module):
             check_image_size(x, pe.img_size if strict else None, None if pad else pe.patch_size)
         return self.pos_drop(pe(x))
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Images ``[B, C_in, H, W]`` -> normed, unpooled features ``[B, ceil(H/p), ceil(W/p), C]``."""
+    def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        """Images ``[B, C_in, H, W]`` -> normed, unpooled tokens ``[B, N, C]``, ``N = ceil(H/p) * ceil(W/p)``
+        in raster order (timm's ``VisionTransformer`` output; ``forward_intermediates`` gives maps).
+
+        ``attn_mask`` / ``is_causal`` (timm's signature) are refused: see :func:`_check_attention_args`.
+        """
+        _check_attention_args(attn_mask, is_causal)
         x = self._embed(x)
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self.blocks, x)
         else:
             x = self.blocks(x)
-        return self.norm(x)
+        return self.norm(x).flatten(1, 2)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Features ``[B, N, C]`` (``forward_features``; a map ``[B, h, w, C]`` pools alike) -> logits
+        ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``; ``global_pool=''``: unpooled)."""
+        return super().forward_head(x.flatten(1, -2), pre_logits)
 
     def forward(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> logits ``[B, num_classes]``."""
@@ -238,26 +254,39 @@ class ViT3(ClassifierHeadMixin, nn.Module):
         self,
         x: Tensor,
         indices: int | list[int] | None = None,
+        return_prefix_tokens: bool = False,
         norm: bool = False,
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
-    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
-        """Forward pass that also returns block outputs.
+        output_dict: bool = False,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]] | dict[str, Any]:
+        """Forward pass that also returns block outputs: timm's ``VisionTransformer.forward_intermediates``.
 
         Args:
             x: images ``[B, C_in, H, W]``.
             indices: last n blocks if int, all if None, else the listed block indices (negative from the end).
+            return_prefix_tokens: accepted; ViT³ has no prefix tokens, so the intermediates are returned as
+                without it (as timm's ``VisionTransformer`` does for a model without prefix tokens).
             norm: apply the final norm to every intermediate.
             stop_early: stop after the last block asked for.
-            output_fmt: ``'NCHW'`` (``[B, C, h, w]``) or ``'NHWC'`` (``[B, h, w, C]``) intermediates.
+            output_fmt: intermediates as ``'NCHW'`` ``[B, C, h, w]``, ``'NLC'`` ``[B, N, C]`` (timm's two) or
+                ``'NHWC'`` ``[B, h, w, C]``.
             intermediates_only: return only the intermediates.
+            output_dict: return ``{"image_intermediates": [...], "image_features": forward_features output}``
+                (no ``"image_features"`` with ``intermediates_only``).
+            attn_mask, is_causal: refused (:func:`_check_attention_args`).
 
         Returns:
-            The intermediates, or ``(forward_features output [B, h, w, C], intermediates)``.
+            The intermediates, ``(forward_features output [B, N, C], intermediates)`` or the dict.
         """
-        if output_fmt not in ("NCHW", "NHWC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
+        if output_fmt not in ("NCHW", "NLC", "NHWC"):
+            raise ValueError(
+                f"output_fmt must be 'NCHW', 'NLC' or 'NHWC', got {output_fmt!r} (ViT³'s tokens lie on a map)"
+            )
+        _check_attention_args(attn_mask, is_causal)
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         x = self._embed(x)
         blocks = self.blocks if torch.jit.is_scripting() or not stop_early else self.blocks[: max_index + 1]
@@ -268,11 +297,18 @@ class ViT3(ClassifierHeadMixin, nn.Module):
             else:
                 x = blk(x)
             if i in take_indices:
-                y = self.norm(x) if norm else x
-                intermediates.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == "NCHW" else y)
+                y = self.norm(x) if norm else x  # [B, h, w, C]
+                if output_fmt == "NCHW":
+                    y = y.permute(0, 3, 1, 2).contiguous()
+                intermediates.append(y.flatten(1, 2) if output_fmt == "NLC" else y)
+        if output_dict:
+            out: dict[str, Any] = {"image_intermediates": intermediates}
+            if not intermediates_only:
+                out["image_features"] = self.norm(x).flatten(1, 2)
+            return out
         if intermediates_only:
             return intermediates
-        return self.norm(x), intermediates
+        return self.norm(x).flatten(1, 2), intermediates
 
     def prune_intermediate_layers(
         self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
@@ -285,6 +321,18 @@ class ViT3(ClassifierHeadMixin, nn.Module):
         if prune_head:
             self.reset_classifier(0, "")
         return take_indices
+
+
+def _check_attention_args(attn_mask: Tensor | None, is_causal: bool) -> None:
+    """timm's ``VisionTransformer`` takes an attention mask and causal masking; the TTT mixer has neither.
+
+    Raises:
+        ValueError: ``attn_mask`` given or ``is_causal=True``, naming why.
+    """
+    if attn_mask is not None:
+        raise ValueError("attn_mask: ViT³ has no attention to mask (every token trains the TTT inner model)")
+    if is_causal:
+        raise ValueError("is_causal=True: the TTT mixer is non-causal (its inner model trains on all tokens)")
 
 
 # --- checkpoints -------------------------------------------------------------------------------------

@@ -4,11 +4,14 @@
     python train.py --config configs/imagenet/h_vit3_tiny.yaml data.path=/data/imagenet
     torchrun --nproc_per_node=8 train.py --config configs/imagenet/vit3_small.yaml data.path=/data/imagenet
     python train.py --config configs/finetune.yaml data.path=/data/flowers model.pretrained=output/demo/best.pt
-    python train.py --resume output/demo/last.pt      # continue a run exactly
+    python train.py --resume output/demo/last.pt      # continue a run exactly (its config, task, folder)
 
 Any config key can be overridden as ``key.sub=value`` (value parsed as YAML, anywhere on the command line);
-see configs/default.yaml. A mistake in the input ends with one ``error:`` line and exit code 2 (``--debug``
-or VIT3_DEBUG=1 shows the traceback).
+see configs/default.yaml. ``--resume FILE`` continues the run that wrote the checkpoint: its own config and
+task (``--config`` replaces it), in its own folder (``output=`` / ``--output`` gives another one). A run never
+writes into a folder that holds another run's checkpoints: that is refused, unless ``--overwrite``, which
+first moves that run's files into ``<output>/replaced-<time>/``. A mistake in the input ends with one
+``error:`` line and exit code 2 (``--debug`` or VIT3_DEBUG=1 shows the traceback).
 """
 
 from __future__ import annotations
@@ -17,19 +20,30 @@ import argparse
 import sys
 
 from vit3.engine import load_config, run
+from vit3.engine.checkpoint import config_for_resume
 from vit3.engine.cli import run_cli
-from vit3.engine.config import CONFIG_DIR
+from vit3.engine.config import CONFIG_DIR, parse_override
 
 DEMO_CONFIG = CONFIG_DIR / "demo_mnist.yaml"
 
 
 def _train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
-    if args.resume is not None:
-        overrides.append(f"train.resume={args.resume}")
-    if args.output is not None:
-        overrides.append(f"output={args.output}")
-    run(load_config(args.config, overrides), "train")
+    if args.overwrite:
+        overrides.append("train.overwrite=true")
+    resume = args.resume
+    if resume is None:  # train.resume=FILE is --resume FILE
+        given = [value for key, value in map(parse_override, args.overrides) if key == "train.resume"]
+        resume = str(given[-1]) if given and given[-1] else None
+    if resume is not None and resume != "auto":
+        cfg = config_for_resume(resume, args.config, overrides, args.output)
+    else:  # a new run, or train.resume=auto (<output>/last.pt if it exists: the config names the folder)
+        if resume == "auto":
+            overrides.append("train.resume=auto")
+        if args.output is not None:
+            overrides.append(f"output={args.output}")
+        cfg = load_config(args.config or DEMO_CONFIG, overrides)
+    run(cfg, "train")
     return 0
 
 
@@ -37,9 +51,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", default=str(DEMO_CONFIG), help="YAML config (default: %(default)s)")
-    parser.add_argument("--resume", default=None, help="checkpoint to continue exactly (train.resume)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help=f"YAML config (default: {DEMO_CONFIG}; with --resume: the checkpoint's own config)",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        help="checkpoint to continue exactly, in its own folder (train.resume; auto: <output>/last.pt if any)",
+    )
     parser.add_argument("--output", default=None, help="run directory (output)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start in a folder that holds another run's checkpoints, after moving that run's files into "
+        "<output>/replaced-<time>/ (train.overwrite)",
+    )
     parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     return run_cli(parser, _train, argv)
 

@@ -26,7 +26,16 @@ error, ``OutOfResources``, a launch or build error), in the forward or in the ba
 key with one warning naming the device, the key and the error, and the next backend computes the result
 (the backward recomputes the forward on the saved inputs). After one good forward (+ backward when grads
 flow) the key runs unguarded. ``VIT3_TTT_STRICT=1`` raises instead. Traced and compiled code runs unguarded
-(only ``triton`` under ``torch.compile`` and ``generic`` serve there).
+(only ``triton`` under ``torch.compile`` and ``generic`` serve there). A backend compiled per input
+specialisation (Triton's JIT: shapes, strides, alignment, which the key does not hold) runs guarded on the
+first call of each new one, synchronised (an asynchronous fault surfaces inside the guard) and verified: the
+output and input gradients of the first and last sample against the generic path's (``VERIFY_RTOL``); a
+mismatch demotes like an error. A sticky GPU fault (the CUDA context lost) cannot be demoted: it raises
+``KernelFault`` naming the kernels' backend and ``VIT3_TTT_BACKEND=generic``. A kernel that cannot run on the
+hardware at hand (``Backend.fits``: shared memory, compute capability, ROCm's dot precisions) steps aside
+with a warning. A double backward (``create_graph=True``) differentiates the guarded unit on its inputs
+themselves; the Triton op's backward is then differentiable (autograd through its reference), the generic
+path's always; the C++ and eager paths' backwards are not (``VIT3_TTT_BACKEND=generic`` serves).
 
 Memory-lean training: the fused eager paths (``cpu``, ``eager``) save only q, k, v and the small weights of
 a SwiGLU branch and recompute its per-token pre-activations Z = k W, Y = q W' in the backward, as the Triton
@@ -72,12 +81,15 @@ __all__ = [
     "RECOMPUTE_MODES",
     "REMOVED_ENV",
     "STRICT_ENV",
+    "VERIFY_RTOL",
     "Backend",
     "BackendWarning",
     "BranchExplanation",
+    "KernelFault",
     "MixerExplanation",
     "ModelExplanation",
     "Plan",
+    "VerificationError",
     "conv_pos_kernel",
     "explain",
     "explain_mixer",
@@ -139,7 +151,7 @@ class Inputs(NamedTuple):
 
     device: torch.device
     dtype: torch.dtype  # of the qkv projection output, what the backends read
-    tokens: str  # token-count class (``token_class``): "N<32", "32<=N<512" or "N>=512"
+    tokens: str  # token-count class (``token_class``): "N<32", "N>=32", or "any N" under tracing
     grad: bool  # gradients flow through the mixer
     tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
 
@@ -158,8 +170,17 @@ class Step(NamedTuple):
 _FEW_TOKENS = f"N<{MIN_CPU_KERNEL_TOKENS}"
 
 
-def token_class(n: int) -> str:
-    """The token-count class of ``n`` tokens per head: the CPU kernel's rule (``MIN_CPU_KERNEL_TOKENS``)."""
+_ANY_TOKENS = "any N"
+
+
+def token_class(n: int, tracing: str = "") -> str:
+    """The token-count class of ``n`` tokens per head: the CPU kernel's rule (``MIN_CPU_KERNEL_TOKENS``).
+
+    Under tracing (``tracing_kind()``) only the traceable paths serve, and they take any count: one class,
+    decided without reading ``n``, so the rule becomes no guard on the traced program's size.
+    """
+    if tracing:
+        return _ANY_TOKENS
     return _FEW_TOKENS if n < MIN_CPU_KERNEL_TOKENS else f"N>={MIN_CPU_KERNEL_TOKENS}"
 
 
@@ -187,6 +208,10 @@ class Backend:
             initial weights by name, the token lr gate ``[B, G, N]`` or ``None``; returns ``[B, G, N, c]``.
         prefers: auto only: ``(branch, cfg, x) -> (ok, reason)``, where auto passes a serving backend over.
         native: compiled code (kernels), the likeliest culprit when a fused node of several fails.
+        fits: ``(branch, cfg, x) -> (ok, reason)``, asked once ``supports`` passed: whether the hardware at
+            hand can run it. A refusal steps aside with a warning, in auto too (``_resolve``).
+        specialises: compiled per input specialisation (Triton's JIT: shapes, strides, alignment), which the
+            plan key does not hold: the first call of each new one runs guarded and verified (``run``).
     """
 
     name: str
@@ -197,6 +222,8 @@ class Backend:
     run: Callable[..., Tensor]
     prefers: Callable[[Branch, Settings, Inputs], tuple[bool, str]] | None = None
     native: bool = False
+    fits: Callable[[Branch, Settings, Inputs], tuple[bool, str]] | None = None
+    specialises: bool = False
 
     def rank(self, device_type: str) -> int | None:
         return self.priority.get(device_type, self.priority.get("*"))
@@ -255,7 +282,12 @@ def _triton_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, st
         return False, f"head dim {branch.head_dim} > {top}: wider tiles exceed on-chip shared memory"
     if branch.head_dim < kernels.MIN_HEAD_DIM:
         return False, f"head dim {branch.head_dim} < {kernels.MIN_HEAD_DIM}: below the smallest dot tile"
-    return kernels.fits_device(branch.name, branch.head_dim, x.dtype, x.device)
+    return True, ""
+
+
+def _triton_fits(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+    """Whether this GPU can run the kernels (shared memory, compute capability, ROCm's dot precisions)."""
+    return _kernels()[0].fits_device(branch.name, branch.head_dim, x.dtype, x.device)
 
 
 def _eager_why(branch: Branch, cfg: Settings, x: Inputs) -> str:
@@ -386,6 +418,8 @@ BACKENDS: dict[str, Backend] = {
             supports=_triton_supports,
             run=_run_triton,
             native=True,
+            fits=_triton_fits,
+            specialises=True,
         ),
         Backend(
             "cpu",
@@ -524,6 +558,7 @@ class Choice(NamedTuple):
     backend: str
     passed_over: tuple[tuple[str, str], ...]  # (backend, reason), in the order they were considered
     named_refused: str  # why the named backend cannot serve this branch it implements ("" if it can / n.a.)
+    unfit: tuple[tuple[str, str], ...] = ()  # (backend, reason): refused by its ``fits`` (the hardware)
 
 
 def _choose(
@@ -532,6 +567,7 @@ def _choose(
     """The backend of one branch: the named one when it serves, else the first of the auto order that does."""
     dev = x.device.type
     verdicts: dict[str, str] = {}  # backend -> why it cannot serve ("" if it can)
+    unfit = []
     for b in BACKENDS.values():
         if b.name in demoted:
             verdicts[b.name] = f"demoted after it failed here: {demoted[b.name]}"
@@ -539,6 +575,9 @@ def _choose(
             verdicts[b.name] = _not_in(b, [branch.name])
         else:
             ok, why = b.supports(branch, cfg, x)
+            if ok and b.fits is not None:
+                ok, why = b.fits(branch, cfg, x)
+                unfit += [] if ok else [(b.name, why)]
             verdicts[b.name] = "" if ok else (why or "not supported")
     chosen, refused = None, ""
     if requested != "auto":
@@ -570,7 +609,7 @@ def _choose(
         else:
             why = f"not used on {dev} unless named ({BACKEND_ENV}={name} or TTTConfig.backend)"
         passed.append((name, why))
-    return Choice(chosen, tuple(passed), refused)
+    return Choice(chosen, tuple(passed), refused, tuple(unfit))
 
 
 class Plan(NamedTuple):
@@ -631,7 +670,8 @@ def recompute_choice(cfg_recompute: str = "auto") -> tuple[bool, str]:
 _plans: dict[tuple, Plan] = {}
 _demoted: dict[BranchKey, dict[str, str]] = {}  # key -> {backend: error}
 _pending: dict[BranchKey, dict[str, str]] = {}  # demoted during a backward pass, applied at its end
-_verified: set[tuple[BranchKey, str]] = set()  # (key, backend) that ran a guarded forward (+ backward)
+# (key, backend, specialisation or None) that ran a guarded, verified forward (+ backward)
+_verified: set[tuple[BranchKey, str, tuple | None]] = set()
 
 
 def reset() -> None:
@@ -683,6 +723,15 @@ def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: 
             if strict:
                 raise ValueError(f"{message}; unset {STRICT_ENV} to fall back")
             _warn_once(message + ".")
+    if warn and requested == "auto":  # a kernel that cannot run on this hardware steps aside with a warning
+        rank = order(device.type)
+        for (name, *_), c in zip(branches, choices):
+            for backend, why in c.unfit:
+                if backend in rank and rank.index(backend) < rank.index(c.backend):
+                    _warn_once(
+                        f"vit3: {BACKENDS[backend].what} cannot run the {name!r} branch on "
+                        f"{_device_name(device)} ({dtype}): {why}; {c.backend!r} serves it."
+                    )
     names = tuple(c.backend for c in choices)
     recompute, why = recompute_choice(cfg_recompute)
     return Plan(names, all(n in _NODE for n in names), keys, tracing, args, recompute, why)
@@ -747,24 +796,164 @@ def _no_autocast(device: torch.device) -> Iterator[None]:
         yield
 
 
-class _Guard:
-    """One guarded unit of a mixer call: branches ``units`` computed by ``compute(plan, *tensors)``."""
+class KernelFault(RuntimeError):
+    """A backend's kernel faulted on a GPU and the CUDA context went with it: the fault is sticky, so no other
+    backend can take over in this process."""
 
-    def __init__(self, plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor]) -> None:
-        self.plan, self.units, self.compute = plan, units, compute
+
+class VerificationError(RuntimeError):
+    """A backend's first call of a new input specialisation disagreed with the generic path."""
+
+
+# Relative RMS error (per tensor) above which a verified call counts as wrong, by io dtype: far above
+# rounding and TF32 dots (~1e-3), far below what a wrong pointer or an unwritten tile gives (~1, or NaN).
+VERIFY_RTOL = {torch.float64: 1e-6}
+VERIFY_RTOL_DEFAULT = 0.1
+
+
+def _specialisation(tensors: Sequence[Tensor]) -> tuple:
+    """What a JIT-compiled backend specialises on beyond the plan key, as far as its inputs decide it: the
+    shape, strides and storage offset of q, k, v (Triton: sizes and strides equal to 1 or multiples of 16,
+    16-byte aligned pointers; and the grid). The weights' (``[1, G, ...]``, contiguous) are the key's; a
+    gate's follow q's."""
+    return tuple((t.shape, t.stride(), t.storage_offset()) for t in tensors[:3])
+
+
+def _entry(plan: Plan, i: int, shapes: tuple | None) -> tuple:
+    """Branch ``i``'s entry in ``_verified``: its key and backend, and the specialisation if it has them."""
+    name = plan.backends[i]
+    return plan.keys[i], name, shapes if BACKENDS[name].specialises else None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _context_lost(device: torch.device) -> bool:
+    """Whether ``device``'s CUDA context is unusable after an error: a kernel's fault (an illegal address, a
+    device-side assert) is sticky, every later call on the device fails with it; a compile, launch-size or
+    memory error is not."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        return True
+    return False
+
+
+def _error_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def _samples(b: int) -> list[int]:
+    """The samples a verification recomputes: the first and the last (where a grid or stride error shows)."""
+    return [0, b - 1] if b > 1 else [0]
+
+
+def _rel_rms(got: Tensor, want: Tensor) -> float:
+    """Relative RMS error of ``got`` against ``want`` (infinite where ``got`` is not finite but ``want`` is)."""
+    got, want = got.detach().double(), want.detach().double()
+    if not torch.isfinite(want).all():
+        return 0.0  # non-finite inputs: nothing to hold the backend to
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+class _Guard:
+    """One guarded unit of a mixer call: branches ``units`` computed by ``compute(plan, *tensors)``; ``shapes``
+    the inputs' specialisation (``_specialisation``) where a unit's backend specialises on it, else ``None``."""
+
+    def __init__(
+        self, plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor], shapes: tuple | None
+    ) -> None:
+        self.plan, self.units, self.compute, self.shapes = plan, units, compute, shapes
+        self.first = plan  # whose kernels a sticky fault is laid to, even where it surfaces in a fallback
+
+    def checks(self) -> bool:
+        """Whether this call is verified against the generic path: a unit's backend specialises per input."""
+        return self.shapes is not None and any(
+            BACKENDS[self.plan.backends[i]].specialises for i in self.units
+        )
+
+    def forward(self, *tensors: Tensor) -> Tensor:
+        """``compute`` on the current plan; where ``checks``, synchronised (an asynchronous fault surfaces here,
+        inside the guard) and the output of the first and last sample compared with the generic path's."""
+        out = self.compute(self.plan, *tensors)
+        if self.checks():
+            _synchronize(out.device)
+            with torch.no_grad():  # nothing recorded: activation checkpointing counts the saved tensors
+                want = self.compute(self._reference_plan(), *self._slice(tensors))
+                self._compare("output", self._slice([out])[0], want)
+        return out
+
+    def check_backward(
+        self, leaves: Sequence[Tensor], grads: Sequence[Tensor | None], grad_out: Tensor
+    ) -> None:
+        """The gradients of the batched inputs (first and last sample) against the generic path's; the others
+        (the initial weights, summed over the batch) must be finite."""
+        _synchronize(grad_out.device)
+        b = leaves[0].shape[0]
+        sliced = [s.detach().requires_grad_(t.requires_grad) for s, t in zip(self._slice(leaves), leaves)]
+        with torch.enable_grad():
+            out = self.compute(self._reference_plan(), *sliced)
+        wanted = [s for s in sliced if s.requires_grad]
+        want = iter(torch.autograd.grad(out, wanted, self._slice([grad_out])[0], allow_unused=True))
+        got = iter(grads)
+        for j, t in enumerate(leaves):
+            if not t.requires_grad:
+                continue
+            g, w = next(got), next(want)
+            if g is None or w is None:
+                continue
+            if b == 1 or t.shape[0] == b:
+                self._compare(f"gradient of input {j}", self._slice([g])[0] if b > 1 else g, w)
+            elif not torch.isfinite(g).all():
+                raise VerificationError(f"the gradient of input {j} is not finite")
+
+    def _reference_plan(self) -> Plan:
+        p = self.plan
+        names = tuple("generic" if i in self.units else name for i, name in enumerate(p.backends))
+        return p._replace(backends=names, fused=False)
+
+    def _slice(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """The first and last sample of every batched tensor (leading dim B, as the first one's); the others
+        (the initial weights, leading dim 1) whole. The inner loops are per sample."""
+        b = self.shapes[0][0][0]
+        if b == 1:
+            return list(tensors)
+        idx = _samples(b)
+        return [t[idx] if t.shape[0] == b else t for t in tensors]
+
+    def _compare(self, what: str, got: Tensor, want: Tensor) -> None:
+        tol = VERIFY_RTOL.get(got.dtype, VERIFY_RTOL_DEFAULT)
+        err = _rel_rms(got, want)
+        if err > tol:
+            b = self.shapes[0][0][0]
+            raise VerificationError(
+                f"the {what} of samples {_samples(b)} differs from the generic path's on the first call of this "
+                f"input specialisation (batch {b}): relative RMS error {err:.3g} > {tol:g}"
+            )
 
     def demote(self, exc: Exception, phase: str, in_backward: bool) -> None:
         """Demotes the backend(s) that raised ``exc`` for their keys and re-plans; re-raises when strict,
-        for out-of-memory errors and when only the generic path was left."""
+        for out-of-memory errors and when only the generic path was left. A sticky GPU fault raises
+        ``KernelFault`` naming the kernels that ran first: no backend can compute on that GPU any more."""
+        p = self.plan
+        device = p.keys[self.units[0]].device
+        if _context_lost(device):
+            raise self._fault(exc, phase, device) from exc
         if isinstance(exc, torch.cuda.OutOfMemoryError) or _env_flag(STRICT_ENV):
             raise exc
-        p = self.plan
         live = [i for i in self.units if p.backends[i] != "generic"]
         # In a fused node of several branches the kernels are the likeliest culprits.
         culprits = [i for i in live if BACKENDS[p.backends[i]].native] or live
         if not culprits:
             raise exc
-        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+        error = _error_line(exc)
         fresh = []
         for i in culprits:
             key, name = p.keys[i], p.backends[i]
@@ -788,8 +977,19 @@ class _Guard:
                 f"(set {STRICT_ENV}=1 to raise instead)."
             )
 
+    def _fault(self, exc: Exception, phase: str, device: torch.device) -> KernelFault:
+        p = self.first
+        ran = [p.backends[i] for i in self.units]
+        names = list(dict.fromkeys([n for n in ran if BACKENDS[n].native] or ran))
+        return KernelFault(
+            f"vit3: backend {', '.join(map(repr, names))} faulted on {_device_name(device)} in the {phase} for "
+            f"the {p.keys[self.units[0]]}: {_error_line(exc)}. A GPU fault is sticky: this process cannot use "
+            f"the GPU any more, so no other backend can take over. Run with {BACKEND_ENV}=generic to keep the "
+            "kernels out, and report the fault with this message."
+        )
+
     def verify(self) -> None:
-        _verified.update((self.plan.keys[i], self.plan.backends[i]) for i in self.units)
+        _verified.update(_entry(self.plan, i, self.shapes) for i in self.units)
 
 
 class _GuardFn(torch.autograd.Function):
@@ -798,15 +998,18 @@ class _GuardFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, guard: _Guard, *tensors: Tensor) -> Tensor:
         # Leaves of the inner graph; nothing goes through save_for_backward, so the saved tensors (and the
-        # saved-tensor hooks of activation checkpointing) are those of the unguarded path.
+        # saved-tensor hooks of activation checkpointing) are those of the unguarded path. The inputs
+        # themselves (the leaves' storage) are kept for a double backward.
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
         with torch.enable_grad():
-            out = guard.compute(guard.plan, *leaves)
-        ctx.guard, ctx.leaves, ctx.out = guard, leaves, out
+            out = guard.forward(*leaves)
+        ctx.guard, ctx.leaves, ctx.out, ctx.inputs = guard, leaves, out, tensors
         return out.detach()
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph=True
+            return (None, *_GuardFn.differentiable_grads(ctx, grad_out))
         guard, leaves, out = ctx.guard, ctx.leaves, ctx.out
         wanted = [t for t in leaves if t.requires_grad]
         while True:
@@ -814,14 +1017,9 @@ class _GuardFn(torch.autograd.Function):
                 if out is None:  # re-run the forward on the saved inputs with the demoted plan
                     with torch.enable_grad(), _no_autocast(grad_out.device):
                         out = ctx.out = guard.compute(guard.plan, *leaves)
-                grads = torch.autograd.grad(
-                    out,
-                    wanted,
-                    grad_out,
-                    retain_graph=True,
-                    create_graph=torch.is_grad_enabled(),
-                    allow_unused=True,
-                )
+                grads = torch.autograd.grad(out, wanted, grad_out, retain_graph=True, allow_unused=True)
+                if guard.checks():
+                    guard.check_backward(leaves, grads, grad_out)
                 break
             except Exception as exc:
                 guard.demote(exc, "forward" if out is None else "backward", in_backward=True)
@@ -830,11 +1028,29 @@ class _GuardFn(torch.autograd.Function):
         it = iter(grads)
         return (None, *(next(it) if t.requires_grad else None for t in leaves))
 
+    @staticmethod
+    def differentiable_grads(ctx: Any, grad_out: Tensor) -> list[Tensor | None]:
+        """A backward that is itself differentiable (``create_graph=True``): the unit recomputed on the inputs
+        themselves, not on the detached leaves, so that a second backward reaches them."""
+        guard, inputs = ctx.guard, ctx.inputs
+        wanted = [t for t in inputs if t.requires_grad]
+        while True:
+            try:
+                with _no_autocast(grad_out.device):
+                    out = guard.compute(guard.plan, *inputs)
+                grads = torch.autograd.grad(out, wanted, grad_out, create_graph=True, allow_unused=True)
+                break
+            except Exception as exc:
+                guard.demote(exc, "backward", in_backward=True)
+        it = iter(grads)
+        return [next(it) if t.requires_grad else None for t in inputs]
+
 
 def run(
     plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor], tensors: Sequence[Tensor]
 ) -> Tensor:
-    """``compute(plan, *tensors)`` for branches ``units`` of a mixer call, guarded on a key's first calls.
+    """``compute(plan, *tensors)`` for branches ``units`` of a mixer call, guarded on a key's first calls, and
+    on the first call of each new input specialisation of a backend that specialises (Triton).
 
     Args:
         plan: the call's plan.
@@ -844,13 +1060,14 @@ def run(
     """
     if plan.tracing or all(plan.backends[i] == "generic" for i in units):
         return compute(plan, *tensors)
-    if all((plan.keys[i], plan.backends[i]) in _verified for i in units):
+    shapes = _specialisation(tensors) if any(BACKENDS[plan.backends[i]].specialises for i in units) else None
+    if all(_entry(plan, i, shapes) in _verified for i in units):
         return compute(plan, *tensors)
-    guard = _Guard(plan, units, compute)
+    guard = _Guard(plan, units, compute, shapes)
     grad = grad_flows(*tensors)
     while True:
         try:
-            out = _GuardFn.apply(guard, *tensors) if grad else compute(guard.plan, *tensors)
+            out = _GuardFn.apply(guard, *tensors) if grad else guard.forward(*tensors)
         except Exception as exc:
             guard.demote(exc, "forward", in_backward=False)
             continue

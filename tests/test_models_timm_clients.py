@@ -1,0 +1,199 @@
+"""vit3 models under code written for timm: the plain ViT³ answers timm's ``VisionTransformer`` API as a
+prefix-free ViT does (``forward_features`` / ``forward_head`` / ``forward_intermediates`` options), and a plain
+and a hierarchical model go through what timm's ``train.py`` (AMP), ``validate.py`` and ``benchmark.py`` do
+with a model, by the same public timm APIs (the scripts ship in timm's repository, not in its wheel)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import timm
+import torch
+from helpers.train import make_digit_folder
+from timm.data import Mixup, create_dataset, create_loader, resolve_data_config
+from timm.loss import SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.utils import AverageMeter, ModelEmaV3, NativeScaler, accuracy, dispatch_clip_grad
+
+import vit3  # noqa: F401  (registers the vit3 models)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# timm's VisionTransformer in test_vit3_ttt's shape, without prefix tokens (no class or register token)
+VIT = dict(img_size=64, patch_size=16, embed_dim=32, depth=3, num_heads=2, mlp_ratio=2.0, num_classes=5,
+           class_token=False, global_pool="avg", dynamic_img_size=True)  # fmt: skip
+
+
+def _pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    ours = timm.create_model("test_vit3_ttt", num_classes=5).eval()
+    return ours, timm.create_model("vit_tiny_patch16_224", **VIT).eval()
+
+
+def _structure(out):
+    """Types, dict keys, list lengths and tensor shapes of a (nested) output."""
+    if isinstance(out, torch.Tensor):
+        return tuple(out.shape)
+    if isinstance(out, dict):
+        return {k: _structure(v) for k, v in out.items()}
+    return type(out).__name__, [_structure(v) for v in out]
+
+
+OPTIONS = [
+    pytest.param({}, id="default"),
+    pytest.param(dict(output_fmt="NLC"), id="NLC"),
+    pytest.param(dict(output_dict=True), id="dict"),
+    pytest.param(dict(output_dict=True, intermediates_only=True), id="dict-only"),
+    pytest.param(dict(return_prefix_tokens=True), id="prefix"),
+    pytest.param(dict(return_prefix_tokens=True, output_dict=True, output_fmt="NLC"), id="prefix-dict-NLC"),
+    pytest.param(dict(indices=[0, -1], norm=True), id="indices-norm"),
+    pytest.param(dict(indices=1, stop_early=True, intermediates_only=True), id="stop-early"),
+]
+
+
+@pytest.mark.parametrize("kwargs", OPTIONS)
+def test_plain_forward_intermediates_answers_as_timms_vision_transformer(kwargs):
+    ours, vit = _pair()
+    x = torch.randn(2, 3, 64, 80)
+    with torch.no_grad():
+        assert _structure(ours.forward_intermediates(x, **kwargs)) == _structure(
+            vit.forward_intermediates(x, **kwargs)
+        )
+
+
+def test_plain_features_are_timms_tokens_and_its_head_pools_them():
+    ours, vit = _pair()
+    x = torch.randn(2, 3, 64, 80)
+    with torch.no_grad():
+        feats = ours.forward_features(x)
+        assert feats.shape == vit.forward_features(x).shape == (2, 4 * 5, 32)
+        assert ours.num_prefix_tokens == vit.num_prefix_tokens == 0
+        torch.testing.assert_close(ours.forward_head(feats), ours(x))
+        pooled = ours.forward_head(feats, pre_logits=True)
+        assert pooled.shape == vit.forward_head(vit.forward_features(x), pre_logits=True).shape
+        # the map, as code written for timm's ViT rebuilds it, is forward_intermediates' normed last block
+        h, w = ours.patch_embed.dynamic_feat_size(x.shape[-2:])
+        last = ours.forward_intermediates(x, indices=1, norm=True, output_fmt="NHWC", intermediates_only=True)
+        torch.testing.assert_close(feats.reshape(2, h, w, -1), last[0])
+        out = ours.forward_intermediates(x, output_dict=True, return_prefix_tokens=True)
+        torch.testing.assert_close(out["image_features"], feats)
+        plain = ours.forward_intermediates(x, intermediates_only=True)
+        for a, b in zip(out["image_intermediates"], plain):  # no prefix tokens: the same intermediates
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(attn_mask=torch.ones(20, 20, dtype=torch.bool)), r"attn_mask: ViT³ has no attention to mask"),
+        (dict(is_causal=True), r"is_causal=True: the TTT mixer is non-causal"),
+        (dict(output_fmt="NCL"), r"output_fmt must be 'NCHW', 'NLC' or 'NHWC'"),
+    ],
+    ids=["attn_mask", "is_causal", "NCL"],
+)
+def test_plain_refuses_what_a_ttt_model_cannot_honour_saying_why(kwargs, match):
+    ours, _ = _pair()
+    x = torch.randn(1, 3, 64, 80)
+    with pytest.raises(ValueError, match=match):
+        ours.forward_intermediates(x, **kwargs)
+    if "output_fmt" not in kwargs:
+        with pytest.raises(ValueError, match=match):
+            ours.forward_features(x, **kwargs)
+
+
+# ------------------------------------------------------------------------------- timm's scripts as clients
+CLIENT_MODELS = ["test_vit3_ttt", "test_h_vit3"]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def digit_folder(tmp_path_factory):
+    """Real MNIST digits 0-3 as an image folder: 8 train / 4 val images per class."""
+    return make_digit_folder(tmp_path_factory.mktemp("digits"), n_train=8, n_val=4)
+
+
+def _loader(model, root, training: bool, batch: int):
+    """``create_dataset`` + ``create_loader`` on the model's resolved data config, as the scripts build them
+    (CPU: no prefetcher)."""
+    config = resolve_data_config({}, model=model)
+    split = "train" if training else "val"
+    dataset = create_dataset("", root=str(root), split=split, is_training=training)
+    return create_loader(
+        dataset, input_size=config["input_size"], batch_size=batch, is_training=training,
+        interpolation=config["interpolation"], mean=config["mean"], std=config["std"],
+        crop_pct=config["crop_pct"], num_workers=0, use_prefetcher=False, device=CPU,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", CLIENT_MODELS)
+def test_timm_train_loop_with_amp(name, amp, digit_folder):
+    """train.py's ``train_one_epoch`` with ``--amp``: mixup, the forward and loss under ``torch.autocast``,
+    backward after it (through ``NativeScaler`` for fp16), grad clipping, EMA, per-step lr updates."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=4, drop_path_rate=0.1)
+    optimizer = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
+    scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=1, updates_per_epoch=4)
+    mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=4)
+    loss_fn, ema = SoftTargetCrossEntropy(), ModelEmaV3(model, decay=0.9)
+    amp_autocast = partial(torch.autocast, device_type="cpu", dtype=amp)
+    loss_scaler = NativeScaler(device="cpu") if amp == torch.float16 else None
+    before = [p.detach().clone() for p in model.parameters()]
+    model.train()
+    for step, (x, y) in enumerate(_loader(model, digit_folder, training=True, batch=8)):
+        x, y = mixup(x, y)
+        with amp_autocast():
+            loss = loss_fn(model(x), y)
+        assert torch.isfinite(loss)
+        optimizer.zero_grad()
+        if loss_scaler is not None:
+            loss_scaler(loss, optimizer, clip_grad=5.0, parameters=model.parameters())
+        else:
+            loss.backward()
+            dispatch_clip_grad(model.parameters(), 5.0)
+            optimizer.step()
+        ema.update(model, step=step)
+        scheduler.step_update(num_updates=step + 1)
+    assert step == 3
+    moved = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
+    assert sum(moved) > len(moved) // 2 and all(torch.isfinite(p).all() for p in ema.module.parameters())
+
+
+@pytest.mark.parametrize("name", CLIENT_MODELS)
+def test_timm_validate_loop(name, digit_folder):
+    """validate.py: the eval loader, the forward under ``no_grad`` + autocast, ``accuracy`` / ``AverageMeter``."""
+    model = timm.create_model(name, num_classes=4).eval()
+    top1, top3 = AverageMeter(), AverageMeter()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for x, y in _loader(model, digit_folder, training=False, batch=8):
+            acc1, acc3 = accuracy(model(x).float(), y, topk=(1, 3))
+            top1.update(acc1.item(), x.size(0))
+            top3.update(acc3.item(), x.size(0))
+    assert top1.count == 16 and 0.0 <= top1.avg <= top3.avg <= 100.0
+
+
+@pytest.mark.parametrize("name", CLIENT_MODELS)
+def test_timm_benchmark_steps(name):
+    """benchmark.py's inference and training runners: channels-last model and input, AMP forward, the loss
+    and backward after the autocast region, an optimizer step."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10).to(memory_format=torch.channels_last)
+    shape = (2, *resolve_data_config({}, model=model)["input_size"])
+    x = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+    amp_autocast = partial(torch.autocast, device_type="cpu", dtype=torch.bfloat16)
+    model.eval()
+    with torch.no_grad(), amp_autocast():
+        assert model(x).shape == (2, 10)
+    model.train()
+    optimizer = create_optimizer_v2(model, "sgd", lr=1e-4)
+    target = torch.empty(2, dtype=torch.long).random_(10)
+    for _ in range(2):
+        optimizer.zero_grad()
+        with amp_autocast():
+            output = model(x)
+        loss = torch.nn.functional.cross_entropy(output, target)
+        loss.backward()
+        optimizer.step()
+        assert torch.isfinite(loss)
