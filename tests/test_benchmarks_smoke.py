@@ -159,6 +159,7 @@ def test_amp_benchmark_compares_each_mode_with_fp32(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_convert_benchmark_rows_for_every_method_and_size(tmp_path):
     from helpers.train import make_digit_folder
 
