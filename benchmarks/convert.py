@@ -21,12 +21,14 @@ patch tokens), timed in turn (A B A B ...); ``ms_per_ktoken`` shows linear cost 
 random there: the cost of a forward does not depend on them.
 
     python benchmarks/convert.py --threads 1                # 3 seeds; writes results/convert_cpu.csv and .png
+    python benchmarks/convert.py --threads 1 --seeds 0 1 --keep-latency   # seed 1 added, latency kept
     python benchmarks/convert.py --quick --work /tmp/cv     # a tiny smoke run (1 seed, a few steps, small sizes)
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -182,6 +184,28 @@ def latency_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def kept_latency_rows(args: argparse.Namespace) -> list[dict]:
+    """With ``--keep-latency``: the latency rows of ``--out`` when they are of the same model, sizes and
+    threads (the accuracy of more seeds added without timing again); else none."""
+    if not (args.keep_latency and args.out.is_file()):
+        return []
+    with args.out.open(newline="") as f:
+        kept = [
+            {k: v for k, v in r.items() if v != ""} for r in csv.DictReader(f) if r["measure"] == "latency"
+        ]
+    same = [
+        r for r in kept if r["model"] == args.latency_model and int(r["threads"]) == torch.get_num_threads()
+    ]
+    if sorted({int(r["img_size"]) for r in same}) != sorted(set(args.sizes)):
+        return []
+    numbers = {
+        "img_size": int, "tokens": int, "threads": int, "ms_per_image": float, "ms_per_ktoken": float,
+        "exponent": float,
+    }  # fmt: skip
+    print(f"latency: kept from {args.out}", flush=True)
+    return [{k: numbers.get(k, str)(v) for k, v in r.items()} for r in same]
+
+
 # ------------------------------------------------------------------------------------------------ report
 def _stats(values: list[float]) -> str:
     mean = statistics.fmean(values)
@@ -269,6 +293,11 @@ def main() -> None:
     )
     p.add_argument("--latency-model", default="vit_tiny_patch16_224")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per latency size")
+    p.add_argument(
+        "--keep-latency",
+        action="store_true",
+        help="reuse the latency rows of --out (same model, sizes, threads)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--work", type=Path, default=REPO / "output" / "bench_convert", help="the runs' folders")
     p.add_argument("--out", type=Path, default=RESULTS / "convert_cpu.csv")
@@ -278,7 +307,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows, curves = accuracy_rows(args)
     if args.sizes:
-        rows += latency_rows(args)
+        rows += kept_latency_rows(args) or latency_rows(args)
     write_csv(rows, args.out)
     plot(rows, curves, args.out.with_suffix(".png"))
     print_table([{k: v for k, v in r.items() if k != "measure"} for r in rows if r["measure"] == "accuracy"])

@@ -165,12 +165,12 @@ def test_convert_benchmark_rows_for_every_method_and_size(tmp_path):
 
     digits = make_digit_folder(tmp_path / "digits", digits=(0, 1), n_train=20, n_val=10)
     out = tmp_path / "convert.csv"
-    _run(
-        "convert.py",
-        *("--quick", "--seeds", "0", "--teacher-epochs", "2", "--budget-epochs", "1", "--sizes", "32", "48"),
-        *("--repeats", "1", "--work", str(tmp_path / "runs"), "--out", str(out), "--override"),
-        *("data.dataset=folder", f"data.path={digits}", "data.batch_size=10", "train.warmup_epochs=0"),
-    )
+    bench = [
+        *("convert.py", "--quick", "--teacher-epochs", "2", "--budget-epochs", "1", "--sizes", "32", "48"),
+        *("--repeats", "1", "--work", str(tmp_path / "runs"), "--out", str(out)),
+    ]
+    data = ["data.dataset=folder", f"data.path={digits}", "data.batch_size=10", "train.warmup_epochs=0"]
+    _run(*bench, "--seeds", "0", "--override", *data)
     rows = list(csv.DictReader(out.open()))
     acc = {r["method"]: r for r in rows if r["measure"] == "accuracy"}
     assert set(acc) == {"teacher", "converted", "scratch"}
@@ -185,3 +185,6 @@ def test_convert_benchmark_rows_for_every_method_and_size(tmp_path):
     ]  # fmt: skip
     assert all(float(r["ms_per_image"]) > 0 for r in lat) and lat[-1]["exponent"]
     assert out.with_suffix(".png").stat().st_size > 0
+    # rerun: the finished runs are reused, the latency rows kept as they were timed (not timed again)
+    _run(*bench, "--seeds", "0", "--keep-latency", "--override", *data)
+    assert list(csv.DictReader(out.open())) == rows
