@@ -275,6 +275,18 @@ def test_stage_one_changes_the_mixers_only_at_the_scaled_lr(digits, converted, t
     assert history[1]["lr"] == pytest.approx(3 * optimizer.param_groups[0]["lr"])
 
 
+def test_the_ema_of_a_conversion_follows_the_mixers_and_is_validated(digits, converted, tmp_path):
+    tmp, _ = converted
+    out = tmp_path / "ema"
+    run(_convert_cfg(digits, tmp, out, "train.epochs=1", "train.ema=true", "train.ema_decay=0.5"), "train")
+    ckpt = read_ckpt(out / "last.pt")
+    model, ema, teacher = ckpt["model"], ckpt["ema"], read_ckpt(tmp / "teacher" / "best.pt")["model"]
+    assert all(torch.equal(ema[k], teacher[k]) for k in teacher if k in ema)  # frozen in stage 1: unchanged
+    mixer = [k for k in model if ".attn.mixer." in k and model[k].is_floating_point()]
+    assert mixer and any(not torch.equal(ema[k], model[k]) for k in mixer)  # an average, not a copy
+    assert json.loads((out / "metrics.json").read_text())[1]["ema_top1"] is not None
+
+
 def test_conversion_checkpoint_is_taken_by_eval_export_and_fine_tuning(digits, converted, tmp_path):
     tmp, summary = converted
     best = tmp / "run" / "best.pt"
