@@ -263,3 +263,34 @@ def test_amp_benchmark_compares_each_mode_with_fp32(tmp_path):
     assert [(r["run"], r["epoch"]) for r in rows] == [("fp32", "1"), ("bf16", "1"), ("fp32 seed 1", "1")]
     assert float(rows[0]["train_loss_gap"]) == 0.0 and all(r["finite"] == "True" for r in rows)
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_convert_benchmark_rows_for_every_method_and_size(tmp_path):
+    from helpers.train import make_digit_folder
+
+    digits = make_digit_folder(tmp_path / "digits", digits=(0, 1), n_train=20, n_val=10)
+    out = tmp_path / "convert.csv"
+    bench = [
+        *("convert.py", "--quick", "--teacher-epochs", "2", "--budget-epochs", "1", "--sizes", "32", "48"),
+        *("--repeats", "1", "--work", str(tmp_path / "runs"), "--out", str(out)),
+    ]
+    data = ["data.dataset=folder", f"data.path={digits}", "data.batch_size=10", "train.warmup_epochs=0"]
+    _run(*bench, "--seeds", "0", "--override", *data)
+    rows = list(csv.DictReader(out.open()))
+    acc = {r["method"]: r for r in rows if r["measure"] == "accuracy"}
+    assert set(acc) == {"teacher", "converted", "scratch"}
+    assert (
+        int(acc["teacher"]["steps"]) == 8
+        and int(acc["converted"]["steps"]) == int(acc["scratch"]["steps"]) == 4
+    )
+    assert float(acc["converted"]["budget"]) == 0.5
+    lat = [r for r in rows if r["measure"] == "latency"]
+    assert [(r["method"], int(r["tokens"])) for r in lat] == [
+        ("teacher", 4), ("converted", 4), ("teacher", 9), ("converted", 9)
+    ]  # fmt: skip
+    assert all(float(r["ms_per_image"]) > 0 for r in lat) and lat[-1]["exponent"]
+    assert out.with_suffix(".png").stat().st_size > 0
+    # rerun: the finished runs are reused, the latency rows kept as they were timed (not timed again)
+    _run(*bench, "--seeds", "0", "--keep-latency", "--override", *data)
+    assert list(csv.DictReader(out.open())) == rows

@@ -153,3 +153,23 @@ def test_copy_refuses_other_shapes_and_swap_refuses_other_models():
         swap_attention_for_ttt(timm.create_model("test_vit3_ttt"))
     with pytest.raises(ValueError, match="scope"):
         swap_attention_for_ttt(_swin(), scope="global")
+
+
+def test_ttt_swap_is_the_swapped_model_by_name(tmp_path):
+    """``timm.create_model("ttt_swap", base=...)``: what a converted checkpoint's record rebuilds."""
+    base = timm.create_model("test_vit", img_size=64, num_classes=3)
+    weights = tmp_path / "vit.pth"
+    torch.save(base.state_dict(), weights)
+    model = timm.create_model(
+        "ttt_swap", base="test_vit", img_size=64, num_classes=3, ttt={"loss": "mse"}, pretrained=True,
+        pretrained_cfg_overlay={"file": str(weights), "num_classes": 3},
+    )  # fmt: skip
+    assert isinstance(model, type(base)) and all(isinstance(b.attn, TokenTTT) for b in model.blocks)
+    assert all(m.cfg.loss == "mse" for m in _mixers(model))
+    mixer, attn = model.blocks[0].attn.mixer, base.blocks[0].attn  # pretrained: initialised from the file
+    assert torch.equal(mixer.qkv.weight[: 3 * mixer.dim], attn.qkv.weight)
+    assert torch.equal(model.head.weight, base.head.weight)
+    swin = timm.create_model("ttt_swap", base="swin_tiny_patch4_window7_224", scope="window", **SWIN_KW)
+    assert sum(isinstance(m, WindowTTT) for m in swin.modules()) == 4
+    with pytest.raises(ValueError, match="needs base="):
+        timm.create_model("ttt_swap")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers.dense import det_args, seg_args
 from helpers.generation import tiny_gen_args
-from helpers.train import DEMO, load_script, tiny_args
+from helpers.train import DEMO, load_script, short_run, tiny_args
 
 from vit3.engine import load_config
 from vit3.engine.checkpoint import config_for_resume, save_checkpoint
@@ -26,6 +26,7 @@ CONFIGS = {
     "detection": CONFIG_DIR / "dense" / "demo_detection.yaml",
     "segmentation": CONFIG_DIR / "dense" / "demo_segmentation.yaml",
     "generation": CONFIG_DIR / "generation" / "demo_mnist.yaml",
+    "convert": CONFIG_DIR / "convert" / "demo_mnist.yaml",
 }
 
 
@@ -37,6 +38,9 @@ def _args(task: str, request, out: Path) -> list[str]:
         return det_args(request.getfixturevalue("coco_root"), out)
     if task == "segmentation":
         return seg_args(request.getfixturevalue("ade_root"), out)
+    if task == "convert":  # refused before the teacher is looked for
+        digits = request.getfixturevalue("digits")
+        return [*short_run(digits, out, 1e-3), f"convert.teacher={out / 'none.pt'}"]
     return tiny_gen_args(request.getfixturevalue("digits"), out, "train.epochs=1")
 
 

@@ -1,8 +1,9 @@
 """vit3.engine: run configs (``vit3.engine.config``) and the task engines behind ``train.py``/``eval.py``.
 
 ``run(cfg, mode)`` dispatches on ``cfg.task``: ``classification`` -> ``vit3.engine.classification``,
-``detection``/``segmentation`` -> ``vit3.engine.dense``, ``generation`` -> ``vit3.engine.generation`` (imported
-lazily, so a missing dense or diffusion stack never breaks classification).
+``detection``/``segmentation`` -> ``vit3.engine.dense``, ``generation`` -> ``vit3.engine.generation``,
+``convert`` -> ``vit3.engine.convert`` (an attention model distilled into a TTT model). Each is imported
+lazily, so a missing dense or diffusion stack never breaks classification.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from .config import Config, ConfigError, load_config, save_config
 from .cpu import tune_malloc
 
-TASKS = ("classification", "detection", "segmentation", "generation")
+TASKS = ("classification", "detection", "segmentation", "generation", "convert")
 
 __all__ = ["TASKS", "Config", "ConfigError", "load_config", "run", "save_config", "tune_malloc"]
 
@@ -39,6 +40,8 @@ def run(cfg: Config, mode: str) -> Any:
         from . import classification as engine
     elif task == "generation":
         from . import generation as engine  # DiT³ on diffusers: train(cfg), evaluate(cfg)
+    elif task == "convert":
+        from . import convert as engine  # attention teacher -> TTT student: train(cfg), evaluate(cfg)
     else:
         from . import dense as engine  # detection / segmentation: train(cfg), evaluate(cfg)
     return engine.train(cfg) if mode == "train" else engine.evaluate(cfg)

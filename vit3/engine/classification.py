@@ -14,6 +14,10 @@ uninterrupted one (the plumbing: :mod:`vit3.engine.common`).
 A run that diverges — a non-finite training loss, a non-finite gradient norm (with ``train.clip_grad``, no
 fp16 loss scaling) or non-finite tokens met by a TTT mixer of the forward — raises :class:`TrainingDiverged`
 (a ``FloatingPointError``) naming the epoch and batch, so callers such as ``vit3.ablate`` can report it.
+
+A task built on this loop (the conversion, :mod:`vit3.engine.convert`) builds its model and data, hands them to
+:func:`_assemble` with a :class:`_Run` subclass (its hooks: ``start_epoch``, ``batch_loss``, ``epoch_metrics``,
+``extra_state`` / ``restore_extra``, ``summary_extra``) and runs :func:`_train` with that setup.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import resource
 import sys
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import timm
 import torch
@@ -52,6 +57,7 @@ from .checkpoint import (
     peek_vit3_checkpoint,
 )
 from .common import (
+    OutputFolder,
     Progress,
     TrainRun,
     amp_dtype,
@@ -301,6 +307,38 @@ class _Run(TrainRun):
     classes: list[str]
     progress: _Progress
 
+    # What a task built on this loop (the conversion, vit3.engine.convert) changes: the task a checkpoint
+    # belongs to, the loss of a batch and what an epoch, a checkpoint and the summary report besides.
+    task: ClassVar[str] = "classification"
+
+    def start_epoch(self) -> None:
+        """Called before each epoch's batches (the run may change what trains)."""
+
+    def batch_loss(self, x: torch.Tensor, y: torch.Tensor, mesa_on: bool) -> torch.Tensor:
+        """The training loss of one (mixed) batch ``x [B, C, H, W]``, ``y [B]`` or ``[B, K]``; under autocast."""
+        logits = self.net(x)
+        loss = _label_loss(logits, y, self.cfg.aug.label_smoothing)
+        if mesa_on:
+            with torch.no_grad():
+                teacher = self.ema.module(x).float().softmax(dim=-1)  # [B, K]
+            loss = loss + float(self.cfg.train.mesa) * soft_cross_entropy(logits, teacher)
+        return loss
+
+    def epoch_metrics(self, validated: bool) -> dict[str, Any]:
+        """More columns of the epoch's metrics row (``validated``: the row has this epoch's val figures)."""
+        return {}
+
+    def extra_state(self) -> dict[str, Any]:
+        """More checkpoint entries (restored by :meth:`restore_extra`)."""
+        return {}
+
+    def restore_extra(self, ckpt: Mapping[str, Any]) -> None:
+        """Restores what :meth:`extra_state` saved."""
+
+    def summary_extra(self) -> dict[str, Any]:
+        """More fields of the run summary (called on every rank at the end of the run)."""
+        return {}
+
 
 def _state(run: _Run) -> dict[str, Any]:
     """The checkpoint dict (:func:`~vit3.engine.common.save_state` adds the RNG states)."""
@@ -319,6 +357,7 @@ def _state(run: _Run) -> dict[str, Any]:
         "history": p.history,
         "config": run.cfg.to_dict(),
         "meta": run_metadata(),
+        **run.extra_state(),
     }
 
 
@@ -349,6 +388,7 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
     p.restore(ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps))
     p.loss_sum, p.loss_count = ckpt["epoch_loss"]
     p.best_top1, p.history = ckpt["best_top1"], list(ckpt["history"])
+    run.restore_extra(ckpt)
     p.roll_over(run.batches_per_epoch)
 
 
@@ -408,6 +448,26 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
             info,
             f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} classes",
         )
+    return _assemble(cfg, info, folder, model, data, num_classes, ckpt, resume)
+
+
+def _assemble(
+    cfg: Config,
+    info: DistInfo,
+    folder: OutputFolder,
+    model: nn.Module,
+    data: dict[str, Any],
+    num_classes: int,
+    ckpt: dict[str, Any] | None,
+    resume: str,
+    run_type: Callable[..., _Run] = _Run,
+) -> _Run:
+    """The run around a built ``model`` and its ``data`` (:func:`~vit3.data.build_datasets`): preprocessing,
+    loaders, optimizer, schedule, EMA and DDP, resumed from ``ckpt`` (read from ``resume``) when given; its
+    config saved in ``folder`` (what :func:`~vit3.engine.common.claim_output` allowed). ``run_type`` makes
+    the run (a :class:`_Run` subclass, given the fields of :class:`_Run` in order)."""
+    classes = data["classes"]
+    in_chans = input_channels(cfg)
     resolve_data_cfg(cfg, model, in_chans)
     check_input_size(model, in_chans, int(cfg.data.img_size), key_name("data.img_size"))
     mixup = build_mixup(cfg, num_classes)
@@ -453,9 +513,9 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
         decay = float(cfg.train.ema_decay) ** (total_batch / float(cfg.train.ema_batch))  # as official
         ema = ModelEmaV3(model, decay=decay)
     net = wrap_ddp(model, cfg, info)
-    run = _Run(
+    run = run_type(
         cfg, info, model, net, ema, optimizer, scheduler, scaler, amp, mixup,
-        loader, wrapped, sampler, val_loader, batches_per_epoch, out, num_classes, classes, _Progress(),
+        loader, wrapped, sampler, val_loader, batches_per_epoch, folder.path, num_classes, classes, _Progress(),
     )  # fmt: skip
     log(
         info,
@@ -491,12 +551,12 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
     """One epoch (from ``progress.batch_in_epoch`` on); ``run_bar``: the run's bar (``train.progress=run``)."""
     cfg, info, p = run.cfg, run.info, run.progress
     accum, bs = int(cfg.train.accum_steps), cfg.data.batch_size
+    run.start_epoch()
     run.net.train()
     eval_frozen(run.model, cfg.train.freeze)
     run.wrapped.set_epoch(p.epoch)
     run.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
-    mesa = float(cfg.train.mesa or 0.0)
-    mesa_on = mesa > 0 and p.epoch >= int(cfg.train.mesa_start * cfg.train.epochs)
+    mesa_on = float(cfg.train.mesa or 0.0) > 0 and p.epoch >= int(cfg.train.mesa_start * cfg.train.epochs)
     desc = f"epoch {p.epoch + 1}/{cfg.train.epochs}"
     if run_bar is None:
         bar = tqdm(
@@ -519,12 +579,7 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
         where = f"at epoch {p.epoch + 1}, batch {b}"
         with sync, _diverged_on_nonfinite_tokens(where):
             with autocast(dev, run.amp_dtype):
-                logits = run.net(x)
-                loss = _label_loss(logits, y, cfg.aug.label_smoothing)
-                if mesa_on:
-                    with torch.no_grad():
-                        teacher = run.ema.module(x).float().softmax(dim=-1)  # [B, K]
-                    loss = loss + mesa * soft_cross_entropy(logits, teacher)
+                loss = run.batch_loss(x, y, mesa_on)
             if not torch.isfinite(loss):
                 raise TrainingDiverged(f"non-finite training loss {loss.item()} {where}")
             run.scaler.scale(loss / accum).backward()
@@ -567,12 +622,14 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
         "img_per_s": round(images / max(epoch_time, 1e-9), 1),
     }
     last = p.epoch + 1 == cfg.train.epochs
-    if last or (p.epoch + 1) % max(1, int(cfg.train.eval_every)) == 0:
+    validated = last or (p.epoch + 1) % max(1, int(cfg.train.eval_every)) == 0
+    if validated:
         val = validate(run.model, run.val_loader, run.info.device, run.amp_dtype)
         row.update(val_loss=val["loss"], val_top1=val["top1"], val_top5=val["top5"])
         if run.ema is not None:
             ev = validate(run.ema.module, run.val_loader, run.info.device, run.amp_dtype)
             row.update(ema_loss=ev["loss"], ema_top1=ev["top1"], ema_top5=ev["top5"])
+    row.update(run.epoch_metrics(validated))
     p.history.append(row)
     p.epoch, p.batch_in_epoch, p.loss_sum, p.loss_count = p.epoch + 1, 0, 0.0, 0
     top1 = max(row.get("val_top1", -1.0), row.get("ema_top1", -1.0))
@@ -592,9 +649,10 @@ def train(cfg: Config) -> dict[str, Any]:
     return in_process_group(cfg, _train)
 
 
-def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
+def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run] = _setup) -> dict[str, Any]:
+    """Runs the epochs of the run ``setup`` makes (:func:`_setup`, or a task's own built on :func:`_assemble`)."""
     start = time.perf_counter()
-    run = _setup(cfg, info)
+    run = setup(cfg, info)
     p = run.progress
     run_bar = None
     if cfg.train.progress == "run":  # one bar for the whole run instead of one per epoch
@@ -614,6 +672,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
         **run_summary(run, run.out, p.history),
         "best": str(run.out / "best.pt") if cfg.train.keep_best else None,
         "best_top1": p.best_top1,
+        **run.summary_extra(),
         "wall_time_s": round(time.perf_counter() - start, 1),
     }
     if info.is_main:

@@ -76,6 +76,7 @@ TASK_CONFIGS = {
     "detection": "dense/dense_base.yaml",
     "segmentation": "dense/dense_base.yaml",
     "generation": "generation/default.yaml",
+    "convert": "convert/base.yaml",
 }
 # Keys that belong to one command rather than to its run: a config rebuilt from a checkpoint resets them.
 COMMAND_KEYS = ("train.resume", "train.force_resume", "train.overwrite")

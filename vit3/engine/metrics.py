@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ def write_metrics(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> 
 
 
 def plot_curves(history: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
-    """Two panels: train/val loss and val top-1 (model and EMA) per epoch. ``None`` if nothing to plot."""
+    """Train/val loss and val top-1 (model and EMA) per epoch; a third panel for the per-layer transfer loss
+    of a conversion (``val_transfer_loss_<i>``, log scale) when the rows have it. ``None`` if nothing to plot."""
 
     def points(key: str) -> list[tuple[float, float]]:
         return [(r["epoch"], r[key]) for r in history if r.get(key) is not None]
@@ -50,8 +52,17 @@ def plot_curves(history: Sequence[Mapping[str, Any]], path: str | Path) -> Path 
             "val top-5": points("val_top5"),
         },
     }
+    layers = sorted(
+        {int(k.rpartition("_")[2]) for r in history for k in r if re.fullmatch(r"val_transfer_loss_\d+", k)}
+    )
+    panels["transfer loss (val)"] = {f"layer {i}": points(f"val_transfer_loss_{i}") for i in layers}
+    ylabels = {
+        "loss": "loss",
+        "accuracy": "accuracy (%)",
+        "transfer loss (val)": "MSE to the attention output",
+    }
     return plot_series(
-        panels, path, "epoch", ylabels={"loss": "loss", "accuracy": "accuracy (%)"}, marker="o"
+        panels, path, "epoch", ylabels=ylabels, marker="o", log_panels=("transfer loss (val)",)
     )
 
 
@@ -62,8 +73,10 @@ def plot_series(
     log_y: bool = False,
     ylabels: Mapping[str, str] | None = None,
     marker: str | None = None,
+    log_panels: Sequence[str] = (),
 ) -> Path | None:
-    """One panel per entry of ``panels`` (title -> {label: [(x, y), ...]}), saved as a PNG.
+    """One panel per entry of ``panels`` (title -> {label: [(x, y), ...]}), saved as a PNG; ``log_y`` (every
+    panel) or ``log_panels`` (those titles) put the y axis on a log scale.
 
     Empty series and panels are left out; returns ``None`` (and writes nothing) when no series has a point.
     """
@@ -80,7 +93,7 @@ def plot_series(
     for ax, (title, lines) in zip(axes[0], panels.items()):
         for label, pts in lines.items():
             ax.plot(*zip(*pts), marker=marker, label=label)
-        if log_y:
+        if log_y or title in log_panels:
             ax.set_yscale("log")
         ax.set(xlabel=xlabel, ylabel=(ylabels or {}).get(title, ""), title=title)
         ax.grid(alpha=0.3)

@@ -20,6 +20,11 @@ Token layout:
   ``window_size``); the shift mask is ignored (TTT has no masking), so the wrapped-around border windows of
   shifted blocks mix tokens from opposite image borders. Swin's relative position bias has no TTT
   counterpart and is dropped.
+
+A swapped model is also a timm model by name: ``timm.create_model("ttt_swap", base="deit_small_patch16_224",
+ttt={...}, scope="stage", **base_kwargs)`` builds ``base`` (with ``base_kwargs``, timm's ``pretrained`` and
+``features_only`` included) and swaps its attention; that is how a checkpoint of a converted model
+(``vit3.convert``) records its model, so that ``eval.py``, ``export.py`` and fine-tuning rebuild it.
 """
 
 from __future__ import annotations
@@ -28,13 +33,25 @@ from typing import Any
 
 import torch
 from timm.layers import Attention
+from timm.models import register_model
 from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, TTTMixer
 
-__all__ = ["SwinStageTTTBlock", "TokenTTT", "WindowTTT", "copy_attention_weights", "swap_attention_for_ttt"]
+__all__ = [
+    "SWAP_MODEL",
+    "SWIN_SCOPES",
+    "SwinStageTTTBlock",
+    "TokenTTT",
+    "WindowTTT",
+    "copy_attention_weights",
+    "swap_attention_for_ttt",
+    "ttt_swap",
+]
+
+SWAP_MODEL = "ttt_swap"  # the timm name of a swapped model (see the module docstring)
 
 SWIN_SCOPES = ("stage", "window")
 
@@ -104,13 +121,19 @@ class TokenTTT(nn.Module):
         self.num_prefix_tokens = num_prefix_tokens
         self._grid_state = grid_state
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None = None, **_: Any) -> Tensor:
-        """``[B, P + h*w, C] -> [B, P + h*w, C]``; prefix outputs are the mean of the patch outputs."""
+    def forward(
+        self, x: Tensor, attn_mask: Tensor | None = None, grid: tuple[int, int] | None = None, **_: Any
+    ) -> Tensor:
+        """``[B, P + h*w, C] -> [B, P + h*w, C]``; prefix outputs are the mean of the patch outputs.
+
+        ``grid`` is the patch grid ``(h, w)``; ``None`` (inside the model) takes the one its patch embedding
+        recorded (a caller that feeds a layer alone, e.g. ``vit3.convert``, passes it).
+        """
         if attn_mask is not None:
             raise ValueError("a TTT mixer has no attention mask; attn_mask must be None")
         p = self.num_prefix_tokens
         n = x.shape[1] - p
-        grid = self._grid_state.grid
+        grid = self._grid_state.grid if grid is None else tuple(grid)
         if grid is None or grid[0] * grid[1] != n:
             raise ValueError(
                 f"cannot lay {n} patch tokens on the recorded grid {grid}; call the model on images"
@@ -158,11 +181,14 @@ class SwinStageTTTBlock(nn.Module):
     def set_input_size(self, *args: Any, **kwargs: Any) -> None:
         """Called by Swin's ``set_input_size``: a stage-wide mixer works on any map size, nothing to do."""
 
+    def mix(self, x: Tensor) -> Tensor:
+        """The token mixer alone, on a normalised stage map: ``[B, H, W, C] -> [B, H, W, C]``."""
+        b, h, w, c = x.shape
+        return self.attn(x.reshape(b, h * w, c), grid=(h, w)).reshape(b, h, w, c)
+
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``."""
-        b, h, w, c = x.shape
-        y = self.attn(self.norm1(x).reshape(b, h * w, c), grid=(h, w))  # [B, H*W, C]
-        x = x + self.drop_path1(y.reshape(b, h, w, c))
+        x = x + self.drop_path1(self.mix(self.norm1(x)))
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
@@ -226,3 +252,37 @@ def swap_attention_for_ttt(
             f"found no timm ViT Attention or Swin WindowAttention to replace in {type(model).__name__}"
         )
     return model
+
+
+@register_model
+def ttt_swap(
+    pretrained: bool = False,
+    base: str = "",
+    ttt: dict[str, Any] | None = None,
+    scope: str = "stage",
+    pretrained_cfg: Any = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """timm's attention model ``base`` with every attention swapped for a TTT mixer (:func:`swap_attention_for_ttt`).
+
+    Args:
+        pretrained: load ``base``'s pretrained weights first (``pretrained_cfg_overlay`` names a file); the
+            mixers then start from its attention's ``qkv``/``proj``.
+        base: timm name of a ViT/DeiT or Swin model.
+        ttt: mixer config (``TTTConfig`` keys; default: the official ViT³ mixer).
+        scope: Swin only: ``"stage"`` or ``"window"``.
+        pretrained_cfg: timm's config of the ``ttt_swap`` entry itself (there is none; ``base`` has its own).
+        **kwargs: ``timm.create_model`` kwargs of ``base`` (``img_size``, ``num_classes``, ``features_only``...).
+
+    Raises:
+        ValueError: ``base`` is empty, or not a model whose attention can be swapped.
+    """
+    del pretrained_cfg
+    if not base:
+        raise ValueError(
+            f"{SWAP_MODEL} needs base=<a timm ViT/DeiT or Swin name>, e.g. base='deit_small_patch16_224'"
+        )
+    import timm
+
+    model = timm.create_model(base, pretrained=pretrained, **kwargs)
+    return swap_attention_for_ttt(model, ttt, init_from_attention=pretrained, scope=scope)

@@ -1,0 +1,459 @@
+"""The ``convert`` task: a pretrained attention model (teacher) turned into a TTT model (student) by distillation.
+
+``python train.py --config configs/convert/demo_mnist.yaml`` (config section ``convert``, documented in
+``configs/convert/base.yaml``). The teacher is a vit3 checkpoint of a timm attention model (ViT/DeiT/Swin) or a
+timm weights file (``convert.teacher_model`` names its model); when the checkpoint does not exist yet and
+``convert.teacher_config`` names a classification config, that config trains it first. The student is the
+teacher with TTT mixers in place of its attention (the timm model ``ttt_swap``, ``convert.ttt_kwargs`` /
+``convert.scope``), started from the teacher's weights (:func:`vit3.convert.init_student`). Its epochs:
+
+1. the first ``convert.transfer_epochs``: attention transfer. Only the mixers train, to the mean over layers of
+   each layer's MSE to the teacher's attention output on the teacher's own layer input (one frozen teacher
+   forward per batch records them all, :class:`vit3.convert.LayerCapture`);
+2. the rest of ``train.epochs``: end-to-end fine-tuning with ``task_weight * task loss + distill_weight *
+   distillation`` from the teacher's logits (:func:`vit3.convert.distillation_loss`: ``soft`` KL at
+   ``temperature`` as timm's ``LogitDistillationTask``, or DeiT's ``hard`` labels).
+
+Everything else is the classification engine's loop (:mod:`vit3.engine.classification`): one lr schedule
+over both stages, EMA, AMP, DDP, checkpoints with exact resume, the progress bar, ``metrics.csv/json`` and
+``curves.png``. Each epoch's row adds ``stage``, the stage's training terms (``train_transfer_loss_<i>`` per
+layer in stage 1, ``train_task_loss`` / ``train_kd_loss`` in stage 2) and, when it validates, the student's
+per-layer transfer loss on the val set (``val_transfer_loss_<i>`` and their mean ``val_transfer_loss``); the
+row of epoch 0 is the swapped model before training, beside the teacher's ``teacher_top1``. The checkpoints
+are ordinary classification checkpoints of the student (model record ``ttt_swap``, ``task: convert``):
+``eval.py``, ``export.py`` and fine-tuning (``model.pretrained``) take them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import timm
+import torch
+from torch import nn
+
+from ..convert import (
+    DISTILL_KINDS,
+    LayerCapture,
+    LayerPair,
+    TransferNet,
+    distillation_loss,
+    init_student,
+    layer_pairs,
+    transfer_losses,
+)
+from ..data import build_datasets
+from ..errors import CheckpointMismatchError
+from ..layers import TTTConfig
+from ..models.swap import SWAP_MODEL, SWIN_SCOPES
+from . import classification
+from .checkpoint import (
+    load_checkpoint,
+    load_model_weights,
+    merge_model_spec,
+    model_record,
+    peek_vit3_checkpoint,
+)
+from .common import (
+    autocast,
+    check_resume_task,
+    claim_output,
+    in_process_group,
+    log,
+    resume_path,
+    seed_process,
+    set_threads,
+    wrap_ddp,
+)
+from .config import Config, ConfigError, load_config
+from .distributed import DistInfo, sum_tensor
+
+__all__ = ["CONVERT_KEYS", "TRANSFER", "check_convert_cfg", "evaluate", "stage_of", "train"]
+
+TRANSFER = "transfer_loss"  # metrics: <prefix>transfer_loss_<layer> and their mean <prefix>transfer_loss
+CONVERT_KEYS = (
+    "teacher", "teacher_model", "teacher_kwargs", "student_kwargs", "teacher_ema", "teacher_config", "ttt_kwargs",
+    "scope", "transfer_epochs", "transfer_lr_scale", "distill", "temperature", "task_weight", "distill_weight",
+)  # fmt: skip
+
+
+def _number(conv: Config, key: str, low: float, strict: bool = False) -> float:
+    value = conv.get(key)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or value < low
+        or (strict and value == low)
+    ):
+        bound = f"> {low}" if strict else f">= {low}"
+        raise ConfigError(f"convert.{key} must be a number {bound}, got {value!r}")
+    return float(value)
+
+
+def check_convert_cfg(cfg: Config) -> Config:
+    """The ``convert`` section of ``cfg``, checked (the keys of ``configs/convert/base.yaml``).
+
+    Raises:
+        ConfigError: the section is missing, or a key has a value the conversion cannot run with (named).
+    """
+    if "convert" not in cfg:
+        raise ConfigError("task 'convert' needs a 'convert:' config section (see configs/convert/base.yaml)")
+    conv = cfg.convert
+    for key in conv:
+        if key not in CONVERT_KEYS:
+            close = difflib.get_close_matches(key, CONVERT_KEYS, n=3)
+            hint = f"; did you mean {', '.join(f'convert.{c}' for c in close)}?" if close else ""
+            raise ConfigError(f"unknown config key 'convert.{key}'{hint}")
+    if not isinstance(conv.get("teacher"), str) or not conv.teacher:
+        raise ConfigError(
+            "convert.teacher is empty: name the teacher (a vit3 checkpoint or a timm weights file)"
+        )
+    for key in ("teacher_kwargs", "student_kwargs", "ttt_kwargs"):
+        if not isinstance(conv.get(key), Mapping):
+            raise ConfigError(f"convert.{key} must be a mapping (key: value), got {conv.get(key)!r}")
+    try:
+        TTTConfig.create(dict(conv.ttt_kwargs))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"convert.ttt_kwargs is not a TTT mixer config: {e}") from e
+    if conv.get("scope") not in SWIN_SCOPES:
+        raise ConfigError(f"convert.scope must be one of {', '.join(SWIN_SCOPES)}, got {conv.get('scope')!r}")
+    if conv.get("distill") not in DISTILL_KINDS:
+        raise ConfigError(
+            f"convert.distill must be one of {', '.join(DISTILL_KINDS)}, got {conv.get('distill')!r}"
+        )
+    epochs = conv.get("transfer_epochs")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or not 0 <= epochs <= int(cfg.train.epochs):
+        raise ConfigError(
+            f"convert.transfer_epochs must be an integer from 0 to train.epochs ({cfg.train.epochs}), got {epochs!r}"
+        )
+    _number(conv, "transfer_lr_scale", 0.0, strict=True)
+    _number(conv, "temperature", 0.0, strict=True)
+    _number(conv, "task_weight", 0.0)
+    _number(conv, "distill_weight", 0.0)
+    if cfg.train.mesa:
+        raise ConfigError(
+            "train.mesa does not apply to the conversion (its teacher is convert.teacher): set it 0"
+        )
+    if cfg.model.name not in ("", SWAP_MODEL):
+        raise ConfigError(
+            f"model.name={cfg.model.name!r}: the conversion's model is the teacher swapped ({SWAP_MODEL}); leave "
+            f"model.name empty and name the teacher in convert.teacher"
+        )
+    return conv
+
+
+def stage_of(cfg: Config, epoch: int) -> int:
+    """The stage (1: attention transfer, 2: fine-tuning with distillation) of the 0-based ``epoch``."""
+    return 1 if epoch < int(cfg.convert.transfer_epochs) else 2
+
+
+# ---------------------------------------------------------------------------------------------- teacher
+def _train_missing_teacher(cfg: Config) -> None:
+    """Trains the teacher with ``convert.teacher_config`` when ``convert.teacher`` does not exist yet."""
+    conv = cfg.convert
+    path = Path(conv.teacher)
+    if path.is_file() or not conv.get("teacher_config"):
+        return
+    if path.name not in ("best.pt", "last.pt"):
+        raise ConfigError(
+            f"convert.teacher={path} does not exist, and what convert.teacher_config trains is "
+            f"<output>/best.pt or last.pt: name one of those"
+        )
+    tcfg = load_config(conv.teacher_config, [f"output={path.parent}", "train.resume=auto"])
+    if tcfg.get("task", "classification") != "classification":
+        raise ConfigError(
+            f"convert.teacher_config {conv.teacher_config} is a {tcfg.task} config, not classification"
+        )
+    print(f"teacher {path} not found: training it first ({conv.teacher_config})", flush=True)
+    classification.train(tcfg)
+    if not path.is_file():
+        raise ConfigError(f"training {conv.teacher_config} did not write {path} (train.keep_best=false?)")
+
+
+def _teacher_and_data(cfg: Config) -> tuple[nn.Module, dict[str, Any], dict[str, Any], int]:
+    """The teacher (frozen, eval mode), its model record, the datasets (labelled by its classes) and its class
+    count. A weights file's record has no classes or preprocessing; its classifier is taken to have the data's
+    classes (``model.num_classes`` when set).
+
+    Raises:
+        FileNotFoundError: no ``convert.teacher`` file.
+        ConfigError / CheckpointMismatchError: the teacher cannot be built, or its classes do not fit the data.
+    """
+    conv = cfg.convert
+    path = str(conv.teacher)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"convert.teacher file not found: {path}")
+    ckpt = peek_vit3_checkpoint(path)
+    if ckpt is not None:
+        record = model_record(ckpt)
+        name, kwargs = merge_model_spec(record, conv.teacher_model or None, conv.teacher_kwargs, path)
+        in_chans = int(kwargs.get("in_chans", 3))
+        data = build_datasets(cfg, in_chans, classes=record["classes"], classes_from=f"the teacher {path}")
+        num_classes = int(record["num_classes"])
+        teacher = timm.create_model(name, num_classes=num_classes, **kwargs)
+        load_model_weights(teacher, ckpt, use_ema=bool(conv.teacher_ema), source=path)
+        record = {**record, "name": name, "kwargs": Config(kwargs).to_dict()}
+    else:
+        if not conv.teacher_model:
+            raise ConfigError(
+                f"convert.teacher={path} is not a vit3 checkpoint: name its timm model in convert.teacher_model"
+            )
+        if conv.teacher_ema:
+            raise ConfigError("convert.teacher_ema applies to vit3 checkpoints; a weights file holds one set")
+        name, kwargs = str(conv.teacher_model), conv.teacher_kwargs.to_dict()
+        in_chans = int(kwargs.get("in_chans", 3))
+        data = build_datasets(cfg, in_chans)
+        num_classes = int(cfg.model.num_classes or len(data["classes"]))
+        overlay = {
+            "file": path,
+            "num_classes": num_classes,
+        }  # keeps the file's classifier (timm drops others)
+        try:
+            teacher = timm.create_model(
+                name, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=num_classes, **kwargs
+            )
+        except RuntimeError as e:  # load_state_dict: another architecture or class count
+            raise CheckpointMismatchError(
+                f"convert.teacher={path} does not fit {name} with {num_classes} classes: {e}"
+            ) from e
+        record = {"name": name, "kwargs": kwargs, "num_classes": num_classes, "classes": None}
+        record.update(dict.fromkeys(("img_size", "mean", "std", "interpolation", "crop_pct")))
+    if len(data["classes"]) > num_classes:
+        raise ConfigError(
+            f"the data has {len(data['classes'])} classes but the teacher {path} predicts {num_classes}"
+        )
+    teacher.eval().requires_grad_(False)
+    return teacher, record, data, num_classes
+
+
+def _student_spec(cfg: Config, record: Mapping[str, Any]) -> None:
+    """Sets ``cfg.model`` to the teacher swapped, with ``convert.student_kwargs`` over the teacher's kwargs (and
+    the unset preprocessing of ``cfg.data`` to the teacher's)."""
+    conv, d = cfg.convert, cfg.data
+    for key in ("img_size", "interpolation", "crop_pct"):
+        if d.get(key) is None and record.get(key) is not None:
+            d[key] = record[key]
+    if d.mean is None and d.std is None and record.get("mean") is not None:
+        d.mean, d.std = list(record["mean"]), list(record["std"])
+    kwargs = {**dict(record["kwargs"]), **dict(conv.student_kwargs)}
+    cfg.model.name = SWAP_MODEL  # what model.name / model.kwargs held before (e.g. inherited) is replaced
+    cfg.model.kwargs = {
+        "base": record["name"],
+        **kwargs,
+        "ttt": dict(conv.ttt_kwargs),
+        "scope": str(conv.scope),
+    }
+
+
+# -------------------------------------------------------------------------------------------------- run
+@dataclass
+class _ConvertRun(classification._Run):
+    """A classification run whose batches, epochs and checkpoints follow the conversion's two stages."""
+
+    teacher: nn.Module | None = None
+    pairs: list[LayerPair] = field(default_factory=list)
+    teacher_info: dict[str, Any] = field(default_factory=dict)  # file, record and val top-1
+    sums: dict[str, float] = field(default_factory=dict)  # the partial epoch's loss terms
+    count: int = 0
+    built_stage: int = 0  # the stage the trainable set and ``net`` are set up for (0: none yet)
+    lr_scales: list[float] = field(default_factory=list)  # each param group's own lr scale (layer decay)
+
+    task: ClassVar[str] = "convert"
+
+    def __post_init__(self) -> None:
+        self.lr_scales = [float(g.get("lr_scale", 1.0)) for g in self.optimizer.param_groups]
+
+    def start_epoch(self) -> None:
+        """Stage 1 trains the mixers only (at ``transfer_lr_scale`` times the schedule's lr), stage 2
+        everything; ``net`` (DDP) is rebuilt for what trains."""
+        stage = stage_of(self.cfg, self.progress.epoch)
+        if stage == self.built_stage:
+            return
+        mixers = {id(q) for pair in self.pairs for q in pair.mixer.parameters()}
+        for q in self.model.parameters():
+            q.requires_grad_(stage == 2 or id(q) in mixers)
+        factor = float(self.cfg.convert.transfer_lr_scale) if stage == 1 else 1.0
+        for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
+            group["lr_scale"] = scale * factor  # timm's scheduler multiplies each group's lr by it
+        self.net = wrap_ddp(TransferNet(self.model, self.pairs), self.cfg, self.info)
+        self.built_stage = stage
+        trained = sum(q.numel() for q in self.model.parameters() if q.requires_grad)
+        what = "attention transfer, the TTT mixers" if stage == 1 else "fine-tuning with distillation, all"
+        log(
+            self.info,
+            f"stage {stage} from epoch {self.progress.epoch + 1}: {what} ({trained / 1e6:.3f}M params)",
+        )
+
+    def _teacher_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, LayerCapture]:
+        with torch.no_grad(), LayerCapture(self.pairs) as capture:
+            logits = self.teacher(x)
+        return logits, capture
+
+    def batch_loss(self, x: torch.Tensor, y: torch.Tensor, mesa_on: bool) -> torch.Tensor:
+        """Stage 1: the mean over layers of the transfer losses; stage 2: task loss plus distillation."""
+        conv = self.cfg.convert
+        if self.built_stage == 1:
+            _, capture = self._teacher_forward(x)
+            outputs = self.net(layer_inputs=capture.inputs(), grids=capture.grids())
+            losses = transfer_losses(outputs, capture.targets())
+            self._add({f"{TRANSFER}_{i}": v for i, v in enumerate(losses.detach().tolist())})
+            return losses.mean()
+        logits = self.net(x)
+        task = classification._label_loss(logits, y, self.cfg.aug.label_smoothing)
+        with torch.no_grad():
+            teacher_logits = self.teacher(x)
+        kd = distillation_loss(logits, teacher_logits, conv.distill, float(conv.temperature))
+        self._add({"task_loss": float(task.detach()), "kd_loss": float(kd.detach())})
+        return float(conv.task_weight) * task + float(conv.distill_weight) * kd
+
+    def _add(self, terms: Mapping[str, float]) -> None:
+        for key, value in terms.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.count += 1
+
+    @torch.no_grad()
+    def val_transfer(self) -> dict[str, float]:
+        """The student mixers' per-layer transfer loss on the val set (image-weighted mean, all ranks)."""
+        self.model.eval()
+        dev = self.info.device
+        sums = torch.zeros(len(self.pairs) + 1, dtype=torch.float64, device=dev)
+        for x, _ in self.val_loader:
+            x = x.to(dev, non_blocking=True)
+            with autocast(dev, self.amp_dtype):
+                _, capture = self._teacher_forward(x)
+                outputs = [
+                    p.student_output(h, g) for p, h, g in zip(self.pairs, capture.inputs(), capture.grids())
+                ]
+                losses = transfer_losses(outputs, capture.targets())
+            sums[:-1] += losses.double() * len(x)
+            sums[-1] += len(x)
+        sums = sum_tensor(sums)
+        values = (sums[:-1] / sums[-1].clamp(min=1)).tolist()
+        return {f"val_{TRANSFER}": sum(values) / len(values)} | {
+            f"val_{TRANSFER}_{i}": v for i, v in enumerate(values)
+        }
+
+    def epoch_metrics(self, validated: bool) -> dict[str, Any]:
+        row: dict[str, Any] = {"stage": stage_of(self.cfg, self.progress.epoch)}
+        row.update({f"train_{k}": v / max(self.count, 1) for k, v in self.sums.items()})
+        self.sums, self.count = {}, 0
+        if validated:
+            row.update(self.val_transfer())
+        return row
+
+    def initial_row(self) -> dict[str, Any]:
+        """The metrics row of epoch 0: the teacher's val top-1 and the swapped model's before any training."""
+        dev = self.info.device
+        teacher = classification.validate(self.teacher, self.val_loader, dev, self.amp_dtype)
+        student = classification.validate(self.model, self.val_loader, dev, self.amp_dtype)
+        self.teacher_info["top1"] = teacher["top1"]
+        row = {
+            "epoch": 0,
+            "step": 0,
+            "stage": 0,
+            "teacher_top1": teacher["top1"],
+            "val_loss": student["loss"],
+        }
+        row.update(val_top1=student["top1"], val_top5=student["top5"], **self.val_transfer())
+        return row
+
+    def extra_state(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "convert": {"sums": dict(self.sums), "count": self.count, "teacher": dict(self.teacher_info)},
+        }
+
+    def restore_extra(self, ckpt: Mapping[str, Any]) -> None:
+        state = ckpt["convert"]
+        self.sums, self.count = dict(state["sums"]), int(state["count"])
+        self.teacher_info = dict(state["teacher"])
+
+    def summary_extra(self) -> dict[str, Any]:
+        teacher_top1 = self.teacher_info.get("top1")
+        history = self.progress.history
+        final = history[-1].get("val_top1") if history else None
+        return {
+            "teacher": self.teacher_info.get("file"),
+            "teacher_top1": teacher_top1,
+            "swapped_top1": history[0].get("val_top1") if history and history[0]["epoch"] == 0 else None,
+            "of_teacher": final / teacher_top1 if final is not None and teacher_top1 else None,
+            "layers": [p.name for p in self.pairs],
+        }
+
+
+def _setup(cfg: Config, info: DistInfo) -> _ConvertRun:
+    """The conversion run of ``cfg`` (resumed from ``train.resume`` when set)."""
+    check_convert_cfg(cfg)
+    classification._check_train_cfg(cfg)
+    set_threads(cfg)
+    seed_process(cfg, info)
+    out = Path(cfg.output)
+    resume = resume_path(cfg, out)
+    ckpt = load_checkpoint(resume) if resume else None
+    if ckpt is not None:
+        check_resume_task(ckpt, "convert", resume)
+    folder = claim_output(cfg, resume, ckpt)
+    teacher, record, data, num_classes = _teacher_and_data(cfg)
+    _student_spec(cfg, record)
+    if ckpt is not None:
+        saved = model_record(ckpt)
+        if (saved["name"], saved["kwargs"]) != (cfg.model.name, dict(cfg.model.kwargs)):
+            raise ConfigError(
+                f"cannot resume from {resume}: it converts to {saved['kwargs']}, this config to "
+                f"{dict(cfg.model.kwargs)} (convert.teacher, convert.ttt_kwargs or convert.scope changed)"
+            )
+    try:
+        student, _ = classification.build_model(cfg, num_classes)
+    except (TypeError, ValueError) as e:  # no attention to swap, or a kwarg the student's timm model lacks
+        raise ConfigError(f"cannot convert the teacher {cfg.convert.teacher} ({record['name']}): {e}") from e
+    try:
+        pairs = layer_pairs(teacher, student)
+    except ValueError as e:  # e.g. a teacher that is a TTT model already
+        raise ConfigError(f"cannot convert the teacher {cfg.convert.teacher} ({record['name']}): {e}") from e
+    if ckpt is None:
+        init_student(student, teacher, pairs)
+    teacher.to(info.device)
+    make_run = functools.partial(
+        _ConvertRun,
+        teacher=teacher,
+        pairs=pairs,
+        teacher_info={"file": str(cfg.convert.teacher), "record": record},
+    )
+    run = classification._assemble(cfg, info, folder, student, data, num_classes, ckpt, resume, make_run)
+    log(
+        info,
+        f"teacher {record['name']} ({cfg.convert.teacher}) -> {SWAP_MODEL}: {len(pairs)} attention layers",
+    )
+    if ckpt is None:
+        row = run.initial_row()
+        run.progress.history.append(row)
+        log(
+            info,
+            f"before training: teacher val top-1 {row['teacher_top1']:.2f}%, swapped {row['val_top1']:.2f}%, "
+            f"transfer loss {row[f'val_{TRANSFER}']:.4g}",
+        )
+    return run
+
+
+def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
+    return classification._train(cfg, info, _setup)
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Converts ``cfg.convert.teacher`` (see the module docstring); returns the run summary."""
+    check_convert_cfg(cfg)
+    resume = resume_path(cfg, Path(cfg.output))
+    # A folder this run may not write into is refused before a missing teacher is trained (for minutes).
+    claim_output(cfg, resume, load_checkpoint(resume, mmap=True) if resume else None)
+    _train_missing_teacher(cfg)
+    return in_process_group(cfg, _train)
+
+
+def evaluate(cfg: Config) -> dict[str, Any]:
+    """``eval.py`` on a conversion checkpoint: the classification evaluation of the student."""
+    return classification.evaluate(cfg)
