@@ -50,7 +50,6 @@ from ..layers.ttt import NonFiniteError
 from .checkpoint import (
     apply_model_record,
     classifier_prefixes,
-    load_checkpoint,
     load_model_weights,
     make_model_record,
     model_record,
@@ -63,7 +62,6 @@ from .common import (
     amp_dtype,
     autocast,
     check_resume,
-    check_resume_task,
     claim_output,
     in_process_group,
     log,
@@ -71,12 +69,11 @@ from .common import (
     open_output,
     optimizer_step,
     restore_rng,
-    resume_path,
     run_epochs,
     run_summary,
     save_state,
-    seed_process,
     set_threads,
+    start_run,
     wrap_ddp,
 )
 from .config import Config, ConfigError, check_config, run_metadata, to_plain
@@ -395,13 +392,7 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
 def _setup(cfg: Config, info: DistInfo) -> _Run:
     """The run of ``cfg`` (resumed from ``train.resume`` when set), its config saved in the output folder."""
     check_config(cfg, "train")  # the config may have been changed in code since it was loaded
-    set_threads(cfg)
-    seed_process(cfg, info)
-    out = Path(cfg.output)
-    resume = resume_path(cfg, out)
-    ckpt = load_checkpoint(resume) if resume else None
-    if ckpt is not None:
-        check_resume_task(ckpt, "classification", resume)
+    resume, ckpt = start_run(cfg, info, "classification")
     folder = claim_output(cfg, resume, ckpt)
     # A resumed run takes its weights from the checkpoint, never from model.pretrained.
     pretrained = "" if ckpt else str(cfg.model.pretrained or "")

@@ -238,6 +238,22 @@ class TrainRun:
         self.scaler.load_state_dict(ckpt["scaler"])
 
 
+def start_run(cfg: Config, info: DistInfo, task: str) -> tuple[str, dict[str, Any] | None]:
+    """The opening every task's run shares: this process's threads and seeds, and the checkpoint a resume
+    reads (``train.resume``; :func:`resume_path`), checked to be one of ``task``.
+
+    Returns:
+        The checkpoint's path ("" for a fresh run) and its contents (None for a fresh run).
+    """
+    set_threads(cfg)
+    seed_process(cfg, info)
+    resume = resume_path(cfg, Path(cfg.output))
+    ckpt = load_checkpoint(resume) if resume else None
+    if ckpt is not None:
+        check_resume_task(ckpt, task, resume)
+    return resume, ckpt
+
+
 def resume_path(cfg: Config, out: Path) -> str:
     """The checkpoint ``train.resume`` names (``auto``: ``<output>/last.pt`` if it exists), or ""."""
     resume = cfg.train.resume or ""

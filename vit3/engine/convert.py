@@ -61,16 +61,14 @@ from .checkpoint import (
 )
 from .common import (
     autocast,
-    check_resume_task,
     claim_output,
     in_process_group,
     log,
     resume_path,
-    seed_process,
-    set_threads,
+    start_run,
     wrap_ddp,
 )
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, check_config, load_config
 from .distributed import DistInfo, sum_tensor
 
 __all__ = ["CONVERT_KEYS", "TRANSFER", "check_convert_cfg", "evaluate", "stage_of", "train"]
@@ -389,14 +387,8 @@ class _ConvertRun(classification._Run):
 def _setup(cfg: Config, info: DistInfo) -> _ConvertRun:
     """The conversion run of ``cfg`` (resumed from ``train.resume`` when set)."""
     check_convert_cfg(cfg)
-    classification._check_train_cfg(cfg)
-    set_threads(cfg)
-    seed_process(cfg, info)
-    out = Path(cfg.output)
-    resume = resume_path(cfg, out)
-    ckpt = load_checkpoint(resume) if resume else None
-    if ckpt is not None:
-        check_resume_task(ckpt, "convert", resume)
+    check_config(cfg, "train")  # the config may have been changed in code since it was loaded
+    resume, ckpt = start_run(cfg, info, "convert")
     folder = claim_output(cfg, resume, ckpt)
     teacher, record, data, num_classes = _teacher_and_data(cfg)
     _student_spec(cfg, record)

@@ -59,17 +59,14 @@ from .common import (
     amp_dtype,
     autocast,
     check_resume,
-    check_resume_task,
     claim_output,
     in_process_group,
     log,
     open_output,
     optimizer_step,
     restore_rng,
-    resume_path,
     save_state,
-    seed_process,
-    set_threads,
+    start_run,
     wrap_ddp,
 )
 from .config import Config, ConfigError, check_config, run_metadata
@@ -335,17 +332,13 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
     check_config(cfg, "train")  # the config may have been changed in code since it was loaded
     device = info.device
     amp = amp_dtype(cfg.train.amp, device)
-    set_threads(cfg)
-    seed_process(cfg, info)
     if cfg.task == "segmentation" and cfg.data.batch_size < 2:
         raise ConfigError(
             "segmentation needs data.batch_size >= 2 per process (BatchNorm in the decode heads)"
         )
+    resume, ckpt = start_run(cfg, info, cfg.task)
     out = Path(cfg.output)
-    resume = resume_path(cfg, out)
-    ckpt = load_checkpoint(resume) if resume else None
     if ckpt is not None:
-        check_resume_task(ckpt, cfg.task, resume)
         for change in check_resume(cfg, ckpt, info.world, resume):
             log(info, f"warning: train.force_resume=true: {change}")
     folder = claim_output(cfg, resume, ckpt)

@@ -43,14 +43,13 @@ from ..data import build_datasets, build_train_loader
 from ..data.generation import build_generation_transform, to_uint8
 from ..models.dit3 import DiT3, create_dit3
 from ..tasks.diffusion import GaussianDiffusion, LatentAutoencoder
-from .checkpoint import load_checkpoint, load_model_weights, peek_vit3_checkpoint
+from .checkpoint import load_model_weights, peek_vit3_checkpoint
 from .common import (
     Progress,
     TrainRun,
     amp_dtype,
     autocast,
     check_resume,
-    check_resume_task,
     claim_output,
     in_process_group,
     log,
@@ -58,12 +57,11 @@ from .common import (
     open_output,
     optimizer_step,
     restore_rng,
-    resume_path,
     run_epochs,
     run_summary,
     save_state,
-    seed_process,
     set_threads,
+    start_run,
     wrap_ddp,
 )
 from .config import Config, ConfigError, check_config, run_metadata, to_plain
@@ -204,13 +202,9 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> None:
 def _setup(cfg: Config, info: DistInfo) -> _Run:
     """The run of ``cfg`` (resumed from ``train.resume`` when set), its config saved in the output folder."""
     _check_cfg(cfg, "train", sampling=bool(cfg.train.final_eval))
-    set_threads(cfg)
-    seed_process(cfg, info)
+    resume, ckpt = start_run(cfg, info, "generation")
     out = Path(cfg.output)
-    resume = resume_path(cfg, out)
-    ckpt = load_checkpoint(resume) if resume else None
     if ckpt is not None:
-        check_resume_task(ckpt, "generation", resume)
         for change in check_resume(cfg, ckpt, info.world, resume):
             log(info, f"warning: train.force_resume=true: {change}")
     folder = claim_output(cfg, resume, ckpt)
