@@ -25,13 +25,11 @@ def test_every_engine_refuses_an_unknown_amp_mode_naming_the_key(task, tmp_path)
     config = {"classification": "demo_mnist.yaml", "detection": "dense/demo_detection.yaml"}.get(
         task, "generation/demo_mnist.yaml"
     )
+    from vit3.engine import run
     from vit3.engine.config import CONFIG_DIR
 
-    cfg = load_config(CONFIG_DIR / config, [f"output={tmp_path}", "train.amp=fp8", "device=cpu"])
-    from vit3.engine import run
-
     with pytest.raises(ConfigError, match=r"train\.amp must be one of auto, none, bf16, fp16, got 'fp8'"):
-        run(cfg, "train")
+        run(load_config(CONFIG_DIR / config, [f"output={tmp_path}", "train.amp=fp8", "device=cpu"]), "train")
 
 
 def test_resume_from_another_task_is_refused():

@@ -178,7 +178,7 @@ def test_eval_default_folder_names_the_settings(trained):
     [
         (["sample.classes=[1, 7]"], r"sample.classes must be class indices in \[0, 3\]"),
         (["--sampler", "euler"], r"invalid choice: 'euler'"),
-        (["vae.path=/nowhere/vae"], r"VAE path '/nowhere/vae' does not exist"),
+        (["vae.path=/nowhere/vae"], r"vae.path must be an existing folder .*, got '/nowhere/vae': not found"),
         (["data.channels=3"], r"trained on 1-channel inputs; this config gives 3"),
     ],
     ids=["classes-out-of-range", "unknown-sampler", "missing-vae", "wrong-channels"],
@@ -219,7 +219,7 @@ def test_contradicting_latent_channels_and_missing_vae_are_named(digits, tmp_pat
     ):
         run(tiny_gen_cfg(digits, tmp_path, "model.kwargs.in_channels=4"), "train")
     with pytest.raises(
-        FileNotFoundError, match=r"VAE path '.*missing' does not exist.*nothing is downloaded"
+        ConfigError, match=r"vae.path must be an existing folder .*nothing is downloaded.*missing': not found"
     ):
         run(tiny_gen_cfg(digits, tmp_path, f"vae.path={tmp_path / 'missing'}"), "train")
 

@@ -260,3 +260,22 @@ def test_conv_pos_enc_builds_its_autograd_node_only_where_a_gradient_is_wanted(m
     (dbias,) = torch.autograd.grad(cpe(x).sum(), cpe.bias)
     assert node["n"] == 1
     torch.testing.assert_close(dbias, torch.full_like(dbias, x[..., 0].numel()), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["eager", "generic", "cpu"])
+def test_the_depthwise_steps_of_a_block_follow_its_ttt_config_backend(monkeypatch, backend):
+    """TTTConfig.backend wins over $VIT3_TTT_BACKEND for the whole block, as for its mixer: the CPE in front of a
+    ViT³ / DiT³ block and the depthwise step of an H-ViT³ ConvFFN take the C++ kernel under cpu (and auto) only."""
+    from vit3.layers import blocks
+    from vit3.models.dit3 import DiT3Block
+
+    monkeypatch.setenv("VIT3_TTT_BACKEND", "auto")
+    plain = count_calls(monkeypatch, blocks, "_conv_pos_kernel")
+    cfg = {"backend": backend}
+    block = blocks.TTTBlock(16, 2, ttt_cfg=cfg, mlp_layer=blocks.ConvFFN).double().eval()
+    steps = [block.cpe, block.mlp.dwc, DiT3Block(16, 2, ttt_cfg=cfg).cpe.double()]
+    with torch.no_grad():
+        for step in steps:
+            step(torch.randn(1, 4, 4, step.in_channels, dtype=torch.float64))
+    assert [step.backend for step in steps] == [backend] * 3
+    assert plain["n"] == (3 if backend == "cpu" else 0)

@@ -23,7 +23,7 @@ from helpers.train import (
     tiny_cfg,
 )
 
-from vit3.engine import run
+from vit3.engine import ConfigError, run
 from vit3.engine.checkpoint import CheckpointMismatchError
 from vit3.engine.classification import build_model
 
@@ -163,7 +163,9 @@ def test_finetune_from_another_model_names_the_mismatched_keys(trained, tmp_path
 
 
 def test_missing_data_dir_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    with pytest.raises(
+        ConfigError, match=r"data.path .*must be an existing folder, got '.*nowhere': not found"
+    ):
         run(tiny_cfg(tmp_path / "nowhere", tmp_path / "out"), "train")
 
 

@@ -2,8 +2,9 @@
 per class as well as an ImageNet-sized one (``configs/finetune.yaml``).
 
 * ``data.fit_batch`` = n > 0: an epoch is to have at least n batches per process. A training set too small for
-  that at ``data.batch_size`` gets the batch ``images per process // n`` instead (at least 1; with Mixup/CutMix,
-  which pair a batch's images, rounded down to an even number, at least 2); a large one keeps
+  that at ``data.batch_size`` gets the batch ``images per process // n`` instead (at least 2, since BatchNorm, as
+  in H-ViT³'s head, cannot train on one image; with Mixup/CutMix, which pair a batch's images, rounded down to
+  an even number); a large one keeps
   ``data.batch_size``. 0: the batch is used as given (a batch above the training images per process is an
   error).
 * ``train.min_steps`` = s > 0: the run is to take at least s optimizer steps. When ``train.epochs`` give fewer,
@@ -55,7 +56,7 @@ def fit_batch_size(cfg: Config, images_per_process: int, even: bool) -> str | No
     batch = int(cfg.data.batch_size)
     if want == 0 or batch * want <= images_per_process:
         return None
-    fitted = max(images_per_process // want, 1)
+    fitted = max(images_per_process // want, min(2, images_per_process))
     if even:
         fitted = max(fitted - fitted % 2, 2)
     if fitted >= batch:

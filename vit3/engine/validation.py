@@ -713,7 +713,11 @@ CONSTRAINTS: dict[str, Constraint | tuple[Constraint, ...]] = {
     "eval.throughput_batches": AT_LEAST_ONE,
     "eval.json": Check(what="a .json file this run can write", test=_report, when=_ON_EVAL),
     # generation
-    "vae.path": Check(what=_input("folder"), test=_existing("folder"), when=_ON_RUN),
+    "vae.path": Check(
+        what=_input("folder") + " holding a diffusers AutoencoderKL (nothing is downloaded)",
+        test=_existing("folder"),
+        when=_ON_RUN,
+    ),
     "vae.scaling_factor": Range(0, lo_open=True, null="the VAE config's"),
     "diffusion.num_timesteps": Range(2),
     "diffusion.beta_schedule": Check(
@@ -746,6 +750,7 @@ CONSTRAINTS: dict[str, Constraint | tuple[Constraint, ...]] = {
         what=_input("file", ("auto",)), test=_existing("file", ("auto",)), when=_ON_RUN, only_if=_metrics_read
     ),
     "metrics.batch_size": AT_LEAST_ONE,
+    "metrics.floor_draws": AT_LEAST_ONE,
     # detection / segmentation
     "dense.arch": Choice(_dense_archs),
     "dense.num_classes": Range(1, null="from the data"),

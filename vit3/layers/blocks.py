@@ -57,14 +57,17 @@ class ConvPosEnc(nn.Conv2d):
     Args:
         dim: channels C.
         kernel_size: odd kernel size (zero padding keeps the map size).
+        backend: the backend asked for (the block's ``TTTConfig.backend``; ``auto`` reads
+            ``$VIT3_TTT_BACKEND``): the C++ kernel serves under ``auto`` and ``cpu`` only.
     """
 
-    def __init__(self, dim: int, kernel_size: int = 3) -> None:
+    def __init__(self, dim: int, kernel_size: int = 3, backend: str = "auto") -> None:
         super().__init__(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
+        self.backend = backend
 
     def on_kernel(self, x: Tensor) -> bool:
         """Whether a call on ``x`` takes the C++ kernel's depthwise op (3x3, and the backend registry's rule)."""
-        return self.kernel_size == (3, 3) and backends.conv_pos_kernel(x, self.weight)
+        return self.kernel_size == (3, 3) and backends.conv_pos_kernel(x, self.weight, self.backend)
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``."""
@@ -184,6 +187,7 @@ class ConvFFN(nn.Module):
         hidden_features: hidden width.
         act_layer: activation (GELU).
         drop: dropout after the activation and after ``fc2``.
+        backend: the block's ``TTTConfig.backend``, which the depthwise step follows (:class:`ConvPosEnc`).
     """
 
     def __init__(
@@ -192,6 +196,7 @@ class ConvFFN(nn.Module):
         hidden_features: int | None = None,
         act_layer: LayerType = nn.GELU,
         drop: float = 0.0,
+        backend: str = "auto",
         **_: Any,
     ) -> None:
         super().__init__()
@@ -199,7 +204,7 @@ class ConvFFN(nn.Module):
         self.fc1 = nn.Linear(in_features, hidden)
         self.act = act_layer()
         self.drop1 = nn.Dropout(drop)
-        self.dwc = ConvPosEnc(hidden)
+        self.dwc = ConvPosEnc(hidden, backend=backend)
         self.fc2 = nn.Linear(hidden, in_features)
         self.drop2 = nn.Dropout(drop)
 
@@ -364,20 +369,22 @@ class TTTBlock(nn.Module):
         act_layer: LayerType = nn.GELU,
     ) -> None:
         super().__init__()
-        self.cpe = ConvPosEnc(dim)
+        ttt_cfg = TTTConfig.create(ttt_cfg)
+        self.cpe = ConvPosEnc(dim, backend=ttt_cfg.backend)  # the block's backend, as its mixer's
         self.norm1 = norm_layer(dim)
         # The model validates its image once (check_image); per-block finiteness checks would re-read every
         # activation on the hot path.
         self.attn = TTTMixer(dim, num_heads, ttt_cfg, check_finite=False)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim)
-        lean = (
-            {"recompute": self.attn.cfg.recompute}
-            if isinstance(mlp_layer, type) and issubclass(mlp_layer, LeanMlp)
-            else {}
+        # what the block's config says to the feed-forwards that read it
+        follows = {LeanMlp: {"recompute": ttt_cfg.recompute}, ConvFFN: {"backend": ttt_cfg.backend}}
+        own = next(
+            (kw for cls, kw in follows.items() if isinstance(mlp_layer, type) and issubclass(mlp_layer, cls)),
+            {},
         )
         self.mlp = mlp_layer(
-            in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **lean
+            in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **own
         )
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 

@@ -219,7 +219,8 @@ class DiT3Block(nn.Module):
     ) -> None:
         super().__init__()
         self.mixer = mixer
-        self.cpe = ConvPosEnc(hidden_size)
+        ttt_cfg = TTTConfig.create(ttt_cfg)
+        self.cpe = ConvPosEnc(hidden_size, backend=ttt_cfg.backend)  # the block's backend, as its mixer's
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         if mixer == "ttt":
             # The model validates its input once; per-block finiteness checks would re-read every activation.

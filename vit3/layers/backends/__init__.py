@@ -461,12 +461,14 @@ def order(device_type: str) -> list[str]:
     return [name for _, name in sorted(ranked, key=lambda r: -r[0])]
 
 
-def conv_pos_kernel(x: Tensor, weight: Tensor) -> bool:
+def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
     """Whether a ``ConvPosEnc`` (CPE, ``x + dwconv3x3(x)``, outside the mixer) runs on the C++ kernel's
     depthwise op instead of oneDNN (measured one thread, 192 channels: forward 27 µs vs 138 µs at 14x14,
     0.44 ms vs 7.4 ms at 56x56, where oneDNN also needs an NCHW copy): CPU float32/float64 tensors of one
-    dtype, no autocast, not tracing (FX, jit, ONNX, compile), a 3x3 kernel, ``$VIT3_TTT_BACKEND`` ``auto`` or ``cpu``, and the kernel
-    built (else the oneDNN convolution serves, as a failed build warns through the mixer's backends)."""
+    dtype, no autocast, not tracing (FX, jit, ONNX, compile), a 3x3 kernel, the backend asked for ``auto`` or
+    ``cpu`` (``backend``, the block's ``TTTConfig.backend``, which wins over ``$VIT3_TTT_BACKEND`` as for the
+    mixer), and the kernel built (else the oneDNN convolution serves, as a failed build warns through the
+    mixer's backends)."""
     if (
         not isinstance(x, Tensor)  # an FX proxy: traced code takes the plain convolution
         or x.device.type != "cpu"
@@ -477,7 +479,7 @@ def conv_pos_kernel(x: Tensor, weight: Tensor) -> bool:
         or tracing_kind()
     ):
         return False
-    if _requested("auto")[0] not in ("auto", "cpu"):
+    if _requested(backend)[0] not in ("auto", "cpu"):
         return False
     try:
         from vit3.kernels.swiglu.cpp import load
