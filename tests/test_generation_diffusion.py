@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DDPMScheduler
-from helpers.common import LOCAL_FIXTURES, default_dtype, load_fixture
+from helpers.common import LOCAL_FIXTURES, default_dtype, load_fixture, load_tree
 from torch import nn
 
 from vit3.models.dit3 import convert_official_dit3, create_dit3
@@ -254,7 +254,7 @@ def test_a_step_at_a_timestep_that_is_not_kept_is_refused(diffusion):
 @pytest.fixture(scope="module")
 def official():
     """The official DiTTT sampler's numbers (tests/fixtures/make_official_sampling.py) and its model."""
-    fx = torch.load(LOCAL_FIXTURES / "official_dittt_sampling.pt", weights_only=True)
+    fx = load_tree(LOCAL_FIXTURES / "official_dittt_sampling.npz")
     weights = load_fixture(fx["model_fixture"])
     with default_dtype(torch.float64):
         model = create_dit3("dit3_s_2", **weights["config"])

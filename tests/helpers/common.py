@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,6 +28,37 @@ def load_fixture(name: str) -> dict:
     if not path.exists():
         pytest.skip(f"official fixture {path} not found (../shared is not laid out beside the repo)")
     return torch.load(path, weights_only=True)
+
+
+def save_tree(tree: object, path: Path) -> None:
+    """Writes nested dicts of tensors and plain values (numbers, strings, None; keys of any JSON type) as one
+    ``.npz``: the arrays, and the tree as JSON naming them. Plain data, no pickle: what the repository keeps
+    of a generated fixture (:func:`load_tree` reads it)."""
+    arrays: dict[str, np.ndarray] = {}
+
+    def index(x: object) -> dict:
+        if isinstance(x, dict):
+            return {"dict": [[k, index(v)] for k, v in x.items()]}
+        if isinstance(x, torch.Tensor):
+            arrays[name := f"a{len(arrays)}"] = x.numpy()
+            return {"array": name}
+        return {"value": x}
+
+    np.savez_compressed(path, __index__=np.array(json.dumps(index(tree))), **arrays)
+
+
+def load_tree(path: Path) -> object:
+    """The tree :func:`save_tree` wrote to ``path``, its arrays as tensors."""
+    with np.load(path, allow_pickle=False) as f:
+
+        def build(node: dict) -> object:
+            if "dict" in node:
+                return {k: build(v) for k, v in node["dict"]}
+            if "array" in node:
+                return torch.from_numpy(f[node["array"]])
+            return node["value"]
+
+        return build(json.loads(str(f["__index__"])))
 
 
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
