@@ -177,9 +177,16 @@ def plot_loglog(
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
+    """Lays out ``fig``, writes it to ``path`` (its folder made) and closes it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 

@@ -43,7 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import RESULTS, print_table, time_samples, write_csv  # noqa: E402
+from benchmarks.common import RESULTS, print_table, save_figure, time_samples, write_csv  # noqa: E402
 
 TEACHER_CONFIG = "configs/convert/teacher_mnist.yaml"
 CONVERT_CONFIG = "configs/convert/demo_mnist.yaml"
@@ -273,10 +273,7 @@ def plot(rows: list[dict], curves: dict[str, dict[int, list[dict]]], path: Path)
         )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:

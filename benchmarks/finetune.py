@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, print_table, write_csv
+from benchmarks.common import RESULTS, print_table, save_figure, write_csv
 from vit3.data import build_datasets, build_transform
 from vit3.data.samples import make_photo_folder
 from vit3.engine import load_config
@@ -188,9 +188,7 @@ def _plot(rows: list[dict], summary: list[dict], path: Path) -> None:
         ax.set_ylabel("val top-1 (%), final epoch")
         ax.legend(loc="lower right")
     fig.suptitle("README fine-tune recipe from the MNIST demo vs linear probes (mean ± std over seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

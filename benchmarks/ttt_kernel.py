@@ -54,7 +54,15 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, CsvRows, peak_tensor_memory, print_table, sync, time_interleaved
+from benchmarks.common import (
+    RESULTS,
+    CsvRows,
+    peak_tensor_memory,
+    print_table,
+    save_figure,
+    sync,
+    time_interleaved,
+)
 from benchmarks.official_baseline import official_swiglu_branch
 from vit3.layers import DWConvInner, SwiGLUInner, inner_loop
 
@@ -322,10 +330,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.legend(fontsize=8)
     r0 = rows[0]
     fig.suptitle(f"TTT SwiGLU inner loop: {r0['device']}, {r0['dtype']}, B·H={'/'.join(map(str, bhs))}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
