@@ -207,7 +207,7 @@ explain_all() {
   local rc=0 model
   for model in $EXPLAIN_LIST; do
     echo "--- $model"
-    "$PY" -m vit3.layers.backends "$model" --img-size "$EXPLAIN_SIZE" --batch "$EXPLAIN_BATCH" --device "$DEVICE" \
+    "$PY" -m vit3.scripts.explain "$model" --img-size "$EXPLAIN_SIZE" --batch "$EXPLAIN_BATCH" --device "$DEVICE" \
       --dtype bf16 --train || rc=1
   done
   return $rc

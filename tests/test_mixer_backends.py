@@ -32,7 +32,7 @@ from vit3.kernels import triton_op
 from vit3.kernels.swiglu import cpp as swiglu_cpu
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
-from vit3.layers.backends.__main__ import main as cli_main
+from vit3.scripts.explain import main as cli_main
 
 GRID = (4, 6)  # 24 tokens: below the CPU kernel's 32
 BIG_GRID = (10, 12)  # 120 tokens
@@ -693,7 +693,7 @@ def test_cli_prints_the_explanation(capsys):
 
 def test_cli_runs_as_a_module_and_rejects_bad_arguments():
     proc = subprocess.run(
-        [sys.executable, "-m", "vit3.layers.backends", "test_vit3_ttt", "--img-size", "32", "--json"],
+        [sys.executable, "-m", "vit3.scripts.explain", "test_vit3_ttt", "--img-size", "32", "--json"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -717,3 +717,11 @@ def test_backends_implement_exactly_the_ops_that_declare_their_path():
     assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpp") == ("swiglu", "dwconv")
     assert reg.BACKENDS["eager"].models == kernels.ops_with("eager") == KINDS == ("swiglu", "dwconv")
     assert reg.BACKENDS["generic"].models is None
+
+
+def test_the_backends_a_config_may_name_are_the_registrys():
+    """TTTConfig checks backend names against vit3.layers.config (below the registry, which it must not
+    import): the same names, in the registry's order."""
+    from vit3.layers.config import BACKEND_NAMES
+
+    assert BACKEND_NAMES == ("auto", *reg.BACKENDS)

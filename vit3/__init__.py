@@ -8,7 +8,7 @@ need the ``generation`` extra).
 from typing import Any
 
 from .layers import TTTConfig, TTTMixer
-from .layers.backends import explain
+from .layers.ttt import explain
 from .models import HViT3, ViT3, swap_attention_for_ttt  # registers the timm models
 
 __version__ = "0.1.0"

@@ -8,12 +8,14 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 __all__ = [
+    "BACKEND_NAMES",
     "BIAS_MODELS",
     "GRID_MODELS",
     "INNER_ACTIVATIONS",
     "INNER_LOSSES",
     "INNER_MODELS",
     "INNER_NORMS",
+    "RECOMPUTE_MODES",
     "TTTConfig",
     "parse_branch",
 ]
@@ -26,6 +28,10 @@ INNER_ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
 INNER_NORMS = ("none", "ln")
 MLP_RESIDUALS = ("none", "add", "identity")
 SCALES = ("head_dim", "1/head_dim")
+# The backends a config may name (``vit3.layers.backends.BACKENDS``, in its order, after "auto") and what the
+# fused eager paths' SwiGLU backward does with the per-token pre-activations Z, Y (``TTTConfig.recompute``).
+BACKEND_NAMES = ("auto", "triton", "cpu", "eager", "generic")
+RECOMPUTE_MODES = ("auto", "always", "never", "qkv")
 # The removed ``impl`` key of old configs and checkpoints, read as ``backend``.
 IMPL_TO_BACKEND = {"auto": "auto", "torch": "eager", "triton": "triton"}
 
@@ -137,10 +143,8 @@ class TTTConfig:
             raise ValueError(f"mlp_act must be one of {INNER_ACTIVATIONS}, got {self.mlp_act!r}")
         if self.mlp_residual not in MLP_RESIDUALS:
             raise ValueError(f"mlp_residual must be one of {MLP_RESIDUALS}, got {self.mlp_residual!r}")
-        from .backends import NAMES, RECOMPUTE_MODES  # the registry imports this module
-
-        if self.backend not in NAMES:
-            raise ValueError(f"backend must be one of {NAMES}, got {self.backend!r}")
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if isinstance(self.scale, str) and self.scale not in SCALES:

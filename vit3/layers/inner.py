@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vit3.kernels.common import normalize_grad
 from vit3.kernels.dwconv import eager as dwconv_eager
+
+from .losses import loss_grad, loss_needs_prediction
 
 __all__ = [
     "LN_EPS",
@@ -34,6 +37,7 @@ __all__ = [
     "activation_grad",
     "all_finite",
     "create_inner_model",
+    "inner_loop",
     "layer_norm_backward",
     "layer_norm_forward",
 ]
@@ -611,3 +615,69 @@ def create_inner_model(name: str, heads: int, head_dim: int, cfg: object) -> Inn
     else:
         raise ValueError(f"unknown inner model {name!r}")
     return ResidualNormInner(model) if cfg.branch_norm(name) else model
+
+
+def inner_loop(
+    model: InnerModel,
+    params: Params,
+    k: Tensor,
+    v: Tensor,
+    grid: tuple[int, int],
+    *,
+    loss: str = "dot",
+    scale: float = 9**-0.5,
+    lr: float = 1.0,
+    steps: int = 1,
+    mini_batches: int = 1,
+    grad_norm: bool = True,
+    token_lr: Tensor | None = None,
+) -> Params:
+    """Trains an inner model on ``(k, v)`` and returns its per-sample weights.
+
+    Args:
+        model: the inner model (its closed-form gradients are used).
+        params: initial weights (leading dim 1 or B).
+        k: keys ``[B, G, N, c]``.
+        v: values ``[B, G, N, c]``.
+        grid: ``(h, w)`` with ``h * w == N``.
+        loss: inner loss name.
+        scale: loss scale s; each mini-batch loss is ``(s / n) * sum_n l_n``.
+        lr: inner learning rate η.
+        steps: epochs over the sequence.
+        mini_batches: contiguous chunks per epoch (one step each).
+        grad_norm: apply ``G / (||G|| + 1)`` before the step.
+        token_lr: optional per-token gate ``[B, G, N]`` multiplying each token's gradient (η·σ(x W_η)).
+
+    Returns:
+        The updated weights, each ``[B, ...]`` (or ``[1, ...]`` where nothing depends on the sample).
+    """
+    n_tok = k.shape[-2]
+    if mini_batches > n_tok:
+        raise ValueError(f"mini_batches={mini_batches} is larger than the sequence length N={n_tok}")
+    # Chunk bounds as torch.tensor_split cuts them (the first N % m chunks one longer), in plain integer
+    # arithmetic so that tracing / ONNX export sees no data-dependent values.
+    size, extra = n_tok // mini_batches, n_tok % mini_batches
+    ends = [(i + 1) * size + min(i + 1, extra) for i in range(mini_batches)]
+    bounds = list(zip([0, *ends[:-1]], ends))
+    need_pred = loss_needs_prediction(loss)
+    for _ in range(steps):
+        for start, end in bounds:
+            full = start == 0 and end == n_tok
+            if model.token_wise or full:
+                kc, vc = (k, v) if full else (k[..., start:end, :], v[..., start:end, :])
+            else:
+                kc, vc = k, v  # grid models see the whole grid; the error is masked to the chunk below
+            v_hat, cache = model.forward_train(params, kc, grid, need_pred)
+            e = loss_grad(loss, v_hat, vc) * (scale / (end - start))
+            if token_lr is not None:
+                gate = token_lr if (full or not model.token_wise) else token_lr[..., start:end]
+                e = e * gate.unsqueeze(-1)
+            if not (model.token_wise or full):
+                mask = torch.zeros(n_tok, 1, dtype=e.dtype, device=e.device)
+                mask[start:end] = 1.0
+                e = e * mask
+            grads = model.grads(params, kc, e, cache, grid)
+            if grad_norm:
+                grads = {name: normalize_grad(g, model.norm_dims(name)) for name, g in grads.items()}
+            params = {name: params[name] - lr * grads[name] for name in params}
+    return params

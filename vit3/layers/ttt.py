@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,10 +20,10 @@ from torch.autograd.function import once_differentiable
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, normalize_grad
 
 from . import backends
+from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig
 from .eager_mix import MixBranch, MixPlan, eager_mix
-from .inner import InnerModel, Params, all_finite, create_inner_model, tracing
-from .losses import loss_grad, loss_needs_prediction
+from .inner import Params, all_finite, create_inner_model, inner_loop, tracing
 from .rope import apply_rope_2d, rope_tables
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "NonFiniteError",
     "TTTMixer",
     "convert_official_mixer_key",
+    "explain",
     "inner_loop",
     "normalize_grad",
 ]
@@ -39,72 +41,6 @@ CHECK_FINITE_ENV = "VIT3_CHECK_FINITE"
 
 class NonFiniteError(ValueError):
     """The mixer met non-finite tokens: bad input, or (inside a finite-image training step) a diverged model."""
-
-
-def inner_loop(
-    model: InnerModel,
-    params: Params,
-    k: Tensor,
-    v: Tensor,
-    grid: tuple[int, int],
-    *,
-    loss: str = "dot",
-    scale: float = 9**-0.5,
-    lr: float = 1.0,
-    steps: int = 1,
-    mini_batches: int = 1,
-    grad_norm: bool = True,
-    token_lr: Tensor | None = None,
-) -> Params:
-    """Trains an inner model on ``(k, v)`` and returns its per-sample weights.
-
-    Args:
-        model: the inner model (its closed-form gradients are used).
-        params: initial weights (leading dim 1 or B).
-        k: keys ``[B, G, N, c]``.
-        v: values ``[B, G, N, c]``.
-        grid: ``(h, w)`` with ``h * w == N``.
-        loss: inner loss name.
-        scale: loss scale s; each mini-batch loss is ``(s / n) * sum_n l_n``.
-        lr: inner learning rate η.
-        steps: epochs over the sequence.
-        mini_batches: contiguous chunks per epoch (one step each).
-        grad_norm: apply ``G / (||G|| + 1)`` before the step.
-        token_lr: optional per-token gate ``[B, G, N]`` multiplying each token's gradient (η·σ(x W_η)).
-
-    Returns:
-        The updated weights, each ``[B, ...]`` (or ``[1, ...]`` where nothing depends on the sample).
-    """
-    n_tok = k.shape[-2]
-    if mini_batches > n_tok:
-        raise ValueError(f"mini_batches={mini_batches} is larger than the sequence length N={n_tok}")
-    # Chunk bounds as torch.tensor_split cuts them (the first N % m chunks one longer), in plain integer
-    # arithmetic so that tracing / ONNX export sees no data-dependent values.
-    size, extra = n_tok // mini_batches, n_tok % mini_batches
-    ends = [(i + 1) * size + min(i + 1, extra) for i in range(mini_batches)]
-    bounds = list(zip([0, *ends[:-1]], ends))
-    need_pred = loss_needs_prediction(loss)
-    for _ in range(steps):
-        for start, end in bounds:
-            full = start == 0 and end == n_tok
-            if model.token_wise or full:
-                kc, vc = (k, v) if full else (k[..., start:end, :], v[..., start:end, :])
-            else:
-                kc, vc = k, v  # grid models see the whole grid; the error is masked to the chunk below
-            v_hat, cache = model.forward_train(params, kc, grid, need_pred)
-            e = loss_grad(loss, v_hat, vc) * (scale / (end - start))
-            if token_lr is not None:
-                gate = token_lr if (full or not model.token_wise) else token_lr[..., start:end]
-                e = e * gate.unsqueeze(-1)
-            if not (model.token_wise or full):
-                mask = torch.zeros(n_tok, 1, dtype=e.dtype, device=e.device)
-                mask[start:end] = 1.0
-                e = e * mask
-            grads = model.grads(params, kc, e, cache, grid)
-            if grad_norm:
-                grads = {name: normalize_grad(g, model.norm_dims(name)) for name, g in grads.items()}
-            params = {name: params[name] - lr * grads[name] for name in params}
-    return params
 
 
 class TTTMixer(nn.Module):
@@ -405,3 +341,46 @@ def convert_official_mixer_key(key: str) -> str:
     if leaf in OFFICIAL_MIXER_KEYS:
         return f"{prefix}.{OFFICIAL_MIXER_KEYS[leaf]}" if prefix else OFFICIAL_MIXER_KEYS[leaf]
     return key
+
+
+def explain(
+    model: nn.Module, inputs: Tensor | int | tuple[int, ...], *, grad: bool = False, batch: int = 1
+) -> ModelExplanation:
+    """The backend of every branch of every TTT mixer of ``model`` for one input, and why.
+
+    Runs one forward (without gradients) with hooks that capture each mixer's input and grid; mixers with
+    the same plan are listed together.
+
+    Args:
+        model: any module holding ``TTTMixer`` s (vit3 models, ``swap_attention_for_ttt`` results).
+        inputs: an input batch, or an image size (``224``, ``(h, w)``) for random images of ``batch`` samples
+            on the model's device and dtype.
+        grad: explain the training plan (gradients flowing) instead of the inference one.
+        batch: samples of the random batch.
+    """
+    if not isinstance(inputs, Tensor):
+        h, w = (inputs, inputs) if isinstance(inputs, int) else inputs[-2:]
+        ref = next(model.parameters())
+        inputs = torch.randn(batch, getattr(model, "in_chans", 3), h, w, device=ref.device, dtype=ref.dtype)
+    found: dict[MixerExplanation, list[str]] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def capture(module: TTTMixer, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs["x"]
+            grid = args[1] if len(args) > 1 else kwargs["grid"]
+            found.setdefault(module.explain(x, grid, grad=grad), []).append(name)
+
+        return capture
+
+    handles = [
+        m.register_forward_pre_hook(hook(name), with_kwargs=True)
+        for name, m in model.named_modules()
+        if isinstance(m, TTTMixer)
+    ]
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ModelExplanation(tuple((tuple(names), expl) for expl, names in found.items()))

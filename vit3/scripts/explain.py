@@ -1,5 +1,5 @@
-"""``python -m vit3.layers.backends <timm model> --img-size 224``: which backend runs every TTT mixer branch of
-a model, and why each other one was passed over (``vit3.layers.backends.explain``).
+"""``vit3-explain <timm model> --img-size 224`` (or ``python -m vit3.scripts.explain``): which backend runs every
+TTT mixer branch of a model, and why each other one was passed over (``vit3.explain``).
 
 Honours ``$VIT3_TTT_BACKEND`` and the model's ``TTTConfig.backend``; ``--dtype bf16``/``fp16`` run the forward
 under autocast (the mixers then read 16-bit q, k, v), ``fp32``/``fp64`` cast the model.
@@ -17,16 +17,14 @@ import timm
 import torch
 
 import vit3  # registers the vit3 models in timm
-
-from . import BACKEND_ENV, STRICT_ENV, explain
+from vit3.layers.backends import BACKEND_ENV, STRICT_ENV
+from vit3.layers.ttt import explain
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m vit3.layers.backends", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="vit3-explain", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="timm model name (e.g. vit3_small, h_vit3_tiny)")
     parser.add_argument("--img-size", type=int, default=224, help="input height and width in pixels")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

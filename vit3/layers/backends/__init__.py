@@ -45,7 +45,7 @@ recomputes the whole mixer but its output projection in the backward, saving onl
 same switch makes the ViT³ block recompute its CPE output and its MLP's LayerNorm and GELU outputs
 (``vit3.layers.blocks``) unless it is ``never``.
 
-``TTTMixer.explain``, ``explain(model, input)`` and ``python -m vit3.layers.backends <model>`` report the
+``TTTMixer.explain``, ``vit3.explain(model, input)`` and ``vit3-explain <model>`` report the
 backend of every branch and why each other one was passed over, and what the backward recomputes.
 """
 
@@ -57,7 +57,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -66,11 +66,9 @@ from vit3.kernels import ops_with
 from vit3.kernels.common import grad_flows
 from vit3.kernels.swiglu.eager import swiglu_ttt
 
+from ..config import BACKEND_NAMES, RECOMPUTE_MODES
 from ..eager_mix import KINDS, MixBranch, MixPlan, eager_mix
-
-if TYPE_CHECKING:
-    from ..inner import InnerModel
-    from ..ttt import TTTMixer
+from ..inner import InnerModel, inner_loop
 
 __all__ = [
     "BACKENDS",
@@ -91,7 +89,6 @@ __all__ = [
     "Plan",
     "VerificationError",
     "conv_pos_kernel",
-    "explain",
     "explain_mixer",
     "plan",
     "recompute_choice",
@@ -102,8 +99,6 @@ __all__ = [
 BACKEND_ENV = "VIT3_TTT_BACKEND"
 STRICT_ENV = "VIT3_TTT_STRICT"
 RECOMPUTE_ENV = "VIT3_TTT_RECOMPUTE"
-# What the SwiGLU backward of the fused eager paths does with the per-token pre-activations Z, Y.
-RECOMPUTE_MODES = ("auto", "always", "never", "qkv")
 # The variables VIT3_TTT_BACKEND replaced: setting one warns once, naming its replacement.
 REMOVED_ENV = {
     "VIT3_TTT_IMPL": "VIT3_TTT_BACKEND ('torch' -> 'eager' or 'generic', 'triton' -> 'triton')",
@@ -386,7 +381,6 @@ def _run_eager(cpp: bool) -> Callable[..., Tensor]:
 
 
 def _run_generic(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
-    from ..ttt import inner_loop  # the mixer module imports this one
 
     q, k, v, params = _compute(q, k, v, params)
     c = step.cfg
@@ -450,7 +444,7 @@ BACKENDS: dict[str, Backend] = {
         ),
     )
 }
-NAMES = ("auto", *BACKENDS)
+NAMES = BACKEND_NAMES  # what a config may name (vit3.layers.config): "auto" and these backends
 # Backends that join the all-branches fused eager node.
 _NODE = ("cpu", "eager")
 
@@ -1190,9 +1184,10 @@ class MixerExplanation:
 
 
 def explain_mixer(
-    mixer: TTTMixer, device: torch.device, dtype: torch.dtype, grid: tuple[int, int], grad: bool
+    mixer: nn.Module, device: torch.device, dtype: torch.dtype, grid: tuple[int, int], grad: bool
 ) -> MixerExplanation:
-    """The plan a call of ``mixer`` would take, with reasons (no warnings, nothing cached)."""
+    """The plan a call of ``mixer`` (a ``TTTMixer``: this registry stands below the mixer, which calls it) would
+    take, with reasons (no warnings, nothing cached)."""
     cfg = mixer.cfg
     settings = Settings(cfg.loss, cfg.steps, cfg.mini_batches, cfg.lr_mode)
     n = grid[0] * grid[1]
@@ -1240,48 +1235,3 @@ class ModelExplanation:
 
     def to_dict(self) -> list[dict[str, Any]]:
         return [{"mixers": list(names), **expl.to_dict()} for names, expl in self.groups]
-
-
-def explain(
-    model: nn.Module, inputs: Tensor | int | tuple[int, ...], *, grad: bool = False, batch: int = 1
-) -> ModelExplanation:
-    """The backend of every branch of every TTT mixer of ``model`` for one input, and why.
-
-    Runs one forward (without gradients) with hooks that capture each mixer's input and grid; mixers with
-    the same plan are listed together.
-
-    Args:
-        model: any module holding ``TTTMixer`` s (vit3 models, ``swap_attention_for_ttt`` results).
-        inputs: an input batch, or an image size (``224``, ``(h, w)``) for random images of ``batch`` samples
-            on the model's device and dtype.
-        grad: explain the training plan (gradients flowing) instead of the inference one.
-        batch: samples of the random batch.
-    """
-    from ..ttt import TTTMixer
-
-    if not isinstance(inputs, Tensor):
-        h, w = (inputs, inputs) if isinstance(inputs, int) else inputs[-2:]
-        ref = next(model.parameters())
-        inputs = torch.randn(batch, getattr(model, "in_chans", 3), h, w, device=ref.device, dtype=ref.dtype)
-    found: dict[MixerExplanation, list[str]] = {}
-
-    def hook(name: str) -> Callable[..., None]:
-        def capture(module: TTTMixer, args: tuple, kwargs: dict) -> None:
-            x = args[0] if args else kwargs["x"]
-            grid = args[1] if len(args) > 1 else kwargs["grid"]
-            found.setdefault(module.explain(x, grid, grad=grad), []).append(name)
-
-        return capture
-
-    handles = [
-        m.register_forward_pre_hook(hook(name), with_kwargs=True)
-        for name, m in model.named_modules()
-        if isinstance(m, TTTMixer)
-    ]
-    try:
-        with torch.no_grad():
-            model(inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return ModelExplanation(tuple((tuple(names), expl) for expl, names in found.items()))
