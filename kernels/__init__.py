@@ -1,14 +1,19 @@
-"""The TTT inner-loop ops of ViT³ (installed as ``vit3.kernels``), one folder per op.
+"""The TTT inner-loop ops of ViT³ (installed as ``vit3.kernels``), one folder per op, and the table of them.
 
 Each op — ``swiglu`` (the official inner model), ``linear`` (non-causal linear attention), ``dwconv`` (the
 official 3x3 depthwise-conv branch) — has one pure-PyTorch ``reference`` (the definition every fast path is
-tested against) and beside it its fast paths: ``swiglu.eager`` (tiled PyTorch, hand-written backward),
-``swiglu.cpp`` (the C++ CPU kernel of its passes, and the 3x3 depthwise op on token rows that the
-``dwconv`` op's C++ path and ``ConvPosEnc`` use), ``dwconv.eager`` (the closed form in native convolution
-calls). The Triton kernels of all three are shared: ``triton_op`` (custom ops, autograd, launch set-up) over
-``triton_kernels``. ``common`` holds what all ops share (the gradient normalisation, the step, the reference
-step). Each op declares its fast paths (``<op>.PATHS``); the mixer's backend registry
-(``vit3.layers.backends``) builds its backends' inner-model lists from them and decides which path runs.
+tested against) and beside it its fast paths: ``swiglu.eager`` (tiled PyTorch, hand-written backward, and the
+glue of its passes in the C++ CPU kernel), ``swiglu.cpp`` (that kernel's build and load),
+``dwconv.eager`` (the closed form in native convolution calls), ``dwconv.cpp`` (the same stages on token rows in
+the C++ kernel). The Triton kernels of all three are shared: ``triton_path`` (the path's checks and run) over
+``triton_op`` (custom ops, autograd, launch set-up) over ``triton_kernels``. ``common`` holds what all ops
+share (the gradient normalisation, the step, the reference step), ``losses`` the inner losses, ``paths`` the
+checks the fused paths share.
+
+Each op's folder builds its :class:`~vit3.kernels.ops.Op` (``<op>.OP``: reference, weight names, paths by
+backend name); the table :data:`OPS` below registers them, one line per op. The mixer's backend registry
+(``vit3.layers.backends``) builds its backends from the paths and decides which one runs
+(``kernels/README.md``: adding an op).
 
 Triton is imported only when a Triton name is used (``vit3.kernels.triton_ttt``, ``fits_device`` ...), so
 the references and the C++ kernel load without it.
@@ -21,16 +26,13 @@ from typing import Any
 from . import dwconv, linear, swiglu
 from .dwconv.reference import dwconv_ttt_ref
 from .linear.reference import linear_ttt_ref
+from .ops import OPS, ops_with, register
 from .swiglu.reference import swiglu_ttt_ref
 
-# The ops, each with its reference and the fast paths it declares (``<op>.PATHS``).
-OPS = {"swiglu": swiglu, "linear": linear, "dwconv": dwconv}
-
-
-def ops_with(path: str) -> tuple[str, ...]:
-    """The ops that declare fast path ``path`` (``"triton"``, ``"cpp"``, ``"eager"``), in ``OPS`` order."""
-    return tuple(name for name, op in OPS.items() if path in op.PATHS)
-
+# The table of ops, one line each (in this order: the backends list them so).
+register(swiglu.OP)
+register(linear.OP)
+register(dwconv.OP)
 
 # Names of ``triton_op`` re-exported here, imported (with Triton) on first use.
 _TRITON_NAMES = (

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .losses import loss_value
+
 __all__ = [
     "autocast_backward",
     "autocast_forward",
@@ -162,14 +164,12 @@ def ttt_reference(
         scale: loss scale s; the loss is ``(s / N) Σ_n l(v_hat_n, v_n)`` per sample.
         lr: inner learning rate.
         grad_norm: apply :func:`normalize_grad` to each gradient.
-        loss: ``"dot"`` (``-<v_hat, v>``) or ``"mse"`` (``0.5 ||v_hat - v||²``), ``vit3.layers.loss_value``.
+        loss: ``"dot"`` (``-<v_hat, v>``) or ``"mse"`` (``0.5 ||v_hat - v||²``), ``vit3.kernels.losses.loss_value``.
         norm_dims: dims of a weight over which the normalisation takes its norm.
 
     Returns:
         ``model(q, *W')`` ``[B, G, N, c]`` in q's dtype (computed in float32 at least).
     """
-    from vit3.layers.losses import loss_value  # vit3.layers imports the kernels: import at call time
-
     out_dtype, ct = q.dtype, torch.promote_types(q.dtype, torch.float32)
     q, k, v = (t.to(ct) for t in (q, k, v))
     outer = grad_flows(q, k, v, *weights)

@@ -1,16 +1,12 @@
-"""The op references by inner-model name: one call for every op that has one (``vit3.kernels.<op>.reference``)."""
+"""The op references by inner-model name: one call for every op in the table (``Op.reference``)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from .dwconv.reference import dwconv_ttt_ref
-from .linear.reference import linear_ttt_ref
-from .swiglu.reference import swiglu_ttt_ref
+from .ops import OPS
 
-__all__ = ["OPS", "reference_ttt"]
-
-OPS = ("swiglu", "linear", "dwconv")
+__all__ = ["reference_ttt"]
 
 
 def reference_ttt(
@@ -29,21 +25,17 @@ def reference_ttt(
     """One full-batch inner step of op ``name`` on ``(k, v)`` applied to q, by its reference.
 
     Args:
-        name: ``"swiglu"`` (weights ``w1, w2``), ``"linear"`` (``w``) or ``"dwconv"`` (``weight``).
+        name: an op of ``vit3.kernels.ops.OPS``: ``"swiglu"`` (weights ``w1, w2``), ``"linear"`` (``w``),
+            ``"dwconv"`` (``weight``).
         q, k, v: ``[B, G, N, c]``.
         params: the initial weights by name.
-        grid: the token grid ``(h, w)`` (read by ``"dwconv"``).
+        grid: the token grid ``(h, w)`` (read by the grid models, ``"dwconv"``).
         scale, lr, grad_norm: the step's settings.
         loss: ``"dot"`` (every op) or ``"mse"`` (``"linear"``).
 
     Returns:
         ``[B, G, N, c]`` in q's dtype.
     """
-    hyper = {"scale": scale, "lr": lr, "grad_norm": grad_norm}
-    if name == "swiglu":
-        return swiglu_ttt_ref(q, k, v, params["w1"], params["w2"], **hyper)
-    if name == "dwconv":
-        return dwconv_ttt_ref(q, k, v, params["weight"], grid, **hyper)
-    if name == "linear":
-        return linear_ttt_ref(q, k, v, params["w"], loss=loss, **hyper)
-    raise ValueError(f"no op reference for the inner model {name!r} (ops: {', '.join(OPS)})")
+    if name not in OPS:
+        raise ValueError(f"no op reference for the inner model {name!r} (ops: {', '.join(OPS)})")
+    return OPS[name].reference(q, k, v, params, grid=grid, scale=scale, lr=lr, grad_norm=grad_norm, loss=loss)

@@ -1,7 +1,23 @@
 """The 3x3 depthwise-conv op (the official ViT³ second branch): ``reference`` (the one definition),
 ``eager`` (the closed form, one native convolution call per stage), ``cpp`` (the same stages on token rows in
-the C++ CPU kernel's depthwise ops) and the Triton kernels
-(``vit3.kernels.triton_op``)."""
+the C++ CPU kernel's depthwise ops) and the Triton kernels (``vit3.kernels.triton_op``). Its eager and C++
+paths run in the fused eager node only (no ``run``: alone, a branch is a one-branch node); RoPE does not apply
+(a grid model sees the positions itself)."""
 
-# The fast paths this op has (what the backend registry, ``vit3.layers.backends``, may run it on).
-PATHS = ("triton", "cpp", "eager")
+from ..ops import Op, Path
+from ..paths import cpu_supports, eager_supports
+from ..triton_path import TRITON
+from . import cpp, eager
+from .reference import op_reference
+
+OP = Op(
+    name="dwconv",
+    reference=op_reference,
+    weights=("weight",),
+    rope=False,
+    paths={
+        "triton": TRITON,
+        "cpu": Path(supports=cpu_supports, node=cpp.NODE),
+        "eager": Path(supports=eager_supports, node=eager.NODE),
+    },
+)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ..ops import Node
 from ..swiglu.cpp import cpu_kernel_ops
 
-__all__ = ["ttt_backward", "ttt_forward", "untaps"]
+__all__ = ["NODE", "ttt_backward", "ttt_forward", "untaps"]
 
 
 def untaps(t: Tensor) -> Tensor:
@@ -69,3 +70,46 @@ def ttt_backward(
     d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
     dw_new = ops.dwconv_ttt_backward(d_out, q, k, v, g, norm, w_new, dq, dk, dv, gh, gw, c, lr, grad_norm)
     return untaps(dw_new)
+
+
+def _node_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    weights: tuple[Tensor, ...],
+    dest: Tensor,
+    *,
+    grid: tuple[int, int],
+    scale: float,
+    lr: float,
+    grad_norm: bool,
+    save: bool,
+    recompute: bool,
+    dense: bool,
+) -> tuple[list[Tensor], str]:
+    c = scale / q.shape[1]
+    saved = ttt_forward(
+        q, k, v, weights[0], dest, grid=grid, c=c, lr=lr, grad_norm=grad_norm, save=save, dense=dense
+    )
+    return saved, "kernel"
+
+
+def _node_backward(
+    d_out: Tensor,
+    saved: tuple[Tensor, ...],
+    tag: str,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    *,
+    grid: tuple[int, int],
+    scale: float,
+    lr: float,
+    grad_norm: bool,
+) -> tuple[Tensor]:
+    c = scale / d_out.shape[1]
+    return (ttt_backward(d_out, saved, dq, dk, dv, grid=grid, c=c, lr=lr, grad_norm=grad_norm),)
+
+
+# The C++ path in the fused eager node: the kernel reads and writes the token rows in place.
+NODE = Node(heads=False, forward=_node_forward, backward=_node_backward)

@@ -5,7 +5,7 @@ batch folded into the groups (``groups = B*C``), on channels-last maps made with
 ``E = -s v / N`` the step is ``G = Σ_p E[p] k[p + δ]`` (a conv weight gradient), ``W' = W - lr G / (||G|| + 1)``
 (norm over each channel's 9 taps), ``out = dwconv(q; W')``; its backward ``dk = dwconv_input_grad(E; dG)``,
 ``dv = -s/N dwconv(k; dG)`` (``ttt_forward`` / ``ttt_backward``; the mixer's eager node
-``vit3.layers.eager_mix`` calls them). The reference they are tested against is
+``vit3.layers.eager_mix`` calls them through this path's ``NODE`` hooks, on token rows). The reference they are tested against is
 ``vit3.kernels.dwconv.reference``.
 """
 
@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import step, step_backward
+from ..ops import Node
 
-__all__ = ["conv", "dwconv_backward", "fold_batch", "to_map", "ttt_backward", "ttt_forward"]
+__all__ = ["NODE", "conv", "dwconv_backward", "fold_batch", "to_map", "ttt_backward", "ttt_forward"]
 
 
 def to_map(x: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -119,3 +120,50 @@ def ttt_backward(
     dg = step_backward(dw_new, g, norm, lr, grad_norm, dims=(-2, -1))
     dkm = dwconv_backward(vm, km, dg, need_weight=False)[0].mul_(-c)
     return dqm, dkm, conv(km, dg).mul_(-c), dw_new
+
+
+def _node_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    weights: tuple[Tensor, ...],
+    dest: Tensor,
+    *,
+    grid: tuple[int, int],
+    scale: float,
+    lr: float,
+    grad_norm: bool,
+    save: bool,
+    recompute: bool,
+    dense: bool,
+) -> tuple[list[Tensor], str]:
+    """:func:`ttt_forward` on tokens ``[B, N, C]`` (any strides): maps in, the read-out written into ``dest``."""
+    maps = (to_map(t.unsqueeze(1), grid) for t in (q, k, v))
+    om, saved = ttt_forward(*maps, weights[0], c=scale / q.shape[1], lr=lr, grad_norm=grad_norm)
+    dest.copy_(om.flatten(2).transpose(1, 2))
+    return list(saved) if save else [], ""
+
+
+def _node_backward(
+    d_out: Tensor,
+    saved: tuple[Tensor, ...],
+    tag: str,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    *,
+    grid: tuple[int, int],
+    scale: float,
+    lr: float,
+    grad_norm: bool,
+) -> tuple[Tensor]:
+    """:func:`ttt_backward` on tokens ``[B, N, C]``: writes dq, dk, dv, returns the weight gradient."""
+    dout = to_map(d_out.unsqueeze(1), grid)
+    *maps, dw = ttt_backward(dout, saved, c=scale / d_out.shape[1], lr=lr, grad_norm=grad_norm)
+    for m, grad in zip(maps, (dq, dk, dv)):
+        grad.copy_(m.flatten(2).transpose(1, 2))
+    return (dw,)
+
+
+# The eager path in the fused eager node: on token rows, one convolution per stage for the whole batch.
+NODE = Node(heads=False, forward=_node_forward, backward=_node_backward)

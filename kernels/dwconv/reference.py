@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..common import ttt_reference
 
-__all__ = ["dwconv", "dwconv_ttt_ref"]
+__all__ = ["dwconv", "dwconv_ttt_ref", "op_reference"]
 
 
 def dwconv(x: Tensor, weight: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -61,3 +61,19 @@ def dwconv_ttt_ref(
     return ttt_reference(
         model, (weight,), q, k, v, scale=scale, lr=lr, grad_norm=grad_norm, norm_dims=(-2, -1)
     )
+
+
+def op_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: dict[str, Tensor],
+    *,
+    grid: tuple[int, int],
+    scale: float,
+    lr: float,
+    grad_norm: bool,
+    loss: str = "dot",
+) -> Tensor:
+    """:func:`dwconv_ttt_ref` as the table of ops calls a reference (``Op.reference``; dot loss)."""
+    return dwconv_ttt_ref(q, k, v, params["weight"], grid, scale=scale, lr=lr, grad_norm=grad_norm)

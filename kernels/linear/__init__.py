@@ -1,5 +1,8 @@
 """The linear op (non-causal linear attention): ``reference``; its fast path is the Triton kernels
-(``vit3.kernels.triton_op``, shared with the SwiGLU op)."""
+(``vit3.kernels.triton_op``, shared with the other ops)."""
 
-# The fast paths this op has (what the backend registry, ``vit3.layers.backends``, may run it on).
-PATHS = ("triton",)
+from ..ops import Op
+from ..triton_path import TRITON
+from .reference import op_reference
+
+OP = Op(name="linear", reference=op_reference, weights=("w",), rope=True, paths={"triton": TRITON})

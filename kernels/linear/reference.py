@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..common import ttt_reference
 
-__all__ = ["linear", "linear_ttt_ref"]
+__all__ = ["linear", "linear_ttt_ref", "op_reference"]
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
@@ -38,3 +38,19 @@ def linear_ttt_ref(
     if loss not in ("dot", "mse"):
         raise ValueError(f"linear_ttt_ref supports the 'dot' and 'mse' losses, got {loss!r}")
     return ttt_reference(linear, (w,), q, k, v, scale=scale, lr=lr, grad_norm=grad_norm, loss=loss)
+
+
+def op_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: dict[str, Tensor],
+    *,
+    grid: tuple[int, int],
+    scale: float,
+    lr: float,
+    grad_norm: bool,
+    loss: str = "dot",
+) -> Tensor:
+    """:func:`linear_ttt_ref` as the table of ops calls a reference (``Op.reference``; token-wise: no grid)."""
+    return linear_ttt_ref(q, k, v, params["w"], scale=scale, lr=lr, grad_norm=grad_norm, loss=loss)

@@ -1,6 +1,22 @@
 """The SwiGLU op (the official ViT³ inner model): ``reference`` (the one definition), ``eager`` (the tiled
-PyTorch path with a hand-written backward) and ``cpp`` (its passes in the C++ CPU kernel, ``csrc/``); the
-Triton kernels are ``vit3.kernels.triton_op`` (shared with the linear op)."""
+PyTorch path with a hand-written backward, and its passes in the C++ CPU kernel), ``cpp`` (that kernel's
+build and load, ``csrc/``) and the Triton kernels (``vit3.kernels.triton_op``, shared with the other ops)."""
 
-# The fast paths this op has (what the backend registry, ``vit3.layers.backends``, may run it on).
-PATHS = ("triton", "cpp", "eager")
+from ..ops import Op, Path
+from ..paths import cpu_supports, eager_supports
+from ..triton_path import TRITON
+from .cpp import prefers_kernel
+from .eager import CPP_NODE, EAGER_NODE, run
+from .reference import op_reference
+
+OP = Op(
+    name="swiglu",
+    reference=op_reference,
+    weights=("w1", "w2"),
+    rope=True,
+    paths={
+        "triton": TRITON,
+        "cpu": Path(supports=cpu_supports, run=run(cpp=True), prefers=prefers_kernel, node=CPP_NODE),
+        "eager": Path(supports=eager_supports, run=run(cpp=False), node=EAGER_NODE),
+    },
+)

@@ -49,7 +49,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LDFLAGS", "SOURCE", "build_target", "cpu_kernel_ops", "load"]
+from ..ops import Branch, Inputs, Settings
+from ..paths import FEW_TOKENS, MIN_CPU_KERNEL_TOKENS
+
+__all__ = ["LDFLAGS", "SOURCE", "build_target", "cpu_kernel_ops", "load", "prefers_kernel"]
 
 SOURCE = Path(__file__).with_name("csrc") / "swiglu_cpu.cpp"
 LDFLAGS = ["-fopenmp"]
@@ -157,3 +160,13 @@ def cpu_kernel_ops(like: Tensor) -> Any:
     if ops is None:
         raise RuntimeError(f"the C++ CPU kernel could not be built ({why})")
     return ops
+
+
+def prefers_kernel(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+    """The C++ path's ``prefers``: auto keeps the tiled path below ``MIN_CPU_KERNEL_TOKENS`` tokens per head."""
+    if x.tokens == FEW_TOKENS:
+        return False, (
+            f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path, which folds every sample's "
+            "problems into one tile, is faster"
+        )
+    return True, ""

@@ -35,6 +35,7 @@ the official formulation keeps about twice as much as the saving variant.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -42,8 +43,19 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..common import autocast_backward, autocast_forward, grad_flows, step, step_backward, weight_grad
+from ..ops import Node, Step
+from ..paths import compute_inputs
 
-__all__ = ["SwiGLUSaved", "dense_inputs", "swiglu_backward", "swiglu_forward", "swiglu_ttt"]
+__all__ = [
+    "CPP_NODE",
+    "EAGER_NODE",
+    "SwiGLUSaved",
+    "dense_inputs",
+    "run",
+    "swiglu_backward",
+    "swiglu_forward",
+    "swiglu_ttt",
+]
 
 # Bytes of one ``[heads, tokens, d]`` tile; a handful of them must fit in a core's share of cache.
 TILE_BYTES = 1 << 20
@@ -488,3 +500,87 @@ def swiglu_ttt(
     """
     save = grad_flows(q, k, v, w1, w2)
     return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm, save, recompute, cpp)
+
+
+def _node(cpp: bool) -> Node:
+    """The fused eager node's hooks of the tiled path (``cpp=False``) or of the C++ kernel's (``cpp=True``)."""
+
+    def forward(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        weights: tuple[Tensor, ...],
+        dest: Tensor,
+        *,
+        grid: tuple[int, int],
+        scale: float,
+        lr: float,
+        grad_norm: bool,
+        save: bool,
+        recompute: bool,
+        dense: bool,
+    ) -> tuple[list[Tensor], str]:
+        saved = swiglu_forward(
+            q,
+            k,
+            v,
+            *weights,
+            dest,
+            scale=scale,
+            lr=lr,
+            grad_norm=grad_norm,
+            save=save,
+            recompute=recompute,
+            cpp=cpp,
+            dense=dense if cpp else None,
+        )
+        return ([], "") if saved is None else (list(saved[:-1]), saved.layout)
+
+    def backward(
+        d_out: Tensor,
+        saved: tuple[Tensor, ...],
+        tag: str,
+        dq: Tensor,
+        dk: Tensor,
+        dv: Tensor,
+        *,
+        grid: tuple[int, int],
+        scale: float,
+        lr: float,
+        grad_norm: bool,
+    ) -> tuple[Tensor, Tensor]:
+        return swiglu_backward(
+            d_out, SwiGLUSaved(*saved, tag), dq, dk, dv, scale=scale, lr=lr, grad_norm=grad_norm
+        )
+
+    # The tiled path always copies q, k, v dense; the kernel reads small problems in place.
+    return Node(
+        heads=True, forward=forward, backward=backward, copies=dense_inputs if cpp else lambda q: True
+    )
+
+
+EAGER_NODE, CPP_NODE = _node(cpp=False), _node(cpp=True)
+
+
+def run(cpp: bool) -> Callable[..., Tensor]:
+    """The ``run`` of the tiled path (``cpp=False``) or the C++ kernel's: one branch through :func:`swiglu_ttt`."""
+
+    def run_branch(
+        step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Tensor | None
+    ) -> Tensor:
+        q, k, v, params = compute_inputs(q, k, v, params)
+        c = step.cfg
+        return swiglu_ttt(
+            q,
+            k,
+            v,
+            params["w1"],
+            params["w2"],
+            scale=step.scale,
+            lr=c.inner_lr,
+            grad_norm=c.grad_norm,
+            recompute=step.recompute,
+            cpp=cpp,
+        )
+
+    return run_branch

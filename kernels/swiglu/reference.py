@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..common import ttt_reference
 
-__all__ = ["swiglu", "swiglu_ttt_ref"]
+__all__ = ["op_reference", "swiglu", "swiglu_ttt_ref"]
 
 
 def swiglu(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
@@ -37,3 +37,19 @@ def swiglu_ttt_ref(
         ``[B, G, N, c]`` in q's dtype (computed in float32 at least).
     """
     return ttt_reference(swiglu, (w1, w2), q, k, v, scale=scale, lr=lr, grad_norm=grad_norm)
+
+
+def op_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: dict[str, Tensor],
+    *,
+    grid: tuple[int, int],
+    scale: float,
+    lr: float,
+    grad_norm: bool,
+    loss: str = "dot",
+) -> Tensor:
+    """:func:`swiglu_ttt_ref` as the table of ops calls a reference (``Op.reference``; dot loss, no grid)."""
+    return swiglu_ttt_ref(q, k, v, params["w1"], params["w2"], scale=scale, lr=lr, grad_norm=grad_norm)

@@ -64,11 +64,12 @@ from torch import Tensor, nn
 
 from vit3.kernels import ops_with
 from vit3.kernels.common import grad_flows
+from vit3.kernels.ops import Branch, Inputs, Settings, Step
 from vit3.kernels.swiglu.eager import swiglu_ttt
 
 from ..config import BACKEND_NAMES, RECOMPUTE_MODES
 from ..eager_mix import KINDS, MixBranch, MixPlan, eager_mix
-from ..inner import InnerModel, inner_loop
+from ..inner import inner_loop
 
 __all__ = [
     "BACKENDS",
@@ -118,48 +119,6 @@ class BackendWarning(UserWarning):
 
 
 # ------------------------------------------------------------------------------------------- what is seen
-
-
-class Branch(NamedTuple):
-    """A mixer branch as a backend sees it."""
-
-    index: int
-    name: str  # inner model
-    heads: int
-    head_dim: int
-    plain: (
-        bool  # the bare inner model: no ``inner_norm`` wrapper, no ``inner_bias`` (all the fused paths take)
-    )
-
-
-class Settings(NamedTuple):
-    """The ``TTTConfig`` fields a backend's ``supports`` may read (all of them are in the plan key)."""
-
-    loss: str
-    steps: int
-    mini_batches: int
-    lr_mode: str
-
-
-class Inputs(NamedTuple):
-    """What a backend's ``supports`` may read of the mixer input x (all of it is in the plan key)."""
-
-    device: torch.device
-    dtype: torch.dtype  # of the qkv projection output, what the backends read
-    tokens: str  # token-count class (``token_class``): "N<32", "N>=32", or "any N" under tracing
-    grad: bool  # gradients flow through the mixer
-    tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
-
-
-class Step(NamedTuple):
-    """What a backend's ``run`` computes: one branch's inner loop and read-out."""
-
-    name: str
-    model: InnerModel
-    grid: tuple[int, int]
-    scale: float
-    cfg: Any  # the mixer's TTTConfig
-    recompute: bool = True  # the plan's memory-lean backward (``Plan.recompute``)
 
 
 _FEW_TOKENS = f"N<{MIN_CPU_KERNEL_TOKENS}"

@@ -1,0 +1,166 @@
+"""The table of ops: every TTT inner-loop op with its reference and its fast paths, behind one small interface.
+
+An op (:class:`Op`) is one inner model whose TTT step has fast paths: its name (the inner model's, as a
+``TTTConfig`` branch names it), its pure-PyTorch reference, the names of its initial weights, whether RoPE
+applies to its q and k, and its paths (:class:`Path`) keyed by the backend that runs them (``"triton"``,
+``"cpu"``, ``"eager"``). Each op's folder (``vit3.kernels.<op>``) builds its ``Op`` from its own files and
+:func:`register` s it in :data:`OPS`; the mixer's backend registry (``vit3.layers.backends``) asks a branch's
+op for the path of each backend, the fused eager node (``vit3.layers.eager_mix``) for its node hooks, and
+``vit3.kernels.reference`` for its reference. ``kernels/README.md`` says how to add one.
+
+The types a path reads (:class:`Branch`, :class:`Settings`, :class:`Inputs`, :class:`Step`) are defined here,
+below the registry that builds them (``vit3.layers.backends`` re-exports them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "OPS",
+    "Branch",
+    "Check",
+    "Inputs",
+    "Node",
+    "Op",
+    "Path",
+    "Settings",
+    "Step",
+    "ops_with",
+    "register",
+]
+
+
+class Branch(NamedTuple):
+    """A mixer branch as a backend sees it."""
+
+    index: int
+    name: str  # inner model
+    heads: int
+    head_dim: int
+    plain: (
+        bool  # the bare inner model: no ``inner_norm`` wrapper, no ``inner_bias`` (all the fused paths take)
+    )
+
+
+class Settings(NamedTuple):
+    """The ``TTTConfig`` fields a backend's ``supports`` may read (all of them are in the plan key)."""
+
+    loss: str
+    steps: int
+    mini_batches: int
+    lr_mode: str
+
+
+class Inputs(NamedTuple):
+    """What a backend's ``supports`` may read of the mixer input x (all of it is in the plan key)."""
+
+    device: torch.device
+    dtype: torch.dtype  # of the qkv projection output, what the backends read
+    tokens: str  # token-count class (``token_class``): "N<32", "N>=32", or "any N" under tracing
+    grad: bool  # gradients flow through the mixer
+    tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
+
+
+class Step(NamedTuple):
+    """What a backend's ``run`` computes: one branch's inner loop and read-out."""
+
+    name: str
+    model: Any  # the branch's ``vit3.layers.inner.InnerModel`` (what the generic path trains)
+    grid: tuple[int, int]
+    scale: float
+    cfg: Any  # the mixer's TTTConfig
+    recompute: bool = True  # the plan's memory-lean backward (``Plan.recompute``)
+
+
+# ``(branch, cfg, x) -> (ok, reason)``: a path's ``supports`` / ``prefers`` / ``fits``.
+Check = Callable[[Branch, Settings, Inputs], tuple[bool, str]]
+# ``(step, q, k, v, params, gate) -> out``: q, k, v ``[B, G, N, c]`` in the io dtype, the initial weights by
+# name, the token lr gate ``[B, G, N]`` or ``None``; returns ``[B, G, N, c]``.
+Run = Callable[[Step, Tensor, Tensor, Tensor, dict[str, Tensor], Tensor | None], Tensor]
+
+
+class Node(NamedTuple):
+    """A path's hooks in the fused eager node (``vit3.layers.eager_mix``), which runs every branch between the
+    mixer's two projections as one autograd node.
+
+    Attributes:
+        heads: the hooks take q, k, v, the destination and the gradients as heads ``[B, G, N, c]`` (else as
+            tokens ``[B, N, G*c]``); views of the node's qkv, output and qkv gradient, any strides.
+        forward: ``(q, k, v, weights, dest, *, grid, scale, lr, grad_norm, save, recompute, dense) ->
+            (saved, tag)``: the step and the read-out written into ``dest``; ``saved`` the tensors the
+            backward needs (empty unless ``save``), ``tag`` a string the backward gets back with them.
+        backward: ``(d_out, saved, tag, dq, dk, dv, *, grid, scale, lr, grad_norm) -> weight grads``: writes
+            dq, dk, dv, returns the per-sample gradient ``[B, ...]`` of each initial weight, in ``Op.weights``
+            order.
+        copies: ``(q) -> bool`` for the heads view q ``[B, G, N, c]``: whether this path copies q, k, v dense
+            (then every branch's saved inputs are dense copies: saved views would keep all of qkv alive
+            beside them); ``None``: never.
+    """
+
+    heads: bool
+    forward: Callable[..., tuple[list[Tensor], str]]
+    backward: Callable[..., tuple[Tensor, ...]]
+    copies: Callable[[Tensor], bool] | None = None
+
+
+@dataclass(frozen=True)
+class Path:
+    """One fast path of an op: what a backend runs for a branch of that op.
+
+    Attributes:
+        supports: whether it can serve the branch, and why not; may read only ``Settings`` / ``Inputs`` fields.
+        run: the branch alone (``Run``); ``None`` for a path with a ``node``: the registry runs it as a
+            one-branch fused eager node.
+        prefers: auto only: where auto passes a serving path over (another is faster there).
+        fits: asked once ``supports`` passed: whether the hardware at hand can run it (a refusal steps aside
+            with a warning).
+        node: its hooks in the fused eager node (``cpu`` / ``eager`` paths: those join it).
+    """
+
+    supports: Check
+    run: Run | None = None
+    prefers: Check | None = None
+    fits: Check | None = None
+    node: Node | None = None
+
+
+@dataclass(frozen=True)
+class Op:
+    """One inner model with fast paths.
+
+    Attributes:
+        name: the inner model (``TTTConfig.branches`` names it).
+        reference: ``(q, k, v, params, *, grid, scale, lr, grad_norm, loss) -> [B, G, N, c]``: one full-batch
+            inner step on ``(k, v)`` read out on q, the definition every path is tested against; q, k, v
+            ``[B, G, N, c]``, ``params`` the initial weights by name.
+        weights: the initial weights' names, in the order the paths take them.
+        rope: RoPE applies to its q and k (a token-wise model; the grid models see positions themselves).
+        paths: its fast paths by backend name (``"triton"``, ``"cpu"``, ``"eager"``).
+    """
+
+    name: str
+    reference: Callable[..., Tensor]
+    weights: tuple[str, ...]
+    rope: bool
+    paths: Mapping[str, Path]
+
+
+# The ops by name, in registration order (``vit3.kernels`` registers swiglu, linear, dwconv).
+OPS: dict[str, Op] = {}
+
+
+def register(op: Op) -> Op:
+    """Adds ``op`` to :data:`OPS` (replacing one of the same name) and returns it."""
+    OPS[op.name] = op
+    return op
+
+
+def ops_with(path: str) -> tuple[str, ...]:
+    """The ops that have fast path ``path`` (``"triton"``, ``"cpu"``, ``"eager"``), in ``OPS`` order."""
+    return tuple(name for name, op in OPS.items() if path in op.paths)

@@ -1,0 +1,84 @@
+"""The Triton path of every op: its ``supports``, ``fits`` and ``run`` (one :class:`~vit3.kernels.ops.Path`).
+
+Built only on the public Triton names of ``vit3.kernels`` (``triton_ttt``, ``TRITON_LOSSES``, ``IO_DTYPES``,
+``triton_runs_on``, ``max_head_dim``, ``MIN_HEAD_DIM``, ``fits_device``), which import Triton on first use:
+the ops' tables and the other paths load without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+from torch import Tensor
+
+from .ops import Branch, Inputs, Path, Settings, Step
+from .paths import bare_why, one_step_why
+
+__all__ = ["TRITON"]
+
+
+@functools.cache
+def _kernels() -> tuple[Any, str]:
+    """``vit3.kernels`` with its Triton names importable, or ``None`` and why Triton cannot be imported.
+
+    Cached: a failing import (no Triton) would otherwise be retried by every mixer call.
+    """
+    kernels = sys.modules[__package__]
+    try:
+        kernels.triton_ttt  # noqa: B018  (the first Triton name imports the Triton op)
+    except Exception as exc:  # Triton missing or broken: the other paths serve
+        return None, f"the Triton kernels cannot be imported ({type(exc).__name__}: {exc})"
+    return kernels, ""
+
+
+def _supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+    kernels, why = _kernels()
+    if kernels is None:
+        return False, why
+    losses = kernels.TRITON_LOSSES[branch.name]
+    if cfg.loss not in losses:
+        return False, f"loss {cfg.loss!r} is not fused for {branch.name!r} (fused: {', '.join(losses)})"
+    if why := bare_why(branch) or one_step_why(cfg):
+        return False, why
+    if x.tracing == "trace":
+        return False, "jit tracing / ONNX export: traceable ops serve"
+    if x.dtype not in kernels.IO_DTYPES:
+        return False, f"{x.dtype} inputs are not fused"
+    if not kernels.triton_runs_on(x.device):
+        if x.device.type == "cpu":
+            return False, "CPU tensors: Triton runs them only under TRITON_INTERPRET=1"
+        return False, f"{x.device.type} tensors: the Triton kernels run on CUDA GPUs"
+    top = kernels.max_head_dim(branch.name)
+    if branch.head_dim > top:
+        return False, f"head dim {branch.head_dim} > {top}: wider tiles exceed on-chip shared memory"
+    if branch.head_dim < kernels.MIN_HEAD_DIM:
+        return False, f"head dim {branch.head_dim} < {kernels.MIN_HEAD_DIM}: below the smallest dot tile"
+    return True, ""
+
+
+def _fits(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+    """Whether this GPU can run the kernels (shared memory, compute capability, ROCm's dot precisions)."""
+    return _kernels()[0].fits_device(branch.name, branch.head_dim, x.dtype, x.device)
+
+
+def _run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
+    c = step.cfg
+    return _kernels()[0].triton_ttt(
+        step.name,
+        q,
+        k,
+        v,
+        params,
+        grid=step.grid,
+        scale=step.scale,
+        lr=c.inner_lr,
+        grad_norm=c.grad_norm,
+        loss=c.loss,
+        backend="triton",
+    )
+
+
+# The Triton kernels (``vit3.kernels.triton_op``) serve every op that lists it.
+TRITON = Path(supports=_supports, run=_run, fits=_fits)
