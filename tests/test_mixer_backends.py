@@ -714,7 +714,7 @@ def test_backends_implement_exactly_the_ops_that_declare_their_path():
     from vit3.layers.eager_mix import KINDS
 
     assert reg.BACKENDS["triton"].models == kernels.ops_with("triton") == tuple(triton_op.TRITON_LOSSES)
-    assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpp") == ("swiglu", "dwconv")
+    assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpu") == ("swiglu", "dwconv")
     assert reg.BACKENDS["eager"].models == kernels.ops_with("eager") == KINDS == ("swiglu", "dwconv")
     assert reg.BACKENDS["generic"].models is None
 

@@ -11,9 +11,8 @@ from helpers.reference import assert_mixer_matches_reference
 from torch.utils.checkpoint import checkpoint
 
 import vit3.kernels.swiglu.eager as fast
-import vit3.layers.eager_mix as eager_mix
 import vit3.layers.ttt as ttt
-from vit3.kernels.dwconv.eager import fold_batch
+from vit3.kernels.dwconv.eager import fold_batch, token_map, write_tokens
 from vit3.layers import TTTMixer
 
 GRID = (5, 7)
@@ -189,7 +188,7 @@ def test_without_gradients_nothing_is_saved_and_output_is_unchanged(calls, monke
         saves.append(save)
         return real(*args, save=save, **kwargs)
 
-    monkeypatch.setattr("vit3.layers.eager_mix.swiglu_forward", spy)
+    monkeypatch.setattr(fast, "swiglu_forward", spy)
     mixer = _mixer()
     x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64)
     with torch.no_grad():
@@ -227,7 +226,7 @@ def test_depthwise_maps_fold_the_batch_into_channels_last_and_back():
     b, (h, w), c = 3, GRID, 4
     qkv = torch.randn(b, h * w, 5 * c)
     tokens = qkv[..., c : 2 * c]  # a strided view, as the mixer's q, k, v are
-    m = eager_mix._to_map(tokens, GRID)  # [B, C, h, w]
+    m = token_map(tokens, GRID)  # [B, C, h, w]
     folded = fold_batch(m)
     assert folded.shape == (1, b * c, h, w) and folded.is_contiguous(memory_format=torch.channels_last)
     assert folded.data_ptr() == m.data_ptr()  # the fold is a view
@@ -236,5 +235,5 @@ def test_depthwise_maps_fold_the_batch_into_channels_last_and_back():
     # channel b*C + c of the folded map is channel c of sample b, in raster order
     torch.testing.assert_close(folded[0].view(b, c, h * w).transpose(1, 2), tokens, rtol=0, atol=0)
     dest = torch.zeros(b, h * w, 3 * c)[..., c : 2 * c]
-    eager_mix._from_map(m, dest)
+    write_tokens(m, dest)
     torch.testing.assert_close(dest, tokens, rtol=0, atol=0)

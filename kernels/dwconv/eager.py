@@ -18,7 +18,17 @@ from torch import Tensor
 from ..common import step, step_backward
 from ..ops import Node
 
-__all__ = ["NODE", "conv", "dwconv_backward", "fold_batch", "to_map", "ttt_backward", "ttt_forward"]
+__all__ = [
+    "NODE",
+    "conv",
+    "dwconv_backward",
+    "fold_batch",
+    "to_map",
+    "token_map",
+    "ttt_backward",
+    "ttt_forward",
+    "write_tokens",
+]
 
 
 def to_map(x: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -32,6 +42,17 @@ def to_map(x: Tensor, grid: tuple[int, int]) -> Tensor:
     b, g, _, c = x.shape
     folded = x.permute(2, 0, 1, 3).reshape(*grid, b * g * c)  # [h, w, B*C]
     return folded.view(*grid, b, g * c).permute(2, 3, 0, 1)
+
+
+def token_map(t: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Tokens ``[B, N, C]`` (any strides) -> maps ``[B, C, h, w]``, views of one batch-folded channels-last map
+    (:func:`to_map`), so every depthwise stage is one convolution call for the whole batch."""
+    return to_map(t.unsqueeze(1), grid)
+
+
+def write_tokens(m: Tensor, dest: Tensor) -> None:
+    """Writes maps ``[B, C, h, w]`` into tokens ``dest`` ``[B, N, C]`` (any strides)."""
+    dest.copy_(m.flatten(2).transpose(1, 2))
 
 
 def fold_batch(t: Tensor) -> Tensor:
@@ -138,9 +159,9 @@ def _node_forward(
     dense: bool,
 ) -> tuple[list[Tensor], str]:
     """:func:`ttt_forward` on tokens ``[B, N, C]`` (any strides): maps in, the read-out written into ``dest``."""
-    maps = (to_map(t.unsqueeze(1), grid) for t in (q, k, v))
+    maps = (token_map(t, grid) for t in (q, k, v))
     om, saved = ttt_forward(*maps, weights[0], c=scale / q.shape[1], lr=lr, grad_norm=grad_norm)
-    dest.copy_(om.flatten(2).transpose(1, 2))
+    write_tokens(om, dest)
     return list(saved) if save else [], ""
 
 
@@ -158,10 +179,10 @@ def _node_backward(
     grad_norm: bool,
 ) -> tuple[Tensor]:
     """:func:`ttt_backward` on tokens ``[B, N, C]``: writes dq, dk, dv, returns the weight gradient."""
-    dout = to_map(d_out.unsqueeze(1), grid)
+    dout = token_map(d_out, grid)
     *maps, dw = ttt_backward(dout, saved, c=scale / d_out.shape[1], lr=lr, grad_norm=grad_norm)
     for m, grad in zip(maps, (dq, dk, dv)):
-        grad.copy_(m.flatten(2).transpose(1, 2))
+        write_tokens(m, grad)
     return (dw,)
 
 

@@ -377,7 +377,7 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             "cpu",
             what="the C++ CPU kernel",
-            models=ops_with("cpp"),
+            models=ops_with("cpu"),
             priority={"cpu": 3},
             supports=_cpu_supports,
             run=_run_eager(cpp=True),
