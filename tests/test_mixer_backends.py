@@ -13,6 +13,7 @@ tests skip (no GPU to run them), the others pass."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -32,6 +33,8 @@ from vit3.kernels import triton_op
 from vit3.kernels.swiglu import cpp as swiglu_cpu
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
+from vit3.layers.backends import guard, registry
+from vit3.layers.backends.plan import _demoted, _pending
 from vit3.scripts.explain import main as cli_main
 
 GRID = (4, 6)  # 24 tokens: below the CPU kernel's 32
@@ -156,7 +159,7 @@ def test_a_gpu_that_cannot_run_the_kernels_steps_aside_with_a_warning(fake_gpu):
 
 def test_explain_without_triton_names_the_import_error_and_keeps_the_cpp_kernel(monkeypatch):
     monkeypatch.setattr(
-        reg, "_kernels", lambda: (None, "the Triton kernels cannot be imported (ImportError: no triton)")
+        registry, "_kernels", lambda: (None, "the Triton kernels cannot be imported (ImportError: no triton)")
     )
     expl = reg.explain_mixer(_mixer(), torch.device("cuda"), torch.float16, GRID, grad=False)
     assert _backends(expl) == ["generic", "generic"]
@@ -318,7 +321,7 @@ def test_bad_backend_values_are_rejected_by_name(monkeypatch):
 
 
 def test_plans_are_resolved_once_per_key(monkeypatch):
-    resolved = count_calls(monkeypatch, reg, "_resolve")
+    resolved = count_calls(monkeypatch, importlib.import_module("vit3.layers.backends.plan"), "_resolve")
     first, second = _mixer(), _mixer()
     x = _tokens(GRID)
     for _ in range(3):
@@ -337,7 +340,7 @@ def test_plans_are_resolved_once_per_key(monkeypatch):
 
 
 def test_a_key_runs_guarded_until_one_forward_and_backward_succeeded(monkeypatch):
-    guards = count_calls(monkeypatch, reg._GuardFn, "apply")
+    guards = count_calls(monkeypatch, guard._GuardFn, "apply")
     mixer, x = _mixer(), _tokens(GRID, b=1)
     out = mixer(x, GRID)
     assert guards["n"] == 1
@@ -513,8 +516,8 @@ def test_each_new_input_specialisation_runs_guarded_and_verified_once(monkeypatc
     run on Triton: two guarded units per guarded call."""
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")
     mixer, x, dout = _on(triton_device, _mixer(), _tokens(GRID, b=3), _tokens(GRID, b=3))
-    guarded = count_calls(monkeypatch, reg._Guard, "forward")
-    checked = count_calls(monkeypatch, reg._Guard, "check_backward")
+    guarded = count_calls(monkeypatch, guard._Guard, "forward")
+    checked = count_calls(monkeypatch, guard._Guard, "check_backward")
     for b in (2, 2, 3, 3):
         _run(mixer, x[:b], GRID, dout[:b])
     assert guarded["n"] == checked["n"] == 4  # one guarded, verified call per batch size
@@ -562,7 +565,7 @@ def test_a_sticky_gpu_fault_is_reported_as_the_kernels_not_the_fallbacks(monkeyp
     accelerator_error = getattr(torch, "AcceleratorError", RuntimeError)
     kernels = FORWARD_KERNELS if phase == "forward" else BACKWARD_KERNELS
     _failing_launch(monkeypatch, kernels, error=lambda: accelerator_error(fault))
-    monkeypatch.setattr(reg, "_context_lost", lambda device: True)
+    monkeypatch.setattr(guard, "_context_lost", lambda device: True)
     mixer, x = _on(triton_device, _mixer(), _tokens(GRID))
     with warnings.catch_warnings():
         warnings.simplefilter("error", reg.BackendWarning)  # no demotion warning
@@ -576,7 +579,7 @@ def test_a_sticky_gpu_fault_is_reported_as_the_kernels_not_the_fallbacks(monkeyp
         "VIT3_TTT_BACKEND=generic",
     ):
         assert part in message, message
-    assert not reg._demoted and not reg._pending
+    assert not _demoted and not _pending
 
 
 def test_context_lost_probes_the_device(monkeypatch):
@@ -585,9 +588,9 @@ def test_context_lost_probes_the_device(monkeypatch):
 
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "synchronize", sync)
-    assert reg._context_lost(gpu) and not reg._context_lost(CPU)
+    assert guard._context_lost(gpu) and not guard._context_lost(CPU)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    assert not reg._context_lost(gpu)
+    assert not guard._context_lost(gpu)
 
 
 # ------------------------------------------------------------------------------------- double backward

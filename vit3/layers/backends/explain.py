@@ -1,0 +1,144 @@
+"""Why each branch of a mixer takes its backend: the explanation types and ``explain_mixer``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .interface import Inputs, Settings, token_class
+from .plan import _demoted, _keys, _merged, _pending, _requested, recompute_choice, recompute_mode
+from .registry import _NODE, Branch, _choose
+
+
+@dataclass(frozen=True)
+class BranchExplanation:
+    """One branch: the backend chosen and why each other one was passed over."""
+
+    index: int
+    name: str
+    heads: int
+    head_dim: int
+    backend: str
+    passed_over: tuple[tuple[str, str], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "branch": self.index,
+            "inner_model": self.name,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "backend": self.backend,
+            "passed_over": dict(self.passed_over),
+        }
+
+
+@dataclass(frozen=True)
+class MixerExplanation:
+    """Which backend runs each branch of a mixer for one input, and why (``str()`` is a readable table)."""
+
+    dim: int
+    num_heads: int
+    device: str
+    dtype: str
+    tokens: int
+    grid: tuple[int, int]
+    grad: bool
+    requested: str
+    fused: bool
+    branches: tuple[BranchExplanation, ...]
+    # training with a SwiGLU branch on ``cpu`` / ``eager``: what its backward recomputes or saves, and why
+    recompute: str = ""
+
+    def __str__(self) -> str:
+        mode = "training" if self.grad else "inference"
+        lines = [
+            f"TTTMixer dim={self.dim} heads={self.num_heads} | {self.device} {self.dtype} | N={self.tokens} "
+            f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
+            "  " + ("one fused eager node runs every branch" if self.fused else "branch by branch"),
+        ]
+        if self.recompute:
+            lines.append(f"  SwiGLU backward: {self.recompute}")
+        rows = [("branch", "backend", "passed over")]
+        for b in self.branches:
+            label = f"{b.index} {b.name} x{b.heads} d={b.head_dim}"
+            first = True
+            for name, why in b.passed_over or (("", ""),):
+                rows.append(
+                    (label if first else "", b.backend if first else "", f"{name}: {why}" if name else "")
+                )
+                first = False
+        widths = [max(len(r[j]) for r in rows) for j in range(2)]
+        lines += [f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}".rstrip() for r in rows]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dim": self.dim,
+            "num_heads": self.num_heads,
+            "device": self.device,
+            "dtype": self.dtype,
+            "tokens": self.tokens,
+            "grid": list(self.grid),
+            "grad": self.grad,
+            "requested": self.requested,
+            "fused_node": self.fused,
+            "recompute": self.recompute,
+            "branches": [b.to_dict() for b in self.branches],
+        }
+
+
+def explain_mixer(
+    mixer: nn.Module, device: torch.device, dtype: torch.dtype, grid: tuple[int, int], grad: bool
+) -> MixerExplanation:
+    """The plan a call of ``mixer`` (a ``TTTMixer``: this registry stands below the mixer, which calls it) would
+    take, with reasons (no warnings, nothing cached)."""
+    cfg = mixer.cfg
+    settings = Settings(cfg.loss, cfg.steps, cfg.mini_batches, cfg.lr_mode)
+    n = grid[0] * grid[1]
+    x = Inputs(device, dtype, token_class(n), grad, "")
+    requested, source = _requested(cfg.backend)
+    branches = mixer.plan_branches
+    demoted = _merged(_demoted, _pending)
+    out = []
+    for i, ((name, heads, d, plain), key) in enumerate(zip(branches, _keys(settings, branches, x))):
+        c = _choose(Branch(i, name, heads, d, plain), settings, x, requested, source, demoted.get(key, {}))
+        out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
+    lean = grad and (
+        recompute_mode(cfg.recompute)[0] == "qkv"
+        or any(b.name == "swiglu" and b.backend in _NODE for b in out)
+    )
+    return MixerExplanation(
+        mixer.dim,
+        mixer.num_heads,
+        str(device),
+        str(dtype),
+        n,
+        tuple(grid),
+        grad,
+        "auto" if requested == "auto" else source,
+        all(b.backend in _NODE for b in out),
+        tuple(out),
+        recompute_choice(cfg.recompute)[1] if lean else "",
+    )
+
+
+@dataclass(frozen=True)
+class ModelExplanation:
+    """``explain(model, input)``: each distinct mixer plan, with the mixers (module names) that take it."""
+
+    groups: tuple[tuple[tuple[str, ...], MixerExplanation], ...]
+
+    def __str__(self) -> str:
+        if not self.groups:
+            return "no TTT mixers ran"
+        parts = []
+        for names, expl in self.groups:
+            where = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]} ({len(names)} mixers)"
+            parts.append(f"{where}:\n{expl}")
+        return "\n\n".join(parts)
+
+    def to_dict(self) -> list[dict[str, Any]]:
+        return [{"mixers": list(names), **expl.to_dict()} for names, expl in self.groups]

@@ -1,0 +1,307 @@
+"""Failures demote, never kill: the guarded first calls of a key, verification, demotion, ``KernelFault``.
+
+See the package docstring (``vit3.layers.backends``) for the rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vit3.kernels.common import grad_flows
+
+from .interface import Step
+from .plan import (
+    BACKEND_ENV,
+    STRICT_ENV,
+    Plan,
+    _demoted,
+    _device_name,
+    _env_flag,
+    _merged,
+    _pending,
+    _plans,
+    _resolve,
+    _verified,
+    _warn_once,
+)
+from .registry import BACKENDS
+from .verify import VerificationError, _specialisation, _synchronize, compare, sliced
+
+
+def _apply_pending() -> None:
+    """End of a backward pass: its demotions apply to the calls that follow."""
+    for key, errors in _pending.items():
+        _demoted.setdefault(key, {}).update(errors)
+    _pending.clear()
+    _plans.clear()
+
+
+@contextmanager
+def _no_autocast(device: torch.device) -> Iterator[None]:
+    with torch.autocast(device_type=device.type, enabled=False):
+        yield
+
+
+class KernelFault(RuntimeError):
+    """A backend's kernel faulted on a GPU and the CUDA context went with it: the fault is sticky, so no other
+    backend can take over in this process."""
+
+
+def _entry(plan: Plan, i: int, shapes: tuple | None) -> tuple:
+    """Branch ``i``'s entry in ``_verified``: its key and backend, and the specialisation if it has them."""
+    name = plan.backends[i]
+    return plan.keys[i], name, shapes if BACKENDS[name].specialises else None
+
+
+def _context_lost(device: torch.device) -> bool:
+    """Whether ``device``'s CUDA context is unusable after an error: a kernel's fault (an illegal address, a
+    device-side assert) is sticky, every later call on the device fails with it; a compile, launch-size or
+    memory error is not."""
+    if device.type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        return True
+    return False
+
+
+def _error_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+class _Guard:
+    """One guarded unit of a mixer call: branches ``units`` computed by ``compute(plan, *tensors)``; ``shapes``
+    the inputs' specialisation (``_specialisation``) where a unit's backend specialises on it, else ``None``."""
+
+    def __init__(
+        self, plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor], shapes: tuple | None
+    ) -> None:
+        self.plan, self.units, self.compute, self.shapes = plan, units, compute, shapes
+        self.first = plan  # whose kernels a sticky fault is laid to, even where it surfaces in a fallback
+
+    def checks(self) -> bool:
+        """Whether this call is verified against the generic path: a unit's backend specialises per input."""
+        return self.shapes is not None and any(
+            BACKENDS[self.plan.backends[i]].specialises for i in self.units
+        )
+
+    def forward(self, *tensors: Tensor) -> Tensor:
+        """``compute`` on the current plan; where ``checks``, synchronised (an asynchronous fault surfaces here,
+        inside the guard) and the output of the first and last sample compared with the generic path's."""
+        out = self.compute(self.plan, *tensors)
+        if self.checks():
+            _synchronize(out.device)
+            with torch.no_grad():  # nothing recorded: activation checkpointing counts the saved tensors
+                want = self.compute(self._reference_plan(), *self._slice(tensors))
+                self._compare("output", self._slice([out])[0], want)
+        return out
+
+    def check_backward(
+        self, leaves: Sequence[Tensor], grads: Sequence[Tensor | None], grad_out: Tensor
+    ) -> None:
+        """The gradients of the batched inputs (first and last sample) against the generic path's; the others
+        (the initial weights, summed over the batch) must be finite."""
+        _synchronize(grad_out.device)
+        b = leaves[0].shape[0]
+        sliced = [s.detach().requires_grad_(t.requires_grad) for s, t in zip(self._slice(leaves), leaves)]
+        with torch.enable_grad():
+            out = self.compute(self._reference_plan(), *sliced)
+        wanted = [s for s in sliced if s.requires_grad]
+        want = iter(torch.autograd.grad(out, wanted, self._slice([grad_out])[0], allow_unused=True))
+        got = iter(grads)
+        for j, t in enumerate(leaves):
+            if not t.requires_grad:
+                continue
+            g, w = next(got), next(want)
+            if g is None or w is None:
+                continue
+            if b == 1 or t.shape[0] == b:
+                self._compare(f"gradient of input {j}", self._slice([g])[0] if b > 1 else g, w)
+            elif not torch.isfinite(g).all():
+                raise VerificationError(f"the gradient of input {j} is not finite")
+
+    def _reference_plan(self) -> Plan:
+        p = self.plan
+        names = tuple("generic" if i in self.units else name for i, name in enumerate(p.backends))
+        return p._replace(backends=names, fused=False)
+
+    def _slice(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return sliced(tensors, self.shapes[0][0][0])
+
+    def _compare(self, what: str, got: Tensor, want: Tensor) -> None:
+        compare(what, got, want, self.shapes[0][0][0])
+
+    def demote(self, exc: Exception, phase: str, in_backward: bool) -> None:
+        """Demotes the backend(s) that raised ``exc`` for their keys and re-plans; re-raises when strict,
+        for out-of-memory errors and when only the generic path was left. A sticky GPU fault raises
+        ``KernelFault`` naming the kernels that ran first: no backend can compute on that GPU any more."""
+        p = self.plan
+        device = p.keys[self.units[0]].device
+        if _context_lost(device):
+            raise self._fault(exc, phase, device) from exc
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or _env_flag(STRICT_ENV):
+            raise exc
+        live = [i for i in self.units if p.backends[i] != "generic"]
+        # In a fused node of several branches the kernels are the likeliest culprits.
+        culprits = [i for i in live if BACKENDS[p.backends[i]].native] or live
+        if not culprits:
+            raise exc
+        error = _error_line(exc)
+        fresh = []
+        for i in culprits:
+            key, name = p.keys[i], p.backends[i]
+            if name not in {**_demoted.get(key, {}), **_pending.get(key, {})}:
+                fresh.append((i, key, name))
+            # A forward that fails fails with or without gradients: both keys are demoted.
+            for k in (key, key._replace(grad=not key.grad)) if phase == "forward" else (key,):
+                (_pending if in_backward else _demoted).setdefault(k, {})[name] = f"{error} ({phase})"
+        if in_backward:
+            try:  # the demotion applies once this backward pass is over (recomputations keep their plan)
+                torch.autograd.Variable._execution_engine.queue_callback(_apply_pending)
+            except RuntimeError:
+                _apply_pending()
+        else:
+            _plans.clear()
+        self.plan = _resolve(p.args, _merged(_demoted, _pending), warn=False)
+        for i, key, name in fresh:
+            _warn_once(
+                f"vit3: backend {name!r} failed in the {phase} on {_device_name(key.device)} for the {key}: "
+                f"{error}. It is demoted for this key; {self.plan.backends[i]!r} computes the result "
+                f"(set {STRICT_ENV}=1 to raise instead)."
+            )
+
+    def _fault(self, exc: Exception, phase: str, device: torch.device) -> KernelFault:
+        p = self.first
+        ran = [p.backends[i] for i in self.units]
+        names = list(dict.fromkeys([n for n in ran if BACKENDS[n].native] or ran))
+        return KernelFault(
+            f"vit3: backend {', '.join(map(repr, names))} faulted on {_device_name(device)} in the {phase} for "
+            f"the {p.keys[self.units[0]]}: {_error_line(exc)}. A GPU fault is sticky: this process cannot use "
+            f"the GPU any more, so no other backend can take over. Run with {BACKEND_ENV}=generic to keep the "
+            "kernels out, and report the fault with this message."
+        )
+
+    def verify(self) -> None:
+        _verified.update(_entry(self.plan, i, self.shapes) for i in self.units)
+
+
+class _GuardFn(torch.autograd.Function):
+    """Runs a unit under its own autograd graph so that a failing backward can be caught and recomputed."""
+
+    @staticmethod
+    def forward(ctx: Any, guard: _Guard, *tensors: Tensor) -> Tensor:
+        # Leaves of the inner graph; nothing goes through save_for_backward, so the saved tensors (and the
+        # saved-tensor hooks of activation checkpointing) are those of the unguarded path. The inputs
+        # themselves (the leaves' storage) are kept for a double backward.
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        with torch.enable_grad():
+            out = guard.forward(*leaves)
+        ctx.guard, ctx.leaves, ctx.out, ctx.inputs = guard, leaves, out, tensors
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph=True
+            return (None, *_GuardFn.differentiable_grads(ctx, grad_out))
+        guard, leaves, out = ctx.guard, ctx.leaves, ctx.out
+        wanted = [t for t in leaves if t.requires_grad]
+        while True:
+            try:
+                if out is None:  # re-run the forward on the saved inputs with the demoted plan
+                    with torch.enable_grad(), _no_autocast(grad_out.device):
+                        out = ctx.out = guard.compute(guard.plan, *leaves)
+                grads = torch.autograd.grad(out, wanted, grad_out, retain_graph=True, allow_unused=True)
+                if guard.checks():
+                    guard.check_backward(leaves, grads, grad_out)
+                break
+            except Exception as exc:
+                guard.demote(exc, "forward" if out is None else "backward", in_backward=True)
+                out = None
+        guard.verify()
+        it = iter(grads)
+        return (None, *(next(it) if t.requires_grad else None for t in leaves))
+
+    @staticmethod
+    def differentiable_grads(ctx: Any, grad_out: Tensor) -> list[Tensor | None]:
+        """A backward that is itself differentiable (``create_graph=True``): the unit recomputed on the inputs
+        themselves, not on the detached leaves, so that a second backward reaches them."""
+        guard, inputs = ctx.guard, ctx.inputs
+        wanted = [t for t in inputs if t.requires_grad]
+        while True:
+            try:
+                with _no_autocast(grad_out.device):
+                    out = guard.compute(guard.plan, *inputs)
+                grads = torch.autograd.grad(out, wanted, grad_out, create_graph=True, allow_unused=True)
+                break
+            except Exception as exc:
+                guard.demote(exc, "backward", in_backward=True)
+        it = iter(grads)
+        return [next(it) if t.requires_grad else None for t in inputs]
+
+
+def run(
+    plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor], tensors: Sequence[Tensor]
+) -> Tensor:
+    """``compute(plan, *tensors)`` for branches ``units`` of a mixer call, guarded on a key's first calls, and
+    on the first call of each new input specialisation of a backend that specialises (Triton).
+
+    Args:
+        plan: the call's plan.
+        units: the branches ``compute`` covers (one, or all of a fused node).
+        compute: ``(plan, *tensors) -> Tensor``, run again with the re-planned backends after a failure.
+        tensors: every tensor input gradients may flow to (q, k, v or qkv, the weights, a gate).
+    """
+    if plan.tracing or all(plan.backends[i] == "generic" for i in units):
+        return compute(plan, *tensors)
+    shapes = _specialisation(tensors) if any(BACKENDS[plan.backends[i]].specialises for i in units) else None
+    if all(_entry(plan, i, shapes) in _verified for i in units):
+        return compute(plan, *tensors)
+    guard = _Guard(plan, units, compute, shapes)
+    grad = grad_flows(*tensors)
+    while True:
+        try:
+            out = _GuardFn.apply(guard, *tensors) if grad else guard.forward(*tensors)
+        except Exception as exc:
+            guard.demote(exc, "forward", in_backward=False)
+            continue
+        if not grad:
+            guard.verify()
+        return out
+
+
+def run_branch(
+    plan: Plan,
+    i: int,
+    step: Step,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: dict[str, Tensor],
+    gate: Tensor | None,
+    guard: bool = True,
+) -> Tensor:
+    """Branch ``i``'s inner loop and read-out on its planned backend (guarded unless ``guard=False``).
+
+    Args:
+        q, k, v: ``[B, G, N, c]`` (views of the qkv projection, io dtype).
+        params: the branch's initial weights by name.
+        gate: the token lr gate ``[B, G, N]`` or ``None``.
+
+    Returns:
+        ``[B, G, N, c]``.
+    """
+    names = list(params)
+
+    def compute(p: Plan, q: Tensor, k: Tensor, v: Tensor, *rest: Tensor) -> Tensor:
+        g = rest[len(names)] if gate is not None else None
+        return BACKENDS[p.backends[i]].run(step, q, k, v, dict(zip(names, rest)), g)
+
+    tensors = [q, k, v, *params.values(), *([gate] if gate is not None else [])]
+    return run(plan, (i,), compute, tensors) if guard else compute(plan, *tensors)

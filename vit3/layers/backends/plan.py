@@ -1,0 +1,286 @@
+"""A mixer call's plan: the keys, the plan cache, the recompute policy and the ``VIT3_*`` environment.
+
+This module is the one reader of the ``VIT3_*`` variables: ``$VIT3_TTT_BACKEND`` (``registry.BACKEND_ENV``),
+``$VIT3_TTT_STRICT``, ``$VIT3_TTT_RECOMPUTE`` and the removed ones (``REMOVED_ENV``, which warn).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..config import RECOMPUTE_MODES
+from .interface import Inputs, Settings, tracing_kind
+from .registry import _NODE, BACKEND_ENV, BACKENDS, NAMES, Branch, _choose, _not_in, order
+
+STRICT_ENV = "VIT3_TTT_STRICT"
+RECOMPUTE_ENV = "VIT3_TTT_RECOMPUTE"
+# The variables VIT3_TTT_BACKEND replaced: setting one warns once, naming its replacement.
+REMOVED_ENV = {
+    "VIT3_TTT_IMPL": "VIT3_TTT_BACKEND ('torch' -> 'eager' or 'generic', 'triton' -> 'triton')",
+    "VIT3_TTT_KERNEL": "VIT3_TTT_BACKEND ('reference' -> 'generic')",
+    "VIT3_CPU_KERNEL": "VIT3_TTT_BACKEND ('1' -> 'cpu', '0' -> 'eager')",
+}
+
+
+class BackendWarning(UserWarning):
+    """A backend was passed over or demoted (``warnings.filterwarnings`` can silence this category)."""
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"${name} must be 0 or 1, got {value!r}")
+
+
+def _requested(cfg_backend: str) -> tuple[str, str]:
+    """The backend asked for and who asked: the config (argument) wins over ``$VIT3_TTT_BACKEND``."""
+    if cfg_backend != "auto":
+        if cfg_backend not in NAMES:
+            raise ValueError(f"TTTConfig.backend must be one of {', '.join(NAMES)}, got {cfg_backend!r}")
+        return cfg_backend, f"TTTConfig.backend={cfg_backend!r}"
+    env = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
+    if env not in NAMES:
+        raise ValueError(f"${BACKEND_ENV} must be one of {', '.join(NAMES)}, got {env!r}")
+    return env, f"{BACKEND_ENV}={env}"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, BackendWarning, stacklevel=4)
+
+
+def _warn_removed_env() -> None:
+    for name, replacement in REMOVED_ENV.items():
+        if os.environ.get(name):
+            _warn_once(
+                f"vit3: ${name} is no longer read (it is set to {os.environ[name]!r}); use {replacement}."
+            )
+
+
+class BranchKey(NamedTuple):
+    """What a branch's backend choice, its demotions and its guard depend on."""
+
+    device: torch.device
+    dtype: torch.dtype
+    tokens: str
+    grad: bool
+    settings: Settings
+    name: str
+    head_dim: int
+    plain: bool
+
+    def __str__(self) -> str:
+        mode = "training" if self.grad else "inference"
+        s = self.settings
+        wrapped = "" if self.plain else " (wrapped: inner_norm / inner_bias)"
+        return (
+            f"{self.name} branch{wrapped}, head dim {self.head_dim}, {self.dtype}, {self.tokens} tokens, {mode}, "
+            f"loss {s.loss}, steps {s.steps}, mini_batches {s.mini_batches}, lr_mode {s.lr_mode}"
+        )
+
+
+class Plan(NamedTuple):
+    """A mixer call's plan: the backend of each branch, whether they form one fused eager node, the keys,
+    and whether the fused eager paths recompute the per-token pre-activations in the backward (and why)."""
+
+    backends: tuple[str, ...]
+    fused: bool
+    keys: tuple[BranchKey, ...]
+    tracing: str
+    args: tuple  # what ``plan`` was called with (to re-plan after a demotion)
+    recompute: bool = True
+    recompute_why: str = ""
+
+
+def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
+    """The recompute mode in force (``always``, ``never`` or ``qkv``; ``auto`` is ``always``) and who set it:
+    ``TTTConfig.recompute`` wins over ``$VIT3_TTT_RECOMPUTE``."""
+    if cfg_recompute not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"TTTConfig.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {cfg_recompute!r}"
+        )
+    if cfg_recompute != "auto":
+        return cfg_recompute, f"TTTConfig.recompute={cfg_recompute!r}"
+    mode = os.environ.get(RECOMPUTE_ENV, "").strip().lower() or "auto"
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"${RECOMPUTE_ENV} must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    return ("always" if mode == "auto" else mode), (
+        "memory-lean default" if mode == "auto" else f"{RECOMPUTE_ENV}={mode}"
+    )
+
+
+def recompute_choice(cfg_recompute: str = "auto") -> tuple[bool, str]:
+    """Whether the SwiGLU backward of the fused eager paths recomputes Z = k W, Y = q W', and why.
+
+    ``auto`` (memory-lean: measured on CPU, a ViT³-T training step is within 1-4% of the saving variant at
+    224 and 896 px, while the mixer's inner loop alone pays 3% at 196 tokens per head and 10-20% at 3136) and
+    ``always`` recompute, ``never`` saves them. ``qkv`` recomputes the mixer's qkv projection and inner loops in
+    its backward (``TTTMixer.forward``): the mixer then saves only its input (~12% more training FLOPs for
+    ViT³-T); inside that recomputation Z, Y are kept (for one mixer at a time).
+
+    Args:
+        cfg_recompute: ``TTTConfig.recompute`` (it wins over ``$VIT3_TTT_RECOMPUTE``).
+    """
+    mode, source = recompute_mode(cfg_recompute)
+    if mode == "qkv":
+        return False, (
+            f"the mixer recomputes its qkv projection and inner loops in the backward ({source}; saved per "
+            "token: the mixer input)"
+        )
+    if source == "memory-lean default":
+        source = "auto: memory-lean"
+    if mode == "never":
+        return False, f"saves Z = k W, Y = q W' ({source}; 4·d more values per token and head)"
+    return True, f"recomputes Z = k W, Y = q W' ({source}; saved per token and head: q, k, v)"
+
+
+_plans: dict[tuple, Plan] = {}
+_demoted: dict[BranchKey, dict[str, str]] = {}  # key -> {backend: error}
+_pending: dict[BranchKey, dict[str, str]] = {}  # demoted during a backward pass, applied at its end
+# (key, backend, specialisation or None) that ran a guarded, verified forward (+ backward)
+_verified: set[tuple[BranchKey, str, tuple | None]] = set()
+
+
+def reset() -> None:
+    """Forgets every cached plan, demotion, verified key and warning (tests; a new device)."""
+    for state in (_plans, _demoted, _pending, _verified, _warned):
+        state.clear()
+
+
+def _keys(settings: Settings, branches: tuple, x: Inputs) -> tuple[BranchKey, ...]:
+    return tuple(
+        BranchKey(x.device, x.dtype, x.tokens, x.grad, settings, name, d, plain)
+        for name, _, d, plain in branches
+    )
+
+
+def _merged(*maps: Mapping[BranchKey, Mapping[str, str]]) -> dict[BranchKey, dict[str, str]]:
+    out: dict[BranchKey, dict[str, str]] = {}
+    for m in maps:
+        for key, errors in m.items():
+            out.setdefault(key, {}).update(errors)
+    return out
+
+
+def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: bool) -> Plan:
+    settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, cfg_recompute = args
+    settings = Settings(*settings)
+    x = Inputs(device, dtype, tokens, grad, tracing)
+    requested, source = _requested(cfg_backend)
+    keys = _keys(settings, branches, x)
+    choices = [
+        _choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
+        for i, (branch, key) in enumerate(zip(branches, keys))
+    ]
+    if warn and requested != "auto":
+        strict = _env_flag(STRICT_ENV)
+        impl = BACKENDS[requested].models
+        if impl is not None and not any(name in impl for name, *_ in branches):
+            problems = [f"mixer: {_not_in(BACKENDS[requested], [name for name, *_ in branches])}"]
+        else:
+            problems = [
+                f"{name!r} branch: {c.named_refused}; {c.backend!r} serves it"
+                for (name, *_), c in zip(branches, choices)
+                if c.named_refused
+            ]
+        for problem in problems:
+            message = (
+                f"vit3: backend {requested!r} ({source}) cannot serve the {problem} (on {device}, {dtype})"
+            )
+            if strict:
+                raise ValueError(f"{message}; unset {STRICT_ENV} to fall back")
+            _warn_once(message + ".")
+    if warn and requested == "auto":  # a kernel that cannot run on this hardware steps aside with a warning
+        rank = order(device.type)
+        for (name, *_), c in zip(branches, choices):
+            for backend, why in c.unfit:
+                if backend in rank and rank.index(backend) < rank.index(c.backend):
+                    _warn_once(
+                        f"vit3: {BACKENDS[backend].what} cannot run the {name!r} branch on "
+                        f"{_device_name(device)} ({dtype}): {why}; {c.backend!r} serves it."
+                    )
+    names = tuple(c.backend for c in choices)
+    recompute, why = recompute_choice(cfg_recompute)
+    return Plan(names, all(n in _NODE for n in names), keys, tracing, args, recompute, why)
+
+
+@torch.compiler.assume_constant_result  # traced once by torch.compile: the plan is a constant of the graph
+def plan(
+    settings: tuple,
+    cfg_backend: str,
+    branches: tuple,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokens: str,
+    grad: bool,
+    tracing: str,
+    recompute: str = "auto",
+) -> Plan:
+    """The cached plan of a mixer call (plain values only, so that compilers can fold the call).
+
+    Args:
+        settings: ``Settings`` fields of the mixer's config, as a tuple.
+        cfg_backend: ``TTTConfig.backend``.
+        branches: ``((inner model, heads, head_dim, plain), ...)`` (``Branch`` fields after ``index``).
+        device, dtype: of the qkv projection output.
+        tokens: ``token_class(N)``.
+        grad: whether gradients flow through the mixer.
+        tracing: ``tracing_kind()``.
+        recompute: ``TTTConfig.recompute``.
+    """
+    args = (settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, recompute)
+    key = (*args, *(os.environ.get(name) for name in (BACKEND_ENV, STRICT_ENV, RECOMPUTE_ENV)))
+    found = _plans.get(key)
+    if found is None:
+        _warn_removed_env()
+        found = _plans[key] = _resolve(args, _demoted, warn=True)
+    return found
+
+
+def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
+    """Whether a ``ConvPosEnc`` (CPE, ``x + dwconv3x3(x)``, outside the mixer) runs on the C++ kernel's
+    depthwise op instead of oneDNN (measured one thread, 192 channels: forward 27 µs vs 138 µs at 14x14,
+    0.44 ms vs 7.4 ms at 56x56, where oneDNN also needs an NCHW copy): CPU float32/float64 tensors of one
+    dtype, no autocast, not tracing (FX, jit, ONNX, compile), a 3x3 kernel, the backend asked for ``auto`` or
+    ``cpu`` (``backend``, the block's ``TTTConfig.backend``, which wins over ``$VIT3_TTT_BACKEND`` as for the
+    mixer), and the kernel built (else the oneDNN convolution serves, as a failed build warns through the
+    mixer's backends)."""
+    if (
+        not isinstance(x, Tensor)  # an FX proxy: traced code takes the plain convolution
+        or x.device.type != "cpu"
+        or x.dtype not in (torch.float32, torch.float64)
+        or weight.dtype != x.dtype
+        or weight.shape[-2:] != (3, 3)
+        or torch.is_autocast_enabled("cpu")
+        or tracing_kind()
+    ):
+        return False
+    if _requested(backend)[0] not in ("auto", "cpu"):
+        return False
+    try:
+        from vit3.kernels.swiglu.cpp import load
+    except Exception:  # the kernels package cannot be imported: oneDNN serves
+        return False
+    return load()[0] is not None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            return f"{torch.cuda.get_device_name(device)} ({device})"
+        except Exception:  # no driver: name the device only
+            pass
+    return str(device)
