@@ -29,11 +29,11 @@ from triton.runtime.errors import OutOfResources
 
 import vit3
 import vit3.kernels.swiglu.eager as fast
-from vit3.kernels import triton_op
+from vit3.kernels import triton_op, triton_path
 from vit3.kernels.swiglu import cpp as swiglu_cpu
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
-from vit3.layers.backends import guard, registry
+from vit3.layers.backends import guard
 from vit3.layers.backends.plan import _demoted, _pending
 from vit3.scripts.explain import main as cli_main
 
@@ -159,7 +159,9 @@ def test_a_gpu_that_cannot_run_the_kernels_steps_aside_with_a_warning(fake_gpu):
 
 def test_explain_without_triton_names_the_import_error_and_keeps_the_cpp_kernel(monkeypatch):
     monkeypatch.setattr(
-        registry, "_kernels", lambda: (None, "the Triton kernels cannot be imported (ImportError: no triton)")
+        triton_path,
+        "_kernels",
+        lambda: (None, "the Triton kernels cannot be imported (ImportError: no triton)"),
     )
     expl = reg.explain_mixer(_mixer(), torch.device("cuda"), torch.float16, GRID, grad=False)
     assert _backends(expl) == ["generic", "generic"]
@@ -711,14 +713,13 @@ def test_cli_runs_as_a_module_and_rejects_bad_arguments():
 
 def test_backends_implement_exactly_the_ops_that_declare_their_path():
     """Each op under ``kernels/`` declares its fast paths; the registry's inner-model lists follow them, and the
-    Triton op and the eager node serve exactly those ops."""
+    Triton op serves exactly those ops."""
     import vit3.kernels as kernels
     from vit3.kernels import triton_op
-    from vit3.layers.eager_mix import KINDS
 
     assert reg.BACKENDS["triton"].models == kernels.ops_with("triton") == tuple(triton_op.TRITON_LOSSES)
     assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpu") == ("swiglu", "dwconv")
-    assert reg.BACKENDS["eager"].models == kernels.ops_with("eager") == KINDS == ("swiglu", "dwconv")
+    assert reg.BACKENDS["eager"].models == kernels.ops_with("eager") == ("swiglu", "dwconv")
     assert reg.BACKENDS["generic"].models is None
 
 

@@ -25,13 +25,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, weight_grad
-from vit3.kernels.ops import OPS, Node, ops_with
+from vit3.kernels.ops import OPS, Node
 
 from .rope import apply_rope_2d
 
-__all__ = ["KINDS", "MixBranch", "MixPlan", "eager_mix"]
-
-KINDS = ops_with("eager")  # ("swiglu", "dwconv"): the ops that have an eager path
+__all__ = ["MixBranch", "MixPlan", "eager_mix"]
 
 
 class MixBranch(NamedTuple):

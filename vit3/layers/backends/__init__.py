@@ -78,7 +78,7 @@ from .plan import (
     recompute_mode,
     reset,
 )
-from .registry import BACKEND_ENV, BACKENDS, NAMES, _kernels, order
+from .registry import BACKEND_ENV, BACKENDS, NAMES, order
 from .verify import VERIFY_RTOL, VerificationError
 
 __all__ = [
@@ -103,7 +103,6 @@ __all__ = [
     "Settings",
     "Step",
     "VerificationError",
-    "_kernels",
     "conv_pos_kernel",
     "explain_mixer",
     "order",

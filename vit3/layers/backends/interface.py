@@ -1,72 +1,32 @@
 """The backend interface: what a backend sees of a branch and its call, what it computes, and ``Backend``.
 
 ``Branch``, ``Settings`` and ``Inputs`` are all that a backend's ``supports`` may read (every field is in the
-plan key, ``plan.BranchKey``); ``Step`` is what its ``run`` computes; ``token_class`` is the token-count rule
-the key holds.
+plan key, ``plan.BranchKey``); ``Step`` is what its ``run`` computes (defined with the table of ops,
+``vit3.kernels.ops``, whose paths read them); ``token_class`` is the token-count rule the key holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..inner import InnerModel
+from vit3.kernels.ops import Branch, Inputs, Settings, Step, ops_with
+from vit3.kernels.paths import FEW_TOKENS, MIN_CPU_KERNEL_TOKENS
 
-# Fewer tokens per head than this and auto keeps the tiled eager path on CPUs: it folds the problems of all
-# samples into one tile, where the C++ kernel groups the heads of each sample into batched matmuls and pays
-# a few ATen calls per sample (measured fwd+bwd, one thread: the kernel is 0.58x / 0.72x the tiled path at
-# 4 / 16 tokens with B*H = 256, on par at 49 tokens with B*H = 1024, 1.1-1.6x at 16-64 tokens with
-# B*H = 32 and from 196 tokens on).
-MIN_CPU_KERNEL_TOKENS = 32
+__all__ = [
+    "MIN_CPU_KERNEL_TOKENS",
+    "Backend",
+    "Branch",
+    "Inputs",
+    "Settings",
+    "Step",
+    "token_class",
+    "tracing_kind",
+]
 
-
-class Branch(NamedTuple):
-    """A mixer branch as a backend sees it."""
-
-    index: int
-    name: str  # inner model
-    heads: int
-    head_dim: int
-    plain: (
-        bool  # the bare inner model: no ``inner_norm`` wrapper, no ``inner_bias`` (all the fused paths take)
-    )
-
-
-class Settings(NamedTuple):
-    """The ``TTTConfig`` fields a backend's ``supports`` may read (all of them are in the plan key)."""
-
-    loss: str
-    steps: int
-    mini_batches: int
-    lr_mode: str
-
-
-class Inputs(NamedTuple):
-    """What a backend's ``supports`` may read of the mixer input x (all of it is in the plan key)."""
-
-    device: torch.device
-    dtype: torch.dtype  # of the qkv projection output, what the backends read
-    tokens: str  # token-count class (``token_class``): "N<32", "N>=32", or "any N" under tracing
-    grad: bool  # gradients flow through the mixer
-    tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
-
-
-class Step(NamedTuple):
-    """What a backend's ``run`` computes: one branch's inner loop and read-out."""
-
-    name: str
-    model: InnerModel
-    grid: tuple[int, int]
-    scale: float
-    cfg: Any  # the mixer's TTTConfig
-    recompute: bool = True  # the plan's memory-lean backward (``Plan.recompute``)
-
-
-_FEW_TOKENS = f"N<{MIN_CPU_KERNEL_TOKENS}"
 _ANY_TOKENS = "any N"
 
 
@@ -78,7 +38,7 @@ def token_class(n: int, tracing: str = "") -> str:
     """
     if tracing:
         return _ANY_TOKENS
-    return _FEW_TOKENS if n < MIN_CPU_KERNEL_TOKENS else f"N>={MIN_CPU_KERNEL_TOKENS}"
+    return FEW_TOKENS if n < MIN_CPU_KERNEL_TOKENS else f"N>={MIN_CPU_KERNEL_TOKENS}"
 
 
 def tracing_kind() -> str:
@@ -95,7 +55,8 @@ class Backend:
     Attributes:
         name: what ``TTTConfig.backend`` / ``$VIT3_TTT_BACKEND`` call it.
         what: a noun phrase for messages ("the Triton kernels").
-        models: the inner models it implements (``None``: all).
+        path: the ops' fast path it runs (``vit3.kernels.ops.Op.paths[path]``); ``None``: the generic inner
+            loop, which runs every inner model.
         priority: rank per device type (higher first; ``"*"``: other device types); absent: only when named.
         supports: ``(branch, cfg, x) -> (ok, reason)``; may read only ``Settings`` / ``Inputs`` fields.
         run: ``(step, q, k, v, params, gate) -> out``, q, k, v ``[B, G, N, c]`` in the io dtype, the
@@ -110,7 +71,7 @@ class Backend:
 
     name: str
     what: str
-    models: tuple[str, ...] | None
+    path: str | None
     priority: Mapping[str, int]
     supports: Callable[[Branch, Settings, Inputs], tuple[bool, str]]
     run: Callable[..., Tensor]
@@ -118,6 +79,11 @@ class Backend:
     native: bool = False
     fits: Callable[[Branch, Settings, Inputs], tuple[bool, str]] | None = None
     specialises: bool = False
+
+    @property
+    def models(self) -> tuple[str, ...] | None:
+        """The inner models it implements: the ops with its path, as registered now (``None``: all)."""
+        return None if self.path is None else ops_with(self.path)
 
     def rank(self, device_type: str) -> int | None:
         return self.priority.get(device_type, self.priority.get("*"))

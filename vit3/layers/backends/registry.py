@@ -1,6 +1,7 @@
 """The backends, their order per device type, and the choice of one for a branch (``_choose``).
 
-Each ``Backend`` implements the inner models of the ops that declare its fast path (``vit3.kernels.ops_with``);
+Each ``Backend`` but the generic one runs one fast path of the ops (``vit3.kernels.ops``): it implements the
+ops that have that path, and its ``supports`` / ``run`` are the branch's op's (``_on_path``);
 ``_choose`` takes the named one when it serves, else the first of the auto order that does, and says why
 each other one was passed over. Who asks (config or environment) and what was demoted is the plan's
 (``plan``): the choice reads neither.
@@ -8,185 +9,71 @@ each other one was passed over. Who asks (config or environment) and what was de
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from vit3.kernels import ops_with
-from vit3.kernels.swiglu.eager import swiglu_ttt
+from vit3.kernels.ops import OPS
+from vit3.kernels.paths import compute_inputs
 
 from ..config import BACKEND_NAMES
-from ..eager_mix import KINDS, MixBranch, MixPlan, eager_mix
+from ..eager_mix import MixBranch, MixPlan, eager_mix
 from ..inner import inner_loop
-from .interface import _FEW_TOKENS, MIN_CPU_KERNEL_TOKENS, Backend, Branch, Inputs, Settings, Step
+from .interface import Backend, Branch, Inputs, Settings, Step
 
 BACKEND_ENV = (
     "VIT3_TTT_BACKEND"  # names a backend for every mixer whose config says "auto" (read by ``plan``)
 )
 
 
-@functools.cache
-def _kernels() -> tuple[Any, str]:
-    """The Triton path ``vit3.kernels.triton_op``, or ``None`` and why it cannot be imported.
+def _on_path(path: str) -> dict[str, Callable[..., Any]]:
+    """A backend's ``supports`` / ``prefers`` / ``fits`` / ``run``: those of fast path ``path`` of the branch's
+    op (``OPS[name].paths[path]``, looked up per call: an op registered later is served too). A path without
+    ``prefers`` / ``fits`` passes them; one without ``run`` runs as a one-branch fused eager node."""
 
-    Cached: a failing import (no Triton) would otherwise be retried by every mixer call.
-    """
-    try:
-        from vit3.kernels import triton_op
-    except Exception as exc:  # Triton missing or broken: the other paths serve
-        return None, f"the Triton kernels cannot be imported ({type(exc).__name__}: {exc})"
-    return triton_op, ""
+    def supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+        return OPS[branch.name].paths[path].supports(branch, cfg, x)
 
+    def prefers(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+        check = OPS[branch.name].paths[path].prefers
+        return check(branch, cfg, x) if check is not None else (True, "")
 
-def _bare(branch: Branch) -> str:
-    """Why a fused path cannot run ``branch`` (``""`` when it can): they implement the bare inner models."""
-    if branch.plain:
-        return ""
-    return "inner_norm / inner_bias wrap the inner model: the fused paths implement the bare models"
-
-
-def _one_step(cfg: Settings) -> str:
-    """Why a fused path cannot run ``cfg``'s inner loop (``""`` when it can): one full-batch step, fixed lr."""
-    if cfg.steps != 1:
-        return f"steps={cfg.steps}: fused paths take one inner step"
-    if cfg.mini_batches != 1:
-        return f"mini_batches={cfg.mini_batches}: fused paths take one full-batch step"
-    if cfg.lr_mode != "fixed":
-        return f"lr_mode={cfg.lr_mode!r}: per-token lr gates are not fused"
-    return ""
-
-
-def _triton_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    kernels, why = _kernels()
-    if kernels is None:
-        return False, why
-    losses = kernels.TRITON_LOSSES[branch.name]
-    if cfg.loss not in losses:
-        return False, f"loss {cfg.loss!r} is not fused for {branch.name!r} (fused: {', '.join(losses)})"
-    if why := _bare(branch) or _one_step(cfg):
-        return False, why
-    if x.tracing == "trace":
-        return False, "jit tracing / ONNX export: traceable ops serve"
-    if x.dtype not in kernels.IO_DTYPES:
-        return False, f"{x.dtype} inputs are not fused"
-    if not kernels.triton_runs_on(x.device):
-        if x.device.type == "cpu":
-            return False, "CPU tensors: Triton runs them only under TRITON_INTERPRET=1"
-        return False, f"{x.device.type} tensors: the Triton kernels run on CUDA GPUs"
-    top = kernels.max_head_dim(branch.name)
-    if branch.head_dim > top:
-        return False, f"head dim {branch.head_dim} > {top}: wider tiles exceed on-chip shared memory"
-    if branch.head_dim < kernels.MIN_HEAD_DIM:
-        return False, f"head dim {branch.head_dim} < {kernels.MIN_HEAD_DIM}: below the smallest dot tile"
-    return True, ""
-
-
-def _triton_fits(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    """Whether this GPU can run the kernels (shared memory, compute capability, ROCm's dot precisions)."""
-    return _kernels()[0].fits_device(branch.name, branch.head_dim, x.dtype, x.device)
-
-
-def _eager_why(branch: Branch, cfg: Settings, x: Inputs) -> str:
-    """Why the fused eager path (and the CPU kernel inside it) cannot serve, ``""`` when it can."""
-    if why := _bare(branch):
-        return why
-    if cfg.loss != "dot":
-        return f"loss {cfg.loss!r} is not fused (the eager path runs the dot loss)"
-    if why := _one_step(cfg):
-        return why
-    if x.tracing:
-        return "tracing/compiling: traceable ops serve"
-    return ""
-
-
-def _eager_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    why = _eager_why(branch, cfg, x)
-    return not why, why
-
-
-def _cpu_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    if why := _eager_why(branch, cfg, x):
-        return False, why
-    if x.device.type != "cpu":
-        return False, f"{x.device.type} tensors: the C++ kernel runs CPU tensors"
-    return True, ""
-
-
-def _cpu_prefers(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    if branch.name == "swiglu" and x.tokens == _FEW_TOKENS:
-        return False, (
-            f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path, which folds every sample's "
-            "problems into one tile, is faster"
-        )
-    return True, ""
-
-
-def _compute(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> tuple[Tensor, ...]:
-    """q, k, v and the weights in the inner loop's dtype: float32 at least (bf16/fp16 inner gradients are
-    too coarse)."""
-    ct = torch.promote_types(q.dtype, torch.float32)
-    return q.to(ct), k.to(ct), v.to(ct), {name: p.to(ct) for name, p in params.items()}
-
-
-def _run_triton(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
-    c = step.cfg
-    return _kernels()[0].triton_ttt(
-        step.name,
-        q,
-        k,
-        v,
-        params,
-        grid=step.grid,
-        scale=step.scale,
-        lr=c.inner_lr,
-        grad_norm=c.grad_norm,
-        loss=c.loss,
-        backend="triton",
-    )
-
-
-def _run_eager(cpp: bool) -> Callable[..., Tensor]:
-    """The eager path of one branch: SwiGLU through ``swiglu_ttt`` (tiles, or the C++ kernel when ``cpp``),
-    the depthwise conv as a one-branch ``eager_mix`` node (native convolutions, or the C++ kernel)."""
+    def fits(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+        check = OPS[branch.name].paths[path].fits
+        return check(branch, cfg, x) if check is not None else (True, "")
 
     def run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
-        q, k, v, params = _compute(q, k, v, params)
-        c = step.cfg
-        if step.name == "swiglu":
-            return swiglu_ttt(
-                q,
-                k,
-                v,
-                params["w1"],
-                params["w2"],
-                scale=step.scale,
-                lr=c.inner_lr,
-                grad_norm=c.grad_norm,
-                recompute=step.recompute,
-                cpp=cpp,
-            )
-        b, g, n, d = q.shape
-        qkv = torch.cat([t.transpose(1, 2).reshape(b, n, g * d) for t in (q, k, v)], dim=-1)  # [B, N, 3*G*d]
-        plan = MixPlan(
-            (MixBranch("dwconv", 0, g, d, False, cpp),),
-            step.grid,
-            step.scale,
-            c.inner_lr,
-            c.grad_norm,
-            c.rope_base,
-            step.recompute,
-        )
-        return eager_mix(qkv, plan, [params["weight"]]).unflatten(-1, (g, d)).transpose(1, 2)
+        found = OPS[step.name].paths[path]
+        if found.run is not None:
+            return found.run(step, q, k, v, params, gate)
+        return _run_node(step, path == "cpu", *compute_inputs(q, k, v, params))
 
-    return run
+    return {"supports": supports, "prefers": prefers, "fits": fits, "run": run}
+
+
+def _run_node(step: Step, cpp: bool, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> Tensor:
+    """One branch as a one-branch fused eager node (``eager_mix``) on the op's ``cpu`` or ``eager`` path; q, k, v
+    ``[B, G, N, d]`` (RoPE, where it applies, already on q and k) -> ``[B, G, N, d]``."""
+    c = step.cfg
+    b, g, n, d = q.shape
+    qkv = torch.cat([t.transpose(1, 2).reshape(b, n, g * d) for t in (q, k, v)], dim=-1)  # [B, N, 3*G*d]
+    plan = MixPlan(
+        (MixBranch(step.name, 0, g, d, False, cpp),),
+        step.grid,
+        step.scale,
+        c.inner_lr,
+        c.grad_norm,
+        c.rope_base,
+        step.recompute,
+    )
+    weights = [params[name] for name in OPS[step.name].weights]
+    return eager_mix(qkv, plan, weights).unflatten(-1, (g, d)).transpose(1, 2)
 
 
 def _run_generic(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
-
-    q, k, v, params = _compute(q, k, v, params)
+    q, k, v, params = compute_inputs(q, k, v, params)
     c = step.cfg
     params = inner_loop(
         step.model,
@@ -211,37 +98,28 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             "triton",
             what="the Triton kernels",
-            models=ops_with("triton"),
+            path="triton",
             priority={"cuda": 3},
-            supports=_triton_supports,
-            run=_run_triton,
             native=True,
-            fits=_triton_fits,
             specialises=True,
+            **_on_path("triton"),
         ),
         Backend(
-            "cpu",
-            what="the C++ CPU kernel",
-            models=ops_with("cpp"),
-            priority={"cpu": 3},
-            supports=_cpu_supports,
-            run=_run_eager(cpp=True),
-            prefers=_cpu_prefers,
-            native=True,
+            "cpu", what="the C++ CPU kernel", path="cpu", priority={"cpu": 3}, native=True, **_on_path("cpu")
         ),
         # The tiled walk is tuned for CPU caches: elsewhere auto prefers the generic path.
         Backend(
             "eager",
             what="the fused eager path",
-            models=KINDS,
+            path="eager",
             priority={"cpu": 2, "*": 1},
-            supports=_eager_supports,
-            run=_run_eager(cpp=False),
+            **_on_path("eager"),
         ),
+        # The generic inner loop (``vit3.layers.inner``) is no op's path: it trains every inner model.
         Backend(
             "generic",
             what="the generic inner loop",
-            models=None,
+            path=None,
             priority={"cpu": 1, "*": 2},
             supports=lambda branch, cfg, x: (True, ""),
             run=_run_generic,
