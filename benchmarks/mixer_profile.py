@@ -28,7 +28,7 @@ from vit3.layers import TTTMixer
 
 PARTS = ("projections", "inner loop", "rest")
 _INNER = (
-    "vit3_swiglu_cpu::",
+    "vit3_cpu::",
     "aten::_scaled_dot_product_flash",
     "aten::_efficient_attention",
     "aten::_flash",

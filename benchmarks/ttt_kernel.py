@@ -8,7 +8,7 @@ Per configuration (N tokens, head dim d, B*H sample-heads, the input dtype) and 
   without the kernel would take on a GPU;
 - ``compiled_official``: ``torch.compile`` of the official eager formulation (``official`` below);
 - ``torch_fast``: the mixer's hand-fused path ``vit3.kernels.swiglu.eager.swiglu_ttt`` (when present; on a CPU
-  its passes run in the C++ kernel ``vit3.kernels.swiglu.cpp``);
+  its passes run in the C++ kernel, ``vit3.kernels.cpp``);
 - ``torch_loop``: the generic PyTorch path ``vit3.layers.inner_loop`` + ``SwiGLUInner.apply_to`` (closed-form
   inner gradient, fp32 compute);
 - ``official``: the official eager formulation (~37 eager ops forward), re-written here as the baseline; for

@@ -3,9 +3,9 @@
 Each op — ``swiglu`` (the official inner model), ``linear`` (non-causal linear attention), ``dwconv`` (the
 official 3x3 depthwise-conv branch) — has one pure-PyTorch ``reference`` (the definition every fast path is
 tested against) and beside it its fast paths: ``swiglu.eager`` (tiled PyTorch, hand-written backward, and the
-glue of its passes in the C++ CPU kernel), ``swiglu.cpp`` (that kernel's build and load),
-``dwconv.eager`` (the closed form in native convolution calls), ``dwconv.cpp`` (the same stages on token rows in
-the C++ kernel). The Triton kernels of all three are shared: ``triton_path`` (the path's checks and run) over
+glue of its passes in the C++ CPU kernel, ``swiglu/csrc``), ``dwconv.eager`` (the closed form in native
+convolution calls), ``dwconv.cpp`` (the same stages on token rows in the C++ kernel, ``dwconv/csrc``); ``cpp``
+builds and loads the one C++ extension of both (``torch.ops.vit3_cpu``). The Triton kernels of all three are shared: ``triton_path`` (the path's checks and run) over
 ``triton_op`` (custom ops, autograd, launch set-up) over ``triton_kernels``. ``common`` holds what all ops
 share (the gradient normalisation, the step, the reference step), ``losses`` the inner losses, ``paths`` the
 checks the fused paths share.

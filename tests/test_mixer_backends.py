@@ -29,8 +29,8 @@ from triton.runtime.errors import OutOfResources
 
 import vit3
 import vit3.kernels.swiglu.eager as fast
+from vit3.kernels import cpp as cpu_ext
 from vit3.kernels import triton_op, triton_path
-from vit3.kernels.swiglu import cpp as swiglu_cpu
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends import guard
@@ -618,7 +618,7 @@ def test_triton_double_backward_matches_the_generic_path(monkeypatch, triton_dev
 
 
 def test_cpu_kernel_that_cannot_be_built_demotes_to_the_tiled_path(monkeypatch):
-    monkeypatch.setattr(swiglu_cpu, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
+    monkeypatch.setattr(cpu_ext, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
     mixer, x = _mixer(), _tokens(BIG_GRID)
     tiled = TTTMixer(32, 2, mixer.cfg, backend="eager").double()
     tiled.load_state_dict(mixer.state_dict())

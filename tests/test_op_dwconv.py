@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers.common import count_calls, load_benchmark
 from helpers.ops import assert_matches_reference
 
-import vit3.kernels.swiglu.cpp as swiglu_cpu
+import vit3.kernels.cpp as cpu_ext
 from vit3.kernels.dwconv.eager import dwconv_backward
 from vit3.kernels.dwconv.reference import dwconv, dwconv_ttt_ref
 from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
@@ -174,7 +174,7 @@ def test_one_sample_depthwise_backward_stays_channels_last_and_matches_nchw():
 def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
     """``dwconv`` (per-sample or shared taps) and ``dwconv_weight_grad`` against float64 ``F.conv2d`` and its
     weight gradient, reading and writing [B, N, C] views strided across a wider tensor."""
-    ops, _ = swiglu_cpu.load()
+    ops, _ = cpu_ext.load()
     b, (h, w), c = 3, grid, channels
     wide = torch.randn(b, h * w, 3 * c, dtype=torch.float64)
     x, g = wide[..., :c], wide[..., c : 2 * c]  # [B, N, C] views with row stride 3C
@@ -212,7 +212,7 @@ def test_depthwise_ops_match_torch_conv_on_strided_token_rows(grid, channels):
 
 
 def test_fused_step_ops_reject_a_weight_of_another_shape_by_name():
-    ops, _ = swiglu_cpu.load()
+    ops, _ = cpu_ext.load()
     q = torch.randn(2, 12, 8)
     with pytest.raises(RuntimeError, match=r"depthwise weight must be \[1\|B, C, 3, 3\] = \[1\|2, 8, 3, 3\]"):
         ops.dwconv_ttt_forward(q, q, q, torch.randn(1, 9, 8), torch.empty_like(q), 3, 4, 0.1, 1.0, True)

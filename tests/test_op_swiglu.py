@@ -18,7 +18,7 @@ import torch
 from helpers.common import count_calls, load_benchmark
 from helpers.ops import assert_matches_reference
 
-import vit3.kernels.swiglu.cpp as swiglu_cpu
+import vit3.kernels.cpp as cpu_ext
 import vit3.kernels.swiglu.eager as fast
 from vit3.kernels.swiglu.reference import swiglu_ttt_ref
 from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
@@ -241,7 +241,7 @@ def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls
 def test_ops_read_and_write_strided_token_views_like_dense_ones(block):
     """The ops take q, k, v, the read-out and dq, dk, dv as views with unit stride along d (matmuls read and
     write them with their row strides), in token blocks or with a sample's heads grouped (N = 40 <= block)."""
-    ops, _ = swiglu_cpu.load()
+    ops, _ = cpu_ext.load()
     b, n = 2, 40
     qkv = torch.randn(b, n, 3 * H * D)
     w1, w2 = (0.3 * torch.randn(b, H, D, D) for _ in range(2))
@@ -269,7 +269,7 @@ def test_ops_read_and_write_strided_token_views_like_dense_ones(block):
 
 
 def test_ops_reject_mismatched_inputs_by_name():
-    ops, _ = swiglu_cpu.load()
+    ops, _ = cpu_ext.load()
     q, v = torch.randn(1, H, 10, D), torch.randn(1, H, 11, D)
     w = torch.randn(1, H, D, D)
     out = torch.empty_like(q)
@@ -296,7 +296,7 @@ def test_forcing_the_kernel_onto_unsupported_tensors_names_the_problem():
 
 
 def test_a_failed_build_raises_naming_the_error(monkeypatch, kernel_calls):
-    monkeypatch.setattr(swiglu_cpu, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
+    monkeypatch.setattr(cpu_ext, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
     _, q, k, v, w1, w2 = _inputs(2, H, 12, D)
     with pytest.raises(RuntimeError, match=r"could not be built.*no C\+\+ compiler"):
         fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpp=True)
@@ -304,7 +304,7 @@ def test_a_failed_build_raises_naming_the_error(monkeypatch, kernel_calls):
 
 
 def test_build_targets_the_cpus_vector_unit():
-    suffix, flags = swiglu_cpu._build_flags()
+    suffix, flags = cpu_ext._build_flags()
     capability = torch.backends.cpu.get_cpu_capability()
     assert "-O3" in flags and "-fopenmp" in flags
     if capability in ("AVX512", "AVX2"):
@@ -315,7 +315,7 @@ def test_build_targets_the_cpus_vector_unit():
 
 def test_the_build_is_keyed_by_its_source_so_checkouts_never_rebuild_each_other(tmp_path, monkeypatch):
     """Checkouts (source roots) with different kernels get different extension names and build folders; with
-    the same kernel, one build whose inputs name no checkout (a copy of the source in its folder: its ninja file,
+    the same kernel, one build whose inputs name no checkout (copies of the sources in its folder: its ninja file,
     so the build, is the same whichever loads it). The flags key it too; the folder sits under
     ``$TORCH_EXTENSIONS_DIR``, else PyTorch's build root."""
     import torch.utils.cpp_extension as cpp_extension
@@ -324,23 +324,22 @@ def test_the_build_is_keyed_by_its_source_so_checkouts_never_rebuild_each_other(
     monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: calls.append((name, sources, kw)))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     for root, edit in (("clone", b""), ("wheel", b""), ("edited", b"// a change\n")):
-        source = tmp_path / root / "csrc" / "swiglu_cpu.cpp"
-        source.parent.mkdir(parents=True)
-        source.write_bytes(swiglu_cpu.SOURCE.read_bytes() + edit)
-        monkeypatch.setattr(swiglu_cpu, "SOURCE", source)
-        swiglu_cpu.load.__wrapped__()  # uncached: the process's kernel stays loaded
+        files = [tmp_path / root / f.name for f in cpu_ext.FILES]
+        files[0].parent.mkdir(parents=True)
+        for copy, f in zip(files, cpu_ext.FILES):
+            copy.write_bytes(f.read_bytes() + (edit if copy.suffix == ".cpp" else b""))
+        monkeypatch.setattr(cpu_ext, "FILES", tuple(files))
+        cpu_ext.load.__wrapped__()  # uncached: the process's kernel stays loaded
     clone, wheel, edited = calls
     assert clone == wheel, "the same source builds once, whichever checkout loads it"
     name, sources, kw = clone
     folder = tmp_path / "ext" / name
-    assert kw["build_directory"] == str(folder) and [Path(s).parent for s in sources] == [folder]
+    assert kw["build_directory"] == str(folder) and [Path(s).parent for s in sources] == [folder, folder]
     assert edited[0] != name and edited[2]["build_directory"] != str(folder)
-    suffix, flags = swiglu_cpu._build_flags()
-    assert swiglu_cpu.build_target(source, suffix, flags) != swiglu_cpu.build_target(
-        source, suffix, [*flags, "-g"]
-    )
+    suffix, flags = cpu_ext._build_flags()
+    assert cpu_ext.build_target(files, suffix, flags) != cpu_ext.build_target(files, suffix, [*flags, "-g"])
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    assert swiglu_cpu.build_target(source, suffix, flags)[1].parent == Path(
+    assert cpu_ext.build_target(files, suffix, flags)[1].parent == Path(
         cpp_extension.get_default_build_root()
     )
 
@@ -363,7 +362,7 @@ def test_the_cpp_kernel_loads_and_runs_without_triton():
 import sys
 sys.modules["triton"] = None
 import torch
-from vit3.kernels.swiglu.cpp import cpu_kernel_ops
+from vit3.kernels.cpp import cpu_kernel_ops
 from vit3.kernels.swiglu.eager import swiglu_ttt
 from vit3.kernels import triton_path
 from vit3.layers import TTTMixer

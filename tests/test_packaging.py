@@ -83,6 +83,20 @@ def test_wheel_ships_every_config_and_reads_them_outside_the_repo(installed, tmp
     assert report["tasks"]["generation/demo_mnist.yaml"] == "generation"
 
 
+def test_wheel_ships_the_cpu_extensions_sources(installed, tmp_path):
+    """The installed ``vit3.kernels.cpp`` finds every file the C++ extension builds from (each op's source and
+    the shared header), in the installed package."""
+    site, env = installed
+    code = "import json; from vit3.kernels import cpp; print(json.dumps([str(f) for f in cpp.FILES if f.is_file()]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = [Path(f) for f in json.loads(proc.stdout.strip().splitlines()[-1])]
+    assert sorted(f.name for f in found) == ["dwconv.cpp", "swiglu.cpp", "vit3_cpu.h"]
+    assert all(f.is_relative_to(site) for f in found)
+
+
 @pytest.mark.slow
 def test_installed_train_program_runs_the_readme_demo_outside_the_repo(installed, tmp_path):
     """``vit3-train --config configs/demo_mnist.yaml`` from an empty folder, on the embedded digits."""

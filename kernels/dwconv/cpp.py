@@ -1,6 +1,6 @@
 """The depthwise-conv op's C++ path: the closed-form TTT step on token rows, in the C++ CPU kernel
-(``vit3.kernels.swiglu.cpp``'s extension: ``dwconv_ttt_forward`` / ``dwconv_ttt_backward``, one call each,
-built on its 3x3 depthwise ops ``dwconv`` and ``dwconv_weight_grad``; the step between them in C++ too).
+(``csrc/dwconv.cpp`` in the extension ``vit3.kernels.cpp`` builds: ``dwconv_ttt_forward`` /
+``dwconv_ttt_backward``, one call each, built on its 3x3 depthwise ops ``dwconv`` and ``dwconv_weight_grad``; the step between them in C++ too).
 
 The same stages as ``vit3.kernels.dwconv.eager`` (``G = Σ_p E[p] k[p + δ]`` with ``E = -s v / N``, the step,
 ``out = dwconv(q; W')``, and the backward ``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)``), but
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ..cpp import cpu_kernel_ops
 from ..ops import Node
-from ..swiglu.cpp import cpu_kernel_ops
 
 __all__ = ["NODE", "ttt_backward", "ttt_forward", "untaps"]
 

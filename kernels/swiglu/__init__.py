@@ -1,12 +1,12 @@
 """The SwiGLU op (the official ViT³ inner model): ``reference`` (the one definition), ``eager`` (the tiled
-PyTorch path with a hand-written backward, and its passes in the C++ CPU kernel), ``cpp`` (that kernel's
-build and load, ``csrc/``) and the Triton kernels (``vit3.kernels.triton_op``, shared with the other ops)."""
+PyTorch path with a hand-written backward, and the glue of the same passes in the C++ CPU kernel,
+``csrc/swiglu.cpp``, built by ``vit3.kernels.cpp``) and the Triton kernels (``vit3.kernels.triton_op``, shared
+with the other ops)."""
 
 from ..ops import Op, Path
 from ..paths import cpu_supports, eager_supports
 from ..triton_path import TRITON
-from .cpp import prefers_kernel
-from .eager import CPP_NODE, EAGER_NODE, run
+from .eager import CPP_NODE, EAGER_NODE, prefers_kernel, run
 from .reference import op_reference
 
 OP = Op(

@@ -21,8 +21,8 @@ Problems small enough that a whole sample fits in one tile are folded to ``[1, B
 samples and per-op overheads stay amortised. Elementwise work writes into a few reused scratch tiles: fresh
 allocations would cost more than the ops.
 
-With ``cpp=True`` the four passes run in the C++ CPU kernel ``vit3.kernels.swiglu.cpp`` (the same
-passes, small problems grouped into batched matmuls, large ones in blocks of tokens, elementwise chains
+With ``cpp=True`` the four passes run in the C++ CPU kernel (``csrc/swiglu.cpp`` in the extension built by
+``vit3.kernels.cpp``; the same passes, small problems grouped into batched matmuls, large ones in blocks of tokens, elementwise chains
 fused, the step between them in C++ too: one call per direction; the mixer's backend registry
 ``vit3.layers.backends`` decides when).
 
@@ -43,14 +43,16 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..common import autocast_backward, autocast_forward, grad_flows, step, step_backward, weight_grad
-from ..ops import Node, Step
-from ..paths import compute_inputs
+from ..cpp import cpu_kernel_ops
+from ..ops import Branch, Inputs, Node, Settings, Step
+from ..paths import FEW_TOKENS, MIN_CPU_KERNEL_TOKENS, compute_inputs
 
 __all__ = [
     "CPP_NODE",
     "EAGER_NODE",
     "SwiGLUSaved",
     "dense_inputs",
+    "prefers_kernel",
     "run",
     "swiglu_backward",
     "swiglu_forward",
@@ -237,7 +239,7 @@ def swiglu_forward(
         save: keep what ``swiglu_backward`` needs.
         recompute: keep only q, k, v and the weights: the backward recomputes the pre-activations Z, Y
             (4·d fewer values per token and head, four more ``[N, d] x [d, d]`` matmuls).
-        cpp: run the passes in the C++ CPU kernel (``vit3.kernels.swiglu.cpp``: float32/float64 CPU
+        cpp: run the passes in the C++ CPU kernel (``vit3.kernels.cpp``: float32/float64 CPU
             tensors; raises when it cannot be built), else the tiled PyTorch path.
         dense: the kernel gets dense copies of q, k, v (``None``: ``dense_inputs(q)``); the tiled path always.
     """
@@ -377,13 +379,9 @@ def swiglu_backward(
 
 
 def _kernel(flag: bool, like: Tensor) -> Any:
-    """The C++ CPU kernel's ops for tensors like ``like`` when ``flag`` (``vit3.kernels.swiglu.cpp``), else
+    """The C++ CPU extension's ops for tensors like ``like`` when ``flag`` (``vit3.kernels.cpp``), else
     ``None``."""
-    if not flag:
-        return None
-    from .cpp import cpu_kernel_ops
-
-    return cpu_kernel_ops(like)
+    return cpu_kernel_ops(like) if flag else None
 
 
 def _unit_stride(t: Tensor) -> Tensor:
@@ -584,3 +582,13 @@ def run(cpp: bool) -> Callable[..., Tensor]:
         )
 
     return run_branch
+
+
+def prefers_kernel(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
+    """The C++ path's ``prefers``: auto keeps the tiled path below ``MIN_CPU_KERNEL_TOKENS`` tokens per head."""
+    if x.tokens == FEW_TOKENS:
+        return False, (
+            f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path, which folds every sample's "
+            "problems into one tile, is faster"
+        )
+    return True, ""

@@ -86,9 +86,9 @@ register_notrace_module(ConvPosEnc)
 
 def _conv_pos_kernel(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """``x + dwconv3x3(x) + bias`` on a channels-last map ``[B, H, W, C]`` in one call of the C++ kernel's
-    depthwise op on its token rows (``vit3.kernels.swiglu.cpp``; it reads the ``[C, 1, 3, 3]`` weight as it
+    depthwise op on its token rows (``vit3.kernels.cpp``; it reads the ``[C, 1, 3, 3]`` weight as it
     is); returns it and the token rows ``[B, N, C]`` (for the backward)."""
-    from vit3.kernels.swiglu.cpp import cpu_kernel_ops
+    from vit3.kernels.cpp import cpu_kernel_ops
 
     b, h, w, c = x.shape
     tokens = x.reshape(b, h * w, c)  # [B, N, C]
@@ -106,7 +106,7 @@ def _conv_pos_kernel_backward(
     """Gradients of ``_conv_pos_kernel`` from ``d_out`` ``[B, H, W, C]`` in two kernel calls: the input gradient
     is the residual plus the correlation with the flipped weight; returns dx ``[B, H, W, C]``, dweight
     ``[C, 1, 3, 3]`` and dbias ``[C]`` (``None`` without a bias)."""
-    from vit3.kernels.swiglu.cpp import cpu_kernel_ops
+    from vit3.kernels.cpp import cpu_kernel_ops
 
     (h, w), (b, n, c) = grid, tokens.shape
     ops = cpu_kernel_ops(tokens)

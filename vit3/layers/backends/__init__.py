@@ -1,14 +1,15 @@
 """Which implementation runs each branch of a TTT mixer, and why: the one place that decides.
 
-A *backend* is one implementation of a branch's inner loop + read-out. It implements the ops that declare its
-fast path (``vit3.kernels.<op>.PATHS``, read through ``vit3.kernels.ops_with``) and has
-``supports(branch, cfg, x) -> (ok, reason)`` and a priority per device type:
+A *backend* is one implementation of a branch's inner loop + read-out. All but the generic one run one fast
+path of the ops in the table ``vit3.kernels.ops.OPS`` (the ops that have it, ``vit3.kernels.ops_with``), whose
+``supports(branch, cfg, x) -> (ok, reason)`` and ``run`` are the branch's op's; each has a priority per
+device type:
 
 ========  ==========================================================  ===========================
 backend   what runs                                                   auto order
 ========  ==========================================================  ===========================
 triton    the Triton op ``vit3.kernels.triton_ttt``                    CUDA: first
-cpu       the C++ CPU kernel (``swiglu.cpp``, ``dwconv.cpp``)          CPU: first (SwiGLU from 32 tokens)
+cpu       the C++ CPU kernel (``vit3.kernels.cpp``)                   CPU: first (SwiGLU from 32 tokens)
 eager     the eager paths (``swiglu.eager``, ``dwconv.eager``)        CPU: second; CUDA: last
 generic   closed-form ``inner_loop`` + ``apply_to`` (every config)    CPU: last; CUDA: second
 ========  ==========================================================  ===========================

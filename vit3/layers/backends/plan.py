@@ -271,7 +271,7 @@ def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
     if _requested(backend)[0] not in ("auto", "cpu"):
         return False
     try:
-        from vit3.kernels.swiglu.cpp import load
+        from vit3.kernels.cpp import load
     except Exception:  # the kernels package cannot be imported: oneDNN serves
         return False
     return load()[0] is not None

@@ -2,8 +2,8 @@
 // ttt_backward, one op each, so a mixer branch costs one call per direction. Each runs two passes over the
 // tokens that walk every (sample, head) problem, small problems grouped, large ones in token blocks of about
 // a MiB, and the small per-(sample, head) step between them (W' = W - lr G / (||G|| + 1) and its backward,
-// kernels/common.py's step). The same extension holds the 3x3 depthwise op on token rows (the dwconv branch
-// with its step, ConvPosEnc), at the end.
+// kernels/common.py's step, in vit3_cpu.h). Built with the depthwise op (kernels/dwconv/csrc/dwconv.cpp) into one
+// extension, vit3_cpu (kernels/cpp.py): ops torch.ops.vit3_cpu.ttt_forward / ttt_backward.
 //
 // The passes do every N-sized matmul (ATen, i.e. MKL) and fuse each elementwise chain between two matmuls
 // into one loop over a block that is still in cache. The same passes in PyTorch are the tiled path of
@@ -23,23 +23,11 @@
 // matmuls run single-threaded on cache-resident blocks; with fewer groups than threads the groups run one
 // after another and every op is parallel inside.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
-#include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
-
-#include <cmath>
-#include <type_traits>
-#include <vector>
+#include "vit3_cpu.h"
 
 namespace {
 
-using at::Tensor;
-
-template <typename T>
-using Vec = at::vec::Vectorized<T>;
+using namespace vit3_cpu;
 
 // exp in the vector unit: ATen's fast float exp where the CPU has one, else the element-wise std::exp.
 template <typename T>
@@ -171,14 +159,14 @@ inline Tensor view(const Tensor& s, int64_t slot, const Group& g, int64_t c) {
 void check_inputs(const std::vector<Tensor>& dense, const std::vector<Tensor>& views) {
   const auto dtype = views.front().scalar_type();
   for (const auto& t : dense) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, "swiglu_cpu: CPU tensors of one dtype only");
-    TORCH_CHECK(t.is_contiguous(), "swiglu_cpu: weights and saved buffers must be contiguous");
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, "vit3_cpu: CPU tensors of one dtype only");
+    TORCH_CHECK(t.is_contiguous(), "vit3_cpu: weights and saved buffers must be contiguous");
   }
   const auto shape = views.front().sizes();
   for (const auto& t : views) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, "swiglu_cpu: CPU tensors of one dtype only");
-    TORCH_CHECK(t.dim() == 4 && t.sizes() == shape, "swiglu_cpu: tokens must all be [B, H, N, d] of one shape");
-    TORCH_CHECK(t.stride(-1) == 1, "swiglu_cpu: tokens need unit stride along d");
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, "vit3_cpu: CPU tensors of one dtype only");
+    TORCH_CHECK(t.dim() == 4 && t.sizes() == shape, "vit3_cpu: tokens must all be [B, H, N, d] of one shape");
+    TORCH_CHECK(t.stride(-1) == 1, "vit3_cpu: tokens need unit stride along d");
   }
 }
 
@@ -187,7 +175,7 @@ void check_shape(const Tensor& t, const Tensor& tokens, int64_t rows, int64_t wi
   TORCH_CHECK(
       t.dim() == 4 && t.size(0) == tokens.size(0) && t.size(1) == tokens.size(1) && t.size(2) == rows &&
           t.size(3) == width,
-      "swiglu_cpu: ", name, " must be [B, H, ", rows, ", ", width, "], got ", t.sizes());
+      "vit3_cpu: ", name, " must be [B, H, ", rows, ", ", width, "], got ", t.sizes());
 }
 
 // Pass 1 of the forward: Z = k [W1 | W2], P = [v ⊙ A | v ⊙ Z1 ⊙ A'] (A = silu(Z2), A' = σ + A (1 - σ)),
@@ -345,255 +333,8 @@ void inner_backward_impl(
   });
 }
 
-// The inner step on problems of [rows, cols] (contiguous, one after another): G <- -c G (the -c of E = -c v),
-// n_j = ||G[:, j]||, W' = W - lr G / (n + 1), or W - lr G without the normalisation (n = 0 then). Tiny next to
-// the passes; here so that a step costs no Python and no ATen calls. The formula is kernels/common.py's step.
-template <typename T>
-void step_impl(const Tensor& g, const Tensor& w, const Tensor& w_new, const Tensor& norm, int64_t rows, T c, T lr, bool grad_norm) {
-  const int64_t cols = g.size(-1), problems = g.numel() / (rows * cols);
-  T *G = g.data_ptr<T>(), *Wn = w_new.data_ptr<T>(), *Nm = norm.data_ptr<T>();
-  const T* W = w.data_ptr<T>();
-  for (int64_t p = 0; p < problems; ++p) {
-    T *gp = G + p * rows * cols, *wn = Wn + p * rows * cols, *n = Nm + p * cols;
-    const T* wp = W + p * rows * cols;
-    for (int64_t j = 0; j < cols; ++j) n[j] = T(0);
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t j = 0; j < cols; ++j) {
-        const T v = gp[i * cols + j] * -c;
-        gp[i * cols + j] = v;
-        n[j] += v * v;
-      }
-    }
-    for (int64_t j = 0; j < cols; ++j) n[j] = grad_norm ? std::sqrt(n[j]) : T(0);
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t j = 0; j < cols; ++j) {
-        const T gv = gp[i * cols + j];
-        wn[i * cols + j] = wp[i * cols + j] - lr * (grad_norm ? gv / (n[j] + T(1)) : gv);
-      }
-    }
-  }
-}
-
-// dL/dG from dL/dW' through step_impl, times -c, into out (row stride out_cols, first column 0):
-// dĜ = -lr dW'; dG = dĜ / (n + 1) - G (G·dĜ)_j / (n_j (n_j + 1)²) (the second term vanishes with G where n = 0).
-template <typename T>
-void step_backward_impl(
-    const Tensor& dw, const Tensor& g, const Tensor& norm, T* out, int64_t out_cols, int64_t rows, T c, T lr, bool grad_norm) {
-  const int64_t cols = g.size(-1), problems = g.numel() / (rows * cols);
-  const T *DW = dw.data_ptr<T>(), *G = g.data_ptr<T>(), *Nm = norm.data_ptr<T>();
-  std::vector<T> coef(cols), inv(cols);  // inv: n + 1
-  for (int64_t p = 0; p < problems; ++p) {
-    const T *dwp = DW + p * rows * cols, *gp = G + p * rows * cols, *n = Nm + p * cols;
-    T* op = out + p * rows * out_cols;
-    for (int64_t j = 0; j < cols; ++j) coef[j] = T(0);
-    if (grad_norm) {
-      for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t j = 0; j < cols; ++j) coef[j] += gp[i * cols + j] * (dwp[i * cols + j] * -lr);
-      }
-      for (int64_t j = 0; j < cols; ++j) {
-        const T n1 = n[j] + T(1);
-        inv[j] = n1;
-        coef[j] = coef[j] / (std::max(n[j], T(1e-30)) * (n1 * n1));
-      }
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t j = 0; j < cols; ++j) {
-        const T dg_hat = dwp[i * cols + j] * -lr;
-        const T dg = grad_norm ? dg_hat / inv[j] - gp[i * cols + j] * coef[j] : dg_hat;
-        op[i * out_cols + j] = dg * -c;
-      }
-    }
-  }
-}
-
-// The official mixer's depthwise 3x3 branch on token rows: x, out [B, N, C] (N = h * w in raster order) with
-// unit stride along C and any other strides (views of the mixer's qkv projection, output and gradient);
-// per-sample taps [1|B, 9, C] contiguous, tap (di, dj) at 3 (di + 1) + dj + 1. Each (sample, channel vector)
-// walks the grid once, with zero padding; oneDNN's depthwise calls cost ~60-100 µs each at 14x14 here, this
-// costs a few.
-
-// A [B, N, C] token tensor with unit stride along C: first element and the sample and token strides.
-template <typename T>
-struct Map {
-  T* ptr;
-  int64_t sb, sn;
-  T* at(int64_t b, int64_t p) const { return ptr + b * sb + p * sn; }
-};
-
-template <typename T>
-Map<T> map_of(const Tensor& t) {
-  return {t.data_ptr<T>(), t.stride(0), t.stride(1)};
-}
-
-// Calls f(b, c0, lanes) over every (sample, channel vector) unit, spread over ATen's threads.
-template <typename F>
-void for_channel_vectors(int64_t B, int64_t C, int64_t W, F f) {
-  const int64_t chunks = (C + W - 1) / W;
-  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t c0 = (u % chunks) * W;
-      f(u / chunks, c0, std::min(W, C - c0));
-    }
-  });
-}
-
-// Output columns per register block of the depthwise loops: each input vector is loaded once per block row and
-// feeds up to three accumulators held in registers (one vector per output column), where a loop over the 9 taps
-// per output would chain 9 dependent FMAs and reload every input 3 times per row.
-constexpr int kCols = 8;
-
-// Calls f(std::integral_constant<int, n>) for a block of n = 1..kCols columns (the block loops unroll on n).
-template <typename F>
-inline void with_cols(int64_t n, F f) {
-  switch (n) {
-    case 8: f(std::integral_constant<int, 8>()); break;
-    case 7: f(std::integral_constant<int, 7>()); break;
-    case 6: f(std::integral_constant<int, 6>()); break;
-    case 5: f(std::integral_constant<int, 5>()); break;
-    case 4: f(std::integral_constant<int, 4>()); break;
-    case 3: f(std::integral_constant<int, 3>()); break;
-    case 2: f(std::integral_constant<int, 2>()); break;
-    default: f(std::integral_constant<int, 1>()); break;
-  }
-}
-static_assert(kCols == 8, "with_cols covers 1..8 columns");
-
-// One input row's contribution to output columns [j0, j0 + NJ) of one channel vector: acc[o] += Σ_dj kr[dj + 1] ⊙
-// x[j0 + o + dj] (zero padding), x the row's first token (token stride sn), kr the row's three taps.
-template <typename T, int NJ>
-inline void conv_row(const T* x, int64_t sn, const Vec<T>* kr, int64_t j0, int64_t gw, int64_t lanes, Vec<T>* acc) {
-#pragma GCC unroll 10
-  for (int t = 0; t < NJ + 2; ++t) {  // input column j0 - 1 + t feeds outputs t (tap 0), t - 1 (1), t - 2 (2)
-    const int64_t j = j0 - 1 + t;
-    if (j < 0 || j >= gw) continue;
-    const Vec<T> xv = Vec<T>::loadu(x + j * sn, lanes);
-    if (t < NJ) acc[t] = at::vec::fmadd(kr[0], xv, acc[t]);
-    if (t >= 1 && t - 1 < NJ) acc[t - 1] = at::vec::fmadd(kr[1], xv, acc[t - 1]);
-    if (t >= 2) acc[t - 2] = at::vec::fmadd(kr[2], xv, acc[t - 2]);
-  }
-}
-
-// One input row's contribution to the three taps kr of one channel vector from output columns [j0, j0 + NJ):
-// acc[dj + 1] += Σ_o g[o] ⊙ x[j0 + o + dj], g the block's output gradient vectors.
-template <typename T, int NJ>
-inline void weight_grad_row(const T* x, int64_t sn, const Vec<T>* g, int64_t j0, int64_t gw, int64_t lanes, Vec<T>* acc) {
-#pragma GCC unroll 10
-  for (int t = 0; t < NJ + 2; ++t) {
-    const int64_t j = j0 - 1 + t;
-    if (j < 0 || j >= gw) continue;
-    const Vec<T> xv = Vec<T>::loadu(x + j * sn, lanes);
-    if (t < NJ) acc[0] = at::vec::fmadd(g[t], xv, acc[0]);
-    if (t >= 1 && t - 1 < NJ) acc[1] = at::vec::fmadd(g[t - 1], xv, acc[1]);
-    if (t >= 2) acc[2] = at::vec::fmadd(g[t - 2], xv, acc[2]);
-  }
-}
-
-// out[b, p] = Σ_δ w[b, δ] ⊙ x[b, p + δ] (a per-sample depthwise 3x3 conv, cross-correlation as torch's),
-// + bias [C] when defined, + x[b, p] when residual (ConvPosEnc: x + dwconv(x)).
-template <typename T>
-void dwconv_impl(
-    const Tensor& x, const Tensor& w, const Tensor& out, int64_t gh, int64_t gw, const Tensor& bias, bool residual) {
-  const int64_t B = x.size(0), C = x.size(2), ws = w.size(0) == 1 ? 0 : 9 * C;
-  constexpr int64_t W = Vec<T>::size();
-  const auto X = map_of<T>(x), O = map_of<T>(out);
-  const T* taps = w.data_ptr<T>();
-  const bool conv_layout = w.dim() == 4;  // a shared conv weight [C, 1, 3, 3]: tap t of channel c at 9 c + t
-  for_channel_vectors(B, C, W, [&](int64_t b, int64_t c0, int64_t lanes) {
-    Vec<T> k[9];
-    if (conv_layout) {
-      T buf[W];
-      for (int64_t t = 0; t < 9; ++t) {
-        for (int64_t l = 0; l < lanes; ++l) buf[l] = taps[(c0 + l) * 9 + t];
-        k[t] = Vec<T>::loadu(buf, lanes);
-      }
-    } else {
-      for (int64_t t = 0; t < 9; ++t) k[t] = Vec<T>::loadu(taps + b * ws + c0 + t * C, lanes);
-    }
-    const Vec<T> start = bias.defined() ? Vec<T>::loadu(bias.data_ptr<T>() + c0, lanes) : Vec<T>(T(0));
-    for (int64_t i = 0; i < gh; ++i) {
-      for (int64_t j0 = 0; j0 < gw; j0 += kCols) {
-        with_cols(std::min<int64_t>(kCols, gw - j0), [&](auto cols) {
-          constexpr int NJ = decltype(cols)::value;
-          Vec<T> acc[NJ];
-          for (int o = 0; o < NJ; ++o) {
-            acc[o] = residual ? start + Vec<T>::loadu(X.at(b, i * gw + j0 + o) + c0, lanes) : start;
-          }
-          const T* row = X.at(b, i * gw) + c0;
-          if (i > 0) conv_row<T, NJ>(row - gw * X.sn, X.sn, k, j0, gw, lanes, acc);
-          conv_row<T, NJ>(row, X.sn, k + 3, j0, gw, lanes, acc);
-          if (i + 1 < gh) conv_row<T, NJ>(row + gw * X.sn, X.sn, k + 6, j0, gw, lanes, acc);
-          for (int o = 0; o < NJ; ++o) acc[o].store(O.at(b, i * gw + j0 + o) + c0, lanes);
-        });
-      }
-    }
-  });
-}
-
-// g_w[b, δ] = Σ_p g[b, p] ⊙ x[b, p + δ] (the weight gradient of dwconv with output gradient g), g_w [B, 9, C].
-template <typename T>
-void dwconv_weight_grad_impl(const Tensor& g, const Tensor& x, const Tensor& gw_out, int64_t gh, int64_t gw) {
-  const int64_t B = x.size(0), C = x.size(2);
-  constexpr int64_t W = Vec<T>::size();
-  const auto G = map_of<T>(g), X = map_of<T>(x);
-  T* out = gw_out.data_ptr<T>();
-  for_channel_vectors(B, C, W, [&](int64_t b, int64_t c0, int64_t lanes) {
-    Vec<T> acc[9];
-    for (int64_t t = 0; t < 9; ++t) acc[t] = Vec<T>(T(0));
-    for (int64_t i = 0; i < gh; ++i) {
-      for (int64_t j0 = 0; j0 < gw; j0 += kCols) {
-        with_cols(std::min<int64_t>(kCols, gw - j0), [&](auto cols) {
-          constexpr int NJ = decltype(cols)::value;
-          Vec<T> gv[NJ];
-          for (int o = 0; o < NJ; ++o) gv[o] = Vec<T>::loadu(G.at(b, i * gw + j0 + o) + c0, lanes);
-          // the three rows spelled out: acc stays in registers with constant tap indices
-          const T* row = X.at(b, i * gw) + c0;
-          if (i > 0) weight_grad_row<T, NJ>(row - gw * X.sn, X.sn, gv, j0, gw, lanes, acc);
-          weight_grad_row<T, NJ>(row, X.sn, gv, j0, gw, lanes, acc + 3);
-          if (i + 1 < gh) weight_grad_row<T, NJ>(row + gw * X.sn, X.sn, gv, j0, gw, lanes, acc + 6);
-        });
-      }
-    }
-    for (int64_t t = 0; t < 9; ++t) acc[t].store(out + (b * 9 + t) * C + c0, lanes);
-  });
-}
-
-void check_maps(const std::vector<Tensor>& maps, int64_t gh, int64_t gw) {
-  const auto& first = maps.front();
-  for (const auto& t : maps) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == first.scalar_type(), "swiglu_cpu: CPU tensors of one dtype only");
-    TORCH_CHECK(t.dim() == 3 && t.sizes() == first.sizes(), "swiglu_cpu: maps must all be [B, N, C] of one shape");
-    TORCH_CHECK(t.stride(-1) == 1, "swiglu_cpu: maps need unit stride along C");
-  }
-  TORCH_CHECK(gh > 0 && gw > 0 && gh * gw == first.size(1), "swiglu_cpu: grid ", gh, "x", gw, " does not fit N=", first.size(1));
-}
-
-// taps [B, 9, C] (with broadcast also [1, 9, C] or a shared conv weight [C, 1, 3, 3]), contiguous, the maps' dtype.
-void check_taps(const Tensor& w, const Tensor& x, bool broadcast) {
-  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous(), "swiglu_cpu: taps must be contiguous, of the maps' dtype");
-  const int64_t C = x.size(2);
-  const bool conv = broadcast && w.dim() == 4 && w.size(0) == C && w.size(1) == 1 && w.size(2) == 3 && w.size(3) == 3;
-  TORCH_CHECK(
-      conv || (w.dim() == 3 && (w.size(0) == x.size(0) || (broadcast && w.size(0) == 1)) && w.size(1) == 9 && w.size(2) == C),
-      "swiglu_cpu: taps must be [", broadcast ? "1|" : "", "B, 9, C]", broadcast ? " or a weight [C, 1, 3, 3]" : "", ", got ",
-      w.sizes());
-}
-
-#define VIT3_DISPATCH(t, name, ...)                                  \
-  if ((t).scalar_type() == at::kFloat) {                             \
-    name<float>(__VA_ARGS__);                                        \
-  } else if ((t).scalar_type() == at::kDouble) {                     \
-    name<double>(__VA_ARGS__);                                       \
-  } else {                                                           \
-    TORCH_CHECK(false, "swiglu_cpu: float32 or float64, got ", (t).scalar_type()); \
-  }
-
-void check_float(const Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "swiglu_cpu: float32 or float64, got ",
-              t.scalar_type());
-}
-
 void check_block(int64_t block) {
-  TORCH_CHECK(block > 0, "swiglu_cpu: block must be a positive number of tokens, got ", block);
+  TORCH_CHECK(block > 0, "vit3_cpu: block must be a positive number of tokens, got ", block);
 }
 
 // An optional saved pre-activation buffer (Z or Y, [B, H, N, 2d] like q's tokens), checked; undefined if absent.
@@ -625,14 +366,14 @@ std::vector<Tensor> ttt_forward(
   for (const auto* wi : {&w1, &w2}) {
     TORCH_CHECK(wi->scalar_type() == q.scalar_type() && wi->dim() == 4 && (wi->size(0) == 1 || wi->size(0) == B) &&
                     wi->size(1) == H && wi->size(2) == d && wi->size(3) == d,
-                "swiglu_cpu: w1, w2 must be [1|B, H, d, d] = [1|", B, ", ", H, ", ", d, ", ", d, "], got ", wi->sizes());
+                "vit3_cpu: w1, w2 must be [1|B, H, d, d] = [1|", B, ", ", H, ", ", d, ", ", d, "], got ", wi->sizes());
   }
   const Tensor w = at::cat({w1.expand({B, H, d, d}), w2.expand({B, H, d, d})}, 3);  // [B, H, d, 2d]
   const Tensor zz = saved_buffer(z, q), yy = saved_buffer(y, q);
   check_block(block);
   check_float(q);
   Tensor g = at::zeros_like(w), w_new = at::empty_like(w), norm = at::empty({B, H, 1, 2 * d}, w.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "swiglu_cpu_ttt_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "vit3_cpu_ttt_forward", [&] {
     inner_grad_impl<scalar_t>(k, v, w, g, zz, block);
     step_impl<scalar_t>(g, w, w_new, norm, d, scalar_t(c), scalar_t(lr), grad_norm);
     readout_impl<scalar_t>(q, w_new, out, yy, block);
@@ -671,7 +412,7 @@ Tensor ttt_backward(
   Tensor dw = at::zeros_like(w);
   Tensor dgw = at::empty({B, H, d, 4 * d}, w.options());  // [dG | W]
   dgw.narrow(3, 2 * d, 2 * d).copy_(w);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "swiglu_cpu_ttt_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "vit3_cpu_ttt_backward", [&] {
     readout_backward_impl<scalar_t>(d_out, q, yy, w_new, dq, dw, block);
     // before dw gathers kᵀ dZ below: dW' alone feeds the step's backward
     step_backward_impl<scalar_t>(dw, g, norm, dgw.data_ptr<scalar_t>(), 4 * d, d, scalar_t(c), scalar_t(lr), grad_norm);
@@ -680,76 +421,9 @@ Tensor ttt_backward(
   return dw;
 }
 
-void dwconv(
-    const Tensor& x, const Tensor& w, Tensor out, int64_t gh, int64_t gw, const std::optional<Tensor>& bias,
-    bool residual) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_maps({x, out}, gh, gw);
-  check_taps(w, x, true);
-  const Tensor bb = bias.has_value() ? *bias : Tensor();
-  if (bb.defined()) {
-    TORCH_CHECK(bb.scalar_type() == x.scalar_type() && bb.is_contiguous() && bb.numel() == x.size(2),
-                "swiglu_cpu: bias must be a contiguous [C] of the maps' dtype");
-  }
-  VIT3_DISPATCH(x, dwconv_impl, x, w, out, gh, gw, bb, residual);
-}
-
-void dwconv_weight_grad(const Tensor& g, const Tensor& x, Tensor gw_out, int64_t gh, int64_t gw) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_maps({g, x}, gh, gw);
-  check_taps(gw_out, x, false);
-  VIT3_DISPATCH(x, dwconv_weight_grad_impl, g, x, gw_out, gh, gw);
-}
-
-// The depthwise branch's step on token rows (dwconv_impl's layout): G = -c Σ_p v[p] k[p + δ] (taps [B, 9, C]),
-// the step over each channel's 9 taps, out = dwconv(q; W'). weight [1|B, C, 3, 3]. Returns G, the norms
-// [B, 1, C] and W' (taps): what dwconv_ttt_backward needs.
-std::vector<Tensor> dwconv_ttt_forward(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& weight, Tensor out, int64_t gh, int64_t gw,
-    double c, double lr, bool grad_norm) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_maps({q, k, v, out}, gh, gw);
-  check_float(q);
-  const int64_t B = q.size(0), C = q.size(2);
-  TORCH_CHECK(weight.scalar_type() == q.scalar_type() && weight.dim() == 4 && (weight.size(0) == 1 || weight.size(0) == B) &&
-                  weight.size(1) == C && weight.size(2) == 3 && weight.size(3) == 3,
-              "swiglu_cpu: the depthwise weight must be [1|B, C, 3, 3] = [1|", B, ", ", C, ", 3, 3], got ", weight.sizes());
-  const Tensor w = weight.reshape({weight.size(0), C, 9}).transpose(1, 2).expand({B, 9, C}).contiguous();  // taps
-  Tensor g = at::empty_like(w), w_new = at::empty_like(w), norm = at::empty({B, 1, C}, w.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "swiglu_cpu_dwconv_ttt_forward", [&] {
-    dwconv_weight_grad_impl<scalar_t>(v, k, g, gh, gw);
-    step_impl<scalar_t>(g, w, w_new, norm, 9, scalar_t(c), scalar_t(lr), grad_norm);
-    dwconv_impl<scalar_t>(q, w_new, out, gh, gw, Tensor(), false);
-  });
-  return {g, norm, w_new};
-}
-
-// The backward of dwconv_ttt_forward: dq = dwconv(dO; flipped W'), dW' = Σ_p dO[p] q[p + δ], dG through the step,
-// dk = dwconv(v; flipped dG) (the input gradient of E = -c v, -c in dG), dv = dwconv(k; dG). Returns dW' [B, 9, C]
-// (taps), the per-sample weight gradient.
-Tensor dwconv_ttt_backward(
-    const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& norm,
-    const Tensor& w_new, Tensor dq, Tensor dk, Tensor dv, int64_t gh, int64_t gw, double c, double lr, bool grad_norm) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_maps({d_out, q, k, v, dq, dk, dv}, gh, gw);
-  check_float(q);
-  for (const auto* t : {&g, &w_new}) check_taps(*t, q, false);
-  const int64_t B = q.size(0), C = q.size(2);
-  TORCH_CHECK(norm.sizes() == at::IntArrayRef({B, 1, C}) && norm.is_contiguous(), "swiglu_cpu: norm must be [B, 1, C]");
-  Tensor dw_new = at::empty_like(g), dg = at::empty_like(g);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "swiglu_cpu_dwconv_ttt_backward", [&] {
-    dwconv_impl<scalar_t>(d_out, w_new.flip(1), dq, gh, gw, Tensor(), false);
-    dwconv_weight_grad_impl<scalar_t>(d_out, q, dw_new, gh, gw);
-    step_backward_impl<scalar_t>(dw_new, g, norm, dg.data_ptr<scalar_t>(), C, 9, scalar_t(c), scalar_t(lr), grad_norm);
-    dwconv_impl<scalar_t>(v, dg.flip(1), dk, gh, gw, Tensor(), false);
-    dwconv_impl<scalar_t>(k, dg, dv, gh, gw, Tensor(), false);
-  });
-  return dw_new;
-}
-
 }  // namespace
 
-TORCH_LIBRARY(vit3_swiglu_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
   m.def(
       "ttt_forward(Tensor q, Tensor k, Tensor v, Tensor w1, Tensor w2, Tensor(a!) out, Tensor(b!)? z, "
       "Tensor(c!)? y, float c, float lr, bool grad_norm, int block) -> Tensor[]");
@@ -757,21 +431,9 @@ TORCH_LIBRARY(vit3_swiglu_cpu, m) {
       "ttt_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor? z, Tensor? y, Tensor w, Tensor g, "
       "Tensor norm, Tensor w_new, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, float c, float lr, "
       "bool grad_norm, int block) -> Tensor");
-  m.def("dwconv(Tensor x, Tensor w, Tensor(a!) out, int gh, int gw, Tensor? bias=None, bool residual=False) -> ()");
-  m.def("dwconv_weight_grad(Tensor g, Tensor x, Tensor(a!) gw_out, int gh, int gw) -> ()");
-  m.def(
-      "dwconv_ttt_forward(Tensor q, Tensor k, Tensor v, Tensor weight, Tensor(a!) out, int gh, int gw, float c, "
-      "float lr, bool grad_norm) -> Tensor[]");
-  m.def(
-      "dwconv_ttt_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor g, Tensor norm, Tensor w_new, "
-      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int gh, int gw, float c, float lr, bool grad_norm) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(vit3_swiglu_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(vit3_cpu, CPU, m) {
   m.impl("ttt_forward", &ttt_forward);
   m.impl("ttt_backward", &ttt_backward);
-  m.impl("dwconv", &dwconv);
-  m.impl("dwconv_weight_grad", &dwconv_weight_grad);
-  m.impl("dwconv_ttt_forward", &dwconv_ttt_forward);
-  m.impl("dwconv_ttt_backward", &dwconv_ttt_backward);
 }
