@@ -50,7 +50,7 @@ except ImportError as exc:  # the generation extra is not installed
 
 from vit3.layers import TTTConfig, TTTMixer, convert_official_mixer_key
 from vit3.layers.blocks import ConvPosEnc
-from vit3.layers.inner import all_finite
+from vit3.layers.inner_math import all_finite
 
 from ._pretrained import _torch_load, check_state_dict, strip_wrapper_prefixes
 
