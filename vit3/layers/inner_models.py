@@ -328,16 +328,8 @@ class MLPInner(FCChainInner):
 
     @classmethod
     def from_config(cls, heads: int, head_dim: int, cfg: Any, **options: Any) -> InnerModel:
-        return cls(
-            heads,
-            head_dim,
-            ratio=cfg.mlp_ratio,
-            act=cfg.mlp_act,
-            residual=cfg.mlp_residual,
-            identity_init=cfg.mlp_identity_init,
-            bias=cfg.inner_bias,
-            **options,
-        )
+        mlp = dict(ratio=cfg.mlp_ratio, act=cfg.mlp_act, residual=cfg.mlp_residual, bias=cfg.inner_bias)
+        return cls(heads, head_dim, identity_init=cfg.mlp_identity_init, **mlp, **options)
 
 
 def _glu_forward(x: Tensor, w1: Tensor, w2: Tensor, cache: Cache | None) -> Tensor:
