@@ -3,7 +3,7 @@
 * construction: :class:`FamilyBackbone` (the base of both: the head and mixer settings, the classifier and
   the official init, over the mixins below) with :func:`check_timm_kwargs` (timm's standard kwargs at the
   values that describe the model), :func:`merge_ttt_cfg` (the mixer config, with the rule for ``qkv_bias``),
-  :func:`init_weights` (the official initialisation) and :func:`stochastic_depth_rates`;
+  :func:`init_weights` (the official initialisation), :func:`ttt_blocks` and :func:`stochastic_depth_rates`;
 * the classifier API: :class:`ClassifierHeadMixin` (``get_classifier`` / ``reset_classifier`` /
   ``forward_head`` / ``no_weight_decay``) over :func:`pool_features`;
 * the features API: :class:`LayerStackMixin` (``forward_features`` / ``forward_intermediates`` /
@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -30,6 +30,7 @@ from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig
+from vit3.layers.blocks import TTTBlock
 
 from ._pretrained import create_model_with_official_weights
 
@@ -48,6 +49,7 @@ __all__ = [
     "pool_features",
     "register_family",
     "stochastic_depth_rates",
+    "ttt_blocks",
 ]
 
 POOL_TYPES = ("avg", "max", "avgmax", "")
@@ -113,6 +115,12 @@ def check_pool_type(global_pool: str) -> str:
     if global_pool not in POOL_TYPES:
         raise ValueError(f"global_pool must be one of {POOL_TYPES}, got {global_pool!r}")
     return global_pool
+
+
+def ttt_blocks(dim: int, num_heads: int, drop_path: Sequence[float], **block: Any) -> nn.Sequential:
+    """The blocks of a model or stage: ``TTTBlock(dim, num_heads, drop_path=rate, **block)`` for each
+    stochastic-depth rate in ``drop_path``."""
+    return nn.Sequential(*[TTTBlock(dim, num_heads, drop_path=rate, **block) for rate in drop_path])
 
 
 def stochastic_depth_rates(drop_path_rate: float, n: int) -> list[float]:

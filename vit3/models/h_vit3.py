@@ -25,9 +25,9 @@ from timm.models._input import update_model_input_size
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, convert_official_mixer_key
-from vit3.layers.blocks import ConvDownsample, ConvFFN, ConvStem, TTTBlock, check_image
+from vit3.layers.blocks import ConvDownsample, ConvFFN, ConvStem, check_image
 
-from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates
+from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
 from ._pretrained import check_state_dict, select_weights
 
 __all__ = ["TIMM_FIXED", "HViT3", "HViT3Stage", "checkpoint_filter_fn"]
@@ -69,22 +69,9 @@ class HViT3Stage(nn.Module):
         super().__init__()
         self.grad_checkpointing = False
         self.downsample = ConvDownsample(in_dim, dim) if downsample else nn.Identity()
-        drop_path = list(drop_path) or [0.0] * depth
-        self.blocks = nn.Sequential(
-            *[
-                TTTBlock(
-                    dim,
-                    num_heads,
-                    mlp_ratio=mlp_ratio,
-                    ttt_cfg=ttt_cfg,
-                    proj_drop=proj_drop,
-                    drop_path=drop_path[i],
-                    mlp_layer=ConvFFN,
-                    norm_layer=nn.LayerNorm,
-                )
-                for i in range(depth)
-            ]
-        )
+        mlp = dict(mlp_ratio=mlp_ratio, proj_drop=proj_drop, mlp_layer=ConvFFN)
+        rates = list(drop_path) or [0.0] * depth
+        self.blocks = ttt_blocks(dim, num_heads, rates, ttt_cfg=ttt_cfg, norm_layer=nn.LayerNorm, **mlp)
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, in_dim, H, W] -> [B, dim, H', W']`` (``H' = ceil(H / 2)`` with downsampling)."""

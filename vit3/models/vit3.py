@@ -29,9 +29,9 @@ from timm.models._input import update_model_input_size
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, convert_official_mixer_key
-from vit3.layers.blocks import TTTBlock, check_image, check_image_size
+from vit3.layers.blocks import check_image, check_image_size
 
-from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates
+from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
 from ._pretrained import check_state_dict, select_weights
 
 __all__ = ["TIMM_VIT_FIXED", "ViT3", "checkpoint_filter_fn"]
@@ -150,21 +150,8 @@ class ViT3(FamilyBackbone):
         self.pos_drop = nn.Dropout(pos_drop_rate)
         norm_layer = partial(nn.LayerNorm, eps=1e-6)
         dpr = stochastic_depth_rates(drop_path_rate, depth)
-        self.blocks = nn.Sequential(
-            *[
-                TTTBlock(
-                    embed_dim,
-                    num_heads,
-                    mlp_ratio=mlp_ratio,
-                    ttt_cfg=cfg,
-                    proj_drop=proj_drop_rate,
-                    drop_path=dpr[i],
-                    norm_layer=norm_layer,
-                    act_layer=act_layer,
-                )
-                for i in range(depth)
-            ]
-        )
+        mlp = dict(mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate, act_layer=act_layer)
+        self.blocks = ttt_blocks(embed_dim, num_heads, dpr, ttt_cfg=cfg, norm_layer=norm_layer, **mlp)
         reduction = max(self.patch_embed.patch_size)
         self.feature_info = [
             dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=reduction) for i in range(depth)
