@@ -92,7 +92,7 @@ class RegisteredNames(Sequence[str]):
     def _names(self) -> tuple[str, ...]:
         return tuple(name for name, (cls, _) in _REGISTRY.items() if self._keep(cls))
 
-    def __getitem__(self, index: Any) -> Any:
+    def __getitem__(self, index: int | slice) -> str | tuple[str, ...]:
         return self._names()[index]
 
     def __len__(self) -> int:
