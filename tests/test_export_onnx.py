@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import vit3  # noqa: F401  (registers the vit3 models)
 from vit3.export import FeatureExtractor, check_onnx, export_onnx
 from vit3.layers import TTTMixer
-from vit3.layers.inner import _shifted_dwconv, _shifted_dwconv_weight_grad
+from vit3.layers.inner_math import shifted_dwconv, shifted_dwconv_weight_grad
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,7 +29,7 @@ def test_shifted_dwconv_matches_conv2d_with_gradients(per_sample):
             for i in range(b)
         ]
     )
-    got = _shifted_dwconv(x, weight)
+    got = shifted_dwconv(x, weight)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (x, weight), g)
@@ -45,7 +45,7 @@ def test_shifted_weight_grad_is_the_conv_weight_gradient():
     # G = d/dW sum(dwconv(k; W) * e), per sample: autograd of conv2d is the independent reference.
     out = torch.cat([F.conv2d(k[i : i + 1], weight[i][:, None], padding=1, groups=3) for i in range(2)])
     (ref,) = torch.autograd.grad((out * e).sum(), weight, create_graph=True)
-    got = _shifted_dwconv_weight_grad(k, e)
+    got = shifted_dwconv_weight_grad(k, e)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(ref)  # and its own gradients (k and e), as the outer loop needs them
     for a, b in zip(torch.autograd.grad(got, (k, e), g), torch.autograd.grad(ref, (k, e), g)):
@@ -122,7 +122,7 @@ def test_export_time_dwconv_has_no_slices_of_symbolic_extent():
 
     class Conv(torch.nn.Module):
         def forward(self, x, w):
-            return _shifted_dwconv(x, w), _shifted_dwconv_weight_grad(x, x)
+            return shifted_dwconv(x, w), shifted_dwconv_weight_grad(x, x)
 
     x, w = torch.randn(2, 4, 6, 5), torch.randn(2, 4, 3, 3)
     dims = {"x": {2: torch.export.Dim.AUTO, 3: torch.export.Dim.AUTO}, "w": None}

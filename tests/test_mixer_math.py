@@ -5,19 +5,25 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.reference import assert_mixer_matches_reference, reference_forward, reference_params
+from torch import nn
 
 from vit3.layers import (
     INNER_LOSSES,
+    INNER_MODELS,
+    InnerModel,
     MLPInner,
     ResidualNormInner,
     TTTConfig,
     TTTMixer,
     create_inner_model,
     inner_loop,
+    inner_models,
     loss_grad,
     loss_value,
+    register_inner_model,
 )
-from vit3.layers.inner import activation, activation_grad, layer_norm_backward, layer_norm_forward
+from vit3.layers.config import BIAS_MODELS, GRID_MODELS
+from vit3.layers.inner_math import activation, activation_grad, layer_norm_backward, layer_norm_forward
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +116,59 @@ def test_closed_form_inner_gradient_equals_autograd(model_id: str, loss: str):
         _, lean = model.forward_train(p, k, GRID, need_output=False)
         for key, g in model.grads(p, k, e, lean, GRID).items():
             torch.testing.assert_close(g, got[key], rtol=1e-12, atol=1e-14)
+
+
+def test_every_registered_inner_model_has_its_gradient_checked():
+    """A registered inner model without a row in ``MODELS`` would skip the closed-form gradient check."""
+    assert {model_id.split("-")[0] for model_id in MODELS} == set(INNER_MODELS)
+
+
+class _GateInner(InnerModel):
+    """``v_hat = k ⊙ w``, one weight per channel: an inner model written here, as a user would add one."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__(heads, head_dim)
+        self.w = nn.Parameter(torch.ones(1, heads, 1, head_dim))
+
+    def initial_params(self):
+        return {"w": self.w}
+
+    def forward_train(self, p, k, grid, need_output):
+        return (k * p["w"] if need_output else None), {}
+
+    def grads(self, p, k, e, cache, grid):
+        return {"w": (k * e).sum(-2, keepdim=True)}
+
+    def apply_to(self, p, q, grid):
+        return q * p["w"]
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The inner-model registry, restored after the test (a registration there stays out of other tests)."""
+    monkeypatch.setattr(inner_models, "_REGISTRY", dict(inner_models._REGISTRY))
+
+
+def test_a_new_inner_model_is_one_registered_class(registry):
+    register_inner_model("gate")(_GateInner)
+    assert "gate" in INNER_MODELS and "gate" not in GRID_MODELS and "gate" not in BIAS_MODELS
+    mixer = TTTMixer(32, 4, branches=("gate", "dwconv:1"), loss="mse").double()
+    assert isinstance(mixer.inner[0], _GateInner)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, requires_grad=True)
+    mixer(x, GRID).square().sum().backward()
+    assert mixer.inner[0].w.grad.abs().sum() > 0 and x.grad.isfinite().all()
+    p = {"w": torch.randn(2, 3, 1, 8, requires_grad=True)}
+    k, v = torch.randn(2, 3, 35, 8), torch.randn(2, 3, 35, 8)
+    got = inner_loop(_GateInner(3, 8), {"w": p["w"].detach()}, k, v, GRID, loss="mse", grad_norm=False)
+    (grad,) = torch.autograd.grad(loss_value("mse", k * p["w"], v).sum() * (9**-0.5 / 35), [p["w"]])
+    torch.testing.assert_close(got["w"], p["w"] - grad, rtol=1e-12, atol=1e-12)
+
+
+def test_an_inner_model_name_is_registered_once(registry):
+    with pytest.raises(ValueError, match="'swiglu' is registered already"):
+        register_inner_model("swiglu")(_GateInner)
+    with pytest.raises(ValueError, match="unknown inner model 'gate'"):
+        TTTConfig(branches=("gate",))
 
 
 @pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu"])

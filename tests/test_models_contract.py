@@ -189,6 +189,13 @@ def test_forward_intermediates_options(name):
     )
     _, inter = model.forward_intermediates(x, indices=[0], stop_early=True)
     torch.testing.assert_close(inter[0], everything[0])
+    out = model.forward_intermediates(x, output_dict=True)
+    torch.testing.assert_close(out["image_features"], final)
+    for a, b in zip(out["image_intermediates"], everything, strict=True):
+        torch.testing.assert_close(a, b)
+    assert list(model.forward_intermediates(x, output_dict=True, intermediates_only=True)) == [
+        "image_intermediates"
+    ]
     with pytest.raises(ValueError, match="output_fmt"):
         model.forward_intermediates(x, output_fmt="NCL")
 

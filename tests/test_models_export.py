@@ -13,7 +13,7 @@ from torch.export import Dim
 
 import vit3  # noqa: F401  (registers the vit3 models)
 from vit3.layers import TTTMixer, backends
-from vit3.layers.inner import _shifted_dwconv, _shifted_dwconv_weight_grad
+from vit3.layers.inner_math import shifted_dwconv, shifted_dwconv_weight_grad
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,7 +47,7 @@ def test_exported_depthwise_conv_takes_every_grid():
 
     class Conv(torch.nn.Module):
         def forward(self, x, w):
-            return _shifted_dwconv(x, w), _shifted_dwconv_weight_grad(x, x)
+            return shifted_dwconv(x, w), shifted_dwconv_weight_grad(x, x)
 
     x, w = torch.randn(2, 4, 6, 5), torch.randn(2, 4, 3, 3)
     program = torch.export.export(Conv(), (x, w), dynamic_shapes={"x": DYNAMIC_HW, "w": None}).module()

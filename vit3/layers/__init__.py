@@ -1,18 +1,8 @@
 """Building blocks of vit3: the TTT mixer, its inner models and losses, 2-D RoPE."""
 
+from . import inner_models
 from .config import INNER_LOSSES, INNER_MODELS, TTTConfig
-from .inner import (
-    ConvInner,
-    DWConvInner,
-    InnerModel,
-    LinearInner,
-    MLPInner,
-    ResidualNormInner,
-    SiLUInner,
-    SwiGLUInner,
-    SwiGLUOutInner,
-    create_inner_model,
-)
+from .inner_models import *  # noqa: F403 -- the inner models and their registry, listed once (inner_models.__all__)
 from .losses import loss_grad, loss_value
 from .rope import apply_rope_2d, rope_angles
 from .ttt import OFFICIAL_MIXER_KEYS, TTTMixer, convert_official_mixer_key, inner_loop, normalize_grad
@@ -21,23 +11,14 @@ __all__ = [
     "INNER_LOSSES",
     "INNER_MODELS",
     "OFFICIAL_MIXER_KEYS",
-    "ConvInner",
-    "DWConvInner",
-    "InnerModel",
-    "LinearInner",
-    "MLPInner",
-    "ResidualNormInner",
-    "SiLUInner",
-    "SwiGLUInner",
-    "SwiGLUOutInner",
     "TTTConfig",
     "TTTMixer",
     "apply_rope_2d",
     "convert_official_mixer_key",
-    "create_inner_model",
     "inner_loop",
     "loss_grad",
     "loss_value",
     "normalize_grad",
     "rope_angles",
+    *inner_models.__all__,
 ]

@@ -21,7 +21,7 @@ from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows
 
 from . import backends
 from .config import TTTConfig
-from .inner import all_finite, tracing
+from .inner_math import all_finite, tracing
 from .ttt import TTTMixer
 
 __all__ = [

@@ -7,6 +7,9 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .inner_math import ACTIVATIONS
+from .inner_models import RegisteredNames
+
 __all__ = [
     "BACKEND_NAMES",
     "BIAS_MODELS",
@@ -20,11 +23,14 @@ __all__ = [
     "parse_branch",
 ]
 
-INNER_MODELS = ("linear", "silu", "mlp", "mlp3", "swiglu", "swiglu_out", "conv", "dwconv")
-GRID_MODELS = ("conv", "dwconv")  # mix neighbouring grid positions; every other inner model is token-wise
-BIAS_MODELS = ("linear", "silu", "mlp", "mlp3")  # the chains of FC layers, which take ``inner_bias``
+# The inner models a branch may name, read live from their registry (``vit3.layers.inner_models``): those
+# that mix neighbouring grid positions (every other one is token-wise) and those whose FC layers take
+# ``inner_bias``.
+INNER_MODELS = RegisteredNames()
+GRID_MODELS = RegisteredNames(lambda cls: cls.grid_model)
+BIAS_MODELS = RegisteredNames(lambda cls: cls.takes_bias)
 INNER_LOSSES = ("dot", "mse", "rmse", "mae", "smooth_l1")
-INNER_ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+INNER_ACTIVATIONS = tuple(ACTIVATIONS)
 INNER_NORMS = ("none", "ln")
 MLP_RESIDUALS = ("none", "add", "identity")
 SCALES = ("head_dim", "1/head_dim")

@@ -228,7 +228,7 @@ class TTTMixer(nn.Module):
             if gates is not None:
                 gate = gates[:, gate_offset : gate_offset + heads].to(compute)
                 gate_offset += heads
-            if cfg.rope and model.token_wise:  # one angle table for q and k
+            if cfg.rope and not model.grid_model:  # one angle table for q and k
                 rope = rope_tables(grid, q.shape[-1], cfg.rope_base, q.device, compute)
                 q, k = (apply_rope_2d(t, grid, cfg.rope_base, tables=rope) for t in (q, k))
             # [B, N, G*c] -> [B, G, N, c]: strided views of qkv, no copy

@@ -1,33 +1,45 @@
 """What the ViT³ backbones (plain :mod:`vit3.models.vit3`, hierarchical :mod:`vit3.models.h_vit3`) share.
 
-* construction: :func:`check_timm_kwargs` (timm's standard kwargs at the values that describe the model),
-  :func:`merge_ttt_cfg` (the mixer config, with the rule for ``qkv_bias``), :func:`stochastic_depth_rates`,
-  :func:`init_weights` (the official initialisation);
+* construction: :class:`FamilyBackbone` (the base of both: the head and mixer settings, the classifier and
+  the official init, over the mixins below) with :func:`check_timm_kwargs` (timm's standard kwargs at the
+  values that describe the model), :func:`merge_ttt_cfg` (the mixer config, with the rule for ``qkv_bias``),
+  :func:`init_weights` (the official initialisation), :func:`ttt_blocks` and :func:`stochastic_depth_rates`;
 * the classifier API: :class:`ClassifierHeadMixin` (``get_classifier`` / ``reset_classifier`` /
-  ``forward_head`` / ``no_weight_decay``) over :func:`pool_features`. ``forward`` stays in each model file:
-  FX tracing wraps the leaf functions (``check_image``) found in the globals of the module defining it;
-* pretrained configs and checkpoints: :func:`family_cfg` (the official evaluation preprocessing and the
-  paper's metadata) and :func:`create_family_model` (the checkpoint filters unwrap a training checkpoint with
-  :func:`vit3.models._pretrained.select_weights`).
+  ``forward_head`` / ``no_weight_decay``) over :func:`pool_features`;
+* the features API: :class:`LayerStackMixin` (``forward_features`` / ``forward_intermediates`` /
+  ``prune_intermediate_layers``) over a model's stack of blocks or stages. ``forward`` and the embedding that
+  checks the image stay in each model file: FX tracing wraps the leaf functions (``check_image``) found in the
+  globals of the module defining ``forward``;
+* pretrained configs, checkpoints and registration: :func:`family_cfg` (the official evaluation preprocessing
+  and the paper's metadata), :data:`OFFICIAL_WEIGHTS`, :func:`create_family_model` (the checkpoint filters
+  unwrap a training checkpoint with :func:`vit3.models._pretrained.select_weights`) and
+  :func:`register_family` (a family's table of variants -> timm entrypoints and ``default_cfgs``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import trunc_normal_
+from timm.models import checkpoint_seq, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig
+from vit3.layers.blocks import TTTBlock
 
 from ._pretrained import create_model_with_official_weights
 
 __all__ = [
+    "OFFICIAL_WEIGHTS",
     "POOL_TYPES",
     "ClassifierHeadMixin",
+    "FamilyBackbone",
+    "LayerStackMixin",
     "check_pool_type",
     "check_timm_kwargs",
     "create_family_model",
@@ -35,7 +47,9 @@ __all__ = [
     "init_weights",
     "merge_ttt_cfg",
     "pool_features",
+    "register_family",
     "stochastic_depth_rates",
+    "ttt_blocks",
 ]
 
 POOL_TYPES = ("avg", "max", "avgmax", "")
@@ -103,6 +117,12 @@ def check_pool_type(global_pool: str) -> str:
     return global_pool
 
 
+def ttt_blocks(dim: int, num_heads: int, drop_path: Sequence[float], **block: Any) -> nn.Sequential:
+    """The blocks of a model or stage: ``TTTBlock(dim, num_heads, drop_path=rate, **block)`` for each
+    stochastic-depth rate in ``drop_path``."""
+    return nn.Sequential(*[TTTBlock(dim, num_heads, drop_path=rate, **block) for rate in drop_path])
+
+
 def stochastic_depth_rates(drop_path_rate: float, n: int) -> list[float]:
     """``n`` rates rising linearly from 0 to ``drop_path_rate`` (plain Python: works under the meta device)."""
     return [drop_path_rate * i / max(n - 1, 1) for i in range(n)]
@@ -154,6 +174,159 @@ class ClassifierHeadMixin:
         return x if pre_logits else self.head(x)
 
 
+class LayerStackMixin:
+    """timm's features API over the model's stack of layers ``getattr(self, self.stack_name)`` (an
+    ``nn.Sequential``: the plain model's blocks, the hierarchical model's stages) and its final ``self.norm``.
+
+    A model provides ``_embed`` (images ``[B, C_in, H, W]`` -> the stack's input; it checks the image),
+    ``_norm_fits`` (whether the final norm is sized for layer ``i``'s output), ``_as_features`` (a layer's
+    output -> ``forward_features``' layout) and ``_as_fmt`` (a layer's output -> an ``intermediate_fmts`` one).
+    """
+
+    stack_name: ClassVar[str]
+    intermediate_fmts: ClassVar[tuple[str, ...]]
+    grad_checkpointing: bool
+    norm: nn.Module
+
+    def _embed(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _norm_fits(self, index: int) -> bool:
+        raise NotImplementedError
+
+    def _as_features(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _as_fmt(self, x: Tensor, output_fmt: str) -> Tensor:
+        raise NotImplementedError
+
+    def _stack(self) -> nn.Sequential:
+        return getattr(self, self.stack_name)
+
+    def _checkpointing(self) -> bool:
+        """Whether each layer is recomputed in the backward pass (``set_grad_checkpointing``)."""
+        return self.grad_checkpointing and not torch.jit.is_scripting()
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Images ``[B, C_in, H, W]`` -> the normed, unpooled features (``output_fmt``) that ``forward_head``
+        pools."""
+        x = self._embed(x)
+        x = checkpoint_seq(self._stack(), x) if self._checkpointing() else self._stack()(x)
+        return self._as_features(self.norm(x))
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | list[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        output_dict: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]] | dict[str, Any]:
+        """Forward pass that also returns the outputs of chosen layers (timm's ``forward_intermediates``).
+
+        Args:
+            x: images ``[B, C_in, H, W]``.
+            indices: last n layers if int, all if None, else the listed layer indices (negative from the end).
+            norm: apply the final norm to the intermediates it is sized for (``_norm_fits``).
+            stop_early: stop after the last layer asked for.
+            output_fmt: one of ``intermediate_fmts`` (``'NCHW'``: ``[B, C_i, h_i, w_i]``).
+            intermediates_only: return only the intermediates.
+            output_dict: return ``{"image_intermediates": [...], "image_features": final features}`` (no
+                ``"image_features"`` with ``intermediates_only``).
+
+        Returns:
+            The intermediates, ``(final features, intermediates)`` or the dict; the final features equal
+            ``forward_features`` when every layer ran (normed when the norm fits the last layer run).
+        """
+        if output_fmt not in self.intermediate_fmts:
+            *rest, last = (repr(fmt) for fmt in self.intermediate_fmts)
+            raise ValueError(f"output_fmt must be {', '.join(rest)} or {last}, got {output_fmt!r}")
+        stack = self._stack()
+        take_indices, max_index = feature_take_indices(len(stack), indices)
+        x = self._embed(x)
+        layers = stack if torch.jit.is_scripting() or not stop_early else stack[: max_index + 1]
+        intermediates, index = [], -1
+        for index, layer in enumerate(layers):
+            if self._checkpointing():
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+            if index in take_indices:
+                y = self.norm(x) if norm and self._norm_fits(index) else x
+                intermediates.append(self._as_fmt(y, output_fmt))
+        if intermediates_only and not output_dict:
+            return intermediates
+        features = self._as_features(self.norm(x) if self._norm_fits(index) else x)
+        if output_dict:
+            out: dict[str, Any] = {"image_intermediates": intermediates}
+            if not intermediates_only:
+                out["image_features"] = features
+            return out
+        return features, intermediates
+
+    def prune_intermediate_layers(
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """Drops the layers after the last index kept, the final norm if asked (or when it no longer fits the
+        last layer kept) and the head if asked; returns the indices kept."""
+        take_indices, max_index = feature_take_indices(len(self._stack()), indices)
+        fits = self._norm_fits(max_index)
+        setattr(self, self.stack_name, self._stack()[: max_index + 1])
+        if prune_norm or not fits:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
+
+
+class FamilyBackbone(ClassifierHeadMixin, LayerStackMixin, nn.Module):
+    """The construction both ViT³ families share around their own layers: ``__init__`` checks timm's kwargs
+    and sets the head's settings and the mixer config ``self.ttt_cfg``; :meth:`_add_head`, called after every
+    other module, adds the classifier and applies the official init.
+
+    Args:
+        timm_kwargs: the model's other kwargs, checked against ``fixed`` (:func:`check_timm_kwargs`).
+        fixed: timm kwarg -> (the values that describe this model, why another value does not).
+        num_classes: classes of the linear head (0: no head).
+        global_pool: the head's pooling (:data:`POOL_TYPES`).
+        in_chans: image channels.
+        num_features: channels of ``forward_features``' output (the head's input).
+        ttt_cfg: the user's mixer config, over ``ttt_defaults`` (:func:`merge_ttt_cfg`).
+        qkv_bias: the timm-style kwarg for the mixers' qkv bias (:func:`merge_ttt_cfg`).
+        **ttt_defaults: the family's own mixer defaults (H-ViT³: ``rope=True``).
+    """
+
+    def __init__(
+        self,
+        timm_kwargs: dict[str, Any],
+        fixed: dict[str, tuple[tuple[Any, ...], str]],
+        num_classes: int,
+        global_pool: str,
+        in_chans: int,
+        num_features: int,
+        ttt_cfg: TTTConfig | dict[str, Any] | None,
+        qkv_bias: bool | None,
+        **ttt_defaults: Any,
+    ) -> None:
+        check_timm_kwargs(type(self).__name__, timm_kwargs, fixed)
+        super().__init__()
+        self.num_classes = num_classes
+        self.global_pool = check_pool_type(global_pool)
+        self.in_chans = in_chans
+        self.num_features = self.head_hidden_size = num_features
+        self.grad_checkpointing = False
+        self.ttt_cfg = merge_ttt_cfg(ttt_cfg, qkv_bias, **ttt_defaults)
+
+    def _add_head(self, drop_rate: float) -> None:
+        """The classifier (dropout ``drop_rate``, then Linear) after every other module, then the official init
+        (which draws in module order, as the official code's)."""
+        self.head_drop = nn.Dropout(drop_rate)
+        self.reset_classifier(self.num_classes)
+        self.apply(init_weights)
+
+
 def family_cfg(url: str = "", **kwargs: Any) -> dict[str, Any]:
     """Official evaluation: resize 256 -> center crop 224 (crop_pct 0.875), bicubic, ImageNet mean/std; the
     paper's metadata. ``kwargs`` (``pool_size``, ``first_conv``, ...) complete or override it."""
@@ -194,3 +367,65 @@ def create_family_model(
         feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
         **kwargs,
     )
+
+
+# The official release's ImageNet-1k checkpoints (https://github.com/LeapLabTHU/ViTTT), by timm name.
+OFFICIAL_WEIGHTS = {
+    name: f"https://cloud.tsinghua.edu.cn/f/{file_id}/?dl=1"
+    for name, file_id in {
+        "vit3_tiny": "e12d1bd1c20c4e06a2da",
+        "vit3_small": "4ab59ca54b474dff9b70",
+        "vit3_base": "c9e9bb09f85d449ab8cf",
+        "h_vit3_tiny": "f0c7c73ceabe49b7b161",
+        "h_vit3_small": "3eeab8621a7f43929a87",
+        "h_vit3_base": "1d0d7fb840254275b29d",
+    }.items()
+}
+
+
+def register_family(
+    module: str,
+    create: Callable[..., nn.Module],
+    variants: Mapping[str, dict[str, Any]],
+    stride: int,
+    first_conv: str,
+) -> dict[str, Any]:
+    """Registers a family's variants with timm (``timm.create_model(name)``) and returns its ``default_cfgs``.
+
+    A variant with :data:`OFFICIAL_WEIGHTS` gets the tag ``in1k`` (the official evaluation at 224 px), any
+    other one is a test model: tag ``untrained``, evaluated uncropped at its ``img_size``.
+
+    Args:
+        module: the family's module (``__name__``): it gets the entrypoints ``module.<name>`` and, before timm's
+            ``register_model`` reads it, ``default_cfgs``.
+        create: ``create(name, pretrained, **kwargs)`` builds a variant.
+        variants: timm name -> architecture (kwargs of the model; the caller's kwargs override them).
+        stride: the stride of ``forward_features``' grid (a cfg's ``pool_size`` is its input size over it).
+        first_conv: the cfgs' ``first_conv``.
+    """
+    cfgs = {}
+    for name, architecture in variants.items():
+        size = 224 if name in OFFICIAL_WEIGHTS else architecture["img_size"]
+        cfg = dict(input_size=(3, size, size), pool_size=(size // stride,) * 2, first_conv=first_conv)
+        if name in OFFICIAL_WEIGHTS:
+            cfgs[f"{name}.in1k"] = family_cfg(OFFICIAL_WEIGHTS[name], **cfg)
+        else:
+            cfgs[f"{name}.untrained"] = family_cfg(crop_pct=1.0, **cfg)
+    mod = sys.modules[module]
+    mod.default_cfgs = generate_default_cfgs(cfgs)
+    for name, architecture in variants.items():
+        setattr(mod, name, register_model(_entrypoint(module, name, create, architecture)))
+    return mod.default_cfgs
+
+
+def _entrypoint(
+    module: str, name: str, create: Callable[..., nn.Module], architecture: dict[str, Any]
+) -> Callable[..., nn.Module]:
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        return create(name, pretrained, **{**architecture, **kwargs})
+
+    # timm registers an entrypoint under its name and finds its pretrained cfgs in its module
+    entrypoint.__name__ = entrypoint.__qualname__ = name
+    entrypoint.__module__ = module
+    entrypoint.__doc__ = f"``{name}``: {architecture} (the caller's kwargs override them)."
+    return entrypoint

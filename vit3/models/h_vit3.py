@@ -20,24 +20,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from timm.models import checkpoint_seq, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
+from timm.models import checkpoint_seq
 from timm.models._input import update_model_input_size
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, convert_official_mixer_key
-from vit3.layers.blocks import ConvDownsample, ConvFFN, ConvStem, TTTBlock, check_image
+from vit3.layers.blocks import ConvDownsample, ConvFFN, ConvStem, check_image
 
-from ._family import (
-    ClassifierHeadMixin,
-    check_pool_type,
-    check_timm_kwargs,
-    create_family_model,
-    family_cfg,
-    init_weights,
-    merge_ttt_cfg,
-    stochastic_depth_rates,
-)
+from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
 from ._pretrained import check_state_dict, select_weights
 
 __all__ = ["TIMM_FIXED", "HViT3", "HViT3Stage", "checkpoint_filter_fn"]
@@ -79,22 +69,9 @@ class HViT3Stage(nn.Module):
         super().__init__()
         self.grad_checkpointing = False
         self.downsample = ConvDownsample(in_dim, dim) if downsample else nn.Identity()
-        drop_path = list(drop_path) or [0.0] * depth
-        self.blocks = nn.Sequential(
-            *[
-                TTTBlock(
-                    dim,
-                    num_heads,
-                    mlp_ratio=mlp_ratio,
-                    ttt_cfg=ttt_cfg,
-                    proj_drop=proj_drop,
-                    drop_path=drop_path[i],
-                    mlp_layer=ConvFFN,
-                    norm_layer=nn.LayerNorm,
-                )
-                for i in range(depth)
-            ]
-        )
+        mlp = dict(mlp_ratio=mlp_ratio, proj_drop=proj_drop, mlp_layer=ConvFFN)
+        rates = list(drop_path) or [0.0] * depth
+        self.blocks = ttt_blocks(dim, num_heads, rates, ttt_cfg=ttt_cfg, norm_layer=nn.LayerNorm, **mlp)
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, in_dim, H, W] -> [B, dim, H', W']`` (``H' = ceil(H / 2)`` with downsampling)."""
@@ -106,7 +83,7 @@ class HViT3Stage(nn.Module):
         return x.permute(0, 3, 1, 2)  # [B, H, W, C] -> [B, C, H, W]
 
 
-class HViT3(ClassifierHeadMixin, nn.Module):
+class HViT3(FamilyBackbone):
     """Hierarchical ViT³ (H-ViT³).
 
     Args:
@@ -131,6 +108,9 @@ class HViT3(ClassifierHeadMixin, nn.Module):
             accepted, as timm's ViTs take them; other values are refused by name (:data:`TIMM_FIXED`).
     """
 
+    stack_name = "stages"
+    intermediate_fmts = ("NCHW", "NHWC")
+
     def __init__(
         self,
         img_size: int | tuple[int, int] = 224,
@@ -149,22 +129,26 @@ class HViT3(ClassifierHeadMixin, nn.Module):
         ttt_cfg: TTTConfig | dict[str, Any] | None = None,
         **timm_kwargs: Any,
     ) -> None:
-        check_timm_kwargs(type(self).__name__, timm_kwargs, TIMM_FIXED)
-        super().__init__()
         if not len(dims) == len(depths) == len(num_heads):
             raise ValueError(
                 f"dims, depths and num_heads must have equal lengths, got {dims}, {depths}, {num_heads}"
             )
-        self.num_classes = num_classes
-        self.global_pool = check_pool_type(global_pool)
-        self.in_chans = in_chans
+        super().__init__(
+            timm_kwargs,
+            TIMM_FIXED,
+            num_classes,
+            global_pool,
+            in_chans,
+            dims[-1],
+            ttt_cfg,
+            qkv_bias,
+            rope=True,
+        )
         self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-        self.num_features = self.head_hidden_size = dims[-1]
         self.spatial_dims = (2, 3)  # forward_features: [B, C, h, w]
         self.output_fmt = "NCHW"
-        self.grad_checkpointing = False
         self.reduction = 4 * 2 ** (len(dims) - 1)
-        self.ttt_cfg = cfg = merge_ttt_cfg(ttt_cfg, qkv_bias, rope=True)
+        cfg = self.ttt_cfg
 
         self.stem = ConvStem(in_chans, dims[0])
         self.pos_drop = nn.Dropout(pos_drop_rate)
@@ -189,9 +173,7 @@ class HViT3(ClassifierHeadMixin, nn.Module):
             dict(module=f"stages.{i}", num_chs=dims[i], reduction=4 * 2**i) for i in range(len(dims))
         ]
         self.norm = nn.BatchNorm2d(dims[-1])  # official BatchNorm1d over tokens: same statistics and keys
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(dims[-1], num_classes) if num_classes > 0 else nn.Identity()
-        self.apply(init_weights)
+        self._add_head(drop_rate)
 
     # --- timm model API -------------------------------------------------------------------------------
 
@@ -224,78 +206,23 @@ class HViT3(ClassifierHeadMixin, nn.Module):
 
     # --- forward --------------------------------------------------------------------------------------
 
-    def _stem(self, x: Tensor) -> Tensor:
+    def _embed(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> stem map ``[B, C_0, ceil(H/4), ceil(W/4)]``."""
         x = check_image(x, self.in_chans, self.reduction, self.ttt_cfg.check_finite)
         return self.pos_drop(self.stem(x))
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Images ``[B, C_in, H, W]`` -> normed, unpooled features ``[B, C, ceil(H/32), ceil(W/32)]``."""
-        x = self._stem(x)
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            x = checkpoint_seq(self.stages, x)
-        else:
-            x = self.stages(x)
-        return self.norm(x)
 
     def forward(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> logits ``[B, num_classes]``."""
         return self.forward_head(self.forward_features(x))
 
-    def forward_intermediates(
-        self,
-        x: Tensor,
-        indices: int | list[int] | None = None,
-        norm: bool = False,
-        stop_early: bool = False,
-        output_fmt: str = "NCHW",
-        intermediates_only: bool = False,
-    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
-        """Forward pass that also returns stage outputs.
+    def _norm_fits(self, index: int) -> bool:
+        return index == len(self.stages) - 1  # the final norm is sized for the last stage only
 
-        Args:
-            x: images ``[B, C_in, H, W]``.
-            indices: last n stages if int, all if None, else the listed stage indices (negative from the end).
-            norm: apply the final norm to the last stage's output (it is sized for that stage only).
-            stop_early: stop after the last stage asked for.
-            output_fmt: ``'NCHW'`` (``[B, C_i, H/r_i, W/r_i]``) or ``'NHWC'``.
-            intermediates_only: return only the intermediates.
+    def _as_features(self, x: Tensor) -> Tensor:
+        return x  # forward_features: the map [B, C, h, w]
 
-        Returns:
-            The intermediates, or ``(final features, intermediates)``; the final features equal
-            ``forward_features`` when every stage ran.
-        """
-        if output_fmt not in ("NCHW", "NHWC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
-        num_stages = len(self.stages)
-        take_indices, max_index = feature_take_indices(num_stages, indices)
-        x = self._stem(x)
-        stages = self.stages if torch.jit.is_scripting() or not stop_early else self.stages[: max_index + 1]
-        intermediates = []
-        last = -1
-        for last, stage in enumerate(stages):
-            x = stage(x)
-            if last in take_indices:
-                y = self.norm(x) if norm and last == num_stages - 1 else x
-                intermediates.append(y if output_fmt == "NCHW" else y.permute(0, 2, 3, 1))
-        if intermediates_only:
-            return intermediates
-        if last == num_stages - 1:
-            x = self.norm(x)
-        return x, intermediates
-
-    def prune_intermediate_layers(
-        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
-    ) -> list[int]:
-        """Drops the stages after the last index kept (the final norm too when it no longer fits); returns them."""
-        take_indices, max_index = feature_take_indices(len(self.stages), indices)
-        prune_end = max_index < len(self.stages) - 1
-        self.stages = self.stages[: max_index + 1]
-        if prune_norm or prune_end:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, "")
-        return take_indices
+    def _as_fmt(self, x: Tensor, output_fmt: str) -> Tensor:
+        return x if output_fmt == "NCHW" else x.permute(0, 2, 3, 1)
 
 
 # --- checkpoints -------------------------------------------------------------------------------------
@@ -348,45 +275,14 @@ def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> HViT3:
     return create_family_model(HViT3, variant, pretrained, checkpoint_filter_fn, (0, 1, 2, 3), **kwargs)
 
 
-def _cfg(url: str = "", **kwargs: Any) -> dict[str, Any]:
-    return family_cfg(url, **{"pool_size": (7, 7), "first_conv": "stem.0.conv", **kwargs})
-
-
-default_cfgs = generate_default_cfgs(
-    {
-        "h_vit3_tiny.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/f0c7c73ceabe49b7b161/?dl=1"),
-        "h_vit3_small.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/3eeab8621a7f43929a87/?dl=1"),
-        "h_vit3_base.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/1d0d7fb840254275b29d/?dl=1"),
-        "test_h_vit3.untrained": _cfg(input_size=(3, 64, 64), pool_size=(2, 2), crop_pct=1.0),
-    }
-)
-
-
-@register_model
-def h_vit3_tiny(pretrained: bool = False, **kwargs: Any) -> HViT3:
-    """H-ViT³-T: dims 64-128-320-512, depths 1-3-9-4 (28.70M params, 4.92 GFLOPs, top-1 84.0 with MESA)."""
-    args = dict(dims=(64, 128, 320, 512), depths=(1, 3, 9, 4), num_heads=(2, 4, 10, 16))
-    return _create("h_vit3_tiny", pretrained, **dict(args, **kwargs))
-
-
-@register_model
-def h_vit3_small(pretrained: bool = False, **kwargs: Any) -> HViT3:
-    """H-ViT³-S: dims 64-128-320-512, depths 2-6-18-8 (54.36M params, 8.76 GFLOPs, top-1 84.9 with MESA)."""
-    args = dict(dims=(64, 128, 320, 512), depths=(2, 6, 18, 8), num_heads=(2, 4, 10, 16))
-    return _create("h_vit3_small", pretrained, **dict(args, **kwargs))
-
-
-@register_model
-def h_vit3_base(pretrained: bool = False, **kwargs: Any) -> HViT3:
-    """H-ViT³-B: dims 96-192-448-640, depths 2-6-18-8 (94.37M params, 16.72 GFLOPs, top-1 85.5 with MESA)."""
-    args = dict(dims=(96, 192, 448, 640), depths=(2, 6, 18, 8), num_heads=(3, 6, 14, 20))
-    return _create("h_vit3_base", pretrained, **dict(args, **kwargs))
-
-
-@register_model
-def test_h_vit3(pretrained: bool = False, **kwargs: Any) -> HViT3:
-    """Tiny H-ViT³ for tests: dims 16-32-48-64, one block per stage, head dim 16, 64x64 nominal input."""
-    args = dict(
+# timm name -> architecture: H-ViT³-T/S/B (28.70M / 54.36M / 94.37M params, 4.92 / 8.76 / 16.72 GFLOPs,
+# top-1 84.0 / 84.9 / 85.5 with MESA) and a tiny H-ViT³ for tests (one block per stage, head dim 16)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "h_vit3_tiny": dict(dims=(64, 128, 320, 512), depths=(1, 3, 9, 4), num_heads=(2, 4, 10, 16)),
+    "h_vit3_small": dict(dims=(64, 128, 320, 512), depths=(2, 6, 18, 8), num_heads=(2, 4, 10, 16)),
+    "h_vit3_base": dict(dims=(96, 192, 448, 640), depths=(2, 6, 18, 8), num_heads=(3, 6, 14, 20)),
+    "test_h_vit3": dict(
         img_size=64, dims=(16, 32, 48, 64), depths=(1, 1, 1, 1), num_heads=(1, 2, 3, 4), mlp_ratio=2.0
-    )
-    return _create("test_h_vit3", pretrained, **dict(args, **kwargs))
+    ),
+}
+default_cfgs = register_family(__name__, _create, VARIANTS, stride=32, first_conv="stem.0.conv")

@@ -25,24 +25,13 @@ from typing import Any
 
 import torch
 from timm.layers import PatchEmbed, resample_patch_embed
-from timm.models import checkpoint_seq, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
 from timm.models._input import update_model_input_size
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, convert_official_mixer_key
-from vit3.layers.blocks import TTTBlock, check_image, check_image_size
+from vit3.layers.blocks import check_image, check_image_size
 
-from ._family import (
-    ClassifierHeadMixin,
-    check_pool_type,
-    check_timm_kwargs,
-    create_family_model,
-    family_cfg,
-    init_weights,
-    merge_ttt_cfg,
-    stochastic_depth_rates,
-)
+from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
 from ._pretrained import check_state_dict, select_weights
 
 __all__ = ["TIMM_VIT_FIXED", "ViT3", "checkpoint_filter_fn"]
@@ -79,7 +68,7 @@ TIMM_VIT_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-class ViT3(ClassifierHeadMixin, nn.Module):
+class ViT3(FamilyBackbone):
     """Plain (isotropic) ViT³.
 
     Args:
@@ -111,6 +100,9 @@ class ViT3(ClassifierHeadMixin, nn.Module):
             (:data:`TIMM_VIT_FIXED`).
     """
 
+    stack_name = "blocks"
+    intermediate_fmts = ("NCHW", "NLC", "NHWC")
+
     def __init__(
         self,
         img_size: int | tuple[int, int] = 224,
@@ -136,18 +128,15 @@ class ViT3(ClassifierHeadMixin, nn.Module):
         dtype: torch.dtype | None = None,
         **timm_kwargs: Any,
     ) -> None:
-        check_timm_kwargs(type(self).__name__, timm_kwargs, TIMM_VIT_FIXED)
-        super().__init__()
-        self.num_classes = num_classes
-        self.global_pool = check_pool_type(global_pool)
-        self.in_chans = in_chans
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        super().__init__(
+            timm_kwargs, TIMM_VIT_FIXED, num_classes, global_pool, in_chans, embed_dim, ttt_cfg, qkv_bias
+        )
+        self.embed_dim = embed_dim
         self.output_fmt = "NLC"  # forward_features: tokens [B, N, C], as timm's VisionTransformer
         self.spatial_dims = (1,)  # the token dim forward_head pools
         self.feature_dim = -1  # channel dim of forward_features outputs
         self.num_prefix_tokens = 0  # no class / register tokens (timm's VisionTransformer attribute)
-        self.grad_checkpointing = False
-        self.ttt_cfg = cfg = merge_ttt_cfg(ttt_cfg, qkv_bias)
+        cfg = self.ttt_cfg
 
         self.patch_embed = PatchEmbed(
             img_size=img_size,
@@ -161,29 +150,14 @@ class ViT3(ClassifierHeadMixin, nn.Module):
         self.pos_drop = nn.Dropout(pos_drop_rate)
         norm_layer = partial(nn.LayerNorm, eps=1e-6)
         dpr = stochastic_depth_rates(drop_path_rate, depth)
-        self.blocks = nn.Sequential(
-            *[
-                TTTBlock(
-                    embed_dim,
-                    num_heads,
-                    mlp_ratio=mlp_ratio,
-                    ttt_cfg=cfg,
-                    proj_drop=proj_drop_rate,
-                    drop_path=dpr[i],
-                    norm_layer=norm_layer,
-                    act_layer=act_layer,
-                )
-                for i in range(depth)
-            ]
-        )
+        mlp = dict(mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate, act_layer=act_layer)
+        self.blocks = ttt_blocks(embed_dim, num_heads, dpr, ttt_cfg=cfg, norm_layer=norm_layer, **mlp)
         reduction = max(self.patch_embed.patch_size)
         self.feature_info = [
             dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=reduction) for i in range(depth)
         ]
         self.norm = norm_layer(embed_dim) if final_norm else nn.Identity()
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.apply(init_weights)
+        self._add_head(drop_rate)
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
 
@@ -234,12 +208,7 @@ class ViT3(ClassifierHeadMixin, nn.Module):
         ``attn_mask`` / ``is_causal`` (timm's signature) are refused: see :func:`_check_attention_args`.
         """
         _check_attention_args(attn_mask, is_causal)
-        x = self._embed(x)
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            x = checkpoint_seq(self.blocks, x)
-        else:
-            x = self.blocks(x)
-        return self.norm(x).flatten(1, 2)
+        return super().forward_features(x)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Features ``[B, N, C]`` (``forward_features``; a map ``[B, h, w, C]`` pools alike) -> logits
@@ -263,64 +232,29 @@ class ViT3(ClassifierHeadMixin, nn.Module):
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
     ) -> list[Tensor] | tuple[Tensor, list[Tensor]] | dict[str, Any]:
-        """Forward pass that also returns block outputs: timm's ``VisionTransformer.forward_intermediates``.
+        """timm's ``VisionTransformer.forward_intermediates``: block outputs as ``'NCHW'`` ``[B, C, h, w]``,
+        ``'NLC'`` ``[B, N, C]`` (timm's two) or ``'NHWC'`` ``[B, h, w, C]``, every one normed with ``norm``, and
+        the final tokens ``[B, N, C]`` of ``forward_features`` (see ``LayerStackMixin.forward_intermediates``).
 
-        Args:
-            x: images ``[B, C_in, H, W]``.
-            indices: last n blocks if int, all if None, else the listed block indices (negative from the end).
-            return_prefix_tokens: accepted; ViT³ has no prefix tokens, so the intermediates are returned as
-                without it (as timm's ``VisionTransformer`` does for a model without prefix tokens).
-            norm: apply the final norm to every intermediate.
-            stop_early: stop after the last block asked for.
-            output_fmt: intermediates as ``'NCHW'`` ``[B, C, h, w]``, ``'NLC'`` ``[B, N, C]`` (timm's two) or
-                ``'NHWC'`` ``[B, h, w, C]``.
-            intermediates_only: return only the intermediates.
-            output_dict: return ``{"image_intermediates": [...], "image_features": forward_features output}``
-                (no ``"image_features"`` with ``intermediates_only``).
-            attn_mask, is_causal: refused (:func:`_check_attention_args`).
-
-        Returns:
-            The intermediates, ``(forward_features output [B, N, C], intermediates)`` or the dict.
+        ``return_prefix_tokens`` is accepted: ViT³ has no prefix tokens, so the intermediates are returned as
+        without it (as timm's ``VisionTransformer`` does for a model without prefix tokens); ``attn_mask`` /
+        ``is_causal`` are refused (:func:`_check_attention_args`).
         """
-        if output_fmt not in ("NCHW", "NLC", "NHWC"):
-            raise ValueError(
-                f"output_fmt must be 'NCHW', 'NLC' or 'NHWC', got {output_fmt!r} (ViT³'s tokens lie on a map)"
-            )
         _check_attention_args(attn_mask, is_causal)
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        x = self._embed(x)
-        blocks = self.blocks if torch.jit.is_scripting() or not stop_early else self.blocks[: max_index + 1]
-        intermediates = []
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
-            else:
-                x = blk(x)
-            if i in take_indices:
-                y = self.norm(x) if norm else x  # [B, h, w, C]
-                if output_fmt == "NCHW":
-                    y = y.permute(0, 3, 1, 2).contiguous()
-                intermediates.append(y.flatten(1, 2) if output_fmt == "NLC" else y)
-        if output_dict:
-            out: dict[str, Any] = {"image_intermediates": intermediates}
-            if not intermediates_only:
-                out["image_features"] = self.norm(x).flatten(1, 2)
-            return out
-        if intermediates_only:
-            return intermediates
-        return self.norm(x).flatten(1, 2), intermediates
+        return super().forward_intermediates(
+            x, indices, norm, stop_early, output_fmt, intermediates_only, output_dict
+        )
 
-    def prune_intermediate_layers(
-        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
-    ) -> list[int]:
-        """Drops the blocks after the last index kept (and the final norm / head if asked); returns the indices."""
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[: max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, "")
-        return take_indices
+    def _norm_fits(self, index: int) -> bool:
+        return True  # every block is embed_dim wide
+
+    def _as_features(self, x: Tensor) -> Tensor:
+        return x.flatten(1, 2)  # [B, h, w, C] -> [B, N, C]
+
+    def _as_fmt(self, x: Tensor, output_fmt: str) -> Tensor:
+        if output_fmt == "NCHW":
+            return x.permute(0, 3, 1, 2).contiguous()
+        return x.flatten(1, 2) if output_fmt == "NLC" else x
 
 
 def _check_attention_args(attn_mask: Tensor | None, is_causal: bool) -> None:
@@ -365,46 +299,12 @@ def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ViT3:
     return create_family_model(ViT3, variant, pretrained, checkpoint_filter_fn, min(3, depth), **kwargs)
 
 
-def _cfg(url: str = "", **kwargs: Any) -> dict[str, Any]:
-    return family_cfg(url, **{"pool_size": (14, 14), "first_conv": "patch_embed.proj", **kwargs})
-
-
-default_cfgs = generate_default_cfgs(
-    {
-        "vit3_tiny.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/e12d1bd1c20c4e06a2da/?dl=1"),
-        "vit3_small.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/4ab59ca54b474dff9b70/?dl=1"),
-        "vit3_base.in1k": _cfg(url="https://cloud.tsinghua.edu.cn/f/c9e9bb09f85d449ab8cf/?dl=1"),
-        "test_vit3_ttt.untrained": _cfg(input_size=(3, 64, 64), pool_size=(4, 4), crop_pct=1.0),
-    }
-)
-
-
-@register_model
-def vit3_tiny(pretrained: bool = False, **kwargs: Any) -> ViT3:
-    """ViT³-T: dim 192, depth 12, 6 heads, patch 16 (6.15M params, 1.22 GFLOPs at 224², top-1 76.5)."""
-    return _create(
-        "vit3_tiny", pretrained, **dict(dict(patch_size=16, embed_dim=192, depth=12, num_heads=6), **kwargs)
-    )
-
-
-@register_model
-def vit3_small(pretrained: bool = False, **kwargs: Any) -> ViT3:
-    """ViT³-S: dim 384, depth 12, 6 heads, patch 16 (23.80M params, 4.82 GFLOPs at 224², top-1 81.6)."""
-    return _create(
-        "vit3_small", pretrained, **dict(dict(patch_size=16, embed_dim=384, depth=12, num_heads=6), **kwargs)
-    )
-
-
-@register_model
-def vit3_base(pretrained: bool = False, **kwargs: Any) -> ViT3:
-    """ViT³-B: dim 768, depth 12, 12 heads, patch 16 (90.06M params, 17.96 GFLOPs at 224², top-1 82.6)."""
-    return _create(
-        "vit3_base", pretrained, **dict(dict(patch_size=16, embed_dim=768, depth=12, num_heads=12), **kwargs)
-    )
-
-
-@register_model
-def test_vit3_ttt(pretrained: bool = False, **kwargs: Any) -> ViT3:
-    """Tiny plain ViT³ for tests: dim 32, depth 3, 2 heads, patch 16, 64x64 nominal input."""
-    args = dict(img_size=64, patch_size=16, embed_dim=32, depth=3, num_heads=2, mlp_ratio=2.0)
-    return _create("test_vit3_ttt", pretrained, **dict(args, **kwargs))
+# timm name -> architecture: ViT³-T/S/B (6.15M / 23.80M / 90.06M params, 1.22 / 4.82 / 17.96 GFLOPs at 224²,
+# top-1 76.5 / 81.6 / 82.6) and a tiny plain ViT³ for tests (64x64 nominal input)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "vit3_tiny": dict(patch_size=16, embed_dim=192, depth=12, num_heads=6),
+    "vit3_small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
+    "vit3_base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
+    "test_vit3_ttt": dict(img_size=64, patch_size=16, embed_dim=32, depth=3, num_heads=2, mlp_ratio=2.0),
+}
+default_cfgs = register_family(__name__, _create, VARIANTS, stride=16, first_conv="patch_embed.proj")

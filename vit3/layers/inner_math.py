@@ -1,0 +1,155 @@
+"""The math the inner models share: activations and their derivatives, LayerNorm forward/backward, the
+traceable depthwise 3x3 conv; and the two questions every layer asks of an input (:func:`tracing`,
+:func:`all_finite`).
+
+All of it is plain PyTorch with no parameters: the inner models (:mod:`vit3.layers.inner_models`) build their
+closed-form gradients from it, and the blocks and models ask :func:`tracing` / :func:`all_finite`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "ACTIVATIONS",
+    "LN_EPS",
+    "activation",
+    "activation_grad",
+    "all_finite",
+    "gelu_grad",
+    "gelu_tanh_grad",
+    "layer_norm_backward",
+    "layer_norm_forward",
+    "shifted_dwconv",
+    "shifted_dwconv_weight_grad",
+    "silu_grad",
+    "tracing",
+]
+
+LN_EPS = 1e-6  # the LayerNorm of ``inner_norm="ln"`` (TTT-Linear/TTT-MLP use 1e-6)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_TANH_C = 0.044715
+
+
+# --- shared math: activations and their derivatives, LayerNorm forward/backward ---------------------------
+
+
+def silu_grad(z: Tensor, sig: Tensor | None = None) -> Tensor:
+    """``d silu(z) / dz = σ(z) (1 + z (1 - σ(z)))``."""
+    sig = torch.sigmoid(z) if sig is None else sig
+    return sig * (1.0 + z * (1.0 - sig))
+
+
+def gelu_grad(z: Tensor) -> Tensor:
+    """Derivative of the exact (erf) GELU: ``Φ(z) + z φ(z)``."""
+    cdf = 0.5 * (1.0 + torch.erf(z * (0.5**0.5)))
+    pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + z * pdf
+
+
+def gelu_tanh_grad(z: Tensor) -> Tensor:
+    """Derivative of the tanh-approximated GELU ``0.5 z (1 + tanh(u))``, ``u = √(2/π) (z + 0.044715 z³)``."""
+    t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_TANH_C * z * z * z))
+    du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * z * z)
+    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
+
+
+def _gelu_tanh(z: Tensor) -> Tensor:
+    return F.gelu(z, approximate="tanh")
+
+
+# name -> (activation, its derivative); the names are ``config.INNERACTIVATIONS``
+ACTIVATIONS = {
+    "gelu": (F.gelu, gelu_grad),
+    "gelu_tanh": (_gelu_tanh, gelu_tanh_grad),
+    "silu": (F.silu, silu_grad),
+}
+
+
+def activation(name: str, z: Tensor) -> Tensor:
+    """Activation ``name`` (``"gelu"``, ``"gelu_tanh"``, ``"silu"``) applied elementwise."""
+    return ACTIVATIONS[name][0](z)
+
+
+def activation_grad(name: str, z: Tensor) -> Tensor:
+    """The derivative of activation ``name`` at ``z``, elementwise."""
+    return ACTIVATIONS[name][1](z)
+
+
+def layer_norm_forward(
+    z: Tensor, weight: Tensor, bias: Tensor, eps: float = LN_EPS
+) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm over the last dim, ``y = weight ⊙ (z - mean) / sqrt(var + eps) + bias`` (biased variance).
+
+    Returns:
+        ``(y, z_hat, rstd)``: the output, the normalised input and ``1 / sqrt(var + eps)`` (``[..., 1]``), the
+        last two for :func:`layer_norm_backward`.
+    """
+    zc = z - z.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(zc.pow(2).mean(-1, keepdim=True) + eps)
+    z_hat = zc * rstd
+    return z_hat * weight + bias, z_hat, rstd
+
+
+def layer_norm_backward(dy: Tensor, z_hat: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """``dL/dz`` of :func:`layer_norm_forward` given ``dL/dy``:
+    ``rstd (g - mean(g) - z_hat mean(g ⊙ z_hat))`` with ``g = dy ⊙ weight`` (means over the last dim)."""
+    g = dy * weight
+    return rstd * (g - g.mean(-1, keepdim=True) - z_hat * (g * z_hat).mean(-1, keepdim=True))
+
+
+def all_finite(x: Tensor) -> bool:
+    """Whether every value of ``x`` is finite: a finite sum proves it in one reduction (NaN and Inf propagate
+    through it), ~20x cheaper than ``isfinite().all()`` on an image batch; only an overflowing sum of finite
+    values needs the exact check."""
+    return math.isfinite(x.sum().item()) or bool(torch.isfinite(x).all())
+
+
+def tracing() -> bool:
+    """True under ``torch.jit.trace`` (fvcore FLOP counting), ONNX export and ``torch.compile``/``torch.export``,
+    which need plain, traceable ops rather than the eager fast paths."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
+
+
+def _shifted_taps(x: Tensor) -> Tensor:
+    """The zero-padded 3x3 neighbourhood of every pixel: ``[B, C, h, w]`` -> ``[B, C, h, w, 3, 3]`` (a view:
+    ``taps[..., y, x, i, j] = x_pad[..., y + i, x + j]``).
+
+    ``Tensor.unfold`` (one Range/Gather pair per axis in ONNX) instead of nine slices: under ``torch.export``
+    with a dynamic image size every slice of a symbolic extent becomes a chain of shape ops, and nine per
+    convolution made the ONNX graph of H-ViT³-T twice as large and its export many minutes long. A view adds
+    no FLOPs to fvcore's count (a convolution with one-hot kernels would add 9x the conv's).
+
+    The legacy ONNX exporter (``torch.onnx.export(dynamo=False)``, a ``jit.trace``) has no ``Unfold`` for an
+    input of traced size ("input size not accessible", even at static shapes): it gets the nine slices,
+    stacked (a copy), whose sizes it traces.
+    """
+    padded = F.pad(x, (1, 1, 1, 1))
+    if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():
+        h, w = x.shape[-2:]
+        taps = [padded[..., i : i + h, j : j + w] for i in range(3) for j in range(3)]
+        return torch.stack(taps, dim=-1).unflatten(-1, (3, 3))
+    return padded.unfold(2, 3, 1).unfold(3, 3, 1)
+
+
+def shifted_dwconv(x: Tensor, weight: Tensor) -> Tensor:
+    """Per-sample depthwise 3x3 conv (zero padding) as a weighted sum of the shifted taps: ``[B, C, h, w]``
+    maps, ``[B|1, C, 3, 3]`` weights. Used when tracing, where the batch-folded grouped conv (groups = B*C)
+    and ``aten.convolution_backward`` cannot be exported with a dynamic batch.
+
+    An ``einsum``, not ``(taps * weight).sum``: the elementwise product's output strides are chosen by
+    comparing the overlapping strides of the taps view, which ``torch.export`` turns into a guard that every
+    grid side is at least 3 (a graph exported with a dynamic size then refused 2-patch sides eager runs).
+    """
+    return torch.einsum("bchwij,bcij->bchw", _shifted_taps(x), weight)
+
+
+def shifted_dwconv_weight_grad(k: Tensor, e: Tensor) -> Tensor:
+    """``G[b, c, i, j] = sum_p k_pad[b, c, p + (i, j)] e[b, c, p]`` for ``[B, C, h, w]`` maps -> ``[B, C, 3, 3]``
+    (the traceable twin of the ``convolution_backward`` call in :meth:`DWConvInner.grads`; an ``einsum`` as in
+    :func:`shifted_dwconv`)."""
+    return torch.einsum("bchwij,bchw->bcij", _shifted_taps(k), e)
