@@ -16,32 +16,6 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = [
-    "AT_LEAST_ONE",
-    "EVAL",
-    "FLAGS",
-    "LOAD",
-    "NON_NEGATIVE",
-    "ON_EVAL",
-    "ON_LOAD",
-    "ON_RUN",
-    "ON_TRAIN",
-    "PAIR",
-    "POSITIVE",
-    "PROBABILITY",
-    "TRAIN",
-    "Advice",
-    "Check",
-    "Choice",
-    "Constraint",
-    "Range",
-    "config_value",
-    "is_number",
-    "key_name",
-    "message",
-]
-
-
 LOAD, TRAIN, EVAL = "load", "train", "eval"
 ON_LOAD = frozenset({LOAD})
 ON_TRAIN = frozenset({TRAIN})

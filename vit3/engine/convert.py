@@ -59,15 +59,7 @@ from .checkpoint import (
     model_record,
     peek_vit3_checkpoint,
 )
-from .common import (
-    autocast,
-    claim_output,
-    in_process_group,
-    log,
-    resume_path,
-    start_run,
-    wrap_ddp,
-)
+from .common import autocast, claim_output, in_process_group, log, resume_path, start_run, wrap_ddp
 from .config import Config, ConfigError, check_config, load_config
 from .distributed import DistInfo, sum_tensor
 
@@ -302,7 +294,7 @@ class _ConvertRun(classification._Run):
             self._add({f"{TRANSFER}_{i}": v for i, v in enumerate(losses.detach().tolist())})
             return losses.mean()
         logits = self.net(x)
-        task = classification._label_loss(logits, y, self.cfg.aug.label_smoothing)
+        task = classification.label_loss(logits, y, self.cfg.aug.label_smoothing)
         with torch.no_grad():
             teacher_logits = self.teacher(x)
         kd = distillation_loss(logits, teacher_logits, conv.distill, float(conv.temperature))

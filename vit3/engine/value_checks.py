@@ -73,7 +73,7 @@ def dit3_kwargs(kwargs: Any, cfg: Any) -> str | None:
         from vit3.models.dit3 import DIT3_OVERRIDES
     except ImportError:
         return None
-    # what the data and the VAE decide is not the user's to set (vit3.engine.generation._model_kwargs)
+    # what the data and the VAE decide is not the user's to set (vit3.engine.generation_sampling._model_kwargs)
     unknown = sorted(set(kwargs or {}) - set(DIT3_OVERRIDES))
     return (
         f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not create_dit3 overrides"
