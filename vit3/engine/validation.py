@@ -311,6 +311,14 @@ CONSTRAINTS: dict[str, Constraint | tuple[Constraint, ...]] = {
     "dense.synthetic.digits": Range(0, 9, min_length=1),
     "dense.synthetic.max_per_image": AT_LEAST_ONE,
     "dense.synthetic.digit_size": Range(1, "dense.synthetic.image_size", ordered=True, length=PAIR),
+    # convert
+    "convert.scope": Choice("vit3.models.swap:SWIN_SCOPES"),
+    "convert.transfer_epochs": Range(0, "train.epochs"),
+    "convert.transfer_lr_scale": POSITIVE,
+    "convert.distill": Choice("vit3.convert:DISTILL_KINDS"),
+    "convert.temperature": POSITIVE,
+    "convert.task_weight": NON_NEGATIVE,
+    "convert.distill_weight": NON_NEGATIVE,
 }
 
 # What depends on the model or the data, checked where they are built (each a ConfigError naming the key).
@@ -326,6 +334,12 @@ CHECKED_ON_USE = {
     "dense.detector_kwargs": "the arguments of torchvision's detector (model_arguments)",
     "dist.backend": "a backend this machine runs under torchrun (engine.distributed.init_distributed)",
     "device": "a device this machine has (engine.distributed)",
+    "convert.teacher": "a vit3 checkpoint or timm weights file of an attention model (engine.convert)",
+    "convert.teacher_model": "a timm model of the teacher's weights (engine.convert)",
+    "convert.teacher_kwargs": "the arguments of the teacher's timm model (engine.convert)",
+    "convert.student_kwargs": "the arguments of the student's timm model (engine.convert)",
+    "convert.teacher_config": "a classification config writing convert.teacher (engine.convert)",
+    "convert.ttt_kwargs": "a TTTConfig (engine.convert.check_convert_cfg)",
 }
 
 # Keys whose every value of the right type is valid: switches, names, free-form lists.
@@ -356,6 +370,7 @@ FREE = frozenset(
         "dense.no_decay_keys",
         "dense.detector_kwargs",
         "dense.reduce_zero_label",
+        "convert.teacher_ema",
     }
 )
 
