@@ -324,7 +324,7 @@ CONSTRAINTS: dict[str, Constraint | tuple[Constraint, ...]] = {
 # What depends on the model or the data, checked where they are built (each a ConfigError naming the key).
 CHECKED_ON_USE = {
     "model.kwargs": "the arguments of the model (model_arguments, wherever a model is built)",
-    "data.mean": "one value per input channel of the model (engine.classification.resolve_data_cfg)",
+    "data.mean": "one value per input channel of the model (engine.classification_model.resolve_data_cfg)",
     "data.train_split": "the split folder exists (data.build / dense datasets)",
     "data.val_split": "the split folder exists (data.build / dense datasets)",
     "data.img_size": "a size the model takes (check_input_size, before training)",
