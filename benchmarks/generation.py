@@ -30,17 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (
-    RESULTS,
-    add_runtime_args,
-    apply_runtime,
-    paired_ratio,
-    peak_memory,
-    plot_loglog,
-    print_table,
-    time_samples,
-    write_csv,
-)
+from benchmarks import common
 from vit3.models.dit3 import create_dit3, num_params
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,8 +63,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 p.grad = None
 
         fns = {mixer: (lambda m=m: step(m)) for mixer, m in models.items()}
-        samples = time_samples(fns, device, repeats=args.repeats, warmup=1)
-        ratio = paired_ratio(samples["attention"], samples["ttt"])
+        samples = common.time_samples(fns, device, repeats=args.repeats, warmup=1)
+        ratio = common.paired_ratio(samples["attention"], samples["ttt"])
         for mixer, m in models.items():
             ms = 1e3 * sorted(samples[mixer])[len(samples[mixer]) // 2]
             rows.append(
@@ -87,7 +77,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "threads": torch.get_num_threads(),
                     "params_m": num_params(m) / 1e6,
                     "fwd+bwd_ms": ms,
-                    "peak_mib": peak_memory(fns[mixer], device),
+                    "peak_mib": common.peak_memory(fns[mixer], device),
                     "attention_over_ttt": ratio,
                 }
             )
@@ -168,21 +158,21 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
 
 
 def quality(args: argparse.Namespace) -> None:
-    out = args.out or RESULTS / "generation_demo_quality.csv"
+    out = args.out or common.RESULTS / "generation_demo_quality.csv"
     rows = [
         train_demo(mixer, seed, args.runs, args.overrides) for mixer in args.mixers for seed in args.seeds
     ]
-    print_table(rows, "{:.4g}")
+    common.print_table(rows, "{:.4g}")
     summary = summarize(rows)
     print()
-    print_table(summary, "{:.4g}")
-    write_csv([*rows, *summary], out)
+    common.print_table(summary, "{:.4g}")
+    common.write_csv([*rows, *summary], out)
     print(f"wrote {out}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_runtime_args(p)
+    common.add_runtime_args(p)
     p.add_argument(
         "--quality", action="store_true", help="the generation demo's scores over seeds (see above)"
     )
@@ -202,18 +192,18 @@ def main() -> None:
     if args.quality:
         quality(args)
         return
-    apply_runtime(args)
-    out = args.out or RESULTS / f"generation_{torch.device(args.device).type}.csv"
+    common.apply_runtime(args)
+    out = args.out or common.RESULTS / f"generation_{torch.device(args.device).type}.csv"
     rows = run(args)
-    print_table(rows)
-    write_csv(rows, out)
+    common.print_table(rows)
+    common.write_csv(rows, out)
     series = {}
     for r in rows:
         xs, ys = series.setdefault(r["model"], ([], []))
         xs.append(r["tokens"])
         ys.append(r["fwd+bwd_ms"])
     png = out.with_suffix(".png")
-    plot_loglog(
+    common.plot_loglog(
         series,
         "tokens (latent² / patch²)",
         "ms per training step",

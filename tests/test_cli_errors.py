@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from helpers.train import TINY_MODEL, load_script, make_digit_folder
+from helpers.train import TINY_MODEL, load_script, make_digit_folder, one_error_line
 
 from vit3.engine.checkpoint import CheckpointError, load_checkpoint, peek_vit3_checkpoint, save_checkpoint
 from vit3.engine.cli import DEBUG_ENV, USER_ERROR_EXIT
@@ -28,14 +28,6 @@ def _folder_run(digits, out, *extra: str) -> list[str]:
         "data.dataset=folder", f"data.path={digits}", f"output={out}", "data.batch_size=8",
         "train.epochs=1", "train.progress=false", *TINY_MODEL, *extra,
     ]  # fmt: skip
-
-
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, err
-    return errors[0]
 
 
 # --------------------------------------------------------------------------------------- typed config
@@ -66,7 +58,7 @@ def test_a_value_of_the_wrong_type_names_the_key_and_the_type(override, message,
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
     assert load_script("train").main([override]) == USER_ERROR_EXIT
-    assert message in _one_error_line(capsys)
+    assert message in one_error_line(capsys)
 
 
 def test_values_of_the_right_type_are_normalised():
@@ -89,15 +81,15 @@ def test_engine_errors_are_as_clean_as_config_errors(digits, tmp_path, capsys):
     train = load_script("train")
     # Raised deep in the engine (after the data is read), not while loading the config:
     assert train.main(_folder_run(digits, tmp_path, "model.num_classes=1")) == USER_ERROR_EXIT
-    assert "model.num_classes=1 is below the 2 classes" in _one_error_line(capsys)
+    assert "model.num_classes=1 is below the 2 classes" in one_error_line(capsys)
     assert (
         train.main(_folder_run(digits, tmp_path, "data.mean=[0.5, 0.5, 0.5]", "data.std=[0.2, 0.2, 0.2]"))
         == 2
     )
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert "data.mean must hold one value per input channel of the model (1)" in line
     assert train.main(_folder_run(digits, tmp_path, "data.mean=[0.5]")) == 2
-    assert "data.mean is set but not its partner" in _one_error_line(capsys)
+    assert "data.mean is set but not its partner" in one_error_line(capsys)
 
 
 def test_debug_flag_and_environment_show_the_traceback(monkeypatch):
@@ -115,7 +107,7 @@ def test_an_error_in_a_dataloader_worker_is_one_line_naming_the_file(digits, tmp
     (root / "train" / "digit_1" / "0003.png").write_bytes(b"not a png")
     code = load_script("train").main(_folder_run(root, tmp_path / "out", "data.num_workers=1"))
     assert code == USER_ERROR_EXIT
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert re.search(r"^error: cannot read image file \S+digit_1/0003\.png", line), line
     assert "DataLoader worker" not in line
 
@@ -125,11 +117,11 @@ def test_overrides_may_come_anywhere_on_the_command_line(digits, tmp_path, capsy
     train = load_script("train")
     args = [f"data.path={digits}", "--output", str(tmp_path / "x"), "train.epochs=abc", "data.batch_size=8"]
     assert train.main(args) == USER_ERROR_EXIT  # parsed: the config error, not "unrecognized arguments"
-    assert "train.epochs must be an integer" in _one_error_line(capsys)
+    assert "train.epochs must be an integer" in one_error_line(capsys)
     evaluate = load_script("eval")
     args = ["--img-size", "32", "48", "eval.batch_size=lots", "--checkpoint", str(tmp_path / "none.pt")]
     assert evaluate.main(args) == USER_ERROR_EXIT
-    assert "checkpoint not found" in _one_error_line(capsys)  # 'eval.batch_size=lots' was no image size
+    assert "checkpoint not found" in one_error_line(capsys)  # 'eval.batch_size=lots' was no image size
 
 
 # ----------------------------------------------------------------------------------------- checkpoints
@@ -141,7 +133,7 @@ def test_a_truncated_checkpoint_is_called_truncated(tmp_path, capsys):
         with pytest.raises(CheckpointError, match=r"cut\.pt is truncated"):
             read(cut)
     assert load_script("eval").main(["--checkpoint", str(cut)]) == USER_ERROR_EXIT
-    assert "is truncated" in _one_error_line(capsys)
+    assert "is truncated" in one_error_line(capsys)
     assert peek_vit3_checkpoint(tmp_path / "last.pt") is not None
     foreign = tmp_path / "foreign.txt"
     foreign.write_text("not a checkpoint")

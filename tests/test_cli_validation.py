@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.train import TINY_MODEL, load_script, make_digit_folder
+from helpers.train import TINY_MODEL, load_script, make_digit_folder, one_error_line
 from PIL import Image
 
 from vit3.engine.cli import USER_ERROR_EXIT
@@ -49,14 +49,6 @@ def _train_args(digits: Path, out: Path, *extra: str) -> list[str]:
         "data.dataset=folder", f"data.path={digits}", f"output={out}", "data.batch_size=8", "train.epochs=1",
         "train.warmup_epochs=0", "train.progress=false", *TINY_MODEL, *extra,
     ]  # fmt: skip
-
-
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0] == err.strip().splitlines()[-1], err
-    return errors[0]
 
 
 def _fill(text: str, **paths: Path) -> str:
@@ -106,7 +98,7 @@ def test_a_train_mistake_is_one_line_and_nothing_is_written(
     out = tmp_path / "out"
     args = _train_args(digits, out, *(_fill(o, a_file=a_file) for o in overrides))
     assert load_script("train").main(args) == USER_ERROR_EXIT
-    assert _fill(message, a_file=a_file) in _one_error_line(capsys)
+    assert _fill(message, a_file=a_file) in one_error_line(capsys, last=True)
     assert not out.exists()
 
 
@@ -119,7 +111,7 @@ def test_a_read_only_output_folder_is_refused_before_anything_is_written(
     access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and access(p, mode))
     assert load_script("train").main(_train_args(digits, locked / "run")) == USER_ERROR_EXIT
-    assert f"{locked} is not writable here" in _one_error_line(capsys)
+    assert f"{locked} is not writable here" in one_error_line(capsys, last=True)
     assert list(locked.iterdir()) == []
 
 
@@ -141,7 +133,7 @@ def test_a_full_disk_mid_training_keeps_the_checkpoint_on_disk(digits, tmp_path,
     monkeypatch.setattr(ckpt_module.torch, "save", fill_the_disk)
     out = tmp_path / "run"
     assert load_script("train").main(_train_args(digits, out, "train.epochs=2")) == USER_ERROR_EXIT
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys, last=True)
     assert line == (
         f"error: cannot write checkpoint {out / 'last.pt'}: No space left on device (the checkpoint already "
         f"there is left as it was)"
@@ -205,7 +197,7 @@ def test_an_eval_mistake_is_one_line(flags, message, checkpoint, a_file, capsys)
     before = sorted(checkpoint.parent.iterdir())
     args = ["--checkpoint", str(checkpoint), *(_fill(f, **paths) for f in flags)]
     assert load_script("eval").main(args) == USER_ERROR_EXIT
-    assert _fill(message, **paths) in _one_error_line(capsys)
+    assert _fill(message, **paths) in one_error_line(capsys, last=True)
     assert sorted(checkpoint.parent.iterdir()) == before
 
 
@@ -265,7 +257,7 @@ def test_an_export_mistake_is_one_line_and_nothing_is_written(
         args += [] if "--images" in args else ["--images", str(digits / "val")]
         args += [] if "--out" in args else ["--out", str(tmp_path / "feats")]
     assert load_script("export").main(args) == USER_ERROR_EXIT
-    assert _fill(message, **paths) in _one_error_line(capsys)
+    assert _fill(message, **paths) in one_error_line(capsys, last=True)
     assert not (tmp_path / "feats").exists() and not (tmp_path / "m.onnx").exists()
 
 
@@ -306,7 +298,7 @@ def test_nccl_on_a_cpu_machine_is_one_line_before_the_process_group(digits, tmp_
     args = _train_args(digits, tmp_path / "out", "dist.backend=nccl", "device=cpu")
     assert load_script("train").main(args) == USER_ERROR_EXIT
     assert "dist.backend=nccl needs CUDA devices, but this run is on cpu: use dist.backend=gloo" in (
-        _one_error_line(capsys)
+        one_error_line(capsys, last=True)
     )
 
 
@@ -320,7 +312,9 @@ def test_another_rank_reports_only_what_rank_0_did_not(digits, tmp_path, monkeyp
         load_script("train").main(_train_args(digits, tmp_path / "out", "train.base_lr=-1"))
         == USER_ERROR_EXIT
     )
-    assert _one_error_line(capsys).startswith("error: (rank 1) config key train.base_lr must be > 0")
+    assert one_error_line(capsys, last=True).startswith(
+        "error: (rank 1) config key train.base_lr must be > 0"
+    )
 
 
 @pytest.mark.slow

@@ -236,6 +236,7 @@ TASK_DEFAULTS = {
     "classification": None,
     "dense": CONFIG_DIR / "dense" / "dense_base.yaml",
     "generation": CONFIG_DIR / "generation" / "default.yaml",
+    "convert": CONFIG_DIR / "convert" / "base.yaml",
 }
 # mappings whose entries are free-form arguments, checked as a whole
 WHOLE = ("model.kwargs", "dense.detector_kwargs", "dense.synthetic.splits")

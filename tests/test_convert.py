@@ -345,8 +345,8 @@ def test_a_bare_resume_of_an_older_conversion_gets_the_keys_added_since(tmp_path
     [
         ("convert.scope=global", "convert.scope must be one of stage, window"),
         ("convert.distill=feature", "convert.distill must be one of"),
-        ("convert.transfer_epochs=5", "convert.transfer_epochs must be an integer from 0 to train.epochs"),
-        ("convert.temperature=0", "convert.temperature must be a number > 0"),
+        ("convert.transfer_epochs=5", "convert.transfer_epochs must be in [0, train.epochs (2)], got 5"),
+        ("convert.temperature=0", "convert.temperature must be > 0, got 0"),
         ("convert.ttt_kwargs={loss: l3}", "convert.ttt_kwargs is not a TTT mixer config"),
         ("model.name=vit3_tiny", "leave model.name empty"),
         ("convert.teacher_config=", "convert.teacher file not found"),

@@ -6,24 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from helpers import train as train_helpers
 from helpers.generation import DEMO, tiny_gen_args, tiny_gen_cfg, write_tiny_vae
-from helpers.train import (
-    REPO,
-    Crashed,
-    assert_same_tensors,
-    crash_after_checkpoint,
-    kill_when_checkpoint,
-    load_script,
-    read_ckpt,
-    saved_weights_sha1,
-    tiny_cfg,
-)
 
 from vit3.engine import ConfigError, load_config, run
 from vit3.engine.cli import USER_ERROR_EXIT
@@ -44,7 +33,7 @@ def trained(digits, tmp_path_factory):
 
 def test_short_run_on_real_digits_lowers_the_loss(trained):
     out, _ = trained
-    curve = read_ckpt(out / "last.pt")["curve"]
+    curve = train_helpers.read_ckpt(out / "last.pt")["curve"]
     assert [c["step"] for c in curve] == list(range(2, 37, 2))
     first, last = curve[0], curve[-1]
     assert last["loss"] < 0.5 * first["loss"], (first, last)  # starts at ~1: the output layer is zero at init
@@ -52,14 +41,14 @@ def test_short_run_on_real_digits_lowers_the_loss(trained):
     history = json.loads((out / "metrics.json").read_text())
     assert [r["epoch"] for r in history] == [1, 2, 3] and history[-1]["train_loss"] < history[0]["train_loss"]
     assert (out / "curves.png").stat().st_size > 1000
-    ckpt = read_ckpt(out / "last.pt")
+    ckpt = train_helpers.read_ckpt(out / "last.pt")
     assert ckpt["task"] == "generation" and ckpt["global_step"] == 36 and ckpt["ema"] is not None
     assert ckpt["model_kwargs"]["in_channels"] == 1 and ckpt["model_kwargs"]["num_classes"] == 4
     assert "git_commit" in (out / "config.yaml").read_text()
 
 
 def _resumable(ckpt_path):
-    ckpt = read_ckpt(ckpt_path)
+    ckpt = train_helpers.read_ckpt(ckpt_path)
     return {k: ckpt[k] for k in ("model", "ema", "optimizer", "scaler", "global_step", "epoch", "curve")}
 
 
@@ -72,18 +61,12 @@ def test_kill_and_bare_resume_matches_uninterrupted_run(digits, tmp_path, monkey
         "train.clip_grad=0.5",
         "model.class_dropout_prob=0.3",
     )
-    full = tmp_path / "full"
-    run(tiny_gen_cfg(digits, full, *recipe), "train")
-
-    killed = tmp_path / "killed"
-    with monkeypatch.context() as m, pytest.raises(Crashed):
-        crash_after_checkpoint(m, 8)  # 6 updates per epoch: dies in epoch 2 after the step-8 checkpoint
-        run(tiny_gen_cfg(digits, killed, *recipe), "train")
-    partial = read_ckpt(killed / "last.pt")
+    full, killed, partial = train_helpers.crash_then_bare_resume(
+        monkeypatch, lambda out: tiny_gen_cfg(digits, out, *recipe), tmp_path, 8
+    )
+    # 6 updates per epoch: it died in epoch 2 after the step-8 checkpoint
     assert (partial["epoch"], partial["batch_in_epoch"], partial["global_step"]) == (1, 4, 8)
-    torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
-    assert load_script("train").main(["--resume", str(killed / "last.pt")]) == 0
-    assert_same_tensors(_resumable(full / "last.pt"), _resumable(killed / "last.pt"))
+    train_helpers.assert_same_tensors(_resumable(full / "last.pt"), _resumable(killed / "last.pt"))
     a, b = (json.loads((d / "metrics.json").read_text()) for d in (full, killed))
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
 
@@ -101,25 +84,31 @@ def test_real_process_kill_then_bare_resume(digits, tmp_path):
     cmd = [sys.executable, "train.py", "--config", str(DEMO), *args, f"output={killed}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # 12 steps per epoch, a checkpoint every 4: killed once one inside epoch 2 (step 16 or 20) is on disk
-    left = kill_when_checkpoint(
-        cmd, killed / "last.pt", lambda c: c["epoch"] == 1 and c["batch_in_epoch"] > 0, cwd=REPO, env=env
+    left = train_helpers.kill_when_checkpoint(
+        cmd,
+        killed / "last.pt",
+        lambda c: c["epoch"] == 1 and c["batch_in_epoch"] > 0,
+        cwd=train_helpers.REPO,
+        env=env,
     )
     assert left["epoch"] == 1 and 0 < left["batch_in_epoch"] < 12, (left["epoch"], left["batch_in_epoch"])
     torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
-    assert load_script("train").main(["--resume", str(killed / "last.pt")]) == 0
-    assert_same_tensors(_resumable(tmp_path / "full" / "last.pt"), _resumable(killed / "last.pt"))
+    assert train_helpers.load_script("train").main(["--resume", str(killed / "last.pt")]) == 0
+    train_helpers.assert_same_tensors(
+        _resumable(tmp_path / "full" / "last.pt"), _resumable(killed / "last.pt")
+    )
 
 
 def test_resuming_from_a_classification_checkpoint_is_refused(digits, tmp_path):
     cls = tmp_path / "cls"
-    run(tiny_cfg(digits, cls, "train.epochs=1"), "train")
+    run(train_helpers.tiny_cfg(digits, cls, "train.epochs=1"), "train")
     with pytest.raises(ConfigError, match=r"cannot resume a generation run from .*classification checkpoint"):
         run(tiny_gen_cfg(digits, tmp_path / "gen", f"train.resume={cls / 'last.pt'}"), "train")
 
 
 # ----------------------------------------------------------------------------------------------- sampling
 def _eval(checkpoint, out, *args: str) -> dict:
-    eval_script = load_script("eval")
+    eval_script = train_helpers.load_script("eval")
     assert eval_script.main(["--checkpoint", str(checkpoint), *args, f"sample.out={out}"]) == 0
     return json.loads((out / "eval.json").read_text())
 
@@ -162,7 +151,7 @@ def test_eval_samples_write_the_reference_suite_layout(trained, tmp_path):
 
 def test_eval_default_folder_names_the_settings(trained):
     out, _ = trained
-    eval_script = load_script("eval")
+    eval_script = train_helpers.load_script("eval")
     assert (
         eval_script.main(
             ["--checkpoint", str(out / "last.pt"), "--sampler", "dpm++", "--steps", "2", "--num-samples", "2"]
@@ -186,7 +175,7 @@ def test_eval_default_folder_names_the_settings(trained):
 def test_bad_sampling_requests_are_named(trained, args, match, capsys):
     """Each mistake ends eval.py with one message naming it and the user-error exit code, no traceback."""
     out, _ = trained
-    eval_script = load_script("eval")
+    eval_script = train_helpers.load_script("eval")
     try:
         code = eval_script.main(["--checkpoint", str(out / "last.pt"), "--num-samples", "2", *args])
     except SystemExit as exc:  # argparse's own usage errors
@@ -205,7 +194,7 @@ def test_guidance_needs_a_model_trained_with_label_dropout(digits, tmp_path, cap
         tiny_gen_cfg(digits, out, "model.class_dropout_prob=0", "sample.cfg_scale=1", "train.epochs=1"),
         "train",
     )
-    eval_script = load_script("eval")
+    eval_script = train_helpers.load_script("eval")
     code = eval_script.main(
         ["--checkpoint", str(out / "last.pt"), "--cfg-scale", "3", "model.class_dropout_prob=0.1"]
     )
@@ -232,7 +221,7 @@ def test_latent_training_and_sampling_through_a_local_vae(digits, tmp_path):
         "sample.num_samples=3", "sample.sampler=ddpm", "sample.steps=2",
     )  # fmt: skip
     summary = run(cfg, "train")
-    kwargs = read_ckpt(out / "last.pt")["model_kwargs"]
+    kwargs = train_helpers.read_ckpt(out / "last.pt")["model_kwargs"]
     assert (kwargs["in_channels"], kwargs["input_size"]) == (4, 14)  # 28 px / 2, 4 latent channels
     assert np.load(summary["eval"]["npz"])["arr_0"].shape == (3, 28, 28, 3)
     with pytest.raises(ConfigError, match=r"multiple of the VAE's downsampling 2"):
@@ -247,7 +236,7 @@ def test_latent_training_and_sampling_through_a_local_vae(digits, tmp_path):
 def classifier(digits, tmp_path_factory):
     """A tiny H-ViT³ digit classifier (the classification engine, 4 classes)."""
     out = tmp_path_factory.mktemp("clf")
-    run(tiny_cfg(digits, out, "train.epochs=3"), "train")
+    run(train_helpers.tiny_cfg(digits, out, "train.epochs=3"), "train")
     return out / "best.pt"
 
 
@@ -328,20 +317,12 @@ def test_fid_and_inception_score_with_local_weights(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_torchrun_two_processes_train_and_sample(digits, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+    args = [
         "--config", "configs/generation/demo_mnist.yaml", "data.dataset=folder", f"data.path={digits}",
         f"output={out}", "data.batch_size=10", "train.epochs=1", "train.progress=false", "metrics.classifier=",
         "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "sample.num_samples=5", "sample.steps=2",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 2
-    ckpt = read_ckpt(out / "last.pt")
-    # each rank's SHA-1 of its final weights, compared in the run: equal, and the weights it saved
-    assert summary["rank_weights_sha1"] == [saved_weights_sha1(ckpt)] * 2
+    _, ckpt = train_helpers.torchrun_two_processes(args, out, timeout=900)
     assert ckpt["global_step"] == 12  # 240 images / (2 ranks x 10)
     npz = np.load(out / "samples" / "samples.npz")
     assert npz["labels"].tolist() == [0, 1, 2, 3, 0]  # both ranks' shards, back in sample order
@@ -355,13 +336,13 @@ def test_eval_samples_from_an_official_file_named_by_model_and_config(trained, t
 
     out, _ = trained
     state = {}
-    for k, v in read_ckpt(out / "last.pt")["ema"].items():
+    for k, v in train_helpers.read_ckpt(out / "last.pt")["ema"].items():
         for ours, theirs in (("inner.0.w1", "w1"), ("inner.0.w2", "w2"), ("inner.1.weight", "w3")):
             k = k.replace(f"attn.{ours}", f"attn.{theirs}")
         state[k] = v
     state["pos_embed"] = sincos_pos_embed_2d(32, (7, 7))[None]
     torch.save(state, tmp_path / "official.pt")
-    eval_script = load_script("eval")
+    eval_script = train_helpers.load_script("eval")
     options = ["--checkpoint", str(tmp_path / "official.pt"), "--config", str(DEMO), "--num-samples", "4"]
     overrides = [*TINY_DIT, "model.num_classes=4", "metrics.classifier=", f"sample.out={tmp_path / 's'}"]
     args = [*options, "--steps", "2", *overrides]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers.dense import det_args, seg_args
 from helpers.generation import tiny_gen_args
-from helpers.train import DEMO, load_script, short_run, tiny_args
+from helpers.train import DEMO, load_script, one_error_line, short_run, tiny_args
 
 from vit3.engine import load_config
 from vit3.engine.checkpoint import config_for_resume, save_checkpoint
@@ -48,14 +48,6 @@ def _digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 def _earlier_run(folder: Path, task: str) -> dict[str, str]:
     """A folder as a finished run leaves it (its checkpoints' bytes do not matter to the check)."""
     folder.mkdir(parents=True)
@@ -71,7 +63,7 @@ def test_a_new_run_refuses_a_folder_holding_another_runs_checkpoints(task, reque
     out = tmp_path / "run"
     before = _earlier_run(out, task)
     code = load_script("train").main(["--config", str(CONFIGS[task]), *_args(task, request, out)])
-    assert (code, _error_line(capsys)) == (
+    assert (code, one_error_line(capsys)) == (
         2,
         f"error: {out} holds the checkpoints of another run (last.pt, best.pt), which this run would "
         f"overwrite: continue that run with --resume {out / 'last.pt'}, or give this one a new folder "
@@ -115,7 +107,7 @@ def test_a_resume_from_an_earlier_checkpoint_does_not_overwrite_a_later_one(tmp_
     _checkpoint(out / "last.pt", 6, output=out)
     before = _digests(out)
     assert load_script("train").main(["--resume", str(out / "best.pt")]) == 2
-    assert _error_line(capsys) == (
+    assert one_error_line(capsys) == (
         f"error: {out / 'last.pt'} was written later than {out / 'best.pt'} (step 5), which this run resumes "
         f"from, and would be overwritten: resume from {out / 'last.pt'} instead, or continue in a new folder "
         f"(output=<folder>); --overwrite moves its files into {out / 'replaced-<time>'}/ first"
@@ -128,7 +120,7 @@ def test_a_resume_into_another_runs_folder_is_refused(tmp_path, capsys):
     _checkpoint(mine / "last.pt", 3, output=mine)
     before = _earlier_run(other, "classification")
     assert load_script("train").main(["--resume", str(mine / "last.pt"), f"output={other}"]) == 2
-    assert _error_line(capsys).startswith(
+    assert one_error_line(capsys).startswith(
         f"error: {other} holds the checkpoints of another run (last.pt, best.pt)"
     )
     assert _digests(other) == before

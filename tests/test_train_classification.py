@@ -12,15 +12,14 @@ import torch
 from helpers.train import (
     REPO,
     TINY_MODEL,
-    Crashed,
     assert_same_tensors,
-    crash_after_checkpoint,
+    crash_then_bare_resume,
     kill_when_checkpoint,
     load_script,
     make_digit_folder,
     read_ckpt,
-    saved_weights_sha1,
     tiny_cfg,
+    torchrun_two_processes,
 )
 
 from vit3.engine import ConfigError, run
@@ -81,18 +80,11 @@ def test_kill_and_bare_resume_matches_uninterrupted_run(digits, tmp_path, monkey
         "model.drop_path_rate=0.1",
         "train.warmup_epochs=1",
     )
-    full = tmp_path / "full"
-    run(tiny_cfg(digits, full, *recipe), "train")
-
-    killed = tmp_path / "killed"
-    with monkeypatch.context() as m, pytest.raises(Crashed):
-        crash_after_checkpoint(m, 8)  # 6 updates per epoch: dies in epoch 2 after the step-8 checkpoint
-        run(tiny_cfg(digits, killed, *recipe), "train")
-    partial = read_ckpt(killed / "last.pt")
+    full, killed, partial = crash_then_bare_resume(
+        monkeypatch, lambda out: tiny_cfg(digits, out, *recipe), tmp_path, 8
+    )
+    # 6 updates per epoch: it died in epoch 2 after the step-8 checkpoint
     assert (partial["epoch"], partial["batch_in_epoch"], partial["global_step"]) == (1, 4, 8)
-
-    torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
-    assert load_script("train").main(["--resume", str(killed / "last.pt")]) == 0
     assert_same_tensors(_weights_and_state(full / "last.pt"), _weights_and_state(killed / "last.pt"))
     assert (demo / "last.pt").read_bytes() == b"the finished demo's checkpoint" and len(
         list(demo.iterdir())
@@ -207,20 +199,12 @@ def test_unknown_config_key_exits_with_close_matches(capsys):
 @pytest.mark.slow
 def test_torchrun_two_processes_agree(digits, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+    args = [
         "data.dataset=folder", f"data.path={digits}", f"output={out}", "data.batch_size=10", "train.epochs=3",
         "train.progress=false", *TINY_MODEL, "train.base_lr=2e-3", "train.lr_batch=20", "train.warmup_epochs=0",
         "train.ema=true", "aug.mixup=0.8",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 2
-    ckpt = read_ckpt(out / "last.pt")
-    # each rank's SHA-1 of its final weights, compared in the run: equal, and the weights it saved
-    assert summary["rank_weights_sha1"] == [saved_weights_sha1(ckpt)] * 2
+    _, ckpt = torchrun_two_processes(args, out, timeout=600)
     assert len(ckpt["rng"]) == 2  # one RNG state per rank
     # 240 images / (2 ranks x 10) = 12 optimizer steps per epoch, and every val image counted once
     assert ckpt["global_step"] == 36

@@ -5,21 +5,24 @@ Test modules import it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
 from helpers.common import REPO, load_module
 from vit3.data.mnist import load_mnist5k
-from vit3.engine import Config, load_config
+from vit3.engine import Config, load_config, run
 from vit3.engine.config import CONFIG_DIR
 
 DEMO = CONFIG_DIR / "demo_mnist.yaml"
@@ -69,6 +72,17 @@ def tiny_cfg(data_root: Path, out: Path, *overrides: str) -> Config:
     return load_config(DEMO, tiny_args(data_root, out, *overrides))
 
 
+def one_error_line(capsys, last: bool = False) -> str:
+    """The one ``error: ...`` line that a script refusing its input wrote to stderr, with no traceback
+    (``last``: and nothing after it)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    assert not last or errors[0] == err.strip().splitlines()[-1], err
+    return errors[0]
+
+
 def load_script(name: str) -> ModuleType:
     """Imports ``train.py`` / ``eval.py`` from the repository root as a module."""
     return load_module(REPO / f"{name}.py", f"_vit3_script_{name}")
@@ -97,6 +111,33 @@ def crash_after_checkpoint(monkeypatch, global_step: int) -> None:
         return written
 
     monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+
+
+def run_until_crash(monkeypatch, cfg: Config, global_step: int) -> dict:
+    """Trains ``cfg`` in this process until it dies after writing the checkpoint of optimizer step
+    ``global_step`` (:func:`crash_after_checkpoint`); returns that checkpoint (``<output>/last.pt``)."""
+    with monkeypatch.context() as m, pytest.raises(Crashed):
+        crash_after_checkpoint(m, global_step)
+        run(cfg, "train")
+    return read_ckpt(Path(cfg.output) / "last.pt")
+
+
+def crash_then_bare_resume(
+    monkeypatch, make_cfg: Callable[[Path], Config], tmp_path: Path, global_step: int
+) -> tuple[Path, Path, dict]:
+    """The in-process resume check: ``make_cfg(tmp_path / "full")`` trained uninterrupted;
+    ``make_cfg(tmp_path / "killed")`` trained until it dies after the checkpoint of ``global_step``
+    (:func:`run_until_crash`), then resumed by a bare ``train.py --resume FILE`` from unrelated RNG states.
+
+    Returns:
+        The two output folders and the checkpoint the crash left.
+    """
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    run(make_cfg(full), "train")
+    partial = run_until_crash(monkeypatch, make_cfg(killed), global_step)
+    torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
+    assert load_script("train").main(["--resume", str(killed / "last.pt")]) == 0
+    return full, killed, partial
 
 
 def _file_id(path: Path) -> tuple[int, int]:
@@ -164,6 +205,24 @@ def saved_weights_sha1(ckpt: dict) -> str:
         model = timm.create_model(ckpt["model_name"], num_classes=ckpt["num_classes"], **kwargs)
     model.load_state_dict(ckpt["model"])
     return param_digest(model)
+
+
+def torchrun_two_processes(args: Sequence[str], out: Path, timeout: float) -> tuple[dict, dict]:
+    """Runs ``train.py <args>`` under torchrun with 2 processes (one thread each) writing into ``out``, and
+    checks that both ranks ran and ended with the weights it saved (each rank's SHA-1, compared in the run).
+
+    Returns:
+        The run's summary and its ``last.pt``.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    ckpt = read_ckpt(out / "last.pt")
+    assert summary["rank_weights_sha1"] == [saved_weights_sha1(ckpt)] * 2
+    return summary, ckpt
 
 
 def assert_same_tensors(a, b, where: str = "") -> None:

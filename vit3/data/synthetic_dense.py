@@ -191,11 +191,6 @@ def write_ade(root: str | Path, split: str, canvases: list[Canvas], digits: tupl
     return root
 
 
-def segmentation_classes(digits: tuple[int, ...]) -> list[str]:
-    """Class names of the ADE-style label maps: background, then the digits."""
-    return ["background", *(f"digit_{d}" for d in digits)]
-
-
 def make_synthetic_coco(
     root: str | Path,
     splits: dict[str, int] | None = None,

@@ -26,9 +26,9 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -45,8 +45,9 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .config import Config, ConfigError, save_config
+from .config import Config, ConfigError, run_metadata, save_config, to_plain
 from .distributed import DistInfo, all_gather_objects, barrier, distributed
+from .optim import build_optimizer, build_scheduler, lr_factor, scaled_lrs
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
 
@@ -55,21 +56,26 @@ __all__ = [
     "CHECKPOINT_FILES",
     "RUN_FILES",
     "RUN_PATTERNS",
+    "Optimization",
     "OutputFolder",
     "Progress",
     "TrainRun",
     "amp_dtype",
     "autocast",
+    "build_optimization",
     "check_ranks_agree",
     "check_resume",
     "check_resume_task",
     "checkpoint_task",
     "claim_output",
+    "epoch_batches",
     "in_process_group",
     "log",
     "log_row",
+    "log_setup",
     "move_aside",
     "open_output",
+    "open_run",
     "optimizer_step",
     "param_digest",
     "restore_rng",
@@ -79,6 +85,7 @@ __all__ = [
     "save_state",
     "seed_process",
     "set_threads",
+    "start_run",
     "wrap_ddp",
 ]
 
@@ -175,6 +182,7 @@ class Progress:
     epoch: int = 0  # the epoch to run (0-based)
     batch_in_epoch: int = 0  # batches of that epoch already done
     global_step: int = 0  # optimizer updates done
+    history: list[dict[str, Any]] = field(default_factory=list)  # one row per epoch (dense: per evaluation)
 
     def counters(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "global_step": self.global_step}
@@ -220,6 +228,24 @@ class TrainRun:
             "scaler": self.scaler.state_dict(),
         }
 
+    def run_state(
+        self, progress: Progress, model_kwargs: Mapping[str, Any], num_classes: int, classes: Iterable[str]
+    ) -> dict[str, Any]:
+        """The checkpoint entries every epoch-based run writes: the model (name, ``model_kwargs``, classes),
+        :meth:`training_state`, the counters and history of ``progress``, the config and the run metadata
+        (an engine adds its own; :func:`save_state` the RNG states)."""
+        return {
+            "model_name": self.cfg.model.name,
+            "model_kwargs": to_plain(model_kwargs),
+            "num_classes": num_classes,
+            "classes": list(classes),
+            **self.training_state(),
+            **progress.counters(),
+            "history": progress.history,
+            "config": self.cfg.to_dict(),
+            "meta": run_metadata(),
+        }
+
     def load_training_state(self, ckpt: Mapping[str, Any], source: str, scheduler: bool = True) -> None:
         """Restores :meth:`training_state` from ``ckpt`` (the scheduler's only with ``scheduler``).
 
@@ -236,6 +262,69 @@ class TrainRun:
         if scheduler:
             self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
+
+
+def epoch_batches(cfg: Config, samples: int) -> int:
+    """The batches of an epoch of ``samples`` samples per process: whole accumulation steps of
+    ``train.accum_steps`` batches of ``data.batch_size``.
+
+    Raises:
+        ConfigError: not one accumulation step fits in an epoch.
+    """
+    accum, bs = int(cfg.train.accum_steps), int(cfg.data.batch_size)
+    batches = samples // bs // accum * accum
+    if batches == 0:
+        raise ConfigError(f"train.accum_steps={accum} exceeds the {samples // bs} batches per epoch")
+    return batches
+
+
+class Optimization(NamedTuple):
+    """What :func:`build_optimization` builds."""
+
+    total_batch: int  # data.batch_size x processes x train.accum_steps
+    lrs: dict[str, float]  # train.base_lr / warmup_lr / min_lr scaled to the total batch
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    amp_dtype: torch.dtype | None
+    scaler: torch.amp.GradScaler  # enabled for fp16 only
+
+
+def build_optimization(cfg: Config, info: DistInfo, model: nn.Module, batches_per_epoch: int) -> Optimization:
+    """Moves ``model`` to the run's device (with gradient checkpointing when ``model.grad_checkpointing``)
+    and builds the AdamW optimizer, the warmup + cosine schedule of ``batches_per_epoch // accum_steps``
+    steps per epoch, the AMP dtype and the grad scaler of ``cfg.train``."""
+    model.to(info.device)
+    if cfg.model.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    accum = int(cfg.train.accum_steps)
+    total_batch = int(cfg.data.batch_size) * info.world * accum
+    lrs = scaled_lrs(cfg.train, total_batch)
+    optimizer = build_optimizer(model, cfg.train, lrs["base_lr"])
+    scheduler = build_scheduler(optimizer, cfg.train, lrs, batches_per_epoch // accum)
+    amp = amp_dtype(cfg.train.amp, info.device)
+    scaler = torch.amp.GradScaler(info.device.type, enabled=amp == torch.float16)
+    return Optimization(total_batch, lrs, optimizer, scheduler, amp, scaler)
+
+
+def log_setup(
+    info: DistInfo,
+    cfg: Config,
+    model: nn.Module,
+    opt: Optimization,
+    ema: Any,
+    name: str,
+    about: str,
+    data: str,
+) -> None:
+    """Logs what a run trains: the model (``name``, its size, ``about`` it), the ``data``, the processes,
+    total batch, lr (and how it was scaled), AMP and EMA."""
+    log(
+        info,
+        f"model {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {about} | data: {data} | "
+        f"{info.world} process(es) on {info.device}, total batch {opt.total_batch}, lr {opt.lrs['base_lr']:.3g} "
+        f"(train.base_lr {cfg.train.base_lr:g} x {lr_factor(cfg.train, opt.total_batch):.4g}, "
+        f"{cfg.train.get('lr_scale', 'linear')} in the batch) | amp {opt.amp_dtype} | ema {'on' if ema else 'off'}",
+    )
 
 
 def start_run(cfg: Config, info: DistInfo, task: str) -> tuple[str, dict[str, Any] | None]:
@@ -359,6 +448,28 @@ def open_output(folder: OutputFolder, cfg: Config, info: DistInfo) -> Path:
             )
         save_config(cfg, folder.path)
     return folder.path
+
+
+def open_run(
+    folder: OutputFolder,
+    cfg: Config,
+    info: DistInfo,
+    ckpt: Mapping[str, Any] | None,
+    resume: str,
+    restore: Callable[[], Progress],
+) -> None:
+    """The close of a run's setup: with ``ckpt`` (read from ``resume``), ``restore()`` the run from it (it
+    returns the progress restored, which the log names); then the config saved in ``folder``
+    (:func:`open_output`); last the RNG states of ``ckpt``, since building the run drew on the RNGs."""
+    if ckpt is not None:
+        p = restore()
+        log(
+            info,
+            f"resumed from {resume}: epoch {p.epoch + 1}, batch {p.batch_in_epoch}, step {p.global_step}",
+        )
+    open_output(folder, cfg, info)
+    if ckpt is not None:
+        restore_rng(ckpt, info)
 
 
 def checkpoint_task(ckpt: Mapping[str, Any]) -> str:

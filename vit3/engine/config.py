@@ -59,7 +59,8 @@ from typing import Any
 import yaml
 
 from ..errors import OUTPUT_ERRNOS, ConfigError, OutputError
-from .validation import CONSTRAINTS, Range, check_values, is_number
+from .constraints import Range, is_number
+from .validation import CONSTRAINTS, check_values
 
 # The installed configs: the repository's configs/ (package-dir mapping in pyproject.toml), a plain folder of
 # an installed or editable package (vit3 is never imported from a zip).

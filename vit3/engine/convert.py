@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from ..convert import (
-    DISTILL_KINDS,
     LayerCapture,
     LayerPair,
     TransferNet,
@@ -50,7 +49,7 @@ from ..convert import (
 from ..data import build_datasets
 from ..errors import CheckpointMismatchError
 from ..layers import TTTConfig
-from ..models.swap import SWAP_MODEL, SWIN_SCOPES
+from ..models.swap import SWAP_MODEL
 from . import classification
 from .checkpoint import (
     load_checkpoint,
@@ -59,15 +58,7 @@ from .checkpoint import (
     model_record,
     peek_vit3_checkpoint,
 )
-from .common import (
-    autocast,
-    claim_output,
-    in_process_group,
-    log,
-    resume_path,
-    start_run,
-    wrap_ddp,
-)
+from .common import autocast, claim_output, in_process_group, log, resume_path, start_run, wrap_ddp
 from .config import Config, ConfigError, check_config, load_config
 from .distributed import DistInfo, sum_tensor
 
@@ -80,21 +71,10 @@ CONVERT_KEYS = (
 )  # fmt: skip
 
 
-def _number(conv: Config, key: str, low: float, strict: bool = False) -> float:
-    value = conv.get(key)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or value < low
-        or (strict and value == low)
-    ):
-        bound = f"> {low}" if strict else f">= {low}"
-        raise ConfigError(f"convert.{key} must be a number {bound}, got {value!r}")
-    return float(value)
-
-
 def check_convert_cfg(cfg: Config) -> Config:
-    """The ``convert`` section of ``cfg``, checked (the keys of ``configs/convert/base.yaml``).
+    """The ``convert`` section of ``cfg``, checked (the keys of ``configs/convert/base.yaml``): what the
+    validation layer cannot say (its values are its table's, :data:`~vit3.engine.validation.CONSTRAINTS`,
+    checked with the config).
 
     Raises:
         ConfigError: the section is missing, or a key has a value the conversion cannot run with (named).
@@ -118,21 +98,6 @@ def check_convert_cfg(cfg: Config) -> Config:
         TTTConfig.create(dict(conv.ttt_kwargs))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"convert.ttt_kwargs is not a TTT mixer config: {e}") from e
-    if conv.get("scope") not in SWIN_SCOPES:
-        raise ConfigError(f"convert.scope must be one of {', '.join(SWIN_SCOPES)}, got {conv.get('scope')!r}")
-    if conv.get("distill") not in DISTILL_KINDS:
-        raise ConfigError(
-            f"convert.distill must be one of {', '.join(DISTILL_KINDS)}, got {conv.get('distill')!r}"
-        )
-    epochs = conv.get("transfer_epochs")
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or not 0 <= epochs <= int(cfg.train.epochs):
-        raise ConfigError(
-            f"convert.transfer_epochs must be an integer from 0 to train.epochs ({cfg.train.epochs}), got {epochs!r}"
-        )
-    _number(conv, "transfer_lr_scale", 0.0, strict=True)
-    _number(conv, "temperature", 0.0, strict=True)
-    _number(conv, "task_weight", 0.0)
-    _number(conv, "distill_weight", 0.0)
     if cfg.train.mesa:
         raise ConfigError(
             "train.mesa does not apply to the conversion (its teacher is convert.teacher): set it 0"
@@ -157,6 +122,9 @@ def _train_missing_teacher(cfg: Config) -> None:
     path = Path(conv.teacher)
     if path.is_file() or not conv.get("teacher_config"):
         return
+    resume = resume_path(cfg, Path(cfg.output))
+    # A folder this run may not write into is refused before the teacher is trained (for minutes).
+    claim_output(cfg, resume, load_checkpoint(resume, mmap=True) if resume else None)
     if path.name not in ("best.pt", "last.pt"):
         raise ConfigError(
             f"convert.teacher={path} does not exist, and what convert.teacher_config trains is "
@@ -302,7 +270,7 @@ class _ConvertRun(classification._Run):
             self._add({f"{TRANSFER}_{i}": v for i, v in enumerate(losses.detach().tolist())})
             return losses.mean()
         logits = self.net(x)
-        task = classification._label_loss(logits, y, self.cfg.aug.label_smoothing)
+        task = classification.label_loss(logits, y, self.cfg.aug.label_smoothing)
         with torch.no_grad():
             teacher_logits = self.teacher(x)
         kd = distillation_loss(logits, teacher_logits, conv.distill, float(conv.temperature))
@@ -439,9 +407,6 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
 def train(cfg: Config) -> dict[str, Any]:
     """Converts ``cfg.convert.teacher`` (see the module docstring); returns the run summary."""
     check_convert_cfg(cfg)
-    resume = resume_path(cfg, Path(cfg.output))
-    # A folder this run may not write into is refused before a missing teacher is trained (for minutes).
-    claim_output(cfg, resume, load_checkpoint(resume, mmap=True) if resume else None)
     _train_missing_teacher(cfg)
     return in_process_group(cfg, _train)
 

@@ -14,7 +14,6 @@ import math
 from collections.abc import Sequence
 
 import timm
-import torch
 from timm.layers import LayerNorm2d
 from torch import Tensor, nn
 
@@ -204,13 +203,3 @@ def block_layer_ids(backbone: nn.Module) -> tuple[dict[str, int], int]:
         else:  # stem -> 0; a downsampling layer between stages -> the next block's id; final norms -> last
             ids[name] = 0 if last < 0 else last + 2
     return ids, n_blocks + 2
-
-
-@torch.no_grad()
-def feature_shapes(backbone: nn.Module, image_size: tuple[int, int]) -> list[tuple[int, ...]]:
-    """Output shapes of ``backbone`` for one ``[1, 3, *image_size]`` input (runs it once)."""
-    was_training = backbone.training
-    backbone.eval()
-    shapes = [tuple(f.shape) for f in backbone(torch.zeros(1, 3, *image_size))]
-    backbone.train(was_training)
-    return shapes

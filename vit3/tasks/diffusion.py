@@ -38,8 +38,11 @@ samplers on the official respaced chain.
   official numbers. The two schedulers here keep float64 tables; each coefficient is applied in the
   sample's dtype (a float32 model gets the official float32-rounded coefficients).
   Classifier-free guidance runs through the model's ``forward_with_cfg`` (:func:`denoise`).
-* :class:`LatentAutoencoder`: a local ``diffusers.AutoencoderKL`` (a folder in diffusers' layout; nothing is
-  downloaded) mapping images in ``[-1, 1]`` to scaled latents and back, as the official train/sample scripts.
+* :class:`LatentAutoencoder` (:mod:`vit3.tasks.latent`): a local ``diffusers.AutoencoderKL`` (a folder in
+  diffusers' layout; nothing is downloaded) mapping images in ``[-1, 1]`` to scaled latents and back, as the
+  official train/sample scripts.
+
+The densities, the respacing and the chain tables are plain torch, in :mod:`vit3.tasks.diffusion_chain`.
 
 The schedule tables are float64; the loss runs in the model output's precision (at least float32).
 """
@@ -47,9 +50,7 @@ The schedule tables are float64; the loss runs in the model output's precision (
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,6 +63,20 @@ try:
     from diffusers.utils.torch_utils import randn_tensor
 except ImportError as exc:  # the generation extra is not installed
     raise ImportError(f"DiT³ diffusion needs diffusers: pip install -e '.[generation]' ({exc})") from exc
+
+from .diffusion_chain import (
+    Take,
+    approx_standard_normal_cdf,
+    chain_tables,
+    discretized_gaussian_log_likelihood,
+    learned_logvar,
+    mean_flat,
+    normal_kl,
+    posterior_mean,
+    predict_x0,
+    space_timesteps,
+)
+from .latent import LatentAutoencoder
 
 __all__ = [
     "SAMPLERS",
@@ -81,60 +96,9 @@ __all__ = [
 SAMPLERS = ("ddpm", "ddim", "dpm++")
 VARIANCE_TYPES = ("learned_range", "fixed_large", "fixed_small")
 Generator = torch.Generator | list[torch.Generator] | None
-Take = Callable[[str], Tensor]  # a chain table's entry at the current timestep(s), broadcastable
 
 
-def normal_kl(mean1: Tensor, logvar1: Tensor, mean2: Tensor, logvar2: Tensor) -> Tensor:
-    """Elementwise ``KL(N(mean1, e^logvar1) || N(mean2, e^logvar2))`` in nats (arguments broadcast)."""
-    return 0.5 * (
-        -1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2)
-    )
-
-
-def approx_standard_normal_cdf(x: Tensor) -> Tensor:
-    """The tanh approximation of the standard normal CDF used by the official decoder likelihood."""
-    return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
-
-
-def discretized_gaussian_log_likelihood(
-    x: Tensor,
-    means: Tensor,
-    log_scales: Tensor,
-    cdf: Callable[[Tensor], Tensor] = approx_standard_normal_cdf,
-    half_bin: float = 1.0 / 255.0,
-) -> Tensor:
-    """Log-probability (nats) of data ``x`` in ``[-1, 1]`` under a Gaussian discretised to 8-bit bins.
-
-    Each value owns the bin ``[x - 1/255, x + 1/255]``; the lowest bin (``x < -0.999``) extends to -inf and
-    the highest (``x > 0.999``) to +inf. Probabilities are clamped at 1e-12 before the log.
-
-    Args:
-        x: targets ``[B, ...]``.
-        means: Gaussian means, shaped like ``x``.
-        log_scales: log standard deviations, shaped like ``x``.
-        cdf: the standard normal CDF (default: the official tanh approximation).
-        half_bin: half the bin width.
-    """
-    if not x.shape == means.shape == log_scales.shape:
-        raise ValueError(
-            f"shapes differ: x {tuple(x.shape)}, means {tuple(means.shape)}, log_scales {tuple(log_scales.shape)}"
-        )
-    centered = x - means
-    inv_std = torch.exp(-log_scales)
-    cdf_plus = cdf(inv_std * (centered + half_bin))
-    cdf_min = cdf(inv_std * (centered - half_bin))
-    log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
-    log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
-    log_delta = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
-    return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_delta))
-
-
-def _mean_flat(x: Tensor) -> Tensor:
-    """Mean over every dim but the batch: ``[B, ...] -> [B]``."""
-    return x.mean(dim=tuple(range(1, x.ndim)))
-
-
-# ------------------------------------------------------------------------------------ schedule and chains
+# -------------------------------------------------------------------------------------------- schedule
 def schedule_betas(
     num_timesteps: int = 1000, beta_schedule: str = "linear", beta_start: float = 1e-4, beta_end: float = 0.02
 ) -> Tensor:
@@ -150,85 +114,35 @@ def schedule_betas(
     return sched.betas.double()
 
 
-def space_timesteps(num_timesteps: int, steps: int) -> list[int]:
-    """The timesteps ``[S]`` (ascending) that ``steps`` sampling steps visit: the official respacing.
-
-    ``steps`` evenly spaced timesteps from 0 to ``num_timesteps - 1``: a stride of ``(T - 1) / (S - 1)``
-    accumulated in floating point from 0, each position rounded half to even (as improved-DDPM / DiT's
-    ``space_timesteps(T, str(S))``). One step keeps ``[0]``.
-
-    Raises:
-        ValueError: ``steps`` outside ``[1, num_timesteps]``.
-    """
-    if not 1 <= int(steps) <= int(num_timesteps):
-        raise ValueError(f"sampling steps must be in [1, {num_timesteps}], got {steps}")
-    stride = (int(num_timesteps) - 1) / (int(steps) - 1) if steps > 1 else 1.0
-    kept, position = [], 0.0
-    for _ in range(int(steps)):
-        kept.append(round(position))
-        position += stride
-    return kept
-
-
-def chain_tables(alphas_cumprod: Tensor) -> dict[str, Tensor]:
-    """The tables ``[S]`` of a diffusion chain given the alpha-bars ``[S]`` of its timesteps (float64).
-
-    A respaced chain (the kept timesteps' alpha-bars) has the betas ``1 - abar_i / abar_{i-1}`` (``abar_{-1} = 1``);
-    the full chain's are the schedule's. Entries: ``alphas_cumprod``, ``alphas_cumprod_prev``, ``betas``,
-    ``sqrt_ac`` / ``sqrt_1m_ac`` (``q(x_t | x0)``), ``post_var`` (the posterior variance
-    ``beta (1 - abar_prev) / (1 - abar)``), ``post_logvar`` (its log,
-    clipped: at index 0, where it is 0, the official code repeats index 1's), ``large_logvar`` (the official
-    ``FIXED_LARGE``: ``log beta`` with index 0 clipped alike), ``post_coef1`` / ``post_coef2`` (posterior mean
-    ``coef1 x0 + coef2 x_t``), ``sqrt_recip_ac`` / ``sqrt_recipm1_ac`` (``x0`` from ``eps``), ``log_betas``.
-    """
-    ac = alphas_cumprod.double()
-    ac_prev = torch.cat([ac.new_ones(1), ac[:-1]])
-    betas = 1.0 - ac / ac_prev
-    post_var = betas * (1.0 - ac_prev) / (1.0 - ac)
-    first = post_var[1:2] if len(ac) > 1 else post_var[:1]
-    return {
-        "alphas_cumprod": ac,
-        "alphas_cumprod_prev": ac_prev,
-        "betas": betas,
-        "sqrt_ac": torch.sqrt(ac),
-        "sqrt_1m_ac": torch.sqrt(1.0 - ac),
-        "post_var": post_var,
-        "post_logvar": torch.log(torch.cat([first, post_var[1:]])),
-        "large_logvar": torch.log(torch.cat([first, betas[1:]])),
-        "post_coef1": betas * torch.sqrt(ac_prev) / (1.0 - ac),
-        "post_coef2": (1.0 - ac_prev) * torch.sqrt(1.0 - betas) / (1.0 - ac),
-        "sqrt_recip_ac": torch.sqrt(1.0 / ac),
-        "sqrt_recipm1_ac": torch.sqrt(1.0 / ac - 1.0),
-        "log_betas": torch.log(betas),
-    }
-
-
-def _predict_x0(take: Take, x_t: Tensor, eps: Tensor) -> Tensor:
-    """``x0 = sqrt(1 / abar) x_t - sqrt(1 / abar - 1) eps`` (not clipped)."""
-    return take("sqrt_recip_ac") * x_t - take("sqrt_recipm1_ac") * eps
-
-
-def _posterior_mean(take: Take, x0: Tensor, x_t: Tensor) -> Tensor:
-    """The mean of ``q(x_prev | x_t, x0)``."""
-    return take("post_coef1") * x0 + take("post_coef2") * x_t
-
-
-def _learned_logvar(take: Take, v: Tensor) -> Tensor:
-    """``frac * log(beta) + (1 - frac) * post_logvar`` with ``frac = (v + 1) / 2`` (learned range)."""
-    frac = (v + 1) / 2
-    return frac * take("log_betas") + (1 - frac) * take("post_logvar")
-
-
 # ------------------------------------------------------------------------------------------ schedulers
 class _RespacedScheduler(SchedulerMixin, ConfigMixin):
     """What the respaced samplers share: the float64 chain of the kept timesteps and diffusers' interface.
 
     ``set_timesteps(S)`` keeps :func:`space_timesteps` ``(T, S)``; ``timesteps`` lists them in sampling order
-    (descending), as diffusers schedulers do. Built with the full chain (``S = T``).
+    (descending), as diffusers schedulers do. Built with the full chain (``S = T``). A sampler implements
+    :meth:`_step`.
+
+    Args:
+        num_train_timesteps: training diffusion steps T.
+        beta_schedule: ``"linear"`` (official, float64) or another diffusers schedule.
+        beta_start: first beta.
+        beta_end: last beta.
     """
 
     order = 1
     init_noise_sigma = 1.0
+
+    # diffusers reads a scheduler's config from its __init__ signature: a sampler with more arguments (DDPM's
+    # variance_type) spells the whole signature out again.
+    @register_to_config
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        beta_schedule: str = "linear",
+        beta_start: float = 1e-4,
+        beta_end: float = 0.02,
+    ) -> None:
+        self._build()
 
     def _build(self) -> None:
         c = self.config
@@ -248,8 +162,27 @@ class _RespacedScheduler(SchedulerMixin, ConfigMixin):
         """The model input is the sample itself."""
         return sample
 
-    def _take(self, timestep: int | Tensor) -> tuple[int, Take]:
-        """The chain index of ``timestep`` and the entries there (0-dim float64: applied in the sample's dtype)."""
+    def step(
+        self,
+        model_output: Tensor,
+        timestep: int | Tensor,
+        sample: Tensor,
+        generator: Generator = None,
+        return_dict: bool = True,
+    ) -> DDPMSchedulerOutput | tuple[Tensor, Tensor]:
+        """One step from ``timestep`` to the previous kept timestep.
+
+        Args:
+            model_output: ``[B, 2C, H, W]`` (``[eps, v]``) or ``[B, C, H, W]`` (``eps``; extra channels are
+                ignored by a sampler that reads ``eps`` only).
+            timestep: a kept timestep (one of ``timesteps``).
+            sample: ``x_t`` ``[B, C, H, W]``.
+            generator: the noise's generator(s) (one per sample: each sample depends on its own seed only).
+            return_dict: return a ``DDPMSchedulerOutput`` rather than a tuple.
+
+        Returns:
+            ``prev_sample`` (``x_prev``) and ``pred_original_sample`` (``x0``), both ``[B, C, H, W]``.
+        """
         t = int(timestep)
         if t not in self._index:
             raise ValueError(
@@ -257,7 +190,15 @@ class _RespacedScheduler(SchedulerMixin, ConfigMixin):
                 f"set_timesteps({self.num_inference_steps})"
             )
         i = self._index[t]
-        return i, lambda name: self.tables[name][i]
+        # the entries at chain index i (0-dim float64: applied in the sample's dtype)
+        prev, x0 = self._step(i, lambda name: self.tables[name][i], model_output, sample, generator)
+        return DDPMSchedulerOutput(prev, x0) if return_dict else (prev, x0)
+
+    def _step(
+        self, i: int, take: Take, model_output: Tensor, sample: Tensor, generator: Generator
+    ) -> tuple[Tensor, Tensor]:
+        """``(x_prev, x0)`` from chain index ``i`` (0: the last step) with the tables there (``take``)."""
+        raise NotImplementedError
 
     def __len__(self) -> int:
         return int(self.config.num_train_timesteps)
@@ -279,10 +220,7 @@ class RespacedDDPMScheduler(_RespacedScheduler):
     """The official DDPM sampler (ancestral ``p_sample``) on the respaced chain, as a diffusers scheduler.
 
     Args:
-        num_train_timesteps: training diffusion steps T.
-        beta_schedule: ``"linear"`` (official, float64) or another diffusers schedule.
-        beta_start: first beta.
-        beta_end: last beta.
+        num_train_timesteps, beta_schedule, beta_start, beta_end: the schedule (as the DDIM sampler's).
         variance_type: ``"learned_range"`` (the model output is ``[eps, v]``), ``"fixed_large"`` (official for
             a model without ``v``: the chain's betas) or ``"fixed_small"`` (the posterior variance).
     """
@@ -300,80 +238,38 @@ class RespacedDDPMScheduler(_RespacedScheduler):
             raise ValueError(f"variance_type must be one of {VARIANCE_TYPES}, got {variance_type!r}")
         self._build()
 
-    def step(
-        self,
-        model_output: Tensor,
-        timestep: int | Tensor,
-        sample: Tensor,
-        generator: Generator = None,
-        return_dict: bool = True,
-    ) -> DDPMSchedulerOutput | tuple[Tensor, Tensor]:
-        """One step from ``timestep`` to the previous kept timestep.
-
-        Args:
-            model_output: ``[B, 2C, H, W]`` (``[eps, v]``, learned range) or ``[B, C, H, W]`` (``eps``; extra
-                channels are ignored by the fixed variances).
-            timestep: a kept timestep (one of ``timesteps``).
-            sample: ``x_t`` ``[B, C, H, W]``.
-            generator: the noise's generator(s) (one per sample: each sample depends on its own seed only).
-            return_dict: return a ``DDPMSchedulerOutput`` rather than a tuple.
-
-        Returns:
-            ``prev_sample`` (``x_prev``) and ``pred_original_sample`` (``x0``), both ``[B, C, H, W]``.
-        """
-        i, take = self._take(timestep)
+    def _step(
+        self, i: int, take: Take, model_output: Tensor, sample: Tensor, generator: Generator
+    ) -> tuple[Tensor, Tensor]:
         learned = self.config.variance_type == "learned_range"
         eps, v = _split_output(model_output, sample, learned)
-        x0 = _predict_x0(take, sample, eps)
-        prev = _posterior_mean(take, x0, sample)
+        x0 = predict_x0(take, sample, eps)
+        prev = posterior_mean(take, x0, sample)
         if i > 0:  # no noise at the last step
             if learned:
-                logvar = _learned_logvar(take, v)
+                logvar = learned_logvar(take, v)
             else:
                 logvar = take("large_logvar" if self.config.variance_type == "fixed_large" else "post_logvar")
             noise = randn_tensor(eps.shape, generator=generator, device=sample.device, dtype=sample.dtype)
             prev = prev + torch.exp(0.5 * logvar) * noise
-        return DDPMSchedulerOutput(prev, x0) if return_dict else (prev, x0)
+        return prev, x0
 
 
 class RespacedDDIMScheduler(_RespacedScheduler):
     """The official DDIM sampler (``ddim_sample``, eta 0) on the respaced chain, as a diffusers scheduler.
 
     ``x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev) eps`` (the official code re-derives ``eps`` from the
-    unclipped ``x0``, the same number). Deterministic; reads ``eps`` only.
-
-    Args:
-        num_train_timesteps: training diffusion steps T.
-        beta_schedule: ``"linear"`` (official, float64) or another diffusers schedule.
-        beta_start: first beta.
-        beta_end: last beta.
+    unclipped ``x0``, the same number). Deterministic (``generator`` is unused); reads ``eps`` only. Takes the
+    schedule arguments (``num_train_timesteps``, ``beta_schedule``, ``beta_start``, ``beta_end``).
     """
 
-    @register_to_config
-    def __init__(
-        self,
-        num_train_timesteps: int = 1000,
-        beta_schedule: str = "linear",
-        beta_start: float = 1e-4,
-        beta_end: float = 0.02,
-    ) -> None:
-        self._build()
-
-    def step(
-        self,
-        model_output: Tensor,
-        timestep: int | Tensor,
-        sample: Tensor,
-        generator: Generator = None,
-        return_dict: bool = True,
-    ) -> DDPMSchedulerOutput | tuple[Tensor, Tensor]:
-        """One deterministic step (``generator`` is accepted for the common interface and unused)."""
-        _, take = self._take(timestep)
+    def _step(
+        self, i: int, take: Take, model_output: Tensor, sample: Tensor, generator: Generator
+    ) -> tuple[Tensor, Tensor]:
         eps, _ = _split_output(model_output, sample, False)
-        x0 = _predict_x0(take, sample, eps)
+        x0 = predict_x0(take, sample, eps)
         ac_prev = take("alphas_cumprod_prev")
-        prev = torch.sqrt(ac_prev) * x0 + torch.sqrt(1.0 - ac_prev) * eps
-        return DDPMSchedulerOutput(prev, x0) if return_dict else (prev, x0)
+        return torch.sqrt(ac_prev) * x0 + torch.sqrt(1.0 - ac_prev) * eps, x0
 
 
 # ----------------------------------------------------------------------------------------- sampling loop
@@ -527,7 +423,7 @@ class GaussianDiffusion:
     def q_posterior(self, x0: Tensor, x_t: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
         """Mean and clipped log-variance of ``q(x_{t-1} | x_t, x_0)``, each ``[B, C, H, W]`` (variance broadcast)."""
         take = self._taker(t, x_t)
-        return _posterior_mean(take, x0, x_t), take("post_logvar").expand_as(x_t)
+        return posterior_mean(take, x0, x_t), take("post_logvar").expand_as(x_t)
 
     def p_mean_logvar(self, eps: Tensor, v: Tensor, x_t: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
         """Mean and log-variance of the model's ``p(x_{t-1} | x_t)`` from ``eps`` and the range output ``v``.
@@ -536,7 +432,7 @@ class GaussianDiffusion:
         at ``x0_hat``, and ``logvar = frac * log(beta_t) + (1 - frac) * post_logvar_t`` with ``frac = (v + 1) / 2``.
         """
         take = self._taker(t, x_t)
-        return _posterior_mean(take, _predict_x0(take, x_t, eps), x_t), _learned_logvar(take, v)
+        return posterior_mean(take, predict_x0(take, x_t, eps), x_t), learned_logvar(take, v)
 
     # --- objective ------------------------------------------------------------------------------------
 
@@ -556,8 +452,8 @@ class GaussianDiffusion:
         """
         true_mean, true_logvar = self.q_posterior(x0, x_t, t)
         mean, logvar = self.p_mean_logvar(eps, v, x_t, t)
-        kl = _mean_flat(normal_kl(true_mean, true_logvar, mean, logvar)) / math.log(2.0)
-        nll = -_mean_flat(discretized_gaussian_log_likelihood(x0, mean, 0.5 * logvar, cdf)) / math.log(2.0)
+        kl = mean_flat(normal_kl(true_mean, true_logvar, mean, logvar)) / math.log(2.0)
+        nll = -mean_flat(discretized_gaussian_log_likelihood(x0, mean, 0.5 * logvar, cdf)) / math.log(2.0)
         return torch.where(t == 0, nll, kl)
 
     def training_losses(
@@ -585,7 +481,7 @@ class GaussianDiffusion:
         dtype = torch.promote_types(model_output.dtype, torch.float32)
         out, x0, x_t, noise = (a.to(dtype) for a in (model_output, x0, x_t, noise))
         eps = out[:, :c]
-        terms = {"mse": _mean_flat((noise - eps) ** 2)}
+        terms = {"mse": mean_flat((noise - eps) ** 2)}
         if self.learn_sigma:
             terms["vb"] = self.vb_terms(x0, x_t, t, eps.detach(), out[:, c:])  # stop-gradient on the mean
             terms["loss"] = terms["mse"] + terms["vb"]
@@ -662,59 +558,3 @@ class GaussianDiffusion:
         return denoise(
             model, sched, x * sched.init_noise_sigma, labels, cfg_scale, guided_channels, generator, progress
         )
-
-
-class LatentAutoencoder(nn.Module):
-    """A local ``diffusers.AutoencoderKL``: images in ``[-1, 1]`` <-> latents scaled by ``scaling_factor``.
-
-    Args:
-        path: a folder in diffusers' layout (``config.json`` + weights, e.g. a copy of
-            ``stabilityai/sd-vae-ft-mse``); read with ``local_files_only``, nothing is downloaded.
-        scaling_factor: latent scale (``None``: the VAE config's, 0.18215 for the SD VAEs).
-        sample_posterior: encode with a sample of the posterior (official) instead of its mean.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist or is not a diffusers AutoencoderKL folder.
-    """
-
-    def __init__(
-        self, path: str | os.PathLike, scaling_factor: float | None = None, sample_posterior: bool = True
-    ) -> None:
-        super().__init__()
-        from diffusers import AutoencoderKL
-
-        root = Path(path)
-        if not str(path) or not root.exists():
-            raise FileNotFoundError(
-                f"VAE path {str(path)!r} does not exist: vae.path must be a local diffusers AutoencoderKL folder "
-                f"(config.json + weights, e.g. a copy of stabilityai/sd-vae-ft-mse); nothing is downloaded"
-            )
-        if not (root.is_dir() and (root / "config.json").is_file()):
-            raise FileNotFoundError(
-                f"VAE path {root} is not a diffusers AutoencoderKL folder (expected {root / 'config.json'} and the weights)"
-            )
-        try:
-            self.vae = AutoencoderKL.from_pretrained(str(root), local_files_only=True)
-        except Exception as exc:  # corrupt weights, another model class: name the folder
-            raise ValueError(
-                f"cannot load an AutoencoderKL from {root}: {type(exc).__name__}: {exc}"
-            ) from exc
-        self.vae.eval().requires_grad_(False)
-        config = self.vae.config
-        self.scaling_factor = float(scaling_factor if scaling_factor is not None else config.scaling_factor)
-        self.sample_posterior = sample_posterior
-        self.latent_channels = int(config.latent_channels)
-        self.image_channels = int(config.in_channels)
-        self.downsample = 2 ** (len(config.block_out_channels) - 1)
-
-    @torch.no_grad()
-    def encode(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Images ``[B, C_img, H, W]`` in ``[-1, 1]`` -> latents ``[B, C_lat, H / f, W / f]``."""
-        dist = self.vae.encode(x.to(self.vae.dtype)).latent_dist
-        z = dist.sample(generator) if self.sample_posterior else dist.mode()
-        return z * self.scaling_factor
-
-    @torch.no_grad()
-    def decode(self, z: Tensor) -> Tensor:
-        """Latents ``[B, C_lat, h, w]`` -> images ``[B, C_img, h * f, w * f]`` in about ``[-1, 1]``."""
-        return self.vae.decode(z.to(self.vae.dtype) / self.scaling_factor).sample

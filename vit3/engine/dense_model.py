@@ -1,0 +1,273 @@
+"""What a dense run (detection / segmentation) is built from: the ``dense:`` section of its config, the
+datasets (COCO or ADE20K layout, or the synthetic digits written on first use), the detector or segmenter
+around a vit3 backbone (weights from a classification checkpoint), the optimizer's parameter groups and the
+lr schedule. :mod:`vit3.engine.dense` trains and evaluates on them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..data.ade import ADESegmentation
+from ..data.coco import CocoDetection
+from ..errors import DataError
+from ..models._pretrained import load_checkpoint_file
+from ..tasks.backbone import FeatureBackbone, block_layer_ids
+from ..tasks.detection import build_detector
+from ..tasks.segmentation import build_segmenter
+from .checkpoint import CheckpointError, CheckpointMismatchError, peek_vit3_checkpoint
+from .config import Config, ConfigError
+from .validation import model_arguments
+
+__all__ = [
+    "build_dataset",
+    "build_dense_model",
+    "dense_backbone",
+    "dense_section",
+    "ensure_synthetic",
+    "load_backbone_weights",
+    "lr_factor",
+    "model_and_data",
+    "param_groups",
+]
+
+
+def dense_section(cfg: Config) -> Config:
+    """The ``dense:`` section of ``cfg`` (a ConfigError where there is none)."""
+    if "dense" not in cfg:
+        raise ConfigError(f"task '{cfg.task}' needs a 'dense:' config section (see configs/dense/*.yaml)")
+    return cfg.dense
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def _ann_file(cfg: Config, split: str, override: str | None) -> Path:
+    return Path(override) if override else Path(cfg.data.path) / "annotations" / f"instances_{split}.json"
+
+
+def ensure_synthetic(cfg: Config) -> Path:
+    """Writes the synthetic digit data of ``dense.synthetic`` to ``data.path`` unless it is already there."""
+    from ..data.synthetic_dense import make_synthetic_ade, make_synthetic_coco
+
+    root, syn = Path(cfg.data.path), cfg.dense.synthetic
+    if root.exists():
+        return root
+    splits = dict(syn.splits or {cfg.data.train_split: 64, cfg.data.val_split: 16})
+    kw = dict(
+        image_size=syn.image_size,
+        max_per_image=syn.max_per_image,
+        digit_size=tuple(syn.digit_size),
+        seed=cfg.seed,
+    )
+    tmp = root.with_name(root.name + ".tmp")  # write aside, then move: a killed run leaves no half dataset
+    make = make_synthetic_coco if cfg.task == "detection" else make_synthetic_ade
+    make(tmp, splits, digits=tuple(syn.digits), **kw)
+    tmp.replace(root)
+    return root
+
+
+def build_dataset(
+    cfg: Config,
+    train: bool,
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406),
+    std: tuple[float, ...] = (0.229, 0.224, 0.225),
+) -> CocoDetection | ADESegmentation:
+    """The training or validation dataset of a dense config (COCO or ADE20K layout; ``mean`` / ``std``:
+    the segmentation normalisation, detectors normalise inside the model)."""
+    d = dense_section(cfg)
+    expected = ("coco", "digits") if cfg.task == "detection" else ("ade20k", "digits")
+    if cfg.data.dataset not in expected:
+        raise ConfigError(
+            f"data.dataset '{cfg.data.dataset}' does not fit task {cfg.task}: expected one of {expected}"
+        )
+    if cfg.data.dataset == "digits":
+        ensure_synthetic(cfg)
+    split = cfg.data.train_split if train else cfg.data.val_split
+    if cfg.task == "detection":
+        ann = _ann_file(cfg, split, d.ann_train if train else d.ann_val)
+        return CocoDetection(Path(cfg.data.path) / split, ann, train=train, with_masks=d.arch == "mask_rcnn")
+    return ADESegmentation(
+        cfg.data.path,
+        split,
+        d.num_classes,
+        train=train,
+        mean=mean,
+        std=std,
+        scale=tuple(d.scale),
+        crop_size=tuple(d.crop_size),
+        ratio_range=tuple(d.ratio_range),
+        reduce_zero_label=d.reduce_zero_label,
+        cat_max_ratio=d.cat_max_ratio,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def _backbone_kwargs(cfg: Config) -> dict[str, Any]:
+    d = cfg.dense
+    kw = dict(cfg.model.kwargs or {})
+    kw["drop_path_rate"] = cfg.model.drop_path_rate
+    if d.out_indices is not None:
+        kw["out_indices"], kw["indices_from"] = tuple(d.out_indices), "dense.out_indices"
+    return kw
+
+
+def build_dense_model(cfg: Config, num_classes: int) -> nn.Module:
+    """Detector or segmenter of ``cfg`` (backbone weights from ``model.pretrained`` when set)."""
+    d = dense_section(cfg)
+    with (
+        model_arguments(cfg.model.name, cfg.model.kwargs or {}),
+        model_arguments(d.arch, d.get("detector_kwargs") or {}, "dense.detector_kwargs"),
+    ):
+        model = _build_dense_model(cfg, d, num_classes)
+    if cfg.model.pretrained:
+        load_backbone_weights(dense_backbone(model), cfg.model.pretrained, use_ema=cfg.model.pretrained_ema)
+    if cfg.model.grad_checkpointing:
+        dense_backbone(model).set_grad_checkpointing(True)
+    return model
+
+
+def _build_dense_model(cfg: Config, d: Config, num_classes: int) -> nn.Module:
+    if cfg.task == "detection":
+        min_size = d.min_size if isinstance(d.min_size, int) else tuple(d.min_size)
+        return build_detector(
+            cfg.model.name,
+            num_classes,
+            arch=d.arch,
+            out_channels=d.out_channels,
+            min_size=min_size,
+            max_size=d.max_size,
+            anchor_sizes=tuple(d.anchor_sizes),
+            box_head_dim=d.box_head_dim,
+            mask_head_dim=d.mask_head_dim,
+            backbone_kwargs=_backbone_kwargs(cfg),
+            box_detections_per_img=d.detections_per_img,
+            **(d.detector_kwargs or {}),
+        )
+    return build_segmenter(
+        cfg.model.name, num_classes, d.arch, d.aux_weight, d.head_channels, _backbone_kwargs(cfg)
+    )
+
+
+def dense_backbone(model: nn.Module) -> FeatureBackbone:
+    return model.backbone.backbone
+
+
+def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = False) -> list[str]:
+    """Loads ImageNet weights (a vit3 checkpoint or an official file) into a ``features_only`` backbone.
+
+    timm's feature wrappers rename modules (``stages.0`` -> ``stages_0``, or add a ``model.`` prefix), so each
+    backbone key is matched against the file's keys with those spellings undone; the classifier is ignored.
+
+    Returns:
+        Backbone keys that got no weight (the added output norms, normally).
+
+    Raises:
+        CheckpointMismatchError: no key matched, or a matched key has another shape.
+    """
+    obj = peek_vit3_checkpoint(path)
+    if obj is not None:
+        state = obj["ema" if use_ema else "model"]
+        if state is None:
+            raise CheckpointError(f"checkpoint {path} holds no EMA weights (trained with train.ema=false)")
+    else:
+        state = load_checkpoint_file(path, use_ema=use_ema)  # official layouts (converted keys)
+    body = backbone.body.state_dict()
+    loaded, missing = {}, []
+    for key, value in body.items():
+        head, _, rest = key.partition(".")
+        candidates = (key, key.removeprefix("model."), f"{head.replace('_', '.')}.{rest}" if rest else key)
+        src = next((c for c in candidates if c in state), None)
+        if src is None:
+            missing.append(key)
+            continue
+        if state[src].shape != value.shape:
+            raise CheckpointMismatchError(
+                f"{path}: weight {src} has shape {tuple(state[src].shape)}, backbone expects {tuple(value.shape)}"
+            )
+        loaded[key] = state[src]
+    if not loaded:
+        raise CheckpointMismatchError(
+            f"{path}: none of its {len(state)} weights fit backbone {backbone.model_name}"
+        )
+    backbone.body.load_state_dict(loaded, strict=False)
+    return missing
+
+
+def param_groups(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    backbone_lr_mult: float = 1.0,
+    layer_decay: float | None = None,
+    no_decay_keys: tuple[str, ...] = ("norm",),
+) -> list[dict[str, Any]]:
+    """AdamW parameter groups with per-group lr for the backbone and layer-wise lr decay.
+
+    Backbone parameters (``model.backbone.backbone.body``) get ``lr * backbone_lr_mult``, times
+    ``layer_decay ** (num_layers - 1 - layer_id)`` when ``layer_decay`` is set (stem deepest decay, last
+    blocks least; see :func:`~vit3.tasks.backbone.block_layer_ids`). Parameters whose name contains one of
+    ``no_decay_keys`` get no weight decay. Each group records its ``lr_scale`` for the scheduler.
+    """
+    body = dense_backbone(model).body
+    layer_of, n_layers = block_layer_ids(body)
+    body_ids = {id(p): layer_of[n] for n, p in body.named_parameters()}
+    groups: dict[tuple[float, float], list[Tensor]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        scale = 1.0
+        if id(p) in body_ids:
+            scale = backbone_lr_mult * (
+                layer_decay ** (n_layers - 1 - body_ids[id(p)]) if layer_decay else 1.0
+            )
+        wd = 0.0 if any(k in name for k in no_decay_keys) else weight_decay
+        groups.setdefault((scale, wd), []).append(p)
+    return [{"params": ps, "lr": lr * s, "lr_scale": s, "weight_decay": wd} for (s, wd), ps in groups.items()]
+
+
+def lr_factor(step: int, total: int, d: Config, iters_per_epoch: int) -> float:
+    """Schedule factor at optimizer step ``step`` of ``total`` (warmup, then step or poly decay)."""
+    if d.lr_schedule == "poly":
+        factor = (1 - min(step, total) / max(total, 1)) ** d.poly_power
+    elif d.lr_schedule == "step":
+        unit = 1 if d.iters else iters_per_epoch  # milestones are epochs unless training by iterations
+        factor = d.gamma ** sum(step >= m * unit for m in d.milestones)
+    else:
+        raise ConfigError(f"unknown dense.lr_schedule '{d.lr_schedule}': expected step or poly")
+    if step < d.warmup_iters:
+        factor *= d.warmup_factor + (1 - d.warmup_factor) * step / d.warmup_iters
+    return factor
+
+
+def model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]:
+    """Model, training set (None unless ``with_train``) and validation set of a dense config.
+
+    Detection takes its classes from the COCO files (train and val must agree); segmentation from
+    ``dense.num_classes`` and normalises with the backbone's mean / std (``data.mean`` / ``data.std`` override).
+    """
+    d = cfg.dense
+    if cfg.task == "detection":
+        val_set = build_dataset(cfg, train=False)
+        train_set = build_dataset(cfg, train=True) if with_train else None
+        if train_set is not None and train_set.label_to_cat_id != val_set.label_to_cat_id:
+            raise DataError(
+                f"train and val annotation files have different categories: {sorted(train_set.label_to_cat_id.values())} "
+                f"vs {sorted(val_set.label_to_cat_id.values())}"
+            )
+        return build_dense_model(cfg, val_set.num_classes), train_set, val_set
+    if not d.num_classes:
+        raise ConfigError("segmentation needs dense.num_classes (150 for ADE20K)")
+    model = build_dense_model(cfg, d.num_classes)
+    dc = dense_backbone(model).data_config
+    mean, std = tuple(cfg.data.mean or dc["mean"]), tuple(cfg.data.std or dc["std"])
+    for key, values in (("mean", mean), ("std", std)):
+        if len(values) != 3:
+            raise ConfigError(f"data.{key} must hold one value per RGB channel (3), got {list(values)}")
+    train_set = build_dataset(cfg, True, mean, std) if with_train else None
+    return model, train_set, build_dataset(cfg, False, mean, std)
