@@ -25,6 +25,7 @@ __all__ = [
     "OPS",
     "Branch",
     "Check",
+    "Hyper",
     "Inputs",
     "Node",
     "Op",
@@ -78,6 +79,17 @@ class Step(NamedTuple):
     recompute: bool = True  # the plan's memory-lean backward (``Plan.recompute``)
 
 
+class Hyper(NamedTuple):
+    """The settings of one inner step, as an op's ``reference`` and its node hooks take them."""
+
+    grid: tuple[int, int]  # the token grid (h, w), read by the grid models
+    scale: float  # loss scale s: the loss is (s / N) Σ_n l(v_hat_n, v_n)
+    lr: float
+    grad_norm: bool  # G / (||G|| + 1)
+    loss: str = "dot"
+    recompute: bool = True  # node hooks: the memory-lean backward recomputes what it can instead of saving it
+
+
 # ``(branch, cfg, x) -> (ok, reason)``: a path's ``supports`` / ``prefers`` / ``fits``.
 Check = Callable[[Branch, Settings, Inputs], tuple[bool, str]]
 # ``(step, q, k, v, params, gate) -> out``: q, k, v ``[B, G, N, c]`` in the io dtype, the initial weights by
@@ -92,12 +104,11 @@ class Node(NamedTuple):
     Attributes:
         heads: the hooks take q, k, v, the destination and the gradients as heads ``[B, G, N, c]`` (else as
             tokens ``[B, N, G*c]``); views of the node's qkv, output and qkv gradient, any strides.
-        forward: ``(q, k, v, weights, dest, *, grid, scale, lr, grad_norm, save, recompute, dense) ->
-            (saved, tag)``: the step and the read-out written into ``dest``; ``saved`` the tensors the
-            backward needs (empty unless ``save``), ``tag`` a string the backward gets back with them.
-        backward: ``(d_out, saved, tag, dq, dk, dv, *, grid, scale, lr, grad_norm) -> weight grads``: writes
-            dq, dk, dv, returns the per-sample gradient ``[B, ...]`` of each initial weight, in ``Op.weights``
-            order.
+        forward: ``(q, k, v, weights, dest, hyper, save, dense) -> (saved, tag)``: the step (``Hyper``)
+            and the read-out written into ``dest``; ``saved`` the tensors the backward needs (empty unless
+            ``save``; dense copies of q, k, v when ``dense``), ``tag`` a string the backward gets back.
+        backward: ``(d_out, saved, tag, dq, dk, dv, hyper) -> weight grads``: writes dq, dk, dv, returns the
+            per-sample gradient ``[B, ...]`` of each initial weight, in ``Op.weights`` order.
         copies: ``(q) -> bool`` for the heads view q ``[B, G, N, c]``: whether this path copies q, k, v dense
             (then every branch's saved inputs are dense copies: saved views would keep all of qkv alive
             beside them); ``None``: never.
@@ -136,9 +147,9 @@ class Op:
 
     Attributes:
         name: the inner model (``TTTConfig.branches`` names it).
-        reference: ``(q, k, v, params, *, grid, scale, lr, grad_norm, loss) -> [B, G, N, c]``: one full-batch
-            inner step on ``(k, v)`` read out on q, the definition every path is tested against; q, k, v
-            ``[B, G, N, c]``, ``params`` the initial weights by name.
+        reference: ``(q, k, v, params, hyper) -> [B, G, N, c]``: one full-batch inner step (``Hyper``) on
+            ``(k, v)`` read out on q, the definition every path is tested against; q, k, v ``[B, G, N, c]``,
+            ``params`` the initial weights by name.
         weights: the initial weights' names, in the order the paths take them.
         rope: RoPE applies to its q and k (a token-wise model; the grid models see positions themselves).
         paths: its fast paths by backend name (``"triton"``, ``"cpu"``, ``"eager"``).

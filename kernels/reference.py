@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .ops import OPS
+from .ops import OPS, Hyper
 
 __all__ = ["reference_ttt"]
 
@@ -38,4 +38,4 @@ def reference_ttt(
     """
     if name not in OPS:
         raise ValueError(f"no op reference for the inner model {name!r} (ops: {', '.join(OPS)})")
-    return OPS[name].reference(q, k, v, params, grid=grid, scale=scale, lr=lr, grad_norm=grad_norm, loss=loss)
+    return OPS[name].reference(q, k, v, params, Hyper(grid, scale, lr, grad_norm, loss))

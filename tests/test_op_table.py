@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from vit3.kernels import OPS, common, ops_with
-from vit3.kernels.ops import Node, Op, Path, register
+from vit3.kernels.ops import Hyper, Node, Op, Path, register
 from vit3.kernels.paths import eager_supports
 from vit3.kernels.reference import reference_ttt
 from vit3.layers import TTTConfig
@@ -28,23 +28,25 @@ def _scale(x: Tensor, w: Tensor) -> Tensor:
     return x * w
 
 
-def _reference(q, k, v, params, *, grid, scale, lr, grad_norm, loss="dot"):
-    return common.ttt_reference(_scale, (params["w"],), q, k, v, scale=scale, lr=lr, grad_norm=grad_norm)
+def _reference(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], h: Hyper) -> Tensor:
+    return common.ttt_reference(
+        _scale, (params["w"],), q, k, v, scale=h.scale, lr=h.lr, grad_norm=h.grad_norm
+    )
 
 
-def _forward(q, k, v, weights, dest, *, grid, scale, lr, grad_norm, save, recompute, dense):
+def _forward(q, k, v, weights, dest, h: Hyper, save: bool, dense: bool):
     """One dot-loss step in closed form: ``G = -(s/N) Σ_n k ⊙ v``, the step, ``out = q ⊙ W'``."""
     (w,) = weights
-    g = (k * v).sum(-2, keepdim=True).mul_(-scale / q.shape[-2])  # [B, G, 1, c]
-    w_new, norm = common.step(g, w, lr, grad_norm)
+    g = (k * v).sum(-2, keepdim=True).mul_(-h.scale / q.shape[-2])  # [B, G, 1, c]
+    w_new, norm = common.step(g, w, h.lr, h.grad_norm)
     torch.mul(q, w_new, out=dest)
     return ([q, k, v, g, norm, w_new] if save else []), ""
 
 
-def _backward(d_out, saved, tag, dq, dk, dv, *, grid, scale, lr, grad_norm):
+def _backward(d_out, saved, tag, dq, dk, dv, h: Hyper):
     q, k, v, g, norm, w_new = saved
     dw_new = (d_out * q).sum(-2, keepdim=True)
-    dg = common.step_backward(dw_new, g, norm, lr, grad_norm).mul_(-scale / q.shape[-2])
+    dg = common.step_backward(dw_new, g, norm, h.lr, h.grad_norm).mul_(-h.scale / q.shape[-2])
     torch.mul(d_out, w_new, out=dq)
     torch.mul(v, dg, out=dk)
     torch.mul(k, dg, out=dv)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..cpp import cpu_kernel_ops
-from ..ops import Node
+from ..ops import Hyper, Node
 
 __all__ = ["NODE", "ttt_backward", "ttt_forward", "untaps"]
 
@@ -78,37 +78,21 @@ def _node_forward(
     v: Tensor,
     weights: tuple[Tensor, ...],
     dest: Tensor,
-    *,
-    grid: tuple[int, int],
-    scale: float,
-    lr: float,
-    grad_norm: bool,
+    h: Hyper,
     save: bool,
-    recompute: bool,
     dense: bool,
 ) -> tuple[list[Tensor], str]:
-    c = scale / q.shape[1]
-    saved = ttt_forward(
-        q, k, v, weights[0], dest, grid=grid, c=c, lr=lr, grad_norm=grad_norm, save=save, dense=dense
-    )
-    return saved, "kernel"
+    c = h.scale / q.shape[1]
+    return ttt_forward(
+        q, k, v, weights[0], dest, grid=h.grid, c=c, lr=h.lr, grad_norm=h.grad_norm, save=save, dense=dense
+    ), "kernel"
 
 
 def _node_backward(
-    d_out: Tensor,
-    saved: tuple[Tensor, ...],
-    tag: str,
-    dq: Tensor,
-    dk: Tensor,
-    dv: Tensor,
-    *,
-    grid: tuple[int, int],
-    scale: float,
-    lr: float,
-    grad_norm: bool,
+    d_out: Tensor, saved: tuple[Tensor, ...], tag: str, dq: Tensor, dk: Tensor, dv: Tensor, h: Hyper
 ) -> tuple[Tensor]:
-    c = scale / d_out.shape[1]
-    return (ttt_backward(d_out, saved, dq, dk, dv, grid=grid, c=c, lr=lr, grad_norm=grad_norm),)
+    c = h.scale / d_out.shape[1]
+    return (ttt_backward(d_out, saved, dq, dk, dv, grid=h.grid, c=c, lr=h.lr, grad_norm=h.grad_norm),)
 
 
 # The C++ path in the fused eager node: the kernel reads and writes the token rows in place.

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import step, step_backward
-from ..ops import Node
+from ..ops import Hyper, Node
 
 __all__ = [
     "NODE",
@@ -149,38 +149,23 @@ def _node_forward(
     v: Tensor,
     weights: tuple[Tensor, ...],
     dest: Tensor,
-    *,
-    grid: tuple[int, int],
-    scale: float,
-    lr: float,
-    grad_norm: bool,
+    h: Hyper,
     save: bool,
-    recompute: bool,
     dense: bool,
 ) -> tuple[list[Tensor], str]:
     """:func:`ttt_forward` on tokens ``[B, N, C]`` (any strides): maps in, the read-out written into ``dest``."""
-    maps = (token_map(t, grid) for t in (q, k, v))
-    om, saved = ttt_forward(*maps, weights[0], c=scale / q.shape[1], lr=lr, grad_norm=grad_norm)
+    maps = (token_map(t, h.grid) for t in (q, k, v))
+    om, saved = ttt_forward(*maps, weights[0], c=h.scale / q.shape[1], lr=h.lr, grad_norm=h.grad_norm)
     write_tokens(om, dest)
     return list(saved) if save else [], ""
 
 
 def _node_backward(
-    d_out: Tensor,
-    saved: tuple[Tensor, ...],
-    tag: str,
-    dq: Tensor,
-    dk: Tensor,
-    dv: Tensor,
-    *,
-    grid: tuple[int, int],
-    scale: float,
-    lr: float,
-    grad_norm: bool,
+    d_out: Tensor, saved: tuple[Tensor, ...], tag: str, dq: Tensor, dk: Tensor, dv: Tensor, h: Hyper
 ) -> tuple[Tensor]:
     """:func:`ttt_backward` on tokens ``[B, N, C]``: writes dq, dk, dv, returns the weight gradient."""
-    dout = token_map(d_out, grid)
-    *maps, dw = ttt_backward(dout, saved, c=scale / d_out.shape[1], lr=lr, grad_norm=grad_norm)
+    c = h.scale / d_out.shape[1]
+    *maps, dw = ttt_backward(token_map(d_out, h.grid), saved, c=c, lr=h.lr, grad_norm=h.grad_norm)
     for m, grad in zip(maps, (dq, dk, dv)):
         write_tokens(m, grad)
     return (dw,)

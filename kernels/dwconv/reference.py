@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import ttt_reference
+from ..ops import Hyper
 
 __all__ = ["dwconv", "dwconv_ttt_ref", "op_reference"]
 
@@ -63,17 +64,6 @@ def dwconv_ttt_ref(
     )
 
 
-def op_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    params: dict[str, Tensor],
-    *,
-    grid: tuple[int, int],
-    scale: float,
-    lr: float,
-    grad_norm: bool,
-    loss: str = "dot",
-) -> Tensor:
+def op_reference(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], h: Hyper) -> Tensor:
     """:func:`dwconv_ttt_ref` as the table of ops calls a reference (``Op.reference``; dot loss)."""
-    return dwconv_ttt_ref(q, k, v, params["weight"], grid, scale=scale, lr=lr, grad_norm=grad_norm)
+    return dwconv_ttt_ref(q, k, v, params["weight"], h.grid, scale=h.scale, lr=h.lr, grad_norm=h.grad_norm)

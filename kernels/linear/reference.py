@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..common import ttt_reference
+from ..ops import Hyper
 
 __all__ = ["linear", "linear_ttt_ref", "op_reference"]
 
@@ -40,17 +41,6 @@ def linear_ttt_ref(
     return ttt_reference(linear, (w,), q, k, v, scale=scale, lr=lr, grad_norm=grad_norm, loss=loss)
 
 
-def op_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    params: dict[str, Tensor],
-    *,
-    grid: tuple[int, int],
-    scale: float,
-    lr: float,
-    grad_norm: bool,
-    loss: str = "dot",
-) -> Tensor:
+def op_reference(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], h: Hyper) -> Tensor:
     """:func:`linear_ttt_ref` as the table of ops calls a reference (``Op.reference``; token-wise: no grid)."""
-    return linear_ttt_ref(q, k, v, params["w"], scale=scale, lr=lr, grad_norm=grad_norm, loss=loss)
+    return linear_ttt_ref(q, k, v, params["w"], scale=h.scale, lr=h.lr, grad_norm=h.grad_norm, loss=h.loss)

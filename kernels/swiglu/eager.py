@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from ..common import autocast_backward, autocast_forward, grad_flows, step, step_backward, weight_grad
 from ..cpp import cpu_kernel_ops
-from ..ops import Branch, Inputs, Node, Settings, Step
+from ..ops import Branch, Hyper, Inputs, Node, Settings, Step
 from ..paths import FEW_TOKENS, MIN_CPU_KERNEL_TOKENS, compute_inputs
 
 __all__ = [
@@ -509,13 +509,8 @@ def _node(cpp: bool) -> Node:
         v: Tensor,
         weights: tuple[Tensor, ...],
         dest: Tensor,
-        *,
-        grid: tuple[int, int],
-        scale: float,
-        lr: float,
-        grad_norm: bool,
+        h: Hyper,
         save: bool,
-        recompute: bool,
         dense: bool,
     ) -> tuple[list[Tensor], str]:
         saved = swiglu_forward(
@@ -524,32 +519,21 @@ def _node(cpp: bool) -> Node:
             v,
             *weights,
             dest,
-            scale=scale,
-            lr=lr,
-            grad_norm=grad_norm,
+            scale=h.scale,
+            lr=h.lr,
+            grad_norm=h.grad_norm,
             save=save,
-            recompute=recompute,
+            recompute=h.recompute,
             cpp=cpp,
             dense=dense if cpp else None,
         )
         return ([], "") if saved is None else (list(saved[:-1]), saved.layout)
 
     def backward(
-        d_out: Tensor,
-        saved: tuple[Tensor, ...],
-        tag: str,
-        dq: Tensor,
-        dk: Tensor,
-        dv: Tensor,
-        *,
-        grid: tuple[int, int],
-        scale: float,
-        lr: float,
-        grad_norm: bool,
+        d_out: Tensor, saved: tuple[Tensor, ...], tag: str, dq: Tensor, dk: Tensor, dv: Tensor, h: Hyper
     ) -> tuple[Tensor, Tensor]:
-        return swiglu_backward(
-            d_out, SwiGLUSaved(*saved, tag), dq, dk, dv, scale=scale, lr=lr, grad_norm=grad_norm
-        )
+        hyper = {"scale": h.scale, "lr": h.lr, "grad_norm": h.grad_norm}
+        return swiglu_backward(d_out, SwiGLUSaved(*saved, tag), dq, dk, dv, **hyper)
 
     # The tiled path always copies q, k, v dense; the kernel reads small problems in place.
     return Node(

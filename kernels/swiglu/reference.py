@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import ttt_reference
+from ..ops import Hyper
 
 __all__ = ["op_reference", "swiglu", "swiglu_ttt_ref"]
 
@@ -39,17 +40,6 @@ def swiglu_ttt_ref(
     return ttt_reference(swiglu, (w1, w2), q, k, v, scale=scale, lr=lr, grad_norm=grad_norm)
 
 
-def op_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    params: dict[str, Tensor],
-    *,
-    grid: tuple[int, int],
-    scale: float,
-    lr: float,
-    grad_norm: bool,
-    loss: str = "dot",
-) -> Tensor:
+def op_reference(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], h: Hyper) -> Tensor:
     """:func:`swiglu_ttt_ref` as the table of ops calls a reference (``Op.reference``; dot loss, no grid)."""
-    return swiglu_ttt_ref(q, k, v, params["w1"], params["w2"], scale=scale, lr=lr, grad_norm=grad_norm)
+    return swiglu_ttt_ref(q, k, v, params["w1"], params["w2"], scale=h.scale, lr=h.lr, grad_norm=h.grad_norm)

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, weight_grad
-from vit3.kernels.ops import OPS, Node
+from vit3.kernels.ops import OPS, Hyper, Node
 
 from .rope import apply_rope_2d
 
@@ -96,7 +96,7 @@ def _forward(
     widths = [br.heads * br.head_dim for br in plan.branches]
     out = qkv.new_empty(b, n, sum(widths))
     nodes = _nodes(plan)
-    hyper = {"grid": plan.grid, "scale": plan.scale, "lr": plan.lr, "grad_norm": plan.grad_norm}
+    hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
     # Dense copies of every branch's q, k, v or none (the C++ kernel reads small problems in place, the tiled
     # path copies): saved views of qkv keep all of it alive, copies beside them would double it.
     dense = any(
@@ -117,9 +117,7 @@ def _forward(
             if node.heads:
                 q, k = (_heads(t, br.heads) for t in (q, k))
         dest = _view(out, col, br.heads, br.head_dim, node.heads)
-        mine, tag = node.forward(
-            q, k, v, weights[wi : wi + count], dest, save=save, recompute=plan.recompute, dense=dense, **hyper
-        )
+        mine, tag = node.forward(q, k, v, weights[wi : wi + count], dest, hyper, save, dense)
         layout.append((len(saved), len(mine), tag))
         saved += mine
         wi += count
@@ -144,7 +142,7 @@ class _EagerMix(torch.autograd.Function):
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         plan = ctx.plan
         qkv_shape, weight_shapes = ctx.shapes
-        hyper = {"grid": plan.grid, "scale": plan.scale, "lr": plan.lr, "grad_norm": plan.grad_norm}
+        hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
         saved = ctx.saved_tensors
         dqkv = d_out.new_empty(qkv_shape)
         grads: list[Tensor] = []
@@ -164,7 +162,7 @@ class _EagerMix(torch.autograd.Function):
             if br.rope:
                 rq, rk = (torch.empty_like(dq) for _ in range(2))
                 dqh, dkh = (_heads(t, br.heads) for t in (rq, rk)) if node.heads else (rq, rk)
-            dws = node.backward(dout, saved[start : start + n_saved], tag, dqh, dkh, dv, **hyper)
+            dws = node.backward(dout, saved[start : start + n_saved], tag, dqh, dkh, dv, hyper)
             if br.rope:
                 dq.copy_(apply_rope_2d(rq, plan.grid, plan.rope_base, inverse=True))
                 dk.copy_(apply_rope_2d(rk, plan.grid, plan.rope_base, inverse=True))
