@@ -76,7 +76,7 @@ if [ "$DEVICE" = cuda ]; then
   COMPILE_BACKEND=inductor
   EXPLAIN_MODELS=(vit3_tiny vit3_small h_vit3_tiny)
   EXPLAIN_SIZE=224
-  TESTS=(tests/test_kernels_ttt.py tests/test_kernels_launch.py tests/test_mixer_backends.py)
+  TESTS=(tests/test_kernels_ttt.py tests/test_kernels_launch.py tests/test_backends_explain.py tests/test_backends_choice.py tests/test_backends_guard.py)
   TESTS_ARGS=()
   BACKEND_ARGS=(--batch 16)
   COMPILE_MODELS=(vit3_tiny h_vit3_tiny)
@@ -97,7 +97,7 @@ else
   COMPILE_BACKEND=aot_eager
   EXPLAIN_MODELS=(test_vit3_ttt test_h_vit3)
   EXPLAIN_SIZE=64
-  TESTS=(tests/test_kernels_ttt.py tests/test_mixer_backends.py)
+  TESTS=(tests/test_kernels_ttt.py tests/test_backends_explain.py tests/test_backends_choice.py tests/test_backends_guard.py)
   TESTS_ARGS=(-k "N1 or deterministic or token_major or strict")
   BACKEND_ARGS=(--batch 1 --quick --models vit3_tiny)
   COMPILE_MODELS=(test_vit3_ttt)

@@ -26,6 +26,15 @@ def _triton_marked(request, monkeypatch):
 
 
 @pytest.fixture
+def no_backend_env(monkeypatch):
+    """No ``VIT3_TTT_BACKEND``, ``VIT3_TTT_STRICT`` or removed backend variable from the caller's environment."""
+    from vit3.layers import backends
+
+    for name in (backends.BACKEND_ENV, backends.STRICT_ENV, *backends.REMOVED_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
 def interpreter(monkeypatch):
     """Triton's interpreter for this test's CPU tensors, on any host (``TRITON_INTERPRET=1`` for the test)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -3,7 +3,7 @@ code's formulation and (through the mixer, ``test_mixer_official``) the official
 the tiled eager path, the C++ kernel, the Triton kernels (``TRITON_INTERPRET=1`` on CPU), the generic inner
 loop — forward and every gradient (q, k, v, w1, w2) against the reference; then the C++ kernel's own
 contract: threads and blocks, strided views, loud failures (the registry then falls back:
-``test_mixer_backends``), loading without Triton.
+``test_backends_*``), loading without Triton.
 """
 
 from __future__ import annotations

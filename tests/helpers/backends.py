@@ -1,0 +1,59 @@
+"""Shared by the backend registry's tests (``test_backends_*``): a mixer with inner weights large enough that the
+step matters, its twin on the generic path, a run that returns the output and every gradient, and readers of
+an explanation."""
+
+from __future__ import annotations
+
+import torch
+
+from vit3.layers import TTTMixer
+from vit3.layers import backends as reg
+
+GRID = (4, 6)  # 24 tokens: below the CPU kernel's 32
+BIG_GRID = (10, 12)  # 120 tokens
+CPU = torch.device("cpu")
+
+
+def make_mixer(dim: int = 32, heads: int = 2, dtype=torch.float64, **cfg) -> TTTMixer:
+    torch.manual_seed(3)
+    mixer = TTTMixer(dim, heads, **cfg).to(dtype)
+    with torch.no_grad():  # larger initial inner weights so the step is not negligible
+        for model in mixer.inner:
+            for p in model.parameters():
+                p.mul_(5)
+    return mixer
+
+
+def generic_twin(mixer: TTTMixer) -> TTTMixer:
+    """The same mixer (weights, dtype, device) on the generic backend."""
+    twin = TTTMixer(mixer.dim, mixer.num_heads, mixer.cfg, backend="generic").to(next(mixer.parameters()))
+    twin.load_state_dict(mixer.state_dict())
+    return twin
+
+
+def run_grads(mixer: TTTMixer, x: torch.Tensor, grid, dout: torch.Tensor) -> list[torch.Tensor]:
+    """Output, input gradient and every parameter gradient."""
+    x = x.detach().requires_grad_()
+    out = mixer(x, grid)
+    return [out, *torch.autograd.grad((out * dout).sum(), [x, *mixer.parameters()])]
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], names: list[str], rtol: float = 1e-10):
+    for name, g, w in zip(names, got, want):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * 1e-2 * w.abs().max().item(), msg=name)
+
+
+def param_names(mixer: TTTMixer) -> list[str]:
+    return ["output", "input grad", *(n for n, _ in mixer.named_parameters())]
+
+
+def backends_of(expl: reg.MixerExplanation) -> list[str]:
+    return [b.backend for b in expl.branches]
+
+
+def reason_of(expl: reg.MixerExplanation, branch: int, backend: str) -> str:
+    return dict(expl.branches[branch].passed_over)[backend]
+
+
+def tokens(grid, dim=32, b=2, dtype=torch.float64):
+    return torch.randn(b, grid[0] * grid[1], dim, dtype=dtype)

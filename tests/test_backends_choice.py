@@ -1,0 +1,181 @@
+"""The mixer's backend registry (``vit3.layers.backends``): every backend it can be forced onto (by the config or
+by ``VIT3_TTT_BACKEND``) computes the generic path's output and gradients, a named backend that cannot serve
+warns once (or raises under ``VIT3_TTT_STRICT=1``), plans are resolved once per key, and the removed
+variables and the old ``impl`` key still read.
+
+The tests that launch kernels run where Triton runs (``triton_device``: the GPU, else the interpreter)."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import timm
+import torch
+from helpers.backends import (
+    BIG_GRID,
+    CPU,
+    GRID,
+    assert_same,
+    generic_twin,
+    make_mixer,
+    param_names,
+    run_grads,
+    tokens,
+)
+from helpers.common import count_calls
+
+import vit3.kernels.swiglu.eager as fast
+from vit3.layers import TTTConfig, TTTMixer
+from vit3.layers import backends as reg
+from vit3.layers.backends import guard
+
+pytestmark = pytest.mark.usefixtures("no_backend_env")
+
+
+# ------------------------------------------------------------------------------------ forcing a backend
+
+
+FORCED = {
+    "triton": {"swiglu": "triton", "dwconv": "triton"},
+    "cpu": {"swiglu": "cpu", "dwconv": "cpu"},
+    "eager": {"swiglu": "eager", "dwconv": "eager"},
+    "generic": {"swiglu": "generic", "dwconv": "generic"},
+}
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("how", ["env", "cfg"])
+@pytest.mark.parametrize("name", list(FORCED))
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"rope": True}, {"branches": ("swiglu:1", "linear:1", "dwconv:1")}],
+    ids=["official", "rope", "with-linear"],
+)
+def test_forced_backend_gives_generic_output_and_gradients(request, monkeypatch, name, how, cfg):
+    """The Triton kernels where Triton runs (``triton_device``: the GPU, else the interpreter), the others on
+    CPU tensors."""
+    device = request.getfixturevalue("triton_device") if name == "triton" else CPU
+    if how == "env":
+        monkeypatch.setenv(reg.BACKEND_ENV, name)
+        mixer = make_mixer(**cfg).to(device)
+    else:
+        monkeypatch.setenv(reg.BACKEND_ENV, "generic")  # the config wins over the variable
+        mixer = make_mixer(backend=name, **cfg).to(device)
+    reference = generic_twin(mixer)
+    monkeypatch.delenv(reg.BACKEND_ENV)
+    if how == "env":
+        monkeypatch.setenv(reg.BACKEND_ENV, name)
+    x, dout = tokens(GRID).to(device), tokens(GRID).to(device)
+    expl = mixer.explain(x, GRID)
+    assert {b.name: b.backend for b in expl.branches if b.name != "linear"} == FORCED[name]
+    kernel = count_calls(monkeypatch, fast, "_kernel_forward")
+    got = run_grads(mixer, x, GRID, dout)
+    assert kernel["n"] == int(name == "cpu")  # the C++ kernel ran exactly when named
+    monkeypatch.delenv(reg.BACKEND_ENV, raising=False)
+    assert_same(got, run_grads(reference, x, GRID, dout), param_names(mixer))
+
+
+def test_named_backend_that_cannot_serve_warns_once_or_raises_when_strict(monkeypatch):
+    mixer = make_mixer(loss="mse")
+    monkeypatch.setenv(reg.BACKEND_ENV, "cpu")
+    x = tokens(GRID)
+    with pytest.warns(
+        reg.BackendWarning, match=r"backend 'cpu' .* cannot serve the 'swiglu' branch: loss 'mse'"
+    ):
+        out = mixer(x, GRID)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(mixer(x, GRID), out, rtol=0, atol=0)
+    torch.testing.assert_close(out, generic_twin(mixer)(x, GRID), rtol=0, atol=0)
+    monkeypatch.setenv(reg.STRICT_ENV, "1")
+    with pytest.raises(ValueError, match="cannot serve the 'swiglu' branch"):
+        mixer(x, GRID)
+
+
+def test_named_backend_implementing_no_branch_warns():
+    mixer = make_mixer(branches=("mlp", "linear"), backend="eager")
+    with pytest.warns(
+        reg.BackendWarning, match=r"cannot serve the mixer: no 'mlp', 'linear' in the fused eager"
+    ):
+        mixer(tokens(GRID), GRID)
+
+
+def test_bad_backend_values_are_rejected_by_name(monkeypatch):
+    monkeypatch.setenv(reg.BACKEND_ENV, "cuda-please")
+    with pytest.raises(ValueError, match="VIT3_TTT_BACKEND must be one of auto, triton, cpu, eager, generic"):
+        make_mixer()(tokens(GRID), GRID)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        TTTConfig(backend="torch")
+    monkeypatch.delenv(reg.BACKEND_ENV)
+    monkeypatch.setenv(reg.STRICT_ENV, "maybe")
+    with pytest.raises(ValueError, match="VIT3_TTT_STRICT must be 0 or 1"):
+        make_mixer(backend="cpu", loss="mse")(tokens(GRID), GRID)
+
+
+# --------------------------------------------------------------------------------------------- caching
+
+
+def test_plans_are_resolved_once_per_key(monkeypatch):
+    resolved = count_calls(monkeypatch, importlib.import_module("vit3.layers.backends.plan"), "_resolve")
+    first, second = make_mixer(), make_mixer()
+    x = tokens(GRID)
+    for _ in range(3):
+        first(x, GRID)
+        second(x, GRID)
+    assert resolved["n"] == 1  # one key: both mixers, three calls each
+    with torch.no_grad():
+        first(x, GRID)  # no gradients: another key
+    first(tokens(BIG_GRID), BIG_GRID)  # the token-count class
+    first(tokens((6, 7)), (6, 7))  # same class as GRID: cached
+    assert resolved["n"] == 3
+    monkeypatch.setenv(reg.BACKEND_ENV, "generic")
+    first(x, GRID)
+    first(x, GRID)
+    assert resolved["n"] == 4
+
+
+def test_a_key_runs_guarded_until_one_forward_and_backward_succeeded(monkeypatch):
+    guards = count_calls(monkeypatch, guard._GuardFn, "apply")
+    mixer, x = make_mixer(), tokens(GRID, b=1)
+    out = mixer(x, GRID)
+    assert guards["n"] == 1
+    mixer(x, GRID)
+    assert guards["n"] == 2  # no backward yet
+    out.sum().backward()
+    mixer(x, GRID).sum().backward()
+    assert guards["n"] == 2
+    with torch.no_grad():  # the inference key: no guard Function, and verified by one forward
+        mixer(x, GRID)
+    assert guards["n"] == 2
+
+
+# ------------------------------------------------------------------------------------------ old names
+
+
+@pytest.mark.parametrize("name", list(reg.REMOVED_ENV))
+def test_removed_environment_variables_warn_once_naming_the_replacement(monkeypatch, name):
+    monkeypatch.setenv(name, "0")
+    mixer = make_mixer()
+    with pytest.warns(reg.BackendWarning, match=rf"\${name} is no longer read.*use VIT3_TTT_BACKEND"):
+        mixer(tokens(GRID), GRID)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixer(tokens(BIG_GRID), BIG_GRID)  # a new key: still no second warning
+
+
+def test_old_impl_key_reads_as_backend():
+    with pytest.warns(DeprecationWarning, match="impl='auto' is dropped"):
+        assert TTTConfig.create({"impl": "auto"}).backend == "auto"
+    with pytest.warns(FutureWarning, match="impl='torch' reads as backend='eager'"):
+        assert TTTConfig.create({"impl": "torch"}).backend == "eager"
+    with pytest.warns(FutureWarning):
+        assert TTTMixer(16, 2, impl="triton").cfg.backend == "triton"
+    with pytest.raises(ValueError, match="'impl' was renamed 'backend'"):
+        TTTConfig.create({"impl": "cuda"})
+    with pytest.raises(ValueError, match="both impl='torch' and backend='generic'"):
+        TTTConfig.create({"impl": "torch", "backend": "generic"})
+    with pytest.warns(FutureWarning):  # an old checkpoint's model kwargs
+        model = timm.create_model("test_vit3_ttt", ttt_cfg={"impl": "torch"})
+    assert model.blocks[0].attn.cfg.backend == "eager"

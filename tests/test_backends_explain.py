@@ -1,0 +1,257 @@
+"""The mixer's backend registry (``vit3.layers.backends``): what it chooses and why (``explain``), for one mixer and
+for a whole model, its CLI, and that the registry's backends are the ops' declared paths.
+
+The registry's decisions for CPU tensors under the interpreter ask for it (``interpreter``);
+``TRITON_INTERPRET=0 pytest tests/test_backends_explain.py`` imports Triton as a GPU host does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import timm
+import torch
+from helpers.backends import (
+    BIG_GRID,
+    CPU,
+    GRID,
+    assert_same,
+    backends_of,
+    make_mixer,
+    param_names,
+    reason_of,
+    run_grads,
+    tokens,
+)
+from helpers.common import REPO
+from helpers.ops import AMD_GPUS
+
+import vit3
+from vit3.kernels import triton_op, triton_path
+from vit3.layers import TTTMixer
+from vit3.layers import backends as reg
+from vit3.scripts.explain import main as cli_main
+
+pytestmark = pytest.mark.usefixtures("no_backend_env")
+
+
+# ------------------------------------------------------------------------------------------------ explain
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_explain_default_cpu_config_cpu_kernel_from_32_tokens():
+    mixer = make_mixer(dtype=torch.float32)
+    big = mixer.explain(tokens(BIG_GRID, dtype=torch.float32), BIG_GRID)
+    assert backends_of(big) == ["cpu", "cpu"] and big.fused
+    assert "ranks higher on cpu" in reason_of(big, 0, "eager")
+    assert "'cpu' ranks higher on cpu" in reason_of(big, 1, "eager")  # the depthwise branch too
+    assert "unless named" in reason_of(big, 0, "triton")  # the interpreter serves only when named
+    small = mixer.explain(tokens(GRID, dtype=torch.float32), GRID)
+    assert backends_of(small) == ["eager", "cpu"] and small.fused  # the token rule is SwiGLU's only
+    assert "fewer than 32 tokens per head" in reason_of(small, 0, "cpu")
+    text = str(big)
+    assert "one fused eager node" in text and "0 swiglu x2 d=16" in text and "cpu" in text
+    assert json.loads(json.dumps(big.to_dict()))["branches"][0]["backend"] == "cpu"
+
+
+def test_explain_says_triton_needs_the_interpreter_on_cpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    expl = make_mixer().explain(tokens(GRID), GRID)
+    assert reason_of(expl, 0, "triton") == "CPU tensors: Triton runs them only under TRITON_INTERPRET=1"
+
+
+def test_explain_default_cuda_plan_is_triton_then_generic():
+    """The CUDA plan is resolved without a GPU: the registry only reads the device type."""
+    mixer = make_mixer(dim=64, heads=2)
+    expl = reg.explain_mixer(mixer, torch.device("cuda"), torch.bfloat16, BIG_GRID, grad=True)
+    assert backends_of(expl) == ["triton", "triton"] and not expl.fused
+    assert reason_of(expl, 0, "cpu") == "cuda tensors: the C++ kernel runs CPU tensors"
+    assert reason_of(expl, 0, "generic") == "'triton' ranks higher on cuda"
+    wide = reg.explain_mixer(
+        make_mixer(dim=512, heads=2), torch.device("cuda"), torch.bfloat16, GRID, grad=True
+    )
+    assert backends_of(wide) == ["generic", "generic"]  # the eager tile walk is tuned for CPU caches
+    assert "head dim 256 > 128" in reason_of(wide, 0, "triton")
+    assert reason_of(wide, 0, "eager") == "'generic' ranks higher on cuda"
+
+
+def test_a_gpu_that_cannot_run_the_kernels_steps_aside_with_a_warning(fake_gpu):
+    """ROCm on an MI250 (Triton's AMD backend takes no TF32 dots there): auto says why, warns once and lets
+    the generic path serve; with IEEE dots (float64) the kernels serve."""
+    gpu = fake_gpu(AMD_GPUS["gfx90a"], hip="6.3")
+    mixer = make_mixer(dim=64, heads=2)
+    expl = reg.explain_mixer(mixer, gpu, torch.bfloat16, BIG_GRID, grad=True)
+    assert backends_of(expl) == ["generic", "generic"]
+    assert reason_of(expl, 0, "triton").startswith("ROCm gfx90a: Triton's AMD backend takes")
+    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.plan_branches, gpu)
+    with pytest.warns(reg.BackendWarning) as caught:
+        assert reg.plan(*args, torch.bfloat16, "N>=32", True, "").backends == ("generic", "generic")
+        reg.plan(*args, torch.bfloat16, "N>=32", False, "")  # another key: no second warning
+    warned = [str(w.message) for w in caught if "'swiglu' branch" in str(w.message)]
+    assert len(warned) == 1
+    for part in (
+        "the Triton kernels cannot run",
+        "AMD Instinct MI250X/MI250 (cuda:0)",
+        "ROCm gfx90a",
+        "'generic'",
+    ):
+        assert part in warned[0], warned[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reg.plan(*args, torch.float64, "N>=32", True, "").backends == ("triton", "triton")
+
+
+def test_explain_without_triton_names_the_import_error_and_keeps_the_cpp_kernel(monkeypatch):
+    monkeypatch.setattr(
+        triton_path,
+        "_kernels",
+        lambda: (None, "the Triton kernels cannot be imported (ImportError: no triton)"),
+    )
+    expl = reg.explain_mixer(make_mixer(), torch.device("cuda"), torch.float16, GRID, grad=False)
+    assert backends_of(expl) == ["generic", "generic"]
+    assert "ImportError: no triton" in reason_of(expl, 0, "triton")
+    cpu = make_mixer().explain(tokens(BIG_GRID), BIG_GRID)  # the C++ kernel needs no Triton
+    assert backends_of(cpu) == ["cpu", "cpu"] and "ImportError: no triton" in reason_of(cpu, 0, "triton")
+
+
+VARIANTS = {
+    # name: (config, expected backends per branch, (branch, backend, reason substring))
+    "mse-loss": ({"loss": "mse"}, ["generic", "generic"], (0, "eager", "loss 'mse' is not fused")),
+    "two-steps": ({"steps": 2}, ["generic", "generic"], (0, "cpu", "steps=2")),
+    "mini-batches": ({"mini_batches": 2}, ["generic", "generic"], (1, "eager", "mini_batches=2")),
+    "token-lr": ({"lr_mode": "token"}, ["generic", "generic"], (0, "triton", "lr_mode='token'")),
+    "mlp": ({"branches": ("mlp",)}, ["generic"], (0, "triton", "no 'mlp' in the Triton kernels")),
+    "with-linear": (
+        {"branches": ("swiglu:2", "linear:2", "dwconv:1")},
+        ["cpu", "generic", "cpu"],
+        (1, "eager", "no 'linear' in the fused eager path"),
+    ),
+    "named-generic": ({"backend": "generic"}, ["generic", "generic"], (0, "cpu", "'generic' is named")),
+    "named-triton": ({"backend": "triton"}, ["triton", "triton"], (0, "cpu", "'triton' is named")),
+    "named-eager": ({"backend": "eager"}, ["eager", "eager"], (0, "cpu", "'eager' is named")),
+    "named-triton-narrow-heads": (
+        {"backend": "triton", "heads": 4},
+        ["cpu", "cpu"],
+        (0, "triton", "head dim 8 < 16"),
+    ),
+}
+
+
+@pytest.mark.parametrize(("cfg", "expected", "why"), list(VARIANTS.values()), ids=list(VARIANTS))
+@pytest.mark.usefixtures("interpreter")
+def test_explain_variants(cfg, expected, why):
+    cfg = dict(cfg)
+    mixer = make_mixer(heads=cfg.pop("heads", 2), **cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", reg.BackendWarning)
+        expl = mixer.explain(tokens(BIG_GRID), BIG_GRID)
+    assert backends_of(expl) == expected
+    branch, backend, text = why
+    assert text in reason_of(expl, branch, backend)
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_traced_and_compiled_calls_plan_traceable_ops():
+    mixer = make_mixer()
+    args = (
+        (mixer.cfg.loss, 1, 1, "fixed"),
+        "auto",
+        mixer.plan_branches,
+        CPU,
+        torch.float64,
+        "N>=32",
+        True,
+    )
+    assert reg.plan(*args, "trace").backends == ("generic", "generic")
+    assert reg.plan(*args, "compile").backends == ("generic", "generic")
+    assert reg.plan(*args, "").backends == ("cpu", "cpu")
+    named = ((mixer.cfg.loss, 1, 1, "fixed"), "triton", *args[2:])
+    assert reg.plan(*named, "compile").backends == ("triton", "triton")  # the custom op compiles
+    with pytest.warns(reg.BackendWarning, match="jit tracing / ONNX export"):
+        assert reg.plan(*named, "trace").backends == ("generic", "generic")
+
+
+def test_compiled_mixer_has_no_graph_break_and_matches_eager():
+    """The plan is a constant of the compiled graph (fullgraph fails on any break)."""
+    mixer = make_mixer()
+    x, dout = tokens(BIG_GRID), tokens(BIG_GRID)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: mixer(t, BIG_GRID), fullgraph=True, backend="eager")
+    x_ = x.detach().requires_grad_()
+    out = compiled(x_)
+    got = [out, *torch.autograd.grad((out * dout).sum(), [x_, *mixer.parameters()])]
+    assert_same(got, run_grads(mixer, x, BIG_GRID, dout), param_names(mixer))
+
+
+# --------------------------------------------------------------------------------- model-level explain
+
+
+def test_model_explain_groups_mixers_with_one_plan():
+    model = timm.create_model("test_vit3_ttt")
+    report = vit3.explain(model, 64)
+    ((names, expl),) = report.groups
+    assert names == ("blocks.0.attn", "blocks.1.attn", "blocks.2.attn")
+    assert expl.tokens == 16 and not expl.grad and backends_of(expl) == ["eager", "cpu"]
+    assert "blocks.0.attn ... blocks.2.attn (3 mixers)" in str(report)
+    assert backends_of(vit3.explain(model, torch.randn(1, 3, 176, 176), grad=True).groups[0][1]) == [
+        "cpu",
+        "cpu",
+    ]
+
+
+def test_model_explain_of_a_hierarchical_model_lists_each_stage():
+    model = timm.create_model("test_h_vit3")
+    report = vit3.explain(model, (64, 96))
+    assert len(report.groups) > 1
+    assert sum(len(names) for names, _ in report.groups) == sum(
+        isinstance(m, TTTMixer) for m in model.modules()
+    )
+    assert len({expl.tokens for _, expl in report.groups}) == len(report.groups)
+
+
+def test_cli_prints_the_explanation(capsys):
+    cli_main(["test_vit3_ttt", "--img-size", "64", "--batch", "2"])
+    out = capsys.readouterr().out
+    assert "test_vit3_ttt" in out and "blocks.0.attn ... blocks.2.attn (3 mixers)" in out
+    cli_main(["test_vit3_ttt", "--img-size", "64", "--dtype", "bf16", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert (
+        data["mixers"][0]["dtype"] == "torch.bfloat16" and data["mixers"][0]["mixers"][0] == "blocks.0.attn"
+    )
+
+
+def test_cli_runs_as_a_module_and_rejects_bad_arguments():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vit3.scripts.explain", "test_vit3_ttt", "--img-size", "32", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "RuntimeWarning" not in proc.stderr
+    assert json.loads(proc.stdout)["model"] == "test_vit3_ttt"
+    with pytest.raises(SystemExit):
+        cli_main(["test_vit3_ttt", "--dtype", "fp8"])
+
+
+def test_backends_implement_exactly_the_ops_that_declare_their_path():
+    """Each op under ``kernels/`` declares its fast paths; the registry's inner-model lists follow them, and the
+    Triton op serves exactly those ops."""
+    import vit3.kernels as kernels
+
+    assert reg.BACKENDS["triton"].models == kernels.ops_with("triton") == tuple(triton_op.TRITON_LOSSES)
+    assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpu") == ("swiglu", "dwconv")
+    assert reg.BACKENDS["eager"].models == kernels.ops_with("eager") == ("swiglu", "dwconv")
+    assert reg.BACKENDS["generic"].models is None
+
+
+def test_the_backends_a_config_may_name_are_the_registrys():
+    """TTTConfig checks backend names against vit3.layers.config (below the registry, which it must not
+    import): the same names, in the registry's order."""
+    from vit3.layers.config import BACKEND_NAMES
+
+    assert BACKEND_NAMES == ("auto", *reg.BACKENDS)
