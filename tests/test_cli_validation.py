@@ -204,13 +204,10 @@ def test_an_eval_mistake_is_one_line(flags, message, checkpoint, a_file, capsys)
 # --------------------------------------------------------------------------------------------- export.py
 EXPORT_MISTAKES = {
     "feature-index-out-of-range": (
-        ["features", "--checkpoint", "<checkpoint>", "--out-indices", "7"],
+        ["features", "--out-indices", "7"],
         "--out-indices [7] do not fit test_h_vit3: its 4 feature levels are 0 to 3 (or -4 to -1 from the last)",
     ),
-    "onnx-index-out-of-range": (
-        ["onnx", "--checkpoint", "<checkpoint>", "--out-indices", "9", "--out", "<tmp>/m.onnx"],
-        "--out-indices [9] do not fit test_h_vit3",
-    ),
+    "onnx-index-out-of-range": (["onnx", "--out-indices", "9"], "--out-indices [9] do not fit test_h_vit3"),
     "unknown-model": (
         ["features", "--model", "h_vit3_tinyy", "--random-init"],
         "--model must be a timm model name (e.g. vit3_tiny, h_vit3_small; import vit3 registers them), got "
@@ -220,20 +217,14 @@ EXPORT_MISTAKES = {
         ["features", "--model", "test_h_vit3"],
         "export.py features needs the weights to export: pass --checkpoint FILE",
     ),
-    "onnx-no-weights": (
-        ["onnx", "--model", "test_h_vit3", "--out", "<tmp>/m.onnx"],
-        "pass --checkpoint FILE",
-    ),
+    "onnx-no-weights": (["onnx", "--model", "test_h_vit3"], "pass --checkpoint FILE"),
     "out-is-a-file": (
-        ["features", "--checkpoint", "<checkpoint>", "--out", "<a_file>"],
+        ["features", "--out", "<a_file>"],
         "--out must be a folder this run can write, got '<a_file>': <a_file> is a file",
     ),
-    "onnx-out-not-onnx": (
-        ["onnx", "--checkpoint", "<checkpoint>", "--out", "<checkpoint>"],
-        "--out must be a .onnx file this run can write",
-    ),
+    "onnx-out-not-onnx": (["onnx", "--out", "<checkpoint>"], "--out must be a .onnx file this run can write"),
     "img-size-below-the-stride": (
-        ["features", "--checkpoint", "<checkpoint>", "--img-size", "16"],
+        ["features", "--img-size", "16"],
         "--img-size must be image sizes test_h_vit3 takes, got 16",
     ),
     "ema-without-checkpoint": (
@@ -241,7 +232,7 @@ EXPORT_MISTAKES = {
         "--ema takes",
     ),
     "missing-images": (
-        ["features", "--checkpoint", "<checkpoint>", "--images", "<tmp>/nowhere"],
+        ["features", "--images", "<tmp>/nowhere"],
         "--images must be an existing folder, got '<tmp>/nowhere': not found",
     ),
 }
@@ -253,9 +244,12 @@ def test_an_export_mistake_is_one_line_and_nothing_is_written(
 ):
     paths = {"checkpoint": checkpoint, "a_file": a_file, "tmp": tmp_path}
     args = [_fill(f, **paths) for f in flags]
-    if args[0] == "features":  # the flags it needs, where the row is not about them
+    # the flags it needs, where the row is not about them
+    out = tmp_path / ("feats" if args[0] == "features" else "m.onnx")
+    args += [] if "--model" in args else ["--checkpoint", str(checkpoint)]
+    args += [] if "--out" in args else ["--out", str(out)]
+    if args[0] == "features":
         args += [] if "--images" in args else ["--images", str(digits / "val")]
-        args += [] if "--out" in args else ["--out", str(tmp_path / "feats")]
     assert load_script("export").main(args) == USER_ERROR_EXIT
     assert _fill(message, **paths) in one_error_line(capsys, last=True)
     assert not (tmp_path / "feats").exists() and not (tmp_path / "m.onnx").exists()

@@ -144,62 +144,65 @@ GEN = CONFIG_DIR / "generation" / "default.yaml"
 DENSE = CONFIG_DIR / "dense" / "dense_base.yaml"
 
 
-WRECKING = [
-    (None, "train.clip_grad=-1", "train.clip_grad must be > 0 (or null: no clipping), got -1"),
-    (None, "train.base_lr=-1e-3", "train.base_lr must be > 0, got -0.001"),
-    (None, "train.min_lr=1e-2", "train.min_lr must be in [0, train.base_lr (0.0005)], got 0.01"),
-    (None, "train.warmup_lr=-1e-6", "train.warmup_lr must be in [0, train.base_lr (0.0005)], got -1e-06"),
-    (None, "train.weight_decay=-0.05", "train.weight_decay must be >= 0, got -0.05"),
-    (None, "train.warmup_epochs=-1", "train.warmup_epochs must be >= 0, got -1"),
-    (None, "train.epochs=0", "train.epochs must be >= 1, got 0"),
-    (None, "train.accum_steps=0", "train.accum_steps must be >= 1, got 0"),
-    (None, "train.layer_decay=1.5", "train.layer_decay must be in (0, 1] (or null: off), got 1.5"),
-    (None, "train.ema_decay=1.5", "train.ema_decay must be in [0, 1), got 1.5"),
-    (None, "train.mesa=-1.0", "train.mesa must be >= 0 (or null: off), got -1.0"),
-    (None, "train.betas=[0.9, 1.0]", "train.betas must be a list of 2 values in [0, 1), got [0.9, 1.0]"),
-    (None, "aug.label_smoothing=-0.1", "aug.label_smoothing must be in [0, 1), got -0.1"),
-    (None, "aug.mixup=-0.5", "aug.mixup must be >= 0 (or null: off), got -0.5"),
-    (None, "aug.mixup_prob=1.5", "aug.mixup_prob must be in [0, 1], got 1.5"),
-    (None, "aug.reprob=-0.25", "aug.reprob must be in [0, 1], got -0.25"),
-    (
-        None,
-        "aug.scale=[1.0, 0.08]",
-        "aug.scale must be a list of 2 values in (0, 1], in increasing order, got [1.0, 0.08]",
-    ),
-    (None, "model.drop_path_rate=1.0", "model.drop_path_rate must be in [0, 1), got 1.0"),
-    (None, "seed=-1", "seed must be >= 0, got -1"),
-    (None, "data.std=[-0.3]", "data.std must be a list of values > 0 (or null: the model's), got [-0.3]"),
-    (DENSE, "dense.gamma=2", "dense.gamma must be in (0, 1], got 2"),
-    (DENSE, "dense.backbone_lr_mult=-1", "dense.backbone_lr_mult must be >= 0, got -1"),
-    (DENSE, "dense.aux_weight=-0.4", "dense.aux_weight must be >= 0, got -0.4"),
-    (DENSE, "dense.warmup_factor=2", "dense.warmup_factor must be in [0, 1], got 2"),
-    (DENSE, "dense.poly_power=-1", "dense.poly_power must be >= 0, got -1"),
-    (
-        DENSE,
-        "dense.anchor_sizes=[64, 32, 16]",
-        "dense.anchor_sizes must be a list of 5 values > 0, in increasing order, got [64, 32, 16]",
-    ),
-    (GEN, "model.class_dropout_prob=1.0", "model.class_dropout_prob must be in [0, 1), got 1.0"),
-    (GEN, "sample.cfg_scale=-1", "sample.cfg_scale (eval.py --cfg-scale) must be >= 0, got -1"),
-    (
-        GEN,
-        "diffusion.beta_end=1e-5",
-        "diffusion.beta_end must be in [diffusion.beta_start (0.0001), 1), got 1e-05",
-    ),
-]
+# config file -> (override, what the one line says after the key)
+WRECKING = {
+    None: [
+        ("train.clip_grad=-1", "must be > 0 (or null: no clipping), got -1"),
+        ("train.base_lr=-1e-3", "must be > 0, got -0.001"),
+        ("train.min_lr=1e-2", "must be in [0, train.base_lr (0.0005)], got 0.01"),
+        ("train.warmup_lr=-1e-6", "must be in [0, train.base_lr (0.0005)], got -1e-06"),
+        ("train.weight_decay=-0.05", "must be >= 0, got -0.05"),
+        ("train.warmup_epochs=-1", "must be >= 0, got -1"),
+        ("train.epochs=0", "must be >= 1, got 0"),
+        ("train.accum_steps=0", "must be >= 1, got 0"),
+        ("train.layer_decay=1.5", "must be in (0, 1] (or null: off), got 1.5"),
+        ("train.ema_decay=1.5", "must be in [0, 1), got 1.5"),
+        ("train.mesa=-1.0", "must be >= 0 (or null: off), got -1.0"),
+        ("train.betas=[0.9, 1.0]", "must be a list of 2 values in [0, 1), got [0.9, 1.0]"),
+        ("aug.label_smoothing=-0.1", "must be in [0, 1), got -0.1"),
+        ("aug.mixup=-0.5", "must be >= 0 (or null: off), got -0.5"),
+        ("aug.mixup_prob=1.5", "must be in [0, 1], got 1.5"),
+        ("aug.reprob=-0.25", "must be in [0, 1], got -0.25"),
+        (
+            "aug.scale=[1.0, 0.08]",
+            "must be a list of 2 values in (0, 1], in increasing order, got [1.0, 0.08]",
+        ),
+        ("model.drop_path_rate=1.0", "must be in [0, 1), got 1.0"),
+        ("seed=-1", "must be >= 0, got -1"),
+        ("data.std=[-0.3]", "must be a list of values > 0 (or null: the model's), got [-0.3]"),
+    ],
+    DENSE: [
+        ("dense.gamma=2", "must be in (0, 1], got 2"),
+        ("dense.backbone_lr_mult=-1", "must be >= 0, got -1"),
+        ("dense.aux_weight=-0.4", "must be >= 0, got -0.4"),
+        ("dense.warmup_factor=2", "must be in [0, 1], got 2"),
+        ("dense.poly_power=-1", "must be >= 0, got -1"),
+        (
+            "dense.anchor_sizes=[64, 32, 16]",
+            "must be a list of 5 values > 0, in increasing order, got [64, 32, 16]",
+        ),
+    ],
+    GEN: [
+        ("model.class_dropout_prob=1.0", "must be in [0, 1), got 1.0"),
+        ("sample.cfg_scale=-1", "(eval.py --cfg-scale) must be >= 0, got -1"),
+        ("diffusion.beta_end=1e-5", "must be in [diffusion.beta_start (0.0001), 1), got 1e-05"),
+    ],
+}
+WRECKING_ROWS = [(config, override, what) for config, rows in WRECKING.items() for override, what in rows]
 
 
 @pytest.mark.parametrize(
-    ("config", "override", "message"),
-    WRECKING,
-    ids=[override.partition("=")[0] for _, override, _ in WRECKING],
+    ("config", "override", "what"),
+    WRECKING_ROWS,
+    ids=[override.partition("=")[0] for _, override, _ in WRECKING_ROWS],
 )
-def test_a_value_that_would_wreck_training_is_refused_with_its_range(config, override, message):
+def test_a_value_that_would_wreck_training_is_refused_with_its_range(config, override, what):
     """Each of these has the right type but inverts the key's meaning (a negative clip_grad flips every
     gradient, a negative lr or weight decay climbs the loss, a layer decay above 1 trains the stem fastest, a
     min_lr above base_lr makes the cosine climb, descending anchors put big boxes on the fine maps, ...) or
     crashes the run inside a library."""
-    with pytest.raises(ConfigError, match=f"^config key {re.escape(message)}$"):
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError, match=f"^config key {re.escape(f'{key} {what}')}$"):
         load_config(config, [override])
 
 

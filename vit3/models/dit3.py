@@ -39,12 +39,7 @@ import torch
 from timm.layers import PatchEmbed
 from torch import Tensor, nn
 
-try:
-    from diffusers import ConfigMixin, ModelMixin
-    from diffusers.configuration_utils import register_to_config
-except ImportError as exc:  # the generation extra is not installed
-    raise ImportError(f"DiT³ needs diffusers: pip install -e '.[generation]' ({exc})") from exc
-
+from vit3._diffusers import ConfigMixin, ModelMixin, register_to_config
 from vit3.layers import TTTConfig, convert_official_mixer_key
 from vit3.layers.inner_math import all_finite
 

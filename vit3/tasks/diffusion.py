@@ -56,14 +56,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-try:
-    from diffusers import ConfigMixin, DDPMScheduler, DPMSolverMultistepScheduler, SchedulerMixin
-    from diffusers.configuration_utils import register_to_config
-    from diffusers.schedulers.scheduling_ddpm import DDPMSchedulerOutput
-    from diffusers.utils.torch_utils import randn_tensor
-except ImportError as exc:  # the generation extra is not installed
-    raise ImportError(f"DiT³ diffusion needs diffusers: pip install -e '.[generation]' ({exc})") from exc
-
+from .._diffusers import (
+    ConfigMixin,
+    DDPMScheduler,
+    DDPMSchedulerOutput,
+    DPMSolverMultistepScheduler,
+    SchedulerMixin,
+    randn_tensor,
+    register_to_config,
+)
 from .diffusion_chain import (
     Take,
     approx_standard_normal_cdf,

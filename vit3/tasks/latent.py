@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .._diffusers import AutoencoderKL
+
 __all__ = ["LatentAutoencoder"]
 
 
@@ -29,8 +31,6 @@ class LatentAutoencoder(nn.Module):
         self, path: str | os.PathLike, scaling_factor: float | None = None, sample_posterior: bool = True
     ) -> None:
         super().__init__()
-        from diffusers import AutoencoderKL
-
         root = Path(path)
         if not str(path) or not root.exists():
             raise FileNotFoundError(

@@ -27,14 +27,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._diffusers import AutoencoderKL, DiffusionPipeline, ImagePipelineOutput, randn_tensor
 from ..models.dit3 import DiT3
 from .diffusion import Generator, RespacedDDPMScheduler, denoise
-
-try:
-    from diffusers import AutoencoderKL, DiffusionPipeline, ImagePipelineOutput
-    from diffusers.utils.torch_utils import randn_tensor
-except ImportError as exc:  # the generation extra is not installed
-    raise ImportError(f"DiT3Pipeline needs diffusers: pip install -e '.[generation]' ({exc})") from exc
 
 __all__ = ["OUTPUT_TYPES", "DiT3Pipeline"]
 

@@ -39,17 +39,6 @@ inline Vec<T> vexp(const Vec<T>& x) {
   }
 }
 
-template <typename T>
-inline Vec<T> vsigmoid(const Vec<T>& x) {
-  const Vec<T> one(T(1));
-  return one / (one + vexp(x.neg()));
-}
-
-template <typename T>
-inline T ssigmoid(T x) {
-  return T(1) / (T(1) + std::exp(-x));
-}
-
 // One unit of work: heads [h0, h0 + gh) of sample b, tokens [n0, n0 + n). Small problems are grouped (gh > 1,
 // all their tokens: the matmuls of a group are one batched call each), large ones walked in token blocks.
 struct Group {
@@ -84,15 +73,49 @@ Rows<T> cols(const Tensor& t, int64_t c0 = 0) {
   return {t.data_ptr<T>() + c0, t.stride(0), t.stride(1)};
 }
 
-// Applies f(group, row, first column) over a [groups, rows, d] block in vector lane groups, with a scalar tail.
-template <typename T, typename FV, typename FS>
-inline void each(const Group& g, int64_t d, FV fv, FS fs) {
+// Where an element-wise chain reads and writes in a [groups, rows, d] block: row r of group i from column c,
+// as V = Vec<T> (the vector lanes from c) or V = T (column c alone, the tail). A chain written once over `auto`
+// values is the vector loop and its scalar tail both.
+template <typename T, typename V>
+struct Lane {
+  int64_t i, r, c;
+  static constexpr bool kScalar = std::is_same_v<V, T>;
+
+  V operator()(const Rows<T>& x) const {
+    if constexpr (kScalar) {
+      return x.row(i, r)[c];
+    } else {
+      return V::loadu(x.row(i, r) + c);
+    }
+  }
+  void store(const Rows<T>& x, const V& v) const {
+    if constexpr (kScalar) {
+      x.row(i, r)[c] = v;
+    } else {
+      v.store(x.row(i, r) + c);
+    }
+  }
+  // The constant a, and 1 / (1 + exp(-x)) (in the vector unit with vexp), as V.
+  static V of(T a) { return V(a); }
+  static V sigmoid(const V& x) {
+    if constexpr (kScalar) {
+      return T(1) / (T(1) + std::exp(-x));
+    } else {
+      const V one(T(1));
+      return one / (one + vexp(x.neg()));
+    }
+  }
+};
+
+// Applies f(Lane) over a [groups, rows, d] block in vector lane groups, with a scalar tail.
+template <typename T, typename F>
+inline void each(const Group& g, int64_t d, F f) {
   constexpr int64_t W = Vec<T>::size();
   for (int64_t i = 0; i < g.gh; ++i) {
     for (int64_t r = 0; r < g.n; ++r) {
       int64_t c = 0;
-      for (; c + W <= d; c += W) fv(i, r, c);
-      for (; c < d; ++c) fs(i, r, c);
+      for (; c + W <= d; c += W) f(Lane<T, Vec<T>>{i, r, c});
+      for (; c < d; ++c) f(Lane<T, T>{i, r, c});
     }
   }
 }
@@ -191,19 +214,11 @@ void inner_grad_impl(
     at::bmm_out(zt, kt, weights_of(w, gr));
     auto Z1 = cols<T>(zt), Z2 = cols<T>(zt, d), V = cols<T>(tokens_of(v, gr));
     auto P1 = cols<T>(p), P2 = cols<T>(p, d);
-    each<T>(
-        gr, d,
-        [&](int64_t i, int64_t r, int64_t c) {
-          const Vec<T> z2v = Vec<T>::loadu(Z2.row(i, r) + c), vv = Vec<T>::loadu(V.row(i, r) + c);
-          const Vec<T> sig = vsigmoid(z2v), a = z2v * sig;
-          (a * vv).store(P1.row(i, r) + c);
-          ((sig + a * (Vec<T>(T(1)) - sig)) * Vec<T>::loadu(Z1.row(i, r) + c) * vv).store(P2.row(i, r) + c);
-        },
-        [&](int64_t i, int64_t r, int64_t c) {
-          const T z2s = Z2.row(i, r)[c], vs = V.row(i, r)[c], sig = ssigmoid(z2s), a = z2s * sig;
-          P1.row(i, r)[c] = a * vs;
-          P2.row(i, r)[c] = (sig + a * (T(1) - sig)) * Z1.row(i, r)[c] * vs;
-        });
+    each<T>(gr, d, [&](const auto& e) {
+      const auto z2 = e(Z2), vv = e(V), sig = e.sigmoid(z2), a = z2 * sig;
+      e.store(P1, a * vv);
+      e.store(P2, (sig + a * (e.of(1) - sig)) * e(Z1) * vv);
+    });
     weights_of(g, gr).baddbmm_(kt.transpose(1, 2), p);
   });
 }
@@ -216,30 +231,18 @@ void readout_impl(const Tensor& q, const Tensor& w_new, const Tensor& out, const
     Tensor yt = y.defined() ? tokens_of(y, gr) : view(s, 0, gr, 2 * d);
     at::bmm_out(yt, tokens_of(q, gr), weights_of(w_new, gr));
     auto Y1 = cols<T>(yt), Y2 = cols<T>(yt, d), O = cols<T>(tokens_of(out, gr));
-    each<T>(
-        gr, d,
-        [&](int64_t i, int64_t r, int64_t c) {
-          const Vec<T> y2v = Vec<T>::loadu(Y2.row(i, r) + c);
-          (Vec<T>::loadu(Y1.row(i, r) + c) * y2v * vsigmoid(y2v)).store(O.row(i, r) + c);
-        },
-        [&](int64_t i, int64_t r, int64_t c) {
-          const T y2s = Y2.row(i, r)[c];
-          O.row(i, r)[c] = Y1.row(i, r)[c] * y2s * ssigmoid(y2s);
-        });
+    each<T>(gr, d, [&](const auto& e) {
+      const auto y2 = e(Y2);
+      e.store(O, e(Y1) * y2 * e.sigmoid(y2));
+    });
   });
 }
 
 // Pass 1 of the backward: dY = [dO ⊙ silu(Y2) | dO ⊙ Y1 ⊙ silu'(Y2)], dq = dY [W1' | W2']ᵀ, dW' += qᵀ dY
 // (dw [B, H, d, 2d], zeroed by the caller). y: the saved Y = q W' [B, H, N, 2d], or undefined: recomputed.
 template <typename T>
-void readout_backward_impl(
-    const Tensor& d_out,
-    const Tensor& q,
-    const Tensor& y,
-    const Tensor& w_new,
-    const Tensor& dq,
-    const Tensor& dw,
-    int64_t block) {
+void readout_backward_impl(const Tensor& d_out, const Tensor& q, const Tensor& y, const Tensor& w_new,
+                           const Tensor& dq, const Tensor& dw, int64_t block) {
   const int64_t d = q.size(3);
   for_groups(q, block, 2, 2 * d, [&](const Group& gr, const Tensor& s) {
     const Tensor qt = tokens_of(q, gr), wt = weights_of(w_new, gr), dy = view(s, 0, gr, 2 * d);
@@ -247,19 +250,11 @@ void readout_backward_impl(
     if (!y.defined()) at::bmm_out(yt, qt, wt);
     auto Y1 = cols<T>(yt), Y2 = cols<T>(yt, d), DO = cols<T>(tokens_of(d_out, gr));
     auto D1 = cols<T>(dy), D2 = cols<T>(dy, d);
-    each<T>(
-        gr, d,
-        [&](int64_t i, int64_t r, int64_t c) {
-          const Vec<T> y2v = Vec<T>::loadu(Y2.row(i, r) + c), dov = Vec<T>::loadu(DO.row(i, r) + c);
-          const Vec<T> sig = vsigmoid(y2v), one(T(1));
-          (dov * y2v * sig).store(D1.row(i, r) + c);
-          (dov * Vec<T>::loadu(Y1.row(i, r) + c) * sig * (one + y2v * (one - sig))).store(D2.row(i, r) + c);
-        },
-        [&](int64_t i, int64_t r, int64_t c) {
-          const T y2s = Y2.row(i, r)[c], dos = DO.row(i, r)[c], sig = ssigmoid(y2s);
-          D1.row(i, r)[c] = dos * y2s * sig;
-          D2.row(i, r)[c] = dos * Y1.row(i, r)[c] * sig * (T(1) + y2s * (T(1) - sig));
-        });
+    each<T>(gr, d, [&](const auto& e) {
+      const auto y2 = e(Y2), dout = e(DO), sig = e.sigmoid(y2), one = e.of(1);
+      e.store(D1, dout * y2 * sig);
+      e.store(D2, dout * e(Y1) * sig * (one + y2 * (one - sig)));
+    });
     Tensor dqt = tokens_of(dq, gr);
     at::bmm_out(dqt, dy, wt.transpose(1, 2));
     weights_of(dw, gr).baddbmm_(qt.transpose(1, 2), dy);
@@ -271,15 +266,8 @@ void readout_backward_impl(
 // dk = [P1 | P2 | dZ1 | dZ2] [dG1 | dG2 | W1 | W2]ᵀ (one matmul), dW += kᵀ dZ. z: the saved Z = k W
 // [B, H, N, 2d], or undefined: recomputed.
 template <typename T>
-void inner_backward_impl(
-    const Tensor& k,
-    const Tensor& v,
-    const Tensor& z,
-    const Tensor& dgw,
-    const Tensor& dk,
-    const Tensor& dv,
-    const Tensor& dw,
-    int64_t block) {
+void inner_backward_impl(const Tensor& k, const Tensor& v, const Tensor& z, const Tensor& dgw, const Tensor& dk,
+                         const Tensor& dv, const Tensor& dw, int64_t block) {
   const int64_t d = k.size(3);
   for_groups(k, block, 2, 4 * d, [&](const Group& gr, const Tensor& s) {
     const Tensor kt = tokens_of(k, gr), mt = weights_of(dgw, gr);
@@ -299,34 +287,17 @@ void inner_backward_impl(
     auto Z1 = cols<T>(zt), Z2 = cols<T>(zt, d), V = cols<T>(tokens_of(v, gr)), DV = cols<T>(tokens_of(dv, gr));
     auto DP1 = cols<T>(dp), DP2 = cols<T>(dp, d);
     auto P1 = cols<T>(pz), P2 = cols<T>(pz, d), DZ1 = cols<T>(pz, 2 * d), DZ2 = cols<T>(pz, 3 * d);
-    each<T>(
-        gr, d,
-        [&](int64_t i, int64_t r, int64_t c) {
-          const Vec<T> one(T(1)), two(T(2));
-          const Vec<T> z1v = Vec<T>::loadu(Z1.row(i, r) + c), z2v = Vec<T>::loadu(Z2.row(i, r) + c);
-          const Vec<T> vv = Vec<T>::loadu(V.row(i, r) + c);
-          const Vec<T> dp1v = Vec<T>::loadu(DP1.row(i, r) + c), dp2v = Vec<T>::loadu(DP2.row(i, r) + c);
-          const Vec<T> sig = vsigmoid(z2v), a = z2v * sig, u = sig * (one - sig);
-          const Vec<T> a1 = sig + z2v * u, a2 = u * (two + z2v - two * a);
-          const Vec<T> rr = dp2v * z1v, va = vv * a1;
-          (dp1v * a + rr * a1).store(DV.row(i, r) + c);
-          (dp2v * va).store(DZ1.row(i, r) + c);
-          (dp1v * va + rr * vv * a2).store(DZ2.row(i, r) + c);
-          (a * vv).store(P1.row(i, r) + c);
-          (va * z1v).store(P2.row(i, r) + c);
-        },
-        [&](int64_t i, int64_t r, int64_t c) {
-          const T z1s = Z1.row(i, r)[c], z2s = Z2.row(i, r)[c], vs = V.row(i, r)[c];
-          const T dp1s = DP1.row(i, r)[c], dp2s = DP2.row(i, r)[c];
-          const T sig = ssigmoid(z2s), a = z2s * sig, u = sig * (T(1) - sig);
-          const T a1 = sig + z2s * u, a2 = u * (T(2) + z2s - T(2) * a);
-          const T rr = dp2s * z1s, va = vs * a1;
-          DV.row(i, r)[c] = dp1s * a + rr * a1;
-          DZ1.row(i, r)[c] = dp2s * va;
-          DZ2.row(i, r)[c] = dp1s * va + rr * vs * a2;
-          P1.row(i, r)[c] = a * vs;
-          P2.row(i, r)[c] = va * z1s;
-        });
+    each<T>(gr, d, [&](const auto& e) {
+      const auto one = e.of(1), two = e.of(2), z1 = e(Z1), z2 = e(Z2), vv = e(V), dp1 = e(DP1), dp2 = e(DP2);
+      const auto sig = e.sigmoid(z2), a = z2 * sig, u = sig * (one - sig);
+      const auto a1 = sig + z2 * u, a2 = u * (two + z2 - two * a);
+      const auto rr = dp2 * z1, va = vv * a1;
+      e.store(DV, dp1 * a + rr * a1);
+      e.store(DZ1, dp2 * va);
+      e.store(DZ2, dp1 * va + rr * vv * a2);
+      e.store(P1, a * vv);
+      e.store(P2, va * z1);
+    });
     Tensor dkt = tokens_of(dk, gr);
     at::bmm_out(dkt, pz, mt.transpose(1, 2));
     weights_of(dw, gr).baddbmm_(kt.transpose(1, 2), pz.narrow(2, 2 * d, 2 * d));
