@@ -14,7 +14,7 @@ check) and achieved GFLOP/s against the measured matmul roof, and writes CSV + P
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -39,7 +39,6 @@ from benchmarks.common import (
 )
 from benchmarks.official_baseline import official_inner
 from vit3.layers import TTTMixer
-from vit3.layers.backends import BACKEND_ENV
 
 
 class SDPAAttention(nn.Module):
@@ -65,24 +64,20 @@ def grid_for(n: int) -> tuple[int, int]:
     return h, n // h
 
 
-def inner_flops(n: int, dim: int, heads: int) -> float:
-    """Matmul FLOPs of one inner-loop forward (SwiGLU branch 6 N d² per head, dwconv branch ~ 36 N d)."""
+def inner_flops(n: int, dim: int, heads: int, backward: bool = False) -> float:
+    """Matmul FLOPs of one inner-loop forward, or forward + backward (``backward``): the SwiGLU branch
+    12 N d² per head forward and 32 N d² backward (the default memory-lean backward recomputes Z and Y),
+    the dwconv branch (one d-channel head) 36 N d forward and 72 N d backward."""
     d = dim // heads
-    return 2 * 6 * n * d * d * heads + 2 * 2 * 9 * n * d
+    swiglu, dwconv = (44, 108) if backward else (12, 36)
+    return swiglu * n * d * d * heads + dwconv * n * d
 
 
-def tiled_mix(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """``mixer.mix`` on the tiled pure-PyTorch path (backend ``eager`` for this call, not the C++ CPU kernel;
-    the backward follows what the forward ran)."""
-    before = os.environ.get(BACKEND_ENV)
-    os.environ[BACKEND_ENV] = "eager"
-    try:
-        return mixer.mix(qkv, grid)
-    finally:
-        if before is None:
-            del os.environ[BACKEND_ENV]
-        else:
-            os.environ[BACKEND_ENV] = before
+def tiled_mixer(mixer: TTTMixer) -> TTTMixer:
+    """``mixer`` on the tiled pure-PyTorch path (backend ``eager``, not the C++ CPU kernel), same weights."""
+    tiled = TTTMixer(mixer.dim, mixer.num_heads, dataclasses.replace(mixer.cfg, backend="eager"))
+    tiled.load_state_dict(mixer.state_dict())
+    return tiled.to(mixer.qkv.weight.device)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -91,6 +86,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     dim, heads, b = args.dim, args.heads, args.batch
     mixer = TTTMixer(dim, heads).to(device)
     attn = SDPAAttention(dim, heads).to(device)
+    tiled = tiled_mixer(mixer)
     w1, w2, w3 = mixer.inner[0].w1, mixer.inner[0].w2, mixer.inner[1].weight
     peak = matmul_peak_flops(device)
     rows = []
@@ -100,7 +96,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         x = torch.randn(b, n, dim, device=device, requires_grad=True)
 
         upstream = {}  # dense output gradients, one per output shape, made once (not timed)
-        leaves = [qkv, x, *mixer.parameters(), *attn.parameters()]
+        leaves = [qkv, x, *mixer.parameters(), *tiled.parameters(), *attn.parameters()]
 
         def step(fn, backward):
             # As a training step: gradients set to None first (optimizer.zero_grad), so nothing accumulates
@@ -118,7 +114,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             tag = "fwd+bwd" if bw else "fwd"
             fns[f"ours/{tag}"] = lambda bw=bw: step(lambda: mixer.mix(qkv, grid), bw)
             if device.type == "cpu":  # ours is the C++ kernel there; its pure-PyTorch reference beside it
-                fns[f"tiled/{tag}"] = lambda bw=bw: step(lambda: tiled_mix(mixer, qkv, grid), bw)
+                fns[f"tiled/{tag}"] = lambda bw=bw: step(lambda: tiled.mix(qkv, grid), bw)
             fns[f"official/{tag}"] = lambda bw=bw: step(
                 lambda: official_inner(qkv, heads, grid, w1, w2, w3), bw
             )
@@ -149,7 +145,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         for name in ("ours", "official"):
             row[f"inner_{name}_fwd+bwd_peak_mib"] = peak_memory(fns[f"{name}/fwd+bwd"], device)
         row["inner_us_per_token_fwd+bwd"] = 1e6 * t["ours/fwd+bwd"] / (b * n)
-        row["inner_gflops_fwd"] = b * inner_flops(n, dim, heads) / t["ours/fwd"] / 1e9
+        for tag, backward in (("fwd", False), ("fwd+bwd", True)):
+            row[f"inner_gflops_{tag}"] = b * inner_flops(n, dim, heads, backward) / t[f"ours/{tag}"] / 1e9
+            # the inner loop's fraction of the measured matmul roof (one thread: a single core's)
+            row[f"inner_roof_frac_{tag}"] = row[f"inner_gflops_{tag}"] * 1e9 / peak
         row["matmul_roof_gflops"] = peak / 1e9
         rows.append(row)
         print(f"N={n} done", flush=True)

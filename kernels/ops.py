@@ -28,6 +28,7 @@ __all__ = [
     "Hyper",
     "Inputs",
     "Node",
+    "NodeCall",
     "Op",
     "Path",
     "Settings",
@@ -97,6 +98,29 @@ Check = Callable[[Branch, Settings, Inputs], tuple[bool, str]]
 Run = Callable[[Step, Tensor, Tensor, Tensor, dict[str, Tensor], Tensor | None], Tensor]
 
 
+class NodeCall(NamedTuple):
+    """What a path's ``Node.forward`` gets for one branch of the fused eager node.
+
+    Attributes:
+        q, k, v: the branch's inputs, views of the node's qkv (heads ``[B, G, N, c]`` or tokens ``[B, N, G*c]``,
+            as ``Node.heads`` says; any strides).
+        weights: the initial weights, in ``Op.weights`` order.
+        dest: where the read-out goes: a view of the node's output, laid out as q.
+        hyper: the step's settings.
+        save: keep what the backward needs (autograd will call it).
+        dense: save dense copies of q, k, v (another branch copies too: views would keep all of qkv alive).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    weights: tuple[Tensor, ...]
+    dest: Tensor
+    hyper: Hyper
+    save: bool
+    dense: bool
+
+
 class Node(NamedTuple):
     """A path's hooks in the fused eager node (``vit3.layers.eager_mix``), which runs every branch between the
     mixer's two projections as one autograd node.
@@ -104,9 +128,9 @@ class Node(NamedTuple):
     Attributes:
         heads: the hooks take q, k, v, the destination and the gradients as heads ``[B, G, N, c]`` (else as
             tokens ``[B, N, G*c]``); views of the node's qkv, output and qkv gradient, any strides.
-        forward: ``(q, k, v, weights, dest, hyper, save, dense) -> (saved, tag)``: the step (``Hyper``)
-            and the read-out written into ``dest``; ``saved`` the tensors the backward needs (empty unless
-            ``save``; dense copies of q, k, v when ``dense``), ``tag`` a string the backward gets back.
+        forward: ``(call: NodeCall) -> (saved, tag)``: the step (``call.hyper``) and the read-out written
+            into ``call.dest``; ``saved`` the tensors the backward needs (empty unless ``call.save``; dense
+            copies of q, k, v when ``call.dense``), ``tag`` a string the backward gets back.
         backward: ``(d_out, saved, tag, dq, dk, dv, hyper) -> weight grads``: writes dq, dk, dv, returns the
             per-sample gradient ``[B, ...]`` of each initial weight, in ``Op.weights`` order.
         copies: ``(q) -> bool`` for the heads view q ``[B, G, N, c]``: whether this path copies q, k, v dense
@@ -115,7 +139,7 @@ class Node(NamedTuple):
     """
 
     heads: bool
-    forward: Callable[..., tuple[list[Tensor], str]]
+    forward: Callable[[NodeCall], tuple[list[Tensor], str]]
     backward: Callable[..., tuple[Tensor, ...]]
     copies: Callable[[Tensor], bool] | None = None
 

@@ -94,6 +94,24 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _backend_env_follows(monkeypatch):
+    """The backends read the ``VIT3_*`` variables once (``backends.refresh_env``): each test starts from the
+    environment as it is, and a test's ``monkeypatch.setenv`` / ``delenv`` refreshes them at once."""
+    from vit3.layers import backends
+
+    def refreshing(method):
+        def call(*args, **kwargs):
+            method(*args, **kwargs)
+            backends.refresh_env()
+
+        return call
+
+    for name in ("setenv", "delenv"):
+        monkeypatch.setattr(monkeypatch, name, refreshing(getattr(monkeypatch, name)))
+    backends.refresh_env()
+
+
+@pytest.fixture(autouse=True)
 def _fresh_backend_registry():
     """Each test starts with no cached mixer plans, demotions or backend warnings."""
     from vit3.layers import backends

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from vit3.kernels import OPS, common, ops_with
-from vit3.kernels.ops import Hyper, Node, Op, Path, register
+from vit3.kernels.ops import Hyper, Node, NodeCall, Op, Path, register
 from vit3.kernels.paths import eager_supports
 from vit3.kernels.reference import reference_ttt
 from vit3.layers import TTTConfig
@@ -34,9 +34,9 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], h: Hy
     )
 
 
-def _forward(q, k, v, weights, dest, h: Hyper, save: bool, dense: bool):
+def _forward(x: NodeCall):
     """One dot-loss step in closed form: ``G = -(s/N) Σ_n k ⊙ v``, the step, ``out = q ⊙ W'``."""
-    (w,) = weights
+    (q, k, v, (w,), dest, h, save, _) = x
     g = (k * v).sum(-2, keepdim=True).mul_(-h.scale / q.shape[-2])  # [B, G, 1, c]
     w_new, norm = common.step(g, w, h.lr, h.grad_norm)
     torch.mul(q, w_new, out=dest)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..cpp import cpu_kernel_ops
-from ..ops import Hyper, Node
+from ..ops import Hyper, Node, NodeCall
 
 __all__ = ["NODE", "ttt_backward", "ttt_forward", "untaps"]
 
@@ -72,20 +72,12 @@ def ttt_backward(
     return untaps(dw_new)
 
 
-def _node_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    weights: tuple[Tensor, ...],
-    dest: Tensor,
-    h: Hyper,
-    save: bool,
-    dense: bool,
-) -> tuple[list[Tensor], str]:
-    c = h.scale / q.shape[1]
-    return ttt_forward(
-        q, k, v, weights[0], dest, grid=h.grid, c=c, lr=h.lr, grad_norm=h.grad_norm, save=save, dense=dense
-    ), "kernel"
+def _node_forward(x: NodeCall) -> tuple[list[Tensor], str]:
+    h = x.hyper
+    c = h.scale / x.q.shape[1]
+    q, k, v, (weight,) = x.q, x.k, x.v, x.weights
+    kw = {"grid": h.grid, "c": c, "lr": h.lr, "grad_norm": h.grad_norm, "save": x.save, "dense": x.dense}
+    return ttt_forward(q, k, v, weight, x.dest, **kw), "kernel"
 
 
 def _node_backward(

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import step, step_backward
-from ..ops import Hyper, Node
+from ..ops import Hyper, Node, NodeCall
 
 __all__ = [
     "NODE",
@@ -143,21 +143,13 @@ def ttt_backward(
     return dqm, dkm, conv(km, dg).mul_(-c), dw_new
 
 
-def _node_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    weights: tuple[Tensor, ...],
-    dest: Tensor,
-    h: Hyper,
-    save: bool,
-    dense: bool,
-) -> tuple[list[Tensor], str]:
+def _node_forward(x: NodeCall) -> tuple[list[Tensor], str]:
     """:func:`ttt_forward` on tokens ``[B, N, C]`` (any strides): maps in, the read-out written into ``dest``."""
-    maps = (token_map(t, h.grid) for t in (q, k, v))
-    om, saved = ttt_forward(*maps, weights[0], c=h.scale / q.shape[1], lr=h.lr, grad_norm=h.grad_norm)
-    write_tokens(om, dest)
-    return list(saved) if save else [], ""
+    h = x.hyper
+    maps = (token_map(t, h.grid) for t in (x.q, x.k, x.v))
+    om, saved = ttt_forward(*maps, x.weights[0], c=h.scale / x.q.shape[1], lr=h.lr, grad_norm=h.grad_norm)
+    write_tokens(om, x.dest)
+    return list(saved) if x.save else [], ""
 
 
 def _node_backward(

@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from ..common import autocast_backward, autocast_forward, grad_flows, step, step_backward, weight_grad
 from ..cpp import cpu_kernel_ops
-from ..ops import Branch, Hyper, Inputs, Node, Settings, Step
+from ..ops import Branch, Hyper, Inputs, Node, NodeCall, Settings, Step
 from ..paths import FEW_TOKENS, MIN_CPU_KERNEL_TOKENS, compute_inputs
 
 __all__ = [
@@ -252,9 +252,7 @@ def swiglu_forward(
     if ops is None or (dense_inputs(q) if dense is None else dense):
         q, k, v = (t.contiguous() for t in (q, k, v))
     if ops is not None:
-        return _kernel_forward(
-            ops, q, k, v, w1, w2, out, c=c, lr=lr, grad_norm=grad_norm, save=save, keep=not recompute
-        )
+        return _kernel_forward(ops, (q, k, v), (w1, w2), out, (c, lr, grad_norm), save, not recompute)
     w = torch.stack([w1.expand(b, h, d, d), w2.expand(b, h, d, d)], dim=2)  # [B, H, 2, d, d]
     folded = _fold(q.shape, q.element_size())
     dest = out
@@ -391,26 +389,22 @@ def _unit_stride(t: Tensor) -> Tensor:
 
 def _kernel_forward(
     ops: Any,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    w1: Tensor,
-    w2: Tensor,
+    qkv: tuple[Tensor, Tensor, Tensor],
+    weights: tuple[Tensor, Tensor],
     out: Tensor,
-    *,
-    c: float,
-    lr: float,
-    grad_norm: bool,
+    step: tuple[float, float, bool],
     save: bool,
     keep: bool,
 ) -> SwiGLUSaved | None:
-    """``swiglu_forward`` in the C++ kernel, one call (both passes and the step between them); the weights
-    side by side, ``[W1 | W2]`` ``[B, H, d, 2d]`` (the step's column norms are those of W1 and W2); ``keep``:
-    save Z and Y."""
+    """``swiglu_forward`` in the C++ kernel, one call (both passes and the step between them) on q, k, v
+    ``[B, H, N, d]`` (unit stride along d) and ``(w1, w2)``; ``step``: ``(c = s / N, lr, grad_norm)``. The
+    weights side by side, ``[W1 | W2]`` ``[B, H, d, 2d]`` (the step's column norms are those of W1 and W2);
+    ``keep``: save Z and Y."""
+    q, k, v = qkv
     b, h, n, d = q.shape
     z, y = (q.new_empty(b, h, n, 2 * d) if save and keep else None for _ in range(2))
     dest = _unit_stride(out)
-    w, g, norm, w_new = ops.ttt_forward(q, k, v, w1, w2, dest, z, y, c, lr, grad_norm, kernel_block(d, q))
+    w, g, norm, w_new = ops.ttt_forward(q, k, v, *weights, dest, z, y, *step, kernel_block(d, q))
     if dest is not out:
         out.copy_(dest)
     return SwiGLUSaved(q, k, v, w, g, norm, w_new, z, y, "kernel") if save else None
@@ -503,30 +497,19 @@ def swiglu_ttt(
 def _node(cpp: bool) -> Node:
     """The fused eager node's hooks of the tiled path (``cpp=False``) or of the C++ kernel's (``cpp=True``)."""
 
-    def forward(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        weights: tuple[Tensor, ...],
-        dest: Tensor,
-        h: Hyper,
-        save: bool,
-        dense: bool,
-    ) -> tuple[list[Tensor], str]:
-        saved = swiglu_forward(
-            q,
-            k,
-            v,
-            *weights,
-            dest,
-            scale=h.scale,
-            lr=h.lr,
-            grad_norm=h.grad_norm,
-            save=save,
-            recompute=h.recompute,
-            cpp=cpp,
-            dense=dense if cpp else None,
-        )
+    def forward(x: NodeCall) -> tuple[list[Tensor], str]:
+        h = x.hyper
+        if cpp:  # straight to the kernel: the plan chose it for these tensors, the views are heads of qkv
+            qkv = tuple(t.contiguous() for t in (x.q, x.k, x.v)) if x.dense else (x.q, x.k, x.v)
+            step = (h.scale / x.q.shape[2], h.lr, h.grad_norm)
+            saved = _kernel_forward(
+                cpu_kernel_ops(x.q), qkv, x.weights, x.dest, step, x.save, not h.recompute
+            )
+        else:
+            hyper = {"scale": h.scale, "lr": h.lr, "grad_norm": h.grad_norm}
+            saved = swiglu_forward(
+                x.q, x.k, x.v, *x.weights, x.dest, save=x.save, recompute=h.recompute, **hyper
+            )
         return ([], "") if saved is None else (list(saved[:-1]), saved.layout)
 
     def backward(

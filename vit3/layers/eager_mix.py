@@ -18,6 +18,7 @@ takes another backend.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -25,7 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, weight_grad
-from vit3.kernels.ops import OPS, Hyper, Node
+from vit3.kernels.ops import OPS, Hyper, Node, NodeCall
 
 from .rope import apply_rope_2d
 
@@ -63,19 +64,46 @@ def _heads(t: Tensor, heads: int) -> Tensor:
     return t.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def _view(t: Tensor, offset: int, heads: int, head_dim: int, split: bool) -> Tensor:
+def _view(t: Tensor, geom: tuple[int, ...], offset: int, heads: int, head_dim: int, split: bool) -> Tensor:
     """Channels ``[offset, offset + heads * head_dim)`` of ``t`` ``[B, N, *]`` as tokens ``[B, N, G*c]`` or, with
     ``split``, as heads ``[B, G, N, c]``: one ``as_strided``, where slicing and ``_heads`` cost up to three
-    view ops (the mixer's per-call overhead at 224 px is mostly such small calls)."""
-    (sb, sn, sc), base = t.stride(), t.storage_offset() + offset * t.stride(-1)
-    b, n, _ = t.shape
+    view ops (the mixer's per-call overhead at 224 px is mostly such small calls). ``geom``: ``_geom(t)``."""
+    b, n, sb, sn, sc, base = geom
+    start = base + offset * sc
     if split:
-        return t.as_strided((b, heads, n, head_dim), (sb, head_dim * sc, sn, sc), base)
-    return t.as_strided((b, n, heads * head_dim), (sb, sn, sc), base)
+        return t.as_strided((b, heads, n, head_dim), (sb, head_dim * sc, sn, sc), start)
+    return t.as_strided((b, n, heads * head_dim), (sb, sn, sc), start)
 
 
-def _nodes(plan: MixPlan) -> list[tuple[Node, int]]:
-    """Each branch's node hooks and its op's number of initial weights."""
+def _geom(t: Tensor) -> tuple[int, ...]:
+    """What ``_view`` reads of ``t`` ``[B, N, *]``: its sizes B, N, its strides and storage offset (read once
+    per tensor, not per view)."""
+    b, n, _ = t.shape
+    return (b, n, *t.stride(), t.storage_offset())
+
+
+def _branch_views(t: Tensor, geom: tuple[int, ...], br: MixBranch, heads: bool) -> list[Tensor]:
+    """Branch ``br``'s q, k, v (or their gradients) in ``t`` (the node's qkv or its gradient) as its hooks take
+    them: as heads where ``heads`` (the ``Node``'s), but q and k as tokens where RoPE rotates them first."""
+    width = br.heads * br.head_dim
+    return [
+        _view(t, geom, br.offset + j * width, br.heads, br.head_dim, heads and (j == 2 or not br.rope))
+        for j in range(3)
+    ]
+
+
+class _Layout(NamedTuple):
+    """What every call of one ``MixPlan`` shares: per branch its node hooks, its op's number of initial
+    weights and its width ``heads * head_dim``; the width of all, and the step's ``Hyper``."""
+
+    nodes: tuple[tuple[Node, int, int], ...]
+    width: int
+    hyper: Hyper
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(plan: MixPlan) -> _Layout:
+    """``plan``'s ``_Layout``, made once per plan (a mixer calls the node with a few plans only)."""
     found = []
     for br in plan.branches:
         op = OPS.get(br.kind)
@@ -83,8 +111,9 @@ def _nodes(plan: MixPlan) -> list[tuple[Node, int]]:
         if path is None or path.node is None:
             node_ops = [name for name, o in OPS.items() if any(p.node for p in o.paths.values())]
             raise ValueError(f"eager_mix serves the inner models {node_ops}, got {br.kind!r}")
-        found.append((path.node, len(op.weights)))
-    return found
+        found.append((path.node, len(op.weights), br.heads * br.head_dim))
+    hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
+    return _Layout(tuple(found), sum(w for *_, w in found), hyper)
 
 
 def _forward(
@@ -93,46 +122,42 @@ def _forward(
     """Every branch's step and read-out into one output ``[B, N, sum(widths)]``; returns it, what the backward
     needs (when ``save``) and, per branch, its first saved tensor, their count and its hooks' tag."""
     b, n, _ = qkv.shape
-    widths = [br.heads * br.head_dim for br in plan.branches]
-    out = qkv.new_empty(b, n, sum(widths))
-    nodes = _nodes(plan)
-    hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
+    layout = _layout(plan)
+    out = qkv.new_empty(b, n, layout.width)
     # Dense copies of every branch's q, k, v or none (the C++ kernel reads small problems in place, the tiled
     # path copies): saved views of qkv keep all of it alive, copies beside them would double it.
+    geom, out_geom = _geom(qkv), _geom(out)
     dense = any(
-        node.copies is not None and node.copies(_view(qkv, br.offset, br.heads, br.head_dim, True))
-        for br, (node, _) in zip(plan.branches, nodes)
+        node.copies is not None and node.copies(_view(qkv, geom, br.offset, br.heads, br.head_dim, True))
+        for br, (node, *_) in zip(plan.branches, layout.nodes)
     )
     saved: list[Tensor] = []
-    layout: list[tuple[int, int, str]] = []
+    tags: list[tuple[int, int, str]] = []
     col, wi = 0, 0
-    for br, (node, count), width in zip(plan.branches, nodes, widths):
+    for br, (node, count, width) in zip(plan.branches, layout.nodes):
         # q, k, v and the destination as the hooks take them (q, k as tokens to rotate first)
-        q, k, v = (
-            _view(qkv, br.offset + j * width, br.heads, br.head_dim, node.heads and (j == 2 or not br.rope))
-            for j in range(3)
-        )
+        q, k, v = _branch_views(qkv, geom, br, node.heads)
         if br.rope:
             q, k = (apply_rope_2d(t, plan.grid, plan.rope_base) for t in (q, k))
             if node.heads:
                 q, k = (_heads(t, br.heads) for t in (q, k))
-        dest = _view(out, col, br.heads, br.head_dim, node.heads)
-        mine, tag = node.forward(q, k, v, weights[wi : wi + count], dest, hyper, save, dense)
-        layout.append((len(saved), len(mine), tag))
+        dest = _view(out, out_geom, col, br.heads, br.head_dim, node.heads)
+        mine, tag = node.forward(NodeCall(q, k, v, weights[wi : wi + count], dest, layout.hyper, save, dense))
+        tags.append((len(saved), len(mine), tag))
         saved += mine
         wi += count
         col += width
-    return out, saved, layout
+    return out, saved, tags
 
 
 class _EagerMix(torch.autograd.Function):
     @staticmethod
     @autocast_forward
     def forward(ctx, qkv: Tensor, plan: MixPlan, save: bool, *weights: Tensor) -> Tensor:
-        out, saved, layout = _forward(qkv, plan, save, weights)
+        out, saved, tags = _forward(qkv, plan, save, weights)
         if save:
             ctx.save_for_backward(*saved)
-        ctx.plan, ctx.layout = plan, layout
+        ctx.plan, ctx.tags = plan, tags
         ctx.shapes = (qkv.shape, [w.shape for w in weights])
         return out
 
@@ -142,21 +167,17 @@ class _EagerMix(torch.autograd.Function):
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         plan = ctx.plan
         qkv_shape, weight_shapes = ctx.shapes
-        hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
+        layout = _layout(plan)
+        hyper = layout.hyper
         saved = ctx.saved_tensors
         dqkv = d_out.new_empty(qkv_shape)
+        geom, out_geom = _geom(dqkv), _geom(d_out)
         grads: list[Tensor] = []
         col, wi = 0, 0
-        for br, (node, count), (start, n_saved, tag) in zip(plan.branches, _nodes(plan), ctx.layout):
-            width = br.heads * br.head_dim
+        for br, (node, count, width), (start, n_saved, tag) in zip(plan.branches, layout.nodes, ctx.tags):
             # as the hooks take them (dq, dk as tokens to rotate back)
-            dq, dk, dv = (
-                _view(
-                    dqkv, br.offset + j * width, br.heads, br.head_dim, node.heads and (j == 2 or not br.rope)
-                )
-                for j in range(3)
-            )
-            dout = _view(d_out, col, br.heads, br.head_dim, node.heads)
+            dq, dk, dv = _branch_views(dqkv, geom, br, node.heads)
+            dout = _view(d_out, out_geom, col, br.heads, br.head_dim, node.heads)
             # RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place.
             dqh, dkh = dq, dk
             if br.rope:
@@ -185,9 +206,9 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     Returns:
         The read-outs concatenated ``[B, N, sum(widths)]``.
     """
-    widths = sum(br.heads * br.head_dim for br in plan.branches)
-    if qkv.shape[-1] != 3 * widths:
-        raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * widths}")
+    width = _layout(plan).width
+    if qkv.shape[-1] != 3 * width:
+        raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * width}")
     # Saving for the backward only when autograd will call it (not under no_grad / inference); without it
     # the node is not needed either.
     if grad_flows(qkv, *weights):

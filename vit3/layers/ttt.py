@@ -9,7 +9,6 @@ method, and the op references (``vit3.kernels.<op>.reference``) for the formulas
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ from . import backends
 from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig
 from .eager_mix import MixBranch, MixPlan, eager_mix
-from .inner import Params, all_finite, create_inner_model, inner_loop, tracing
+from .inner import Params, all_finite, create_inner_model, inner_loop
 from .rope import apply_rope_2d, rope_tables
 
 __all__ = [
@@ -36,11 +35,36 @@ __all__ = [
     "normalize_grad",
 ]
 
-CHECK_FINITE_ENV = "VIT3_CHECK_FINITE"
-
 
 class NonFiniteError(ValueError):
     """The mixer met non-finite tokens: bad input, or (inside a finite-image training step) a diverged model."""
+
+
+# Keys a mixer keeps plans for before it starts over (grids and batch sizes of one model run are few).
+_MAX_CALLS = 16
+
+
+class _Call:
+    """A mixer call's plan as the mixer keeps it: the backends' ``Plan``, the fused eager node's ``MixPlan``
+    (``None`` unless ``plan.fused``), and whether it runs unguarded from now on (``backends.settled``)."""
+
+    __slots__ = ("mix_plan", "plan", "settled")
+
+    def __init__(self, plan: backends.Plan, mix_plan: MixPlan | None) -> None:
+        self.plan, self.mix_plan, self.settled = plan, mix_plan, bool(plan.tracing)
+
+
+def _fused(mix_plan: MixPlan, qkv: Tensor, flat: list[Tensor]) -> Tensor:
+    """The fused eager node on ``qkv`` and the initial weights ``flat``, in the inner loop's dtype: float32 at
+    least (bf16/fp16 gradients of the inner loss are too coarse); the read-out back in qkv's dtype."""
+    if qkv.dtype in _COMPUTE_DTYPES and all(p.dtype == qkv.dtype for p in flat):  # no casts to call
+        return eager_mix(qkv, mix_plan, flat)
+    compute = torch.promote_types(qkv.dtype, torch.float32)
+    flat = [p if p.dtype == compute else p.to(compute) for p in flat]
+    return eager_mix(qkv.to(compute), mix_plan, flat).to(qkv.dtype)
+
+
+_COMPUTE_DTYPES = (torch.float32, torch.float64)
 
 
 class TTTMixer(nn.Module):
@@ -89,7 +113,8 @@ class TTTMixer(nn.Module):
         )
         self.proj = nn.Linear(total, dim)
 
-    def _check(self, x: Tensor, grid: tuple[int, int]) -> None:
+    def _check(self, x: Tensor, grid: tuple[int, int], kind: str) -> None:
+        """Shape and (``TTTConfig.check_finite``, not under tracing: ``kind``) finiteness checks of the input."""
         if x.ndim != 3:
             raise ValueError(
                 f"TTTMixer expects tokens [B, N, C], got a tensor of rank {x.ndim} {tuple(x.shape)}"
@@ -100,26 +125,36 @@ class TTTMixer(nn.Module):
         h, w = grid
         if h < 1 or w < 1 or h * w != n:
             raise ValueError(f"grid {h}x{w} = {h * w} tokens does not fit N={n} (input {tuple(x.shape)})")
-        if self.cfg.check_finite and not tracing() and os.environ.get(CHECK_FINITE_ENV, "1") != "0":
-            if not all_finite(x):
-                raise NonFiniteError("TTTMixer input contains non-finite values (NaN or Inf)")
+        if self.cfg.check_finite and not kind and not all_finite(x):
+            raise NonFiniteError("TTTMixer input contains non-finite values (NaN or Inf)")
 
-    def _plan(self, qkv: Tensor, gates: Tensor | None, weights: list[Params]) -> backends.Plan:
-        """The backends of this call (resolved once per key and cached by ``backends.plan``)."""
-        c = self.cfg
-        grad = grad_flows(qkv, gates, *(p for w in weights for p in w.values()))
-        kind = backends.tracing_kind()
-        return backends.plan(
-            (c.loss, c.steps, c.mini_batches, c.lr_mode),
-            c.backend,
-            self.plan_branches,
-            qkv.device,
-            qkv.dtype,
-            backends.token_class(qkv.shape[1], kind),
-            grad,
-            kind,
-            c.recompute,
-        )
+    def _call(self, qkv: Tensor, grid: tuple[int, int], grad: bool, kind: str) -> _Call:
+        """This call's plan: decided once per key (device, dtype, N, grad mode, grid, ``backends.epoch()``) and
+        kept on the mixer, in front of the backends' own cache (``backends.plan``); traced calls ask that one.
+
+        The config is read when a key is first planned (a mixer's config is fixed at construction).
+        """
+        key = (qkv.device, qkv.dtype, qkv.shape[1], grad, grid, backends.epoch())
+        found = None if kind else self._calls.get(key)
+        if found is None:
+            c = self.cfg
+            plan = backends.plan(
+                (c.loss, c.steps, c.mini_batches, c.lr_mode),
+                c.backend,
+                self.plan_branches,
+                qkv.device,
+                qkv.dtype,
+                backends.token_class(qkv.shape[1], kind),
+                grad,
+                kind,
+                c.recompute,
+            )
+            found = _Call(plan, self._mix_plan(plan, grid) if plan.fused else None)
+            if not kind:  # traced grids and sizes may be symbolic: not kept
+                if len(self._calls) >= _MAX_CALLS or any(k[-1] != key[-1] for k in self._calls):
+                    self._calls.clear()
+                self._calls[key] = found
+        return found
 
     def explain(
         self, x: Tensor, grid: tuple[int, int], grad: bool | None = None
@@ -135,7 +170,7 @@ class TTTMixer(nn.Module):
         Returns:
             A ``MixerExplanation`` (``str()`` is a table; ``to_dict()`` for JSON).
         """
-        self._check(x, grid)
+        self._check(x, grid, backends.tracing_kind())
         if grad is None:
             grad = grad_flows(x, *self.parameters())
         with torch.no_grad():
@@ -144,23 +179,24 @@ class TTTMixer(nn.Module):
 
     def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """Mixes tokens ``[B, N, C]`` laid out on ``grid = (h, w)`` (raster order); returns ``[B, N, C]``."""
-        self._check(x, grid)
+        kind = backends.tracing_kind()
+        self._check(x, grid, kind)
         gates = (
             torch.sigmoid(self.lr_gate(x)).transpose(1, 2) if self.lr_gate is not None else None
         )  # [B, G, N]
-        if self._recompute_qkv(x):  # the backward reruns qkv and the inner loops: only x is saved here
+        if self._recompute_qkv(x, kind):  # the backward reruns qkv and the inner loops: only x is saved here
             params = [p for m in (self.qkv, self.inner) for p in m.parameters()]
             mixed = _RecomputedMix.apply(self, grid, x, gates, *params)
         else:
-            mixed = self._project_and_mix(x, grid, gates)
+            mixed = self._mix_tokens(self.qkv(x), grid, gates, kind)
         return self.proj(mixed)
 
     def _project_and_mix(self, x: Tensor, grid: tuple[int, int], gates: Tensor | None) -> Tensor:
         return self.mix(self.qkv(x), grid, gates)
 
-    def _recompute_qkv(self, x: Tensor) -> bool:
+    def _recompute_qkv(self, x: Tensor, kind: str) -> bool:
         """``recompute="qkv"`` (config or ``$VIT3_TTT_RECOMPUTE``) and gradients flowing, outside tracing."""
-        if not torch.is_grad_enabled() or tracing():
+        if kind or not torch.is_grad_enabled():
             return False
         return backends.recompute_mode(self.cfg.recompute)[0] == "qkv" and (
             x.requires_grad or self.qkv.weight.requires_grad
@@ -177,8 +213,14 @@ class TTTMixer(nn.Module):
         Returns:
             The branch read-outs concatenated, ``[B, N, sum(widths)]``, in ``qkv``'s dtype.
         """
+        return self._mix_tokens(qkv, grid, gates, backends.tracing_kind())
+
+    def _mix_tokens(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
+        """``mix`` under tracing ``kind`` (``backends.tracing_kind()``)."""
         weights = [model.initial_params() for model in self.inner]
-        plan = self._plan(qkv, gates, weights)
+        flat = [p for w in weights for p in w.values()]
+        call = self._call(qkv, grid, grad_flows(qkv, gates, *flat), kind)
+        plan = call.plan
         device = qkv.device.type
         # autocast off inside; entering the context costs more than the check where it is off already
         with (
@@ -188,6 +230,8 @@ class TTTMixer(nn.Module):
         ):
             if not plan.fused:
                 return self._mix(plan, qkv, grid, gates, weights, guard=True)
+            if call.settled:  # verified: no guard, the node itself
+                return _fused(call.mix_plan, qkv, flat)
             names = [list(w) for w in weights]
 
             def compute(p: backends.Plan, qkv: Tensor, *flat: Tensor) -> Tensor:
@@ -195,8 +239,10 @@ class TTTMixer(nn.Module):
                 again = [{name: next(it) for name in branch} for branch in names]
                 return self._mix(p, qkv, grid, gates, again, guard=False)
 
-            flat = [p for w in weights for p in w.values()]
-            return backends.run(plan, tuple(range(len(weights))), compute, [qkv, *flat])
+            units = tuple(range(len(weights)))
+            out = backends.run(plan, units, compute, [qkv, *flat])
+            call.settled = backends.settled(plan, units)
+            return out
 
     def _mix(
         self,
@@ -214,10 +260,7 @@ class TTTMixer(nn.Module):
         compute = torch.promote_types(io_dtype, torch.float32)
         cfg = self.cfg
         if plan.fused:
-            same = io_dtype == compute  # no casts to call (each costs about a µs)
-            flat = [p if p.dtype == compute else p.to(compute) for w in weights for p in w.values()]
-            out = eager_mix(qkv if same else qkv.to(compute), self._mix_plan(plan, grid), flat)
-            return out if same else out.to(io_dtype)
+            return _fused(self._mix_plan(plan, grid), qkv, [p for w in weights for p in w.values()])
         outs, gate_offset = [], 0
         # One split for all branches: its backward is a single concatenation, where slicing per branch would
         # make autograd zero-fill and add a full-size qkv gradient for every slice.
@@ -240,24 +283,26 @@ class TTTMixer(nn.Module):
         return torch.cat(outs, dim=2).view(b, n, -1) if len(outs) > 1 else outs[0].reshape(b, n, -1)
 
     def _mix_plan(self, plan: backends.Plan, grid: tuple[int, int]) -> MixPlan:
-        """The fused eager node's ``MixPlan`` for ``plan`` on ``grid``, built once per (backends, recompute,
-        grid, inner-loop settings): building it costs about as much as the node's own Python at 224 px."""
+        """The fused eager node's ``MixPlan`` for ``plan`` on ``grid``."""
         cfg = self.cfg
-        key = (plan.backends, plan.recompute, grid, cfg.inner_lr, cfg.grad_norm, cfg.rope, cfg.rope_base)
-        cache = self.__dict__.setdefault("_mix_plans", {})
-        found = cache.get(key)
-        if found is None:
-            branches, offset = [], 0
-            for (name, heads), width, backend in zip(self.branch_specs, self.widths, plan.backends):
-                rope = cfg.rope and name != "dwconv"
-                branches.append(MixBranch(name, offset, heads, self.head_dim, rope, backend == "cpu"))
-                offset += 3 * width
-            found = MixPlan(
-                tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, plan.recompute
-            )
-            if not plan.tracing:  # traced grids may be symbolic: not cached
-                cache[key] = found
-        return found
+        branches, offset = [], 0
+        for (name, heads), width, backend in zip(self.branch_specs, self.widths, plan.backends):
+            rope = cfg.rope and name not in GRID_MODELS
+            branches.append(MixBranch(name, offset, heads, self.head_dim, rope, backend == "cpu"))
+            offset += 3 * width
+        return MixPlan(
+            tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, plan.recompute
+        )
+
+    @property
+    def _calls(self) -> dict[tuple, _Call]:
+        """The plans of this mixer's calls by key (``_call``); not copied by pickling (``__getstate__``)."""
+        return self.__dict__.setdefault("_call_cache", {})
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state.pop("_call_cache", None)  # plans hold this process's devices and verified kernels
+        return state
 
     def __prepare_scriptable__(self) -> TTTMixer:
         """``torch.jit.script`` calls this on every module first: the mixer refuses, naming what works, before

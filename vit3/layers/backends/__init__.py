@@ -20,7 +20,10 @@ backend that cannot serve a branch it implements falls back with a warning (an e
 on ``cpu`` / ``eager``, all branches form one eager node (``vit3.layers.eager_mix``).
 
 The mixer resolves its plan once per key (device, dtype, the inner-loop settings, each branch's inner model
-and head dim, the token-count class, grad mode, tracing, the backend asked for) and caches it.
+and head dim, the token-count class, grad mode, tracing, the backend asked for) and caches it; each mixer
+keeps the plans of its own calls too (one tuple per call to look up), until ``epoch()`` moves on (a demotion,
+``reset``, ``refresh_env``). The ``VIT3_*`` variables are read once, on first use: a process that changes
+one later calls ``refresh_env()``.
 
 Failures demote, never kill: the first calls of a key run guarded. A backend that raises there (a compile
 error, ``OutOfResources``, a launch or build error), in the forward or in the backward, is demoted for that
@@ -55,7 +58,7 @@ the choice), ``plan`` (keys, the plan cache, the ``VIT3_*`` environment, the rec
 """
 
 from .explain import BranchExplanation, MixerExplanation, ModelExplanation, explain_mixer
-from .guard import KernelFault, run, run_branch
+from .guard import KernelFault, run, run_branch, settled
 from .interface import (
     MIN_CPU_KERNEL_TOKENS,
     Backend,
@@ -74,9 +77,11 @@ from .plan import (
     BackendWarning,
     Plan,
     conv_pos_kernel,
+    epoch,
     plan,
     recompute_choice,
     recompute_mode,
+    refresh_env,
     reset,
 )
 from .registry import BACKEND_ENV, BACKENDS, NAMES, order
@@ -105,14 +110,17 @@ __all__ = [
     "Step",
     "VerificationError",
     "conv_pos_kernel",
+    "epoch",
     "explain_mixer",
     "order",
     "plan",
     "recompute_choice",
     "recompute_mode",
+    "refresh_env",
     "reset",
     "run",
     "run_branch",
+    "settled",
     "token_class",
     "tracing_kind",
 ]

@@ -21,13 +21,13 @@ from .plan import (
     Plan,
     _demoted,
     _device_name,
-    _env_flag,
     _merged,
     _pending,
-    _plans,
     _resolve,
+    _strict,
     _verified,
     _warn_once,
+    forget_plans,
 )
 from .registry import BACKENDS
 from .verify import VerificationError, _specialisation, _synchronize, compare, sliced
@@ -38,7 +38,7 @@ def _apply_pending() -> None:
     for key, errors in _pending.items():
         _demoted.setdefault(key, {}).update(errors)
     _pending.clear()
-    _plans.clear()
+    forget_plans()
 
 
 @contextmanager
@@ -146,7 +146,7 @@ class _Guard:
         device = p.keys[self.units[0]].device
         if _context_lost(device):
             raise self._fault(exc, phase, device) from exc
-        if isinstance(exc, torch.cuda.OutOfMemoryError) or _env_flag(STRICT_ENV):
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or _strict():
             raise exc
         live = [i for i in self.units if p.backends[i] != "generic"]
         # In a fused node of several branches the kernels are the likeliest culprits.
@@ -168,7 +168,7 @@ class _Guard:
             except RuntimeError:
                 _apply_pending()
         else:
-            _plans.clear()
+            forget_plans()
         self.plan = _resolve(p.args, _merged(_demoted, _pending), warn=False)
         for i, key, name in fresh:
             _warn_once(
@@ -246,6 +246,17 @@ class _GuardFn(torch.autograd.Function):
         return [next(it) if t.requires_grad else None for t in inputs]
 
 
+def settled(plan: Plan, units: tuple[int, ...]) -> bool:
+    """Whether branches ``units`` of ``plan`` run unguarded on every call from now on: traced, on the generic
+    path, or verified on backends that do not specialise per input. It holds until the plans are forgotten
+    (a demotion, ``reset``: ``plan.epoch`` moves on), so callers may cache it per plan and epoch."""
+    if plan.tracing or all(plan.backends[i] == "generic" for i in units):
+        return True
+    return not any(BACKENDS[plan.backends[i]].specialises for i in units) and all(
+        _entry(plan, i, None) in _verified for i in units
+    )
+
+
 def run(
     plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor], tensors: Sequence[Tensor]
 ) -> Tensor:
@@ -258,10 +269,10 @@ def run(
         compute: ``(plan, *tensors) -> Tensor``, run again with the re-planned backends after a failure.
         tensors: every tensor input gradients may flow to (q, k, v or qkv, the weights, a gate).
     """
-    if plan.tracing or all(plan.backends[i] == "generic" for i in units):
+    if settled(plan, units):
         return compute(plan, *tensors)
     shapes = _specialisation(tensors) if any(BACKENDS[plan.backends[i]].specialises for i in units) else None
-    if all(_entry(plan, i, shapes) in _verified for i in units):
+    if shapes is not None and all(_entry(plan, i, shapes) in _verified for i in units):
         return compute(plan, *tensors)
     guard = _Guard(plan, units, compute, shapes)
     grad = grad_flows(*tensors)

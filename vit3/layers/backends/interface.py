@@ -41,11 +41,25 @@ def token_class(n: int, tracing: str = "") -> str:
     return FEW_TOKENS if n < MIN_CPU_KERNEL_TOKENS else f"N>={MIN_CPU_KERNEL_TOKENS}"
 
 
+def _onnx_exporting() -> Callable[[], bool]:
+    """``torch.onnx.is_in_onnx_export`` without the two imports it runs on every call (a few µs of each
+    mixer call): its flags read directly where this PyTorch has them, else the function itself."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+    except ImportError:  # another PyTorch layout: the public function
+        return torch.onnx.is_in_onnx_export
+    return lambda: GLOBALS.in_onnx_export or _flags._is_onnx_exporting
+
+
+_in_onnx_export = _onnx_exporting()
+
+
 def tracing_kind() -> str:
     """``"trace"`` under ``torch.jit.trace`` / ONNX export, ``"compile"`` under torch.compile / export, else ``""``."""
-    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
-        return "trace"
-    return "compile" if torch.compiler.is_compiling() else ""
+    if torch.compiler.is_compiling():  # dynamo folds the public check (not the flags' property) to a constant
+        return "trace" if torch.onnx.is_in_onnx_export() else "compile"
+    return "trace" if torch.jit.is_tracing() or _in_onnx_export() else ""
 
 
 @dataclass(frozen=True)

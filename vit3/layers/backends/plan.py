@@ -1,7 +1,12 @@
 """A mixer call's plan: the keys, the plan cache, the recompute policy and the ``VIT3_*`` environment.
 
 This module is the one reader of the ``VIT3_*`` variables: ``$VIT3_TTT_BACKEND`` (``registry.BACKEND_ENV``),
-``$VIT3_TTT_STRICT``, ``$VIT3_TTT_RECOMPUTE`` and the removed ones (``REMOVED_ENV``, which warn).
+``$VIT3_TTT_STRICT``, ``$VIT3_TTT_RECOMPUTE`` and the removed ones (``REMOVED_ENV``, which warn). It reads
+them once, on first use (a CLI or trainer that sets them before its first mixer call is served), into a
+snapshot that every call reads instead of ``os.environ``; code that changes them later calls
+:func:`refresh_env` (the tests' ``monkeypatch.setenv`` does, through ``tests/conftest.py``). Every change
+to what plans depend on (a refreshed environment, a demotion, ``reset``) bumps :func:`epoch`, which the
+mixers' own plan caches hold in their keys.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..config import RECOMPUTE_MODES
+from ..eager_mix import _layout
 from .interface import Inputs, Settings, tracing_kind
 from .registry import _NODE, BACKEND_ENV, BACKENDS, NAMES, Branch, _choose, _not_in, order
 
@@ -32,13 +38,56 @@ class BackendWarning(UserWarning):
     """A backend was passed over or demoted (``warnings.filterwarnings`` can silence this category)."""
 
 
-def _env_flag(name: str) -> bool:
-    value = os.environ.get(name, "").strip().lower()
+class _Env(NamedTuple):
+    """The ``VIT3_*`` variables as read by :func:`refresh_env` (``None``: unset)."""
+
+    backend: str | None
+    strict: str | None
+    recompute: str | None
+    removed: tuple[tuple[str, str], ...]  # the removed variables that are set, with their values
+
+
+_env: _Env | None = None
+_epoch = 0
+
+
+def refresh_env() -> None:
+    """Reads the ``VIT3_*`` variables again and forgets the plans made under the old ones; call it after
+    changing one in a running process (they are read once, on first use)."""
+    global _env
+    get = os.environ.get
+    removed = tuple((name, get(name, "")) for name in REMOVED_ENV if get(name))
+    _env = _Env(get(BACKEND_ENV), get(STRICT_ENV), get(RECOMPUTE_ENV), removed)
+    forget_plans()
+
+
+def env() -> _Env:
+    """The snapshot of the ``VIT3_*`` variables (read on first use; :func:`refresh_env`)."""
+    if _env is None:
+        refresh_env()
+    return _env
+
+
+def epoch() -> int:
+    """Bumped whenever a cached plan may no longer hold (``forget_plans``): the mixers' plan caches key on it."""
+    return _epoch
+
+
+def forget_plans() -> None:
+    """Drops every cached plan (after a demotion, a new environment): the next calls re-plan."""
+    global _epoch
+    _plans.clear()
+    _epoch += 1
+
+
+def _strict() -> bool:
+    """``$VIT3_TTT_STRICT``: 0 or 1 (``false`` / ``true``, ``no`` / ``yes``, ``off`` / ``on``)."""
+    value = (env().strict or "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"${name} must be 0 or 1, got {value!r}")
+    raise ValueError(f"${STRICT_ENV} must be 0 or 1, got {value!r}")
 
 
 def _requested(cfg_backend: str) -> tuple[str, str]:
@@ -47,10 +96,10 @@ def _requested(cfg_backend: str) -> tuple[str, str]:
         if cfg_backend not in NAMES:
             raise ValueError(f"TTTConfig.backend must be one of {', '.join(NAMES)}, got {cfg_backend!r}")
         return cfg_backend, f"TTTConfig.backend={cfg_backend!r}"
-    env = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
-    if env not in NAMES:
-        raise ValueError(f"${BACKEND_ENV} must be one of {', '.join(NAMES)}, got {env!r}")
-    return env, f"{BACKEND_ENV}={env}"
+    name = (env().backend or "").strip().lower() or "auto"
+    if name not in NAMES:
+        raise ValueError(f"${BACKEND_ENV} must be one of {', '.join(NAMES)}, got {name!r}")
+    return name, f"{BACKEND_ENV}={name}"
 
 
 _warned: set[str] = set()
@@ -63,11 +112,8 @@ def _warn_once(message: str) -> None:
 
 
 def _warn_removed_env() -> None:
-    for name, replacement in REMOVED_ENV.items():
-        if os.environ.get(name):
-            _warn_once(
-                f"vit3: ${name} is no longer read (it is set to {os.environ[name]!r}); use {replacement}."
-            )
+    for name, value in env().removed:
+        _warn_once(f"vit3: ${name} is no longer read (it is set to {value!r}); use {REMOVED_ENV[name]}.")
 
 
 class BranchKey(NamedTuple):
@@ -114,7 +160,7 @@ def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
         )
     if cfg_recompute != "auto":
         return cfg_recompute, f"TTTConfig.recompute={cfg_recompute!r}"
-    mode = os.environ.get(RECOMPUTE_ENV, "").strip().lower() or "auto"
+    mode = (env().recompute or "").strip().lower() or "auto"
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"${RECOMPUTE_ENV} must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
     return ("always" if mode == "auto" else mode), (
@@ -155,9 +201,12 @@ _verified: set[tuple[BranchKey, str, tuple | None]] = set()
 
 
 def reset() -> None:
-    """Forgets every cached plan, demotion, verified key and warning (tests; a new device)."""
-    for state in (_plans, _demoted, _pending, _verified, _warned):
+    """Forgets every cached plan, demotion, verified key and warning, and the eager node's layouts (tests; a new
+    device; an op replaced in the table)."""
+    for state in (_demoted, _pending, _verified, _warned):
         state.clear()
+    _layout.cache_clear()
+    forget_plans()
 
 
 def _keys(settings: Settings, branches: tuple, x: Inputs) -> tuple[BranchKey, ...]:
@@ -186,7 +235,7 @@ def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: 
         for i, (branch, key) in enumerate(zip(branches, keys))
     ]
     if warn and requested != "auto":
-        strict = _env_flag(STRICT_ENV)
+        strict = _strict()
         impl = BACKENDS[requested].models
         if impl is not None and not any(name in impl for name, *_ in branches):
             problems = [f"mixer: {_not_in(BACKENDS[requested], [name for name, *_ in branches])}"]
@@ -242,11 +291,10 @@ def plan(
         recompute: ``TTTConfig.recompute``.
     """
     args = (settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, recompute)
-    key = (*args, *(os.environ.get(name) for name in (BACKEND_ENV, STRICT_ENV, RECOMPUTE_ENV)))
-    found = _plans.get(key)
+    found = _plans.get(args)
     if found is None:
         _warn_removed_env()
-        found = _plans[key] = _resolve(args, _demoted, warn=True)
+        found = _plans[args] = _resolve(args, _demoted, warn=True)
     return found
 
 

@@ -1,0 +1,139 @@
+"""The Python time of one mixer call: ``TTTMixer.mix`` against the bare ops it calls, on the same inputs.
+
+One call of ``mix`` (inference: under ``torch.no_grad``; training: forward + backward from a dense upstream
+gradient) is recorded once with a ``TorchDispatchMode``: every ATen and custom op it dispatches (the C++
+kernel's calls, the views, the allocations; the backward's too), with its arguments. The *bare ops* replay
+that record, op after op on the same tensors, with no Python between them. Both are timed interleaved
+(``benchmarks.common.time_samples``, ``--repeats`` rounds); their difference, paired per round, is the Python
+a mixer call spends around its ops: the plan, the guard, the eager node's views and checks, the autograd
+node. ``torch.empty`` is timed beside them for scale (what one PyTorch call costs on this machine). Writes
+``results/mixer_overhead_cpu.csv``.
+
+    python benchmarks/mixer_overhead.py --threads 1                 # ViT³-T's mixer at 224 px: 192, 3, 196
+    python benchmarks/mixer_overhead.py --threads 1 --dim 384 --heads 6 --batch 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS, add_runtime_args, apply_runtime, print_table, time_samples, write_csv
+from benchmarks.mixer import grid_for
+from vit3.layers import TTTMixer
+
+
+class _Record(TorchDispatchMode):
+    """Records every op dispatched under it, with its arguments (``(func, args, kwargs)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def record(fn) -> list[tuple]:
+    """The ops one call of ``fn`` dispatches."""
+    with _Record() as rec:
+        fn()
+    return rec.ops
+
+
+def replay(ops: list[tuple]) -> None:
+    """The recorded ops again, on the same tensors: the bare ops of the recorded call."""
+    for func, args, kwargs in ops:
+        func(*args, **kwargs)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    n, grid = args.tokens, grid_for(args.tokens)
+    mixer = TTTMixer(args.dim, args.heads).to(device)
+    qkv = torch.randn(args.batch, n, mixer.qkv.out_features, device=device, requires_grad=True)
+    leaves = [qkv, *mixer.parameters()]
+    upstream = torch.randn(args.batch, n, sum(mixer.widths), device=device)
+
+    def infer() -> None:
+        with torch.no_grad():
+            mixer.mix(qkv, grid)
+
+    def train() -> None:
+        for t in leaves:  # as a training step (optimizer.zero_grad): nothing accumulates into .grad
+            t.grad = None
+        mixer.mix(qkv, grid).backward(upstream)
+
+    for _ in range(3):  # warm-up: builds the kernel, resolves and verifies the plans
+        infer()
+        train()
+    bare = {"infer": record(infer), "train": record(train)}
+
+    def bare_infer() -> None:
+        with torch.no_grad():  # as ``infer``: the same grad-mode switch on both sides
+            replay(bare["infer"])
+
+    fns = {
+        "mix infer": infer,
+        "bare infer": bare_infer,
+        "mix train": train,
+        "bare train": lambda: replay(bare["train"]),
+        "torch.empty": lambda: torch.empty(16),
+    }
+    samples = time_samples(fns, device, repeats=args.repeats, warmup=20)
+    med = {name: 1e6 * statistics.median(ts) for name, ts in samples.items()}
+    rows = []
+    for mode in ("infer", "train"):
+        mix, ops = samples[f"mix {mode}"], samples[f"bare {mode}"]
+        rows.append(
+            {
+                "mode": mode,
+                "dim": args.dim,
+                "heads": args.heads,
+                "batch": args.batch,
+                "N": n,
+                "threads": torch.get_num_threads(),
+                "ops": len(bare[mode]),
+                "mix_us": med[f"mix {mode}"],
+                "bare_ops_us": med[f"bare {mode}"],
+                # paired within each round (the two run back to back), then the median over rounds
+                "overhead_us": 1e6 * statistics.median(m - o for m, o in zip(mix, ops)),
+                "torch_empty_us": med["torch.empty"],
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_runtime_args(p)
+    p.add_argument("--dim", type=int, default=192)
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=196)
+    p.add_argument("--repeats", type=int, default=300)
+    p.add_argument(
+        "--out", type=Path, default=None, help="CSV (default: results/mixer_overhead_<device>.csv)"
+    )
+    args = p.parse_args(argv)
+    apply_runtime(args)
+    rows = run(args)
+    print_table(rows, floatfmt="{:.1f}")
+    out = args.out or RESULTS / f"mixer_overhead_{torch.device(args.device).type}.csv"
+    write_csv(rows, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
