@@ -1,10 +1,10 @@
 """The Python (CPU) time of the Triton path per call, with the kernel launches stubbed out.
 
 What a GPU host's CPU spends around the kernels: argument checks, the cached launch plan (key, buffers,
-binding), the autograd node, the custom-op machinery where ``torch.compile`` traces it. Runs without
-``TRITON_INTERPRET`` (so the custom ops are ``torch.library.triton_op``'s, as on a GPU host) on CPU tensors,
-with ``triton_op.Launch.__call__`` a no-op and ``triton_runs_on`` / ``fits_device`` told the CPU is a GPU
-(the plans are sized for an H100, ``triton_op.INTERPRET_TILES``). Reported per call, median of interleaved
+binding), the autograd node. Runs without ``TRITON_INTERPRET`` (so the custom ops are
+``torch.library.triton_op``'s, as on a GPU host) on CPU tensors, with Triton's launcher
+(``triton_op.wrap_triton``) a no-op and ``triton_runs_on`` / ``fits_device`` told the CPU is a GPU (the plans
+are sized for an H100, ``triton_op.INTERPRET_TILES``). Reported per call, median of interleaved
 repeats (``benchmarks.common.time_samples``), in microseconds:
 
 - ``triton_ttt`` of each branch of the official mixer (SwiGLU heads and the depthwise conv): inference (no
@@ -44,11 +44,22 @@ from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
 
 
+class _Stub:
+    """Triton's launcher stubbed: ``kernel[grid](*args, **kwargs)`` records the kernel's name, runs nothing."""
+
+    def __init__(self, kernel, launched: list[str]) -> None:
+        self.name, self.launched = kernel.fn.__name__, launched
+
+    def __getitem__(self, grid: tuple):
+        return lambda *args, **kwargs: self.launched.append(self.name)
+
+
 def stub_launches() -> list[str]:
-    """Makes the CPU look like a GPU to the Triton path and every launch a no-op that records its label; the
-    registry does not verify new specialisations (stubbed launches compute nothing: it would demote them)."""
+    """Makes the CPU look like a GPU to the Triton path and every launch a no-op that records its kernel (the
+    plan's launches still bind their arguments: only Triton's launcher is stubbed); the registry does not
+    verify new specialisations (stubbed launches compute nothing: it would demote them)."""
     launched: list[str] = []
-    triton_op.Launch.__call__ = lambda self: launched.append(self.label)
+    triton_op.wrap_triton = lambda kernel: _Stub(kernel, launched)
     triton_op.triton_runs_on = lambda device: True
     triton_op.fits_device = lambda *args: (True, "")
     reg.BACKENDS["triton"] = dataclasses.replace(reg.BACKENDS["triton"], specialises=False)
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     def timed_backward(ctx, dout):
         start = time.perf_counter()
         grads = real_backward(ctx, dout)
-        node[ctx.key.model].append(time.perf_counter() - start)
+        node[ctx.call.cfg[0]].append(time.perf_counter() - start)
         return grads
 
     triton_op._TritonTTT.backward = staticmethod(timed_backward)

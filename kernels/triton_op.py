@@ -14,7 +14,7 @@ of N) from the GPU (``Arch``: compute capability, opt-in shared memory per block
 precision; ``forward_plan`` / ``backward_plan`` turn it into the list of launches the custom ops execute,
 and plan the same launches on meta tensors for the offline compiles of ``vit3.kernels.aot``.
 ``fits_device`` tells a caller whether a GPU can run a configuration at all. A plan's launches run with the
-inputs' GPU current (``_launch_all``: Triton launches on the current device and its current stream). The
+inputs' GPU current (``_Plan.run``: Triton launches on the current device and its current stream). The
 backward is differentiable for a double backward (``create_graph=True``): autograd through the reference.
 """
 
@@ -24,6 +24,7 @@ import contextlib
 import functools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -581,18 +582,30 @@ def fold_grid(programs: int) -> tuple[int, int]:
 class Launch(NamedTuple):
     """One kernel launch of a plan: ``kernel[grid](*args, **constexprs, **options)``.
 
-    The one place a launch executes: the custom ops run each of a plan's launches by calling it.
+    The one place a launch executes: the custom ops and the eager node run each of a plan's launches by
+    calling it on the plan's tensors (``slots``: which argument positions take which of them; a launch of
+    ``forward_plan`` / ``backward_plan`` has its tensors bound already, no slots).
     """
 
     label: str  # the kernel's name, with ``[cols]`` / ``[cross]`` for the two launches of a split stage
     kernel: Any  # a ``triton.JITFunction``
     grid: tuple[int, ...]
-    args: tuple
+    args: tuple  # ``None`` at the positions ``slots`` fills
     kwargs: dict[str, Any]  # constexprs and launch options (num_warps, num_stages)
     programs: int = 0  # the programs that do work (``fold_grid``'s grid may round them up)
+    slots: tuple[tuple[int, int], ...] = ()  # (argument position, index into the plan's tensors)
 
-    def __call__(self) -> None:
-        wrap_triton(self.kernel)[self.grid](*self.args, **self.kwargs)
+    def bound(self, tensors: Sequence[Tensor]) -> tuple:
+        """The launch's arguments with the plan's ``tensors`` in their slots."""
+        if not self.slots:
+            return self.args
+        args = list(self.args)
+        for pos, i in self.slots:
+            args[pos] = tensors[i]
+        return tuple(args)
+
+    def __call__(self, tensors: Sequence[Tensor] = ()) -> None:
+        wrap_triton(self.kernel)[self.grid](*self.bound(tensors), **self.kwargs)
 
 
 class _Buffer(NamedTuple):
@@ -632,33 +645,42 @@ class _Builder:
 
     def plan(self, outputs: tuple[Tensor, ...]) -> _Plan:
         ids = {id(t): i for i, t in enumerate(self.tensors) if t is not None}
-        templates = []
+        launches = []
         for launch in self.launches:
             slots = tuple((p, ids[id(a)]) for p, a in enumerate(launch.args) if isinstance(a, Tensor))
             args = tuple(None if isinstance(a, Tensor) else a for a in launch.args)
-            templates.append((launch._replace(args=args), slots))
-        return _Plan(tuple(self.buffers), tuple(templates), tuple(ids[id(t)] for t in outputs))
+            launches.append(launch._replace(args=args, slots=slots))
+        return _Plan(tuple(self.buffers), tuple(launches), tuple(ids[id(t)] for t in outputs))
 
 
 class _Plan(NamedTuple):
     """The cached launch plan of one key: buffers to allocate, launches (with their tensor arguments left out:
-    ``slots`` maps argument positions to the plan's tensors, inputs then buffers), which tensors it returns."""
+    ``Launch.slots`` maps argument positions to the plan's tensors, inputs then buffers), which tensors it
+    returns."""
 
     buffers: tuple[_Buffer, ...]
-    templates: tuple[tuple[Launch, tuple[tuple[int, int], ...]], ...]
+    launches: tuple[Launch, ...]
     outputs: tuple[int, ...]
+
+    def _tensors(self, inputs: tuple[Tensor, ...]) -> list[Tensor]:
+        device = inputs[0].device
+        return [*inputs, *[b.alloc(device) for b in self.buffers]]
 
     def bind(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], list[Launch]]:
         """Allocates the buffers on the inputs' device; returns the outputs and the launches on them."""
-        device = inputs[0].device
-        tensors = [*inputs, *(b.alloc(device) for b in self.buffers)]
-        launches = []
-        for launch, slots in self.templates:
-            args = list(launch.args)
-            for pos, i in slots:
-                args[pos] = tensors[i]
-            launches.append(launch._replace(args=tuple(args)))
+        tensors = self._tensors(inputs)
+        launches = [launch._replace(args=launch.bound(tensors), slots=()) for launch in self.launches]
         return tuple(tensors[i] for i in self.outputs), launches
+
+    def run(self, inputs: tuple[Tensor, ...], launch: bool = True) -> tuple[Tensor, ...]:
+        """Allocates the buffers on the inputs' device, runs the launches on them in order (``launch=False``:
+        none, for fake tensors) under ``_on_device`` and returns the outputs."""
+        tensors = self._tensors(inputs)
+        if launch:
+            with _on_device(inputs[0].device):
+                for one in self.launches:
+                    one(tensors)
+        return tuple([tensors[i] for i in self.outputs])
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -669,13 +691,6 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type != "cuda" or torch.compiler.is_compiling():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
-
-
-def _launch_all(launches: list[Launch], device: torch.device) -> None:
-    """Runs a plan's launches in order on ``device``, the inputs' (``_on_device``)."""
-    with _on_device(device):
-        for launch in launches:
-            launch()
 
 
 def _device_arch(device: torch.device) -> Arch:
@@ -945,7 +960,8 @@ def backward_plan(
 
 
 def clear_plans() -> None:
-    """Forgets every cached plan and launch configuration (tests that change a module-level hook)."""
+    """Forgets every cached plan, eager call and launch configuration (tests that change a module-level hook)."""
+    _CALLS.clear()
     _forward_template.cache_clear()
     _backward_template.cache_clear()
     _launch_config.cache_clear()
@@ -977,23 +993,14 @@ def _live(t: Tensor) -> bool:
     return not isinstance(t, FakeTensor)
 
 
-def _run(plan: _Plan, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """Binds ``plan`` to ``inputs``, runs its launches in order (none on fake tensors) and returns its outputs."""
-    outs, launches = plan.bind(inputs)
-    if _live(inputs[0]):
-        _launch_all(launches, inputs[0].device)
-    return outs
-
-
 def _forward(
     q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int, wd: int,
-    scale: float, lr: float, grad_norm: bool, chunk: int, save: bool = True,
-) -> tuple[tuple[Tensor, Tensor, Tensor], _Key, tuple]:  # fmt: skip
-    """Runs the forward: ``(out [B, G, N, c], G [B*G, NW, R, c], ||G||)``, and the plan's key and tensor
-    metadata (what the backward's plan is looked up by)."""
+    scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Runs the forward (none on fake tensors): ``(out [B, G, N, c], G [B*G, NW, R, c], ||G||)``."""
     key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
-    metas = (_meta(q), _meta(k), _meta(v), _meta(w1), _meta(w2))
-    return _run(_forward_template(key, save, metas), (q, k, v, w1, w1 if w2 is None else w2)), key, metas
+    plan = _forward_template(key, True, tuple(_meta(t) for t in (q, k, v, w1, w2)))
+    return plan.run((q, k, v, w1, w1 if w2 is None else w2), _live(q))
 
 
 def _backward_grads(
@@ -1003,7 +1010,7 @@ def _backward_grads(
     """Runs the backward: ``dq``, ``dk``, ``dv`` ``[B, G, N, c]`` and ``dW`` (accumulator dtype)."""
     key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
     plan = _backward_template(key, tuple(_meta(t) for t in (q, k, v, w1, w2)), _meta(dout))
-    return _run(plan, (dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
+    return plan.run((dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf), _live(q))
 
 
 @_kernel_op("vit3::triton_ttt_fwd")
@@ -1016,7 +1023,7 @@ def _fwd_op(
     ``w1`` (and ``w2``, SwiGLU only) are the initial weights ``[1, G, c, c]``, or the depthwise conv's
     ``[1, G*c, 3, 3]`` on the ``h x wd`` grid (``R`` = 9 taps); ``chunk <= 0`` picks the split of N.
     """
-    return _forward(q, k, v, w1, w2, model, loss, h, wd, scale, lr, grad_norm, chunk)[0]
+    return _forward(q, k, v, w1, w2, model, loss, h, wd, scale, lr, grad_norm, chunk)
 
 
 @_kernel_op("vit3::triton_ttt_bwd")
@@ -1072,34 +1079,98 @@ def _reference_backward(
 torch.library.register_autograd("vit3::triton_ttt_fwd", _backward, setup_context=_setup_context)
 
 
+# ------------------------------------------------------------------------------------------ the eager path
+
+# The eager calls seen so far, by signature (``_signature``): at most ``MAX_CALLS``, then forgotten at once.
+_CALLS: dict[tuple, _Call] = {}
+MAX_CALLS = 1024
+
+
+class _Call:
+    """The eager path of one call signature: checked once, its plans built once, each call binds tensors.
+
+    A signature (``_signature``) holds everything ``_validate``, the plan key and the weights' layout depend
+    on, so a call that finds its ``_Call`` is valid, needs no key and allocates and launches only. The
+    forward plans (with and without saved statistics) are built on first use, the backward's per upstream
+    gradient layout; the autograd node (``_TritonTTT``) carries the ``_Call`` to its backward.
+    """
+
+    __slots__ = ("backwards", "cfg", "copy", "forwards", "key", "metas", "names")
+
+    def __init__(
+        self, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, copy: bool
+    ):
+        self.cfg = cfg  # (model, loss, h, wd, scale, lr, grad_norm, chunk): ``_fwd_op``'s settings
+        self.key = _key(q, *cfg)
+        self.metas = (_meta(q), _meta(k), _meta(v), _meta(w1), _meta(w2))
+        self.names = WEIGHT_NAMES[cfg[0]]
+        self.copy = copy  # the weights are copied into one layout (``_weights_of``)
+        self.forwards: dict[bool, _Plan] = {}
+        self.backwards: dict[tuple, _Plan] = {}
+
+    def forward(self, save: bool) -> _Plan:
+        """The forward plan, saving ``G`` and ``||G||`` for a backward or not (inference)."""
+        plan = self.forwards.get(save)
+        if plan is None:
+            plan = self.forwards[save] = _forward_template(self.key, save, self.metas)
+        return plan
+
+    def backward(self, dout: Tensor) -> _Plan:
+        """The backward plan for upstream gradients laid out as ``dout`` (its shape is the output's)."""
+        layout = (dout.stride(), dout.dtype)
+        plan = self.backwards.get(layout)
+        if plan is None:
+            plan = self.backwards[layout] = _backward_template(self.key, self.metas, _meta(dout))
+        return plan
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> Tensor:
+        if self.copy:
+            w1, w2 = _weights_of(self.cfg[0], params)
+        else:
+            w1, w2 = params[self.names[0]], (params[self.names[1]] if len(self.names) == 2 else None)
+        if grad_flows(q, k, v, w1, w2):
+            return _TritonTTT.apply(q, k, v, w1, w2, self)
+        return self.forward(False).run((q, k, v, w1, w1 if w2 is None else w2), _live(q))[0]
+
+
+def _signature(
+    name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], *settings: Any
+) -> tuple:
+    """What a ``triton_ttt`` call's checks, plan and weight layout depend on: the settings (with the module
+    hooks ``TILES_AS`` and ``GRID_X_MAX``), every tensor's shape, strides, dtype and device, the weights' names."""
+    sig = [name, *settings, TILES_AS, GRID_X_MAX]
+    for t in (q, k, v, *params.values()):
+        sig += (t.shape, t.stride(), t.dtype, t.device)
+    return (*sig, *params)
+
+
 class _TritonTTT(torch.autograd.Function):
-    """The eager path of the op: the custom ops' plans and launches, without the dispatcher's custom-op
-    machinery (tens of microseconds a call in eager mode; ``torch.compile`` traces the custom ops instead).
-    The backward finds its plan by the forward's key: no second look at the settings; it runs under the
-    forward's autocast state (``autocast_backward``), and through the reference where it must be differentiable
-    itself (``create_graph=True``: ``_reference_backward``)."""
+    """The eager path's autograd node: a ``_Call``'s plans, without the dispatcher's custom-op machinery (tens
+    of microseconds a call in eager mode; ``torch.compile`` traces the custom ops instead). The backward takes
+    its plan from the forward's ``_Call``: no second look at the settings; it runs under the forward's
+    autocast state (``autocast_backward``), and through the reference where it must be differentiable itself
+    (``create_graph=True``: ``_reference_backward``)."""
 
     @staticmethod
     @autocast_forward
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, *cfg: Any
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, call: _Call
     ) -> Tensor:
-        (out, gbuf, nbuf), ctx.key, ctx.metas = _forward(q, k, v, w1, w2, *cfg)
+        out, gbuf, nbuf = call.forward(True).run((q, k, v, w1, w1 if w2 is None else w2), _live(q))
         ctx.save_for_backward(q, k, v, w1, w2, gbuf, nbuf)  # G and ||G||: W' is recomputed from them
-        ctx.cfg = cfg
+        ctx.call = call
         return out
 
     @staticmethod
     @autocast_backward
     def backward(ctx: Any, dout: Tensor) -> tuple:
         q, k, v, w1, w2, gbuf, nbuf = ctx.saved_tensors
+        call = ctx.call
         if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
-            grads = _reference_backward(dout, q, k, v, w1, w2, *ctx.cfg)
-        else:
-            plan = _backward_template(ctx.key, ctx.metas, _meta(dout))
-            dq, dk, dv, dw = _run(plan, (dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
-            grads = (dq, dk, dv, *_weight_grads(dw, w2 is not None))
-        return (*grads, *(None,) * len(ctx.cfg))
+            return (*_reference_backward(dout, q, k, v, w1, w2, *call.cfg), None)
+        inputs = (dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf)
+        dq, dk, dv, dw = call.backward(dout).run(inputs, _live(q))
+        return dq, dk, dv, *_weight_grads(dw, w2 is not None), None
 
 
 # ---------------------------------------------------------------------------------------------- public op
@@ -1152,6 +1223,39 @@ def _weights_of(name: str, params: dict[str, Tensor]) -> tuple[Tensor, Tensor | 
     return params["w"], None
 
 
+def _checked(
+    name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], grid: tuple[int, int] | None,
+    loss: str, backend: str, chunk: int | None,
+) -> tuple[str, tuple[int, int]]:  # fmt: skip
+    """Checks a ``triton_ttt`` call: which implementation runs it (``"triton"`` or ``"reference"``) on which
+    token grid ``(h, w)``; a ``ValueError`` naming what is wrong."""
+    _validate(name, q, k, v, params, loss)
+    if grid is None and name == "dwconv":
+        raise ValueError("the depthwise-conv inner model needs the token grid (h, w)")
+    grid = grid or (1, q.shape[2])
+    if grid[0] < 1 or grid[1] < 1 or grid[0] * grid[1] != q.shape[2]:
+        raise ValueError(f"grid {grid[0]}x{grid[1]} does not fit N={q.shape[2]}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
+    d = q.shape[-1]
+    which = resolve_backend(backend)
+    if which == "auto":
+        which = "triton" if triton_runs_on(q.device) and head_dim_supported(name, d) else "reference"
+    if q.shape[0] * q.shape[1] == 0:  # nothing to launch
+        which = "reference"
+    if which == "reference":
+        return which, grid
+    if not triton_runs_on(q.device):
+        raise ValueError(f"the Triton kernel cannot run on {q.device} (CUDA, or CPU with TRITON_INTERPRET=1)")
+    if not head_dim_supported(name, d):
+        top = max_head_dim(name)
+        why = " (wider tiles exceed on-chip shared memory)" if d > top else ""
+        raise ValueError(
+            f"the Triton kernel for {name!r} with {q.dtype} supports head dims {MIN_HEAD_DIM}..{top}, got {d}{why}"
+        )
+    return which, grid
+
+
 def triton_ttt(
     name: str,
     q: Tensor,
@@ -1190,36 +1294,28 @@ def triton_ttt(
     Returns:
         ``[B, G, N, c]`` in q's dtype (token-major memory, so ``transpose(1, 2)`` to ``[B, N, G*c]`` is free).
     """
-    _validate(name, q, k, v, params, loss)
-    if grid is None and name == "dwconv":
-        raise ValueError("the depthwise-conv inner model needs the token grid (h, w)")
-    grid = grid or (1, q.shape[2])
-    if grid[0] < 1 or grid[1] < 1 or grid[0] * grid[1] != q.shape[2]:
-        raise ValueError(f"grid {grid[0]}x{grid[1]} does not fit N={q.shape[2]}")
-    if chunk is not None and chunk < 1:
-        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
-    d = q.shape[-1]
-    which = resolve_backend(backend)
-    if which == "auto":
-        which = "triton" if triton_runs_on(q.device) and head_dim_supported(name, d) else "reference"
-    if q.shape[0] * q.shape[1] == 0:  # nothing to launch
-        which = "reference"
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # eager: a signature seen before runs its cached ``_Call`` (checked, planned) at once
+        grid = None if grid is None else tuple(grid)
+        interpret = _interpreting()
+        tf32 = q.dtype is torch.float32 and not interpret and fp32_uses_tf32()
+        sig = _signature(
+            name, q, k, v, params, grid, scale, lr, grad_norm, loss, backend, chunk, interpret, tf32
+        )
+        call = _CALLS.get(sig)
+        if call is not None:
+            return call(q, k, v, params)
+    which, grid = _checked(name, q, k, v, params, grid, loss, backend, chunk)
     if which == "reference":
         return reference.reference_ttt(
             name, q, k, v, params, grid=grid, scale=scale, lr=lr, grad_norm=grad_norm, loss=loss
         )
-    if not triton_runs_on(q.device):
-        raise ValueError(f"the Triton kernel cannot run on {q.device} (CUDA, or CPU with TRITON_INTERPRET=1)")
-    if not head_dim_supported(name, d):
-        top = max_head_dim(name)
-        why = " (wider tiles exceed on-chip shared memory)" if d > top else ""
-        raise ValueError(
-            f"the Triton kernel for {name!r} with {q.dtype} supports head dims {MIN_HEAD_DIM}..{top}, got {d}{why}"
-        )
     w1, w2 = _weights_of(name, params)
     cfg = (name, loss, grid[0], grid[1], float(scale), float(lr), bool(grad_norm), chunk or 0)
-    if torch.compiler.is_compiling():
+    if compiling:
         return _fwd_op(q, k, v, w1, w2, *cfg)[0]
-    if not grad_flows(q, k, v, w1, w2):  # inference: nothing saved, no autograd node
-        return _forward(q, k, v, w1, w2, *cfg, save=False)[0][0]
-    return _TritonTTT.apply(q, k, v, w1, w2, *cfg)
+    if len(_CALLS) >= MAX_CALLS:
+        _CALLS.clear()
+    copy = w1 is not params[WEIGHT_NAMES[name][0]]
+    call = _CALLS[sig] = _Call(cfg, q, k, v, w1, w2, copy)
+    return call(q, k, v, params)

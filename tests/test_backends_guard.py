@@ -59,11 +59,11 @@ def _failing_launch(monkeypatch, kernels: set[str], swiglu_only: bool = True, er
     real = triton_op.Launch.__call__
     raised = {"n": 0}
 
-    def launch(self):
+    def launch(self, tensors=()):
         if self.kernel.fn.__name__ in kernels and (self.kwargs.get("SWIGLU") or not swiglu_only):
             raised["n"] += 1
             raise error() if error else OutOfResources(188416, 101376, "shared memory")
-        return real(self)
+        return real(self, tensors)
 
     monkeypatch.setattr(triton_op.Launch, "__call__", launch)
     return raised
@@ -185,14 +185,14 @@ def _skipped_launch(monkeypatch, kernels: set[str], batch: int) -> None:
     real = triton_op.Launch.__call__
     monkeypatch.setattr(triton_op, "DEBUG_FILL", float("nan"))
 
-    def launch(self):
+    def launch(self, tensors=()):
         if (
             self.kernel.fn.__name__ in kernels
-            and self.args[0].shape[0] == batch
+            and self.bound(tensors)[0].shape[0] == batch
             and self.kwargs.get("SWIGLU")
         ):
             return None
-        return real(self)
+        return real(self, tensors)
 
     monkeypatch.setattr(triton_op.Launch, "__call__", launch)
 
