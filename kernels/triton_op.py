@@ -176,6 +176,12 @@ INTERPRET_TILES: tuple[Arch, str] = (ARCHS["sm_90"], "tf32")
 TILES_AS: tuple[Arch, str] | None = None
 
 
+# ``torch.backends.cuda.matmul``'s attributes walk a chain of name tests before they call these getters (~3 us
+# each, once per eager call of fp32 inputs): read directly where this PyTorch has them.
+_FP32_PRECISION = getattr(torch._C, "_get_fp32_precision_getter", None)
+_ALLOW_TF32 = getattr(torch._C, "_get_cublas_allow_tf32", None)
+
+
 def fp32_uses_tf32() -> bool:
     """Whether PyTorch lets fp32 matmuls use TF32 (``fp32_precision``, or the legacy ``allow_tf32``).
 
@@ -183,11 +189,11 @@ def fp32_uses_tf32() -> bool:
     API is asked first; ``"none"`` defers to the legacy flag.
     """
     matmul = torch.backends.cuda.matmul
-    prec = getattr(matmul, "fp32_precision", "none")
+    prec = _FP32_PRECISION("cuda", "matmul") if _FP32_PRECISION else getattr(matmul, "fp32_precision", "none")
     if prec in ("tf32", "ieee"):
         return prec == "tf32"
     try:
-        return bool(matmul.allow_tf32)
+        return bool(_ALLOW_TF32() if _ALLOW_TF32 else matmul.allow_tf32)
     except RuntimeError:  # a mix of the two APIs, which PyTorch refuses to reconcile
         return False
 
@@ -623,8 +629,12 @@ class _Buffer(NamedTuple):
         return _Buffer(tuple(t.shape), t.stride(), dtype)
 
     def alloc(self, device: torch.device) -> Tensor:
-        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
-        return out if DEBUG_FILL is None else out.fill_(DEBUG_FILL)
+        return _filled(torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device))
+
+
+def _filled(t: Tensor) -> Tensor:
+    """``t`` filled with ``DEBUG_FILL`` where that is set."""
+    return t if DEBUG_FILL is None else t.fill_(DEBUG_FILL)
 
 
 class _Builder:
@@ -664,7 +674,8 @@ class _Plan(NamedTuple):
 
     def _tensors(self, inputs: tuple[Tensor, ...]) -> list[Tensor]:
         device = inputs[0].device
-        return [*inputs, *[b.alloc(device) for b in self.buffers]]
+        made = [torch.empty_strided(b.shape, b.stride, dtype=b.dtype, device=device) for b in self.buffers]
+        return [*inputs, *(made if DEBUG_FILL is None else map(_filled, made))]
 
     def bind(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], list[Launch]]:
         """Allocates the buffers on the inputs' device; returns the outputs and the launches on them."""
@@ -677,7 +688,8 @@ class _Plan(NamedTuple):
         none, for fake tensors) under ``_on_device`` and returns the outputs."""
         tensors = self._tensors(inputs)
         if launch:
-            with _on_device(inputs[0].device):
+            device = inputs[0].device
+            with _on_device(device) if device.type == "cuda" else contextlib.nullcontext():
                 for one in self.launches:
                     one(tensors)
         return tuple([tensors[i] for i in self.outputs])
@@ -837,10 +849,14 @@ def _forward_template(key: _Key, save: bool, metas: tuple) -> _Plan:
     w2 = w1 if w2 is None else w2
     coef, ws = key.scale / n_tok, _weight_strides(key.model, w1, d)
     out = bld.buffer(b, n_tok, g, d, dtype=q.dtype, perm=(0, 2, 1, 3))  # [B, G, N, c], token-major
-    gbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
-    nbuf = bld.buffer(bgn, nw, d, dtype=acc)
+    one = key.model != "dwconv" and s == 1  # the whole forward in one launch
+    if one and not save:  # which then stores neither G nor ||G||: q stands in for both, nothing is allocated
+        gbuf = nbuf = q
+    else:
+        gbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
+        nbuf = bld.buffer(bgn, nw, d, dtype=acc)
     flags = {"SWIGLU": key.model == "swiglu", "NW": nw}
-    if key.model != "dwconv" and s == 1:
+    if one:
         kw = _tile_kwargs(cfg, "forward", acc_tl, MSE=key.loss == "mse", GRAD_NORM=key.grad_norm,
                           SAVE=save, **flags)  # fmt: skip
         args = (q, k, v, w1, w2, out, gbuf, nbuf, bgn, g, n_tok, d, *q.stride(), *k.stride(), *v.stride(),
@@ -935,7 +951,7 @@ def forward_plan(
     """The forward's outputs ``(out, G, ||G||)`` (allocated, unwritten) and the launches that write them.
 
     Arguments as ``_fwd_op``'s; ``save=False`` (inference) lets the one-launch forward skip storing ``G`` and
-    ``||G||``; ``arch``, ``prec`` and ``interpret`` as ``launch_config``'s (default: ``q``'s device, what
+    ``||G||`` (q stands in for them); ``arch``, ``prec`` and ``interpret`` as ``launch_config``'s (default: ``q``'s device, what
     PyTorch allows now, ``$TRITON_INTERPRET``). The plan is built once per key (settings, shapes, strides,
     dtypes, arch) on meta tensors and cached; each call allocates its buffers and binds its tensors. Tensors
     may live on the meta device: the offline compiles (``vit3.kernels.aot``) and the roofline
