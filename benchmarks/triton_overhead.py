@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, print_table, time_samples, write_csv
-from vit3.kernels.triton import op, plan
+from vit3.kernels.triton import op, plan, tiles
 from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
 
@@ -61,7 +61,7 @@ def stub_launches() -> list[str]:
     launched: list[str] = []
     plan.wrap_triton = lambda kernel: _Stub(kernel, launched)
     op.triton_runs_on = lambda device: True
-    op.fits_device = lambda *args: (True, "")
+    tiles.fits_device = lambda *args: (True, "")
     reg.BACKENDS["triton"] = dataclasses.replace(reg.BACKENDS["triton"], specialises=False)
     return launched
 

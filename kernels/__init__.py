@@ -34,7 +34,8 @@ register(swiglu.OP)
 register(linear.OP)
 register(dwconv.OP)
 
-# Names of ``triton.op`` re-exported here, imported (with Triton) on first use.
+# Names of the Triton path (``triton.op``, ``triton.tiles``, ``triton.device``) re-exported here, imported (with
+# Triton) on first use; the op's module first, whose copies of the device checks are the ones it calls.
 _TRITON_NAMES = (
     "IO_DTYPES",
     "MAX_HEAD_DIM",
@@ -54,7 +55,7 @@ __all__ = ["OPS", "dwconv_ttt_ref", "linear_ttt_ref", "ops_with", "swiglu_ttt_re
 
 def __getattr__(name: str) -> Any:
     if name in _TRITON_NAMES:
-        from .triton import op
+        from .triton import device, op, tiles
 
-        return getattr(op, name)
+        return getattr(next(m for m in (op, tiles, device) if hasattr(m, name)), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -177,7 +177,7 @@ def test_every_current_gpu_fits_every_model_dtype_and_head_dim(arch, gpu):
     for model in MODELS:
         for d in HEAD_DIMS:
             for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-                ok, why = top.fits_device(model, d, dtype, device)
+                ok, why = ttiles.fits_device(model, d, dtype, device)
                 if (arch, model, dtype, d) == ("sm_75", "swiglu", torch.float64, 128):
                     assert not ok and "96 KB" in why and "allows 64 KB" in why and "Tesla T4" in why
                 else:
@@ -185,29 +185,29 @@ def test_every_current_gpu_fits_every_model_dtype_and_head_dim(arch, gpu):
 
 
 def test_fits_device_names_what_is_missing(gpu):
-    ok, why = top.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(70, 96 * 1024, 80, "Tesla V100")))
+    ok, why = ttiles.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(70, 96 * 1024, 80, "Tesla V100")))
     assert not ok and "sm_70 (Tesla V100)" in why and "sm_75+" in why
-    ok, why = top.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(87, 48 * 1024, 16, "Orin-lite")))
+    ok, why = ttiles.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(87, 48 * 1024, 16, "Orin-lite")))
     assert not ok and "allows 48 KB" in why and "need 96 KB" in why  # 16-bit SwiGLU at d = 64: wgmma tiles
-    assert top.fits_device("swiglu", 64, torch.bfloat16, gpu(ARCHS["sm_75"])) == (True, "")
-    ok, why = top.fits_device("swiglu", 256, torch.bfloat16, gpu(ARCHS["sm_90"]))
+    assert ttiles.fits_device("swiglu", 64, torch.bfloat16, gpu(ARCHS["sm_75"])) == (True, "")
+    ok, why = ttiles.fits_device("swiglu", 256, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "16..128" in why
-    ok, why = top.fits_device("mlp", 64, torch.bfloat16, gpu(ARCHS["sm_90"]))
+    ok, why = ttiles.fits_device("mlp", 64, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "mlp" in why
-    ok, why = top.fits_device("swiglu", 64, torch.int32, gpu(ARCHS["sm_90"]))
+    ok, why = ttiles.fits_device("swiglu", 64, torch.int32, gpu(ARCHS["sm_90"]))
     assert not ok and "int32" in why
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks about a CUDA device where there is none")
 def test_fits_device_without_a_gpu_defers_the_check():
-    assert top.fits_device("swiglu", 64, torch.bfloat16, torch.device("cuda")) == (True, "")
+    assert ttiles.fits_device("swiglu", 64, torch.bfloat16, torch.device("cuda")) == (True, "")
 
 
 def test_fits_device_on_cpu_depends_on_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert top.fits_device("swiglu", 64, torch.float32, torch.device("cpu")) == (True, "")
+    assert ttiles.fits_device("swiglu", 64, torch.float32, torch.device("cpu")) == (True, "")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    ok, why = top.fits_device("swiglu", 64, torch.float32, torch.device("cpu"))
+    ok, why = ttiles.fits_device("swiglu", 64, torch.float32, torch.device("cpu"))
     assert not ok and "TRITON_INTERPRET" in why
 
 
@@ -217,8 +217,8 @@ def test_fits_device_is_cached_per_arch(gpu, monkeypatch):
     real = ttiles.launch_config
     monkeypatch.setattr(ttiles, "launch_config", lambda *a, **k: calls.append(1) or real(*a, **k))
     for _ in range(3):  # fp32: the tiles decide (16-bit SwiGLU at d = 64 has one declared bound)
-        top.fits_device("swiglu", 64, torch.float32, device)
-    top.fits_device("swiglu", 48, torch.float32, device)  # the same 64-wide tiles
+        ttiles.fits_device("swiglu", 64, torch.float32, device)
+    ttiles.fits_device("swiglu", 48, torch.float32, device)  # the same 64-wide tiles
     assert len(calls) == 1
 
 
@@ -242,11 +242,11 @@ def test_rocm_takes_triton_only_where_its_dot_precision_is_allowed(fake_gpu):
     assert "tf32" in tdev.hip_dot_precisions("gfx942")
     assert "tf32" not in tdev.hip_dot_precisions("gfx90a")
     mi250 = fake_gpu(AMD_GPUS["gfx90a"], hip="6.3")
-    ok, why = top.fits_device("swiglu", 32, torch.bfloat16, mi250)
+    ok, why = ttiles.fits_device("swiglu", 32, torch.bfloat16, mi250)
     assert not ok and "ROCm gfx90a" in why and "not the tf32 dots" in why and "ieee" in why, why
-    assert top.fits_device("swiglu", 32, torch.float64, mi250) == (True, "")  # IEEE dots
+    assert ttiles.fits_device("swiglu", 32, torch.float64, mi250) == (True, "")  # IEEE dots
     mi300 = fake_gpu(AMD_GPUS["gfx942"], hip="6.3")
-    assert "ROCm" not in top.fits_device("swiglu", 32, torch.bfloat16, mi300)[1]
+    assert "ROCm" not in ttiles.fits_device("swiglu", 32, torch.bfloat16, mi300)[1]
 
 
 # ----------------------------------------------------------------------------------- where launches run

@@ -25,8 +25,6 @@ from ..common import autocast_backward, autocast_forward, grad_flows
 from . import plan, tiles
 from .device import (
     IO_DTYPES,
-    MAX_HEAD_DIM,
-    MAX_HEAD_DIM_DWCONV,
     MIN_HEAD_DIM,
     TRITON_LOSSES,
     WEIGHT_NAMES,
@@ -38,22 +36,9 @@ from .device import (
     triton_runs_on,
 )
 from .plan import _backward_template, _forward_template, _key, _meta, _Plan
-from .tiles import _launch_config, fits_device
+from .tiles import _launch_config
 
-__all__ = [
-    "IO_DTYPES",
-    "MAX_HEAD_DIM",
-    "MAX_HEAD_DIM_DWCONV",
-    "MIN_HEAD_DIM",
-    "TRITON_LOSSES",
-    "clear_plans",
-    "fits_device",
-    "head_dim_supported",
-    "max_head_dim",
-    "resolve_backend",
-    "triton_runs_on",
-    "triton_ttt",
-]
+__all__ = ["clear_plans", "resolve_backend", "triton_ttt"]
 
 
 def resolve_backend(backend: str = "auto") -> str:
