@@ -5,7 +5,7 @@ Compiles every kernel launch of ``triton_ttt`` (forward + backward) for each cas
 set-up and Triton's run-time specialisation, no GPU needed (``vit3.kernels.aot``). Prints, per arch, dtype
 mode and head dim, the worst kernel over the inner models (largest shared memory; most registers; most
 spill bytes), flags any kernel over the arch's shared-memory limit, the declared bound ``fits_device``
-uses (``triton_op.smem_need``) or the spill bound (``aot.spill_bound``), lists the cases ``fits_device``
+uses (``triton.tiles.smem_need``) or the spill bound (``aot.spill_bound``), lists the cases ``fits_device``
 turns down (their compile must exceed the limit), and writes one row per compiled kernel to ``--out``.
 
     python benchmarks/compile_matrix.py --jobs 2               # the full matrix, ~25 min (cold Triton cache)

@@ -1,6 +1,6 @@
 """A performance model on paper of the fused TTT op: bytes, FLOPs and predicted time of every launch, per GPU.
 
-The launches are not re-derived: the launcher's own plans (``triton_op.forward_plan`` / ``backward_plan``,
+The launches are not re-derived: the launcher's own plans (``triton.plan.forward_plan`` / ``backward_plan``,
 built on meta tensors with the strides of a real qkv projection, as the offline compiles do) give each
 launch's kernel, grid, tile constexprs and tensors. Per launch this script counts, from those objects:
 
@@ -29,7 +29,7 @@ they do not name a source.
     python benchmarks/roofline.py                                   # the design of this tree
     python benchmarks/roofline.py --kernels /tmp/main/kernels --design main-8fde993 --out results/roofline_8fde993.csv
 
-``--kernels`` loads ``triton_op`` from another checkout's ``kernels/`` folder (a package of its own), so one
+``--kernels`` loads the launch plans from another checkout's ``kernels/`` folder (a package of its own), so one
 script prices the design before a change and after it.
 """
 
@@ -107,19 +107,21 @@ CONV_EW = {"conv_grad_partial_kernel": 36, "conv_readout_kernel": 27, "conv_read
 
 
 def load_triton_op(kernels: Path | None) -> ModuleType:
-    """``vit3.kernels.triton_op`` of this tree, or of the ``kernels/`` folder of another checkout (imported
-    as a package of its own, so two designs never meet in one process's imports)."""
+    """The launch plans (``vit3.kernels.triton.plan``) of this tree, or of the ``kernels/`` folder of another
+    checkout (imported as a package of its own, so two designs never meet in one process's imports; an older
+    checkout's ``triton_op``, which held them before the split)."""
     if kernels is None:
-        from vit3.kernels import triton_op
+        from vit3.kernels.triton import plan
 
-        return triton_op
+        return plan
     spec = importlib.util.spec_from_file_location(
         "other_kernels", kernels / "__init__.py", submodule_search_locations=[str(kernels)]
     )
     package = importlib.util.module_from_spec(spec)
     sys.modules["other_kernels"] = package
     spec.loader.exec_module(package)
-    return importlib.import_module("other_kernels.triton_op")
+    split = (kernels / "triton" / "plan.py").exists()
+    return importlib.import_module("other_kernels.triton.plan" if split else "other_kernels.triton_op")
 
 
 def plan(

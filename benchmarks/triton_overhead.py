@@ -1,10 +1,10 @@
 """The Python (CPU) time of the Triton path per call, with the kernel launches stubbed out.
 
 What a GPU host's CPU spends around the kernels: argument checks, the cached launch plan (key, buffers,
-binding), the autograd node, the custom-op machinery where ``torch.compile`` traces it. Runs without
-``TRITON_INTERPRET`` (so the custom ops are ``torch.library.triton_op``'s, as on a GPU host) on CPU tensors,
-with ``triton_op.Launch.__call__`` a no-op and ``triton_runs_on`` / ``fits_device`` told the CPU is a GPU
-(the plans are sized for an H100, ``triton_op.INTERPRET_TILES``). Reported per call, median of interleaved
+binding), the autograd node. Runs without ``TRITON_INTERPRET`` (so the custom ops are
+``torch.library.triton_op``'s, as on a GPU host) on CPU tensors, with Triton's launcher
+(``triton.plan.wrap_triton``) a no-op and ``triton_runs_on`` / ``fits_device`` told the CPU is a GPU (the plans
+are sized for an H100, ``triton.tiles.INTERPRET_TILES``). Reported per call, median of interleaved
 repeats (``benchmarks.common.time_samples``), in microseconds:
 
 - ``triton_ttt`` of each branch of the official mixer (SwiGLU heads and the depthwise conv): inference (no
@@ -39,18 +39,29 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, print_table, time_samples, write_csv
-from vit3.kernels import triton_op
+from vit3.kernels.triton import op, plan, tiles
 from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
 
 
+class _Stub:
+    """Triton's launcher stubbed: ``kernel[grid](*args, **kwargs)`` records the kernel's name, runs nothing."""
+
+    def __init__(self, kernel, launched: list[str]) -> None:
+        self.name, self.launched = kernel.fn.__name__, launched
+
+    def __getitem__(self, grid: tuple):
+        return lambda *args, **kwargs: self.launched.append(self.name)
+
+
 def stub_launches() -> list[str]:
-    """Makes the CPU look like a GPU to the Triton path and every launch a no-op that records its label; the
-    registry does not verify new specialisations (stubbed launches compute nothing: it would demote them)."""
+    """Makes the CPU look like a GPU to the Triton path and every launch a no-op that records its kernel (the
+    plan's launches still bind their arguments: only Triton's launcher is stubbed); the registry does not
+    verify new specialisations (stubbed launches compute nothing: it would demote them)."""
     launched: list[str] = []
-    triton_op.Launch.__call__ = lambda self: launched.append(self.label)
-    triton_op.triton_runs_on = lambda device: True
-    triton_op.fits_device = lambda *args: (True, "")
+    plan.wrap_triton = lambda kernel: _Stub(kernel, launched)
+    op.triton_runs_on = lambda device: True
+    tiles.fits_device = lambda *args: (True, "")
     reg.BACKENDS["triton"] = dataclasses.replace(reg.BACKENDS["triton"], specialises=False)
     return launched
 
@@ -83,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def call(name: str) -> torch.Tensor:
-        return triton_op.triton_ttt(
-            name, *views[name], params[name], grid=grid, scale=9**-0.5, backend="triton"
-        )
+        return op.triton_ttt(name, *views[name], params[name], grid=grid, scale=9**-0.5, backend="triton")
 
     def infer(name: str):
         def run() -> None:
@@ -115,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         mixer(x, grid).sum().backward()
 
     node: dict[str, list[float]] = {name: [] for name in heads}
-    real_backward = triton_op._TritonTTT.backward
+    real_backward = op._TritonTTT.backward
 
     def timed_backward(ctx, dout):
         start = time.perf_counter()
         grads = real_backward(ctx, dout)
-        node[ctx.key.model].append(time.perf_counter() - start)
+        node[ctx.call.cfg[0]].append(time.perf_counter() - start)
         return grads
 
-    triton_op._TritonTTT.backward = staticmethod(timed_backward)
+    op._TritonTTT.backward = staticmethod(timed_backward)
     fns = {f"{name} {kind}": make(name) for name in heads for kind, make in
            (("infer", infer), ("fwd", forward), ("fwd+bwd", both))}  # fmt: skip
     fns["triton path per mixer call (fwd+bwd)"] = path

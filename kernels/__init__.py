@@ -6,7 +6,7 @@ tested against) and beside it its fast paths: ``swiglu.eager`` (tiled PyTorch, h
 glue of its passes in the C++ CPU kernel, ``swiglu/csrc``), ``dwconv.eager`` (the closed form in native
 convolution calls), ``dwconv.cpp`` (the same stages on token rows in the C++ kernel, ``dwconv/csrc``); ``cpp``
 builds and loads the one C++ extension of both (``torch.ops.vit3_cpu``). The Triton kernels of all three are shared: ``triton_path`` (the path's checks and run) over
-``triton_op`` (custom ops, autograd, launch set-up) over ``triton_kernels``. ``common`` holds what all ops
+the package ``triton`` (``device``, ``tiles``: launch set-up, ``plan``: launch plans, ``op``: custom ops, autograd, ``triton_ttt``) over ``triton_kernels``. ``common`` holds what all ops
 share (the gradient normalisation, the step, the reference step), ``losses`` the inner losses, ``paths`` the
 checks the fused paths share.
 
@@ -34,7 +34,8 @@ register(swiglu.OP)
 register(linear.OP)
 register(dwconv.OP)
 
-# Names of ``triton_op`` re-exported here, imported (with Triton) on first use.
+# Names of the Triton path (``triton.op``, ``triton.tiles``, ``triton.device``) re-exported here, imported (with
+# Triton) on first use; the op's module first, whose copies of the device checks are the ones it calls.
 _TRITON_NAMES = (
     "IO_DTYPES",
     "MAX_HEAD_DIM",
@@ -54,7 +55,7 @@ __all__ = ["OPS", "dwconv_ttt_ref", "linear_ttt_ref", "ops_with", "swiglu_ttt_re
 
 def __getattr__(name: str) -> Any:
     if name in _TRITON_NAMES:
-        from . import triton_op
+        from .triton import device, op, tiles
 
-        return getattr(triton_op, name)
+        return getattr(next(m for m in (op, tiles, device) if hasattr(m, name)), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 ``compile_case`` compiles every kernel launch ``triton_ttt`` makes for one case (inner model, loss, head dim,
 dtype mode, GPU arch) and reports each binary's shared memory, registers and spills. It does not re-derive
-the launches: ``triton_op.forward_plan`` / ``backward_plan`` (the launcher's own set-up, which the custom
+the launches: ``triton.plan.forward_plan`` / ``backward_plan`` (the launcher's own set-up, which the custom
 ops execute) plan them on meta tensors with the strides of a real qkv projection, and each launch's
 arguments go through Triton's own JIT binder (``create_function_from_signature``), so the binary has the
 specialisation a real launch gets: ``i32`` / ``i64`` ints, ints equal to 1 (unit strides) folded into
@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from . import triton_op
-from .triton_op import ARCHS, Arch, Launch
+from .triton import plan, tiles
+from .triton.device import ARCHS, Arch
+from .triton.plan import Launch
 
 __all__ = [
     "ARCHS",
@@ -115,7 +116,7 @@ class Compiled:
 
 def plan_launches(case: Case, batch: int | None = None) -> tuple[list[Launch], list[Launch]]:
     """The forward's and the backward's launches of ``case`` at ``batch`` samples (default ``case.batch``),
-    planned on meta tensors by ``triton_op.forward_plan`` / ``backward_plan``."""
+    planned on meta tensors by ``triton.plan.forward_plan`` / ``backward_plan``."""
     dtype, prec = MODES[case.mode]
     b, g, n, d = batch or case.batch, case.heads, case.n_tok, case.d
     side = int(n**0.5)
@@ -127,10 +128,10 @@ def plan_launches(case: Case, batch: int | None = None) -> tuple[list[Launch], l
     w1 = torch.empty(shape, dtype=acc, device="meta")
     w2 = torch.empty(shape, dtype=acc, device="meta") if case.model == "swiglu" else None
     common = (case.model, case.loss, *grid, 9**-0.5, 1.0, True, 0)
-    outs, fwd = triton_op.forward_plan(q, k, v, w1, w2, *common, arch=case.arch, prec=prec, interpret=False)
+    outs, fwd = plan.forward_plan(q, k, v, w1, w2, *common, arch=case.arch, prec=prec, interpret=False)
     # The upstream gradient of the token-major read-out: [B, N, G*d] contiguous, seen as [B, G, N, d].
     dout = torch.empty(b, n, g, d, dtype=dtype, device="meta").transpose(1, 2)
-    _, bwd = triton_op.backward_plan(dout, q, k, v, w1, w2, *outs[1:], *common, arch=case.arch, prec=prec,
+    _, bwd = plan.backward_plan(dout, q, k, v, w1, w2, *outs[1:], *common, arch=case.arch, prec=prec,
                                      interpret=False)  # fmt: skip
     return fwd, bwd
 
@@ -320,17 +321,17 @@ def strict_spills(case: Case, kernel: str) -> bool:
 
 
 def smem_bound(case: Case) -> int:
-    """Shared memory (bytes) each kernel of ``case`` is held to: ``triton_op.smem_need``, what ``fits_device``
+    """Shared memory (bytes) each kernel of ``case`` is held to: ``triton.tiles.smem_need``, what ``fits_device``
     compares with the GPU's limit."""
     dtype, prec = MODES[case.mode]
-    return triton_op.smem_need(case.model, case.d, dtype, prec, case.arch)
+    return tiles.smem_need(case.model, case.d, dtype, prec, case.arch)
 
 
 def fits(case: Case) -> tuple[bool, str]:
     """``fits_device``'s answer for ``case`` on its arch (no GPU needed)."""
     dtype, prec = MODES[case.mode]
     block_d = max(16, 1 << (case.d - 1).bit_length())
-    return triton_op._fits_arch(case.model, block_d, dtype, prec, case.arch)
+    return tiles._fits_arch(case.model, block_d, dtype, prec, case.arch)
 
 
 def matrix(kind: str = "full") -> list[Case]:

@@ -80,5 +80,5 @@ def _run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor],
     )
 
 
-# The Triton kernels (``vit3.kernels.triton_op``) serve every op that lists it.
+# The Triton kernels (``vit3.kernels.triton``) serve every op that lists it.
 TRITON = Path(supports=_supports, run=_run, fits=_fits)

@@ -45,9 +45,10 @@ def fake_gpu(monkeypatch):
     """Pretends one GPU with device properties ``props`` is present (``torch.cuda.get_device_properties``),
     from a ROCm build of PyTorch where ``hip`` is its version; the launcher's per-device caches are emptied
     around the test. For code that only asks about the device: nothing may allocate on it."""
-    from vit3.kernels import triton_op
+    from vit3.kernels.triton import device as tdev
+    from vit3.kernels.triton import tiles as ttiles
 
-    caches = (triton_op._cuda_arch, triton_op._hip_arch, triton_op._fits_arch)
+    caches = (tdev._cuda_arch, tdev._hip_arch, ttiles._fits_arch)
 
     def use(props, hip: str | None = None) -> torch.device:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

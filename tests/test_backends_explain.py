@@ -30,7 +30,8 @@ from helpers.common import REPO
 from helpers.ops import AMD_GPUS
 
 import vit3
-from vit3.kernels import triton_op, triton_path
+from vit3.kernels import triton_path
+from vit3.kernels.triton import device as tdev
 from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
 from vit3.scripts.explain import main as cli_main
@@ -243,7 +244,7 @@ def test_backends_implement_exactly_the_ops_that_declare_their_path():
     Triton op serves exactly those ops."""
     import vit3.kernels as kernels
 
-    assert reg.BACKENDS["triton"].models == kernels.ops_with("triton") == tuple(triton_op.TRITON_LOSSES)
+    assert reg.BACKENDS["triton"].models == kernels.ops_with("triton") == tuple(tdev.TRITON_LOSSES)
     assert reg.BACKENDS["cpu"].models == kernels.ops_with("cpu") == ("swiglu", "dwconv")
     assert reg.BACKENDS["eager"].models == kernels.ops_with("eager") == ("swiglu", "dwconv")
     assert reg.BACKENDS["generic"].models is None

@@ -4,7 +4,7 @@ specialisation of the Triton kernels is verified, a sticky GPU fault is reported
 backward works, and a C++ kernel that cannot be built steps aside.
 
 The tests run where Triton runs (``triton_device``: the GPU, or the interpreter on CPU), failures injected at
-the launch layer (``triton_op.Launch``), which runs compiled and interpreted kernels alike;
+the launch layer (``triton.plan.Launch``), which runs compiled and interpreted kernels alike;
 ``TRITON_INTERPRET=0 pytest tests/test_backends_guard.py`` imports Triton as a GPU host does: the launching
 tests skip (no GPU to run them), the others pass."""
 
@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from triton.runtime.errors import OutOfResources
 
 from vit3.kernels import cpp as cpu_ext
-from vit3.kernels import triton_op
+from vit3.kernels.triton import plan as tplan
 from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends import guard
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("no_backend_env")
 
 # ---------------------------------------------------------------------------------- failures demote
 # Where Triton runs (``triton_device``: the GPU, or the interpreter on CPU), failures injected at the launch
-# layer (``triton_op.Launch``, which runs compiled and interpreted kernels alike).
+# layer (``triton.plan.Launch``, which runs compiled and interpreted kernels alike).
 
 # The backend auto takes for the SwiGLU branch once Triton is demoted (24 tokens: below the C++ kernel's 32).
 FALLBACK = {"cpu": "eager", "cuda": "generic"}
@@ -56,16 +56,16 @@ def _on(device: torch.device, mixer: TTTMixer, *tensors: torch.Tensor):
 def _failing_launch(monkeypatch, kernels: set[str], swiglu_only: bool = True, error=None) -> dict[str, int]:
     """Makes Triton launches of ``kernels`` (of the SwiGLU model when ``swiglu_only``) raise ``error()``
     (default ``OutOfResources``, as a GPU with too little shared memory per block does); counts the raises."""
-    real = triton_op.Launch.__call__
+    real = tplan.Launch.__call__
     raised = {"n": 0}
 
-    def launch(self):
+    def launch(self, tensors=()):
         if self.kernel.fn.__name__ in kernels and (self.kwargs.get("SWIGLU") or not swiglu_only):
             raised["n"] += 1
             raise error() if error else OutOfResources(188416, 101376, "shared memory")
-        return real(self)
+        return real(self, tensors)
 
-    monkeypatch.setattr(triton_op.Launch, "__call__", launch)
+    monkeypatch.setattr(tplan.Launch, "__call__", launch)
     return raised
 
 
@@ -180,21 +180,21 @@ def test_backward_failure_under_activation_checkpointing(monkeypatch, triton_dev
 
 
 def _skipped_launch(monkeypatch, kernels: set[str], batch: int) -> None:
-    """Leaves the output of ``kernels`` unwritten (NaN: ``triton_op.DEBUG_FILL``) on inputs of ``batch``
+    """Leaves the output of ``kernels`` unwritten (NaN: ``triton.plan.DEBUG_FILL``) on inputs of ``batch``
     samples, as a kernel that is wrong for one specialisation only would."""
-    real = triton_op.Launch.__call__
-    monkeypatch.setattr(triton_op, "DEBUG_FILL", float("nan"))
+    real = tplan.Launch.__call__
+    monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
 
-    def launch(self):
+    def launch(self, tensors=()):
         if (
             self.kernel.fn.__name__ in kernels
-            and self.args[0].shape[0] == batch
+            and self.bound(tensors)[0].shape[0] == batch
             and self.kwargs.get("SWIGLU")
         ):
             return None
-        return real(self)
+        return real(self, tensors)
 
-    monkeypatch.setattr(triton_op.Launch, "__call__", launch)
+    monkeypatch.setattr(tplan.Launch, "__call__", launch)
 
 
 @pytest.mark.triton

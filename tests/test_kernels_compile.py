@@ -3,7 +3,7 @@
 The interpreter checks what the kernels compute, not whether Triton can compile them for a GPU or whether
 they fit on chip. ``vit3.kernels.aot`` compiles ahead of time for any ``GPUTarget`` (ptxas ships with
 Triton) exactly the launches ``triton_ttt`` makes: planned by the launcher's own set-up
-(``triton_op.forward_plan`` / ``backward_plan``, on meta tensors with a real qkv projection's strides) and
+(``triton.plan.forward_plan`` / ``backward_plan``, on meta tensors with a real qkv projection's strides) and
 specialised by Triton's own JIT binder. The compiles run in a fresh process without ``TRITON_INTERPRET``
 (interpreted kernels cannot compile), through ``benchmarks/compile_matrix.py``: the default run checks the
 worst cases of each arch (``aot.matrix("default")``, ~2 min); ``VIT3_COMPILE_MATRIX=full`` adds the whole
@@ -55,7 +55,7 @@ def default_matrix(tmp_path_factory) -> list[dict]:
 
 def check(case: aot.Case, rows: list[dict]) -> None:
     """Every launch of ``case`` compiled, within the arch's shared memory, the bound ``fits_device`` compares
-    (``triton_op.smem_need``) and the spill bound; where ``fits_device`` says no, the compile exceeds the limit."""
+    (``triton.tiles.smem_need``) and the spill bound; where ``fits_device`` says no, the compile exceeds the limit."""
     mine = [r for r in rows if (r["arch"], r["model"], r["loss"], r["d"], r["mode"]) ==
             (case.arch.sm, case.model, case.loss, case.d, case.mode)]  # fmt: skip
     assert mine, f"{case.label} was not compiled"
@@ -116,8 +116,9 @@ def test_default_cases_cover_every_arch_and_inner_model():
 
 SPECIALISATION = """
 import json, sys, torch
-from vit3.kernels import aot, triton_op
-case = aot.Case("swiglu", "dot", 64, "bf16", triton_op.ARCHS["sm_90"], n_tok=int(sys.argv[1]))
+from vit3.kernels import aot
+from vit3.kernels.triton.device import ARCHS
+case = aot.Case("swiglu", "dot", 64, "bf16", ARCHS["sm_90"], n_tok=int(sys.argv[1]))
 launch = next(l for l in aot.plan_case(case) if l.label == "grad_partial_kernel")
 _, signature, constexprs, attrs = aot.specialise(launch, case.arch)
 names = list(signature)

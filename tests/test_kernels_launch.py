@@ -1,10 +1,10 @@
 """The launch set-up of the Triton kernels: per-GPU tiles, ``fits_device``, the dot precision, every table
 configuration run (interpreter or GPU) against the PyTorch path.
 
-The tile table (``triton_op.launch_config``) differs by GPU arch and dot precision; whether each entry fits
+The tile table (``triton.tiles.launch_config``) differs by GPU arch and dot precision; whether each entry fits
 on chip is checked by the offline compiles (``tests/test_kernels_compile.py``), whether it computes the
 right thing here: each distinct launch structure it produces (column blocks per kernel role) runs through
-``triton_ttt`` with ``triton_op.TILES_AS`` set to an (arch, precision) that picks it.
+``triton_ttt`` with ``triton.tiles.TILES_AS`` set to an (arch, precision) that picks it.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.runtime.jit import JITFunction
 
 import vit3.kernels as kernels
-from vit3.kernels import aot, triton_op
-from vit3.kernels.triton_op import ARCHS, Arch
+from vit3.kernels import aot
+from vit3.kernels.triton import device as tdev
+from vit3.kernels.triton import op as top
+from vit3.kernels.triton import plan as tplan
+from vit3.kernels.triton import tiles as ttiles
+from vit3.kernels.triton.device import ARCHS, Arch
 
 pytestmark = pytest.mark.triton
 
@@ -40,12 +44,12 @@ MODELS = ("swiglu", "linear", "dwconv")
 
 @pytest.fixture(autouse=True)
 def _nan_fill(monkeypatch):
-    monkeypatch.setattr(triton_op, "DEBUG_FILL", float("nan"))
+    monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
 
 
 def structure(model: str, d: int, dtype: torch.dtype, arch: Arch, prec: str) -> tuple:
     """What decides which launches run and which columns each program owns: column blocks per role."""
-    cfg = triton_op.launch_config(model, 3136, d, 8, dtype, arch, prec=prec, interpret=False)
+    cfg = ttiles.launch_config(model, 3136, d, 8, dtype, arch, prec=prec, interpret=False)
     return tuple(sorted((role, t.block_c) for role, t in cfg.tiles.items() if role != "small"))
 
 
@@ -59,7 +63,7 @@ def test_every_configuration_is_well_formed(arch, mode):
     for model in MODELS:
         for d in (*HEAD_DIMS, 24, 72, 96):
             for n in (1, 197, 3136):
-                cfg = triton_op.launch_config(model, n, d, 8, dtype, ARCHS[arch], prec=prec, interpret=False)
+                cfg = ttiles.launch_config(model, n, d, 8, dtype, ARCHS[arch], prec=prec, interpret=False)
                 assert cfg.block_d >= d and cfg.block_d & (cfg.block_d - 1) == 0
                 assert cfg.s * cfg.chunk >= n > (cfg.s - 1) * cfg.chunk
                 for role, t in cfg.tiles.items():
@@ -75,15 +79,14 @@ def test_d64_backward_is_one_launch_only_where_it_fits():
     fp32-IEEE case that spilled ~19 KB per thread is split everywhere."""
     for arch in ARCHS.values():
         for mode, (dtype, prec) in aot.MODES.items():
-            cfg = triton_op.launch_config("swiglu", 3136, 64, 8, dtype, arch, prec=prec, interpret=False)
+            cfg = ttiles.launch_config("swiglu", 3136, 64, 8, dtype, arch, prec=prec, interpret=False)
             fused = cfg.cols("grad_bwd", 64) == 1
             half = mode in ("bf16", "fp16") and arch.capability >= 80
-            expect = half or (arch.smem >= triton_op.FUSED_BACKWARD_SMEM and mode == "fp32-tf32")
+            expect = half or (arch.smem >= ttiles.FUSED_BACKWARD_SMEM and mode == "fp32-tf32")
             assert fused == expect, (arch.sm, mode)
             assert cfg.cols("readout_bwd", 64) == cfg.cols("grad_bwd", 64)
     assert (
-        triton_op.launch_config("swiglu", 3136, 128, 8, torch.bfloat16, ARCHS["sm_90"]).cols("grad_bwd", 128)
-        > 1
+        ttiles.launch_config("swiglu", 3136, 128, 8, torch.bfloat16, ARCHS["sm_90"]).cols("grad_bwd", 128) > 1
     )
 
 
@@ -94,27 +97,27 @@ def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
     for arch in ARCHS.values():
         for dtype in (torch.bfloat16, torch.float16):
             for d in HEAD_DIMS:
-                cfg = triton_op.launch_config("swiglu", 3136, d, 8, dtype, arch, prec="tf32", interpret=False)
+                cfg = ttiles.launch_config("swiglu", 3136, d, 8, dtype, arch, prec="tf32", interpret=False)
                 native = arch.capability >= 80
-                assert cfg.dot == (triton_op._TL_DTYPES[dtype] if native else triton_op.tl.float32)
+                assert cfg.dot == (tdev._TL_DTYPES[dtype] if native else tdev.tl.float32)
                 assert not cfg.emulate
                 assert cfg.transposed == (native and d == 64)
-                if triton_op.warp_group_mma(arch):
+                if tdev.warp_group_mma(arch):
                     long = {r for r, t in cfg.tiles.items() if r != "small" and t.block_n >= 64}
                     short = {"grad_bwd"} if d in (32, 64) else ({"grad_bwd_cross"} if d == 128 else set())
-                    assert long == set(triton_op.MATRIX_ROLES) - short, (arch.sm, d)
-    here = triton_op.launch_config("swiglu", 197, 64, 2, torch.bfloat16, ARCHS["sm_90"], interpret=True)
-    assert here.dot == triton_op.tl.bfloat16 and here.emulate and here.transposed
+                    assert long == set(ttiles.MATRIX_ROLES) - short, (arch.sm, d)
+    here = ttiles.launch_config("swiglu", 197, 64, 2, torch.bfloat16, ARCHS["sm_90"], interpret=True)
+    assert here.dot == tdev.tl.bfloat16 and here.emulate and here.transposed
 
 
 def test_interpreter_follows_the_tiles_of_a_gpu(monkeypatch):
-    arch, prec = triton_op.INTERPRET_TILES
-    on_gpu = triton_op.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec=prec, interpret=False)
-    here = triton_op.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec="ieee", interpret=True)
+    arch, prec = ttiles.INTERPRET_TILES
+    on_gpu = ttiles.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec=prec, interpret=False)
+    here = ttiles.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec="ieee", interpret=True)
     assert {r: t.block_c for r, t in here.tiles.items()} == {r: t.block_c for r, t in on_gpu.tiles.items()}
     assert here.s == 1  # one chunk: the interpreter runs programs one after another
-    monkeypatch.setattr(triton_op, "TILES_AS", (ARCHS["sm_86"], "tf32"))
-    forced = triton_op.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec="ieee", interpret=True)
+    monkeypatch.setattr(ttiles, "TILES_AS", (ARCHS["sm_86"], "tf32"))
+    forced = ttiles.launch_config("swiglu", 197, 64, 2, torch.float32, arch, prec="ieee", interpret=True)
     assert forced.cols("grad_bwd", 64) == 2 and forced.prec == "ieee"
 
 
@@ -127,7 +130,7 @@ def _structures() -> list:
     seen, out = set(), []
     for model, loss in (("swiglu", "dot"), ("linear", "dot"), ("linear", "mse"), ("dwconv", "dot")):
         for d in HEAD_DIMS:
-            seen.add((model, loss, d, structure(model, d, torch.float32, *triton_op.INTERPRET_TILES)))
+            seen.add((model, loss, d, structure(model, d, torch.float32, *ttiles.INTERPRET_TILES)))
             for arch in ARCHS.values():
                 for prec in ("tf32", "ieee"):
                     key = (model, loss, d, structure(model, d, torch.float32, arch, prec))
@@ -141,7 +144,7 @@ def _structures() -> list:
 @pytest.mark.parametrize(("model", "loss", "d", "arch", "prec"), _structures())
 def test_each_table_configuration_matches_reference(model, loss, d, arch, prec, monkeypatch):
     """Forward and every gradient, with the column blocks the table gives ``arch`` (N = 197 in 4 chunks)."""
-    monkeypatch.setattr(triton_op, "TILES_AS", (arch, prec))
+    monkeypatch.setattr(ttiles, "TILES_AS", (arch, prec))
     shape = (2, 2, (1, 197) if model == "dwconv" else 197, d)
     out, ref, got, exp, weights = run_both(model, shape, torch.float32, loss=loss, chunk=64)
     assert max_rel_err(out, ref) < 2e-5
@@ -159,12 +162,12 @@ def gpu(monkeypatch):
 
     def use(arch: Arch) -> torch.device:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(triton_op.Arch, "of", staticmethod(lambda device: arch))
-        triton_op._fits_arch.cache_clear()
+        monkeypatch.setattr(tdev.Arch, "of", staticmethod(lambda device: arch))
+        ttiles._fits_arch.cache_clear()
         return torch.device("cuda")
 
     yield use
-    triton_op._fits_arch.cache_clear()
+    ttiles._fits_arch.cache_clear()
 
 
 @pytest.mark.parametrize("arch", list(ARCHS), ids=list(ARCHS))
@@ -174,7 +177,7 @@ def test_every_current_gpu_fits_every_model_dtype_and_head_dim(arch, gpu):
     for model in MODELS:
         for d in HEAD_DIMS:
             for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-                ok, why = triton_op.fits_device(model, d, dtype, device)
+                ok, why = ttiles.fits_device(model, d, dtype, device)
                 if (arch, model, dtype, d) == ("sm_75", "swiglu", torch.float64, 128):
                     assert not ok and "96 KB" in why and "allows 64 KB" in why and "Tesla T4" in why
                 else:
@@ -182,40 +185,40 @@ def test_every_current_gpu_fits_every_model_dtype_and_head_dim(arch, gpu):
 
 
 def test_fits_device_names_what_is_missing(gpu):
-    ok, why = triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(70, 96 * 1024, 80, "Tesla V100")))
+    ok, why = ttiles.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(70, 96 * 1024, 80, "Tesla V100")))
     assert not ok and "sm_70 (Tesla V100)" in why and "sm_75+" in why
-    ok, why = triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(87, 48 * 1024, 16, "Orin-lite")))
+    ok, why = ttiles.fits_device("swiglu", 64, torch.bfloat16, gpu(Arch(87, 48 * 1024, 16, "Orin-lite")))
     assert not ok and "allows 48 KB" in why and "need 96 KB" in why  # 16-bit SwiGLU at d = 64: wgmma tiles
-    assert triton_op.fits_device("swiglu", 64, torch.bfloat16, gpu(ARCHS["sm_75"])) == (True, "")
-    ok, why = triton_op.fits_device("swiglu", 256, torch.bfloat16, gpu(ARCHS["sm_90"]))
+    assert ttiles.fits_device("swiglu", 64, torch.bfloat16, gpu(ARCHS["sm_75"])) == (True, "")
+    ok, why = ttiles.fits_device("swiglu", 256, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "16..128" in why
-    ok, why = triton_op.fits_device("mlp", 64, torch.bfloat16, gpu(ARCHS["sm_90"]))
+    ok, why = ttiles.fits_device("mlp", 64, torch.bfloat16, gpu(ARCHS["sm_90"]))
     assert not ok and "mlp" in why
-    ok, why = triton_op.fits_device("swiglu", 64, torch.int32, gpu(ARCHS["sm_90"]))
+    ok, why = ttiles.fits_device("swiglu", 64, torch.int32, gpu(ARCHS["sm_90"]))
     assert not ok and "int32" in why
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks about a CUDA device where there is none")
 def test_fits_device_without_a_gpu_defers_the_check():
-    assert triton_op.fits_device("swiglu", 64, torch.bfloat16, torch.device("cuda")) == (True, "")
+    assert ttiles.fits_device("swiglu", 64, torch.bfloat16, torch.device("cuda")) == (True, "")
 
 
 def test_fits_device_on_cpu_depends_on_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert triton_op.fits_device("swiglu", 64, torch.float32, torch.device("cpu")) == (True, "")
+    assert ttiles.fits_device("swiglu", 64, torch.float32, torch.device("cpu")) == (True, "")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    ok, why = triton_op.fits_device("swiglu", 64, torch.float32, torch.device("cpu"))
+    ok, why = ttiles.fits_device("swiglu", 64, torch.float32, torch.device("cpu"))
     assert not ok and "TRITON_INTERPRET" in why
 
 
 def test_fits_device_is_cached_per_arch(gpu, monkeypatch):
     device = gpu(ARCHS["sm_86"])
     calls = []
-    real = triton_op.launch_config
-    monkeypatch.setattr(triton_op, "launch_config", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ttiles.launch_config
+    monkeypatch.setattr(ttiles, "launch_config", lambda *a, **k: calls.append(1) or real(*a, **k))
     for _ in range(3):  # fp32: the tiles decide (16-bit SwiGLU at d = 64 has one declared bound)
-        triton_op.fits_device("swiglu", 64, torch.float32, device)
-    triton_op.fits_device("swiglu", 48, torch.float32, device)  # the same 64-wide tiles
+        ttiles.fits_device("swiglu", 64, torch.float32, device)
+    ttiles.fits_device("swiglu", 48, torch.float32, device)  # the same 64-wide tiles
     assert len(calls) == 1
 
 
@@ -224,26 +227,26 @@ def test_arch_of_reads_the_device_properties(monkeypatch):
         major=8, minor=6, shared_memory_per_block_optin=101376, multi_processor_count=72, name="NVIDIA A10"
     )
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    triton_op._cuda_arch.cache_clear()
+    tdev._cuda_arch.cache_clear()
     try:
         assert Arch.of(torch.device("cuda", 0)) == Arch(86, 101376, 72, "NVIDIA A10")
         del props.shared_memory_per_block_optin  # older PyTorch: the table's value for the capability
-        triton_op._cuda_arch.cache_clear()
+        tdev._cuda_arch.cache_clear()
         assert Arch.of(torch.device("cuda", 0)).smem == ARCHS["sm_86"].smem
     finally:
-        triton_op._cuda_arch.cache_clear()
+        tdev._cuda_arch.cache_clear()
 
 
 def test_rocm_takes_triton_only_where_its_dot_precision_is_allowed(fake_gpu):
     """Triton's AMD backend rejects TF32 dots on most parts (its own option parser says which take them)."""
-    assert "tf32" in triton_op.hip_dot_precisions("gfx942")
-    assert "tf32" not in triton_op.hip_dot_precisions("gfx90a")
+    assert "tf32" in tdev.hip_dot_precisions("gfx942")
+    assert "tf32" not in tdev.hip_dot_precisions("gfx90a")
     mi250 = fake_gpu(AMD_GPUS["gfx90a"], hip="6.3")
-    ok, why = triton_op.fits_device("swiglu", 32, torch.bfloat16, mi250)
+    ok, why = ttiles.fits_device("swiglu", 32, torch.bfloat16, mi250)
     assert not ok and "ROCm gfx90a" in why and "not the tf32 dots" in why and "ieee" in why, why
-    assert triton_op.fits_device("swiglu", 32, torch.float64, mi250) == (True, "")  # IEEE dots
+    assert ttiles.fits_device("swiglu", 32, torch.float64, mi250) == (True, "")  # IEEE dots
     mi300 = fake_gpu(AMD_GPUS["gfx942"], hip="6.3")
-    assert "ROCm" not in triton_op.fits_device("swiglu", 32, torch.bfloat16, mi300)[1]
+    assert "ROCm" not in ttiles.fits_device("swiglu", 32, torch.bfloat16, mi300)[1]
 
 
 # ----------------------------------------------------------------------------------- where launches run
@@ -267,20 +270,20 @@ class _CurrentDevice:
 @pytest.fixture
 def fresh_plans():
     """No cached plan before or after the test (a plan holds its kernels, and the tiles of its arch)."""
-    triton_op.clear_plans()
+    top.clear_plans()
     yield
-    triton_op.clear_plans()
+    top.clear_plans()
 
 
 def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch, fresh_plans):
     """Inputs on GPU 1 while GPU 0 is current (stubbed launches on fake tensors): every launch runs with
     GPU 1 current (Triton takes the current device and its current stream), on tiles sized for GPU 1."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a GPU host's launch set-up
-    monkeypatch.setattr(triton_op, "K", gpu_kernels())
+    monkeypatch.setattr(tplan, "K", gpu_kernels())
     archs = {0: ARCHS["sm_90"], 1: ARCHS["sm_86"]}
-    monkeypatch.setattr(triton_op, "_cuda_arch", lambda index: archs[index])
+    monkeypatch.setattr(tdev, "_cuda_arch", lambda index: archs[index])
     monkeypatch.setattr(torch.cuda, "device", _CurrentDevice)
-    monkeypatch.setattr(triton_op, "_live", lambda t: True)  # launch on fake tensors
+    monkeypatch.setattr(top, "_live", lambda t: True)  # launch on fake tensors
     seen = []
 
     class Launcher:
@@ -290,13 +293,13 @@ def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch, fresh_
         def __getitem__(self, grid: tuple):
             return lambda *args, **kwargs: seen.append((self.name, _CurrentDevice.current, kwargs))
 
-    monkeypatch.setattr(triton_op, "wrap_triton", Launcher)
+    monkeypatch.setattr(tplan, "wrap_triton", Launcher)
     cfg = ("swiglu", "dot", 1, 196, SCALE, 1.0, True, 0)
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 2, 196, 64, device="cuda:1", dtype=torch.bfloat16) for _ in range(3))
         w1, w2 = (torch.empty(1, 2, 64, 64, device="cuda:1") for _ in range(2))
-        out, *stats = triton_op._fwd_op(q, k, v, w1, w2, *cfg)
-        triton_op._bwd_op(out, q, k, v, w1, w2, *stats, *cfg)
+        out, *stats = top._fwd_op(q, k, v, w1, w2, *cfg)
+        top._bwd_op(out, q, k, v, w1, w2, *stats, *cfg)
     assert len(seen) > 4 and {device for _, device, _ in seen} == {torch.device("cuda", 1)}
     assert _CurrentDevice.current == torch.device("cuda", 0)  # restored
 
@@ -326,27 +329,27 @@ def restore_fp32_precision():
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="PyTorch < 2.9")
 def test_precision_follows_the_new_fp32_precision_api_without_raising(restore_fp32_precision, monkeypatch):
     matmul = restore_fp32_precision
-    monkeypatch.setattr(triton_op, "_interpreting", lambda: False)  # the interpreter always takes IEEE dots
+    monkeypatch.setattr(tdev, "_interpreting", lambda: False)  # the interpreter always takes IEEE dots
     matmul.fp32_precision = "tf32"
     with pytest.raises(RuntimeError):
         _ = matmul.allow_tf32  # what the old ``_precision`` read: PyTorch refuses once the new API is set
-    assert triton_op.fp32_uses_tf32() and triton_op._precision(torch.float32) == "tf32"
+    assert tdev.fp32_uses_tf32() and tdev._precision(torch.float32) == "tf32"
     matmul.fp32_precision = "ieee"
-    assert not triton_op.fp32_uses_tf32() and triton_op._precision(torch.float32) == "ieee"
-    assert triton_op._precision(torch.bfloat16) == "tf32" and triton_op._precision(torch.float64) == "ieee"
+    assert not tdev.fp32_uses_tf32() and tdev._precision(torch.float32) == "ieee"
+    assert tdev._precision(torch.bfloat16) == "tf32" and tdev._precision(torch.float64) == "ieee"
 
 
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="PyTorch < 2.9")
 def test_precision_follows_the_legacy_flag(restore_fp32_precision, monkeypatch):
     matmul = restore_fp32_precision
-    monkeypatch.setattr(triton_op, "_interpreting", lambda: False)
+    monkeypatch.setattr(tdev, "_interpreting", lambda: False)
     matmul.fp32_precision = "none"
     # Set directly, not by monkeypatch: ``allow_tf32`` is a computed attribute of the cuBLAS module, which
     # pytest 9.2's undo would try to delete; the fixture restores the precision state.
     matmul.allow_tf32 = True
-    assert triton_op._precision(torch.float32) == "tf32"
+    assert tdev._precision(torch.float32) == "tf32"
     matmul.allow_tf32 = False
-    assert triton_op._precision(torch.float32) == "ieee"
+    assert tdev._precision(torch.float32) == "ieee"
 
 
 # ------------------------------------------------------------------------------------------------- plans
@@ -397,14 +400,20 @@ def test_folded_grids_compute_what_unfolded_ones_do():
         run = functools.partial(_fwd_bwd, name, qkv, g, params, grid, chunk)
         flat = run()
         launched = []
-        real = triton_op.Launch.__call__
+        real = tplan.Launch.__call__
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(triton_op, "GRID_X_MAX", 5)
-            patch.setattr(triton_op.Launch, "__call__", lambda self: launched.append(self.grid) or real(self))  # noqa: B023
+            patch.setattr(tplan, "GRID_X_MAX", 5)
+            patch.setattr(tplan.Launch, "__call__", functools.partialmethod(_recorded, launched, real))
             folded = run()
         assert any(y > 1 for _, y in launched) and all(x <= 5 for x, _ in launched)
         for a, e in zip(folded, flat):
             assert torch.equal(a, e), name
+
+
+def _recorded(self, launched: list, real, tensors=()) -> None:
+    """A launch that records its grid, then runs (``real``)."""
+    launched.append(self.grid)
+    real(self, tensors)
 
 
 def _fwd_bwd(name: str, qkv: torch.Tensor, g: int, params: dict, grid: tuple, chunk: int | None) -> list:
@@ -422,11 +431,74 @@ def test_plans_are_built_once_per_key(fresh_plans):
 
     for _ in range(3):
         run(20)
-    fwd, bwd = triton_op._forward_template.cache_info(), triton_op._backward_template.cache_info()
-    assert (fwd.misses, fwd.hits, bwd.misses, bwd.hits) == (1, 2, 1, 2)
-    assert triton_op._launch_config.cache_info().misses == 1
+    fwd, bwd = top._forward_template.cache_info(), top._backward_template.cache_info()
+    assert (fwd.misses, bwd.misses) == (1, 1)
+    assert ttiles._launch_config.cache_info().misses == 1
     run(19)  # a new N: a new plan
-    assert triton_op._forward_template.cache_info().misses == 2
+    assert top._forward_template.cache_info().misses == 2
+
+
+def test_a_second_eager_call_of_one_signature_only_binds_and_launches(fresh_plans, monkeypatch):
+    """The eager hot path: a call whose signature was seen runs its cached plans, with no checks, no plan key,
+    no plan built or looked up, no custom op (the dispatcher's machinery is for ``torch.compile``), forward,
+    backward and inference alike; a new layout of the upstream gradient builds its backward plan once."""
+    for name, loss in (("swiglu", "dot"), ("linear", "mse"), ("dwconv", "dot")):
+        qkv, params = make_inputs(name, 1, 2, 16, 16, torch.float32)
+
+        def fwd(name=name, loss=loss, qkv=qkv, params=params) -> torch.Tensor:
+            q, k, v = split_heads(qkv, 2)
+            return kernels.triton_ttt(
+                name, q, k, v, params, grid=(4, 4), scale=SCALE, loss=loss, backend="triton"
+            )
+
+        out = fwd()  # the first calls: checked and planned
+        out.backward(torch.ones_like(out))
+        with torch.no_grad():
+            fwd()
+        with pytest.MonkeyPatch.context() as patch:
+            for slow in (
+                "_validate",
+                "_checked",
+                "_key",
+                "_fwd_op",
+                "_bwd_op",
+                "_forward",
+                "_backward_grads",
+            ):
+                patch.setattr(top, slow, lambda *a, slow=slow, **k: pytest.fail(f"{slow} on the hot path"))
+            for where, cache in (
+                (top, "_forward_template"),
+                (top, "_backward_template"),
+                (ttiles, "_launch_config"),
+            ):
+                patch.setattr(where, cache, lambda *a, cache=cache: pytest.fail(f"{cache} looked up"))
+            out = fwd()
+            out.backward(torch.ones_like(out))
+            with torch.no_grad():
+                fwd()
+        out = fwd()
+        dout = torch.ones(out.shape[::-1]).permute(3, 2, 1, 0)  # another layout: a new backward plan
+        before = top._backward_template.cache_info().misses
+        out.backward(dout)
+        out = fwd()
+        out.backward(dout)
+        assert top._backward_template.cache_info().misses == before + 1, name
+
+
+def test_eager_path_and_custom_ops_agree_bit_for_bit(fresh_plans):
+    """The eager node (``_TritonTTT``) and the custom ops ``torch.compile`` traces (their registered autograd)
+    run the same plans: identical outputs and gradients."""
+    for name, loss in (("swiglu", "dot"), ("linear", "mse"), ("dwconv", "dot")):
+        qkv, params = make_inputs(name, 2, 2, 20, 16, torch.float32)
+        w = list(params.values())
+        w1, w2 = w[0], (w[1] if len(w) == 2 else None)
+        cfg = (name, loss, 4, 5, SCALE, 1.0, True, 0)
+        eager = kernels.triton_ttt(name, *split_heads(qkv, 2), params, grid=(4, 5), scale=SCALE, loss=loss,
+                                   backend="triton")  # fmt: skip
+        op = torch.ops.vit3.triton_ttt_fwd(*split_heads(qkv, 2), w1, w2, *cfg)[0]
+        for a, e in zip([op, *torch.autograd.grad(op.square().sum(), [qkv, *w])],
+                        [eager, *torch.autograd.grad(eager.square().sum(), [qkv, *w])]):  # fmt: skip
+            assert torch.equal(a, e), name
 
 
 def test_forward_and_backward_read_no_tensor_data_on_the_host(monkeypatch):
@@ -434,8 +506,8 @@ def test_forward_and_backward_read_no_tensor_data_on_the_host(monkeypatch):
     allocations, launches, autograd) runs on meta tensors, where reading a value (``.item()``, ``bool``, a copy
     to the host) raises."""
     launched = []
-    monkeypatch.setattr(triton_op, "triton_runs_on", lambda device: True)
-    monkeypatch.setattr(triton_op.Launch, "__call__", lambda self: launched.append(self.label))
+    monkeypatch.setattr(top, "triton_runs_on", lambda device: True)
+    monkeypatch.setattr(tplan.Launch, "__call__", lambda self, tensors=(): launched.append(self.label))
     for name, loss in (("swiglu", "dot"), ("linear", "mse"), ("dwconv", "dot")):
         qkv = torch.empty(2, 64, 3 * 2 * 32, device="meta", requires_grad=True)
         shape = (1, 64, 3, 3) if name == "dwconv" else (1, 2, 32, 32)

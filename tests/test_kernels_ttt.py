@@ -2,7 +2,7 @@
 
 Runs on ``helpers.ops.DEVICE``: the GPU, or Triton's interpreter on CPU (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1`` where there is no GPU).
-Every buffer the op allocates is filled with NaN first (``triton_op.DEBUG_FILL``), so an element a kernel
+Every buffer the op allocates is filled with NaN first (``triton.plan.DEBUG_FILL``), so an element a kernel
 fails to write shows up as a mismatch. q, k, v are always strided views of one qkv projection output.
 """
 
@@ -15,8 +15,10 @@ import triton.language as tl
 from helpers.ops import DEVICE, SCALE, make_inputs, max_rel_err, per_tensor, rel_rms, run_both, split_heads
 
 import vit3.kernels as kernels
-from vit3.kernels import triton_kernels, triton_op
+from vit3.kernels import triton_kernels
 from vit3.kernels.reference import reference_ttt
+from vit3.kernels.triton import op as top
+from vit3.kernels.triton import plan as tplan
 from vit3.layers import TTTConfig, TTTMixer, backends
 
 pytestmark = pytest.mark.triton
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.triton
 
 @pytest.fixture(autouse=True)
 def _nan_fill(monkeypatch):
-    monkeypatch.setattr(triton_op, "DEBUG_FILL", float("nan"))
+    monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
 
 
 CASES = [
@@ -203,10 +205,8 @@ def test_reference_switch_by_argument_only(name, monkeypatch):
     b, g, n, d = 1, 2, 40, 16
     qkv, params = make_inputs(name, b, g, n, d, torch.float32)
     calls = []
-    original = triton_op.reference.reference_ttt
-    monkeypatch.setattr(
-        triton_op.reference, "reference_ttt", lambda *a, **k: calls.append(1) or original(*a, **k)
-    )
+    original = top.reference.reference_ttt
+    monkeypatch.setattr(top.reference, "reference_ttt", lambda *a, **k: calls.append(1) or original(*a, **k))
 
     def run(**kw):
         out = kernels.triton_ttt(name, *split_heads(qkv, g), params, grid=(5, 8), scale=SCALE, **kw)
@@ -332,8 +332,8 @@ def mixer_run(
 @pytest.mark.parametrize("branches", [("swiglu", "dwconv:1"), ("linear",)], ids=["official", "linear"])
 def test_mixer_triton_equals_torch_end_to_end(branches, monkeypatch):
     calls = []
-    original = triton_op.triton_ttt
-    monkeypatch.setattr(triton_op, "triton_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
+    original = top.triton_ttt
+    monkeypatch.setattr(top, "triton_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
     fused, plain = mixer_pair(branches)
     x = torch.randn(2, 35, 64, device=DEVICE)
     out_f, grads_f, dx_f = mixer_run(fused, x, (5, 7))
@@ -348,8 +348,8 @@ def test_mixer_triton_equals_torch_end_to_end(branches, monkeypatch):
 
 def test_mixer_environment_variable_flips_the_implementation(monkeypatch):
     calls = []
-    original = triton_op.triton_ttt
-    monkeypatch.setattr(triton_op, "triton_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
+    original = top.triton_ttt
+    monkeypatch.setattr(top, "triton_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
     mixer = TTTMixer(32, 2, branches=("swiglu",)).to(DEVICE)  # backend="auto": the kernel on CUDA only
     x = torch.randn(1, 12, 32, device=DEVICE)
     with torch.no_grad():
@@ -419,10 +419,8 @@ def test_unsupported_head_dim_falls_back_to_reference_or_raises(monkeypatch):
     g, n, d = 1, 6, 136
     qkv, params = make_inputs("linear", 1, g, n, d, torch.float32)
     calls = []
-    original = triton_op.reference.reference_ttt
-    monkeypatch.setattr(
-        triton_op.reference, "reference_ttt", lambda *a, **k: calls.append(1) or original(*a, **k)
-    )
+    original = top.reference.reference_ttt
+    monkeypatch.setattr(top.reference, "reference_ttt", lambda *a, **k: calls.append(1) or original(*a, **k))
     out = kernels.triton_ttt("linear", *split_heads(qkv, g), params, scale=SCALE)
     assert calls == [1] and out.shape == (1, g, n, d)
     with pytest.raises(ValueError, match="shared memory"):

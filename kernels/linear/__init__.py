@@ -1,5 +1,5 @@
 """The linear op (non-causal linear attention): ``reference``; its fast path is the Triton kernels
-(``vit3.kernels.triton_op``, shared with the other ops)."""
+(``vit3.kernels.triton``, shared with the other ops)."""
 
 from ..ops import Op
 from ..triton_path import TRITON

@@ -1,6 +1,6 @@
 """The SwiGLU op (the official ViT³ inner model): ``reference`` (the one definition), ``eager`` (the tiled
 PyTorch path with a hand-written backward, and the glue of the same passes in the C++ CPU kernel,
-``csrc/swiglu.cpp``, built by ``vit3.kernels.cpp``) and the Triton kernels (``vit3.kernels.triton_op``, shared
+``csrc/swiglu.cpp``, built by ``vit3.kernels.cpp``) and the Triton kernels (``vit3.kernels.triton``, shared
 with the other ops)."""
 
 from ..ops import Op, Path

@@ -1,0 +1,410 @@
+"""The Triton path of the TTT ops: custom ``torch.library`` ops around the Triton kernels, autograd, the op.
+
+``triton_ttt`` runs one full-batch inner step of an inner model (``"swiglu"``: the official ViT³ branch,
+dot loss; ``"linear"``: dot or MSE loss; ``"dwconv"``: the official 3x3 depthwise-conv branch, dot loss)
+per (sample, head) and applies the result to the queries, forward and backward in Triton. It is registered
+as the custom ops ``vit3::triton_ttt_fwd`` / ``vit3::triton_ttt_bwd`` (``torch.library.triton_op``) so
+``torch.compile`` sees the kernels without a graph break; in eager mode a call runs its cached ``_Call``
+(checked and planned once per signature) through a plain autograd node instead. ``backend="reference"`` runs
+the pure-PyTorch reference formulation (``vit3.kernels.reference``). Which implementation a mixer runs is
+decided by ``vit3.layers.backends``: this op reads no environment variable of its own. The backward is
+differentiable for a double backward (``create_graph=True``): autograd through the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.library import triton_op
+
+from .. import reference
+from ..common import autocast_backward, autocast_forward, grad_flows
+from . import plan, tiles
+from .device import (
+    IO_DTYPES,
+    MIN_HEAD_DIM,
+    TRITON_LOSSES,
+    WEIGHT_NAMES,
+    _acc_dtype,
+    _interpreting,
+    fp32_uses_tf32,
+    head_dim_supported,
+    max_head_dim,
+    triton_runs_on,
+)
+from .plan import _backward_template, _forward_template, _key, _meta, _Plan
+from .tiles import _launch_config
+
+__all__ = ["clear_plans", "resolve_backend", "triton_ttt"]
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """Checks ``backend``: ``"auto"``, ``"triton"`` or ``"reference"``."""
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    return backend
+
+
+def clear_plans() -> None:
+    """Forgets every cached plan, eager call and launch configuration (tests that change a module-level hook)."""
+    _CALLS.clear()
+    _forward_template.cache_clear()
+    _backward_template.cache_clear()
+    _launch_config.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------- custom ops
+
+
+def _kernel_op(name: str) -> Any:
+    """Registers ``fn`` as custom op ``name``: a ``triton_op`` (kernels visible to ``torch.compile``).
+
+    Under ``TRITON_INTERPRET=1`` kernels are interpreted Python functions that ``torch.compile`` cannot
+    trace, so the op is an opaque ``custom_op`` instead, with ``fn`` (which launches nothing on fake
+    tensors) as its fake implementation: compiled graphs still hold the op, without graph breaks.
+    """
+
+    def register(fn: Any) -> Any:
+        if _interpreting():
+            op = torch.library.custom_op(name, fn, mutates_args=())
+            op.register_fake(fn)
+            return op
+        return triton_op(name, fn, mutates_args=())
+
+    return register
+
+
+def _live(t: Tensor) -> bool:
+    """False for fake tensors (shape propagation only: nothing to launch)."""
+    return not isinstance(t, FakeTensor)
+
+
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int, wd: int,
+    scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Runs the forward (none on fake tensors): ``(out [B, G, N, c], G [B*G, NW, R, c], ||G||)``."""
+    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
+    plan = _forward_template(key, True, tuple(_meta(t) for t in (q, k, v, w1, w2)))
+    return plan.run((q, k, v, w1, w1 if w2 is None else w2), _live(q))
+
+
+def _backward_grads(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, gbuf: Tensor, nbuf: Tensor,
+    model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Runs the backward: ``dq``, ``dk``, ``dv`` ``[B, G, N, c]`` and ``dW`` (accumulator dtype)."""
+    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
+    plan = _backward_template(key, tuple(_meta(t) for t in (q, k, v, w1, w2)), _meta(dout))
+    return plan.run((dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf), _live(q))
+
+
+@_kernel_op("vit3::triton_ttt_fwd")
+def _fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int, wd: int,
+    scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Forward: ``out [B, G, N, c]`` and the saved statistics ``G`` ``[B*G, NW, R, c]`` and ``||G||``.
+
+    ``w1`` (and ``w2``, SwiGLU only) are the initial weights ``[1, G, c, c]``, or the depthwise conv's
+    ``[1, G*c, 3, 3]`` on the ``h x wd`` grid (``R`` = 9 taps); ``chunk <= 0`` picks the split of N.
+    """
+    return _forward(q, k, v, w1, w2, model, loss, h, wd, scale, lr, grad_norm, chunk)
+
+
+@_kernel_op("vit3::triton_ttt_bwd")
+def _bwd_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, gbuf: Tensor, nbuf: Tensor,
+    model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Backward: ``dq``, ``dk``, ``dv`` ``[B, G, N, c]`` and ``dW`` (``backward_plan``, accumulator dtype)."""
+    return _backward_grads(dout, q, k, v, w1, w2, gbuf, nbuf, model, loss, h, wd, scale, lr, grad_norm, chunk)
+
+
+def _weight_grads(dw: Tensor, two: bool) -> tuple[Tensor, Tensor | None]:
+    """``dW`` of the plan as the weights' gradients: SwiGLU's ``[1, G, 2, c, c]`` in two, else as it is."""
+    return dw.unbind(2) if two else (dw, None)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, w1, w2, *cfg = inputs
+    ctx.save_for_backward(q, k, v, w1, w2, *output[1:])  # G and ||G||: W' is recomputed from them
+    ctx.cfg = cfg
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward(ctx: Any, dout: Tensor, *_stats: Tensor) -> tuple:
+    q, k, v, w1, w2, gbuf, nbuf = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
+        grads = _reference_backward(dout, q, k, v, w1, w2, *ctx.cfg)
+    else:
+        dq, dk, dv, dw = _bwd_op(dout, q, k, v, w1, w2, gbuf, nbuf, *ctx.cfg)
+        grads = (dq, dk, dv, *_weight_grads(dw, w2 is not None))
+    return (*grads, *(None,) * len(ctx.cfg))
+
+
+def _reference_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int,
+    wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor | None, ...]:  # fmt: skip
+    """The backward as a differentiable graph, for a double backward: autograd through the op's reference on
+    the saved inputs, in the kernels' accumulator dtype (the kernels' backward has no derivative of its own).
+    Gradients of ``(q, k, v, w1, w2)``, ``None`` where an input does not require one."""
+    inputs = (q, k, v, w1, w2)
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    if not wanted:
+        return (None,) * len(inputs)
+    acc = _acc_dtype(q.dtype)[0]
+    params = {name: t.to(acc) for name, t in zip(WEIGHT_NAMES[model], (w1, w2))}
+    kw = {"grid": (h, wd), "scale": scale, "lr": lr, "grad_norm": grad_norm, "loss": loss}
+    out = reference.reference_ttt(model, *(t.to(acc) for t in (q, k, v)), params, **kw)
+    grads = iter(torch.autograd.grad(out, wanted, dout.to(acc), create_graph=True, allow_unused=True))
+    return tuple(next(grads) if t is not None and t.requires_grad else None for t in inputs)
+
+
+torch.library.register_autograd("vit3::triton_ttt_fwd", _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ the eager path
+
+# The eager calls seen so far, by signature (``_signature``): at most ``MAX_CALLS``, then forgotten at once.
+_CALLS: dict[tuple, _Call] = {}
+MAX_CALLS = 1024
+
+
+class _Call:
+    """The eager path of one call signature: checked once, its plans built once, each call binds tensors.
+
+    A signature (``_signature``) holds everything ``_validate``, the plan key and the weights' layout depend
+    on, so a call that finds its ``_Call`` is valid, needs no key and allocates and launches only. The
+    forward plans (with and without saved statistics) are built on first use, the backward's per upstream
+    gradient layout; the autograd node (``_TritonTTT``) carries the ``_Call`` to its backward.
+    """
+
+    __slots__ = ("backwards", "cfg", "copy", "forwards", "key", "metas", "names")
+
+    def __init__(
+        self, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, copy: bool
+    ):
+        self.cfg = cfg  # (model, loss, h, wd, scale, lr, grad_norm, chunk): ``_fwd_op``'s settings
+        self.key = _key(q, *cfg)
+        self.metas = (_meta(q), _meta(k), _meta(v), _meta(w1), _meta(w2))
+        self.names = WEIGHT_NAMES[cfg[0]]
+        self.copy = copy  # the weights are copied into one layout (``_weights_of``)
+        self.forwards: dict[bool, _Plan] = {}
+        self.backwards: dict[tuple, _Plan] = {}
+
+    def forward(self, save: bool) -> _Plan:
+        """The forward plan, saving ``G`` and ``||G||`` for a backward or not (inference)."""
+        plan = self.forwards.get(save)
+        if plan is None:
+            plan = self.forwards[save] = _forward_template(self.key, save, self.metas)
+        return plan
+
+    def backward(self, dout: Tensor) -> _Plan:
+        """The backward plan for upstream gradients laid out as ``dout`` (its shape is the output's)."""
+        layout = (dout.stride(), dout.dtype)
+        plan = self.backwards.get(layout)
+        if plan is None:
+            plan = self.backwards[layout] = _backward_template(self.key, self.metas, _meta(dout))
+        return plan
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> Tensor:
+        if self.copy:
+            w1, w2 = _weights_of(self.cfg[0], params)
+        else:
+            w1, w2 = params[self.names[0]], (params[self.names[1]] if len(self.names) == 2 else None)
+        if grad_flows(q, k, v, w1, w2):
+            return _TritonTTT.apply(q, k, v, w1, w2, self)
+        return self.forward(False).run((q, k, v, w1, w1 if w2 is None else w2), _live(q))[0]
+
+
+def _signature(
+    name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], *settings: Any
+) -> tuple:
+    """What a ``triton_ttt`` call's checks, plan and weight layout depend on: the settings (with the module
+    hooks ``TILES_AS`` and ``GRID_X_MAX``), every tensor's shape, strides, dtype and device, the weights' names."""
+    sig = [name, *settings, tiles.TILES_AS, plan.GRID_X_MAX]
+    for t in (q, k, v, *params.values()):
+        sig += (t.shape, t.stride(), t.dtype, t.device)
+    return (*sig, *params)
+
+
+class _TritonTTT(torch.autograd.Function):
+    """The eager path's autograd node: a ``_Call``'s plans, without the dispatcher's custom-op machinery (tens
+    of microseconds a call in eager mode; ``torch.compile`` traces the custom ops instead). The backward takes
+    its plan from the forward's ``_Call``: no second look at the settings; it runs under the forward's
+    autocast state (``autocast_backward``), and through the reference where it must be differentiable itself
+    (``create_graph=True``: ``_reference_backward``)."""
+
+    @staticmethod
+    @autocast_forward
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, call: _Call
+    ) -> Tensor:
+        out, gbuf, nbuf = call.forward(True).run((q, k, v, w1, w1 if w2 is None else w2), _live(q))
+        ctx.save_for_backward(q, k, v, w1, w2, gbuf, nbuf)  # G and ||G||: W' is recomputed from them
+        ctx.call = call
+        return out
+
+    @staticmethod
+    @autocast_backward
+    def backward(ctx: Any, dout: Tensor) -> tuple:
+        q, k, v, w1, w2, gbuf, nbuf = ctx.saved_tensors
+        call = ctx.call
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
+            return (*_reference_backward(dout, q, k, v, w1, w2, *call.cfg), None)
+        inputs = (dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf)
+        dq, dk, dv, dw = call.backward(dout).run(inputs, _live(q))
+        return dq, dk, dv, *_weight_grads(dw, w2 is not None), None
+
+
+# ---------------------------------------------------------------------------------------------- public op
+
+
+def _validate(name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], loss: str) -> None:
+    if name not in TRITON_LOSSES:
+        raise ValueError(f"triton_ttt supports the inner models {tuple(TRITON_LOSSES)}, got {name!r}")
+    if loss not in TRITON_LOSSES[name]:
+        raise ValueError(f"triton_ttt supports the losses {TRITON_LOSSES[name]} for {name!r}, got {loss!r}")
+    if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(
+            f"q, k, v must all be [B, G, N, c], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[2] < 1:
+        raise ValueError("triton_ttt needs at least one token (N >= 1)")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in IO_DTYPES:
+        raise ValueError(f"q, k, v must share one dtype of {IO_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    names = WEIGHT_NAMES[name]
+    if len(params) != len(names) or any(key not in params for key in names):
+        raise ValueError(f"inner model {name!r} takes the weights {names}, got {sorted(params)}")
+    _, g, _, d = q.shape
+    for key in names:
+        p = params[key]
+        shape = (1, g * d, 3, 3) if name == "dwconv" else (1, g, d, d)
+        if p.shape != shape:
+            raise ValueError(
+                f"weight {key!r} must be {list(shape)} (shared initial weights), got {list(p.shape)}"
+            )
+        if p.device != q.device or not p.is_floating_point():
+            raise ValueError(
+                f"weight {key!r} must be a floating tensor on {q.device}, got {p.dtype} on {p.device}"
+            )
+
+
+def _weights_of(name: str, params: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    """The initial weights as the kernels read them, in place: ``(W1, W2)`` of SwiGLU (one layout: copied
+    only if their strides differ), ``(W, None)`` of the linear model, the conv weight (copied only if its
+    3 x 3 taps are not one stride apart)."""
+    if name == "swiglu":
+        w1, w2 = params["w1"], params["w2"]
+        if w1.stride() != w2.stride() or w1.dtype != w2.dtype:
+            w1, w2 = w1.contiguous(), w2.to(w1.dtype).contiguous()
+        return w1, w2
+    if name == "dwconv":
+        w = params["weight"]
+        return (w if w.stride(2) == 3 * w.stride(3) else w.contiguous()), None
+    return params["w"], None
+
+
+def _checked(
+    name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], grid: tuple[int, int] | None,
+    loss: str, backend: str, chunk: int | None,
+) -> tuple[str, tuple[int, int]]:  # fmt: skip
+    """Checks a ``triton_ttt`` call: which implementation runs it (``"triton"`` or ``"reference"``) on which
+    token grid ``(h, w)``; a ``ValueError`` naming what is wrong."""
+    _validate(name, q, k, v, params, loss)
+    if grid is None and name == "dwconv":
+        raise ValueError("the depthwise-conv inner model needs the token grid (h, w)")
+    grid = grid or (1, q.shape[2])
+    if grid[0] < 1 or grid[1] < 1 or grid[0] * grid[1] != q.shape[2]:
+        raise ValueError(f"grid {grid[0]}x{grid[1]} does not fit N={q.shape[2]}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
+    d = q.shape[-1]
+    which = resolve_backend(backend)
+    if which == "auto":
+        which = "triton" if triton_runs_on(q.device) and head_dim_supported(name, d) else "reference"
+    if q.shape[0] * q.shape[1] == 0:  # nothing to launch
+        which = "reference"
+    if which == "reference":
+        return which, grid
+    if not triton_runs_on(q.device):
+        raise ValueError(f"the Triton kernel cannot run on {q.device} (CUDA, or CPU with TRITON_INTERPRET=1)")
+    if not head_dim_supported(name, d):
+        top = max_head_dim(name)
+        why = " (wider tiles exceed on-chip shared memory)" if d > top else ""
+        raise ValueError(
+            f"the Triton kernel for {name!r} with {q.dtype} supports head dims {MIN_HEAD_DIM}..{top}, got {d}{why}"
+        )
+    return which, grid
+
+
+def triton_ttt(
+    name: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: dict[str, Tensor],
+    *,
+    grid: tuple[int, int] | None = None,
+    scale: float,
+    lr: float = 1.0,
+    grad_norm: bool = True,
+    loss: str = "dot",
+    backend: str = "auto",
+    chunk: int | None = None,
+) -> Tensor:
+    """One full-batch inner step of inner model ``name`` on ``(k, v)``, applied to ``q``, fused.
+
+    Equals ``vit3.layers.inner_loop`` (one step, one mini-batch, fixed lr) followed by ``apply_to``.
+
+    Args:
+        name: ``"swiglu"``, ``"linear"`` or ``"dwconv"`` (3x3 depthwise conv over the grid).
+        q, k, v: ``[B, G, N, c]``, any strides (e.g. views of one qkv projection; read in place), float16,
+            bfloat16, float32 or float64; accumulation in float32 (float64 for float64).
+        params: initial weights ``{"w1", "w2"}`` (SwiGLU) or ``{"w"}`` (linear), each ``[1, G, c, c]``, or
+            ``{"weight": [1, G*c, 3, 3]}`` (depthwise conv, channel ``g*c + i`` = head g, channel i); read
+            where they are, in their own dtype.
+        grid: the raster token grid ``(h, w)``, ``h * w == N`` (needed by ``"dwconv"``, else only checked).
+        scale: loss scale s (the loss is ``(s / N) Σ_n l_n``).
+        lr: inner learning rate.
+        grad_norm: the official ``G / (||G||_col + 1)``.
+        loss: ``"dot"`` (both models) or ``"mse"`` (linear only).
+        backend: ``"triton"``, ``"reference"`` or ``"auto"`` (Triton where it runs and takes the head dim,
+            16..128, else the reference).
+        chunk: tokens per program (tests force a split of N with it); ``None`` chooses.
+
+    Returns:
+        ``[B, G, N, c]`` in q's dtype (token-major memory, so ``transpose(1, 2)`` to ``[B, N, G*c]`` is free).
+    """
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # eager: a signature seen before runs its cached ``_Call`` (checked, planned) at once
+        grid = None if grid is None else tuple(grid)
+        interpret = _interpreting()
+        tf32 = q.dtype is torch.float32 and not interpret and fp32_uses_tf32()
+        sig = _signature(
+            name, q, k, v, params, grid, scale, lr, grad_norm, loss, backend, chunk, interpret, tf32
+        )
+        call = _CALLS.get(sig)
+        if call is not None:
+            return call(q, k, v, params)
+    which, grid = _checked(name, q, k, v, params, grid, loss, backend, chunk)
+    if which == "reference":
+        return reference.reference_ttt(
+            name, q, k, v, params, grid=grid, scale=scale, lr=lr, grad_norm=grad_norm, loss=loss
+        )
+    w1, w2 = _weights_of(name, params)
+    cfg = (name, loss, grid[0], grid[1], float(scale), float(lr), bool(grad_norm), chunk or 0)
+    if compiling:
+        return _fwd_op(q, k, v, w1, w2, *cfg)[0]
+    if len(_CALLS) >= MAX_CALLS:
+        _CALLS.clear()
+    copy = w1 is not params[WEIGHT_NAMES[name][0]]
+    call = _CALLS[sig] = _Call(cfg, q, k, v, w1, w2, copy)
+    return call(q, k, v, params)

@@ -1,0 +1,445 @@
+"""Launch plans of the Triton kernels: each kernel launch of a forward or backward (``Launch``), built once
+per key on meta tensors (``_forward_template`` / ``_backward_template``) as a ``_Plan`` whose calls allocate
+its buffers and bind its tensors; ``forward_plan`` / ``backward_plan`` give the bound launches to the offline
+compiles (``vit3.kernels.aot``) and the roofline. A plan's launches run with the inputs' GPU current
+(``_Plan.run``: Triton launches on the current device and its current stream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.library import wrap_triton
+
+from .. import triton_kernels as K
+from . import tiles
+from .device import Arch, _acc_dtype, _gpu_precision, _interpreting
+from .tiles import INTERPRET_TILES, LaunchConfig, _cdiv, _pow2, launch_config
+
+__all__ = [
+    "DEBUG_FILL",
+    "GRID_X_MAX",
+    "Launch",
+    "backward_plan",
+    "fold_grid",
+    "forward_plan",
+    "reduce_split",
+]
+
+# Test hook: when set (e.g. to NaN), every buffer the op allocates is filled with it, so any element a kernel
+# fails to write shows up in the result.
+DEBUG_FILL: float | None = None
+
+
+# The weight-gradient reduction (``wgrad_reduce_kernel``): BLOCK_T items of BLOCK_E numbers per step (BLOCK_E
+# halved down to REDUCE_MIN_BLOCK_E where the output blocks are too few to give every SM a program), and the
+# programs it aims at per SM (its runs are cut so that about this many programs per SM share the work).
+REDUCE_BLOCK_T, REDUCE_BLOCK_E, REDUCE_MIN_BLOCK_E, REDUCE_WARPS, REDUCE_PROGRAMS_PER_SM = 4, 512, 128, 4, 2
+
+# The largest grid axis 0 (CUDA: 2^31 - 1 blocks). Every launch numbers its programs on one flat axis and
+# folds it onto axis 1 only beyond this (``fold_grid``), so B*G never meets the 65,535 cap of axes 1 and 2.
+# Tests lower it to run the folded path.
+GRID_X_MAX = 2**31 - 1
+
+
+def fold_grid(programs: int) -> tuple[int, int]:
+    """The 2-D grid of ``programs`` flat program ids: ``(x, y)``, ``x * y >= programs``; the kernels map
+    ``(pid_x, pid_y)`` to ``pid_y * x + pid_x`` and return where it is past the last program."""
+    x = min(programs, GRID_X_MAX)
+    return x, _cdiv(programs, x)
+
+
+class Launch(NamedTuple):
+    """One kernel launch of a plan: ``kernel[grid](*args, **constexprs, **options)``.
+
+    The one place a launch executes: the custom ops and the eager node run each of a plan's launches by
+    calling it on the plan's tensors (``slots``: which argument positions take which of them; a launch of
+    ``forward_plan`` / ``backward_plan`` has its tensors bound already, no slots).
+    """
+
+    label: str  # the kernel's name, with ``[cols]`` / ``[cross]`` for the two launches of a split stage
+    kernel: Any  # a ``triton.JITFunction``
+    grid: tuple[int, ...]
+    args: tuple  # ``None`` at the positions ``slots`` fills
+    kwargs: dict[str, Any]  # constexprs and launch options (num_warps, num_stages)
+    programs: int = 0  # the programs that do work (``fold_grid``'s grid may round them up)
+    slots: tuple[tuple[int, int], ...] = ()  # (argument position, index into the plan's tensors)
+
+    def bound(self, tensors: Sequence[Tensor]) -> tuple:
+        """The launch's arguments with the plan's ``tensors`` in their slots."""
+        if not self.slots:
+            return self.args
+        args = list(self.args)
+        for pos, i in self.slots:
+            args[pos] = tensors[i]
+        return tuple(args)
+
+    def __call__(self, tensors: Sequence[Tensor] = ()) -> None:
+        wrap_triton(self.kernel)[self.grid](*self.bound(tensors), **self.kwargs)
+
+
+class _Buffer(NamedTuple):
+    """A buffer a plan allocates per call: ``shape`` (``perm`` of its memory order) and ``stride``."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(shape: tuple[int, ...], dtype: torch.dtype, perm: tuple[int, ...] | None) -> _Buffer:
+        """A contiguous ``shape`` seen through ``perm`` (``None``: as it is)."""
+        t = torch.empty(shape, device="meta")
+        t = t.permute(perm) if perm else t
+        return _Buffer(tuple(t.shape), t.stride(), dtype)
+
+    def alloc(self, device: torch.device) -> Tensor:
+        return _filled(torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device))
+
+
+def _filled(t: Tensor) -> Tensor:
+    """``t`` filled with ``DEBUG_FILL`` where that is set."""
+    return t if DEBUG_FILL is None else t.fill_(DEBUG_FILL)
+
+
+class _Builder:
+    """Builds a plan on meta tensors, recording the buffers it allocates and the launches it makes."""
+
+    def __init__(self, inputs: tuple[Tensor | None, ...]) -> None:
+        self.tensors = list(inputs)
+        self.buffers: list[_Buffer] = []
+        self.launches: list[Launch] = []
+
+    def buffer(self, *shape: int, dtype: torch.dtype, perm: tuple[int, ...] | None = None) -> Tensor:
+        self.buffers.append(_Buffer.of(shape, dtype, perm))
+        self.tensors.append(self.buffers[-1].alloc(torch.device("meta")))
+        return self.tensors[-1]
+
+    def launch(self, label: str, kernel: Any, programs: int, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.launches.append(Launch(label, kernel, fold_grid(programs), args, kwargs, programs))
+
+    def plan(self, outputs: tuple[Tensor, ...]) -> _Plan:
+        ids = {id(t): i for i, t in enumerate(self.tensors) if t is not None}
+        launches = []
+        for launch in self.launches:
+            slots = tuple((p, ids[id(a)]) for p, a in enumerate(launch.args) if isinstance(a, Tensor))
+            args = tuple(None if isinstance(a, Tensor) else a for a in launch.args)
+            launches.append(launch._replace(args=args, slots=slots))
+        return _Plan(tuple(self.buffers), tuple(launches), tuple(ids[id(t)] for t in outputs))
+
+
+class _Plan(NamedTuple):
+    """The cached launch plan of one key: buffers to allocate, launches (with their tensor arguments left out:
+    ``Launch.slots`` maps argument positions to the plan's tensors, inputs then buffers), which tensors it
+    returns."""
+
+    buffers: tuple[_Buffer, ...]
+    launches: tuple[Launch, ...]
+    outputs: tuple[int, ...]
+
+    def _tensors(self, inputs: tuple[Tensor, ...]) -> list[Tensor]:
+        device = inputs[0].device
+        made = [torch.empty_strided(b.shape, b.stride, dtype=b.dtype, device=device) for b in self.buffers]
+        return [*inputs, *(made if DEBUG_FILL is None else map(_filled, made))]
+
+    def bind(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], list[Launch]]:
+        """Allocates the buffers on the inputs' device; returns the outputs and the launches on them."""
+        tensors = self._tensors(inputs)
+        launches = [launch._replace(args=launch.bound(tensors), slots=()) for launch in self.launches]
+        return tuple(tensors[i] for i in self.outputs), launches
+
+    def run(self, inputs: tuple[Tensor, ...], launch: bool = True) -> tuple[Tensor, ...]:
+        """Allocates the buffers on the inputs' device, runs the launches on them in order (``launch=False``:
+        none, for fake tensors) under ``_on_device`` and returns the outputs."""
+        tensors = self._tensors(inputs)
+        if launch:
+            device = inputs[0].device
+            with _on_device(device) if device.type == "cuda" else contextlib.nullcontext():
+                for one in self.launches:
+                    one(tensors)
+        return tuple([tensors[i] for i in self.outputs])
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a plan's launches run in: ``device`` current on a GPU. Triton launches on the current CUDA
+    device and its current stream: a tensor of another GPU would hand that GPU's pointers to a kernel on the
+    current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Compiled graphs guard
+    their devices themselves."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _device_arch(device: torch.device) -> Arch:
+    return Arch.of(device) if device.type == "cuda" else INTERPRET_TILES[0]
+
+
+def _tile_kwargs(cfg: LaunchConfig, role: str, acc_tl: Any, **flags: Any) -> dict[str, Any]:
+    t = cfg.tiles[role]
+    out = {"BLOCK_N": t.block_n, "BLOCK_D": cfg.block_d, "ACC": acc_tl, **flags, **t.options()}
+    if role != "conv":
+        out |= {"BLOCK_C": t.block_c, "DOT": cfg.dot, "EMU": cfg.emulate, "PREC": cfg.prec}
+    return out
+
+
+def _small_kwargs(cfg: LaunchConfig, acc_tl: Any, nw: int) -> dict[str, Any]:
+    t = cfg.tiles["small"]
+    return {"NW": nw, "BLOCK_R": cfg.block_r, "BLOCK_C": t.block_c, "ACC": acc_tl, **t.options()}
+
+
+def _weight_strides(model: str, w: Tensor, d: int) -> tuple[int, int, int]:
+    """(head, row, column) strides of the initial weights as the kernels read them: ``[1, G, d, d]``, or the
+    depthwise conv's ``[1, G*d, 3, 3]`` as ``[G, 9 taps, d channels]`` (taps ``3 ty + tx`` one stride apart)."""
+    if model == "dwconv":
+        return d * w.stride(1), w.stride(3), w.stride(1)
+    return w.stride(1), w.stride(2), w.stride(3)
+
+
+def _stage(
+    bld: _Builder, cfg: LaunchConfig, role: str, kernel: Any, bg: int, d: int, args: tuple, acc_tl: Any,
+    flags: dict[str, Any],
+) -> None:  # fmt: skip
+    """The launches of a backward matrix stage: one launch for a single column block, else the column launch
+    (per-column outputs) and the cross launch (``dq`` / ``dk``, every column block in turn). Labels name the
+    kernel and, in brackets, the launch (``cols``, ``cross``) and ``fused`` (``FUSED``: N not split)."""
+    name, c = kernel.fn.__name__, cfg.cols(role, d)
+    tag = ["fused"] if flags["FUSED"] else []
+
+    def label(*parts: str) -> str:
+        return f"{name}[{','.join(parts)}]" if parts else name
+
+    if c == 1:
+        kw = _tile_kwargs(cfg, role, acc_tl, COLS=True, CROSS=True, **flags)
+        bld.launch(label(*tag), kernel, bg * cfg.s, args, kw)
+        return
+    cols = _tile_kwargs(cfg, role, acc_tl, COLS=True, CROSS=False, **flags)
+    flags = flags | {"FUSED": False} | ({"TRANS": False} if "TRANS" in flags else {})  # COLS-only switches
+    cross = _tile_kwargs(cfg, role + "_cross", acc_tl, COLS=False, CROSS=True, **flags)
+    bld.launch(label("cols", *tag), kernel, bg * cfg.s * c, args, cols)
+    bld.launch(label("cross"), kernel, bg * cfg.s, args, cross)
+
+
+def reduce_split(items: int, blocks: int, arch: Arch) -> tuple[int, int]:
+    """How ``wgrad_reduce_kernel`` cuts ``items`` per output block over ``blocks`` output blocks: ``(split,
+    per)``, runs of ``per`` items, enough of them that ``blocks * split`` programs give each SM
+    ``REDUCE_PROGRAMS_PER_SM``, but at most ``4 sqrt(items)`` runs (so that the second stage, one program per
+    block summing the runs, stays short) and at least two items a run (``split == 1``: one stage)."""
+    cap = min(items // 2, math.ceil(4 * math.sqrt(items)))
+    split = max(1, min(_cdiv(REDUCE_PROGRAMS_PER_SM * arch.sms, blocks), cap))
+    per = _cdiv(items, split)
+    return _cdiv(items, per), per
+
+
+def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: int, slots: tuple[int, int, int],
+            conv: bool, arch: Arch, interpret: bool, acc: torch.dtype, acc_tl: Any) -> None:  # fmt: skip
+    """The weight-gradient reduction of ``part`` ``[B, G, L, E]`` (slots ``lo .. lo + nuse - 1`` of ``L``) into
+    ``dw``: one launch, or two (runs of items, then the runs) where the first would leave the GPU idle, on
+    narrower blocks of numbers where the runs alone cannot give every SM a program. The interpreter, which
+    runs programs one after another, takes blocks of up to 8192 numbers (fewer programs, the same runs)."""
+    length, lo, nuse = slots
+
+    def programs(width: int) -> int:
+        return g * _cdiv(e, width) * reduce_split(b * nuse, g * _cdiv(e, width), arch)[0]
+
+    gpu_e = REDUCE_BLOCK_E
+    while gpu_e > REDUCE_MIN_BLOCK_E and programs(gpu_e) < arch.sms:
+        gpu_e //= 2
+    block_e = min(8192, max(gpu_e, _pow2(e))) if interpret else gpu_e
+    blocks = g * _cdiv(e, block_e)
+    split, per = reduce_split(b * nuse, g * _cdiv(e, gpu_e), arch)
+    kw = {"BLOCK_T": REDUCE_BLOCK_T, "BLOCK_E": block_e, "ACC": acc_tl, "num_warps": REDUCE_WARPS,
+          "num_stages": 1}  # fmt: skip
+    final = (1, 9) if conv else (d, 1)  # the conv weight [G*d, 3, 3]: element (tap, c) at c * 9 + tap
+    kernel = K.wgrad_reduce_kernel
+    if split == 1:
+        args = (part, dw, b, g, e, d, length, lo, nuse, per, 1, *final)
+        bld.launch("wgrad_reduce_kernel", kernel, blocks, args, kw)
+        return
+    runs = bld.buffer(split, g, e, dtype=acc)
+    args = (part, runs, b, g, e, d, length, lo, nuse, per, split, d, 1)
+    bld.launch("wgrad_reduce_kernel[runs]", kernel, blocks * split, args, kw)
+    args = (runs, dw, split, g, e, d, 1, 0, 1, split, 1, *final)
+    bld.launch("wgrad_reduce_kernel[final]", kernel, blocks, args, kw)
+
+
+class _Key(NamedTuple):
+    """What a plan depends on besides the tensors' shapes, strides and dtypes."""
+
+    model: str
+    loss: str
+    h: int
+    wd: int
+    scale: float
+    lr: float
+    grad_norm: bool
+    chunk: int
+    arch: Arch
+    prec: str
+    interpret: bool
+    tiles_as: tuple | None
+    grid_x: int
+
+
+def _meta(t: Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
+def _key(q: Tensor, model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
+         arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None) -> _Key:  # fmt: skip
+    interpret = _interpreting() if interpret is None else interpret
+    if prec is None:
+        prec = "ieee" if interpret else (_gpu_precision(q.dtype) if q.dtype == torch.float32 else "tf32")
+    return _Key(model, loss, h, wd, scale, lr, grad_norm, chunk, arch or _device_arch(q.device), prec,
+                interpret, tiles.TILES_AS, GRID_X_MAX)  # fmt: skip
+
+
+def _on_meta(meta: tuple | None) -> Tensor | None:
+    return None if meta is None else torch.empty_strided(meta[0], meta[1], dtype=meta[2], device="meta")
+
+
+def _config(key: _Key, q: Tensor) -> LaunchConfig:
+    b, g, n_tok, d = q.shape
+    return launch_config(key.model, n_tok, d, b * g, q.dtype, key.arch, loss=key.loss, prec=key.prec,
+                         chunk=key.chunk or None, interpret=key.interpret)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_template(key: _Key, save: bool, metas: tuple) -> _Plan:
+    q, k, v, w1, w2 = (_on_meta(m) for m in metas)
+    bld = _Builder((q, k, v, w1, w2))
+    b, g, n_tok, d = q.shape
+    cfg = _config(key, q)
+    acc, acc_tl = _acc_dtype(q.dtype)
+    nw, r, bgn, s = (2 if key.model == "swiglu" else 1), (9 if key.model == "dwconv" else d), b * g, cfg.s
+    w2 = w1 if w2 is None else w2
+    coef, ws = key.scale / n_tok, _weight_strides(key.model, w1, d)
+    out = bld.buffer(b, n_tok, g, d, dtype=q.dtype, perm=(0, 2, 1, 3))  # [B, G, N, c], token-major
+    one = key.model != "dwconv" and s == 1  # the whole forward in one launch
+    if one and not save:  # which then stores neither G nor ||G||: q stands in for both, nothing is allocated
+        gbuf = nbuf = q
+    else:
+        gbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
+        nbuf = bld.buffer(bgn, nw, d, dtype=acc)
+    flags = {"SWIGLU": key.model == "swiglu", "NW": nw}
+    if one:
+        kw = _tile_kwargs(cfg, "forward", acc_tl, MSE=key.loss == "mse", GRAD_NORM=key.grad_norm,
+                          SAVE=save, **flags)  # fmt: skip
+        args = (q, k, v, w1, w2, out, gbuf, nbuf, bgn, g, n_tok, d, *q.stride(), *k.stride(), *v.stride(),
+                *out.stride(), *ws, coef, key.lr)  # fmt: skip
+        bld.launch("forward_kernel", K.forward_kernel, bgn * cfg.cols("forward", d), args, kw)
+        return bld.plan((out, gbuf, nbuf))
+    part = bld.buffer(bgn, s, nw, r, d, dtype=acc)
+    sizes = (bgn, g, n_tok, d, cfg.chunk, s)
+    if key.model == "dwconv":
+        conv = _tile_kwargs(cfg, "conv", acc_tl)
+        args = (k, v, part, *sizes, key.h, key.wd, *k.stride(), *v.stride(), coef)
+        bld.launch("conv_grad_partial_kernel", K.conv_grad_partial_kernel, bgn * s, args, conv)
+    else:
+        kw = _tile_kwargs(cfg, "grad", acc_tl, MSE=key.loss == "mse", **flags)
+        args = (k, v, w1, w2, part, *sizes, *k.stride(), *v.stride(), *ws, coef)
+        bld.launch("grad_partial_kernel", K.grad_partial_kernel, bgn * s * cfg.cols("grad", d), args, kw)
+    args = (part, gbuf, nbuf, bgn, r, d, s)
+    bld.launch("step_kernel", K.step_kernel, bgn * cfg.cols("small", d), args, _small_kwargs(cfg, acc_tl, nw))
+    if key.model == "dwconv":
+        args = (q, w1, gbuf, nbuf, out, *sizes, key.h, key.wd, *q.stride(), *out.stride(), *ws, key.lr)
+        kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
+        bld.launch("conv_readout_kernel", K.conv_readout_kernel, bgn * s, args, kw)
+    else:
+        args = (q, w1, w2, gbuf, nbuf, out, *sizes, *q.stride(), *out.stride(), *ws, key.lr)
+        kw = _tile_kwargs(cfg, "readout", acc_tl, GRAD_NORM=key.grad_norm, **flags)
+        bld.launch("readout_kernel", K.readout_kernel, bgn * s * cfg.cols("readout", d), args, kw)
+    return bld.plan((out, gbuf, nbuf))
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_template(key: _Key, metas: tuple, dout_meta: tuple) -> _Plan:
+    """The backward plan after the forward of ``(key, metas)`` (q, k, v, W1, W2), for an upstream gradient
+    ``dout_meta``; its inputs are ``dout, q, k, v, W1, W2 (or W1), G, ||G||``."""
+    q, k, v, w1, w2 = (_on_meta(m) for m in metas)
+    b, g, n_tok, d = q.shape
+    nw, r = (2 if key.model == "swiglu" else 1), (9 if key.model == "dwconv" else d)
+    acc, acc_tl = _acc_dtype(q.dtype)
+    gbuf = torch.empty(b * g, nw, r, d, dtype=acc, device="meta")
+    nbuf = torch.empty(b * g, nw, d, dtype=acc, device="meta")
+    dout = _on_meta(dout_meta)
+    bld = _Builder((dout, q, k, v, w1, w2, gbuf, nbuf))
+    cfg = _config(key, q)
+    conv = key.model == "dwconv"
+    bgn, s = b * g, cfg.s
+    w2 = w1 if w2 is None else w2
+    coef, ws = key.scale / n_tok, _weight_strides(key.model, w1, d)
+    fused = s == 1 and not conv  # one program holds a (sample, head)'s whole dW' and kᵀdZ per column block
+    wgrad = key.model == "swiglu" or key.loss == "mse"  # kᵀdZ != 0: the inner gradient depends on W
+    # Slots 0..S-1: per-chunk partials (first of the read-out's dW', then, reused, of kᵀdZ); slot S: dW'.
+    part = bld.buffer(bgn, s + 1, nw, r, d, dtype=acc)
+    dgbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
+    dq, dk, dv = (bld.buffer(b, n_tok, g, d, dtype=t.dtype, perm=(0, 2, 1, 3)) for t in (q, k, v))
+    dw = bld.buffer(*((1, g * d, 3, 3) if conv else (1, g, nw, d, d) if nw == 2 else (1, g, d, d)), dtype=acc)
+    sizes = (bgn, g, n_tok, d, cfg.chunk, s)
+    io = (*q.stride(), *dout.stride(), *dq.stride())
+    kv = (*k.stride(), *v.stride(), *dk.stride(), *dv.stride())
+    flags = {"SWIGLU": key.model == "swiglu", "NW": nw}
+    if conv:
+        args = (q, dout, w1, gbuf, nbuf, dq, part, *sizes, key.h, key.wd, *io, *ws, key.lr)
+        kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
+        bld.launch("conv_readout_bwd_kernel", K.conv_readout_bwd_kernel, bgn * s, args, kw)
+    else:
+        args = (q, dout, w1, w2, gbuf, nbuf, dq, part, dgbuf, *sizes, *io, *ws, key.lr)
+        rflags = flags | {"GRAD_NORM": key.grad_norm, "FUSED": fused}
+        _stage(bld, cfg, "readout_bwd", K.readout_bwd_kernel, bgn, d, args, acc_tl, rflags)
+    if not fused:
+        args = (part, gbuf, nbuf, dgbuf, bgn, r, d, s, key.lr)
+        kw = _small_kwargs(cfg, acc_tl, nw) | {"GRAD_NORM": key.grad_norm}
+        bld.launch("step_bwd_kernel", K.step_bwd_kernel, bgn * cfg.cols("small", d), args, kw)
+    if conv:
+        args = (k, v, dgbuf, dk, dv, *sizes, key.h, key.wd, *kv, coef)
+        bld.launch(
+            "conv_grad_bwd_kernel", K.conv_grad_bwd_kernel, bgn * s, args, _tile_kwargs(cfg, "conv", acc_tl)
+        )
+    else:
+        args = (k, v, w1, w2, dgbuf, dk, dv, part, *sizes, *kv, *ws, coef)
+        trans = key.model == "swiglu" and cfg.transposed
+        gflags = flags | {"MSE": key.loss == "mse", "FUSED": fused, "WGRAD": wgrad, "TRANS": trans}
+        _stage(bld, cfg, "grad_bwd", K.grad_bwd_kernel, bgn, d, args, acc_tl, gflags)
+    # The weight gradient sums, per head, every sample's slots that hold a part of it: all S + 1 (the kᵀdZ
+    # partials and dW'), only slot 0 when the fused gradient pass added dW' to it, only dW' without kᵀdZ.
+    slots = (s + 1, 0, 1) if fused and wgrad else ((s + 1, 0, s + 1) if wgrad else (s + 1, s, 1))
+    _reduce(bld, part, dw, b, g, nw * r * d, d, slots, conv, key.arch, key.interpret, acc, acc_tl)
+    return bld.plan((dq, dk, dv, dw))
+
+
+def forward_plan(
+    q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int, wd: int,
+    scale: float, lr: float, grad_norm: bool, chunk: int, *, save: bool = True, arch: Arch | None = None,
+    prec: str | None = None, interpret: bool | None = None,
+) -> tuple[tuple[Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
+    """The forward's outputs ``(out, G, ||G||)`` (allocated, unwritten) and the launches that write them.
+
+    Arguments as ``_fwd_op``'s; ``save=False`` (inference) lets the one-launch forward skip storing ``G`` and
+    ``||G||`` (q stands in for them); ``arch``, ``prec`` and ``interpret`` as ``launch_config``'s (default: ``q``'s device, what
+    PyTorch allows now, ``$TRITON_INTERPRET``). The plan is built once per key (settings, shapes, strides,
+    dtypes, arch) on meta tensors and cached; each call allocates its buffers and binds its tensors. Tensors
+    may live on the meta device: the offline compiles (``vit3.kernels.aot``) and the roofline
+    (``benchmarks/roofline.py``) read the launches a GPU would run from shapes and strides alone.
+    """
+    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
+    plan = _forward_template(key, save, tuple(_meta(t) for t in (q, k, v, w1, w2)))
+    return plan.bind((q, k, v, w1, w1 if w2 is None else w2))
+
+
+def backward_plan(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, gbuf: Tensor, nbuf: Tensor,
+    model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int, *,
+    arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None,
+) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
+    """The backward's gradients ``(dq, dk, dv, dW)`` (allocated, unwritten) and the launches that write them
+    (as ``forward_plan``). ``dW`` is SwiGLU's ``[1, G, 2, c, c]``, the linear model's ``[1, G, c, c]`` or the
+    depthwise conv's ``[1, G*c, 3, 3]``."""
+    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
+    plan = _backward_template(key, tuple(_meta(t) for t in (q, k, v, w1, w2)), _meta(dout))
+    return plan.bind((dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
