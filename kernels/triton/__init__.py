@@ -1,0 +1,6 @@
+"""The Triton code the ops share (installed as ``vit3.kernels.triton``): ``jit``, the jit helpers of every
+kernel (programs, tiles, dot operands, the step); ``step``, the kernels every op launches (the step, its
+backward, the weight-gradient reduction); ``matrix``, the kernels of the two inner models with ``d x d``
+weights, SwiGLU and linear. Those are one code whose ``SWIGLU`` constexpr picks the model, so they stand here
+rather than in either op's folder; an op with kernels of its own keeps them in its folder (``dwconv/triton.py``).
+"""
