@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton.jit import load_mat, load_tile, program, slot_at, store_mat, store_tile, tokens_of, updated
+from ..triton.jit import chunk_of, load_mat, load_tile, slot_at, store_mat, store_tile, updated
 
 __all__ = [
     "conv_grad_bwd_kernel",
@@ -29,8 +29,29 @@ __all__ = [
 
 
 @triton.jit
-def _load_shifted(base, stride_n, stride_c, rows, cols, dy, dx, n_tok, h, w, d, ACC: tl.constexpr):
-    """Tokens at grid offset ``(dy, dx)`` from raster tokens ``rows`` (zero where outside the grid)."""
+def _taps():
+    """The rows of a tile of taps: 9, padded to 16."""
+    return tl.arange(0, 16)
+
+
+@triton.jit
+def _tap(tile, tap):
+    """Row ``tap`` of a ``[16, BLOCK_D]`` tile of taps, as a ``[BLOCK_D]`` vector."""
+    return tl.sum(tl.where(_taps()[:, None] == tap, tile, 0.0), axis=0)
+
+
+@triton.jit
+def _shifted(
+    base, stride_n, stride_c, rows, cols, tap, MIRROR: tl.constexpr, n_tok, h, w, d, ACC: tl.constexpr
+):
+    """The tokens tap ``tap`` reads for raster tokens ``rows``: at grid offset ``(tap // 3 - 1, tap % 3 - 1)``,
+    or the opposite one (``MIRROR``), zero where outside the grid."""
+    if MIRROR:
+        dy = 1 - tap // 3
+        dx = 1 - tap % 3
+    else:
+        dy = tap // 3 - 1
+        dx = tap % 3 - 1
     i = rows // w
     j = rows % w
     ii = i + dy
@@ -42,9 +63,25 @@ def _load_shifted(base, stride_n, stride_c, rows, cols, dy, dx, n_tok, h, w, d, 
 
 
 @triton.jit
-def _tap(tile, rr, tap):
-    """Row ``tap`` of a ``[BLOCK_R, BLOCK_D]`` tile, as a ``[BLOCK_D]`` vector."""
-    return tl.sum(tl.where(rr[:, None] == tap, tile, 0.0), axis=0)
+def _conv(taps, base, stride_n, stride_c, rows, cols, MIRROR: tl.constexpr, n_tok, h, w, d,
+          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """``Σ_δ taps[δ, c] x[p + δ, c]`` (``MIRROR``: ``x[p - δ, c]``) of the raster tokens ``p`` in ``rows``:
+    ``[BLOCK_N, BLOCK_D]``."""
+    y = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+    for tap in tl.static_range(9):
+        xs = _shifted(base, stride_n, stride_c, rows, cols, tap, MIRROR, n_tok, h, w, d, ACC)
+        y += _tap(taps, tap)[None, :] * xs
+    return y
+
+
+@triton.jit
+def _correlate(acc, e, base, stride_n, stride_c, rows, cols, n_tok, h, w, d, ACC: tl.constexpr):
+    """``acc`` (a ``[16, BLOCK_D]`` tile of taps) plus ``Σ_p e[p, c] x[p + δ, c]`` over the raster tokens ``p``
+    in ``rows``, row ``δ`` per tap."""
+    for tap in tl.static_range(9):
+        xs = _shifted(base, stride_n, stride_c, rows, cols, tap, False, n_tok, h, w, d, ACC)
+        acc += tl.where(_taps()[:, None] == tap, tl.sum(e * xs, axis=0)[None, :], 0.0)
+    return acc
 
 
 @triton.jit
@@ -56,23 +93,18 @@ def conv_grad_partial_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Partial ``G[δ, c]`` of one chunk of tokens into ``part_ptr`` ``[B*G, S, 9, d]``."""
-    pid, _c, s, bg = program(S, 1)
-    if pid >= BG * S:
+    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
+    if dead:
         return
-    b, g, lo, hi = tokens_of(G, N, CHUNK, s, bg)
     rd = tl.arange(0, BLOCK_D)
-    rn = tl.arange(0, BLOCK_N)
-    rr = tl.arange(0, 16)
+    acc = tl.zeros((16, BLOCK_D), dtype=ACC)
     k_base = k_ptr + b * skb + g * skg
     v_base = v_ptr + b * svb + g * svg
-    acc = tl.zeros((16, BLOCK_D), dtype=ACC)
     for start in range(lo, hi, BLOCK_N):
-        rows = start + rn
+        rows = start + tl.arange(0, BLOCK_N)
         e = -coef * load_tile(v_base, svn, svc, rows, rd, N, D).to(ACC)
-        for tap in tl.static_range(9):
-            ks = _load_shifted(k_base, skn, skc, rows, rd, tap // 3 - 1, tap % 3 - 1, N, H, W, D, ACC)
-            acc += tl.where(rr[:, None] == tap, tl.sum(e * ks, axis=0)[None, :], 0.0)
-    store_mat(slot_at(part_ptr, bg, s, S, 0, 1, 9, D), rr, rd, 9, D, acc)
+        acc = _correlate(acc, e, k_base, skn, skc, rows, rd, N, H, W, D, ACC)
+    store_mat(slot_at(part_ptr, bg, s, S, 0, 1, 9, D), _taps(), rd, 9, D, acc)
 
 
 @triton.jit
@@ -85,22 +117,16 @@ def conv_readout_kernel(
     GRAD_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """``out = dwconv3x3(q; W')`` for one chunk of tokens (``W'`` recomputed from the weight, ``G``, ``||G||``)."""
-    pid, _c, s, bg = program(S, 1)
-    if pid >= BG * S:
+    dead, _c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
+    if dead:
         return
-    b, g, lo, hi = tokens_of(G, N, CHUNK, s, bg)
     rd = tl.arange(0, BLOCK_D)
-    rn = tl.arange(0, BLOCK_N)
-    rr = tl.arange(0, 16)
-    wp = updated(w_ptr + g * swg, swr, swc, g_ptr, n_ptr, bg, 0, 1, rr, rd, 9, D, lr, GRAD_NORM, ACC)
+    wp = updated(w_ptr + g * swg, swr, swc, g_ptr, n_ptr, bg, 0, 1, _taps(), rd, 9, D, lr, GRAD_NORM, ACC)
     q_base = q_ptr + b * sqb + g * sqg
     o_base = o_ptr + b * sob + g * sog
     for start in range(lo, hi, BLOCK_N):
-        rows = start + rn
-        y = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
-        for tap in tl.static_range(9):
-            qs = _load_shifted(q_base, sqn, sqc, rows, rd, tap // 3 - 1, tap % 3 - 1, N, H, W, D, ACC)
-            y += _tap(wp, rr, tap)[None, :] * qs
+        rows = start + tl.arange(0, BLOCK_N)
+        y = _conv(wp, q_base, sqn, sqc, rows, rd, False, N, H, W, D, BLOCK_N, BLOCK_D, ACC)
         store_tile(o_base, son, soc, rows, rd, N, D, y)
 
 
@@ -113,30 +139,24 @@ def conv_readout_bwd_kernel(
     lr,
     GRAD_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Read-out backward for one chunk: ``dq`` (written) and the partial ``dW'`` (slots of ``[B*G, S+1, 9, d]``)."""
-    pid, _c, s, bg = program(S, 1)
-    if pid >= BG * S:
+    """Read-out backward for one chunk: ``dq`` (written) and the partial ``dW'``, into slot ``s`` of ``part_ptr``
+    ``[B*G, S + 1, 9, d]``."""
+    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
+    if dead:
         return
-    b, g, lo, hi = tokens_of(G, N, CHUNK, s, bg)
     rd = tl.arange(0, BLOCK_D)
-    rn = tl.arange(0, BLOCK_N)
-    rr = tl.arange(0, 16)
-    wp = updated(w_ptr + g * swg, swr, swc, g_ptr, n_ptr, bg, 0, 1, rr, rd, 9, D, lr, GRAD_NORM, ACC)
     q_base = q_ptr + b * sqb + g * sqg
     do_base = do_ptr + b * sdob + g * sdog
     dq_base = dq_ptr + b * sdqb + g * sdqg
+    wp = updated(w_ptr + g * swg, swr, swc, g_ptr, n_ptr, bg, 0, 1, _taps(), rd, 9, D, lr, GRAD_NORM, ACC)
     acc = tl.zeros((16, BLOCK_D), dtype=ACC)
     for start in range(lo, hi, BLOCK_N):
-        rows = start + rn
+        rows = start + tl.arange(0, BLOCK_N)
         do = load_tile(do_base, sdon, sdoc, rows, rd, N, D).to(ACC)
-        dq = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
-        for tap in tl.static_range(9):
-            qs = _load_shifted(q_base, sqn, sqc, rows, rd, tap // 3 - 1, tap % 3 - 1, N, H, W, D, ACC)
-            acc += tl.where(rr[:, None] == tap, tl.sum(do * qs, axis=0)[None, :], 0.0)
-            dos = _load_shifted(do_base, sdon, sdoc, rows, rd, 1 - tap // 3, 1 - tap % 3, N, H, W, D, ACC)
-            dq += _tap(wp, rr, tap)[None, :] * dos
+        acc = _correlate(acc, do, q_base, sqn, sqc, rows, rd, N, H, W, D, ACC)
+        dq = _conv(wp, do_base, sdon, sdoc, rows, rd, True, N, H, W, D, BLOCK_N, BLOCK_D, ACC)
         store_tile(dq_base, sdqn, sdqc, rows, rd, N, D, dq)
-    store_mat(slot_at(part_ptr, bg, s, S + 1, 0, 1, 9, D), rr, rd, 9, D, acc)
+    store_mat(slot_at(part_ptr, bg, s, S + 1, 0, 1, 9, D), _taps(), rd, 9, D, acc)
 
 
 @triton.jit
@@ -150,25 +170,18 @@ def conv_grad_bwd_kernel(
 ):  # fmt: skip
     """Inner-gradient backward for one chunk: ``dk``, ``dv`` (the inner gradient does not depend on the weight,
     so there is no weight-gradient partial)."""
-    pid, _c, s, bg = program(S, 1)
-    if pid >= BG * S:
+    dead, _c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
+    if dead:
         return
-    b, g, lo, hi = tokens_of(G, N, CHUNK, s, bg)
     rd = tl.arange(0, BLOCK_D)
-    rn = tl.arange(0, BLOCK_N)
-    rr = tl.arange(0, 16)
-    dg = load_mat(slot_at(dg_ptr, bg, 0, 1, 0, 1, 9, D), D, 1, rr, rd, 9, D, ACC)
+    dg = load_mat(slot_at(dg_ptr, bg, 0, 1, 0, 1, 9, D), D, 1, _taps(), rd, 9, D, ACC)
     k_base = k_ptr + b * skb + g * skg
     v_base = v_ptr + b * svb + g * svg
     dk_base = dk_ptr + b * sdkb + g * sdkg
     dv_base = dv_ptr + b * sdvb + g * sdvg
     for start in range(lo, hi, BLOCK_N):
-        rows = start + rn
-        dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
-        de = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
-        for tap in tl.static_range(9):
-            row = _tap(dg, rr, tap)[None, :]
-            de += row * _load_shifted(k_base, skn, skc, rows, rd, tap // 3 - 1, tap % 3 - 1, N, H, W, D, ACC)
-            dk += row * _load_shifted(v_base, svn, svc, rows, rd, 1 - tap // 3, 1 - tap % 3, N, H, W, D, ACC)
+        rows = start + tl.arange(0, BLOCK_N)
+        dk = _conv(dg, v_base, svn, svc, rows, rd, True, N, H, W, D, BLOCK_N, BLOCK_D, ACC)
+        de = _conv(dg, k_base, skn, skc, rows, rd, False, N, H, W, D, BLOCK_N, BLOCK_D, ACC)
         store_tile(dk_base, sdkn, sdkc, rows, rd, N, D, -coef * dk)
         store_tile(dv_base, sdvn, sdvc, rows, rd, N, D, -coef * de)

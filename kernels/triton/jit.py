@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "chunk_of",
     "col_norm",
+    "column_block",
     "load_mat",
     "load_tile",
     "norm_at",
@@ -36,7 +38,7 @@ __all__ = [
     "stepped",
     "store_mat",
     "store_tile",
-    "tokens_of",
+    "sum_slots",
     "updated",
 ]
 
@@ -52,10 +54,23 @@ def program(S, C):
 
 
 @triton.jit
-def tokens_of(G, N, CHUNK, s, bg):
-    """Sample ``b`` and head ``g`` (int64) of ``bg``, and the tokens ``lo .. hi`` of chunk ``s``."""
+def chunk_of(BG, G, N, CHUNK, S, C):
+    """This program's share when each of the ``BG`` (sample, head) pairs splits into ``S`` chunks of ``CHUNK``
+    tokens and ``C`` column blocks: ``(dead, c, s, bg, b, g, lo, hi)``, the column block, the chunk, the
+    sample x head with its sample ``b`` and head ``g`` (int64), and the chunk's tokens ``lo .. hi``. A ``dead``
+    program (the tail of a folded grid) must return."""
+    pid, c, s, bg = program(S, C)
     lo = s * CHUNK
-    return (bg // G).to(tl.int64), (bg % G).to(tl.int64), lo, tl.minimum(lo + CHUNK, N)
+    b, g = (bg // G).to(tl.int64), (bg % G).to(tl.int64)
+    return pid >= BG * S * C, c, s, bg, b, g, lo, tl.minimum(lo + CHUNK, N)
+
+
+@triton.jit
+def column_block(BG, D, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's ``[BLOCK_R, BLOCK_C]`` tile of every (sample, head)'s ``R x D`` weights (one block of
+    whole columns): ``(dead, bg, rr, cols)``. A ``dead`` program (the tail of a folded grid) must return."""
+    pid, c, _s, bg = program(1, tl.cdiv(D, BLOCK_C))
+    return pid >= BG * tl.cdiv(D, BLOCK_C), bg, tl.arange(0, BLOCK_R), c * BLOCK_C + tl.arange(0, BLOCK_C)
 
 
 @triton.jit
@@ -119,6 +134,17 @@ def saved(g_buf, n_buf, bg, i, NW: tl.constexpr, rr, cols, R, D, ACC: tl.constex
     grad = load_mat(slot_at(g_buf, bg, 0, 1, i, NW, R, D), D, 1, rr, cols, R, D, ACC)
     norm = tl.load(norm_at(n_buf, bg, i, NW, D, cols), mask=cols < D, other=0.0).to(ACC)
     return grad, norm
+
+
+@triton.jit
+def sum_slots(buf, bg, S, slots, i, NW: tl.constexpr, rr, cols, R, D, BLOCK_R: tl.constexpr,
+              BLOCK_C: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Weight ``i``'s columns ``cols`` summed over slots ``0 .. S-1`` of a ``[B*G, slots, NW, R, D]`` buffer, in
+    order."""
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=ACC)
+    for s in range(S):
+        acc += load_mat(slot_at(buf, bg, s, slots, i, NW, R, D), D, 1, rr, cols, R, D, ACC)
+    return acc
 
 
 @triton.jit

@@ -50,18 +50,17 @@ import triton
 import triton.language as tl
 
 from .jit import (
+    chunk_of,
     col_norm,
     load_mat,
     load_tile,
     norm_at,
     operand,
-    program,
     slot_at,
     step_bwd_tile,
     stepped,
     store_mat,
     store_tile,
-    tokens_of,
     updated,
 )
 
@@ -109,16 +108,28 @@ def _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU: tl.constexpr
 
 
 @triton.jit
-def _updated_pair(w1_ptr, w2_ptr, g, swg, swr, swc, g_buf, n_buf, bg, rd, cols, D, lr,
-                  SWIGLU: tl.constexpr, GRAD_NORM: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """``(W1', W2')`` columns ``cols`` of (sample, head) ``bg`` (the linear model gets ``W'`` twice)."""
+def _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_buf, n_buf, bg, rd, cols, D, lr,
+                      SWIGLU: tl.constexpr, GRAD_NORM: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
+                      ACC: tl.constexpr):  # fmt: skip
+    """``(W1', W2')`` columns ``cols`` of (sample, head) ``bg`` as dot operands (the linear model gets ``W'``
+    twice)."""
     nw: tl.constexpr = 2 if SWIGLU else 1
     m1 = updated(w1_ptr + g * swg, swr, swc, g_buf, n_buf, bg, 0, nw, rd, cols, D, D, lr, GRAD_NORM, ACC)
     if SWIGLU:
         m2 = updated(w2_ptr + g * swg, swr, swc, g_buf, n_buf, bg, 1, nw, rd, cols, D, D, lr, GRAD_NORM, ACC)
     else:
         m2 = m1
-    return m1, m2
+    return operand(m1, DOT, EMU), operand(m2, DOT, EMU)
+
+
+@triton.jit
+def _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_buf, bg, rd, cols, D, SWIGLU: tl.constexpr,
+                       DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Columns ``cols`` of the initial weights and of ``dG`` (``[B*G, NW, d, d]``) as dot operands:
+    ``(W1, W2, dG1, dG2)``."""
+    w1, w2 = _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU, ACC)
+    dg1, dg2 = _load_pair(dg_buf, bg, 0, 1, rd, cols, D, SWIGLU, ACC)
+    return operand(w1, DOT, EMU), operand(w2, DOT, EMU), operand(dg1, DOT, EMU), operand(dg2, DOT, EMU)
 
 
 @triton.jit
@@ -132,22 +143,34 @@ def _swiglu_acts(z2):
 
 
 @triton.jit
-def _grad_tiles(k_base, v_base, skn, skc, svn, svc, lo, hi, N, D, rd, cols, o1, o2,
+def _token_tiles(x_base, y_base, sxn, sxc, syn, syc, rows, rd, cols, N, D, DOT: tl.constexpr, EMU: tl.constexpr,
+                 ACC: tl.constexpr):  # fmt: skip
+    """Tokens ``rows`` of ``x`` (every channel, as a dot operand) and of ``y`` (the block's columns ``cols``, in
+    ``ACC``): the ``(k, v)`` or ``(q, dO)`` tiles of a token loop."""
+    x = operand(load_tile(x_base, sxn, sxc, rows, rd, N, D), DOT, EMU)
+    y = load_tile(y_base, syn, syc, rows, cols, N, D).to(ACC)
+    return x, y
+
+
+@triton.jit
+def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg, swr, swc, N, D, rd, cols,
                 SWIGLU: tl.constexpr, MSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_C: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr,
                 PREC: tl.constexpr):  # fmt: skip
-    """``kᵀ P / coef`` of tokens ``lo .. hi`` for one column block: ``(acc1, acc2)`` ``[BLOCK_D, BLOCK_C]``.
+    """The initial weights' columns ``cols`` (``_weights``) and ``kᵀ P / coef`` of tokens ``lo .. hi`` for
+    that column block: ``(w1, w2, acc1, acc2)``, ``[BLOCK_D, BLOCK_C]`` each.
 
-    ``o1, o2``: the weight columns as dot operands. ``P / coef`` is ``-v ⊙ A`` and ``-v ⊙ Z1 ⊙ A'``
-    (SwiGLU), ``kW - v`` (MSE) or ``-v`` (dot loss). Padded rows load ``k = v = 0``, so they add nothing.
+    ``P / coef`` is ``-v ⊙ A`` and ``-v ⊙ Z1 ⊙ A'`` (SwiGLU), ``kW - v`` (MSE) or ``-v`` (dot loss). Padded
+    rows load ``k = v = 0``, so they add nothing.
     """
-    rn = tl.arange(0, BLOCK_N)
+    w1, w2 = _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU, ACC)
+    o1 = operand(w1, DOT, EMU)
+    o2 = operand(w2, DOT, EMU)
     acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
     acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
     for start in range(lo, hi, BLOCK_N):
-        rows = start + rn
-        k = operand(load_tile(k_base, skn, skc, rows, rd, N, D), DOT, EMU)
-        v = load_tile(v_base, svn, svc, rows, cols, N, D).to(ACC)
+        rows = start + tl.arange(0, BLOCK_N)
+        k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, DOT, EMU, ACC)
         kt = tl.trans(k)
         if SWIGLU:
             z1 = tl.dot(k, o1, input_precision=PREC)
@@ -161,7 +184,7 @@ def _grad_tiles(k_base, v_base, skn, skc, svn, svc, lo, hi, N, D, rd, cols, o1, 
             else:
                 e = -v
             acc1 += tl.dot(kt, operand(e, DOT, EMU), input_precision=PREC)
-    return acc1, acc2
+    return w1, w2, acc1, acc2
 
 
 @triton.jit
@@ -170,9 +193,8 @@ def _readout_tiles(q_base, o_base, sqn, sqc, son, soc, lo, hi, N, D, rd, cols, o
                    PREC: tl.constexpr):  # fmt: skip
     """``O = q W'`` (linear) or ``(q W1') ⊙ silu(q W2')`` of tokens ``lo .. hi``, one column block (``o1``,
     ``o2``: ``W'`` columns as dot operands)."""
-    rn = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
-        rows = start + rn
+        rows = start + tl.arange(0, BLOCK_N)
         q = operand(load_tile(q_base, sqn, sqc, rows, rd, N, D), DOT, EMU)
         y = tl.dot(q, o1, input_precision=PREC)
         if SWIGLU:
@@ -321,17 +343,14 @@ def forward_kernel(
     backward) also stores ``G`` and its column norms (``g_ptr`` ``[B*G, NW, d, d]``, ``n_ptr``
     ``[B*G, NW, d]``).
     """
-    pid, c, _s, bg = program(1, tl.cdiv(D, BLOCK_C))
-    if pid >= BG * tl.cdiv(D, BLOCK_C):
+    dead, c, _s, bg, b, g, _lo, _hi = chunk_of(BG, G, N, N, 1, tl.cdiv(D, BLOCK_C))
+    if dead:
         return
-    b, g, _lo, _hi = tokens_of(G, N, N, 0, bg)
     rd = tl.arange(0, BLOCK_D)
     cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
-    w1, w2 = _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU, ACC)
-    acc1, acc2 = _grad_tiles(
-        k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, skn, skc, svn, svc, 0, N, N, D, rd, cols,
-        operand(w1, DOT, EMU), operand(w2, DOT, EMU), SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC,
-        PREC,
+    w1, w2, acc1, acc2 = _grad_tiles(
+        k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, 0, N, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg,
+        swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     g1 = coef * acc1
     n1 = col_norm(g1)
@@ -366,17 +385,14 @@ def grad_partial_kernel(
 ):  # fmt: skip
     """Partial inner gradients ``kᵀ P`` of one chunk of tokens and one column block (``S > 1``) into
     ``part_ptr`` ``[B*G, S, NW, d, d]``."""
-    pid, c, s, bg = program(S, tl.cdiv(D, BLOCK_C))
-    if pid >= BG * S * tl.cdiv(D, BLOCK_C):
+    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C))
+    if dead:
         return
-    b, g, lo, hi = tokens_of(G, N, CHUNK, s, bg)
     rd = tl.arange(0, BLOCK_D)
     cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
-    w1, w2 = _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU, ACC)
-    acc1, acc2 = _grad_tiles(
-        k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, skn, skc, svn, svc, lo, hi, N, D, rd, cols,
-        operand(w1, DOT, EMU), operand(w2, DOT, EMU), SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC,
-        PREC,
+    _w1, _w2, acc1, acc2 = _grad_tiles(
+        k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg,
+        swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     _store_pair(part_ptr, bg, s, S, rd, cols, D, coef * acc1, coef * acc2, SWIGLU)
 
@@ -386,24 +402,23 @@ def readout_kernel(
     q_ptr, w1_ptr, w2_ptr, g_ptr, n_ptr, o_ptr,
     BG, G, N, D, CHUNK, S,
     sqb, sqg, sqn, sqc, sob, sog, son, soc,
-    swg, swr, swc,
-    lr,
+    swg, swr, swc, lr,
     SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """The read-out of one chunk of queries and one column block, ``W'`` recomputed from ``W``, ``G``, ``||G||``."""
-    pid, c, s, bg = program(S, tl.cdiv(D, BLOCK_C))
-    if pid >= BG * S * tl.cdiv(D, BLOCK_C):
+    """The read-out of one chunk of queries and one column block, ``W'`` recomputed from ``W``, ``G`` and
+    ``||G||``."""
+    dead, c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C))
+    if dead:
         return
-    b, g, lo, hi = tokens_of(G, N, CHUNK, s, bg)
     rd = tl.arange(0, BLOCK_D)
     cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
-    wp1, wp2 = _updated_pair(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr, SWIGLU,
-                             GRAD_NORM, ACC)  # fmt: skip
+    o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr, SWIGLU,
+                               GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
     _readout_tiles(
         q_ptr + b * sqb + g * sqg, o_ptr + b * sob + g * sog, sqn, sqc, son, soc, lo, hi, N, D, rd, cols,
-        operand(wp1, DOT, EMU), operand(wp2, DOT, EMU), SWIGLU, BLOCK_N, DOT, EMU, PREC,
+        o1, o2, SWIGLU, BLOCK_N, DOT, EMU, PREC,
     )  # fmt: skip
 
 
@@ -430,29 +445,23 @@ def readout_bwd_kernel(
     ``CROSS``: ``dq``, summed over every column block (with ``COLS``, the grid must have one block,
     ``C == 1``; without, the launch has one program per chunk and each walks the blocks in order).
     """
-    n_cols = tl.cdiv(D, BLOCK_C) if COLS else 1
-    pid, c, s, bg = program(S, n_cols)
-    if pid >= BG * S * n_cols:
+    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C) if COLS else 1)
+    if dead:
         return
-    b, g, lo, hi = tokens_of(G, N, CHUNK, s, bg)
-    rd = tl.arange(0, BLOCK_D)
-    rc = tl.arange(0, BLOCK_C)
-    rn = tl.arange(0, BLOCK_N)
     q_base = q_ptr + b * sqb + g * sqg
     do_base = do_ptr + b * sdob + g * sdog
     dq_base = dq_ptr + b * sdqb + g * sdqg
+    rd = tl.arange(0, BLOCK_D)
+    rc = tl.arange(0, BLOCK_C)
     if COLS:
         cols = c * BLOCK_C + rc
-        wp1, wp2 = _updated_pair(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr, SWIGLU,
-                                 GRAD_NORM, ACC)  # fmt: skip
-        o1 = operand(wp1, DOT, EMU)
-        o2 = operand(wp2, DOT, EMU)
+        o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr, SWIGLU,
+                                   GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
         acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
         acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
         for start in range(lo, hi, BLOCK_N):
-            rows = start + rn
-            q = operand(load_tile(q_base, sqn, sqc, rows, rd, N, D), DOT, EMU)
-            do = load_tile(do_base, sdon, sdoc, rows, cols, N, D).to(ACC)
+            rows = start + tl.arange(0, BLOCK_N)
+            q, do = _token_tiles(q_base, do_base, sqn, sqc, sdon, sdoc, rows, rd, cols, N, D, DOT, EMU, ACC)
             dy1, dy2 = _readout_dy(q, do, o1, o2, SWIGLU, PREC)
             qt = tl.trans(q)
             acc1 += tl.dot(qt, operand(dy1, DOT, EMU), input_precision=PREC)
@@ -471,15 +480,13 @@ def readout_bwd_kernel(
             _store_pair(part_ptr, bg, s, S + 1, rd, cols, D, acc1, acc2, SWIGLU)
     else:
         for start in range(lo, hi, BLOCK_N):
-            rows = start + rn
-            q = operand(load_tile(q_base, sqn, sqc, rows, rd, N, D), DOT, EMU)
+            rows = start + tl.arange(0, BLOCK_N)
             dq = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+            q = operand(load_tile(q_base, sqn, sqc, rows, rd, N, D), DOT, EMU)
             for c0 in range(0, D, BLOCK_C):
                 cj = c0 + rc
-                wj1, wj2 = _updated_pair(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cj, D, lr,
-                                         SWIGLU, GRAD_NORM, ACC)  # fmt: skip
-                oj1 = operand(wj1, DOT, EMU)
-                oj2 = operand(wj2, DOT, EMU)
+                oj1, oj2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cj, D, lr,
+                                             SWIGLU, GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
                 do = load_tile(do_base, sdon, sdoc, rows, cj, N, D).to(ACC)
                 dy1, dy2 = _readout_dy(q, do, oj1, oj2, SWIGLU, PREC)
                 dq += _readout_dq(dy1, dy2, oj1, oj2, SWIGLU, DOT, EMU, PREC)
@@ -508,30 +515,23 @@ def grad_bwd_kernel(
     (SwiGLU, ``COLS`` and ``CROSS``): the tiles transposed, channels x tokens (``_swiglu_bwd_tile_t``), so that
     every dot has d rows (sm_90's ``wgmma`` takes 64) with token tiles short enough for the registers.
     """
-    n_cols = tl.cdiv(D, BLOCK_C) if COLS else 1
-    pid, c, s, bg = program(S, n_cols)
-    if pid >= BG * S * n_cols:
+    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C) if COLS else 1)
+    if dead:
         return
-    b, g, lo, hi = tokens_of(G, N, CHUNK, s, bg)
     rd = tl.arange(0, BLOCK_D)
     rc = tl.arange(0, BLOCK_C)
-    rn = tl.arange(0, BLOCK_N)
     k_base = k_ptr + b * skb + g * skg
     v_base = v_ptr + b * svb + g * svg
     dk_base = dk_ptr + b * sdkb + g * sdkg
     dv_base = dv_ptr + b * sdvb + g * sdvg
     if COLS:
         cols = c * BLOCK_C + rc
-        w1, w2 = _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU, ACC)
-        dg1, dg2 = _load_pair(dg_ptr, bg, 0, 1, rd, cols, D, SWIGLU, ACC)
-        o1 = operand(w1, DOT, EMU)
-        o2 = operand(w2, DOT, EMU)
-        og1 = operand(dg1, DOT, EMU)
-        og2 = operand(dg2, DOT, EMU)
+        o1, o2, og1, og2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd, cols, D, SWIGLU,
+                                              DOT, EMU, ACC)  # fmt: skip
         acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
         acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
         for start in range(lo, hi, BLOCK_N):
-            rows = start + rn
+            rows = start + tl.arange(0, BLOCK_N)
             if TRANS:
                 kt = operand(load_tile(k_base, skc, skn, rd, rows, D, N), DOT, EMU)
                 vt = load_tile(v_base, svc, svn, cols, rows, D, N).to(ACC)
@@ -541,8 +541,7 @@ def grad_bwd_kernel(
                 acc1 += tl.dot(kt, tl.trans(operand(dz1t, DOT, EMU)), input_precision=PREC)
                 acc2 += tl.dot(kt, tl.trans(operand(dz2t, DOT, EMU)), input_precision=PREC)
             else:
-                k = operand(load_tile(k_base, skn, skc, rows, rd, N, D), DOT, EMU)
-                v = load_tile(v_base, svn, svc, rows, cols, N, D).to(ACC)
+                k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, DOT, EMU, ACC)
                 if CROSS and SWIGLU:
                     # The whole stage for one block of all columns, ordered so that each N x d tile dies soon
                     # after it is made (the fewest live tiles).
@@ -569,17 +568,13 @@ def grad_bwd_kernel(
             _store_pair(part_ptr, bg, s, S + 1, rd, cols, D, acc1, acc2, SWIGLU)
     else:
         for start in range(lo, hi, BLOCK_N):
-            rows = start + rn
+            rows = start + tl.arange(0, BLOCK_N)
             k = operand(load_tile(k_base, skn, skc, rows, rd, N, D), DOT, EMU)
             dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
             for c0 in range(0, D, BLOCK_C):
                 cj = c0 + rc
-                wj1, wj2 = _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cj, D, SWIGLU, ACC)
-                dgj1, dgj2 = _load_pair(dg_ptr, bg, 0, 1, rd, cj, D, SWIGLU, ACC)
-                oj1 = operand(wj1, DOT, EMU)
-                oj2 = operand(wj2, DOT, EMU)
-                ogj1 = operand(dgj1, DOT, EMU)
-                ogj2 = operand(dgj2, DOT, EMU)
+                oj1, oj2, ogj1, ogj2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd, cj, D,
+                                                          SWIGLU, DOT, EMU, ACC)  # fmt: skip
                 v = load_tile(v_base, svn, svc, rows, cj, N, D).to(ACC)
                 _, p1, p2, dz1, dz2 = _grad_bwd_cols(k, v, oj1, oj2, ogj1, ogj2, coef, SWIGLU, MSE, PREC)
                 dk += _grad_bwd_dk(p1, p2, dz1, dz2, oj1, oj2, ogj1, ogj2, SWIGLU, MSE, DOT, EMU, PREC)

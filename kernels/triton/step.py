@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .jit import col_norm, load_mat, norm_at, program, slot_at, step_bwd_tile, store_mat
+from .jit import col_norm, column_block, norm_at, program, slot_at, step_bwd_tile, store_mat, sum_slots
 
 __all__ = ["step_bwd_kernel", "step_kernel", "wgrad_reduce_kernel"]
 
@@ -27,15 +27,11 @@ def step_kernel(
     One block of columns per program. Weights are ``R x D`` (``d x d``; 9 taps x channels for the
     depthwise conv).
     """
-    pid, c, _s, bg = program(1, tl.cdiv(D, BLOCK_C))
-    if pid >= BG * tl.cdiv(D, BLOCK_C):
+    dead, bg, rr, cols = column_block(BG, D, BLOCK_R, BLOCK_C)
+    if dead:
         return
-    rr = tl.arange(0, BLOCK_R)
-    cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
     for i in tl.static_range(NW):
-        acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=ACC)
-        for s in range(S):
-            acc += load_mat(slot_at(part_ptr, bg, s, S, i, NW, R, D), D, 1, rr, cols, R, D, ACC)
+        acc = sum_slots(part_ptr, bg, S, S, i, NW, rr, cols, R, D, BLOCK_R, BLOCK_C, ACC)
         store_mat(slot_at(g_ptr, bg, 0, 1, i, NW, R, D), rr, cols, R, D, acc)
         norm = col_norm(acc)
         tl.store(norm_at(n_ptr, bg, i, NW, D, cols), norm.to(n_ptr.dtype.element_ty), mask=cols < D)
@@ -53,15 +49,11 @@ def step_bwd_kernel(
     ``part_ptr`` is ``[B*G, S + 1, NW, R, D]``: slots ``0..S-1`` hold the read-out partials, slot ``S``
     receives ``dW'`` (the direct part of the initial weights' gradient); ``dG`` goes to ``dg_ptr``.
     """
-    pid, c, _s, bg = program(1, tl.cdiv(D, BLOCK_C))
-    if pid >= BG * tl.cdiv(D, BLOCK_C):
+    dead, bg, rr, cols = column_block(BG, D, BLOCK_R, BLOCK_C)
+    if dead:
         return
-    rr = tl.arange(0, BLOCK_R)
-    cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
     for i in tl.static_range(NW):
-        dwp = tl.zeros((BLOCK_R, BLOCK_C), dtype=ACC)
-        for s in range(S):
-            dwp += load_mat(slot_at(part_ptr, bg, s, S + 1, i, NW, R, D), D, 1, rr, cols, R, D, ACC)
+        dwp = sum_slots(part_ptr, bg, S, S + 1, i, NW, rr, cols, R, D, BLOCK_R, BLOCK_C, ACC)
         store_mat(slot_at(part_ptr, bg, S, S + 1, i, NW, R, D), rr, cols, R, D, dwp)
         step_bwd_tile(dwp, g_ptr, n_ptr, dg_ptr, bg, i, NW, rr, cols, R, D, lr, GRAD_NORM, ACC)
 
