@@ -171,14 +171,14 @@ for mod in ("triton", "timm", "torchvision", "huggingface_hub", "safetensors", "
     except ImportError as e:
         missing.append(mod)
         print(f"{mod} MISSING ({e})")
-from vit3.kernels import triton_op
+from vit3.kernels.triton import device as tdev, tiles
 if device.type == "cuda":
-    print("arch", triton_op.Arch.of(device))
-print("fp32 uses TF32:", triton_op.fp32_uses_tf32())
+    print("arch", tdev.Arch.of(device))
+print("fp32 uses TF32:", tdev.fp32_uses_tf32())
 for name in ("swiglu", "linear", "dwconv"):
     for d in (16, 32, 64, 128):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            print("fits_device", name, d, dtype, triton_op.fits_device(name, d, dtype, device))
+            print("fits_device", name, d, dtype, tiles.fits_device(name, d, dtype, device))
 print("missing modules:", missing or "none")
 EOF
 }

@@ -5,8 +5,10 @@ official 3x3 depthwise-conv branch) — has one pure-PyTorch ``reference`` (the 
 tested against) and beside it its fast paths: ``swiglu.eager`` (tiled PyTorch, hand-written backward, and the
 glue of its passes in the C++ CPU kernel, ``swiglu/csrc``), ``dwconv.eager`` (the closed form in native
 convolution calls), ``dwconv.cpp`` (the same stages on token rows in the C++ kernel, ``dwconv/csrc``); ``cpp``
-builds and loads the one C++ extension of both (``torch.ops.vit3_cpu``). The Triton kernels of all three are shared: ``triton_path`` (the path's checks and run) over
-the package ``triton`` (``device``, ``tiles``: launch set-up, ``plan``: launch plans, ``op``: custom ops, autograd, ``triton_ttt``) over ``triton_kernels``. ``common`` holds what all ops
+builds and loads the one C++ extension of both (``torch.ops.vit3_cpu``). The Triton path of all three is shared: ``triton_path`` (the path's checks and run) over
+the package ``triton``: its launcher (``device``, ``tiles``: launch set-up, ``plan``: launch plans, ``op``: custom
+ops, autograd, ``triton_ttt``) and the kernels (``triton.jit``: the shared helpers, ``triton.step``: the step
+kernels, ``triton.matrix``: SwiGLU's and linear's; ``dwconv.triton``). ``common`` holds what all ops
 share (the gradient normalisation, the step, the reference step), ``losses`` the inner losses, ``paths`` the
 checks the fused paths share.
 

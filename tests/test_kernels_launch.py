@@ -18,12 +18,12 @@ from helpers.ops import (
     AMD_GPUS,
     SCALE,
     WEIGHTS,
-    gpu_kernels,
     make_inputs,
     max_rel_err,
     per_tensor,
     run_both,
     split_heads,
+    use_gpu_kernels,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.runtime.jit import JITFunction
@@ -279,7 +279,7 @@ def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch, fresh_
     """Inputs on GPU 1 while GPU 0 is current (stubbed launches on fake tensors): every launch runs with
     GPU 1 current (Triton takes the current device and its current stream), on tiles sized for GPU 1."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a GPU host's launch set-up
-    monkeypatch.setattr(tplan, "K", gpu_kernels())
+    use_gpu_kernels(monkeypatch)
     archs = {0: ARCHS["sm_90"], 1: ARCHS["sm_86"]}
     monkeypatch.setattr(tdev, "_cuda_arch", lambda index: archs[index])
     monkeypatch.setattr(torch.cuda, "device", _CurrentDevice)

@@ -15,10 +15,10 @@ import triton.language as tl
 from helpers.ops import DEVICE, SCALE, make_inputs, max_rel_err, per_tensor, rel_rms, run_both, split_heads
 
 import vit3.kernels as kernels
-from vit3.kernels import triton_kernels
 from vit3.kernels.reference import reference_ttt
 from vit3.kernels.triton import op as top
 from vit3.kernels.triton import plan as tplan
+from vit3.kernels.triton.jit import operand
 from vit3.layers import TTTConfig, TTTMixer, backends
 
 pytestmark = pytest.mark.triton
@@ -132,7 +132,7 @@ def test_half_inputs_at_head_dim_128_match_reference(name, loss, dtype):
 @triton.jit
 def _bf16_round_kernel(x_ptr, y_ptr, n: tl.constexpr):
     r = tl.arange(0, n)
-    tl.store(y_ptr + r, triton_kernels._operand(tl.load(x_ptr + r), tl.bfloat16, True))
+    tl.store(y_ptr + r, operand(tl.load(x_ptr + r), tl.bfloat16, True))
 
 
 def test_bf16_operands_are_rounded_to_nearest_even():

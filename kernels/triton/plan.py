@@ -17,7 +17,9 @@ import torch
 from torch import Tensor
 from torch.library import wrap_triton
 
-from .. import triton_kernels as K
+from ..dwconv import triton as dwconv_kernels
+from . import matrix as matrix_kernels
+from . import step as step_kernels
 from . import tiles
 from .device import Arch, _acc_dtype, _gpu_precision, _interpreting
 from .tiles import INTERPRET_TILES, LaunchConfig, _cdiv, _pow2, launch_config
@@ -255,7 +257,7 @@ def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: 
     kw = {"BLOCK_T": REDUCE_BLOCK_T, "BLOCK_E": block_e, "ACC": acc_tl, "num_warps": REDUCE_WARPS,
           "num_stages": 1}  # fmt: skip
     final = (1, 9) if conv else (d, 1)  # the conv weight [G*d, 3, 3]: element (tap, c) at c * 9 + tap
-    kernel = K.wgrad_reduce_kernel
+    kernel = step_kernels.wgrad_reduce_kernel
     if split == 1:
         args = (part, dw, b, g, e, d, length, lo, nuse, per, 1, *final)
         bld.launch("wgrad_reduce_kernel", kernel, blocks, args, kw)
@@ -331,28 +333,38 @@ def _forward_template(key: _Key, save: bool, metas: tuple) -> _Plan:
                           SAVE=save, **flags)  # fmt: skip
         args = (q, k, v, w1, w2, out, gbuf, nbuf, bgn, g, n_tok, d, *q.stride(), *k.stride(), *v.stride(),
                 *out.stride(), *ws, coef, key.lr)  # fmt: skip
-        bld.launch("forward_kernel", K.forward_kernel, bgn * cfg.cols("forward", d), args, kw)
+        bld.launch("forward_kernel", matrix_kernels.forward_kernel, bgn * cfg.cols("forward", d), args, kw)
         return bld.plan((out, gbuf, nbuf))
     part = bld.buffer(bgn, s, nw, r, d, dtype=acc)
     sizes = (bgn, g, n_tok, d, cfg.chunk, s)
     if key.model == "dwconv":
         conv = _tile_kwargs(cfg, "conv", acc_tl)
         args = (k, v, part, *sizes, key.h, key.wd, *k.stride(), *v.stride(), coef)
-        bld.launch("conv_grad_partial_kernel", K.conv_grad_partial_kernel, bgn * s, args, conv)
+        bld.launch("conv_grad_partial_kernel", dwconv_kernels.conv_grad_partial_kernel, bgn * s, args, conv)
     else:
         kw = _tile_kwargs(cfg, "grad", acc_tl, MSE=key.loss == "mse", **flags)
         args = (k, v, w1, w2, part, *sizes, *k.stride(), *v.stride(), *ws, coef)
-        bld.launch("grad_partial_kernel", K.grad_partial_kernel, bgn * s * cfg.cols("grad", d), args, kw)
+        bld.launch(
+            "grad_partial_kernel", matrix_kernels.grad_partial_kernel, bgn * s * cfg.cols("grad", d), args, kw
+        )
     args = (part, gbuf, nbuf, bgn, r, d, s)
-    bld.launch("step_kernel", K.step_kernel, bgn * cfg.cols("small", d), args, _small_kwargs(cfg, acc_tl, nw))
+    bld.launch(
+        "step_kernel",
+        step_kernels.step_kernel,
+        bgn * cfg.cols("small", d),
+        args,
+        _small_kwargs(cfg, acc_tl, nw),
+    )
     if key.model == "dwconv":
         args = (q, w1, gbuf, nbuf, out, *sizes, key.h, key.wd, *q.stride(), *out.stride(), *ws, key.lr)
         kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
-        bld.launch("conv_readout_kernel", K.conv_readout_kernel, bgn * s, args, kw)
+        bld.launch("conv_readout_kernel", dwconv_kernels.conv_readout_kernel, bgn * s, args, kw)
     else:
         args = (q, w1, w2, gbuf, nbuf, out, *sizes, *q.stride(), *out.stride(), *ws, key.lr)
         kw = _tile_kwargs(cfg, "readout", acc_tl, GRAD_NORM=key.grad_norm, **flags)
-        bld.launch("readout_kernel", K.readout_kernel, bgn * s * cfg.cols("readout", d), args, kw)
+        bld.launch(
+            "readout_kernel", matrix_kernels.readout_kernel, bgn * s * cfg.cols("readout", d), args, kw
+        )
     return bld.plan((out, gbuf, nbuf))
 
 
@@ -387,25 +399,29 @@ def _backward_template(key: _Key, metas: tuple, dout_meta: tuple) -> _Plan:
     if conv:
         args = (q, dout, w1, gbuf, nbuf, dq, part, *sizes, key.h, key.wd, *io, *ws, key.lr)
         kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
-        bld.launch("conv_readout_bwd_kernel", K.conv_readout_bwd_kernel, bgn * s, args, kw)
+        bld.launch("conv_readout_bwd_kernel", dwconv_kernels.conv_readout_bwd_kernel, bgn * s, args, kw)
     else:
         args = (q, dout, w1, w2, gbuf, nbuf, dq, part, dgbuf, *sizes, *io, *ws, key.lr)
         rflags = flags | {"GRAD_NORM": key.grad_norm, "FUSED": fused}
-        _stage(bld, cfg, "readout_bwd", K.readout_bwd_kernel, bgn, d, args, acc_tl, rflags)
+        _stage(bld, cfg, "readout_bwd", matrix_kernels.readout_bwd_kernel, bgn, d, args, acc_tl, rflags)
     if not fused:
         args = (part, gbuf, nbuf, dgbuf, bgn, r, d, s, key.lr)
         kw = _small_kwargs(cfg, acc_tl, nw) | {"GRAD_NORM": key.grad_norm}
-        bld.launch("step_bwd_kernel", K.step_bwd_kernel, bgn * cfg.cols("small", d), args, kw)
+        bld.launch("step_bwd_kernel", step_kernels.step_bwd_kernel, bgn * cfg.cols("small", d), args, kw)
     if conv:
         args = (k, v, dgbuf, dk, dv, *sizes, key.h, key.wd, *kv, coef)
         bld.launch(
-            "conv_grad_bwd_kernel", K.conv_grad_bwd_kernel, bgn * s, args, _tile_kwargs(cfg, "conv", acc_tl)
+            "conv_grad_bwd_kernel",
+            dwconv_kernels.conv_grad_bwd_kernel,
+            bgn * s,
+            args,
+            _tile_kwargs(cfg, "conv", acc_tl),
         )
     else:
         args = (k, v, w1, w2, dgbuf, dk, dv, part, *sizes, *kv, *ws, coef)
         trans = key.model == "swiglu" and cfg.transposed
         gflags = flags | {"MSE": key.loss == "mse", "FUSED": fused, "WGRAD": wgrad, "TRANS": trans}
-        _stage(bld, cfg, "grad_bwd", K.grad_bwd_kernel, bgn, d, args, acc_tl, gflags)
+        _stage(bld, cfg, "grad_bwd", matrix_kernels.grad_bwd_kernel, bgn, d, args, acc_tl, gflags)
     # The weight gradient sums, per head, every sample's slots that hold a part of it: all S + 1 (the kᵀdZ
     # partials and dW'), only slot 0 when the fused gradient pass added dW' to it, only dW' without kᵀdZ.
     slots = (s + 1, 0, 1) if fused and wgrad else ((s + 1, 0, s + 1) if wgrad else (s + 1, s, 1))

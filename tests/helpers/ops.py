@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 import types
 
 import pytest
@@ -28,9 +29,9 @@ def interpretable() -> bool:
     under ``TRITON_INTERPRET=1``, which ``triton.jit`` reads once, when a function is decorated."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from vit3.kernels import triton_kernels
+    from vit3.kernels.triton import matrix
 
-    return isinstance(triton_kernels.readout_kernel, InterpretedFunction)
+    return isinstance(matrix.readout_kernel, InterpretedFunction)
 
 
 def needs_kernels(device: torch.device) -> None:
@@ -154,19 +155,41 @@ AMD_GPUS = {
 }
 
 
+# The modules of the Triton kernels in import order (each copy in ``gpu_kernels`` imports the copies before it).
+KERNEL_MODULES = (
+    "vit3.kernels.triton.jit",
+    "vit3.kernels.triton.step",
+    "vit3.kernels.triton.matrix",
+    "vit3.kernels.dwconv.triton",
+)
+
+
 @functools.cache
-def gpu_kernels() -> types.ModuleType:
-    """A copy of ``vit3.kernels.triton_kernels`` as a GPU host imports it: decorated without the interpreter
-    (``triton.jit`` reads ``TRITON_INTERPRET`` when a function is decorated), whatever this process has set."""
-    spec = importlib.util.find_spec("vit3.kernels.triton_kernels")
-    module = importlib.util.module_from_spec(spec)
+def gpu_kernels() -> dict[str, types.ModuleType]:
+    """Copies of the kernel modules (``KERNEL_MODULES``) as a GPU host imports them: decorated without the
+    interpreter (``triton.jit`` reads ``TRITON_INTERPRET`` when a function is decorated), whatever this process
+    has set, each calling the other copies' helpers."""
+    modules = {name: importlib.import_module(name) for name in KERNEL_MODULES}
+    copies = {}
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"
     try:
-        spec.loader.exec_module(module)
+        for name in KERNEL_MODULES:
+            spec = importlib.util.find_spec(name)
+            copies[name] = sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(copies[name])
     finally:
+        sys.modules.update(modules)
         if before is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = before
-    return module
+    return copies
+
+
+def use_gpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Puts the kernels of ``gpu_kernels`` in place of this process's (for the test), where the launcher
+    reads them."""
+    for name, copy in gpu_kernels().items():
+        for attr in copy.__all__:
+            monkeypatch.setattr(sys.modules[name], attr, getattr(copy, attr))

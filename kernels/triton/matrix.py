@@ -1,0 +1,581 @@
+"""The Triton kernels of the inner models with ``d x d`` weights: one full-batch step of a linear or SwiGLU model.
+
+Per (sample b, head g) with tokens ``q, k, v [N, d]`` and initial weights ``W [d, d]`` (``W1, W2`` for
+SwiGLU), the forward computes the inner gradient ``G = kᵀ P`` (``P = E ⊙ A`` ...), its column norms
+``||G||``, the step ``W' = W - lr G / (||G|| + 1)`` and the read-out ``O = f(q; W')``. Only ``G`` and
+``||G||`` are saved for the backward (``jit``: the buffers, and ``W'`` recomputed where it is needed).
+
+Launches. Each (sample, head) may be split along N into ``S`` chunks (``tiles.launch_config`` splits
+only where ``B*G`` programs would leave the GPU idle):
+
+- ``S == 1``, forward: one launch of ``forward_kernel`` per column block sums ``kᵀ P`` over all tokens,
+  normalises, saves ``G`` and ``||G||``, takes the step and streams the queries (no partials, no step
+  launch). ``S > 1``: ``grad_partial_kernel`` (a partial ``kᵀ P`` per chunk), ``step.step_kernel`` (sums
+  the partials in a fixed order, saves ``G`` and ``||G||``) and ``readout_kernel``.
+- Backward: ``readout_bwd_kernel`` (``dq`` and ``dW' = qᵀ dY``; with ``S == 1`` (``FUSED``) it owns the
+  whole ``dW'`` and back-propagates the step and the normalisation itself, writing ``dG``), else
+  ``step.step_bwd_kernel`` sums the chunk partials and writes ``dG``; ``grad_bwd_kernel`` (``dk``, ``dv``
+  and the weight-gradient partial ``kᵀ dZ``, plus ``dW'`` when ``FUSED``), and ``step.wgrad_reduce_kernel``,
+  the sum of the partials over samples and chunks.
+
+Dot operands (``jit.operand``). The operands computed on chip (``P``, ``dY``, ``dZ``, the weights, ``W'``,
+``dG``) are rounded to ``DOT`` before they meet a dot. fp32 inputs keep fp32 operands (TF32 or IEEE dots,
+``PREC``), fp64 inputs fp64. The loss scale ``coef = s / N`` (~1e-4 at N = 3136) is kept out of the 16-bit
+operands (``P``, ``dZ`` and the ``dk`` terms carry it as a factor applied to the fp32 accumulators), so small
+products do not fall into fp16's subnormals.
+
+Column blocks. The math is separable by output column: column j of ``Z1 = k W1``, ``Z2``, the
+activations, ``P``, the gradient ``kᵀ P[:, j]``, its norm and step, ``Y = q W'``, ``dY``, ``qᵀ dY[:, j]``,
+``dZ``, ``dv`` and ``kᵀ dZ[:, j]`` need only column j of the weights (and of ``v``, ``dO``, ``dG``) plus the
+whole ``k`` or ``q`` row. So every program owns one block of ``BLOCK_C`` columns (``C = cdiv(d, BLOCK_C)``
+blocks) and keeps only ``[BLOCK_D, BLOCK_C]`` slices of the weights, gradients and accumulators on chip.
+Two quantities sum over all columns: ``dq = dY1 W1'ᵀ + dY2 W2'ᵀ`` (read-out backward) and
+``dk = P1 dG1ᵀ + P2 dG2ᵀ + dZ1 W1ᵀ + dZ2 W2ᵀ`` (gradient backward). With one block (``C == 1``) a single
+launch computes everything. With ``C > 1`` each backward stage is two launches of the same kernel, chosen by
+the constexpr switches ``COLS`` / ``CROSS``: the column launch writes the per-column outputs (``dv``, the
+weight-gradient partials), and the cross launch walks the column blocks in order for each token tile,
+recomputes their column quantities and sums ``dq`` or ``dk`` in registers. Each output element is written by
+exactly one program with a fixed summation order, so the result is deterministic without atomics.
+
+Constexpr switches: ``SWIGLU`` (else linear), ``MSE`` (linear only: ``E = s (kW - v) / N``, else the dot
+loss ``E = -s v / N``), ``GRAD_NORM``, ``PREC`` (``tl.dot`` input precision for fp32 operands), ``DOT`` /
+``EMU`` (``jit.operand``), ``COLS`` / ``CROSS`` / ``FUSED`` (above), ``WGRAD`` (the inner gradient depends
+on the initial weights, so ``kᵀ dZ`` is not zero: SwiGLU and the MSE loss). ``NW`` = 2 weights for SwiGLU,
+1 for linear.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .jit import (
+    chunk_of,
+    col_norm,
+    load_mat,
+    load_tile,
+    norm_at,
+    operand,
+    slot_at,
+    step_bwd_tile,
+    stepped,
+    store_mat,
+    store_tile,
+    updated,
+)
+
+__all__ = [
+    "forward_kernel",
+    "grad_bwd_kernel",
+    "grad_partial_kernel",
+    "readout_bwd_kernel",
+    "readout_kernel",
+]
+
+
+@triton.jit
+def _store_pair(buf, bg, slot, slots, rd, cols, D, x1, x2, SWIGLU: tl.constexpr):
+    """Stores the ``[BLOCK_D, BLOCK_C]`` tile(s) of one column block into a ``[B*G, slots, NW, d, d]``
+    buffer (``x2``: the second weight, SwiGLU only)."""
+    nw: tl.constexpr = 2 if SWIGLU else 1
+    store_mat(slot_at(buf, bg, slot, slots, 0, nw, D, D), rd, cols, D, D, x1)
+    if SWIGLU:
+        store_mat(slot_at(buf, bg, slot, slots, 1, nw, D, D), rd, cols, D, D, x2)
+
+
+@triton.jit
+def _load_pair(buf, bg, slot, slots, rd, cols, D, SWIGLU: tl.constexpr, ACC: tl.constexpr):
+    """The tile(s) ``_store_pair`` stores; the linear model gets its one tile twice."""
+    nw: tl.constexpr = 2 if SWIGLU else 1
+    x1 = load_mat(slot_at(buf, bg, slot, slots, 0, nw, D, D), D, 1, rd, cols, D, D, ACC)
+    if SWIGLU:
+        x2 = load_mat(slot_at(buf, bg, slot, slots, 1, nw, D, D), D, 1, rd, cols, D, D, ACC)
+    else:
+        x2 = x1
+    return x1, x2
+
+
+@triton.jit
+def _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU: tl.constexpr, ACC: tl.constexpr):
+    """Columns ``cols`` of the initial weights of head ``g``: ``[BLOCK_D, BLOCK_C]`` tiles ``(W1, W2)``
+    (the linear model gets ``W`` twice)."""
+    m1 = load_mat(w1_ptr + g * swg, swr, swc, rd, cols, D, D, ACC)
+    if SWIGLU:
+        m2 = load_mat(w2_ptr + g * swg, swr, swc, rd, cols, D, D, ACC)
+    else:
+        m2 = m1
+    return m1, m2
+
+
+@triton.jit
+def _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_buf, n_buf, bg, rd, cols, D, lr,
+                      SWIGLU: tl.constexpr, GRAD_NORM: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
+                      ACC: tl.constexpr):  # fmt: skip
+    """``(W1', W2')`` columns ``cols`` of (sample, head) ``bg`` as dot operands (the linear model gets ``W'``
+    twice)."""
+    nw: tl.constexpr = 2 if SWIGLU else 1
+    m1 = updated(w1_ptr + g * swg, swr, swc, g_buf, n_buf, bg, 0, nw, rd, cols, D, D, lr, GRAD_NORM, ACC)
+    if SWIGLU:
+        m2 = updated(w2_ptr + g * swg, swr, swc, g_buf, n_buf, bg, 1, nw, rd, cols, D, D, lr, GRAD_NORM, ACC)
+    else:
+        m2 = m1
+    return operand(m1, DOT, EMU), operand(m2, DOT, EMU)
+
+
+@triton.jit
+def _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_buf, bg, rd, cols, D, SWIGLU: tl.constexpr,
+                       DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Columns ``cols`` of the initial weights and of ``dG`` (``[B*G, NW, d, d]``) as dot operands:
+    ``(W1, W2, dG1, dG2)``."""
+    w1, w2 = _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU, ACC)
+    dg1, dg2 = _load_pair(dg_buf, bg, 0, 1, rd, cols, D, SWIGLU, ACC)
+    return operand(w1, DOT, EMU), operand(w2, DOT, EMU), operand(dg1, DOT, EMU), operand(dg2, DOT, EMU)
+
+
+@triton.jit
+def _swiglu_acts(z2):
+    """``σ(z2)``, ``A = silu(z2)`` and ``A' = silu'(z2) = σ (1 + z2 (1 - σ))``."""
+    sig = tl.sigmoid(z2)
+    return sig, z2 * sig, sig * (1.0 + z2 * (1.0 - sig))
+
+
+# ------------------------------------------------------------------------------------------ per-tile math
+
+
+@triton.jit
+def _token_tiles(x_base, y_base, sxn, sxc, syn, syc, rows, rd, cols, N, D, DOT: tl.constexpr, EMU: tl.constexpr,
+                 ACC: tl.constexpr):  # fmt: skip
+    """Tokens ``rows`` of ``x`` (every channel, as a dot operand) and of ``y`` (the block's columns ``cols``, in
+    ``ACC``): the ``(k, v)`` or ``(q, dO)`` tiles of a token loop."""
+    x = operand(load_tile(x_base, sxn, sxc, rows, rd, N, D), DOT, EMU)
+    y = load_tile(y_base, syn, syc, rows, cols, N, D).to(ACC)
+    return x, y
+
+
+@triton.jit
+def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg, swr, swc, N, D, rd, cols,
+                SWIGLU: tl.constexpr, MSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_C: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr,
+                PREC: tl.constexpr):  # fmt: skip
+    """The initial weights' columns ``cols`` (``_weights``) and ``kᵀ P / coef`` of tokens ``lo .. hi`` for
+    that column block: ``(w1, w2, acc1, acc2)``, ``[BLOCK_D, BLOCK_C]`` each.
+
+    ``P / coef`` is ``-v ⊙ A`` and ``-v ⊙ Z1 ⊙ A'`` (SwiGLU), ``kW - v`` (MSE) or ``-v`` (dot loss). Padded
+    rows load ``k = v = 0``, so they add nothing.
+    """
+    w1, w2 = _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU, ACC)
+    o1 = operand(w1, DOT, EMU)
+    o2 = operand(w2, DOT, EMU)
+    acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
+    acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
+    for start in range(lo, hi, BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, DOT, EMU, ACC)
+        kt = tl.trans(k)
+        if SWIGLU:
+            z1 = tl.dot(k, o1, input_precision=PREC)
+            z2 = tl.dot(k, o2, input_precision=PREC)
+            _, a, da = _swiglu_acts(z2)
+            acc1 += tl.dot(kt, operand(-v * a, DOT, EMU), input_precision=PREC)
+            acc2 += tl.dot(kt, operand(-v * z1 * da, DOT, EMU), input_precision=PREC)
+        else:
+            if MSE:
+                e = tl.dot(k, o1, input_precision=PREC) - v
+            else:
+                e = -v
+            acc1 += tl.dot(kt, operand(e, DOT, EMU), input_precision=PREC)
+    return w1, w2, acc1, acc2
+
+
+@triton.jit
+def _readout_tiles(q_base, o_base, sqn, sqc, son, soc, lo, hi, N, D, rd, cols, o1, o2,
+                   SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
+                   PREC: tl.constexpr):  # fmt: skip
+    """``O = q W'`` (linear) or ``(q W1') ⊙ silu(q W2')`` of tokens ``lo .. hi``, one column block (``o1``,
+    ``o2``: ``W'`` columns as dot operands)."""
+    for start in range(lo, hi, BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        q = operand(load_tile(q_base, sqn, sqc, rows, rd, N, D), DOT, EMU)
+        y = tl.dot(q, o1, input_precision=PREC)
+        if SWIGLU:
+            y2 = tl.dot(q, o2, input_precision=PREC)
+            y = y * y2 * tl.sigmoid(y2)
+        store_tile(o_base, son, soc, rows, cols, N, D, y)
+
+
+@triton.jit
+def _readout_dy(q, do, o1, o2, SWIGLU: tl.constexpr, PREC: tl.constexpr):
+    """One column block of ``dY1 = dO ⊙ silu(Y2)``, ``dY2 = dO ⊙ Y1 ⊙ silu'(Y2)`` (linear: ``dO``)."""
+    if SWIGLU:
+        y1 = tl.dot(q, o1, input_precision=PREC)
+        y2 = tl.dot(q, o2, input_precision=PREC)
+        _, act, dact = _swiglu_acts(y2)
+        dy1 = do * act
+        dy2 = do * y1 * dact
+    else:
+        dy1 = do
+        dy2 = do
+    return dy1, dy2
+
+
+@triton.jit
+def _readout_dq(dy1, dy2, o1, o2, SWIGLU: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
+                PREC: tl.constexpr):  # fmt: skip
+    """One column block's share of ``dq = dY1 W1'ᵀ + dY2 W2'ᵀ``: ``[BLOCK_N, BLOCK_D]``."""
+    dq = tl.dot(operand(dy1, DOT, EMU), tl.trans(o1), input_precision=PREC)
+    if SWIGLU:
+        dq += tl.dot(operand(dy2, DOT, EMU), tl.trans(o2), input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU: tl.constexpr, MSE: tl.constexpr,
+                   PREC: tl.constexpr):  # fmt: skip
+    """One column block of the gradient backward: ``dv``, and ``P1``, ``P2``, ``dZ1``, ``dZ2`` over ``coef``.
+
+    ``k`` (every channel) and the weight / ``dG`` columns ``o*``, ``og*`` are dot operands, ``v`` fp32. With
+    ``dP = k dG`` and ``E = -coef v``: ``dv = -coef (dP1 ⊙ A + dP2 ⊙ Z1 ⊙ A')`` (linear: ``-coef dP``),
+    ``P1 = E ⊙ A``, ``P2 = E ⊙ Z1 ⊙ A'`` (linear: ``P = E``), ``dZ1 = dP2 ⊙ E ⊙ A'``,
+    ``dZ2 = dP1 ⊙ E ⊙ A' + dP2 ⊙ E ⊙ Z1 ⊙ A''`` (linear MSE: ``E = coef (kW - v)``, ``dZ = coef dP``).
+    """
+    dp1 = tl.dot(k, og1, input_precision=PREC)
+    if SWIGLU:
+        z1 = tl.dot(k, o1, input_precision=PREC)
+        z2 = tl.dot(k, o2, input_precision=PREC)
+        sig, a, da = _swiglu_acts(z2)
+        dda = sig * (1.0 - sig) * (2.0 + z2 * (1.0 - 2.0 * sig))  # silu''(z2)
+        dp2 = tl.dot(k, og2, input_precision=PREC)
+        dz1 = -v * dp2 * da
+        dz2 = -v * (dp1 * da + dp2 * z1 * dda)
+        dv = -coef * (dp1 * a + dp2 * z1 * da)
+        p1 = -v * a
+        p2 = -v * z1 * da
+    else:
+        dv = -coef * dp1
+        if MSE:
+            p1 = tl.dot(k, o1, input_precision=PREC) - v  # padded rows: k = v = 0 -> 0
+        else:
+            p1 = -v
+        p2 = p1
+        dz1 = dp1
+        dz2 = dz1
+    return dv, p1, p2, dz1, dz2
+
+
+@triton.jit
+def _grad_bwd_dk(p1, p2, dz1, dz2, o1, o2, og1, og2, SWIGLU: tl.constexpr, MSE: tl.constexpr,
+                 DOT: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """One column block's share of ``dk / coef = P1 dG1ᵀ + P2 dG2ᵀ + dZ1 W1ᵀ + dZ2 W2ᵀ`` (``P``, ``dZ`` over
+    ``coef``): ``[BLOCK_N, BLOCK_D]``. Linear: ``P dGᵀ``, plus ``dZ Wᵀ`` for the MSE loss (the dot loss does
+    not depend on W)."""
+    dk = tl.dot(operand(p1, DOT, EMU), tl.trans(og1), input_precision=PREC)
+    if SWIGLU:
+        dk += tl.dot(operand(p2, DOT, EMU), tl.trans(og2), input_precision=PREC)
+        dk += tl.dot(operand(dz1, DOT, EMU), tl.trans(o1), input_precision=PREC)
+        dk += tl.dot(operand(dz2, DOT, EMU), tl.trans(o2), input_precision=PREC)
+    else:
+        if MSE:
+            dk += tl.dot(operand(dz1, DOT, EMU), tl.trans(o1), input_precision=PREC)
+    return dk
+
+
+@triton.jit
+def _swiglu_bwd_tile(k, v, o1, o2, og1, og2, coef, DOT: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr):
+    """The SwiGLU gradient backward of one token tile holding every column (``_grad_bwd_cols`` then
+    ``_grad_bwd_dk``, interleaved): ``dk / coef``, ``dZ1 / coef``, ``dZ2 / coef`` and ``dv``."""
+    dp1 = tl.dot(k, og1, input_precision=PREC)
+    dp2 = tl.dot(k, og2, input_precision=PREC)
+    z1 = tl.dot(k, o1, input_precision=PREC)
+    z2 = tl.dot(k, o2, input_precision=PREC)
+    sig, a, da = _swiglu_acts(z2)
+    dda = sig * (1.0 - sig) * (2.0 + z2 * (1.0 - 2.0 * sig))  # silu''(z2)
+    dv = -coef * (dp1 * a + dp2 * z1 * da)
+    dk = tl.dot(operand(-v * a, DOT, EMU), tl.trans(og1), input_precision=PREC)
+    vda = -v * da
+    dk += tl.dot(operand(vda * z1, DOT, EMU), tl.trans(og2), input_precision=PREC)
+    dz1 = vda * dp2
+    dk += tl.dot(operand(dz1, DOT, EMU), tl.trans(o1), input_precision=PREC)
+    dz2 = vda * dp1 - v * dp2 * z1 * dda
+    dk += tl.dot(operand(dz2, DOT, EMU), tl.trans(o2), input_precision=PREC)
+    return dk, dz1, dz2, dv
+
+
+@triton.jit
+def _swiglu_bwd_tile_t(kt, vt, o1, o2, og1, og2, coef, DOT: tl.constexpr, EMU: tl.constexpr,
+                       PREC: tl.constexpr):  # fmt: skip
+    """``_swiglu_bwd_tile`` on transposed tiles (``kᵀ`` ``[BLOCK_D, BLOCK_N]``, ``vᵀ`` ``[BLOCK_C, BLOCK_N]``):
+    ``dkᵀ / coef``, ``dZ1ᵀ / coef``, ``dZ2ᵀ / coef``, ``dvᵀ``. Every dot then has ``BLOCK_C`` or ``BLOCK_D``
+    rows, whatever the token tile: ``Z1ᵀ = W1ᵀ kᵀ``, ``dP1ᵀ = dG1ᵀ kᵀ``, ``dkᵀ = dG1 P1ᵀ + ... + W2 dZ2ᵀ``."""
+    dp1 = tl.dot(tl.trans(og1), kt, input_precision=PREC)
+    dp2 = tl.dot(tl.trans(og2), kt, input_precision=PREC)
+    z1 = tl.dot(tl.trans(o1), kt, input_precision=PREC)
+    z2 = tl.dot(tl.trans(o2), kt, input_precision=PREC)
+    sig, a, da = _swiglu_acts(z2)
+    dda = sig * (1.0 - sig) * (2.0 + z2 * (1.0 - 2.0 * sig))  # silu''(z2)
+    dv = -coef * (dp1 * a + dp2 * z1 * da)
+    dk = tl.dot(og1, operand(-vt * a, DOT, EMU), input_precision=PREC)
+    vda = -vt * da
+    dk += tl.dot(og2, operand(vda * z1, DOT, EMU), input_precision=PREC)
+    dz1 = vda * dp2
+    dk += tl.dot(o1, operand(dz1, DOT, EMU), input_precision=PREC)
+    dz2 = vda * dp1 - vt * dp2 * z1 * dda
+    dk += tl.dot(o2, operand(dz2, DOT, EMU), input_precision=PREC)
+    return dk, dz1, dz2, dv
+
+
+# ------------------------------------------------------------------------------------------------ forward
+
+
+@triton.jit
+def forward_kernel(
+    q_ptr, k_ptr, v_ptr, w1_ptr, w2_ptr, o_ptr, g_ptr, n_ptr,
+    BG, G, N, D,
+    sqb, sqg, sqn, sqc, skb, skg, skn, skc, svb, svg, svn, svc, sob, sog, son, soc,
+    swg, swr, swc,
+    coef, lr,
+    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, SAVE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The whole forward of one (sample, head) and column block, all N tokens in one program (``S == 1``).
+
+    Sums ``G = kᵀ P``, takes the step and writes the read-out ``O`` of the block's columns; ``SAVE`` (for a
+    backward) also stores ``G`` and its column norms (``g_ptr`` ``[B*G, NW, d, d]``, ``n_ptr``
+    ``[B*G, NW, d]``).
+    """
+    dead, c, _s, bg, b, g, _lo, _hi = chunk_of(BG, G, N, N, 1, tl.cdiv(D, BLOCK_C))
+    if dead:
+        return
+    rd = tl.arange(0, BLOCK_D)
+    cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    w1, w2, acc1, acc2 = _grad_tiles(
+        k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, 0, N, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg,
+        swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
+    )  # fmt: skip
+    g1 = coef * acc1
+    n1 = col_norm(g1)
+    wp1 = stepped(w1, g1, n1, lr, GRAD_NORM)
+    if SAVE:
+        _store_pair(g_ptr, bg, 0, 1, rd, cols, D, g1, coef * acc2, SWIGLU)
+        tl.store(norm_at(n_ptr, bg, 0, NW, D, cols), n1.to(n_ptr.dtype.element_ty), mask=cols < D)
+    if SWIGLU:
+        g2 = coef * acc2
+        n2 = col_norm(g2)
+        wp2 = stepped(w2, g2, n2, lr, GRAD_NORM)
+        if SAVE:
+            tl.store(norm_at(n_ptr, bg, 1, NW, D, cols), n2.to(n_ptr.dtype.element_ty), mask=cols < D)
+    else:
+        wp2 = wp1
+    _readout_tiles(
+        q_ptr + b * sqb + g * sqg, o_ptr + b * sob + g * sog, sqn, sqc, son, soc, 0, N, N, D, rd, cols,
+        operand(wp1, DOT, EMU), operand(wp2, DOT, EMU), SWIGLU, BLOCK_N, DOT, EMU, PREC,
+    )  # fmt: skip
+
+
+@triton.jit
+def grad_partial_kernel(
+    k_ptr, v_ptr, w1_ptr, w2_ptr, part_ptr,
+    BG, G, N, D, CHUNK, S,
+    skb, skg, skn, skc, svb, svg, svn, svc,
+    swg, swr, swc,
+    coef,
+    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Partial inner gradients ``kᵀ P`` of one chunk of tokens and one column block (``S > 1``) into
+    ``part_ptr`` ``[B*G, S, NW, d, d]``."""
+    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C))
+    if dead:
+        return
+    rd = tl.arange(0, BLOCK_D)
+    cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    _w1, _w2, acc1, acc2 = _grad_tiles(
+        k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg,
+        swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
+    )  # fmt: skip
+    _store_pair(part_ptr, bg, s, S, rd, cols, D, coef * acc1, coef * acc2, SWIGLU)
+
+
+@triton.jit
+def readout_kernel(
+    q_ptr, w1_ptr, w2_ptr, g_ptr, n_ptr, o_ptr,
+    BG, G, N, D, CHUNK, S,
+    sqb, sqg, sqn, sqc, sob, sog, son, soc,
+    swg, swr, swc, lr,
+    SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The read-out of one chunk of queries and one column block, ``W'`` recomputed from ``W``, ``G`` and
+    ``||G||``."""
+    dead, c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C))
+    if dead:
+        return
+    rd = tl.arange(0, BLOCK_D)
+    cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr, SWIGLU,
+                               GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
+    _readout_tiles(
+        q_ptr + b * sqb + g * sqg, o_ptr + b * sob + g * sog, sqn, sqc, son, soc, lo, hi, N, D, rd, cols,
+        o1, o2, SWIGLU, BLOCK_N, DOT, EMU, PREC,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def readout_bwd_kernel(
+    q_ptr, do_ptr, w1_ptr, w2_ptr, g_ptr, n_ptr, dq_ptr, part_ptr, dg_ptr,
+    BG, G, N, D, CHUNK, S,
+    sqb, sqg, sqn, sqc, sdob, sdog, sdon, sdoc, sdqb, sdqg, sdqn, sdqc,
+    swg, swr, swc,
+    lr,
+    SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr,
+    COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Read-out backward for one chunk: ``dW' = qᵀ dY`` of the program's column block and/or ``dq``.
+
+    ``COLS``: ``dW'`` of the block; ``FUSED`` (``S == 1``: the program holds all of it) stores it in slot 1
+    of ``part_ptr`` ``[B*G, 2, NW, d, d]`` and back-propagates the step into ``dg_ptr`` ``[B*G, NW, d, d]``;
+    otherwise it stores the chunk's partial in slot ``s`` of ``part_ptr`` ``[B*G, S + 1, NW, d, d]``.
+    ``CROSS``: ``dq``, summed over every column block (with ``COLS``, the grid must have one block,
+    ``C == 1``; without, the launch has one program per chunk and each walks the blocks in order).
+    """
+    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C) if COLS else 1)
+    if dead:
+        return
+    q_base = q_ptr + b * sqb + g * sqg
+    do_base = do_ptr + b * sdob + g * sdog
+    dq_base = dq_ptr + b * sdqb + g * sdqg
+    rd = tl.arange(0, BLOCK_D)
+    rc = tl.arange(0, BLOCK_C)
+    if COLS:
+        cols = c * BLOCK_C + rc
+        o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr, SWIGLU,
+                                   GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
+        acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
+        acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
+        for start in range(lo, hi, BLOCK_N):
+            rows = start + tl.arange(0, BLOCK_N)
+            q, do = _token_tiles(q_base, do_base, sqn, sqc, sdon, sdoc, rows, rd, cols, N, D, DOT, EMU, ACC)
+            dy1, dy2 = _readout_dy(q, do, o1, o2, SWIGLU, PREC)
+            qt = tl.trans(q)
+            acc1 += tl.dot(qt, operand(dy1, DOT, EMU), input_precision=PREC)
+            if SWIGLU:
+                acc2 += tl.dot(qt, operand(dy2, DOT, EMU), input_precision=PREC)
+            if CROSS:
+                dq = _readout_dq(dy1, dy2, o1, o2, SWIGLU, DOT, EMU, PREC)
+                store_tile(dq_base, sdqn, sdqc, rows, rd, N, D, dq)
+        if FUSED:  # dW' into slot 1 of [B*G, 2, NW, d, d], and dG
+            store_mat(slot_at(part_ptr, bg, 1, 2, 0, NW, D, D), rd, cols, D, D, acc1)
+            step_bwd_tile(acc1, g_ptr, n_ptr, dg_ptr, bg, 0, NW, rd, cols, D, D, lr, GRAD_NORM, ACC)
+            if SWIGLU:
+                store_mat(slot_at(part_ptr, bg, 1, 2, 1, NW, D, D), rd, cols, D, D, acc2)
+                step_bwd_tile(acc2, g_ptr, n_ptr, dg_ptr, bg, 1, NW, rd, cols, D, D, lr, GRAD_NORM, ACC)
+        else:
+            _store_pair(part_ptr, bg, s, S + 1, rd, cols, D, acc1, acc2, SWIGLU)
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            rows = start + tl.arange(0, BLOCK_N)
+            dq = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+            q = operand(load_tile(q_base, sqn, sqc, rows, rd, N, D), DOT, EMU)
+            for c0 in range(0, D, BLOCK_C):
+                cj = c0 + rc
+                oj1, oj2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cj, D, lr,
+                                             SWIGLU, GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
+                do = load_tile(do_base, sdon, sdoc, rows, cj, N, D).to(ACC)
+                dy1, dy2 = _readout_dy(q, do, oj1, oj2, SWIGLU, PREC)
+                dq += _readout_dq(dy1, dy2, oj1, oj2, SWIGLU, DOT, EMU, PREC)
+            store_tile(dq_base, sdqn, sdqc, rows, rd, N, D, dq)
+
+
+@triton.jit
+def grad_bwd_kernel(
+    k_ptr, v_ptr, w1_ptr, w2_ptr, dg_ptr, dk_ptr, dv_ptr, part_ptr,
+    BG, G, N, D, CHUNK, S,
+    skb, skg, skn, skc, svb, svg, svn, svc, sdkb, sdkg, sdkn, sdkc, sdvb, sdvg, sdvn, sdvc,
+    swg, swr, swc,
+    coef,
+    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr,
+    COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr, WGRAD: tl.constexpr, TRANS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Inner-gradient backward for one chunk: ``dv`` and the partial ``kᵀ dZ`` per weight and/or ``dk``.
+
+    Recomputes ``Z1 = k W1``, ``Z2 = k W2`` and the activations; ``dP = k dG`` (``_grad_bwd_cols``).
+    ``COLS``: ``dv`` and, where the inner gradient depends on the weights (``WGRAD``), the block's partial
+    ``kᵀ dZ`` into slot ``s`` of ``part_ptr`` ``[B*G, S + 1, NW, d, d]``; ``FUSED`` (``S == 1``) adds the
+    ``dW'`` of slot 1 to it, so slot 0 holds the sample's whole weight gradient. ``CROSS``: ``dk``, summed
+    over every column block (as in ``readout_bwd_kernel``: with ``COLS`` only for ``C == 1``). ``TRANS``
+    (SwiGLU, ``COLS`` and ``CROSS``): the tiles transposed, channels x tokens (``_swiglu_bwd_tile_t``), so that
+    every dot has d rows (sm_90's ``wgmma`` takes 64) with token tiles short enough for the registers.
+    """
+    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C) if COLS else 1)
+    if dead:
+        return
+    rd = tl.arange(0, BLOCK_D)
+    rc = tl.arange(0, BLOCK_C)
+    k_base = k_ptr + b * skb + g * skg
+    v_base = v_ptr + b * svb + g * svg
+    dk_base = dk_ptr + b * sdkb + g * sdkg
+    dv_base = dv_ptr + b * sdvb + g * sdvg
+    if COLS:
+        cols = c * BLOCK_C + rc
+        o1, o2, og1, og2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd, cols, D, SWIGLU,
+                                              DOT, EMU, ACC)  # fmt: skip
+        acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
+        acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
+        for start in range(lo, hi, BLOCK_N):
+            rows = start + tl.arange(0, BLOCK_N)
+            if TRANS:
+                kt = operand(load_tile(k_base, skc, skn, rd, rows, D, N), DOT, EMU)
+                vt = load_tile(v_base, svc, svn, cols, rows, D, N).to(ACC)
+                dkt, dz1t, dz2t, dvt = _swiglu_bwd_tile_t(kt, vt, o1, o2, og1, og2, coef, DOT, EMU, PREC)
+                store_tile(dk_base, sdkc, sdkn, rd, rows, D, N, coef * dkt)
+                store_tile(dv_base, sdvc, sdvn, cols, rows, D, N, dvt)
+                acc1 += tl.dot(kt, tl.trans(operand(dz1t, DOT, EMU)), input_precision=PREC)
+                acc2 += tl.dot(kt, tl.trans(operand(dz2t, DOT, EMU)), input_precision=PREC)
+            else:
+                k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, DOT, EMU, ACC)
+                if CROSS and SWIGLU:
+                    # The whole stage for one block of all columns, ordered so that each N x d tile dies soon
+                    # after it is made (the fewest live tiles).
+                    dk, dz1, dz2, dv = _swiglu_bwd_tile(k, v, o1, o2, og1, og2, coef, DOT, EMU, PREC)
+                    store_tile(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk)
+                else:
+                    dv, p1, p2, dz1, dz2 = _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU, MSE, PREC)
+                    if CROSS:
+                        dk = _grad_bwd_dk(p1, p2, dz1, dz2, o1, o2, og1, og2, SWIGLU, MSE, DOT, EMU, PREC)
+                        store_tile(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk)
+                store_tile(dv_base, sdvn, sdvc, rows, cols, N, D, dv)
+                if WGRAD:
+                    kt = tl.trans(k)
+                    acc1 += tl.dot(kt, operand(dz1, DOT, EMU), input_precision=PREC)
+                    if SWIGLU:
+                        acc2 += tl.dot(kt, operand(dz2, DOT, EMU), input_precision=PREC)
+        if WGRAD:
+            acc1 = coef * acc1
+            acc2 = coef * acc2
+            if FUSED:
+                dwp1, dwp2 = _load_pair(part_ptr, bg, 1, 2, rd, cols, D, SWIGLU, ACC)
+                acc1 += dwp1
+                acc2 += dwp2
+            _store_pair(part_ptr, bg, s, S + 1, rd, cols, D, acc1, acc2, SWIGLU)
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            rows = start + tl.arange(0, BLOCK_N)
+            k = operand(load_tile(k_base, skn, skc, rows, rd, N, D), DOT, EMU)
+            dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+            for c0 in range(0, D, BLOCK_C):
+                cj = c0 + rc
+                oj1, oj2, ogj1, ogj2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd, cj, D,
+                                                          SWIGLU, DOT, EMU, ACC)  # fmt: skip
+                v = load_tile(v_base, svn, svc, rows, cj, N, D).to(ACC)
+                _, p1, p2, dz1, dz2 = _grad_bwd_cols(k, v, oj1, oj2, ogj1, ogj2, coef, SWIGLU, MSE, PREC)
+                dk += _grad_bwd_dk(p1, p2, dz1, dz2, oj1, oj2, ogj1, ogj2, SWIGLU, MSE, DOT, EMU, PREC)
+            store_tile(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk)
