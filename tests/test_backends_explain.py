@@ -14,18 +14,8 @@ import warnings
 import pytest
 import timm
 import torch
-from helpers.backends import (
-    BIG_GRID,
-    CPU,
-    GRID,
-    assert_same,
-    backends_of,
-    make_mixer,
-    param_names,
-    reason_of,
-    run_grads,
-    tokens,
-)
+from helpers import backends as hb
+from helpers.backends import BIG_GRID, CPU, GRID
 from helpers.common import REPO
 from helpers.ops import AMD_GPUS
 
@@ -44,15 +34,15 @@ pytestmark = pytest.mark.usefixtures("no_backend_env")
 
 @pytest.mark.usefixtures("interpreter")
 def test_explain_default_cpu_config_cpu_kernel_from_32_tokens():
-    mixer = make_mixer(dtype=torch.float32)
-    big = mixer.explain(tokens(BIG_GRID, dtype=torch.float32), BIG_GRID)
-    assert backends_of(big) == ["cpu", "cpu"] and big.fused
-    assert "ranks higher on cpu" in reason_of(big, 0, "eager")
-    assert "'cpu' ranks higher on cpu" in reason_of(big, 1, "eager")  # the depthwise branch too
-    assert "unless named" in reason_of(big, 0, "triton")  # the interpreter serves only when named
-    small = mixer.explain(tokens(GRID, dtype=torch.float32), GRID)
-    assert backends_of(small) == ["eager", "cpu"] and small.fused  # the token rule is SwiGLU's only
-    assert "fewer than 32 tokens per head" in reason_of(small, 0, "cpu")
+    mixer = hb.make_mixer(dtype=torch.float32)
+    big = mixer.explain(hb.tokens(BIG_GRID, dtype=torch.float32), BIG_GRID)
+    assert hb.backends_of(big) == ["cpu", "cpu"] and big.fused
+    assert "ranks higher on cpu" in hb.reason_of(big, 0, "eager")
+    assert "'cpu' ranks higher on cpu" in hb.reason_of(big, 1, "eager")  # the depthwise branch too
+    assert "unless named" in hb.reason_of(big, 0, "triton")  # the interpreter serves only when named
+    small = mixer.explain(hb.tokens(GRID, dtype=torch.float32), GRID)
+    assert hb.backends_of(small) == ["eager", "cpu"] and small.fused  # the token rule is SwiGLU's only
+    assert "fewer than 32 tokens per head" in hb.reason_of(small, 0, "cpu")
     text = str(big)
     assert "one fused eager node" in text and "0 swiglu x2 d=16" in text and "cpu" in text
     assert json.loads(json.dumps(big.to_dict()))["branches"][0]["backend"] == "cpu"
@@ -60,33 +50,33 @@ def test_explain_default_cpu_config_cpu_kernel_from_32_tokens():
 
 def test_explain_says_triton_needs_the_interpreter_on_cpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    expl = make_mixer().explain(tokens(GRID), GRID)
-    assert reason_of(expl, 0, "triton") == "CPU tensors: Triton runs them only under TRITON_INTERPRET=1"
+    expl = hb.make_mixer().explain(hb.tokens(GRID), GRID)
+    assert hb.reason_of(expl, 0, "triton") == "CPU tensors: Triton runs them only under TRITON_INTERPRET=1"
 
 
 def test_explain_default_cuda_plan_is_triton_then_generic():
     """The CUDA plan is resolved without a GPU: the registry only reads the device type."""
-    mixer = make_mixer(dim=64, heads=2)
+    mixer = hb.make_mixer(dim=64, heads=2)
     expl = reg.explain_mixer(mixer, torch.device("cuda"), torch.bfloat16, BIG_GRID, grad=True)
-    assert backends_of(expl) == ["triton", "triton"] and not expl.fused
-    assert reason_of(expl, 0, "cpu") == "cuda tensors: the C++ kernel runs CPU tensors"
-    assert reason_of(expl, 0, "generic") == "'triton' ranks higher on cuda"
+    assert hb.backends_of(expl) == ["triton", "triton"] and not expl.fused
+    assert hb.reason_of(expl, 0, "cpu") == "cuda tensors: the C++ kernel runs CPU tensors"
+    assert hb.reason_of(expl, 0, "generic") == "'triton' ranks higher on cuda"
     wide = reg.explain_mixer(
-        make_mixer(dim=512, heads=2), torch.device("cuda"), torch.bfloat16, GRID, grad=True
+        hb.make_mixer(dim=512, heads=2), torch.device("cuda"), torch.bfloat16, GRID, grad=True
     )
-    assert backends_of(wide) == ["generic", "generic"]  # the eager tile walk is tuned for CPU caches
-    assert "head dim 256 > 128" in reason_of(wide, 0, "triton")
-    assert reason_of(wide, 0, "eager") == "'generic' ranks higher on cuda"
+    assert hb.backends_of(wide) == ["generic", "generic"]  # the eager tile walk is tuned for CPU caches
+    assert "head dim 256 > 128" in hb.reason_of(wide, 0, "triton")
+    assert hb.reason_of(wide, 0, "eager") == "'generic' ranks higher on cuda"
 
 
 def test_a_gpu_that_cannot_run_the_kernels_steps_aside_with_a_warning(fake_gpu):
     """ROCm on an MI250 (Triton's AMD backend takes no TF32 dots there): auto says why, warns once and lets
     the generic path serve; with IEEE dots (float64) the kernels serve."""
     gpu = fake_gpu(AMD_GPUS["gfx90a"], hip="6.3")
-    mixer = make_mixer(dim=64, heads=2)
+    mixer = hb.make_mixer(dim=64, heads=2)
     expl = reg.explain_mixer(mixer, gpu, torch.bfloat16, BIG_GRID, grad=True)
-    assert backends_of(expl) == ["generic", "generic"]
-    assert reason_of(expl, 0, "triton").startswith("ROCm gfx90a: Triton's AMD backend takes")
+    assert hb.backends_of(expl) == ["generic", "generic"]
+    assert hb.reason_of(expl, 0, "triton").startswith("ROCm gfx90a: Triton's AMD backend takes")
     args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.plan_branches, gpu)
     with pytest.warns(reg.BackendWarning) as caught:
         assert reg.plan(*args, torch.bfloat16, "N>=32", True, "").backends == ("generic", "generic")
@@ -111,11 +101,13 @@ def test_explain_without_triton_names_the_import_error_and_keeps_the_cpp_kernel(
         "_kernels",
         lambda: (None, "the Triton kernels cannot be imported (ImportError: no triton)"),
     )
-    expl = reg.explain_mixer(make_mixer(), torch.device("cuda"), torch.float16, GRID, grad=False)
-    assert backends_of(expl) == ["generic", "generic"]
-    assert "ImportError: no triton" in reason_of(expl, 0, "triton")
-    cpu = make_mixer().explain(tokens(BIG_GRID), BIG_GRID)  # the C++ kernel needs no Triton
-    assert backends_of(cpu) == ["cpu", "cpu"] and "ImportError: no triton" in reason_of(cpu, 0, "triton")
+    expl = reg.explain_mixer(hb.make_mixer(), torch.device("cuda"), torch.float16, GRID, grad=False)
+    assert hb.backends_of(expl) == ["generic", "generic"]
+    assert "ImportError: no triton" in hb.reason_of(expl, 0, "triton")
+    cpu = hb.make_mixer().explain(hb.tokens(BIG_GRID), BIG_GRID)  # the C++ kernel needs no Triton
+    assert hb.backends_of(cpu) == ["cpu", "cpu"] and "ImportError: no triton" in hb.reason_of(
+        cpu, 0, "triton"
+    )
 
 
 VARIANTS = {
@@ -145,18 +137,18 @@ VARIANTS = {
 @pytest.mark.usefixtures("interpreter")
 def test_explain_variants(cfg, expected, why):
     cfg = dict(cfg)
-    mixer = make_mixer(heads=cfg.pop("heads", 2), **cfg)
+    mixer = hb.make_mixer(heads=cfg.pop("heads", 2), **cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", reg.BackendWarning)
-        expl = mixer.explain(tokens(BIG_GRID), BIG_GRID)
-    assert backends_of(expl) == expected
+        expl = mixer.explain(hb.tokens(BIG_GRID), BIG_GRID)
+    assert hb.backends_of(expl) == expected
     branch, backend, text = why
-    assert text in reason_of(expl, branch, backend)
+    assert text in hb.reason_of(expl, branch, backend)
 
 
 @pytest.mark.usefixtures("interpreter")
 def test_traced_and_compiled_calls_plan_traceable_ops():
-    mixer = make_mixer()
+    mixer = hb.make_mixer()
     args = (
         (mixer.cfg.loss, 1, 1, "fixed"),
         "auto",
@@ -177,14 +169,14 @@ def test_traced_and_compiled_calls_plan_traceable_ops():
 
 def test_compiled_mixer_has_no_graph_break_and_matches_eager():
     """The plan is a constant of the compiled graph (fullgraph fails on any break)."""
-    mixer = make_mixer()
-    x, dout = tokens(BIG_GRID), tokens(BIG_GRID)
+    mixer = hb.make_mixer()
+    x, dout = hb.tokens(BIG_GRID), hb.tokens(BIG_GRID)
     torch._dynamo.reset()
     compiled = torch.compile(lambda t: mixer(t, BIG_GRID), fullgraph=True, backend="eager")
     x_ = x.detach().requires_grad_()
     out = compiled(x_)
     got = [out, *torch.autograd.grad((out * dout).sum(), [x_, *mixer.parameters()])]
-    assert_same(got, run_grads(mixer, x, BIG_GRID, dout), param_names(mixer))
+    hb.assert_same(got, hb.run_grads(mixer, x, BIG_GRID, dout), hb.param_names(mixer))
 
 
 # --------------------------------------------------------------------------------- model-level explain
@@ -195,9 +187,9 @@ def test_model_explain_groups_mixers_with_one_plan():
     report = vit3.explain(model, 64)
     ((names, expl),) = report.groups
     assert names == ("blocks.0.attn", "blocks.1.attn", "blocks.2.attn")
-    assert expl.tokens == 16 and not expl.grad and backends_of(expl) == ["eager", "cpu"]
+    assert expl.tokens == 16 and not expl.grad and hb.backends_of(expl) == ["eager", "cpu"]
     assert "blocks.0.attn ... blocks.2.attn (3 mixers)" in str(report)
-    assert backends_of(vit3.explain(model, torch.randn(1, 3, 176, 176), grad=True).groups[0][1]) == [
+    assert hb.backends_of(vit3.explain(model, torch.randn(1, 3, 176, 176), grad=True).groups[0][1]) == [
         "cpu",
         "cpu",
     ]
