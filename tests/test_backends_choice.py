@@ -8,6 +8,7 @@ The tests that launch kernels run where Triton runs (``triton_device``: the GPU,
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 
 import pytest
@@ -134,6 +135,42 @@ def test_plans_are_resolved_once_per_key(monkeypatch):
     first(x, GRID)
     first(x, GRID)
     assert resolved["n"] == 4
+
+
+class _CountedEnviron(dict):
+    """``os.environ`` that counts its reads."""
+
+    def __init__(self, env) -> None:
+        super().__init__(env)
+        self.reads = 0
+
+    def get(self, *args):
+        self.reads += 1
+        return super().get(*args)
+
+    def __getitem__(self, name):
+        self.reads += 1
+        return super().__getitem__(name)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_a_mixer_keeps_its_plan_and_reads_no_environment_after_the_first_call(monkeypatch, grad):
+    """The plan of a (mixer, key) is decided once and kept on the mixer: a later call of that key asks the
+    backends' cache nothing and reads no environment variable."""
+    mixer, x = make_mixer(), tokens(BIG_GRID, b=1)
+    with torch.set_grad_enabled(grad):
+        for _ in range(2):  # the guarded first calls of the key, then a verified one
+            out = mixer(x, BIG_GRID)
+            if grad:
+                out.sum().backward()
+        planned = count_calls(monkeypatch, reg, "plan")
+        environ = _CountedEnviron(os.environ)
+        monkeypatch.setattr("os.environ", environ)
+        out = mixer(x, BIG_GRID)
+        if grad:
+            out.sum().backward()
+    assert planned["n"] == 0 and environ.reads == 0
+    assert not mixer(tokens(GRID, b=1), GRID).isnan().any() and planned["n"] == 1  # a new key is planned
 
 
 def test_a_key_runs_guarded_until_one_forward_and_backward_succeeded(monkeypatch):
