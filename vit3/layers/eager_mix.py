@@ -93,9 +93,10 @@ def _branch_views(t: Tensor, geom: tuple[int, ...], br: MixBranch, heads: bool) 
 
 
 class _Layout(NamedTuple):
-    """What every call of one ``MixPlan`` shares: per branch its node hooks, its op's number of initial
-    weights and its width ``heads * head_dim``; the width of all, and the step's ``Hyper``."""
+    """What every call of one ``MixPlan`` shares: the plan; per branch its node hooks, its op's number of
+    initial weights and its width ``heads * head_dim``; the width of all, and the step's ``Hyper``."""
 
+    plan: MixPlan
     nodes: tuple[tuple[Node, int, int], ...]
     width: int
     hyper: Hyper
@@ -113,16 +114,16 @@ def _layout(plan: MixPlan) -> _Layout:
             raise ValueError(f"eager_mix serves the inner models {node_ops}, got {br.kind!r}")
         found.append((path.node, len(op.weights), br.heads * br.head_dim))
     hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
-    return _Layout(tuple(found), sum(w for *_, w in found), hyper)
+    return _Layout(plan, tuple(found), sum(w for *_, w in found), hyper)
 
 
 def _forward(
-    qkv: Tensor, plan: MixPlan, save: bool, weights: tuple[Tensor, ...]
+    qkv: Tensor, layout: _Layout, save: bool, weights: tuple[Tensor, ...]
 ) -> tuple[Tensor, list[Tensor], list[tuple[int, int, str]]]:
     """Every branch's step and read-out into one output ``[B, N, sum(widths)]``; returns it, what the backward
     needs (when ``save``) and, per branch, its first saved tensor, their count and its hooks' tag."""
     b, n, _ = qkv.shape
-    layout = _layout(plan)
+    plan = layout.plan
     out = qkv.new_empty(b, n, layout.width)
     # Dense copies of every branch's q, k, v or none (the C++ kernel reads small problems in place, the tiled
     # path copies): saved views of qkv keep all of it alive, copies beside them would double it.
@@ -153,11 +154,11 @@ def _forward(
 class _EagerMix(torch.autograd.Function):
     @staticmethod
     @autocast_forward
-    def forward(ctx, qkv: Tensor, plan: MixPlan, save: bool, *weights: Tensor) -> Tensor:
-        out, saved, tags = _forward(qkv, plan, save, weights)
+    def forward(ctx, qkv: Tensor, layout: _Layout, save: bool, *weights: Tensor) -> Tensor:
+        out, saved, tags = _forward(qkv, layout, save, weights)
         if save:
             ctx.save_for_backward(*saved)
-        ctx.plan, ctx.tags = plan, tags
+        ctx.layout, ctx.tags = layout, tags
         ctx.shapes = (qkv.shape, [w.shape for w in weights])
         return out
 
@@ -165,10 +166,9 @@ class _EagerMix(torch.autograd.Function):
     @autocast_backward  # the forward runs with autocast off (the mixer's inner loops): so does this
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        plan = ctx.plan
+        layout = ctx.layout
+        plan, hyper = layout.plan, layout.hyper
         qkv_shape, weight_shapes = ctx.shapes
-        layout = _layout(plan)
-        hyper = layout.hyper
         saved = ctx.saved_tensors
         dqkv = d_out.new_empty(qkv_shape)
         geom, out_geom = _geom(dqkv), _geom(d_out)
@@ -206,11 +206,11 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     Returns:
         The read-outs concatenated ``[B, N, sum(widths)]``.
     """
-    width = _layout(plan).width
-    if qkv.shape[-1] != 3 * width:
-        raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * width}")
+    layout = _layout(plan)
+    if qkv.shape[-1] != 3 * layout.width:
+        raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * layout.width}")
     # Saving for the backward only when autograd will call it (not under no_grad / inference); without it
     # the node is not needed either.
     if grad_flows(qkv, *weights):
-        return _EagerMix.apply(qkv, plan, True, *weights)
-    return _forward(qkv, plan, False, tuple(weights))[0]
+        return _EagerMix.apply(qkv, layout, True, *weights)
+    return _forward(qkv, layout, False, tuple(weights))[0]

@@ -54,6 +54,9 @@ class _Call:
         self.plan, self.mix_plan, self.settled = plan, mix_plan, bool(plan.tracing)
 
 
+_COMPUTE_DTYPES = (torch.float32, torch.float64)  # the inner loop's dtypes: no cast to call
+
+
 def _fused(mix_plan: MixPlan, qkv: Tensor, flat: list[Tensor]) -> Tensor:
     """The fused eager node on ``qkv`` and the initial weights ``flat``, in the inner loop's dtype: float32 at
     least (bf16/fp16 gradients of the inner loss are too coarse); the read-out back in qkv's dtype."""
@@ -62,9 +65,6 @@ def _fused(mix_plan: MixPlan, qkv: Tensor, flat: list[Tensor]) -> Tensor:
     compute = torch.promote_types(qkv.dtype, torch.float32)
     flat = [p if p.dtype == compute else p.to(compute) for p in flat]
     return eager_mix(qkv.to(compute), mix_plan, flat).to(qkv.dtype)
-
-
-_COMPUTE_DTYPES = (torch.float32, torch.float64)
 
 
 class TTTMixer(nn.Module):
