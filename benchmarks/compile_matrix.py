@@ -11,6 +11,7 @@ turns down (their compile must exceed the limit), and writes one row per compile
     python benchmarks/compile_matrix.py --jobs 2               # the full matrix, ~25 min (cold Triton cache)
     python benchmarks/compile_matrix.py --cases default --jobs 2
     python benchmarks/compile_matrix.py --arch sm_86 --d 64 --mode bf16 fp32-ieee
+    python benchmarks/compile_matrix.py --markdown benchmarks/results/compile_matrix.csv  # the README table
 
 Run without ``TRITON_INTERPRET=1`` (the script clears it in its own environment).
 """
@@ -18,6 +19,7 @@ Run without ``TRITON_INTERPRET=1`` (the script clears it in its own environment)
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import sys
@@ -95,6 +97,37 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+# The kernels that run per (sample, head) step or reduce over the batch, not over the tokens.
+_STEP_KERNELS = ("step_kernel", "step_bwd_kernel", "wgrad_reduce_kernel")
+
+
+def markdown(rows: list[dict]) -> str:
+    """The README's table of ``rows`` (this script's CSV rows): per (arch, mode) a line, per head dim the worst
+    kernel of the inner models that fit: shared memory KB · registers · spilled bytes per thread of the token
+    kernels, in parentheses those of the step/reduction kernels where not 0; ‡ where an inner model does not fit.
+    """
+    cells: dict[tuple[str, str], dict[int, list[dict]]] = {}
+    for r in sorted(rows, key=lambda r: int(str(r["arch"]).removeprefix("sm_"))):
+        cells.setdefault((r["arch"], r["mode"]), {}).setdefault(int(r["d"]), []).append(r)
+    lines = [
+        "| arch (limit) | mode | " + " | ".join(f"d={d}" for d in sorted(next(iter(cells.values())))) + " |"
+    ]
+    lines.append("|---" * (2 + len(next(iter(cells.values())))) + "|")
+    for (arch, mode), by_d in cells.items():
+        out = []
+        for d in sorted(by_d):
+            rs = by_d[d]
+            ok = [r for r in rs if str(r["fits"]) == "True"]
+            step = [int(r["spill_stores"]) for r in ok if r["kernel"].split("[")[0] in _STEP_KERNELS]
+            token = [int(r["spill_stores"]) for r in ok if r["kernel"].split("[")[0] not in _STEP_KERNELS]
+            cell = f"{max(float(r['smem_kb']) for r in ok):.0f} · {max(int(r['regs']) for r in ok)} · {max(token)}"
+            cell += f" ({max(step)})" if max(step) else ""
+            out.append(cell + (" ‡" if len(ok) < len(rs) else ""))
+        limit = float(next(iter(by_d.values()))[0]["limit_kb"])
+        lines.append(f"| {arch} ({limit:.0f} KB) | {mode} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", choices=["full", "default"], default="full")
@@ -104,7 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument("--out", type=Path, default=RESULTS / "compile_matrix.csv")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON (the tests read it)")
+    p.add_argument(
+        "--markdown", type=Path, default=None, help="print the README table of this CSV; no compile"
+    )
     args = p.parse_args(argv)
+    if args.markdown:
+        with args.markdown.open(newline="") as f:
+            print(markdown(list(csv.DictReader(f))))
+        return 0
     cases = [
         c
         for c in aot.matrix(args.cases)

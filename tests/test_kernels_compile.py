@@ -143,3 +143,19 @@ def test_launches_are_specialised_as_triton_would_launch_them(n_tok):
     assert sig["skc"] == sig["svc"] == "constexpr" and spec["constexprs"]["skc"] == "1"  # channel stride 1
     assert {"k_ptr", "v_ptr", "w1_ptr", "w2_ptr", "part_ptr", "D", "skn", "svn"} <= set(spec["div16"])
     assert ("N" in spec["div16"]) == (n_tok % 16 == 0)
+
+
+def test_readme_table_is_the_committed_matrix():
+    """benchmarks/README's per-cell table is what ``--markdown`` derives from ``results/compile_matrix.csv``."""
+    bench = REPO / "benchmarks"
+    cmd = [
+        sys.executable,
+        str(bench / "compile_matrix.py"),
+        "--markdown",
+        str(bench / "results" / "compile_matrix.csv"),
+    ]
+    table = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(table) > 2 and table[0].startswith("| arch (limit) | mode |")
+    readme = (bench / "README.md").read_text().splitlines()
+    start = readme.index(table[0])
+    assert readme[start : start + len(table)] == table
