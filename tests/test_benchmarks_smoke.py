@@ -294,3 +294,19 @@ def test_convert_benchmark_rows_for_every_method_and_size(tmp_path):
     # rerun: the finished runs are reused, the latency rows kept as they were timed (not timed again)
     _run(*bench, "--seeds", "0", "--keep-latency", "--override", *data)
     assert list(csv.DictReader(out.open())) == rows
+
+
+def test_model_overhead_times_each_model_and_its_bare_ops(tmp_path):
+    out = tmp_path / "model_overhead.csv"
+    _run(
+        "model_overhead.py",
+        *("--pair", "test_vit3_ttt:test_vit", "--res", "160", "--repeats", "1", "--threads", "1"),
+        *("--out", str(out)),
+    )
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["model"], r["mode"]) for r in rows] == [
+        (m, mode) for m in ("test_vit3_ttt", "test_vit") for mode in ("infer", "train")
+    ]
+    assert all(int(r["ops"]) > 0 and float(r["bare_ms"]) > 0 for r in rows)
+    base = [r for r in rows if r["model"] == "test_vit"]
+    assert all(float(r["speed_vs_base"]) == 1.0 == float(r["bare_vs_base"]) for r in base)

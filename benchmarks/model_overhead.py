@@ -1,0 +1,121 @@
+"""The Python time of whole models, and the speed ratio their ops alone allow: ViT³-T beside DeiT-T.
+
+For each model, one inference forward (``eval()``, ``torch.no_grad``) and one training step (``train()``,
+forward + backward of every parameter's gradient) are recorded once with ``mixer_overhead``'s dispatch
+recorder: every ATen and custom op they dispatch, with its arguments. The *bare ops* replay that record, op
+after op, with no module, autograd-engine or mixer Python between them (the replay's own cost per op, one
+Python call, is the same for every model). All are timed interleaved (``--repeats`` rounds). Per row:
+
+- ``python_ms``: the model's time over its bare ops (paired per round): what trimming Python could win;
+- ``speed_vs_base``: the baseline's time over this model's (paired per round), as ``models.py`` reports it;
+- ``bare_vs_base``: the same ratio of the bare ops: the speed ratio this model reaches with no Python at all,
+  an upper bound for any work on the Python side (the ops themselves are what is left).
+
+Writes ``results/model_overhead_<device>.csv``.
+
+    python benchmarks/model_overhead.py --threads 1                  # vit3_tiny vs deit_tiny, 224 px, batch 1
+    python benchmarks/model_overhead.py --threads 1 --pair vit3_small:deit_small_patch16_224 --batch 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import timm
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import vit3  # noqa: F401  (registers the vit3 models in timm)
+from benchmarks.common import RESULTS, add_runtime_args, apply_runtime, print_table, time_samples, write_csv
+from benchmarks.mixer_overhead import record, replay
+
+
+def _calls(name: str, res: int, batch: int, device: torch.device) -> dict[str, object]:
+    """The inference and training calls of model ``name`` and their bare ops (recorded after a warm-up)."""
+    model = timm.create_model(name).to(device)
+    x = torch.randn(batch, 3, res, res, device=device)
+    params = list(model.parameters())
+
+    def infer() -> None:
+        model.eval()
+        with torch.no_grad():
+            model(x)
+
+    def train() -> None:
+        model.train()
+        for p in params:  # as a training step (optimizer.zero_grad): nothing accumulates into .grad
+            p.grad = None
+        model(x).sum().backward()
+
+    for _ in range(3):  # warm-up: kernels built, plans resolved and verified
+        infer()
+        train()
+    ops = {"infer": record(infer), "train": record(train)}
+
+    def bare_infer() -> None:
+        with torch.no_grad():  # the same grad-mode switch as ``infer``
+            replay(ops["infer"])
+
+    return {"infer": infer, "bare infer": bare_infer, "train": train, "bare train": lambda: replay(ops["train"]), "ops": ops}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    names = args.pair.split(":")
+    calls = {name: _calls(name, args.res, args.batch, device) for name in names}
+    fns = {f"{name} {kind}": c[kind] for name, c in calls.items() for kind in ("infer", "bare infer", "train", "bare train")}  # fmt: skip
+    samples = time_samples(fns, device, repeats=args.repeats, warmup=2)
+    base = names[-1]
+
+    def ratio(a: list[float], b: list[float]) -> float:
+        return statistics.median(x / y for x, y in zip(a, b))
+
+    rows = []
+    for name in names:
+        for mode in ("infer", "train"):
+            mine, bare = samples[f"{name} {mode}"], samples[f"{name} bare {mode}"]
+            rows.append(
+                {
+                    "model": name,
+                    "mode": mode,
+                    "res": args.res,
+                    "batch": args.batch,
+                    "threads": torch.get_num_threads(),
+                    "ops": len(calls[name]["ops"][mode]),
+                    "model_ms": 1e3 * statistics.median(mine),
+                    "bare_ms": 1e3 * statistics.median(bare),
+                    "python_ms": 1e3 * statistics.median(m - o for m, o in zip(mine, bare)),
+                    "speed_vs_base": ratio(samples[f"{base} {mode}"], mine),
+                    "bare_vs_base": ratio(samples[f"{base} bare {mode}"], bare),
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_runtime_args(p)
+    p.add_argument("--pair", default="vit3_tiny:deit_tiny_patch16_224", help="models a:b (b: the baseline)")
+    p.add_argument("--res", type=int, default=224)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument(
+        "--out", type=Path, default=None, help="CSV (default: results/model_overhead_<device>.csv)"
+    )
+    args = p.parse_args(argv)
+    apply_runtime(args)
+    rows = run(args)
+    print_table(rows, floatfmt="{:.3f}")
+    out = args.out or RESULTS / f"model_overhead_{torch.device(args.device).type}.csv"
+    write_csv(rows, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
