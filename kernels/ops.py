@@ -138,6 +138,8 @@ class Node(NamedTuple):
             beside them); ``None``: never.
         low_precision: the hooks take float16 / bfloat16 q, k, v as they are (accumulating in float32);
             else float32 / float64 only.
+        twice: the node may differentiate this path's backward (``create_graph=True``) through the op's
+            reference on the saved qkv (where every branch's path allows it).
     """
 
     heads: bool
@@ -145,6 +147,7 @@ class Node(NamedTuple):
     backward: Callable[..., tuple[Tensor, ...]]
     copies: Callable[[Tensor], bool] | None = None
     low_precision: bool = False
+    twice: bool = False
 
 
 @dataclass(frozen=True)

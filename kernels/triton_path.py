@@ -97,10 +97,10 @@ def _node_backward(
 
 def triton_path(name: str) -> Path:
     """Op ``name``'s Triton path: a branch alone through ``triton_ttt``, or its hooks in the fused node
-    (heads views, float16 / bfloat16 inputs as they are)."""
+    (heads views, float16 / bfloat16 inputs as they are, a backward differentiable through the reference)."""
 
     def forward(call: NodeCall) -> tuple[list[Tensor], str]:
         return _node_hooks().forward(name, call)
 
-    node = Node(heads=True, forward=forward, backward=_node_backward, low_precision=True)
+    node = Node(heads=True, forward=forward, backward=_node_backward, low_precision=True, twice=True)
     return Path(supports=_supports, run=_run, fits=_fits, node=node)

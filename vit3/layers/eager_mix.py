@@ -33,7 +33,7 @@ from vit3.kernels.ops import OPS, Hyper, Node, NodeCall
 
 from .rope import apply_rope_2d
 
-__all__ = ["BRANCH_ATTR", "MixBranch", "MixPlan", "eager_mix", "takes"]
+__all__ = ["BRANCH_ATTR", "MixBranch", "MixPlan", "eager_mix", "reference_mix", "takes"]
 
 # The attribute a branch's failing hooks set on their exception: the branch's index in ``MixPlan.branches``.
 BRANCH_ATTR = "vit3_branch"
@@ -107,6 +107,7 @@ class _Layout(NamedTuple):
     width: int
     hyper: Hyper
     low_precision: bool  # every branch's hooks take float16 / bfloat16 q, k, v as they are
+    twice: bool  # every branch's backward may be differentiated (``Node.twice``): qkv and the weights saved
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,7 +123,23 @@ def _layout(plan: MixPlan) -> _Layout:
         found.append((path.node, len(op.weights), br.heads * br.head_dim))
     hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
     low = all(node.low_precision for node, *_ in found)
-    return _Layout(plan, tuple(found), sum(w for *_, w in found), hyper, low)
+    twice = all(node.twice for node, *_ in found)
+    return _Layout(plan, tuple(found), sum(w for *_, w in found), hyper, low, twice)
+
+
+def reference_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
+    """What the node computes, from the op references (``Op.reference``; RoPE on q and k where a branch has
+    it): the read-outs ``[B, N, sum(widths)]`` of qkv ``[B, N, 3 * sum(widths)]``, differentiable."""
+    geom, outs, wi, hyper = _geom(qkv), [], 0, Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm)
+    for br in plan.branches:
+        op = OPS[br.kind]
+        q, k, v = _branch_views(qkv, geom, br, True)
+        if br.rope:
+            q, k = (_heads(apply_rope_2d(t, plan.grid, plan.rope_base), br.heads) for t in (q, k))
+        params = dict(zip(op.weights, weights[wi : wi + len(op.weights)]))
+        wi += len(op.weights)
+        outs.append(op.reference(q, k, v, params, hyper).transpose(1, 2).flatten(2))
+    return torch.cat(outs, dim=-1)
 
 
 def takes(plan: MixPlan, dtype: torch.dtype) -> bool:
@@ -161,7 +178,8 @@ def _forward(
         # q, k, v and the destination as the hooks take them (q, k as tokens to rotate first)
         q, k, v = _branch_views(qkv, geom, br, node.heads)
         if br.rope:
-            q, k = (apply_rope_2d(t, plan.grid, plan.rope_base) for t in (q, k))
+            # in qkv's dtype (the rotation of 16-bit q, k comes back in float32)
+            q, k = (apply_rope_2d(t, plan.grid, plan.rope_base).to(qkv.dtype) for t in (q, k))
             if node.heads:
                 q, k = (_heads(t, br.heads) for t in (q, k))
         dest = _view(out, out_geom, col, br.heads, br.head_dim, node.heads)
@@ -179,52 +197,73 @@ def _forward(
     return out, saved, tags
 
 
+@once_differentiable
+def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+    """Every branch's backward hooks: dq, dk, dv into one qkv gradient, the weights' gradients."""
+    layout = ctx.layout
+    plan, hyper = layout.plan, layout.hyper
+    qkv_shape, weight_shapes = ctx.shapes
+    saved = ctx.saved_tensors
+    dqkv = d_out.new_empty(qkv_shape)
+    geom, out_geom = _geom(dqkv), _geom(d_out)
+    grads: list[Tensor] = []
+    col, wi = 0, 0
+    for i, (br, (node, count, width), (start, n_saved, tag)) in enumerate(
+        zip(plan.branches, layout.nodes, ctx.tags)
+    ):
+        # as the hooks take them (dq, dk as tokens to rotate back)
+        dq, dk, dv = _branch_views(dqkv, geom, br, node.heads)
+        dout = _view(d_out, out_geom, col, br.heads, br.head_dim, node.heads)
+        # RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place.
+        dqh, dkh = dq, dk
+        if br.rope:
+            rq, rk = (torch.empty_like(dq) for _ in range(2))
+            dqh, dkh = (_heads(t, br.heads) for t in (rq, rk)) if node.heads else (rq, rk)
+        try:
+            dws = node.backward(dout, saved[start : start + n_saved], tag, dqh, dkh, dv, hyper)
+        except Exception as exc:
+            _tag(exc, i)
+            raise
+        if br.rope:
+            dq.copy_(apply_rope_2d(rq, plan.grid, plan.rope_base, inverse=True))
+            dk.copy_(apply_rope_2d(rk, plan.grid, plan.rope_base, inverse=True))
+        grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + count])]
+        wi += count
+        col += width
+    return (dqkv, None, None, *grads)
+
+
+def _backward_twice(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+    """A backward that is itself differentiable (``create_graph=True``): autograd through ``reference_mix`` on
+    the saved qkv and weights, in float32 at least (the hooks' backwards have no derivative of their own)."""
+    count = len(ctx.shapes[1])
+    qkv, *weights = ctx.saved_tensors[-1 - count :]
+    inputs = [qkv, *weights]
+    wanted = [t for t in inputs if t.requires_grad]
+    acc = torch.promote_types(qkv.dtype, torch.float32)
+    out = reference_mix(qkv.to(acc), ctx.layout.plan, [w.to(acc) for w in weights])
+    grads = iter(torch.autograd.grad(out, wanted, d_out.to(acc), create_graph=True, allow_unused=True))
+    got = [next(grads) if t.requires_grad else None for t in inputs]
+    return (got[0], None, None, *got[1:])
+
+
 class _EagerMix(torch.autograd.Function):
     @staticmethod
     @autocast_forward
     def forward(ctx, qkv: Tensor, layout: _Layout, save: bool, *weights: Tensor) -> Tensor:
         out, saved, tags = _forward(qkv, layout, save, weights)
-        if save:
-            ctx.save_for_backward(*saved)
+        if save:  # with qkv and the weights where the backward is differentiable
+            ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice else ()))
         ctx.layout, ctx.tags = layout, tags
         ctx.shapes = (qkv.shape, [w.shape for w in weights])
         return out
 
     @staticmethod
     @autocast_backward  # the forward runs with autocast off (the mixer's inner loops): so does this
-    @once_differentiable
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        layout = ctx.layout
-        plan, hyper = layout.plan, layout.hyper
-        qkv_shape, weight_shapes = ctx.shapes
-        saved = ctx.saved_tensors
-        dqkv = d_out.new_empty(qkv_shape)
-        geom, out_geom = _geom(dqkv), _geom(d_out)
-        grads: list[Tensor] = []
-        col, wi = 0, 0
-        for i, (br, (node, count, width), (start, n_saved, tag)) in enumerate(
-            zip(plan.branches, layout.nodes, ctx.tags)
-        ):
-            # as the hooks take them (dq, dk as tokens to rotate back)
-            dq, dk, dv = _branch_views(dqkv, geom, br, node.heads)
-            dout = _view(d_out, out_geom, col, br.heads, br.head_dim, node.heads)
-            # RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place.
-            dqh, dkh = dq, dk
-            if br.rope:
-                rq, rk = (torch.empty_like(dq) for _ in range(2))
-                dqh, dkh = (_heads(t, br.heads) for t in (rq, rk)) if node.heads else (rq, rk)
-            try:
-                dws = node.backward(dout, saved[start : start + n_saved], tag, dqh, dkh, dv, hyper)
-            except Exception as exc:
-                _tag(exc, i)
-                raise
-            if br.rope:
-                dq.copy_(apply_rope_2d(rq, plan.grid, plan.rope_base, inverse=True))
-                dk.copy_(apply_rope_2d(rk, plan.grid, plan.rope_base, inverse=True))
-            grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + count])]
-            wi += count
-            col += width
-        return (dqkv, None, None, *grads)
+        if torch.is_grad_enabled() and ctx.layout.twice:  # create_graph=True
+            return _backward_twice(ctx, d_out)
+        return _backward(ctx, d_out)
 
 
 def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
