@@ -90,16 +90,48 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
     return {"triton path per mixer call: fused node fwd+bwd": both}
 
 
-def _timed(cls: Any, name: str, into: list[float]) -> None:
-    """Wraps ``cls.name`` (an autograd node's staticmethod) to append its seconds per call to ``into``."""
+BACK_TO_BACK = 20
+
+
+def _repeated(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` ``BACK_TO_BACK`` times in a row."""
+
+    def run() -> None:
+        for _ in range(BACK_TO_BACK):
+            fn()
+
+    return run
+
+
+# Whether the node timers (``_timed``) record: only inside the interleaved calls ``_recorded`` marks (not the
+# back-to-back ones, nor the whole mixer's).
+_RECORDING = {"on": False}
+
+
+def _recorded(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        _RECORDING["on"] = True
+        try:
+            fn()
+        finally:
+            _RECORDING["on"] = False
+
+    return run
+
+
+def _timed(cls: Any, name: str, into: Callable[[Any], list[float] | None]) -> None:
+    """Wraps ``cls.name`` (an autograd node's staticmethod) to append its seconds per call to ``into(ctx)``
+    while ``_RECORDING`` is on (``None``: not recorded)."""
     real = getattr(cls, name)
 
-    def timed(*args: Any) -> Any:
+    def timed(ctx: Any, *args: Any) -> Any:
         start = time.perf_counter()
         try:
-            return real(*args)
+            return real(ctx, *args)
         finally:
-            into.append(time.perf_counter() - start)
+            found = into(ctx) if _RECORDING["on"] else None
+            if found is not None:
+                found.append(time.perf_counter() - start)
 
     setattr(cls, name, staticmethod(timed))
 
@@ -165,26 +197,32 @@ def main(argv: list[str] | None = None) -> int:
     fns["triton path per mixer call: triton_ttt per branch fwd+bwd"] = path
     nodes = _node_calls(qkv, weights, grid, h, 9**-0.5)
     fns |= nodes
+    # The same calls BACK_TO_BACK times in a row (warm caches), per call: the interleaved harness starts every
+    # call with cold caches (one ``torch.empty`` reads several times its warm cost there).
+    warm = {f"{label} (back to back)": fn for label, fn in (("triton path per mixer call: triton_ttt per branch "
+            "fwd+bwd", path), *nodes.items())}  # fmt: skip
+    fns |= {label: _repeated(fn) for label, fn in warm.items()}
     fns["TTTMixer fwd+bwd (backend=triton)"] = mixer_both
     fns["torch.empty (for scale)"] = lambda: torch.empty(16)
     for fn in fns.values():  # warm-up: plans built, before the node timers start
         fn()
+    # The backward inside each branch's ``triton_ttt`` node, the fused node's forward and backward: timed in
+    # the interleaved calls only.
     times: dict[str, list[float]] = {f"{name} bwd node": [] for name in heads}
-    real_backward = op._TritonTTT.backward
-
-    def timed_backward(ctx, dout):
-        start = time.perf_counter()
-        grads = real_backward(ctx, dout)
-        times[f"{ctx.call.cfg[0]} bwd node"].append(time.perf_counter() - start)
-        return grads
-
-    op._TritonTTT.backward = staticmethod(timed_backward)
+    _timed(op._TritonTTT, "backward", lambda ctx: times[f"{ctx.call.cfg[0]} bwd node"])
+    for label in [f"{name} fwd+bwd" for name in heads] + [
+        "triton path per mixer call: triton_ttt per branch fwd+bwd"
+    ]:
+        fns[label] = _recorded(fns[label])
     if nodes:
         node = "triton path per mixer call: fused node"
-        times[f"{node} fwd (in the node)"], times[f"{node} bwd (in the node)"] = [], []
-        _timed(eager_mix._EagerMix, "forward", times[f"{node} fwd (in the node)"])
-        _timed(eager_mix._EagerMix, "backward", times[f"{node} bwd (in the node)"])
+        parts = [f"{node} fwd (in the node)", f"{node} bwd (in the node)"]
+        times |= {part: [] for part in parts}
+        _timed(eager_mix._EagerMix, "forward", lambda ctx: times[parts[0]])
+        _timed(eager_mix._EagerMix, "backward", lambda ctx: times[parts[1]])
+        fns |= {label: _recorded(fn) for label, fn in nodes.items()}
     samples = time_samples(fns, torch.device("cpu"), repeats=args.repeats, warmup=20)
+    samples |= {label: [t / BACK_TO_BACK for t in samples[label]] for label in warm}
     samples |= {label: ts for label, ts in times.items() if ts}
     launched.clear()
     (next(iter(nodes.values())) if nodes else path)()
@@ -198,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     own = {k: sum(by[f"{n} {part}"][k] for n in heads for part in ("fwd", "bwd node")) for k in stats([0.0])}
     rows.append({"call": "triton path per mixer call: triton_ttt per branch, fwd + bwd node, summed"} | own)
     if nodes:
-        parts = [f"{node} fwd (in the node)", f"{node} bwd (in the node)"]
         rows.append(
             {"call": f"{node}: fwd + bwd in the node, summed"}
             | {k: sum(by[p][k] for p in parts) for k in own}
