@@ -74,10 +74,12 @@ class _Entry:
 def _signature(name: str, call: NodeCall) -> tuple:
     """What a branch's checks and plans depend on: its op and settings, every tensor's shape, strides and
     dtype, the device, and the module state the plan key reads (interpreter, TF32, the test hooks)."""
-    q = call.q
+    q, k, v, dest = call.q, call.k, call.v, call.dest
     tf32 = q.dtype is torch.float32 and q.device.type == "cuda" and fp32_uses_tf32()
-    metas = tuple(_meta(t) for t in (q, call.k, call.v, *call.weights, call.dest))
-    return (name, call.hyper, q.device, _interpreting(), tf32, tiles.TILES_AS, plan.GRID_X_MAX, *metas)
+    sig = [name, call.hyper, q.device, _interpreting(), tf32, tiles.TILES_AS, plan.GRID_X_MAX]
+    for t in (q, k, v, dest, *call.weights):
+        sig += (t.shape, t.stride(), t.dtype)
+    return tuple(sig)
 
 
 def _entry(name: str, call: NodeCall, sig: tuple) -> _Entry:
