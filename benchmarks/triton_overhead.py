@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=400)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULTS / "triton_overhead.csv")
+    p.add_argument("--tree", default="", help="a label for the tree measured (a column of the CSV)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     launched = stub_launches()
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print_table(rows, floatfmt="{:.1f}")
     print(f"launches stubbed per mixer call (fwd+bwd): {len(launched)}; shape B={b} N={n} C={c} heads={h}")
-    write_csv(rows, args.out)
+    write_csv([({"tree": args.tree} if args.tree else {}) | r for r in rows], args.out)
     print(f"wrote {args.out}")
     return 0
 
