@@ -61,10 +61,8 @@ class _Entry:
         layout = (dout.stride(), *(t.stride() for t in (*saved[:3], *grads)))
         found = self.backwards.get(layout)
         if found is None:
-            metas = (
-                *map(_meta, saved[:3]),
-                *self.metas[3:5],
-            )  # dense copies of q, k, v have their own strides
+            # the saved q, k, v (dense copies have strides of their own) and the weights
+            metas = (*map(_meta, saved[:3]), *self.metas[3:5])
             found = self.backwards[layout] = _backward_template(
                 self.key, metas, _meta(dout), tuple(map(_meta, grads))
             )
