@@ -1,20 +1,27 @@
 """The Python (CPU) time of the Triton path per call, with the kernel launches stubbed out.
 
 What a GPU host's CPU spends around the kernels: argument checks, the cached launch plan (key, buffers,
-binding), the autograd node. Runs without ``TRITON_INTERPRET`` (so the custom ops are
-``torch.library.triton_op``'s, as on a GPU host) on CPU tensors, with Triton's launcher
-(``triton.plan.wrap_triton``) a no-op and ``triton_runs_on`` / ``fits_device`` told the CPU is a GPU (the plans
-are sized for an H100, ``triton.tiles.INTERPRET_TILES``). Reported per call, median of interleaved
-repeats (``benchmarks.common.time_samples``), in microseconds:
+binding), the autograd node. Runs without ``TRITON_INTERPRET`` (so the kernels are ``triton.JITFunction`` s and
+the custom ops ``torch.library.triton_op``'s, as on a GPU host) on CPU tensors, with Triton's launcher
+(``JITFunction.run``, what ``kernel[grid](...)`` calls) a no-op that records the kernel, and
+``triton_runs_on`` / ``fits_device`` told the CPU is a GPU (the plans are sized for an H100,
+``triton.tiles.INTERPRET_TILES``). Everything above Triton runs as on a GPU host: the plans bind their
+arguments and call ``kernel[grid](...)`` (through ``wrap_triton``'s higher-order op where the tree launches
+that way in eager mode). Reported per call, median of interleaved repeats (``benchmarks.common.time_samples``),
+in microseconds:
 
 - ``triton_ttt`` of each branch of the official mixer (SwiGLU heads and the depthwise conv): inference (no
   autograd node), the forward with a graph, the backward inside the op's autograd node (``bwd node``), and
   forward + backward end to end (with the autograd engine and the gradients of the q, k, v views);
-- the Triton path of one mixer call: the two branches' forward + backward node (the target: <= 50 us), and
-  measured end to end;
-- for scale, a whole ``TTTMixer`` forward + backward on ``backend="triton"`` (the registry, the projections on
-  tiny tensors and the branches; the registry and the projections are not the Triton path), and one
-  ``torch.empty`` (what one PyTorch call costs on this machine: a loaded CPU stretches every row alike).
+- the Triton path of one mixer call (the target: <= 50 us): the fused node of both branches on Triton
+  (``vit3.layers.eager_mix`` with ``MixBranch.path="triton"``, ``vit3.kernels.triton.node``), its forward +
+  backward inside the node, and end to end (with the autograd engine); and, for comparison, the two branches
+  as separate ``triton_ttt`` calls. On a tree without the Triton node (``--help``: run it on main's tree to
+  compare) the node's rows are left out;
+- for scale, a whole ``TTTMixer`` forward + backward on ``backend="triton"`` (the registry with its guard,
+  the projections on tiny tensors and the branches; the registry and the projections are not the Triton
+  path), and one ``torch.empty`` (what one PyTorch call costs on this machine: a loaded CPU stretches every
+  row alike).
 
 Triton's own launch cost (its binder and the driver call, ~10-20 us per launch in Python) is not in these
 figures: it is what the stub removes, and what CUDA graphs remove on a GPU.
@@ -29,41 +36,104 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 if os.environ.pop("TRITON_INTERPRET", None) == "1":  # before Triton is imported: the GPU host's custom ops
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch
+from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, print_table, time_samples, write_csv
-from vit3.kernels.triton import op, plan, tiles
-from vit3.layers import TTTMixer
+from vit3.kernels.triton import device, op, tiles
+from vit3.layers import TTTMixer, eager_mix
 from vit3.layers import backends as reg
 
 
-class _Stub:
-    """Triton's launcher stubbed: ``kernel[grid](*args, **kwargs)`` records the kernel's name, runs nothing."""
-
-    def __init__(self, kernel, launched: list[str]) -> None:
-        self.name, self.launched = kernel.fn.__name__, launched
-
-    def __getitem__(self, grid: tuple):
-        return lambda *args, **kwargs: self.launched.append(self.name)
-
-
 def stub_launches() -> list[str]:
-    """Makes the CPU look like a GPU to the Triton path and every launch a no-op that records its kernel (the
-    plan's launches still bind their arguments: only Triton's launcher is stubbed); the registry does not
-    verify new specialisations (stubbed launches compute nothing: it would demote them)."""
+    """Makes the CPU look like a GPU to the Triton path and Triton's launcher (``JITFunction.run``, called by
+    ``kernel[grid](...)``) a no-op that records its kernel; the registry does not verify new specialisations
+    (stubbed launches compute nothing: it would demote them)."""
     launched: list[str] = []
-    plan.wrap_triton = lambda kernel: _Stub(kernel, launched)
-    op.triton_runs_on = lambda device: True
+
+    def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launched.append(self.fn.__name__)
+
+    JITFunction.run = run
+    for module in (device, op):
+        module.triton_runs_on = lambda where: True
+    sys.modules["vit3.kernels"].triton_runs_on = device.triton_runs_on
     tiles.fits_device = lambda *args: (True, "")
     reg.BACKENDS["triton"] = dataclasses.replace(reg.BACKENDS["triton"], specialises=False)
     return launched
+
+
+def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int, int], heads: int,
+                scale: float) -> dict[str, Callable[[], None]]:  # fmt: skip
+    """The fused node of both branches on Triton, forward + backward end to end; ``{}`` on a tree without
+    the Triton node (``MixBranch.path``)."""
+    if "path" not in eager_mix.MixBranch._fields:
+        return {}
+    c, d = weights[0].shape[1] * weights[0].shape[2], weights[0].shape[2]
+    branches = (eager_mix.MixBranch("swiglu", 0, heads, d, False, "triton"),
+                eager_mix.MixBranch("dwconv", 3 * c, 1, d, False, "triton"))  # fmt: skip
+    plan = eager_mix.MixPlan(branches, grid, scale, 1.0, True, 10000.0)
+
+    def both() -> None:
+        out = eager_mix.eager_mix(qkv, plan, weights)
+        torch.autograd.backward(out, torch.ones_like(out))
+
+    return {"triton path per mixer call: fused node fwd+bwd": both}
+
+
+BACK_TO_BACK = 20
+
+
+def _repeated(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` ``BACK_TO_BACK`` times in a row."""
+
+    def run() -> None:
+        for _ in range(BACK_TO_BACK):
+            fn()
+
+    return run
+
+
+# Whether the node timers (``_timed``) record: only inside the interleaved calls ``_recorded`` marks (not the
+# back-to-back ones, nor the whole mixer's).
+_RECORDING = {"on": False}
+
+
+def _recorded(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        _RECORDING["on"] = True
+        try:
+            fn()
+        finally:
+            _RECORDING["on"] = False
+
+    return run
+
+
+def _timed(cls: Any, name: str, into: Callable[[Any], list[float] | None]) -> None:
+    """Wraps ``cls.name`` (an autograd node's staticmethod) to append its seconds per call to ``into(ctx)``
+    while ``_RECORDING`` is on (``None``: not recorded)."""
+    real = getattr(cls, name)
+
+    def timed(ctx: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return real(ctx, *args)
+        finally:
+            found = into(ctx) if _RECORDING["on"] else None
+            if found is not None:
+                found.append(time.perf_counter() - start)
+
+    setattr(cls, name, staticmethod(timed))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=400)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULTS / "triton_overhead.csv")
+    p.add_argument("--tree", default="", help="a label for the tree measured (a column of the CSV)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     launched = stub_launches()
@@ -82,16 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     d = c // h
     grid = (args.side, args.side)
     qkv = torch.randn(b, n, 3 * (c + d), requires_grad=True)
+    weights = [torch.randn(1, h, d, d, requires_grad=True) for _ in range(2)]
+    weights.append(torch.randn(1, d, 3, 3, requires_grad=True))
     q1, k1, v1, q2, k2, v2 = qkv.split([c, c, c, d, d, d], dim=-1)
     heads = {"swiglu": h, "dwconv": 1}
     views = {
         "swiglu": [t.unflatten(-1, (h, -1)).transpose(1, 2) for t in (q1, k1, v1)],
         "dwconv": [t.unflatten(-1, (1, -1)).transpose(1, 2) for t in (q2, k2, v2)],
     }
-    params = {
-        "swiglu": {w: torch.randn(1, h, d, d, requires_grad=True) for w in ("w1", "w2")},
-        "dwconv": {"weight": torch.randn(1, d, 3, 3, requires_grad=True)},
-    }
+    params = {"swiglu": dict(zip(("w1", "w2"), weights[:2])), "dwconv": {"weight": weights[2]}}
 
     def call(name: str) -> torch.Tensor:
         return op.triton_ttt(name, *views[name], params[name], grid=grid, scale=9**-0.5, backend="triton")
@@ -123,26 +193,40 @@ def main(argv: list[str] | None = None) -> int:
     def mixer_both() -> None:
         mixer(x, grid).sum().backward()
 
-    node: dict[str, list[float]] = {name: [] for name in heads}
-    real_backward = op._TritonTTT.backward
-
-    def timed_backward(ctx, dout):
-        start = time.perf_counter()
-        grads = real_backward(ctx, dout)
-        node[ctx.call.cfg[0]].append(time.perf_counter() - start)
-        return grads
-
-    op._TritonTTT.backward = staticmethod(timed_backward)
     fns = {f"{name} {kind}": make(name) for name in heads for kind, make in
            (("infer", infer), ("fwd", forward), ("fwd+bwd", both))}  # fmt: skip
-    fns["triton path per mixer call (fwd+bwd)"] = path
+    fns["triton path per mixer call: triton_ttt per branch fwd+bwd"] = path
+    nodes = _node_calls(qkv, weights, grid, h, 9**-0.5)
+    fns |= nodes
+    # The same calls BACK_TO_BACK times in a row (warm caches), per call: the interleaved harness starts every
+    # call with cold caches (one ``torch.empty`` reads several times its warm cost there).
+    warm = {f"{label} (back to back)": fn for label, fn in (("triton path per mixer call: triton_ttt per branch "
+            "fwd+bwd", path), *nodes.items())}  # fmt: skip
+    fns |= {label: _repeated(fn) for label, fn in warm.items()}
     fns["TTTMixer fwd+bwd (backend=triton)"] = mixer_both
     fns["torch.empty (for scale)"] = lambda: torch.empty(16)
+    for fn in fns.values():  # warm-up: plans built, before the node timers start
+        fn()
+    # The backward inside each branch's ``triton_ttt`` node, the fused node's forward and backward: timed in
+    # the interleaved calls only.
+    times: dict[str, list[float]] = {f"{name} bwd node": [] for name in heads}
+    _timed(op._TritonTTT, "backward", lambda ctx: times[f"{ctx.call.cfg[0]} bwd node"])
+    for label in [f"{name} fwd+bwd" for name in heads] + [
+        "triton path per mixer call: triton_ttt per branch fwd+bwd"
+    ]:
+        fns[label] = _recorded(fns[label])
+    if nodes:
+        node = "triton path per mixer call: fused node"
+        parts = [f"{node} fwd (in the node)", f"{node} bwd (in the node)"]
+        times |= {part: [] for part in parts}
+        _timed(eager_mix._EagerMix, "forward", lambda ctx: times[parts[0]])
+        _timed(eager_mix._EagerMix, "backward", lambda ctx: times[parts[1]])
+        fns |= {label: _recorded(fn) for label, fn in nodes.items()}
     samples = time_samples(fns, torch.device("cpu"), repeats=args.repeats, warmup=20)
-    for name in heads:
-        samples[f"{name} bwd node"] = node[name]
+    samples |= {label: [t / BACK_TO_BACK for t in samples[label]] for label in warm}
+    samples |= {label: ts for label, ts in times.items() if ts}
     launched.clear()
-    path()
+    (next(iter(nodes.values())) if nodes else path)()
 
     def stats(ts: list[float]) -> dict[str, float]:
         ts = sorted(ts)
@@ -151,10 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"call": label} | stats(ts) for label, ts in samples.items()]
     by = {r["call"]: r for r in rows}
     own = {k: sum(by[f"{n} {part}"][k] for n in heads for part in ("fwd", "bwd node")) for k in stats([0.0])}
-    rows.append({"call": "triton path per mixer call: fwd + bwd node, summed"} | own)
+    rows.append({"call": "triton path per mixer call: triton_ttt per branch, fwd + bwd node, summed"} | own)
+    if nodes:
+        rows.append(
+            {"call": f"{node}: fwd + bwd in the node, summed"}
+            | {k: sum(by[p][k] for p in parts) for k in own}
+        )
     print_table(rows, floatfmt="{:.1f}")
     print(f"launches stubbed per mixer call (fwd+bwd): {len(launched)}; shape B={b} N={n} C={c} heads={h}")
-    write_csv(rows, args.out)
+    write_csv([({"tree": args.tree} if args.tree else {}) | r for r in rows], args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -136,12 +136,18 @@ class Node(NamedTuple):
         copies: ``(q) -> bool`` for the heads view q ``[B, G, N, c]``: whether this path copies q, k, v dense
             (then every branch's saved inputs are dense copies: saved views would keep all of qkv alive
             beside them); ``None``: never.
+        low_precision: the hooks take float16 / bfloat16 q, k, v as they are (accumulating in float32);
+            else float32 / float64 only.
+        twice: the node may differentiate this path's backward (``create_graph=True``) through the op's
+            reference on the saved qkv (where every branch's path allows it).
     """
 
     heads: bool
     forward: Callable[[NodeCall], tuple[list[Tensor], str]]
     backward: Callable[..., tuple[Tensor, ...]]
     copies: Callable[[Tensor], bool] | None = None
+    low_precision: bool = False
+    twice: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,8 @@ class Path:
         prefers: auto only: where auto passes a serving path over (another is faster there).
         fits: asked once ``supports`` passed: whether the hardware at hand can run it (a refusal steps aside
             with a warning).
-        node: its hooks in the fused eager node (``cpu`` / ``eager`` paths: those join it).
+        node: its hooks in the fused eager node (``cpu`` / ``eager`` paths, and ``triton`` outside tracing:
+            those join it).
     """
 
     supports: Check

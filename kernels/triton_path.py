@@ -1,8 +1,9 @@
-"""The Triton path of every op: its ``supports``, ``fits`` and ``run`` (one :class:`~vit3.kernels.ops.Path`).
+"""The Triton path of every op: its ``supports``, ``fits``, ``run`` and fused-node hooks (``triton_path(name)``,
+one :class:`~vit3.kernels.ops.Path` per op).
 
 Built only on the public Triton names of ``vit3.kernels`` (``triton_ttt``, ``TRITON_LOSSES``, ``IO_DTYPES``,
-``triton_runs_on``, ``max_head_dim``, ``MIN_HEAD_DIM``, ``fits_device``), which import Triton on first use:
-the ops' tables and the other paths load without it.
+``triton_runs_on``, ``max_head_dim``, ``MIN_HEAD_DIM``, ``fits_device``) and the node hooks of
+``triton/node.py``, which import Triton on first use: the ops' tables and the other paths load without it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from typing import Any
 
 from torch import Tensor
 
-from .ops import Branch, Inputs, Path, Settings, Step
+from .ops import Branch, Hyper, Inputs, Node, NodeCall, Path, Settings, Step
 from .paths import bare_why, one_step_why
 
-__all__ = ["TRITON"]
+__all__ = ["triton_path"]
 
 
 @functools.cache
@@ -80,5 +81,26 @@ def _run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor],
     )
 
 
-# The Triton kernels (``vit3.kernels.triton``) serve every op that lists it.
-TRITON = Path(supports=_supports, run=_run, fits=_fits)
+@functools.cache
+def _node_hooks() -> Any:
+    """``vit3.kernels.triton.node`` (imports Triton: on the first node call, not with the table)."""
+    from .triton import node
+
+    return node
+
+
+def _node_backward(
+    d_out: Tensor, saved: tuple[Tensor, ...], tag: str, dq: Tensor, dk: Tensor, dv: Tensor, hyper: Hyper
+) -> tuple[Tensor, ...]:
+    return _node_hooks().backward(d_out, saved, tag, dq, dk, dv, hyper)
+
+
+def triton_path(name: str) -> Path:
+    """Op ``name``'s Triton path: a branch alone through ``triton_ttt``, or its hooks in the fused node
+    (heads views, float16 / bfloat16 inputs as they are, a backward differentiable through the reference)."""
+
+    def forward(call: NodeCall) -> tuple[list[Tensor], str]:
+        return _node_hooks().forward(name, call)
+
+    node = Node(heads=True, forward=forward, backward=_node_backward, low_precision=True, twice=True)
+    return Path(supports=_supports, run=_run, fits=_fits, node=node)

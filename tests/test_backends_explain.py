@@ -58,7 +58,7 @@ def test_explain_default_cuda_plan_is_triton_then_generic():
     """The CUDA plan is resolved without a GPU: the registry only reads the device type."""
     mixer = hb.make_mixer(dim=64, heads=2)
     expl = reg.explain_mixer(mixer, torch.device("cuda"), torch.bfloat16, BIG_GRID, grad=True)
-    assert hb.backends_of(expl) == ["triton", "triton"] and not expl.fused
+    assert hb.backends_of(expl) == ["triton", "triton"] and expl.fused  # one node: the Triton hooks
     assert hb.reason_of(expl, 0, "cpu") == "cuda tensors: the C++ kernel runs CPU tensors"
     assert hb.reason_of(expl, 0, "generic") == "'triton' ranks higher on cuda"
     wide = reg.explain_mixer(

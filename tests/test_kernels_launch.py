@@ -293,7 +293,7 @@ def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch, fresh_
         def __getitem__(self, grid: tuple):
             return lambda *args, **kwargs: seen.append((self.name, _CurrentDevice.current, kwargs))
 
-    monkeypatch.setattr(tplan, "wrap_triton", Launcher)
+    monkeypatch.setattr(tplan, "launcher", Launcher)
     cfg = ("swiglu", "dot", 1, 196, SCALE, 1.0, True, 0)
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 2, 196, 64, device="cuda:1", dtype=torch.bfloat16) for _ in range(3))

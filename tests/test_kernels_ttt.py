@@ -16,6 +16,7 @@ from helpers.ops import DEVICE, SCALE, make_inputs, max_rel_err, per_tensor, rel
 
 import vit3.kernels as kernels
 from vit3.kernels.reference import reference_ttt
+from vit3.kernels.triton import node as tnode
 from vit3.kernels.triton import op as top
 from vit3.kernels.triton import plan as tplan
 from vit3.kernels.triton.jit import operand
@@ -329,11 +330,19 @@ def mixer_run(
     return out, {k: p.grad for k, p in mixer.named_parameters()}, x.grad
 
 
+def _triton_calls(monkeypatch) -> list[str]:
+    """The inner models the Triton path runs, in order: a branch alone (``triton_ttt``) or in the fused node
+    (``triton.node.forward``)."""
+    calls: list[str] = []
+    alone, in_node = top.triton_ttt, tnode.forward
+    monkeypatch.setattr(top, "triton_ttt", lambda *a, **k: calls.append(a[0]) or alone(*a, **k))
+    monkeypatch.setattr(tnode, "forward", lambda name, call: calls.append(name) or in_node(name, call))
+    return calls
+
+
 @pytest.mark.parametrize("branches", [("swiglu", "dwconv:1"), ("linear",)], ids=["official", "linear"])
 def test_mixer_triton_equals_torch_end_to_end(branches, monkeypatch):
-    calls = []
-    original = top.triton_ttt
-    monkeypatch.setattr(top, "triton_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
+    calls = _triton_calls(monkeypatch)
     fused, plain = mixer_pair(branches)
     x = torch.randn(2, 35, 64, device=DEVICE)
     out_f, grads_f, dx_f = mixer_run(fused, x, (5, 7))
@@ -347,9 +356,7 @@ def test_mixer_triton_equals_torch_end_to_end(branches, monkeypatch):
 
 
 def test_mixer_environment_variable_flips_the_implementation(monkeypatch):
-    calls = []
-    original = top.triton_ttt
-    monkeypatch.setattr(top, "triton_ttt", lambda *a, **k: calls.append(a[0]) or original(*a, **k))
+    calls = _triton_calls(monkeypatch)
     mixer = TTTMixer(32, 2, branches=("swiglu",)).to(DEVICE)  # backend="auto": the kernel on CUDA only
     x = torch.randn(1, 12, 32, device=DEVICE)
     with torch.no_grad():

@@ -6,7 +6,7 @@ RoPE does not apply (a grid model sees the positions itself)."""
 
 from ..ops import Op, Path
 from ..paths import cpu_supports, eager_supports
-from ..triton_path import TRITON
+from ..triton_path import triton_path
 from . import cpp, eager
 from .reference import op_reference
 
@@ -16,7 +16,7 @@ OP = Op(
     weights=("weight",),
     rope=False,
     paths={
-        "triton": TRITON,
+        "triton": triton_path("dwconv"),
         "cpu": Path(supports=cpu_supports, node=cpp.NODE),
         "eager": Path(supports=eager_supports, node=eager.NODE),
     },

@@ -2,7 +2,9 @@
 (``vit3.kernels.triton``, shared with the other ops)."""
 
 from ..ops import Op
-from ..triton_path import TRITON
+from ..triton_path import triton_path
 from .reference import op_reference
 
-OP = Op(name="linear", reference=op_reference, weights=("w",), rope=True, paths={"triton": TRITON})
+OP = Op(
+    name="linear", reference=op_reference, weights=("w",), rope=True, paths={"triton": triton_path("linear")}
+)

@@ -5,7 +5,7 @@ with the other ops)."""
 
 from ..ops import Op, Path
 from ..paths import cpu_supports, eager_supports
-from ..triton_path import TRITON
+from ..triton_path import triton_path
 from .eager import CPP_NODE, EAGER_NODE, prefers_kernel, run
 from .reference import op_reference
 
@@ -15,7 +15,7 @@ OP = Op(
     weights=("w1", "w2"),
     rope=True,
     paths={
-        "triton": TRITON,
+        "triton": triton_path("swiglu"),
         "cpu": Path(supports=cpu_supports, run=run(cpp=True), prefers=prefers_kernel, node=CPP_NODE),
         "eager": Path(supports=eager_supports, run=run(cpp=False), node=EAGER_NODE),
     },

@@ -50,7 +50,10 @@ def resolve_backend(backend: str = "auto") -> str:
 
 def clear_plans() -> None:
     """Forgets every cached plan, eager call and launch configuration (tests that change a module-level hook)."""
+    from . import node  # imports this module
+
     _CALLS.clear()
+    node.clear()
     _forward_template.cache_clear()
     _backward_template.cache_clear()
     _launch_config.cache_clear()

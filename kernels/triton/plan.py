@@ -31,6 +31,7 @@ __all__ = [
     "backward_plan",
     "fold_grid",
     "forward_plan",
+    "launcher",
     "reduce_split",
 ]
 
@@ -55,6 +56,12 @@ def fold_grid(programs: int) -> tuple[int, int]:
     ``(pid_x, pid_y)`` to ``pid_y * x + pid_x`` and return where it is past the last program."""
     x = min(programs, GRID_X_MAX)
     return x, _cdiv(programs, x)
+
+
+def launcher(kernel: Any) -> Any:
+    """What launches ``kernel[grid](...)``: Triton's own launcher in eager mode, ``wrap_triton``'s (a
+    higher-order op, ~1 ms a launch in eager mode) only while ``torch.compile`` traces."""
+    return wrap_triton(kernel) if torch.compiler.is_compiling() else kernel
 
 
 class Launch(NamedTuple):
@@ -83,7 +90,7 @@ class Launch(NamedTuple):
         return tuple(args)
 
     def __call__(self, tensors: Sequence[Tensor] = ()) -> None:
-        wrap_triton(self.kernel)[self.grid](*self.bound(tensors), **self.kwargs)
+        launcher(self.kernel)[self.grid](*self.bound(tensors), **self.kwargs)
 
 
 class _Buffer(NamedTuple):
@@ -311,16 +318,21 @@ def _config(key: _Key, q: Tensor) -> LaunchConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def _forward_template(key: _Key, save: bool, metas: tuple) -> _Plan:
+def _forward_template(key: _Key, save: bool, metas: tuple, out_meta: tuple | None = None) -> _Plan:
+    """The forward plan of ``(key, metas)`` (q, k, v, W1, W2); its inputs are ``q, k, v, W1, W2 (or W1)`` and,
+    with ``out_meta``, the output ``[B, G, N, c]`` it writes (the fused node's view), else it allocates it."""
     q, k, v, w1, w2 = (_on_meta(m) for m in metas)
-    bld = _Builder((q, k, v, w1, w2))
+    given = _on_meta(out_meta)
+    bld = _Builder((q, k, v, w1, w2) if given is None else (q, k, v, w1, w2, given))
     b, g, n_tok, d = q.shape
     cfg = _config(key, q)
     acc, acc_tl = _acc_dtype(q.dtype)
     nw, r, bgn, s = (2 if key.model == "swiglu" else 1), (9 if key.model == "dwconv" else d), b * g, cfg.s
     w2 = w1 if w2 is None else w2
     coef, ws = key.scale / n_tok, _weight_strides(key.model, w1, d)
-    out = bld.buffer(b, n_tok, g, d, dtype=q.dtype, perm=(0, 2, 1, 3))  # [B, G, N, c], token-major
+    out = (
+        bld.buffer(b, n_tok, g, d, dtype=q.dtype, perm=(0, 2, 1, 3)) if given is None else given
+    )  # token-major
     one = key.model != "dwconv" and s == 1  # the whole forward in one launch
     if one and not save:  # which then stores neither G nor ||G||: q stands in for both, nothing is allocated
         gbuf = nbuf = q
@@ -369,9 +381,10 @@ def _forward_template(key: _Key, save: bool, metas: tuple) -> _Plan:
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_template(key: _Key, metas: tuple, dout_meta: tuple) -> _Plan:
+def _backward_template(key: _Key, metas: tuple, dout_meta: tuple, grad_metas: tuple | None = None) -> _Plan:
     """The backward plan after the forward of ``(key, metas)`` (q, k, v, W1, W2), for an upstream gradient
-    ``dout_meta``; its inputs are ``dout, q, k, v, W1, W2 (or W1), G, ||G||``."""
+    ``dout_meta``; its inputs are ``dout, q, k, v, W1, W2 (or W1), G, ||G||`` and, with ``grad_metas``, the
+    ``dq, dk, dv`` it writes (the fused node's views of its qkv gradient), else it allocates them."""
     q, k, v, w1, w2 = (_on_meta(m) for m in metas)
     b, g, n_tok, d = q.shape
     nw, r = (2 if key.model == "swiglu" else 1), (9 if key.model == "dwconv" else d)
@@ -379,7 +392,8 @@ def _backward_template(key: _Key, metas: tuple, dout_meta: tuple) -> _Plan:
     gbuf = torch.empty(b * g, nw, r, d, dtype=acc, device="meta")
     nbuf = torch.empty(b * g, nw, d, dtype=acc, device="meta")
     dout = _on_meta(dout_meta)
-    bld = _Builder((dout, q, k, v, w1, w2, gbuf, nbuf))
+    given = None if grad_metas is None else tuple(_on_meta(m) for m in grad_metas)
+    bld = _Builder((dout, q, k, v, w1, w2, gbuf, nbuf, *(given or ())))
     cfg = _config(key, q)
     conv = key.model == "dwconv"
     bgn, s = b * g, cfg.s
@@ -390,7 +404,7 @@ def _backward_template(key: _Key, metas: tuple, dout_meta: tuple) -> _Plan:
     # Slots 0..S-1: per-chunk partials (first of the read-out's dW', then, reused, of kᵀdZ); slot S: dW'.
     part = bld.buffer(bgn, s + 1, nw, r, d, dtype=acc)
     dgbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
-    dq, dk, dv = (bld.buffer(b, n_tok, g, d, dtype=t.dtype, perm=(0, 2, 1, 3)) for t in (q, k, v))
+    dq, dk, dv = given or (bld.buffer(b, n_tok, g, d, dtype=t.dtype, perm=(0, 2, 1, 3)) for t in (q, k, v))
     dw = bld.buffer(*((1, g * d, 3, 3) if conv else (1, g, nw, d, d) if nw == 2 else (1, g, d, d)), dtype=acc)
     sizes = (bgn, g, n_tok, d, cfg.chunk, s)
     io = (*q.stride(), *dout.stride(), *dq.stride())

@@ -6,11 +6,14 @@ concatenated, and the q, k, v gradients transposed and concatenated back into on
 branches take q, k and v as views of qkv and write their read-outs straight into the output
 ``[B, N, sum(widths)]``, and the backward writes dq, dk and dv straight into one qkv gradient.
 
-Each branch runs one full-batch dot-loss step through its op's node hooks (``vit3.kernels.ops.Node``: the
-``"cpu"`` path's for branches with ``MixBranch.cpp``, else the ``"eager"`` path's), looked up in the table of
-ops ``vit3.kernels.ops.OPS``: the SwiGLU model through ``vit3.kernels.swiglu.eager`` (tiles, or its passes in
+Each branch runs one full-batch dot-loss step through the node hooks (``vit3.kernels.ops.Node``) of its op's
+path ``MixBranch.path`` (``"cpu"``, ``"eager"`` or ``"triton"``), looked up in the table of ops
+``vit3.kernels.ops.OPS``: the SwiGLU model through ``vit3.kernels.swiglu.eager`` (tiles, or its passes in
 the C++ CPU kernel), the 3x3 depthwise conv through ``vit3.kernels.dwconv.eager`` (one convolution per stage
-for the whole batch) or ``vit3.kernels.dwconv.cpp`` (the same stages on the token rows in the C++ kernel).
+for the whole batch) or ``vit3.kernels.dwconv.cpp`` (the same stages on the token rows in the C++ kernel),
+either on Triton through ``vit3.kernels.triton.node`` (the launch plans on the views, in qkv's own dtype).
+A branch whose hooks raise tags the exception with its index (``BRANCH_ATTR``): the backends' guard demotes
+that branch's backend alone.
 RoPE, where the branch has it, rotates q and k here, before the hooks, and their gradients back after.
 ``vit3.layers.backends`` decides when this path runs; the mixer runs branch by branch whenever a branch
 takes another backend.
@@ -30,20 +33,23 @@ from vit3.kernels.ops import OPS, Hyper, Node, NodeCall
 
 from .rope import apply_rope_2d
 
-__all__ = ["MixBranch", "MixPlan", "eager_mix"]
+__all__ = ["BRANCH_ATTR", "MixBranch", "MixPlan", "eager_mix", "reference_mix", "takes"]
+
+# The attribute a branch's failing hooks set on their exception: the branch's index in ``MixPlan.branches``.
+BRANCH_ATTR = "vit3_branch"
 
 
 class MixBranch(NamedTuple):
     """One branch: its inner model (an op of ``vit3.kernels.ops.OPS``), where its q, k, v start in qkv
-    (``[q | k | v]``, ``heads * head_dim`` each), RoPE on q and k, and whether it runs its op's ``"cpu"`` path
-    (the C++ CPU kernel) or its ``"eager"`` path."""
+    (``[q | k | v]``, ``heads * head_dim`` each), RoPE on q and k, and the op's path whose node hooks run it
+    (``"eager"``, ``"cpu"``: the C++ CPU kernel, ``"triton"``: the Triton kernels)."""
 
     kind: str
     offset: int
     heads: int
     head_dim: int
     rope: bool
-    cpp: bool = False
+    path: str = "eager"
 
 
 class MixPlan(NamedTuple):
@@ -100,6 +106,8 @@ class _Layout(NamedTuple):
     nodes: tuple[tuple[Node, int, int], ...]
     width: int
     hyper: Hyper
+    low_precision: bool  # every branch's hooks take float16 / bfloat16 q, k, v as they are
+    twice: bool  # every branch's backward may be differentiated (``Node.twice``): qkv and the weights saved
 
 
 @functools.lru_cache(maxsize=64)
@@ -108,13 +116,44 @@ def _layout(plan: MixPlan) -> _Layout:
     found = []
     for br in plan.branches:
         op = OPS.get(br.kind)
-        path = op.paths.get("cpu" if br.cpp else "eager") if op is not None else None
+        path = op.paths.get(br.path) if op is not None else None
         if path is None or path.node is None:
             node_ops = [name for name, o in OPS.items() if any(p.node for p in o.paths.values())]
             raise ValueError(f"eager_mix serves the inner models {node_ops}, got {br.kind!r}")
         found.append((path.node, len(op.weights), br.heads * br.head_dim))
     hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
-    return _Layout(plan, tuple(found), sum(w for *_, w in found), hyper)
+    low = all(node.low_precision for node, *_ in found)
+    twice = all(node.twice for node, *_ in found)
+    return _Layout(plan, tuple(found), sum(w for *_, w in found), hyper, low, twice)
+
+
+def reference_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
+    """What the node computes, from the op references (``Op.reference``; RoPE on q and k where a branch has
+    it): the read-outs ``[B, N, sum(widths)]`` of qkv ``[B, N, 3 * sum(widths)]``, differentiable."""
+    geom, outs, wi, hyper = _geom(qkv), [], 0, Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm)
+    for br in plan.branches:
+        op = OPS[br.kind]
+        q, k, v = _branch_views(qkv, geom, br, True)
+        if br.rope:
+            q, k = (_heads(apply_rope_2d(t, plan.grid, plan.rope_base), br.heads) for t in (q, k))
+        params = dict(zip(op.weights, weights[wi : wi + len(op.weights)]))
+        wi += len(op.weights)
+        outs.append(op.reference(q, k, v, params, hyper).transpose(1, 2).flatten(2))
+    return torch.cat(outs, dim=-1)
+
+
+def takes(plan: MixPlan, dtype: torch.dtype) -> bool:
+    """Whether ``eager_mix`` takes a qkv of ``dtype`` on ``plan`` as it is: float32 / float64 always, float16 /
+    bfloat16 where every branch's hooks do (Triton's; the others' inner loop needs float32 at least)."""
+    return dtype in (torch.float32, torch.float64) or (
+        dtype in (torch.float16, torch.bfloat16) and _layout(plan).low_precision
+    )
+
+
+def _tag(exc: Exception, i: int) -> None:
+    """Sets branch ``i``'s index on ``exc`` (``BRANCH_ATTR``), for the guard to demote that branch alone."""
+    if getattr(exc, BRANCH_ATTR, None) is None:
+        setattr(exc, BRANCH_ATTR, i)
 
 
 def _forward(
@@ -135,15 +174,22 @@ def _forward(
     saved: list[Tensor] = []
     tags: list[tuple[int, int, str]] = []
     col, wi = 0, 0
-    for br, (node, count, width) in zip(plan.branches, layout.nodes):
+    for i, (br, (node, count, width)) in enumerate(zip(plan.branches, layout.nodes)):
         # q, k, v and the destination as the hooks take them (q, k as tokens to rotate first)
         q, k, v = _branch_views(qkv, geom, br, node.heads)
         if br.rope:
-            q, k = (apply_rope_2d(t, plan.grid, plan.rope_base) for t in (q, k))
+            # in qkv's dtype (the rotation of 16-bit q, k comes back in float32)
+            q, k = (apply_rope_2d(t, plan.grid, plan.rope_base).to(qkv.dtype) for t in (q, k))
             if node.heads:
                 q, k = (_heads(t, br.heads) for t in (q, k))
         dest = _view(out, out_geom, col, br.heads, br.head_dim, node.heads)
-        mine, tag = node.forward(NodeCall(q, k, v, weights[wi : wi + count], dest, layout.hyper, save, dense))
+        try:
+            mine, tag = node.forward(
+                NodeCall(q, k, v, weights[wi : wi + count], dest, layout.hyper, save, dense)
+            )
+        except Exception as exc:
+            _tag(exc, i)
+            raise
         tags.append((len(saved), len(mine), tag))
         saved += mine
         wi += count
@@ -151,46 +197,73 @@ def _forward(
     return out, saved, tags
 
 
+@once_differentiable
+def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+    """Every branch's backward hooks: dq, dk, dv into one qkv gradient, the weights' gradients."""
+    layout = ctx.layout
+    plan, hyper = layout.plan, layout.hyper
+    qkv_shape, weight_shapes = ctx.shapes
+    saved = ctx.saved_tensors
+    dqkv = d_out.new_empty(qkv_shape)
+    geom, out_geom = _geom(dqkv), _geom(d_out)
+    grads: list[Tensor] = []
+    col, wi = 0, 0
+    for i, (br, (node, count, width), (start, n_saved, tag)) in enumerate(
+        zip(plan.branches, layout.nodes, ctx.tags)
+    ):
+        # as the hooks take them (dq, dk as tokens to rotate back)
+        dq, dk, dv = _branch_views(dqkv, geom, br, node.heads)
+        dout = _view(d_out, out_geom, col, br.heads, br.head_dim, node.heads)
+        # RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place.
+        dqh, dkh = dq, dk
+        if br.rope:
+            rq, rk = (torch.empty_like(dq) for _ in range(2))
+            dqh, dkh = (_heads(t, br.heads) for t in (rq, rk)) if node.heads else (rq, rk)
+        try:
+            dws = node.backward(dout, saved[start : start + n_saved], tag, dqh, dkh, dv, hyper)
+        except Exception as exc:
+            _tag(exc, i)
+            raise
+        if br.rope:
+            dq.copy_(apply_rope_2d(rq, plan.grid, plan.rope_base, inverse=True))
+            dk.copy_(apply_rope_2d(rk, plan.grid, plan.rope_base, inverse=True))
+        grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + count])]
+        wi += count
+        col += width
+    return (dqkv, None, None, *grads)
+
+
+def _backward_twice(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+    """A backward that is itself differentiable (``create_graph=True``): autograd through ``reference_mix`` on
+    the saved qkv and weights, in float32 at least (the hooks' backwards have no derivative of their own)."""
+    count = len(ctx.shapes[1])
+    qkv, *weights = ctx.saved_tensors[-1 - count :]
+    inputs = [qkv, *weights]
+    wanted = [t for t in inputs if t.requires_grad]
+    acc = torch.promote_types(qkv.dtype, torch.float32)
+    out = reference_mix(qkv.to(acc), ctx.layout.plan, [w.to(acc) for w in weights])
+    grads = iter(torch.autograd.grad(out, wanted, d_out.to(acc), create_graph=True, allow_unused=True))
+    got = [next(grads) if t.requires_grad else None for t in inputs]
+    return (got[0], None, None, *got[1:])
+
+
 class _EagerMix(torch.autograd.Function):
     @staticmethod
     @autocast_forward
     def forward(ctx, qkv: Tensor, layout: _Layout, save: bool, *weights: Tensor) -> Tensor:
         out, saved, tags = _forward(qkv, layout, save, weights)
-        if save:
-            ctx.save_for_backward(*saved)
+        if save:  # with qkv and the weights where the backward is differentiable
+            ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice else ()))
         ctx.layout, ctx.tags = layout, tags
         ctx.shapes = (qkv.shape, [w.shape for w in weights])
         return out
 
     @staticmethod
     @autocast_backward  # the forward runs with autocast off (the mixer's inner loops): so does this
-    @once_differentiable
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        layout = ctx.layout
-        plan, hyper = layout.plan, layout.hyper
-        qkv_shape, weight_shapes = ctx.shapes
-        saved = ctx.saved_tensors
-        dqkv = d_out.new_empty(qkv_shape)
-        geom, out_geom = _geom(dqkv), _geom(d_out)
-        grads: list[Tensor] = []
-        col, wi = 0, 0
-        for br, (node, count, width), (start, n_saved, tag) in zip(plan.branches, layout.nodes, ctx.tags):
-            # as the hooks take them (dq, dk as tokens to rotate back)
-            dq, dk, dv = _branch_views(dqkv, geom, br, node.heads)
-            dout = _view(d_out, out_geom, col, br.heads, br.head_dim, node.heads)
-            # RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place.
-            dqh, dkh = dq, dk
-            if br.rope:
-                rq, rk = (torch.empty_like(dq) for _ in range(2))
-                dqh, dkh = (_heads(t, br.heads) for t in (rq, rk)) if node.heads else (rq, rk)
-            dws = node.backward(dout, saved[start : start + n_saved], tag, dqh, dkh, dv, hyper)
-            if br.rope:
-                dq.copy_(apply_rope_2d(rq, plan.grid, plan.rope_base, inverse=True))
-                dk.copy_(apply_rope_2d(rk, plan.grid, plan.rope_base, inverse=True))
-            grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + count])]
-            wi += count
-            col += width
-        return (dqkv, None, None, *grads)
+        if torch.is_grad_enabled() and ctx.layout.twice:  # create_graph=True
+            return _backward_twice(ctx, d_out)
+        return _backward(ctx, d_out)
 
 
 def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
@@ -198,7 +271,7 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
 
     Args:
         qkv: the qkv projection ``[B, N, 3 * sum(widths)]`` (branch by branch ``[q | k | v]``), float32 or
-            float64.
+            float64, or float16 / bfloat16 where every branch runs on Triton (``takes``).
         plan: the branches and shared settings.
         weights: the initial inner weights, branch by branch in their op's ``weights`` order: ``w1, w2
             [1, G, c, c]`` (SwiGLU) or ``weight [1, G*c, 3, 3]`` (depthwise conv), in qkv's dtype.
@@ -209,6 +282,10 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     layout = _layout(plan)
     if qkv.shape[-1] != 3 * layout.width:
         raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * layout.width}")
+    if qkv.dtype not in (torch.float32, torch.float64) and not takes(plan, qkv.dtype):
+        raise ValueError(
+            f"{qkv.dtype} qkv: only branches on Triton take it as it is (float32 / float64 else)"
+        )
     # Saving for the backward only when autograd will call it (not under no_grad / inference); without it
     # the node is not needed either.
     if grad_flows(qkv, *weights):

@@ -288,7 +288,7 @@ class TTTMixer(nn.Module):
         branches, offset = [], 0
         for (name, heads), width, backend in zip(self.branch_specs, self.widths, plan.backends):
             rope = cfg.rope and name not in GRID_MODELS
-            branches.append(MixBranch(name, offset, heads, self.head_dim, rope, backend == "cpu"))
+            branches.append(MixBranch(name, offset, heads, self.head_dim, rope, backend))
             offset += 3 * width
         return MixPlan(
             tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, plan.recompute

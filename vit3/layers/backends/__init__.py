@@ -17,7 +17,9 @@ generic   closed-form ``inner_loop`` + ``apply_to`` (every config)    CPU: last;
 ``TTTConfig.backend`` names one (it wins over ``$VIT3_TTT_BACKEND``; both default to ``auto``); a named
 backend that cannot serve a branch it implements falls back with a warning (an error under
 ``VIT3_TTT_STRICT=1``); branches it does not implement take the auto order silently. When every branch runs
-on ``cpu`` / ``eager``, all branches form one eager node (``vit3.layers.eager_mix``).
+on ``cpu`` / ``eager`` / ``triton`` (Triton outside tracing; ``registry.fuses``), all branches form one
+eager node (``vit3.layers.eager_mix``; Triton's hooks take 16-bit q, k, v as they are); a branch that fails
+inside it is demoted alone.
 
 The mixer resolves its plan once per key (device, dtype, the inner-loop settings, each branch's inner model
 and head dim, the token-count class, grad mode, tracing, the backend asked for) and caches it; each mixer

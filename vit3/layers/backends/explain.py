@@ -10,7 +10,7 @@ from torch import nn
 
 from .interface import Inputs, Settings, token_class
 from .plan import _demoted, _keys, _merged, _pending, _requested, recompute_choice, recompute_mode
-from .registry import _NODE, Branch, _choose
+from .registry import _LEAN, Branch, _choose, fuses
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def explain_mixer(
         out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
     lean = grad and (
         recompute_mode(cfg.recompute)[0] == "qkv"
-        or any(b.name == "swiglu" and b.backend in _NODE for b in out)
+        or any(b.name == "swiglu" and b.backend in _LEAN for b in out)
     )
     return MixerExplanation(
         mixer.dim,
@@ -119,7 +119,7 @@ def explain_mixer(
         tuple(grid),
         grad,
         "auto" if requested == "auto" else source,
-        all(b.backend in _NODE for b in out),
+        fuses([b.backend for b in out], [b.name for b in out], settings.loss, ""),
         tuple(out),
         recompute_choice(cfg.recompute)[1] if lean else "",
     )

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from vit3.kernels.common import grad_flows
 
+from ..eager_mix import BRANCH_ATTR
 from .interface import Step
 from .plan import (
     BACKEND_ENV,
@@ -149,8 +150,13 @@ class _Guard:
         if isinstance(exc, torch.cuda.OutOfMemoryError) or _strict():
             raise exc
         live = [i for i in self.units if p.backends[i] != "generic"]
-        # In a fused node of several branches the kernels are the likeliest culprits.
-        culprits = [i for i in live if BACKENDS[p.backends[i]].native] or live
+        # The branch whose hooks raised in a fused node (``BRANCH_ATTR``, its index among ``units``); else
+        # the kernels are the likeliest culprits.
+        failed = getattr(exc, BRANCH_ATTR, None)
+        if failed is not None and failed < len(self.units) and self.units[failed] in live:
+            culprits = [self.units[failed]]
+        else:
+            culprits = [i for i in live if BACKENDS[p.backends[i]].native] or live
         if not culprits:
             raise exc
         error = _error_line(exc)

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..config import RECOMPUTE_MODES
 from ..eager_mix import _layout
 from .interface import Inputs, Settings, tracing_kind
-from .registry import _NODE, BACKEND_ENV, BACKENDS, NAMES, Branch, _choose, _not_in, order
+from .registry import BACKEND_ENV, BACKENDS, NAMES, Branch, _choose, _not_in, fuses, order
 
 STRICT_ENV = "VIT3_TTT_STRICT"
 RECOMPUTE_ENV = "VIT3_TTT_RECOMPUTE"
@@ -263,7 +263,8 @@ def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: 
                     )
     names = tuple(c.backend for c in choices)
     recompute, why = recompute_choice(cfg_recompute)
-    return Plan(names, all(n in _NODE for n in names), keys, tracing, args, recompute, why)
+    fused = fuses(names, [name for name, *_ in branches], settings.loss, tracing)
+    return Plan(names, fused, keys, tracing, args, recompute, why)
 
 
 @torch.compiler.assume_constant_result  # traced once by torch.compile: the plan is a constant of the graph

@@ -9,7 +9,7 @@ each other one was passed over. Who asks (config or environment) and what was de
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -48,19 +48,19 @@ def _on_path(path: str) -> dict[str, Callable[..., Any]]:
         found = OPS[step.name].paths[path]
         if found.run is not None:
             return found.run(step, q, k, v, params, gate)
-        return _run_node(step, path == "cpu", *compute_inputs(q, k, v, params))
+        return _run_node(step, path, *compute_inputs(q, k, v, params))
 
     return {"supports": supports, "prefers": prefers, "fits": fits, "run": run}
 
 
-def _run_node(step: Step, cpp: bool, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> Tensor:
-    """One branch as a one-branch fused eager node (``eager_mix``) on the op's ``cpu`` or ``eager`` path; q, k, v
+def _run_node(step: Step, path: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> Tensor:
+    """One branch as a one-branch fused eager node (``eager_mix``) on the op's path ``path``; q, k, v
     ``[B, G, N, d]`` (RoPE, where it applies, already on q and k) -> ``[B, G, N, d]``."""
     c = step.cfg
     b, g, n, d = q.shape
     qkv = torch.cat([t.transpose(1, 2).reshape(b, n, g * d) for t in (q, k, v)], dim=-1)  # [B, N, 3*G*d]
     plan = MixPlan(
-        (MixBranch(step.name, 0, g, d, False, cpp),),
+        (MixBranch(step.name, 0, g, d, False, path),),
         step.grid,
         step.scale,
         c.inner_lr,
@@ -127,8 +127,21 @@ BACKENDS: dict[str, Backend] = {
     )
 }
 NAMES = BACKEND_NAMES  # what a config may name (vit3.layers.config): "auto" and these backends
-# Backends that join the all-branches fused eager node.
-_NODE = ("cpu", "eager")
+# Backends whose SwiGLU backward in the fused eager node may recompute Z = k W, Y = q W' (``Plan.recompute``).
+_LEAN = ("cpu", "eager")
+
+
+def fuses(names: Sequence[str], branches: Sequence[str], loss: str, tracing: str) -> bool:
+    """Whether a mixer call whose branches (inner models ``branches``) run on backends ``names`` is one fused
+    eager node (``eager_mix``): every backend runs a path with node hooks for its branch's op, on the dot
+    loss the node takes; the Triton hooks only outside tracing (``torch.compile`` traces the custom ops)."""
+    if loss != "dot":
+        return False
+    for name, model in zip(names, branches):
+        path = BACKENDS[name].path
+        if path is None or (path == "triton" and tracing) or OPS[model].paths[path].node is None:
+            return False
+    return True
 
 
 def order(device_type: str) -> list[str]:

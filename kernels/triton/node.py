@@ -1,0 +1,139 @@
+"""The Triton path's hooks in the fused eager node (``vit3.layers.eager_mix``): one branch's forward and
+backward launch plans on views of the node's qkv, output and qkv gradient.
+
+A mixer call on Triton is then one autograd node for all its branches (no per-branch custom op, autograd node
+or layout copy), on q, k, v in their own dtype (float16 / bfloat16 read as they are, fp32 accumulation in
+the kernels). The plans write straight into the node's views: the read-out into its output (``NodeCall.dest``),
+dq, dk, dv into its qkv gradient. Each branch signature (``_signature``: the settings and every tensor's shape,
+strides and dtype) is checked and planned once (``_Entry``); a call then only looks its entry up, allocates the
+plan's buffers and launches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..ops import Hyper, NodeCall
+from . import plan, tiles
+from .device import WEIGHT_NAMES, _interpreting, fp32_uses_tf32
+from .op import _checked, _live
+from .plan import _backward_template, _forward_template, _key, _meta, _Plan
+
+__all__ = ["backward", "clear", "forward"]
+
+# The branch signatures seen so far (at most ``MAX_ENTRIES``, then forgotten at once), and their entries by tag.
+_ENTRIES: dict[tuple, _Entry] = {}
+_BY_TAG: dict[str, _Entry] = {}
+MAX_ENTRIES = 1024
+_TAGS = itertools.count()  # never reused: a backward pending across a ``clear`` finds no other entry
+
+
+def clear() -> None:
+    """Forgets every branch signature (``op.clear_plans``)."""
+    _ENTRIES.clear()
+    _BY_TAG.clear()
+
+
+class _Entry:
+    """One branch signature of the node: its plan key, its forward plans (saving ``G`` and ``||G||`` or not),
+    its backward plans by the layout of the upstream gradient and of dq, dk, dv, and the tag the node hands
+    its backward (which finds the entry by it, with no second look at the settings)."""
+
+    __slots__ = ("backwards", "forwards", "key", "metas", "tag", "two")
+
+    def __init__(self, key: Any, metas: tuple, tag: str) -> None:
+        self.key, self.metas, self.tag = key, metas, tag
+        self.two = metas[4] is not None  # SwiGLU: two weights, dW [1, G, 2, c, c]
+        self.forwards: dict[bool, _Plan] = {}
+        self.backwards: dict[tuple, _Plan] = {}
+
+    def forward(self, save: bool) -> _Plan:
+        found = self.forwards.get(save)
+        if found is None:
+            found = self.forwards[save] = _forward_template(self.key, save, self.metas[:5], self.metas[5])
+        return found
+
+    def backward(self, saved: tuple[Tensor, ...], dout: Tensor, grads: tuple[Tensor, ...]) -> _Plan:
+        layout = (dout.stride(), *(t.stride() for t in (*saved[:3], *grads)))
+        found = self.backwards.get(layout)
+        if found is None:
+            # the saved q, k, v (dense copies have strides of their own) and the weights
+            metas = (*map(_meta, saved[:3]), *self.metas[3:5])
+            found = self.backwards[layout] = _backward_template(
+                self.key, metas, _meta(dout), tuple(map(_meta, grads))
+            )
+        return found
+
+
+def _signature(name: str, call: NodeCall) -> tuple:
+    """What a branch's checks and plans depend on: its op and settings, every tensor's shape, strides and
+    dtype, the device, and the module state the plan key reads (interpreter, TF32, the test hooks)."""
+    q, k, v, dest = call.q, call.k, call.v, call.dest
+    tf32 = q.dtype is torch.float32 and q.device.type == "cuda" and fp32_uses_tf32()
+    sig = [name, call.hyper, q.device, _interpreting(), tf32, tiles.TILES_AS, plan.GRID_X_MAX]
+    for t in (q, k, v, dest, *call.weights):
+        sig += (t.shape, t.stride(), t.dtype)
+    return tuple(sig)
+
+
+def _entry(name: str, call: NodeCall, sig: tuple) -> _Entry:
+    """The entry of a new signature: the call checked as ``triton_ttt`` checks it (a ``ValueError`` naming
+    what is wrong), its weights as the kernels read them in place, its plan key."""
+    q, k, v, weights, h = call.q, call.k, call.v, call.weights, call.hyper
+    params = dict(zip(WEIGHT_NAMES[name], weights))
+    _checked(name, q, k, v, params, h.grid, h.loss, "triton", None)
+    if name == "swiglu" and (
+        weights[0].stride() != weights[1].stride() or weights[0].dtype != weights[1].dtype
+    ):
+        raise ValueError("the Triton node reads the SwiGLU weights w1, w2 in one layout and dtype")
+    if name == "dwconv" and weights[0].stride(2) != 3 * weights[0].stride(3):
+        raise ValueError("the Triton node reads the conv weight's 3 x 3 taps one stride apart")
+    if call.dest.shape != q.shape or call.dest.dtype != q.dtype:
+        raise ValueError(
+            f"the read-out view must be {tuple(q.shape)} {q.dtype}, got {tuple(call.dest.shape)}"
+        )
+    key = _key(q, name, h.loss, h.grid[0], h.grid[1], float(h.scale), float(h.lr), bool(h.grad_norm), 0)
+    w2 = weights[1] if len(weights) == 2 else None
+    metas = (*map(_meta, (q, k, v, weights[0], w2)), _meta(call.dest))
+    if len(_ENTRIES) >= MAX_ENTRIES:
+        clear()
+    tag = str(next(_TAGS))
+    entry = _ENTRIES[sig] = _BY_TAG[tag] = _Entry(key, metas, tag)
+    return entry
+
+
+def forward(name: str, call: NodeCall) -> tuple[list[Tensor], str]:
+    """``Node.forward`` of op ``name``: q, k, v, the read-out view ``dest`` as heads ``[B, G, N, c]`` (views
+    of the node's qkv and output, any strides, float16 / bfloat16 / float32 / float64). Saves q, k, v (dense
+    copies when ``call.dense``), the weights, ``G`` and ``||G||``; the tag names the entry."""
+    sig = _signature(name, call)
+    entry = _ENTRIES.get(sig)
+    if entry is None:
+        entry = _entry(name, call, sig)
+    q, k, v, weights = call.q, call.k, call.v, call.weights
+    w1 = weights[0]
+    inputs = (q, k, v, w1, weights[1] if entry.two else w1, call.dest)
+    _, gbuf, nbuf = entry.forward(call.save).run(inputs, _live(q))
+    if not call.save:
+        return [], entry.tag
+    if call.dense:
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    return [q, k, v, *weights, gbuf, nbuf], entry.tag
+
+
+def backward(
+    d_out: Tensor, saved: tuple[Tensor, ...], tag: str, dq: Tensor, dk: Tensor, dv: Tensor, hyper: Hyper
+) -> tuple[Tensor, ...]:
+    """``Node.backward``: the backward plan writes dq, dk, dv (heads views of the node's qkv gradient);
+    returns the initial weights' gradients ``[1, ...]`` in the accumulator dtype."""
+    entry = _BY_TAG[tag]
+    q, k, v, w1, *rest = saved
+    gbuf, nbuf = rest[-2:]
+    w2 = rest[0] if entry.two else w1
+    grads = (dq, dk, dv)
+    dw = entry.backward(saved, d_out, grads).run((d_out, q, k, v, w1, w2, gbuf, nbuf, *grads), _live(q))[3]
+    return tuple(dw.unbind(2)) if entry.two else (dw,)
