@@ -145,3 +145,31 @@ def test_a_failing_branch_alone_is_demoted(monkeypatch, triton_device, phase):
     assert_same(got, want, param_names(mixer))
     assert backends_of(mixer.explain(x.requires_grad_(), GRID))[0] == "triton"
     assert backends_of(mixer.explain(x, GRID))[1] != "triton"
+
+
+def test_a_half_precision_mixer_hands_the_triton_node_its_qkv_as_it_is(monkeypatch, triton_device):
+    """A float16 mixer on Triton: the fused node gets the float16 qkv itself (no float32 copy) and float32 initial
+    weights; output and gradients within fp16 accuracy of the float64 mixer."""
+    import vit3.layers.ttt as ttt
+
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    seen = []
+    real = ttt.eager_mix
+
+    def spy(qkv, plan, weights):
+        seen.append((qkv.dtype, {w.dtype for w in weights}))
+        return real(qkv, plan, weights)
+
+    monkeypatch.setattr(ttt, "eager_mix", spy)
+    mixer = make_mixer().to(triton_device)
+    x = tokens(GRID).to(triton_device)
+    half = make_mixer(dtype=torch.float16).to(triton_device)
+    x_half = x.half().requires_grad_()
+    out = half(x_half, GRID)
+    (dx,) = torch.autograd.grad(out.float().sum(), [x_half])
+    assert seen and all(s == (torch.float16, {torch.float32}) for s in seen)
+    assert out.dtype == dx.dtype == torch.float16
+    x64 = x.detach().requires_grad_()
+    ref = mixer(x64, GRID)
+    (dx64,) = torch.autograd.grad(ref.sum(), [x64])
+    assert rel_rms(out.double(), ref) < 2e-2 and rel_rms(dx.double(), dx64) < 2e-2

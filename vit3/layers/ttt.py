@@ -21,7 +21,7 @@ from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows,
 from . import backends
 from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig
-from .eager_mix import MixBranch, MixPlan, eager_mix
+from .eager_mix import MixBranch, MixPlan, eager_mix, takes
 from .inner import Params, all_finite, create_inner_model, inner_loop
 from .rope import apply_rope_2d, rope_tables
 
@@ -58,13 +58,18 @@ _COMPUTE_DTYPES = (torch.float32, torch.float64)  # the inner loop's dtypes: no 
 
 
 def _fused(mix_plan: MixPlan, qkv: Tensor, flat: list[Tensor]) -> Tensor:
-    """The fused eager node on ``qkv`` and the initial weights ``flat``, in the inner loop's dtype: float32 at
-    least (bf16/fp16 gradients of the inner loss are too coarse); the read-out back in qkv's dtype."""
-    if qkv.dtype in _COMPUTE_DTYPES and all(p.dtype == qkv.dtype for p in flat):  # no casts to call
+    """The fused eager node on ``qkv`` and the initial weights ``flat``. The inner loop runs in float32 at least
+    (bf16/fp16 gradients of the inner loss are too coarse): a node whose branches all read 16-bit q, k, v as
+    they are (Triton's, accumulating in float32; ``eager_mix.takes``) gets qkv so and float32 weights, the others
+    a float32 copy of qkv, their read-out cast back to qkv's dtype."""
+    dtype = qkv.dtype
+    if dtype in _COMPUTE_DTYPES and all(p.dtype == dtype for p in flat):  # no casts to call
         return eager_mix(qkv, mix_plan, flat)
-    compute = torch.promote_types(qkv.dtype, torch.float32)
+    compute = torch.promote_types(dtype, torch.float32)
     flat = [p if p.dtype == compute else p.to(compute) for p in flat]
-    return eager_mix(qkv.to(compute), mix_plan, flat).to(qkv.dtype)
+    if dtype not in _COMPUTE_DTYPES and takes(mix_plan, dtype):  # native 16-bit operands: no copy of qkv
+        return eager_mix(qkv, mix_plan, flat)
+    return eager_mix(qkv.to(compute), mix_plan, flat).to(dtype)
 
 
 class TTTMixer(nn.Module):
