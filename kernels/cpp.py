@@ -44,6 +44,7 @@ _HERE = Path(__file__).parent
 FILES = (
     _HERE / "swiglu" / "csrc" / "swiglu.cpp",
     _HERE / "dwconv" / "csrc" / "dwconv.cpp",
+    _HERE / "mix" / "csrc" / "mix.cpp",
     _HERE / "csrc" / "vit3_cpu.h",
 )
 LDFLAGS = ["-fopenmp"]

@@ -204,6 +204,10 @@ void dwconv_weight_grad(const Tensor& g, const Tensor& x, Tensor gw_out, int64_t
   VIT3_DISPATCH(x, dwconv_weight_grad_impl, g, x, gw_out, gh, gw);
 }
 
+}  // namespace
+
+namespace vit3_cpu {
+
 // The depthwise branch's step on token rows (dwconv_impl's layout): G = -c Σ_p v[p] k[p + δ] (taps [B, 9, C]),
 // the step over each channel's 9 taps, out = dwconv(q; W'). weight [1|B, C, 3, 3]. Returns G, the norms
 // [B, 1, C] and W' (taps): what dwconv_ttt_backward needs.
@@ -250,7 +254,7 @@ Tensor dwconv_ttt_backward(
   return dw_new;
 }
 
-}  // namespace
+}  // namespace vit3_cpu
 
 TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
   m.def("dwconv(Tensor x, Tensor w, Tensor(a!) out, int gh, int gw, Tensor? bias=None, bool residual=False) -> ()");
@@ -266,6 +270,6 @@ TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
 TORCH_LIBRARY_IMPL(vit3_cpu, CPU, m) {
   m.impl("dwconv", &dwconv);
   m.impl("dwconv_weight_grad", &dwconv_weight_grad);
-  m.impl("dwconv_ttt_forward", &dwconv_ttt_forward);
-  m.impl("dwconv_ttt_backward", &dwconv_ttt_backward);
+  m.impl("dwconv_ttt_forward", &vit3_cpu::dwconv_ttt_forward);
+  m.impl("dwconv_ttt_backward", &vit3_cpu::dwconv_ttt_backward);
 }

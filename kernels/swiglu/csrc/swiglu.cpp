@@ -316,6 +316,10 @@ Tensor saved_buffer(const std::optional<Tensor>& t, const Tensor& q) {
   return *t;
 }
 
+}  // namespace
+
+namespace vit3_cpu {
+
 // The forward of one step: w = [W1 | W2] per sample, pass 1 (G), the step, pass 2 (the read-out into out).
 // Returns w, G (times -c), the column norms [B, H, 1, 2d] and W' [B, H, d, 2d]: what the backward needs.
 std::vector<Tensor> ttt_forward(
@@ -392,7 +396,7 @@ Tensor ttt_backward(
   return dw;
 }
 
-}  // namespace
+}  // namespace vit3_cpu
 
 TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
   m.def(
@@ -405,6 +409,6 @@ TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(vit3_cpu, CPU, m) {
-  m.impl("ttt_forward", &ttt_forward);
-  m.impl("ttt_backward", &ttt_backward);
+  m.impl("ttt_forward", &vit3_cpu::ttt_forward);
+  m.impl("ttt_backward", &vit3_cpu::ttt_backward);
 }
