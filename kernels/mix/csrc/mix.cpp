@@ -99,35 +99,41 @@ std::pair<Tensor, Tensor> rope_tables(int64_t gh, int64_t gw, int64_t dim, doubl
   return cache[key] = {angles.cos(), angles.sin()};
 }
 
-// The rotation of apply_rope_2d: pairs (2j, 2j + 1) of every token, out = (re cos - im sin, re sin + im cos), sin
-// negated for the inverse. Each product and sum rounded apart, as the elementwise ops do: no contraction to FMA.
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
+// v, rounded to T where it stands: the compiler cannot contract the product it holds into a following sum (an FMA
+// rounds once, the elementwise ops of apply_rope_2d twice).
+template <typename T>
+inline T rounded(T v) {
+  asm volatile("" : "+m"(v));
+  return v;
+}
+
+// The rotation of apply_rope_2d on tokens [begin, end) of B x N: pairs (2j, 2j + 1) of every token, out = (re cos -
+// im sin, re sin + im cos), sin negated for the inverse, each product and sum rounded apart.
+template <typename T>
+void rotate_tokens(const Tensor& x, const T* cos, const T* sin, const Tensor& out, T sign, int64_t begin,
+                   int64_t end) {
+  const int64_t N = x.size(1), pairs = x.size(2) / 2;
+  const T* X = x.data_ptr<T>();
+  T* O = out.data_ptr<T>();
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t b = u / N, p = u % N;
+    const T* xr = X + b * x.stride(0) + p * x.stride(1);
+    T* o = O + b * out.stride(0) + p * out.stride(1);
+    const T *cr = cos + p * pairs, *sr = sin + p * pairs;
+    for (int64_t j = 0; j < pairs; ++j) {
+      const T re = xr[2 * j], im = xr[2 * j + 1], c = cr[j], s = sr[j] * sign;
+      o[2 * j] = rounded(re * c) - rounded(im * s);
+      o[2 * j + 1] = rounded(re * s) + rounded(im * c);
+    }
+  }
+}
+
 template <typename T>
 void rotate_impl(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& out, bool inverse) {
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
-  const int64_t B = x.size(0), N = x.size(1), pairs = x.size(2) / 2;
-  const T *X = x.data_ptr<T>(), *Cs = cos.data_ptr<T>(), *Sn = sin.data_ptr<T>();
-  T* O = out.data_ptr<T>();
-  const T sign = inverse ? T(-1) : T(1);
-  at::parallel_for(0, B * N, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / N, p = u % N;
-      const T* xr = X + b * x.stride(0) + p * x.stride(1);
-      T* o = O + b * out.stride(0) + p * out.stride(1);
-      const T *cr = Cs + p * pairs, *sr = Sn + p * pairs;
-      for (int64_t j = 0; j < pairs; ++j) {
-        const T re = xr[2 * j], im = xr[2 * j + 1], c = cr[j], s = sr[j] * sign;
-        const T a = re * c, b2 = im * s, e = re * s, f = im * c;
-        o[2 * j] = a - b2;
-        o[2 * j + 1] = e + f;
-      }
-    }
-  });
+  const T *cs = cos.data_ptr<T>(), *sn = sin.data_ptr<T>(), sign = inverse ? T(-1) : T(1);
+  at::parallel_for(0, x.size(0) * x.size(1), 256,
+                   [&](int64_t begin, int64_t end) { rotate_tokens<T>(x, cs, sn, out, sign, begin, end); });
 }
-#pragma GCC pop_options
 
 // Rotates tokens x [B, N, C] (unit stride along C) by their position on the gh x gw grid into out (the same).
 void rotate(const Tensor& x, const Tensor& out, int64_t gh, int64_t gw, double base, bool inverse) {
