@@ -29,8 +29,9 @@ using torch::autograd::variable_list;
 
 enum Kind : int64_t { kSwiGLU = 0, kDwconv = 1 };
 constexpr int64_t kFields = 6;
-// What a SwiGLU branch saves (q, k, v, w, g, norm, w_new, z, y) and a depthwise one (q, k, v, g, norm, w_new).
-constexpr int64_t kSwiGLUSaved = 9, kDwconvSaved = 6;
+// What a SwiGLU branch saves (q, k, v, w, g, norm, w_new, and z, y unless the backward recomputes them) and a
+// depthwise one (q, k, v, g, norm, w_new).
+constexpr int64_t kSwiGLUSaved = 7, kDwconvSaved = 6;
 
 struct Branch {
   int64_t kind, offset, heads, head_dim;
@@ -38,7 +39,7 @@ struct Branch {
   int64_t block;
   int64_t width() const { return heads * head_dim; }
   int64_t weights() const { return kind == kSwiGLU ? 2 : 1; }
-  int64_t saved() const { return kind == kSwiGLU ? kSwiGLUSaved : kDwconvSaved; }
+  int64_t saved(bool recompute) const { return kind == kSwiGLU ? kSwiGLUSaved + (recompute ? 0 : 2) : kDwconvSaved; }
 };
 
 std::vector<Branch> branches_of(at::IntArrayRef plan) {
@@ -160,13 +161,22 @@ Tensor rope_2d(const Tensor& x, int64_t gh, int64_t gw, double base, bool invers
   return out;
 }
 
-// The initial weights' gradient from per-sample ones [B, ...]: summed over samples for a shared weight [1, ...].
-Tensor weight_grad(const Tensor& dw, int64_t batch) {
-  return batch == 1 && dw.size(0) != 1 ? dw.sum(0, true) : dw;
+// A depthwise weight as the op takes it, [1|B, C, 3, 3]: a conv weight as stored, [C, 1, 3, 3], viewed [1, C, 3, 3].
+Tensor taps_layout(const Tensor& w, int64_t C) {
+  const bool conv = w.dim() == 4 && w.size(0) == C && w.size(1) == 1 && w.size(2) == 3 && w.size(3) == 3;
+  return conv ? w.view({1, C, 3, 3}) : w;
+}
+
+// The gradient of an initial weight of shape `shape` from the per-sample one dw [B, ...]: summed over samples for a
+// shared weight (leading size 1, or a conv weight [C, 1, 3, 3] as taps_layout views it), then in that shape.
+Tensor weight_grad(const Tensor& dw, at::IntArrayRef shape, int64_t C, bool depthwise) {
+  const bool shared = shape[0] == 1 || (depthwise && shape[0] == C && shape[1] == 1);
+  const Tensor g = shared && dw.size(0) != 1 ? dw.sum(0, true) : dw;
+  return g.sizes() == shape ? g : g.reshape(shape);
 }
 
 // Every branch's step and read-out into one output [B, N, sum(widths)]; returns it and (when save) what
-// mix_backward needs, kSwiGLUSaved or kDwconvSaved tensors per branch (undefined ones where not kept). dense: the
+// mix_backward needs, Branch::saved tensors per branch. dense: the
 // branches get (SwiGLU) or save (depthwise) dense copies of q, k, v (eager_mix's rule, decided by the caller).
 std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::TensorList weights, at::IntArrayRef plan,
                                                     int64_t gh, int64_t gw, double scale, double lr, bool grad_norm,
@@ -220,9 +230,10 @@ std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::Te
       auto r = ttt_forward(qh, kh, vh, weights[wi], weights[wi + 1], heads_view(dest, H, d),
                            keep ? std::optional<Tensor>(z) : std::nullopt,
                            keep ? std::optional<Tensor>(y) : std::nullopt, c, lr, grad_norm, br.block);
-      if (save) saved.insert(saved.end(), std::initializer_list<Tensor>{qh, kh, vh, r[0], r[1], r[2], r[3], z, y});
+      if (save) saved.insert(saved.end(), std::initializer_list<Tensor>{qh, kh, vh, r[0], r[1], r[2], r[3]});
+      if (keep) saved.insert(saved.end(), {z, y});
     } else {
-      auto r = dwconv_ttt_forward(q, k, v, weights[wi], dest, gh, gw, c, lr, grad_norm);
+      auto r = dwconv_ttt_forward(q, k, v, taps_layout(weights[wi], W), dest, gh, gw, c, lr, grad_norm);
       if (save) {
         if (dense) {  // saved views keep all of qkv alive: copies only where the other branches copy too
           q = q.contiguous();
@@ -239,11 +250,11 @@ std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::Te
 }
 
 // The backward of mix_forward from d_out [B, N, sum(widths)]: dq, dk, dv written into one qkv gradient, and the
-// initial weights' gradients (weight_batches: each initial weight's leading size, 1 for a shared weight).
+// initial weights' gradients in their shapes (weight_shapes: 4 sizes per weight, as mix got them).
 std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at::TensorList saved,
-                                                     at::IntArrayRef weight_batches, at::IntArrayRef plan, int64_t gh,
+                                                     at::IntArrayRef weight_shapes, at::IntArrayRef plan, int64_t gh,
                                                      int64_t gw, double scale, double lr, bool grad_norm,
-                                                     double rope_base) {
+                                                     double rope_base, bool recompute) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const auto brs = branches_of(plan);
@@ -253,12 +264,13 @@ std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at:
               " channels, the branches write ", total);
   int64_t n_saved = 0, n_weights = 0;
   for (const auto& br : brs) {
-    n_saved += br.saved();
+    n_saved += br.saved(recompute);
     n_weights += br.weights();
   }
-  TORCH_CHECK(static_cast<int64_t>(saved.size()) == n_saved && static_cast<int64_t>(weight_batches.size()) == n_weights,
-              "vit3_cpu.mix_backward: ", n_saved, " saved tensors and ", n_weights, " weight sizes expected, got ",
-              saved.size(), " and ", weight_batches.size());
+  TORCH_CHECK(static_cast<int64_t>(saved.size()) == n_saved && static_cast<int64_t>(weight_shapes.size()) == 4 * n_weights,
+              "vit3_cpu.mix_backward: ", n_saved, " saved tensors and ", 4 * n_weights, " weight sizes expected, got ",
+              saved.size(), " and ", weight_shapes.size());
+  const auto shape = [&](int64_t i) { return weight_shapes.slice(4 * i, 4); };
   const Tensor d_out = d_out_in.stride(2) == 1 ? d_out_in : d_out_in.contiguous();
   const int64_t B = d_out.size(0), N = d_out.size(1);
   Tensor dqkv = at::empty({B, N, 3 * total}, d_out.options());
@@ -272,18 +284,18 @@ std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at:
     // RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place
     const Tensor rq = br.rope ? at::empty({B, N, W}, d_out.options()) : dq;
     const Tensor rk = br.rope ? at::empty({B, N, W}, d_out.options()) : dk;
-    const auto s = saved.slice(si, br.saved());
+    const auto s = saved.slice(si, br.saved(recompute));
     if (br.kind == kSwiGLU) {
-      const auto opt = [](const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; };
-      const Tensor dw = ttt_backward(heads_view(dout, H, d), s[0], s[1], s[2], opt(s[7]), opt(s[8]), s[3], s[4], s[5],
+      const auto opt = [&](size_t i) { return recompute ? std::nullopt : std::optional<Tensor>(s[i]); };
+      const Tensor dw = ttt_backward(heads_view(dout, H, d), s[0], s[1], s[2], opt(7), opt(8), s[3], s[4], s[5],
                                      s[6], heads_view(rq, H, d), heads_view(rk, H, d), heads_view(dv, H, d), c, lr,
                                      grad_norm, br.block);  // [B, H, d, 2d]
-      grads.push_back(weight_grad(dw.narrow(3, 0, d), weight_batches[wi]));
-      grads.push_back(weight_grad(dw.narrow(3, d, d), weight_batches[wi + 1]));
+      grads.push_back(weight_grad(dw.narrow(3, 0, d), shape(wi), W, false));
+      grads.push_back(weight_grad(dw.narrow(3, d, d), shape(wi + 1), W, false));
     } else {
       const Tensor dw = dwconv_ttt_backward(dout, s[0], s[1], s[2], s[3], s[4], s[5], rq, rk, dv, gh, gw, c, lr,
                                             grad_norm);  // taps [B, 9, C]
-      grads.push_back(weight_grad(dw.transpose(1, 2).unflatten(-1, {3, 3}), weight_batches[wi]));
+      grads.push_back(weight_grad(dw.transpose(1, 2).unflatten(-1, {3, 3}), shape(wi), W, true));
     }
     if (br.rope) {
       rotate(rq, dq, gh, gw, rope_base, true);
@@ -291,7 +303,7 @@ std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at:
     }
     col += W;
     wi += br.weights();
-    si += br.saved();
+    si += br.saved(recompute);
   }
   return {dqkv, grads};
 }
@@ -307,32 +319,36 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [out, saved] = op.call(qkv, weights, plan, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, true);
     ctx->save_for_backward(saved);
-    std::vector<int64_t> batches;
-    for (const auto& w : weights) batches.push_back(w.size(0));
-    ctx->saved_data["batches"] = batches;
+    std::vector<int64_t> shapes;
+    for (const auto& w : weights) {
+      TORCH_CHECK(w.dim() == 4, "vit3_cpu.mix: initial weights are 4-D, got ", w.sizes());
+      shapes.insert(shapes.end(), w.sizes().begin(), w.sizes().end());
+    }
+    ctx->saved_data["shapes"] = shapes;
     ctx->saved_data["plan"] = plan.vec();
     ctx->saved_data["grid"] = std::vector<int64_t>{gh, gw};
     ctx->saved_data["hyper"] = std::vector<double>{scale, lr, rope_base};
-    ctx->saved_data["grad_norm"] = grad_norm;
+    ctx->saved_data["flags"] = std::vector<bool>{grad_norm, recompute};
     return {out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::mix_backward", "").typed<decltype(mix_backward)>();
     const auto saved = ctx->get_saved_variables();
-    const auto batches = ctx->saved_data["batches"].toIntVector();
+    const auto shapes = ctx->saved_data["shapes"].toIntVector();
     const auto plan = ctx->saved_data["plan"].toIntVector();
     const auto grid = ctx->saved_data["grid"].toIntVector();
     const auto hyper = ctx->saved_data["hyper"].toDoubleVector();
-    const bool grad_norm = ctx->saved_data["grad_norm"].toBool();
+    const auto flags = ctx->saved_data["flags"].toBoolList();
+    const bool grad_norm = flags[0], recompute = flags[1];
     const Tensor& d_out = grad_out[0];
     Tensor dqkv;
     std::vector<Tensor> dws;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       at::NoGradGuard no_grad;
-      std::tie(dqkv, dws) = op.call(d_out, saved, batches, plan, grid[0], grid[1], hyper[0], hyper[1], grad_norm,
-                                    hyper[2]);
+      std::tie(dqkv, dws) = op.call(d_out, saved, shapes, plan, grid[0], grid[1], hyper[0], hyper[1], grad_norm,
+                                    hyper[2], recompute);
     }
     variable_list grads{dqkv};
     grads.insert(grads.end(), dws.begin(), dws.end());
@@ -376,8 +392,8 @@ TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
       "mix_forward(Tensor qkv, Tensor[] weights, int[] plan, int gh, int gw, float scale, float lr, bool grad_norm, "
       "float rope_base, bool recompute, bool dense, bool save) -> (Tensor, Tensor[])");
   m.def(
-      "mix_backward(Tensor d_out, Tensor[] saved, int[] weight_batches, int[] plan, int gh, int gw, float scale, "
-      "float lr, bool grad_norm, float rope_base) -> (Tensor, Tensor[])");
+      "mix_backward(Tensor d_out, Tensor[] saved, int[] weight_shapes, int[] plan, int gh, int gw, float scale, "
+      "float lr, bool grad_norm, float rope_base, bool recompute) -> (Tensor, Tensor[])");
   m.def("rope_2d(Tensor x, int gh, int gw, float base=10000.0, bool inverse=False) -> Tensor");
 }
 
