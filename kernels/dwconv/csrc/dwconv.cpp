@@ -1,7 +1,8 @@
 // The 3x3 depthwise op on a CPU, on token rows: dwconv and dwconv_weight_grad (the official mixer's depthwise
 // branch, and ConvPosEnc's x + dwconv3x3(x) outside the mixer, vit3/layers/blocks.py), and the branch's TTT step
-// built on them, dwconv_ttt_forward / dwconv_ttt_backward (the step between them is vit3_cpu.h's). Built with the
-// SwiGLU op (kernels/swiglu/csrc/swiglu.cpp) into one extension, vit3_cpu (kernels/cpp.py): ops
+// built on them, dwconv_ttt_forward / dwconv_ttt_backward (the step between them is vit3_cpu.h's; the whole-mixer
+// op, kernels/mix/csrc/mix.cpp, calls them directly). Built with the SwiGLU op (kernels/swiglu/csrc/swiglu.cpp)
+// and that op into one extension, vit3_cpu (kernels/cpp.py): ops
 // torch.ops.vit3_cpu.dwconv*. The same stages in PyTorch are vit3/kernels/dwconv/eager.py; the op's reference is
 // vit3/kernels/dwconv/reference.py.
 

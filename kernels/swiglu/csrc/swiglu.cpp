@@ -2,7 +2,8 @@
 // ttt_backward, one op each, so a mixer branch costs one call per direction. Each runs two passes over the
 // tokens that walk every (sample, head) problem, small problems grouped, large ones in token blocks of about
 // a MiB, and the small per-(sample, head) step between them (W' = W - lr G / (||G|| + 1) and its backward,
-// kernels/common.py's step, in vit3_cpu.h). Built with the depthwise op (kernels/dwconv/csrc/dwconv.cpp) into one
+// kernels/common.py's step, in vit3_cpu.h). Built with the depthwise op (kernels/dwconv/csrc/dwconv.cpp) and the
+// whole-mixer op (kernels/mix/csrc/mix.cpp, which calls ttt_forward / ttt_backward directly: vit3_cpu.h) into one
 // extension, vit3_cpu (kernels/cpp.py): ops torch.ops.vit3_cpu.ttt_forward / ttt_backward.
 //
 // The passes do every N-sized matmul (ATen, i.e. MKL) and fuse each elementwise chain between two matmuls
