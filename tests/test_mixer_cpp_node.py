@@ -201,6 +201,26 @@ def test_saved_tensor_hooks_see_the_node_and_checkpointing_gives_the_same_gradie
 
 
 @pytest.mark.parametrize("node", ["cpp", "python"])
+def test_changing_qkv_in_place_before_the_backward_raises(monkeypatch, node):
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    _settle(mixer, x)
+    if node == "python":
+        _python_node(mixer, monkeypatch)
+        for _ in range(4):
+            mixer(x, GRID)
+    qkv = mixer.qkv(x)
+    out = mixer.mix(qkv, GRID)
+    assert (NODE in out.grad_fn.name()) == (node == "cpp")
+    out.sum().backward(retain_graph=True)
+    with torch.no_grad():
+        qkv.add_(1)
+    # the C++ node: qkv's saved version; the Python node: its saved views of qkv
+    with pytest.raises(RuntimeError, match="modified by an inplace operation|modified inplace"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("node", ["cpp", "python"])
 def test_a_second_backward_raises_as_the_python_node_does(monkeypatch, node):
     mixer = _mixer(rope=True)
     x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
