@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers.reference import assert_mixer_matches_reference
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -216,7 +217,7 @@ def test_changing_qkv_in_place_before_the_backward_raises(monkeypatch, node):
     with torch.no_grad():
         qkv.add_(1)
     # the C++ node: qkv's saved version; the Python node: its saved views of qkv
-    with pytest.raises(RuntimeError, match="modified by an inplace operation|modified inplace"):
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation|modified inplace"):
         out.sum().backward()
 
 
@@ -265,6 +266,23 @@ def test_parameters_changed_after_planning_are_seen():
         out = mixer.mix(qkv, GRID)
     assert NODE in out.grad_fn.name()
     torch.testing.assert_close(torch.autograd.grad(out.sum(), qkv)[0], want, rtol=0, atol=0)
+
+
+class _Double(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+def test_a_parametrization_added_after_planning_is_seen():
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    _settle(mixer, x)
+    fresh = _mixer(rope=True)
+    with torch.no_grad():
+        fresh.inner[0].w1.mul_(2)
+    parametrize.register_parametrization(mixer.inner[0], "w1", _Double())
+    for _ in range(2):  # the call after the change, and the one after its re-planning
+        torch.testing.assert_close(mixer(x, GRID), fresh(x, GRID), rtol=0, atol=0)
 
 
 def test_bad_arguments_raise_clear_errors():

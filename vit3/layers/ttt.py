@@ -271,9 +271,8 @@ class TTTMixer(nn.Module):
 
     def _mix_tokens(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
         """``mix`` under tracing ``kind`` (``backends.tracing_kind()``)."""
-        if (
-            not kind and gates is None
-        ):  # a settled call on the C++ kernel: the whole-mixer op, no node in Python
+        # a settled call on the C++ kernel: the whole-mixer op, no node in Python
+        if not kind and gates is None:
             sources = self._param_sources()
             try:
                 flat = [d[name] for d, name in sources] if sources is not None else None
@@ -382,7 +381,9 @@ class TTTMixer(nn.Module):
             for name, t in model.initial_params().items():
                 p = model._parameters.get(name)
                 # the depthwise weight is viewed [C, 1, 3, 3] -> [1, C, 3, 3]: the op takes either layout
-                conv = kind == "dwconv" and p is not None and t._base is p and t.shape == (1, p.shape[0], 3, 3)
+                conv = (
+                    kind == "dwconv" and p is not None and t._base is p and t.shape == (1, p.shape[0], 3, 3)
+                )
                 if p is not t and not conv:
                     sources = None
                     break
