@@ -107,6 +107,7 @@ CONFIGS = {
     "dwconv-only": {"branches": ("dwconv",)},
     "two-swiglu": {"branches": ("swiglu:2", "swiglu:1", "dwconv:1"), "rope": True},
     "saving-z-y": {"recompute": "never", "rope": True},
+    "recompute-qkv": {"recompute": "qkv", "rope": True},
 }
 
 

@@ -16,6 +16,7 @@
 
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <map>
 #include <mutex>
@@ -318,11 +319,13 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::mix_forward", "").typed<decltype(mix_forward)>();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [out, saved] = op.call(qkv, weights, plan, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, true);
-    // qkv itself too where its views are saved (they keep it alive anyway): its version, checked on unpacking,
-    // catches an in-place change of qkv before the backward (the views made below autograd do not share it)
-    const bool views = !dense && qkv.stride(2) == 1;
-    if (views) saved.push_back(qkv);
-    ctx->saved_data["views"] = views;
+    // The saved views of qkv share its version counter (views made below autograd do not), so that an in-place
+    // change of qkv before the backward raises on unpacking, as with the Python node's views; the same tensors as
+    // that node's are saved (checkpointing compares the two when a plan settles between forward and rerun).
+    const auto& version = torch::autograd::impl::version_counter(qkv);
+    for (const auto& t : saved) {
+      if (t.is_alias_of(qkv)) torch::autograd::impl::set_version_counter(t, version);
+    }
     ctx->save_for_backward(saved);
     std::vector<int64_t> shapes;
     for (const auto& w : weights) {
@@ -339,8 +342,7 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::mix_backward", "").typed<decltype(mix_backward)>();
-    auto saved = ctx->get_saved_variables();
-    if (ctx->saved_data["views"].toBool()) saved.pop_back();  // qkv, saved for its version check
+    const auto saved = ctx->get_saved_variables();
     const auto shapes = ctx->saved_data["shapes"].toIntVector();
     const auto plan = ctx->saved_data["plan"].toIntVector();
     const auto grid = ctx->saved_data["grid"].toIntVector();
