@@ -6,16 +6,20 @@ kernel's calls, the views, the allocations; the backward's too), with its argume
 that record, op after op on the same tensors, with no Python between them. Both are timed interleaved
 (``benchmarks.common.time_samples``, ``--repeats`` rounds); their difference, paired per round, is the Python
 a mixer call spends around its ops: the plan, the guard, the eager node's views and checks, the autograd
-node. ``torch.empty`` is timed beside them for scale (what one PyTorch call costs on this machine). Writes
-``results/mixer_overhead_cpu.csv``.
+node. A settled call on the C++ kernel is one op, ``vit3_cpu::mix`` (its C++ autograd node dispatches
+``mix_forward`` / ``mix_backward``); ``--python-node`` times the Python eager node (``vit3.layers.ttt.CPP_NODE``
+off) beside it in the same interleaved rounds. ``torch.empty`` is timed beside them for scale (what one PyTorch
+call costs on this machine). Writes ``results/mixer_overhead_cpu.csv``.
 
     python benchmarks/mixer_overhead.py --threads 1                 # ViT³-T's mixer at 224 px: 192, 3, 196
+    python benchmarks/mixer_overhead.py --threads 1 --python-node   # the C++ op and the Python node side by side
     python benchmarks/mixer_overhead.py --threads 1 --dim 384 --heads 6 --batch 4
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, add_runtime_args, apply_runtime, print_table, time_samples, write_csv
 from benchmarks.mixer import grid_for
-from vit3.layers import TTTMixer
+from vit3.layers import TTTMixer, ttt
 
 
 class _Record(TorchDispatchMode):
@@ -56,14 +60,10 @@ def replay(ops: list[tuple]) -> None:
         func(*args, **kwargs)
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    n, grid = args.tokens, grid_for(args.tokens)
-    mixer = TTTMixer(args.dim, args.heads).to(device)
-    qkv = torch.randn(args.batch, n, mixer.qkv.out_features, device=device, requires_grad=True)
+def _mixer_fns(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int], upstream: torch.Tensor) -> dict:
+    """The mixer's calls (``mix infer``, ``mix train``) and their bare ops (``bare infer``, ``bare train``), warmed
+    up: the plans resolved and verified (``ttt.CPP_NODE`` is read then)."""
     leaves = [qkv, *mixer.parameters()]
-    upstream = torch.randn(args.batch, n, sum(mixer.widths), device=device)
 
     def infer() -> None:
         with torch.no_grad():
@@ -88,29 +88,50 @@ def run(args: argparse.Namespace) -> list[dict]:
         "bare infer": bare_infer,
         "mix train": train,
         "bare train": lambda: replay(bare["train"]),
-        "torch.empty": lambda: torch.empty(16),
     }
+    return {"fns": fns, "ops": {mode: len(ops) for mode, ops in bare.items()}}
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    n, grid = args.tokens, grid_for(args.tokens)
+    mixer = TTTMixer(args.dim, args.heads).to(device)
+    qkv = torch.randn(args.batch, n, mixer.qkv.out_features, device=device, requires_grad=True)
+    upstream = torch.randn(args.batch, n, sum(mixer.widths), device=device)
+    nodes = ["cpp", "python"] if args.python_node else ["cpp"]
+    per_node = {}
+    for node in nodes:  # each mixer plans its calls with its node; the timing below interleaves them all
+        ttt.CPP_NODE = node == "cpp"
+        # a shallow copy: the same parameters and inputs (both nodes then read the same, cache-warm, memory), its
+        # own plans (pickling state drops them)
+        per_node[node] = _mixer_fns(copy.copy(mixer), qkv, grid, upstream)
+    ttt.CPP_NODE = True
+    fns = {f"{node} {name}": fn for node, got in per_node.items() for name, fn in got["fns"].items()}
+    fns["torch.empty"] = lambda: torch.empty(16)
     samples = time_samples(fns, device, repeats=args.repeats, warmup=20)
     med = {name: 1e6 * statistics.median(ts) for name, ts in samples.items()}
     rows = []
-    for mode in ("infer", "train"):
-        mix, ops = samples[f"mix {mode}"], samples[f"bare {mode}"]
-        rows.append(
-            {
-                "mode": mode,
-                "dim": args.dim,
-                "heads": args.heads,
-                "batch": args.batch,
-                "N": n,
-                "threads": torch.get_num_threads(),
-                "ops": len(bare[mode]),
-                "mix_us": med[f"mix {mode}"],
-                "bare_ops_us": med[f"bare {mode}"],
-                # paired within each round (the two run back to back), then the median over rounds
-                "overhead_us": 1e6 * statistics.median(m - o for m, o in zip(mix, ops)),
-                "torch_empty_us": med["torch.empty"],
-            }
-        )
+    for node in nodes:
+        for mode in ("infer", "train"):
+            mix, ops = samples[f"{node} mix {mode}"], samples[f"{node} bare {mode}"]
+            rows.append(
+                {
+                    "node": node,
+                    "mode": mode,
+                    "dim": args.dim,
+                    "heads": args.heads,
+                    "batch": args.batch,
+                    "N": n,
+                    "threads": torch.get_num_threads(),
+                    "ops": per_node[node]["ops"][mode],
+                    "mix_us": med[f"{node} mix {mode}"],
+                    "bare_ops_us": med[f"{node} bare {mode}"],
+                    # paired within each round (the two run back to back), then the median over rounds
+                    "overhead_us": 1e6 * statistics.median(m - o for m, o in zip(mix, ops)),
+                    "torch_empty_us": med["torch.empty"],
+                }
+            )
     return rows
 
 
@@ -122,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tokens", type=int, default=196)
     p.add_argument("--repeats", type=int, default=300)
+    p.add_argument(
+        "--python-node",
+        action="store_true",
+        help="time the Python eager node (ttt.CPP_NODE off) beside the C++ op, interleaved, one row pair each",
+    )
     p.add_argument(
         "--out", type=Path, default=None, help="CSV (default: results/mixer_overhead_<device>.csv)"
     )

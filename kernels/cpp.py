@@ -4,9 +4,11 @@ Sources: ``swiglu/csrc/swiglu.cpp`` (the SwiGLU op's passes and the step between
 ``ttt_forward`` / ``ttt_backward``, glued in ``vit3.kernels.swiglu.eager``), ``dwconv/csrc/dwconv.cpp`` (the
 3x3 depthwise ops on token rows ``dwconv`` / ``dwconv_weight_grad``, which ``ConvPosEnc`` uses too, and the
 depthwise op's step on them, ``dwconv_ttt_forward`` / ``dwconv_ttt_backward``, glued in
-``vit3.kernels.dwconv.cpp``), and the header they share, ``csrc/vit3_cpu.h`` (the inner step, the checks). The
-ops are ``torch.ops.vit3_cpu.*``; each walks every (sample, head) inside C++, so a branch costs one Python
-call per direction instead of ~40 ops.
+``vit3.kernels.dwconv.cpp``), ``mix/csrc/mix.cpp`` (the whole mixer call, every branch through those step
+functions, as one op with a C++ autograd node: ``mix``, its ``mix_forward`` / ``mix_backward``, and
+``rope_2d``; called by ``vit3.layers.ttt``), and the header they share, ``csrc/vit3_cpu.h`` (the inner step,
+the checks, the step functions). The ops are ``torch.ops.vit3_cpu.*``; each walks every (sample, head) inside
+C++, so a branch costs one Python call per direction instead of ~40 ops, and a settled mixer call one op.
 
 It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~1-2 min once, then
 loaded from the build cache in ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The build
@@ -44,6 +46,7 @@ _HERE = Path(__file__).parent
 FILES = (
     _HERE / "swiglu" / "csrc" / "swiglu.cpp",
     _HERE / "dwconv" / "csrc" / "dwconv.cpp",
+    _HERE / "mix" / "csrc" / "mix.cpp",
     _HERE / "csrc" / "vit3_cpu.h",
 )
 LDFLAGS = ["-fopenmp"]

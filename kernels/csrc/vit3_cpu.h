@@ -1,6 +1,7 @@
-// What the ops of the C++ CPU extension vit3_cpu share (kernels/cpp.py builds kernels/swiglu/csrc/swiglu.cpp and
-// kernels/dwconv/csrc/dwconv.cpp into it, ops torch.ops.vit3_cpu.*): the vector type, the inner step and its
-// backward (kernels/common.py's step, on the small per-(sample, head) problems), the float32/float64 checks.
+// What the ops of the C++ CPU extension vit3_cpu share (kernels/cpp.py builds kernels/swiglu/csrc/swiglu.cpp,
+// kernels/dwconv/csrc/dwconv.cpp and kernels/mix/csrc/mix.cpp into it, ops torch.ops.vit3_cpu.*): the vector type,
+// the inner step and its backward (kernels/common.py's step, on the small per-(sample, head) problems), the
+// float32/float64 checks, and each op's step functions, which the whole-mixer op (mix.cpp) calls directly.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,6 +12,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -95,5 +97,25 @@ inline void check_float(const Tensor& t) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "vit3_cpu: float32 or float64, got ",
               t.scalar_type());
 }
+
+// The SwiGLU op's step (swiglu.cpp; the ops ttt_forward / ttt_backward): q, k, v [B, H, N, d] with unit stride
+// along d, w1, w2 [1|B, H, d, d]; returns w = [W1 | W2], G, the column norms and W'; the backward returns dW
+// [B, H, d, 2d] per sample and writes dq, dk, dv.
+std::vector<Tensor> ttt_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w1, const Tensor& w2,
+                                Tensor out, const std::optional<Tensor>& z, const std::optional<Tensor>& y, double c,
+                                double lr, bool grad_norm, int64_t block);
+Tensor ttt_backward(const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const std::optional<Tensor>& z, const std::optional<Tensor>& y, const Tensor& w, const Tensor& g,
+                    const Tensor& norm, const Tensor& w_new, Tensor dq, Tensor dk, Tensor dv, double c, double lr,
+                    bool grad_norm, int64_t block);
+
+// The depthwise op's step on token rows (dwconv.cpp; the ops dwconv_ttt_forward / dwconv_ttt_backward): q, k, v
+// [B, N, C] with unit stride along C, weight [1|B, C, 3, 3]; returns G, the norms and W' (taps [B, 9, C]); the
+// backward returns dW' [B, 9, C] (taps) per sample and writes dq, dk, dv.
+std::vector<Tensor> dwconv_ttt_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& weight,
+                                       Tensor out, int64_t gh, int64_t gw, double c, double lr, bool grad_norm);
+Tensor dwconv_ttt_backward(const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                           const Tensor& norm, const Tensor& w_new, Tensor dq, Tensor dk, Tensor dv, int64_t gh,
+                           int64_t gw, double c, double lr, bool grad_norm);
 
 }  // namespace vit3_cpu

@@ -16,7 +16,9 @@ A branch whose hooks raise tags the exception with its index (``BRANCH_ATTR``): 
 that branch's backend alone.
 RoPE, where the branch has it, rotates q and k here, before the hooks, and their gradients back after.
 ``vit3.layers.backends`` decides when this path runs; the mixer runs branch by branch whenever a branch
-takes another backend.
+takes another backend. Where every branch takes the C++ kernel, the mixer's settled calls skip this node for the
+same call in C++, ``torch.ops.vit3_cpu.mix`` (``kernels/mix/csrc/mix.cpp``: one C++ autograd node, tested
+against this one); this node serves their first, guarded calls, other dtypes and ``ttt.CPP_NODE = False``.
 """
 
 from __future__ import annotations

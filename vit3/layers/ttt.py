@@ -16,7 +16,9 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from vit3.kernels import OPS
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, normalize_grad
+from vit3.kernels.swiglu.eager import kernel_block
 
 from . import backends
 from .backends import MixerExplanation, ModelExplanation
@@ -44,17 +46,59 @@ class NonFiniteError(ValueError):
 _MAX_CALLS = 16
 
 
+# Whether fused calls whose branches all run the C++ CPU kernel take the whole-mixer C++ op (``_cpp_args``);
+# read when a call is planned. ``False`` keeps the Python node (``benchmarks/mixer_overhead.py --python-node``).
+CPP_NODE = True
+
+# The inner models of the whole-mixer C++ op (``kernels/mix/csrc/mix.cpp``), by its branch kind.
+_CPP_KINDS = {"swiglu": 0, "dwconv": 1}
+
+
 class _Call:
     """A mixer call's plan as the mixer keeps it: the backends' ``Plan``, the fused eager node's ``MixPlan``
-    (``None`` unless ``plan.fused``), and whether it runs unguarded from now on (``backends.settled``)."""
+    (``None`` unless ``plan.fused``), whether it runs unguarded from now on (``backends.settled``), and the
+    constant arguments of the whole-mixer C++ op after qkv and the weights (``None``: the Python node)."""
 
-    __slots__ = ("mix_plan", "plan", "settled")
+    __slots__ = ("cpp", "mix_plan", "plan", "settled")
 
-    def __init__(self, plan: backends.Plan, mix_plan: MixPlan | None) -> None:
-        self.plan, self.mix_plan, self.settled = plan, mix_plan, bool(plan.tracing)
+    def __init__(self, plan: backends.Plan, mix_plan: MixPlan | None, cpp: tuple | None) -> None:
+        self.plan, self.mix_plan, self.cpp, self.settled = plan, mix_plan, cpp, bool(plan.tracing)
 
 
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # the inner loop's dtypes: no cast to call
+
+
+def _cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
+    """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_plan`` on tensors like ``qkv`` (its key's
+    device, dtype and N): per branch its kind, offset, heads, head dim, RoPE and the SwiGLU kernel's token block,
+    then the shared settings, and whether the branches take dense copies of q, k, v (the Python node's rule,
+    ``Node.copies``: for N > 1 a matter of shapes alone, and the op copies a qkv without unit channel stride)."""
+    plan: list[int] = []
+    dense = False
+    b, n, _ = qkv.shape
+    s0, s1, s2 = qkv.stride()
+    for br in mix_plan.branches:
+        node = OPS[br.kind].paths["cpu"].node
+        view = qkv.as_strided(
+            (b, br.heads, n, br.head_dim),
+            (s0, br.head_dim * s2, s1, s2),
+            qkv.storage_offset() + br.offset * s2,
+        )
+        dense = dense or (node.copies is not None and node.copies(view))
+        block = kernel_block(br.head_dim, qkv) if br.kind == "swiglu" else 1
+        plan += [_CPP_KINDS[br.kind], br.offset, br.heads, br.head_dim, int(br.rope), block]
+    h, w = mix_plan.grid
+    return (
+        plan,
+        h,
+        w,
+        mix_plan.scale,
+        mix_plan.lr,
+        mix_plan.grad_norm,
+        mix_plan.rope_base,
+        mix_plan.recompute,
+        dense,
+    )
 
 
 def _fused(mix_plan: MixPlan, qkv: Tensor, flat: list[Tensor]) -> Tensor:
@@ -154,7 +198,17 @@ class TTTMixer(nn.Module):
                 kind,
                 c.recompute,
             )
-            found = _Call(plan, self._mix_plan(plan, grid) if plan.fused else None)
+            mix_plan = self._mix_plan(plan, grid) if plan.fused else None
+            cpp = (
+                _cpp_args(mix_plan, qkv)
+                if CPP_NODE
+                and mix_plan is not None
+                and not kind
+                and all(b == "cpu" for b in plan.backends)
+                and all(br.kind in _CPP_KINDS for br in mix_plan.branches)
+                else None
+            )
+            found = _Call(plan, mix_plan, cpp)
             if not kind:  # traced grids and sizes may be symbolic: not kept
                 if len(self._calls) >= _MAX_CALLS or any(k[-1] != key[-1] for k in self._calls):
                     self._calls.clear()
@@ -222,6 +276,25 @@ class TTTMixer(nn.Module):
 
     def _mix_tokens(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
         """``mix`` under tracing ``kind`` (``backends.tracing_kind()``)."""
+        # a settled call on the C++ kernel: the whole-mixer op, no node in Python
+        if not kind and gates is None:
+            sources = self._param_sources()
+            try:
+                flat = [d[name] for d, name in sources] if sources is not None else None
+            except KeyError:  # a parametrization moved a parameter out of ``_parameters``: looked up again
+                self.__dict__.pop("_param_source_cache")
+                flat = None
+            if flat is not None:
+                dtype = qkv.dtype
+                grad = torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))
+                call = self._calls.get((qkv.device, dtype, qkv.shape[1], grad, grid, backends.epoch()))
+                if (
+                    call is not None
+                    and call.cpp is not None
+                    and call.settled
+                    and all(p.dtype is dtype for p in flat)
+                ):
+                    return torch.ops.vit3_cpu.mix(qkv, flat, *call.cpp)
         weights = [model.initial_params() for model in self.inner]
         flat = [p for w in weights for p in w.values()]
         call = self._call(qkv, grid, grad_flows(qkv, gates, *flat), kind)
@@ -299,6 +372,32 @@ class TTTMixer(nn.Module):
             tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, plan.recompute
         )
 
+    def _param_sources(self) -> list[tuple[dict[str, Tensor], str]] | None:
+        """Where each initial weight of the whole-mixer C++ op is, branch by branch in ``initial_params`` order:
+        the ``(module._parameters, name)`` it is read from on every call (so a parameter replaced by ``.to()``,
+        ``load_state_dict`` or assignment, or its ``requires_grad`` changed, is seen); ``None`` where an inner
+        model's initial weights are not its parameters themselves (other views than the depthwise conv
+        weight's, which the op takes as stored: then ``initial_params`` on every call)."""
+        sources = self.__dict__.get("_param_source_cache", False)
+        if sources is not False:
+            return sources
+        sources = []
+        for (kind, _), model in zip(self.branch_specs, self.inner):
+            for name, t in model.initial_params().items():
+                p = model._parameters.get(name)
+                # the depthwise weight is viewed [C, 1, 3, 3] -> [1, C, 3, 3]: the op takes either layout
+                conv = (
+                    kind == "dwconv" and p is not None and t._base is p and t.shape == (1, p.shape[0], 3, 3)
+                )
+                if p is not t and not conv:
+                    sources = None
+                    break
+                sources.append((model._parameters, name))
+            if sources is None:
+                break
+        self.__dict__["_param_source_cache"] = sources
+        return sources
+
     @property
     def _calls(self) -> dict[tuple, _Call]:
         """The plans of this mixer's calls by key (``_call``); not copied by pickling (``__getstate__``)."""
@@ -307,6 +406,7 @@ class TTTMixer(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
         state.pop("_call_cache", None)  # plans hold this process's devices and verified kernels
+        state.pop("_param_source_cache", None)  # the parameter dicts of this object, not of the copy
         return state
 
     def __prepare_scriptable__(self) -> TTTMixer:

@@ -1,7 +1,8 @@
 // The 3x3 depthwise op on a CPU, on token rows: dwconv and dwconv_weight_grad (the official mixer's depthwise
 // branch, and ConvPosEnc's x + dwconv3x3(x) outside the mixer, vit3/layers/blocks.py), and the branch's TTT step
-// built on them, dwconv_ttt_forward / dwconv_ttt_backward (the step between them is vit3_cpu.h's). Built with the
-// SwiGLU op (kernels/swiglu/csrc/swiglu.cpp) into one extension, vit3_cpu (kernels/cpp.py): ops
+// built on them, dwconv_ttt_forward / dwconv_ttt_backward (the step between them is vit3_cpu.h's; the whole-mixer
+// op, kernels/mix/csrc/mix.cpp, calls them directly). Built with the SwiGLU op (kernels/swiglu/csrc/swiglu.cpp)
+// and that op into one extension, vit3_cpu (kernels/cpp.py): ops
 // torch.ops.vit3_cpu.dwconv*. The same stages in PyTorch are vit3/kernels/dwconv/eager.py; the op's reference is
 // vit3/kernels/dwconv/reference.py.
 
@@ -204,6 +205,10 @@ void dwconv_weight_grad(const Tensor& g, const Tensor& x, Tensor gw_out, int64_t
   VIT3_DISPATCH(x, dwconv_weight_grad_impl, g, x, gw_out, gh, gw);
 }
 
+}  // namespace
+
+namespace vit3_cpu {
+
 // The depthwise branch's step on token rows (dwconv_impl's layout): G = -c Σ_p v[p] k[p + δ] (taps [B, 9, C]),
 // the step over each channel's 9 taps, out = dwconv(q; W'). weight [1|B, C, 3, 3]. Returns G, the norms
 // [B, 1, C] and W' (taps): what dwconv_ttt_backward needs.
@@ -250,7 +255,7 @@ Tensor dwconv_ttt_backward(
   return dw_new;
 }
 
-}  // namespace
+}  // namespace vit3_cpu
 
 TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
   m.def("dwconv(Tensor x, Tensor w, Tensor(a!) out, int gh, int gw, Tensor? bias=None, bool residual=False) -> ()");
@@ -266,6 +271,6 @@ TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
 TORCH_LIBRARY_IMPL(vit3_cpu, CPU, m) {
   m.impl("dwconv", &dwconv);
   m.impl("dwconv_weight_grad", &dwconv_weight_grad);
-  m.impl("dwconv_ttt_forward", &dwconv_ttt_forward);
-  m.impl("dwconv_ttt_backward", &dwconv_ttt_backward);
+  m.impl("dwconv_ttt_forward", &vit3_cpu::dwconv_ttt_forward);
+  m.impl("dwconv_ttt_backward", &vit3_cpu::dwconv_ttt_backward);
 }

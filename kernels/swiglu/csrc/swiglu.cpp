@@ -2,7 +2,8 @@
 // ttt_backward, one op each, so a mixer branch costs one call per direction. Each runs two passes over the
 // tokens that walk every (sample, head) problem, small problems grouped, large ones in token blocks of about
 // a MiB, and the small per-(sample, head) step between them (W' = W - lr G / (||G|| + 1) and its backward,
-// kernels/common.py's step, in vit3_cpu.h). Built with the depthwise op (kernels/dwconv/csrc/dwconv.cpp) into one
+// kernels/common.py's step, in vit3_cpu.h). Built with the depthwise op (kernels/dwconv/csrc/dwconv.cpp) and the
+// whole-mixer op (kernels/mix/csrc/mix.cpp, which calls ttt_forward / ttt_backward directly: vit3_cpu.h) into one
 // extension, vit3_cpu (kernels/cpp.py): ops torch.ops.vit3_cpu.ttt_forward / ttt_backward.
 //
 // The passes do every N-sized matmul (ATen, i.e. MKL) and fuse each elementwise chain between two matmuls
@@ -316,6 +317,10 @@ Tensor saved_buffer(const std::optional<Tensor>& t, const Tensor& q) {
   return *t;
 }
 
+}  // namespace
+
+namespace vit3_cpu {
+
 // The forward of one step: w = [W1 | W2] per sample, pass 1 (G), the step, pass 2 (the read-out into out).
 // Returns w, G (times -c), the column norms [B, H, 1, 2d] and W' [B, H, d, 2d]: what the backward needs.
 std::vector<Tensor> ttt_forward(
@@ -392,7 +397,7 @@ Tensor ttt_backward(
   return dw;
 }
 
-}  // namespace
+}  // namespace vit3_cpu
 
 TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
   m.def(
@@ -405,6 +410,6 @@ TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(vit3_cpu, CPU, m) {
-  m.impl("ttt_forward", &ttt_forward);
-  m.impl("ttt_backward", &ttt_backward);
+  m.impl("ttt_forward", &vit3_cpu::ttt_forward);
+  m.impl("ttt_backward", &vit3_cpu::ttt_backward);
 }

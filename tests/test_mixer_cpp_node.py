@@ -1,0 +1,302 @@
+"""The whole-mixer C++ op (``torch.ops.vit3_cpu.mix``, ``kernels/mix/csrc/mix.cpp``): settled mixer calls whose
+branches all run the C++ CPU kernel take it, one C++ autograd node. It computes what the Python node
+(``vit3.layers.eager_mix``) computes, forward and every gradient, and what the mixer defines (the float64
+reference); its RoPE is ``apply_rope_2d`` bit for bit; it honours no-grad, autocast, saved-tensor hooks,
+checkpointing and the once-differentiable contract, and sees parameters replaced after its plan was made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.reference import assert_mixer_matches_reference
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+import vit3.layers.ttt as ttt
+from vit3.kernels.cpp import load
+from vit3.layers import TTTMixer
+from vit3.layers.rope import apply_rope_2d
+
+GRID = (5, 7)
+NODE = "MixFunction"  # the C++ node's name in autograd graphs (CppNode<...MixFunction>)
+
+
+class _Ops(TorchDispatchMode):
+    """Names of the ops dispatched under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _ops():
+    ops, why = load()
+    if ops is None:
+        pytest.skip(f"the C++ CPU kernel is not built here ({why})")
+    return ops
+
+
+def _mixer(dim: int = 32, heads: int = 4, dtype: torch.dtype = torch.float64, **cfg) -> TTTMixer:
+    torch.manual_seed(3)
+    mixer = TTTMixer(dim, heads, **cfg).to(dtype)
+    with torch.no_grad():  # larger initial inner weights so the step is not negligible
+        for model in mixer.inner:
+            for p in model.parameters():
+                p.mul_(20)
+    return mixer
+
+
+def _settle(mixer: TTTMixer, x: torch.Tensor, grid: tuple[int, int] = GRID) -> None:
+    """Calls the mixer (with and without gradients) until its plans run unguarded on the C++ op."""
+    _ops()
+    for _ in range(8):
+        mixer(x, grid).sum().backward()
+        with torch.no_grad():
+            mixer(x, grid)
+        if mixer._calls and all(c.settled and c.cpp is not None for c in mixer._calls.values()):
+            return
+    pytest.fail(f"the mixer's calls did not settle on the C++ op: {list(mixer._calls.values())}")
+
+
+def _run(mixer: TTTMixer, x: torch.Tensor, dout: torch.Tensor, grid: tuple[int, int] = GRID):
+    """Output, its autograd node's name and the gradients of x and every parameter."""
+    out = mixer.mix(mixer.qkv(x), grid)
+    grads = torch.autograd.grad((out * dout).sum(), [x, *mixer.parameters()], allow_unused=True)
+    return out.detach(), out.grad_fn.name(), grads
+
+
+def _python_node(mixer: TTTMixer, monkeypatch) -> None:
+    """The mixer re-plans its calls on the Python node."""
+    monkeypatch.setattr(ttt, "CPP_NODE", False)
+    mixer._calls.clear()
+
+
+def _assert_same(got, want, rtol: float, atol: float) -> None:
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize(
+    ("grid", "width"), [((14, 14), 64), ((5, 7), 32), ((3, 5), 12)], ids=["14x14-64", "5x7-32", "3x5-12"]
+)
+@pytest.mark.parametrize("inverse", [False, True], ids=["rotate", "inverse"])
+def test_rope_2d_is_apply_rope_2d_bit_for_bit(dtype, grid, width, inverse):
+    ops = _ops()
+    torch.manual_seed(0)
+    x = torch.randn(2, grid[0] * grid[1], 3 * width, dtype=dtype)[..., width : 2 * width]  # a strided view
+    assert torch.equal(
+        ops.rope_2d(x, *grid, 10000.0, inverse), apply_rope_2d(x, grid, 10000.0, inverse=inverse)
+    )
+
+
+CONFIGS = {
+    "official": {},
+    "official-rope": {"rope": True},
+    "no-norm-lr": {"grad_norm": False, "inner_lr": 0.3, "rope": True},
+    "swiglu-only": {"branches": ("swiglu",), "rope": True},
+    "dwconv-only": {"branches": ("dwconv",)},
+    "two-swiglu": {"branches": ("swiglu:2", "swiglu:1", "dwconv:1"), "rope": True},
+    "saving-z-y": {"recompute": "never", "rope": True},
+    "recompute-qkv": {"recompute": "qkv", "rope": True},
+}
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["batch1", "batch3"])
+@pytest.mark.parametrize("cfg", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_cpp_node_matches_the_python_node_and_the_reference(monkeypatch, cfg, batch):
+    mixer = _mixer(**cfg)
+    x = torch.randn(batch, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(batch, GRID[0] * GRID[1], sum(mixer.widths), dtype=torch.float64)
+    _settle(mixer, x)
+    out, node, grads = _run(mixer, x, dout)
+    assert NODE in node
+    assert_mixer_matches_reference(mixer, x, GRID)  # the mixer's definition (float64 autograd), 1e-10
+    _python_node(mixer, monkeypatch)
+    ref, ref_node, ref_grads = _run(mixer, x, dout)
+    assert NODE not in ref_node
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
+    _assert_same(grads, ref_grads, rtol=1e-12, atol=1e-14)
+
+
+def test_cpp_node_matches_the_python_node_in_float32(monkeypatch):
+    mixer = _mixer(dtype=torch.float32, rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, requires_grad=True)
+    dout = torch.randn(2, GRID[0] * GRID[1], sum(mixer.widths))
+    _settle(mixer, x)
+    out, node, grads = _run(mixer, x, dout)
+    assert NODE in node
+    _python_node(mixer, monkeypatch)
+    ref, _, ref_grads = _run(mixer, x, dout)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-7)
+    _assert_same(grads, ref_grads, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_without_gradients_the_op_saves_nothing_and_gives_the_same_output(mode):
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    _settle(mixer, x)
+    want = mixer(x, GRID).detach()
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context, _Ops() as seen:
+        out = mixer(x.detach(), GRID)
+    assert "vit3_cpu.mix_forward.default" in seen.names or "vit3_cpu.mix.default" in seen.names
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_under_cpu_autocast_the_mixer_gives_what_the_python_node_gives(monkeypatch):
+    mixer = _mixer(dtype=torch.float32, rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, requires_grad=True)
+    _settle(mixer, x)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = mixer(x, GRID)
+            mixed = mixer.mix(mixer.qkv(x).float(), GRID)  # float32 qkv under autocast: the C++ op
+        grads = torch.autograd.grad(out.float().sum() + mixed.sum(), [x, *mixer.parameters()])
+        return out.detach(), mixed.detach(), mixed.grad_fn, grads
+
+    for _ in range(4):  # the bf16 key's plans settle too
+        out, mixed, _, grads = run()
+    _python_node(mixer, monkeypatch)
+    for _ in range(4):
+        ref, ref_mixed, _, ref_grads = run()
+    assert out.dtype == torch.bfloat16 and mixed.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(mixed, ref_mixed, rtol=1e-6, atol=1e-7)
+    _assert_same(grads, ref_grads, rtol=1e-5, atol=1e-5)
+
+
+def test_saved_tensor_hooks_see_the_node_and_checkpointing_gives_the_same_gradients():
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    _settle(mixer, x)
+    params = [x, *mixer.parameters()]
+    plain = torch.autograd.grad(mixer(x, GRID).square().sum(), params)
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t.clone()  # the node must unpack what the hook hands back
+
+    qkv = mixer.qkv(x)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mixer.mix(qkv, GRID)
+    assert NODE in out.grad_fn.name() and len(packed) >= 6  # q, k, v, the step's tensors per branch
+    hooked = torch.autograd.grad(mixer.proj(out).square().sum(), params)
+    ckpt = checkpoint(lambda t: mixer(t, GRID), x, use_reentrant=False)
+    got = torch.autograd.grad(ckpt.square().sum(), params)
+    for g, h, g_ref in zip(got, hooked, plain):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(h, g_ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("node", ["cpp", "python"])
+def test_changing_qkv_in_place_before_the_backward_raises(monkeypatch, node):
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    _settle(mixer, x)
+    if node == "python":
+        _python_node(mixer, monkeypatch)
+        for _ in range(4):
+            mixer(x, GRID)
+    qkv = mixer.qkv(x)
+    out = mixer.mix(qkv, GRID)
+    assert (NODE in out.grad_fn.name()) == (node == "cpp")
+    out.sum().backward(retain_graph=True)
+    with torch.no_grad():
+        qkv.add_(1)
+    # the C++ node: qkv's saved version; the Python node: its saved views of qkv
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation|modified inplace"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("node", ["cpp", "python"])
+def test_a_second_backward_raises_as_the_python_node_does(monkeypatch, node):
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    _settle(mixer, x)
+    if node == "python":
+        _python_node(mixer, monkeypatch)
+        for _ in range(4):
+            mixer(x, GRID)
+    qkv = mixer.qkv(x)
+    out = mixer.mix(qkv, GRID)
+    assert (NODE in out.grad_fn.name()) == (node == "cpp")
+    (dqkv,) = torch.autograd.grad(out.square().sum(), qkv, create_graph=True)  # first order: fine
+    plain = torch.autograd.grad(mixer.mix(qkv, GRID).square().sum(), qkv)[0]
+    torch.testing.assert_close(dqkv.detach(), plain, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"once.differentiable"):
+        dqkv.sum().backward()
+
+
+def test_parameters_changed_after_planning_are_seen():
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    _settle(mixer, x)
+    fresh = _mixer(rope=True)
+    torch.manual_seed(5)
+    new = {k: torch.randn_like(v) * 0.1 for k, v in fresh.state_dict().items()}
+    fresh.load_state_dict(new)
+    mixer.load_state_dict(new)  # in place
+    torch.testing.assert_close(mixer(x, GRID), fresh(x, GRID), rtol=0, atol=0)
+    # replaced objects: a new Parameter (assignment), a converted module (.to)
+    mixer.inner[0].w1 = nn.Parameter(fresh.inner[0].w1.detach() * 2)
+    with torch.no_grad():
+        fresh.inner[0].w1.mul_(2)
+    torch.testing.assert_close(mixer(x, GRID), fresh(x, GRID), rtol=0, atol=0)
+    mixer.float().double()
+    torch.testing.assert_close(mixer(x, GRID), fresh.float().double()(x, GRID), rtol=0, atol=0)
+    # requires_grad switched off: the node serves the qkv gradient alone, the same
+    qkv = mixer.qkv(x).detach().requires_grad_()
+    (want,) = torch.autograd.grad(mixer.mix(qkv, GRID).sum(), qkv)
+    for p in mixer.inner.parameters():
+        p.requires_grad_(False)
+    for _ in range(4):  # the key without weight gradients settles
+        out = mixer.mix(qkv, GRID)
+    assert NODE in out.grad_fn.name()
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), qkv)[0], want, rtol=0, atol=0)
+
+
+class _Double(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+def test_a_parametrization_added_after_planning_is_seen():
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    _settle(mixer, x)
+    fresh = _mixer(rope=True)
+    with torch.no_grad():
+        fresh.inner[0].w1.mul_(2)
+    parametrize.register_parametrization(mixer.inner[0], "w1", _Double())
+    for _ in range(2):  # the call after the change, and the one after its re-planning
+        torch.testing.assert_close(mixer(x, GRID), fresh(x, GRID), rtol=0, atol=0)
+
+
+def test_bad_arguments_raise_clear_errors():
+    ops = _ops()
+    mixer = _mixer()
+    x = torch.randn(1, GRID[0] * GRID[1], 32, dtype=torch.float64)
+    _settle(mixer, x.requires_grad_())
+    call = next(iter(mixer._calls.values()))
+    flat = [p for m in mixer.inner for p in m.initial_params().values()]
+    qkv = mixer.qkv(x).detach()
+    with pytest.raises(RuntimeError, match="qkv has 95 channels"):
+        ops.mix(qkv[..., :95], flat, *call.cpp)
+    with pytest.raises(RuntimeError, match="weights must be CPU tensors of qkv's dtype"):
+        ops.mix(qkv, [w.float() for w in flat], *call.cpp)
+    with pytest.raises(RuntimeError, match="does not fit N=35"):
+        ops.mix(qkv, flat, call.cpp[0], 6, 6, *call.cpp[3:])
