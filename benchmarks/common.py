@@ -23,16 +23,23 @@ def sync(device: torch.device) -> None:
 
 
 def time_samples(
-    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int = 5, warmup: int = 1
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    repeats: int = 5,
+    warmup: int = 1,
+    alternate: bool = False,
 ) -> dict[str, list[float]]:
-    """Seconds of every call of each function, timed in turn (A B C A B C ...) so drift hits all alike."""
+    """Seconds of every call of each function, timed in turn (A B C A B C ...) so drift hits all alike; with
+    ``alternate`` every other round runs in reverse (A B C C B A ...), so no function always runs first, in the
+    caches and pages the others left (for calls of a few hundred µs that position alone is tens of µs)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     sync(device)
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    items = list(fns.items())
+    for r in range(repeats):
+        for name, fn in reversed(items) if alternate and r % 2 else items:
             sync(device)
             start = time.perf_counter()
             fn()

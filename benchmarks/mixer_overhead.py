@@ -3,12 +3,15 @@
 One call of ``mix`` (inference: under ``torch.no_grad``; training: forward + backward from a dense upstream
 gradient) is recorded once with a ``TorchDispatchMode``: every ATen and custom op it dispatches (the C++
 kernel's calls, the views, the allocations; the backward's too), with its arguments. The *bare ops* replay
-that record, op after op on the same tensors, with no Python between them. Both are timed interleaved
-(``benchmarks.common.time_samples``, ``--repeats`` rounds); their difference, paired per round, is the Python
-a mixer call spends around its ops: the plan, the guard, the eager node's views and checks, the autograd
-node. A settled call on the C++ kernel is one op, ``vit3_cpu::mix`` (its C++ autograd node dispatches
+that record, op after op on the same tensors, with no Python between them. Both are timed interleaved, one
+mode at a time, every other round in reverse order (``benchmarks.common.time_samples(alternate=True)``: the call
+timed first after other work pays tens of µs for the caches it refills, so neither side may always be first;
+``--repeats`` rounds); their difference, paired per round, is the Python a mixer call spends around its ops:
+the plan, the guard, the eager node's views and checks, the autograd node. A settled call on the C++ kernel is one op, ``vit3_cpu::mix`` (its C++ autograd node dispatches
 ``mix_forward`` / ``mix_backward``); ``--python-node`` times the Python eager node (``vit3.layers.ttt.CPP_NODE``
-off) beside it in the same interleaved rounds. ``torch.empty`` is timed beside them for scale (what one PyTorch
+off) beside it in the same interleaved rounds. ``one_op_autograd_us`` (training rows) is the same difference for
+one op, ``qkv * 1`` forward + backward: what the autograd engine costs any training call over its bare ops (the
+replay has no engine), the floor of the training figure. ``torch.empty`` is timed for scale (what one PyTorch
 call costs on this machine). Writes ``results/mixer_overhead_cpu.csv``.
 
     python benchmarks/mixer_overhead.py --threads 1                 # ViT³-T's mixer at 224 px: 192, 3, 196
@@ -92,6 +95,19 @@ def _mixer_fns(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int], upstre
     return {"fns": fns, "ops": {mode: len(ops) for mode, ops in bare.items()}}
 
 
+def _floor_fns(qkv: torch.Tensor) -> dict:
+    """What any training call of one op pays over its bare ops (the autograd engine's start, one node, one
+    ``AccumulateGrad``): ``qkv * 1`` forward + backward (``floor``) and its bare ops (``bare floor``)."""
+    upstream = torch.ones_like(qkv)
+
+    def floor() -> None:
+        qkv.grad = None
+        torch.mul(qkv, 1.0).backward(upstream)
+
+    ops = record(floor)
+    return {"floor": floor, "bare floor": lambda: replay(ops)}
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -107,10 +123,16 @@ def run(args: argparse.Namespace) -> list[dict]:
         # own plans (pickling state drops them)
         per_node[node] = _mixer_fns(copy.copy(mixer), qkv, grid, upstream)
     ttt.CPP_NODE = True
-    fns = {f"{node} {name}": fn for node, got in per_node.items() for name, fn in got["fns"].items()}
-    fns["torch.empty"] = lambda: torch.empty(16)
-    samples = time_samples(fns, device, repeats=args.repeats, warmup=20)
+    # One timing per mode, its calls in alternating order (``time_samples``): a mode's calls run after each other,
+    # not after the other mode's, and each node's mix and bare ops take the first place equally often.
+    samples = {}
+    for mode in ("infer", "train"):
+        fns = {f"{node} {name}": fn for node, got in per_node.items() for name, fn in got["fns"].items() if name.endswith(mode)}  # fmt: skip
+        samples |= time_samples(fns, device, repeats=args.repeats, warmup=20, alternate=True)
+    samples |= time_samples(_floor_fns(qkv), device, repeats=args.repeats, warmup=20, alternate=True)
+    samples |= time_samples({"torch.empty": lambda: torch.empty(16)}, device, repeats=args.repeats, warmup=20)
     med = {name: 1e6 * statistics.median(ts) for name, ts in samples.items()}
+    floor = 1e6 * statistics.median(m - o for m, o in zip(samples["floor"], samples["bare floor"]))
     rows = []
     for node in nodes:
         for mode in ("infer", "train"):
@@ -129,6 +151,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "bare_ops_us": med[f"{node} bare {mode}"],
                     # paired within each round (the two run back to back), then the median over rounds
                     "overhead_us": 1e6 * statistics.median(m - o for m, o in zip(mix, ops)),
+                    "one_op_autograd_us": floor if mode == "train" else 0.0,
                     "torch_empty_us": med["torch.empty"],
                 }
             )

@@ -4,7 +4,8 @@ For each model, one inference forward (``eval()``, ``torch.no_grad``) and one tr
 forward + backward of every parameter's gradient) are recorded once with ``mixer_overhead``'s dispatch
 recorder: every ATen and custom op they dispatch, with its arguments. The *bare ops* replay that record, op
 after op, with no module, autograd-engine or mixer Python between them (the replay's own cost per op, one
-Python call, is the same for every model). All are timed interleaved (``--repeats`` rounds). Per row:
+Python call, is the same for every model). All are timed interleaved, every other round in reverse
+(``--repeats`` rounds). Per row:
 
 - ``python_ms``: the model's time over its bare ops (paired per round): what trimming Python could win;
 - ``speed_vs_base``: the baseline's time over this model's (paired per round), as ``models.py`` reports it;
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     names = args.pair.split(":")
     calls = {name: _calls(name, args.res, args.batch, device) for name in names}
     fns = {f"{name} {kind}": c[kind] for name, c in calls.items() for kind in ("infer", "bare infer", "train", "bare train")}  # fmt: skip
-    samples = time_samples(fns, device, repeats=args.repeats, warmup=2)
+    samples = time_samples(fns, device, repeats=args.repeats, warmup=2, alternate=True)
     base = names[-1]
 
     def ratio(a: list[float], b: list[float]) -> float:
