@@ -9,7 +9,9 @@ timed first after other work pays tens of µs for the caches it refills, so neit
 ``--repeats`` rounds); their difference, paired per round, is the Python a mixer call spends around its ops:
 the plan, the guard, the eager node's views and checks, the autograd node. A settled call on the C++ kernel is one op, ``vit3_cpu::mix`` (its C++ autograd node dispatches
 ``mix_forward`` / ``mix_backward``); ``--python-node`` times the Python eager node (``vit3.layers.ttt.CPP_NODE``
-off) beside it in the same interleaved rounds. ``one_op_autograd_us`` (training rows) is the same difference for
+off) beside it in the same interleaved rounds. ``mixer_python_us`` (C++ op) is ``mix`` against the op called
+directly with the same arguments: the mixer's own Python, the rest of the overhead being the op's dispatch and
+autograd. ``one_op_autograd_us`` (training rows) is the same difference for
 one op, ``qkv * 1`` forward + backward: what the autograd engine costs any training call over its bare ops (the
 replay has no engine), the floor of the training figure. ``torch.empty`` is timed for scale (what one PyTorch
 call costs on this machine). Writes ``results/mixer_overhead_cpu.csv``.
@@ -92,7 +94,28 @@ def _mixer_fns(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int], upstre
         "mix train": train,
         "bare train": lambda: replay(bare["train"]),
     }
+    if ttt.CPP_NODE:
+        fns |= _op_fns(mixer, qkv, leaves, upstream)
     return {"fns": fns, "ops": {mode: len(ops) for mode, ops in bare.items()}}
+
+
+def _op_fns(mixer: TTTMixer, qkv: torch.Tensor, leaves: list, upstream: torch.Tensor) -> dict:
+    """The whole-mixer C++ op called directly (``op infer``, ``op train``) with the arguments the mixer's settled
+    plans hand it: the same op and autograd node as ``mix``, without the mixer's Python in front."""
+    flat = [d[name] for d, name in mixer._param_sources()]
+    args = {key[3]: call.cpp for key, call in mixer._calls.items()}  # by grad mode (the key's fourth field)
+    op = torch.ops.vit3_cpu.mix
+
+    def infer() -> None:
+        with torch.no_grad():
+            op(qkv, flat, *args[False])
+
+    def train() -> None:
+        for t in leaves:
+            t.grad = None
+        op(qkv, flat, *args[True]).backward(upstream)
+
+    return {"op infer": infer, "op train": train}
 
 
 def _floor_fns(qkv: torch.Tensor) -> dict:
@@ -151,6 +174,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "bare_ops_us": med[f"{node} bare {mode}"],
                     # paired within each round (the two run back to back), then the median over rounds
                     "overhead_us": 1e6 * statistics.median(m - o for m, o in zip(mix, ops)),
+                    # the mixer's Python in front of the op: mix against the op called directly (C++ node only)
+                    "mixer_python_us": 1e6
+                    * statistics.median(m - o for m, o in zip(mix, samples[f"{node} op {mode}"]))
+                    if f"{node} op {mode}" in samples
+                    else float("nan"),
                     "one_op_autograd_us": floor if mode == "train" else 0.0,
                     "torch_empty_us": med["torch.empty"],
                 }
