@@ -137,6 +137,15 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
+def report(rows: Sequence[dict], out: Path | None, name: str, device: str, floatfmt: str = "{:.3g}") -> Path:
+    """Prints ``rows`` as a table and writes them to ``out`` (default ``results/<name>_<device>.csv``)."""
+    print_table(rows, floatfmt=floatfmt)
+    out = out or RESULTS / f"{name}_{torch.device(device).type}.csv"
+    write_csv(rows, out)
+    print(f"wrote {out}")
+    return out
+
+
 class CsvRows:
     """Rows written to ``path`` as they come (the file rewritten each time, so a later row may add columns): a
     run cut short, e.g. by a time limit, keeps every row it measured."""

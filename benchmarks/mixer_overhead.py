@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, add_runtime_args, apply_runtime, print_table, time_samples, write_csv
+from benchmarks.common import add_runtime_args, apply_runtime, report, time_samples
 from benchmarks.mixer import grid_for
 from vit3.layers import TTTMixer, ttt
 
@@ -205,10 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     apply_runtime(args)
     rows = run(args)
-    print_table(rows, floatfmt="{:.1f}")
-    out = args.out or RESULTS / f"mixer_overhead_{torch.device(args.device).type}.csv"
-    write_csv(rows, out)
-    print(f"wrote {out}")
+    report(rows, args.out, "mixer_overhead", args.device, floatfmt="{:.1f}")
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vit3  # noqa: F401  (registers the vit3 models in timm)
-from benchmarks.common import RESULTS, add_runtime_args, apply_runtime, print_table, time_samples, write_csv
+from benchmarks.common import add_runtime_args, apply_runtime, report, time_samples
 from benchmarks.mixer_overhead import record, replay
 
 
@@ -111,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     apply_runtime(args)
     rows = run(args)
-    print_table(rows, floatfmt="{:.3f}")
-    out = args.out or RESULTS / f"model_overhead_{torch.device(args.device).type}.csv"
-    write_csv(rows, out)
-    print(f"wrote {out}")
+    report(rows, args.out, "model_overhead", args.device, floatfmt="{:.3f}")
     return 0
 
 

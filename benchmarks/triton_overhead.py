@@ -49,7 +49,7 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, print_table, time_samples, write_csv
-from vit3.kernels.triton import device, op, tiles
+from vit3.kernels.triton import checks, device, op, tiles
 from vit3.layers import TTTMixer, eager_mix
 from vit3.layers import backends as reg
 
@@ -64,7 +64,7 @@ def stub_launches() -> list[str]:
         launched.append(self.fn.__name__)
 
     JITFunction.run = run
-    for module in (device, op):
+    for module in (device, checks):
         module.triton_runs_on = lambda where: True
     sys.modules["vit3.kernels"].triton_runs_on = device.triton_runs_on
     tiles.fits_device = lambda *args: (True, "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.backends import make_mixer
 from helpers.reference import assert_mixer_matches_reference
 from torch import nn
 from torch.nn.utils import parametrize
@@ -43,13 +44,7 @@ def _ops():
 
 
 def _mixer(dim: int = 32, heads: int = 4, dtype: torch.dtype = torch.float64, **cfg) -> TTTMixer:
-    torch.manual_seed(3)
-    mixer = TTTMixer(dim, heads, **cfg).to(dtype)
-    with torch.no_grad():  # larger initial inner weights so the step is not negligible
-        for model in mixer.inner:
-            for p in model.parameters():
-                p.mul_(20)
-    return mixer
+    return make_mixer(dim, heads, dtype, gain=20.0, **cfg)
 
 
 def _settle(mixer: TTTMixer, x: torch.Tensor, grid: tuple[int, int] = GRID) -> None:
@@ -202,8 +197,9 @@ def test_saved_tensor_hooks_see_the_node_and_checkpointing_gives_the_same_gradie
         torch.testing.assert_close(h, g_ref, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("node", ["cpp", "python"])
-def test_changing_qkv_in_place_before_the_backward_raises(monkeypatch, node):
+def _settled_call(monkeypatch, node: str) -> tuple[TTTMixer, torch.Tensor, torch.Tensor]:
+    """A settled RoPE'd mixer's ``mix`` on the C++ op (``node="cpp"``) or the Python node: the mixer, qkv, the
+    output."""
     mixer = _mixer(rope=True)
     x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
     _settle(mixer, x)
@@ -214,6 +210,12 @@ def test_changing_qkv_in_place_before_the_backward_raises(monkeypatch, node):
     qkv = mixer.qkv(x)
     out = mixer.mix(qkv, GRID)
     assert (NODE in out.grad_fn.name()) == (node == "cpp")
+    return mixer, qkv, out
+
+
+@pytest.mark.parametrize("node", ["cpp", "python"])
+def test_changing_qkv_in_place_before_the_backward_raises(monkeypatch, node):
+    _, qkv, out = _settled_call(monkeypatch, node)
     out.sum().backward(retain_graph=True)
     with torch.no_grad():
         qkv.add_(1)
@@ -224,16 +226,7 @@ def test_changing_qkv_in_place_before_the_backward_raises(monkeypatch, node):
 
 @pytest.mark.parametrize("node", ["cpp", "python"])
 def test_a_second_backward_raises_as_the_python_node_does(monkeypatch, node):
-    mixer = _mixer(rope=True)
-    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
-    _settle(mixer, x)
-    if node == "python":
-        _python_node(mixer, monkeypatch)
-        for _ in range(4):
-            mixer(x, GRID)
-    qkv = mixer.qkv(x)
-    out = mixer.mix(qkv, GRID)
-    assert (NODE in out.grad_fn.name()) == (node == "cpp")
+    mixer, qkv, out = _settled_call(monkeypatch, node)
     (dqkv,) = torch.autograd.grad(out.square().sum(), qkv, create_graph=True)  # first order: fine
     plain = torch.autograd.grad(mixer.mix(qkv, GRID).square().sum(), qkv)[0]
     torch.testing.assert_close(dqkv.detach(), plain, rtol=0, atol=0)

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from ..ops import Hyper, NodeCall
 from . import plan, tiles
+from .checks import _checked, _live
 from .device import WEIGHT_NAMES, _interpreting, fp32_uses_tf32
-from .op import _checked, _live
 from .plan import _backward_template, _forward_template, _key, _meta, _Plan
 
 __all__ = ["backward", "clear", "forward"]

@@ -14,13 +14,14 @@ BIG_GRID = (10, 12)  # 120 tokens
 CPU = torch.device("cpu")
 
 
-def make_mixer(dim: int = 32, heads: int = 2, dtype=torch.float64, **cfg) -> TTTMixer:
+def make_mixer(dim: int = 32, heads: int = 2, dtype=torch.float64, gain: float = 5.0, **cfg) -> TTTMixer:
+    """A seeded mixer whose initial inner weights are ``gain`` times larger, so the inner step is not negligible."""
     torch.manual_seed(3)
     mixer = TTTMixer(dim, heads, **cfg).to(dtype)
-    with torch.no_grad():  # larger initial inner weights so the step is not negligible
+    with torch.no_grad():
         for model in mixer.inner:
             for p in model.parameters():
-                p.mul_(5)
+                p.mul_(gain)
     return mixer
 
 
