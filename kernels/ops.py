@@ -140,6 +140,9 @@ class Node(NamedTuple):
             else float32 / float64 only.
         twice: the node may differentiate this path's backward (``create_graph=True``) through the op's
             reference on the saved qkv (where every branch's path allows it).
+        mix: ``(head_dim, qkv) -> (kind, block)``: the op's branch in the whole-mixer C++ op
+            (``kernels/mix/csrc/mix.cpp``, ``cpu`` paths): its kind code there and the token block of its step
+            on tensors like qkv; ``None``: no branch there (mixers with such a branch run the Python node).
     """
 
     heads: bool
@@ -148,6 +151,7 @@ class Node(NamedTuple):
     copies: Callable[[Tensor], bool] | None = None
     low_precision: bool = False
     twice: bool = False
+    mix: Callable[[int, Tensor], tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)

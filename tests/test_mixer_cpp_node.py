@@ -6,6 +6,8 @@ checkpointing and the once-differentiable contract, and sees parameters replaced
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.backends import make_mixer
@@ -16,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import vit3.layers.ttt as ttt
+from vit3.kernels import OPS
 from vit3.kernels.cpp import load
 from vit3.layers import TTTMixer
 from vit3.layers.rope import apply_rope_2d
@@ -293,3 +296,25 @@ def test_bad_arguments_raise_clear_errors():
         ops.mix(qkv, [w.float() for w in flat], *call.cpp)
     with pytest.raises(RuntimeError, match="does not fit N=35"):
         ops.mix(qkv, flat, call.cpp[0], 6, 6, *call.cpp[3:])
+
+
+def test_an_op_without_a_branch_in_the_cpp_op_keeps_the_python_node(monkeypatch):
+    """The whole-mixer C++ op serves the ops whose ``cpu`` node names their branch there (``Node.mix``): with
+    SwiGLU's taken away, a settled official mixer runs the Python node, with the same numbers."""
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    mixer = _mixer(rope=True)
+    dout = torch.randn(2, GRID[0] * GRID[1], sum(mixer.widths), dtype=torch.float64)
+    _settle(mixer, x)
+    out, node, grads = _run(mixer, x, dout)
+    assert NODE in node
+    op = OPS["swiglu"]
+    cpu = op.paths["cpu"]
+    cpu = dataclasses.replace(cpu, node=cpu.node._replace(mix=None))
+    monkeypatch.setitem(OPS, "swiglu", dataclasses.replace(op, paths={**op.paths, "cpu": cpu}))
+    mixer._calls.clear()
+    for _ in range(4):  # planned again, and settled
+        mixer(x, GRID)
+    ref, ref_node, ref_grads = _run(mixer, x, dout)
+    assert NODE not in ref_node and "EagerMix" in ref_node
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
+    _assert_same(grads, ref_grads, rtol=1e-12, atol=1e-13)

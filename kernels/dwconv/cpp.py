@@ -88,4 +88,8 @@ def _node_backward(
 
 
 # The C++ path in the fused eager node: the kernel reads and writes the token rows in place.
-NODE = Node(heads=False, forward=_node_forward, backward=_node_backward)
+# The depthwise op's kind code in the whole-mixer C++ op (``kernels/mix/csrc/mix.cpp``: ``kDwconv``); its step
+# walks the token rows in C++, no block to choose.
+MIX_KIND = 1
+
+NODE = Node(heads=False, forward=_node_forward, backward=_node_backward, mix=lambda d, qkv: (MIX_KIND, 1))

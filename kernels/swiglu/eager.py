@@ -75,6 +75,10 @@ def block_tokens(n: int, d: int, itemsize: int) -> int:
     return min(n, block_rows(d, itemsize))
 
 
+# SwiGLU's kind code in the whole-mixer C++ op (``kernels/mix/csrc/mix.cpp``: ``kSwiGLU``).
+MIX_KIND = 0
+
+
 def kernel_block(d: int, like: Tensor) -> int:
     """The C++ kernel's block: rows of ``[rows, 2d]`` (Z, Y) in about ``TILE_BYTES``, not capped by N, so that
     the heads of a sample whose tokens fit together form one group of batched matmuls."""
@@ -519,8 +523,14 @@ def _node(cpp: bool) -> Node:
         return swiglu_backward(d_out, SwiGLUSaved(*saved, tag), dq, dk, dv, **hyper)
 
     # The tiled path always copies q, k, v dense; the kernel reads small problems in place.
+    if not cpp:
+        return Node(heads=True, forward=forward, backward=backward, copies=lambda q: True)
     return Node(
-        heads=True, forward=forward, backward=backward, copies=dense_inputs if cpp else lambda q: True
+        heads=True,
+        forward=forward,
+        backward=backward,
+        copies=dense_inputs,
+        mix=lambda d, qkv: (MIX_KIND, kernel_block(d, qkv)),
     )
 
 

@@ -18,7 +18,6 @@ from torch.autograd.function import once_differentiable
 
 from vit3.kernels import OPS
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, normalize_grad
-from vit3.kernels.swiglu.eager import kernel_block
 
 from . import backends
 from .backends import MixerExplanation, ModelExplanation
@@ -50,9 +49,6 @@ _MAX_CALLS = 16
 # read when a call is planned. ``False`` keeps the Python node (``benchmarks/mixer_overhead.py --python-node``).
 CPP_NODE = True
 
-# The inner models of the whole-mixer C++ op (``kernels/mix/csrc/mix.cpp``), by its branch kind.
-_CPP_KINDS = {"swiglu": 0, "dwconv": 1}
-
 
 class _Call:
     """A mixer call's plan as the mixer keeps it: the backends' ``Plan``, the fused eager node's ``MixPlan``
@@ -70,9 +66,10 @@ _COMPUTE_DTYPES = (torch.float32, torch.float64)  # the inner loop's dtypes: no 
 
 def _cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
     """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_plan`` on tensors like ``qkv`` (its key's
-    device, dtype and N): per branch its kind, offset, heads, head dim, RoPE and the SwiGLU kernel's token block,
-    then the shared settings, and whether the branches take dense copies of q, k, v (the Python node's rule,
-    ``Node.copies``: for N > 1 a matter of shapes alone, and the op copies a qkv without unit channel stride)."""
+    device, dtype and N): per branch its kind, offset, heads, head dim, RoPE and token block (its op's
+    ``Node.mix``), then the shared settings, and whether the branches take dense copies of q, k, v (the Python
+    node's rule, ``Node.copies``: for N > 1 a matter of shapes alone, and the op copies a qkv without unit
+    channel stride)."""
     plan: list[int] = []
     dense = False
     b, n, _ = qkv.shape
@@ -85,8 +82,8 @@ def _cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
             qkv.storage_offset() + br.offset * s2,
         )
         dense = dense or (node.copies is not None and node.copies(view))
-        block = kernel_block(br.head_dim, qkv) if br.kind == "swiglu" else 1
-        plan += [_CPP_KINDS[br.kind], br.offset, br.heads, br.head_dim, int(br.rope), block]
+        kind, block = node.mix(br.head_dim, qkv)
+        plan += [kind, br.offset, br.heads, br.head_dim, int(br.rope), block]
     h, w = mix_plan.grid
     return (
         plan,
@@ -205,7 +202,7 @@ class TTTMixer(nn.Module):
                 and mix_plan is not None
                 and not kind
                 and all(b == "cpu" for b in plan.backends)
-                and all(br.kind in _CPP_KINDS for br in mix_plan.branches)
+                and all(OPS[br.kind].paths["cpu"].node.mix is not None for br in mix_plan.branches)
                 else None
             )
             found = _Call(plan, mix_plan, cpp)
