@@ -64,6 +64,11 @@ def paired_ratio(base: list[float], other: list[float]) -> float:
     return statistics.median(b / o for b, o in zip(base, other))
 
 
+def paired_diff(first: list[float], second: list[float]) -> float:
+    """Median over rounds of ``first[i] - second[i]``: a difference measured side by side within each round."""
+    return statistics.median(f - s for f, s in zip(first, second))
+
+
 def _rss_hwm_bytes() -> int:
     text = Path("/proc/self/status").read_text()
     return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) * 1024

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_runtime_args, apply_runtime, report, time_samples
+from benchmarks.common import add_runtime_args, apply_runtime, paired_diff, report, time_samples
 from benchmarks.mixer import grid_for
 from vit3.layers import TTTMixer, ttt
 
@@ -65,35 +65,45 @@ def replay(ops: list[tuple]) -> None:
         func(*args, **kwargs)
 
 
+def with_bare_ops(infer, train) -> tuple[dict, dict[str, list[tuple]]]:
+    """``infer`` (run under ``torch.no_grad`` here) and ``train`` warmed up (kernels built, plans resolved and
+    verified), their ops recorded: the four calls ``infer``, ``bare infer``, ``train``, ``bare train``, and the
+    records by mode."""
+
+    def infer_() -> None:
+        with torch.no_grad():
+            infer()
+
+    for _ in range(3):
+        infer_()
+        train()
+    ops = {"infer": record(infer_), "train": record(train)}
+
+    def bare_infer() -> None:
+        with torch.no_grad():  # as ``infer``: the same grad-mode switch on both sides
+            replay(ops["infer"])
+
+    fns = {
+        "infer": infer_,
+        "bare infer": bare_infer,
+        "train": train,
+        "bare train": lambda: replay(ops["train"]),
+    }
+    return fns, ops
+
+
 def _mixer_fns(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int], upstream: torch.Tensor) -> dict:
     """The mixer's calls (``mix infer``, ``mix train``) and their bare ops (``bare infer``, ``bare train``), warmed
     up: the plans resolved and verified (``ttt.CPP_NODE`` is read then)."""
     leaves = [qkv, *mixer.parameters()]
-
-    def infer() -> None:
-        with torch.no_grad():
-            mixer.mix(qkv, grid)
 
     def train() -> None:
         for t in leaves:  # as a training step (optimizer.zero_grad): nothing accumulates into .grad
             t.grad = None
         mixer.mix(qkv, grid).backward(upstream)
 
-    for _ in range(3):  # warm-up: builds the kernel, resolves and verifies the plans
-        infer()
-        train()
-    bare = {"infer": record(infer), "train": record(train)}
-
-    def bare_infer() -> None:
-        with torch.no_grad():  # as ``infer``: the same grad-mode switch on both sides
-            replay(bare["infer"])
-
-    fns = {
-        "mix infer": infer,
-        "bare infer": bare_infer,
-        "mix train": train,
-        "bare train": lambda: replay(bare["train"]),
-    }
+    calls, bare = with_bare_ops(lambda: mixer.mix(qkv, grid), train)
+    fns = {name if name.startswith("bare") else f"mix {name}": fn for name, fn in calls.items()}
     if ttt.CPP_NODE:
         fns |= _op_fns(mixer, qkv, leaves, upstream)
     return {"fns": fns, "ops": {mode: len(ops) for mode, ops in bare.items()}}
@@ -155,7 +165,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     samples |= time_samples(_floor_fns(qkv), device, repeats=args.repeats, warmup=20, alternate=True)
     samples |= time_samples({"torch.empty": lambda: torch.empty(16)}, device, repeats=args.repeats, warmup=20)
     med = {name: 1e6 * statistics.median(ts) for name, ts in samples.items()}
-    floor = 1e6 * statistics.median(m - o for m, o in zip(samples["floor"], samples["bare floor"]))
+    floor = 1e6 * paired_diff(samples["floor"], samples["bare floor"])
     rows = []
     for node in nodes:
         for mode in ("infer", "train"):
@@ -173,10 +183,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "mix_us": med[f"{node} mix {mode}"],
                     "bare_ops_us": med[f"{node} bare {mode}"],
                     # paired within each round (the two run back to back), then the median over rounds
-                    "overhead_us": 1e6 * statistics.median(m - o for m, o in zip(mix, ops)),
+                    "overhead_us": 1e6 * paired_diff(mix, ops),
                     # the mixer's Python in front of the op: mix against the op called directly (C++ node only)
-                    "mixer_python_us": 1e6
-                    * statistics.median(m - o for m, o in zip(mix, samples[f"{node} op {mode}"]))
+                    "mixer_python_us": 1e6 * paired_diff(mix, samples[f"{node} op {mode}"])
                     if f"{node} op {mode}" in samples
                     else float("nan"),
                     "one_op_autograd_us": floor if mode == "train" else 0.0,

@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vit3  # noqa: F401  (registers the vit3 models in timm)
-from benchmarks.common import add_runtime_args, apply_runtime, report, time_samples
-from benchmarks.mixer_overhead import record, replay
+from benchmarks.common import add_runtime_args, apply_runtime, paired_diff, paired_ratio, report, time_samples
+from benchmarks.mixer_overhead import with_bare_ops
 
 
 def _calls(name: str, res: int, batch: int, device: torch.device) -> dict[str, object]:
@@ -43,8 +43,7 @@ def _calls(name: str, res: int, batch: int, device: torch.device) -> dict[str, o
 
     def infer() -> None:
         model.eval()
-        with torch.no_grad():
-            model(x)
+        model(x)
 
     def train() -> None:
         model.train()
@@ -52,16 +51,8 @@ def _calls(name: str, res: int, batch: int, device: torch.device) -> dict[str, o
             p.grad = None
         model(x).sum().backward()
 
-    for _ in range(3):  # warm-up: kernels built, plans resolved and verified
-        infer()
-        train()
-    ops = {"infer": record(infer), "train": record(train)}
-
-    def bare_infer() -> None:
-        with torch.no_grad():  # the same grad-mode switch as ``infer``
-            replay(ops["infer"])
-
-    return {"infer": infer, "bare infer": bare_infer, "train": train, "bare train": lambda: replay(ops["train"]), "ops": ops}  # fmt: skip
+    fns, ops = with_bare_ops(infer, train)
+    return fns | {"ops": ops}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -72,9 +63,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     fns = {f"{name} {kind}": c[kind] for name, c in calls.items() for kind in ("infer", "bare infer", "train", "bare train")}  # fmt: skip
     samples = time_samples(fns, device, repeats=args.repeats, warmup=2, alternate=True)
     base = names[-1]
-
-    def ratio(a: list[float], b: list[float]) -> float:
-        return statistics.median(x / y for x, y in zip(a, b))
 
     rows = []
     for name in names:
@@ -90,9 +78,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "ops": len(calls[name]["ops"][mode]),
                     "model_ms": 1e3 * statistics.median(mine),
                     "bare_ms": 1e3 * statistics.median(bare),
-                    "python_ms": 1e3 * statistics.median(m - o for m, o in zip(mine, bare)),
-                    "speed_vs_base": ratio(samples[f"{base} {mode}"], mine),
-                    "bare_vs_base": ratio(samples[f"{base} bare {mode}"], bare),
+                    "python_ms": 1e3 * paired_diff(mine, bare),
+                    "speed_vs_base": paired_ratio(samples[f"{base} {mode}"], mine),
+                    "bare_vs_base": paired_ratio(samples[f"{base} bare {mode}"], bare),
                 }
             )
     return rows
