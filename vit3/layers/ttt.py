@@ -64,6 +64,11 @@ class _Call:
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # the inner loop's dtypes: no cast to call
 
 
+def _call_key(qkv: Tensor, grid: tuple[int, int], grad: bool) -> tuple:
+    """A mixer's key for the plan of a call on ``qkv`` (``TTTMixer._call``)."""
+    return (qkv.device, qkv.dtype, qkv.shape[1], grad, grid, backends.epoch())
+
+
 def _cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
     """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_plan`` on tensors like ``qkv`` (its key's
     device, dtype and N): per branch its kind, offset, heads, head dim, RoPE and token block (its op's
@@ -180,7 +185,7 @@ class TTTMixer(nn.Module):
 
         The config is read when a key is first planned (a mixer's config is fixed at construction).
         """
-        key = (qkv.device, qkv.dtype, qkv.shape[1], grad, grid, backends.epoch())
+        key = _call_key(qkv, grid, grad)
         found = None if kind else self._calls.get(key)
         if found is None:
             c = self.cfg
@@ -273,25 +278,8 @@ class TTTMixer(nn.Module):
 
     def _mix_tokens(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
         """``mix`` under tracing ``kind`` (``backends.tracing_kind()``)."""
-        # a settled call on the C++ kernel: the whole-mixer op, no node in Python
-        if not kind and gates is None:
-            sources = self._param_sources()
-            try:
-                flat = [d[name] for d, name in sources] if sources is not None else None
-            except KeyError:  # a parametrization moved a parameter out of ``_parameters``: looked up again
-                self.__dict__.pop("_param_source_cache")
-                flat = None
-            if flat is not None:
-                dtype = qkv.dtype
-                grad = torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))
-                call = self._calls.get((qkv.device, dtype, qkv.shape[1], grad, grid, backends.epoch()))
-                if (
-                    call is not None
-                    and call.cpp is not None
-                    and call.settled
-                    and all(p.dtype is dtype for p in flat)
-                ):
-                    return torch.ops.vit3_cpu.mix(qkv, flat, *call.cpp)
+        if not kind and gates is None and (out := self._cpp_call(qkv, grid)) is not None:
+            return out
         weights = [model.initial_params() for model in self.inner]
         flat = [p for w in weights for p in w.values()]
         call = self._call(qkv, grid, grad_flows(qkv, gates, *flat), kind)
@@ -356,6 +344,28 @@ class TTTMixer(nn.Module):
             outs.append(y.to(io_dtype).transpose(1, 2))  # [B, N, G, c]
         # One pass: concatenating along the head dim writes [B, N, sum(G), c] directly in token order.
         return torch.cat(outs, dim=2).view(b, n, -1) if len(outs) > 1 else outs[0].reshape(b, n, -1)
+
+    def _cpp_call(self, qkv: Tensor, grid: tuple[int, int]) -> Tensor | None:
+        """A settled call on the whole-mixer C++ op (no node in Python), or ``None`` where this call takes the
+        general path (not planned or not settled yet, other backends, weights not the parameters themselves or
+        in another dtype)."""
+        sources = self._param_sources()
+        if sources is None:
+            return None
+        try:
+            flat = [d[name] for d, name in sources]
+        except KeyError:  # a parametrization moved a parameter out of ``_parameters``: looked up again
+            self.__dict__.pop("_param_source_cache")
+            return None
+        call = self._calls.get(_call_key(qkv, grid, grad_flows(qkv, *flat)))
+        if (
+            call is None
+            or call.cpp is None
+            or not call.settled
+            or any(p.dtype is not qkv.dtype for p in flat)
+        ):
+            return None
+        return torch.ops.vit3_cpu.mix(qkv, flat, *call.cpp)
 
     def _mix_plan(self, plan: backends.Plan, grid: tuple[int, int]) -> MixPlan:
         """The fused eager node's ``MixPlan`` for ``plan`` on ``grid``."""
