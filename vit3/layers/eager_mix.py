@@ -284,7 +284,7 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     layout = _layout(plan)
     if qkv.shape[-1] != 3 * layout.width:
         raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * layout.width}")
-    if qkv.dtype not in (torch.float32, torch.float64) and not takes(plan, qkv.dtype):
+    if not takes(plan, qkv.dtype):
         raise ValueError(
             f"{qkv.dtype} qkv: only branches on Triton take it as it is (float32 / float64 else)"
         )
