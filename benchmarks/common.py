@@ -142,6 +142,18 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
+def run_script(
+    p: argparse.ArgumentParser, argv: list[str] | None, run: Callable, name: str, floatfmt: str = "{:.3g}"
+) -> int:
+    """A table script's ``main``: ``--out`` added to ``p`` (its runtime flags from ``add_runtime_args``), the
+    arguments parsed and applied, ``run(args)``'s rows printed and written (``report``)."""
+    p.add_argument("--out", type=Path, default=None, help=f"CSV (default: results/{name}_<device>.csv)")
+    args = p.parse_args(argv)
+    apply_runtime(args)
+    report(run(args), args.out, name, args.device, floatfmt=floatfmt)
+    return 0
+
+
 def report(rows: Sequence[dict], out: Path | None, name: str, device: str, floatfmt: str = "{:.3g}") -> Path:
     """Prints ``rows`` as a table and writes them to ``out`` (default ``results/<name>_<device>.csv``)."""
     print_table(rows, floatfmt=floatfmt)

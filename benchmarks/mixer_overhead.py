@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_runtime_args, apply_runtime, paired_diff, report, time_samples
+from benchmarks.common import add_runtime_args, paired_diff, run_script, time_samples
 from benchmarks.mixer import grid_for
 from vit3.layers import TTTMixer, ttt
 
@@ -208,14 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time the Python eager node (ttt.CPP_NODE off) beside the C++ op, interleaved, one row pair each",
     )
-    p.add_argument(
-        "--out", type=Path, default=None, help="CSV (default: results/mixer_overhead_<device>.csv)"
-    )
-    args = p.parse_args(argv)
-    apply_runtime(args)
-    rows = run(args)
-    report(rows, args.out, "mixer_overhead", args.device, floatfmt="{:.1f}")
-    return 0
+    return run_script(p, argv, run, "mixer_overhead", floatfmt="{:.1f}")
 
 
 if __name__ == "__main__":

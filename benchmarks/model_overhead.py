@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vit3  # noqa: F401  (registers the vit3 models in timm)
-from benchmarks.common import add_runtime_args, apply_runtime, paired_diff, paired_ratio, report, time_samples
+from benchmarks.common import add_runtime_args, paired_diff, paired_ratio, run_script, time_samples
 from benchmarks.mixer_overhead import with_bare_ops
 
 
@@ -93,14 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--res", type=int, default=224)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument(
-        "--out", type=Path, default=None, help="CSV (default: results/model_overhead_<device>.csv)"
-    )
-    args = p.parse_args(argv)
-    apply_runtime(args)
-    rows = run(args)
-    report(rows, args.out, "model_overhead", args.device, floatfmt="{:.3f}")
-    return 0
+    return run_script(p, argv, run, "model_overhead", floatfmt="{:.3f}")
 
 
 if __name__ == "__main__":
