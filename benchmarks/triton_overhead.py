@@ -14,10 +14,14 @@ in microseconds:
   autograd node), the forward with a graph, the backward inside the op's autograd node (``bwd node``), and
   forward + backward end to end (with the autograd engine and the gradients of the q, k, v views);
 - the Triton path of one mixer call (the target: <= 50 us): the fused node of both branches on Triton
-  (``vit3.layers.eager_mix`` with ``MixBranch.path="triton"``, ``vit3.kernels.triton.node``), its forward +
-  backward inside the node, and end to end (with the autograd engine); and, for comparison, the two branches
-  as separate ``triton_ttt`` calls. On a tree without the Triton node (``--help``: run it on main's tree to
-  compare) the node's rows are left out;
+  (``vit3.layers.eager_mix`` with ``MixBranch.path="triton"``) as one launch program
+  (``vit3.kernels.triton.program``) and, side by side, branch by branch through the ``Node`` hooks
+  (``vit3.kernels.triton.node``): inference, forward + backward end to end (with the autograd engine), its
+  forward and backward inside the node, and the forward + backward over the floor of any Python autograd node
+  with the node's inputs and output (``_Floor``: saves them, returns fresh gradients, nothing else; what the
+  autograd engine and ``Function.apply`` cost alone); and, for comparison, the two branches as separate
+  ``triton_ttt`` calls. On a tree without the Triton node (``--help``: run it on main's tree to compare) the
+  node's rows are left out;
 - for scale, a whole ``TTTMixer`` forward + backward on ``backend="triton"`` (the registry with its guard,
   the projections on tiny tensors and the branches; the registry and the projections are not the Triton
   path), and one ``torch.empty`` (what one PyTorch call costs on this machine: a loaded CPU stretches every
@@ -72,22 +76,60 @@ def stub_launches() -> list[str]:
     return launched
 
 
+class _Floor(torch.autograd.Function):
+    """The least a Python autograd node with the fused node's inputs and output costs: it saves qkv and the
+    weights and returns fresh gradients of their shapes, and does nothing else."""
+
+    @staticmethod
+    def forward(ctx: Any, qkv: torch.Tensor, width: int, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(qkv, *weights)
+        return qkv.new_empty(*qkv.shape[:-1], width)
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        qkv, *weights = ctx.saved_tensors
+        return (d_out.new_empty(qkv.shape), None, *(w.new_empty(w.shape) for w in weights))
+
+
+NODE = "triton path per mixer call: fused node"
+
+
 def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int, int], heads: int,
                 scale: float) -> dict[str, Callable[[], None]]:  # fmt: skip
-    """The fused node of both branches on Triton, forward + backward end to end; ``{}`` on a tree without
-    the Triton node (``MixBranch.path``)."""
+    """The fused node of both branches on Triton: inference, and forward + backward end to end; as one launch
+    program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks); and the floor
+    of any Python autograd node with its inputs (``_Floor``). ``{}`` on a tree without the Triton node."""
     if "path" not in eager_mix.MixBranch._fields:
         return {}
     c, d = weights[0].shape[1] * weights[0].shape[2], weights[0].shape[2]
     branches = (eager_mix.MixBranch("swiglu", 0, heads, d, False, "triton"),
                 eager_mix.MixBranch("dwconv", 3 * c, 1, d, False, "triton"))  # fmt: skip
-    plan = eager_mix.MixPlan(branches, grid, scale, 1.0, True, 10000.0)
+    layout = eager_mix._layout(eager_mix.MixPlan(branches, grid, scale, 1.0, True, 10000.0))
+    layouts = {"branch hooks": layout._replace(whole=None) if hasattr(layout, "whole") else layout}
+    if getattr(layout, "whole", None) is not None:
+        layouts = {"program": layout} | layouts
 
-    def both() -> None:
-        out = eager_mix.eager_mix(qkv, plan, weights)
+    def infer(layout: Any) -> Callable[[], None]:
+        plain = qkv.detach()
+        return lambda: eager_mix._forward(plain, layout, False, tuple(weights))
+
+    def both(layout: Any) -> Callable[[], None]:
+        def run() -> None:
+            out = eager_mix._EagerMix.apply(qkv, layout, True, *weights)
+            torch.autograd.backward(out, torch.ones_like(out))
+
+        return run
+
+    def floor() -> None:
+        out = _Floor.apply(qkv, c + d, *weights)
         torch.autograd.backward(out, torch.ones_like(out))
 
-    return {"triton path per mixer call: fused node fwd+bwd": both}
+    fns = {}
+    for how, lay in layouts.items():
+        fns[f"{NODE} infer ({how})"] = infer(lay)
+        fns[f"{NODE} fwd+bwd ({how})"] = both(lay)
+    fns["floor: an empty autograd node, fwd+bwd"] = floor
+    return fns
 
 
 BACK_TO_BACK = 20
@@ -215,18 +257,18 @@ def main(argv: list[str] | None = None) -> int:
         "triton path per mixer call: triton_ttt per branch fwd+bwd"
     ]:
         fns[label] = _recorded(fns[label])
-    if nodes:
-        node = "triton path per mixer call: fused node"
-        parts = [f"{node} fwd (in the node)", f"{node} bwd (in the node)"]
+    if nodes:  # the node's own forward and backward, of the first fwd+bwd row (the program, where it is)
+        first = next(label for label in nodes if "fwd+bwd" in label)
+        parts = [f"{NODE} fwd (in the node)", f"{NODE} bwd (in the node)"]
         times |= {part: [] for part in parts}
         _timed(eager_mix._EagerMix, "forward", lambda ctx: times[parts[0]])
         _timed(eager_mix._EagerMix, "backward", lambda ctx: times[parts[1]])
-        fns |= {label: _recorded(fn) for label, fn in nodes.items()}
+        fns[first] = _recorded(fns[first])
     samples = time_samples(fns, torch.device("cpu"), repeats=args.repeats, warmup=20)
     samples |= {label: [t / BACK_TO_BACK for t in samples[label]] for label in warm}
     samples |= {label: ts for label, ts in times.items() if ts}
     launched.clear()
-    (next(iter(nodes.values())) if nodes else path)()
+    (nodes[first] if nodes else path)()
 
     def stats(ts: list[float]) -> dict[str, float]:
         ts = sorted(ts)
@@ -238,9 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     rows.append({"call": "triton path per mixer call: triton_ttt per branch, fwd + bwd node, summed"} | own)
     if nodes:
         rows.append(
-            {"call": f"{node}: fwd + bwd in the node, summed"}
+            {"call": f"{NODE}: fwd + bwd in the node, summed"}
             | {k: sum(by[p][k] for p in parts) for k in own}
         )
+        # Over the floor, round by round (back to back): what the node costs beyond any Python autograd node.
+        floor = samples["floor: an empty autograd node, fwd+bwd (back to back)"]
+        for label in nodes:
+            if "fwd+bwd (" in label:
+                diffs = [a - f for a, f in zip(samples[f"{label} (back to back)"], floor)]
+                rows.append({"call": f"{label} over the floor (back to back)"} | stats(diffs))
     print_table(rows, floatfmt="{:.1f}")
     print(f"launches stubbed per mixer call (fwd+bwd): {len(launched)}; shape B={b} N={n} C={c} heads={h}")
     write_csv([({"tree": args.tree} if args.tree else {}) | r for r in rows], args.out)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "BRANCH_ATTR",
     "OPS",
     "Branch",
     "Check",
@@ -33,6 +34,7 @@ __all__ = [
     "Path",
     "Settings",
     "Step",
+    "Whole",
     "ops_with",
     "register",
 ]
@@ -121,6 +123,32 @@ class NodeCall(NamedTuple):
     dense: bool
 
 
+# The attribute a branch's failing hooks set on their exception: the branch's index in the fused node (the
+# backends' guard demotes that branch's backend alone).
+BRANCH_ATTR = "vit3_branch"
+
+
+class Whole(NamedTuple):
+    """A path's hooks for a whole fused node whose branches all take that path and none rotates q, k: one call
+    for every branch (e.g. the Triton path's launch program), instead of each branch's ``Node`` hooks.
+
+    Attributes:
+        forward: ``(cache, names, qkv, out, weights, save, calls) -> (saved, state)``: every branch's read-out
+            written into ``out`` ``[B, N, sum(widths)]``; ``cache`` a dict the node keeps per plan, ``names``
+            the branches' ops, ``calls()`` makes each branch's ``NodeCall`` (views of qkv and out; asked only
+            where the hooks need them, e.g. the first call of a layout); ``saved`` the tensors the backward
+            needs (empty unless ``save``), ending with qkv and the weights (what a backward differentiated
+            through the reference reads, ``Node.twice``); ``state`` what the backward gets back. An exception names its branch
+            (``BRANCH_ATTR``).
+        backward: ``(d_out, dqkv, saved, state, calls) -> grads``: writes dq, dk, dv of every branch into
+            ``dqkv`` (qkv's shape); ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views;
+            returns each branch's per-sample initial-weight gradients (as ``Node.backward``).
+    """
+
+    forward: Callable[..., tuple[list[Tensor], Any]]
+    backward: Callable[..., list[tuple[Tensor, ...]]]
+
+
 class Node(NamedTuple):
     """A path's hooks in the fused eager node (``vit3.layers.eager_mix``), which runs every branch between the
     mixer's two projections as one autograd node.
@@ -143,6 +171,7 @@ class Node(NamedTuple):
         mix: ``(head_dim, qkv) -> (kind, block)``: the op's branch in the whole-mixer C++ op
             (``kernels/mix/csrc/mix.cpp``, ``cpu`` paths): its kind code there and the token block of its step
             on tensors like qkv; ``None``: no branch there (mixers with such a branch run the Python node).
+        whole: the path's hooks for a whole node of its branches (``Whole``); ``None``: branch by branch.
     """
 
     heads: bool
@@ -152,6 +181,7 @@ class Node(NamedTuple):
     low_precision: bool = False
     twice: bool = False
     mix: Callable[[int, Tensor], tuple[int, int]] | None = None
+    whole: Whole | None = None
 
 
 @dataclass(frozen=True)

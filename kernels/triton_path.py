@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .ops import Branch, Hyper, Inputs, Node, NodeCall, Path, Settings, Step
+from .ops import Branch, Hyper, Inputs, Node, NodeCall, Path, Settings, Step, Whole
 from .paths import bare_why, one_step_why
 
 __all__ = ["triton_path"]
@@ -95,12 +95,35 @@ def _node_backward(
     return _node_hooks().backward(d_out, saved, tag, dq, dk, dv, hyper)
 
 
+@functools.cache
+def _program() -> Any:
+    """``vit3.kernels.triton.program`` (imports Triton: on the first node call)."""
+    from .triton import program
+
+    return program
+
+
+def _whole_forward(*args: Any) -> tuple[list[Tensor], Any]:
+    return _program().forward(*args)
+
+
+def _whole_backward(*args: Any) -> list[tuple[Tensor, ...]]:
+    return _program().backward(*args)
+
+
+# A node whose branches are all on Triton: one launch program for all of them (``triton/program.py``).
+_WHOLE = Whole(forward=_whole_forward, backward=_whole_backward)
+
+
 def triton_path(name: str) -> Path:
     """Op ``name``'s Triton path: a branch alone through ``triton_ttt``, or its hooks in the fused node
-    (heads views, float16 / bfloat16 inputs as they are, a backward differentiable through the reference)."""
+    (heads views, float16 / bfloat16 inputs as they are, a backward differentiable through the reference;
+    a node of Triton branches alone runs as one launch program)."""
 
     def forward(call: NodeCall) -> tuple[list[Tensor], str]:
         return _node_hooks().forward(name, call)
 
-    node = Node(heads=True, forward=forward, backward=_node_backward, low_precision=True, twice=True)
+    node = Node(
+        heads=True, forward=forward, backward=_node_backward, low_precision=True, twice=True, whole=_WHOLE
+    )
     return Path(supports=_supports, run=_run, fits=_fits, node=node)

@@ -21,6 +21,7 @@ from helpers.backends import (
     assert_same,
     backends_of,
     generic_twin,
+    intercept_launches,
     make_mixer,
     param_names,
     reason_of,
@@ -43,7 +44,8 @@ pytestmark = pytest.mark.usefixtures("no_backend_env")
 
 # ---------------------------------------------------------------------------------- failures demote
 # Where Triton runs (``triton_device``: the GPU, or the interpreter on CPU), failures injected at the launch
-# layer (``triton.plan.Launch``, which runs compiled and interpreted kernels alike).
+# layer (``helpers.backends.intercept_launches``: every launch, compiled or interpreted, per branch or in a
+# whole-node program).
 
 # The backend auto takes for the SwiGLU branch once Triton is demoted (24 tokens: below the C++ kernel's 32).
 FALLBACK = {"cpu": "eager", "cuda": "generic"}
@@ -56,16 +58,15 @@ def _on(device: torch.device, mixer: TTTMixer, *tensors: torch.Tensor):
 def _failing_launch(monkeypatch, kernels: set[str], swiglu_only: bool = True, error=None) -> dict[str, int]:
     """Makes Triton launches of ``kernels`` (of the SwiGLU model when ``swiglu_only``) raise ``error()``
     (default ``OutOfResources``, as a GPU with too little shared memory per block does); counts the raises."""
-    real = tplan.Launch.__call__
     raised = {"n": 0}
 
-    def launch(self, tensors=()):
-        if self.kernel.fn.__name__ in kernels and (self.kwargs.get("SWIGLU") or not swiglu_only):
+    def launch(name, args, kwargs, run):
+        if name in kernels and (kwargs.get("SWIGLU") or not swiglu_only):
             raised["n"] += 1
             raise error() if error else OutOfResources(188416, 101376, "shared memory")
-        return real(self, tensors)
+        return run()
 
-    monkeypatch.setattr(tplan.Launch, "__call__", launch)
+    intercept_launches(monkeypatch, launch)
     return raised
 
 
@@ -182,19 +183,14 @@ def test_backward_failure_under_activation_checkpointing(monkeypatch, triton_dev
 def _skipped_launch(monkeypatch, kernels: set[str], batch: int) -> None:
     """Leaves the output of ``kernels`` unwritten (NaN: ``triton.plan.DEBUG_FILL``) on inputs of ``batch``
     samples, as a kernel that is wrong for one specialisation only would."""
-    real = tplan.Launch.__call__
     monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
 
-    def launch(self, tensors=()):
-        if (
-            self.kernel.fn.__name__ in kernels
-            and self.bound(tensors)[0].shape[0] == batch
-            and self.kwargs.get("SWIGLU")
-        ):
+    def launch(name, args, kwargs, run):
+        if name in kernels and args[0].shape[0] == batch and kwargs.get("SWIGLU"):
             return None
-        return real(self, tensors)
+        return run()
 
-    monkeypatch.setattr(tplan.Launch, "__call__", launch)
+    intercept_launches(monkeypatch, launch)
 
 
 @pytest.mark.triton

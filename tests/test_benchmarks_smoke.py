@@ -205,9 +205,12 @@ def test_triton_overhead_benchmark_reports_every_call(tmp_path):
     calls = [r["call"] for r in rows]
     node = "triton path per mixer call: fused node"
     for row in (
-        f"{node} fwd+bwd",
-        f"{node} fwd+bwd (back to back)",
+        *(f"{node} {kind} ({how})" for kind in ("infer", "fwd+bwd") for how in ("program", "branch hooks")),
+        f"{node} fwd+bwd (program) (back to back)",
         f"{node}: fwd + bwd in the node, summed",
+        "floor: an empty autograd node, fwd+bwd (back to back)",
+        f"{node} fwd+bwd (program) over the floor (back to back)",
+        f"{node} fwd+bwd (branch hooks) over the floor (back to back)",
     ):
         assert row in calls, calls
     assert all(float(r["median_us"]) > 0 for r in rows)

@@ -19,6 +19,7 @@ from vit3.kernels.reference import reference_ttt
 from vit3.kernels.triton import node as tnode
 from vit3.kernels.triton import op as top
 from vit3.kernels.triton import plan as tplan
+from vit3.kernels.triton import program as tprogram
 from vit3.kernels.triton.jit import operand
 from vit3.layers import TTTConfig, TTTMixer, backends
 
@@ -331,12 +332,13 @@ def mixer_run(
 
 
 def _triton_calls(monkeypatch) -> list[str]:
-    """The inner models the Triton path runs, in order: a branch alone (``triton_ttt``) or in the fused node
-    (``triton.node.forward``)."""
+    """The inner models the Triton path runs, in order: a branch alone (``triton_ttt``), in the fused node
+    (``triton.node.forward``) or in its launch program (``triton.program.forward``: every branch)."""
     calls: list[str] = []
-    alone, in_node = top.triton_ttt, tnode.forward
+    alone, in_node, whole = top.triton_ttt, tnode.forward, tprogram.forward
     monkeypatch.setattr(top, "triton_ttt", lambda *a, **k: calls.append(a[0]) or alone(*a, **k))
     monkeypatch.setattr(tnode, "forward", lambda name, call: calls.append(name) or in_node(name, call))
+    monkeypatch.setattr(tprogram, "forward", lambda c, names, *a: calls.extend(names) or whole(c, names, *a))
     return calls
 
 

@@ -23,7 +23,7 @@ from .checks import _checked, _live
 from .device import WEIGHT_NAMES, _interpreting, fp32_uses_tf32
 from .plan import _backward_template, _forward_template, _key, _meta, _Plan
 
-__all__ = ["backward", "clear", "forward"]
+__all__ = ["backward", "checked_entry", "clear", "forward", "state_of"]
 
 # The branch signatures seen so far (at most ``MAX_ENTRIES``, then forgotten at once), and their entries by tag.
 _ENTRIES: dict[tuple, _Entry] = {}
@@ -69,20 +69,27 @@ class _Entry:
         return found
 
 
+def state_of(q: Tensor) -> tuple:
+    """The module state a plan key reads besides the call's tensors: the interpreter, TF32 (float32 on a GPU)
+    and the test hooks (``tiles.TILES_AS``, ``plan.GRID_X_MAX``, ``plan.launcher``)."""
+    tf32 = q.dtype is torch.float32 and q.device.type == "cuda" and fp32_uses_tf32()
+    return _interpreting(), tf32, tiles.TILES_AS, plan.GRID_X_MAX, plan.launcher
+
+
 def _signature(name: str, call: NodeCall) -> tuple:
     """What a branch's checks and plans depend on: its op and settings, every tensor's shape, strides and
-    dtype, the device, and the module state the plan key reads (interpreter, TF32, the test hooks)."""
+    dtype, the device, and the module state the plan key reads (``state_of``)."""
     q, k, v, dest = call.q, call.k, call.v, call.dest
-    tf32 = q.dtype is torch.float32 and q.device.type == "cuda" and fp32_uses_tf32()
-    sig = [name, call.hyper, q.device, _interpreting(), tf32, tiles.TILES_AS, plan.GRID_X_MAX]
+    sig = [name, call.hyper, q.device, *state_of(q)]
     for t in (q, k, v, dest, *call.weights):
         sig += (t.shape, t.stride(), t.dtype)
     return tuple(sig)
 
 
-def _entry(name: str, call: NodeCall, sig: tuple) -> _Entry:
-    """The entry of a new signature: the call checked as ``triton_ttt`` checks it (a ``ValueError`` naming
-    what is wrong), its weights as the kernels read them in place, its plan key."""
+def checked_entry(name: str, call: NodeCall) -> tuple[Any, tuple]:
+    """A branch call checked as ``triton_ttt`` checks it (a ``ValueError`` naming what is wrong) and its
+    weights as the kernels read them in place: its plan key and the metas of q, k, v, W1, W2 (``None`` but
+    for SwiGLU) and the read-out view."""
     q, k, v, weights, h = call.q, call.k, call.v, call.weights, call.hyper
     params = dict(zip(WEIGHT_NAMES[name], weights))
     _checked(name, q, k, v, params, h.grid, h.loss, "triton", None)
@@ -98,7 +105,12 @@ def _entry(name: str, call: NodeCall, sig: tuple) -> _Entry:
         )
     key = _key(q, name, h.loss, h.grid[0], h.grid[1], float(h.scale), float(h.lr), bool(h.grad_norm), 0)
     w2 = weights[1] if len(weights) == 2 else None
-    metas = (*map(_meta, (q, k, v, weights[0], w2)), _meta(call.dest))
+    return key, (*map(_meta, (q, k, v, weights[0], w2)), _meta(call.dest))
+
+
+def _entry(name: str, call: NodeCall, sig: tuple) -> _Entry:
+    """The entry of a new signature (``checked_entry``), remembered under ``sig`` and a new tag."""
+    key, metas = checked_entry(name, call)
     if len(_ENTRIES) >= MAX_ENTRIES:
         clear()
     tag = str(next(_TAGS))

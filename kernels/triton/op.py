@@ -21,7 +21,7 @@ from torch.library import triton_op
 
 from .. import reference
 from ..common import autocast_backward, autocast_forward, grad_flows
-from . import node, plan, tiles
+from . import node, plan, program, tiles
 from .checks import _checked, _live, resolve_backend
 from .device import (
     WEIGHT_NAMES,
@@ -39,6 +39,7 @@ def clear_plans() -> None:
     """Forgets every cached plan, eager call and launch configuration (tests that change a module-level hook)."""
     _CALLS.clear()
     node.clear()
+    program.clear()
     _forward_template.cache_clear()
     _backward_template.cache_clear()
     _launch_config.cache_clear()

@@ -12,6 +12,9 @@ path ``MixBranch.path`` (``"cpu"``, ``"eager"`` or ``"triton"``), looked up in t
 the C++ CPU kernel), the 3x3 depthwise conv through ``vit3.kernels.dwconv.eager`` (one convolution per stage
 for the whole batch) or ``vit3.kernels.dwconv.cpp`` (the same stages on the token rows in the C++ kernel),
 either on Triton through ``vit3.kernels.triton.node`` (the launch plans on the views, in qkv's own dtype).
+Where every branch's path has hooks for the whole node (``Node.whole``) and none rotates q, k, those run all
+branches at once: the Triton path's launch program (``vit3.kernels.triton.program``), which gets the views
+(``_whole_calls``, ``_whole_grads``) only the first time of a layout.
 A branch whose hooks raise tags the exception with its index (``BRANCH_ATTR``): the backends' guard demotes
 that branch's backend alone.
 RoPE, where the branch has it, rotates q and k here, before the hooks, and their gradients back after.
@@ -31,14 +34,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, weight_grad
-from vit3.kernels.ops import OPS, Hyper, Node, NodeCall
+from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Whole
 
 from .rope import apply_rope_2d
 
 __all__ = ["BRANCH_ATTR", "MixBranch", "MixPlan", "eager_mix", "reference_mix", "takes"]
-
-# The attribute a branch's failing hooks set on their exception: the branch's index in ``MixPlan.branches``.
-BRANCH_ATTR = "vit3_branch"
 
 
 class MixBranch(NamedTuple):
@@ -110,6 +110,9 @@ class _Layout(NamedTuple):
     hyper: Hyper
     low_precision: bool  # every branch's hooks take float16 / bfloat16 q, k, v as they are
     twice: bool  # every branch's backward may be differentiated (``Node.twice``): qkv and the weights saved
+    names: tuple[str, ...]  # the branches' ops
+    whole: Whole | None  # every branch's path runs the whole node (``Node.whole``; no RoPE), else ``None``
+    programs: dict  # the cache ``whole`` keeps for this plan
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,7 +129,11 @@ def _layout(plan: MixPlan) -> _Layout:
     hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
     low = all(node.low_precision for node, *_ in found)
     twice = all(node.twice for node, *_ in found)
-    return _Layout(plan, tuple(found), sum(w for *_, w in found), hyper, low, twice)
+    whole = found[0][0].whole if found else None
+    if any(node.whole is not whole for node, *_ in found) or any(br.rope for br in plan.branches):
+        whole = None
+    names = tuple(br.kind for br in plan.branches)
+    return _Layout(plan, tuple(found), sum(w for *_, w in found), hyper, low, twice, names, whole, {})
 
 
 def reference_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
@@ -166,6 +173,12 @@ def _forward(
     b, n, _ = qkv.shape
     plan = layout.plan
     out = qkv.new_empty(b, n, layout.width)
+    if layout.whole is not None:
+        saved, state = layout.whole.forward(
+            layout.programs, layout.names, qkv, out, weights, save,
+            lambda: _whole_calls(qkv, out, layout, weights, save),
+        )  # fmt: skip
+        return out, saved, state
     # Dense copies of every branch's q, k, v or none (the C++ kernel reads small problems in place, the tiled
     # path copies): saved views of qkv keep all of it alive, copies beside them would double it.
     geom, out_geom = _geom(qkv), _geom(out)
@@ -199,6 +212,29 @@ def _forward(
     return out, saved, tags
 
 
+def _whole_calls(
+    qkv: Tensor, out: Tensor, layout: _Layout, weights: tuple[Tensor, ...], save: bool
+) -> list[NodeCall]:
+    """Each branch's ``NodeCall`` for ``Whole.forward``: q, k, v and the destination as heads views."""
+    geom, out_geom, calls, col, wi = _geom(qkv), _geom(out), [], 0, 0
+    for br, (_, count, width) in zip(layout.plan.branches, layout.nodes):
+        dest = _view(out, out_geom, col, br.heads, br.head_dim, True)
+        calls.append(NodeCall(*_branch_views(qkv, geom, br, True), weights[wi : wi + count], dest,
+                              layout.hyper, save, False))  # fmt: skip
+        col, wi = col + width, wi + count
+    return calls
+
+
+def _whole_grads(d_out: Tensor, dqkv: Tensor, layout: _Layout) -> list[tuple[Tensor, ...]]:
+    """Each branch's ``(dout, dq, dk, dv)`` heads views for ``Whole.backward``."""
+    geom, out_geom, views, col = _geom(dqkv), _geom(d_out), [], 0
+    for br, (_, _, width) in zip(layout.plan.branches, layout.nodes):
+        dout = _view(d_out, out_geom, col, br.heads, br.head_dim, True)
+        views.append((dout, *_branch_views(dqkv, geom, br, True)))
+        col += width
+    return views
+
+
 @once_differentiable
 def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     """Every branch's backward hooks: dq, dk, dv into one qkv gradient, the weights' gradients."""
@@ -207,6 +243,10 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     qkv_shape, weight_shapes = ctx.shapes
     saved = ctx.saved_tensors
     dqkv = d_out.new_empty(qkv_shape)
+    if layout.whole is not None:
+        dws = layout.whole.backward(d_out, dqkv, saved, ctx.tags, lambda: _whole_grads(d_out, dqkv, layout))
+        flat = [dw for branch in dws for dw in branch]
+        return (dqkv, None, None, *(weight_grad(dw, shape) for dw, shape in zip(flat, weight_shapes)))
     geom, out_geom = _geom(dqkv), _geom(d_out)
     grads: list[Tensor] = []
     col, wi = 0, 0
@@ -254,8 +294,8 @@ class _EagerMix(torch.autograd.Function):
     @autocast_forward
     def forward(ctx, qkv: Tensor, layout: _Layout, save: bool, *weights: Tensor) -> Tensor:
         out, saved, tags = _forward(qkv, layout, save, weights)
-        if save:  # with qkv and the weights where the backward is differentiable
-            ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice else ()))
+        if save:  # ending with qkv and the weights where the backward is differentiable (a whole node's do)
+            ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice and layout.whole is None else ()))
         ctx.layout, ctx.tags = layout, tags
         ctx.shapes = (qkv.shape, [w.shape for w in weights])
         return out

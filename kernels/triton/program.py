@@ -1,0 +1,377 @@
+"""The whole fused mixer call on Triton as one launch program, its tensors bound by address.
+
+Where every branch of the fused node (``vit3.layers.eager_mix``) runs on Triton and none rotates q, k, a call
+is one :class:`MixProgram`: every branch's forward launches, and its backward launches per layout of the
+upstream gradient, the launch plans of ``plan.py`` (the ones the per-branch hooks of ``node.py`` run) with
+each tensor argument turned into an address, ``base + offset``. The bases of a call are few: qkv, the
+output, the weights, one workspace for what the backward reads (``G``, ``||G||`` of every branch), one
+scratch buffer for the rest, and in the backward the upstream gradient, the qkv gradient and each branch's
+weight gradient. A call then allocates two or three buffers, reads one pointer per base and launches: no
+views of qkv, no per-branch buffers, signatures or plan look-ups (the Python the launches cost a GPU host,
+``benchmarks/triton_overhead.py``).
+
+On a GPU the kernels get :class:`Address` es (Triton takes any argument with ``data_ptr()`` and ``dtype`` as a
+pointer and reads it while it launches): each launch's arguments are made once, and a call only writes the
+new pointers into its addresses, under the program's lock (two threads never share them). Triton's
+interpreter reads tensors' storages instead, so there each address is a one-element tensor on the base's
+storage at that offset (``at_address``), made per call: the same offsets, run and checked on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from triton.runtime.jit import KernelInterface
+
+from ..ops import BRANCH_ATTR, NodeCall
+from . import plan
+from .device import _interpreting
+from .node import checked_entry, state_of
+from .plan import _backward_template, _Buffer, _forward_template, _meta, _on_device
+
+__all__ = ["Address", "MixProgram", "at_address", "backward", "clear", "forward", "program_key"]
+
+# Each buffer of a workspace starts on a multiple of this many bytes (Triton specialises pointers on 16-byte
+# alignment; 256 keeps every buffer on its own cache lines).
+ALIGN = 256
+
+
+class Address:
+    """A typed device address, what a Triton kernel takes for a tensor argument; ``shape`` and ``stride`` (in
+    elements) say what the kernel reads there, for those who look (the kernels take strides as numbers)."""
+
+    __slots__ = ("address", "dtype", "shape", "stride")
+
+    def __init__(self, address: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.address, self.dtype, self.shape, self.stride = address, dtype, shape, stride
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+class _Where(NamedTuple):
+    """Where a plan's tensor lies: ``offset`` bytes past base number ``base`` of the call, as a ``dtype`` tensor
+    of ``shape`` and ``stride``."""
+
+    base: int
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @staticmethod
+    def of(base: int, offset: int, like: Tensor | tuple) -> _Where:
+        """At ``offset`` bytes past ``base``, laid out as ``like``: a tensor, or its ``plan._meta`` / a ``_Buffer``
+        (both ``(shape, stride, dtype)``)."""
+        shape, stride, dtype = _meta(like) if isinstance(like, Tensor) else like
+        return _Where(base, offset, dtype, tuple(shape), tuple(stride))
+
+
+def at_address(base: tuple[Any, int], where: _Where) -> Tensor:
+    """The interpreter's form of an address: the tensor ``where`` on ``base``'s storage ``(storage, byte
+    start)`` (the interpreter reads tensors' storages, not raw addresses)."""
+    storage, start = base
+    at = start + where.offset
+    size = where.dtype.itemsize
+    if at % size:
+        raise ValueError(f"an address {at} bytes into a storage is not aligned to {where.dtype}")
+    t = torch.empty(0, dtype=where.dtype, device=storage.device)
+    return t.set_(storage, at // size, where.shape, where.stride)
+
+
+def _nbytes(buf: _Buffer) -> int:
+    if any(s == 0 for s in buf.shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(buf.shape, buf.stride))) * buf.dtype.itemsize
+
+
+class _Workspace:
+    """Lays buffers out one after another in one byte buffer (``base``), each on an ``ALIGN`` boundary."""
+
+    def __init__(self, base: int) -> None:
+        self.base, self.size = base, 0
+
+    def place(self, buf: _Buffer) -> _Where:
+        offset = -(-self.size // ALIGN) * ALIGN
+        self.size = offset + _nbytes(buf)
+        return _Where.of(self.base, offset, buf)
+
+
+def _offset(t: Tensor, base: Tensor) -> int:
+    """Bytes from ``base``'s first element to ``t``'s (a view of the same storage)."""
+    return (t.storage_offset() - base.storage_offset()) * t.element_size()
+
+
+class _Launches:
+    """The launches of a forward or a backward: the distinct places its tensors lie at, its constant arguments
+    and, per launch, its branch, label, runner and where its arguments come from (``take`` on the call's
+    values: one per place, then the constants); on a GPU also the addresses and each launch's arguments, made
+    once (``gpu``)."""
+
+    def __init__(self) -> None:
+        self._places: dict[_Where, int] = {}
+        self._consts: list[Any] = []
+        self._launches: list[tuple[int, str, Callable[..., Any], list[int | None]]] = []
+
+    def add(self, branch: int, template: plan._Plan, wheres: Sequence[_Where]) -> None:
+        """``template``'s launches with their tensors at ``wheres`` (by the plan's tensor index)."""
+        for launch in template.launches:
+            slots = dict(launch.slots)
+            picks: list[int | None] = []
+            for pos, arg in enumerate(launch.args):
+                if pos in slots:
+                    picks.append(self._places.setdefault(wheres[slots[pos]], len(self._places)))
+                else:
+                    picks.append(None)
+                    self._consts.append(arg)
+            run = _runner(plan.launcher(launch.kernel), launch.grid, launch.kwargs)
+            self._launches.append((branch, launch.label, run, picks))
+
+    def build(self) -> None:
+        """Fixes the places, constants and launches (after every ``add``)."""
+        self.places = tuple(self._places)
+        self.consts = tuple(self._consts)
+        first, c, found = len(self.places), 0, []
+        for branch, label, run, picks in self._launches:
+            index = []
+            for pick in picks:
+                index.append(first + c if pick is None else pick)
+                c += pick is None
+            take = operator.itemgetter(*index) if len(index) > 1 else (lambda v, i=index[0]: (v[i],))
+            found.append((branch, label, run, take))
+        self.steps = tuple(found)
+        self.addresses = [Address(0, w.dtype, w.shape, w.stride) for w in self.places]
+        values = [*self.addresses, *self.consts]
+        self.gpu = tuple((branch, run, take(values)) for branch, _, run, take in self.steps)
+        self.lock = threading.Lock()
+        del self._places, self._consts, self._launches
+
+    def run(self, bases: Sequence[Any], interpret: bool) -> None:
+        """Launches on ``bases`` (device pointers, or ``(storage, byte start)`` under the interpreter); an
+        exception names its branch (``BRANCH_ATTR``)."""
+        if interpret:
+            values = [at_address(bases[where.base], where) for where in self.places]
+            values += self.consts
+            launches = tuple((branch, run, take(values)) for branch, _, run, take in self.steps)
+            _run(launches)
+            return
+        with self.lock:
+            for address, where in zip(self.addresses, self.places):
+                address.address = bases[where.base] + where.offset
+            _run(self.gpu)
+
+
+def _runner(launcher: Any, grid: tuple[int, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """``launcher[grid](*args, **kwargs)`` as one callable of ``args``: a Triton kernel's ``run`` with the grid
+    and the constexprs bound (what ``kernel[grid]`` calls, without its proxy), another launcher's (the test
+    hooks) through its ``[grid]``."""
+    if isinstance(launcher, KernelInterface):
+        return functools.partial(launcher.run, grid=grid, warmup=False, **kwargs)
+    return functools.partial(launcher[grid], **kwargs)
+
+
+def _run(launches: Sequence[tuple[int, Callable[..., Any], tuple]]) -> None:
+    for branch, run, args in launches:
+        try:
+            run(*args)
+        except Exception as exc:
+            _tag(exc, branch)
+            raise
+
+
+def _tag(exc: Exception, branch: int) -> None:
+    if getattr(exc, BRANCH_ATTR, None) is None:
+        setattr(exc, BRANCH_ATTR, branch)
+
+
+def program_key(qkv: Tensor, weights: Sequence[Tensor]) -> tuple:
+    """What a program depends on besides the node's plan: qkv's and every weight's shape, strides and dtype,
+    the device, and the module state the plan key reads (interpreter, TF32, the test hooks)."""
+    key = [qkv.shape, qkv.stride(), qkv.dtype, qkv.device, *state_of(qkv)]
+    for w in weights:
+        key += (w.shape, w.stride(), w.dtype)
+    return tuple(key)
+
+
+# The bases of a forward call, then the weights; of a backward call, then each branch's dW, then the weights.
+QKV, OUT, SAVED, SCRATCH = range(4)
+D_OUT, B_QKV, B_SAVED, B_SCRATCH, D_QKV = range(5)
+
+
+class MixProgram:
+    """Every branch's forward and backward launches of one fused Triton node, bound by address.
+
+    Built from the first call's branch calls (``NodeCall`` s: views of that call's qkv and output), checked as
+    the per-branch hooks check them; later calls of the same ``program_key`` take only qkv, the output and the
+    weights.
+    """
+
+    def __init__(self, names: Sequence[str], qkv: Tensor, out: Tensor, calls: Sequence[NodeCall]) -> None:
+        self.names, self.interpret = tuple(names), _interpreting()
+        self.entries, self.inputs = [], []
+        for i, (name, call) in enumerate(zip(names, calls)):
+            try:
+                self.entries.append(checked_entry(name, call))
+            except Exception as exc:
+                _tag(exc, i)
+                raise
+            where = [_Where.of(QKV, _offset(t, qkv), t) for t in (call.q, call.k, call.v)]
+            self.inputs.append((where, _Where.of(OUT, _offset(call.dest, out), call.dest)))
+        self.counts = tuple(len(call.weights) for call in calls)
+        self.two = tuple(metas[4] is not None for _, metas in self.entries)
+        self._forwards: dict[bool, tuple] = {}
+        self._backwards: dict[tuple, tuple] = {}
+
+    def _weights(self, first: int) -> list[list[_Where]]:
+        """Each branch's (W1, W2 or W1) as bases from ``first`` on."""
+        found, at = [], first
+        for count, (_, metas) in zip(self.counts, self.entries):
+            w = [_Where.of(at + j, 0, metas[3 + j]) for j in range(count)]
+            found.append(w if count == 2 else w + w)
+            at += count
+        return found
+
+    def _forward(self, save: bool) -> tuple:
+        """The forward's launches, its saved workspace's and scratch's sizes and where each branch's ``G``,
+        ``||G||`` lie in the saved workspace."""
+        found = self._forwards.get(save)
+        if found is not None:
+            return found
+        saved, scratch = _Workspace(SAVED), _Workspace(SCRATCH)
+        launches, kept = _Launches(), []
+        for i, ((key, metas), (qkv_at, out_at), w_at) in enumerate(
+            zip(self.entries, self.inputs, self._weights(SCRATCH + 1))
+        ):
+            template = _forward_template(key, save, metas[:5], metas[5])
+            wheres = [*qkv_at, *w_at, out_at]
+            outs = set(template.outputs[1:])
+            for j, buf in enumerate(template.buffers, start=len(wheres)):
+                wheres.append((saved if j in outs else scratch).place(buf))
+            kept.append(tuple(wheres[j] for j in template.outputs[1:]))
+            launches.add(i, template, wheres)
+        launches.build()
+        found = self._forwards[save] = (launches, saved.size, scratch.size, tuple(kept))
+        return found
+
+    def forward(self, qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool) -> tuple[Tensor, Any]:
+        """Writes every branch's read-out into ``out``; returns the saved workspace (``G``, ``||G||``; empty
+        unless ``save``) and where in it each branch's lie, for the backward."""
+        launches, n_saved, n_scratch, kept = self._forwards.get(save) or self._forward(save)
+        device = qkv.device
+        ws = _alloc(n_saved if save else 0, device)
+        scratch = _alloc(n_scratch, device)
+        base = _storage_base if self.interpret else Tensor.data_ptr
+        bases = [base(qkv), base(out), base(ws), base(scratch), *map(base, weights)]
+        with _on_device(device):
+            launches.run(bases, self.interpret)
+        return ws, kept
+
+    def _backward(self, kept: tuple, calls: Sequence[tuple[Tensor, ...]], d_out: Tensor, dqkv: Tensor) -> tuple:
+        """The backward's launches for the gradients' layout, its scratch size and each branch's dW buffer;
+        ``calls``: each branch's (dout, dq, dk, dv) views of that call's ``d_out`` and ``dqkv``."""
+        scratch = _Workspace(B_SCRATCH)
+        launches, dws = _Launches(), []
+        first_w = D_QKV + 1 + len(self.entries)
+        for i, ((key, metas), (qkv_at, _), w_at, (g_at, n_at), views) in enumerate(
+            zip(self.entries, self.inputs, self._weights(first_w), kept, calls)
+        ):
+            dout, *grads = views
+            template = _backward_template(key, metas[:5], _meta(dout), tuple(map(_meta, grads)))
+            wheres = [_Where.of(D_OUT, _offset(dout, d_out), dout)]
+            wheres += [w._replace(base=B_QKV) for w in qkv_at] + w_at
+            wheres += [w._replace(base=B_SAVED) for w in (g_at, n_at)]
+            wheres += [_Where.of(D_QKV, _offset(t, dqkv), t) for t in grads]
+            dw = template.outputs[3]
+            for j, buf in enumerate(template.buffers, start=len(wheres)):
+                if j == dw:
+                    dws.append(buf)
+                    wheres.append(_Where.of(D_QKV + 1 + i, 0, buf))
+                else:
+                    wheres.append(scratch.place(buf))
+            launches.add(i, template, wheres)
+        launches.build()
+        found = self._backwards[(d_out.stride(), dqkv.stride())] = (launches, scratch.size, tuple(dws))
+        return found
+
+    def backward(
+        self, d_out: Tensor, dqkv: Tensor, qkv: Tensor, weights: Sequence[Tensor], ws: Tensor, kept: tuple,
+        calls: Callable[[], Sequence[tuple[Tensor, ...]]],
+    ) -> list[tuple[Tensor, ...]]:  # fmt: skip
+        """Writes dq, dk, dv of every branch into ``dqkv``; returns each branch's initial weights' per-sample
+        gradients. ``calls``: makes each branch's (dout, dq, dk, dv) views (the first time of a layout)."""
+        found = self._backwards.get((d_out.stride(), dqkv.stride()))
+        launches, n_scratch, dw_bufs = found or self._backward(kept, calls(), d_out, dqkv)
+        device = d_out.device
+        dws = [_alloc_like(buf, device) for buf in dw_bufs]
+        scratch = _alloc(n_scratch, device)
+        base = _storage_base if self.interpret else Tensor.data_ptr
+        bases = [base(d_out), base(qkv), base(ws), base(scratch), base(dqkv), *map(base, dws), *map(base, weights)]
+        with _on_device(device):
+            launches.run(bases, self.interpret)
+        return [tuple(dw.unbind(2)) if two else (dw,) for dw, two in zip(dws, self.two)]
+
+    def labels(self, save: bool = True) -> list[tuple[int, str]]:
+        """The forward's launches as (branch, kernel label), in order."""
+        return [(branch, label) for branch, label, *_ in self._forward(save)[0].steps]
+
+
+def _storage_base(t: Tensor) -> tuple[Any, int]:
+    return t.untyped_storage(), t.storage_offset() * t.element_size()
+
+
+def _alloc(nbytes: int, device: torch.device) -> Tensor:
+    return _filled(torch.empty(nbytes, dtype=torch.uint8, device=device))
+
+
+def _alloc_like(buf: _Buffer, device: torch.device) -> Tensor:
+    return _filled(torch.empty_strided(buf.shape, buf.stride, dtype=buf.dtype, device=device))
+
+
+def _filled(t: Tensor) -> Tensor:
+    """``t`` filled with ``plan.DEBUG_FILL`` (all bits set, a NaN of every float type, in a byte workspace)
+    where that is set."""
+    if plan.DEBUG_FILL is None:
+        return t
+    return t.fill_(255) if t.dtype == torch.uint8 else t.fill_(plan.DEBUG_FILL)
+
+
+# Bumped by ``clear``: the programs cached before are not found again.
+_GENERATION = [0]
+MAX_PROGRAMS = 64  # per node plan; then its cache is forgotten at once
+
+
+def clear() -> None:
+    """Forgets every program (``op.clear_plans``)."""
+    _GENERATION[0] += 1
+
+
+def forward(
+    cache: dict, names: Sequence[str], qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool,
+    calls: Callable[[], Sequence[NodeCall]],
+) -> tuple[list[Tensor], Any]:  # fmt: skip
+    """``Whole.forward`` of the Triton path: the program of ``(qkv, weights)`` found in ``cache`` or made from
+    ``calls()``, run; saves the workspace of ``G``, ``||G||``, qkv and the weights."""
+    key = (_GENERATION[0], *program_key(qkv, weights))
+    program = cache.get(key)
+    if program is None:
+        if len(cache) >= MAX_PROGRAMS:
+            cache.clear()
+        program = cache[key] = MixProgram(names, qkv, out, calls())
+    ws, kept = program.forward(qkv, out, weights, save)
+    return ([ws, qkv, *weights] if save else []), (program, kept)
+
+
+def backward(
+    d_out: Tensor, dqkv: Tensor, saved: Sequence[Tensor], state: Any,
+    calls: Callable[[], Sequence[tuple[Tensor, ...]]],
+) -> list[tuple[Tensor, ...]]:  # fmt: skip
+    """``Whole.backward`` of the Triton path: the program's backward on what ``forward`` saved."""
+    program, kept = state
+    ws, qkv, *weights = saved
+    return program.backward(d_out, dqkv, qkv, weights, ws, kept, calls)

@@ -1,0 +1,352 @@
+"""The fused node of Triton branches as one launch program (``vit3.kernels.triton.program``): when it serves, that
+it launches what the per-branch hooks launch (bit for bit the same results, every configuration and dtype), that
+on a GPU host its addresses are the interpreter's tensors' (shape, strides and pointer, call after call and
+thread against thread), how it lays out its workspaces, and that it is made once per layout and names a branch
+that fails.
+
+Numerics run where Triton runs (``triton_device``: the GPU, or the interpreter on CPU); a GPU host's addresses
+are simulated on CPU tensors on any host (``TRITON_INTERPRET=0`` for the program, launches recorded, not run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+import torch
+from helpers.backends import intercept_launches
+from helpers.common import count_calls
+from helpers.ops import SCALE
+
+from vit3.kernels.ops import BRANCH_ATTR
+from vit3.kernels.triton import checks as tchecks
+from vit3.kernels.triton import node as tnode
+from vit3.kernels.triton import op as top
+from vit3.kernels.triton import plan as tplan
+from vit3.kernels.triton import program as tprogram
+from vit3.layers import eager_mix as em
+
+LR = 0.7
+CPU = torch.device("cpu")
+
+# (branches as (op, heads, head dim), batch, grid): the official mixer, awkward sizes, several SwiGLU branches
+CASES = {
+    "official": ((("swiglu", 2, 32), ("dwconv", 1, 32)), 2, (7, 9)),
+    "batch-1": ((("swiglu", 2, 32), ("dwconv", 1, 32)), 1, (5, 5)),
+    "two-swiglu-dwconv": ((("swiglu", 1, 32), ("swiglu", 2, 16), ("dwconv", 1, 16)), 3, (4, 5)),
+    "swiglu-only": ((("swiglu", 3, 16),), 2, (6, 6)),
+    "dwconv-only": ((("dwconv", 2, 16),), 2, (6, 7)),
+    "linear": ((("linear", 2, 32),), 2, (5, 8)),
+}
+
+
+def _plan(branches, grid, path: str = "triton", rope: bool = False) -> em.MixPlan:
+    found, offset = [], 0
+    for name, heads, d in branches:
+        found.append(em.MixBranch(name, offset, heads, d, rope and name != "dwconv", path))
+        offset += 3 * heads * d
+    return em.MixPlan(tuple(found), grid, SCALE, LR, True, 10000.0)
+
+
+def _inputs(
+    plan: em.MixPlan, b: int, dtype: torch.dtype, device: torch.device = CPU
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    n = plan.grid[0] * plan.grid[1]
+    width = sum(br.heads * br.head_dim for br in plan.branches)
+    qkv = torch.randn(b, n, 3 * width, generator=g, dtype=torch.float64)
+    weights = []
+    for br in plan.branches:
+        shape = (
+            (1, br.heads * br.head_dim, 3, 3)
+            if br.kind == "dwconv"
+            else (1, br.heads, br.head_dim, br.head_dim)
+        )
+        count = 2 if br.kind == "swiglu" else 1
+        weights += [torch.randn(shape, generator=g, dtype=torch.float64) * 0.3 for _ in range(count)]
+    return qkv.to(device, dtype), [w.to(device, dtype) for w in weights]
+
+
+def _run(plan: em.MixPlan, qkv: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The node's output and the gradients of qkv and every weight, for a fixed upstream gradient."""
+    qkv = qkv.detach().requires_grad_()
+    weights = [w.detach().requires_grad_() for w in weights]
+    out = em.eager_mix(qkv, plan, weights)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    return [out, *torch.autograd.grad(out, [qkv, *weights], dout.to(out))]
+
+
+@pytest.fixture
+def per_branch(monkeypatch):
+    """Runs the fused node branch by branch (every branch's ``Node`` hooks), as it did before the program."""
+
+    def run(plan, qkv, weights):
+        real = em._layout
+        with monkeypatch.context() as patch:
+            patch.setattr(em, "_layout", lambda p: real(p)._replace(whole=None))
+            return _run(plan, qkv, weights)
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _fresh_programs():
+    top.clear_plans()
+    yield
+    top.clear_plans()
+
+
+# ------------------------------------------------------------------------------------------------ when it serves
+
+
+@pytest.mark.triton
+def test_a_node_of_triton_branches_without_rope_is_one_program(monkeypatch, triton_device):
+    branches, b, grid = CASES["official"]
+    assert em._layout(_plan(branches, grid)).whole is not None
+    assert em._layout(_plan(branches, grid, rope=True)).whole is None  # RoPE: the branch hooks rotate q, k
+    assert em._layout(_plan(branches, grid, path="eager")).whole is None
+    mixed = _plan(branches, grid)._replace(branches=(_plan(branches, grid).branches[0], em.MixBranch(
+        "dwconv", 192, 1, 32, False, "eager")))  # fmt: skip
+    assert em._layout(mixed).whole is None
+    hooks = count_calls(monkeypatch, tnode, "forward")
+    made = count_calls(monkeypatch, tprogram, "MixProgram")
+    plan = _plan(branches, grid)
+    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    for _ in range(2):
+        _run(plan, qkv, weights)
+    with torch.no_grad():
+        em.eager_mix(qkv, plan, weights)
+    assert hooks["n"] == 0 and made["n"] == 1  # one program for training and inference calls of one layout
+    _run(plan, qkv[:1], weights)  # another batch: another program
+    assert made["n"] == 2
+
+
+# ----------------------------------------------------------------------- the per-branch hooks' results exactly
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("chunk", [None, 8], ids=["one-chunk", "chunks-of-8"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=["fp64", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_program_computes_what_the_branch_hooks_compute(
+    case, dtype, chunk, per_branch, monkeypatch, triton_device
+):
+    """Output and every gradient bit for bit the per-branch hooks' (the same launches on the same memory,
+    every buffer NaN-filled so an unwritten element shows); with N cut in chunks of 8 tokens too (the split
+    stages and the two-stage weight-gradient reduction)."""
+    if chunk is not None:
+        real = tnode._key
+        monkeypatch.setattr(tnode, "_key", lambda *a, **k: real(*a, **k)._replace(chunk=chunk))
+    monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
+    branches, b, grid = CASES[case]
+    plan = _plan(branches, grid)
+    qkv, weights = _inputs(plan, b, dtype, triton_device)
+    got = _run(plan, qkv, weights)
+    want = per_branch(plan, qkv, weights)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.isfinite(g).all() and torch.equal(g, w), i
+    if dtype is torch.float64:
+        ref = em.reference_mix(qkv.requires_grad_(), plan, [w.requires_grad_() for w in weights])
+        assert torch.allclose(got[0], ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.triton
+def test_inference_writes_the_training_output_and_saves_nothing(triton_device):
+    branches, b, grid = CASES["official"]
+    plan = _plan(branches, grid)
+    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    with torch.no_grad():
+        out = em.eager_mix(qkv, plan, weights)
+    assert torch.equal(out, _run(plan, qkv, weights)[0])
+    layout, again = em._layout(plan), torch.empty_like(out)
+    views = em._whole_calls(qkv, again, layout, tuple(weights), False)
+    saved, _ = tprogram.forward({}, layout.names, qkv, again, weights, False, lambda: views)
+    assert saved == [] and torch.equal(again, out)
+
+
+@pytest.mark.triton
+def test_a_second_order_backward_goes_through_the_references(triton_device):
+    """``create_graph=True``: the saved qkv and weights (the program's saved list ends with them) feed the
+    reference's differentiable backward."""
+    branches, b, grid = CASES["official"]
+    plan = _plan(branches, grid)
+    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    got, want = [], []
+    for fn, into in ((em.eager_mix, got), (em.reference_mix, want)):
+        x = qkv.detach().requires_grad_()
+        w = [t.detach().requires_grad_() for t in weights]
+        (gx,) = torch.autograd.grad(fn(x, plan, w).square().sum(), [x], create_graph=True)
+        into += torch.autograd.grad(gx.square().sum(), [x, *w])
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-9, atol=1e-11)
+
+
+# ---------------------------------------------------------------------------------------- a GPU host's addresses
+
+
+def _record(store: list):
+    """A launch hook that records each argument (pointer, dtype, shape, strides of a pointer argument) and
+    launches nothing."""
+
+    def hook(name, args, kwargs, run):
+        row = [name]
+        for a in args:
+            if hasattr(a, "data_ptr"):
+                stride = a.stride() if callable(a.stride) else a.stride
+                a = (a.data_ptr(), a.dtype, tuple(a.shape), tuple(stride))
+            row.append(a)
+        store.append(tuple(row))
+
+    return hook
+
+
+def _gpu_host(monkeypatch) -> None:
+    """The program's view of a GPU host on CPU tensors: Triton not interpreted, the checks told it runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(tchecks, "triton_runs_on", lambda device: True)
+
+
+def _fixed_buffers(monkeypatch) -> None:
+    """Every buffer a program allocates the same tensor per size, so that two runs' buffers lie at the same
+    addresses."""
+    made: dict = {}
+    monkeypatch.setattr(
+        tprogram, "_alloc", lambda n, device: made.setdefault(n, torch.empty(n, dtype=torch.uint8))
+    )
+    real = tprogram._alloc_like
+    monkeypatch.setattr(tprogram, "_alloc_like", lambda buf, device: made.setdefault(buf, real(buf, device)))
+
+
+@pytest.mark.parametrize("case", ["official", "two-swiglu-dwconv"])
+def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypatch):
+    """Forward and backward, two calls of one program on other tensors: every launch gets at each pointer
+    argument the address, dtype, shape and strides of the tensor the interpreter gets there (whose results are
+    tested above), and every other argument the same. N in chunks of 16 tokens in both (left to itself, the
+    interpreter takes one chunk: other launches)."""
+    _fixed_buffers(monkeypatch)
+    real = tnode._key
+    monkeypatch.setattr(tnode, "_key", lambda *a, **k: real(*a, **k)._replace(chunk=16))
+    branches, b, grid = CASES[case]
+    plan = _plan(branches, grid)
+    layout = em._layout(plan)
+    calls = []
+    for seed in (0, 1):  # the same tensors for both runs, other tensors for each call
+        qkv, weights = _inputs(plan, b, torch.float32)
+        out = qkv.new_empty(b, qkv.shape[1], layout.width)
+        calls.append((qkv + seed, weights, out, torch.randn_like(out), torch.empty_like(qkv)))
+    seen: dict[str, list] = {}
+    for mode in ("interpreter", "gpu"):
+        with monkeypatch.context() as patch:
+            if mode == "gpu":
+                _gpu_host(patch)
+            else:  # the interpreter's binding, on any host (nothing is launched)
+                patch.setenv("TRITON_INTERPRET", "1")
+            seen[mode] = rows = []
+            intercept_launches(patch, _record(rows))
+            cache: dict = {}
+            for qkv, weights, out, d_out, dqkv in calls:
+                views = em._whole_calls(qkv, out, layout, tuple(weights), True)
+                saved, state = tprogram.forward(
+                    cache, layout.names, qkv, out, weights, True, lambda v=views: v
+                )
+                grads = em._whole_grads(d_out, dqkv, layout)
+                tprogram.backward(d_out, dqkv, saved, state, lambda g=grads: g)
+            assert len(cache) == 1
+    assert len(seen["gpu"]) % 2 == 0 and len(seen["gpu"]) > 10
+    assert seen["gpu"] == seen["interpreter"]
+    first = len(seen["gpu"]) // 2
+    assert seen["gpu"][:first] != seen["gpu"][first:]  # the second call's pointers, not the first's
+
+
+def test_two_threads_never_see_each_others_addresses(monkeypatch):
+    """A GPU host's program writes each call's pointers into the addresses it made once: two threads calling
+    one program (a lock around each call's launches) each launch on their own tensors."""
+    _gpu_host(monkeypatch)
+    branches, b, grid = CASES["official"]
+    plan = _plan(branches, grid)
+    layout = em._layout(plan)
+    wrong, checked = [], []
+    reads_qkv_first = {"forward_kernel", "grad_partial_kernel", "readout_kernel", "conv_grad_partial_kernel"}
+
+    def hook(name, args, kwargs, run):
+        time.sleep(1e-4)  # hand the other thread the interpreter between launches
+        if name in reads_qkv_first:  # its first argument is q or k: a view of the calling thread's qkv
+            mine = threading.current_thread().qkv
+            checked.append(name)
+            if not mine.data_ptr() <= args[0].data_ptr() < mine.data_ptr() + mine.nbytes:
+                wrong.append(name)
+
+    intercept_launches(monkeypatch, hook)
+    qkv, weights = _inputs(plan, b, torch.float32)
+    cache: dict = {}
+
+    def calls(x: torch.Tensor) -> None:
+        threading.current_thread().qkv = x
+        for _ in range(20):
+            out = x.new_empty(b, x.shape[1], layout.width)
+            views = em._whole_calls(x, out, layout, tuple(weights), False)
+            tprogram.forward(cache, layout.names, x, out, weights, False, lambda v=views: v)
+
+    threads = [threading.Thread(target=calls, args=(qkv.clone(),)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(cache) == 1 and len(checked) >= 40 and not wrong
+
+
+@pytest.mark.triton
+def test_workspace_buffers_are_aligned_and_apart(triton_device):
+    """Each buffer of a workspace starts on an ``ALIGN`` boundary and overlaps no other; the workspace holds
+    them all."""
+    branches, b, grid = CASES["two-swiglu-dwconv"]
+    plan = _plan(branches, grid)
+    qkv, weights = _inputs(plan, b, torch.float32, triton_device)
+    _run(plan, qkv, weights)
+    (program,) = em._layout(plan).programs.values()
+    launches, n_saved, n_scratch, _ = program._forward(True)
+    (back, n_back, _) = next(iter(program._backwards.values()))
+    sizes = {(launches, tprogram.SAVED): n_saved, (launches, tprogram.SCRATCH): n_scratch,
+             (back, tprogram.B_SCRATCH): n_back}  # fmt: skip
+    for (run, base), size in sizes.items():
+        spans = sorted((w.offset, w.offset + tprogram._nbytes(tplan._Buffer(w.shape, w.stride, w.dtype)))
+                       for w in run.places if w.base == base)  # fmt: skip
+        assert spans and size == spans[-1][1]
+        assert all(start % tprogram.ALIGN == 0 for start, _ in spans)
+        assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
+
+
+# --------------------------------------------------------------------------------------- made once, names a branch
+
+
+@pytest.mark.triton
+def test_a_branch_the_program_cannot_take_is_named(triton_device):
+    """SwiGLU weights in two layouts: the second branch's check raises, tagged with its index (the guard demotes
+    that branch alone)."""
+    branches, b, grid = CASES["two-swiglu-dwconv"]
+    plan = _plan(branches, grid)
+    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    weights[2] = weights[2].transpose(-1, -2).contiguous().transpose(-1, -2)  # branch 1's w1, column-major
+    with pytest.raises(ValueError, match="one layout and dtype") as caught:
+        em.eager_mix(qkv, plan, weights)
+    assert getattr(caught.value, BRANCH_ATTR) == 1
+
+
+@pytest.mark.triton
+def test_cleared_plans_and_another_launcher_make_a_new_program(monkeypatch, triton_device):
+    branches, b, grid = CASES["official"]
+    plan = _plan(branches, grid)
+    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    made = count_calls(monkeypatch, tprogram, "MixProgram")
+    for step in range(3):
+        with torch.no_grad():
+            em.eager_mix(qkv, plan, weights)
+        if step == 0:
+            top.clear_plans()
+        if step == 1:
+            intercept_launches(monkeypatch, lambda name, args, kwargs, run: run())
+    with torch.no_grad():
+        em.eager_mix(qkv, plan, weights)
+    assert made["n"] == 3
