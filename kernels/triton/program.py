@@ -48,7 +48,9 @@ class Address:
 
     __slots__ = ("address", "dtype", "shape", "stride")
 
-    def __init__(self, address: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+    def __init__(
+        self, address: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]
+    ) -> None:
         self.address, self.dtype, self.shape, self.stride = address, dtype, shape, stride
 
     def data_ptr(self) -> int:
@@ -272,7 +274,9 @@ class MixProgram:
             launches.run(bases, self.interpret)
         return ws, kept
 
-    def _backward(self, kept: tuple, calls: Sequence[tuple[Tensor, ...]], d_out: Tensor, dqkv: Tensor) -> tuple:
+    def _backward(
+        self, kept: tuple, calls: Sequence[tuple[Tensor, ...]], d_out: Tensor, dqkv: Tensor
+    ) -> tuple:
         """The backward's launches for the gradients' layout, its scratch size and each branch's dW buffer;
         ``calls``: each branch's (dout, dq, dk, dv) views of that call's ``d_out`` and ``dqkv``."""
         scratch = _Workspace(B_SCRATCH)
@@ -311,7 +315,15 @@ class MixProgram:
         dws = [_alloc_like(buf, device) for buf in dw_bufs]
         scratch = _alloc(n_scratch, device)
         base = _storage_base if self.interpret else Tensor.data_ptr
-        bases = [base(d_out), base(qkv), base(ws), base(scratch), base(dqkv), *map(base, dws), *map(base, weights)]
+        bases = [
+            base(d_out),
+            base(qkv),
+            base(ws),
+            base(scratch),
+            base(dqkv),
+            *map(base, dws),
+            *map(base, weights),
+        ]
         with _on_device(device):
             launches.run(bases, self.interpret)
         return [tuple(dw.unbind(2)) if two else (dw,) for dw, two in zip(dws, self.two)]
