@@ -138,8 +138,8 @@ class Whole(NamedTuple):
             the branches' ops, ``calls()`` makes each branch's ``NodeCall`` (views of qkv and out; asked only
             where the hooks need them, e.g. the first call of a layout); ``saved`` the tensors the backward
             needs (empty unless ``save``), ending with qkv and the weights (what a backward differentiated
-            through the reference reads, ``Node.twice``); ``state`` what the backward gets back. An exception names its branch
-            (``BRANCH_ATTR``).
+            through the reference reads, ``Node.twice``); ``state`` what the backward gets back. An exception
+            names its branch (``BRANCH_ATTR``).
         backward: ``(d_out, dqkv, saved, state, calls) -> grads``: writes dq, dk, dv of every branch into
             ``dqkv`` (qkv's shape); ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views;
             returns each branch's per-sample initial-weight gradients (as ``Node.backward``).

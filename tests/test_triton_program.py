@@ -350,3 +350,22 @@ def test_cleared_plans_and_another_launcher_make_a_new_program(monkeypatch, trit
     with torch.no_grad():
         em.eager_mix(qkv, plan, weights)
     assert made["n"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_triton_specialises_an_address_as_the_tensor_there(dtype):
+    """What Triton's launcher reads of a pointer argument (its type and 16-byte alignment, the key of the
+    compiled kernel) is the same for an ``Address`` as for the tensor at that address, aligned or not."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    specialise = getattr(jit, "native_specialize_impl", None)
+    if specialise is None:
+        pytest.skip("this Triton specialises in Python (no native_specialize_impl)")
+    from triton.backends.compiler import BaseBackend
+
+    base = torch.empty(64, dtype=dtype)
+    for offset in (0, 1, 8):
+        t = base[offset:]
+        address = tprogram.Address(t.data_ptr(), dtype, tuple(t.shape), t.stride())
+        assert specialise(BaseBackend, address, False, True, True) == specialise(
+            BaseBackend, t, False, True, True
+        )
