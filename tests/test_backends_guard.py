@@ -21,7 +21,6 @@ from helpers.backends import (
     assert_same,
     backends_of,
     generic_twin,
-    intercept_launches,
     make_mixer,
     param_names,
     reason_of,
@@ -29,6 +28,7 @@ from helpers.backends import (
     tokens,
 )
 from helpers.common import count_calls
+from helpers.ops import intercept_launches
 from torch.utils.checkpoint import checkpoint
 from triton.runtime.errors import OutOfResources
 

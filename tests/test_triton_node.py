@@ -11,17 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.backends import (
-    GRID,
-    assert_same,
-    backends_of,
-    generic_twin,
-    intercept_launches,
-    make_mixer,
-    param_names,
-    tokens,
-)
-from helpers.ops import SCALE, rel_rms
+from helpers.backends import GRID, assert_same, backends_of, generic_twin, make_mixer, param_names, tokens
+from helpers.ops import SCALE, intercept_launches, rel_rms
 
 from vit3.kernels.triton import plan as tplan
 from vit3.layers import backends as reg

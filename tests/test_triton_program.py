@@ -16,9 +16,8 @@ import time
 
 import pytest
 import torch
-from helpers.backends import intercept_launches
 from helpers.common import count_calls
-from helpers.ops import SCALE
+from helpers.ops import SCALE, intercept_launches
 
 from vit3.kernels.ops import BRANCH_ATTR
 from vit3.kernels.triton import checks as tchecks

@@ -58,24 +58,3 @@ def reason_of(expl: reg.MixerExplanation, branch: int, backend: str) -> str:
 
 def tokens(grid, dim=32, b=2, dtype=torch.float64):
     return torch.randn(b, grid[0] * grid[1], dim, dtype=dtype)
-
-
-def intercept_launches(monkeypatch, hook) -> None:
-    """Runs every Triton launch, of the per-branch plans (``triton.plan.Launch``) and of the whole-node launch
-    programs (``triton.program``) alike, through ``hook(name, args, kwargs, launch)``: the kernel's name, its
-    arguments (tensors, or ``Address`` es with their shape on a GPU) and constexprs, and ``launch()``, the real
-    launch. Both take their launcher from ``triton.plan.launcher``, which this replaces (a program's key holds
-    the launcher, so programs built before are not reused)."""
-    from vit3.kernels.triton import plan as tplan
-
-    real = tplan.launcher
-
-    class Launcher:
-        def __init__(self, kernel) -> None:
-            self.kernel, self.name = kernel, kernel.fn.__name__
-
-        def __getitem__(self, grid):
-            run = real(self.kernel)[grid]
-            return lambda *args, **kwargs: hook(self.name, args, kwargs, lambda: run(*args, **kwargs))
-
-    monkeypatch.setattr(tplan, "launcher", Launcher)

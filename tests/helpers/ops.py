@@ -1,5 +1,5 @@
 """Inputs, runs and error metrics shared by the op tests (``test_op_*``, ``test_kernels_*``): q, k, v as strided
-views of one qkv projection, the Triton op beside the op's reference."""
+views of one qkv projection, the Triton op beside the op's reference; every Triton launch intercepted."""
 
 from __future__ import annotations
 
@@ -193,3 +193,24 @@ def use_gpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, copy in gpu_kernels().items():
         for attr in copy.__all__:
             monkeypatch.setattr(sys.modules[name], attr, getattr(copy, attr))
+
+
+def intercept_launches(monkeypatch, hook) -> None:
+    """Runs every Triton launch, of the per-branch plans (``triton.plan.Launch``) and of the whole-node launch
+    programs (``triton.program``) alike, through ``hook(name, args, kwargs, launch)``: the kernel's name, its
+    arguments (tensors, or ``Address`` es with their shape on a GPU) and constexprs, and ``launch()``, the real
+    launch. Both take their launcher from ``triton.plan.launcher``, which this replaces (a program's key holds
+    the launcher, so programs built before are not reused)."""
+    from vit3.kernels.triton import plan as tplan
+
+    real = tplan.launcher
+
+    class Launcher:
+        def __init__(self, kernel) -> None:
+            self.kernel, self.name = kernel, kernel.fn.__name__
+
+        def __getitem__(self, grid):
+            run = real(self.kernel)[grid]
+            return lambda *args, **kwargs: hook(self.name, args, kwargs, lambda: run(*args, **kwargs))
+
+    monkeypatch.setattr(tplan, "launcher", Launcher)
