@@ -81,11 +81,11 @@ def _run(plan: em.MixPlan, qkv: torch.Tensor, weights: list[torch.Tensor]) -> li
 def per_branch(monkeypatch):
     """Runs the fused node branch by branch (every branch's ``Node`` hooks), as it did before the program."""
 
-    def run(plan, qkv, weights):
+    def run(plan, qkv, weights, how=_run):
         real = em._layout
         with monkeypatch.context() as patch:
             patch.setattr(em, "_layout", lambda p: real(p)._replace(whole=None))
-            return _run(plan, qkv, weights)
+            return how(plan, qkv, weights)
 
     return run
 
@@ -149,6 +149,35 @@ def test_the_program_computes_what_the_branch_hooks_compute(
     if dtype is torch.float64:
         ref = em.reference_mix(qkv.requires_grad_(), plan, [w.requires_grad_() for w in weights])
         assert torch.allclose(got[0], ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.triton
+def test_unusual_layouts_compute_what_the_branch_hooks_compute(per_branch, monkeypatch, triton_device):
+    """qkv a strided view past its storage's start, 16-bit qkv beside float32 weights (what the mixer hands a
+    16-bit node) and an upstream gradient that is not contiguous: bit for bit the per-branch hooks."""
+    monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
+    branches, b, grid = CASES["two-swiglu-dwconv"]
+    plan = _plan(branches, grid)
+    qkv, weights = _inputs(plan, b, torch.float16, triton_device)
+    wide = torch.zeros(*qkv.shape[:-1], qkv.shape[-1] + 24, dtype=qkv.dtype, device=triton_device)
+    wide[..., 8 : 8 + qkv.shape[-1]] = qkv
+    qkv = wide[..., 8 : 8 + qkv.shape[-1]]
+    weights = [w.float() for w in weights]
+
+    def run(plan, qkv, weights):
+        qkv = qkv.detach().requires_grad_()
+        weights = [w.detach().requires_grad_() for w in weights]
+        out = em.eager_mix(qkv, plan, weights)
+        dout = (
+            torch.randn(out.shape[::-1], generator=torch.Generator().manual_seed(1)).to(out).permute(2, 1, 0)
+        )
+        return [out, *torch.autograd.grad(out, [qkv, *weights], dout)]
+
+    got = run(plan, qkv, weights)
+    want = per_branch(plan, qkv, weights, run)
+    assert qkv.storage_offset() == 8 and not qkv.is_contiguous()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.isfinite(g).all() and torch.equal(g, w), i
 
 
 @pytest.mark.triton
