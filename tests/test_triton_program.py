@@ -397,3 +397,19 @@ def test_triton_specialises_an_address_as_the_tensor_there(dtype):
         assert specialise(BaseBackend, address, False, True, True) == specialise(
             BaseBackend, t, False, True, True
         )
+
+
+def test_a_training_call_reads_no_tensor_data_on_the_host(monkeypatch):
+    """No host synchronisation, so CUDA graphs can capture it: a GPU host's training call of the program
+    (forward and backward, program made, then reused) runs on meta tensors, where reading a value raises."""
+    _gpu_host(monkeypatch)
+    launched = []
+    intercept_launches(monkeypatch, lambda name, args, kwargs, run: launched.append(name))
+    branches, b, grid = CASES["official"]
+    plan = _plan(branches, grid)
+    qkv, weights = _inputs(plan, b, torch.float32, torch.device("meta"))
+    for _ in range(2):
+        got = _run(plan, qkv, weights)
+    assert all(t.device.type == "meta" for t in got)
+    half = len(launched) // 2
+    assert half > 10 and launched[:half] == launched[half:]  # the same launches, made once
