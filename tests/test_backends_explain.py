@@ -16,12 +16,13 @@ import timm
 import torch
 from helpers import backends as hb
 from helpers.backends import BIG_GRID, CPU, GRID
-from helpers.common import REPO
-from helpers.ops import AMD_GPUS
+from helpers.common import REPO, count_calls
+from helpers.ops import AMD_GPUS, needs_kernels
 
 import vit3
 from vit3.kernels import triton_path
 from vit3.kernels.triton import device as tdev
+from vit3.kernels.triton import program as tprogram
 from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
 from vit3.scripts.explain import main as cli_main
@@ -248,3 +249,23 @@ def test_the_backends_a_config_may_name_are_the_registrys():
     from vit3.layers.config import BACKEND_NAMES
 
     assert BACKEND_NAMES == ("auto", *reg.BACKENDS)
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("rope", [False, True], ids=["rope-off", "rope-on"])
+def test_explain_says_when_the_fused_node_is_one_launch_program(monkeypatch, rope):
+    """Both branches on Triton: one launch program, unless RoPE rotates the SwiGLU branch's q, k (then the
+    branch hooks); never on the CPU paths. As the mixer's call runs it."""
+    mixer = hb.make_mixer(dtype=torch.float32, rope=rope)
+    x = hb.tokens(BIG_GRID, dtype=torch.float32)
+    assert not mixer.explain(x, BIG_GRID).program  # cpu, cpu
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    expl = mixer.explain(x, BIG_GRID)
+    assert hb.backends_of(expl) == ["triton", "triton"] and expl.fused
+    assert expl.program is (not rope) and ("as one launch program" in str(expl)) is (not rope)
+    assert json.loads(json.dumps(expl.to_dict()))["launch_program"] is (not rope)
+    needs_kernels(CPU)
+    called = count_calls(monkeypatch, tprogram, "forward")
+    mixer(x, BIG_GRID)
+    mixer(x, BIG_GRID)  # settled: the fused node itself
+    assert (called["n"] > 0) is (not rope)

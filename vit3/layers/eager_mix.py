@@ -38,7 +38,7 @@ from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Whole
 
 from .rope import apply_rope_2d
 
-__all__ = ["BRANCH_ATTR", "MixBranch", "MixPlan", "eager_mix", "reference_mix", "takes"]
+__all__ = ["BRANCH_ATTR", "MixBranch", "MixPlan", "eager_mix", "reference_mix", "runs_whole", "takes"]
 
 
 class MixBranch(NamedTuple):
@@ -157,6 +157,12 @@ def takes(plan: MixPlan, dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.float64) or (
         dtype in (torch.float16, torch.bfloat16) and _layout(plan).low_precision
     )
+
+
+def runs_whole(plan: MixPlan) -> bool:
+    """Whether the node runs ``plan``'s branches in one call of their path's whole-node hooks (``Node.whole``:
+    every branch on such a path, none rotating q, k), e.g. Triton's launch program."""
+    return _layout(plan).whole is not None
 
 
 def _tag(exc: Exception, i: int) -> None:

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..eager_mix import runs_whole
 from .interface import Inputs, Settings, token_class
-from .plan import _demoted, _keys, _merged, _pending, _requested, recompute_choice, recompute_mode
+from .plan import Plan, _demoted, _keys, _merged, _pending, _requested, recompute_choice, recompute_mode
 from .registry import _LEAN, Branch, _choose, fuses
 
 
@@ -51,13 +52,17 @@ class MixerExplanation:
     branches: tuple[BranchExplanation, ...]
     # training with a SwiGLU branch on ``cpu`` / ``eager``: what its backward recomputes or saves, and why
     recompute: str = ""
+    # the fused node runs every branch in one call of their path's whole-node hooks (Triton's launch program)
+    program: bool = False
 
     def __str__(self) -> str:
         mode = "training" if self.grad else "inference"
         lines = [
             f"TTTMixer dim={self.dim} heads={self.num_heads} | {self.device} {self.dtype} | N={self.tokens} "
             f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
-            "  " + ("one fused eager node runs every branch" if self.fused else "branch by branch"),
+            "  "
+            + ("one fused eager node runs every branch" if self.fused else "branch by branch")
+            + (", as one launch program" if self.program else ""),
         ]
         if self.recompute:
             lines.append(f"  SwiGLU backward: {self.recompute}")
@@ -85,6 +90,7 @@ class MixerExplanation:
             "grad": self.grad,
             "requested": self.requested,
             "fused_node": self.fused,
+            "launch_program": self.program,
             "recompute": self.recompute,
             "branches": [b.to_dict() for b in self.branches],
         }
@@ -106,6 +112,11 @@ def explain_mixer(
     for i, ((name, heads, d, plain), key) in enumerate(zip(branches, _keys(settings, branches, x))):
         c = _choose(Branch(i, name, heads, d, plain), settings, x, requested, source, demoted.get(key, {}))
         out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
+    fused = fuses([b.backend for b in out], [b.name for b in out], settings.loss, "")
+    # as the mixer's call would: its MixPlan (which branches RoPE rotates) on these backends
+    program = fused and runs_whole(
+        mixer._mix_plan(Plan(tuple(b.backend for b in out), True, (), "", ()), grid)
+    )
     lean = grad and (
         recompute_mode(cfg.recompute)[0] == "qkv"
         or any(b.name == "swiglu" and b.backend in _LEAN for b in out)
@@ -119,9 +130,10 @@ def explain_mixer(
         tuple(grid),
         grad,
         "auto" if requested == "auto" else source,
-        fuses([b.backend for b in out], [b.name for b in out], settings.loss, ""),
+        fused,
         tuple(out),
         recompute_choice(cfg.recompute)[1] if lean else "",
+        program,
     )
 
 
