@@ -172,6 +172,9 @@ class Node(NamedTuple):
             (``kernels/mix/csrc/mix.cpp``, ``cpu`` paths): its kind code there and the token block of its step
             on tensors like qkv; ``None``: no branch there (mixers with such a branch run the Python node).
         whole: the path's hooks for a whole node of its branches (``Whole``); ``None``: branch by branch.
+        stored: ``(parameter, initial) -> bool``: whether the whole-mixer C++ op (``mix``) takes the inner
+            model's ``parameter`` as stored where the model hands ``initial``, a view of it (the op reads the
+            module's parameters on every call); ``None``: only an initial weight that is the parameter itself.
     """
 
     heads: bool
@@ -182,6 +185,7 @@ class Node(NamedTuple):
     twice: bool = False
     mix: Callable[[int, Tensor], tuple[int, int]] | None = None
     whole: Whole | None = None
+    stored: Callable[[Tensor, Tensor], bool] | None = None
 
 
 @dataclass(frozen=True)

@@ -92,4 +92,16 @@ def _node_backward(
 # walks the token rows in C++, no block to choose.
 MIX_KIND = 1
 
-NODE = Node(heads=False, forward=_node_forward, backward=_node_backward, mix=lambda d, qkv: (MIX_KIND, 1))
+
+def _stored(parameter: Tensor, initial: Tensor) -> bool:
+    """The model hands its ``[C, 1, 3, 3]`` weight as the view ``[1, C, 3, 3]``: the op takes either layout."""
+    return initial._base is parameter and initial.shape == (1, parameter.shape[0], 3, 3)
+
+
+NODE = Node(
+    heads=False,
+    forward=_node_forward,
+    backward=_node_backward,
+    mix=lambda d, qkv: (MIX_KIND, 1),
+    stored=_stored,
+)

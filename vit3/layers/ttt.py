@@ -383,20 +383,18 @@ class TTTMixer(nn.Module):
         """Where each initial weight of the whole-mixer C++ op is, branch by branch in ``initial_params`` order:
         the ``(module._parameters, name)`` it is read from on every call (so a parameter replaced by ``.to()``,
         ``load_state_dict`` or assignment, or its ``requires_grad`` changed, is seen); ``None`` where an inner
-        model's initial weights are not its parameters themselves (other views than the depthwise conv
-        weight's, which the op takes as stored: then ``initial_params`` on every call)."""
+        model's initial weights are not its parameters themselves, nor views of them its op takes as stored
+        (``Node.stored``: the depthwise conv weight's): then ``initial_params`` on every call)."""
         sources = self.__dict__.get("_param_source_cache", False)
         if sources is not False:
             return sources
         sources = []
         for (kind, _), model in zip(self.branch_specs, self.inner):
+            cpu = OPS[kind].paths.get("cpu") if kind in OPS else None
+            stored = cpu.node.stored if cpu is not None and cpu.node is not None else None
             for name, t in model.initial_params().items():
                 p = model._parameters.get(name)
-                # the depthwise weight is viewed [C, 1, 3, 3] -> [1, C, 3, 3]: the op takes either layout
-                conv = (
-                    kind == "dwconv" and p is not None and t._base is p and t.shape == (1, p.shape[0], 3, 3)
-                )
-                if p is not t and not conv:
+                if p is None or (p is not t and not (stored is not None and stored(p, t))):
                     sources = None
                     break
                 sources.append((model._parameters, name))

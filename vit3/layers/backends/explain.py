@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vit3.kernels.ops import OPS
+
 from ..eager_mix import runs_whole
 from .interface import Inputs, Settings, token_class
 from .plan import Plan, _demoted, _keys, _merged, _pending, _requested, recompute_choice, recompute_mode
@@ -113,10 +115,7 @@ def explain_mixer(
         c = _choose(Branch(i, name, heads, d, plain), settings, x, requested, source, demoted.get(key, {}))
         out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
     fused = fuses([b.backend for b in out], [b.name for b in out], settings.loss, "")
-    # as the mixer's call would: its MixPlan (which branches RoPE rotates) on these backends
-    program = fused and runs_whole(
-        mixer._mix_plan(Plan(tuple(b.backend for b in out), True, (), "", ()), grid)
-    )
+    program = fused and _one_program(mixer, out, grid)
     lean = grad and (
         recompute_mode(cfg.recompute)[0] == "qkv"
         or any(b.name == "swiglu" and b.backend in _LEAN for b in out)
@@ -135,6 +134,17 @@ def explain_mixer(
         recompute_choice(cfg.recompute)[1] if lean else "",
         program,
     )
+
+
+def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int, int]) -> bool:
+    """Whether the fused node runs every branch in one call of their path's whole-node hooks (``Node.whole``),
+    as the mixer's call would: every branch's path has them, and the mixer's ``MixPlan`` (which branches RoPE
+    rotates) on these backends lets them run (``eager_mix.runs_whole``)."""
+    for b in out:
+        path = OPS[b.name].paths.get(b.backend) if b.name in OPS else None
+        if path is None or path.node is None or path.node.whole is None:
+            return False
+    return runs_whole(mixer._mix_plan(Plan(tuple(b.backend for b in out), True, (), "", ()), grid))
 
 
 @dataclass(frozen=True)
