@@ -37,6 +37,7 @@ __all__ = [
     "Whole",
     "ops_with",
     "register",
+    "tag_branch",
 ]
 
 
@@ -128,6 +129,12 @@ class NodeCall(NamedTuple):
 BRANCH_ATTR = "vit3_branch"
 
 
+def tag_branch(exc: BaseException, branch: int) -> None:
+    """Sets ``branch`` on ``exc`` (``BRANCH_ATTR``) unless a deeper frame named the branch already."""
+    if getattr(exc, BRANCH_ATTR, None) is None:
+        setattr(exc, BRANCH_ATTR, branch)
+
+
 class Whole(NamedTuple):
     """A path's hooks for a whole fused node whose branches all take that path and none rotates q, k: one call
     for every branch (e.g. the Triton path's launch program), instead of each branch's ``Node`` hooks.
@@ -137,12 +144,12 @@ class Whole(NamedTuple):
             written into ``out`` ``[B, N, sum(widths)]``; ``cache`` a dict the node keeps per plan, ``names``
             the branches' ops, ``calls()`` makes each branch's ``NodeCall`` (views of qkv and out; asked only
             where the hooks need them, e.g. the first call of a layout); ``saved`` the tensors the backward
-            needs (empty unless ``save``), ending with qkv and the weights (what a backward differentiated
-            through the reference reads, ``Node.twice``); ``state`` what the backward gets back. An exception
-            names its branch (``BRANCH_ATTR``).
+            needs besides qkv and the weights (the node saves those after them; empty unless ``save``),
+            ``state`` what the backward gets back. An exception names its branch (``BRANCH_ATTR``).
         backward: ``(d_out, dqkv, saved, state, calls) -> grads``: writes dq, dk, dv of every branch into
-            ``dqkv`` (qkv's shape); ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views;
-            returns each branch's per-sample initial-weight gradients (as ``Node.backward``).
+            ``dqkv`` (qkv's shape); ``saved``: the forward's, then qkv and the weights; ``calls()`` makes each
+            branch's ``(dout, dq, dk, dv)`` heads views; returns each branch's per-sample initial-weight
+            gradients (as ``Node.backward``).
     """
 
     forward: Callable[..., tuple[list[Tensor], Any]]

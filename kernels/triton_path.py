@@ -9,6 +9,7 @@ Built only on the public Triton names of ``vit3.kernels`` (``triton_ttt``, ``TRI
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from typing import Any
 
@@ -82,33 +83,23 @@ def _run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor],
 
 
 @functools.cache
-def _node_hooks() -> Any:
-    """``vit3.kernels.triton.node`` (imports Triton: on the first node call, not with the table)."""
-    from .triton import node
-
-    return node
+def _triton(name: str) -> Any:
+    """``vit3.kernels.triton.<name>`` (imports Triton: on the first node call, not with the table)."""
+    return importlib.import_module(f"{__package__}.triton.{name}")
 
 
 def _node_backward(
     d_out: Tensor, saved: tuple[Tensor, ...], tag: str, dq: Tensor, dk: Tensor, dv: Tensor, hyper: Hyper
 ) -> tuple[Tensor, ...]:
-    return _node_hooks().backward(d_out, saved, tag, dq, dk, dv, hyper)
-
-
-@functools.cache
-def _program() -> Any:
-    """``vit3.kernels.triton.program`` (imports Triton: on the first node call)."""
-    from .triton import program
-
-    return program
+    return _triton("node").backward(d_out, saved, tag, dq, dk, dv, hyper)
 
 
 def _whole_forward(*args: Any) -> tuple[list[Tensor], Any]:
-    return _program().forward(*args)
+    return _triton("program").forward(*args)
 
 
 def _whole_backward(*args: Any) -> list[tuple[Tensor, ...]]:
-    return _program().backward(*args)
+    return _triton("program").backward(*args)
 
 
 # A node whose branches are all on Triton: one launch program for all of them (``triton/program.py``).
@@ -121,7 +112,7 @@ def triton_path(name: str) -> Path:
     a node of Triton branches alone runs as one launch program)."""
 
     def forward(call: NodeCall) -> tuple[list[Tensor], str]:
-        return _node_hooks().forward(name, call)
+        return _triton("node").forward(name, call)
 
     node = Node(
         heads=True, forward=forward, backward=_node_backward, low_precision=True, twice=True, whole=_WHOLE

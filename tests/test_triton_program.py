@@ -279,8 +279,8 @@ def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypa
                 saved, state = tprogram.forward(
                     cache, layout.names, qkv, out, weights, True, lambda v=views: v
                 )
-                grads = em._whole_grads(d_out, dqkv, layout)
-                tprogram.backward(d_out, dqkv, saved, state, lambda g=grads: g)
+                grads = em._whole_grads(d_out, dqkv, layout)  # saved: the program's, then qkv, the weights
+                tprogram.backward(d_out, dqkv, [*saved, qkv, *weights], state, lambda g=grads: g)
             assert len(cache) == 1
     assert len(seen["gpu"]) % 2 == 0 and len(seen["gpu"]) > 10
     assert seen["gpu"] == seen["interpreter"]

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from triton.runtime.jit import KernelInterface
 
-from ..ops import BRANCH_ATTR, NodeCall
+from ..ops import NodeCall, tag_branch
 from . import plan
 from .device import _interpreting
 from .node import checked_entry, state_of
@@ -183,13 +183,8 @@ def _run(launches: Sequence[tuple[int, Callable[..., Any], tuple]]) -> None:
         try:
             run(*args)
         except Exception as exc:
-            _tag(exc, branch)
+            tag_branch(exc, branch)
             raise
-
-
-def _tag(exc: Exception, branch: int) -> None:
-    if getattr(exc, BRANCH_ATTR, None) is None:
-        setattr(exc, BRANCH_ATTR, branch)
 
 
 def program_key(qkv: Tensor, weights: Sequence[Tensor]) -> tuple:
@@ -221,7 +216,7 @@ class MixProgram:
             try:
                 self.entries.append(checked_entry(name, call))
             except Exception as exc:
-                _tag(exc, i)
+                tag_branch(exc, i)
                 raise
             where = [_Where.of(QKV, _offset(t, qkv), t) for t in (call.q, call.k, call.v)]
             self.inputs.append((where, _Where.of(OUT, _offset(call.dest, out), call.dest)))
@@ -300,8 +295,7 @@ class MixProgram:
                     wheres.append(scratch.place(buf))
             launches.add(i, template, wheres)
         launches.build()
-        found = self._backwards[(d_out.stride(), dqkv.stride())] = (launches, scratch.size, tuple(dws))
-        return found
+        return launches, scratch.size, tuple(dws)
 
     def backward(
         self, d_out: Tensor, dqkv: Tensor, qkv: Tensor, weights: Sequence[Tensor], ws: Tensor, kept: tuple,
@@ -309,8 +303,11 @@ class MixProgram:
     ) -> list[tuple[Tensor, ...]]:  # fmt: skip
         """Writes dq, dk, dv of every branch into ``dqkv``; returns each branch's initial weights' per-sample
         gradients. ``calls``: makes each branch's (dout, dq, dk, dv) views (the first time of a layout)."""
-        found = self._backwards.get((d_out.stride(), dqkv.stride()))
-        launches, n_scratch, dw_bufs = found or self._backward(kept, calls(), d_out, dqkv)
+        layout = (d_out.stride(), dqkv.stride())
+        found = self._backwards.get(layout)
+        if found is None:
+            found = self._backwards[layout] = self._backward(kept, calls(), d_out, dqkv)
+        launches, n_scratch, dw_bufs = found
         device = d_out.device
         dws = [_alloc_like(buf, device) for buf in dw_bufs]
         scratch = _alloc(n_scratch, device)
@@ -368,7 +365,7 @@ def forward(
     calls: Callable[[], Sequence[NodeCall]],
 ) -> tuple[list[Tensor], Any]:  # fmt: skip
     """``Whole.forward`` of the Triton path: the program of ``(qkv, weights)`` found in ``cache`` or made from
-    ``calls()``, run; saves the workspace of ``G``, ``||G||``, qkv and the weights."""
+    ``calls()``, run; saves the workspace of ``G``, ``||G||``."""
     key = (_GENERATION[0], *program_key(qkv, weights))
     program = cache.get(key)
     if program is None:
@@ -376,7 +373,7 @@ def forward(
             cache.clear()
         program = cache[key] = MixProgram(names, qkv, out, calls())
     ws, kept = program.forward(qkv, out, weights, save)
-    return ([ws, qkv, *weights] if save else []), (program, kept)
+    return ([ws] if save else []), (program, kept)
 
 
 def backward(

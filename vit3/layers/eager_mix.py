@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, weight_grad
-from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Whole
+from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Whole, tag_branch
 
 from .rope import apply_rope_2d
 
@@ -109,7 +109,7 @@ class _Layout(NamedTuple):
     width: int
     hyper: Hyper
     low_precision: bool  # every branch's hooks take float16 / bfloat16 q, k, v as they are
-    twice: bool  # every branch's backward may be differentiated (``Node.twice``): qkv and the weights saved
+    twice: bool  # every branch's backward may be differentiated (``Node.twice``)
     names: tuple[str, ...]  # the branches' ops
     whole: Whole | None  # every branch's path runs the whole node (``Node.whole``; no RoPE), else ``None``
     programs: dict  # the cache ``whole`` keeps for this plan
@@ -165,12 +165,6 @@ def runs_whole(plan: MixPlan) -> bool:
     return _layout(plan).whole is not None
 
 
-def _tag(exc: Exception, i: int) -> None:
-    """Sets branch ``i``'s index on ``exc`` (``BRANCH_ATTR``), for the guard to demote that branch alone."""
-    if getattr(exc, BRANCH_ATTR, None) is None:
-        setattr(exc, BRANCH_ATTR, i)
-
-
 def _forward(
     qkv: Tensor, layout: _Layout, save: bool, weights: tuple[Tensor, ...]
 ) -> tuple[Tensor, list[Tensor], list[tuple[int, int, str]]]:
@@ -209,7 +203,7 @@ def _forward(
                 NodeCall(q, k, v, weights[wi : wi + count], dest, layout.hyper, save, dense)
             )
         except Exception as exc:
-            _tag(exc, i)
+            tag_branch(exc, i)
             raise
         tags.append((len(saved), len(mine), tag))
         saved += mine
@@ -270,7 +264,7 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         try:
             dws = node.backward(dout, saved[start : start + n_saved], tag, dqh, dkh, dv, hyper)
         except Exception as exc:
-            _tag(exc, i)
+            tag_branch(exc, i)
             raise
         if br.rope:
             dq.copy_(apply_rope_2d(rq, plan.grid, plan.rope_base, inverse=True))
@@ -300,8 +294,8 @@ class _EagerMix(torch.autograd.Function):
     @autocast_forward
     def forward(ctx, qkv: Tensor, layout: _Layout, save: bool, *weights: Tensor) -> Tensor:
         out, saved, tags = _forward(qkv, layout, save, weights)
-        if save:  # ending with qkv and the weights where the backward is differentiable (a whole node's do)
-            ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice and layout.whole is None else ()))
+        if save:  # then qkv and the weights, where the backward is differentiable or the whole-node hooks run
+            ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice or layout.whole else ()))
         ctx.layout, ctx.tags = layout, tags
         ctx.shapes = (qkv.shape, [w.shape for w in weights])
         return out
