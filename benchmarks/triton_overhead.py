@@ -12,7 +12,8 @@ in microseconds:
 
 - ``triton_ttt`` of each branch of the official mixer (SwiGLU heads and the depthwise conv): inference (no
   autograd node), the forward with a graph, the backward inside the op's autograd node (``bwd node``), and
-  forward + backward end to end (with the autograd engine and the gradients of the q, k, v views);
+  forward + backward end to end (with the autograd engine and the gradients of the q, k, v views; every
+  backward as a training step's, after ``zero_grad()``: ``.grad`` ``None``);
 - the Triton path of one mixer call (the target: <= 50 us): the fused node of both branches on Triton
   (``vit3.layers.eager_mix`` with ``MixBranch.path="triton"``) as one launch program
   (``vit3.kernels.triton.program``) and, side by side, branch by branch through the ``Node`` hooks
@@ -94,6 +95,15 @@ class _Floor(torch.autograd.Function):
 NODE = "triton path per mixer call: fused node"
 
 
+def _train_backward(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
+    """``backward()`` on ``outs`` as a training step runs it, after ``zero_grad()`` (every ``.grad`` ``None``,
+    PyTorch's default): autograd keeps a node's gradient as its ``.grad``, or copies it where its layout is not
+    its weight's (accumulating into a kept ``.grad`` instead would hide that copy)."""
+    for t in leaves:
+        t.grad = None
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+
 def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int, int], heads: int,
                 scale: float) -> dict[str, Callable[[], None]]:  # fmt: skip
     """The fused node of both branches on Triton: inference, and forward + backward end to end; as one launch
@@ -115,14 +125,12 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
 
     def both(layout: Any) -> Callable[[], None]:
         def run() -> None:
-            out = eager_mix._EagerMix.apply(qkv, layout, True, *weights)
-            torch.autograd.backward(out, torch.ones_like(out))
+            _train_backward([eager_mix._EagerMix.apply(qkv, layout, True, *weights)], [qkv, *weights])
 
         return run
 
     def floor() -> None:
-        out = _Floor.apply(qkv, c + d, *weights)
-        torch.autograd.backward(out, torch.ones_like(out))
+        _train_backward([_Floor.apply(qkv, c + d, *weights)], [qkv, *weights])
 
     fns = {}
     for how, lay in layouts.items():
@@ -145,18 +153,18 @@ def _repeated(fn: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
-# Whether the node timers (``_timed``) record: only inside the interleaved calls ``_recorded`` marks (not the
-# back-to-back ones, nor the whole mixer's).
-_RECORDING = {"on": False}
+# Whether the node timers (``_timed``) record, and the suffix of the rows they record into: only inside the
+# calls ``_recorded`` marks (not the whole mixer's).
+_RECORDING: dict[str, str | None] = {"on": None}
 
 
-def _recorded(fn: Callable[[], None]) -> Callable[[], None]:
+def _recorded(fn: Callable[[], None], suffix: str = "") -> Callable[[], None]:
     def run() -> None:
-        _RECORDING["on"] = True
+        _RECORDING["on"] = suffix
         try:
             fn()
         finally:
-            _RECORDING["on"] = False
+            _RECORDING["on"] = None
 
     return run
 
@@ -171,7 +179,7 @@ def _timed(cls: Any, name: str, into: Callable[[Any], list[float] | None]) -> No
         try:
             return real(ctx, *args)
         finally:
-            found = into(ctx) if _RECORDING["on"] else None
+            found = into(ctx) if _RECORDING["on"] is not None else None
             if found is not None:
                 found.append(time.perf_counter() - start)
 
@@ -220,20 +228,18 @@ def main(argv: list[str] | None = None) -> int:
 
     def both(name: str):
         def run() -> None:
-            out = call(name)
-            torch.autograd.backward(out, torch.ones_like(out))
+            _train_backward([call(name)], [qkv, *weights])
 
         return run
 
     def path() -> None:
-        outs = [call(name) for name in heads]
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        _train_backward([call(name) for name in heads], [qkv, *weights])
 
     mixer = TTTMixer(c, h, backend="triton")
     x = torch.randn(b, n, c, requires_grad=True)
 
     def mixer_both() -> None:
-        mixer(x, grid).sum().backward()
+        _train_backward([mixer(x, grid).sum()], [x, *mixer.parameters()])
 
     fns = {f"{name} {kind}": make(name) for name in heads for kind, make in
            (("infer", infer), ("fwd", forward), ("fwd+bwd", both))}  # fmt: skip
@@ -260,10 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     if nodes:  # the node's own forward and backward, of the first fwd+bwd row (the program, where it is)
         first = next(label for label in nodes if "fwd+bwd" in label)
         parts = [f"{NODE} fwd (in the node)", f"{NODE} bwd (in the node)"]
-        times |= {part: [] for part in parts}
-        _timed(eager_mix._EagerMix, "forward", lambda ctx: times[parts[0]])
-        _timed(eager_mix._EagerMix, "backward", lambda ctx: times[parts[1]])
+        b2b = " (back to back)"  # the node's parts in its back-to-back rounds too (warm caches)
+        times |= {part + suffix: [] for part in parts for suffix in ("", b2b)}
+        _timed(eager_mix._EagerMix, "forward", lambda ctx: times[parts[0] + _RECORDING["on"]])
+        _timed(eager_mix._EagerMix, "backward", lambda ctx: times[parts[1] + _RECORDING["on"]])
         fns[first] = _recorded(fns[first])
+        # its own rounds: the timers' cost stays out of the back-to-back row the floor is taken from
+        warm[f"{first}{b2b}, parts timed"] = nodes[first]
+        fns[f"{first}{b2b}, parts timed"] = _recorded(_repeated(nodes[first]), b2b)
     samples = time_samples(fns, torch.device("cpu"), repeats=args.repeats, warmup=20)
     samples |= {label: [t / BACK_TO_BACK for t in samples[label]] for label in warm}
     samples |= {label: ts for label, ts in times.items() if ts}
@@ -279,10 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     own = {k: sum(by[f"{n} {part}"][k] for n in heads for part in ("fwd", "bwd node")) for k in stats([0.0])}
     rows.append({"call": "triton path per mixer call: triton_ttt per branch, fwd + bwd node, summed"} | own)
     if nodes:
-        rows.append(
-            {"call": f"{NODE}: fwd + bwd in the node, summed"}
-            | {k: sum(by[p][k] for p in parts) for k in own}
-        )
+        for suffix in ("", b2b):
+            rows.append(
+                {"call": f"{NODE}: fwd + bwd in the node, summed{suffix}"}
+                | {k: sum(by[p + suffix][k] for p in parts) for k in own}
+            )
         # Over the floor, round by round (back to back): what the node costs beyond any Python autograd node.
         floor = samples["floor: an empty autograd node, fwd+bwd (back to back)"]
         for label in nodes:

@@ -39,14 +39,19 @@ def grad_flows(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+@functools.cache
+def _autocast_available(device: str) -> bool:
+    return torch.amp.is_autocast_available(device)
+
+
 def _autocast_on(device: str) -> bool:
     """Whether autocast is on for ``device`` (a type without autocast, such as ``meta``: off)."""
-    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    return _autocast_available(device) and torch.is_autocast_enabled(device)
 
 
 def autocast_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     """Decorates an autograd node's ``forward``: records the autocast state of its tensors' device (the first
-    tensor argument's) and the dtype of every tensor argument, for :func:`autocast_backward`.
+    tensor argument's), for :func:`autocast_backward`.
 
     ``torch.amp.custom_fwd`` / ``custom_bwd`` for a node that runs on any device: those take the device type
     when the class is defined, our nodes see it in their arguments.
@@ -54,10 +59,12 @@ def autocast_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(forward)
     def wrapper(ctx: Any, *args: Any) -> Any:
-        device = next(a.device.type for a in args if isinstance(a, Tensor))
+        first = args[0]  # the nodes take a tensor first: no search (a per-call cost of every node)
+        device = (
+            first if isinstance(first, Tensor) else next(a for a in args if isinstance(a, Tensor))
+        ).device.type
         enabled = _autocast_on(device)
         ctx.autocast = (device, enabled, torch.get_autocast_dtype(device) if enabled else None)
-        ctx.input_dtypes = tuple(a.dtype if isinstance(a, Tensor) else None for a in args)
         return forward(ctx, *args)
 
     return wrapper
@@ -66,7 +73,8 @@ def autocast_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
 def autocast_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
     """Decorates the ``backward`` of a node whose ``forward`` has :func:`autocast_forward`: it runs under the
     forward's autocast state, wherever ``backward()`` is called (inside an autocast region or after it, the
-    usual pattern), and returns each input's gradient in that input's dtype.
+    usual pattern). Each input's gradient comes back in that input's dtype by the autograd engine's rule (it
+    casts a node's gradients to its inputs' dtypes).
 
     Without it a backward meets the caller's state: fp32 weights saved by a forward under autocast against
     16-bit gradients outside it, or fp32 math of a node that turned autocast off downcast inside it.
@@ -77,18 +85,9 @@ def autocast_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         device, enabled, dtype = ctx.autocast
         now = _autocast_on(device)
         if now == enabled and (not now or torch.get_autocast_dtype(device) == dtype):
-            out = backward(ctx, *grads)
-        elif enabled:
-            with torch.autocast(device, dtype=dtype):
-                out = backward(ctx, *grads)
-        else:
-            with torch.autocast(device, enabled=False):
-                out = backward(ctx, *grads)
-        out = out if isinstance(out, tuple) else (out,)
-        return tuple(
-            g if g is None or dt is None or g.dtype == dt else g.to(dt)
-            for g, dt in zip(out, ctx.input_dtypes)
-        )
+            return backward(ctx, *grads)
+        with torch.autocast(device, dtype=dtype) if enabled else torch.autocast(device, enabled=False):
+            return backward(ctx, *grads)
 
     return wrapper
 

@@ -195,6 +195,29 @@ def test_inference_writes_the_training_output_and_saves_nothing(triton_device):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("how", ["program", "branch-hooks"])
+def test_swiglu_weight_gradients_are_kept_as_the_kernels_write_them(how, per_branch, triton_device):
+    """W1's and W2's gradients come out contiguous, side by side in one buffer (``[2, 1, G, c, c]``), so
+    autograd keeps them as ``.grad`` (``zero_grad``'s ``None``) instead of copying each: both ``.grad`` s on the
+    kernel's one buffer. (Interleaved ``[1, G, 2, c, c]`` halves were copied, one storage each.)"""
+    branches, b, grid = CASES["official"]
+    plan = _plan(branches, grid)
+    qkv, weights = _inputs(plan, b, torch.float32, triton_device)
+    weights = [w.requires_grad_() for w in weights]
+
+    def train(plan, qkv, weights):
+        em.eager_mix(qkv.requires_grad_(), plan, weights).sum().backward()
+
+    if how == "program":
+        train(plan, qkv, weights)
+    else:
+        per_branch(plan, qkv, weights, how=train)
+    w1, w2 = weights[:2]
+    assert w1.grad.is_contiguous() and w2.grad.is_contiguous()
+    assert w1.grad.untyped_storage().data_ptr() == w2.grad.untyped_storage().data_ptr()
+
+
+@pytest.mark.triton
 def test_a_second_order_backward_goes_through_the_references(triton_device):
     """``create_graph=True``: the saved qkv and weights (the program's saved list ends with them) feed the
     reference's differentiable backward."""
@@ -335,9 +358,12 @@ def test_workspace_buffers_are_aligned_and_apart(triton_device):
     _run(plan, qkv, weights)
     (program,) = em._layout(plan).programs.values()
     launches, n_saved, n_scratch, _ = program._forward(True)
+    infer, no_saved, n_infer, _ = program._forward(False)
     (back, n_back, _) = next(iter(program._backwards.values()))
     sizes = {(launches, tprogram.SAVED): n_saved, (launches, tprogram.SCRATCH): n_scratch,
-             (back, tprogram.B_SCRATCH): n_back}  # fmt: skip
+             (infer, tprogram.SCRATCH): n_infer, (back, tprogram.B_SCRATCH): n_back}  # fmt: skip
+    # inference keeps nothing: its G, ||G|| lie in its scratch (a saved workspace of 0 bytes held them before)
+    assert no_saved == 0 and all(w.base != tprogram.SAVED for w in infer.places)
     for (run, base), size in sizes.items():
         spans = sorted((w.offset, w.offset + tprogram._nbytes(tplan._Buffer(w.shape, w.stride, w.dtype)))
                        for w in run.places if w.base == base)  # fmt: skip
@@ -378,6 +404,17 @@ def test_cleared_plans_and_another_launcher_make_a_new_program(monkeypatch, trit
     with torch.no_grad():
         em.eager_mix(qkv, plan, weights)
     assert made["n"] == 3
+
+
+def test_an_address_past_its_storage_is_refused():
+    """The interpreter's addresses are as strict as a GPU's: past the end of its base, an error (``set_`` would
+    grow the storage and the call would pass where a GPU writes out of bounds)."""
+    storage = torch.empty(64, dtype=torch.uint8).untyped_storage()
+    inside = tprogram._Where(0, 32, torch.float32, (8,), (1,))
+    assert tprogram.at_address((storage, 0), inside).data_ptr() == storage.data_ptr() + 32
+    with pytest.raises(ValueError, match="reaches byte 68 of a storage of 64 bytes"):
+        tprogram.at_address((storage, 4), inside)
+    assert storage.nbytes() == 64
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)

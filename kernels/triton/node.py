@@ -47,7 +47,7 @@ class _Entry:
 
     def __init__(self, key: Any, metas: tuple, tag: str) -> None:
         self.key, self.metas, self.tag = key, metas, tag
-        self.two = metas[4] is not None  # SwiGLU: two weights, dW [1, G, 2, c, c]
+        self.two = metas[4] is not None  # SwiGLU: two weights, dW [2, 1, G, c, c]
         self.forwards: dict[bool, _Plan] = {}
         self.backwards: dict[tuple, _Plan] = {}
 
@@ -148,4 +148,4 @@ def backward(
     w2 = rest[0] if entry.two else w1
     grads = (dq, dk, dv)
     dw = entry.backward(saved, d_out, grads).run((d_out, q, k, v, w1, w2, gbuf, nbuf, *grads), _live(q))[3]
-    return tuple(dw.unbind(2)) if entry.two else (dw,)
+    return tuple(dw.unbind(0)) if entry.two else (dw,)

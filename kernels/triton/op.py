@@ -109,8 +109,8 @@ def _bwd_op(
 
 
 def _weight_grads(dw: Tensor, two: bool) -> tuple[Tensor, Tensor | None]:
-    """``dW`` of the plan as the weights' gradients: SwiGLU's ``[1, G, 2, c, c]`` in two, else as it is."""
-    return dw.unbind(2) if two else (dw, None)
+    """``dW`` of the plan as the weights' gradients: SwiGLU's ``[2, 1, G, c, c]`` in two, else as it is."""
+    return dw.unbind(0) if two else (dw, None)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

@@ -263,14 +263,16 @@ def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: 
     split, per = reduce_split(b * nuse, g * _cdiv(e, gpu_e), arch)
     kw = {"BLOCK_T": REDUCE_BLOCK_T, "BLOCK_E": block_e, "ACC": acc_tl, "num_warps": REDUCE_WARPS,
           "num_stages": 1}  # fmt: skip
-    final = (1, 9) if conv else (d, 1)  # the conv weight [G*d, 3, 3]: element (tap, c) at c * 9 + tap
+    # (head stride, weight stride, rows per weight, row stride, column stride) of dW: the conv weight
+    # [G*d, 3, 3], element (tap, c) at c * 9 + tap; W1, W2 [(2,) 1, G, d, d], each contiguous
+    final = (e, 0, e // d, 1, 9) if conv else (d * d, g * d * d, d, d, 1)
     kernel = step_kernels.wgrad_reduce_kernel
     if split == 1:
         args = (part, dw, b, g, e, d, length, lo, nuse, per, 1, *final)
         bld.launch("wgrad_reduce_kernel", kernel, blocks, args, kw)
         return
     runs = bld.buffer(split, g, e, dtype=acc)
-    args = (part, runs, b, g, e, d, length, lo, nuse, per, split, d, 1)
+    args = (part, runs, b, g, e, d, length, lo, nuse, per, split, e, 0, e // d, d, 1)
     bld.launch("wgrad_reduce_kernel[runs]", kernel, blocks * split, args, kw)
     args = (runs, dw, split, g, e, d, 1, 0, 1, split, 1, *final)
     bld.launch("wgrad_reduce_kernel[final]", kernel, blocks, args, kw)
@@ -405,7 +407,7 @@ def _backward_template(key: _Key, metas: tuple, dout_meta: tuple, grad_metas: tu
     part = bld.buffer(bgn, s + 1, nw, r, d, dtype=acc)
     dgbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
     dq, dk, dv = given or (bld.buffer(b, n_tok, g, d, dtype=t.dtype, perm=(0, 2, 1, 3)) for t in (q, k, v))
-    dw = bld.buffer(*((1, g * d, 3, 3) if conv else (1, g, nw, d, d) if nw == 2 else (1, g, d, d)), dtype=acc)
+    dw = bld.buffer(*((1, g * d, 3, 3) if conv else (2, 1, g, d, d) if nw == 2 else (1, g, d, d)), dtype=acc)
     sizes = (bgn, g, n_tok, d, cfg.chunk, s)
     io = (*q.stride(), *dout.stride(), *dq.stride())
     kv = (*k.stride(), *v.stride(), *dk.stride(), *dv.stride())
@@ -468,7 +470,7 @@ def backward_plan(
     arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None,
 ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
     """The backward's gradients ``(dq, dk, dv, dW)`` (allocated, unwritten) and the launches that write them
-    (as ``forward_plan``). ``dW`` is SwiGLU's ``[1, G, 2, c, c]``, the linear model's ``[1, G, c, c]`` or the
+    (as ``forward_plan``). ``dW`` is SwiGLU's ``[2, 1, G, c, c]``, the linear model's ``[1, G, c, c]`` or the
     depthwise conv's ``[1, G*c, 3, 3]``."""
     key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
     plan = _backward_template(key, tuple(_meta(t) for t in (q, k, v, w1, w2)), _meta(dout))

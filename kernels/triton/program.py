@@ -33,7 +33,7 @@ from ..ops import NodeCall, tag_branch
 from . import plan
 from .device import _interpreting
 from .node import checked_entry, state_of
-from .plan import _backward_template, _Buffer, _forward_template, _meta, _on_device
+from .plan import _backward_template, _Buffer, _forward_template, _meta
 
 __all__ = ["Address", "MixProgram", "at_address", "backward", "clear", "forward", "program_key"]
 
@@ -83,6 +83,9 @@ def at_address(base: tuple[Any, int], where: _Where) -> Tensor:
     size = where.dtype.itemsize
     if at % size:
         raise ValueError(f"an address {at} bytes into a storage is not aligned to {where.dtype}")
+    end = at + _nbytes(where)
+    if end > storage.nbytes():  # ``set_`` would grow the storage: a GPU would write past its allocation
+        raise ValueError(f"an address reaches byte {end} of a storage of {storage.nbytes()} bytes")
     t = torch.empty(0, dtype=where.dtype, device=storage.device)
     return t.set_(storage, at // size, where.shape, where.stride)
 
@@ -149,6 +152,7 @@ class _Launches:
             found.append((branch, label, run, take))
         self.steps = tuple(found)
         self.addresses = [Address(0, w.dtype, w.shape, w.stride) for w in self.places]
+        self.binds = tuple((a, w.base, w.offset) for a, w in zip(self.addresses, self.places))
         values = [*self.addresses, *self.consts]
         self.gpu = tuple((branch, run, take(values)) for branch, _, run, take in self.steps)
         self.lock = threading.Lock()
@@ -164,8 +168,8 @@ class _Launches:
             _run(launches)
             return
         with self.lock:
-            for address, where in zip(self.addresses, self.places):
-                address.address = bases[where.base] + where.offset
+            for address, base, offset in self.binds:
+                address.address = bases[base] + offset
             _run(self.gpu)
 
 
@@ -248,8 +252,8 @@ class MixProgram:
             template = _forward_template(key, save, metas[:5], metas[5])
             wheres = [*qkv_at, *w_at, out_at]
             outs = set(template.outputs[1:])
-            for j, buf in enumerate(template.buffers, start=len(wheres)):
-                wheres.append((saved if j in outs else scratch).place(buf))
+            for j, buf in enumerate(template.buffers, start=len(wheres)):  # inference: all in the scratch
+                wheres.append((saved if save and j in outs else scratch).place(buf))
             kept.append(tuple(wheres[j] for j in template.outputs[1:]))
             launches.add(i, template, wheres)
         launches.build()
@@ -261,12 +265,15 @@ class MixProgram:
         unless ``save``) and where in it each branch's lie, for the backward."""
         launches, n_saved, n_scratch, kept = self._forwards.get(save) or self._forward(save)
         device = qkv.device
-        ws = _alloc(n_saved if save else 0, device)
         scratch = _alloc(n_scratch, device)
+        ws = _alloc(n_saved, device) if save else scratch  # inference saves nothing (n_saved 0): no workspace
         base = _storage_base if self.interpret else Tensor.data_ptr
-        bases = [base(qkv), base(out), base(ws), base(scratch), *map(base, weights)]
-        with _on_device(device):
-            launches.run(bases, self.interpret)
+        _launch(
+            launches,
+            [base(qkv), base(out), base(ws), base(scratch), *map(base, weights)],
+            device,
+            self.interpret,
+        )
         return ws, kept
 
     def _backward(
@@ -303,7 +310,7 @@ class MixProgram:
     ) -> list[tuple[Tensor, ...]]:  # fmt: skip
         """Writes dq, dk, dv of every branch into ``dqkv``; returns each branch's initial weights' per-sample
         gradients. ``calls``: makes each branch's (dout, dq, dk, dv) views (the first time of a layout)."""
-        layout = (d_out.stride(), dqkv.stride())
+        layout = d_out.stride()  # dqkv: made by the node, qkv's shape (the program's key), contiguous
         found = self._backwards.get(layout)
         if found is None:
             found = self._backwards[layout] = self._backward(kept, calls(), d_out, dqkv)
@@ -321,13 +328,22 @@ class MixProgram:
             *map(base, dws),
             *map(base, weights),
         ]
-        with _on_device(device):
-            launches.run(bases, self.interpret)
-        return [tuple(dw.unbind(2)) if two else (dw,) for dw, two in zip(dws, self.two)]
+        _launch(launches, bases, device, self.interpret)
+        return [tuple(dw.unbind(0)) if two else (dw,) for dw, two in zip(dws, self.two)]
 
     def labels(self, save: bool = True) -> list[tuple[int, str]]:
         """The forward's launches as (branch, kernel label), in order."""
         return [(branch, label) for branch, label, *_ in self._forward(save)[0].steps]
+
+
+def _launch(launches: _Launches, bases: list[Any], device: torch.device, interpret: bool) -> None:
+    """``launches`` on ``bases`` with ``device`` current where it is a GPU (``plan._on_device``'s rule; the
+    program runs in eager mode only, never traced)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            launches.run(bases, interpret)
+    else:
+        launches.run(bases, interpret)
 
 
 def _storage_base(t: Tensor) -> tuple[Any, int]:
@@ -366,7 +382,7 @@ def forward(
 ) -> tuple[list[Tensor], Any]:  # fmt: skip
     """``Whole.forward`` of the Triton path: the program of ``(qkv, weights)`` found in ``cache`` or made from
     ``calls()``, run; saves the workspace of ``G``, ``||G||``."""
-    key = (_GENERATION[0], *program_key(qkv, weights))
+    key = (_GENERATION[0], program_key(qkv, weights))
     program = cache.get(key)
     if program is None:
         if len(cache) >= MAX_PROGRAMS:

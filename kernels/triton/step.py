@@ -61,7 +61,7 @@ def step_bwd_kernel(
 @triton.jit
 def wgrad_reduce_kernel(
     part_ptr, out_ptr,
-    B, G, E, D, L, LO, NUSE, PER, SPLIT, OUT_SR, OUT_SC,
+    B, G, E, D, L, LO, NUSE, PER, SPLIT, OUT_SG, OUT_SW, R, OUT_SR, OUT_SC,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """One stage of the weight-gradient reduction ``out[g] = Σ_b Σ_slot part[b, g, slot]``, split over programs.
@@ -69,9 +69,11 @@ def wgrad_reduce_kernel(
     ``part_ptr`` is ``[B, G, L, E]`` (``E = NW * R * D`` numbers per slot), of which slots ``LO .. LO+NUSE-1``
     are summed. The ``B * NUSE`` items are cut into ``SPLIT`` runs of ``PER`` (one per program, with one
     block of ``BLOCK_E`` numbers), each summed in a fixed order, ``BLOCK_T`` items at a time; program
-    ``(j, g)`` writes its run's sum to ``out_ptr`` ``[SPLIT, G, ...]``, element ``e`` (row ``e // D``,
-    column ``e % D``) at ``(e // D) * OUT_SR + (e % D) * OUT_SC``: a second stage with ``SPLIT = 1`` sums the
-    runs, and writes the depthwise conv's ``[taps, channels]`` as its weight's ``[channels, taps]``.
+    ``(j, g)`` writes its run's sum ``OUT_SG`` elements apart per ``(j, g)``, element ``e`` (row ``e // D``,
+    column ``e % D``; rows ``R`` to a weight) at ``(row // R) * OUT_SW + (row % R) * OUT_SR + (e % D) *
+    OUT_SC``: the runs ``[SPLIT, G, E]``; a second stage with ``SPLIT = 1`` sums the runs and writes SwiGLU's
+    two weights apart (``[2, 1, G, c, c]``: each gradient contiguous, which autograd keeps as it is) and the
+    depthwise conv's ``[taps, channels]`` as its weight's ``[channels, taps]``.
     """
     n_eb = tl.cdiv(E, BLOCK_E)
     pid, eb, j, g = program(SPLIT, n_eb)
@@ -87,5 +89,12 @@ def wgrad_reduce_kernel(
         row = (item // NUSE * G + g) * L + LO + item % NUSE
         mask = (item[:, None] < t1) & (e[None, :] < E)
         acc += tl.load(part_ptr + row.to(tl.int64)[:, None] * E + e[None, :], mask=mask, other=0.0).to(ACC)
-    dst = out_ptr + (j * G + g).to(tl.int64) * E + (e // D) * OUT_SR + (e % D) * OUT_SC
+    row = e // D
+    dst = (
+        out_ptr
+        + (j * G + g).to(tl.int64) * OUT_SG
+        + (row // R) * OUT_SW
+        + (row % R) * OUT_SR
+        + (e % D) * OUT_SC
+    )
     tl.store(dst, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=e < E)

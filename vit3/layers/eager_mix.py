@@ -235,23 +235,21 @@ def _whole_grads(d_out: Tensor, dqkv: Tensor, layout: _Layout) -> list[tuple[Ten
     return views
 
 
-@once_differentiable
 def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     """Every branch's backward hooks: dq, dk, dv into one qkv gradient, the weights' gradients."""
-    layout = ctx.layout
+    layout, tags, qkv_shape, weight_shapes = ctx.state
     plan, hyper = layout.plan, layout.hyper
-    qkv_shape, weight_shapes = ctx.shapes
     saved = ctx.saved_tensors
     dqkv = d_out.new_empty(qkv_shape)
     if layout.whole is not None:
-        dws = layout.whole.backward(d_out, dqkv, saved, ctx.tags, lambda: _whole_grads(d_out, dqkv, layout))
+        dws = layout.whole.backward(d_out, dqkv, saved, tags, lambda: _whole_grads(d_out, dqkv, layout))
         flat = [dw for branch in dws for dw in branch]
-        return (dqkv, None, None, *(weight_grad(dw, shape) for dw, shape in zip(flat, weight_shapes)))
+        return (dqkv, None, None, *map(weight_grad, flat, weight_shapes))
     geom, out_geom = _geom(dqkv), _geom(d_out)
     grads: list[Tensor] = []
     col, wi = 0, 0
     for i, (br, (node, count, width), (start, n_saved, tag)) in enumerate(
-        zip(plan.branches, layout.nodes, ctx.tags)
+        zip(plan.branches, layout.nodes, tags)
     ):
         # as the hooks take them (dq, dk as tokens to rotate back)
         dq, dk, dv = _branch_views(dqkv, geom, br, node.heads)
@@ -275,15 +273,20 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     return (dqkv, None, None, *grads)
 
 
+# Under create_graph=True where a branch's backward cannot be differentiated: an error if its result is.
+_backward_once = once_differentiable(_backward)
+
+
 def _backward_twice(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     """A backward that is itself differentiable (``create_graph=True``): autograd through ``reference_mix`` on
     the saved qkv and weights, in float32 at least (the hooks' backwards have no derivative of their own)."""
-    count = len(ctx.shapes[1])
+    layout, _, _, weight_shapes = ctx.state
+    count = len(weight_shapes)
     qkv, *weights = ctx.saved_tensors[-1 - count :]
     inputs = [qkv, *weights]
     wanted = [t for t in inputs if t.requires_grad]
     acc = torch.promote_types(qkv.dtype, torch.float32)
-    out = reference_mix(qkv.to(acc), ctx.layout.plan, [w.to(acc) for w in weights])
+    out = reference_mix(qkv.to(acc), layout.plan, [w.to(acc) for w in weights])
     grads = iter(torch.autograd.grad(out, wanted, d_out.to(acc), create_graph=True, allow_unused=True))
     got = [next(grads) if t.requires_grad else None for t in inputs]
     return (got[0], None, None, *got[1:])
@@ -296,16 +299,15 @@ class _EagerMix(torch.autograd.Function):
         out, saved, tags = _forward(qkv, layout, save, weights)
         if save:  # then qkv and the weights, where the backward is differentiable or the whole-node hooks run
             ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice or layout.whole else ()))
-        ctx.layout, ctx.tags = layout, tags
-        ctx.shapes = (qkv.shape, [w.shape for w in weights])
+        ctx.state = (layout, tags, qkv.shape, [w.shape for w in weights])
         return out
 
     @staticmethod
     @autocast_backward  # the forward runs with autocast off (the mixer's inner loops): so does this
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        if torch.is_grad_enabled() and ctx.layout.twice:  # create_graph=True
-            return _backward_twice(ctx, d_out)
-        return _backward(ctx, d_out)
+        if not torch.is_grad_enabled():  # the usual backward (not create_graph): no wrapper to pay for
+            return _backward(ctx, d_out)
+        return (_backward_twice if ctx.state[0].twice else _backward_once)(ctx, d_out)
 
 
 def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
