@@ -148,8 +148,8 @@ class Whole(NamedTuple):
             ``state`` what the backward gets back. An exception names its branch (``BRANCH_ATTR``).
         backward: ``(d_out, dqkv, saved, state, calls) -> grads``: writes dq, dk, dv of every branch into
             ``dqkv`` (qkv's shape); ``saved``: the forward's, then qkv and the weights; ``calls()`` makes each
-            branch's ``(dout, dq, dk, dv)`` heads views; returns each branch's per-sample initial-weight
-            gradients (as ``Node.backward``).
+            branch's ``(dout, dq, dk, dv)`` heads views; returns each branch's initial-weight gradients in
+            the weights' shapes (summed over the batch: the node returns them as they are).
     """
 
     forward: Callable[..., tuple[list[Tensor], Any]]

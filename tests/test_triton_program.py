@@ -266,8 +266,8 @@ def _fixed_buffers(monkeypatch) -> None:
     monkeypatch.setattr(
         tprogram, "_alloc", lambda n, device: made.setdefault(n, torch.empty(n, dtype=torch.uint8))
     )
-    real = tprogram._alloc_like
-    monkeypatch.setattr(tprogram, "_alloc_like", lambda buf, device: made.setdefault(buf, real(buf, device)))
+    real = tplan._Buffer.alloc
+    monkeypatch.setattr(tplan._Buffer, "alloc", lambda buf, device: made.setdefault(buf, real(buf, device)))
 
 
 @pytest.mark.parametrize("case", ["official", "two-swiglu-dwconv"])

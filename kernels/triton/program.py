@@ -158,19 +158,23 @@ class _Launches:
         self.lock = threading.Lock()
         del self._places, self._consts, self._launches
 
-    def run(self, bases: Sequence[Any], interpret: bool) -> None:
-        """Launches on ``bases`` (device pointers, or ``(storage, byte start)`` under the interpreter); an
-        exception names its branch (``BRANCH_ATTR``)."""
+    def run(self, bases: Sequence[Any], interpret: bool, device: torch.device) -> None:
+        """Launches on ``bases`` (device pointers, or ``(storage, byte start)`` under the interpreter), with
+        ``device`` current where it is a GPU (``plan._on_device``'s rule; a program runs in eager mode only,
+        never traced); an exception names its branch (``BRANCH_ATTR``)."""
         if interpret:
             values = [at_address(bases[where.base], where) for where in self.places]
             values += self.consts
-            launches = tuple((branch, run, take(values)) for branch, _, run, take in self.steps)
-            _run(launches)
+            _run(tuple((branch, run, take(values)) for branch, _, run, take in self.steps))
             return
         with self.lock:
             for address, base, offset in self.binds:
                 address.address = bases[base] + offset
-            _run(self.gpu)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    _run(self.gpu)
+            else:
+                _run(self.gpu)
 
 
 def _runner(launcher: Any, grid: tuple[int, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -268,12 +272,8 @@ class MixProgram:
         scratch = _alloc(n_scratch, device)
         ws = _alloc(n_saved, device) if save else scratch  # inference saves nothing (n_saved 0): no workspace
         base = _storage_base if self.interpret else Tensor.data_ptr
-        _launch(
-            launches,
-            [base(qkv), base(out), base(ws), base(scratch), *map(base, weights)],
-            device,
-            self.interpret,
-        )
+        bases = [base(qkv), base(out), base(ws), base(scratch), *map(base, weights)]
+        launches.run(bases, self.interpret, device)
         return ws, kept
 
     def _backward(
@@ -316,7 +316,7 @@ class MixProgram:
             found = self._backwards[layout] = self._backward(kept, calls(), d_out, dqkv)
         launches, n_scratch, dw_bufs = found
         device = d_out.device
-        dws = [_alloc_like(buf, device) for buf in dw_bufs]
+        dws = [buf.alloc(device) for buf in dw_bufs]
         scratch = _alloc(n_scratch, device)
         base = _storage_base if self.interpret else Tensor.data_ptr
         bases = [
@@ -328,7 +328,7 @@ class MixProgram:
             *map(base, dws),
             *map(base, weights),
         ]
-        _launch(launches, bases, device, self.interpret)
+        launches.run(bases, self.interpret, device)
         return [tuple(dw.unbind(0)) if two else (dw,) for dw, two in zip(dws, self.two)]
 
     def labels(self, save: bool = True) -> list[tuple[int, str]]:
@@ -336,34 +336,14 @@ class MixProgram:
         return [(branch, label) for branch, label, *_ in self._forward(save)[0].steps]
 
 
-def _launch(launches: _Launches, bases: list[Any], device: torch.device, interpret: bool) -> None:
-    """``launches`` on ``bases`` with ``device`` current where it is a GPU (``plan._on_device``'s rule; the
-    program runs in eager mode only, never traced)."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            launches.run(bases, interpret)
-    else:
-        launches.run(bases, interpret)
-
-
 def _storage_base(t: Tensor) -> tuple[Any, int]:
     return t.untyped_storage(), t.storage_offset() * t.element_size()
 
 
 def _alloc(nbytes: int, device: torch.device) -> Tensor:
-    return _filled(torch.empty(nbytes, dtype=torch.uint8, device=device))
+    t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return t if plan.DEBUG_FILL is None else t.fill_(255)  # all bits set: a NaN of every float type
 
-
-def _alloc_like(buf: _Buffer, device: torch.device) -> Tensor:
-    return _filled(torch.empty_strided(buf.shape, buf.stride, dtype=buf.dtype, device=device))
-
-
-def _filled(t: Tensor) -> Tensor:
-    """``t`` filled with ``plan.DEBUG_FILL`` (all bits set, a NaN of every float type, in a byte workspace)
-    where that is set."""
-    if plan.DEBUG_FILL is None:
-        return t
-    return t.fill_(255) if t.dtype == torch.uint8 else t.fill_(plan.DEBUG_FILL)
 
 
 # Bumped by ``clear``: the programs cached before are not found again.

@@ -243,8 +243,7 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     dqkv = d_out.new_empty(qkv_shape)
     if layout.whole is not None:
         dws = layout.whole.backward(d_out, dqkv, saved, tags, lambda: _whole_grads(d_out, dqkv, layout))
-        flat = [dw for branch in dws for dw in branch]
-        return (dqkv, None, None, *map(weight_grad, flat, weight_shapes))
+        return (dqkv, None, None, *[dw for branch in dws for dw in branch])
     geom, out_geom = _geom(dqkv), _geom(d_out)
     grads: list[Tensor] = []
     col, wi = 0, 0
