@@ -20,10 +20,10 @@ from helpers.common import REPO, count_calls
 from helpers.ops import AMD_GPUS, needs_kernels
 
 import vit3
-from vit3.kernels import triton_path
+from vit3.kernels import cpp, triton_path
 from vit3.kernels.triton import device as tdev
 from vit3.kernels.triton import program as tprogram
-from vit3.layers import TTTMixer
+from vit3.layers import TTTMixer, ttt
 from vit3.layers import backends as reg
 from vit3.scripts.explain import main as cli_main
 
@@ -269,3 +269,40 @@ def test_explain_says_when_the_fused_node_is_one_launch_program(monkeypatch, rop
     mixer(x, BIG_GRID)
     mixer(x, BIG_GRID)  # settled: the fused node itself
     assert (called["n"] > 0) is (not rope)
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp64", "eager", "bf16-autocast", "cpp-node-off"])
+def test_explain_says_when_settled_calls_run_as_the_cpp_op(monkeypatch, case):
+    """Every branch on the C++ kernel, the parameters in the tokens' dtype: settled calls run the whole-mixer
+    C++ op (its autograd node in the graph); explain says so exactly then (not on eager, under bf16 autocast,
+    nor with ``ttt.CPP_NODE`` off)."""
+    if cpp.load()[0] is None:
+        pytest.skip("the C++ CPU kernel is not built here")
+    dtype = torch.float64 if case == "fp64" else torch.float32
+    mixer = hb.make_mixer(dtype=dtype)
+    x = hb.tokens(BIG_GRID, dtype=dtype).requires_grad_()
+    if case == "eager":
+        monkeypatch.setenv(reg.BACKEND_ENV, "eager")
+    if case == "cpp-node-off":
+        monkeypatch.setattr(ttt, "CPP_NODE", False)
+    expected = case in ("fp32", "fp64")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16-autocast"):
+        expl = mixer.explain(x, BIG_GRID)
+        assert expl.fused and expl.cpp_op is expected
+        assert ("as one C++ op (vit3_cpu::mix)" in str(expl)) is expected
+        assert json.loads(json.dumps(expl.to_dict()))["cpp_op"] is expected
+        for _ in range(3):  # the first calls (and their backward) guarded through the Python node: settled
+            mixer.mix(mixer.qkv(x), BIG_GRID).sum().backward()
+        out = mixer.mix(mixer.qkv(x), BIG_GRID)  # (``forward`` may wrap it in its recompute node)
+    assert any("MixFunction" in node.name() for node in _graph(out.grad_fn)) is expected
+
+
+def _graph(node) -> list:
+    """Every autograd node behind ``node``."""
+    seen, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if n is not None and n not in seen:
+            seen.append(n)
+            stack += [nxt for nxt, _ in n.next_functions]
+    return seen

@@ -345,7 +345,6 @@ def _alloc(nbytes: int, device: torch.device) -> Tensor:
     return t if plan.DEBUG_FILL is None else t.fill_(255)  # all bits set: a NaN of every float type
 
 
-
 # Bumped by ``clear``: the programs cached before are not found again.
 _GENERATION = [0]
 MAX_PROGRAMS = 64  # per node plan; then its cache is forgotten at once

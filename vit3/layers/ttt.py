@@ -69,6 +69,18 @@ def _call_key(qkv: Tensor, grid: tuple[int, int], grad: bool) -> tuple:
     return (qkv.device, qkv.dtype, qkv.shape[1], grad, grid, backends.epoch())
 
 
+def _takes_cpp_op(plan: backends.Plan, mix_plan: MixPlan | None) -> bool:
+    """Whether an untraced call on ``plan`` (its fused node's ``mix_plan``, ``None`` where not fused) runs, once
+    settled, as the whole-mixer C++ op ``torch.ops.vit3_cpu.mix``: every branch on ``cpu`` and in the op
+    (``Node.mix``), ``CPP_NODE`` on (the call adds: no gates, the weights in qkv's dtype)."""
+    return (
+        CPP_NODE
+        and mix_plan is not None
+        and all(b == "cpu" for b in plan.backends)
+        and all(OPS[br.kind].paths["cpu"].node.mix is not None for br in mix_plan.branches)
+    )
+
+
 def _cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
     """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_plan`` on tensors like ``qkv`` (its key's
     device, dtype and N): per branch its kind, offset, heads, head dim, RoPE and token block (its op's
@@ -201,15 +213,7 @@ class TTTMixer(nn.Module):
                 c.recompute,
             )
             mix_plan = self._mix_plan(plan, grid) if plan.fused else None
-            cpp = (
-                _cpp_args(mix_plan, qkv)
-                if CPP_NODE
-                and mix_plan is not None
-                and not kind
-                and all(b == "cpu" for b in plan.backends)
-                and all(OPS[br.kind].paths["cpu"].node.mix is not None for br in mix_plan.branches)
-                else None
-            )
+            cpp = _cpp_args(mix_plan, qkv) if not kind and _takes_cpp_op(plan, mix_plan) else None
             found = _Call(plan, mix_plan, cpp)
             if not kind:  # traced grids and sizes may be symbolic: not kept
                 if len(self._calls) >= _MAX_CALLS or any(k[-1] != key[-1] for k in self._calls):
@@ -366,6 +370,14 @@ class TTTMixer(nn.Module):
         ):
             return None
         return torch.ops.vit3_cpu.mix(qkv, flat, *call.cpp)
+
+    def _runs_cpp_op(self, plan: backends.Plan, grid: tuple[int, int], dtype: torch.dtype) -> bool:
+        """Whether a settled call on ``plan`` with ``dtype`` tokens runs as the whole-mixer C++ op (what
+        ``explain`` says; the call's own rule, ``_takes_cpp_op``, with the parameters in that dtype)."""
+        mix_plan = self._mix_plan(plan, grid) if plan.fused else None
+        return all(
+            p.dtype is dtype for m in self.inner for p in m.initial_params().values()
+        ) and _takes_cpp_op(plan, mix_plan)
 
     def _mix_plan(self, plan: backends.Plan, grid: tuple[int, int]) -> MixPlan:
         """The fused eager node's ``MixPlan`` for ``plan`` on ``grid``."""

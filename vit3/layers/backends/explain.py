@@ -56,6 +56,8 @@ class MixerExplanation:
     recompute: str = ""
     # the fused node runs every branch in one call of their path's whole-node hooks (Triton's launch program)
     program: bool = False
+    # settled calls run as the whole-mixer C++ op (``torch.ops.vit3_cpu.mix``), no node in Python
+    cpp_op: bool = False
 
     def __str__(self) -> str:
         mode = "training" if self.grad else "inference"
@@ -64,7 +66,8 @@ class MixerExplanation:
             f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
             "  "
             + ("one fused eager node runs every branch" if self.fused else "branch by branch")
-            + (", as one launch program" if self.program else ""),
+            + (", as one launch program" if self.program else "")
+            + (", as one C++ op (vit3_cpu::mix) once settled" if self.cpp_op else ""),
         ]
         if self.recompute:
             lines.append(f"  SwiGLU backward: {self.recompute}")
@@ -93,6 +96,7 @@ class MixerExplanation:
             "requested": self.requested,
             "fused_node": self.fused,
             "launch_program": self.program,
+            "cpp_op": self.cpp_op,
             "recompute": self.recompute,
             "branches": [b.to_dict() for b in self.branches],
         }
@@ -116,6 +120,10 @@ def explain_mixer(
         out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
     fused = fuses([b.backend for b in out], [b.name for b in out], settings.loss, "")
     program = fused and _one_program(mixer, out, grid)
+    # asked of the mixer (its call's rule) where every branch takes the C++ kernel at all
+    cpp_op = (
+        fused and all(b.backend == "cpu" for b in out) and mixer._runs_cpp_op(_fused_plan(out), grid, dtype)
+    )
     lean = grad and (
         recompute_mode(cfg.recompute)[0] == "qkv"
         or any(b.name == "swiglu" and b.backend in _LEAN for b in out)
@@ -133,7 +141,13 @@ def explain_mixer(
         tuple(out),
         recompute_choice(cfg.recompute)[1] if lean else "",
         program,
+        cpp_op,
     )
+
+
+def _fused_plan(out: list[BranchExplanation]) -> Plan:
+    """The fused ``Plan`` of the branches' backends (what the mixer's rules read of a plan)."""
+    return Plan(tuple(b.backend for b in out), True, (), "", ())
 
 
 def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int, int]) -> bool:
@@ -144,7 +158,7 @@ def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int
         path = OPS[b.name].paths.get(b.backend) if b.name in OPS else None
         if path is None or path.node is None or path.node.whole is None:
             return False
-    return runs_whole(mixer._mix_plan(Plan(tuple(b.backend for b in out), True, (), "", ()), grid))
+    return runs_whole(mixer._mix_plan(_fused_plan(out), grid))
 
 
 @dataclass(frozen=True)
