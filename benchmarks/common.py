@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -243,3 +244,18 @@ def apply_runtime(args: argparse.Namespace) -> None:
         from vit3.engine.cpu import tune_malloc
 
         tune_malloc()
+
+
+class FloorNode(torch.autograd.Function):
+    """The least a Python autograd node with the fused node's inputs and output costs: it saves qkv and the
+    weights and returns fresh gradients of their shapes, and does nothing else."""
+
+    @staticmethod
+    def forward(ctx: Any, qkv: torch.Tensor, width: int, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(qkv, *weights)
+        return qkv.new_empty(*qkv.shape[:-1], width)
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        qkv, *weights = ctx.saved_tensors
+        return (d_out.new_empty(qkv.shape), None, *(w.new_empty(w.shape) for w in weights))

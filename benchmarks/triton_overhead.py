@@ -17,10 +17,12 @@ in microseconds:
 - the Triton path of one mixer call (the target: <= 50 us): the fused node of both branches on Triton
   (``vit3.layers.eager_mix`` with ``MixBranch.path="triton"``) as one launch program
   (``vit3.kernels.triton.program``) and, side by side, branch by branch through the ``Node`` hooks
-  (``vit3.kernels.triton.node``): inference, forward + backward end to end (with the autograd engine), its
-  forward and backward inside the node, and the forward + backward over the floor of any Python autograd node
-  with the node's inputs and output (``_Floor``: saves them, returns fresh gradients, nothing else; what the
-  autograd engine and ``Function.apply`` cost alone); and, for comparison, the two branches as separate
+  (``vit3.kernels.triton.node``), and H-ViT³'s mixer (RoPE on the SwiGLU branch: branch by branch, q and k
+  rotated around the hooks): inference, forward + backward end to end (with the autograd engine), its forward
+  and backward inside the node (the program's, also back to back), and the forward + backward over the floor
+  of any Python autograd node with the node's inputs and output (``common.FloorNode``: saves them, returns
+  fresh gradients, nothing else; what the autograd engine and ``Function.apply`` cost alone,
+  ``autograd_floor.py`` compares it with a C++ node); and, for comparison, the two branches as separate
   ``triton_ttt`` calls. On a tree without the Triton node (``--help``: run it on main's tree to compare) the
   node's rows are left out;
 - for scale, a whole ``TTTMixer`` forward + backward on ``backend="triton"`` (the registry with its guard,
@@ -53,7 +55,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, print_table, time_samples, write_csv
+from benchmarks.common import RESULTS, FloorNode, print_table, time_samples, write_csv
 from vit3.kernels.triton import checks, device, op, tiles
 from vit3.layers import TTTMixer, eager_mix
 from vit3.layers import backends as reg
@@ -77,21 +79,6 @@ def stub_launches() -> list[str]:
     return launched
 
 
-class _Floor(torch.autograd.Function):
-    """The least a Python autograd node with the fused node's inputs and output costs: it saves qkv and the
-    weights and returns fresh gradients of their shapes, and does nothing else."""
-
-    @staticmethod
-    def forward(ctx: Any, qkv: torch.Tensor, width: int, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(qkv, *weights)
-        return qkv.new_empty(*qkv.shape[:-1], width)
-
-    @staticmethod
-    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        qkv, *weights = ctx.saved_tensors
-        return (d_out.new_empty(qkv.shape), None, *(w.new_empty(w.shape) for w in weights))
-
-
 NODE = "triton path per mixer call: fused node"
 
 
@@ -107,8 +94,9 @@ def _train_backward(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> Non
 def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int, int], heads: int,
                 scale: float) -> dict[str, Callable[[], None]]:  # fmt: skip
     """The fused node of both branches on Triton: inference, and forward + backward end to end; as one launch
-    program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks); and the floor
-    of any Python autograd node with its inputs (``_Floor``). ``{}`` on a tree without the Triton node."""
+    program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks), and with RoPE
+    on the SwiGLU branch (H-ViT³'s mixer: branch by branch, rotations around the hooks); and the floor
+    of any Python autograd node with its inputs (``common.FloorNode``). ``{}`` on a tree without the Triton node."""
     if "path" not in eager_mix.MixBranch._fields:
         return {}
     c, d = weights[0].shape[1] * weights[0].shape[2], weights[0].shape[2]
@@ -118,6 +106,11 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
     layouts = {"branch hooks": layout._replace(whole=None) if hasattr(layout, "whole") else layout}
     if getattr(layout, "whole", None) is not None:
         layouts = {"program": layout} | layouts
+    # H-ViT³'s mixer: RoPE on the SwiGLU branch's q, k (the branch hooks, with the rotations around them)
+    rope = (branches[0]._replace(rope=True), branches[1])
+    layouts["rope, branch hooks"] = eager_mix._layout(
+        eager_mix.MixPlan(rope, grid, scale, 1.0, True, 10000.0)
+    )
 
     def infer(layout: Any) -> Callable[[], None]:
         plain = qkv.detach()
@@ -130,7 +123,7 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
         return run
 
     def floor() -> None:
-        _train_backward([_Floor.apply(qkv, c + d, *weights)], [qkv, *weights])
+        _train_backward([FloorNode.apply(qkv, c + d, *weights)], [qkv, *weights])
 
     fns = {}
     for how, lay in layouts.items():

@@ -208,12 +208,23 @@ def test_triton_overhead_benchmark_reports_every_call(tmp_path):
         *(f"{node} {kind} ({how})" for kind in ("infer", "fwd+bwd") for how in ("program", "branch hooks")),
         f"{node} fwd+bwd (program) (back to back)",
         f"{node}: fwd + bwd in the node, summed",
+        f"{node}: fwd + bwd in the node, summed (back to back)",
         "floor: an empty autograd node, fwd+bwd (back to back)",
         f"{node} fwd+bwd (program) over the floor (back to back)",
         f"{node} fwd+bwd (branch hooks) over the floor (back to back)",
     ):
         assert row in calls, calls
     assert all(float(r["median_us"]) > 0 for r in rows)
+
+
+def test_autograd_floor_benchmark_times_both_nodes(tmp_path):
+    """The Python node, its bodies alone and (with a C++ compiler, which the C++ kernel needs too) the C++ node
+    calling the same Python bodies."""
+    out = tmp_path / "floor.csv"
+    _run("autograd_floor.py", "--repeats", "3", "--out", str(out))
+    rows = {r["node"]: float(r["median_us"]) for r in csv.DictReader(out.open())}
+    assert set(rows) == {"python node (the floor)", "bodies alone", "c++ node, python bodies"}
+    assert all(us > 0 for us in rows.values())
 
 
 def _gpu_check(out, work, **env: str) -> subprocess.CompletedProcess:

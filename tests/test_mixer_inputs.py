@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.reference import reference_mixer
 
-from vit3.layers import TTTConfig, TTTMixer, apply_rope_2d
+from vit3.layers import TTTConfig, TTTMixer, apply_rope_2d, rope
 from vit3.layers.backends import BACKEND_ENV
 
 SHAPES = [
@@ -75,6 +75,35 @@ def test_rope_equals_official_tables(grid):
     expected = torch.view_as_real(rot * torch.view_as_complex(x.reshape(2, h, w, -1, 2))).flatten(-2)
     got = apply_rope_2d(x.reshape(2, h * w, dim), grid)
     torch.testing.assert_close(got, expected.reshape(2, h * w, dim), rtol=1e-12, atol=1e-12)
+
+
+def test_rope_tables_are_made_once_per_key_in_eager_mode(monkeypatch):
+    """Eager calls share one (cos, sin) per grid, size, base, device and dtype, equal to freshly made tables;
+    another key makes its own; traced calls (``torch.jit.trace``) make theirs, not the cache's."""
+    made = []
+    real = rope._grid_angles
+    monkeypatch.setattr(rope, "_grid_angles", lambda *a: made.append(a) or real(*a))
+    monkeypatch.setattr(rope, "_TABLES", {})
+    first = rope.rope_tables((3, 4), 16, 10000.0, torch.device("cpu"), torch.float32)
+    again = rope.rope_tables((3, 4), 16, 10000.0, "cpu", torch.float32)
+    assert len(made) == 1 and all(a is b for a, b in zip(first, again))
+    angles = real((3, 4), 16, 10000.0, torch.device("cpu"), torch.float32)
+    assert torch.equal(first[0], angles.cos()) and torch.equal(first[1], angles.sin())
+    rope.rope_tables((3, 4), 16, 10000.0, "cpu", torch.float64)
+    rope.rope_tables((4, 3), 16, 10000.0, "cpu", torch.float32)
+    assert len(made) == 3
+    torch.jit.trace(lambda x: rope.apply_rope_2d(x, (3, 4)), torch.randn(1, 12, 16))
+    assert len(made) > 3 and len(rope._TABLES) == 3  # made while tracing (its sizes are traced), not kept
+
+
+def test_rope_tables_made_under_inference_mode_serve_training(monkeypatch):
+    """Tables first made under ``inference_mode`` are normal tensors: a later training call saves them."""
+    monkeypatch.setattr(rope, "_TABLES", {})
+    x = torch.randn(2, 12, 16, requires_grad=True)
+    with torch.inference_mode():
+        rope.apply_rope_2d(x.detach(), (3, 4))
+    rope.apply_rope_2d(x, (3, 4)).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 class TestBackendSwitch:

@@ -203,3 +203,30 @@ def test_mixer_nodes_backward_under_their_forward_autocast_state(backend, recomp
     inner = list(mixer.inner.parameters())
     mix = _node_grads(lambda t: mixer.mix(t, (5, 7)), [qkv], inner, None, "after")
     _assert_same(_node_grads(lambda t: mixer.mix(t, (5, 7)), [qkv], inner, None, "bf16"), mix)
+
+
+def test_a_nodes_gradients_come_back_in_its_inputs_dtypes():
+    """``autocast_backward`` leaves the gradients' dtypes to the autograd engine, which casts each to its
+    input's: a node returning float32 gradients for a bfloat16 input and a float64 weight gives them in those
+    dtypes (backward() inside an autocast region and outside it)."""
+    from vit3.kernels.common import autocast_backward, autocast_forward
+
+    class Node(torch.autograd.Function):
+        @staticmethod
+        @autocast_forward
+        def forward(ctx, x, w):
+            return x.float() * w.float()
+
+        @staticmethod
+        @autocast_backward
+        def backward(ctx, grad):
+            return grad.float(), grad.float().sum(0)
+
+    for inside in (False, True):
+        x = torch.randn(4, 3, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = Node.apply(x, w)
+            with contextlib.nullcontext() if inside else torch.autocast("cpu", enabled=False):
+                out.sum().backward()
+        assert (x.grad.dtype, w.grad.dtype) == (torch.bfloat16, torch.float64)

@@ -100,6 +100,12 @@ def _branch_views(t: Tensor, geom: tuple[int, ...], br: MixBranch, heads: bool) 
     ]
 
 
+def _qk(t: Tensor, geom: tuple[int, ...], br: MixBranch) -> Tensor:
+    """Branch ``br``'s q and k (or their gradients) in ``t`` as one ``[B, 2, N, width]`` view: RoPE rotates
+    both in one call."""
+    return _view(t, geom, br.offset, 2, br.heads * br.head_dim, True)
+
+
 class _Layout(NamedTuple):
     """What every call of one ``MixPlan`` shares: the plan; per branch its node hooks, its op's number of
     initial weights and its width ``heads * head_dim``; the width of all, and the step's ``Hyper``."""
@@ -193,8 +199,8 @@ def _forward(
         # q, k, v and the destination as the hooks take them (q, k as tokens to rotate first)
         q, k, v = _branch_views(qkv, geom, br, node.heads)
         if br.rope:
-            # in qkv's dtype (the rotation of 16-bit q, k comes back in float32)
-            q, k = (apply_rope_2d(t, plan.grid, plan.rope_base).to(qkv.dtype) for t in (q, k))
+            # q and k in one rotation, in qkv's dtype (the rotation of 16-bit q, k comes back in float32)
+            q, k = apply_rope_2d(_qk(qkv, geom, br), plan.grid, plan.rope_base).to(qkv.dtype).unbind(1)
             if node.heads:
                 q, k = (_heads(t, br.heads) for t in (q, k))
         dest = _view(out, out_geom, col, br.heads, br.head_dim, node.heads)
@@ -256,7 +262,8 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         # RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place.
         dqh, dkh = dq, dk
         if br.rope:
-            rq, rk = (torch.empty_like(dq) for _ in range(2))
+            rotated = dqkv.new_empty(dqkv.shape[0], 2, dqkv.shape[1], width)  # [B, 2, N, width]: dq, dk
+            rq, rk = rotated.unbind(1)
             dqh, dkh = (_heads(t, br.heads) for t in (rq, rk)) if node.heads else (rq, rk)
         try:
             dws = node.backward(dout, saved[start : start + n_saved], tag, dqh, dkh, dv, hyper)
@@ -264,8 +271,7 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
             tag_branch(exc, i)
             raise
         if br.rope:
-            dq.copy_(apply_rope_2d(rq, plan.grid, plan.rope_base, inverse=True))
-            dk.copy_(apply_rope_2d(rk, plan.grid, plan.rope_base, inverse=True))
+            _qk(dqkv, geom, br).copy_(apply_rope_2d(rotated, plan.grid, plan.rope_base, inverse=True))
         grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + count])]
         wi += count
         col += width

@@ -1,4 +1,5 @@
-"""2-D rotary position embedding (RoPE) for any grid, computed on the fly.
+"""2-D rotary position embedding (RoPE) for any grid: tables made per grid on first use (eager mode) or in the
+traced graph (``torch.compile``, export, ``torch.jit.trace``).
 
 Matches the official ViT³ tables (``RoPE(shape=(h, w, C))``): the C channels form C/2 complex pairs
 ``(2i, 2i + 1)``; with ``k_max = C / 4`` frequencies ``θ_j = base^(-j / k_max)``, the first C/2 channels rotate
@@ -49,12 +50,35 @@ def rope_angles(
     return _grid_angles(grid, dim, base, device, dtype).reshape(h * w, dim // 2)
 
 
+# Eager calls' tables, per (grid, dim, base, device, dtype): made once (a dozen small ops, more than the rotation
+# costs at 224 px), forgotten all at once past ``MAX_TABLES``. Traced calls make theirs (sizes may be symbolic).
+_TABLES: dict[tuple, tuple[Tensor, Tensor]] = {}
+MAX_TABLES = 64
+
+
+def _traced() -> bool:
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+
+
 def rope_tables(
     grid: tuple[int, int], dim: int, base: float, device: torch.device, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """``(cos, sin)`` of the rotation angles, ``[h, w, 2, dim / 4]`` each, for :func:`apply_rope_2d`."""
-    angles = _grid_angles(grid, dim, base, device, dtype)
-    return angles.cos(), angles.sin()
+    """``(cos, sin)`` of the rotation angles, ``[h, w, 2, dim / 4]`` each, for :func:`apply_rope_2d`; in eager
+    mode kept per grid, size, base, device and dtype (read only: the callers never write them)."""
+    if _traced() or torch.device(device).type == "meta":
+        angles = _grid_angles(grid, dim, base, device, dtype)
+        return angles.cos(), angles.sin()
+    key = (tuple(grid), dim, float(base), torch.device(device), dtype)
+    found = _TABLES.get(key)
+    if found is None:
+        # normal tensors even under inference_mode: autograd saves them where later calls need gradients
+        with torch.inference_mode(False), torch.no_grad():
+            angles = _grid_angles(grid, dim, base, device, dtype)
+            found = (angles.cos(), angles.sin())
+        if len(_TABLES) >= MAX_TABLES:
+            _TABLES.clear()
+        _TABLES[key] = found
+    return found
 
 
 def apply_rope_2d(
