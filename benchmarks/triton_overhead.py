@@ -17,8 +17,8 @@ in microseconds:
 - the Triton path of one mixer call (the target: <= 50 us): the fused node of both branches on Triton
   (``vit3.layers.eager_mix`` with ``MixBranch.path="triton"``) as one launch program
   (``vit3.kernels.triton.program``) and, side by side, branch by branch through the ``Node`` hooks
-  (``vit3.kernels.triton.node``), and H-ViT³'s mixer (RoPE on the SwiGLU branch: branch by branch, q and k
-  rotated around the hooks): inference, forward + backward end to end (with the autograd engine), its forward
+  (``vit3.kernels.triton.node``), and H-ViT³'s mixer (RoPE on the SwiGLU branch: q and k rotated around the
+  program, or the branch hooks): inference, forward + backward end to end (with the autograd engine), its forward
   and backward inside the node (the program's, also back to back), and the forward + backward over the floor
   of any Python autograd node with the node's inputs and output (``common.FloorNode``: saves them, returns
   fresh gradients, nothing else; what the autograd engine and ``Function.apply`` cost alone,
@@ -94,8 +94,8 @@ def _train_backward(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> Non
 def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int, int], heads: int,
                 scale: float) -> dict[str, Callable[[], None]]:  # fmt: skip
     """The fused node of both branches on Triton: inference, and forward + backward end to end; as one launch
-    program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks), and with RoPE
-    on the SwiGLU branch (H-ViT³'s mixer: branch by branch, rotations around the hooks); and the floor
+    program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks), and both with
+    RoPE on the SwiGLU branch (H-ViT³'s mixer: q, k rotated around them); and the floor
     of any Python autograd node with its inputs (``common.FloorNode``). ``{}`` on a tree without the Triton node."""
     if "path" not in eager_mix.MixBranch._fields:
         return {}
@@ -106,10 +106,13 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
     layouts = {"branch hooks": layout._replace(whole=None) if hasattr(layout, "whole") else layout}
     if getattr(layout, "whole", None) is not None:
         layouts = {"program": layout} | layouts
-    # H-ViT³'s mixer: RoPE on the SwiGLU branch's q, k (the branch hooks, with the rotations around them)
+    # H-ViT³'s mixer: RoPE on the SwiGLU branch's q, k (rotated around the program or the branch hooks)
     rope = (branches[0]._replace(rope=True), branches[1])
-    layouts["rope, branch hooks"] = eager_mix._layout(
-        eager_mix.MixPlan(rope, grid, scale, 1.0, True, 10000.0)
+    rope_layout = eager_mix._layout(eager_mix.MixPlan(rope, grid, scale, 1.0, True, 10000.0))
+    if getattr(rope_layout, "whole", None) is not None:
+        layouts["rope, program"] = rope_layout
+    layouts["rope, branch hooks"] = (
+        rope_layout._replace(whole=None) if hasattr(rope_layout, "whole") else rope_layout
     )
 
     def infer(layout: Any) -> Callable[[], None]:

@@ -136,20 +136,24 @@ def tag_branch(exc: BaseException, branch: int) -> None:
 
 
 class Whole(NamedTuple):
-    """A path's hooks for a whole fused node whose branches all take that path and none rotates q, k: one call
-    for every branch (e.g. the Triton path's launch program), instead of each branch's ``Node`` hooks.
+    """A path's hooks for a whole fused node whose branches all take that path: one call for every branch (e.g.
+    the Triton path's launch program), instead of each branch's ``Node`` hooks.
 
     Attributes:
-        forward: ``(cache, names, qkv, out, weights, save, calls) -> (saved, state)``: every branch's read-out
-            written into ``out`` ``[B, N, sum(widths)]``; ``cache`` a dict the node keeps per plan, ``names``
-            the branches' ops, ``calls()`` makes each branch's ``NodeCall`` (views of qkv and out; asked only
-            where the hooks need them, e.g. the first call of a layout); ``saved`` the tensors the backward
-            needs besides qkv and the weights (the node saves those after them; empty unless ``save``),
-            ``state`` what the backward gets back. An exception names its branch (``BRANCH_ATTR``).
-        backward: ``(d_out, dqkv, saved, state, calls) -> grads``: writes dq, dk, dv of every branch into
-            ``dqkv`` (qkv's shape); ``saved``: the forward's, then qkv and the weights; ``calls()`` makes each
-            branch's ``(dout, dq, dk, dv)`` heads views; returns each branch's initial-weight gradients in
-            the weights' shapes (summed over the batch: the node returns them as they are).
+        forward: ``(cache, names, qkv, out, weights, save, rotated, calls) -> (saved, state)``: every branch's
+            read-out written into ``out`` ``[B, N, sum(widths)]``; ``cache`` a dict the node keeps per plan,
+            ``names`` the branches' ops, ``rotated`` per branch its q and k rotated by RoPE, ``[B, 2, N, width]``
+            (the hooks read that branch's q, k there), ``None`` for a branch without RoPE, ``calls()`` makes each branch's
+            ``NodeCall`` (views of qkv, the rotated pairs and out; asked only where the hooks need them, e.g.
+            the first call of a layout); ``saved`` the tensors the backward needs besides qkv and the weights
+            (the node saves those after them; empty unless ``save``), ``state`` what the backward gets back.
+            An exception names its branch (``BRANCH_ATTR``).
+        backward: ``(d_out, dqkv, saved, state, d_rotated, calls) -> grads``: writes dq, dk, dv of every branch
+            into ``dqkv`` (qkv's shape), a RoPE branch's dq, dk into its pair in ``d_rotated`` (per
+            branch, as ``rotated``; the node rotates them back); ``saved``: the forward's, then qkv and the weights;
+            ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views; returns each branch's
+            initial-weight gradients in the weights' shapes (summed over the batch: the node returns them as
+            they are).
     """
 
     forward: Callable[..., tuple[list[Tensor], Any]]

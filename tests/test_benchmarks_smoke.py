@@ -212,6 +212,8 @@ def test_triton_overhead_benchmark_reports_every_call(tmp_path):
         "floor: an empty autograd node, fwd+bwd (back to back)",
         f"{node} fwd+bwd (program) over the floor (back to back)",
         f"{node} fwd+bwd (branch hooks) over the floor (back to back)",
+        f"{node} fwd+bwd (rope, program) over the floor (back to back)",
+        f"{node} fwd+bwd (rope, branch hooks) over the floor (back to back)",
     ):
         assert row in calls, calls
     assert all(float(r["median_us"]) > 0 for r in rows)

@@ -101,10 +101,10 @@ def _fresh_programs():
 
 
 @pytest.mark.triton
-def test_a_node_of_triton_branches_without_rope_is_one_program(monkeypatch, triton_device):
+def test_a_node_of_triton_branches_is_one_program(monkeypatch, triton_device):
     branches, b, grid = CASES["official"]
     assert em._layout(_plan(branches, grid)).whole is not None
-    assert em._layout(_plan(branches, grid, rope=True)).whole is None  # RoPE: the branch hooks rotate q, k
+    assert em._layout(_plan(branches, grid, rope=True)).whole is not None  # RoPE: q, k rotated as bases
     assert em._layout(_plan(branches, grid, path="eager")).whole is None
     mixed = _plan(branches, grid)._replace(branches=(_plan(branches, grid).branches[0], em.MixBranch(
         "dwconv", 192, 1, 32, False, "eager")))  # fmt: skip
@@ -125,22 +125,35 @@ def test_a_node_of_triton_branches_without_rope_is_one_program(monkeypatch, trit
 # ----------------------------------------------------------------------- the per-branch hooks' results exactly
 
 
+# RoPE on every branch but the depthwise conv's (H-ViT³'s mixer): a few layouts, both dtypes, one chunk
+ROPE_CASES = [
+    pytest.param(case, dtype, None, True, id=f"{case}-rope-{name}")
+    for case in ("official", "two-swiglu-dwconv", "linear")
+    for dtype, name in ((torch.float64, "fp64"), (torch.float16, "fp16"))
+]
+PLAIN_CASES = [
+    pytest.param(case, dtype, chunk, False, id=f"{case}-{name}-{how}")
+    for case in CASES
+    for dtype, name in ((torch.float64, "fp64"), (torch.float16, "fp16"))
+    for chunk, how in ((None, "one-chunk"), (8, "chunks-of-8"))
+]
+
+
 @pytest.mark.triton
-@pytest.mark.parametrize("chunk", [None, 8], ids=["one-chunk", "chunks-of-8"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=["fp64", "fp16"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("case", "dtype", "chunk", "rope"), PLAIN_CASES + ROPE_CASES)
 def test_the_program_computes_what_the_branch_hooks_compute(
-    case, dtype, chunk, per_branch, monkeypatch, triton_device
+    case, dtype, chunk, rope, per_branch, monkeypatch, triton_device
 ):
     """Output and every gradient bit for bit the per-branch hooks' (the same launches on the same memory,
     every buffer NaN-filled so an unwritten element shows); with N cut in chunks of 8 tokens too (the split
-    stages and the two-stage weight-gradient reduction)."""
+    stages and the two-stage weight-gradient reduction); with RoPE (q, k read from the rotated pairs, dq, dk
+    written to theirs)."""
     if chunk is not None:
         real = tnode._key
         monkeypatch.setattr(tnode, "_key", lambda *a, **k: real(*a, **k)._replace(chunk=chunk))
     monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
     branches, b, grid = CASES[case]
-    plan = _plan(branches, grid)
+    plan = _plan(branches, grid, rope=rope)
     qkv, weights = _inputs(plan, b, dtype, triton_device)
     got = _run(plan, qkv, weights)
     want = per_branch(plan, qkv, weights)
@@ -189,8 +202,9 @@ def test_inference_writes_the_training_output_and_saves_nothing(triton_device):
         out = em.eager_mix(qkv, plan, weights)
     assert torch.equal(out, _run(plan, qkv, weights)[0])
     layout, again = em._layout(plan), torch.empty_like(out)
-    views = em._whole_calls(qkv, again, layout, tuple(weights), False)
-    saved, _ = tprogram.forward({}, layout.names, qkv, again, weights, False, lambda: views)
+    plain = [None] * len(plan.branches)  # no RoPE
+    views = em._whole_calls(qkv, again, layout, tuple(weights), False, plain)
+    saved, _ = tprogram.forward({}, layout.names, qkv, again, weights, False, plain, lambda: views)
     assert saved == [] and torch.equal(again, out)
 
 
@@ -270,7 +284,7 @@ def _fixed_buffers(monkeypatch) -> None:
     monkeypatch.setattr(tplan._Buffer, "alloc", lambda buf, device: made.setdefault(buf, real(buf, device)))
 
 
-@pytest.mark.parametrize("case", ["official", "two-swiglu-dwconv"])
+@pytest.mark.parametrize("case", ["official", "two-swiglu-dwconv", "official-rope"])
 def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypatch):
     """Forward and backward, two calls of one program on other tensors: every launch gets at each pointer
     argument the address, dtype, shape and strides of the tensor the interpreter gets there (whose results are
@@ -279,14 +293,18 @@ def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypa
     _fixed_buffers(monkeypatch)
     real = tnode._key
     monkeypatch.setattr(tnode, "_key", lambda *a, **k: real(*a, **k)._replace(chunk=16))
-    branches, b, grid = CASES[case]
-    plan = _plan(branches, grid)
+    branches, b, grid = CASES[case.removesuffix("-rope")]
+    plan = _plan(branches, grid, rope=case.endswith("-rope"))
     layout = em._layout(plan)
     calls = []
     for seed in (0, 1):  # the same tensors for both runs, other tensors for each call
         qkv, weights = _inputs(plan, b, torch.float32)
+        qkv = qkv + seed
         out = qkv.new_empty(b, qkv.shape[1], layout.width)
-        calls.append((qkv + seed, weights, out, torch.randn_like(out), torch.empty_like(qkv)))
+        dqkv = torch.empty_like(qkv)
+        rotated = [em._rotated(qkv, em._geom(qkv), br, plan) if br.rope else None for br in plan.branches]
+        d_rotated = [em._rotated_grads(dqkv, br) if br.rope else None for br in plan.branches]
+        calls.append((qkv, weights, out, torch.randn_like(out), dqkv, rotated, d_rotated))
     seen: dict[str, list] = {}
     for mode in ("interpreter", "gpu"):
         with monkeypatch.context() as patch:
@@ -297,13 +315,13 @@ def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypa
             seen[mode] = rows = []
             intercept_launches(patch, _record(rows))
             cache: dict = {}
-            for qkv, weights, out, d_out, dqkv in calls:
-                views = em._whole_calls(qkv, out, layout, tuple(weights), True)
+            for qkv, weights, out, d_out, dqkv, rotated, d_rotated in calls:
+                views = em._whole_calls(qkv, out, layout, tuple(weights), True, rotated)
                 saved, state = tprogram.forward(
-                    cache, layout.names, qkv, out, weights, True, lambda v=views: v
+                    cache, layout.names, qkv, out, weights, True, rotated, lambda v=views: v
                 )
-                grads = em._whole_grads(d_out, dqkv, layout)  # saved: the program's, then qkv, the weights
-                tprogram.backward(d_out, dqkv, [*saved, qkv, *weights], state, lambda g=grads: g)
+                grads = em._whole_grads(d_out, dqkv, layout, d_rotated)  # saved: the program's, qkv, weights
+                tprogram.backward(d_out, dqkv, [*saved, qkv, *weights], state, d_rotated, lambda g=grads: g)
             assert len(cache) == 1
     assert len(seen["gpu"]) % 2 == 0 and len(seen["gpu"]) > 10
     assert seen["gpu"] == seen["interpreter"]
@@ -337,8 +355,9 @@ def test_two_threads_never_see_each_others_addresses(monkeypatch):
         threading.current_thread().qkv = x
         for _ in range(20):
             out = x.new_empty(b, x.shape[1], layout.width)
-            views = em._whole_calls(x, out, layout, tuple(weights), False)
-            tprogram.forward(cache, layout.names, x, out, weights, False, lambda v=views: v)
+            plain = [None] * len(layout.plan.branches)  # no RoPE
+            views = em._whole_calls(x, out, layout, tuple(weights), False, plain)
+            tprogram.forward(cache, layout.names, x, out, weights, False, plain, lambda v=views: v)
 
     threads = [threading.Thread(target=calls, args=(qkv.clone(),)) for _ in range(2)]
     for t in threads:

@@ -1,12 +1,13 @@
 """The whole fused mixer call on Triton as one launch program, its tensors bound by address.
 
-Where every branch of the fused node (``vit3.layers.eager_mix``) runs on Triton and none rotates q, k, a call
-is one :class:`MixProgram`: every branch's forward launches, and its backward launches per layout of the
-upstream gradient, the launch plans of ``plan.py`` (the ones the per-branch hooks of ``node.py`` run) with
-each tensor argument turned into an address, ``base + offset``. The bases of a call are few: qkv, the
-output, the weights, one workspace for what the backward reads (``G``, ``||G||`` of every branch), one
-scratch buffer for the rest, and in the backward the upstream gradient, the qkv gradient and each branch's
-weight gradient. A call then allocates two or three buffers, reads one pointer per base and launches: no
+Where every branch of the fused node (``vit3.layers.eager_mix``) runs on Triton, a call is one
+:class:`MixProgram`: every branch's forward launches, and its backward launches per layout of the upstream
+gradient, the launch plans of ``plan.py`` (the ones the per-branch hooks of ``node.py`` run) with each tensor
+argument turned into an address, ``base + offset``. The bases of a call are few: qkv, the output, the weights,
+one workspace for what the backward reads (``G``, ``||G||`` of every branch), one scratch buffer for the rest,
+each RoPE branch's rotated q, k (the node rotates them in one call per branch), and in the backward the
+upstream gradient, the qkv gradient, each branch's weight gradient and the pairs a RoPE branch's dq, dk go to
+(the node rotates them back). A call then allocates two or three buffers, reads one pointer per base and launches: no
 views of qkv, no per-branch buffers, signatures or plan look-ups (the Python the launches cost a GPU host,
 ``benchmarks/triton_overhead.py``).
 
@@ -204,7 +205,8 @@ def program_key(qkv: Tensor, weights: Sequence[Tensor]) -> tuple:
     return tuple(key)
 
 
-# The bases of a forward call, then the weights; of a backward call, then each branch's dW, then the weights.
+# The bases of a forward call, then the weights, then each RoPE branch's rotated q, k; of a backward call, then
+# each branch's dW, the weights, each RoPE branch's rotated q, k and the pair its dq, dk are written into.
 QKV, OUT, SAVED, SCRATCH = range(4)
 D_OUT, B_QKV, B_SAVED, B_SCRATCH, D_QKV = range(5)
 
@@ -212,23 +214,33 @@ D_OUT, B_QKV, B_SAVED, B_SCRATCH, D_QKV = range(5)
 class MixProgram:
     """Every branch's forward and backward launches of one fused Triton node, bound by address.
 
-    Built from the first call's branch calls (``NodeCall`` s: views of that call's qkv and output), checked as
-    the per-branch hooks check them; later calls of the same ``program_key`` take only qkv, the output and the
-    weights.
+    Built from the first call's branch calls (``NodeCall`` s: views of that call's qkv, the RoPE branches'
+    rotated q, k pairs and the output), checked as the per-branch hooks check them; later calls of the same
+    ``program_key`` take only qkv, the output, the weights and the rotated pairs.
     """
 
-    def __init__(self, names: Sequence[str], qkv: Tensor, out: Tensor, calls: Sequence[NodeCall]) -> None:
+    def __init__(
+        self, names: Sequence[str], qkv: Tensor, out: Tensor, calls: Sequence[NodeCall],
+        rotated: Sequence[Tensor | None],
+    ) -> None:  # fmt: skip
         self.names, self.interpret = tuple(names), _interpreting()
+        self.counts = tuple(len(call.weights) for call in calls)
+        self.n_rotated = sum(pair is not None for pair in rotated)
         self.entries, self.inputs = [], []
-        for i, (name, call) in enumerate(zip(names, calls)):
+        at = SCRATCH + 1 + sum(self.counts)  # the first rotated pair's base
+        for i, (name, call, pair) in enumerate(zip(names, calls, rotated)):
             try:
                 self.entries.append(checked_entry(name, call))
             except Exception as exc:
                 tag_branch(exc, i)
                 raise
-            where = [_Where.of(QKV, _offset(t, qkv), t) for t in (call.q, call.k, call.v)]
+            if pair is None:
+                where = [_Where.of(QKV, _offset(t, qkv), t) for t in (call.q, call.k, call.v)]
+            else:
+                where = [_Where.of(at, _offset(t, pair), t) for t in (call.q, call.k)]
+                where.append(_Where.of(QKV, _offset(call.v, qkv), call.v))
+                at += 1
             self.inputs.append((where, _Where.of(OUT, _offset(call.dest, out), call.dest)))
-        self.counts = tuple(len(call.weights) for call in calls)
         self.two = tuple(metas[4] is not None for _, metas in self.entries)
         self._forwards: dict[bool, tuple] = {}
         self._backwards: dict[tuple, tuple] = {}
@@ -264,35 +276,49 @@ class MixProgram:
         found = self._forwards[save] = (launches, saved.size, scratch.size, tuple(kept))
         return found
 
-    def forward(self, qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool) -> tuple[Tensor, Any]:
-        """Writes every branch's read-out into ``out``; returns the saved workspace (``G``, ``||G||``; empty
-        unless ``save``) and where in it each branch's lie, for the backward."""
+    def forward(
+        self, qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool, rotated: Sequence[Tensor]
+    ) -> tuple[Tensor, Any]:
+        """Writes every branch's read-out into ``out`` (``rotated``: the RoPE branches' pairs, in order);
+        returns the saved workspace (``G``, ``||G||``; empty unless ``save``) and where in it each branch's
+        lie, for the backward."""
         launches, n_saved, n_scratch, kept = self._forwards.get(save) or self._forward(save)
         device = qkv.device
         scratch = _alloc(n_scratch, device)
         ws = _alloc(n_saved, device) if save else scratch  # inference saves nothing (n_saved 0): no workspace
         base = _storage_base if self.interpret else Tensor.data_ptr
-        bases = [base(qkv), base(out), base(ws), base(scratch), *map(base, weights)]
+        bases = [base(qkv), base(out), base(ws), base(scratch), *map(base, weights), *map(base, rotated)]
         launches.run(bases, self.interpret, device)
         return ws, kept
 
     def _backward(
-        self, kept: tuple, calls: Sequence[tuple[Tensor, ...]], d_out: Tensor, dqkv: Tensor
-    ) -> tuple:
+        self, kept: tuple, calls: Sequence[tuple[Tensor, ...]], d_out: Tensor, dqkv: Tensor,
+        d_rotated: Sequence[Tensor],
+    ) -> tuple:  # fmt: skip
         """The backward's launches for the gradients' layout, its scratch size and each branch's dW buffer;
-        ``calls``: each branch's (dout, dq, dk, dv) views of that call's ``d_out`` and ``dqkv``."""
+        ``calls``: each branch's (dout, dq, dk, dv) views of that call's ``d_out``, ``dqkv`` and (a RoPE
+        branch's dq, dk) its pair in ``d_rotated``."""
         scratch = _Workspace(B_SCRATCH)
         launches, dws = _Launches(), []
         first_w = D_QKV + 1 + len(self.entries)
+        n_w = sum(self.counts)
+        rot_first = SCRATCH + 1 + n_w  # the forward's first rotated pair; in the backward ``moved`` on
+        moved = first_w + n_w - rot_first  # and the pairs of their gradients after them
         for i, ((key, metas), (qkv_at, _), w_at, (g_at, n_at), views) in enumerate(
             zip(self.entries, self.inputs, self._weights(first_w), kept, calls)
         ):
             dout, *grads = views
             template = _backward_template(key, metas[:5], _meta(dout), tuple(map(_meta, grads)))
             wheres = [_Where.of(D_OUT, _offset(dout, d_out), dout)]
-            wheres += [w._replace(base=B_QKV) for w in qkv_at] + w_at
+            wheres += [w._replace(base=B_QKV if w.base == QKV else w.base + moved) for w in qkv_at] + w_at
             wheres += [w._replace(base=B_SAVED) for w in (g_at, n_at)]
-            wheres += [_Where.of(D_QKV, _offset(t, dqkv), t) for t in grads]
+            if qkv_at[0].base >= rot_first:  # a RoPE branch: dq, dk into its pair of d_rotated
+                j = qkv_at[0].base - rot_first
+                pair, base = d_rotated[j], first_w + n_w + self.n_rotated + j
+                wheres += [_Where.of(base, _offset(t, pair), t) for t in grads[:2]]
+                wheres.append(_Where.of(D_QKV, _offset(grads[2], dqkv), grads[2]))
+            else:
+                wheres += [_Where.of(D_QKV, _offset(t, dqkv), t) for t in grads]
             dw = template.outputs[3]
             for j, buf in enumerate(template.buffers, start=len(wheres)):
                 if j == dw:
@@ -306,14 +332,16 @@ class MixProgram:
 
     def backward(
         self, d_out: Tensor, dqkv: Tensor, qkv: Tensor, weights: Sequence[Tensor], ws: Tensor, kept: tuple,
-        calls: Callable[[], Sequence[tuple[Tensor, ...]]],
+        rotated: Sequence[Tensor], d_rotated: Sequence[Tensor], calls: Callable[[], Sequence[tuple[Tensor, ...]]],
     ) -> list[tuple[Tensor, ...]]:  # fmt: skip
-        """Writes dq, dk, dv of every branch into ``dqkv``; returns each branch's initial weights' per-sample
-        gradients. ``calls``: makes each branch's (dout, dq, dk, dv) views (the first time of a layout)."""
-        layout = d_out.stride()  # dqkv: made by the node, qkv's shape (the program's key), contiguous
+        """Writes dq, dk, dv of every branch into ``dqkv`` (a RoPE branch's dq, dk into its pair of
+        ``d_rotated``, its q, k read from its pair of ``rotated``, both in order); returns each branch's
+        initial weights' gradients. ``calls``: makes each branch's (dout, dq, dk, dv) views (the first time of
+        a layout)."""
+        layout = d_out.stride()  # dqkv, d_rotated: made by the node, of qkv's shape (the key), contiguous
         found = self._backwards.get(layout)
         if found is None:
-            found = self._backwards[layout] = self._backward(kept, calls(), d_out, dqkv)
+            found = self._backwards[layout] = self._backward(kept, calls(), d_out, dqkv, d_rotated)
         launches, n_scratch, dw_bufs = found
         device = d_out.device
         dws = [buf.alloc(device) for buf in dw_bufs]
@@ -327,6 +355,8 @@ class MixProgram:
             base(dqkv),
             *map(base, dws),
             *map(base, weights),
+            *map(base, rotated),
+            *map(base, d_rotated),
         ]
         launches.run(bases, self.interpret, device)
         return [tuple(dw.unbind(0)) if two else (dw,) for dw, two in zip(dws, self.two)]
@@ -357,25 +387,32 @@ def clear() -> None:
 
 def forward(
     cache: dict, names: Sequence[str], qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool,
-    calls: Callable[[], Sequence[NodeCall]],
+    rotated: Sequence[Tensor | None], calls: Callable[[], Sequence[NodeCall]],
 ) -> tuple[list[Tensor], Any]:  # fmt: skip
     """``Whole.forward`` of the Triton path: the program of ``(qkv, weights)`` found in ``cache`` or made from
-    ``calls()``, run; saves the workspace of ``G``, ``||G||``."""
+    ``calls()``, run; saves the workspace of ``G``, ``||G||`` and the RoPE branches' rotated pairs (the
+    backward reads q, k there; the pairs are fresh, of qkv's shape: its key covers them)."""
     key = (_GENERATION[0], program_key(qkv, weights))
     program = cache.get(key)
     if program is None:
         if len(cache) >= MAX_PROGRAMS:
             cache.clear()
-        program = cache[key] = MixProgram(names, qkv, out, calls())
-    ws, kept = program.forward(qkv, out, weights, save)
-    return ([ws] if save else []), (program, kept)
+        program = cache[key] = MixProgram(names, qkv, out, calls(), rotated)
+    pairs = [pair for pair in rotated if pair is not None] if program.n_rotated else ()
+    ws, kept = program.forward(qkv, out, weights, save, pairs)
+    return ([ws, *pairs] if save else []), (program, kept)
 
 
 def backward(
-    d_out: Tensor, dqkv: Tensor, saved: Sequence[Tensor], state: Any,
+    d_out: Tensor, dqkv: Tensor, saved: Sequence[Tensor], state: Any, d_rotated: Sequence[Tensor | None],
     calls: Callable[[], Sequence[tuple[Tensor, ...]]],
 ) -> list[tuple[Tensor, ...]]:  # fmt: skip
     """``Whole.backward`` of the Triton path: the program's backward on what ``forward`` saved."""
     program, kept = state
-    ws, qkv, *weights = saved
-    return program.backward(d_out, dqkv, qkv, weights, ws, kept, calls)
+    if not program.n_rotated:
+        ws, qkv, *weights = saved
+        return program.backward(d_out, dqkv, qkv, weights, ws, kept, (), (), calls)
+    n = program.n_rotated
+    ws, pairs, (qkv, *weights) = saved[0], saved[1 : 1 + n], saved[1 + n :]
+    d_pairs = [pair for pair in d_rotated if pair is not None]
+    return program.backward(d_out, dqkv, qkv, weights, ws, kept, pairs, d_pairs, calls)

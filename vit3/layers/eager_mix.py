@@ -12,9 +12,10 @@ path ``MixBranch.path`` (``"cpu"``, ``"eager"`` or ``"triton"``), looked up in t
 the C++ CPU kernel), the 3x3 depthwise conv through ``vit3.kernels.dwconv.eager`` (one convolution per stage
 for the whole batch) or ``vit3.kernels.dwconv.cpp`` (the same stages on the token rows in the C++ kernel),
 either on Triton through ``vit3.kernels.triton.node`` (the launch plans on the views, in qkv's own dtype).
-Where every branch's path has hooks for the whole node (``Node.whole``) and none rotates q, k, those run all
-branches at once: the Triton path's launch program (``vit3.kernels.triton.program``), which gets the views
-(``_whole_calls``, ``_whole_grads``) only the first time of a layout.
+Where every branch's path has hooks for the whole node (``Node.whole``), those run all branches at once: the
+Triton path's launch program (``vit3.kernels.triton.program``), which gets the views (``_whole_calls``,
+``_whole_grads``) only the first time of a layout, and a RoPE branch's q, k rotated first (one pair per branch)
+and a pair to write its dq, dk into (rotated back after).
 A branch whose hooks raise tags the exception with its index (``BRANCH_ATTR``): the backends' guard demotes
 that branch's backend alone.
 RoPE, where the branch has it, rotates q and k here, before the hooks, and their gradients back after.
@@ -106,6 +107,28 @@ def _qk(t: Tensor, geom: tuple[int, ...], br: MixBranch) -> Tensor:
     return _view(t, geom, br.offset, 2, br.heads * br.head_dim, True)
 
 
+def _rotated(qkv: Tensor, geom: tuple[int, ...], br: MixBranch, plan: MixPlan) -> Tensor:
+    """RoPE branch ``br``'s q and k rotated, ``[B, 2, N, width]`` in qkv's dtype (the rotation of 16-bit q, k
+    comes back in float32)."""
+    return apply_rope_2d(_qk(qkv, geom, br), plan.grid, plan.rope_base).to(qkv.dtype)
+
+
+def _rotated_grads(dqkv: Tensor, br: MixBranch) -> Tensor:
+    """Where RoPE branch ``br``'s hooks write dq, dk in the rotated frame: ``[B, 2, N, width]``."""
+    return dqkv.new_empty(dqkv.shape[0], 2, dqkv.shape[1], br.heads * br.head_dim)
+
+
+def _rotate_back(dqkv: Tensor, geom: tuple[int, ...], br: MixBranch, plan: MixPlan, grads: Tensor) -> None:
+    """Branch ``br``'s dq, dk ``grads`` (``_rotated_grads``) rotated back into place in ``dqkv``."""
+    _qk(dqkv, geom, br).copy_(apply_rope_2d(grads, plan.grid, plan.rope_base, inverse=True))
+
+
+def _heads_of(pair: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    """q and k (or their gradients) of a ``[B, 2, N, width]`` pair as heads ``[B, G, N, c]`` views."""
+    q, k = pair.unbind(1)
+    return _heads(q, heads), _heads(k, heads)
+
+
 class _Layout(NamedTuple):
     """What every call of one ``MixPlan`` shares: the plan; per branch its node hooks, its op's number of
     initial weights and its width ``heads * head_dim``; the width of all, and the step's ``Hyper``."""
@@ -117,8 +140,9 @@ class _Layout(NamedTuple):
     low_precision: bool  # every branch's hooks take float16 / bfloat16 q, k, v as they are
     twice: bool  # every branch's backward may be differentiated (``Node.twice``)
     names: tuple[str, ...]  # the branches' ops
-    whole: Whole | None  # every branch's path runs the whole node (``Node.whole``; no RoPE), else ``None``
+    whole: Whole | None  # every branch's path runs the whole node (``Node.whole``), else ``None``
     programs: dict  # the cache ``whole`` keeps for this plan
+    unrotated: tuple[None, ...] | None  # no branch has RoPE: ``whole``'s (d_)rotated, one ``None`` per branch
 
 
 @functools.lru_cache(maxsize=64)
@@ -136,10 +160,13 @@ def _layout(plan: MixPlan) -> _Layout:
     low = all(node.low_precision for node, *_ in found)
     twice = all(node.twice for node, *_ in found)
     whole = found[0][0].whole if found else None
-    if any(node.whole is not whole for node, *_ in found) or any(br.rope for br in plan.branches):
+    if any(node.whole is not whole for node, *_ in found):
         whole = None
     names = tuple(br.kind for br in plan.branches)
-    return _Layout(plan, tuple(found), sum(w for *_, w in found), hyper, low, twice, names, whole, {})
+    unrotated = None if any(br.rope for br in plan.branches) else (None,) * len(plan.branches)
+    return _Layout(
+        plan, tuple(found), sum(w for *_, w in found), hyper, low, twice, names, whole, {}, unrotated
+    )
 
 
 def reference_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
@@ -167,7 +194,7 @@ def takes(plan: MixPlan, dtype: torch.dtype) -> bool:
 
 def runs_whole(plan: MixPlan) -> bool:
     """Whether the node runs ``plan``'s branches in one call of their path's whole-node hooks (``Node.whole``:
-    every branch on such a path, none rotating q, k), e.g. Triton's launch program."""
+    every branch on such a path), e.g. Triton's launch program."""
     return _layout(plan).whole is not None
 
 
@@ -180,9 +207,12 @@ def _forward(
     plan = layout.plan
     out = qkv.new_empty(b, n, layout.width)
     if layout.whole is not None:
+        rotated = layout.unrotated or [
+            _rotated(qkv, _geom(qkv), br, plan) if br.rope else None for br in plan.branches
+        ]
         saved, state = layout.whole.forward(
-            layout.programs, layout.names, qkv, out, weights, save,
-            lambda: _whole_calls(qkv, out, layout, weights, save),
+            layout.programs, layout.names, qkv, out, weights, save, rotated,
+            lambda: _whole_calls(qkv, out, layout, weights, save, rotated),
         )  # fmt: skip
         return out, saved, state
     # Dense copies of every branch's q, k, v or none (the C++ kernel reads small problems in place, the tiled
@@ -198,11 +228,9 @@ def _forward(
     for i, (br, (node, count, width)) in enumerate(zip(plan.branches, layout.nodes)):
         # q, k, v and the destination as the hooks take them (q, k as tokens to rotate first)
         q, k, v = _branch_views(qkv, geom, br, node.heads)
-        if br.rope:
-            # q and k in one rotation, in qkv's dtype (the rotation of 16-bit q, k comes back in float32)
-            q, k = apply_rope_2d(_qk(qkv, geom, br), plan.grid, plan.rope_base).to(qkv.dtype).unbind(1)
-            if node.heads:
-                q, k = (_heads(t, br.heads) for t in (q, k))
+        if br.rope:  # q and k in one rotation
+            pair = _rotated(qkv, geom, br, plan)
+            q, k = _heads_of(pair, br.heads) if node.heads else pair.unbind(1)
         dest = _view(out, out_geom, col, br.heads, br.head_dim, node.heads)
         try:
             mine, tag = node.forward(
@@ -219,24 +247,34 @@ def _forward(
 
 
 def _whole_calls(
-    qkv: Tensor, out: Tensor, layout: _Layout, weights: tuple[Tensor, ...], save: bool
-) -> list[NodeCall]:
-    """Each branch's ``NodeCall`` for ``Whole.forward``: q, k, v and the destination as heads views."""
+    qkv: Tensor, out: Tensor, layout: _Layout, weights: tuple[Tensor, ...], save: bool,
+    rotated: list[Tensor | None],
+) -> list[NodeCall]:  # fmt: skip
+    """Each branch's ``NodeCall`` for ``Whole.forward``: q, k, v and the destination as heads views (a RoPE
+    branch's q, k: of its ``rotated`` pair)."""
     geom, out_geom, calls, col, wi = _geom(qkv), _geom(out), [], 0, 0
-    for br, (_, count, width) in zip(layout.plan.branches, layout.nodes):
+    for br, (_, count, width), pair in zip(layout.plan.branches, layout.nodes, rotated):
+        q, k, v = _branch_views(qkv, geom, br, True)
+        if pair is not None:
+            q, k = _heads_of(pair, br.heads)
         dest = _view(out, out_geom, col, br.heads, br.head_dim, True)
-        calls.append(NodeCall(*_branch_views(qkv, geom, br, True), weights[wi : wi + count], dest,
-                              layout.hyper, save, False))  # fmt: skip
+        calls.append(NodeCall(q, k, v, weights[wi : wi + count], dest, layout.hyper, save, False))
         col, wi = col + width, wi + count
     return calls
 
 
-def _whole_grads(d_out: Tensor, dqkv: Tensor, layout: _Layout) -> list[tuple[Tensor, ...]]:
-    """Each branch's ``(dout, dq, dk, dv)`` heads views for ``Whole.backward``."""
+def _whole_grads(
+    d_out: Tensor, dqkv: Tensor, layout: _Layout, d_rotated: list[Tensor | None]
+) -> list[tuple[Tensor, ...]]:
+    """Each branch's ``(dout, dq, dk, dv)`` heads views for ``Whole.backward`` (a RoPE branch's dq, dk: of
+    its ``d_rotated`` pair)."""
     geom, out_geom, views, col = _geom(dqkv), _geom(d_out), [], 0
-    for br, (_, _, width) in zip(layout.plan.branches, layout.nodes):
+    for br, (_, _, width), pair in zip(layout.plan.branches, layout.nodes, d_rotated):
         dout = _view(d_out, out_geom, col, br.heads, br.head_dim, True)
-        views.append((dout, *_branch_views(dqkv, geom, br, True)))
+        dq, dk, dv = _branch_views(dqkv, geom, br, True)
+        if pair is not None:
+            dq, dk = _heads_of(pair, br.heads)
+        views.append((dout, dq, dk, dv))
         col += width
     return views
 
@@ -248,7 +286,17 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     saved = ctx.saved_tensors
     dqkv = d_out.new_empty(qkv_shape)
     if layout.whole is not None:
-        dws = layout.whole.backward(d_out, dqkv, saved, tags, lambda: _whole_grads(d_out, dqkv, layout))
+        d_rotated = layout.unrotated or [
+            _rotated_grads(dqkv, br) if br.rope else None for br in plan.branches
+        ]
+        dws = layout.whole.backward(
+            d_out, dqkv, saved, tags, d_rotated, lambda: _whole_grads(d_out, dqkv, layout, d_rotated)
+        )
+        if layout.unrotated is None:
+            geom = _geom(dqkv)
+            for br, grads in zip(plan.branches, d_rotated):
+                if grads is not None:
+                    _rotate_back(dqkv, geom, br, plan, grads)
         return (dqkv, None, None, *[dw for branch in dws for dw in branch])
     geom, out_geom = _geom(dqkv), _geom(d_out)
     grads: list[Tensor] = []
@@ -262,16 +310,15 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         # RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place.
         dqh, dkh = dq, dk
         if br.rope:
-            rotated = dqkv.new_empty(dqkv.shape[0], 2, dqkv.shape[1], width)  # [B, 2, N, width]: dq, dk
-            rq, rk = rotated.unbind(1)
-            dqh, dkh = (_heads(t, br.heads) for t in (rq, rk)) if node.heads else (rq, rk)
+            rotated = _rotated_grads(dqkv, br)
+            dqh, dkh = _heads_of(rotated, br.heads) if node.heads else rotated.unbind(1)
         try:
             dws = node.backward(dout, saved[start : start + n_saved], tag, dqh, dkh, dv, hyper)
         except Exception as exc:
             tag_branch(exc, i)
             raise
         if br.rope:
-            _qk(dqkv, geom, br).copy_(apply_rope_2d(rotated, plan.grid, plan.rope_base, inverse=True))
+            _rotate_back(dqkv, geom, br, plan, rotated)
         grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + count])]
         wi += count
         col += width
