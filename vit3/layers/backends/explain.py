@@ -152,8 +152,8 @@ def _fused_plan(out: list[BranchExplanation]) -> Plan:
 
 def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int, int]) -> bool:
     """Whether the fused node runs every branch in one call of their path's whole-node hooks (``Node.whole``),
-    as the mixer's call would: every branch's path has them, and the mixer's ``MixPlan`` (which branches RoPE
-    rotates) on these backends lets them run (``eager_mix.runs_whole``)."""
+    as the mixer's call would: every branch's path has them, and the mixer's ``MixPlan`` on these backends lets
+    them run (``eager_mix.runs_whole``)."""
     for b in out:
         path = OPS[b.name].paths.get(b.backend) if b.name in OPS else None
         if path is None or path.node is None or path.node.whole is None:
