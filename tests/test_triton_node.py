@@ -172,3 +172,30 @@ def test_a_half_precision_mixer_hands_the_triton_node_its_qkv_as_it_is(monkeypat
     ref = mixer(x64, GRID)
     (dx64,) = torch.autograd.grad(ref.sum(), [x64])
     assert rel_rms(out.double(), ref) < 2e-2 and rel_rms(dx.double(), dx64) < 2e-2
+
+
+@pytest.mark.triton
+def test_weights_the_kernels_cannot_read_in_place_are_refused_by_the_node_and_copied_alone(triton_device):
+    """One rule (``checks._not_in_place``) for both: the node names it (the guard then demotes the branch),
+    ``triton_ttt`` copies the weights into the layout the kernels read and matches the op reference."""
+    from vit3.kernels import reference
+    from vit3.kernels.triton import op as top
+
+    qkv, weights = _inputs(triton_device, torch.float64)
+    column_major = [w.transpose(-1, -2).contiguous().transpose(-1, -2) for w in weights[:2]]
+    taps_apart = weights[2].permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2)  # 3 x 3 taps transposed
+    for bad, rule in (([column_major[0], weights[1], weights[2]], "one layout and dtype"),
+                      ([*weights[:2], taps_apart], "3 x 3 taps one stride apart")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"the Triton node reads .*{rule}"):
+            eager_mix(qkv, _plan("triton", False), bad)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 1, SIDE[0] * SIDE[1], D, generator=g, dtype=torch.float64).to(triton_device)
+               for _ in range(3))  # fmt: skip
+    cases = {
+        "swiglu": {"w1": column_major[0][:, :1], "w2": weights[1][:, :1]},
+        "dwconv": {"weight": taps_apart},
+    }
+    for name, params in cases.items():
+        got = top.triton_ttt(name, q, k, v, params, grid=SIDE, scale=SCALE, lr=LR, backend="triton")
+        want = reference.reference_ttt(name, q, k, v, params, grid=SIDE, scale=SCALE, lr=LR, grad_norm=True)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)

@@ -26,6 +26,18 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
+def _not_in_place(name: str, weights: list[Tensor]) -> str:
+    """What keeps the kernels from reading op ``name``'s initial weights in place (``""``: nothing): SwiGLU's
+    w1, w2 must share one layout and dtype, the conv weight's 3 x 3 taps lie one stride apart."""
+    if name == "swiglu" and (
+        weights[0].stride() != weights[1].stride() or weights[0].dtype != weights[1].dtype
+    ):
+        return "the SwiGLU weights w1, w2 in one layout and dtype"
+    if name == "dwconv" and weights[0].stride(2) != 3 * weights[0].stride(3):
+        return "the conv weight's 3 x 3 taps one stride apart"
+    return ""
+
+
 def _live(t: Tensor) -> bool:
     """False for fake tensors (shape propagation only: nothing to launch)."""
     return not isinstance(t, FakeTensor)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..ops import Hyper, NodeCall
 from . import plan, tiles
-from .checks import _checked, _live
+from .checks import _checked, _live, _not_in_place
 from .device import WEIGHT_NAMES, _interpreting, fp32_uses_tf32
 from .plan import _backward_template, _forward_template, _key, _meta, _Plan
 
@@ -93,12 +93,9 @@ def checked_entry(name: str, call: NodeCall) -> tuple[Any, tuple]:
     q, k, v, weights, h = call.q, call.k, call.v, call.weights, call.hyper
     params = dict(zip(WEIGHT_NAMES[name], weights))
     _checked(name, q, k, v, params, h.grid, h.loss, "triton", None)
-    if name == "swiglu" and (
-        weights[0].stride() != weights[1].stride() or weights[0].dtype != weights[1].dtype
-    ):
-        raise ValueError("the Triton node reads the SwiGLU weights w1, w2 in one layout and dtype")
-    if name == "dwconv" and weights[0].stride(2) != 3 * weights[0].stride(3):
-        raise ValueError("the Triton node reads the conv weight's 3 x 3 taps one stride apart")
+    why = _not_in_place(name, list(weights))  # the node reads them in place (``triton_ttt`` copies them)
+    if why:
+        raise ValueError(f"the Triton node reads {why}")
     if call.dest.shape != q.shape or call.dest.dtype != q.dtype:
         raise ValueError(
             f"the read-out view must be {tuple(q.shape)} {q.dtype}, got {tuple(call.dest.shape)}"

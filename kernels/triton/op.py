@@ -22,7 +22,7 @@ from torch.library import triton_op
 from .. import reference
 from ..common import autocast_backward, autocast_forward, grad_flows
 from . import node, plan, program, tiles
-from .checks import _checked, _live, resolve_backend
+from .checks import _checked, _live, _not_in_place, resolve_backend
 from .device import (
     WEIGHT_NAMES,
     _acc_dtype,
@@ -253,15 +253,10 @@ def _weights_of(name: str, params: dict[str, Tensor]) -> tuple[Tensor, Tensor | 
     """The initial weights as the kernels read them, in place: ``(W1, W2)`` of SwiGLU (one layout: copied
     only if their strides differ), ``(W, None)`` of the linear model, the conv weight (copied only if its
     3 x 3 taps are not one stride apart)."""
-    if name == "swiglu":
-        w1, w2 = params["w1"], params["w2"]
-        if w1.stride() != w2.stride() or w1.dtype != w2.dtype:
-            w1, w2 = w1.contiguous(), w2.to(w1.dtype).contiguous()
-        return w1, w2
-    if name == "dwconv":
-        w = params["weight"]
-        return (w if w.stride(2) == 3 * w.stride(3) else w.contiguous()), None
-    return params["w"], None
+    weights = [params[n] for n in WEIGHT_NAMES[name]]
+    if _not_in_place(name, weights):  # copied into the layout the kernels read
+        weights = [w.to(weights[0].dtype).contiguous() for w in weights]
+    return weights[0], (weights[1] if len(weights) == 2 else None)
 
 
 def triton_ttt(
