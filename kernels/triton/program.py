@@ -227,7 +227,7 @@ class MixProgram:
         self.counts = tuple(len(call.weights) for call in calls)
         self.n_rotated = sum(pair is not None for pair in rotated)
         self.entries, self.inputs = [], []
-        at = SCRATCH + 1 + sum(self.counts)  # the first rotated pair's base
+        self.rot_first = at = SCRATCH + 1 + sum(self.counts)  # the first rotated pair's base
         for i, (name, call, pair) in enumerate(zip(names, calls, rotated)):
             try:
                 self.entries.append(checked_entry(name, call))
@@ -301,9 +301,7 @@ class MixProgram:
         scratch = _Workspace(B_SCRATCH)
         launches, dws = _Launches(), []
         first_w = D_QKV + 1 + len(self.entries)
-        n_w = sum(self.counts)
-        rot_first = SCRATCH + 1 + n_w  # the forward's first rotated pair; in the backward ``moved`` on
-        moved = first_w + n_w - rot_first  # and the pairs of their gradients after them
+        moved = first_w - SCRATCH - 1  # a forward base past the scratch -> the backward's (after the dWs)
         for i, ((key, metas), (qkv_at, _), w_at, (g_at, n_at), views) in enumerate(
             zip(self.entries, self.inputs, self._weights(first_w), kept, calls)
         ):
@@ -312,9 +310,12 @@ class MixProgram:
             wheres = [_Where.of(D_OUT, _offset(dout, d_out), dout)]
             wheres += [w._replace(base=B_QKV if w.base == QKV else w.base + moved) for w in qkv_at] + w_at
             wheres += [w._replace(base=B_SAVED) for w in (g_at, n_at)]
-            if qkv_at[0].base >= rot_first:  # a RoPE branch: dq, dk into its pair of d_rotated
-                j = qkv_at[0].base - rot_first
-                pair, base = d_rotated[j], first_w + n_w + self.n_rotated + j
+            if qkv_at[0].base >= self.rot_first:  # a RoPE branch: dq, dk into its pair of d_rotated
+                # (the pairs of the gradients follow the rotated pairs' bases)
+                pair, base = (
+                    d_rotated[qkv_at[0].base - self.rot_first],
+                    qkv_at[0].base + moved + self.n_rotated,
+                )
                 wheres += [_Where.of(base, _offset(t, pair), t) for t in grads[:2]]
                 wheres.append(_Where.of(D_QKV, _offset(grads[2], dqkv), grads[2]))
             else:

@@ -60,21 +60,27 @@ def _traced() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
+def _tables(
+    grid: tuple[int, int], dim: int, base: float, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    angles = _grid_angles(grid, dim, base, device, dtype)
+    return angles.cos(), angles.sin()
+
+
 def rope_tables(
     grid: tuple[int, int], dim: int, base: float, device: torch.device, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     """``(cos, sin)`` of the rotation angles, ``[h, w, 2, dim / 4]`` each, for :func:`apply_rope_2d`; in eager
     mode kept per grid, size, base, device and dtype (read only: the callers never write them)."""
-    if _traced() or torch.device(device).type == "meta":
-        angles = _grid_angles(grid, dim, base, device, dtype)
-        return angles.cos(), angles.sin()
-    key = (tuple(grid), dim, float(base), torch.device(device), dtype)
+    device = torch.device(device)
+    if _traced() or device.type == "meta":
+        return _tables(grid, dim, base, device, dtype)
+    key = (tuple(grid), dim, float(base), device, dtype)
     found = _TABLES.get(key)
     if found is None:
         # normal tensors even under inference_mode: autograd saves them where later calls need gradients
         with torch.inference_mode(False), torch.no_grad():
-            angles = _grid_angles(grid, dim, base, device, dtype)
-            found = (angles.cos(), angles.sin())
+            found = _tables(grid, dim, base, device, dtype)
         if len(_TABLES) >= MAX_TABLES:
             _TABLES.clear()
         _TABLES[key] = found
