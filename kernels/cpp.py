@@ -6,7 +6,9 @@ Sources: ``swiglu/csrc/swiglu.cpp`` (the SwiGLU op's passes and the step between
 depthwise op's step on them, ``dwconv_ttt_forward`` / ``dwconv_ttt_backward``, glued in
 ``vit3.kernels.dwconv.cpp``), ``mix/csrc/mix.cpp`` (the whole mixer call, every branch through those step
 functions, as one op with a C++ autograd node: ``mix``, its ``mix_forward`` / ``mix_backward``, and
-``rope_2d``; called by ``vit3.layers.ttt``), and the header they share, ``csrc/vit3_cpu.h`` (the inner step,
+``rope_2d``; called by ``vit3.layers.ttt``), ``mlp/csrc/lean_mlp.cpp`` (the ViT³ block's lean MLP as one node,
+``lean_mlp``; with ``dwconv.cpp``'s ``cpe_norm``, the block's nodes in ``vit3.layers.blocks``), and the header they
+share, ``csrc/vit3_cpu.h`` (the inner step,
 the checks, the step functions). The ops are ``torch.ops.vit3_cpu.*``; each walks every (sample, head) inside
 C++, so a branch costs one Python call per direction instead of ~40 ops, and a settled mixer call one op.
 
@@ -47,6 +49,7 @@ FILES = (
     _HERE / "swiglu" / "csrc" / "swiglu.cpp",
     _HERE / "dwconv" / "csrc" / "dwconv.cpp",
     _HERE / "mix" / "csrc" / "mix.cpp",
+    _HERE / "mlp" / "csrc" / "lean_mlp.cpp",
     _HERE / "csrc" / "vit3_cpu.h",
 )
 LDFLAGS = ["-fopenmp"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import subprocess
 import sys
 
@@ -333,3 +334,58 @@ def test_model_overhead_times_each_model_and_its_bare_ops(tmp_path):
     assert all(int(r["ops"]) > 0 and float(r["bare_ms"]) > 0 for r in rows)
     base = [r for r in rows if r["model"] == "test_vit"]
     assert all(float(r["speed_vs_base"]) == 1.0 == float(r["bare_vs_base"]) for r in base)
+
+
+def test_cpu_attribution_sorts_samples_into_parts():
+    """Each sample goes to the code that spent it: MKL's GEMM apart from ATen's other code in the same library,
+    vit3's extension, the interpreter, the bindings, the C library; header and padding lines are skipped."""
+    attribution = load_benchmark("cpu_attribution")
+    report = "\n".join(
+        [
+            "# Samples: 9K of event 'cpu-clock:pppH'",
+            " 40.10% \t 12031      \tlibtorch_cpu.so          \t[.] mkl_blas_avx512_sgemm_kernel_0",
+            " 3.36%  \t 1007       \tlibtorch_cpu.so          \t[.] at::native::AVX2::RowwiseMomentsImpl<float, 4l>",
+            " 0.91%  \t 273        \tvit3_cpu_avx512_0123.so  \t[.] (anonymous namespace)::inner_grad_impl<float>",
+            " 2.77%  \t 831        \tlibpython3.11.so.1.0     \t[.] _PyEval_EvalFrameDefault",
+            " 0.35%  \t 105        \tlibtorch_python.so       \t[.] torch::FunctionSignature::parse",
+            " 0.78%  \t 234        \tlibc.so.6                \t[.] _int_malloc",
+            " 0.42%  \t 126        \t[JIT] tid 9280           \t[.] 0x00007f368a28010f",
+            " 0.10%  \t 30         \t[kernel.kallsyms]        \t[k] clear_page_erms",
+            " 0.05%  \t 15         \tlibstdc++.so.6.0.30      \t[.] operator new",
+            "",
+        ]
+    )
+    samples = attribution.parse_report(report)
+    assert set(samples) == set(attribution.PARTS)
+    expected = {"gemm": 12031, "aten": 1007, "vit3 kernels": 273, "python": 831, "bindings": 105}
+    expected |= {"libc": 234, "jit code": 126, "os": 30, "other": 15, "c10": 0}
+    assert samples == expected
+
+
+def _perf_usable(tmp_path) -> bool:
+    if shutil.which("perf") is None:
+        return False
+    probe = subprocess.run(
+        ["perf", "record", "-q", "-o", str(tmp_path / "probe.data"), "--", "true"], capture_output=True
+    )
+    return probe.returncode == 0
+
+
+def test_cpu_attribution_prices_every_part_of_both_models(tmp_path):
+    if not _perf_usable(tmp_path):
+        pytest.skip("Linux perf is not installed or may not sample processes here")
+    out = tmp_path / "attribution.csv"
+    _run(
+        "cpu_attribution.py",
+        *("--pair", "test_vit3_ttt:test_vit", "--res", "160", "--modes", "infer", "--threads", "1"),
+        *("--seconds", "1.5", "--warmup", "2", "--out", str(out)),
+    )
+    rows = list(csv.DictReader(out.open()))
+    parts = {(r["model"], r["part"]): r for r in rows}
+    attribution = load_benchmark("cpu_attribution")
+    for model in ("test_vit3_ttt", "test_vit"):
+        step = float(parts[model, "step"]["ms"])
+        assert step > 0
+        assert sum(float(parts[model, p]["ms"]) for p in attribution.PARTS) == pytest.approx(step, rel=1e-6)
+    assert all(float(r["vs_base_ms"]) == 0 for r in rows if r["model"] == "test_vit")
+    assert float(parts["test_vit", "vit3 kernels"]["ms"]) == 0  # timm's ViT runs none of vit3's code

@@ -30,11 +30,16 @@ def _per_token(fn, tokens: tuple[int, int] = (20, 40)) -> float:
     return (b - a) / (tokens[1] - tokens[0])
 
 
+# The lean MLP's two nodes, by the backend that picks them on CPU tensors: the C++ node and the Python node.
+LEAN_NODES = [pytest.param("cpu", "LeanMlpFunction", id="cpp-node"), pytest.param("generic", "_LeanMlpFnBackward", id="python-node")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "node"), LEAN_NODES)
 @pytest.mark.parametrize("approx", ["none", "tanh"], ids=["gelu", "gelu-tanh"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("norm", [True, False], ids=["layernorm", "no-norm"])
-def test_lean_mlp_matches_norm_then_mlp_every_gradient(monkeypatch, approx, bias, norm):
-    lean_calls = count_calls(monkeypatch, blocks._LeanMlpFn, "apply")
+def test_lean_mlp_matches_norm_then_mlp_every_gradient(monkeypatch, approx, bias, norm, backend, node):
+    monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
     torch.manual_seed(0)
     mlp = LeanMlp(C, 4 * C, bias=bias, act_layer=partial(nn.GELU, approximate=approx)).double()
     ln = nn.LayerNorm(C, eps=1e-6).double() if norm else None
@@ -46,16 +51,18 @@ def test_lean_mlp_matches_norm_then_mlp_every_gradient(monkeypatch, approx, bias
     )  # a channels-last map, as in the block
     leaves = [x, *mlp.parameters(), *(ln.parameters() if ln is not None else [])]
     got = mlp(x, norm=ln)
-    assert lean_calls["n"] == 1
+    assert node in got.grad_fn.name()  # C++ nodes read "torch::autograd::CppNode<...LeanMlpFunction>"
     want = Mlp.forward(mlp, ln(x) if ln is not None else x)
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
     for name, g, g_ref in zip(["x", "mlp", "norm"], _grads(got, leaves), _grads(want, leaves)):
         torch.testing.assert_close(g, g_ref, rtol=1e-11, atol=1e-12, msg=f"gradient of {name}")
 
 
-def test_lean_mlp_saves_x_and_the_hidden_pre_activation_only():
+@pytest.mark.parametrize(("backend", "node"), LEAN_NODES)
+def test_lean_mlp_saves_x_and_the_hidden_pre_activation_only(monkeypatch, backend, node):
     """Per token: x (C), fc1's output (4C) and the LayerNorm statistics (2), where autograd through
     LayerNorm + Mlp keeps x, the statistics, the norm's output, fc1's output and the GELU output (10C + 2)."""
+    monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
     mlp, ln = LeanMlp(C, 4 * C).double(), nn.LayerNorm(C).double()
 
     def run(n: int, lean: bool):
@@ -69,6 +76,7 @@ def test_lean_mlp_saves_x_and_the_hidden_pre_activation_only():
 def test_lean_mlp_steps_aside_where_it_does_not_apply(monkeypatch):
     """The saving variant (``Mlp.forward``) under recompute="never", without gradients, with dropout in
     training and with another activation."""
+    monkeypatch.setenv("VIT3_TTT_BACKEND", "generic")  # the Python node, whose calls are counted
     lean_calls = count_calls(monkeypatch, blocks._LeanMlpFn, "apply")
     x = torch.randn(4, C, requires_grad=True)
     LeanMlp(C, 4 * C, recompute="never")(x)
@@ -84,6 +92,18 @@ def test_lean_mlp_steps_aside_where_it_does_not_apply(monkeypatch):
     assert lean_calls["n"] == 1
 
 
+def _node_names(node, seen: set | None = None) -> set[str]:
+    """The names of every autograd node reachable from ``node``."""
+    seen = set() if seen is None else seen
+    if node is None or node in seen:
+        return set()
+    seen.add(node)
+    names = {node.name()}
+    for parent, _ in node.next_functions:
+        names |= _node_names(parent, seen)
+    return names
+
+
 def _block(recompute: str) -> TTTBlock:
     torch.manual_seed(4)
     block = TTTBlock(32, 4, ttt_cfg={"recompute": recompute}).double()
@@ -95,13 +115,15 @@ def _block(recompute: str) -> TTTBlock:
 
 @pytest.mark.parametrize("backend", ["cpu", "generic"])
 def test_lean_block_matches_the_saving_block_every_gradient(monkeypatch, backend):
-    """On ``cpu`` the CPE and first norm form one node (``_CpeNormFn``), elsewhere they are checkpointed."""
+    """On ``cpu`` the CPE and first norm form one C++ node (``vit3_cpu::cpe_norm``), and the MLP is the lean MLP's
+    C++ node; elsewhere they are checkpointed and the MLP is the Python node."""
     monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
-    one_node = count_calls(monkeypatch, blocks._CpeNormFn, "apply")
     lean, saving = _block("always"), _block("never")
     x = torch.randn(2, 5, 8, 32, dtype=torch.float64, requires_grad=True)
     got, want = lean(x), saving(x)
-    assert one_node["n"] == (backend == "cpu")
+    nodes = " ".join(_node_names(got.grad_fn))
+    assert ("CpeNormFunction" in nodes, "LeanMlpFunction" in nodes) == (backend == "cpu",) * 2, nodes
+    assert ("_LeanMlpFnBackward" in nodes) == (backend != "cpu"), nodes
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     g_lean = _grads(got, [x, *lean.parameters()])
     g_saving = _grads(want, [x, *saving.parameters()])
@@ -129,3 +151,19 @@ def test_lean_block_saves_what_the_readme_table_states(monkeypatch):
     assert _per_token(partial(run, recompute="always")) == lean
     dropped = dim + 4 * 32 + dim + hidden  # CPE out, Z and Y, LN2 out, GELU out
     assert _per_token(partial(run, recompute="never")) == lean + dropped
+
+
+def test_the_cpp_block_nodes_are_once_differentiable(monkeypatch):
+    """A backward with ``create_graph=True`` through the C++ nodes (the CPE + norm, the lean MLP) gives the first
+    gradients; differentiating those again raises and names the node, as the Python nodes' ``once_differentiable``."""
+    monkeypatch.setenv("VIT3_TTT_BACKEND", "cpu")
+    block = _block("always")
+    x = torch.randn(1, 3, 4, 32, dtype=torch.float64, requires_grad=True)
+    t = x.detach().clone().requires_grad_()  # the MLP's own input, so that only its node is on the path
+    cases = ((x, block._lean_cpe_norm(x)[1], "vit3_cpu.cpe_norm"), (t, block.mlp(t, norm=block.norm2), "vit3_cpu.lean_mlp"))  # fmt: skip
+    for leaf, out, name in cases:
+        (g,) = torch.autograd.grad(out.square().sum(), leaf, create_graph=True)
+        (want,) = torch.autograd.grad(out.square().sum(), leaf, retain_graph=True)
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match=f"{name} .* once differentiable"):
+            g.sum().backward()

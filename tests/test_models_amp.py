@@ -142,9 +142,10 @@ def _assert_near(a: list[torch.Tensor], fp32: list[torch.Tensor], bound: float =
 
 
 def _block_case(kind: str) -> tuple:
-    """A module, its inputs and parameters exercising one node: the lean MLP (``_LeanMlpFn``), the CPE
-    (``_ConvPosEncKernel``), the lean block's CPE + first norm (``_CpeNormFn``) and a whole block; the CPE
-    nodes run the C++ kernel, fp32 outside autocast only (under autocast the convolution serves)."""
+    """A module, its inputs and parameters exercising one node: the lean MLP (the C++ node ``vit3_cpu::lean_mlp``
+    in fp32, the Python node ``_LeanMlpFn`` under autocast), the CPE (``_ConvPosEncKernel``), the lean block's
+    CPE + first norm (the C++ node ``vit3_cpu::cpe_norm``) and a whole block; the CPE nodes run the C++ kernel,
+    fp32 outside autocast only (under autocast the convolution serves)."""
     torch.manual_seed(0)
     if kind == "lean-mlp":
         mlp, norm = LeanMlp(32, 64), torch.nn.LayerNorm(32)

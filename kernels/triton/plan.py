@@ -164,23 +164,26 @@ class _Plan(NamedTuple):
 
     def run(self, inputs: tuple[Tensor, ...], launch: bool = True) -> tuple[Tensor, ...]:
         """Allocates the buffers on the inputs' device, runs the launches on them in order (``launch=False``:
-        none, for fake tensors) under ``_on_device`` and returns the outputs."""
+        none, for fake tensors) under ``on_device`` and returns the outputs."""
         tensors = self._tensors(inputs)
         if launch:
-            device = inputs[0].device
-            with _on_device(device) if device.type == "cuda" else contextlib.nullcontext():
+            with on_device(inputs[0].device):
                 for one in self.launches:
                     one(tensors)
         return tuple([tensors[i] for i in self.outputs])
 
 
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """The context a plan's launches run in: ``device`` current on a GPU. Triton launches on the current CUDA
-    device and its current stream: a tensor of another GPU would hand that GPU's pointers to a kernel on the
-    current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Compiled graphs guard
-    their devices themselves."""
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: one instance serves every call off a GPU
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a plan's or a program's launches run in: ``device`` current on a GPU. Triton launches on the
+    current CUDA device and its current stream: a tensor of another GPU would hand that GPU's pointers to a
+    kernel on the current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Compiled
+    graphs guard their devices themselves. Off a GPU it costs one comparison (launch programs call it per
+    launch list)."""
     if device.type != "cuda" or torch.compiler.is_compiling():
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
     return torch.cuda.device(device)
 
 

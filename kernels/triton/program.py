@@ -34,7 +34,7 @@ from ..ops import NodeCall, tag_branch
 from . import plan
 from .device import _interpreting
 from .node import checked_entry, state_of
-from .plan import _backward_template, _Buffer, _forward_template, _meta
+from .plan import _backward_template, _Buffer, _forward_template, _meta, on_device
 
 __all__ = ["Address", "MixProgram", "at_address", "backward", "clear", "forward", "program_key"]
 
@@ -161,8 +161,7 @@ class _Launches:
 
     def run(self, bases: Sequence[Any], interpret: bool, device: torch.device) -> None:
         """Launches on ``bases`` (device pointers, or ``(storage, byte start)`` under the interpreter), with
-        ``device`` current where it is a GPU (``plan._on_device``'s rule; a program runs in eager mode only,
-        never traced); an exception names its branch (``BRANCH_ATTR``)."""
+        ``device`` current where it is a GPU (``plan.on_device``); an exception names its branch (``BRANCH_ATTR``)."""
         if interpret:
             values = [at_address(bases[where.base], where) for where in self.places]
             values += self.consts
@@ -171,10 +170,7 @@ class _Launches:
         with self.lock:
             for address, base, offset in self.binds:
                 address.address = bases[base] + offset
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    _run(self.gpu)
-            else:
+            with on_device(device):
                 _run(self.gpu)
 
 

@@ -140,45 +140,6 @@ class _ConvPosEncKernel(torch.autograd.Function):
         return _conv_pos_kernel_backward(d_out, tokens, weight, ctx.grid, ctx.has_bias)
 
 
-class _CpeNormFn(torch.autograd.Function):
-    """``t = x + dwconv3x3(x) + bias`` (the CPE, on the C++ kernel) and ``LayerNorm(t)`` as one node that saves
-    x (which the CPE keeps anyway) and the norm's statistics, not t: the backward recomputes t with one kernel
-    call. The memory-lean block's CPE and first norm; the same as activation checkpointing of the two, without
-    its per-call machinery (~0.3 ms a block at 224 px)."""
-
-    @staticmethod
-    @autocast_forward
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        ln_w: Tensor | None,
-        ln_b: Tensor | None,
-        eps: float,
-    ) -> tuple[Tensor, Tensor]:
-        t, tokens = _conv_pos_kernel(x, weight, bias)
-        n, mean, rstd = torch.native_layer_norm(t, t.shape[-1:], ln_w, ln_b, eps)
-        ctx.save_for_backward(tokens, weight.detach(), bias, mean, rstd, ln_w, ln_b)  # None where absent
-        ctx.grid, ctx.eps = x.shape[1:3], eps
-        return t, n
-
-    @staticmethod
-    @autocast_backward
-    @once_differentiable
-    def backward(ctx: Any, dt: Tensor, dn: Tensor) -> tuple[Tensor | None, ...]:
-        tokens, weight, bias, mean, rstd, ln_w, ln_b = ctx.saved_tensors
-        b, _, c = tokens.shape
-        t = _conv_pos_kernel(tokens.view(b, *ctx.grid, c), weight, bias)[0]  # recomputed
-        mask = [True, ln_w is not None, ln_b is not None]
-        d_t, d_lw, d_lb = torch.ops.aten.native_layer_norm_backward(
-            dn, t, t.shape[-1:], mean, rstd, ln_w, ln_b, mask
-        )
-        grad = d_t.add_(dt)
-        dx, dweight, dbias = _conv_pos_kernel_backward(grad, tokens, weight, ctx.grid, bias is not None)
-        return dx, dweight, dbias, d_lw, d_lb, None
-
-
 class ConvFFN(nn.Module):
     """The H-ViT³ feed-forward: ``fc2(act(ConvPosEnc(drop(act(fc1(x))))))`` on a channels-last map.
 
@@ -295,13 +256,18 @@ class LeanMlp(Mlp):
     (``TTTConfig.recompute`` or ``$VIT3_TTT_RECOMPUTE``), and wherever the lean path does not apply: no
     gradient, tracing, another activation, dropout in training, a norm between the layers.
 
+    On CPU tensors the lean path is one C++ node (``torch.ops.vit3_cpu.lean_mlp``, the same ATen calls as
+    ``_LeanMlpFn`` without its Python; ``backends.cpu_block_kernel``'s rule), elsewhere the Python node.
+
     Args:
-        recompute: the block's ``TTTConfig.recompute``; the other arguments are ``Mlp``'s.
+        recompute: the block's ``TTTConfig.recompute``.
+        backend: the block's ``TTTConfig.backend`` (the C++ node serves under ``auto`` and ``cpu`` only); the
+            other arguments are ``Mlp``'s.
     """
 
-    def __init__(self, *args: Any, recompute: str = "auto", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, recompute: str = "auto", backend: str = "auto", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.recompute = recompute
+        self.recompute, self.backend = recompute, backend
 
     def _lean(self, x: Tensor) -> bool:
         if not _lean_eligible(x) or type(self.act) is not nn.GELU:
@@ -332,7 +298,10 @@ class LeanMlp(Mlp):
         elif norm is not None:
             x = norm(x)
         f1, f2 = self.fc1, self.fc2
-        return _LeanMlpFn.apply(x, *ln.values(), f1.weight, f1.bias, f2.weight, f2.bias, self.act.approximate)
+        args = (x, *ln.values(), f1.weight, f1.bias, f2.weight, f2.bias, self.act.approximate)
+        if backends.cpu_block_kernel(x, self.backend):
+            return torch.ops.vit3_cpu.lean_mlp(*args)
+        return _LeanMlpFn.apply(*args)
 
 
 class TTTBlock(nn.Module):
@@ -378,7 +347,10 @@ class TTTBlock(nn.Module):
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim)
         # what the block's config says to the feed-forwards that read it
-        follows = {LeanMlp: {"recompute": ttt_cfg.recompute}, ConvFFN: {"backend": ttt_cfg.backend}}
+        follows = {
+            LeanMlp: {"recompute": ttt_cfg.recompute, "backend": ttt_cfg.backend},
+            ConvFFN: {"backend": ttt_cfg.backend},
+        }
         own = next(
             (kw for cls, kw in follows.items() if isinstance(mlp_layer, type) and issubclass(mlp_layer, cls)),
             {},
@@ -393,8 +365,9 @@ class TTTBlock(nn.Module):
         return x, self.norm1(x)
 
     def _lean_cpe_norm(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``_cpe_norm`` recomputing the CPE output in the backward: one node where the CPE takes the C++ kernel
-        and the norm is a LayerNorm over C (``_CpeNormFn``), else activation checkpointing."""
+        """``_cpe_norm`` recomputing the CPE output in the backward: one C++ node where the CPE takes the C++
+        kernel and the norm is a LayerNorm over C (``torch.ops.vit3_cpu.cpe_norm``: it saves x and the norm's
+        statistics), else activation checkpointing."""
         cpe, norm = self.cpe, self.norm1
         if (
             type(cpe) is ConvPosEnc
@@ -402,7 +375,7 @@ class TTTBlock(nn.Module):
             and norm.normalized_shape == x.shape[-1:]
             and cpe.on_kernel(x)
         ):
-            return _CpeNormFn.apply(x, cpe.weight, cpe.bias, norm.weight, norm.bias, norm.eps)
+            return torch.ops.vit3_cpu.cpe_norm(x, cpe.weight, cpe.bias, norm.weight, norm.bias, norm.eps)
         return checkpoint(self._cpe_norm, x, use_reentrant=False, preserve_rng_state=False)
 
     def _lean(self, x: Tensor) -> bool:

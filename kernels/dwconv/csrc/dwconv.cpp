@@ -8,6 +8,9 @@
 
 #include "vit3_cpu.h"
 
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+
 namespace {
 
 using namespace vit3_cpu;
@@ -257,6 +260,101 @@ Tensor dwconv_ttt_backward(
 
 }  // namespace vit3_cpu
 
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// ConvPosEnc's x + dwconv3x3(x) + bias on a channels-last map x [B, H, W, C] (the weight [C, 1, 3, 3] read as it
+// is): the output map and x's token rows [B, N, C] (the backward's input).
+std::pair<Tensor, Tensor> cpe_tokens(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 4, "vit3_cpu.cpe_norm: x must be a channels-last map [B, H, W, C], got ", x.sizes());
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // in its inputs' dtype
+  const int64_t B = x.size(0), gh = x.size(1), gw = x.size(2), C = x.size(3);
+  Tensor tokens = x.reshape({B, gh * gw, C});
+  if (tokens.stride(-1) != 1) tokens = tokens.contiguous();  // the op reads channel vectors
+  Tensor out = at::empty_like(tokens, at::MemoryFormat::Contiguous);
+  dwconv(tokens, weight.contiguous(), out, gh, gw, bias, true);
+  return {out.view({B, gh, gw, C}), tokens};
+}
+
+// The block's CPE and first LayerNorm as one node: t = x + dwconv3x3(x) + bias and n = LayerNorm(t), saving x's
+// token rows (which the CPE's backward needs anyway) and the norm's statistics, not t: the backward recomputes t
+// with one kernel call. The memory-lean ViT³ block's (vit3/layers/blocks.py), with no Python in its forward or
+// backward; its reference is the CPE then the LayerNorm through autograd (tests/test_blocks_memory.py).
+struct CpeNormFunction : public torch::autograd::Function<CpeNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
+                               const std::optional<Tensor>& bias, const std::optional<Tensor>& ln_w,
+                               const std::optional<Tensor>& ln_b, double eps) {
+    auto [t, tokens] = cpe_tokens(x, weight, bias);
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    auto [n, mean, rstd] = at::native_layer_norm(t, {t.size(-1)}, ln_w, ln_b, eps);
+    ctx->save_for_backward({tokens, weight, bias.value_or(Tensor()), mean, rstd, ln_w.value_or(Tensor()),
+                            ln_b.value_or(Tensor())});
+    ctx->saved_data["grid"] = std::vector<int64_t>{x.size(1), x.size(2)};
+    ctx->saved_data["eps"] = eps;
+    return {t, n};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const auto s = ctx->get_saved_variables();
+    const auto opt = [](const Tensor& v) { return v.defined() ? std::optional<Tensor>(v) : std::nullopt; };
+    const Tensor &tokens = s[0], &weight = s[1], &mean = s[3], &rstd = s[4];
+    const auto bias = opt(s[2]), ln_w = opt(s[5]), ln_b = opt(s[6]);
+    const auto grid = ctx->saved_data["grid"].toIntVector();
+    const int64_t B = tokens.size(0), N = tokens.size(1), C = tokens.size(2), gh = grid[0], gw = grid[1];
+    Tensor dx, dweight, dbias, d_lw, d_lb;
+    {
+      at::NoGradGuard no_grad;
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // in the forward's dtype
+      const Tensor t = cpe_tokens(tokens.view({B, gh, gw, C}), weight, bias).first;  // recomputed
+      Tensor d_t;
+      std::tie(d_t, d_lw, d_lb) = at::native_layer_norm_backward(
+          grad_out[1], t, {C}, mean, rstd, ln_w, ln_b, {true, ln_w.has_value(), ln_b.has_value()});
+      Tensor grad = d_t.add_(grad_out[0]).reshape({B, N, C});
+      if (grad.stride(-1) != 1) grad = grad.contiguous();
+      // dx: the residual plus the correlation with the flipped weight; the taps' gradient per sample, summed
+      dx = at::empty_like(tokens, at::MemoryFormat::Contiguous);
+      dwconv(grad, weight.flip({-2, -1}), dx, gh, gw, std::nullopt, true);
+      Tensor dtaps = tokens.new_empty({B, 9, C});
+      dwconv_weight_grad(grad, tokens, dtaps, gh, gw);
+      dweight = dtaps.sum(0).t().reshape({C, 1, 3, 3});
+      if (bias.has_value()) dbias = grad.sum({0, 1});
+      dx = dx.view({B, gh, gw, C});
+    }
+    variable_list grads{dx, dweight, dbias, d_lw, d_lb, Tensor()};
+    if (at::GradMode::is_enabled() && (grad_out[0].requires_grad() || grad_out[1].requires_grad())) {
+      for (auto& g : grads) {  // create_graph=True: a second backward raises
+        if (g.defined()) g = g.detach().requires_grad_(true);
+      }
+      grads = torch::autograd::DelayedError(
+                  "vit3_cpu.cpe_norm (the block's CPE + norm C++ node) is once differentiable: no second backward "
+                  "through it",
+                  grads.size())
+                  .apply(std::move(grads));
+    }
+    return grads;
+  }
+};
+
+std::tuple<Tensor, Tensor> cpe_norm_autograd(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                                             const std::optional<Tensor>& ln_w, const std::optional<Tensor>& ln_b,
+                                             double eps) {
+  const auto out = CpeNormFunction::apply(x, weight, bias, ln_w, ln_b, eps);
+  return {out[0], out[1]};
+}
+
+// Below autograd (inference mode, tensors without autograd keys): the forward alone.
+std::tuple<Tensor, Tensor> cpe_norm_cpu(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                                        const std::optional<Tensor>& ln_w, const std::optional<Tensor>& ln_b,
+                                        double eps) {
+  const Tensor t = cpe_tokens(x, weight, bias).first;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return {t, std::get<0>(at::native_layer_norm(t, {t.size(-1)}, ln_w, ln_b, eps))};
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
   m.def("dwconv(Tensor x, Tensor w, Tensor(a!) out, int gh, int gw, Tensor? bias=None, bool residual=False) -> ()");
   m.def("dwconv_weight_grad(Tensor g, Tensor x, Tensor(a!) gw_out, int gh, int gw) -> ()");
@@ -266,6 +364,7 @@ TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
   m.def(
       "dwconv_ttt_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor g, Tensor norm, Tensor w_new, "
       "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int gh, int gw, float c, float lr, bool grad_norm) -> Tensor");
+  m.def("cpe_norm(Tensor x, Tensor weight, Tensor? bias, Tensor? ln_w, Tensor? ln_b, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(vit3_cpu, CPU, m) {
@@ -273,4 +372,9 @@ TORCH_LIBRARY_IMPL(vit3_cpu, CPU, m) {
   m.impl("dwconv_weight_grad", &dwconv_weight_grad);
   m.impl("dwconv_ttt_forward", &vit3_cpu::dwconv_ttt_forward);
   m.impl("dwconv_ttt_backward", &vit3_cpu::dwconv_ttt_backward);
+  m.impl("cpe_norm", &cpe_norm_cpu);
+}
+
+TORCH_LIBRARY_IMPL(vit3_cpu, Autograd, m) {
+  m.impl("cpe_norm", &cpe_norm_autograd);
 }

@@ -299,20 +299,16 @@ def plan(
     return found
 
 
-def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
-    """Whether a ``ConvPosEnc`` (CPE, ``x + dwconv3x3(x)``, outside the mixer) runs on the C++ kernel's
-    depthwise op instead of oneDNN (measured one thread, 192 channels: forward 27 µs vs 138 µs at 14x14,
-    0.44 ms vs 7.4 ms at 56x56, where oneDNN also needs an NCHW copy): CPU float32/float64 tensors of one
-    dtype, no autocast, not tracing (FX, jit, ONNX, compile), a 3x3 kernel, the backend asked for ``auto`` or
-    ``cpu`` (``backend``, the block's ``TTTConfig.backend``, which wins over ``$VIT3_TTT_BACKEND`` as for the
-    mixer), and the kernel built (else the oneDNN convolution serves, as a failed build warns through the
-    mixer's backends)."""
+def cpu_block_kernel(x: Tensor, backend: str = "auto") -> bool:
+    """Whether a block's op outside the mixer (the CPE ``x + dwconv3x3(x)``, the lean MLP's node) runs on the C++
+    CPU kernel: CPU float32/float64 tensors, no autocast, not tracing (FX, jit, ONNX, compile), the backend
+    asked for ``auto`` or ``cpu`` (``backend``, the block's ``TTTConfig.backend``, which wins over
+    ``$VIT3_TTT_BACKEND`` as for the mixer), and the kernel built (else the PyTorch path serves, as a failed
+    build warns through the mixer's backends)."""
     if (
-        not isinstance(x, Tensor)  # an FX proxy: traced code takes the plain convolution
+        not isinstance(x, Tensor)  # an FX proxy: traced code takes the plain path
         or x.device.type != "cpu"
         or x.dtype not in (torch.float32, torch.float64)
-        or weight.dtype != x.dtype
-        or weight.shape[-2:] != (3, 3)
         or torch.is_autocast_enabled("cpu")
         or tracing_kind()
     ):
@@ -321,9 +317,23 @@ def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
         return False
     try:
         from vit3.kernels.cpp import load
-    except Exception:  # the kernels package cannot be imported: oneDNN serves
+    except Exception:  # the kernels package cannot be imported: the PyTorch path serves
         return False
     return load()[0] is not None
+
+
+def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
+    """Whether a ``ConvPosEnc`` (CPE, ``x + dwconv3x3(x)``, outside the mixer) runs on the C++ kernel's
+    depthwise op instead of oneDNN (measured one thread, 192 channels: forward 27 µs vs 138 µs at 14x14,
+    0.44 ms vs 7.4 ms at 56x56, where oneDNN also needs an NCHW copy): a 3x3 weight of the input's dtype and
+    ``cpu_block_kernel``'s rule."""
+    if (
+        not isinstance(weight, Tensor)
+        or weight.dtype != getattr(x, "dtype", None)
+        or weight.shape[-2:] != (3, 3)
+    ):
+        return False
+    return cpu_block_kernel(x, backend)
 
 
 def _device_name(device: torch.device) -> str:
