@@ -9,16 +9,29 @@
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/cpu/vec/vec.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 namespace vit3_cpu {
 
 using at::Tensor;
+
+// The gradients of a once-differentiable C++ node's backward, as Python's @once_differentiable: where the backward
+// runs with create_graph=True they come back attached to a node whose own backward raises, naming `node`.
+inline std::vector<Tensor> once_differentiable(std::vector<Tensor> grads, bool create_graph, const std::string& node) {
+  if (!create_graph) return grads;
+  for (auto& g : grads) {
+    if (g.defined()) g = g.detach().requires_grad_(true);
+  }
+  return torch::autograd::DelayedError(node + " is once differentiable: no second backward through it", grads.size())
+      .apply(std::move(grads));
+}
 
 template <typename T>
 using Vec = at::vec::Vectorized<T>;

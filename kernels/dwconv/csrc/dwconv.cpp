@@ -9,7 +9,6 @@
 #include "vit3_cpu.h"
 
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
 
 namespace {
 
@@ -323,17 +322,9 @@ struct CpeNormFunction : public torch::autograd::Function<CpeNormFunction> {
       dx = dx.view({B, gh, gw, C});
     }
     variable_list grads{dx, dweight, dbias, d_lw, d_lb, Tensor()};
-    if (at::GradMode::is_enabled() && (grad_out[0].requires_grad() || grad_out[1].requires_grad())) {
-      for (auto& g : grads) {  // create_graph=True: a second backward raises
-        if (g.defined()) g = g.detach().requires_grad_(true);
-      }
-      grads = torch::autograd::DelayedError(
-                  "vit3_cpu.cpe_norm (the block's CPE + norm C++ node) is once differentiable: no second backward "
-                  "through it",
-                  grads.size())
-                  .apply(std::move(grads));
-    }
-    return grads;
+    const bool create_graph = grad_out[0].requires_grad() || grad_out[1].requires_grad();
+    return vit3_cpu::once_differentiable(std::move(grads), at::GradMode::is_enabled() && create_graph,
+                                         "vit3_cpu.cpe_norm (the block's CPE + norm C++ node)");
   }
 };
 

@@ -15,7 +15,6 @@
 #include "vit3_cpu.h"
 
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <map>
@@ -360,12 +359,8 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
     }
     variable_list grads{dqkv};
     grads.insert(grads.end(), dws.begin(), dws.end());
-    if (at::GradMode::is_enabled() && d_out.requires_grad()) {  // create_graph=True: a second backward raises
-      for (auto& g : grads) g = g.detach().requires_grad_(true);
-      grads = torch::autograd::DelayedError(
-                  "vit3_cpu.mix (the mixer's C++ node) is once differentiable: no second backward through it", grads.size())
-                  .apply(std::move(grads));
-    }
+    grads = once_differentiable(std::move(grads), at::GradMode::is_enabled() && d_out.requires_grad(),
+                                "vit3_cpu.mix (the mixer's C++ node)");
     grads.resize(grads.size() + 9);  // plan, grid, scale, lr, grad_norm, rope_base, recompute, dense: no gradients
     return grads;
   }

@@ -8,7 +8,6 @@
 #include "vit3_cpu.h"
 
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
 
 #include <string>
 
@@ -80,16 +79,8 @@ struct LeanMlpFunction : public torch::autograd::Function<LeanMlpFunction> {
       }
     }
     variable_list grads{dx, d_lw, d_lb, Tensor(), dw1, db1, dw2, db2, Tensor()};
-    if (at::GradMode::is_enabled() && dy.requires_grad()) {  // create_graph=True: a second backward raises
-      for (auto& g : grads) {
-        if (g.defined()) g = g.detach().requires_grad_(true);
-      }
-      grads = torch::autograd::DelayedError(
-                  "vit3_cpu.lean_mlp (the lean MLP's C++ node) is once differentiable: no second backward through it",
-                  grads.size())
-                  .apply(std::move(grads));
-    }
-    return grads;
+    return vit3_cpu::once_differentiable(std::move(grads), at::GradMode::is_enabled() && dy.requires_grad(),
+                                         "vit3_cpu.lean_mlp (the lean MLP's C++ node)");
   }
 };
 
