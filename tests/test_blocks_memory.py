@@ -12,6 +12,7 @@ import torch
 from helpers.common import count_calls, saved_values
 from timm.layers import Mlp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import vit3.layers.blocks as blocks
 from vit3.layers.blocks import LeanMlp, TTTBlock
@@ -160,10 +161,45 @@ def test_the_cpp_block_nodes_are_once_differentiable(monkeypatch):
     block = _block("always")
     x = torch.randn(1, 3, 4, 32, dtype=torch.float64, requires_grad=True)
     t = x.detach().clone().requires_grad_()  # the MLP's own input, so that only its node is on the path
-    cases = ((x, block._lean_cpe_norm(x)[1], "vit3_cpu.cpe_norm"), (t, block.mlp(t, norm=block.norm2), "vit3_cpu.lean_mlp"))  # fmt: skip
+    cases = ((x, block._cpe_norm(x)[1], "vit3_cpu.cpe_norm"), (t, block.mlp(t, norm=block.norm2), "vit3_cpu.lean_mlp"))  # fmt: skip
     for leaf, out, name in cases:
         (g,) = torch.autograd.grad(out.square().sum(), leaf, create_graph=True)
         (want,) = torch.autograd.grad(out.square().sum(), leaf, retain_graph=True)
         torch.testing.assert_close(g, want, rtol=0, atol=0)
         with pytest.raises(RuntimeError, match=f"{name} .* once differentiable"):
             g.sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_without_gradients_the_block_runs_its_cpe_norm_and_mlp_as_one_op_each(mode):
+    """On CPU tensors a block without gradients calls ``vit3_cpu::cpe_norm`` once (the CPE and first norm) and
+    ``vit3_cpu::lean_mlp`` once (the second norm and the MLP), and computes the same bits as its layers called
+    one by one (the CPE on its kernel, the norm, the mixer, the norm, ``Mlp``)."""
+    block = _block("always").float().eval()
+    x = torch.randn(2, 5, 8, 32)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with context(), _OpCounter() as ops:
+        got = block(x)
+    assert ops.count("vit3_cpu.cpe_norm") == 1 and ops.count("vit3_cpu.lean_mlp") == 1, ops.names
+    assert ops.count("vit3_cpu.dwconv") == 0 and ops.count("aten.gelu") == 0, ops.names
+    with context():
+        t = block.cpe(x)
+        y = block.attn(block.norm1(t).reshape(2, 40, 32), grid=(5, 8)).reshape(2, 5, 8, 32)
+        want = t + y
+        want = want + Mlp.forward(block.mlp, block.norm2(want))
+    assert torch.equal(got, want)
+
+
+class _OpCounter(TorchDispatchMode):
+    """The ops dispatched under it, by ``namespace.name``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(f"{func.namespace}.{func._opname}")
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str) -> int:
+        return self.names.count(name)

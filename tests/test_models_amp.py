@@ -155,7 +155,7 @@ def _block_case(kind: str) -> tuple:
         return block.cpe, [x], list(block.cpe.parameters())
     if kind == "cpe-norm":
         params = [*block.cpe.parameters(), *block.norm1.parameters()]
-        return (lambda t: torch.stack(block._lean_cpe_norm(t))), [x], params
+        return (lambda t: torch.stack(block._cpe_norm(t))), [x], params
     return block, [x], list(block.parameters())
 
 

@@ -22,6 +22,16 @@ namespace vit3_cpu {
 
 using at::Tensor;
 
+// Whether a call of a C++ autograd node would record one: gradients enabled and some input requiring one
+// (an absent optional input is an undefined tensor).
+inline bool records_grad(std::initializer_list<Tensor> inputs) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const auto& t : inputs) {
+    if (t.defined() && t.requires_grad()) return true;
+  }
+  return false;
+}
+
 // The gradients of a once-differentiable C++ node's backward, as Python's @once_differentiable: where the backward
 // runs with create_graph=True they come back attached to a node whose own backward raises, naming `node`.
 inline std::vector<Tensor> once_differentiable(std::vector<Tensor> grads, bool create_graph, const std::string& node) {

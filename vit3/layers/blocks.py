@@ -256,8 +256,9 @@ class LeanMlp(Mlp):
     (``TTTConfig.recompute`` or ``$VIT3_TTT_RECOMPUTE``), and wherever the lean path does not apply: no
     gradient, tracing, another activation, dropout in training, a norm between the layers.
 
-    On CPU tensors the lean path is one C++ node (``torch.ops.vit3_cpu.lean_mlp``, the same ATen calls as
-    ``_LeanMlpFn`` without its Python; ``backends.cpu_block_kernel``'s rule), elsewhere the Python node.
+    On CPU tensors (``backends.cpu_block_kernel``'s rule) the lean path is one C++ node
+    (``torch.ops.vit3_cpu.lean_mlp``, the same ATen calls as ``_LeanMlpFn`` without its Python), elsewhere the
+    Python node; without gradients the same op runs the whole MLP as one call (its forward alone).
 
     Args:
         recompute: the block's ``TTTConfig.recompute``.
@@ -269,14 +270,16 @@ class LeanMlp(Mlp):
         super().__init__(*args, **kwargs)
         self.recompute, self.backend = recompute, backend
 
+    def _fusable(self) -> bool:
+        """What the lean nodes compute: GELU between the layers, no norm between them, no dropout in force."""
+        return (
+            type(self.act) is nn.GELU
+            and isinstance(self.norm, nn.Identity)
+            and not (self.training and (self.drop1.p > 0 or self.drop2.p > 0))
+        )
+
     def _lean(self, x: Tensor) -> bool:
-        if not _lean_eligible(x) or type(self.act) is not nn.GELU:
-            return False
-        if not isinstance(self.norm, nn.Identity) or (
-            self.training and (self.drop1.p > 0 or self.drop2.p > 0)
-        ):
-            return False
-        return backends.recompute_mode(self.recompute)[0] != "never"
+        return _lean_eligible(x) and self._fusable() and backends.recompute_mode(self.recompute)[0] != "never"
 
     def _plain(self, x: Tensor) -> Tensor:
         """``Mlp.forward`` without calling its no-op modules (``Identity``, dropout outside training or of p = 0):
@@ -290,7 +293,14 @@ class LeanMlp(Mlp):
 
     def forward(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
         """``[..., C] -> [..., C]``: ``Mlp(norm(x))`` (``norm``: an optional LayerNorm over the last dim)."""
-        if not self._lean(x):
+        lean = self._lean(x)
+        one_op = (
+            not lean
+            and not torch.is_grad_enabled()
+            and self._fusable()
+            and backends.cpu_block_kernel(x, self.backend)
+        )
+        if not (lean or one_op):
             return self._plain(x if norm is None else norm(x))
         ln: dict[str, Any] = {"ln_w": None, "ln_b": None, "eps": None}
         if type(norm) is nn.LayerNorm and norm.normalized_shape == x.shape[-1:]:
@@ -299,7 +309,7 @@ class LeanMlp(Mlp):
             x = norm(x)
         f1, f2 = self.fc1, self.fc2
         args = (x, *ln.values(), f1.weight, f1.bias, f2.weight, f2.bias, self.act.approximate)
-        if backends.cpu_block_kernel(x, self.backend):
+        if one_op or backends.cpu_block_kernel(x, self.backend):
             return torch.ops.vit3_cpu.lean_mlp(*args)
         return _LeanMlpFn.apply(*args)
 
@@ -361,22 +371,29 @@ class TTTBlock(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
     def _cpe_norm(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        x = self.cpe(x)
-        return x, self.norm1(x)
+        """``(t, n)``: the CPE's output ``t`` and the first norm's ``n = norm1(t)``.
 
-    def _lean_cpe_norm(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``_cpe_norm`` recomputing the CPE output in the backward: one C++ node where the CPE takes the C++
-        kernel and the norm is a LayerNorm over C (``torch.ops.vit3_cpu.cpe_norm``: it saves x and the norm's
-        statistics), else activation checkpointing."""
+        One C++ op (``torch.ops.vit3_cpu.cpe_norm``) where the CPE takes the C++ kernel and the norm is a
+        LayerNorm over C, without gradients (its forward alone) or in memory-lean training (its node saves x and
+        the norm's statistics and recomputes t); else memory-lean training checkpoints the two, and the saving
+        variant runs them as they are."""
         cpe, norm = self.cpe, self.norm1
+        lean = self._lean(x)
         if (
-            type(cpe) is ConvPosEnc
+            (lean or not torch.is_grad_enabled())
+            and type(cpe) is ConvPosEnc
             and type(norm) is nn.LayerNorm
+            and cpe.on_kernel(x)  # before reading x's shape: False for traced (FX) values
             and norm.normalized_shape == x.shape[-1:]
-            and cpe.on_kernel(x)
         ):
             return torch.ops.vit3_cpu.cpe_norm(x, cpe.weight, cpe.bias, norm.weight, norm.bias, norm.eps)
-        return checkpoint(self._cpe_norm, x, use_reentrant=False, preserve_rng_state=False)
+        if lean:  # cpe(x) is recomputed from x in the backward (x is saved by the CPE anyway)
+            return checkpoint(self._plain_cpe_norm, x, use_reentrant=False, preserve_rng_state=False)
+        return self._plain_cpe_norm(x)
+
+    def _plain_cpe_norm(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.cpe(x)
+        return x, self.norm1(x)
 
     def _lean(self, x: Tensor) -> bool:
         """Memory-lean training: the CPE output (the first norm's input) is not saved but recomputed."""
@@ -385,11 +402,7 @@ class TTTBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``; the mixer sees the ``H x W`` raster of tokens."""
         b, h, w, c = x.shape
-        if self._lean(x):  # cpe(x) is recomputed from x in the backward (x is saved by the CPE anyway)
-            x, n = self._lean_cpe_norm(x)
-        else:
-            x = self.cpe(x)
-            n = self.norm1(x)
+        x, n = self._cpe_norm(x)
         y = self.attn(n.reshape(b, h * w, c), grid=(h, w)).reshape(b, h, w, c)  # [B, H*W, C] -> [B, H, W, C]
         x = x + (self.drop_path1(y) if _active(self.drop_path1) else y)
         ffn = self.mlp(x, norm=self.norm2) if isinstance(self.mlp, LeanMlp) else self.mlp(self.norm2(x))

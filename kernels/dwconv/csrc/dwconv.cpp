@@ -328,11 +328,23 @@ struct CpeNormFunction : public torch::autograd::Function<CpeNormFunction> {
   }
 };
 
+std::tuple<Tensor, Tensor> cpe_norm_cpu(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                                        const std::optional<Tensor>& ln_w, const std::optional<Tensor>& ln_b,
+                                        double eps);
+
+// The autograd kernel: the node where it records one, else the forward alone (saving nothing).
 std::tuple<Tensor, Tensor> cpe_norm_autograd(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
                                              const std::optional<Tensor>& ln_w, const std::optional<Tensor>& ln_b,
                                              double eps) {
-  const auto out = CpeNormFunction::apply(x, weight, bias, ln_w, ln_b, eps);
-  return {out[0], out[1]};
+  const auto opt = [](const std::optional<Tensor>& t) { return t.value_or(Tensor()); };
+  if (vit3_cpu::records_grad({x, weight, opt(bias), opt(ln_w), opt(ln_b)})) {
+    const auto out = CpeNormFunction::apply(x, weight, bias, ln_w, ln_b, eps);
+    return {out[0], out[1]};
+  }
+  // through the dispatcher below autograd, to the CPU kernel: dispatch modes and profilers see the op
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::cpe_norm", "").typed<decltype(cpe_norm_cpu)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(x, weight, bias, ln_w, ln_b, eps);
 }
 
 // Below autograd (inference mode, tensors without autograd keys): the forward alone.

@@ -84,11 +84,18 @@ struct LeanMlpFunction : public torch::autograd::Function<LeanMlpFunction> {
   }
 };
 
-// The autograd kernel: the node (it records nothing where no input needs a gradient).
+// The autograd kernel: the node where it records one, else the forward alone (saving nothing).
 Tensor lean_mlp_autograd(const Tensor& x, const std::optional<Tensor>& ln_w, const std::optional<Tensor>& ln_b,
                          std::optional<double> eps, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
                          const std::optional<Tensor>& b2, c10::string_view approximate) {
-  return LeanMlpFunction::apply(x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate)[0];
+  const auto opt = [](const std::optional<Tensor>& t) { return t.value_or(Tensor()); };
+  if (vit3_cpu::records_grad({x, opt(ln_w), opt(ln_b), w1, opt(b1), w2, opt(b2)})) {
+    return LeanMlpFunction::apply(x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate)[0];
+  }
+  // through the dispatcher below autograd, to the CPU kernel: dispatch modes and profilers see the op
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::lean_mlp", "").typed<decltype(lean_mlp_autograd)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate);
 }
 
 // Below autograd (inference mode, tensors without autograd keys): the forward alone.
