@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from vit3.kernels import cpp as cpu_ext
+
 from ..config import RECOMPUTE_MODES
 from ..eager_mix import _layout
 from .interface import Inputs, Settings, tracing_kind
@@ -315,11 +317,7 @@ def cpu_block_kernel(x: Tensor, backend: str = "auto") -> bool:
         return False
     if _requested(backend)[0] not in ("auto", "cpu"):
         return False
-    try:
-        from vit3.kernels.cpp import load
-    except Exception:  # the kernels package cannot be imported: the PyTorch path serves
-        return False
-    return load()[0] is not None
+    return cpu_ext.load()[0] is not None
 
 
 def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
