@@ -253,8 +253,9 @@ class LeanMlp(Mlp):
     ``LayerNorm`` + ``Mlp`` (4C with no norm), for elementwise passes.
 
     The saving variant (plain ``norm`` then ``Mlp.forward``) runs with ``recompute="never"``
-    (``TTTConfig.recompute`` or ``$VIT3_TTT_RECOMPUTE``), and wherever the lean path does not apply: no
-    gradient, tracing, another activation, dropout in training, a norm between the layers.
+    (``TTTConfig.recompute`` or ``$VIT3_TTT_RECOMPUTE``), and wherever the lean path does not apply: tracing,
+    another activation, dropout in training, a norm between the layers; without gradients the plain layers run
+    (one op on CPU tensors, below).
 
     On CPU tensors (``backends.cpu_block_kernel``'s rule) the lean path is one C++ node
     (``torch.ops.vit3_cpu.lean_mlp``, the same ATen calls as ``_LeanMlpFn`` without its Python), elsewhere the
