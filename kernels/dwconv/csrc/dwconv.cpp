@@ -66,15 +66,34 @@ inline void with_cols(int64_t n, F f) {
 }
 static_assert(kCols == 8, "with_cols covers 1..8 columns");
 
+// `lanes` lanes from / to p; Full: all of them (plain vector moves, no mask and no test).
+template <typename T, bool Full>
+inline Vec<T> load_lanes(const T* p, int64_t lanes) {
+  if constexpr (Full) {
+    return Vec<T>::loadu(p);
+  } else {
+    return Vec<T>::loadu(p, lanes);
+  }
+}
+
+template <typename T, bool Full>
+inline void store_lanes(const Vec<T>& v, T* p, int64_t lanes) {
+  if constexpr (Full) {
+    v.store(p);
+  } else {
+    v.store(p, lanes);
+  }
+}
+
 // One input row's contribution to output columns [j0, j0 + NJ) of one channel vector: acc[o] += Σ_dj kr[dj + 1] ⊙
 // x[j0 + o + dj] (zero padding), x the row's first token (token stride sn), kr the row's three taps.
-template <typename T, int NJ>
+template <typename T, int NJ, bool Full>
 inline void conv_row(const T* x, int64_t sn, const Vec<T>* kr, int64_t j0, int64_t gw, int64_t lanes, Vec<T>* acc) {
 #pragma GCC unroll 10
   for (int t = 0; t < NJ + 2; ++t) {  // input column j0 - 1 + t feeds outputs t (tap 0), t - 1 (1), t - 2 (2)
     const int64_t j = j0 - 1 + t;
     if (j < 0 || j >= gw) continue;
-    const Vec<T> xv = Vec<T>::loadu(x + j * sn, lanes);
+    const Vec<T> xv = load_lanes<T, Full>(x + j * sn, lanes);
     if (t < NJ) acc[t] = at::vec::fmadd(kr[0], xv, acc[t]);
     if (t >= 1 && t - 1 < NJ) acc[t - 1] = at::vec::fmadd(kr[1], xv, acc[t - 1]);
     if (t >= 2) acc[t - 2] = at::vec::fmadd(kr[2], xv, acc[t - 2]);
@@ -83,16 +102,43 @@ inline void conv_row(const T* x, int64_t sn, const Vec<T>* kr, int64_t j0, int64
 
 // One input row's contribution to the three taps kr of one channel vector from output columns [j0, j0 + NJ):
 // acc[dj + 1] += Σ_o g[o] ⊙ x[j0 + o + dj], g the block's output gradient vectors.
-template <typename T, int NJ>
+template <typename T, int NJ, bool Full>
 inline void weight_grad_row(const T* x, int64_t sn, const Vec<T>* g, int64_t j0, int64_t gw, int64_t lanes, Vec<T>* acc) {
 #pragma GCC unroll 10
   for (int t = 0; t < NJ + 2; ++t) {
     const int64_t j = j0 - 1 + t;
     if (j < 0 || j >= gw) continue;
-    const Vec<T> xv = Vec<T>::loadu(x + j * sn, lanes);
+    const Vec<T> xv = load_lanes<T, Full>(x + j * sn, lanes);
     if (t < NJ) acc[0] = at::vec::fmadd(g[t], xv, acc[0]);
     if (t >= 1 && t - 1 < NJ) acc[1] = at::vec::fmadd(g[t - 1], xv, acc[1]);
     if (t >= 2) acc[2] = at::vec::fmadd(g[t - 2], xv, acc[2]);
+  }
+}
+
+// One (sample, channel vector) unit of dwconv_impl over the whole grid: x, o its first input and output token (token
+// strides sn, osn), k its nine taps. Its values are locals and the taps a local copy, so that they stay in
+// registers (through the closure's references a compiler reloads them after every store to the output).
+template <typename T, bool Full>
+void dwconv_unit(const T* x, int64_t sn, T* o, int64_t osn, const Vec<T>* taps, const Vec<T> start, bool residual,
+                 int64_t gh, int64_t gw, int64_t lanes) {
+  Vec<T> k[9];
+  for (int t = 0; t < 9; ++t) k[t] = taps[t];
+  for (int64_t i = 0; i < gh; ++i) {
+    const T* row = x + i * gw * sn;
+    T* orow = o + i * gw * osn;
+    for (int64_t j0 = 0; j0 < gw; j0 += kCols) {
+      with_cols(std::min<int64_t>(kCols, gw - j0), [&](auto cols) {
+        constexpr int NJ = decltype(cols)::value;
+        Vec<T> acc[NJ];
+        for (int c = 0; c < NJ; ++c) {
+          acc[c] = residual ? start + load_lanes<T, Full>(row + (j0 + c) * sn, lanes) : start;
+        }
+        if (i > 0) conv_row<T, NJ, Full>(row - gw * sn, sn, k, j0, gw, lanes, acc);
+        conv_row<T, NJ, Full>(row, sn, k + 3, j0, gw, lanes, acc);
+        if (i + 1 < gh) conv_row<T, NJ, Full>(row + gw * sn, sn, k + 6, j0, gw, lanes, acc);
+        for (int c = 0; c < NJ; ++c) store_lanes<T, Full>(acc[c], orow + (j0 + c) * osn, lanes);
+      });
+    }
   }
 }
 
@@ -118,23 +164,39 @@ void dwconv_impl(
       for (int64_t t = 0; t < 9; ++t) k[t] = Vec<T>::loadu(taps + b * ws + c0 + t * C, lanes);
     }
     const Vec<T> start = bias.defined() ? Vec<T>::loadu(bias.data_ptr<T>() + c0, lanes) : Vec<T>(T(0));
-    for (int64_t i = 0; i < gh; ++i) {
-      for (int64_t j0 = 0; j0 < gw; j0 += kCols) {
-        with_cols(std::min<int64_t>(kCols, gw - j0), [&](auto cols) {
-          constexpr int NJ = decltype(cols)::value;
-          Vec<T> acc[NJ];
-          for (int o = 0; o < NJ; ++o) {
-            acc[o] = residual ? start + Vec<T>::loadu(X.at(b, i * gw + j0 + o) + c0, lanes) : start;
-          }
-          const T* row = X.at(b, i * gw) + c0;
-          if (i > 0) conv_row<T, NJ>(row - gw * X.sn, X.sn, k, j0, gw, lanes, acc);
-          conv_row<T, NJ>(row, X.sn, k + 3, j0, gw, lanes, acc);
-          if (i + 1 < gh) conv_row<T, NJ>(row + gw * X.sn, X.sn, k + 6, j0, gw, lanes, acc);
-          for (int o = 0; o < NJ; ++o) acc[o].store(O.at(b, i * gw + j0 + o) + c0, lanes);
-        });
-      }
+    const T* xs = X.at(b, 0) + c0;
+    T* os = O.at(b, 0) + c0;
+    if (lanes == W) {
+      dwconv_unit<T, true>(xs, X.sn, os, O.sn, k, start, residual, gh, gw, lanes);
+    } else {
+      dwconv_unit<T, false>(xs, X.sn, os, O.sn, k, start, residual, gh, gw, lanes);
     }
   });
+}
+
+// One (sample, channel vector) unit of dwconv_weight_grad_impl: the nine taps' gradients into out (tap stride
+// os), from g, x's first token of the unit (token strides gsn, xsn); values local, as dwconv_unit's.
+template <typename T, bool Full>
+void weight_grad_unit(const T* g, int64_t gsn, const T* x, int64_t xsn, T* out, int64_t os, int64_t gh, int64_t gw,
+                      int64_t lanes) {
+  Vec<T> acc[9];
+  for (int t = 0; t < 9; ++t) acc[t] = Vec<T>(T(0));
+  for (int64_t i = 0; i < gh; ++i) {
+    const T* row = x + i * gw * xsn;
+    const T* grow = g + i * gw * gsn;
+    for (int64_t j0 = 0; j0 < gw; j0 += kCols) {
+      with_cols(std::min<int64_t>(kCols, gw - j0), [&](auto cols) {
+        constexpr int NJ = decltype(cols)::value;
+        Vec<T> gv[NJ];
+        for (int c = 0; c < NJ; ++c) gv[c] = load_lanes<T, Full>(grow + (j0 + c) * gsn, lanes);
+        // the three rows spelled out: acc stays in registers with constant tap indices
+        if (i > 0) weight_grad_row<T, NJ, Full>(row - gw * xsn, xsn, gv, j0, gw, lanes, acc);
+        weight_grad_row<T, NJ, Full>(row, xsn, gv, j0, gw, lanes, acc + 3);
+        if (i + 1 < gh) weight_grad_row<T, NJ, Full>(row + gw * xsn, xsn, gv, j0, gw, lanes, acc + 6);
+      });
+    }
+  }
+  for (int t = 0; t < 9; ++t) store_lanes<T, Full>(acc[t], out + t * os, lanes);
 }
 
 // g_w[b, δ] = Σ_p g[b, p] ⊙ x[b, p + δ] (the weight gradient of dwconv with output gradient g), g_w [B, 9, C].
@@ -145,23 +207,13 @@ void dwconv_weight_grad_impl(const Tensor& g, const Tensor& x, const Tensor& gw_
   const auto G = map_of<T>(g), X = map_of<T>(x);
   T* out = gw_out.data_ptr<T>();
   for_channel_vectors(B, C, W, [&](int64_t b, int64_t c0, int64_t lanes) {
-    Vec<T> acc[9];
-    for (int64_t t = 0; t < 9; ++t) acc[t] = Vec<T>(T(0));
-    for (int64_t i = 0; i < gh; ++i) {
-      for (int64_t j0 = 0; j0 < gw; j0 += kCols) {
-        with_cols(std::min<int64_t>(kCols, gw - j0), [&](auto cols) {
-          constexpr int NJ = decltype(cols)::value;
-          Vec<T> gv[NJ];
-          for (int o = 0; o < NJ; ++o) gv[o] = Vec<T>::loadu(G.at(b, i * gw + j0 + o) + c0, lanes);
-          // the three rows spelled out: acc stays in registers with constant tap indices
-          const T* row = X.at(b, i * gw) + c0;
-          if (i > 0) weight_grad_row<T, NJ>(row - gw * X.sn, X.sn, gv, j0, gw, lanes, acc);
-          weight_grad_row<T, NJ>(row, X.sn, gv, j0, gw, lanes, acc + 3);
-          if (i + 1 < gh) weight_grad_row<T, NJ>(row + gw * X.sn, X.sn, gv, j0, gw, lanes, acc + 6);
-        });
-      }
+    const T *gs = G.at(b, 0) + c0, *xs = X.at(b, 0) + c0;
+    T* os = out + b * 9 * C + c0;
+    if (lanes == W) {
+      weight_grad_unit<T, true>(gs, G.sn, xs, X.sn, os, C, gh, gw, lanes);
+    } else {
+      weight_grad_unit<T, false>(gs, G.sn, xs, X.sn, os, C, gh, gw, lanes);
     }
-    for (int64_t t = 0; t < 9; ++t) acc[t].store(out + (b * 9 + t) * C + c0, lanes);
   });
 }
 
