@@ -7,9 +7,9 @@ depthwise op's step on them, ``dwconv_ttt_forward`` / ``dwconv_ttt_backward``, g
 ``vit3.kernels.dwconv.cpp``), ``mix/csrc/mix.cpp`` (the whole mixer call, every branch through those step
 functions, as one op with a C++ autograd node: ``mix``, its ``mix_forward`` / ``mix_backward``, and
 ``rope_2d``; called by ``vit3.layers.ttt``), ``mlp/csrc/lean_mlp.cpp`` (the ViT³ block's lean MLP as one node,
-``lean_mlp``; with ``dwconv.cpp``'s ``cpe_norm``, the block's nodes in ``vit3.layers.blocks``), and the header they
-share, ``csrc/vit3_cpu.h`` (the inner step,
-the checks, the step functions). The ops are ``torch.ops.vit3_cpu.*``; each walks every (sample, head) inside
+``lean_mlp``; with ``dwconv.cpp``'s ``cpe_norm``, the block's nodes in ``vit3.layers.blocks``),
+``block/csrc/ttt_block.cpp`` (the plain ViT³ block as one op over those, ``ttt_block``), and the header they
+share, ``csrc/vit3_cpu.h`` (the inner step, the checks, the step functions). The ops are ``torch.ops.vit3_cpu.*``; each walks every (sample, head) inside
 C++, so a branch costs one Python call per direction instead of ~40 ops, and a settled mixer call one op.
 
 It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~1-2 min once, then
@@ -50,6 +50,7 @@ FILES = (
     _HERE / "dwconv" / "csrc" / "dwconv.cpp",
     _HERE / "mix" / "csrc" / "mix.cpp",
     _HERE / "mlp" / "csrc" / "lean_mlp.cpp",
+    _HERE / "block" / "csrc" / "ttt_block.cpp",
     _HERE / "csrc" / "vit3_cpu.h",
 )
 LDFLAGS = ["-fopenmp"]

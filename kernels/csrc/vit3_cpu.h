@@ -1,5 +1,5 @@
-// What the ops of the C++ CPU extension vit3_cpu share (kernels/cpp.py builds kernels/swiglu/csrc/swiglu.cpp,
-// kernels/dwconv/csrc/dwconv.cpp and kernels/mix/csrc/mix.cpp into it, ops torch.ops.vit3_cpu.*): the vector type,
+// What the ops of the C++ CPU extension vit3_cpu share (kernels/cpp.py builds every op's csrc/*.cpp into it, listed in
+// its FILES; ops torch.ops.vit3_cpu.*): the vector type,
 // the inner step and its backward (kernels/common.py's step, on the small per-(sample, head) problems), the
 // float32/float64 checks, and each op's step functions, which the whole-mixer op (mix.cpp) calls directly.
 #pragma once

@@ -2,39 +2,32 @@
 
 Every block works on channels-last maps ``[B, H, W, C]`` so the token grid travels with the tensor: any
 ``H`` and ``W`` (non-square included) work, and the grid handed to the TTT mixer is read from the shape at
-run time. Convolutions (stem, downsampling) work on ``[B, C, H, W]``.
+run time. The image checks and the H-ViT³ stem and downsampling (``[B, C, H, W]`` convolutions) are
+``vit3.layers.embed``.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath, Mlp, register_notrace_function, register_notrace_module
+from timm.layers import DropPath, Mlp, drop_path, register_notrace_module
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.nn.modules import module as _module_hooks
 from torch.utils.checkpoint import checkpoint
 
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows
 
 from . import backends
 from .config import TTTConfig
-from .inner_math import all_finite, tracing
+from .inner_math import tracing
 from .ttt import TTTMixer
 
-__all__ = [
-    "ConvDownsample",
-    "ConvFFN",
-    "ConvNormAct",
-    "ConvPosEnc",
-    "ConvStem",
-    "LeanMlp",
-    "TTTBlock",
-    "check_image",
-    "check_image_size",
-]
+__all__ = ["ConvFFN", "ConvPosEnc", "LeanMlp", "TTTBlock"]
 
 LayerType = Callable[..., nn.Module]
 
@@ -238,6 +231,34 @@ class _LeanMlpFn(torch.autograd.Function):
         return dx, d_lw, d_lb, None, dw1, db1, dw2, db2, None
 
 
+def _hooked(*modules: nn.Module) -> bool:
+    """Whether calling one of ``modules`` would run more than its ``forward``: hooks (its own or global) or a
+    compiled call (``Module.compile``); a block that runs as one op calls none of them."""
+    g = _module_hooks
+    if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks:
+        return True
+    if g._global_backward_pre_hooks:
+        return True
+    for m in modules:  # a loop, not any() over a generator: this runs on every block call
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+        if m._compiled_call_impl is not None:
+            return True
+    return False
+
+
+_WEIGHT_BIAS = operator.itemgetter("weight", "bias")
+_DROP_PATHS = (nn.Identity, DropPath)
+
+
+def _drop_scale(module: nn.Module, x: Tensor) -> Tensor | None:
+    """The scale ``[B, 1, 1, 1]`` a drop path in force multiplies its branch by (timm's ``drop_path`` of ones:
+    its draw and its values), ``None`` for an ``Identity`` or a drop path not in force."""
+    if type(module) is not DropPath or not module.training or module.drop_prob == 0.0:
+        return None
+    return drop_path(x.new_ones(x.shape[0], 1, 1, 1), module.drop_prob, True, module.scale_by_keep)
+
+
 def _active(module: nn.Module) -> bool:
     """Whether calling ``module`` can change its input: not an ``Identity``, nor dropout outside training or
     of p = 0 (such calls are skipped on the hot path)."""
@@ -273,10 +294,12 @@ class LeanMlp(Mlp):
 
     def _fusable(self) -> bool:
         """What the lean nodes compute: GELU between the layers, no norm between them, no dropout in force."""
+        m = self._modules  # not Module.__getattr__ (~0.4 µs a lookup): this runs on every call
+        act, norm, drop1, drop2 = m["act"], m["norm"], m["drop1"], m["drop2"]
         return (
-            type(self.act) is nn.GELU
-            and isinstance(self.norm, nn.Identity)
-            and not (self.training and (self.drop1.p > 0 or self.drop2.p > 0))
+            type(act) is nn.GELU
+            and isinstance(norm, nn.Identity)
+            and not (self.training and (drop1.p > 0 or drop2.p > 0))
         )
 
     def _lean(self, x: Tensor) -> bool:
@@ -322,6 +345,9 @@ class TTTBlock(nn.Module):
     ``mlp_layer=LeanMlp`` (timm's ``Mlp``, names ``fc1``/``fc2``, with a memory-lean backward) and LayerNorm
     eps 1e-6; the H-ViT³ block uses ``mlp_layer=ConvFFN``, eps 1e-5 and a mixer with RoPE. Parameter names
     follow the official code (``cpe``, ``norm1``, ``attn``, ``norm2``, ``mlp``).
+
+    On CPU a settled call of the plain block runs as one C++ op, ``torch.ops.vit3_cpu.ttt_block`` (the same ops
+    and bits without the Python between them; ``one_op`` says when, ``explain_one_op`` why not).
 
     Args:
         dim: width C.
@@ -400,143 +426,107 @@ class TTTBlock(nn.Module):
         """Memory-lean training: the CPE output (the first norm's input) is not saved but recomputed."""
         return _lean_eligible(x) and backends.recompute_mode(self.attn.cfg.recompute)[0] != "never"
 
+    def _one_op_layers(self, x: Tensor, grad: bool, hooks: bool = True) -> tuple[tuple | None, str]:
+        """The layers of a call on ``x`` (with gradients: ``grad``) that can run as one op, or ``None`` and why
+        not (``one_op``); ``hooks=False`` leaves hooks aside (``explain_one_op``)."""
+        if backends.tracing_kind():  # before anything a tracer would have to follow
+            return None, "traced or compiled: the layers' own paths serve"
+        # The layers and parameters are read from the modules' dicts: ``Module.__getattr__`` costs ~0.4 µs a
+        # lookup, and this runs on every call.
+        m = self._modules
+        attn, mlp, cpe, n1, n2 = m["attn"], m["mlp"], m["cpe"], m["norm1"], m["norm2"]
+        dp1, dp2 = m["drop_path1"], m["drop_path2"]
+        if type(attn) is not TTTMixer or attn.cfg.check_finite or attn.cfg.lr_mode == "token":
+            return None, "the mixer has token lr gates or checks finiteness"
+        backend = attn.cfg.backend
+        if not backends.cpu_block_kernel(x, backend):
+            return None, "not a C++ kernel call (backends.cpu_block_kernel: CPU float32/float64, backend)"
+        lean_mlp = "the feed-forward is not the lean MLP (fc1, GELU, fc2 without dropout in force)"
+        if type(mlp) is not LeanMlp:
+            return None, lean_mlp
+        fc1, act, fc2 = mlp._modules["fc1"], mlp._modules["act"], mlp._modules["fc2"]
+        if not (
+            type(fc1) is nn.Linear and type(fc2) is nn.Linear and mlp._fusable() and mlp.backend == backend
+        ):
+            return None, lean_mlp
+        qkv, proj = attn._modules["qkv"], attn._modules["proj"]
+        if not (
+            type(cpe) is ConvPosEnc
+            and cpe.kernel_size == (3, 3)
+            and type(n1) is nn.LayerNorm
+            and type(n2) is nn.LayerNorm
+            and n1.normalized_shape == n2.normalized_shape == (x.shape[-1],) == (attn.dim,)
+            and type(qkv) is nn.Linear
+            and type(proj) is nn.Linear
+            and cpe.backend == backend
+            and type(dp1) in _DROP_PATHS
+            and type(dp2) in _DROP_PATHS
+        ):
+            return None, "a layer is not one the op computes (3x3 CPE, LayerNorms over C, Linear, DropPath)"
+        if hooks and _hooked(attn, qkv, proj, mlp, dp1, dp2):
+            return None, "a layer has hooks or is compiled"
+        if grad and not (
+            backends.recompute_mode(attn.cfg.recompute)[0] == "always"
+            and backends.recompute_mode(mlp.recompute)[0] != "never"
+        ):
+            return None, "training saves the layers' outputs (recompute never) or recomputes qkv"
+        return (attn, cpe, n1, n2, qkv, proj, fc1, act, fc2), ""
+
+    def one_op(self, x: Tensor) -> tuple | None:
+        """The arguments of ``torch.ops.vit3_cpu.ttt_block`` but the drop-path scales for a call on ``x``
+        ``[B, H, W, C]``, or ``None`` where the block runs layer by layer (``explain_one_op`` says why).
+
+        The op runs the block's layers in their order, each through its own op, without the Python between them
+        (the same bits, and with gradients the same nodes). It serves where every layer is one it computes and
+        calls nothing else (no hooks, no compiled submodule): the C++ kernel's CPE and lean MLP on ``x``
+        (``backends.cpu_block_kernel``, the block's backend), LayerNorms, a mixer without token gates or
+        finiteness checks whose call on these tokens is settled on the whole-mixer C++ op
+        (``TTTMixer.settled_cpp_args``: the first calls of a plan run layer by layer, guarded), and with
+        gradients the memory-lean variant (recompute ``always``).
+        """
+        layers, _ = self._one_op_layers(x, torch.is_grad_enabled())
+        if layers is None:
+            return None
+        attn, cpe, n1, n2, qkv, proj, fc1, act, fc2 = layers
+        cpe_w, cpe_b = _WEIGHT_BIAS(cpe._parameters)
+        n1_w, n1_b = _WEIGHT_BIAS(n1._parameters)
+        qkv_w, qkv_b = _WEIGHT_BIAS(qkv._parameters)
+        h, w = x.shape[1:3]
+        mixer = attn.settled_cpp_args(
+            x.device, x.dtype, h * w, (h, w), x, cpe_w, cpe_b, n1_w, n1_b, qkv_w, qkv_b
+        )
+        if mixer is None:
+            return None
+        proj_w, proj_b = _WEIGHT_BIAS(proj._parameters)
+        n2_w, n2_b = _WEIGHT_BIAS(n2._parameters)
+        fc1_w, fc1_b = _WEIGHT_BIAS(fc1._parameters)
+        fc2_w, fc2_b = _WEIGHT_BIAS(fc2._parameters)
+        return (
+            *(x, cpe_w, cpe_b, n1_w, n1_b, n1.eps, qkv_w, qkv_b, *mixer, proj_w, proj_b),
+            *(n2_w, n2_b, n2.eps, fc1_w, fc1_b, fc2_w, fc2_b, act.approximate),
+        )
+
+    def explain_one_op(self, x: Tensor, grad: bool) -> str:
+        """Why a call on ``x`` ``[B, H, W, C]`` (with gradients: ``grad``) runs layer by layer, or ``""`` where it
+        runs as one op once its mixer's call is settled (``one_op``); hooks are left aside (``explain`` adds
+        its own)."""
+        layers, why = self._one_op_layers(x, grad, hooks=False)
+        if layers is None:
+            return why
+        b, h, w, c = x.shape
+        if not self.attn.explain(x.reshape(b, h * w, c), (h, w), grad=grad).cpp_op:
+            return "the mixer's call does not take the whole-mixer C++ op (vit3_cpu::mix)"
+        return ""
+
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``; the mixer sees the ``H x W`` raster of tokens."""
+        args = self.one_op(x)
+        if args is not None:
+            dp1, dp2 = self._modules["drop_path1"], self._modules["drop_path2"]
+            return torch.ops.vit3_cpu.ttt_block(*args, _drop_scale(dp1, x), _drop_scale(dp2, x))
         b, h, w, c = x.shape
         x, n = self._cpe_norm(x)
         y = self.attn(n.reshape(b, h * w, c), grid=(h, w)).reshape(b, h, w, c)  # [B, H*W, C] -> [B, H, W, C]
         x = x + (self.drop_path1(y) if _active(self.drop_path1) else y)
         ffn = self.mlp(x, norm=self.norm2) if isinstance(self.mlp, LeanMlp) else self.mlp(self.norm2(x))
         return x + (self.drop_path2(ffn) if _active(self.drop_path2) else ffn)
-
-
-class ConvNormAct(nn.Module):
-    """``act(norm(conv(x)))`` with optional BatchNorm and ReLU (official ``ConvLayer`` names: conv, norm).
-
-    Args:
-        in_chs: input channels.
-        out_chs: output channels.
-        kernel_size: square kernel.
-        stride: stride.
-        groups: convolution groups.
-        bias: convolution bias.
-        norm: add BatchNorm2d.
-        act: add ReLU.
-    """
-
-    def __init__(
-        self,
-        in_chs: int,
-        out_chs: int,
-        kernel_size: int = 1,
-        stride: int = 1,
-        groups: int = 1,
-        bias: bool = True,
-        norm: bool = True,
-        act: bool = True,
-    ) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(
-            in_chs, out_chs, kernel_size, stride, kernel_size // 2, groups=groups, bias=bias
-        )
-        self.norm = nn.BatchNorm2d(out_chs) if norm else nn.Identity()
-        self.act = nn.ReLU() if act else nn.Identity()
-
-    def forward(self, x: Tensor) -> Tensor:
-        """``[B, in_chs, H, W] -> [B, out_chs, ceil(H / stride), ceil(W / stride)]``."""
-        return self.act(self.norm(self.conv(x)))
-
-
-class ConvStem(nn.Sequential):
-    """The H-ViT³ stem, stride 4: 3x3 s2 -> two 3x3 -> 3x3 s2 to 4C -> 1x1 to C, BN everywhere, ReLU but last.
-
-    Padded convolutions give ``ceil(H / 4) x ceil(W / 4)`` for any ``H, W``.
-
-    Args:
-        in_chans: image channels.
-        dim: output width C (the hidden width is C / 2).
-    """
-
-    def __init__(self, in_chans: int, dim: int) -> None:
-        half = dim // 2
-        super().__init__(
-            ConvNormAct(in_chans, half, 3, stride=2, bias=False),
-            ConvNormAct(half, half, 3, bias=False),
-            ConvNormAct(half, half, 3, bias=False),
-            ConvNormAct(half, dim * 4, 3, stride=2, bias=False),
-            ConvNormAct(dim * 4, dim, 1, bias=False, act=False),
-        )
-
-
-class ConvDownsample(nn.Sequential):
-    """The H-ViT³ downsampling, stride 2: 1x1 to 4C_out + ReLU, depthwise 3x3 s2 + ReLU, 1x1 to C_out + BN.
-
-    Args:
-        in_chs: input width.
-        out_chs: output width C_out.
-        ratio: hidden width / C_out.
-    """
-
-    def __init__(self, in_chs: int, out_chs: int, ratio: float = 4.0) -> None:
-        hidden = int(out_chs * ratio)
-        super().__init__(
-            ConvNormAct(in_chs, hidden, 1, norm=False),
-            ConvNormAct(hidden, hidden, 3, stride=2, groups=hidden, norm=False),
-            ConvNormAct(hidden, out_chs, 1, act=False),
-        )
-
-
-def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = True) -> Tensor:
-    """Validates an image batch ``[B, C, H, W]`` and returns it unchanged.
-
-    Registered with timm as an FX leaf function (the checks are Python control flow on shapes and values);
-    returning ``x`` keeps the call in traced graphs.
-
-    Raises:
-        ValueError: wrong rank or channel count, a side smaller than ``min_size`` (the model's total
-            reduction), or non-finite values.
-    """
-    if x.ndim != 4:
-        raise ValueError(f"expected images [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
-    if x.shape[1] != in_chans:
-        raise ValueError(
-            f"model expects {in_chans} input channels, got {x.shape[1]} (input {tuple(x.shape)})"
-        )
-    h, w = x.shape[-2:]
-    if h < min_size or w < min_size:
-        raise ValueError(
-            f"image {h}x{w} is too small for this model: both sides must be at least {min_size} pixels "
-            f"(its total reduction)"
-        )
-    if check_finite and not tracing():
-        if not all_finite(x):
-            raise ValueError("input images contain non-finite values (NaN or Inf)")
-    return x
-
-
-register_notrace_function(check_image)
-
-
-def check_image_size(
-    x: Tensor, size: tuple[int, int] | None, multiple: tuple[int, int] | None = None
-) -> Tensor:
-    """Checks the image sides of ``[B, C, H, W]``: equal to ``size`` (a model built with
-    ``dynamic_img_size=False``) and multiples of ``multiple`` (``dynamic_img_pad=False``); ``None``: any.
-
-    Raises:
-        ValueError: naming the size found and the one expected.
-    """
-    h, w = x.shape[-2:]
-    if size is not None and (h, w) != tuple(size):
-        raise ValueError(
-            f"image {h}x{w}: this model was built for {size[0]}x{size[1]} only (dynamic_img_size=False)"
-        )
-    if multiple is not None and (h % multiple[0] or w % multiple[1]):
-        raise ValueError(
-            f"image {h}x{w}: the sides must be multiples of the patch size {multiple[0]}x{multiple[1]} "
-            f"(dynamic_img_pad=False)"
-        )
-    return x
-
-
-register_notrace_function(check_image_size)

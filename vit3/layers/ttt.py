@@ -64,9 +64,10 @@ class _Call:
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # the inner loop's dtypes: no cast to call
 
 
-def _call_key(qkv: Tensor, grid: tuple[int, int], grad: bool) -> tuple:
-    """A mixer's key for the plan of a call on ``qkv`` (``TTTMixer._call``)."""
-    return (qkv.device, qkv.dtype, qkv.shape[1], grad, grid, backends.epoch())
+def _call_key(device: torch.device, dtype: torch.dtype, n: int, grad: bool, grid: tuple[int, int]) -> tuple:
+    """A mixer's key for the plan of a call on qkv of ``device``, ``dtype`` and ``n`` tokens
+    (``TTTMixer._call``)."""
+    return (device, dtype, n, grad, grid, backends.epoch())
 
 
 def _takes_cpp_op(plan: backends.Plan, mix_plan: MixPlan | None) -> bool:
@@ -197,7 +198,7 @@ class TTTMixer(nn.Module):
 
         The config is read when a key is first planned (a mixer's config is fixed at construction).
         """
-        key = _call_key(qkv, grid, grad)
+        key = _call_key(qkv.device, qkv.dtype, qkv.shape[1], grad, grid)
         found = None if kind else self._calls.get(key)
         if found is None:
             c = self.cfg
@@ -351,8 +352,23 @@ class TTTMixer(nn.Module):
 
     def _cpp_call(self, qkv: Tensor, grid: tuple[int, int]) -> Tensor | None:
         """A settled call on the whole-mixer C++ op (no node in Python), or ``None`` where this call takes the
-        general path (not planned or not settled yet, other backends, weights not the parameters themselves or
-        in another dtype)."""
+        general path (``settled_cpp_args``)."""
+        found = self.settled_cpp_args(qkv.device, qkv.dtype, qkv.shape[1], grid, qkv)
+        return None if found is None else torch.ops.vit3_cpu.mix(qkv, *found)
+
+    def settled_cpp_args(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        n: int,
+        grid: tuple[int, int],
+        *inputs: Tensor | None,
+    ) -> tuple | None:
+        """The arguments of ``torch.ops.vit3_cpu.mix`` after qkv (the initial weights, then the plan's constants)
+        for a call on qkv of ``device``, ``dtype`` and ``n`` tokens on ``grid``, that qkv requiring grad as
+        ``inputs`` say (``grad_flows``: qkv itself, or what it is computed from); ``None`` where that call takes
+        the general path (not planned or not settled yet, other backends, weights not the parameters themselves
+        or in another dtype). A ``TTTBlock`` asks it to run the whole block as one op."""
         sources = self._param_sources()
         if sources is None:
             return None
@@ -361,15 +377,10 @@ class TTTMixer(nn.Module):
         except KeyError:  # a parametrization moved a parameter out of ``_parameters``: looked up again
             self.__dict__.pop("_param_source_cache")
             return None
-        call = self._calls.get(_call_key(qkv, grid, grad_flows(qkv, *flat)))
-        if (
-            call is None
-            or call.cpp is None
-            or not call.settled
-            or any(p.dtype is not qkv.dtype for p in flat)
-        ):
+        call = self._calls.get(_call_key(device, dtype, n, grad_flows(*inputs, *flat), grid))
+        if call is None or call.cpp is None or not call.settled or any(p.dtype is not dtype for p in flat):
             return None
-        return torch.ops.vit3_cpu.mix(qkv, flat, *call.cpp)
+        return (flat, *call.cpp)
 
     def _runs_cpp_op(self, plan: backends.Plan, grid: tuple[int, int], dtype: torch.dtype) -> bool:
         """Whether a settled call on ``plan`` with ``dtype`` tokens runs as the whole-mixer C++ op (what
@@ -513,10 +524,11 @@ def convert_official_mixer_key(key: str) -> str:
 def explain(
     model: nn.Module, inputs: Tensor | int | tuple[int, ...], *, grad: bool = False, batch: int = 1
 ) -> ModelExplanation:
-    """The backend of every branch of every TTT mixer of ``model`` for one input, and why.
+    """The backend of every branch of every TTT mixer of ``model`` for one input, and why; and whether each
+    ``TTTBlock`` runs as one op (``TTTBlock.explain_one_op``).
 
-    Runs one forward (without gradients) with hooks that capture each mixer's input and grid; mixers with
-    the same plan are listed together.
+    Runs one forward (without gradients) with hooks that capture each mixer's input and grid (and each block's
+    input); mixers with the same plan, and blocks with the same answer, are listed together.
 
     Args:
         model: any module holding ``TTTMixer`` s (vit3 models, ``swap_attention_for_ttt`` results).
@@ -539,10 +551,25 @@ def explain(
 
         return capture
 
+    blocks: dict[str, list[str]] = {}
+
+    def block_hook(name: str) -> Callable[..., None]:
+        def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs["x"]
+            blocks.setdefault(module.explain_one_op(x, grad), []).append(name)
+
+        return capture
+
     handles = [
         m.register_forward_pre_hook(hook(name), with_kwargs=True)
         for name, m in model.named_modules()
         if isinstance(m, TTTMixer)
+    ]
+    # blocks that can run as one op say whether they do (``TTTBlock``, which imports this module)
+    handles += [
+        m.register_forward_pre_hook(block_hook(name), with_kwargs=True)
+        for name, m in model.named_modules()
+        if callable(getattr(m, "explain_one_op", None))
     ]
     try:
         with torch.no_grad():
@@ -550,4 +577,7 @@ def explain(
     finally:
         for handle in handles:
             handle.remove()
-    return ModelExplanation(tuple((tuple(names), expl) for expl, names in found.items()))
+    return ModelExplanation(
+        tuple((tuple(names), expl) for expl, names in found.items()),
+        tuple((tuple(names), why) for why, names in blocks.items()),
+    )

@@ -25,7 +25,8 @@ from timm.models._input import update_model_input_size
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, convert_official_mixer_key
-from vit3.layers.blocks import ConvDownsample, ConvFFN, ConvStem, check_image
+from vit3.layers.blocks import ConvFFN
+from vit3.layers.embed import ConvDownsample, ConvStem, check_image
 
 from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
 from ._pretrained import check_state_dict, select_weights

@@ -29,7 +29,7 @@ from timm.models._input import update_model_input_size
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, convert_official_mixer_key
-from vit3.layers.blocks import check_image, check_image_size
+from vit3.layers.embed import check_image, check_image_size
 
 from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
 from ._pretrained import check_state_dict, select_weights

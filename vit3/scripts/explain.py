@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         STRICT_ENV: os.environ.get(STRICT_ENV, ""),
     }
     if args.json:
-        print(json.dumps({**setting, "mixers": report.to_dict()}, indent=2))
+        print(
+            json.dumps({**setting, "mixers": report.to_dict(), "blocks": report.blocks_to_dict()}, indent=2)
+        )
     else:
         print(" | ".join(f"{key} {value}" for key, value in setting.items() if value not in ("", False)))
         print(report)

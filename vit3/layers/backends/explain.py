@@ -163,18 +163,29 @@ def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int
 
 @dataclass(frozen=True)
 class ModelExplanation:
-    """``explain(model, input)``: each distinct mixer plan, with the mixers (module names) that take it."""
+    """``explain(model, input)``: each distinct mixer plan, with the mixers (module names) that take it, and
+    whether the blocks that hold them run as one op (``blocks``: the block names by the reason they run layer by
+    layer, ``""`` where they run as one op; blocks that can say so: ``TTTBlock.explain_one_op``)."""
 
     groups: tuple[tuple[tuple[str, ...], MixerExplanation], ...]
+    blocks: tuple[tuple[tuple[str, ...], str], ...] = ()
 
     def __str__(self) -> str:
         if not self.groups:
             return "no TTT mixers ran"
-        parts = []
-        for names, expl in self.groups:
-            where = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]} ({len(names)} mixers)"
-            parts.append(f"{where}:\n{expl}")
+        parts = [f"{_names(names, 'mixers')}:\n{expl}" for names, expl in self.groups]
+        for names, why in self.blocks:
+            how = "layer by layer: " + why if why else "one C++ op each (vit3_cpu::ttt_block) once settled"
+            parts.append(f"{_names(names, 'blocks')}: {how}")
         return "\n\n".join(parts)
 
     def to_dict(self) -> list[dict[str, Any]]:
         return [{"mixers": list(names), **expl.to_dict()} for names, expl in self.groups]
+
+    def blocks_to_dict(self) -> list[dict[str, Any]]:
+        return [{"blocks": list(names), "one_op": not why, "why": why} for names, why in self.blocks]
+
+
+def _names(names: tuple[str, ...], what: str) -> str:
+    """``names`` for a heading: the one name, or the first and last and how many ``what``."""
+    return names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]} ({len(names)} {what})"

@@ -1,0 +1,143 @@
+"""From images to token maps: the image checks every vit3 model runs first, and the H-ViT³ convolutional stem and
+downsampling (``[B, C, H, W]`` convolutions; the blocks between them are ``vit3.layers.blocks``)."""
+
+from __future__ import annotations
+
+from timm.layers import register_notrace_function
+from torch import Tensor, nn
+
+from .inner_math import all_finite, tracing
+
+__all__ = ["ConvDownsample", "ConvNormAct", "ConvStem", "check_image", "check_image_size"]
+
+
+class ConvNormAct(nn.Module):
+    """``act(norm(conv(x)))`` with optional BatchNorm and ReLU (official ``ConvLayer`` names: conv, norm).
+
+    Args:
+        in_chs: input channels.
+        out_chs: output channels.
+        kernel_size: square kernel.
+        stride: stride.
+        groups: convolution groups.
+        bias: convolution bias.
+        norm: add BatchNorm2d.
+        act: add ReLU.
+    """
+
+    def __init__(
+        self,
+        in_chs: int,
+        out_chs: int,
+        kernel_size: int = 1,
+        stride: int = 1,
+        groups: int = 1,
+        bias: bool = True,
+        norm: bool = True,
+        act: bool = True,
+    ) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(
+            in_chs, out_chs, kernel_size, stride, kernel_size // 2, groups=groups, bias=bias
+        )
+        self.norm = nn.BatchNorm2d(out_chs) if norm else nn.Identity()
+        self.act = nn.ReLU() if act else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[B, in_chs, H, W] -> [B, out_chs, ceil(H / stride), ceil(W / stride)]``."""
+        return self.act(self.norm(self.conv(x)))
+
+
+class ConvStem(nn.Sequential):
+    """The H-ViT³ stem, stride 4: 3x3 s2 -> two 3x3 -> 3x3 s2 to 4C -> 1x1 to C, BN everywhere, ReLU but last.
+
+    Padded convolutions give ``ceil(H / 4) x ceil(W / 4)`` for any ``H, W``.
+
+    Args:
+        in_chans: image channels.
+        dim: output width C (the hidden width is C / 2).
+    """
+
+    def __init__(self, in_chans: int, dim: int) -> None:
+        half = dim // 2
+        super().__init__(
+            ConvNormAct(in_chans, half, 3, stride=2, bias=False),
+            ConvNormAct(half, half, 3, bias=False),
+            ConvNormAct(half, half, 3, bias=False),
+            ConvNormAct(half, dim * 4, 3, stride=2, bias=False),
+            ConvNormAct(dim * 4, dim, 1, bias=False, act=False),
+        )
+
+
+class ConvDownsample(nn.Sequential):
+    """The H-ViT³ downsampling, stride 2: 1x1 to 4C_out + ReLU, depthwise 3x3 s2 + ReLU, 1x1 to C_out + BN.
+
+    Args:
+        in_chs: input width.
+        out_chs: output width C_out.
+        ratio: hidden width / C_out.
+    """
+
+    def __init__(self, in_chs: int, out_chs: int, ratio: float = 4.0) -> None:
+        hidden = int(out_chs * ratio)
+        super().__init__(
+            ConvNormAct(in_chs, hidden, 1, norm=False),
+            ConvNormAct(hidden, hidden, 3, stride=2, groups=hidden, norm=False),
+            ConvNormAct(hidden, out_chs, 1, act=False),
+        )
+
+
+def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = True) -> Tensor:
+    """Validates an image batch ``[B, C, H, W]`` and returns it unchanged.
+
+    Registered with timm as an FX leaf function (the checks are Python control flow on shapes and values);
+    returning ``x`` keeps the call in traced graphs.
+
+    Raises:
+        ValueError: wrong rank or channel count, a side smaller than ``min_size`` (the model's total
+            reduction), or non-finite values.
+    """
+    if x.ndim != 4:
+        raise ValueError(f"expected images [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
+    if x.shape[1] != in_chans:
+        raise ValueError(
+            f"model expects {in_chans} input channels, got {x.shape[1]} (input {tuple(x.shape)})"
+        )
+    h, w = x.shape[-2:]
+    if h < min_size or w < min_size:
+        raise ValueError(
+            f"image {h}x{w} is too small for this model: both sides must be at least {min_size} pixels "
+            f"(its total reduction)"
+        )
+    if check_finite and not tracing():
+        if not all_finite(x):
+            raise ValueError("input images contain non-finite values (NaN or Inf)")
+    return x
+
+
+register_notrace_function(check_image)
+
+
+def check_image_size(
+    x: Tensor, size: tuple[int, int] | None, multiple: tuple[int, int] | None = None
+) -> Tensor:
+    """Checks the image sides of ``[B, C, H, W]``: equal to ``size`` (a model built with
+    ``dynamic_img_size=False``) and multiples of ``multiple`` (``dynamic_img_pad=False``); ``None``: any.
+
+    Raises:
+        ValueError: naming the size found and the one expected.
+    """
+    h, w = x.shape[-2:]
+    if size is not None and (h, w) != tuple(size):
+        raise ValueError(
+            f"image {h}x{w}: this model was built for {size[0]}x{size[1]} only (dynamic_img_size=False)"
+        )
+    if multiple is not None and (h % multiple[0] or w % multiple[1]):
+        raise ValueError(
+            f"image {h}x{w}: the sides must be multiples of the patch size {multiple[0]}x{multiple[1]} "
+            f"(dynamic_img_pad=False)"
+        )
+    return x
+
+
+register_notrace_function(check_image_size)
