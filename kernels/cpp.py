@@ -2,7 +2,8 @@
 
 Sources: ``swiglu/csrc/swiglu.cpp`` (the SwiGLU op's passes and the step between them, one call per direction:
 ``ttt_forward`` / ``ttt_backward``, glued in ``vit3.kernels.swiglu.eager``), ``dwconv/csrc/dwconv.cpp`` (the
-3x3 depthwise ops on token rows ``dwconv`` / ``dwconv_weight_grad``, which ``ConvPosEnc`` uses too, and the
+3x3 depthwise ops on token rows ``dwconv`` / ``dwconv_weight_grad``, the CPE's node ``cpe`` that ``ConvPosEnc``
+calls, and the
 depthwise op's step on them, ``dwconv_ttt_forward`` / ``dwconv_ttt_backward``, glued in
 ``vit3.kernels.dwconv.cpp``), ``mix/csrc/mix.cpp`` (the whole mixer call, every branch through those step
 functions, as one op with a C++ autograd node: ``mix``, its ``mix_forward`` / ``mix_backward``, and

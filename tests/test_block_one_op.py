@@ -58,12 +58,14 @@ def _run(
     return out, list(grads), rng
 
 
+@pytest.mark.parametrize("recompute", ["always", "never"], ids=["lean", "saving"])
 @pytest.mark.parametrize("drop_path", [0.0, 0.3], ids=["no-drop-path", "drop-path"])
 @pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "inference_mode"])
-def test_the_one_op_block_gives_the_layer_by_layer_bits(monkeypatch, mode, drop_path):
+def test_the_one_op_block_gives_the_layer_by_layer_bits(monkeypatch, mode, drop_path, recompute):
     """Same output, same gradient of x and of every parameter, same draws of the drop path (the RNG state after
-    the call); the layer-by-layer call is the same block with a (no-op) hook on its mixer."""
-    block = _block(drop_path).train(mode == "train")
+    the call), for the memory-lean block and the saving one; the layer-by-layer call is the same block with a
+    (no-op) hook on its mixer."""
+    block = _block(drop_path, recompute=recompute).train(mode == "train")
     grad = mode in ("train", "eval")
     x = _x(requires_grad=grad)
     context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, torch.enable_grad)
@@ -130,7 +132,6 @@ STEPS_ASIDE = [
     pytest.param({}, _global_hook, False, None, id="global-module-hook"),
     pytest.param({}, _compiled_projection, False, None, id="compiled-projection"),
     pytest.param({"backend": "eager"}, None, False, "cpu_block_kernel", id="backend-eager"),
-    pytest.param({"recompute": "never"}, None, True, "recompute never", id="training-recompute-never"),
     pytest.param({"recompute": "qkv"}, None, True, "recomputes qkv", id="training-recompute-qkv"),
     pytest.param({"lr_mode": "token"}, None, False, "token lr gates", id="token-lr-gates"),
     pytest.param({"mlp_layer": Mlp}, None, False, "not the lean MLP", id="timm-mlp"),
@@ -194,8 +195,9 @@ def test_explain_says_whether_the_blocks_run_as_one_op(model, expected, grad):
     assert entry["one_op"] == (model == "test_vit3_ttt")
 
 
-def test_explain_names_recompute_never_for_training_blocks(monkeypatch):
-    monkeypatch.setenv("VIT3_TTT_RECOMPUTE", "never")
+@pytest.mark.parametrize(("recompute", "expected"), [("never", "one C++ op each"), ("qkv", "layer by layer: training recomputes qkv")])  # fmt: skip
+def test_explain_follows_the_recompute_mode_for_training_blocks(monkeypatch, recompute, expected):
+    monkeypatch.setenv("VIT3_TTT_RECOMPUTE", recompute)
     model = timm.create_model("test_vit3_ttt")
-    assert "layer by layer: training saves" in str(vit3.explain(model, 128, grad=True))
+    assert expected in str(vit3.explain(model, 128, grad=True))
     assert "one C++ op each" in str(vit3.explain(model, 128, grad=False))

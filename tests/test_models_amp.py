@@ -143,7 +143,7 @@ def _assert_near(a: list[torch.Tensor], fp32: list[torch.Tensor], bound: float =
 
 def _block_case(kind: str) -> tuple:
     """A module, its inputs and parameters exercising one node: the lean MLP (the C++ node ``vit3_cpu::lean_mlp``
-    in fp32, the Python node ``_LeanMlpFn`` under autocast), the CPE (``_ConvPosEncKernel``), the lean block's
+    in fp32, the Python node ``_LeanMlpFn`` under autocast), the CPE (the C++ node ``vit3_cpu::cpe``), the lean block's
     CPE + first norm (the C++ node ``vit3_cpu::cpe_norm``) and a whole block; the CPE nodes run the C++ kernel,
     fp32 outside autocast only (under autocast the convolution serves)."""
     torch.manual_seed(0)

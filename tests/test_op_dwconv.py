@@ -224,16 +224,16 @@ def test_fused_step_ops_reject_a_weight_of_another_shape_by_name():
 def test_conv_pos_enc_on_the_kernel_matches_onednn_every_gradient(monkeypatch, batch):
     """ConvPosEnc (x + dwconv(x) + bias, shared weights) takes the kernel's depthwise op on CPU float64 and
     gives the oneDNN convolution's output and gradients; VIT3_TTT_BACKEND=generic keeps oneDNN."""
-    from vit3.layers.blocks import ConvPosEnc, _ConvPosEncKernel
+    from vit3.layers.blocks import ConvPosEnc
 
-    kernel = count_calls(monkeypatch, _ConvPosEncKernel, "apply")
+    kernel = count_calls(monkeypatch, torch.ops.vit3_cpu, "cpe")
     torch.manual_seed(2)
     cpe = ConvPosEnc(12).double()
     x = torch.randn(batch, 5, 7, 12, dtype=torch.float64, requires_grad=True)
     dout = torch.randn(batch, 5, 7, 12, dtype=torch.float64)
     leaves = [x, cpe.weight, cpe.bias]
     got = [out := cpe(x), *torch.autograd.grad((out * dout).sum(), leaves)]
-    assert kernel["n"] == 1
+    assert kernel["n"] == 1 and "CpeFunction" in out.grad_fn.name()
     monkeypatch.setenv("VIT3_TTT_BACKEND", "generic")
     want = [ref := cpe(x), *torch.autograd.grad((ref * dout).sum(), leaves)]
     assert kernel["n"] == 1
@@ -242,24 +242,38 @@ def test_conv_pos_enc_on_the_kernel_matches_onednn_every_gradient(monkeypatch, b
 
 
 def test_conv_pos_enc_builds_its_autograd_node_only_where_a_gradient_is_wanted(monkeypatch):
-    """Under no_grad the kernel's op runs without the autograd node, with the same output; a trainable bias alone
-    still gets the node (and its gradient)."""
+    """Under no_grad the kernel's op (``vit3_cpu::cpe``) runs without its C++ node, with the same output; a trainable
+    bias alone still gets the node (and its gradient)."""
     from vit3.layers import blocks
 
-    node = count_calls(monkeypatch, blocks._ConvPosEncKernel, "apply")
-    plain = count_calls(monkeypatch, blocks, "_conv_pos_kernel")
+    op = count_calls(monkeypatch, torch.ops.vit3_cpu, "cpe")
     torch.manual_seed(4)
     cpe = blocks.ConvPosEnc(20).double()
     x = torch.randn(2, 3, 11, 20, dtype=torch.float64)
     with torch.no_grad():
         got = cpe(x)
-    assert (node["n"], plain["n"]) == (0, 1)
+    assert op["n"] == 1 and got.grad_fn is None
     want = x + F.conv2d(x.permute(0, 3, 1, 2), cpe.weight, cpe.bias, padding=1, groups=20).permute(0, 2, 3, 1)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     cpe.weight.requires_grad_(False)  # only the bias trains: the node must still be built
-    (dbias,) = torch.autograd.grad(cpe(x).sum(), cpe.bias)
-    assert node["n"] == 1
+    out = cpe(x)
+    assert "CpeFunction" in out.grad_fn.name()
+    (dbias,) = torch.autograd.grad(out.sum(), cpe.bias)
     torch.testing.assert_close(dbias, torch.full_like(dbias, x[..., 0].numel()), rtol=1e-12, atol=1e-12)
+
+
+def test_the_cpe_node_is_once_differentiable():
+    """A backward with ``create_graph=True`` through ``vit3_cpu::cpe`` gives the first gradients; differentiating
+    them again raises and names the node."""
+    from vit3.layers.blocks import ConvPosEnc
+
+    cpe = ConvPosEnc(8).double()
+    x = torch.randn(1, 3, 4, 8, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(cpe(x).square().sum(), x, create_graph=True)
+    (want,) = torch.autograd.grad(cpe(x).square().sum(), x)
+    torch.testing.assert_close(g, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"vit3_cpu\.cpe .* once differentiable"):
+        g.sum().backward()
 
 
 @pytest.mark.parametrize("backend", ["eager", "generic", "cpu"])
@@ -270,7 +284,7 @@ def test_the_depthwise_steps_of_a_block_follow_its_ttt_config_backend(monkeypatc
     from vit3.models.dit3 import DiT3Block
 
     monkeypatch.setenv("VIT3_TTT_BACKEND", "auto")
-    plain = count_calls(monkeypatch, blocks, "_conv_pos_kernel")
+    plain = count_calls(monkeypatch, torch.ops.vit3_cpu, "cpe")
     cfg = {"backend": backend}
     block = blocks.TTTBlock(16, 2, ttt_cfg=cfg, mlp_layer=blocks.ConvFFN).double().eval()
     steps = [block.cpe, block.mlp.dwc, DiT3Block(16, 2, ttt_cfg=cfg).cpe.double()]

@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules import module as _module_hooks
 from torch.utils.checkpoint import checkpoint
 
-from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows
+from vit3.kernels.common import autocast_backward, autocast_forward
 
 from . import backends
 from .config import TTTConfig
@@ -64,10 +64,8 @@ class ConvPosEnc(nn.Conv2d):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``."""
-        if self.on_kernel(x):
-            if grad_flows(x, self.weight, self.bias):
-                return _ConvPosEncKernel.apply(x, self.weight, self.bias)
-            return _conv_pos_kernel(x, self.weight, self.bias)[0]  # no autograd node to build
+        if self.on_kernel(x):  # one C++ op: its node with gradients (saving x's token rows), else the forward
+            return torch.ops.vit3_cpu.cpe(x, self.weight, self.bias)
         # NCHW-contiguous input: PyTorch's depthwise kernels are far slower on channels-last strides (CPU 40x)
         return x + _nhwc(self._conv_forward(_nchw(x).contiguous(), self.weight, self.bias))
 
@@ -75,62 +73,6 @@ class ConvPosEnc(nn.Conv2d):
 # FX keeps the module as one call, so a traced model runs the same convolution as the eager one (its choice of
 # implementation is Python control flow).
 register_notrace_module(ConvPosEnc)
-
-
-def _conv_pos_kernel(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``x + dwconv3x3(x) + bias`` on a channels-last map ``[B, H, W, C]`` in one call of the C++ kernel's
-    depthwise op on its token rows (``vit3.kernels.cpp``; it reads the ``[C, 1, 3, 3]`` weight as it
-    is); returns it and the token rows ``[B, N, C]`` (for the backward)."""
-    from vit3.kernels.cpp import cpu_kernel_ops
-
-    b, h, w, c = x.shape
-    tokens = x.reshape(b, h * w, c)  # [B, N, C]
-    tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()  # the op reads channel vectors
-    out = torch.empty_like(tokens, memory_format=torch.contiguous_format)
-    weight = weight if weight.is_contiguous() else weight.contiguous()
-    # no autograd here (no_grad, or inside a node's forward): the parameters go in as they are
-    cpu_kernel_ops(tokens).dwconv(tokens, weight, out, h, w, bias, True)
-    return out.view(b, h, w, c), tokens
-
-
-def _conv_pos_kernel_backward(
-    d_out: Tensor, tokens: Tensor, weight: Tensor, grid: tuple[int, int], has_bias: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Gradients of ``_conv_pos_kernel`` from ``d_out`` ``[B, H, W, C]`` in two kernel calls: the input gradient
-    is the residual plus the correlation with the flipped weight; returns dx ``[B, H, W, C]``, dweight
-    ``[C, 1, 3, 3]`` and dbias ``[C]`` (``None`` without a bias)."""
-    from vit3.kernels.cpp import cpu_kernel_ops
-
-    (h, w), (b, n, c) = grid, tokens.shape
-    ops = cpu_kernel_ops(tokens)
-    grad = d_out.reshape(b, n, c)
-    grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-    dx = torch.empty_like(tokens, memory_format=torch.contiguous_format)
-    ops.dwconv(grad, weight.flip((-2, -1)), dx, h, w, None, True)
-    dtaps = tokens.new_empty(b, 9, c)
-    ops.dwconv_weight_grad(grad, tokens, dtaps, h, w)
-    dweight = dtaps.sum(0).t().reshape(c, 1, 3, 3)
-    dbias = grad.sum((0, 1)) if has_bias else None
-    return dx.view(b, h, w, c), dweight, dbias
-
-
-class _ConvPosEncKernel(torch.autograd.Function):
-    """``_conv_pos_kernel`` as an autograd node (``_conv_pos_kernel_backward``)."""
-
-    @staticmethod
-    @autocast_forward
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        out, tokens = _conv_pos_kernel(x, weight, bias)
-        ctx.save_for_backward(tokens, weight.detach())
-        ctx.grid, ctx.has_bias = x.shape[1:3], bias is not None
-        return out
-
-    @staticmethod
-    @autocast_backward
-    @once_differentiable
-    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        tokens, weight = ctx.saved_tensors
-        return _conv_pos_kernel_backward(d_out, tokens, weight, ctx.grid, ctx.has_bias)
 
 
 class ConvFFN(nn.Module):
@@ -465,12 +407,16 @@ class TTTBlock(nn.Module):
             return None, "a layer is not one the op computes (3x3 CPE, LayerNorms over C, Linear, DropPath)"
         if hooks and _hooked(attn, qkv, proj, mlp, dp1, dp2):
             return None, "a layer has hooks or is compiled"
-        if grad and not (
-            backends.recompute_mode(attn.cfg.recompute)[0] == "always"
-            and backends.recompute_mode(mlp.recompute)[0] != "never"
-        ):
-            return None, "training saves the layers' outputs (recompute never) or recomputes qkv"
-        return (attn, cpe, n1, n2, qkv, proj, fc1, act, fc2), ""
+        lean = True  # without gradients: the lean ops' forwards
+        if grad:
+            modes = (
+                backends.recompute_mode(attn.cfg.recompute)[0],
+                backends.recompute_mode(mlp.recompute)[0],
+            )
+            if modes not in (("always", "always"), ("never", "never")):
+                return None, "training recomputes qkv (the mixer's own node) or its layers' settings differ"
+            lean = modes[0] == "always"
+        return (lean, attn, cpe, n1, n2, qkv, proj, fc1, act, fc2), ""
 
     def one_op(self, x: Tensor) -> tuple | None:
         """The arguments of ``torch.ops.vit3_cpu.ttt_block`` but the drop-path scales for a call on ``x``
@@ -482,12 +428,13 @@ class TTTBlock(nn.Module):
         (``backends.cpu_block_kernel``, the block's backend), LayerNorms, a mixer without token gates or
         finiteness checks whose call on these tokens is settled on the whole-mixer C++ op
         (``TTTMixer.settled_cpp_args``: the first calls of a plan run layer by layer, guarded), and with
-        gradients the memory-lean variant (recompute ``always``).
+        gradients the memory-lean block (recompute ``always``, the lean nodes) or the saving one (``never``: the
+        CPE's node, then the norms and the MLP's layers as ATen ops); ``qkv`` keeps the mixer's own node.
         """
         layers, _ = self._one_op_layers(x, torch.is_grad_enabled())
         if layers is None:
             return None
-        attn, cpe, n1, n2, qkv, proj, fc1, act, fc2 = layers
+        lean, attn, cpe, n1, n2, qkv, proj, fc1, act, fc2 = layers
         cpe_w, cpe_b = _WEIGHT_BIAS(cpe._parameters)
         n1_w, n1_b = _WEIGHT_BIAS(n1._parameters)
         qkv_w, qkv_b = _WEIGHT_BIAS(qkv._parameters)
@@ -502,7 +449,7 @@ class TTTBlock(nn.Module):
         fc1_w, fc1_b = _WEIGHT_BIAS(fc1._parameters)
         fc2_w, fc2_b = _WEIGHT_BIAS(fc2._parameters)
         return (
-            *(x, cpe_w, cpe_b, n1_w, n1_b, n1.eps, qkv_w, qkv_b, *mixer, proj_w, proj_b),
+            *(x, lean, cpe_w, cpe_b, n1_w, n1_b, n1.eps, qkv_w, qkv_b, *mixer, proj_w, proj_b),
             *(n2_w, n2_b, n2.eps, fc1_w, fc1_b, fc2_w, fc2_b, act.approximate),
         )
 
