@@ -32,6 +32,12 @@ inline bool records_grad(std::initializer_list<Tensor> inputs) {
   return false;
 }
 
+// The handle of an op of this library (vit3_cpu::<name>) as typed by Signature; a caller keeps it in a static.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op_of(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
 // The gradients of a once-differentiable C++ node's backward, as Python's @once_differentiable: where the backward
 // runs with create_graph=True they come back attached to a node whose own backward raises, naming `node`.
 inline std::vector<Tensor> once_differentiable(std::vector<Tensor> grads, bool create_graph, const std::string& node) {

@@ -177,9 +177,12 @@ def _hooked(*modules: nn.Module) -> bool:
     """Whether calling one of ``modules`` would run more than its ``forward``: hooks (its own or global) or a
     compiled call (``Module.compile``); a block that runs as one op calls none of them."""
     g = _module_hooks
-    if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks:
-        return True
-    if g._global_backward_pre_hooks:
+    if (
+        g._global_forward_hooks
+        or g._global_forward_pre_hooks
+        or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+    ):
         return True
     for m in modules:  # a loop, not any() over a generator: this runs on every block call
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
@@ -383,14 +386,14 @@ class TTTBlock(nn.Module):
         backend = attn.cfg.backend
         if not backends.cpu_block_kernel(x, backend):
             return None, "not a C++ kernel call (backends.cpu_block_kernel: CPU float32/float64, backend)"
-        lean_mlp = "the feed-forward is not the lean MLP (fc1, GELU, fc2 without dropout in force)"
+        not_lean_mlp = "the feed-forward is not the lean MLP (fc1, GELU, fc2 without dropout in force)"
         if type(mlp) is not LeanMlp:
-            return None, lean_mlp
+            return None, not_lean_mlp
         fc1, act, fc2 = mlp._modules["fc1"], mlp._modules["act"], mlp._modules["fc2"]
         if not (
             type(fc1) is nn.Linear and type(fc2) is nn.Linear and mlp._fusable() and mlp.backend == backend
         ):
-            return None, lean_mlp
+            return None, not_lean_mlp
         qkv, proj = attn._modules["qkv"], attn._modules["proj"]
         if not (
             type(cpe) is ConvPosEnc

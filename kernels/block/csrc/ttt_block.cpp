@@ -17,6 +17,7 @@
 namespace {
 
 using at::Tensor;
+using vit3_cpu::op_of;
 using OptTensor = std::optional<Tensor>;
 
 using Cpe = Tensor(const Tensor&, const Tensor&, const OptTensor&);
@@ -26,12 +27,6 @@ using Mix = Tensor(const Tensor&, at::TensorList, at::IntArrayRef, int64_t, int6
                    bool, bool);
 using LeanMlp = Tensor(const Tensor&, const OptTensor&, const OptTensor&, std::optional<double>, const Tensor&,
                        const OptTensor&, const Tensor&, const OptTensor&, c10::string_view);
-
-// An op of this library through the dispatcher (its autograd kernel first, as a Python call takes it).
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> op_of(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 // y scaled by the drop-path keep scale [B, 1, 1, 1] where there is one (timm's drop_path: y * random_tensor).
 Tensor dropped(const Tensor& y, const OptTensor& keep) { return keep.has_value() ? y * *keep : y; }
@@ -43,6 +38,7 @@ Tensor ttt_block(const Tensor& x, bool lean, const Tensor& cpe_w, const OptTenso
                  const OptTensor& proj_b, const OptTensor& n2_w, const OptTensor& n2_b, double eps2,
                  const Tensor& fc1_w, const OptTensor& fc1_b, const Tensor& fc2_w, const OptTensor& fc2_b,
                  c10::string_view approximate, const OptTensor& keep1, const OptTensor& keep2) {
+  // through the dispatcher, each op's autograd kernel first, as a Python call takes it
   static const auto cpe = op_of<Cpe>("vit3_cpu::cpe");
   static const auto cpe_norm = op_of<CpeNorm>("vit3_cpu::cpe_norm");
   static const auto mix = op_of<Mix>("vit3_cpu::mix");

@@ -379,7 +379,7 @@ Tensor cpe_cpu(const Tensor& x, const Tensor& weight, const std::optional<Tensor
 // The autograd kernel: the node where it records one, else the forward alone (saving nothing).
 Tensor cpe_autograd(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
   if (vit3_cpu::records_grad({x, weight, bias.value_or(Tensor())})) return CpeFunction::apply(x, weight, bias)[0];
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::cpe", "").typed<decltype(cpe_cpu)>();
+  static auto op = vit3_cpu::op_of<decltype(cpe_cpu)>("vit3_cpu::cpe");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return op.call(x, weight, bias);
 }
@@ -440,7 +440,7 @@ std::tuple<Tensor, Tensor> cpe_norm_autograd(const Tensor& x, const Tensor& weig
     return {out[0], out[1]};
   }
   // through the dispatcher below autograd, to the CPU kernel: dispatch modes and profilers see the op
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::cpe_norm", "").typed<decltype(cpe_norm_cpu)>();
+  static auto op = vit3_cpu::op_of<decltype(cpe_norm_cpu)>("vit3_cpu::cpe_norm");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return op.call(x, weight, bias, ln_w, ln_b, eps);
 }

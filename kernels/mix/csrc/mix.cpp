@@ -315,7 +315,7 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& qkv, at::TensorList weights, at::IntArrayRef plan,
                                int64_t gh, int64_t gw, double scale, double lr, bool grad_norm, double rope_base,
                                bool recompute, bool dense) {
-    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::mix_forward", "").typed<decltype(mix_forward)>();
+    static auto op = vit3_cpu::op_of<decltype(mix_forward)>("vit3_cpu::mix_forward");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [out, saved] = op.call(qkv, weights, plan, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, true);
     // The saved views of qkv share its version counter (views made below autograd do not), so that an in-place
@@ -340,7 +340,7 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
-    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::mix_backward", "").typed<decltype(mix_backward)>();
+    static auto op = vit3_cpu::op_of<decltype(mix_backward)>("vit3_cpu::mix_backward");
     const auto saved = ctx->get_saved_variables();
     const auto shapes = ctx->saved_data["shapes"].toIntVector();
     const auto plan = ctx->saved_data["plan"].toIntVector();
@@ -374,7 +374,7 @@ Tensor mix_autograd(const Tensor& qkv, at::TensorList weights, at::IntArrayRef p
   if (at::GradMode::is_enabled() && flows) {
     return MixFunction::apply(qkv, weights, plan, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense)[0];
   }
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::mix_forward", "").typed<decltype(mix_forward)>();
+  static auto op = vit3_cpu::op_of<decltype(mix_forward)>("vit3_cpu::mix_forward");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return std::get<0>(op.call(qkv, weights, plan, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, false));
 }

@@ -93,7 +93,7 @@ Tensor lean_mlp_autograd(const Tensor& x, const std::optional<Tensor>& ln_w, con
     return LeanMlpFunction::apply(x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate)[0];
   }
   // through the dispatcher below autograd, to the CPU kernel: dispatch modes and profilers see the op
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("vit3_cpu::lean_mlp", "").typed<decltype(lean_mlp_autograd)>();
+  static auto op = vit3_cpu::op_of<decltype(lean_mlp_autograd)>("vit3_cpu::lean_mlp");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return op.call(x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate);
 }
