@@ -7,8 +7,9 @@ Per configuration (N tokens, head dim d, B*H sample-heads, the input dtype) and 
 - ``compiled``: ``torch.compile`` of the plain PyTorch formulation (``torch_loop`` below), the path a user
   without the kernel would take on a GPU;
 - ``compiled_official``: ``torch.compile`` of the official eager formulation (``official`` below);
-- ``torch_fast``: the mixer's hand-fused path ``vit3.kernels.swiglu.eager.swiglu_ttt`` (when present; on a CPU
-  its passes run in the C++ kernel, ``vit3.kernels.cpp``);
+- ``torch_fast`` (CPU only): the mixer's hand-fused path ``vit3.kernels.swiglu.eager.swiglu_ttt``, its passes in
+  the C++ kernel (``vit3.kernels.cpp``); its walk in cache-sized tiles is thousands of small launches on a GPU
+  (22-1400 ms a call on an H200, 2026-12-04), where the mixer's auto order never takes it;
 - ``torch_loop``: the generic PyTorch path ``vit3.layers.inner_loop`` + ``SwiGLUInner.apply_to`` (closed-form
   inner gradient, fp32 compute);
 - ``official``: the official eager formulation (~37 eager ops forward), re-written here as the baseline; for
@@ -27,7 +28,8 @@ known or given) using the work model of the ViT³ note: per (sample, head) the f
 once after the timing (``peak_mib``: CUDA ``max_memory_allocated``; CPU the profiler's tensor allocations,
 ``benchmarks.common.peak_tensor_memory``). ``--bh`` takes several sizes (an inference-size and a
 training-size batch x heads). A path whose first call fails (a compile error, out of memory) is reported and
-left out of that configuration. Rows are written to the CSV as each configuration finishes; ``--profile``
+left out of that configuration. ``rel_err`` is each path's error against ``torch_loop`` (fp32 compute) on the
+same input: the output, or the gradients (``max |got - want| / max |want|``). Rows are written to the CSV as each configuration finishes; ``--profile``
 adds a per-kernel profile of the forward + backward of ``--profile-paths`` (``torch.profiler``: every GPU
 kernel's time per call, or every op's self CPU time on a CPU) to ``ttt_kernel_profile_<tag>.csv``.
 
@@ -133,19 +135,15 @@ def build_paths(
         "official": lambda qkv, w1, w2: official_mixed(qkv, w1, w2, heads),
         "sdpa": sdpa,
     }
-    try:
+    if device.type == "cpu":  # its tiles are sized for CPU caches: on a GPU auto never takes it
         from vit3.kernels.swiglu.eager import swiglu_ttt
-
-        cpp = device.type == "cpu"  # as the mixer's ``cpu`` backend runs it
 
         def torch_fast(qkv, w1, w2):
             ct = torch.promote_types(qkv.dtype, torch.float32)
             q, k, v = (t.to(ct) for t in split_heads(qkv, heads))
-            return merge(swiglu_ttt(q, k, v, w1.to(ct), w2.to(ct), scale=SCALE, cpp=cpp), qkv.dtype)
+            return merge(swiglu_ttt(q, k, v, w1.to(ct), w2.to(ct), scale=SCALE, cpp=True), qkv.dtype)
 
         paths["torch_fast"] = torch_fast
-    except ImportError:
-        pass
     for name, source in COMPILED.items():  # compiled on first call (per shape, then with dynamic shapes)
         paths[name] = torch.compile(paths[source], backend=compile_backend)
     from vit3.kernels import triton_runs_on
@@ -206,6 +204,31 @@ def first_call(path: str, call: Callable[[], object], device: torch.device) -> s
             torch.cuda.empty_cache()
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
     return ""
+
+
+def rel_errors(calls: dict[str, Callable[[], object]], reference: str = "torch_loop") -> dict[str, float]:
+    """Each path's error against ``reference`` on the same input (its output, or its gradients to qkv and the
+    inner weights), as ``max |got - want| / max |want|`` over those tensors; paths that compute something
+    else (``sdpa``, ``dwconv``) are left out. Why: a timing of a kernel that computes the wrong thing is no
+    figure, and the first run on a new device is where that shows."""
+    if reference not in calls:
+        return {}
+
+    def tensors(result: object) -> tuple[Tensor | None, ...]:
+        return (result,) if isinstance(result, Tensor) else tuple(result)
+
+    want = tensors(calls[reference]())
+    out = {}
+    for path, call in calls.items():
+        if path in ("sdpa", "dwconv"):
+            continue
+        errs = [
+            ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30)).item()
+            for g, w in zip(tensors(call()), want)
+            if g is not None and w is not None
+        ]
+        out[path] = max(errs, default=math.nan)
+    return out
 
 
 def kernel_profile(call: Callable[[], object], device: torch.device, steps: int = 3) -> list[tuple]:
@@ -269,6 +292,7 @@ def run(args: argparse.Namespace, csv: CsvRows, profile_csv: CsvRows | None = No
                         if error := first_call(path, calls[path], device):
                             print(f"  d={d} N={n} BH={bh} {mode}: {path} left out ({error})", file=sys.stderr)
                             del calls[path]
+                    errors = rel_errors(calls)
                     seconds = time_interleaved(calls, device, repeats=args.repeats, warmup=1)
                     peaks = {path: peak_tensor_memory(call, device) for path, call in calls.items()}
                     group = []
@@ -276,7 +300,8 @@ def run(args: argparse.Namespace, csv: CsvRows, profile_csv: CsvRows | None = No
                         nbytes, flops = work(path, mode, n, d, bh, heads, esize)
                         row = {"device": dev_name, "dtype": args.dtype, "mode": mode, "path": path, "N": n,
                                "d": d, "BH": bh, "ms": 1e3 * sec, "GB/s": nbytes / sec / 1e9,
-                               "TFLOP/s": flops / sec / 1e12, "peak_mib": peaks[path]}  # fmt: skip
+                               "TFLOP/s": flops / sec / 1e12, "peak_mib": peaks[path],
+                               "rel_err": errors.get(path, math.nan)}  # fmt: skip
                         row["%HBM"] = 100 * row["GB/s"] / peak_gbs if peak_gbs else math.nan
                         row["%peak_FLOP"] = 100 * row["TFLOP/s"] / peak_tflops if peak_tflops else math.nan
                         group.append(row)

@@ -8,6 +8,8 @@ fails to write shows up as a mismatch. q, k, v are always strided views of one q
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import triton
@@ -310,6 +312,62 @@ def test_compiles_with_fullgraph_and_keeps_gradients():
     exp += torch.autograd.grad(exp[0].square().sum(), inputs)
     for a, e in zip(got, exp):
         assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("model", ["swiglu", "dwconv"])
+def test_compiles_with_symbolic_sizes_and_keeps_gradients(model):
+    """``dynamic=True`` (what torch.compile turns to by itself on a second input size): the ops' fake
+    implementations get symbolic sizes, which the plans' caches cannot key, and allocate the outputs alone;
+    at run time the graph calls the op on real tensors, so every size equals the eager op."""
+    g, d = 2, 16
+
+    def branch(qkv, grid, *weights):
+        params = dict(zip(["weight"] if model == "dwconv" else ["w1", "w2"], weights))
+        return kernels.triton_ttt(
+            model, *split_heads(qkv, g), params, grid=grid, scale=SCALE, backend="triton"
+        )
+
+    torch._dynamo.reset()
+    compiled = torch.compile(branch, fullgraph=True, backend="aot_eager", dynamic=True)
+    for b, grid in ((2, (5, 6)), (1, (4, 5))):
+        qkv, params = make_inputs(model, b, g, grid[0] * grid[1], d, torch.float32)
+        inputs = [qkv, *params.values()]
+        got = [compiled(qkv, grid, *inputs[1:])]
+        got += torch.autograd.grad(got[0].square().sum(), inputs)
+        exp = [branch(qkv, grid, *inputs[1:])]
+        exp += torch.autograd.grad(exp[0].square().sum(), inputs)
+        for a, e in zip(got, exp):
+            assert a.shape == e.shape and torch.equal(a, e)
+
+
+@pytest.mark.parametrize("model", ["swiglu", "linear", "dwconv"])
+def test_backward_op_fake_matches_the_kernels(model):
+    """The backward op's fake implementation gives the kernels' shapes, strides and dtypes
+    (``torch.library.opcheck``'s fake-tensor test, on a real call's saved statistics)."""
+    leaf = functools.partial(torch.randn, device=DEVICE)
+    q, k, v, dout = (leaf(1, 2, 20, 16) for _ in range(4))
+    w1, w2 = (leaf(1, 32, 3, 3), None) if model == "dwconv" else (leaf(1, 2, 16, 16), leaf(1, 2, 16, 16))
+    w2 = w2 if model == "swiglu" else None
+    cfg = (model, "dot", 4, 5, SCALE, 1.0, True, 0)
+    _, gbuf, nbuf = torch.ops.vit3.triton_ttt_fwd(q, k, v, w1, w2, *cfg)
+    args = (dout, q, k, v, w1, w2, gbuf, nbuf, *cfg)
+    torch.library.opcheck(
+        torch.ops.vit3.triton_ttt_bwd.default, args, test_utils=("test_schema", "test_faketensor")
+    )
+
+
+def test_compiled_rope_mixer_hands_the_op_one_dtype():
+    """Traced, a mixer runs branch by branch; RoPE rotates 16-bit q, k in float32, and they go back to the io
+    dtype (as in the fused node) before the op, which takes q, k, v of one dtype."""
+    torch.manual_seed(0)
+    mixer = TTTMixer(32, 2, branches=("swiglu",), rope=True, backend="triton").to(DEVICE)
+    x = torch.randn(2, 16, 32, device=DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.float16):
+        exp = mixer(x, (4, 4))
+        torch._dynamo.reset()
+        got = torch.compile(mixer, backend="aot_eager", fullgraph=True)(x, (4, 4))
+    assert got.dtype == exp.dtype == torch.float16
+    assert max_rel_err(got.float(), exp.float()) < 1e-3
 
 
 # -------------------------------------------------------------------------------------------- the mixer

@@ -3,8 +3,9 @@
 ``triton_ttt`` runs one full-batch inner step of an inner model (``"swiglu"``: the official ViT³ branch,
 dot loss; ``"linear"``: dot or MSE loss; ``"dwconv"``: the official 3x3 depthwise-conv branch, dot loss)
 per (sample, head) and applies the result to the queries, forward and backward in Triton. It is registered
-as the custom ops ``vit3::triton_ttt_fwd`` / ``vit3::triton_ttt_bwd`` (``torch.library.triton_op``) so
-``torch.compile`` sees the kernels without a graph break; in eager mode a call runs its cached ``_Call``
+as the opaque custom ops ``vit3::triton_ttt_fwd`` / ``vit3::triton_ttt_bwd`` (``torch.library.custom_op``
+with shape-only fake implementations), so ``torch.compile`` keeps them in its graph without a graph break
+and calls them on real tensors, symbolic sizes included; in eager mode a call runs its cached ``_Call``
 (checked and planned once per signature) through a plain autograd node instead. ``backend="reference"`` runs
 the pure-PyTorch reference formulation (``vit3.kernels.reference``). Which implementation a mixer runs is
 decided by ``vit3.layers.backends``: this op reads no environment variable of its own. The backward is
@@ -17,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.library import triton_op
 
 from .. import reference
 from ..common import autocast_backward, autocast_forward, grad_flows
@@ -48,32 +48,60 @@ def clear_plans() -> None:
 # ------------------------------------------------------------------------------------------- custom ops
 
 
-def _kernel_op(name: str) -> Any:
-    """Registers ``fn`` as custom op ``name``: a ``triton_op`` (kernels visible to ``torch.compile``).
+def _kernel_op(name: str, fake: Any) -> Any:
+    """Registers ``fn`` as the opaque custom op ``name`` with ``fake`` (output shapes only) as its fake
+    implementation.
 
-    Under ``TRITON_INTERPRET=1`` kernels are interpreted Python functions that ``torch.compile`` cannot
-    trace, so the op is an opaque ``custom_op`` instead, with ``fn`` (which launches nothing on fake
-    tensors) as its fake implementation: compiled graphs still hold the op, without graph breaks.
+    Opaque on every device: ``torch.compile`` keeps the op in its graph (no graph break) and calls it on real
+    tensors at run time, so a compiled model launches the same plans as an eager one. (A ``triton_op`` would
+    have Inductor trace the body, whose plans are cached per concrete shape: symbolic sizes cannot key them.)
     """
 
     def register(fn: Any) -> Any:
-        if _interpreting():
-            op = torch.library.custom_op(name, fn, mutates_args=())
-            op.register_fake(fn)
-            return op
-        return triton_op(name, fn, mutates_args=())
+        op = torch.library.custom_op(name, fn, mutates_args=())
+        op.register_fake(fake)
+        return op
 
     return register
+
+
+def _token_major(b: Any, g: Any, n: Any, d: Any, like: Tensor) -> Tensor:
+    """An empty ``[B, G, N, c]`` in token-major memory (``[B, N, G, c]`` contiguous), as the plans allocate."""
+    return like.new_empty((b, n, g, d)).transpose(1, 2)
+
+
+def _fake_forward(
+    q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: Any, wd: Any,
+    scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``_fwd_op``'s outputs on fake tensors: shapes, strides and dtypes only (sizes may be symbolic)."""
+    b, g, n, d = q.shape
+    (nw, r), acc = plan.stat_shape(model, d), _acc_dtype(q.dtype)[0]
+    return (
+        _token_major(b, g, n, d, q),
+        q.new_empty((b * g, nw, r, d), dtype=acc),
+        q.new_empty((b * g, nw, d), dtype=acc),
+    )
+
+
+def _fake_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, gbuf: Tensor, nbuf: Tensor,
+    model: str, loss: str, h: Any, wd: Any, scale: float, lr: float, grad_norm: bool, chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``_bwd_op``'s outputs on fake tensors: ``dq``, ``dk``, ``dv`` token-major in their inputs' dtypes, ``dW``."""
+    b, g, n, d = q.shape
+    grads = tuple(_token_major(b, g, n, d, t) for t in (q, k, v))
+    return (*grads, q.new_empty(plan.weight_grad_shape(model, g, d), dtype=_acc_dtype(q.dtype)[0]))
 
 
 def _forward(
     q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int, wd: int,
     scale: float, lr: float, grad_norm: bool, chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Runs the forward (none on fake tensors): ``(out [B, G, N, c], G [B*G, NW, R, c], ||G||)``."""
+    """Runs the forward: ``(out [B, G, N, c], G [B*G, NW, R, c], ||G||)``."""
     key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
-    plan = _forward_template(key, True, tuple(_meta(t) for t in (q, k, v, w1, w2)))
-    return plan.run((q, k, v, w1, w1 if w2 is None else w2), _live(q))
+    forward = _forward_template(key, True, tuple(_meta(t) for t in (q, k, v, w1, w2)))
+    return forward.run((q, k, v, w1, w1 if w2 is None else w2))
 
 
 def _backward_grads(
@@ -82,11 +110,11 @@ def _backward_grads(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Runs the backward: ``dq``, ``dk``, ``dv`` ``[B, G, N, c]`` and ``dW`` (accumulator dtype)."""
     key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
-    plan = _backward_template(key, tuple(_meta(t) for t in (q, k, v, w1, w2)), _meta(dout))
-    return plan.run((dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf), _live(q))
+    backward = _backward_template(key, tuple(_meta(t) for t in (q, k, v, w1, w2)), _meta(dout))
+    return backward.run((dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
 
 
-@_kernel_op("vit3::triton_ttt_fwd")
+@_kernel_op("vit3::triton_ttt_fwd", _fake_forward)
 def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int, wd: int,
     scale: float, lr: float, grad_norm: bool, chunk: int,
@@ -99,7 +127,7 @@ def _fwd_op(
     return _forward(q, k, v, w1, w2, model, loss, h, wd, scale, lr, grad_norm, chunk)
 
 
-@_kernel_op("vit3::triton_ttt_bwd")
+@_kernel_op("vit3::triton_ttt_bwd", _fake_backward)
 def _bwd_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, gbuf: Tensor, nbuf: Tensor,
     model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,

@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.library import wrap_triton
 
 from ..dwconv import triton as dwconv_kernels
 from . import matrix as matrix_kernels
@@ -33,6 +32,8 @@ __all__ = [
     "forward_plan",
     "launcher",
     "reduce_split",
+    "stat_shape",
+    "weight_grad_shape",
 ]
 
 # Test hook: when set (e.g. to NaN), every buffer the op allocates is filled with it, so any element a kernel
@@ -59,9 +60,23 @@ def fold_grid(programs: int) -> tuple[int, int]:
 
 
 def launcher(kernel: Any) -> Any:
-    """What launches ``kernel[grid](...)``: Triton's own launcher in eager mode, ``wrap_triton``'s (a
-    higher-order op, ~1 ms a launch in eager mode) only while ``torch.compile`` traces."""
-    return wrap_triton(kernel) if torch.compiler.is_compiling() else kernel
+    """What launches ``kernel[grid](...)``: Triton's own launcher (a hook: tests put a recorder in its place).
+    Compiled graphs call the custom ops as opaque ops (``triton.op``), so a launch always runs on real tensors."""
+    return kernel
+
+
+def stat_shape(model: str, d: int) -> tuple[int, int]:
+    """``(NW, R)`` of the saved statistics ``G`` ``[B*G, NW, R, c]`` and ``||G||`` ``[B*G, NW, c]``: NW weights
+    (SwiGLU's two, else one) of R rows (the conv's 9 taps, else ``c``)."""
+    return (2 if model == "swiglu" else 1), (9 if model == "dwconv" else d)
+
+
+def weight_grad_shape(model: str, g: int, d: int) -> tuple[int, ...]:
+    """The shape of the backward's ``dW`` (accumulator dtype): SwiGLU's pair ``[2, 1, G, c, c]``, the linear
+    model's ``[1, G, c, c]``, the conv's ``[1, G*c, 3, 3]``."""
+    if model == "dwconv":
+        return (1, g * d, 3, 3)
+    return (2, 1, g, d, d) if model == "swiglu" else (1, g, d, d)
 
 
 class Launch(NamedTuple):
@@ -179,10 +194,9 @@ _NO_CONTEXT = contextlib.nullcontext()  # reusable: one instance serves every ca
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """The context a plan's or a program's launches run in: ``device`` current on a GPU. Triton launches on the
     current CUDA device and its current stream: a tensor of another GPU would hand that GPU's pointers to a
-    kernel on the current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Compiled
-    graphs guard their devices themselves. Off a GPU it costs one comparison (launch programs call it per
-    launch list)."""
-    if device.type != "cuda" or torch.compiler.is_compiling():
+    kernel on the current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Off a GPU
+    it costs one comparison (launch programs call it per launch list)."""
+    if device.type != "cuda":
         return _NO_CONTEXT
     return torch.cuda.device(device)
 
@@ -332,7 +346,7 @@ def _forward_template(key: _Key, save: bool, metas: tuple, out_meta: tuple | Non
     b, g, n_tok, d = q.shape
     cfg = _config(key, q)
     acc, acc_tl = _acc_dtype(q.dtype)
-    nw, r, bgn, s = (2 if key.model == "swiglu" else 1), (9 if key.model == "dwconv" else d), b * g, cfg.s
+    (nw, r), bgn, s = stat_shape(key.model, d), b * g, cfg.s
     w2 = w1 if w2 is None else w2
     coef, ws = key.scale / n_tok, _weight_strides(key.model, w1, d)
     out = (
@@ -392,7 +406,7 @@ def _backward_template(key: _Key, metas: tuple, dout_meta: tuple, grad_metas: tu
     ``dq, dk, dv`` it writes (the fused node's views of its qkv gradient), else it allocates them."""
     q, k, v, w1, w2 = (_on_meta(m) for m in metas)
     b, g, n_tok, d = q.shape
-    nw, r = (2 if key.model == "swiglu" else 1), (9 if key.model == "dwconv" else d)
+    nw, r = stat_shape(key.model, d)
     acc, acc_tl = _acc_dtype(q.dtype)
     gbuf = torch.empty(b * g, nw, r, d, dtype=acc, device="meta")
     nbuf = torch.empty(b * g, nw, d, dtype=acc, device="meta")
@@ -410,7 +424,7 @@ def _backward_template(key: _Key, metas: tuple, dout_meta: tuple, grad_metas: tu
     part = bld.buffer(bgn, s + 1, nw, r, d, dtype=acc)
     dgbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
     dq, dk, dv = given or (bld.buffer(b, n_tok, g, d, dtype=t.dtype, perm=(0, 2, 1, 3)) for t in (q, k, v))
-    dw = bld.buffer(*((1, g * d, 3, 3) if conv else (2, 1, g, d, d) if nw == 2 else (1, g, d, d)), dtype=acc)
+    dw = bld.buffer(*weight_grad_shape(key.model, g, d), dtype=acc)
     sizes = (bgn, g, n_tok, d, cfg.chunk, s)
     io = (*q.stride(), *dout.stride(), *dq.stride())
     kv = (*k.stride(), *v.stride(), *dk.stride(), *dv.stride())

@@ -341,7 +341,8 @@ class TTTMixer(nn.Module):
                 gate_offset += heads
             if cfg.rope and not model.grid_model:  # one angle table for q and k
                 rope = rope_tables(grid, q.shape[-1], cfg.rope_base, q.device, compute)
-                q, k = (apply_rope_2d(t, grid, cfg.rope_base, tables=rope) for t in (q, k))
+                # back to the io dtype, as the fused node hands them on: q, k, v share one dtype
+                q, k = (apply_rope_2d(t, grid, cfg.rope_base, tables=rope).to(io_dtype) for t in (q, k))
             # [B, N, G*c] -> [B, G, N, c]: strided views of qkv, no copy
             q, k, v = (t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
             step = backends.Step(name, model, grid, self.scale, cfg, plan.recompute)

@@ -341,7 +341,7 @@ std::tuple<Tensor, Tensor, Tensor> cpe_backward(const Tensor& d_out, const Tenso
   dwconv(grad, weight.flip({-2, -1}), dx, gh, gw, std::nullopt, true);
   Tensor dtaps = tokens.new_empty({B, 9, C});
   dwconv_weight_grad(grad, tokens, dtaps, gh, gw);
-  return {dx.view({B, gh, gw, C}), dtaps.sum(0).t().reshape({C, 1, 3, 3}), has_bias ? grad.sum({0, 1}) : Tensor()};
+  return {dx.view({B, gh, gw, C}), dtaps.sum(0).t().reshape({C, 1, 3, 3}), has_bias ? grad.sum(at::IntArrayRef{0, 1}) : Tensor()};
 }
 
 // ConvPosEnc on the kernel as one node: t = x + dwconv3x3(x) + bias, saving x's token rows and the weight. The
