@@ -67,7 +67,9 @@ def _fits(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
 
 def _run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
     c = step.cfg
-    return _kernels()[0].triton_ttt(
+    # The op's module, which ``_supports`` imported: read from sys.modules, not through the cached
+    # ``_kernels()``, whose cache torch.compile would trace through (with a warning at every compile).
+    return sys.modules[f"{__package__}.triton.op"].triton_ttt(
         step.name,
         q,
         k,
