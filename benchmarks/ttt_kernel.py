@@ -194,37 +194,40 @@ def detect_peaks(
     return name, tflops if tflops is not None else known[0], gbs if gbs is not None else known[1]
 
 
-def first_call(path: str, call: Callable[[], object], device: torch.device) -> str:
-    """Runs ``call`` once (a compiled path compiles here); the error, ``""`` when it ran."""
+def first_call(path: str, call: Callable[[], object], device: torch.device) -> tuple[object, str]:
+    """Runs ``call`` once (a compiled path compiles here): its result and ``""``, or ``None`` and the error."""
     try:
-        call()
+        result = call()
         sync(device)
     except Exception as exc:  # a compile error, out of memory: reported, the other paths still timed
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
-    return ""
+        return (
+            None,
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}",
+        )
+    return result, ""
 
 
-def rel_errors(calls: dict[str, Callable[[], object]], reference: str = "torch_loop") -> dict[str, float]:
-    """Each path's error against ``reference`` on the same input (its output, or its gradients to qkv and the
-    inner weights), as ``max |got - want| / max |want|`` over those tensors; paths that compute something
-    else (``sdpa``, ``dwconv``) are left out. Why: a timing of a kernel that computes the wrong thing is no
-    figure, and the first run on a new device is where that shows."""
-    if reference not in calls:
+def rel_errors(results: dict[str, object], reference: str = "torch_loop") -> dict[str, float]:
+    """Each path's error against ``reference`` on the same input, from the paths' first-call ``results`` (an
+    output, or the gradients to qkv and the inner weights), as ``max |got - want| / max |want|`` over those
+    tensors; paths that compute something else (``sdpa``, ``dwconv``) are left out. Why: a timing of a kernel
+    that computes the wrong thing is no figure, and the first run on a new device is where that shows."""
+    if reference not in results:
         return {}
 
     def tensors(result: object) -> tuple[Tensor | None, ...]:
         return (result,) if isinstance(result, Tensor) else tuple(result)
 
-    want = tensors(calls[reference]())
+    want = tensors(results[reference])
     out = {}
-    for path, call in calls.items():
+    for path, result in results.items():
         if path in ("sdpa", "dwconv"):
             continue
         errs = [
             ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30)).item()
-            for g, w in zip(tensors(call()), want)
+            for g, w in zip(tensors(result), want)
             if g is not None and w is not None
         ]
         out[path] = max(errs, default=math.nan)
@@ -288,11 +291,16 @@ def run(args: argparse.Namespace, csv: CsvRows, profile_csv: CsvRows | None = No
                         path: functools.partial(step, fn, mode, qkv, w1, w2, dout)
                         for path, fn in paths.items()
                     }
+                    results = {}
                     for path in list(calls):
-                        if error := first_call(path, calls[path], device):
+                        results[path], error = first_call(path, calls[path], device)
+                        if error:
                             print(f"  d={d} N={n} BH={bh} {mode}: {path} left out ({error})", file=sys.stderr)
-                            del calls[path]
-                    errors = rel_errors(calls)
+                            del calls[path], results[path]
+                    errors = rel_errors(results)
+                    del (
+                        results
+                    )  # before the timing and the peak memory: nothing of the first calls stays live
                     seconds = time_interleaved(calls, device, repeats=args.repeats, warmup=1)
                     peaks = {path: peak_tensor_memory(call, device) for path, call in calls.items()}
                     group = []

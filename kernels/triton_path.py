@@ -20,6 +20,8 @@ from .paths import bare_why, one_step_why
 
 __all__ = ["triton_path"]
 
+_OP_MODULE = f"{__package__}.triton.op"  # the Triton op's module (imported on first use)
+
 
 @functools.cache
 def _kernels() -> tuple[Any, str]:
@@ -69,7 +71,7 @@ def _run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor],
     c = step.cfg
     # The op's module, which ``_supports`` imported: read from sys.modules, not through the cached
     # ``_kernels()``, whose cache torch.compile would trace through (with a warning at every compile).
-    return sys.modules[f"{__package__}.triton.op"].triton_ttt(
+    return sys.modules[_OP_MODULE].triton_ttt(
         step.name,
         q,
         k,
