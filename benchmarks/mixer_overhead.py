@@ -3,21 +3,25 @@
 One call of ``mix`` (inference: under ``torch.no_grad``; training: forward + backward from a dense upstream
 gradient) is recorded once with a ``TorchDispatchMode``: every ATen and custom op it dispatches (the C++
 kernel's calls, the views, the allocations; the backward's too), with its arguments. The *bare ops* replay
-that record, op after op on the same tensors, with no Python between them. Both are timed interleaved, one
-mode at a time, every other round in reverse order (``benchmarks.common.time_samples(alternate=True)``: the call
-timed first after other work pays tens of µs for the caches it refills, so neither side may always be first;
-``--repeats`` rounds); their difference, paired per round, is the Python a mixer call spends around its ops:
-the plan, the guard, the eager node's views and checks, the autograd node. A settled call on the C++ kernel is one op, ``vit3_cpu::mix`` (its C++ autograd node dispatches
+that record, op after op on the same tensors, with no Python between them. Each comparison is timed as a pair
+of its own, the two calls swapping places every round (``_pairs``: the call that runs first after other work
+pays for the caches it refills, tens of µs at a few hundred µs a call); the difference, paired per round and
+the median taken over ``--repeats`` rounds, is the Python a mixer call spends around its ops: the plan, the
+guard, the eager node's views and checks, the autograd node. ``same_call_us`` is that estimate for the op against
+itself, the reading where there is nothing to find: a few rounds read tens of µs on a noisy VM, hence the
+thousands by default.
+
+A settled call on the C++ kernel is one op, ``vit3_cpu::mix`` (its C++ autograd node dispatches
 ``mix_forward`` / ``mix_backward``); ``--python-node`` times the Python eager node (``vit3.layers.ttt.CPP_NODE``
-off) beside it in the same interleaved rounds. ``mixer_python_us`` (C++ op) is ``mix`` against the op called
-directly with the same arguments: the mixer's own Python, the rest of the overhead being the op's dispatch and
-autograd. ``one_op_autograd_us`` (training rows) is the same difference for
-one op, ``qkv * 1`` forward + backward: what the autograd engine costs any training call over its bare ops (the
-replay has no engine), the floor of the training figure. ``torch.empty`` is timed for scale (what one PyTorch
-call costs on this machine). Writes ``results/mixer_overhead_cpu.csv``.
+off) beside it. ``mixer_python_us`` (C++ op) is ``mix`` against the op called directly with the same arguments:
+the mixer's own Python, the rest of the overhead being the op's dispatch and autograd. ``one_op_autograd_us``
+(training rows) is the same difference for one op, ``qkv * 1`` forward + backward: what the autograd engine
+costs any training call over its bare ops (the replay has no engine), the floor of the training figure.
+``torch.empty`` is timed for scale (what one PyTorch call costs on this machine). Writes
+``results/mixer_overhead_cpu.csv``.
 
     python benchmarks/mixer_overhead.py --threads 1                 # ViT³-T's mixer at 224 px: 192, 3, 196
-    python benchmarks/mixer_overhead.py --threads 1 --python-node   # the C++ op and the Python node side by side
+    python benchmarks/mixer_overhead.py --threads 1 --python-node   # the C++ op and the Python node
     python benchmarks/mixer_overhead.py --threads 1 --dim 384 --heads 6 --batch 4
 """
 
@@ -34,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_runtime_args, paired_diff, run_script, time_samples
+from benchmarks.common import add_runtime_args, run_script, time_samples
 from benchmarks.mixer import grid_for
 from vit3.layers import TTTMixer, ttt
 
@@ -113,7 +117,9 @@ def _op_fns(mixer: TTTMixer, qkv: torch.Tensor, leaves: list, upstream: torch.Te
     """The whole-mixer C++ op called directly (``op infer``, ``op train``) with the arguments the mixer's settled
     plans hand it: the same op and autograd node as ``mix``, without the mixer's Python in front."""
     flat = [d[name] for d, name in mixer._param_sources()]
-    args = {key[3]: call.cpp for key, call in mixer._calls.items()}  # by grad mode (the key's fourth field)
+    args = {
+        key[3]: call.cpp for key, call in mixer._calls.plans.items()
+    }  # by grad mode (the key's fourth field)
     op = torch.ops.vit3_cpu.mix
 
     def infer() -> None:
@@ -141,6 +147,21 @@ def _floor_fns(qkv: torch.Tensor) -> dict:
     return {"floor": floor, "bare floor": lambda: replay(ops)}
 
 
+def _pairs(fns: dict, pairs: list[tuple[str, str]], device: torch.device, repeats: int) -> dict[str, list]:
+    """Each pair ``(a, b)`` timed on its own, the two calls swapping places every round (``time_samples`` with
+    ``alternate``): ``"a|b"`` -> ``a`` minus ``b`` per round, and each name's samples from the first pair that
+    times it. Why pairs: with three calls interleaved the middle one never runs first, after the other work,
+    and the difference to it carries that position's cost (tens of µs at a few hundred µs a call)."""
+    out: dict[str, list] = {}
+    for a, b in pairs:
+        got = time_samples({a: fns[a], f"{b} ": fns[b]}, device, repeats=repeats, warmup=20, alternate=True)
+        first, second = got[a], got[f"{b} "]
+        out[f"{a}|{b}"] = [x - y for x, y in zip(first, second)]
+        out.setdefault(a, first)
+        out.setdefault(b, second)
+    return out
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -149,27 +170,34 @@ def run(args: argparse.Namespace) -> list[dict]:
     qkv = torch.randn(args.batch, n, mixer.qkv.out_features, device=device, requires_grad=True)
     upstream = torch.randn(args.batch, n, sum(mixer.widths), device=device)
     nodes = ["cpp", "python"] if args.python_node else ["cpp"]
-    per_node = {}
-    for node in nodes:  # each mixer plans its calls with its node; the timing below interleaves them all
+    fns, n_ops = {}, {}
+    for node in nodes:  # each mixer plans its calls with its node
         ttt.CPP_NODE = node == "cpp"
         # a shallow copy: the same parameters and inputs (both nodes then read the same, cache-warm, memory), its
         # own plans (pickling state drops them)
-        per_node[node] = _mixer_fns(copy.copy(mixer), qkv, grid, upstream)
+        got = _mixer_fns(copy.copy(mixer), qkv, grid, upstream)
+        fns |= {f"{node} {name}": fn for name, fn in got["fns"].items()}
+        n_ops[node] = got["ops"]
     ttt.CPP_NODE = True
-    # One timing per mode, its calls in alternating order (``time_samples``): a mode's calls run after each other,
-    # not after the other mode's, and each node's mix and bare ops take the first place equally often.
-    samples = {}
-    for mode in ("infer", "train"):
-        fns = {f"{node} {name}": fn for node, got in per_node.items() for name, fn in got["fns"].items() if name.endswith(mode)}  # fmt: skip
-        samples |= time_samples(fns, device, repeats=args.repeats, warmup=20, alternate=True)
-    samples |= time_samples(_floor_fns(qkv), device, repeats=args.repeats, warmup=20, alternate=True)
-    samples |= time_samples({"torch.empty": lambda: torch.empty(16)}, device, repeats=args.repeats, warmup=20)
+    fns |= _floor_fns(qkv) | {"torch.empty": lambda: torch.empty(16)}
+    pairs = [("floor", "bare floor")]
+    for node in nodes:
+        for mode in ("infer", "train"):
+            pairs.append((f"{node} mix {mode}", f"{node} bare {mode}"))
+            if f"{node} op {mode}" in fns:
+                # the mixer's own Python (against the op called directly), and the estimator's zero: the op
+                # against itself
+                pairs += [
+                    (f"{node} mix {mode}", f"{node} op {mode}"),
+                    (f"{node} op {mode}", f"{node} op {mode}"),
+                ]
+    samples = _pairs(fns, pairs, device, args.repeats)
+    samples |= time_samples({"torch.empty": fns["torch.empty"]}, device, repeats=args.repeats, warmup=20)
     med = {name: 1e6 * statistics.median(ts) for name, ts in samples.items()}
-    floor = 1e6 * paired_diff(samples["floor"], samples["bare floor"])
     rows = []
     for node in nodes:
         for mode in ("infer", "train"):
-            mix, ops = samples[f"{node} mix {mode}"], samples[f"{node} bare {mode}"]
+            mix, op = f"{node} mix {mode}", f"{node} op {mode}"
             rows.append(
                 {
                     "node": node,
@@ -179,16 +207,16 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "batch": args.batch,
                     "N": n,
                     "threads": torch.get_num_threads(),
-                    "ops": per_node[node]["ops"][mode],
-                    "mix_us": med[f"{node} mix {mode}"],
+                    "ops": n_ops[node][mode],
+                    "mix_us": med[mix],
                     "bare_ops_us": med[f"{node} bare {mode}"],
                     # paired within each round (the two run back to back), then the median over rounds
-                    "overhead_us": 1e6 * paired_diff(mix, ops),
+                    "overhead_us": med[f"{mix}|{node} bare {mode}"],
                     # the mixer's Python in front of the op: mix against the op called directly (C++ node only)
-                    "mixer_python_us": 1e6 * paired_diff(mix, samples[f"{node} op {mode}"])
-                    if f"{node} op {mode}" in samples
-                    else float("nan"),
-                    "one_op_autograd_us": floor if mode == "train" else 0.0,
+                    "mixer_python_us": med.get(f"{mix}|{op}", float("nan")),
+                    # the same estimate for two identical calls: what it reads where there is nothing to find
+                    "same_call_us": med.get(f"{op}|{op}", float("nan")),
+                    "one_op_autograd_us": med["floor|bare floor"] if mode == "train" else 0.0,
                     "torch_empty_us": med["torch.empty"],
                 }
             )
@@ -202,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tokens", type=int, default=196)
-    p.add_argument("--repeats", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=3000)
     p.add_argument(
         "--python-node",
         action="store_true",

@@ -6,7 +6,9 @@ checkpointing and the once-differentiable contract, and sees parameters replaced
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 import vit3.layers.ttt as ttt
 from vit3.kernels import OPS
 from vit3.kernels.cpp import load
-from vit3.layers import TTTMixer
+from vit3.layers import TTTMixer, backends
 from vit3.layers.rope import apply_rope_2d
 
 GRID = (5, 7)
@@ -57,9 +59,9 @@ def _settle(mixer: TTTMixer, x: torch.Tensor, grid: tuple[int, int] = GRID) -> N
         mixer(x, grid).sum().backward()
         with torch.no_grad():
             mixer(x, grid)
-        if mixer._calls and all(c.settled and c.cpp is not None for c in mixer._calls.values()):
+        if mixer._calls.plans and all(c.settled and c.cpp is not None for c in mixer._calls.plans.values()):
             return
-    pytest.fail(f"the mixer's calls did not settle on the C++ op: {list(mixer._calls.values())}")
+    pytest.fail(f"the mixer's calls did not settle on the C++ op: {list(mixer._calls.plans.values())}")
 
 
 def _run(mixer: TTTMixer, x: torch.Tensor, dout: torch.Tensor, grid: tuple[int, int] = GRID):
@@ -287,7 +289,7 @@ def test_bad_arguments_raise_clear_errors():
     mixer = _mixer()
     x = torch.randn(1, GRID[0] * GRID[1], 32, dtype=torch.float64)
     _settle(mixer, x.requires_grad_())
-    call = next(iter(mixer._calls.values()))
+    call = next(iter(mixer._calls.plans.values()))
     flat = [p for m in mixer.inner for p in m.initial_params().values()]
     qkv = mixer.qkv(x).detach()
     with pytest.raises(RuntimeError, match="qkv has 95 channels"):
@@ -318,3 +320,154 @@ def test_an_op_without_a_branch_in_the_cpp_op_keeps_the_python_node(monkeypatch)
     assert NODE not in ref_node and "EagerMix" in ref_node
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
     _assert_same(grads, ref_grads, rtol=1e-12, atol=1e-13)
+
+
+# ------------------------------------------------------------------------------------------ mix's short path
+
+
+def _short_path_mixer() -> tuple[TTTMixer, torch.Tensor]:
+    """A settled RoPE'd mixer (the grid then changes the numbers) and a qkv of its settled key, no gradients."""
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    _settle(mixer, x)
+    return mixer, mixer.qkv(x).detach()
+
+
+def _mix(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, bool]:
+    """``mixer.mix(qkv, grid)`` and whether its short path served it (the general path, ``_mix_tokens``, not
+    reached)."""
+    general, reached = mixer._mix_tokens, []
+    mixer._mix_tokens = lambda *args: reached.append(True) or general(*args)
+    try:
+        return mixer.mix(qkv, grid), not reached
+    finally:
+        del mixer._mix_tokens
+
+
+def _fresh_twin(mixer: TTTMixer) -> TTTMixer:
+    """The same weights in a mixer that has planned nothing."""
+    twin = _mixer(rope=True)
+    twin.load_state_dict(mixer.state_dict())
+    return twin
+
+
+def test_a_settled_call_takes_the_short_path_without_the_plan_key(monkeypatch):
+    mixer, qkv = _short_path_mixer()
+    with torch.no_grad():
+        want = mixer.mix(qkv, GRID)
+
+        def refused(*args, **kwargs):
+            raise AssertionError("the plan key was built")
+
+        monkeypatch.setattr(mixer, "settled_cpp_args", refused)
+        monkeypatch.setattr(mixer, "_call", refused)
+        with _Ops() as seen:
+            out, short = _mix(mixer, qkv, GRID)
+    assert short
+    assert seen.names == ["vit3_cpu.mix_forward.default"]  # without gradients its autograd kernel steps aside
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def _change(mixer: TTTMixer, qkv: torch.Tensor, change: str) -> tuple[torch.Tensor, tuple[int, int], bool]:
+    """One thing the plan key (or the op's weights) holds, changed: qkv, grid and grad mode of the next call."""
+    if change == "grid":  # the same N, another layout: RoPE's angles differ
+        return qkv, GRID[::-1], False
+    if change == "grad-mode":  # only the short path of calls without gradients kept
+        mixer._calls.short[True] = None
+        return qkv.requires_grad_(), GRID, True
+    if change == "dtype":
+        return qkv.float(), GRID, False
+    if change == "weight-dtype":  # one weight converted in place (no ``Module.to``)
+        mixer.inner[0].w1.data = mixer.inner[0].w1.data.float()
+    elif change == "plans-cleared":
+        mixer._calls.clear()
+    elif (
+        change == "environment"
+    ):  # ``$VIT3_TTT_BACKEND`` read again: ``forget_plans`` clears the mixers' caches
+        backends.refresh_env()
+    return qkv, GRID, False
+
+
+@pytest.mark.parametrize(
+    "change", ["grid", "grad-mode", "dtype", "weight-dtype", "plans-cleared", "environment"]
+)
+def test_the_short_path_steps_aside_where_the_settled_key_does_not_hold(change):
+    """The call is not served by the short path, and gives what a mixer without plans (the same change made to
+    it) gives."""
+    mixer, qkv = _short_path_mixer()
+    qkv, grid, grad = _change(mixer, qkv, change)
+    twin = _fresh_twin(mixer).to(qkv.dtype)
+    if change == "weight-dtype":  # float32 w1 beside float64 weights: the general path casts it
+        twin.inner[0].w1.data = twin.inner[0].w1.data.float()
+    with torch.set_grad_enabled(grad):
+        got, short = _mix(mixer, qkv, grid)
+        want = twin.mix(qkv, grid)
+    assert not short
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+def test_a_qkv_on_another_device_does_not_take_the_short_path(monkeypatch):
+    mixer, qkv = _short_path_mixer()
+    general = object()
+    monkeypatch.setattr(mixer, "_mix_tokens", lambda *args: general)  # meta tensors: no general path to run
+    with torch.no_grad():
+        assert mixer.mix(qkv.to("meta"), GRID) is general
+        assert mixer.mix(qkv, GRID) is not general  # the same call on the CPU: the short path
+
+
+def test_a_new_backend_in_the_environment_ends_the_short_path(monkeypatch):
+    """``$VIT3_TTT_BACKEND=generic`` read after the call settled: the named backend runs, no C++ op."""
+    mixer, qkv = _short_path_mixer()
+    monkeypatch.setenv("VIT3_TTT_BACKEND", "generic")
+    backends.refresh_env()
+    try:
+        with torch.no_grad(), _Ops() as seen:
+            got, short = _mix(mixer, qkv, GRID)
+    finally:
+        monkeypatch.delenv("VIT3_TTT_BACKEND")
+        backends.refresh_env()
+    assert not short
+    assert not any(name.startswith("vit3_cpu") for name in seen.names)
+    with torch.no_grad():
+        torch.testing.assert_close(got, _fresh_twin(mixer).mix(qkv, GRID), rtol=1e-12, atol=1e-13)
+
+
+def test_a_copy_of_a_settled_mixer_runs_its_own_weights():
+    mixer, qkv = _short_path_mixer()
+    for clone in (copy.deepcopy(mixer), pickle.loads(pickle.dumps(mixer))):
+        assert clone._call_cache is None  # plans are this object's: not copied
+        with torch.no_grad():
+            clone.inner[0].w1.mul_(2)
+            for _ in range(4):  # the copy's own calls settle
+                clone.mix(qkv, GRID)
+            got, short = _mix(clone, qkv, GRID)
+            assert short
+            torch.testing.assert_close(got, _fresh_twin(clone).mix(qkv, GRID), rtol=1e-12, atol=1e-13)
+            assert not torch.allclose(got, mixer.mix(qkv, GRID))
+
+
+@pytest.mark.parametrize("tracer", ["jit.trace", "export"])
+def test_traced_calls_of_a_settled_mixer_hold_no_cpp_op(tracer):
+    """``torch.jit.trace`` (and ONNX export, which runs it) and ``torch.export`` record the general path, not the
+    CPU op a settled call takes; in float64 it gives the settled call's numbers (a traced token count divided in
+    float32 gave 5e-9 off)."""
+    mixer, qkv = _short_path_mixer()
+
+    class Mix(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mixer = mixer
+
+        def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+            return self.mixer.mix(qkv, GRID)
+
+    with torch.no_grad():
+        want = mixer.mix(qkv, GRID)
+        if tracer == "jit.trace":
+            traced = torch.jit.trace(Mix(), qkv, check_trace=False)
+            graph, got = str(traced.graph), traced(qkv)
+        else:
+            program = torch.export.export(Mix(), (qkv,), strict=False)
+            graph, got = str(program.graph), program.module()(qkv)
+    assert "vit3_cpu" not in graph
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)

@@ -99,7 +99,10 @@ def inner_loop(
             else:
                 kc, vc = k, v  # grid models see the whole grid; the error is masked to the chunk below
             v_hat, cache = model.forward_train(params, kc, grid, need_pred)
-            e = loss_grad(loss, v_hat, vc) * (scale / (end - start))
+            # a traced chunk size is a 0-dim integer tensor: divided in float64, not the default float32
+            count = end - start
+            coef = scale / (count.double() if isinstance(count, Tensor) else count)
+            e = loss_grad(loss, v_hat, vc) * coef
             if token_lr is not None:
                 gate = token_lr if (full or model.grid_model) else token_lr[..., start:end]
                 e = e * gate.unsqueeze(-1)

@@ -24,6 +24,7 @@ from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig
 from .eager_mix import MixBranch, MixPlan, eager_mix, takes
 from .inner import Params, all_finite, create_inner_model, inner_loop
+from .mixer_calls import MAX_CALLS, Call, Calls, call_key, cpp_args
 from .rope import apply_rope_2d, rope_tables
 
 __all__ = [
@@ -41,33 +42,12 @@ class NonFiniteError(ValueError):
     """The mixer met non-finite tokens: bad input, or (inside a finite-image training step) a diverged model."""
 
 
-# Keys a mixer keeps plans for before it starts over (grids and batch sizes of one model run are few).
-_MAX_CALLS = 16
-
-
 # Whether fused calls whose branches all run the C++ CPU kernel take the whole-mixer C++ op (``_cpp_args``);
 # read when a call is planned. ``False`` keeps the Python node (``benchmarks/mixer_overhead.py --python-node``).
 CPP_NODE = True
 
 
-class _Call:
-    """A mixer call's plan as the mixer keeps it: the backends' ``Plan``, the fused eager node's ``MixPlan``
-    (``None`` unless ``plan.fused``), whether it runs unguarded from now on (``backends.settled``), and the
-    constant arguments of the whole-mixer C++ op after qkv and the weights (``None``: the Python node)."""
-
-    __slots__ = ("cpp", "mix_plan", "plan", "settled")
-
-    def __init__(self, plan: backends.Plan, mix_plan: MixPlan | None, cpp: tuple | None) -> None:
-        self.plan, self.mix_plan, self.cpp, self.settled = plan, mix_plan, cpp, bool(plan.tracing)
-
-
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # the inner loop's dtypes: no cast to call
-
-
-def _call_key(device: torch.device, dtype: torch.dtype, n: int, grad: bool, grid: tuple[int, int]) -> tuple:
-    """A mixer's key for the plan of a call on qkv of ``device``, ``dtype`` and ``n`` tokens
-    (``TTTMixer._call``)."""
-    return (device, dtype, n, grad, grid, backends.epoch())
 
 
 def _takes_cpp_op(plan: backends.Plan, mix_plan: MixPlan | None) -> bool:
@@ -79,40 +59,6 @@ def _takes_cpp_op(plan: backends.Plan, mix_plan: MixPlan | None) -> bool:
         and mix_plan is not None
         and all(b == "cpu" for b in plan.backends)
         and all(OPS[br.kind].paths["cpu"].node.mix is not None for br in mix_plan.branches)
-    )
-
-
-def _cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
-    """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_plan`` on tensors like ``qkv`` (its key's
-    device, dtype and N): per branch its kind, offset, heads, head dim, RoPE and token block (its op's
-    ``Node.mix``), then the shared settings, and whether the branches take dense copies of q, k, v (the Python
-    node's rule, ``Node.copies``: for N > 1 a matter of shapes alone, and the op copies a qkv without unit
-    channel stride)."""
-    plan: list[int] = []
-    dense = False
-    b, n, _ = qkv.shape
-    s0, s1, s2 = qkv.stride()
-    for br in mix_plan.branches:
-        node = OPS[br.kind].paths["cpu"].node
-        view = qkv.as_strided(
-            (b, br.heads, n, br.head_dim),
-            (s0, br.head_dim * s2, s1, s2),
-            qkv.storage_offset() + br.offset * s2,
-        )
-        dense = dense or (node.copies is not None and node.copies(view))
-        kind, block = node.mix(br.head_dim, qkv)
-        plan += [kind, br.offset, br.heads, br.head_dim, int(br.rope), block]
-    h, w = mix_plan.grid
-    return (
-        plan,
-        h,
-        w,
-        mix_plan.scale,
-        mix_plan.lr,
-        mix_plan.grad_norm,
-        mix_plan.rope_base,
-        mix_plan.recompute,
-        dense,
     )
 
 
@@ -146,6 +92,9 @@ class TTTMixer(nn.Module):
         num_heads: heads of the main branch (branch specs without ``:k``).
         cfg: a ``TTTConfig`` (or dict); keyword overrides are applied on top.
     """
+
+    # The plans, in the instance's ``__dict__`` once made (``_calls``); read so by ``mix``'s short path.
+    _call_cache: Calls | None = None
 
     def __init__(
         self, dim: int, num_heads: int = 8, cfg: TTTConfig | dict[str, Any] | None = None, **overrides: Any
@@ -192,14 +141,14 @@ class TTTMixer(nn.Module):
         if self.cfg.check_finite and not kind and not all_finite(x):
             raise NonFiniteError("TTTMixer input contains non-finite values (NaN or Inf)")
 
-    def _call(self, qkv: Tensor, grid: tuple[int, int], grad: bool, kind: str) -> _Call:
-        """This call's plan: decided once per key (device, dtype, N, grad mode, grid, ``backends.epoch()``) and
-        kept on the mixer, in front of the backends' own cache (``backends.plan``); traced calls ask that one.
+    def _call(self, qkv: Tensor, grid: tuple[int, int], grad: bool, kind: str) -> Call:
+        """This call's plan: decided once per key (device, dtype, N, grad mode, grid) and kept on the mixer
+        (``Calls``), in front of the backends' own cache (``backends.plan``); traced calls ask that one.
 
         The config is read when a key is first planned (a mixer's config is fixed at construction).
         """
-        key = _call_key(qkv.device, qkv.dtype, qkv.shape[1], grad, grid)
-        found = None if kind else self._calls.get(key)
+        key = call_key(qkv.device, qkv.dtype, qkv.shape[1], grad, grid)
+        found = None if kind else self._calls.plans.get(key)
         if found is None:
             c = self.cfg
             plan = backends.plan(
@@ -214,12 +163,13 @@ class TTTMixer(nn.Module):
                 c.recompute,
             )
             mix_plan = self._mix_plan(plan, grid) if plan.fused else None
-            cpp = _cpp_args(mix_plan, qkv) if not kind and _takes_cpp_op(plan, mix_plan) else None
-            found = _Call(plan, mix_plan, cpp)
+            cpp = cpp_args(mix_plan, qkv) if not kind and _takes_cpp_op(plan, mix_plan) else None
+            found = Call(plan, mix_plan, cpp)
             if not kind:  # traced grids and sizes may be symbolic: not kept
-                if len(self._calls) >= _MAX_CALLS or any(k[-1] != key[-1] for k in self._calls):
-                    self._calls.clear()
-                self._calls[key] = found
+                calls = self._calls
+                if len(calls.plans) >= MAX_CALLS:
+                    calls.clear()
+                calls.plans[key] = found
         return found
 
     def explain(
@@ -254,7 +204,7 @@ class TTTMixer(nn.Module):
             params = [p for m in (self.qkv, self.inner) for p in m.parameters()]
             mixed = _RecomputedMix.apply(self, grid, x, gates, *params)
         else:
-            mixed = self._mix_tokens(self.qkv(x), grid, gates, kind)
+            mixed = self.mix(self.qkv(x), grid, gates)
         return self.proj(mixed)
 
     def _project_and_mix(self, x: Tensor, grid: tuple[int, int], gates: Tensor | None) -> Tensor:
@@ -279,6 +229,27 @@ class TTTMixer(nn.Module):
         Returns:
             The branch read-outs concatenated, ``[B, N, sum(widths)]``, in ``qkv``'s dtype.
         """
+        # The short path (``Calls``): the last settled call on the whole-mixer C++ op kept for this grad mode
+        # (``_cpp_call``), where it had this dtype and grid, on a CPU qkv, with the same weight tensors in that
+        # dtype: the conditions of ``settled_cpp_args`` without building its plan key (N is the grid's, which the
+        # op checks). Outside tracing: dynamo folds ``is_compiling``; ``torch._C._is_tracing`` is
+        # ``torch.jit.is_tracing`` without its two Python calls, and ONNX export, which ``tracing_kind`` also reads,
+        # runs under ``torch.jit.trace``. Written out in this one frame (``grad_flows``'s rule too): beside the
+        # op's kernels on a CPU every Python call here costs µs (``benchmarks/mixer_overhead.py``).
+        if gates is None and not (torch.compiler.is_compiling() or torch._C._is_tracing()):
+            calls = self._call_cache
+            flat = calls.flat if calls is not None else None
+            if flat is not None:
+                call = calls.short[
+                    torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))
+                ]
+                if call is not None and call[0] is qkv.dtype and call[1] == grid and qkv.is_cpu:
+                    dtype = call[0]
+                    for (params, name), p in zip(calls.sources, flat):
+                        if params.get(name) is not p or p.dtype is not dtype:
+                            break
+                    else:
+                        return call[2](qkv, flat, *call[3])
         return self._mix_tokens(qkv, grid, gates, backends.tracing_kind())
 
     def _mix_tokens(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
@@ -353,9 +324,18 @@ class TTTMixer(nn.Module):
 
     def _cpp_call(self, qkv: Tensor, grid: tuple[int, int]) -> Tensor | None:
         """A settled call on the whole-mixer C++ op (no node in Python), or ``None`` where this call takes the
-        general path (``settled_cpp_args``)."""
+        general path (``settled_cpp_args``). The call is kept for ``mix``'s short path (``Calls.short``)."""
         found = self.settled_cpp_args(qkv.device, qkv.dtype, qkv.shape[1], grid, qkv)
-        return None if found is None else torch.ops.vit3_cpu.mix(qkv, *found)
+        if found is None:
+            return None
+        flat, *cpp = found
+        overload = torch.ops.vit3_cpu.mix.default
+        # the overload's C++ callable, which its ``__call__`` (one Python frame more) calls
+        op = getattr(overload, "_op", overload)
+        calls = self._calls
+        calls.sources, calls.flat = self._param_sources(), flat
+        calls.short[grad_flows(qkv, *flat)] = (qkv.dtype, grid, op, cpp)
+        return op(qkv, *found)
 
     def settled_cpp_args(
         self,
@@ -377,8 +357,9 @@ class TTTMixer(nn.Module):
             flat = [d[name] for d, name in sources]
         except KeyError:  # a parametrization moved a parameter out of ``_parameters``: looked up again
             self.__dict__.pop("_param_source_cache")
+            self._calls.sources = self._calls.flat = None
             return None
-        call = self._calls.get(_call_key(device, dtype, n, grad_flows(*inputs, *flat), grid))
+        call = self._calls.plans.get(call_key(device, dtype, n, grad_flows(*inputs, *flat), grid))
         if call is None or call.cpp is None or not call.settled or any(p.dtype is not dtype for p in flat):
             return None
         return (flat, *call.cpp)
@@ -428,9 +409,12 @@ class TTTMixer(nn.Module):
         return sources
 
     @property
-    def _calls(self) -> dict[tuple, _Call]:
+    def _calls(self) -> Calls:
         """The plans of this mixer's calls by key (``_call``); not copied by pickling (``__getstate__``)."""
-        return self.__dict__.setdefault("_call_cache", {})
+        calls = self._call_cache
+        if calls is None:
+            calls = self.__dict__["_call_cache"] = Calls()
+        return calls
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())

@@ -23,9 +23,9 @@ inside it is demoted alone.
 
 The mixer resolves its plan once per key (device, dtype, the inner-loop settings, each branch's inner model
 and head dim, the token-count class, grad mode, tracing, the backend asked for) and caches it; each mixer
-keeps the plans of its own calls too (one tuple per call to look up), until ``epoch()`` moves on (a demotion,
-``reset``, ``refresh_env``). The ``VIT3_*`` variables are read once, on first use: a process that changes
-one later calls ``refresh_env()``.
+keeps the plans of its own calls too (one tuple per call to look up), cleared with the others (a demotion,
+``reset``, ``refresh_env``: ``keep_with_plans``). The ``VIT3_*`` variables are read once, on first use: a
+process that changes one later calls ``refresh_env()``.
 
 Failures demote, never kill: the first calls of a key run guarded. A backend that raises there (a compile
 error, ``OutOfResources``, a launch or build error), in the forward or in the backward, is demoted for that
@@ -80,7 +80,7 @@ from .plan import (
     Plan,
     conv_pos_kernel,
     cpu_block_kernel,
-    epoch,
+    keep_with_plans,
     plan,
     recompute_choice,
     recompute_mode,
@@ -114,8 +114,8 @@ __all__ = [
     "VerificationError",
     "conv_pos_kernel",
     "cpu_block_kernel",
-    "epoch",
     "explain_mixer",
+    "keep_with_plans",
     "order",
     "plan",
     "recompute_choice",

@@ -5,16 +5,17 @@ This module is the one reader of the ``VIT3_*`` variables: ``$VIT3_TTT_BACKEND``
 them once, on first use (a CLI or trainer that sets them before its first mixer call is served), into a
 snapshot that every call reads instead of ``os.environ``; code that changes them later calls
 :func:`refresh_env` (the tests' ``monkeypatch.setenv`` does, through ``tests/conftest.py``). Every change
-to what plans depend on (a refreshed environment, a demotion, ``reset``) bumps :func:`epoch`, which the
-mixers' own plan caches hold in their keys.
+to what plans depend on (a refreshed environment, a demotion, ``reset``) drops the cached plans, the mixers'
+own caches with them (:func:`keep_with_plans`).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -50,7 +51,8 @@ class _Env(NamedTuple):
 
 
 _env: _Env | None = None
-_epoch = 0
+# Caches of plans kept elsewhere (each mixer's, ``TTTMixer._calls``): cleared with this module's own.
+_kept: weakref.WeakSet = weakref.WeakSet()
 
 
 def refresh_env() -> None:
@@ -70,16 +72,18 @@ def env() -> _Env:
     return _env
 
 
-def epoch() -> int:
-    """Bumped whenever a cached plan may no longer hold (``forget_plans``): the mixers' plan caches key on it."""
-    return _epoch
+def keep_with_plans(cache: Any) -> None:
+    """Has :func:`forget_plans` clear ``cache`` too (an object with ``clear()``, held weakly): a cache of plans
+    then needs no key of its own telling whether they still hold."""
+    _kept.add(cache)
 
 
 def forget_plans() -> None:
-    """Drops every cached plan (after a demotion, a new environment): the next calls re-plan."""
-    global _epoch
+    """Drops every cached plan (after a demotion, a new environment), the kept caches' too
+    (:func:`keep_with_plans`): the next calls re-plan."""
     _plans.clear()
-    _epoch += 1
+    for cache in list(_kept):
+        cache.clear()
 
 
 def _strict() -> bool:

@@ -1,0 +1,94 @@
+"""The calls a TTT mixer keeps: the plan of each key and, in front of them, the short path of a settled call on
+the whole-mixer C++ op (``TTTMixer.mix``), with the op's constant arguments."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vit3.kernels import OPS
+
+from . import backends
+from .eager_mix import MixPlan
+
+# Keys a mixer keeps plans for before it starts over (grids and batch sizes of one model run are few).
+MAX_CALLS = 16
+
+
+class Call:
+    """A mixer call's plan as the mixer keeps it: the backends' ``Plan``, the fused eager node's ``MixPlan``
+    (``None`` unless ``plan.fused``), whether it runs unguarded from now on (``backends.settled``), and the
+    constant arguments of the whole-mixer C++ op after qkv and the weights (``None``: the Python node)."""
+
+    __slots__ = ("cpp", "mix_plan", "plan", "settled")
+
+    def __init__(self, plan: backends.Plan, mix_plan: MixPlan | None, cpp: tuple | None) -> None:
+        self.plan, self.mix_plan, self.cpp, self.settled = plan, mix_plan, cpp, bool(plan.tracing)
+
+
+class Calls:
+    """A mixer's plans by key (``plans``, ``TTTMixer._call``) and, in front of them for ``TTTMixer.mix``'s short
+    path, per grad mode the last call settled on the whole-mixer C++ op
+    (``short[grad]``: its qkv dtype, grid, the op and its arguments after the weights), with where the weights are
+    read from (``sources``, ``TTTMixer._param_sources``) and the weights it took (``flat``: a later call takes
+    the short path only while each ``sources`` entry still holds that same tensor, in that dtype). ``clear``
+    drops them all; so does ``backends.forget_plans`` (a demotion, a new environment), which keeps this cache
+    with its own.
+
+    Why the short path: a settled call then costs a few reads and compares before the op, where a plan key (a
+    ``torch.device``, a tuple hashed, the tracing checks) and its lookup cost tens of µs beside a call's
+    kernels on a CPU (``benchmarks/mixer_overhead.py``).
+    """
+
+    __slots__ = ("__weakref__", "flat", "plans", "short", "sources")
+
+    def __init__(self) -> None:
+        self.plans: dict[tuple, Call] = {}
+        self.clear()
+        backends.keep_with_plans(self)
+
+    def clear(self) -> None:
+        self.plans.clear()
+        self.short: list[tuple | None] = [None, None]
+        self.sources: list[tuple[dict[str, Tensor], str]] | None = None
+        self.flat: list[Tensor] | None = None
+
+
+def call_key(device: torch.device, dtype: torch.dtype, n: int, grad: bool, grid: tuple[int, int]) -> tuple:
+    """A mixer's key for the plan of a call on qkv of ``device``, ``dtype`` and ``n`` tokens
+    (``TTTMixer._call``)."""
+    return (device, dtype, n, grad, grid)
+
+
+def cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
+    """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_plan`` on tensors like ``qkv`` (its key's
+    device, dtype and N): per branch its kind, offset, heads, head dim, RoPE and token block (its op's
+    ``Node.mix``), then the shared settings, and whether the branches take dense copies of q, k, v (the Python
+    node's rule, ``Node.copies``: for N > 1 a matter of shapes alone, and the op copies a qkv without unit
+    channel stride)."""
+    plan: list[int] = []
+    dense = False
+    b, n, _ = qkv.shape
+    s0, s1, s2 = qkv.stride()
+    for br in mix_plan.branches:
+        node = OPS[br.kind].paths["cpu"].node
+        view = qkv.as_strided(
+            (b, br.heads, n, br.head_dim),
+            (s0, br.head_dim * s2, s1, s2),
+            qkv.storage_offset() + br.offset * s2,
+        )
+        dense = dense or (node.copies is not None and node.copies(view))
+        kind, block = node.mix(br.head_dim, qkv)
+        plan += [kind, br.offset, br.heads, br.head_dim, int(br.rope), block]
+    h, w = mix_plan.grid
+    return (
+        plan,
+        h,
+        w,
+        mix_plan.scale,
+        mix_plan.lr,
+        mix_plan.grad_norm,
+        mix_plan.rope_base,
+        mix_plan.recompute,
+        dense,
+    )
