@@ -117,9 +117,8 @@ def _op_fns(mixer: TTTMixer, qkv: torch.Tensor, leaves: list, upstream: torch.Te
     """The whole-mixer C++ op called directly (``op infer``, ``op train``) with the arguments the mixer's settled
     plans hand it: the same op and autograd node as ``mix``, without the mixer's Python in front."""
     flat = [d[name] for d, name in mixer._param_sources()]
-    args = {
-        key[3]: call.cpp for key, call in mixer._calls.plans.items()
-    }  # by grad mode (the key's fourth field)
+    # by grad mode (the key's fourth field)
+    args = {key[3]: call.cpp for key, call in mixer._calls.plans.items()}
     op = torch.ops.vit3_cpu.mix
 
     def infer() -> None:
@@ -234,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--python-node",
         action="store_true",
-        help="time the Python eager node (ttt.CPP_NODE off) beside the C++ op, interleaved, one row pair each",
+        help="time the Python eager node (ttt.CPP_NODE off) beside the C++ op, one row pair each",
     )
     return run_script(p, argv, run, "mixer_overhead", floatfmt="{:.1f}")
 

@@ -2,7 +2,9 @@
 branches all run the C++ CPU kernel take it, one C++ autograd node. It computes what the Python node
 (``vit3.layers.eager_mix``) computes, forward and every gradient, and what the mixer defines (the float64
 reference); its RoPE is ``apply_rope_2d`` bit for bit; it honours no-grad, autocast, saved-tensor hooks,
-checkpointing and the once-differentiable contract, and sees parameters replaced after its plan was made."""
+checkpointing and the once-differentiable contract, and sees parameters replaced after its plan was made.
+``mix`` reaches it by a short path (``vit3.layers.mixer_calls.Calls``) that steps aside wherever the settled
+call's key, weights or the absence of tracing no longer hold."""
 
 from __future__ import annotations
 
