@@ -153,12 +153,17 @@ def test_checkpoint_with_pickled_training_objects_loads_without_running_them(tmp
         torch.load(path, weights_only=True)  # plain weights-only loading refuses it
 
 
-@pytest.mark.parametrize(("official", "ours"), MANIFEST_CASES)
-def test_full_size_conversion_uses_every_key_and_fills_every_parameter(official, ours):
+def _official_shapes(official: str) -> dict[str, list[int]]:
+    """The state-dict shapes of a full-size official checkpoint (``../shared``'s manifest); skips where absent."""
     path = FIXTURES / "official_state_dict_shapes.json"
     if not path.exists():
-        pytest.skip(f"{path} not found")
-    shapes = json.loads(path.read_text())[official]
+        pytest.skip(f"{path} not found (../shared is not laid out beside the repo)")
+    return json.loads(path.read_text())[official]
+
+
+@pytest.mark.parametrize(("official", "ours"), MANIFEST_CASES)
+def test_full_size_conversion_uses_every_key_and_fills_every_parameter(official, ours):
+    shapes = _official_shapes(official)
     with torch.device("meta"):
         model = timm.create_model(ours)
         fake = {k: torch.empty(s) for k, s in shapes.items()}
@@ -180,7 +185,7 @@ def test_full_size_conversion_uses_every_key_and_fills_every_parameter(official,
     ids=["plain-other-size", "hier-other-depth", "other-family"],
 )
 def test_checkpoint_of_another_model_lists_missing_unexpected_and_misshaped_keys(official, ours):
-    shapes = json.loads((FIXTURES / "official_state_dict_shapes.json").read_text())[official]
+    shapes = _official_shapes(official)
     with torch.device("meta"):
         model = timm.create_model(ours)
         fake = {k: torch.empty(s) for k, s in shapes.items()}
