@@ -236,7 +236,8 @@ class TTTMixer(nn.Module):
         # ``torch.jit.is_tracing`` without its two Python calls, and ONNX export, which ``tracing_kind`` also reads,
         # runs under ``torch.jit.trace``. Written out in this one frame (``grad_flows``'s rule too): beside the
         # op's kernels on a CPU every Python call here costs µs (``benchmarks/mixer_overhead.py``).
-        if gates is None and not (torch.compiler.is_compiling() or torch._C._is_tracing()):
+        traced = torch.compiler.is_compiling() or torch._C._is_tracing()
+        if gates is None and not traced:
             calls = self._call_cache
             flat = calls.flat if calls is not None else None
             if flat is not None:
@@ -250,7 +251,8 @@ class TTTMixer(nn.Module):
                             break
                     else:
                         return call[2](qkv, flat, *call[3])
-        return self._mix_tokens(qkv, grid, gates, backends.tracing_kind())
+        # untraced by the same probes, the kind is "" (ONNX export runs under jit.trace): not asked twice
+        return self._mix_tokens(qkv, grid, gates, backends.tracing_kind() if traced else "")
 
     def _mix_tokens(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
         """``mix`` under tracing ``kind`` (``backends.tracing_kind()``)."""
