@@ -350,8 +350,19 @@ def test_a_bare_resume_of_an_older_conversion_gets_the_keys_added_since(tmp_path
         ("convert.ttt_kwargs={loss: l3}", "convert.ttt_kwargs is not a TTT mixer config"),
         ("model.name=vit3_tiny", "leave model.name empty"),
         ("convert.teacher_config=", "convert.teacher file not found"),
+        (
+            "convert.teacher_kwargs={num_classes: 4}",
+            "convert.teacher_kwargs.num_classes is set by the conversion",
+        ),
+        (
+            "convert.student_kwargs={scope: window}",
+            "convert.student_kwargs.scope is set by the conversion (set ",
+        ),
     ],
-    ids=["scope", "distill", "transfer-epochs", "temperature", "ttt-kwargs", "model-name", "no-teacher"],
+    ids=[
+        *("scope", "distill", "transfer-epochs", "temperature", "ttt-kwargs", "model-name", "no-teacher"),
+        *("teacher-num-classes", "student-scope"),
+    ],
 )
 def test_bad_settings_end_in_one_error_line(digits, tmp_path, capsys, override, message):
     train = load_script("train")
@@ -390,6 +401,33 @@ def test_a_weights_file_teacher_keeps_its_classifier(digits, converted, tmp_path
     teacher, record, data, num_classes = _teacher_and_data(cfg)
     assert num_classes == 4 == len(data["classes"]) and record["name"] == "vit_tiny_patch16_224"
     assert_same_tensors(teacher.state_dict(), saved)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("num_classes: 4", "error: convert.teacher_kwargs.num_classes is set by the conversion"),
+        (
+            "qkv_biass: true",
+            "error: convert.teacher_kwargs.qkv_biass is not an argument of vit_tiny_patch16_224",
+        ),
+    ],
+    ids=["num-classes", "unknown-argument"],
+)
+def test_a_weights_file_teachers_bad_kwarg_ends_in_one_error_line(digits, tmp_path, capsys, extra, message):
+    """A timm weights file teacher (untrained here: the run stops before any training) with a kwarg the
+    conversion passes itself, or one its model does not take: one line naming the key, not a TypeError."""
+    kwargs = dict(img_size=32, patch_size=8, in_chans=1, embed_dim=64, depth=2, num_heads=2)
+    weights = tmp_path / "teacher.pth"
+    torch.save(timm.create_model("vit_tiny_patch16_224", num_classes=4, **kwargs).state_dict(), weights)
+    args = [
+        "--config", str(CONFIG_DIR / "convert" / "demo_mnist.yaml"), *short_run(digits, tmp_path / "o", 1e-3),
+        f"convert.teacher={weights}", "convert.teacher_model=vit_tiny_patch16_224",
+        f"convert.teacher_kwargs={{{TEACHER_KW[1:-1]}, {extra}}}",
+    ]  # fmt: skip
+    assert load_script("train").main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
 
 
 def test_a_misspelt_key_in_a_config_file_is_named(tmp_path):

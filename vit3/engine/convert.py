@@ -61,14 +61,38 @@ from .checkpoint import (
 from .common import autocast, claim_output, in_process_group, log, resume_path, start_run, wrap_ddp
 from .config import Config, ConfigError, check_config, load_config
 from .distributed import DistInfo, sum_tensor
+from .validation import model_arguments
 
-__all__ = ["CONVERT_KEYS", "TRANSFER", "check_convert_cfg", "evaluate", "stage_of", "train"]
+__all__ = [
+    "CONVERT_KEYS",
+    "SET_BY_CONVERSION",
+    "TRANSFER",
+    "check_convert_cfg",
+    "evaluate",
+    "stage_of",
+    "train",
+]
 
 TRANSFER = "transfer_loss"  # metrics: <prefix>transfer_loss_<layer> and their mean <prefix>transfer_loss
 CONVERT_KEYS = (
     "teacher", "teacher_model", "teacher_kwargs", "student_kwargs", "teacher_ema", "teacher_config", "ttt_kwargs",
     "scope", "transfer_epochs", "transfer_lr_scale", "distill", "temperature", "task_weight", "distill_weight",
 )  # fmt: skip
+# The timm kwargs the conversion passes itself, per section: a user's value would clash with them.
+SET_BY_CONVERSION = {
+    "teacher_kwargs": {
+        "num_classes": "a vit3 checkpoint keeps its own classes; a weights file's are model.num_classes, else "
+        "the data's",
+        "pretrained": "the teacher's weights are convert.teacher",
+        "pretrained_cfg_overlay": "the teacher's weights are convert.teacher",
+    },
+    "student_kwargs": {
+        "num_classes": "the teacher's classes",
+        "base": "the teacher's model, from convert.teacher / convert.teacher_model",
+        "ttt": "set convert.ttt_kwargs",
+        "scope": "set convert.scope",
+    },
+}
 
 
 def check_convert_cfg(cfg: Config) -> Config:
@@ -94,6 +118,12 @@ def check_convert_cfg(cfg: Config) -> Config:
     for key in ("teacher_kwargs", "student_kwargs", "ttt_kwargs"):
         if not isinstance(conv.get(key), Mapping):
             raise ConfigError(f"convert.{key} must be a mapping (key: value), got {conv.get(key)!r}")
+    for section, reserved in SET_BY_CONVERSION.items():
+        for key, where in reserved.items():
+            if key in conv[section]:
+                raise ConfigError(
+                    f"convert.{section}.{key} is set by the conversion ({where}): remove it from convert.{section}"
+                )
     try:
         TTTConfig.create(dict(conv.ttt_kwargs))
     except (TypeError, ValueError) as e:
@@ -161,7 +191,8 @@ def _teacher_and_data(cfg: Config) -> tuple[nn.Module, dict[str, Any], dict[str,
         in_chans = int(kwargs.get("in_chans", 3))
         data = build_datasets(cfg, in_chans, classes=record["classes"], classes_from=f"the teacher {path}")
         num_classes = int(record["num_classes"])
-        teacher = timm.create_model(name, num_classes=num_classes, **kwargs)
+        with model_arguments(name, conv.teacher_kwargs, "convert.teacher_kwargs"):
+            teacher = timm.create_model(name, num_classes=num_classes, **kwargs)
         load_model_weights(teacher, ckpt, use_ema=bool(conv.teacher_ema), source=path)
         record = {**record, "name": name, "kwargs": Config(kwargs).to_dict()}
     else:
@@ -180,9 +211,10 @@ def _teacher_and_data(cfg: Config) -> tuple[nn.Module, dict[str, Any], dict[str,
             "num_classes": num_classes,
         }  # keeps the file's classifier (timm drops others)
         try:
-            teacher = timm.create_model(
-                name, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=num_classes, **kwargs
-            )
+            with model_arguments(name, kwargs, "convert.teacher_kwargs"):
+                teacher = timm.create_model(
+                    name, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=num_classes, **kwargs
+                )
         except RuntimeError as e:  # load_state_dict: another architecture or class count
             raise CheckpointMismatchError(
                 f"convert.teacher={path} does not fit {name} with {num_classes} classes: {e}"
