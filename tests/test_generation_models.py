@@ -220,6 +220,23 @@ def test_any_latent_size_gives_a_prediction_of_the_same_size(mixer, size):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("mixer", ["ttt", "attention"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_model_runs_without_autocast(mixer, dtype):
+    """A model cast to bfloat16 / float16 (``.to(dtype)``, diffusers' ``torch_dtype``) takes float timesteps'
+    float32 sinusoid cast to its Linear's dtype, and predicts what the float32 model does to half precision."""
+    model = _randomize(create_dit3("dit3_s_2", **{**TINY, "mixer": mixer})).eval()
+    x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([3, 999]), torch.tensor([1, 10])
+    with torch.no_grad():
+        want = model(x, t, y)
+        half = model.to(dtype)
+        got = half(x.to(dtype), t, y)
+        assert half.t_embedder(t.float() + 0.5).dtype == dtype  # fractional timesteps too
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+    assert err < (5e-2 if dtype == torch.bfloat16 else 1e-2), f"{dtype}: relative error {err:.3g}"
+
+
 def test_non_square_grid_uses_the_grid_of_the_input():
     """Tokens on a 4 x 6 grid: the sin-cos rows follow the row index, its columns the column index."""
     table = sincos_pos_embed_2d(8, (4, 6)).double()

@@ -1,5 +1,5 @@
 """DiT³ as a diffusers citizen: ModelMixin/ConfigMixin round trips, DiT3Pipeline (determinism, outputs, the
-official guidance against a direct computation, save/load)."""
+official guidance against a direct computation, save/load, diffusers' scheduler swaps, half precision)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,13 @@ from helpers.common import REPO, default_dtype
 from PIL import Image
 
 from vit3.models.dit3 import DiT3, create_dit3
-from vit3.tasks.diffusion import RespacedDDIMScheduler, RespacedDDPMScheduler
+from vit3.tasks.diffusion import (
+    RespacedDDIMScheduler,
+    RespacedDDPMScheduler,
+    denoise,
+    eps_scheduler,
+    reads_variance,
+)
 from vit3.tasks.pipeline import DiT3Pipeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,6 +180,93 @@ class TestPipeline:
     def test_default_scheduler_is_the_official_ddpm(self):
         assert _pipe(_model()).scheduler.config.variance_type == "learned_range"
         assert _pipe(_model(learn_sigma=False)).scheduler.config.variance_type == "fixed_large"
+
+    def test_diffusion_pipeline_from_pretrained_loads_a_saved_folder(self, tmp_path):
+        """diffusers' generic loader finds DiT3Pipeline (model_index.json's _class_name) with no arguments."""
+        from diffusers import DiffusionPipeline
+
+        pipe = _pipe(_model())
+        pipe.save_pretrained(tmp_path)
+        back = DiffusionPipeline.from_pretrained(tmp_path)
+        back.set_progress_bar_config(disable=True)
+        assert type(back) is DiT3Pipeline and isinstance(back.scheduler, RespacedDDPMScheduler)
+        call = dict(class_labels=[1, 2], num_inference_steps=3, output_type="latent")
+        torch.testing.assert_close(back(generator=_gens([0, 1]), **call).images,
+                                   pipe(generator=_gens([0, 1]), **call).images, rtol=0, atol=0)  # fmt: skip
+        half = DiffusionPipeline.from_pretrained(tmp_path, dtype=torch.bfloat16)
+        half.set_progress_bar_config(disable=True)
+        latents = half(generator=_gens([0, 1]), **call).images
+        assert half.transformer.dtype == torch.bfloat16 and latents.dtype == torch.bfloat16
+        assert torch.isfinite(latents).all()
+
+
+# ----------------------------------------------------------------------------------- scheduler swaps
+def _swap(name: str, config, **kw):
+    from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
+
+    make = {
+        "ddim": DDIMScheduler,
+        "dpm++": DPMSolverMultistepScheduler,
+        "euler": EulerDiscreteScheduler,
+        "ddpm": DDPMScheduler,
+    }[name]
+    return make.from_config(config, **kw)
+
+
+class TestSchedulerSwaps:
+    """``pipe.scheduler = X.from_config(pipe.scheduler.config)``: the default scheduler's learned variance
+    (``variance_type="learned_range"``) rides along in the config."""
+
+    @pytest.mark.parametrize("name", ["ddim", "dpm++", "euler", "ddpm"])
+    def test_swap_samples_as_a_direct_loop(self, name):
+        """Against a loop written as diffusers' DiTPipeline: eps alone for DDIM (eta 0), DPM-Solver++ (stepped
+        as built without the variance) and Euler (fractional timesteps to the model), [eps, v] for diffusers'
+        DDPMScheduler, which reads the learned variance."""
+        model = _model()
+        pipe = _pipe(model)
+        pipe.scheduler = _swap(name, pipe.scheduler.config)
+        assert pipe.scheduler.config.variance_type == "learned_range"
+        labels, steps = torch.tensor([2, 0]), 4
+        got = pipe(labels, guidance_scale=1.0, num_inference_steps=steps, output_type="latent",
+                   generator=_gens([5, 6])).images  # fmt: skip
+        assert got.shape == (2, 4, 8, 8) and torch.isfinite(got).all()
+        assert pipe.scheduler.config.variance_type == "learned_range"  # the given scheduler is left as it is
+
+        sched = _swap(name, pipe.scheduler.config, **({"variance_type": None} if name == "dpm++" else {}))
+        sched.set_timesteps(steps)
+        gens = _gens([5, 6])
+        x = torch.cat([torch.randn(1, 4, 8, 8, generator=g) for g in gens]) * sched.init_noise_sigma
+        with torch.no_grad():
+            for t in sched.timesteps:
+                out = model(sched.scale_model_input(x, t), t.reshape(1).expand(2), labels)
+                x = sched.step(out if name == "ddpm" else out[:, :4], t, x, generator=gens).prev_sample
+        torch.testing.assert_close(got, x, rtol=1e-6, atol=1e-6)
+
+    @pytest.mark.parametrize("name", ["ddim", "dpm++", "euler"])
+    def test_swap_with_guidance_is_deterministic(self, name):
+        pipe = _pipe(_model())
+        pipe.scheduler = _swap(name, pipe.scheduler.config)
+        call = dict(class_labels=[0, 4], guidance_scale=3.0, num_inference_steps=3, output_type="latent")
+        a = pipe(generator=_gens([1, 2]), **call).images
+        assert a.shape == (2, 4, 8, 8) and torch.isfinite(a).all()
+        assert torch.equal(a, pipe(generator=_gens([1, 2]), **call).images)
+
+    def test_which_schedulers_read_the_variance(self):
+        config = _pipe(_model()).scheduler.config  # the default scheduler's: variance_type="learned_range"
+        assert reads_variance(RespacedDDPMScheduler()) and reads_variance(_swap("ddpm", config))
+        assert not reads_variance(RespacedDDPMScheduler(variance_type="fixed_large"))
+        for name in ("ddim", "euler", "dpm++"):
+            assert not reads_variance(_swap(name, config)), name
+        ddim = _swap("ddim", config)
+        assert eps_scheduler(ddim) is ddim
+        dpm = _swap("dpm++", config)
+        assert eps_scheduler(dpm).config.variance_type is None and dpm.config.variance_type == "learned_range"
+
+    def test_denoise_refuses_a_three_channel_dpm_solver_on_four_channels(self):
+        sched = _swap("dpm++", _pipe(_model()).scheduler.config)
+        sched.set_timesteps(2)
+        with pytest.raises(ValueError, match=r"variance_type='learned_range' keeps the first 3 channels"):
+            denoise(_model(), sched, torch.randn(1, 4, 8, 8), torch.tensor([0]))
 
 
 @pytest.fixture(scope="module")

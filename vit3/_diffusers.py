@@ -1,5 +1,6 @@
 """The diffusers names DiT³, its diffusion and its pipeline use, imported in this one place: without the
-``generation`` extra, importing any of them says how to install it."""
+``generation`` extra, importing any of them says how to install it. :func:`register_pipeline` makes a vit3
+pipeline loadable by ``DiffusionPipeline.from_pretrained``."""
 
 try:
     from diffusers import (
@@ -7,9 +8,12 @@ try:
         ConfigMixin,
         DDPMScheduler,
         DiffusionPipeline,
+        DPMSolverMultistepInverseScheduler,
         DPMSolverMultistepScheduler,
+        DPMSolverSinglestepScheduler,
         ImagePipelineOutput,
         ModelMixin,
+        SASolverScheduler,
         SchedulerMixin,
     )
     from diffusers.configuration_utils import register_to_config
@@ -23,11 +27,28 @@ __all__ = [
     "ConfigMixin",
     "DDPMScheduler",
     "DDPMSchedulerOutput",
+    "DPMSolverMultistepInverseScheduler",
     "DPMSolverMultistepScheduler",
+    "DPMSolverSinglestepScheduler",
     "DiffusionPipeline",
     "ImagePipelineOutput",
     "ModelMixin",
+    "SASolverScheduler",
     "SchedulerMixin",
     "randn_tensor",
+    "register_pipeline",
     "register_to_config",
 ]
+
+
+def register_pipeline(cls: type) -> None:
+    """Makes a pipeline class loadable by ``DiffusionPipeline.from_pretrained(folder)``.
+
+    diffusers looks the ``_class_name`` of a saved ``model_index.json`` up in the ``diffusers`` namespace only
+    (a pipeline class from elsewhere needs a code file in the folder and ``trust_remote_code=True``), so the
+    class is added there under its name; a diffusers class of that name is left alone.
+    """
+    import diffusers
+
+    if getattr(diffusers, cls.__name__, cls).__module__ == cls.__module__:
+        setattr(diffusers, cls.__name__, cls)

@@ -68,7 +68,8 @@ class TimestepEmbedder(nn.Module):
     """Diffusion timesteps ``[B]`` -> vectors ``[B, D]``: a 256-wide sinusoid through a 2-layer SiLU MLP.
 
     The sinusoid is ``[cos(t f), sin(t f)]`` with ``f_k = 10000^(-k / 128)`` (GLIDE/DiT), computed in
-    float32, or in float64 for a float64 model (the official code hard-codes float32).
+    float32, or in float64 for a float64 model (the official code hard-codes float32), then cast to the MLP's
+    dtype (a bfloat16 / float16 model runs without autocast, as diffusers' ``TimestepEmbedding``).
     """
 
     def __init__(self, hidden_size: int, frequency_embedding_size: int = 256) -> None:
@@ -93,8 +94,11 @@ class TimestepEmbedder(nn.Module):
 
     def forward(self, t: Tensor) -> Tensor:
         """``[B] -> [B, D]``."""
-        dtype = torch.promote_types(self.mlp[0].weight.dtype, torch.float32)
-        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size, dtype=dtype))
+        dtype = self.mlp[0].weight.dtype
+        emb = self.timestep_embedding(
+            t, self.frequency_embedding_size, dtype=torch.promote_types(dtype, torch.float32)
+        )
+        return self.mlp(emb.to(dtype))
 
 
 class LabelEmbedder(nn.Module):

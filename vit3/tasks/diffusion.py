@@ -49,6 +49,7 @@ The schedule tables are float64; the loss runs in the model output's precision (
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,7 +61,10 @@ from .._diffusers import (
     ConfigMixin,
     DDPMScheduler,
     DDPMSchedulerOutput,
+    DPMSolverMultistepInverseScheduler,
     DPMSolverMultistepScheduler,
+    DPMSolverSinglestepScheduler,
+    SASolverScheduler,
     SchedulerMixin,
     randn_tensor,
     register_to_config,
@@ -89,13 +93,24 @@ __all__ = [
     "chain_tables",
     "denoise",
     "discretized_gaussian_log_likelihood",
+    "eps_scheduler",
     "normal_kl",
+    "reads_variance",
     "schedule_betas",
     "space_timesteps",
 ]
 
 SAMPLERS = ("ddpm", "ddim", "dpm++")
 VARIANCE_TYPES = ("learned_range", "fixed_large", "fixed_small")
+LEARNED_VARIANCE = ("learned", "learned_range")  # diffusers' variance_type values for a [eps, v] model output
+# diffusers schedulers whose learned variance_type only drops the variance, by keeping the first 3 channels of
+# the model output (written for RGB pixel models)
+VARIANCE_DROPPERS = (
+    DPMSolverMultistepScheduler,
+    DPMSolverSinglestepScheduler,
+    DPMSolverMultistepInverseScheduler,
+    SASolverScheduler,
+)
 Generator = torch.Generator | list[torch.Generator] | None
 
 
@@ -274,6 +289,39 @@ class RespacedDDIMScheduler(_RespacedScheduler):
 
 
 # ----------------------------------------------------------------------------------------- sampling loop
+def _drops_to_three_channels(scheduler: Any) -> bool:
+    return isinstance(scheduler, VARIANCE_DROPPERS) and scheduler.config.variance_type in LEARNED_VARIANCE
+
+
+def reads_variance(scheduler: Any) -> bool:
+    """Whether ``scheduler.step`` takes the model's ``[eps, v]`` (``2C`` channels) or ``eps`` (``C``).
+
+    True when ``variance_type`` is one of the scheduler's own arguments and is learned:
+    :class:`RespacedDDPMScheduler` and diffusers' ``DDPMScheduler`` with ``"learned_range"``. Not for a
+    ``variance_type`` that ``from_config`` carried into the config of a scheduler without one
+    (``DDIMScheduler.from_config(pipe.scheduler.config)`` keeps it there unused), nor for the DPM-Solver
+    family, whose learned variance only drops it (see :func:`eps_scheduler`): those get ``eps``, as
+    diffusers' ``DiTPipeline`` hands its schedulers.
+    """
+    if isinstance(scheduler, VARIANCE_DROPPERS):
+        return False
+    own = "variance_type" in inspect.signature(type(scheduler).__init__).parameters
+    return own and getattr(scheduler.config, "variance_type", None) in LEARNED_VARIANCE
+
+
+def eps_scheduler(scheduler: Any) -> Any:
+    """``scheduler``, or for a DPM-Solver-family scheduler with a learned ``variance_type`` a copy without it.
+
+    That setting means "the model output holds the variance: keep its first 3 channels", which cuts the noise
+    of a latent with another channel count; :func:`denoise` hands such a scheduler ``eps`` alone, so the copy
+    steps the same ``eps`` for any channel count. ``DPMSolverMultistepScheduler.from_config(cfg)`` carries the
+    learned variance of the default DDPM scheduler's config ``cfg`` over.
+    """
+    if _drops_to_three_channels(scheduler):
+        return type(scheduler).from_config(scheduler.config, variance_type=None)
+    return scheduler
+
+
 def _check_labels(model: nn.Module, labels: Tensor, cfg_scale: float) -> None:
     if cfg_scale != 1.0 and not model.has_null_class:
         raise ValueError(
@@ -306,12 +354,14 @@ def denoise(
 
     Each step calls the model in eval mode at the original timestep: with ``cfg_scale == 1`` once on the
     labels, otherwise the official ``forward_with_cfg`` on ``[x, x]`` with ``[labels, null]`` (null = the
-    model's ``num_classes``; guidance on its first ``guided_channels`` channels). A scheduler whose
-    ``variance_type`` is learned gets ``[eps, v]``, the others ``eps``.
+    model's ``num_classes``; guidance on its first ``guided_channels`` channels). A scheduler that reads the
+    learned variance (:func:`reads_variance`) gets ``[eps, v]``, the others ``eps``. The model gets the
+    scheduler's timesteps as they are (fractional for Euler-type schedulers).
 
     Args:
         model: a DiT³ (``forward``, ``forward_with_cfg``, ``num_classes``, ``has_null_class``).
-        scheduler: a diffusers scheduler whose ``set_timesteps`` has been called.
+        scheduler: a diffusers scheduler whose ``set_timesteps`` has been called (pass a DPM-Solver-family
+            one with a learned ``variance_type`` through :func:`eps_scheduler` first).
         latents: ``[N, C, H, W]``.
         labels: class labels ``[N]`` in ``[0, num_classes)``.
         cfg_scale: classifier-free guidance scale (1: no guidance, one pass per step).
@@ -323,20 +373,26 @@ def denoise(
         The final latents ``[N, C, H, W]``.
 
     Raises:
-        ValueError: labels that are not class indices of the model, or guidance without a null class.
+        ValueError: labels that are not class indices of the model, guidance without a null class, or a
+            scheduler that would keep 3 channels of a latent with another count.
     """
     _check_labels(model, labels, cfg_scale)
     n, c = latents.shape[:2]
+    if c != 3 and _drops_to_three_channels(scheduler):
+        raise ValueError(
+            f"{type(scheduler).__name__} with variance_type={scheduler.config.variance_type!r} keeps the "
+            f"first 3 channels of the model output, the latents have {c}: pass eps_scheduler(scheduler)"
+        )
     labels = labels.to(latents.device)
     null = torch.full_like(labels, model.num_classes)
-    keep_variance = getattr(scheduler.config, "variance_type", None) in ("learned", "learned_range")
+    keep_variance = reads_variance(scheduler)
     x = latents
     was_training = model.training
     model.eval()
     try:
         timesteps = scheduler.timesteps if progress is None else progress(scheduler.timesteps)
         for t in timesteps:
-            tt = torch.full((n,), int(t), device=x.device, dtype=torch.long)
+            tt = torch.as_tensor(t, device=x.device).reshape(1).expand(n)
             xin = scheduler.scale_model_input(x, t)
             if cfg_scale == 1.0:
                 out = model(xin, tt, labels)

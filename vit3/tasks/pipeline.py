@@ -4,7 +4,8 @@
 the initial latents with diffusers' ``randn_tensor`` (one generator per image makes each image depend on its
 own seed only), runs the scheduler through :func:`vit3.tasks.diffusion.denoise` (the loop of the training
 engine's sampler) and decodes with the VAE. ``save_pretrained`` / ``from_pretrained`` store the DiT³, the
-scheduler and the VAE in diffusers' layout.
+scheduler and the VAE in diffusers' layout; importing this module lets ``DiffusionPipeline.from_pretrained``
+load a saved folder as well (diffusers resolves ``_class_name`` in its own namespace).
 
 Where it differs from ``DiTPipeline`` (written for the official DiT's ImageNet checkpoints), it follows the
 official DiT³ sampler (``dittt/sample.py``):
@@ -13,7 +14,9 @@ official DiT³ sampler (``dittt/sample.py``):
 * guidance goes through the model's ``forward_with_cfg``: the official 3 leading output channels
   (``guided_channels`` changes it); ``DiTPipeline`` guides every latent channel;
 * the learned variance reaches a scheduler that reads it: the default :class:`RespacedDDPMScheduler` is the
-  official 250-step DDPM; ``DiTPipeline`` drops it. Any diffusers scheduler works (``eps`` only);
+  official 250-step DDPM; ``DiTPipeline`` drops it. A swap such as
+  ``DDIMScheduler.from_config(pipe.scheduler.config)`` gets ``eps`` only, as in ``DiTPipeline``
+  (:func:`vit3.tasks.diffusion.reads_variance`);
 * the VAE is optional: without one the model's output is the image (pixel space, ``[-1, 1]``);
 * ``output_type`` is ``"pil"``, ``"np"`` (``[N, H, W, C]`` in ``[0, 1]``), ``"pt"`` (``[N, C, H, W]``) or
   ``"latent"`` (the sampled latents).
@@ -27,9 +30,15 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .._diffusers import AutoencoderKL, DiffusionPipeline, ImagePipelineOutput, randn_tensor
+from .._diffusers import (
+    AutoencoderKL,
+    DiffusionPipeline,
+    ImagePipelineOutput,
+    randn_tensor,
+    register_pipeline,
+)
 from ..models.dit3 import DiT3
-from .diffusion import Generator, RespacedDDPMScheduler, denoise
+from .diffusion import Generator, RespacedDDPMScheduler, denoise, eps_scheduler
 
 __all__ = ["OUTPUT_TYPES", "DiT3Pipeline"]
 
@@ -42,7 +51,9 @@ class DiT3Pipeline(DiffusionPipeline):
     Args:
         transformer: the DiT³.
         scheduler: a diffusers scheduler (default: the official DDPM, :class:`RespacedDDPMScheduler` with the
-            variance the model learns or, for a model without it, the official fixed one).
+            variance the model learns or, for a model without it, the official fixed one). A DPM-Solver-family
+            scheduler with a learned ``variance_type`` (which would keep 3 channels) is stepped as a copy
+            without it (:func:`vit3.tasks.diffusion.eps_scheduler`); ``self.scheduler`` is left as given.
         vae: the ``AutoencoderKL`` of a latent model (``None``: the model works in pixel space).
     """
 
@@ -102,11 +113,12 @@ class DiT3Pipeline(DiffusionPipeline):
             device=self._execution_device,
             dtype=model.dtype,
         )
-        self.scheduler.set_timesteps(int(num_inference_steps), device=self._execution_device)
+        scheduler = eps_scheduler(self.scheduler)
+        scheduler.set_timesteps(int(num_inference_steps), device=self._execution_device)
         latents = denoise(
             model,
-            self.scheduler,
-            latents * self.scheduler.init_noise_sigma,
+            scheduler,
+            latents * scheduler.init_noise_sigma,
             labels,
             float(guidance_scale),
             guided_channels,
@@ -125,3 +137,6 @@ class DiT3Pipeline(DiffusionPipeline):
                     images = self.numpy_to_pil(images)
         self.maybe_free_model_hooks()
         return ImagePipelineOutput(images=images) if return_dict else (images,)
+
+
+register_pipeline(DiT3Pipeline)
