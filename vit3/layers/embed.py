@@ -6,7 +6,7 @@ from __future__ import annotations
 from timm.layers import register_notrace_function
 from torch import Tensor, nn
 
-from .inner_math import all_finite, tracing
+from .inner_math import assert_finite, tracing
 
 __all__ = ["ConvDownsample", "ConvNormAct", "ConvStem", "check_image", "check_image_size"]
 
@@ -110,8 +110,7 @@ def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = Tr
             f"(its total reduction)"
         )
     if check_finite and not tracing():
-        if not all_finite(x):
-            raise ValueError("input images contain non-finite values (NaN or Inf)")
+        assert_finite(x, ValueError, "input images contain non-finite values (NaN or Inf)")
     return x
 
 

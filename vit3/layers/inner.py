@@ -33,14 +33,14 @@ from torch import Tensor
 
 from vit3.kernels.common import normalize_grad
 
-from .inner_math import all_finite, tracing
+from .inner_math import assert_finite, tracing
 from .inner_models import InnerModel, Params, create_inner_model, register_inner_model
 from .losses import loss_grad, loss_needs_prediction
 
 __all__ = [
     "InnerModel",
     "Params",
-    "all_finite",
+    "assert_finite",
     "create_inner_model",
     "inner_loop",
     "register_inner_model",

@@ -23,7 +23,7 @@ from . import backends
 from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig
 from .eager_mix import MixBranch, MixPlan, eager_mix, takes
-from .inner import Params, all_finite, create_inner_model, inner_loop
+from .inner import Params, assert_finite, create_inner_model, inner_loop
 from .mixer_calls import MAX_CALLS, Call, Calls, call_key, cpp_args
 from .rope import apply_rope_2d, rope_tables
 
@@ -138,8 +138,8 @@ class TTTMixer(nn.Module):
         h, w = grid
         if h < 1 or w < 1 or h * w != n:
             raise ValueError(f"grid {h}x{w} = {h * w} tokens does not fit N={n} (input {tuple(x.shape)})")
-        if self.cfg.check_finite and not kind and not all_finite(x):
-            raise NonFiniteError("TTTMixer input contains non-finite values (NaN or Inf)")
+        if self.cfg.check_finite and not kind:
+            assert_finite(x, NonFiniteError, "TTTMixer input contains non-finite values (NaN or Inf)")
 
     def _call(self, qkv: Tensor, grid: tuple[int, int], grad: bool, kind: str) -> Call:
         """This call's plan: decided once per key (device, dtype, N, grad mode, grid) and kept on the mixer

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from vit3._diffusers import ConfigMixin, ModelMixin, register_to_config
 from vit3.layers import TTTConfig, convert_official_mixer_key
-from vit3.layers.inner_math import all_finite
+from vit3.layers.inner_math import assert_finite
 
 from ._dit3_blocks import DiT3Block, FinalLayer, LabelEmbedder, TimestepEmbedder, sincos_pos_embed_2d
 from ._pretrained import _torch_load, check_state_dict, strip_wrapper_prefixes
@@ -228,8 +228,7 @@ class DiT3(ModelMixin, ConfigMixin):
                     else " (no null class: built with class_dropout_prob=0)"
                 )
                 raise ValueError(f"labels must lie in [0, {top}]{null}, got values in [{lo}, {hi}]")
-            if not all_finite(x):
-                raise ValueError("DiT3 input latents contain non-finite values (NaN or Inf)")
+            assert_finite(x, ValueError, "DiT3 input latents contain non-finite values (NaN or Inf)")
 
     # --- forward --------------------------------------------------------------------------------------
 
