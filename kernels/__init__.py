@@ -10,7 +10,7 @@ the package ``triton``: its launcher (``device``, ``tiles``: launch set-up, ``pl
 ops, autograd, ``triton_ttt``) and the kernels (``triton.jit``: the shared helpers, ``triton.step``: the step
 kernels, ``triton.matrix``: SwiGLU's and linear's; ``dwconv.triton``). ``common`` holds what all ops
 share (the gradient normalisation, the step, the reference step), ``losses`` the inner losses, ``paths`` the
-checks the fused paths share.
+checks the fused paths share, ``flops`` the custom ops' FLOP formulas (``FlopCounterMode``, fvcore).
 
 Each op's folder builds its :class:`~vit3.kernels.ops.Op` (``<op>.OP``: reference, weight names, paths by
 backend name); the table :data:`OPS` below registers them, one line per op. The mixer's backend registry

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import flops
+
 __all__ = ["FILES", "LDFLAGS", "build_target", "cpu_kernel_ops", "load"]
 
 _HERE = Path(__file__).parent
@@ -142,6 +144,7 @@ def load() -> tuple[Any, str]:
             build_directory=str(folder),
             is_python_module=False,
         )
+        flops.register("vit3_cpu")
     except Exception as exc:  # no compiler or ninja, an unsupported platform: the PyTorch path serves
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         return None, f"{type(exc).__name__}: {first}"

@@ -1,4 +1,5 @@
-"""The registered models are the paper's: parameter counts (within 0.1%) and fvcore FLOPs at 224² (within 1%)."""
+"""The registered models are the paper's: parameter counts (within 0.1%), fvcore FLOPs at 224² (within 1%), and
+half of ``FlopCounterMode``'s count (2 FLOPs per multiply-add) of the tiny ones on their eager paths."""
 
 from __future__ import annotations
 
@@ -42,3 +43,17 @@ def test_fvcore_flops_match_paper(name, params_m, gflops):
     ops = analysis.by_operator()
     # Under tracing the mixer runs its plain ops, so fvcore sees (and counts) every inner-loop matmul.
     assert ops.get("matmul", 0) > 0, "the inner-loop matmuls are counted"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "params_m", "gflops"), [p for p in PAPER if p.id.endswith("_tiny")])
+def test_flop_counter_matches_paper(name, params_m, gflops):
+    """``torch.utils.flop_counter.FlopCounterMode`` on the eager model (the C++ ops on CPU, counted by their
+    formulas, ``vit3.kernels.flops``) counts 2 FLOPs per multiply-add: half its count is the paper's figure,
+    which is fvcore's (1 per multiply-add)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = timm.create_model(name).eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.randn(1, 3, 224, 224))
+    assert counter.get_total_flops() / 2e9 == pytest.approx(gflops, rel=1e-2)

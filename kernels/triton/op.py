@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import reference
+from .. import flops, reference
 from ..common import autocast_backward, autocast_forward, grad_flows
 from . import node, plan, program, tiles
 from .checks import _checked, _live, _not_in_place, resolve_backend
@@ -178,6 +178,7 @@ def _reference_backward(
 
 
 torch.library.register_autograd("vit3::triton_ttt_fwd", _backward, setup_context=_setup_context)
+flops.register("vit3")
 
 
 # ------------------------------------------------------------------------------------------ the eager path

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..data import build_datasets, build_transform, build_val_loader
 from ..errors import DataError
+from ..kernels.flops import fvcore_handles
 from .checkpoint import apply_model_record, load_model_weights, model_record, peek_vit3_checkpoint
 from .classification_model import (
     build_model,
@@ -61,7 +62,7 @@ def _flops(model: nn.Module, x: torch.Tensor) -> float | None:
             from fvcore.nn import FlopCountAnalysis
         except ImportError:
             return None
-        analysis = FlopCountAnalysis(model, x[:1])
+        analysis = FlopCountAnalysis(model, x[:1]).set_op_handle(**fvcore_handles())
         analysis.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
         return float(analysis.total())
 
