@@ -12,9 +12,11 @@ from vit3.engine.config import (
     CONFIG_DIR,
     DEFAULT_CONFIG,
     ConfigError,
+    config_from_checkpoint,
     load_config,
     parse_override,
     save_config,
+    written_keys,
 )
 
 
@@ -88,6 +90,34 @@ def test_saved_config_round_trips_with_git_metadata(tmp_path):
     meta = saved.pop("_meta")
     assert set(meta) >= {"git_commit", "command", "time_utc"}
     assert saved["train"]["epochs"] == 3 and saved == cfg.to_dict()
+
+
+def test_the_keys_the_user_wrote_are_recorded_and_the_shipped_defaults_are_not(tmp_path):
+    """Overrides and the keys of the user's own files (through their base: chain) are written; the shipped
+    configs' values are defaults, also where they win the merge over a user's base; a checkpoint's config keeps
+    what its run's user wrote, and a resume's overrides add to it."""
+    finetune = CONFIG_DIR / "finetune.yaml"
+    _write(
+        tmp_path / "mine.yaml",
+        {"base": str(finetune), "train": {"epochs": 10}, "model": {"kwargs": {"a": 1}}},
+    )
+    _write(tmp_path / "early.yaml", {"data": {"fit_batch": 4}})  # then overridden by a shipped base
+    run_file = _write(
+        tmp_path / "run.yaml", {"base": ["early.yaml", "mine.yaml"], "data": {"batch_size": 12}}
+    )
+    assert not written_keys(load_config(finetune))
+    cfg = load_config(run_file, ["train.min_steps=5", "aug.scale=[0.5, 1]", "model.kwargs={b: {c: 2}}"])
+    # not model.kwargs.a of mine.yaml: the override's mapping replaced it
+    assert written_keys(cfg) == {
+        "train.epochs",
+        "data.batch_size",
+        "train.min_steps",
+        "aug.scale",
+        "model.kwargs.b.c",
+    }
+    assert cfg.data.fit_batch == 8  # finetune.yaml's, merged over early.yaml: the recipe's, not written
+    resumed = config_from_checkpoint(cfg.to_dict(), ["seed=3"])
+    assert written_keys(resumed) == written_keys(cfg) | {"seed"}
 
 
 def test_unknown_task_is_rejected():

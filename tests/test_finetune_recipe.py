@@ -20,8 +20,8 @@ from PIL import Image
 import vit3.models  # noqa: F401  (registers the models)
 from vit3.data.samples import main as sample_folder_main
 from vit3.data.samples import make_photo_folder
-from vit3.engine import ConfigError, load_config, run
-from vit3.engine.config import CONFIG_DIR
+from vit3.engine import Config, ConfigError, load_config, run
+from vit3.engine.config import CONFIG_DIR, WRITTEN_KEY, config_from_dict, written_keys
 from vit3.engine.optim import build_optimizer, scaled_lrs
 from vit3.engine.recipe import fit_batch_size, fit_epochs, freeze_for_training
 from vit3.errors import UserError
@@ -31,6 +31,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FINETUNE = CONFIG_DIR / "finetune.yaml"
 # The demo's architecture (configs/demo_mnist.yaml): what the README fine-tunes.
 DEMO_MODEL = load_config(DEMO).model
+
+
+def _recipe(*defaults: str, written: tuple[str, ...] = ()) -> Config:
+    """configs/finetune.yaml with ``defaults`` (``key=value``) as its own values, left to the recipe to fit, and
+    ``written`` as what the user wrote on the command line."""
+    data = load_config(FINETUNE, defaults).to_dict()
+    data.pop(WRITTEN_KEY, None)
+    return config_from_dict(data, written)
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +93,14 @@ def test_the_sample_folder_holds_crops_of_the_shipped_photographs(classes, names
     ],
 )
 def test_fit_batch_gives_a_small_folder_enough_batches_per_epoch(images, fit, mixup, expected):
-    cfg = load_config(None, ["data.batch_size=64", f"data.fit_batch={fit}"])
+    cfg = _recipe("data.batch_size=64", f"data.fit_batch={fit}")
     note = fit_batch_size(cfg, images, even=mixup)
     assert cfg.data.batch_size == expected
     if expected == 64:
         assert note is None
     else:
         assert note.startswith(
-            f"data.batch_size: 64 -> {expected} (data.fit_batch={fit}: {images} training images"
+            f"data.batch_size: 64 -> {expected} (fitted, data.fit_batch={fit}: {images} training images"
         )
         fit_batch_size(cfg, images, even=mixup)  # a fitted config fits to itself (resuming changes nothing)
         assert cfg.data.batch_size == expected
@@ -126,13 +134,98 @@ def test_without_fit_batch_a_batch_above_the_images_names_the_fix(photos, tmp_pa
 def test_min_steps_gives_a_tiny_folder_more_epochs_with_the_warmup_share_kept(
     steps_per_epoch, epochs, warmup
 ):
-    cfg = load_config(None, ["train.epochs=30", "train.warmup_epochs=2", "train.min_steps=600"])
+    cfg = _recipe("train.epochs=30", "train.warmup_epochs=2", "train.min_steps=600")
     note = fit_epochs(cfg, steps_per_epoch)
     assert cfg.train.epochs == epochs and cfg.train.warmup_epochs == pytest.approx(warmup)
     assert cfg.train.epochs * steps_per_epoch >= 600
     assert (note is None) == (epochs == 30)
     fit_epochs(cfg, steps_per_epoch)
     assert cfg.train.epochs == epochs  # idempotent
+
+
+# ------------------------------------------------------------------------------------ what the user wrote
+def test_written_epochs_and_batch_are_kept_and_logged_as_written():
+    """`train.epochs=4 data.batch_size=30` on 144 training images (the recipe would fit 18 and 150): both
+    kept, each logged as written (before: 150 epochs of batch 18, logged as fitted values)."""
+    cfg = load_config(FINETUNE, ["train.epochs=4", "data.batch_size=30"])
+    assert fit_batch_size(cfg, 144, even=True) == (
+        "data.batch_size=30 as written (4 batches per epoch; not fitted to data.fit_batch)"
+    )
+    assert (
+        fit_epochs(cfg, 144 // 30)
+        == "train.epochs=4 as written (16 optimizer steps; not fitted to train.min_steps)"
+    )
+    assert (cfg.data.batch_size, cfg.train.epochs, cfg.train.warmup_epochs) == (30, 4, 2)
+
+
+def test_a_written_warmup_is_kept_while_the_epochs_are_fitted():
+    cfg = _recipe("train.epochs=30", "train.min_steps=600", written=("train.warmup_epochs=1",))
+    assert fit_epochs(cfg, 8) == (
+        "train.epochs: 30 -> 75, train.warmup_epochs=1 as written (fitted, train.min_steps=600 at 8 steps per "
+        "epoch)"
+    )
+    assert (cfg.train.epochs, cfg.train.warmup_epochs) == (75, 1)
+
+
+def test_values_in_the_users_own_config_file_are_written_too(tmp_path):
+    """A file of the user's (over configs/finetune.yaml, through a base: chain of the user's files): its
+    values are the user's; the shipped recipe's stay the recipe's to fit."""
+    (tmp_path / "mine.yaml").write_text(f"base: {FINETUNE}\ntrain: {{epochs: 10}}\n")
+    (tmp_path / "run.yaml").write_text("base: mine.yaml\ndata: {batch_size: 12}\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    assert {"train.epochs", "data.batch_size"} <= written_keys(cfg)
+    assert not {"train.min_steps", "data.fit_batch", "train.warmup_epochs"} & written_keys(cfg)
+    fit_batch_size(cfg, 48, even=True)
+    fit_epochs(cfg, 48 // 12)
+    assert (cfg.data.batch_size, cfg.train.epochs) == (12, 10)
+
+
+@pytest.mark.parametrize(
+    ("written", "fit", "message"),
+    [
+        pytest.param(
+            ("data.batch_size=30",), "batch",
+            r"^data.batch_size=30 exceeds the 24 training images per process: write at most 24, or leave "
+            r"data.batch_size to the recipe \(data.fit_batch=8 fits 2\)$",
+            id="batch-above-the-images",
+        ),
+        pytest.param(
+            ("data.batch_size=12", "data.fit_batch=8"), "batch",
+            r"^data.batch_size=12 and data.fit_batch=8 are both written, but 24 training images per process make "
+            r"2 batches of 12 per epoch: drop one of them$",
+            id="batch-and-fit-batch",
+        ),
+        pytest.param(
+            ("train.epochs=4", "train.min_steps=600"), "epochs",
+            r"^train.epochs=4 and train.min_steps=600 are both written, but 4 epochs of 3 optimizer steps make "
+            r"12: drop one of them$",
+            id="epochs-and-min-steps",
+        ),
+    ],
+)  # fmt: skip
+def test_a_written_value_the_recipe_cannot_honour_is_refused_in_one_line(written, fit, message):
+    cfg = load_config(FINETUNE, written)
+    with pytest.raises(ConfigError, match=message):
+        fit_batch_size(cfg, 24, even=True) if fit == "batch" else fit_epochs(cfg, 3)
+
+
+def test_a_fine_tune_runs_the_written_epochs_at_the_written_batch(pretrained, photos, tmp_path, capsys):
+    """`train.epochs=2 data.batch_size=12` on the 48 photos: 2 epochs of 4 batches (8 optimizer steps), as
+    the checkpoint's config and metrics say; the log says both were kept as written (before: 75 epochs of
+    batch 6, the command's values replaced)."""
+    overrides = [
+        f"data.path={photos}", f"model.pretrained={pretrained}", f"output={tmp_path / 'ft'}", "train.epochs=2",
+        "data.batch_size=12", "train.warmup_epochs=0", "train.progress=false", "data.num_workers=0",
+    ]  # fmt: skip
+    run(load_config(FINETUNE, overrides), "train")
+    out = capsys.readouterr().out
+    assert "data.batch_size=12 as written (4 batches per epoch; not fitted to data.fit_batch)" in out
+    assert "train.epochs=2 as written (8 optimizer steps; not fitted to train.min_steps)" in out
+    history = json.loads((tmp_path / "ft" / "metrics.json").read_text())
+    assert [row["step"] for row in history] == [4, 8]
+    saved = read_ckpt(tmp_path / "ft" / "last.pt")["config"]
+    assert (saved["data"]["batch_size"], saved["train"]["epochs"]) == (12, 2)
+    assert {"train.epochs", "data.batch_size"} <= set(saved[WRITTEN_KEY])
 
 
 @pytest.mark.parametrize(
@@ -158,16 +251,19 @@ def test_an_unknown_lr_rule_is_refused():
 
 def test_a_fitted_run_resumes_with_the_command_that_started_it(pretrained, photos, tmp_path, monkeypatch):
     """The checkpoint holds the fitted batch and epochs; the same command fits them alike, so resuming is not
-    refused as a change of the data stream (batch 64 -> 6) and continues to the fitted end."""
+    refused as a change of the data stream (batch 64 -> 6) and continues to the fitted end. (The recipe's
+    epochs and steps cut to 2 and 24 to keep it short.)"""
+    recipe = ("train.epochs=2", "train.min_steps=24")
     overrides = [
-        f"data.path={photos}", f"model.pretrained={pretrained}", f"output={tmp_path / 'ft'}", "train.epochs=2",
-        "train.min_steps=24", "train.progress=false", "data.num_workers=0",
+        f"data.path={photos}", f"model.pretrained={pretrained}", f"output={tmp_path / 'ft'}",
+        "train.progress=false", "data.num_workers=0",
     ]  # fmt: skip
     with monkeypatch.context() as m:
         crash_after_checkpoint(m, global_step=8)  # the end of the first of the three fitted epochs
         with pytest.raises(Crashed):
-            run(load_config(FINETUNE, overrides), "train")
-    run(load_config(FINETUNE, [*overrides, f"train.resume={tmp_path / 'ft' / 'last.pt'}"]), "train")
+            run(_recipe(*recipe, written=tuple(overrides)), "train")
+    resume = f"train.resume={tmp_path / 'ft' / 'last.pt'}"
+    run(_recipe(*recipe, written=(*overrides, resume)), "train")
     history = json.loads((tmp_path / "ft" / "metrics.json").read_text())
     assert [row["step"] for row in history] == [8, 16, 24]
 
@@ -214,9 +310,9 @@ def test_the_linear_probe_trains_the_classifier_alone(pretrained, photos, tmp_pa
     trains (the optimizer holds state for its weight and bias alone)."""
     overrides = [
         f"data.path={photos}", f"model.pretrained={pretrained}", f"output={tmp_path / 'lp'}", "train.freeze=backbone",
-        "train.min_steps=16", "train.epochs=1", "train.progress=false", "data.num_workers=0",
+        "train.progress=false", "data.num_workers=0",
     ]  # fmt: skip
-    run(load_config(FINETUNE, overrides), "train")
+    run(_recipe("train.min_steps=16", "train.epochs=1", written=tuple(overrides)), "train")
     ckpt, source = read_ckpt(tmp_path / "lp" / "last.pt"), read_ckpt(pretrained)["model"]
     for k, v in ckpt["model"].items():
         if not k.startswith("head."):
@@ -232,10 +328,10 @@ def test_the_readme_finetune_example_runs_as_written_on_a_small_photo_folder(
     pretrained, tmp_path, monkeypatch, capsys
 ):
     """The README's sample-folder and fine-tune commands, as written, in a folder holding the demo's
-    `output/demo/best.pt` (here a tiny stand-in): the batch is fitted to the 48 training images, the epochs to
-    the recipe's optimizer steps, both logged and saved in the resolved config, and the run learns. (Before:
-    `error: data.batch_size=64 exceeds the 48 training images per process`.) Only the number of steps is cut
-    (train.min_steps, train.epochs) to keep the test short; benchmarks/finetune.py runs the whole recipe."""
+    `output/demo/best.pt` (here a tiny stand-in): the batch is fitted to the 48 training images, logged and
+    saved in the resolved config, and the run learns. (Before: `error: data.batch_size=64 exceeds the 48
+    training images per process`.) Only the epochs are cut (written: kept as written, not fitted to the
+    recipe's 600 steps) to keep the test short; benchmarks/finetune.py runs the whole recipe."""
     bench = load_benchmark("finetune")
     samples = next(a for a in bench.readme_commands() if a[:3] == ["python", "-m", "vit3.data.samples"])
     finetune = bench.readme_finetune_command()
@@ -244,20 +340,13 @@ def test_the_readme_finetune_example_runs_as_written_on_a_small_photo_folder(
     (tmp_path / "output" / "demo").mkdir(parents=True)
     shutil.copy(pretrained, "output/demo/best.pt")
     assert sample_folder_main(samples[3:]) == 0
-    assert (
-        load_script("train").main(
-            [*finetune[2:], "train.epochs=4", "train.warmup_epochs=1", "train.min_steps=96"]
-        )
-        == 0
-    )
+    assert load_script("train").main([*finetune[2:], "train.epochs=12", "train.warmup_epochs=3"]) == 0
     out = capsys.readouterr().out
     assert (
-        "data.batch_size: 64 -> 6 (data.fit_batch=8: 48 training images per process, 8 batches per epoch)"
-        in out
+        "data.batch_size: 64 -> 6 (fitted, data.fit_batch=8: 48 training images per process, 8 batches per "
+        "epoch)" in out
     )
-    assert (
-        "train.epochs: 4 -> 12, train.warmup_epochs: 1 -> 3 (train.min_steps=96 at 8 steps per epoch)" in out
-    )
+    assert "train.epochs=12 as written (96 optimizer steps; not fitted to train.min_steps)" in out
     assert "total batch 6, lr 0.000433 (train.base_lr 0.004 x 0.1083, sqrt in the batch)" in out
     run_dir = tmp_path / "output" / "finetune"
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())

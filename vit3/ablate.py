@@ -50,12 +50,12 @@ from pathlib import Path
 from typing import Any
 
 from .engine import Config, ConfigError, load_config
-from .engine.config import CONFIG_DIR, check_config, parse_override
+from .engine.config import CONFIG_DIR, WRITTEN_KEY, check_config, parse_override
 
 ABLATIONS_DIR = CONFIG_DIR / "ablations"
 BUDGET_DIR = ABLATIONS_DIR / "budgets"
 # Keys that differ between rows without being a knob of the study.
-_BOOKKEEPING = ("output", "_config_file", "ablation")
+_BOOKKEEPING = ("output", "_config_file", WRITTEN_KEY, "ablation")
 _KNOB_PREFIX = "model.kwargs.ttt_cfg."
 # The table folders of configs/ablations in the paper's order.
 TABLES = ("loss", "batch", "epochs", "lr", "inner_model", "deep_fixes", "scale")

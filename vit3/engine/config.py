@@ -11,6 +11,11 @@ API (used by ``train.py``, ``eval.py`` and the task engines):
   ``base: other.yaml`` (relative to the file; a list of files is merged left to right); the file's own keys
   are deep-merged over its base. A file may introduce keys that its bases do not have (e.g. a ``dense:``
   section for detection): they are valid for every run of that file.
+* What the user wrote: the keys given as overrides or set by a config file of the user's (any file outside
+  :data:`CONFIG_DIR`, through its ``base:`` chain too; the shipped files' values are defaults) are listed,
+  dotted, in ``cfg["_written"]`` (:data:`WRITTEN_KEY`, :func:`written_keys`; saved with the config, so a
+  resumed run knows them too). A recipe that fits values to the data (:mod:`vit3.engine.recipe`) fits only
+  the others.
 * ``overrides`` are ``"key.sub=value"`` strings (what a user types after ``python train.py``); the value is
   parsed as YAML (``train.lr=1e-3`` -> float, ``aug.mixup=null`` -> None, ``data.scale=[0.5,1]`` -> list,
   ``model.name=vit3_tiny`` -> str). An override must name an existing key: an unknown key raises
@@ -51,7 +56,7 @@ import functools
 import re
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -81,6 +86,8 @@ TASK_CONFIGS = {
 }
 # Keys that belong to one command rather than to its run: a config rebuilt from a checkpoint resets them.
 COMMAND_KEYS = ("train.resume", "train.force_resume", "train.overwrite")
+# The config's list of the dotted keys the user wrote (overrides, the user's own config files).
+WRITTEN_KEY = "_written"
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 __all__ = [
@@ -90,6 +97,7 @@ __all__ = [
     "DEFAULT_CONFIG",
     "NULLABLE",
     "TASK_CONFIGS",
+    "WRITTEN_KEY",
     "Config",
     "ConfigError",
     "Range",
@@ -104,6 +112,7 @@ __all__ = [
     "resolve_config_path",
     "save_config",
     "to_plain",
+    "written_keys",
 ]
 
 
@@ -235,8 +244,24 @@ def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _read_yaml_tree(path: Path, stack: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Reads ``path`` and its ``base:`` chain into one merged dict (``base`` removed)."""
+def _leaf_keys(tree: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    """The dotted keys of ``tree``'s values that are not mappings (bookkeeping keys ``_...`` left out)."""
+    for key, value in tree.items():
+        if not prefix and str(key).startswith("_"):
+            continue
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            yield from _leaf_keys(value, dotted)
+        else:
+            yield dotted
+
+
+def _read_yaml_tree(
+    path: Path, stack: tuple[Path, ...] = (), origin: dict[str, bool] | None = None
+) -> dict[str, Any]:
+    """Reads ``path`` and its ``base:`` chain into one merged dict (``base`` removed). ``origin``, when given,
+    gets for each leaf key whether the file that set it last (the merge's winner) is the user's: outside
+    :data:`CONFIG_DIR`."""
     path = path.resolve()
     if path in stack:
         chain = " -> ".join(str(p) for p in (*stack, path))
@@ -257,7 +282,10 @@ def _read_yaml_tree(path: Path, stack: tuple[Path, ...] = ()) -> dict[str, Any]:
         bases = [bases]
     merged: dict[str, Any] = {}
     for base in bases:
-        merged = _deep_merge(merged, _read_yaml_tree(path.parent / base, (*stack, path)))
+        merged = _deep_merge(merged, _read_yaml_tree(path.parent / base, (*stack, path), origin))
+    if origin is not None:
+        users = not path.is_relative_to(CONFIG_DIR.resolve())
+        origin.update(dict.fromkeys(_leaf_keys(data), users))
     return _deep_merge(merged, data)
 
 
@@ -282,13 +310,17 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         overrides: ``"key.sub=value"`` strings; each must name a key present after the files are merged.
 
     Returns:
-        The resolved :class:`Config`, with ``_config_file`` recording the file it came from.
+        The resolved :class:`Config`, with ``_config_file`` recording the file it came from and
+        :data:`WRITTEN_KEY` the keys the user wrote (the overrides, the keys of the user's own files).
 
     Raises:
         ConfigError: missing/unparsable file, inheritance cycle, bad override syntax or unknown key.
     """
     path = resolve_config_path(path) if path is not None else DEFAULT_CONFIG
-    cfg = config_from_dict(_read_yaml_tree(path), overrides)
+    origin: dict[str, bool] = {}
+    data = _read_yaml_tree(path, origin=origin)
+    data[WRITTEN_KEY] = [key for key, users in origin.items() if users]
+    cfg = config_from_dict(data, overrides)
     cfg["_config_file"] = str(path.resolve())
     return cfg
 
@@ -308,18 +340,35 @@ def resolve_config_path(path: str | Path) -> Path:
 def config_from_dict(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> Config:
     """Builds a :class:`Config` from a resolved dict (e.g. the one stored in a checkpoint) plus overrides.
 
+    The keys ``data`` lists under :data:`WRITTEN_KEY` (a checkpoint's: what its run's user wrote) and those
+    of the overrides are the user's (:func:`written_keys`); every other value of ``data`` is a default.
+
     Raises:
         ConfigError: bad override syntax or unknown key.
     """
-    cfg = Config({k: v for k, v in data.items() if k != "_meta"})
+    cfg = Config({k: v for k, v in data.items() if k not in ("_meta", WRITTEN_KEY)})
+    written = dict.fromkeys(data.get(WRITTEN_KEY) or ())
     for text in overrides:
         key, value = parse_override(text)
         try:
             cfg.set_path(key, value)
         except ConfigError:  # re-raise with close matches searched over every key of the config
             raise ConfigError(_unknown_key_message(key, _all_dotted_keys(cfg))) from None
+        if isinstance(value, Mapping):  # it replaces the mapping there, with the keys written before
+            written = {k: None for k in written if not k.startswith(f"{key}.")}
+            written.update(dict.fromkeys(_leaf_keys(value, key)))
+        else:
+            written[key] = None
+    if written:
+        cfg[WRITTEN_KEY] = list(written)
     check_config(cfg)
     return cfg
+
+
+def written_keys(cfg: Mapping[str, Any]) -> frozenset[str]:
+    """The dotted keys whose values the user wrote (:data:`WRITTEN_KEY`: the command line's overrides and the
+    user's own config files; the shipped configs' values are defaults)."""
+    return frozenset(cfg.get(WRITTEN_KEY) or ())
 
 
 def config_from_checkpoint(saved: Mapping[str, Any], overrides: Iterable[str] = ()) -> Config:

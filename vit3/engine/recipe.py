@@ -1,24 +1,16 @@
-"""Fitting a classification recipe to its data, so that one fine-tuning config serves a folder of tens of images
-per class as well as an ImageNet-sized one (``configs/finetune.yaml``).
+"""Fitting a classification recipe to its data: one fine-tuning config (``configs/finetune.yaml``) for a folder
+of tens of images per class as for an ImageNet-sized one.
 
-* ``data.fit_batch`` = n > 0: an epoch is to have at least n batches per process. A training set too small for
-  that at ``data.batch_size`` gets the batch ``images per process // n`` instead (at least 2, since BatchNorm, as
-  in H-ViT³'s head, cannot train on one image; with Mixup/CutMix, which pair a batch's images, rounded down to
-  an even number); a large one keeps
-  ``data.batch_size``. 0: the batch is used as given (a batch above the training images per process is an
-  error).
-* ``train.min_steps`` = s > 0: the run is to take at least s optimizer steps. When ``train.epochs`` give fewer,
-  the epochs become ``ceil(s / steps per epoch)`` and ``train.warmup_epochs`` grows by the same factor (the
-  warmup keeps its share of the run). 0: the epochs are used as given.
-* The learning rates follow the total batch through :func:`vit3.engine.optim.scaled_lrs` (``train.lr_scale``).
-* ``train.freeze``: ``backbone`` trains the classifier alone (a linear probe: every other parameter frozen and
-  its modules kept in eval mode, so normalisation statistics, dropout and drop-path do not move); ``none``
-  trains everything.
-
-A fitted value replaces the configured one in the run's config, so ``<output>/config.yaml`` and the
-checkpoints hold what the run used (a config saved by a run fits to itself again: resuming changes nothing),
-and each change is logged as one line naming the key, e.g.
-``data.batch_size: 64 -> 6 (data.fit_batch=8: 48 training images per process, 8 batches per epoch)``.
+* ``data.fit_batch`` = n > 0: at least n batches per epoch and process; a smaller training set gets the batch
+  ``images per process // n`` (at least 2 for BatchNorm, even with Mixup/CutMix). 0: the batch as given.
+* ``train.min_steps`` = s > 0: at least s optimizer steps; fewer epochs become ``ceil(s / steps per epoch)``,
+  ``train.warmup_epochs`` alike (its share kept). 0: the epochs as given.
+* A value the user wrote (:func:`~vit3.engine.config.written_keys`: command line, own config file) is never
+  fitted: it is kept and logged as written, or refused in one line when it cannot work (a batch above the
+  images) or clashes with a written target (``train.epochs`` and ``train.min_steps`` both written, too few).
+* Fitted values replace the configured ones in ``<output>/config.yaml`` and the checkpoints (a saved config
+  fits to itself: resuming changes nothing), each logged in one line; the lrs follow the total batch
+  (:func:`vit3.engine.optim.scaled_lrs`); ``train.freeze=backbone``: a linear probe.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ import math
 
 from torch import nn
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, written_keys
 
 __all__ = [
     "FREEZE_MODES",
@@ -42,7 +34,8 @@ FREEZE_MODES = ("none", "backbone")
 
 
 def fit_batch_size(cfg: Config, images_per_process: int, even: bool) -> str | None:
-    """Lowers ``cfg.data.batch_size`` in place to give ``data.fit_batch`` batches per epoch (module docstring).
+    """Lowers ``cfg.data.batch_size`` in place to give ``data.fit_batch`` batches per epoch (module docstring),
+    unless the user wrote the batch (:func:`~vit3.engine.config.written_keys`): then it is kept.
 
     Args:
         cfg: run config (``data.batch_size``, ``data.fit_batch``).
@@ -50,46 +43,86 @@ def fit_batch_size(cfg: Config, images_per_process: int, even: bool) -> str | No
         even: the batch must be even (Mixup/CutMix pair its images).
 
     Returns:
-        The log line of the change, or ``None`` when the batch stays.
+        The log line of the change, or of the batch kept as written; ``None`` when the recipe has nothing to
+        say (fitting off, or a batch of the recipe's that fits).
+
+    Raises:
+        ConfigError: a written batch above the training images per process, or one that gives fewer than a
+            written ``data.fit_batch`` batches per epoch.
     """
     want = int(cfg.data.fit_batch)
     batch = int(cfg.data.batch_size)
-    if want == 0 or batch * want <= images_per_process:
+    written = written_keys(cfg)
+    if want == 0:
         return None
     fitted = max(images_per_process // want, min(2, images_per_process))
     if even:
         fitted = max(fitted - fitted % 2, 2)
-    if fitted >= batch:
+    if "data.batch_size" in written:
+        if batch > images_per_process:
+            raise ConfigError(
+                f"data.batch_size={batch} exceeds the {images_per_process} training images per process: write "
+                f"at most {images_per_process}, or leave data.batch_size to the recipe (data.fit_batch={want} "
+                f"fits {fitted})"
+            )
+        per_epoch = images_per_process // batch
+        if per_epoch < want and "data.fit_batch" in written:
+            raise ConfigError(
+                f"data.batch_size={batch} and data.fit_batch={want} are both written, but {images_per_process} "
+                f"training images per process make {per_epoch} batches of {batch} per epoch: drop one of them"
+            )
+        return f"data.batch_size={batch} as written ({per_epoch} batches per epoch; not fitted to data.fit_batch)"
+    if batch * want <= images_per_process or fitted >= batch:
         return None
     cfg.data.batch_size = fitted
     return (
-        f"data.batch_size: {batch} -> {fitted} (data.fit_batch={want}: {images_per_process} training images per "
-        f"process, {images_per_process // fitted} batches per epoch)"
+        f"data.batch_size: {batch} -> {fitted} (fitted, data.fit_batch={want}: {images_per_process} training "
+        f"images per process, {images_per_process // fitted} batches per epoch)"
     )
 
 
 def fit_epochs(cfg: Config, steps_per_epoch: int) -> str | None:
-    """Raises ``cfg.train.epochs`` (and ``warmup_epochs`` alike) in place to reach ``train.min_steps``.
+    """Raises ``cfg.train.epochs`` (and ``warmup_epochs`` alike) in place to reach ``train.min_steps``, unless
+    the user wrote them (:func:`~vit3.engine.config.written_keys`): then they are kept.
 
     Args:
         cfg: run config (``train.epochs``, ``train.warmup_epochs``, ``train.min_steps``).
         steps_per_epoch: optimizer steps per epoch (batches per epoch / ``train.accum_steps``).
 
     Returns:
-        The log line of the change, or ``None`` when the epochs stay.
+        The log line of the change, or of the epochs kept as written; ``None`` when the recipe has nothing
+        to say (fitting off, or epochs of the recipe's that reach ``train.min_steps``).
+
+    Raises:
+        ConfigError: written epochs that give fewer optimizer steps than a written ``train.min_steps``.
     """
     t = cfg.train
     want = int(t.min_steps)
     epochs = int(t.epochs)
-    if epochs * steps_per_epoch >= want:
+    written = written_keys(cfg)
+    if want == 0:
+        return None
+    steps = epochs * steps_per_epoch
+    if "train.epochs" in written:
+        if steps < want and "train.min_steps" in written:
+            raise ConfigError(
+                f"train.epochs={epochs} and train.min_steps={want} are both written, but {epochs} epochs of "
+                f"{steps_per_epoch} optimizer steps make {steps}: drop one of them"
+            )
+        return f"train.epochs={epochs} as written ({steps} optimizer steps; not fitted to train.min_steps)"
+    if steps >= want:
         return None
     fitted = math.ceil(want / steps_per_epoch)
     warmup = float(t.warmup_epochs)
     t.epochs = fitted
-    t.warmup_epochs = warmup * fitted / epochs
+    if "train.warmup_epochs" in written:
+        kept = f"train.warmup_epochs={warmup:g} as written"
+    else:
+        t.warmup_epochs = warmup * fitted / epochs
+        kept = f"train.warmup_epochs: {warmup:g} -> {t.warmup_epochs:g}"
     return (
-        f"train.epochs: {epochs} -> {fitted}, train.warmup_epochs: {warmup:g} -> {t.warmup_epochs:g} "
-        f"(train.min_steps={want} at {steps_per_epoch} steps per epoch)"
+        f"train.epochs: {epochs} -> {fitted}, {kept} (fitted, train.min_steps={want} at {steps_per_epoch} steps "
+        "per epoch)"
     )
 
 
