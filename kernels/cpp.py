@@ -19,7 +19,9 @@ targets the CPU's vector unit as PyTorch reports it (AVX512, AVX2 or portable co
 keyed by a hash of what makes the binary (``build_target``: the files' content, the flags, the PyTorch build
 and the Python ABI), and it compiles copies of the files kept in that folder: two checkouts, or a wheel beside
 a clone, with different sources build apart, with the same sources share one build, and never rebuild each
-other (a shared name made each load of the other one's sources a full rebuild).
+other (a shared name made each load of the other one's sources a full rebuild). Processes that load it
+together wait for one build under a lock on that folder (``build_once``); the one that builds says so on
+stderr (``BUILDING``).
 
 The mixer's backend registry (``vit3.layers.backends``, backend ``cpu``) decides when it runs. When the build
 fails (no compiler), ``cpu_kernel_ops`` raises with the error, and the registry demotes the backend with a
@@ -29,13 +31,14 @@ against their op's reference (``tests/test_op_swiglu.py``, ``tests/test_op_dwcon
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +47,7 @@ from torch import Tensor
 
 from . import flops
 
-__all__ = ["FILES", "LDFLAGS", "build_target", "cpu_kernel_ops", "load"]
+__all__ = ["BUILDING", "FILES", "LDFLAGS", "build_once", "build_target", "cpu_kernel_ops", "load"]
 
 _HERE = Path(__file__).parent
 # What makes the extension: each op's source and the header they share (staged side by side to build).
@@ -57,6 +60,8 @@ FILES = (
     _HERE / "csrc" / "vit3_cpu.h",
 )
 LDFLAGS = ["-fopenmp"]
+# The line a process that builds the kernel writes to stderr first (the build takes a minute or more).
+BUILDING = "vit3: building the C++ CPU kernel (first use, about a minute)..."
 _DTYPES = (torch.float32, torch.float64)
 _log = logging.getLogger(__name__)
 # Vector-unit flags per capability (``torch.backends.cpu.get_cpu_capability()``); ATen's vector headers pick
@@ -119,6 +124,38 @@ def _staged(source: Path, folder: Path) -> Path:
     return copy
 
 
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """Holds an exclusive lock on ``folder`` (``fcntl.flock`` on its ``build.lock``; released by the OS when the
+    holder dies) while the body runs; where there is no ``fcntl``, PyTorch's own lock around the build alone."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "build.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_once(folder: Path, library: Path, build: Callable[[], None]) -> bool:
+    """Runs ``build`` (which builds ``library`` in ``folder`` unless it is there, then loads it) under a lock on
+    the folder, so that processes that load together wait for one build, then load it. Says so on stderr when
+    ``library`` is missing (this call builds it). Returns whether it did.
+
+    The lock also holds the staging of the sources: no process rewrites a copy that another is compiling."""
+    with _folder_lock(folder):
+        building = not library.is_file()
+        if building:
+            print(BUILDING, file=sys.stderr, flush=True)
+        build()
+    return building
+
+
 @functools.cache
 def load() -> tuple[Any, str]:
     """Builds (once per machine and source) and loads the kernel: the ``torch.ops`` namespace, or ``None`` and
@@ -132,18 +169,22 @@ def load() -> tuple[Any, str]:
         except ImportError:
             pass
     suffix, flags = _build_flags()
-    _log.info("loading the C++ CPU kernel (the first use on a machine builds it: 10-30 s)")
     try:
         name, folder = build_target(FILES, suffix, flags)
-        staged = [_staged(f, folder) for f in FILES]
-        cpp_extension.load(
-            name,
-            [str(f) for f in staged if f.suffix == ".cpp"],
-            extra_cflags=flags,
-            extra_ldflags=LDFLAGS,
-            build_directory=str(folder),
-            is_python_module=False,
-        )
+        _log.info("loading the C++ CPU kernel from %s", folder)
+
+        def build() -> None:
+            staged = [_staged(f, folder) for f in FILES]
+            cpp_extension.load(
+                name,
+                [str(f) for f in staged if f.suffix == ".cpp"],
+                extra_cflags=flags,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(folder),
+                is_python_module=False,
+            )
+
+        build_once(folder, folder / f"{name}{getattr(cpp_extension, 'LIB_EXT', '.so')}", build)
         flops.register("vit3_cpu")
     except Exception as exc:  # no compiler or ninja, an unsupported platform: the PyTorch path serves
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
