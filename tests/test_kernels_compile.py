@@ -19,9 +19,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers.common import REPO
 
 from vit3.kernels import aot
+from vit3.kernels.triton import device, plan
 
 pytestmark = pytest.mark.triton
 
@@ -159,3 +161,50 @@ def test_readme_table_is_the_committed_matrix():
     readme = (bench / "README.md").read_text().splitlines()
     start = readme.index(table[0])
     assert readme[start : start + len(table)] == table
+
+
+FLOAT_ARGS = """
+import json
+from vit3.kernels import aot
+from vit3.kernels.triton.device import ARCHS
+rows = []
+for model, loss in aot.MODELS:
+    for d in (32, 64):
+        case = aot.Case(model, loss, d, "fp64", ARCHS["sm_90"])
+        for launch in aot.plan_case(case):
+            _, signature, _, _ = aot.specialise(launch, case.arch)
+            rows.append([case.label, launch.label, {k: v for k, v in signature.items() if v[:2] in ("fp", "bf")}])
+print(json.dumps(rows))
+"""
+
+
+def test_float64_kernels_take_float64_scalars():
+    """Every float a float64 launch takes (``coef = s / N``, ``lr``) reaches the kernel as fp64: Triton types a
+    Python float fp32, which a GPU's float64 kernel then widens (``cvt.f64.f32``), 4e-9 off; the interpreter
+    keeps Python floats, so only the binder's specialisation can show it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", FLOAT_ARGS], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    if proc.returncode and "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
+        pytest.skip("this Triton cannot compile ahead of time")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {name for _, _, floats in rows for name in floats} == {"coef", "lr"}
+    narrow = [
+        f"{case} {kernel}: {floats}" for case, kernel, floats in rows if set(floats.values()) - {"fp64"}
+    ]
+    assert not narrow, narrow
+
+
+@pytest.mark.parametrize("mode", list(aot.MODES))
+def test_run_time_precision_is_the_compile_matrix_precision(mode, monkeypatch):
+    """A launch planned as the GPU path plans it (no precision given) gets the ``tl.dot`` precision that the
+    compile matrix compiles for its dtype mode: the matrix checks the specialisation that runs."""
+    dtype, prec = aot.MODES[mode]
+    monkeypatch.setattr(device, "fp32_uses_tf32", lambda: prec == "tf32")
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v = (torch.empty(2, 3, 196, 32, dtype=dtype, device="meta") for _ in range(3))
+    w1, w2 = (torch.empty(1, 3, 32, 32, dtype=acc, device="meta") for _ in range(2))
+    _, launches = plan.forward_plan(q, k, v, w1, w2, "swiglu", "dot", 14, 14, 9**-0.5, 1.0, True, 0,
+                                    arch=device.ARCHS["sm_90"], interpret=False)  # fmt: skip
+    assert {launch.kwargs["PREC"] for launch in launches if "PREC" in launch.kwargs} == {prec}

@@ -89,10 +89,12 @@ def conv_grad_partial_kernel(
     k_ptr, v_ptr, part_ptr,
     BG, G, N, D, CHUNK, S, H, W,
     skb, skg, skn, skc, svb, svg, svn, svc,
-    coef,
+    coef: tl.float64,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Partial ``G[δ, c]`` of one chunk of tokens into ``part_ptr`` ``[B*G, S, 9, d]``."""
+    if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
+        coef = tl.cast(coef, ACC)
     dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
     if dead:
         return
@@ -113,10 +115,12 @@ def conv_readout_kernel(
     BG, G, N, D, CHUNK, S, H, W,
     sqb, sqg, sqn, sqc, sob, sog, son, soc,
     swg, swr, swc,
-    lr,
+    lr: tl.float64,
     GRAD_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """``out = dwconv3x3(q; W')`` for one chunk of tokens (``W'`` recomputed from the weight, ``G``, ``||G||``)."""
+    if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
+        lr = tl.cast(lr, ACC)
     dead, _c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
     if dead:
         return
@@ -136,11 +140,13 @@ def conv_readout_bwd_kernel(
     BG, G, N, D, CHUNK, S, H, W,
     sqb, sqg, sqn, sqc, sdob, sdog, sdon, sdoc, sdqb, sdqg, sdqn, sdqc,
     swg, swr, swc,
-    lr,
+    lr: tl.float64,
     GRAD_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Read-out backward for one chunk: ``dq`` (written) and the partial ``dW'``, into slot ``s`` of ``part_ptr``
     ``[B*G, S + 1, 9, d]``."""
+    if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
+        lr = tl.cast(lr, ACC)
     dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
     if dead:
         return
@@ -165,11 +171,13 @@ def conv_grad_bwd_kernel(
     BG, G, N, D, CHUNK, S, H, W,
     skb, skg, skn, skc, svb, svg, svn, svc,
     sdkb, sdkg, sdkn, sdkc, sdvb, sdvg, sdvn, sdvc,
-    coef,
+    coef: tl.float64,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Inner-gradient backward for one chunk: ``dk``, ``dv`` (the inner gradient does not depend on the weight,
     so there is no weight-gradient partial)."""
+    if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
+        coef = tl.cast(coef, ACC)
     dead, _c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
     if dead:
         return

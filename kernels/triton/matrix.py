@@ -332,7 +332,7 @@ def forward_kernel(
     BG, G, N, D,
     sqb, sqg, sqn, sqc, skb, skg, skn, skc, svb, svg, svn, svc, sob, sog, son, soc,
     swg, swr, swc,
-    coef, lr,
+    coef: tl.float64, lr: tl.float64,
     SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, SAVE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
@@ -343,6 +343,8 @@ def forward_kernel(
     backward) also stores ``G`` and its column norms (``g_ptr`` ``[B*G, NW, d, d]``, ``n_ptr``
     ``[B*G, NW, d]``).
     """
+    if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
+        coef, lr = tl.cast(coef, ACC), tl.cast(lr, ACC)
     dead, c, _s, bg, b, g, _lo, _hi = chunk_of(BG, G, N, N, 1, tl.cdiv(D, BLOCK_C))
     if dead:
         return
@@ -378,13 +380,15 @@ def grad_partial_kernel(
     BG, G, N, D, CHUNK, S,
     skb, skg, skn, skc, svb, svg, svn, svc,
     swg, swr, swc,
-    coef,
+    coef: tl.float64,
     SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Partial inner gradients ``kᵀ P`` of one chunk of tokens and one column block (``S > 1``) into
     ``part_ptr`` ``[B*G, S, NW, d, d]``."""
+    if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
+        coef = tl.cast(coef, ACC)
     dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C))
     if dead:
         return
@@ -402,13 +406,15 @@ def readout_kernel(
     q_ptr, w1_ptr, w2_ptr, g_ptr, n_ptr, o_ptr,
     BG, G, N, D, CHUNK, S,
     sqb, sqg, sqn, sqc, sob, sog, son, soc,
-    swg, swr, swc, lr,
+    swg, swr, swc, lr: tl.float64,
     SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """The read-out of one chunk of queries and one column block, ``W'`` recomputed from ``W``, ``G`` and
     ``||G||``."""
+    if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
+        lr = tl.cast(lr, ACC)
     dead, c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C))
     if dead:
         return
@@ -431,7 +437,7 @@ def readout_bwd_kernel(
     BG, G, N, D, CHUNK, S,
     sqb, sqg, sqn, sqc, sdob, sdog, sdon, sdoc, sdqb, sdqg, sdqn, sdqc,
     swg, swr, swc,
-    lr,
+    lr: tl.float64,
     SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr,
     COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -445,6 +451,8 @@ def readout_bwd_kernel(
     ``CROSS``: ``dq``, summed over every column block (with ``COLS``, the grid must have one block,
     ``C == 1``; without, the launch has one program per chunk and each walks the blocks in order).
     """
+    if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
+        lr = tl.cast(lr, ACC)
     dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C) if COLS else 1)
     if dead:
         return
@@ -499,7 +507,7 @@ def grad_bwd_kernel(
     BG, G, N, D, CHUNK, S,
     skb, skg, skn, skc, svb, svg, svn, svc, sdkb, sdkg, sdkn, sdkc, sdvb, sdvg, sdvn, sdvc,
     swg, swr, swc,
-    coef,
+    coef: tl.float64,
     SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr,
     COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr, WGRAD: tl.constexpr, TRANS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -515,6 +523,8 @@ def grad_bwd_kernel(
     (SwiGLU, ``COLS`` and ``CROSS``): the tiles transposed, channels x tokens (``_swiglu_bwd_tile_t``), so that
     every dot has d rows (sm_90's ``wgmma`` takes 64) with token tiles short enough for the registers.
     """
+    if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
+        coef = tl.cast(coef, ACC)
     dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C) if COLS else 1)
     if dead:
         return

@@ -321,7 +321,7 @@ def _key(q: Tensor, model: str, loss: str, h: int, wd: int, scale: float, lr: fl
          arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None) -> _Key:  # fmt: skip
     interpret = _interpreting() if interpret is None else interpret
     if prec is None:
-        prec = "ieee" if interpret else (_gpu_precision(q.dtype) if q.dtype == torch.float32 else "tf32")
+        prec = "ieee" if interpret else _gpu_precision(q.dtype)
     return _Key(model, loss, h, wd, scale, lr, grad_norm, chunk, arch or _device_arch(q.device), prec,
                 interpret, tiles.TILES_AS, GRID_X_MAX)  # fmt: skip
 

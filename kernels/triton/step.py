@@ -10,7 +10,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .jit import col_norm, column_block, norm_at, program, slot_at, step_bwd_tile, store_mat, sum_slots
+from .jit import (
+    col_norm,
+    column_block,
+    norm_at,
+    program,
+    slot_at,
+    step_bwd_tile,
+    store_mat,
+    sum_slots,
+)
 
 __all__ = ["step_bwd_kernel", "step_kernel", "wgrad_reduce_kernel"]
 
@@ -41,7 +50,7 @@ def step_kernel(
 def step_bwd_kernel(
     part_ptr, g_ptr, n_ptr, dg_ptr,
     BG, R, D, S,
-    lr,
+    lr: tl.float64,
     NW: tl.constexpr, GRAD_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Sums the read-out partials into ``dW'`` and back-propagates the step and the normalisation (``S > 1``).
@@ -49,6 +58,8 @@ def step_bwd_kernel(
     ``part_ptr`` is ``[B*G, S + 1, NW, R, D]``: slots ``0..S-1`` hold the read-out partials, slot ``S``
     receives ``dW'`` (the direct part of the initial weights' gradient); ``dG`` goes to ``dg_ptr``.
     """
+    if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
+        lr = tl.cast(lr, ACC)
     dead, bg, rr, cols = column_block(BG, D, BLOCK_R, BLOCK_C)
     if dead:
         return
