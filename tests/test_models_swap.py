@@ -171,5 +171,5 @@ def test_ttt_swap_is_the_swapped_model_by_name(tmp_path):
     assert torch.equal(model.head.weight, base.head.weight)
     swin = timm.create_model("ttt_swap", base="swin_tiny_patch4_window7_224", scope="window", **SWIN_KW)
     assert sum(isinstance(m, WindowTTT) for m in swin.modules()) == 4
-    with pytest.raises(ValueError, match="needs base="):
-        timm.create_model("ttt_swap")
+    with pytest.raises(ValueError, match="base='' must name a timm ViT/DeiT or Swin model"):
+        timm.create_model("ttt_swap", base="")

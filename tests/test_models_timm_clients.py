@@ -1,17 +1,24 @@
 """vit3 models under code written for timm: the plain ViT³ answers timm's ``VisionTransformer`` API as a
 prefix-free ViT does (``forward_features`` / ``forward_head`` / ``forward_intermediates`` options), and a plain
 and a hierarchical model go through what timm's ``train.py`` (AMP), ``validate.py`` and ``benchmark.py`` do
-with a model, by the same public timm APIs (the scripts ship in timm's repository, not in its wheel)."""
+with a model, by the same public timm APIs (the scripts ship in timm's repository, not in its wheel); every
+name vit3 puts in timm's registry builds from its defaults and passes what timm's own tests/test_models.py
+checks of each name (their real-tensor runs of the paper's sizes under -m slow)."""
 
 from __future__ import annotations
 
+import fnmatch
+import inspect
+import math
 from functools import partial
 
 import pytest
 import timm
 import torch
+from helpers.models import FULL_MODELS
 from helpers.train import make_digit_folder
 from timm.data import Mixup, create_dataset, create_loader, resolve_data_config
+from timm.layers import get_channel_dim, get_spatial_dim
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -197,3 +204,131 @@ def test_timm_benchmark_steps(name):
         loss.backward()
         optimizer.step()
         assert torch.isfinite(loss)
+
+
+# ------------------------------------------------------------------ timm's model suite on every vit3 name
+def _registered_by_vit3() -> list[str]:
+    """Every name vit3 adds to timm's registry: the entrypoints its modules define."""
+    return sorted(
+        n for n in timm.list_models() if timm.models.model_entrypoint(n).__module__.startswith("vit3.")
+    )
+
+
+REGISTERED = _registered_by_vit3()
+# the paper's sizes run their real-tensor checks under -m slow; the meta-device checks run for every name
+SUITE_NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in FULL_MODELS else n for n in REGISTERED]
+CFG_KEYS = ("input_size", "num_classes", "mean", "std", "interpolation", "crop_pct", "first_conv",
+            "classifier")  # fmt: skip
+META = torch.device("meta")
+
+
+def _grid(model, feats: torch.Tensor) -> tuple[int, ...]:
+    """The spatial size of ``forward_features``' output (``NLC`` tokens: their count)."""
+    fmt = getattr(model, "output_fmt", "NCHW")
+    return (feats.shape[1],) if fmt == "NLC" else tuple(feats.shape[i] for i in get_spatial_dim(fmt))
+
+
+def _pool_grid(model) -> tuple[int, ...]:
+    """What ``_grid`` gives at the cfg's input size, by the cfg's ``pool_size``."""
+    h, w = model.pretrained_cfg["pool_size"]
+    return (h * w,) if getattr(model, "output_fmt", "NCHW") == "NLC" else (h, w)
+
+
+def _suite_input(model, target: int, batch: int = 1) -> torch.Tensor:
+    """timm's ``_get_input_size``: the cfg's input size, capped at ``target`` unless the size is fixed."""
+    c, h, w = model.pretrained_cfg["input_size"]
+    if not model.pretrained_cfg.get("fixed_input_size") and max(h, w) > target:
+        h, w = min(h, target), min(w, target)
+    return torch.randn(batch, c, h, w)
+
+
+def test_the_suite_sees_every_name_vit3_registers():
+    assert {"vit3_tiny", "h_vit3_base", "test_vit3_ttt", "test_h_vit3", "ttt_swap"} <= set(REGISTERED)
+    assert not [n for n in REGISTERED if n.startswith("dit3")]  # DiT³ is no timm classifier
+
+
+@pytest.mark.parametrize("name", REGISTERED)
+def test_every_registered_name_builds_from_its_defaults_on_meta(name):
+    """timm's test_model_default_cfgs without the forward: build with the defaults (``device='meta'``, as timm
+    does), the cfg keys its tests read, the model API contract, the factory device, reset and resize."""
+    from timm.models import group_parameters
+
+    with META:
+        model = timm.create_model(name, device=META, dtype=torch.float32).eval()
+    cfg = model.default_cfg
+    assert cfg == model.pretrained_cfg and all(cfg.get(k) not in (None, "") for k in CFG_KEYS), cfg
+    assert model.in_chans == cfg["input_size"][0] == len(cfg["mean"]) == len(cfg["std"])
+    assert cfg["num_classes"] == model.num_classes > 0 and model.num_features > 0 < model.head_hidden_size
+    if getattr(model, "output_fmt", "NCHW") != "NLC":
+        assert len(cfg["pool_size"]) == 2  # timm's standard test reads it
+    names = [n for n, _ in model.named_parameters()]
+    assert f"{cfg['classifier']}.weight" in names and f"{cfg['first_conv']}.weight" in names
+    assert len(set(group_parameters(model, model.group_matcher(coarse=False), reverse=True).values())) > 1
+    assert all(any(fnmatch.fnmatch(n, p) for n in names) for p in model.no_weight_decay())
+    assert inspect.signature(model.reset_classifier).parameters["global_pool"].default is None
+    with pytest.raises(TypeError):
+        timm.create_model(name, device=META, not_a_model_arg=1)
+    placed = timm.create_model(name, device=META, dtype=torch.float32)  # no device context: the kwarg
+    assert all(t.device == META for t in [*placed.parameters(), *placed.buffers()])
+    model.to(dtype=torch.float64)
+    model.reset_classifier(0)
+    model.reset_classifier(2)
+    assert all(p.device == META and p.dtype == torch.float64 for p in model.get_classifier().parameters())
+    assert not any(m.training for m in model.modules())
+    frozen = timm.create_model(name, device=META).requires_grad_(False)
+    frozen.reset_classifier(0)
+    frozen.reset_classifier(0, "")
+    frozen.set_input_size(img_size=tuple(2 * s for s in cfg["input_size"][-2:]))
+    assert not [n for n, p in frozen.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("name", SUITE_NAMES)
+def test_every_registered_name_forwards_as_timms_suite_checks(name):
+    """timm's test_model_forward (grad checkpointing changes nothing) and the forward part of
+    test_model_default_cfgs at the cfg's input size: features on the cfg's ``pool_size`` grid, pre-logits,
+    the classifier removed by ``reset_classifier`` and by ``num_classes=0`` / ``global_pool=''``."""
+    model = timm.create_model(name).eval()
+    x = _suite_input(model, 448)
+    with torch.no_grad():
+        out = model(x)
+        assert out.shape == (1, model.num_classes) and not out.isnan().any()
+        model.set_grad_checkpointing()
+        torch.testing.assert_close(model(x), out, rtol=1e-4, atol=1e-5)
+        feats = model.forward_features(x)
+        pre = model.forward_head(feats, pre_logits=True)
+        assert _grid(model, feats) == _pool_grid(model)
+        channel_dim = getattr(model, "feature_dim", get_channel_dim(getattr(model, "output_fmt", "NCHW")))
+        assert feats.shape[channel_dim] == model.num_features
+        assert pre.shape == (1, model.head_hidden_size)
+        model.reset_classifier(0)
+        torch.testing.assert_close(model(x), pre)
+        model.reset_classifier(0, "")
+        assert _grid(model, model(x)) == _pool_grid(model)
+        headless = timm.create_model(name, num_classes=0).eval()
+        assert headless(x).shape == pre.shape
+        unpooled = timm.create_model(name, num_classes=0, global_pool="").eval()
+        assert _grid(model, unpooled(x)) == _pool_grid(model)
+        model.to(torch.bfloat16)
+        assert model(x.bfloat16()).dtype == torch.bfloat16  # a dtype change after a forward
+
+
+@pytest.mark.parametrize("name", SUITE_NAMES)
+def test_every_registered_name_trains_and_gives_features_as_timms_suite_checks(name):
+    """timm's test_model_backward (every parameter gets a gradient) and test_model_forward_features (at least
+    three levels, each of its ``feature_info`` channels, on a grid of about input / reduction)."""
+    model = timm.create_model(name, num_classes=42).train()
+    out = model(_suite_input(model, 128, batch=2))
+    out.mean().backward()
+    assert out.shape == (2, 42) and not out.isnan().any()
+    assert not [n for n, p in model.named_parameters() if p.grad is None]
+    features = timm.create_model(name, features_only=True).eval()
+    channels, reductions = features.feature_info.channels(), features.feature_info.reduction()
+    x = _suite_input(features, 96)
+    with torch.no_grad():
+        outs = features(x)
+    assert len(channels) >= 3 and len(outs) == len(channels)
+    fmt = getattr(features, "output_fmt", "NCHW")
+    for c, r, o in zip(channels, reductions, outs):
+        assert o.shape[get_channel_dim(fmt)] == c and not o.isnan().any()
+        for axis, size in zip(get_spatial_dim(fmt), x.shape[-2:]):
+            assert size / (2 * r) < o.shape[axis] <= math.ceil(size / r) + 1

@@ -161,11 +161,17 @@ class ClassifierHeadMixin:
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replaces the head with a fresh one of ``num_classes`` (0: identity); optionally changes the pooling."""
+        """Replaces the head with a fresh one of ``num_classes`` (0: identity) on the model's device and dtype,
+        in its train/eval mode; optionally changes the pooling."""
         self.num_classes = num_classes
         if global_pool is not None:
             self.global_pool = check_pool_type(global_pool)
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes <= 0:
+            self.head = nn.Identity()
+            return
+        like = next(self.parameters())
+        self.head = nn.Linear(self.num_features, num_classes, device=like.device, dtype=like.dtype)
+        self.head.train(self.training)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Features -> logits ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``)."""

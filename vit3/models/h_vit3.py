@@ -105,6 +105,7 @@ class HViT3(FamilyBackbone):
             S 0.4, B 0.6).
         ttt_cfg: mixer configuration (``TTTConfig`` or dict); a dict is applied over the H-ViT³ default
             ``rope=True``, a ``TTTConfig`` is used as given.
+        device, dtype: where and in which dtype to create the parameters (timm's factory kwargs).
         **timm_kwargs: ``dynamic_img_size=True`` / ``dynamic_img_pad=True`` (what H-ViT³ always does) are
             accepted, as timm's ViTs take them; other values are refused by name (:data:`TIMM_FIXED`).
     """
@@ -128,6 +129,8 @@ class HViT3(FamilyBackbone):
         proj_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         ttt_cfg: TTTConfig | dict[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         **timm_kwargs: Any,
     ) -> None:
         if not len(dims) == len(depths) == len(num_heads):
@@ -175,6 +178,8 @@ class HViT3(FamilyBackbone):
         ]
         self.norm = nn.BatchNorm2d(dims[-1])  # official BatchNorm1d over tokens: same statistics and keys
         self._add_head(drop_rate)
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
 
     # --- timm model API -------------------------------------------------------------------------------
 

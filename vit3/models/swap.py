@@ -24,7 +24,9 @@ Token layout:
 A swapped model is also a timm model by name: ``timm.create_model("ttt_swap", base="deit_small_patch16_224",
 ttt={...}, scope="stage", **base_kwargs)`` builds ``base`` (with ``base_kwargs``, timm's ``pretrained`` and
 ``features_only`` included) and swaps its attention; that is how a checkpoint of a converted model
-(``vit3.convert``) records its model, so that ``eval.py``, ``export.py`` and fine-tuning rebuild it.
+(``vit3.convert``) records its model, so that ``eval.py``, ``export.py`` and fine-tuning rebuild it. Like every
+name in timm's registry it builds from its defaults: ``base`` defaults to Swin-T (:data:`SWAP_DEFAULT_BASE`,
+one mixer per stage map), so code that builds every ``timm.list_models()`` name gets a working model.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch import Tensor, nn
 from vit3.layers import TTTConfig, TTTMixer
 
 __all__ = [
+    "SWAP_DEFAULT_BASE",
     "SWAP_MODEL",
     "SWIN_SCOPES",
     "SwinStageTTTBlock",
@@ -52,6 +55,7 @@ __all__ = [
 ]
 
 SWAP_MODEL = "ttt_swap"  # the timm name of a swapped model (see the module docstring)
+SWAP_DEFAULT_BASE = "swin_tiny_patch4_window7_224"  # what timm.create_model(SWAP_MODEL) swaps
 
 SWIN_SCOPES = ("stage", "window")
 
@@ -257,7 +261,7 @@ def swap_attention_for_ttt(
 @register_model
 def ttt_swap(
     pretrained: bool = False,
-    base: str = "",
+    base: str = SWAP_DEFAULT_BASE,
     ttt: dict[str, Any] | None = None,
     scope: str = "stage",
     pretrained_cfg: Any = None,
@@ -268,7 +272,7 @@ def ttt_swap(
     Args:
         pretrained: load ``base``'s pretrained weights first (``pretrained_cfg_overlay`` names a file); the
             mixers then start from its attention's ``qkv``/``proj``.
-        base: timm name of a ViT/DeiT or Swin model.
+        base: timm name of a ViT/DeiT or Swin model (default: Swin-T, :data:`SWAP_DEFAULT_BASE`).
         ttt: mixer config (``TTTConfig`` keys; default: the official ViT³ mixer).
         scope: Swin only: ``"stage"`` or ``"window"``.
         pretrained_cfg: timm's config of the ``ttt_swap`` entry itself (there is none; ``base`` has its own).
@@ -280,7 +284,8 @@ def ttt_swap(
     del pretrained_cfg
     if not base:
         raise ValueError(
-            f"{SWAP_MODEL} needs base=<a timm ViT/DeiT or Swin name>, e.g. base='deit_small_patch16_224'"
+            f"{SWAP_MODEL}: base={base!r} must name a timm ViT/DeiT or Swin model, e.g. "
+            f"base='deit_small_patch16_224' (left out: {SWAP_DEFAULT_BASE})"
         )
     import timm
 
