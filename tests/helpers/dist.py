@@ -32,3 +32,27 @@ def ranks_agree_worker(rank: int, world: int, store: str, perturb_rank: int | No
     finally:
         dist.destroy_process_group()
     Path(result_dir, f"{rank}.txt").write_text(text)
+
+
+def ddp_step_worker(rank: int, world: int, store: str, result_dir: str) -> None:
+    """One DDP training step of an H-ViT³ downsampling (``ConvDownsample``) on a channels-last map, as the stages
+    hand it on, on every rank; writes the warnings it raised (one per line) to ``result_dir/<rank>.txt``, or
+    ``crash`` and the traceback."""
+    import warnings
+
+    from vit3.layers.embed import ConvDownsample
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(ConvDownsample(8, 16))
+        x = torch.randn(2, 6, 6, 8).permute(0, 3, 1, 2)  # [B, H, W, C] -> [B, C, H, W]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).sum().backward()
+        text = "\n".join(str(w.message) for w in caught)
+    except Exception:
+        text = "crash " + traceback.format_exc()
+    finally:
+        dist.destroy_process_group()
+    Path(result_dir, f"{rank}.txt").write_text(text)

@@ -3,12 +3,56 @@ downsampling (``[B, C, H, W]`` convolutions; the blocks between them are ``vit3.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import Tensor, nn
 
 from .inner_math import assert_finite, tracing
 
-__all__ = ["ConvDownsample", "ConvNormAct", "ConvStem", "check_image", "check_image_size"]
+__all__ = [
+    "ConvDownsample",
+    "ConvNormAct",
+    "ConvStem",
+    "check_image",
+    "check_image_size",
+    "grad_in_param_strides",
+]
+
+
+class _GradInParamStrides(torch.autograd.Function):
+    """The identity on a parameter whose backward hands the gradient in the parameter's strides where their
+    layouts agree (the same strides on every dimension of size > 1; a view, no copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor) -> Tensor:
+        ctx.stride = weight.stride()
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        stride = ctx.stride
+        same = all(n == 1 or a == b for n, a, b in zip(grad.shape, grad.stride(), stride))
+        return grad.as_strided(grad.shape, stride) if same and grad.stride() != stride else grad
+
+
+def grad_in_param_strides(weight: Tensor) -> Tensor:
+    """``weight`` for a convolution whose weight gradient takes its input's memory format: the gradient comes
+    back in ``weight``'s own strides, as DDP's gradient buckets lay it out.
+
+    A convolution on a channels-last input (the H-ViT³ stages hand their maps on as ``[B, H, W, C]`` permuted to
+    NCHW) returns a channels-last weight gradient; for a 1x1 or a depthwise weight (a size-1 dimension) that is
+    the parameter's layout with other strides on the size-1 dimension, which autograd keeps as it is and DDP
+    reports ("Grad strides do not match bucket view strides"). Traced, compiled or without gradients: the
+    weight itself."""
+    if tracing() or not (torch.is_grad_enabled() and weight.requires_grad):
+        return weight
+    return _GradInParamStrides.apply(weight)
+
+
+register_notrace_function(grad_in_param_strides)
 
 
 class ConvNormAct(nn.Module):
@@ -44,8 +88,11 @@ class ConvNormAct(nn.Module):
         self.act = nn.ReLU() if act else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
-        """``[B, in_chs, H, W] -> [B, out_chs, ceil(H / stride), ceil(W / stride)]``."""
-        return self.act(self.norm(self.conv(x)))
+        """``[B, in_chs, H, W] -> [B, out_chs, ceil(H / stride), ceil(W / stride)]``; the weight's gradient in
+        its own strides whatever ``x``'s memory format (``grad_in_param_strides``)."""
+        c = self.conv
+        x = F.conv2d(x, grad_in_param_strides(c.weight), c.bias, c.stride, c.padding, c.dilation, c.groups)
+        return self.act(self.norm(x))
 
 
 class ConvStem(nn.Sequential):
