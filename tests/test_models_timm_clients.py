@@ -15,16 +15,18 @@ from functools import partial
 import pytest
 import timm
 import torch
-from helpers.models import FULL_MODELS
+from helpers.models import FULL_MODELS, TINY_MODELS
 from helpers.train import make_digit_folder
 from timm.data import Mixup, create_dataset, create_loader, resolve_data_config
 from timm.layers import get_channel_dim, get_spatial_dim
 from timm.loss import SoftTargetCrossEntropy
+from timm.models import save_for_hf
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import AverageMeter, ModelEmaV3, NativeScaler, accuracy, dispatch_clip_grad
 
 import vit3  # noqa: F401  (registers the vit3 models)
+from vit3.errors import CheckpointMismatchError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -332,3 +334,90 @@ def test_every_registered_name_trains_and_gives_features_as_timms_suite_checks(n
         assert o.shape[get_channel_dim(fmt)] == c and not o.isnan().any()
         for axis, size in zip(get_spatial_dim(fmt), x.shape[-2:]):
             assert size / (2 * r) < o.shape[axis] <= math.ceil(size / r) + 1
+
+
+# ------------------------------------------------------------------------ saved models load the timm way
+def _tiny(name: str, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(name, num_classes=5, in_chans=1, img_size=48, **kwargs).eval()
+
+
+def _same_outputs(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """``a`` and ``b`` give the same logits (eval mode) on one-channel 48 px images."""
+    x = torch.randn(2, 1, 48, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(b.eval()(x), a.eval()(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_a_save_for_hf_folder_loads_with_local_dir(name, tmp_path):
+    """timm's ``save_for_hf`` then ``create_model("local-dir:<folder>", pretrained=True)``: the model and its
+    weights, as for timm's own models (the folder is timm's to read, not a checkpoint file)."""
+    model = _tiny(name)
+    save_for_hf(model, tmp_path / "saved")
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'saved'}", pretrained=True).eval()
+    assert loaded.num_classes == 5 and loaded.in_chans == 1
+    _same_outputs(model, loaded)
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_an_hf_hub_id_loads_from_the_local_hub_cache(name, tmp_path, monkeypatch):
+    """``create_model("hf-hub:org/name", pretrained=True)`` offline, from a Hugging Face cache (the layout
+    ``huggingface_hub`` downloads into: ``models--org--name/snapshots/<commit>/``, ``refs/main``)."""
+    from huggingface_hub import constants
+
+    model = _tiny(name)
+    repo, commit = tmp_path / "hub" / "models--org--tiny", "0123456789abcdef0123456789abcdef01234567"
+    save_for_hf(model, repo / "snapshots" / commit, safe_serialization=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    _same_outputs(model, timm.create_model("hf-hub:org/tiny", pretrained=True).eval())
+    with pytest.raises(ValueError, match="pretrained_ema=True takes the EMA weights of a checkpoint file"):
+        timm.create_model("hf-hub:org/tiny", pretrained=True, pretrained_ema=True)
+
+
+def _record_checkpoint(path, name: str, model: torch.nn.Module, ema: torch.nn.Module) -> str:
+    """A vit3 training checkpoint of ``model`` (trained at 48 px on normalised one-channel images)."""
+    from vit3.engine.checkpoint import save_checkpoint
+
+    kwargs = {"in_chans": 1, "mlp_ratio": 3.0, "drop_path_rate": 0.1}
+    record = {
+        "name": name, "kwargs": kwargs, "in_chans": 1, "img_size": 48, "num_classes": 4,
+        "classes": ["a", "b", "c", "d"], "mean": [0.25], "std": [0.5], "interpolation": "bilinear",
+        "crop_pct": 0.9,
+    }  # fmt: skip
+    state = {"record": record, "model": model.state_dict(), "ema": ema.state_dict(), "model_name": name}
+    return str(save_checkpoint(path, {**state, "model_kwargs": kwargs, "num_classes": 4}))
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_a_vit3_checkpoint_builds_the_model_and_preprocessing_of_its_record(name, tmp_path):
+    """``pretrained_cfg_overlay=dict(file=<vit3 checkpoint>)``: the record's kwargs, channels, classes, size and
+    normalisation, so that timm's data config is the one the weights were trained with."""
+    torch.manual_seed(0)
+    trained, ema = (timm.create_model(name, num_classes=4, in_chans=1, mlp_ratio=3.0).eval() for _ in "ab")
+    path = _record_checkpoint(tmp_path / "best.pt", name, trained, ema)
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path)).eval()
+    _same_outputs(trained, model)
+    config = timm.data.resolve_model_data_config(model)
+    assert config["input_size"] == (1, 48, 48) and config["interpolation"] == "bilinear"
+    assert config["mean"] == (0.25,) and config["std"] == (0.5,) and config["crop_pct"] == 0.9
+    assert model.pretrained_cfg["label_names"] == ("a", "b", "c", "d") and model.num_classes == 4
+    with torch.no_grad():  # the cfg's pool_size is the feature grid at its input size
+        assert _grid(model, model.forward_features(torch.randn(1, 1, 48, 48))) == _pool_grid(model)
+    file = dict(file=path)
+    _same_outputs(
+        ema, timm.create_model(name, pretrained=True, pretrained_ema=True, pretrained_cfg_overlay=file)
+    )
+    with pytest.warns(UserWarning, match=r"drop_path_rate=0 differs from .*best.pt's 0.1: using 0"):
+        head = timm.create_model(
+            name, pretrained=True, pretrained_cfg_overlay=file, num_classes=3, drop_path_rate=0
+        )
+    stem = head.pretrained_cfg["first_conv"] + ".weight"
+    assert head.num_classes == 3 and torch.equal(head.state_dict()[stem], trained.state_dict()[stem])
+    other = next(n for n in TINY_MODELS if n != name)
+    with pytest.raises(CheckpointMismatchError, match=rf"holds a '{name}' .*, not a '{other}'"):
+        timm.create_model(other, pretrained=True, pretrained_cfg_overlay=dict(file=path))

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from vit3.layers import TTTConfig
 from vit3.layers.blocks import TTTBlock
 
-from ._pretrained import create_model_with_official_weights
+from ._pretrained import apply_checkpoint_record, create_model_with_official_weights
 
 __all__ = [
     "OFFICIAL_WEIGHTS",
@@ -420,14 +420,16 @@ def register_family(
     mod = sys.modules[module]
     mod.default_cfgs = generate_default_cfgs(cfgs)
     for name, architecture in variants.items():
-        setattr(mod, name, register_model(_entrypoint(module, name, create, architecture)))
+        setattr(mod, name, register_model(_entrypoint(module, name, create, architecture, stride)))
     return mod.default_cfgs
 
 
 def _entrypoint(
-    module: str, name: str, create: Callable[..., nn.Module], architecture: dict[str, Any]
+    module: str, name: str, create: Callable[..., nn.Module], architecture: dict[str, Any], stride: int
 ) -> Callable[..., nn.Module]:
     def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        if pretrained:  # a vit3 checkpoint as the weights file: the model of its record
+            kwargs = apply_checkpoint_record(name, kwargs, architecture, stride)
         return create(name, pretrained, **{**architecture, **kwargs})
 
     # timm registers an entrypoint under its name and finds its pretrained cfgs in its module

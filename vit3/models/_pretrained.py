@@ -1,15 +1,19 @@
-"""Official ViT³ checkpoints: reading the files, choosing the weights, checking them, building the models.
+"""Pretrained ViT³ weights: reading the files, choosing the weights, checking them, building the models.
 
 The official training scripts save whole training states (``model``, ``state_dict_ema`` for H-ViT³, optimizer,
 scheduler and a yacs ``config`` object). ``load_checkpoint_file`` reads such a file without executing pickled
 code (unknown classes come back as inert ``OrderedDict`` s) and returns one weight dict: the ``model`` entry,
-or the EMA entry (``state_dict_ema`` / ``model_ema``) when asked for with ``pretrained_ema=True``.
+or the EMA entry (``state_dict_ema`` / ``model_ema``) when asked for with ``pretrained_ema=True``. A vit3
+training checkpoint as the file builds the model its record describes (:func:`apply_checkpoint_record`);
+timm's ``hf-hub:`` and ``local-dir:`` sources (``save_for_hf`` folders) are loaded by timm.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -21,6 +25,8 @@ from ..errors import CheckpointError, CheckpointMismatchError, MissingWeightsErr
 
 __all__ = [
     "EMA_KEYS",
+    "HUB_SOURCES",
+    "apply_checkpoint_record",
     "check_state_dict",
     "create_model_with_official_weights",
     "load_checkpoint_file",
@@ -30,6 +36,7 @@ __all__ = [
 
 EMA_KEYS = ("state_dict_ema", "model_ema")
 MODEL_KEYS = ("model", "state_dict")
+HUB_SOURCES = ("hf-hub", "local-dir")  # pretrained cfg sources whose weights timm itself loads
 
 
 class _Inert:
@@ -169,6 +176,83 @@ def _official_file(variant: str, cfg: PretrainedCfg) -> str:
     return cache
 
 
+def apply_checkpoint_record(
+    variant: str, kwargs: dict[str, Any], architecture: Mapping[str, Any], stride: int
+) -> dict[str, Any]:
+    """The ``timm.create_model(variant, pretrained=True, **kwargs)`` kwargs for a vit3 training checkpoint as the
+    weights file (``pretrained_cfg_overlay=dict(file=...)``): the model its record describes.
+
+    The record's model kwargs come under the caller's (a caller's value that differs wins, with a warning), and
+    the pretrained cfg takes the record's class count, input channels and size, normalisation, interpolation,
+    crop and class names under the caller's overlay, so ``timm.data.resolve_model_data_config`` gives the
+    preprocessing the weights were trained with. The weights (EMA with ``pretrained_ema=True``) go in as the
+    cfg's ``state_dict``. Any other file, or no file, returns ``kwargs`` as they are.
+
+    Args:
+        variant: the timm name being built.
+        kwargs: the caller's kwargs of ``timm.create_model`` (not changed).
+        architecture: the variant's own kwargs (under the record's and the caller's).
+        stride: the stride of ``forward_features``' grid, for the cfg's ``pool_size`` (a ``patch_size`` kwarg,
+            the plain family's stride, replaces it).
+
+    Raises:
+        CheckpointMismatchError: the checkpoint holds another model than ``variant``.
+        MissingWeightsError: ``pretrained_ema=True`` and the run kept no EMA weights.
+    """
+    overlay = dict(kwargs.get("pretrained_cfg_overlay") or {})
+    cfg = resolve_pretrained_cfg(variant, kwargs.get("pretrained_cfg"), overlay)
+    path = os.fspath(cfg.file) if cfg.file else ""
+    if cfg.state_dict is not None or cfg.source in HUB_SOURCES or not os.path.isfile(path):
+        return kwargs
+    if path.endswith(".safetensors"):  # weights only, no record
+        return kwargs
+    from vit3.engine.checkpoint import model_record, peek_vit3_checkpoint  # the engine imports the models
+
+    ckpt = peek_vit3_checkpoint(path)
+    if ckpt is None:  # an official file: create_model_with_official_weights reads it
+        return kwargs
+    record = model_record(ckpt)
+    if record["name"] != variant:
+        raise CheckpointMismatchError(
+            f"{path} holds a {record['name']!r} ({record['kwargs'] or {}}), not a {variant!r}: build it with "
+            f"timm.create_model({record['name']!r}, pretrained=True, pretrained_cfg_overlay=dict(file=...))"
+        )
+    out = dict(kwargs)
+    use_ema = bool(out.pop("pretrained_ema", False))
+    weights = ckpt.get("ema") if use_ema else ckpt["model"]
+    if weights is None:
+        raise MissingWeightsError(
+            f"{path} holds no EMA weights (its run had train.ema=false): leave out pretrained_ema"
+        )
+    for key, value in (record["kwargs"] or {}).items():
+        if key in out and out[key] != value:
+            warnings.warn(
+                f"{key}={out[key]!r} differs from {path}'s {value!r}: using {out[key]!r}", stacklevel=3
+            )
+        out.setdefault(key, value)
+    size = record["img_size"]
+    if size is None:
+        spatial = tuple(cfg.input_size[1:])
+    else:
+        spatial = (int(size), int(size)) if isinstance(size, int) else tuple(int(s) for s in size)
+    from_record: dict[str, Any] = {"state_dict": weights, "input_size": (int(record["in_chans"]), *spatial)}
+    if size is not None:
+        grid_stride = int({**architecture, **out}.get("patch_size", stride))
+        from_record["pool_size"] = tuple(math.ceil(s / grid_stride) for s in spatial)
+    for key, value in (
+        ("num_classes", record["num_classes"]),
+        ("mean", record["mean"]),
+        ("std", record["std"]),
+        ("interpolation", record["interpolation"]),
+        ("crop_pct", record["crop_pct"]),
+        ("label_names", record["classes"]),
+    ):
+        if value is not None:
+            from_record[key] = tuple(value) if isinstance(value, list) else value
+    out["pretrained_cfg_overlay"] = {**from_record, **overlay}
+    return out
+
+
 def create_model_with_official_weights(
     model_cls: type[nn.Module],
     variant: str,
@@ -180,15 +264,27 @@ def create_model_with_official_weights(
     """``timm.build_model_with_cfg`` with the official checkpoint files read by ``load_checkpoint_file``.
 
     With ``pretrained=True`` the weights come from ``pretrained_cfg_overlay=dict(file=...)`` or, without a file,
-    from the official URL (downloaded once); ``pretrained_ema=True`` takes the EMA weights of the file.
+    from the official URL (downloaded once); ``pretrained_ema=True`` takes the EMA weights of the file. A cfg of
+    timm's ``hf-hub:`` / ``local-dir:`` sources (or with an ``hf_hub_id`` and no file) is timm's to load.
     timm then converts them with ``filter_fn`` (the model's ``checkpoint_filter_fn``), adapts the classifier
     and the input channels, and loads them strictly.
+
+    Raises:
+        ValueError: ``pretrained_ema=True`` with weights from timm's hub sources (they hold one set).
     """
     use_ema = bool(kwargs.pop("pretrained_ema", False))
     if pretrained:
         overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
         merged = resolve_pretrained_cfg(variant, kwargs.get("pretrained_cfg"), overlay)
-        if not merged.state_dict:
+        from_hub = merged.source in HUB_SOURCES or (
+            merged.hf_hub_id and not merged.file and not merged.state_dict
+        )
+        if from_hub and use_ema:
+            raise ValueError(
+                f"pretrained_ema=True takes the EMA weights of a checkpoint file; the {merged.source or 'hf-hub'} "
+                f"weights of {merged.hf_hub_id or merged.file} are one set: leave out pretrained_ema"
+            )
+        if not from_hub and not merged.state_dict:
             path = _official_file(variant, merged)
             overlay.update(file=path, state_dict=load_checkpoint_file(path, use_ema=use_ema))
         kwargs["pretrained_cfg_overlay"] = overlay
