@@ -66,3 +66,25 @@ def test_finite_check_has_no_false_alarm_on_large_values():
     x = torch.full((2, 3, 64, 64), 3e38)
     with torch.no_grad():
         model(x)
+
+
+@pytest.mark.parametrize("name", ["vit3_tiny", "h_vit3_tiny"])
+def test_whole_model_compiles_with_fullgraph_and_trains(name):
+    """The whole backbone is one graph (no break: what CUDA graphs of a whole step need, and what timm's
+    ``--torchcompile`` compiles): its loss and every gradient are eager's."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, img_size=32, num_classes=10).train()
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+
+    def loss_and_grads(net):
+        model.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want, want_grads = loss_and_grads(model)
+    got, got_grads = loss_and_grads(compiled)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, g_ref in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)

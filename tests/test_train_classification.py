@@ -246,3 +246,29 @@ def test_real_process_kill_then_bare_resume(digits, tmp_path):
     assert_same_tensors(
         _weights_and_state(tmp_path / "a" / "last.pt"), _weights_and_state(tmp_path / "b" / "last.pt")
     )
+
+
+def test_train_compile_compiles_the_step_and_saves_the_plain_model(digits, tmp_path, monkeypatch):
+    """``train.compile=auto`` runs the training step through ``torch.compile`` (Inductor's default mode on CPU,
+    CUDA graphs on a GPU) while checkpoints keep the plain model's keys."""
+    calls = []
+    real = torch.compile
+
+    def compile_on_aot_eager(net, mode=None, **kwargs):
+        calls.append(mode)
+        return real(net, backend="aot_eager", **kwargs)  # Inductor's C++ build is minutes on this machine
+
+    monkeypatch.setattr(torch, "compile", compile_on_aot_eager)
+    run(tiny_cfg(digits, tmp_path / "run", "train.epochs=1", "train.compile=auto"), "train")
+    assert calls == ["default"]
+    keys = read_ckpt(tmp_path / "run" / "last.pt")["model"]
+    assert keys and not any(k.startswith("_orig_mod") for k in keys)
+
+
+def test_train_compile_mode_on_each_device():
+    from vit3.engine.common import compile_mode
+
+    assert compile_mode("auto", torch.device("cuda")) == "reduce-overhead"
+    assert compile_mode("auto", torch.device("cpu")) == "default"
+    assert compile_mode("max-autotune", torch.device("cpu")) == "max-autotune"
+    assert compile_mode("none", torch.device("cuda")) is None

@@ -46,14 +46,18 @@ from .checkpoint import (
     set_rng_state,
 )
 from .config import Config, ConfigError, run_metadata, save_config, to_plain
+from .constraints import config_value
 from .distributed import DistInfo, all_gather_objects, barrier, distributed
 from .optim import build_optimizer, build_scheduler, lr_factor, scaled_lrs
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
+# train.compile: "auto" compiles with CUDA graphs on a GPU (reduce-overhead) and Inductor's default elsewhere
+COMPILE_MODES = ("none", "auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 __all__ = [
     "AMP_MODES",
     "CHECKPOINT_FILES",
+    "COMPILE_MODES",
     "RUN_FILES",
     "RUN_PATTERNS",
     "Optimization",
@@ -67,6 +71,7 @@ __all__ = [
     "check_resume",
     "check_resume_task",
     "checkpoint_task",
+    "compile_mode",
     "claim_output",
     "epoch_batches",
     "in_process_group",
@@ -142,14 +147,27 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
+def compile_mode(mode: str, device: torch.device) -> str | None:
+    """The ``torch.compile`` mode of ``train.compile`` on ``device``, ``None`` for eager (``"none"``); ``"auto"``
+    is ``"reduce-overhead"`` (the whole step replayed as CUDA graphs) on CUDA, ``"default"`` elsewhere."""
+    if mode == "none":
+        return None
+    if mode == "auto":
+        return "reduce-overhead" if device.type == "cuda" else "default"
+    return mode
+
+
 def wrap_ddp(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
-    """``model`` in DistributedDataParallel when the run has several processes, else ``model`` itself."""
-    if not info.distributed:
-        return model
-    dev_ids = [info.device.index] if info.device.type == "cuda" else None
-    return DistributedDataParallel(
-        model, device_ids=dev_ids, find_unused_parameters=cfg.dist.find_unused_parameters
-    )
+    """``model`` as a training step calls it: compiled whole when ``train.compile`` asks (the checkpoints keep
+    saving ``model`` itself), in DistributedDataParallel when the run has several processes."""
+    net = model
+    if info.distributed:
+        dev_ids = [info.device.index] if info.device.type == "cuda" else None
+        net = DistributedDataParallel(
+            model, device_ids=dev_ids, find_unused_parameters=cfg.dist.find_unused_parameters
+        )
+    mode = compile_mode(str(config_value(cfg, "train.compile", "none")), info.device)
+    return net if mode is None else torch.compile(net, mode=mode)
 
 
 def param_digest(model: nn.Module) -> str:
