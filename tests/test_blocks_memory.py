@@ -203,3 +203,56 @@ class _OpCounter(TorchDispatchMode):
 
     def count(self, name: str) -> int:
         return self.names.count(name)
+
+
+def _conv_ffn(hidden: int = 4 * C, **kwargs) -> blocks.ConvFFN:
+    torch.manual_seed(0)
+    ffn = blocks.ConvFFN(C, hidden, **kwargs).double()
+    with torch.no_grad():
+        ffn.dwc.weight.normal_(), ffn.dwc.bias.normal_()
+    return ffn
+
+
+@pytest.mark.parametrize("backend", ["cpu", "generic"])
+def test_lean_conv_ffn_matches_the_layers_every_gradient(monkeypatch, backend):
+    """The lean ConvFFN (x and fc1(x) saved, act -> dwconv -> act recomputed) gives autograd's numbers through
+    the layers, on the C++ depthwise node and on PyTorch's convolution."""
+    monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
+    ffn = _conv_ffn()
+    x = torch.randn(2, 5, 6, C, dtype=torch.float64, requires_grad=True)
+    leaves = [x, *ffn.parameters()]
+    got = ffn(x)
+    assert "_LeanConvFfnFn" in got.grad_fn.name()
+    want = ffn.fc2(ffn.middle(ffn.fc1(x)))
+    assert "_LeanConvFfnFn" not in want.grad_fn.name()
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    names = ["x", *(n for n, _ in ffn.named_parameters())]
+    for name, g, g_ref in zip(names, _grads(got, leaves), _grads(want, leaves)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-11, atol=1e-12, msg=f"gradient of {name}")
+
+
+def test_lean_conv_ffn_saves_x_and_the_hidden_pre_activation_only():
+    """Per token: C (x) + hidden (fc1(x)) values, where autograd through the layers keeps the hidden map
+    about five times; recompute="never" keeps autograd's saving."""
+    hidden = 4 * C
+
+    def run(ffn):
+        return lambda n: ffn(torch.randn(1, 2, n // 2, C, dtype=torch.float64, requires_grad=True))
+
+    lean = _per_token(run(_conv_ffn(hidden)))
+    plain = _per_token(run(_conv_ffn(hidden, recompute="never")))
+    assert lean == C + hidden
+    assert plain >= 4 * hidden
+
+
+def test_lean_conv_ffn_steps_aside_for_dropout_hooks_and_tracing():
+    ffn = _conv_ffn(drop=0.1).train()
+    x = torch.randn(1, 4, 4, C, dtype=torch.float64, requires_grad=True)
+    assert "_LeanConvFfnFn" not in ffn(x).grad_fn.name()
+    ffn = _conv_ffn()
+    handle = ffn.fc2.register_forward_hook(lambda *_: None)
+    assert "_LeanConvFfnFn" not in ffn(x).grad_fn.name()
+    handle.remove()
+    assert "_LeanConvFfnFn" in ffn(x).grad_fn.name()
+    traced = torch.jit.trace(ffn, x.detach())
+    torch.testing.assert_close(traced(x.detach()), ffn(x).detach(), rtol=1e-13, atol=1e-13)

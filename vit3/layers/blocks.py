@@ -62,12 +62,16 @@ class ConvPosEnc(nn.Conv2d):
         """Whether a call on ``x`` takes the C++ kernel's depthwise op (3x3, and the backend registry's rule)."""
         return self.kernel_size == (3, 3) and backends.conv_pos_kernel(x, self.weight, self.backend)
 
+    def residual(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """``x + dwconv(x)`` with the given ``weight [C, 1, k, k]`` and ``bias [C]``: ``[B, H, W, C]``."""
+        if self.on_kernel(x):  # one C++ op: its node with gradients (saving x's token rows), else the forward
+            return torch.ops.vit3_cpu.cpe(x, weight, bias)
+        # NCHW-contiguous input: PyTorch's depthwise kernels are far slower on channels-last strides (CPU 40x)
+        return x + _nhwc(self._conv_forward(_nchw(x).contiguous(), weight, bias))
+
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``."""
-        if self.on_kernel(x):  # one C++ op: its node with gradients (saving x's token rows), else the forward
-            return torch.ops.vit3_cpu.cpe(x, self.weight, self.bias)
-        # NCHW-contiguous input: PyTorch's depthwise kernels are far slower on channels-last strides (CPU 40x)
-        return x + _nhwc(self._conv_forward(_nchw(x).contiguous(), self.weight, self.bias))
+        return self.residual(x, self.weight, self.bias)
 
 
 # FX keeps the module as one call, so a traced model runs the same convolution as the eager one (its choice of
@@ -78,12 +82,18 @@ register_notrace_module(ConvPosEnc)
 class ConvFFN(nn.Module):
     """The H-ViT³ feed-forward: ``fc2(act(ConvPosEnc(drop(act(fc1(x))))))`` on a channels-last map.
 
+    In training (gradients on, eager, no dropout in force, no hooks on its layers, ``recompute`` other than
+    ``"never"``) it saves per token only x and ``h = fc1(x)``: the backward recomputes ``act -> dwconv ->
+    act`` from ``h`` (``_LeanConvFfnFn``), where autograd through the layers keeps the hidden map about five
+    times (the activations, the convolution's input and output).
+
     Args:
         in_features: input and output width C.
         hidden_features: hidden width.
         act_layer: activation (GELU).
         drop: dropout after the activation and after ``fc2``.
         backend: the block's ``TTTConfig.backend``, which the depthwise step follows (:class:`ConvPosEnc`).
+        recompute: the block's ``TTTConfig.recompute``: ``"never"`` keeps autograd's saving.
     """
 
     def __init__(
@@ -93,6 +103,7 @@ class ConvFFN(nn.Module):
         act_layer: LayerType = nn.GELU,
         drop: float = 0.0,
         backend: str = "auto",
+        recompute: str = "auto",
         **_: Any,
     ) -> None:
         super().__init__()
@@ -103,17 +114,79 @@ class ConvFFN(nn.Module):
         self.dwc = ConvPosEnc(hidden, backend=backend)
         self.fc2 = nn.Linear(hidden, in_features)
         self.drop2 = nn.Dropout(drop)
+        self.recompute = recompute
+
+    def middle(self, h: Tensor, dwconv: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """``act(dwconv(drop(act(h))))``: ``[B, H, W, hidden]``; ``dwconv`` defaults to the module ``dwc`` (a
+        call FX keeps whole)."""
+        return self.act((dwconv or self.dwc)(self.drop1(self.act(h))))
+
+    def _lean(self, x: Tensor) -> bool:
+        return (
+            _lean_eligible(x)
+            and not (self.training and (self.drop1.p > 0 or self.drop2.p > 0))
+            and not _hooked(self, self.fc1, self.act, self.dwc, self.fc2)
+            and backends.recompute_mode(self.recompute)[0] != "never"
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``."""
-        x = self.drop1(self.act(self.fc1(x)))
-        x = self.act(self.dwc(x))
-        return self.drop2(self.fc2(x))
+        if self._lean(x):
+            f1, dw, f2 = self.fc1, self.dwc, self.fc2
+            return _LeanConvFfnFn.apply(x, f1.weight, f1.bias, dw.weight, dw.bias, f2.weight, f2.bias, self)
+        return self.drop2(self.fc2(self.middle(self.fc1(x))))
+
+
+class _LeanConvFfnFn(torch.autograd.Function):
+    """``ConvFFN`` saving x and ``h = fc1(x)`` only; the backward recomputes ``a = ffn.middle(h)`` with autograd
+    (the activation and the depthwise step as the forward ran them) for fc2's weight gradient and the gradients
+    of ``h`` and the depthwise weights. Under autocast it computes what autograd through the layers would."""
+
+    @staticmethod
+    @autocast_forward
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        w1: Tensor,
+        b1: Tensor | None,
+        dw: Tensor,
+        db: Tensor | None,
+        w2: Tensor,
+        b2: Tensor | None,
+        ffn: ConvFFN,
+    ) -> Tensor:
+        h = F.linear(x, w1, b1)  # [B, H, W, hidden]
+        ctx.save_for_backward(x, h, w1, dw, db, w2)
+        ctx.ffn, ctx.biases = ffn, (b1 is not None, b2 is not None)
+        return F.linear(ffn.middle(h, lambda a: ffn.dwc.residual(a, dw, db)), w2, b2)
+
+    @staticmethod
+    @autocast_backward
+    @once_differentiable
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, h, w1, dw, db, w2 = ctx.saved_tensors
+        has_b1, has_b2 = ctx.biases
+        leaves = [t.detach().requires_grad_() for t in (h, dw, db) if t is not None]
+        hl, dwl, dbl = (*leaves, None)[:3]
+        with torch.enable_grad():
+            a = ctx.ffn.middle(hl, lambda t: ctx.ffn.dwc.residual(t, dwl, dbl))  # recomputed
+        rows = dy.numel() // dy.shape[-1]
+        dy2 = dy.reshape(rows, -1)  # [T, C]
+        dw2, db2 = dy2.t() @ a.detach().reshape(rows, -1), dy2.sum(0) if has_b2 else None
+        da = (dy2 @ w2).view(a.shape).to(a.dtype)
+        grads = torch.autograd.grad(a, leaves, da)
+        del a
+        dh = grads[0].reshape(rows, -1)
+        dw1, db1 = dh.t() @ x.reshape(rows, -1), dh.sum(0) if has_b1 else None
+        dx = (dh @ w1).view(x.shape).to(x.dtype)
+        ddb = grads[2] if db is not None else None
+        return dx, dw1, db1, grads[1], ddb, dw2, db2, None
 
 
 def _lean_eligible(x: Tensor) -> bool:
-    """Gradients flow and the call is eager: not traced (jit, FX, ONNX) nor compiled, where plain ops serve."""
-    return torch.is_grad_enabled() and not tracing() and not isinstance(x, torch.fx.Proxy)
+    """Gradients flow and the call is eager: not traced (jit, FX, ONNX) nor compiled, where plain ops serve, and
+    the batch is not empty (plain ops take it)."""
+    return torch.is_grad_enabled() and not tracing() and not isinstance(x, torch.fx.Proxy) and x.numel() > 0
 
 
 class _LeanMlpFn(torch.autograd.Function):
@@ -331,7 +404,7 @@ class TTTBlock(nn.Module):
         # what the block's config says to the feed-forwards that read it
         follows = {
             LeanMlp: {"recompute": ttt_cfg.recompute, "backend": ttt_cfg.backend},
-            ConvFFN: {"backend": ttt_cfg.backend},
+            ConvFFN: {"recompute": ttt_cfg.recompute, "backend": ttt_cfg.backend},
         }
         own = next(
             (kw for cls, kw in follows.items() if isinstance(mlp_layer, type) and issubclass(mlp_layer, cls)),
