@@ -102,18 +102,27 @@ def layer_norm_backward(dy: Tensor, z_hat: Tensor, rstd: Tensor, weight: Tensor)
     return rstd * (g - g.mean(-1, keepdim=True) - z_hat * (g * z_hat).mean(-1, keepdim=True))
 
 
-def assert_finite(x: Tensor, error: type[Exception], message: str) -> None:
-    """Raises ``error(message)`` where ``x`` holds a NaN or an Inf, without stopping the host: one reduction
-    whose finiteness ``torch._assert_async`` checks on ``x``'s device. The reduction is a float64 sum (which no
-    finite 32- or 16-bit values overflow; NaN and Inf propagate through it), or ``max |x|`` for float64 input.
-    On CPU the assert raises here; on an accelerator it is a device-side assert, reported at the next
-    synchronisation, so a training step keeps no host sync and stays capturable by CUDA graphs."""
+def assert_finite(x: Tensor, error: type[Exception], message: str, bound: float = math.inf) -> None:
+    """Raises ``error(message)`` where ``x`` holds a NaN or an Inf (or, given a finite ``bound``, a value
+    beyond ``±bound``), without stopping the host: one reduction that ``torch._assert_async`` checks on ``x``'s
+    device. The reduction is a float64 sum (which no finite 32- or 16-bit values overflow; NaN and Inf
+    propagate through it), or ``max |x|`` for float64 input and on devices without float64 (MPS); with a
+    bound, ``x``'s minimum and maximum (``aminmax``, NaN propagating), compared with it. On CPU the assert
+    raises here; on an accelerator it is a device-side assert, reported at the next synchronisation, so a
+    training step keeps no host sync and stays capturable by CUDA graphs."""
     if x.numel() == 0:
         return
-    reduced = x.abs().amax() if x.dtype == torch.float64 else x.sum(dtype=torch.float64)
+    if math.isfinite(bound):
+        lo, hi = torch.aminmax(x)
+        ok = (lo >= -bound) & (hi <= bound)  # False for NaN
+    else:
+        exact = x.dtype == torch.float64 or x.device.type == "mps"
+        ok = torch.isfinite(x.abs().amax() if exact else x.sum(dtype=torch.float64))
     try:
-        torch._assert_async(torch.isfinite(reduced), message)
-    except RuntimeError:
+        torch._assert_async(ok, message)
+    except RuntimeError as e:
+        if message not in str(e):
+            raise
         raise error(message) from None
 
 
