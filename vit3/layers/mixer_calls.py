@@ -31,16 +31,21 @@ class Calls:
     path, per grad mode the last call settled on the whole-mixer C++ op
     (``short[grad]``: its qkv dtype, grid, the op and its arguments after the weights), with where the weights are
     read from (``sources``, ``TTTMixer._param_sources``) and the weights it took (``flat``: a later call takes
-    the short path only while each ``sources`` entry still holds that same tensor, in that dtype). ``clear``
-    drops them all; so does ``backends.forget_plans`` (a demotion, a new environment), which keeps this cache
-    with its own.
+    the short path only while each ``sources`` entry still holds that same tensor, in that dtype), and where
+    the weights are, looked up once (``weight_places``, ``TTTMixer._param_sources``; ``False``: not yet).
+    ``clear`` drops them all; so does ``backends.forget_plans`` (a demotion, a new environment), which keeps
+    this cache with its own.
+
+    Why here and not in the mixer's ``__dict__``: ``torch.export`` (under every exporter built on it) snapshots
+    the modules' attributes as pytrees and writes the snapshot back, so a list of the parameter dicts there came
+    back as copies taken under the trace, holding its fake tensors; this object is one leaf, written back as is.
 
     Why the short path: a settled call then costs a few reads and compares before the op, where a plan key (a
     ``torch.device``, a tuple hashed, the tracing checks) and its lookup cost tens of µs beside a call's
     kernels on a CPU (``benchmarks/mixer_overhead.py``).
     """
 
-    __slots__ = ("__weakref__", "flat", "plans", "short", "sources")
+    __slots__ = ("__weakref__", "flat", "plans", "short", "sources", "weight_places")
 
     def __init__(self) -> None:
         self.plans: dict[tuple, Call] = {}
@@ -52,6 +57,7 @@ class Calls:
         self.short: list[tuple | None] = [None, None]
         self.sources: list[tuple[dict[str, Tensor], str]] | None = None
         self.flat: list[Tensor] | None = None
+        self.weight_places: list[tuple[dict[str, Tensor], str]] | bool | None = False
 
 
 def call_key(device: torch.device, dtype: torch.dtype, n: int, grad: bool, grid: tuple[int, int]) -> tuple:

@@ -127,7 +127,8 @@ class TTTMixer(nn.Module):
         self.proj = nn.Linear(total, dim)
 
     def _check(self, x: Tensor, grid: tuple[int, int], kind: str) -> None:
-        """Shape and (``TTTConfig.check_finite``, not under tracing: ``kind``) finiteness checks of the input."""
+        """Shape and (``TTTConfig.check_finite``, not under tracing: ``kind``) finiteness checks of the input;
+        under a trace, the refusal of a legacy ONNX export with ``dynamic_axes``."""
         if x.ndim != 3:
             raise ValueError(
                 f"TTTMixer expects tokens [B, N, C], got a tensor of rank {x.ndim} {tuple(x.shape)}"
@@ -140,6 +141,13 @@ class TTTMixer(nn.Module):
             raise ValueError(f"grid {h}x{w} = {h * w} tokens does not fit N={n} (input {tuple(x.shape)})")
         if self.cfg.check_finite and not kind:
             assert_finite(x, NonFiniteError, "TTTMixer input contains non-finite values (NaN or Inf)")
+        if kind == "trace" and backends.legacy_onnx_dynamic_axes():
+            raise ValueError(
+                "dynamic_axes: the legacy ONNX exporter (torch.onnx.export(dynamo=False)) fixes a ViT³ model's "
+                "sizes (token counts, RoPE grids) at the example's, so its graph is wrong at any other; export "
+                "without dynamic_axes, or with torch.onnx.export(dynamo=True, dynamic_shapes=...) or vit3's "
+                "export.py onnx"
+            )
 
     def _call(self, qkv: Tensor, grid: tuple[int, int], grad: bool, kind: str) -> Call:
         """This call's plan: decided once per key (device, dtype, N, grad mode, grid) and kept on the mixer
@@ -358,8 +366,8 @@ class TTTMixer(nn.Module):
         try:
             flat = [d[name] for d, name in sources]
         except KeyError:  # a parametrization moved a parameter out of ``_parameters``: looked up again
-            self.__dict__.pop("_param_source_cache")
-            self._calls.sources = self._calls.flat = None
+            calls = self._calls
+            calls.weight_places, calls.sources, calls.flat = False, None, None
             return None
         call = self._calls.plans.get(call_key(device, dtype, n, grad_flows(*inputs, *flat), grid))
         if call is None or call.cpp is None or not call.settled or any(p.dtype is not dtype for p in flat):
@@ -392,7 +400,8 @@ class TTTMixer(nn.Module):
         ``load_state_dict`` or assignment, or its ``requires_grad`` changed, is seen); ``None`` where an inner
         model's initial weights are not its parameters themselves, nor views of them its op takes as stored
         (``Node.stored``: the depthwise conv weight's): then ``initial_params`` on every call)."""
-        sources = self.__dict__.get("_param_source_cache", False)
+        calls = self._calls
+        sources = calls.weight_places
         if sources is not False:
             return sources
         sources = []
@@ -407,7 +416,7 @@ class TTTMixer(nn.Module):
                 sources.append((model._parameters, name))
             if sources is None:
                 break
-        self.__dict__["_param_source_cache"] = sources
+        calls.weight_places = sources
         return sources
 
     @property
@@ -421,7 +430,6 @@ class TTTMixer(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
         state.pop("_call_cache", None)  # plans hold this process's devices and verified kernels
-        state.pop("_param_source_cache", None)  # the parameter dicts of this object, not of the copy
         return state
 
     def __prepare_scriptable__(self) -> TTTMixer:

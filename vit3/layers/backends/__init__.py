@@ -68,6 +68,7 @@ from .interface import (
     Inputs,
     Settings,
     Step,
+    legacy_onnx_dynamic_axes,
     token_class,
     tracing_kind,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "cpu_block_kernel",
     "explain_mixer",
     "keep_with_plans",
+    "legacy_onnx_dynamic_axes",
     "order",
     "plan",
     "recompute_choice",

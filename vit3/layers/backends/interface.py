@@ -7,6 +7,7 @@ plan key, ``plan.BranchKey``); ``Step`` is what its ``run`` computes (defined wi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ __all__ = [
     "Inputs",
     "Settings",
     "Step",
+    "legacy_onnx_dynamic_axes",
     "token_class",
     "tracing_kind",
 ]
@@ -60,6 +62,23 @@ def tracing_kind() -> str:
     if torch.compiler.is_compiling():  # dynamo folds the public check (not the flags' property) to a constant
         return "trace" if torch.onnx.is_in_onnx_export() else "compile"
     return "trace" if torch.jit.is_tracing() or _in_onnx_export() else ""
+
+
+def legacy_onnx_dynamic_axes() -> bool:
+    """Whether this call runs under an ONNX export by ``torch.jit.trace`` (``torch.onnx.export(dynamo=False)``)
+    that declares ``dynamic_axes``. That exporter keeps them only in its own frames while it traces (the
+    argument of ``torch.onnx.export`` and of the functions it hands them to), so they are read there; a trace
+    records the sizes it sees as constants, which such a graph then reads as dynamic."""
+    if torch.compiler.is_compiling() or not (torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()):
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("torch.onnx"):
+            axes = frame.f_locals.get("dynamic_axes")
+            if isinstance(axes, Mapping) and any(axes.values()):
+                return True
+        frame = frame.f_back
+    return False
 
 
 @dataclass(frozen=True)
