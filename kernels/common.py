@@ -23,6 +23,7 @@ from .losses import loss_value
 __all__ = [
     "autocast_backward",
     "autocast_forward",
+    "autocast_on",
     "grad_flows",
     "normalize_grad",
     "normalized",
@@ -44,7 +45,7 @@ def _autocast_available(device: str) -> bool:
     return torch.amp.is_autocast_available(device)
 
 
-def _autocast_on(device: str) -> bool:
+def autocast_on(device: str) -> bool:
     """Whether autocast is on for ``device`` (a type without autocast, such as ``meta``: off)."""
     return _autocast_available(device) and torch.is_autocast_enabled(device)
 
@@ -63,7 +64,7 @@ def autocast_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         device = (
             first if isinstance(first, Tensor) else next(a for a in args if isinstance(a, Tensor))
         ).device.type
-        enabled = _autocast_on(device)
+        enabled = autocast_on(device)
         ctx.autocast = (device, enabled, torch.get_autocast_dtype(device) if enabled else None)
         return forward(ctx, *args)
 
@@ -83,7 +84,7 @@ def autocast_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grads: Any) -> Any:
         device, enabled, dtype = ctx.autocast
-        now = _autocast_on(device)
+        now = autocast_on(device)
         if now == enabled and (not now or torch.get_autocast_dtype(device) == dtype):
             return backward(ctx, *grads)
         with torch.autocast(device, dtype=dtype) if enabled else torch.autocast(device, enabled=False):

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels import OPS
-from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, normalize_grad
+from vit3.kernels.common import autocast_backward, autocast_forward, autocast_on, grad_flows, normalize_grad
 
 from . import backends
 from .backends import MixerExplanation, ModelExplanation
@@ -274,7 +274,7 @@ class TTTMixer(nn.Module):
         # autocast off inside; entering the context costs more than the check where it is off already
         with (
             torch.autocast(device_type=device, enabled=False)
-            if torch.is_autocast_enabled(device)
+            if autocast_on(device)
             else contextlib.nullcontext()
         ):
             if not plan.fused:
