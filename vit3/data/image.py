@@ -1,11 +1,14 @@
 """Image files to the 8-bit RGB or grayscale images the models read, for every mode PIL opens.
 
-PIL's own ``convert("RGB")`` clips 16- and 32-bit integer pixels to 255, so a 16-bit PNG or TIFF would come
-out almost white; :func:`to_model_mode` scales them instead (``I;16*``: value / 257, the full 16-bit range
-onto 0-255; ``I``: the same, values clipped to 0-65535, as PIL reads 16-bit files into ``I`` too), so the
-image keeps its contrast. Palette images with transparency go through RGBA; alpha channels (``RGBA``,
-``LA``, ``PA``) are dropped, as torchvision's and timm's loaders do; ``CMYK``, ``YCbCr``, ``1`` and the rest
-use PIL's conversion. ``F`` (32-bit float) pixels are taken on PIL's 0-255 scale.
+PIL's own ``convert("RGB")`` clips 16- and 32-bit integer pixels to 255 and float pixels to 0-255, so a
+16-bit PNG or TIFF would come out almost white and a float TIFF in [0, 1] black; :func:`to_model_mode` scales
+them by the convention of their type instead (:func:`eight_bit`), so the image keeps its contrast:
+``I;16*`` value / 257 (the full 16-bit range onto 0-255); ``I`` (32-bit integers, which older PIL also reads
+16-bit files into) by the range its largest value is in: up to 255 as 8-bit, up to 65535 as 16-bit (/ 257),
+beyond as 32-bit (x 255 / (2^31 - 1)); ``F`` (32-bit float) in [0, 1] x 255, else on PIL's 0-255 scale
+(clipped). Negative values are 0. Palette images with transparency go through RGBA; alpha channels
+(``RGBA``, ``LA``, ``PA``) are dropped, as torchvision's and timm's loaders do; ``CMYK``, ``YCbCr``, ``1`` and
+the rest use PIL's conversion.
 
 Nothing is dropped or stretched without a word: :func:`warn_skipped` names the files of an image folder that
 are not images (skipped), :func:`warn_if_tiny` an image below :data:`TINY_SIDE` pixels (resized to the input
@@ -29,13 +32,14 @@ __all__ = [
     "CorruptImageError",
     "TransformError",
     "apply_transform",
+    "eight_bit",
     "open_image",
     "to_model_mode",
     "warn_if_tiny",
     "warn_skipped",
 ]
 
-SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 TINY_SIDE = 8  # an image with a side below this many pixels holds next to no picture
 
 
@@ -47,17 +51,30 @@ class TransformError(RuntimeError):
     """An image transform (augmentation) failed; the message names the image it failed on."""
 
 
+def eight_bit(img: Image.Image) -> Image.Image:
+    """A one-channel image of mode ``I;16*``, ``I`` or ``F`` as an 8-bit ``L`` image, scaled by the convention
+    of its type and range (module docstring)."""
+    pixels = np.nan_to_num(np.asarray(img).astype(np.float64), nan=0.0)  # [H, W]
+    top = float(pixels.max(initial=0.0))
+    if img.mode == "F":
+        if top > 1.0 or pixels.min(initial=0.0) < 0.0:
+            return img.convert("L")  # not in [0, 1]: PIL's 0-255 scale
+        full = 1.0
+    elif img.mode in SIXTEEN_BIT:
+        full = 65535.0
+    else:  # "I": the range of its largest value
+        full = 255.0 if top <= 255 else 65535.0 if top <= 65535 else 2.0**31 - 1
+    return Image.fromarray(np.rint(np.clip(pixels, 0, full) / (full / 255.0)).astype(np.uint8))
+
+
 def to_model_mode(img: Image.Image, mode: str = "RGB") -> Image.Image:
     """``img`` as an 8-bit ``mode`` image ("RGB" or "L"), converting every PIL mode correctly (module doc)."""
     if img.mode == mode:
         return img
-    if img.mode in SIXTEEN_BIT:
-        pixels = np.asarray(img).astype(np.float64)  # [H, W] uint16 / int32
-        img = Image.fromarray(np.rint(np.clip(pixels, 0, 65535) / 257.0).astype(np.uint8))  # -> "L"
+    if img.mode in (*SIXTEEN_BIT, "I", "F"):
+        img = eight_bit(img)
     elif img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")  # PIL's advice for palette transparency; the alpha is dropped below
-    elif img.mode == "F":
-        img = img.convert("L")
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
     return img.convert(mode) if img.mode != mode else img
