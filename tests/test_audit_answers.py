@@ -3,14 +3,49 @@ warned about or made right. Grouped by what each test protects; tiny data made i
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+import torch
+from helpers.train import (
+    load_script,
+    make_digit_folder,
+    one_error_line,
+    run_until_crash,
+    tiny_args,
+    tiny_cfg,
+)
 from PIL import Image
 
 import vit3.models  # noqa: F401  (registers the models)
 from vit3.data.image import open_image
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """A tiny run (2 classes, 2 epochs of 2 steps) killed after epoch 1 and resumed by ``train.py --resume``:
+    its folder, the checkpoint the kill left and the data folder."""
+    data = make_digit_folder(tmp_path_factory.mktemp("digits"), digits=(0, 1), n_train=20, n_val=6)
+    out = tmp_path_factory.mktemp("run")
+    with pytest.MonkeyPatch.context() as m, torch.random.fork_rng():
+        left = run_until_crash(m, tiny_cfg(data, out), global_step=2)
+    assert load_script("train").main(["--resume", str(out / "last.pt")]) == 0
+    return out, left, data
+
+
+# --- an accuracy that means nothing is refused -------------------------------------------------------------
+
+
+def test_one_class_classification_is_refused(tmp_path, capsys):
+    """One class folder: every prediction is right ("val top-1 100%"); refused naming the folder."""
+    data = make_digit_folder(tmp_path / "d", digits=(3,), n_train=20, n_val=5)
+    code = load_script("train").main(tiny_args(data, tmp_path / "out"))
+    line = one_error_line(capsys)
+    assert code == 2 and str(data / "train") in line and "at least 2 classes" in line, line
+    assert not (tmp_path / "out" / "last.pt").exists()
 
 
 # --- images load as they look ------------------------------------------------------------------------------
@@ -43,3 +78,20 @@ def test_float_and_int32_tiffs_keep_their_range(tmp_path, pixels, want):
     np.testing.assert_array_equal(
         np.asarray(open_image(sixteen, "L")).reshape(-1), np.rint(np.arange(64) * 1000 / 257).astype(np.uint8)
     )
+
+
+# --- what is counted is what was evaluated -----------------------------------------------------------------
+
+
+def test_eval_skipping_a_corrupt_image_counts_the_images_read(resumed, tmp_path):
+    """``data.corrupt_images=skip`` put the next image in the corrupt one's place: 13 images counted where 12
+    were read (one twice). Now 12, and the report says one was skipped."""
+    out, _, _ = resumed
+    other = make_digit_folder(tmp_path / "e", digits=(0, 1), n_train=1, n_val=6)
+    (other / "val" / "digit_0" / "0002_bad.png").write_bytes(b"\x89PNG truncated")
+    report = tmp_path / "r.json"
+    args = ["--checkpoint", str(out / "last.pt"), "--data", str(other), "--json", str(report)]
+    with pytest.warns(UserWarning, match="0002_bad.png"):
+        assert load_script("eval").main([*args, "data.corrupt_images=skip", "eval.flops=false"]) == 0
+    result = json.loads(report.read_text())["results"][0]
+    assert (result["images"], result["skipped"]) == (12, 1)

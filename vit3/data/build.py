@@ -28,7 +28,7 @@ import torch
 from PIL import Image, ImageOps
 from timm.data import Mixup, create_transform
 from timm.data import auto_augment as timm_auto_augment
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ..errors import DataError
 from .folder import ImageFolderDataset, find_classes
@@ -47,6 +47,8 @@ __all__ = [
     "build_train_loader",
     "build_transform",
     "build_val_loader",
+    "check_class_count",
+    "collate_read",
     "posterize",
 ]
 
@@ -142,11 +144,14 @@ class SeededTransform(Dataset):
     """Wraps a dataset of PIL images; sample ``i`` of epoch ``e`` is transformed under seed (seed, e, i).
 
     ``transform=None``: the dataset augments its samples itself (the dense datasets); ``dataset[i]`` is then
-    read under that seed.
+    read under that seed. ``drop_skipped``: a sample the dataset skips (a corrupt file under
+    ``data.corrupt_images=skip``: its ``read_sample`` returns ``None``) is ``None`` here, for
+    :func:`collate_read` to leave out; else the dataset's ``load_sample`` puts the next readable one in its place.
     """
 
-    def __init__(self, dataset: Dataset, transform: Callable | None, seed: int) -> None:
+    def __init__(self, dataset: Dataset, transform: Callable | None, seed: int, drop_skipped: bool = False):
         self.dataset, self.transform, self.seed, self.epoch = dataset, transform, int(seed), 0
+        self.drop_skipped = drop_skipped
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -160,10 +165,21 @@ class SeededTransform(Dataset):
             with _private_rng(seed):
                 return self.dataset[index]
         # (image, label, file) where the dataset can say which file: a failing transform names it
-        load = getattr(self.dataset, "load_sample", None)
-        img, target, source = load(index) if load else (*self.dataset[index], f"sample {index}")
+        load = getattr(self.dataset, "read_sample" if self.drop_skipped else "load_sample", None)
+        load = load or getattr(self.dataset, "load_sample", None)
+        sample = load(index) if load else (*self.dataset[index], f"sample {index}")
+        if sample is None:
+            return None
+        img, target, source = sample
         with _private_rng(seed):
             return apply_transform(self.transform, img, source), target
+
+
+def collate_read(batch: list[Any]) -> Any:
+    """``default_collate`` of the samples read: the ``None`` of skipped ones (:class:`SeededTransform`
+    ``drop_skipped``) left out; ``None`` for a batch of skipped samples only."""
+    kept = [sample for sample in batch if sample is not None]
+    return default_collate(kept) if kept else None
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -230,6 +246,7 @@ def build_datasets(
     splits: tuple[str, ...] = ("train", "val"),
     classes: list[str] | None = None,
     classes_from: str = "the model",
+    min_classes: int = 1,
 ) -> dict[str, Any]:
     """Untransformed datasets (PIL images) of ``cfg.data`` for the given splits, plus ``"classes"``.
 
@@ -241,9 +258,12 @@ def build_datasets(
             (a subset or another order is fine, an unknown name is an error). ``None``: the training
             folder's classes (sorted), or the split's own when there is no training folder.
         classes_from: what ``classes`` are, for the error naming an unknown class.
+        min_classes: the fewest classes the labels may have (classification: 2, as with one class every
+            prediction is right).
 
     Raises:
-        FileNotFoundError / DataError: missing data directory, empty class folder, unknown class or dataset.
+        FileNotFoundError / DataError: missing data directory, empty class folder, unknown class or dataset,
+            fewer than ``min_classes`` classes (naming the folder, or ``classes_from``, they come from).
     """
     data = cfg.data
     out: dict[str, Any] = {}
@@ -259,6 +279,7 @@ def build_datasets(
                 )
             out[split] = MNIST5k(names[split], classes=classes, classes_from=classes_from)
         out["classes"] = list(classes) if classes is not None else list(MNIST5k.classes)
+        check_class_count(out["classes"], min_classes, classes_from if classes is not None else "mnist5k")
         return out
     if data.dataset != "folder":
         raise DataError(f"unknown data.dataset '{data.dataset}': expected one of {', '.join(DATASETS)}")
@@ -270,16 +291,34 @@ def build_datasets(
     mode = "L" if in_chans == 1 else "RGB"
     split_dirs = {"train": data.train_split, "val": data.val_split}
     # Labels come from the training folders whenever they exist, so val labels always match training.
-    origin = classes_from
+    origin, labels_from = classes_from, classes_from
     if classes is None and (root / data.train_split).is_dir():
         classes, origin = find_classes(root / data.train_split), "the training data"
+        labels_from = f"image folder {root / data.train_split}"
     for split in splits:
         out[split] = ImageFolderDataset(
             root / split_dirs[split], None, classes, data.corrupt_images, mode, classes_from=origin
         )
-        classes = classes or out[split].classes
+        if classes is None:
+            classes, labels_from = out[split].classes, f"image folder {root / split_dirs[split]}"
+    check_class_count(classes, min_classes, labels_from)
     out["classes"] = classes
     return out
+
+
+def check_class_count(classes: list[str], min_classes: int, source: str) -> None:
+    """Refuses labels with fewer than ``min_classes`` classes.
+
+    Raises:
+        DataError: naming ``source`` (the folder or model the labels come from) and its classes.
+    """
+    if len(classes) >= min_classes:
+        return
+    raise DataError(
+        f"{source} has {len(classes)} class{'' if len(classes) == 1 else 'es'} ({', '.join(classes)}): "
+        f"classification needs at least {min_classes} classes (one folder of images per class), as with one "
+        f"class every prediction is right"
+    )
 
 
 def build_mixup(cfg, num_classes: int) -> Mixup | None:
@@ -356,6 +395,8 @@ def build_train_loader(
 def build_val_loader(
     dataset: Dataset, transform: Callable, cfg, batch_size: int, rank: int = 0, world: int = 1
 ) -> DataLoader:
-    """In-order loader over this rank's shard (every image is evaluated exactly once over all ranks)."""
-    wrapped = SeededTransform(dataset, transform, cfg.seed)
-    return _loader(wrapped, ShardSampler(len(dataset), world, rank), batch_size, cfg, False, cfg.seed)
+    """In-order loader over this rank's shard (every image is evaluated exactly once over all ranks; one
+    skipped as corrupt is left out of its batch, and a batch of skipped images only is ``None``)."""
+    wrapped = SeededTransform(dataset, transform, cfg.seed, drop_skipped=True)
+    sampler = ShardSampler(len(dataset), world, rank)
+    return _loader(wrapped, sampler, batch_size, cfg, False, cfg.seed, collate_read)

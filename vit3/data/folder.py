@@ -10,7 +10,9 @@
   ``vit3.data.image.TINY_SIDE`` pixels is used with a warning naming it (once per file and process);
 * a corrupt (unreadable) image file: policy ``corrupt_images``:
   ``"error"`` (default) raises :class:`CorruptImageError` naming the file; ``"skip"`` warns once per file
-  (naming it) and returns the next readable image of the split instead, so a batch keeps its size.
+  (naming it) and leaves it out: :meth:`ImageFolderDataset.read_sample` returns ``None`` for it (an evaluation
+  loader drops it, so the images counted are those read), :meth:`~ImageFolderDataset.load_sample` the next
+  readable image of the split instead (training, where a batch keeps its size).
 """
 
 from __future__ import annotations
@@ -111,22 +113,33 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def load_sample(self, index: int) -> tuple[Image.Image, int, str]:
-        """``(image, label, file)`` of sample ``index`` without the transform (a corrupt file: see the policy)."""
-        for offset in range(len(self.samples)):
-            path, target = self.samples[(index + offset) % len(self.samples)]
-            try:
-                img = open_image(path, self.mode)
-            except CorruptImageError as e:
-                if self.corrupt_images == "error":
-                    raise
-                if path not in self._warned:
-                    self._warned.add(path)
-                    warnings.warn(f"skipping corrupt image file {path} ({e.__cause__})", stacklevel=2)
-                continue
-            if path not in self._warned and warn_if_tiny(img, path):
+    def read_sample(self, index: int) -> tuple[Image.Image, int, str] | None:
+        """``(image, label, file)`` of sample ``index`` without the transform; ``None`` for a corrupt file
+        under ``corrupt_images="skip"`` (warned once per file).
+
+        Raises:
+            CorruptImageError: a corrupt file under ``corrupt_images="error"``.
+        """
+        path, target = self.samples[index]
+        try:
+            img = open_image(path, self.mode)
+        except CorruptImageError as e:
+            if self.corrupt_images == "error":
+                raise
+            if path not in self._warned:
                 self._warned.add(path)
-            return img, target, path
+                warnings.warn(f"skipping corrupt image file {path} ({e.__cause__})", stacklevel=2)
+            return None
+        if path not in self._warned and warn_if_tiny(img, path):
+            self._warned.add(path)
+        return img, target, path
+
+    def load_sample(self, index: int) -> tuple[Image.Image, int, str]:
+        """:meth:`read_sample` of ``index``, or of the next readable sample when it skips a corrupt file."""
+        for offset in range(len(self.samples)):
+            sample = self.read_sample((index + offset) % len(self.samples))
+            if sample is not None:
+                return sample
         raise CorruptImageError(f"no readable image in {self.root}")
 
     def __getitem__(self, index: int):

@@ -208,6 +208,7 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
         in_chans,
         classes=head["classes"] if head else None,
         classes_from=f"the classifier of {resume or pretrained}",
+        min_classes=2,
     )
     classes = data["classes"]
     if head is not None:

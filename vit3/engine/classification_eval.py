@@ -70,8 +70,8 @@ def _flops(model: nn.Module, x: torch.Tensor) -> float | None:
 def evaluate(cfg: Config) -> dict[str, Any]:
     """Evaluates ``cfg.eval.checkpoint`` on the val split at each of ``cfg.eval.img_sizes``.
 
-    Returns (and writes as JSON): params, and per resolution top-1/top-5/loss, images/s, peak memory
-    and fvcore FLOPs (per image).
+    Returns (and writes as JSON): params, and per resolution top-1/top-5/loss, the images counted and those
+    skipped as corrupt (``data.corrupt_images=skip``), images/s, peak memory and fvcore FLOPs (per image).
     """
     return in_process_group(cfg, _evaluate)
 
@@ -91,7 +91,12 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         apply_model_record(cfg, record, path)
         num_classes, classes = int(record["num_classes"]), record["classes"]
         data = build_datasets(
-            cfg, input_channels(cfg), splits=("val",), classes=classes, classes_from=f"the model of {path}"
+            cfg,
+            input_channels(cfg),
+            splits=("val",),
+            classes=classes,
+            classes_from=f"the model of {path}",
+            min_classes=2,
         )
         model, _ = build_model(cfg, num_classes)
         load_model_weights(model, ckpt, use_ema=cfg.eval.use_ema, source=path)
@@ -103,7 +108,11 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         default = timm.models.get_pretrained_cfg_value(cfg.model.name, "num_classes") or 1000
         num_classes = int(cfg.model.num_classes or default)
         data = build_datasets(
-            cfg, input_channels(cfg), splits=("val",), classes=official_eval_classes(cfg, num_classes, path)
+            cfg,
+            input_channels(cfg),
+            splits=("val",),
+            classes=official_eval_classes(cfg, num_classes, path),
+            min_classes=2,
         )
         model, _ = build_model(cfg, num_classes, path, keep_head=True)
     if len(data["classes"]) > num_classes:
@@ -136,7 +145,7 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(info.device)
         metrics = validate(model, loader, info.device, amp)
-        x = next(iter(loader))[0].to(info.device)
+        x = next(batch for batch in loader if batch is not None)[0].to(info.device)
         rate = _throughput(model, x, int(cfg.eval.throughput_batches), amp)
         memory, memory_kind = _peak_memory_mb(info.device)
         flops = _flops(model, x) if cfg.eval.flops else None
@@ -175,6 +184,12 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
                 info,
                 f"{r['img_size']:>5} {r['top1']:>7.2f} {r['top5']:>7.2f} {r['loss']:>7.4f} "
                 f"{r['throughput_img_s']:>9.1f} {r['peak_memory_mb']:>9.1f} {g:>8}",
+            )
+        if results[0]["skipped"]:
+            log(
+                info,
+                f"over {results[0]['images']} images: {results[0]['skipped']} corrupt image file(s) skipped "
+                f"(data.corrupt_images=skip) are left out",
             )
         log(info, f"wrote {out}")
     report["json"] = str(out)

@@ -194,10 +194,22 @@ def _build_model(
 def validate(
     model: nn.Module, loader, device: torch.device, amp_dtype: torch.dtype | None = None
 ) -> dict[str, float]:
-    """Top-1/top-5 (%) and mean cross-entropy over the loader, summed over all ranks."""
+    """Top-1/top-5 (%) and mean cross-entropy over the loader, summed over all ranks.
+
+    Returns:
+        ``top1``, ``top5``, ``loss``; ``images``: the images counted (all ranks), and ``skipped``: those of
+        the loader's dataset left out (corrupt files under ``data.corrupt_images=skip``: a ``None`` batch
+        holds none).
+
+    Raises:
+        DataError: no image of the dataset could be read.
+    """
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, count
-    for x, y in loader:
+    for batch in loader:
+        if batch is None:  # every image of the batch skipped
+            continue
+        x, y = batch
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device, amp_dtype):
             logits = model(x)
@@ -213,5 +225,13 @@ def validate(
         ]
         sums += torch.stack([v.to(sums.dtype) for v in batch])
     loss, top1, top5, n = sum_tensor(sums).tolist()
-    n = max(n, 1.0)
-    return {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n, "loss": loss / n, "images": int(n)}
+    skipped = len(loader.dataset) - int(n)
+    if n == 0:
+        raise DataError(f"none of the {skipped} validation images could be read (all skipped as corrupt)")
+    return {
+        "top1": 100.0 * top1 / n,
+        "top5": 100.0 * top5 / n,
+        "loss": loss / n,
+        "images": int(n),
+        "skipped": skipped,
+    }
