@@ -80,6 +80,29 @@ def test_float_and_int32_tiffs_keep_their_range(tmp_path, pixels, want):
     )
 
 
+# --- results go where the user said ------------------------------------------------------------------------
+
+
+def test_empty_output_is_refused(tmp_path, monkeypatch, capsys):
+    """``output=`` ran with the working folder as the run folder, writing checkpoints there."""
+    data = make_digit_folder(tmp_path / "d", digits=(0, 1), n_train=20, n_val=5)
+    monkeypatch.chdir(tmp_path)
+    code = load_script("train").main([*tiny_args(data, tmp_path / "out"), "output="])
+    line = one_error_line(capsys)
+    assert code == 2 and "config key output" in line and "empty" in line, line
+    assert not (tmp_path / "last.pt").exists()
+
+
+def test_output_flag_and_override_that_disagree_are_refused(tmp_path, capsys):
+    """``--output A output=B`` ran into A without a word about B."""
+    data = make_digit_folder(tmp_path / "d", digits=(0, 1), n_train=20, n_val=5)
+    flag, written = tmp_path / "a", tmp_path / "b"
+    code = load_script("train").main(["--output", str(flag), *tiny_args(data, written)])
+    line = one_error_line(capsys)
+    assert code == 2 and "--output" in line and f"output={written}" in line and "disagree" in line, line
+    assert not flag.exists() and not written.exists()
+
+
 # --- what is counted is what was evaluated -----------------------------------------------------------------
 
 

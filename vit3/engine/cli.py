@@ -8,7 +8,7 @@ on stderr and exit code :data:`USER_ERROR_EXIT`, wherever it was raised, even in
 so do the parser's own usage errors (:class:`ArgumentParser`). Under torchrun, rank 0 reports (a process of
 another rank reports only a mistake rank 0 did not meet: :data:`RANK_REPORT_DELAY_S`). ``--debug`` (or
 ``VIT3_DEBUG=1``) re-raises it with its traceback instead. Any other exception is a bug and keeps its
-traceback.
+traceback. A flag and an override that set one key to two values are refused (:func:`check_flag_overrides`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from ..errors import OUTPUT_ERRNOS, UserError, describe_os_error
+from ..errors import OUTPUT_ERRNOS, ConfigError, UserError, describe_os_error
+from .config import parse_override
 
 USER_ERROR_EXIT = 2  # the exit code of argparse's own usage errors
 DEBUG_ENV = "VIT3_DEBUG"
@@ -39,6 +41,7 @@ __all__ = [
     "USER_ERROR_EXIT",
     "ArgumentParser",
     "add_debug_flag",
+    "check_flag_overrides",
     "is_user_error",
     "run_cli",
     "user_message",
@@ -105,6 +108,30 @@ def _overrides_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[st
         is_value = action is not None and action.nargs in (None, 1) and action.const is None
         (overrides if OVERRIDE.match(token) and not is_value else rest).append(token)
     return [*rest, "--", *overrides] if overrides else rest
+
+
+def check_flag_overrides(overrides: Sequence[str], flags: Mapping[str, tuple[str, Any]]) -> None:
+    """Refuses a ``key=value`` override that gives a flag's config key another value than the flag.
+
+    Args:
+        overrides: the command line's ``key.sub=value`` tokens.
+        flags: config key -> (the flag that sets it, the flag's value; ``None``: not given).
+
+    Raises:
+        ConfigError: one line naming the flag and the override that disagree.
+    """
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, str) and isinstance(b, str):
+            return os.path.normpath(a) == os.path.normpath(b) if a and b else a == b
+        return a == b
+
+    for token in overrides:
+        key, value = parse_override(token)
+        flag, given = flags.get(key, ("", None))
+        if given is not None and not same(parse_override(f"{key}={given}")[1], value):
+            shown = flag if given is True else f"{flag} {given}"
+            raise ConfigError(f"{shown} and the override {token} disagree (both set {key}): give it once")
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:

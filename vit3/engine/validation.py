@@ -126,7 +126,15 @@ __all__ = [
 CONSTRAINTS: dict[str, Constraint | tuple[Constraint, ...]] = {
     "task": Choice(task_names),
     "seed": NON_NEGATIVE,
-    "output": Check(what="a folder this run can write", test=writable_folder, when=ON_TRAIN),
+    "output": (
+        Check(
+            what="a folder (a run writes its checkpoints there)",
+            test=lambda value, cfg: (
+                None if str(value).strip() else "empty: give the run a folder, output=DIR"
+            ),
+        ),
+        Check(what="a folder this run can write", test=writable_folder, when=ON_TRAIN),
+    ),
     "device": Check(what="auto, cpu, cuda or cuda:N (a torch device)", test=torch_device),
     "threads": Range(1, null="torch's default"),
     "model.name": (

@@ -23,11 +23,23 @@ import sys
 
 from vit3.engine import run
 from vit3.engine.checkpoint import config_for_checkpoint
-from vit3.engine.cli import ArgumentParser, run_cli
+from vit3.engine.cli import ArgumentParser, check_flag_overrides, run_cli
 
 
 def _evaluate(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
+    flags = {
+        "eval.checkpoint": ("--checkpoint", args.checkpoint),
+        "model.name": ("--model", args.model),
+        "data.path": ("--data", args.data),
+        "eval.img_sizes": ("--img-size", None if args.img_size is None else list(args.img_size)),
+        "eval.use_ema": ("--ema", True if args.ema else None),
+        "eval.batch_size": ("--batch-size", args.batch_size),
+        "eval.json": ("--json", args.json),
+    }
+    for key in ("sampler", "steps", "cfg_scale", "num_samples"):
+        flags[f"sample.{key}"] = (f"--{key.replace('_', '-')}", getattr(args, key))
+    check_flag_overrides(overrides, flags)
     if args.model is not None:
         overrides.append(f"model.name={args.model}")
     if args.data is not None:

@@ -21,7 +21,7 @@ import sys
 
 from vit3.engine import load_config, run
 from vit3.engine.checkpoint import config_for_resume
-from vit3.engine.cli import ArgumentParser, run_cli
+from vit3.engine.cli import ArgumentParser, check_flag_overrides, run_cli
 from vit3.engine.config import CONFIG_DIR, parse_override
 
 DEMO_CONFIG = CONFIG_DIR / "demo_mnist.yaml"
@@ -29,6 +29,14 @@ DEMO_CONFIG = CONFIG_DIR / "demo_mnist.yaml"
 
 def _train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
+    check_flag_overrides(
+        overrides,
+        {
+            "output": ("--output", args.output),
+            "train.resume": ("--resume", args.resume),
+            "train.overwrite": ("--overwrite", True if args.overwrite else None),
+        },
+    )
     if args.overwrite:
         overrides.append("train.overwrite=true")
     resume = args.resume
