@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import timm
 import torch
 from helpers.train import (
     load_script,
@@ -118,3 +119,18 @@ def test_eval_skipping_a_corrupt_image_counts_the_images_read(resumed, tmp_path)
         assert load_script("eval").main([*args, "data.corrupt_images=skip", "eval.flops=false"]) == 0
     result = json.loads(report.read_text())["results"][0]
     assert (result["images"], result["skipped"]) == (12, 1)
+
+
+# --- the model refuses what it cannot compute --------------------------------------------------------------
+
+
+def test_finite_images_too_large_for_the_float_type_are_refused():
+    """Finite images of 1e30 (or 1e5 under float16 autocast) gave NaN logits without a word."""
+    model = timm.create_model("vit3_tiny", img_size=32, num_classes=4).eval()
+    x = torch.rand(1, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.isfinite(model(x * 255)).all()
+        with pytest.raises(ValueError, match=r"beyond ±1\.84e\+19"):
+            model(x * 1e30)
+        with torch.autocast("cpu", dtype=torch.float16), pytest.raises(ValueError, match="beyond ±256"):
+            model(x * 1e5)

@@ -3,12 +3,15 @@ downsampling (``[B, C, H, W]`` convolutions; the blocks between them are ``vit3.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import Tensor, nn
+
+from vit3.kernels.common import autocast_on
 
 from .inner_math import assert_finite, tracing
 
@@ -19,6 +22,7 @@ __all__ = [
     "check_image",
     "check_image_size",
     "grad_in_param_strides",
+    "image_bound",
 ]
 
 
@@ -142,7 +146,8 @@ def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = Tr
 
     Raises:
         ValueError: wrong rank or channel count, a side smaller than ``min_size`` (the model's total
-            reduction), or non-finite values.
+            reduction), or values that are non-finite or beyond :func:`image_bound` (finite, yet they would
+            overflow the model's float type into NaN logits).
     """
     if x.ndim != 4:
         raise ValueError(f"expected images [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
@@ -157,11 +162,29 @@ def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = Tr
             f"(its total reduction)"
         )
     if check_finite and not tracing():
-        assert_finite(x, ValueError, "input images contain non-finite values (NaN or Inf)")
+        bound = image_bound(x)
+        assert_finite(
+            x,
+            ValueError,
+            f"input images hold non-finite values (NaN or Inf) or values beyond ±{bound:.3g}, the square root "
+            f"of the largest number of the float type the model computes in (its activations are squared, "
+            f"which would overflow into NaN logits)",
+            bound,
+        )
     return x
 
 
 register_notrace_function(check_image)
+
+
+def image_bound(x: Tensor) -> float:
+    """The largest magnitude an image ``x`` may hold: the square root of the largest number of the float type
+    the model computes in (autocast's on ``x``'s device, else ``x``'s own), as LayerNorm variances, attention
+    scores and the inner models' losses square the activations (e.g. 1.8e19 for float32 and bfloat16, 256
+    for float16; normalised images lie within a few units); ``inf`` for a non-float ``x``."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if autocast_on(device) else x.dtype
+    return torch.finfo(dtype).max ** 0.5 if dtype.is_floating_point else math.inf
 
 
 def check_image_size(
