@@ -11,9 +11,9 @@ plain data (dicts, lists, strings, numbers, tensors), checked on save (:func:`ch
 checkpoint of every task reloads with weights-only loading; a checkpoint of an earlier vit3 whose model kwargs
 pickled a ``Config`` is read with it rebuilt as a plain dict (nothing is imported from the file).
 Files are written to a temporary name in the same directory, flushed to disk (``fsync``) and moved into
-place with ``os.replace``, so a killed run never leaves a truncated checkpoint; the temporary file a killed
-write left behind is removed by the next save. A file that was truncated anyway (an interrupted copy) is
-reported as truncated.
+place with ``os.replace`` (:mod:`vit3.engine.outputs`), so a killed run never leaves a truncated checkpoint;
+the temporary file a killed write left behind is removed by the next save. A file that was truncated anyway
+(an interrupted copy) is reported as truncated.
 
 The model record (:func:`model_record`) is what building the model again needs: ``name`` (timm name),
 ``kwargs`` (its ``timm.create_model`` kwargs), ``in_chans``, ``img_size`` (training resolution),
@@ -29,8 +29,6 @@ the user gives explicitly win, with a warning where they differ. Official files 
 from __future__ import annotations
 
 import collections
-import contextlib
-import os
 import random
 import warnings
 import zipfile
@@ -42,8 +40,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import OUTPUT_ERRNOS, CheckpointError, CheckpointMismatchError, OutputError
+from ..errors import CheckpointError, CheckpointMismatchError
 from .config import Config, ConfigError, config_from_checkpoint, load_config, to_plain
+from .outputs import atomic_write
 
 FORMAT = "vit3-checkpoint"
 VERSION = 2  # 2: adds the model record
@@ -111,38 +110,6 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
-def _remove_stale_temp_files(path: Path, keep: Path) -> None:
-    """Removes ``.<name>.tmp<pid>`` files of ``path`` left by writers that died (a killed run)."""
-    for stale in path.parent.glob(f".{path.name}.tmp*"):
-        pid = stale.name.rpartition(".tmp")[2]
-        if stale != keep and not (pid.isdigit() and _pid_alive(int(pid))):
-            stale.unlink(missing_ok=True)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Makes a rename inside ``folder`` durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 # What torch.load(weights_only=True) reads back besides tensors (checked on save: check_plain).
 _PLAIN_LEAVES = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -171,8 +138,9 @@ def check_plain(obj: Any, where: str = "checkpoint") -> None:
 
 
 def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
-    """Writes ``state`` (plus ``format``/``version``) atomically: a temp file in the same directory, flushed to
-    disk with ``fsync``, then ``os.replace``; stale temp files of earlier (killed) writes are removed.
+    """Writes ``state`` (plus ``format``/``version``) atomically (:func:`~vit3.engine.outputs.atomic_write`: a
+    temp file in the same directory, flushed to disk with ``fsync``, then ``os.replace``; stale temp files of
+    earlier, killed writes are removed).
 
     Raises:
         TypeError: ``state`` holds something other than plain data (:func:`check_plain`).
@@ -180,26 +148,9 @@ def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
             message names the file and the reason; a checkpoint already at ``path`` is left as it was.
     """
     check_plain(dict(state))
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temp_files(path, keep=tmp)
-        with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except OSError as e:
-        if e.errno not in OUTPUT_ERRNOS:
-            raise
-        kept = "the checkpoint already there is left as it was" if path.is_file() else "nothing was written"
-        raise OutputError(f"cannot write checkpoint {path}: {e.strerror or e} ({kept})") from e
-    finally:
-        with contextlib.suppress(OSError):  # a folder that refused the file may refuse its removal too
-            tmp.unlink(missing_ok=True)
-    return path
+    with atomic_write(path, "checkpoint") as f:
+        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+    return Path(path)
 
 
 def is_vit3_checkpoint(obj: Any) -> bool:

@@ -58,6 +58,7 @@ from .classification_model import (
 from .config import Config, ConfigError, check_config
 from .distributed import DistInfo
 from .metrics import plot_curves, write_metrics
+from .outputs import write_text
 from .recipe import eval_frozen, fit_batch_size, fit_epochs, freeze_for_training
 from .validation import check_input_size, key_name
 
@@ -404,7 +405,7 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Trains ``cfg`` (see module docstring) and returns the run summary (also in ``<output>/summary.json``)."""
-    return common.in_process_group(cfg, _train)
+    return common.in_process_group(cfg, _train, hold_output=True)
 
 
 def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run] = _setup) -> dict[str, Any]:
@@ -436,7 +437,7 @@ def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run
     if info.is_main:
         curves = plot_curves(p.history, run.out / "curves.png")
         summary["curves"] = str(curves) if curves else None
-        (run.out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        write_text(run.out / "summary.json", json.dumps(summary, indent=1), "summary")
         final = summary["final"]
         common.log(
             info,

@@ -29,6 +29,7 @@ from .classification_model import (
 from .common import amp_dtype, autocast, in_process_group, log, set_threads
 from .config import Config, ConfigError, check_config
 from .distributed import DistInfo
+from .outputs import write_text
 from .validation import check_input_size, key_name
 
 __all__ = ["evaluate"]
@@ -171,8 +172,7 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
     }
     out = Path(cfg.eval.json) if cfg.eval.json else Path(path).with_suffix(".eval.json")
     if info.is_main:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1), encoding="utf-8")
+        write_text(out, json.dumps(report, indent=1), "report")
         log(info, f"{name} ({report['weights']} weights, {report['params_m']:.2f}M params) on {info.device}")
         log(
             info,

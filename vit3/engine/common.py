@@ -11,11 +11,13 @@
   gathered into the checkpoint), :func:`restore_rng`, :class:`Progress` (epoch, batch inside it, optimizer
   step) and :func:`optimizer_step` (scheduler, clipping, scaler, EMA). A run killed at any point and resumed
   from its last checkpoint ends with the weights of an uninterrupted run, bit for bit;
-* the output folder: :func:`claim_output` and :func:`open_output`. No run writes into a folder that holds
-  another run's checkpoints (``last.pt`` / ``best.pt``): it is refused, naming the folder and the ways on
-  (resume that run, or another ``output``), unless ``train.overwrite`` (``--overwrite``), which first moves that
-  run's files (:data:`RUN_FILES`) into ``<output>/replaced-<UTC time>/``, deleting nothing. A resume continues
-  in its checkpoint's own folder, unless that folder holds a later checkpoint (it would be overwritten).
+* the output folder: :func:`hold_run_folder`, :func:`claim_output` and :func:`open_output`. A run holds the
+  lock of its folder for its whole life (a second run into it is refused while the first lives). No run writes
+  into a folder that holds another run's checkpoints (``last.pt`` / ``best.pt``) or results
+  (:data:`RESULT_FILES`): it is refused, naming the folder and the ways on (resume that run, or another
+  ``output``), unless ``train.overwrite`` (``--overwrite``), which first moves that run's files
+  (:data:`RUN_FILES`) into ``<output>/replaced-<UTC time>/``, deleting nothing. A resume continues in its
+  checkpoint's own folder, unless that folder holds a later checkpoint (it would be overwritten).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import hashlib
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -49,6 +51,8 @@ from .config import Config, ConfigError, run_metadata, save_config, to_plain
 from .constraints import config_value
 from .distributed import DistInfo, all_gather_objects, barrier, distributed
 from .optim import build_optimizer, build_scheduler, lr_factor, scaled_lrs
+from .outputs import hold_folder
+from .path_checks import folder_problem
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
 # train.compile: "auto" compiles with CUDA graphs on a GPU (reduce-overhead) and Inductor's default elsewhere
@@ -58,6 +62,7 @@ __all__ = [
     "AMP_MODES",
     "CHECKPOINT_FILES",
     "COMPILE_MODES",
+    "RESULT_FILES",
     "RUN_FILES",
     "RUN_PATTERNS",
     "Optimization",
@@ -74,6 +79,7 @@ __all__ = [
     "compile_mode",
     "claim_output",
     "epoch_batches",
+    "hold_run_folder",
     "in_process_group",
     "log",
     "log_row",
@@ -106,10 +112,35 @@ def log_row(info: DistInfo, row: dict[str, Any]) -> None:
     log(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
 
 
-def in_process_group(cfg: Config, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(cfg, *args, info)`` inside the run's process group (``torchrun``; one process otherwise)."""
+def in_process_group(cfg: Config, fn: Callable[..., Any], *args: Any, hold_output: bool = False) -> Any:
+    """``fn(cfg, *args, info)`` inside the run's process group (``torchrun``; one process otherwise); with
+    ``hold_output`` (a training run) while holding its folder (:func:`hold_run_folder`)."""
     with distributed(cfg.device, cfg.dist.backend) as info:
-        return fn(cfg, *args, info)
+        with hold_run_folder(cfg, info) if hold_output else contextlib.nullcontext():
+            return fn(cfg, *args, info)
+
+
+@contextlib.contextmanager
+def hold_run_folder(cfg: Config, info: DistInfo) -> Iterator[None]:
+    """Rank 0 holds the lock of the run's folder ``cfg.output`` while the body runs
+    (:func:`~vit3.engine.outputs.hold_folder`); a folder that a live run holds is refused on every rank. A
+    folder this process cannot write is left to the config checks (no run can write there).
+
+    Raises:
+        ConfigError: a live run holds the folder (one line naming it and the holder's process id).
+    """
+    out = Path(str(cfg.output or "."))
+    with contextlib.ExitStack() as stack:
+        problem = None
+        if info.is_main and folder_problem(out) is None:
+            try:
+                stack.enter_context(hold_folder(out))
+            except ConfigError as e:
+                problem = str(e)
+        problem = all_gather_objects(problem)[0]  # every rank stops alike
+        if problem:
+            raise ConfigError(problem)
+        yield
 
 
 def set_threads(cfg: Config) -> None:
@@ -372,15 +403,8 @@ def resume_path(cfg: Config, out: Path) -> str:
 # The checkpoints a run writes in its output folder, and every file and folder of its own there (moved aside
 # with them by train.overwrite): records, plots, and what eval.py wrote beside the checkpoints.
 CHECKPOINT_FILES = ("last.pt", "best.pt")
-RUN_FILES = (
-    *CHECKPOINT_FILES,
-    "config.yaml",
-    "summary.json",
-    "metrics.csv",
-    "metrics.json",
-    "curves.png",
-    "samples",
-)
+RESULT_FILES = ("summary.json", "metrics.csv", "metrics.json", "curves.png", "samples")
+RUN_FILES = (*CHECKPOINT_FILES, "config.yaml", *RESULT_FILES)
 RUN_PATTERNS = ("*.eval.json", "samples_*")
 
 
@@ -406,15 +430,21 @@ def claim_output(cfg: Config, resume: str, ckpt: Mapping[str, Any] | None) -> Ou
     write into ``cfg.output`` (see the module docstring). Call it on every rank before anything is written.
 
     Raises:
-        ConfigError: the folder holds another run's checkpoints (or, for a resume in its own folder, one later
-            than the checkpoint resumed from), and ``train.overwrite`` is not set.
+        ConfigError: the folder holds another run's checkpoints or results (or, for a resume in its own
+            folder, a checkpoint later than the one resumed from), and ``train.overwrite`` is not set.
     """
     out = Path(cfg.output)
     held = [out / name for name in CHECKPOINT_FILES if (out / name).is_file()]
-    if not held:
+    results = [out / name for name in RESULT_FILES if (out / name).exists()]
+    if not held and not results:
         return OutputFolder(out)
     overwrite = f"--overwrite moves its files into {out / 'replaced-<time>'}/ first"
-    if resume and Path(resume).resolve().parent == out.resolve():  # the run continues in its own folder
+    if not held:  # the results of a run whose checkpoints are gone
+        problem = (
+            f"{out} holds the results of another run ({', '.join(p.name for p in results)}), which this run "
+            f"would overwrite: give this one a new folder (output=<folder>); {overwrite}"
+        )
+    elif resume and Path(resume).resolve().parent == out.resolve():  # the run continues in its own folder
         step = int(ckpt["global_step"]) if ckpt is not None else 0
         later = [p for p in held if not p.samefile(resume) and _global_step(p) > step]
         if not later:

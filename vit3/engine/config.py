@@ -63,8 +63,9 @@ from typing import Any
 
 import yaml
 
-from ..errors import OUTPUT_ERRNOS, ConfigError, OutputError
+from ..errors import ConfigError
 from .constraints import Range, is_number
+from .outputs import write_text
 from .validation import CONSTRAINTS, check_values
 
 # The installed configs: the repository's configs/ (package-dir mapping in pyproject.toml), a plain folder of
@@ -561,18 +562,6 @@ def save_config(cfg: Config, out_dir: str | Path) -> Path:
         OutputError: the system refused the write (naming the file and the reason; an earlier config.yaml is
             left as it was).
     """
-    out_dir = Path(out_dir)
     data = cfg.to_dict()
     data["_meta"] = run_metadata()
-    path = out_dir / "config.yaml"
-    tmp = path.with_suffix(".yaml.tmp")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            yaml.safe_dump(data, f, sort_keys=False)
-        tmp.replace(path)
-    except OSError as e:
-        if e.errno not in OUTPUT_ERRNOS:
-            raise
-        raise OutputError(f"cannot write the run's config {path}: {e.strerror or e}") from e
-    return path
+    return write_text(Path(out_dir) / "config.yaml", yaml.safe_dump(data, sort_keys=False), "config")

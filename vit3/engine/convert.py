@@ -440,7 +440,7 @@ def train(cfg: Config) -> dict[str, Any]:
     """Converts ``cfg.convert.teacher`` (see the module docstring); returns the run summary."""
     check_convert_cfg(cfg)
     _train_missing_teacher(cfg)
-    return in_process_group(cfg, _train)
+    return in_process_group(cfg, _train, hold_output=True)
 
 
 def evaluate(cfg: Config) -> dict[str, Any]:

@@ -63,6 +63,7 @@ from .dense_model import (
 )
 from .distributed import DistInfo, barrier, distributed
 from .optim import scaled_lrs
+from .outputs import write_text
 
 __all__ = [
     "build_dense_model",
@@ -97,7 +98,7 @@ def train(cfg: Config) -> dict[str, Any]:
         ``{"history": [...], "final": metrics of the last evaluation, "losses": per-step total losses}``.
     """
     d = dense_section(cfg)
-    return common.in_process_group(cfg, _train, d)
+    return common.in_process_group(cfg, _train, d, hold_output=True)
 
 
 @dataclass
@@ -226,7 +227,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
                     p.best = max(p.best, metrics[key])
                 common.save_state(state, out / "last.pt", info, [out / "best.pt"] if improved else [])
                 if info.is_main:
-                    (out / "metrics.json").write_text(nan_free_json(p.history))
+                    write_text(out / "metrics.json", nan_free_json(p.history), "metrics")
                     print(
                         f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scalars(metrics).items()),
                         flush=True,
@@ -278,7 +279,6 @@ def _evaluate(cfg: Config, device: torch.device) -> dict[str, Any]:
         if cfg.eval.json
         else (Path(path).with_suffix(".eval.json") if path else Path(cfg.output) / "eval.json")
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(nan_free_json({"checkpoint": path, "task": cfg.task, "metrics": metrics}))
+    write_text(out, nan_free_json({"checkpoint": path, "task": cfg.task, "metrics": metrics}), "report")
     print(nan_free_json(scalars(metrics)))
     return metrics

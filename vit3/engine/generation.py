@@ -57,6 +57,7 @@ from .generation_sampling import (
     sample_and_evaluate,
 )
 from .metrics import plot_series, write_metrics
+from .outputs import write_text
 
 __all__ = ["build_diffusion", "build_generator", "evaluate", "generate", "latent_space", "train"]
 
@@ -248,7 +249,7 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Trains ``cfg`` (see the module docstring); returns the run summary (also ``<output>/summary.json``)."""
-    return common.in_process_group(cfg, _train)
+    return common.in_process_group(cfg, _train, hold_output=True)
 
 
 def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
@@ -270,7 +271,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
         )
     summary["wall_time_s"] = round(time.perf_counter() - start, 1)
     if info.is_main:
-        (run.out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        write_text(run.out / "summary.json", json.dumps(summary, indent=1), "summary")
         common.log(
             info,
             f"\ndone in {summary['wall_time_s']:.0f} s (training {summary['train_time_s']:.0f} s): final loss "

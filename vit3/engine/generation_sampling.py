@@ -8,7 +8,6 @@ seeds, the files in the reference evaluation suite's layout and their metrics (`
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from .checkpoint import load_model_weights, peek_vit3_checkpoint
 from .common import amp_dtype, autocast, in_process_group, log, set_threads
 from .config import Config, ConfigError, check_config
 from .distributed import DistInfo, barrier
+from .outputs import atomic_write, write_text
 
 __all__ = [
     "build_diffusion",
@@ -166,7 +166,8 @@ def _save_grid(images: np.ndarray, num_classes: int, path: Path) -> Path:
     from torchvision.utils import save_image
 
     x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0  # [N, C, H, W] in [0, 1]
-    save_image(x, path, nrow=min(10, num_classes), padding=2, pad_value=1.0)
+    with atomic_write(path, "sample grid") as f:
+        save_image(x, f, format="png", nrow=min(10, num_classes), padding=2, pad_value=1.0)
     return path
 
 
@@ -242,9 +243,8 @@ def sample_and_evaluate(
                 (out_dir / f".shard{r}.npy").unlink()
         rgb = np.repeat(images, 3, axis=-1) if images.shape[-1] == 1 else images
         npz = out_dir / "samples.npz"
-        tmp = out_dir / ".samples.tmp.npz"
-        np.savez(tmp, arr_0=rgb, labels=labels)
-        os.replace(tmp, npz)
+        with atomic_write(npz, "samples") as f:
+            np.savez(f, arr_0=rgb, labels=labels)
         grid = _save_grid(images[: int(s.grid)], model.num_classes, out_dir / "grid.png")
         report = {
             "checkpoint": source,
@@ -284,7 +284,7 @@ def sample_and_evaluate(
                 )
             )
         path = Path(cfg.eval.json) if cfg.eval.get("json") else out_dir / "eval.json"
-        path.write_text(json.dumps(report, indent=1), encoding="utf-8")
+        write_text(path, json.dumps(report, indent=1), "report")
         report["json"] = str(path)
         shown = {k: v for k, v in report.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         log(info, "generation: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))

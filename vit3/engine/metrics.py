@@ -1,39 +1,32 @@
-"""Per-epoch metrics as CSV and JSON, and loss / accuracy curves as PNGs."""
+"""Per-epoch metrics as CSV and JSON, and loss / accuracy curves as PNGs (each file written atomically)."""
 
 from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .outputs import atomic_write, write_text
+
 __all__ = ["plot_curves", "plot_series", "write_metrics"]
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_metrics(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> tuple[Path, Path]:
-    """Writes ``metrics.csv`` (one row per epoch, union of keys) and ``metrics.json`` (the list)."""
+    """Writes ``metrics.csv`` (one row per epoch, union of keys) and ``metrics.json`` (the list), each
+    atomically (:func:`~vit3.engine.outputs.atomic_write`)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     keys: list[str] = []
     for row in history:
         keys += [k for k in row if k not in keys]
     csv_path, json_path = out / "metrics.csv", out / "metrics.json"
-    tmp = csv_path.with_name(f".{csv_path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
+    with atomic_write(csv_path, "metrics", text=True, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows(history)
-    os.replace(tmp, csv_path)
-    _atomic_text(json_path, json.dumps(list(history), indent=1))
+    write_text(json_path, json.dumps(list(history), indent=1), "metrics")
     return csv_path, json_path
 
 
@@ -100,6 +93,9 @@ def plot_series(
         ax.legend()
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_write(path, "plot") as f:
+            fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=100)
+    finally:
+        plt.close(fig)
     return path

@@ -66,9 +66,18 @@ def eval_output_folder(value: Any, cfg: Any) -> str | None:
 
 
 def report_file(value: Any, cfg: Any) -> str | None:
-    """``eval.json``: the file it names, or (empty) the default next to the checkpoint."""
+    """``eval.json``: the file it names (never one of a run's own files, e.g. its ``metrics.json``), or
+    (empty) the default next to the checkpoint."""
+    from .common import RUN_FILES
+
     if value:
-        return file_problem(Path(str(value)), ".json")
+        path = Path(str(value))
+        if path.name in RUN_FILES and path.suffix == ".json":
+            return (
+                f"{path.name} is one of a training run's own files, which a report must not replace: give the "
+                f"report another name (without --json it goes beside the checkpoint as <name>.eval.json)"
+            )
+        return file_problem(path, ".json")
     folder = _checkpoint_folder(cfg)
     why = folder_problem(folder) if folder is not None else None
     return f"the default report next to the checkpoint cannot be written: {why}" if why else None

@@ -1,0 +1,274 @@
+"""No result is ever destroyed: what a user does never replaces or truncates a result vit3 made earlier.
+
+Grouped by what each protects: run folders (a lock held for a run's whole life, a dead run's lock taken over,
+results without checkpoints, every run file written atomically) and reports (``eval.py --json`` never over a
+run's own files, never truncated). A full disk is simulated in-process: the files asked for meet ``ENOSPC``
+halfway through their first write.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import hashlib
+import io
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.dense import det_args, seg_args
+from helpers.generation import tiny_gen_args
+from helpers.train import TINY_MODEL, load_script, make_digit_folder, one_error_line, short_run
+
+from vit3.engine.checkpoint import save_checkpoint
+from vit3.engine.config import CONFIG_DIR, load_config
+from vit3.engine.outputs import LOCK_FILE, hold_folder, lock_holder
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FULL = os.strerror(errno.ENOSPC)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    return make_digit_folder(tmp_path_factory.mktemp("digits"), digits=(0, 1), n_train=12, n_val=4)
+
+
+def _run_args(digits: Path, out: Path, *extra: str) -> list[str]:
+    """``train.py`` arguments of a one-epoch run of the tiny classifier (about two CPU seconds)."""
+    return [
+        "data.dataset=folder", f"data.path={digits}", f"output={out}", "data.batch_size=8",
+        "train.epochs=1", "train.warmup_epochs=0", "train.progress=false", *TINY_MODEL, *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished_run(digits, tmp_path_factory) -> Path:
+    """The folder of a finished one-epoch run (copy it before changing it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    with torch.random.fork_rng():
+        assert load_script("train").main(_run_args(digits, out)) == 0
+    return out
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    """SHA-1 of every file under ``folder``, by relative path."""
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha1(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _temp_files(folder: Path) -> list[str]:
+    return [p.name for p in folder.rglob("*") if ".tmp" in p.name]
+
+
+class _FillingFile:
+    """A file that meets a full disk: half of the first write reaches it, then ``ENOSPC`` (it has no
+    ``fileno``, so that writers such as PIL's encoders go through ``write``)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def write(self, data):
+        self._f.write(data[: len(data) // 2])
+        self._f.flush()
+        raise OSError(errno.ENOSPC, FULL)
+
+    def fileno(self):
+        raise io.UnsupportedOperation("fileno")
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+@pytest.fixture
+def full_disk(monkeypatch) -> list[str]:
+    """The names that meet a full disk (append to it; clear it for space again): every file opened for
+    writing whose name holds one (``summary.json`` and its temporary ``.summary.json.tmp<pid>`` alike, through
+    ``open`` or ``pathlib``)."""
+    real_open, names = builtins.open, []
+
+    def opening(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if isinstance(file, str | os.PathLike) and set(mode) & set("wax"):
+            if any(n in Path(file).name for n in names):
+                return _FillingFile(f)
+        return f
+
+    monkeypatch.setattr(builtins, "open", opening)
+    monkeypatch.setattr(io, "open", opening)
+    return names
+
+
+# ------------------------------------------------------------------------------------------- run folders
+def _task_args(task: str, request, out: Path) -> list[str]:
+    """``train.py`` arguments of a short run of ``task`` into ``out``."""
+    if task == "classification":
+        return _run_args(request.getfixturevalue("digits"), out)
+    if task == "detection":
+        return ["--config", str(CONFIG_DIR / "dense" / "demo_detection.yaml"),
+                *det_args(request.getfixturevalue("coco_root"), out)]  # fmt: skip
+    if task == "segmentation":
+        return ["--config", str(CONFIG_DIR / "dense" / "demo_segmentation.yaml"),
+                *seg_args(request.getfixturevalue("ade_root"), out)]  # fmt: skip
+    if task == "generation":
+        gen = CONFIG_DIR / "generation" / "demo_mnist.yaml"
+        return [
+            "--config",
+            str(gen),
+            *tiny_gen_args(request.getfixturevalue("digits"), out, "train.epochs=1"),
+        ]
+    digits = request.getfixturevalue("digits")  # convert: a teacher file that is not there, no recipe for one
+    return ["--config", str(CONFIG_DIR / "convert" / "demo_mnist.yaml"), *short_run(digits, out, 1e-3),
+            f"convert.teacher={out.parent / 'teacher.pt'}", "convert.teacher_config=null"]  # fmt: skip
+
+
+@pytest.mark.parametrize("task", ["classification", "detection", "segmentation", "generation", "convert"])
+def test_a_run_into_a_folder_a_live_run_holds_is_refused(task, request, tmp_path, capsys):
+    """Two runs started into one folder at once: the second stops before writing anything, naming the folder
+    and the first run's process (here this test's process holds the lock)."""
+    out = tmp_path / "run"
+    with hold_folder(out):
+        code = load_script("train").main(_task_args(task, request, out))
+        line = one_error_line(capsys)
+        assert os.listdir(out) == [LOCK_FILE] and lock_holder(out)["pid"] == os.getpid()
+    assert code == 2
+    assert line.startswith(
+        f"error: {out} is held by a run that is still going (process {os.getpid()}, since "
+    )
+    assert line.endswith("wait for it to end, or give this run another folder (output=<folder>)")
+    assert not out.exists()  # the lock's own folder goes with it
+
+
+def test_a_dead_runs_lock_is_taken_over_and_held_for_the_whole_run(digits, tmp_path, monkeypatch):
+    """A run killed with kill -9 leaves its lock file; the next run takes it over, holds it from its first
+    checkpoint to its summary, and removes it at the end."""
+    out = tmp_path / "run"
+    child = os.fork()
+    if child == 0:  # a run that takes the lock and dies with kill -9
+        try:
+            with hold_folder(out):
+                os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert lock_holder(out)["pid"] == child  # the lock file the killed run left
+    import vit3.engine.common as common
+    import vit3.engine.outputs as outputs
+
+    holders, write_text = [], outputs.write_text
+
+    def save(path, state, real=common.save_checkpoint):
+        holders.append(lock_holder(out)["pid"])
+        return real(path, state)
+
+    def write(path, *args, **kwargs):
+        holders.append(lock_holder(out)["pid"])
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(common, "save_checkpoint", save)
+    monkeypatch.setattr("vit3.engine.classification.write_text", write)  # the summary, at the very end
+    assert load_script("train").main(_run_args(digits, out)) == 0
+    assert holders and set(holders) == {os.getpid()}
+    assert LOCK_FILE not in os.listdir(out) and (out / "summary.json").is_file()
+
+
+def test_a_run_refuses_a_folder_holding_another_runs_results(digits, tmp_path, capsys):
+    """Checkpoints deleted to save space, the history kept: a new run there would replace the history."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.json").write_text("[the earlier run's history]")
+    (out / "summary.json").write_text("{the earlier run's summary}")
+    before = _digests(out)
+    assert load_script("train").main(_run_args(digits, out)) == 2
+    assert one_error_line(capsys) == (
+        f"error: {out} holds the results of another run (summary.json, metrics.json), which this run would "
+        f"overwrite: give this one a new folder (output=<folder>); --overwrite moves its files into "
+        f"{out / 'replaced-<time>'}/ first"
+    )
+    assert _digests(out) == before
+
+
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [
+        ("config.yaml", "config"),
+        ("metrics.csv", "metrics"),
+        ("metrics.json", "metrics"),
+        ("curves.png", "plot"),
+        ("summary.json", "summary"),
+    ],
+)
+def test_a_full_disk_never_truncates_a_run_file(name, what, finished_run, tmp_path, full_disk, capsys):
+    """A resumed run meets a full disk while it rewrites one of its files: one line naming the file, the
+    earlier file whole, no temporary file left."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    before = (out / name).read_bytes()
+    full_disk.append(name)
+    args = ["--resume", str(out / "last.pt"), "--output", str(out), "train.epochs=2"]
+    assert load_script("train").main(args) == 2
+    assert one_error_line(capsys, last=True) == (
+        f"error: cannot write {what} {out / name}: {FULL} (the {what} already there is left as it was)"
+    )
+    assert (out / name).read_bytes() == before and _temp_files(out) == []
+
+
+# ---------------------------------------------------------------------------------------------- reports
+def _fake_checkpoint(folder: Path, task: str) -> Path:
+    """A vit3 checkpoint of a ``task`` run in ``folder`` (what the report checks read: its config)."""
+    configs = {
+        "classification": CONFIG_DIR / "demo_mnist.yaml",
+        "segmentation": CONFIG_DIR / "dense" / "demo_segmentation.yaml",
+        "generation": CONFIG_DIR / "generation" / "demo_mnist.yaml",
+    }
+    cfg = load_config(configs[task], [f"output={folder}"]).to_dict()
+    return save_checkpoint(folder / "last.pt", {"task": task, "config": cfg, "global_step": 1})
+
+
+@pytest.mark.parametrize(
+    ("task", "name"),
+    [("classification", "metrics.json"), ("segmentation", "metrics.json"), ("generation", "summary.json")],
+)
+def test_an_eval_report_never_replaces_a_runs_own_files(task, name, tmp_path, capsys):
+    """``eval.py --json R/metrics.json`` would replace the run's history without a word: refused first."""
+    ckpt = _fake_checkpoint(tmp_path, task)
+    (tmp_path / name).write_text("[the run's own record]")
+    before = _digests(tmp_path)
+    assert load_script("eval").main(["--checkpoint", str(ckpt), "--json", str(tmp_path / name)]) == 2
+    line = one_error_line(capsys, last=True)
+    assert line.startswith(
+        "error: config key eval.json (eval.py --json) must be a .json file this run can write, got "
+    )
+    assert line.endswith(
+        f"{name} is one of a training run's own files, which a report must not replace: give the report another "
+        f"name (without --json it goes beside the checkpoint as <name>.eval.json)"
+    )
+    assert _digests(tmp_path) == before
+
+
+def test_a_full_disk_never_truncates_an_eval_report(finished_run, tmp_path, full_disk, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    args = ["--checkpoint", str(out / "last.pt"), "eval.throughput_batches=1", "eval.flops=false"]
+    assert load_script("eval").main(args) == 0
+    report = out / "last.eval.json"
+    before = report.read_bytes()
+    full_disk.append("last.eval.json")
+    assert load_script("eval").main(args) == 2
+    assert one_error_line(capsys, last=True) == (
+        f"error: cannot write report {report}: {FULL} (the report already there is left as it was)"
+    )
+    assert report.read_bytes() == before and _temp_files(out) == []
