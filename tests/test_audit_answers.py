@@ -13,6 +13,7 @@ from helpers.train import (
     load_script,
     make_digit_folder,
     one_error_line,
+    read_ckpt,
     run_until_crash,
     tiny_args,
     tiny_cfg,
@@ -134,3 +135,21 @@ def test_finite_images_too_large_for_the_float_type_are_refused():
             model(x * 1e30)
         with torch.autocast("cpu", dtype=torch.float16), pytest.raises(ValueError, match="beyond ±256"):
             model(x * 1e5)
+
+
+# --- what a run reports covers what it did -----------------------------------------------------------------
+
+
+def test_resumed_run_reports_the_whole_runs_time(resumed):
+    """A resumed run's summary gave the resumed part's time as the run's."""
+    out, left, _ = resumed
+    summary = json.loads((out / "summary.json").read_text())
+    assert left["run_seconds"] > 0  # the time before the kill, kept in the checkpoint
+    assert summary["wall_time_s"] == pytest.approx(
+        left["run_seconds"] + summary["wall_time_this_process_s"], abs=0.2
+    )
+    assert (
+        summary["wall_time_covers"].startswith("the whole run")
+        and str(out / "last.pt") in summary["wall_time_covers"]
+    )
+    assert read_ckpt(out / "last.pt")["run_seconds"] > left["run_seconds"]

@@ -31,7 +31,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -82,11 +82,20 @@ class TrainingDiverged(FloatingPointError):
 # ---------------------------------------------------------------------------------------------- training
 @dataclass
 class _Progress(common.Progress):
-    """The counters of :class:`~vit3.engine.common.Progress` plus the partial epoch's loss and the best top-1."""
+    """The counters of :class:`~vit3.engine.common.Progress` plus the partial epoch's loss, the best top-1 and
+    the run's time: the checkpoint a resume read, the seconds the run ran before this process (up to that
+    checkpoint; ``None``: one from before they were kept) and when this process started (``perf_counter``)."""
 
     loss_sum: float = 0.0  # running training loss of the partial epoch
     loss_count: int = 0
     best_top1: float = -1.0
+    resumed_from: str = ""
+    seconds_before: float | None = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def run_seconds(self) -> float:
+        """The run's time so far: before this process (as far as known) and in it."""
+        return (self.seconds_before or 0.0) + time.perf_counter() - self.started
 
 
 @dataclass
@@ -144,6 +153,7 @@ def _state(run: _Run) -> dict[str, Any]:
         **run.run_state(p, run.cfg.model.kwargs, run.num_classes, run.classes),
         "epoch_loss": (p.loss_sum, p.loss_count),
         "best_top1": p.best_top1,
+        "run_seconds": None if p.seconds_before is None else p.run_seconds(),
         **run.extra_state(),
     }
 
@@ -176,6 +186,7 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> _Progress:
     p.restore(ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps))
     p.loss_sum, p.loss_count = ckpt["epoch_loss"]
     p.best_top1, p.history = ckpt["best_top1"], list(ckpt["history"])
+    p.resumed_from, p.seconds_before = source, ckpt.get("run_seconds")
     run.restore_extra(ckpt)
     p.roll_over(run.batches_per_epoch)
     return p
@@ -403,6 +414,23 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
     return row
 
 
+def _time_summary(p: _Progress) -> dict[str, Any]:
+    """The summary's run time: ``wall_time_s`` the whole run's (the time before a resume is what its checkpoint
+    kept), ``wall_time_covers`` says what it covers, and for a resumed run ``wall_time_this_process_s``."""
+    here = time.perf_counter() - p.started
+    if not p.resumed_from:
+        return {"wall_time_s": round(here, 1), "wall_time_covers": "the whole run"}
+    if p.seconds_before is None:
+        covers = f"only the part resumed from {p.resumed_from}, which holds no earlier time"
+    else:
+        covers = f"the whole run, {here:.0f} s of it since the resume from {p.resumed_from}"
+    return {
+        "wall_time_s": round(p.run_seconds(), 1),
+        "wall_time_covers": covers,
+        "wall_time_this_process_s": round(here, 1),
+    }
+
+
 def train(cfg: Config) -> dict[str, Any]:
     """Trains ``cfg`` (see module docstring) and returns the run summary (also in ``<output>/summary.json``)."""
     return common.in_process_group(cfg, _train, hold_output=True)
@@ -413,6 +441,7 @@ def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run
     start = time.perf_counter()
     run = setup(cfg, info)
     p = run.progress
+    p.started = start
     run_bar = None
     if cfg.train.progress == "run":  # one bar for the whole run instead of one per epoch
         run_bar = tqdm(
@@ -432,16 +461,17 @@ def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run
         "best": str(run.out / "best.pt") if cfg.train.keep_best else None,
         "best_top1": p.best_top1,
         **run.summary_extra(),
-        "wall_time_s": round(time.perf_counter() - start, 1),
+        **_time_summary(p),
     }
     if info.is_main:
         curves = plot_curves(p.history, run.out / "curves.png")
         summary["curves"] = str(curves) if curves else None
         write_text(run.out / "summary.json", json.dumps(summary, indent=1), "summary")
         final = summary["final"]
+        covers = f" ({summary['wall_time_covers']})" if p.resumed_from else ""
         common.log(
             info,
-            f"\ndone in {summary['wall_time_s']:.0f} s: val top-1 {final.get('val_top1', float('nan')):.2f}% "
+            f"\ndone in {summary['wall_time_s']:.0f} s{covers}: val top-1 {final.get('val_top1', float('nan')):.2f}% "
             f"(best {p.best_top1:.2f}%)\n  checkpoint: {summary['last']}\n  best:       {summary['best']}\n"
             f"  curves:     {summary['curves']}\n  metrics:    {run.out / 'metrics.csv'}\n"
             f"  evaluate:   python eval.py --checkpoint {summary['best'] or summary['last']}",
