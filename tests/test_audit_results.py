@@ -1,9 +1,10 @@
 """No result is ever destroyed: what a user does never replaces or truncates a result vit3 made earlier.
 
 Grouped by what each protects: run folders (a lock held for a run's whole life, a dead run's lock taken over,
-results without checkpoints, every run file written atomically) and reports (``eval.py --json`` never over a
-run's own files, never truncated). A full disk is simulated in-process: the files asked for meet ``ENOSPC``
-halfway through their first write.
+results without checkpoints, every run file written atomically), reports (``eval.py --json`` never over a run's
+own files, never truncated) and exports (ONNX and features: no partial file, no earlier export replaced or
+mixed with). A full disk is simulated in-process: the files asked for meet ``ENOSPC`` halfway through their
+first write.
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ import builtins
 import errno
 import hashlib
 import io
+import json
 import os
 import shutil
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers.dense import det_args, seg_args
 from helpers.generation import tiny_gen_args
 from helpers.train import TINY_MODEL, load_script, make_digit_folder, one_error_line, short_run
+from PIL import Image
+from safetensors.torch import load_file
 
 from vit3.engine.checkpoint import save_checkpoint
 from vit3.engine.config import CONFIG_DIR, load_config
@@ -272,3 +277,111 @@ def test_a_full_disk_never_truncates_an_eval_report(finished_run, tmp_path, full
         f"error: cannot write report {report}: {FULL} (the report already there is left as it was)"
     )
     assert report.read_bytes() == before and _temp_files(out) == []
+
+
+# ---------------------------------------------------------------------------------------------- exports
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """Three small photographs-to-be (noise), ``img0.png`` ... ``img2.png``."""
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(root / f"img{i}.png")
+    return root
+
+
+def _export_features(images: Path, out: Path, *extra: str) -> list[str]:
+    return ["features", "--model", "test_vit3_ttt", "--random-init", "--img-size", "32",
+            "--images", str(images), "--out", str(out), *extra]  # fmt: skip
+
+
+def _fake_onnx_export(model, args, f, **kwargs):
+    """torch.onnx.export's writing of the file (a full disk meets it: ``full_disk``), without the export."""
+    with open(f, "wb") as file:
+        file.write(b"half an ONNX graph")
+
+
+@pytest.mark.filterwarnings("ignore:--random-init")
+def test_an_onnx_export_refuses_an_earlier_file_and_keeps_it_aside(tmp_path, capsys, monkeypatch, full_disk):
+    """An earlier .onnx at --out: refused; with --overwrite moved into replaced-<time>/ first, so the export
+    meeting a full disk leaves the earlier file whole and no partial one at --out."""
+    out = tmp_path / "features.onnx"
+    out.write_bytes(b"the earlier export")
+    args = ["onnx", "--model", "test_vit3_ttt", "--random-init", "--img-size", "32", "--out", str(out),
+            "--exporter", "torchscript", "--static-size", "--no-check"]  # fmt: skip
+    assert load_script("export").main(args) == 2
+    assert one_error_line(capsys) == (
+        f"error: --out {out} exists, and this export would replace it: give another --out, or --overwrite to "
+        f"move it into {tmp_path / 'replaced-<time>'}/ first"
+    )
+    assert out.read_bytes() == b"the earlier export"
+    monkeypatch.setattr(torch.onnx, "export", _fake_onnx_export)
+    full_disk.append("features.onnx")
+    assert load_script("export").main([*args, "--overwrite"]) == 2
+    assert one_error_line(capsys) == f"error: cannot write ONNX file {out}: {FULL} (nothing was written)"
+    (aside,) = tmp_path.glob("replaced-*/features.onnx")
+    assert aside.read_bytes() == b"the earlier export" and not out.exists() and _temp_files(tmp_path) == []
+
+
+@pytest.mark.filterwarnings("ignore:--random-init")
+def test_a_feature_export_never_sits_beside_an_earlier_one(images, tmp_path, capsys):
+    """A second export into the folder of a first one: refused; with --overwrite the whole earlier export is
+    moved aside, so the new manifest's files are all the folder holds."""
+    out = tmp_path / "feats"
+    export = load_script("export")
+    assert export.main(_export_features(images, out)) == 0
+    first = _digests(out)
+    fewer = tmp_path / "fewer"
+    fewer.mkdir()
+    shutil.copy(images / "img2.png", fewer / "other.png")
+    assert export.main(_export_features(fewer, out)) == 2
+    assert one_error_line(capsys) == (
+        f"error: --out {out} holds an earlier feature export (manifest.json), whose files would sit beside the "
+        f"new manifest: give another --out, or --overwrite to move it into {out / 'replaced-<time>'}/ first"
+    )
+    assert _digests(out) == first
+    assert export.main([*_export_features(fewer, out), "--overwrite"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    (aside,) = out.glob("replaced-*")
+    assert sorted(p.name for p in out.iterdir() if p != aside) == ["manifest.json", "other.safetensors"]
+    assert [f["file"] for f in manifest["files"]] == ["other.safetensors"]
+    assert _digests(aside) == first
+
+
+@pytest.mark.filterwarnings("ignore:--random-init")
+def test_a_feature_export_refuses_a_folder_of_other_files(images, tmp_path, capsys):
+    """--out naming the image folder itself: the features would mix with the photographs, --overwrite or not."""
+    folder = tmp_path / "photos"
+    shutil.copytree(images, folder)
+    before = _digests(folder)
+    for extra in ((), ("--overwrite",)):
+        assert load_script("export").main(_export_features(folder, folder, *extra)) == 2
+        assert one_error_line(capsys) == (
+            f"error: --out {folder} holds files that are no feature export (e.g. img0.png), which the export "
+            f"would mix with: give an empty or new folder"
+        )
+    assert _digests(folder) == before
+
+
+@pytest.mark.filterwarnings("ignore:--random-init")
+def test_a_full_disk_mid_export_leaves_no_truncated_feature_file_and_no_manifest(
+    images, tmp_path, capsys, full_disk
+):
+    """The second feature file meets a full disk: the first is whole, no manifest describes a partial export,
+    and the next export into the folder is refused until --overwrite moves the partial one aside."""
+    out = tmp_path / "feats"
+    export = load_script("export")
+    full_disk.append("img1.safetensors")
+    assert export.main(_export_features(images, out)) == 2
+    assert one_error_line(capsys) == (
+        f"error: cannot write feature file {out / 'img1.safetensors'}: {FULL} (nothing was written)"
+    )
+    assert os.listdir(out) == ["img0.safetensors"] and list(load_file(out / "img0.safetensors"))
+    full_disk.clear()
+    assert export.main(_export_features(images, out)) == 2
+    assert one_error_line(capsys).startswith(
+        f"error: --out {out} holds an earlier feature export (feature files without a manifest.json)"
+    )
+    assert export.main([*_export_features(images, out), "--overwrite"]) == 0
+    (aside,) = out.glob("replaced-*")
+    assert os.listdir(aside) == ["img0.safetensors"] and (out / "manifest.json").is_file()

@@ -8,8 +8,9 @@
 - :func:`export_features`: runs it over every image of a folder (read as RGB, or grayscale for one-channel
   models, by ``vit3.data.image.open_image``) with that eval preprocessing (timm ``create_transform``) and
   writes ``<out>/<image stem>.safetensors`` (one ``[C, h, w]`` tensor per feature map) and
-  ``<out>/manifest.json`` (model, preprocessing, feature names / channels / strides / shapes, files), all
-  with the same (umask) permissions.
+  ``<out>/manifest.json`` (model, preprocessing, feature names / channels / strides / shapes, files; written
+  last), all with the same (umask) permissions, each to a temporary name and renamed. A folder holding an
+  earlier export is refused, or (``overwrite``) the export moved aside first: no stale file beside a manifest.
 - :func:`export_onnx`: the same extractor as ONNX, with the normalisation inside the graph (input: images in
   [0, 1], ``[B, C_in, H, W]``), a dynamic batch and, where the model allows it, a dynamic image size.
   :func:`check_onnx` runs it with onnxruntime and returns the largest difference to PyTorch.
@@ -29,8 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from .data.image import apply_transform, open_image, warn_if_tiny, warn_skipped
+from .engine.common import move_aside
 from .engine.config import ConfigError
-from .errors import DataError
+from .engine.outputs import atomic_path, write_bytes, write_text
+from .errors import DataError, OutputError
 from .tasks.backbone import FeatureBackbone
 
 log = logging.getLogger(__name__)
@@ -179,6 +182,57 @@ def list_images(folder: str | Path) -> list[Path]:
     return images
 
 
+def check_export_output(kind: str, out: str | Path, overwrite: bool = False) -> list[str]:
+    """Checks that an export of ``kind`` (``"features"`` into the folder ``out``, ``"onnx"`` to the file
+    ``out``) replaces no earlier export and mixes with no other files (no stale file beside a new manifest).
+
+    Returns:
+        The entries of the folder that hold an earlier export, which ``overwrite`` moves into
+        ``replaced-<UTC time>/`` there (empty where there is none).
+
+    Raises:
+        ConfigError: ``out`` holds an earlier export and ``overwrite`` is not set; for features, also a folder
+            that holds other files than a feature export (``manifest.json``, ``*.safetensors``), even with
+            ``overwrite`` (those files are not an export's to move).
+    """
+    out = Path(out)
+    aside = (
+        f"--overwrite to move it into {(out.parent if kind == 'onnx' else out) / 'replaced-<time>'}/ first"
+    )
+    if kind == "onnx":
+        if out.exists() and not overwrite:
+            raise ConfigError(
+                f"--out {out} exists, and this export would replace it: give another --out, or {aside}"
+            )
+        return [out.name] if out.exists() else []
+    if not out.is_dir():
+        return []
+    earlier = [
+        e
+        for e in sorted(out.iterdir())
+        if not e.name.startswith(".") and not (e.is_dir() and e.name.startswith("replaced-"))
+    ]
+    files = [
+        f
+        for e in earlier
+        for f in ([e] if e.is_file() else sorted(e.rglob("*")))
+        if f.is_file() and not f.name.startswith(".")
+    ]
+    other = [f for f in files if f.suffix != ".safetensors" and f != out / MANIFEST]
+    if other:
+        raise ConfigError(
+            f"--out {out} holds files that are no feature export (e.g. {other[0].relative_to(out)}), which the "
+            f"export would mix with: give an empty or new folder"
+        )
+    if earlier and not overwrite:
+        what = MANIFEST if (out / MANIFEST).is_file() else f"feature files without a {MANIFEST}"
+        raise ConfigError(
+            f"--out {out} holds an earlier feature export ({what}), whose files would sit beside the new "
+            f"manifest: give another --out, or {aside}"
+        )
+    return [e.name for e in earlier]
+
+
 @torch.no_grad()
 def export_features(
     extractor: FeatureExtractor,
@@ -189,6 +243,7 @@ def export_features(
     batch_size: int = 8,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    overwrite: bool = False,
 ) -> Path:
     """Writes the features of every image of ``image_dir`` as safetensors, plus a manifest.
 
@@ -201,9 +256,15 @@ def export_features(
         batch_size: images per forward pass.
         dtype: stored dtype (float32, float16 or bfloat16).
         device: where to run the model.
+        overwrite: move an earlier export in ``out_dir`` aside first (:func:`check_export_output`).
 
     Returns:
-        The manifest path. Each ``<stem>.safetensors`` holds ``{name: [C, h, w]}``.
+        The manifest path (written last, once every feature file is). Each ``<stem>.safetensors`` holds
+        ``{name: [C, h, w]}``.
+
+    Raises:
+        ConfigError: ``out_dir`` holds an earlier export (without ``overwrite``) or other files.
+        OutputError: the system refused a write (a full disk): no manifest is written.
     """
     from safetensors.torch import save as safetensors_bytes
 
@@ -214,6 +275,10 @@ def export_features(
     if dup:
         raise DataError(f"images in {image_dir} share file stems (outputs would collide): {dup[:5]}")
     out_dir = Path(out_dir)
+    earlier = check_export_output("features", out_dir, overwrite)
+    if earlier:
+        target, moved = move_aside(out_dir, earlier, ())
+        log.warning("--overwrite: moved the earlier export's %s to %s", ", ".join(moved), target)
     out_dir.mkdir(parents=True, exist_ok=True)
     transform, pre = eval_transform(extractor, img_size, crop_pct)
     mode = "L" if extractor.in_chans == 1 else "RGB"
@@ -234,7 +299,8 @@ def export_features(
             (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
             metadata = {"image": image, "model": extractor.backbone.model_name}
             # Written like the manifest (mode 0666 & ~umask); safetensors' save_file creates files 0600.
-            (out_dir / name).write_bytes(safetensors_bytes(tensors, metadata=metadata))
+            data = safetensors_bytes(tensors, metadata=metadata)
+            write_bytes(out_dir / name, data, "feature file", durable=False, clean=False)
             files.append({"image": image, "file": name})
     manifest = {
         "model": extractor.backbone.model_name,
@@ -244,9 +310,7 @@ def export_features(
         "features": [{**d, "shape": s} for d, s in zip(extractor.describe(), shapes)],
         "files": files,
     }
-    path = out_dir / MANIFEST
-    path.write_text(json.dumps(manifest, indent=1))
-    return path
+    return write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1), "manifest")
 
 
 @contextlib.contextmanager
@@ -293,6 +357,7 @@ def export_onnx(
     opset: int = 18,
     exporter: str = "auto",
     optimize: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Exports the extractor to ONNX (input ``images`` ``[B, C_in, H, W]`` in [0, 1]; outputs named as features).
 
@@ -309,6 +374,9 @@ def export_onnx(
         optimize: run onnxscript's whole graph optimiser on the dynamo export (its pattern rewrites take
             minutes for the larger models; by default only :func:`fold_onnx`, and onnxruntime optimises the
             graph again when it loads it).
+        overwrite: move an earlier file at ``path`` into ``replaced-<UTC time>/`` beside it first (without
+            it, such a file is refused: :func:`check_export_output`). The file is written to a temporary
+            name and renamed, so a failed export (a full disk) leaves no partial file.
 
     Returns:
         ``{"path", "exporter", "dynamic_batch", "dynamic_size", "optimized", "nodes", "errors"}`` (``errors``:
@@ -318,6 +386,10 @@ def export_onnx(
         raise ValueError(f"unknown exporter {exporter!r}: expected auto, dynamo or torchscript")
     h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
     path = Path(path)
+    earlier = check_export_output("onnx", path, overwrite)
+    if earlier:
+        target, _ = move_aside(path.parent, earlier, ())
+        log.warning("--overwrite: moved the earlier %s to %s", path.name, target)
     path.parent.mkdir(parents=True, exist_ok=True)
     extractor = extractor.cpu().eval()
     if dynamic_size:  # torch.export fixes any size it sees as 1: trace with at least a 2x2 deepest grid
@@ -353,10 +425,12 @@ def export_onnx(
                 if not optimize:
                     fold_onnx(program.model)
                 nodes = len(program.model.graph)
-                program.save(path)
+                with atomic_path(path, "ONNX file") as tmp:
+                    program.save(tmp)
             else:
                 dyn = {"images": axes, **{n: {0: "batch"} if dynamic_batch else {} for n in extractor.names}}
-                torch.onnx.export(extractor, (x,), path, dynamo=False, dynamic_axes=dyn, **kwargs)
+                with atomic_path(path, "ONNX file") as tmp:
+                    torch.onnx.export(extractor, (x,), tmp, dynamo=False, dynamic_axes=dyn, **kwargs)
             return {
                 "path": str(path),
                 "weights": extractor.weights,
@@ -367,6 +441,8 @@ def export_onnx(
                 "nodes": nodes,
                 "errors": errors,
             }
+        except OutputError:  # the system refused the file (a full disk): no exporter can write it
+            raise
         except Exception as e:  # try the next exporter; the caller sees why this one failed
             errors[kind] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             log.warning("ONNX export with %s failed: %s", kind, errors[kind])

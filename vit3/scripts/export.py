@@ -7,11 +7,13 @@
 A vit3 checkpoint carries its model (name, kwargs, input channels) and preprocessing, so ``--model`` is only
 needed for official files (or to override, with a warning). The weights come from ``--checkpoint`` or timm's
 ``--pretrained``; the features of a randomly initialised backbone (e.g. to test a pipeline) need
-``--random-init``. ``features`` writes ``<out>/<image>.safetensors``
-({name: [C, h, w]}; images in subfolders keep their subfolder) and ``<out>/manifest.json`` (model, preprocessing, feature names, channels, strides,
+``--random-init``. ``features`` writes ``<out>/<image>.safetensors`` ({name: [C, h, w]}; images in subfolders
+keep their subfolder) and ``<out>/manifest.json`` (model, preprocessing, feature names, channels, strides,
 shapes). ``onnx`` writes a graph taking images in [0, 1] ``[B, C_in, H, W]`` (normalisation included) with a
 dynamic batch (and size where the model allows), checks it against PyTorch with onnxruntime and prints the
-largest difference. A mistake in the input ends with one ``error:`` line and exit code 2 (``--debug``).
+largest difference. An ``--out`` that holds an earlier export is refused, unless ``--overwrite`` moves it into
+a ``replaced-<time>/`` folder first (a features folder holding other files is always refused). A mistake in
+the input ends with one ``error:`` line and exit code 2 (``--debug``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def _export(args: argparse.Namespace) -> int:
             args.batch_size,
             DTYPES[args.dtype],
             args.device,
+            args.overwrite,
         )
         print(f"wrote {manifest}")
         return 0
@@ -77,6 +80,7 @@ def _export(args: argparse.Namespace) -> int:
         opset=args.opset,
         exporter=args.exporter,
         optimize=args.optimize,
+        overwrite=args.overwrite,
     )
     if not args.no_check:
         # A batch of 1 at the export size, and a batch of 3 at another size when the size is dynamic.
@@ -110,16 +114,25 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument(
         "--img-size", type=int, default=None, help="square input size (default: the checkpoint's / model's)"
     )
+    common.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="move an earlier export at --out into a replaced-<time>/ folder beside it first",
+    )
     add_debug_flag(common)
     f = sub.add_parser("features", parents=[common], help="features of a folder of images -> safetensors")
     f.add_argument("--images", required=True, help="folder of images (subfolders included)")
-    f.add_argument("--out", required=True, help="output folder (created; earlier exports there are replaced)")
+    f.add_argument(
+        "--out",
+        required=True,
+        help="output folder (created; one that holds an earlier export: see --overwrite)",
+    )
     f.add_argument("--crop-pct", type=float, default=None, help="timm crop fraction (1.0: no crop margin)")
     f.add_argument("--batch-size", type=int, default=8)
     f.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     f.add_argument("--device", default="cpu")
     o = sub.add_parser("onnx", parents=[common], help="multi-scale feature extractor -> ONNX")
-    o.add_argument("--out", required=True, help="output .onnx file (an earlier one is replaced)")
+    o.add_argument("--out", required=True, help="output .onnx file (an earlier one: see --overwrite)")
     o.add_argument("--exporter", choices=("auto", "dynamo", "torchscript"), default="auto")
     o.add_argument("--opset", type=int, default=18)
     o.add_argument("--static-size", action="store_true", help="fix the image size (dynamic batch only)")
