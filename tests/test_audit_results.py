@@ -2,14 +2,15 @@
 
 Grouped by what each protects: run folders (a lock held for a run's whole life, a dead run's lock taken over,
 results without checkpoints, every run file written atomically), reports (``eval.py --json`` never over a run's
-own files, never truncated) and exports (ONNX and features: no partial file, no earlier export replaced or
-mixed with). A full disk is simulated in-process: the files asked for meet ``ENOSPC`` halfway through their
-first write.
+own files, never truncated), exports (ONNX and features: no partial file, no earlier export replaced or mixed
+with) and tables (the ablation runner's folder lock and ``results.*``). A full disk is simulated in-process:
+the files asked for meet ``ENOSPC`` halfway through their first write.
 """
 
 from __future__ import annotations
 
 import builtins
+import csv
 import errno
 import hashlib
 import io
@@ -28,9 +29,11 @@ from helpers.train import TINY_MODEL, load_script, make_digit_folder, one_error_
 from PIL import Image
 from safetensors.torch import load_file
 
+from vit3 import ablate
 from vit3.engine.checkpoint import save_checkpoint
 from vit3.engine.config import CONFIG_DIR, load_config
 from vit3.engine.outputs import LOCK_FILE, hold_folder, lock_holder
+from vit3.errors import OutputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -385,3 +388,65 @@ def test_a_full_disk_mid_export_leaves_no_truncated_feature_file_and_no_manifest
     assert export.main([*_export_features(images, out), "--overwrite"]) == 0
     (aside,) = out.glob("replaced-*")
     assert os.listdir(aside) == ["img0.safetensors"] and (out / "manifest.json").is_file()
+
+
+# ----------------------------------------------------------------------------------------------- tables
+def _fake_rows(monkeypatch) -> None:
+    """Replaces the training of a row by writing its checkpoint and history."""
+
+    def fake_train(cfg):
+        out = Path(cfg.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "last.pt").write_bytes(b"row " + out.name.encode())
+        return {"final": {"val_top1": 50.0, "val_top5": 90.0, "val_loss": 1.0}}
+
+    monkeypatch.setattr(ablate, "_train_row", fake_train)
+
+
+def _table(name: str, out: Path, *extra: str) -> list[str]:
+    return [str(ablate.ABLATIONS_DIR / name), "--quick", "--output", str(out), *extra]
+
+
+def test_another_table_into_the_same_output_is_refused(monkeypatch, tmp_path, capsys):
+    """The loss table, then the batch table into the same --output: its rows' folders differ, its
+    results.csv / .md / .png would replace the loss table's."""
+    _fake_rows(monkeypatch)
+    assert ablate.main(_table("loss", tmp_path)) == 0
+    before = _digests(tmp_path)
+    capsys.readouterr()
+    for extra in ((), ("--resume",)):
+        assert ablate.main(_table("batch", tmp_path, *extra)) == 2
+        held = "an earlier" if not extra else "another"
+        assert capsys.readouterr().err == (
+            f"error: {tmp_path} holds the results of {held} table (results.csv, results.md, results.png), which "
+            f"this one would overwrite: give it a new --output; --overwrite moves them into "
+            f"{tmp_path}/replaced-<time>/ first\n"
+        )
+    assert _digests(tmp_path) == before
+    assert ablate.main(_table("batch", tmp_path, "--overwrite")) == 0
+    (aside,) = tmp_path.glob("replaced-*")
+    assert {p.name for p in aside.iterdir()} == {"results.csv", "results.md", "results.png"}
+    assert all(_digests(aside)[n] == before[n] for n in ("results.csv", "results.md", "results.png"))
+
+
+def test_a_second_table_runner_into_a_held_folder_is_refused(monkeypatch, tmp_path, capsys):
+    _fake_rows(monkeypatch)
+    with hold_folder(tmp_path):
+        assert ablate.main(_table("loss", tmp_path)) == 2
+        err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path} is held by a run that is still going (process {os.getpid()}, ")
+    assert err.endswith("wait for it to end, or give this table another --output\n")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_never_truncates_a_table(monkeypatch, tmp_path, full_disk):
+    """The table continued (--resume) meets a full disk as it rewrites results.csv: the earlier one stays."""
+    _fake_rows(monkeypatch)
+    assert ablate.main(_table("loss", tmp_path)) == 0
+    before = (tmp_path / "results.csv").read_bytes()
+    full_disk.append("results.csv")
+    with pytest.raises(OutputError, match=f"cannot write table {tmp_path / 'results.csv'}: {FULL}"):
+        ablate.main(_table("loss", tmp_path, "--resume"))
+    assert (tmp_path / "results.csv").read_bytes() == before and _temp_files(tmp_path) == []
+    with open(tmp_path / "results.csv", newline="", encoding="utf-8") as f:
+        assert len(list(csv.DictReader(f))) == 5

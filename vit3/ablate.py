@@ -24,7 +24,9 @@ folder that holds an earlier run's checkpoints: the runner checks every row's fo
 refuses, naming the folder, unless ``--resume`` (each row continues from its folder's ``last.pt``: finished
 rows are read back from their checkpoints, a killed row continues exactly, the others train) or
 ``--overwrite`` (each row's old files, and the old table's, are first moved into a ``replaced-<time>/``
-subfolder; nothing is deleted).
+subfolder; nothing is deleted). The runner holds its output folder for the whole table (a second runner into
+it is refused while the first lives), and the table's files never replace another table's (``--resume``
+rewrites only those of the table it continues).
 
 Examples::
 
@@ -39,6 +41,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import sys
@@ -51,6 +54,7 @@ from typing import Any
 
 from .engine import Config, ConfigError, load_config
 from .engine.config import CONFIG_DIR, WRITTEN_KEY, check_config, parse_override
+from .engine.outputs import atomic_write, hold_folder, write_text
 
 ABLATIONS_DIR = CONFIG_DIR / "ablations"
 BUDGET_DIR = ABLATIONS_DIR / "budgets"
@@ -61,7 +65,8 @@ _KNOB_PREFIX = "model.kwargs.ttt_cfg."
 TABLES = ("loss", "batch", "epochs", "lr", "inner_model", "deep_fixes", "scale")
 
 __all__ = [
-    "Row", "RowResult", "catalog_markdown", "check_folders", "load_rows", "main", "row_config", "run_rows",
+    "Row", "RowResult", "catalog_markdown", "check_folders", "check_table", "load_rows", "main", "row_config",
+    "run_rows",
 ]  # fmt: skip
 
 
@@ -202,6 +207,31 @@ def row_config(
 
 
 TABLE_FILES = ("results.csv", "results.md", "results.png")
+
+
+def check_table(rows: Sequence[Row], out: Path, resume: bool = False, overwrite: bool = False) -> None:
+    """Checks, before any row trains, that the table's files (:data:`TABLE_FILES`) would replace no other
+    table's: ``out`` holds none, or ``overwrite`` (they are moved aside), or ``resume`` of the table whose
+    rows its ``results.csv`` lists (all of them rows of this command).
+
+    Raises:
+        ConfigError: naming the folder, the files and the ways on.
+    """
+    held = [name for name in TABLE_FILES if (out / name).is_file()]
+    if not held or overwrite:
+        return
+    if resume:
+        try:
+            with open(out / "results.csv", newline="", encoding="utf-8") as f:
+                earlier = {Path(line["file"]).resolve() for line in csv.DictReader(f)}
+        except (OSError, KeyError, csv.Error):
+            earlier = None
+        if earlier is not None and earlier <= {row.path.resolve() for row in rows}:
+            return
+    raise ConfigError(
+        f"{out} holds the results of {'another' if resume else 'an earlier'} table ({', '.join(held)}), which this "
+        f"one would overwrite: give it a new --output; --overwrite moves them into {out}/replaced-<time>/ first"
+    )
 
 
 def check_folders(rows: Sequence[Row], out: Path, again: bool = False) -> None:
@@ -427,8 +457,8 @@ CSV_FIELDS = (
 
 
 def write_csv(results: Sequence[RowResult], path: Path) -> Path:
-    """One line per row (``CSV_FIELDS``)."""
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    """One line per row (``CSV_FIELDS``), written atomically."""
+    with atomic_write(path, "table", text=True, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
         for r in results:
@@ -482,8 +512,11 @@ def plot_results(results: Sequence[RowResult], path: Path, budget: str) -> Path 
     axes[0].invert_yaxis()
     fig.suptitle(f"{' / '.join(sorted({r.row.table for r in results}))}\n{budget}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_write(path, "plot") as f:
+            fig.savefig(f, format="png", dpi=120)
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -542,24 +575,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = [p for p in args.paths if "=" in p]
     if not paths:
         parser.error("give a table folder (e.g. configs/ablations/loss/) or row files")
-    try:
-        rows = load_rows(paths)
-        if args.output:
-            out = Path(args.output)
-        else:
-            name = Path(paths[0]).stem if len(paths) == 1 else "custom"
-            out = Path("output/ablations") / (name + ("-quick" if args.quick else ""))
-        budget = dict(
-            data=args.data, quick=args.quick, epochs=args.epochs, overrides=overrides, resume=args.resume,
-            overwrite=args.overwrite,
-        )  # fmt: skip
-        summary = budget_summary(row_config(rows[0], out, **budget))
-        check_folders(rows, out, again=args.resume or args.overwrite)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    out.mkdir(parents=True, exist_ok=True)
-    if args.overwrite:
+    with contextlib.ExitStack() as held:
+        try:
+            rows = load_rows(paths)
+            if args.output:
+                out = Path(args.output)
+            else:
+                name = Path(paths[0]).stem if len(paths) == 1 else "custom"
+                out = Path("output/ablations") / (name + ("-quick" if args.quick else ""))
+            budget = dict(
+                data=args.data, quick=args.quick, epochs=args.epochs, overrides=overrides, resume=args.resume,
+                overwrite=args.overwrite,
+            )  # fmt: skip
+            summary = budget_summary(row_config(rows[0], out, **budget))
+            held.enter_context(hold_folder(out, "give this table another --output"))  # for the whole table
+            check_folders(rows, out, again=args.resume or args.overwrite)
+            check_table(rows, out, resume=args.resume, overwrite=args.overwrite)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return _run_table(rows, out, budget, summary, args.overwrite, argv)
+
+
+def _run_table(
+    rows: Sequence[Row],
+    out: Path,
+    budget: dict[str, Any],
+    summary: str,
+    overwrite: bool,
+    argv: Sequence[str] | None,
+) -> int:
+    """Trains the rows (:func:`run_rows`) and writes the table: ``results.md``, ``.csv`` and ``.png``."""
+    if overwrite:
         from .engine.common import move_aside
 
         target, moved = move_aside(out, TABLE_FILES, ())
@@ -569,7 +616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run_rows(rows, out, **budget)
     command = "python -m vit3.ablate " + " ".join(argv if argv is not None else sys.argv[1:])
     md = results_markdown(results, summary, command)
-    (out / "results.md").write_text(md, encoding="utf-8")
+    write_text(out / "results.md", md, "table")
     write_csv(results, out / "results.csv")
     png = plot_results(results, out / "results.png", summary)
     print("\n" + md)
