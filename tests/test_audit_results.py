@@ -3,8 +3,8 @@
 Grouped by what each protects: run folders (a lock held for a run's whole life, a dead run's lock taken over,
 results without checkpoints, every run file written atomically), reports (``eval.py --json`` never over a run's
 own files, never truncated), exports (ONNX and features: no partial file, no earlier export replaced or mixed
-with) and tables (the ablation runner's folder lock and ``results.*``). A full disk is simulated in-process:
-the files asked for meet ``ENOSPC`` halfway through their first write.
+with), tables (the ablation runner's folder lock and ``results.*``) and samples (the photo folder writer). A full
+disk is simulated in-process: the files asked for meet ``ENOSPC`` halfway through their first write.
 """
 
 from __future__ import annotations
@@ -450,3 +450,36 @@ def test_a_full_disk_never_truncates_a_table(monkeypatch, tmp_path, full_disk):
     assert (tmp_path / "results.csv").read_bytes() == before and _temp_files(tmp_path) == []
     with open(tmp_path / "results.csv", newline="", encoding="utf-8") as f:
         assert len(list(csv.DictReader(f))) == 5
+
+
+# ---------------------------------------------------------------------------------------------- samples
+def test_the_sample_writer_refuses_a_folder_holding_files(tmp_path, capsys):
+    """``python -m vit3.data.samples photos`` into the user's own photo folder: it would replace their
+    train/china/000.jpg and mix its crops into their classes."""
+    from vit3.data import samples
+
+    mine = tmp_path / "photos" / "train" / "china" / "000.jpg"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"the user's own photograph")
+    assert samples.main([str(tmp_path / "photos"), "--train", "1", "--val", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'photos'} holds other files (e.g. train/china/000.jpg), which the sample photos "
+        f"would replace or mix with: give a new or empty folder\n"
+    )
+    assert (
+        mine.read_bytes() == b"the user's own photograph"
+        and len(list((tmp_path / "photos").rglob("*.jpg"))) == 1
+    )
+
+
+def test_a_full_disk_never_leaves_a_truncated_sample_photo(tmp_path, capsys, full_disk):
+    from vit3.data import samples
+
+    full_disk.append("002.jpg")
+    assert samples.main([str(tmp_path / "photos"), "--train", "4", "--val", "1"]) == 2
+    assert f"002.jpg: {FULL}" in capsys.readouterr().err
+    written = sorted((tmp_path / "photos").rglob("*.jpg"))
+    assert [p.name for p in written] == ["000.jpg", "001.jpg"] and _temp_files(tmp_path) == []
+    for p in written:
+        with Image.open(p) as img:
+            img.load()  # whole JPEGs

@@ -5,7 +5,7 @@ What a first fine-tune needs when no photographs are at hand (and what the fine-
 ``grace_hopper.jpg``, nothing downloaded. Each class is one photograph (3 classes) or one half of one (6
 classes: ``<photo>_left`` / ``<photo>_right``); its images are random square crops of that region, a quarter to a
 half of its shorter side, resized to ``size`` pixels and written as JPEGs in the layout of
-``data.dataset=folder``::
+``data.dataset=folder``, into a new or empty folder (one holding files is refused)::
 
     python -m vit3.data.samples photos --classes 3 --train 16 --val 16
     # photos/train/<class>/000.jpg ..., photos/val/<class>/000.jpg ...
@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ..engine.outputs import atomic_write
 from ..errors import UserError
 
 __all__ = ["CLASS_COUNTS", "make_photo_folder", "sample_photos"]
@@ -66,12 +67,13 @@ def make_photo_folder(
     half of the region's shorter side, resized to ``size`` px) of each class region.
 
     Args:
-        root: the folder to write (created; files of the same names are replaced).
+        root: the folder to write: a new or empty one (created), so that no file of the user's is replaced and
+            no other image joins a class; each image is written to a temporary name and renamed.
         classes: 3 (one class per photograph: ``china``, ``flower``, ``hopper``) or 6 (``<photo>_left``,
             ``<photo>_right``).
 
     Raises:
-        UserError: a class count other than 3 or 6, or too few images asked for.
+        UserError: a class count other than 3 or 6, too few images asked for, or ``root`` holds files.
     """
     if classes not in CLASS_COUNTS:
         raise UserError(
@@ -82,6 +84,18 @@ def make_photo_folder(
             f"need >= 1 training and val image per class and size >= 8, got {n_train}, {n_val}, {size}"
         )
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{root} is a file: give a new or empty folder for the sample photos")
+    held = (
+        sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if root.is_dir()
+        else []
+    )
+    if held:
+        raise UserError(
+            f"{root} holds other files (e.g. {held[0].relative_to(root)}), which the sample photos would replace "
+            f"or mix with: give a new or empty folder"
+        )
     rng = np.random.default_rng(seed)
     for name, photo in sample_photos().items():
         for suffix, region in _regions(photo, halves=classes == 6):
@@ -93,14 +107,15 @@ def make_photo_folder(
                     s = int(rng.integers(min(rw, rh) // 4, min(rw, rh) // 2))
                     x, y = int(rng.integers(0, rw - s)), int(rng.integers(0, rh - s))
                     crop = region.crop((x, y, x + s, y + s)).resize((size, size), Image.BICUBIC)
-                    crop.save(folder / f"{i:03d}.jpg", quality=90)
+                    with atomic_write(folder / f"{i:03d}.jpg", "sample image", durable=False) as f:
+                        crop.save(f, format="JPEG", quality=90)
     return root
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m vit3.data.samples OUT [--classes 3|6] [--train N] [--val N] [--size PX] [--seed S]``."""
     parser = argparse.ArgumentParser(prog="python -m vit3.data.samples", description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", help="folder to write (train/<class>/, val/<class>/)")
+    parser.add_argument("out", help="a new or empty folder to write (train/<class>/, val/<class>/)")
     parser.add_argument("--classes", type=int, default=3, choices=CLASS_COUNTS)
     parser.add_argument("--train", type=int, default=16, help="training images per class")
     parser.add_argument("--val", type=int, default=16, help="val images per class")
