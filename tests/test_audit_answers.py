@@ -22,6 +22,7 @@ from PIL import Image
 
 import vit3.models  # noqa: F401  (registers the models)
 from vit3.data.image import open_image
+from vit3.engine.common import amp_dtype
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -153,3 +154,9 @@ def test_resumed_run_reports_the_whole_runs_time(resumed):
         and str(out / "last.pt") in summary["wall_time_covers"]
     )
     assert read_ckpt(out / "last.pt")["run_seconds"] > left["run_seconds"]
+
+
+def test_fp16_autocast_on_cpu_is_warned_about():
+    """``train.amp=fp16`` on a CPU ran several times slower than float32 with no note."""
+    with pytest.warns(UserWarning, match="train.amp=fp16 on the CPU"):
+        assert amp_dtype("fp16", torch.device("cpu")) is torch.float16

@@ -27,6 +27,7 @@ import hashlib
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,13 +162,20 @@ def seed_process(cfg: Config, info: DistInfo) -> None:
 def amp_dtype(mode: str, device: torch.device, key: str = "train.amp") -> torch.dtype | None:
     """The autocast dtype of an AMP setting (``None``: float32).
 
-    ``auto`` is bf16 on a CUDA device that supports it and float32 elsewhere; ``fp16`` goes with a GradScaler.
+    ``auto`` is bf16 on a CUDA device that supports it and float32 elsewhere; ``fp16`` goes with a GradScaler
+    (on a CPU it runs, with a warning: CPUs compute float16 many times slower than float32).
 
     Raises:
         ConfigError: ``mode`` is not one of :data:`AMP_MODES` (the message names ``key``).
     """
     if mode not in AMP_MODES:
         raise ConfigError(f"{key} must be one of {', '.join(AMP_MODES)}, got '{mode}'")
+    if mode == "fp16" and device.type == "cpu":
+        warnings.warn(
+            f"{key}=fp16 on the CPU: float16 autocast runs many times slower there than float32 (CPUs have "
+            f"no fast float16 matrix units); {key}=none runs float32",
+            stacklevel=2,
+        )
     if mode == "auto":
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
     return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
