@@ -69,9 +69,12 @@ def test_finite_check_has_no_false_alarm_on_large_values():
 @pytest.mark.parametrize("name", ["vit3_tiny", "h_vit3_tiny"])
 def test_whole_model_compiles_with_fullgraph_and_trains(name):
     """The whole backbone is one graph (no break: what CUDA graphs of a whole step need, and what timm's
-    ``--torchcompile`` compiles): its loss and every gradient are eager's."""
+    ``--torchcompile`` compiles): its loss and every gradient are eager's (no drop path: its draws differ).
+    Gradients are compared by norm, to 1e-3 of their own and 1e-6 of the largest: float32 rounding through
+    BatchNorm over 2 images leaves ~1e-4, and a bias in front of a BatchNorm has a zero gradient that either
+    run gives as rounding noise."""
     torch.manual_seed(0)
-    model = timm.create_model(name, img_size=32, num_classes=10).train()
+    model = timm.create_model(name, img_size=32, num_classes=10, drop_path_rate=0.0).train()
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
 
@@ -84,5 +87,6 @@ def test_whole_model_compiles_with_fullgraph_and_trains(name):
     want, want_grads = loss_and_grads(model)
     got, got_grads = loss_and_grads(compiled)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    largest = max(g.norm().item() for g in want_grads)
     for g, g_ref in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+        assert (g - g_ref).norm().item() <= 1e-3 * g_ref.norm().item() + 1e-6 * largest
