@@ -421,3 +421,16 @@ def test_a_vit3_checkpoint_builds_the_model_and_preprocessing_of_its_record(name
     other = next(n for n in TINY_MODELS if n != name)
     with pytest.raises(CheckpointMismatchError, match=rf"holds a '{name}' .*, not a '{other}'"):
         timm.create_model(other, pretrained=True, pretrained_cfg_overlay=dict(file=path))
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_meta_device_forward_gives_the_shapes(name):
+    """timm's config tests run the forward on the meta device (no memory): it gives the logits' and the
+    features' shapes, as a real forward does."""
+    model = timm.create_model(name, device="meta")
+    x = torch.empty(2, *model.pretrained_cfg["input_size"], device="meta")
+    with torch.no_grad():
+        real = timm.create_model(name).eval()
+        want = real.forward_features(torch.randn(2, *model.pretrained_cfg["input_size"]))
+    assert model(x).shape == (2, model.num_classes)
+    assert model.forward_features(x).shape == want.shape
