@@ -1,41 +1,36 @@
 #!/usr/bin/env bash
-# The GPU check of the Triton path, sized for a 15-minute device lease: at most 7 minutes on one CUDA GPU
-# from a cold start (GPU_CHECK_BUDGET seconds, 420), benchmarks first and the kernel tests after.
+# The GPU check, sized for a 15-minute device lease: at most 6 minutes on one CUDA GPU from a cold start
+# (GPU_CHECK_BUDGET seconds, 360; the sections' caps sum to 350), what earlier leases have not answered yet.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]                  # repository root, a machine with a CUDA GPU
 #   GPU_CHECK_DEVICE=cpu bash benchmarks/gpu_check.sh DIR   # the dry run on a CPU: interpreter, tiny sizes
 #
 # Sections, in order, each under its own time limit (x4 in the dry run), cut to what is left of the budget
 # and skipped with less than 15 s left; fail-soft: a failure or a timeout is logged and the next one runs.
-# GPU_CHECK_ONLY="env kernel" runs those sections only.
-#   env       GPU, driver, versions, the Arch the launcher derives, fits_device; installs the repository
+# GPU_CHECK_ONLY="env step" runs those sections only.
+#   env       GPU, driver, versions, the Arch the launcher derives; installs the repository
 #             (`python -m pip install --no-deps --no-build-isolation -e .`) where vit3 does not import
-#   warm      the Triton cache filled in parallel, one process per shape the benchmarks run
-#             (benchmarks/warm_cache.py): Triton compiles each specialisation inside the launching process,
-#             one after another, which from a cold cache would eat the benchmarks' limits
-#   kernel    benchmarks/ttt_kernel.py: the fused op vs torch.compile of the plain formulation and of the
-#             official one, the official eager formulation, SDPA; N = 3136 and 196, d = 64 and 32, B*H = 64
-#             (inference size) and 1024 (training size), bf16, peak memory, a per-kernel profile
-#   models    benchmarks/models.py: ViT³-T vs DeiT-T, ViT³-S vs DeiT-S, H-ViT³-T vs DeiT-T (SDPA), eager, the
-#             training step (train()) and inference, bf16 autocast, 224 / 512 / 1024 / 1248 px, peak memory
-#   compiled  the same pairs compiled (every block, torch.compile), training step, 224 and 1248 px
-#   explain   the backend of every mixer branch and why, the three models (bf16, 224 px, training)
-#   tests     the kernel and registry tests on the GPU (compiled kernels; pytest-xdist where installed)
-#   backends  benchmarks/backend_check.py: every backend against the float64 reference, fp32 and bf16
-#   compile   graph breaks of torch.compile, ViT³-T and H-ViT³-T training (benchmarks/compile_model.py)
+#   warm      the Triton and Inductor caches filled in parallel: one process per kernel shape and model
+#             (benchmarks/warm_cache.py) beside the whole-model compiles of the step section
+#   step      benchmarks/step_profile.py: a bf16 training step of ViT³-T vs DeiT-T at 224 px (batch 128) and
+#             1248 px (batch 32) and H-ViT³-T vs DeiT-T at 224 px (batch 128), eager and compiled whole with
+#             CUDA graphs (reduce-overhead: host-free replay), side by side; kernel count, device time by
+#             category (cuBLAS, flash, vit3's Triton kernels, Inductor, copies/casts, cuDNN), peak memory
+#   kernel    benchmarks/ttt_kernel.py at the models' own shapes: d 32, N 196 (ViT³-T at 224 px: B*H 768) and
+#             N 6084 (1248 px: B*H 192), and d 64, N 3136, B*H 1024 (the reference point); per-kernel profile
+#   tests     the float64 kernel tests on the GPU (compiled kernels; pytest-xdist where installed)
 # Every section's CSV is written row by row (a section cut short keeps its rows) to the work directory
-# (GPU_CHECK_WORK, default a new /tmp/vit3_gpu_check_work.*): ttt_kernel_<dev>.csv, ttt_kernel_profile_<dev>.csv,
-# models_<dev>.csv, models_compiled_<dev>.csv, backend_check_<dev>.csv, compile_model_<dev>.csv (<dev>: cuda
-# or cpu), with their PNGs and one log per section. After each section OUT_DIR (default $OUT, else
+# (GPU_CHECK_WORK, default a new /tmp/vit3_gpu_check_work.*): step_profile_<dev>.csv, ttt_kernel_<dev>.csv,
+# ttt_kernel_profile_<dev>.csv (<dev>: cuda or cpu). After each section OUT_DIR (default $OUT, else
 # /tmp/vit3_gpu_check) gets the CSVs, summary.txt (rc and seconds per section) and gpu_check.log (every
-# section's output): 8 files. On a GPU the CSVs and PNGs are also copied to benchmarks/results/.
+# section's output). On a GPU the CSVs and PNGs are also copied to benchmarks/results/.
 # Triton and Inductor compile into one cache for every section and run (GPU_CHECK_CACHE, default
 # ~/.cache/vit3_gpu_check), so a second run on the same machine starts warm.
 #
 # No network needed; works with an older PyTorch/Triton than the repository's pins (torch 2.11 / Triton 3.6).
 # Python packages it needs beyond torch and triton: timm (torchvision, huggingface_hub, safetensors, pyyaml),
-# numpy, pillow, tqdm, matplotlib, pytest (pytest-xdist to run the tests in parallel). Not needed: fvcore
-# (FLOP counts, skipped: --no-flops), ninja (the C++ CPU kernel, unused on a GPU).
+# numpy, pillow, tqdm, matplotlib, pytest (pytest-xdist to run the tests in parallel). Not needed: fvcore,
+# ninja (the C++ CPU kernel, unused on a GPU).
 set -u -o pipefail
 
 OUT_DIR=${1:-${OUT:-/tmp/vit3_gpu_check}}
@@ -51,7 +46,7 @@ LOG="$OUT_DIR/gpu_check.log"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-BUDGET=${GPU_CHECK_BUDGET:-420}
+BUDGET=${GPU_CHECK_BUDGET:-360}
 ONLY=${GPU_CHECK_ONLY:-}
 CACHE=${GPU_CHECK_CACHE:-$HOME/.cache/vit3_gpu_check}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$CACHE/triton}
@@ -62,54 +57,27 @@ export PY DEVICE WORK JOBS
 SLOW=1 # time limits x SLOW (the CPU dry run is slower)
 if [ "$DEVICE" = cuda ]; then
   unset TRITON_INTERPRET # the GPU's compiled kernels, never the interpreter
-  KERNEL_D=(64 32)
-  KERNEL_N=(3136 196)
-  KERNEL_BH=(64 1024)
-  KERNEL_ARGS=(--repeats 10)
-  # Batch per resolution: a training-size batch at 224 px, and enough images at the others that the GPU, not
-  # the host, sets the pace (at 8 images both models were host-bound on the H200 of 2026-12-04: DeiT-T's
-  # step took 49 ms at 1248 px and 32 ms at 224 px, ViT³-T's 65-80 ms at every size).
-  RES=(224 512 1024 1248)
-  BATCH=(128 64 32 32)
-  PAIRS=(vit3_tiny:deit_tiny_patch16_224 vit3_small:deit_small_patch16_224 h_vit3_tiny:deit_tiny_patch16_224)
-  MODEL_ARGS=(--repeats 3)
-  COMPILED_RES=(224 1248)
-  COMPILED_BATCH=(128 32)
-  COMPILE_BACKEND=inductor
-  EXPLAIN_MODELS=(vit3_tiny vit3_small h_vit3_tiny)
-  EXPLAIN_SIZE=224
-  TESTS=(tests/test_triton_program.py tests/test_triton_node.py tests/test_kernels_ttt.py tests/test_kernels_launch.py tests/test_backends_explain.py tests/test_backends_choice.py tests/test_backends_guard.py)
-  TESTS_ARGS=()
-  BACKEND_ARGS=(--batch 16)
-  COMPILE_MODELS=(vit3_tiny h_vit3_tiny)
-  COMPILE_ARGS=(--img-size 224 --batch 32 --repeats 5)
+  # kernel shapes "D N BH...": the models' own (ViT³-T and H-ViT³-T heads of 32), and ViT³-S's 64 at the reference
+  KERNEL_SHAPES=("32 196 768" "32 6084 192" "64 3136 1024")
+  KERNEL_ARGS=(--repeats 10 --compile-backend inductor)
+  # step groups "MODELS RES BATCH"
+  STEPS=("vit3_tiny:deit_tiny_patch16_224 224 128" "vit3_tiny:deit_tiny_patch16_224 1248 32"
+    "h_vit3_tiny:deit_tiny_patch16_224 224 128")
+  STEP_ARGS=(--repeats 5)
+  TESTS=(tests/test_kernels_ttt.py tests/test_op_dwconv.py tests/test_triton_program.py tests/test_kernels_launch.py)
+  TESTS_ARGS=(-k "fp64 or float64")
 else
   export TRITON_INTERPRET=1
   SLOW=4
-  KERNEL_D=(16)
-  KERNEL_N=(16)
-  KERNEL_BH=(2 4)
-  KERNEL_ARGS=(--heads 2 --repeats 1)
-  RES=(32)
-  BATCH=(1)
-  PAIRS=(test_vit3_ttt:deit_tiny_patch16_224)
-  MODEL_ARGS=(--repeats 1)
-  COMPILED_RES=(32)
-  COMPILED_BATCH=(1)
-  COMPILE_BACKEND=aot_eager
-  EXPLAIN_MODELS=(test_vit3_ttt test_h_vit3)
-  EXPLAIN_SIZE=64
-  TESTS=(tests/test_kernels_ttt.py tests/test_backends_explain.py tests/test_backends_choice.py tests/test_backends_guard.py)
-  TESTS_ARGS=(-k "N1 or deterministic or token_major or strict")
-  BACKEND_ARGS=(--batch 1 --quick --models vit3_tiny)
-  COMPILE_MODELS=(test_vit3_ttt)
-  COMPILE_ARGS=(--img-size 64 --batch 1 --repeats 1)
+  KERNEL_SHAPES=("16 16 2 4")
+  KERNEL_ARGS=(--heads 2 --repeats 1 --compile-backend aot_eager)
+  STEPS=("test_vit3_ttt:deit_tiny_patch16_224 32 2" "test_h_vit3:deit_tiny_patch16_224 32 2")
+  STEP_ARGS=(--repeats 1 --variants eager)
+  TESTS=(tests/test_kernels_ttt.py)
+  TESTS_ARGS=(-k "fp64 and N1")
 fi
-# explain runs a forward at the first resolution of the models section.
-export RES_LIST="${RES[*]}" BATCH_LIST="${BATCH[*]}" EXPLAIN_LIST="${EXPLAIN_MODELS[*]}" EXPLAIN_SIZE
-export KERNEL_LIST="${KERNEL_D[*]};${KERNEL_N[*]};${KERNEL_BH[*]}"
-export EXPLAIN_BATCH=$((BATCH[0] < 8 ? BATCH[0] : 8)) # explain does not depend on the batch: a small one runs faster
-export COMPILE_BACKEND
+export KERNEL_LIST="${KERNEL_SHAPES[*]/%/;}" STEP_LIST="${STEPS[*]/%/;}" STEP_ARGS_LIST="${STEP_ARGS[*]}"
+export KERNEL_ARGS_LIST="${KERNEL_ARGS[*]}"
 
 T0=$(date +%s)
 echo "device $DEVICE, budget ${BUDGET}s, work directory $WORK, caches $TRITON_CACHE_DIR $TORCHINDUCTOR_CACHE_DIR" |
@@ -185,33 +153,83 @@ print("missing modules:", missing or "none")
 EOF
 }
 
-warm_all() {
-  local items=() d n bh i name res batch ds ns bhs
-  IFS=';' read -r ds ns bhs <<<"$KERNEL_LIST"
-  for d in $ds; do
-    for n in $ns; do
-      for bh in $bhs; do
-        items+=("kernel:$d:$n:$bh")
-      done
-    done
+# each_shape LIST FN: calls FN with the words of each ';'-separated item of LIST.
+each_shape() {
+  local item rc=0 items
+  IFS=';' read -ra items <<<"$1"
+  for item in "${items[@]}"; do
+    [ -n "${item// /}" ] || continue
+    # shellcheck disable=SC2086
+    "$2" $item || rc=1
   done
-  read -ra res <<<"$RES_LIST"
-  read -ra batch <<<"$BATCH_LIST"
-  for name in $WARM_MODELS; do
-    for i in "${!res[@]}"; do
-      items+=("model:$name:${res[$i]}:${batch[$i]}")
-    done
-  done
-  "$PY" benchmarks/warm_cache.py --device "$DEVICE" --jobs "$JOBS" --timeout "$1" "${items[@]}"
+  return $rc
 }
 
-explain_all() {
-  local rc=0 model
-  for model in $EXPLAIN_LIST; do
-    echo "--- $model"
-    "$PY" -m vit3.scripts.explain "$model" --img-size "$EXPLAIN_SIZE" --batch "$EXPLAIN_BATCH" --device "$DEVICE" \
-      --dtype bf16 --train || rc=1
+warm_kernel_item() { WARM_ITEMS+=("kernel:$1:$2:$3"); }
+warm_step_item() {
+  local name
+  for name in ${1//:/ }; do
+    [[ $name == deit* ]] || WARM_ITEMS+=("model:$name:$2:$3")
   done
+}
+
+# warm: the kernels' and the eager models' Triton specialisations (warm_cache.py), while the step section's
+# whole-model compiles fill the Inductor cache in a process of their own.
+warm_all() {
+  WARM_ITEMS=()
+  each_shape "$KERNEL_LIST" warm_kernel_item
+  each_shape "$STEP_LIST" warm_step_item
+  local compile=""
+  if [[ " $STEP_ARGS_LIST " != *" --variants eager "* ]]; then
+    STEP_ARGS_LIST="$STEP_ARGS_LIST --repeats 1" step_all graphs >/dev/null 2>&1 &
+    compile=$!
+  fi
+  "$PY" benchmarks/warm_cache.py --device "$DEVICE" --jobs "$JOBS" --timeout "$1" "${WARM_ITEMS[@]}"
+  [ -z "$compile" ] || wait "$compile" || true
+}
+
+step_group() {
+  # shellcheck disable=SC2086
+  "$PY" benchmarks/step_profile.py --device "$DEVICE" --models "$1" --res "$2" --batch "$3" $STEP_ARGS_LIST \
+    ${STEP_VARIANTS:+--variants $STEP_VARIANTS} --out "$WORK/parts/step_profile_${DEVICE}_$1_$2.csv"
+}
+
+# join_csv KIND: the parts' rows of KIND into WORK/KIND_<dev>.csv.
+join_csv() {
+  "$PY" - "$WORK" "$DEVICE" "$1" <<'EOF'
+import csv, glob, sys
+work, dev, kind = sys.argv[1:]
+rows = [r for f in sorted(glob.glob(f"{work}/parts/{kind}_{dev}*.csv")) for r in csv.DictReader(open(f))]
+if rows:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(f"{work}/{kind}_{dev}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
+EOF
+}
+
+# step_all [VARIANT]: every step group, one CSV each, joined into step_profile_<dev>.csv.
+step_all() {
+  mkdir -p "$WORK/parts"
+  STEP_VARIANTS=${1:-} each_shape "$STEP_LIST" step_group
+  local rc=$?
+  [ -n "${1:-}" ] || join_csv step_profile
+  return $rc
+}
+
+kernel_shape() {
+  # shellcheck disable=SC2086
+  "$PY" benchmarks/ttt_kernel.py --device "$DEVICE" --out-dir "$WORK/parts" --tag "${DEVICE}_d$1_n$2" --profile \
+    --d "$1" --n "$2" --bh "${@:3}" $KERNEL_ARGS_LIST
+}
+
+kernel_all() {
+  mkdir -p "$WORK/parts"
+  each_shape "$KERNEL_LIST" kernel_shape
+  local rc=$?
+  join_csv ttt_kernel
+  join_csv ttt_kernel_profile
   return $rc
 }
 
@@ -223,25 +241,13 @@ kernel_tests() {
   "$PY" -m pytest -v -p no:cacheprovider -o addopts="-ra" "${parallel[@]}" "$@"
 }
 
-# The vit3 models of the pairs, each warmed at every resolution of the models section.
-WARM_MODELS=$(printf '%s\n' "${PAIRS[@]}" | tr ':' '\n' | grep -v '^deit' | sort -u | tr '\n' ' ')
-export WARM_MODELS
-export -f env_report warm_all explain_all kernel_tests
+export -f env_report each_shape warm_kernel_item warm_step_item warm_all step_group join_csv step_all \
+  kernel_shape kernel_all kernel_tests
 
 section env 60 env_report
-section warm 90 warm_all $((80 * SLOW))
-section kernel 120 "$PY" benchmarks/ttt_kernel.py --device "$DEVICE" --out-dir "$WORK" --tag "$DEVICE" --profile \
-  --compile-backend "$COMPILE_BACKEND" --d "${KERNEL_D[@]}" --n "${KERNEL_N[@]}" --bh "${KERNEL_BH[@]}" "${KERNEL_ARGS[@]}"
-section models 90 "$PY" benchmarks/models.py --device "$DEVICE" --no-flops --out "$WORK/models_$DEVICE.csv" \
-  --pairs "${PAIRS[@]}" --res "${RES[@]}" --batch "${BATCH[@]}" "${MODEL_ARGS[@]}"
-section compiled 90 "$PY" benchmarks/models.py --device "$DEVICE" --no-flops --variants compiled --modes train \
-  --compile-backend "$COMPILE_BACKEND" --out "$WORK/models_compiled_$DEVICE.csv" --pairs "${PAIRS[@]}" \
-  --res "${COMPILED_RES[@]}" --batch "${COMPILED_BATCH[@]}" "${MODEL_ARGS[@]}"
-section explain 45 explain_all
-section tests 120 kernel_tests "${TESTS[@]}" "${TESTS_ARGS[@]}"
-section backends 60 "$PY" benchmarks/backend_check.py --device "$DEVICE" --timeout $((45 * SLOW)) --out-dir "$WORK" \
-  --tag "_$DEVICE" "${BACKEND_ARGS[@]}"
-section compile 40 "$PY" benchmarks/compile_model.py --device "$DEVICE" --mode train --backend "$COMPILE_BACKEND" \
-  --out-dir "$WORK" --tag "_$DEVICE" --models "${COMPILE_MODELS[@]}" "${COMPILE_ARGS[@]}"
+section warm 50 warm_all $((40 * SLOW))
+section step 130 step_all
+section kernel 60 kernel_all
+section tests 50 kernel_tests "${TESTS[@]}" "${TESTS_ARGS[@]}"
 echo "total $(($(date +%s) - T0))s" | tee -a "$LOG" "$OUT_DIR/summary.txt"
 publish

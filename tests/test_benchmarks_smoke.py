@@ -251,7 +251,7 @@ def test_gpu_check_skips_what_its_time_budget_cannot_hold(tmp_path):
     proc = _gpu_check(tmp_path / "out", tmp_path / "work", GPU_CHECK_BUDGET="0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
-    sections = ["env", "warm", "kernel", "models", "compiled", "explain", "tests", "backends", "compile"]
+    sections = ["env", "warm", "step", "kernel", "tests"]
     assert [line.split()[0] for line in lines] == [*sections, "total"]
     assert all("skipped" in line for line in lines[:-1])
 
@@ -389,3 +389,28 @@ def test_cpu_attribution_prices_every_part_of_both_models(tmp_path):
         assert sum(float(parts[model, p]["ms"]) for p in attribution.PARTS) == pytest.approx(step, rel=1e-6)
     assert all(float(r["vs_base_ms"]) == 0 for r in rows if r["model"] == "test_vit")
     assert float(parts["test_vit", "vit3 kernels"]["ms"]) == 0  # timm's ViT runs none of vit3's code
+
+
+def test_step_profile_rows_with_time_by_category(tmp_path):
+    """A training step of two models side by side, each with its kernel (op) count and time by category."""
+    category = load_benchmark("step_profile").category
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32") == "cublas"
+    assert category("flash_fwd_kernel") == "flash"
+    assert category("grad_bwd_kernel") == "vit3_triton"
+    assert category("triton_poi_fused_add_0") == "inductor"
+    assert category("aten::_to_copy") == "copies_casts"
+    out = tmp_path / "step.csv"
+    env = {
+        k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"
+    }  # the CPU kernels, not the interpreter
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "step_profile.py"), "--device", "cpu", "--models",
+         "test_vit3_ttt:test_h_vit3", "--res", "32", "--batch", "2", "--repeats", "1", "--variants", "eager",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [r["model"] for r in rows] == ["test_vit3_ttt", "test_h_vit3"]
+    assert float(rows[0]["speed_vs_base"]) > 0 and all(int(r["kernels"]) > 0 for r in rows)
+    assert all(float(r["step_ms"]) > 0 and any(k.endswith("_ms") and k != "step_ms" for k in r) for r in rows)
