@@ -112,6 +112,7 @@ def assert_finite(x: Tensor, error: type[Exception], message: str, bound: float 
     training step keeps no host sync and stays capturable by CUDA graphs."""
     if x.numel() == 0:
         return
+    x = x.detach()  # a check, not part of the graph: nothing saved for a backward
     if math.isfinite(bound):
         lo, hi = torch.aminmax(x)
         ok = (lo >= -bound) & (hi <= bound)  # False for NaN
