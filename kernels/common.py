@@ -40,14 +40,9 @@ def grad_flows(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-@functools.cache
-def _autocast_available(device: str) -> bool:
-    return torch.amp.is_autocast_available(device)
-
-
 def autocast_on(device: str) -> bool:
     """Whether autocast is on for ``device`` (a type without autocast, such as ``meta``: off)."""
-    return _autocast_available(device) and torch.is_autocast_enabled(device)
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
 
 
 def autocast_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
