@@ -244,6 +244,8 @@ class TTTMixer(nn.Module):
         # ``torch.jit.is_tracing`` without its two Python calls, and ONNX export, which ``tracing_kind`` also reads,
         # runs under ``torch.jit.trace``. Written out in this one frame (``grad_flows``'s rule too): beside the
         # op's kernels on a CPU every Python call here costs µs (``benchmarks/mixer_overhead.py``).
+        if not qkv.shape[0]:  # no kernel path takes an empty batch
+            return self._empty_mix(qkv, gates)
         traced = torch.compiler.is_compiling() or torch._C._is_tracing()
         if gates is None and not traced:
             calls = self._call_cache
@@ -261,6 +263,14 @@ class TTTMixer(nn.Module):
                         return call[2](qkv, flat, *call[3])
         # untraced by the same probes, the kind is "" (ONNX export runs under jit.trace): not asked twice
         return self._mix_tokens(qkv, grid, gates, backends.tracing_kind() if traced else "")
+
+    def _empty_mix(self, qkv: Tensor, gates: Tensor | None) -> Tensor:
+        """``mix`` of an empty batch (``qkv`` ``[0, N, 3 * sum(widths)]``): ``[0, N, sum(widths)]``, as a timm model
+        returns an empty result for no images; a backward through it gives every weight a zero gradient."""
+        out = qkv.narrow(-1, 0, sum(self.widths))
+        for t in (*self.inner.parameters(), *([] if gates is None else [gates])):
+            out = out + t.sum().to(out.dtype)
+        return out
 
     def _mix_tokens(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
         """``mix`` under tracing ``kind`` (``backends.tracing_kind()``)."""
@@ -531,7 +541,17 @@ def explain(
             on the model's device and dtype.
         grad: explain the training plan (gradients flowing) instead of the inference one.
         batch: samples of the random batch.
+
+    Raises:
+        TypeError: ``model`` is no module (e.g. a model's name: build the model first).
     """
+    if not isinstance(model, nn.Module):
+        build = (
+            f": build it first, e.g. explain(timm.create_model({model!r}), ...)"
+            if isinstance(model, str)
+            else ""
+        )
+        raise TypeError(f"explain takes a model (an nn.Module), got {model!r}{build}")
     if not isinstance(inputs, Tensor):
         h, w = (inputs, inputs) if isinstance(inputs, int) else inputs[-2:]
         ref = next(model.parameters())

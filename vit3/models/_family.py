@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -29,6 +30,7 @@ from timm.models import checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
+from vit3.errors import ConfigError
 from vit3.layers import TTTConfig
 from vit3.layers.blocks import TTTBlock
 
@@ -40,6 +42,7 @@ __all__ = [
     "ClassifierHeadMixin",
     "FamilyBackbone",
     "LayerStackMixin",
+    "check_image_kwargs",
     "check_pool_type",
     "check_timm_kwargs",
     "create_family_model",
@@ -70,6 +73,29 @@ def check_timm_kwargs(
         allowed, why = fixed[key]
         if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
             raise ValueError(f"{model} does not support {key}={value!r}: {why}")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def check_image_kwargs(model: str, kwargs: Mapping[str, Any]) -> None:
+    """Refuses an ``img_size`` that is not a positive integer or a ``(height, width)`` pair of them (``"224"``
+    would reach timm's layers as a string) and an ``in_chans`` below 1 (a model of no input channel sees no
+    image: every output would be its biases).
+
+    Raises:
+        ConfigError: naming the kwarg, what it takes and the value given.
+    """
+    size = kwargs.get("img_size")
+    sides = list(size) if isinstance(size, list | tuple) else [size]
+    if size is not None and not (len(sides) in (1, 2) and all(_count(s) for s in sides)):
+        raise ConfigError(
+            f"{model}: img_size must be a positive integer or (height, width) of them, got {size!r}"
+        )
+    chans = kwargs.get("in_chans")
+    if chans is not None and not _count(chans):
+        raise ConfigError(f"{model}: in_chans must be an integer >= 1 (the image channels), got {chans!r}")
 
 
 def merge_ttt_cfg(
@@ -363,7 +389,12 @@ def create_family_model(
     **kwargs: Any,
 ) -> nn.Module:
     """timm's ``build_model_with_cfg`` with the official-weights loader; ``default_out_indices``: the maps of
-    ``features_only`` unless the caller names ``out_indices``."""
+    ``features_only`` unless the caller names ``out_indices``.
+
+    Raises:
+        ConfigError: an ``img_size`` or ``in_chans`` no image has (:func:`check_image_kwargs`).
+    """
+    check_image_kwargs(variant, kwargs)
     out_indices = kwargs.pop("out_indices", default_out_indices)
     return create_model_with_official_weights(
         cls,

@@ -315,6 +315,7 @@ def cpu_block_kernel(x: Tensor, backend: str = "auto") -> bool:
         not isinstance(x, Tensor)  # an FX proxy: traced code takes the plain path
         or x.device.type != "cpu"
         or x.dtype not in (torch.float32, torch.float64)
+        or not x.numel()  # an empty batch: PyTorch's ops take it
         or torch.is_autocast_enabled("cpu")
         or tracing_kind()
     ):
