@@ -6,6 +6,8 @@ command line and configs, checkpoints, data, the Python API, signals and the dis
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,11 @@ import torch
 from helpers.dense import det_args
 from helpers.generation import DEMO as GEN_DEMO
 from helpers.generation import tiny_gen_args
-from helpers.train import TINY_MODEL, load_script, make_digit_folder
+from helpers.train import TINY_MODEL, load_script, make_digit_folder, one_error_line
+from PIL import Image
 
 import vit3
+from vit3.engine.cli import USER_ERROR_EXIT
 from vit3.engine.config import CONFIG_DIR
 from vit3.errors import ConfigError
 from vit3.layers.ttt import TTTMixer
@@ -91,6 +95,70 @@ def _fill(args: list[str], **paths: Path) -> list[str]:
     for name, path in paths.items():
         args = [a.replace(f"<{name}>", str(path)) for a in args]
     return args
+
+
+# ---------------------------------------------------------------------------------------------------- data
+def _coco_variant(coco_root: Path, root: Path, change) -> Path:
+    """A copy of the COCO digits whose training annotation file ``change(data)`` edited in place."""
+    shutil.copytree(coco_root, root)
+    ann = root / "annotations" / "instances_train.json"
+    data = json.loads(ann.read_text())
+    change(data)
+    ann.write_text(json.dumps(data))
+    return root
+
+
+def _short_polygon(data: dict) -> None:
+    # two points, which pycocotools took for a box
+    data["annotations"][0]["segmentation"] = [[1.0, 2.0, 3.0, 4.0]]
+
+
+def _duplicate_image_id(data: dict) -> None:
+    data["images"][1]["id"] = data["images"][0]["id"]
+
+
+def _wrong_width(data: dict) -> None:
+    data["images"][0]["width"] = 80
+
+
+COCO_MISTAKES = {
+    "polygon-of-two-points": (
+        _short_polygon,
+        "<ann>: annotation 1 of image 1 has a segmentation that is neither polygons (lists of 3 or more x, y pairs) "
+        "nor an RLE mask (size and counts)",
+    ),
+    "image-id-twice": (
+        _duplicate_image_id,
+        "<ann>: image id 1 is given twice (train_00000.png and train_00001.png); each image needs its own id",
+    ),
+    "size-unlike-the-file": (
+        _wrong_width,
+        "<ann>: image 1 (<root>/train/train_00000.png) is 64x64 but the annotation file says 80x64",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "message"), COCO_MISTAKES.values(), ids=COCO_MISTAKES.keys())
+def test_a_coco_mistake_names_the_annotation_file_and_the_image(change, message, coco_root, tmp_path, capsys):
+    root = _coco_variant(coco_root, tmp_path / "coco", change)
+    args = ["--config", str(CONFIG_DIR / "dense" / "demo_detection.yaml"), *det_args(root, tmp_path / "out")]
+    assert load_script("train").main([*args, "data.num_workers=0"]) == USER_ERROR_EXIT
+    ann = root / "annotations" / "instances_train.json"
+    assert _fill([message], ann=ann, root=root)[0] in one_error_line(capsys, last=True)
+
+
+def test_a_decompression_bomb_names_its_file(digits, tmp_path, monkeypatch, capsys):
+    """An image declaring more pixels than PIL opens (twice ``MAX_IMAGE_PIXELS``, lowered here so that a small
+    file is one): one line naming the file, where PIL's error named none."""
+    data = tmp_path / "data"
+    shutil.copytree(digits, data)
+    bomb = data / "train" / "digit_0" / "bomb.png"
+    Image.new("L", (128, 128)).save(bomb)
+    # the 28x28 digits stay below the limit, the 128x128 image is over twice it
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 4000)
+    assert load_script("train").main(_run(data, tmp_path / "out", "data.num_workers=0")) == USER_ERROR_EXIT
+    line = one_error_line(capsys, last=True)
+    assert f"cannot read image file {bomb}: Image size (16384 pixels) exceeds limit of 8000 pixels" in line
 
 
 # ----------------------------------------------------------------------------------------------------- API

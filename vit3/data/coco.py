@@ -6,8 +6,9 @@ resizes it itself); its target holds ``boxes [n, 4]`` (x1, y1, x2, y2 in pixels)
 contiguous labels in sorted id order; ``label_to_cat_id`` maps back for the evaluation.
 
 Bad input: a missing or unreadable annotation file, a file without ``images`` / ``annotations`` /
-``categories``, an annotation naming an unknown image or category, a missing image file, or an image whose
-size disagrees with the file -> ``FileNotFoundError`` / ``DataError`` naming the problem.
+``categories``, two images of one id, an annotation naming an unknown image or category, a segmentation that
+is neither polygons (of 3 points or more) nor an RLE mask, a missing image file, or an image whose size
+disagrees with the file -> ``FileNotFoundError`` / ``DataError`` naming the file and the image id.
 
 Boxes (decided once, when the dataset is built, from the image sizes the file records): a box reaching
 outside its image is clipped to the image and kept; a box that is degenerate (width or height below 1 px,
@@ -65,7 +66,16 @@ def load_coco(ann_file: str | Path):
     if not isinstance(data, dict) or any(k not in data for k in REQUIRED_KEYS):
         found = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise DataError(f"COCO annotation file {path} must hold {REQUIRED_KEYS}, found {found}")
-    image_ids = {img["id"] for img in data["images"]}
+    image_ids: dict[object, str] = {}
+    for img in data["images"]:
+        if not isinstance(img, dict) or "id" not in img or "file_name" not in img:
+            raise DataError(f"{path}: every entry of images needs an id and a file_name, got {str(img)[:80]}")
+        if img["id"] in image_ids:
+            raise DataError(
+                f"{path}: image id {img['id']} is given twice ({image_ids[img['id']]} and {img['file_name']}); "
+                f"each image needs its own id"
+            )
+        image_ids[img["id"]] = img["file_name"]
     cat_ids = {c["id"] for c in data["categories"]}
     if not cat_ids:
         raise DataError(f"COCO annotation file {path} has no categories")
@@ -82,13 +92,33 @@ def load_coco(ann_file: str | Path):
         box = ann.get("bbox")
         if not isinstance(box, list | tuple) or len(box) != 4:
             raise DataError(f"{path}: annotation {ann.get('id')} has no 4-number bbox")
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in box):
+        if not all(_finite(v) for v in box):
             raise DataError(f"{path}: annotation {ann.get('id')} has a bbox of non-numbers: {box}")
+        if "segmentation" in ann and not _segmentation_form(ann["segmentation"]):
+            raise DataError(
+                f"{path}: annotation {ann.get('id')} of image {ann['image_id']} has a segmentation that is neither "
+                f"polygons (lists of 3 or more x, y pairs) nor an RLE mask (size and counts): "
+                f"{str(ann['segmentation'])[:80]}"
+            )
     coco = COCO()
     coco.dataset = data
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
         coco.createIndex()
     return coco
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _segmentation_form(seg: object) -> bool:
+    """Whether ``seg`` is a COCO segmentation pycocotools draws: polygons (lists of 3 or more x, y pairs of
+    numbers) or an RLE mask (a dict with ``size`` and ``counts``)."""
+    if isinstance(seg, dict):
+        return "size" in seg and "counts" in seg
+    return isinstance(seg, list) and all(
+        isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0 and all(_finite(v) for v in p) for p in seg
+    )
 
 
 class CocoDetection(Dataset):
@@ -202,8 +232,8 @@ class CocoDetection(Dataset):
         image = open_image(path, "RGB")
         if "width" in info and (image.width, image.height) != (info["width"], info["height"]):
             raise DataError(
-                f"image {path} is {image.width}x{image.height} but the annotation file says "
-                f"{info['width']}x{info['height']}"
+                f"{self.ann_file}: image {image_id} ({path}) is {image.width}x{image.height} but the annotation "
+                f"file says {info['width']}x{info['height']}"
             )
         return image
 

@@ -84,12 +84,17 @@ def open_image(path: str | Path, mode: str = "RGB") -> Image.Image:
     """Reads an image file as an 8-bit ``mode`` image (:func:`to_model_mode`).
 
     Raises:
-        CorruptImageError: the file cannot be decoded or converted; the message names it.
+        CorruptImageError: the file cannot be decoded or converted, or it declares more pixels than PIL opens
+            (a decompression bomb, over twice ``PIL.Image.MAX_IMAGE_PIXELS``); the message names it.
     """
     try:
         with Image.open(path) as img:
             img.load()
             return to_model_mode(img, mode)
+    except Image.DecompressionBombError as e:
+        raise CorruptImageError(
+            f"cannot read image file {path}: {e} (PIL.Image.MAX_IMAGE_PIXELS sets the limit)"
+        ) from e
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise CorruptImageError(f"cannot read image file {path}: {e}") from e
 
