@@ -137,4 +137,6 @@ def test_a_truncated_checkpoint_is_called_truncated(tmp_path, capsys):
     assert peek_vit3_checkpoint(tmp_path / "last.pt") is not None
     foreign = tmp_path / "foreign.txt"
     foreign.write_text("not a checkpoint")
-    assert peek_vit3_checkpoint(foreign) is None  # not truncated: another kind of file
+    # not truncated: a file no checkpoint loader reads, named for what it is
+    with pytest.raises(CheckpointError, match=r"foreign\.txt is a text file \(16 bytes"):
+        peek_vit3_checkpoint(foreign)

@@ -20,9 +20,11 @@ __all__ = [
     "DataError",
     "MissingWeightsError",
     "OutputError",
+    "TrainingDiverged",
     "UserError",
     "WeightsUnavailableError",
     "describe_os_error",
+    "divergence_advice",
 ]
 
 # What the system answers when it will not take an output the user pointed at: no permission, a read-only or
@@ -79,6 +81,22 @@ class MissingWeightsError(CheckpointError, KeyError):
     """The weights asked for (e.g. the EMA weights) are not in the checkpoint file."""
 
     __str__ = Exception.__str__  # the message, not KeyError's quoted repr
+
+
+class TrainingDiverged(UserError, FloatingPointError):
+    """The training run diverged: its loss, gradient norm or activations became non-finite (NaN or Inf); the
+    message names the step and what to try (:func:`divergence_advice`)."""
+
+
+def divergence_advice(base_lr: float, clip_grad: float | None, warmup: str = "train.warmup_epochs") -> str:
+    """What to try after a run diverged: a lower ``train.base_lr``, gradient clipping (``train.clip_grad``) and a
+    longer warmup (``warmup``: the task's key)."""
+    clip = (
+        "set train.clip_grad (e.g. 1.0)"
+        if clip_grad is None
+        else f"lower train.clip_grad (now {clip_grad:g})"
+    )
+    return f"the run diverged; lower train.base_lr (now {base_lr:g}), {clip} or lengthen {warmup}"
 
 
 class WeightsUnavailableError(UserError, RuntimeError):

@@ -73,10 +73,16 @@ class FeatureExtractor(nn.Module):
         super().__init__()
         record = None
         if checkpoint:
-            from .engine.checkpoint import merge_model_spec, model_record, peek_vit3_checkpoint
+            from .engine.checkpoint import (
+                merge_model_spec,
+                model_record,
+                peek_vit3_checkpoint,
+                require_classifier,
+            )
 
             ckpt = peek_vit3_checkpoint(checkpoint)
             if ckpt is not None:
+                require_classifier(ckpt, checkpoint, "exporting a backbone")
                 record = model_record(ckpt)
                 model_name, kwargs = merge_model_spec(record, model_name, kwargs, checkpoint)
         if not model_name:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .config import Config, ConfigError, load_config, save_config
+from .config import Config, ConfigError, check_whole, load_config, save_config
 from .cpu import tune_malloc
 
 TASKS = ("classification", "detection", "segmentation", "generation", "convert")
@@ -24,13 +24,15 @@ def run(cfg: Config, mode: str) -> Any:
     """Runs ``mode`` ("train" or "eval") of the engine that ``cfg.task`` names.
 
     Raises:
-        ConfigError: ``cfg.task`` or ``mode`` is not one of the known names.
+        ConfigError: ``cfg.task`` or ``mode`` is not one of the known names, or ``cfg`` lacks keys of its
+            task's config (a file without a ``base:``: :func:`~vit3.engine.config.check_whole`).
     """
     task = cfg.get("task", "classification")
     if task not in TASKS:
         raise ConfigError(f"unknown task '{task}': expected one of {', '.join(TASKS)}")
     if mode not in ("train", "eval"):
         raise ConfigError(f"unknown mode '{mode}': expected train or eval")
+    check_whole(cfg)
     device = str(cfg.get("device", "auto"))
     if cfg.get("cpu_malloc", True) and (
         device == "cpu" or (device == "auto" and not torch.cuda.is_available())

@@ -49,6 +49,8 @@ VERSION = 2  # 2: adds the model record
 RECORD_FIELDS = (
     "name", "kwargs", "in_chans", "img_size", "num_classes", "classes", "mean", "std", "interpolation", "crop_pct",
 )  # fmt: skip
+# The tasks whose checkpoints hold an image classifier (a conversion's student is one).
+CLASSIFIER_TASKS = ("classification", "convert")
 # Settings that fix which samples form each batch: a resume that changes one would continue at another sample.
 DATA_STREAM_KEYS = (
     "seed",
@@ -60,6 +62,7 @@ DATA_STREAM_KEYS = (
 )
 
 __all__ = [
+    "CLASSIFIER_TASKS",
     "DATA_STREAM_KEYS",
     "FORMAT",
     "RECORD_FIELDS",
@@ -67,17 +70,24 @@ __all__ = [
     "CheckpointMismatchError",
     "apply_model_record",
     "check_plain",
+    "checkpoint_kind",
+    "checkpoint_task",
     "classifier_prefixes",
     "config_for_checkpoint",
     "config_for_resume",
+    "describe_bytes",
+    "describe_checkpoint",
+    "file_task",
     "get_rng_state",
     "is_vit3_checkpoint",
+    "last_saved",
     "load_checkpoint",
     "load_model_weights",
     "make_model_record",
     "merge_model_spec",
     "model_record",
     "peek_vit3_checkpoint",
+    "require_classifier",
     "resume_differences",
     "save_checkpoint",
     "set_rng_state",
@@ -137,6 +147,9 @@ def check_plain(obj: Any, where: str = "checkpoint") -> None:
         )
 
 
+_last_saved: Path | None = None  # what save_checkpoint wrote last in this process
+
+
 def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
     """Writes ``state`` (plus ``format``/``version``) atomically (:func:`~vit3.engine.outputs.atomic_write`: a
     temp file in the same directory, flushed to disk with ``fsync``, then ``os.replace``; stale temp files of
@@ -147,10 +160,25 @@ def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
         OutputError: the system refused the write (no permission, a full disk, a path under a file): the
             message names the file and the reason; a checkpoint already at ``path`` is left as it was.
     """
+    global _last_saved
     check_plain(dict(state))
+    if Path(path).name != "best.pt":  # best.pt copies a last.pt's state: a run continues from the last.pt
+        _last_saved = Path(path)
     with atomic_write(path, "checkpoint") as f:
-        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+        try:
+            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+        except RuntimeError as e:  # torch's zip writer reports a refused write (a full disk) as its own error
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
+            raise
     return Path(path)
+
+
+def last_saved() -> Path | None:
+    """The checkpoint this process wrote (or was writing) last, best.pt aside, if it is on disk: the file an
+    interrupted run continues from (whole, as every write is atomic: the new state or the one before);
+    ``None`` before one is."""
+    return _last_saved if _last_saved is not None and _last_saved.is_file() else None
 
 
 def is_vit3_checkpoint(obj: Any) -> bool:
@@ -197,29 +225,146 @@ def _load(path: Path, mmap: bool = False) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def _unreadable(path: Path, exc: Exception) -> str:
-    """One line on why ``path`` could not be read (torch's own message takes a dozen lines)."""
+def _pickled_classes(path: Path) -> list[str]:
+    """The classes a zip ``torch.save`` file pickles (which weights-only loading refuses); ``[]`` for any other
+    file."""
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        return torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception:  # not a zip checkpoint
-        names = []
+        return []
+
+
+def _unreadable(path: Path) -> str:
+    """One line on why ``path`` could not be read (torch's own message takes a dozen lines)."""
+    names = _pickled_classes(path)
     if names:
         return (
             f"cannot read checkpoint {path}: it pickles {', '.join(names)}, which weights-only loading does not "
             f"import (a vit3 checkpoint holds plain data only)"
         )
-    first = str(exc).strip().splitlines()
-    return f"cannot read checkpoint {path}: {first[0] if first else type(exc).__name__}"
+    return f"{path} is {describe_bytes(path)}; expected a vit3 checkpoint (a run's last.pt or best.pt)"
+
+
+_LEGACY_MAGIC = (
+    b"l\xfc\x9cF\xf9 j\xa8P\x19"  # the number a legacy (before torch 1.6) torch.save file begins with
+)
+
+
+def describe_bytes(path: Path) -> str:
+    """What a file that no checkpoint loader reads holds, in a few words: an empty file, a text file (e.g. a
+    YAML config), a zip archive of another kind, or bytes of no format ``torch.save`` writes."""
+    size = path.stat().st_size
+    if not size:
+        return "an empty file (0 bytes), not a checkpoint"
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if b"\0" not in head:
+        try:
+            head.decode("utf-8")
+            text = True
+        except UnicodeDecodeError as e:  # a character cut at the end of the head is still text
+            text = e.start >= len(head) - 3
+        if text:
+            return f"a text file ({size} bytes, e.g. a YAML config), not a checkpoint"
+    if head[:1] == b"\x80":  # the pickle protocol's opcode
+        if _LEGACY_MAGIC in head[:32]:
+            return f"a torch.save file of the legacy format ({size} bytes) that pickles objects weights-only loading refuses"
+        return f"a Python pickle ({size} bytes) of no torch.save file"
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            saved = any(name.rpartition("/")[2] == "data.pkl" for name in z.namelist())
+        return (
+            f"a corrupt torch.save file ({size} bytes)"
+            if saved
+            else "a zip archive that is no torch.save file"
+        )
+    return f"no torch.save file ({size} bytes of another format, or corrupt)"
+
+
+def describe_checkpoint(path: str | Path) -> str:
+    """What the file ``path`` is, for messages: ``"a vit3 generation checkpoint (dit3_s_4)"``, ``"a bare state
+    dict (189 tensors)"``, ``"an empty file (0 bytes), not a checkpoint"``, ``"a folder"``, ..."""
+    path = Path(path)
+    if path.is_dir():
+        return "a folder"
+    if not path.is_file():
+        return "not found"
+    try:
+        obj = _load(path)
+    except Exception:
+        names = _pickled_classes(path)
+        if names:
+            return f"a checkpoint of another program (it pickles {', '.join(names[:3])})"
+        return _truncated(path) or describe_bytes(path)
+    if is_vit3_checkpoint(obj):
+        return checkpoint_kind(obj)
+    if isinstance(obj, torch.Tensor):
+        return f"a single tensor {tuple(obj.shape)}"
+    if isinstance(obj, Mapping):
+        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return f"a bare state dict of {len(obj)} tensor(s) (no vit3 model record)"
+        keys = ", ".join(map(str, list(obj)[:5])) + (", ..." if len(obj) > 5 else "")
+        return f"a dict of {keys} (no vit3 model record)"
+    return f"a {type(obj).__name__}"
+
+
+def checkpoint_task(ckpt: Mapping[str, Any]) -> str:
+    """The task whose run wrote the vit3 checkpoint ``ckpt``: ``classification``, ``detection``, ...
+    (classification checkpoints predate the ``task`` field)."""
+    return str(ckpt.get("task") or (ckpt.get("config") or {}).get("task") or "classification")
+
+
+def file_task(path: str | Path) -> str | None:
+    """The task of the vit3 checkpoint at ``path``, read without its tensors, or ``None`` for any other file
+    (one that cannot be read too: what reads it reports that)."""
+    path = Path(path)
+    try:
+        obj = _load(path, mmap=zipfile.is_zipfile(path))
+    except Exception:
+        return None
+    return checkpoint_task(obj) if is_vit3_checkpoint(obj) else None
+
+
+def checkpoint_kind(ckpt: Mapping[str, Any]) -> str:
+    """``"a vit3 generation checkpoint (dit3_s_4)"``: the task and model of the vit3 checkpoint ``ckpt``."""
+    return (
+        f"a vit3 {checkpoint_task(ckpt)} checkpoint ({ckpt.get('model_name') or model_record(ckpt)['name']})"
+    )
+
+
+def require_classifier(ckpt: Mapping[str, Any], path: str | Path, use: str) -> None:
+    """Refuses a vit3 checkpoint whose model is no image classifier (:data:`CLASSIFIER_TASKS`: a generation
+    run's DiT³, a detection or segmentation run's detector around its backbone) where ``use`` (e.g.
+    ``"fine-tuning (model.pretrained)"``) needs a classifier's weights.
+
+    Raises:
+        CheckpointError: naming the file, what it holds and what ``use`` takes.
+    """
+    if checkpoint_task(ckpt) not in CLASSIFIER_TASKS:
+        raise CheckpointError(
+            f"{path} is {checkpoint_kind(ckpt)}: {use} takes a classification checkpoint (a run's best.pt) or "
+            f"official ViTTT weights"
+        )
+
+
+def _no_file(path: Path) -> Exception:
+    """The error for a checkpoint path that is no file: a folder (naming the checkpoint in it), or none."""
+    if path.is_dir():
+        inside = f" (e.g. {path / 'last.pt'})" if (path / "last.pt").is_file() else ""
+        return CheckpointError(f"checkpoint {path} is a folder: give the checkpoint file{inside}")
+    return FileNotFoundError(f"checkpoint not found: {path}")
 
 
 def _read(path: str | Path, mmap: bool = False) -> Any:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise _no_file(path)
+    if mmap and not zipfile.is_zipfile(path):  # mmap reads zip files only; no need for it on others
+        mmap = False
     try:
         return _load(path, mmap)
     except Exception as e:  # a truncated/foreign file: name it
-        raise CheckpointError(_truncated(path) or _unreadable(path, e)) from e
+        raise CheckpointError(_truncated(path) or _unreadable(path)) from e
 
 
 def peek_vit3_checkpoint(path: str | Path) -> dict[str, Any] | None:
@@ -228,17 +373,25 @@ def peek_vit3_checkpoint(path: str | Path) -> dict[str, Any] | None:
 
     Raises:
         FileNotFoundError: no such file.
-        CheckpointError: the file is truncated.
+        CheckpointError: a folder, or a file that no checkpoint loader reads: truncated, empty, a text file,
+            bytes of another format (the official loaders read official ``torch.save`` files and
+            ``.safetensors``).
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise _no_file(path)
+    if path.suffix == ".safetensors":  # weights only: the official loader reads them
+        return None
     try:
         obj = _load(path)
-    except Exception as e:  # not ours: unreadable here, left to the model's official-checkpoint loader
+    except Exception as e:  # not ours: an official file is left to the model's official-checkpoint loader
         why = _truncated(path)
-        if why:
-            raise CheckpointError(why) from e
+        if why or not _pickled_classes(path):
+            raise CheckpointError(
+                why
+                or f"{path} is {describe_bytes(path)}; expected a vit3 checkpoint (a run's best.pt or "
+                f"last.pt) or official weights (.pth, .safetensors)"
+            ) from e
         return None
     return obj if is_vit3_checkpoint(obj) else None
 
@@ -254,8 +407,9 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     obj = _read(path, mmap)
     if not is_vit3_checkpoint(obj):
         raise CheckpointError(
-            f"{path} is not a vit3 training checkpoint (no format='{FORMAT}'); official ViTTT weights are "
-            f"loaded with model.pretrained=FILE (fine-tuning) or eval.py --model NAME --checkpoint FILE"
+            f"{path} is {describe_checkpoint(path)}, not a vit3 training checkpoint (a run's last.pt or best.pt); "
+            f"official ViTTT weights are loaded with model.pretrained=FILE (fine-tuning) or eval.py --model NAME "
+            f"--checkpoint FILE"
         )
     return obj
 
@@ -412,7 +566,7 @@ def config_for_checkpoint(
     cfg = load_config(None, overrides)
     if not any(o.startswith("model.name=") for o in overrides):
         raise ConfigError(
-            f"{path} is not a vit3 checkpoint (it carries no model record): name its model with --model "
+            f"{path} is {describe_checkpoint(path)}, not a vit3 checkpoint: name its model with --model "
             f"(e.g. --model vit3_small for an official vittt_s.pth)"
         )
     return cfg

@@ -13,7 +13,8 @@ uninterrupted one (the plumbing: :mod:`vit3.engine.common`).
 
 A run that diverges — a non-finite training loss, a non-finite gradient norm (with ``train.clip_grad``, no
 fp16 loss scaling) or non-finite tokens met by a TTT mixer of the forward — raises :class:`TrainingDiverged`
-(a ``FloatingPointError``) naming the epoch and batch, so callers such as ``vit3.ablate`` can report it.
+(a ``FloatingPointError``, and a user error: one ``error:`` line from the scripts) naming the step and what to
+try, so callers such as ``vit3.ablate`` can report it.
 
 A task built on this loop (the conversion, :mod:`vit3.engine.convert`) builds its model and data, hands them to
 :func:`_assemble` with a :class:`_Run` subclass (its hooks: ``start_epoch``, ``batch_loss``, ``epoch_metrics``,
@@ -42,9 +43,16 @@ from torch import nn
 from tqdm import tqdm
 
 from ..data import build_datasets, build_mixup, build_train_loader, build_transform, build_val_loader
+from ..errors import TrainingDiverged, divergence_advice
 from ..layers.ttt import NonFiniteError
 from . import common
-from .checkpoint import apply_model_record, make_model_record, model_record, peek_vit3_checkpoint
+from .checkpoint import (
+    apply_model_record,
+    make_model_record,
+    model_record,
+    peek_vit3_checkpoint,
+    require_classifier,
+)
 from .classification_eval import evaluate
 from .classification_model import (
     build_model,
@@ -73,10 +81,6 @@ __all__ = [
     "train",
     "validate",
 ]
-
-
-class TrainingDiverged(FloatingPointError):
-    """The training run diverged: its loss, gradient norm or weights became non-finite (NaN or Inf)."""
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -200,6 +204,8 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
     # A resumed run takes its weights from the checkpoint, never from model.pretrained.
     pretrained = "" if ckpt else str(cfg.model.pretrained or "")
     source = ckpt if ckpt is not None else (peek_vit3_checkpoint(pretrained) if pretrained else None)
+    if pretrained and source is not None:
+        require_classifier(source, pretrained, "fine-tuning (model.pretrained)")
     record = model_record(source) if source is not None else None
     if record is not None:  # the model (and unset preprocessing) of the checkpoint
         apply_model_record(cfg, record, resume or pretrained)
@@ -308,13 +314,31 @@ def _assemble(
 
 
 @contextlib.contextmanager
-def _diverged_on_nonfinite_tokens(where: str):
-    """Reports the TTT mixers' non-finite-token error as :class:`TrainingDiverged`: inside a training step on
-    finite images (the model checks them first) only the model itself can have produced them."""
+def _diverged_on_nonfinite_tokens(where: str, advice: str = ""):
+    """Reports the TTT mixers' non-finite-token error as :class:`TrainingDiverged` (``advice``: what to try):
+    inside a training step on finite images (the model checks them first) only the model itself can have
+    produced them."""
     try:
         yield
     except NonFiniteError as exc:
-        raise TrainingDiverged(f"non-finite activations {where}: {exc}") from exc
+        raise TrainingDiverged(
+            f"non-finite activations {where}: {exc}" + (f"; {advice}" if advice else "")
+        ) from exc
+
+
+@contextlib.contextmanager
+def _one_image_batches_refused(batch_size: int, model_name: str):
+    """Reports BatchNorm's refusal of a training batch with one value per channel (one image whose map is 1x1
+    at that layer) as a :class:`ConfigError` naming ``data.batch_size``."""
+    try:
+        yield
+    except ValueError as exc:
+        if "Expected more than 1 value per channel" not in str(exc):
+            raise
+        raise ConfigError(
+            f"data.batch_size={batch_size}: a BatchNorm layer of {model_name} gets one value per channel in "
+            f"training ({exc}); use data.batch_size >= 2"
+        ) from exc
 
 
 def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
@@ -338,6 +362,7 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
         bar.set_description(f"{Path(cfg.output).name} {desc}")
     tick, seen = time.perf_counter(), 0
     dev = info.device
+    advice = divergence_advice(cfg.train.base_lr, cfg.train.clip_grad)
     for b, (x, y) in enumerate(run.loader, start=p.batch_in_epoch):
         if b >= run.batches_per_epoch:
             break
@@ -346,12 +371,16 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
             x, y = run.mixup(x, y)
         update = (b + 1) % accum == 0
         sync = run.net.no_sync() if info.distributed and not update else contextlib.nullcontext()
-        where = f"at epoch {p.epoch + 1}, batch {b}"
-        with sync, _diverged_on_nonfinite_tokens(where):
+        where = f"at step {p.global_step + 1} (epoch {p.epoch + 1}, batch {b + 1} of {run.batches_per_epoch})"
+        with (
+            sync,
+            _diverged_on_nonfinite_tokens(where, advice),
+            _one_image_batches_refused(bs, cfg.model.name),
+        ):
             with common.autocast(dev, run.amp_dtype):
                 loss = run.batch_loss(x, y, mesa_on)
             if not torch.isfinite(loss):
-                raise TrainingDiverged(f"non-finite training loss {loss.item()} {where}")
+                raise TrainingDiverged(f"non-finite training loss {loss.item()} {where}: {advice}")
             run.scaler.scale(loss / accum).backward()
         p.loss_sum += float(loss.detach())
         p.loss_count += 1
@@ -362,7 +391,7 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
             def check_norm(norm: torch.Tensor, where: str = where) -> None:
                 # fp16 loss scaling skips steps with Inf gradients by design; anything else has diverged
                 if not run.scaler.is_enabled() and not torch.isfinite(norm):
-                    raise TrainingDiverged(f"non-finite gradient norm {float(norm)} {where}")
+                    raise TrainingDiverged(f"non-finite gradient norm {float(norm)} {where}: {advice}")
 
             common.optimizer_step(
                 run.model, run.optimizer, run.scaler, cfg.train.clip_grad, run.scheduler, p.global_step,

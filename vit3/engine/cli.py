@@ -9,6 +9,8 @@ so do the parser's own usage errors (:class:`ArgumentParser`). Under torchrun, r
 another rank reports only a mistake rank 0 did not meet: :data:`RANK_REPORT_DELAY_S`). ``--debug`` (or
 ``VIT3_DEBUG=1``) re-raises it with its traceback instead. Any other exception is a bug and keeps its
 traceback. A flag and an override that set one key to two values are refused (:func:`check_flag_overrides`).
+Ctrl-C (SIGINT) ends the script with one line naming the last checkpoint it wrote and exit code
+:data:`INTERRUPTED_EXIT`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..errors import OUTPUT_ERRNOS, ConfigError, UserError, describe_os_error
 from .config import parse_override
 
 USER_ERROR_EXIT = 2  # the exit code of argparse's own usage errors
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, a shell's code for a command ended by Ctrl-C
 DEBUG_ENV = "VIT3_DEBUG"
 OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")  # key.sub=value
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError)
@@ -36,12 +39,14 @@ RANK_REPORT_DELAY_S = 10.0
 
 __all__ = [
     "DEBUG_ENV",
+    "INTERRUPTED_EXIT",
     "RANK_REPORT_DELAY_S",
     "USER_ERRORS",
     "USER_ERROR_EXIT",
     "ArgumentParser",
     "add_debug_flag",
     "check_flag_overrides",
+    "interrupted_message",
     "is_user_error",
     "run_cli",
     "user_message",
@@ -95,6 +100,18 @@ def user_message(exc: BaseException) -> str:
             if at >= 0:
                 return text[at + len(name) + 3 :].strip()
     return text
+
+
+def interrupted_message() -> str:
+    """What an interrupted script says: the last checkpoint it wrote and how to continue from it."""
+    from .checkpoint import last_saved  # torch, which the scripts' bodies import anyway
+
+    path = last_saved()
+    if path is None:
+        return "interrupted (Ctrl-C) before this run wrote a checkpoint"
+    return (
+        f"interrupted (Ctrl-C); the last checkpoint written is {path} (train.py --resume {path} continues it)"
+    )
 
 
 def _overrides_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -172,6 +189,11 @@ def run_cli(
     before, warnings.formatwarning = warnings.formatwarning, _format_warning
     try:
         return body(args)
+    except KeyboardInterrupt:
+        if _debug(args):
+            raise
+        print(f"error: {interrupted_message()}", file=sys.stderr)
+        return INTERRUPTED_EXIT
     except Exception as exc:
         if not is_user_error(exc) or _debug(args):
             raise

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from .checkpoint import (
     CheckpointError,
+    checkpoint_task,
     get_rng_state,
     load_checkpoint,
     load_model_weights,
@@ -526,11 +527,6 @@ def open_run(
     open_output(folder, cfg, info)
     if ckpt is not None:
         restore_rng(ckpt, info)
-
-
-def checkpoint_task(ckpt: Mapping[str, Any]) -> str:
-    """The task of a vit3 checkpoint (classification checkpoints predate the ``task`` field)."""
-    return str(ckpt.get("task", "classification"))
 
 
 def check_resume_task(ckpt: Mapping[str, Any], task: str, source: str) -> None:

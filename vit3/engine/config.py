@@ -105,6 +105,7 @@ __all__ = [
     "check_config",
     "check_types",
     "check_values",
+    "check_whole",
     "config_from_checkpoint",
     "config_from_dict",
     "git_commit",
@@ -267,6 +268,9 @@ def _read_yaml_tree(
     if path in stack:
         chain = " -> ".join(str(p) for p in (*stack, path))
         raise ConfigError(f"config inheritance cycle: {chain}")
+    if path.is_dir():
+        inside = " (e.g. the run's config.yaml in it)" if (path / "config.yaml").is_file() else ""
+        raise ConfigError(f"config file {path} is a folder: give a YAML file{inside}")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     with open(path, encoding="utf-8") as f:
@@ -321,7 +325,11 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     origin: dict[str, bool] = {}
     data = _read_yaml_tree(path, origin=origin)
     data[WRITTEN_KEY] = [key for key, users in origin.items() if users]
-    cfg = config_from_dict(data, overrides)
+    try:
+        cfg = config_from_dict(data, overrides)
+    except ConfigError:  # a file that is no whole config: that, rather than the first key it lacks
+        check_whole(data, path)
+        raise
     cfg["_config_file"] = str(path.resolve())
     return cfg
 
@@ -404,6 +412,28 @@ def check_config(cfg: Config, mode: str | None = None) -> None:
     check_values(cfg, mode)
 
 
+def check_whole(cfg: Mapping[str, Any], source: str | Path | None = None) -> None:
+    """Checks that ``cfg`` (a run's config, or a config file's merged tree) has every top-level key of its
+    task's shipped config (:data:`TASK_CONFIGS`), as a file whose ``base:`` chain reaches a shipped config
+    has; ``source``: the file, for the message (default: ``cfg``'s ``_config_file``).
+
+    Raises:
+        ConfigError: naming the file, the keys it lacks and the ``base:`` line that gives them.
+    """
+    task = str(cfg.get("task", "classification"))
+    shipped = TASK_CONFIGS.get(task, "default.yaml")
+    missing = [key for key in _shipped_tree(shipped) if key not in cfg]
+    if not missing:
+        return
+    source = source or cfg.get("_config_file") or "the config"
+    shown = ", ".join(missing[:6]) + (f", ... ({len(missing)} keys)" if len(missing) > 6 else "")
+    what = "is empty" if not [k for k in cfg if not str(k).startswith("_")] else f"lacks {shown}"
+    raise ConfigError(
+        f"config file {source} {what}: a run config builds on a shipped one; begin it with "
+        f"'base: {CONFIG_DIR / shipped}' (the {task} defaults) and set only what differs"
+    )
+
+
 def to_plain(value: Any) -> Any:
     """``value`` as plain data: every mapping (a :class:`Config` too) a ``dict``, every tuple a list, all the
     way down (what ``torch.load(weights_only=True)``, YAML and JSON read back)."""
@@ -417,6 +447,11 @@ def to_plain(value: Any) -> Any:
 @functools.cache
 def _default_tree() -> dict[str, Any]:
     return _read_yaml_tree(DEFAULT_CONFIG)
+
+
+@functools.cache
+def _shipped_tree(name: str) -> dict[str, Any]:
+    return _read_yaml_tree(CONFIG_DIR / name)
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

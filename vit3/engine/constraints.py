@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -130,10 +131,16 @@ class Range(Constraint):
         return value(self.lo), value(self.hi)
 
     def allows(self, value: Any, cfg: Any) -> bool:
-        """Whether ``value`` (a number, or a list of numbers) is allowed; other values are the type check's."""
+        """Whether ``value`` (a finite number, or a list of them) is allowed; a string (``nan``, ``12x``, which
+        no numeric key takes, also where no type check reads the key) is not; other values are the type
+        check's."""
         lo, hi = self.bounds(cfg)
 
-        def inside(v: float) -> bool:
+        def inside(v: Any) -> bool:
+            if isinstance(v, str) or (is_number(v) and not math.isfinite(v)):
+                return False
+            if not is_number(v):
+                return True
             above = lo is None or (v > lo if self.lo_open else v >= lo)
             below = hi is None or (v < hi if self.hi_open else v <= hi)
             return above and below
@@ -142,8 +149,8 @@ class Range(Constraint):
             numbers = [v for v in value if is_number(v)]
             in_order = not self.ordered or all(a <= b for a, b in itertools.pairwise(numbers))
             counted = (not self.length or len(value) in self.length) and len(value) >= self.min_length
-            return all(inside(v) for v in numbers) and in_order and counted
-        return not is_number(value) or inside(value)
+            return all(inside(v) for v in value) and in_order and counted
+        return inside(value)
 
     def describe(self, cfg: Any) -> str:
         """``"> 0"``, ``"in [0, 1)"``, ``"<= train.base_lr (0.001)"``, ... (for messages)."""
@@ -167,6 +174,8 @@ class Range(Constraint):
         if self.allows(value, cfg):
             return None
         what = self.describe(cfg)
+        if not isinstance(value, list | tuple) and not (is_number(value) and math.isfinite(value)):
+            what = "a finite number" + ("" if what == "any number" else f" {what}")
         if isinstance(value, list | tuple):
             count = " or ".join(map(str, self.length)) + " " if self.length else ""
             some = "a non-empty list" if self.min_length and not count else "a list"

@@ -40,6 +40,7 @@ import torch
 
 from ..data.build import build_train_loader
 from ..data.coco import collate_detection
+from ..errors import TrainingDiverged, divergence_advice
 from . import common
 from .checkpoint import CheckpointMismatchError, load_checkpoint, make_model_record
 from .config import Config, ConfigError, check_config, run_metadata
@@ -201,8 +202,10 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
                     parts = net(*_to(batch, device, cfg.task))  # detector(images, targets) / segmenter(x, y)
                     loss = sum(parts.values())
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(
-                        f"non-finite loss at step {p.global_step}: { {k: float(v) for k, v in parts.items()} }"
+                    advice = divergence_advice(cfg.train.base_lr, cfg.train.clip_grad, "dense.warmup_iters")
+                    raise TrainingDiverged(
+                        f"non-finite loss at step {p.global_step + 1} "
+                        f"({ {k: float(v) for k, v in parts.items()} }): {advice}"
                     )
                 scaler.scale(loss / accum).backward()
             step_loss += float(loss.detach()) / accum

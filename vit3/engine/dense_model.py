@@ -18,7 +18,7 @@ from ..models._pretrained import load_checkpoint_file
 from ..tasks.backbone import FeatureBackbone, block_layer_ids
 from ..tasks.detection import build_detector
 from ..tasks.segmentation import build_segmenter
-from .checkpoint import CheckpointError, CheckpointMismatchError, peek_vit3_checkpoint
+from .checkpoint import CheckpointError, CheckpointMismatchError, peek_vit3_checkpoint, require_classifier
 from .config import Config, ConfigError
 from .validation import model_arguments
 
@@ -172,6 +172,7 @@ def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = 
     """
     obj = peek_vit3_checkpoint(path)
     if obj is not None:
+        require_classifier(obj, path, "a backbone's ImageNet weights")
         state = obj["ema" if use_ema else "model"]
         if state is None:
             raise CheckpointError(f"checkpoint {path} holds no EMA weights (trained with train.ema=false)")

@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from ..data import build_datasets, build_train_loader
 from ..data.generation import build_generation_transform
+from ..errors import TrainingDiverged, divergence_advice
 from ..models.dit3 import DiT3
 from ..tasks.diffusion import GaussianDiffusion, LatentAutoencoder
 from . import common
@@ -188,8 +189,9 @@ def _train_epoch(run: _Run) -> None:
             terms = diffusion.training_losses(out, x, x_t, t, noise)
             loss = terms["loss"].mean()
             if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"non-finite training loss {loss.item()} at epoch {p.epoch + 1}, batch {b}"
+                raise TrainingDiverged(
+                    f"non-finite training loss {loss.item()} at step {p.global_step + 1} (epoch {p.epoch + 1}, "
+                    f"batch {b + 1}): {divergence_advice(cfg.train.base_lr, cfg.train.clip_grad)}"
                 )
             run.scaler.scale(loss / accum).backward()
         values = {k: float(v.detach().mean()) for k, v in terms.items()}

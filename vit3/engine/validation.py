@@ -483,36 +483,49 @@ def check_flags(args: argparse.Namespace, table: Mapping[str, Constraint]) -> No
 # --------------------------------------------------------------------------------- checks on the model
 @contextlib.contextmanager
 def model_arguments(name: str, kwargs: Mapping[str, Any], key: str = "model.kwargs") -> Iterator[None]:
-    """Reports a keyword argument the model does not take (``TypeError``), given by the user in ``kwargs``
-    (the config's ``key``), as a :class:`~vit3.errors.ConfigError` naming it."""
+    """Reports a keyword argument the model does not take (``TypeError``), or one that vit3 passes itself
+    (e.g. ``num_classes``), given by the user in ``kwargs`` (the config's ``key``), as a
+    :class:`~vit3.errors.ConfigError` naming it."""
     try:
         yield
     except TypeError as e:
-        match = re.search(r"unexpected keyword argument '(\w+)'", str(e))
-        if match is None or match.group(1) not in kwargs:
+        match = re.search(r"(unexpected|multiple values for) keyword argument '(\w+)'", str(e))
+        if match is None or match.group(2) not in kwargs:
             raise
-        raise ConfigError(f"{key}.{match.group(1)} is not an argument of {name} ({e})") from e
+        arg = match.group(2)
+        if match.group(1) == "unexpected":
+            raise ConfigError(f"{key}.{arg} is not an argument of {name} ({e})") from e
+        instead = " and set model.num_classes (null: the classes of the data)" if arg == "num_classes" else ""
+        raise ConfigError(
+            f"{key}.{arg}={kwargs[arg]!r}: vit3 passes {arg} to {name} itself; leave it out of {key}{instead}"
+        ) from e
 
 
 def check_input_size(model: Any, in_chans: int, size: int, name: str, model_name: str = "") -> None:
     """Runs ``model`` once on one ``[1, in_chans, size, size]`` image (no gradient, eval mode, RNG states
     kept) and reports a size it refuses (``ValueError`` / ``AssertionError``, e.g. below its total stride,
-    or another size than a fixed-size model's) as a :class:`~vit3.errors.ConfigError` naming ``name`` (the
-    key or flag that set the size).
+    or another size than a fixed-size model's), or one image of which needs more memory than the device has,
+    as a :class:`~vit3.errors.ConfigError` naming ``name`` (the key or flag that set the size).
     """
     import torch
 
     device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
     was_training = model.training
     model.eval()
+    model_name = model_name or getattr(model, "default_cfg", {}).get("architecture") or type(model).__name__
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             model(torch.zeros(1, in_chans, size, size, device=device))
     except (ValueError, AssertionError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        model_name = (
-            model_name or getattr(model, "default_cfg", {}).get("architecture") or type(model).__name__
-        )
         raise ConfigError(f"{name} must be image sizes {model_name} takes, got {size}: {reason}") from e
+    except RuntimeError as e:  # torch.OutOfMemoryError (a RuntimeError) on a GPU, the allocator's on a CPU
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        reason = str(e).strip().splitlines()[0].split("DefaultCPUAllocator: ")[-1]
+        raise ConfigError(
+            f"{name} must be image sizes {model_name} can run on {device}, got {size}: one image of that size "
+            f"needs more memory than there is ({reason})"
+        ) from e
     finally:
         model.train(was_training)

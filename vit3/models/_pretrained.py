@@ -143,8 +143,13 @@ def check_state_dict(
         if a == b or (key in adapt and len(a) == len(b) == 4 and a[0] == b[0] and a[2:] == b[2:]):
             continue
         misshaped.append(f"{key}: checkpoint {a} vs model {b}")
+    name = type(model).__name__
+    if ours and theirs and not set(ours) & set(theirs):
+        raise CheckpointMismatchError(
+            f"{what} does not fit this {name}: none of its {len(theirs)} key(s) (e.g. "
+            f"{', '.join(sorted(theirs)[:3])}) names one of the model's weights"
+        )
     if missing or unexpected or misshaped:
-        name = type(model).__name__
         raise CheckpointMismatchError(
             f"{what} does not fit this {name} (another model or size?):\n"
             f"  missing keys ({len(missing)}): {missing}\n"
@@ -297,6 +302,11 @@ def create_model_with_official_weights(
             feature_cfg=dict(feature_cfg),
             **kwargs,
         )
+    except CheckpointMismatchError as exc:  # the filter's check (check_state_dict): name the file
+        file = kwargs["pretrained_cfg_overlay"].get("file") if pretrained else None
+        if not file:
+            raise
+        raise CheckpointMismatchError(f"{file}: {exc}") from exc
     except RuntimeError as exc:
         if pretrained and "size mismatch for head." in str(exc):
             raise CheckpointMismatchError(

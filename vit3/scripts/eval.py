@@ -20,10 +20,49 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
-from vit3.engine import run
-from vit3.engine.checkpoint import config_for_checkpoint
+from vit3.engine import load_config, run
+from vit3.engine.checkpoint import config_for_checkpoint, file_task
 from vit3.engine.cli import ArgumentParser, check_flag_overrides, run_cli
+from vit3.errors import ConfigError
+
+# Where a generation checkpoint's evaluation (its sampler) reads what these flags set.
+GENERATION_KEYS = {"eval.use_ema": "sample.use_ema", "eval.batch_size": "sample.batch_size"}
+
+
+def _task(args: argparse.Namespace) -> str:
+    """The task of the evaluation: ``--config``'s, else the checkpoint's (an official file: classification)."""
+    if args.config is None:
+        return file_task(args.checkpoint) or "classification"
+    with warnings.catch_warnings():  # its warnings come with the evaluation's own load
+        warnings.simplefilter("ignore")
+        return str(load_config(args.config).get("task", "classification"))
+
+
+def _task_flags(
+    flags: dict[str, tuple[str, object]], task: str, checkpoint: str
+) -> dict[str, tuple[str, object]]:
+    """``flags`` (key -> (flag, value)) with each key the one ``task``'s evaluation reads; a flag given that
+    it does not read is refused.
+
+    Raises:
+        ConfigError: naming the flag, the task it applies to and the checkpoint's.
+    """
+    generation = task == "generation"
+    for key, (flag, value) in flags.items():
+        if value is None:
+            continue
+        if generation and key == "eval.img_sizes":
+            raise ConfigError(
+                f"{flag} sets classification resolutions; {checkpoint} is a generation checkpoint, which samples "
+                f"at the size it was trained at (data.img_size)"
+            )
+        if not generation and key.startswith("sample."):
+            raise ConfigError(
+                f"{flag} ({key}) applies to generation checkpoints; {checkpoint} is a {task} checkpoint"
+            )
+    return {GENERATION_KEYS.get(key, key): v for key, v in flags.items()} if generation else flags
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -39,22 +78,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     }
     for key in ("sampler", "steps", "cfg_scale", "num_samples"):
         flags[f"sample.{key}"] = (f"--{key.replace('_', '-')}", getattr(args, key))
+    flags = _task_flags(flags, _task(args), args.checkpoint)
     check_flag_overrides(overrides, flags)
-    if args.model is not None:
-        overrides.append(f"model.name={args.model}")
-    if args.data is not None:
-        overrides += ["data.dataset=folder", f"data.path={args.data}"]
-    if args.img_size is not None:
-        overrides.append(f"eval.img_sizes={list(args.img_size)}")
-    if args.ema:
-        overrides.append("eval.use_ema=true")
-    if args.batch_size is not None:
-        overrides.append(f"eval.batch_size={args.batch_size}")
-    if args.json is not None:
-        overrides.append(f"eval.json={args.json}")
-    for key in ("sampler", "steps", "cfg_scale", "num_samples"):
-        if getattr(args, key) is not None:
-            overrides.append(f"sample.{key}={getattr(args, key)}")
+    for key, (_, value) in flags.items():
+        if value is not None and key != "eval.checkpoint":
+            overrides += ["data.dataset=folder"] if key == "data.path" else []
+            overrides.append(f"{key}={str(value).lower() if value is True else value}")
     overrides.append(f"eval.checkpoint={args.checkpoint}")
     run(config_for_checkpoint(args.checkpoint, args.config, overrides), "eval")
     return 0

@@ -2,7 +2,8 @@
 TTT mixer branch of a model, and why each other one was passed over (``vit3.explain``).
 
 Honours ``$VIT3_TTT_BACKEND`` and the model's ``TTTConfig.backend``; ``--dtype bf16``/``fp16`` run the forward
-under autocast (the mixers then read 16-bit q, k, v), ``fp32``/``fp64`` cast the model.
+under autocast (the mixers then read 16-bit q, k, v), ``fp32``/``fp64`` cast the model. A mistake in the input
+ends with one ``error:`` line and exit code 2 (``--debug`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import timm
 import torch
 
 import vit3  # registers the vit3 models in timm
+from vit3.engine.cli import ArgumentParser, run_cli
+from vit3.engine.value_checks import timm_model
+from vit3.errors import ConfigError
 from vit3.layers.backends import BACKEND_ENV, STRICT_ENV
 from vit3.layers.ttt import explain
 
@@ -24,7 +28,7 @@ DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vit3-explain", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="vit3-explain", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="timm model name (e.g. vit3_small, h_vit3_tiny)")
     parser.add_argument("--img-size", type=int, default=224, help="input height and width in pixels")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -32,19 +36,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--train", action="store_true", help="explain the training plan (gradients flowing)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    args = parser.parse_args(argv)
+    return run_cli(parser, _explain, argv, intermixed=False)
+
+
+def _explain(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.img_size < 1:
-        parser.error("--batch and --img-size must be positive")
+        raise ConfigError("--batch and --img-size must be positive")
+    problem = timm_model(args.model, None)
+    if problem is not None:
+        raise ConfigError(
+            f"model must be a timm model name (e.g. vit3_small, h_vit3_tiny), got {args.model!r}: {problem}"
+        )
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
+        raise ConfigError("--device cuda: no CUDA device is available")
     model = timm.create_model(args.model, pretrained=False).to(device).eval()
     autocast = dtype in (torch.bfloat16, torch.float16)
     if not autocast:
         model = model.to(dtype)
     context = torch.autocast(device.type, dtype=dtype) if autocast else contextlib.nullcontext()
-    with context:
-        report = explain(model, args.img_size, grad=args.train, batch=args.batch)
+    try:
+        with context:
+            report = explain(model, args.img_size, grad=args.train, batch=args.batch)
+    except ValueError as e:  # the model's check of the image ("image 8x8 is too small ...")
+        if not str(e).startswith("image "):
+            raise
+        raise ConfigError(
+            f"--img-size must be an image size {args.model} takes, got {args.img_size}: {e}"
+        ) from e
     setting = {
         "model": args.model,
         "img_size": args.img_size,

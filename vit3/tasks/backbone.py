@@ -75,13 +75,16 @@ class FeatureBackbone(nn.Module):
                 **({"out_indices": tuple(out_indices)} if out_indices is not None else {}),
             )
         except (AssertionError, IndexError) as e:  # timm's check of the indices (vit3's and timm's models)
-            if out_indices is None:
+            if out_indices is None and "out of range" not in str(e):
                 raise
             n = len(timm.create_model(model_name, **kwargs).feature_info)
-            raise ConfigError(
-                f"{indices_from} {list(out_indices)} do not fit {model_name}: its {n} feature levels are "
-                f"0 to {n - 1} (or -{n} to -1 from the last)"
-            ) from e
+            levels = f"its {n} feature levels are 0 to {n - 1} (or -{n} to -1 from the last)"
+            if out_indices is None:  # timm's default, e.g. the last 3 blocks of a ViT with fewer
+                raise ConfigError(
+                    f"{model_name}'s default feature levels do not fit it ({e}): {levels}; name those to take "
+                    f"with {indices_from}"
+                ) from e
+            raise ConfigError(f"{indices_from} {list(out_indices)} do not fit {model_name}: {levels}") from e
         self.model_name = model_name
         self.channels: list[int] = list(self.body.feature_info.channels())
         self.strides: list[int] = list(self.body.feature_info.reduction())
