@@ -46,9 +46,10 @@ from benchmarks.common import RESULTS, print_table, save_figure, write_csv
 from vit3.data import build_datasets, build_transform
 from vit3.data.samples import make_photo_folder
 from vit3.engine import load_config
-from vit3.engine.checkpoint import apply_model_record, model_record, peek_vit3_checkpoint
+from vit3.engine.checkpoint import apply_model_record
 from vit3.engine.classification import build_model, data_stats, input_channels, resolve_data_cfg
 from vit3.engine.config import CONFIG_DIR
+from vit3.models.record import model_record, peek_vit3_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("finetune", "probe_recipe", "probe_logreg")

@@ -32,8 +32,8 @@ from safetensors.torch import load_file
 from vit3 import ablate
 from vit3.engine.checkpoint import save_checkpoint
 from vit3.engine.config import CONFIG_DIR, load_config
-from vit3.engine.outputs import LOCK_FILE, hold_folder, lock_holder
 from vit3.errors import OutputError
+from vit3.outputs import LOCK_FILE, hold_folder, lock_holder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -174,7 +174,7 @@ def test_a_dead_runs_lock_is_taken_over_and_held_for_the_whole_run(digits, tmp_p
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     assert lock_holder(out)["pid"] == child  # the lock file the killed run left
     import vit3.engine.common as common
-    import vit3.engine.outputs as outputs
+    import vit3.outputs as outputs
 
     holders, write_text = [], outputs.write_text
 

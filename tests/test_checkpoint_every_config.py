@@ -14,16 +14,10 @@ import torch
 from helpers.train import load_script, make_digit_folder, read_ckpt
 
 from vit3.engine import load_config
-from vit3.engine.checkpoint import (
-    check_plain,
-    load_checkpoint,
-    make_model_record,
-    model_record,
-    peek_vit3_checkpoint,
-    save_checkpoint,
-)
+from vit3.engine.checkpoint import check_plain, make_model_record, save_checkpoint
 from vit3.engine.config import CONFIG_DIR, Config
 from vit3.errors import CheckpointError
+from vit3.models.record import load_checkpoint, model_record, peek_vit3_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

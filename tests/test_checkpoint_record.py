@@ -12,14 +12,10 @@ import torch
 from helpers.train import load_script, make_digit_folder, read_ckpt, tiny_cfg
 
 from vit3.engine import ConfigError, load_config, run
-from vit3.engine.checkpoint import (
-    CheckpointMismatchError,
-    config_for_checkpoint,
-    model_record,
-    save_checkpoint,
-)
+from vit3.engine.checkpoint import CheckpointMismatchError, config_for_checkpoint, save_checkpoint
 from vit3.engine.config import CONFIG_DIR
 from vit3.errors import DataError
+from vit3.models.record import model_record
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

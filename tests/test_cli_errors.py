@@ -11,9 +11,10 @@ import pytest
 import torch
 from helpers.train import TINY_MODEL, load_script, make_digit_folder, one_error_line
 
-from vit3.engine.checkpoint import CheckpointError, load_checkpoint, peek_vit3_checkpoint, save_checkpoint
+from vit3.engine.checkpoint import CheckpointError, save_checkpoint
 from vit3.engine.cli import DEBUG_ENV, USER_ERROR_EXIT
 from vit3.engine.config import ConfigError, load_config
+from vit3.models.record import load_checkpoint, peek_vit3_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

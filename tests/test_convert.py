@@ -301,7 +301,8 @@ def test_conversion_checkpoint_is_taken_by_eval_export_and_fine_tuning(digits, c
     assert manifest["model"] == SWAP_MODEL and manifest["preprocessing"]["input_size"] == [1, 32, 32]
     assert [f["shape"] for f in manifest["features"]] == [[64, 4, 4]] * 2 and manifest["files"]
     ft = load_config(CONFIG_DIR / "finetune.yaml", [f"model.pretrained={best}"])
-    from vit3.engine.checkpoint import apply_model_record, model_record, peek_vit3_checkpoint
+    from vit3.engine.checkpoint import apply_model_record
+    from vit3.models.record import model_record, peek_vit3_checkpoint
 
     apply_model_record(ft, model_record(peek_vit3_checkpoint(best)), str(best))
     model, fresh = build_model(ft, 3, str(best))

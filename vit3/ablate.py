@@ -54,7 +54,7 @@ from typing import Any
 
 from .engine import Config, ConfigError, load_config
 from .engine.config import CONFIG_DIR, WRITTEN_KEY, check_config, parse_override
-from .engine.outputs import atomic_write, hold_folder, write_text
+from .outputs import CHECKPOINT_FILES, atomic_write, hold_folder, write_text
 
 ABLATIONS_DIR = CONFIG_DIR / "ablations"
 BUDGET_DIR = ABLATIONS_DIR / "budgets"
@@ -241,7 +241,6 @@ def check_folders(rows: Sequence[Row], out: Path, again: bool = False) -> None:
     Raises:
         ConfigError: naming the rows or the folder, and the ways on.
     """
-    from .engine.common import CHECKPOINT_FILES
 
     owners: dict[Path, Row] = {}
     for row in rows:
@@ -354,7 +353,7 @@ def _best_epoch(run_dir: Path) -> tuple[float | None, int | None, int | None]:
 
 def _params_m(cfg: Config) -> float | None:
     """Parameters (millions) of the row's trained model, read from its last checkpoint."""
-    from .engine.checkpoint import load_checkpoint
+    from .models.record import load_checkpoint
 
     try:
         state = load_checkpoint(Path(cfg.output) / "last.pt")["model"]

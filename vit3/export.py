@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from .data.image import apply_transform, open_image, warn_if_tiny, warn_skipped
 from .engine.common import move_aside
 from .engine.config import ConfigError
-from .engine.outputs import atomic_path, write_bytes, write_text
 from .errors import DataError, OutputError
+from .outputs import atomic_path, write_bytes, write_text
 from .tasks.backbone import FeatureBackbone
 
 log = logging.getLogger(__name__)
@@ -73,12 +73,8 @@ class FeatureExtractor(nn.Module):
         super().__init__()
         record = None
         if checkpoint:
-            from .engine.checkpoint import (
-                merge_model_spec,
-                model_record,
-                peek_vit3_checkpoint,
-                require_classifier,
-            )
+            from .engine.checkpoint import merge_model_spec
+            from .models.record import model_record, peek_vit3_checkpoint, require_classifier
 
             ckpt = peek_vit3_checkpoint(checkpoint)
             if ckpt is not None:

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..engine.outputs import atomic_write
 from ..errors import UserError
+from ..outputs import atomic_write
 
 __all__ = ["CLASS_COUNTS", "make_photo_folder", "sample_photos"]
 

@@ -45,14 +45,10 @@ from tqdm import tqdm
 from ..data import build_datasets, build_mixup, build_train_loader, build_transform, build_val_loader
 from ..errors import TrainingDiverged, divergence_advice
 from ..layers.ttt import NonFiniteError
+from ..models.record import model_record, peek_vit3_checkpoint, require_classifier
+from ..outputs import write_text
 from . import common
-from .checkpoint import (
-    apply_model_record,
-    make_model_record,
-    model_record,
-    peek_vit3_checkpoint,
-    require_classifier,
-)
+from .checkpoint import apply_model_record, make_model_record
 from .classification_eval import evaluate
 from .classification_model import (
     build_model,
@@ -66,7 +62,6 @@ from .classification_model import (
 from .config import Config, ConfigError, check_config
 from .distributed import DistInfo
 from .metrics import plot_curves, write_metrics
-from .outputs import write_text
 from .recipe import eval_frozen, fit_batch_size, fit_epochs, freeze_for_training
 from .validation import check_input_size, key_name
 

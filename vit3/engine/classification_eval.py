@@ -17,7 +17,9 @@ from torch import nn
 from ..data import build_datasets, build_transform, build_val_loader
 from ..errors import DataError
 from ..kernels.flops import fvcore_handles
-from .checkpoint import apply_model_record, load_model_weights, model_record, peek_vit3_checkpoint
+from ..models.record import model_record, peek_vit3_checkpoint
+from ..outputs import write_text
+from .checkpoint import apply_model_record, load_model_weights
 from .classification_model import (
     build_model,
     data_stats,
@@ -29,7 +31,6 @@ from .classification_model import (
 from .common import amp_dtype, autocast, in_process_group, log, set_threads
 from .config import Config, ConfigError, check_config
 from .distributed import DistInfo
-from .outputs import write_text
 from .validation import check_input_size, key_name
 
 __all__ = ["evaluate"]

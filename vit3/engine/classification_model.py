@@ -20,7 +20,8 @@ from ..data.folder import find_classes
 from ..data.mnist import MEAN as MNIST_MEAN
 from ..data.mnist import STD as MNIST_STD
 from ..errors import DataError
-from .checkpoint import classifier_prefixes, load_model_weights, peek_vit3_checkpoint
+from ..models.record import peek_vit3_checkpoint
+from .checkpoint import classifier_prefixes, load_model_weights
 from .common import autocast
 from .config import Config, ConfigError
 from .distributed import sum_tensor

@@ -14,9 +14,9 @@
 * the output folder: :func:`hold_run_folder`, :func:`claim_output` and :func:`open_output`. A run holds the
   lock of its folder for its whole life (a second run into it is refused while the first lives). No run writes
   into a folder that holds another run's checkpoints (``last.pt`` / ``best.pt``) or results
-  (:data:`RESULT_FILES`): it is refused, naming the folder and the ways on (resume that run, or another
+  (:data:`~vit3.outputs.RESULT_FILES`): it is refused, naming the folder and the ways on (resume that run, or another
   ``output``), unless ``train.overwrite`` (``--overwrite``), which first moves that run's files
-  (:data:`RUN_FILES`) into ``<output>/replaced-<UTC time>/``, deleting nothing. A resume continues in its
+  (:data:`~vit3.outputs.RUN_FILES`) into ``<output>/replaced-<UTC time>/``, deleting nothing. A resume continues in its
   checkpoint's own folder, unless that folder holds a later checkpoint (it would be overwritten).
 """
 
@@ -39,11 +39,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from ..models.record import checkpoint_task, load_checkpoint
+from ..outputs import CHECKPOINT_FILES, RESULT_FILES, RUN_FILES, RUN_PATTERNS, hold_folder
 from .checkpoint import (
     CheckpointError,
-    checkpoint_task,
     get_rng_state,
-    load_checkpoint,
     load_model_weights,
     resume_differences,
     save_checkpoint,
@@ -53,7 +53,6 @@ from .config import Config, ConfigError, run_metadata, save_config, to_plain
 from .constraints import config_value
 from .distributed import DistInfo, all_gather_objects, barrier, distributed
 from .optim import build_optimizer, build_scheduler, lr_factor, scaled_lrs
-from .outputs import hold_folder
 from .path_checks import folder_problem
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
@@ -62,11 +61,7 @@ COMPILE_MODES = ("none", "auto", "default", "reduce-overhead", "max-autotune", "
 
 __all__ = [
     "AMP_MODES",
-    "CHECKPOINT_FILES",
     "COMPILE_MODES",
-    "RESULT_FILES",
-    "RUN_FILES",
-    "RUN_PATTERNS",
     "Optimization",
     "OutputFolder",
     "Progress",
@@ -125,7 +120,7 @@ def in_process_group(cfg: Config, fn: Callable[..., Any], *args: Any, hold_outpu
 @contextlib.contextmanager
 def hold_run_folder(cfg: Config, info: DistInfo) -> Iterator[None]:
     """Rank 0 holds the lock of the run's folder ``cfg.output`` while the body runs
-    (:func:`~vit3.engine.outputs.hold_folder`); a folder that a live run holds is refused on every rank. A
+    (:func:`~vit3.outputs.hold_folder`); a folder that a live run holds is refused on every rank. A
     folder this process cannot write is left to the config checks (no run can write there).
 
     Raises:
@@ -407,14 +402,6 @@ def resume_path(cfg: Config, out: Path) -> str:
     if resume == "auto":
         return str(out / "last.pt") if (out / "last.pt").is_file() else ""
     return str(resume)
-
-
-# The checkpoints a run writes in its output folder, and every file and folder of its own there (moved aside
-# with them by train.overwrite): records, plots, and what eval.py wrote beside the checkpoints.
-CHECKPOINT_FILES = ("last.pt", "best.pt")
-RESULT_FILES = ("summary.json", "metrics.csv", "metrics.json", "curves.png", "samples")
-RUN_FILES = (*CHECKPOINT_FILES, "config.yaml", *RESULT_FILES)
-RUN_PATTERNS = ("*.eval.json", "samples_*")
 
 
 @dataclass

@@ -64,8 +64,8 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
+from ..outputs import write_text
 from .constraints import Range, is_number
-from .outputs import write_text
 from .validation import CONSTRAINTS, check_values
 
 # The installed configs: the repository's configs/ (package-dir mapping in pyproject.toml), a plain folder of

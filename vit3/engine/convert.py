@@ -49,15 +49,10 @@ from ..convert import (
 from ..data import build_datasets
 from ..errors import CheckpointMismatchError
 from ..layers import TTTConfig
+from ..models.record import load_checkpoint, model_record, peek_vit3_checkpoint
 from ..models.swap import SWAP_MODEL
 from . import classification
-from .checkpoint import (
-    load_checkpoint,
-    load_model_weights,
-    merge_model_spec,
-    model_record,
-    peek_vit3_checkpoint,
-)
+from .checkpoint import load_model_weights, merge_model_spec
 from .common import autocast, claim_output, in_process_group, log, resume_path, start_run, wrap_ddp
 from .config import Config, ConfigError, check_config, load_config
 from .distributed import DistInfo, sum_tensor

@@ -41,8 +41,10 @@ import torch
 from ..data.build import build_train_loader
 from ..data.coco import collate_detection
 from ..errors import TrainingDiverged, divergence_advice
+from ..models.record import load_checkpoint
+from ..outputs import write_text
 from . import common
-from .checkpoint import CheckpointMismatchError, load_checkpoint, make_model_record
+from .checkpoint import CheckpointMismatchError, make_model_record
 from .config import Config, ConfigError, check_config, run_metadata
 from .dense_metrics import (
     coco_results,
@@ -64,7 +66,6 @@ from .dense_model import (
 )
 from .distributed import DistInfo, barrier, distributed
 from .optim import scaled_lrs
-from .outputs import write_text
 
 __all__ = [
     "build_dense_model",

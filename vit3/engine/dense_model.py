@@ -15,10 +15,11 @@ from ..data.ade import ADESegmentation
 from ..data.coco import CocoDetection
 from ..errors import DataError
 from ..models._pretrained import load_checkpoint_file
+from ..models.record import peek_vit3_checkpoint, require_classifier
 from ..tasks.backbone import FeatureBackbone, block_layer_ids
 from ..tasks.detection import build_detector
 from ..tasks.segmentation import build_segmenter
-from .checkpoint import CheckpointError, CheckpointMismatchError, peek_vit3_checkpoint, require_classifier
+from .checkpoint import CheckpointError, CheckpointMismatchError
 from .config import Config, ConfigError
 from .validation import model_arguments
 

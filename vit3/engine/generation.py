@@ -44,6 +44,7 @@ from ..data import build_datasets, build_train_loader
 from ..data.generation import build_generation_transform
 from ..errors import TrainingDiverged, divergence_advice
 from ..models.dit3 import DiT3
+from ..outputs import write_text
 from ..tasks.diffusion import GaussianDiffusion, LatentAutoencoder
 from . import common
 from .config import Config, ConfigError
@@ -58,7 +59,6 @@ from .generation_sampling import (
     sample_and_evaluate,
 )
 from .metrics import plot_series, write_metrics
-from .outputs import write_text
 
 __all__ = ["build_diffusion", "build_generator", "evaluate", "generate", "latent_space", "train"]
 

@@ -28,7 +28,8 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
-from .checkpoint import load_checkpoint, load_model_weights
+from ..models.record import load_checkpoint
+from .checkpoint import load_model_weights
 from .config import CONFIG_DIR, ConfigError, config_from_dict, load_config
 
 __all__ = [

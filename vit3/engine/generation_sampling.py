@@ -20,12 +20,13 @@ from tqdm import tqdm
 from ..data import build_datasets
 from ..data.generation import to_uint8
 from ..models.dit3 import DiT3, create_dit3
+from ..models.record import peek_vit3_checkpoint
+from ..outputs import atomic_write, write_text
 from ..tasks.diffusion import GaussianDiffusion, LatentAutoencoder
-from .checkpoint import load_model_weights, peek_vit3_checkpoint
+from .checkpoint import load_model_weights
 from .common import amp_dtype, autocast, in_process_group, log, set_threads
 from .config import Config, ConfigError, check_config
 from .distributed import DistInfo, barrier
-from .outputs import atomic_write, write_text
 
 __all__ = [
     "build_diffusion",

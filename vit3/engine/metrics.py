@@ -9,14 +9,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .outputs import atomic_write, write_text
+from ..outputs import atomic_write, write_text
 
 __all__ = ["plot_curves", "plot_series", "write_metrics"]
 
 
 def write_metrics(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> tuple[Path, Path]:
     """Writes ``metrics.csv`` (one row per epoch, union of keys) and ``metrics.json`` (the list), each
-    atomically (:func:`~vit3.engine.outputs.atomic_write`)."""
+    atomically (:func:`~vit3.outputs.atomic_write`)."""
     out = Path(out_dir)
     keys: list[str] = []
     for row in history:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..outputs import RUN_FILES
 from .constraints import config_value
 
 
@@ -68,8 +69,6 @@ def eval_output_folder(value: Any, cfg: Any) -> str | None:
 def report_file(value: Any, cfg: Any) -> str | None:
     """``eval.json``: the file it names (never one of a run's own files, e.g. its ``metrics.json``), or
     (empty) the default next to the checkpoint."""
-    from .common import RUN_FILES
-
     if value:
         path = Path(str(value))
         if path.name in RUN_FILES and path.suffix == ".json":

@@ -22,6 +22,7 @@ from timm.models import PretrainedCfg, build_model_with_cfg, resolve_pretrained_
 from torch import Tensor, nn
 
 from ..errors import CheckpointError, CheckpointMismatchError, MissingWeightsError, WeightsUnavailableError
+from .record import model_record, peek_vit3_checkpoint
 
 __all__ = [
     "EMA_KEYS",
@@ -211,8 +212,6 @@ def apply_checkpoint_record(
         return kwargs
     if path.endswith(".safetensors"):  # weights only, no record
         return kwargs
-    from vit3.engine.checkpoint import model_record, peek_vit3_checkpoint  # the engine imports the models
-
     ckpt = peek_vit3_checkpoint(path)
     if ckpt is None:  # an official file: create_model_with_official_weights reads it
         return kwargs

@@ -23,9 +23,10 @@ import sys
 import warnings
 
 from vit3.engine import load_config, run
-from vit3.engine.checkpoint import config_for_checkpoint, file_task
+from vit3.engine.checkpoint import config_for_checkpoint
 from vit3.engine.cli import ArgumentParser, check_flag_overrides, run_cli
 from vit3.errors import ConfigError
+from vit3.models.record import file_task
 
 # Where a generation checkpoint's evaluation (its sampler) reads what these flags set.
 GENERATION_KEYS = {"eval.use_ema": "sample.use_ema", "eval.batch_size": "sample.batch_size"}

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import OUTPUT_ERRNOS, ConfigError, OutputError
+from .errors import OUTPUT_ERRNOS, ConfigError, OutputError
 
 try:
     import fcntl
@@ -32,8 +32,19 @@ except ImportError:  # no flock (Windows): the lock file's process id alone says
 
 LOCK_FILE = ".vit3.lock"
 
+# The checkpoints a run writes in its output folder, and every file and folder of its own there (moved aside
+# with them by train.overwrite): records, plots, and what eval.py wrote beside the checkpoints.
+CHECKPOINT_FILES = ("last.pt", "best.pt")
+RESULT_FILES = ("summary.json", "metrics.csv", "metrics.json", "curves.png", "samples")
+RUN_FILES = (*CHECKPOINT_FILES, "config.yaml", *RESULT_FILES)
+RUN_PATTERNS = ("*.eval.json", "samples_*")
+
 __all__ = [
+    "CHECKPOINT_FILES",
     "LOCK_FILE",
+    "RESULT_FILES",
+    "RUN_FILES",
+    "RUN_PATTERNS",
     "atomic_path",
     "atomic_write",
     "hold_folder",
