@@ -37,7 +37,7 @@ from vit3.kernels.triton import plan as tplan
 from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends import guard
-from vit3.layers.backends.plan import _demoted, _pending
+from vit3.layers.backends.plan import demotions
 
 pytestmark = pytest.mark.usefixtures("no_backend_env")
 
@@ -264,7 +264,7 @@ def test_a_sticky_gpu_fault_is_reported_as_the_kernels_not_the_fallbacks(monkeyp
         "VIT3_TTT_BACKEND=generic",
     ):
         assert part in message, message
-    assert not _demoted and not _pending
+    assert not demotions()
 
 
 def test_context_lost_probes_the_device(monkeypatch):

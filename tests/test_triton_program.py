@@ -82,9 +82,9 @@ def per_branch(monkeypatch):
     """Runs the fused node branch by branch (every branch's ``Node`` hooks), as it did before the program."""
 
     def run(plan, qkv, weights, how=_run):
-        real = em._layout
+        real = em.mix_layout
         with monkeypatch.context() as patch:
-            patch.setattr(em, "_layout", lambda p: real(p)._replace(whole=None))
+            patch.setattr(em, "mix_layout", lambda p: real(p)._replace(whole=None))
             return how(plan, qkv, weights)
 
     return run
@@ -103,12 +103,12 @@ def _fresh_programs():
 @pytest.mark.triton
 def test_a_node_of_triton_branches_is_one_program(monkeypatch, triton_device):
     branches, b, grid = CASES["official"]
-    assert em._layout(_plan(branches, grid)).whole is not None
-    assert em._layout(_plan(branches, grid, rope=True)).whole is not None  # RoPE: q, k rotated as bases
-    assert em._layout(_plan(branches, grid, path="eager")).whole is None
+    assert em.mix_layout(_plan(branches, grid)).whole is not None
+    assert em.mix_layout(_plan(branches, grid, rope=True)).whole is not None  # RoPE: q, k rotated as bases
+    assert em.mix_layout(_plan(branches, grid, path="eager")).whole is None
     mixed = _plan(branches, grid)._replace(branches=(_plan(branches, grid).branches[0], em.MixBranch(
         "dwconv", 192, 1, 32, False, "eager")))  # fmt: skip
-    assert em._layout(mixed).whole is None
+    assert em.mix_layout(mixed).whole is None
     hooks = count_calls(monkeypatch, tnode, "forward")
     made = count_calls(monkeypatch, tprogram, "MixProgram")
     plan = _plan(branches, grid)
@@ -201,7 +201,7 @@ def test_inference_writes_the_training_output_and_saves_nothing(triton_device):
     with torch.no_grad():
         out = em.eager_mix(qkv, plan, weights)
     assert torch.equal(out, _run(plan, qkv, weights)[0])
-    layout, again = em._layout(plan), torch.empty_like(out)
+    layout, again = em.mix_layout(plan), torch.empty_like(out)
     plain = [None] * len(plan.branches)  # no RoPE
     views = em._whole_calls(qkv, again, layout, tuple(weights), False, plain)
     saved, _ = tprogram.forward({}, layout.names, qkv, again, weights, False, plain, lambda: views)
@@ -295,7 +295,7 @@ def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypa
     monkeypatch.setattr(tnode, "_key", lambda *a, **k: real(*a, **k)._replace(chunk=16))
     branches, b, grid = CASES[case.removesuffix("-rope")]
     plan = _plan(branches, grid, rope=case.endswith("-rope"))
-    layout = em._layout(plan)
+    layout = em.mix_layout(plan)
     calls = []
     for seed in (0, 1):  # the same tensors for both runs, other tensors for each call
         qkv, weights = _inputs(plan, b, torch.float32)
@@ -335,7 +335,7 @@ def test_two_threads_never_see_each_others_addresses(monkeypatch):
     _gpu_host(monkeypatch)
     branches, b, grid = CASES["official"]
     plan = _plan(branches, grid)
-    layout = em._layout(plan)
+    layout = em.mix_layout(plan)
     wrong, checked = [], []
     reads_qkv_first = {"forward_kernel", "grad_partial_kernel", "readout_kernel", "conv_grad_partial_kernel"}
 
@@ -375,7 +375,7 @@ def test_workspace_buffers_are_aligned_and_apart(triton_device):
     plan = _plan(branches, grid)
     qkv, weights = _inputs(plan, b, torch.float32, triton_device)
     _run(plan, qkv, weights)
-    (program,) = em._layout(plan).programs.values()
+    (program,) = em.mix_layout(plan).programs.values()
     launches, n_saved, n_scratch, _ = program._forward(True)
     infer, no_saved, n_infer, _ = program._forward(False)
     (back, n_back, _) = next(iter(program._backwards.values()))

@@ -129,7 +129,7 @@ def _heads_of(pair: Tensor, heads: int) -> tuple[Tensor, Tensor]:
     return _heads(q, heads), _heads(k, heads)
 
 
-class _Layout(NamedTuple):
+class MixLayout(NamedTuple):
     """What every call of one ``MixPlan`` shares: the plan; per branch its node hooks, its op's number of
     initial weights and its width ``heads * head_dim``; the width of all, and the step's ``Hyper``."""
 
@@ -146,8 +146,8 @@ class _Layout(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(plan: MixPlan) -> _Layout:
-    """``plan``'s ``_Layout``, made once per plan (a mixer calls the node with a few plans only)."""
+def mix_layout(plan: MixPlan) -> MixLayout:
+    """``plan``'s ``MixLayout``, made once per plan (a mixer calls the node with a few plans only)."""
     found = []
     for br in plan.branches:
         op = OPS.get(br.kind)
@@ -164,7 +164,7 @@ def _layout(plan: MixPlan) -> _Layout:
         whole = None
     names = tuple(br.kind for br in plan.branches)
     unrotated = None if any(br.rope for br in plan.branches) else (None,) * len(plan.branches)
-    return _Layout(
+    return MixLayout(
         plan, tuple(found), sum(w for *_, w in found), hyper, low, twice, names, whole, {}, unrotated
     )
 
@@ -188,18 +188,18 @@ def takes(plan: MixPlan, dtype: torch.dtype) -> bool:
     """Whether ``eager_mix`` takes a qkv of ``dtype`` on ``plan`` as it is: float32 / float64 always, float16 /
     bfloat16 where every branch's hooks do (Triton's; the others' inner loop needs float32 at least)."""
     return dtype in (torch.float32, torch.float64) or (
-        dtype in (torch.float16, torch.bfloat16) and _layout(plan).low_precision
+        dtype in (torch.float16, torch.bfloat16) and mix_layout(plan).low_precision
     )
 
 
 def runs_whole(plan: MixPlan) -> bool:
     """Whether the node runs ``plan``'s branches in one call of their path's whole-node hooks (``Node.whole``:
     every branch on such a path), e.g. Triton's launch program."""
-    return _layout(plan).whole is not None
+    return mix_layout(plan).whole is not None
 
 
 def _forward(
-    qkv: Tensor, layout: _Layout, save: bool, weights: tuple[Tensor, ...]
+    qkv: Tensor, layout: MixLayout, save: bool, weights: tuple[Tensor, ...]
 ) -> tuple[Tensor, list[Tensor], list[tuple[int, int, str]]]:
     """Every branch's step and read-out into one output ``[B, N, sum(widths)]``; returns it, what the backward
     needs (when ``save``) and, per branch, its first saved tensor, their count and its hooks' tag."""
@@ -247,7 +247,7 @@ def _forward(
 
 
 def _whole_calls(
-    qkv: Tensor, out: Tensor, layout: _Layout, weights: tuple[Tensor, ...], save: bool,
+    qkv: Tensor, out: Tensor, layout: MixLayout, weights: tuple[Tensor, ...], save: bool,
     rotated: list[Tensor | None],
 ) -> list[NodeCall]:  # fmt: skip
     """Each branch's ``NodeCall`` for ``Whole.forward``: q, k, v and the destination as heads views (a RoPE
@@ -264,7 +264,7 @@ def _whole_calls(
 
 
 def _whole_grads(
-    d_out: Tensor, dqkv: Tensor, layout: _Layout, d_rotated: list[Tensor | None]
+    d_out: Tensor, dqkv: Tensor, layout: MixLayout, d_rotated: list[Tensor | None]
 ) -> list[tuple[Tensor, ...]]:
     """Each branch's ``(dout, dq, dk, dv)`` heads views for ``Whole.backward`` (a RoPE branch's dq, dk: of
     its ``d_rotated`` pair)."""
@@ -347,7 +347,7 @@ def _backward_twice(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
 class _EagerMix(torch.autograd.Function):
     @staticmethod
     @autocast_forward
-    def forward(ctx, qkv: Tensor, layout: _Layout, save: bool, *weights: Tensor) -> Tensor:
+    def forward(ctx, qkv: Tensor, layout: MixLayout, save: bool, *weights: Tensor) -> Tensor:
         out, saved, tags = _forward(qkv, layout, save, weights)
         if save:  # then qkv and the weights, where the backward is differentiable or the whole-node hooks run
             ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice or layout.whole else ()))
@@ -375,7 +375,7 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     Returns:
         The read-outs concatenated ``[B, N, sum(widths)]``.
     """
-    layout = _layout(plan)
+    layout = mix_layout(plan)
     if qkv.shape[-1] != 3 * layout.width:
         raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * layout.width}")
     if not takes(plan, qkv.dtype):

@@ -12,8 +12,8 @@ from vit3.kernels.ops import OPS
 
 from ..eager_mix import runs_whole
 from .interface import Inputs, Settings, token_class
-from .plan import Plan, _demoted, _keys, _merged, _pending, _requested, recompute_choice, recompute_mode
-from .registry import _LEAN, Branch, _choose, fuses
+from .plan import Plan, branch_keys, demotions, recompute_choice, recompute_mode, requested_backend
+from .registry import LEAN_BACKENDS, Branch, choose, fuses
 
 
 @dataclass(frozen=True)
@@ -111,12 +111,12 @@ def explain_mixer(
     settings = Settings(cfg.loss, cfg.steps, cfg.mini_batches, cfg.lr_mode)
     n = grid[0] * grid[1]
     x = Inputs(device, dtype, token_class(n), grad, "")
-    requested, source = _requested(cfg.backend)
+    requested, source = requested_backend(cfg.backend)
     branches = mixer.plan_branches
-    demoted = _merged(_demoted, _pending)
+    demoted = demotions()
     out = []
-    for i, ((name, heads, d, plain), key) in enumerate(zip(branches, _keys(settings, branches, x))):
-        c = _choose(Branch(i, name, heads, d, plain), settings, x, requested, source, demoted.get(key, {}))
+    for i, ((name, heads, d, plain), key) in enumerate(zip(branches, branch_keys(settings, branches, x))):
+        c = choose(Branch(i, name, heads, d, plain), settings, x, requested, source, demoted.get(key, {}))
         out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
     fused = fuses([b.backend for b in out], [b.name for b in out], settings.loss, "")
     program = fused and _one_program(mixer, out, grid)
@@ -126,7 +126,7 @@ def explain_mixer(
     )
     lean = grad and (
         recompute_mode(cfg.recompute)[0] == "qkv"
-        or any(b.name == "swiglu" and b.backend in _LEAN for b in out)
+        or any(b.name == "swiglu" and b.backend in LEAN_BACKENDS for b in out)
     )
     return MixerExplanation(
         mixer.dim,

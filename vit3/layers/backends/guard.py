@@ -20,26 +20,19 @@ from .plan import (
     BACKEND_ENV,
     STRICT_ENV,
     Plan,
-    _demoted,
-    _device_name,
-    _merged,
-    _pending,
-    _resolve,
-    _strict,
-    _verified,
-    _warn_once,
+    apply_pending,
+    demote,
+    demotions,
+    device_name,
     forget_plans,
+    is_verified,
+    mark_verified,
+    resolve,
+    strict,
+    warn_once,
 )
 from .registry import BACKENDS
-from .verify import VerificationError, _specialisation, _synchronize, compare, sliced
-
-
-def _apply_pending() -> None:
-    """End of a backward pass: its demotions apply to the calls that follow."""
-    for key, errors in _pending.items():
-        _demoted.setdefault(key, {}).update(errors)
-    _pending.clear()
-    forget_plans()
+from .verify import VerificationError, compare, sliced, specialisation, synchronize
 
 
 @contextmanager
@@ -54,7 +47,8 @@ class KernelFault(RuntimeError):
 
 
 def _entry(plan: Plan, i: int, shapes: tuple | None) -> tuple:
-    """Branch ``i``'s entry in ``_verified``: its key and backend, and the specialisation if it has them."""
+    """Branch ``i``'s entry among the verified ones (``mark_verified``): its key and backend, and the
+    specialisation if it has them."""
     name = plan.backends[i]
     return plan.keys[i], name, shapes if BACKENDS[name].specialises else None
 
@@ -79,7 +73,7 @@ def _error_line(exc: BaseException) -> str:
 
 class _Guard:
     """One guarded unit of a mixer call: branches ``units`` computed by ``compute(plan, *tensors)``; ``shapes``
-    the inputs' specialisation (``_specialisation``) where a unit's backend specialises on it, else ``None``."""
+    the inputs' specialisation (``verify.specialisation``) where a unit's backend specialises on it, else ``None``."""
 
     def __init__(
         self, plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor], shapes: tuple | None
@@ -98,7 +92,7 @@ class _Guard:
         inside the guard) and the output of the first and last sample compared with the generic path's."""
         out = self.compute(self.plan, *tensors)
         if self.checks():
-            _synchronize(out.device)
+            synchronize(out.device)
             with torch.no_grad():  # nothing recorded: activation checkpointing counts the saved tensors
                 want = self.compute(self._reference_plan(), *self._slice(tensors))
                 self._compare("output", self._slice([out])[0], want)
@@ -109,7 +103,7 @@ class _Guard:
     ) -> None:
         """The gradients of the batched inputs (first and last sample) against the generic path's; the others
         (the initial weights, summed over the batch) must be finite."""
-        _synchronize(grad_out.device)
+        synchronize(grad_out.device)
         b = leaves[0].shape[0]
         sliced = [s.detach().requires_grad_(t.requires_grad) for s, t in zip(self._slice(leaves), leaves)]
         with torch.enable_grad():
@@ -147,7 +141,7 @@ class _Guard:
         device = p.keys[self.units[0]].device
         if _context_lost(device):
             raise self._fault(exc, phase, device) from exc
-        if isinstance(exc, torch.cuda.OutOfMemoryError) or _strict():
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or strict():
             raise exc
         live = [i for i in self.units if p.backends[i] != "generic"]
         # The branch whose hooks raised in a fused node (``BRANCH_ATTR``, its index among ``units``); else
@@ -160,25 +154,25 @@ class _Guard:
         if not culprits:
             raise exc
         error = _error_line(exc)
-        fresh = []
+        fresh, known = [], demotions()
         for i in culprits:
             key, name = p.keys[i], p.backends[i]
-            if name not in {**_demoted.get(key, {}), **_pending.get(key, {})}:
+            if name not in known.get(key, {}):
                 fresh.append((i, key, name))
             # A forward that fails fails with or without gradients: both keys are demoted.
             for k in (key, key._replace(grad=not key.grad)) if phase == "forward" else (key,):
-                (_pending if in_backward else _demoted).setdefault(k, {})[name] = f"{error} ({phase})"
+                demote(k, name, f"{error} ({phase})", in_backward)
         if in_backward:
             try:  # the demotion applies once this backward pass is over (recomputations keep their plan)
-                torch.autograd.Variable._execution_engine.queue_callback(_apply_pending)
+                torch.autograd.Variable._execution_engine.queue_callback(apply_pending)
             except RuntimeError:
-                _apply_pending()
+                apply_pending()
         else:
             forget_plans()
-        self.plan = _resolve(p.args, _merged(_demoted, _pending), warn=False)
+        self.plan = resolve(p.args, demotions(), warn=False)
         for i, key, name in fresh:
-            _warn_once(
-                f"vit3: backend {name!r} failed in the {phase} on {_device_name(key.device)} for the {key}: "
+            warn_once(
+                f"vit3: backend {name!r} failed in the {phase} on {device_name(key.device)} for the {key}: "
                 f"{error}. It is demoted for this key; {self.plan.backends[i]!r} computes the result "
                 f"(set {STRICT_ENV}=1 to raise instead)."
             )
@@ -188,14 +182,15 @@ class _Guard:
         ran = [p.backends[i] for i in self.units]
         names = list(dict.fromkeys([n for n in ran if BACKENDS[n].native] or ran))
         return KernelFault(
-            f"vit3: backend {', '.join(map(repr, names))} faulted on {_device_name(device)} in the {phase} for "
+            f"vit3: backend {', '.join(map(repr, names))} faulted on {device_name(device)} in the {phase} for "
             f"the {p.keys[self.units[0]]}: {_error_line(exc)}. A GPU fault is sticky: this process cannot use "
             f"the GPU any more, so no other backend can take over. Run with {BACKEND_ENV}=generic to keep the "
             "kernels out, and report the fault with this message."
         )
 
     def verify(self) -> None:
-        _verified.update(_entry(self.plan, i, self.shapes) for i in self.units)
+        for i in self.units:
+            mark_verified(_entry(self.plan, i, self.shapes))
 
 
 class _GuardFn(torch.autograd.Function):
@@ -255,11 +250,12 @@ class _GuardFn(torch.autograd.Function):
 def settled(plan: Plan, units: tuple[int, ...]) -> bool:
     """Whether branches ``units`` of ``plan`` run unguarded on every call from now on: traced, on the generic
     path, or verified on backends that do not specialise per input. It holds until the plans are forgotten
-    (a demotion, ``reset``: ``plan.epoch`` moves on), so callers may cache it per plan and epoch."""
+    (a demotion, ``reset``, ``refresh_env``), so callers may cache it with the plan in a cache that
+    ``keep_with_plans`` clears with the plans (``TTTMixer``'s ``Calls``)."""
     if plan.tracing or all(plan.backends[i] == "generic" for i in units):
         return True
     return not any(BACKENDS[plan.backends[i]].specialises for i in units) and all(
-        _entry(plan, i, None) in _verified for i in units
+        is_verified(_entry(plan, i, None)) for i in units
     )
 
 
@@ -277,8 +273,8 @@ def run(
     """
     if settled(plan, units):
         return compute(plan, *tensors)
-    shapes = _specialisation(tensors) if any(BACKENDS[plan.backends[i]].specialises for i in units) else None
-    if shapes is not None and all(_entry(plan, i, shapes) in _verified for i in units):
+    shapes = specialisation(tensors) if any(BACKENDS[plan.backends[i]].specialises for i in units) else None
+    if shapes is not None and all(is_verified(_entry(plan, i, shapes)) for i in units):
         return compute(plan, *tensors)
     guard = _Guard(plan, units, compute, shapes)
     grad = grad_flows(*tensors)

@@ -97,7 +97,7 @@ class Backend:
         prefers: auto only: ``(branch, cfg, x) -> (ok, reason)``, where auto passes a serving backend over.
         native: compiled code (kernels), the likeliest culprit when a fused node of several fails.
         fits: ``(branch, cfg, x) -> (ok, reason)``, asked once ``supports`` passed: whether the hardware at
-            hand can run it. A refusal steps aside with a warning, in auto too (``_resolve``).
+            hand can run it. A refusal steps aside with a warning, in auto too (``plan.resolve``).
         specialises: compiled per input specialisation (Triton's JIT: shapes, strides, alignment), which the
             plan key does not hold: the first call of each new one runs guarded and verified (``run``).
     """

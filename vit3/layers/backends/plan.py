@@ -23,9 +23,9 @@ from torch import Tensor
 from vit3.kernels import cpp as cpu_ext
 
 from ..config import RECOMPUTE_MODES
-from ..eager_mix import _layout
+from ..eager_mix import mix_layout
 from .interface import Inputs, Settings, tracing_kind
-from .registry import BACKEND_ENV, BACKENDS, NAMES, Branch, _choose, _not_in, fuses, order
+from .registry import BACKEND_ENV, BACKENDS, NAMES, Branch, choose, fuses, not_implemented, order
 
 STRICT_ENV = "VIT3_TTT_STRICT"
 RECOMPUTE_ENV = "VIT3_TTT_RECOMPUTE"
@@ -86,7 +86,7 @@ def forget_plans() -> None:
         cache.clear()
 
 
-def _strict() -> bool:
+def strict() -> bool:
     """``$VIT3_TTT_STRICT``: 0 or 1 (``false`` / ``true``, ``no`` / ``yes``, ``off`` / ``on``)."""
     value = (env().strict or "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
@@ -96,7 +96,7 @@ def _strict() -> bool:
     raise ValueError(f"${STRICT_ENV} must be 0 or 1, got {value!r}")
 
 
-def _requested(cfg_backend: str) -> tuple[str, str]:
+def requested_backend(cfg_backend: str) -> tuple[str, str]:
     """The backend asked for and who asked: the config (argument) wins over ``$VIT3_TTT_BACKEND``."""
     if cfg_backend != "auto":
         if cfg_backend not in NAMES:
@@ -111,7 +111,8 @@ def _requested(cfg_backend: str) -> tuple[str, str]:
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """Warns ``message`` (a ``BackendWarning``) the first time only, until ``reset``."""
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, BackendWarning, stacklevel=4)
@@ -119,7 +120,7 @@ def _warn_once(message: str) -> None:
 
 def _warn_removed_env() -> None:
     for name, value in env().removed:
-        _warn_once(f"vit3: ${name} is no longer read (it is set to {value!r}); use {REMOVED_ENV[name]}.")
+        warn_once(f"vit3: ${name} is no longer read (it is set to {value!r}); use {REMOVED_ENV[name]}.")
 
 
 class BranchKey(NamedTuple):
@@ -211,40 +212,68 @@ def reset() -> None:
     device; an op replaced in the table)."""
     for state in (_demoted, _pending, _verified, _warned):
         state.clear()
-    _layout.cache_clear()
+    mix_layout.cache_clear()
     forget_plans()
 
 
-def _keys(settings: Settings, branches: tuple, x: Inputs) -> tuple[BranchKey, ...]:
+def branch_keys(settings: Settings, branches: tuple, x: Inputs) -> tuple[BranchKey, ...]:
+    """The ``BranchKey`` of each branch ``(inner model, heads, head_dim, plain)`` of a call on inputs ``x``."""
     return tuple(
         BranchKey(x.device, x.dtype, x.tokens, x.grad, settings, name, d, plain)
         for name, _, d, plain in branches
     )
 
 
-def _merged(*maps: Mapping[BranchKey, Mapping[str, str]]) -> dict[BranchKey, dict[str, str]]:
+def demotions() -> dict[BranchKey, dict[str, str]]:
+    """Every demotion, those waiting for the end of a backward pass too: ``{key: {backend: error}}``."""
     out: dict[BranchKey, dict[str, str]] = {}
-    for m in maps:
+    for m in (_demoted, _pending):
         for key, errors in m.items():
             out.setdefault(key, {}).update(errors)
     return out
 
 
-def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: bool) -> Plan:
+def demote(key: BranchKey, backend: str, error: str, in_backward: bool) -> None:
+    """Demotes ``backend`` for ``key`` (``error``: why). In a backward pass the demotion waits for its end
+    (``apply_pending``: recomputations keep their plan); else it applies now, once ``forget_plans`` ran."""
+    (_pending if in_backward else _demoted).setdefault(key, {})[backend] = error
+
+
+def apply_pending() -> None:
+    """End of a backward pass: its demotions apply to the calls that follow."""
+    for key, errors in _pending.items():
+        _demoted.setdefault(key, {}).update(errors)
+    _pending.clear()
+    forget_plans()
+
+
+def mark_verified(entry: tuple[BranchKey, str, tuple | None]) -> None:
+    """Records that ``(key, backend, specialisation or None)`` ran a guarded, verified forward (+ backward)."""
+    _verified.add(entry)
+
+
+def is_verified(entry: tuple[BranchKey, str, tuple | None]) -> bool:
+    """Whether ``entry`` was verified (``mark_verified``) since the last ``reset``."""
+    return entry in _verified
+
+
+def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: bool) -> Plan:
+    """The plan of a mixer call made with ``args`` (``plan``'s arguments), with the backends ``demoted``
+    passed over; ``warn``: say what a named backend or the hardware refused (once per message)."""
     settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, cfg_recompute = args
     settings = Settings(*settings)
     x = Inputs(device, dtype, tokens, grad, tracing)
-    requested, source = _requested(cfg_backend)
-    keys = _keys(settings, branches, x)
+    requested, source = requested_backend(cfg_backend)
+    keys = branch_keys(settings, branches, x)
     choices = [
-        _choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
+        choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
         for i, (branch, key) in enumerate(zip(branches, keys))
     ]
     if warn and requested != "auto":
-        strict = _strict()
+        raises = strict()
         impl = BACKENDS[requested].models
         if impl is not None and not any(name in impl for name, *_ in branches):
-            problems = [f"mixer: {_not_in(BACKENDS[requested], [name for name, *_ in branches])}"]
+            problems = [f"mixer: {not_implemented(BACKENDS[requested], [name for name, *_ in branches])}"]
         else:
             problems = [
                 f"{name!r} branch: {c.named_refused}; {c.backend!r} serves it"
@@ -255,17 +284,17 @@ def _resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: 
             message = (
                 f"vit3: backend {requested!r} ({source}) cannot serve the {problem} (on {device}, {dtype})"
             )
-            if strict:
+            if raises:
                 raise ValueError(f"{message}; unset {STRICT_ENV} to fall back")
-            _warn_once(message + ".")
+            warn_once(message + ".")
     if warn and requested == "auto":  # a kernel that cannot run on this hardware steps aside with a warning
         rank = order(device.type)
         for (name, *_), c in zip(branches, choices):
             for backend, why in c.unfit:
                 if backend in rank and rank.index(backend) < rank.index(c.backend):
-                    _warn_once(
+                    warn_once(
                         f"vit3: {BACKENDS[backend].what} cannot run the {name!r} branch on "
-                        f"{_device_name(device)} ({dtype}): {why}; {c.backend!r} serves it."
+                        f"{device_name(device)} ({dtype}): {why}; {c.backend!r} serves it."
                     )
     names = tuple(c.backend for c in choices)
     recompute, why = recompute_choice(cfg_recompute)
@@ -301,7 +330,7 @@ def plan(
     found = _plans.get(args)
     if found is None:
         _warn_removed_env()
-        found = _plans[args] = _resolve(args, _demoted, warn=True)
+        found = _plans[args] = resolve(args, _demoted, warn=True)
     return found
 
 
@@ -320,7 +349,7 @@ def cpu_block_kernel(x: Tensor, backend: str = "auto") -> bool:
         or tracing_kind()
     ):
         return False
-    if _requested(backend)[0] not in ("auto", "cpu"):
+    if requested_backend(backend)[0] not in ("auto", "cpu"):
         return False
     return cpu_ext.load()[0] is not None
 
@@ -337,7 +366,8 @@ def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
     return cpu_block_kernel(x, backend)
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """``device`` for messages: a CUDA device with its model name where the driver tells it."""
     if device.type == "cuda":
         try:
             return f"{torch.cuda.get_device_name(device)} ({device})"

@@ -1,8 +1,8 @@
-"""The backends, their order per device type, and the choice of one for a branch (``_choose``).
+"""The backends, their order per device type, and the choice of one for a branch (``choose``).
 
 Each ``Backend`` but the generic one runs one fast path of the ops (``vit3.kernels.ops``): it implements the
 ops that have that path, and its ``supports`` / ``run`` are the branch's op's (``_on_path``);
-``_choose`` takes the named one when it serves, else the first of the auto order that does, and says why
+``choose`` takes the named one when it serves, else the first of the auto order that does, and says why
 each other one was passed over. Who asks (config or environment) and what was demoted is the plan's
 (``plan``): the choice reads neither.
 """
@@ -128,7 +128,7 @@ BACKENDS: dict[str, Backend] = {
 }
 NAMES = BACKEND_NAMES  # what a config may name (vit3.layers.config): "auto" and these backends
 # Backends whose SwiGLU backward in the fused eager node may recompute Z = k W, Y = q W' (``Plan.recompute``).
-_LEAN = ("cpu", "eager")
+LEAN_BACKENDS = ("cpu", "eager")
 
 
 def fuses(names: Sequence[str], branches: Sequence[str], loss: str, tracing: str) -> bool:
@@ -150,7 +150,7 @@ def order(device_type: str) -> list[str]:
     return [name for _, name in sorted(ranked, key=lambda r: -r[0])]
 
 
-def _not_in(b: Backend, names: list[str]) -> str:
+def not_implemented(b: Backend, names: list[str]) -> str:
     """Why ``b`` cannot serve inner models ``names`` it does not implement."""
     return f"no {', '.join(map(repr, dict.fromkeys(names)))} in {b.what} ({', '.join(b.models or ())} only)"
 
@@ -162,7 +162,7 @@ class Choice(NamedTuple):
     unfit: tuple[tuple[str, str], ...] = ()  # (backend, reason): refused by its ``fits`` (the hardware)
 
 
-def _choose(
+def choose(
     branch: Branch, cfg: Settings, x: Inputs, requested: str, source: str, demoted: Mapping[str, str]
 ) -> Choice:
     """The backend of one branch: the named one when it serves, else the first of the auto order that does."""
@@ -173,7 +173,7 @@ def _choose(
         if b.name in demoted:
             verdicts[b.name] = f"demoted after it failed here: {demoted[b.name]}"
         elif b.models is not None and branch.name not in b.models:
-            verdicts[b.name] = _not_in(b, [branch.name])
+            verdicts[b.name] = not_implemented(b, [branch.name])
         else:
             ok, why = b.supports(branch, cfg, x)
             if ok and b.fits is not None:

@@ -23,7 +23,7 @@ VERIFY_RTOL = {torch.float64: 1e-6}
 VERIFY_RTOL_DEFAULT = 0.1
 
 
-def _specialisation(tensors: Sequence[Tensor]) -> tuple:
+def specialisation(tensors: Sequence[Tensor]) -> tuple:
     """What a JIT-compiled backend specialises on beyond the plan key, as far as its inputs decide it: the
     shape, strides and storage offset of q, k, v (Triton: sizes and strides equal to 1 or multiples of 16,
     16-byte aligned pointers; and the grid). The weights' (``[1, G, ...]``, contiguous) are the key's; a
@@ -31,7 +31,8 @@ def _specialisation(tensors: Sequence[Tensor]) -> tuple:
     return tuple((t.shape, t.stride(), t.storage_offset()) for t in tensors[:3])
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Waits for ``device``'s kernels (CUDA; nothing elsewhere): an asynchronous fault surfaces here."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
