@@ -119,7 +119,7 @@ def test_bad_backend_values_are_rejected_by_name(monkeypatch):
 
 
 def test_plans_are_resolved_once_per_key(monkeypatch):
-    resolved = count_calls(monkeypatch, importlib.import_module("vit3.layers.backends.plan"), "resolve")
+    resolved = count_calls(monkeypatch, importlib.import_module("vit3.layers.backends.planner"), "resolve")
     first, second = make_mixer(), make_mixer()
     x = tokens(GRID)
     for _ in range(3):

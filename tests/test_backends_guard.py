@@ -37,7 +37,7 @@ from vit3.kernels.triton import plan as tplan
 from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends import guard
-from vit3.layers.backends.plan import demotions
+from vit3.layers.backends.planner import demotions
 
 pytestmark = pytest.mark.usefixtures("no_backend_env")
 

@@ -55,7 +55,7 @@ same switch makes the ViT³ block recompute its CPE output and its MLP's LayerNo
 backend of every branch and why each other one was passed over, and what the backward recomputes.
 
 Modules, bottom up: ``interface`` (what a backend sees, ``Backend``), ``registry`` (the backends, their order,
-the choice), ``plan`` (keys, the plan cache, the ``VIT3_*`` environment, the recompute policy, the CPE rule),
+the choice), ``planner`` (keys, the plan cache, the ``VIT3_*`` environment, the recompute policy, the CPE rule),
 ``verify`` and ``guard`` (guarded first calls, demotion, ``KernelFault``), ``explain``.
 """
 
@@ -72,7 +72,7 @@ from .interface import (
     token_class,
     tracing_kind,
 )
-from .plan import (
+from .planner import (
     RECOMPUTE_ENV,
     RECOMPUTE_MODES,
     REMOVED_ENV,

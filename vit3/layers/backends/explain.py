@@ -12,7 +12,7 @@ from vit3.kernels.ops import OPS
 
 from ..eager_mix import runs_whole
 from .interface import Inputs, Settings, token_class
-from .plan import Plan, branch_keys, demotions, recompute_choice, recompute_mode, requested_backend
+from .planner import Plan, branch_keys, demotions, recompute_choice, recompute_mode, requested_backend
 from .registry import LEAN_BACKENDS, Branch, choose, fuses
 
 

@@ -16,7 +16,7 @@ from vit3.kernels.common import grad_flows
 
 from ..eager_mix import BRANCH_ATTR
 from .interface import Step
-from .plan import (
+from .planner import (
     BACKEND_ENV,
     STRICT_ENV,
     Plan,

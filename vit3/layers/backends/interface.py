@@ -1,7 +1,7 @@
 """The backend interface: what a backend sees of a branch and its call, what it computes, and ``Backend``.
 
 ``Branch``, ``Settings`` and ``Inputs`` are all that a backend's ``supports`` may read (every field is in the
-plan key, ``plan.BranchKey``); ``Step`` is what its ``run`` computes (defined with the table of ops,
+plan key, ``planner.BranchKey``); ``Step`` is what its ``run`` computes (defined with the table of ops,
 ``vit3.kernels.ops``, whose paths read them); ``token_class`` is the token-count rule the key holds.
 """
 
@@ -97,7 +97,7 @@ class Backend:
         prefers: auto only: ``(branch, cfg, x) -> (ok, reason)``, where auto passes a serving backend over.
         native: compiled code (kernels), the likeliest culprit when a fused node of several fails.
         fits: ``(branch, cfg, x) -> (ok, reason)``, asked once ``supports`` passed: whether the hardware at
-            hand can run it. A refusal steps aside with a warning, in auto too (``plan.resolve``).
+            hand can run it. A refusal steps aside with a warning, in auto too (``planner.resolve``).
         specialises: compiled per input specialisation (Triton's JIT: shapes, strides, alignment), which the
             plan key does not hold: the first call of each new one runs guarded and verified (``run``).
     """

@@ -4,7 +4,7 @@ Each ``Backend`` but the generic one runs one fast path of the ops (``vit3.kerne
 ops that have that path, and its ``supports`` / ``run`` are the branch's op's (``_on_path``);
 ``choose`` takes the named one when it serves, else the first of the auto order that does, and says why
 each other one was passed over. Who asks (config or environment) and what was demoted is the plan's
-(``plan``): the choice reads neither.
+(``planner``): the choice reads neither.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..inner import inner_loop
 from .interface import Backend, Branch, Inputs, Settings, Step
 
 BACKEND_ENV = (
-    "VIT3_TTT_BACKEND"  # names a backend for every mixer whose config says "auto" (read by ``plan``)
+    "VIT3_TTT_BACKEND"  # names a backend for every mixer whose config says "auto" (read by ``planner``)
 )
 
 
