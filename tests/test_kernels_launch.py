@@ -100,7 +100,7 @@ def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
             for d in HEAD_DIMS:
                 cfg = ttiles.launch_config("swiglu", 3136, d, 8, dtype, arch, prec="tf32", interpret=False)
                 native = arch.capability >= 80
-                assert cfg.dot == (tdev._TL_DTYPES[dtype] if native else tdev.tl.float32)
+                assert cfg.dot == (tdev.TL_DTYPES[dtype] if native else tdev.tl.float32)
                 assert not cfg.emulate
                 assert cfg.transposed == (native and d == 64)
                 if tdev.warp_group_mma(arch):
@@ -330,27 +330,27 @@ def restore_fp32_precision():
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="PyTorch < 2.9")
 def test_precision_follows_the_new_fp32_precision_api_without_raising(restore_fp32_precision, monkeypatch):
     matmul = restore_fp32_precision
-    monkeypatch.setattr(tdev, "_interpreting", lambda: False)  # the interpreter always takes IEEE dots
+    monkeypatch.setattr(tdev, "interpreting", lambda: False)  # the interpreter always takes IEEE dots
     matmul.fp32_precision = "tf32"
     with pytest.raises(RuntimeError):
-        _ = matmul.allow_tf32  # what the old ``_precision`` read: PyTorch refuses once the new API is set
-    assert tdev.fp32_uses_tf32() and tdev._precision(torch.float32) == "tf32"
+        _ = matmul.allow_tf32  # what the old ``dot_precision`` read: PyTorch refuses once the new API is set
+    assert tdev.fp32_uses_tf32() and tdev.dot_precision(torch.float32) == "tf32"
     matmul.fp32_precision = "ieee"
-    assert not tdev.fp32_uses_tf32() and tdev._precision(torch.float32) == "ieee"
-    assert tdev._precision(torch.bfloat16) == "tf32" and tdev._precision(torch.float64) == "ieee"
+    assert not tdev.fp32_uses_tf32() and tdev.dot_precision(torch.float32) == "ieee"
+    assert tdev.dot_precision(torch.bfloat16) == "tf32" and tdev.dot_precision(torch.float64) == "ieee"
 
 
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="PyTorch < 2.9")
 def test_precision_follows_the_legacy_flag(restore_fp32_precision, monkeypatch):
     matmul = restore_fp32_precision
-    monkeypatch.setattr(tdev, "_interpreting", lambda: False)
+    monkeypatch.setattr(tdev, "interpreting", lambda: False)
     matmul.fp32_precision = "none"
     # Set directly, not by monkeypatch: ``allow_tf32`` is a computed attribute of the cuBLAS module, which
     # pytest 9.2's undo would try to delete; the fixture restores the precision state.
     matmul.allow_tf32 = True
-    assert tdev._precision(torch.float32) == "tf32"
+    assert tdev.dot_precision(torch.float32) == "tf32"
     matmul.allow_tf32 = False
-    assert tdev._precision(torch.float32) == "ieee"
+    assert tdev.dot_precision(torch.float32) == "ieee"
 
 
 # ------------------------------------------------------------------------------------------------- plans
@@ -432,11 +432,11 @@ def test_plans_are_built_once_per_key(fresh_plans):
 
     for _ in range(3):
         run(20)
-    fwd, bwd = top._forward_template.cache_info(), top._backward_template.cache_info()
+    fwd, bwd = top.forward_template.cache_info(), top.backward_template.cache_info()
     assert (fwd.misses, bwd.misses) == (1, 1)
     assert ttiles._launch_config.cache_info().misses == 1
     run(19)  # a new N: a new plan
-    assert top._forward_template.cache_info().misses == 2
+    assert top.forward_template.cache_info().misses == 2
 
 
 def test_a_second_eager_call_of_one_signature_only_binds_and_launches(fresh_plans, monkeypatch):
@@ -459,8 +459,8 @@ def test_a_second_eager_call_of_one_signature_only_binds_and_launches(fresh_plan
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(tchecks, "_validate", lambda *a, **k: pytest.fail("_validate on the hot path"))
             for slow in (
-                "_checked",
-                "_key",
+                "check_call",
+                "plan_key",
                 "_fwd_op",
                 "_bwd_op",
                 "_forward",
@@ -468,8 +468,8 @@ def test_a_second_eager_call_of_one_signature_only_binds_and_launches(fresh_plan
             ):
                 patch.setattr(top, slow, lambda *a, slow=slow, **k: pytest.fail(f"{slow} on the hot path"))
             for where, cache in (
-                (top, "_forward_template"),
-                (top, "_backward_template"),
+                (top, "forward_template"),
+                (top, "backward_template"),
                 (ttiles, "_launch_config"),
             ):
                 patch.setattr(where, cache, lambda *a, cache=cache: pytest.fail(f"{cache} looked up"))
@@ -479,11 +479,11 @@ def test_a_second_eager_call_of_one_signature_only_binds_and_launches(fresh_plan
                 fwd()
         out = fwd()
         dout = torch.ones(out.shape[::-1]).permute(3, 2, 1, 0)  # another layout: a new backward plan
-        before = top._backward_template.cache_info().misses
+        before = top.backward_template.cache_info().misses
         out.backward(dout)
         out = fwd()
         out.backward(dout)
-        assert top._backward_template.cache_info().misses == before + 1, name
+        assert top.backward_template.cache_info().misses == before + 1, name
 
 
 def test_eager_path_and_custom_ops_agree_bit_for_bit(fresh_plans):

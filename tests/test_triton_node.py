@@ -176,7 +176,7 @@ def test_a_half_precision_mixer_hands_the_triton_node_its_qkv_as_it_is(monkeypat
 
 @pytest.mark.triton
 def test_weights_the_kernels_cannot_read_in_place_are_refused_by_the_node_and_copied_alone(triton_device):
-    """One rule (``checks._not_in_place``) for both: the node names it (the guard then demotes the branch),
+    """One rule (``checks.not_in_place``) for both: the node names it (the guard then demotes the branch),
     ``triton_ttt`` copies the weights into the layout the kernels read and matches the op reference."""
     from vit3.kernels import reference
     from vit3.kernels.triton import op as top

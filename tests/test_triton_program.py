@@ -149,8 +149,8 @@ def test_the_program_computes_what_the_branch_hooks_compute(
     stages and the two-stage weight-gradient reduction); with RoPE (q, k read from the rotated pairs, dq, dk
     written to theirs)."""
     if chunk is not None:
-        real = tnode._key
-        monkeypatch.setattr(tnode, "_key", lambda *a, **k: real(*a, **k)._replace(chunk=chunk))
+        real = tnode.plan_key
+        monkeypatch.setattr(tnode, "plan_key", lambda *a, **k: real(*a, **k)._replace(chunk=chunk))
     monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
     branches, b, grid = CASES[case]
     plan = _plan(branches, grid, rope=rope)
@@ -280,8 +280,8 @@ def _fixed_buffers(monkeypatch) -> None:
     monkeypatch.setattr(
         tprogram, "_alloc", lambda n, device: made.setdefault(n, torch.empty(n, dtype=torch.uint8))
     )
-    real = tplan._Buffer.alloc
-    monkeypatch.setattr(tplan._Buffer, "alloc", lambda buf, device: made.setdefault(buf, real(buf, device)))
+    real = tplan.Buffer.alloc
+    monkeypatch.setattr(tplan.Buffer, "alloc", lambda buf, device: made.setdefault(buf, real(buf, device)))
 
 
 @pytest.mark.parametrize("case", ["official", "two-swiglu-dwconv", "official-rope"])
@@ -291,8 +291,8 @@ def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypa
     tested above), and every other argument the same. N in chunks of 16 tokens in both (left to itself, the
     interpreter takes one chunk: other launches)."""
     _fixed_buffers(monkeypatch)
-    real = tnode._key
-    monkeypatch.setattr(tnode, "_key", lambda *a, **k: real(*a, **k)._replace(chunk=16))
+    real = tnode.plan_key
+    monkeypatch.setattr(tnode, "plan_key", lambda *a, **k: real(*a, **k)._replace(chunk=16))
     branches, b, grid = CASES[case.removesuffix("-rope")]
     plan = _plan(branches, grid, rope=case.endswith("-rope"))
     layout = em.mix_layout(plan)
@@ -384,7 +384,7 @@ def test_workspace_buffers_are_aligned_and_apart(triton_device):
     # inference keeps nothing: its G, ||G|| lie in its scratch (a saved workspace of 0 bytes held them before)
     assert no_saved == 0 and all(w.base != tprogram.SAVED for w in infer.places)
     for (run, base), size in sizes.items():
-        spans = sorted((w.offset, w.offset + tprogram._nbytes(tplan._Buffer(w.shape, w.stride, w.dtype)))
+        spans = sorted((w.offset, w.offset + tprogram._nbytes(tplan.Buffer(w.shape, w.stride, w.dtype)))
                        for w in run.places if w.base == base)  # fmt: skip
         assert spans and size == spans[-1][1]
         assert all(start % tprogram.ALIGN == 0 for start, _ in spans)

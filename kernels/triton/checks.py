@@ -16,7 +16,12 @@ from .device import (
     triton_runs_on,
 )
 
-__all__ = ["resolve_backend"]
+__all__ = [
+    "check_call",
+    "is_live",
+    "not_in_place",
+    "resolve_backend",
+]
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -26,7 +31,7 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
-def _not_in_place(name: str, weights: list[Tensor]) -> str:
+def not_in_place(name: str, weights: list[Tensor]) -> str:
     """What keeps the kernels from reading op ``name``'s initial weights in place (``""``: nothing): SwiGLU's
     w1, w2 must share one layout and dtype, the conv weight's 3 x 3 taps lie one stride apart."""
     if name == "swiglu" and (
@@ -38,7 +43,7 @@ def _not_in_place(name: str, weights: list[Tensor]) -> str:
     return ""
 
 
-def _live(t: Tensor) -> bool:
+def is_live(t: Tensor) -> bool:
     """False for fake tensors (shape propagation only: nothing to launch)."""
     return not isinstance(t, FakeTensor)
 
@@ -75,7 +80,7 @@ def _validate(name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tens
             )
 
 
-def _checked(
+def check_call(
     name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], grid: tuple[int, int] | None,
     loss: str, backend: str, chunk: int | None,
 ) -> tuple[str, tuple[int, int]]:  # fmt: skip

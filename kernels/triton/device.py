@@ -25,12 +25,18 @@ __all__ = [
     "MAX_HEAD_DIM_DWCONV",
     "MIN_CAPABILITY",
     "MIN_HEAD_DIM",
+    "TL_DTYPES",
     "TRITON_LOSSES",
     "WEIGHT_NAMES",
     "Arch",
+    "acc_dtype",
+    "dot_precision",
     "fp32_uses_tf32",
+    "gpu_dot_precision",
     "head_dim_supported",
+    "hip_arch",
     "hip_dot_precisions",
+    "interpreting",
     "max_head_dim",
     "native_half",
     "triton_runs_on",
@@ -65,13 +71,14 @@ def head_dim_supported(name: str, head_dim: int) -> bool:
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def triton_runs_on(device: torch.device) -> bool:
     """Whether the Triton kernels can run on ``device``: CUDA, or any device under ``TRITON_INTERPRET=1``."""
-    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
 KB = 1024
@@ -148,25 +155,25 @@ def fp32_uses_tf32() -> bool:
         return False
 
 
-def _gpu_precision(dtype: torch.dtype) -> str:
+def gpu_dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision on a GPU: TF32 for half inputs (and fp32 when PyTorch allows TF32), else IEEE."""
     if dtype == torch.float64 or (dtype == torch.float32 and not fp32_uses_tf32()):
         return "ieee"
     return "tf32"
 
 
-def _precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision of a launch: the GPU's, or IEEE on the interpreter (exact fp32 dots)."""
-    return "ieee" if _interpreting() else _gpu_precision(dtype)
+    return "ieee" if interpreting() else gpu_dot_precision(dtype)
 
 
-def _acc_dtype(dtype: torch.dtype) -> tuple[torch.dtype, Any]:
+def acc_dtype(dtype: torch.dtype) -> tuple[torch.dtype, Any]:
     """Accumulator dtype (torch, triton) for inputs of ``dtype``: float64 for float64, else float32."""
     return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
 
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
-              torch.float64: tl.float64}  # fmt: skip
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+             torch.float64: tl.float64}  # fmt: skip
 
 
 def native_half(dtype: torch.dtype, arch: Arch) -> bool:
@@ -188,7 +195,7 @@ MIN_CAPABILITY = 75
 
 
 @functools.cache
-def _hip_arch(index: int) -> tuple[str, tuple[str, ...]]:
+def hip_arch(index: int) -> tuple[str, tuple[str, ...]]:
     """The ROCm GPU ``index``'s architecture (``gfx942`` ...) and the ``tl.dot`` input precisions Triton's AMD
     backend takes on it (``hip_dot_precisions``)."""
     arch = torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]

@@ -19,9 +19,9 @@ from torch import Tensor
 
 from ..ops import Hyper, NodeCall
 from . import plan, tiles
-from .checks import _checked, _live, _not_in_place
-from .device import WEIGHT_NAMES, _interpreting, fp32_uses_tf32
-from .plan import _backward_template, _forward_template, _key, _meta, _Plan
+from .checks import check_call, is_live, not_in_place
+from .device import WEIGHT_NAMES, fp32_uses_tf32, interpreting
+from .plan import LaunchPlan, backward_template, forward_template, plan_key, tensor_meta
 
 __all__ = ["backward", "checked_entry", "clear", "forward", "state_of"]
 
@@ -48,23 +48,23 @@ class _Entry:
     def __init__(self, key: Any, metas: tuple, tag: str) -> None:
         self.key, self.metas, self.tag = key, metas, tag
         self.two = metas[4] is not None  # SwiGLU: two weights, dW [2, 1, G, c, c]
-        self.forwards: dict[bool, _Plan] = {}
-        self.backwards: dict[tuple, _Plan] = {}
+        self.forwards: dict[bool, LaunchPlan] = {}
+        self.backwards: dict[tuple, LaunchPlan] = {}
 
-    def forward(self, save: bool) -> _Plan:
+    def forward(self, save: bool) -> LaunchPlan:
         found = self.forwards.get(save)
         if found is None:
-            found = self.forwards[save] = _forward_template(self.key, save, self.metas[:5], self.metas[5])
+            found = self.forwards[save] = forward_template(self.key, save, self.metas[:5], self.metas[5])
         return found
 
-    def backward(self, saved: tuple[Tensor, ...], dout: Tensor, grads: tuple[Tensor, ...]) -> _Plan:
+    def backward(self, saved: tuple[Tensor, ...], dout: Tensor, grads: tuple[Tensor, ...]) -> LaunchPlan:
         layout = (dout.stride(), *(t.stride() for t in (*saved[:3], *grads)))
         found = self.backwards.get(layout)
         if found is None:
             # the saved q, k, v (dense copies have strides of their own) and the weights
-            metas = (*map(_meta, saved[:3]), *self.metas[3:5])
-            found = self.backwards[layout] = _backward_template(
-                self.key, metas, _meta(dout), tuple(map(_meta, grads))
+            metas = (*map(tensor_meta, saved[:3]), *self.metas[3:5])
+            found = self.backwards[layout] = backward_template(
+                self.key, metas, tensor_meta(dout), tuple(map(tensor_meta, grads))
             )
         return found
 
@@ -73,7 +73,7 @@ def state_of(q: Tensor) -> tuple:
     """The module state a plan key reads besides the call's tensors: the interpreter, TF32 (float32 on a GPU)
     and the test hooks (``tiles.TILES_AS``, ``plan.GRID_X_MAX``, ``plan.launcher``)."""
     tf32 = q.dtype is torch.float32 and q.device.type == "cuda" and fp32_uses_tf32()
-    return _interpreting(), tf32, tiles.TILES_AS, plan.GRID_X_MAX, plan.launcher
+    return interpreting(), tf32, tiles.TILES_AS, plan.GRID_X_MAX, plan.launcher
 
 
 def _signature(name: str, call: NodeCall) -> tuple:
@@ -92,17 +92,17 @@ def checked_entry(name: str, call: NodeCall) -> tuple[Any, tuple]:
     for SwiGLU) and the read-out view."""
     q, k, v, weights, h = call.q, call.k, call.v, call.weights, call.hyper
     params = dict(zip(WEIGHT_NAMES[name], weights))
-    _checked(name, q, k, v, params, h.grid, h.loss, "triton", None)
-    why = _not_in_place(name, list(weights))  # the node reads them in place (``triton_ttt`` copies them)
+    check_call(name, q, k, v, params, h.grid, h.loss, "triton", None)
+    why = not_in_place(name, list(weights))  # the node reads them in place (``triton_ttt`` copies them)
     if why:
         raise ValueError(f"the Triton node reads {why}")
     if call.dest.shape != q.shape or call.dest.dtype != q.dtype:
         raise ValueError(
             f"the read-out view must be {tuple(q.shape)} {q.dtype}, got {tuple(call.dest.shape)}"
         )
-    key = _key(q, name, h.loss, h.grid[0], h.grid[1], float(h.scale), float(h.lr), bool(h.grad_norm), 0)
+    key = plan_key(q, name, h.loss, h.grid[0], h.grid[1], float(h.scale), float(h.lr), bool(h.grad_norm), 0)
     w2 = weights[1] if len(weights) == 2 else None
-    return key, (*map(_meta, (q, k, v, weights[0], w2)), _meta(call.dest))
+    return key, (*map(tensor_meta, (q, k, v, weights[0], w2)), tensor_meta(call.dest))
 
 
 def _entry(name: str, call: NodeCall, sig: tuple) -> _Entry:
@@ -126,7 +126,7 @@ def forward(name: str, call: NodeCall) -> tuple[list[Tensor], str]:
     q, k, v, weights = call.q, call.k, call.v, call.weights
     w1 = weights[0]
     inputs = (q, k, v, w1, weights[1] if entry.two else w1, call.dest)
-    _, gbuf, nbuf = entry.forward(call.save).run(inputs, _live(q))
+    _, gbuf, nbuf = entry.forward(call.save).run(inputs, is_live(q))
     if not call.save:
         return [], entry.tag
     if call.dense:
@@ -144,5 +144,5 @@ def backward(
     gbuf, nbuf = rest[-2:]
     w2 = rest[0] if entry.two else w1
     grads = (dq, dk, dv)
-    dw = entry.backward(saved, d_out, grads).run((d_out, q, k, v, w1, w2, gbuf, nbuf, *grads), _live(q))[3]
+    dw = entry.backward(saved, d_out, grads).run((d_out, q, k, v, w1, w2, gbuf, nbuf, *grads), is_live(q))[3]
     return tuple(dw.unbind(0)) if entry.two else (dw,)

@@ -22,15 +22,14 @@ from torch import Tensor
 from .. import flops, reference
 from ..common import autocast_backward, autocast_forward, grad_flows
 from . import node, plan, program, tiles
-from .checks import _checked, _live, _not_in_place, resolve_backend
+from .checks import check_call, is_live, not_in_place, resolve_backend
 from .device import (
     WEIGHT_NAMES,
-    _acc_dtype,
-    _interpreting,
+    acc_dtype,
     fp32_uses_tf32,
+    interpreting,
 )
-from .plan import _backward_template, _forward_template, _key, _meta, _Plan
-from .tiles import _launch_config
+from .plan import LaunchPlan, backward_template, forward_template, plan_key, tensor_meta
 
 __all__ = ["clear_plans", "resolve_backend", "triton_ttt"]
 
@@ -40,9 +39,9 @@ def clear_plans() -> None:
     _CALLS.clear()
     node.clear()
     program.clear()
-    _forward_template.cache_clear()
-    _backward_template.cache_clear()
-    _launch_config.cache_clear()
+    forward_template.cache_clear()
+    backward_template.cache_clear()
+    tiles.clear()
 
 
 # ------------------------------------------------------------------------------------------- custom ops
@@ -76,7 +75,7 @@ def _fake_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``_fwd_op``'s outputs on fake tensors: shapes, strides and dtypes only (sizes may be symbolic)."""
     b, g, n, d = q.shape
-    (nw, r), acc = plan.stat_shape(model, d), _acc_dtype(q.dtype)[0]
+    (nw, r), acc = plan.stat_shape(model, d), acc_dtype(q.dtype)[0]
     return (
         _token_major(b, g, n, d, q),
         q.new_empty((b * g, nw, r, d), dtype=acc),
@@ -91,7 +90,7 @@ def _fake_backward(
     """``_bwd_op``'s outputs on fake tensors: ``dq``, ``dk``, ``dv`` token-major in their inputs' dtypes, ``dW``."""
     b, g, n, d = q.shape
     grads = tuple(_token_major(b, g, n, d, t) for t in (q, k, v))
-    return (*grads, q.new_empty(plan.weight_grad_shape(model, g, d), dtype=_acc_dtype(q.dtype)[0]))
+    return (*grads, q.new_empty(plan.weight_grad_shape(model, g, d), dtype=acc_dtype(q.dtype)[0]))
 
 
 def _forward(
@@ -99,8 +98,8 @@ def _forward(
     scale: float, lr: float, grad_norm: bool, chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Runs the forward: ``(out [B, G, N, c], G [B*G, NW, R, c], ||G||)``."""
-    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
-    forward = _forward_template(key, True, tuple(_meta(t) for t in (q, k, v, w1, w2)))
+    key = plan_key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
+    forward = forward_template(key, True, tuple(tensor_meta(t) for t in (q, k, v, w1, w2)))
     return forward.run((q, k, v, w1, w1 if w2 is None else w2))
 
 
@@ -109,8 +108,8 @@ def _backward_grads(
     model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Runs the backward: ``dq``, ``dk``, ``dv`` ``[B, G, N, c]`` and ``dW`` (accumulator dtype)."""
-    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
-    backward = _backward_template(key, tuple(_meta(t) for t in (q, k, v, w1, w2)), _meta(dout))
+    key = plan_key(q, model, loss, h, wd, scale, lr, grad_norm, chunk)
+    backward = backward_template(key, tuple(tensor_meta(t) for t in (q, k, v, w1, w2)), tensor_meta(dout))
     return backward.run((dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
 
 
@@ -169,7 +168,7 @@ def _reference_backward(
     wanted = [t for t in inputs if t is not None and t.requires_grad]
     if not wanted:
         return (None,) * len(inputs)
-    acc = _acc_dtype(q.dtype)[0]
+    acc = acc_dtype(q.dtype)[0]
     params = {name: t.to(acc) for name, t in zip(WEIGHT_NAMES[model], (w1, w2))}
     kw = {"grid": (h, wd), "scale": scale, "lr": lr, "grad_norm": grad_norm, "loss": loss}
     out = reference.reference_ttt(model, *(t.to(acc) for t in (q, k, v)), params, **kw)
@@ -203,26 +202,26 @@ class _Call:
         self, cfg: tuple, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, copy: bool
     ):
         self.cfg = cfg  # (model, loss, h, wd, scale, lr, grad_norm, chunk): ``_fwd_op``'s settings
-        self.key = _key(q, *cfg)
-        self.metas = (_meta(q), _meta(k), _meta(v), _meta(w1), _meta(w2))
+        self.key = plan_key(q, *cfg)
+        self.metas = (tensor_meta(q), tensor_meta(k), tensor_meta(v), tensor_meta(w1), tensor_meta(w2))
         self.names = WEIGHT_NAMES[cfg[0]]
         self.copy = copy  # the weights are copied into one layout (``_weights_of``)
-        self.forwards: dict[bool, _Plan] = {}
-        self.backwards: dict[tuple, _Plan] = {}
+        self.forwards: dict[bool, LaunchPlan] = {}
+        self.backwards: dict[tuple, LaunchPlan] = {}
 
-    def forward(self, save: bool) -> _Plan:
+    def forward(self, save: bool) -> LaunchPlan:
         """The forward plan, saving ``G`` and ``||G||`` for a backward or not (inference)."""
         plan = self.forwards.get(save)
         if plan is None:
-            plan = self.forwards[save] = _forward_template(self.key, save, self.metas)
+            plan = self.forwards[save] = forward_template(self.key, save, self.metas)
         return plan
 
-    def backward(self, dout: Tensor) -> _Plan:
+    def backward(self, dout: Tensor) -> LaunchPlan:
         """The backward plan for upstream gradients laid out as ``dout`` (its shape is the output's)."""
         layout = (dout.stride(), dout.dtype)
         plan = self.backwards.get(layout)
         if plan is None:
-            plan = self.backwards[layout] = _backward_template(self.key, self.metas, _meta(dout))
+            plan = self.backwards[layout] = backward_template(self.key, self.metas, tensor_meta(dout))
         return plan
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> Tensor:
@@ -232,7 +231,7 @@ class _Call:
             w1, w2 = params[self.names[0]], (params[self.names[1]] if len(self.names) == 2 else None)
         if grad_flows(q, k, v, w1, w2):
             return _TritonTTT.apply(q, k, v, w1, w2, self)
-        return self.forward(False).run((q, k, v, w1, w1 if w2 is None else w2), _live(q))[0]
+        return self.forward(False).run((q, k, v, w1, w1 if w2 is None else w2), is_live(q))[0]
 
 
 def _signature(
@@ -258,7 +257,7 @@ class _TritonTTT(torch.autograd.Function):
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, call: _Call
     ) -> Tensor:
-        out, gbuf, nbuf = call.forward(True).run((q, k, v, w1, w1 if w2 is None else w2), _live(q))
+        out, gbuf, nbuf = call.forward(True).run((q, k, v, w1, w1 if w2 is None else w2), is_live(q))
         ctx.save_for_backward(q, k, v, w1, w2, gbuf, nbuf)  # G and ||G||: W' is recomputed from them
         ctx.call = call
         return out
@@ -271,7 +270,7 @@ class _TritonTTT(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
             return (*_reference_backward(dout, q, k, v, w1, w2, *call.cfg), None)
         inputs = (dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf)
-        dq, dk, dv, dw = call.backward(dout).run(inputs, _live(q))
+        dq, dk, dv, dw = call.backward(dout).run(inputs, is_live(q))
         return dq, dk, dv, *_weight_grads(dw, w2 is not None), None
 
 
@@ -283,7 +282,7 @@ def _weights_of(name: str, params: dict[str, Tensor]) -> tuple[Tensor, Tensor | 
     only if their strides differ), ``(W, None)`` of the linear model, the conv weight (copied only if its
     3 x 3 taps are not one stride apart)."""
     weights = [params[n] for n in WEIGHT_NAMES[name]]
-    if _not_in_place(name, weights):  # copied into the layout the kernels read
+    if not_in_place(name, weights):  # copied into the layout the kernels read
         weights = [w.to(weights[0].dtype).contiguous() for w in weights]
     return weights[0], (weights[1] if len(weights) == 2 else None)
 
@@ -329,7 +328,7 @@ def triton_ttt(
     compiling = torch.compiler.is_compiling()
     if not compiling:  # eager: a signature seen before runs its cached ``_Call`` (checked, planned) at once
         grid = None if grid is None else tuple(grid)
-        interpret = _interpreting()
+        interpret = interpreting()
         tf32 = q.dtype is torch.float32 and not interpret and fp32_uses_tf32()
         sig = _signature(
             name, q, k, v, params, grid, scale, lr, grad_norm, loss, backend, chunk, interpret, tf32
@@ -337,7 +336,7 @@ def triton_ttt(
         call = _CALLS.get(sig)
         if call is not None:
             return call(q, k, v, params)
-    which, grid = _checked(name, q, k, v, params, grid, loss, backend, chunk)
+    which, grid = check_call(name, q, k, v, params, grid, loss, backend, chunk)
     if which == "reference":
         return reference.reference_ttt(
             name, q, k, v, params, grid=grid, scale=scale, lr=lr, grad_norm=grad_norm, loss=loss

@@ -1,8 +1,8 @@
 """Launch plans of the Triton kernels: each kernel launch of a forward or backward (``Launch``), built once
-per key on meta tensors (``_forward_template`` / ``_backward_template``) as a ``_Plan`` whose calls allocate
+per key on meta tensors (``forward_template`` / ``backward_template``) as a ``LaunchPlan`` whose calls allocate
 its buffers and bind its tensors; ``forward_plan`` / ``backward_plan`` give the bound launches to the offline
 compiles (``vit3.kernels.aot``) and the roofline. A plan's launches run with the inputs' GPU current
-(``_Plan.run``: Triton launches on the current device and its current stream).
+(``LaunchPlan.run``: Triton launches on the current device and its current stream).
 """
 
 from __future__ import annotations
@@ -20,19 +20,26 @@ from ..dwconv import triton as dwconv_kernels
 from . import matrix as matrix_kernels
 from . import step as step_kernels
 from . import tiles
-from .device import Arch, _acc_dtype, _gpu_precision, _interpreting
-from .tiles import INTERPRET_TILES, LaunchConfig, _cdiv, _pow2, launch_config
+from .device import Arch, acc_dtype, gpu_dot_precision, interpreting
+from .tiles import INTERPRET_TILES, LaunchConfig, cdiv, launch_config, next_pow2
 
 __all__ = [
     "DEBUG_FILL",
     "GRID_X_MAX",
+    "Buffer",
     "Launch",
+    "LaunchPlan",
+    "PlanKey",
     "backward_plan",
+    "backward_template",
     "fold_grid",
     "forward_plan",
+    "forward_template",
     "launcher",
+    "plan_key",
     "reduce_split",
     "stat_shape",
+    "tensor_meta",
     "weight_grad_shape",
 ]
 
@@ -56,7 +63,7 @@ def fold_grid(programs: int) -> tuple[int, int]:
     """The 2-D grid of ``programs`` flat program ids: ``(x, y)``, ``x * y >= programs``; the kernels map
     ``(pid_x, pid_y)`` to ``pid_y * x + pid_x`` and return where it is past the last program."""
     x = min(programs, GRID_X_MAX)
-    return x, _cdiv(programs, x)
+    return x, cdiv(programs, x)
 
 
 def launcher(kernel: Any) -> Any:
@@ -108,7 +115,7 @@ class Launch(NamedTuple):
         launcher(self.kernel)[self.grid](*self.bound(tensors), **self.kwargs)
 
 
-class _Buffer(NamedTuple):
+class Buffer(NamedTuple):
     """A buffer a plan allocates per call: ``shape`` (``perm`` of its memory order) and ``stride``."""
 
     shape: tuple[int, ...]
@@ -116,11 +123,11 @@ class _Buffer(NamedTuple):
     dtype: torch.dtype
 
     @staticmethod
-    def of(shape: tuple[int, ...], dtype: torch.dtype, perm: tuple[int, ...] | None) -> _Buffer:
+    def of(shape: tuple[int, ...], dtype: torch.dtype, perm: tuple[int, ...] | None) -> Buffer:
         """A contiguous ``shape`` seen through ``perm`` (``None``: as it is)."""
         t = torch.empty(shape, device="meta")
         t = t.permute(perm) if perm else t
-        return _Buffer(tuple(t.shape), t.stride(), dtype)
+        return Buffer(tuple(t.shape), t.stride(), dtype)
 
     def alloc(self, device: torch.device) -> Tensor:
         return _filled(torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device))
@@ -136,33 +143,33 @@ class _Builder:
 
     def __init__(self, inputs: tuple[Tensor | None, ...]) -> None:
         self.tensors = list(inputs)
-        self.buffers: list[_Buffer] = []
+        self.buffers: list[Buffer] = []
         self.launches: list[Launch] = []
 
     def buffer(self, *shape: int, dtype: torch.dtype, perm: tuple[int, ...] | None = None) -> Tensor:
-        self.buffers.append(_Buffer.of(shape, dtype, perm))
+        self.buffers.append(Buffer.of(shape, dtype, perm))
         self.tensors.append(self.buffers[-1].alloc(torch.device("meta")))
         return self.tensors[-1]
 
     def launch(self, label: str, kernel: Any, programs: int, args: tuple, kwargs: dict[str, Any]) -> None:
         self.launches.append(Launch(label, kernel, fold_grid(programs), args, kwargs, programs))
 
-    def plan(self, outputs: tuple[Tensor, ...]) -> _Plan:
+    def plan(self, outputs: tuple[Tensor, ...]) -> LaunchPlan:
         ids = {id(t): i for i, t in enumerate(self.tensors) if t is not None}
         launches = []
         for launch in self.launches:
             slots = tuple((p, ids[id(a)]) for p, a in enumerate(launch.args) if isinstance(a, Tensor))
             args = tuple(None if isinstance(a, Tensor) else a for a in launch.args)
             launches.append(launch._replace(args=args, slots=slots))
-        return _Plan(tuple(self.buffers), tuple(launches), tuple(ids[id(t)] for t in outputs))
+        return LaunchPlan(tuple(self.buffers), tuple(launches), tuple(ids[id(t)] for t in outputs))
 
 
-class _Plan(NamedTuple):
+class LaunchPlan(NamedTuple):
     """The cached launch plan of one key: buffers to allocate, launches (with their tensor arguments left out:
     ``Launch.slots`` maps argument positions to the plan's tensors, inputs then buffers), which tensors it
     returns."""
 
-    buffers: tuple[_Buffer, ...]
+    buffers: tuple[Buffer, ...]
     launches: tuple[Launch, ...]
     outputs: tuple[int, ...]
 
@@ -256,9 +263,9 @@ def reduce_split(items: int, blocks: int, arch: Arch) -> tuple[int, int]:
     ``REDUCE_PROGRAMS_PER_SM``, but at most ``4 sqrt(items)`` runs (so that the second stage, one program per
     block summing the runs, stays short) and at least two items a run (``split == 1``: one stage)."""
     cap = min(items // 2, math.ceil(4 * math.sqrt(items)))
-    split = max(1, min(_cdiv(REDUCE_PROGRAMS_PER_SM * arch.sms, blocks), cap))
-    per = _cdiv(items, split)
-    return _cdiv(items, per), per
+    split = max(1, min(cdiv(REDUCE_PROGRAMS_PER_SM * arch.sms, blocks), cap))
+    per = cdiv(items, split)
+    return cdiv(items, per), per
 
 
 def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: int, slots: tuple[int, int, int],
@@ -270,14 +277,14 @@ def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: 
     length, lo, nuse = slots
 
     def programs(width: int) -> int:
-        return g * _cdiv(e, width) * reduce_split(b * nuse, g * _cdiv(e, width), arch)[0]
+        return g * cdiv(e, width) * reduce_split(b * nuse, g * cdiv(e, width), arch)[0]
 
     gpu_e = REDUCE_BLOCK_E
     while gpu_e > REDUCE_MIN_BLOCK_E and programs(gpu_e) < arch.sms:
         gpu_e //= 2
-    block_e = min(8192, max(gpu_e, _pow2(e))) if interpret else gpu_e
-    blocks = g * _cdiv(e, block_e)
-    split, per = reduce_split(b * nuse, g * _cdiv(e, gpu_e), arch)
+    block_e = min(8192, max(gpu_e, next_pow2(e))) if interpret else gpu_e
+    blocks = g * cdiv(e, block_e)
+    split, per = reduce_split(b * nuse, g * cdiv(e, gpu_e), arch)
     kw = {"BLOCK_T": REDUCE_BLOCK_T, "BLOCK_E": block_e, "ACC": acc_tl, "num_warps": REDUCE_WARPS,
           "num_stages": 1}  # fmt: skip
     # (head stride, weight stride, rows per weight, row stride, column stride) of dW: the conv weight
@@ -295,7 +302,7 @@ def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: 
     bld.launch("wgrad_reduce_kernel[final]", kernel, blocks, args, kw)
 
 
-class _Key(NamedTuple):
+class PlanKey(NamedTuple):
     """What a plan depends on besides the tensors' shapes, strides and dtypes."""
 
     model: str
@@ -313,31 +320,35 @@ class _Key(NamedTuple):
     grid_x: int
 
 
-def _meta(t: Tensor | None) -> tuple | None:
+def tensor_meta(t: Tensor | None) -> tuple | None:
+    """What a plan reads of a tensor: its shape, strides and dtype (``None`` for no tensor)."""
     return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
-def _key(q: Tensor, model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
-         arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None) -> _Key:  # fmt: skip
-    interpret = _interpreting() if interpret is None else interpret
+def plan_key(
+    q: Tensor, model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
+    arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None,
+) -> PlanKey:  # fmt: skip
+    """The ``PlanKey`` of a call on ``q`` (arch, dot precision and interpreter: those of now by default)."""
+    interpret = interpreting() if interpret is None else interpret
     if prec is None:
-        prec = "ieee" if interpret else _gpu_precision(q.dtype)
-    return _Key(model, loss, h, wd, scale, lr, grad_norm, chunk, arch or _device_arch(q.device), prec,
-                interpret, tiles.TILES_AS, GRID_X_MAX)  # fmt: skip
+        prec = "ieee" if interpret else gpu_dot_precision(q.dtype)
+    return PlanKey(model, loss, h, wd, scale, lr, grad_norm, chunk, arch or _device_arch(q.device), prec,
+                   interpret, tiles.TILES_AS, GRID_X_MAX)  # fmt: skip
 
 
 def _on_meta(meta: tuple | None) -> Tensor | None:
     return None if meta is None else torch.empty_strided(meta[0], meta[1], dtype=meta[2], device="meta")
 
 
-def _config(key: _Key, q: Tensor) -> LaunchConfig:
+def _config(key: PlanKey, q: Tensor) -> LaunchConfig:
     b, g, n_tok, d = q.shape
     return launch_config(key.model, n_tok, d, b * g, q.dtype, key.arch, loss=key.loss, prec=key.prec,
                          chunk=key.chunk or None, interpret=key.interpret)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
-def _forward_template(key: _Key, save: bool, metas: tuple, out_meta: tuple | None = None) -> _Plan:
+def forward_template(key: PlanKey, save: bool, metas: tuple, out_meta: tuple | None = None) -> LaunchPlan:
     """The forward plan of ``(key, metas)`` (q, k, v, W1, W2); its inputs are ``q, k, v, W1, W2 (or W1)`` and,
     with ``out_meta``, the output ``[B, G, N, c]`` it writes (the fused node's view), else it allocates it."""
     q, k, v, w1, w2 = (_on_meta(m) for m in metas)
@@ -345,7 +356,7 @@ def _forward_template(key: _Key, save: bool, metas: tuple, out_meta: tuple | Non
     bld = _Builder((q, k, v, w1, w2) if given is None else (q, k, v, w1, w2, given))
     b, g, n_tok, d = q.shape
     cfg = _config(key, q)
-    acc, acc_tl = _acc_dtype(q.dtype)
+    acc, acc_tl = acc_dtype(q.dtype)
     (nw, r), bgn, s = stat_shape(key.model, d), b * g, cfg.s
     w2 = w1 if w2 is None else w2
     coef, ws = key.scale / n_tok, _weight_strides(key.model, w1, d)
@@ -400,14 +411,16 @@ def _forward_template(key: _Key, save: bool, metas: tuple, out_meta: tuple | Non
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_template(key: _Key, metas: tuple, dout_meta: tuple, grad_metas: tuple | None = None) -> _Plan:
+def backward_template(
+    key: PlanKey, metas: tuple, dout_meta: tuple, grad_metas: tuple | None = None
+) -> LaunchPlan:
     """The backward plan after the forward of ``(key, metas)`` (q, k, v, W1, W2), for an upstream gradient
     ``dout_meta``; its inputs are ``dout, q, k, v, W1, W2 (or W1), G, ||G||`` and, with ``grad_metas``, the
     ``dq, dk, dv`` it writes (the fused node's views of its qkv gradient), else it allocates them."""
     q, k, v, w1, w2 = (_on_meta(m) for m in metas)
     b, g, n_tok, d = q.shape
     nw, r = stat_shape(key.model, d)
-    acc, acc_tl = _acc_dtype(q.dtype)
+    acc, acc_tl = acc_dtype(q.dtype)
     gbuf = torch.empty(b * g, nw, r, d, dtype=acc, device="meta")
     nbuf = torch.empty(b * g, nw, d, dtype=acc, device="meta")
     dout = _on_meta(dout_meta)
@@ -476,8 +489,8 @@ def forward_plan(
     may live on the meta device: the offline compiles (``vit3.kernels.aot``) and the roofline
     (``benchmarks/roofline.py``) read the launches a GPU would run from shapes and strides alone.
     """
-    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
-    plan = _forward_template(key, save, tuple(_meta(t) for t in (q, k, v, w1, w2)))
+    key = plan_key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
+    plan = forward_template(key, save, tuple(tensor_meta(t) for t in (q, k, v, w1, w2)))
     return plan.bind((q, k, v, w1, w1 if w2 is None else w2))
 
 
@@ -489,6 +502,6 @@ def backward_plan(
     """The backward's gradients ``(dq, dk, dv, dW)`` (allocated, unwritten) and the launches that write them
     (as ``forward_plan``). ``dW`` is SwiGLU's ``[2, 1, G, c, c]``, the linear model's ``[1, G, c, c]`` or the
     depthwise conv's ``[1, G*c, 3, 3]``."""
-    key = _key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
-    plan = _backward_template(key, tuple(_meta(t) for t in (q, k, v, w1, w2)), _meta(dout))
+    key = plan_key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
+    plan = backward_template(key, tuple(tensor_meta(t) for t in (q, k, v, w1, w2)), tensor_meta(dout))
     return plan.bind((dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))

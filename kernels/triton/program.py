@@ -32,9 +32,9 @@ from triton.runtime.jit import KernelInterface
 
 from ..ops import NodeCall, tag_branch
 from . import plan
-from .device import _interpreting
+from .device import interpreting
 from .node import checked_entry, state_of
-from .plan import _backward_template, _Buffer, _forward_template, _meta, on_device
+from .plan import Buffer, backward_template, forward_template, on_device, tensor_meta
 
 __all__ = ["Address", "MixProgram", "at_address", "backward", "clear", "forward", "program_key"]
 
@@ -70,9 +70,9 @@ class _Where(NamedTuple):
 
     @staticmethod
     def of(base: int, offset: int, like: Tensor | tuple) -> _Where:
-        """At ``offset`` bytes past ``base``, laid out as ``like``: a tensor, or its ``plan._meta`` / a ``_Buffer``
+        """At ``offset`` bytes past ``base``, laid out as ``like``: a tensor, or its ``plan.tensor_meta`` / a ``Buffer``
         (both ``(shape, stride, dtype)``)."""
-        shape, stride, dtype = _meta(like) if isinstance(like, Tensor) else like
+        shape, stride, dtype = tensor_meta(like) if isinstance(like, Tensor) else like
         return _Where(base, offset, dtype, tuple(shape), tuple(stride))
 
 
@@ -91,7 +91,7 @@ def at_address(base: tuple[Any, int], where: _Where) -> Tensor:
     return t.set_(storage, at // size, where.shape, where.stride)
 
 
-def _nbytes(buf: _Buffer) -> int:
+def _nbytes(buf: Buffer) -> int:
     if any(s == 0 for s in buf.shape):
         return 0
     return (1 + sum((s - 1) * st for s, st in zip(buf.shape, buf.stride))) * buf.dtype.itemsize
@@ -103,7 +103,7 @@ class _Workspace:
     def __init__(self, base: int) -> None:
         self.base, self.size = base, 0
 
-    def place(self, buf: _Buffer) -> _Where:
+    def place(self, buf: Buffer) -> _Where:
         offset = -(-self.size // ALIGN) * ALIGN
         self.size = offset + _nbytes(buf)
         return _Where.of(self.base, offset, buf)
@@ -125,7 +125,7 @@ class _Launches:
         self._consts: list[Any] = []
         self._launches: list[tuple[int, str, Callable[..., Any], list[int | None]]] = []
 
-    def add(self, branch: int, template: plan._Plan, wheres: Sequence[_Where]) -> None:
+    def add(self, branch: int, template: plan.LaunchPlan, wheres: Sequence[_Where]) -> None:
         """``template``'s launches with their tensors at ``wheres`` (by the plan's tensor index)."""
         for launch in template.launches:
             slots = dict(launch.slots)
@@ -219,7 +219,7 @@ class MixProgram:
         self, names: Sequence[str], qkv: Tensor, out: Tensor, calls: Sequence[NodeCall],
         rotated: Sequence[Tensor | None],
     ) -> None:  # fmt: skip
-        self.names, self.interpret = tuple(names), _interpreting()
+        self.names, self.interpret = tuple(names), interpreting()
         self.counts = tuple(len(call.weights) for call in calls)
         self.n_rotated = sum(pair is not None for pair in rotated)
         self.entries, self.inputs = [], []
@@ -261,7 +261,7 @@ class MixProgram:
         for i, ((key, metas), (qkv_at, out_at), w_at) in enumerate(
             zip(self.entries, self.inputs, self._weights(SCRATCH + 1))
         ):
-            template = _forward_template(key, save, metas[:5], metas[5])
+            template = forward_template(key, save, metas[:5], metas[5])
             wheres = [*qkv_at, *w_at, out_at]
             outs = set(template.outputs[1:])
             for j, buf in enumerate(template.buffers, start=len(wheres)):  # inference: all in the scratch
@@ -302,7 +302,7 @@ class MixProgram:
             zip(self.entries, self.inputs, self._weights(first_w), kept, calls)
         ):
             dout, *grads = views
-            template = _backward_template(key, metas[:5], _meta(dout), tuple(map(_meta, grads)))
+            template = backward_template(key, metas[:5], tensor_meta(dout), tuple(map(tensor_meta, grads)))
             wheres = [_Where.of(D_OUT, _offset(dout, d_out), dout)]
             wheres += [w._replace(base=B_QKV if w.base == QKV else w.base + moved) for w in qkv_at] + w_at
             wheres += [w._replace(base=B_SAVED) for w in (g_at, n_at)]

@@ -12,21 +12,21 @@ from typing import Any
 import torch
 
 from .device import (
-    _TL_DTYPES,
     ARCHS,
     DOT_MODELS,
     IO_DTYPES,
     KB,
     MIN_CAPABILITY,
     MIN_HEAD_DIM,
+    TL_DTYPES,
     TRITON_LOSSES,
     Arch,
-    _acc_dtype,
-    _gpu_precision,
-    _hip_arch,
-    _interpreting,
-    _precision,
+    acc_dtype,
+    dot_precision,
+    gpu_dot_precision,
     head_dim_supported,
+    hip_arch,
+    interpreting,
     max_head_dim,
     native_half,
     warp_group_mma,
@@ -40,8 +40,11 @@ __all__ = [
     "TILES_AS",
     "LaunchConfig",
     "Tiles",
+    "cdiv",
+    "clear",
     "fits_device",
     "launch_config",
+    "next_pow2",
     "smem_need",
 ]
 
@@ -89,14 +92,16 @@ class LaunchConfig:
 
     def cols(self, role: str, d: int) -> int:
         """Column blocks of role ``role`` at head dim ``d``."""
-        return _cdiv(d, self.tiles[role].block_c)
+        return cdiv(d, self.tiles[role].block_c)
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints."""
     return -(-a // b)
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -205,7 +210,7 @@ MATRIX_ROLES = ("forward", "grad", "readout", "readout_bwd", "readout_bwd_cross"
 @functools.lru_cache(maxsize=1024)
 def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, arch: Arch, loss: str,
                    prec: str, chunk: int | None, interpret: bool, tiles_as: tuple | None) -> LaunchConfig:  # fmt: skip
-    block_d = max(16, _pow2(d))
+    block_d = max(16, next_pow2(d))
     block_r = 16 if model == "dwconv" else block_d
     tile_arch, tile_prec = tiles_as or (INTERPRET_TILES if interpret else (arch, prec))
     if model == "dwconv":
@@ -214,26 +219,31 @@ def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, 
         tiles = {r: _matrix_tiles(model, loss, r, block_d, dtype, tile_prec, tile_arch) for r in MATRIX_ROLES}
     tiles["small"] = _small_tiles(block_r, block_d, dtype)
     if interpret:
-        big = min(256, max(16, _pow2(n_tok)))
+        big = min(256, max(16, next_pow2(n_tok)))
         tiles = {
             role: replace(t, block_n=big if role != "small" else 0, num_warps=4) for role, t in tiles.items()
         }
         want = n_tok
     else:
-        want = _cdiv(n_tok, max(1, _cdiv(2 * arch.sms, bg)))  # about two programs per SM
+        want = cdiv(n_tok, max(1, cdiv(2 * arch.sms, bg)))  # about two programs per SM
     if chunk is not None:
-        cap = max(16, _pow2(chunk))
+        cap = max(16, next_pow2(chunk))
         tiles = {role: replace(t, block_n=min(t.block_n, cap)) for role, t in tiles.items()}
         want = chunk
     step = max(t.block_n for t in tiles.values())
-    size = _cdiv(max(want, 1), step) * step
-    _, acc_tl = _acc_dtype(dtype)
+    size = cdiv(max(want, 1), step) * step
+    _, acc_tl = acc_dtype(dtype)
     native = model != "dwconv" and native_half(dtype, tile_arch)
-    dot = _TL_DTYPES[dtype] if native else acc_tl
+    dot = TL_DTYPES[dtype] if native else acc_tl
     emulate = native and interpret and dtype == torch.bfloat16
     # 16-bit operands at d = 64: the one-block gradient backward on transposed 32-token tiles (``_half_tiles``)
     transposed = native and block_d == 64 and tiles["grad_bwd"].block_c == block_d
-    return LaunchConfig(block_d, block_r, size, _cdiv(n_tok, size), prec, dot, emulate, transposed, tiles)
+    return LaunchConfig(block_d, block_r, size, cdiv(n_tok, size), prec, dot, emulate, transposed, tiles)
+
+
+def clear() -> None:
+    """Forgets the cached launch configurations (``op.clear_plans``)."""
+    _launch_config.cache_clear()
 
 
 def launch_config(
@@ -268,8 +278,8 @@ def launch_config(
     Returns:
         The ``LaunchConfig`` (cached per arguments and ``TILES_AS``).
     """
-    interpret = _interpreting() if interpret is None else interpret
-    prec = prec or _precision(dtype)
+    interpret = interpreting() if interpret is None else interpret
+    prec = prec or dot_precision(dtype)
     return _launch_config(model, n_tok, d, bg, dtype, arch, loss, prec, chunk, interpret, TILES_AS)
 
 
@@ -281,7 +291,7 @@ def smem_need(model: str, d: int, dtype: torch.dtype, prec: str, arch: Arch) -> 
     d = 128 (full-width fp64 tiles of four weights), ``FUSED_BACKWARD_SMEM`` for the fused SwiGLU backward
     at d = 64 in fp32 and ``HALF_BACKWARD_SMEM`` for SwiGLU at d = 64 with 16-bit operands.
     """
-    block_d = max(16, _pow2(d))
+    block_d = max(16, next_pow2(d))
     if model == "swiglu" and block_d == 64 and native_half(dtype, arch):
         return HALF_BACKWARD_SMEM
     if model == "swiglu" and block_d == 64:
@@ -322,7 +332,7 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
         top = max_head_dim(name)
         return False, f"the Triton kernels take head dims {MIN_HEAD_DIM}..{top}, not {head_dim}"
     if device.type != "cuda":
-        if device.type == "cpu" and _interpreting():
+        if device.type == "cpu" and interpreting():
             return True, ""
         return (
             False,
@@ -330,16 +340,16 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
         )
     if not torch.cuda.is_available():  # a CUDA plan explained where there is no GPU to inspect
         return True, ""
-    prec = _gpu_precision(dtype)
+    prec = gpu_dot_precision(dtype)
     if torch.version.hip and name in DOT_MODELS:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        arch, allowed = _hip_arch(index)
+        arch, allowed = hip_arch(index)
         if prec not in allowed:
             return False, (
                 f"ROCm {arch}: Triton's AMD backend takes {', '.join(allowed)} dots there, not the {prec} dots "
                 f"the kernels take for {dtype} inputs"
             )
-    block_d = max(16, _pow2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     return _fits_arch(name, block_d, dtype, prec, Arch.of(device))
 
 
