@@ -58,11 +58,11 @@ def timm_model(name: Any, cfg: Any) -> str | None:
 
 def dit3_model(name: Any, cfg: Any) -> str | None:
     try:
-        from vit3.models.dit3 import DIT3_CONFIGS, _model_args
+        from vit3.models.dit3 import DIT3_CONFIGS, dit3_model_args
     except ImportError:  # the generation extra is missing: the engine says so
         return None
     try:
-        _model_args(str(name), {})
+        dit3_model_args(str(name), {})
     except ValueError:
         return _suggest(str(name), sorted(DIT3_CONFIGS), "")
     return None

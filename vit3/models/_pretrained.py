@@ -47,7 +47,7 @@ class _Inert:
         return collections.OrderedDict()
 
 
-def _torch_load(path: str | os.PathLike) -> Any:
+def safe_torch_load(path: str | os.PathLike) -> Any:
     """``torch.load(weights_only=True)``, reading unknown pickled classes (training metadata) as inert dicts."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -100,7 +100,7 @@ def load_checkpoint_file(path: str | os.PathLike, use_ema: bool = False) -> dict
 
         checkpoint: Mapping[str, Any] = load_file(path)
     else:
-        checkpoint = _torch_load(path)
+        checkpoint = safe_torch_load(path)
     if not isinstance(checkpoint, Mapping):
         raise CheckpointError(f"{path!r} holds a {type(checkpoint).__name__}, not a checkpoint dict")
     return strip_wrapper_prefixes(select_weights(checkpoint, use_ema))

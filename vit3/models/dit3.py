@@ -44,7 +44,7 @@ from vit3.layers import TTTConfig, convert_official_mixer_key
 from vit3.layers.inner_math import assert_finite
 
 from ._dit3_blocks import DiT3Block, FinalLayer, LabelEmbedder, TimestepEmbedder, sincos_pos_embed_2d
-from ._pretrained import _torch_load, check_state_dict, strip_wrapper_prefixes
+from ._pretrained import check_state_dict, safe_torch_load, strip_wrapper_prefixes
 
 __all__ = [
     "DIT3_CONFIGS",
@@ -56,6 +56,7 @@ __all__ = [
     "TimestepEmbedder",
     "convert_official_dit3",
     "create_dit3",
+    "dit3_model_args",
     "load_dit3_weights",
     "num_params",
     "sincos_pos_embed_2d",
@@ -390,7 +391,7 @@ def load_dit3_weights(model: DiT3, path: str | os.PathLike) -> DiT3:
         obj: Any = load_file(path)
     else:
         try:
-            obj = _torch_load(path)  # official train.py files pickle an argparse Namespace: read as inert
+            obj = safe_torch_load(path)  # official train.py files pickle an argparse Namespace: read as inert
         except Exception as exc:
             raise ValueError(f"cannot read DiT³ checkpoint {path}: {type(exc).__name__}: {exc}") from exc
     state = convert_official_dit3(_select_state_dict(obj, path), model, path)
@@ -398,7 +399,9 @@ def load_dit3_weights(model: DiT3, path: str | os.PathLike) -> DiT3:
     return model
 
 
-def _model_args(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+def dit3_model_args(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``DiT3`` arguments of model ``name`` (``DIT3_CONFIGS``) with ``overrides``; a ``ValueError`` names an
+    unknown name or override."""
     key = name.strip().lower().replace("dittt-", "dit3_").replace("dit3-", "dit3_").replace("/", "_")
     if key not in DIT3_CONFIGS:
         raise ValueError(f"unknown DiT³ model {name!r}; choose from {sorted(DIT3_CONFIGS)}")
@@ -427,7 +430,7 @@ def create_dit3(name: str, checkpoint_path: str | os.PathLike | None = None, **o
             unexpected and mis-shaped keys are listed).
         FileNotFoundError: ``checkpoint_path`` does not exist.
     """
-    model = DiT3(**_model_args(name, overrides))
+    model = DiT3(**dit3_model_args(name, overrides))
     if checkpoint_path:
         load_dit3_weights(model, checkpoint_path)
     return model
