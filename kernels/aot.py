@@ -331,7 +331,7 @@ def fits(case: Case) -> tuple[bool, str]:
     """``fits_device``'s answer for ``case`` on its arch (no GPU needed)."""
     dtype, prec = MODES[case.mode]
     block_d = max(16, 1 << (case.d - 1).bit_length())
-    return tiles._fits_arch(case.model, block_d, dtype, prec, case.arch)
+    return tiles.fits_arch(case.model, block_d, dtype, prec, case.arch)
 
 
 def matrix(kind: str = "full") -> list[Case]:

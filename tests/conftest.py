@@ -48,7 +48,7 @@ def fake_gpu(monkeypatch):
     from vit3.kernels.triton import device as tdev
     from vit3.kernels.triton import tiles as ttiles
 
-    caches = (tdev._cuda_arch, tdev.hip_arch, ttiles._fits_arch)
+    caches = (tdev._cuda_arch, tdev.hip_arch, ttiles.fits_arch)
 
     def use(props, hip: str | None = None) -> torch.device:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

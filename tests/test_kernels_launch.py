@@ -164,11 +164,11 @@ def gpu(monkeypatch):
     def use(arch: Arch) -> torch.device:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(tdev.Arch, "of", staticmethod(lambda device: arch))
-        ttiles._fits_arch.cache_clear()
+        ttiles.fits_arch.cache_clear()
         return torch.device("cuda")
 
     yield use
-    ttiles._fits_arch.cache_clear()
+    ttiles.fits_arch.cache_clear()
 
 
 @pytest.mark.parametrize("arch", list(ARCHS), ids=list(ARCHS))

@@ -42,6 +42,7 @@ __all__ = [
     "Tiles",
     "cdiv",
     "clear",
+    "fits_arch",
     "fits_device",
     "launch_config",
     "next_pow2",
@@ -350,11 +351,13 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
                 f"the kernels take for {dtype} inputs"
             )
     block_d = max(16, next_pow2(head_dim))
-    return _fits_arch(name, block_d, dtype, prec, Arch.of(device))
+    return fits_arch(name, block_d, dtype, prec, Arch.of(device))
 
 
 @functools.cache
-def _fits_arch(name: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arch) -> tuple[bool, str]:
+def fits_arch(name: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arch) -> tuple[bool, str]:
+    """Whether ``arch`` runs inner model ``name``'s kernels at padded head dim ``block_d`` (``(ok, why not)``):
+    ``fits_device``'s rule without a device, as the offline compiles ask it."""
     gpu = f"{arch.sm} ({arch.name})" if arch.name else arch.sm
     if arch.capability < MIN_CAPABILITY:
         return False, f"the Triton kernels are built and checked for sm_{MIN_CAPABILITY}+; this GPU is {gpu}"
