@@ -1,7 +1,7 @@
 """The ViT³ block's memory-lean training backward (``TTTConfig.recompute`` other than ``"never"``): ``LeanMlp``
 (the MLP's LayerNorm and GELU outputs recomputed) and the CPE output recomputed (one node with the first norm on
 the C++ kernel, checkpointed elsewhere) give the saving variant's
-numbers, forward and every gradient, and save per token what the README's table states."""
+numbers, forward and every gradient, and save per token what docs/mixer.md's table states."""
 
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def _saved_per_token(mixer: TTTMixer, n_tokens: tuple[int, int], batch: int = 2)
 
 @pytest.mark.parametrize("backend", ["eager", "cpu"], ids=["tiles", "cpu-kernel"])
 def test_memory_lean_backward_saves_q_k_v_per_token_and_the_saving_variant_z_y_too(monkeypatch, backend):
-    """The per-token saved state of the fused node, as the README's bytes-per-token table states it: q, k, v of
+    """The per-token saved state of the fused node, as docs/mixer.md's per-token table states it: q, k, v of
     every branch (3 values per channel; the SwiGLU heads' 3·H·d and the depthwise head's 3·d), plus
     Z = k W, Y = q W' (4·H·d) when they are saved instead of recomputed."""
     monkeypatch.setenv("VIT3_TTT_BACKEND", backend)

@@ -1,0 +1,86 @@
+"""The README and the docs/ pages link only to what exists: every relative link names an existing file, and
+a ``#heading`` in it names a heading of that Markdown file (GitHub's anchors)."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from pathlib import Path
+
+import pytest
+from helpers.train import REPO
+
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")  # [text](target "title")
+REFERENCE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.MULTILINE)  # [label]: target
+FENCE = re.compile(r"^\s*(```|~~~).*?^\s*\1", re.MULTILINE | re.DOTALL)
+CODE_SPAN = re.compile(r"(`+).*?\1", re.DOTALL)
+
+
+def pages(root: Path = REPO) -> list[Path]:
+    """README.md and every Markdown page under docs/."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def links(text: str) -> list[str]:
+    """The link targets of Markdown ``text``, code blocks and code spans left out."""
+    prose = CODE_SPAN.sub("", FENCE.sub("", text))
+    return LINK.findall(prose) + REFERENCE.findall(prose)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())  # a link's text only
+    kept = (c for c in text if c.isalnum() or c in "-_ " or unicodedata.category(c).startswith("M"))
+    return "".join(kept).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of ``page``'s headings (a repeated heading's with GitHub's ``-1``, ``-2``, ... suffixes)."""
+    seen: dict[str, int] = {}
+    found = set()
+    for line in FENCE.sub("", page.read_text(encoding="utf-8")).splitlines():
+        if m := re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line):
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def broken_links(page: Path) -> list[str]:
+    """The relative links of ``page`` that do not resolve, each as ``target (why)``."""
+    bad = []
+    for target in links(page.read_text(encoding="utf-8")):
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target):  # https:, mailto:, ...: not a file here
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{target} (no heading #{anchor} in {dest.name})")
+    return bad
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_relative_link_resolves(page):
+    assert page.is_file()
+    assert broken_links(page) == [], f"{page.relative_to(REPO)}: broken links"
+
+
+def test_the_check_finds_a_broken_file_link_and_a_broken_heading(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# Page A\n\n## Its `part`: two\n", encoding="utf-8")
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "# T\n\n[a](docs/a.md) [part](docs/a.md#its-part-two) [self](#t) [web](https://example.org/x)\n"
+        "[gone](docs/gone.md) [no heading](docs/a.md#nowhere) `[code](docs/code.md)`\n\n"
+        "```\n[fenced](docs/fenced.md)\n```\n\n[ref]: docs/missing.md\n",
+        encoding="utf-8",
+    )
+    assert broken_links(readme) == [
+        "docs/gone.md (no such file)",
+        "docs/a.md#nowhere (no heading #nowhere in a.md)",
+        "docs/missing.md (no such file)",
+    ]
+    assert pages(tmp_path) == [readme, tmp_path / "docs" / "a.md"]
