@@ -43,8 +43,8 @@ API (used by ``train.py``, ``eval.py`` and the task engines):
   (git commit, whether the tree was dirty, the command line, the UTC time). Call it on rank 0 only.
 * ``git_commit()`` -> the current commit hash of the source checkout (``None`` outside git).
 
-The ``task`` key selects the engine: ``classification`` (``vit3.engine.classification``) or
-``detection`` / ``segmentation`` (``vit3.engine.dense``); ``vit3.engine.run(cfg, mode)`` dispatches.
+The ``task`` key selects the engine: ``classification``, ``detection`` / ``segmentation`` (both
+``vit3.engine.dense``), ``generation`` or ``convert`` (:data:`TASK_CONFIGS`); ``vit3.engine.run`` dispatches.
 """
 
 from __future__ import annotations
