@@ -1,24 +1,13 @@
 """The TTT inner-loop ops of ViT³ (installed as ``vit3.kernels``), one folder per op, and the table of them.
 
-Each op — ``swiglu`` (the official inner model), ``linear`` (non-causal linear attention), ``dwconv`` (the
-official 3x3 depthwise-conv branch) — has one pure-PyTorch ``reference`` (the definition every fast path is
-tested against) and beside it its fast paths: ``swiglu.eager`` (tiled PyTorch, hand-written backward, and the
-glue of its passes in the C++ CPU kernel, ``swiglu/csrc``), ``dwconv.eager`` (the closed form in native
-convolution calls), ``dwconv.cpp`` (the same stages on token rows in the C++ kernel, ``dwconv/csrc``); ``cpp``
-builds and loads the one C++ extension of both (``torch.ops.vit3_cpu``). The Triton path of all three is shared: ``triton_path`` (the path's checks and run) over
-the package ``triton``: its launcher (``device``, ``tiles``: launch set-up, ``plan``: launch plans, ``op``: custom
-ops, autograd, ``triton_ttt``) and the kernels (``triton.jit``: the shared helpers, ``triton.step``: the step
-kernels, ``triton.matrix``: SwiGLU's and linear's; ``dwconv.triton``). ``common`` holds what all ops
-share (the gradient normalisation, the step, the reference step), ``losses`` the inner losses, ``paths`` the
-checks the fused paths share, ``flops`` the custom ops' FLOP formulas (``FlopCounterMode``, fvcore).
+Each op (``swiglu``, ``linear``, ``dwconv``) has one pure-PyTorch ``reference``, the definition every fast
+path is tested against, and beside it its fast paths (``<op>.eager``, ``<op>.cpp``, and the Triton path of all
+three, ``triton_path`` over the package ``triton``); ``cpp`` builds and loads the one C++ extension. Each op's
+folder builds its :class:`~vit3.kernels.ops.Op` (``<op>.OP``), the table :data:`OPS` below registers them one
+line per op, and the mixer's backend registry (``vit3.layers.backends``) decides which path runs. Triton is
+imported only when a Triton name is used, so the references and the C++ kernel load without it.
 
-Each op's folder builds its :class:`~vit3.kernels.ops.Op` (``<op>.OP``: reference, weight names, paths by
-backend name); the table :data:`OPS` below registers them, one line per op. The mixer's backend registry
-(``vit3.layers.backends``) builds its backends from the paths and decides which one runs
-(``kernels/README.md``: adding an op).
-
-Triton is imported only when a Triton name is used (``vit3.kernels.triton_ttt``, ``fits_device`` ...), so
-the references and the C++ kernel load without it.
+The modules one by one, and why they are so: ``docs/design/kernels.md``.
 """
 
 from __future__ import annotations
@@ -36,8 +25,8 @@ register(swiglu.OP)
 register(linear.OP)
 register(dwconv.OP)
 
-# Names of the Triton path (``triton.op``, ``triton.tiles``, ``triton.device``) re-exported here, imported (with
-# Triton) on first use; the op's module first, whose copies of the device checks are the ones it calls.
+# Names of the Triton path (``triton.op``, ``triton.tiles``, ``triton.device``) re-exported here, imported
+# (with Triton) on first use; the op's module first, whose copies of the device checks are the ones it calls.
 _TRITON_NAMES = (
     "IO_DTYPES",
     "MAX_HEAD_DIM",

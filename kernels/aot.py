@@ -1,19 +1,12 @@
 """Ahead-of-time compiles of the fused TTT kernels for NVIDIA GPUs that are not there.
 
 ``compile_case`` compiles every kernel launch ``triton_ttt`` makes for one case (inner model, loss, head dim,
-dtype mode, GPU arch) and reports each binary's shared memory, registers and spills. It does not re-derive
-the launches: ``triton.plan.forward_plan`` / ``backward_plan`` (the launcher's own set-up, which the custom
-ops execute) plan them on meta tensors with the strides of a real qkv projection, and each launch's
-arguments go through Triton's own JIT binder (``create_function_from_signature``), so the binary has the
-specialisation a real launch gets: ``i32`` / ``i64`` ints, ints equal to 1 (unit strides) folded into
-constants, and ``tt.divisibility = 16`` on 16-aligned pointers and multiples of 16.
+dtype mode, GPU arch) and reports each binary's shared memory, registers and spills. The launches are the
+launcher's own (``triton.plan.forward_plan`` / ``backward_plan`` on meta tensors), bound through Triton's JIT
+binder, so each binary has a real launch's specialisation. Needs a Triton with the NVIDIA backend (ptxas ships
+with it) and no ``TRITON_INTERPRET=1`` in the process.
 
-Shared memory is Triton's allocation (``metadata.shared``, what the driver checks against the opt-in limit);
-registers and spills come from ``ptxas -v`` (the log of Triton's own ptxas run, or, for a binary from
-Triton's cache, a rerun of the bundled ptxas on its PTX with Triton's flags).
-
-Needs a Triton with the NVIDIA backend (ptxas ships with it) and no ``TRITON_INTERPRET=1`` in the
-process: under the interpreter the kernels are Python functions, which do not compile.
+Where the figures come from (Triton's metadata, ``ptxas -v``): ``docs/design/kernels.md``.
 """
 
 from __future__ import annotations
@@ -171,9 +164,9 @@ _SASS_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*)")
 
 
 def loop_spills(sass: str) -> int:
-    """Spill instructions (``STL`` / ``LDL``) inside a loop of a disassembled kernel (``nvdisasm -c``): between
-    a label and a later branch back to it. Spills outside every loop (a register parked across the token
-    loop) run once per program; inside, once per iteration."""
+    """Spill instructions (``STL`` / ``LDL``) inside a loop of a disassembled kernel (``nvdisasm -c``):
+    between a label and a later branch back to it. Spills outside every loop (a register parked across the
+    token loop) run once per program; inside, once per iteration."""
     labels: dict[str, int] = {}
     insns: list[tuple[int, str]] = []
     pending: list[str] = []
@@ -213,13 +206,14 @@ def _rerun_ptxas(ptx: str, capability: int) -> str:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         cmd = [get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
-               f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o", str(Path(tmp) / "k.o")]  # fmt: skip
+               f"--gpu-name={sm_arch_from_capability(capability)}", str(src),
+               "-o", str(Path(tmp) / "k.o")]  # fmt: skip
         return subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
 
 
 def specialise(launch: Launch, arch: Arch) -> tuple[Any, dict, dict, dict]:
-    """``(options, signature, constexprs, attrs)`` of ``launch`` on ``arch``, by ``JITFunction.run``'s own steps:
-    its binder specialises each argument (``native_specialize_impl``: int width, ints equal to 1 as
+    """``(options, signature, constexprs, attrs)`` of ``launch`` on ``arch``, by ``JITFunction.run``'s own
+    steps: its binder specialises each argument (``native_specialize_impl``: int width, ints equal to 1 as
     constants, divisibility by 16 of ints and of tensors' data pointers), then ``_pack_args`` packs them."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -315,14 +309,14 @@ def spill_bound(case: Case, kernel: str) -> int:
 
 
 def strict_spills(case: Case, kernel: str) -> bool:
-    """Whether launch ``kernel`` of ``case`` must keep every spill out of its loops (``loop_spills == 0``): the
-    token kernels of 16-bit inputs at d <= 64."""
+    """Whether launch ``kernel`` of ``case`` must keep every spill out of its loops (``loop_spills == 0``):
+    the token kernels of 16-bit inputs at d <= 64."""
     return kernel_name(kernel) not in SMALL_KERNELS and case.d <= 64 and case.mode in ("bf16", "fp16")
 
 
 def smem_bound(case: Case) -> int:
-    """Shared memory (bytes) each kernel of ``case`` is held to: ``triton.tiles.smem_need``, what ``fits_device``
-    compares with the GPU's limit."""
+    """Shared memory (bytes) each kernel of ``case`` is held to: ``triton.tiles.smem_need``, what
+    ``fits_device`` compares with the GPU's limit."""
     dtype, prec = MODES[case.mode]
     return tiles.smem_need(case.model, case.d, dtype, prec, case.arch)
 
@@ -351,7 +345,7 @@ def matrix(kind: str = "full") -> list[Case]:
     for arch in ARCHS.values():
         # Every arch: the SwiGLU d = 64 kernels (ViT³-S/B) in bf16, the zero-spill case, fused or split as the
         # arch's shared memory allows; fp32 with TF32 dots, the most shared memory on most parts; IEEE dots,
-        # the case that spilled ~19 KB per thread before.
+        # the case that spilled most before (docs/design/kernels.md, tile sizes).
         cases += [Case("swiglu", "dot", 64, mode, arch) for mode in ("bf16", "fp32-tf32", "fp32-ieee")]
     sm = ARCHS
     cases += [

@@ -1,32 +1,13 @@
 """The C++ CPU extension ``vit3_cpu``: build and load it (one extension, its sources split per op).
 
-Sources: ``swiglu/csrc/swiglu.cpp`` (the SwiGLU op's passes and the step between them, one call per direction:
-``ttt_forward`` / ``ttt_backward``, glued in ``vit3.kernels.swiglu.eager``), ``dwconv/csrc/dwconv.cpp`` (the
-3x3 depthwise ops on token rows ``dwconv`` / ``dwconv_weight_grad``, the CPE's node ``cpe`` that ``ConvPosEnc``
-calls, and the
-depthwise op's step on them, ``dwconv_ttt_forward`` / ``dwconv_ttt_backward``, glued in
-``vit3.kernels.dwconv.cpp``), ``mix/csrc/mix.cpp`` (the whole mixer call, every branch through those step
-functions, as one op with a C++ autograd node: ``mix``, its ``mix_forward`` / ``mix_backward``, and
-``rope_2d``; called by ``vit3.layers.ttt``), ``mlp/csrc/lean_mlp.cpp`` (the ViT³ block's lean MLP as one node,
-``lean_mlp``; with ``dwconv.cpp``'s ``cpe_norm``, the block's nodes in ``vit3.layers.blocks``),
-``block/csrc/ttt_block.cpp`` (the plain ViT³ block as one op over those, ``ttt_block``), and the header they
-share, ``csrc/vit3_cpu.h`` (the inner step, the checks, the step functions). The ops are ``torch.ops.vit3_cpu.*``; each walks every (sample, head) inside
-C++, so a branch costs one Python call per direction instead of ~40 ops, and a settled mixer call one op.
+The sources live in the ops' folders (``swiglu/csrc``, ``dwconv/csrc``, ``mix/csrc``, ``mlp/csrc``,
+``block/csrc``) around the shared header ``csrc/vit3_cpu.h``; the ops are ``torch.ops.vit3_cpu.*``. The
+extension is compiled on first use with ``torch.utils.cpp_extension`` into a folder keyed by a hash of what
+makes the binary (``build_target``), one process building under a lock while the others wait
+(``build_once``). The backend registry (``vit3.layers.backends``, backend ``cpu``) decides when it runs; a
+failed build raises from ``cpu_kernel_ops`` and the registry demotes the backend with a warning.
 
-It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~1-2 min once, then
-loaded from the build cache in ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The build
-targets the CPU's vector unit as PyTorch reports it (AVX512, AVX2 or portable code). Its name and folder are
-keyed by a hash of what makes the binary (``build_target``: the files' content, the flags, the PyTorch build
-and the Python ABI), and it compiles copies of the files kept in that folder: two checkouts, or a wheel beside
-a clone, with different sources build apart, with the same sources share one build, and never rebuild each
-other (a shared name made each load of the other one's sources a full rebuild). Processes that load it
-together wait for one build under a lock on that folder (``build_once``); the one that builds says so on
-stderr (``BUILDING``).
-
-The mixer's backend registry (``vit3.layers.backends``, backend ``cpu``) decides when it runs. When the build
-fails (no compiler), ``cpu_kernel_ops`` raises with the error, and the registry demotes the backend with a
-warning: the PyTorch paths serve. Loading it needs no Triton. Its ops are tested, forward and every gradient,
-against their op's reference (``tests/test_op_swiglu.py``, ``tests/test_op_dwconv.py``).
+The sources one by one, the build cache and why it is keyed so: ``docs/design/kernels.md``.
 """
 
 from __future__ import annotations
@@ -97,9 +78,9 @@ def _cpp_extension() -> Any:
 
 def build_target(files: Sequence[Path], suffix: str, flags: list[str]) -> tuple[str, Path]:
     """The extension's name ``vit3_cpu_<suffix>_<key>`` and build folder for ``files`` (sources and headers)
-    built with ``flags``: the key hashes the files' names and content, the compile and link flags, the PyTorch build (version and
-    install folder, whose headers it includes) and the Python ABI; the folder is the name under
-    ``$TORCH_EXTENSIONS_DIR`` (default: PyTorch's build root, ``~/.cache/torch_extensions``)."""
+    built with ``flags``: the key hashes the files' names and content, the compile and link flags, the PyTorch
+    build (version and install folder, whose headers it includes) and the Python ABI; the folder is the name
+    under ``$TORCH_EXTENSIONS_DIR`` (default: PyTorch's build root, ``~/.cache/torch_extensions``)."""
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
@@ -126,8 +107,9 @@ def _staged(source: Path, folder: Path) -> Path:
 
 @contextlib.contextmanager
 def _folder_lock(folder: Path) -> Iterator[None]:
-    """Holds an exclusive lock on ``folder`` (``fcntl.flock`` on its ``build.lock``; released by the OS when the
-    holder dies) while the body runs; where there is no ``fcntl``, PyTorch's own lock around the build alone."""
+    """Holds an exclusive lock on ``folder`` (``fcntl.flock`` on its ``build.lock``; released by the OS when
+    the holder dies) while the body runs; where there is no ``fcntl``, PyTorch's own lock around the build
+    alone."""
     try:
         import fcntl
     except ImportError:
@@ -143,9 +125,9 @@ def _folder_lock(folder: Path) -> Iterator[None]:
 
 
 def build_once(folder: Path, library: Path, build: Callable[[], None]) -> bool:
-    """Runs ``build`` (which builds ``library`` in ``folder`` unless it is there, then loads it) under a lock on
-    the folder, so that processes that load together wait for one build, then load it. Says so on stderr when
-    ``library`` is missing (this call builds it). Returns whether it did.
+    """Runs ``build`` (which builds ``library`` in ``folder`` unless it is there, then loads it) under a lock
+    on the folder, so that processes that load together wait for one build, then load it. Says so on stderr
+    when ``library`` is missing (this call builds it). Returns whether it did.
 
     The lock also holds the staging of the sources: no process rewrites a copy that another is compiling."""
     with _folder_lock(folder):
@@ -193,7 +175,8 @@ def load() -> tuple[Any, str]:
 
 
 def cpu_kernel_ops(like: Tensor) -> Any:
-    """The extension's ops (``torch.ops.vit3_cpu``) for tokens like ``like`` (``[B, H, N, d]``, ``[B, N, C]``).
+    """The extension's ops (``torch.ops.vit3_cpu``) for tokens like ``like`` (``[B, H, N, d]``,
+    ``[B, N, C]``).
 
     Raises:
         ValueError: ``like`` is not a float32/float64 CPU tensor.

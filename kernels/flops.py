@@ -5,8 +5,8 @@ shapes; element-wise work (activations, norms, the inner step's normalisation, R
 counters count ATen's ops. :func:`register` hands the formulas of one op namespace to
 ``torch.utils.flop_counter`` (2 FLOPs per MAC, as it counts ``aten.mm``; ``vit3.kernels.cpp`` calls it when
 the C++ ops load, the Triton op's module for its ops); :func:`fvcore_handles` gives fvcore's handles (1 per
-MAC, as it counts ``aten::linear``) for ``FlopCountAnalysis.set_op_handle``. A traced model runs plain ATen ops
-(``vit3.layers.inner_math.tracing``), so fvcore meets these ops only in code that calls them itself.
+MAC, as it counts ``aten::linear``) for ``FlopCountAnalysis.set_op_handle``. A traced model runs plain ATen
+ops (``vit3.layers.inner_math.tracing``), so fvcore meets these ops only in code that calls them itself.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def swiglu_step(b: int, h: int, n: int, d: int, backward: bool = False, recomput
     """MACs of the SwiGLU branch's inner step and read-out on q, k, v ``[b, h, n, d]``.
 
     Forward ``6 b h n d²``: ``Z = k [W1 | W2]``, ``G = kᵀ P``, ``Y = q [W1' | W2']``. Backward ``12 b h n d²``
-    (``dq``, ``dW'``, ``dP = k dG``, ``dk`` from ``[P | dZ] [dG | W]ᵀ``, ``dW``) plus ``2 b h n d²`` for each of
-    ``Z`` and ``Y`` that it recomputes (``recomputed``: 0, 1 or 2)."""
+    (``dq``, ``dW'``, ``dP = k dG``, ``dk`` from ``[P | dZ] [dG | W]ᵀ``, ``dW``) plus ``2 b h n d²`` for each
+    of ``Z`` and ``Y`` that it recomputes (``recomputed``: 0, 1 or 2)."""
     per = b * h * n * d * d
     return (12 + 2 * recomputed) * per if backward else 6 * per
 
@@ -48,16 +48,17 @@ def depthwise_pass(b: int, n: int, c: int) -> int:
 def linear_step(b: int, h: int, n: int, d: int, loss: str, backward: bool = False) -> int:
     """MACs of the linear inner model's step and read-out on ``[b, h, n, d]`` (the Triton op only).
 
-    Forward: ``G = kᵀ E`` and ``q W'``, plus ``k W`` for the MSE loss's ``E``; backward: ``dq``, ``dW'``, ``dk``,
-    ``dv`` (dot), or ``dq``, ``dW'``, ``k W`` recomputed, ``dE``, ``dk`` (two products) and ``dW`` (MSE)."""
+    Forward: ``G = kᵀ E`` and ``q W'``, plus ``k W`` for the MSE loss's ``E``; backward: ``dq``, ``dW'``,
+    ``dk``, ``dv`` (dot), or ``dq``, ``dW'``, ``k W`` recomputed, ``dE``, ``dk`` (two products) and ``dW``
+    (MSE)."""
     mse = loss == "mse"
     return b * h * n * d * d * ((7 if mse else 4) if backward else (3 if mse else 2))
 
 
 def mix_plan(plan: Sequence[int], b: int, n: int, backward: bool = False, recompute: bool = True) -> int:
-    """MACs of the whole-mixer op (``vit3_cpu::mix``) on ``b`` samples of ``n`` tokens: each branch of ``plan``
-    (6 ints per branch: kind 0 SwiGLU / 1 depthwise, qkv offset, heads, head dim, RoPE, token block), its step
-    forward or backward (a SwiGLU backward recomputes ``Z`` and ``Y`` when ``recompute``)."""
+    """MACs of the whole-mixer op (``vit3_cpu::mix``) on ``b`` samples of ``n`` tokens: each branch of
+    ``plan`` (6 ints per branch: kind 0 SwiGLU / 1 depthwise, qkv offset, heads, head dim, RoPE, token block),
+    its step forward or backward (a SwiGLU backward recomputes ``Z`` and ``Y`` when ``recompute``)."""
     total = 0
     for i in range(0, len(plan), 6):
         kind, heads, d = plan[i], plan[i + 2], plan[i + 3]
@@ -123,8 +124,8 @@ def _mix_backward(
 
 
 def _ttt_block(
-    x: Shape, lean: bool, cpe_w: Shape, cpe_b: Any, n1_w: Any, n1_b: Any, eps1: float, qkv_w: Shape, qkv_b: Any,
-    weights: Any, plan: Sequence[int], gh: int, gw: int, scale: float, lr: float, grad_norm: bool,
+    x: Shape, lean: bool, cpe_w: Shape, cpe_b: Any, n1_w: Any, n1_b: Any, eps1: float, qkv_w: Shape,
+    qkv_b: Any, weights: Any, plan: Sequence[int], gh: int, gw: int, scale: float, lr: float, grad_norm: bool,
     rope_base: float, recompute: bool, dense: bool, proj_w: Shape, proj_b: Any, n2_w: Any, n2_b: Any,
     eps2: float, fc1_w: Shape, fc1_b: Any, fc2_w: Shape, *_: Any,
 ) -> int:  # fmt: skip

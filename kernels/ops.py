@@ -1,15 +1,12 @@
-"""The table of ops: every TTT inner-loop op with its reference and its fast paths, behind one small interface.
+"""The table of ops: every TTT inner-loop op with its reference and its fast paths, behind one interface.
 
-An op (:class:`Op`) is one inner model whose TTT step has fast paths: its name (the inner model's, as a
-``TTTConfig`` branch names it), its pure-PyTorch reference, the names of its initial weights, whether RoPE
-applies to its q and k, and its paths (:class:`Path`) keyed by the backend that runs them (``"triton"``,
-``"cpu"``, ``"eager"``). Each op's folder (``vit3.kernels.<op>``) builds its ``Op`` from its own files and
-:func:`register` s it in :data:`OPS`; the mixer's backend registry (``vit3.layers.backends``) asks a branch's
-op for the path of each backend, the fused eager node (``vit3.layers.eager_mix``) for its node hooks, and
-``vit3.kernels.reference`` for its reference. ``kernels/README.md`` says how to add one.
-
-The types a path reads (:class:`Branch`, :class:`Settings`, :class:`Inputs`, :class:`Step`) are defined here,
-below the registry that builds them (``vit3.layers.backends`` re-exports them).
+An op (:class:`Op`) is one inner model whose TTT step has fast paths: its name (as a ``TTTConfig`` branch
+names it), its pure-PyTorch reference, the names of its initial weights, whether RoPE applies to its q and k,
+and its paths (:class:`Path`) keyed by the backend that runs them (``"triton"``, ``"cpu"``, ``"eager"``).
+Each op's folder builds its ``Op`` and :func:`register` s it in :data:`OPS`; the backend registry
+(``vit3.layers.backends``) asks it for each backend's path, the fused eager node for its node hooks. The types
+a path reads (:class:`Branch`, :class:`Settings`, :class:`Inputs`, :class:`Step`) are defined here, below the
+registry that builds them. ``kernels/README.md`` says how to add an op; ``docs/design/kernels.md`` why so.
 """
 
 from __future__ import annotations
@@ -105,8 +102,8 @@ class NodeCall(NamedTuple):
     """What a path's ``Node.forward`` gets for one branch of the fused eager node.
 
     Attributes:
-        q, k, v: the branch's inputs, views of the node's qkv (heads ``[B, G, N, c]`` or tokens ``[B, N, G*c]``,
-            as ``Node.heads`` says; any strides).
+        q, k, v: the branch's inputs, views of the node's qkv (heads ``[B, G, N, c]`` or tokens
+            ``[B, N, G*c]``, as ``Node.heads`` says; any strides).
         weights: the initial weights, in ``Op.weights`` order.
         dest: where the read-out goes: a view of the node's output, laid out as q.
         hyper: the step's settings.
@@ -136,22 +133,22 @@ def tag_branch(exc: BaseException, branch: int) -> None:
 
 
 class Whole(NamedTuple):
-    """A path's hooks for a whole fused node whose branches all take that path: one call for every branch (e.g.
-    the Triton path's launch program), instead of each branch's ``Node`` hooks.
+    """A path's hooks for a whole fused node whose branches all take that path: one call for every branch
+    (e.g. the Triton path's launch program), instead of each branch's ``Node`` hooks.
 
     Attributes:
         forward: ``(cache, names, qkv, out, weights, save, rotated, calls) -> (saved, state)``: every branch's
             read-out written into ``out`` ``[B, N, sum(widths)]``; ``cache`` a dict the node keeps per plan,
-            ``names`` the branches' ops, ``rotated`` per branch its q and k rotated by RoPE, ``[B, 2, N, width]``
-            (the hooks read that branch's q, k there), ``None`` for a branch without RoPE, ``calls()`` makes each branch's
-            ``NodeCall`` (views of qkv, the rotated pairs and out; asked only where the hooks need them, e.g.
-            the first call of a layout); ``saved`` the tensors the backward needs besides qkv and the weights
-            (the node saves those after them; empty unless ``save``), ``state`` what the backward gets back.
-            An exception names its branch (``BRANCH_ATTR``).
-        backward: ``(d_out, dqkv, saved, state, d_rotated, calls) -> grads``: writes dq, dk, dv of every branch
-            into ``dqkv`` (qkv's shape), a RoPE branch's dq, dk into its pair in ``d_rotated`` (per
-            branch, as ``rotated``; the node rotates them back); ``saved``: the forward's, then qkv and the weights;
-            ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views; returns each branch's
+            ``names`` the branches' ops, ``rotated`` per branch its q and k rotated by RoPE,
+            ``[B, 2, N, width]`` (the hooks read that branch's q, k there), ``None`` for a branch without
+            RoPE, ``calls()`` makes each branch's ``NodeCall`` (views of qkv, the rotated pairs and out; asked
+            only where the hooks need them, e.g. the first call of a layout); ``saved`` the tensors the
+            backward needs besides qkv and the weights (the node saves those after them; empty unless
+            ``save``), ``state`` what the backward gets back. An exception names its branch (``BRANCH_ATTR``).
+        backward: ``(d_out, dqkv, saved, state, d_rotated, calls) -> grads``: writes dq, dk, dv of every
+            branch into ``dqkv`` (qkv's shape), a RoPE branch's dq, dk into its pair in ``d_rotated`` (per
+            branch, as ``rotated``; the node rotates them back); ``saved``: the forward's, then qkv and the
+            weights; ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views; returns each branch's
             initial-weight gradients in the weights' shapes (summed over the batch: the node returns them as
             they are).
     """
@@ -204,7 +201,8 @@ class Path:
     """One fast path of an op: what a backend runs for a branch of that op.
 
     Attributes:
-        supports: whether it can serve the branch, and why not; may read only ``Settings`` / ``Inputs`` fields.
+        supports: whether it can serve the branch, and why not; may read only ``Settings`` / ``Inputs``
+            fields.
         run: the branch alone (``Run``); ``None`` for a path with a ``node``: the registry runs it as a
             one-branch fused eager node.
         prefers: auto only: where auto passes a serving path over (another is faster there).

@@ -1,8 +1,8 @@
 """What the fused paths of the ops share: the checks of their ``supports`` and the inner loop's dtype.
 
 Every fused path (Triton, C++, eager) implements one full-batch step of the bare inner model at a fixed
-learning rate (:func:`bare_why`, :func:`one_step_why`); the eager paths and the C++ kernel inside them run the dot loss and no
-traced code (:func:`eager_supports`, :func:`cpu_supports`).
+learning rate (:func:`bare_why`, :func:`one_step_why`); the eager paths and the C++ kernel inside them run the
+dot loss and no traced code (:func:`eager_supports`, :func:`cpu_supports`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ __all__ = [
 
 # Fewer tokens per head than this and auto keeps the tiled eager path on CPUs: it folds the problems of all
 # samples into one tile, where the C++ kernel groups the heads of each sample into batched matmuls and pays
-# a few ATen calls per sample (measured fwd+bwd, one thread: the kernel is 0.58x / 0.72x the tiled path at
-# 4 / 16 tokens with B*H = 256, on par at 49 tokens with B*H = 1024, 1.1-1.6x at 16-64 tokens with
-# B*H = 32 and from 196 tokens on).
+# a few ATen calls per sample (the timings behind the threshold: docs/design/kernels.md).
 MIN_CPU_KERNEL_TOKENS = 32
 # The token-count class (``Inputs.tokens``) below it.
 FEW_TOKENS = f"N<{MIN_CPU_KERNEL_TOKENS}"
@@ -40,7 +38,7 @@ def bare_why(branch: Branch) -> str:
 
 
 def one_step_why(cfg: Settings) -> str:
-    """Why a fused path cannot run ``cfg``'s inner loop (``""`` when it can): one full-batch step, fixed lr."""
+    """Why a fused path cannot run ``cfg``'s inner loop (``""`` if it can): one full-batch step, fixed lr."""
     if cfg.steps != 1:
         return f"steps={cfg.steps}: fused paths take one inner step"
     if cfg.mini_batches != 1:

@@ -1,5 +1,5 @@
-"""The Triton path of every op: its ``supports``, ``fits``, ``run`` and fused-node hooks (``triton_path(name)``,
-one :class:`~vit3.kernels.ops.Path` per op).
+"""The Triton path of every op: its ``supports``, ``fits``, ``run`` and fused-node hooks
+(``triton_path(name)``, one :class:`~vit3.kernels.ops.Path` per op).
 
 Built only on the public Triton names of ``vit3.kernels`` (``triton_ttt``, ``TRITON_LOSSES``, ``IO_DTYPES``,
 ``triton_runs_on``, ``max_head_dim``, ``MIN_HEAD_DIM``, ``fits_device``) and the node hooks of

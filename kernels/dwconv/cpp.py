@@ -1,11 +1,12 @@
 """The depthwise-conv op's C++ path: the closed-form TTT step on token rows, in the C++ CPU kernel
 (``csrc/dwconv.cpp`` in the extension ``vit3.kernels.cpp`` builds: ``dwconv_ttt_forward`` /
-``dwconv_ttt_backward``, one call each, built on its 3x3 depthwise ops ``dwconv`` and ``dwconv_weight_grad``; the step between them in C++ too).
+``dwconv_ttt_backward``, one call each, built on its 3x3 depthwise ops ``dwconv`` and ``dwconv_weight_grad``;
+the step between them in C++ too).
 
 The same stages as ``vit3.kernels.dwconv.eager`` (``G = Σ_p E[p] k[p + δ]`` with ``E = -s v / N``, the step,
 ``out = dwconv(q; W')``, and the backward ``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)``), but
 on the tokens ``[B, N, C]`` themselves (views of the mixer's qkv projection, output and gradient): no
-channels-last maps and no oneDNN calls, whose fixed cost (~60-100 µs each at 14x14 here) dominates small
+channels-last maps and no oneDNN calls, whose fixed cost (docs/design/kernels.md) dominates small
 grids. The input gradient of a 3x3 correlation is the correlation with the flipped taps (tap order reversed).
 Tested against the op's reference ``vit3.kernels.dwconv.reference`` (``tests/test_op_dwconv.py``).
 """
@@ -94,7 +95,7 @@ MIX_KIND = 1
 
 
 def _stored(parameter: Tensor, initial: Tensor) -> bool:
-    """The model hands its ``[C, 1, 3, 3]`` weight as the view ``[1, C, 3, 3]``: the op takes either layout."""
+    """The model hands its ``[C, 1, 3, 3]`` weight as the view ``[1, C, 3, 3]``: the op takes either one."""
     return initial._base is parameter and initial.shape == (1, parameter.shape[0], 3, 3)
 
 

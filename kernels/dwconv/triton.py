@@ -1,16 +1,12 @@
 """The Triton kernels of the 3x3 depthwise-conv op on an H x W raster grid of tokens.
 
 Weights are ``[9 taps, channels]``; tap ``(ty, tx)`` reads the neighbour at offset ``(ty - 1, tx - 1)`` with
-zero padding (PyTorch's conv2d, padding 1)::
+zero padding (PyTorch's conv2d, padding 1). The weight enters only through the read-out, so
+``dW = Σ_b dW'``. No dots: the tiles are upcast to ACC as they are loaded. The step, its backward and the
+weight-gradient reduction are the kernels every op shares (``vit3.kernels.triton.step``, with ``R`` = 9
+rows); each chunk of tokens is one program (``jit.program``).
 
-    G[δ, c] = Σ_p E[p, c] k[p + δ, c]           out[p, c] = Σ_δ W'[δ, c] q[p + δ, c]
-    dW'[δ, c] = Σ_p dO[p, c] q[p + δ, c]        dq[p, c] = Σ_δ W'[δ, c] dO[p - δ, c]
-    dv[p, c] = -coef Σ_δ dG[δ, c] k[p + δ, c]   dk[p, c] = Σ_δ dG[δ, c] E[p - δ, c]
-
-The weight enters only through the read-out (E does not depend on it), so dW = Σ_b dW'. No dots: the tiles
-are upcast to ACC as they are loaded. The step, its backward and the weight-gradient reduction are the
-kernels every op shares (``vit3.kernels.triton.step``, with ``R`` = 9 rows); each chunk of tokens is one
-program (``jit.program``).
+The formulas of the forward and the backward: ``docs/design/kernels.md``.
 """
 
 from __future__ import annotations
@@ -44,8 +40,8 @@ def _tap(tile, tap):
 def _shifted(
     base, stride_n, stride_c, rows, cols, tap, MIRROR: tl.constexpr, n_tok, h, w, d, ACC: tl.constexpr
 ):
-    """The tokens tap ``tap`` reads for raster tokens ``rows``: at grid offset ``(tap // 3 - 1, tap % 3 - 1)``,
-    or the opposite one (``MIRROR``), zero where outside the grid."""
+    """The tokens tap ``tap`` reads for raster tokens ``rows``: at grid offset
+    ``(tap // 3 - 1, tap % 3 - 1)``, or the opposite one (``MIRROR``), zero where outside the grid."""
     if MIRROR:
         dy = 1 - tap // 3
         dx = 1 - tap % 3
@@ -76,8 +72,8 @@ def _conv(taps, base, stride_n, stride_c, rows, cols, MIRROR: tl.constexpr, n_to
 
 @triton.jit
 def _correlate(acc, e, base, stride_n, stride_c, rows, cols, n_tok, h, w, d, ACC: tl.constexpr):
-    """``acc`` (a ``[16, BLOCK_D]`` tile of taps) plus ``Σ_p e[p, c] x[p + δ, c]`` over the raster tokens ``p``
-    in ``rows``, row ``δ`` per tap."""
+    """``acc`` (a ``[16, BLOCK_D]`` tile of taps) plus ``Σ_p e[p, c] x[p + δ, c]`` over the raster tokens
+    ``p`` in ``rows``, row ``δ`` per tap."""
     for tap in tl.static_range(9):
         xs = _shifted(base, stride_n, stride_c, rows, cols, tap, False, n_tok, h, w, d, ACC)
         acc += tl.where(_taps()[:, None] == tap, tl.sum(e * xs, axis=0)[None, :], 0.0)
@@ -118,7 +114,7 @@ def conv_readout_kernel(
     lr: tl.float64,
     GRAD_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """``out = dwconv3x3(q; W')`` for one chunk of tokens (``W'`` recomputed from the weight, ``G``, ``||G||``)."""
+    """``out = dwconv3x3(q; W')`` for one chunk of tokens (``W'`` recomputed from W, ``G``, ``||G||``)."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         lr = tl.cast(lr, ACC)
     dead, _c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
@@ -143,8 +139,8 @@ def conv_readout_bwd_kernel(
     lr: tl.float64,
     GRAD_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Read-out backward for one chunk: ``dq`` (written) and the partial ``dW'``, into slot ``s`` of ``part_ptr``
-    ``[B*G, S + 1, 9, d]``."""
+    """Read-out backward for one chunk: ``dq`` (written) and the partial ``dW'``, into slot ``s`` of
+    ``part_ptr`` ``[B*G, S + 1, 9, d]``."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         lr = tl.cast(lr, ACC)
     dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
@@ -174,8 +170,8 @@ def conv_grad_bwd_kernel(
     coef: tl.float64,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Inner-gradient backward for one chunk: ``dk``, ``dv`` (the inner gradient does not depend on the weight,
-    so there is no weight-gradient partial)."""
+    """Inner-gradient backward for one chunk: ``dk``, ``dv`` (the inner gradient does not depend on the
+    weight, so there is no weight-gradient partial)."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         coef = tl.cast(coef, ACC)
     dead, _c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)

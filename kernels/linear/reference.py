@@ -42,5 +42,5 @@ def linear_ttt_ref(
 
 
 def op_reference(q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], h: Hyper) -> Tensor:
-    """:func:`linear_ttt_ref` as the table of ops calls a reference (``Op.reference``; token-wise: no grid)."""
+    """:func:`linear_ttt_ref` as the table of ops calls a reference (``Op.reference``; token-wise)."""
     return linear_ttt_ref(q, k, v, params["w"], scale=h.scale, lr=h.lr, grad_norm=h.grad_norm, loss=h.loss)

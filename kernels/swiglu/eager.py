@@ -1,36 +1,13 @@
 """The SwiGLU op's eager path: tiled PyTorch with a hand-written backward (dot loss, one full-batch step).
 
-Same numbers as the op's reference (``vit3.kernels.swiglu.reference``), much less memory traffic. Eager elementwise ops
-over N-sized tensors are bound by DRAM bandwidth and by first-touch page faults of freshly allocated outputs;
-this path instead walks the tokens in tiles of about a MiB (``[heads, tokens, d]`` of one sample), so every
-intermediate lives in cache, and keeps only the small per-(sample, head) results (the inner gradients G, their
-norms, the updated weights) between passes, as the Triton kernel does:
+Same numbers as the op's reference (``vit3.kernels.swiglu.reference``), much less memory traffic: the tokens
+are walked in tiles of about a MiB so every intermediate lives in cache, and only the small per-(sample, head)
+results (G, its norms, the updated weights) are kept between the two passes of each direction. The read-out
+and the input gradients are written into caller-given views (``swiglu_forward`` / ``swiglu_backward``, the
+fused eager node's). With ``cpp=True`` the passes run in the C++ CPU kernel (``csrc/swiglu.cpp``). Saved for
+the backward: dense q, k, v and the weights, plus ``Z = k W``, ``Y = q W'`` unless ``recompute``.
 
-- forward: pass 1 accumulates ``G = kᵀ P`` tile by tile (``baddbmm`` into G), the step updates the weights,
-  pass 2 writes the read-out ``(q W1') ⊙ silu(q W2')``;
-- backward (the chain rule through the step, written out in ``swiglu_backward``): pass 1 writes ``dq``
-  and accumulates ``dW'``, the step's backward gives ``dG``, pass 2 recomputes the cheap elementwise inner
-  terms from the saved pre-activations and writes ``dk``, ``dv`` and accumulates ``dW``.
-
-The read-out and the input gradients are written in place into caller-given views (``swiglu_forward`` /
-``swiglu_backward``, used by the mixer's eager node ``vit3.layers.eager_mix``: views of its output and of one
-qkv gradient), so no layout copies are made there; q, k, v are copied once into dense tensors, as the
-matmuls read them a dozen times. The two inner weights travel as one pair ``[.., 2, d, d]`` so that each
-matmul with both (``k [W1 | W2]``, ``kᵀ [P1 | P2]`` ...) is one batched call with k broadcast over the pair.
-Problems small enough that a whole sample fits in one tile are folded to ``[1, B*H, N, d]``, so tiles span
-samples and per-op overheads stay amortised. Elementwise work writes into a few reused scratch tiles: fresh
-allocations would cost more than the ops.
-
-With ``cpp=True`` the four passes run in the C++ CPU kernel (``csrc/swiglu.cpp`` in the extension built by
-``vit3.kernels.cpp``; the same passes, small problems grouped into batched matmuls, large ones in blocks of tokens, elementwise chains
-fused, the step between them in C++ too: one call per direction; the mixer's backend registry
-``vit3.layers.backends`` decides when).
-
-Saved for backward: dense q, k, v and the small ``[.., 2, d, d]`` weights; with ``recompute=False`` also
-the pre-activations ``Z = k W`` and ``Y = q W'`` (four N-sized tensors: 4·d values per token and head,
-saving four of the backward's matmuls), with ``recompute=True`` (memory-lean) the backward recomputes them
-tile by tile, as the Triton backward does. Nothing is saved when no gradient is needed. Autograd through
-the official formulation keeps about twice as much as the saving variant.
+The passes, the layouts and what is saved, in full: ``docs/design/kernels.md``.
 """
 
 from __future__ import annotations
@@ -138,8 +115,11 @@ class _Tiles:
 
 
 def _mm_pair(x: Tensor, w: Tensor, out: Tensor) -> Tensor:
-    """``out[j] = x w[:, j]`` for both weights of a pair: x ``[h, n, d]``, w ``[h, 2, d, e]``, out ``[2, h, n, e]``."""
-    if x.shape[0] == 1:  # one batched call with x broadcast over the pair (batch stride 0): ~8% faster
+    """``out[j] = x w[:, j]`` for both weights of a pair.
+
+    Shapes: x ``[h, n, d]``, w ``[h, 2, d, e]``, out ``[2, h, n, e]``.
+    """
+    if x.shape[0] == 1:  # one batched call with x broadcast over the pair (batch stride 0): faster
         torch.bmm(x.expand(2, -1, -1), w[0], out=out.view(2, *out.shape[2:]))
     else:
         for j in range(2):
@@ -171,11 +151,12 @@ def _baddbmm_(c: Tensor, a: Tensor, b: Tensor, beta: float = 1.0) -> Tensor:
 
 
 def dense_inputs(q: Tensor) -> bool:
-    """Whether the C++ kernel gets dense copies of q, k, v ``[B, H, N, d]`` views (else it reads them in place,
-    and the backward saves the views: the qkv projection they view, instead of copies of the same size).
+    """Whether the C++ kernel gets dense copies of q, k, v ``[B, H, N, d]`` views (else it reads them in
+    place, and the backward saves the views: the qkv projection they view, instead of copies of the same
+    size).
 
     Copies pay where one sample's heads exceed a tile: its strided rows then no longer stay in cache between
-    the passes; below, the copies cost more than the strided reads (~25 µs each per mixer call at 224 px).
+    the passes; below, the copies cost more than the strided reads (docs/design/kernels.md).
     """
     _, h, n, d = q.shape
     return q.stride(-1) != 1 or (not q.is_contiguous() and h * n * d * q.element_size() > TILE_BYTES)
@@ -250,9 +231,9 @@ def swiglu_forward(
     b, h, n, d = q.shape
     c = scale / n
     ops = _kernel(cpp, q)
-    # One dense copy of each input: matmuls reading rows strided across a whole qkv tensor touch ~20x the
-    # pages and run ~30% slower on a CPU, on every one of the dozen passes that read them (measured in the
-    # kernel too: one copy here beats copying each block there). The kernel reads small problems in place.
+    # One dense copy of each input: matmuls reading rows strided across a whole qkv tensor touch many more
+    # pages and run slower on a CPU, on every one of the dozen passes that read them; one copy here beats
+    # copying each block in the kernel (docs/design/kernels.md). The kernel reads small problems in place.
     if ops is None or (dense_inputs(q) if dense is None else dense):
         q, k, v = (t.contiguous() for t in (q, k, v))
     if ops is not None:
@@ -499,7 +480,7 @@ def swiglu_ttt(
 
 
 def _node(cpp: bool) -> Node:
-    """The fused eager node's hooks of the tiled path (``cpp=False``) or of the C++ kernel's (``cpp=True``)."""
+    """The fused eager node's hooks of the tiled path (``cpp=False``) or the C++ kernel's (``cpp=True``)."""
 
     def forward(x: NodeCall) -> tuple[list[Tensor], str]:
         h = x.hyper
@@ -538,7 +519,7 @@ EAGER_NODE, CPP_NODE = _node(cpp=False), _node(cpp=True)
 
 
 def run(cpp: bool) -> Callable[..., Tensor]:
-    """The ``run`` of the tiled path (``cpp=False``) or the C++ kernel's: one branch through :func:`swiglu_ttt`."""
+    """The ``run`` of the tiled path (``cpp=False``) or the C++ kernel's: :func:`swiglu_ttt` on a branch."""
 
     def run_branch(
         step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Tensor | None
@@ -562,7 +543,7 @@ def run(cpp: bool) -> Callable[..., Tensor]:
 
 
 def prefers_kernel(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    """The C++ path's ``prefers``: auto keeps the tiled path below ``MIN_CPU_KERNEL_TOKENS`` tokens per head."""
+    """The C++ path's ``prefers``: auto keeps the tiled path below ``MIN_CPU_KERNEL_TOKENS`` tokens a head."""
     if x.tokens == FEW_TOKENS:
         return False, (
             f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path, which folds every sample's "

@@ -108,6 +108,7 @@ def check_call(
         top = max_head_dim(name)
         why = " (wider tiles exceed on-chip shared memory)" if d > top else ""
         raise ValueError(
-            f"the Triton kernel for {name!r} with {q.dtype} supports head dims {MIN_HEAD_DIM}..{top}, got {d}{why}"
+            f"the Triton kernel for {name!r} with {q.dtype} supports head dims {MIN_HEAD_DIM}..{top}, "
+            f"got {d}{why}"
         )
     return which, grid

@@ -48,9 +48,9 @@ TRITON_LOSSES = {"swiglu": ("dot",), "linear": ("dot", "mse"), "dwconv": ("dot",
 DOT_MODELS = ("swiglu", "linear")
 WEIGHT_NAMES = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
 # Head dims the kernels take. The matrix models' kernels keep [BLOCK_D, BLOCK_C] column blocks of the d x d
-# weights and gradients on chip (``launch_config``: 16 columns at d = 128): whole 128 x 128 matrices would need
-# 311-606 KB of shared memory in the backward kernels on sm_90, more than the 227 KB an H100/H200 block may
-# use. Beyond 128 the full-width k/q tiles and the dq/dk accumulators outgrow it; the depthwise conv keeps
+# weights and gradients on chip (``launch_config``: 16 columns at d = 128): whole 128 x 128 matrices would
+# need 311-606 KB of shared memory in the backward kernels on sm_90, more than the 227 KB an H100/H200 block
+# may use. Beyond 128 the full-width k/q tiles and the dq/dk accumulators outgrow it; the depthwise conv keeps
 # only 9 x d weights and full-width tiles, up to 128 as well.
 MIN_HEAD_DIM, MAX_HEAD_DIM, MAX_HEAD_DIM_DWCONV = 16, 128, 128
 
@@ -133,8 +133,8 @@ def _cuda_arch(index: int) -> Arch:
     return Arch(cap, int(smem), props.multi_processor_count, props.name)
 
 
-# ``torch.backends.cuda.matmul``'s attributes walk a chain of name tests before they call these getters (~3 us
-# each, once per eager call of fp32 inputs): read directly where this PyTorch has them.
+# ``torch.backends.cuda.matmul``'s attributes walk a chain of name tests before they call these getters (once
+# per eager call of fp32 inputs): read directly where this PyTorch has them.
 _FP32_PRECISION = getattr(torch._C, "_get_fp32_precision_getter", None)
 _ALLOW_TF32 = getattr(torch._C, "_get_cublas_allow_tf32", None)
 
@@ -156,7 +156,7 @@ def fp32_uses_tf32() -> bool:
 
 
 def gpu_dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision on a GPU: TF32 for half inputs (and fp32 when PyTorch allows TF32), else IEEE."""
+    """``tl.dot`` input precision on a GPU: TF32 for 16-bit inputs (fp32 where PyTorch allows), else IEEE."""
     if dtype == torch.float64 or (dtype == torch.float32 and not fp32_uses_tf32()):
         return "ieee"
     return "tf32"

@@ -1,21 +1,12 @@
 """The jit helpers every TTT kernel shares: its program on the grid, tiles, dot operands and the inner step.
 
-Grid. Every grid is one flat axis of programs (``program``: the column block fastest, then the chunk, then
-the sample x head), folded onto a second grid axis only beyond grid axis 0's limit (``plan.fold_grid``):
-``B*G`` never meets CUDA's 65,535 cap on grid axes 1 and 2.
+Every grid is one flat axis of programs (``program``), folded onto a second axis only beyond axis 0's limit
+(``plan.fold_grid``). 16-bit inputs go into ``tl.dot`` as they are; every fp32 operand computed on chip is
+rounded to ``DOT`` first (``operand``; ``EMU`` emulates a bf16 MMA on the interpreter). Per-(sample, head)
+buffers are ``[B*G, slots, NW, R, d]`` (``slot_at``); only ``G`` and ``||G||`` are saved for the backward
+(``saved``), and ``W'`` is recomputed from them where a kernel needs it (``updated``).
 
-Dot operands. 16-bit inputs (``DOT`` = their dtype) go into ``tl.dot`` as they are loaded, and every fp32
-operand computed on chip is rounded to ``DOT`` before it meets a dot (``operand``); accumulation is fp32.
-``EMU`` (Triton's interpreter, whose bf16 ``tl.dot`` is wrong and whose fp32 -> bf16 cast truncates):
-operands are rounded to bf16 to nearest even, as a GPU's ``cvt.rn.bf16.f32``, and multiplied in fp32, which
-equals a bf16 MMA with fp32 accumulation up to the summation order.
-
-Buffers. Weights are read where they are, with their strides. Per-(sample, head) buffers are
-``[B*G, slots, NW, R, d]`` contiguous (``slot_at``), ``NW`` weights of ``R x d`` (``d x d`` matrices; 9 taps x
-channels for the depthwise conv); the saved gradient ``G`` is ``[B*G, NW, R, d]`` and its column norms
-``||G||`` ``[B*G, NW, d]`` (``saved``). Only ``G`` and ``||G||`` are saved for the backward (fp32): a kernel
-that needs the stepped weights ``W'`` recomputes its columns from ``W``, ``G`` and the norm as it loads them
-(``updated``), a few element-wise operations on a tile.
+The grid, the dot operands and the buffers in full: ``docs/design/kernels.md``.
 """
 
 from __future__ import annotations
@@ -57,8 +48,8 @@ def program(S, C):
 def chunk_of(BG, G, N, CHUNK, S, C):
     """This program's share when each of the ``BG`` (sample, head) pairs splits into ``S`` chunks of ``CHUNK``
     tokens and ``C`` column blocks: ``(dead, c, s, bg, b, g, lo, hi)``, the column block, the chunk, the
-    sample x head with its sample ``b`` and head ``g`` (int64), and the chunk's tokens ``lo .. hi``. A ``dead``
-    program (the tail of a folded grid) must return."""
+    sample x head with its sample ``b`` and head ``g`` (int64), and the chunk's tokens ``lo .. hi``. A
+    ``dead`` program (the tail of a folded grid) must return."""
     pid, c, s, bg = program(S, C)
     lo = s * CHUNK
     b, g = (bg // G).to(tl.int64), (bg % G).to(tl.int64)
@@ -75,8 +66,8 @@ def column_block(BG, D, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
 
 @triton.jit
 def operand(x, DOT: tl.constexpr, EMU: tl.constexpr):
-    """``x`` as a ``tl.dot`` operand of dtype ``DOT``. ``EMU``: rounded to bf16 (nearest even, by its bits) but
-    kept in fp32, for Triton's interpreter, which multiplies bf16 wrongly and truncates on a cast."""
+    """``x`` as a ``tl.dot`` operand of dtype ``DOT``. ``EMU``: rounded to bf16 (nearest even, by its bits)
+    but kept in fp32, for Triton's interpreter, which multiplies bf16 wrongly and truncates on a cast."""
     if EMU:
         bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
@@ -130,7 +121,7 @@ def norm_at(n_buf, bg, i, NW: tl.constexpr, D, cols):
 
 @triton.jit
 def saved(g_buf, n_buf, bg, i, NW: tl.constexpr, rr, cols, R, D, ACC: tl.constexpr):
-    """The saved ``G`` ``[B*G, NW, R, D]`` and ``||G||`` ``[B*G, NW, D]`` of weight ``i``'s columns ``cols``."""
+    """The saved ``G`` ``[B*G, NW, R, D]`` and ``||G||`` ``[B*G, NW, D]``, weight ``i``'s columns ``cols``."""
     grad = load_mat(slot_at(g_buf, bg, 0, 1, i, NW, R, D), D, 1, rr, cols, R, D, ACC)
     norm = tl.load(norm_at(n_buf, bg, i, NW, D, cols), mask=cols < D, other=0.0).to(ACC)
     return grad, norm
@@ -139,8 +130,8 @@ def saved(g_buf, n_buf, bg, i, NW: tl.constexpr, rr, cols, R, D, ACC: tl.constex
 @triton.jit
 def sum_slots(buf, bg, S, slots, i, NW: tl.constexpr, rr, cols, R, D, BLOCK_R: tl.constexpr,
               BLOCK_C: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """Weight ``i``'s columns ``cols`` summed over slots ``0 .. S-1`` of a ``[B*G, slots, NW, R, D]`` buffer, in
-    order."""
+    """Weight ``i``'s columns ``cols`` summed over slots ``0 .. S-1`` of a ``[B*G, slots, NW, R, D]`` buffer,
+    in order."""
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=ACC)
     for s in range(S):
         acc += load_mat(slot_at(buf, bg, s, slots, i, NW, R, D), D, 1, rr, cols, R, D, ACC)

@@ -1,47 +1,13 @@
-"""The Triton kernels of the inner models with ``d x d`` weights: one full-batch step of a linear or SwiGLU model.
+"""The Triton kernels of the inner models with ``d x d`` weights: one full-batch linear or SwiGLU step.
 
 Per (sample b, head g) with tokens ``q, k, v [N, d]`` and initial weights ``W [d, d]`` (``W1, W2`` for
-SwiGLU), the forward computes the inner gradient ``G = kᵀ P`` (``P = E ⊙ A`` ...), its column norms
-``||G||``, the step ``W' = W - lr G / (||G|| + 1)`` and the read-out ``O = f(q; W')``. Only ``G`` and
-``||G||`` are saved for the backward (``jit``: the buffers, and ``W'`` recomputed where it is needed).
+SwiGLU), the forward computes the inner gradient ``G = kᵀ P``, its column norms ``||G||``, the step
+``W' = W - lr G / (||G|| + 1)`` and the read-out ``O = f(q; W')``; only ``G`` and ``||G||`` are saved for the
+backward. Every program owns one block of ``BLOCK_C`` output columns; a (sample, head) may be split along N
+into ``S`` chunks (``tiles.launch_config``). Constexpr switches: ``SWIGLU``, ``MSE``, ``GRAD_NORM``, ``PREC``,
+``DOT`` / ``EMU``, ``COLS`` / ``CROSS`` / ``FUSED``, ``WGRAD``; ``NW`` = 2 weights for SwiGLU, 1 for linear.
 
-Launches. Each (sample, head) may be split along N into ``S`` chunks (``tiles.launch_config`` splits
-only where ``B*G`` programs would leave the GPU idle):
-
-- ``S == 1``, forward: one launch of ``forward_kernel`` per column block sums ``kᵀ P`` over all tokens,
-  normalises, saves ``G`` and ``||G||``, takes the step and streams the queries (no partials, no step
-  launch). ``S > 1``: ``grad_partial_kernel`` (a partial ``kᵀ P`` per chunk), ``step.step_kernel`` (sums
-  the partials in a fixed order, saves ``G`` and ``||G||``) and ``readout_kernel``.
-- Backward: ``readout_bwd_kernel`` (``dq`` and ``dW' = qᵀ dY``; with ``S == 1`` (``FUSED``) it owns the
-  whole ``dW'`` and back-propagates the step and the normalisation itself, writing ``dG``), else
-  ``step.step_bwd_kernel`` sums the chunk partials and writes ``dG``; ``grad_bwd_kernel`` (``dk``, ``dv``
-  and the weight-gradient partial ``kᵀ dZ``, plus ``dW'`` when ``FUSED``), and ``step.wgrad_reduce_kernel``,
-  the sum of the partials over samples and chunks.
-
-Dot operands (``jit.operand``). The operands computed on chip (``P``, ``dY``, ``dZ``, the weights, ``W'``,
-``dG``) are rounded to ``DOT`` before they meet a dot. fp32 inputs keep fp32 operands (TF32 or IEEE dots,
-``PREC``), fp64 inputs fp64. The loss scale ``coef = s / N`` (~1e-4 at N = 3136) is kept out of the 16-bit
-operands (``P``, ``dZ`` and the ``dk`` terms carry it as a factor applied to the fp32 accumulators), so small
-products do not fall into fp16's subnormals.
-
-Column blocks. The math is separable by output column: column j of ``Z1 = k W1``, ``Z2``, the
-activations, ``P``, the gradient ``kᵀ P[:, j]``, its norm and step, ``Y = q W'``, ``dY``, ``qᵀ dY[:, j]``,
-``dZ``, ``dv`` and ``kᵀ dZ[:, j]`` need only column j of the weights (and of ``v``, ``dO``, ``dG``) plus the
-whole ``k`` or ``q`` row. So every program owns one block of ``BLOCK_C`` columns (``C = cdiv(d, BLOCK_C)``
-blocks) and keeps only ``[BLOCK_D, BLOCK_C]`` slices of the weights, gradients and accumulators on chip.
-Two quantities sum over all columns: ``dq = dY1 W1'ᵀ + dY2 W2'ᵀ`` (read-out backward) and
-``dk = P1 dG1ᵀ + P2 dG2ᵀ + dZ1 W1ᵀ + dZ2 W2ᵀ`` (gradient backward). With one block (``C == 1``) a single
-launch computes everything. With ``C > 1`` each backward stage is two launches of the same kernel, chosen by
-the constexpr switches ``COLS`` / ``CROSS``: the column launch writes the per-column outputs (``dv``, the
-weight-gradient partials), and the cross launch walks the column blocks in order for each token tile,
-recomputes their column quantities and sums ``dq`` or ``dk`` in registers. Each output element is written by
-exactly one program with a fixed summation order, so the result is deterministic without atomics.
-
-Constexpr switches: ``SWIGLU`` (else linear), ``MSE`` (linear only: ``E = s (kW - v) / N``, else the dot
-loss ``E = -s v / N``), ``GRAD_NORM``, ``PREC`` (``tl.dot`` input precision for fp32 operands), ``DOT`` /
-``EMU`` (``jit.operand``), ``COLS`` / ``CROSS`` / ``FUSED`` (above), ``WGRAD`` (the inner gradient depends
-on the initial weights, so ``kᵀ dZ`` is not zero: SwiGLU and the MSE loss). ``NW`` = 2 weights for SwiGLU,
-1 for linear.
+The launches, the dot operands, the column blocks and the switches: ``docs/design/kernels.md``.
 """
 
 from __future__ import annotations
@@ -143,10 +109,10 @@ def _swiglu_acts(z2):
 
 
 @triton.jit
-def _token_tiles(x_base, y_base, sxn, sxc, syn, syc, rows, rd, cols, N, D, DOT: tl.constexpr, EMU: tl.constexpr,
-                 ACC: tl.constexpr):  # fmt: skip
-    """Tokens ``rows`` of ``x`` (every channel, as a dot operand) and of ``y`` (the block's columns ``cols``, in
-    ``ACC``): the ``(k, v)`` or ``(q, dO)`` tiles of a token loop."""
+def _token_tiles(x_base, y_base, sxn, sxc, syn, syc, rows, rd, cols, N, D, DOT: tl.constexpr,
+                 EMU: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Tokens ``rows`` of ``x`` (every channel, as a dot operand) and of ``y`` (the block's columns ``cols``,
+    in ``ACC``): the ``(k, v)`` or ``(q, dO)`` tiles of a token loop."""
     x = operand(load_tile(x_base, sxn, sxc, rows, rd, N, D), DOT, EMU)
     y = load_tile(y_base, syn, syc, rows, cols, N, D).to(ACC)
     return x, y
@@ -303,9 +269,10 @@ def _swiglu_bwd_tile(k, v, o1, o2, og1, og2, coef, DOT: tl.constexpr, EMU: tl.co
 @triton.jit
 def _swiglu_bwd_tile_t(kt, vt, o1, o2, og1, og2, coef, DOT: tl.constexpr, EMU: tl.constexpr,
                        PREC: tl.constexpr):  # fmt: skip
-    """``_swiglu_bwd_tile`` on transposed tiles (``kᵀ`` ``[BLOCK_D, BLOCK_N]``, ``vᵀ`` ``[BLOCK_C, BLOCK_N]``):
-    ``dkᵀ / coef``, ``dZ1ᵀ / coef``, ``dZ2ᵀ / coef``, ``dvᵀ``. Every dot then has ``BLOCK_C`` or ``BLOCK_D``
-    rows, whatever the token tile: ``Z1ᵀ = W1ᵀ kᵀ``, ``dP1ᵀ = dG1ᵀ kᵀ``, ``dkᵀ = dG1 P1ᵀ + ... + W2 dZ2ᵀ``."""
+    """``_swiglu_bwd_tile`` on transposed tiles (``kᵀ`` ``[BLOCK_D, BLOCK_N]``, ``vᵀ``
+    ``[BLOCK_C, BLOCK_N]``): ``dkᵀ / coef``, ``dZ1ᵀ / coef``, ``dZ2ᵀ / coef``, ``dvᵀ``. Every dot then has
+    ``BLOCK_C`` or ``BLOCK_D`` rows, whatever the token tile: ``Z1ᵀ = W1ᵀ kᵀ``, ``dP1ᵀ = dG1ᵀ kᵀ``,
+    ``dkᵀ = dG1 P1ᵀ + ... + W2 dZ2ᵀ``."""
     dp1 = tl.dot(tl.trans(og1), kt, input_precision=PREC)
     dp2 = tl.dot(tl.trans(og2), kt, input_precision=PREC)
     z1 = tl.dot(tl.trans(o1), kt, input_precision=PREC)
@@ -351,8 +318,8 @@ def forward_kernel(
     rd = tl.arange(0, BLOCK_D)
     cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
     w1, w2, acc1, acc2 = _grad_tiles(
-        k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, 0, N, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg,
-        swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
+        k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, 0, N, w1_ptr, w2_ptr, g, skn, skc, svn, svc,
+        swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     g1 = coef * acc1
     n1 = col_norm(g1)
@@ -395,8 +362,8 @@ def grad_partial_kernel(
     rd = tl.arange(0, BLOCK_D)
     cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
     _w1, _w2, acc1, acc2 = _grad_tiles(
-        k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg,
-        swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
+        k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc,
+        swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     _store_pair(part_ptr, bg, s, S, rd, cols, D, coef * acc1, coef * acc2, SWIGLU)
 
@@ -463,8 +430,8 @@ def readout_bwd_kernel(
     rc = tl.arange(0, BLOCK_C)
     if COLS:
         cols = c * BLOCK_C + rc
-        o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr, SWIGLU,
-                                   GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
+        o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr,
+                                   SWIGLU, GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
         acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
         acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
         for start in range(lo, hi, BLOCK_N):
@@ -493,8 +460,8 @@ def readout_bwd_kernel(
             q = operand(load_tile(q_base, sqn, sqc, rows, rd, N, D), DOT, EMU)
             for c0 in range(0, D, BLOCK_C):
                 cj = c0 + rc
-                oj1, oj2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cj, D, lr,
-                                             SWIGLU, GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
+                oj1, oj2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cj, D,
+                                             lr, SWIGLU, GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
                 do = load_tile(do_base, sdon, sdoc, rows, cj, N, D).to(ACC)
                 dy1, dy2 = _readout_dy(q, do, oj1, oj2, SWIGLU, PREC)
                 dq += _readout_dq(dy1, dy2, oj1, oj2, SWIGLU, DOT, EMU, PREC)
@@ -520,8 +487,8 @@ def grad_bwd_kernel(
     ``kᵀ dZ`` into slot ``s`` of ``part_ptr`` ``[B*G, S + 1, NW, d, d]``; ``FUSED`` (``S == 1``) adds the
     ``dW'`` of slot 1 to it, so slot 0 holds the sample's whole weight gradient. ``CROSS``: ``dk``, summed
     over every column block (as in ``readout_bwd_kernel``: with ``COLS`` only for ``C == 1``). ``TRANS``
-    (SwiGLU, ``COLS`` and ``CROSS``): the tiles transposed, channels x tokens (``_swiglu_bwd_tile_t``), so that
-    every dot has d rows (sm_90's ``wgmma`` takes 64) with token tiles short enough for the registers.
+    (SwiGLU, ``COLS`` and ``CROSS``): the tiles transposed, channels x tokens (``_swiglu_bwd_tile_t``), so
+    that every dot has d rows (sm_90's ``wgmma`` takes 64) with token tiles short enough for the registers.
     """
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         coef = tl.cast(coef, ACC)
@@ -536,8 +503,8 @@ def grad_bwd_kernel(
     dv_base = dv_ptr + b * sdvb + g * sdvg
     if COLS:
         cols = c * BLOCK_C + rc
-        o1, o2, og1, og2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd, cols, D, SWIGLU,
-                                              DOT, EMU, ACC)  # fmt: skip
+        o1, o2, og1, og2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd, cols, D,
+                                              SWIGLU, DOT, EMU, ACC)  # fmt: skip
         acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
         acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
         for start in range(lo, hi, BLOCK_N):
@@ -583,8 +550,8 @@ def grad_bwd_kernel(
             dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
             for c0 in range(0, D, BLOCK_C):
                 cj = c0 + rc
-                oj1, oj2, ogj1, ogj2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd, cj, D,
-                                                          SWIGLU, DOT, EMU, ACC)  # fmt: skip
+                oj1, oj2, ogj1, ogj2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd,
+                                                          cj, D, SWIGLU, DOT, EMU, ACC)  # fmt: skip
                 v = load_tile(v_base, svn, svc, rows, cj, N, D).to(ACC)
                 _, p1, p2, dz1, dz2 = _grad_bwd_cols(k, v, oj1, oj2, ogj1, ogj2, coef, SWIGLU, MSE, PREC)
                 dk += _grad_bwd_dk(p1, p2, dz1, dz2, oj1, oj2, ogj1, ogj2, SWIGLU, MSE, DOT, EMU, PREC)

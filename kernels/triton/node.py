@@ -3,10 +3,10 @@ backward launch plans on views of the node's qkv, output and qkv gradient.
 
 A mixer call on Triton is then one autograd node for all its branches (no per-branch custom op, autograd node
 or layout copy), on q, k, v in their own dtype (float16 / bfloat16 read as they are, fp32 accumulation in
-the kernels). The plans write straight into the node's views: the read-out into its output (``NodeCall.dest``),
-dq, dk, dv into its qkv gradient. Each branch signature (``_signature``: the settings and every tensor's shape,
-strides and dtype) is checked and planned once (``_Entry``); a call then only looks its entry up, allocates the
-plan's buffers and launches.
+the kernels). The plans write straight into the node's views: the read-out into its output
+(``NodeCall.dest``), dq, dk, dv into its qkv gradient. Each branch signature (``_signature``: the settings and
+every tensor's shape, strides and dtype) is checked and planned once (``_Entry``); a call then only looks its
+entry up, allocates the plan's buffers and launches.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from .plan import LaunchPlan, backward_template, forward_template, plan_key, ten
 
 __all__ = ["backward", "checked_entry", "clear", "forward", "state_of"]
 
-# The branch signatures seen so far (at most ``MAX_ENTRIES``, then forgotten at once), and their entries by tag.
+# The branch signatures seen so far (at most ``MAX_ENTRIES``, then forgotten at once), and their entries by
+# tag.
 _ENTRIES: dict[tuple, _Entry] = {}
 _BY_TAG: dict[str, _Entry] = {}
 MAX_ENTRIES = 1024

@@ -1,15 +1,13 @@
 """The Triton path of the TTT ops: custom ``torch.library`` ops around the Triton kernels, autograd, the op.
 
-``triton_ttt`` runs one full-batch inner step of an inner model (``"swiglu"``: the official ViT³ branch,
-dot loss; ``"linear"``: dot or MSE loss; ``"dwconv"``: the official 3x3 depthwise-conv branch, dot loss)
+``triton_ttt`` runs one full-batch inner step of an inner model (``"swiglu"``, ``"linear"``, ``"dwconv"``)
 per (sample, head) and applies the result to the queries, forward and backward in Triton. It is registered
-as the opaque custom ops ``vit3::triton_ttt_fwd`` / ``vit3::triton_ttt_bwd`` (``torch.library.custom_op``
-with shape-only fake implementations), so ``torch.compile`` keeps them in its graph without a graph break
-and calls them on real tensors, symbolic sizes included; in eager mode a call runs its cached ``_Call``
-(checked and planned once per signature) through a plain autograd node instead. ``backend="reference"`` runs
-the pure-PyTorch reference formulation (``vit3.kernels.reference``). Which implementation a mixer runs is
-decided by ``vit3.layers.backends``: this op reads no environment variable of its own. The backward is
-differentiable for a double backward (``create_graph=True``): autograd through the reference.
+as the opaque custom ops ``vit3::triton_ttt_fwd`` / ``vit3::triton_ttt_bwd``, so ``torch.compile`` keeps them
+in its graph; in eager mode a call runs its cached ``_Call`` through a plain autograd node. With
+``backend="reference"`` it runs ``vit3.kernels.reference``. The op reads no environment variable
+(``vit3.layers.backends`` decides what runs); its backward is differentiable through the reference.
+
+Why opaque custom ops and an eager node beside them: ``docs/design/kernels.md``.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ __all__ = ["clear_plans", "resolve_backend", "triton_ttt"]
 
 
 def clear_plans() -> None:
-    """Forgets every cached plan, eager call and launch configuration (tests that change a module-level hook)."""
+    """Forgets every cached plan, eager call and launch configuration (for tests that change a hook)."""
     _CALLS.clear()
     node.clear()
     program.clear()
@@ -65,7 +63,7 @@ def _kernel_op(name: str, fake: Any) -> Any:
 
 
 def _token_major(b: Any, g: Any, n: Any, d: Any, like: Tensor) -> Tensor:
-    """An empty ``[B, G, N, c]`` in token-major memory (``[B, N, G, c]`` contiguous), as the plans allocate."""
+    """An empty ``[B, G, N, c]`` in token-major memory (``[B, N, G, c]`` contiguous), as plans allocate."""
     return like.new_empty((b, n, g, d)).transpose(1, 2)
 
 
@@ -87,7 +85,7 @@ def _fake_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, gbuf: Tensor, nbuf: Tensor,
     model: str, loss: str, h: Any, wd: Any, scale: float, lr: float, grad_norm: bool, chunk: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``_bwd_op``'s outputs on fake tensors: ``dq``, ``dk``, ``dv`` token-major in their inputs' dtypes, ``dW``."""
+    """``_bwd_op``'s outputs on fake tensors: ``dq``, ``dk``, ``dv`` (token-major, inputs' dtypes), ``dW``."""
     b, g, n, d = q.shape
     grads = tuple(_token_major(b, g, n, d, t) for t in (q, k, v))
     return (*grads, q.new_empty(plan.weight_grad_shape(model, g, d), dtype=acc_dtype(q.dtype)[0]))
@@ -158,8 +156,8 @@ def _backward(ctx: Any, dout: Tensor, *_stats: Tensor) -> tuple:
 
 
 def _reference_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int,
-    wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str,
+    h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
 ) -> tuple[Tensor | None, ...]:  # fmt: skip
     """The backward as a differentiable graph, for a double backward: autograd through the op's reference on
     the saved inputs, in the kernels' accumulator dtype (the kernels' backward has no derivative of its own).
@@ -238,7 +236,8 @@ def _signature(
     name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], *settings: Any
 ) -> tuple:
     """What a ``triton_ttt`` call's checks, plan and weight layout depend on: the settings (with the module
-    hooks ``TILES_AS`` and ``GRID_X_MAX``), every tensor's shape, strides, dtype and device, the weights' names."""
+    hooks ``TILES_AS`` and ``GRID_X_MAX``), every tensor's shape, strides, dtype and device, the weights'
+    names."""
     sig = [name, *settings, tiles.TILES_AS, plan.GRID_X_MAX]
     for t in (q, k, v, *params.values()):
         sig += (t.shape, t.stride(), t.dtype, t.device)

@@ -1,7 +1,7 @@
 """Launch plans of the Triton kernels: each kernel launch of a forward or backward (``Launch``), built once
-per key on meta tensors (``forward_template`` / ``backward_template``) as a ``LaunchPlan`` whose calls allocate
-its buffers and bind its tensors; ``forward_plan`` / ``backward_plan`` give the bound launches to the offline
-compiles (``vit3.kernels.aot``) and the roofline. A plan's launches run with the inputs' GPU current
+per key on meta tensors (``forward_template`` / ``backward_template``) as a ``LaunchPlan`` whose calls
+allocate its buffers and bind its tensors; ``forward_plan`` / ``backward_plan`` give the bound launches to the
+offline compiles (``vit3.kernels.aot``) and the roofline. A plan's launches run with the inputs' GPU current
 (``LaunchPlan.run``: Triton launches on the current device and its current stream).
 """
 
@@ -68,13 +68,14 @@ def fold_grid(programs: int) -> tuple[int, int]:
 
 def launcher(kernel: Any) -> Any:
     """What launches ``kernel[grid](...)``: Triton's own launcher (a hook: tests put a recorder in its place).
-    Compiled graphs call the custom ops as opaque ops (``triton.op``), so a launch always runs on real tensors."""
+    Compiled graphs call the custom ops as opaque ops (``triton.op``), so a launch always runs on real
+    tensors."""
     return kernel
 
 
 def stat_shape(model: str, d: int) -> tuple[int, int]:
-    """``(NW, R)`` of the saved statistics ``G`` ``[B*G, NW, R, c]`` and ``||G||`` ``[B*G, NW, c]``: NW weights
-    (SwiGLU's two, else one) of R rows (the conv's 9 taps, else ``c``)."""
+    """``(NW, R)`` of the saved statistics ``G`` ``[B*G, NW, R, c]`` and ``||G||`` ``[B*G, NW, c]``: NW
+    weights (SwiGLU's two, else one) of R rows (the conv's 9 taps, else ``c``)."""
     return (2 if model == "swiglu" else 1), (9 if model == "dwconv" else d)
 
 
@@ -199,10 +200,10 @@ _NO_CONTEXT = contextlib.nullcontext()  # reusable: one instance serves every ca
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """The context a plan's or a program's launches run in: ``device`` current on a GPU. Triton launches on the
-    current CUDA device and its current stream: a tensor of another GPU would hand that GPU's pointers to a
-    kernel on the current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Off a GPU
-    it costs one comparison (launch programs call it per launch list)."""
+    """The context a plan's or a program's launches run in: ``device`` current on a GPU. Triton launches on
+    the current CUDA device and its current stream: a tensor of another GPU would hand that GPU's pointers to
+    a kernel on the current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Off a
+    GPU it costs one comparison (launch programs call it per launch list)."""
     if device.type != "cuda":
         return _NO_CONTEXT
     return torch.cuda.device(device)
@@ -227,7 +228,8 @@ def _small_kwargs(cfg: LaunchConfig, acc_tl: Any, nw: int) -> dict[str, Any]:
 
 def _weight_strides(model: str, w: Tensor, d: int) -> tuple[int, int, int]:
     """(head, row, column) strides of the initial weights as the kernels read them: ``[1, G, d, d]``, or the
-    depthwise conv's ``[1, G*d, 3, 3]`` as ``[G, 9 taps, d channels]`` (taps ``3 ty + tx`` one stride apart)."""
+    depthwise conv's ``[1, G*d, 3, 3]`` as ``[G, 9 taps, d channels]`` (taps ``3 ty + tx`` one stride
+    apart)."""
     if model == "dwconv":
         return d * w.stride(1), w.stride(3), w.stride(1)
     return w.stride(1), w.stride(2), w.stride(3)
@@ -268,11 +270,12 @@ def reduce_split(items: int, blocks: int, arch: Arch) -> tuple[int, int]:
     return cdiv(items, per), per
 
 
-def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: int, slots: tuple[int, int, int],
-            conv: bool, arch: Arch, interpret: bool, acc: torch.dtype, acc_tl: Any) -> None:  # fmt: skip
-    """The weight-gradient reduction of ``part`` ``[B, G, L, E]`` (slots ``lo .. lo + nuse - 1`` of ``L``) into
-    ``dw``: one launch, or two (runs of items, then the runs) where the first would leave the GPU idle, on
-    narrower blocks of numbers where the runs alone cannot give every SM a program. The interpreter, which
+def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: int,
+            slots: tuple[int, int, int], conv: bool, arch: Arch, interpret: bool, acc: torch.dtype,
+            acc_tl: Any) -> None:  # fmt: skip
+    """The weight-gradient reduction of ``part`` ``[B, G, L, E]`` (slots ``lo .. lo + nuse - 1`` of ``L``)
+    into ``dw``: one launch, or two (runs of items, then the runs) where the first would leave the GPU idle,
+    on narrower blocks of numbers where the runs alone cannot give every SM a program. The interpreter, which
     runs programs one after another, takes blocks of up to 8192 numbers (fewer programs, the same runs)."""
     length, lo, nuse = slots
 
@@ -483,10 +486,10 @@ def forward_plan(
     """The forward's outputs ``(out, G, ||G||)`` (allocated, unwritten) and the launches that write them.
 
     Arguments as ``_fwd_op``'s; ``save=False`` (inference) lets the one-launch forward skip storing ``G`` and
-    ``||G||`` (q stands in for them); ``arch``, ``prec`` and ``interpret`` as ``launch_config``'s (default: ``q``'s device, what
-    PyTorch allows now, ``$TRITON_INTERPRET``). The plan is built once per key (settings, shapes, strides,
-    dtypes, arch) on meta tensors and cached; each call allocates its buffers and binds its tensors. Tensors
-    may live on the meta device: the offline compiles (``vit3.kernels.aot``) and the roofline
+    ``||G||`` (q stands in for them); ``arch``, ``prec`` and ``interpret`` as ``launch_config``'s (default:
+    ``q``'s device, what PyTorch allows now, ``$TRITON_INTERPRET``). The plan is built once per key (settings,
+    shapes, strides, dtypes, arch) on meta tensors and cached; each call allocates its buffers and binds its
+    tensors. Tensors may live on the meta device: the offline compiles (``vit3.kernels.aot``) and the roofline
     (``benchmarks/roofline.py``) read the launches a GPU would run from shapes and strides alone.
     """
     key = plan_key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)

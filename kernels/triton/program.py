@@ -1,21 +1,13 @@
 """The whole fused mixer call on Triton as one launch program, its tensors bound by address.
 
 Where every branch of the fused node (``vit3.layers.eager_mix``) runs on Triton, a call is one
-:class:`MixProgram`: every branch's forward launches, and its backward launches per layout of the upstream
-gradient, the launch plans of ``plan.py`` (the ones the per-branch hooks of ``node.py`` run) with each tensor
-argument turned into an address, ``base + offset``. The bases of a call are few: qkv, the output, the weights,
-one workspace for what the backward reads (``G``, ``||G||`` of every branch), one scratch buffer for the rest,
-each RoPE branch's rotated q, k (the node rotates them in one call per branch), and in the backward the
-upstream gradient, the qkv gradient, each branch's weight gradient and the pairs a RoPE branch's dq, dk go to
-(the node rotates them back). A call then allocates two or three buffers, reads one pointer per base and launches: no
-views of qkv, no per-branch buffers, signatures or plan look-ups (the Python the launches cost a GPU host,
-``benchmarks/triton_overhead.py``).
+:class:`MixProgram`: the launch plans of ``plan.py`` of every branch, each tensor argument turned into an
+address ``base + offset`` over a few bases (qkv, the output, the weights, one workspace, one scratch buffer,
+the gradients). A call then allocates two or three buffers, reads one pointer per base and launches. On a GPU
+the kernels get :class:`Address` es written under the program's lock; Triton's interpreter gets one-element
+tensors on the base's storage instead (``at_address``), the same offsets.
 
-On a GPU the kernels get :class:`Address` es (Triton takes any argument with ``data_ptr()`` and ``dtype`` as a
-pointer and reads it while it launches): each launch's arguments are made once, and a call only writes the
-new pointers into its addresses, under the program's lock (two threads never share them). Triton's
-interpreter reads tensors' storages instead, so there each address is a one-element tensor on the base's
-storage at that offset (``at_address``), made per call: the same offsets, run and checked on CPU.
+The bases one by one and why addresses: ``docs/design/kernels.md``.
 """
 
 from __future__ import annotations
@@ -59,8 +51,8 @@ class Address:
 
 
 class _Where(NamedTuple):
-    """Where a plan's tensor lies: ``offset`` bytes past base number ``base`` of the call, as a ``dtype`` tensor
-    of ``shape`` and ``stride``."""
+    """Where a plan's tensor lies: ``offset`` bytes past base number ``base`` of the call, as a ``dtype``
+    tensor of ``shape`` and ``stride``."""
 
     base: int
     offset: int
@@ -70,8 +62,8 @@ class _Where(NamedTuple):
 
     @staticmethod
     def of(base: int, offset: int, like: Tensor | tuple) -> _Where:
-        """At ``offset`` bytes past ``base``, laid out as ``like``: a tensor, or its ``plan.tensor_meta`` / a ``Buffer``
-        (both ``(shape, stride, dtype)``)."""
+        """At ``offset`` bytes past ``base``, laid out as ``like``: a tensor, or its ``plan.tensor_meta`` / a
+        ``Buffer`` (both ``(shape, stride, dtype)``)."""
         shape, stride, dtype = tensor_meta(like) if isinstance(like, Tensor) else like
         return _Where(base, offset, dtype, tuple(shape), tuple(stride))
 
@@ -161,7 +153,8 @@ class _Launches:
 
     def run(self, bases: Sequence[Any], interpret: bool, device: torch.device) -> None:
         """Launches on ``bases`` (device pointers, or ``(storage, byte start)`` under the interpreter), with
-        ``device`` current where it is a GPU (``plan.on_device``); an exception names its branch (``BRANCH_ATTR``)."""
+        ``device`` current where it is a GPU (``plan.on_device``); an exception names its branch
+        (``BRANCH_ATTR``)."""
         if interpret:
             values = [at_address(bases[where.base], where) for where in self.places]
             values += self.consts
@@ -175,9 +168,9 @@ class _Launches:
 
 
 def _runner(launcher: Any, grid: tuple[int, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
-    """``launcher[grid](*args, **kwargs)`` as one callable of ``args``: a Triton kernel's ``run`` with the grid
-    and the constexprs bound (what ``kernel[grid]`` calls, without its proxy), another launcher's (the test
-    hooks) through its ``[grid]``."""
+    """``launcher[grid](*args, **kwargs)`` as one callable of ``args``: a Triton kernel's ``run`` with the
+    grid and the constexprs bound (what ``kernel[grid]`` calls, without its proxy), another launcher's (the
+    test hooks) through its ``[grid]``."""
     if isinstance(launcher, KernelInterface):
         return functools.partial(launcher.run, grid=grid, warmup=False, **kwargs)
     return functools.partial(launcher[grid], **kwargs)
@@ -201,8 +194,9 @@ def program_key(qkv: Tensor, weights: Sequence[Tensor]) -> tuple:
     return tuple(key)
 
 
-# The bases of a forward call, then the weights, then each RoPE branch's rotated q, k; of a backward call, then
-# each branch's dW, the weights, each RoPE branch's rotated q, k and the pair its dq, dk are written into.
+# The bases of a forward call, then the weights, then each RoPE branch's rotated q, k; of a backward call,
+# then each branch's dW, the weights, each RoPE branch's rotated q, k and the pair its dq, dk are written
+# into.
 QKV, OUT, SAVED, SCRATCH = range(4)
 D_OUT, B_QKV, B_SAVED, B_SCRATCH, D_QKV = range(5)
 
@@ -329,7 +323,8 @@ class MixProgram:
 
     def backward(
         self, d_out: Tensor, dqkv: Tensor, qkv: Tensor, weights: Sequence[Tensor], ws: Tensor, kept: tuple,
-        rotated: Sequence[Tensor], d_rotated: Sequence[Tensor], calls: Callable[[], Sequence[tuple[Tensor, ...]]],
+        rotated: Sequence[Tensor], d_rotated: Sequence[Tensor],
+        calls: Callable[[], Sequence[tuple[Tensor, ...]]],
     ) -> list[tuple[Tensor, ...]]:  # fmt: skip
         """Writes dq, dk, dv of every branch into ``dqkv`` (a RoPE branch's dq, dk into its pair of
         ``d_rotated``, its q, k read from its pair of ``rotated``, both in order); returns each branch's

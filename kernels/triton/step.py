@@ -51,7 +51,8 @@ def step_bwd_kernel(
     part_ptr, g_ptr, n_ptr, dg_ptr,
     BG, R, D, S,
     lr: tl.float64,
-    NW: tl.constexpr, GRAD_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr,
+    NW: tl.constexpr, GRAD_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ACC: tl.constexpr,
 ):  # fmt: skip
     """Sums the read-out partials into ``dW'`` and back-propagates the step and the normalisation (``S > 1``).
 
@@ -75,7 +76,7 @@ def wgrad_reduce_kernel(
     B, G, E, D, L, LO, NUSE, PER, SPLIT, OUT_SG, OUT_SW, R, OUT_SR, OUT_SC,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """One stage of the weight-gradient reduction ``out[g] = Σ_b Σ_slot part[b, g, slot]``, split over programs.
+    """One stage of the weight-gradient reduction ``out[g] = Σ_b Σ_slot part[b, g, slot]`` over programs.
 
     ``part_ptr`` is ``[B, G, L, E]`` (``E = NW * R * D`` numbers per slot), of which slots ``LO .. LO+NUSE-1``
     are summed. The ``B * NUSE`` items are cut into ``SPLIT`` runs of ``PER`` (one per program, with one

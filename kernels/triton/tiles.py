@@ -113,12 +113,12 @@ def _tensor_cores(dtype: torch.dtype, prec: str, arch: Arch) -> bool:
 
 
 # A SwiGLU backward stage at d = 64 in one launch keeps W1, W2, dG1, dG2 (and the transposes its dk / dq dots
-# read) on chip: 132-192 KB of shared memory with TF32 dots (sm_80: 144-168 KB plus register spills; sm_90 and
-# sm_100: up to 192 KB, spill-free). Parts with at least this much per block take it; the others split the
-# columns into 32-wide blocks (a column and a cross launch per stage), which need at most ~60 KB.
+# read) on chip. Parts with at least this much shared memory per block take it; the others split the columns
+# into 32-wide blocks (a column and a cross launch per stage). The compiled needs behind both thresholds:
+# docs/design/kernels.md (tile sizes).
 FUSED_BACKWARD_SMEM = 200 * KB
-# The same stage with 16-bit operands (W1, W2, dG1, dG2 and the k / v tiles in bf16 / fp16): 72-84 KB, within
-# the 99 KB of sm_86/89/120.
+# The same stage with 16-bit operands (W1, W2, dG1, dG2 and the k / v tiles in bf16 / fp16), which fits the
+# shared memory of sm_86/89/120.
 HALF_BACKWARD_SMEM = 96 * KB
 
 
@@ -128,10 +128,10 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> T
     per 64 rows), and so do the weight-gradient dots (``kᵀ P``, ``qᵀ dY``, ``kᵀ dZ``) from d = 64 on.
 
     The SwiGLU gradient backward with all columns in one block (d <= 64) takes 32-token tiles: at 64 its
-    tiles need more than the 255 registers a thread has (sm_90: ~700 bytes spilled per thread at d = 64,
-    a reload inside the token loop at d = 32); at d = 64 it runs on transposed tiles
-    (``LaunchConfig.transposed``), whose dots all have 64 rows (``wgmma`` on sm_90; on ``mma.sync`` parts
-    the orientation that keeps its fragments out of local memory: the other spills 1.3-12 KB per thread).
+    tiles need more than the 255 registers a thread has (spills at d = 64, a reload inside the token loop at
+    d = 32); at d = 64 it runs on transposed tiles (``LaunchConfig.transposed``), whose dots all have 64 rows
+    (``wgmma`` on sm_90; on ``mma.sync`` parts the orientation that keeps its fragments out of local memory,
+    where the other spills). The spills measured: docs/design/kernels.md (tile sizes).
     On ``mma.sync`` parts the other SwiGLU kernels at d = 64 also hold their fragments in registers: 32-token
     tiles, and the one-launch forward in two column blocks of 32. At d = 128: 16 or 32 columns a block,
     32-token tiles in the gradient cross launch.
@@ -183,7 +183,7 @@ def _matrix_tiles(
     if model == "linear":
         return Tiles(16, 32, 8, 2) if backward and loss == "mse" else Tiles(32, 64, 4, 2)
     if model == "swiglu" and role == "forward" and not warp_group_mma(arch):
-        return Tiles(32, 32, 8, 2)  # the whole head in one launch spills ~140 B a thread on mma.sync parts
+        return Tiles(32, 32, 8, 2)  # the whole head in one launch spills on mma.sync parts
     if arch.smem >= FUSED_BACKWARD_SMEM or role in ("readout", "grad", "forward"):
         return Tiles(32, 64, 8, 2)
     return Tiles(32, 32, 8, 2)
@@ -205,12 +205,15 @@ def _small_tiles(block_r: int, block_d: int, dtype: torch.dtype) -> Tiles:
     return Tiles(0, min(block_d, max(16, elems // block_r)), 4, 1)
 
 
-MATRIX_ROLES = ("forward", "grad", "readout", "readout_bwd", "readout_bwd_cross", "grad_bwd", "grad_bwd_cross")  # fmt: skip
+MATRIX_ROLES = (
+    "forward", "grad", "readout", "readout_bwd", "readout_bwd_cross", "grad_bwd", "grad_bwd_cross",
+)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
 def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, arch: Arch, loss: str,
-                   prec: str, chunk: int | None, interpret: bool, tiles_as: tuple | None) -> LaunchConfig:  # fmt: skip
+                   prec: str, chunk: int | None, interpret: bool,
+                   tiles_as: tuple | None) -> LaunchConfig:  # fmt: skip
     block_d = max(16, next_pow2(d))
     block_r = 16 if model == "dwconv" else block_d
     tile_arch, tile_prec = tiles_as or (INTERPRET_TILES if interpret else (arch, prec))
@@ -237,7 +240,8 @@ def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, 
     native = model != "dwconv" and native_half(dtype, tile_arch)
     dot = TL_DTYPES[dtype] if native else acc_tl
     emulate = native and interpret and dtype == torch.bfloat16
-    # 16-bit operands at d = 64: the one-block gradient backward on transposed 32-token tiles (``_half_tiles``)
+    # 16-bit operands at d = 64: the one-block gradient backward on transposed 32-token tiles
+    # (``_half_tiles``)
     transposed = native and block_d == 64 and tiles["grad_bwd"].block_c == block_d
     return LaunchConfig(block_d, block_r, size, cdiv(n_tok, size), prec, dot, emulate, transposed, tiles)
 
@@ -312,9 +316,9 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
     memory per block against what ``launch_config`` picks for this head dim, dtype and, for fp32, the dots
     PyTorch allows now (TF32 or IEEE): ``smem_need``. On ROCm (``torch.version.hip``), first whether Triton's
     AMD backend takes the dots' input precision on this GPU (most parts reject TF32; ``DOT_MODELS``). Cheap:
-    cached per (model, head-dim class, dtype, precision, device). On a CPU the interpreter (``TRITON_INTERPRET=1``) runs any configuration. A CUDA
-    device asked about where no GPU is present (a plan explained ahead of time) passes: the check is made
-    where the GPU is.
+    cached per (model, head-dim class, dtype, precision, device). On a CPU the interpreter
+    (``TRITON_INTERPRET=1``) runs any configuration. A CUDA device asked about where no GPU is present (a plan
+    explained ahead of time) passes: the check is made where the GPU is.
 
     Args:
         name: ``"swiglu"``, ``"linear"`` or ``"dwconv"`` (the loss does not change the shared memory).
@@ -347,8 +351,8 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
         arch, allowed = hip_arch(index)
         if prec not in allowed:
             return False, (
-                f"ROCm {arch}: Triton's AMD backend takes {', '.join(allowed)} dots there, not the {prec} dots "
-                f"the kernels take for {dtype} inputs"
+                f"ROCm {arch}: Triton's AMD backend takes {', '.join(allowed)} dots there, "
+                f"not the {prec} dots the kernels take for {dtype} inputs"
             )
     block_d = max(16, next_pow2(head_dim))
     return fits_arch(name, block_d, dtype, prec, Arch.of(device))
@@ -356,8 +360,8 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
 
 @functools.cache
 def fits_arch(name: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arch) -> tuple[bool, str]:
-    """Whether ``arch`` runs inner model ``name``'s kernels at padded head dim ``block_d`` (``(ok, why not)``):
-    ``fits_device``'s rule without a device, as the offline compiles ask it."""
+    """Whether ``arch`` runs inner model ``name``'s kernels at padded head dim ``block_d``
+    (``(ok, why not)``): ``fits_device``'s rule without a device, as the offline compiles ask it."""
     gpu = f"{arch.sm} ({arch.name})" if arch.name else arch.sm
     if arch.capability < MIN_CAPABILITY:
         return False, f"the Triton kernels are built and checked for sm_{MIN_CAPABILITY}+; this GPU is {gpu}"
