@@ -78,9 +78,10 @@ class TTTConfig:
         steps: inner epochs over the sequence.
         mini_batches: inner mini-batches per epoch (contiguous chunks of the raster order).
         grad_norm: the official normalisation ``G / (||G|| + 1)`` over each output column.
-        scale: loss scale; ``None`` is the official 1/3 (``9 ** -0.5``), ``"head_dim"`` is ``head_dim ** -0.5``,
-            ``"1/head_dim"`` is ``1 / head_dim`` (TTT-Linear/TTT-MLP's η / d).
-        mlp_ratio: hidden width of the ``mlp``, ``mlp3`` and ``swiglu_out`` inner models, in units of ``head_dim``.
+        scale: loss scale; ``None`` is the official 1/3 (``9 ** -0.5``), ``"head_dim"`` is
+            ``head_dim ** -0.5``, ``"1/head_dim"`` is ``1 / head_dim`` (TTT-Linear/TTT-MLP's η / d).
+        mlp_ratio: hidden width of the ``mlp``, ``mlp3`` and ``swiglu_out`` inner models, in units of
+            ``head_dim``.
         mlp_act: activation of the ``mlp`` and ``mlp3`` inner models: ``"gelu"`` (exact), ``"gelu_tanh"``
             (the tanh approximation, as TTT-MLP) or ``"silu"``.
         mlp_residual: ``"none"``, ``"add"`` (SiLU(xW1)W2 + x) or ``"identity"`` (SiLU(xW1)(W2 + I)); for
@@ -89,9 +90,10 @@ class TTTConfig:
             ``mlp3``; W3 of ``swiglu_out``); needs ``mlp_ratio`` 1.
         inner_norm: ``"none"`` or ``"ln"``: every token-wise inner model g becomes f(x) = x + LN(g(x)) with a
             learnable per-head LayerNorm (weight 1, bias 0 at init, eps 1e-6; trained by the outer loop only),
-            as in TTT-Linear/TTT-MLP (Sun et al. 2024). Grid models (``conv``, ``dwconv``) are left as they are.
-        inner_bias: FC layers of the ``BIAS_MODELS`` with biases (zero at init, trained by the inner loop), as in
-            TTT-Linear/TTT-MLP; other inner models are left as they are.
+            as in TTT-Linear/TTT-MLP (Sun et al. 2024). Grid models (``conv``, ``dwconv``) are left as they
+            are.
+        inner_bias: FC layers of the ``BIAS_MODELS`` with biases (zero at init, trained by the inner loop), as
+            in TTT-Linear/TTT-MLP; other inner models are left as they are.
         rope: 2-D RoPE on q and k of the token-wise branches (H-ViT³).
         rope_base: RoPE base.
         qkv_bias: bias of the qkv projection.
@@ -103,10 +105,10 @@ class TTTConfig:
             per-token pre-activations Z = k W, Y = q W': ``"auto"`` (the default: ``$VIT3_TTT_RECOMPUTE``,
             else as ``"always"``), ``"always"`` (recompute them: memory-lean, a few % of a training step),
             ``"never"`` (save them: 4·d more values per token and head; the fastest) or ``"qkv"`` (the mixer's
-            backward reruns its qkv projection and inner loops, any backend: it saves only its input, ~12% more
-            training compute). The Triton backward always recomputes Z, Y. The ViT³ block follows it too:
-            unless ``"never"``, its backward recomputes the CPE output and the MLP's LayerNorm and GELU outputs
-            (``vit3.layers.blocks.LeanMlp``).
+            backward reruns its qkv projection and inner loops, any backend: it saves only its input, ~12%
+            more training compute). The Triton backward always recomputes Z, Y. The ViT³ block follows it too:
+            unless ``"never"``, its backward recomputes the CPE output and the MLP's LayerNorm and GELU
+            outputs (``vit3.layers.blocks.LeanMlp``).
         check_finite: raise on non-finite input tokens (skipped under tracing and compilation).
     """
 
@@ -199,7 +201,7 @@ class TTTConfig:
         return float(self.scale)
 
     def branch_norm(self, name: str) -> bool:
-        """Whether inner model ``name`` is wrapped as ``x + LN(g(x))`` (``inner_norm="ln"``, token-wise models)."""
+        """Whether inner model ``name`` is wrapped as ``x + LN(g(x))`` (``inner_norm="ln"``, token-wise)."""
         return self.inner_norm == "ln" and name not in GRID_MODELS
 
     def branch_bias(self, name: str) -> bool:
@@ -222,7 +224,8 @@ def _read_impl(cfg: dict[str, Any]) -> dict[str, Any]:
     impl = cfg.pop("impl")
     if impl not in IMPL_TO_BACKEND:
         raise ValueError(
-            f"TTT config key 'impl' was renamed 'backend' (auto, triton, cpu, eager, generic); got impl={impl!r}"
+            "TTT config key 'impl' was renamed 'backend' (auto, triton, cpu, eager, generic); "
+            f"got impl={impl!r}"
         )
     backend = IMPL_TO_BACKEND[impl]
     if "backend" in cfg and cfg["backend"] != backend:

@@ -1,28 +1,14 @@
 """The mixer's eager node: the inner loops of all branches, between the two projections, as one autograd node.
 
-The per-branch path slices q, k and v out of the qkv projection, runs each branch and concatenates the
-read-outs; autograd then pays for layout copies both ways (q, k, v made contiguous, read-outs transposed and
-concatenated, and the q, k, v gradients transposed and concatenated back into one qkv gradient). Here the
-branches take q, k and v as views of qkv and write their read-outs straight into the output
-``[B, N, sum(widths)]``, and the backward writes dq, dk and dv straight into one qkv gradient.
+The branches take q, k and v as views of the qkv projection and write their read-outs straight into the
+output ``[B, N, sum(widths)]``; the backward writes dq, dk and dv straight into one qkv gradient, so no layout
+copies are made either way. Each branch runs one full-batch dot-loss step through the node hooks
+(``vit3.kernels.ops.Node``) of its op's path ``MixBranch.path`` (``"cpu"``, ``"eager"``, ``"triton"``), or all
+branches at once through their path's whole-node hooks (``Node.whole``: Triton's launch program). RoPE
+rotates q and k here; a branch whose hooks raise is tagged (``BRANCH_ATTR``) so the guard demotes it alone.
+``vit3.layers.backends`` decides when it runs; settled all-``cpu`` calls take ``torch.ops.vit3_cpu.mix``.
 
-Each branch runs one full-batch dot-loss step through the node hooks (``vit3.kernels.ops.Node``) of its op's
-path ``MixBranch.path`` (``"cpu"``, ``"eager"`` or ``"triton"``), looked up in the table of ops
-``vit3.kernels.ops.OPS``: the SwiGLU model through ``vit3.kernels.swiglu.eager`` (tiles, or its passes in
-the C++ CPU kernel), the 3x3 depthwise conv through ``vit3.kernels.dwconv.eager`` (one convolution per stage
-for the whole batch) or ``vit3.kernels.dwconv.cpp`` (the same stages on the token rows in the C++ kernel),
-either on Triton through ``vit3.kernels.triton.node`` (the launch plans on the views, in qkv's own dtype).
-Where every branch's path has hooks for the whole node (``Node.whole``), those run all branches at once: the
-Triton path's launch program (``vit3.kernels.triton.program``), which gets the views (``_whole_calls``,
-``_whole_grads``) only the first time of a layout, and a RoPE branch's q, k rotated first (one pair per branch)
-and a pair to write its dq, dk into (rotated back after).
-A branch whose hooks raise tags the exception with its index (``BRANCH_ATTR``): the backends' guard demotes
-that branch's backend alone.
-RoPE, where the branch has it, rotates q and k here, before the hooks, and their gradients back after.
-``vit3.layers.backends`` decides when this path runs; the mixer runs branch by branch whenever a branch
-takes another backend. Where every branch takes the C++ kernel, the mixer's settled calls skip this node for the
-same call in C++, ``torch.ops.vit3_cpu.mix`` (``kernels/mix/csrc/mix.cpp``: one C++ autograd node, tested
-against this one); this node serves their first, guarded calls, other dtypes and ``ttt.CPP_NODE = False``.
+The node's hooks, views and the whole-mixer C++ op beside it: ``docs/design/dispatch.md``.
 """
 
 from __future__ import annotations
@@ -74,9 +60,10 @@ def _heads(t: Tensor, heads: int) -> Tensor:
 
 
 def _view(t: Tensor, geom: tuple[int, ...], offset: int, heads: int, head_dim: int, split: bool) -> Tensor:
-    """Channels ``[offset, offset + heads * head_dim)`` of ``t`` ``[B, N, *]`` as tokens ``[B, N, G*c]`` or, with
-    ``split``, as heads ``[B, G, N, c]``: one ``as_strided``, where slicing and ``_heads`` cost up to three
-    view ops (the mixer's per-call overhead at 224 px is mostly such small calls). ``geom``: ``_geom(t)``."""
+    """Channels ``[offset, offset + heads * head_dim)`` of ``t`` ``[B, N, *]`` as tokens ``[B, N, G*c]`` or,
+    with ``split``, as heads ``[B, G, N, c]``: one ``as_strided``, where slicing and ``_heads`` cost up to
+    three view ops (the mixer's per-call overhead at 224 px is mostly such small calls). ``geom``:
+    ``_geom(t)``."""
     b, n, sb, sn, sc, base = geom
     start = base + offset * sc
     if split:
@@ -92,8 +79,9 @@ def _geom(t: Tensor) -> tuple[int, ...]:
 
 
 def _branch_views(t: Tensor, geom: tuple[int, ...], br: MixBranch, heads: bool) -> list[Tensor]:
-    """Branch ``br``'s q, k, v (or their gradients) in ``t`` (the node's qkv or its gradient) as its hooks take
-    them: as heads where ``heads`` (the ``Node``'s), but q and k as tokens where RoPE rotates them first."""
+    """Branch ``br``'s q, k, v (or their gradients) in ``t`` (the node's qkv or its gradient) as its hooks
+    take them: as heads where ``heads`` (the ``Node``'s), but q and k as tokens where RoPE rotates them
+    first."""
     width = br.heads * br.head_dim
     return [
         _view(t, geom, br.offset + j * width, br.heads, br.head_dim, heads and (j == 2 or not br.rope))
@@ -185,8 +173,8 @@ def reference_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
 
 
 def takes(plan: MixPlan, dtype: torch.dtype) -> bool:
-    """Whether ``eager_mix`` takes a qkv of ``dtype`` on ``plan`` as it is: float32 / float64 always, float16 /
-    bfloat16 where every branch's hooks do (Triton's; the others' inner loop needs float32 at least)."""
+    """Whether ``eager_mix`` takes a qkv of ``dtype`` on ``plan`` as it is: float32 / float64 always, float16
+    / bfloat16 where every branch's hooks do (Triton's; the others' inner loop needs float32 at least)."""
     return dtype in (torch.float32, torch.float64) or (
         dtype in (torch.float16, torch.bfloat16) and mix_layout(plan).low_precision
     )

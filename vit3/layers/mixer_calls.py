@@ -1,5 +1,5 @@
-"""The calls a TTT mixer keeps: the plan of each key and, in front of them, the short path of a settled call on
-the whole-mixer C++ op (``TTTMixer.mix``), with the op's constant arguments."""
+"""The calls a TTT mixer keeps: the plan of each key and, in front of them, the short path of a settled call
+on the whole-mixer C++ op (``TTTMixer.mix``), with the op's constant arguments."""
 
 from __future__ import annotations
 
@@ -27,22 +27,16 @@ class Call:
 
 
 class Calls:
-    """A mixer's plans by key (``plans``, ``TTTMixer._call``) and, in front of them for ``TTTMixer.mix``'s short
-    path, per grad mode the last call settled on the whole-mixer C++ op
-    (``short[grad]``: its qkv dtype, grid, the op and its arguments after the weights), with where the weights are
-    read from (``sources``, ``TTTMixer._param_sources``) and the weights it took (``flat``: a later call takes
-    the short path only while each ``sources`` entry still holds that same tensor, in that dtype), and where
-    the weights are, looked up once (``weight_places``, ``TTTMixer._param_sources``; ``False``: not yet).
-    ``clear`` drops them all; so does ``backends.forget_plans`` (a demotion, a new environment), which keeps
-    this cache with its own.
+    """A mixer's plans by key (``plans``, ``TTTMixer._call``) and, in front of them for ``TTTMixer.mix``'s
+    short path, per grad mode the last call settled on the whole-mixer C++ op
+    (``short[grad]``: its qkv dtype, grid, the op and its arguments after the weights), with where the weights
+    are read from (``sources``, ``TTTMixer._param_sources``) and the weights it took (``flat``: a later call
+    takes the short path only while each ``sources`` entry still holds that same tensor, in that dtype), and
+    where the weights are, looked up once (``weight_places``, ``TTTMixer._param_sources``; ``False``: not
+    yet). ``clear`` drops them all; so does every change the backends' plans depend on (a demotion, a new
+    environment, ``backends.reset``): the cache is kept with them (``backends.keep_with_plans``).
 
-    Why here and not in the mixer's ``__dict__``: ``torch.export`` (under every exporter built on it) snapshots
-    the modules' attributes as pytrees and writes the snapshot back, so a list of the parameter dicts there came
-    back as copies taken under the trace, holding its fake tensors; this object is one leaf, written back as is.
-
-    Why the short path: a settled call then costs a few reads and compares before the op, where a plan key (a
-    ``torch.device``, a tuple hashed, the tracing checks) and its lookup cost tens of µs beside a call's
-    kernels on a CPU (``benchmarks/mixer_overhead.py``).
+    Why here and not in the mixer's ``__dict__``, and why the short path: ``docs/design/dispatch.md``.
     """
 
     __slots__ = ("__weakref__", "flat", "plans", "short", "sources", "weight_places")
@@ -67,8 +61,8 @@ def call_key(device: torch.device, dtype: torch.dtype, n: int, grad: bool, grid:
 
 
 def cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
-    """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_plan`` on tensors like ``qkv`` (its key's
-    device, dtype and N): per branch its kind, offset, heads, head dim, RoPE and token block (its op's
+    """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_plan`` on tensors like ``qkv`` (its
+    key's device, dtype and N): per branch its kind, offset, heads, head dim, RoPE and token block (its op's
     ``Node.mix``), then the shared settings, and whether the branches take dense copies of q, k, v (the Python
     node's rule, ``Node.copies``: for N > 1 a matter of shapes alone, and the op copies a qkv without unit
     channel stride)."""

@@ -48,7 +48,7 @@ class _Inert:
 
 
 def safe_torch_load(path: str | os.PathLike) -> Any:
-    """``torch.load(weights_only=True)``, reading unknown pickled classes (training metadata) as inert dicts."""
+    """``torch.load(weights_only=True)``; unknown pickled classes (training metadata) load as empty dicts."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (
@@ -82,13 +82,14 @@ def select_weights(checkpoint: Mapping[str, Any], use_ema: bool = False) -> dict
             return dict(entry)
     if use_ema:
         raise MissingWeightsError(
-            f"checkpoint has no EMA weights (looked for {EMA_KEYS}; top-level keys: {sorted(checkpoint)[:20]})"
+            f"checkpoint has no EMA weights (looked for {EMA_KEYS}; "
+            f"top-level keys: {sorted(checkpoint)[:20]})"
         )
     return dict(checkpoint)
 
 
 def load_checkpoint_file(path: str | os.PathLike, use_ema: bool = False) -> dict[str, Tensor]:
-    """Reads a checkpoint file (official ``.pth`` or ``.safetensors``) and returns its weights (see module doc).
+    """Reads a checkpoint file (official ``.pth`` or ``.safetensors``) and returns its weights (module doc).
 
     ``module.`` / ``_orig_mod.`` prefixes (DDP, torch.compile) are removed.
     """
@@ -160,7 +161,7 @@ def check_state_dict(
 
 
 def _official_file(variant: str, cfg: PretrainedCfg) -> str:
-    """The local file of the official weights: ``cfg.file``, or the official URL downloaded once into the hub cache."""
+    """The local file of the official weights: ``cfg.file``, or the official URL downloaded once (hub)."""
     if cfg.file:
         return os.fspath(cfg.file)
     how = (
@@ -185,14 +186,14 @@ def _official_file(variant: str, cfg: PretrainedCfg) -> str:
 def apply_checkpoint_record(
     variant: str, kwargs: dict[str, Any], architecture: Mapping[str, Any], stride: int
 ) -> dict[str, Any]:
-    """The ``timm.create_model(variant, pretrained=True, **kwargs)`` kwargs for a vit3 training checkpoint as the
-    weights file (``pretrained_cfg_overlay=dict(file=...)``): the model its record describes.
+    """The ``timm.create_model(variant, pretrained=True, **kwargs)`` kwargs for a vit3 training checkpoint as
+    the weights file (``pretrained_cfg_overlay=dict(file=...)``): the model its record describes.
 
-    The record's model kwargs come under the caller's (a caller's value that differs wins, with a warning), and
-    the pretrained cfg takes the record's class count, input channels and size, normalisation, interpolation,
-    crop and class names under the caller's overlay, so ``timm.data.resolve_model_data_config`` gives the
-    preprocessing the weights were trained with. The weights (EMA with ``pretrained_ema=True``) go in as the
-    cfg's ``state_dict``. Any other file, or no file, returns ``kwargs`` as they are.
+    The record's model kwargs come under the caller's (a caller's value that differs wins, with a warning),
+    and the pretrained cfg takes the record's class count, input channels and size, normalisation,
+    interpolation, crop and class names under the caller's overlay, so ``timm.data.resolve_model_data_config``
+    gives the preprocessing the weights were trained with. The weights (EMA with ``pretrained_ema=True``) go
+    in as the cfg's ``state_dict``. Any other file, or no file, returns ``kwargs`` as they are.
 
     Args:
         variant: the timm name being built.
@@ -267,11 +268,11 @@ def create_model_with_official_weights(
 ) -> nn.Module:
     """``timm.build_model_with_cfg`` with the official checkpoint files read by ``load_checkpoint_file``.
 
-    With ``pretrained=True`` the weights come from ``pretrained_cfg_overlay=dict(file=...)`` or, without a file,
-    from the official URL (downloaded once); ``pretrained_ema=True`` takes the EMA weights of the file. A cfg of
-    timm's ``hf-hub:`` / ``local-dir:`` sources (or with an ``hf_hub_id`` and no file) is timm's to load.
-    timm then converts them with ``filter_fn`` (the model's ``checkpoint_filter_fn``), adapts the classifier
-    and the input channels, and loads them strictly.
+    With ``pretrained=True`` the weights come from ``pretrained_cfg_overlay=dict(file=...)`` or, without a
+    file, from the official URL (downloaded once); ``pretrained_ema=True`` takes the EMA weights of the file.
+    A cfg of timm's ``hf-hub:`` / ``local-dir:`` sources (or with an ``hf_hub_id`` and no file) is timm's to
+    load. timm then converts them with ``filter_fn`` (the model's ``checkpoint_filter_fn``), adapts the
+    classifier and the input channels, and loads them strictly.
 
     Raises:
         ValueError: ``pretrained_ema=True`` with weights from timm's hub sources (they hold one set).
@@ -285,8 +286,9 @@ def create_model_with_official_weights(
         )
         if from_hub and use_ema:
             raise ValueError(
-                f"pretrained_ema=True takes the EMA weights of a checkpoint file; the {merged.source or 'hf-hub'} "
-                f"weights of {merged.hf_hub_id or merged.file} are one set: leave out pretrained_ema"
+                "pretrained_ema=True takes the EMA weights of a checkpoint file; "
+                f"the {merged.source or 'hf-hub'} weights of {merged.hf_hub_id or merged.file} are one set: "
+                "leave out pretrained_ema"
             )
         if not from_hub and not merged.state_dict:
             path = _official_file(variant, merged)
@@ -310,8 +312,8 @@ def create_model_with_official_weights(
         if pretrained and "size mismatch for head." in str(exc):
             raise CheckpointMismatchError(
                 "the checkpoint's classifier has another class count than the pretrained config: declare it, "
-                "e.g. pretrained_cfg_overlay=dict(file=..., num_classes=<checkpoint classes>) (timm then keeps "
-                "the head, or replaces it when num_classes differs)\n" + str(exc)
+                "e.g. pretrained_cfg_overlay=dict(file=..., num_classes=<checkpoint classes>) "
+                "(timm then keeps the head, or replaces it when num_classes differs)\n" + str(exc)
             ) from exc
         raise
     # the weights were only passed through the config: do not keep a second copy on the model

@@ -1,31 +1,14 @@
 """DiT³: class-conditional diffusion transformers whose attention is the ViT³ TTT mixer.
 
-Paper: "ViT³: Unlocking Test-Time Training in Vision" (arXiv 2512.01643, CVPR 2026), generation experiments;
-official code https://github.com/LeapLabTHU/ViTTT (``dittt/``, built on facebookresearch/DiT).
+The official DiTTT (https://github.com/LeapLabTHU/ViTTT, ``dittt/``, built on facebookresearch/DiT): patch
+embedding plus a fixed 2-D sin-cos table, ``depth`` DiT blocks (CPE ``x + dwconv3x3(x)``, then the mixer and
+the MLP under adaLN-Zero modulation by the timestep + class embedding), a final adaLN layer, unpatchify. The
+mixer is vit3's ``TTTMixer`` in the official configuration; ``mixer="attention"`` is the DiT baseline. Any
+``H x W`` latent works (padded to the patch size, cropped after). DiT³ is a diffusers model (``ModelMixin`` +
+``ConfigMixin``), not registered with timm: build it with :func:`create_dit3`; importing it needs diffusers.
 
-Architecture (official ``dittt/models.py``): patch embedding of the (latent) image plus a fixed 2-D sin-cos
-position table -> ``depth`` x DiT block -> final adaLN layer -> unpatchify. A DiT block is
-``x = x + dwconv3x3(x)`` (conditional position encoding), then ``x + g1 * mixer(modulate(LN x, s1, c1))`` and
-``x + g2 * MLP(modulate(LN x, s2, c2))``, where the shifts ``s``, scales ``c`` and gates ``g`` come from the
-conditioning vector (timestep embedding + class embedding) through a zero-initialised linear layer
-(adaLN-Zero). The mixer is vit3's ``TTTMixer`` in the official configuration (SwiGLU + 3x3 depthwise-conv
-inner models, no RoPE); ``mixer="attention"`` swaps timm's ``Attention`` (SDPA) back in for the DiT baseline,
-everything else equal (the depthwise-conv position encoding stays, so only the mixer differs).
-With ``learn_sigma`` the model predicts ``[eps, v]`` (``2 * in_channels`` channels): the noise and the
-interpolation coefficient of the log-variance between the posterior and the beta variance.
-
-Beyond the official code (which assumes square latents of exactly ``input_size``): any ``H x W`` latent
-works. The tokens travel as a channels-last map ``[B, h, w, C]``, the sin-cos table is computed for the
-actual grid, and a side that is not a multiple of the patch size is zero-padded on the bottom/right before
-the patch embedding and cropped off the output (the prediction is ``[B, out_channels, H, W]`` for the input
-``H x W``). ``input_size`` only sets the nominal size. DiT³ is not a classifier, so it is not registered with
-timm (timm's model contract would not hold); build it with :func:`create_dit3`.
-
-DiT³ is a diffusers model (``ModelMixin`` + ``ConfigMixin``): ``model.config`` holds its constructor
-arguments (the TTT mixer's as a plain dict), ``save_pretrained(folder)`` writes ``config.json`` and
-safetensors weights and ``DiT3.from_pretrained(folder)`` reads them back; ``vit3.tasks.pipeline.DiT3Pipeline``
-samples it as diffusers' ``DiTPipeline`` does, with the official guidance. Importing it needs diffusers
-(the ``generation`` extra).
+The architecture in full, what goes beyond the official code, and the diffusers side:
+``docs/design/models.md``.
 """
 
 from __future__ import annotations
@@ -150,7 +133,8 @@ class DiT3(ModelMixin, ConfigMixin):
         self.grad_checkpointing = False
         ttt = TTTConfig.create(ttt_cfg) if mixer == "ttt" else None
         self.ttt_cfg = ttt
-        # the config is JSON (config.json): the mixer's settings as a plain dict, none for the attention baseline
+        # the config is JSON (config.json): the mixer's settings as a plain dict, none for the attention
+        # baseline
         self.register_to_config(ttt_cfg=dataclasses.asdict(ttt) if ttt is not None else None)
 
         self.x_embedder = PatchEmbed(
@@ -209,7 +193,8 @@ class DiT3(ModelMixin, ConfigMixin):
             raise ValueError(f"DiT3 expects latents [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
         if x.shape[1] != self.in_channels:
             raise ValueError(
-                f"DiT3 built for {self.in_channels} latent channels got {x.shape[1]} (input {tuple(x.shape)}); "
+                f"DiT3 built for {self.in_channels} latent channels got {x.shape[1]} "
+                f"(input {tuple(x.shape)}); "
                 f"a VAE latent has its VAE's latent_channels, a pixel-space model the image channels"
             )
         b = x.shape[0]
@@ -372,7 +357,8 @@ def _check_pos_embed(value: Tensor, model: DiT3, source: str) -> None:
     if tuple(value.shape) != (1, h * w, model.hidden_size):
         raise ValueError(
             f"{source}: pos_embed {tuple(value.shape)} does not fit input_size {model.input_size} with patch "
-            f"{model.patch_size} and hidden_size {model.hidden_size} (expected {(1, h * w, model.hidden_size)}): "
+            f"{model.patch_size} and hidden_size {model.hidden_size} "
+            f"(expected {(1, h * w, model.hidden_size)}): "
             f"pass the input_size the checkpoint was trained at"
         )
     err = (value[0].double() - want.double()).abs().max().item()
@@ -400,8 +386,8 @@ def load_dit3_weights(model: DiT3, path: str | os.PathLike) -> DiT3:
 
 
 def dit3_model_args(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``DiT3`` arguments of model ``name`` (``DIT3_CONFIGS``) with ``overrides``; a ``ValueError`` names an
-    unknown name or override."""
+    """The ``DiT3`` arguments of model ``name`` (``DIT3_CONFIGS``) with ``overrides``; a ``ValueError`` names
+    an unknown name or override."""
     key = name.strip().lower().replace("dittt-", "dit3_").replace("dit3-", "dit3_").replace("/", "_")
     if key not in DIT3_CONFIGS:
         raise ValueError(f"unknown DiT³ model {name!r}; choose from {sorted(DIT3_CONFIGS)}")

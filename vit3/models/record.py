@@ -1,4 +1,4 @@
-"""vit3 checkpoint files as a model reads them: what a file holds, and the model record that rebuilds its model.
+"""vit3 checkpoint files as a model reads them: what a file holds, and the record that rebuilds its model.
 
 A vit3 checkpoint is a ``torch.save`` dict of plain data (``format`` ``"vit3-checkpoint"``; its fields in
 :mod:`vit3.engine.checkpoint`), read with ``torch.load(weights_only=True)``. Files that are no vit3 checkpoint
@@ -20,7 +20,8 @@ from ..errors import CheckpointError
 
 FORMAT = "vit3-checkpoint"
 RECORD_FIELDS = (
-    "name", "kwargs", "in_chans", "img_size", "num_classes", "classes", "mean", "std", "interpolation", "crop_pct",
+    "name", "kwargs", "in_chans", "img_size", "num_classes", "classes", "mean", "std", "interpolation",
+    "crop_pct",
 )  # fmt: skip
 # The tasks whose checkpoints hold an image classifier (a conversion's student is one).
 CLASSIFIER_TASKS = ("classification", "convert")
@@ -72,8 +73,8 @@ _CONFIG_GLOBAL = "vit3.engine.config.Config"
 def _load(path: Path, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)``; a checkpoint written before records held plain data only (a
     :class:`~vit3.engine.config.Config` pickled in its model kwargs) is read with that class rebuilt as plain
-    dicts (nothing is imported from the file). ``mmap``: tensors stay on disk until touched (reading the config
-    of a large checkpoint)."""
+    dicts (nothing is imported from the file). ``mmap``: tensors stay on disk until touched (reading the
+    config of a large checkpoint)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as first:
@@ -88,8 +89,8 @@ def _load(path: Path, mmap: bool = False) -> Any:
 
 
 def _pickled_classes(path: Path) -> list[str]:
-    """The classes a zip ``torch.save`` file pickles (which weights-only loading refuses); ``[]`` for any other
-    file."""
+    """The classes a zip ``torch.save`` file pickles (which weights-only loading refuses); ``[]`` for any
+    other file."""
     try:
         return torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception:  # not a zip checkpoint
@@ -101,8 +102,8 @@ def _unreadable(path: Path) -> str:
     names = _pickled_classes(path)
     if names:
         return (
-            f"cannot read checkpoint {path}: it pickles {', '.join(names)}, which weights-only loading does not "
-            f"import (a vit3 checkpoint holds plain data only)"
+            f"cannot read checkpoint {path}: it pickles {', '.join(names)}, "
+            f"which weights-only loading does not import (a vit3 checkpoint holds plain data only)"
         )
     return f"{path} is {describe_bytes(path)}; expected a vit3 checkpoint (a run's last.pt or best.pt)"
 
@@ -130,7 +131,10 @@ def describe_bytes(path: Path) -> str:
             return f"a text file ({size} bytes, e.g. a YAML config), not a checkpoint"
     if head[:1] == b"\x80":  # the pickle protocol's opcode
         if _LEGACY_MAGIC in head[:32]:
-            return f"a torch.save file of the legacy format ({size} bytes) that pickles objects weights-only loading refuses"
+            return (
+                f"a torch.save file of the legacy format ({size} bytes) that pickles objects "
+                "weights-only loading refuses"
+            )
         return f"a Python pickle ({size} bytes) of no torch.save file"
     if zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as z:
@@ -204,8 +208,8 @@ def require_classifier(ckpt: Mapping[str, Any], path: str | Path, use: str) -> N
     """
     if checkpoint_task(ckpt) not in CLASSIFIER_TASKS:
         raise CheckpointError(
-            f"{path} is {checkpoint_kind(ckpt)}: {use} takes a classification checkpoint (a run's best.pt) or "
-            f"official ViTTT weights"
+            f"{path} is {checkpoint_kind(ckpt)}: {use} takes a classification checkpoint "
+            f"(a run's best.pt) or official ViTTT weights"
         )
 
 
@@ -269,9 +273,9 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     obj = _read(path, mmap)
     if not is_vit3_checkpoint(obj):
         raise CheckpointError(
-            f"{path} is {describe_checkpoint(path)}, not a vit3 training checkpoint (a run's last.pt or best.pt); "
-            f"official ViTTT weights are loaded with model.pretrained=FILE (fine-tuning) or eval.py --model NAME "
-            f"--checkpoint FILE"
+            f"{path} is {describe_checkpoint(path)}, not a vit3 training checkpoint "
+            "(a run's last.pt or best.pt); official ViTTT weights are loaded with model.pretrained=FILE "
+            "(fine-tuning) or eval.py --model NAME --checkpoint FILE"
         )
     return obj
 

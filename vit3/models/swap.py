@@ -1,32 +1,14 @@
 """TTT in timm's own models: replace the attention of a timm ViT/DeiT or Swin Transformer by TTT mixers.
 
-``swap_attention_for_ttt(model)`` works in place on a timm ``VisionTransformer`` (DeiT and distilled DeiT
-included) or ``SwinTransformer``, also inside a ``features_only`` wrapper, and returns the model. Each
-attention module becomes a ``TTTMixer`` of the same width and head count; its ``qkv`` and ``proj`` weights are
-copied into the mixer's main (full-width) branch, so only the extra branches (the official depthwise-conv
-head) and the inner-model weights start fresh. Everything else (embeddings, norms, MLPs, heads,
-``forward_features``, ``forward_intermediates``, ``features_only``) stays timm's; the model can be fine-tuned.
+``swap_attention_for_ttt(model)`` works in place on a timm ``VisionTransformer`` (DeiT included) or
+``SwinTransformer``, also inside a ``features_only`` wrapper: each attention becomes a ``TTTMixer`` of the
+same width and heads, its ``qkv`` and ``proj`` weights copied into the mixer's full-width branch; the rest
+stays timm's. ViT prefix tokens stay off the token grid; Swin runs one mixer per stage map
+(``scope="stage"``) or per window (``scope="window"``). ``timm.create_model("ttt_swap", base=...,
+ttt={...}, scope=...)`` builds ``base`` and swaps it (what a converted checkpoint records); from its
+defaults ``base`` is Swin-T (:data:`SWAP_DEFAULT_BASE`).
 
-Token layout:
-
-- ViT / DeiT: the patch tokens form the ``h x w`` grid of the image (read from the image size at every call,
-  so ``dynamic_img_size`` models keep working). Prefix tokens (class, distillation, register) are not on the
-  grid: they are left out of the inner training and their mixer output is the mean of the patch tokens'
-  outputs (global average "attention").
-- Swin: ``scope="stage"`` (default) runs one mixer over the whole stage map ``[B, H, W, C]``: TTT costs
-  linear time in the number of tokens, so the window partition, cyclic shift and shift mask (which exist to
-  keep softmax attention local and affordable) are dropped and every token sees the whole image, as in
-  ViT³. ``scope="window"`` keeps Swin's windows and shifts and runs the mixer inside each window (grid
-  ``window_size``); the shift mask is ignored (TTT has no masking), so the wrapped-around border windows of
-  shifted blocks mix tokens from opposite image borders. Swin's relative position bias has no TTT
-  counterpart and is dropped.
-
-A swapped model is also a timm model by name: ``timm.create_model("ttt_swap", base="deit_small_patch16_224",
-ttt={...}, scope="stage", **base_kwargs)`` builds ``base`` (with ``base_kwargs``, timm's ``pretrained`` and
-``features_only`` included) and swaps its attention; that is how a checkpoint of a converted model
-(``vit3.convert``) records its model, so that ``eval.py``, ``export.py`` and fine-tuning rebuild it. Like every
-name in timm's registry it builds from its defaults: ``base`` defaults to Swin-T (:data:`SWAP_DEFAULT_BASE`,
-one mixer per stage map), so code that builds every ``timm.list_models()`` name gets a working model.
+The token layouts, Swin's windows, shifts and bias, and the registered name: ``docs/design/models.md``.
 """
 
 from __future__ import annotations
@@ -62,11 +44,12 @@ SWIN_SCOPES = ("stage", "window")
 
 @torch.no_grad()
 def copy_attention_weights(mixer: TTTMixer, qkv: nn.Linear, proj: nn.Linear) -> bool:
-    """Copies an attention's ``qkv`` ``[3C, C]`` and ``proj`` ``[C, C]`` into the mixer's first full-width branch.
+    """Copies an attention's ``qkv`` ``[3C, C]`` and ``proj`` ``[C, C]`` into the mixer's first full branch.
 
     The mixer's ``qkv`` rows are laid out branch by branch, ``[q, k, v]`` each, and its ``proj`` columns
     likewise; the rows and columns of the other branches keep their initialisation. A missing attention
-    ``qkv`` bias copies as zeros. Returns ``False`` (nothing copied) when no branch has the attention's shapes.
+    ``qkv`` bias copies as zeros. Returns ``False`` (nothing copied) when no branch has the attention's
+    shapes.
     """
     width = qkv.out_features // 3
     if qkv.in_features != mixer.dim or proj.out_features != mixer.dim or proj.in_features != width:
@@ -87,7 +70,7 @@ def copy_attention_weights(mixer: TTTMixer, qkv: nn.Linear, proj: nn.Linear) -> 
 def _mixer_like(
     attn: nn.Module, dim: int, ttt_cfg: TTTConfig | dict[str, Any] | None, init: bool
 ) -> TTTMixer:
-    """A mixer with the attention's width, heads and qkv bias, initialised from its weights where shapes allow."""
+    """A mixer with the attention's width, heads and qkv bias, initialised from its weights where they fit."""
     if isinstance(ttt_cfg, TTTConfig):
         cfg = ttt_cfg
     else:
@@ -149,7 +132,7 @@ class TokenTTT(nn.Module):
 
 
 class WindowTTT(nn.Module):
-    """A ``TTTMixer`` in place of a Swin ``WindowAttention``: one inner model per window (grid = window size)."""
+    """A ``TTTMixer`` in place of a Swin ``WindowAttention``: one inner model per window (its grid)."""
 
     def __init__(self, mixer: TTTMixer, window_size: tuple[int, int]) -> None:
         super().__init__()
@@ -242,8 +225,16 @@ def swap_attention_for_ttt(
         The same model, with TTT mixers.
 
     Raises:
+        TypeError: ``model`` is no ``nn.Module`` (e.g. a model's name).
         ValueError: unknown ``scope``, or no timm attention found to replace.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"swap_attention_for_ttt takes a model (an nn.Module), got {model!r}: build it first, e.g. "
+            f"swap_attention_for_ttt(timm.create_model({str(model)!r}))"
+            if isinstance(model, str)
+            else f"swap_attention_for_ttt takes a model (an nn.Module), got a {type(model).__name__}"
+        )
     if scope not in SWIN_SCOPES:
         raise ValueError(f"scope must be one of {SWIN_SCOPES}, got {scope!r}")
     count = 0
@@ -267,7 +258,7 @@ def ttt_swap(
     pretrained_cfg: Any = None,
     **kwargs: Any,
 ) -> nn.Module:
-    """timm's attention model ``base`` with every attention swapped for a TTT mixer (:func:`swap_attention_for_ttt`).
+    """timm's attention model ``base`` with its attention swapped for TTT (:func:`swap_attention_for_ttt`).
 
     Args:
         pretrained: load ``base``'s pretrained weights first (``pretrained_cfg_overlay`` names a file); the
@@ -276,7 +267,8 @@ def ttt_swap(
         ttt: mixer config (``TTTConfig`` keys; default: the official ViT³ mixer).
         scope: Swin only: ``"stage"`` or ``"window"``.
         pretrained_cfg: timm's config of the ``ttt_swap`` entry itself (there is none; ``base`` has its own).
-        **kwargs: ``timm.create_model`` kwargs of ``base`` (``img_size``, ``num_classes``, ``features_only``...).
+        **kwargs: ``timm.create_model`` kwargs of ``base`` (``img_size``, ``num_classes``,
+            ``features_only``...).
 
     Raises:
         ValueError: ``base`` is empty, or not a model whose attention can be swapped.

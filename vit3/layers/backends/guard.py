@@ -72,8 +72,9 @@ def _error_line(exc: BaseException) -> str:
 
 
 class _Guard:
-    """One guarded unit of a mixer call: branches ``units`` computed by ``compute(plan, *tensors)``; ``shapes``
-    the inputs' specialisation (``verify.specialisation``) where a unit's backend specialises on it, else ``None``."""
+    """One guarded unit of a mixer call: branches ``units`` computed by ``compute(plan, *tensors)``;
+    ``shapes`` the inputs' specialisation (``verify.specialisation``) where a unit's backend specialises on
+    it, else ``None``."""
 
     def __init__(
         self, plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor], shapes: tuple | None
@@ -88,8 +89,9 @@ class _Guard:
         )
 
     def forward(self, *tensors: Tensor) -> Tensor:
-        """``compute`` on the current plan; where ``checks``, synchronised (an asynchronous fault surfaces here,
-        inside the guard) and the output of the first and last sample compared with the generic path's."""
+        """``compute`` on the current plan; where ``checks``, synchronised (an asynchronous fault surfaces
+        here, inside the guard) and the output of the first and last sample compared with the generic
+        path's."""
         out = self.compute(self.plan, *tensors)
         if self.checks():
             synchronize(out.device)
@@ -182,10 +184,11 @@ class _Guard:
         ran = [p.backends[i] for i in self.units]
         names = list(dict.fromkeys([n for n in ran if BACKENDS[n].native] or ran))
         return KernelFault(
-            f"vit3: backend {', '.join(map(repr, names))} faulted on {device_name(device)} in the {phase} for "
-            f"the {p.keys[self.units[0]]}: {_error_line(exc)}. A GPU fault is sticky: this process cannot use "
-            f"the GPU any more, so no other backend can take over. Run with {BACKEND_ENV}=generic to keep the "
-            "kernels out, and report the fault with this message."
+            f"vit3: backend {', '.join(map(repr, names))} faulted on {device_name(device)} "
+            f"in the {phase} for the {p.keys[self.units[0]]}: {_error_line(exc)}. "
+            "A GPU fault is sticky: this process cannot use the GPU any more, so no other backend can take "
+            f"over. Run with {BACKEND_ENV}=generic to keep the kernels out, and report the fault with this "
+            "message."
         )
 
     def verify(self) -> None:

@@ -58,17 +58,19 @@ _in_onnx_export = _onnx_exporting()
 
 
 def tracing_kind() -> str:
-    """``"trace"`` under ``torch.jit.trace`` / ONNX export, ``"compile"`` under torch.compile / export, else ``""``."""
+    """``"trace"`` under ``torch.jit.trace`` / ONNX export, ``"compile"`` under torch.compile / export, else
+    ``""``."""
     if torch.compiler.is_compiling():  # dynamo folds the public check (not the flags' property) to a constant
         return "trace" if torch.onnx.is_in_onnx_export() else "compile"
     return "trace" if torch.jit.is_tracing() or _in_onnx_export() else ""
 
 
 def legacy_onnx_dynamic_axes() -> bool:
-    """Whether this call runs under an ONNX export by ``torch.jit.trace`` (``torch.onnx.export(dynamo=False)``)
-    that declares ``dynamic_axes``. That exporter keeps them only in its own frames while it traces (the
-    argument of ``torch.onnx.export`` and of the functions it hands them to), so they are read there; a trace
-    records the sizes it sees as constants, which such a graph then reads as dynamic."""
+    """Whether this call runs under an ONNX export by ``torch.jit.trace``
+    (``torch.onnx.export(dynamo=False)``) that declares ``dynamic_axes``. That exporter keeps them only in its
+    own frames while it traces (the argument of ``torch.onnx.export`` and of the functions it hands them to),
+    so they are read there; a trace records the sizes it sees as constants, which such a graph then reads as
+    dynamic."""
     if torch.compiler.is_compiling() or not (torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()):
         return False
     frame = sys._getframe(1)

@@ -43,7 +43,7 @@ def _samples(b: int) -> list[int]:
 
 
 def _rel_rms(got: Tensor, want: Tensor) -> float:
-    """Relative RMS error of ``got`` against ``want`` (infinite where ``got`` is not finite but ``want`` is)."""
+    """Relative RMS error of ``got`` against ``want`` (infinite where ``got`` is not finite, ``want`` is)."""
     got, want = got.detach().double(), want.detach().double()
     if not torch.isfinite(want).all():
         return 0.0  # non-finite inputs: nothing to hold the backend to
@@ -62,7 +62,7 @@ def sliced(tensors: Sequence[Tensor], b: int) -> list[Tensor]:
 
 
 def compare(what: str, got: Tensor, want: Tensor, b: int) -> None:
-    """Raises ``VerificationError`` where ``got`` is further than ``VERIFY_RTOL`` from ``want`` (batch ``b``)."""
+    """Raises ``VerificationError`` where ``got`` is further than ``VERIFY_RTOL`` from ``want`` (batch b)."""
     tol = VERIFY_RTOL.get(got.dtype, VERIFY_RTOL_DEFAULT)
     err = _rel_rms(got, want)
     if err > tol:
