@@ -88,11 +88,12 @@ def autocast_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def normalized(g: Tensor, dims: tuple[int, ...] = (-2,)) -> tuple[Tensor, Tensor]:
+def normalized(g: Tensor, dims: list[int] = (-2,)) -> tuple[Tensor, Tensor]:  # type: ignore[assignment]
     """The official gradient normalisation ``G / (||G|| + 1)`` and the norm ``||G||`` (over ``dims``, kept).
 
     For a ``d_in x d_out`` weight the norm is over the input dim of each output column (``dims=(-2,)``); for a
-    depthwise-conv kernel over its 3x3 taps (``dims=(-2, -1)``).
+    depthwise-conv kernel over its 3x3 taps (``dims=(-2, -1)``). ``dims`` is any sequence of ints (typed a
+    list: TorchScript compiles this, for the inner loop of a model built scriptable).
     """
     if g.requires_grad:  # autograd through the norm: vector_norm's backward is 0 where G = 0 (sqrt's is NaN)
         norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True)
@@ -101,7 +102,7 @@ def normalized(g: Tensor, dims: tuple[int, ...] = (-2,)) -> tuple[Tensor, Tensor
     return g / (norm + 1.0), norm
 
 
-def normalize_grad(g: Tensor, dims: tuple[int, ...] = (-2,)) -> Tensor:
+def normalize_grad(g: Tensor, dims: list[int] = (-2,)) -> Tensor:  # type: ignore[assignment]
     """``G / (||G|| + 1)``, the norm over ``dims`` (:func:`normalized` without the norm)."""
     return normalized(g, dims)[0]
 

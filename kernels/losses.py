@@ -11,6 +11,8 @@ Per-token definitions (``r = v_hat - v``):
 - ``rmse``: ``||r||`` (its gradient is guarded where ``r = 0``)
 - ``mae``: ``||r||_1``
 - ``smooth_l1``: ``sum_c huber(r_c)`` with ``beta = 1``
+
+TorchScript compiles them (the inner loop of a model built scriptable calls them).
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import torch
 from torch import Tensor
 
 __all__ = ["loss_grad", "loss_needs_prediction", "loss_value"]
-
-_RMSE_EPS = 1e-12
 
 
 def loss_needs_prediction(name: str) -> bool:
@@ -56,14 +56,14 @@ def loss_grad(name: str, v_hat: Tensor | None, v: Tensor) -> Tensor:
     if name == "dot":
         return -v
     if v_hat is None:
-        raise ValueError(f"inner loss {name!r} needs the prediction")
+        raise ValueError("inner loss '" + name + "' needs the prediction")
     r = v_hat - v
     if name == "mse":
         return r
-    if name == "rmse":
-        return r / r.pow(2).sum(-1, keepdim=True).sqrt().clamp_min(_RMSE_EPS)
+    if name == "rmse":  # guarded where r = 0 (a local bound: TorchScript reads no global numbers)
+        return r / r.pow(2).sum(-1, keepdim=True).sqrt().clamp_min(1e-12)
     if name == "mae":
         return torch.sign(r)
     if name == "smooth_l1":
         return r.clamp(-1.0, 1.0)
-    raise ValueError(f"unknown inner loss {name!r}")
+    raise ValueError("unknown inner loss '" + name + "'")

@@ -1,7 +1,9 @@
 """Traced and exported programs accept every size eager accepts: size rules that only choose between eager
 paths (the CPU kernel's token rule, the depthwise conv's formulation) are no guards of a torch.export /
-torch.compile(dynamic=True) program; TorchScript is refused naming what works; the legacy ONNX exporter
-runs at static shapes and refuses dynamic axes; every exporter leaves the model as it was."""
+torch.compile(dynamic=True) program; a model built under timm's set_scriptable(True) scripts (timm's contract)
+into a saved and loaded TorchScript program computing the reference path's numbers, another one refuses naming
+what works; the legacy ONNX exporter runs at static shapes and refuses dynamic axes; every exporter leaves the
+model as it was."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-import vit3  # noqa: F401  (registers the vit3 models)
+import vit3  # registers the vit3 models
 from vit3.layers import TTTMixer, backends
 from vit3.layers.blocks import ConvFFN, TTTBlock
 from vit3.layers.inner_math import shifted_dwconv, shifted_dwconv_weight_grad
@@ -104,9 +106,84 @@ def test_compile_dynamic_builds_one_graph_for_every_size():
 @pytest.mark.parametrize(
     "make", [lambda: _model("test_h_vit3"), lambda: TTTMixer(16, 2)], ids=["model", "mixer"]
 )
-def test_torchscript_is_refused_naming_what_works(make):
-    with pytest.raises(RuntimeError, match=r"torch\.jit\.script.*torch\.jit\.trace.*torch\.export"):
+def test_torchscript_of_a_model_built_with_kernels_is_refused_naming_what_works(make):
+    pattern = r"torch\.jit\.script.*set_scriptable\(True\).*torch\.jit\.trace.*torch\.export"
+    with pytest.raises(RuntimeError, match=pattern):
         torch.jit.script(make())
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"), [("vit3_tiny", dict(img_size=64)), ("test_h_vit3", {})], ids=["plain", "hierarchical"]
+)
+def test_a_model_built_scriptable_scripts_saves_and_computes_as_eager(name, kwargs, tmp_path):
+    """timm's contract (its test_model_forward_torchscript): a model built under set_scriptable(True) scripts.
+    The program is TorchScript through and through (saved and loaded: no Python call left in it) and computes
+    the reference path's numbers, eager's, which the model built as usual (its kernels) computes too."""
+    torch.manual_seed(0)
+    with timm.layers.set_scriptable(True):
+        model = timm.create_model(name, num_classes=5, **kwargs).double().eval()
+    usual = timm.create_model(name, num_classes=5, **kwargs).double().eval()
+    usual.load_state_dict(model.state_dict())
+    torch.jit.save(torch.jit.script(model), tmp_path / "m.pt")
+    loaded = torch.jit.load(tmp_path / "m.pt")
+    x = torch.randn(2, 3, 64, 48, dtype=torch.float64)
+    # the graph as compiled, without the first run's optimisation passes (seconds, the same numbers)
+    with torch.no_grad(), torch.jit.optimized_execution(False):
+        want = model(x)
+        torch.testing.assert_close(loaded(x), want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(usual(x), want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_mixer_built_scriptable_scripts_every_inner_model_and_setting():
+    """Every registered inner model (FC chains with biases and the LayerNorm wrapper, grid models), RoPE,
+    token lr gates, several steps and mini-batches and a residual loss: scripted, as eager and as the generic
+    backend of a mixer built as usual."""
+    torch.manual_seed(0)
+    branches = ("swiglu", "dwconv:1", "linear:1", "silu:1", "mlp:1", "mlp3:1", "swiglu_out:1", "conv:1")
+    cfg = dict(branches=branches, inner_norm="ln", inner_bias=True, lr_mode="token", steps=2, mini_batches=3)
+    cfg.update(loss="mse", rope=True, backend="generic")
+    with timm.layers.set_scriptable(True):
+        mixer = TTTMixer(32, 2, cfg).double()
+    usual = TTTMixer(32, 2, cfg).double()
+    usual.load_state_dict(mixer.state_dict())
+    x = torch.randn(2, 20, 32, dtype=torch.float64)
+    with torch.jit.optimized_execution(False):
+        got = torch.jit.script(mixer)(x, (4, 5))
+    torch.testing.assert_close(got, mixer(x, (4, 5)), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, usual(x, (4, 5)), rtol=1e-12, atol=1e-12)
+
+
+def test_the_fx_graph_of_a_model_built_scriptable_scripts():
+    """timm's test_model_forward_fx_torchscript: the FX graph (the mixers and image checks kept whole)
+    scripts; its code carries the model's ``forward`` annotations, which must name types, not strings."""
+    from timm.models import get_notrace_functions, get_notrace_modules
+    from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
+
+    torch.manual_seed(0)
+    with timm.layers.set_scriptable(True):
+        model = timm.create_model("test_vit3_ttt", num_classes=5, depth=1).eval()
+    tracer = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions())
+    last = get_graph_node_names(model, tracer_kwargs=tracer)[1][-1]
+    graph = create_feature_extractor(model, return_nodes=[last], tracer_kwargs=tracer)
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad(), torch.jit.optimized_execution(False):
+        torch.testing.assert_close(torch.jit.script(graph)(x)[last], model(x))
+
+
+def test_explain_says_a_model_built_scriptable_runs_the_reference_path():
+    with timm.layers.set_scriptable(True):
+        model = timm.create_model("test_vit3_ttt", num_classes=5, depth=1)
+    explained = vit3.explain(model, 64)
+    for _, mixer in explained.groups:
+        assert mixer.requested == backends.SCRIPTABLE_PATH == "scriptable: reference path"
+        assert {b.backend for b in mixer.branches} == {"generic"}
+    assert "backend scriptable: reference path" in str(explained)
+
+
+def test_a_model_built_scriptable_refuses_a_kernel_backend_in_one_line():
+    pattern = r"^TTTConfig\.backend='cpu': a model built scriptable .* use backend 'auto' or 'generic'$"
+    with pytest.raises(ValueError, match=pattern):
+        timm.create_model("test_vit3_ttt", scriptable=True, ttt_cfg=dict(backend="cpu"))
 
 
 @pytest.mark.parametrize(

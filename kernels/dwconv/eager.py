@@ -40,8 +40,9 @@ def to_map(x: Tensor, grid: tuple[int, int]) -> Tensor:
     channels-last map, whose strides no longer match any layout.
     """
     b, g, _, c = x.shape
-    folded = x.permute(2, 0, 1, 3).reshape(*grid, b * g * c)  # [h, w, B*C]
-    return folded.view(*grid, b, g * c).permute(2, 3, 0, 1)
+    h, w = grid  # unpacked here: TorchScript (which compiles this) takes no starred arguments
+    folded = x.permute(2, 0, 1, 3).reshape(h, w, b * g * c)  # [h, w, B*C]
+    return folded.view(h, w, b, g * c).permute(2, 3, 0, 1)
 
 
 def token_map(t: Tensor, grid: tuple[int, int]) -> Tensor:

@@ -3,7 +3,8 @@
 Every block works on channels-last maps ``[B, H, W, C]`` so the token grid travels with the tensor: any
 ``H`` and ``W`` (non-square included) work, and the grid handed to the TTT mixer is read from the shape at
 run time. The image checks and the H-ViT³ stem and downsampling (``[B, C, H, W]`` convolutions) are
-``vit3.layers.embed``.
+``vit3.layers.embed``. A block built under timm's ``set_scriptable(True)`` (``backends.scriptable_build``)
+takes the plain PyTorch layers (timm's ``Mlp``, no C++ kernel), which ``torch.jit.script`` compiles.
 """
 
 from __future__ import annotations
@@ -64,8 +65,11 @@ class ConvPosEnc(nn.Conv2d):
 
     def residual(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """``x + dwconv(x)`` with the given ``weight [C, 1, k, k]`` and ``bias [C]``: ``[B, H, W, C]``."""
-        if self.on_kernel(x):  # one C++ op: its node with gradients (saving x's token rows), else the forward
-            return torch.ops.vit3_cpu.cpe(x, weight, bias)
+        if not torch.jit.is_scripting():  # TorchScript compiles the convolution only
+            if self.on_kernel(
+                x
+            ):  # one C++ op: its node with gradients (saving x's token rows), else the forward
+                return torch.ops.vit3_cpu.cpe(x, weight, bias)
         # NCHW-contiguous input: PyTorch's depthwise kernels are far slower on channels-last strides (CPU 40x)
         return x + _nhwc(self._conv_forward(_nchw(x).contiguous(), weight, bias))
 
@@ -116,10 +120,15 @@ class ConvFFN(nn.Module):
         self.drop2 = nn.Dropout(drop)
         self.recompute = recompute
 
-    def middle(self, h: Tensor, dwconv: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        """``act(dwconv(drop(act(h))))``: ``[B, H, W, hidden]``; ``dwconv`` defaults to the module ``dwc`` (a
-        call FX keeps whole)."""
-        return self.act((dwconv or self.dwc)(self.drop1(self.act(h))))
+    def middle(self, h: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+        """``act(dwconv(drop(act(h))))``: ``[B, H, W, hidden]``; the depthwise step is the module ``dwc`` (a
+        call FX keeps whole), or its convolution with ``weight`` and ``bias`` (``ConvPosEnc.residual``)."""
+        a = self.drop1(self.act(h))
+        if weight is None:
+            a = self.dwc(a)
+        else:
+            a = self.dwc.residual(a, weight, bias)
+        return self.act(a)
 
     def _lean(self, x: Tensor) -> bool:
         return (
@@ -131,9 +140,12 @@ class ConvFFN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``."""
-        if self._lean(x):
-            f1, dw, f2 = self.fc1, self.dwc, self.fc2
-            return _LeanConvFfnFn.apply(x, f1.weight, f1.bias, dw.weight, dw.bias, f2.weight, f2.bias, self)
+        if not torch.jit.is_scripting():  # TorchScript compiles the layers as they are
+            if self._lean(x):
+                f1, dw, f2 = self.fc1, self.dwc, self.fc2
+                return _LeanConvFfnFn.apply(
+                    x, f1.weight, f1.bias, dw.weight, dw.bias, f2.weight, f2.bias, self
+                )
         return self.drop2(self.fc2(self.middle(self.fc1(x))))
 
 
@@ -158,7 +170,7 @@ class _LeanConvFfnFn(torch.autograd.Function):
         h = F.linear(x, w1, b1)  # [B, H, W, hidden]
         ctx.save_for_backward(x, h, w1, dw, db, w2)
         ctx.ffn, ctx.biases = ffn, (b1 is not None, b2 is not None)
-        return F.linear(ffn.middle(h, lambda a: ffn.dwc.residual(a, dw, db)), w2, b2)
+        return F.linear(ffn.middle(h, dw, db), w2, b2)
 
     @staticmethod
     @autocast_backward
@@ -169,7 +181,7 @@ class _LeanConvFfnFn(torch.autograd.Function):
         leaves = [t.detach().requires_grad_() for t in (h, dw, db) if t is not None]
         hl, dwl, dbl = (*leaves, None)[:3]
         with torch.enable_grad():
-            a = ctx.ffn.middle(hl, lambda t: ctx.ffn.dwc.residual(t, dwl, dbl))  # recomputed
+            a = ctx.ffn.middle(hl, dwl, dbl)  # recomputed
         rows = dy.numel() // dy.shape[-1]
         dy2 = dy.reshape(rows, -1)  # [T, C]
         dw2, db2 = dy2.t() @ a.detach().reshape(rows, -1), dy2.sum(0) if has_b2 else None
@@ -375,7 +387,7 @@ class TTTBlock(nn.Module):
         proj_drop: dropout inside the feed-forward.
         drop_path: stochastic depth rate.
         mlp_layer: feed-forward class (``LeanMlp``, timm ``Mlp`` or ``ConvFFN``); a ``LeanMlp`` follows the
-            mixer config's ``recompute``.
+            mixer config's ``recompute``, and is timm's ``Mlp`` in a block built scriptable.
         norm_layer: normalisation over the last dim.
         act_layer: feed-forward activation.
     """
@@ -394,7 +406,12 @@ class TTTBlock(nn.Module):
     ) -> None:
         super().__init__()
         ttt_cfg = TTTConfig.create(ttt_cfg)
-        self.cpe = ConvPosEnc(dim, backend=ttt_cfg.backend)  # the block's backend, as its mixer's
+        scriptable = backends.scriptable_build(ttt_cfg.backend)
+        # the block's backend, as its mixer's; built scriptable, the plain paths ("generic": no kernel)
+        backend = "generic" if scriptable else ttt_cfg.backend
+        if scriptable and mlp_layer is LeanMlp:
+            mlp_layer = Mlp  # the same layers and names, without the lean nodes TorchScript cannot compile
+        self.cpe = ConvPosEnc(dim, backend=backend)
         self.norm1 = norm_layer(dim)
         # The model validates its image once (check_image); per-block finiteness checks would re-read every
         # activation on the hot path.
@@ -403,8 +420,8 @@ class TTTBlock(nn.Module):
         self.norm2 = norm_layer(dim)
         # what the block's config says to the feed-forwards that read it
         follows = {
-            LeanMlp: {"recompute": ttt_cfg.recompute, "backend": ttt_cfg.backend},
-            ConvFFN: {"recompute": ttt_cfg.recompute, "backend": ttt_cfg.backend},
+            LeanMlp: {"recompute": ttt_cfg.recompute, "backend": backend},
+            ConvFFN: {"recompute": ttt_cfg.recompute, "backend": backend},
         }
         own = next(
             (kw for cls, kw in follows.items() if isinstance(mlp_layer, type) and issubclass(mlp_layer, cls)),
@@ -421,7 +438,9 @@ class TTTBlock(nn.Module):
         One C++ op (``torch.ops.vit3_cpu.cpe_norm``) where the CPE takes the C++ kernel and the norm is a
         LayerNorm over C, without gradients (its forward alone) or in memory-lean training (its node saves x and
         the norm's statistics and recomputes t); else memory-lean training checkpoints the two, and the saving
-        variant runs them as they are."""
+        variant (and TorchScript) runs them as they are."""
+        if torch.jit.is_scripting():
+            return self._plain_cpe_norm(x)
         cpe, norm = self.cpe, self.norm1
         lean = self._lean(x)
         if (
@@ -456,6 +475,8 @@ class TTTBlock(nn.Module):
         dp1, dp2 = m["drop_path1"], m["drop_path2"]
         if type(attn) is not TTTMixer or attn.cfg.check_finite or attn.cfg.lr_mode == "token":
             return None, "the mixer has token lr gates or checks finiteness"
+        if attn.scriptable:
+            return None, f"built scriptable: the plain layers serve ({backends.SCRIPTABLE_PATH})"
         backend = attn.cfg.backend
         if not backends.cpu_block_kernel(x, backend):
             return None, "not a C++ kernel call (backends.cpu_block_kernel: CPU float32/float64, backend)"
@@ -543,13 +564,17 @@ class TTTBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``; the mixer sees the ``H x W`` raster of tokens."""
-        args = self.one_op(x)
-        if args is not None:
-            dp1, dp2 = self._modules["drop_path1"], self._modules["drop_path2"]
-            return torch.ops.vit3_cpu.ttt_block(*args, _drop_scale(dp1, x), _drop_scale(dp2, x))
-        b, h, w, c = x.shape
+        if not torch.jit.is_scripting():  # TorchScript compiles the layers one by one
+            args = self.one_op(x)
+            if args is not None:
+                dp1, dp2 = self._modules["drop_path1"], self._modules["drop_path2"]
+                return torch.ops.vit3_cpu.ttt_block(*args, _drop_scale(dp1, x), _drop_scale(dp2, x))
+        b, h, w, c = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
         x, n = self._cpe_norm(x)
         y = self.attn(n.reshape(b, h * w, c), grid=(h, w)).reshape(b, h, w, c)  # [B, H*W, C] -> [B, H, W, C]
+        if torch.jit.is_scripting():  # a block built scriptable: every layer called (timm's Mlp or ConvFFN)
+            x = x + self.drop_path1(y)
+            return x + self.drop_path2(self.mlp(self.norm2(x)))
         x = x + (self.drop_path1(y) if _active(self.drop_path1) else y)
         ffn = self.mlp(x, norm=self.norm2) if isinstance(self.mlp, LeanMlp) else self.mlp(self.norm2(x))
         return x + (self.drop_path2(ffn) if _active(self.drop_path2) else ffn)

@@ -1,5 +1,6 @@
 """From images to token maps: the image checks every vit3 model runs first, and the H-ViT³ convolutional stem and
-downsampling (``[B, C, H, W]`` convolutions; the blocks between them are ``vit3.layers.blocks``)."""
+downsampling (``[B, C, H, W]`` convolutions; the blocks between them are ``vit3.layers.blocks``). TorchScript
+compiles all of it (a model built scriptable); its checks but the finiteness one, as traced code."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import Tensor, nn
 
 from vit3.kernels.common import autocast_on
 
-from .inner_math import assert_finite, tracing
+from .inner_math import assert_finite, shape_text, tracing
 
 __all__ = [
     "ConvDownsample",
@@ -49,8 +50,10 @@ def grad_in_param_strides(weight: Tensor) -> Tensor:
     A convolution on a channels-last input (the H-ViT³ stages hand their maps on as ``[B, H, W, C]`` permuted to
     NCHW) returns a channels-last weight gradient; for a 1x1 or a depthwise weight (a size-1 dimension) that is
     the parameter's layout with other strides on the size-1 dimension, which autograd keeps as it is and DDP
-    reports ("Grad strides do not match bucket view strides"). Traced, compiled or without gradients: the
-    weight itself."""
+    reports ("Grad strides do not match bucket view strides"). Traced, compiled, scripted or without
+    gradients: the weight itself."""
+    if torch.jit.is_scripting():
+        return weight
     if tracing() or not (torch.is_grad_enabled() and weight.requires_grad):
         return weight
     return _GradInParamStrides.apply(weight)
@@ -94,8 +97,16 @@ class ConvNormAct(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``[B, in_chs, H, W] -> [B, out_chs, ceil(H / stride), ceil(W / stride)]``; the weight's gradient in
         its own strides whatever ``x``'s memory format (``grad_in_param_strides``)."""
-        c = self.conv
-        x = F.conv2d(x, grad_in_param_strides(c.weight), c.bias, c.stride, c.padding, c.dilation, c.groups)
+        conv = self.conv
+        x = F.conv2d(
+            x,
+            grad_in_param_strides(conv.weight),
+            conv.bias,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.groups,
+        )
         return self.act(self.norm(x))
 
 
@@ -150,28 +161,32 @@ def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = Tr
             overflow the model's float type into NaN logits).
     """
     if x.ndim != 4:
-        raise ValueError(f"expected images [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
+        raise ValueError(f"expected images [B, C, H, W], got a tensor of shape {shape_text(x)}")
     if x.shape[1] != in_chans:
-        raise ValueError(
-            f"model expects {in_chans} input channels, got {x.shape[1]} (input {tuple(x.shape)})"
-        )
-    h, w = x.shape[-2:]
+        raise ValueError(f"model expects {in_chans} input channels, got {x.shape[1]} (input {shape_text(x)})")
+    h, w = x.shape[-2], x.shape[-1]
     if h < min_size or w < min_size:
         raise ValueError(
             f"image {h}x{w} is too small for this model: both sides must be at least {min_size} pixels "
             f"(its total reduction)"
         )
-    if check_finite and not tracing():
-        bound = image_bound(x)
-        assert_finite(
-            x,
-            ValueError,
-            f"input images hold non-finite values (NaN or Inf) or values beyond ±{bound:.3g}, the square root "
-            f"of the largest number of the float type the model computes in (its activations are squared, "
-            f"which would overflow into NaN logits)",
-            bound,
-        )
+    if not torch.jit.is_scripting():  # scripted: no finiteness check, as traced
+        if check_finite and not tracing():
+            _check_finite_image(x)
     return x
+
+
+def _check_finite_image(x: Tensor) -> None:
+    """:func:`check_image`'s check of the values (see there)."""
+    bound = image_bound(x)
+    assert_finite(
+        x,
+        ValueError,
+        f"input images hold non-finite values (NaN or Inf) or values beyond ±{bound:.3g}, the square root "
+        f"of the largest number of the float type the model computes in (its activations are squared, "
+        f"which would overflow into NaN logits)",
+        bound,
+    )
 
 
 register_notrace_function(check_image)
@@ -196,12 +211,12 @@ def check_image_size(
     Raises:
         ValueError: naming the size found and the one expected.
     """
-    h, w = x.shape[-2:]
-    if size is not None and (h, w) != tuple(size):
+    h, w = x.shape[-2], x.shape[-1]
+    if size is not None and (h != size[0] or w != size[1]):
         raise ValueError(
             f"image {h}x{w}: this model was built for {size[0]}x{size[1]} only (dynamic_img_size=False)"
         )
-    if multiple is not None and (h % multiple[0] or w % multiple[1]):
+    if multiple is not None and (h % multiple[0] != 0 or w % multiple[1] != 0):
         raise ValueError(
             f"image {h}x{w}: the sides must be multiples of the patch size {multiple[0]}x{multiple[1]} "
             f"(dynamic_img_pad=False)"

@@ -23,19 +23,16 @@ options such as ``cfg.mlp_ratio``; ``norm_dims`` to normalise a gradient over ot
 :func:`inner_loop` trains it and the backend registry runs it on the generic path. Its test is a row in
 ``tests/test_mixer_math.py``'s ``MODELS`` (a test fails for a registered model without one) and its forward
 written again in ``tests/helpers/reference.py``: its ``grads`` are checked against autograd of that forward.
-A fast path (eager fused, C++, Triton) is an op folder under ``kernels/`` (``kernels/README.md``).
+A fast path (eager fused, C++, Triton) is an op folder under ``kernels/`` (``kernels/README.md``). Typed
+as the registered models' methods are, it scripts with a model built scriptable (TorchScript).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
-
-from vit3.kernels.common import normalize_grad
 
 from .inner_math import assert_finite, tracing
 from .inner_models import InnerModel, Params, create_inner_model, register_inner_model
-from .losses import loss_grad, loss_needs_prediction
 
 __all__ = [
     "InnerModel",
@@ -81,37 +78,7 @@ def inner_loop(
 
     Returns:
         The updated weights, each ``[B, ...]`` (or ``[1, ...]`` where nothing depends on the sample).
+
+    The loop is the model's :meth:`InnerModel.inner_loop` (a method: TorchScript compiles it with the model).
     """
-    n_tok = k.shape[-2]
-    if mini_batches > n_tok:
-        raise ValueError(f"mini_batches={mini_batches} is larger than the sequence length N={n_tok}")
-    # Chunk bounds as torch.tensor_split cuts them (the first N % m chunks one longer), in plain integer
-    # arithmetic so that tracing / ONNX export sees no data-dependent values.
-    size, extra = n_tok // mini_batches, n_tok % mini_batches
-    ends = [(i + 1) * size + min(i + 1, extra) for i in range(mini_batches)]
-    bounds = list(zip([0, *ends[:-1]], ends))
-    need_pred = loss_needs_prediction(loss)
-    for _ in range(steps):
-        for start, end in bounds:
-            full = start == 0 and end == n_tok
-            if full or not model.grid_model:
-                kc, vc = (k, v) if full else (k[..., start:end, :], v[..., start:end, :])
-            else:
-                kc, vc = k, v  # grid models see the whole grid; the error is masked to the chunk below
-            v_hat, cache = model.forward_train(params, kc, grid, need_pred)
-            # a traced chunk size is a 0-dim integer tensor: divided in float64, not the default float32
-            count = end - start
-            coef = scale / (count.double() if isinstance(count, Tensor) else count)
-            e = loss_grad(loss, v_hat, vc) * coef
-            if token_lr is not None:
-                gate = token_lr if (full or model.grid_model) else token_lr[..., start:end]
-                e = e * gate.unsqueeze(-1)
-            if model.grid_model and not full:
-                mask = torch.zeros(n_tok, 1, dtype=e.dtype, device=e.device)
-                mask[start:end] = 1.0
-                e = e * mask
-            grads = model.grads(params, kc, e, cache, grid)
-            if grad_norm:
-                grads = {name: normalize_grad(g, model.norm_dims(name)) for name, g in grads.items()}
-            params = {name: params[name] - lr * grads[name] for name in params}
-    return params
+    return model.inner_loop(params, k, v, grid, loss, scale, lr, steps, mini_batches, grad_norm, token_lr)

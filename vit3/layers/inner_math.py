@@ -1,9 +1,10 @@
 """The math the inner models share: activations and their derivatives, LayerNorm forward/backward, the
-traceable depthwise 3x3 conv; and the two questions every layer asks of an input (:func:`tracing`,
-:func:`assert_finite`).
+traceable depthwise 3x3 conv; and the questions every layer asks of an input (:func:`tracing`,
+:func:`assert_finite`, :func:`shape_text` for its messages).
 
-All of it is plain PyTorch with no parameters: the inner models (:mod:`vit3.layers.inner_models`) build their
-closed-form gradients from it, and the blocks and models ask :func:`tracing` / :func:`assert_finite`.
+All of it is plain PyTorch with no parameters, which TorchScript compiles (``torch.jit.script``: no format
+specs, closures or globals in it): the inner models (:mod:`vit3.layers.inner_models`) build their closed-form
+gradients from it, and the blocks and models ask :func:`tracing` / :func:`assert_finite`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "gelu_tanh_grad",
     "layer_norm_backward",
     "layer_norm_forward",
+    "shape_text",
     "shifted_dwconv",
     "shifted_dwconv_weight_grad",
     "silu_grad",
@@ -31,8 +33,6 @@ __all__ = [
 ]
 
 LN_EPS = 1e-6  # the LayerNorm of ``inner_norm="ln"`` (TTT-Linear/TTT-MLP use 1e-6)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_GELU_TANH_C = 0.044715
 
 
 # --- shared math: activations and their derivatives, LayerNorm forward/backward ---------------------------
@@ -53,8 +53,9 @@ def gelu_grad(z: Tensor) -> Tensor:
 
 def gelu_tanh_grad(z: Tensor) -> Tensor:
     """Derivative of the tanh-approximated GELU ``0.5 z (1 + tanh(u))``, ``u = √(2/π) (z + 0.044715 z³)``."""
-    t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_TANH_C * z * z * z))
-    du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * z * z)
+    sqrt_2_over_pi, c = math.sqrt(2.0 / math.pi), 0.044715  # locals: TorchScript reads no global numbers
+    t = torch.tanh(sqrt_2_over_pi * (z + c * z * z * z))
+    du = sqrt_2_over_pi * (1.0 + 3.0 * c * z * z)
     return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
 
 
@@ -71,13 +72,26 @@ ACTIVATIONS = {
 
 
 def activation(name: str, z: Tensor) -> Tensor:
-    """Activation ``name`` (``"gelu"``, ``"gelu_tanh"``, ``"silu"``) applied elementwise."""
-    return ACTIVATIONS[name][0](z)
+    """Activation ``name`` (``"gelu"``, ``"gelu_tanh"``, ``"silu"``) applied elementwise (the functions of
+    :data:`ACTIVATIONS`, named one by one: TorchScript calls no function looked up in a dict)."""
+    if name == "gelu":
+        return F.gelu(z)
+    if name == "gelu_tanh":
+        return _gelu_tanh(z)
+    if name == "silu":
+        return F.silu(z)
+    raise ValueError("unknown activation " + name + "; choose from gelu, gelu_tanh, silu")
 
 
 def activation_grad(name: str, z: Tensor) -> Tensor:
-    """The derivative of activation ``name`` at ``z``, elementwise."""
-    return ACTIVATIONS[name][1](z)
+    """The derivative of activation ``name`` at ``z``, elementwise (:data:`ACTIVATIONS`' second functions)."""
+    if name == "gelu":
+        return gelu_grad(z)
+    if name == "gelu_tanh":
+        return gelu_tanh_grad(z)
+    if name == "silu":
+        return silu_grad(z)
+    raise ValueError("unknown activation " + name + "; choose from gelu, gelu_tanh, silu")
 
 
 def layer_norm_forward(
@@ -129,8 +143,17 @@ def assert_finite(x: Tensor, error: type[Exception], message: str, bound: float 
 
 def tracing() -> bool:
     """True under ``torch.jit.trace`` (fvcore FLOP counting), ONNX export and ``torch.compile``/``torch.export``,
-    which need plain, traceable ops rather than the eager fast paths."""
+    which need plain, traceable ops rather than the eager fast paths. TorchScript code asks
+    ``torch.jit.is_scripting()`` instead (this is False there)."""
+    if torch.jit.is_scripting():
+        return False
     return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
+
+
+def shape_text(x: Tensor) -> str:
+    """``x``'s shape as a message writes it, ``(2, 3, 8)`` (``str(tuple(x.shape))``, not in TorchScript)."""
+    sizes = [str(n) for n in x.shape]
+    return "(" + ", ".join(sizes) + ("," if len(sizes) == 1 else "") + ")"
 
 
 def _shifted_taps(x: Tensor) -> Tensor:
@@ -147,11 +170,17 @@ def _shifted_taps(x: Tensor) -> Tensor:
     stacked (a copy), whose sizes it traces.
     """
     padded = F.pad(x, (1, 1, 1, 1))
-    if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():
-        h, w = x.shape[-2:]
-        taps = [padded[..., i : i + h, j : j + w] for i in range(3) for j in range(3)]
-        return torch.stack(taps, dim=-1).unflatten(-1, (3, 3))
+    if not torch.jit.is_scripting():  # nested: TorchScript compiles both operands of an ``and``
+        if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():
+            return _legacy_onnx_taps(x, padded)
     return padded.unfold(2, 3, 1).unfold(3, 3, 1)
+
+
+def _legacy_onnx_taps(x: Tensor, padded: Tensor) -> Tensor:
+    """:func:`_shifted_taps` for the legacy ONNX exporter: the nine slices of ``padded`` stacked."""
+    h, w = x.shape[-2:]
+    taps = [padded[..., i : i + h, j : j + w] for i in range(3) for j in range(3)]
+    return torch.stack(taps, dim=-1).unflatten(-1, (3, 3))
 
 
 def shifted_dwconv(x: Tensor, weight: Tensor) -> Tensor:

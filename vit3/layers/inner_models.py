@@ -10,7 +10,8 @@ autograd flows through them so the outer model trains.
 Each model declares itself where it is defined: :func:`register_inner_model` names it (the name a
 ``TTTConfig`` branch gives), its class attributes say what it is (``grid_model``, ``takes_bias``) and its
 ``from_config`` reads its options from the config. ``vit3.layers.config`` (``INNER_MODELS``, ``GRID_MODELS``,
-``BIAS_MODELS``) and :func:`create_inner_model` read that one registry.
+``BIAS_MODELS``) and :func:`create_inner_model` read that one registry. The models' methods are typed so that
+TorchScript compiles them (the reference path of a model built scriptable, ``InnerModel.ttt``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vit3.kernels.common import normalize_grad
 from vit3.kernels.dwconv import eager as dwconv_eager
+from vit3.kernels.paths import compute_inputs
 
 from .inner_math import (
     activation,
@@ -34,6 +37,7 @@ from .inner_math import (
     silu_grad,
     tracing,
 )
+from .losses import loss_grad, loss_needs_prediction
 
 __all__ = [
     "Cache",
@@ -130,6 +134,7 @@ class InnerModel(nn.Module):
 
     grid_model: ClassVar[bool] = False
     takes_bias: ClassVar[bool] = False
+    __constants__ = ("grid_model",)  # TorchScript reads class attributes as constants only
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -171,9 +176,104 @@ class InnerModel(nn.Module):
         """The updated model on queries ``[B, G, n, c]`` -> ``[B, G, n, c]``."""
         raise NotImplementedError
 
-    def norm_dims(self, name: str) -> tuple[int, ...]:
+    def norm_dims(self, name: str) -> list[int]:
         """Dims over which ``G / (||G|| + 1)`` takes the norm: the input dim of each output column."""
-        return (-2,)
+        return [-2]
+
+    def inner_loop(
+        self,
+        params: Params,
+        k: Tensor,
+        v: Tensor,
+        grid: tuple[int, int],
+        loss: str = "dot",
+        scale: float = 9**-0.5,
+        lr: float = 1.0,
+        steps: int = 1,
+        mini_batches: int = 1,
+        grad_norm: bool = True,
+        token_lr: Tensor | None = None,
+    ) -> Params:
+        """Trains this model on ``(k, v)`` with its closed-form gradients; the per-sample weights.
+
+        ``vit3.layers.inner.inner_loop(model, ...)`` (its arguments and returns) calls this; a method, so that
+        TorchScript compiles it with the model's own ``forward_train`` / ``grads``.
+        """
+        n_tok = k.shape[-2]
+        if mini_batches > n_tok:
+            raise ValueError(f"mini_batches={mini_batches} is larger than the sequence length N={n_tok}")
+        # Chunk bounds as torch.tensor_split cuts them (the first N % m chunks one longer), in plain integer
+        # arithmetic so that tracing / ONNX export sees no data-dependent values.
+        size, extra = n_tok // mini_batches, n_tok % mini_batches
+        bounds: list[tuple[int, int]] = []
+        for i in range(mini_batches):
+            start = bounds[i - 1][1] if i else 0
+            bounds.append((start, (i + 1) * size + min(i + 1, extra)))
+        need_pred = loss_needs_prediction(loss)
+        for _ in range(steps):
+            for start, end in bounds:
+                full = start == 0 and end == n_tok
+                if full or not self.grid_model:
+                    kc, vc = (k, v) if full else (k[..., start:end, :], v[..., start:end, :])
+                else:
+                    kc, vc = k, v  # grid models see the whole grid; the error is masked to the chunk below
+                v_hat, cache = self.forward_train(params, kc, grid, need_pred)
+                e = loss_grad(loss, v_hat, vc) * _chunk_coef(scale, end - start)
+                if token_lr is not None:
+                    gate = token_lr if (full or self.grid_model) else token_lr[..., start:end]
+                    e = e * gate.unsqueeze(-1)
+                if self.grid_model and not full:
+                    mask = torch.zeros(n_tok, 1, dtype=e.dtype, device=e.device)
+                    mask[start:end] = 1.0
+                    e = e * mask
+                grads = self.grads(params, kc, e, cache, grid)
+                if grad_norm:
+                    grads = {name: normalize_grad(g, self.norm_dims(name)) for name, g in grads.items()}
+                params = {name: params[name] - lr * grads[name] for name in params}
+        return params
+
+    def ttt(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        params: Params,
+        grid: tuple[int, int],
+        token_lr: Tensor | None,
+        loss: str,
+        scale: float,
+        lr: float,
+        steps: int,
+        mini_batches: int,
+        grad_norm: bool,
+    ) -> Tensor:
+        """One branch on the generic path, the reference every backend is checked against: q, k, v and the
+        initial weights ``params`` in float32 at least (``compute_inputs``), :meth:`inner_loop` on ``(k, v)``,
+        the trained weights on q (:meth:`apply_to`).
+
+        Args:
+            q, k, v: ``[B, G, N, c]`` (RoPE, where it applies, already on q and k).
+            params: the initial weights by name (``initial_params``).
+            grid: ``(h, w)`` with ``h * w == N``.
+            token_lr: the token lr gate ``[B, G, N]`` or ``None``.
+            loss, scale, lr, steps, mini_batches, grad_norm: the inner loop's settings (:meth:`inner_loop`).
+
+        Returns:
+            ``[B, G, N, c]`` in the compute dtype.
+        """
+        q, k, v, params = compute_inputs(q, k, v, params)
+        params = self.inner_loop(
+            params, k, v, grid, loss, scale, lr, steps, mini_batches, grad_norm, token_lr
+        )
+        return self.apply_to(params, q, grid)
+
+
+def _chunk_coef(scale: float, count: int) -> float:
+    """``scale / count``, the loss coefficient of a chunk of ``count`` tokens (traced: a 0-dim integer tensor,
+    divided in float64, not the default float32)."""
+    if not torch.jit.is_scripting() and isinstance(count, Tensor):
+        return scale / count.double()
+    return scale / count
 
 
 class FCChainInner(InnerModel):
@@ -217,10 +317,14 @@ class FCChainInner(InnerModel):
             raise ValueError(
                 f"mlp_residual='identity' and mlp_identity_init need mlp_ratio 1 (hidden {widths[1]} != {head_dim})"
             )
-        self.acts, self.residual = tuple(acts), residual
+        self.acts = [act or "" for act in acts]  # "" for a linear layer (a list of one type, for TorchScript)
+        self.residual = residual
         layers = len(acts)
         self.weight_names = ["w"] if layers == 1 else [f"w{i + 1}" for i in range(layers)]
         self.bias_names = ["b" + name[1:] for name in self.weight_names] if bias else []
+        self.biased = (
+            bias  # the bias of weight "w<i>" is "b<i>" (TorchScript infers no type of an empty list)
+        )
         for i, name in enumerate(self.weight_names):
             w = _init_weight((1, heads, widths[i], widths[i + 1]))
             if identity_init and i > 0:
@@ -235,14 +339,42 @@ class FCChainInner(InnerModel):
         return cls(heads, head_dim, bias=cfg.inner_bias, **options)
 
     def initial_params(self) -> Params:
+        if torch.jit.is_scripting():
+            return self._scripted_params()
         p = {name: getattr(self, name) for name in self.weight_names}
         p.update({name: getattr(self, name).view(1, self.heads, 1, -1) for name in self.bias_names})
         return p
 
+    def _scripted_params(self) -> Params:
+        """:meth:`initial_params` as TorchScript reads them: by literal names only (``getattr`` of a variable
+        name does not compile), those of chains of up to three layers (every registered chain)."""
+        p: Params = {}
+        view = [1, self.heads, 1, -1]
+        if hasattr(self, "w"):
+            p["w"] = self.w
+        if hasattr(self, "w1"):
+            p["w1"] = self.w1
+        if hasattr(self, "w2"):
+            p["w2"] = self.w2
+        if hasattr(self, "w3"):
+            p["w3"] = self.w3
+        if hasattr(self, "b"):
+            p["b"] = self.b.view(view)
+        if hasattr(self, "b1"):
+            p["b1"] = self.b1.view(view)
+        if hasattr(self, "b2"):
+            p["b2"] = self.b2.view(view)
+        if hasattr(self, "b3"):
+            p["b3"] = self.b3.view(view)
+        if len(p) != len(self.weight_names) * (2 if self.biased else 1):
+            raise RuntimeError("TorchScript runs FC chains of up to 3 layers (w, w1..w3, b, b1..b3)")
+        return p
+
     def _layer(self, p: Params, i: int, a: Tensor) -> Tensor:
-        z = a @ p[self.weight_names[i]]
-        if self.bias_names:
-            z = z + p[self.bias_names[i]]
+        name = self.weight_names[i]
+        z = a @ p[name]
+        if self.biased:
+            z = z + p["b" + name[1:]]
         return z + a if self.residual == "identity" and i > 0 else z
 
     def _forward(self, p: Params, x: Tensor, cache: Cache | None, need_output: bool = True) -> Tensor | None:
@@ -250,34 +382,40 @@ class FCChainInner(InnerModel):
         for i, act in enumerate(self.acts):
             if cache is not None:
                 cache[f"a{i}"] = a  # the input of layer i
-            if i == last and act is None and not need_output:
+            if i == last and act == "" and not need_output:
                 return None  # the gradients need only the inputs of a linear last layer
             z = self._layer(p, i, a)
-            if act is not None and cache is not None:
+            if act != "" and cache is not None:
                 cache[f"z{i}"] = z
-            a = z if act is None else activation(act, z)
+            a = z if act == "" else activation(act, z)
         return a + x if self.residual == "add" else a
 
-    def forward_train(self, p, k, grid, need_output):
+    def forward_train(
+        self, p: Params, k: Tensor, grid: tuple[int, int], need_output: bool
+    ) -> tuple[Tensor | None, Cache]:
         cache: Cache = {}
         return self._forward(p, k, cache, need_output), cache
 
-    def grads(self, p, k, e, cache, grid):
-        out, da = {}, e  # da: dL/d(output of layer i); the "add" residual does not depend on the weights
-        for i in reversed(range(len(self.acts))):
+    def grads(self, p: Params, k: Tensor, e: Tensor, cache: Cache, grid: tuple[int, int]) -> Params:
+        out: Params = {}
+        da = e  # dL/d(output of layer i); the "add" residual does not depend on the weights
+        for i in range(len(self.acts) - 1, -1, -1):
             act = self.acts[i]
-            dz = da if act is None else da * activation_grad(act, cache[f"z{i}"])
-            out[self.weight_names[i]] = cache[f"a{i}"].transpose(-2, -1) @ dz
-            if self.bias_names:
-                out[self.bias_names[i]] = dz.sum(-2, keepdim=True)
+            dz = da if act == "" else da * activation_grad(act, cache[f"z{i}"])
+            name = self.weight_names[i]
+            out[name] = cache[f"a{i}"].transpose(-2, -1) @ dz
+            if self.biased:
+                out["b" + name[1:]] = dz.sum(-2, keepdim=True)
             if i:
                 da = dz @ p[self.weight_names[i]].transpose(-2, -1)
                 if self.residual == "identity":
                     da = da + dz
         return {name: out[name] for name in p}
 
-    def apply_to(self, p, q, grid):
-        return self._forward(p, q, None)
+    def apply_to(self, p: Params, q: Tensor, grid: tuple[int, int]) -> Tensor:
+        out = self._forward(p, q, None)
+        assert out is not None  # need_output: the chain's output
+        return out
 
 
 @register_inner_model("linear")
@@ -339,7 +477,7 @@ def _glu_forward(x: Tensor, w1: Tensor, w2: Tensor, cache: Cache | None) -> Tens
     sig = torch.sigmoid(z2)
     a = z2 * sig
     if cache is not None:
-        cache.update(z1=z1, z2=z2, sig=sig, a=a)
+        cache["z1"], cache["z2"], cache["sig"], cache["a"] = z1, z2, sig, a
     return z1 * a
 
 
@@ -363,16 +501,18 @@ class SwiGLUInner(InnerModel):
     def initial_params(self) -> Params:
         return {"w1": self.w1, "w2": self.w2}
 
-    def forward_train(self, p, k, grid, need_output):
+    def forward_train(
+        self, p: Params, k: Tensor, grid: tuple[int, int], need_output: bool
+    ) -> tuple[Tensor | None, Cache]:
         cache: Cache = {}
         out = _glu_forward(k, p["w1"], p["w2"], cache)
         return (out if need_output else None), cache
 
-    def grads(self, p, k, e, cache, grid):
+    def grads(self, p: Params, k: Tensor, e: Tensor, cache: Cache, grid: tuple[int, int]) -> Params:
         g1, g2 = _glu_grads(k, e, cache)
         return {"w1": g1, "w2": g2}
 
-    def apply_to(self, p, q, grid):
+    def apply_to(self, p: Params, q: Tensor, grid: tuple[int, int]) -> Tensor:
         return _glu_forward(q, p["w1"], p["w2"], None)
 
 
@@ -405,16 +545,19 @@ class SwiGLUOutInner(InnerModel):
     def initial_params(self) -> Params:
         return {"w1": self.w1, "w2": self.w2, "w3": self.w3}
 
-    def forward_train(self, p, k, grid, need_output):
+    def forward_train(
+        self, p: Params, k: Tensor, grid: tuple[int, int], need_output: bool
+    ) -> tuple[Tensor | None, Cache]:
         cache: Cache = {}
-        h = cache["h"] = _glu_forward(k, p["w1"], p["w2"], cache)
+        h = _glu_forward(k, p["w1"], p["w2"], cache)
+        cache["h"] = h
         return (h @ p["w3"] if need_output else None), cache
 
-    def grads(self, p, k, e, cache, grid):
+    def grads(self, p: Params, k: Tensor, e: Tensor, cache: Cache, grid: tuple[int, int]) -> Params:
         g1, g2 = _glu_grads(k, e @ p["w3"].transpose(-2, -1), cache)
         return {"w1": g1, "w2": g2, "w3": cache["h"].transpose(-2, -1) @ e}
 
-    def apply_to(self, p, q, grid):
+    def apply_to(self, p: Params, q: Tensor, grid: tuple[int, int]) -> Tensor:
         return _glu_forward(q, p["w1"], p["w2"], None) @ p["w3"]
 
 
@@ -442,17 +585,19 @@ class ConvInner(InnerModel):
     def patches_t(x: Tensor, grid: tuple[int, int]) -> Tensor:
         """Transposed 3x3 patches of tokens ``[B, G, n, c]``: ``[B, G, 9c, n]``."""
         b, g, n, c = x.shape
-        maps = x.transpose(-2, -1).reshape(b * g, c, *grid)  # [B*G, c, h, w]
+        maps = x.transpose(-2, -1).reshape(b * g, c, grid[0], grid[1])  # [B*G, c, h, w]
         return F.unfold(maps, 3, padding=1).view(b, g, 9 * c, n)
 
-    def forward_train(self, p, k, grid, need_output):
+    def forward_train(
+        self, p: Params, k: Tensor, grid: tuple[int, int], need_output: bool
+    ) -> tuple[Tensor | None, Cache]:
         cols_t = self.patches_t(k, grid)
         return (cols_t.transpose(-2, -1) @ p["weight"] if need_output else None), {"cols_t": cols_t}
 
-    def grads(self, p, k, e, cache, grid):
+    def grads(self, p: Params, k: Tensor, e: Tensor, cache: Cache, grid: tuple[int, int]) -> Params:
         return {"weight": cache["cols_t"] @ e}
 
-    def apply_to(self, p, q, grid):
+    def apply_to(self, p: Params, q: Tensor, grid: tuple[int, int]) -> Tensor:
         return self.patches_t(q, grid).transpose(-2, -1) @ p["weight"]
 
 
@@ -461,7 +606,8 @@ class DWConvInner(InnerModel):
     """A 3x3 depthwise convolution over the grid (zero padding), one kernel per channel.
 
     Channels are the ``G * c`` channels of the branch. The weight is stored as a conv weight ``[G*c, 1, 3, 3]``
-    (the official layout); per-sample weights are ``[B|1, G*c, 3, 3]``.
+    (the official layout); per-sample weights are ``[B|1, G*c, 3, 3]``. Traced and TorchScript code convolves
+    with the shifted taps (:func:`shifted_dwconv`), eager code with the batch-folded grouped convolution.
     """
 
     grid_model = True
@@ -483,27 +629,31 @@ class DWConvInner(InnerModel):
     @staticmethod
     def conv(x: Tensor, weight: Tensor) -> Tensor:
         """Per-sample depthwise 3x3 conv: maps ``[B, C, h, w]`` with weights ``[B|1, C, 3, 3]``."""
-        return shifted_dwconv(x, weight) if tracing() else dwconv_eager.conv(x, weight)
+        if torch.jit.is_scripting() or tracing():
+            return shifted_dwconv(x, weight)
+        return dwconv_eager.conv(x, weight)
 
-    def forward_train(self, p, k, grid, need_output):
+    def forward_train(
+        self, p: Params, k: Tensor, grid: tuple[int, int], need_output: bool
+    ) -> tuple[Tensor | None, Cache]:
         km = self.to_map(k, grid)
         out = self.from_map(self.conv(km, p["weight"])) if need_output else None
         return out, {"k_map": km}
 
-    def grads(self, p, k, e, cache, grid):
+    def grads(self, p: Params, k: Tensor, e: Tensor, cache: Cache, grid: tuple[int, int]) -> Params:
         km = cache["k_map"]
         em = self.to_map(e, grid)
-        if tracing():
+        if torch.jit.is_scripting() or tracing():
             return {"weight": shifted_dwconv_weight_grad(km, em)}
         # G[c, δ] = sum_p k[c, p + δ] e[c, p] is the weight gradient of a depthwise conv of k with output
         # gradient e.
         return {"weight": dwconv_eager.dwconv_backward(em, km, None, need_input=False)[1]}
 
-    def apply_to(self, p, q, grid):
+    def apply_to(self, p: Params, q: Tensor, grid: tuple[int, int]) -> Tensor:
         return self.from_map(self.conv(self.to_map(q, grid), p["weight"]))
 
-    def norm_dims(self, name: str) -> tuple[int, ...]:
-        return (-2, -1)
+    def norm_dims(self, name: str) -> list[int]:
+        return [-2, -1]
 
 
 class ResidualNormInner(InnerModel):
@@ -526,12 +676,13 @@ class ResidualNormInner(InnerModel):
         self.ln_bias = nn.Parameter(torch.zeros(model.heads * model.head_dim))
 
     def _affine(self) -> tuple[Tensor, Tensor]:
-        shape = (1, self.heads, 1, self.head_dim)
+        shape = [1, self.heads, 1, self.head_dim]
         return self.ln_weight.view(shape), self.ln_bias.view(shape)
 
     def norm(self, z: Tensor) -> tuple[Tensor, Cache]:
         """The LayerNorm of ``g``'s output ``[B, G, n, c]`` and what :meth:`norm_backward` needs."""
-        y, z_hat, rstd = layer_norm_forward(z, *self._affine())
+        weight, bias = self._affine()
+        y, z_hat, rstd = layer_norm_forward(z, weight, bias)
         return y, {"ln_z_hat": z_hat, "ln_rstd": rstd}
 
     def norm_backward(self, dy: Tensor, cache: Cache) -> Tensor:
@@ -541,18 +692,22 @@ class ResidualNormInner(InnerModel):
     def initial_params(self) -> Params:
         return self.model.initial_params()
 
-    def forward_train(self, p, k, grid, need_output):
+    def forward_train(
+        self, p: Params, k: Tensor, grid: tuple[int, int], need_output: bool
+    ) -> tuple[Tensor | None, Cache]:
         z, cache = self.model.forward_train(p, k, grid, True)  # the norm's backward needs z for every loss
+        assert z is not None  # need_output: the model's output
         y, norm_cache = self.norm(z)
-        return (k + y if need_output else None), {**cache, **norm_cache}
+        cache.update(norm_cache)
+        return (k + y if need_output else None), cache
 
-    def grads(self, p, k, e, cache, grid):
+    def grads(self, p: Params, k: Tensor, e: Tensor, cache: Cache, grid: tuple[int, int]) -> Params:
         return self.model.grads(p, k, self.norm_backward(e, cache), cache, grid)
 
-    def apply_to(self, p, q, grid):
+    def apply_to(self, p: Params, q: Tensor, grid: tuple[int, int]) -> Tensor:
         return q + self.norm(self.model.apply_to(p, q, grid))[0]
 
-    def norm_dims(self, name: str) -> tuple[int, ...]:
+    def norm_dims(self, name: str) -> list[int]:
         return self.model.norm_dims(name)
 
 

@@ -9,7 +9,8 @@ The angle table is formed by broadcasting, ``row · [θ, 0] + col · [0, θ]`` (
 the zero terms add exact zeros), and the rotation is applied to the ``[..., h, w, 2, C/4, 2]`` view of the
 tokens: no table is expanded to ``[N, C/2]``. Under ``torch.export`` with a dynamic image size every op on
 the symbolic grid costs a chain of shape computations, so the few ops matter; :func:`rope_tables` lets the
-queries and keys share one table.
+queries and keys share one table. TorchScript compiles these functions (a model built scriptable), making
+the tables in the scripted graph.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def rope_tables(
 ) -> tuple[Tensor, Tensor]:
     """``(cos, sin)`` of the rotation angles, ``[h, w, 2, dim / 4]`` each, for :func:`apply_rope_2d`; in eager
     mode kept per grid, size, base, device and dtype (read only: the callers never write them)."""
+    if torch.jit.is_scripting():
+        return _tables(grid, dim, base, device, dtype)
     device = torch.device(device)
     if _traced() or device.type == "meta":
         return _tables(grid, dim, base, device, dtype)
@@ -106,7 +109,9 @@ def apply_rope_2d(
     if inverse:
         sin = -sin
     x = x if x.dtype == dtype else x.to(dtype)
-    xp = x.reshape(*x.shape[:-2], *grid, 2, c // 4, 2)  # [B, N, C] -> [B, h, w, 2, C/4, 2]
+    shape = list(x.shape[:-2])  # a list extended, not starred arguments: TorchScript compiles this
+    shape.extend([grid[0], grid[1], 2, c // 4, 2])
+    xp = x.reshape(shape)  # [B, N, C] -> [B, h, w, 2, C/4, 2]
     re, im = xp[..., 0], xp[..., 1]  # [B, h, w, 2, C/4] each
     out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)  # [B, h, w, 2, C/4, 2]
     return out.reshape(x.shape)  # [B, N, C]

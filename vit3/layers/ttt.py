@@ -24,6 +24,7 @@ from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig
 from .eager_mix import MixBranch, MixPlan, eager_mix, takes
 from .inner import Params, assert_finite, create_inner_model, inner_loop
+from .inner_math import shape_text
 from .mixer_calls import MAX_CALLS, Call, Calls, call_key, cpp_args
 from .rope import apply_rope_2d, rope_tables
 
@@ -85,7 +86,9 @@ class TTTMixer(nn.Module):
     outputs are concatenated and projected back to ``dim``.
 
     Which implementation runs each branch (the Triton kernel, the C++ CPU kernel, the fused eager path or
-    the generic inner loop) is decided by ``vit3.layers.backends``; ``explain`` says which and why.
+    the generic inner loop) is decided by ``vit3.layers.backends``; ``explain`` says which and why. A mixer
+    built under timm's ``set_scriptable(True)`` (``backends.scriptable_build``) runs the reference math of
+    every branch (:meth:`reference_mix`), eager and under ``torch.jit.script`` alike.
 
     Args:
         dim: token width C.
@@ -95,6 +98,9 @@ class TTTMixer(nn.Module):
 
     # The plans, in the instance's ``__dict__`` once made (``_calls``); read so by ``mix``'s short path.
     _call_cache: Calls | None = None
+    # TorchScript leaves the plans' cache alone (it would read the property, making it, and fail on its type).
+    __jit_ignored_attributes__ = ("_call_cache", "_calls")
+    __jit_unused_properties__ = ("_calls",)
 
     def __init__(
         self, dim: int, num_heads: int = 8, cfg: TTTConfig | dict[str, Any] | None = None, **overrides: Any
@@ -111,6 +117,7 @@ class TTTMixer(nn.Module):
             (name, heads, head_dim, cfg.plain_branch(name)) for name, heads in self.branch_specs
         )
         self.widths = [heads * head_dim for _, heads in self.branch_specs]
+        self.qkv_sizes = [w for w in self.widths for _ in range(3)]  # q, k, v of each branch in turn
         if cfg.rope:
             for (name, _), width in zip(self.branch_specs, self.widths):
                 if name not in GRID_MODELS and width % 4:
@@ -125,20 +132,28 @@ class TTTMixer(nn.Module):
             nn.Linear(dim, sum(h for _, h in self.branch_specs)) if cfg.lr_mode == "token" else None
         )
         self.proj = nn.Linear(total, dim)
+        self.scriptable = backends.scriptable_build(cfg.backend)
+        # What the reference path reads of the config as plain values (TorchScript reads no dataclass).
+        self.loop_settings = (cfg.loss, float(cfg.inner_lr), cfg.steps, cfg.mini_batches, cfg.grad_norm)
+        self.rope, self.rope_base = cfg.rope, float(cfg.rope_base)
+
+    def check_shape(self, x: Tensor, grid: tuple[int, int]) -> None:
+        """Checks tokens ``[B, N, C]`` against the mixer's width and ``grid`` (``ValueError`` naming them)."""
+        if x.ndim != 3:
+            raise ValueError(
+                f"TTTMixer expects tokens [B, N, C], got a tensor of rank {x.ndim} {shape_text(x)}"
+            )
+        n, c = x.shape[1], x.shape[2]
+        if c != self.dim:
+            raise ValueError(f"TTTMixer built for C={self.dim} channels got C={c} (input {shape_text(x)})")
+        h, w = grid
+        if h < 1 or w < 1 or h * w != n:
+            raise ValueError(f"grid {h}x{w} = {h * w} tokens does not fit N={n} (input {shape_text(x)})")
 
     def _check(self, x: Tensor, grid: tuple[int, int], kind: str) -> None:
         """Shape and (``TTTConfig.check_finite``, not under tracing: ``kind``) finiteness checks of the input;
         under a trace, the refusal of a legacy ONNX export with ``dynamic_axes``."""
-        if x.ndim != 3:
-            raise ValueError(
-                f"TTTMixer expects tokens [B, N, C], got a tensor of rank {x.ndim} {tuple(x.shape)}"
-            )
-        _, n, c = x.shape
-        if c != self.dim:
-            raise ValueError(f"TTTMixer built for C={self.dim} channels got C={c} (input {tuple(x.shape)})")
-        h, w = grid
-        if h < 1 or w < 1 or h * w != n:
-            raise ValueError(f"grid {h}x{w} = {h * w} tokens does not fit N={n} (input {tuple(x.shape)})")
+        self.check_shape(x, grid)
         if self.cfg.check_finite and not kind:
             assert_finite(x, NonFiniteError, "TTTMixer input contains non-finite values (NaN or Inf)")
         if kind == "trace" and backends.legacy_onnx_dynamic_axes():
@@ -203,6 +218,15 @@ class TTTMixer(nn.Module):
 
     def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """Mixes tokens ``[B, N, C]`` laid out on ``grid = (h, w)`` (raster order); returns ``[B, N, C]``."""
+        # Compiled by TorchScript (a mixer built scriptable): the reference path, no finiteness check.
+        if torch.jit.is_scripting():
+            self.check_shape(x, grid)
+            gates = torch.sigmoid(self.lr_gate(x)).transpose(1, 2) if self.lr_gate is not None else None
+            return self.proj(self.reference_mix(self.qkv(x), grid, gates))
+        return self._forward(x, grid)
+
+    def _forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
+        """``forward`` in Python: the checks, the token gates, ``mix`` between the projections."""
         kind = backends.tracing_kind()
         self._check(x, grid, kind)
         gates = (
@@ -246,6 +270,10 @@ class TTTMixer(nn.Module):
         # op's kernels on a CPU every Python call here costs µs (``benchmarks/mixer_overhead.py``).
         if not qkv.shape[0]:  # no kernel path takes an empty batch
             return self._empty_mix(qkv, gates)
+        if self.scriptable:  # built for TorchScript: the path it compiles, eager too (autocast off inside)
+            device = qkv.device.type
+            with torch.autocast(device, enabled=False) if autocast_on(device) else contextlib.nullcontext():
+                return self.reference_mix(qkv, grid, gates)
         traced = torch.compiler.is_compiling() or torch._C._is_tracing()
         if gates is None and not traced:
             calls = self._call_cache
@@ -313,33 +341,78 @@ class TTTMixer(nn.Module):
         guard: bool,
     ) -> Tensor:
         """``mix`` on ``plan``: one fused eager node, or branch by branch (each guarded when ``guard``)."""
-        b, n, _ = qkv.shape
-        io_dtype = qkv.dtype
-        # The inner loop runs in float32 at least (bf16/fp16 gradients of the inner loss are too coarse).
-        compute = torch.promote_types(io_dtype, torch.float32)
-        cfg = self.cfg
         if plan.fused:
             return _fused(self._mix_plan(plan, grid), qkv, [p for w in weights for p in w.values()])
-        outs, gate_offset = [], 0
-        # One split for all branches: its backward is a single concatenation, where slicing per branch would
-        # make autograd zero-fill and add a full-size qkv gradient for every slice.
-        pieces = qkv.split([w for w in self.widths for _ in range(3)], dim=-1)  # [B, N, width] each
+        pieces, outs, offset = self._split(qkv), [], 0
         for i, ((name, heads), model) in enumerate(zip(self.branch_specs, self.inner)):
-            q, k, v = pieces[3 * i : 3 * i + 3]
-            gate = None
-            if gates is not None:
-                gate = gates[:, gate_offset : gate_offset + heads].to(compute)
-                gate_offset += heads
-            if cfg.rope and not model.grid_model:  # one angle table for q and k
-                rope = rope_tables(grid, q.shape[-1], cfg.rope_base, q.device, compute)
-                # back to the io dtype, as the fused node hands them on: q, k, v share one dtype
-                q, k = (apply_rope_2d(t, grid, cfg.rope_base, tables=rope).to(io_dtype) for t in (q, k))
-            # [B, N, G*c] -> [B, G, N, c]: strided views of qkv, no copy
-            q, k, v = (t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2) for t in (q, k, v))
-            step = backends.Step(name, model, grid, self.scale, cfg, plan.recompute)
+            q, k, v, gate = self._branch_inputs(pieces, i, heads, model.grid_model, grid, gates, offset)
+            offset += heads
+            step = backends.Step(name, model, grid, self.scale, self.cfg, plan.recompute)
             y = backends.run_branch(plan, i, step, q, k, v, weights[i], gate, guard=guard)
-            outs.append(y.to(io_dtype).transpose(1, 2))  # [B, N, G, c]
-        # One pass: concatenating along the head dim writes [B, N, sum(G), c] directly in token order.
+            outs.append(y.to(qkv.dtype).transpose(1, 2))  # [B, N, G, c]
+        return self._joined(outs, qkv)
+
+    def reference_mix(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None = None) -> Tensor:
+        """``mix`` by the reference math of every branch (``InnerModel.ttt``, the generic backend's), without
+        plans: the path a mixer built scriptable runs, eager and compiled by TorchScript.
+
+        Args:
+            qkv: ``[B, N, 3 * sum(widths)]``; grid: ``(h, w)``; gates: ``[B, sum(heads), N]`` or ``None``.
+
+        Returns:
+            ``[B, N, sum(widths)]`` in ``qkv``'s dtype.
+        """
+        loss, lr, steps, mini_batches, grad_norm = self.loop_settings
+        pieces, outs, offset = self._split(qkv), [], 0
+        for i, model in enumerate(self.inner):
+            heads = self.branch_specs[i][1]
+            q, k, v, gate = self._branch_inputs(pieces, i, heads, model.grid_model, grid, gates, offset)
+            offset += heads
+            params = model.initial_params()
+            y = model.ttt(q, k, v, params, grid, gate, loss, self.scale, lr, steps, mini_batches, grad_norm)
+            outs.append(y.to(qkv.dtype).transpose(1, 2))  # [B, N, G, c]
+        return self._joined(outs, qkv)
+
+    def _split(self, qkv: Tensor) -> list[Tensor]:
+        """q, k, v of every branch, ``[B, N, width]`` each. One split for all branches: its backward is a
+        single concatenation, where slicing per branch would make autograd zero-fill and add a full-size qkv
+        gradient for every slice."""
+        return list(qkv.split(self.qkv_sizes, dim=-1))
+
+    def _branch_inputs(
+        self,
+        pieces: list[Tensor],
+        i: int,
+        heads: int,
+        grid_model: bool,
+        grid: tuple[int, int],
+        gates: Tensor | None,
+        offset: int,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Branch ``i``'s q, k, v ``[B, G, N, c]`` (RoPE on q and k where it applies, in the io dtype) and
+        its token lr gate ``[B, G, N]`` (the ``heads`` rows of ``gates`` from ``offset``, compute dtype)."""
+        q, k, v = pieces[3 * i], pieces[3 * i + 1], pieces[3 * i + 2]
+        io_dtype = q.dtype
+        # The inner loop runs in float32 at least (bf16/fp16 gradients of the inner loss are too coarse).
+        compute = torch.promote_types(io_dtype, torch.float32)
+        gate = None if gates is None else gates[:, offset : offset + heads].to(compute)
+        if self.rope and not grid_model:  # one angle table for q and k
+            rope = rope_tables(grid, q.shape[-1], self.rope_base, q.device, compute)
+            # back to the io dtype, as the fused node hands them on: q, k, v share one dtype
+            q = apply_rope_2d(q, grid, self.rope_base, False, rope).to(io_dtype)
+            k = apply_rope_2d(k, grid, self.rope_base, False, rope).to(io_dtype)
+        # [B, N, G*c] -> [B, G, N, c]: strided views of qkv, no copy
+        shape = [heads, self.head_dim]
+        q = q.unflatten(-1, shape).transpose(1, 2)
+        k = k.unflatten(-1, shape).transpose(1, 2)
+        v = v.unflatten(-1, shape).transpose(1, 2)
+        return q, k, v, gate
+
+    @staticmethod
+    def _joined(outs: list[Tensor], qkv: Tensor) -> Tensor:
+        """The branch read-outs ``[B, N, G, c]`` as ``[B, N, sum(G) * c]``: concatenating along the head dim
+        writes them in token order in one pass."""
+        b, n = qkv.shape[0], qkv.shape[1]
         return torch.cat(outs, dim=2).view(b, n, -1) if len(outs) > 1 else outs[0].reshape(b, n, -1)
 
     def _cpp_call(self, qkv: Tensor, grid: tuple[int, int]) -> Tensor | None:
@@ -443,13 +516,16 @@ class TTTMixer(nn.Module):
         return state
 
     def __prepare_scriptable__(self) -> TTTMixer:
-        """``torch.jit.script`` calls this on every module first: the mixer refuses, naming what works, before
-        TorchScript's compiler fails deep inside on the Python it cannot compile (the backend registry, its
-        cached plans, the fused nodes)."""
+        """``torch.jit.script`` calls this on every module first: a mixer built scriptable is compiled as it
+        is (its reference path); another refuses, naming what works, before TorchScript's compiler fails deep
+        inside on the Python it cannot compile (the backend registry, its cached plans, the fused nodes)."""
+        if self.scriptable:
+            return self
         raise RuntimeError(
-            "TorchScript (torch.jit.script) cannot compile the ViT³ TTT mixer: its choice of implementation "
-            "and fused paths are Python. Use torch.jit.trace (a static graph), torch.export.export (dynamic "
-            "sizes), torch.compile, or vit3.export.export_onnx / torch.onnx.export instead."
+            "TorchScript (torch.jit.script) compiles a ViT³ model built for it: build it under "
+            "timm.layers.set_scriptable(True) (timm.create_model(name, scriptable=True)), which runs the "
+            "reference path; this one chose its kernels at build. Or use torch.jit.trace (a static graph), "
+            "torch.export.export (dynamic sizes), torch.compile, or vit3.export.export_onnx."
         )
 
     def extra_repr(self) -> str:

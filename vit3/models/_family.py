@@ -21,7 +21,7 @@ from __future__ import annotations
 import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -125,7 +125,7 @@ def merge_ttt_cfg(
     return cfg
 
 
-def pool_features(x: Tensor, pool_type: str, spatial_dims: tuple[int, int]) -> Tensor:
+def pool_features(x: Tensor, pool_type: str, spatial_dims: list[int]) -> Tensor:
     """Global pooling over ``spatial_dims`` (``'avg'``, ``'max'``, ``'avgmax'``; ``''`` returns ``x``)."""
     if pool_type == "avg":
         return x.mean(spatial_dims)
@@ -167,14 +167,9 @@ def init_weights(module: nn.Module) -> None:
 
 class ClassifierHeadMixin:
     """timm's classifier API over ``self.head`` (Linear of ``self.num_features``), ``self.head_drop`` and
-    ``self.global_pool``; ``spatial_dims`` are the token-grid dims of ``forward_features``' output."""
-
-    spatial_dims: tuple[int, int]
-    num_features: int
-    num_classes: int
-    global_pool: str
-    head: nn.Module
-    head_drop: nn.Module
+    ``self.global_pool`` (a str); ``self.spatial_dims`` (ints) are the token-grid dims of the features
+    ``forward_head`` pools (``_head_input``: ``forward_features``' output as the head reads it). No class
+    annotations: TorchScript would read them, as strings it cannot resolve."""
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
@@ -201,9 +196,12 @@ class ClassifierHeadMixin:
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Features -> logits ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``)."""
-        x = pool_features(x, self.global_pool, self.spatial_dims)
+        x = pool_features(self._head_input(x), self.global_pool, self.spatial_dims)
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
+
+    def _head_input(self, x: Tensor) -> Tensor:
+        return x
 
 
 class LayerStackMixin:
@@ -211,14 +209,12 @@ class LayerStackMixin:
     ``nn.Sequential``: the plain model's blocks, the hierarchical model's stages) and its final ``self.norm``.
 
     A model provides ``_embed`` (images ``[B, C_in, H, W]`` -> the stack's input; it checks the image),
-    ``_norm_fits`` (whether the final norm is sized for layer ``i``'s output), ``_as_features`` (a layer's
-    output -> ``forward_features``' layout) and ``_as_fmt`` (a layer's output -> an ``intermediate_fmts`` one).
+    ``_run_stack`` (the stack on it: TorchScript calls no module a method returns), ``_norm_fits`` (whether
+    the final norm is sized for layer ``i``'s output), ``_as_features`` (a layer's output ->
+    ``forward_features``' layout) and ``_as_fmt`` (a layer's output -> an ``intermediate_fmts`` one); and the
+    class attributes ``stack_name`` and ``intermediate_fmts`` (str, tuple of str), the attributes
+    ``grad_checkpointing`` and ``norm`` (no class annotations: see :class:`ClassifierHeadMixin`).
     """
-
-    stack_name: ClassVar[str]
-    intermediate_fmts: ClassVar[tuple[str, ...]]
-    grad_checkpointing: bool
-    norm: nn.Module
 
     def _embed(self, x: Tensor) -> Tensor:
         raise NotImplementedError
@@ -232,6 +228,9 @@ class LayerStackMixin:
     def _as_fmt(self, x: Tensor, output_fmt: str) -> Tensor:
         raise NotImplementedError
 
+    def _run_stack(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
     def _stack(self) -> nn.Sequential:
         return getattr(self, self.stack_name)
 
@@ -242,8 +241,14 @@ class LayerStackMixin:
     def forward_features(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> the normed, unpooled features (``output_fmt``) that ``forward_head``
         pools."""
+        return self._stack_features(x)
+
+    def _stack_features(self, x: Tensor) -> Tensor:
         x = self._embed(x)
-        x = checkpoint_seq(self._stack(), x) if self._checkpointing() else self._stack()(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self._stack(), x)
+        else:
+            x = self._run_stack(x)
         return self._as_features(self.norm(x))
 
     def forward_intermediates(
@@ -350,6 +355,9 @@ class FamilyBackbone(ClassifierHeadMixin, LayerStackMixin, nn.Module):
         self.num_features = self.head_hidden_size = num_features
         self.grad_checkpointing = False
         self.ttt_cfg = merge_ttt_cfg(ttt_cfg, qkv_bias, **ttt_defaults)
+        self.check_finite = (
+            self.ttt_cfg.check_finite
+        )  # what the image check reads (a value TorchScript reads)
 
     def _add_head(self, drop_rate: float) -> None:
         """The classifier (dropout ``drop_rate``, then Linear) after every other module, then the official init

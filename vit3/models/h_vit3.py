@@ -13,8 +13,8 @@ feature map and RoPE is computed on the fly for that grid. Stages start with the
 ``forward_features`` returns the normed map ``[B, C, ceil(H/32), ceil(W/32)]``.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: torch.fx copies ``forward``'s annotations into the graph
+# code TorchScript compiles (timm's FX + TorchScript path), where a string annotation names no type.
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -214,8 +214,11 @@ class HViT3(FamilyBackbone):
 
     def _embed(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> stem map ``[B, C_0, ceil(H/4), ceil(W/4)]``."""
-        x = check_image(x, self.in_chans, self.reduction, self.ttt_cfg.check_finite)
+        x = check_image(x, self.in_chans, self.reduction, self.check_finite)
         return self.pos_drop(self.stem(x))
+
+    def _run_stack(self, x: Tensor) -> Tensor:
+        return self.stages(x)
 
     def forward(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> logits ``[B, num_classes]``."""

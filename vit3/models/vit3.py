@@ -18,8 +18,8 @@ pools; ``forward_intermediates`` takes timm's options (``output_fmt='NCHW'``/``'
 ``[B, C, h, w]`` of chosen blocks.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: torch.fx copies ``forward``'s annotations into the graph
+# code TorchScript compiles (timm's FX + TorchScript path), where a string annotation names no type.
 from functools import partial
 from typing import Any
 
@@ -194,12 +194,15 @@ class ViT3(FamilyBackbone):
 
     def _embed(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> tokens ``[B, ceil(H/p), ceil(W/p), C]``."""
-        x = check_image(x, self.in_chans, max(self.patch_embed.patch_size), self.ttt_cfg.check_finite)
         pe = self.patch_embed
+        x = check_image(x, self.in_chans, max(pe.patch_size[0], pe.patch_size[1]), self.check_finite)
         if pe.strict_img_size or not pe.dynamic_img_pad:
             strict, pad = pe.strict_img_size, pe.dynamic_img_pad
             check_image_size(x, pe.img_size if strict else None, None if pad else pe.patch_size)
         return self.pos_drop(pe(x))
+
+    def _run_stack(self, x: Tensor) -> Tensor:
+        return self.blocks(x)
 
     def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> normed, unpooled tokens ``[B, N, C]``, ``N = ceil(H/p) * ceil(W/p)``
@@ -208,12 +211,12 @@ class ViT3(FamilyBackbone):
         ``attn_mask`` / ``is_causal`` (timm's signature) are refused: see :func:`_check_attention_args`.
         """
         _check_attention_args(attn_mask, is_causal)
-        return super().forward_features(x)
+        return self._stack_features(x)
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Features ``[B, N, C]`` (``forward_features``; a map ``[B, h, w, C]`` pools alike) -> logits
-        ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``; ``global_pool=''``: unpooled)."""
-        return super().forward_head(x.flatten(1, -2), pre_logits)
+    def _head_input(self, x: Tensor) -> Tensor:
+        """``forward_head`` takes the tokens ``[B, N, C]`` of ``forward_features`` (a map ``[B, h, w, C]``
+        pools alike: flattened here) and pools them (``global_pool=''``: unpooled)."""
+        return x.flatten(1, -2)
 
     def forward(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> logits ``[B, num_classes]``."""

@@ -51,6 +51,9 @@ recomputes the whole mixer but its output projection in the backward, saving onl
 same switch makes the ViT³ block recompute its CPE output and its MLP's LayerNorm and GELU outputs
 (``vit3.layers.blocks``) unless it is ``never``.
 
+A layer built under timm's ``set_scriptable(True)`` takes no plan (``scriptable_build``): the reference math,
+which ``torch.jit.script`` compiles.
+
 ``TTTMixer.explain``, ``vit3.explain(model, input)`` and ``vit3-explain <model>`` report the
 backend of every branch and why each other one was passed over, and what the backward recomputes.
 
@@ -76,6 +79,7 @@ from .planner import (
     RECOMPUTE_ENV,
     RECOMPUTE_MODES,
     REMOVED_ENV,
+    SCRIPTABLE_PATH,
     STRICT_ENV,
     BackendWarning,
     Plan,
@@ -87,6 +91,7 @@ from .planner import (
     recompute_mode,
     refresh_env,
     reset,
+    scriptable_build,
 )
 from .registry import BACKEND_ENV, BACKENDS, NAMES, order
 from .verify import VERIFY_RTOL, VerificationError
@@ -99,6 +104,7 @@ __all__ = [
     "RECOMPUTE_ENV",
     "RECOMPUTE_MODES",
     "REMOVED_ENV",
+    "SCRIPTABLE_PATH",
     "STRICT_ENV",
     "VERIFY_RTOL",
     "Backend",
@@ -126,6 +132,7 @@ __all__ = [
     "reset",
     "run",
     "run_branch",
+    "scriptable_build",
     "settled",
     "token_class",
     "tracing_kind",

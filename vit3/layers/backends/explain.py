@@ -12,8 +12,17 @@ from vit3.kernels.ops import OPS
 
 from ..eager_mix import runs_whole
 from .interface import Inputs, Settings, token_class
-from .planner import Plan, branch_keys, demotions, recompute_choice, recompute_mode, requested_backend
-from .registry import LEAN_BACKENDS, Branch, choose, fuses
+from .planner import (
+    SCRIPTABLE_PATH,
+    SCRIPTABLE_WHY,
+    Plan,
+    branch_keys,
+    demotions,
+    recompute_choice,
+    recompute_mode,
+    requested_backend,
+)
+from .registry import BACKENDS, LEAN_BACKENDS, Branch, choose, fuses
 
 
 @dataclass(frozen=True)
@@ -106,10 +115,13 @@ def explain_mixer(
     mixer: nn.Module, device: torch.device, dtype: torch.dtype, grid: tuple[int, int], grad: bool
 ) -> MixerExplanation:
     """The plan a call of ``mixer`` (a ``TTTMixer``: this registry stands below the mixer, which calls it) would
-    take, with reasons (no warnings, nothing cached)."""
+    take, with reasons (no warnings, nothing cached); a mixer built scriptable (``scriptable_build``) runs the
+    reference path, every branch on ``generic``."""
     cfg = mixer.cfg
     settings = Settings(cfg.loss, cfg.steps, cfg.mini_batches, cfg.lr_mode)
     n = grid[0] * grid[1]
+    if mixer.scriptable:
+        return _scriptable(mixer, device, dtype, grid, grad)
     x = Inputs(device, dtype, token_class(n), grad, "")
     requested, source = requested_backend(cfg.backend)
     branches = mixer.plan_branches
@@ -142,6 +154,30 @@ def explain_mixer(
         recompute_choice(cfg.recompute)[1] if lean else "",
         program,
         cpp_op,
+    )
+
+
+def _scriptable(
+    mixer: nn.Module, device: torch.device, dtype: torch.dtype, grid: tuple[int, int], grad: bool
+) -> MixerExplanation:
+    """``explain_mixer`` of a mixer built scriptable: every branch on the generic reference path, by build."""
+    others = tuple((name, SCRIPTABLE_WHY) for name in BACKENDS if name != "generic")
+    branches = tuple(
+        BranchExplanation(i, name, heads, d, "generic", others)
+        for i, (name, heads, d, _) in enumerate(mixer.plan_branches)
+    )
+    n = grid[0] * grid[1]
+    return MixerExplanation(
+        mixer.dim,
+        mixer.num_heads,
+        str(device),
+        str(dtype),
+        n,
+        tuple(grid),
+        grad,
+        SCRIPTABLE_PATH,
+        False,
+        branches,
     )
 
 

@@ -6,7 +6,8 @@ them once, on first use (a CLI or trainer that sets them before its first mixer 
 snapshot that every call reads instead of ``os.environ``; code that changes them later calls
 :func:`refresh_env` (the tests' ``monkeypatch.setenv`` does, through ``tests/conftest.py``). Every change
 to what plans depend on (a refreshed environment, a demotion, ``reset``) drops the cached plans, the mixers'
-own caches with them (:func:`keep_with_plans`).
+own caches with them (:func:`keep_with_plans`). A layer built for TorchScript takes no plan at all
+(:func:`scriptable_build`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
+from timm.layers import is_scriptable
 from torch import Tensor
 
 from vit3.kernels import cpp as cpu_ext
@@ -106,6 +108,41 @@ def requested_backend(cfg_backend: str) -> tuple[str, str]:
     if name not in NAMES:
         raise ValueError(f"${BACKEND_ENV} must be one of {', '.join(NAMES)}, got {name!r}")
     return name, f"{BACKEND_ENV}={name}"
+
+
+# What ``explain`` says of every branch of a mixer built scriptable (``scriptable_build``).
+SCRIPTABLE_PATH = "scriptable: reference path"
+SCRIPTABLE_WHY = (
+    f"{SCRIPTABLE_PATH} (built under timm's set_scriptable(True): TorchScript compiles the generic inner "
+    "loop)"
+)
+
+
+def scriptable_build(cfg_backend: str = "auto") -> bool:
+    """Whether a layer built now takes the path TorchScript compiles (``torch.jit.script``): the reference
+    math of every branch (``InnerModel.ttt``, the generic backend's) and the blocks' plain PyTorch layers, no
+    kernel and no plan. Decided once, when the layer is built, by timm's layer config:
+    ``timm.layers.set_scriptable(True)`` / ``set_layer_config(scriptable=True)`` /
+    ``timm.create_model(name, scriptable=True)``, under which timm's contract is that the model scripts.
+    ``$VIT3_TTT_BACKEND`` is not read then (a warning says so when set).
+
+    Args:
+        cfg_backend: the layer's ``TTTConfig.backend``.
+
+    Raises:
+        ValueError: ``cfg_backend`` names a kernel backend, which a scripted model cannot run.
+    """
+    if not is_scriptable():
+        return False
+    if cfg_backend not in ("auto", "generic"):
+        raise ValueError(
+            f"TTTConfig.backend={cfg_backend!r}: a model built scriptable (timm's set_scriptable(True)) runs "
+            "the generic reference path TorchScript compiles; use backend 'auto' or 'generic'"
+        )
+    name = (env().backend or "").strip().lower()
+    if cfg_backend == "auto" and name not in ("", "auto", "generic"):
+        warn_once(f"vit3: {BACKEND_ENV}={name} is not read by a model built scriptable ({SCRIPTABLE_WHY}).")
+    return True
 
 
 _warned: set[str] = set()

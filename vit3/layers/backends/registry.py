@@ -20,7 +20,6 @@ from vit3.kernels.paths import compute_inputs
 
 from ..config import BACKEND_NAMES
 from ..eager_mix import MixBranch, MixPlan, eager_mix
-from ..inner import inner_loop
 from .interface import Backend, Branch, Inputs, Settings, Step
 
 BACKEND_ENV = (
@@ -73,23 +72,12 @@ def _run_node(step: Step, path: str, q: Tensor, k: Tensor, v: Tensor, params: di
 
 
 def _run_generic(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
-    q, k, v, params = compute_inputs(q, k, v, params)
+    """The branch's inner model's own reference step (``InnerModel.ttt``: the inner loop, the read-out on q),
+    which a model built scriptable runs under TorchScript too."""
     c = step.cfg
-    params = inner_loop(
-        step.model,
-        params,
-        k,
-        v,
-        step.grid,
-        loss=c.loss,
-        scale=step.scale,
-        lr=c.inner_lr,
-        steps=c.steps,
-        mini_batches=c.mini_batches,
-        grad_norm=c.grad_norm,
-        token_lr=gate,
+    return step.model.ttt(
+        q, k, v, params, step.grid, gate, c.loss, step.scale, c.inner_lr, c.steps, c.mini_batches, c.grad_norm
     )
-    return step.model.apply_to(params, q, step.grid)
 
 
 BACKENDS: dict[str, Backend] = {
