@@ -199,6 +199,24 @@ class TestPipeline:
         assert half.transformer.dtype == torch.bfloat16 and latents.dtype == torch.bfloat16
         assert torch.isfinite(latents).all()
 
+    @pytest.mark.parametrize("first", ["vit3", "diffusers"])
+    def test_importing_vit3_is_all_diffusion_pipeline_from_pretrained_needs(self, first, tmp_path):
+        """diffusers looks a saved pipeline's class up in its own namespace only: ``import vit3``, before
+        diffusers or after it, has it find DiT3Pipeline, importing neither diffusers nor the pipeline itself
+        (a fresh interpreter)."""
+        _pipe(_model()).save_pretrained(tmp_path)
+        imports = {
+            "vit3": "import sys, vit3; assert 'diffusers' not in sys.modules; import diffusers",
+            "diffusers": "import sys, diffusers, vit3",
+        }[first]
+        code = (
+            f"{imports}; assert 'vit3.tasks.pipeline' not in sys.modules; "
+            f"print(type(diffusers.DiffusionPipeline.from_pretrained({str(tmp_path)!r})).__name__)"
+        )
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == "DiT3Pipeline"
+
 
 # ----------------------------------------------------------------------------------- scheduler swaps
 def _swap(name: str, config, **kw):

@@ -4,8 +4,8 @@
 the initial latents with diffusers' ``randn_tensor`` (one generator per image makes each image depend on its
 own seed only), runs the scheduler through :func:`vit3.tasks.diffusion.denoise` (the loop of the training
 engine's sampler) and decodes with the VAE. ``save_pretrained`` / ``from_pretrained`` store the DiT³, the
-scheduler and the VAE in diffusers' layout; importing this module lets ``DiffusionPipeline.from_pretrained``
-load a saved folder as well (diffusers resolves ``_class_name`` in its own namespace).
+scheduler and the VAE in diffusers' layout; ``DiffusionPipeline.from_pretrained`` loads a saved folder as well
+once vit3 is imported (diffusers resolves ``_class_name`` in its own namespace: ``vit3._diffusers_names``).
 
 Where it differs from ``DiTPipeline`` (written for the official DiT's ImageNet checkpoints), it follows the
 official DiT³ sampler (``dittt/sample.py``):
