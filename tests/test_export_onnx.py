@@ -4,6 +4,7 @@ export-time formulation of the depthwise-conv inner model (nine shifted multiply
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -93,6 +94,36 @@ def test_export_script_onnx_command_checks_against_pytorch(tmp_path, capsys):
     dims = graph.input[0].type.tensor_type.shape.dim
     assert dims[1].dim_value == 3 and all(d.dim_param for d in (dims[0], dims[2], dims[3]))  # dynamic B, H, W
     assert [o.name for o in graph.output] == ["feat0_s16", "feat1_s16", "feat2_s16"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the (quick) TorchScript exporter is deprecated
+def test_export_script_torchscript_exporter_writes_a_static_graph(tmp_path, capsys, caplog):
+    """The legacy exporter fixes the sizes it traces: ``--exporter torchscript`` writes one image of
+    ``--img-size`` (it asked for a dynamic batch, which the TTT mixer refuses, and always failed), says so in
+    one line and checks that graph at its shape."""
+    import onnx
+    from helpers.train import load_script
+
+    out = tmp_path / "plain.onnx"
+    argv = ["onnx", "--model", "test_vit3_ttt", "--random-init", "--img-size", "64", "--out", str(out)]
+    with caplog.at_level(logging.WARNING, logger="vit3.export"):
+        assert load_script("export").main([*argv, "--exporter", "torchscript"]) == 0
+    text = capsys.readouterr().out
+    info = json.loads(text[text.rfind("\n{") + 1 :])  # the script's JSON comes last
+    assert info["exporter"] == "torchscript" and not info["dynamic_batch"] and not info["dynamic_size"]
+    assert info["max_abs_err"] < 1e-4
+    dims = onnx.load(str(out)).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims] == [1, 3, 64, 64]
+    assert "the TorchScript exporter writes a static graph: batch 1, 64x64 images only" in caplog.messages
+
+
+def test_torchscript_exporter_refuses_a_dynamic_graph_in_one_line(tmp_path):
+    pattern = (
+        r"^exporter='torchscript' writes a static graph .* or exporter='dynamo' for a dynamic batch or size$"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        export_onnx(FeatureExtractor("test_vit3_ttt"), tmp_path / "m.onnx", 64, exporter="torchscript")
+    assert not (tmp_path / "m.onnx").exists()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the (quick) TorchScript exporter is deprecated

@@ -371,8 +371,9 @@ def export_onnx(
         dynamic_batch: symbolic batch dimension.
         dynamic_size: symbolic height / width.
         opset: ONNX opset.
-        exporter: ``dynamo`` (torch.export), ``torchscript`` (``dynamo=False``) or ``auto`` (dynamo, then
-            TorchScript if dynamo fails).
+        exporter: ``dynamo`` (torch.export), ``torchscript`` (``dynamo=False``: a static graph, which needs
+            ``dynamic_batch=False`` and ``dynamic_size=False``: that exporter fixes the sizes it traces) or
+            ``auto`` (dynamo, then for a static graph TorchScript if dynamo fails).
         optimize: run onnxscript's whole graph optimiser on the dynamo export (its pattern rewrites take
             minutes for the larger models; by default only :func:`fold_onnx`, and onnxruntime optimises the
             graph again when it loads it).
@@ -382,10 +383,19 @@ def export_onnx(
 
     Returns:
         ``{"path", "exporter", "dynamic_batch", "dynamic_size", "optimized", "nodes", "errors"}`` (``errors``:
-        of exporters that failed).
+        of exporters that failed or were not tried).
+
+    Raises:
+        ValueError: an unknown ``exporter``, or ``torchscript`` asked for a dynamic batch or size.
     """
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ValueError(f"unknown exporter {exporter!r}: expected auto, dynamo or torchscript")
+    static = not (dynamic_batch or dynamic_size)
+    if exporter == "torchscript" and not static:
+        raise ValueError(
+            "exporter='torchscript' writes a static graph (the legacy exporter fixes the sizes it traces): "
+            "pass dynamic_batch=False and dynamic_size=False, or exporter='dynamo' for a dynamic batch or size"
+        )
     h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
     path = Path(path)
     earlier = check_export_output("onnx", path, overwrite)
@@ -398,9 +408,12 @@ def export_onnx(
         reach = 2 * max(extractor.backbone.strides)
         h, w = max(h, reach), max(w, reach)
     x = torch.rand(2 if dynamic_batch else 1, extractor.in_chans, h, w)
-    axes = {**({0: "batch"} if dynamic_batch else {}), **({2: "height", 3: "width"} if dynamic_size else {})}
     errors: dict[str, str] = {}
-    for kind in ("dynamo", "torchscript") if exporter == "auto" else (exporter,):
+    kinds = ("dynamo", "torchscript") if exporter == "auto" else (exporter,)
+    if not static and "torchscript" in kinds:  # auto for a dynamic graph: dynamo alone
+        kinds = ("dynamo",)
+        errors["torchscript"] = "not tried: it writes static graphs only (dynamic_batch / dynamic_size asked)"
+    for kind in kinds:
         try:
             kwargs: dict[str, Any] = {
                 "input_names": ["images"],
@@ -430,9 +443,12 @@ def export_onnx(
                 with atomic_path(path, "ONNX file") as tmp:
                     program.save(tmp)
             else:
-                dyn = {"images": axes, **{n: {0: "batch"} if dynamic_batch else {} for n in extractor.names}}
+                b, _, h, w = x.shape
+                log.warning(
+                    "the TorchScript exporter writes a static graph: batch %d, %dx%d images only", b, h, w
+                )
                 with atomic_path(path, "ONNX file") as tmp:
-                    torch.onnx.export(extractor, (x,), tmp, dynamo=False, dynamic_axes=dyn, **kwargs)
+                    torch.onnx.export(extractor, (x,), tmp, dynamo=False, **kwargs)
             return {
                 "path": str(path),
                 "weights": extractor.weights,

@@ -10,9 +10,10 @@ needed for official files (or to override, with a warning). The weights come fro
 ``--random-init``. ``features`` writes ``<out>/<image>.safetensors`` ({name: [C, h, w]}; images in subfolders
 keep their subfolder) and ``<out>/manifest.json`` (model, preprocessing, feature names, channels, strides,
 shapes). ``onnx`` writes a graph taking images in [0, 1] ``[B, C_in, H, W]`` (normalisation included) with a
-dynamic batch (and size where the model allows), checks it against PyTorch with onnxruntime and prints the
-largest difference. An ``--out`` that holds an earlier export is refused, unless ``--overwrite`` moves it into
-a ``replaced-<time>/`` folder first (a features folder holding other files is always refused). A mistake in
+dynamic batch (and size where the model allows; ``--exporter torchscript``: a static graph of one image of
+``--img-size``), checks it against PyTorch with onnxruntime and prints the largest difference. An ``--out``
+that holds an earlier export is refused, unless ``--overwrite`` moves it into a ``replaced-<time>/`` folder
+first (a features folder holding other files is always refused). A mistake in
 the input ends with one ``error:`` line and exit code 2 (``--debug``).
 """
 
@@ -72,21 +73,23 @@ def _export(args: argparse.Namespace) -> int:
         print(f"wrote {manifest}")
         return 0
     size = args.img_size or extractor.preprocessing["input_size"][-1]
+    legacy = args.exporter == "torchscript"  # the legacy exporter writes static graphs only
     info = export_onnx(
         extractor,
         args.out,
         size,
-        dynamic_size=not args.static_size,
+        dynamic_batch=not legacy,
+        dynamic_size=not (args.static_size or legacy),
         opset=args.opset,
         exporter=args.exporter,
         optimize=args.optimize,
         overwrite=args.overwrite,
     )
     if not args.no_check:
-        # A batch of 1 at the export size, and a batch of 3 at another size when the size is dynamic.
+        # A batch of 1 at the export size; a dynamic batch: one of 3 too, at another size if that is dynamic
         h2, w2 = (size, size) if args.static_size else (size + 32, size + 64)
         c = extractor.in_chans
-        inputs = [torch.rand(1, c, size, size), torch.rand(3, c, h2, w2)]
+        inputs = [torch.rand(1, c, size, size), *([] if legacy else [torch.rand(3, c, h2, w2)])]
         info["max_abs_err"] = check_onnx(args.out, extractor, inputs)
     print(json.dumps(info, indent=1))
     return 0
@@ -133,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--device", default="cpu")
     o = sub.add_parser("onnx", parents=[common], help="multi-scale feature extractor -> ONNX")
     o.add_argument("--out", required=True, help="output .onnx file (an earlier one: see --overwrite)")
-    o.add_argument("--exporter", choices=("auto", "dynamo", "torchscript"), default="auto")
+    o.add_argument(
+        "--exporter",
+        choices=("auto", "dynamo", "torchscript"),
+        default="auto",
+        help="dynamo (torch.export); torchscript: a static graph (batch 1, --img-size); auto: dynamo",
+    )
     o.add_argument("--opset", type=int, default=18)
     o.add_argument("--static-size", action="store_true", help="fix the image size (dynamic batch only)")
     o.add_argument(
