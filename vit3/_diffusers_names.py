@@ -1,11 +1,11 @@
 """``import vit3`` is all ``diffusers.DiffusionPipeline.from_pretrained(folder)`` needs to load a saved vit3
 pipeline, and it imports no diffusers (the ``generation`` extra stays optional, and free when unused).
 
-diffusers looks a saved pipeline's class (``model_index.json``'s ``_class_name``) up in its own namespace only;
-a class from elsewhere needs a code file in the folder and ``trust_remote_code=True``. So when diffusers is
-imported, before vit3 or after it, its namespace gets a lookup of the vit3 pipeline names (a module
-``__getattr__``, PEP 562, asked before diffusers' own lazy lookup) that imports their vit3 module on first use;
-that module then registers the class itself (``vit3._diffusers.register_pipeline``).
+diffusers looks a saved pipeline's class (``model_index.json``'s ``_class_name``) up in its own namespace
+only; a class from elsewhere needs a code file in the folder and ``trust_remote_code=True``. So when diffusers
+is imported, before vit3 or after it, its namespace gets a lookup of the vit3 pipeline names (a module
+``__getattr__``, PEP 562, asked before diffusers' own lazy lookup) that imports their vit3 module on first
+use; that module then registers the class itself (``vit3._diffusers.register_pipeline``).
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class _WhenDiffusersLoads(importlib.abc.MetaPathFinder):
 
 
 def expose_pipelines() -> None:
-    """Makes diffusers find the vit3 pipelines (:data:`PIPELINES`) by name, now if it is imported, else when it
-    is (nothing where diffusers is not installed)."""
+    """Makes diffusers find the vit3 pipelines (:data:`PIPELINES`) by name, now if it is imported, else when
+    it is (nothing where diffusers is not installed)."""
     diffusers = sys.modules.get("diffusers")
     if diffusers is not None:
         _add_names(diffusers)
