@@ -97,7 +97,7 @@ def normalized(g: Tensor, dims: list[int] = (-2,)) -> tuple[Tensor, Tensor]:  # 
     """
     if g.requires_grad:  # autograd through the norm: vector_norm's backward is 0 where G = 0 (sqrt's is NaN)
         norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True)
-    else:  # the fast paths' steps: over a non-innermost dim of these small tensors vector_norm is ~8x slower
+    else:  # the fast paths' steps: over a non-innermost dim of these small tensors vector_norm is slower
         norm = g.square().sum(dims, keepdim=True).sqrt_()
     return g / (norm + 1.0), norm
 
@@ -160,7 +160,8 @@ def ttt_reference(
         scale: loss scale s; the loss is ``(s / N) Σ_n l(v_hat_n, v_n)`` per sample.
         lr: inner learning rate.
         grad_norm: apply :func:`normalize_grad` to each gradient.
-        loss: ``"dot"`` (``-<v_hat, v>``) or ``"mse"`` (``0.5 ||v_hat - v||²``), ``vit3.kernels.losses.loss_value``.
+        loss: ``"dot"`` (``-<v_hat, v>``) or ``"mse"`` (``0.5 ||v_hat - v||²``),
+            ``vit3.kernels.losses.loss_value``.
         norm_dims: dims of a weight over which the normalisation takes its norm.
 
     Returns:

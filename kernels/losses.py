@@ -1,18 +1,11 @@
 """Inner (test-time) losses with their closed-form gradients (``vit3.layers.losses`` re-exports them).
 
-Every loss is a sum over tokens of a per-token loss ``l(v_hat_n, v_n)`` of the feature vectors (last dim).
-The mixer scales the sum by ``s / n`` (``n`` tokens in the inner batch); the gradient functions here return
-``dl/dv_hat`` per token, unscaled, so the inner loop never calls autograd.
-
-Per-token definitions (``r = v_hat - v``):
-
-- ``dot``: ``-<v_hat, v>`` (the official ViT³ loss)
-- ``mse``: ``0.5 * ||r||^2``
-- ``rmse``: ``||r||`` (its gradient is guarded where ``r = 0``)
-- ``mae``: ``||r||_1``
-- ``smooth_l1``: ``sum_c huber(r_c)`` with ``beta = 1``
-
-TorchScript compiles them (the inner loop of a model built scriptable calls them).
+Every loss is a sum over tokens of a per-token loss ``l(v_hat_n, v_n)`` (``r = v_hat - v``): ``dot``
+``-<v_hat, v>`` (the official ViT³ loss), ``mse`` ``0.5 * ||r||^2``, ``rmse`` ``||r||`` (its gradient
+guarded where ``r = 0``), ``mae`` ``||r||_1``, ``smooth_l1`` ``sum_c huber(r_c)`` with ``beta = 1``. The
+mixer scales the sum by ``s / n`` (``n`` tokens in the inner batch); the gradient functions here return
+``dl/dv_hat`` per token, unscaled, so the inner loop never calls autograd. TorchScript compiles them (the
+inner loop of a model built scriptable calls them).
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 Per-sample 3x3 depthwise convolutions over maps ``[B, C, h, w]`` run as one grouped convolution with the
 batch folded into the groups (``groups = B*C``), on channels-last maps made without a copy (``to_map``). With
-``E = -s v / N`` the step is ``G = Σ_p E[p] k[p + δ]`` (a conv weight gradient), ``W' = W - lr G / (||G|| + 1)``
-(norm over each channel's 9 taps), ``out = dwconv(q; W')``; its backward ``dk = dwconv_input_grad(E; dG)``,
-``dv = -s/N dwconv(k; dG)`` (``ttt_forward`` / ``ttt_backward``; the mixer's eager node
-``vit3.layers.eager_mix`` calls them through this path's ``NODE`` hooks, on token rows). The reference they are tested against is
-``vit3.kernels.dwconv.reference``.
+``E = -s v / N`` the step is ``G = Σ_p E[p] k[p + δ]`` (a conv weight gradient),
+``W' = W - lr G / (||G|| + 1)`` (norm over each channel's 9 taps), ``out = dwconv(q; W')``; its backward
+``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)`` (``ttt_forward`` / ``ttt_backward``; the
+mixer's eager node ``vit3.layers.eager_mix`` calls them through this path's ``NODE`` hooks, on token rows).
+The reference they are tested against is ``vit3.kernels.dwconv.reference``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def to_map(x: Tensor, grid: tuple[int, int]) -> Tensor:
 
     The memory is ``[h, w, B*G*c]``, so ``conv`` and ``dwconv_backward`` fold the batch into the channels
     (``[1, B*C, h, w]``, channels-last) without a copy: oneDNN's channels-last depthwise kernels then run
-    ~28x faster on a CPU than on contiguous NCHW maps (4x64x56x56), or on a folded per-sample
-    channels-last map, whose strides no longer match any layout.
+    far faster on a CPU (``docs/design/kernels.md``) than on contiguous NCHW maps, or on a folded
+    per-sample channels-last map, whose strides no longer match any layout.
     """
     b, g, _, c = x.shape
     h, w = grid  # unpacked here: TorchScript (which compiles this) takes no starred arguments
@@ -46,8 +46,8 @@ def to_map(x: Tensor, grid: tuple[int, int]) -> Tensor:
 
 
 def token_map(t: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Tokens ``[B, N, C]`` (any strides) -> maps ``[B, C, h, w]``, views of one batch-folded channels-last map
-    (:func:`to_map`), so every depthwise stage is one convolution call for the whole batch."""
+    """Tokens ``[B, N, C]`` (any strides) -> maps ``[B, C, h, w]``, views of one batch-folded channels-last
+    map (:func:`to_map`), so every depthwise stage is one convolution call for the whole batch."""
     return to_map(t.unsqueeze(1), grid)
 
 
@@ -61,7 +61,7 @@ def fold_batch(t: Tensor) -> Tensor:
 
     A plain reshape of a map whose channels are innermost gives the merged dim the right strides but the new
     batch dim an arbitrary one; the convolution ops then no longer see channels-last and copy both inputs to
-    NCHW (~1 ms each at 4x64x56x56). Going through ``[h, w, B*C]`` gives a proper channels-last map.
+    NCHW (``docs/design/kernels.md``). Going through ``[h, w, B*C]`` gives a proper channels-last map.
     """
     b, ch, h, w = t.shape
     if b == 1:
@@ -145,7 +145,7 @@ def ttt_backward(
 
 
 def _node_forward(x: NodeCall) -> tuple[list[Tensor], str]:
-    """:func:`ttt_forward` on tokens ``[B, N, C]`` (any strides): maps in, the read-out written into ``dest``."""
+    """:func:`ttt_forward` on tokens ``[B, N, C]`` (any strides): maps in, the read-out into ``dest``."""
     h = x.hyper
     maps = (token_map(t, h.grid) for t in (x.q, x.k, x.v))
     om, saved = ttt_forward(*maps, x.weights[0], c=h.scale / x.q.shape[1], lr=h.lr, grad_norm=h.grad_norm)

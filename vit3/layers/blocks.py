@@ -60,7 +60,7 @@ class ConvPosEnc(nn.Conv2d):
         self.backend = backend
 
     def on_kernel(self, x: Tensor) -> bool:
-        """Whether a call on ``x`` takes the C++ kernel's depthwise op (3x3, and the backend registry's rule)."""
+        """Whether a call on ``x`` takes the C++ kernel's depthwise op (3x3, the backend registry's rule)."""
         return self.kernel_size == (3, 3) and backends.conv_pos_kernel(x, self.weight, self.backend)
 
     def residual(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -150,9 +150,10 @@ class ConvFFN(nn.Module):
 
 
 class _LeanConvFfnFn(torch.autograd.Function):
-    """``ConvFFN`` saving x and ``h = fc1(x)`` only; the backward recomputes ``a = ffn.middle(h)`` with autograd
-    (the activation and the depthwise step as the forward ran them) for fc2's weight gradient and the gradients
-    of ``h`` and the depthwise weights. Under autocast it computes what autograd through the layers would."""
+    """``ConvFFN`` saving x and ``h = fc1(x)`` only; the backward recomputes ``a = ffn.middle(h)`` with
+    autograd (the activation and the depthwise step as the forward ran them) for fc2's weight gradient and the
+    gradients of ``h`` and the depthwise weights. Under autocast it computes what autograd through the layers
+    would."""
 
     @staticmethod
     @autocast_forward
@@ -196,15 +197,15 @@ class _LeanConvFfnFn(torch.autograd.Function):
 
 
 def _lean_eligible(x: Tensor) -> bool:
-    """Gradients flow and the call is eager: not traced (jit, FX, ONNX) nor compiled, where plain ops serve, and
-    the batch is not empty (plain ops take it)."""
+    """Gradients flow and the call is eager: not traced (jit, FX, ONNX) nor compiled, where plain ops serve,
+    and the batch is not empty (plain ops take it)."""
     return torch.is_grad_enabled() and not tracing() and not isinstance(x, torch.fx.Proxy) and x.numel() > 0
 
 
 class _LeanMlpFn(torch.autograd.Function):
-    """``fc2(GELU(fc1(LN(x))))`` (the LayerNorm optional) saving x, the norm's statistics and ``h = fc1(LN(x))``
-    only: the backward recomputes ``LN(x)`` for fc1's weight gradient and ``GELU(h)`` for fc2's (elementwise
-    passes), where autograd keeps both (5C values per token at a 4C hidden width).
+    """``fc2(GELU(fc1(LN(x))))`` (the LayerNorm optional) saving x, the norm's statistics and
+    ``h = fc1(LN(x))`` only: the backward recomputes ``LN(x)`` for fc1's weight gradient and ``GELU(h)`` for
+    fc2's (elementwise passes), where autograd keeps both (5C values per token at a 4C hidden width).
 
     Under autocast it computes what autograd through the layers would: the matmuls in the autocast dtype (the
     fp32 weights cast by autocast, in the backward too: it runs under the forward's autocast state) and each
@@ -324,7 +325,7 @@ class LeanMlp(Mlp):
 
     def _fusable(self) -> bool:
         """What the lean nodes compute: GELU between the layers, no norm between them, no dropout in force."""
-        m = self._modules  # not Module.__getattr__ (~0.4 µs a lookup): this runs on every call
+        m = self._modules  # not Module.__getattr__ (a lookup per attribute): this runs on every call
         act, norm, drop1, drop2 = m["act"], m["norm"], m["drop1"], m["drop2"]
         return (
             type(act) is nn.GELU
@@ -336,8 +337,8 @@ class LeanMlp(Mlp):
         return _lean_eligible(x) and self._fusable() and backends.recompute_mode(self.recompute)[0] != "never"
 
     def _plain(self, x: Tensor) -> Tensor:
-        """``Mlp.forward`` without calling its no-op modules (``Identity``, dropout outside training or of p = 0):
-        each module call costs a few µs, a tenth of this MLP at 224 px on one CPU thread."""
+        """``Mlp.forward`` without calling its no-op modules (``Identity``, dropout outside training or of p =
+        0): each module call costs a noticeable share of this MLP on a CPU (``docs/design/dispatch.md``)."""
         x = self.act(self.fc1(x))
         for module in (self.drop1, self.norm):
             if _active(module):
@@ -376,8 +377,8 @@ class TTTBlock(nn.Module):
     eps 1e-6; the H-ViT³ block uses ``mlp_layer=ConvFFN``, eps 1e-5 and a mixer with RoPE. Parameter names
     follow the official code (``cpe``, ``norm1``, ``attn``, ``norm2``, ``mlp``).
 
-    On CPU a settled call of the plain block runs as one C++ op, ``torch.ops.vit3_cpu.ttt_block`` (the same ops
-    and bits without the Python between them; ``one_op`` says when, ``explain_one_op`` why not).
+    On CPU a settled call of the plain block runs as one C++ op, ``torch.ops.vit3_cpu.ttt_block`` (the same
+    ops and bits without the Python between them; ``one_op`` says when, ``explain_one_op`` why not).
 
     Args:
         dim: width C.
@@ -436,9 +437,9 @@ class TTTBlock(nn.Module):
         """``(t, n)``: the CPE's output ``t`` and the first norm's ``n = norm1(t)``.
 
         One C++ op (``torch.ops.vit3_cpu.cpe_norm``) where the CPE takes the C++ kernel and the norm is a
-        LayerNorm over C, without gradients (its forward alone) or in memory-lean training (its node saves x and
-        the norm's statistics and recomputes t); else memory-lean training checkpoints the two, and the saving
-        variant (and TorchScript) runs them as they are."""
+        LayerNorm over C, without gradients (its forward alone) or in memory-lean training (its node saves x
+        and the norm's statistics and recomputes t); else memory-lean training checkpoints the two, and the
+        saving variant (and TorchScript) runs them as they are."""
         if torch.jit.is_scripting():
             return self._plain_cpe_norm(x)
         cpe, norm = self.cpe, self.norm1
@@ -464,12 +465,12 @@ class TTTBlock(nn.Module):
         return _lean_eligible(x) and backends.recompute_mode(self.attn.cfg.recompute)[0] != "never"
 
     def _one_op_layers(self, x: Tensor, grad: bool, hooks: bool = True) -> tuple[tuple | None, str]:
-        """The layers of a call on ``x`` (with gradients: ``grad``) that can run as one op, or ``None`` and why
-        not (``one_op``); ``hooks=False`` leaves hooks aside (``explain_one_op``)."""
+        """The layers of a call on ``x`` (with gradients: ``grad``) that can run as one op, or ``None`` and
+        why not (``one_op``); ``hooks=False`` leaves hooks aside (``explain_one_op``)."""
         if backends.tracing_kind():  # before anything a tracer would have to follow
             return None, "traced or compiled: the layers' own paths serve"
-        # The layers and parameters are read from the modules' dicts: ``Module.__getattr__`` costs ~0.4 µs a
-        # lookup, and this runs on every call.
+        # The layers and parameters are read from the modules' dicts, not through ``Module.__getattr__``
+        # (``docs/design/dispatch.md``): this runs on every call.
         m = self._modules
         attn, mlp, cpe, n1, n2 = m["attn"], m["mlp"], m["cpe"], m["norm1"], m["norm2"]
         dp1, dp2 = m["drop_path1"], m["drop_path2"]
@@ -519,14 +520,14 @@ class TTTBlock(nn.Module):
         """The arguments of ``torch.ops.vit3_cpu.ttt_block`` but the drop-path scales for a call on ``x``
         ``[B, H, W, C]``, or ``None`` where the block runs layer by layer (``explain_one_op`` says why).
 
-        The op runs the block's layers in their order, each through its own op, without the Python between them
-        (the same bits, and with gradients the same nodes). It serves where every layer is one it computes and
-        calls nothing else (no hooks, no compiled submodule): the C++ kernel's CPE and lean MLP on ``x``
-        (``backends.cpu_block_kernel``, the block's backend), LayerNorms, a mixer without token gates or
-        finiteness checks whose call on these tokens is settled on the whole-mixer C++ op
+        The op runs the block's layers in their order, each through its own op, without the Python between
+        them (the same bits, and with gradients the same nodes). It serves where every layer is one it
+        computes and calls nothing else (no hooks, no compiled submodule): the C++ kernel's CPE and lean MLP
+        on ``x`` (``backends.cpu_block_kernel``, the block's backend), LayerNorms, a mixer without token gates
+        or finiteness checks whose call on these tokens is settled on the whole-mixer C++ op
         (``TTTMixer.settled_cpp_args``: the first calls of a plan run layer by layer, guarded), and with
-        gradients the memory-lean block (recompute ``always``, the lean nodes) or the saving one (``never``: the
-        CPE's node, then the norms and the MLP's layers as ATen ops); ``qkv`` keeps the mixer's own node.
+        gradients the memory-lean block (recompute ``always``, the lean nodes) or the saving one (``never``:
+        the CPE's node, then the norms and the MLP's layers as ATen ops); ``qkv`` keeps the mixer's own node.
         """
         layers, _ = self._one_op_layers(x, torch.is_grad_enabled())
         if layers is None:
@@ -551,9 +552,9 @@ class TTTBlock(nn.Module):
         )
 
     def explain_one_op(self, x: Tensor, grad: bool) -> str:
-        """Why a call on ``x`` ``[B, H, W, C]`` (with gradients: ``grad``) runs layer by layer, or ``""`` where it
-        runs as one op once its mixer's call is settled (``one_op``); hooks are left aside (``explain`` adds
-        its own)."""
+        """Why a call on ``x`` ``[B, H, W, C]`` (with gradients: ``grad``) runs layer by layer, or ``""``
+        where it runs as one op once its mixer's call is settled (``one_op``); hooks are left aside
+        (``explain`` adds its own)."""
         layers, why = self._one_op_layers(x, grad, hooks=False)
         if layers is None:
             return why

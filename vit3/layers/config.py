@@ -103,10 +103,10 @@ class TTTConfig:
             this: ``"torch"`` as ``"eager"``.)
         recompute: what the SwiGLU backward of the fused eager paths (``cpu``, ``eager``) does with the
             per-token pre-activations Z = k W, Y = q W': ``"auto"`` (the default: ``$VIT3_TTT_RECOMPUTE``,
-            else as ``"always"``), ``"always"`` (recompute them: memory-lean, a few % of a training step),
-            ``"never"`` (save them: 4·d more values per token and head; the fastest) or ``"qkv"`` (the mixer's
-            backward reruns its qkv projection and inner loops, any backend: it saves only its input, ~12%
-            more training compute). The Triton backward always recomputes Z, Y. The ViT³ block follows it too:
+            else as ``"always"``), ``"always"`` (recompute them: memory-lean, a little slower), ``"never"``
+            (save them: 4·d more values per token and head; the fastest) or ``"qkv"`` (the mixer's backward
+            reruns its qkv projection and inner loops, any backend: it saves only its input, for more
+            training compute). The Triton backward always recomputes Z, Y. The ViT³ block follows it too:
             unless ``"never"``, its backward recomputes the CPE output and the MLP's LayerNorm and GELU
             outputs (``vit3.layers.blocks.LeanMlp``).
         check_finite: raise on non-finite input tokens (skipped under tracing and compilation).

@@ -1,6 +1,7 @@
-"""From images to token maps: the image checks every vit3 model runs first, and the H-ViT³ convolutional stem and
-downsampling (``[B, C, H, W]`` convolutions; the blocks between them are ``vit3.layers.blocks``). TorchScript
-compiles all of it (a model built scriptable); its checks but the finiteness one, as traced code."""
+"""From images to token maps: the image checks every vit3 model runs first, and the H-ViT³ convolutional stem
+and downsampling (``[B, C, H, W]`` convolutions; the blocks between them are ``vit3.layers.blocks``).
+TorchScript compiles all of it (a model built scriptable); its checks but the finiteness one, as traced
+code."""
 
 from __future__ import annotations
 
@@ -47,10 +48,10 @@ def grad_in_param_strides(weight: Tensor) -> Tensor:
     """``weight`` for a convolution whose weight gradient takes its input's memory format: the gradient comes
     back in ``weight``'s own strides, as DDP's gradient buckets lay it out.
 
-    A convolution on a channels-last input (the H-ViT³ stages hand their maps on as ``[B, H, W, C]`` permuted to
-    NCHW) returns a channels-last weight gradient; for a 1x1 or a depthwise weight (a size-1 dimension) that is
-    the parameter's layout with other strides on the size-1 dimension, which autograd keeps as it is and DDP
-    reports ("Grad strides do not match bucket view strides"). Traced, compiled, scripted or without
+    A convolution on a channels-last input (the H-ViT³ stages hand their maps on as ``[B, H, W, C]`` permuted
+    to NCHW) returns a channels-last weight gradient; for a 1x1 or a depthwise weight (a size-1 dimension)
+    that is the parameter's layout with other strides on the size-1 dimension, which autograd keeps as it is
+    and DDP reports ("Grad strides do not match bucket view strides"). Traced, compiled, scripted or without
     gradients: the weight itself."""
     if torch.jit.is_scripting():
         return weight

@@ -4,27 +4,9 @@
 sample with the model's closed-form gradients and returns its per-sample weights; the mixer then applies
 them to q (``InnerModel.apply_to``). The shared math the models build on is :mod:`vit3.layers.inner_math`.
 
-Adding an inner model (the generic path: every backend falls back to it) is one class::
-
-    @register_inner_model("my_model")  # the name a TTTConfig branch gives: branches=("my_model",)
-    class MyInner(InnerModel):
-        grid_model = False  # True: it mixes neighbouring grid positions (no RoPE, no inner_norm wrapper)
-        takes_bias = False  # True: its FC layers take TTTConfig.inner_bias (from_config passes it on)
-
-        def __init__(self, heads: int, head_dim: int) -> None: ...  # registers the initial weights
-        def initial_params(self) -> Params: ...  # {name: weight [1, G, ...]}
-        def forward_train(self, p, k, grid, need_output): ...  # (v_hat [B, G, n, c] or None, cache)
-        def grads(self, p, k, e, cache, grid): ...  # {name: d sum_n <e_n, v_hat_n> / dW}, written out
-        def apply_to(self, p, q, grid): ...  # the trained weights p on q [B, G, n, c]
-
-It needs nothing else: ``TTTConfig`` accepts the name (``config.INNER_MODELS``, ``GRID_MODELS`` and
-``BIAS_MODELS`` read the registry), :func:`create_inner_model` builds it (override ``from_config`` to read
-options such as ``cfg.mlp_ratio``; ``norm_dims`` to normalise a gradient over other dims),
-:func:`inner_loop` trains it and the backend registry runs it on the generic path. Its test is a row in
-``tests/test_mixer_math.py``'s ``MODELS`` (a test fails for a registered model without one) and its forward
-written again in ``tests/helpers/reference.py``: its ``grads`` are checked against autograd of that forward.
-A fast path (eager fused, C++, Triton) is an op folder under ``kernels/`` (``kernels/README.md``). Typed
-as the registered models' methods are, it scripts with a model built scriptable (TorchScript).
+Adding an inner model on the generic path (every backend falls back to it) is one class in
+``inner_models.py`` under ``@register_inner_model("name")`` and its test rows: the steps are in
+``kernels/README.md`` (adding an inner model), a template class in ``docs/design/models.md``.
 """
 
 from __future__ import annotations

@@ -118,8 +118,8 @@ def layer_norm_backward(dy: Tensor, z_hat: Tensor, rstd: Tensor, weight: Tensor)
 
 def assert_finite(x: Tensor, error: type[Exception], message: str, bound: float = math.inf) -> None:
     """Raises ``error(message)`` where ``x`` holds a NaN or an Inf (or, given a finite ``bound``, a value
-    beyond ``±bound``), without stopping the host: one reduction that ``torch._assert_async`` checks on ``x``'s
-    device. The reduction is a float64 sum (which no finite 32- or 16-bit values overflow; NaN and Inf
+    beyond ``±bound``), without stopping the host: one reduction that ``torch._assert_async`` checks on
+    ``x``'s device. The reduction is a float64 sum (which no finite 32- or 16-bit values overflow; NaN and Inf
     propagate through it), or ``max |x|`` for float64 input and on devices without float64 (MPS); with a
     bound, ``x``'s minimum and maximum (``aminmax``, NaN propagating), compared with it. On CPU the assert
     raises here; on an accelerator it is a device-side assert, reported at the next synchronisation, so a
@@ -142,9 +142,9 @@ def assert_finite(x: Tensor, error: type[Exception], message: str, bound: float 
 
 
 def tracing() -> bool:
-    """True under ``torch.jit.trace`` (fvcore FLOP counting), ONNX export and ``torch.compile``/``torch.export``,
-    which need plain, traceable ops rather than the eager fast paths. TorchScript code asks
-    ``torch.jit.is_scripting()`` instead (this is False there)."""
+    """True under ``torch.jit.trace`` (fvcore FLOP counting), ONNX export and
+    ``torch.compile``/``torch.export``, which need plain, traceable ops rather than the eager fast paths.
+    TorchScript code asks ``torch.jit.is_scripting()`` instead (this is False there)."""
     if torch.jit.is_scripting():
         return False
     return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
@@ -196,7 +196,7 @@ def shifted_dwconv(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def shifted_dwconv_weight_grad(k: Tensor, e: Tensor) -> Tensor:
-    """``G[b, c, i, j] = sum_p k_pad[b, c, p + (i, j)] e[b, c, p]`` for ``[B, C, h, w]`` maps -> ``[B, C, 3, 3]``
-    (the traceable twin of the ``convolution_backward`` call in :meth:`DWConvInner.grads`; an ``einsum`` as in
-    :func:`shifted_dwconv`)."""
+    """``G[b, c, i, j] = sum_p k_pad[b, c, p + (i, j)] e[b, c, p]`` for ``[B, C, h, w]`` maps ->
+    ``[B, C, 3, 3]`` (the traceable twin of the ``convolution_backward`` call in :meth:`DWConvInner.grads`; an
+    ``einsum`` as in :func:`shifted_dwconv`)."""
     return torch.einsum("bchwij,bchw->bcij", _shifted_taps(k), e)

@@ -1,16 +1,12 @@
 """The inner models of the TTT mixer, each with a closed-form gradient of its inner loss, and their registry.
 
 An inner model is a tiny network whose weights are trained at test time on the (k, v) pairs of one sample
-(:func:`vit3.layers.inner.inner_loop`). Its learnable *initial* weights are ordinary parameters shared by the
-batch; the inner loop returns per-sample weights that are used once, on q, and thrown away. All tensors use
-the token layout ``[B, G, n, c]`` (``G`` heads of ``c`` channels); per-sample weights carry a leading dim ``B``
-or 1 (broadcast). Gradients are written out by hand (no autograd inside the inner loop), while ordinary
-autograd flows through them so the outer model trains.
-
-Each model declares itself where it is defined: :func:`register_inner_model` names it (the name a
-``TTTConfig`` branch gives), its class attributes say what it is (``grid_model``, ``takes_bias``) and its
-``from_config`` reads its options from the config. ``vit3.layers.config`` (``INNER_MODELS``, ``GRID_MODELS``,
-``BIAS_MODELS``) and :func:`create_inner_model` read that one registry. The models' methods are typed so that
+(:func:`vit3.layers.inner.inner_loop`); its learnable *initial* weights are shared by the batch, the
+per-sample weights are used once, on q. Tensors are ``[B, G, n, c]`` tokens; gradients are written out by
+hand (no autograd inside the inner loop) while ordinary autograd flows through them. Each model declares
+itself where it is defined: :func:`register_inner_model` names it, its class attributes (``grid_model``,
+``takes_bias``) and ``from_config`` say the rest; ``vit3.layers.config`` (``INNER_MODELS``, ``GRID_MODELS``,
+``BIAS_MODELS``) and :func:`create_inner_model` read that one registry. The methods are typed so that
 TorchScript compiles them (the reference path of a model built scriptable, ``InnerModel.ttt``).
 """
 
@@ -143,8 +139,9 @@ class InnerModel(nn.Module):
 
     @classmethod
     def from_config(cls, heads: int, head_dim: int, cfg: Any, **options: Any) -> InnerModel:
-        """The model of ``heads`` heads of ``head_dim`` for mixer config ``cfg`` (a ``TTTConfig``: the options a
-        subclass reads; the base reads none) and the constructor keywords ``options`` of its registration."""
+        """The model of ``heads`` heads of ``head_dim`` for mixer config ``cfg`` (a ``TTTConfig``: the options
+        a subclass reads; the base reads none) and the constructor keywords ``options`` of its
+        registration."""
         return cls(heads, head_dim, **options)
 
     def initial_params(self) -> Params:
@@ -154,7 +151,7 @@ class InnerModel(nn.Module):
     def forward_train(
         self, p: Params, k: Tensor, grid: tuple[int, int], need_output: bool
     ) -> tuple[Tensor | None, Cache]:
-        """Forward on keys ``[B, G, n, c]``; returns the prediction (if asked for) and what ``grads`` needs."""
+        """Forward on keys ``[B, G, n, c]``: the prediction (if asked for) and what ``grads`` needs."""
         raise NotImplementedError
 
     def grads(self, p: Params, k: Tensor, e: Tensor, cache: Cache, grid: tuple[int, int]) -> Params:
@@ -277,14 +274,14 @@ def _chunk_coef(scale: float, count: int) -> float:
 
 
 class FCChainInner(InnerModel):
-    """A chain of FC layers per head, ``a_i = act_i(a_{i-1} W_i + b_i)`` with ``a_0 = x``; the output is ``a_L``.
+    """A chain of FC layers per head, ``a_i = act_i(a_{i-1} W_i + b_i)``, ``a_0 = x``; the output is ``a_L``.
 
     The closed-form inner gradient is backpropagation through the chain written out:
     ``dZ_i = dA_i ⊙ act_i'(Z_i)``, ``G_Wi = A_{i-1}ᵀ dZ_i``, ``G_bi = Σ_n dZ_i``, ``dA_{i-1} = dZ_i W_iᵀ``.
 
     Weights ``[1, G, in, out]`` are named ``w`` (one layer) or ``w1 .. wL``; biases (``bias=True``, zero at
-    init) ``b`` / ``b1 .. bL``, stored flat ``[G * out]`` (1-D, so the outer optimizer does not decay them) and
-    handed to the inner loop as ``[1, G, 1, out]``.
+    init) ``b`` / ``b1 .. bL``, stored flat ``[G * out]`` (1-D, so the outer optimizer does not decay them)
+    and handed to the inner loop as ``[1, G, 1, out]``.
 
     Args:
         heads: heads G.
@@ -292,8 +289,8 @@ class FCChainInner(InnerModel):
         widths: ``[c, h_1, ..., c]``, the widths between the layers.
         acts: activation after each layer (``None``: linear), names of :func:`activation`.
         bias: FC layers with biases.
-        residual: ``"none"``; ``"add"``: the output is ``a_L + x``; ``"identity"``: every layer after the first
-            uses ``W_i + I``.
+        residual: ``"none"``; ``"add"``: the output is ``a_L + x``; ``"identity"``: every layer after the
+            first uses ``W_i + I``.
         identity_init: the layers after the first start as ``W_i = I``.
     """
 
@@ -315,7 +312,8 @@ class FCChainInner(InnerModel):
             raise ValueError(f"widths {widths} do not chain {len(acts)} layers from {head_dim} to {head_dim}")
         if (residual == "identity" or identity_init) and any(w != head_dim for w in widths[1:-1]):
             raise ValueError(
-                f"mlp_residual='identity' and mlp_identity_init need mlp_ratio 1 (hidden {widths[1]} != {head_dim})"
+                "mlp_residual='identity' and mlp_identity_init need mlp_ratio 1 "
+                f"(hidden {widths[1]} != {head_dim})"
             )
         self.acts = [act or "" for act in acts]  # "" for a linear layer (a list of one type, for TorchScript)
         self.residual = residual
@@ -437,8 +435,8 @@ class SiLUInner(FCChainInner):
 @register_inner_model("mlp3", layers=3)
 @register_inner_model("mlp", layers=2)  # applied first: "mlp" is registered before "mlp3"
 class MLPInner(FCChainInner):
-    """MLP with ``layers - 1`` hidden layers of ``ratio * head_dim``: ``act(k W1) W2`` (``layers=2``, the paper's
-    2-layer MLP), ``act(act(k W1) W2) W3`` (``layers=3``), and the paper's residual variants.
+    """MLP with ``layers - 1`` hidden layers of ``ratio * head_dim``: ``act(k W1) W2`` (``layers=2``, the
+    paper's 2-layer MLP), ``act(act(k W1) W2) W3`` (``layers=3``), and the paper's residual variants.
 
     ``residual="add"``: ``act(k W1) W2 + k``; ``residual="identity"``: ``act(k W1)(W2 + I)``;
     ``identity_init``: W2 (and W3) start as I. The last two need ``ratio == 1``.
@@ -491,7 +489,7 @@ def _glu_grads(x: Tensor, dh: Tensor, cache: Cache) -> tuple[Tensor, Tensor]:
 
 @register_inner_model("swiglu")
 class SwiGLUInner(InnerModel):
-    """The official ViT³ inner model ``v_hat = (k W1) ⊙ SiLU(k W2)`` (SwiGLU with an identity output layer)."""
+    """The official ViT³ inner model ``v_hat = (k W1) ⊙ SiLU(k W2)`` (SwiGLU, identity output layer)."""
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__(heads, head_dim)
@@ -569,7 +567,8 @@ class ConvInner(InnerModel):
     layer on each token's 3x3 neighbourhood: ``v_hat = P(k) W`` with the patches ``P(k) [B, G, n, 9c]``
     (``F.unfold``, row ``i * 9 + 3 * kh + kw`` for input channel ``i``) and ``W [B|1, G, 9c, c]``, so the
     inner gradient is ``P(k)ᵀ e`` and the gradient normalisation takes each output channel's norm over its
-    ``9c`` inputs (the whole ``c_in x 3 x 3`` kernel, as ``dwconv`` does per channel). Init trunc-normal(0.02).
+    ``9c`` inputs (the whole ``c_in x 3 x 3`` kernel, as ``dwconv`` does per channel). Init
+    trunc-normal(0.02).
     """
 
     grid_model = True
@@ -605,9 +604,10 @@ class ConvInner(InnerModel):
 class DWConvInner(InnerModel):
     """A 3x3 depthwise convolution over the grid (zero padding), one kernel per channel.
 
-    Channels are the ``G * c`` channels of the branch. The weight is stored as a conv weight ``[G*c, 1, 3, 3]``
-    (the official layout); per-sample weights are ``[B|1, G*c, 3, 3]``. Traced and TorchScript code convolves
-    with the shifted taps (:func:`shifted_dwconv`), eager code with the batch-folded grouped convolution.
+    Channels are the ``G * c`` channels of the branch. The weight is stored as a conv weight
+    ``[G*c, 1, 3, 3]`` (the official layout); per-sample weights are ``[B|1, G*c, 3, 3]``. Traced and
+    TorchScript code convolves with the shifted taps (:func:`shifted_dwconv`), eager code with the
+    batch-folded grouped convolution.
     """
 
     grid_model = True
@@ -712,8 +712,8 @@ class ResidualNormInner(InnerModel):
 
 
 def create_inner_model(name: str, heads: int, head_dim: int, cfg: Any) -> InnerModel:
-    """Builds the inner model registered as ``name`` with ``heads`` heads of ``head_dim`` (options read from the
-    ``TTTConfig`` ``cfg`` by its ``from_config``); ``cfg.inner_norm="ln"`` wraps a token-wise model as
+    """Builds the inner model registered as ``name`` with ``heads`` heads of ``head_dim`` (options read from
+    the ``TTTConfig`` ``cfg`` by its ``from_config``); ``cfg.inner_norm="ln"`` wraps a token-wise model as
     ``x + LN(g(x))`` (``TTTConfig.branch_norm`` says which branches).
 
     Raises:

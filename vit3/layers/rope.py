@@ -1,16 +1,12 @@
-"""2-D rotary position embedding (RoPE) for any grid: tables made per grid on first use (eager mode) or in the
-traced graph (``torch.compile``, export, ``torch.jit.trace``).
+"""2-D rotary position embedding (RoPE) for any grid, its tables made per grid (eager) or in the traced graph.
 
 Matches the official ViT³ tables (``RoPE(shape=(h, w, C))``): the C channels form C/2 complex pairs
-``(2i, 2i + 1)``; with ``k_max = C / 4`` frequencies ``θ_j = base^(-j / k_max)``, the first C/2 channels rotate
-by ``row · θ`` and the last C/2 by ``col · θ``.
+``(2i, 2i + 1)``; with ``k_max = C / 4`` frequencies ``θ_j = base^(-j / k_max)``, the first C/2 channels
+rotate by ``row · θ`` and the last C/2 by ``col · θ``. The angles are formed by broadcasting and the
+rotation applied to a ``[..., h, w, 2, C/4, 2]`` view, so no table is expanded to ``[N, C/2]``;
+:func:`rope_tables` lets q and k share one table. TorchScript compiles these functions.
 
-The angle table is formed by broadcasting, ``row · [θ, 0] + col · [0, θ]`` (exactly the official angles:
-the zero terms add exact zeros), and the rotation is applied to the ``[..., h, w, 2, C/4, 2]`` view of the
-tokens: no table is expanded to ``[N, C/2]``. Under ``torch.export`` with a dynamic image size every op on
-the symbolic grid costs a chain of shape computations, so the few ops matter; :func:`rope_tables` lets the
-queries and keys share one table. TorchScript compiles these functions (a model built scriptable), making
-the tables in the scripted graph.
+Why so few ops (``torch.export`` with a dynamic image size): ``docs/design/models.md``.
 """
 
 from __future__ import annotations
@@ -51,8 +47,9 @@ def rope_angles(
     return _grid_angles(grid, dim, base, device, dtype).reshape(h * w, dim // 2)
 
 
-# Eager calls' tables, per (grid, dim, base, device, dtype): made once (a dozen small ops, more than the rotation
-# costs at 224 px), forgotten all at once past ``MAX_TABLES``. Traced calls make theirs (sizes may be symbolic).
+# Eager calls' tables, per (grid, dim, base, device, dtype): made once (a dozen small ops, more than the
+# rotation costs at 224 px), forgotten all at once past ``MAX_TABLES``. Traced calls make theirs (sizes may be
+# symbolic).
 _TABLES: dict[tuple, tuple[Tensor, Tensor]] = {}
 MAX_TABLES = 64
 

@@ -40,11 +40,12 @@ __all__ = [
 
 
 class NonFiniteError(ValueError):
-    """The mixer met non-finite tokens: bad input, or (inside a finite-image training step) a diverged model."""
+    """The mixer met non-finite tokens: bad input, or (in a finite-image training step) a diverged model."""
 
 
 # Whether fused calls whose branches all run the C++ CPU kernel take the whole-mixer C++ op (``_cpp_args``);
-# read when a call is planned. ``False`` keeps the Python node (``benchmarks/mixer_overhead.py --python-node``).
+# read when a call is planned. ``False`` keeps the Python node
+# (``benchmarks/mixer_overhead.py --python-node``).
 CPP_NODE = True
 
 
@@ -52,8 +53,8 @@ _COMPUTE_DTYPES = (torch.float32, torch.float64)  # the inner loop's dtypes: no 
 
 
 def _takes_cpp_op(plan: backends.Plan, mix_plan: MixPlan | None) -> bool:
-    """Whether an untraced call on ``plan`` (its fused node's ``mix_plan``, ``None`` where not fused) runs, once
-    settled, as the whole-mixer C++ op ``torch.ops.vit3_cpu.mix``: every branch on ``cpu`` and in the op
+    """Whether an untraced call on ``plan`` (its fused node's ``mix_plan``, ``None`` where not fused) runs,
+    once settled, as the whole-mixer C++ op ``torch.ops.vit3_cpu.mix``: every branch on ``cpu`` and in the op
     (``Node.mix``), ``CPP_NODE`` on (the call adds: no gates, the weights in qkv's dtype)."""
     return (
         CPP_NODE
@@ -64,10 +65,10 @@ def _takes_cpp_op(plan: backends.Plan, mix_plan: MixPlan | None) -> bool:
 
 
 def _fused(mix_plan: MixPlan, qkv: Tensor, flat: list[Tensor]) -> Tensor:
-    """The fused eager node on ``qkv`` and the initial weights ``flat``. The inner loop runs in float32 at least
-    (bf16/fp16 gradients of the inner loss are too coarse): a node whose branches all read 16-bit q, k, v as
-    they are (Triton's, accumulating in float32; ``eager_mix.takes``) gets qkv so and float32 weights, the others
-    a float32 copy of qkv, their read-out cast back to qkv's dtype."""
+    """The fused eager node on ``qkv`` and the initial weights ``flat``. The inner loop runs in float32 at
+    least (bf16/fp16 gradients of the inner loss are too coarse): a node whose branches all read 16-bit q, k,
+    v as they are (Triton's, accumulating in float32; ``eager_mix.takes``) gets qkv so and float32 weights,
+    the others a float32 copy of qkv, their read-out cast back to qkv's dtype."""
     dtype = qkv.dtype
     if dtype in _COMPUTE_DTYPES and all(p.dtype == dtype for p in flat):  # no casts to call
         return eager_mix(qkv, mix_plan, flat)
@@ -158,10 +159,10 @@ class TTTMixer(nn.Module):
             assert_finite(x, NonFiniteError, "TTTMixer input contains non-finite values (NaN or Inf)")
         if kind == "trace" and backends.legacy_onnx_dynamic_axes():
             raise ValueError(
-                "dynamic_axes: the legacy ONNX exporter (torch.onnx.export(dynamo=False)) fixes a ViT³ model's "
-                "sizes (token counts, RoPE grids) at the example's, so its graph is wrong at any other; export "
-                "without dynamic_axes, or with torch.onnx.export(dynamo=True, dynamic_shapes=...) or vit3's "
-                "export.py onnx"
+                "dynamic_axes: the legacy ONNX exporter (torch.onnx.export(dynamo=False)) fixes a ViT³ "
+                "model's sizes (token counts, RoPE grids) at the example's, so its graph is wrong at any "
+                "other; export without dynamic_axes, or with torch.onnx.export(dynamo=True, "
+                "dynamic_shapes=...) or vit3's export.py onnx"
             )
 
     def _call(self, qkv: Tensor, grid: tuple[int, int], grad: bool, kind: str) -> Call:
@@ -262,12 +263,12 @@ class TTTMixer(nn.Module):
             The branch read-outs concatenated, ``[B, N, sum(widths)]``, in ``qkv``'s dtype.
         """
         # The short path (``Calls``): the last settled call on the whole-mixer C++ op kept for this grad mode
-        # (``_cpp_call``), where it had this dtype and grid, on a CPU qkv, with the same weight tensors in that
-        # dtype: the conditions of ``settled_cpp_args`` without building its plan key (N is the grid's, which the
-        # op checks). Outside tracing: dynamo folds ``is_compiling``; ``torch._C._is_tracing`` is
-        # ``torch.jit.is_tracing`` without its two Python calls, and ONNX export, which ``tracing_kind`` also reads,
-        # runs under ``torch.jit.trace``. Written out in this one frame (``grad_flows``'s rule too): beside the
-        # op's kernels on a CPU every Python call here costs µs (``benchmarks/mixer_overhead.py``).
+        # (``_cpp_call``), where it had this dtype and grid, on a CPU qkv, with the same weight tensors in
+        # that dtype: the conditions of ``settled_cpp_args`` without building its plan key (N is the grid's,
+        # which the op checks). Outside tracing: dynamo folds ``is_compiling``; ``torch._C._is_tracing`` is
+        # ``torch.jit.is_tracing`` without its two Python calls, and ONNX export, which ``tracing_kind`` also
+        # reads, runs under ``torch.jit.trace``. Written out in this one frame (``grad_flows``'s rule too):
+        # beside the op's kernels on a CPU every Python call here counts (``benchmarks/mixer_overhead.py``).
         if not qkv.shape[0]:  # no kernel path takes an empty batch
             return self._empty_mix(qkv, gates)
         if self.scriptable:  # built for TorchScript: the path it compiles, eager too (autocast off inside)
@@ -293,8 +294,9 @@ class TTTMixer(nn.Module):
         return self._mix_tokens(qkv, grid, gates, backends.tracing_kind() if traced else "")
 
     def _empty_mix(self, qkv: Tensor, gates: Tensor | None) -> Tensor:
-        """``mix`` of an empty batch (``qkv`` ``[0, N, 3 * sum(widths)]``): ``[0, N, sum(widths)]``, as a timm model
-        returns an empty result for no images; a backward through it gives every weight a zero gradient."""
+        """``mix`` of an empty batch (``qkv`` ``[0, N, 3 * sum(widths)]``): ``[0, N, sum(widths)]``, as a timm
+        model returns an empty result for no images; a backward through it gives every weight a zero
+        gradient."""
         out = qkv.narrow(-1, 0, sum(self.widths))
         for t in (*self.inner.parameters(), *([] if gates is None else [gates])):
             out = out + t.sum().to(out.dtype)
@@ -438,11 +440,12 @@ class TTTMixer(nn.Module):
         grid: tuple[int, int],
         *inputs: Tensor | None,
     ) -> tuple | None:
-        """The arguments of ``torch.ops.vit3_cpu.mix`` after qkv (the initial weights, then the plan's constants)
-        for a call on qkv of ``device``, ``dtype`` and ``n`` tokens on ``grid``, that qkv requiring grad as
-        ``inputs`` say (``grad_flows``: qkv itself, or what it is computed from); ``None`` where that call takes
-        the general path (not planned or not settled yet, other backends, weights not the parameters themselves
-        or in another dtype). A ``TTTBlock`` asks it to run the whole block as one op."""
+        """The arguments of ``torch.ops.vit3_cpu.mix`` after qkv (the initial weights, then the plan's
+        constants) for a call on qkv of ``device``, ``dtype`` and ``n`` tokens on ``grid``, that qkv requiring
+        grad as ``inputs`` say (``grad_flows``: qkv itself, or what it is computed from); ``None`` where that
+        call takes the general path (not planned or not settled yet, other backends, weights not the
+        parameters themselves or in another dtype). A ``TTTBlock`` asks it to run the whole block as one
+        op."""
         sources = self._param_sources()
         if sources is None:
             return None
@@ -478,11 +481,12 @@ class TTTMixer(nn.Module):
         )
 
     def _param_sources(self) -> list[tuple[dict[str, Tensor], str]] | None:
-        """Where each initial weight of the whole-mixer C++ op is, branch by branch in ``initial_params`` order:
-        the ``(module._parameters, name)`` it is read from on every call (so a parameter replaced by ``.to()``,
-        ``load_state_dict`` or assignment, or its ``requires_grad`` changed, is seen); ``None`` where an inner
-        model's initial weights are not its parameters themselves, nor views of them its op takes as stored
-        (``Node.stored``: the depthwise conv weight's): then ``initial_params`` on every call)."""
+        """Where each initial weight of the whole-mixer C++ op is, branch by branch in ``initial_params``
+        order: the ``(module._parameters, name)`` it is read from on every call (so a parameter replaced by
+        ``.to()``, ``load_state_dict`` or assignment, or its ``requires_grad`` changed, is seen); ``None``
+        where an inner model's initial weights are not its parameters themselves, nor views of them its op
+        takes as stored (``Node.stored``: the depthwise conv weight's): then ``initial_params`` on every
+        call)."""
         calls = self._calls
         sources = calls.weight_places
         if sources is not False:

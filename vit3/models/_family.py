@@ -1,19 +1,13 @@
 """What the ViT³ backbones (plain :mod:`vit3.models.vit3`, hierarchical :mod:`vit3.models.h_vit3`) share.
 
-* construction: :class:`FamilyBackbone` (the base of both: the head and mixer settings, the classifier and
-  the official init, over the mixins below) with :func:`check_timm_kwargs` (timm's standard kwargs at the
-  values that describe the model), :func:`merge_ttt_cfg` (the mixer config, with the rule for ``qkv_bias``),
-  :func:`init_weights` (the official initialisation), :func:`ttt_blocks` and :func:`stochastic_depth_rates`;
-* the classifier API: :class:`ClassifierHeadMixin` (``get_classifier`` / ``reset_classifier`` /
-  ``forward_head`` / ``no_weight_decay``) over :func:`pool_features`;
-* the features API: :class:`LayerStackMixin` (``forward_features`` / ``forward_intermediates`` /
-  ``prune_intermediate_layers``) over a model's stack of blocks or stages. ``forward`` and the embedding that
-  checks the image stay in each model file: FX tracing wraps the leaf functions (``check_image``) found in the
-  globals of the module defining ``forward``;
-* pretrained configs, checkpoints and registration: :func:`family_cfg` (the official evaluation preprocessing
-  and the paper's metadata), :data:`OFFICIAL_WEIGHTS`, :func:`create_family_model` (the checkpoint filters
-  unwrap a training checkpoint with :func:`vit3.models._pretrained.select_weights`) and
-  :func:`register_family` (a family's table of variants -> timm entrypoints and ``default_cfgs``).
+Construction (:class:`FamilyBackbone`, :func:`check_timm_kwargs`, :func:`merge_ttt_cfg`, :func:`init_weights`,
+:func:`ttt_blocks`, :func:`stochastic_depth_rates`), the classifier API (:class:`ClassifierHeadMixin` over
+:func:`pool_features`), the features API (:class:`LayerStackMixin`), and the pretrained configs, checkpoints
+and timm registration (:func:`family_cfg`, :data:`OFFICIAL_WEIGHTS`, :func:`create_family_model`,
+:func:`register_family`). ``forward`` and the embedding that checks the image stay in each model file: FX
+tracing wraps the leaf functions (``check_image``) found in the globals of the module defining ``forward``.
+
+What each piece does: ``docs/design/models.md``.
 """
 
 from __future__ import annotations
@@ -120,7 +114,8 @@ def merge_ttt_cfg(
         return cfg if qkv_bias is None else TTTConfig.create(cfg, qkv_bias=bool(qkv_bias))
     if bool(qkv_bias) != bool(given):
         raise ValueError(
-            f"qkv_bias={qkv_bias} contradicts ttt_cfg qkv_bias={given}: set the mixers' qkv bias in one of them"
+            f"qkv_bias={qkv_bias} contradicts ttt_cfg qkv_bias={given}: "
+            "set the mixers' qkv bias in one of them"
         )
     return cfg
 
@@ -150,12 +145,12 @@ def ttt_blocks(dim: int, num_heads: int, drop_path: Sequence[float], **block: An
 
 
 def stochastic_depth_rates(drop_path_rate: float, n: int) -> list[float]:
-    """``n`` rates rising linearly from 0 to ``drop_path_rate`` (plain Python: works under the meta device)."""
+    """``n`` rates rising linearly from 0 to ``drop_path_rate`` (plain Python: works on the meta device)."""
     return [drop_path_rate * i / max(n - 1, 1) for i in range(n)]
 
 
 def init_weights(module: nn.Module) -> None:
-    """Official init: Linear trunc-normal(0.02) with zero bias, norms to identity; convs keep PyTorch's init."""
+    """Official init: Linear trunc-normal(0.02), zero bias, norms to identity; convs keep PyTorch's init."""
     if isinstance(module, nn.Linear):
         trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
@@ -182,8 +177,8 @@ class ClassifierHeadMixin:
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replaces the head with a fresh one of ``num_classes`` (0: identity) on the model's device and dtype,
-        in its train/eval mode; optionally changes the pooling."""
+        """Replaces the head with a fresh one of ``num_classes`` (0: identity) on the model's device and
+        dtype, in its train/eval mode; optionally changes the pooling."""
         self.num_classes = num_classes
         if global_pool is not None:
             self.global_pool = check_pool_type(global_pool)
@@ -360,8 +355,8 @@ class FamilyBackbone(ClassifierHeadMixin, LayerStackMixin, nn.Module):
         )  # what the image check reads (a value TorchScript reads)
 
     def _add_head(self, drop_rate: float) -> None:
-        """The classifier (dropout ``drop_rate``, then Linear) after every other module, then the official init
-        (which draws in module order, as the official code's)."""
+        """The classifier (dropout ``drop_rate``, then Linear) after every other module, then the official
+        init (which draws in module order, as the official code's)."""
         self.head_drop = nn.Dropout(drop_rate)
         self.reset_classifier(self.num_classes)
         self.apply(init_weights)
@@ -441,8 +436,8 @@ def register_family(
     other one is a test model: tag ``untrained``, evaluated uncropped at its ``img_size``.
 
     Args:
-        module: the family's module (``__name__``): it gets the entrypoints ``module.<name>`` and, before timm's
-            ``register_model`` reads it, ``default_cfgs``.
+        module: the family's module (``__name__``): it gets the entrypoints ``module.<name>`` and, before
+            timm's ``register_model`` reads it, ``default_cfgs``.
         create: ``create(name, pretrained, **kwargs)`` builds a variant.
         variants: timm name -> architecture (kwargs of the model; the caller's kwargs override them).
         stride: the stride of ``forward_features``' grid (a cfg's ``pool_size`` is its input size over it).

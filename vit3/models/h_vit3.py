@@ -1,16 +1,13 @@
 """H-ViT³: the hierarchical (four-stage) ViT³ backbone.
 
 Paper: "ViT³: Unlocking Test-Time Training in Vision" (arXiv 2512.01643, CVPR 2026); official code
-https://github.com/LeapLabTHU/ViTTT (MIT).
+https://github.com/LeapLabTHU/ViTTT (MIT). Architecture (official): conv stem (stride 4) -> 4 stages (stages
+2-4 start with a stride-2 conv downsampling) of blocks [CPE, x + TTT-with-2-D-RoPE(LN x), x + ConvFFN(LN x)]
+-> BatchNorm -> mean -> Linear. Unlike the official code it takes any ``H x W`` image (``ceil`` sizes, RoPE
+per grid); stage ``i`` outputs the stride ``4 * 2**i`` map (``features_only`` / ``forward_intermediates``:
+four NCHW maps), and ``forward_features`` the normed map ``[B, C, ceil(H/32), ceil(W/32)]``.
 
-Architecture (official): conv stem (stride 4) -> 4 stages (stages 2-4 start with a stride-2 conv
-downsampling) of blocks [CPE, x + TTT-with-2-D-RoPE(LN x), x + ConvFFN(LN x)] -> BatchNorm -> mean -> Linear.
-
-Unlike the official code (grid fixed at construction, downsampling at the end of each stage) this model takes
-any ``H x W`` image: padded stride-2 convolutions give ``ceil`` sizes, every block reads its grid from the
-feature map and RoPE is computed on the fly for that grid. Stages start with their downsampling so that stage
-``i`` outputs the stride ``4 * 2**i`` map (``features_only`` / ``forward_intermediates``: four NCHW maps).
-``forward_features`` returns the normed map ``[B, C, ceil(H/32), ceil(W/32)]``.
+What differs from the official code, and why: ``docs/design/models.md``.
 """
 
 # No ``from __future__ import annotations`` here: torch.fx copies ``forward``'s annotations into the graph
@@ -249,9 +246,9 @@ _STAGE_RULES = (
 def convert_official_key(key: str) -> str | None:
     """Maps one official H-ViT³ key to ours (``None`` for the RoPE tables, recomputed per grid).
 
-    ``patch_embed.conv.i`` -> ``stem.i``; ``layers.i.blocks`` -> ``stages.i.blocks``; ``layers.i.downsample.conv.j``
-    (end of stage i) -> ``stages.{i+1}.downsample.j`` (start of stage i+1); mixer inner weights as in
-    ``convert_official_mixer_key``.
+    ``patch_embed.conv.i`` -> ``stem.i``; ``layers.i.blocks`` -> ``stages.i.blocks``;
+    ``layers.i.downsample.conv.j`` (end of stage i) -> ``stages.{i+1}.downsample.j`` (start of stage i+1);
+    mixer inner weights as in ``convert_official_mixer_key``.
     """
     if key.endswith(".rope.rotations"):
         return None

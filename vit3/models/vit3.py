@@ -1,21 +1,14 @@
 """Plain ViT³: a DeiT-style isotropic backbone whose attention is the TTT mixer.
 
 Paper: "ViT³: Unlocking Test-Time Training in Vision" (arXiv 2512.01643, CVPR 2026); official code
-https://github.com/LeapLabTHU/ViTTT (MIT).
+https://github.com/LeapLabTHU/ViTTT (MIT). Architecture (official): patch embedding (conv, stride p) ->
+``depth`` x [CPE (x + dwconv3x3 x), x + TTT(LN x), x + MLP(LN x)] -> LN -> mean over tokens -> Linear; no
+class token, no absolute position embedding. Unlike the official code it takes any ``H x W`` image
+(zero-padded to the patch size). A drop-in for code written against timm's ``VisionTransformer``:
+``forward_features`` returns the normed tokens ``[B, N, C]``, ``forward_intermediates`` and
+``features_only=True`` take timm's options.
 
-Architecture (official): patch embedding (conv, stride p) -> ``depth`` x [CPE (x + dwconv3x3 x),
-x + TTT(LN x), x + MLP(LN x)] -> LN -> mean over tokens -> Linear. No class token, no absolute position
-embedding, LayerNorm eps 1e-6.
-
-Unlike the official code this model takes any ``H x W`` image: the image is zero-padded on the bottom/right
-to a multiple of the patch size and every block reads its ``h x w`` token grid from the feature map.
-
-A drop-in for code written against timm's ``VisionTransformer``: ``forward_features`` returns the normed
-tokens ``[B, N, C]`` (``N = h * w`` in raster order, ``output_fmt='NLC'``; no prefix tokens,
-``num_prefix_tokens = 0``; ``patch_embed.dynamic_feat_size((H, W))`` gives ``(h, w)``), which ``forward_head``
-pools; ``forward_intermediates`` takes timm's options (``output_fmt='NCHW'``/``'NLC'`` and ``'NHWC'``,
-``output_dict``, ``return_prefix_tokens``, ...) and ``features_only=True`` gives stride-p maps
-``[B, C, h, w]`` of chosen blocks.
+The timm interface in full: ``docs/design/models.md``.
 """
 
 # No ``from __future__ import annotations`` here: torch.fx copies ``forward``'s annotations into the graph
@@ -236,8 +229,9 @@ class ViT3(FamilyBackbone):
         is_causal: bool = False,
     ) -> list[Tensor] | tuple[Tensor, list[Tensor]] | dict[str, Any]:
         """timm's ``VisionTransformer.forward_intermediates``: block outputs as ``'NCHW'`` ``[B, C, h, w]``,
-        ``'NLC'`` ``[B, N, C]`` (timm's two) or ``'NHWC'`` ``[B, h, w, C]``, every one normed with ``norm``, and
-        the final tokens ``[B, N, C]`` of ``forward_features`` (see ``LayerStackMixin.forward_intermediates``).
+        ``'NLC'`` ``[B, N, C]`` (timm's two) or ``'NHWC'`` ``[B, h, w, C]``, every one normed with ``norm``,
+        and the final tokens ``[B, N, C]`` of ``forward_features`` (see
+        ``LayerStackMixin.forward_intermediates``).
 
         ``return_prefix_tokens`` is accepted: ViT³ has no prefix tokens, so the intermediates are returned as
         without it (as timm's ``VisionTransformer`` does for a model without prefix tokens); ``attn_mask`` /

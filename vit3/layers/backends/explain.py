@@ -114,9 +114,9 @@ class MixerExplanation:
 def explain_mixer(
     mixer: nn.Module, device: torch.device, dtype: torch.dtype, grid: tuple[int, int], grad: bool
 ) -> MixerExplanation:
-    """The plan a call of ``mixer`` (a ``TTTMixer``: this registry stands below the mixer, which calls it) would
-    take, with reasons (no warnings, nothing cached); a mixer built scriptable (``scriptable_build``) runs the
-    reference path, every branch on ``generic``."""
+    """The plan a call of ``mixer`` (a ``TTTMixer``: this registry stands below the mixer, which calls it)
+    would take, with reasons (no warnings, nothing cached); a mixer built scriptable (``scriptable_build``)
+    runs the reference path, every branch on ``generic``."""
     cfg = mixer.cfg
     settings = Settings(cfg.loss, cfg.steps, cfg.mini_batches, cfg.lr_mode)
     n = grid[0] * grid[1]
@@ -188,8 +188,8 @@ def _fused_plan(out: list[BranchExplanation]) -> Plan:
 
 def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int, int]) -> bool:
     """Whether the fused node runs every branch in one call of their path's whole-node hooks (``Node.whole``),
-    as the mixer's call would: every branch's path has them, and the mixer's ``MixPlan`` on these backends lets
-    them run (``eager_mix.runs_whole``)."""
+    as the mixer's call would: every branch's path has them, and the mixer's ``MixPlan`` on these backends
+    lets them run (``eager_mix.runs_whole``)."""
     for b in out:
         path = OPS[b.name].paths.get(b.backend) if b.name in OPS else None
         if path is None or path.node is None or path.node.whole is None:
@@ -200,8 +200,8 @@ def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int
 @dataclass(frozen=True)
 class ModelExplanation:
     """``explain(model, input)``: each distinct mixer plan, with the mixers (module names) that take it, and
-    whether the blocks that hold them run as one op (``blocks``: the block names by the reason they run layer by
-    layer, ``""`` where they run as one op; blocks that can say so: ``TTTBlock.explain_one_op``)."""
+    whether the blocks that hold them run as one op (``blocks``: the block names by the reason they run layer
+    by layer, ``""`` where they run as one op; blocks that can say so: ``TTTBlock.explain_one_op``)."""
 
     groups: tuple[tuple[tuple[str, ...], MixerExplanation], ...]
     blocks: tuple[tuple[tuple[str, ...], str], ...] = ()

@@ -44,8 +44,8 @@ def token_class(n: int, tracing: str = "") -> str:
 
 
 def _onnx_exporting() -> Callable[[], bool]:
-    """``torch.onnx.is_in_onnx_export`` without the two imports it runs on every call (a few µs of each
-    mixer call): its flags read directly where this PyTorch has them, else the function itself."""
+    """``torch.onnx.is_in_onnx_export`` without the two imports it runs on every call (a cost in each mixer
+    call): its flags read directly where this PyTorch has them, else the function itself."""
     try:
         from torch.onnx._internal.exporter import _flags
         from torch.onnx._internal.torchscript_exporter._globals import GLOBALS

@@ -75,8 +75,8 @@ def env() -> _Env:
 
 
 def keep_with_plans(cache: Any) -> None:
-    """Has :func:`forget_plans` clear ``cache`` too (an object with ``clear()``, held weakly): a cache of plans
-    then needs no key of its own telling whether they still hold."""
+    """Has :func:`forget_plans` clear ``cache`` too (an object with ``clear()``, held weakly): a cache of
+    plans then needs no key of its own telling whether they still hold."""
     _kept.add(cache)
 
 
@@ -177,8 +177,8 @@ class BranchKey(NamedTuple):
         s = self.settings
         wrapped = "" if self.plain else " (wrapped: inner_norm / inner_bias)"
         return (
-            f"{self.name} branch{wrapped}, head dim {self.head_dim}, {self.dtype}, {self.tokens} tokens, {mode}, "
-            f"loss {s.loss}, steps {s.steps}, mini_batches {s.mini_batches}, lr_mode {s.lr_mode}"
+            f"{self.name} branch{wrapped}, head dim {self.head_dim}, {self.dtype}, {self.tokens} tokens, "
+            f"{mode}, loss {s.loss}, steps {s.steps}, mini_batches {s.mini_batches}, lr_mode {s.lr_mode}"
         )
 
 
@@ -215,11 +215,10 @@ def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
 def recompute_choice(cfg_recompute: str = "auto") -> tuple[bool, str]:
     """Whether the SwiGLU backward of the fused eager paths recomputes Z = k W, Y = q W', and why.
 
-    ``auto`` (memory-lean: measured on CPU, a ViT³-T training step is within 1-4% of the saving variant at
-    224 and 896 px, while the mixer's inner loop alone pays 3% at 196 tokens per head and 10-20% at 3136) and
-    ``always`` recompute, ``never`` saves them. ``qkv`` recomputes the mixer's qkv projection and inner loops in
-    its backward (``TTTMixer.forward``): the mixer then saves only its input (~12% more training FLOPs for
-    ViT³-T); inside that recomputation Z, Y are kept (for one mixer at a time).
+    ``auto`` (memory-lean) and ``always`` recompute, ``never`` saves them. ``qkv`` recomputes the mixer's qkv
+    projection and inner loops in its backward (``TTTMixer.forward``): the mixer then saves only its input, at
+    more training FLOPs; inside that recomputation Z, Y are kept (for one mixer at a time). What each mode
+    costs, as measured: ``docs/design/dispatch.md`` (memory-lean training).
 
     Args:
         cfg_recompute: ``TTTConfig.recompute`` (it wins over ``$VIT3_TTT_RECOMPUTE``).
@@ -245,8 +244,8 @@ _verified: set[tuple[BranchKey, str, tuple | None]] = set()
 
 
 def reset() -> None:
-    """Forgets every cached plan, demotion, verified key and warning, and the eager node's layouts (tests; a new
-    device; an op replaced in the table)."""
+    """Forgets every cached plan, demotion, verified key and warning, and the eager node's layouts (tests; a
+    new device; an op replaced in the table)."""
     for state in (_demoted, _pending, _verified, _warned):
         state.clear()
     mix_layout.cache_clear()
@@ -254,7 +253,7 @@ def reset() -> None:
 
 
 def branch_keys(settings: Settings, branches: tuple, x: Inputs) -> tuple[BranchKey, ...]:
-    """The ``BranchKey`` of each branch ``(inner model, heads, head_dim, plain)`` of a call on inputs ``x``."""
+    """The ``BranchKey`` of each branch ``(inner model, heads, head_dim, plain)`` of a call on ``x``."""
     return tuple(
         BranchKey(x.device, x.dtype, x.tokens, x.grad, settings, name, d, plain)
         for name, _, d, plain in branches
@@ -285,7 +284,7 @@ def apply_pending() -> None:
 
 
 def mark_verified(entry: tuple[BranchKey, str, tuple | None]) -> None:
-    """Records that ``(key, backend, specialisation or None)`` ran a guarded, verified forward (+ backward)."""
+    """Records that ``(key, backend, specialisation or None)`` ran a guarded, verified forward (+backward)."""
     _verified.add(entry)
 
 
@@ -372,9 +371,9 @@ def plan(
 
 
 def cpu_block_kernel(x: Tensor, backend: str = "auto") -> bool:
-    """Whether a block's op outside the mixer (the CPE ``x + dwconv3x3(x)``, the lean MLP's node) runs on the C++
-    CPU kernel: CPU float32/float64 tensors, no autocast, not tracing (FX, jit, ONNX, compile), the backend
-    asked for ``auto`` or ``cpu`` (``backend``, the block's ``TTTConfig.backend``, which wins over
+    """Whether a block's op outside the mixer (the CPE ``x + dwconv3x3(x)``, the lean MLP's node) runs on the
+    C++ CPU kernel: CPU float32/float64 tensors, no autocast, not tracing (FX, jit, ONNX, compile), the
+    backend asked for ``auto`` or ``cpu`` (``backend``, the block's ``TTTConfig.backend``, which wins over
     ``$VIT3_TTT_BACKEND`` as for the mixer), and the kernel built (else the PyTorch path serves, as a failed
     build warns through the mixer's backends)."""
     if (
@@ -393,9 +392,8 @@ def cpu_block_kernel(x: Tensor, backend: str = "auto") -> bool:
 
 def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
     """Whether a ``ConvPosEnc`` (CPE, ``x + dwconv3x3(x)``, outside the mixer) runs on the C++ kernel's
-    depthwise op instead of oneDNN (measured one thread, 192 channels: forward 27 µs vs 138 µs at 14x14,
-    0.44 ms vs 7.4 ms at 56x56, where oneDNN also needs an NCHW copy): a 3x3 weight of the input's dtype and
-    ``cpu_block_kernel``'s rule."""
+    depthwise op instead of oneDNN (faster at every grid measured, ``docs/design/dispatch.md``): a 3x3 weight
+    of the input's dtype and ``cpu_block_kernel``'s rule."""
     if not isinstance(x, Tensor) or not isinstance(weight, Tensor):  # an FX proxy: traced code takes the conv
         return False
     if weight.dtype != x.dtype or weight.shape[-2:] != (3, 3):

@@ -28,9 +28,9 @@ BACKEND_ENV = (
 
 
 def _on_path(path: str) -> dict[str, Callable[..., Any]]:
-    """A backend's ``supports`` / ``prefers`` / ``fits`` / ``run``: those of fast path ``path`` of the branch's
-    op (``OPS[name].paths[path]``, looked up per call: an op registered later is served too). A path without
-    ``prefers`` / ``fits`` passes them; one without ``run`` runs as a one-branch fused eager node."""
+    """A backend's ``supports`` / ``prefers`` / ``fits`` / ``run``: those of fast path ``path`` of the
+    branch's op (``OPS[name].paths[path]``, looked up per call: an op registered later is served too). A path
+    without ``prefers`` / ``fits`` passes them; one without ``run`` runs as a one-branch fused eager node."""
 
     def supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
         return OPS[branch.name].paths[path].supports(branch, cfg, x)
