@@ -1,10 +1,13 @@
-"""No result is ever destroyed: what a user does never replaces or truncates a result vit3 made earlier.
+"""No result is ever destroyed: what a user does never replaces or truncates a result vit3 made earlier, nor
+a file of the user's.
 
-Grouped by what each protects: run folders (a lock held for a run's whole life, a dead run's lock taken over,
-results without checkpoints, every run file written atomically), reports (``eval.py --json`` never over a run's
-own files, never truncated), exports (ONNX and features: no partial file, no earlier export replaced or mixed
-with), tables (the ablation runner's folder lock and ``results.*``) and samples (the photo folder writer). A full
-disk is simulated in-process: the files asked for meet ``ENOSPC`` halfway through their first write.
+Grouped by what each protects: run folders (a lock held for a run's whole life, a dead run's lock taken
+over, results without checkpoints, a user's own config.yaml, every run file written atomically, nothing
+written by a refused run, a finished run resumed), reports (``eval.py --json`` never over a run's own files
+or a JSON file of the user's, never truncated), exports (ONNX and features: no partial file, no earlier export
+replaced or mixed with), tables (the ablation runner's folder lock and ``results.*``) and samples (the photo
+folder writer). A full disk is simulated in-process: the files asked for meet ``ENOSPC`` halfway through their
+first write.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from safetensors.torch import load_file
 from vit3 import ablate
 from vit3.engine.checkpoint import save_checkpoint
 from vit3.engine.config import CONFIG_DIR, load_config
-from vit3.errors import OutputError
 from vit3.outputs import LOCK_FILE, hold_folder, lock_holder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -390,6 +392,167 @@ def test_a_full_disk_mid_export_leaves_no_truncated_feature_file_and_no_manifest
     assert os.listdir(aside) == ["img0.safetensors"] and (out / "manifest.json").is_file()
 
 
+# ------------------------------------------------------------------------------- more run folders, reports
+def test_a_refused_batch_of_one_writes_nothing(digits, tmp_path, capsys):
+    """A batch of one image that reaches a BatchNorm layer as one value per channel: refused before the run
+    writes anything (its config.yaml was written before the step that met BatchNorm's refusal)."""
+    out = tmp_path / "run"
+    assert load_script("train").main(_run_args(digits, out, "data.batch_size=1")) == 2
+    assert one_error_line(capsys, last=True).startswith(
+        "error: data.batch_size=1: a BatchNorm layer of test_h_vit3 gets one value per channel in training "
+        "(stages.3.downsample.2.norm: input [1, 64, 1, 1] for one image at data.img_size=32)"
+    )
+    assert not out.exists()
+
+
+def test_a_users_own_config_in_the_run_folder_is_never_replaced(digits, tmp_path, capsys):
+    """``train.py --config exp/config.yaml output=exp``: the run saved its resolved config over the user's
+    hand-written one. Refused; with --overwrite it is moved aside first."""
+    out = tmp_path / "exp"
+    out.mkdir()
+    mine = out / "config.yaml"
+    mine.write_text(f"# my experiment\nbase: {CONFIG_DIR / 'demo_mnist.yaml'}\ntrain:\n  epochs: 1\n")
+    before = mine.read_bytes()
+    args = ["--config", str(mine), *_run_args(digits, out)]
+    assert load_script("train").main(args) == 2
+    assert one_error_line(capsys, last=True) == (
+        f"error: {mine} is a config file that no run saved, which this run would replace with its resolved "
+        f"config: keep your config outside the run's folder, or give this run a new folder "
+        f"(output=<folder>); --overwrite moves it into {out / 'replaced-<time>'}/ first"
+    )
+    assert os.listdir(out) == ["config.yaml"] and mine.read_bytes() == before
+    assert load_script("train").main([*args, "--overwrite"]) == 0
+    (aside,) = out.glob("replaced-*")
+    assert (aside / "config.yaml").read_bytes() == before and (out / "last.pt").is_file()
+
+
+@pytest.mark.filterwarnings("ignore:.*was written by a run in")
+def test_resuming_a_finished_run_says_so_and_changes_no_result(finished_run, tmp_path, capsys):
+    """``train.py --resume last.pt`` of a run that has done its epochs said "resumed from ...: epoch 2" and
+    "done", as if it had trained; now it says there is nothing left to train, and its checkpoints and history
+    stay as they were."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    kept = {
+        name: digest for name, digest in _digests(out).items() if name not in ("config.yaml", "summary.json")
+    }
+    assert load_script("train").main(["--resume", str(out / "last.pt")]) == 0
+    log = capsys.readouterr().out
+    assert (
+        f"note: {out / 'last.pt'} ends a finished run (1 epoch(s) done, train.epochs=1): nothing is left to "
+        f"train; raise train.epochs to train on" in log
+    )
+    assert "resumed from" not in log
+    assert {name: _digests(out)[name] for name in kept} == kept
+
+
+def test_a_resume_into_another_folder_leaves_the_first_untouched(finished_run, tmp_path):
+    """``train.py --resume R/last.pt --output NEW``: the run goes on in NEW; R stays as it was."""
+    first = tmp_path / "run"
+    shutil.copytree(finished_run, first)
+    before = _digests(first)
+    args = ["--resume", str(first / "last.pt"), "--output", str(tmp_path / "more"), "train.epochs=2"]
+    assert load_script("train").main(args) == 0
+    assert _digests(first) == before and (tmp_path / "more" / "last.pt").is_file()
+
+
+def test_a_rerun_into_a_finished_runs_folder_is_refused(finished_run, digits, tmp_path, capsys):
+    """The same command again: refused, naming the earlier run's checkpoints and how to continue it."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    before = _digests(out)
+    assert load_script("train").main(_run_args(digits, out)) == 2
+    assert one_error_line(capsys).startswith(
+        f"error: {out} holds the checkpoints of another run (last.pt, best.pt)"
+    )
+    assert _digests(out) == before
+
+
+def test_overwrite_moves_the_earlier_run_aside_and_deletes_nothing(finished_run, digits, tmp_path):
+    """--overwrite: every file of the earlier run is in replaced-<time>/, byte for byte."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    before = _digests(out)
+    assert load_script("train").main([*_run_args(digits, out), "--overwrite"]) == 0
+    (aside,) = out.glob("replaced-*")
+    assert _digests(aside) == before
+
+
+@pytest.mark.parametrize("kind", ["user-json", "coco-annotations"])
+def test_an_eval_report_never_replaces_a_json_file_of_the_users(
+    kind, finished_run, coco_root, tmp_path, capsys
+):
+    """``eval.py --json data.json`` (or a COCO annotation file) replaced the user's file without a word: a
+    file that is there and no vit3 evaluation report is refused."""
+    if kind == "coco-annotations":
+        theirs = tmp_path / "instances_val.json"
+        shutil.copy(coco_root / "annotations" / "instances_val.json", theirs)
+    else:
+        theirs = tmp_path / "data.json"
+        theirs.write_text('{"the user": "own data"}')
+    before = theirs.read_bytes()
+    args = ["--checkpoint", str(finished_run / "last.pt"), "--json", str(theirs)]
+    assert load_script("eval").main(args) == 2
+    assert one_error_line(capsys, last=True).endswith(
+        f"{theirs} exists and is no vit3 evaluation report, which this report would replace: give the report "
+        f"another name (without --json it goes beside the checkpoint as <name>.eval.json)"
+    )
+    assert theirs.read_bytes() == before
+
+
+def test_an_eval_report_replaces_an_earlier_report(finished_run, tmp_path):
+    """A report vit3 wrote is replaced by the next evaluation's (as the default beside the checkpoint is)."""
+    report = tmp_path / "r.json"
+    args = ["--checkpoint", str(finished_run / "last.pt"), "--json", str(report), "eval.flops=false"]
+    assert load_script("eval").main(args) == 0
+    report.write_text(report.read_text().replace('"results"', '"earlier results"'))
+    assert load_script("eval").main(args) == 0
+    assert '"earlier results"' not in report.read_text()
+
+
+@pytest.mark.parametrize("name", ["best.pt", "notes.txt"])
+def test_an_onnx_export_never_replaces_a_file_of_another_kind(name, finished_run, tmp_path, capsys):
+    """``export.py onnx --out`` naming the run's checkpoint or a user's file: refused, both left whole."""
+    why = "the file name must end in .onnx, so that no other file (a checkpoint, say) is overwritten"
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "notes.txt").write_text("the user's notes")
+    before = _digests(run)
+    args = ["onnx", "--checkpoint", str(run / "best.pt"), "--out", str(run / name), "--no-check"]
+    assert load_script("export").main(args) == 2
+    assert (
+        one_error_line(capsys)
+        == f"error: --out must be a .onnx file this run can write, got '{run / name}': {why}"
+    )
+    assert _digests(run) == before
+
+
+def test_a_feature_export_never_mixes_into_a_run_folder(finished_run, images, tmp_path, capsys):
+    """``export.py features --out R`` naming a run's folder: refused, the run left whole."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = _digests(run)
+    args = ["features", "--checkpoint", str(run / "best.pt"), "--images", str(images), "--out", str(run)]
+    assert load_script("export").main(args) == 2
+    assert one_error_line(capsys).startswith(
+        f"error: --out {run} holds files that are no feature export (e.g. "
+    )
+    assert _digests(run) == before
+
+
+def test_an_eval_report_never_replaces_a_runs_config(finished_run, tmp_path, capsys):
+    """``eval.py --json R/config.yaml``: a report is a .json file; the run's config is left whole."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = _digests(run)
+    args = ["--checkpoint", str(run / "last.pt"), "--json", str(run / "config.yaml")]
+    assert load_script("eval").main(args) == 2
+    assert "the file name must end in .json, so that no other file (a checkpoint, say) is overwritten" in (
+        one_error_line(capsys, last=True)
+    )
+    assert _digests(run) == before
+
+
 # ----------------------------------------------------------------------------------------------- tables
 def _fake_rows(monkeypatch) -> None:
     """Replaces the training of a row by writing its checkpoint and history."""
@@ -439,14 +602,19 @@ def test_a_second_table_runner_into_a_held_folder_is_refused(monkeypatch, tmp_pa
     assert os.listdir(tmp_path) == []
 
 
-def test_a_full_disk_never_truncates_a_table(monkeypatch, tmp_path, full_disk):
-    """The table continued (--resume) meets a full disk as it rewrites results.csv: the earlier one stays."""
+def test_a_full_disk_never_truncates_a_table(monkeypatch, tmp_path, full_disk, capsys):
+    """The table continued (--resume) meets a full disk as it rewrites results.csv: the earlier one stays, and
+    the runner says so in one line (it raised the error, a traceback under ``python -m vit3.ablate``)."""
     _fake_rows(monkeypatch)
     assert ablate.main(_table("loss", tmp_path)) == 0
     before = (tmp_path / "results.csv").read_bytes()
     full_disk.append("results.csv")
-    with pytest.raises(OutputError, match=f"cannot write table {tmp_path / 'results.csv'}: {FULL}"):
-        ablate.main(_table("loss", tmp_path, "--resume"))
+    capsys.readouterr()
+    assert ablate.main(_table("loss", tmp_path, "--resume")) == 2
+    assert one_error_line(capsys, last=True) == (
+        f"error: cannot write table {tmp_path / 'results.csv'}: {FULL} (the table already there is left as "
+        f"it was)"
+    )
     assert (tmp_path / "results.csv").read_bytes() == before and _temp_files(tmp_path) == []
     with open(tmp_path / "results.csv", newline="", encoding="utf-8") as f:
         assert len(list(csv.DictReader(f))) == 5

@@ -41,7 +41,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import math
 import sys
@@ -53,7 +52,9 @@ from pathlib import Path
 from typing import Any
 
 from .engine import Config, ConfigError, load_config
+from .engine.cli import ArgumentParser, is_user_error, run_cli, user_message
 from .engine.config import CONFIG_DIR, WRITTEN_KEY, check_config, parse_override
+from .engine.path_checks import existing, folder_problem
 from .outputs import CHECKPOINT_FILES, atomic_write, hold_folder, write_text
 
 ABLATIONS_DIR = CONFIG_DIR / "ablations"
@@ -324,7 +325,7 @@ def run_rows(rows: Sequence[Row], out: Path, log=print, **budget: Any) -> list[R
             res.status, res.message = "diverged", str(exc)
         except Exception as exc:  # one failing row must not lose the others: it is reported as an error
             res.message = f"{type(exc).__name__}: {exc}"
-            log(traceback.format_exc())
+            log(f"error: {user_message(exc)}" if is_user_error(exc) else traceback.format_exc())
         if res.output:
             res.best_top1, res.best_epoch, res.epochs = _best_epoch(Path(res.output))
         res.wall_s = time.perf_counter() - tick
@@ -539,8 +540,12 @@ def catalog_markdown(root: Path = ABLATIONS_DIR) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- main
+# What the runner's own path flags need (checked before any row trains).
+_FLAG_NEEDS = {"--data": "an existing image folder", "--output": "a folder this table can write"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m vit3.ablate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -562,37 +567,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="train again in folders that hold an earlier table's rows, moving their files aside first",
     )
     parser.add_argument("--catalog", action="store_true", help="print the table of all rows and exit")
-    args = parser.parse_intermixed_args(argv)  # paths, options and overrides in any order
+    return run_cli(parser, lambda args: _main(args, argv), argv)  # paths, options, overrides in any order
+
+
+def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """The runner's work once its arguments are parsed: every row checked, then the table trained.
+
+    Raises:
+        UserError: a mistake in the arguments, the rows or the folders, found before any row trains.
+    """
     if args.catalog:
-        try:
-            print(catalog_markdown(), end="")
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        print(catalog_markdown(), end="")
         return 0
     paths = [p for p in args.paths if "=" not in p]
     overrides = [p for p in args.paths if "=" in p]
     if not paths:
-        parser.error("give a table folder (e.g. configs/ablations/loss/) or row files")
-    with contextlib.ExitStack() as held:
-        try:
-            rows = load_rows(paths)
-            if args.output:
-                out = Path(args.output)
-            else:
-                name = Path(paths[0]).stem if len(paths) == 1 else "custom"
-                out = Path("output/ablations") / (name + ("-quick" if args.quick else ""))
-            budget = dict(
-                data=args.data, quick=args.quick, epochs=args.epochs, overrides=overrides, resume=args.resume,
-                overwrite=args.overwrite,
-            )  # fmt: skip
-            summary = budget_summary(row_config(rows[0], out, **budget))
-            held.enter_context(hold_folder(out, "give this table another --output"))  # for the whole table
-            check_folders(rows, out, again=args.resume or args.overwrite)
-            check_table(rows, out, resume=args.resume, overwrite=args.overwrite)
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        raise ConfigError("give a table folder (e.g. configs/ablations/loss/) or row files")
+    rows = load_rows(paths)
+    if args.output:
+        out = Path(args.output)
+    else:
+        name = Path(paths[0]).stem if len(paths) == 1 else "custom"
+        out = Path("output/ablations") / (name + ("-quick" if args.quick else ""))
+    budget = dict(
+        data=args.data, quick=args.quick, epochs=args.epochs, overrides=overrides, resume=args.resume,
+        overwrite=args.overwrite,
+    )  # fmt: skip
+    problems = {
+        "--data": args.data and existing("folder")(args.data, None),
+        "--output": folder_problem(out),
+    }
+    for flag, why in problems.items():
+        if why:
+            value = args.data if flag == "--data" else out
+            raise ConfigError(f"{flag} must be {_FLAG_NEEDS[flag]}, got '{value}': {why}")
+    configs = [row_config(row, out, **budget) for row in rows]
+    for cfg in configs:  # what a run needs on this machine (its data, a folder it can write): before any row
+        check_config(cfg, "train")
+    summary = budget_summary(configs[0])
+    with hold_folder(out, "give this table another --output"):  # for the whole table
+        check_folders(rows, out, again=args.resume or args.overwrite)
+        check_table(rows, out, resume=args.resume, overwrite=args.overwrite)
         return _run_table(rows, out, budget, summary, args.overwrite, argv)
 
 

@@ -3,7 +3,8 @@
 Label maps hold one class index per pixel; 255 is ignored. The real ADE20K stores 0 = "other" and 1..150
 for its classes, so it is read with ``reduce_zero_label=True`` (0 -> 255, k -> k - 1, as in mmseg). Any other
 value outside ``[0, num_classes)`` raises a ``ValueError`` naming the file and the values, as do an image /
-label map size mismatch and a missing label map (``FileNotFoundError``).
+label map size mismatch and a missing label map (``FileNotFoundError``); a label map PIL cannot read (or a
+decompression bomb) is a ``CorruptImageError`` naming it.
 
 Training pipeline (mmseg's ADE20K recipe minus the photometric jitter): random rescale within
 ``scale * ratio_range`` keeping the aspect ratio, random crop to ``crop_size`` (re-drawn up to 10 times while
@@ -104,7 +105,7 @@ class ADESegmentation(Dataset):
         path = self.images[index]
         ann = self.ann_dir / f"{path.stem}.png"
         image = np.asarray(open_image(path, "RGB"))
-        label_img = Image.open(ann)
+        label_img = open_image(ann, None)
         if label_img.mode not in ("L", "P", "I", "I;16"):
             raise DataError(f"label map {ann} must be a single-channel PNG, got mode {label_img.mode}")
         label = np.asarray(label_img).astype(np.int64)

@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from ..errors import DataError
-from .image import open_image
+from .image import image_size, open_image
 
 log = logging.getLogger(__name__)
 
@@ -189,9 +189,9 @@ class CocoDetection(Dataset):
         for image_id in ids:
             info = self.coco.imgs[image_id]
             w, h = info.get("width"), info.get("height")
-            if w is None or h is None:  # the file does not say: read the image header
-                with Image.open(self.image_dir / info["file_name"]) as img:
-                    w, h = img.size
+            if w is None or h is None:  # the file does not say: the image header's, kept for the masks
+                w, h = image_size(self.image_dir / info["file_name"])
+                info["width"], info["height"] = w, h
             anns, boxes = [], []
             for ann in self.coco.imgToAnns.get(image_id, []):
                 if ann.get("iscrowd", 0):

@@ -17,8 +17,9 @@ like every image, though it holds next to no picture: a 1x1 image is most likely
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "TransformError",
     "apply_transform",
     "eight_bit",
+    "image_size",
     "open_image",
     "to_model_mode",
     "warn_if_tiny",
@@ -80,17 +82,36 @@ def to_model_mode(img: Image.Image, mode: str = "RGB") -> Image.Image:
     return img.convert(mode) if img.mode != mode else img
 
 
-def open_image(path: str | Path, mode: str = "RGB") -> Image.Image:
-    """Reads an image file as an 8-bit ``mode`` image (:func:`to_model_mode`).
+def open_image(path: str | Path, mode: str | None = "RGB") -> Image.Image:
+    """Reads an image file as an 8-bit ``mode`` image (:func:`to_model_mode`), or in its own mode (``None``:
+    e.g. a label map, whose values are class indices).
 
     Raises:
         CorruptImageError: the file cannot be decoded or converted, or it declares more pixels than PIL opens
             (a decompression bomb, over twice ``PIL.Image.MAX_IMAGE_PIXELS``); the message names it.
     """
-    try:
+    with _reading(path):
         with Image.open(path) as img:
             img.load()
-            return to_model_mode(img, mode)
+            return img if mode is None else to_model_mode(img, mode)
+
+
+def image_size(path: str | Path) -> tuple[int, int]:
+    """``(width, height)`` of an image file, from its header (the pixels are not decoded).
+
+    Raises:
+        CorruptImageError: as :func:`open_image`.
+    """
+    with _reading(path):
+        with Image.open(path) as img:
+            return img.size
+
+
+@contextlib.contextmanager
+def _reading(path: str | Path) -> Iterator[None]:
+    """PIL's errors while a block reads ``path`` as one :class:`CorruptImageError` naming the file."""
+    try:
+        yield
     except Image.DecompressionBombError as e:
         raise CorruptImageError(
             f"cannot read image file {path}: {e} (PIL.Image.MAX_IMAGE_PIXELS sets the limit)"

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..errors import UserError
+from ..errors import OUTPUT_ERRNOS, UserError, describe_os_error
 from ..outputs import atomic_write
 
 __all__ = ["CLASS_COUNTS", "make_photo_folder", "sample_photos"]
@@ -86,6 +86,9 @@ def make_photo_folder(
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise UserError(f"{root} is a file: give a new or empty folder for the sample photos")
+    above = next((p for p in root.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UserError(f"{above} is a file, so no folder can be made under it: give a new or empty folder")
     held = (
         sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
         if root.is_dir()
@@ -112,20 +115,35 @@ def make_photo_folder(
     return root
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors (an unknown flag, a bad number) in one ``error:`` line, exit code 2, as vit3's scripts."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m vit3.data.samples OUT [--classes 3|6] [--train N] [--val N] [--size PX] [--seed S]``."""
-    parser = argparse.ArgumentParser(prog="python -m vit3.data.samples", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m vit3.data.samples", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="a new or empty folder to write (train/<class>/, val/<class>/)")
     parser.add_argument("--classes", type=int, default=3, choices=CLASS_COUNTS)
     parser.add_argument("--train", type=int, default=16, help="training images per class")
     parser.add_argument("--val", type=int, default=16, help="val images per class")
     parser.add_argument("--size", type=int, default=64, help="side of the written images (px)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed: the exit code
+        return e.code if isinstance(e.code, int) else 2
     try:
         root = make_photo_folder(args.out, args.train, args.val, args.size, args.seed, args.classes)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the system refused a folder or file (no permission, a read-only file system, ...)
+        if e.errno not in OUTPUT_ERRNOS:
+            raise
+        print(f"error: cannot write the sample photos: {describe_os_error(e)}", file=sys.stderr)
         return 2
     print(f"wrote {root}: {args.classes} classes, {args.train} train / {args.val} val images each")
     return 0

@@ -148,8 +148,10 @@ def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
     with atomic_write(path, "checkpoint") as f:
         try:
             torch.save({"format": FORMAT, "version": VERSION, **state}, f)
-        except RuntimeError as e:  # torch's zip writer reports a refused write (a full disk) as its own error
-            if isinstance(e.__context__, OSError):
+        except RuntimeError as e:
+            # torch's zip writer reports a refused write (a full disk), or Ctrl-C in the middle of its
+            # writing, as its own error ("enforce fail at inline_container.cc")
+            if isinstance(e.__context__, OSError | KeyboardInterrupt):
                 raise e.__context__ from None
             raise
     return Path(path)

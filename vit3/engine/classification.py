@@ -63,7 +63,7 @@ from .config import Config, ConfigError, check_config
 from .distributed import DistInfo
 from .metrics import plot_curves, write_metrics
 from .recipe import eval_frozen, fit_batch_size, fit_epochs, freeze_for_training
-from .validation import check_input_size, key_name
+from .validation import check_batch_norm_batch, check_input_size, key_name
 
 __all__ = [
     "TrainingDiverged",
@@ -270,6 +270,10 @@ def _assemble(
     # the recipe fitted to the data (vit3.engine.recipe): each change lands in the saved config and the log;
     # the batch before the resume check, which compares it with the checkpoint's (fitted alike)
     fitted = [fit_batch_size(cfg, -(-len(data["train"]) // info.world), even=mixup is not None)]
+    frozen = model.get_classifier() if cfg.train.freeze == "backbone" else None
+    check_batch_norm_batch(
+        model, in_chans, int(cfg.data.img_size), int(cfg.data.batch_size), cfg.model.name, frozen
+    )
     if ckpt is not None:
         for change in common.check_resume(cfg, ckpt, info.world, resume):
             common.log(info, f"warning: train.force_resume=true: {change}")

@@ -10,7 +10,8 @@ another rank reports only a mistake rank 0 did not meet: :data:`RANK_REPORT_DELA
 ``VIT3_DEBUG=1``) re-raises it with its traceback instead. Any other exception is a bug and keeps its
 traceback. A flag and an override that set one key to two values are refused (:func:`check_flag_overrides`).
 Ctrl-C (SIGINT) ends the script with one line naming the last checkpoint it wrote and exit code
-:data:`INTERRUPTED_EXIT`.
+:data:`INTERRUPTED_EXIT` (under torchrun from rank 0 alone: the other ranks, which write no checkpoint, end
+quietly).
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ def run_cli(
     except KeyboardInterrupt:
         if _debug(args):
             raise
-        print(f"error: {interrupted_message()}", file=sys.stderr)
+        if not _rank():  # Ctrl-C reaches every process of a torchrun launch: rank 0 says it once
+            print(f"error: {interrupted_message()}", file=sys.stderr)
         return INTERRUPTED_EXIT
     except Exception as exc:
         if not is_user_error(exc) or _debug(args):

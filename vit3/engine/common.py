@@ -14,8 +14,9 @@
 * the output folder: :func:`hold_run_folder`, :func:`claim_output` and :func:`open_output`. A run holds the
   lock of its folder for its whole life (a second run into it is refused while the first lives). No run writes
   into a folder that holds another run's checkpoints (``last.pt`` / ``best.pt``) or results
-  (:data:`~vit3.outputs.RESULT_FILES`): it is refused, naming the folder and the ways on (resume that run, or another
-  ``output``), unless ``train.overwrite`` (``--overwrite``), which first moves that run's files
+  (:data:`~vit3.outputs.RESULT_FILES`), or a ``config.yaml`` no run saved (the user's own): it is refused,
+  naming the folder and the ways on (resume that run, or another ``output``), unless ``train.overwrite``
+  (``--overwrite``), which first moves that run's files
   (:data:`~vit3.outputs.RUN_FILES`) into ``<output>/replaced-<UTC time>/``, deleting nothing. A resume continues in its
   checkpoint's own folder, unless that folder holds a later checkpoint (it would be overwritten).
 """
@@ -35,6 +36,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
@@ -75,6 +77,7 @@ __all__ = [
     "checkpoint_task",
     "claim_output",
     "compile_mode",
+    "cpu_has_bf16_units",
     "epoch_batches",
     "hold_run_folder",
     "in_process_group",
@@ -159,7 +162,8 @@ def amp_dtype(mode: str, device: torch.device, key: str = "train.amp") -> torch.
     """The autocast dtype of an AMP setting (``None``: float32).
 
     ``auto`` is bf16 on a CUDA device that supports it and float32 elsewhere; ``fp16`` goes with a GradScaler
-    (on a CPU it runs, with a warning: CPUs compute float16 many times slower than float32).
+    (on a CPU it runs, with a warning: CPUs compute float16 many times slower than float32); ``bf16`` on a CPU
+    without bfloat16 matrix instructions (:func:`cpu_has_bf16_units`) runs too, with a warning alike.
 
     Raises:
         ConfigError: ``mode`` is not one of :data:`AMP_MODES` (the message names ``key``).
@@ -172,9 +176,22 @@ def amp_dtype(mode: str, device: torch.device, key: str = "train.amp") -> torch.
             f"no fast float16 matrix units); {key}=none runs float32",
             stacklevel=2,
         )
+    if mode == "bf16" and device.type == "cpu" and not cpu_has_bf16_units():
+        warnings.warn(
+            f"{key}=bf16 on the CPU: this CPU has no bfloat16 matrix instructions (AVX512-BF16 or AMX), "
+            f"where bfloat16 autocast runs many times slower than float32; {key}=none runs float32",
+            stacklevel=2,
+        )
     if mode == "auto":
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
     return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+
+
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU computes bfloat16 matrix products in hardware (AVX512-BF16 or AMX tiles, as torch
+    detects them), where bfloat16 autocast pays off; without them it runs many times slower than float32."""
+    detectors = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in detectors)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -421,6 +438,16 @@ def _global_step(path: Path) -> float:
         return float("inf")
 
 
+def _saved_config(path: Path) -> bool:
+    """Whether ``path`` is a config a run saved (:func:`~vit3.engine.config.save_config`: it holds ``_meta``),
+    not one a user wrote."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and "_meta" in data
+
+
 def claim_output(cfg: Config, resume: str, ckpt: Mapping[str, Any] | None) -> OutputFolder:
     """Checks that the run of ``cfg`` (resumed from the checkpoint ``resume``, ``ckpt``, or "" / None) may
     write into ``cfg.output`` (see the module docstring). Call it on every rank before anything is written.
@@ -432,10 +459,18 @@ def claim_output(cfg: Config, resume: str, ckpt: Mapping[str, Any] | None) -> Ou
     out = Path(cfg.output)
     held = [out / name for name in CHECKPOINT_FILES if (out / name).is_file()]
     results = [out / name for name in RESULT_FILES if (out / name).exists()]
-    if not held and not results:
+    config = out / "config.yaml"
+    own_config = config.is_file() and not _saved_config(config)
+    if not held and not results and not own_config:
         return OutputFolder(out)
     overwrite = f"--overwrite moves its files into {out / 'replaced-<time>'}/ first"
-    if not held:  # the results of a run whose checkpoints are gone
+    if not held and not results:  # e.g. the user's own config file, given with --config, in the run's folder
+        problem = (
+            f"{config} is a config file that no run saved, which this run would replace with its resolved "
+            f"config: keep your config outside the run's folder, or give this run a new folder "
+            f"(output=<folder>); {overwrite.replace('its files', 'it')}"
+        )
+    elif not held:  # the results of a run whose checkpoints are gone
         problem = (
             f"{out} holds the results of another run ({', '.join(p.name for p in results)}), which this run "
             f"would overwrite: give this one a new folder (output=<folder>); {overwrite}"
@@ -503,14 +538,23 @@ def open_run(
     restore: Callable[[], Progress],
 ) -> None:
     """The close of a run's setup: with ``ckpt`` (read from ``resume``), ``restore()`` the run from it (it
-    returns the progress restored, which the log names); then the config saved in ``folder``
-    (:func:`open_output`); last the RNG states of ``ckpt``, since building the run drew on the RNGs."""
+    returns the progress restored, which the log names, or says it holds a finished run); then the config
+    saved in ``folder`` (:func:`open_output`); last the RNG states of ``ckpt``, since building the run drew on
+    the RNGs."""
     if ckpt is not None:
         p = restore()
-        log(
-            info,
-            f"resumed from {resume}: epoch {p.epoch + 1}, batch {p.batch_in_epoch}, step {p.global_step}",
-        )
+        epochs = int(cfg.train.epochs)
+        if p.epoch >= epochs:  # nothing left to train: the run's files are only rewritten as they are
+            log(
+                info,
+                f"note: {resume} ends a finished run ({p.epoch} epoch(s) done, train.epochs={epochs}): "
+                f"nothing is left to train; raise train.epochs to train on",
+            )
+        else:
+            log(
+                info,
+                f"resumed from {resume}: epoch {p.epoch + 1}, batch {p.batch_in_epoch}, step {p.global_step}",
+            )
     open_output(folder, cfg, info)
     if ckpt is not None:
         restore_rng(ckpt, info)

@@ -109,6 +109,7 @@ __all__ = [
     "config_from_checkpoint",
     "config_from_dict",
     "git_commit",
+    "glued_key",
     "load_config",
     "parse_override",
     "resolve_config_path",
@@ -277,11 +278,14 @@ def _read_yaml_tree(
         try:
             data = _yaml_load(f) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"cannot parse config file {path}: {e}") from e
+            raise ConfigError(f"cannot parse config file {path}: {_yaml_problem(e)}") from e
     if not isinstance(data, dict):
         raise ConfigError(
             f"config file {path} must hold a mapping at the top level, got {type(data).__name__}"
         )
+    glued = glued_key(data)
+    if glued is not None:
+        raise ConfigError(f"config file {path}: {_glued_message(glued)}")
     bases = data.pop("base", None) or []
     if isinstance(bases, str):
         bases = [bases]
@@ -294,8 +298,49 @@ def _read_yaml_tree(
     return _deep_merge(merged, data)
 
 
+def glued_key(value: Any) -> str | None:
+    """The first key of a mapping in ``value`` (nested mappings and lists searched too) that YAML read from a
+    ``key:value`` written without a space after the colon: one key ``"img_size:32"`` with no value, where
+    ``{img_size: 32}`` was meant; ``None`` when there is none."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and item is None and re.fullmatch(r"[^:\s]+:\S.*", key):
+                return key
+            found = glued_key(item)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = glued_key(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _glued_message(key: str) -> str:
+    name, _, value = key.partition(":")
+    return (
+        f"YAML reads '{key}' as one key without a value: write a space after the colon ({name}: {value}), "
+        f"as YAML mappings need"
+    )
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML parser's error in one line: what is wrong and where (its own message spans several)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = ", ".join(filter(None, (getattr(error, "context", None), getattr(error, "problem", None))))
+    if mark is None or not problem:
+        return " ".join(str(error).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
 def parse_override(text: str) -> tuple[str, Any]:
-    """Parses ``"key.sub=value"`` into ``("key.sub", value)`` with the value read as YAML."""
+    """Parses ``"key.sub=value"`` into ``("key.sub", value)`` with the value read as YAML.
+
+    Raises:
+        ConfigError: no ``key=``, or a mapping with a ``key:value`` that lacks the space after its colon
+            (:func:`glued_key`: YAML would read one key without a value).
+    """
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
@@ -304,6 +349,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = _yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw  # a string YAML cannot parse (e.g. "a: b") is taken literally
+    glued = glued_key(value)
+    if glued is not None:
+        raise ConfigError(f"bad override '{text}': {_glued_message(glued)}")
     return key, value
 
 

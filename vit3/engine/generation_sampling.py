@@ -27,6 +27,7 @@ from .checkpoint import load_model_weights
 from .common import amp_dtype, autocast, in_process_group, log, set_threads
 from .config import Config, ConfigError, check_config
 from .distributed import DistInfo, barrier
+from .validation import model_arguments
 
 __all__ = [
     "build_diffusion",
@@ -87,7 +88,8 @@ def build_generator(
 ) -> tuple[DiT3, dict[str, Any]]:
     """The DiT³ / DiT of ``cfg.model`` (weights from ``pretrained`` when given); returns it and its kwargs."""
     kwargs = _model_kwargs(cfg, num_classes, in_channels, input_size)
-    return create_dit3(cfg.model.name, checkpoint_path=pretrained or None, **kwargs), kwargs
+    with model_arguments(cfg.model.name, cfg.model.kwargs or {}):
+        return create_dit3(cfg.model.name, checkpoint_path=pretrained or None, **kwargs), kwargs
 
 
 def build_diffusion(cfg: Config, learn_sigma: bool) -> GaussianDiffusion:

@@ -6,6 +6,7 @@ Each runs before anything is written, so that a run fails at once instead of aft
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,15 +67,38 @@ def eval_output_folder(value: Any, cfg: Any) -> str | None:
     return f"the default output next to the checkpoint cannot be written: {why}" if why else None
 
 
+# How every vit3 evaluation report begins (classification, dense, generation): a JSON object whose first key
+# is the checkpoint it evaluated.
+_REPORT_START = re.compile(r'\s*\{\s*"checkpoint"\s*:')
+
+
+def is_eval_report(path: Path) -> bool:
+    """Whether the file ``path`` is a report an evaluation of vit3 wrote (its first bytes say so: a large
+    JSON file of another kind, e.g. a COCO annotation file, is not read whole)."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(256).decode("utf-8", errors="replace")
+    except OSError:
+        return False
+    return _REPORT_START.match(start) is not None
+
+
 def report_file(value: Any, cfg: Any) -> str | None:
-    """``eval.json``: the file it names (never one of a run's own files, e.g. its ``metrics.json``), or
-    (empty) the default next to the checkpoint."""
+    """``eval.json``: the file it names (never one of a run's own files, e.g. its ``metrics.json``, nor an
+    existing file that is no vit3 evaluation report: :func:`is_eval_report`), or (empty) the default next to
+    the checkpoint."""
     if value:
         path = Path(str(value))
+        rename = (
+            "give the report another name (without --json it goes beside the checkpoint as <name>.eval.json)"
+        )
         if path.name in RUN_FILES and path.suffix == ".json":
             return (
-                f"{path.name} is one of a training run's own files, which a report must not replace: give the "
-                f"report another name (without --json it goes beside the checkpoint as <name>.eval.json)"
+                f"{path.name} is one of a training run's own files, which a report must not replace: {rename}"
+            )
+        if path.is_file() and path.suffix.lower() == ".json" and not is_eval_report(path):
+            return (
+                f"{path} exists and is no vit3 evaluation report, which this report would replace: {rename}"
             )
         return file_problem(path, ".json")
     folder = _checkpoint_folder(cfg)

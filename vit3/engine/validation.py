@@ -31,14 +31,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import math
 import os
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from .constraints import (
     AT_LEAST_ONE,
     EVAL,
@@ -58,6 +59,7 @@ from .constraints import (
     Constraint,
     Range,
     config_value,
+    is_number,
     key_name,
     message,
 )
@@ -112,6 +114,7 @@ __all__ = [
     "Choice",
     "Constraint",
     "Range",
+    "check_batch_norm_batch",
     "check_flags",
     "check_input_size",
     "check_values",
@@ -337,6 +340,8 @@ CHECKED_ON_USE = {
     "data.train_split": "the split folder exists (data.build / dense datasets)",
     "data.val_split": "the split folder exists (data.build / dense datasets)",
     "data.img_size": "a size the model takes (check_input_size, before training)",
+    "data.batch_size": "2 or more where a BatchNorm layer of the model would get one value per channel "
+    "(check_batch_norm_batch, before anything is written)",
     "eval.img_sizes": "sizes the model takes (check_input_size, before evaluating)",
     "sample.classes": "class indices of the model (engine.generation)",
     "dense.out_indices": "the backbone's feature levels (tasks.backbone.FeatureBackbone)",
@@ -481,13 +486,29 @@ def check_flags(args: argparse.Namespace, table: Mapping[str, Constraint]) -> No
 
 
 # --------------------------------------------------------------------------------- checks on the model
+# Keyword arguments of timm's models that are probabilities of dropping (a value of 1 or more, or below 0,
+# runs until the first training step, where torch refuses it).
+DROP_RATES = ("drop_rate", "drop_path_rate", "attn_drop_rate", "proj_drop_rate", "pos_drop_rate")
+
+
 @contextlib.contextmanager
 def model_arguments(name: str, kwargs: Mapping[str, Any], key: str = "model.kwargs") -> Iterator[None]:
-    """Reports a keyword argument the model does not take (``TypeError``), or one that vit3 passes itself
-    (e.g. ``num_classes``), given by the user in ``kwargs`` (the config's ``key``), as a
-    :class:`~vit3.errors.ConfigError` naming it."""
+    """Reports a keyword argument the model does not take (``TypeError``), one that vit3 passes itself (e.g.
+    ``num_classes``), a drop rate outside [0, 1) (:data:`DROP_RATES`) or values the model refuses as it is
+    built (its ``ValueError`` / ``AssertionError``, e.g. ``num_heads`` that do not divide the width), given
+    by the user in ``kwargs`` (the config's ``key``), as a :class:`~vit3.errors.ConfigError` naming it."""
+    for rate in DROP_RATES:
+        value = kwargs.get(rate)
+        if value is not None and not (is_number(value) and 0 <= value < 1):
+            raise ConfigError(f"{key}.{rate} must be a number in [0, 1), got {value!r}")
     try:
         yield
+    except (ValueError, AssertionError) as e:
+        if not kwargs or isinstance(e, UserError):
+            raise
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        given = ", ".join(f"{k}: {v!r}" for k, v in kwargs.items())
+        raise ConfigError(f"{key} ({given}) do not build {name}: {reason}") from e
     except TypeError as e:
         match = re.search(r"(unexpected|multiple values for) keyword argument '(\w+)'", str(e))
         if match is None or match.group(2) not in kwargs:
@@ -499,6 +520,58 @@ def model_arguments(name: str, kwargs: Mapping[str, Any], key: str = "model.kwar
         raise ConfigError(
             f"{key}.{arg}={kwargs[arg]!r}: vit3 passes {arg} to {name} itself; leave it out of {key}{instead}"
         ) from e
+
+
+def check_batch_norm_batch(
+    model: Any, in_chans: int, size: int, batch: int, model_name: str, only: Any = None
+) -> None:
+    """Refuses a training batch of one image (``batch``: ``data.batch_size``) that would reach a BatchNorm
+    layer as one value per channel (a map of 1x1 there), which torch refuses at the first training step;
+    checked before anything is written by running ``model`` once on one ``[1, in_chans, size, size]`` image
+    (eval mode, no gradient, RNG states kept). ``only``: the module whose BatchNorm layers train (e.g. the
+    classifier of a frozen backbone; default: the whole model).
+
+    Raises:
+        ConfigError: naming ``data.batch_size``, the layer and what it would get.
+    """
+    import torch
+    from torch import nn
+
+    if batch != 1:
+        return
+    norms = [
+        (name, m)
+        for name, m in (only if only is not None else model).named_modules()
+        if isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d | nn.SyncBatchNorm)
+    ]
+    if not norms:
+        return
+    seen: dict[str, tuple[int, ...]] = {}
+
+    def record(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            seen.setdefault(name, tuple(args[0].shape))
+
+        return hook
+
+    hooks = [m.register_forward_pre_hook(record(name)) for name, m in norms]
+    device = next(itertools.chain(model.parameters(), model.buffers())).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model(torch.zeros(1, in_chans, size, size, device=device))
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    for name, shape in seen.items():
+        if len(shape) > 1 and shape[0] * math.prod(shape[2:]) == 1:
+            raise ConfigError(
+                f"data.batch_size=1: a BatchNorm layer of {model_name} gets one value per channel in "
+                f"training ({name or 'the model'}: input {list(shape)} for one image at "
+                f"data.img_size={size}); use data.batch_size >= 2"
+            )
 
 
 def check_input_size(model: Any, in_chans: int, size: int, name: str, model_name: str = "") -> None:

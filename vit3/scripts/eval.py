@@ -25,6 +25,7 @@ import warnings
 from vit3.engine import load_config, run
 from vit3.engine.checkpoint import config_for_checkpoint
 from vit3.engine.cli import ArgumentParser, check_flag_overrides, run_cli
+from vit3.engine.path_checks import existing
 from vit3.errors import ConfigError
 from vit3.models.record import file_task
 
@@ -58,6 +59,12 @@ def _task_flags(
             raise ConfigError(
                 f"{flag} sets classification resolutions; {checkpoint} is a generation checkpoint, which samples "
                 f"at the size it was trained at (data.img_size)"
+            )
+        # a checkpoint's own data.path may be gone (its sampler reads data only for FID); a given one is read
+        why = existing("folder")(value, None) if generation and key == "data.path" else None
+        if why:
+            raise ConfigError(
+                f"config key {key} (eval.py {flag}) must be an existing folder, got '{value}': {why}"
             )
         if not generation and key.startswith("sample."):
             raise ConfigError(
