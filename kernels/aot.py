@@ -300,10 +300,10 @@ def spill_bound(case: Case, kernel: str) -> int:
     """Spill bytes per thread (ptxas "spill stores") the compile tests allow launch ``kernel`` of ``case``.
 
     2048 for fp64 (a checking mode: FMA dots on twice the registers; the SwiGLU backward at d = 128 spills
-    1.1-1.4 KB on sm_86/89/120); 64 bytes for every other kernel: the registers ptxas's allocator now and then
-    parks across a loop (one store and one load per program; sm_120's SwiGLU gradient backward at d = 64 with
-    16-bit operands parks 16), and for the O(d²) step and reduction kernels. The token kernels of 16-bit
-    inputs at d <= 64 (the training configurations) may not spill inside a loop (``strict_spills``).
+    there); 64 bytes for every other kernel: the registers ptxas's allocator now and then parks across a loop
+    (one store and one load per program), and for the O(d²) step and reduction kernels. The token kernels of
+    16-bit inputs at d <= 64 (the training configurations) may not spill inside a loop (``strict_spills``).
+    The spills measured: ``docs/design/kernels.md`` (tile sizes).
     """
     return 2048 if case.mode == "fp64" and kernel_name(kernel) not in SMALL_KERNELS else 64
 
@@ -352,8 +352,8 @@ def matrix(kind: str = "full") -> list[Case]:
         Case("dwconv", "dot", 128, "bf16", sm["sm_75"]),  # the most spilled bytes of a token kernel
         Case("swiglu", "dot", 128, "fp32-ieee", sm["sm_75"]),
         Case("swiglu", "dot", 128, "fp64", sm["sm_75"]),  # does not fit: fits_device says so
-        Case("swiglu", "dot", 128, "fp64", sm["sm_80"]),  # 96 KB
-        Case("swiglu", "dot", 128, "fp32-tf32", sm["sm_86"]),  # 66 KB of 99
+        Case("swiglu", "dot", 128, "fp64", sm["sm_80"]),  # the fp64 shared-memory bound
+        Case("swiglu", "dot", 128, "fp32-tf32", sm["sm_86"]),  # near sm_86's shared memory
         Case("dwconv", "dot", 64, "fp32-ieee", sm["sm_86"]),
         Case("linear", "mse", 64, "fp16", sm["sm_89"]),
         Case("linear", "mse", 128, "fp32-ieee", sm["sm_90"]),
@@ -362,7 +362,7 @@ def matrix(kind: str = "full") -> list[Case]:
         Case("linear", "dot", 64, "fp16", sm["sm_90"]),
         Case("swiglu", "dot", 32, "bf16", sm["sm_120"]),  # H-ViT³'s head dim
         Case("swiglu", "dot", 32, "fp32-tf32", sm["sm_120"]),
-        Case("swiglu", "dot", 128, "fp64", sm["sm_120"]),  # 88 KB of 99, the most fp64 spills
+        Case("swiglu", "dot", 128, "fp64", sm["sm_120"]),  # near its shared memory, the most fp64 spills
         Case("linear", "dot", 16, "fp16", sm["sm_120"]),
     ]
     return cases

@@ -49,9 +49,9 @@ DOT_MODELS = ("swiglu", "linear")
 WEIGHT_NAMES = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}
 # Head dims the kernels take. The matrix models' kernels keep [BLOCK_D, BLOCK_C] column blocks of the d x d
 # weights and gradients on chip (``launch_config``: 16 columns at d = 128): whole 128 x 128 matrices would
-# need 311-606 KB of shared memory in the backward kernels on sm_90, more than the 227 KB an H100/H200 block
-# may use. Beyond 128 the full-width k/q tiles and the dq/dk accumulators outgrow it; the depthwise conv keeps
-# only 9 x d weights and full-width tiles, up to 128 as well.
+# need more shared memory in the backward kernels than an H100/H200 block may use (docs/design/kernels.md,
+# tile sizes). Beyond 128 the full-width k/q tiles and the dq/dk accumulators outgrow it; the depthwise conv
+# keeps only 9 x d weights and full-width tiles, up to 128 as well.
 MIN_HEAD_DIM, MAX_HEAD_DIM, MAX_HEAD_DIM_DWCONV = 16, 128, 128
 
 
