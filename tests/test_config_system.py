@@ -7,7 +7,7 @@ import re
 import pytest
 import yaml
 
-from vit3.engine import TASKS, run, validation
+from vit3.engine import TASKS, run
 from vit3.engine.config import (
     CONFIG_DIR,
     DEFAULT_CONFIG,
@@ -16,6 +16,7 @@ from vit3.engine.config import (
     load_config,
     parse_override,
     save_config,
+    schema,
     written_keys,
 )
 
@@ -289,5 +290,5 @@ def test_every_key_has_its_check(config):
     """The validation layer covers every option: each key of each task's defaults has its constraints, is
     checked where the model or the data is built, or takes every value of its type."""
     keys = [k for k in _keys(load_config(config).to_dict()) if not k.startswith("_")]
-    known = {*validation.CONSTRAINTS, *validation.CHECKED_ON_USE, *validation.FREE}
+    known = {*schema.CONSTRAINTS, *schema.CHECKED_ON_USE, *schema.FREE}
     assert [k for k in keys if k not in known] == []

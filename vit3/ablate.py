@@ -54,7 +54,7 @@ from typing import Any
 from .engine import Config, ConfigError, load_config
 from .engine.cli import ArgumentParser, is_user_error, run_cli, user_message
 from .engine.config import CONFIG_DIR, WRITTEN_KEY, check_config, parse_override
-from .engine.path_checks import existing, folder_problem
+from .engine.config.path_checks import existing, folder_problem
 from .outputs import CHECKPOINT_FILES, atomic_write, hold_folder, write_text
 
 ABLATIONS_DIR = CONFIG_DIR / "ablations"

@@ -59,11 +59,10 @@ from .classification_model import (
     soft_cross_entropy,
     validate,
 )
-from .config import Config, ConfigError, check_config
+from .config import Config, ConfigError, check_batch_norm_batch, check_config, check_input_size, key_name
 from .distributed import DistInfo
 from .metrics import plot_curves, write_metrics
 from .recipe import eval_frozen, fit_batch_size, fit_epochs, freeze_for_training
-from .validation import check_batch_norm_batch, check_input_size, key_name
 
 __all__ = [
     "TrainingDiverged",

@@ -29,9 +29,8 @@ from .classification_model import (
     validate,
 )
 from .common import amp_dtype, autocast, in_process_group, log, set_threads
-from .config import Config, ConfigError, check_config
+from .config import Config, ConfigError, check_config, check_input_size, key_name
 from .distributed import DistInfo
-from .validation import check_input_size, key_name
 
 __all__ = ["evaluate"]
 

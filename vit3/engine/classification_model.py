@@ -23,9 +23,8 @@ from ..errors import DataError
 from ..models.record import peek_vit3_checkpoint
 from .checkpoint import classifier_prefixes, load_model_weights
 from .common import autocast
-from .config import Config, ConfigError
+from .config import Config, ConfigError, model_arguments
 from .distributed import sum_tensor
-from .validation import model_arguments
 
 __all__ = [
     "build_model",

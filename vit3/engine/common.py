@@ -51,11 +51,9 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .config import Config, ConfigError, run_metadata, save_config, to_plain
-from .constraints import config_value
+from .config import Config, ConfigError, config_value, folder_problem, run_metadata, save_config, to_plain
 from .distributed import DistInfo, all_gather_objects, barrier, distributed
 from .optim import build_optimizer, build_scheduler, lr_factor, scaled_lrs
-from .path_checks import folder_problem
 
 AMP_MODES = ("auto", "none", "bf16", "fp16")
 # train.compile: "auto" compiles with CUDA graphs on a GPU (reduce-overhead) and Inductor's default elsewhere

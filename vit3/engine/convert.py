@@ -54,9 +54,8 @@ from ..models.swap import SWAP_MODEL
 from . import classification
 from .checkpoint import load_model_weights, merge_model_spec
 from .common import autocast, claim_output, in_process_group, log, resume_path, start_run, wrap_ddp
-from .config import Config, ConfigError, check_config, load_config
+from .config import Config, ConfigError, check_config, load_config, model_arguments
 from .distributed import DistInfo, sum_tensor
-from .validation import model_arguments
 
 __all__ = [
     "CONVERT_KEYS",
@@ -92,7 +91,7 @@ SET_BY_CONVERSION = {
 
 def check_convert_cfg(cfg: Config) -> Config:
     """The ``convert`` section of ``cfg``, checked (the keys of ``configs/convert/base.yaml``): what the
-    validation layer cannot say (its values are its table's, :data:`~vit3.engine.validation.CONSTRAINTS`,
+    validation layer cannot say (its values are its table's, :data:`~vit3.engine.config.schema.CONSTRAINTS`,
     checked with the config).
 
     Raises:

@@ -20,8 +20,7 @@ from ..tasks.backbone import FeatureBackbone, block_layer_ids
 from ..tasks.detection import build_detector
 from ..tasks.segmentation import build_segmenter
 from .checkpoint import CheckpointError, CheckpointMismatchError
-from .config import Config, ConfigError
-from .validation import model_arguments
+from .config import Config, ConfigError, model_arguments
 
 __all__ = [
     "build_dataset",

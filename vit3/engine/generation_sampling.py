@@ -25,9 +25,8 @@ from ..outputs import atomic_write, write_text
 from ..tasks.diffusion import GaussianDiffusion, LatentAutoencoder
 from .checkpoint import load_model_weights
 from .common import amp_dtype, autocast, in_process_group, log, set_threads
-from .config import Config, ConfigError, check_config
+from .config import Config, ConfigError, check_config, model_arguments
 from .distributed import DistInfo, barrier
-from .validation import model_arguments
 
 __all__ = [
     "build_diffusion",

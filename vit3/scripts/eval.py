@@ -25,7 +25,7 @@ import warnings
 from vit3.engine import load_config, run
 from vit3.engine.checkpoint import config_for_checkpoint
 from vit3.engine.cli import ArgumentParser, check_flag_overrides, run_cli
-from vit3.engine.path_checks import existing
+from vit3.engine.config.path_checks import existing
 from vit3.errors import ConfigError
 from vit3.models.record import file_task
 

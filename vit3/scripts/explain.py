@@ -19,7 +19,7 @@ import torch
 
 import vit3  # registers the vit3 models in timm
 from vit3.engine.cli import ArgumentParser, run_cli
-from vit3.engine.value_checks import timm_model
+from vit3.engine.config.value_checks import timm_model
 from vit3.errors import ConfigError
 from vit3.layers.backends import BACKEND_ENV, STRICT_ENV
 from vit3.layers.ttt import explain

@@ -28,7 +28,7 @@ import torch
 
 import vit3  # noqa: F401  (registers the vit3 models in timm)
 from vit3.engine.cli import ArgumentParser, add_debug_flag, run_cli
-from vit3.engine.validation import EXPORT_FLAGS, check_flags, check_input_size
+from vit3.engine.config.schema import EXPORT_FLAGS, check_flags, check_input_size
 from vit3.errors import ConfigError
 from vit3.export import FeatureExtractor, check_onnx, export_features, export_onnx
 

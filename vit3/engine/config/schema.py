@@ -18,8 +18,8 @@
   (feature indices against the model's feature levels, image sizes against the model, ...).
 * :data:`FREE`: the keys whose every value of the right type is valid (names, switches).
 
-The kinds of constraint and the message format live in :mod:`vit3.engine.constraints`, the tests of values
-in :mod:`vit3.engine.value_checks` and of paths in :mod:`vit3.engine.path_checks`; this module holds the
+The kinds of constraint and the message format live in :mod:`vit3.engine.config.kinds`, the tests of values
+in :mod:`vit3.engine.config.value_checks` and of paths in :mod:`vit3.engine.config.path_checks`; this module holds the
 tables and the checks that run them.
 
 Every failure is a :class:`~vit3.errors.ConfigError` with one line per bad value: ``config key <key> (<flag>)
@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, UserError
-from .constraints import (
+from ...errors import ConfigError, UserError
+from .kinds import (
     AT_LEAST_ONE,
     EVAL,
     FLAGS,

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..outputs import RUN_FILES
-from .constraints import config_value
+from ...outputs import RUN_FILES
+from .kinds import config_value
 
 
 def folder_problem(path: Path) -> str | None:

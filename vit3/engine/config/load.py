@@ -26,7 +26,7 @@ API (used by ``train.py``, ``eval.py`` and the task engines):
   type; an integral float such as ``2.0`` becomes ``2`` where an integer is expected, a number becomes a
   string where a string is). ``null`` is accepted where the default is ``null`` and for the keys of
   :data:`NULLABLE`. Keys the default config lacks (``dense.*``, ``model.kwargs.*``) are not checked here.
-* Values are checked against what they allow (:data:`CONSTRAINTS` of :mod:`vit3.engine.validation`, the one
+* Values are checked against what they allow (:data:`CONSTRAINTS` of :mod:`vit3.engine.config.schema`, the one
   validation layer, one table for every task: a key is checked where a config has it): a value of the right
   type that would wreck a run without a word (a negative ``train.clip_grad`` flips every gradient, a
   ``min_lr`` above ``base_lr`` makes the cosine climb, an auto-augment string timm would half-ignore, a model
@@ -63,10 +63,10 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
-from ..outputs import write_text
-from .constraints import Range, is_number
-from .validation import CONSTRAINTS, check_values
+from ...errors import ConfigError
+from ...outputs import write_text
+from .kinds import Range, is_number
+from .schema import CONSTRAINTS, check_values
 
 # The installed configs: the repository's configs/ (package-dir mapping in pyproject.toml), a plain folder of
 # an installed or editable package (vit3 is never imported from a zip).
@@ -449,7 +449,7 @@ def config_from_checkpoint(saved: Mapping[str, Any], overrides: Iterable[str] = 
 
 
 def check_config(cfg: Config, mode: str | None = None) -> None:
-    """Checks the types (:func:`check_types`) and the values (:func:`~vit3.engine.validation.check_values`:
+    """Checks the types (:func:`check_types`) and the values (:func:`~vit3.engine.config.schema.check_values`:
     ranges, choices, policies, names; with ``mode``, ``"train"`` or ``"eval"``, also what a run of that mode
     needs on this machine: writable outputs, existing inputs) of ``cfg``'s values.
 

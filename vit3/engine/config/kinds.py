@@ -1,4 +1,4 @@
-"""The kinds of constraint of the validation layer (:mod:`vit3.engine.validation`) and how its messages read.
+"""The kinds of constraint of the validation layer (:mod:`vit3.engine.config.schema`) and how its messages read.
 
 :class:`Range`, :class:`Choice`, :class:`Check` and :class:`Advice` say what one key allows and, for a value
 that is not allowed, what is (:meth:`Constraint.problem`); :func:`message` words the error line, naming a key
@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 LOAD, TRAIN, EVAL = "load", "train", "eval"
 ON_LOAD = frozenset({LOAD})

@@ -1,4 +1,4 @@
-"""The tests of config values that the validation table (:data:`vit3.engine.validation.CONSTRAINTS`) runs:
+"""The tests of config values that the validation table (:data:`vit3.engine.config.schema.CONSTRAINTS`) runs:
 names to look up (timm models, DiT³ models, devices, auto-augment policies, beta schedules), values that
 depend on other keys, when a constraint applies (``only_if``) and the choices that depend on the task.
 
@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .constraints import EVAL, config_value, is_number
+from .kinds import EVAL, config_value, is_number
 
 TIMM_NAME = "a timm model name (e.g. vit3_tiny, h_vit3_small; import vit3 registers them)"
 AUTO_AUGMENT = "a timm auto-augment policy (e.g. rand-m9-mstd0.5-inc1, augmix-m5-w4, original, v0)"
@@ -251,17 +251,17 @@ def task_datasets(cfg: Any) -> tuple[str, ...] | None:
 
 def dense_archs(cfg: Any) -> tuple[str, ...] | None:
     if _task(cfg) == "detection":
-        from ..tasks.detection import ARCHS
+        from ...tasks.detection import ARCHS
 
         return ARCHS
     if _task(cfg) == "segmentation":
-        from ..tasks.segmentation import HEADS
+        from ...tasks.segmentation import HEADS
 
         return HEADS
     return None
 
 
 def task_names(cfg: Any) -> tuple[str, ...]:
-    from . import TASKS
+    from .. import TASKS
 
     return TASKS
