@@ -299,8 +299,8 @@ MORE_CLI_MISTAKES = {
     "kwargs-heads-zero": (
         "train",
         ["model.kwargs.num_heads=[0,1,1,1]"],
-        "model.kwargs (img_size: 32, in_chans: 1, num_heads: [0, 1, 1, 1]) do not build test_h_vit3: dim 16 "
-        "must be divisible by num_heads 0",
+        "model.kwargs (img_size: 32, in_chans: 1, num_heads: [0, 1, 1, 1]) do not build test_h_vit3: TTTMixer "
+        "num_heads must be a positive integer, got 0",
     ),
     "kwargs-stage-lists-unequal": (
         "train",
@@ -1273,6 +1273,88 @@ MORE_API_MISTAKES = {
     ),
     "distillation-kind-unknown": (_distill("bogus"), ValueError, r"distillation kind must be one of"),
     "explain-nothing": (lambda: vit3.explain(None, 32), TypeError, r"explain takes a model \(an nn.Module\)"),
+    "mixer-tokens-for-the-width": (
+        lambda: TTTMixer(torch.randn(2, 16, 64), 16),
+        TypeError,
+        r"TTTMixer dim must be a positive integer, got Tensor of shape \[2, 16, 64\] \(the tokens go to the call",
+    ),
+    "mixer-tokens-for-the-width-no-heads": (
+        lambda: TTTMixer(torch.randn(2, 16, 64), None),
+        TypeError,
+        r"TTTMixer dim must be a positive integer, got Tensor",
+    ),
+    "mixer-width-negative": (
+        lambda: TTTMixer(-64, 2),
+        ValueError,
+        r"TTTMixer dim must be a positive integer, got -64",
+    ),
+    "mixer-width-zero": (
+        lambda: TTTMixer(0, 1),
+        ValueError,
+        r"TTTMixer dim must be a positive integer, got 0",
+    ),
+    "mixer-heads-none": (
+        lambda: TTTMixer(64, None),
+        TypeError,
+        r"TTTMixer num_heads must be a positive integer, got NoneType None",
+    ),
+    "explain-size-negative": (
+        lambda: vit3.explain(_vit(), -1),
+        ValueError,
+        r"explain inputs must be an image batch \(a Tensor\) or an image size \(a positive integer or "
+        r"\(height, width\) of them\), got -1",
+    ),
+    "explain-size-a-string": (lambda: vit3.explain(_vit(), "32"), TypeError, r"explain inputs .*, got '32'"),
+    "explain-batch-zero": (
+        lambda: vit3.explain(_vit(), 32, batch=0),
+        ValueError,
+        r"explain batch must be a positive integer, got 0",
+    ),
+    "embed-dim-zero": (
+        lambda: _vit(embed_dim=0),
+        ConfigError,
+        r"vit3_tiny: embed_dim must be a positive integer \(the token width\), got 0",
+    ),
+    "patch-size-zero": (
+        lambda: _vit(patch_size=0),
+        ConfigError,
+        r"vit3_tiny: patch_size must be a positive integer or \(height, width\) of them, got 0",
+    ),
+    "stage-width-zero-hierarchical": (
+        lambda: _h_vit(dims=(0, 128, 320, 512)),
+        ConfigError,
+        r"h_vit3_tiny: dims must be positive integers \(the stage widths\), got \(0, 128, 320, 512\)",
+    ),
+    "patch-size-of-the-hierarchical-model": (
+        lambda: _h_vit(patch_size=0),
+        TypeError,
+        r"HViT3 got an unexpected keyword argument 'patch_size'",
+    ),
+    "ttt-config-lr-a-string": (
+        lambda: vit3.TTTConfig(inner_lr="a"),
+        TypeError,
+        r"TTTConfig inner_lr must be a real number, got str 'a'",
+    ),
+    "ttt-config-steps-a-string": (
+        lambda: vit3.TTTConfig(steps="2"),
+        TypeError,
+        r"TTTConfig steps must be an integer, got str '2'",
+    ),
+    "integer-images": (
+        lambda: _vit()(torch.zeros(1, 3, 32, 32, dtype=torch.int64)),
+        TypeError,
+        r"expected images of a floating-point dtype \(float32, float64, bfloat16, float16\), got torch\.int64",
+    ),
+    "integer-images-hierarchical": (
+        lambda: _h_vit()(torch.zeros(1, 3, 64, 64, dtype=torch.int64)),
+        TypeError,
+        r"expected images of a floating-point dtype .*, got torch\.int64",
+    ),
+    "bool-images-hierarchical": (
+        lambda: _h_vit()(torch.zeros(1, 3, 64, 64, dtype=torch.bool)),
+        TypeError,
+        r"expected images of a floating-point dtype .*, got torch\.bool",
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -18,8 +19,11 @@ __all__ = [
     "INNER_LOSSES",
     "INNER_MODELS",
     "INNER_NORMS",
+    "NUMBER_FIELDS",
     "RECOMPUTE_MODES",
     "TTTConfig",
+    "check_count",
+    "is_count",
     "parse_branch",
 ]
 
@@ -56,6 +60,43 @@ def parse_branch(spec: str, num_heads: int) -> tuple[str, int]:
     if n < 1:
         raise ValueError(f"branch {spec!r} must have at least one head, got {n}")
     return name, n
+
+
+# The number fields of a config and the kind each takes (``bool`` is neither, though Python counts it an int).
+NUMBER_FIELDS = {
+    "inner_lr": numbers.Real,
+    "steps": numbers.Integral,
+    "mini_batches": numbers.Integral,
+    "mlp_ratio": numbers.Real,
+    "rope_base": numbers.Real,
+}
+
+
+def is_count(value: Any) -> bool:
+    """Whether ``value`` is an integer >= 1 (not a ``bool``)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def check_count(owner: str, name: str, value: Any, hint: str = "") -> int:
+    """``value`` as an ``int`` if it is an integer >= 1, else one line naming ``owner``'s argument ``name``.
+
+    Raises:
+        TypeError: ``value`` is no integer (a ``bool``, a float, a tensor, ``None``); ``hint`` is appended.
+        ValueError: an integer below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{owner} {name} must be a positive integer, got {type(value).__name__} {_short(value)}{hint}"
+        )
+    if value < 1:
+        raise ValueError(f"{owner} {name} must be a positive integer, got {value}")
+    return int(value)
+
+
+def _short(value: Any) -> str:
+    """A one-line repr of ``value`` (a tensor's shape, not its values)."""
+    shape = getattr(value, "shape", None)
+    return f"of shape {list(shape)}" if shape is not None else repr(value)
 
 
 @dataclass
@@ -134,6 +175,11 @@ class TTTConfig:
     check_finite: bool = True
 
     def __post_init__(self) -> None:
+        for name, kind in NUMBER_FIELDS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                what = "an integer" if kind is numbers.Integral else "a real number"
+                raise TypeError(f"TTTConfig {name} must be {what}, got {type(value).__name__} {value!r}")
         if isinstance(self.branches, str):
             self.branches = tuple(b for b in self.branches.split(",") if b.strip())
         self.branches = tuple(self.branches)

@@ -157,6 +157,7 @@ def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = Tr
     returning ``x`` keeps the call in traced graphs.
 
     Raises:
+        TypeError: images of an integer or ``bool`` dtype (unscripted).
         ValueError: wrong rank or channel count, a side smaller than ``min_size`` (the model's total
             reduction), or values that are non-finite or beyond :func:`image_bound` (finite, yet they would
             overflow the model's float type into NaN logits).
@@ -171,7 +172,12 @@ def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = Tr
             f"image {h}x{w} is too small for this model: both sides must be at least {min_size} pixels "
             f"(its total reduction)"
         )
-    if not torch.jit.is_scripting():  # scripted: no finiteness check, as traced
+    if not torch.jit.is_scripting():  # scripted: no dtype or finiteness check, as traced
+        if not x.is_floating_point():
+            raise TypeError(
+                f"expected images of a floating-point dtype (float32, float64, bfloat16, float16), got {x.dtype}: "
+                "convert them first, e.g. x.float() / 255, then normalise"
+            )
         if check_finite and not tracing():
             _check_finite_image(x)
     return x

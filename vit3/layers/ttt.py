@@ -21,7 +21,7 @@ from vit3.kernels.common import autocast_backward, autocast_forward, autocast_on
 
 from . import backends
 from .backends import MixerExplanation, ModelExplanation
-from .config import GRID_MODELS, TTTConfig
+from .config import GRID_MODELS, TTTConfig, check_count, is_count
 from .eager_mix import MixBranch, MixPlan, eager_mix, takes
 from .inner import Params, assert_finite, create_inner_model, inner_loop
 from .inner_math import shape_text
@@ -107,7 +107,10 @@ class TTTMixer(nn.Module):
         self, dim: int, num_heads: int = 8, cfg: TTTConfig | dict[str, Any] | None = None, **overrides: Any
     ) -> None:
         super().__init__()
-        if num_heads < 1 or dim % num_heads:
+        tokens = " (the tokens go to the call: TTTMixer(dim, num_heads)(x, grid))"
+        dim = check_count("TTTMixer", "dim", dim, tokens if isinstance(dim, Tensor) else "")
+        num_heads = check_count("TTTMixer", "num_heads", num_heads)
+        if dim % num_heads:
             raise ValueError(f"dim {dim} must be divisible by num_heads {num_heads}")
         self.cfg = cfg = TTTConfig.create(cfg, **overrides)
         self.dim, self.num_heads = dim, num_heads
@@ -606,6 +609,18 @@ def convert_official_mixer_key(key: str) -> str:
     return key
 
 
+def _image_size(size: Any) -> tuple[int, int]:
+    """``(h, w)`` of an image size given to :func:`explain`: ``s``, or a tuple ending in ``(h, w)``."""
+    sides = list(size)[-2:] if isinstance(size, list | tuple) else [size]
+    if not sides or not all(is_count(s) for s in sides):
+        numbers = all(isinstance(s, int) and not isinstance(s, bool) for s in sides)
+        raise (ValueError if sides and numbers else TypeError)(
+            "explain inputs must be an image batch (a Tensor) or an image size (a positive integer or "
+            f"(height, width) of them), got {size!r}"
+        )
+    return int(sides[0]), int(sides[-1])
+
+
 def explain(
     model: nn.Module, inputs: Tensor | int | tuple[int, ...], *, grad: bool = False, batch: int = 1
 ) -> ModelExplanation:
@@ -624,6 +639,8 @@ def explain(
 
     Raises:
         TypeError: ``model`` is no module (e.g. a model's name: build the model first).
+        TypeError: ``inputs`` is neither a tensor nor an image size (e.g. ``"224"``); ``batch`` no integer.
+        ValueError: an image side or ``batch`` below 1.
     """
     if not isinstance(model, nn.Module):
         build = (
@@ -632,8 +649,9 @@ def explain(
             else ""
         )
         raise TypeError(f"explain takes a model (an nn.Module), got {model!r}{build}")
+    batch = check_count("explain", "batch", batch)
     if not isinstance(inputs, Tensor):
-        h, w = (inputs, inputs) if isinstance(inputs, int) else inputs[-2:]
+        h, w = _image_size(inputs)
         ref = next(model.parameters())
         inputs = torch.randn(batch, getattr(model, "in_chans", 3), h, w, device=ref.device, dtype=ref.dtype)
     found: dict[MixerExplanation, list[str]] = {}

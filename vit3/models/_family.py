@@ -12,6 +12,7 @@ What each piece does: ``docs/design/models.md``.
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -74,19 +75,27 @@ def _count(value: Any) -> bool:
 
 
 def check_image_kwargs(model: str, kwargs: Mapping[str, Any]) -> None:
-    """Refuses an ``img_size`` that is not a positive integer or a ``(height, width)`` pair of them (``"224"``
-    would reach timm's layers as a string) and an ``in_chans`` below 1 (a model of no input channel sees no
-    image: every output would be its biases).
+    """Refuses an ``img_size`` or ``patch_size`` that is not a positive integer or a ``(height, width)`` pair
+    of them (``"224"`` would reach timm's layers as a string), an ``embed_dim`` or a stage width of ``dims``
+    below 1, and an ``in_chans`` below 1 (a model of no input channel sees no image: every output would be
+    its biases).
 
     Raises:
         ConfigError: naming the kwarg, what it takes and the value given.
     """
-    size = kwargs.get("img_size")
-    sides = list(size) if isinstance(size, list | tuple) else [size]
-    if size is not None and not (len(sides) in (1, 2) and all(_count(s) for s in sides)):
-        raise ConfigError(
-            f"{model}: img_size must be a positive integer or (height, width) of them, got {size!r}"
-        )
+    for key in ("img_size", "patch_size"):
+        size = kwargs.get(key)
+        sides = list(size) if isinstance(size, list | tuple) else [size]
+        if size is not None and not (len(sides) in (1, 2) and all(_count(s) for s in sides)):
+            raise ConfigError(
+                f"{model}: {key} must be a positive integer or (height, width) of them, got {size!r}"
+            )
+    width = kwargs.get("embed_dim")
+    if width is not None and not _count(width):
+        raise ConfigError(f"{model}: embed_dim must be a positive integer (the token width), got {width!r}")
+    dims = kwargs.get("dims")
+    if dims is not None and not (isinstance(dims, list | tuple) and all(_count(d) for d in dims)):
+        raise ConfigError(f"{model}: dims must be positive integers (the stage widths), got {dims!r}")
     chans = kwargs.get("in_chans")
     if chans is not None and not _count(chans):
         raise ConfigError(f"{model}: in_chans must be an integer >= 1 (the image channels), got {chans!r}")
@@ -395,9 +404,10 @@ def create_family_model(
     ``features_only`` unless the caller names ``out_indices``.
 
     Raises:
-        ConfigError: an ``img_size`` or ``in_chans`` no image has (:func:`check_image_kwargs`).
+        ConfigError: a size or width no model has (:func:`check_image_kwargs`).
     """
-    check_image_kwargs(variant, kwargs)
+    taken = inspect.signature(cls.__init__).parameters  # another kwarg is refused by the model's own check
+    check_image_kwargs(variant, {key: value for key, value in kwargs.items() if key in taken})
     out_indices = kwargs.pop("out_indices", default_out_indices)
     return create_model_with_official_weights(
         cls,
