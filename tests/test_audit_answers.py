@@ -26,7 +26,7 @@ from PIL import Image
 
 import vit3.models  # noqa: F401  (registers the models)
 from vit3.data.image import open_image
-from vit3.engine.common import amp_dtype
+from vit3.engine.process import amp_dtype
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,9 +146,9 @@ def test_bf16_autocast_on_cpu_is_warned_about_where_it_is_slow(units, monkeypatc
     with no note (as fp16 did); where the CPU has them (AVX512-BF16, AMX) it is the fast path, unwarned."""
     import warnings
 
-    import vit3.engine.common as common
+    import vit3.engine.process as process
 
-    monkeypatch.setattr(common, "cpu_has_bf16_units", lambda: units)
+    monkeypatch.setattr(process, "cpu_has_bf16_units", lambda: units)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert amp_dtype("bf16", torch.device("cpu")) is torch.bfloat16

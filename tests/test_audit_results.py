@@ -175,12 +175,12 @@ def test_a_dead_runs_lock_is_taken_over_and_held_for_the_whole_run(digits, tmp_p
     _, status = os.waitpid(child, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     assert lock_holder(out)["pid"] == child  # the lock file the killed run left
-    import vit3.engine.common as common
+    import vit3.engine.resume as resume
     import vit3.outputs as outputs
 
     holders, write_text = [], outputs.write_text
 
-    def save(path, state, real=common.save_checkpoint):
+    def save(path, state, real=resume.save_checkpoint):
         holders.append(lock_holder(out)["pid"])
         return real(path, state)
 
@@ -188,7 +188,7 @@ def test_a_dead_runs_lock_is_taken_over_and_held_for_the_whole_run(digits, tmp_p
         holders.append(lock_holder(out)["pid"])
         return write_text(path, *args, **kwargs)
 
-    monkeypatch.setattr(common, "save_checkpoint", save)
+    monkeypatch.setattr(resume, "save_checkpoint", save)
     monkeypatch.setattr("vit3.engine.classification.write_text", write)  # the summary, at the very end
     assert load_script("train").main(_run_args(digits, out)) == 0
     assert holders and set(holders) == {os.getpid()}

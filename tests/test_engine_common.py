@@ -1,4 +1,4 @@
-"""vit3.engine.common: the plumbing every engine shares (AMP, lr scaling, DDP agreement, checkpoints)."""
+"""The plumbing every engine shares (vit3.engine.process, .resume, .optim): AMP, lr scaling, DDP, resume."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch.multiprocessing as mp
 from helpers.dist import ranks_agree_worker
 
 from vit3.engine import ConfigError, load_config
-from vit3.engine.common import amp_dtype, check_resume_task
+from vit3.engine.process import amp_dtype
+from vit3.engine.resume import check_resume_task
 
 
 @pytest.mark.parametrize(

@@ -266,7 +266,7 @@ def test_train_compile_compiles_the_step_and_saves_the_plain_model(digits, tmp_p
 
 
 def test_train_compile_mode_on_each_device():
-    from vit3.engine.common import compile_mode
+    from vit3.engine.process import compile_mode
 
     assert compile_mode("auto", torch.device("cuda")) == "reduce-overhead"
     assert compile_mode("auto", torch.device("cpu")) == "default"

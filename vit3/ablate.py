@@ -621,7 +621,7 @@ def _run_table(
 ) -> int:
     """Trains the rows (:func:`run_rows`) and writes the table: ``results.md``, ``.csv`` and ``.png``."""
     if overwrite:
-        from .engine.common import move_aside
+        from .engine.run_folder import move_aside
 
         target, moved = move_aside(out, TABLE_FILES, ())
         if moved:

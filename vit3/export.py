@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from .data.image import apply_transform, open_image, warn_if_tiny, warn_skipped
-from .engine.common import move_aside
 from .engine.config import ConfigError
+from .engine.run_folder import move_aside
 from .errors import DataError, OutputError
 from .outputs import atomic_path, write_bytes, write_text
 from .tasks.backbone import FeatureBackbone

@@ -12,8 +12,8 @@ from torch import nn
 
 def ranks_agree_worker(rank: int, world: int, store: str, perturb_rank: int | None, result_dir: str) -> None:
     """Builds the same seeded model on every rank, changes one weight of ``perturb_rank``'s copy, and writes
-    what :func:`vit3.engine.common.check_ranks_agree` returns or raises to ``result_dir/<rank>.txt``."""
-    from vit3.engine.common import check_ranks_agree
+    what :func:`vit3.engine.process.check_ranks_agree` returns or raises to ``result_dir/<rank>.txt``."""
+    from vit3.engine.process import check_ranks_agree
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:

@@ -100,9 +100,9 @@ def crash_after_checkpoint(monkeypatch, global_step: int) -> None:
     """Makes training die (raise :class:`Crashed`) right after it writes the checkpoint of optimizer step
     ``global_step``: what a kill at any point before the next checkpoint leaves on disk. Use it inside
     ``monkeypatch.context()``."""
-    import vit3.engine.common as common
+    import vit3.engine.resume as resume
 
-    real = common.save_checkpoint
+    real = resume.save_checkpoint
 
     def save_then_crash(path, state):
         written = real(path, state)
@@ -110,7 +110,7 @@ def crash_after_checkpoint(monkeypatch, global_step: int) -> None:
             raise Crashed(f"after writing {path} at step {global_step}")
         return written
 
-    monkeypatch.setattr(common, "save_checkpoint", save_then_crash)
+    monkeypatch.setattr(resume, "save_checkpoint", save_then_crash)
 
 
 def run_until_crash(monkeypatch, cfg: Config, global_step: int) -> dict:
@@ -190,12 +190,12 @@ def kill_when_checkpoint(
 
 
 def saved_weights_sha1(ckpt: dict) -> str:
-    """:func:`vit3.engine.common.param_digest` of the model a training checkpoint holds (rebuilt from its
+    """:func:`vit3.engine.process.param_digest` of the model a training checkpoint holds (rebuilt from its
     record: timm name and kwargs, or the DiT³ kwargs of a generation checkpoint)."""
     import timm
 
     import vit3.models  # noqa: F401  (registers the vit3 models in timm)
-    from vit3.engine.common import param_digest
+    from vit3.engine.process import param_digest
     from vit3.models.dit3 import create_dit3
 
     kwargs = dict(ckpt["model_kwargs"])

@@ -9,7 +9,7 @@ becomes ``CE(student, target) + m * CE(student, softmax(teacher))`` (teacher wit
 Resuming (``train.resume``) restores the model, optimizer, scheduler, grad scaler, EMA, every rank's RNG
 states, the epoch, the batch inside it and the optimizer step; together with the per-sample seeded data
 pipeline (vit3.data.build) a run killed after a checkpoint and resumed ends with the same weights as an
-uninterrupted one (the plumbing: :mod:`vit3.engine.common`).
+uninterrupted one (the plumbing: :mod:`vit3.engine.resume`).
 
 A run that diverges — a non-finite training loss, a non-finite gradient norm (with ``train.clip_grad``, no
 fp16 loss scaling) or non-finite tokens met by a TTT mixer of the forward — raises :class:`TrainingDiverged`
@@ -47,7 +47,6 @@ from ..errors import TrainingDiverged, divergence_advice
 from ..layers.ttt import NonFiniteError
 from ..models.record import model_record, peek_vit3_checkpoint, require_classifier
 from ..outputs import write_text
-from . import common
 from .checkpoint import apply_model_record, make_model_record
 from .classification_eval import evaluate
 from .classification_model import (
@@ -60,9 +59,14 @@ from .classification_model import (
     validate,
 )
 from .config import Config, ConfigError, check_batch_norm_batch, check_config, check_input_size, key_name
-from .distributed import DistInfo
+from .distributed import DistInfo, log, log_row
+from .loop import TrainRun, epoch_batches, log_setup, optimizer_step, run_epochs, run_summary
 from .metrics import plot_curves, write_metrics
+from .optim import build_optimization
+from .process import autocast, wrap_ddp
 from .recipe import eval_frozen, fit_batch_size, fit_epochs, freeze_for_training
+from .resume import Progress, check_resume, open_run, save_state, start_run
+from .run_folder import OutputFolder, claim_output, in_process_group
 
 __all__ = [
     "TrainingDiverged",
@@ -79,8 +83,8 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------- training
 @dataclass
-class _Progress(common.Progress):
-    """The counters of :class:`~vit3.engine.common.Progress` plus the partial epoch's loss, the best top-1 and
+class _Progress(Progress):
+    """The counters of :class:`~vit3.engine.Progress` plus the partial epoch's loss, the best top-1 and
     the run's time: the checkpoint a resume read, the seconds the run ran before this process (up to that
     checkpoint; ``None``: one from before they were kept) and when this process started (``perf_counter``)."""
 
@@ -97,7 +101,7 @@ class _Progress(common.Progress):
 
 
 @dataclass
-class _Run(common.TrainRun):
+class _Run(TrainRun):
     mixup: Any
     loader: Any
     wrapped: Any
@@ -143,7 +147,7 @@ class _Run(common.TrainRun):
 
 
 def _state(run: _Run) -> dict[str, Any]:
-    """The checkpoint dict (:func:`~vit3.engine.common.save_state` adds the RNG states)."""
+    """The checkpoint dict (:func:`~vit3.engine.save_state` adds the RNG states)."""
     p = run.progress
     mean, std = data_stats(run.cfg)
     return {
@@ -157,7 +161,7 @@ def _state(run: _Run) -> dict[str, Any]:
 
 
 def _save(run: _Run, name: str) -> Path:
-    return common.save_state(lambda: _state(run), run.out / name, run.info)
+    return save_state(lambda: _state(run), run.out / name, run.info)
 
 
 def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> _Progress:
@@ -176,7 +180,7 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> _Progress:
     same_schedule = all(before.get(k) == run.cfg.train[k] for k in schedule)
     run.load_training_state(ckpt, source, scheduler=same_schedule)
     if not same_schedule:  # e.g. more epochs: the new config's schedule applies from the restored step on
-        common.log(
+        log(
             run.info,
             f"note: the lr schedule settings differ from {source}; the new config's schedule applies",
         )
@@ -193,8 +197,8 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> _Progress:
 def _setup(cfg: Config, info: DistInfo) -> _Run:
     """The run of ``cfg`` (resumed from ``train.resume`` when set), its config saved in the output folder."""
     check_config(cfg, "train")  # the config may have been changed in code since it was loaded
-    resume, ckpt = common.start_run(cfg, info, "classification")
-    folder = common.claim_output(cfg, resume, ckpt)
+    resume, ckpt = start_run(cfg, info, "classification")
+    folder = claim_output(cfg, resume, ckpt)
     # A resumed run takes its weights from the checkpoint, never from model.pretrained.
     pretrained = "" if ckpt else str(cfg.model.pretrained or "")
     source = ckpt if ckpt is not None else (peek_vit3_checkpoint(pretrained) if pretrained else None)
@@ -239,7 +243,7 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
         raise ConfigError(f"model.num_classes={num_classes} is below the {len(classes)} classes of the data")
     model, fresh = build_model(cfg, num_classes, pretrained)
     if fresh:
-        common.log(
+        log(
             info,
             f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} classes",
         )
@@ -249,7 +253,7 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
 def _assemble(
     cfg: Config,
     info: DistInfo,
-    folder: common.OutputFolder,
+    folder: OutputFolder,
     model: nn.Module,
     data: dict[str, Any],
     num_classes: int,
@@ -259,7 +263,7 @@ def _assemble(
 ) -> _Run:
     """The run around a built ``model`` and its ``data`` (:func:`~vit3.data.build_datasets`): preprocessing,
     loaders, optimizer, schedule, EMA and DDP, resumed from ``ckpt`` (read from ``resume``) when given; its
-    config saved in ``folder`` (what :func:`~vit3.engine.common.claim_output` allowed). ``run_type`` makes
+    config saved in ``folder`` (what :func:`~vit3.engine.claim_output` allowed). ``run_type`` makes
     the run (a :class:`_Run` subclass, given the fields of :class:`_Run` in order)."""
     classes = data["classes"]
     in_chans = input_channels(cfg)
@@ -274,8 +278,8 @@ def _assemble(
         model, in_chans, int(cfg.data.img_size), int(cfg.data.batch_size), cfg.model.name, frozen
     )
     if ckpt is not None:
-        for change in common.check_resume(cfg, ckpt, info.world, resume):
-            common.log(info, f"warning: train.force_resume=true: {change}")
+        for change in check_resume(cfg, ckpt, info.world, resume):
+            log(info, f"warning: train.force_resume=true: {change}")
     mean, std = data_stats(cfg)
     loader, wrapped, sampler = build_train_loader(
         data["train"], build_transform(cfg, True, mean, std), cfg, info.rank, info.world
@@ -284,7 +288,7 @@ def _assemble(
         data["val"], build_transform(cfg, False, mean, std), cfg, cfg.data.batch_size, info.rank, info.world
     )
     accum = int(cfg.train.accum_steps)
-    batches_per_epoch = common.epoch_batches(cfg, sampler.num_samples)
+    batches_per_epoch = epoch_batches(cfg, sampler.num_samples)
     if mixup is not None and cfg.data.batch_size % 2:
         raise ConfigError(f"Mixup/CutMix needs an even data.batch_size, got {cfg.data.batch_size}")
     fitted.append(fit_epochs(cfg, batches_per_epoch // accum))
@@ -292,22 +296,22 @@ def _assemble(
     if cfg.train.freeze != "none":
         fitted.append(f"train.freeze={cfg.train.freeze}: only {', '.join(trainable)} train")
     for note in filter(None, fitted):
-        common.log(info, note)
+        log(info, note)
 
-    opt = common.build_optimization(cfg, info, model, batches_per_epoch)
+    opt = build_optimization(cfg, info, model, batches_per_epoch)
     ema = None
     if cfg.train.ema:
         decay = float(cfg.train.ema_decay) ** (opt.total_batch / float(cfg.train.ema_batch))  # as official
         ema = ModelEmaV3(model, decay=decay)
-    net = common.wrap_ddp(model, cfg, info)
+    net = wrap_ddp(model, cfg, info)
     run = run_type(
         cfg, info, model, net, ema, opt.optimizer, opt.scheduler, opt.scaler, opt.amp_dtype, mixup,
         loader, wrapped, sampler, val_loader, batches_per_epoch, folder.path, num_classes, classes, _Progress(),
     )  # fmt: skip
     images = f"{len(data['train'])} train / {len(data['val'])} val images"
     classes_mesa = f"{num_classes} classes, mesa {cfg.train.mesa}"
-    common.log_setup(info, cfg, model, opt, ema, cfg.model.name, classes_mesa, images)
-    common.open_run(folder, cfg, info, ckpt, resume, lambda: _restore(run, ckpt, resume))
+    log_setup(info, cfg, model, opt, ema, cfg.model.name, classes_mesa, images)
+    open_run(folder, cfg, info, ckpt, resume, lambda: _restore(run, ckpt, resume))
     return run
 
 
@@ -375,7 +379,7 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
             _diverged_on_nonfinite_tokens(where, advice),
             _one_image_batches_refused(bs, cfg.model.name),
         ):
-            with common.autocast(dev, run.amp_dtype):
+            with autocast(dev, run.amp_dtype):
                 loss = run.batch_loss(x, y, mesa_on)
             if not torch.isfinite(loss):
                 raise TrainingDiverged(f"non-finite training loss {loss.item()} {where}: {advice}")
@@ -391,7 +395,7 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
                 if not run.scaler.is_enabled() and not torch.isfinite(norm):
                     raise TrainingDiverged(f"non-finite gradient norm {float(norm)} {where}: {advice}")
 
-            common.optimizer_step(
+            optimizer_step(
                 run.model, run.optimizer, run.scaler, cfg.train.clip_grad, run.scheduler, p.global_step,
                 run.ema, check_norm,
             )  # fmt: skip
@@ -437,7 +441,7 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
         _save(run, "best.pt")
     if run.info.is_main:
         write_metrics(p.history, run.out)
-        common.log_row(run.info, row)
+        log_row(run.info, row)
     return row
 
 
@@ -460,7 +464,7 @@ def _time_summary(p: _Progress) -> dict[str, Any]:
 
 def train(cfg: Config) -> dict[str, Any]:
     """Trains ``cfg`` (see module docstring) and returns the run summary (also in ``<output>/summary.json``)."""
-    return common.in_process_group(cfg, _train, hold_output=True)
+    return in_process_group(cfg, _train, hold_output=True)
 
 
 def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run] = _setup) -> dict[str, Any]:
@@ -476,7 +480,7 @@ def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run
             desc=Path(cfg.output).name, disable=not info.is_main, dynamic_ncols=True, file=sys.stdout,
         )  # fmt: skip
     try:
-        common.run_epochs(
+        run_epochs(
             run, p, run.batches_per_epoch, lambda: _train_epoch(run, run_bar),
             lambda seconds, images: _finish_epoch(run, seconds, images),
         )  # fmt: skip
@@ -484,7 +488,7 @@ def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run
         if run_bar is not None:
             run_bar.close()
     summary = {
-        **common.run_summary(run, run.out, p.history),
+        **run_summary(run, run.out, p.history),
         "best": str(run.out / "best.pt") if cfg.train.keep_best else None,
         "best_top1": p.best_top1,
         **run.summary_extra(),
@@ -496,7 +500,7 @@ def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run
         write_text(run.out / "summary.json", json.dumps(summary, indent=1), "summary")
         final = summary["final"]
         covers = f" ({summary['wall_time_covers']})" if p.resumed_from else ""
-        common.log(
+        log(
             info,
             f"\ndone in {summary['wall_time_s']:.0f} s{covers}: val top-1 {final.get('val_top1', float('nan')):.2f}% "
             f"(best {p.best_top1:.2f}%)\n  checkpoint: {summary['last']}\n  best:       {summary['best']}\n"

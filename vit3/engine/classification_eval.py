@@ -28,9 +28,10 @@ from .classification_model import (
     resolve_data_cfg,
     validate,
 )
-from .common import amp_dtype, autocast, in_process_group, log, set_threads
 from .config import Config, ConfigError, check_config, check_input_size, key_name
-from .distributed import DistInfo
+from .distributed import DistInfo, log
+from .process import amp_dtype, autocast, set_threads
+from .run_folder import in_process_group
 
 __all__ = ["evaluate"]
 

@@ -22,9 +22,9 @@ from ..data.mnist import STD as MNIST_STD
 from ..errors import DataError
 from ..models.record import peek_vit3_checkpoint
 from .checkpoint import classifier_prefixes, load_model_weights
-from .common import autocast
 from .config import Config, ConfigError, model_arguments
 from .distributed import sum_tensor
+from .process import autocast
 
 __all__ = [
     "build_model",

@@ -53,9 +53,11 @@ from ..models.record import load_checkpoint, model_record, peek_vit3_checkpoint
 from ..models.swap import SWAP_MODEL
 from . import classification
 from .checkpoint import load_model_weights, merge_model_spec
-from .common import autocast, claim_output, in_process_group, log, resume_path, start_run, wrap_ddp
 from .config import Config, ConfigError, check_config, load_config, model_arguments
-from .distributed import DistInfo, sum_tensor
+from .distributed import DistInfo, log, sum_tensor
+from .process import autocast, wrap_ddp
+from .resume import resume_path, start_run
+from .run_folder import claim_output, in_process_group
 
 __all__ = [
     "CONVERT_KEYS",

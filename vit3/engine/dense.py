@@ -20,7 +20,7 @@ Outputs in ``cfg.output``: ``config.yaml``, ``last.pt`` / ``best.pt`` (vit3 chec
 ``eval.py --checkpoint`` needs nothing else) and ``metrics.json`` (history). ``last.pt`` is written at each
 evaluation and every ``train.save_every_steps`` steps; ``train.resume`` continues at its epoch, batch and
 step with its RNG states, on the seeded data stream of ``vit3.data.build``, so a killed run resumed ends with
-the weights of an uninterrupted one (the plumbing: :mod:`vit3.engine.common`). An optimizer step accumulates
+the weights of an uninterrupted one (the plumbing: :mod:`vit3.engine.resume`). An optimizer step accumulates
 ``train.accum_steps`` batches of one epoch.
 
 This module holds the loops; the data, the model, the parameter groups and the schedule are in
@@ -43,7 +43,6 @@ from ..data.coco import collate_detection
 from ..errors import TrainingDiverged, divergence_advice
 from ..models.record import load_checkpoint
 from ..outputs import write_text
-from . import common
 from .checkpoint import CheckpointMismatchError, make_model_record
 from .config import Config, ConfigError, check_config, run_metadata
 from .dense_metrics import (
@@ -64,8 +63,12 @@ from .dense_model import (
     model_and_data,
     param_groups,
 )
-from .distributed import DistInfo, barrier, distributed
+from .distributed import DistInfo, barrier, distributed, log
+from .loop import optimizer_step
 from .optim import scaled_lrs
+from .process import amp_dtype, autocast, wrap_ddp
+from .resume import Progress, check_resume, restore_rng, save_state, start_run
+from .run_folder import claim_output, in_process_group, open_output
 
 __all__ = [
     "build_dense_model",
@@ -100,12 +103,12 @@ def train(cfg: Config) -> dict[str, Any]:
         ``{"history": [...], "final": metrics of the last evaluation, "losses": per-step total losses}``.
     """
     d = dense_section(cfg)
-    return common.in_process_group(cfg, _train, d, hold_output=True)
+    return in_process_group(cfg, _train, d, hold_output=True)
 
 
 @dataclass
-class _Progress(common.Progress):
-    """The counters of :class:`~vit3.engine.common.Progress` plus the losses and the best score."""
+class _Progress(Progress):
+    """The counters of :class:`~vit3.engine.Progress` plus the losses and the best score."""
 
     losses: list[float] = field(default_factory=list)  # one total loss per optimizer step
     best: float = -math.inf
@@ -114,21 +117,19 @@ class _Progress(common.Progress):
 def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
     check_config(cfg, "train")  # the config may have been changed in code since it was loaded
     device = info.device
-    amp = common.amp_dtype(cfg.train.amp, device)
+    amp = amp_dtype(cfg.train.amp, device)
     if cfg.task == "segmentation" and cfg.data.batch_size < 2:
         raise ConfigError(
             "segmentation needs data.batch_size >= 2 per process (BatchNorm in the decode heads)"
         )
-    resume, ckpt = common.start_run(cfg, info, cfg.task)
+    resume, ckpt = start_run(cfg, info, cfg.task)
     out = Path(cfg.output)
     if ckpt is not None:
-        for change in common.check_resume(cfg, ckpt, info.world, resume):
-            common.log(info, f"warning: train.force_resume=true: {change}")
-    folder = common.claim_output(cfg, resume, ckpt)
+        for change in check_resume(cfg, ckpt, info.world, resume):
+            log(info, f"warning: train.force_resume=true: {change}")
+    folder = claim_output(cfg, resume, ckpt)
     model, train_set, val_set = model_and_data(cfg, with_train=True)
-    common.open_output(
-        folder, cfg, info
-    )  # nothing written before the model and the data are known to be right
+    open_output(folder, cfg, info)  # nothing written before the model and the data are known to be right
     model.to(device)
     num_classes = val_set.num_classes
     # The per-sample seeded, resumable stream of the classification engine (vit3.data.build); BatchNorm in
@@ -149,7 +150,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
     )
     opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
-    net = common.wrap_ddp(model, cfg, info)
+    net = wrap_ddp(model, cfg, info)
     p = _Progress()
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
@@ -158,8 +159,8 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         p.restore(ckpt, bs, info.world, accum)
         p.roll_over(batches_per_epoch)
         p.history, p.losses, p.best = list(ckpt["history"]), list(ckpt["losses"]), float(ckpt["best"])
-        common.restore_rng(ckpt, info)
-        common.log(
+        restore_rng(ckpt, info)
+        log(
             info,
             f"resumed from {resume}: epoch {p.epoch + 1}, batch {p.batch_in_epoch}, step {p.global_step}",
         )
@@ -199,7 +200,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
             update = (b + 1) % accum == 0
             sync = net.no_sync() if info.distributed and not update else contextlib.nullcontext()
             with sync:
-                with common.autocast(device, amp):
+                with autocast(device, amp):
                     parts = net(*_to(batch, device, cfg.task))  # detector(images, targets) / segmenter(x, y)
                     loss = sum(parts.values())
                 if not torch.isfinite(loss):
@@ -213,7 +214,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
             p.batch_in_epoch = b + 1
             if not update:
                 continue
-            common.optimizer_step(model, opt, scaler, cfg.train.clip_grad)
+            optimizer_step(model, opt, scaler, cfg.train.clip_grad)
             p.global_step += 1
             p.losses.append(step_loss)
             step, step_loss = p.global_step, 0.0
@@ -229,7 +230,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
                 if info.is_main:
                     p.history.append({"step": step, "loss": p.losses[-1], **scalars(metrics)})
                     p.best = max(p.best, metrics[key])
-                common.save_state(state, out / "last.pt", info, [out / "best.pt"] if improved else [])
+                save_state(state, out / "last.pt", info, [out / "best.pt"] if improved else [])
                 if info.is_main:
                     write_text(out / "metrics.json", nan_free_json(p.history), "metrics")
                     print(
@@ -239,7 +240,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
                 barrier()
                 net.train()
             elif save_every and step % save_every == 0:
-                common.save_state(state, out / "last.pt", info)
+                save_state(state, out / "last.pt", info)
         p.roll_over(batches_per_epoch)
     return {"history": p.history, "final": p.history[-1] if p.history else {}, "losses": p.losses}
 

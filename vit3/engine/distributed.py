@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from .config import ConfigError
 
@@ -19,6 +21,8 @@ __all__ = [
     "cleanup",
     "distributed",
     "init_distributed",
+    "log",
+    "log_row",
     "sum_tensor",
 ]
 
@@ -133,3 +137,14 @@ def distributed(device: str = "auto", backend: str = "auto") -> Iterator[DistInf
         yield info
     finally:
         cleanup()
+
+
+def log(info: DistInfo, msg: str) -> None:
+    """Prints ``msg`` on rank 0 (through tqdm, so that progress bars stay intact)."""
+    if info.is_main:
+        tqdm.write(msg, file=sys.stdout)
+
+
+def log_row(info: DistInfo, row: dict[str, Any]) -> None:
+    """Logs a metrics row as ``key value`` pairs (floats to 4 significant digits)."""
+    log(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))

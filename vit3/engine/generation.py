@@ -10,7 +10,7 @@ resumable data pipeline (``vit3.data``), AdamW groups and the warmup + cosine sc
 ``min_lr = base_lr`` is the official constant lr), AMP with a GradScaler for fp16, grad clipping, gradient
 accumulation, torchrun DDP, atomic checkpoints and exact resume (model, EMA, optimizer, scheduler, scaler,
 every rank's RNG states, epoch, batch and step: a run killed after a checkpoint and resumed ends with the same
-weights as an uninterrupted one; :mod:`vit3.engine.common`). Outputs in ``output``:
+weights as an uninterrupted one; :mod:`vit3.engine.resume`). Outputs in ``output``:
 ``config.yaml``, ``last.pt``, ``metrics.csv/json`` (per epoch), ``curves.png`` (loss, MSE and VB terms per
 ``train.log_every`` steps) and ``summary.json``; with ``train.final_eval`` also the samples and metrics.
 
@@ -46,9 +46,8 @@ from ..errors import TrainingDiverged, divergence_advice
 from ..models.dit3 import DiT3
 from ..outputs import write_text
 from ..tasks.diffusion import GaussianDiffusion, LatentAutoencoder
-from . import common
 from .config import Config, ConfigError
-from .distributed import DistInfo
+from .distributed import DistInfo, log, log_row
 from .generation_sampling import (
     build_diffusion,
     build_generator,
@@ -58,15 +57,20 @@ from .generation_sampling import (
     latent_space,
     sample_and_evaluate,
 )
+from .loop import TrainRun, epoch_batches, log_setup, optimizer_step, run_epochs, run_summary
 from .metrics import plot_series, write_metrics
+from .optim import build_optimization
+from .process import autocast, wrap_ddp
+from .resume import Progress, check_resume, open_run, save_state, start_run
+from .run_folder import claim_output, in_process_group
 
 __all__ = ["build_diffusion", "build_generator", "evaluate", "generate", "latent_space", "train"]
 
 
 # ---------------------------------------------------------------------------------------------- training
 @dataclass
-class _Progress(common.Progress):
-    """The counters of :class:`~vit3.engine.common.Progress` plus the loss terms and the curve."""
+class _Progress(Progress):
+    """The counters of :class:`~vit3.engine.Progress` plus the loss terms and the curve."""
 
     sums: dict[str, float] = field(default_factory=dict)  # running loss terms of the partial epoch
     count: int = 0
@@ -75,7 +79,7 @@ class _Progress(common.Progress):
 
 
 @dataclass
-class _Run(common.TrainRun):
+class _Run(TrainRun):
     model: DiT3
     diffusion: GaussianDiffusion
     vae: LatentAutoencoder | None
@@ -90,7 +94,7 @@ class _Run(common.TrainRun):
 
 
 def _state(run: _Run) -> dict[str, Any]:
-    """The checkpoint dict (:func:`~vit3.engine.common.save_state` adds the RNG states)."""
+    """The checkpoint dict (:func:`~vit3.engine.save_state` adds the RNG states)."""
     p = run.progress
     return {
         "task": "generation",
@@ -101,7 +105,7 @@ def _state(run: _Run) -> dict[str, Any]:
 
 
 def _save(run: _Run, name: str) -> Path:
-    return common.save_state(lambda: _state(run), run.out / name, run.info)
+    return save_state(lambda: _state(run), run.out / name, run.info)
 
 
 def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> _Progress:
@@ -118,12 +122,12 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> _Progress:
 def _setup(cfg: Config, info: DistInfo) -> _Run:
     """The run of ``cfg`` (resumed from ``train.resume`` when set), its config saved in the output folder."""
     check_generation_cfg(cfg, "train", sampling=bool(cfg.train.final_eval))
-    resume, ckpt = common.start_run(cfg, info, "generation")
+    resume, ckpt = start_run(cfg, info, "generation")
     out = Path(cfg.output)
     if ckpt is not None:
-        for change in common.check_resume(cfg, ckpt, info.world, resume):
-            common.log(info, f"warning: train.force_resume=true: {change}")
-    folder = common.claim_output(cfg, resume, ckpt)
+        for change in check_resume(cfg, ckpt, info.world, resume):
+            log(info, f"warning: train.force_resume=true: {change}")
+    folder = claim_output(cfg, resume, ckpt)
     vae, in_channels, input_size = latent_space(cfg, info.device)
     data = build_datasets(cfg, int(cfg.data.channels), splits=("train",))
     classes = list(data["classes"])
@@ -135,10 +139,10 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
     )
     transform = build_generation_transform(int(cfg.data.img_size), float(cfg.data.hflip))
     loader, wrapped, sampler = build_train_loader(data["train"], transform, cfg, info.rank, info.world)
-    batches_per_epoch = common.epoch_batches(cfg, sampler.num_samples)
-    opt = common.build_optimization(cfg, info, model, batches_per_epoch)
+    batches_per_epoch = epoch_batches(cfg, sampler.num_samples)
+    opt = build_optimization(cfg, info, model, batches_per_epoch)
     ema = ModelEmaV3(model, decay=float(cfg.train.ema_decay)) if cfg.train.ema else None
-    net = common.wrap_ddp(model, cfg, info)
+    net = wrap_ddp(model, cfg, info)
     diffusion = build_diffusion(cfg, model.learn_sigma)
     run = _Run(
         cfg, info, model, net, ema, opt.optimizer, opt.scheduler, opt.scaler, opt.amp_dtype, diffusion, vae,
@@ -150,8 +154,8 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
         else f"pixels {in_channels}x{input_size}²"
     )
     name, about = f"{cfg.model.name} ({model.mixer})", f"{num_classes} classes, {space}"
-    common.log_setup(info, cfg, model, opt, ema, name, about, f"{len(data['train'])} images")
-    common.open_run(folder, cfg, info, ckpt, resume, lambda: _restore(run, ckpt, resume))
+    log_setup(info, cfg, model, opt, ema, name, about, f"{len(data['train'])} images")
+    open_run(folder, cfg, info, ckpt, resume, lambda: _restore(run, ckpt, resume))
     return run
 
 
@@ -184,7 +188,7 @@ def _train_epoch(run: _Run) -> None:
         update = (b + 1) % accum == 0
         sync = run.net.no_sync() if info.distributed and not update else contextlib.nullcontext()
         with sync:
-            with common.autocast(dev, run.amp_dtype):
+            with autocast(dev, run.amp_dtype):
                 out = run.net(x_t, t, y)
             terms = diffusion.training_losses(out, x, x_t, t, noise)
             loss = terms["loss"].mean()
@@ -200,7 +204,7 @@ def _train_epoch(run: _Run) -> None:
         p.count += 1
         p.batch_in_epoch = b + 1
         if update:
-            common.optimizer_step(
+            optimizer_step(
                 run.model,
                 run.optimizer,
                 run.scaler,
@@ -245,23 +249,23 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
     if run.info.is_main:
         write_metrics(p.history, run.out)
         _plot(run)
-        common.log_row(run.info, row)
+        log_row(run.info, row)
     return row
 
 
 def train(cfg: Config) -> dict[str, Any]:
     """Trains ``cfg`` (see the module docstring); returns the run summary (also ``<output>/summary.json``)."""
-    return common.in_process_group(cfg, _train, hold_output=True)
+    return in_process_group(cfg, _train, hold_output=True)
 
 
 def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     start = time.perf_counter()
     run = _setup(cfg, info)
     p = run.progress
-    common.run_epochs(
+    run_epochs(
         run, p, run.batches_per_epoch, lambda: _train_epoch(run), lambda s, n: _finish_epoch(run, s, n)
     )
-    summary: dict[str, Any] = common.run_summary(run, run.out, p.history)
+    summary: dict[str, Any] = run_summary(run, run.out, p.history)
     summary["train_time_s"] = round(time.perf_counter() - start, 1)
     if info.is_main:
         curves = _plot(run)
@@ -274,7 +278,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     summary["wall_time_s"] = round(time.perf_counter() - start, 1)
     if info.is_main:
         write_text(run.out / "summary.json", json.dumps(summary, indent=1), "summary")
-        common.log(
+        log(
             info,
             f"\ndone in {summary['wall_time_s']:.0f} s (training {summary['train_time_s']:.0f} s): final loss "
             f"{summary['final'].get('train_loss', float('nan')):.4f}\n  checkpoint: {summary['last']}\n"

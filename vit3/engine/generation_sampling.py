@@ -24,9 +24,10 @@ from ..models.record import peek_vit3_checkpoint
 from ..outputs import atomic_write, write_text
 from ..tasks.diffusion import GaussianDiffusion, LatentAutoencoder
 from .checkpoint import load_model_weights
-from .common import amp_dtype, autocast, in_process_group, log, set_threads
 from .config import Config, ConfigError, check_config, model_arguments
-from .distributed import DistInfo, barrier
+from .distributed import DistInfo, barrier, log
+from .process import amp_dtype, autocast, set_threads
+from .run_folder import in_process_group
 
 __all__ = [
     "build_diffusion",

@@ -14,16 +14,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import CosineLRScheduler
 from torch import nn
 
-from .config import ConfigError
+from .config import Config, ConfigError
+from .distributed import DistInfo
+from .process import amp_dtype
 
-__all__ = ["LR_SCALES", "build_optimizer", "build_scheduler", "lr_factor", "scaled_lrs"]
+__all__ = [
+    "LR_SCALES",
+    "Optimization",
+    "build_optimization",
+    "build_optimizer",
+    "build_scheduler",
+    "lr_factor",
+    "scaled_lrs",
+]
 
 LR_SCALES = ("linear", "sqrt")
 
@@ -94,3 +104,31 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, 
         cycle_limit=1,
         t_in_epochs=False,
     )
+
+
+class Optimization(NamedTuple):
+    """What :func:`build_optimization` builds."""
+
+    total_batch: int  # data.batch_size x processes x train.accum_steps
+    lrs: dict[str, float]  # train.base_lr / warmup_lr / min_lr scaled to the total batch
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    amp_dtype: torch.dtype | None
+    scaler: torch.amp.GradScaler  # enabled for fp16 only
+
+
+def build_optimization(cfg: Config, info: DistInfo, model: nn.Module, batches_per_epoch: int) -> Optimization:
+    """Moves ``model`` to the run's device (with gradient checkpointing when ``model.grad_checkpointing``)
+    and builds the AdamW optimizer, the warmup + cosine schedule of ``batches_per_epoch // accum_steps``
+    steps per epoch, the AMP dtype and the grad scaler of ``cfg.train``."""
+    model.to(info.device)
+    if cfg.model.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    accum = int(cfg.train.accum_steps)
+    total_batch = int(cfg.data.batch_size) * info.world * accum
+    lrs = scaled_lrs(cfg.train, total_batch)
+    optimizer = build_optimizer(model, cfg.train, lrs["base_lr"])
+    scheduler = build_scheduler(optimizer, cfg.train, lrs, batches_per_epoch // accum)
+    amp = amp_dtype(cfg.train.amp, info.device)
+    scaler = torch.amp.GradScaler(info.device.type, enabled=amp == torch.float16)
+    return Optimization(total_batch, lrs, optimizer, scheduler, amp, scaler)

@@ -161,6 +161,8 @@ LIST_ELEMENTS = {"eval.img_sizes": int}
 class Config(dict):
     """A nested ``dict`` with attribute access; nested mappings are converted to :class:`Config`."""
 
+    __module__ = "vit3.engine.config"  # its public name, which messages and earlier checkpoints use
+
     def __init__(self, data: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         for key, value in (data or {}).items():

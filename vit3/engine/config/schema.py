@@ -209,8 +209,8 @@ CONSTRAINTS: dict[str, Constraint | tuple[Constraint, ...]] = {
     "train.clip_grad": Range(0, lo_open=True, null="no clipping"),
     "train.accum_steps": AT_LEAST_ONE,
     "train.freeze": Choice("vit3.engine.recipe:FREEZE_MODES"),
-    "train.amp": Choice("vit3.engine.common:AMP_MODES"),
-    "train.compile": Choice("vit3.engine.common:COMPILE_MODES"),
+    "train.amp": Choice("vit3.engine.process:AMP_MODES"),
+    "train.compile": Choice("vit3.engine.process:COMPILE_MODES"),
     "train.ema_decay": Range(0, 1, hi_open=True),
     "train.ema_batch": POSITIVE,
     "train.mesa": (

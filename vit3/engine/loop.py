@@ -1,0 +1,177 @@
+"""The epoch loop every epoch-based engine shares (classification, generation, conversion).
+
+:class:`TrainRun` holds a run's model, optimizer, scheduler and scaler; :func:`optimizer_step` is one update
+(the scheduler's lr, clipping, scaler, EMA); :func:`run_epochs` runs the epochs left; :func:`run_summary`
+reports the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import load_model_weights
+from .config import Config, ConfigError, run_metadata, to_plain
+from .distributed import DistInfo, log
+from .optim import Optimization, lr_factor
+from .process import check_ranks_agree
+from .resume import Progress
+
+__all__ = ["TrainRun", "epoch_batches", "log_setup", "optimizer_step", "run_epochs", "run_summary"]
+
+
+@dataclass
+class TrainRun:
+    """What every epoch-based training run holds (engines extend it with their data and task state)."""
+
+    cfg: Config
+    info: DistInfo
+    model: nn.Module  # unwrapped
+    net: nn.Module  # DDP-wrapped or the model itself
+    ema: Any  # timm ModelEmaV3 or None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None
+
+    def training_state(self) -> dict[str, Any]:
+        """The weights (model, EMA) and the optimizer, scheduler and scaler states, for a checkpoint."""
+        return {
+            "model": self.model.state_dict(),
+            "ema": self.ema.module.state_dict() if self.ema is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def run_state(
+        self, progress: Progress, model_kwargs: Mapping[str, Any], num_classes: int, classes: Iterable[str]
+    ) -> dict[str, Any]:
+        """The checkpoint entries every epoch-based run writes: the model (name, ``model_kwargs``, classes),
+        :meth:`training_state`, the counters and history of ``progress``, the config and the run metadata
+        (an engine adds its own; :func:`save_state` the RNG states)."""
+        return {
+            "model_name": self.cfg.model.name,
+            "model_kwargs": to_plain(model_kwargs),
+            "num_classes": num_classes,
+            "classes": list(classes),
+            **self.training_state(),
+            **progress.counters(),
+            "history": progress.history,
+            "config": self.cfg.to_dict(),
+            "meta": run_metadata(),
+        }
+
+    def load_training_state(self, ckpt: Mapping[str, Any], source: str, scheduler: bool = True) -> None:
+        """Restores :meth:`training_state` from ``ckpt`` (the scheduler's only with ``scheduler``).
+
+        Raises:
+            ConfigError: the run has an EMA and ``ckpt`` holds none.
+            CheckpointMismatchError: the weights are another model's.
+        """
+        load_model_weights(self.model, ckpt, source=source)
+        if self.ema is not None:
+            if ckpt.get("ema") is None:
+                raise ConfigError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
+            self.ema.module.load_state_dict(ckpt["ema"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        if scheduler:
+            self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+
+
+def epoch_batches(cfg: Config, samples: int) -> int:
+    """The batches of an epoch of ``samples`` samples per process: whole accumulation steps of
+    ``train.accum_steps`` batches of ``data.batch_size``.
+
+    Raises:
+        ConfigError: not one accumulation step fits in an epoch.
+    """
+    accum, bs = int(cfg.train.accum_steps), int(cfg.data.batch_size)
+    batches = samples // bs // accum * accum
+    if batches == 0:
+        raise ConfigError(f"train.accum_steps={accum} exceeds the {samples // bs} batches per epoch")
+    return batches
+
+
+def log_setup(
+    info: DistInfo,
+    cfg: Config,
+    model: nn.Module,
+    opt: Optimization,
+    ema: Any,
+    name: str,
+    about: str,
+    data: str,
+) -> None:
+    """Logs what a run trains: the model (``name``, its size, ``about`` it), the ``data``, the processes,
+    total batch, lr (and how it was scaled), AMP and EMA."""
+    log(
+        info,
+        f"model {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {about} | data: {data} | "
+        f"{info.world} process(es) on {info.device}, total batch {opt.total_batch}, lr {opt.lrs['base_lr']:.3g} "
+        f"(train.base_lr {cfg.train.base_lr:g} x {lr_factor(cfg.train, opt.total_batch):.4g}, "
+        f"{cfg.train.get('lr_scale', 'linear')} in the batch) | amp {opt.amp_dtype} | ema {'on' if ema else 'off'}",
+    )
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    clip_grad: float | None,
+    scheduler: Any = None,
+    step: int = 0,
+    ema: Any = None,
+    check_norm: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """One update of accumulated gradients: the scheduler's lr for ``step``, gradient clipping (unscaled;
+    ``check_norm`` sees the norm before the step), the (scaled) optimizer step, zeroed gradients, the EMA."""
+    if scheduler is not None:
+        scheduler.step_update(step)  # lr of this update
+    if clip_grad:
+        scaler.unscale_(optimizer)
+        norm = nn.utils.clip_grad_norm_(model.parameters(), float(clip_grad))
+        if check_norm is not None:
+            check_norm(norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if ema is not None:
+        ema.update(model)
+
+
+def run_epochs(
+    run: TrainRun,
+    progress: Progress,
+    batches_per_epoch: int,
+    train_epoch: Callable[[], None],
+    finish_epoch: Callable[[float, int], Any],
+) -> None:
+    """Runs the epochs left (``train.epochs``): ``train_epoch()`` from the batch ``progress`` stands at, then
+    ``finish_epoch(seconds, images)`` with the epoch's time and the images it trained on (all ranks)."""
+    cfg = run.cfg
+    while progress.epoch < cfg.train.epochs:
+        tick, batch0 = time.perf_counter(), progress.batch_in_epoch
+        train_epoch()
+        images = (batches_per_epoch - batch0) * int(cfg.data.batch_size) * run.info.world
+        finish_epoch(time.perf_counter() - tick, images)
+
+
+def run_summary(run: TrainRun, out: Path, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary fields every engine reports (collective: the ranks' weights are compared first)."""
+    digests = check_ranks_agree(run.model)
+    return {
+        "output": str(out),
+        "last": str(out / "last.pt"),
+        "final": history[-1] if history else {},
+        "world_size": run.info.world,
+        "rank_weights_sha1": digests,  # compared by check_ranks_agree: one per rank, all equal
+        "weights_sha1": digests[0],
+    }
