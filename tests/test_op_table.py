@@ -99,7 +99,7 @@ def test_a_registered_op_is_chosen_explained_and_matches_its_reference(toy):
     plan = reg.plan(settings, "auto", branches, cpu, torch.float64, reg.token_class(N), True, "")
     assert plan.backends == ("eager",)
 
-    mixer = SimpleNamespace(cfg=cfg, plan_branches=branches, dim=HEADS * D, num_heads=HEADS)
+    mixer = SimpleNamespace(cfg=cfg, plan_branches=branches, dim=HEADS * D, num_heads=HEADS, scriptable=False)
     expl = reg.explain_mixer(mixer, cpu, torch.float64, GRID, grad=True)
     assert expl.branches[0].backend == "eager" and expl.fused
     passed = dict(expl.branches[0].passed_over)
@@ -119,9 +119,12 @@ def test_a_registered_op_is_chosen_explained_and_matches_its_reference(toy):
 
 
 def test_a_path_that_refuses_the_branch_is_passed_over_with_its_reason(toy):
-    """The registry asks the op's own ``supports``: a loss its eager path does not fuse sends it to generic."""
+    """The registry asks the op's own ``supports``: a loss its eager path does not fuse sends it to
+    generic."""
     cfg = TTTConfig(loss="mse")
-    mixer = SimpleNamespace(cfg=cfg, plan_branches=((TOY, HEADS, D, True),), dim=HEADS * D, num_heads=HEADS)
+    mixer = SimpleNamespace(
+        cfg=cfg, plan_branches=((TOY, HEADS, D, True),), dim=HEADS * D, num_heads=HEADS, scriptable=False
+    )
     expl = reg.explain_mixer(mixer, torch.device("cpu"), torch.float64, GRID, grad=False)
     assert expl.branches[0].backend == "generic" and not expl.fused
     assert dict(expl.branches[0].passed_over)["eager"].startswith("loss 'mse' is not fused")
