@@ -10,7 +10,8 @@ from torch import nn
 
 from vit3.data.coco import CocoDetection
 from vit3.engine.config import Config
-from vit3.engine.dense import confusion_matrix, evaluate_detection, lr_factor, segmentation_metrics
+from vit3.engine.dense import confusion_matrix, evaluate_detection, segmentation_metrics
+from vit3.engine.optim import dense_lr_factor
 
 
 # ------------------------------------------------------------------------------------------ mIoU
@@ -109,12 +110,14 @@ def _sched(**kw) -> Config:
 
 def test_lr_schedule_warmup_step_and_poly():
     d = _sched()
-    assert lr_factor(0, 100, d, iters_per_epoch=10) == pytest.approx(0.001)
-    assert lr_factor(2, 100, d, 10) == pytest.approx(0.001 + 0.999 * 0.5)
-    assert [lr_factor(s, 100, d, 10) for s in (4, 19, 20, 29, 30)] == pytest.approx([1, 1, 0.1, 0.1, 0.01])
+    assert dense_lr_factor(0, 100, d, iters_per_epoch=10) == pytest.approx(0.001)
+    assert dense_lr_factor(2, 100, d, 10) == pytest.approx(0.001 + 0.999 * 0.5)
+    assert [dense_lr_factor(s, 100, d, 10) for s in (4, 19, 20, 29, 30)] == pytest.approx(
+        [1, 1, 0.1, 0.1, 0.01]
+    )
     d = _sched(iters=50, milestones=[20])  # milestones count iterations when training by iterations
-    assert [lr_factor(s, 50, d, 10) for s in (19, 20)] == pytest.approx([1, 0.1])
+    assert [dense_lr_factor(s, 50, d, 10) for s in (19, 20)] == pytest.approx([1, 0.1])
     d = _sched(lr_schedule="poly", warmup_iters=0, poly_power=0.9)
-    assert [lr_factor(s, 100, d, 10) for s in (0, 50, 100)] == pytest.approx([1, 0.5**0.9, 0])
+    assert [dense_lr_factor(s, 100, d, 10) for s in (0, 50, 100)] == pytest.approx([1, 0.5**0.9, 0])
     with pytest.raises(ValueError, match=r"unknown dense\.lr_schedule"):
-        lr_factor(0, 10, _sched(lr_schedule="cosine"), 10)
+        dense_lr_factor(0, 10, _sched(lr_schedule="cosine"), 10)

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import vit3  # noqa: F401  (registers the vit3 models)
-from vit3.engine.dense import load_backbone_weights, param_groups
+from vit3.engine.dense import load_backbone_weights
+from vit3.engine.optim import dense_param_groups
 from vit3.tasks.backbone import (
     FeatureBackbone,
     PyramidBackbone,
@@ -189,9 +190,10 @@ def test_layer_ids_follow_block_depth(kind):
         assert ids[down] == ids[next(k for k in names if k.startswith("model.stages.1.blocks.0."))]
 
 
-def test_param_groups_apply_layer_decay_backbone_mult_and_no_decay():
+def test_dense_param_groups_apply_layer_decay_backbone_mult_and_no_decay():
     model = build_segmenter("test_vit3_ttt", num_classes=3, head="semantic_fpn", head_channels=8)
-    groups = param_groups(model, lr=1.0, weight_decay=0.05, backbone_lr_mult=0.5, layer_decay=0.5)
+    body = model.backbone.backbone.body
+    groups = dense_param_groups(model, body, lr=1.0, weight_decay=0.05, backbone_lr_mult=0.5, layer_decay=0.5)
     by_param = {id(p): g for g in groups for p in g["params"]}
     assert len(by_param) == sum(1 for p in model.parameters() if p.requires_grad)
     ids, n = block_layer_ids(model.backbone.backbone.body)

@@ -23,8 +23,8 @@ step with its RNG states, on the seeded data stream of ``vit3.data.build``, so a
 the weights of an uninterrupted one (the plumbing: :mod:`vit3.engine.resume`). An optimizer step accumulates
 ``train.accum_steps`` batches of one epoch.
 
-This module holds the loops; the data, the model, the parameter groups and the schedule are in
-:mod:`vit3.engine.dense_model`, the metrics in :mod:`vit3.engine.dense_metrics` (re-exported here).
+This module holds the loops; the data and the model are in :mod:`vit3.engine.dense_model`, the parameter
+groups and the schedule in :mod:`vit3.engine.optim`, the metrics in :mod:`vit3.engine.dense_metrics`.
 """
 
 from __future__ import annotations
@@ -57,15 +57,14 @@ from .dense_metrics import (
 )
 from .dense_model import (
     build_dense_model,
+    dense_backbone,
     dense_section,
     load_backbone_weights,
-    lr_factor,
     model_and_data,
-    param_groups,
 )
 from .distributed import DistInfo, barrier, distributed, log
 from .loop import optimizer_step
-from .optim import scaled_lrs
+from .optim import DenseSchedule, build_dense_optimizer, scaled_lrs
 from .process import amp_dtype, autocast, wrap_ddp
 from .resume import Progress, check_resume, restore_rng, save_state, start_run
 from .run_folder import claim_output, in_process_group, open_output
@@ -78,8 +77,6 @@ __all__ = [
     "evaluate_detection",
     "evaluate_segmentation",
     "load_backbone_weights",
-    "lr_factor",
-    "param_groups",
     "segmentation_metrics",
     "train",
 ]
@@ -145,14 +142,12 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
     iters_per_epoch = batches_per_epoch // accum
     total = d.iters or cfg.train.epochs * iters_per_epoch
     lr = scaled_lrs(cfg.train, bs * info.world * accum)["base_lr"]
-    groups = param_groups(
-        model, lr, cfg.train.weight_decay, d.backbone_lr_mult, cfg.train.layer_decay, tuple(d.no_decay_keys)
-    )
-    opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps)
+    opt = build_dense_optimizer(model, dense_backbone(model).body, cfg, lr)
+    schedule = DenseSchedule(opt, lr, total, d, iters_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
     net = wrap_ddp(model, cfg, info)
     p = _Progress()
-    if ckpt is not None:
+    if ckpt is not None:  # not resume.open_run: its finished-run note counts train.epochs, not dense.iters
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
@@ -195,8 +190,6 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         for b, batch in enumerate(loader, start=p.batch_in_epoch):
             if b >= batches_per_epoch or p.global_step >= total:
                 break
-            for g in opt.param_groups:
-                g["lr"] = lr * g["lr_scale"] * lr_factor(p.global_step, total, d, iters_per_epoch)
             update = (b + 1) % accum == 0
             sync = net.no_sync() if info.distributed and not update else contextlib.nullcontext()
             with sync:
@@ -214,7 +207,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
             p.batch_in_epoch = b + 1
             if not update:
                 continue
-            optimizer_step(model, opt, scaler, cfg.train.clip_grad)
+            optimizer_step(model, opt, scaler, cfg.train.clip_grad, schedule, p.global_step)
             p.global_step += 1
             p.losses.append(step_loss)
             step, step_loss = p.global_step, 0.0

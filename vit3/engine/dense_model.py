@@ -1,7 +1,7 @@
 """What a dense run (detection / segmentation) is built from: the ``dense:`` section of its config, the
 datasets (COCO or ADE20K layout, or the synthetic digits written on first use), the detector or segmenter
-around a vit3 backbone (weights from a classification checkpoint), the optimizer's parameter groups and the
-lr schedule. :mod:`vit3.engine.dense` trains and evaluates on them.
+around a vit3 backbone (weights from a classification checkpoint). :mod:`vit3.engine.dense` trains and
+evaluates on them; their parameter groups and lr schedule are in :mod:`vit3.engine.optim`.
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from ..data.ade import ADESegmentation
 from ..data.coco import CocoDetection
 from ..errors import DataError
 from ..models._pretrained import load_checkpoint_file
 from ..models.record import peek_vit3_checkpoint, require_classifier
-from ..tasks.backbone import FeatureBackbone, block_layer_ids
+from ..tasks.backbone import FeatureBackbone
 from ..tasks.detection import build_detector
 from ..tasks.segmentation import build_segmenter
 from .checkpoint import CheckpointError, CheckpointMismatchError
@@ -29,9 +29,7 @@ __all__ = [
     "dense_section",
     "ensure_synthetic",
     "load_backbone_weights",
-    "lr_factor",
     "model_and_data",
-    "param_groups",
 ]
 
 
@@ -198,52 +196,6 @@ def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = 
         )
     backbone.body.load_state_dict(loaded, strict=False)
     return missing
-
-
-def param_groups(
-    model: nn.Module,
-    lr: float,
-    weight_decay: float,
-    backbone_lr_mult: float = 1.0,
-    layer_decay: float | None = None,
-    no_decay_keys: tuple[str, ...] = ("norm",),
-) -> list[dict[str, Any]]:
-    """AdamW parameter groups with per-group lr for the backbone and layer-wise lr decay.
-
-    Backbone parameters (``model.backbone.backbone.body``) get ``lr * backbone_lr_mult``, times
-    ``layer_decay ** (num_layers - 1 - layer_id)`` when ``layer_decay`` is set (stem deepest decay, last
-    blocks least; see :func:`~vit3.tasks.backbone.block_layer_ids`). Parameters whose name contains one of
-    ``no_decay_keys`` get no weight decay. Each group records its ``lr_scale`` for the scheduler.
-    """
-    body = dense_backbone(model).body
-    layer_of, n_layers = block_layer_ids(body)
-    body_ids = {id(p): layer_of[n] for n, p in body.named_parameters()}
-    groups: dict[tuple[float, float], list[Tensor]] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        scale = 1.0
-        if id(p) in body_ids:
-            scale = backbone_lr_mult * (
-                layer_decay ** (n_layers - 1 - body_ids[id(p)]) if layer_decay else 1.0
-            )
-        wd = 0.0 if any(k in name for k in no_decay_keys) else weight_decay
-        groups.setdefault((scale, wd), []).append(p)
-    return [{"params": ps, "lr": lr * s, "lr_scale": s, "weight_decay": wd} for (s, wd), ps in groups.items()]
-
-
-def lr_factor(step: int, total: int, d: Config, iters_per_epoch: int) -> float:
-    """Schedule factor at optimizer step ``step`` of ``total`` (warmup, then step or poly decay)."""
-    if d.lr_schedule == "poly":
-        factor = (1 - min(step, total) / max(total, 1)) ** d.poly_power
-    elif d.lr_schedule == "step":
-        unit = 1 if d.iters else iters_per_epoch  # milestones are epochs unless training by iterations
-        factor = d.gamma ** sum(step >= m * unit for m in d.milestones)
-    else:
-        raise ConfigError(f"unknown dense.lr_schedule '{d.lr_schedule}': expected step or poly")
-    if step < d.warmup_iters:
-        factor *= d.warmup_factor + (1 - d.warmup_factor) * step / d.warmup_iters
-    return factor
 
 
 def model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]:

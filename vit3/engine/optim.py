@@ -1,15 +1,12 @@
-"""AdamW with the paper's parameter groups and the per-step warmup + cosine schedule.
+"""The optimizer and lr schedules of every engine: AdamW, its parameter groups, lr scaling and schedules.
 
-* Weight decay is applied to every parameter except 1-D ones (norms, biases, scales), ``*.bias`` and the
-  names in ``model.no_weight_decay()`` (official optimizer.py).
-* Optional layer-wise lr decay (``train.layer_decay``): timm's ``param_groups_layer_decay`` through the
-  model's ``group_matcher``; each group's ``lr_scale`` is applied by the timm scheduler.
-* The learning rates scale with the total batch (batch x processes x accumulation) over ``lr_batch`` — base,
-  warmup-start and minimum lr alike: linearly (``train.lr_scale: linear``, as in the official main.py) or with
-  its square root (``sqrt``: timm's ``--lr-base-scale`` rule for Adam-type optimizers, the fine-tuning recipe's:
-  a batch fitted down to a few images keeps a usable lr).
-* ``CosineLRScheduler(t_in_epochs=False)`` stepped per optimizer update: linear warmup from ``warmup_lr``
-  over ``warmup_epochs``, then cosine to ``min_lr`` at ``epochs`` (cosine counted from step 0, as official).
+* Classification, generation, conversion (:func:`build_optimization`): AdamW without decay on 1-D params,
+  ``*.bias`` and ``model.no_weight_decay()`` (official optimizer.py), optional layer-wise lr decay
+  (``train.layer_decay``, timm's ``group_matcher``), and the per-update warmup + cosine schedule
+  (:func:`build_scheduler`).
+* Every engine scales its lrs to the total batch (:func:`scaled_lrs`: ``train.lr_scale`` linear or sqrt).
+* Detection / segmentation keep the official dense recipes' groups (:func:`dense_param_groups`) and their
+  per-iteration warmup + step / poly schedule (:func:`dense_lr_factor`, :class:`DenseSchedule`).
 """
 
 from __future__ import annotations
@@ -19,18 +16,23 @@ from typing import Any, NamedTuple
 import torch
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import CosineLRScheduler
-from torch import nn
+from torch import Tensor, nn
 
+from ..tasks.backbone import block_layer_ids
 from .config import Config, ConfigError
 from .distributed import DistInfo
 from .process import amp_dtype
 
 __all__ = [
     "LR_SCALES",
+    "DenseSchedule",
     "Optimization",
+    "build_dense_optimizer",
     "build_optimization",
     "build_optimizer",
     "build_scheduler",
+    "dense_lr_factor",
+    "dense_param_groups",
     "lr_factor",
     "scaled_lrs",
 ]
@@ -132,3 +134,79 @@ def build_optimization(cfg: Config, info: DistInfo, model: nn.Module, batches_pe
     amp = amp_dtype(cfg.train.amp, info.device)
     scaler = torch.amp.GradScaler(info.device.type, enabled=amp == torch.float16)
     return Optimization(total_batch, lrs, optimizer, scheduler, amp, scaler)
+
+
+def dense_param_groups(
+    model: nn.Module,
+    body: nn.Module,
+    lr: float,
+    weight_decay: float,
+    backbone_lr_mult: float = 1.0,
+    layer_decay: float | None = None,
+    no_decay_keys: tuple[str, ...] = ("norm",),
+) -> list[dict[str, Any]]:
+    """A dense run's AdamW parameter groups: per-group lr for the backbone and layer-wise lr decay (the
+    official detection / segmentation recipes group by names and backbone blocks, not by timm's rules).
+
+    Backbone parameters (those of ``body``, the backbone's feature trunk) get ``lr * backbone_lr_mult``, times
+    ``layer_decay ** (num_layers - 1 - layer_id)`` when ``layer_decay`` is set (stem deepest decay, last
+    blocks least; see :func:`~vit3.tasks.backbone.block_layer_ids`). Parameters whose name contains one of
+    ``no_decay_keys`` get no weight decay. Each group records its ``lr_scale`` for the scheduler.
+    """
+    layer_of, n_layers = block_layer_ids(body)
+    body_ids = {id(p): layer_of[n] for n, p in body.named_parameters()}
+    groups: dict[tuple[float, float], list[Tensor]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        scale = 1.0
+        if id(p) in body_ids:
+            scale = backbone_lr_mult * (
+                layer_decay ** (n_layers - 1 - body_ids[id(p)]) if layer_decay else 1.0
+            )
+        wd = 0.0 if any(k in name for k in no_decay_keys) else weight_decay
+        groups.setdefault((scale, wd), []).append(p)
+    return [{"params": ps, "lr": lr * s, "lr_scale": s, "weight_decay": wd} for (s, wd), ps in groups.items()]
+
+
+def dense_lr_factor(step: int, total: int, d: Config, iters_per_epoch: int) -> float:
+    """A dense run's schedule factor at optimizer step ``step`` of ``total``: linear warmup over
+    ``dense.warmup_iters``, then step or poly decay per iteration (the official dense recipes' schedules,
+    not the classification warmup + cosine)."""
+    if d.lr_schedule == "poly":
+        factor = (1 - min(step, total) / max(total, 1)) ** d.poly_power
+    elif d.lr_schedule == "step":
+        unit = 1 if d.iters else iters_per_epoch  # milestones are epochs unless training by iterations
+        factor = d.gamma ** sum(step >= m * unit for m in d.milestones)
+    else:
+        raise ConfigError(f"unknown dense.lr_schedule '{d.lr_schedule}': expected step or poly")
+    if step < d.warmup_iters:
+        factor *= d.warmup_factor + (1 - d.warmup_factor) * step / d.warmup_iters
+    return factor
+
+
+def build_dense_optimizer(model: nn.Module, body: nn.Module, cfg: Config, lr: float) -> torch.optim.AdamW:
+    """AdamW over :func:`dense_param_groups` of a dense run (``cfg.dense``: the backbone's lr multiplier and
+    the names without decay; ``cfg.train``: weight decay, layer decay, betas and eps)."""
+    d, t = cfg.dense, cfg.train
+    groups = dense_param_groups(
+        model, body, lr, t.weight_decay, d.backbone_lr_mult, t.layer_decay, tuple(d.no_decay_keys)
+    )
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(t.betas), eps=t.eps)
+
+
+class DenseSchedule:
+    """:func:`dense_lr_factor` as a scheduler :func:`~vit3.engine.loop.optimizer_step` steps: each group's
+    lr is ``lr * lr_scale * dense_lr_factor(step)`` (``d``: the ``dense:`` section)."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, lr: float, total: int, d: Config, iters_per_epoch: int
+    ) -> None:
+        self.optimizer, self.lr, self.d = optimizer, lr, d
+        self.total, self.iters_per_epoch = total, iters_per_epoch
+
+    def step_update(self, num_updates: int) -> None:
+        """Sets the lrs of optimizer update ``num_updates`` (0-based)."""
+        factor = dense_lr_factor(num_updates, self.total, self.d, self.iters_per_epoch)
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.lr * g["lr_scale"] * factor
