@@ -31,8 +31,8 @@ def time_samples(
     alternate: bool = False,
 ) -> dict[str, list[float]]:
     """Seconds of every call of each function, timed in turn (A B C A B C ...) so drift hits all alike; with
-    ``alternate`` every other round runs in reverse (A B C C B A ...), so no function always runs first, in the
-    caches and pages the others left (for calls of a few hundred µs that position alone is tens of µs)."""
+    ``alternate`` every other round runs in reverse (A B C C B A ...), so no function always runs first, in
+    the caches and pages the others left (for calls of a few hundred µs that position alone is tens of µs)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -66,7 +66,8 @@ def paired_ratio(base: list[float], other: list[float]) -> float:
 
 
 def paired_diff(first: list[float], second: list[float]) -> float:
-    """Median over rounds of ``first[i] - second[i]``: a difference measured side by side within each round."""
+    """Median over rounds of ``first[i] - second[i]``: a difference measured side by side within each
+    round."""
     return statistics.median(f - s for f, s in zip(first, second))
 
 
@@ -81,7 +82,8 @@ def _rss_bytes() -> int:
 
 
 def peak_tensor_memory(fn, device: torch.device) -> float:
-    """Peak extra tensor memory (MiB) of one call of ``fn``: what its tensors hold at most beyond the live ones.
+    """Peak extra tensor memory (MiB) of one call of ``fn``: what its tensors hold at most beyond the live
+    ones.
 
     CUDA: ``torch.cuda.max_memory_allocated``. CPU: the running sum of the allocations and frees the PyTorch
     profiler records (``profile_memory``), sampled at the boundaries of top-level ops: tensor storage only,

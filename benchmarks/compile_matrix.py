@@ -102,9 +102,10 @@ _STEP_KERNELS = ("step_kernel", "step_bwd_kernel", "wgrad_reduce_kernel")
 
 
 def markdown(rows: list[dict]) -> str:
-    """The README's table of ``rows`` (this script's CSV rows): per (arch, mode) a line, per head dim the worst
-    kernel of the inner models that fit: shared memory KB · registers · spilled bytes per thread of the token
-    kernels, in parentheses those of the step/reduction kernels where not 0; ‡ where an inner model does not fit.
+    """The README's table of ``rows`` (this script's CSV rows): per (arch, mode) a line, per head dim the
+    worst kernel of the inner models that fit: shared memory KB · registers · spilled bytes per thread of the
+    token kernels, in parentheses those of the step/reduction kernels where not 0; ‡ where an inner model does
+    not fit.
     """
     cells: dict[tuple[str, str], dict[int, list[dict]]] = {}
     for r in sorted(rows, key=lambda r: int(str(r["arch"]).removeprefix("sm_"))):
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     }:
         print("DOES NOT FIT (as fits_device says):", *r)
     print(
-        f"{len(cases)} cases, {len(rows)} kernels in {time.perf_counter() - start:.0f}s; {len(bad)} over a limit"
+        f"{len(cases)} cases, {len(rows)} kernels in {time.perf_counter() - start:.0f}s; {len(bad)} over a "
+        "limit"
     )
     write_csv(rows, args.out)
     print(f"wrote {args.out}")

@@ -228,7 +228,8 @@ def report(rows: list[dict], budget_epochs: int) -> None:
     margin = [c["val_top1"] - s["val_top1"] for c, s in zip(converted, scratch)]
     print(f"converted - scratch    {_stats(margin)} points (paired by seed)")
     print(
-        f"budget                 {converted[0]['steps']} steps = {100 * converted[0]['budget']:.1f}% of the teacher's"
+        f"budget                 {converted[0]['steps']} steps = {100 * converted[0]['budget']:.1f}% of the "
+        "teacher's"
     )
 
 

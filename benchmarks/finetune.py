@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(summary, args.out.with_name(args.out.stem + "_summary.csv"))
     _plot(rows, summary, args.out.with_suffix(".png"))
     print(
-        f"wrote {args.out}, {args.out.with_name(args.out.stem + '_summary.csv')}, {args.out.with_suffix('.png')}"
+        f"wrote {args.out}, {args.out.with_name(args.out.stem + '_summary.csv')}, "
+        f"{args.out.with_suffix('.png')}"
     )
     return 0
 

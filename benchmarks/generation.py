@@ -106,7 +106,8 @@ def _settings(cfg) -> dict:
 def train_demo(mixer: str, seed: int, out: Path, overrides: Sequence[str]) -> dict:
     """One demo run (training, then sampling and scoring): its row of the quality table. A run folder that
     already holds a scored run of the same config is read back instead (delete it to train again); a killed
-    run of the same config continues from its ``last.pt``; a folder of another run is refused by the engine."""
+    run of the same config continues from its ``last.pt``; a folder of another run is refused by the
+    engine."""
     from vit3.engine import load_config, run
 
     run_dir = out / f"{mixer}_seed{seed}"

@@ -71,8 +71,8 @@ def replay(ops: list[tuple]) -> None:
 
 def with_bare_ops(infer, train) -> tuple[dict, dict[str, list[tuple]]]:
     """``infer`` (run under ``torch.no_grad`` here) and ``train`` warmed up (kernels built, plans resolved and
-    verified), their ops recorded: the four calls ``infer``, ``bare infer``, ``train``, ``bare train``, and the
-    records by mode."""
+    verified), their ops recorded: the four calls ``infer``, ``bare infer``, ``train``, ``bare train``, and
+    the records by mode."""
 
     def infer_() -> None:
         with torch.no_grad():
@@ -97,8 +97,8 @@ def with_bare_ops(infer, train) -> tuple[dict, dict[str, list[tuple]]]:
 
 
 def _mixer_fns(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int], upstream: torch.Tensor) -> dict:
-    """The mixer's calls (``mix infer``, ``mix train``) and their bare ops (``bare infer``, ``bare train``), warmed
-    up: the plans resolved and verified (``ttt.CPP_NODE`` is read then)."""
+    """The mixer's calls (``mix infer``, ``mix train``) and their bare ops (``bare infer``, ``bare train``),
+    warmed up: the plans resolved and verified (``ttt.CPP_NODE`` is read then)."""
     leaves = [qkv, *mixer.parameters()]
 
     def train() -> None:
@@ -114,8 +114,8 @@ def _mixer_fns(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int], upstre
 
 
 def _op_fns(mixer: TTTMixer, qkv: torch.Tensor, leaves: list, upstream: torch.Tensor) -> dict:
-    """The whole-mixer C++ op called directly (``op infer``, ``op train``) with the arguments the mixer's settled
-    plans hand it: the same op and autograd node as ``mix``, without the mixer's Python in front."""
+    """The whole-mixer C++ op called directly (``op infer``, ``op train``) with the arguments the mixer's
+    settled plans hand it: the same op and autograd node as ``mix``, without the mixer's Python in front."""
     flat = [d[name] for d, name in mixer._param_sources()]
     # by grad mode (the key's fourth field)
     args = {key[3]: call.cpp for key, call in mixer._calls.plans.items()}
@@ -172,8 +172,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     fns, n_ops = {}, {}
     for node in nodes:  # each mixer plans its calls with its node
         ttt.CPP_NODE = node == "cpp"
-        # a shallow copy: the same parameters and inputs (both nodes then read the same, cache-warm, memory), its
-        # own plans (pickling state drops them)
+        # a shallow copy: the same parameters and inputs (both nodes then read the same, cache-warm, memory),
+        # its own plans (pickling state drops them)
         got = _mixer_fns(copy.copy(mixer), qkv, grid, upstream)
         fns |= {f"{node} {name}": fn for name, fn in got["fns"].items()}
         n_ops[node] = got["ops"]
@@ -211,7 +211,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "bare_ops_us": med[f"{node} bare {mode}"],
                     # paired within each round (the two run back to back), then the median over rounds
                     "overhead_us": med[f"{mix}|{node} bare {mode}"],
-                    # the mixer's Python in front of the op: mix against the op called directly (C++ node only)
+                    # the mixer's Python in front of the op: mix against the op called directly (C++ node
+                    # only)
                     "mixer_python_us": med.get(f"{mix}|{op}", float("nan")),
                     # the same estimate for two identical calls: what it reads where there is nothing to find
                     "same_call_us": med.get(f"{op}|{op}", float("nan")),

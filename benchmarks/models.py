@@ -252,9 +252,12 @@ def main() -> None:
                         if (a, res) in by and (base, res) in by:
                             ra = by[(a, res)]
                             print(
-                                f"{mode} {variant} {res}px: {a} {ra.get('speed_vs_base', float('nan')):.2f}x the "
-                                f"speed of {base} (paired), {ra.get('peak_vs_base', float('nan')):.2f}x its peak "
-                                f"memory, {ra.get('tensor_peak_vs_base', float('nan')):.2f}x its peak tensor memory"
+                                f"{mode} {variant} {res}px: {a} {ra.get('speed_vs_base', float('nan')):.2f}x "
+                                "the "
+                                f"speed of {base} (paired), {ra.get('peak_vs_base', float('nan')):.2f}x its "
+                                "peak "
+                                f"memory, {ra.get('tensor_peak_vs_base', float('nan')):.2f}x its peak tensor "
+                                "memory"
                             )
     write_csv(rows, args.out)
     for metric, label in (("ms", "ms per batch"), ("peak_mib", "peak MiB")):

@@ -359,7 +359,8 @@ def block_rest(st: Stage, b: int, gpu: GPU) -> tuple[float, float]:
 def training_step(op: ModuleType, name: str, b: int, gpu: GPU) -> dict[str, Any]:
     """Predicted seconds of one training step (forward + backward) of ``name`` at batch ``b``, and its split.
 
-    ``modelled_gmacs_fwd``: the forward multiply-adds per image the model covers (the blocks' GEMMs and the TTT
+    ``modelled_gmacs_fwd``: the forward multiply-adds per image the model covers (the blocks' GEMMs and the
+        TTT
     op's dots), beside the paper's count (fvcore's, one per multiply-add): the rest is the stem, the
     downsampling layers, the head and the element-wise work.
     """
@@ -401,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     op = load_triton_op(args.kernels)
     rows, steps = [], []
-    print(f"design: {args.design}; model constants: LAUNCH={LAUNCH * 1e6:.1f} us, LATENCY={LATENCY * 1e6:.1f} us, "
+    print(f"design: {args.design}; model constants: LAUNCH={LAUNCH * 1e6:.1f} us, "
+          f"LATENCY={LATENCY * 1e6:.1f} us, "
           f"MMA_SYNC_SM90={MMA_SYNC_SM90}, GEMM_EFF={GEMM_EFF}")  # fmt: skip
     for gname in args.gpus:
         gpu = GPUS[gname]

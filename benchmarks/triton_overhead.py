@@ -84,8 +84,8 @@ NODE = "triton path per mixer call: fused node"
 
 def _train_backward(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
     """``backward()`` on ``outs`` as a training step runs it, after ``zero_grad()`` (every ``.grad`` ``None``,
-    PyTorch's default): autograd keeps a node's gradient as its ``.grad``, or copies it where its layout is not
-    its weight's (accumulating into a kept ``.grad`` instead would hide that copy)."""
+    PyTorch's default): autograd keeps a node's gradient as its ``.grad``, or copies it where its layout is
+    not its weight's (accumulating into a kept ``.grad`` instead would hide that copy)."""
     for t in leaves:
         t.grad = None
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
@@ -94,9 +94,9 @@ def _train_backward(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> Non
 def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int, int], heads: int,
                 scale: float) -> dict[str, Callable[[], None]]:  # fmt: skip
     """The fused node of both branches on Triton: inference, and forward + backward end to end; as one launch
-    program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks), and both with
-    RoPE on the SwiGLU branch (H-ViT³'s mixer: q, k rotated around them); and the floor
-    of any Python autograd node with its inputs (``common.FloorNode``). ``{}`` on a tree without the Triton node."""
+    program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks), and both
+    with RoPE on the SwiGLU branch (H-ViT³'s mixer: q, k rotated around them); and the floor of any Python
+    autograd node with its inputs (``common.FloorNode``). ``{}`` on a tree without the Triton node."""
     if "path" not in eager_mix.MixBranch._fields:
         return {}
     c, d = weights[0].shape[1] * weights[0].shape[2], weights[0].shape[2]
@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     fns |= nodes
     # The same calls BACK_TO_BACK times in a row (warm caches), per call: the interleaved harness starts every
     # call with cold caches (one ``torch.empty`` reads several times its warm cost there).
-    warm = {f"{label} (back to back)": fn for label, fn in (("triton path per mixer call: triton_ttt per branch "
+    warm = {f"{label} (back to back)": fn for label, fn in (("triton path per mixer call: triton_ttt per "
+        "branch "
             "fwd+bwd", path), *nodes.items())}  # fmt: skip
     fns |= {label: _repeated(fn) for label, fn in warm.items()}
     fns["TTTMixer fwd+bwd (backend=triton)"] = mixer_both

@@ -122,7 +122,8 @@ def build_paths(
     conv = DWConvInner(1, d).to(device)
 
     def dwconv(qkv, w1, w2):
-        # Head 0 of q, k, v as the branch's d channels on a 1 x N grid (the cost does not depend on the shape).
+        # Head 0 of q, k, v as the branch's d channels on a 1 x N grid (the cost does not depend on the
+        # shape).
         ct = torch.promote_types(qkv.dtype, torch.float32)
         q, k, v = (t[:, :1].to(ct) for t in split_heads(qkv, heads))  # [B, 1, N, d]
         grid = (1, q.shape[2])
@@ -195,7 +196,8 @@ def detect_peaks(
 
 
 def first_call(path: str, call: Callable[[], object], device: torch.device) -> tuple[object, str]:
-    """Runs ``call`` once (a compiled path compiles here): its result and ``""``, or ``None`` and the error."""
+    """Runs ``call`` once (a compiled path compiles here): its result and ``""``, or ``None`` and the
+    error."""
     try:
         result = call()
         sync(device)
@@ -235,8 +237,8 @@ def rel_errors(results: dict[str, object], reference: str = "torch_loop") -> dic
 
 
 def kernel_profile(call: Callable[[], object], device: torch.device, steps: int = 3) -> list[tuple]:
-    """``(name, launches per call, µs per call)`` of every GPU kernel one call of ``call`` runs (on a CPU: every
-    op's self CPU time), by the PyTorch profiler over ``steps`` calls after the warm ones."""
+    """``(name, launches per call, µs per call)`` of every GPU kernel one call of ``call`` runs (on a CPU:
+    every op's self CPU time), by the PyTorch profiler over ``steps`` calls after the warm ones."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

@@ -20,14 +20,16 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(autouse=True)
 def _triton_marked(request, monkeypatch):
-    """A test marked ``triton`` runs its kernels on the GPU, or through the interpreter where there is none."""
+    """A test marked ``triton`` runs its kernels on the GPU, or through the interpreter where there is
+    none."""
     if request.node.get_closest_marker("triton") and not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
 def no_backend_env(monkeypatch):
-    """No ``VIT3_TTT_BACKEND``, ``VIT3_TTT_STRICT`` or removed backend variable from the caller's environment."""
+    """No ``VIT3_TTT_BACKEND``, ``VIT3_TTT_STRICT`` or removed backend variable from the caller's
+    environment."""
     from vit3.layers import backends
 
     for name in (backends.BACKEND_ENV, backends.STRICT_ENV, *backends.REMOVED_ENV):

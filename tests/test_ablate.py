@@ -140,7 +140,8 @@ class TestBudget:
 
 
 def test_runner_reports_diverged_and_failed_rows(monkeypatch, tmp_path):
-    """Diverged rows are reported as diverged, failures as errors (exit status 1), and the table still comes out."""
+    """Diverged rows are reported as diverged, failures as errors (exit status 1), and the table still comes
+    out."""
 
     def fake_train(cfg):
         name = Path(cfg.output).name
@@ -203,8 +204,10 @@ def test_a_second_table_run_refuses_the_first_ones_folders(monkeypatch, tmp_path
     capsys.readouterr()
     assert ablate.main(args) == 2
     assert capsys.readouterr().err == (
-        f"error: {tmp_path / 'dot'} holds the checkpoints of an earlier run (and 4 more rows' folders), which "
-        f"this table would overwrite: continue the table with --resume (finished rows are read back, a killed one "
+        f"error: {tmp_path / 'dot'} holds the checkpoints of an earlier run (and 4 more rows' folders), "
+        "which "
+        "this table would overwrite: continue the table with --resume (finished rows are read back, a "
+        "killed one "
         f"continues), or give it a new --output; --overwrite moves each row's old files into "
         f"<row folder>/replaced-<time>/ first\n"
     )
@@ -298,7 +301,8 @@ def test_quick_loss_table_end_to_end(tmp_path):
 
 
 def test_nonfinite_tokens_in_a_training_step_are_divergence():
-    """A TTT mixer meeting NaN tokens inside a training step (the images are checked first) means divergence."""
+    """A TTT mixer meeting NaN tokens inside a training step (the images are checked first) means
+    divergence."""
     from vit3.engine.classification import _diverged_on_nonfinite_tokens
     from vit3.layers import TTTMixer
 

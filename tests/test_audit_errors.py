@@ -117,16 +117,19 @@ def _fill(args: list[str], **paths: Path) -> list[str]:
 CLI_MISTAKES = {
     "config-without-base": (
         "train", ["--config", "<tmp>/mine.yaml", "output=<tmp>/out"],
-        "config file <tmp>/mine.yaml lacks task, seed, output, device, threads, deterministic, ... (11 keys): a run "
+        "config file <tmp>/mine.yaml lacks task, seed, output, device, threads, deterministic, ... (11 "
+        "keys): a run "
         f"config builds on a shipped one; begin it with 'base: {CONFIG_DIR / 'default.yaml'}'",
     ),
     "config-without-base-no-overrides": (
         "train", ["--config", "<tmp>/mine.yaml"], "config file <tmp>/mine.yaml lacks task, seed, output",
     ),
-    "empty-config": ("train", ["--config", "<tmp>/empty.yaml", "output=<tmp>/out"], "config file <tmp>/empty.yaml is empty"),
+    "empty-config": ("train", ["--config", "<tmp>/empty.yaml", "output=<tmp>/out"], "config file "
+        "<tmp>/empty.yaml is empty"),
     "config-folder": ("train", ["--config", "<tmp>"], "config file <tmp> is a folder: give a YAML file"),
     "resume-folder": (
-        "train", ["--resume", "<run>"], "checkpoint <run> is a folder: give the checkpoint file (e.g. <run>/last.pt)",
+        "train", ["--resume", "<run>"], "checkpoint <run> is a folder: give the checkpoint file (e.g. "
+                                        "<run>/last.pt)",
     ),
     "resume-a-config": (
         "train", ["--resume", "<run>/config.yaml"],
@@ -134,11 +137,13 @@ CLI_MISTAKES = {
     ),
     "sampler-of-a-classifier": (
         "eval", ["--checkpoint", "<classifier>", "--sampler", "ddim"],
-        "--sampler (sample.sampler) applies to generation checkpoints; <classifier> is a classification checkpoint",
+        "--sampler (sample.sampler) applies to generation checkpoints; <classifier> is a classification "
+        "checkpoint",
     ),
     "cfg-scale-of-a-detector": (
         "eval", ["--checkpoint", "<detector>", "--cfg-scale", "2"],
-        "--cfg-scale (sample.cfg_scale) applies to generation checkpoints; <detector> is a detection checkpoint",
+        "--cfg-scale (sample.cfg_scale) applies to generation checkpoints; <detector> is a detection "
+        "checkpoint",
     ),
     "img-size-of-a-generator": (
         "eval", ["--checkpoint", "<generator>", "--img-size", "64"],
@@ -148,11 +153,14 @@ CLI_MISTAKES = {
         "eval", ["--checkpoint", "<generator>", "--cfg-scale", "nan"],
         "config key sample.cfg_scale (eval.py --cfg-scale) must be a finite number >= 0, got 'nan'",
     ),
-    "base-lr-inf": ("train", ["train.base_lr=.inf"], "config key train.base_lr must be a finite number > 0, got inf"),
-    "base-lr-nan": ("train", ["train.base_lr=.nan"], "config key train.base_lr must be a finite number > 0, got nan"),
+    "base-lr-inf": ("train", ["train.base_lr=.inf"], "config key train.base_lr must be a finite number > 0, "
+                                                     "got inf"),
+    "base-lr-nan": ("train", ["train.base_lr=.nan"], "config key train.base_lr must be a finite number > 0, "
+                                                     "got nan"),
     "num-classes-in-kwargs": (
         "train", ["model.kwargs.num_classes=4"],
-        "model.kwargs.num_classes=4: vit3 passes num_classes to test_h_vit3 itself; leave it out of model.kwargs "
+        "model.kwargs.num_classes=4: vit3 passes num_classes to test_h_vit3 itself; leave it out of "
+        "model.kwargs "
         "and set model.num_classes",
     ),
     "num-classes-in-kwargs-eval": (
@@ -161,7 +169,8 @@ CLI_MISTAKES = {
     ),
     "img-size-beyond-any-memory": (
         "train", ["data.img_size=10000000"],
-        "config key data.img_size must be image sizes test_h_vit3 can run on cpu, got 10000000: one image of that "
+        "config key data.img_size must be image sizes test_h_vit3 can run on cpu, got 10000000: one image of "
+        "that "
         "size needs more memory than there is",
     ),
     "batch-of-one-with-batchnorm": (
@@ -299,7 +308,8 @@ MORE_CLI_MISTAKES = {
     "kwargs-heads-zero": (
         "train",
         ["model.kwargs.num_heads=[0,1,1,1]"],
-        "model.kwargs (img_size: 32, in_chans: 1, num_heads: [0, 1, 1, 1]) do not build test_h_vit3: TTTMixer "
+        "model.kwargs (img_size: 32, in_chans: 1, num_heads: [0, 1, 1, 1]) do not build test_h_vit3: "
+        "TTTMixer "
         "num_heads must be a positive integer, got 0",
     ),
     "kwargs-stage-lists-unequal": (
@@ -724,28 +734,35 @@ CHECKPOINT_MISTAKES = {
     ),
     "features-of-two-blocks": (
         "export", ["features", "--checkpoint", "<classifier>"],
-        "test_vit3's default feature levels do not fit it (last-n (3) is out of range (1 to 2)): its 2 feature "
+        "test_vit3's default feature levels do not fit it (last-n (3) is out of range (1 to 2)): its 2 "
+        "feature "
         "levels are 0 to 1 (or -2 to -1 from the last); name those to take with --out-indices",
     ),
     "eval-empty": (
         "eval", ["--checkpoint", "<empty>"],
-        "<empty> is an empty file (0 bytes), not a checkpoint; expected a vit3 checkpoint (a run's best.pt or "
+        "<empty> is an empty file (0 bytes), not a checkpoint; expected a vit3 checkpoint (a run's best.pt "
+        "or "
         "last.pt) or official weights (.pth, .safetensors)",
     ),
-    "eval-random": ("eval", ["--checkpoint", "<random>"], "<random> is no torch.save file (1024 bytes of another"),
-    "eval-a-config": ("eval", ["--checkpoint", "<config>"], "<config> is a text file (19 bytes, e.g. a YAML config)"),
+    "eval-random": ("eval", ["--checkpoint", "<random>"], "<random> is no torch.save file (1024 bytes of "
+                                                          "another"),
+    "eval-a-config": ("eval", ["--checkpoint", "<config>"], "<config> is a text file (19 bytes, e.g. a YAML "
+                                                            "config)"),
     "eval-foreign": (
         "eval", ["--checkpoint", "<foreign>"],
-        "<foreign> is a bare state dict of 1 tensor(s) (no vit3 model record), not a vit3 checkpoint: name its "
+        "<foreign> is a bare state dict of 1 tensor(s) (no vit3 model record), not a vit3 checkpoint: name "
+        "its "
         "model with --model",
     ),
-    "eval-folder": ("eval", ["--checkpoint", "<folder>"], "checkpoint <folder> is a folder: give the checkpoint file"),
+    "eval-folder": ("eval", ["--checkpoint", "<folder>"], "checkpoint <folder> is a folder: give the "
+                                                          "checkpoint file"),
     "eval-random-with-a-model": (
         "eval", ["--checkpoint", "<random>", "--model", "test_h_vit3"], "<random> is no torch.save file",
     ),
     "resume-empty": (
         "train", ["--resume", "<empty>"],
-        "<empty> is an empty file (0 bytes), not a checkpoint; expected a vit3 checkpoint (a run's last.pt or "
+        "<empty> is an empty file (0 bytes), not a checkpoint; expected a vit3 checkpoint (a run's last.pt "
+        "or "
         "best.pt)",
     ),
     "resume-random": ("train", ["--resume", "<random>"], "<random> is no torch.save file"),
@@ -763,10 +780,12 @@ CHECKPOINT_MISTAKES = {
     ),
     "fine-tune-from-foreign": (
         "train", ["--config", str(FINETUNE), "model.pretrained=<foreign>", "model.name=test_h_vit3"],
-        "<foreign>: checkpoint does not fit this HViT3: none of its 1 key(s) (e.g. a) names one of the model's",
+        "<foreign>: checkpoint does not fit this HViT3: none of its 1 key(s) (e.g. a) names one of the "
+        "model's",
     ),
     "features-of-empty": (
-        "export", ["features", "--checkpoint", "<empty>", "--model", "test_h_vit3"], "<empty> is an empty file",
+        "export", ["features", "--checkpoint", "<empty>", "--model", "test_h_vit3"], "<empty> is an empty "
+            "file",
     ),
 }  # fmt: skip
 
@@ -817,7 +836,8 @@ def _wrong_width(data: dict) -> None:
 COCO_MISTAKES = {
     "polygon-of-two-points": (
         _short_polygon,
-        "<ann>: annotation 1 of image 1 has a segmentation that is neither polygons (lists of 3 or more x, y pairs) "
+        "<ann>: annotation 1 of image 1 has a segmentation that is neither polygons (lists of 3 or more x, y "
+        "pairs) "
         "nor an RLE mask (size and counts)",
     ),
     "image-id-twice": (
@@ -1276,7 +1296,8 @@ MORE_API_MISTAKES = {
     "mixer-tokens-for-the-width": (
         lambda: TTTMixer(torch.randn(2, 16, 64), 16),
         TypeError,
-        r"TTTMixer dim must be a positive integer, got Tensor of shape \[2, 16, 64\] \(the tokens go to the call",
+        r"TTTMixer dim must be a positive integer, got Tensor of shape \[2, 16, 64\] \(the tokens go to the "
+        r"call",
     ),
     "mixer-tokens-for-the-width-no-heads": (
         lambda: TTTMixer(torch.randn(2, 16, 64), None),

@@ -1,6 +1,6 @@
-"""The mixer's backend registry (``vit3.layers.backends``): every backend it can be forced onto (by the config or
-by ``VIT3_TTT_BACKEND``) computes the generic path's output and gradients, a named backend that cannot serve
-warns once (or raises under ``VIT3_TTT_STRICT=1``), plans are resolved once per key, and the removed
+"""The mixer's backend registry (``vit3.layers.backends``): every backend it can be forced onto (by the config
+or by ``VIT3_TTT_BACKEND``) computes the generic path's output and gradients, a named backend that cannot
+serve warns once (or raises under ``VIT3_TTT_STRICT=1``), plans are resolved once per key, and the removed
 variables and the old ``impl`` key still read.
 
 The tests that launch kernels run where Triton runs (``triton_device``: the GPU, else the interpreter)."""

@@ -1,5 +1,5 @@
-"""The mixer's backend registry (``vit3.layers.backends``): what it chooses and why (``explain``), for one mixer and
-for a whole model, its CLI, and that the registry's backends are the ops' declared paths.
+"""The mixer's backend registry (``vit3.layers.backends``): what it chooses and why (``explain``), for one
+mixer and for a whole model, its CLI, and that the registry's backends are the ops' declared paths.
 
 The registry's decisions for CPU tensors under the interpreter ask for it (``interpreter``);
 ``TRITON_INTERPRET=0 pytest tests/test_backends_explain.py`` imports Triton as a GPU host does."""
@@ -232,8 +232,8 @@ def test_cli_runs_as_a_module_and_rejects_bad_arguments():
 
 
 def test_backends_implement_exactly_the_ops_that_declare_their_path():
-    """Each op under ``kernels/`` declares its fast paths; the registry's inner-model lists follow them, and the
-    Triton op serves exactly those ops."""
+    """Each op under ``kernels/`` declares its fast paths; the registry's inner-model lists follow them, and
+    the Triton op serves exactly those ops."""
     import vit3.kernels as kernels
 
     assert reg.BACKENDS["triton"].models == kernels.ops_with("triton") == tuple(tdev.TRITON_LOSSES)
@@ -253,8 +253,8 @@ def test_the_backends_a_config_may_name_are_the_registrys():
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("rope", [False, True], ids=["rope-off", "rope-on"])
 def test_explain_says_when_the_fused_node_is_one_launch_program(monkeypatch, rope):
-    """Both branches on Triton: one launch program, with or without RoPE on the SwiGLU branch (its q, k rotated
-    into the program's bases); never on the CPU paths. As the mixer's call runs it."""
+    """Both branches on Triton: one launch program, with or without RoPE on the SwiGLU branch (its q, k
+    rotated into the program's bases); never on the CPU paths. As the mixer's call runs it."""
     mixer = hb.make_mixer(dtype=torch.float32, rope=rope)
     x = hb.tokens(BIG_GRID, dtype=torch.float32)
     assert not mixer.explain(x, BIG_GRID).program  # cpu, cpu

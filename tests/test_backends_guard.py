@@ -1,5 +1,5 @@
-"""The mixer's guard (``vit3.layers.backends.guard``): a backend failing in the forward or in the backward steps
-aside with one warning (or raises under ``VIT3_TTT_STRICT=1``), the first call of each new input
+"""The mixer's guard (``vit3.layers.backends.guard``): a backend failing in the forward or in the backward
+steps aside with one warning (or raises under ``VIT3_TTT_STRICT=1``), the first call of each new input
 specialisation of the Triton kernels is verified, a sticky GPU fault is reported as the kernels', a double
 backward works, and a C++ kernel that cannot be built steps aside.
 
@@ -195,8 +195,8 @@ def _skipped_launch(monkeypatch, kernels: set[str], batch: int) -> None:
 
 @pytest.mark.triton
 def test_each_new_input_specialisation_runs_guarded_and_verified_once(monkeypatch, triton_device):
-    """The plan key holds no batch size nor exact N; Triton specialises on both (and on strides). Both branches
-    run on Triton in one fused node: one guarded unit per guarded call."""
+    """The plan key holds no batch size nor exact N; Triton specialises on both (and on strides). Both
+    branches run on Triton in one fused node: one guarded unit per guarded call."""
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")
     mixer, x, dout = _on(triton_device, make_mixer(), tokens(GRID, b=3), tokens(GRID, b=3))
     guarded = count_calls(monkeypatch, guard._Guard, "forward")

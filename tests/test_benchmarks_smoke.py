@@ -221,8 +221,8 @@ def test_triton_overhead_benchmark_reports_every_call(tmp_path):
 
 
 def test_autograd_floor_benchmark_times_both_nodes(tmp_path):
-    """The Python node, its bodies alone and (with a C++ compiler, which the C++ kernel needs too) the C++ node
-    calling the same Python bodies."""
+    """The Python node, its bodies alone and (with a C++ compiler, which the C++ kernel needs too) the C++
+    node calling the same Python bodies."""
     out = tmp_path / "floor.csv"
     _run("autograd_floor.py", "--repeats", "3", "--out", str(out))
     rows = {r["node"]: float(r["median_us"]) for r in csv.DictReader(out.open())}
@@ -260,7 +260,8 @@ def test_gpu_check_skips_what_its_time_budget_cannot_hold(tmp_path):
 def test_gpu_check_dry_run_writes_its_csvs_row_by_row_and_a_summary(tmp_path):
     """The CPU dry run (``GPU_CHECK_DEVICE=cpu``: the interpreter, tiny sizes) of the environment and kernel
     sections: the fused path through the interpreter, the compiled paths, two batch x heads sizes, the
-    per-kernel profile; what the device tool brings back (8 plain files at most) lands in the output folder."""
+    per-kernel profile; what the device tool brings back (8 plain files at most) lands in the output
+    folder."""
     out, work = tmp_path / "out", tmp_path / "work"
     proc = _gpu_check(out, work, GPU_CHECK_ONLY="env kernel")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -337,15 +338,18 @@ def test_model_overhead_times_each_model_and_its_bare_ops(tmp_path):
 
 
 def test_cpu_attribution_sorts_samples_into_parts():
-    """Each sample goes to the code that spent it: MKL's GEMM apart from ATen's other code in the same library,
-    vit3's extension, the interpreter, the bindings, the C library; header and padding lines are skipped."""
+    """Each sample goes to the code that spent it: MKL's GEMM apart from ATen's other code in the same
+    library, vit3's extension, the interpreter, the bindings, the C library; header and padding lines are
+    skipped."""
     attribution = load_benchmark("cpu_attribution")
     report = "\n".join(
         [
             "# Samples: 9K of event 'cpu-clock:pppH'",
             " 40.10% \t 12031      \tlibtorch_cpu.so          \t[.] mkl_blas_avx512_sgemm_kernel_0",
-            " 3.36%  \t 1007       \tlibtorch_cpu.so          \t[.] at::native::AVX2::RowwiseMomentsImpl<float, 4l>",
-            " 0.91%  \t 273        \tvit3_cpu_avx512_0123.so  \t[.] (anonymous namespace)::inner_grad_impl<float>",
+            " 3.36%  \t 1007       \tlibtorch_cpu.so          \t[.] "
+            "at::native::AVX2::RowwiseMomentsImpl<float, 4l>",
+            " 0.91%  \t 273        \tvit3_cpu_avx512_0123.so  \t[.] (anonymous "
+            "namespace)::inner_grad_impl<float>",
             " 2.77%  \t 831        \tlibpython3.11.so.1.0     \t[.] _PyEval_EvalFrameDefault",
             " 0.35%  \t 105        \tlibtorch_python.so       \t[.] torch::FunctionSignature::parse",
             " 0.78%  \t 234        \tlibc.so.6                \t[.] _int_malloc",

@@ -1,5 +1,5 @@
-"""The plain ViT³ block as one C++ op (``vit3_cpu::ttt_block``, ``TTTBlock.one_op``): where it serves it gives the
-bits of the block run layer by layer, forward and every gradient, drop path included; it steps aside, and
+"""The plain ViT³ block as one C++ op (``vit3_cpu::ttt_block``, ``TTTBlock.one_op``): where it serves it gives
+the bits of the block run layer by layer, forward and every gradient, drop path included; it steps aside, and
 ``explain`` says why, wherever the layers would do more than the op computes."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def _x(requires_grad: bool = False) -> torch.Tensor:
 
 
 def _settle(block: TTTBlock, x: torch.Tensor) -> None:
-    """The first calls of the mixer's plan run layer by layer, guarded (with gradients, up to the backward that
-    verifies them); afterwards the call is settled."""
+    """The first calls of the mixer's plan run layer by layer, guarded (with gradients, up to the backward
+    that verifies them); afterwards the call is settled."""
     for _ in range(2):
         out = block(x)
         if out.requires_grad:
@@ -45,7 +45,8 @@ def _settle(block: TTTBlock, x: torch.Tensor) -> None:
 def _run(
     block: TTTBlock, x: torch.Tensor, seed: int = 7
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """Output, the gradients of x and every parameter (where gradients flow) and the RNG state after the call."""
+    """Output, the gradients of x and every parameter (where gradients flow) and the RNG state after the
+    call."""
     torch.manual_seed(seed)
     out = block(x)
     rng = torch.get_rng_state()
@@ -62,9 +63,9 @@ def _run(
 @pytest.mark.parametrize("drop_path", [0.0, 0.3], ids=["no-drop-path", "drop-path"])
 @pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "inference_mode"])
 def test_the_one_op_block_gives_the_layer_by_layer_bits(monkeypatch, mode, drop_path, recompute):
-    """Same output, same gradient of x and of every parameter, same draws of the drop path (the RNG state after
-    the call), for the memory-lean block and the saving one; the layer-by-layer call is the same block with a
-    (no-op) hook on its mixer."""
+    """Same output, same gradient of x and of every parameter, same draws of the drop path (the RNG state
+    after the call), for the memory-lean block and the saving one; the layer-by-layer call is the same block
+    with a (no-op) hook on its mixer."""
     block = _block(drop_path, recompute=recompute).train(mode == "train")
     grad = mode in ("train", "eval")
     x = _x(requires_grad=grad)
@@ -92,7 +93,8 @@ def test_the_one_op_block_gives_the_layer_by_layer_bits(monkeypatch, mode, drop_
 
 
 def test_a_vit3_model_runs_every_block_as_one_op_with_the_same_logits(monkeypatch):
-    """A whole model (``test_vit3_ttt``): every block one op once settled, logits as with hooks on the mixers."""
+    """A whole model (``test_vit3_ttt``): every block one op once settled, logits as with hooks on the
+    mixers."""
     model = timm.create_model("test_vit3_ttt").eval()
     img = torch.randn(2, 3, 128, 96)  # 48 tokens: the C++ kernel (from 32 per head)
     with torch.no_grad():
@@ -125,8 +127,8 @@ def _compiled_projection(block: TTTBlock) -> None:
     block.attn.proj.compile()  # compiled on its first call, which the test never makes
 
 
-# name, block kwargs, what is done to the settled block, whether gradients flow, the reason explain gives (None:
-# explain leaves hooks and settledness aside: the block would run as one op)
+# name, block kwargs, what is done to the settled block, whether gradients flow, the reason explain gives
+# (None: explain leaves hooks and settledness aside: the block would run as one op)
 STEPS_ASIDE = [
     pytest.param({}, _hook_on_mixer, False, None, id="hook-on-the-mixer"),
     pytest.param({}, _global_hook, False, None, id="global-module-hook"),
@@ -170,7 +172,8 @@ def test_under_autocast_and_before_the_mixer_settles_the_block_runs_layer_by_lay
 
 
 def test_the_one_op_block_is_once_differentiable():
-    """A second backward through the op meets its C++ nodes' once-differentiable error, as the layers' does."""
+    """A second backward through the op meets its C++ nodes' once-differentiable error, as the layers'
+    does."""
     block = _block()
     x = _x(requires_grad=True)
     _settle(block, x)
@@ -195,7 +198,8 @@ def test_explain_says_whether_the_blocks_run_as_one_op(model, expected, grad):
     assert entry["one_op"] == (model == "test_vit3_ttt")
 
 
-@pytest.mark.parametrize(("recompute", "expected"), [("never", "one C++ op each"), ("qkv", "layer by layer: training recomputes qkv")])  # fmt: skip
+@pytest.mark.parametrize(("recompute", "expected"), [("never", "one C++ op each"), ("qkv", "layer by layer: "
+    "training recomputes qkv")])  # fmt: skip
 def test_explain_follows_the_recompute_mode_for_training_blocks(monkeypatch, recompute, expected):
     monkeypatch.setenv("VIT3_TTT_RECOMPUTE", recompute)
     model = timm.create_model("test_vit3_ttt")

@@ -1,7 +1,7 @@
-"""The ViT³ block's memory-lean training backward (``TTTConfig.recompute`` other than ``"never"``): ``LeanMlp``
-(the MLP's LayerNorm and GELU outputs recomputed) and the CPE output recomputed (one node with the first norm on
-the C++ kernel, checkpointed elsewhere) give the saving variant's
-numbers, forward and every gradient, and save per token what docs/mixer.md's table states."""
+"""The ViT³ block's memory-lean training backward (``TTTConfig.recompute`` other than ``"never"``):
+``LeanMlp`` (the MLP's LayerNorm and GELU outputs recomputed) and the CPE output recomputed (one node with the
+first norm on the C++ kernel, checkpointed elsewhere) give the saving variant's numbers, forward and every
+gradient, and save per token what docs/mixer.md's table states."""
 
 from __future__ import annotations
 
@@ -116,8 +116,8 @@ def _block(recompute: str) -> TTTBlock:
 
 @pytest.mark.parametrize("backend", ["cpu", "generic"])
 def test_lean_block_matches_the_saving_block_every_gradient(monkeypatch, backend):
-    """On ``cpu`` the CPE and first norm form one C++ node (``vit3_cpu::cpe_norm``), and the MLP is the lean MLP's
-    C++ node; elsewhere they are checkpointed and the MLP is the Python node."""
+    """On ``cpu`` the CPE and first norm form one C++ node (``vit3_cpu::cpe_norm``), and the MLP is the lean
+    MLP's C++ node; elsewhere they are checkpointed and the MLP is the Python node."""
     monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
     lean, saving = _block("always"), _block("never")
     x = torch.randn(2, 5, 8, 32, dtype=torch.float64, requires_grad=True)
@@ -134,11 +134,11 @@ def test_lean_block_matches_the_saving_block_every_gradient(monkeypatch, backend
 
 
 def test_lean_block_saves_what_the_readme_table_states(monkeypatch):
-    """Per token of a ViT³ block (C = 32, 4 SwiGLU heads of 8 plus a depthwise head of 8: W = 40, MLP 128): the
-    saving variant keeps the CPE input, the norms' inputs and statistics, the qkv input, q, k, v and Z, Y of the
-    mixer, the projection input and the MLP's fc1 input, fc1 output and GELU output; the lean one drops the CPE
-    output (the first norm's input, recomputed; its statistics are kept), Z, Y, the second norm's output and the
-    GELU output."""
+    """Per token of a ViT³ block (C = 32, 4 SwiGLU heads of 8 plus a depthwise head of 8: W = 40, MLP 128):
+    the saving variant keeps the CPE input, the norms' inputs and statistics, the qkv input, q, k, v and Z, Y
+    of the mixer, the projection input and the MLP's fc1 input, fc1 output and GELU output; the lean one drops
+    the CPE output (the first norm's input, recomputed; its statistics are kept), Z, Y, the second norm's
+    output and the GELU output."""
     monkeypatch.setenv("VIT3_TTT_BACKEND", "cpu")
     dim, width, hidden = 32, 40, 128
 
@@ -155,8 +155,9 @@ def test_lean_block_saves_what_the_readme_table_states(monkeypatch):
 
 
 def test_the_cpp_block_nodes_are_once_differentiable(monkeypatch):
-    """A backward with ``create_graph=True`` through the C++ nodes (the CPE + norm, the lean MLP) gives the first
-    gradients; differentiating those again raises and names the node, as the Python nodes' ``once_differentiable``."""
+    """A backward with ``create_graph=True`` through the C++ nodes (the CPE + norm, the lean MLP) gives the
+    first gradients; differentiating those again raises and names the node, as the Python nodes'
+    ``once_differentiable``."""
     monkeypatch.setenv("VIT3_TTT_BACKEND", "cpu")
     block = _block("always")
     x = torch.randn(1, 3, 4, 32, dtype=torch.float64, requires_grad=True)

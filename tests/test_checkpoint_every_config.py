@@ -1,8 +1,8 @@
 """Every run's checkpoint reloads with weights-only loading: for every config in ``configs/`` that a run can
 start from, the checkpoint's model record is plain data; a one-step run of each kind of config (each model
 family, task and mixer config: nested ``ttt_cfg`` of the ablation rows and of DiT³) saves a checkpoint that
-``eval.py``, a bare ``train.py --resume`` and fine-tuning read back; checkpoints of earlier vit3 versions, whose
-records pickled a ``Config``, still load."""
+``eval.py``, a bare ``train.py --resume`` and fine-tuning read back; checkpoints of earlier vit3 versions,
+whose records pickled a ``Config``, still load."""
 
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ CLASSIFICATION = [
 
 @pytest.mark.parametrize("name", CLASSIFICATION)
 def test_a_one_step_classification_run_is_read_back(name, few_digits, tmp_path):
-    """train.py saves; eval.py evaluates it, a bare --resume continues it, configs/finetune.yaml fine-tunes it."""
+    """train.py saves; eval.py evaluates it, a bare --resume continues it, configs/finetune.yaml fine-tunes
+    it."""
     train, evaluate = load_script("train"), load_script("eval")
     out = tmp_path / "run"
     assert train.main(_classification_args(CONFIG_DIR / f"{name}.yaml", few_digits, out)) == 0
@@ -230,7 +231,8 @@ def test_a_one_step_generation_run_is_read_back(name, few_digits, tmp_path):
 
 # ------------------------------------------------------------------------------- earlier checkpoints
 def _as_written_before(ckpt_path: Path, old_path: Path) -> Path:
-    """The checkpoint as vit3 wrote it before records held plain data: its model kwargs pickled as a Config."""
+    """The checkpoint as vit3 wrote it before records held plain data: its model kwargs pickled as a
+    Config."""
     ckpt = read_ckpt(ckpt_path)
     for where in (ckpt, ckpt["record"]):
         where["kwargs" if where is ckpt["record"] else "model_kwargs"] = Config(ckpt["record"]["kwargs"])

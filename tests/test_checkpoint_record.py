@@ -1,6 +1,6 @@
-"""What a vit3 checkpoint carries (the model record) and how fine-tuning, eval.py and resuming use it: the model
-is built from the checkpoint, the head is replaced unless kept, labels follow class names, explicit settings
-win with a warning, a resume that would change the data stream is refused; atomic, durable writes."""
+"""What a vit3 checkpoint carries (the model record) and how fine-tuning, eval.py and resuming use it: the
+model is built from the checkpoint, the head is replaced unless kept, labels follow class names, explicit
+settings win with a warning, a resume that would change the data stream is refused; atomic, durable writes."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def test_version_1_checkpoints_give_a_record_from_their_fields(pretrained):
 
 def test_finetune_config_builds_the_checkpoints_model_and_replaces_the_head(pretrained, tmp_path):
     """configs/finetune.yaml names no model: the checkpoint's (custom kwargs, one channel, 32 px, its
-    normalisation) is built, on an RGB folder of other classes, and the head is new even for as many classes."""
+    normalisation) is built, on an RGB folder of other classes, and the head is new even for as many
+    classes."""
     data = make_digit_folder(tmp_path / "other", digits=(5, 6, 7, 8), n_train=20, n_val=10)
     cfg = load_config(FINETUNE, _finetune(data, tmp_path / "ft", pretrained))
     run(cfg, "train")
@@ -85,7 +86,8 @@ def test_finetune_config_builds_the_checkpoints_model_and_replaces_the_head(pret
 
 
 def test_keep_head_keeps_the_classifier_and_its_class_names(pretrained, digits, tmp_path):
-    """model.keep_head: the folder (a subset, other order of names is fine) is labelled by the head's classes."""
+    """model.keep_head: the folder (a subset, other order of names is fine) is labelled by the head's
+    classes."""
     subset = make_digit_folder(tmp_path / "subset", digits=(3, 1), n_train=10, n_val=5)
     cfg = load_config(FINETUNE, _finetune(subset, tmp_path / "keep", pretrained, "model.keep_head=true"))
     from vit3.engine.classification import _setup

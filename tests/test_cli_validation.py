@@ -1,7 +1,7 @@
 """The validation layer seen from the command line (issue 29): every user mistake over ``train.py``,
 ``eval.py``, ``export.py`` and torchrun ends in one ``error:`` line naming the key or flag, the value and what
-is allowed, exit code 2, nothing written; a legitimate value that may not mean what the user expects runs with a
-warning saying what it means. One table per script; each row is a mistake a new user made."""
+is allowed, exit code 2, nothing written; a legitimate value that may not mean what the user expects runs with
+a warning saying what it means. One table per script; each row is a mistake a new user made."""
 
 from __future__ import annotations
 
@@ -145,8 +145,8 @@ def test_a_full_disk_mid_training_keeps_the_checkpoint_on_disk(digits, tmp_path,
 
 
 def test_values_that_run_but_may_surprise_are_warned_about(digits, tmp_path):
-    """A warmup longer than the run, a file that is no image and a 1x1 image in a class folder: the run goes on
-    and says what happens to each."""
+    """A warmup longer than the run, a file that is no image and a 1x1 image in a class folder: the run goes
+    on and says what happens to each."""
     data = tmp_path / "data"
     shutil.copytree(digits, data)
     (data / "train" / "digit_0" / "notes.txt").write_text("not an image")
@@ -205,7 +205,8 @@ def test_an_eval_mistake_is_one_line(flags, message, checkpoint, a_file, capsys)
 EXPORT_MISTAKES = {
     "feature-index-out-of-range": (
         ["features", "--out-indices", "7"],
-        "--out-indices [7] do not fit test_h_vit3: its 4 feature levels are 0 to 3 (or -4 to -1 from the last)",
+        "--out-indices [7] do not fit test_h_vit3: its 4 feature levels are 0 to 3 (or -4 to -1 from the "
+        "last)",
     ),
     "onnx-index-out-of-range": (["onnx", "--out-indices", "9"], "--out-indices [9] do not fit test_h_vit3"),
     "unknown-model": (
@@ -319,7 +320,8 @@ def test_torchrun_with_a_batch_larger_than_a_ranks_share_says_so_once(digits, tm
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        "error: data.batch_size=16 exceeds the 12 training images per process (24 images over 2 process(es)): "
+        "error: data.batch_size=16 exceeds the 12 training images per process (24 images over 2 "
+        "process(es)): "
         "lower data.batch_size, or let data.fit_batch=8 fit it (configs/finetune.yaml does)"
     ], done.stderr
     assert "exitcode  : 2" in done.stderr  # rank 0's own exit code, in torchrun's summary

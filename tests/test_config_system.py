@@ -95,8 +95,8 @@ def test_saved_config_round_trips_with_git_metadata(tmp_path):
 
 def test_the_keys_the_user_wrote_are_recorded_and_the_shipped_defaults_are_not(tmp_path):
     """Overrides and the keys of the user's own files (through their base: chain) are written; the shipped
-    configs' values are defaults, also where they win the merge over a user's base; a checkpoint's config keeps
-    what its run's user wrote, and a resume's overrides add to it."""
+    configs' values are defaults, also where they win the merge over a user's base; a checkpoint's config
+    keeps what its run's user wrote, and a resume's overrides add to it."""
     finetune = CONFIG_DIR / "finetune.yaml"
     _write(
         tmp_path / "mine.yaml",

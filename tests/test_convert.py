@@ -1,10 +1,9 @@
 """vit3.convert and the ``convert`` task: an attention teacher distilled into its TTT swap.
-
 What is protected: the layer pairs (ViT/DeiT with prefix tokens, Swin in both scopes) record the teacher's own
 layer inputs and attention outputs and apply the student's mixer as the student's forward does; the student
 starts as the teacher; attention transfer trains the mixers only; the distillation loss is timm's; the task
-runs from a config (teacher trained first when missing), writes per-stage metrics and curves, resumes
-exactly, and leaves a checkpoint that eval and fine-tuning take; bad settings end in one clear error.
+runs from a config (teacher trained first when missing), writes per-stage metrics and curves, resumes exactly,
+and leaves a checkpoint that eval and fine-tuning take; bad settings end in one clear error.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""vit3.data: image-folder checks, corrupt-image policy, resumable sampling, seeded augmentation, demo data."""
+"""vit3.data: image-folder checks, corrupt-image policy, resumable sampling, seeded augmentation, demo
+data."""
 
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ def slug(heading: str) -> str:
 
 
 def anchors(page: Path) -> set[str]:
-    """The anchors of ``page``'s headings (a repeated heading's with GitHub's ``-1``, ``-2``, ... suffixes)."""
+    """The anchors of ``page``'s headings (a repeated heading's with GitHub's ``-1``, ``-2``, ...
+    suffixes)."""
     seen: dict[str, int] = {}
     found = set()
     for line in FENCE.sub("", page.read_text(encoding="utf-8")).splitlines():

@@ -1,4 +1,5 @@
-"""Feature export: safetensors files of multi-scale backbone features for a folder of images, with a manifest."""
+"""Feature export: safetensors files of multi-scale backbone features for a folder of images, with a
+manifest."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def image_dir(tmp_path_factory):
 
 
 def _reference_features(model: FeatureExtractor, path, size: int) -> list[torch.Tensor]:
-    """Independent preprocessing (torchvision resize + center crop + normalise) and the raw timm feature model."""
+    """Independent preprocessing (torchvision resize + center crop + normalise) and the raw timm feature
+    model."""
     tf = T.Compose(
         [
             T.Resize(size, interpolation=T.InterpolationMode.BICUBIC),

@@ -1,5 +1,6 @@
 """ONNX export of the multi-scale feature extractor, checked against PyTorch with onnxruntime, and the
-export-time formulation of the depthwise-conv inner model (nine shifted multiply-adds) against the native one."""
+export-time formulation of the depthwise-conv inner model (nine shifted multiply-adds) against the native
+one."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Fine-tuning on a small image folder out of the box (configs/finetune.yaml, vit3.engine.recipe): the batch fitted
-to the data, the lrs following the batch, enough optimizer steps for a tiny folder, layer-wise lr decay groups,
-the linear probe (frozen backbone), and the README's fine-tune command run as written on a folder of real
-photographs."""
+"""Fine-tuning on a small image folder out of the box (configs/finetune.yaml, vit3.engine.recipe): the batch
+fitted to the data, the lrs following the batch, enough optimizer steps for a tiny folder, layer-wise lr decay
+groups, the linear probe (frozen backbone), and the README's fine-tune command run as written on a folder of
+real photographs."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ DEMO_MODEL = load_config(DEMO).model
 
 
 def _recipe(*defaults: str, written: tuple[str, ...] = ()) -> Config:
-    """configs/finetune.yaml with ``defaults`` (``key=value``) as its own values, left to the recipe to fit, and
-    ``written`` as what the user wrote on the command line."""
+    """configs/finetune.yaml with ``defaults`` (``key=value``) as its own values, left to the recipe to fit,
+    and ``written`` as what the user wrote on the command line."""
     data = load_config(FINETUNE, defaults).to_dict()
     data.pop(WRITTEN_KEY, None)
     return config_from_dict(data, written)
@@ -161,7 +161,8 @@ def test_written_epochs_and_batch_are_kept_and_logged_as_written():
 def test_a_written_warmup_is_kept_while_the_epochs_are_fitted():
     cfg = _recipe("train.epochs=30", "train.min_steps=600", written=("train.warmup_epochs=1",))
     assert fit_epochs(cfg, 8) == (
-        "train.epochs: 30 -> 75, train.warmup_epochs=1 as written (fitted, train.min_steps=600 at 8 steps per "
+        "train.epochs: 30 -> 75, train.warmup_epochs=1 as written (fitted, train.min_steps=600 at 8 steps "
+        "per "
         "epoch)"
     )
     assert (cfg.train.epochs, cfg.train.warmup_epochs) == (75, 1)
@@ -191,13 +192,15 @@ def test_values_in_the_users_own_config_file_are_written_too(tmp_path):
         ),
         pytest.param(
             ("data.batch_size=12", "data.fit_batch=8"), "batch",
-            r"^data.batch_size=12 and data.fit_batch=8 are both written, but 24 training images per process make "
+            r"^data.batch_size=12 and data.fit_batch=8 are both written, but 24 training images per process "
+            r"make "
             r"2 batches of 12 per epoch: drop one of them$",
             id="batch-and-fit-batch",
         ),
         pytest.param(
             ("train.epochs=4", "train.min_steps=600"), "epochs",
-            r"^train.epochs=4 and train.min_steps=600 are both written, but 4 epochs of 3 optimizer steps make "
+            r"^train.epochs=4 and train.min_steps=600 are both written, but 4 epochs of 3 optimizer steps "
+            r"make "
             r"12: drop one of them$",
             id="epochs-and-min-steps",
         ),

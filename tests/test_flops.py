@@ -1,5 +1,5 @@
-"""FLOP counts of the custom ops (``vit3.kernels.flops``): ``FlopCounterMode`` counts a model on its C++ ops as
-fvcore counts its traced ATen ops (2 FLOPs per multiply-add against fvcore's 1), a backward as autograd's
+"""FLOP counts of the custom ops (``vit3.kernels.flops``): ``FlopCounterMode`` counts a model on its C++ ops
+as fvcore counts its traced ATen ops (2 FLOPs per multiply-add against fvcore's 1), a backward as autograd's
 matmuls on the generic path, a counter entered before the kernel loads counts too, and fvcore's handles count
 the ops that a trace records (no unsupported vit3 op)."""
 
@@ -24,9 +24,9 @@ def _macs(counter: FlopCounterMode, kind: str = "") -> int:
 
 
 def test_forward_counts_as_fvcore_counts_the_traced_model():
-    """Two ViT³-T blocks at 96 px (36 tokens: every branch on the C++ ops) by ``FlopCounterMode``: fvcore's count
-    of the traced (plain ATen) model, but its LayerNorms, which ``FlopCounterMode`` counts nowhere (and numpy's
-    estimate of each einsum's, 2 more than its multiply-adds)."""
+    """Two ViT³-T blocks at 96 px (36 tokens: every branch on the C++ ops) by ``FlopCounterMode``: fvcore's
+    count of the traced (plain ATen) model, but its LayerNorms, which ``FlopCounterMode`` counts nowhere (and
+    numpy's estimate of each einsum's, 2 more than its multiply-adds)."""
     from fvcore.nn import FlopCountAnalysis
 
     needs_kernels(torch.device("cpu"))
@@ -44,8 +44,8 @@ def test_forward_counts_as_fvcore_counts_the_traced_model():
 
 
 def test_backward_counts_as_autograd_on_the_generic_path():
-    """A SwiGLU mixer's training step that keeps its pre-activations (``recompute="never"``): the C++ ops count
-    what autograd's matmuls count on the generic path, forward and backward."""
+    """A SwiGLU mixer's training step that keeps its pre-activations (``recompute="never"``): the C++ ops
+    count what autograd's matmuls count on the generic path, forward and backward."""
     needs_kernels(torch.device("cpu"))
     x = torch.randn(1, 3, 96, 96)
     counts = {}

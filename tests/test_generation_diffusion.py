@@ -1,4 +1,5 @@
-"""vit3.tasks.diffusion: the official objective against a float64 brute force, the official sampler (fixture), sampling."""
+"""vit3.tasks.diffusion: the official objective against a float64 brute force, the official sampler (fixture),
+sampling."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class BruteForce:
 
     The posterior q(x_{t-1} | x_t, x_0) comes from Bayes' rule on the forward chain (product of the two
     Gaussians q(x_{t-1} | x_0) and q(x_t | x_{t-1})), the KL divergence and the decoder's bin probability are
-    numerical integrals of the Gaussian densities (scipy quad): none of the closed forms of the code under test.
+    numerical integrals of the Gaussian densities (scipy quad): none of the closed forms of the code under
+        test.
     """
 
     def __init__(self, betas: list[float]) -> None:
@@ -163,7 +165,8 @@ def test_official_schedule_and_add_noise_closed_form(diffusion):
 
 
 def _closed_form_prev(ab: torch.Tensor, t: int, prev: int, xt, eps, v):
-    """DDPM on a respaced chain (official respacing: betas from the kept alpha bars): mean and log-variance."""
+    """DDPM on a respaced chain (official respacing: betas from the kept alpha bars): mean and
+    log-variance."""
     a_t, a_p = ab[t], (ab[prev] if prev >= 0 else torch.tensor(1.0, dtype=ab.dtype))
     beta = 1 - a_t / a_p
     x0 = (xt - (1 - a_t).sqrt() * eps) / a_t.sqrt()

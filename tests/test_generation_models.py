@@ -20,7 +20,8 @@ TINY = dict(input_size=8, patch_size=2, in_channels=4, hidden_size=32, depth=2, 
 
 
 def _fixture_model(fx: dict, path) -> DiT3:
-    """The fixture's weights through create_dit3(checkpoint_path=...), built in float64 (no float32 round trip)."""
+    """The fixture's weights through create_dit3(checkpoint_path=...), built in float64 (no float32 round
+    trip)."""
     with default_dtype(torch.float64):
         return create_dit3("dit3_s_2", checkpoint_path=path, **fx["config"]).eval()
 
@@ -130,7 +131,8 @@ def _official_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ["bare", "official-train", "ema-and-model", "module-prefix", "safetensors"],
 )
 def test_checkpoint_formats_load_the_right_weights(tmp_path, layout):
-    """Bare official state dicts, official train.py files (ema first, pickled args), DDP prefixes, safetensors."""
+    """Bare official state dicts, official train.py files (ema first, pickled args), DDP prefixes,
+    safetensors."""
     ema, raw = _tiny_state(), {k: v + 1 for k, v in _tiny_state().items()}
     path = tmp_path / "ckpt.pt"
     if layout == "bare":
@@ -224,7 +226,8 @@ def test_any_latent_size_gives_a_prediction_of_the_same_size(mixer, size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision_model_runs_without_autocast(mixer, dtype):
     """A model cast to bfloat16 / float16 (``.to(dtype)``, diffusers' ``torch_dtype``) takes float timesteps'
-    float32 sinusoid cast to its Linear's dtype, and predicts what the float32 model does to half precision."""
+    float32 sinusoid cast to its Linear's dtype, and predicts what the float32 model does to half
+    precision."""
     model = _randomize(create_dit3("dit3_s_2", **{**TINY, "mixer": mixer})).eval()
     x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([3, 999]), torch.tensor([1, 10])
     with torch.no_grad():

@@ -74,8 +74,8 @@ def test_kill_and_bare_resume_matches_uninterrupted_run(digits, tmp_path, monkey
 @pytest.mark.slow
 def test_real_process_kill_then_bare_resume(digits, tmp_path):
     """train.py killed with SIGKILL (kill -9) inside epoch 2, then a bare ``train.py --resume FILE``: the
-    generation task, config and folder come from the checkpoint, and the weights, EMA, optimizer state and loss
-    curve equal an uninterrupted run's bit for bit."""
+    generation task, config and folder come from the checkpoint, and the weights, EMA, optimizer state and
+    loss curve equal an uninterrupted run's bit for bit."""
     args = tiny_gen_args(
         digits, tmp_path / "full", "train.save_every_steps=4", "model.class_dropout_prob=0.3"
     )
@@ -298,7 +298,8 @@ def test_fid_without_inception_weights_says_why(tmp_path):
 
 @pytest.mark.slow
 def test_fid_and_inception_score_with_local_weights(tmp_path, monkeypatch):
-    """torchmetrics' FID / IS read a local Inception file (random weights here: the plumbing, not the number)."""
+    """torchmetrics' FID / IS read a local Inception file (random weights here: the plumbing, not the
+    number)."""
     import torch_fidelity.feature_extractor_inceptionv3 as fe
 
     with monkeypatch.context() as m:  # build the network once without weights to write a weights file
@@ -329,7 +330,8 @@ def test_torchrun_two_processes_train_and_sample(digits, tmp_path):
 
 
 def test_eval_samples_from_an_official_file_named_by_model_and_config(trained, tmp_path, capsys):
-    """A bare official-format state dict (official mixer names, its pos_embed table) samples through eval.py."""
+    """A bare official-format state dict (official mixer names, its pos_embed table) samples through
+    eval.py."""
     from helpers.generation import TINY_DIT
 
     from vit3.models.dit3 import sincos_pos_embed_2d

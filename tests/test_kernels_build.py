@@ -1,6 +1,6 @@
-"""The C++ kernel's loader (``vit3.kernels.cpp``): processes that load it together wait for one build (a lock on
-its build folder), and the one that builds says so on stderr, once; a loaded build says nothing. The builds here
-are stand-ins (a real one takes a minute): the lock and the announcement are the loader's own."""
+"""The C++ kernel's loader (``vit3.kernels.cpp``): processes that load it together wait for one build (a lock
+on its build folder), and the one that builds says so on stderr, once; a loaded build says nothing. The builds
+here are stand-ins (a real one takes a minute): the lock and the announcement are the loader's own."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""The kernels compile for every current NVIDIA GPU, fit its shared memory and stay clear of spills, with no GPU.
-
-The interpreter checks what the kernels compute, not whether Triton can compile them for a GPU or whether
-they fit on chip. ``vit3.kernels.aot`` compiles ahead of time for any ``GPUTarget`` (ptxas ships with
-Triton) exactly the launches ``triton_ttt`` makes: planned by the launcher's own set-up
-(``triton.plan.forward_plan`` / ``backward_plan``, on meta tensors with a real qkv projection's strides) and
-specialised by Triton's own JIT binder. The compiles run in a fresh process without ``TRITON_INTERPRET``
-(interpreted kernels cannot compile), through ``benchmarks/compile_matrix.py``: the default run checks the
-worst cases of each arch (``aot.matrix("default")``, ~2 min); ``VIT3_COMPILE_MATRIX=full`` adds the whole
-matrix (arch x inner model x head dim x dtype mode, ~25 min on two cores with a cold Triton cache; also a
+"""The kernels compile for every current NVIDIA GPU, fit its shared memory and stay clear of spills, with no
+GPU.
+The interpreter checks what the kernels compute, not whether Triton can compile them for a GPU or whether they
+fit on chip. ``vit3.kernels.aot`` compiles ahead of time for any ``GPUTarget`` (ptxas ships with Triton)
+exactly the launches ``triton_ttt`` makes: planned by the launcher's own set-up (``triton.plan.forward_plan``
+/ ``backward_plan``, on meta tensors with a real qkv projection's strides) and specialised by Triton's own JIT
+binder. The compiles run in a fresh process without ``TRITON_INTERPRET`` (interpreted kernels cannot compile),
+through ``benchmarks/compile_matrix.py``: the default run checks the worst cases of each arch
+(``aot.matrix("default")``, ~2 min); ``VIT3_COMPILE_MATRIX=full`` adds the whole matrix (arch x inner model x
+head dim x dtype mode, ~25 min on two cores with a cold Triton cache; also a
 script: ``python benchmarks/compile_matrix.py``).
 """
 
@@ -57,7 +57,8 @@ def default_matrix(tmp_path_factory) -> list[dict]:
 
 def check(case: aot.Case, rows: list[dict]) -> None:
     """Every launch of ``case`` compiled, within the arch's shared memory, the bound ``fits_device`` compares
-    (``triton.tiles.smem_need``) and the spill bound; where ``fits_device`` says no, the compile exceeds the limit."""
+    (``triton.tiles.smem_need``) and the spill bound; where ``fits_device`` says no, the compile exceeds the
+    limit."""
     mine = [r for r in rows if (r["arch"], r["model"], r["loss"], r["d"], r["mode"]) ==
             (case.arch.sm, case.model, case.loss, case.d, case.mode)]  # fmt: skip
     assert mine, f"{case.label} was not compiled"
@@ -148,7 +149,8 @@ def test_launches_are_specialised_as_triton_would_launch_them(n_tok):
 
 
 def test_readme_table_is_the_committed_matrix():
-    """benchmarks/README's per-cell table is what ``--markdown`` derives from ``results/compile_matrix.csv``."""
+    """benchmarks/README's per-cell table is what ``--markdown`` derives from
+    ``results/compile_matrix.csv``."""
     bench = REPO / "benchmarks"
     cmd = [
         sys.executable,
@@ -179,8 +181,8 @@ print(json.dumps(rows))
 
 
 def test_float64_kernels_take_float64_scalars():
-    """Every float a float64 launch takes (``coef = s / N``, ``lr``) reaches the kernel as fp64: Triton types a
-    Python float fp32, which a GPU's float64 kernel then widens (``cvt.f64.f32``), 4e-9 off; the interpreter
+    """Every float a float64 launch takes (``coef = s / N``, ``lr``) reaches the kernel as fp64: Triton types
+    a Python float fp32, which a GPU's float64 kernel then widens (``cvt.f64.f32``), 4e-9 off; the interpreter
     keeps Python floats, so only the binder's specialisation can show it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", FLOAT_ARGS], cwd=REPO, env=env, capture_output=True, text=True,

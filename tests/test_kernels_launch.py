@@ -75,9 +75,9 @@ def test_every_configuration_is_well_formed(arch, mode):
 
 
 def test_d64_backward_is_one_launch_only_where_it_fits():
-    """The fused d = 64 SwiGLU backward: 16-bit operands on tensor cores everywhere (sm_80+: 48-84 KB); fp32 TF32
-    operands (132-184 KB of shared memory) only on >= 200 KB parts; every other case splits the columns. The
-    fp32-IEEE case that spilled ~19 KB per thread is split everywhere."""
+    """The fused d = 64 SwiGLU backward: 16-bit operands on tensor cores everywhere (sm_80+: 48-84 KB); fp32
+    TF32 operands (132-184 KB of shared memory) only on >= 200 KB parts; every other case splits the columns.
+    The fp32-IEEE case that spilled ~19 KB per thread is split everywhere."""
     for arch in ARCHS.values():
         for mode, (dtype, prec) in aot.MODES.items():
             cfg = ttiles.launch_config("swiglu", 3136, 64, 8, dtype, arch, prec=prec, interpret=False)
@@ -173,7 +173,8 @@ def gpu(monkeypatch):
 
 @pytest.mark.parametrize("arch", list(ARCHS), ids=list(ARCHS))
 def test_every_current_gpu_fits_every_model_dtype_and_head_dim(arch, gpu):
-    """All but SwiGLU in the fp64 checking mode at d = 128 on the T4 (its fp64 tiles need ~88 KB, the T4 64)."""
+    """All but SwiGLU in the fp64 checking mode at d = 128 on the T4 (its fp64 tiles need ~88 KB, the T4
+    64)."""
     device = gpu(ARCHS[arch])
     for model in MODELS:
         for d in HEAD_DIMS:
@@ -358,7 +359,8 @@ def test_precision_follows_the_legacy_flag(restore_fp32_precision, monkeypatch):
 
 def plan(model: str, loss: str, batch: int, heads: int, n: int, d: int, arch: Arch = ARCHS["sm_90"],
          mode: str = "bf16") -> tuple[list, list]:  # fmt: skip
-    """The forward's and backward's launches ``triton_ttt`` makes on ``arch`` (meta tensors: no kernel runs)."""
+    """The forward's and backward's launches ``triton_ttt`` makes on ``arch`` (meta tensors: no kernel
+    runs)."""
     return aot.plan_launches(aot.Case(model, loss, d, mode, arch, n_tok=n, batch=batch, heads=heads))
 
 
@@ -369,8 +371,9 @@ def plan(model: str, loss: str, batch: int, heads: int, n: int, d: int, arch: Ar
     ids=["swiglu-32", "swiglu-64", "linear-mse-32", "linear-mse-64", "linear-dot-64", "dwconv-64"],
 )  # fmt: skip
 def test_weight_gradient_reduction_fills_a_132_sm_gpu(model, loss, d):
-    """At B*H = 64, N = 3136 (the benchmark shape), however the 64 split into samples and heads, the reduction's
-    (first) launch runs on >= 132 programs; the old one ran on H x column blocks (4-12) programs."""
+    """At B*H = 64, N = 3136 (the benchmark shape), however the 64 split into samples and heads, the
+    reduction's (first) launch runs on >= 132 programs; the old one ran on H x column blocks (4-12)
+    programs."""
     for batch, heads in ((64, 1), (16, 4), (8, 8), (4, 16), (1, 64)):
         _, bwd = plan(model, loss, batch, heads, 3136, d)
         first = next(launch for launch in bwd if launch.label.startswith("wgrad_reduce_kernel"))
@@ -379,7 +382,8 @@ def test_weight_gradient_reduction_fills_a_132_sm_gpu(model, loss, d):
 
 
 def test_batch_times_heads_beyond_the_grid_limits_folds():
-    """4096 samples x 16 heads: 65,536 (sample, head) programs, one more than CUDA's grid axes 1 and 2 take."""
+    """4096 samples x 16 heads: 65,536 (sample, head) programs, one more than CUDA's grid axes 1 and 2
+    take."""
     for model, loss, d in (("swiglu", "dot", 32), ("dwconv", "dot", 32), ("linear", "mse", 128)):
         fwd, bwd = plan(model, loss, 4096, 16, 49, d)
         for launch in fwd + bwd:
@@ -389,7 +393,8 @@ def test_batch_times_heads_beyond_the_grid_limits_folds():
 
 
 def test_folded_grids_compute_what_unfolded_ones_do():
-    """The folding itself, with a cap of 5 programs on axis 0: the same programs, the same sums, bit for bit."""
+    """The folding itself, with a cap of 5 programs on axis 0: the same programs, the same sums, bit for
+    bit."""
     cases = (
         ("swiglu", (2, 3, 40, 32), None),
         ("swiglu", (2, 2, 40, 16), 16),
@@ -504,8 +509,8 @@ def test_eager_path_and_custom_ops_agree_bit_for_bit(fresh_plans):
 
 def test_forward_and_backward_read_no_tensor_data_on_the_host(monkeypatch):
     """No host synchronisation, so CUDA graphs can capture the op: the whole Python path (checks, plans,
-    allocations, launches, autograd) runs on meta tensors, where reading a value (``.item()``, ``bool``, a copy
-    to the host) raises."""
+    allocations, launches, autograd) runs on meta tensors, where reading a value (``.item()``, ``bool``, a
+    copy to the host) raises."""
     launched = []
     monkeypatch.setattr(tchecks, "triton_runs_on", lambda device: True)
     monkeypatch.setattr(tplan.Launch, "__call__", lambda self, tensors=(): launched.append(self.label))
@@ -523,8 +528,9 @@ def test_forward_and_backward_read_no_tensor_data_on_the_host(monkeypatch):
 
 
 def test_backward_saves_g_and_its_norm_not_the_stepped_weights():
-    """What the autograd graph keeps besides the inputs: ``G`` ``[B*G, NW, d, d]`` and ``||G||`` ``[B*G, NW, d]``
-    (fp32); ``W'`` is recomputed from ``W``, ``G`` and the norm (the old op kept it too, twice the bytes)."""
+    """What the autograd graph keeps besides the inputs: ``G`` ``[B*G, NW, d, d]`` and ``||G||`` ``[B*G, NW,
+    d]`` (fp32); ``W'`` is recomputed from ``W``, ``G`` and the norm (the old op kept it too, twice the
+    bytes)."""
     b, g, n, d = 2, 3, 24, 16
     qkv, params = make_inputs("swiglu", b, g, n, d, torch.float16)
     inputs = {t.data_ptr() for t in (qkv, *params.values())}

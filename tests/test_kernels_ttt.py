@@ -1,9 +1,8 @@
 """The Triton TTT op equals each op's reference (``vit3.kernels.<op>.reference``): output and every gradient.
-
 Runs on ``helpers.ops.DEVICE``: the GPU, or Triton's interpreter on CPU (``tests/conftest.py`` sets
-``TRITON_INTERPRET=1`` where there is no GPU).
-Every buffer the op allocates is filled with NaN first (``triton.plan.DEBUG_FILL``), so an element a kernel
-fails to write shows up as a mismatch. q, k, v are always strided views of one qkv projection output.
+``TRITON_INTERPRET=1`` where there is no GPU). Every buffer the op allocates is filled with NaN first
+(``triton.plan.DEBUG_FILL``), so an element a kernel fails to write shows up as a mismatch. q, k, v are always
+strided views of one qkv projection output.
 """
 
 from __future__ import annotations
@@ -87,10 +86,11 @@ def test_fp64_matches_reference_to_rounding(name, loss, grad_norm, lr, d):
         assert max_rel_err(a, e) < 1e-12, f"gradient of {label}"
 
 
-# 16-bit inputs meet tl.dot as they are (sm_80+, and the interpreter, which takes sm_90's tiles), every operand
-# computed on chip (P, dY, dZ, W', dG) rounded to their dtype, fp32 accumulation. fp16 runs natively in the
-# interpreter (its fp16 dots are exact); bf16 with its operands rounded to bf16 (to nearest even) and multiplied in
-# fp32 (``EMU``), since the interpreter's bf16 dots are wrong. The reference runs on the upcast 16-bit inputs, so
+# 16-bit inputs meet tl.dot as they are (sm_80+, and the interpreter, which takes sm_90's tiles), every
+# operand computed on chip (P, dY, dZ, W', dG) rounded to their dtype, fp32 accumulation. fp16 runs natively
+# in the interpreter (its fp16 dots are exact); bf16 with its operands rounded to bf16 (to nearest even) and
+# multiplied in fp32 (``EMU``), since the interpreter's bf16 dots are wrong. The reference runs on the upcast
+# 16-bit inputs, so
 # what is left is the kernels' rounding: 2^-11 (fp16) or 2^-8 (bf16) relative per operand and output.
 HALF_TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 HALF_CASES = [
@@ -141,7 +141,8 @@ def _bf16_round_kernel(x_ptr, y_ptr, n: tl.constexpr):
 
 
 def test_bf16_operands_are_rounded_to_nearest_even():
-    """The interpreter's bf16 stand-in rounds as a GPU's ``cvt.rn.bf16.f32`` (Triton's interpreter truncates)."""
+    """The interpreter's bf16 stand-in rounds as a GPU's ``cvt.rn.bf16.f32`` (Triton's interpreter
+    truncates)."""
     x = torch.randn(4096, device=DEVICE) * torch.logspace(-20, 20, 4096, device=DEVICE)
     x[:4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20])  # ties and near-ties
     y = torch.empty_like(x)
@@ -177,8 +178,9 @@ def test_split_reduction_is_deterministic():
     ids=["swiglu", "linear-mse", "dwconv"],
 )
 def test_double_backward_matches_reference(name, loss, n):
-    """``create_graph=True`` (a gradient penalty, second-order methods): the op's gradients are differentiable,
-    to the inputs, the weights and the upstream gradient, and their derivatives are the reference's."""
+    """``create_graph=True`` (a gradient penalty, second-order methods): the op's gradients are
+    differentiable, to the inputs, the weights and the upstream gradient, and their derivatives are the
+    reference's."""
     grid = n if isinstance(n, tuple) else (1, n)
     qkv, params = make_inputs(name, 2, 2, grid[0] * grid[1], 16, torch.float64)
     dout = torch.randn(2, 2, grid[0] * grid[1], 16, dtype=torch.float64, device=DEVICE, requires_grad=True)

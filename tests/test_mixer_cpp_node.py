@@ -1,5 +1,5 @@
-"""The whole-mixer C++ op (``torch.ops.vit3_cpu.mix``, ``kernels/mix/csrc/mix.cpp``): settled mixer calls whose
-branches all run the C++ CPU kernel take it, one C++ autograd node. It computes what the Python node
+"""The whole-mixer C++ op (``torch.ops.vit3_cpu.mix``, ``kernels/mix/csrc/mix.cpp``): settled mixer calls
+whose branches all run the C++ CPU kernel take it, one C++ autograd node. It computes what the Python node
 (``vit3.layers.eager_mix``) computes, forward and every gradient, and what the mixer defines (the float64
 reference); its RoPE is ``apply_rope_2d`` bit for bit; it honours no-grad, autocast, saved-tensor hooks,
 checkpointing and the once-differentiable contract, and sees parameters replaced after its plan was made.
@@ -328,7 +328,8 @@ def test_an_op_without_a_branch_in_the_cpp_op_keeps_the_python_node(monkeypatch)
 
 
 def _short_path_mixer() -> tuple[TTTMixer, torch.Tensor]:
-    """A settled RoPE'd mixer (the grid then changes the numbers) and a qkv of its settled key, no gradients."""
+    """A settled RoPE'd mixer (the grid then changes the numbers) and a qkv of its settled key, no
+    gradients."""
     mixer = _mixer(rope=True)
     x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
     _settle(mixer, x)
@@ -371,7 +372,8 @@ def test_a_settled_call_takes_the_short_path_without_the_plan_key(monkeypatch):
 
 
 def _change(mixer: TTTMixer, qkv: torch.Tensor, change: str) -> tuple[torch.Tensor, tuple[int, int], bool]:
-    """One thing the plan key (or the op's weights) holds, changed: qkv, grid and grad mode of the next call."""
+    """One thing the plan key (or the op's weights) holds, changed: qkv, grid and grad mode of the next
+    call."""
     if change == "grid":  # the same N, another layout: RoPE's angles differ
         return qkv, GRID[::-1], False
     if change == "grad-mode":  # only the short path of calls without gradients kept
@@ -450,9 +452,9 @@ def test_a_copy_of_a_settled_mixer_runs_its_own_weights():
 
 @pytest.mark.parametrize("tracer", ["jit.trace", "export"])
 def test_traced_calls_of_a_settled_mixer_hold_no_cpp_op(tracer):
-    """``torch.jit.trace`` (and ONNX export, which runs it) and ``torch.export`` record the general path, not the
-    CPU op a settled call takes; in float64 it gives the settled call's numbers (a traced token count divided in
-    float32 gave 5e-9 off)."""
+    """``torch.jit.trace`` (and ONNX export, which runs it) and ``torch.export`` record the general path, not
+    the CPU op a settled call takes; in float64 it gives the settled call's numbers (a traced token count
+    divided in float32 gave 5e-9 off)."""
     mixer, qkv = _short_path_mixer()
 
     class Mix(nn.Module):

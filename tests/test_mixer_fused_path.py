@@ -1,6 +1,6 @@
-"""The mixer's fused eager path (``vit3.layers.eager_mix``): when it serves, and that it computes what the mixer
-defines (float64 autograd reference), every gradient included, in each tiling mode, without gradients, under
-activation checkpointing and for low-precision inputs."""
+"""The mixer's fused eager path (``vit3.layers.eager_mix``): when it serves, and that it computes what the
+mixer defines (float64 autograd reference), every gradient included, in each tiling mode, without gradients,
+under activation checkpointing and for low-precision inputs."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The TTTMixer computes exactly what the official ViT³ TTT module computes (golden fixtures), on every CPU
-backend, and so do the op references (``vit3.kernels.swiglu.reference``, ``vit3.kernels.dwconv.reference``)."""
+backend, and so do the op references (``vit3.kernels.swiglu.reference``,
+``vit3.kernels.dwconv.reference``)."""
 
 from __future__ import annotations
 

@@ -44,8 +44,9 @@ def _model(name: str, recompute: str) -> torch.nn.Module:
 
 
 def _inputs(name: str) -> tuple[torch.Tensor, ...]:
-    """Images or DiT³ latents with timesteps and labels. The plain models see 4x8 = 32 tokens (the C++ kernel's
-    side of the token rule), the H-ViT³ stages 128 down to 2 (both sides), DiT³ 16 (the tiled path)."""
+    """Images or DiT³ latents with timesteps and labels. The plain models see 4x8 = 32 tokens (the C++
+    kernel's side of the token rule), the H-ViT³ stages 128 down to 2 (both sides), DiT³ 16 (the tiled
+    path)."""
     g = torch.Generator().manual_seed(1)
     if name == "dit3":
         return torch.randn(2, 4, 8, 8, generator=g), torch.tensor([3, 500]), torch.tensor([1, 2])
@@ -142,10 +143,11 @@ def _assert_near(a: list[torch.Tensor], fp32: list[torch.Tensor], bound: float =
 
 
 def _block_case(kind: str) -> tuple:
-    """A module, its inputs and parameters exercising one node: the lean MLP (the C++ node ``vit3_cpu::lean_mlp``
-    in fp32, the Python node ``_LeanMlpFn`` under autocast), the CPE (the C++ node ``vit3_cpu::cpe``), the lean block's
-    CPE + first norm (the C++ node ``vit3_cpu::cpe_norm``) and a whole block; the CPE nodes run the C++ kernel,
-    fp32 outside autocast only (under autocast the convolution serves)."""
+    """A module, its inputs and parameters exercising one node: the lean MLP (the C++ node
+    ``vit3_cpu::lean_mlp`` in fp32, the Python node ``_LeanMlpFn`` under autocast), the CPE (the C++ node
+    ``vit3_cpu::cpe``), the lean block's CPE + first norm (the C++ node ``vit3_cpu::cpe_norm``) and a whole
+    block; the CPE nodes run the C++ kernel, fp32 outside autocast only (under autocast the convolution
+    serves)."""
     torch.manual_seed(0)
     if kind == "lean-mlp":
         mlp, norm = LeanMlp(32, 64), torch.nn.LayerNorm(32)
@@ -188,9 +190,9 @@ MIXER_CASES = [
 
 @pytest.mark.parametrize(("backend", "recompute"), MIXER_CASES)
 def test_mixer_nodes_backward_under_their_forward_autocast_state(backend, recompute):
-    """The mixer's nodes (``_EagerMix``, ``_SwiGLUTTT``, the Triton op, ``_RecomputedMix``): the same gradients
-    with backward() inside or after a bf16 region, near the fp32 ones; the inner loops alone (``mix``, fp32)
-    the same with backward() after or inside a bf16 region."""
+    """The mixer's nodes (``_EagerMix``, ``_SwiGLUTTT``, the Triton op, ``_RecomputedMix``): the same
+    gradients with backward() inside or after a bf16 region, near the fp32 ones; the inner loops alone
+    (``mix``, fp32) the same with backward() after or inside a bf16 region."""
     torch.manual_seed(0)
     mixer = TTTMixer(32, 2, dict(backend=backend, recompute=recompute))  # head dim 16: Triton's smallest
     x, qkv = torch.randn(2, 35, 32), torch.randn(2, 35, mixer.qkv.out_features)

@@ -1,7 +1,7 @@
-"""Gradients in the layout DDP buckets them: after a backward every parameter's gradient has the parameter's own
-strides (what DDP checks, warning "Grad strides do not match bucket view strides" otherwise), H-ViT³'s
-convolutions on channels-last maps included, with the convolutions' values; and a real 2-process DDP step of the
-H-ViT³ downsampling raises no warning."""
+"""Gradients in the layout DDP buckets them: after a backward every parameter's gradient has the parameter's
+own strides (what DDP checks, warning "Grad strides do not match bucket view strides" otherwise), H-ViT³'s
+convolutions on channels-last maps included, with the convolutions' values; and a real 2-process DDP step of
+the H-ViT³ downsampling raises no warning."""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ def _matches_eager(program, model: torch.nn.Module, sizes: list[tuple[int, int]]
 
 # ----------------------------------------------------------------------------------------- torch.export
 def test_the_token_rule_is_one_class_under_tracing():
-    """The CPU kernel's rule (>= 32 tokens per head) picks between eager paths only: traced, no class reads N."""
+    """The CPU kernel's rule (>= 32 tokens per head) picks between eager paths only: traced, no class reads
+    N."""
     assert backends.token_class(4) != backends.token_class(400)
     assert backends.token_class(4, "compile") == backends.token_class(400, "compile")
     assert backends.token_class(4, "trace") == backends.token_class(400, "trace")
@@ -226,7 +227,8 @@ def test_legacy_onnx_exporter_refuses_dynamic_axes_naming_what_works(axes, tmp_p
         assert torch.equal(model(x), want)
 
 
-# ---------------------------------------------------------------------- every exporter leaves the model as it was
+# ---------------------------------------------------------------------- every exporter leaves the model as it
+# was
 class _Blocks(nn.Module):
     """A plain ViT³ block and an H-ViT³ one (RoPE, ConvFFN) on ``[B, 8, 8, 32]`` maps: once settled, the first
     runs as one C++ op (``TTTBlock.one_op``), the second's mixer takes its C++ op by the short path."""

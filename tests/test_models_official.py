@@ -154,7 +154,8 @@ def test_checkpoint_with_pickled_training_objects_loads_without_running_them(tmp
 
 
 def _official_shapes(official: str) -> dict[str, list[int]]:
-    """The state-dict shapes of a full-size official checkpoint (``../shared``'s manifest); skips where absent."""
+    """The state-dict shapes of a full-size official checkpoint (``../shared``'s manifest); skips where
+    absent."""
     path = FIXTURES / "official_state_dict_shapes.json"
     if not path.exists():
         pytest.skip(f"{path} not found (../shared is not laid out beside the repo)")
@@ -198,8 +199,8 @@ def test_checkpoint_of_another_model_lists_missing_unexpected_and_misshaped_keys
     if official == "vittt_small":
         ours_shape = tuple(model.state_dict()["blocks.0.attn.qkv.weight"].shape)
         assert (
-            f"blocks.0.attn.qkv.weight: checkpoint {tuple(shapes['blocks.0.attn.qkv.weight'])} vs model {ours_shape}"
-            in msg
+            f"blocks.0.attn.qkv.weight: checkpoint {tuple(shapes['blocks.0.attn.qkv.weight'])} vs model "
+            f"{ours_shape}" in msg
         )
     if official == "h_vittt_tiny":
         assert "stages.0.blocks.1.cpe.weight" in msg.split("unexpected")[0]  # missing: S has more blocks

@@ -1,5 +1,5 @@
-"""The registered models are the paper's: parameter counts (within 0.1%), fvcore FLOPs at 224² (within 1%), and
-half of ``FlopCounterMode``'s count (2 FLOPs per multiply-add) of the tiny ones on their eager paths."""
+"""The registered models are the paper's: parameter counts (within 0.1%), fvcore FLOPs at 224² (within 1%),
+and half of ``FlopCounterMode``'s count (2 FLOPs per multiply-add) of the tiny ones on their eager paths."""
 
 from __future__ import annotations
 

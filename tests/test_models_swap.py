@@ -1,4 +1,5 @@
-"""TTT swapped into timm's own ViT/DeiT and Swin: still timm models, initialised from the attention, trainable."""
+"""TTT swapped into timm's own ViT/DeiT and Swin: still timm models, initialised from the attention,
+trainable."""
 
 from __future__ import annotations
 

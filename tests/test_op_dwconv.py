@@ -1,9 +1,10 @@
 """The 3x3 depthwise-conv op (``vit3.kernels.dwconv``, the official ViT³ second branch): its reference against
 float64 finite differences, the official code's formulation and (through the mixer, ``test_mixer_official``)
 the official fixtures; every fast path — the eager closed form (``vit3.kernels.dwconv.eager``, as the mixer's
-eager backend runs it), the C++ path on token rows (``vit3.kernels.dwconv.cpp``, the cpu backend), the Triton kernels (``TRITON_INTERPRET=1`` on CPU), the generic inner loop — forward
-and every gradient (q, k, v, weight) against the reference; the eager path's layout contract; the C++
-depthwise ops themselves and ``ConvPosEnc`` on them."""
+eager backend runs it), the C++ path on token rows (``vit3.kernels.dwconv.cpp``, the cpu backend), the Triton
+kernels (``TRITON_INTERPRET=1`` on CPU), the generic inner loop — forward and every gradient (q, k, v, weight)
+against the reference; the eager path's layout contract; the C++ depthwise ops themselves and ``ConvPosEnc``
+on them."""
 
 from __future__ import annotations
 
@@ -146,7 +147,8 @@ def test_fast_path_output_and_every_gradient_match_reference(path, setting, grid
     assert_matches_reference(out, dwconv_ttt_ref(q, k, v, w, grid, **hyper), qkv, {"weight": w})
 
 
-# ---------------------------------------------------------------------------------------------- the eager path
+# ---------------------------------------------------------------------------------------------- the eager
+# path
 
 
 def test_one_sample_depthwise_backward_stays_channels_last_and_matches_nchw():
@@ -242,8 +244,8 @@ def test_conv_pos_enc_on_the_kernel_matches_onednn_every_gradient(monkeypatch, b
 
 
 def test_conv_pos_enc_builds_its_autograd_node_only_where_a_gradient_is_wanted(monkeypatch):
-    """Under no_grad the kernel's op (``vit3_cpu::cpe``) runs without its C++ node, with the same output; a trainable
-    bias alone still gets the node (and its gradient)."""
+    """Under no_grad the kernel's op (``vit3_cpu::cpe``) runs without its C++ node, with the same output; a
+    trainable bias alone still gets the node (and its gradient)."""
     from vit3.layers import blocks
 
     op = count_calls(monkeypatch, torch.ops.vit3_cpu, "cpe")
@@ -263,8 +265,8 @@ def test_conv_pos_enc_builds_its_autograd_node_only_where_a_gradient_is_wanted(m
 
 
 def test_the_cpe_node_is_once_differentiable():
-    """A backward with ``create_graph=True`` through ``vit3_cpu::cpe`` gives the first gradients; differentiating
-    them again raises and names the node."""
+    """A backward with ``create_graph=True`` through ``vit3_cpu::cpe`` gives the first gradients;
+    differentiating them again raises and names the node."""
     from vit3.layers.blocks import ConvPosEnc
 
     cpe = ConvPosEnc(8).double()
@@ -278,8 +280,9 @@ def test_the_cpe_node_is_once_differentiable():
 
 @pytest.mark.parametrize("backend", ["eager", "generic", "cpu"])
 def test_the_depthwise_steps_of_a_block_follow_its_ttt_config_backend(monkeypatch, backend):
-    """TTTConfig.backend wins over $VIT3_TTT_BACKEND for the whole block, as for its mixer: the CPE in front of a
-    ViT³ / DiT³ block and the depthwise step of an H-ViT³ ConvFFN take the C++ kernel under cpu (and auto) only."""
+    """TTTConfig.backend wins over $VIT3_TTT_BACKEND for the whole block, as for its mixer: the CPE in front
+    of a ViT³ / DiT³ block and the depthwise step of an H-ViT³ ConvFFN take the C++ kernel under cpu (and
+    auto) only."""
     from vit3.layers import blocks
     from vit3.models.dit3 import DiT3Block
 

@@ -127,7 +127,8 @@ CASES = [
 
 @pytest.mark.parametrize(("path", "setting", "shared"), CASES)
 def test_fast_path_output_and_every_gradient_match_reference(path, setting, shared):
-    """float64, q, k, v strided views of one qkv tensor; gradients of q, k, v (as one qkv gradient), w1, w2."""
+    """float64, q, k, v strided views of one qkv tensor; gradients of q, k, v (as one qkv gradient), w1,
+    w2."""
     qkv, q, k, v, w1, w2 = _inputs(2, H, 35, 16, shared=shared)
     hyper = SETTINGS[setting]
     out = PATHS[path](q, k, v, w1, w2, **hyper)
@@ -199,7 +200,8 @@ def test_kernel_matches_float64_reference_every_gradient(
 
 
 def test_saturated_gates_stay_finite_and_match_float64(kernel_calls):
-    """Pre-activations of ±50 and beyond: the vectorised sigmoid must saturate cleanly, as exp over/underflows."""
+    """Pre-activations of ±50 and beyond: the vectorised sigmoid must saturate cleanly, as exp
+    over/underflows."""
     qkv, q, k, v, w1, w2 = _inputs(2, H, 20, D, gain=30.0)
     hyper = {"scale": 0.4, "lr": 0.5, "grad_norm": True}
     ref = _reference(q, k, v, w1, w2, **hyper)
@@ -315,7 +317,8 @@ def test_build_targets_the_cpus_vector_unit():
 
 def test_the_build_is_keyed_by_its_source_so_checkouts_never_rebuild_each_other(tmp_path, monkeypatch):
     """Checkouts (source roots) with different kernels get different extension names and build folders; with
-    the same kernel, one build whose inputs name no checkout (copies of the sources in its folder: its ninja file,
+    the same kernel, one build whose inputs name no checkout (copies of the sources in its folder: its ninja
+        file,
     so the build, is the same whichever loads it). The flags key it too; the folder sits under
     ``$TORCH_EXTENSIONS_DIR``, else PyTorch's build root."""
     import torch.utils.cpp_extension as cpp_extension
@@ -349,8 +352,8 @@ def test_the_build_is_keyed_by_its_source_so_checkouts_never_rebuild_each_other(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning concerns machines without a CUDA runtime")
 def test_a_cpu_run_logs_no_cuda_home_warning(tmp_path):
-    """Loading the kernel imports torch.utils.cpp_extension, whose import logs "No CUDA runtime is found, using
-    CUDA_HOME=..." on a machine without a GPU whenever CUDA_HOME is set; the kernel is CPU code."""
+    """Loading the kernel imports torch.utils.cpp_extension, whose import logs "No CUDA runtime is found,
+    using CUDA_HOME=..." on a machine without a GPU whenever CUDA_HOME is set; the kernel is CPU code."""
     code = "import timm, torch, vit3; timm.create_model('vit3_tiny').eval()(torch.rand(1, 3, 224, 224))"
     env = {**os.environ, "CUDA_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

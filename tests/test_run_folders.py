@@ -101,7 +101,8 @@ def _checkpoint(path: Path, step: int, **config) -> Path:
 
 
 def test_a_resume_from_an_earlier_checkpoint_does_not_overwrite_a_later_one(tmp_path, capsys):
-    """best.pt of epoch 5 and last.pt of epoch 6: resuming from best.pt in its folder would replace last.pt."""
+    """best.pt of epoch 5 and last.pt of epoch 6: resuming from best.pt in its folder would replace
+    last.pt."""
     out = tmp_path / "run"
     _checkpoint(out / "best.pt", 5, output=out)
     _checkpoint(out / "last.pt", 6, output=out)
@@ -138,7 +139,8 @@ def test_a_bare_resume_takes_the_checkpoints_config_and_folder(tmp_path):
         "classification",
     )
     assert cfg.train.log_every == 7 and cfg.train.resume == str(run2 / "last.pt")
-    # with a config file named, that file's settings, and still the checkpoint's folder unless output= is given
+    # with a config file named, that file's settings, and still the checkpoint's folder unless output= is
+    # given
     cfg = config_for_resume(run2 / "last.pt", DEMO)
     assert (cfg.output, cfg.train.epochs) == (str(run2), 6)
     assert config_for_resume(run2 / "last.pt", DEMO, [f"output={tmp_path / 'fork'}"]).output == str(

@@ -1,4 +1,5 @@
-"""The training recipe pieces: AdamW groups, lr scaling and schedule, layer decay, MESA, AMP, checkpointing."""
+"""The training recipe pieces: AdamW groups, lr scaling and schedule, layer decay, MESA, AMP,
+checkpointing."""
 
 from __future__ import annotations
 

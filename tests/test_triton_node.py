@@ -1,7 +1,6 @@
-"""The Triton path's hooks in the fused eager node (``vit3.kernels.triton.node``): a mixer call on Triton is one
-autograd node, equal to the op references and to the eager node (output and every gradient), on native 16-bit
-q, k, v; the registry fuses Triton branches outside tracing; a failing branch alone is demoted.
-
+"""The Triton path's hooks in the fused eager node (``vit3.kernels.triton.node``): a mixer call on Triton is
+one autograd node, equal to the op references and to the eager node (output and every gradient), on native
+16-bit q, k, v; the registry fuses Triton branches outside tracing; a failing branch alone is demoted.
 Runs where Triton runs (``triton_device``: the GPU, or the interpreter on CPU). The interpreter's bf16
 ``tl.dot`` is wrong (``shared/notes/triton.md``): bf16 is emulated there by rounding to bf16, then running
 float32.
@@ -147,8 +146,8 @@ def test_a_failing_branch_alone_is_demoted(monkeypatch, triton_device, phase):
 
 
 def test_a_half_precision_mixer_hands_the_triton_node_its_qkv_as_it_is(monkeypatch, triton_device):
-    """A float16 mixer on Triton: the fused node gets the float16 qkv itself (no float32 copy) and float32 initial
-    weights; output and gradients within fp16 accuracy of the float64 mixer."""
+    """A float16 mixer on Triton: the fused node gets the float16 qkv itself (no float32 copy) and float32
+    initial weights; output and gradients within fp16 accuracy of the float64 mixer."""
     import vit3.layers.ttt as ttt
 
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")

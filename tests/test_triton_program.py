@@ -1,8 +1,8 @@
-"""The fused node of Triton branches as one launch program (``vit3.kernels.triton.program``): when it serves, that
-it launches what the per-branch hooks launch (bit for bit the same results, every configuration and dtype), that
-on a GPU host its addresses are the interpreter's tensors' (shape, strides and pointer, call after call and
-thread against thread), how it lays out its workspaces, and that it is made once per layout and names a branch
-that fails.
+"""The fused node of Triton branches as one launch program (``vit3.kernels.triton.program``): when it serves,
+that it launches what the per-branch hooks launch (bit for bit the same results, every configuration and
+dtype), that on a GPU host its addresses are the interpreter's tensors' (shape, strides and pointer, call
+after call and thread against thread), how it lays out its workspaces, and that it is made once per layout and
+names a branch that fails.
 
 Numerics run where Triton runs (``triton_device``: the GPU, or the interpreter on CPU); a GPU host's addresses
 are simulated on CPU tensors on any host (``TRITON_INTERPRET=0`` for the program, launches recorded, not run).
@@ -97,7 +97,8 @@ def _fresh_programs():
     top.clear_plans()
 
 
-# ------------------------------------------------------------------------------------------------ when it serves
+# ------------------------------------------------------------------------------------------------ when it
+# serves
 
 
 @pytest.mark.triton
@@ -122,7 +123,8 @@ def test_a_node_of_triton_branches_is_one_program(monkeypatch, triton_device):
     assert made["n"] == 2
 
 
-# ----------------------------------------------------------------------- the per-branch hooks' results exactly
+# ----------------------------------------------------------------------- the per-branch hooks' results
+# exactly
 
 
 # RoPE on every branch but the depthwise conv's (H-ViT³'s mixer): a few layouts, both dtypes, one chunk
@@ -212,8 +214,8 @@ def test_inference_writes_the_training_output_and_saves_nothing(triton_device):
 @pytest.mark.parametrize("how", ["program", "branch-hooks"])
 def test_swiglu_weight_gradients_are_kept_as_the_kernels_write_them(how, per_branch, triton_device):
     """W1's and W2's gradients come out contiguous, side by side in one buffer (``[2, 1, G, c, c]``), so
-    autograd keeps them as ``.grad`` (``zero_grad``'s ``None``) instead of copying each: both ``.grad`` s on the
-    kernel's one buffer. (Interleaved ``[1, G, 2, c, c]`` halves were copied, one storage each.)"""
+    autograd keeps them as ``.grad`` (``zero_grad``'s ``None``) instead of copying each: both ``.grad`` s on
+    the kernel's one buffer. (Interleaved ``[1, G, 2, c, c]`` halves were copied, one storage each.)"""
     branches, b, grid = CASES["official"]
     plan = _plan(branches, grid)
     qkv, weights = _inputs(plan, b, torch.float32, triton_device)
@@ -248,7 +250,8 @@ def test_a_second_order_backward_goes_through_the_references(triton_device):
         assert torch.allclose(g, w, rtol=1e-9, atol=1e-11)
 
 
-# ---------------------------------------------------------------------------------------- a GPU host's addresses
+# ---------------------------------------------------------------------------------------- a GPU host's
+# addresses
 
 
 def _record(store: list):
@@ -391,13 +394,14 @@ def test_workspace_buffers_are_aligned_and_apart(triton_device):
         assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
 
 
-# --------------------------------------------------------------------------------------- made once, names a branch
+# --------------------------------------------------------------------------------------- made once, names a
+# branch
 
 
 @pytest.mark.triton
 def test_a_branch_the_program_cannot_take_is_named(triton_device):
-    """SwiGLU weights in two layouts: the second branch's check raises, tagged with its index (the guard demotes
-    that branch alone)."""
+    """SwiGLU weights in two layouts: the second branch's check raises, tagged with its index (the guard
+    demotes that branch alone)."""
     branches, b, grid = CASES["two-swiglu-dwconv"]
     plan = _plan(branches, grid)
     qkv, weights = _inputs(plan, b, torch.float64, triton_device)
@@ -426,8 +430,8 @@ def test_cleared_plans_and_another_launcher_make_a_new_program(monkeypatch, trit
 
 
 def test_an_address_past_its_storage_is_refused():
-    """The interpreter's addresses are as strict as a GPU's: past the end of its base, an error (``set_`` would
-    grow the storage and the call would pass where a GPU writes out of bounds)."""
+    """The interpreter's addresses are as strict as a GPU's: past the end of its base, an error (``set_``
+    would grow the storage and the call would pass where a GPU writes out of bounds)."""
     storage = torch.empty(64, dtype=torch.uint8).untyped_storage()
     inside = tprogram._Where(0, 32, torch.float32, (8,), (1,))
     assert tprogram.at_address((storage, 0), inside).data_ptr() == storage.data_ptr() + 32

@@ -13,7 +13,8 @@ the timm model ``ttt_swap``), started from the teacher's weights (the mixers fro
    (:func:`distillation_loss`, timm's conventions).
 
 Layer pairs (:func:`layer_pairs`) match a teacher's attention with the student module in its place, by module
-name: a ViT/DeiT ``Attention`` with its :class:`~vit3.models.swap.TokenTTT` (prefix tokens included, as the swap
+name: a ViT/DeiT ``Attention`` with its :class:`~vit3.models.swap.TokenTTT` (prefix tokens included, as the
+    swap
 handles them), a Swin ``WindowAttention`` with its :class:`~vit3.models.swap.WindowTTT` (``scope="window"``:
 the windowed tokens), and a Swin block with its :class:`~vit3.models.swap.SwinStageTTTBlock`
 (``scope="stage"``: the block's attention branch on the whole stage map, from the normalised block input to
@@ -110,7 +111,8 @@ def layer_pairs(teacher: nn.Module, student: nn.Module) -> list[LayerPair]:
             pairs.append(LayerPair(name, "stage", module, other))
     if not pairs:
         raise ValueError(
-            f"the student ({type(student).__name__}) has no TTT mixer in place of an attention of the teacher "
+            f"the student ({type(student).__name__}) has no TTT mixer in place of an attention of the "
+            "teacher "
             f"({type(teacher).__name__}): it must be the teacher with its attention swapped (ttt_swap)"
         )
     return pairs
@@ -141,7 +143,8 @@ def init_student(student: nn.Module, teacher: nn.Module, pairs: Sequence[LayerPa
 
 @dataclass
 class _Record:
-    """What one teacher forward left for one pair: its layer input and attention output, and the patch grid."""
+    """What one teacher forward left for one pair: its layer input and attention output, and the patch
+    grid."""
 
     input: Tensor | None = None
     target: Tensor | None = None
@@ -216,7 +219,8 @@ class LayerCapture:
 
 
 class TransferNet(nn.Module):
-    """The student as the training loop (and DDP) calls it: images to logits, or layer inputs to mixer outputs.
+    """The student as the training loop (and DDP) calls it: images to logits, or layer inputs to mixer
+    outputs.
 
     Args:
         student: the swapped model (a child module: its parameters are this module's).
@@ -234,8 +238,8 @@ class TransferNet(nn.Module):
         layer_inputs: Sequence[Tensor] | None = None,
         grids: Sequence[tuple[int, int] | None] | None = None,
     ) -> Tensor | list[Tensor]:
-        """``x [B, C_in, H, W]`` -> logits ``[B, K]``; or, given ``layer_inputs`` (one per pair, the teacher's,
-        e.g. ``[B, N, C]``), each student mixer's output on its input (same shapes)."""
+        """``x [B, C_in, H, W]`` -> logits ``[B, K]``; or, given ``layer_inputs`` (one per pair, the
+        teacher's, e.g. ``[B, N, C]``), each student mixer's output on its input (same shapes)."""
         if layer_inputs is None:
             return self.student(x)
         grids = list(grids) if grids is not None else [None] * len(self._pairs)

@@ -60,7 +60,8 @@ class OutputError(UserError, OSError):
 
 
 def describe_os_error(exc: OSError) -> str:
-    """``"<file>: <reason>"`` for an ``OSError`` (``"No space left on device"``, ``"Permission denied"``, ...)."""
+    """``"<file>: <reason>"`` for an ``OSError`` (``"No space left on device"``, ``"Permission denied"``,
+    ...)."""
     reason = exc.strerror or str(exc)
     return f"{exc.filename}: {reason}" if exc.filename else reason
 
@@ -89,8 +90,8 @@ class TrainingDiverged(UserError, FloatingPointError):
 
 
 def divergence_advice(base_lr: float, clip_grad: float | None, warmup: str = "train.warmup_epochs") -> str:
-    """What to try after a run diverged: a lower ``train.base_lr``, gradient clipping (``train.clip_grad``) and a
-    longer warmup (``warmup``: the task's key)."""
+    """What to try after a run diverged: a lower ``train.base_lr``, gradient clipping (``train.clip_grad``)
+    and a longer warmup (``warmup``: the task's key)."""
     clip = (
         "set train.clip_grad (e.g. 1.0)"
         if clip_grad is None
@@ -100,4 +101,5 @@ def divergence_advice(base_lr: float, clip_grad: float | None, warmup: str = "tr
 
 
 class WeightsUnavailableError(UserError, RuntimeError):
-    """Pretrained weights cannot be had here (none published, or the download failed); says how to pass a file."""
+    """Pretrained weights cannot be had here (none published, or the download failed); says how to pass a
+    file."""

@@ -2,8 +2,9 @@
 
 * :func:`atomic_path` (and :func:`atomic_write`, :func:`write_text`, :func:`write_bytes`): every file vit3
   writes goes to a temporary name in its own folder (``.<name>.tmp<pid><suffix>``), is flushed to disk
-  (``fsync``) and moved into place with ``os.replace``. A killed process or a full disk leaves the file already there as it
-  was, never a truncated one; the next write of that file removes the temporary file of a writer that died.
+  (``fsync``) and moved into place with ``os.replace``. A killed process or a full disk leaves the file
+  already there as it was, never a truncated one; the next write of that file removes the temporary file of a
+  writer that died.
 * :func:`hold_folder`: the lock on a run's folder for the run's whole life (``.vit3.lock``: an exclusive
   ``flock``, which the system releases when the holder dies, kill -9 included). A second command into a folder
   that a live one holds is refused, naming the folder and the holder's process id; the lock a dead process

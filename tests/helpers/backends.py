@@ -1,6 +1,6 @@
-"""Shared by the backend registry's tests (``test_backends_*``): a mixer with inner weights large enough that the
-step matters, its twin on the generic path, a run that returns the output and every gradient, and readers of
-an explanation."""
+"""Shared by the backend registry's tests (``test_backends_*``): a mixer with inner weights large enough that
+the step matters, its twin on the generic path, a run that returns the output and every gradient, and readers
+of an explanation."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ CPU = torch.device("cpu")
 
 
 def make_mixer(dim: int = 32, heads: int = 2, dtype=torch.float64, gain: float = 5.0, **cfg) -> TTTMixer:
-    """A seeded mixer whose initial inner weights are ``gain`` times larger, so the inner step is not negligible."""
+    """A seeded mixer whose initial inner weights are ``gain`` times larger, so the inner step is not
+    negligible."""
     torch.manual_seed(3)
     mixer = TTTMixer(dim, heads, **cfg).to(dtype)
     with torch.no_grad():

@@ -1,7 +1,5 @@
 """Helpers of the dense-task and export tests: small synthetic digit datasets (real MNIST pixels).
-
-Test modules import it and wrap these
-writers in their own fixtures.
+Test modules import it and wrap these writers in their own fixtures.
 """
 
 from __future__ import annotations
@@ -50,8 +48,8 @@ def det_args(coco_root: Path, out: Path) -> list[str]:
 
 
 def seg_args(ade_root: Path, out: Path) -> list[str]:
-    """Overrides of ``configs/dense/demo_segmentation.yaml`` for a few CPU seconds on :func:`write_ade_digits`:
-    2 epochs of 2 steps (8 images in batches of 4), one evaluation at the end."""
+    """Overrides of ``configs/dense/demo_segmentation.yaml`` for a few CPU seconds on
+    :func:`write_ade_digits`: 2 epochs of 2 steps (8 images in batches of 4), one evaluation at the end."""
     return [
         "data.dataset=ade20k",
         f"data.path={ade_root}",

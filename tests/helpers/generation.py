@@ -1,5 +1,4 @@
 """Helpers for the generation tests: a tiny local AutoencoderKL, tiny DiT³ configs on real digits.
-
 Test modules import it.
 """
 
@@ -44,7 +43,8 @@ def write_tiny_vae(root: Path) -> Path:
 
 
 def tiny_gen_args(data_root: Path, out: Path, *overrides: str) -> list[str]:
-    """The overrides of :func:`tiny_gen_cfg` (``python train.py --config <DEMO>`` takes them for the same run)."""
+    """The overrides of :func:`tiny_gen_cfg` (``python train.py --config <DEMO>`` takes them for the same
+    run)."""
     return [
         *short_run(data_root, out, 3e-3),
         "train.final_eval=false",

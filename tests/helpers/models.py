@@ -1,4 +1,5 @@
-"""Helpers for the model tests: tiny model names, FX feature extraction the way timm's own tests trace models."""
+"""Helpers for the model tests: tiny model names, FX feature extraction the way timm's own tests trace
+models."""
 
 from __future__ import annotations
 

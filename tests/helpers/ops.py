@@ -1,5 +1,6 @@
-"""Inputs, runs and error metrics shared by the op tests (``test_op_*``, ``test_kernels_*``): q, k, v as strided
-views of one qkv projection, the Triton op beside the op's reference; every Triton launch intercepted."""
+"""Inputs, runs and error metrics shared by the op tests (``test_op_*``, ``test_kernels_*``): q, k, v as
+strided views of one qkv projection, the Triton op beside the op's reference; every Triton launch
+intercepted."""
 
 from __future__ import annotations
 
@@ -103,8 +104,9 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def reference_mixer(mixer: TTTMixer, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """``mixer`` (one full-batch step, fixed lr, bare inner models of the ops) recomputed with the op references
-    (``vit3.kernels.reference.reference_ttt``) between its own qkv and output projections: ``[B, N, C]``."""
+    """``mixer`` (one full-batch step, fixed lr, bare inner models of the ops) recomputed with the op
+    references (``vit3.kernels.reference.reference_ttt``) between its own qkv and output projections: ``[B, N,
+    C]``."""
     b, n, _ = x.shape
     cfg = mixer.cfg
     pieces = mixer.qkv(x).split([w for w in mixer.widths for _ in range(3)], dim=-1)
@@ -155,7 +157,8 @@ AMD_GPUS = {
 }
 
 
-# The modules of the Triton kernels in import order (each copy in ``gpu_kernels`` imports the copies before it).
+# The modules of the Triton kernels in import order (each copy in ``gpu_kernels`` imports the copies before
+# it).
 KERNEL_MODULES = (
     "vit3.kernels.triton.jit",
     "vit3.kernels.triton.step",
@@ -167,8 +170,8 @@ KERNEL_MODULES = (
 @functools.cache
 def gpu_kernels() -> dict[str, types.ModuleType]:
     """Copies of the kernel modules (``KERNEL_MODULES``) as a GPU host imports them: decorated without the
-    interpreter (``triton.jit`` reads ``TRITON_INTERPRET`` when a function is decorated), whatever this process
-    has set, each calling the other copies' helpers."""
+    interpreter (``triton.jit`` reads ``TRITON_INTERPRET`` when a function is decorated), whatever this
+    process has set, each calling the other copies' helpers."""
     modules = {name: importlib.import_module(name) for name in KERNEL_MODULES}
     copies = {}
     before = os.environ.get("TRITON_INTERPRET")
@@ -198,9 +201,9 @@ def use_gpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 def intercept_launches(monkeypatch, hook) -> None:
     """Runs every Triton launch, of the per-branch plans (``triton.plan.Launch``) and of the whole-node launch
     programs (``triton.program``) alike, through ``hook(name, args, kwargs, launch)``: the kernel's name, its
-    arguments (tensors, or ``Address`` es with their shape on a GPU) and constexprs, and ``launch()``, the real
-    launch. Both take their launcher from ``triton.plan.launcher``, which this replaces (a program's key holds
-    the launcher, so programs built before are not reused)."""
+    arguments (tensors, or ``Address`` es with their shape on a GPU) and constexprs, and ``launch()``, the
+    real launch. Both take their launcher from ``triton.plan.launcher``, which this replaces (a program's key
+    holds the launcher, so programs built before are not reused)."""
     from vit3.kernels.triton import plan as tplan
 
     real = tplan.launcher

@@ -1,8 +1,7 @@
 """An independent float64 reference of the TTT mixer: inner models written as plain forward functions and
 inner gradients taken with ``torch.autograd.grad(create_graph=True)`` instead of closed forms.
-
-Nothing here calls the closed-form gradients of ``vit3.layers.inner``; the tests compare the two. The
-inner models with an op of their own (``swiglu``, ``linear``, ``dwconv``) are that op's reference model
+Nothing here calls the closed-form gradients of ``vit3.layers.inner``; the tests compare the two. The inner
+models with an op of their own (``swiglu``, ``linear``, ``dwconv``) are that op's reference model
 (``vit3.kernels.<op>.reference``), and the normalisation is the shared ``normalize_grad``: no formula twice.
 """
 
@@ -27,7 +26,8 @@ def _bias(p: dict[str, Tensor], name: str) -> Tensor | float:
 
 
 def _per_sample_conv(x: Tensor, weight: Tensor, groups: int) -> Tensor:
-    """3x3 conv (zero padding) of maps ``[B, C, h, w]`` with per-sample weights ``[B|1, C, C/groups, 3, 3]``."""
+    """3x3 conv (zero padding) of maps ``[B, C, h, w]`` with per-sample weights ``[B|1, C, C/groups, 3,
+    3]``."""
     weight = weight.expand(x.shape[0], *weight.shape[1:])
     return torch.stack([F.conv2d(xb[None], wb, padding=1, groups=groups)[0] for xb, wb in zip(x, weight)])
 
@@ -92,8 +92,8 @@ def _reference_g(name: str, p: dict[str, Tensor], x: Tensor, grid: tuple[int, in
 
 
 def reference_params(name: str, model) -> tuple[dict[str, Tensor], tuple[Tensor, Tensor] | None]:
-    """The initial inner weights of ``model`` in :func:`reference_forward`'s layouts, and its ``(weight, bias)``
-    LayerNorm (``[G, c]``) when it is wrapped as ``x + LN(g(x))``, read from its named parameters."""
+    """The initial inner weights of ``model`` in :func:`reference_forward`'s layouts, and its ``(weight,
+    bias)`` LayerNorm (``[G, c]``) when it is wrapped as ``x + LN(g(x))``, read from its named parameters."""
     heads, c = model.heads, model.head_dim
     named = dict(model.named_parameters())
     norm = None

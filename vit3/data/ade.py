@@ -1,7 +1,7 @@
-"""ADE20K-format semantic segmentation data: ``images/<split>/*`` with ``annotations/<split>/*.png`` label maps.
-
-Label maps hold one class index per pixel; 255 is ignored. The real ADE20K stores 0 = "other" and 1..150
-for its classes, so it is read with ``reduce_zero_label=True`` (0 -> 255, k -> k - 1, as in mmseg). Any other
+"""ADE20K-format semantic segmentation data: ``images/<split>/*`` with ``annotations/<split>/*.png`` label
+maps.
+Label maps hold one class index per pixel; 255 is ignored. The real ADE20K stores 0 = "other" and 1..150 for
+its classes, so it is read with ``reduce_zero_label=True`` (0 -> 255, k -> k - 1, as in mmseg). Any other
 value outside ``[0, num_classes)`` raises a ``ValueError`` naming the file and the values, as do an image /
 label map size mismatch and a missing label map (``FileNotFoundError``); a label map PIL cannot read (or a
 decompression bomb) is a ``CorruptImageError`` naming it.
@@ -33,7 +33,8 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
 
 def rescale_size(size: tuple[int, int], scale: tuple[int, int]) -> tuple[int, int]:
-    """mmcv's keep-ratio rescale: the largest ``(h, w)`` with long side <= max(scale), short side <= min(scale)."""
+    """mmcv's keep-ratio rescale: the largest ``(h, w)`` with long side <= max(scale), short side <=
+    min(scale)."""
     h, w = size
     factor = min(max(scale) / max(h, w), min(scale) / min(h, w))
     return max(round(h * factor), 1), max(round(w * factor), 1)
@@ -80,7 +81,8 @@ class ADESegmentation(Dataset):
         missing = [p.name for p in self.images if not (self.ann_dir / f"{p.stem}.png").is_file()]
         if missing:
             raise FileNotFoundError(
-                f"{len(missing)} image(s) in {self.image_dir} have no label map in {self.ann_dir}: {missing[:5]}"
+                f"{len(missing)} image(s) in {self.image_dir} have no label map in {self.ann_dir}: "
+                f"{missing[:5]}"
             )
         if num_classes < 1 or num_classes > IGNORE_INDEX:
             raise ValueError(f"num_classes must be in 1..{IGNORE_INDEX}, got {num_classes}")
@@ -111,7 +113,8 @@ class ADESegmentation(Dataset):
         label = np.asarray(label_img).astype(np.int64)
         if label.shape != image.shape[:2]:
             raise DataError(
-                f"label map {ann} is {label.shape[1]}x{label.shape[0]} but image {path} is {image.shape[1]}x{image.shape[0]}"
+                f"label map {ann} is {label.shape[1]}x{label.shape[0]} but image {path} is "
+                f"{image.shape[1]}x{image.shape[0]}"
             )
         if self.reduce_zero_label:
             label = np.where(label == 0, IGNORE_INDEX, label - 1)
@@ -119,7 +122,8 @@ class ADESegmentation(Dataset):
         bad = np.unique(label[(label != IGNORE_INDEX) & ((label < 0) | (label >= self.num_classes))])
         if bad.size:
             raise DataError(
-                f"label map {ann} has labels {bad[:10].tolist()} outside 0..{self.num_classes - 1} (and ignore {IGNORE_INDEX})"
+                f"label map {ann} has labels {bad[:10].tolist()} outside 0..{self.num_classes - 1} (and "
+                f"ignore {IGNORE_INDEX})"
             )
         return image, label
 

@@ -58,8 +58,8 @@ def _none_if_off(value: Any) -> Any:
 
 
 def posterize(img: Image.Image, bits_to_keep: int, **_: Any) -> Image.Image:
-    """timm's RandAugment posterize, keeping ``bits_to_keep`` most significant bits; 0 bits gives a black image
-    (RandAugment's meaning; Pillow >= 13 refuses 0), 8 or more the image unchanged."""
+    """timm's RandAugment posterize, keeping ``bits_to_keep`` most significant bits; 0 bits gives a black
+    image (RandAugment's meaning; Pillow >= 13 refuses 0), 8 or more the image unchanged."""
     bits = int(bits_to_keep)
     if bits >= 8:
         return img
@@ -146,7 +146,8 @@ class SeededTransform(Dataset):
     ``transform=None``: the dataset augments its samples itself (the dense datasets); ``dataset[i]`` is then
     read under that seed. ``drop_skipped``: a sample the dataset skips (a corrupt file under
     ``data.corrupt_images=skip``: its ``read_sample`` returns ``None``) is ``None`` here, for
-    :func:`collate_read` to leave out; else the dataset's ``load_sample`` puts the next readable one in its place.
+    :func:`collate_read` to leave out; else the dataset's ``load_sample`` puts the next readable one in its
+    place.
     """
 
     def __init__(self, dataset: Dataset, transform: Callable | None, seed: int, drop_skipped: bool = False):
@@ -322,7 +323,8 @@ def check_class_count(classes: list[str], min_classes: int, source: str) -> None
 
 
 def build_mixup(cfg, num_classes: int) -> Mixup | None:
-    """timm Mixup/CutMix with label smoothing (``None`` when both alphas are 0 or null and no minmax is set)."""
+    """timm Mixup/CutMix with label smoothing (``None`` when both alphas are 0 or null and no minmax is
+    set)."""
     aug = cfg.aug
     mixup, cutmix = float(aug.mixup or 0.0), float(aug.cutmix or 0.0)
     if not (mixup > 0 or cutmix > 0 or aug.cutmix_minmax is not None):
@@ -340,7 +342,8 @@ def build_mixup(cfg, num_classes: int) -> Mixup | None:
 
 
 def _usable_cpus() -> int:
-    """The CPUs this process may run on: more loader workers only compete (torch warns about them each epoch)."""
+    """The CPUs this process may run on: more loader workers only compete (torch warns about them each
+    epoch)."""
     if hasattr(os, "sched_getaffinity"):  # Linux
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1

@@ -72,7 +72,8 @@ def load_coco(ann_file: str | Path):
             raise DataError(f"{path}: every entry of images needs an id and a file_name, got {str(img)[:80]}")
         if img["id"] in image_ids:
             raise DataError(
-                f"{path}: image id {img['id']} is given twice ({image_ids[img['id']]} and {img['file_name']}); "
+                f"{path}: image id {img['id']} is given twice ({image_ids[img['id']]} and "
+                f"{img['file_name']}); "
                 f"each image needs its own id"
             )
         image_ids[img["id"]] = img["file_name"]
@@ -96,7 +97,8 @@ def load_coco(ann_file: str | Path):
             raise DataError(f"{path}: annotation {ann.get('id')} has a bbox of non-numbers: {box}")
         if "segmentation" in ann and not _segmentation_form(ann["segmentation"]):
             raise DataError(
-                f"{path}: annotation {ann.get('id')} of image {ann['image_id']} has a segmentation that is neither "
+                f"{path}: annotation {ann.get('id')} of image {ann['image_id']} has a segmentation that is "
+                "neither "
                 f"polygons (lists of 3 or more x, y pairs) nor an RLE mask (size and counts): "
                 f"{str(ann['segmentation'])[:80]}"
             )
@@ -232,7 +234,8 @@ class CocoDetection(Dataset):
         image = open_image(path, "RGB")
         if "width" in info and (image.width, image.height) != (info["width"], info["height"]):
             raise DataError(
-                f"{self.ann_file}: image {image_id} ({path}) is {image.width}x{image.height} but the annotation "
+                f"{self.ann_file}: image {image_id} ({path}) is {image.width}x{image.height} but the "
+                "annotation "
                 f"file says {info['width']}x{info['height']}"
             )
         return image

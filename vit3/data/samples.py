@@ -1,9 +1,9 @@
 """A small image folder of real photographs, built from the photos that ship inside installed packages.
-
 What a first fine-tune needs when no photographs are at hand (and what the fine-tuning tests and
 ``benchmarks/finetune.py`` train on): scikit-learn's ``china.jpg`` and ``flower.jpg`` and matplotlib's
 ``grace_hopper.jpg``, nothing downloaded. Each class is one photograph (3 classes) or one half of one (6
-classes: ``<photo>_left`` / ``<photo>_right``); its images are random square crops of that region, a quarter to a
+classes: ``<photo>_left`` / ``<photo>_right``); its images are random square crops of that region, a quarter
+    to a
 half of its shorter side, resized to ``size`` pixels and written as JPEGs in the layout of
 ``data.dataset=folder``, into a new or empty folder (one holding files is refused)::
 
@@ -63,8 +63,8 @@ def _regions(photo: Image.Image, halves: bool) -> list[tuple[str, Image.Image]]:
 def make_photo_folder(
     root: str | Path, n_train: int = 24, n_val: int = 8, size: int = 48, seed: int = 0, classes: int = 6
 ) -> Path:
-    """Writes ``root/{train,val}/<class>/<i>.jpg``: ``n_train`` / ``n_val`` random square crops (a quarter to a
-    half of the region's shorter side, resized to ``size`` px) of each class region.
+    """Writes ``root/{train,val}/<class>/<i>.jpg``: ``n_train`` / ``n_val`` random square crops (a quarter to
+    a half of the region's shorter side, resized to ``size`` px) of each class region.
 
     Args:
         root: the folder to write: a new or empty one (created), so that no file of the user's is replaced and
@@ -96,7 +96,8 @@ def make_photo_folder(
     )
     if held:
         raise UserError(
-            f"{root} holds other files (e.g. {held[0].relative_to(root)}), which the sample photos would replace "
+            f"{root} holds other files (e.g. {held[0].relative_to(root)}), which the sample photos would "
+            "replace "
             f"or mix with: give a new or empty folder"
         )
     rng = np.random.default_rng(seed)

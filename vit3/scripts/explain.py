@@ -1,5 +1,5 @@
-"""``vit3-explain <timm model> --img-size 224`` (or ``python -m vit3.scripts.explain``): which backend runs every
-TTT mixer branch of a model, and why each other one was passed over (``vit3.explain``).
+"""``vit3-explain <timm model> --img-size 224`` (or ``python -m vit3.scripts.explain``): which backend runs
+every TTT mixer branch of a model, and why each other one was passed over (``vit3.explain``).
 
 Honours ``$VIT3_TTT_BACKEND`` and the model's ``TTTConfig.backend``; ``--dtype bf16``/``fp16`` run the forward
 under autocast (the mixers then read 16-bit q, k, v), ``fp32``/``fp64`` cast the model. A mistake in the input

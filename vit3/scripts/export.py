@@ -39,8 +39,10 @@ def _export(args: argparse.Namespace) -> int:
     check_flags(args, EXPORT_FLAGS[args.command])
     if not (args.checkpoint or args.pretrained or args.random_init):
         raise ConfigError(
-            f"export.py {args.command} needs the weights to export: pass --checkpoint FILE (a vit3 checkpoint or "
-            f"an official file) or --pretrained (timm's weights); --random-init exports a randomly initialised "
+            f"export.py {args.command} needs the weights to export: pass --checkpoint FILE (a vit3 "
+            "checkpoint or "
+            "an official file) or --pretrained (timm's weights); --random-init exports a randomly "
+            "initialised "
             f"backbone"
         )
     if args.ema and not args.checkpoint:
@@ -50,7 +52,8 @@ def _export(args: argparse.Namespace) -> int:
     )
     if args.random_init:
         warnings.warn(
-            f"--random-init: exporting a randomly initialised {extractor.backbone.model_name}, whose features "
+            f"--random-init: exporting a randomly initialised {extractor.backbone.model_name}, whose "
+            "features "
             f"carry no learned information",
             stacklevel=1,
         )

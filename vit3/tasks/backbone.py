@@ -81,7 +81,8 @@ class FeatureBackbone(nn.Module):
             levels = f"its {n} feature levels are 0 to {n - 1} (or -{n} to -1 from the last)"
             if out_indices is None:  # timm's default, e.g. the last 3 blocks of a ViT with fewer
                 raise ConfigError(
-                    f"{model_name}'s default feature levels do not fit it ({e}): {levels}; name those to take "
+                    f"{model_name}'s default feature levels do not fit it ({e}): {levels}; name those to "
+                    "take "
                     f"with {indices_from}"
                 ) from e
             raise ConfigError(f"{indices_from} {list(out_indices)} do not fit {model_name}: {levels}") from e
@@ -184,8 +185,8 @@ def block_layer_ids(backbone: nn.Module) -> tuple[dict[str, int], int]:
 
     Transformer / residual blocks are found as the children of any ``blocks`` container (timm's naming) in
     registration order, which is the order of depth. Parameters before the first block (stem, patch embed) get
-    0, those of block i get i + 1, those between blocks (downsampling between stages) the id of the next block,
-    and those after the last block (final norms) ``num_blocks + 1``.
+    0, those of block i get i + 1, those between blocks (downsampling between stages) the id of the next
+    block, and those after the last block (final norms) ``num_blocks + 1``.
 
     Returns:
         ``({parameter name: layer id}, number of ids)``.

@@ -1,5 +1,5 @@
-"""Gaussian diffusion for DiT³ on ``diffusers``: forward process, the official training objective, the official
-samplers on the official respaced chain.
+"""Gaussian diffusion for DiT³ on ``diffusers``: forward process, the official training objective, the
+official samplers on the official respaced chain.
 
 * Schedule: the official linear betas 1e-4 .. 0.02 over 1000 steps, in float64 (another diffusers
   ``beta_schedule`` takes diffusers' float32 betas); epsilon prediction, no clipping.
@@ -22,12 +22,13 @@ samplers on the official respaced chain.
   ``_WrappedModel``.
 * Samplers (generation), all diffusers schedulers (``SchedulerMixin`` + ``ConfigMixin``):
 
-  - ``ddpm``: :class:`RespacedDDPMScheduler`, the official ancestral step (``p_sample``) on the respaced chain:
-    ``x0 = sqrt(1 / abar) x_t - sqrt(1 / abar - 1) eps``, ``x_prev = coef1 x0 + coef2 x_t + sigma z`` with the
-    learned-range variance (the model reads ``[eps, v]``) or, for a model without ``v``, the official
+  - ``ddpm``: :class:`RespacedDDPMScheduler`, the official ancestral step (``p_sample``) on the respaced
+    chain: ``x0 = sqrt(1 / abar) x_t - sqrt(1 / abar - 1) eps``, ``x_prev = coef1 x0 + coef2 x_t + sigma z``
+    with the learned-range variance (the model reads ``[eps, v]``) or, for a model without ``v``, the official
     ``FIXED_LARGE`` one; no noise at the last step;
   - ``ddim``: :class:`RespacedDDIMScheduler`, the official DDIM step with eta 0 (``ddim_sample``):
-    ``x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev) eps`` on the same chain (``abar_prev = 1`` at the end);
+    ``x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev) eps`` on the same chain (``abar_prev = 1`` at the
+    end);
   - ``dpm++``: ``diffusers.DPMSolverMultistepScheduler`` (DPM-Solver++ order 2), not an official sampler.
 
   Why not diffusers' ``DDPMScheduler`` / ``DDIMScheduler``: ``DDIMScheduler`` steps from ``t`` to
@@ -43,7 +44,6 @@ samplers on the official respaced chain.
   official train/sample scripts.
 
 The densities, the respacing and the chain tables are plain torch, in :mod:`vit3.tasks.diffusion_chain`.
-
 The schedule tables are float64; the loss runs in the model output's precision (at least float32).
 """
 
@@ -118,7 +118,8 @@ Generator = torch.Generator | list[torch.Generator] | None
 def schedule_betas(
     num_timesteps: int = 1000, beta_schedule: str = "linear", beta_start: float = 1e-4, beta_end: float = 0.02
 ) -> Tensor:
-    """The betas ``[T]`` in float64: ``"linear"`` (official) computed here, other schedules diffusers' (float32)."""
+    """The betas ``[T]`` in float64: ``"linear"`` (official) computed here, other schedules diffusers'
+    (float32)."""
     if beta_schedule == "linear":
         return torch.linspace(float(beta_start), float(beta_end), int(num_timesteps), dtype=torch.float64)
     sched = DDPMScheduler(
@@ -472,13 +473,15 @@ class GaussianDiffusion:
         return torch.randint(0, self.num_timesteps, (batch,), device=device, generator=generator)
 
     def q_sample(self, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
-        """``x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) noise``; all ``[B, C, H, W]`` (computed in ``x0``'s dtype)."""
+        """``x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) noise``; all ``[B, C, H, W]`` (computed in ``x0``'s
+        dtype)."""
         self._check_timesteps(t, x0.shape[0])
         take = self._taker(t, x0)
         return take("sqrt_ac") * x0 + take("sqrt_1m_ac") * noise
 
     def q_posterior(self, x0: Tensor, x_t: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        """Mean and clipped log-variance of ``q(x_{t-1} | x_t, x_0)``, each ``[B, C, H, W]`` (variance broadcast)."""
+        """Mean and clipped log-variance of ``q(x_{t-1} | x_t, x_0)``, each ``[B, C, H, W]`` (variance
+        broadcast)."""
         take = self._taker(t, x_t)
         return posterior_mean(take, x0, x_t), take("post_logvar").expand_as(x_t)
 
@@ -486,7 +489,8 @@ class GaussianDiffusion:
         """Mean and log-variance of the model's ``p(x_{t-1} | x_t)`` from ``eps`` and the range output ``v``.
 
         ``x0_hat = sqrt(1 / a_t) x_t - sqrt(1 / a_t - 1) eps`` (not clipped), the mean is the posterior mean
-        at ``x0_hat``, and ``logvar = frac * log(beta_t) + (1 - frac) * post_logvar_t`` with ``frac = (v + 1) / 2``.
+        at ``x0_hat``, and ``logvar = frac * log(beta_t) + (1 - frac) * post_logvar_t`` with ``frac = (v + 1)
+        / 2``.
         """
         take = self._taker(t, x_t)
         return posterior_mean(take, predict_x0(take, x_t, eps), x_t), learned_logvar(take, v)
@@ -531,7 +535,8 @@ class GaussianDiffusion:
         want = 2 * c if self.learn_sigma else c
         if model_output.shape[1] != want or model_output.shape[2:] != x0.shape[2:]:
             raise ValueError(
-                f"model output {tuple(model_output.shape)} does not fit data {tuple(x0.shape)}: expected {want} "
+                f"model output {tuple(model_output.shape)} does not fit data {tuple(x0.shape)}: expected "
+                f"{want} "
                 f"channels ({'[eps, v]' if self.learn_sigma else 'eps'}, learn_sigma={self.learn_sigma})"
             )
         self._check_timesteps(t, x0.shape[0])
@@ -549,7 +554,8 @@ class GaussianDiffusion:
     # --- sampling -------------------------------------------------------------------------------------
 
     def make_scheduler(self, sampler: str) -> Any:
-        """A fresh diffusers scheduler for ``sampler`` on this diffusion's schedule (see the module docstring)."""
+        """A fresh diffusers scheduler for ``sampler`` on this diffusion's schedule (see the module
+        docstring)."""
         if sampler == "ddpm":
             variance = "learned_range" if self.learn_sigma else "fixed_large"
             return RespacedDDPMScheduler(**self._schedule, variance_type=variance)
@@ -596,7 +602,8 @@ class GaussianDiffusion:
             Latents ``[N, C, H, W]``.
 
         Raises:
-            ValueError: unknown sampler, bad step count, labels out of range, or guidance without a null class.
+            ValueError: unknown sampler, bad step count, labels out of range, or guidance without a null
+                class.
         """
         if sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {sampler!r}: choose from {', '.join(SAMPLERS)}")

@@ -67,7 +67,8 @@ def discretized_gaussian_log_likelihood(
     """
     if not x.shape == means.shape == log_scales.shape:
         raise ValueError(
-            f"shapes differ: x {tuple(x.shape)}, means {tuple(means.shape)}, log_scales {tuple(log_scales.shape)}"
+            f"shapes differ: x {tuple(x.shape)}, means {tuple(means.shape)}, log_scales "
+            f"{tuple(log_scales.shape)}"
         )
     centered = x - means
     inv_std = torch.exp(-log_scales)
@@ -107,10 +108,10 @@ def space_timesteps(num_timesteps: int, steps: int) -> list[int]:
 def chain_tables(alphas_cumprod: Tensor) -> dict[str, Tensor]:
     """The tables ``[S]`` of a diffusion chain given the alpha-bars ``[S]`` of its timesteps (float64).
 
-    A respaced chain (the kept timesteps' alpha-bars) has the betas ``1 - abar_i / abar_{i-1}`` (``abar_{-1} = 1``);
-    the full chain's are the schedule's. Entries: ``alphas_cumprod``, ``alphas_cumprod_prev``, ``betas``,
-    ``sqrt_ac`` / ``sqrt_1m_ac`` (``q(x_t | x0)``), ``post_var`` (the posterior variance
-    ``beta (1 - abar_prev) / (1 - abar)``), ``post_logvar`` (its log,
+    A respaced chain (the kept timesteps' alpha-bars) has the betas ``1 - abar_i / abar_{i-1}`` (``abar_{-1} =
+    1``); the full chain's are the schedule's. Entries: ``alphas_cumprod``, ``alphas_cumprod_prev``,
+    ``betas``, ``sqrt_ac`` / ``sqrt_1m_ac`` (``q(x_t | x0)``), ``post_var`` (the posterior variance ``beta (1
+    - abar_prev) / (1 - abar)``), ``post_logvar`` (its log,
     clipped: at index 0, where it is 0, the official code repeats index 1's), ``large_logvar`` (the official
     ``FIXED_LARGE``: ``log beta`` with index 0 clipped alike), ``post_coef1`` / ``post_coef2`` (posterior mean
     ``coef1 x0 + coef2 x_t``), ``sqrt_recip_ac`` / ``sqrt_recipm1_ac`` (``x0`` from ``eps``), ``log_betas``.

@@ -34,12 +34,14 @@ class LatentAutoencoder(nn.Module):
         root = Path(path)
         if not str(path) or not root.exists():
             raise FileNotFoundError(
-                f"VAE path {str(path)!r} does not exist: vae.path must be a local diffusers AutoencoderKL folder "
+                f"VAE path {str(path)!r} does not exist: vae.path must be a local diffusers AutoencoderKL "
+                "folder "
                 f"(config.json + weights, e.g. a copy of stabilityai/sd-vae-ft-mse); nothing is downloaded"
             )
         if not (root.is_dir() and (root / "config.json").is_file()):
             raise FileNotFoundError(
-                f"VAE path {root} is not a diffusers AutoencoderKL folder (expected {root / 'config.json'} and the weights)"
+                f"VAE path {root} is not a diffusers AutoencoderKL folder (expected {root / 'config.json'} "
+                "and the weights)"
             )
         try:
             self.vae = AutoencoderKL.from_pretrained(str(root), local_files_only=True)

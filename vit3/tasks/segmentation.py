@@ -6,8 +6,8 @@
 - :class:`FCNHead`: the auxiliary head on the stride-16 map (loss weight 0.4 in the official recipe).
 - :class:`SemanticFPNHead`: Panoptic-FPN's semantic branch (FPN neck, per-level 3x3 conv + 2x upsample
   stacks down to stride 4, summed, classifier): lighter than UperNet.
-- :class:`SegmentationModel`: backbone + head(s); ``forward(x, target)`` gives the losses, ``predict`` whole-image or
-  sliding-window inference.
+- :class:`SegmentationModel`: backbone + head(s); ``forward(x, target)`` gives the losses, ``predict``
+  whole-image or sliding-window inference.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def resize(x: Tensor, size: Sequence[int]) -> Tensor:
 
 
 def top_down(laterals: list[Tensor]) -> list[Tensor]:
-    """FPN top-down pathway: each level plus the upsampled coarser level, coarsest first (in place order kept)."""
+    """FPN top-down pathway: each level plus the upsampled coarser level, coarsest first (in place order
+    kept)."""
     out = list(laterals)
     for i in range(len(out) - 1, 0, -1):
         out[i - 1] = out[i - 1] + resize(out[i], out[i - 1].shape[-2:])
@@ -49,7 +50,8 @@ def top_down(laterals: list[Tensor]) -> list[Tensor]:
 
 
 class PPM(nn.Module):
-    """Pyramid pooling: ``[B, C, h, w]`` -> ``[B, channels, h, w]`` (pooled branches + input, fused by 3x3)."""
+    """Pyramid pooling: ``[B, C, h, w]`` -> ``[B, channels, h, w]`` (pooled branches + input, fused by
+    3x3)."""
 
     def __init__(self, in_channels: int, channels: int, scales: Sequence[int] = (1, 2, 3, 6)) -> None:
         super().__init__()
@@ -133,7 +135,8 @@ class SemanticFPNHead(nn.Module):
         self.fpn_convs = nn.ModuleList(
             nn.Conv2d(fpn_channels, fpn_channels, 3, padding=1) for _ in in_channels
         )
-        # Level i (stride 4 * 2^i) gets max(i, 1) conv blocks, each but the first-level one followed by a 2x upsample.
+        # Level i (stride 4 * 2^i) gets max(i, 1) conv blocks, each but the first-level one followed by a 2x
+        # upsample.
         self.scale_heads = nn.ModuleList(
             nn.Sequential(
                 *[conv_bn_relu(fpn_channels if j == 0 else channels, channels) for j in range(max(i, 1))]
