@@ -360,8 +360,7 @@ def training_step(op: ModuleType, name: str, b: int, gpu: GPU) -> dict[str, Any]
     """Predicted seconds of one training step (forward + backward) of ``name`` at batch ``b``, and its split.
 
     ``modelled_gmacs_fwd``: the forward multiply-adds per image the model covers (the blocks' GEMMs and the
-        TTT
-    op's dots), beside the paper's count (fvcore's, one per multiply-add): the rest is the stem, the
+    TTT op's dots), beside the paper's count (fvcore's, one per multiply-add): the rest is the stem, the
     downsampling layers, the head and the element-wise work.
     """
     stages, paper_flops = MODELS[name]

@@ -33,7 +33,7 @@ class BruteForce:
     The posterior q(x_{t-1} | x_t, x_0) comes from Bayes' rule on the forward chain (product of the two
     Gaussians q(x_{t-1} | x_0) and q(x_t | x_{t-1})), the KL divergence and the decoder's bin probability are
     numerical integrals of the Gaussian densities (scipy quad): none of the closed forms of the code under
-        test.
+    test.
     """
 
     def __init__(self, betas: list[float]) -> None:

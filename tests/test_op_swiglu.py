@@ -318,8 +318,7 @@ def test_build_targets_the_cpus_vector_unit():
 def test_the_build_is_keyed_by_its_source_so_checkouts_never_rebuild_each_other(tmp_path, monkeypatch):
     """Checkouts (source roots) with different kernels get different extension names and build folders; with
     the same kernel, one build whose inputs name no checkout (copies of the sources in its folder: its ninja
-        file,
-    so the build, is the same whichever loads it). The flags key it too; the folder sits under
+    file, so the build, is the same whichever loads it). The flags key it too; the folder sits under
     ``$TORCH_EXTENSIONS_DIR``, else PyTorch's build root."""
     import torch.utils.cpp_extension as cpp_extension
 

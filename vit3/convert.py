@@ -14,8 +14,7 @@ the timm model ``ttt_swap``), started from the teacher's weights (the mixers fro
 
 Layer pairs (:func:`layer_pairs`) match a teacher's attention with the student module in its place, by module
 name: a ViT/DeiT ``Attention`` with its :class:`~vit3.models.swap.TokenTTT` (prefix tokens included, as the
-    swap
-handles them), a Swin ``WindowAttention`` with its :class:`~vit3.models.swap.WindowTTT` (``scope="window"``:
+swap handles them), a Swin ``WindowAttention`` with its :class:`~vit3.models.swap.WindowTTT` (``scope="window"``:
 the windowed tokens), and a Swin block with its :class:`~vit3.models.swap.SwinStageTTTBlock`
 (``scope="stage"``: the block's attention branch on the whole stage map, from the normalised block input to
 what the block adds before its residual).

@@ -3,8 +3,7 @@ What a first fine-tune needs when no photographs are at hand (and what the fine-
 ``benchmarks/finetune.py`` train on): scikit-learn's ``china.jpg`` and ``flower.jpg`` and matplotlib's
 ``grace_hopper.jpg``, nothing downloaded. Each class is one photograph (3 classes) or one half of one (6
 classes: ``<photo>_left`` / ``<photo>_right``); its images are random square crops of that region, a quarter
-    to a
-half of its shorter side, resized to ``size`` pixels and written as JPEGs in the layout of
+to a half of its shorter side, resized to ``size`` pixels and written as JPEGs in the layout of
 ``data.dataset=folder``, into a new or empty folder (one holding files is refused)::
 
     python -m vit3.data.samples photos --classes 3 --train 16 --val 16
