@@ -5,19 +5,7 @@ the timm model ``ttt_swap``), started from the teacher's weights (the mixers fro
 ``qkv``/``proj``). Training it back to the teacher's quality takes two stages (the ``convert`` task,
 :mod:`vit3.engine.convert`, runs both from a config):
 
-1. attention transfer: only the mixers train, each to reproduce its layer's attention output on the
-   teacher's own input to that layer (layer-wise MSE, all layers in one pass). One frozen teacher forward
-   records every attention's input and output (:class:`LayerCapture`), then each mixer is applied to its
-   layer's input (:class:`TransferNet`);
-2. end-to-end fine-tuning with the task loss plus distillation from the teacher's logits
-   (:func:`distillation_loss`, timm's conventions).
-
-Layer pairs (:func:`layer_pairs`) match a teacher's attention with the student module in its place, by module
-name: a ViT/DeiT ``Attention`` with its :class:`~vit3.models.swap.TokenTTT` (prefix tokens included, as the
-swap handles them), a Swin ``WindowAttention`` with its :class:`~vit3.models.swap.WindowTTT` (``scope="window"``:
-the windowed tokens), and a Swin block with its :class:`~vit3.models.swap.SwinStageTTTBlock`
-(``scope="stage"``: the block's attention branch on the whole stage map, from the normalised block input to
-what the block adds before its residual).
+The two stages and how layers are paired: ``docs/design/conversion.md``.
 """
 
 from __future__ import annotations
@@ -88,7 +76,8 @@ class LayerPair:
 
 
 def layer_pairs(teacher: nn.Module, student: nn.Module) -> list[LayerPair]:
-    """Every teacher attention with the student module that replaced it (see the module docstring), in order.
+    """Every teacher attention with the student module that replaced it, in order
+    (``docs/design/conversion.md``).
 
     Raises:
         ValueError: no student module replaces a teacher attention (the student is not the teacher swapped).

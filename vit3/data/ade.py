@@ -1,16 +1,11 @@
 """ADE20K-format semantic segmentation data: ``images/<split>/*`` with ``annotations/<split>/*.png`` label
-maps.
-Label maps hold one class index per pixel; 255 is ignored. The real ADE20K stores 0 = "other" and 1..150 for
-its classes, so it is read with ``reduce_zero_label=True`` (0 -> 255, k -> k - 1, as in mmseg). Any other
+maps. Label maps hold one class index per pixel; 255 is ignored. The real ADE20K stores 0 = "other" and 1..150
+for its classes, so it is read with ``reduce_zero_label=True`` (0 -> 255, k -> k - 1, as in mmseg). Any other
 value outside ``[0, num_classes)`` raises a ``ValueError`` naming the file and the values, as do an image /
 label map size mismatch and a missing label map (``FileNotFoundError``); a label map PIL cannot read (or a
 decompression bomb) is a ``CorruptImageError`` naming it.
 
-Training pipeline (mmseg's ADE20K recipe minus the photometric jitter): random rescale within
-``scale * ratio_range`` keeping the aspect ratio, random crop to ``crop_size`` (re-drawn up to 10 times while
-one class covers more than ``cat_max_ratio`` of the crop), horizontal flip, pad to ``crop_size`` (image 0,
-label 255). Evaluation: rescale to ``scale`` keeping the aspect ratio; the label map stays at full size and
-predictions are resized back to it.
+Label conventions, bad input and the pipelines: ``docs/design/data.md``.
 """
 
 from __future__ import annotations

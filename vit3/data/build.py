@@ -1,17 +1,5 @@
 """Datasets, transforms, samplers and loaders for classification runs (config sections ``data``/``aug``).
-
-Reproducibility: every sample's augmentation is drawn from its own RNG seeded by (seed, epoch, index)
-(:class:`SeededTransform`), and the training order comes from :class:`ResumableDistributedSampler`
-(seed + epoch). A batch therefore depends only on (seed, epoch, position), never on the number of
-loader workers, and a run resumed in the middle of an epoch sees exactly the batches it would have seen.
-
-Augmentation: timm's ``create_transform`` with one correction. RandAugment's ``PosterizeIncreasing``
-(``rand-...-inc1``, the default recipe) keeps ``4 - int(4 * m / 10)`` bits, 0 bits when the sampled magnitude
-reaches 10 (``m9-mstd0.5`` does for about 2% of the posterize draws): in RandAugment's (TensorFlow) meaning a
-black image, which Pillow's ``ImageOps.posterize`` produced before Pillow 13 and refuses since (``bits must
-be between or equal to 1 and 8``). :func:`posterize` restores that meaning for every Pillow version and
-:func:`build_transform` puts it into timm's RandAugment / AutoAugment / AugMix ops. A transform that fails
-anyway names the image file (``vit3.data.image.TransformError``).
+Reproducibility and the posterize correction: ``docs/design/data.md``.
 """
 
 from __future__ import annotations
@@ -93,8 +81,8 @@ def _correct_augment_ops(transform: Callable) -> Callable:
 def build_transform(
     cfg, is_train: bool, mean: tuple[float, ...], std: tuple[float, ...], img_size: int | None = None
 ) -> Callable:
-    """timm's ``create_transform`` from the ``data``/``aug`` config sections (posterize corrected: see the
-    module docstring).
+    """timm's ``create_transform`` from the ``data``/``aug`` config sections (posterize corrected: see
+    ``docs/design/data.md``).
 
     Training: RandomResizedCrop(scale, ratio) + flip + RandAugment + color jitter + random erasing.
     Evaluation: resize to ``img_size / crop_pct`` and center-crop ``img_size`` (224/256 by default).

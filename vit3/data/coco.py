@@ -5,18 +5,7 @@ resizes it itself); its target holds ``boxes [n, 4]`` (x1, y1, x2, y2 in pixels)
 1..K, 0 is the background), ``masks [n, H, W]`` uint8 and ``image_id``. Category ids of the file map to
 contiguous labels in sorted id order; ``label_to_cat_id`` maps back for the evaluation.
 
-Bad input: a missing or unreadable annotation file, a file without ``images`` / ``annotations`` /
-``categories``, two images of one id, an annotation naming an unknown image or category, a segmentation that
-is neither polygons (of 3 points or more) nor an RLE mask, a missing image file, or an image whose size
-disagrees with the file -> ``FileNotFoundError`` / ``DataError`` naming the file and the image id.
-
-Boxes (decided once, when the dataset is built, from the image sizes the file records): a box reaching
-outside its image is clipped to the image and kept; a box that is degenerate (width or height below 1 px,
-negative, or nothing left after clipping, e.g. wholly outside the image) is skipped. Either way one warning
-lists the annotations concerned (file, annotation id, box), so nothing changes silently; torchvision's
-detectors would otherwise stop at the first invalid box without naming it. Crowd annotations are not used for
-training targets. Images with no usable annotation are skipped for training (``skip_empty``, logged) and kept
-for evaluation.
+Bad input, box handling: ``docs/design/data.md``.
 """
 
 from __future__ import annotations
@@ -185,7 +174,7 @@ class CocoDetection(Dataset):
 
     def _usable_boxes(self, ids: list[int]) -> dict[int, tuple[list[dict], list[list[float]]]]:
         """Per image: the annotations used as targets and their boxes (xyxy), clipped to the image; boxes
-        clipped or skipped (degenerate) are listed in one warning each (see the module docstring)."""
+        clipped or skipped (degenerate) are listed in one warning each (see ``docs/design/data.md``)."""
         out: dict[int, tuple[list[dict], list[list[float]]]] = {}
         clipped, skipped = [], []
         for image_id in ids:

@@ -1,18 +1,6 @@
 """Image folders (``root/<class>/<image>``) with clear errors for bad input.
 
-* missing root or split directory -> ``FileNotFoundError`` naming the path;
-* no class folders, or a class folder without a single image -> ``ValueError`` naming the folder;
-* class folders whose names the label list (the training data's, or a checkpoint's) lacks -> ``DataError``
-  listing them; labels always follow the names, so a subset of the classes or another order is fine;
-* images of every PIL mode are read as 8-bit RGB (or L) by ``vit3.data.image.open_image`` (16-bit images
-  keep their contrast); the files of a class folder that are not images are skipped with one warning naming
-  them (hidden files such as ``.DS_Store`` silently, as hidden folders are), an image with a side below
-  ``vit3.data.image.TINY_SIDE`` pixels is used with a warning naming it (once per file and process);
-* a corrupt (unreadable) image file: policy ``corrupt_images``:
-  ``"error"`` (default) raises :class:`CorruptImageError` naming the file; ``"skip"`` warns once per file
-  (naming it) and leaves it out: :meth:`ImageFolderDataset.read_sample` returns ``None`` for it (an evaluation
-  loader drops it, so the images counted are those read), :meth:`~ImageFolderDataset.load_sample` the next
-  readable image of the split instead (training, where a batch keeps its size).
+What each bad input raises or warns: ``docs/design/data.md``.
 """
 
 from __future__ import annotations
@@ -67,7 +55,7 @@ class ImageFolderDataset(Dataset):
         transform: applied to the PIL image.
         classes: class names defining the labels, in label order (default: the folders of ``root``); every
             folder of ``root`` must be one of them (a subset, in any order).
-        corrupt_images: "error" or "skip" (see the module docstring).
+        corrupt_images: "error" or "skip" (see ``docs/design/data.md``).
         mode: mode images are converted to ("RGB", or "L" for one-channel models).
         classes_from: what ``classes`` are, for the message naming unknown folders.
     """

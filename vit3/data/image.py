@@ -1,18 +1,5 @@
 """Image files to the 8-bit RGB or grayscale images the models read, for every mode PIL opens.
-
-PIL's own ``convert("RGB")`` clips 16- and 32-bit integer pixels to 255 and float pixels to 0-255, so a
-16-bit PNG or TIFF would come out almost white and a float TIFF in [0, 1] black; :func:`to_model_mode` scales
-them by the convention of their type instead (:func:`eight_bit`), so the image keeps its contrast:
-``I;16*`` value / 257 (the full 16-bit range onto 0-255); ``I`` (32-bit integers, which older PIL also reads
-16-bit files into) by the range its largest value is in: up to 255 as 8-bit, up to 65535 as 16-bit (/ 257),
-beyond as 32-bit (x 255 / (2^31 - 1)); ``F`` (32-bit float) in [0, 1] x 255, else on PIL's 0-255 scale
-(clipped). Negative values are 0. Palette images with transparency go through RGBA; alpha channels
-(``RGBA``, ``LA``, ``PA``) are dropped, as torchvision's and timm's loaders do; ``CMYK``, ``YCbCr``, ``1`` and
-the rest use PIL's conversion.
-
-Nothing is dropped or stretched without a word: :func:`warn_skipped` names the files of an image folder that
-are not images (skipped), :func:`warn_if_tiny` an image below :data:`TINY_SIDE` pixels (resized to the input
-like every image, though it holds next to no picture: a 1x1 image is most likely a mistake).
+How each PIL mode is scaled, and the warnings: ``docs/design/data.md``.
 """
 
 from __future__ import annotations
@@ -55,7 +42,7 @@ class TransformError(RuntimeError):
 
 def eight_bit(img: Image.Image) -> Image.Image:
     """A one-channel image of mode ``I;16*``, ``I`` or ``F`` as an 8-bit ``L`` image, scaled by the convention
-    of its type and range (module docstring)."""
+    of its type and range (``docs/design/data.md``)."""
     pixels = np.nan_to_num(np.asarray(img).astype(np.float64), nan=0.0)  # [H, W]
     top = float(pixels.max(initial=0.0))
     if img.mode == "F":

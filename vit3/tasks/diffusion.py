@@ -1,50 +1,7 @@
 """Gaussian diffusion for DiT³ on ``diffusers``: forward process, the official training objective, the
 official samplers on the official respaced chain.
 
-* Schedule: the official linear betas 1e-4 .. 0.02 over 1000 steps, in float64 (another diffusers
-  ``beta_schedule`` takes diffusers' float32 betas); epsilon prediction, no clipping.
-* Forward process: ``q_sample`` on the float64 tables, as the official one (diffusers' ``add_noise`` takes
-  ``1 - abar`` from float32 alpha-bars, 1e-4 relative off at small ``t``).
-* Objective (the official DiT / improved-DDPM "hybrid" loss, ``LossType.MSE`` with ``LEARNED_RANGE``):
-  ``mse = mean((eps - eps_hat)^2)`` and, when the model learns its variance, plus the variational-bound term
-  ``vb`` for the variance only (the mean is computed from a stop-gradient copy of ``eps_hat``): at ``t > 0``
-  the KL divergence ``KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t))`` and at ``t = 0`` the negative
-  log-likelihood of ``x_0`` under the discretised Gaussian decoder, both averaged over the pixels and in bits.
-  The model variance interpolates the log of the clipped posterior variance and ``log beta_t`` by
-  ``frac = (v + 1) / 2``. diffusers has no training loss for this, so it is written here; the decoder uses
-  the official tanh approximation of the normal CDF (``cdf=torch.special.ndtr`` gives the exact one).
-* Respacing (:func:`space_timesteps`): sampling with ``S`` steps visits the timesteps the official
-  ``space_timesteps(T, str(S))`` keeps, a fractional stride ``(T - 1) / (S - 1)`` from 0 rounded half to even
-  (250 of 1000: 0, 4, 8, ..., 164, 169, ..., 995, 999; 50: 0, 20, 41, ..., 979, 999). The kept timesteps form
-  a chain of their own: betas ``1 - abar_t / abar_prev`` between consecutive kept timesteps, and the
-  posterior means and (clipped log) variances of those betas (:func:`chain_tables`, which also gives the
-  objective's tables on the full chain). The model is called with the original timesteps, as the official
-  ``_WrappedModel``.
-* Samplers (generation), all diffusers schedulers (``SchedulerMixin`` + ``ConfigMixin``):
-
-  - ``ddpm``: :class:`RespacedDDPMScheduler`, the official ancestral step (``p_sample``) on the respaced
-    chain: ``x0 = sqrt(1 / abar) x_t - sqrt(1 / abar - 1) eps``, ``x_prev = coef1 x0 + coef2 x_t + sigma z``
-    with the learned-range variance (the model reads ``[eps, v]``) or, for a model without ``v``, the official
-    ``FIXED_LARGE`` one; no noise at the last step;
-  - ``ddim``: :class:`RespacedDDIMScheduler`, the official DDIM step with eta 0 (``ddim_sample``):
-    ``x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev) eps`` on the same chain (``abar_prev = 1`` at the
-    end);
-  - ``dpm++``: ``diffusers.DPMSolverMultistepScheduler`` (DPM-Solver++ order 2), not an official sampler.
-
-  Why not diffusers' ``DDPMScheduler`` / ``DDIMScheduler``: ``DDIMScheduler`` steps from ``t`` to
-  ``t - T // S`` whatever its spacing, so on the official set (gaps of 4 and 5 at 250 steps, 20 and 21 at
-  50) it pairs the wrong alpha-bars; ``DDPMScheduler`` does step to the next kept timestep with the respaced
-  beta (its ``linspace`` spacing is the official set at 250 and 50 steps, not at 278 of the 1000 step counts),
-  but its tables are float32 (alpha-bar off by up to 4e-7 relative), so a float64 model cannot reproduce the
-  official numbers. The two schedulers here keep float64 tables; each coefficient is applied in the
-  sample's dtype (a float32 model gets the official float32-rounded coefficients).
-  Classifier-free guidance runs through the model's ``forward_with_cfg`` (:func:`denoise`).
-* :class:`LatentAutoencoder` (:mod:`vit3.tasks.latent`): a local ``diffusers.AutoencoderKL`` (a folder in
-  diffusers' layout; nothing is downloaded) mapping images in ``[-1, 1]`` to scaled latents and back, as the
-  official train/sample scripts.
-
-The densities, the respacing and the chain tables are plain torch, in :mod:`vit3.tasks.diffusion_chain`.
-The schedule tables are float64; the loss runs in the model output's precision (at least float32).
+Schedule, objective, respacing and samplers, and why not diffusers' schedulers: ``docs/design/generation.md``.
 """
 
 from __future__ import annotations
@@ -414,7 +371,7 @@ def denoise(
 
 
 class GaussianDiffusion:
-    """The official DiT diffusion: schedule, objective and samplers (see the module docstring).
+    """The official DiT diffusion: schedule, objective and samplers (``docs/design/generation.md``).
 
     Args:
         num_timesteps: training diffusion steps T.

@@ -1,25 +1,11 @@
 """``DiT3Pipeline``: class-conditional sampling of a DiT³, called as diffusers' ``DiTPipeline``.
-
 ``pipe(class_labels, guidance_scale=4.0, generator=..., num_inference_steps=250, output_type="pil")`` draws
 the initial latents with diffusers' ``randn_tensor`` (one generator per image makes each image depend on its
 own seed only), runs the scheduler through :func:`vit3.tasks.diffusion.denoise` (the loop of the training
 engine's sampler) and decodes with the VAE. ``save_pretrained`` / ``from_pretrained`` store the DiT³, the
 scheduler and the VAE in diffusers' layout; ``DiffusionPipeline.from_pretrained`` loads a saved folder as well
 once vit3 is imported (diffusers resolves ``_class_name`` in its own namespace: ``vit3._diffusers_names``).
-
-Where it differs from ``DiTPipeline`` (written for the official DiT's ImageNet checkpoints), it follows the
-official DiT³ sampler (``dittt/sample.py``):
-
-* the null class of guidance is the model's ``num_classes`` (``DiTPipeline`` hard-codes 1000);
-* guidance goes through the model's ``forward_with_cfg``: the official 3 leading output channels
-  (``guided_channels`` changes it); ``DiTPipeline`` guides every latent channel;
-* the learned variance reaches a scheduler that reads it: the default :class:`RespacedDDPMScheduler` is the
-  official 250-step DDPM; ``DiTPipeline`` drops it. A swap such as
-  ``DDIMScheduler.from_config(pipe.scheduler.config)`` gets ``eps`` only, as in ``DiTPipeline``
-  (:func:`vit3.tasks.diffusion.reads_variance`);
-* the VAE is optional: without one the model's output is the image (pixel space, ``[-1, 1]``);
-* ``output_type`` is ``"pil"``, ``"np"`` (``[N, H, W, C]`` in ``[0, 1]``), ``"pt"`` (``[N, C, H, W]``) or
-  ``"latent"`` (the sampled latents).
+Where it differs from diffusers' ``DiTPipeline``: ``docs/design/generation.md``.
 """
 
 from __future__ import annotations
@@ -46,7 +32,7 @@ OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
 class DiT3Pipeline(DiffusionPipeline):
-    """Samples images of given classes from a DiT³ (see the module docstring).
+    """Samples images of given classes from a DiT³ (``docs/design/generation.md``).
 
     Args:
         transformer: the DiT³.
