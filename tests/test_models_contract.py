@@ -14,7 +14,17 @@ from timm.models import group_parameters
 import vit3  # noqa: F401 - registers the models
 from vit3.layers import TTTConfig, TTTMixer
 
-pytestmark = pytest.mark.parametrize("name", TINY_MODELS)
+META = torch.device("meta")
+REGISTERED = sorted(
+    n for n in timm.list_models() if timm.models.model_entrypoint(n).__module__.startswith("vit3.")
+)
+
+
+@pytest.fixture(params=TINY_MODELS)
+def name(request) -> str:
+    """The tiny model each test of the contract runs on (a test parametrized on ``name`` takes its own)."""
+    return request.param
+
 
 PRETRAINED_CFG_KEYS = (
     "url",
@@ -38,13 +48,8 @@ def _input(model, batch: int = 1, size: tuple[int, int] | None = None) -> torch.
     return torch.randn(batch, c, *(size or (h, w)))
 
 
-def _feature_grid(model, feats: torch.Tensor, x: torch.Tensor) -> tuple[int, int]:
-    """The token grid of ``forward_features``' output: its spatial dims (maps), or, for tokens ``[B, N, C]``
-    (``NLC``, the plain models), ``(h, w)`` as code written for timm's ViT reads it (``N`` checked)."""
-    if model.output_fmt == "NLC":
-        h, w = model.patch_embed.dynamic_feat_size(x.shape[-2:])
-        assert feats.shape[1] == h * w
-        return h, w
+def _feature_grid(model, feats: torch.Tensor) -> tuple[int, int]:
+    """The grid ``(h, w)`` of ``forward_features``' output: its spatial dims by the model's ``output_fmt``."""
     spatial = get_spatial_dim(model.output_fmt)
     return feats.shape[spatial[0]], feats.shape[spatial[1]]
 
@@ -82,14 +87,15 @@ def test_backward_reaches_every_parameter(name):
 
 
 def test_default_cfg_consistency(name):
-    """timm's test_model_default_cfgs, on the model's output_fmt (NLC plain, as timm's ViT; NCHW hierarchical)."""
+    """timm's test_model_default_cfgs, on the model's output_fmt (NHWC plain, as timm's Swin; NCHW
+    hierarchical)."""
     model = timm.create_model(name).eval()
     cfg = model.pretrained_cfg
     fmt = model.output_fmt
     x = _input(model)
     feats = model.forward_features(x)
-    assert feats.ndim == (3 if fmt == "NLC" else 4)
-    assert _feature_grid(model, feats, x) == tuple(cfg["pool_size"])
+    assert feats.ndim == 4
+    assert _feature_grid(model, feats) == tuple(cfg["pool_size"])
     assert feats.shape[get_channel_dim(fmt)] == model.num_features
     assert feats.shape[getattr(model, "feature_dim", 1)] == model.num_features
     pre = model.forward_head(feats, pre_logits=True)
@@ -102,6 +108,31 @@ def test_default_cfg_consistency(name):
     torch.testing.assert_close(unpooled, feats)
     fresh = timm.create_model(name, num_classes=0, global_pool="").eval()
     assert fresh(x).shape == feats.shape
+
+
+@pytest.mark.parametrize("name", REGISTERED)
+def test_every_registered_name_passes_timms_default_cfgs_shape_checks(name):
+    """timm's test_model_default_cfgs as timm's tests/test_models.py runs it on every vit3 name (meta device,
+    the cfg's input size): ``output_fmt`` has two spatial axes, ``forward_features``' are the cfg's
+    ``pool_size`` and its channel axis ``num_features``; pre-logits ``head_hidden_size``;
+    ``reset_classifier(0)`` gives them and ``reset_classifier(0, '')`` the unpooled map."""
+    with META:
+        model = timm.create_model(name, device=META, dtype=torch.float32).eval()
+    cfg = model.pretrained_cfg
+    fmt = getattr(model, "output_fmt", "NCHW")
+    spatial, channel = get_spatial_dim(fmt), get_channel_dim(fmt)
+    assert len(spatial) == 2, fmt
+    x = torch.empty(2, *cfg["input_size"], device=META)
+    feats = model.forward_features(x)
+    assert tuple(feats.shape[i] for i in spatial) == tuple(cfg["pool_size"])
+    assert feats.shape[channel] == model.num_features
+    pre = model.forward_head(feats, pre_logits=True)
+    assert pre.shape == (2, model.head_hidden_size)
+    model.reset_classifier(0)
+    assert model.num_classes == 0 and model(x).shape == pre.shape
+    model.reset_classifier(0, "")
+    unpooled = model(x)
+    assert unpooled.ndim == 4 and tuple(unpooled.shape[i] for i in spatial) == tuple(cfg["pool_size"])
 
 
 def test_reset_classifier_and_get_classifier(name):
@@ -120,7 +151,7 @@ def test_any_input_size(name, size):
     x = _input(model, size=size)
     feats = model.forward_features(x)
     r = model.feature_info[-1]["reduction"]
-    assert _feature_grid(model, feats, x) == (math.ceil(size[0] / r), math.ceil(size[1] / r))
+    assert _feature_grid(model, feats) == (math.ceil(size[0] / r), math.ceil(size[1] / r))
     assert model(x).shape == (1, 1000)
 
 
@@ -184,9 +215,7 @@ def test_forward_intermediates_options(name):
         torch.testing.assert_close(a, b.permute(0, 2, 3, 1))
     normed = model.forward_intermediates(x, indices=1, norm=True, intermediates_only=True)[0]
     final = model.forward_features(x)
-    torch.testing.assert_close(
-        normed, final if model.output_fmt == "NCHW" else final.mT.reshape(normed.shape)
-    )
+    torch.testing.assert_close(normed, final if model.output_fmt == "NCHW" else final.permute(0, 3, 1, 2))
     _, inter = model.forward_intermediates(x, indices=[0], stop_early=True)
     torch.testing.assert_close(inter[0], everything[0])
     out = model.forward_intermediates(x, output_dict=True)
@@ -257,7 +286,7 @@ def test_plain_set_input_size_patch_size(name):
     model = timm.create_model(name).eval()
     model.set_input_size(img_size=64, patch_size=8)
     assert model.patch_embed.proj.weight.shape[-2:] == (8, 8)
-    assert model.forward_features(torch.randn(1, 3, 64, 64)).shape == (1, 64, 32)
+    assert model.forward_features(torch.randn(1, 3, 64, 64)).shape == (1, 8, 8, 32)
     assert model.feature_info[0]["reduction"] == 8
 
 

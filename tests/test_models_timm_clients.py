@@ -1,9 +1,10 @@
 """vit3 models under code written for timm: the plain ViT³ answers timm's ``VisionTransformer`` API as a
-prefix-free ViT does (``forward_features`` / ``forward_head`` / ``forward_intermediates`` options), and a plain
-and a hierarchical model go through what timm's ``train.py`` (AMP), ``validate.py`` and ``benchmark.py`` do
-with a model, by the same public timm APIs (the scripts ship in timm's repository, not in its wheel); every
-name vit3 puts in timm's registry builds from its defaults and passes what timm's own tests/test_models.py
-checks of each name (their real-tensor runs of the paper's sizes under -m slow)."""
+prefix-free ViT does (``forward_intermediates`` options; ``forward_features`` gives the map of its tokens, as
+timm's Swin), and a plain and a hierarchical model go through what timm's ``train.py`` (AMP),
+``validate.py`` and ``benchmark.py`` do with a model, by the same public timm APIs (the scripts ship in
+timm's repository, not in its wheel); every name vit3 puts in timm's registry builds from its defaults and
+passes what timm's own tests/test_models.py checks of each name (their real-tensor runs of the paper's
+sizes under -m slow)."""
 
 from __future__ import annotations
 
@@ -62,30 +63,40 @@ OPTIONS = [
 ]
 
 
+def _as_tokens(out):
+    """``forward_intermediates``' output with its final features (a map ``[B, h, w, C]``) as tokens."""
+    if isinstance(out, dict):
+        return {k: v.flatten(1, 2) if k == "image_features" else v for k, v in out.items()}
+    return (out[0].flatten(1, 2), out[1]) if isinstance(out, tuple) else out
+
+
 @pytest.mark.parametrize("kwargs", OPTIONS)
 def test_plain_forward_intermediates_answers_as_timms_vision_transformer(kwargs):
+    """The same intermediates; the final features are ``forward_features``' map, timm's tokens flattened."""
     ours, vit = _pair()
     x = torch.randn(2, 3, 64, 80)
     with torch.no_grad():
-        assert _structure(ours.forward_intermediates(x, **kwargs)) == _structure(
+        assert _structure(_as_tokens(ours.forward_intermediates(x, **kwargs))) == _structure(
             vit.forward_intermediates(x, **kwargs)
         )
 
 
-def test_plain_features_are_timms_tokens_and_its_head_pools_them():
+def test_plain_features_are_a_map_of_timms_tokens_and_its_head_pools_it():
+    """``forward_features``: the map ``[B, h, w, C]`` (``output_fmt='NHWC'``, timm's spatial models), whose
+    raster-order tokens have the shape of timm's ViT's; ``forward_head`` pools it as timm's ViT its tokens."""
     ours, vit = _pair()
     x = torch.randn(2, 3, 64, 80)
     with torch.no_grad():
         feats = ours.forward_features(x)
-        assert feats.shape == vit.forward_features(x).shape == (2, 4 * 5, 32)
+        assert ours.output_fmt == "NHWC" and feats.shape == (2, 4, 5, 32)
+        assert feats.flatten(1, 2).shape == vit.forward_features(x).shape
         assert ours.num_prefix_tokens == vit.num_prefix_tokens == 0
         torch.testing.assert_close(ours.forward_head(feats), ours(x))
         pooled = ours.forward_head(feats, pre_logits=True)
         assert pooled.shape == vit.forward_head(vit.forward_features(x), pre_logits=True).shape
-        # the map, as code written for timm's ViT rebuilds it, is forward_intermediates' normed last block
-        h, w = ours.patch_embed.dynamic_feat_size(x.shape[-2:])
+        torch.testing.assert_close(pooled, feats.mean((1, 2)), rtol=0, atol=0)
         last = ours.forward_intermediates(x, indices=1, norm=True, output_fmt="NHWC", intermediates_only=True)
-        torch.testing.assert_close(feats.reshape(2, h, w, -1), last[0])
+        torch.testing.assert_close(feats, last[0])  # the normed last block
         out = ours.forward_intermediates(x, output_dict=True, return_prefix_tokens=True)
         torch.testing.assert_close(out["image_features"], feats)
         plain = ours.forward_intermediates(x, intermediates_only=True)
@@ -172,7 +183,8 @@ def test_timm_train_loop_with_amp(name, amp, digit_folder):
 
 @pytest.mark.parametrize("name", CLIENT_MODELS)
 def test_timm_validate_loop(name, digit_folder):
-    """validate.py: the eval loader, the forward under ``no_grad`` + autocast, ``accuracy`` / ``AverageMeter``."""
+    """validate.py: the eval loader, the forward under ``no_grad`` + autocast, ``accuracy`` /
+    ``AverageMeter``."""
     model = timm.create_model(name, num_classes=4).eval()
     top1, top3 = AverageMeter(), AverageMeter()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -225,15 +237,13 @@ META = torch.device("meta")
 
 
 def _grid(model, feats: torch.Tensor) -> tuple[int, ...]:
-    """The spatial size of ``forward_features``' output (``NLC`` tokens: their count)."""
-    fmt = getattr(model, "output_fmt", "NCHW")
-    return (feats.shape[1],) if fmt == "NLC" else tuple(feats.shape[i] for i in get_spatial_dim(fmt))
+    """The spatial size of ``forward_features``' output, by the model's ``output_fmt``."""
+    return tuple(feats.shape[i] for i in get_spatial_dim(getattr(model, "output_fmt", "NCHW")))
 
 
 def _pool_grid(model) -> tuple[int, ...]:
-    """What ``_grid`` gives at the cfg's input size, by the cfg's ``pool_size``."""
-    h, w = model.pretrained_cfg["pool_size"]
-    return (h * w,) if getattr(model, "output_fmt", "NCHW") == "NLC" else (h, w)
+    """What ``_grid`` gives at the cfg's input size: the cfg's ``pool_size``."""
+    return tuple(model.pretrained_cfg["pool_size"])
 
 
 def _suite_input(model, target: int, batch: int = 1) -> torch.Tensor:
@@ -261,8 +271,7 @@ def test_every_registered_name_builds_from_its_defaults_on_meta(name):
     assert cfg == model.pretrained_cfg and all(cfg.get(k) not in (None, "") for k in CFG_KEYS), cfg
     assert model.in_chans == cfg["input_size"][0] == len(cfg["mean"]) == len(cfg["std"])
     assert cfg["num_classes"] == model.num_classes > 0 and model.num_features > 0 < model.head_hidden_size
-    if getattr(model, "output_fmt", "NCHW") != "NLC":
-        assert len(cfg["pool_size"]) == 2  # timm's standard test reads it
+    assert len(cfg["pool_size"]) == 2 == len(get_spatial_dim(getattr(model, "output_fmt", "NCHW")))
     names = [n for n, _ in model.named_parameters()]
     assert f"{cfg['classifier']}.weight" in names and f"{cfg['first_conv']}.weight" in names
     assert len(set(group_parameters(model, model.group_matcher(coarse=False), reverse=True).values())) > 1
@@ -395,8 +404,8 @@ def _record_checkpoint(path, name: str, model: torch.nn.Module, ema: torch.nn.Mo
 
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_a_vit3_checkpoint_builds_the_model_and_preprocessing_of_its_record(name, tmp_path):
-    """``pretrained_cfg_overlay=dict(file=<vit3 checkpoint>)``: the record's kwargs, channels, classes, size and
-    normalisation, so that timm's data config is the one the weights were trained with."""
+    """``pretrained_cfg_overlay=dict(file=<vit3 checkpoint>)``: the record's kwargs, channels, classes, size
+    and normalisation, so that timm's data config is the one the weights were trained with."""
     torch.manual_seed(0)
     trained, ema = (timm.create_model(name, num_classes=4, in_chans=1, mlp_ratio=3.0).eval() for _ in "ab")
     path = _record_checkpoint(tmp_path / "best.pt", name, trained, ema)

@@ -171,9 +171,9 @@ def init_weights(module: nn.Module) -> None:
 
 class ClassifierHeadMixin:
     """timm's classifier API over ``self.head`` (Linear of ``self.num_features``), ``self.head_drop`` and
-    ``self.global_pool`` (a str); ``self.spatial_dims`` (ints) are the token-grid dims of the features
-    ``forward_head`` pools (``_head_input``: ``forward_features``' output as the head reads it). No class
-    annotations: TorchScript would read them, as strings it cannot resolve."""
+    ``self.global_pool`` (a str); ``self.spatial_dims`` (ints) are the grid dims of ``forward_features``'
+    output that ``forward_head`` pools. No class annotations: TorchScript would read them, as strings it
+    cannot resolve."""
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
@@ -200,12 +200,9 @@ class ClassifierHeadMixin:
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Features -> logits ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``)."""
-        x = pool_features(self._head_input(x), self.global_pool, self.spatial_dims)
+        x = pool_features(x, self.global_pool, self.spatial_dims)
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
-
-    def _head_input(self, x: Tensor) -> Tensor:
-        return x
 
 
 class LayerStackMixin:

@@ -4,9 +4,9 @@ Paper: "ViT³: Unlocking Test-Time Training in Vision" (arXiv 2512.01643, CVPR 2
 https://github.com/LeapLabTHU/ViTTT (MIT). Architecture (official): patch embedding (conv, stride p) ->
 ``depth`` x [CPE (x + dwconv3x3 x), x + TTT(LN x), x + MLP(LN x)] -> LN -> mean over tokens -> Linear; no
 class token, no absolute position embedding. Unlike the official code it takes any ``H x W`` image
-(zero-padded to the patch size). A drop-in for code written against timm's ``VisionTransformer``:
-``forward_features`` returns the normed tokens ``[B, N, C]``, ``forward_intermediates`` and
-``features_only=True`` take timm's options.
+(zero-padded to the patch size). A spatial model in timm's sense, as timm's Swin: ``forward_features``
+returns the normed map ``[B, h, w, C]`` (``output_fmt='NHWC'``; no prefix tokens), ``forward_intermediates``
+and ``features_only=True`` take timm's ``VisionTransformer`` options.
 
 The timm interface in full: ``docs/design/models.md``.
 """
@@ -125,8 +125,8 @@ class ViT3(FamilyBackbone):
             timm_kwargs, TIMM_VIT_FIXED, num_classes, global_pool, in_chans, embed_dim, ttt_cfg, qkv_bias
         )
         self.embed_dim = embed_dim
-        self.output_fmt = "NLC"  # forward_features: tokens [B, N, C], as timm's VisionTransformer
-        self.spatial_dims = (1,)  # the token dim forward_head pools
+        self.output_fmt = "NHWC"  # forward_features: the map [B, h, w, C], as timm's Swin
+        self.spatial_dims = (1, 2)  # the grid dims forward_head pools
         self.feature_dim = -1  # channel dim of forward_features outputs
         self.num_prefix_tokens = 0  # no class / register tokens (timm's VisionTransformer attribute)
         cfg = self.ttt_cfg
@@ -198,18 +198,13 @@ class ViT3(FamilyBackbone):
         return self.blocks(x)
 
     def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        """Images ``[B, C_in, H, W]`` -> normed, unpooled tokens ``[B, N, C]``, ``N = ceil(H/p) * ceil(W/p)``
-        in raster order (timm's ``VisionTransformer`` output; ``forward_intermediates`` gives maps).
+        """Images ``[B, C_in, H, W]`` -> the normed, unpooled map ``[B, ceil(H/p), ceil(W/p), C]``
+        (``output_fmt='NHWC'``; ``.flatten(1, 2)``: the tokens ``[B, N, C]`` in raster order).
 
         ``attn_mask`` / ``is_causal`` (timm's signature) are refused: see :func:`_check_attention_args`.
         """
         _check_attention_args(attn_mask, is_causal)
         return self._stack_features(x)
-
-    def _head_input(self, x: Tensor) -> Tensor:
-        """``forward_head`` takes the tokens ``[B, N, C]`` of ``forward_features`` (a map ``[B, h, w, C]``
-        pools alike: flattened here) and pools them (``global_pool=''``: unpooled)."""
-        return x.flatten(1, -2)
 
     def forward(self, x: Tensor) -> Tensor:
         """Images ``[B, C_in, H, W]`` -> logits ``[B, num_classes]``."""
@@ -230,7 +225,7 @@ class ViT3(FamilyBackbone):
     ) -> list[Tensor] | tuple[Tensor, list[Tensor]] | dict[str, Any]:
         """timm's ``VisionTransformer.forward_intermediates``: block outputs as ``'NCHW'`` ``[B, C, h, w]``,
         ``'NLC'`` ``[B, N, C]`` (timm's two) or ``'NHWC'`` ``[B, h, w, C]``, every one normed with ``norm``,
-        and the final tokens ``[B, N, C]`` of ``forward_features`` (see
+        and the final map ``[B, h, w, C]`` of ``forward_features`` (see
         ``LayerStackMixin.forward_intermediates``).
 
         ``return_prefix_tokens`` is accepted: ViT³ has no prefix tokens, so the intermediates are returned as
@@ -246,7 +241,7 @@ class ViT3(FamilyBackbone):
         return True  # every block is embed_dim wide
 
     def _as_features(self, x: Tensor) -> Tensor:
-        return x.flatten(1, 2)  # [B, h, w, C] -> [B, N, C]
+        return x  # the blocks' map [B, h, w, C]
 
     def _as_fmt(self, x: Tensor, output_fmt: str) -> Tensor:
         if output_fmt == "NCHW":
