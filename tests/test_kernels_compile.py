@@ -1,14 +1,10 @@
 """The kernels compile for every current NVIDIA GPU, fit its shared memory and stay clear of spills, with no
-GPU.
-The interpreter checks what the kernels compute, not whether Triton can compile them for a GPU or whether they
-fit on chip. ``vit3.kernels.aot`` compiles ahead of time for any ``GPUTarget`` (ptxas ships with Triton)
-exactly the launches ``triton_ttt`` makes: planned by the launcher's own set-up (``triton.plan.forward_plan``
-/ ``backward_plan``, on meta tensors with a real qkv projection's strides) and specialised by Triton's own JIT
-binder. The compiles run in a fresh process without ``TRITON_INTERPRET`` (interpreted kernels cannot compile),
-through ``benchmarks/compile_matrix.py``: the default run checks the worst cases of each arch
-(``aot.matrix("default")``, ~2 min); ``VIT3_COMPILE_MATRIX=full`` adds the whole matrix (arch x inner model x
-head dim x dtype mode, ~25 min on two cores with a cold Triton cache; also a
-script: ``python benchmarks/compile_matrix.py``).
+GPU: ``vit3.kernels.aot`` compiles ahead of time for any ``GPUTarget`` (ptxas ships with Triton) exactly the
+launches ``triton_ttt`` makes (planned by ``triton.plan.forward_plan`` / ``backward_plan`` on meta tensors,
+specialised by Triton's own JIT binder), in a fresh process without ``TRITON_INTERPRET``, through
+``benchmarks/compile_matrix.py``: by default the worst cases of each arch (``aot.matrix("default")``);
+``VIT3_COMPILE_MATRIX=full`` adds the whole matrix (arch x inner model x head dim x dtype mode; its run time:
+``benchmarks/README.md``).
 """
 
 from __future__ import annotations
