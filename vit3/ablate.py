@@ -139,7 +139,8 @@ def load_rows(paths: Sequence[str | Path]) -> list[Row]:
 
 
 def knob(row: Row, base: Row | None) -> str:
-    """What ``row`` changes from ``base``: ``"loss=mse"`` (mixer keys without their prefix), ``""`` for the base."""
+    """What ``row`` changes from ``base``: ``"loss=mse"`` (mixer keys without their prefix), ``""`` for the
+    base."""
     if base is None:
         return ""
     mine, ref = _flatten(row.cfg.to_dict()), _flatten(base.cfg.to_dict())
@@ -230,8 +231,10 @@ def check_table(rows: Sequence[Row], out: Path, resume: bool = False, overwrite:
         if earlier is not None and earlier <= {row.path.resolve() for row in rows}:
             return
     raise ConfigError(
-        f"{out} holds the results of {'another' if resume else 'an earlier'} table ({', '.join(held)}), which this "
-        f"one would overwrite: give it a new --output; --overwrite moves them into {out}/replaced-<time>/ first"
+        f"{out} holds the results of {'another' if resume else 'an earlier'} table ({', '.join(held)}), "
+        "which this "
+        f"one would overwrite: give it a new --output; --overwrite moves them into {out}/replaced-<time>/ "
+        "first"
     )
 
 
@@ -248,7 +251,8 @@ def check_folders(rows: Sequence[Row], out: Path, again: bool = False) -> None:
         folder = out / row.name
         if folder in owners:
             raise ConfigError(
-                f"rows {owners[folder].path} and {row.path} would train in the same folder {folder}: run them "
+                f"rows {owners[folder].path} and {row.path} would train in the same folder {folder}: run "
+                "them "
                 f"in separate commands (or give one of the files another name)"
             )
         owners[folder] = row
@@ -257,8 +261,10 @@ def check_folders(rows: Sequence[Row], out: Path, again: bool = False) -> None:
         more = f" (and {len(taken) - 1} more rows' folders)" if len(taken) > 1 else ""
         raise ConfigError(
             f"{taken[0]} holds the checkpoints of an earlier run{more}, which this table would overwrite: "
-            f"continue the table with --resume (finished rows are read back, a killed one continues), or give "
-            f"it a new --output; --overwrite moves each row's old files into <row folder>/replaced-<time>/ first"
+            "continue the table with --resume (finished rows are read back, a killed one continues), or "
+            "give "
+            "it a new --output; --overwrite moves each row's old files into <row folder>/replaced-<time>/ "
+            "first"
         )
 
 
@@ -406,7 +412,8 @@ def _ranks(values: Sequence[float]) -> list[float]:
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """Spearman's rank correlation of two equally long sequences (``None`` below 3 points or without spread)."""
+    """Spearman's rank correlation of two equally long sequences (``None`` below 3 points or without
+    spread)."""
     if len(xs) < 3:
         return None
     rx, ry = _ranks(xs), _ranks(ys)
@@ -426,17 +433,21 @@ def results_markdown(results: Sequence[RowResult], budget: str, command: str) ->
     lines = [
         f"### {' / '.join(tables)}",
         "",
-        f"Budget: {budget}. Command: `{command}`. Paper: ImageNet-1K top-1 of the DeiT-S-sized model, 300 epochs.",
+        f"Budget: {budget}. Command: `{command}`. Paper: ImageNet-1K top-1 of the DeiT-S-sized model, 300 "
+        "epochs.",
         "",
-        "| row | config | change | paper top-1 | Δ paper | last top-1 here | Δ here | best top-1 here (epoch) "
+        "| row | config | change | paper top-1 | Δ paper | last top-1 here | Δ here | best top-1 here "
+        "(epoch) "
         "| status | wall (s) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         label = f"**{r.row.label}** (base)" if r.row.base else r.row.label
         lines.append(
-            f"| {label} | `{r.row.path.parent.name}/{r.row.path.name}` | {r.knob or '—'} | {_paper(r.row.paper)} "
-            f"| {_delta(_num(r.row.paper), paper_ref)} | {_ours(r)} | {_delta(r.top1, ours_ref)} | {_best(r)} "
+            f"| {label} | `{r.row.path.parent.name}/{r.row.path.name}` | {r.knob or '—'} | "
+            f"{_paper(r.row.paper)} "
+            f"| {_delta(_num(r.row.paper), paper_ref)} | {_ours(r)} | {_delta(r.top1, ours_ref)} | "
+            f"{_best(r)} "
             f"| {r.status} | {r.wall_s:.0f} |"
         )
     pairs = [
@@ -465,8 +476,9 @@ def write_csv(results: Sequence[RowResult], path: Path) -> Path:
             writer.writerow(
                 {
                     "table": r.row.table, "row": r.row.label, "file": str(r.row.path), "base": r.row.base,
-                    "change": r.knob, "paper_top1": "" if r.row.paper is None else r.row.paper, "status": r.status,
-                    "top1": r.top1, "top5": r.top5, "val_loss": r.val_loss, "best_top1": r.best_top1,
+                    "change": r.knob, "paper_top1": "" if r.row.paper is None else r.row.paper,
+                    "status": r.status, "top1": r.top1, "top5": r.top5, "val_loss": r.val_loss,
+                    "best_top1": r.best_top1,
                     "best_epoch": r.best_epoch, "epochs": r.epochs, "params_m": r.params_m,
                     "wall_s": round(r.wall_s, 1), "output": r.output, "message": r.message,
                 }

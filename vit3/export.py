@@ -83,7 +83,8 @@ class FeatureExtractor(nn.Module):
                 model_name, kwargs = merge_model_spec(record, model_name, kwargs, checkpoint)
         if not model_name:
             raise ConfigError(
-                f"{checkpoint} is not a vit3 checkpoint (it carries no model record): name its model with --model"
+                f"{checkpoint} is not a vit3 checkpoint (it carries no model record): name its model with "
+                "--model"
                 if checkpoint
                 else "no model: give --model NAME or a vit3 --checkpoint"
             )
@@ -223,7 +224,8 @@ def check_export_output(kind: str, out: str | Path, overwrite: bool = False) -> 
     other = [f for f in files if f.suffix != ".safetensors" and f != out / MANIFEST]
     if other:
         raise ConfigError(
-            f"--out {out} holds files that are no feature export (e.g. {other[0].relative_to(out)}), which the "
+            f"--out {out} holds files that are no feature export (e.g. {other[0].relative_to(out)}), which "
+            "the "
             f"export would mix with: give an empty or new folder"
         )
     if earlier and not overwrite:
@@ -361,7 +363,8 @@ def export_onnx(
     optimize: bool = False,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Exports the extractor to ONNX (input ``images`` ``[B, C_in, H, W]`` in [0, 1]; outputs named as features).
+    """Exports the extractor to ONNX (input ``images`` ``[B, C_in, H, W]`` in [0, 1]; outputs named as
+    features).
 
     Args:
         extractor: the model.
@@ -394,7 +397,8 @@ def export_onnx(
     if exporter == "torchscript" and not static:
         raise ValueError(
             "exporter='torchscript' writes a static graph (the legacy exporter fixes the sizes it traces): "
-            "pass dynamic_batch=False and dynamic_size=False, or exporter='dynamo' for a dynamic batch or size"
+            "pass dynamic_batch=False and dynamic_size=False, or exporter='dynamo' for a dynamic batch or "
+            "size"
         )
     h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
     path = Path(path)
@@ -487,7 +491,8 @@ def check_onnx(path: str | Path, extractor: FeatureExtractor, inputs: Sequence[T
         for name, r, g in zip(extractor.names, ref, got):
             if tuple(g.shape) != tuple(r.shape):
                 raise ValueError(
-                    f"ONNX output {name} has shape {tuple(g.shape)}, PyTorch {tuple(r.shape)} (input {tuple(x.shape)})"
+                    f"ONNX output {name} has shape {tuple(g.shape)}, PyTorch {tuple(r.shape)} (input "
+                    f"{tuple(x.shape)})"
                 )
             worst = max(worst, float((torch.from_numpy(g) - r).abs().max()))
     return worst

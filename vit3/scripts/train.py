@@ -3,15 +3,12 @@
     python train.py                                   # the embedded demo: MNIST digits, a few minutes on CPU
     python train.py --config configs/imagenet/h_vit3_tiny.yaml data.path=/data/imagenet
     torchrun --nproc_per_node=8 train.py --config configs/imagenet/vit3_small.yaml data.path=/data/imagenet
-    python train.py --config configs/finetune.yaml data.path=/data/flowers model.pretrained=output/demo/best.pt
+    python train.py --config configs/finetune.yaml data.path=/data/flowers model.pretrained=best.pt
     python train.py --resume output/demo/last.pt      # continue a run exactly (its config, task, folder)
 
-Any config key can be overridden as ``key.sub=value`` (value parsed as YAML, anywhere on the command line);
-see configs/default.yaml. ``--resume FILE`` continues the run that wrote the checkpoint: its own config and
-task (``--config`` replaces it), in its own folder (``output=`` / ``--output`` gives another one). A run never
-writes into a folder that holds another run's checkpoints: that is refused, unless ``--overwrite``, which
-first moves that run's files into ``<output>/replaced-<time>/``. A mistake in the input ends with one
-``error:`` line and exit code 2 (``--debug`` or VIT3_DEBUG=1 shows the traceback).
+Any config key can be overridden as ``key.sub=value`` (YAML, anywhere on the command line; see
+configs/default.yaml). A run never writes over another run's checkpoints unless ``--overwrite`` (which moves
+them aside); a mistake ends with one ``error:`` line, exit 2. Details: ``docs/errors-and-outputs.md``.
 """
 
 from __future__ import annotations
@@ -65,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--resume",
         default=None,
-        help="checkpoint to continue exactly, in its own folder (train.resume; auto: <output>/last.pt if any)",
+        help="checkpoint to continue exactly, in its own folder "
+        "(train.resume; auto: <output>/last.pt if any)",
     )
     parser.add_argument("--output", default=None, help="run directory (output)")
     parser.add_argument(
