@@ -263,7 +263,8 @@ def test_an_eval_report_never_replaces_a_runs_own_files(task, name, tmp_path, ca
         "error: config key eval.json (eval.py --json) must be a .json file this run can write, got "
     )
     assert line.endswith(
-        f"{name} is one of a training run's own files, which a report must not replace: give the report another "
+        f"{name} is one of a training run's own files, which a report must not replace: give the report "
+        "another "
         f"name (without --json it goes beside the checkpoint as <name>.eval.json)"
     )
     assert _digests(tmp_path) == before
@@ -341,7 +342,8 @@ def test_a_feature_export_never_sits_beside_an_earlier_one(images, tmp_path, cap
     shutil.copy(images / "img2.png", fewer / "other.png")
     assert export.main(_export_features(fewer, out)) == 2
     assert one_error_line(capsys) == (
-        f"error: --out {out} holds an earlier feature export (manifest.json), whose files would sit beside the "
+        f"error: --out {out} holds an earlier feature export (manifest.json), whose files would sit beside "
+        "the "
         f"new manifest: give another --out, or --overwrite to move it into {out / 'replaced-<time>'}/ first"
     )
     assert _digests(out) == first
@@ -355,7 +357,8 @@ def test_a_feature_export_never_sits_beside_an_earlier_one(images, tmp_path, cap
 
 @pytest.mark.filterwarnings("ignore:--random-init")
 def test_a_feature_export_refuses_a_folder_of_other_files(images, tmp_path, capsys):
-    """--out naming the image folder itself: the features would mix with the photographs, --overwrite or not."""
+    """--out naming the image folder itself: the features would mix with the photographs, --overwrite or
+    not."""
     folder = tmp_path / "photos"
     shutil.copytree(images, folder)
     before = _digests(folder)
@@ -581,7 +584,8 @@ def test_another_table_into_the_same_output_is_refused(monkeypatch, tmp_path, ca
         assert ablate.main(_table("batch", tmp_path, *extra)) == 2
         held = "an earlier" if not extra else "another"
         assert capsys.readouterr().err == (
-            f"error: {tmp_path} holds the results of {held} table (results.csv, results.md, results.png), which "
+            f"error: {tmp_path} holds the results of {held} table (results.csv, results.md, results.png), "
+            "which "
             f"this one would overwrite: give it a new --output; --overwrite moves them into "
             f"{tmp_path}/replaced-<time>/ first\n"
         )

@@ -1,4 +1,5 @@
 """vit3.convert and the ``convert`` task: an attention teacher distilled into its TTT swap.
+
 What is protected: the layer pairs (ViT/DeiT with prefix tokens, Swin in both scopes) record the teacher's own
 layer inputs and attention outputs and apply the student's mixer as the student's forward does; the student
 starts as the teacher; attention transfer trains the mixers only; the distillation loss is timm's; the task

@@ -1,4 +1,5 @@
 """The Triton TTT op equals each op's reference (``vit3.kernels.<op>.reference``): output and every gradient.
+
 Runs on ``helpers.ops.DEVICE``: the GPU, or Triton's interpreter on CPU (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1`` where there is no GPU). Every buffer the op allocates is filled with NaN first
 (``triton.plan.DEBUG_FILL``), so an element a kernel fails to write shows up as a mismatch. q, k, v are always

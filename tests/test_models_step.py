@@ -1,4 +1,5 @@
 """A settled training step of the backbones: no host synchronisation, so a GPU step can be captured whole.
+
 A host sync is an op that reads a device value back to Python (``aten._local_scalar_dense``, what ``.item()``,
 ``bool()`` and ``float()`` dispatch, and ``aten.is_nonzero`` / ``aten.equal``); on a GPU it stalls the host
 until the queue drains and breaks CUDA graph capture. The step is counted on CPU, where the same Python and

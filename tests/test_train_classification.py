@@ -1,4 +1,5 @@
-"""train.py / vit3.engine.classification: learning on real images, exact resume, fine-tuning, DDP, bad input."""
+"""train.py / vit3.engine.classification: learning on real images, exact resume, fine-tuning, DDP, bad
+input."""
 
 from __future__ import annotations
 
@@ -249,8 +250,8 @@ def test_real_process_kill_then_bare_resume(digits, tmp_path):
 
 
 def test_train_compile_compiles_the_step_and_saves_the_plain_model(digits, tmp_path, monkeypatch):
-    """``train.compile=auto`` runs the training step through ``torch.compile`` (Inductor's default mode on CPU,
-    CUDA graphs on a GPU) while checkpoints keep the plain model's keys."""
+    """``train.compile=auto`` runs the training step through ``torch.compile`` (Inductor's default mode on
+    CPU, CUDA graphs on a GPU) while checkpoints keep the plain model's keys."""
     calls = []
     real = torch.compile
 

@@ -1,6 +1,7 @@
 """The Triton path's hooks in the fused eager node (``vit3.kernels.triton.node``): a mixer call on Triton is
 one autograd node, equal to the op references and to the eager node (output and every gradient), on native
 16-bit q, k, v; the registry fuses Triton branches outside tracing; a failing branch alone is demoted.
+
 Runs where Triton runs (``triton_device``: the GPU, or the interpreter on CPU). The interpreter's bf16
 ``tl.dot`` is wrong (``shared/notes/triton.md``): bf16 is emulated there by rounding to bf16, then running
 float32.

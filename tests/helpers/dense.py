@@ -1,4 +1,5 @@
 """Helpers of the dense-task and export tests: small synthetic digit datasets (real MNIST pixels).
+
 Test modules import it and wrap these writers in their own fixtures.
 """
 

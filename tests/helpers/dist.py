@@ -35,9 +35,9 @@ def ranks_agree_worker(rank: int, world: int, store: str, perturb_rank: int | No
 
 
 def ddp_step_worker(rank: int, world: int, store: str, result_dir: str) -> None:
-    """One DDP training step of an H-ViT³ downsampling (``ConvDownsample``) on a channels-last map, as the stages
-    hand it on, on every rank; writes the warnings it raised (one per line) to ``result_dir/<rank>.txt``, or
-    ``crash`` and the traceback."""
+    """One DDP training step of an H-ViT³ downsampling (``ConvDownsample``) on a channels-last map, as the
+    stages hand it on, on every rank; writes the warnings it raised (one per line) to
+    ``result_dir/<rank>.txt``, or ``crash`` and the traceback."""
     import warnings
 
     from vit3.layers.embed import ConvDownsample

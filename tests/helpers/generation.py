@@ -1,4 +1,5 @@
 """Helpers for the generation tests: a tiny local AutoencoderKL, tiny DiT³ configs on real digits.
+
 Test modules import it.
 """
 

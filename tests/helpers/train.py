@@ -47,8 +47,8 @@ def make_digit_folder(
 
 
 def short_run(data_root: Path, out: Path, base_lr: float) -> list[str]:
-    """The overrides of a short CPU run on a digit folder: 2 epochs of batches of 20 at ``base_lr``, no warmup,
-    no progress bars."""
+    """The overrides of a short CPU run on a digit folder: 2 epochs of batches of 20 at ``base_lr``, no
+    warmup, no progress bars."""
     return [
         "data.dataset=folder",
         f"data.path={data_root}",

@@ -1,6 +1,8 @@
-"""ADE20K-format semantic segmentation data: ``images/<split>/*`` with ``annotations/<split>/*.png`` label
-maps. Label maps hold one class index per pixel; 255 is ignored. The real ADE20K stores 0 = "other" and 1..150
-for its classes, so it is read with ``reduce_zero_label=True`` (0 -> 255, k -> k - 1, as in mmseg). Any other
+"""ADE20K-format semantic segmentation data: ``images/<split>/*`` with ``annotations/<split>/*.png``
+label maps.
+
+Label maps hold one class index per pixel; 255 is ignored. The real ADE20K stores 0 = "other" and 1..150 for
+its classes, so it is read with ``reduce_zero_label=True`` (0 -> 255, k -> k - 1, as in mmseg). Any other
 value outside ``[0, num_classes)`` raises a ``ValueError`` naming the file and the values, as do an image /
 label map size mismatch and a missing label map (``FileNotFoundError``); a label map PIL cannot read (or a
 decompression bomb) is a ``CorruptImageError`` naming it.

