@@ -1,19 +1,9 @@
 """Export multi-scale backbone features: safetensors files for a folder of images, and ONNX.
 
-- :class:`FeatureExtractor`: a timm ``features_only`` backbone (raw maps: no added norms, no pyramid) with
-  its normalisation. Given a vit3 checkpoint it builds the checkpoint's model (name, kwargs, input channels;
-  a model name or kwargs given explicitly win, with a warning) and takes its preprocessing (image size,
-  interpolation, crop, mean / std) from the checkpoint's record; otherwise from the model's
-  ``pretrained_cfg``. Official files need the model name.
-- :func:`export_features`: runs it over every image of a folder (read as RGB, or grayscale for one-channel
-  models, by ``vit3.data.image.open_image``) with that eval preprocessing (timm ``create_transform``) and
-  writes ``<out>/<image stem>.safetensors`` (one ``[C, h, w]`` tensor per feature map) and
-  ``<out>/manifest.json`` (model, preprocessing, feature names / channels / strides / shapes, files; written
-  last), all with the same (umask) permissions, each to a temporary name and renamed. A folder holding an
-  earlier export is refused, or (``overwrite``) the export moved aside first: no stale file beside a manifest.
-- :func:`export_onnx`: the same extractor as ONNX, with the normalisation inside the graph (input: images in
-  [0, 1], ``[B, C_in, H, W]``), a dynamic batch and, where the model allows it, a dynamic image size.
-  :func:`check_onnx` runs it with onnxruntime and returns the largest difference to PyTorch.
+:class:`FeatureExtractor` (a timm ``features_only`` backbone with its normalisation, from a checkpoint's
+record or a model name), :func:`export_features` (one ``<image stem>.safetensors`` per image and a
+``manifest.json``) and :func:`export_onnx` / :func:`check_onnx` (the extractor as ONNX, normalisation inside).
+How each is built, written and checked: ``docs/design/export.md``.
 """
 
 from __future__ import annotations
