@@ -1,29 +1,12 @@
-"""vit3 training checkpoints: atomic writes, exact-resume state, the model record, fine-tuning with a new head.
+"""vit3 training checkpoints: atomic writes, exact-resume state, the model record, fine-tuning with a new
+head.
 
-A checkpoint is a ``torch.save`` dict readable with ``torch.load(weights_only=True)``:
-``format`` ("vit3-checkpoint"), ``version``, ``record`` (the model record, below), ``model_name``,
-``model_kwargs``, ``num_classes``, ``classes``, ``model`` (state dict), ``ema`` (state dict or None), ``optimizer``, ``scheduler``,
-``scaler``, ``rng`` (one entry per rank: python/numpy/torch/cuda states), ``epoch`` (the epoch to run
-next), ``batch_in_epoch`` (batches of that epoch already done), ``global_step`` (optimizer steps done),
-``epoch_loss`` (running loss sum/count of the partial epoch), ``history`` (per-epoch metrics),
-``best_top1``, ``config`` (resolved config) and ``meta`` (git commit, command, time). Everything in it is
-plain data (dicts, lists, strings, numbers, tensors), checked on save (:func:`check_plain`), so that every
-checkpoint of every task reloads with weights-only loading; a checkpoint of an earlier vit3 whose model kwargs
-pickled a ``Config`` is read with it rebuilt as a plain dict (nothing is imported from the file).
-Files are written to a temporary name in the same directory, flushed to disk (``fsync``) and moved into
-place with ``os.replace`` (:mod:`vit3.outputs`), so a killed run never leaves a truncated checkpoint;
-the temporary file a killed write left behind is removed by the next save. A file that was truncated anyway
-(an interrupted copy) is reported as truncated.
-
-The model record (:func:`~vit3.models.record.model_record`) is what building the model again needs: ``name`` (timm name),
-``kwargs`` (its ``timm.create_model`` kwargs), ``in_chans``, ``img_size`` (training resolution),
-``num_classes``, ``classes`` (class names, label order), ``mean``/``std`` (the normalisation the weights
-were trained with), ``interpolation`` and ``crop_pct``. Fine-tuning (``model.pretrained``), ``eval.py`` and
-``export.py`` build the model from it (:func:`merge_model_spec`, :func:`apply_model_record`); settings
-the user gives explicitly win, with a warning where they differ. Official files carry no record.
-
-:func:`config_for_resume` is what ``train.py --resume FILE`` runs with: the checkpoint's own config and task
-(or ``--config``'s), overrides on top, in the checkpoint's own folder unless ``output`` names another.
+A checkpoint is a ``torch.save`` dict of plain data (checked on save, :func:`check_plain`) that
+``torch.load(weights_only=True)`` reads; files are written atomically (:mod:`vit3.outputs`). The model record
+(:func:`~vit3.models.record.model_record`) is what building the model again needs; fine-tuning, ``eval.py``
+and ``export.py`` build from it (:func:`merge_model_spec`, :func:`apply_model_record`).
+:func:`config_for_resume` is what ``train.py --resume FILE`` runs with. The entries and the rules:
+``docs/design/engine.md``.
 """
 
 from __future__ import annotations
@@ -213,7 +196,8 @@ def merge_model_spec(
         asked, held = _model_family(name), _model_family(str(record["name"]))
         if asked and held and asked != held:
             raise ConfigError(
-                f"model {name!r} (--model / model.name) does not fit {source}: it holds a {record['name']!r}, a "
+                f"model {name!r} (--model / model.name) does not fit {source}: it holds a "
+                f"{record['name']!r}, a "
                 f"model of {held}, and {name!r} is one of {asked}; leave the model name out to build the "
                 f"checkpoint's model"
             )
@@ -387,7 +371,8 @@ def load_model_weights(
             f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         )
         raise CheckpointMismatchError(
-            f"checkpoint {source} (model '{ckpt.get('model_name')}', {ckpt.get('model_kwargs') or {}}) does not "
+            f"checkpoint {source} (model '{ckpt.get('model_name')}', {ckpt.get('model_kwargs') or {}}) does "
+            "not "
             f"fit the model being built ({ours}): {len(problems)} mismatched keys:\n  {shown}"
         )
     model.load_state_dict({**model_sd, **state})

@@ -1,28 +1,12 @@
 """Image classification: training (``train.py``) and evaluation (``eval.py``) of timm / vit3 models.
 
-The training recipe follows the official ViTTT code (main.py / main_ema.py): AdamW with no decay on 1-D
-params, linearly scaled lr with per-step warmup + cosine, Mixup/CutMix with label smoothing, gradient
-clipping, AMP, EMA of the weights and MESA. MESA (``train.mesa`` = m > 0, needs ``train.ema``): from epoch
-``int(mesa_start * epochs)`` on, the EMA model acts as a teacher on the same (mixed) batch and the loss
-becomes ``CE(student, target) + m * CE(student, softmax(teacher))`` (teacher without gradient).
-
-Resuming (``train.resume``) restores the model, optimizer, scheduler, grad scaler, EMA, every rank's RNG
-states, the epoch, the batch inside it and the optimizer step; together with the per-sample seeded data
-pipeline (vit3.data.build) a run killed after a checkpoint and resumed ends with the same weights as an
-uninterrupted one (the plumbing: :mod:`vit3.engine.resume`).
-
-A run that diverges — a non-finite training loss, a non-finite gradient norm (with ``train.clip_grad``, no
-fp16 loss scaling) or non-finite tokens met by a TTT mixer of the forward — raises :class:`TrainingDiverged`
-(a ``FloatingPointError``, and a user error: one ``error:`` line from the scripts) naming the step and what to
-try, so callers such as ``vit3.ablate`` can report it.
-
-A task built on this loop (the conversion, :mod:`vit3.engine.convert`) builds its model and data, hands them to
-:func:`_assemble` with a :class:`_Run` subclass (its hooks: ``start_epoch``, ``batch_loss``, ``epoch_metrics``,
-``extra_state`` / ``restore_extra``, ``summary_extra``) and runs :func:`_train` with that setup.
-
-This module holds the training loop; the model, its preprocessing, the losses and the validation pass are in
-:mod:`vit3.engine.classification_model`, the evaluation (``eval.py``) in :mod:`vit3.engine.classification_eval`
-(both re-exported here).
+The recipe follows the official ViTTT code (main.py / main_ema.py): AdamW, scaled lr with per-step warmup +
+cosine (:mod:`vit3.engine.optim`), Mixup/CutMix, clipping, AMP, EMA and MESA. Resume is exact
+(:mod:`vit3.engine.resume`); a diverging run raises :class:`TrainingDiverged`. A task built on this loop
+(:mod:`vit3.engine.convert`) hands its model and data to :func:`assemble_run` with a
+:class:`ClassificationRun` subclass and runs :func:`train_in_group`. The model, losses and validation are in
+:mod:`vit3.engine.classification_model`, ``eval.py`` in :mod:`vit3.engine.classification_eval` (both
+re-exported here). Details: ``docs/design/engine.md``.
 """
 
 from __future__ import annotations
@@ -69,7 +53,9 @@ from .resume import Progress, check_resume, open_run, save_state, start_run
 from .run_folder import OutputFolder, claim_output, in_process_group
 
 __all__ = [
+    "ClassificationRun",
     "TrainingDiverged",
+    "assemble_run",
     "build_model",
     "data_stats",
     "evaluate",
@@ -77,6 +63,7 @@ __all__ = [
     "resolve_data_cfg",
     "soft_cross_entropy",
     "train",
+    "train_in_group",
     "validate",
 ]
 
@@ -101,7 +88,7 @@ class _Progress(Progress):
 
 
 @dataclass
-class _Run(TrainRun):
+class ClassificationRun(TrainRun):
     mixup: Any
     loader: Any
     wrapped: Any
@@ -121,7 +108,8 @@ class _Run(TrainRun):
         """Called before each epoch's batches (the run may change what trains)."""
 
     def batch_loss(self, x: torch.Tensor, y: torch.Tensor, mesa_on: bool) -> torch.Tensor:
-        """The training loss of one (mixed) batch ``x [B, C, H, W]``, ``y [B]`` or ``[B, K]``; under autocast."""
+        """The training loss of one (mixed) batch ``x [B, C, H, W]``, ``y [B]`` or ``[B, K]``; under
+        autocast."""
         logits = self.net(x)
         loss = label_loss(logits, y, self.cfg.aug.label_smoothing)
         if mesa_on:
@@ -146,7 +134,7 @@ class _Run(TrainRun):
         return {}
 
 
-def _state(run: _Run) -> dict[str, Any]:
+def _state(run: ClassificationRun) -> dict[str, Any]:
     """The checkpoint dict (:func:`~vit3.engine.save_state` adds the RNG states)."""
     p = run.progress
     mean, std = data_stats(run.cfg)
@@ -160,11 +148,11 @@ def _state(run: _Run) -> dict[str, Any]:
     }
 
 
-def _save(run: _Run, name: str) -> Path:
+def _save(run: ClassificationRun, name: str) -> Path:
     return save_state(lambda: _state(run), run.out / name, run.info)
 
 
-def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> _Progress:
+def _restore(run: ClassificationRun, ckpt: dict[str, Any], source: str) -> _Progress:
     """Restores ``run`` from ``ckpt`` (read from ``source``); returns its progress."""
     schedule = (
         "epochs",
@@ -194,7 +182,7 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> _Progress:
     return p
 
 
-def _setup(cfg: Config, info: DistInfo) -> _Run:
+def _setup(cfg: Config, info: DistInfo) -> ClassificationRun:
     """The run of ``cfg`` (resumed from ``train.resume`` when set), its config saved in the output folder."""
     check_config(cfg, "train")  # the config may have been changed in code since it was loaded
     resume, ckpt = start_run(cfg, info, "classification")
@@ -231,7 +219,8 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
         num_classes = int(head["num_classes"])
         if cfg.model.num_classes and int(cfg.model.num_classes) != num_classes:
             raise ConfigError(
-                f"model.num_classes={cfg.model.num_classes}, but the classifier of {resume or pretrained} has "
+                f"model.num_classes={cfg.model.num_classes}, but the classifier of {resume or pretrained} "
+                "has "
                 f"{num_classes} classes (it is kept: {'resume' if ckpt else 'model.keep_head=true'})"
             )
     elif keep_head:  # an official file's classifier
@@ -245,12 +234,13 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
     if fresh:
         log(
             info,
-            f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} classes",
+            f"fine-tuning from {cfg.model.pretrained}: new classifier ({', '.join(fresh)}) for {num_classes} "
+            "classes",
         )
-    return _assemble(cfg, info, folder, model, data, num_classes, ckpt, resume)
+    return assemble_run(cfg, info, folder, model, data, num_classes, ckpt, resume)
 
 
-def _assemble(
+def assemble_run(
     cfg: Config,
     info: DistInfo,
     folder: OutputFolder,
@@ -259,12 +249,13 @@ def _assemble(
     num_classes: int,
     ckpt: dict[str, Any] | None,
     resume: str,
-    run_type: Callable[..., _Run] = _Run,
-) -> _Run:
+    run_type: Callable[..., ClassificationRun] = ClassificationRun,
+) -> ClassificationRun:
     """The run around a built ``model`` and its ``data`` (:func:`~vit3.data.build_datasets`): preprocessing,
     loaders, optimizer, schedule, EMA and DDP, resumed from ``ckpt`` (read from ``resume``) when given; its
     config saved in ``folder`` (what :func:`~vit3.engine.claim_output` allowed). ``run_type`` makes
-    the run (a :class:`_Run` subclass, given the fields of :class:`_Run` in order)."""
+    the run (a :class:`ClassificationRun` subclass, given the fields of :class:`ClassificationRun` in
+    order)."""
     classes = data["classes"]
     in_chans = input_channels(cfg)
     resolve_data_cfg(cfg, model, in_chans)
@@ -306,7 +297,8 @@ def _assemble(
     net = wrap_ddp(model, cfg, info)
     run = run_type(
         cfg, info, model, net, ema, opt.optimizer, opt.scheduler, opt.scaler, opt.amp_dtype, mixup,
-        loader, wrapped, sampler, val_loader, batches_per_epoch, folder.path, num_classes, classes, _Progress(),
+        loader, wrapped, sampler, val_loader, batches_per_epoch, folder.path, num_classes, classes,
+        _Progress(),
     )  # fmt: skip
     images = f"{len(data['train'])} train / {len(data['val'])} val images"
     classes_mesa = f"{num_classes} classes, mesa {cfg.train.mesa}"
@@ -343,8 +335,9 @@ def _one_image_batches_refused(batch_size: int, model_name: str):
         ) from exc
 
 
-def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
-    """One epoch (from ``progress.batch_in_epoch`` on); ``run_bar``: the run's bar (``train.progress=run``)."""
+def _train_epoch(run: ClassificationRun, run_bar: tqdm | None = None) -> None:
+    """One epoch (from ``progress.batch_in_epoch`` on); ``run_bar``: the run's bar
+    (``train.progress=run``)."""
     cfg, info, p = run.cfg, run.info, run.progress
     accum, bs = int(cfg.train.accum_steps), cfg.data.batch_size
     run.start_epoch()
@@ -357,7 +350,8 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
     if run_bar is None:
         bar = tqdm(
             total=run.batches_per_epoch, initial=p.batch_in_epoch, desc=desc,
-            disable=not (info.is_main and cfg.train.progress), dynamic_ncols=True, leave=False, file=sys.stdout,
+            disable=not (info.is_main and cfg.train.progress), dynamic_ncols=True, leave=False,
+            file=sys.stdout,
         )  # fmt: skip
     else:
         bar = run_bar
@@ -412,7 +406,7 @@ def _train_epoch(run: _Run, run_bar: tqdm | None = None) -> None:
         bar.close()
 
 
-def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
+def _finish_epoch(run: ClassificationRun, epoch_time: float, images: int) -> dict[str, Any]:
     cfg, p = run.cfg, run.progress
     row: dict[str, Any] = {
         "epoch": p.epoch + 1,
@@ -446,8 +440,9 @@ def _finish_epoch(run: _Run, epoch_time: float, images: int) -> dict[str, Any]:
 
 
 def _time_summary(p: _Progress) -> dict[str, Any]:
-    """The summary's run time: ``wall_time_s`` the whole run's (the time before a resume is what its checkpoint
-    kept), ``wall_time_covers`` says what it covers, and for a resumed run ``wall_time_this_process_s``."""
+    """The summary's run time: ``wall_time_s`` the whole run's (the time before a resume is what its
+    checkpoint kept), ``wall_time_covers`` says what it covers, and for a resumed run
+    ``wall_time_this_process_s``."""
     here = time.perf_counter() - p.started
     if not p.resumed_from:
         return {"wall_time_s": round(here, 1), "wall_time_covers": "the whole run"}
@@ -463,12 +458,16 @@ def _time_summary(p: _Progress) -> dict[str, Any]:
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Trains ``cfg`` (see module docstring) and returns the run summary (also in ``<output>/summary.json``)."""
-    return in_process_group(cfg, _train, hold_output=True)
+    """Trains ``cfg`` (see module docstring) and returns the run summary (also in
+    ``<output>/summary.json``)."""
+    return in_process_group(cfg, train_in_group, hold_output=True)
 
 
-def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run] = _setup) -> dict[str, Any]:
-    """Runs the epochs of the run ``setup`` makes (:func:`_setup`, or a task's own built on :func:`_assemble`)."""
+def train_in_group(
+    cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], ClassificationRun] = _setup
+) -> dict[str, Any]:
+    """Runs the epochs of the run ``setup`` makes (:func:`_setup`, or a task's own built on
+    :func:`assemble_run`)."""
     start = time.perf_counter()
     run = setup(cfg, info)
     p = run.progress
@@ -476,8 +475,9 @@ def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run
     run_bar = None
     if cfg.train.progress == "run":  # one bar for the whole run instead of one per epoch
         run_bar = tqdm(
-            total=cfg.train.epochs * run.batches_per_epoch, initial=p.epoch * run.batches_per_epoch + p.batch_in_epoch,
-            desc=Path(cfg.output).name, disable=not info.is_main, dynamic_ncols=True, file=sys.stdout,
+            total=cfg.train.epochs * run.batches_per_epoch,
+            initial=p.epoch * run.batches_per_epoch + p.batch_in_epoch, desc=Path(cfg.output).name,
+            disable=not info.is_main, dynamic_ncols=True, file=sys.stdout,
         )  # fmt: skip
     try:
         run_epochs(
@@ -502,7 +502,8 @@ def _train(cfg: Config, info: DistInfo, setup: Callable[[Config, DistInfo], _Run
         covers = f" ({summary['wall_time_covers']})" if p.resumed_from else ""
         log(
             info,
-            f"\ndone in {summary['wall_time_s']:.0f} s{covers}: val top-1 {final.get('val_top1', float('nan')):.2f}% "
+            f"\ndone in {summary['wall_time_s']:.0f} s{covers}: val top-1 "
+            f"{final.get('val_top1', float('nan')):.2f}% "
             f"(best {p.best_top1:.2f}%)\n  checkpoint: {summary['last']}\n  best:       {summary['best']}\n"
             f"  curves:     {summary['curves']}\n  metrics:    {run.out / 'metrics.csv'}\n"
             f"  evaluate:   python eval.py --checkpoint {summary['best'] or summary['last']}",

@@ -88,7 +88,8 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         raise ConfigError("eval.checkpoint is empty: pass --checkpoint FILE")
     ckpt = peek_vit3_checkpoint(path)
     if ckpt is not None:
-        # The checkpoint's model (an explicit --model / model.kwargs wins, with a warning); labels by class name.
+        # The checkpoint's model (an explicit --model / model.kwargs wins, with a warning); labels by class
+        # name.
         record = model_record(ckpt)
         apply_model_record(cfg, record, path)
         num_classes, classes = int(record["num_classes"]), record["classes"]

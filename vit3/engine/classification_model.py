@@ -125,7 +125,8 @@ def official_eval_classes(cfg: Config, num_classes: int, path: str) -> list[str]
         )
         return None
     raise DataError(
-        f"cannot label the {len(folders)} class folders of {cfg.data.path} for {path}: its {num_classes}-class "
+        f"cannot label the {len(folders)} class folders of {cfg.data.path} for {path}: its "
+        f"{num_classes}-class "
         f"classifier knows ImageNet synsets (e.g. {names[0]}), and {folders[0]!r} is not one"
     )
 

@@ -1,17 +1,10 @@
 """The command-line boundary of ``train.py``, ``eval.py`` and ``export.py``.
 
-:func:`run_cli` parses the arguments (``key.sub=value`` overrides may come before, between or after the
-options) and runs the script's body. A user error (:class:`~vit3.errors.UserError`: a bad config value, an
-unknown class, a truncated or mismatched checkpoint, a corrupt image; a missing file; an output the system
-refuses: no permission, a full disk, a path under a file) ends the script with one line ``error: <message>``
-on stderr and exit code :data:`USER_ERROR_EXIT`, wherever it was raised, even inside a DataLoader worker;
-so do the parser's own usage errors (:class:`ArgumentParser`). Under torchrun, rank 0 reports (a process of
-another rank reports only a mistake rank 0 did not meet: :data:`RANK_REPORT_DELAY_S`). ``--debug`` (or
-``VIT3_DEBUG=1``) re-raises it with its traceback instead. Any other exception is a bug and keeps its
-traceback. A flag and an override that set one key to two values are refused (:func:`check_flag_overrides`).
-Ctrl-C (SIGINT) ends the script with one line naming the last checkpoint it wrote and exit code
-:data:`INTERRUPTED_EXIT` (under torchrun from rank 0 alone: the other ranks, which write no checkpoint, end
-quietly).
+:func:`run_cli` parses the arguments (``key.sub=value`` overrides anywhere) and runs the script's body. A user
+error (:class:`~vit3.errors.UserError`) ends the script with one line ``error: <message>`` and exit code
+:data:`USER_ERROR_EXIT`, wherever it was raised (``--debug`` / ``VIT3_DEBUG=1``: its traceback); any other
+exception is a bug and keeps its traceback. Ctrl-C ends it with one line naming the last checkpoint
+(:data:`INTERRUPTED_EXIT`). Under torchrun, rank 0 reports. Details: ``docs/design/engine.md``.
 """
 
 from __future__ import annotations
@@ -35,7 +28,8 @@ OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")  # key.sub=value
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError)
 # A process of rank > 0 (torchrun) that meets a user error waits this long before it reports it: the same
 # mistake (same command, same data) stops rank 0 too, which reports it, and the launcher then ends every
-# process; a mistake only this rank meets (e.g. a corrupt image in its shard) is still reported, naming the rank.
+# process; a mistake only this rank meets (e.g. a corrupt image in its shard) is still reported, naming the
+# rank.
 RANK_REPORT_DELAY_S = 10.0
 
 __all__ = [

@@ -1,27 +1,12 @@
-"""The ``convert`` task: a pretrained attention model (teacher) turned into a TTT model (student) by distillation.
+"""The ``convert`` task: a pretrained attention model (teacher) turned into a TTT model (student) by
+distillation.
 
-``python train.py --config configs/convert/demo_mnist.yaml`` (config section ``convert``, documented in
-``configs/convert/base.yaml``). The teacher is a vit3 checkpoint of a timm attention model (ViT/DeiT/Swin) or a
-timm weights file (``convert.teacher_model`` names its model); when the checkpoint does not exist yet and
-``convert.teacher_config`` names a classification config, that config trains it first. The student is the
-teacher with TTT mixers in place of its attention (the timm model ``ttt_swap``, ``convert.ttt_kwargs`` /
-``convert.scope``), started from the teacher's weights (:func:`vit3.convert.init_student`). Its epochs:
-
-1. the first ``convert.transfer_epochs``: attention transfer. Only the mixers train, to the mean over layers of
-   each layer's MSE to the teacher's attention output on the teacher's own layer input (one frozen teacher
-   forward per batch records them all, :class:`vit3.convert.LayerCapture`);
-2. the rest of ``train.epochs``: end-to-end fine-tuning with ``task_weight * task loss + distill_weight *
-   distillation`` from the teacher's logits (:func:`vit3.convert.distillation_loss`: ``soft`` KL at
-   ``temperature`` as timm's ``LogitDistillationTask``, or DeiT's ``hard`` labels).
-
-Everything else is the classification engine's loop (:mod:`vit3.engine.classification`): one lr schedule
-over both stages, EMA, AMP, DDP, checkpoints with exact resume, the progress bar, ``metrics.csv/json`` and
-``curves.png``. Each epoch's row adds ``stage``, the stage's training terms (``train_transfer_loss_<i>`` per
-layer in stage 1, ``train_task_loss`` / ``train_kd_loss`` in stage 2) and, when it validates, the student's
-per-layer transfer loss on the val set (``val_transfer_loss_<i>`` and their mean ``val_transfer_loss``); the
-row of epoch 0 is the swapped model before training, beside the teacher's ``teacher_top1``. The checkpoints
-are ordinary classification checkpoints of the student (model record ``ttt_swap``, ``task: convert``):
-``eval.py``, ``export.py`` and fine-tuning (``model.pretrained``) take them.
+``python train.py --config configs/convert/demo_mnist.yaml`` (section ``convert``, documented in
+``configs/convert/base.yaml``). The student is the teacher with TTT mixers in place of its attention
+(``ttt_swap``), started from its weights; it trains by attention transfer for ``convert.transfer_epochs``,
+then end to end with distillation from the teacher's logits (:mod:`vit3.convert`). Everything else is the
+classification loop (:mod:`vit3.engine.classification`); the checkpoints are classification checkpoints of
+the student. The stages and the metrics rows: ``docs/design/engine.md``.
 """
 
 from __future__ import annotations
@@ -71,13 +56,15 @@ __all__ = [
 
 TRANSFER = "transfer_loss"  # metrics: <prefix>transfer_loss_<layer> and their mean <prefix>transfer_loss
 CONVERT_KEYS = (
-    "teacher", "teacher_model", "teacher_kwargs", "student_kwargs", "teacher_ema", "teacher_config", "ttt_kwargs",
-    "scope", "transfer_epochs", "transfer_lr_scale", "distill", "temperature", "task_weight", "distill_weight",
+    "teacher", "teacher_model", "teacher_kwargs", "student_kwargs", "teacher_ema", "teacher_config",
+    "ttt_kwargs", "scope", "transfer_epochs", "transfer_lr_scale", "distill", "temperature", "task_weight",
+    "distill_weight",
 )  # fmt: skip
 # The timm kwargs the conversion passes itself, per section: a user's value would clash with them.
 SET_BY_CONVERSION = {
     "teacher_kwargs": {
-        "num_classes": "a vit3 checkpoint keeps its own classes; a weights file's are model.num_classes, else "
+        "num_classes": "a vit3 checkpoint keeps its own classes; a weights file's are model.num_classes, "
+        "else "
         "the data's",
         "pretrained": "the teacher's weights are convert.teacher",
         "pretrained_cfg_overlay": "the teacher's weights are convert.teacher",
@@ -118,7 +105,8 @@ def check_convert_cfg(cfg: Config) -> Config:
         for key, where in reserved.items():
             if key in conv[section]:
                 raise ConfigError(
-                    f"convert.{section}.{key} is set by the conversion ({where}): remove it from convert.{section}"
+                    f"convert.{section}.{key} is set by the conversion ({where}): remove it from "
+                    f"convert.{section}"
                 )
     try:
         TTTConfig.create(dict(conv.ttt_kwargs))
@@ -130,7 +118,8 @@ def check_convert_cfg(cfg: Config) -> Config:
         )
     if cfg.model.name not in ("", SWAP_MODEL):
         raise ConfigError(
-            f"model.name={cfg.model.name!r}: the conversion's model is the teacher swapped ({SWAP_MODEL}); leave "
+            f"model.name={cfg.model.name!r}: the conversion's model is the teacher swapped ({SWAP_MODEL}); "
+            "leave "
             f"model.name empty and name the teacher in convert.teacher"
         )
     return conv
@@ -174,7 +163,8 @@ def _teacher_and_data(cfg: Config) -> tuple[nn.Module, dict[str, Any], dict[str,
 
     Raises:
         FileNotFoundError: no ``convert.teacher`` file.
-        ConfigError / CheckpointMismatchError: the teacher cannot be built, or its classes do not fit the data.
+        ConfigError / CheckpointMismatchError: the teacher cannot be built, or its classes do not fit the
+        data.
     """
     conv = cfg.convert
     path = str(conv.teacher)
@@ -194,7 +184,8 @@ def _teacher_and_data(cfg: Config) -> tuple[nn.Module, dict[str, Any], dict[str,
     else:
         if not conv.teacher_model:
             raise ConfigError(
-                f"convert.teacher={path} is not a vit3 checkpoint: name its timm model in convert.teacher_model"
+                f"convert.teacher={path} is not a vit3 checkpoint: name its timm model in "
+                "convert.teacher_model"
             )
         if conv.teacher_ema:
             raise ConfigError("convert.teacher_ema applies to vit3 checkpoints; a weights file holds one set")
@@ -226,8 +217,8 @@ def _teacher_and_data(cfg: Config) -> tuple[nn.Module, dict[str, Any], dict[str,
 
 
 def _student_spec(cfg: Config, record: Mapping[str, Any]) -> None:
-    """Sets ``cfg.model`` to the teacher swapped, with ``convert.student_kwargs`` over the teacher's kwargs (and
-    the unset preprocessing of ``cfg.data`` to the teacher's)."""
+    """Sets ``cfg.model`` to the teacher swapped, with ``convert.student_kwargs`` over the teacher's kwargs
+    (and the unset preprocessing of ``cfg.data`` to the teacher's)."""
     conv, d = cfg.convert, cfg.data
     for key in ("img_size", "interpolation", "crop_pct"):
         if d.get(key) is None and record.get(key) is not None:
@@ -246,7 +237,7 @@ def _student_spec(cfg: Config, record: Mapping[str, Any]) -> None:
 
 # -------------------------------------------------------------------------------------------------- run
 @dataclass
-class _ConvertRun(classification._Run):
+class _ConvertRun(classification.ClassificationRun):
     """A classification run whose batches, epochs and checkpoints follow the conversion's two stages."""
 
     teacher: nn.Module | None = None
@@ -412,7 +403,7 @@ def _setup(cfg: Config, info: DistInfo) -> _ConvertRun:
         pairs=pairs,
         teacher_info={"file": str(cfg.convert.teacher), "record": record},
     )
-    run = classification._assemble(cfg, info, folder, student, data, num_classes, ckpt, resume, make_run)
+    run = classification.assemble_run(cfg, info, folder, student, data, num_classes, ckpt, resume, make_run)
     log(
         info,
         f"teacher {record['name']} ({cfg.convert.teacher}) -> {SWAP_MODEL}: {len(pairs)} attention layers",
@@ -429,7 +420,7 @@ def _setup(cfg: Config, info: DistInfo) -> _ConvertRun:
 
 
 def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
-    return classification._train(cfg, info, _setup)
+    return classification.train_in_group(cfg, info, _setup)
 
 
 def train(cfg: Config) -> dict[str, Any]:

@@ -5,7 +5,8 @@ above its mmap threshold (at most 32 MiB by default) with fresh pages and return
 N-sized activation of a high-resolution image is faulted in again on every use. Raising the thresholds lets
 freed blocks be reused instead; measured here, the TTT mixer's time per token then stays flat from 1k to 16k
 tokens instead of growing ~1.5x. This changes process-wide allocator behaviour, so the library never does it
-on import: applications opt in (vit3's scripts do on CPU runs, ``cpu_malloc: false`` in a config turns it off).
+on import: applications opt in (vit3's scripts do on CPU runs, ``cpu_malloc: false`` in a config turns it
+off).
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Train / evaluate loops for detection (torchvision Mask / Faster R-CNN) and segmentation (UperNet, FPN).
 
 ``train(cfg)`` and ``evaluate(cfg)`` are what ``train.py`` / ``eval.py`` call for ``task: detection`` and
-``task: segmentation``. They read the shared keys of ``configs/default.yaml`` (``model.*``, ``data.*``,
-``train.*``, ``eval.*``) plus a ``dense:`` section (see ``configs/dense/*.yaml``):
-
-- data: COCO layout ``<data.path>/<split>/`` + ``<data.path>/annotations/instances_<split>.json``
-  (``dense.ann_train`` / ``dense.ann_val`` override the files); ADE20K layout ``<data.path>/images/<split>``
-  + ``<data.path>/annotations/<split>``.
-- backbone fine-tuning (what the official recipes use): ``model.drop_path_rate``, ``model.grad_checkpointing``,
-  ``train.amp`` (auto: bf16 on CUDA; fp16 uses a GradScaler), ``dense.backbone_lr_mult`` (per-group lr) and
-  ``train.layer_decay`` (layer-wise lr decay over the backbone blocks), no weight decay on parameters whose
-  name holds one of ``dense.no_decay_keys`` (official: ``norm``).
-- schedule: linear warmup over ``dense.warmup_iters`` from ``dense.warmup_factor``, then ``step``
-  (``dense.milestones`` in epochs, or iterations when ``dense.iters`` > 0, times ``dense.gamma``) or ``poly``
-  (``dense.poly_power``, to 0). Training runs ``train.epochs`` epochs, or ``dense.iters`` iterations if set.
-- metrics: COCO box / mask AP through pycocotools; mIoU, per-class IoU, pixel accuracy (aAcc) and mAcc.
-
-Outputs in ``cfg.output``: ``config.yaml``, ``last.pt`` / ``best.pt`` (vit3 checkpoints with the config, so
-``eval.py --checkpoint`` needs nothing else) and ``metrics.json`` (history). ``last.pt`` is written at each
-evaluation and every ``train.save_every_steps`` steps; ``train.resume`` continues at its epoch, batch and
-step with its RNG states, on the seeded data stream of ``vit3.data.build``, so a killed run resumed ends with
-the weights of an uninterrupted one (the plumbing: :mod:`vit3.engine.resume`). An optimizer step accumulates
-``train.accum_steps`` batches of one epoch.
-
-This module holds the loops; the data and the model are in :mod:`vit3.engine.dense_model`, the parameter
+``task: segmentation``; they read the shared keys plus a ``dense:`` section (``configs/dense/*.yaml``).
+Outputs: ``config.yaml``, ``last.pt`` / ``best.pt`` and ``metrics.json``; resume is exact
+(:mod:`vit3.engine.resume`). The data and the model are in :mod:`vit3.engine.dense_model`, the parameter
 groups and the schedule in :mod:`vit3.engine.optim`, the metrics in :mod:`vit3.engine.dense_metrics`.
+The keys and the recipe: ``docs/design/engine.md``.
 """
 
 from __future__ import annotations
@@ -94,7 +75,8 @@ def _to(batch, device: torch.device, task: str):
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Trains a detector or segmenter as ``cfg`` says; evaluates every ``train.eval_every`` epochs and at the end.
+    """Trains a detector or segmenter as ``cfg`` says; evaluates every ``train.eval_every`` epochs and at the
+    end.
 
     Returns:
         ``{"history": [...], "final": metrics of the last evaluation, "losses": per-step total losses}``.
@@ -253,7 +235,8 @@ def _evaluate(cfg: Config, device: torch.device) -> dict[str, Any]:
     check_config(cfg, "eval")  # the config may have been changed in code since it was loaded
     if cfg.eval.img_sizes:
         raise ConfigError(
-            f"--img-size / eval.img_sizes={list(cfg.eval.img_sizes)} sets classification resolutions; a {cfg.task} "
+            f"--img-size / eval.img_sizes={list(cfg.eval.img_sizes)} sets classification resolutions; a "
+            f"{cfg.task} "
             "model's test scale is "
             + (
                 "dense.min_size / dense.max_size (e.g. dense.min_size=640)"
@@ -267,7 +250,8 @@ def _evaluate(cfg: Config, device: torch.device) -> dict[str, Any]:
     if ckpt:
         if ckpt.get("num_classes") != dataset.num_classes:
             raise CheckpointMismatchError(
-                f"checkpoint {path} has {ckpt.get('num_classes')} classes, the validation data {dataset.num_classes}"
+                f"checkpoint {path} has {ckpt.get('num_classes')} classes, the validation data "
+                f"{dataset.num_classes}"
             )
         model.load_state_dict(ckpt["model"])
     model.to(device)

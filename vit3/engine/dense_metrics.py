@@ -166,7 +166,8 @@ def evaluate_segmentation(
     stride: tuple[int, int] = (341, 341),
     class_names: list[str] | None = None,
 ) -> dict[str, Any]:
-    """mIoU / per-class IoU / pixel accuracy of ``model`` on ``dataset`` (whole or sliding-window inference)."""
+    """mIoU / per-class IoU / pixel accuracy of ``model`` on ``dataset`` (whole or sliding-window
+    inference)."""
     model.eval()
     k = dataset.num_classes
     conf = torch.zeros(k, k, dtype=torch.int64)
@@ -180,7 +181,8 @@ def evaluate_segmentation(
 
 
 def evaluate_dense(cfg: Config, model: nn.Module, dataset, device: torch.device) -> dict[str, Any]:
-    """The metrics of ``cfg.task`` for ``model`` on ``dataset``, with the inference settings of ``cfg.dense``."""
+    """The metrics of ``cfg.task`` for ``model`` on ``dataset``, with the inference settings of
+    ``cfg.dense``."""
     d = cfg.dense
     if cfg.task == "detection":
         return evaluate_detection(model, dataset, device)

@@ -187,7 +187,8 @@ def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = 
             continue
         if state[src].shape != value.shape:
             raise CheckpointMismatchError(
-                f"{path}: weight {src} has shape {tuple(state[src].shape)}, backbone expects {tuple(value.shape)}"
+                f"{path}: weight {src} has shape {tuple(state[src].shape)}, backbone expects "
+                f"{tuple(value.shape)}"
             )
         loaded[key] = state[src]
     if not loaded:
@@ -202,7 +203,8 @@ def model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]:
     """Model, training set (None unless ``with_train``) and validation set of a dense config.
 
     Detection takes its classes from the COCO files (train and val must agree); segmentation from
-    ``dense.num_classes`` and normalises with the backbone's mean / std (``data.mean`` / ``data.std`` override).
+    ``dense.num_classes`` and normalises with the backbone's mean / std (``data.mean`` / ``data.std``
+    override).
     """
     d = cfg.dense
     if cfg.task == "detection":
@@ -210,7 +212,8 @@ def model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]:
         train_set = build_dataset(cfg, train=True) if with_train else None
         if train_set is not None and train_set.label_to_cat_id != val_set.label_to_cat_id:
             raise DataError(
-                f"train and val annotation files have different categories: {sorted(train_set.label_to_cat_id.values())} "
+                "train and val annotation files have different categories: "
+                f"{sorted(train_set.label_to_cat_id.values())} "
                 f"vs {sorted(val_set.label_to_cat_id.values())}"
             )
         return build_dense_model(cfg, val_set.num_classes), train_set, val_set

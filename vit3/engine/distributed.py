@@ -55,7 +55,8 @@ def _pick_device(name: str, local_rank: int) -> torch.device:
             per_node = os.environ.get("LOCAL_WORLD_SIZE")
             launch = f" (torchrun started {per_node} processes on this machine)" if per_node else ""
             raise ConfigError(
-                f"device={name}: this machine has {torch.cuda.device_count()} CUDA device(s){launch}; use at most "
+                f"device={name}: this machine has {torch.cuda.device_count()} CUDA device(s){launch}; use at "
+                "most "
                 f"one process per device (torchrun --nproc_per_node={torch.cuda.device_count()})"
             )
         torch.cuda.set_device(device)
@@ -72,7 +73,8 @@ def _backend(backend: str, device: torch.device) -> str:
         return "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError(
-            f"dist.backend=nccl needs CUDA devices, but this run is on {device.type}: use dist.backend=gloo, or "
+            f"dist.backend=nccl needs CUDA devices, but this run is on {device.type}: use dist.backend=gloo, "
+            "or "
             f"auto (nccl on CUDA, gloo on CPU)"
         )
     if not dist.is_backend_available(backend):

@@ -1,29 +1,11 @@
 """Class-conditional image generation (task ``generation``): DiT³ / DiT training (``train.py``) and sampling
 with metrics (``eval.py``).
 
-Training follows the official DiT³ recipe (LeapLabTHU/ViTTT ``dittt/train.py``, from DiT): uniform timesteps,
-the diffusers forward process and the official objective (``vit3.tasks.diffusion``), AdamW, an EMA of the
-weights updated every step, label dropout for classifier-free guidance. In latent space (``vae.path``: a local
-``AutoencoderKL``) images are encoded with a posterior sample times the scaling factor; otherwise the model
-works on pixels in ``[-1, 1]``. It reuses the classification engine's plumbing: the config system, the seeded,
-resumable data pipeline (``vit3.data``), AdamW groups and the warmup + cosine schedule (``engine.optim``;
-``min_lr = base_lr`` is the official constant lr), AMP with a GradScaler for fp16, grad clipping, gradient
-accumulation, torchrun DDP, atomic checkpoints and exact resume (model, EMA, optimizer, scheduler, scaler,
-every rank's RNG states, epoch, batch and step: a run killed after a checkpoint and resumed ends with the same
-weights as an uninterrupted one; :mod:`vit3.engine.resume`). Outputs in ``output``:
-``config.yaml``, ``last.pt``, ``metrics.csv/json`` (per epoch), ``curves.png`` (loss, MSE and VB terms per
-``train.log_every`` steps) and ``summary.json``; with ``train.final_eval`` also the samples and metrics.
-
-Sampling (``sample``): ``sample.num_samples`` images with labels cycling through ``sample.classes`` (all
-classes by default), sample ``i`` drawn from its own generator seeded ``sample.seed + i`` (so the result does
-not depend on the batch size or the number of processes), with the ``ddpm`` / ``ddim`` / ``dpm++`` sampler,
-``sample.steps`` steps and guidance ``sample.cfg_scale``. It writes ``samples.npz`` in the layout of the
-reference evaluation suite (guided-diffusion's evaluator: ``arr_0`` uint8 ``[N, H, W, 3]``; grayscale is
-repeated to 3 channels; ``labels`` beside it), ``grid.png`` and ``eval.json`` with the metrics of
-``vit3.engine.generation_metrics`` that are asked for.
-
-This module holds the training loop; building the generator and its diffusion, sampling and ``eval.py`` are
-in :mod:`vit3.engine.generation_sampling` (re-exported here).
+Training follows the official DiT³ recipe (LeapLabTHU/ViTTT ``dittt/train.py``) on the shared plumbing:
+config, seeded data, AdamW and warmup + cosine (:mod:`vit3.engine.optim`; ``min_lr = base_lr`` is the
+official constant lr), AMP, DDP and exact resume (:mod:`vit3.engine.resume`). Building the generator,
+sampling and ``eval.py`` are in :mod:`vit3.engine.generation_sampling` (re-exported here). Outputs and the
+sampling rules: ``docs/design/engine.md``.
 """
 
 from __future__ import annotations
@@ -194,7 +176,8 @@ def _train_epoch(run: _Run) -> None:
             loss = terms["loss"].mean()
             if not torch.isfinite(loss):
                 raise TrainingDiverged(
-                    f"non-finite training loss {loss.item()} at step {p.global_step + 1} (epoch {p.epoch + 1}, "
+                    f"non-finite training loss {loss.item()} at step {p.global_step + 1} (epoch "
+                    f"{p.epoch + 1}, "
                     f"batch {b + 1}): {divergence_advice(cfg.train.base_lr, cfg.train.clip_grad)}"
                 )
             run.scaler.scale(loss / accum).backward()
@@ -280,8 +263,10 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
         write_text(run.out / "summary.json", json.dumps(summary, indent=1), "summary")
         log(
             info,
-            f"\ndone in {summary['wall_time_s']:.0f} s (training {summary['train_time_s']:.0f} s): final loss "
+            f"\ndone in {summary['wall_time_s']:.0f} s (training {summary['train_time_s']:.0f} s): final "
+            "loss "
             f"{summary['final'].get('train_loss', float('nan')):.4f}\n  checkpoint: {summary['last']}\n"
-            f"  curves:     {summary.get('curves')}\n  sample:     python eval.py --checkpoint {summary['last']}",
+            f"  curves:     {summary.get('curves')}\n  sample:     python eval.py --checkpoint "
+            f"{summary['last']}",
         )
     return summary

@@ -1,20 +1,12 @@
-"""Metrics of generated images: FID / Inception Score, and class accuracy + Fréchet distance under a classifier.
+"""Metrics of generated images: FID / Inception Score, and class accuracy + Fréchet distance under a
+classifier.
 
-* :func:`inception_metrics`: FID (torchmetrics ``FrechetInceptionDistance``, 2048-d pool features) and
-  Inception Score (torchmetrics ``InceptionScore``) on torch-fidelity's Inception-v3, whose weights must be a
-  local file (``metrics.inception_weights``: ``pt_inception-2015-12-05-6726825d.pth``); nothing is
-  downloaded. Without the file the result says so instead of a number.
-* :func:`classifier_metrics`: a vit3 classification checkpoint labels the generated images: per-class and
-  overall accuracy against the requested classes, and the Fréchet distance (torchmetrics' Fréchet
-  computation) between its pooled features of the generated images and of real images it never trained on
-  (its val split). Both numbers depend on the sample count, so the real images are scored at the same count:
-  each of several draws takes as many real images as were generated, and the generated and the drawn real
-  images are both compared with the rest of the real images (mean and spread over the draws). The drawn
-  real images' distance is the floor that real data reaches at that count, their accuracy the ceiling.
-* :func:`resolve_classifier`: ``"auto"`` is the generation demo's scorer
-  (``configs/generation/demo_mnist_scorer.yaml``: the classification demo's H-ViT³ trained on the 1,000
-  held-out digits the generation demo never sees, validated on the 4,000 it trains on):
-  ``output/gen_demo_scorer/best.pt`` when present, else it is trained once (1-2 minutes on a CPU).
+* :func:`inception_metrics`: FID and Inception Score (torchmetrics) on a local Inception-v3 weights file
+  (``metrics.inception_weights``); nothing is downloaded.
+* :func:`classifier_metrics`: a vit3 classifier's accuracy on the generated images and the Fréchet distance
+  of its features, with real images scored at the same count (the floor and ceiling real data reaches).
+* :func:`resolve_classifier`: ``"auto"`` is the generation demo's scorer, trained once when absent.
+Details: ``docs/design/engine.md``.
 """
 
 from __future__ import annotations
@@ -80,7 +72,8 @@ def inception_metrics(
             "fid": None,
             "is_mean": None,
             "is_std": None,
-            "fid_note": f"FID/IS skipped: {why}. They need torch-fidelity's Inception-v3 weights as a local file "
+            "fid_note": f"FID/IS skipped: {why}. They need torch-fidelity's Inception-v3 weights as a local "
+            "file "
             f"({INCEPTION_FILE}); nothing is downloaded.",
         }
     try:
@@ -138,7 +131,8 @@ def resolve_classifier(spec: str) -> Path:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         raise ConfigError(
             f"metrics.classifier=auto: {path} does not exist; train it first with `python train.py --config "
-            f"configs/generation/{DEMO_CLASSIFIER_CONFIG.name}` or name a checkpoint with metrics.classifier=FILE"
+            f"configs/generation/{DEMO_CLASSIFIER_CONFIG.name}` or name a checkpoint with "
+            "metrics.classifier=FILE"
         )
     from .classification import train as train_classifier
 
@@ -274,7 +268,8 @@ def classifier_metrics(
     n, n_real = len(images), len(val)
     if n_real <= n or draws < 1:
         raise ValueError(
-            f"the real floor needs more real images than generated ones and at least one draw: classifier {path} "
+            "the real floor needs more real images than generated ones and at least one draw: classifier "
+            f"{path} "
             f"has {n_real} val images for {n} samples, draws={draws}"
         )
     real_logits, real_feats = _classify(

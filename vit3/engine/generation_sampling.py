@@ -106,7 +106,8 @@ def check_generation_cfg(cfg: Config, mode: str, sampling: bool) -> None:
     s = cfg.sample
     if sampling and float(s.cfg_scale) != 1.0 and float(cfg.model.class_dropout_prob) <= 0:
         raise ConfigError(
-            f"sample.cfg_scale={float(s.cfg_scale)} needs the null class, but model.class_dropout_prob=0 trains none: "
+            f"sample.cfg_scale={float(s.cfg_scale)} needs the null class, but model.class_dropout_prob=0 "
+            "trains none: "
             f"set sample.cfg_scale=1 or model.class_dropout_prob > 0"
         )
 
@@ -175,7 +176,8 @@ def _save_grid(images: np.ndarray, num_classes: int, path: Path) -> Path:
 
 
 def _reference_images(cfg: Config, batch: int):
-    """Batches of real uint8 images ``[n, H, W, C]`` for FID: ``metrics.reference`` (.npz) or the val split."""
+    """Batches of real uint8 images ``[n, H, W, C]`` for FID: ``metrics.reference`` (.npz) or the val
+    split."""
     ref = cfg.metrics.reference
     if ref:
         if not Path(ref).is_file():
@@ -218,7 +220,8 @@ def sample_and_evaluate(
     s, m = cfg.sample, cfg.metrics
     if float(s.cfg_scale) != 1.0 and not model.has_null_class:
         raise ConfigError(
-            f"sample.cfg_scale={float(s.cfg_scale)} needs the null class, but this model has none (trained with "
+            f"sample.cfg_scale={float(s.cfg_scale)} needs the null class, but this model has none (trained "
+            "with "
             f"class_dropout_prob=0): pass --cfg-scale 1"
         )
     labels = _labels(cfg, model.num_classes)
@@ -330,7 +333,8 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         kwargs = dict(ckpt["model_kwargs"])
         if kwargs["in_channels"] != in_channels:
             raise ConfigError(
-                f"{path} was trained on {kwargs['in_channels']}-channel inputs; this config gives {in_channels} "
+                f"{path} was trained on {kwargs['in_channels']}-channel inputs; this config gives "
+                f"{in_channels} "
                 f"({'VAE latents' if vae else 'pixels'})"
             )
         model = create_dit3(ckpt["model_name"], **kwargs)

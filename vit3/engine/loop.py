@@ -114,10 +114,12 @@ def log_setup(
     total batch, lr (and how it was scaled), AMP and EMA."""
     log(
         info,
-        f"model {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {about} | data: {data} | "
-        f"{info.world} process(es) on {info.device}, total batch {opt.total_batch}, lr {opt.lrs['base_lr']:.3g} "
+        f"model {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {about} | "
+        f"data: {data} | {info.world} process(es) on {info.device}, total batch {opt.total_batch}, "
+        f"lr {opt.lrs['base_lr']:.3g} "
         f"(train.base_lr {cfg.train.base_lr:g} x {lr_factor(cfg.train, opt.total_batch):.4g}, "
-        f"{cfg.train.get('lr_scale', 'linear')} in the batch) | amp {opt.amp_dtype} | ema {'on' if ema else 'off'}",
+        f"{cfg.train.get('lr_scale', 'linear')} in the batch) | amp {opt.amp_dtype} | "
+        f"ema {'on' if ema else 'off'}",
     )
 
 

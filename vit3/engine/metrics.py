@@ -32,7 +32,8 @@ def write_metrics(history: Sequence[Mapping[str, Any]], out_dir: str | Path) -> 
 
 def plot_curves(history: Sequence[Mapping[str, Any]], path: str | Path) -> Path | None:
     """Train/val loss and val top-1 (model and EMA) per epoch; a third panel for the per-layer transfer loss
-    of a conversion (``val_transfer_loss_<i>``, log scale) when the rows have it. ``None`` if nothing to plot."""
+    of a conversion (``val_transfer_loss_<i>``, log scale) when the rows have it. ``None`` if nothing to
+    plot."""
 
     def points(key: str) -> list[tuple[float, float]]:
         return [(r["epoch"], r[key]) for r in history if r.get(key) is not None]

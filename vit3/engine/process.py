@@ -98,8 +98,9 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
 
 
 def compile_mode(mode: str, device: torch.device) -> str | None:
-    """The ``torch.compile`` mode of ``train.compile`` on ``device``, ``None`` for eager (``"none"``); ``"auto"``
-    is ``"reduce-overhead"`` (the whole step replayed as CUDA graphs) on CUDA, ``"default"`` elsewhere."""
+    """The ``torch.compile`` mode of ``train.compile`` on ``device``, ``None`` for eager (``"none"``);
+    ``"auto"`` is ``"reduce-overhead"`` (the whole step replayed as CUDA graphs) on CUDA, ``"default"``
+    elsewhere."""
     if mode == "none":
         return None
     if mode == "auto":

@@ -1,16 +1,11 @@
-"""Fitting a classification recipe to its data: one fine-tuning config (``configs/finetune.yaml``) for a folder
-of tens of images per class as for an ImageNet-sized one.
+"""Fitting a classification recipe to its data: one fine-tuning config (``configs/finetune.yaml``) for a
+folder of tens of images per class as for an ImageNet-sized one.
 
-* ``data.fit_batch`` = n > 0: at least n batches per epoch and process; a smaller training set gets the batch
-  ``images per process // n`` (at least 2 for BatchNorm, even with Mixup/CutMix). 0: the batch as given.
-* ``train.min_steps`` = s > 0: at least s optimizer steps; fewer epochs become ``ceil(s / steps per epoch)``,
-  ``train.warmup_epochs`` alike (its share kept). 0: the epochs as given.
-* A value the user wrote (:func:`~vit3.engine.config.written_keys`: command line, own config file) is never
-  fitted: it is kept and logged as written, or refused in one line when it cannot work (a batch above the
-  images) or clashes with a written target (``train.epochs`` and ``train.min_steps`` both written, too few).
-* Fitted values replace the configured ones in ``<output>/config.yaml`` and the checkpoints (a saved config
-  fits to itself: resuming changes nothing), each logged in one line; the lrs follow the total batch
-  (:func:`vit3.engine.optim.scaled_lrs`); ``train.freeze=backbone``: a linear probe.
+``data.fit_batch`` (at least n batches per epoch) and ``train.min_steps`` (at least s optimizer steps) fit the
+batch and the epochs; a value the user wrote (:func:`~vit3.engine.config.written_keys`) is never fitted, only
+kept or refused in one line. Fitted values land in the saved config and are logged; the lrs follow the total
+batch (:func:`vit3.engine.optim.scaled_lrs`); ``train.freeze=backbone``: a linear probe. Details:
+``docs/design/engine.md``.
 """
 
 from __future__ import annotations
@@ -34,8 +29,8 @@ FREEZE_MODES = ("none", "backbone")
 
 
 def fit_batch_size(cfg: Config, images_per_process: int, even: bool) -> str | None:
-    """Lowers ``cfg.data.batch_size`` in place to give ``data.fit_batch`` batches per epoch (module docstring),
-    unless the user wrote the batch (:func:`~vit3.engine.config.written_keys`): then it is kept.
+    """Lowers ``cfg.data.batch_size`` in place to give ``data.fit_batch`` batches per epoch (module
+    docstring), unless the user wrote the batch (:func:`~vit3.engine.config.written_keys`): then it is kept.
 
     Args:
         cfg: run config (``data.batch_size``, ``data.fit_batch``).
@@ -61,17 +56,23 @@ def fit_batch_size(cfg: Config, images_per_process: int, even: bool) -> str | No
     if "data.batch_size" in written:
         if batch > images_per_process:
             raise ConfigError(
-                f"data.batch_size={batch} exceeds the {images_per_process} training images per process: write "
-                f"at most {images_per_process}, or leave data.batch_size to the recipe (data.fit_batch={want} "
+                f"data.batch_size={batch} exceeds the {images_per_process} training images per process: "
+                "write "
+                f"at most {images_per_process}, or leave data.batch_size to the recipe "
+                f"(data.fit_batch={want} "
                 f"fits {fitted})"
             )
         per_epoch = images_per_process // batch
         if per_epoch < want and "data.fit_batch" in written:
             raise ConfigError(
-                f"data.batch_size={batch} and data.fit_batch={want} are both written, but {images_per_process} "
+                f"data.batch_size={batch} and data.fit_batch={want} are both written, but "
+                f"{images_per_process} "
                 f"training images per process make {per_epoch} batches of {batch} per epoch: drop one of them"
             )
-        return f"data.batch_size={batch} as written ({per_epoch} batches per epoch; not fitted to data.fit_batch)"
+        return (
+            f"data.batch_size={batch} as written ({per_epoch} batches per epoch; not fitted to "
+            "data.fit_batch)"
+        )
     if batch * want <= images_per_process or fitted >= batch:
         return None
     cfg.data.batch_size = fitted
@@ -121,7 +122,8 @@ def fit_epochs(cfg: Config, steps_per_epoch: int) -> str | None:
         t.warmup_epochs = warmup * fitted / epochs
         kept = f"train.warmup_epochs: {warmup:g} -> {t.warmup_epochs:g}"
     return (
-        f"train.epochs: {epochs} -> {fitted}, {kept} (fitted, train.min_steps={want} at {steps_per_epoch} steps "
+        f"train.epochs: {epochs} -> {fitted}, {kept} (fitted, train.min_steps={want} at {steps_per_epoch} "
+        "steps "
         "per epoch)"
     )
 
@@ -148,8 +150,9 @@ def trainable_names(model: nn.Module, freeze: str) -> list[str]:
 
 
 def freeze_for_training(model: nn.Module, freeze: str) -> list[str]:
-    """Freezes (``requires_grad=False``) every parameter that does not train under ``train.freeze``, before the
-    optimizer is built (frozen parameters get no optimizer state); returns the names of those that train."""
+    """Freezes (``requires_grad=False``) every parameter that does not train under ``train.freeze``, before
+    the optimizer is built (frozen parameters get no optimizer state); returns the names of those that
+    train."""
     train = trainable_names(model, freeze)
     if freeze != "none":
         keep = set(train)

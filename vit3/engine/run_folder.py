@@ -117,7 +117,8 @@ def claim_output(cfg: Config, resume: str, ckpt: Mapping[str, Any] | None) -> Ou
         if not later:
             return OutputFolder(out)
         problem = (
-            f"{later[0]} was written later than {resume} (step {step}), which this run resumes from, and would "
+            f"{later[0]} was written later than {resume} (step {step}), which this run resumes from, and "
+            "would "
             f"be overwritten: resume from {later[0]} instead, or continue in a new folder (output=<folder>); "
             f"{overwrite}"
         )

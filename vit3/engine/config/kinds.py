@@ -1,4 +1,5 @@
-"""The kinds of constraint of the validation layer (:mod:`vit3.engine.config.schema`) and how its messages read.
+"""The kinds of constraint of the validation layer (:mod:`vit3.engine.config.schema`) and how its messages
+read.
 
 :class:`Range`, :class:`Choice`, :class:`Check` and :class:`Advice` say what one key allows and, for a value
 that is not allowed, what is (:meth:`Constraint.problem`); :func:`message` words the error line, naming a key
@@ -131,8 +132,8 @@ class Range(Constraint):
         return value(self.lo), value(self.hi)
 
     def allows(self, value: Any, cfg: Any) -> bool:
-        """Whether ``value`` (a finite number, or a list of them) is allowed; a string (``nan``, ``12x``, which
-        no numeric key takes, also where no type check reads the key) is not; other values are the type
+        """Whether ``value`` (a finite number, or a list of them) is allowed; a string (``nan``, ``12x``,
+        which no numeric key takes, also where no type check reads the key) is not; other values are the type
         check's."""
         lo, hi = self.bounds(cfg)
 
@@ -244,6 +245,7 @@ PAIR = (2,)
 
 
 def message(name: str, value: Any, constraint: Constraint, what: str, why: str) -> str:
-    """One line of a :class:`~vit3.errors.ConfigError`: ``<name> must be <what>[ (or null: ...)], got <value>[: <why>]``."""
+    """One line of a :class:`~vit3.errors.ConfigError`: ``<name> must be <what>[ (or null: ...)], got
+    <value>[: <why>]``."""
     null = f" (or null: {constraint.null})" if constraint.null else ""
     return f"{name} must be {what}{null}, got {value!r}" + (f": {why}" if why else "")

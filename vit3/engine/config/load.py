@@ -1,50 +1,12 @@
 """YAML run configs: ``base:`` inheritance, dotted command-line overrides, strict keys, saved with outputs.
 
-API (used by ``train.py``, ``eval.py`` and the task engines):
-
-* ``load_config(path=None, overrides=())`` -> :class:`Config` (``config_from_dict(data, overrides)`` does the
-  same for an already resolved dict, e.g. the config stored in a checkpoint). ``path`` is a YAML file (``None``:
-  ``configs/default.yaml``, :data:`DEFAULT_CONFIG`). The repository's ``configs/`` folder installs as the package
-  ``vit3.configs`` (:data:`CONFIG_DIR`, found through ``importlib.resources``), so a ``configs/...`` path that
-  does not exist from the working directory is read from the installed copy (:func:`resolve_config_path`):
-  the README's commands run from any directory of a non-editable install too. A file may name another file with
-  ``base: other.yaml`` (relative to the file; a list of files is merged left to right); the file's own keys
-  are deep-merged over its base. A file may introduce keys that its bases do not have (e.g. a ``dense:``
-  section for detection): they are valid for every run of that file.
-* What the user wrote: the keys given as overrides or set by a config file of the user's (any file outside
-  :data:`CONFIG_DIR`, through its ``base:`` chain too; the shipped files' values are defaults) are listed,
-  dotted, in ``cfg["_written"]`` (:data:`WRITTEN_KEY`, :func:`written_keys`; saved with the config, so a
-  resumed run knows them too). A recipe that fits values to the data (:mod:`vit3.engine.recipe`) fits only
-  the others.
-* ``overrides`` are ``"key.sub=value"`` strings (what a user types after ``python train.py``); the value is
-  parsed as YAML (``train.lr=1e-3`` -> float, ``aug.mixup=null`` -> None, ``data.scale=[0.5,1]`` -> list,
-  ``model.name=vit3_tiny`` -> str). An override must name an existing key: an unknown key raises
-  :class:`ConfigError` naming it and listing close matches (``difflib``). Mappings whose name ends in
-  ``kwargs`` (``model.kwargs``) are free-form: ``model.kwargs.embed_dim=64`` adds a key.
-* Values are typed by ``configs/default.yaml``: a key it defines must hold a value of its default's type
-  (``train.epochs=1.5`` or ``data.batch_size=12x`` is a :class:`ConfigError` naming the key and the expected
-  type; an integral float such as ``2.0`` becomes ``2`` where an integer is expected, a number becomes a
-  string where a string is). ``null`` is accepted where the default is ``null`` and for the keys of
-  :data:`NULLABLE`. Keys the default config lacks (``dense.*``, ``model.kwargs.*``) are not checked here.
-* Values are checked against what they allow (:data:`CONSTRAINTS` of :mod:`vit3.engine.config.schema`, the one
-  validation layer, one table for every task: a key is checked where a config has it): a value of the right
-  type that would wreck a run without a word (a negative ``train.clip_grad`` flips every gradient, a
-  ``min_lr`` above ``base_lr`` makes the cosine climb, an auto-augment string timm would half-ignore, a model
-  name timm does not know, ...) is a :class:`ConfigError` naming the key, the value and what is allowed
-  (:func:`check_values`; :func:`check_config` runs both checks, as the engines do before a run, with the
-  run's mode: then also writable outputs and existing inputs).
-* ``config_from_checkpoint(saved, overrides)``: the config a checkpoint stores, merged over its task's shipped
-  defaults (:data:`TASK_CONFIGS`: keys added since keep working) with the one-command keys
-  (:data:`COMMAND_KEYS`: resume, force_resume, overwrite) reset; ``to_plain(value)``: nested plain dicts and
-  lists (what a checkpoint stores).
-* :class:`Config` is a ``dict`` with attribute access (``cfg.train.epochs``), ``cfg.get_path("a.b")``,
-  ``cfg.set_path("a.b", v)`` and ``cfg.to_dict()`` (plain nested dicts, for YAML/JSON/checkpoints).
-* ``save_config(cfg, out_dir)`` writes ``out_dir/config.yaml``: the resolved config plus ``_meta``
-  (git commit, whether the tree was dirty, the command line, the UTC time). Call it on rank 0 only.
-* ``git_commit()`` -> the current commit hash of the source checkout (``None`` outside git).
-
-The ``task`` key selects the engine: ``classification``, ``detection`` / ``segmentation`` (both
-``vit3.engine.dense``), ``generation`` or ``convert`` (:data:`TASK_CONFIGS`); ``vit3.engine.run`` dispatches.
+:func:`load_config` (``config_from_dict`` for a resolved dict, :func:`config_from_checkpoint` for a
+checkpoint's) -> :class:`Config`, a ``dict`` with attribute access. Paths under ``configs/`` resolve to the
+installed ``vit3.configs`` (:data:`CONFIG_DIR`). Overrides are ``key.sub=value`` (YAML values) and must name
+existing keys; values are typed by ``configs/default.yaml`` (:func:`check_types`) and checked against
+:data:`~vit3.engine.config.schema.CONSTRAINTS` (:func:`check_config`). What the user wrote is listed in
+``cfg["_written"]`` (:func:`written_keys`). :func:`save_config` writes ``config.yaml`` with ``_meta``.
+The full rules: ``docs/design/engine.md``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
-"""The one validation layer: the values every option of every script allows, checked before anything runs.
+"""The table of what every config key of every task allows (:data:`CONSTRAINTS`) and the checks that run it.
 
-* :data:`CONSTRAINTS`: every config key of every task (``configs/default.yaml``,
-  ``configs/dense/dense_base.yaml``, ``configs/generation/default.yaml``) whose value of the right type
-  (:func:`vit3.engine.config.check_types`) can still be wrong: ranges (:class:`Range`), choices
-  (:class:`Choice`), values to parse or look up and paths (:class:`Check`: timm's auto-augment policies, model
-  names, devices, writable output folders, input files) and values that run but may not mean what the user
-  expects (:class:`Advice`: a warning). A key is checked where a config has it (one table for all tasks);
-  a constraint that depends on the task says so (``only_if``).
-* When: most constraints are checked on every config load (:data:`LOAD`); those about the machine that runs
-  (an output folder it can write, an input file it can read) at the start of a run of their mode
-  (:data:`TRAIN`, :data:`EVAL`: :func:`vit3.engine.config.check_config` with the mode, which each engine calls
-  before it writes anything).
-* :data:`FLAGS`: the config key each flag of ``train.py`` / ``eval.py`` sets, so that a message names both;
-  :data:`EXPORT_FLAGS`: the constraints of ``export.py``'s own flags (it has no config), checked by
-  :func:`check_flags`.
-* :data:`CHECKED_ON_USE`: what can only be checked once the model or the data exists, and where that is
-  (feature indices against the model's feature levels, image sizes against the model, ...).
-* :data:`FREE`: the keys whose every value of the right type is valid (names, switches).
-
-The kinds of constraint and the message format live in :mod:`vit3.engine.config.kinds`, the tests of values
-in :mod:`vit3.engine.config.value_checks` and of paths in :mod:`vit3.engine.config.path_checks`; this module holds the
-tables and the checks that run them.
-
-Every failure is a :class:`~vit3.errors.ConfigError` with one line per bad value: ``config key <key> (<flag>)
-must be <what is allowed>, got <value>[: <why>]`` (or ``--flag must be ...`` for export.py).
+A key is checked where a config has it (one table for all tasks; ``only_if`` for task-dependent rules): on
+every load (:data:`LOAD`), or at the start of a run of its mode (:data:`TRAIN`, :data:`EVAL`).
+:data:`EXPORT_FLAGS` checks ``export.py``'s flags (:func:`check_flags`); :data:`CHECKED_ON_USE` lists what
+only the model or the data can decide, :data:`FREE` the keys every value of the right type suits. The kinds
+of constraint and their wording are in :mod:`.kinds`, the tests in :mod:`.value_checks` / :mod:`.path_checks`.
+Every failure is one :class:`~vit3.errors.ConfigError` line naming the key, its flag and what is allowed.
 """
 
 from __future__ import annotations
@@ -597,7 +579,8 @@ def check_input_size(model: Any, in_chans: int, size: int, name: str, model_name
             raise
         reason = str(e).strip().splitlines()[0].split("DefaultCPUAllocator: ")[-1]
         raise ConfigError(
-            f"{name} must be image sizes {model_name} can run on {device}, got {size}: one image of that size "
+            f"{name} must be image sizes {model_name} can run on {device}, got {size}: one image of that "
+            "size "
             f"needs more memory than there is ({reason})"
         ) from e
     finally:

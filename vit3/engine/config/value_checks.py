@@ -73,7 +73,8 @@ def dit3_kwargs(kwargs: Any, cfg: Any) -> str | None:
         from vit3.models.dit3 import DIT3_OVERRIDES
     except ImportError:
         return None
-    # what the data and the VAE decide is not the user's to set (vit3.engine.generation_sampling._model_kwargs)
+    # what the data and the VAE decide is not the user's to set
+    # (vit3.engine.generation_sampling._model_kwargs)
     unknown = sorted(set(kwargs or {}) - set(DIT3_OVERRIDES))
     return (
         f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not create_dit3 overrides"
@@ -202,7 +203,8 @@ def slide_stride(stride: Any, cfg: Any) -> str | None:
 
 
 def fid_inputs(cfg: Any, mode: str | None) -> bool:
-    """The FID inputs are read: ``metrics.fid`` in an evaluation, or after training with ``train.final_eval``."""
+    """The FID inputs are read: ``metrics.fid`` in an evaluation, or after training with
+    ``train.final_eval``."""
     return bool(config_value(cfg, "metrics.fid")) and (
         mode == EVAL or bool(config_value(cfg, "train.final_eval"))
     )
@@ -225,7 +227,8 @@ def warmup_advice(warmup: Any, cfg: Any) -> str | None:
     reached = min(1.0, epochs / warmup)
     return (
         f"train.warmup_epochs={warmup:g} is not below train.epochs={epochs}: the whole run is warmup (the lr "
-        f"climbs linearly from train.warmup_lr and ends at {reached:.0%} of the way to train.base_lr, with no "
+        f"climbs linearly from train.warmup_lr and ends at {reached:.0%} of the way to train.base_lr, with "
+        "no "
         f"cosine decay); lower train.warmup_epochs for the full schedule"
     )
 
@@ -235,7 +238,8 @@ def dense_warmup_advice(warmup: Any, cfg: Any) -> str | None:
     if not (is_number(iters) and iters > 0 and is_number(warmup)) or warmup < iters:
         return None
     return (
-        f"dense.warmup_iters={warmup} is not below dense.iters={iters}: the whole run is warmup (the lr climbs "
+        f"dense.warmup_iters={warmup} is not below dense.iters={iters}: the whole run is warmup (the lr "
+        "climbs "
         f"from dense.warmup_factor x lr and never decays); lower dense.warmup_iters for the full schedule"
     )
 
