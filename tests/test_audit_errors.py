@@ -768,7 +768,8 @@ CHECKPOINT_MISTAKES = {
     "resume-random": ("train", ["--resume", "<random>"], "<random> is no torch.save file"),
     "resume-foreign": (
         "train", ["--resume", "<foreign>"],
-        "<foreign> is a bare state dict of 1 tensor(s) (no vit3 model record), not a vit3 training checkpoint",
+        "<foreign> is a bare state dict of 1 tensor(s) (no vit3 model record), "
+        "not a vit3 training checkpoint",
     ),
     "fine-tune-from-empty": (
         "train", ["--config", str(FINETUNE), "model.pretrained=<empty>", "model.name=test_h_vit3"],
@@ -1121,7 +1122,8 @@ API_MISTAKES = {
         "vit3_tiny: img_size must be a positive integer or (height, width) of them, got '224'",
     ),
     "img-size-a-string-hierarchical": (
-        lambda: timm.create_model("h_vit3_tiny", img_size="224"), ConfigError, "h_vit3_tiny: img_size must be",
+        lambda: timm.create_model("h_vit3_tiny", img_size="224"), ConfigError,
+        "h_vit3_tiny: img_size must be",
     ),
     "no-input-channel": (
         lambda: timm.create_model("vit3_tiny", in_chans=0), ConfigError,
@@ -1364,7 +1366,8 @@ MORE_API_MISTAKES = {
     "integer-images": (
         lambda: _vit()(torch.zeros(1, 3, 32, 32, dtype=torch.int64)),
         TypeError,
-        r"expected images of a floating-point dtype \(float32, float64, bfloat16, float16\), got torch\.int64",
+        r"expected images of a floating-point dtype \(float32, float64, bfloat16, float16\), "
+        r"got torch\.int64",
     ),
     "integer-images-hierarchical": (
         lambda: _h_vit()(torch.zeros(1, 3, 64, 64, dtype=torch.int64)),

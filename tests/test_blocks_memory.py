@@ -32,7 +32,8 @@ def _per_token(fn, tokens: tuple[int, int] = (20, 40)) -> float:
 
 
 # The lean MLP's two nodes, by the backend that picks them on CPU tensors: the C++ node and the Python node.
-LEAN_NODES = [pytest.param("cpu", "LeanMlpFunction", id="cpp-node"), pytest.param("generic", "_LeanMlpFnBackward", id="python-node")]  # fmt: skip
+LEAN_NODES = [pytest.param("cpu", "LeanMlpFunction", id="cpp-node"),
+              pytest.param("generic", "_LeanMlpFnBackward", id="python-node")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("backend", "node"), LEAN_NODES)
@@ -162,7 +163,8 @@ def test_the_cpp_block_nodes_are_once_differentiable(monkeypatch):
     block = _block("always")
     x = torch.randn(1, 3, 4, 32, dtype=torch.float64, requires_grad=True)
     t = x.detach().clone().requires_grad_()  # the MLP's own input, so that only its node is on the path
-    cases = ((x, block._cpe_norm(x)[1], "vit3_cpu.cpe_norm"), (t, block.mlp(t, norm=block.norm2), "vit3_cpu.lean_mlp"))  # fmt: skip
+    cases = ((x, block._cpe_norm(x)[1], "vit3_cpu.cpe_norm"),
+             (t, block.mlp(t, norm=block.norm2), "vit3_cpu.lean_mlp"))  # fmt: skip
     for leaf, out, name in cases:
         (g,) = torch.autograd.grad(out.square().sum(), leaf, create_graph=True)
         (want,) = torch.autograd.grad(out.square().sum(), leaf, retain_graph=True)

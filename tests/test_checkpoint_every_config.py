@@ -33,8 +33,14 @@ def _name(path: Path) -> str:
 # A model of each family small enough for a one-step run at 32 px (model.kwargs given key by key, so that a
 # config's own kwargs, e.g. its ttt_cfg, stay as they are).
 SHRINK = {
-    "vit3": ["model.kwargs.patch_size=8", "model.kwargs.embed_dim=24", "model.kwargs.depth=1", "model.kwargs.num_heads=2"],
-    "h_vit3": ["model.kwargs.dims=[8, 16, 24, 32]", "model.kwargs.depths=[1, 1, 1, 1]", "model.kwargs.num_heads=[1, 1, 1, 2]"],
+    "vit3": [
+        "model.kwargs.patch_size=8", "model.kwargs.embed_dim=24", "model.kwargs.depth=1",
+        "model.kwargs.num_heads=2",
+    ],
+    "h_vit3": [
+        "model.kwargs.dims=[8, 16, 24, 32]", "model.kwargs.depths=[1, 1, 1, 1]",
+        "model.kwargs.num_heads=[1, 1, 1, 2]",
+    ],
     "dit3": ["model.kwargs.hidden_size=16", "model.kwargs.depth=1", "model.kwargs.num_heads=2"],
 }  # fmt: skip
 
@@ -77,7 +83,8 @@ def few_digits(tmp_path_factory):
 
 def _classification_args(path: Path, data: Path, out: Path) -> list[str]:
     one_step = [
-        "data.dataset=folder", f"data.path={data}", f"output={out}", "data.batch_size=8", "data.num_workers=0",
+        "data.dataset=folder", f"data.path={data}", f"output={out}", "data.batch_size=8",
+        "data.num_workers=0",
         "data.img_size=32", "train.epochs=1", "train.warmup_epochs=0", "train.progress=false", "device=cpu",
         "threads=1",
     ]  # fmt: skip
@@ -144,7 +151,8 @@ def test_a_one_step_dense_run_is_read_back(name, request, tmp_path):
     cfg = load_config(path)
     # one step: the 7 annotated training canvases of coco_root (one is empty), the 8 of ade_root
     splits = ["data.train_split=train", "data.val_split=val", "data.batch_size=7"] if dataset == "coco" else [
-        "data.train_split=training", "data.val_split=validation", "dense.num_classes=3", "dense.class_names=null",
+        "data.train_split=training", "data.val_split=validation", "dense.num_classes=3",
+        "dense.class_names=null",
         "dense.scale=[64, 64]", "dense.crop_size=[64, 64]", "dense.head_channels=16", "data.batch_size=8",
         "dense.slide_crop=[64, 64]", "dense.slide_stride=[64, 64]",
     ]  # fmt: skip
@@ -152,8 +160,10 @@ def test_a_one_step_dense_run_is_read_back(name, request, tmp_path):
     args = [
         "--config", str(path), f"data.dataset={dataset}", f"data.path={data}", f"output={out}", "device=cpu",
         "threads=1", "data.num_workers=0", "train.epochs=1", "train.log_every=0", "train.amp=none",
-        "dense.iters=0", "dense.eval_interval=0", "dense.warmup_iters=1", "dense.min_size=64", "dense.max_size=64", "dense.out_channels=16",
-        "dense.box_head_dim=32", "dense.mask_head_dim=16", "dense.anchor_sizes=[8, 16, 32, 64, 128]", "model.pretrained=",
+        "dense.iters=0", "dense.eval_interval=0", "dense.warmup_iters=1", "dense.min_size=64",
+        "dense.max_size=64", "dense.out_channels=16",
+        "dense.box_head_dim=32", "dense.mask_head_dim=16", "dense.anchor_sizes=[8, 16, 32, 64, 128]",
+        "model.pretrained=",
         *splits, *[o for o in _shrunk(cfg) if "img_size" not in o],
     ]  # fmt: skip
     train = load_script("train")
@@ -195,10 +205,12 @@ def test_a_one_step_generation_run_is_read_back(name, few_digits, tmp_path):
         extra.append("vae.path=")
     out = tmp_path / "run"
     one_step = [
-        "--config", str(path), "data.dataset=folder", f"data.path={few_digits}", f"output={out}", "device=cpu",
+        "--config", str(path), "data.dataset=folder", f"data.path={few_digits}", f"output={out}",
+        "device=cpu",
         "threads=1", "data.batch_size=8", "data.num_workers=0", "data.img_size=16", "train.epochs=1",
         "train.warmup_epochs=0", "train.progress=false", "train.final_eval=false", "model.num_classes=null",
-        "model.kwargs.hidden_size=16", "model.kwargs.depth=1", "model.kwargs.num_heads=2", "model.name=dit3_s_8",
+        "model.kwargs.hidden_size=16", "model.kwargs.depth=1", "model.kwargs.num_heads=2",
+        "model.name=dit3_s_8",
         *extra,
     ]  # fmt: skip
     train = load_script("train")

@@ -184,7 +184,8 @@ def test_soft_distillation_is_timms_logit_distillation():
     teacher.pretrained_cfg = student.pretrained_cfg
     x, y = torch.randn(7, 6), torch.randint(0, 5, (7,))
     task = LogitDistillationTask(
-        student, DistillationTeacher(teacher), criterion=torch.nn.CrossEntropyLoss(), temperature=2.5, task_loss_weight=0.0,
+        student, DistillationTeacher(teacher), criterion=torch.nn.CrossEntropyLoss(), temperature=2.5,
+        task_loss_weight=0.0,
         distill_loss_weight=1.0, verbose=False,
     )  # fmt: skip
     expected = task(x, y)["kd_loss"]
@@ -396,7 +397,8 @@ def test_a_weights_file_teacher_keeps_its_classifier(digits, converted, tmp_path
     weights = tmp_path / "teacher.pth"
     torch.save(saved, weights)
     cfg = _convert_cfg(
-        digits, tmp, tmp_path / "w", f"convert.teacher={weights}", "convert.teacher_model=vit_tiny_patch16_224",
+        digits, tmp, tmp_path / "w", f"convert.teacher={weights}",
+        "convert.teacher_model=vit_tiny_patch16_224",
         f"convert.teacher_kwargs={TEACHER_KW}",
     )  # fmt: skip
     teacher, record, data, num_classes = _teacher_and_data(cfg)

@@ -217,7 +217,8 @@ def test_a_fine_tune_runs_the_written_epochs_at_the_written_batch(pretrained, ph
     the checkpoint's config and metrics say; the log says both were kept as written (before: 75 epochs of
     batch 6, the command's values replaced)."""
     overrides = [
-        f"data.path={photos}", f"model.pretrained={pretrained}", f"output={tmp_path / 'ft'}", "train.epochs=2",
+        f"data.path={photos}", f"model.pretrained={pretrained}", f"output={tmp_path / 'ft'}",
+        "train.epochs=2",
         "data.batch_size=12", "train.warmup_epochs=0", "train.progress=false", "data.num_workers=0",
     ]  # fmt: skip
     run(load_config(FINETUNE, overrides), "train")
@@ -312,7 +313,8 @@ def test_the_linear_probe_trains_the_classifier_alone(pretrained, photos, tmp_pa
     """train.freeze=backbone: every backbone weight and BatchNorm statistic ends as loaded, and the classifier
     trains (the optimizer holds state for its weight and bias alone)."""
     overrides = [
-        f"data.path={photos}", f"model.pretrained={pretrained}", f"output={tmp_path / 'lp'}", "train.freeze=backbone",
+        f"data.path={photos}", f"model.pretrained={pretrained}", f"output={tmp_path / 'lp'}",
+        "train.freeze=backbone",
         "train.progress=false", "data.num_workers=0",
     ]  # fmt: skip
     run(_recipe("train.min_steps=16", "train.epochs=1", written=tuple(overrides)), "train")

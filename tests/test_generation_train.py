@@ -320,7 +320,8 @@ def test_torchrun_two_processes_train_and_sample(digits, tmp_path):
     out = tmp_path / "ddp"
     args = [
         "--config", "configs/generation/demo_mnist.yaml", "data.dataset=folder", f"data.path={digits}",
-        f"output={out}", "data.batch_size=10", "train.epochs=1", "train.progress=false", "metrics.classifier=",
+        f"output={out}", "data.batch_size=10", "train.epochs=1", "train.progress=false",
+        "metrics.classifier=",
         "model.kwargs={hidden_size: 32, depth: 2, num_heads: 2}", "sample.num_samples=5", "sample.steps=2",
     ]  # fmt: skip
     _, ckpt = train_helpers.torchrun_two_processes(args, out, timeout=900)

@@ -17,8 +17,9 @@ def test_kernel_benchmark_writes_a_row_per_path_mode_and_size(dtype, tmp_path):
     """bf16 is what a GPU runs by default: the official baseline (fp32 inner weights) must run under autocast.
     Two batch x heads sizes (inference- and training-sized on a GPU); the compiled paths through the cheap
     ``eager`` backend of ``torch.compile``; no interpreter, so no fused path on CPU."""
-    args = ["--device", "cpu", "--n", "16", "20", "--d", "16", "--bh", "2", "4", "--heads", "2", "--repeats", "1",
-            "--compile-backend", "eager", "--profile", "--profile-paths", "compiled", "official"]  # fmt: skip
+    args = ["--device", "cpu", "--n", "16", "20", "--d", "16", "--bh", "2", "4", "--heads", "2",
+            "--repeats", "1", "--compile-backend", "eager", "--profile", "--profile-paths", "compiled",
+            "official"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "ttt_kernel.py"), *args, "--dtype", dtype,
          "--out-dir", str(tmp_path)],

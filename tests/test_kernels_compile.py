@@ -95,8 +95,9 @@ def test_sm90_half_kernels_issue_wgmma(default_matrix):
     for case in aot.matrix("default"):
         if case.arch.sm != "sm_90" or case.mode not in ("bf16", "fp16") or case.d not in (32, 64):
             continue
-        rows = [r for r in default_matrix if (r["arch"], r["model"], r["loss"], r["d"], r["mode"]) ==
-                (case.arch.sm, case.model, case.loss, case.d, case.mode) and r["wgmma"] + r["mma"] > 0]  # fmt: skip
+        key = (case.arch.sm, case.model, case.loss, case.d, case.mode)
+        rows = [r for r in default_matrix if (r["arch"], r["model"], r["loss"], r["d"], r["mode"]) == key
+                and r["wgmma"] + r["mma"] > 0]  # fmt: skip
         assert rows, case.label
         for r in rows:
             if case.d == 64:
@@ -122,7 +123,8 @@ launch = next(l for l in aot.plan_case(case) if l.label == "grad_partial_kernel"
 _, signature, constexprs, attrs = aot.specialise(launch, case.arch)
 names = list(signature)
 div16 = sorted(names[k[0]] for k, v in attrs.items() if ["tt.divisibility", 16] in v)
-print(json.dumps({"signature": signature, "div16": div16, "constexprs": {names[k[0]]: str(v) for k, v in constexprs.items()}}))
+constexprs = {names[k[0]]: str(v) for k, v in constexprs.items()}
+print(json.dumps({"signature": signature, "div16": div16, "constexprs": constexprs}))
 """
 
 
@@ -171,7 +173,8 @@ for model, loss in aot.MODELS:
         case = aot.Case(model, loss, d, "fp64", ARCHS["sm_90"])
         for launch in aot.plan_case(case):
             _, signature, _, _ = aot.specialise(launch, case.arch)
-            rows.append([case.label, launch.label, {k: v for k, v in signature.items() if v[:2] in ("fp", "bf")}])
+            floats = {k: v for k, v in signature.items() if v[:2] in ("fp", "bf")}
+            rows.append([case.label, launch.label, floats])
 print(json.dumps(rows))
 """
 
@@ -181,8 +184,8 @@ def test_float64_kernels_take_float64_scalars():
     a Python float fp32, which a GPU's float64 kernel then widens (``cvt.f64.f32``), 4e-9 off; the interpreter
     keeps Python floats, so only the binder's specialisation can show it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", FLOAT_ARGS], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", FLOAT_ARGS], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
     if proc.returncode and "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
         pytest.skip("this Triton cannot compile ahead of time")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""The timm model contract, per vit3 model (tiny variants): what timm's own tests/test_models.py checks, and more."""
+"""The timm model contract, per vit3 model (tiny variants): what timm's own tests/test_models.py checks, and
+more."""
 
 from __future__ import annotations
 
@@ -146,7 +147,8 @@ def test_reset_classifier_and_get_classifier(name):
 
 @pytest.mark.parametrize("size", [(64, 64), (50, 70), (33, 97)], ids=["square", "non-square", "odd"])
 def test_any_input_size(name, size):
-    """Sizes that do not divide the reductions give ceil-sized maps (padded plain, padded convs hierarchical)."""
+    """Sizes that do not divide the reductions give ceil-sized maps (padded plain, padded convs
+    hierarchical)."""
     model = timm.create_model(name).eval()
     x = _input(model, size=size)
     feats = model.forward_features(x)

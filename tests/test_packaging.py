@@ -87,7 +87,10 @@ def test_wheel_ships_the_cpu_extensions_sources(installed, tmp_path):
     """The installed ``vit3.kernels.cpp`` finds every file the C++ extension builds from (each op's source and
     the shared header), in the installed package."""
     site, env = installed
-    code = "import json; from vit3.kernels import cpp; print(json.dumps([str(f) for f in cpp.FILES if f.is_file()]))"
+    code = (
+        "import json; from vit3.kernels import cpp; "
+        "print(json.dumps([str(f) for f in cpp.FILES if f.is_file()]))"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )

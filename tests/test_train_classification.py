@@ -133,7 +133,8 @@ def test_finetune_from_an_official_format_file(digits, tmp_path):
         weights[k] = v
     torch.save({"model": weights, "epoch": 299}, tmp_path / "official.pth")
     cfg = tiny_cfg(
-        digits, tmp_path / "ft", "model.name=test_vit3_ttt", f"model.kwargs={kwargs}", "train.epochs=8", "train.base_lr=4e-3",
+        digits, tmp_path / "ft", "model.name=test_vit3_ttt", f"model.kwargs={kwargs}", "train.epochs=8",
+        "train.base_lr=4e-3",
         f"model.pretrained={tmp_path / 'official.pth'}",
     )  # fmt: skip
     model, _ = build_model(cfg, 4, cfg.model.pretrained)
@@ -202,7 +203,8 @@ def test_torchrun_two_processes_agree(digits, tmp_path):
     out = tmp_path / "ddp"
     args = [
         "data.dataset=folder", f"data.path={digits}", f"output={out}", "data.batch_size=10", "train.epochs=3",
-        "train.progress=false", *TINY_MODEL, "train.base_lr=2e-3", "train.lr_batch=20", "train.warmup_epochs=0",
+        "train.progress=false", *TINY_MODEL, "train.base_lr=2e-3", "train.lr_batch=20",
+        "train.warmup_epochs=0",
         "train.ema=true", "aug.mixup=0.8",
     ]  # fmt: skip
     _, ckpt = torchrun_two_processes(args, out, timeout=600)
@@ -235,7 +237,8 @@ def test_real_process_kill_then_bare_resume(digits, tmp_path):
     assert train(tmp_path / "a").returncode == 0
     # 12 steps per epoch, a checkpoint every 4: killed once one inside epoch 2 (step 16 or 20) is on disk
     left = kill_when_checkpoint(
-        cmd(tmp_path / "b"), tmp_path / "b" / "last.pt", lambda c: c["epoch"] == 1 and c["batch_in_epoch"] > 0,
+        cmd(tmp_path / "b"), tmp_path / "b" / "last.pt",
+        lambda c: c["epoch"] == 1 and c["batch_in_epoch"] > 0,
         cwd=REPO, env=env,
     )  # fmt: skip
     assert left["epoch"] == 1 and 0 < left["batch_in_epoch"] < 12, (left["epoch"], left["batch_in_epoch"])
