@@ -170,7 +170,8 @@ def main() -> None:
                 grads = {k: rel_rms(got[k], ref[k]) for k in ref if k != "out"}
                 worst = max(grads, key=grads.get)
                 rows.append({"model": name, "batch": args.batch, "tokens": ref["out"].shape[1],
-                             "head_dim": head_dim, "precision": prec, "backend": backend, "out_rel_rms": out_err,
+                             "head_dim": head_dim, "precision": prec, "backend": backend,
+                             "out_rel_rms": out_err,
                              "worst_grad": worst, "worst_grad_rel_rms": grads[worst],
                              "verdict": "ok" if max(out_err, grads[worst]) <= TOLERANCE[prec] else "FAIL",
                              "fallback": " | ".join(notes)[:160]})  # fmt: skip

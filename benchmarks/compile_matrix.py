@@ -41,7 +41,8 @@ def rows_of(results: list) -> list[dict]:
     for case, res in results:
         fits, why = aot.fits(case)
         head = {"arch": case.arch.sm, "model": case.model, "loss": case.loss, "d": case.d, "mode": case.mode,
-                "fits": fits, "limit_kb": case.arch.smem / 1024, "bound_kb": aot.smem_bound(case) / 1024}  # fmt: skip
+                "fits": fits, "limit_kb": case.arch.smem / 1024,
+                "bound_kb": aot.smem_bound(case) / 1024}  # fmt: skip
         if isinstance(res, str):
             blank = dict.fromkeys(
                 ("smem_kb", "regs", "spill_stores", "spill_bound", "spill_loads", "loop_spills", "stack"), 0
@@ -60,11 +61,14 @@ def rows_of(results: list) -> list[dict]:
             else:  # fits_device says no: the compile must show why (some kernel over the limit)
                 ok, note = worst > case.arch.smem, f"fits_device: {why}"
             rows.append(head | {"kernel": c.kernel, "smem_kb": c.smem / 1024, "regs": c.regs,
-                                "spill_stores": c.spill_stores, "spill_bound": bound, "spill_loads": c.spill_loads,
-                                "loop_spills": c.loop_spills, "stack": c.stack, "wgmma": c.wgmma, "tcgen05": c.tcgen05,
+                                "spill_stores": c.spill_stores, "spill_bound": bound,
+                                "spill_loads": c.spill_loads,
+                                "loop_spills": c.loop_spills, "stack": c.stack, "wgmma": c.wgmma,
+                                "tcgen05": c.tcgen05,
                                 "mma": c.mma,
                                 "block_n": c.block_n, "block_c": c.block_c,
-                                "num_warps": c.num_warps, "num_stages": c.num_stages, "note": note, "ok": ok})  # fmt: skip
+                                "num_warps": c.num_warps, "num_stages": c.num_stages,
+                                "note": note, "ok": ok})  # fmt: skip
     return rows
 
 
@@ -90,7 +94,8 @@ def summary(rows: list[dict]) -> list[dict]:
             "spill_kernel": name(max(done, key=lambda r: r["spill_stores"]))
             if done and max(r["spill_stores"] for r in done)
             else "-",
-            "wgmma": f"{sum(r['wgmma'] > 0 for r in done)}/{sum(r['wgmma'] + r['tcgen05'] + r['mma'] > 0 for r in done)}",
+            "wgmma": f"{sum(r['wgmma'] > 0 for r in done)}/"
+            f"{sum(r['wgmma'] + r['tcgen05'] + r['mma'] > 0 for r in done)}",
             "no_fit": len({(r["model"], r["loss"]) for r in rs if not r["fits"]}),
             "failed": sum(not r["ok"] for r in rs),
         })  # fmt: skip
@@ -121,7 +126,8 @@ def markdown(rows: list[dict]) -> str:
             ok = [r for r in rs if str(r["fits"]) == "True"]
             step = [int(r["spill_stores"]) for r in ok if r["kernel"].split("[")[0] in _STEP_KERNELS]
             token = [int(r["spill_stores"]) for r in ok if r["kernel"].split("[")[0] not in _STEP_KERNELS]
-            cell = f"{max(float(r['smem_kb']) for r in ok):.0f} · {max(int(r['regs']) for r in ok)} · {max(token)}"
+            smem, regs = max(float(r["smem_kb"]) for r in ok), max(int(r["regs"]) for r in ok)
+            cell = f"{smem:.0f} · {regs} · {max(token)}"
             cell += f" ({max(step)})" if max(step) else ""
             out.append(cell + (" ‡" if len(ok) < len(rs) else ""))
         limit = float(next(iter(by_d.values()))[0]["limit_kb"])

@@ -408,13 +408,17 @@ def main(argv: list[str] | None = None) -> int:
         gpu = GPUS[gname]
         for label, model, b, g, side, d in (s for s in SHAPES if s[0] in args.shapes):
             launches = price(op, model, b, g, side * side, d, gpu, (side, side))
-            head = {"design": args.design, "gpu": gname, "shape": label, "B": b, "G": g, "N": side * side, "d": d}  # fmt: skip
+            head = {"design": args.design, "gpu": gname, "shape": label,
+                    "B": b, "G": g, "N": side * side, "d": d}  # fmt: skip
             rows += [head | r for r in launches]
             total = sum(r["us"] for r in launches)
             token_mb = 7 * 2 * b * g * side * side * d / 1e6 + 4 * 2 * b * g * side * side * d / 1e6
-            rows.append(head | {"phase": "fwd+bwd", "kernel": f"(total, {len(launches)} launches)", "programs": 0,
-                                "MB": sum(r["MB"] for r in launches), "GFLOP": sum(r["GFLOP"] for r in launches),
-                                "dot": "", "wgmma": "", "mem_us": token_mb * 1e12 / gpu.hbm, "compute_us": 0.0,
+            rows.append(head | {"phase": "fwd+bwd", "kernel": f"(total, {len(launches)} launches)",
+                                "programs": 0,
+                                "MB": sum(r["MB"] for r in launches),
+                                "GFLOP": sum(r["GFLOP"] for r in launches),
+                                "dot": "", "wgmma": "", "mem_us": token_mb * 1e12 / gpu.hbm,
+                                "compute_us": 0.0,
                                 "latency_us": 0.0, "us": total})  # fmt: skip
         for name, b in zip(MODELS, args.batch):
             steps.append({"design": args.design, "gpu": gname} | training_step(op, name, b, gpu))
