@@ -1,12 +1,13 @@
 """The offline compile matrix of the fused TTT kernels: shared memory, registers and spills on every GPU arch.
 
-Compiles every kernel launch of ``triton_ttt`` (forward + backward) for each case of ``vit3.kernels.aot.matrix``
-(arch x inner model x head dim x dtype mode; ``--cases default`` is the CI subset) with the launcher's own
-set-up and Triton's run-time specialisation, no GPU needed (``vit3.kernels.aot``). Prints, per arch, dtype
-mode and head dim, the worst kernel over the inner models (largest shared memory; most registers; most
-spill bytes), flags any kernel over the arch's shared-memory limit, the declared bound ``fits_device``
-uses (``triton.tiles.smem_need``) or the spill bound (``aot.spill_bound``), lists the cases ``fits_device``
-turns down (their compile must exceed the limit), and writes one row per compiled kernel to ``--out``.
+Compiles every kernel launch of ``triton_ttt`` (forward + backward) for each case of
+``vit3.kernels.aot.matrix`` (arch x inner model x head dim x dtype mode; ``--cases default`` is the CI subset)
+with the launcher's own set-up and Triton's run-time specialisation, no GPU needed (``vit3.kernels.aot``).
+Prints, per arch, dtype mode and head dim, the worst kernel over the inner models (largest shared memory; most
+registers; most spill bytes), flags any kernel over the arch's shared-memory limit, the declared bound
+``fits_device`` uses (``triton.tiles.smem_need``) or the spill bound (``aot.spill_bound``), lists the cases
+``fits_device`` turns down (their compile must exceed the limit), and writes one row per compiled kernel to
+``--out``.
 
     python benchmarks/compile_matrix.py --jobs 2               # the full matrix, ~25 min (cold Triton cache)
     python benchmarks/compile_matrix.py --cases default --jobs 2

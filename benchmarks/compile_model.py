@@ -1,4 +1,5 @@
-"""``torch.compile`` of a vit3 model: graph breaks counted (``torch._dynamo.explain``), compile time, speed-up.
+"""``torch.compile`` of a vit3 model: graph breaks counted (``torch._dynamo.explain``), compile time,
+speed-up.
 
 Per model: the number of graphs and graph breaks Dynamo finds in the forward (and each break's reason),
 then ``torch.compile`` (``--backend``, Inductor by default) of the forward under ``--mode`` (``infer``:
@@ -79,7 +80,8 @@ def main() -> None:
         rows.add({"model": name, "img": args.img_size, "batch": args.batch, "mode": args.mode,
                   "amp": "bf16" if amp else "none", "backend": args.backend, "graphs": graphs,
                   "graph_breaks": breaks, "first_call_s": first, "compiled_ms": 1e3 * times["compiled"],
-                  "eager_ms": 1e3 * times["eager"], "speedup": times["eager"] / times["compiled"]})  # fmt: skip
+                  "eager_ms": 1e3 * times["eager"],
+                  "speedup": times["eager"] / times["compiled"]})  # fmt: skip
     print_table(rows.rows)
     print(f"wrote {rows.path}")
 

@@ -1,4 +1,5 @@
-"""Conversion by distillation on the embedded digits, and the converted model's inference cost at high resolution.
+"""Conversion by distillation on the embedded digits, and the converted model's inference cost at high
+resolution.
 
 Accuracy, per seed, every run through ``train.py`` (the commands are printed; a killed benchmark continues
 where it stopped, each run resuming from its ``last.pt``):
@@ -11,9 +12,9 @@ where it stopped, each run resuming from its ``last.pt``):
   classification engine with the same recipe and number of steps (``--scratch-epochs`` adds runs at other
   budgets, e.g. the teacher's).
 
-Each accuracy row: ``method``, ``seed``, ``steps`` (optimizer steps of that run), ``epochs``, ``val_top1`` (the
-last epoch's; no selection on the val set), ``best_top1``, ``of_teacher`` (``val_top1`` over the same seed's
-teacher's), ``budget`` (steps over the teacher's) and the wall time. Latency (``measure=latency``): the
+Each accuracy row: ``method``, ``seed``, ``steps`` (optimizer steps of that run), ``epochs``, ``val_top1``
+(the last epoch's; no selection on the val set), ``best_top1``, ``of_teacher`` (``val_top1`` over the same
+seed's teacher's), ``budget`` (steps over the teacher's) and the wall time. Latency (``measure=latency``): the
 teacher's architecture at ImageNet scale (``--latency-model``, DeiT-Tiny by default, 3 channels, patch 16) and
 its conversion, one image, inference (``no_grad``), per resolution ``--sizes`` (224 to 1024 px: 196 to 4096
 patch tokens), timed in turn (A B A B ...); ``ms_per_ktoken`` shows linear cost as a flat line, and
@@ -22,7 +23,7 @@ random there: the cost of a forward does not depend on them.
 
     python benchmarks/convert.py --threads 1                # 3 seeds; writes results/convert_cpu.csv and .png
     python benchmarks/convert.py --threads 1 --seeds 0 1 --keep-latency   # seed 1 added, latency kept
-    python benchmarks/convert.py --quick --work /tmp/cv     # a tiny smoke run (1 seed, a few steps, small sizes)
+    python benchmarks/convert.py --quick --work /tmp/cv     # a tiny smoke run (1 seed, few steps, small)
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def accuracy_rows(args: argparse.Namespace) -> tuple[list[dict], dict[str, dict[
             s_out = work / f"scratch_e{epochs}_s{seed}"
             scratch = train(
                 f"scratch {epochs} epochs seed {seed}", TEACHER_CONFIG, s_out,
-                [*base, f"train.epochs={epochs}", "model.name=ttt_swap", f"model.kwargs={json.dumps(student)}"],
+                [*base, f"train.epochs={epochs}", "model.name=ttt_swap",
+                 f"model.kwargs={json.dumps(student)}"],
                 log,
             )  # fmt: skip
             if epochs == args.budget_epochs:

@@ -1,4 +1,5 @@
-"""Time of the ONNX export (``vit3.export.export_onnx``) of every registered vit3 model, dynamic batch and size.
+"""Time of the ONNX export (``vit3.export.export_onnx``) of every registered vit3 model, dynamic batch and
+size.
 
 For each model: the wall-clock and process CPU seconds of the export (torch.export, decompositions, the
 translation to ONNX and the graph folding, or with ``--optimize`` onnxscript's whole optimiser), the node

@@ -1,4 +1,5 @@
-"""DiT³ against DiT (timm Attention, SDPA) of the same size: training-step speed, and the generation demo's scores.
+"""DiT³ against DiT (timm Attention, SDPA) of the same size: training-step speed, and the generation demo's
+scores.
 
 Speed (default): both models are ``vit3.create_dit3`` builds that differ only in the mixer (``mixer="ttt"`` /
 ``"attention"``), with every weight random (the official init zeroes the adaLN and output layers, which would
@@ -12,7 +13,7 @@ count beside the real floor at that count (``vit3.engine.generation_metrics.clas
 per run, then per mixer the mean and standard deviation over the seeds; the real floor and ceiling rows are
 the mean over the runs of each run's floor draws. ``key=value`` arguments override the demo config.
 
-    python benchmarks/generation.py                                 # DiT³-S/2 vs DiT-S/2, latents 32², 64², 128²
+    python benchmarks/generation.py                                 # DiT³-S/2 vs DiT-S/2, latents 32-128
     python benchmarks/generation.py --model dit3_b_2 --sizes 32 64 --batch 8 --dtype bf16   # GPU
     python benchmarks/generation.py --quality --seeds 0 1 2         # the demo, DiT³ vs DiT over 3 seeds (CPU)
 """

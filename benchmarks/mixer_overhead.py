@@ -7,18 +7,18 @@ that record, op after op on the same tensors, with no Python between them. Each 
 of its own, the two calls swapping places every round (``_pairs``: the call that runs first after other work
 pays for the caches it refills, tens of µs at a few hundred µs a call); the difference, paired per round and
 the median taken over ``--repeats`` rounds, is the Python a mixer call spends around its ops: the plan, the
-guard, the eager node's views and checks, the autograd node. ``same_call_us`` is that estimate for the op against
-itself, the reading where there is nothing to find: a few rounds read tens of µs on a noisy VM, hence the
-thousands by default.
+guard, the eager node's views and checks, the autograd node. ``same_call_us`` is that estimate for the op
+against itself, the reading where there is nothing to find: a few rounds read tens of µs on a noisy VM, hence
+the thousands by default.
 
 A settled call on the C++ kernel is one op, ``vit3_cpu::mix`` (its C++ autograd node dispatches
-``mix_forward`` / ``mix_backward``); ``--python-node`` times the Python eager node (``vit3.layers.ttt.CPP_NODE``
-off) beside it. ``mixer_python_us`` (C++ op) is ``mix`` against the op called directly with the same arguments:
-the mixer's own Python, the rest of the overhead being the op's dispatch and autograd. ``one_op_autograd_us``
-(training rows) is the same difference for one op, ``qkv * 1`` forward + backward: what the autograd engine
-costs any training call over its bare ops (the replay has no engine), the floor of the training figure.
-``torch.empty`` is timed for scale (what one PyTorch call costs on this machine). Writes
-``results/mixer_overhead_cpu.csv``.
+``mix_forward`` / ``mix_backward``); ``--python-node`` times the Python eager node
+(``vit3.layers.ttt.CPP_NODE`` off) beside it. ``mixer_python_us`` (C++ op) is ``mix`` against the op called
+directly with the same arguments: the mixer's own Python, the rest of the overhead being the op's dispatch and
+autograd. ``one_op_autograd_us`` (training rows) is the same difference for one op, ``qkv * 1`` forward +
+backward: what the autograd engine costs any training call over its bare ops (the replay has no engine), the
+floor of the training figure. ``torch.empty`` is timed for scale (what one PyTorch call costs on this
+machine). Writes ``results/mixer_overhead_cpu.csv``.
 
     python benchmarks/mixer_overhead.py --threads 1                 # ViT³-T's mixer at 224 px: 192, 3, 196
     python benchmarks/mixer_overhead.py --threads 1 --python-node   # the C++ op and the Python node

@@ -1,4 +1,5 @@
-"""Where a mixer's forward + backward time goes: the TTT mixer against an SDPA attention layer of the same width.
+"""Where a mixer's forward + backward time goes: the TTT mixer against an SDPA attention layer of the same
+width.
 
 Profiles both layers (torch profiler, self CPU time of every op, ``--calls`` calls each, the two layers taken
 in turn ``--rounds`` times so drift hits both alike) and attributes each op by what it runs inside: the inner

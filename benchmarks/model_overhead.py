@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.manual_seed(0)
     names = args.pair.split(":")
     calls = {name: _calls(name, args.res, args.batch, device) for name in names}
-    fns = {f"{name} {kind}": c[kind] for name, c in calls.items() for kind in ("infer", "bare infer", "train", "bare train")}  # fmt: skip
+    kinds = ("infer", "bare infer", "train", "bare train")
+    fns = {f"{name} {kind}": c[kind] for name, c in calls.items() for kind in kinds}
     samples = time_samples(fns, device, repeats=args.repeats, warmup=2, alternate=True)
     base = names[-1]
 

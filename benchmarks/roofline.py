@@ -6,7 +6,8 @@ launch's kernel, grid, tile constexprs and tensors. Per launch this script count
 
 - HBM bytes: every token tensor the kernel reads or writes (read once per column block where the column
   blocks of one chunk are not scheduled side by side: the old 3-D grids put them on the slowest grid axis),
-  and the per-(sample, head) state it touches (partials, ``G``, ``W'``, norms, ``dG``), sized from the buffers;
+  and the per-(sample, head) state it touches (partials, ``G``, ``W'``, norms, ``dG``), sized from the
+  buffers;
 - tensor-core FLOPs: the dots of each token tile (``2 M K N`` at the padded tile sizes, every tile of every
   program, recomputations included), priced at the peak of their operand dtype (bf16 / fp16, TF32, IEEE fp32
   on CUDA cores); on sm_90 a dot whose rows are not a multiple of 64 (or under 4 warps) cannot be a
@@ -17,20 +18,21 @@ launch's kernel, grid, tile constexprs and tensors. Per launch this script count
   by the pipelining depth (``num_stages``).
 
 Predicted time of a launch: ``LAUNCH + max(bytes / BW / util, (tensor / peak + ew / fp32) / util, latency)``
-with ``util = min(1, programs / SMs)`` (a launch with fewer programs than SMs uses only that many). The training
-step adds, per block, the rest of the block from a simple model (``block_rest``): its GEMMs (qkv, output
-projection, MLP / ConvFFN; forward + two backward GEMMs) at ``GEMM_EFF`` of the bf16 peak or the HBM
+with ``util = min(1, programs / SMs)`` (a launch with fewer programs than SMs uses only that many). The
+training step adds, per block, the rest of the block from a simple model (``block_rest``): its GEMMs (qkv,
+output projection, MLP / ConvFFN; forward + two backward GEMMs) at ``GEMM_EFF`` of the bf16 peak or the HBM
 bandwidth, and its element-wise passes (LayerNorms, GELU, residual adds, the conditional position encoding,
 RoPE, the ConvFFN's depthwise conv, the mixer's concatenation) as bf16 traffic at the HBM bandwidth; the stem,
-the downsampling layers, the head and the optimizer are left out (their FLOPs are printed against the
-paper's total). Everything here is a model: no GPU was used, and the constants below are assumptions where
-they do not name a source.
+the downsampling layers, the head and the optimizer are left out (their FLOPs are printed against the paper's
+total). Everything here is a model: no GPU was used, and the constants below are assumptions where they do not
+name a source.
 
     python benchmarks/roofline.py                                   # the design of this tree
-    python benchmarks/roofline.py --kernels /tmp/main/kernels --design main-8fde993 --out results/roofline_8fde993.csv
+    python benchmarks/roofline.py --kernels /tmp/main/kernels --design main-8fde993 \
+        --out results/roofline_8fde993.csv
 
-``--kernels`` loads the launch plans from another checkout's ``kernels/`` folder (a package of its own), so one
-script prices the design before a change and after it.
+``--kernels`` loads the launch plans from another checkout's ``kernels/`` folder (a package of its own), so
+one script prices the design before a change and after it.
 """
 
 from __future__ import annotations

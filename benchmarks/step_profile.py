@@ -9,7 +9,8 @@ Inductor's kernels, copies and casts, cuDNN, other), plus the peak memory. Rows 
 On CPU (the dry run) the variant ``graphs`` compiles with Inductor's default mode and the categories are
 read from the CPU ops' names.
 
-    python benchmarks/step_profile.py --device cuda --models vit3_tiny:deit_tiny_patch16_224 --res 224 --batch 128
+    python benchmarks/step_profile.py --device cuda --models vit3_tiny:deit_tiny_patch16_224 \
+        --res 224 --batch 128
     python benchmarks/step_profile.py --device cpu --res 32 --batch 2 --variants eager     # dry run
 """
 

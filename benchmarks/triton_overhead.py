@@ -1,14 +1,14 @@
 """The Python (CPU) time of the Triton path per call, with the kernel launches stubbed out.
 
 What a GPU host's CPU spends around the kernels: argument checks, the cached launch plan (key, buffers,
-binding), the autograd node. Runs without ``TRITON_INTERPRET`` (so the kernels are ``triton.JITFunction`` s and
-the custom ops ``torch.library.triton_op``'s, as on a GPU host) on CPU tensors, with Triton's launcher
+binding), the autograd node. Runs without ``TRITON_INTERPRET`` (so the kernels are ``triton.JITFunction`` s
+and the custom ops ``torch.library.triton_op``'s, as on a GPU host) on CPU tensors, with Triton's launcher
 (``JITFunction.run``, what ``kernel[grid](...)`` calls) a no-op that records the kernel, and
 ``triton_runs_on`` / ``fits_device`` told the CPU is a GPU (the plans are sized for an H100,
 ``triton.tiles.INTERPRET_TILES``). Everything above Triton runs as on a GPU host: the plans bind their
 arguments and call ``kernel[grid](...)`` (through ``wrap_triton``'s higher-order op where the tree launches
-that way in eager mode). Reported per call, median of interleaved repeats (``benchmarks.common.time_samples``),
-in microseconds:
+that way in eager mode). Reported per call, median of interleaved repeats
+(``benchmarks.common.time_samples``), in microseconds:
 
 - ``triton_ttt`` of each branch of the official mixer (SwiGLU heads and the depthwise conv): inference (no
   autograd node), the forward with a graph, the backward inside the op's autograd node (``bwd node``), and
@@ -18,10 +18,10 @@ in microseconds:
   (``vit3.layers.eager_mix`` with ``MixBranch.path="triton"``) as one launch program
   (``vit3.kernels.triton.program``) and, side by side, branch by branch through the ``Node`` hooks
   (``vit3.kernels.triton.node``), and H-ViT³'s mixer (RoPE on the SwiGLU branch: q and k rotated around the
-  program, or the branch hooks): inference, forward + backward end to end (with the autograd engine), its forward
-  and backward inside the node (the program's, also back to back), and the forward + backward over the floor
-  of any Python autograd node with the node's inputs and output (``common.FloorNode``: saves them, returns
-  fresh gradients, nothing else; what the autograd engine and ``Function.apply`` cost alone,
+  program, or the branch hooks): inference, forward + backward end to end (with the autograd engine), its
+  forward and backward inside the node (the program's, also back to back), and the forward + backward over the
+  floor of any Python autograd node with the node's inputs and output (``common.FloorNode``: saves them,
+  returns fresh gradients, nothing else; what the autograd engine and ``Function.apply`` cost alone,
   ``autograd_floor.py`` compares it with a C++ node); and, for comparison, the two branches as separate
   ``triton_ttt`` calls. On a tree without the Triton node (``--help``: run it on main's tree to compare) the
   node's rows are left out;

@@ -7,9 +7,9 @@ Per configuration (N tokens, head dim d, B*H sample-heads, the input dtype) and 
 - ``compiled``: ``torch.compile`` of the plain PyTorch formulation (``torch_loop`` below), the path a user
   without the kernel would take on a GPU;
 - ``compiled_official``: ``torch.compile`` of the official eager formulation (``official`` below);
-- ``torch_fast`` (CPU only): the mixer's hand-fused path ``vit3.kernels.swiglu.eager.swiglu_ttt``, its passes in
-  the C++ kernel (``vit3.kernels.cpp``); its walk in cache-sized tiles is thousands of small launches on a GPU
-  (22-1400 ms a call on an H200, 2026-12-04), where the mixer's auto order never takes it;
+- ``torch_fast`` (CPU only): the mixer's hand-fused path ``vit3.kernels.swiglu.eager.swiglu_ttt``, its passes
+  in the C++ kernel (``vit3.kernels.cpp``); its walk in cache-sized tiles is thousands of small launches on a
+  GPU (22-1400 ms a call on an H200, 2026-12-04), where the mixer's auto order never takes it;
 - ``torch_loop``: the generic PyTorch path ``vit3.layers.inner_loop`` + ``SwiGLUInner.apply_to`` (closed-form
   inner gradient, fp32 compute);
 - ``official``: the official eager formulation (~37 eager ops forward), re-written here as the baseline; for
@@ -29,14 +29,15 @@ once after the timing (``peak_mib``: CUDA ``max_memory_allocated``; CPU the prof
 ``benchmarks.common.peak_tensor_memory``). ``--bh`` takes several sizes (an inference-size and a
 training-size batch x heads). A path whose first call fails (a compile error, out of memory) is reported and
 left out of that configuration. ``rel_err`` is each path's error against ``torch_loop`` (fp32 compute) on the
-same input: the output, or the gradients (``max |got - want| / max |want|``). Rows are written to the CSV as each configuration finishes; ``--profile``
-adds a per-kernel profile of the forward + backward of ``--profile-paths`` (``torch.profiler``: every GPU
-kernel's time per call, or every op's self CPU time on a CPU) to ``ttt_kernel_profile_<tag>.csv``.
+same input: the output, or the gradients (``max |got - want| / max |want|``). Rows are written to the CSV as
+each configuration finishes; ``--profile`` adds a per-kernel profile of the forward + backward of
+``--profile-paths`` (``torch.profiler``: every GPU kernel's time per call, or every op's self CPU time on a
+CPU) to ``ttt_kernel_profile_<tag>.csv``.
 
 Examples::
 
     python benchmarks/ttt_kernel.py --quick            # small CPU run (reference paths only)
-    python benchmarks/ttt_kernel.py                    # GPU: all paths, N in {196, 784, 3136, 12544}, d in {32, 64}
+    python benchmarks/ttt_kernel.py                    # GPU: all paths, N in {196 .. 12544}, d in {32, 64}
     python benchmarks/ttt_kernel.py --n 3136 196 --d 64 32 --bh 64 1024 --profile --tag cuda   # the GPU check
 """
 
