@@ -358,7 +358,12 @@ MORE_CLI_MISTAKES = {
     "data-not-found": (
         "train",
         ["data.path=<tmp>/nope"],
-        "config key data.path (eval.py --data) must be an existing folder, got '<tmp>/nope': not found",
+        "error: config key data.path must be an existing folder, got '<tmp>/nope': not found",
+    ),
+    "data-path-for-the-embedded-digits": (
+        "train",
+        ["--config", str(CONFIG_DIR / "demo_mnist.yaml"), "output=<tmp>/out", "data.path=<tmp>/empty"],
+        "error: config key data.path must be empty for data.dataset=mnist5k (the embedded digits",
     ),
     "data-a-file": ("train", ["data.path=<tmp>/notes.txt"], "got '<tmp>/notes.txt': it is a file"),
     "data-without-splits": (

@@ -43,9 +43,12 @@ FLAGS = {
 }
 
 
-def key_name(key: str) -> str:
-    """``"config key eval.batch_size (eval.py --batch-size)"``: how messages name a key."""
-    return f"config key {key}" + (f" ({FLAGS[key]})" if key in FLAGS else "")
+def key_name(key: str, mode: str | None = None) -> str:
+    """``"config key eval.batch_size (eval.py --batch-size)"``: how messages name a key, with the flag that
+    sets it; in a run of ``mode`` (:data:`TRAIN`, :data:`EVAL`) only a flag of that mode's script."""
+    flag = FLAGS.get(key, "")
+    script = {TRAIN: "train.py ", EVAL: "eval.py "}.get(mode or "", "")
+    return f"config key {key}" + (f" ({flag})" if flag and flag.startswith(script) else "")
 
 
 def is_number(v: Any) -> bool:

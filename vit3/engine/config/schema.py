@@ -143,6 +143,13 @@ CONSTRAINTS: dict[str, Constraint | tuple[Constraint, ...]] = {
     "data.path": (
         Check(what=existing_what("folder"), test=existing("folder"), when=ON_RUN, only_if=data_folder),
         Check(
+            what="empty for data.dataset=mnist5k (the embedded digits, which read no folder; "
+            "data.dataset=folder reads one)",
+            test=lambda value, cfg: "mnist5k would not read it" if str(value) else None,
+            when=ON_RUN,
+            only_if=lambda cfg, mode: config_value(cfg, "data.dataset") == "mnist5k",
+        ),
+        Check(
             what="a folder this run can write the synthetic data to",
             test=lambda value, cfg: None if Path(str(value)).exists() else writable_folder(value, cfg),
             when=ON_TRAIN,
@@ -409,7 +416,7 @@ def check_values(cfg: Any, mode: str | None = None) -> None:
             found = constraint.problem(value, cfg)
             if found is not None:
                 bad.add(key)
-                errors.append(message(key_name(key), value, constraint, *found))
+                errors.append(message(key_name(key, mode), value, constraint, *found))
                 break
     if errors:
         raise ConfigError(errors[0] if len(errors) == 1 else "bad config values:\n  " + "\n  ".join(errors))
