@@ -1,4 +1,5 @@
-"""``python export.py``: the repository's entry point of :mod:`vit3.scripts.export` (installed: ``vit3-export``)."""
+"""``python export.py``: the repository's entry point of :mod:`vit3.scripts.export` (installed:
+``vit3-export``)."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""``python train.py``: the repository's entry point of :mod:`vit3.scripts.train` (installed: ``vit3-train``)."""
+"""``python train.py``: the repository's entry point of :mod:`vit3.scripts.train` (installed:
+``vit3-train``)."""
 
 import sys
 

@@ -175,8 +175,8 @@ def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = Tr
     if not torch.jit.is_scripting():  # scripted: no dtype or finiteness check, as traced
         if not x.is_floating_point():
             raise TypeError(
-                f"expected images of a floating-point dtype (float32, float64, bfloat16, float16), got {x.dtype}: "
-                "convert them first, e.g. x.float() / 255, then normalise"
+                "expected images of a floating-point dtype (float32, float64, bfloat16, float16), got "
+                f"{x.dtype}: convert them first, e.g. x.float() / 255, then normalise"
             )
         if check_finite and not tracing():
             _check_finite_image(x)
