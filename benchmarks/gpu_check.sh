@@ -64,7 +64,7 @@ if [ "$DEVICE" = cuda ]; then
   STEPS=("vit3_tiny:deit_tiny_patch16_224 224 128" "vit3_tiny:deit_tiny_patch16_224 1248 32"
     "h_vit3_tiny:deit_tiny_patch16_224 224 128")
   STEP_ARGS=(--repeats 5)
-  TESTS=(tests/test_kernels_ttt.py tests/test_op_dwconv.py tests/test_triton_program.py tests/test_kernels_launch.py)
+  TESTS=(tests/kernels/test_kernels_ttt.py tests/kernels/test_op_dwconv.py tests/kernels/test_triton_program.py tests/kernels/test_kernels_launch.py)
   TESTS_ARGS=(-k "fp64 or float64")
 else
   export TRITON_INTERPRET=1
@@ -73,7 +73,7 @@ else
   KERNEL_ARGS=(--heads 2 --repeats 1 --compile-backend aot_eager)
   STEPS=("test_vit3_ttt:deit_tiny_patch16_224 32 2" "test_h_vit3:deit_tiny_patch16_224 32 2")
   STEP_ARGS=(--repeats 1 --variants eager)
-  TESTS=(tests/test_kernels_ttt.py)
+  TESTS=(tests/kernels/test_kernels_ttt.py)
   TESTS_ARGS=(-k "fp64 and N1")
 fi
 export KERNEL_LIST="${KERNEL_SHAPES[*]/%/;}" STEP_LIST="${STEPS[*]/%/;}" STEP_ARGS_LIST="${STEP_ARGS[*]}"

@@ -5,9 +5,9 @@ nine shifted slices of the depthwise-conv gradient), so benchmarks can compare o
 users of the official code run. Only the inner loop is here (q, k, v in, read-out out), not the
 qkv/output projections. It is a transcription of the official op sequence, not the definition: the op
 references (``vit3.kernels.swiglu.reference``, ``vit3.kernels.dwconv.reference``) are, and
-``tests/test_op_swiglu.py`` / ``tests/test_op_dwconv.py`` check this baseline against them in float64. The
-gradient normalisation is the shared one (``vit3.kernels.common.normalize_grad``, the same ops as the
-official ``G / (G.norm() + 1)``).
+``tests/kernels/test_op_swiglu.py`` / ``tests/kernels/test_op_dwconv.py`` check this baseline against them in
+float64. The gradient normalisation is the shared one (``vit3.kernels.common.normalize_grad``, the same ops
+as the official ``G / (G.norm() + 1)``).
 """
 
 from __future__ import annotations

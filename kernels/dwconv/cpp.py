@@ -8,7 +8,7 @@ The same stages as ``vit3.kernels.dwconv.eager`` (``G = Σ_p E[p] k[p + δ]`` wi
 on the tokens ``[B, N, C]`` themselves (views of the mixer's qkv projection, output and gradient): no
 channels-last maps and no oneDNN calls, whose fixed cost (docs/design/kernels.md) dominates small
 grids. The input gradient of a 3x3 correlation is the correlation with the flipped taps (tap order reversed).
-Tested against the op's reference ``vit3.kernels.dwconv.reference`` (``tests/test_op_dwconv.py``).
+Tested against the op's reference ``vit3.kernels.dwconv.reference`` (``tests/kernels/test_op_dwconv.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ padding), written here from the definition: ``v_hat[ch, p] = Σ_δ W[ch, δ] x[c
 ``F.unfold`` windows. One dot-loss step on ``(k, v)`` (``vit3.kernels.common.ttt_reference``: the inner
 gradient by autograd; the norm of ``G / (||G|| + 1)`` over each channel's 9 taps) is read out on q. Every fast
 path (``vit3.kernels.dwconv.eager``, the Triton kernels, the generic inner loop) is tested against it
-(``tests/test_op_dwconv.py``).
+(``tests/kernels/test_op_dwconv.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 With the dot loss one step is ``q (W + lr (s/N) kᵀ v)`` (unnormalised), linear attention with a learnt
 initial state. The inner gradient comes from autograd (``vit3.kernels.common.ttt_reference``); the Triton
-kernels and the generic inner loop are tested against it (``tests/test_op_linear.py``).
+kernels and the generic inner loop are tested against it (``tests/kernels/test_op_linear.py``).
 """
 
 from __future__ import annotations

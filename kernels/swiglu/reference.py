@@ -3,7 +3,7 @@
 The inner model (``SwiGLUInner``) is ``v_hat = (x W1) ⊙ silu(x W2)``; one step of the dot loss on ``(k, v)``
 (``vit3.kernels.common.ttt_reference``: the inner gradient by autograd) gives per-sample ``W1', W2'``, read
 out on q. Every fast path of the op (``eager``, ``cpp``, the Triton kernels) is tested against it
-(``tests/test_op_swiglu.py``), and it against the official code's fixtures.
+(``tests/kernels/test_op_swiglu.py``), and it against the official code's fixtures.
 """
 
 from __future__ import annotations

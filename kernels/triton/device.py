@@ -190,7 +190,7 @@ def warp_group_mma(arch: Arch) -> bool:
     return arch.capability in (90, 100)
 
 
-# The oldest arch the kernels are compiled and checked for (tests/test_kernels_compile.py).
+# The oldest arch the kernels are compiled and checked for (tests/kernels/test_kernels_compile.py).
 MIN_CAPABILITY = 75
 
 

@@ -346,7 +346,7 @@ std::tuple<Tensor, Tensor, Tensor> cpe_backward(const Tensor& d_out, const Tenso
 
 // ConvPosEnc on the kernel as one node: t = x + dwconv3x3(x) + bias, saving x's token rows and the weight. The
 // saving ViT³ block's CPE and the H-ViT³ ConvFFN's depthwise step (vit3/layers/blocks.py); its reference is the
-// convolution through autograd (tests/test_op_dwconv.py).
+// convolution through autograd (tests/kernels/test_op_dwconv.py).
 struct CpeFunction : public torch::autograd::Function<CpeFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                                const std::optional<Tensor>& bias) {
@@ -387,7 +387,7 @@ Tensor cpe_autograd(const Tensor& x, const Tensor& weight, const std::optional<T
 // The block's CPE and first LayerNorm as one node: t = x + dwconv3x3(x) + bias and n = LayerNorm(t), saving x's
 // token rows (which the CPE's backward needs anyway) and the norm's statistics, not t: the backward recomputes t
 // with one kernel call. The memory-lean ViT³ block's (vit3/layers/blocks.py), with no Python in its forward or
-// backward; its reference is the CPE then the LayerNorm through autograd (tests/test_blocks_memory.py).
+// backward; its reference is the CPE then the LayerNorm through autograd (tests/layers/test_blocks_memory.py).
 struct CpeNormFunction : public torch::autograd::Function<CpeNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                                const std::optional<Tensor>& bias, const std::optional<Tensor>& ln_w,

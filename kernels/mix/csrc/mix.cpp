@@ -1,7 +1,7 @@
 // The whole CPU mixer call as one op: vit3_cpu::mix (the inner loops of all branches of TTTMixer.mix, between the
 // two projections), with one C++ autograd node, so a settled mixer call runs no Python between its two projections.
 // The same call in Python is the fused eager node (vit3/layers/eager_mix.py), tested against it
-// (tests/test_mixer_cpp_node.py); the branches' steps are the SwiGLU and depthwise ops' (swiglu.cpp, dwconv.cpp,
+// (tests/layers/test_mixer_cpp_node.py); the branches' steps are the SwiGLU and depthwise ops' (swiglu.cpp, dwconv.cpp,
 // declared in vit3_cpu.h), called directly.
 //
 // q, k, v of each branch are strided views of qkv [B, N, 3 * sum(widths)] (branch by branch [q | k | v]); RoPE

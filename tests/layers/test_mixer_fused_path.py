@@ -21,7 +21,7 @@ GRID = (5, 7)
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the mixer's calls of the fused path, the Python node on every call (settled calls on the C++
-    kernel otherwise take the whole-mixer C++ op: ``tests/test_mixer_cpp_node.py``)."""
+    kernel otherwise take the whole-mixer C++ op: ``tests/layers/test_mixer_cpp_node.py``)."""
     monkeypatch.setattr(ttt, "CPP_NODE", False)
     return count_calls(monkeypatch, ttt, "eager_mix")
 

@@ -2,7 +2,7 @@
 mixer and for a whole model, its CLI, and that the registry's backends are the ops' declared paths.
 
 The registry's decisions for CPU tensors under the interpreter ask for it (``interpreter``);
-``TRITON_INTERPRET=0 pytest tests/test_backends_explain.py`` imports Triton as a GPU host does."""
+``TRITON_INTERPRET=0 pytest tests/layers/test_backends_explain.py`` imports Triton as a GPU host does."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ backward works, and a C++ kernel that cannot be built steps aside.
 
 The tests run where Triton runs (``triton_device``: the GPU, or the interpreter on CPU), failures injected at
 the launch layer (``triton.plan.Launch``), which runs compiled and interpreted kernels alike;
-``TRITON_INTERPRET=0 pytest tests/test_backends_guard.py`` imports Triton as a GPU host does: the launching
-tests skip (no GPU to run them), the others pass."""
+``TRITON_INTERPRET=0 pytest tests/layers/test_backends_guard.py`` imports Triton as a GPU host does: the
+launching tests skip (no GPU to run them), the others pass."""
 
 from __future__ import annotations
 

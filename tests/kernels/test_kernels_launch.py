@@ -2,8 +2,8 @@
 configuration run (interpreter or GPU) against the PyTorch path.
 
 The tile table (``triton.tiles.launch_config``) differs by GPU arch and dot precision; whether each entry fits
-on chip is checked by the offline compiles (``tests/test_kernels_compile.py``), whether it computes the
-right thing here: each distinct launch structure it produces (column blocks per kernel role) runs through
+on chip is checked by the offline compiles (``tests/kernels/test_kernels_compile.py``), whether it computes
+the right thing here: each distinct launch structure it produces (column blocks per kernel role) runs through
 ``triton_ttt`` with ``triton.tiles.TILES_AS`` set to an (arch, precision) that picks it.
 """
 
@@ -127,7 +127,8 @@ def test_interpreter_follows_the_tiles_of_a_gpu(monkeypatch):
 
 def _structures() -> list:
     """One (model, loss, d, arch, prec) per distinct structure the table gives fp32-class inputs, but for the
-    interpreter's default one (``INTERPRET_TILES``), which ``tests/test_kernels_ttt.py`` runs throughout."""
+    interpreter's default one (``INTERPRET_TILES``), which ``tests/kernels/test_kernels_ttt.py`` runs
+    throughout."""
     seen, out = set(), []
     for model, loss in (("swiglu", "dot"), ("linear", "dot"), ("linear", "mse"), ("dwconv", "dot")):
         for d in HEAD_DIMS:

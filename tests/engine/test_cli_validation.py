@@ -21,7 +21,7 @@ from vit3.engine.cli import USER_ERROR_EXIT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
