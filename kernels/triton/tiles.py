@@ -155,17 +155,16 @@ def _matrix_tiles(
 ) -> Tiles:
     """Tiles of one matrix-kernel role: ``launch_config``'s table.
 
-    ``tests/kernels/test_kernels_compile.py`` compiles it for every arch, inner model, head dim and dtype
-    mode and holds each kernel to the arch's shared memory and to a spill bound
-    (``vit3.kernels.aot.spill_bound``); where the table has a choice, it is the one those compiles found
-    spill-free. 16-bit inputs on sm_80+: ``_half_tiles``. fp32 on tensor cores (TF32): column blocks of
-    the whole head up to d = 32, 16 columns at d = 128, and at d = 64 the whole head except in the SwiGLU backward (and its gradient pass) on parts
+    ``tests/kernels/test_kernels_compile.py`` compiles it for every arch, inner model, head dim and dtype mode
+    and holds each kernel to the arch's shared memory and to a spill bound (``vit3.kernels.aot.spill_bound``);
+    where the table has a choice, it is the one those compiles found spill-free. 16-bit inputs on sm_80+:
+    ``_half_tiles``. fp32 on tensor cores (TF32): column blocks of the whole head up to d = 32, 16 columns at
+    d = 128, and at d = 64 the whole head except in the SwiGLU backward (and its gradient pass) on parts
     without ``FUSED_BACKWARD_SMEM``, in SwiGLU's one-launch forward without ``wgmma`` and in the linear MSE
-    backward, which take 32 columns; two pipeline
-    stages; 16-token tiles where full-width k / dk tiles share the registers with many live column tiles
-    (d = 32, the backward at d = 128, the linear MSE backward). FMA dots (IEEE fp32, fp64, every dot on sm_75)
-    hold both operands in registers: 16-token tiles over 8 warps, 32 columns at most, no pipelining (its
-    extra stage of k / v tiles pushes them into spills).
+    backward, which take 32 columns; two pipeline stages; 16-token tiles where full-width k / dk tiles share
+    the registers with many live column tiles (d = 32, the backward at d = 128, the linear MSE backward). FMA
+    dots (IEEE fp32, fp64, every dot on sm_75) hold both operands in registers: 16-token tiles over 8 warps,
+    32 columns at most, no pipelining (its extra stage of k / v tiles pushes them into spills).
     """
     if dtype == torch.float64:
         return Tiles(16, 16, 8, 1)
