@@ -43,6 +43,8 @@ from vit3.scripts import explain as explain_script
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FINETUNE = CONFIG_DIR / "finetune.yaml"
+# export.py features of the classifier fixture on the digits' val split, into a new folder
+FEATURES = ["features", "--checkpoint", "<classifier>", "--images", "<digits>/val", "--out", "<tmp>/f"]
 # timm's own test ViT cut to two blocks: fewer than the three its features take by default.
 TWO_BLOCK_VIT = [
     "model.name=test_vit3",
@@ -526,49 +528,17 @@ MORE_CLI_MISTAKES = {
     ),
     "features-levels-out-of-range": (
         "export",
-        [
-            "features",
-            "--checkpoint",
-            "<classifier>",
-            "--images",
-            "<digits>/val",
-            "--out",
-            "<tmp>/f",
-            "--out-indices",
-            "99",
-        ],
+        [*FEATURES, "--out-indices", "99"],
         "--out-indices [99] do not fit test_vit3: its 2 feature levels are 0 to 1",
     ),
     "features-levels-a-word": (
         "export",
-        [
-            "features",
-            "--checkpoint",
-            "<classifier>",
-            "--images",
-            "<digits>/val",
-            "--out",
-            "<tmp>/f",
-            "--out-indices",
-            "a",
-        ],
+        [*FEATURES, "--out-indices", "a"],
         "argument --out-indices: invalid int value: 'a'",
     ),
     "features-ema-missing": (
         "export",
-        [
-            "features",
-            "--checkpoint",
-            "<classifier>",
-            "--images",
-            "<digits>/val",
-            "--out",
-            "<tmp>/f",
-            "--ema",
-            "--out-indices",
-            "0",
-            "1",
-        ],
+        [*FEATURES, "--ema", "--out-indices", "0", "1"],
         "checkpoint <classifier> holds no EMA weights (trained with train.ema=false)",
     ),
     "features-model-unknown": (
