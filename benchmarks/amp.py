@@ -1,18 +1,12 @@
 """Mixed-precision training of a plain ViT³ against fp32: the digits demo through train.py's config system.
 
-The classification demo (``configs/demo_mnist.yaml``: 4,000 MNIST digits, 6 epochs of 64 images, 375 steps)
-with a plain ViT³ (``vit3_tiny`` shrunk for 32x32 one-channel digits: patch 4, so 8x8 = 64 tokens, width 64,
-4 blocks, 2 heads) is trained once per AMP mode from the same seed (``train.amp``: ``none`` = fp32, ``bf16``
-under autocast with backward() after the autocast region, ``fp16`` with a GradScaler), in one process one
-after the other, and once more in fp32 from another seed (``--spread-seed``): how far two fp32 runs drift
-apart is the yardstick for the AMP runs' gap. Per epoch the table has each run's train loss (mean over the
-epoch's steps), val loss and top-1, and the gap of its losses to the first fp32 run's.
+Trains the classification demo once per AMP mode (``train.amp``) from one seed, and once more in fp32 from
+``--spread-seed`` as the yardstick; per epoch each run's losses, top-1 and gap to the first fp32 run.
+Writes ``results/amp_<device>.csv`` and ``.png``. Method: benchmarks/README.md.
 
-    python benchmarks/amp.py                          # fp32, bf16 and fp32 from seed 1: the demo's 372 steps
+    python benchmarks/amp.py                          # fp32, bf16 and fp32 from seed 1
     python benchmarks/amp.py --amp bf16 fp16          # fp16 (GradScaler) too
     python benchmarks/amp.py train.epochs=1           # any config override of the runs
-
-Outputs: ``results/amp_<device>.csv`` and ``.png`` (loss and top-1 per epoch, one line per mode).
 """
 
 from __future__ import annotations

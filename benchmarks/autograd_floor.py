@@ -1,20 +1,9 @@
 """What any autograd node costs on this CPU, written in Python or in C++: the floor under a fused node's call.
 
-The Triton path's fused node (``benchmarks/triton_overhead.py``) is measured over a ``floor``: a Python
-``torch.autograd.Function`` with its inputs and output that saves them, returns fresh gradients and does
-nothing else. Would a C++ autograd node that calls the same Python for its forward and backward (the launch
-program is Python: Triton launches from Python) lower that floor? This script times, back to back (20 calls in
-a row, median (p10) µs per call over interleaved rounds), forward + backward of:
-
-- ``python node``: the floor itself (``common.FloorNode``);
-- ``c++ node, python bodies``: a ``torch::autograd::Node`` built in C++ (``load_inline``, pybind11) whose
-  forward and backward call Python functions with the floor's bodies (allocate the output, the gradients);
-- ``bodies alone``: those Python bodies called one after the other, no autograd at all;
-
-each with ``backward()`` as a training step runs it (``.grad`` ``None`` first), on the fused node's inputs at
-the ``triton_overhead.py`` shape: qkv ``[1, 16, 288]`` and three weights (SwiGLU's two ``[1, 2, 32, 32]``, the
-depthwise conv's ``[1, 32, 3, 3]``). The C++ node needs a C++ compiler (built once, ~30 s, in the torch
-extensions cache); without one its row is left out with a note.
+Times forward + backward, median (p10) µs per call, of ``python node`` (``common.FloorNode``), ``c++ node,
+python bodies`` (a C++ ``torch::autograd::Node`` calling the same Python bodies) and ``bodies alone``, on
+the fused node's inputs at the ``triton_overhead.py`` shape. The C++ node needs a C++ compiler; without one
+its row is left out. Method: benchmarks/README.md.
 
     python benchmarks/autograd_floor.py --threads 1
 """

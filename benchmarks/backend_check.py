@@ -1,14 +1,9 @@
 """Forward + backward of the TTT mixer on every backend against the float64 reference, at training shapes.
 
-For each model's mixer (its first TTT block: ViT³-T d = 32, ViT³-S d = 64 at 224 px; H-ViT³-T stage 1,
-d = 32 with RoPE on a 56 x 56 grid) and each precision (fp32; bf16 autocast, as training runs), one child
-process per backend (all at once) runs the mixer with ``VIT3_TTT_BACKEND=<backend>`` (the registry's switch; a
-backend that cannot serve falls back with a warning, which the log keeps) and saves the output and the
-gradients of the input and of every parameter. The parent computes the reference, the ``generic`` backend (the
-closed-form inner loop) in float64, and prints per (model, precision, backend) the relative RMS error of the
-output and the worst gradient, with a verdict against stated tolerances: fp32 <= 1e-2 (TF32 dots may serve),
-bf16 autocast <= 5e-2, and the registry's fallback warnings (``fallback``: the named backend did not serve, or
-was demoted after a failure). Writes ``backend_check<--tag>.csv`` to ``--out-dir``.
+Per model's mixer and precision (fp32; bf16 autocast), one child process per backend; prints the relative
+RMS error of the output and the worst gradient against the float64 ``generic`` reference, with a verdict and
+the registry's fallback warnings. Writes ``backend_check<--tag>.csv`` to ``--out-dir``. Method and
+tolerances: benchmarks/README.md.
 
     python benchmarks/backend_check.py --out-dir /tmp/check            # CUDA
     python benchmarks/backend_check.py --device cpu --batch 1 --quick  # CPU dry run

@@ -1,20 +1,14 @@
 """The offline compile matrix of the fused TTT kernels: shared memory, registers and spills on every GPU arch.
 
-Compiles every kernel launch of ``triton_ttt`` (forward + backward) for each case of
-``vit3.kernels.aot.matrix`` (arch x inner model x head dim x dtype mode; ``--cases default`` is the CI subset)
-with the launcher's own set-up and Triton's run-time specialisation, no GPU needed (``vit3.kernels.aot``).
-Prints, per arch, dtype mode and head dim, the worst kernel over the inner models (largest shared memory; most
-registers; most spill bytes), flags any kernel over the arch's shared-memory limit, the declared bound
-``fits_device`` uses (``triton.tiles.smem_need``) or the spill bound (``aot.spill_bound``), lists the cases
-``fits_device`` turns down (their compile must exceed the limit), and writes one row per compiled kernel to
-``--out``.
+Compiles every launch of ``triton_ttt`` for each case of ``vit3.kernels.aot.matrix`` (``--cases default``:
+the CI subset) with no GPU, prints the worst kernel per arch, dtype mode and head dim, flags kernels over
+the limits, and writes one row per kernel to ``--out``. Clears ``TRITON_INTERPRET``. Method:
+benchmarks/README.md.
 
-    python benchmarks/compile_matrix.py --jobs 2               # the full matrix, ~25 min (cold Triton cache)
+    python benchmarks/compile_matrix.py --jobs 2               # the full matrix (long on a cold cache)
     python benchmarks/compile_matrix.py --cases default --jobs 2
     python benchmarks/compile_matrix.py --arch sm_86 --d 64 --mode bf16 fp32-ieee
     python benchmarks/compile_matrix.py --markdown benchmarks/results/compile_matrix.csv  # the README table
-
-Run without ``TRITON_INTERPRET=1`` (the script clears it in its own environment).
 """
 
 from __future__ import annotations

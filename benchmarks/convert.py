@@ -1,25 +1,9 @@
-"""Conversion by distillation on the embedded digits, and the converted model's inference cost at high
-resolution.
+"""Conversion by distillation on the embedded digits, and the converted model's inference cost at high res.
 
-Accuracy, per seed, every run through ``train.py`` (the commands are printed; a killed benchmark continues
-where it stopped, each run resuming from its ``last.pt``):
-
-* ``teacher``: the attention ViT of ``configs/convert/teacher_mnist.yaml`` trained for ``--teacher-epochs``
-  (every seed's teacher first);
-* ``converted``: that teacher converted by ``configs/convert/demo_mnist.yaml`` in ``--budget-epochs`` (the
-  first ``--transfer-epochs`` of them attention transfer, the rest fine-tuning with distillation);
-* ``scratch``: the same TTT student (``ttt_swap`` of the teacher's model) trained from random weights by the
-  classification engine with the same recipe and number of steps (``--scratch-epochs`` adds runs at other
-  budgets, e.g. the teacher's).
-
-Each accuracy row: ``method``, ``seed``, ``steps`` (optimizer steps of that run), ``epochs``, ``val_top1``
-(the last epoch's; no selection on the val set), ``best_top1``, ``of_teacher`` (``val_top1`` over the same
-seed's teacher's), ``budget`` (steps over the teacher's) and the wall time. Latency (``measure=latency``): the
-teacher's architecture at ImageNet scale (``--latency-model``, DeiT-Tiny by default, 3 channels, patch 16) and
-its conversion, one image, inference (``no_grad``), per resolution ``--sizes`` (224 to 1024 px: 196 to 4096
-patch tokens), timed in turn (A B A B ...); ``ms_per_ktoken`` shows linear cost as a flat line, and
-``exponent`` is the log-log slope of the time against the tokens from the previous size. The weights are
-random there: the cost of a forward does not depend on them.
+Accuracy per seed, every run through ``train.py`` (resumable): ``teacher`` (an attention ViT), ``converted``
+(that teacher converted to TTT) and ``scratch`` (the same TTT student from random weights). Latency
+(``measure=latency``): ``--latency-model`` and its conversion per ``--sizes``, one image, inference.
+Method and columns: benchmarks/README.md.
 
     python benchmarks/convert.py --threads 1                # 3 seeds; writes results/convert_cpu.csv and .png
     python benchmarks/convert.py --threads 1 --seeds 0 1 --keep-latency   # seed 1 added, latency kept

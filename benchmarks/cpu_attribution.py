@@ -1,34 +1,10 @@
-"""Where a CPU step's time goes, by the code that spends it: ViT³-T beside DeiT-T, sampled with Linux
-``perf``.
+"""Where a CPU step's time goes, by the code that spends it: ViT³-T beside DeiT-T, sampled with ``perf``.
 
-Each (model, mode) runs in a child process of its own: the model built, warmed up, then stepped for
-``--seconds`` (``infer``: a forward under ``torch.inference_mode`` in ``eval()``; ``train``: forward +
-backward of every parameter's gradient in ``train()``, gradients set to None first), while ``perf record``
-samples it from outside. Nothing is instrumented: the PyTorch profiler's per-op bookkeeping and the bare-ops
-replay of ``model_overhead.py`` (one Python call per op) both add some of what they measure, the Python around
-the ops.
-
-The samples are sorted by shared object and symbol into parts, and each part's share is priced at the step
-time the child measured while it was sampled (ms per step):
-
-- ``gemm``: MKL's matrix routines (``mkl_*``, ``cblas_*``, ``gemm*`` in ``libtorch_cpu``), packing included;
-- ``aten``: ATen's other kernels and code in ``libtorch_cpu`` (elementwise, norms,
-  attention, autograd engine);
-- ``vit3 kernels``: vit3's C++ extension (``vit3_cpu*``);
-- ``jit code``: code generated at run time (oneDNN's convolution kernels, MKL's JIT GEMMs);
-- ``python``: the interpreter (``libpython*``): modules, autograd Functions, the mixer's own Python;
-- ``bindings``: PyTorch's Python bindings (``libtorch_python``): argument parsing, wrapping of results;
-- ``c10``: dispatcher and tensor bookkeeping (``libc10``);
-- ``libc``: the C library, mostly ``malloc`` / ``free``;
-- ``os``: the operating system kernel (page faults, scheduling);
-- ``other``: everything else (libstdc++, libm, ...).
-
-Rows per (model, mode, part); per (mode, part) ``vs_base_ms`` is the difference to the baseline (the last
-model of ``--pair``): what this model spends more (+) or less (-) there per step. Writes
-``results/cpu_attribution_cpu.csv``.
-
-Needs ``perf`` (Linux ``linux-tools``) allowed to attach to a child process (root, or
-``/proc/sys/kernel/perf_event_paranoid`` at most 1).
+Each (model, mode) steps in a child process for ``--seconds`` (``infer`` / ``train``) while ``perf record``
+samples it; the samples are sorted by shared object and symbol into parts (gemm, aten, vit3 kernels, jit code,
+python, bindings, c10, libc, os, other), each priced in ms per step, with ``vs_base_ms`` against the last
+model of ``--pair``. Writes ``results/cpu_attribution_cpu.csv``. Needs ``perf`` allowed to attach to a child
+(``perf_event_paranoid`` at most 1). Method and the parts: benchmarks/README.md.
 
     python benchmarks/cpu_attribution.py --threads 1                 # vit3_tiny vs deit_tiny, 224 px, batch 1
     python benchmarks/cpu_attribution.py --threads 1 --modes train --seconds 20

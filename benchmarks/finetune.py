@@ -1,21 +1,9 @@
-"""The README's fine-tuning recipe on small folders of real photographs, against linear probes of the same
-backbone.
+"""The README's fine-tuning recipe on small folders of real photographs, against linear probes.
 
-Follows the README's "From the demo to your own photographs" word for word, in a work folder:
-`python train.py` once (the demo: an H-ViT³ on the MNIST digits, one channel, 32 px -> output/demo/best.pt),
-then for each folder and seed the README's fine-tune command, read from README.md, with ``seed=<seed>`` and
-``output=`` added (and ``threads=`` with ``--threads``). Each seed fine-tunes on its own draw of the folder
-(vit3.data.samples: random crops of the photographs that ship with scikit-learn and matplotlib; 3 classes: one
-per photograph, 6: one per half of one; 16 training / 16 val images per class at 64 px), so the spread covers
-the data, the classifier's init and the batches. Against:
-
-* ``probe_recipe``: the same command with ``train.freeze=backbone`` (the classifier alone trains);
-* ``probe_logreg``: scikit-learn's ``LogisticRegressionCV`` on the frozen backbone's pooled features of the
-  un-augmented images (the val transform; standardised, the L2 strength picked by 4-fold cross-validation on
-  the training images): a linear probe tuned on its own terms.
-
-Accuracy is the val top-1 of the final epoch (``best_top1``: the best epoch, which picks on the val images).
-Not a timing benchmark (``wall_s`` is for planning only).
+Runs the README's "From the demo to your own photographs" word for word in a work folder, per folder (3 and 6
+classes) and seed, against ``probe_recipe`` (the classifier alone trains) and ``probe_logreg`` (a tuned
+logistic regression on the frozen features). Accuracy is the final epoch's val top-1. Not a timing benchmark.
+Method: benchmarks/README.md.
 
     python benchmarks/finetune.py              # 3 and 6 classes x seeds 0 1 2 -> results/finetune_cpu.csv
     python benchmarks/finetune.py --seeds 0 1 2 3 4 --jobs 2 --threads 1

@@ -1,17 +1,8 @@
-"""DiT³ against DiT (timm Attention, SDPA) of the same size: training-step speed, and the generation demo's
-scores.
+"""DiT³ against DiT (timm Attention, SDPA) of the same size: training-step speed, and the demo's scores.
 
-Speed (default): both models are ``vit3.create_dit3`` builds that differ only in the mixer (``mixer="ttt"`` /
-``"attention"``), with every weight random (the official init zeroes the adaLN and output layers, which would
-make the backward trivial). For each latent size the two are timed in turn (A B A B ...) and the speed-up is
-the median of the per-round ratios (``common.paired_ratio``); peak memory is ``max_memory_allocated`` on a GPU
-and the growth of the peak resident set on CPU.
-
-Quality (``--quality``): the generation demo (``configs/generation/demo_mnist.yaml``) trained once per mixer
-and training seed, each scored by the held-out-digit classifier (``metrics.classifier=auto``) at its sample
-count beside the real floor at that count (``vit3.engine.generation_metrics.classifier_metrics``). One row
-per run, then per mixer the mean and standard deviation over the seeds; the real floor and ceiling rows are
-the mean over the runs of each run's floor draws. ``key=value`` arguments override the demo config.
+Speed (default): paired training-step timing and peak memory per latent size. Quality (``--quality``): the
+generation demo trained per mixer and seed, scored by the held-out-digit classifier beside the real floor;
+``key=value`` arguments override the demo config. Method: benchmarks/README.md.
 
     python benchmarks/generation.py                                 # DiT³-S/2 vs DiT-S/2, latents 32-128
     python benchmarks/generation.py --model dit3_b_2 --sizes 32 64 --batch 8 --dtype bf16   # GPU

@@ -1,24 +1,9 @@
 """The Python time of one mixer call: ``TTTMixer.mix`` against the bare ops it calls, on the same inputs.
 
-One call of ``mix`` (inference: under ``torch.no_grad``; training: forward + backward from a dense upstream
-gradient) is recorded once with a ``TorchDispatchMode``: every ATen and custom op it dispatches (the C++
-kernel's calls, the views, the allocations; the backward's too), with its arguments. The *bare ops* replay
-that record, op after op on the same tensors, with no Python between them. Each comparison is timed as a pair
-of its own, the two calls swapping places every round (``_pairs``: the call that runs first after other work
-pays for the caches it refills, tens of µs at a few hundred µs a call); the difference, paired per round and
-the median taken over ``--repeats`` rounds, is the Python a mixer call spends around its ops: the plan, the
-guard, the eager node's views and checks, the autograd node. ``same_call_us`` is that estimate for the op
-against itself, the reading where there is nothing to find: a few rounds read tens of µs on a noisy VM, hence
-the thousands by default.
-
-A settled call on the C++ kernel is one op, ``vit3_cpu::mix`` (its C++ autograd node dispatches
-``mix_forward`` / ``mix_backward``); ``--python-node`` times the Python eager node
-(``vit3.layers.ttt.CPP_NODE`` off) beside it. ``mixer_python_us`` (C++ op) is ``mix`` against the op called
-directly with the same arguments: the mixer's own Python, the rest of the overhead being the op's dispatch and
-autograd. ``one_op_autograd_us`` (training rows) is the same difference for one op, ``qkv * 1`` forward +
-backward: what the autograd engine costs any training call over its bare ops (the replay has no engine), the
-floor of the training figure. ``torch.empty`` is timed for scale (what one PyTorch call costs on this
-machine). Writes ``results/mixer_overhead_cpu.csv``.
+One ``mix`` call (inference; training: forward + backward) is recorded as the ops it dispatches, replayed
+bare, and timed against it in interleaved pairs over ``--repeats`` rounds; the paired median difference is the
+Python around the ops. ``--python-node`` adds the Python eager node beside the C++ op. Writes
+``results/mixer_overhead_cpu.csv``. Method and columns: benchmarks/README.md.
 
     python benchmarks/mixer_overhead.py --threads 1                 # ViT³-T's mixer at 224 px: 192, 3, 196
     python benchmarks/mixer_overhead.py --threads 1 --python-node   # the C++ op and the Python node

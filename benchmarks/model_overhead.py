@@ -1,18 +1,8 @@
 """The Python time of whole models, and the speed ratio their ops alone allow: ViT³-T beside DeiT-T.
 
-For each model, one inference forward (``eval()``, ``torch.no_grad``) and one training step (``train()``,
-forward + backward of every parameter's gradient) are recorded once with ``mixer_overhead``'s dispatch
-recorder: every ATen and custom op they dispatch, with its arguments. The *bare ops* replay that record, op
-after op, with no module, autograd-engine or mixer Python between them (the replay's own cost per op, one
-Python call, is the same for every model). All are timed interleaved, every other round in reverse
-(``--repeats`` rounds). Per row:
-
-- ``python_ms``: the model's time over its bare ops (paired per round): what trimming Python could win;
-- ``speed_vs_base``: the baseline's time over this model's (paired per round), as ``models.py`` reports it;
-- ``bare_vs_base``: the same ratio of the bare ops: the speed ratio this model reaches with no Python at all,
-  an upper bound for any work on the Python side (the ops themselves are what is left).
-
-Writes ``results/model_overhead_<device>.csv``.
+Each model's inference forward and training step are recorded as the ops they dispatch and replayed bare;
+all are timed interleaved over ``--repeats`` rounds. Per row: ``python_ms``, ``speed_vs_base`` and
+``bare_vs_base``. Writes ``results/model_overhead_<device>.csv``. Method: benchmarks/README.md.
 
     python benchmarks/model_overhead.py --threads 1                  # vit3_tiny vs deit_tiny, 224 px, batch 1
     python benchmarks/model_overhead.py --threads 1 --pair vit3_small:deit_small_patch16_224 --batch 2

@@ -1,30 +1,14 @@
 """vit3 backbones against timm's DeiT/ViT (SDPA attention) of the same size, across resolutions.
 
-For each (model, resolution, mode) it measures images/s and peak memory side by side in one run:
-``infer`` is a forward under ``torch.inference_mode`` with the model in ``eval()``, ``train`` a training
-step's forward + backward (gradients of every parameter; no optimizer step) with the model in ``train()``.
-``--amp bf16`` runs both under ``torch.autocast`` (the default on CUDA). ``--variants eager compiled`` times
-each model eager and compiled side by side (``torch.compile``, ``--compile-backend``; ``--compile-scope
-blocks``, the default: every transformer block compiled on its own, regional compilation, so one compile per
-block shape serves every block of it and the cold start stays short; ``model``: the whole forward), the
-first call's seconds (the compile) in ``first_call_s``. Peak memory is ``torch.cuda.max_memory_allocated``
-on a GPU and the process's peak resident set growth on CPU (Linux ``/proc/self/clear_refs`` resets the
-high-water mark before each measurement; it includes what the allocator keeps), and beside it on CPU
-``peak_tensor_mib``, the peak of the tensor storage alive during the call as the PyTorch profiler records it
-(allocator-independent, deterministic: ``common.peak_tensor_memory``). Each row's ``*_vs_base`` columns
-compare it with the last model of its group at the same resolution, mode and variant: ``speed_vs_base`` is
-the paired median over rounds of base time / model time, the memory ones are plain ratios. ``recompute``
-records ``$VIT3_TTT_RECOMPUTE`` (what vit3's mixers save for the backward, ``TTTConfig.recompute``). The
-roofline column is the achieved GFLOP/s of the forward (fvcore FLOPs) against the measured matmul roof of
-the device. A group ``a:b:c`` times its models side by side; the ratios printed compare each to the last
-(the baseline). A model whose first call fails (out of memory, a compile error) is reported and left out;
-the CSV is rewritten after every resolution, so a run cut short keeps what it measured.
+For each (model, resolution, mode: ``infer`` / ``train``) it measures images/s and peak memory side by side,
+with ``*_vs_base`` ratios to the last model of each group ``a:b:c``. ``--amp bf16`` runs under autocast (the
+default on CUDA); ``--variants eager compiled`` adds ``torch.compile`` (``--compile-scope blocks|model``).
+The CSV is rewritten after every resolution. Method and columns: benchmarks/README.md.
 
     python benchmarks/models.py                         # CPU: ViT³-T vs DeiT-T, 224..1248, batch 1
     python benchmarks/models.py --pairs vit3_small:deit_small_patch16_224 --res 224 448
     python benchmarks/models.py --device cuda --pairs vit3_tiny:h_vit3_tiny:deit_tiny_patch16_224 \
         --res 224 512 1024 1248 --batch 64 16 4 2 --no-flops       # GPU, bf16 autocast
-    python benchmarks/models.py --device cuda --variants eager compiled --modes train --no-flops  # + compiled
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """A performance model on paper of the fused TTT op: bytes, FLOPs and predicted time of every launch, per GPU.
 
-The launches are not re-derived: the launcher's own plans (``triton.plan.forward_plan`` / ``backward_plan``,
-built on meta tensors with the strides of a real qkv projection, as the offline compiles do) give each
-launch's kernel, grid, tile constexprs and tensors. Per launch this script counts, from those objects:
-
-- HBM bytes: every token tensor the kernel reads or writes (read once per column block where the column
-  blocks of one chunk are not scheduled side by side: the old 3-D grids put them on the slowest grid axis),
-  and the per-(sample, head) state it touches (partials, ``G``, ``W'``, norms, ``dG``), sized from the
-  buffers;
-- tensor-core FLOPs: the dots of each token tile (``2 M K N`` at the padded tile sizes, every tile of every
-  program, recomputations included), priced at the peak of their operand dtype (bf16 / fp16, TF32, IEEE fp32
-  on CUDA cores); on sm_90 a dot whose rows are not a multiple of 64 (or under 4 warps) cannot be a
-  ``wgmma`` and runs as ``mma.sync`` at ``MMA_SYNC_SM90`` of the peak;
-- element-wise FLOPs (activations, products; ``EW`` per tile element, a count of the kernels' operations),
-  on the CUDA cores' fp32 peak;
-- a latency floor: each program's serial loop iterations, one memory round trip (``LATENCY``) each, divided
-  by the pipelining depth (``num_stages``).
-
-Predicted time of a launch: ``LAUNCH + max(bytes / BW / util, (tensor / peak + ew / fp32) / util, latency)``
-with ``util = min(1, programs / SMs)`` (a launch with fewer programs than SMs uses only that many). The
-training step adds, per block, the rest of the block from a simple model (``block_rest``): its GEMMs (qkv,
-output projection, MLP / ConvFFN; forward + two backward GEMMs) at ``GEMM_EFF`` of the bf16 peak or the HBM
-bandwidth, and its element-wise passes (LayerNorms, GELU, residual adds, the conditional position encoding,
-RoPE, the ConvFFN's depthwise conv, the mixer's concatenation) as bf16 traffic at the HBM bandwidth; the stem,
-the downsampling layers, the head and the optimizer are left out (their FLOPs are printed against the paper's
-total). Everything here is a model: no GPU was used, and the constants below are assumptions where they do not
-name a source.
+Reads each launch (kernel, grid, tiles, tensors) from the launcher's own plans on meta tensors and counts its
+HBM bytes, tensor-core and element-wise FLOPs and latency floor, predicts its time per GPU, and adds the rest
+of a training step's blocks from a simple model. No GPU is used. Method and assumptions: benchmarks/README.md.
 
     python benchmarks/roofline.py                                   # the design of this tree
     python benchmarks/roofline.py --kernels /tmp/main/kernels --design main-8fde993 \
         --out results/roofline_8fde993.csv
 
-``--kernels`` loads the launch plans from another checkout's ``kernels/`` folder (a package of its own), so
-one script prices the design before a change and after it.
+``--kernels`` loads the launch plans from another checkout's ``kernels/`` folder (before / after a change).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """One training step of a model, profiled: where its device time goes, how many kernels, its peak memory.
 
-For each (model, resolution, batch) and each variant (``eager``; ``graphs``: the whole model compiled with
-``torch.compile(mode="reduce-overhead")``, which replays the step as CUDA graphs, so its time is host-free)
-it runs a bf16-autocast training step (forward + backward, no optimizer step), times it side by side with
-the other models of its group (paired rounds), profiles one settled step (``torch.profiler``) and reports
-the kernel count and device time by category (cuBLAS, flash attention, vit3's Triton kernels by name,
-Inductor's kernels, copies and casts, cuDNN, other), plus the peak memory. Rows are written as they come.
-On CPU (the dry run) the variant ``graphs`` compiles with Inductor's default mode and the categories are
-read from the CPU ops' names.
+Per (model, resolution, batch) and variant (``eager``; ``graphs``: CUDA graphs through ``torch.compile``), a
+bf16-autocast training step timed beside its group, profiled once: kernel count, device time by category and
+peak memory. Method: benchmarks/README.md.
 
     python benchmarks/step_profile.py --device cuda --models vit3_tiny:deit_tiny_patch16_224 \
         --res 224 --batch 128

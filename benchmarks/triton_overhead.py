@@ -1,37 +1,11 @@
 """The Python (CPU) time of the Triton path per call, with the kernel launches stubbed out.
 
-What a GPU host's CPU spends around the kernels: argument checks, the cached launch plan (key, buffers,
-binding), the autograd node. Runs without ``TRITON_INTERPRET`` (so the kernels are ``triton.JITFunction`` s
-and the custom ops ``torch.library.triton_op``'s, as on a GPU host) on CPU tensors, with Triton's launcher
-(``JITFunction.run``, what ``kernel[grid](...)`` calls) a no-op that records the kernel, and
-``triton_runs_on`` / ``fits_device`` told the CPU is a GPU (the plans are sized for an H100,
-``triton.tiles.INTERPRET_TILES``). Everything above Triton runs as on a GPU host: the plans bind their
-arguments and call ``kernel[grid](...)`` (through ``wrap_triton``'s higher-order op where the tree launches
-that way in eager mode). Reported per call, median of interleaved repeats
-(``benchmarks.common.time_samples``), in microseconds:
-
-- ``triton_ttt`` of each branch of the official mixer (SwiGLU heads and the depthwise conv): inference (no
-  autograd node), the forward with a graph, the backward inside the op's autograd node (``bwd node``), and
-  forward + backward end to end (with the autograd engine and the gradients of the q, k, v views; every
-  backward as a training step's, after ``zero_grad()``: ``.grad`` ``None``);
-- the Triton path of one mixer call (the target: <= 50 us): the fused node of both branches on Triton
-  (``vit3.layers.eager_mix`` with ``MixBranch.path="triton"``) as one launch program
-  (``vit3.kernels.triton.program``) and, side by side, branch by branch through the ``Node`` hooks
-  (``vit3.kernels.triton.node``), and H-ViT³'s mixer (RoPE on the SwiGLU branch: q and k rotated around the
-  program, or the branch hooks): inference, forward + backward end to end (with the autograd engine), its
-  forward and backward inside the node (the program's, also back to back), and the forward + backward over the
-  floor of any Python autograd node with the node's inputs and output (``common.FloorNode``: saves them,
-  returns fresh gradients, nothing else; what the autograd engine and ``Function.apply`` cost alone,
-  ``autograd_floor.py`` compares it with a C++ node); and, for comparison, the two branches as separate
-  ``triton_ttt`` calls. On a tree without the Triton node (``--help``: run it on main's tree to compare) the
-  node's rows are left out;
-- for scale, a whole ``TTTMixer`` forward + backward on ``backend="triton"`` (the registry with its guard,
-  the projections on tiny tensors and the branches; the registry and the projections are not the Triton
-  path), and one ``torch.empty`` (what one PyTorch call costs on this machine: a loaded CPU stretches every
-  row alike).
-
-Triton's own launch cost (its binder and the driver call, ~10-20 us per launch in Python) is not in these
-figures: it is what the stub removes, and what CUDA graphs remove on a GPU.
+What a GPU host's CPU spends around the kernels (argument checks, the cached launch plan, the autograd node),
+measured on CPU tensors with Triton's launcher a no-op and the CPU taken for a GPU. Reported per call, median
+of interleaved repeats, in microseconds: ``triton_ttt`` of each branch, the Triton path of one mixer call (the
+target: <= 50 us) as one launch program and branch by branch, H-ViT³'s mixer, the autograd floor, and for
+scale a whole ``TTTMixer`` and one ``torch.empty``. Triton's own launch cost is not included. Method:
+benchmarks/README.md.
 
     python benchmarks/triton_overhead.py --threads 1
 """

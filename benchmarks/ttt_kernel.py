@@ -1,40 +1,9 @@
 """Times the SwiGLU-branch TTT inner loop: fused Triton op vs compiled and eager PyTorch vs official vs SDPA.
 
-Per configuration (N tokens, head dim d, B*H sample-heads, the input dtype) and mode (forward under
-``no_grad``, forward + backward to qkv and the inner weights), it times side by side:
-
-- ``fused``: ``vit3.kernels.triton_ttt`` (Triton; on CUDA, or on CPU through ``TRITON_INTERPRET=1``);
-- ``compiled``: ``torch.compile`` of the plain PyTorch formulation (``torch_loop`` below), the path a user
-  without the kernel would take on a GPU;
-- ``compiled_official``: ``torch.compile`` of the official eager formulation (``official`` below);
-- ``torch_fast`` (CPU only): the mixer's hand-fused path ``vit3.kernels.swiglu.eager.swiglu_ttt``, its passes
-  in the C++ kernel (``vit3.kernels.cpp``); its walk in cache-sized tiles is thousands of small launches on a
-  GPU (22-1400 ms a call on an H200, 2026-12-04), where the mixer's auto order never takes it;
-- ``torch_loop``: the generic PyTorch path ``vit3.layers.inner_loop`` + ``SwiGLUInner.apply_to`` (closed-form
-  inner gradient, fp32 compute);
-- ``official``: the official eager formulation (~37 eager ops forward), re-written here as the baseline; for
-  half inputs under ``torch.autocast`` in that dtype, as the official code runs in mixed precision (its
-  fp32 inner weights meet half q, k, v in ``k @ w1``);
-- ``sdpa``: softmax attention ``F.scaled_dot_product_attention`` at the same width (same q, k, v);
-- ``dwconv``: the official mixer's other branch, the 3x3 depthwise-conv inner model (PyTorch), on one
-  ``d``-channel head per sample (as in the official mixer): its cost next to the SwiGLU branch's is what
-  a fused dwconv kernel could save at most.
-
-It prints times, speed-ups over ``official``, achieved GB/s and TFLOP/s (and % of the device peak when
-known or given) using the work model of the ViT³ note: per (sample, head) the fused op needs
-12·N·d² FLOPs forward and 32·N·d² backward, and moves 4·N·d elements forward (q, k, v in, out) and
-7·N·d backward (q, k, v, dO in, dq, dk, dv out) — 8·N·d / 14·N·d bytes in bf16. SDPA is rated with
-4·N²·d FLOPs forward and 10·N²·d backward and the same bytes. Each path's peak memory per call is measured
-once after the timing (``peak_mib``: CUDA ``max_memory_allocated``; CPU the profiler's tensor allocations,
-``benchmarks.common.peak_tensor_memory``). ``--bh`` takes several sizes (an inference-size and a
-training-size batch x heads). A path whose first call fails (a compile error, out of memory) is reported and
-left out of that configuration. ``rel_err`` is each path's error against ``torch_loop`` (fp32 compute) on the
-same input: the output, or the gradients (``max |got - want| / max |want|``). Rows are written to the CSV as
-each configuration finishes; ``--profile`` adds a per-kernel profile of the forward + backward of
-``--profile-paths`` (``torch.profiler``: every GPU kernel's time per call, or every op's self CPU time on a
-CPU) to ``ttt_kernel_profile_<tag>.csv``.
-
-Examples::
+Per (N tokens, head dim d, B*H sample-heads, dtype) and mode (forward; forward + backward) it times the paths
+``fused``, ``compiled``, ``compiled_official``, ``torch_fast`` (CPU), ``torch_loop``, ``official``, ``sdpa``
+and ``dwconv``, and prints times, speed-ups over ``official``, GB/s, TFLOP/s, ``peak_mib`` and ``rel_err``.
+``--profile`` adds a per-kernel profile of ``--profile-paths``. Method: benchmarks/README.md.
 
     python benchmarks/ttt_kernel.py --quick            # small CPU run (reference paths only)
     python benchmarks/ttt_kernel.py                    # GPU: all paths, N in {196 .. 12544}, d in {32, 64}

@@ -1,17 +1,8 @@
 """Fills the Triton kernel cache in parallel before a timed run: one process per item, all cores at once.
 
-Triton compiles a kernel for each new specialisation (constexpr tiles, which integer arguments are 1 or
-multiples of 16, the arch), one after another inside the process that launches it: from a cold cache a
-benchmark of many shapes spends its time limit compiling. Each item here runs once, in its own process,
-what a benchmark will run, so the compiled kernels are in the cache (``$TRITON_CACHE_DIR``, file-based and
-shared between processes) when the benchmark starts:
-
-- ``kernel:D:N:BH`` the fused op's forward and forward + backward as ``ttt_kernel.py`` runs it (head dim
-  D, N tokens, B*H sample-heads over 4 heads, bf16 on CUDA);
-- ``model:NAME:RES:BATCH`` a training step (``train()``) and an inference forward (``eval()``) of timm model
-  NAME at RES px with BATCH images, as ``models.py`` runs them (bf16 autocast on CUDA).
-
-Prints one line per item (exit status, seconds); exits 1 if any item failed or timed out.
+Items: ``kernel:D:N:BH`` (the fused op as ``ttt_kernel.py`` runs it) and ``model:NAME:RES:BATCH`` (a training
+step and an inference forward as ``models.py`` runs them). Prints one line per item (exit status, seconds);
+exits 1 if any item failed or timed out. Why and how: benchmarks/README.md.
 
     python benchmarks/warm_cache.py --jobs 16 --timeout 120 kernel:64:3136:64 model:vit3_tiny:224:64
 """

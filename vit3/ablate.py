@@ -1,39 +1,12 @@
 """The paper's design-space tables, runnable: ``python -m vit3.ablate configs/ablations/<table>/``.
 
-Every YAML of ``configs/ablations/<table>/`` is one row of a table of the ViT³ design-space study: the study's
-backbone (``configs/ablations/base.yaml``: DeiT-S-sized plain ViT³ with the ImageNet-1K recipe) with one knob
-changed, and an ``ablation:`` section naming the table, the row and the paper's ImageNet-1K top-1
-(a number, ``diverged`` or null when not reported). The runner trains every row under one budget through the
-classification engine (:func:`vit3.engine.classification.train`) and writes, in its output folder,
-``results.csv``, ``results.md`` (the table beside the paper's numbers) and ``results.png`` (a bar chart), and
-one run folder per row. A row whose training diverges is reported as ``diverged``; a row that fails for
-another reason is reported as ``error`` (the other rows still run; the exit status is then 1).
-
-Budgets (the same for every row of a table; the rows' mixer configs are never touched):
-
-* default: the embedded MNIST demo data with the backbone shrunk alike for all rows, 6 epochs
-  (``configs/ablations/budgets/mnist.yaml``);
-* ``--data PATH``: an image folder (``PATH/train/<class>/*``, ``PATH/val/<class>/*``) with the rows' own
-  recipe (on ImageNet-1K: the paper's setting, 300 epochs of the DeiT-S-sized model);
-* ``--quick``: ``budgets/quick.yaml`` on top (2 epochs of a depth-2 backbone at 32x32, patch 8): a smoke
-  test of a table's rows in a few minutes on a 2-core CPU, not a measurement;
-* ``--epochs N``: N epochs (the warmup keeps its fraction of the schedule).
-
-Output folders: each row trains in ``<output>/<row file name>``. As for every run, a row never writes into a
-folder that holds an earlier run's checkpoints: the runner checks every row's folder before training any and
-refuses, naming the folder, unless ``--resume`` (each row continues from its folder's ``last.pt``: finished
-rows are read back from their checkpoints, a killed row continues exactly, the others train) or
-``--overwrite`` (each row's old files, and the old table's, are first moved into a ``replaced-<time>/``
-subfolder; nothing is deleted). The runner holds its output folder for the whole table (a second runner into
-it is refused while the first lives), and the table's files never replace another table's (``--resume``
-rewrites only those of the table it continues).
-
-Examples::
+Trains every row (YAML) of a table under one budget and writes ``results.csv``, ``results.md`` and
+``results.png`` beside one run folder per row. Budgets: default (embedded MNIST, shrunk backbone, 6 epochs),
+``--data PATH`` (an image folder, the rows' own recipe), ``--quick`` (a smoke test), ``--epochs N``.
+Occupied row folders are refused unless ``--resume`` or ``--overwrite``. Details: docs/ablations.md.
 
     python -m vit3.ablate configs/ablations/loss/ --quick
-    python -m vit3.ablate configs/ablations/inner_model/ --output output/ablations/inner_model
     python -m vit3.ablate configs/ablations/lr/ --data /data/imagenet --epochs 100 device=cuda
-    python -m vit3.ablate configs/ablations/ttt_linear.yaml configs/ablations/ttt_mlp.yaml --quick
     python -m vit3.ablate configs/ablations/loss/ --quick --resume   # finish a killed table
     python -m vit3.ablate --catalog   # the table of configs/ablations/README.md
 """

@@ -5,15 +5,9 @@
     python eval.py --checkpoint h_vittt_t.pth --model h_vit3_tiny --data /data/imagenet   # official file
     python eval.py --checkpoint output/gen_demo/last.pt --sampler ddim --steps 50 --cfg-scale 4   # generation
 
-A vit3 checkpoint carries its model (name, kwargs, classes, normalisation) and config (preprocessing,
-dataset), so only ``--checkpoint`` is needed; ``--model`` or ``model.kwargs.*`` given anyway win, with a
-warning. Class folders of ``--data`` are matched to the model's classes by name (a subset or another order
-is fine). An official checkpoint takes its model from ``--model`` and the rest from ``--config`` (default:
-configs/default.yaml; for an official DiT³ file a generation config, e.g.
-``--config configs/generation/imagenet256.yaml --model dit3_b_2``). Further ``key.sub=value`` overrides
-apply on top, anywhere on the command line. A generation checkpoint samples images (grid PNG, ``.npz`` for
-the reference evaluation suite) and computes the metrics its config asks for.
-A mistake in the input ends with one ``error:`` line and exit code 2 (``--debug`` shows the traceback).
+A vit3 checkpoint needs only ``--checkpoint``; an official file takes ``--model`` and ``--config``.
+``key.sub=value`` overrides apply anywhere on the command line. A mistake in the input ends with one
+``error:`` line and exit code 2 (``--debug`` shows the traceback). Details: docs/training.md.
 """
 
 from __future__ import annotations

@@ -4,17 +4,10 @@
     python export.py onnx --checkpoint output/finetune/best.pt --out features.onnx
     python export.py features --model h_vit3_tiny --checkpoint h_vittt_t.pth --images photos/ --out feats/
 
-A vit3 checkpoint carries its model (name, kwargs, input channels) and preprocessing, so ``--model`` is only
-needed for official files (or to override, with a warning). The weights come from ``--checkpoint`` or timm's
-``--pretrained``; the features of a randomly initialised backbone (e.g. to test a pipeline) need
-``--random-init``. ``features`` writes ``<out>/<image>.safetensors`` ({name: [C, h, w]}; images in subfolders
-keep their subfolder) and ``<out>/manifest.json`` (model, preprocessing, feature names, channels, strides,
-shapes). ``onnx`` writes a graph taking images in [0, 1] ``[B, C_in, H, W]`` (normalisation included) with a
-dynamic batch (and size where the model allows; ``--exporter torchscript``: a static graph of one image of
-``--img-size``), checks it against PyTorch with onnxruntime and prints the largest difference. An ``--out``
-that holds an earlier export is refused, unless ``--overwrite`` moves it into a ``replaced-<time>/`` folder
-first (a features folder holding other files is always refused). A mistake in
-the input ends with one ``error:`` line and exit code 2 (``--debug``).
+A vit3 checkpoint carries its model; ``--model`` is for official files. Weights: ``--checkpoint``,
+``--pretrained`` or ``--random-init``. An ``--out`` holding an earlier export is refused unless
+``--overwrite``. A mistake in the input ends with one ``error:`` line and exit code 2 (``--debug``).
+Outputs and options: docs/export.md.
 """
 
 from __future__ import annotations
