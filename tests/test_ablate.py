@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from helpers.common import REPO
 
 from vit3 import ablate
 from vit3.ablate import ABLATIONS_DIR, TABLES, catalog_markdown, knob, load_rows, row_config
@@ -95,7 +96,7 @@ def _budget_entry(doc: str, name: str) -> str:
 
 
 BUDGET_DOCS = {
-    "runner docstring": lambda: ablate.__doc__,
+    "docs/ablations.md": lambda: (REPO / "docs" / "ablations.md").read_text(encoding="utf-8"),
     "configs/ablations/README.md": lambda: (ABLATIONS_DIR / "README.md").read_text(encoding="utf-8"),
 }
 
