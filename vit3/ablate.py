@@ -552,7 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="train again in folders that hold an earlier table's rows, moving their files aside first",
     )
     parser.add_argument("--catalog", action="store_true", help="print the table of all rows and exit")
-    return run_cli(parser, lambda args: _main(args, argv), argv)  # paths, options, overrides in any order
+    resume = "the same command with --resume"  # the table continues, each row from its last.pt
+    return run_cli(parser, lambda args: _main(args, argv), argv, resume=resume)  # arguments in any order
 
 
 def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:

@@ -1501,3 +1501,20 @@ def test_ctrl_c_under_torchrun_is_said_by_rank_0_alone(rank, digits, tmp_path, m
         assert capsys.readouterr().err == ""
     else:
         assert one_error_line(capsys, last=True).startswith("error: interrupted (Ctrl-C)")
+
+
+def test_ctrl_c_in_the_ablation_runner_names_its_own_resume(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in ``python -m vit3.ablate`` named ``train.py --resume``, which continues one row; the table
+    continues with the runner's own ``--resume``."""
+    last = tmp_path / "row" / "last.pt"
+    monkeypatch.setattr("vit3.engine.checkpoint.last_saved", lambda: last)
+
+    def interrupted(args, argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ablate, "_main", interrupted)
+    assert ablate.main([str(tmp_path)]) == INTERRUPTED_EXIT
+    assert one_error_line(capsys, last=True) == (
+        f"error: interrupted (Ctrl-C); the last checkpoint written is {last} (the same command with --resume "
+        "continues it)"
+    )

@@ -97,15 +97,17 @@ def user_message(exc: BaseException) -> str:
     return text
 
 
-def interrupted_message() -> str:
-    """What an interrupted script says: the last checkpoint it wrote and how to continue from it."""
+def interrupted_message(resume: str = "train.py --resume {path}") -> str:
+    """What an interrupted script says: the last checkpoint it wrote and how to continue from it (``resume``,
+    with ``{path}`` standing for that checkpoint)."""
     from .checkpoint import last_saved  # torch, which the scripts' bodies import anyway
 
     path = last_saved()
     if path is None:
         return "interrupted (Ctrl-C) before this run wrote a checkpoint"
     return (
-        f"interrupted (Ctrl-C); the last checkpoint written is {path} (train.py --resume {path} continues it)"
+        f"interrupted (Ctrl-C); the last checkpoint written is {path} ({resume.format(path=path)} "
+        "continues it)"
     )
 
 
@@ -161,6 +163,7 @@ def run_cli(
     body: Callable[[argparse.Namespace], int],
     argv: Sequence[str] | None = None,
     intermixed: bool = True,
+    resume: str = "train.py --resume {path}",
 ) -> int:
     """Parses ``argv`` and returns ``body(args)``, or :data:`USER_ERROR_EXIT` after printing a user error.
 
@@ -170,6 +173,7 @@ def run_cli(
         argv: arguments (default: ``sys.argv[1:]``).
         intermixed: positional arguments (overrides) may be interleaved with options
             (``argparse.parse_intermixed_args``; not available for parsers with sub-commands).
+        resume: how an interrupted run continues, for its last line (``{path}``: its last checkpoint).
     """
     if "--debug" not in parser._option_string_actions:  # a parser with sub-commands adds it to their parent
         add_debug_flag(parser)
@@ -188,7 +192,7 @@ def run_cli(
         if _debug(args):
             raise
         if not _rank():  # Ctrl-C reaches every process of a torchrun launch: rank 0 says it once
-            print(f"error: {interrupted_message()}", file=sys.stderr)
+            print(f"error: {interrupted_message(resume)}", file=sys.stderr)
         return INTERRUPTED_EXIT
     except Exception as exc:
         if not is_user_error(exc) or _debug(args):
