@@ -9,6 +9,7 @@ vit3.data.samples), checkpoints, data (image folders, COCO, ADE20K), the Python 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -1403,85 +1405,72 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(digits, tmp_path):
     )
 
 
-class _Disk(io.RawIOBase):
-    """Storage that takes ``room`` bytes, then refuses every write (``ENOSPC``): a disk that fills up under a
-    buffered file, as ``open(path, "wb")`` gives."""
+class _Storage(io.RawIOBase):
+    """Storage that takes ``room`` bytes, then raises ``failure()`` in every write: a disk that fills up
+    (``OSError`` ENOSPC) or Ctrl-C (``KeyboardInterrupt``) under a buffered file, as ``open(path, "wb")``
+    gives."""
 
-    def __init__(self, room: int) -> None:
+    def __init__(self, room: int, failure: Callable[[], BaseException]) -> None:
         self.room = room
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        taken = min(len(data), self.room)
-        if not taken:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= taken
-        return taken
-
-
-def test_a_full_disk_during_a_checkpoint_is_one_line_naming_it(digits, tmp_path, monkeypatch, capsys):
-    """The second epoch's last.pt meets a full disk a few KB in: torch's zip writer reported it as its own
-    ``enforce fail at inline_container.cc``; now one line names the file and the system's reason, and the
-    first epoch's checkpoint stays as it was."""
-    from vit3.engine import checkpoint as ckpt_module
-
-    save = torch.save
-    out = tmp_path / "run"
-
-    def fill_the_disk(obj, f, *args, **kwargs):  # f: the temporary file of the checkpoint, .<name>.tmp<pid>
-        if Path(f.name).name.startswith(".last.pt.") and (out / "last.pt").exists():
-            return save(obj, io.BufferedWriter(_Disk(4096), buffer_size=1024), *args, **kwargs)
-        return save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(ckpt_module.torch, "save", fill_the_disk)
-    assert load_script("train").main(_run(digits, out, "train.epochs=2")) == USER_ERROR_EXIT
-    kept = f"{out / 'last.pt'}: No space left on device (the checkpoint already there is left as it was)"
-    assert one_error_line(capsys, last=True) == f"error: cannot write checkpoint {kept}"
-    monkeypatch.setattr(ckpt_module.torch, "save", save)
-    assert ckpt_module.load_checkpoint(out / "last.pt")["epoch"] == 1
-
-
-class _Interrupted(io.RawIOBase):
-    """Storage that takes ``room`` bytes, then meets Ctrl-C (``KeyboardInterrupt``) in a write."""
-
-    def __init__(self, room: int) -> None:
-        self.room = room
+        self.failure = failure
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         if self.room <= 0:
-            raise KeyboardInterrupt
+            raise self.failure()
         taken = min(len(data), self.room)
         self.room -= taken
         return taken
 
 
-def test_ctrl_c_during_a_checkpoint_is_the_one_interrupted_line(digits, tmp_path, monkeypatch, capsys):
-    """Ctrl-C while torch.save writes the second epoch's last.pt: torch's zip writer turned it into its own
-    ``enforce fail at inline_container.cc`` traceback; now the one line of an interrupted run, exit 130,
-    naming the first epoch's checkpoint, which is left as it was."""
+@contextlib.contextmanager
+def _second_last_pt_meets(failure: Callable[[], BaseException], out: Path) -> Iterator[None]:
+    """While in the block, torch.save of ``out``'s last.pt, once a first one stands, meets ``failure()`` a
+    few KB in (the first epoch's checkpoint is written as usual); torch.save is itself again after it."""
     from vit3.engine import checkpoint as ckpt_module
 
     save = torch.save
-    out = tmp_path / "run"
 
-    def interrupt(obj, f, *args, **kwargs):  # f: the temporary file of the checkpoint, .<name>.tmp<pid>
+    def failing(obj, f, *args, **kwargs):  # f: the temporary file of the checkpoint, .<name>.tmp<pid>
         if Path(f.name).name.startswith(".last.pt.") and (out / "last.pt").exists():
-            return save(obj, io.BufferedWriter(_Interrupted(4096), buffer_size=1024), *args, **kwargs)
+            return save(obj, io.BufferedWriter(_Storage(4096, failure), buffer_size=1024), *args, **kwargs)
         return save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt_module.torch, "save", interrupt)
-    assert load_script("train").main(_run(digits, out, "train.epochs=2")) == INTERRUPTED_EXIT
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ckpt_module.torch, "save", failing)
+        yield
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_naming_it(digits, tmp_path, capsys):
+    """The second epoch's last.pt meets a full disk a few KB in: torch's zip writer reported it as its own
+    ``enforce fail at inline_container.cc``; now one line names the file and the system's reason, and the
+    first epoch's checkpoint stays as it was."""
+    from vit3.engine.checkpoint import load_checkpoint
+
+    out = tmp_path / "run"
+    with _second_last_pt_meets(lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), out):
+        assert load_script("train").main(_run(digits, out, "train.epochs=2")) == USER_ERROR_EXIT
+    kept = f"{out / 'last.pt'}: No space left on device (the checkpoint already there is left as it was)"
+    assert one_error_line(capsys, last=True) == f"error: cannot write checkpoint {kept}"
+    assert load_checkpoint(out / "last.pt")["epoch"] == 1
+
+
+def test_ctrl_c_during_a_checkpoint_is_the_one_interrupted_line(digits, tmp_path, capsys):
+    """Ctrl-C while torch.save writes the second epoch's last.pt: torch's zip writer turned it into its own
+    ``enforce fail at inline_container.cc`` traceback; now the one line of an interrupted run, exit 130,
+    naming the first epoch's checkpoint, which is left as it was."""
+    from vit3.engine.checkpoint import load_checkpoint
+
+    out = tmp_path / "run"
+    with _second_last_pt_meets(KeyboardInterrupt, out):
+        assert load_script("train").main(_run(digits, out, "train.epochs=2")) == INTERRUPTED_EXIT
     assert one_error_line(capsys, last=True) == (
         f"error: interrupted (Ctrl-C); the last checkpoint written is {out / 'last.pt'} "
         f"(train.py --resume {out / 'last.pt'} continues it)"
     )
-    monkeypatch.setattr(ckpt_module.torch, "save", save)
-    assert ckpt_module.load_checkpoint(out / "last.pt")["epoch"] == 1
+    assert load_checkpoint(out / "last.pt")["epoch"] == 1
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
 
 
