@@ -73,6 +73,23 @@ def _digests(folder: Path) -> dict[str, str]:
     }
 
 
+def _refused_leaving_whole(folder: Path, script: str, args: list[str], capsys, last: bool = False) -> str:
+    """Runs ``<script>.py args``: it must exit 2 with one error line (``last``: and nothing after it) and
+    leave every file under ``folder`` as it was; returns that line."""
+    before = _digests(folder)
+    assert load_script(script).main(args) == 2
+    line = one_error_line(capsys, last=last)
+    assert _digests(folder) == before
+    return line
+
+
+def _copy_of(finished_run: Path, tmp_path: Path) -> Path:
+    """A copy of the finished run, ``tmp_path/run``, to change or to try to overwrite."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    return run
+
+
 def _temp_files(folder: Path) -> list[str]:
     return [p.name for p in folder.rglob("*") if ".tmp" in p.name]
 
@@ -201,14 +218,11 @@ def test_a_run_refuses_a_folder_holding_another_runs_results(digits, tmp_path, c
     out.mkdir()
     (out / "metrics.json").write_text("[the earlier run's history]")
     (out / "summary.json").write_text("{the earlier run's summary}")
-    before = _digests(out)
-    assert load_script("train").main(_run_args(digits, out)) == 2
-    assert one_error_line(capsys) == (
+    assert _refused_leaving_whole(out, "train", _run_args(digits, out), capsys) == (
         f"error: {out} holds the results of another run (summary.json, metrics.json), which this run would "
         f"overwrite: give this one a new folder (output=<folder>); --overwrite moves its files into "
         f"{out / 'replaced-<time>'}/ first"
     )
-    assert _digests(out) == before
 
 
 @pytest.mark.parametrize(
@@ -224,8 +238,7 @@ def test_a_run_refuses_a_folder_holding_another_runs_results(digits, tmp_path, c
 def test_a_full_disk_never_truncates_a_run_file(name, what, finished_run, tmp_path, full_disk, capsys):
     """A resumed run meets a full disk while it rewrites one of its files: one line naming the file, the
     earlier file whole, no temporary file left."""
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
+    out = _copy_of(finished_run, tmp_path)
     before = (out / name).read_bytes()
     full_disk.append(name)
     args = ["--resume", str(out / "last.pt"), "--output", str(out), "train.epochs=2"]
@@ -271,8 +284,7 @@ def test_an_eval_report_never_replaces_a_runs_own_files(task, name, tmp_path, ca
 
 
 def test_a_full_disk_never_truncates_an_eval_report(finished_run, tmp_path, full_disk, capsys):
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
+    out = _copy_of(finished_run, tmp_path)
     args = ["--checkpoint", str(out / "last.pt"), "eval.throughput_batches=1", "eval.flops=false"]
     assert load_script("eval").main(args) == 0
     report = out / "last.eval.json"
@@ -434,8 +446,7 @@ def test_resuming_a_finished_run_says_so_and_changes_no_result(finished_run, tmp
     """``train.py --resume last.pt`` of a run that has done its epochs said "resumed from ...: epoch 2" and
     "done", as if it had trained; now it says there is nothing left to train, and its checkpoints and history
     stay as they were."""
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
+    out = _copy_of(finished_run, tmp_path)
     kept = {
         name: digest for name, digest in _digests(out).items() if name not in ("config.yaml", "summary.json")
     }
@@ -451,8 +462,7 @@ def test_resuming_a_finished_run_says_so_and_changes_no_result(finished_run, tmp
 
 def test_a_resume_into_another_folder_leaves_the_first_untouched(finished_run, tmp_path):
     """``train.py --resume R/last.pt --output NEW``: the run goes on in NEW; R stays as it was."""
-    first = tmp_path / "run"
-    shutil.copytree(finished_run, first)
+    first = _copy_of(finished_run, tmp_path)
     before = _digests(first)
     args = ["--resume", str(first / "last.pt"), "--output", str(tmp_path / "more"), "train.epochs=2"]
     assert load_script("train").main(args) == 0
@@ -461,20 +471,15 @@ def test_a_resume_into_another_folder_leaves_the_first_untouched(finished_run, t
 
 def test_a_rerun_into_a_finished_runs_folder_is_refused(finished_run, digits, tmp_path, capsys):
     """The same command again: refused, naming the earlier run's checkpoints and how to continue it."""
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
-    before = _digests(out)
-    assert load_script("train").main(_run_args(digits, out)) == 2
-    assert one_error_line(capsys).startswith(
+    out = _copy_of(finished_run, tmp_path)
+    assert _refused_leaving_whole(out, "train", _run_args(digits, out), capsys).startswith(
         f"error: {out} holds the checkpoints of another run (last.pt, best.pt)"
     )
-    assert _digests(out) == before
 
 
 def test_overwrite_moves_the_earlier_run_aside_and_deletes_nothing(finished_run, digits, tmp_path):
     """--overwrite: every file of the earlier run is in replaced-<time>/, byte for byte."""
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
+    out = _copy_of(finished_run, tmp_path)
     before = _digests(out)
     assert load_script("train").main([*_run_args(digits, out), "--overwrite"]) == 0
     (aside,) = out.glob("replaced-*")
@@ -517,43 +522,30 @@ def test_an_eval_report_replaces_an_earlier_report(finished_run, tmp_path):
 def test_an_onnx_export_never_replaces_a_file_of_another_kind(name, finished_run, tmp_path, capsys):
     """``export.py onnx --out`` naming the run's checkpoint or a user's file: refused, both left whole."""
     why = "the file name must end in .onnx, so that no other file (a checkpoint, say) is overwritten"
-    run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
+    run = _copy_of(finished_run, tmp_path)
     (run / "notes.txt").write_text("the user's notes")
-    before = _digests(run)
     args = ["onnx", "--checkpoint", str(run / "best.pt"), "--out", str(run / name), "--no-check"]
-    assert load_script("export").main(args) == 2
-    assert (
-        one_error_line(capsys)
-        == f"error: --out must be a .onnx file this run can write, got '{run / name}': {why}"
+    assert _refused_leaving_whole(run, "export", args, capsys) == (
+        f"error: --out must be a .onnx file this run can write, got '{run / name}': {why}"
     )
-    assert _digests(run) == before
 
 
 def test_a_feature_export_never_mixes_into_a_run_folder(finished_run, images, tmp_path, capsys):
     """``export.py features --out R`` naming a run's folder: refused, the run left whole."""
-    run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
-    before = _digests(run)
+    run = _copy_of(finished_run, tmp_path)
     args = ["features", "--checkpoint", str(run / "best.pt"), "--images", str(images), "--out", str(run)]
-    assert load_script("export").main(args) == 2
-    assert one_error_line(capsys).startswith(
+    assert _refused_leaving_whole(run, "export", args, capsys).startswith(
         f"error: --out {run} holds files that are no feature export (e.g. "
     )
-    assert _digests(run) == before
 
 
 def test_an_eval_report_never_replaces_a_runs_config(finished_run, tmp_path, capsys):
     """``eval.py --json R/config.yaml``: a report is a .json file; the run's config is left whole."""
-    run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
-    before = _digests(run)
+    run = _copy_of(finished_run, tmp_path)
     args = ["--checkpoint", str(run / "last.pt"), "--json", str(run / "config.yaml")]
-    assert load_script("eval").main(args) == 2
     assert "the file name must end in .json, so that no other file (a checkpoint, say) is overwritten" in (
-        one_error_line(capsys, last=True)
+        _refused_leaving_whole(run, "eval", args, capsys, last=True)
     )
-    assert _digests(run) == before
 
 
 # ----------------------------------------------------------------------------------------------- tables
