@@ -81,14 +81,35 @@ def few_digits(tmp_path_factory):
     return make_digit_folder(tmp_path_factory.mktemp("few"), digits=(0, 1), n_train=4, n_val=2)
 
 
-def _classification_args(path: Path, data: Path, out: Path) -> list[str]:
-    one_step = [
-        "data.dataset=folder", f"data.path={data}", f"output={out}", "data.batch_size=8",
-        "data.num_workers=0",
-        "data.img_size=32", "train.epochs=1", "train.warmup_epochs=0", "train.progress=false", "device=cpu",
-        "threads=1",
+def _one_epoch(path: Path, dataset: str, data: Path, out: Path, *overrides: str) -> list[str]:
+    """``train.py`` arguments for one epoch of the config at ``path`` on ``dataset`` at ``data`` into ``out``,
+    on the CPU (one thread, no loader workers), then ``overrides``."""
+    return [
+        "--config", str(path), f"data.dataset={dataset}", f"data.path={data}", f"output={out}", "device=cpu",
+        "threads=1", "data.num_workers=0", "train.epochs=1", *overrides,
     ]  # fmt: skip
-    return ["--config", str(path), *one_step, *_shrunk(load_config(path))]
+
+
+def _train_one_epoch(path: Path, dataset: str, data: Path, out: Path, *overrides: str) -> dict:
+    """Runs ``train.py`` with :func:`_one_epoch`'s arguments; returns the checkpoint it saved,
+    ``out/last.pt``, read with weights-only loading (as every vit3 tool reads it)."""
+    assert load_script("train").main(_one_epoch(path, dataset, data, out, *overrides)) == 0
+    return read_ckpt(out / "last.pt")
+
+
+def _a_bare_resume_takes_one_more_step(out: Path) -> None:
+    """``train.py --resume out/last.pt train.epochs=2`` (no --config: the task's own) runs one more step in
+    ``out``."""
+    assert load_script("train").main(["--resume", str(out / "last.pt"), "train.epochs=2"]) == 0
+    assert read_ckpt(out / "last.pt")["global_step"] == 2
+
+
+def _classification_args(path: Path, data: Path, out: Path) -> list[str]:
+    return [
+        *_one_epoch(path, "folder", data, out),
+        *("data.batch_size=8", "data.img_size=32", "train.warmup_epochs=0", "train.progress=false"),
+        *_shrunk(load_config(path)),
+    ]
 
 
 def _eval_args(ckpt: Path, tmp_path: Path) -> list[str]:
@@ -117,10 +138,7 @@ def test_a_one_step_classification_run_is_read_back(name, few_digits, tmp_path):
     assert record["kwargs"] == load_config(out / "config.yaml").model.kwargs.to_dict()
     assert evaluate.main(_eval_args(out / "best.pt", tmp_path)) == 0
     assert json.loads((tmp_path / "eval.json").read_text())["results"][0]["images"] == 4
-    assert (
-        train.main(["--resume", str(out / "last.pt"), "train.epochs=2"]) == 0
-    )  # one more step, in its folder
-    assert read_ckpt(out / "last.pt")["global_step"] == 2
+    _a_bare_resume_takes_one_more_step(out)
     ft = [
         "--config", str(FINETUNE), f"model.pretrained={out / 'best.pt'}", f"data.path={few_digits}",
         f"output={tmp_path / 'ft'}", "data.batch_size=8", "data.num_workers=0", "train.epochs=1",
@@ -157,18 +175,14 @@ def test_a_one_step_dense_run_is_read_back(name, request, tmp_path):
         "dense.slide_crop=[64, 64]", "dense.slide_stride=[64, 64]",
     ]  # fmt: skip
     out = tmp_path / "run"
-    args = [
-        "--config", str(path), f"data.dataset={dataset}", f"data.path={data}", f"output={out}", "device=cpu",
-        "threads=1", "data.num_workers=0", "train.epochs=1", "train.log_every=0", "train.amp=none",
-        "dense.iters=0", "dense.eval_interval=0", "dense.warmup_iters=1", "dense.min_size=64",
-        "dense.max_size=64", "dense.out_channels=16",
+    overrides = [
+        "train.log_every=0", "train.amp=none", "dense.iters=0", "dense.eval_interval=0",
+        "dense.warmup_iters=1", "dense.min_size=64", "dense.max_size=64", "dense.out_channels=16",
         "dense.box_head_dim=32", "dense.mask_head_dim=16", "dense.anchor_sizes=[8, 16, 32, 64, 128]",
         "model.pretrained=",
         *splits, *[o for o in _shrunk(cfg) if "img_size" not in o],
     ]  # fmt: skip
-    train = load_script("train")
-    assert train.main(args) == 0
-    ckpt = read_ckpt(out / "last.pt")
+    ckpt = _train_one_epoch(path, dataset, data, out, *overrides)
     assert (
         ckpt["task"] == cfg.task and ckpt["record"]["kwargs"] == load_config(out / "config.yaml").model.kwargs
     )
@@ -176,8 +190,7 @@ def test_a_one_step_dense_run_is_read_back(name, request, tmp_path):
         load_script("eval").main(["--checkpoint", str(out / "last.pt"), "--json", str(tmp_path / "e.json")])
         == 0
     )
-    assert train.main(["--resume", str(out / "last.pt"), "train.epochs=2"]) == 0
-    assert read_ckpt(out / "last.pt")["global_step"] == 2
+    _a_bare_resume_takes_one_more_step(out)
 
 
 GENERATION = {
@@ -204,18 +217,14 @@ def test_a_one_step_generation_run_is_read_back(name, few_digits, tmp_path):
     else:
         extra.append("vae.path=")
     out = tmp_path / "run"
-    one_step = [
-        "--config", str(path), "data.dataset=folder", f"data.path={few_digits}", f"output={out}",
-        "device=cpu",
-        "threads=1", "data.batch_size=8", "data.num_workers=0", "data.img_size=16", "train.epochs=1",
-        "train.warmup_epochs=0", "train.progress=false", "train.final_eval=false", "model.num_classes=null",
+    overrides = [
+        "data.batch_size=8", "data.img_size=16", "train.warmup_epochs=0", "train.progress=false",
+        "train.final_eval=false", "model.num_classes=null",
         "model.kwargs.hidden_size=16", "model.kwargs.depth=1", "model.kwargs.num_heads=2",
         "model.name=dit3_s_8",
         *extra,
     ]  # fmt: skip
-    train = load_script("train")
-    assert train.main(one_step) == 0
-    ckpt = read_ckpt(out / "last.pt")
+    ckpt = _train_one_epoch(path, "folder", few_digits, out, *overrides)
     assert ckpt["task"] == "generation" and ckpt["model_kwargs"]["num_classes"] == 2
     sample = [
         "--num-samples",
@@ -233,12 +242,9 @@ def test_a_one_step_generation_run_is_read_back(name, few_digits, tmp_path):
         == 0
     )
     assert json.loads((tmp_path / "s" / "eval.json").read_text())["num_samples"] == 2
-    assert (
-        train.main(["--resume", str(out / "last.pt"), "train.epochs=2"]) == 0
-    )  # no --config: the task's own
-    assert read_ckpt(out / "last.pt")["global_step"] == 2
-    init = [*one_step, f"output={tmp_path / 'init'}", f"model.pretrained={out / 'last.pt'}"]
-    assert train.main(init) == 0
+    _a_bare_resume_takes_one_more_step(out)
+    init = [*overrides, f"model.pretrained={out / 'last.pt'}"]
+    _train_one_epoch(path, "folder", few_digits, tmp_path / "init", *init)
 
 
 # ------------------------------------------------------------------------------- earlier checkpoints
