@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -162,21 +163,30 @@ def _official_shapes(official: str) -> dict[str, list[int]]:
     return json.loads(path.read_text())[official]
 
 
-@pytest.mark.parametrize(("official", "ours"), MANIFEST_CASES)
-def test_full_size_conversion_uses_every_key_and_fills_every_parameter(official, ours):
+def _official_on_meta(official: str, ours: str) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    """A full-size official checkpoint as meta tensors of its shapes, and ``ours`` built on the meta
+    device."""
     shapes = _official_shapes(official)
     with torch.device("meta"):
-        model = timm.create_model(ours)
-        fake = {k: torch.empty(s) for k, s in shapes.items()}
-    filter_fn = plain.checkpoint_filter_fn if ours.startswith("vit3") else h_vit3.checkpoint_filter_fn
-    converted = filter_fn(fake, model)
+        return {k: torch.empty(s) for k, s in shapes.items()}, timm.create_model(ours)
+
+
+def _filter_fn(ours: str) -> Callable[[dict, torch.nn.Module], dict]:
+    """The timm ``checkpoint_filter_fn`` of ``ours``'s family (plain or hierarchical)."""
+    return plain.checkpoint_filter_fn if ours.startswith("vit3") else h_vit3.checkpoint_filter_fn
+
+
+@pytest.mark.parametrize(("official", "ours"), MANIFEST_CASES)
+def test_full_size_conversion_uses_every_key_and_fills_every_parameter(official, ours):
+    fake, model = _official_on_meta(official, ours)
+    converted = _filter_fn(ours)(fake, model)
     target = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert {k: tuple(v.shape) for k, v in converted.items()} == target
-    rope_tables = [k for k in shapes if k.endswith(".rope.rotations")]  # recomputed per grid, not weights
+    rope_tables = [k for k in fake if k.endswith(".rope.rotations")]  # recomputed per grid, not weights
     assert len(rope_tables) == (
-        sum(1 for k in shapes if k.endswith(".cpe.weight")) if ours.startswith("h") else 0
+        sum(1 for k in fake if k.endswith(".cpe.weight")) if ours.startswith("h") else 0
     )
-    assert len(converted) == len(shapes) - len(rope_tables), "every other official key is used, none merged"
+    assert len(converted) == len(fake) - len(rope_tables), "every other official key is used, none merged"
     model.load_state_dict(converted, strict=True, assign=True)
 
 
@@ -186,21 +196,17 @@ def test_full_size_conversion_uses_every_key_and_fills_every_parameter(official,
     ids=["plain-other-size", "hier-other-depth", "other-family"],
 )
 def test_checkpoint_of_another_model_lists_missing_unexpected_and_misshaped_keys(official, ours):
-    shapes = _official_shapes(official)
-    with torch.device("meta"):
-        model = timm.create_model(ours)
-        fake = {k: torch.empty(s) for k, s in shapes.items()}
-    filter_fn = plain.checkpoint_filter_fn if ours.startswith("vit3") else h_vit3.checkpoint_filter_fn
+    fake, model = _official_on_meta(official, ours)
     with pytest.raises(ValueError, match="does not fit") as err:
-        filter_fn(fake, model)
+        _filter_fn(ours)(fake, model)
     msg = str(err.value)
     assert "missing keys" in msg and "unexpected keys" in msg and "mis-shaped keys" in msg
     assert sum(int(n) for n in re.findall(r"keys \((\d+)\)", msg)) > 0
     if official == "vittt_small":
         ours_shape = tuple(model.state_dict()["blocks.0.attn.qkv.weight"].shape)
         assert (
-            f"blocks.0.attn.qkv.weight: checkpoint {tuple(shapes['blocks.0.attn.qkv.weight'])} vs model "
-            f"{ours_shape}" in msg
+            f"blocks.0.attn.qkv.weight: checkpoint {tuple(fake['blocks.0.attn.qkv.weight'].shape)} vs "
+            f"model {ours_shape}" in msg
         )
     if official == "h_vittt_tiny":
         assert "stages.0.blocks.1.cpe.weight" in msg.split("unexpected")[0]  # missing: S has more blocks
