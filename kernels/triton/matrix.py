@@ -40,6 +40,15 @@ __all__ = [
 
 
 @triton.jit
+def _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's chunk of tokens and block of ``BLOCK_C`` output columns (:func:`chunk_of` over
+    ``cdiv(D, BLOCK_C)`` column blocks): ``(dead, s, bg, b, g, lo, hi, rd, cols)``, ``rd`` the weights' rows.
+    A ``dead`` program (the tail of a folded grid) must return."""
+    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C))
+    return dead, s, bg, b, g, lo, hi, tl.arange(0, BLOCK_D), c * BLOCK_C + tl.arange(0, BLOCK_C)
+
+
+@triton.jit
 def _store_pair(buf, bg, slot, slots, rd, cols, D, x1, x2, SWIGLU: tl.constexpr):
     """Stores the ``[BLOCK_D, BLOCK_C]`` tile(s) of one column block into a ``[B*G, slots, NW, d, d]``
     buffer (``x2``: the second weight, SwiGLU only)."""
@@ -312,11 +321,9 @@ def forward_kernel(
     """
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         coef, lr = tl.cast(coef, ACC), tl.cast(lr, ACC)
-    dead, c, _s, bg, b, g, _lo, _hi = chunk_of(BG, G, N, N, 1, tl.cdiv(D, BLOCK_C))
+    dead, _s, bg, b, g, _lo, _hi, rd, cols = _chunk_columns(BG, G, N, N, 1, D, BLOCK_D, BLOCK_C)
     if dead:
         return
-    rd = tl.arange(0, BLOCK_D)
-    cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
     w1, w2, acc1, acc2 = _grad_tiles(
         k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, 0, N, w1_ptr, w2_ptr, g, skn, skc, svn, svc,
         swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
@@ -356,11 +363,9 @@ def grad_partial_kernel(
     ``part_ptr`` ``[B*G, S, NW, d, d]``."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         coef = tl.cast(coef, ACC)
-    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C))
+    dead, s, bg, b, g, lo, hi, rd, cols = _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D, BLOCK_C)
     if dead:
         return
-    rd = tl.arange(0, BLOCK_D)
-    cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
     _w1, _w2, acc1, acc2 = _grad_tiles(
         k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc,
         swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
@@ -382,11 +387,9 @@ def readout_kernel(
     ``||G||``."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         lr = tl.cast(lr, ACC)
-    dead, c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C))
+    dead, _s, bg, b, g, lo, hi, rd, cols = _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D, BLOCK_C)
     if dead:
         return
-    rd = tl.arange(0, BLOCK_D)
-    cols = c * BLOCK_C + tl.arange(0, BLOCK_C)
     o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr, SWIGLU,
                                GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
     _readout_tiles(
