@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vit3.layers.blocks as blocks
 from vit3.layers.blocks import LeanMlp, TTTBlock
+from vit3.layers.embed import ConvDownsample, ConvStem
 
 C = 12
 
@@ -259,3 +260,55 @@ def test_lean_conv_ffn_steps_aside_for_dropout_hooks_and_tracing():
     assert "_LeanConvFfnFn" in ffn(x).grad_fn.name()
     traced = torch.jit.trace(ffn, x.detach())
     torch.testing.assert_close(traced(x.detach()), ffn(x).detach(), rtol=1e-13, atol=1e-13)
+
+
+def _stacks(recompute: str) -> list[nn.Module]:
+    """The H-ViT³ stem and a downsampling, float64, in training, their weights from one seed."""
+    torch.manual_seed(0)
+    stacks = [ConvStem(3, 16, recompute=recompute), ConvDownsample(8, 16, recompute=recompute)]
+    return [s.double().train() for s in stacks]
+
+
+def _stack_step(stack: nn.Module, seed: int = 1) -> list[torch.Tensor]:
+    """Output, every gradient and every buffer after one training step of ``stack`` (BatchNorm updates)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, stack[0].conv.in_channels, 16, 12)
+    x = torch.randn(shape, dtype=torch.float64, generator=g, requires_grad=True)
+    out = stack(x)
+    (out * torch.randn(out.shape, dtype=torch.float64, generator=g)).sum().backward()
+    return [out.detach(), x.grad, *(p.grad for p in stack.parameters()), *stack.buffers()]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["stem", "downsample"])
+def test_recomputed_stem_and_downsampling_match_the_layers_bitwise(index):
+    """The rerun in the backward gives autograd's own gradients, and leaves BatchNorm's running statistics
+    and batch count as one plain step does (not updated twice)."""
+    lean, plain = _stacks("auto")[index], _stacks("never")[index]
+    got, want = _stack_step(lean), _stack_step(plain)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"tensor {i} differs"
+    assert all(int(t) == 1 for t in lean.buffers() if t.dtype == torch.long)
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["stem", "downsample"])
+def test_recomputed_stem_and_downsampling_save_only_their_input(index):
+    lean, plain = _stacks("auto")[index], _stacks("never")[index]
+    x = torch.randn(2, lean[0].conv.in_channels, 16, 16, dtype=torch.float64, requires_grad=True)
+    assert saved_values(lambda: lean(x)) == x.numel()
+    assert saved_values(lambda: plain(x)) > 8 * x.numel()
+
+
+def test_recomputed_stack_steps_aside_for_hooks_on_its_layers_and_no_grad():
+    stem = _stacks("auto")[0]
+    x = torch.randn(1, 3, 16, 16, dtype=torch.float64, requires_grad=True)
+    assert saved_values(lambda: stem(x)) == x.numel()
+    calls = []
+    handle = stem[1].register_forward_hook(lambda *_: calls.append(1))
+    assert saved_values(lambda: stem(x)) > x.numel()
+    stem(x).sum().backward()
+    assert len(calls) == 2  # once per forward above: no rerun in the backward
+    handle.remove()
+    own = stem.register_forward_hook(lambda *_: calls.append(1))
+    assert saved_values(lambda: stem(x)) == x.numel()  # a hook on the stack itself runs once either way
+    own.remove()

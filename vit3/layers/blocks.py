@@ -18,14 +18,13 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, drop_path, register_notrace_module
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
-from torch.nn.modules import module as _module_hooks
 from torch.utils.checkpoint import checkpoint
 
 from vit3.kernels.common import autocast_backward, autocast_forward
 
 from . import backends
 from .config import TTTConfig
-from .inner_math import tracing
+from .lean import hooked, lean_eligible
 from .ttt import TTTMixer
 
 __all__ = ["ConvFFN", "ConvPosEnc", "LeanMlp", "TTTBlock"]
@@ -132,9 +131,9 @@ class ConvFFN(nn.Module):
 
     def _lean(self, x: Tensor) -> bool:
         return (
-            _lean_eligible(x)
+            lean_eligible(x)
             and not (self.training and (self.drop1.p > 0 or self.drop2.p > 0))
-            and not _hooked(self, self.fc1, self.act, self.dwc, self.fc2)
+            and not hooked(self, self.fc1, self.act, self.dwc, self.fc2)
             and backends.recompute_mode(self.recompute)[0] != "never"
         )
 
@@ -196,12 +195,6 @@ class _LeanConvFfnFn(torch.autograd.Function):
         return dx, dw1, db1, grads[1], ddb, dw2, db2, None
 
 
-def _lean_eligible(x: Tensor) -> bool:
-    """Gradients flow and the call is eager: not traced (jit, FX, ONNX) nor compiled, where plain ops serve,
-    and the batch is not empty (plain ops take it)."""
-    return torch.is_grad_enabled() and not tracing() and not isinstance(x, torch.fx.Proxy) and x.numel() > 0
-
-
 class _LeanMlpFn(torch.autograd.Function):
     """``fc2(GELU(fc1(LN(x))))`` (the LayerNorm optional) saving x, the norm's statistics and
     ``h = fc1(LN(x))`` only: the backward recomputes ``LN(x)`` for fc1's weight gradient and ``GELU(h)`` for
@@ -257,25 +250,6 @@ class _LeanMlpFn(torch.autograd.Function):
             dn, x.to(n.dtype), x.shape[-1:], mean, rstd, ln_w, ln_b, mask
         )
         return dx, d_lw, d_lb, None, dw1, db1, dw2, db2, None
-
-
-def _hooked(*modules: nn.Module) -> bool:
-    """Whether calling one of ``modules`` would run more than its ``forward``: hooks (its own or global) or a
-    compiled call (``Module.compile``); a block that runs as one op calls none of them."""
-    g = _module_hooks
-    if (
-        g._global_forward_hooks
-        or g._global_forward_pre_hooks
-        or g._global_backward_hooks
-        or g._global_backward_pre_hooks
-    ):
-        return True
-    for m in modules:  # a loop, not any() over a generator: this runs on every block call
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            return True
-        if m._compiled_call_impl is not None:
-            return True
-    return False
 
 
 _WEIGHT_BIAS = operator.itemgetter("weight", "bias")
@@ -334,7 +308,7 @@ class LeanMlp(Mlp):
         )
 
     def _lean(self, x: Tensor) -> bool:
-        return _lean_eligible(x) and self._fusable() and backends.recompute_mode(self.recompute)[0] != "never"
+        return lean_eligible(x) and self._fusable() and backends.recompute_mode(self.recompute)[0] != "never"
 
     def _plain(self, x: Tensor) -> Tensor:
         """``Mlp.forward`` without calling its no-op modules (``Identity``, dropout outside training or of p =
@@ -462,7 +436,7 @@ class TTTBlock(nn.Module):
 
     def _lean(self, x: Tensor) -> bool:
         """Memory-lean training: the CPE output (the first norm's input) is not saved but recomputed."""
-        return _lean_eligible(x) and backends.recompute_mode(self.attn.cfg.recompute)[0] != "never"
+        return lean_eligible(x) and backends.recompute_mode(self.attn.cfg.recompute)[0] != "never"
 
     def _one_op_layers(self, x: Tensor, grad: bool, hooks: bool = True) -> tuple[tuple | None, str]:
         """The layers of a call on ``x`` (with gradients: ``grad``) that can run as one op, or ``None`` and
@@ -503,7 +477,7 @@ class TTTBlock(nn.Module):
             and type(dp2) in _DROP_PATHS
         ):
             return None, "a layer is not one the op computes (3x3 CPE, LayerNorms over C, Linear, DropPath)"
-        if hooks and _hooked(attn, qkv, proj, mlp, dp1, dp2):
+        if hooks and hooked(attn, qkv, proj, mlp, dp1, dp2):
             return None, "a layer has hooks or is compiled"
         lean = True  # without gradients: the lean ops' forwards
         if grad:

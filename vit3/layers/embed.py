@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from vit3.kernels.common import autocast_on
 
 from .inner_math import assert_finite, shape_text, tracing
+from .lean import RecomputedStack
 
 __all__ = [
     "ConvDownsample",
@@ -111,17 +112,19 @@ class ConvNormAct(nn.Module):
         return self.act(self.norm(x))
 
 
-class ConvStem(nn.Sequential):
+class ConvStem(RecomputedStack):
     """The H-ViT³ stem, stride 4: 3x3 s2 -> two 3x3 -> 3x3 s2 to 4C -> 1x1 to C, BN everywhere, ReLU but last.
 
-    Padded convolutions give ``ceil(H / 4) x ceil(W / 4)`` for any ``H, W``.
+    Padded convolutions give ``ceil(H / 4) x ceil(W / 4)`` for any ``H, W``. In training it saves only the
+    images and reruns itself in the backward (``RecomputedStack``; not under ``recompute="never"``).
 
     Args:
         in_chans: image channels.
         dim: output width C (the hidden width is C / 2).
+        recompute: the model's ``TTTConfig.recompute``.
     """
 
-    def __init__(self, in_chans: int, dim: int) -> None:
+    def __init__(self, in_chans: int, dim: int, recompute: str = "auto") -> None:
         half = dim // 2
         super().__init__(
             ConvNormAct(in_chans, half, 3, stride=2, bias=False),
@@ -129,24 +132,30 @@ class ConvStem(nn.Sequential):
             ConvNormAct(half, half, 3, bias=False),
             ConvNormAct(half, dim * 4, 3, stride=2, bias=False),
             ConvNormAct(dim * 4, dim, 1, bias=False, act=False),
+            recompute=recompute,
         )
 
 
-class ConvDownsample(nn.Sequential):
+class ConvDownsample(RecomputedStack):
     """The H-ViT³ downsampling, stride 2: 1x1 to 4C_out + ReLU, depthwise 3x3 s2 + ReLU, 1x1 to C_out + BN.
+
+    In training it saves only its input and reruns itself in the backward (``RecomputedStack``; not under
+    ``recompute="never"``): its 4C_out map at the input's resolution is not kept.
 
     Args:
         in_chs: input width.
         out_chs: output width C_out.
         ratio: hidden width / C_out.
+        recompute: the model's ``TTTConfig.recompute``.
     """
 
-    def __init__(self, in_chs: int, out_chs: int, ratio: float = 4.0) -> None:
+    def __init__(self, in_chs: int, out_chs: int, ratio: float = 4.0, recompute: str = "auto") -> None:
         hidden = int(out_chs * ratio)
         super().__init__(
             ConvNormAct(in_chs, hidden, 1, norm=False),
             ConvNormAct(hidden, hidden, 3, stride=2, groups=hidden, norm=False),
             ConvNormAct(hidden, out_chs, 1, act=False),
+            recompute=recompute,
         )
 
 

@@ -66,7 +66,8 @@ class HViT3Stage(nn.Module):
     ) -> None:
         super().__init__()
         self.grad_checkpointing = False
-        self.downsample = ConvDownsample(in_dim, dim) if downsample else nn.Identity()
+        recompute = ttt_cfg.recompute if ttt_cfg is not None else "auto"
+        self.downsample = ConvDownsample(in_dim, dim, recompute=recompute) if downsample else nn.Identity()
         mlp = dict(mlp_ratio=mlp_ratio, proj_drop=proj_drop, mlp_layer=ConvFFN)
         rates = list(drop_path) or [0.0] * depth
         self.blocks = ttt_blocks(dim, num_heads, rates, ttt_cfg=ttt_cfg, norm_layer=nn.LayerNorm, **mlp)
@@ -151,7 +152,7 @@ class HViT3(FamilyBackbone):
         self.reduction = 4 * 2 ** (len(dims) - 1)
         cfg = self.ttt_cfg
 
-        self.stem = ConvStem(in_chans, dims[0])
+        self.stem = ConvStem(in_chans, dims[0], recompute=cfg.recompute)
         self.pos_drop = nn.Dropout(pos_drop_rate)
         dpr = stochastic_depth_rates(drop_path_rate, sum(depths))
         self.stages = nn.Sequential(
