@@ -11,6 +11,8 @@ Adding an inner model on the generic path (every backend falls back to it) is on
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from .inner_math import assert_finite, tracing
@@ -28,21 +30,12 @@ __all__ = [
 
 
 def inner_loop(
-    model: InnerModel,
-    params: Params,
-    k: Tensor,
-    v: Tensor,
-    grid: tuple[int, int],
-    *,
-    loss: str = "dot",
-    scale: float = 9**-0.5,
-    lr: float = 1.0,
-    steps: int = 1,
-    mini_batches: int = 1,
-    grad_norm: bool = True,
-    token_lr: Tensor | None = None,
+    model: InnerModel, params: Params, k: Tensor, v: Tensor, grid: tuple[int, int], **hyper: Any
 ) -> Params:
     """Trains an inner model on ``(k, v)`` and returns its per-sample weights.
+
+    The loop is the model's :meth:`InnerModel.inner_loop` (a method: TorchScript compiles it with the model),
+    which holds the arguments, their defaults and what it returns; the hyper-parameters are keyword-only here.
 
     Args:
         model: the inner model (its closed-form gradients are used).
@@ -50,17 +43,9 @@ def inner_loop(
         k: keys ``[B, G, N, c]``.
         v: values ``[B, G, N, c]``.
         grid: ``(h, w)`` with ``h * w == N``.
-        loss: inner loss name.
-        scale: loss scale s; each mini-batch loss is ``(s / n) * sum_n l_n``.
-        lr: inner learning rate η.
-        steps: epochs over the sequence.
-        mini_batches: contiguous chunks per epoch (one step each).
-        grad_norm: apply ``G / (||G|| + 1)`` before the step.
-        token_lr: optional per-token gate ``[B, G, N]`` multiplying each token's gradient (η·σ(x W_η)).
+        **hyper: ``loss``, ``scale``, ``lr``, ``steps``, ``mini_batches``, ``grad_norm``, ``token_lr``.
 
     Returns:
         The updated weights, each ``[B, ...]`` (or ``[1, ...]`` where nothing depends on the sample).
-
-    The loop is the model's :meth:`InnerModel.inner_loop` (a method: TorchScript compiles it with the model).
     """
-    return model.inner_loop(params, k, v, grid, loss, scale, lr, steps, mini_batches, grad_norm, token_lr)
+    return model.inner_loop(params, k, v, grid, **hyper)

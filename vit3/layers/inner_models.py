@@ -193,8 +193,24 @@ class InnerModel(nn.Module):
     ) -> Params:
         """Trains this model on ``(k, v)`` with its closed-form gradients; the per-sample weights.
 
-        ``vit3.layers.inner.inner_loop(model, ...)`` (its arguments and returns) calls this; a method, so that
-        TorchScript compiles it with the model's own ``forward_train`` / ``grads``.
+        ``vit3.layers.inner.inner_loop(model, ...)`` calls this; a method, so that TorchScript compiles it
+        with the model's own ``forward_train`` / ``grads``.
+
+        Args:
+            params: initial weights (leading dim 1 or B).
+            k: keys ``[B, G, N, c]``.
+            v: values ``[B, G, N, c]``.
+            grid: ``(h, w)`` with ``h * w == N``.
+            loss: inner loss name.
+            scale: loss scale s; each mini-batch loss is ``(s / n) * sum_n l_n``.
+            lr: inner learning rate η.
+            steps: epochs over the sequence.
+            mini_batches: contiguous chunks per epoch (one step each).
+            grad_norm: apply ``G / (||G|| + 1)`` before the step.
+            token_lr: optional per-token gate ``[B, G, N]`` multiplying each token's gradient (η·σ(x W_η)).
+
+        Returns:
+            The updated weights, each ``[B, ...]`` (or ``[1, ...]`` where nothing depends on the sample).
         """
         n_tok = k.shape[-2]
         if mini_batches > n_tok:
