@@ -45,8 +45,20 @@ from vit3.scripts import explain as explain_script
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FINETUNE = CONFIG_DIR / "finetune.yaml"
+
+
+def _onnx(out: str, *extra: str) -> list[str]:
+    """``export.py onnx`` of the classifier fixture into ``out``, then ``extra``."""
+    return ["onnx", "--checkpoint", "<classifier>", "--out", out, *extra]
+
+
+def _features(images: str, out: str, *extra: str) -> list[str]:
+    """``export.py features`` of the classifier fixture on ``images`` into ``out``, then ``extra``."""
+    return ["features", "--checkpoint", "<classifier>", "--images", images, "--out", out, *extra]
+
+
 # export.py features of the classifier fixture on the digits' val split, into a new folder
-FEATURES = ["features", "--checkpoint", "<classifier>", "--images", "<digits>/val", "--out", "<tmp>/f"]
+FEATURES = _features("<digits>/val", "<tmp>/f")
 # timm's own test ViT cut to two blocks: fewer than the three its features take by default.
 TWO_BLOCK_VIT = [
     "model.name=test_vit3",
@@ -479,53 +491,42 @@ MORE_CLI_MISTAKES = {
     ),
     "onnx-out-a-folder": (
         "export",
-        ["onnx", "--checkpoint", "<classifier>", "--out", "<tmp>/empty"],
+        _onnx("<tmp>/empty"),
         "--out must be a .onnx file this run can write, got '<tmp>/empty': <tmp>/empty is a folder",
     ),
     "onnx-out-under-a-file": (
         "export",
-        ["onnx", "--checkpoint", "<classifier>", "--out", "<tmp>/notes.txt/m.onnx"],
+        _onnx("<tmp>/notes.txt/m.onnx"),
         "<tmp>/notes.txt is a file, so nothing can be made under it",
     ),
     "onnx-opset-too-old": (
         "export",
-        ["onnx", "--checkpoint", "<classifier>", "--out", "<tmp>/m.onnx", "--opset", "3"],
+        _onnx("<tmp>/m.onnx", "--opset", "3"),
         "--opset must be in [7, ",
     ),
     "onnx-img-size-negative": (
         "export",
-        ["onnx", "--checkpoint", "<classifier>", "--out", "<tmp>/m.onnx", "--img-size", "-3"],
+        _onnx("<tmp>/m.onnx", "--img-size", "-3"),
         "--img-size must be >= 1, got -3",
     ),
     "features-images-not-found": (
         "export",
-        ["features", "--checkpoint", "<classifier>", "--images", "<tmp>/nope", "--out", "<tmp>/f"],
+        _features("<tmp>/nope", "<tmp>/f"),
         "--images must be an existing folder, got '<tmp>/nope': not found",
     ),
     "features-images-empty": (
         "export",
-        [
-            "features",
-            "--checkpoint",
-            "<classifier>",
-            "--images",
-            "<tmp>/empty",
-            "--out",
-            "<tmp>/f",
-            "--out-indices",
-            "0",
-            "1",
-        ],
+        _features("<tmp>/empty", "<tmp>/f", "--out-indices", "0", "1"),
         "no images (.jpg, .jpeg, .png, .bmp, .webp, .tif, .tiff) in <tmp>/empty",
     ),
     "features-images-a-file": (
         "export",
-        ["features", "--checkpoint", "<classifier>", "--images", "<tmp>/notes.txt", "--out", "<tmp>/f"],
+        _features("<tmp>/notes.txt", "<tmp>/f"),
         "--images must be an existing folder, got '<tmp>/notes.txt': it is a file",
     ),
     "features-out-a-file": (
         "export",
-        ["features", "--checkpoint", "<classifier>", "--images", "<digits>/val", "--out", "<tmp>/notes.txt"],
+        _features("<digits>/val", "<tmp>/notes.txt"),
         "--out must be a folder this run can write, got '<tmp>/notes.txt': <tmp>/notes.txt is a file",
     ),
     "features-levels-out-of-range": (
@@ -564,16 +565,7 @@ MORE_CLI_MISTAKES = {
     ),
     "features-two-weight-sources": (
         "export",
-        [
-            "features",
-            "--checkpoint",
-            "<classifier>",
-            "--pretrained",
-            "--images",
-            "<digits>/val",
-            "--out",
-            "<tmp>/f",
-        ],
+        [*FEATURES, "--pretrained"],
         "argument --pretrained: not allowed with argument --checkpoint",
     ),
     "export-command-unknown": ("export", ["bogus"], "argument command: invalid choice: 'bogus'"),
