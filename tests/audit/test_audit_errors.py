@@ -679,6 +679,10 @@ def test_another_command_line_mistake_is_one_line(script, args, message, digits,
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
+# What every tool that reads a checkpoint says first of a file it cannot read as one.
+EMPTY = "<empty> is an empty file (0 bytes), not a checkpoint"
+RANDOM = "<random> is no torch.save file"
+FOREIGN = "<foreign> is a bare state dict of 1 tensor(s) (no vit3 model record)"
 # (script, arguments, what the one line says): each checkpoint named for what it holds and what is taken there
 CHECKPOINT_MISTAKES = {
     "fine-tune-from-a-generator": (
@@ -709,44 +713,37 @@ CHECKPOINT_MISTAKES = {
     ),
     "eval-empty": (
         "eval", ["--checkpoint", "<empty>"],
-        "<empty> is an empty file (0 bytes), not a checkpoint; expected a vit3 checkpoint (a run's best.pt "
-        "or "
-        "last.pt) or official weights (.pth, .safetensors)",
+        f"{EMPTY}; expected a vit3 checkpoint (a run's best.pt or last.pt) or official weights (.pth, "
+        ".safetensors)",
     ),
-    "eval-random": ("eval", ["--checkpoint", "<random>"], "<random> is no torch.save file (1024 bytes of "
-                                                          "another"),
+    "eval-random": ("eval", ["--checkpoint", "<random>"], f"{RANDOM} (1024 bytes of another"),
     "eval-a-config": ("eval", ["--checkpoint", "<config>"], "<config> is a text file (19 bytes, e.g. a YAML "
                                                             "config)"),
     "eval-foreign": (
         "eval", ["--checkpoint", "<foreign>"],
-        "<foreign> is a bare state dict of 1 tensor(s) (no vit3 model record), not a vit3 checkpoint: name "
-        "its "
-        "model with --model",
+        f"{FOREIGN}, not a vit3 checkpoint: name its model with --model",
     ),
     "eval-folder": ("eval", ["--checkpoint", "<folder>"], "checkpoint <folder> is a folder: give the "
                                                           "checkpoint file"),
     "eval-random-with-a-model": (
-        "eval", ["--checkpoint", "<random>", "--model", "test_h_vit3"], "<random> is no torch.save file",
+        "eval", ["--checkpoint", "<random>", "--model", "test_h_vit3"], RANDOM,
     ),
     "resume-empty": (
         "train", ["--resume", "<empty>"],
-        "<empty> is an empty file (0 bytes), not a checkpoint; expected a vit3 checkpoint (a run's last.pt "
-        "or "
-        "best.pt)",
+        f"{EMPTY}; expected a vit3 checkpoint (a run's last.pt or best.pt)",
     ),
-    "resume-random": ("train", ["--resume", "<random>"], "<random> is no torch.save file"),
+    "resume-random": ("train", ["--resume", "<random>"], RANDOM),
     "resume-foreign": (
         "train", ["--resume", "<foreign>"],
-        "<foreign> is a bare state dict of 1 tensor(s) (no vit3 model record), "
-        "not a vit3 training checkpoint",
+        f"{FOREIGN}, not a vit3 training checkpoint",
     ),
     "fine-tune-from-empty": (
         "train", ["--config", str(FINETUNE), "model.pretrained=<empty>", "model.name=test_h_vit3"],
-        "<empty> is an empty file (0 bytes), not a checkpoint",
+        EMPTY,
     ),
     "fine-tune-from-random": (
         "train", ["--config", str(FINETUNE), "model.pretrained=<random>", "model.name=test_h_vit3"],
-        "<random> is no torch.save file",
+        RANDOM,
     ),
     "fine-tune-from-foreign": (
         "train", ["--config", str(FINETUNE), "model.pretrained=<foreign>", "model.name=test_h_vit3"],
@@ -754,8 +751,7 @@ CHECKPOINT_MISTAKES = {
         "model's",
     ),
     "features-of-empty": (
-        "export", ["features", "--checkpoint", "<empty>", "--model", "test_h_vit3"], "<empty> is an empty "
-            "file",
+        "export", ["features", "--checkpoint", "<empty>", "--model", "test_h_vit3"], EMPTY,
     ),
 }  # fmt: skip
 
