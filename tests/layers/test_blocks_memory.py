@@ -156,6 +156,23 @@ def test_lean_block_saves_what_the_readme_table_states(monkeypatch):
     assert _per_token(partial(run, recompute="never")) == lean + dropped
 
 
+@pytest.mark.parametrize("backend", ["cpu", "generic"])
+def test_auto_recomputes_the_cpe_output_where_one_cpp_node_does(monkeypatch, backend):
+    """``auto`` drops the CPE output where the C++ node recomputes it (one op); elsewhere (a GPU, a backend
+    without the C++ kernel) a checkpoint's rerun would cost more host ops than the C++ node's, so ``auto``
+    keeps it (C + 2 values per token, with the norm's statistics) and only ``always`` checkpoints."""
+    monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
+    dim = 32
+
+    def run(n: int, recompute: str):
+        x = torch.randn(1, 1, n, dim, dtype=torch.float64, requires_grad=True)
+        return _block(recompute)(x)
+
+    always = _per_token(partial(run, recompute="always"))
+    kept = 0 if backend == "cpu" else dim + 2  # the CPE output, the first norm's statistics
+    assert _per_token(partial(run, recompute="auto")) == always + kept
+
+
 def test_the_cpp_block_nodes_are_once_differentiable(monkeypatch):
     """A backward with ``create_graph=True`` through the C++ nodes (the CPE + norm, the lean MLP) gives the
     first gradients; differentiating those again raises and names the node, as the Python nodes'

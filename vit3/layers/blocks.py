@@ -412,8 +412,8 @@ class TTTBlock(nn.Module):
 
         One C++ op (``torch.ops.vit3_cpu.cpe_norm``) where the CPE takes the C++ kernel and the norm is a
         LayerNorm over C, without gradients (its forward alone) or in memory-lean training (its node saves x
-        and the norm's statistics and recomputes t); else memory-lean training checkpoints the two, and the
-        saving variant (and TorchScript) runs them as they are."""
+        and the norm's statistics and recomputes t); else ``recompute="always"`` checkpoints the two, and
+        ``auto``, the saving variant (and TorchScript) run them as they are."""
         if torch.jit.is_scripting():
             return self._plain_cpe_norm(x)
         cpe, norm = self.cpe, self.norm1
@@ -426,7 +426,9 @@ class TTTBlock(nn.Module):
             and norm.normalized_shape == x.shape[-1:]
         ):
             return torch.ops.vit3_cpu.cpe_norm(x, cpe.weight, cpe.bias, norm.weight, norm.bias, norm.eps)
-        if lean:  # cpe(x) is recomputed from x in the backward (x is saved by the CPE anyway)
+        # Elsewhere cpe(x) is recomputed from x (saved by the CPE anyway) by a checkpoint only where asked
+        # for (``always``): under ``auto`` its rerun costs more host work than the CPE output's memory.
+        if lean and backends.recompute_mode(self.attn.cfg.recompute)[1] != backends.LEAN_DEFAULT:
             return checkpoint(self._plain_cpe_norm, x, use_reentrant=False, preserve_rng_state=False)
         return self._plain_cpe_norm(x)
 

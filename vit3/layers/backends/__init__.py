@@ -25,6 +25,7 @@ from .interface import (
     tracing_kind,
 )
 from .planner import (
+    LEAN_DEFAULT,
     RECOMPUTE_ENV,
     RECOMPUTE_MODES,
     REMOVED_ENV,
@@ -48,6 +49,7 @@ from .verify import VERIFY_RTOL, VerificationError
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "LEAN_DEFAULT",
     "MIN_CPU_KERNEL_TOKENS",
     "NAMES",
     "RECOMPUTE_ENV",

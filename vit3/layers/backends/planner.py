@@ -195,6 +195,10 @@ class Plan(NamedTuple):
     recompute_why: str = ""
 
 
+# Who set the recompute mode when neither the config nor the environment names one (``recompute_mode``).
+LEAN_DEFAULT = "memory-lean default"
+
+
 def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
     """The recompute mode in force (``always``, ``never`` or ``qkv``; ``auto`` is ``always``) and who set it:
     ``TTTConfig.recompute`` wins over ``$VIT3_TTT_RECOMPUTE``."""
@@ -208,7 +212,7 @@ def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"${RECOMPUTE_ENV} must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
     return ("always" if mode == "auto" else mode), (
-        "memory-lean default" if mode == "auto" else f"{RECOMPUTE_ENV}={mode}"
+        LEAN_DEFAULT if mode == "auto" else f"{RECOMPUTE_ENV}={mode}"
     )
 
 
@@ -229,7 +233,7 @@ def recompute_choice(cfg_recompute: str = "auto") -> tuple[bool, str]:
             f"the mixer recomputes its qkv projection and inner loops in the backward ({source}; saved per "
             "token: the mixer input)"
         )
-    if source == "memory-lean default":
+    if source == LEAN_DEFAULT:
         source = "auto: memory-lean"
     if mode == "never":
         return False, f"saves Z = k W, Y = q W' ({source}; 4·d more values per token and head)"
