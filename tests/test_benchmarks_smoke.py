@@ -418,3 +418,15 @@ def test_step_profile_rows_with_time_by_category(tmp_path):
     assert [r["model"] for r in rows] == ["test_vit3_ttt", "test_h_vit3"]
     assert float(rows[0]["speed_vs_base"]) > 0 and all(int(r["kernels"]) > 0 for r in rows)
     assert all(float(r["step_ms"]) > 0 and any(k.endswith("_ms") and k != "step_ms" for k in r) for r in rows)
+
+
+def test_step_counts_counts_ops_launches_syncs_and_memory(tmp_path):
+    """The Triton path emulated: every TTT block launches kernels, a settled step reads nothing back."""
+    out = tmp_path / "counts.csv"
+    _run("step_counts.py", "--models", "test_vit3_ttt", "test_h_vit3", "--res", "64", "--batch", "1",
+         "--out", str(out))  # fmt: skip
+    rows = {r["model"]: r for r in csv.DictReader(out.open())}
+    assert set(rows) == {"test_vit3_ttt", "test_h_vit3"}
+    for row in rows.values():
+        assert float(row["launches_per_block"]) > 0 and int(row["aten_ops"]) > 0, row
+        assert int(row["host_syncs"]) == 0 and float(row["saved_mib_per_image"]) > 0, row
