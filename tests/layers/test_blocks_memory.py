@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vit3.layers.blocks as blocks
-from vit3.layers.blocks import LeanMlp, TTTBlock
+from vit3.layers.blocks import ConvPosEnc, LeanMlp, TTTBlock
 from vit3.layers.embed import ConvDownsample, ConvStem
 
 C = 12
@@ -329,3 +329,25 @@ def test_recomputed_stack_steps_aside_for_hooks_on_its_layers_and_no_grad():
     own = stem.register_forward_hook(lambda *_: calls.append(1))
     assert saved_values(lambda: stem(x)) == x.numel()  # a hook on the stack itself runs once either way
     own.remove()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_cpe_copies_its_map_to_nchw_on_cpus_only(device):
+    """A CPU's depthwise kernels want NCHW-contiguous input (one copy); elsewhere (``meta`` stands in for a
+    GPU: the rule reads the device type) the convolution takes the channels-last view as it is."""
+    cpe = ConvPosEnc(8, backend="generic").to(device)
+    x = torch.randn(2, 5, 6, 8, device=device)
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        y = cpe(x)
+    assert ops.count("aten::clone") == (device == "cpu"), ops
+    assert y.shape == x.shape and y.stride() == x.stride()
+    if device == "cpu":
+        nchw = cpe._conv_forward(x.permute(0, 3, 1, 2), cpe.weight, cpe.bias).permute(0, 2, 3, 1)
+        torch.testing.assert_close(y, x + nchw, rtol=1e-6, atol=1e-6)

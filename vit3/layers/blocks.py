@@ -69,8 +69,10 @@ class ConvPosEnc(nn.Conv2d):
                 x
             ):  # one C++ op: its node with gradients (saving x's token rows), else the forward
                 return torch.ops.vit3_cpu.cpe(x, weight, bias)
-        # NCHW-contiguous input: PyTorch's depthwise kernels are far slower on channels-last strides (CPU 40x)
-        return x + _nhwc(self._conv_forward(_nchw(x).contiguous(), weight, bias))
+        # On CPUs an NCHW-contiguous copy first (PyTorch's CPU depthwise kernels are far slower on
+        # channels-last strides); elsewhere the channels-last view as it is (cuDNN's NHWC kernels), no copy.
+        m = _nchw(x)
+        return x + _nhwc(self._conv_forward(m.contiguous() if x.is_cpu else m, weight, bias))
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, H, W, C] -> [B, H, W, C]``."""
