@@ -14,6 +14,7 @@ of a training step's blocks from a simple model. No GPU is used. Method and assu
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
 import inspect
 import math
@@ -356,6 +357,130 @@ def training_step(op: ModuleType, name: str, b: int, gpu: GPU) -> dict[str, Any]
             "modelled_gmacs_fwd": flops / 2e9, "paper_gflops_fwd": paper_flops / 1e9}  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- calibrated on the H200 profile
+
+# The H200 run's per-kernel profile of the fused op (bf16, d 64; N 196 / 3136, B*H 64 / 1024) and the offline
+# compile matrix (registers, warps, shared memory per kernel): the calibration's inputs.
+PROFILE = RESULTS / "ttt_kernel_profile_cuda.csv"
+COMPILE_MATRIX = RESULTS / "compile_matrix.csv"
+FIT_BH, CHECK_BH = 64, 1024  # the profile's B*H fitted on, and the one predicted from that fit
+
+
+def occupancy(matrix: dict, model: str, d: int, label: str, kernel: str) -> int:
+    """CTAs of a launch one sm_90 SM holds at once: by registers (64 K a SM), shared memory (227 KB) and
+    warps (64 a SM), as the compile matrix has them (1 where it has no row)."""
+    found = matrix.get((model, d, label)) or matrix.get((model, d, kernel))
+    if found is None:
+        return 1
+    regs, warps, smem_kb = found
+    by_regs = 65536 // ((regs + 7) // 8 * 8 * 32 * warps)
+    return max(1, min(by_regs, int(227 // smem_kb) if smem_kb else 64, 64 // warps))
+
+
+def read_inputs(profile: Path, matrix: Path) -> tuple[dict, dict]:
+    """``{(N, B*H, kernel): us per call}`` of the profile's fused path and ``{(model, d, kernel): (registers,
+    warps, shared KB)}`` of the matrix's sm_90 bf16 rows."""
+    with profile.open() as f:
+        measured = {
+            (int(r["N"]), int(r["BH"]), r["kernel"]): float(r["us"]) / float(r["calls"])
+            for r in csv.DictReader(f)
+            if r["path"] == "fused" and r["kernel"].endswith("_kernel") and r["d"] == "64"
+        }
+    with matrix.open() as f:
+        rows = csv.DictReader(f)
+        regs = {
+            (r["model"], int(r["d"]), r["kernel"]): (int(r["regs"]), int(r["num_warps"]), float(r["smem_kb"]))
+            for r in rows
+            if r["arch"] == "sm_90" and r["mode"] == "bf16"
+        }
+    return measured, regs
+
+
+def waved(op: ModuleType, model: str, b: int, g: int, n: int, d: int, regs: dict) -> list[tuple]:
+    """``(kernel, Cost, waves)`` of every launch of one H200 call: its programs in waves at its occupancy."""
+    gpu, side = GPUS["H200"], math.isqrt(n)
+    fwd, bwd = plan(op, model, b, g, n, d, gpu, (side, n // side))
+    out = []
+    for launch in (*fwd, *bwd):
+        c, kernel = price_launch(launch, model == "swiglu"), launch.kernel.fn.__name__
+        per_wave = gpu.sms * occupancy(regs, model, d, c.label, kernel)
+        out.append((kernel, c, math.ceil(c.programs / per_wave)))
+    return out
+
+
+def calibrate(op: ModuleType, measured: dict, regs: dict) -> dict[str, tuple[float, float]]:
+    """Per kernel ``(P, L)``: a wave of programs takes ``P + iters * L`` µs (a prologue and one latency per
+    serial tile iteration), fitted on the profile's B*H = ``FIT_BH`` rows at both N (two equations); where
+    that gives a negative prologue, ``P = 0`` and L their mean. The one-launch forward (not split at
+    B*H 64) takes the split pair's prologues and their mean latency per tile role."""
+    seen: dict[str, list[tuple[int, int, float]]] = {}
+    for n in sorted({k[0] for k in measured}):
+        for kernel, c, waves in waved(op, "swiglu", FIT_BH // 4, 4, n, 64, regs):
+            t = measured.get((n, FIT_BH, kernel))
+            if t is not None:
+                seen.setdefault(kernel, []).append((waves, c.iters, t - LAUNCH * 1e6))
+    fit = {}
+    for kernel, points in seen.items():
+        (w1, i1, t1), (w2, i2, t2) = points[0], points[-1]
+        slope = (t1 / w1 - t2 / w2) / (i1 - i2) if i1 != i2 else 0.0
+        prologue = t1 / w1 - i1 * slope
+        if prologue < 0 or slope <= 0:
+            prologue, slope = 0.0, (t1 / (w1 * i1) + t2 / (w2 * i2)) / 2
+        fit[kernel] = (prologue, slope)
+    (p1, l1), (p2, l2) = fit["grad_partial_kernel"], fit["readout_kernel"]
+    fit["forward_kernel"] = (p1 + p2, (l1 + l2) / 2)
+    return fit
+
+
+def calibrated_us(fit: dict, kernel: str, c: Cost, waves: int) -> float | None:
+    """A launch's µs by the calibrated latency model; ``None`` for a kernel the profile never had."""
+    if kernel not in fit:
+        return None
+    prologue, slope = fit[kernel]
+    return LAUNCH * 1e6 + waves * (prologue + c.iters * slope)
+
+
+def check_calibration(op: ModuleType, profile: Path, matrix: Path) -> tuple[list[dict], dict]:
+    """The fit, and per launch and shape of the profile its prediction against the measured µs: the B*H
+    ``FIT_BH`` rows in-sample, the ``CHECK_BH`` rows out of sample (a ``(total)`` row per shape)."""
+    measured, regs = read_inputs(profile, matrix)
+    fit = calibrate(op, measured, regs)
+    rows = []
+    for bh in (FIT_BH, CHECK_BH):
+        for n in sorted({k[0] for k in measured}):
+            shape = {"N": n, "BH": bh, "d": 64, "sample": "fitted" if bh == FIT_BH else "predicted"}
+            got = want = 0.0
+            for kernel, c, waves in waved(op, "swiglu", bh // 4, 4, n, 64, regs):
+                us = calibrated_us(fit, kernel, c, waves) or 0.0
+                meas = measured.get((n, bh, kernel), 0.0)
+                got, want = got + us, want + meas
+                rows.append(shape | {"kernel": c.label, "waves": waves, "iters": c.iters, "us": us,
+                                     "measured_us": meas})  # fmt: skip
+            rows.append(
+                shape | {"kernel": "(total)", "us": got, "measured_us": want, "error": got / want - 1}
+            )
+    return rows, fit
+
+
+# The models' own mixer shapes (bf16 training, H200): ViT³-T at 224 px, batch 128 (B*G 768 at N 196) and
+# 1248 px, batch 32 (B*G 192 at N 6084), both branches (six SwiGLU heads of 32, one depthwise head of 32).
+MODEL_SHAPES = (("ViT3-T-224-b128", 128, 6, 196, 32), ("ViT3-T-1248-b32", 32, 6, 6084, 32))
+
+
+def price_models(op: ModuleType, fit: dict, regs: dict) -> list[dict]:
+    """The models' shapes priced launch by launch: the calibrated model where the kernel was profiled (its
+    d = 64 latencies: d = 32 tiles are not slower), the uncalibrated one (``predict``) elsewhere."""
+    rows = []
+    for label, b, g, n, d in MODEL_SHAPES:
+        for model, heads in (("swiglu", g), ("dwconv", 1)):
+            for kernel, c, waves in waved(op, model, b, heads, n, d, regs):
+                us = calibrated_us(fit, kernel, c, waves)
+                rows.append({"shape": label, "branch": model, "kernel": c.label, "waves": waves,
+                             "iters": c.iters, "us": us if us is not None else predict(c, GPUS["H200"])["us"],
+                             "calibrated": us is not None})  # fmt: skip
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------- main
 
 # The kernel benchmark's shape (B*H = 64 at N = 3136: 16 images x 4 heads, 56 x 56 tokens) at ViT³-S's and
@@ -376,8 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, nargs=2, default=(256, 128), help="ViT3-S and H-ViT3-T batch")
     p.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
     p.add_argument("--out", type=Path, default=RESULTS / "roofline.csv")
+    p.add_argument("--calibrate", action="store_true", help="fit the latency model on the H200 profile")
     args = p.parse_args(argv)
     op = load_triton_op(args.kernels)
+    if args.calibrate:
+        return calibration_main(op, args.out)
     rows, steps = [], []
     print(f"design: {args.design}; model constants: LAUNCH={LAUNCH * 1e6:.1f} us, "
           f"LATENCY={LATENCY * 1e6:.1f} us, "
@@ -411,6 +539,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{gname}: {GPUS[gname].source}")
     write_csv(rows + [s | {"kernel": "(training step)"} for s in steps], args.out)
     print(f"wrote {args.out}")
+    return 0
+
+
+def calibration_main(op: ModuleType, out: Path) -> int:
+    """``--calibrate``: the fit checked against the profile, then the models' shapes priced by it."""
+    rows, fit = check_calibration(op, PROFILE, COMPILE_MATRIX)
+    print("per-kernel fit (µs): " + ", ".join(f"{k} P {p:.2f} L {lat:.3f}" for k, (p, lat) in fit.items()))
+    print_table(rows, floatfmt="{:.4g}")
+    models = price_models(op, fit, read_inputs(PROFILE, COMPILE_MATRIX)[1])
+    print_table(models, floatfmt="{:.4g}")
+    for label, *_ in MODEL_SHAPES:
+        total = sum(r["us"] for r in models if r["shape"] == label)
+        print(f"{label}: {total:.1f} µs per mixer call (fwd + bwd, both branches)")
+    write_csv([{"table": "check"} | r for r in rows] + [{"table": "models"} | r for r in models], out)
+    print(f"wrote {out}")
     return 0
 
 

@@ -430,3 +430,22 @@ def test_step_counts_counts_ops_launches_syncs_and_memory(tmp_path):
     for row in rows.values():
         assert float(row["launches_per_block"]) > 0 and int(row["aten_ops"]) > 0, row
         assert int(row["host_syncs"]) == 0 and float(row["saved_mib_per_image"]) > 0, row
+
+
+def test_roofline_calibrated_on_the_h200_profile_predicts_the_unfitted_shapes(tmp_path):
+    """The latency model fitted on the profile's B*H = 64 rows predicts its B*H = 1024 totals within 20%,
+    and prices both branches of ViT³-T's own shapes."""
+    out = tmp_path / "calibration.csv"
+    _run("roofline.py", "--calibrate", "--out", str(out))
+    rows = list(csv.DictReader(out.open()))
+    totals = [r for r in rows if r["table"] == "check" and r["kernel"] == "(total)"]
+    assert {(r["N"], r["BH"], r["sample"]) for r in totals} == {
+        (n, bh, s) for n in ("196", "3136") for bh, s in (("64", "fitted"), ("1024", "predicted"))
+    }
+    for r in totals:
+        assert abs(float(r["error"])) <= 0.2, r
+    models = [r for r in rows if r["table"] == "models"]
+    assert {(r["shape"], r["branch"]) for r in models} == {
+        (s, b) for s in ("ViT3-T-224-b128", "ViT3-T-1248-b32") for b in ("swiglu", "dwconv")
+    }
+    assert all(float(r["us"]) > 0 for r in models)
