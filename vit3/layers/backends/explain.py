@@ -141,13 +141,7 @@ def explain_mixer(
         or any(b.name == "swiglu" and b.backend in LEAN_BACKENDS for b in out)
     )
     return MixerExplanation(
-        mixer.dim,
-        mixer.num_heads,
-        str(device),
-        str(dtype),
-        n,
-        tuple(grid),
-        grad,
+        *_call_of(mixer, device, dtype, grid, grad),
         "auto" if requested == "auto" else source,
         fused,
         tuple(out),
@@ -166,19 +160,15 @@ def _scriptable(
         BranchExplanation(i, name, heads, d, "generic", others)
         for i, (name, heads, d, _) in enumerate(mixer.plan_branches)
     )
-    n = grid[0] * grid[1]
-    return MixerExplanation(
-        mixer.dim,
-        mixer.num_heads,
-        str(device),
-        str(dtype),
-        n,
-        tuple(grid),
-        grad,
-        SCRIPTABLE_PATH,
-        False,
-        branches,
-    )
+    return MixerExplanation(*_call_of(mixer, device, dtype, grid, grad), SCRIPTABLE_PATH, False, branches)
+
+
+def _call_of(
+    mixer: nn.Module, device: torch.device, dtype: torch.dtype, grid: tuple[int, int], grad: bool
+) -> tuple:
+    """The fields a ``MixerExplanation`` opens with: the mixer and the call (width, heads, device, dtype,
+    tokens, grid, gradients)."""
+    return mixer.dim, mixer.num_heads, str(device), str(dtype), grid[0] * grid[1], tuple(grid), grad
 
 
 def _fused_plan(out: list[BranchExplanation]) -> Plan:
