@@ -2,9 +2,10 @@
 
 Weights are ``[9 taps, channels]``; tap ``(ty, tx)`` reads the neighbour at offset ``(ty - 1, tx - 1)`` with
 zero padding (PyTorch's conv2d, padding 1). The weight enters only through the read-out, so
-``dW = Σ_b dW'``. No dots: the tiles are upcast to ACC as they are loaded. The step, its backward and the
-weight-gradient reduction are the kernels every op shares (``vit3.kernels.triton.step``, with ``R`` = 9
-rows); each chunk of tokens is one program (``jit.program``).
+``dW = Σ_b dW'``. No dots: the tiles are upcast to ACC as they are loaded. The step and its backward run in
+the read-out and gradient-backward programs (each sums the chunks' partials: 9 taps x channels), the
+weight-gradient reduction is the one every op shares (``vit3.kernels.triton.step``); each chunk of tokens is
+one program (``jit.program``).
 
 The formulas of the forward and the backward: ``docs/design/kernels.md``.
 """
@@ -14,7 +15,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton.jit import chunk_of, load_mat, load_tile, slot_at, store_mat, store_tile, updated
+from ..triton.jit import (
+    chunk_of,
+    col_norm,
+    load_mat,
+    load_tile,
+    norm_at,
+    saved,
+    slot_at,
+    step_bwd_cols,
+    stepped,
+    store_mat,
+    store_tile,
+    sum_slots,
+    updated,
+)
 
 __all__ = [
     "conv_grad_bwd_kernel",
@@ -107,21 +122,31 @@ def conv_grad_partial_kernel(
 
 @triton.jit
 def conv_readout_kernel(
-    q_ptr, w_ptr, g_ptr, n_ptr, o_ptr,
+    q_ptr, w_ptr, part_ptr, g_ptr, n_ptr, o_ptr,
     BG, G, N, D, CHUNK, S, H, W,
     sqb, sqg, sqn, sqc, sob, sog, son, soc,
     swg, swr, swc,
     lr: tl.float64,
-    GRAD_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+    GRAD_NORM: tl.constexpr, SAVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
 ):  # fmt: skip
-    """``out = dwconv3x3(q; W')`` for one chunk of tokens (``W'`` recomputed from W, ``G``, ``||G||``)."""
+    """The step and ``out = dwconv3x3(q; W')`` for one chunk of tokens: each program sums the ``S``
+    partials of ``part_ptr`` ``[B*G, S, 9, d]`` in order into ``G`` (a few thousand numbers: no step launch)
+    and takes ``W' = W - lr G / (||G|| + 1)``; with ``SAVE`` the first chunk's program stores ``G`` and
+    ``||G||`` for the backward."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         lr = tl.cast(lr, ACC)
-    dead, _c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
+    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
     if dead:
         return
     rd = tl.arange(0, BLOCK_D)
-    wp = updated(w_ptr + g * swg, swr, swc, g_ptr, n_ptr, bg, 0, 1, _taps(), rd, 9, D, lr, GRAD_NORM, ACC)
+    grad = sum_slots(part_ptr, bg, S, S, 0, 1, _taps(), rd, 9, D, 16, BLOCK_D, ACC)
+    norm = col_norm(grad)
+    if SAVE:
+        if s == 0:
+            store_mat(slot_at(g_ptr, bg, 0, 1, 0, 1, 9, D), _taps(), rd, 9, D, grad)
+            tl.store(norm_at(n_ptr, bg, 0, 1, D, rd), norm.to(n_ptr.dtype.element_ty), mask=rd < D)
+    wp = stepped(load_mat(w_ptr + g * swg, swr, swc, _taps(), rd, 9, D, ACC), grad, norm, lr, GRAD_NORM)
     q_base = q_ptr + b * sqb + g * sqg
     o_base = o_ptr + b * sob + g * sog
     for start in range(lo, hi, BLOCK_N):
@@ -163,22 +188,29 @@ def conv_readout_bwd_kernel(
 
 @triton.jit
 def conv_grad_bwd_kernel(
-    k_ptr, v_ptr, dg_ptr, dk_ptr, dv_ptr,
+    k_ptr, v_ptr, part_ptr, g_ptr, n_ptr, dk_ptr, dv_ptr,
     BG, G, N, D, CHUNK, S, H, W,
     skb, skg, skn, skc, svb, svg, svn, svc,
     sdkb, sdkg, sdkn, sdkc, sdvb, sdvg, sdvn, sdvc,
-    coef: tl.float64,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+    coef: tl.float64, lr: tl.float64,
+    GRAD_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Inner-gradient backward for one chunk: ``dk``, ``dv`` (the inner gradient does not depend on the
-    weight, so there is no weight-gradient partial)."""
+    """The step's backward and the inner-gradient backward for one chunk: each program sums the read-out
+    partials (slots ``0..S-1`` of ``part_ptr`` ``[B*G, S + 1, 9, d]``) in order into ``dW'`` (the first
+    chunk's program stores it in slot ``S`` for the weight gradient), takes ``dG`` through the step with the
+    saved ``G`` and ``||G||`` (no step launch), and writes ``dk``, ``dv`` (the inner gradient does not depend
+    on the weight: no weight-gradient partial)."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
-        coef = tl.cast(coef, ACC)
-    dead, _c, _s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
+        coef, lr = tl.cast(coef, ACC), tl.cast(lr, ACC)
+    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
     if dead:
         return
     rd = tl.arange(0, BLOCK_D)
-    dg = load_mat(slot_at(dg_ptr, bg, 0, 1, 0, 1, 9, D), D, 1, _taps(), rd, 9, D, ACC)
+    dwp = sum_slots(part_ptr, bg, S, S + 1, 0, 1, _taps(), rd, 9, D, 16, BLOCK_D, ACC)
+    if s == 0:
+        store_mat(slot_at(part_ptr, bg, S, S + 1, 0, 1, 9, D), _taps(), rd, 9, D, dwp)
+    grad, norm = saved(g_ptr, n_ptr, bg, 0, 1, _taps(), rd, 9, D, ACC)
+    dg = -coef * step_bwd_cols(dwp, grad, norm, lr, GRAD_NORM)  # the loss scale once, on 9 taps
     k_base = k_ptr + b * skb + g * skg
     v_base = v_ptr + b * svb + g * svg
     dk_base = dk_ptr + b * sdkb + g * sdkg
@@ -187,5 +219,5 @@ def conv_grad_bwd_kernel(
         rows = start + tl.arange(0, BLOCK_N)
         dk = _conv(dg, v_base, svn, svc, rows, rd, True, N, H, W, D, BLOCK_N, BLOCK_D, ACC)
         de = _conv(dg, k_base, skn, skc, rows, rd, False, N, H, W, D, BLOCK_N, BLOCK_D, ACC)
-        store_tile(dk_base, sdkn, sdkc, rows, rd, N, D, -coef * dk)
-        store_tile(dv_base, sdvn, sdvc, rows, rd, N, D, -coef * de)
+        store_tile(dk_base, sdkn, sdkc, rows, rd, N, D, dk)
+        store_tile(dv_base, sdvn, sdvc, rows, rd, N, D, de)

@@ -25,6 +25,7 @@ __all__ = [
     "program",
     "saved",
     "slot_at",
+    "step_bwd_cols",
     "step_bwd_tile",
     "stepped",
     "store_mat",
@@ -165,7 +166,7 @@ def updated(w_ptr, swr, swc, g_buf, n_buf, bg, i, NW: tl.constexpr, rr, cols, R,
 
 
 @triton.jit
-def _step_bwd_cols(dwp, grad, norm, lr, GRAD_NORM: tl.constexpr):
+def step_bwd_cols(dwp, grad, norm, lr, GRAD_NORM: tl.constexpr):
     """``dG`` from ``dW'`` through the step and the normalisation: with ``Ĝ = G / (n + 1)``, ``dĜ = -lr dW'``
     and ``dG = dĜ / (n + 1) - G (G·dĜ)_col / (n (n + 1)²)`` (0 where ``n = 0``)."""
     dgh = -lr * dwp
@@ -182,9 +183,9 @@ def _step_bwd_cols(dwp, grad, norm, lr, GRAD_NORM: tl.constexpr):
 @triton.jit
 def step_bwd_tile(dwp, g_buf, n_buf, dg_buf, bg, i, NW: tl.constexpr, rr, cols, R, D, lr,
                   GRAD_NORM: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """``dG`` of weight ``i``'s columns ``cols`` from their whole ``dW'`` (``_step_bwd_cols``), with the saved
+    """``dG`` of weight ``i``'s columns ``cols`` from their whole ``dW'`` (``step_bwd_cols``), with the saved
     ``G`` and ``||G||``, into ``dg_buf`` ``[B*G, NW, R, D]``."""
     grad, norm = saved(g_buf, n_buf, bg, i, NW, rr, cols, R, D, ACC)
     store_mat(
-        slot_at(dg_buf, bg, 0, 1, i, NW, R, D), rr, cols, R, D, _step_bwd_cols(dwp, grad, norm, lr, GRAD_NORM)
+        slot_at(dg_buf, bg, 0, 1, i, NW, R, D), rr, cols, R, D, step_bwd_cols(dwp, grad, norm, lr, GRAD_NORM)
     )

@@ -367,7 +367,9 @@ def forward_template(key: PlanKey, save: bool, metas: tuple, out_meta: tuple | N
         bld.buffer(b, n_tok, g, d, dtype=q.dtype, perm=(0, 2, 1, 3)) if given is None else given
     )  # token-major
     one = key.model != "dwconv" and s == 1  # the whole forward in one launch
-    if one and not save:  # which then stores neither G nor ||G||: q stands in for both, nothing is allocated
+    # Without a backward, the one launch (and the conv's read-out, which takes the step) stores neither G nor
+    # ||G||: q stands in for both, nothing is allocated.
+    if (one or key.model == "dwconv") and not save:
         gbuf = nbuf = q
     else:
         gbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
@@ -392,19 +394,13 @@ def forward_template(key: PlanKey, save: bool, metas: tuple, out_meta: tuple | N
         bld.launch(
             "grad_partial_kernel", matrix_kernels.grad_partial_kernel, bgn * s * cfg.cols("grad", d), args, kw
         )
-    args = (part, gbuf, nbuf, bgn, r, d, s)
-    bld.launch(
-        "step_kernel",
-        step_kernels.step_kernel,
-        bgn * cfg.cols("small", d),
-        args,
-        _small_kwargs(cfg, acc_tl, nw),
-    )
-    if key.model == "dwconv":
-        args = (q, w1, gbuf, nbuf, out, *sizes, key.h, key.wd, *q.stride(), *out.stride(), *ws, key.lr)
-        kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
+    if key.model == "dwconv":  # its read-out programs take the step themselves (9 taps x channels)
+        args = (q, w1, part, gbuf, nbuf, out, *sizes, key.h, key.wd, *q.stride(), *out.stride(), *ws, key.lr)
+        kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm, SAVE=save)
         bld.launch("conv_readout_kernel", dwconv_kernels.conv_readout_kernel, bgn * s, args, kw)
     else:
+        args, kw = (part, gbuf, nbuf, bgn, r, d, s), _small_kwargs(cfg, acc_tl, nw)
+        bld.launch("step_kernel", step_kernels.step_kernel, bgn * cfg.cols("small", d), args, kw)
         args = (q, w1, w2, gbuf, nbuf, out, *sizes, *q.stride(), *out.stride(), *ws, key.lr)
         kw = _tile_kwargs(cfg, "readout", acc_tl, GRAD_NORM=key.grad_norm, **flags)
         bld.launch(
@@ -438,7 +434,7 @@ def backward_template(
     wgrad = key.model == "swiglu" or key.loss == "mse"  # kᵀdZ != 0: the inner gradient depends on W
     # Slots 0..S-1: per-chunk partials (first of the read-out's dW', then, reused, of kᵀdZ); slot S: dW'.
     part = bld.buffer(bgn, s + 1, nw, r, d, dtype=acc)
-    dgbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
+    dgbuf = None if conv else bld.buffer(bgn, nw, r, d, dtype=acc)  # the conv's programs keep dG in registers
     dq, dk, dv = given or (bld.buffer(b, n_tok, g, d, dtype=t.dtype, perm=(0, 2, 1, 3)) for t in (q, k, v))
     dw = bld.buffer(*weight_grad_shape(key.model, g, d), dtype=acc)
     sizes = (bgn, g, n_tok, d, cfg.chunk, s)
@@ -453,19 +449,14 @@ def backward_template(
         args = (q, dout, w1, w2, gbuf, nbuf, dq, part, dgbuf, *sizes, *io, *ws, key.lr)
         rflags = flags | {"GRAD_NORM": key.grad_norm, "FUSED": fused}
         _stage(bld, cfg, "readout_bwd", matrix_kernels.readout_bwd_kernel, bgn, d, args, acc_tl, rflags)
-    if not fused:
+    if not fused and not conv:
         args = (part, gbuf, nbuf, dgbuf, bgn, r, d, s, key.lr)
         kw = _small_kwargs(cfg, acc_tl, nw) | {"GRAD_NORM": key.grad_norm}
         bld.launch("step_bwd_kernel", step_kernels.step_bwd_kernel, bgn * cfg.cols("small", d), args, kw)
     if conv:
-        args = (k, v, dgbuf, dk, dv, *sizes, key.h, key.wd, *kv, coef)
-        bld.launch(
-            "conv_grad_bwd_kernel",
-            dwconv_kernels.conv_grad_bwd_kernel,
-            bgn * s,
-            args,
-            _tile_kwargs(cfg, "conv", acc_tl),
-        )
+        args = (k, v, part, gbuf, nbuf, dk, dv, *sizes, key.h, key.wd, *kv, coef, key.lr)
+        kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
+        bld.launch("conv_grad_bwd_kernel", dwconv_kernels.conv_grad_bwd_kernel, bgn * s, args, kw)
     else:
         args = (k, v, w1, w2, dgbuf, dk, dv, part, *sizes, *kv, *ws, coef)
         trans = key.model == "swiglu" and cfg.transposed
