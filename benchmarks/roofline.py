@@ -440,10 +440,10 @@ def calibrated_us(fit: dict, kernel: str, c: Cost, waves: int) -> float | None:
     return LAUNCH * 1e6 + waves * (prologue + c.iters * slope)
 
 
-def check_calibration(op: ModuleType, profile: Path, matrix: Path) -> tuple[list[dict], dict]:
-    """The fit, and per launch and shape of the profile its prediction against the measured µs: the B*H
-    ``FIT_BH`` rows in-sample, the ``CHECK_BH`` rows out of sample (a ``(total)`` row per shape)."""
-    measured, regs = read_inputs(profile, matrix)
+def check_calibration(op: ModuleType, measured: dict, regs: dict) -> tuple[list[dict], dict]:
+    """The fit on ``read_inputs``'s profile and matrix, and per launch and shape of the profile its
+    prediction against the measured µs: the B*H ``FIT_BH`` rows in-sample, the ``CHECK_BH`` rows out of
+    sample (a ``(total)`` row per shape)."""
     fit = calibrate(op, measured, regs)
     rows = []
     for bh in (FIT_BH, CHECK_BH):
@@ -544,10 +544,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def calibration_main(op: ModuleType, out: Path) -> int:
     """``--calibrate``: the fit checked against the profile, then the models' shapes priced by it."""
-    rows, fit = check_calibration(op, PROFILE, COMPILE_MATRIX)
+    measured, regs = read_inputs(PROFILE, COMPILE_MATRIX)
+    rows, fit = check_calibration(op, measured, regs)
     print("per-kernel fit (µs): " + ", ".join(f"{k} P {p:.2f} L {lat:.3f}" for k, (p, lat) in fit.items()))
     print_table(rows, floatfmt="{:.4g}")
-    models = price_models(op, fit, read_inputs(PROFILE, COMPILE_MATRIX)[1])
+    models = price_models(op, fit, regs)
     print_table(models, floatfmt="{:.4g}")
     for label, *_ in MODEL_SHAPES:
         total = sum(r["us"] for r in models if r["shape"] == label)

@@ -419,7 +419,8 @@ class TTTBlock(nn.Module):
         if torch.jit.is_scripting():
             return self._plain_cpe_norm(x)
         cpe, norm = self.cpe, self.norm1
-        lean = self._lean(x)
+        mode, source = backends.recompute_mode(self.attn.cfg.recompute)
+        lean = mode != "never" and lean_eligible(x)  # memory-lean training: the CPE output is not saved
         if (
             (lean or not torch.is_grad_enabled())
             and type(cpe) is ConvPosEnc
@@ -430,17 +431,13 @@ class TTTBlock(nn.Module):
             return torch.ops.vit3_cpu.cpe_norm(x, cpe.weight, cpe.bias, norm.weight, norm.bias, norm.eps)
         # Elsewhere cpe(x) is recomputed from x (saved by the CPE anyway) by a checkpoint only where asked
         # for (``always``): under ``auto`` its rerun costs more host work than the CPE output's memory.
-        if lean and backends.recompute_mode(self.attn.cfg.recompute)[1] != backends.LEAN_DEFAULT:
+        if lean and source != backends.LEAN_DEFAULT:
             return checkpoint(self._plain_cpe_norm, x, use_reentrant=False, preserve_rng_state=False)
         return self._plain_cpe_norm(x)
 
     def _plain_cpe_norm(self, x: Tensor) -> tuple[Tensor, Tensor]:
         x = self.cpe(x)
         return x, self.norm1(x)
-
-    def _lean(self, x: Tensor) -> bool:
-        """Memory-lean training: the CPE output (the first norm's input) is not saved but recomputed."""
-        return lean_eligible(x) and backends.recompute_mode(self.attn.cfg.recompute)[0] != "never"
 
     def _one_op_layers(self, x: Tensor, grad: bool, hooks: bool = True) -> tuple[tuple | None, str]:
         """The layers of a call on ``x`` (with gradients: ``grad``) that can run as one op, or ``None`` and
