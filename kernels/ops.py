@@ -148,13 +148,21 @@ class Whole(NamedTuple):
         backward: ``(d_out, dqkv, saved, state, d_rotated, calls) -> grads``: writes dq, dk, dv of every
             branch into ``dqkv`` (qkv's shape), a RoPE branch's dq, dk into its pair in ``d_rotated`` (per
             branch, as ``rotated``; the node rotates them back); ``saved``: the forward's, then qkv and the
-            weights; ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views; returns each branch's
-            initial-weight gradients in the weights' shapes (summed over the batch: the node returns them as
-            they are).
+            weights; ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views; returns per branch
+            its initial weights' gradients, summed over the batch, as one tensor (the weights' shape; two
+            weights stacked ``[2, ...]``).
+        state: ``(cache, names, qkv, weights, rotated, calls) -> state``: the ``state`` a training
+            ``forward`` of ``(qkv, weights)`` returned, found again (the mixer op's backward, which gets
+            tensors only); ``calls()`` makes an output and the ``NodeCall`` s, as for ``forward``.
+        saved_like: ``(names, qkv, branches) -> saved``: empty tensors laid out as a training ``forward``
+            saves them, for ``branches`` ``(heads, head_dim, rope)`` (the mixer op's fake; sizes may be
+            symbolic).
     """
 
     forward: Callable[..., tuple[list[Tensor], Any]]
-    backward: Callable[..., list[tuple[Tensor, ...]]]
+    backward: Callable[..., list[Tensor]]
+    state: Callable[..., Any]
+    saved_like: Callable[..., list[Tensor]]
 
 
 class Node(NamedTuple):
@@ -208,8 +216,8 @@ class Path:
         prefers: auto only: where auto passes a serving path over (another is faster there).
         fits: asked once ``supports`` passed: whether the hardware at hand can run it (a refusal steps aside
             with a warning).
-        node: its hooks in the fused eager node (``cpu`` / ``eager`` paths, and ``triton`` outside tracing:
-            those join it).
+        node: its hooks in the fused eager node (``cpu`` / ``eager`` / ``triton`` paths; traced, Triton's
+            only as the mixer op ``vit3::mix``).
     """
 
     supports: Check

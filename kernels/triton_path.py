@@ -102,12 +102,20 @@ def _whole_forward(*args: Any) -> tuple[list[Tensor], Any]:
     return _triton("program").forward(*args)
 
 
-def _whole_backward(*args: Any) -> list[tuple[Tensor, ...]]:
+def _whole_backward(*args: Any) -> list[Tensor]:
     return _triton("program").backward(*args)
 
 
+def _whole_state(*args: Any) -> Any:
+    return _triton("program").state(*args)
+
+
+def _whole_saved_like(*args: Any) -> list[Tensor]:
+    return _triton("program").saved_like(*args)
+
+
 # A node whose branches are all on Triton: one launch program for all of them (``triton/program.py``).
-_WHOLE = Whole(forward=_whole_forward, backward=_whole_backward)
+_WHOLE = Whole(_whole_forward, _whole_backward, _whole_state, _whole_saved_like)
 
 
 def triton_path(name: str) -> Path:

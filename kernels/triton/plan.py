@@ -79,6 +79,13 @@ def stat_shape(model: str, d: int) -> tuple[int, int]:
     return (2 if model == "swiglu" else 1), (9 if model == "dwconv" else d)
 
 
+def stat_shapes(model: str, bgn: Any, d: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The shapes of the saved statistics of ``bgn`` (sample, head) pairs: ``G`` ``[B*G, NW, R, c]`` and
+    ``||G||`` ``[B*G, NW, c]`` (``stat_shape``; sizes may be symbolic)."""
+    nw, r = stat_shape(model, d)
+    return (bgn, nw, r, d), (bgn, nw, d)
+
+
 def weight_grad_shape(model: str, g: int, d: int) -> tuple[int, ...]:
     """The shape of the backward's ``dW`` (accumulator dtype): SwiGLU's pair ``[2, 1, G, c, c]``, the linear
     model's ``[1, G, c, c]``, the conv's ``[1, G*c, 3, 3]``."""
@@ -372,8 +379,8 @@ def forward_template(key: PlanKey, save: bool, metas: tuple, out_meta: tuple | N
     if (one or key.model == "dwconv") and not save:
         gbuf = nbuf = q
     else:
-        gbuf = bld.buffer(bgn, nw, r, d, dtype=acc)
-        nbuf = bld.buffer(bgn, nw, d, dtype=acc)
+        g_shape, n_shape = stat_shapes(key.model, bgn, d)
+        gbuf, nbuf = bld.buffer(*g_shape, dtype=acc), bld.buffer(*n_shape, dtype=acc)
     flags = {"SWIGLU": key.model == "swiglu", "NW": nw}
     if one:
         kw = _tile_kwargs(cfg, "forward", acc_tl, MSE=key.loss == "mse", GRAD_NORM=key.grad_norm,
@@ -420,8 +427,7 @@ def backward_template(
     b, g, n_tok, d = q.shape
     nw, r = stat_shape(key.model, d)
     acc, acc_tl = acc_dtype(q.dtype)
-    gbuf = torch.empty(b * g, nw, r, d, dtype=acc, device="meta")
-    nbuf = torch.empty(b * g, nw, d, dtype=acc, device="meta")
+    gbuf, nbuf = (torch.empty(shape, dtype=acc, device="meta") for shape in stat_shapes(key.model, b * g, d))
     dout = _on_meta(dout_meta)
     given = None if grad_metas is None else tuple(_on_meta(m) for m in grad_metas)
     bld = _Builder((dout, q, k, v, w1, w2, gbuf, nbuf, *(given or ())))

@@ -24,11 +24,12 @@ from triton.runtime.jit import KernelInterface
 
 from ..ops import NodeCall, tag_branch
 from . import plan
-from .device import interpreting
+from .device import acc_dtype, interpreting
 from .node import checked_entry, state_of
 from .plan import Buffer, backward_template, forward_template, on_device, tensor_meta
 
-__all__ = ["Address", "MixProgram", "at_address", "backward", "clear", "forward", "program_key"]
+__all__ = ["Address", "MixProgram", "at_address", "backward", "clear", "forward", "program_key", "saved_like",
+           "state"]  # fmt: skip
 
 # Each buffer of a workspace starts on a multiple of this many bytes (Triton specialises pointers on 16-byte
 # alignment; 256 keeps every buffer on its own cache lines).
@@ -325,11 +326,11 @@ class MixProgram:
         self, d_out: Tensor, dqkv: Tensor, qkv: Tensor, weights: Sequence[Tensor], ws: Tensor, kept: tuple,
         rotated: Sequence[Tensor], d_rotated: Sequence[Tensor],
         calls: Callable[[], Sequence[tuple[Tensor, ...]]],
-    ) -> list[tuple[Tensor, ...]]:  # fmt: skip
+    ) -> list[Tensor]:  # fmt: skip
         """Writes dq, dk, dv of every branch into ``dqkv`` (a RoPE branch's dq, dk into its pair of
         ``d_rotated``, its q, k read from its pair of ``rotated``, both in order); returns each branch's
-        initial weights' gradients. ``calls``: makes each branch's (dout, dq, dk, dv) views (the first time of
-        a layout)."""
+        initial weights' gradients as one tensor (SwiGLU's two stacked). ``calls``: makes each branch's
+        (dout, dq, dk, dv) views (the first time of a layout)."""
         layout = d_out.stride()  # dqkv, d_rotated: made by the node, of qkv's shape (the key), contiguous
         found = self._backwards.get(layout)
         if found is None:
@@ -351,7 +352,12 @@ class MixProgram:
             *map(base, d_rotated),
         ]
         launches.run(bases, self.interpret, device)
-        return [tuple(dw.unbind(0)) if two else (dw,) for dw, two in zip(dws, self.two)]
+        return dws
+
+    def saved_places(self) -> tuple:
+        """Where each branch's ``G``, ``||G||`` lie in a training forward's saved workspace (what
+        ``backward`` takes back)."""
+        return (self._forwards.get(True) or self._forward(True))[3]
 
     def labels(self, save: bool = True) -> list[tuple[int, str]]:
         """The forward's launches as (branch, kernel label), in order."""
@@ -377,6 +383,21 @@ def clear() -> None:
     _GENERATION[0] += 1
 
 
+def _program(
+    cache: dict, names: Sequence[str], qkv: Tensor, weights: Sequence[Tensor],
+    rotated: Sequence[Tensor | None], calls: Callable[[], tuple[Tensor, Sequence[NodeCall]]],
+) -> MixProgram:  # fmt: skip
+    """The program of ``(qkv, weights)`` found in ``cache`` or made from ``calls()`` (the output and each
+    branch's ``NodeCall``)."""
+    key = (_GENERATION[0], program_key(qkv, weights))
+    program = cache.get(key)
+    if program is None:
+        if len(cache) >= MAX_PROGRAMS:
+            cache.clear()
+        program = cache[key] = MixProgram(names, qkv, *calls(), rotated)
+    return program
+
+
 def forward(
     cache: dict, names: Sequence[str], qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool,
     rotated: Sequence[Tensor | None], calls: Callable[[], Sequence[NodeCall]],
@@ -384,21 +405,43 @@ def forward(
     """``Whole.forward`` of the Triton path: the program of ``(qkv, weights)`` found in ``cache`` or made from
     ``calls()``, run; saves the workspace of ``G``, ``||G||`` and the RoPE branches' rotated pairs (the
     backward reads q, k there; the pairs are fresh, of qkv's shape: its key covers them)."""
-    key = (_GENERATION[0], program_key(qkv, weights))
-    program = cache.get(key)
-    if program is None:
-        if len(cache) >= MAX_PROGRAMS:
-            cache.clear()
-        program = cache[key] = MixProgram(names, qkv, out, calls(), rotated)
+    program = _program(cache, names, qkv, weights, rotated, lambda: (out, calls()))
     pairs = [pair for pair in rotated if pair is not None] if program.n_rotated else ()
     ws, kept = program.forward(qkv, out, weights, save, pairs)
     return ([ws, *pairs] if save else []), (program, kept)
 
 
+def state(
+    cache: dict, names: Sequence[str], qkv: Tensor, weights: Sequence[Tensor],
+    rotated: Sequence[Tensor | None], calls: Callable[[], tuple[Tensor, Sequence[NodeCall]]],
+) -> Any:  # fmt: skip
+    """``Whole.state`` of the Triton path: what ``forward`` handed its backward for a training call on
+    ``(qkv, weights)``, found again (the program, where its statistics lie)."""
+    program = _program(cache, names, qkv, weights, rotated, calls)
+    return program, program.saved_places()
+
+
+def saved_like(names: Sequence[str], qkv: Tensor, branches: Sequence[tuple[int, int, bool]]) -> list[Tensor]:
+    """``Whole.saved_like`` of the Triton path: empty tensors laid out as a training ``forward`` saves them
+    (the workspace, the RoPE branches' pairs) for ``branches`` ``(heads, head_dim, rope)``; sizes may be
+    symbolic (``torch.compile``'s fake tensors)."""
+    b, n, _ = qkv.shape
+    acc = acc_dtype(qkv.dtype)[0]
+    ws = _Workspace(SAVED)
+    for name, (heads, d, _) in zip(names, branches):
+        for shape in plan.stat_shapes(name, b * heads, d):
+            stride = [1]
+            for size in reversed(shape[1:]):
+                stride.insert(0, stride[0] * size)
+            ws.place(Buffer(shape, tuple(stride), acc))
+    pairs = [qkv.new_empty(b, 2, n, heads * d) for heads, d, rope in branches if rope]
+    return [qkv.new_empty(ws.size, dtype=torch.uint8), *pairs]
+
+
 def backward(
     d_out: Tensor, dqkv: Tensor, saved: Sequence[Tensor], state: Any, d_rotated: Sequence[Tensor | None],
     calls: Callable[[], Sequence[tuple[Tensor, ...]]],
-) -> list[tuple[Tensor, ...]]:  # fmt: skip
+) -> list[Tensor]:  # fmt: skip
     """``Whole.backward`` of the Triton path: the program's backward on what ``forward`` saved."""
     program, kept = state
     if not program.n_rotated:

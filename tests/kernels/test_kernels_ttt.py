@@ -361,7 +361,7 @@ def test_backward_op_fake_matches_the_kernels(model):
 
 
 def test_compiled_rope_mixer_hands_the_op_one_dtype():
-    """Traced, a mixer runs branch by branch; RoPE rotates 16-bit q, k in float32, and they go back to the io
+    """Traced, a mixer runs as the mixer op; RoPE rotates 16-bit q, k in float32, and they go back to the io
     dtype (as in the fused node) before the op, which takes q, k, v of one dtype."""
     torch.manual_seed(0)
     mixer = TTTMixer(32, 2, branches=("swiglu",), rope=True, backend="triton").to(DEVICE)

@@ -1,6 +1,7 @@
 """The Triton path's hooks in the fused eager node (``vit3.kernels.triton.node``): a mixer call on Triton is
 one autograd node, equal to the op references and to the eager node (output and every gradient), on native
-16-bit q, k, v; the registry fuses Triton branches outside tracing; a failing branch alone is demoted.
+16-bit q, k, v; traced, the registry fuses Triton branches only all together; a failing branch alone is
+demoted.
 
 Runs where Triton runs (``triton_device``: the GPU, or the interpreter on CPU). The interpreter's bf16
 ``tl.dot`` is wrong (``shared/notes/triton.md``): bf16 is emulated there by rounding to bf16, then running
@@ -108,11 +109,14 @@ def test_eager_mix_refuses_half_qkv_on_other_paths():
         eager_mix(qkv, _plan("eager", False), weights)
 
 
-def test_the_registry_fuses_triton_branches_outside_tracing_only():
+def test_the_registry_fuses_traced_triton_branches_only_all_together():
+    """Traced, Triton branches fuse as the mixer op (``eager_mix.mix_op``), which runs them all."""
     names, models = ("triton", "triton"), ("swiglu", "dwconv")
     assert reg.registry.fuses(names, models, "dot", "")
     assert reg.registry.fuses(("triton", "eager"), models, "dot", "")
-    assert not reg.registry.fuses(names, models, "dot", "compile")
+    assert reg.registry.fuses(names, models, "dot", "compile")
+    assert not reg.registry.fuses(("triton", "eager"), models, "dot", "compile")
+    assert reg.registry.fuses(("eager", "eager"), models, "dot", "compile")
     assert not reg.registry.fuses(("triton", "generic"), models, "dot", "")
     assert not reg.registry.fuses(("triton",), ("linear",), "mse", "")
 

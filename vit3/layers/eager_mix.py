@@ -125,7 +125,6 @@ class MixLayout(NamedTuple):
     nodes: tuple[tuple[Node, int, int], ...]
     width: int
     hyper: Hyper
-    low_precision: bool  # every branch's hooks take float16 / bfloat16 q, k, v as they are
     twice: bool  # every branch's backward may be differentiated (``Node.twice``)
     names: tuple[str, ...]  # the branches' ops
     whole: Whole | None  # every branch's path runs the whole node (``Node.whole``), else ``None``
@@ -145,16 +144,13 @@ def mix_layout(plan: MixPlan) -> MixLayout:
             raise ValueError(f"eager_mix serves the inner models {node_ops}, got {br.kind!r}")
         found.append((path.node, len(op.weights), br.heads * br.head_dim))
     hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
-    low = all(node.low_precision for node, *_ in found)
     twice = all(node.twice for node, *_ in found)
     whole = found[0][0].whole if found else None
     if any(node.whole is not whole for node, *_ in found):
         whole = None
     names = tuple(br.kind for br in plan.branches)
     unrotated = None if any(br.rope for br in plan.branches) else (None,) * len(plan.branches)
-    return MixLayout(
-        plan, tuple(found), sum(w for *_, w in found), hyper, low, twice, names, whole, {}, unrotated
-    )
+    return MixLayout(plan, tuple(found), sum(w for *_, w in found), hyper, twice, names, whole, {}, unrotated)
 
 
 def reference_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
@@ -174,9 +170,11 @@ def reference_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
 
 def takes(plan: MixPlan, dtype: torch.dtype) -> bool:
     """Whether ``eager_mix`` takes a qkv of ``dtype`` on ``plan`` as it is: float32 / float64 always, float16
-    / bfloat16 where every branch's hooks do (Triton's; the others' inner loop needs float32 at least)."""
+    / bfloat16 where every branch's hooks do (Triton's; the others' inner loop needs float32 at least). Read
+    from the ops' tables, not ``mix_layout`` (traced calls ask: ``torch.compile`` would trace its cache)."""
     return dtype in (torch.float32, torch.float64) or (
-        dtype in (torch.float16, torch.bfloat16) and mix_layout(plan).low_precision
+        dtype in (torch.float16, torch.bfloat16)
+        and all(OPS[br.kind].paths[br.path].node.low_precision for br in plan.branches)
     )
 
 
@@ -267,25 +265,40 @@ def _whole_grads(
     return views
 
 
+def _whole_backward(
+    layout: MixLayout, d_out: Tensor, saved: tuple[Tensor, ...], state: Any, qkv_shape: torch.Size
+) -> tuple[Tensor, list[Tensor]]:
+    """The whole-node hooks' backward (``Whole.backward``): the qkv gradient and, per branch, its weights'
+    gradients as one tensor (two weights stacked)."""
+    plan = layout.plan
+    dqkv = d_out.new_empty(qkv_shape)
+    d_rotated = layout.unrotated or [_rotated_grads(dqkv, br) if br.rope else None for br in plan.branches]
+    dws = layout.whole.backward(
+        d_out, dqkv, saved, state, d_rotated, lambda: _whole_grads(d_out, dqkv, layout, d_rotated)
+    )
+    if layout.unrotated is None:
+        geom = _geom(dqkv)
+        for br, grads in zip(plan.branches, d_rotated):
+            if grads is not None:
+                _rotate_back(dqkv, geom, br, plan, grads)
+    return dqkv, dws
+
+
+def _split_grads(layout: MixLayout, dws: list[Tensor]) -> list[Tensor]:
+    """Each branch's weight gradients (``_whole_backward``: one tensor per branch) one by one."""
+    counts = [count for _, count, _ in layout.nodes]
+    return [g for dw, count in zip(dws, counts) for g in (dw.unbind(0) if count == 2 else (dw,))]
+
+
 def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     """Every branch's backward hooks: dq, dk, dv into one qkv gradient, the weights' gradients."""
     layout, tags, qkv_shape, weight_shapes = ctx.state
     plan, hyper = layout.plan, layout.hyper
     saved = ctx.saved_tensors
-    dqkv = d_out.new_empty(qkv_shape)
     if layout.whole is not None:
-        d_rotated = layout.unrotated or [
-            _rotated_grads(dqkv, br) if br.rope else None for br in plan.branches
-        ]
-        dws = layout.whole.backward(
-            d_out, dqkv, saved, tags, d_rotated, lambda: _whole_grads(d_out, dqkv, layout, d_rotated)
-        )
-        if layout.unrotated is None:
-            geom = _geom(dqkv)
-            for br, grads in zip(plan.branches, d_rotated):
-                if grads is not None:
-                    _rotate_back(dqkv, geom, br, plan, grads)
-        return (dqkv, None, None, *[dw for branch in dws for dw in branch])
+        dqkv, dws = _whole_backward(layout, d_out, saved, tags, qkv_shape)
+        return (dqkv, None, None, *_split_grads(layout, dws))
+    dqkv = d_out.new_empty(qkv_shape)
     geom, out_geom = _geom(dqkv), _geom(d_out)
     grads: list[Tensor] = []
     col, wi = 0, 0
@@ -317,18 +330,24 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
 _backward_once = once_differentiable(_backward)
 
 
-def _backward_twice(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-    """A backward that is itself differentiable (``create_graph=True``): autograd through ``reference_mix`` on
-    the saved qkv and weights, in float32 at least (the hooks' backwards have no derivative of their own)."""
-    layout, _, _, weight_shapes = ctx.state
-    count = len(weight_shapes)
-    qkv, *weights = ctx.saved_tensors[-1 - count :]
+def _reference_grads(plan: MixPlan, d_out: Tensor, qkv: Tensor, weights: list[Tensor]) -> list[Tensor | None]:
+    """The gradients of qkv and the weights as a differentiable graph (``create_graph=True``): autograd
+    through ``reference_mix``, in float32 at least (the hooks' backwards have no derivative of their own);
+    ``None`` for an input that does not require one."""
     inputs = [qkv, *weights]
     wanted = [t for t in inputs if t.requires_grad]
     acc = torch.promote_types(qkv.dtype, torch.float32)
-    out = reference_mix(qkv.to(acc), layout.plan, [w.to(acc) for w in weights])
+    out = reference_mix(qkv.to(acc), plan, [w.to(acc) for w in weights])
     grads = iter(torch.autograd.grad(out, wanted, d_out.to(acc), create_graph=True, allow_unused=True))
-    got = [next(grads) if t.requires_grad else None for t in inputs]
+    return [next(grads) if t.requires_grad else None for t in inputs]
+
+
+def _backward_twice(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+    """A backward that is itself differentiable (``create_graph=True``, ``_reference_grads``) on the saved
+    qkv and weights."""
+    layout, _, _, weight_shapes = ctx.state
+    qkv, *weights = ctx.saved_tensors[-1 - len(weight_shapes) :]
+    got = _reference_grads(layout.plan, d_out, qkv, weights)
     return (got[0], None, None, *got[1:])
 
 
@@ -363,6 +382,8 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     Returns:
         The read-outs concatenated ``[B, N, sum(widths)]``.
     """
+    if torch.compiler.is_compiling() and any(br.path == WHOLE_PATH for br in plan.branches):
+        return _traced_mix(qkv, plan, weights)
     layout = mix_layout(plan)
     if qkv.shape[-1] != 3 * layout.width:
         raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * layout.width}")
@@ -375,3 +396,138 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     if grad_flows(qkv, *weights):
         return _EagerMix.apply(qkv, layout, True, *weights)
     return _forward(qkv, layout, False, tuple(weights))[0]
+
+
+# ------------------------------------------------------------------------------------------------ the op
+
+# The path whose whole-node hooks (``Node.whole``) the mixer op runs.
+WHOLE_PATH = "triton"
+
+
+def op_args(plan: MixPlan) -> tuple:
+    """``plan`` as the mixer op's plain arguments after qkv and the weights (``plan_of`` reads them back):
+    the branches' path, their ops (comma-separated), per branch its offset, heads, head dim and RoPE then
+    the grid, the scale, lr and RoPE base, ``grad_norm`` and ``recompute``. Traceable by ``torch.compile``."""
+    ints = [v for br in plan.branches for v in (br.offset, br.heads, br.head_dim, int(br.rope))]
+    return (
+        plan.branches[0].path,
+        ",".join(br.kind for br in plan.branches),
+        [*ints, *plan.grid],
+        [float(plan.scale), float(plan.lr), float(plan.rope_base)],
+        bool(plan.grad_norm),
+        bool(plan.recompute),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_of(
+    path: str, kinds: str, ints: tuple[int, ...], floats: tuple[float, ...], grad_norm: bool, recompute: bool
+) -> MixPlan:
+    names = kinds.split(",")
+    branches = tuple(
+        MixBranch(name, *ints[4 * i : 4 * i + 3], bool(ints[4 * i + 3]), path) for i, name in enumerate(names)
+    )
+    scale, lr, rope_base = floats
+    return MixPlan(branches, tuple(ints[-2:]), scale, lr, grad_norm, rope_base, recompute)
+
+
+def plan_of(
+    path: str, kinds: str, ints: list[int], floats: list[float], grad_norm: bool, recompute: bool
+) -> MixPlan:
+    """The ``MixPlan`` of the mixer op's arguments (``op_args``)."""
+    return _plan_of(path, kinds, tuple(ints), tuple(floats), grad_norm, recompute)
+
+
+def _op_layout(args: tuple) -> MixLayout:
+    layout = mix_layout(plan_of(*args))
+    if layout.whole is None:
+        raise ValueError(f"vit3::mix runs branches on a path with whole-node hooks, got {args[:2]}")
+    return layout
+
+
+@torch.library.custom_op("vit3::mix", mutates_args=())
+def mix_op(
+    qkv: Tensor, weights: list[Tensor], path: str, kinds: str, ints: list[int], floats: list[float],
+    grad_norm: bool, recompute: bool, save: bool,
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """The mixer call as one op: every branch's step and read-out (``eager_mix``) through its path's
+    whole-node hooks; returns the read-outs ``[B, N, sum(widths)]`` and what the backward needs (empty
+    unless ``save``). The plan: ``op_args``."""
+    layout = _op_layout((path, kinds, ints, floats, grad_norm, recompute))
+    out, saved, _ = _forward(qkv, layout, save, tuple(weights))
+    return out, saved
+
+
+@mix_op.register_fake
+def _mix_op_fake(
+    qkv: Tensor, weights: list[Tensor], path: str, kinds: str, ints: list[int], floats: list[float],
+    grad_norm: bool, recompute: bool, save: bool,
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    layout = _op_layout((path, kinds, ints, floats, grad_norm, recompute))
+    b, n, _ = qkv.shape
+    out = qkv.new_empty(b, n, layout.width)
+    if not save:
+        return out, []
+    dims = [(br.heads, br.head_dim, br.rope) for br in layout.plan.branches]
+    return out, layout.whole.saved_like(layout.names, qkv, dims)
+
+
+@torch.library.custom_op("vit3::mix_backward", mutates_args=())
+def mix_backward_op(
+    d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], path: str, kinds: str,
+    ints: list[int], floats: list[float], grad_norm: bool, recompute: bool,
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """``mix_op``'s backward on what it saved: the qkv gradient and, per branch, its initial weights'
+    gradients as one tensor (two weights stacked ``[2, ...]``)."""
+    layout = _op_layout((path, kinds, ints, floats, grad_norm, recompute))
+    pairs = iter(saved[1:])
+    rotated = [next(pairs) if br.rope else None for br in layout.plan.branches]
+
+    def calls() -> tuple[Tensor, list[NodeCall]]:
+        out = qkv.new_empty(qkv.shape[0], qkv.shape[1], layout.width)
+        return out, _whole_calls(qkv, out, layout, tuple(weights), True, rotated)
+
+    state = layout.whole.state(layout.programs, layout.names, qkv, weights, rotated, calls)
+    return _whole_backward(layout, d_out, (*saved, qkv, *weights), state, qkv.shape)
+
+
+@mix_backward_op.register_fake
+def _mix_backward_fake(
+    d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], path: str, kinds: str,
+    ints: list[int], floats: list[float], grad_norm: bool, recompute: bool,
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    layout = _op_layout((path, kinds, ints, floats, grad_norm, recompute))
+    dws, wi = [], 0
+    for _, count, _ in layout.nodes:
+        w = weights[wi]
+        dws.append(w.new_empty((2, *w.shape) if count == 2 else w.shape))
+        wi += count
+    return d_out.new_empty(qkv.shape), dws
+
+
+def _setup_mix(ctx: Any, inputs: tuple, output: tuple) -> None:
+    qkv, weights, *args = inputs
+    saved = output[1]
+    ctx.save_for_backward(*saved, qkv, *weights)
+    ctx.args, ctx.n_saved = tuple(args[:-1]), len(saved)
+    ctx.mark_non_differentiable(*saved)
+
+
+def _mix_op_backward(ctx: Any, d_out: Tensor, _d_saved: Any) -> tuple:
+    tensors = ctx.saved_tensors
+    saved, (qkv, *weights) = tensors[: ctx.n_saved], tensors[ctx.n_saved :]
+    layout = _op_layout(ctx.args)
+    if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
+        dqkv, *dws = _reference_grads(layout.plan, d_out, qkv, weights)
+    else:
+        dqkv, stacked = mix_backward_op(d_out, qkv, weights, list(saved), *ctx.args)
+        dws = _split_grads(layout, stacked)
+    return (dqkv, dws, *(None,) * (len(ctx.args) + 1))
+
+
+mix_op.register_autograd(_mix_op_backward, setup_context=_setup_mix)
+
+
+def _traced_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
+    """``eager_mix`` under ``torch.compile``: the mixer op, which the graph keeps whole."""
+    return mix_op(qkv, list(weights), *op_args(plan), grad_flows(qkv, *weights))[0]

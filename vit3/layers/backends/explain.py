@@ -63,7 +63,8 @@ class MixerExplanation:
     branches: tuple[BranchExplanation, ...]
     # training with a SwiGLU branch on ``cpu`` / ``eager``: what its backward recomputes or saves, and why
     recompute: str = ""
-    # the fused node runs every branch in one call of their path's whole-node hooks (Triton's launch program)
+    # the fused node runs every branch in one call of their path's whole-node hooks (Triton's launch program;
+    # under torch.compile the mixer op ``vit3::mix`` runs them)
     program: bool = False
     # settled calls run as the whole-mixer C++ op (``torch.ops.vit3_cpu.mix``), no node in Python
     cpp_op: bool = False
@@ -75,7 +76,7 @@ class MixerExplanation:
             f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
             "  "
             + ("one fused eager node runs every branch" if self.fused else "branch by branch")
-            + (", as one launch program" if self.program else "")
+            + (", as one launch program (compiled: the graph's one op vit3::mix)" if self.program else "")
             + (", as one C++ op (vit3_cpu::mix) once settled" if self.cpp_op else ""),
         ]
         if self.recompute:

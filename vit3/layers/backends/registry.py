@@ -19,7 +19,7 @@ from vit3.kernels.ops import OPS
 from vit3.kernels.paths import compute_inputs
 
 from ..config import BACKEND_NAMES
-from ..eager_mix import MixBranch, MixPlan, eager_mix
+from ..eager_mix import WHOLE_PATH, MixBranch, MixPlan, eager_mix
 from .interface import Backend, Branch, Inputs, Settings, Step
 
 BACKEND_ENV = (
@@ -122,14 +122,14 @@ LEAN_BACKENDS = ("cpu", "eager")
 def fuses(names: Sequence[str], branches: Sequence[str], loss: str, tracing: str) -> bool:
     """Whether a mixer call whose branches (inner models ``branches``) run on backends ``names`` is one fused
     eager node (``eager_mix``): every backend runs a path with node hooks for its branch's op, on the dot
-    loss the node takes; the Triton hooks only outside tracing (``torch.compile`` traces the custom ops)."""
+    loss the node takes. Traced, branches on Triton fuse only all together: the mixer op
+    (``eager_mix.mix_op``) runs them, as one op of the graph."""
     if loss != "dot":
         return False
-    for name, model in zip(names, branches):
-        path = BACKENDS[name].path
-        if path is None or (path == "triton" and tracing) or OPS[model].paths[path].node is None:
-            return False
-    return True
+    paths = [BACKENDS[name].path for name in names]
+    if any(path is None or OPS[model].paths[path].node is None for path, model in zip(paths, branches)):
+        return False
+    return not tracing or all(p == WHOLE_PATH for p in paths) or WHOLE_PATH not in paths
 
 
 def order(device_type: str) -> list[str]:

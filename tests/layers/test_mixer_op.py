@@ -1,0 +1,118 @@
+"""The mixer op ``vit3::mix`` (``eager_mix.mix_op``): a mixer call on Triton as one op of a compiled graph.
+
+That its plan survives its plain arguments, that it computes bit for bit what the eager node computes (forward
+and every gradient, with and without RoPE), that ``torch.library.opcheck`` passes (schema, fakes, symbolic
+sizes, autograd registration), that a compiled mixer is one forward and one backward op per call, and that the
+backward finds its program again after the plans were cleared. Kernels run where Triton runs
+(``triton_device``: the GPU, or the interpreter on CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vit3.kernels.triton import op as top
+from vit3.layers import TTTMixer
+from vit3.layers import eager_mix as em
+
+pytestmark = pytest.mark.triton
+
+# (branches as (op, heads, head dim), RoPE on the token-wise branches, batch, grid)
+CASES = {
+    "official-rope": ((("swiglu", 2, 16), ("dwconv", 1, 16)), True, 2, (4, 5)),
+    "linear": ((("linear", 2, 16),), False, 1, (3, 6)),
+}
+
+
+def _plan(branches, rope: bool, grid) -> em.MixPlan:
+    found, offset = [], 0
+    for name, heads, d in branches:
+        found.append(em.MixBranch(name, offset, heads, d, rope and name != "dwconv", "triton"))
+        offset += 3 * heads * d
+    return em.MixPlan(tuple(found), grid, 0.3, 1 / 3, True, 10000.0)
+
+
+def _inputs(case: str, device: torch.device) -> tuple[em.MixPlan, torch.Tensor, list[torch.Tensor]]:
+    branches, rope, b, grid = CASES[case]
+    plan = _plan(branches, rope, grid)
+    g = torch.Generator().manual_seed(0)
+    width = sum(heads * d for _, heads, d in branches)
+    qkv = torch.randn(b, grid[0] * grid[1], 3 * width, generator=g, dtype=torch.float64)
+    weights = []
+    for name, heads, d in branches:
+        matrix = (1, heads, d, d)
+        shapes = {"swiglu": [matrix] * 2, "linear": [matrix], "dwconv": [(1, heads * d, 3, 3)]}
+        weights += [0.2 * torch.randn(s, generator=g, dtype=torch.float64) for s in shapes[name]]
+    return plan, qkv.to(device).requires_grad_(), [w.to(device).requires_grad_() for w in weights]
+
+
+def _train(out: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [out, *torch.autograd.grad(out.square().sum(), leaves)]
+
+
+def test_the_plan_survives_the_ops_arguments():
+    for case in CASES.values():
+        plan = _plan(case[0], case[1], case[3])
+        assert em.plan_of(*em.op_args(plan)) == plan
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_op_computes_what_the_node_computes(case, triton_device):
+    plan, qkv, weights = _inputs(case, triton_device)
+    leaves = [qkv, *weights]
+    exp = _train(em.eager_mix(qkv, plan, weights), leaves)
+    got = _train(em.mix_op(qkv, weights, *em.op_args(plan), True)[0], leaves)
+    for a, e in zip(got, exp):
+        assert a.shape == e.shape and torch.equal(a, e)
+
+
+def test_opcheck_passes(triton_device):
+    """Schema, fakes (shapes, strides, dtypes of every output, symbolic sizes included), the registered
+    autograd, and AOT dispatch, of both ops."""
+    plan, qkv, weights = _inputs("official-rope", triton_device)
+    args = em.op_args(plan)
+    torch.library.opcheck(em.mix_op, (qkv, weights, *args, True))
+    torch.library.opcheck(em.mix_op, (qkv.detach(), [w.detach() for w in weights], *args, False))
+    out, saved = em.mix_op(qkv, weights, *args, True)
+    d_out = torch.randn_like(out)
+    inputs = (d_out, qkv.detach(), [w.detach() for w in weights], [t.detach() for t in saved], *args)
+    torch.library.opcheck(em.mix_backward_op, inputs)
+
+
+def test_the_backward_finds_its_program_after_the_plans_are_cleared(triton_device):
+    plan, qkv, weights = _inputs("official-rope", triton_device)
+    leaves = [qkv, *weights]
+    exp = _train(em.mix_op(qkv, weights, *em.op_args(plan), True)[0], leaves)
+    out = em.mix_op(qkv, weights, *em.op_args(plan), True)[0]
+    top.clear_plans()
+    got = [out, *torch.autograd.grad(out.square().sum(), leaves)]
+    for a, e in zip(got, exp):
+        assert torch.equal(a, e)
+
+
+def test_a_compiled_mixer_is_one_op_per_call(triton_device):
+    """Compiled whole (``fullgraph``), a mixer of two Triton branches with RoPE is one ``vit3::mix`` in the
+    forward graph and one ``vit3::mix_backward`` in the backward graph: no per-branch ops, no concatenation;
+    its outputs and gradients are the eager mixer's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    mixer = TTTMixer(64, 4, branches=("swiglu", "dwconv"), rope=True, backend="triton").to(triton_device)
+    x = torch.randn(2, 16, 64, device=triton_device, requires_grad=True)
+    exp = _train(mixer(x, (4, 4)), [x, *mixer.parameters()])
+    torch._dynamo.reset()
+    compiled = torch.compile(mixer, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    got = _train(compiled(x, (4, 4)), [x, *mixer.parameters()])
+    for a, e in zip(got, exp):
+        assert torch.equal(a, e)
+    forward, backward = ([str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for gm in graphs)
+    assert forward.count("vit3.mix.default") == 1 and backward.count("vit3.mix_backward.default") == 1
+    assert not [t for t in forward + backward if "triton_ttt" in t or t == "aten.cat.default"]
