@@ -197,10 +197,21 @@ class _LeanConvFfnFn(torch.autograd.Function):
         return dx, dw1, db1, grads[1], ddb, dw2, db2, None
 
 
+def _as_autocast_reads(t: Tensor, state: tuple) -> Tensor:
+    """``t`` as autocast hands it to a matmul under ``state`` (``autocast_forward``'s ``ctx.autocast``): cast
+    to its dtype where on and ``t`` is floating, neither float64 nor of that dtype already."""
+    _, enabled, dtype = state
+    if not enabled or not t.is_floating_point() or t.dtype in (torch.float64, dtype):
+        return t
+    return t.to(dtype)
+
+
 class _LeanMlpFn(torch.autograd.Function):
-    """``fc2(GELU(fc1(LN(x))))`` (the LayerNorm optional) saving x, the norm's statistics and
-    ``h = fc1(LN(x))`` only: the backward recomputes ``LN(x)`` for fc1's weight gradient and ``GELU(h)`` for
-    fc2's (elementwise passes), where autograd keeps both (5C values per token at a 4C hidden width).
+    """``fc2(GELU(fc1(LN(x))))`` (the LayerNorm optional) saving x, the norm's statistics, its output and
+    the weights as the layers read them and ``h = fc1(LN(x))`` only: the backward recomputes ``GELU(h)`` for
+    fc2's weight gradient (an elementwise pass), where autograd keeps it (4C values per token at a 4C hidden
+    width). What the layers read is kept, not recomputed or cast again: each op of a step costs host time on
+    a GPU (the norm and three casts per block).
 
     Under autocast it computes what autograd through the layers would: the matmuls in the autocast dtype (the
     fp32 weights cast by autocast, in the backward too: it runs under the forward's autocast state) and each
@@ -221,10 +232,14 @@ class _LeanMlpFn(torch.autograd.Function):
         approx: str,
     ) -> Tensor:
         n = mean = rstd = None
+        ctx.norm_dtype = x.dtype
         if eps is not None:
             n, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], ln_w, ln_b, eps)
+            ctx.norm_dtype = n.dtype
+            n = _as_autocast_reads(n, ctx.autocast)  # as fc1 reads it: the cast made once, kept
+        w1, w2 = (_as_autocast_reads(w, ctx.autocast) for w in (w1, w2))  # kept as read: no casts again
         h = F.linear(x if n is None else n, w1, b1)  # [..., hidden]
-        ctx.save_for_backward(x, h, w1, w2, mean, rstd, ln_w, ln_b)  # None where absent
+        ctx.save_for_backward(x, n, h, w1, w2, mean, rstd, ln_w, ln_b)  # None where absent
         ctx.eps, ctx.approx, ctx.biases = eps, approx, (b1 is not None, b2 is not None)
         return F.linear(F.gelu(h, approximate=approx), w2, b2)
 
@@ -232,7 +247,7 @@ class _LeanMlpFn(torch.autograd.Function):
     @autocast_backward
     @once_differentiable
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, h, w1, w2, mean, rstd, ln_w, ln_b = ctx.saved_tensors
+        x, n, h, w1, w2, mean, rstd, ln_w, ln_b = ctx.saved_tensors
         has_b1, has_b2 = ctx.biases
         rows = dy.numel() // dy.shape[-1]
         dy2 = dy.reshape(rows, -1)  # [T, C]
@@ -240,16 +255,14 @@ class _LeanMlpFn(torch.autograd.Function):
         dw2, db2 = dy2.t() @ a, dy2.sum(0) if has_b2 else None
         del a
         dh = torch.ops.aten.gelu_backward(dy2 @ w2, h.reshape(rows, -1), approximate=ctx.approx)
-        norm = ctx.eps is not None
-        n = torch.native_layer_norm(x, x.shape[-1:], ln_w, ln_b, ctx.eps)[0] if norm else x  # recomputed
-        dw1, db1 = dh.t() @ n.reshape(rows, -1), dh.sum(0) if has_b1 else None
-        dn = (dh @ w1).view(x.shape).to(n.dtype)  # the gradient of the norm's output as it was computed
-        if not norm:
+        dw1, db1 = dh.t() @ (x if n is None else n).reshape(rows, -1), dh.sum(0) if has_b1 else None
+        dn = (dh @ w1).view(x.shape).to(ctx.norm_dtype)  # the norm output's gradient, as the norm computed it
+        if n is None:
             return dn, None, None, None, dw1, db1, dw2, db2, None
         # the norm's input as it ran: autocast may run the norm in float32 (CUDA does), x cast to it
         mask = [True, ln_w is not None, ln_b is not None]
         dx, d_lw, d_lb = torch.ops.aten.native_layer_norm_backward(
-            dn, x.to(n.dtype), x.shape[-1:], mean, rstd, ln_w, ln_b, mask
+            dn, x.to(ctx.norm_dtype), x.shape[-1:], mean, rstd, ln_w, ln_b, mask
         )
         return dx, d_lw, d_lb, None, dw1, db1, dw2, db2, None
 
@@ -276,9 +289,9 @@ def _active(module: nn.Module) -> bool:
 
 class LeanMlp(Mlp):
     """timm's ``Mlp`` (same parameters and names: ``fc1``, ``fc2``) with a memory-lean training backward that
-    recomputes the GELU output, and the output of the LayerNorm in front (``forward(x, norm=...)``), instead
-    of saving them: per token it keeps x and ``fc1(x)``, 5C values fewer than autograd through
-    ``LayerNorm`` + ``Mlp`` (4C with no norm), for elementwise passes.
+    recomputes the GELU output instead of saving it (an elementwise pass): per token it keeps x, the output of
+    the LayerNorm in front (``forward(x, norm=...)``) and ``fc1``'s, 4C values fewer than autograd through
+    ``LayerNorm`` + ``Mlp``.
 
     The saving variant (plain ``norm`` then ``Mlp.forward``) runs with ``recompute="never"``
     (``TTTConfig.recompute`` or ``$VIT3_TTT_RECOMPUTE``), and wherever the lean path does not apply: tracing,

@@ -1,6 +1,6 @@
 // The plain ViT³ block's memory-lean feed-forward as one op with one C++ autograd node: vit3_cpu::lean_mlp,
-// fc2(GELU(fc1(LN(x)))) (the LayerNorm optional) saving x, the norm's statistics and h = fc1(LN(x)) only; the
-// backward recomputes LN(x) and GELU(h). It is the Python node vit3/layers/blocks.py's _LeanMlpFn without Python:
+// fc2(GELU(fc1(LN(x)))) (the LayerNorm optional) saving x, the norm's statistics and output and h = fc1(LN(x))
+// only; the backward recomputes GELU(h). It is the Python node vit3/layers/blocks.py's _LeanMlpFn without Python:
 // the same ATen calls in the same order (the same bits, tests/layers/test_blocks_memory.py), where a training step of
 // ViT³-T at 224 px spent ~0.1 ms per block in that node's Python and its calls' bindings. The op's reference is
 // LayerNorm then timm's Mlp through autograd. Built into the extension vit3_cpu (kernels/cpp.py).
@@ -17,19 +17,19 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// fc2(GELU(h)), h = fc1(LN(x)) (x itself without a norm): returns the output, h and the norm's mean and rstd
-// (undefined without a norm).
-std::tuple<Tensor, Tensor, Tensor, Tensor> lean_forward(const Tensor& x, const std::optional<Tensor>& ln_w,
+// fc2(GELU(h)), h = fc1(LN(x)) (x itself without a norm): returns the output, h and the norm's output, mean and
+// rstd (undefined without a norm).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lean_forward(const Tensor& x, const std::optional<Tensor>& ln_w,
                                                         const std::optional<Tensor>& ln_b, std::optional<double> eps,
                                                         const Tensor& w1, const std::optional<Tensor>& b1,
                                                         const Tensor& w2, const std::optional<Tensor>& b2,
                                                         c10::string_view approximate) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // in its inputs' dtype
-  Tensor n = x, mean, rstd;
+  Tensor n, mean, rstd;
   if (eps.has_value()) std::tie(n, mean, rstd) = at::native_layer_norm(x, {x.size(-1)}, ln_w, ln_b, *eps);
-  Tensor h = at::linear(n, w1, b1);  // [..., hidden]
+  Tensor h = at::linear(n.defined() ? n : x, w1, b1);  // [..., hidden]
   Tensor out = at::linear(at::gelu(h, approximate), w2, b2);
-  return {out, h, mean, rstd};
+  return {out, h, n, mean, rstd};
 }
 
 struct LeanMlpFunction : public torch::autograd::Function<LeanMlpFunction> {
@@ -37,8 +37,8 @@ struct LeanMlpFunction : public torch::autograd::Function<LeanMlpFunction> {
                                const std::optional<Tensor>& ln_b, std::optional<double> eps, const Tensor& w1,
                                const std::optional<Tensor>& b1, const Tensor& w2, const std::optional<Tensor>& b2,
                                c10::string_view approximate) {
-    auto [out, h, mean, rstd] = lean_forward(x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate);
-    ctx->save_for_backward({x, h, w1, w2, mean, rstd, ln_w.value_or(Tensor()), ln_b.value_or(Tensor())});
+    auto [out, h, n, mean, rstd] = lean_forward(x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate);
+    ctx->save_for_backward({x, h, w1, w2, mean, rstd, ln_w.value_or(Tensor()), ln_b.value_or(Tensor()), n});
     ctx->saved_data["eps"] = eps.has_value() ? c10::IValue(*eps) : c10::IValue();
     ctx->saved_data["approximate"] = std::string(approximate);
     ctx->saved_data["biases"] = std::vector<bool>{b1.has_value() && b1->defined(), b2.has_value() && b2->defined()};
@@ -66,8 +66,7 @@ struct LeanMlpFunction : public torch::autograd::Function<LeanMlpFunction> {
       if (has_b2) db2 = dy2.sum(0);
       a.reset();
       const Tensor dh = at::gelu_backward(dy2.mm(w2), h.reshape({rows, -1}), approximate);
-      const Tensor n =
-          norm ? std::get<0>(at::native_layer_norm(x, {x.size(-1)}, ln_w, ln_b, eps_value.toDouble())) : x;
+      const Tensor& n = norm ? s[8] : x;
       dw1 = dh.t().mm(n.reshape({rows, -1}));
       if (has_b1) db1 = dh.sum(0);
       const Tensor dn = dh.mm(w1).view(x.sizes()).to(n.scalar_type());  // the norm output's gradient
