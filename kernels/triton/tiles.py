@@ -20,6 +20,7 @@ from .device import (
     MIN_HEAD_DIM,
     TL_DTYPES,
     TRITON_LOSSES,
+    TRITON_RELEASE,
     Arch,
     acc_dtype,
     dot_precision,
@@ -138,7 +139,10 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> T
     """
     backward = role.startswith(("readout_bwd", "grad_bwd"))
     if model == "swiglu" and role == "grad_bwd" and block_d in (32, 64):
-        return Tiles(32, block_d, 4 if block_d == 32 else 8, 2)
+        # Triton before 3.7 spills that stage at d = 64 on wgmma parts (104 B a thread on sm_90, 9 spills in
+        # the token loop): 16-token tiles there, spill-free.
+        short = block_d == 64 and warp_group_mma(arch) and TRITON_RELEASE < (3, 7)
+        return Tiles(16 if short else 32, block_d, 4 if block_d == 32 else 8, 2)
     if block_d <= 32:
         return Tiles(64, block_d, 8 if backward and block_d == 32 else 4, 2)
     if block_d == 128:
@@ -190,11 +194,11 @@ def _matrix_tiles(
 
 def _conv_tiles(block_d: int, dtype: torch.dtype) -> Tiles:
     """The depthwise-conv kernels: full-width ``[BLOCK_N, BLOCK_D]`` tiles (their weights are only 9 x d), no
-    dots; the token tile per head dim that the compile matrix found spill-free (16 for fp64)."""
+    dots; the token tile and warps per head dim that the compile matrix found spill-free under Triton 3.6 and
+    3.8 (16 tokens for fp64; at d = 32, 16 tokens over 4 warps spill under 3.6)."""
     if dtype == torch.float64:
         return Tiles(16, block_d, 4 if block_d <= 32 else 8, 2)
-    block_n = {16: 32, 32: 16, 64: 32}.get(block_d, 16)
-    return Tiles(block_n, block_d, 4 if block_d <= 32 else 8, 2)
+    return Tiles(16 if block_d == 128 else 32, block_d, 4 if block_d <= 16 else 8, 2)
 
 
 def _small_tiles(block_r: int, block_d: int, dtype: torch.dtype) -> Tiles:

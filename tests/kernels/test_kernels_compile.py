@@ -4,7 +4,8 @@ launches ``triton_ttt`` makes (planned by ``triton.plan.forward_plan`` / ``backw
 specialised by Triton's own JIT binder), in a fresh process without ``TRITON_INTERPRET``, through
 ``benchmarks/compile_matrix.py``: by default the worst cases of each arch (``aot.matrix("default")``);
 ``VIT3_COMPILE_MATRIX=full`` adds the whole matrix (arch x inner model x head dim x dtype mode; its run time:
-``benchmarks/README.md``).
+``benchmarks/README.md``). ``$VIT3_OTHER_TRITON`` names a folder holding another Triton release (``.ci/run``
+installs 3.6 there, what torch 2.11's GPU machines run): the H200's training cases compile under it too.
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ pytestmark = pytest.mark.triton
 JOBS = max(1, min(2, os.cpu_count() or 1))
 
 
-def compile_matrix(kind: str, tmp, extra: tuple[str, ...] = ()) -> list[dict]:
-    """Rows of ``benchmarks/compile_matrix.py --cases kind`` (one per compiled kernel)."""
+# A folder with another Triton release (``pip install --no-deps --target``), put first on the path of the
+# compiles; "" where none is at hand.
+OTHER_TRITON = os.environ.get("VIT3_OTHER_TRITON", "")
+
+
+def compile_matrix(kind: str, tmp, extra: tuple[str, ...] = (), triton_dir: str = "") -> list[dict]:
+    """Rows of ``benchmarks/compile_matrix.py --cases kind`` (one per compiled kernel), under the Triton in
+    ``triton_dir`` where one is named."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_dir:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [triton_dir, env.get("PYTHONPATH", "")]))
     out = tmp / "matrix.json"
     cmd = [
         sys.executable,
@@ -85,6 +94,27 @@ def test_worst_cases_fit_every_arch(case, default_matrix):
 def test_full_matrix_fits_every_arch(tmp_path):
     rows = compile_matrix("full", tmp_path)
     for case in aot.matrix("full"):
+        check(case, rows)
+
+
+def _h200_cases() -> list[aot.Case]:
+    """The training configurations of the models on an H100 / H200: sm_90, bf16, head dims 32 and 64."""
+    return [c for c in aot.matrix("full") if c.arch.sm == "sm_90" and c.mode == "bf16" and c.d in (32, 64)]
+
+
+@pytest.mark.skipif(not OTHER_TRITON, reason="set VIT3_OTHER_TRITON to a folder holding another Triton")
+def test_h200_cases_fit_under_the_other_triton(tmp_path):
+    """Under the other release the same bounds hold: shared memory, spill bytes, no spill inside a token
+    loop (the tiles follow the release where the two part ways: ``triton.tiles._half_tiles``)."""
+    probe = [sys.executable, "-c", "import triton; print(triton.__version__)"]
+    env = {**os.environ, "PYTHONPATH": OTHER_TRITON}
+    other = subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    import triton
+
+    assert other != triton.__version__, f"{OTHER_TRITON} holds the pinned Triton {other}"
+    extra = ("--arch", "sm_90", "--mode", "bf16", "--d", "32", "64")
+    rows = compile_matrix("full", tmp_path, extra, OTHER_TRITON)
+    for case in _h200_cases():
         check(case, rows)
 
 
