@@ -2,16 +2,18 @@
 
 That its plan survives its plain arguments, that it computes bit for bit what the eager node computes (forward
 and every gradient, with and without RoPE), that ``torch.library.opcheck`` passes (schema, fakes, symbolic
-sizes, autograd registration), that a compiled mixer is one forward and one backward op per call, and that the
-backward finds its program again after the plans were cleared. Kernels run where Triton runs
-(``triton_device``: the GPU, or the interpreter on CPU).
+sizes, autograd registration), that a compiled mixer (and a whole compiled ViT³ or H-ViT³) is one forward and
+one backward op per call, and that the backward finds its program again after the plans were cleared.
+Kernels run where Triton runs (``triton_device``: the GPU, or the interpreter on CPU).
 """
 
 from __future__ import annotations
 
 import pytest
+import timm
 import torch
 
+import vit3  # noqa: F401  (registers the models)
 from vit3.kernels.triton import op as top
 from vit3.layers import TTTMixer
 from vit3.layers import eager_mix as em
@@ -91,10 +93,9 @@ def test_the_backward_finds_its_program_after_the_plans_are_cleared(triton_devic
         assert torch.equal(a, e)
 
 
-def test_a_compiled_mixer_is_one_op_per_call(triton_device):
-    """Compiled whole (``fullgraph``), a mixer of two Triton branches with RoPE is one ``vit3::mix`` in the
-    forward graph and one ``vit3::mix_backward`` in the backward graph: no per-branch ops, no concatenation;
-    its outputs and gradients are the eager mixer's."""
+def _compiled(module: torch.nn.Module) -> tuple[torch.nn.Module, list]:
+    """``module`` compiled whole (``fullgraph``) through AOT autograd, and the forward and backward graphs
+    it makes (filled by the first call and its backward)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -104,15 +105,55 @@ def test_a_compiled_mixer_is_one_op_per_call(triton_device):
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
+    torch._dynamo.reset()
+    return torch.compile(
+        module, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    ), graphs
+
+
+def _ops(graphs: list) -> tuple[list[str], list[str]]:
+    return tuple([str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for gm in graphs)
+
+
+def test_a_compiled_mixer_is_one_op_per_call(triton_device):
+    """Compiled whole (``fullgraph``), a mixer of two Triton branches with RoPE is one ``vit3::mix`` in the
+    forward graph and one ``vit3::mix_backward`` in the backward graph: no per-branch ops, no concatenation;
+    its outputs and gradients are the eager mixer's."""
     torch.manual_seed(0)
     mixer = TTTMixer(64, 4, branches=("swiglu", "dwconv"), rope=True, backend="triton").to(triton_device)
     x = torch.randn(2, 16, 64, device=triton_device, requires_grad=True)
     exp = _train(mixer(x, (4, 4)), [x, *mixer.parameters()])
-    torch._dynamo.reset()
-    compiled = torch.compile(mixer, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    compiled, graphs = _compiled(mixer)
     got = _train(compiled(x, (4, 4)), [x, *mixer.parameters()])
     for a, e in zip(got, exp):
         assert torch.equal(a, e)
-    forward, backward = ([str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for gm in graphs)
+    forward, backward = _ops(graphs)
     assert forward.count("vit3.mix.default") == 1 and backward.count("vit3.mix_backward.default") == 1
     assert not [t for t in forward + backward if "triton_ttt" in t or t == "aten.cat.default"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "size"), [("vit3_tiny", {"depth": 2}), ("h_vit3_tiny", {"depths": (1, 1, 1, 1)})]
+)
+def test_a_compiled_model_is_one_mixer_op_per_block(name, size, triton_device, monkeypatch):
+    """ViT³ and H-ViT³ (RoPE) on the Triton path, compiled whole: one ``vit3::mix`` and one
+    ``vit3::mix_backward`` per block, no per-branch op; the loss and every gradient are eager's."""
+    monkeypatch.setenv("VIT3_TTT_BACKEND", "triton")
+    torch.manual_seed(0)
+    model = timm.create_model(name, img_size=32, num_classes=10, drop_path_rate=0.0, **size).to(triton_device)
+    x, y = torch.randn(2, 3, 32, 32, device=triton_device), torch.tensor([1, 7], device=triton_device)
+
+    def train(net) -> list[torch.Tensor]:
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        return [loss, *torch.autograd.grad(loss, list(model.parameters()))]
+
+    exp = train(model)
+    compiled, graphs = _compiled(model)
+    got = train(compiled)
+    for a, e in zip(got, exp):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    forward, backward = _ops(graphs)
+    blocks = sum(isinstance(m, TTTMixer) for m in model.modules())
+    assert forward.count("vit3.mix.default") == blocks == backward.count("vit3.mix_backward.default")
+    assert not [t for t in forward + backward if "triton_ttt" in t]
