@@ -6,7 +6,8 @@ copies are made either way. Each branch runs one full-batch dot-loss step throug
 (``vit3.kernels.ops.Node``) of its op's path ``MixBranch.path`` (``"cpu"``, ``"eager"``, ``"triton"``), or all
 branches at once through their path's whole-node hooks (``Node.whole``: Triton's launch program). RoPE
 rotates q and k here; a branch whose hooks raise is tagged (``BRANCH_ATTR``) so the guard demotes it alone.
-``vit3.layers.backends`` decides when it runs; settled all-``cpu`` calls take ``torch.ops.vit3_cpu.mix``.
+``vit3.layers.backends`` decides when it runs; settled all-``cpu`` calls take ``torch.ops.vit3_cpu.mix``,
+traced whole-node calls the custom op ``vit3::mix`` (``mix_op``: the same forward and backward).
 
 The node's hooks, views and the whole-mixer C++ op beside it: ``docs/design/dispatch.md``.
 """
@@ -25,7 +26,20 @@ from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Whole, tag
 
 from .rope import apply_rope_2d
 
-__all__ = ["BRANCH_ATTR", "MixBranch", "MixPlan", "eager_mix", "reference_mix", "runs_whole", "takes"]
+__all__ = [
+    "BRANCH_ATTR",
+    "WHOLE_PATH",
+    "MixBranch",
+    "MixPlan",
+    "eager_mix",
+    "mix_backward_op",
+    "mix_op",
+    "op_args",
+    "plan_of",
+    "reference_mix",
+    "runs_whole",
+    "takes",
+]
 
 
 class MixBranch(NamedTuple):
