@@ -69,6 +69,19 @@ def test_the_op_computes_what_the_node_computes(case, triton_device):
         assert a.shape == e.shape and torch.equal(a, e)
 
 
+def test_a_second_order_backward_is_the_nodes(triton_device):
+    """``create_graph=True``: the op's gradients are differentiable (through the op references, as the
+    node's), and their own gradients are the node's."""
+    plan, qkv, weights = _inputs("official-rope", triton_device)
+    leaves = [qkv, *weights]
+    found = []
+    for out in (em.eager_mix(qkv, plan, weights), em.mix_op(qkv, weights, *em.op_args(plan), True)[0]):
+        first = torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
+        found.append(torch.autograd.grad(sum(g.square().sum() for g in first), leaves))
+    for a, e in zip(*found):
+        assert torch.equal(a, e)
+
+
 def test_opcheck_passes(triton_device):
     """Schema, fakes (shapes, strides, dtypes of every output, symbolic sizes included), the registered
     autograd, and AOT dispatch, of both ops."""
