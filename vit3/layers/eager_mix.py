@@ -396,6 +396,8 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     Returns:
         The read-outs concatenated ``[B, N, sum(widths)]``.
     """
+    # Traced: the mixer op, which the graph keeps whole. Eager: the node itself, the same forward and backward
+    # (through torch.library's Python dispatch a training call makes ~600 Python calls more).
     if torch.compiler.is_compiling() and any(br.path == WHOLE_PATH for br in plan.branches):
         return _traced_mix(qkv, plan, weights)
     layout = mix_layout(plan)
