@@ -211,7 +211,7 @@ class _LeanMlpFn(torch.autograd.Function):
     the weights as the layers read them and ``h = fc1(LN(x))`` only: the backward recomputes ``GELU(h)`` for
     fc2's weight gradient (an elementwise pass), where autograd keeps it (4C values per token at a 4C hidden
     width). What the layers read is kept, not recomputed or cast again: each op of a step costs host time on
-    a GPU (the norm and three casts per block).
+    a GPU (the norm and two or three casts per block).
 
     Under autocast it computes what autograd through the layers would: the matmuls in the autocast dtype (the
     fp32 weights cast by autocast, in the backward too: it runs under the forward's autocast state) and each
