@@ -232,7 +232,6 @@ class MixProgram:
                 where.append(_Where.of(QKV, _offset(call.v, qkv), call.v))
                 at += 1
             self.inputs.append((where, _Where.of(OUT, _offset(call.dest, out), call.dest)))
-        self.two = tuple(metas[4] is not None for _, metas in self.entries)
         self._forwards: dict[bool, tuple] = {}
         self._backwards: dict[tuple, tuple] = {}
 
