@@ -127,6 +127,8 @@ def forward(name: str, call: NodeCall) -> tuple[list[Tensor], str]:
     q, k, v, weights = call.q, call.k, call.v, call.weights
     w1 = weights[0]
     inputs = (q, k, v, w1, weights[1] if entry.two else w1, call.dest)
+    if plan.DEBUG_FILL is not None:
+        plan.debug_filled(call.dest)
     _, gbuf, nbuf = entry.forward(call.save).run(inputs, is_live(q))
     if not call.save:
         return [], entry.tag
@@ -145,5 +147,8 @@ def backward(
     gbuf, nbuf = rest[-2:]
     w2 = rest[0] if entry.two else w1
     grads = (dq, dk, dv)
+    if plan.DEBUG_FILL is not None:
+        for t in grads:
+            plan.debug_filled(t)
     dw = entry.backward(saved, d_out, grads).run((d_out, q, k, v, w1, w2, gbuf, nbuf, *grads), is_live(q))[3]
     return tuple(dw.unbind(0)) if entry.two else (dw,)

@@ -32,6 +32,7 @@ __all__ = [
     "PlanKey",
     "backward_plan",
     "backward_template",
+    "debug_filled",
     "fold_grid",
     "forward_plan",
     "forward_template",
@@ -43,8 +44,8 @@ __all__ = [
     "weight_grad_shape",
 ]
 
-# Test hook: when set (e.g. to NaN), every buffer the op allocates is filled with it, so any element a kernel
-# fails to write shows up in the result.
+# Test hook: when set (e.g. to NaN), every buffer the op allocates, and the node's output and qkv gradient its
+# kernels write into, is filled with it first, so any element a kernel fails to write shows up in the result.
 DEBUG_FILL: float | None = None
 
 
@@ -138,10 +139,10 @@ class Buffer(NamedTuple):
         return Buffer(tuple(t.shape), t.stride(), dtype)
 
     def alloc(self, device: torch.device) -> Tensor:
-        return _filled(torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device))
+        return debug_filled(torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device))
 
 
-def _filled(t: Tensor) -> Tensor:
+def debug_filled(t: Tensor) -> Tensor:
     """``t`` filled with ``DEBUG_FILL`` where that is set."""
     return t if DEBUG_FILL is None else t.fill_(DEBUG_FILL)
 
@@ -184,7 +185,7 @@ class LaunchPlan(NamedTuple):
     def _tensors(self, inputs: tuple[Tensor, ...]) -> list[Tensor]:
         device = inputs[0].device
         made = [torch.empty_strided(b.shape, b.stride, dtype=b.dtype, device=device) for b in self.buffers]
-        return [*inputs, *(made if DEBUG_FILL is None else map(_filled, made))]
+        return [*inputs, *(made if DEBUG_FILL is None else map(debug_filled, made))]
 
     def bind(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], list[Launch]]:
         """Allocates the buffers on the inputs' device; returns the outputs and the launches on them."""

@@ -273,6 +273,8 @@ class MixProgram:
         returns the saved workspace (``G``, ``||G||``; empty unless ``save``) and where in it each branch's
         lie, for the backward."""
         launches, n_saved, n_scratch, kept = self._forwards.get(save) or self._forward(save)
+        if plan.DEBUG_FILL is not None:
+            plan.debug_filled(out)
         device = qkv.device
         scratch = _alloc(n_scratch, device)
         ws = _alloc(n_saved, device) if save else scratch  # inference saves nothing (n_saved 0): no workspace
@@ -335,6 +337,9 @@ class MixProgram:
         if found is None:
             found = self._backwards[layout] = self._backward(kept, calls(), d_out, dqkv, d_rotated)
         launches, n_scratch, dw_bufs = found
+        if plan.DEBUG_FILL is not None:
+            for t in (dqkv, *d_rotated):
+                plan.debug_filled(t)
         device = d_out.device
         dws = [buf.alloc(device) for buf in dw_bufs]
         scratch = _alloc(n_scratch, device)

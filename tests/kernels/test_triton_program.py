@@ -167,6 +167,26 @@ def test_the_program_computes_what_the_branch_hooks_compute(
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("whole", [True, False], ids=["program", "per-branch"])
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+def test_the_nan_fill_reaches_every_element_the_kernels_write(
+    whole, rope, per_branch, monkeypatch, triton_device
+):
+    """With ``DEBUG_FILL`` set and no kernel launched, the output and every gradient are NaN throughout: the
+    node's own output and qkv gradient are filled too, so the tests that lean on the fill see an element a
+    kernel fails to write (a fresh allocation may hold the right numbers of a call before)."""
+    monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
+    branches, b, grid = CASES["official"]
+    plan = _plan(branches, grid, rope=rope)
+    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    want = _run(plan, qkv, weights)
+    intercept_launches(monkeypatch, lambda name, args, kwargs, launch: None)
+    got = _run(plan, qkv, weights) if whole else per_branch(plan, qkv, weights)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and torch.isnan(g).all(), i
+
+
+@pytest.mark.triton
 def test_unusual_layouts_compute_what_the_branch_hooks_compute(per_branch, monkeypatch, triton_device):
     """qkv a strided view past its storage's start, 16-bit qkv beside float32 weights (what the mixer hands a
     16-bit node) and an upstream gradient that is not contiguous: bit for bit the per-branch hooks."""
