@@ -17,7 +17,7 @@ from torch import nn
 from torch.export import Dim
 
 import vit3  # registers the vit3 models
-from vit3.layers import TTTMixer, backends
+from vit3.layers import INNER_MODELS, TTTMixer, backends
 from vit3.layers.blocks import ConvFFN, TTTBlock
 from vit3.layers.inner_math import shifted_dwconv, shifted_dwconv_weight_grad
 
@@ -140,7 +140,7 @@ def test_a_mixer_built_scriptable_scripts_every_inner_model_and_setting():
     token lr gates, several steps and mini-batches and a residual loss: scripted, as eager and as the generic
     backend of a mixer built as usual."""
     torch.manual_seed(0)
-    branches = ("swiglu", "dwconv:1", "linear:1", "silu:1", "mlp:1", "mlp3:1", "swiglu_out:1", "conv:1")
+    branches = ("swiglu", "dwconv:1", *(f"{m}:1" for m in INNER_MODELS if m not in ("swiglu", "dwconv")))
     cfg = dict(branches=branches, inner_norm="ln", inner_bias=True, lr_mode="token", steps=2, mini_batches=3)
     cfg.update(loss="mse", rope=True, backend="generic")
     with timm.layers.set_scriptable(True):

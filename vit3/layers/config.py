@@ -125,7 +125,7 @@ class TTTConfig:
             ``head_dim``.
         mlp_act: activation of the ``mlp`` and ``mlp3`` inner models: ``"gelu"`` (exact), ``"gelu_tanh"``
             (the tanh approximation, as TTT-MLP) or ``"silu"``.
-        mlp_residual: ``"none"``, ``"add"`` (SiLU(xW1)W2 + x) or ``"identity"`` (SiLU(xW1)(W2 + I)); for
+        mlp_residual: ``"none"``, ``"add"`` (act(xW1)W2 + x) or ``"identity"`` (act(xW1)(W2 + I)); for
             ``mlp3`` ``"identity"`` adds I to every layer after the first.
         mlp_identity_init: initialise the layers after the first as the identity (W2 of ``mlp``; W2, W3 of
             ``mlp3``; W3 of ``swiglu_out``); needs ``mlp_ratio`` 1.

@@ -221,7 +221,10 @@ class TTTMixer(nn.Module):
         return backends.explain_mixer(self, qkv.device, qkv.dtype, grid, grad)
 
     def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
-        """Mixes tokens ``[B, N, C]`` laid out on ``grid = (h, w)`` (raster order); returns ``[B, N, C]``."""
+        """Mixes tokens ``[B, N, C]`` laid out on ``grid = (h, w)`` (raster order); returns ``[B, N, C]``.
+
+        Inside a plain ViT³ block on a CPU, settled calls run the whole block as one C++ op and do not come
+        here (a breakpoint goes silent after warm-up; ``explain`` says so, docs/kernels.md says why)."""
         # Compiled by TorchScript (a mixer built scriptable): the reference path, no finiteness check.
         if torch.jit.is_scripting():
             self.check_shape(x, grid)

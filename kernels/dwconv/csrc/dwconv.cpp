@@ -3,8 +3,8 @@
 // built on them, dwconv_ttt_forward / dwconv_ttt_backward (the step between them is vit3_cpu.h's; the whole-mixer
 // op, kernels/mix/csrc/mix.cpp, calls them directly). Built with the SwiGLU op (kernels/swiglu/csrc/swiglu.cpp)
 // and that op into one extension, vit3_cpu (kernels/cpp.py): ops
-// torch.ops.vit3_cpu.dwconv*. The same stages in PyTorch are vit3/kernels/dwconv/eager.py; the op's reference is
-// vit3/kernels/dwconv/reference.py.
+// torch.ops.vit3_cpu.dwconv*. The same stages in PyTorch are kernels/dwconv/eager.py; the op's reference is
+// kernels/dwconv/reference.py.
 
 #include "vit3_cpu.h"
 

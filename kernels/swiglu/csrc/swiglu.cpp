@@ -8,7 +8,7 @@
 //
 // The passes do every N-sized matmul (ATen, i.e. MKL) and fuse each elementwise chain between two matmuls
 // into one loop over a block that is still in cache. The same passes in PyTorch are the tiled path of
-// vit3/kernels/swiglu/eager.py; the op's reference is vit3/kernels/swiglu/reference.py.
+// kernels/swiglu/eager.py; the op's reference is kernels/swiglu/reference.py.
 //
 // Layouts: q, k, v [B, H, N, d] with unit stride along d; the two weights side by side, [W1 | W2]
 // [B, H, d, 2d] contiguous, so each product with both (k [W1 | W2], kᵀ [P1 | P2], dY [W1' | W2']ᵀ ...) is one
