@@ -1,4 +1,6 @@
-"""Which implementation runs each branch of a TTT mixer, and why: the one place that decides.
+"""Which implementation runs each branch of a TTT mixer, and why: the one place that decides it. How a
+settled call then runs (the node, the whole-mixer C++ op, the block op) follows from it in ``ttt.py`` and
+``blocks.py``.
 
 A *backend* is one implementation of a branch's inner loop + read-out: ``triton`` (the Triton op), ``cpu``
 (the C++ CPU kernel), ``eager`` (the eager paths) or ``generic`` (the closed-form inner loop, every config);
