@@ -28,11 +28,10 @@ def _triton_marked(request, monkeypatch):
 
 @pytest.fixture
 def no_backend_env(monkeypatch):
-    """No ``VIT3_TTT_BACKEND``, ``VIT3_TTT_STRICT`` or removed backend variable from the caller's
-    environment."""
+    """No ``VIT3_TTT_BACKEND`` or ``VIT3_TTT_STRICT`` from the caller's environment."""
     from vit3.layers import backends
 
-    for name in (backends.BACKEND_ENV, backends.STRICT_ENV, *backends.REMOVED_ENV):
+    for name in (backends.BACKEND_ENV, backends.STRICT_ENV):
         monkeypatch.delenv(name, raising=False)
 
 

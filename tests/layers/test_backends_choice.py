@@ -1,7 +1,7 @@
 """The mixer's backend registry (``vit3.layers.backends``): every backend it can be forced onto (by the config
 or by ``VIT3_TTT_BACKEND``) computes the generic path's output and gradients, a named backend that cannot
-serve warns once (or raises under ``VIT3_TTT_STRICT=1``), plans are resolved once per key, and the removed
-variables and the old ``impl`` key still read.
+serve warns once (or raises under ``VIT3_TTT_STRICT=1``), plans are resolved once per key, and an unknown
+config key is refused by name.
 
 The tests that launch kernels run where Triton runs (``triton_device``: the GPU, else the interpreter)."""
 
@@ -191,28 +191,13 @@ def test_a_key_runs_guarded_until_one_forward_and_backward_succeeded(monkeypatch
 # ------------------------------------------------------------------------------------------ old names
 
 
-@pytest.mark.parametrize("name", list(reg.REMOVED_ENV))
-def test_removed_environment_variables_warn_once_naming_the_replacement(monkeypatch, name):
-    monkeypatch.setenv(name, "0")
-    mixer = make_mixer()
-    with pytest.warns(reg.BackendWarning, match=rf"\${name} is no longer read.*use VIT3_TTT_BACKEND"):
-        mixer(tokens(GRID), GRID)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        mixer(tokens(BIG_GRID), BIG_GRID)  # a new key: still no second warning
-
-
-def test_old_impl_key_reads_as_backend():
-    with pytest.warns(DeprecationWarning, match="impl='auto' is dropped"):
-        assert TTTConfig.create({"impl": "auto"}).backend == "auto"
-    with pytest.warns(FutureWarning, match="impl='torch' reads as backend='eager'"):
-        assert TTTConfig.create({"impl": "torch"}).backend == "eager"
-    with pytest.warns(FutureWarning):
-        assert TTTMixer(16, 2, impl="triton").cfg.backend == "triton"
-    with pytest.raises(ValueError, match="'impl' was renamed 'backend'"):
-        TTTConfig.create({"impl": "cuda"})
-    with pytest.raises(ValueError, match="both impl='torch' and backend='generic'"):
-        TTTConfig.create({"impl": "torch", "backend": "generic"})
-    with pytest.warns(FutureWarning):  # an old checkpoint's model kwargs
-        model = timm.create_model("test_vit3_ttt", ttt_cfg={"impl": "torch"})
-    assert model.blocks[0].attn.cfg.backend == "eager"
+def test_an_unknown_config_key_is_refused_naming_it():
+    """Keys the config does not have (``impl``, the name ``backend`` had before 0.1.0) are refused by name,
+    in a config, in a mixer's keyword arguments and in a timm model's ``ttt_cfg``."""
+    for make in (
+        lambda: TTTConfig.create({"impl": "torch"}),
+        lambda: TTTMixer(16, 2, impl="triton"),
+        lambda: timm.create_model("test_vit3_ttt", ttt_cfg={"impl": "torch"}),
+    ):
+        with pytest.raises(ValueError, match=r"unknown TTT config keys \['impl'\]"):
+            make()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -42,8 +41,6 @@ SCALES = ("head_dim", "1/head_dim")
 # fused eager paths' SwiGLU backward does with the per-token pre-activations Z, Y (``TTTConfig.recompute``).
 BACKEND_NAMES = ("auto", "triton", "cpu", "eager", "generic")
 RECOMPUTE_MODES = ("auto", "always", "never", "qkv")
-# The removed ``impl`` key of old configs and checkpoints, read as ``backend``.
-IMPL_TO_BACKEND = {"auto": "auto", "torch": "eager", "triton": "triton"}
 
 
 def parse_branch(spec: str, num_heads: int) -> tuple[str, int]:
@@ -226,10 +223,6 @@ class TTTConfig:
         else:
             base = dict(cfg or {})
         base.update(overrides)
-        if base.get("extra") == {}:  # the removed, never-used key that older checkpoints' configs carry
-            del base["extra"]
-        if "impl" in base:
-            base = _read_impl(base)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(base) - known)
         if unknown:
@@ -262,31 +255,3 @@ class TTTConfig:
     def branch_specs(self, num_heads: int) -> list[tuple[str, int]]:
         """``[(inner model name, heads), ...]`` for a mixer with ``num_heads`` heads."""
         return [parse_branch(b, num_heads) for b in self.branches]
-
-
-def _read_impl(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Old configs and checkpoints carry ``impl``, renamed ``backend``: read it as that, with a warning."""
-    cfg = dict(cfg)
-    impl = cfg.pop("impl")
-    if impl not in IMPL_TO_BACKEND:
-        raise ValueError(
-            "TTT config key 'impl' was renamed 'backend' (auto, triton, cpu, eager, generic); "
-            f"got impl={impl!r}"
-        )
-    backend = IMPL_TO_BACKEND[impl]
-    if "backend" in cfg and cfg["backend"] != backend:
-        raise ValueError(
-            f"TTT config has both impl={impl!r} and backend={cfg['backend']!r}; keep only 'backend'"
-        )
-    if backend == "auto":
-        warnings.warn(
-            "TTT config key 'impl' was renamed 'backend'; impl='auto' is dropped", DeprecationWarning, 3
-        )
-    else:
-        warnings.warn(
-            f"TTT config key 'impl' was renamed 'backend'; impl={impl!r} reads as backend={backend!r}",
-            FutureWarning,
-            3,
-        )
-        cfg["backend"] = backend
-    return cfg

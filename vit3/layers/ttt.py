@@ -43,8 +43,8 @@ class NonFiniteError(ValueError):
     """The mixer met non-finite tokens: bad input, or (in a finite-image training step) a diverged model."""
 
 
-# Whether fused calls whose branches all run the C++ CPU kernel take the whole-mixer C++ op (``_cpp_args``);
-# read when a call is planned. ``False`` keeps the Python node
+# Whether fused calls whose branches all run the C++ CPU kernel take the whole-mixer C++ op
+# (``mixer_calls.cpp_args``); read when a call is planned. ``False`` keeps the Python node
 # (``benchmarks/mixer_overhead.py --python-node``).
 CPP_NODE = True
 

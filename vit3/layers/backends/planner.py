@@ -1,9 +1,9 @@
 """A mixer call's plan: the keys, the plan cache, the recompute policy and the ``VIT3_*`` environment.
 
 This module is the one reader of the ``VIT3_*`` variables: ``$VIT3_TTT_BACKEND`` (``registry.BACKEND_ENV``),
-``$VIT3_TTT_STRICT``, ``$VIT3_TTT_RECOMPUTE`` and the removed ones (``REMOVED_ENV``, which warn). It reads
-them once, on first use (a CLI or trainer that sets them before its first mixer call is served), into a
-snapshot that every call reads instead of ``os.environ``; code that changes them later calls
+``$VIT3_TTT_STRICT`` and ``$VIT3_TTT_RECOMPUTE``. It reads them once, on first use (a CLI or trainer that
+sets them before its first mixer call is served), into a snapshot that every call reads instead of
+``os.environ``; code that changes them later calls
 :func:`refresh_env` (the tests' ``monkeypatch.setenv`` does, through ``tests/conftest.py``). Every change
 to what plans depend on (a refreshed environment, a demotion, ``reset``) drops the cached plans, the mixers'
 own caches with them (:func:`keep_with_plans`). A layer built for TorchScript takes no plan at all
@@ -31,12 +31,6 @@ from .registry import BACKEND_ENV, BACKENDS, NAMES, Branch, choose, fuses, not_i
 
 STRICT_ENV = "VIT3_TTT_STRICT"
 RECOMPUTE_ENV = "VIT3_TTT_RECOMPUTE"
-# The variables VIT3_TTT_BACKEND replaced: setting one warns once, naming its replacement.
-REMOVED_ENV = {
-    "VIT3_TTT_IMPL": "VIT3_TTT_BACKEND ('torch' -> 'eager' or 'generic', 'triton' -> 'triton')",
-    "VIT3_TTT_KERNEL": "VIT3_TTT_BACKEND ('reference' -> 'generic')",
-    "VIT3_CPU_KERNEL": "VIT3_TTT_BACKEND ('1' -> 'cpu', '0' -> 'eager')",
-}
 
 
 class BackendWarning(UserWarning):
@@ -49,7 +43,6 @@ class _Env(NamedTuple):
     backend: str | None
     strict: str | None
     recompute: str | None
-    removed: tuple[tuple[str, str], ...]  # the removed variables that are set, with their values
 
 
 _env: _Env | None = None
@@ -62,8 +55,7 @@ def refresh_env() -> None:
     changing one in a running process (they are read once, on first use)."""
     global _env
     get = os.environ.get
-    removed = tuple((name, get(name, "")) for name in REMOVED_ENV if get(name))
-    _env = _Env(get(BACKEND_ENV), get(STRICT_ENV), get(RECOMPUTE_ENV), removed)
+    _env = _Env(get(BACKEND_ENV), get(STRICT_ENV), get(RECOMPUTE_ENV))
     forget_plans()
 
 
@@ -153,11 +145,6 @@ def warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, BackendWarning, stacklevel=4)
-
-
-def _warn_removed_env() -> None:
-    for name, value in env().removed:
-        warn_once(f"vit3: ${name} is no longer read (it is set to {value!r}); use {REMOVED_ENV[name]}.")
 
 
 class BranchKey(NamedTuple):
@@ -369,7 +356,6 @@ def plan(
     args = (settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, recompute)
     found = _plans.get(args)
     if found is None:
-        _warn_removed_env()
         found = _plans[args] = resolve(args, _demoted, warn=True)
     return found
 
