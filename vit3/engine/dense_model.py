@@ -14,7 +14,7 @@ from torch import nn
 from ..data.ade import ADESegmentation
 from ..data.coco import CocoDetection
 from ..errors import DataError
-from ..models._pretrained import load_checkpoint_file
+from ..models import load_checkpoint_file
 from ..models.record import peek_vit3_checkpoint, require_classifier
 from ..tasks.backbone import FeatureBackbone
 from ..tasks.detection import build_detector

@@ -7,11 +7,12 @@ DiT³ is a diffusers model: ``DiT3`` and ``create_dit3`` import ``vit3.models.di
 
 from typing import Any
 
+from ._pretrained import load_checkpoint_file
 from .h_vit3 import HViT3
 from .swap import swap_attention_for_ttt
 from .vit3 import ViT3
 
-__all__ = ["DiT3", "HViT3", "ViT3", "create_dit3", "swap_attention_for_ttt"]
+__all__ = ["DiT3", "HViT3", "ViT3", "create_dit3", "load_checkpoint_file", "swap_attention_for_ttt"]
 
 
 def __getattr__(name: str) -> Any:
