@@ -360,8 +360,10 @@ def training_step(op: ModuleType, name: str, b: int, gpu: GPU) -> dict[str, Any]
 # ----------------------------------------------------------------------------- calibrated on the H200 profile
 
 # The H200 run's per-kernel profile of the fused op (bf16, d 64; N 196 / 3136, B*H 64 / 1024) and the offline
-# compile matrix (registers, warps, shared memory per kernel): the calibration's inputs.
+# compile rows (registers, warps, shared memory per kernel) of the kernels it ran, sm_90 bf16 of the
+# 2026-12-03 matrix: the calibration's inputs. The models are priced at this tree's matrix.
 PROFILE = RESULTS / "ttt_kernel_profile_cuda.csv"
+PROFILED_MATRIX = RESULTS / "compile_matrix_h200_profiled.csv"
 COMPILE_MATRIX = RESULTS / "compile_matrix.csv"
 FIT_BH, CHECK_BH = 64, 1024  # the profile's B*H fitted on, and the one predicted from that fit
 
@@ -377,23 +379,24 @@ def occupancy(matrix: dict, model: str, d: int, label: str, kernel: str) -> int:
     return max(1, min(by_regs, int(227 // smem_kb) if smem_kb else 64, 64 // warps))
 
 
-def read_inputs(profile: Path, matrix: Path) -> tuple[dict, dict]:
-    """``{(N, B*H, kernel): us per call}`` of the profile's fused path and ``{(model, d, kernel): (registers,
-    warps, shared KB)}`` of the matrix's sm_90 bf16 rows."""
+def read_profile(profile: Path) -> dict:
+    """``{(N, B*H, kernel): us per call}`` of the profile's fused path."""
     with profile.open() as f:
-        measured = {
+        return {
             (int(r["N"]), int(r["BH"]), r["kernel"]): float(r["us"]) / float(r["calls"])
             for r in csv.DictReader(f)
             if r["path"] == "fused" and r["kernel"].endswith("_kernel") and r["d"] == "64"
         }
+
+
+def read_matrix(matrix: Path) -> dict:
+    """``{(model, d, kernel): (registers, warps, shared KB)}`` of a compile matrix's sm_90 bf16 rows."""
     with matrix.open() as f:
-        rows = csv.DictReader(f)
-        regs = {
+        return {
             (r["model"], int(r["d"]), r["kernel"]): (int(r["regs"]), int(r["num_warps"]), float(r["smem_kb"]))
-            for r in rows
+            for r in csv.DictReader(f)
             if r["arch"] == "sm_90" and r["mode"] == "bf16"
         }
-    return measured, regs
 
 
 def waved(op: ModuleType, model: str, b: int, g: int, n: int, d: int, regs: dict) -> list[tuple]:
@@ -441,7 +444,7 @@ def calibrated_us(fit: dict, kernel: str, c: Cost, waves: int) -> float | None:
 
 
 def check_calibration(op: ModuleType, measured: dict, regs: dict) -> tuple[list[dict], dict]:
-    """The fit on ``read_inputs``'s profile and matrix, and per launch and shape of the profile its
+    """The fit on the profile and the compile rows of its kernels, and per launch and shape of the profile its
     prediction against the measured µs: the B*H ``FIT_BH`` rows in-sample, the ``CHECK_BH`` rows out of
     sample (a ``(total)`` row per shape)."""
     fit = calibrate(op, measured, regs)
@@ -544,11 +547,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def calibration_main(op: ModuleType, out: Path) -> int:
     """``--calibrate``: the fit checked against the profile, then the models' shapes priced by it."""
-    measured, regs = read_inputs(PROFILE, COMPILE_MATRIX)
-    rows, fit = check_calibration(op, measured, regs)
+    rows, fit = check_calibration(op, read_profile(PROFILE), read_matrix(PROFILED_MATRIX))
     print("per-kernel fit (µs): " + ", ".join(f"{k} P {p:.2f} L {lat:.3f}" for k, (p, lat) in fit.items()))
     print_table(rows, floatfmt="{:.4g}")
-    models = price_models(op, fit, regs)
+    models = price_models(op, fit, read_matrix(COMPILE_MATRIX))
     print_table(models, floatfmt="{:.4g}")
     for label, *_ in MODEL_SHAPES:
         total = sum(r["us"] for r in models if r["shape"] == label)

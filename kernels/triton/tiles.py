@@ -136,6 +136,9 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> T
     On ``mma.sync`` parts the other SwiGLU kernels at d = 64 also hold their fragments in registers: 32-token
     tiles, and the one-launch forward in two column blocks of 32. At d = 128: 16 or 32 columns a block,
     32-token tiles in the gradient cross launch.
+    On ``wgmma`` parts the kernels at d <= 32, the linear model's and SwiGLU's gradient pass and read-out at
+    d = 64 run on one warp group: at most 1024 registers x warps, two blocks per SM. SwiGLU's one-launch
+    forward and backward stages at d = 64 need two warp groups.
     """
     backward = role.startswith(("readout_bwd", "grad_bwd"))
     if model == "swiglu" and role == "grad_bwd" and block_d in (32, 64):
@@ -143,6 +146,11 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> T
         # the token loop): 16-token tiles there, spill-free.
         short = block_d == 64 and warp_group_mma(arch) and TRITON_RELEASE < (3, 7)
         return Tiles(16 if short else 32, block_d, 4 if block_d == 32 else 8, 2)
+    one_group = warp_group_mma(arch) and (
+        block_d <= 32 or (block_d == 64 and (model == "linear" or role in ("grad", "readout")))
+    )
+    if one_group:
+        return Tiles(64, block_d, 4, 2)
     if block_d <= 32:
         return Tiles(64, block_d, 8 if backward and block_d == 32 else 4, 2)
     if block_d == 128:
@@ -195,10 +203,11 @@ def _matrix_tiles(
 def _conv_tiles(block_d: int, dtype: torch.dtype) -> Tiles:
     """The depthwise-conv kernels: full-width ``[BLOCK_N, BLOCK_D]`` tiles (their weights are only 9 x d), no
     dots; the token tile and warps per head dim that the compile matrix found spill-free under Triton 3.6 and
-    3.8 (16 tokens for fp64; at d = 32, 16 tokens over 4 warps spill under 3.6)."""
+    3.8 (16 tokens for fp64; at d = 32, 16 tokens over 4 warps spill under 3.6). Up to d = 64 one warp group
+    holds a tile within 1024 registers x warps: two blocks per SM."""
     if dtype == torch.float64:
         return Tiles(16, block_d, 4 if block_d <= 32 else 8, 2)
-    return Tiles(16 if block_d == 128 else 32, block_d, 4 if block_d <= 16 else 8, 2)
+    return Tiles(16 if block_d == 128 else 32, block_d, 4 if block_d <= 64 else 8, 2)
 
 
 def _small_tiles(block_r: int, block_d: int, dtype: torch.dtype) -> Tiles:
