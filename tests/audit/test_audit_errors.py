@@ -1369,20 +1369,35 @@ def test_a_model_built_on_the_meta_device_runs_meta_images(name):
 # ------------------------------------------------------------------------------------------ signals, disk
 def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(digits, tmp_path):
     """SIGINT once the first checkpoint is written: exit 130 and one line naming it, no traceback (the data
-    read in the main process, the one process the test signals)."""
+    read in the main process, the one process the test signals). The run starts with SIGINT's default action
+    whatever the test process has (a shell's background job starts with SIGINT ignored, which a child keeps
+    through exec); a run that goes on after the signal fails naming its signal masks."""
     out = tmp_path / "run"
     args = _run(digits, out, "train.epochs=1000", "data.num_workers=0")
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "train.py"), *args],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         while not (out / "last.pt").is_file():  # replaced atomically: a file that is there is whole
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # say how the run saw the signal: ignored, caught or blocked
+            status = Path(f"/proc/{proc.pid}/status")
+            masks = (
+                [line for line in status.read_text().splitlines() if line.startswith("Sig")]
+                if status.is_file()
+                else []
+            )
+            proc.kill()
+            pytest.fail(
+                f"train.py ran on 120 s after SIGINT ({'; '.join(masks)}): {proc.communicate()[1][-3000:]}"
+            )
     finally:
         proc.kill()
     assert proc.returncode == INTERRUPTED_EXIT, err[-3000:]
