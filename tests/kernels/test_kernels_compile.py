@@ -60,12 +60,17 @@ def default_matrix(tmp_path_factory) -> list[dict]:
     return compile_matrix("default", tmp_path_factory.mktemp("compile"))
 
 
+def rows_of(case: aot.Case, rows: list[dict]) -> list[dict]:
+    """The compile rows of ``case``."""
+    key = (case.arch.sm, case.model, case.loss, case.d, case.mode)
+    return [r for r in rows if (r["arch"], r["model"], r["loss"], r["d"], r["mode"]) == key]
+
+
 def check(case: aot.Case, rows: list[dict]) -> None:
     """Every launch of ``case`` compiled, within the arch's shared memory, the bound ``fits_device`` compares
     (``triton.tiles.smem_need``) and the spill bound; where ``fits_device`` says no, the compile exceeds the
     limit."""
-    mine = [r for r in rows if (r["arch"], r["model"], r["loss"], r["d"], r["mode"]) ==
-            (case.arch.sm, case.model, case.loss, case.d, case.mode)]  # fmt: skip
+    mine = rows_of(case, rows)
     assert mine, f"{case.label} was not compiled"
     failed = [r["note"] for r in mine if r["kernel"] == "(compile failed)"]
     assert not failed, f"{case.label}: {failed[0]}"
@@ -111,8 +116,7 @@ ONE_BLOCK_PER_SM = {("swiglu", 64): {"forward_kernel", "readout_bwd_kernel", "gr
 def check_two_blocks(case: aot.Case, rows: list[dict]) -> None:
     """Every launch of ``case`` but ``ONE_BLOCK_PER_SM``'s leaves room for a second block on its SM: at most
     1024 registers x warps (half of 64K registers) and half the SM's shared memory."""
-    key = (case.arch.sm, case.model, case.loss, case.d, case.mode)
-    mine = [r for r in rows if (r["arch"], r["model"], r["loss"], r["d"], r["mode"]) == key]
+    mine = rows_of(case, rows)
     assert mine, f"{case.label} was not compiled"
     exempt = ONE_BLOCK_PER_SM.get((case.model, case.d), set())
     for r in mine:
@@ -156,9 +160,7 @@ def test_sm90_half_kernels_issue_wgmma(default_matrix):
     for case in aot.matrix("default"):
         if case.arch.sm != "sm_90" or case.mode not in ("bf16", "fp16") or case.d not in (32, 64):
             continue
-        key = (case.arch.sm, case.model, case.loss, case.d, case.mode)
-        rows = [r for r in default_matrix if (r["arch"], r["model"], r["loss"], r["d"], r["mode"]) == key
-                and r["wgmma"] + r["mma"] > 0]  # fmt: skip
+        rows = [r for r in rows_of(case, default_matrix) if r["wgmma"] + r["mma"] > 0]
         assert rows, case.label
         for r in rows:
             if case.d == 64:
