@@ -23,7 +23,14 @@ from vit3.layers import (
     register_inner_model,
 )
 from vit3.layers.config import BIAS_MODELS, GRID_MODELS
-from vit3.layers.inner_math import activation, activation_grad, layer_norm_backward, layer_norm_forward
+from vit3.layers.inner_math import (
+    activation,
+    activation_grad,
+    layer_norm_backward,
+    layer_norm_forward,
+    tracing,
+    tracing_kind,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -174,6 +181,24 @@ def test_activation_derivatives_equal_autograd(name: str):
     z = torch.linspace(-8, 8, 401, requires_grad=True)
     (expected,) = torch.autograd.grad(activation(name, z).sum(), z)
     torch.testing.assert_close(activation_grad(name, z.detach()), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_the_tracing_probe_names_each_tracer():
+    x = torch.zeros(2)
+    assert (tracing_kind(), tracing()) == ("", False)
+    seen = []
+
+    def record(t: torch.Tensor) -> torch.Tensor:
+        seen.append((tracing_kind(), tracing()))
+        return t + 1
+
+    torch.jit.trace(record, x, check_trace=False)
+    assert seen == [("trace", True)]
+
+    def marked(t: torch.Tensor) -> torch.Tensor:  # dynamo folds the probe: the graph keeps the branch taken
+        return t + (1.0 if tracing_kind() == "compile" and tracing() else 0.0)
+
+    torch.testing.assert_close(torch.compile(marked, backend="eager", fullgraph=True)(x), x + 1)
 
 
 def test_layer_norm_backward_equals_autograd():

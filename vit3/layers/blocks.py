@@ -24,6 +24,7 @@ from vit3.kernels.common import autocast_backward, autocast_forward
 
 from . import backends
 from .config import TTTConfig
+from .inner_math import tracing_kind
 from .lean import hooked, lean_eligible
 from .ttt import TTTMixer
 
@@ -455,7 +456,7 @@ class TTTBlock(nn.Module):
     def _one_op_layers(self, x: Tensor, grad: bool, hooks: bool = True) -> tuple[tuple | None, str]:
         """The layers of a call on ``x`` (with gradients: ``grad``) that can run as one op, or ``None`` and
         why not (``one_op``); ``hooks=False`` leaves hooks aside (``explain_one_op``)."""
-        if backends.tracing_kind():  # before anything a tracer would have to follow
+        if tracing_kind():  # before anything a tracer would have to follow
             return None, "traced or compiled: the layers' own paths serve"
         # The layers and parameters are read from the modules' dicts, not through ``Module.__getattr__``
         # (``docs/design/dispatch.md``): this runs on every call.

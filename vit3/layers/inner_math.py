@@ -10,6 +10,7 @@ gradients from it, and the blocks and models ask :func:`tracing` / :func:`assert
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ __all__ = [
     "shifted_dwconv_weight_grad",
     "silu_grad",
     "tracing",
+    "tracing_kind",
 ]
 
 LN_EPS = 1e-6  # the LayerNorm of ``inner_norm="ln"`` (TTT-Linear/TTT-MLP use 1e-6)
@@ -141,13 +143,36 @@ def assert_finite(x: Tensor, error: type[Exception], message: str, bound: float 
         raise error(message) from None
 
 
+def _onnx_export_probe() -> Callable[[], bool]:
+    """``torch.onnx.is_in_onnx_export`` without the two imports it runs on every call (a cost in each mixer
+    call): its flags read directly where this PyTorch has them, else the function itself."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+    except ImportError:  # another PyTorch layout: the public function
+        return torch.onnx.is_in_onnx_export
+    return lambda: GLOBALS.in_onnx_export or _flags._is_onnx_exporting
+
+
+_in_onnx_export = _onnx_export_probe()
+
+
+def tracing_kind() -> str:
+    """How the model is being traced, the one answer every layer reads: ``"trace"`` under ``torch.jit.trace``
+    (fvcore's FLOP count) and ONNX export, ``"compile"`` under ``torch.compile`` / ``torch.export``, else
+    ``""``. Traced code takes plain, traceable ops rather than the eager fast paths."""
+    if torch.compiler.is_compiling():  # dynamo folds the public check (not the flags' property) to a constant
+        return "trace" if torch.onnx.is_in_onnx_export() else "compile"
+    return "trace" if torch._C._is_tracing() or _in_onnx_export() else ""
+
+
 def tracing() -> bool:
-    """True under ``torch.jit.trace`` (fvcore FLOP counting), ONNX export and
-    ``torch.compile``/``torch.export``, which need plain, traceable ops rather than the eager fast paths.
-    TorchScript code asks ``torch.jit.is_scripting()`` instead (this is False there)."""
+    """Whether the model is being traced (``tracing_kind``). False in TorchScript, whose code asks
+    ``torch.jit.is_scripting()`` itself."""
     if torch.jit.is_scripting():
         return False
-    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
+    else:  # not compiled by TorchScript
+        return tracing_kind() != ""
 
 
 def shape_text(x: Tensor) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .inner_math import tracing
+
 __all__ = ["apply_rope_2d", "rope_angles", "rope_tables"]
 
 
@@ -54,10 +56,6 @@ _TABLES: dict[tuple, tuple[Tensor, Tensor]] = {}
 MAX_TABLES = 64
 
 
-def _traced() -> bool:
-    return torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-
-
 def _tables(
     grid: tuple[int, int], dim: int, base: float, device: torch.device, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
@@ -73,7 +71,7 @@ def rope_tables(
     if torch.jit.is_scripting():
         return _tables(grid, dim, base, device, dtype)
     device = torch.device(device)
-    if _traced() or device.type == "meta":
+    if tracing() or device.type == "meta":
         return _tables(grid, dim, base, device, dtype)
     key = (tuple(grid), dim, float(base), device, dtype)
     found = _TABLES.get(key)

@@ -24,7 +24,7 @@ from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig, check_count, is_count
 from .eager_mix import MixBranch, MixPlan, eager_mix, takes
 from .inner import Params, assert_finite, create_inner_model, inner_loop
-from .inner_math import shape_text
+from .inner_math import shape_text, tracing_kind
 from .mixer_calls import MAX_CALLS, Call, Calls, call_key, cpp_args
 from .rope import apply_rope_2d, rope_tables
 
@@ -213,7 +213,7 @@ class TTTMixer(nn.Module):
         Returns:
             A ``MixerExplanation`` (``str()`` is a table; ``to_dict()`` for JSON).
         """
-        self._check(x, grid, backends.tracing_kind())
+        self._check(x, grid, tracing_kind())
         if grad is None:
             grad = grad_flows(x, *self.parameters())
         with torch.no_grad():
@@ -234,7 +234,7 @@ class TTTMixer(nn.Module):
 
     def _forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """``forward`` in Python: the checks, the token gates, ``mix`` between the projections."""
-        kind = backends.tracing_kind()
+        kind = tracing_kind()
         self._check(x, grid, kind)
         gates = (
             torch.sigmoid(self.lr_gate(x)).transpose(1, 2) if self.lr_gate is not None else None
@@ -271,9 +271,7 @@ class TTTMixer(nn.Module):
         # The short path (``Calls``): the last settled call on the whole-mixer C++ op kept for this grad mode
         # (``_cpp_call``), where it had this dtype and grid, on a CPU qkv, with the same weight tensors in
         # that dtype: the conditions of ``settled_cpp_args`` without building its plan key (N is the grid's,
-        # which the op checks). Outside tracing: dynamo folds ``is_compiling``; ``torch._C._is_tracing`` is
-        # ``torch.jit.is_tracing`` without its two Python calls, and ONNX export, which ``tracing_kind`` also
-        # reads, runs under ``torch.jit.trace``. Written out in this one frame (``grad_flows``'s rule too):
+        # which the op checks), outside tracing. Written out in this one frame (``grad_flows``'s rule too):
         # beside the op's kernels on a CPU every Python call here counts (``benchmarks/mixer_overhead.py``).
         if not qkv.shape[0]:  # no kernel path takes an empty batch
             return self._empty_mix(qkv, gates)
@@ -281,8 +279,8 @@ class TTTMixer(nn.Module):
             device = qkv.device.type
             with torch.autocast(device, enabled=False) if autocast_on(device) else contextlib.nullcontext():
                 return self.reference_mix(qkv, grid, gates)
-        traced = torch.compiler.is_compiling() or torch._C._is_tracing()
-        if gates is None and not traced:
+        kind = tracing_kind()
+        if gates is None and not kind:
             calls = self._call_cache
             flat = calls.flat if calls is not None else None
             if flat is not None:
@@ -296,8 +294,7 @@ class TTTMixer(nn.Module):
                             break
                     else:
                         return call[2](qkv, flat, *call[3])
-        # untraced by the same probes, the kind is "" (ONNX export runs under jit.trace): not asked twice
-        return self._mix_tokens(qkv, grid, gates, backends.tracing_kind() if traced else "")
+        return self._mix_tokens(qkv, grid, gates, kind)
 
     def _empty_mix(self, qkv: Tensor, gates: Tensor | None) -> Tensor:
         """``mix`` of an empty batch (``qkv`` ``[0, N, 3 * sum(widths)]``): ``[0, N, sum(widths)]``, as a timm
@@ -309,7 +306,7 @@ class TTTMixer(nn.Module):
         return out
 
     def _mix_tokens(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
-        """``mix`` under tracing ``kind`` (``backends.tracing_kind()``)."""
+        """``mix`` under tracing ``kind`` (``inner_math.tracing_kind()``)."""
         if not kind and gates is None and (out := self._cpp_call(qkv, grid)) is not None:
             return out
         weights = [model.initial_params() for model in self.inner]

@@ -24,7 +24,6 @@ from .interface import (
     Step,
     legacy_onnx_dynamic_axes,
     token_class,
-    tracing_kind,
 )
 from .planner import (
     LEAN_DEFAULT,
@@ -86,5 +85,4 @@ __all__ = [
     "scriptable_build",
     "settled",
     "token_class",
-    "tracing_kind",
 ]

@@ -26,7 +26,6 @@ __all__ = [
     "Step",
     "legacy_onnx_dynamic_axes",
     "token_class",
-    "tracing_kind",
 ]
 
 _ANY_TOKENS = "any N"
@@ -35,34 +34,12 @@ _ANY_TOKENS = "any N"
 def token_class(n: int, tracing: str = "") -> str:
     """The token-count class of ``n`` tokens per head: the CPU kernel's rule (``MIN_CPU_KERNEL_TOKENS``).
 
-    Under tracing (``tracing_kind()``) only the traceable paths serve, and they take any count: one class,
-    decided without reading ``n``, so the rule becomes no guard on the traced program's size.
+    Under tracing (``inner_math.tracing_kind()``) only the traceable paths serve, and they take any count:
+    one class, decided without reading ``n``, so the rule becomes no guard on the traced program's size.
     """
     if tracing:
         return _ANY_TOKENS
     return FEW_TOKENS if n < MIN_CPU_KERNEL_TOKENS else f"N>={MIN_CPU_KERNEL_TOKENS}"
-
-
-def _onnx_exporting() -> Callable[[], bool]:
-    """``torch.onnx.is_in_onnx_export`` without the two imports it runs on every call (a cost in each mixer
-    call): its flags read directly where this PyTorch has them, else the function itself."""
-    try:
-        from torch.onnx._internal.exporter import _flags
-        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
-    except ImportError:  # another PyTorch layout: the public function
-        return torch.onnx.is_in_onnx_export
-    return lambda: GLOBALS.in_onnx_export or _flags._is_onnx_exporting
-
-
-_in_onnx_export = _onnx_exporting()
-
-
-def tracing_kind() -> str:
-    """``"trace"`` under ``torch.jit.trace`` / ONNX export, ``"compile"`` under torch.compile / export, else
-    ``""``."""
-    if torch.compiler.is_compiling():  # dynamo folds the public check (not the flags' property) to a constant
-        return "trace" if torch.onnx.is_in_onnx_export() else "compile"
-    return "trace" if torch.jit.is_tracing() or _in_onnx_export() else ""
 
 
 def legacy_onnx_dynamic_axes() -> bool:

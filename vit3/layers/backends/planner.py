@@ -26,7 +26,8 @@ from vit3.kernels import cpp as cpu_ext
 
 from ..config import RECOMPUTE_MODES
 from ..eager_mix import mix_layout
-from .interface import Inputs, Settings, tracing_kind
+from ..inner_math import tracing_kind
+from .interface import Inputs, Settings
 from .registry import BACKEND_ENV, BACKENDS, NAMES, Branch, choose, fuses, not_implemented, order
 
 STRICT_ENV = "VIT3_TTT_STRICT"
