@@ -2,7 +2,7 @@
 
 One ``mix`` call (inference; training: forward + backward) is recorded as the ops it dispatches, replayed
 bare, and timed against it in interleaved pairs over ``--repeats`` rounds; the paired median difference is the
-Python around the ops. ``--python-node`` adds the Python eager node beside the C++ op. Writes
+Python around the ops. ``--python-node`` adds the Python fused node beside the C++ op. Writes
 ``results/mixer_overhead_cpu.csv``. Method and columns: benchmarks/README.md.
 
     python benchmarks/mixer_overhead.py --threads 1                 # ViT³-T's mixer at 224 px: 192, 3, 196
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--python-node",
         action="store_true",
-        help="time the Python eager node (ttt.CPP_NODE off) beside the C++ op, one row pair each",
+        help="time the Python fused node (ttt.CPP_NODE off) beside the C++ op, one row pair each",
     )
     return run_script(p, argv, run, "mixer_overhead", floatfmt="{:.1f}")
 

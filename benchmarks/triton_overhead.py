@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, FloorNode, print_table, time_samples, write_csv
 from vit3.kernels.triton import checks, device, op, tiles
-from vit3.layers import TTTMixer, eager_mix
+from vit3.layers import TTTMixer, fused_mix
 from vit3.layers import backends as reg
 
 
@@ -71,18 +71,18 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
     program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks), and both
     with RoPE on the SwiGLU branch (H-ViT³'s mixer: q, k rotated around them); and the floor of any Python
     autograd node with its inputs (``common.FloorNode``). ``{}`` on a tree without the Triton node."""
-    if "path" not in eager_mix.MixBranch._fields:
+    if "path" not in fused_mix.MixBranch._fields:
         return {}
     c, d = weights[0].shape[1] * weights[0].shape[2], weights[0].shape[2]
-    branches = (eager_mix.MixBranch("swiglu", 0, heads, d, False, "triton"),
-                eager_mix.MixBranch("dwconv", 3 * c, 1, d, False, "triton"))  # fmt: skip
-    layout = eager_mix.mix_layout(eager_mix.MixPlan(branches, grid, scale, 1.0, True, 10000.0))
+    branches = (fused_mix.MixBranch("swiglu", 0, heads, d, False, "triton"),
+                fused_mix.MixBranch("dwconv", 3 * c, 1, d, False, "triton"))  # fmt: skip
+    layout = fused_mix.mix_layout(fused_mix.MixPlan(branches, grid, scale, 1.0, True, 10000.0))
     layouts = {"branch hooks": layout._replace(whole=None) if hasattr(layout, "whole") else layout}
     if getattr(layout, "whole", None) is not None:
         layouts = {"program": layout} | layouts
     # H-ViT³'s mixer: RoPE on the SwiGLU branch's q, k (rotated around the program or the branch hooks)
     rope = (branches[0]._replace(rope=True), branches[1])
-    rope_layout = eager_mix.mix_layout(eager_mix.MixPlan(rope, grid, scale, 1.0, True, 10000.0))
+    rope_layout = fused_mix.mix_layout(fused_mix.MixPlan(rope, grid, scale, 1.0, True, 10000.0))
     if getattr(rope_layout, "whole", None) is not None:
         layouts["rope, program"] = rope_layout
     layouts["rope, branch hooks"] = (
@@ -91,11 +91,11 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
 
     def infer(layout: Any) -> Callable[[], None]:
         plain = qkv.detach()
-        return lambda: eager_mix._forward(plain, layout, False, tuple(weights))
+        return lambda: fused_mix._forward(plain, layout, False, tuple(weights))
 
     def both(layout: Any) -> Callable[[], None]:
         def run() -> None:
-            _train_backward([eager_mix._EagerMix.apply(qkv, layout, True, *weights)], [qkv, *weights])
+            _train_backward([fused_mix._FusedMix.apply(qkv, layout, True, *weights)], [qkv, *weights])
 
         return run
 
@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         parts = [f"{NODE} fwd (in the node)", f"{NODE} bwd (in the node)"]
         b2b = " (back to back)"  # the node's parts in its back-to-back rounds too (warm caches)
         times |= {part + suffix: [] for part in parts for suffix in ("", b2b)}
-        _timed(eager_mix._EagerMix, "forward", lambda ctx: times[parts[0] + _RECORDING["on"]])
-        _timed(eager_mix._EagerMix, "backward", lambda ctx: times[parts[1] + _RECORDING["on"]])
+        _timed(fused_mix._FusedMix, "forward", lambda ctx: times[parts[0] + _RECORDING["on"]])
+        _timed(fused_mix._FusedMix, "backward", lambda ctx: times[parts[1] + _RECORDING["on"]])
         fns[first] = _recorded(fns[first])
         # its own rounds: the timers' cost stays out of the back-to-back row the floor is taken from
         warm[f"{first}{b2b}, parts timed"] = nodes[first]

@@ -4,7 +4,7 @@ An op (:class:`Op`) is one inner model whose TTT step has fast paths: its name (
 names it), its pure-PyTorch reference, the names of its initial weights, whether RoPE applies to its q and k,
 and its paths (:class:`Path`) keyed by the backend that runs them (``"triton"``, ``"cpu"``, ``"eager"``).
 Each op's folder builds its ``Op`` and :func:`register` s it in :data:`OPS`; the backend registry
-(``vit3.layers.backends``) asks it for each backend's path, the fused eager node for its node hooks. The types
+(``vit3.layers.backends``) asks it for each backend's path, the fused node for its node hooks. The types
 a path reads (:class:`Branch`, :class:`Settings`, :class:`Inputs`, :class:`Step`) are defined here, below the
 registry that builds them. ``kernels/README.md`` says how to add an op; ``docs/design/kernels.md`` why so.
 """
@@ -99,7 +99,7 @@ Run = Callable[[Step, Tensor, Tensor, Tensor, dict[str, Tensor], Tensor | None],
 
 
 class NodeCall(NamedTuple):
-    """What a path's ``Node.forward`` gets for one branch of the fused eager node.
+    """What a path's ``Node.forward`` gets for one branch of the fused node.
 
     Attributes:
         q, k, v: the branch's inputs, views of the node's qkv (heads ``[B, G, N, c]`` or tokens
@@ -166,7 +166,7 @@ class Whole(NamedTuple):
 
 
 class Node(NamedTuple):
-    """A path's hooks in the fused eager node (``vit3.layers.eager_mix``), which runs every branch between the
+    """A path's hooks in the fused node (``vit3.layers.fused_mix``), which runs every branch between the
     mixer's two projections as one autograd node.
 
     Attributes:
@@ -212,11 +212,11 @@ class Path:
         supports: whether it can serve the branch, and why not; may read only ``Settings`` / ``Inputs``
             fields.
         run: the branch alone (``Run``); ``None`` for a path with a ``node``: the registry runs it as a
-            one-branch fused eager node.
+            one-branch fused node.
         prefers: auto only: where auto passes a serving path over (another is faster there).
         fits: asked once ``supports`` passed: whether the hardware at hand can run it (a refusal steps aside
             with a warning).
-        node: its hooks in the fused eager node (``cpu`` / ``eager`` / ``triton`` paths; traced, Triton's
+        node: its hooks in the fused node (``cpu`` / ``eager`` / ``triton`` paths; traced, Triton's
             only as the mixer op ``vit3::mix``).
     """
 

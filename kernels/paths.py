@@ -62,13 +62,13 @@ def _eager_why(branch: Branch, cfg: Settings, x: Inputs) -> str:
 
 
 def eager_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    """The ``supports`` of an op's eager path (PyTorch ops in the fused eager node)."""
+    """The ``supports`` of an op's eager path (PyTorch ops in the fused node)."""
     why = _eager_why(branch, cfg, x)
     return not why, why
 
 
 def cpu_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    """The ``supports`` of an op's C++ path (the C++ CPU kernel in the fused eager node)."""
+    """The ``supports`` of an op's C++ path (the C++ CPU kernel in the fused node)."""
     if why := _eager_why(branch, cfg, x):
         return False, why
     if x.device.type != "cpu":

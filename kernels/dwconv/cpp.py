@@ -88,7 +88,7 @@ def _node_backward(
     return (ttt_backward(d_out, saved, dq, dk, dv, grid=h.grid, c=c, lr=h.lr, grad_norm=h.grad_norm),)
 
 
-# The C++ path in the fused eager node: the kernel reads and writes the token rows in place.
+# The C++ path in the fused node: the kernel reads and writes the token rows in place.
 # The depthwise op's kind code in the whole-mixer C++ op (``kernels/mix/csrc/mix.cpp``: ``kDwconv``); its step
 # walks the token rows in C++, no block to choose.
 MIX_KIND = 1

@@ -5,7 +5,7 @@ batch folded into the groups (``groups = B*C``), on channels-last maps made with
 ``E = -s v / N`` the step is ``G = Σ_p E[p] k[p + δ]`` (a conv weight gradient),
 ``W' = W - lr G / (||G|| + 1)`` (norm over each channel's 9 taps), ``out = dwconv(q; W')``; its backward
 ``dk = dwconv_input_grad(E; dG)``, ``dv = -s/N dwconv(k; dG)`` (``ttt_forward`` / ``ttt_backward``; the
-mixer's eager node ``vit3.layers.eager_mix`` calls them through this path's ``NODE`` hooks, on token rows).
+mixer's fused node ``vit3.layers.fused_mix`` calls them through this path's ``NODE`` hooks, on token rows).
 The reference they are tested against is ``vit3.kernels.dwconv.reference``.
 """
 
@@ -164,5 +164,5 @@ def _node_backward(
     return (dw,)
 
 
-# The eager path in the fused eager node: on token rows, one convolution per stage for the whole batch.
+# The eager path in the fused node: on token rows, one convolution per stage for the whole batch.
 NODE = Node(heads=False, forward=_node_forward, backward=_node_backward)

@@ -4,7 +4,7 @@ Same numbers as the op's reference (``vit3.kernels.swiglu.reference``), much les
 are walked in tiles of about a MiB so every intermediate lives in cache, and only the small per-(sample, head)
 results (G, its norms, the updated weights) are kept between the two passes of each direction. The read-out
 and the input gradients are written into caller-given views (``swiglu_forward`` / ``swiglu_backward``, the
-fused eager node's). With ``cpp=True`` the passes run in the C++ CPU kernel (``csrc/swiglu.cpp``). Saved for
+fused node's). With ``cpp=True`` the passes run in the C++ CPU kernel (``csrc/swiglu.cpp``). Saved for
 the backward: dense q, k, v and the weights, plus ``Z = k W``, ``Y = q W'`` unless ``recompute``.
 
 The passes, the layouts and what is saved, in full: ``docs/design/kernels.md``.
@@ -480,7 +480,7 @@ def swiglu_ttt(
 
 
 def _node(cpp: bool) -> Node:
-    """The fused eager node's hooks of the tiled path (``cpp=False``) or the C++ kernel's (``cpp=True``)."""
+    """The fused node's hooks of the tiled path (``cpp=False``) or the C++ kernel's (``cpp=True``)."""
 
     def forward(x: NodeCall) -> tuple[list[Tensor], str]:
         h = x.hyper

@@ -1,4 +1,4 @@
-"""The Triton path's hooks in the fused eager node (``vit3.layers.eager_mix``): one branch's forward and
+"""The Triton path's hooks in the fused node (``vit3.layers.fused_mix``): one branch's forward and
 backward launch plans on views of the node's qkv, output and qkv gradient.
 
 A mixer call on Triton is then one autograd node for all its branches (no per-branch custom op, autograd node

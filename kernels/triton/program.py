@@ -1,6 +1,6 @@
 """The whole fused mixer call on Triton as one launch program, its tensors bound by address.
 
-Where every branch of the fused node (``vit3.layers.eager_mix``) runs on Triton, a call is one
+Where every branch of the fused node (``vit3.layers.fused_mix``) runs on Triton, a call is one
 :class:`MixProgram`: the launch plans of ``plan.py`` of every branch, each tensor argument turned into an
 address ``base + offset`` over a few bases (qkv, the output, the weights, one workspace, one scratch buffer,
 the gradients). A call then allocates two or three buffers, reads one pointer per base and launches. On a GPU

@@ -42,7 +42,7 @@ def _generic(q, k, v, w, grid, *, scale, lr, grad_norm):
 
 
 def _eager(q, k, v, w, grid, *, scale, lr, grad_norm):
-    """The registry's eager backend: the closed form of ``dwconv.eager`` in a one-branch eager node."""
+    """The registry's eager backend: the closed form of ``dwconv.eager`` in a one-branch fused node."""
     cfg = TTTConfig(inner_lr=lr, grad_norm=grad_norm)
     step = backends.Step("dwconv", _model(q), grid, scale, cfg)
     return backends.BACKENDS["eager"].run(step, q, k, v, {"weight": w}, None)

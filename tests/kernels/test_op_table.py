@@ -1,6 +1,6 @@
 """The table of ops (``vit3.kernels.ops``) is the one place an op is added (``kernels/README.md``): a toy op
 registered here — an elementwise inner model ``v_hat = x ⊙ w`` with an eager path given only as fused eager
-node hooks — is chosen by the backend registry, named by ``explain``, run (as a one-branch eager node) and
+node hooks — is chosen by the backend registry, named by ``explain``, run (as a one-branch fused node) and
 matches its reference, forward and every gradient; the shipped ops are all in the table."""
 
 from __future__ import annotations

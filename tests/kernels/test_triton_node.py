@@ -1,5 +1,5 @@
-"""The Triton path's hooks in the fused eager node (``vit3.kernels.triton.node``): a mixer call on Triton is
-one autograd node, equal to the op references and to the eager node (output and every gradient), on native
+"""The Triton path's hooks in the fused node (``vit3.kernels.triton.node``): a mixer call on Triton is
+one autograd node, equal to the op references and to the fused node (output and every gradient), on native
 16-bit q, k, v; traced, the registry fuses Triton branches only all together; a failing branch alone is
 demoted.
 
@@ -17,7 +17,7 @@ from helpers.ops import SCALE, intercept_launches, rel_rms
 
 from vit3.kernels.triton import plan as tplan
 from vit3.layers import backends as reg
-from vit3.layers.eager_mix import MixBranch, MixPlan, _EagerMix, eager_mix, reference_mix, takes
+from vit3.layers.fused_mix import MixBranch, MixPlan, _FusedMix, fused_mix, reference_mix, takes
 
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("no_backend_env")]
 
@@ -66,10 +66,10 @@ NAMES = ["out", "d_qkv", "d_w1", "d_w2", "d_conv_weight"]
 @pytest.mark.parametrize("rope", [False, True], ids=["rope-off", "rope-on"])
 def test_float64_node_matches_the_references_and_the_eager_node(triton_device, rope):
     qkv, weights = _inputs(triton_device, torch.float64)
-    got = _grads(lambda x, w: eager_mix(x, _plan("triton", rope), w), qkv, weights)
-    assert got[0].grad_fn.name() == _EagerMix.__name__ + "Backward"  # one node for both branches
+    got = _grads(lambda x, w: fused_mix(x, _plan("triton", rope), w), qkv, weights)
+    assert got[0].grad_fn.name() == _FusedMix.__name__ + "Backward"  # one node for both branches
     assert_same(got, _grads(_reference(rope), qkv, weights), NAMES)
-    assert_same(got, _grads(lambda x, w: eager_mix(x, _plan("eager", rope), w), qkv, weights), NAMES)
+    assert_same(got, _grads(lambda x, w: fused_mix(x, _plan("eager", rope), w), qkv, weights), NAMES)
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_native_operands_match_the_references(triton_device, dtype, tol, rope):
     accumulation: within ``tol`` (relative RMS) of the references on the same values in float64."""
     qkv, weights = _inputs(triton_device, dtype)
     assert takes(_plan("triton", rope), dtype) and not takes(_plan("eager", rope), torch.float16)
-    got = _grads(lambda x, w: eager_mix(x, _plan("triton", rope), w), qkv, weights)
+    got = _grads(lambda x, w: fused_mix(x, _plan("triton", rope), w), qkv, weights)
     assert got[0].dtype == got[1].dtype == dtype
     want = _grads(_reference(rope), qkv.double(), [w.double() for w in weights])
     for name, g, w in zip(NAMES, got, want):
@@ -96,21 +96,21 @@ def test_bf16_emulated_matches_the_references(triton_device):
     qkv, weights = _inputs(triton_device, torch.bfloat16)
     run = qkv if native else qkv.float()
     got = _grads(
-        lambda x, w: eager_mix(x, _plan("triton", False), w), run, [w.to(run.dtype) for w in weights]
+        lambda x, w: fused_mix(x, _plan("triton", False), w), run, [w.to(run.dtype) for w in weights]
     )
     want = _grads(_reference(False), qkv.double(), [w.double() for w in weights])
     for name, g, w in zip(NAMES, got, want):
         assert rel_rms(g.double(), w) < (5e-2 if native else 1e-5), name
 
 
-def test_eager_mix_refuses_half_qkv_on_other_paths():
+def test_fused_mix_refuses_half_qkv_on_other_paths():
     qkv, weights = _inputs(torch.device("cpu"), torch.float16)
     with pytest.raises(ValueError, match="only branches on Triton take it"):
-        eager_mix(qkv, _plan("eager", False), weights)
+        fused_mix(qkv, _plan("eager", False), weights)
 
 
 def test_the_registry_fuses_traced_triton_branches_only_all_together():
-    """Traced, Triton branches fuse as the mixer op (``eager_mix.mix_op``), which runs them all."""
+    """Traced, Triton branches fuse as the mixer op (``fused_mix.mix_op``), which runs them all."""
     names, models = ("triton", "triton"), ("swiglu", "dwconv")
     assert reg.registry.fuses(names, models, "dot", "")
     assert reg.registry.fuses(("triton", "eager"), models, "dot", "")
@@ -157,13 +157,13 @@ def test_a_half_precision_mixer_hands_the_triton_node_its_qkv_as_it_is(monkeypat
 
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")
     seen = []
-    real = ttt.eager_mix
+    real = ttt.fused_mix
 
     def spy(qkv, plan, weights):
         seen.append((qkv.dtype, {w.dtype for w in weights}))
         return real(qkv, plan, weights)
 
-    monkeypatch.setattr(ttt, "eager_mix", spy)
+    monkeypatch.setattr(ttt, "fused_mix", spy)
     mixer = make_mixer().to(triton_device)
     x = tokens(GRID).to(triton_device)
     half = make_mixer(dtype=torch.float16).to(triton_device)
@@ -191,7 +191,7 @@ def test_weights_the_kernels_cannot_read_in_place_are_refused_by_the_node_and_co
     for bad, rule in (([column_major[0], weights[1], weights[2]], "one layout and dtype"),
                       ([*weights[:2], taps_apart], "3 x 3 taps one stride apart")):  # fmt: skip
         with pytest.raises(ValueError, match=f"the Triton node reads .*{rule}"):
-            eager_mix(qkv, _plan("triton", False), bad)
+            fused_mix(qkv, _plan("triton", False), bad)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 1, SIDE[0] * SIDE[1], D, generator=g, dtype=torch.float64).to(triton_device)
                for _ in range(3))  # fmt: skip

@@ -25,7 +25,7 @@ from vit3.kernels.triton import node as tnode
 from vit3.kernels.triton import op as top
 from vit3.kernels.triton import plan as tplan
 from vit3.kernels.triton import program as tprogram
-from vit3.layers import eager_mix as em
+from vit3.layers import fused_mix as em
 
 LR = 0.7
 CPU = torch.device("cpu")
@@ -72,7 +72,7 @@ def _run(plan: em.MixPlan, qkv: torch.Tensor, weights: list[torch.Tensor]) -> li
     """The node's output and the gradients of qkv and every weight, for a fixed upstream gradient."""
     qkv = qkv.detach().requires_grad_()
     weights = [w.detach().requires_grad_() for w in weights]
-    out = em.eager_mix(qkv, plan, weights)
+    out = em.fused_mix(qkv, plan, weights)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     return [out, *torch.autograd.grad(out, [qkv, *weights], dout.to(out))]
 
@@ -117,7 +117,7 @@ def test_a_node_of_triton_branches_is_one_program(monkeypatch, triton_device):
     for _ in range(2):
         _run(plan, qkv, weights)
     with torch.no_grad():
-        em.eager_mix(qkv, plan, weights)
+        em.fused_mix(qkv, plan, weights)
     assert hooks["n"] == 0 and made["n"] == 1  # one program for training and inference calls of one layout
     _run(plan, qkv[:1], weights)  # another batch: another program
     assert made["n"] == 2
@@ -202,7 +202,7 @@ def test_unusual_layouts_compute_what_the_branch_hooks_compute(per_branch, monke
     def run(plan, qkv, weights):
         qkv = qkv.detach().requires_grad_()
         weights = [w.detach().requires_grad_() for w in weights]
-        out = em.eager_mix(qkv, plan, weights)
+        out = em.fused_mix(qkv, plan, weights)
         dout = (
             torch.randn(out.shape[::-1], generator=torch.Generator().manual_seed(1)).to(out).permute(2, 1, 0)
         )
@@ -221,7 +221,7 @@ def test_inference_writes_the_training_output_and_saves_nothing(triton_device):
     plan = _plan(branches, grid)
     qkv, weights = _inputs(plan, b, torch.float64, triton_device)
     with torch.no_grad():
-        out = em.eager_mix(qkv, plan, weights)
+        out = em.fused_mix(qkv, plan, weights)
     assert torch.equal(out, _run(plan, qkv, weights)[0])
     layout, again = em.mix_layout(plan), torch.empty_like(out)
     plain = [None] * len(plan.branches)  # no RoPE
@@ -242,7 +242,7 @@ def test_swiglu_weight_gradients_are_kept_as_the_kernels_write_them(how, per_bra
     weights = [w.requires_grad_() for w in weights]
 
     def train(plan, qkv, weights):
-        em.eager_mix(qkv.requires_grad_(), plan, weights).sum().backward()
+        em.fused_mix(qkv.requires_grad_(), plan, weights).sum().backward()
 
     if how == "program":
         train(plan, qkv, weights)
@@ -261,7 +261,7 @@ def test_a_second_order_backward_goes_through_the_references(triton_device):
     plan = _plan(branches, grid)
     qkv, weights = _inputs(plan, b, torch.float64, triton_device)
     got, want = [], []
-    for fn, into in ((em.eager_mix, got), (em.reference_mix, want)):
+    for fn, into in ((em.fused_mix, got), (em.reference_mix, want)):
         x = qkv.detach().requires_grad_()
         w = [t.detach().requires_grad_() for t in weights]
         (gx,) = torch.autograd.grad(fn(x, plan, w).square().sum(), [x], create_graph=True)
@@ -427,7 +427,7 @@ def test_a_branch_the_program_cannot_take_is_named(triton_device):
     qkv, weights = _inputs(plan, b, torch.float64, triton_device)
     weights[2] = weights[2].transpose(-1, -2).contiguous().transpose(-1, -2)  # branch 1's w1, column-major
     with pytest.raises(ValueError, match="one layout and dtype") as caught:
-        em.eager_mix(qkv, plan, weights)
+        em.fused_mix(qkv, plan, weights)
     assert getattr(caught.value, BRANCH_ATTR) == 1
 
 
@@ -439,13 +439,13 @@ def test_cleared_plans_and_another_launcher_make_a_new_program(monkeypatch, trit
     made = count_calls(monkeypatch, tprogram, "MixProgram")
     for step in range(3):
         with torch.no_grad():
-            em.eager_mix(qkv, plan, weights)
+            em.fused_mix(qkv, plan, weights)
         if step == 0:
             top.clear_plans()
         if step == 1:
             intercept_launches(monkeypatch, lambda name, args, kwargs, run: run())
     with torch.no_grad():
-        em.eager_mix(qkv, plan, weights)
+        em.fused_mix(qkv, plan, weights)
     assert made["n"] == 3
 
 

@@ -1,6 +1,6 @@
 """The whole-mixer C++ op (``torch.ops.vit3_cpu.mix``, ``kernels/mix/csrc/mix.cpp``): settled mixer calls
 whose branches all run the C++ CPU kernel take it, one C++ autograd node. It computes what the Python node
-(``vit3.layers.eager_mix``) computes, forward and every gradient, and what the mixer defines (the float64
+(``vit3.layers.fused_mix``) computes, forward and every gradient, and what the mixer defines (the float64
 reference); its RoPE is ``apply_rope_2d`` bit for bit; it honours no-grad, autocast, saved-tensor hooks,
 checkpointing and the once-differentiable contract, and sees parameters replaced after its plan was made.
 ``mix`` reaches it by a short path (``vit3.layers.mixer_calls.Calls``) that steps aside wherever the settled
@@ -319,7 +319,7 @@ def test_an_op_without_a_branch_in_the_cpp_op_keeps_the_python_node(monkeypatch)
     for _ in range(4):  # planned again, and settled
         mixer(x, GRID)
     ref, ref_node, ref_grads = _run(mixer, x, dout)
-    assert NODE not in ref_node and "EagerMix" in ref_node
+    assert NODE not in ref_node and "FusedMix" in ref_node
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
     _assert_same(grads, ref_grads, rtol=1e-12, atol=1e-13)
 

@@ -1,4 +1,4 @@
-"""The mixer's fused eager path (``vit3.layers.eager_mix``): when it serves, and that it computes what the
+"""The mixer's fused eager path (``vit3.layers.fused_mix``): when it serves, and that it computes what the
 mixer defines (float64 autograd reference), every gradient included, in each tiling mode, without gradients,
 under activation checkpointing and for low-precision inputs."""
 
@@ -23,7 +23,7 @@ def calls(monkeypatch):
     """Counts the mixer's calls of the fused path, the Python node on every call (settled calls on the C++
     kernel otherwise take the whole-mixer C++ op: ``tests/layers/test_mixer_cpp_node.py``)."""
     monkeypatch.setattr(ttt, "CPP_NODE", False)
-    return count_calls(monkeypatch, ttt, "eager_mix")
+    return count_calls(monkeypatch, ttt, "fused_mix")
 
 
 def _mixer(dim: int = 32, heads: int = 4, **cfg) -> TTTMixer:

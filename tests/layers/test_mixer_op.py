@@ -1,6 +1,6 @@
-"""The mixer op ``vit3::mix`` (``eager_mix.mix_op``): a mixer call on Triton as one op of a compiled graph.
+"""The mixer op ``vit3::mix`` (``fused_mix.mix_op``): a mixer call on Triton as one op of a compiled graph.
 
-That its plan survives its plain arguments, that it computes bit for bit what the eager node computes (forward
+That its plan survives its plain arguments, that it computes bit for bit what the fused node computes (forward
 and every gradient, with and without RoPE), that ``torch.library.opcheck`` passes (schema, fakes, symbolic
 sizes, autograd registration), that a compiled mixer (and a whole compiled ViT³ or H-ViT³) is one forward and
 one backward op per call, and that the backward finds its program again after the plans were cleared.
@@ -16,7 +16,7 @@ import torch
 import vit3  # noqa: F401  (registers the models)
 from vit3.kernels.triton import op as top
 from vit3.layers import TTTMixer
-from vit3.layers import eager_mix as em
+from vit3.layers import fused_mix as em
 
 pytestmark = pytest.mark.triton
 
@@ -63,7 +63,7 @@ def test_the_plan_survives_the_ops_arguments():
 def test_the_op_computes_what_the_node_computes(case, triton_device):
     plan, qkv, weights = _inputs(case, triton_device)
     leaves = [qkv, *weights]
-    exp = _train(em.eager_mix(qkv, plan, weights), leaves)
+    exp = _train(em.fused_mix(qkv, plan, weights), leaves)
     got = _train(em.mix_op(qkv, weights, *em.op_args(plan), True)[0], leaves)
     for a, e in zip(got, exp):
         assert a.shape == e.shape and torch.equal(a, e)
@@ -75,7 +75,7 @@ def test_a_second_order_backward_is_the_nodes(triton_device):
     plan, qkv, weights = _inputs("official-rope", triton_device)
     leaves = [qkv, *weights]
     found = []
-    for out in (em.eager_mix(qkv, plan, weights), em.mix_op(qkv, weights, *em.op_args(plan), True)[0]):
+    for out in (em.fused_mix(qkv, plan, weights), em.mix_op(qkv, weights, *em.op_args(plan), True)[0]):
         first = torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
         found.append(torch.autograd.grad(sum(g.square().sum() for g in first), leaves))
     for a, e in zip(*found):

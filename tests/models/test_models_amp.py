@@ -190,7 +190,7 @@ MIXER_CASES = [
 
 @pytest.mark.parametrize(("backend", "recompute"), MIXER_CASES)
 def test_mixer_nodes_backward_under_their_forward_autocast_state(backend, recompute):
-    """The mixer's nodes (``_EagerMix``, ``_SwiGLUTTT``, the Triton op, ``_RecomputedMix``): the same
+    """The mixer's nodes (``_FusedMix``, ``_SwiGLUTTT``, the Triton op, ``_RecomputedMix``): the same
     gradients with backward() inside or after a bf16 region, near the fp32 ones; the inner loops alone
     (``mix``, fp32) the same with backward() after or inside a bf16 region."""
     torch.manual_seed(0)

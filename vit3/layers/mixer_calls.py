@@ -9,14 +9,14 @@ from torch import Tensor
 from vit3.kernels import OPS
 
 from . import backends
-from .eager_mix import MixPlan
+from .fused_mix import MixPlan
 
 # Keys a mixer keeps plans for before it starts over (grids and batch sizes of one model run are few).
 MAX_CALLS = 16
 
 
 class Call:
-    """A mixer call's plan as the mixer keeps it: the backends' ``Plan``, the fused eager node's ``MixPlan``
+    """A mixer call's plan as the mixer keeps it: the backends' ``Plan``, the fused node's ``MixPlan``
     (``None`` unless ``plan.fused``), whether it runs unguarded from now on (``backends.settled``), and the
     constant arguments of the whole-mixer C++ op after qkv and the weights (``None``: the Python node)."""
 

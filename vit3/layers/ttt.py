@@ -22,7 +22,7 @@ from vit3.kernels.common import autocast_backward, autocast_forward, autocast_on
 from . import backends
 from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig, check_count, is_count
-from .eager_mix import MixBranch, MixPlan, eager_mix, takes
+from .fused_mix import MixBranch, MixPlan, fused_mix, takes
 from .inner import Params, assert_finite, create_inner_model, inner_loop
 from .inner_math import shape_text, tracing_kind
 from .mixer_calls import MAX_CALLS, Call, Calls, call_key, cpp_args
@@ -65,18 +65,18 @@ def _takes_cpp_op(plan: backends.Plan, mix_plan: MixPlan | None) -> bool:
 
 
 def _fused(mix_plan: MixPlan, qkv: Tensor, flat: list[Tensor]) -> Tensor:
-    """The fused eager node on ``qkv`` and the initial weights ``flat``. The inner loop runs in float32 at
+    """The fused node on ``qkv`` and the initial weights ``flat``. The inner loop runs in float32 at
     least (bf16/fp16 gradients of the inner loss are too coarse): a node whose branches all read 16-bit q, k,
-    v as they are (Triton's, accumulating in float32; ``eager_mix.takes``) gets qkv so and float32 weights,
+    v as they are (Triton's, accumulating in float32; ``fused_mix.takes``) gets qkv so and float32 weights,
     the others a float32 copy of qkv, their read-out cast back to qkv's dtype."""
     dtype = qkv.dtype
     if dtype in _COMPUTE_DTYPES and all(p.dtype == dtype for p in flat):  # no casts to call
-        return eager_mix(qkv, mix_plan, flat)
+        return fused_mix(qkv, mix_plan, flat)
     compute = torch.promote_types(dtype, torch.float32)
     flat = [p if p.dtype == compute else p.to(compute) for p in flat]
     if dtype not in _COMPUTE_DTYPES and takes(mix_plan, dtype):  # native 16-bit operands: no copy of qkv
-        return eager_mix(qkv, mix_plan, flat)
-    return eager_mix(qkv.to(compute), mix_plan, flat).to(dtype)
+        return fused_mix(qkv, mix_plan, flat)
+    return fused_mix(qkv.to(compute), mix_plan, flat).to(dtype)
 
 
 class TTTMixer(nn.Module):
@@ -345,7 +345,7 @@ class TTTMixer(nn.Module):
         weights: list[Params],
         guard: bool,
     ) -> Tensor:
-        """``mix`` on ``plan``: one fused eager node, or branch by branch (each guarded when ``guard``)."""
+        """``mix`` on ``plan``: one fused node, or branch by branch (each guarded when ``guard``)."""
         if plan.fused:
             return _fused(self._mix_plan(plan, grid), qkv, [p for w in weights for p in w.values()])
         pieces, outs, offset = self._split(qkv), [], 0
@@ -472,7 +472,7 @@ class TTTMixer(nn.Module):
         ) and _takes_cpp_op(plan, mix_plan)
 
     def _mix_plan(self, plan: backends.Plan, grid: tuple[int, int]) -> MixPlan:
-        """The fused eager node's ``MixPlan`` for ``plan`` on ``grid``."""
+        """The fused node's ``MixPlan`` for ``plan`` on ``grid``."""
         cfg = self.cfg
         branches, offset = [], 0
         for (name, heads), width, backend in zip(self.branch_specs, self.widths, plan.backends):

@@ -1,6 +1,6 @@
 // The whole CPU mixer call as one op: vit3_cpu::mix (the inner loops of all branches of TTTMixer.mix, between the
 // two projections), with one C++ autograd node, so a settled mixer call runs no Python between its two projections.
-// The same call in Python is the fused eager node (vit3/layers/eager_mix.py), tested against it
+// The same call in Python is the fused node (vit3/layers/fused_mix.py), tested against it
 // (tests/layers/test_mixer_cpp_node.py); the branches' steps are the SwiGLU and depthwise ops' (swiglu.cpp, dwconv.cpp,
 // declared in vit3_cpu.h), called directly.
 //
@@ -177,7 +177,7 @@ Tensor weight_grad(const Tensor& dw, at::IntArrayRef shape, int64_t C, bool dept
 
 // Every branch's step and read-out into one output [B, N, sum(widths)]; returns it and (when save) what
 // mix_backward needs, Branch::saved tensors per branch. dense: the
-// branches get (SwiGLU) or save (depthwise) dense copies of q, k, v (eager_mix's rule, decided by the caller).
+// branches get (SwiGLU) or save (depthwise) dense copies of q, k, v (fused_mix's rule, decided by the caller).
 std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::TensorList weights, at::IntArrayRef plan,
                                                     int64_t gh, int64_t gw, double scale, double lr, bool grad_norm,
                                                     double rope_base, bool recompute, bool dense, bool save) {

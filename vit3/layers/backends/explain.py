@@ -10,7 +10,7 @@ from torch import nn
 
 from vit3.kernels.ops import OPS
 
-from ..eager_mix import runs_whole
+from ..fused_mix import runs_whole
 from .interface import Inputs, Settings, token_class
 from .planner import (
     SCRIPTABLE_PATH,
@@ -75,7 +75,7 @@ class MixerExplanation:
             f"TTTMixer dim={self.dim} heads={self.num_heads} | {self.device} {self.dtype} | N={self.tokens} "
             f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
             "  "
-            + ("one fused eager node runs every branch" if self.fused else "branch by branch")
+            + ("one fused node runs every branch" if self.fused else "branch by branch")
             + (", as one launch program (compiled: the graph's one op vit3::mix)" if self.program else "")
             + (", as one C++ op (vit3_cpu::mix) once settled" if self.cpp_op else ""),
         ]
@@ -180,7 +180,7 @@ def _fused_plan(out: list[BranchExplanation]) -> Plan:
 def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int, int]) -> bool:
     """Whether the fused node runs every branch in one call of their path's whole-node hooks (``Node.whole``),
     as the mixer's call would: every branch's path has them, and the mixer's ``MixPlan`` on these backends
-    lets them run (``eager_mix.runs_whole``)."""
+    lets them run (``fused_mix.runs_whole``)."""
     for b in out:
         path = OPS[b.name].paths.get(b.backend) if b.name in OPS else None
         if path is None or path.node is None or path.node.whole is None:

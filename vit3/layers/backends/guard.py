@@ -14,7 +14,7 @@ from torch import Tensor
 
 from vit3.kernels.common import grad_flows
 
-from ..eager_mix import BRANCH_ATTR
+from ..fused_mix import BRANCH_ATTR
 from .interface import Step
 from .planner import (
     BACKEND_ENV,

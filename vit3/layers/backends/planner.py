@@ -25,7 +25,7 @@ from torch import Tensor
 from vit3.kernels import cpp as cpu_ext
 
 from ..config import RECOMPUTE_MODES
-from ..eager_mix import mix_layout
+from ..fused_mix import mix_layout
 from ..inner_math import tracing_kind
 from .interface import Inputs, Settings
 from .registry import BACKEND_ENV, BACKENDS, NAMES, Branch, choose, fuses, not_implemented, order
@@ -171,7 +171,7 @@ class BranchKey(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """A mixer call's plan: the backend of each branch, whether they form one fused eager node, the keys,
+    """A mixer call's plan: the backend of each branch, whether they form one fused node, the keys,
     and whether the fused eager paths recompute the per-token pre-activations in the backward (and why)."""
 
     backends: tuple[str, ...]
@@ -236,7 +236,7 @@ _verified: set[tuple[BranchKey, str, tuple | None]] = set()
 
 
 def reset() -> None:
-    """Forgets every cached plan, demotion, verified key and warning, and the eager node's layouts (tests; a
+    """Forgets every cached plan, demotion, verified key and warning, and the fused node's layouts (tests; a
     new device; an op replaced in the table)."""
     for state in (_demoted, _pending, _verified, _warned):
         state.clear()

@@ -19,7 +19,7 @@ from vit3.kernels.ops import OPS
 from vit3.kernels.paths import compute_inputs
 
 from ..config import BACKEND_NAMES
-from ..eager_mix import WHOLE_PATH, MixBranch, MixPlan, eager_mix
+from ..fused_mix import WHOLE_PATH, MixBranch, MixPlan, fused_mix
 from .interface import Backend, Branch, Inputs, Settings, Step
 
 BACKEND_ENV = (
@@ -30,7 +30,7 @@ BACKEND_ENV = (
 def _on_path(path: str) -> dict[str, Callable[..., Any]]:
     """A backend's ``supports`` / ``prefers`` / ``fits`` / ``run``: those of fast path ``path`` of the
     branch's op (``OPS[name].paths[path]``, looked up per call: an op registered later is served too). A path
-    without ``prefers`` / ``fits`` passes them; one without ``run`` runs as a one-branch fused eager node."""
+    without ``prefers`` / ``fits`` passes them; one without ``run`` runs as a one-branch fused node."""
 
     def supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
         return OPS[branch.name].paths[path].supports(branch, cfg, x)
@@ -53,7 +53,7 @@ def _on_path(path: str) -> dict[str, Callable[..., Any]]:
 
 
 def _run_node(step: Step, path: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> Tensor:
-    """One branch as a one-branch fused eager node (``eager_mix``) on the op's path ``path``; q, k, v
+    """One branch as a one-branch fused node (``fused_mix``) on the op's path ``path``; q, k, v
     ``[B, G, N, d]`` (RoPE, where it applies, already on q and k) -> ``[B, G, N, d]``."""
     c = step.cfg
     b, g, n, d = q.shape
@@ -68,7 +68,7 @@ def _run_node(step: Step, path: str, q: Tensor, k: Tensor, v: Tensor, params: di
         step.recompute,
     )
     weights = [params[name] for name in OPS[step.name].weights]
-    return eager_mix(qkv, plan, weights).unflatten(-1, (g, d)).transpose(1, 2)
+    return fused_mix(qkv, plan, weights).unflatten(-1, (g, d)).transpose(1, 2)
 
 
 def _run_generic(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
@@ -115,15 +115,15 @@ BACKENDS: dict[str, Backend] = {
     )
 }
 NAMES = BACKEND_NAMES  # what a config may name (vit3.layers.config): "auto" and these backends
-# Backends whose SwiGLU backward in the fused eager node may recompute Z = k W, Y = q W' (``Plan.recompute``).
+# Backends whose SwiGLU backward in the fused node may recompute Z = k W, Y = q W' (``Plan.recompute``).
 LEAN_BACKENDS = ("cpu", "eager")
 
 
 def fuses(names: Sequence[str], branches: Sequence[str], loss: str, tracing: str) -> bool:
     """Whether a mixer call whose branches (inner models ``branches``) run on backends ``names`` is one fused
-    eager node (``eager_mix``): every backend runs a path with node hooks for its branch's op, on the dot
+    fused node (``fused_mix``): every backend runs a path with node hooks for its branch's op, on the dot
     loss the node takes. Traced, branches on Triton fuse only all together: the mixer op
-    (``eager_mix.mix_op``) runs them, as one op of the graph."""
+    (``fused_mix.mix_op``) runs them, as one op of the graph."""
     if loss != "dot":
         return False
     paths = [BACKENDS[name].path for name in names]

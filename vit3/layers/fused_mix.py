@@ -1,4 +1,4 @@
-"""The mixer's eager node: the inner loops of all branches, between the two projections, as one autograd node.
+"""The mixer's fused node: the inner loops of all branches, between the two projections, as one autograd node.
 
 The branches take q, k and v as views of the qkv projection and write their read-outs straight into the
 output ``[B, N, sum(widths)]``; the backward writes dq, dk and dv straight into one qkv gradient, so no layout
@@ -31,7 +31,7 @@ __all__ = [
     "WHOLE_PATH",
     "MixBranch",
     "MixPlan",
-    "eager_mix",
+    "fused_mix",
     "mix_backward_op",
     "mix_op",
     "op_args",
@@ -155,7 +155,7 @@ def mix_layout(plan: MixPlan) -> MixLayout:
         path = op.paths.get(br.path) if op is not None else None
         if path is None or path.node is None:
             node_ops = [name for name, o in OPS.items() if any(p.node for p in o.paths.values())]
-            raise ValueError(f"eager_mix serves the inner models {node_ops}, got {br.kind!r}")
+            raise ValueError(f"fused_mix serves the inner models {node_ops}, got {br.kind!r}")
         found.append((path.node, len(op.weights), br.heads * br.head_dim))
     hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
     twice = all(node.twice for node, *_ in found)
@@ -183,7 +183,7 @@ def reference_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
 
 
 def takes(plan: MixPlan, dtype: torch.dtype) -> bool:
-    """Whether ``eager_mix`` takes a qkv of ``dtype`` on ``plan`` as it is: float32 / float64 always, float16
+    """Whether ``fused_mix`` takes a qkv of ``dtype`` on ``plan`` as it is: float32 / float64 always, float16
     / bfloat16 where every branch's hooks do (Triton's; the others' inner loop needs float32 at least). Read
     from the ops' tables, not ``mix_layout`` (traced calls ask: ``torch.compile`` would trace its cache)."""
     return dtype in (torch.float32, torch.float64) or (
@@ -365,7 +365,7 @@ def _backward_twice(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     return (got[0], None, None, *got[1:])
 
 
-class _EagerMix(torch.autograd.Function):
+class _FusedMix(torch.autograd.Function):
     @staticmethod
     @autocast_forward
     def forward(ctx, qkv: Tensor, layout: MixLayout, save: bool, *weights: Tensor) -> Tensor:
@@ -383,7 +383,7 @@ class _EagerMix(torch.autograd.Function):
         return (_backward_twice if ctx.state[0].twice else _backward_once)(ctx, d_out)
 
 
-def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
+def fused_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     """All branches' inner loops and read-outs as one autograd node.
 
     Args:
@@ -410,7 +410,7 @@ def eager_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     # Saving for the backward only when autograd will call it (not under no_grad / inference); without it
     # the node is not needed either.
     if grad_flows(qkv, *weights):
-        return _EagerMix.apply(qkv, layout, True, *weights)
+        return _FusedMix.apply(qkv, layout, True, *weights)
     return _forward(qkv, layout, False, tuple(weights))[0]
 
 
@@ -466,7 +466,7 @@ def mix_op(
     qkv: Tensor, weights: list[Tensor], path: str, kinds: str, ints: list[int], floats: list[float],
     grad_norm: bool, recompute: bool, save: bool,
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    """The mixer call as one op: every branch's step and read-out (``eager_mix``) through its path's
+    """The mixer call as one op: every branch's step and read-out (``fused_mix``) through its path's
     whole-node hooks; returns the read-outs ``[B, N, sum(widths)]`` and what the backward needs (empty
     unless ``save``). The plan: ``op_args``."""
     layout = _op_layout((path, kinds, ints, floats, grad_norm, recompute))
@@ -545,5 +545,5 @@ mix_op.register_autograd(_mix_op_backward, setup_context=_setup_mix)
 
 
 def _traced_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
-    """``eager_mix`` under ``torch.compile``: the mixer op, which the graph keeps whole."""
+    """``fused_mix`` under ``torch.compile``: the mixer op, which the graph keeps whole."""
     return mix_op(qkv, list(weights), *op_args(plan), grad_flows(qkv, *weights))[0]
