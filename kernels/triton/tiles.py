@@ -200,14 +200,16 @@ def _matrix_tiles(
     return Tiles(32, 32, 8, 2)
 
 
-def _conv_tiles(block_d: int, dtype: torch.dtype) -> Tiles:
+def _conv_tiles(block_d: int, dtype: torch.dtype, arch: Arch) -> Tiles:
     """The depthwise-conv kernels: full-width ``[BLOCK_N, BLOCK_D]`` tiles (their weights are only 9 x d), no
     dots; the token tile and warps per head dim that the compile matrix found spill-free under Triton 3.6 and
-    3.8 (16 tokens for fp64; at d = 32, 16 tokens over 4 warps spill under 3.6). Up to d = 64 one warp group
-    holds a tile within 1024 registers x warps: two blocks per SM."""
+    3.8 (16 tokens for fp64; at d = 32, 16 tokens over 4 warps spill under 3.6). One warp group holds a tile
+    up to d = 64 within 1024 registers x warps (two blocks per SM), except 16-bit tiles on ``mma.sync`` parts,
+    which spill there on 4 warps (sm_80's fp16 read-out backward at d = 32) and take 8 from d = 32."""
     if dtype == torch.float64:
         return Tiles(16, block_d, 4 if block_d <= 32 else 8, 2)
-    return Tiles(16 if block_d == 128 else 32, block_d, 4 if block_d <= 64 else 8, 2)
+    one_group = 64 if warp_group_mma(arch) or dtype == torch.float32 else 16
+    return Tiles(16 if block_d == 128 else 32, block_d, 4 if block_d <= one_group else 8, 2)
 
 
 def _small_tiles(block_r: int, block_d: int, dtype: torch.dtype) -> Tiles:
@@ -230,7 +232,7 @@ def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, 
     block_r = 16 if model == "dwconv" else block_d
     tile_arch, tile_prec = tiles_as or (INTERPRET_TILES if interpret else (arch, prec))
     if model == "dwconv":
-        tiles = {"conv": _conv_tiles(block_d, dtype)}
+        tiles = {"conv": _conv_tiles(block_d, dtype, tile_arch)}
     else:
         tiles = {r: _matrix_tiles(model, loss, r, block_d, dtype, tile_prec, tile_arch) for r in MATRIX_ROLES}
     tiles["small"] = _small_tiles(block_r, block_d, dtype)
