@@ -57,12 +57,12 @@ def linear_step(b: int, h: int, n: int, d: int, loss: str, backward: bool = Fals
 
 def mix_plan(plan: Sequence[int], b: int, n: int, backward: bool = False, recompute: bool = True) -> int:
     """MACs of the whole-mixer op (``vit3_cpu::mix``) on ``b`` samples of ``n`` tokens: each branch of
-    ``plan`` (6 ints per branch: kind 0 SwiGLU / 1 depthwise, qkv offset, heads, head dim, RoPE, token block),
+    ``plan`` (6 ints per branch: op 0 SwiGLU / 1 depthwise, qkv offset, heads, head dim, RoPE, token block),
     its step forward or backward (a SwiGLU backward recomputes ``Z`` and ``Y`` when ``recompute``)."""
     total = 0
     for i in range(0, len(plan), 6):
-        kind, heads, d = plan[i], plan[i + 2], plan[i + 3]
-        if kind == 0:
+        code, heads, d = plan[i], plan[i + 2], plan[i + 3]
+        if code == 0:
             total += swiglu_step(b, heads, n, d, backward, 2 if recompute else 0)
         else:
             total += (4 if backward else 2) * depthwise_pass(b, n, heads * d)

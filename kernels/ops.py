@@ -184,8 +184,8 @@ class Node(NamedTuple):
             else float32 / float64 only.
         twice: the node may differentiate this path's backward (``create_graph=True``) through the op's
             reference on the saved qkv (where every branch's path allows it).
-        mix: ``(head_dim, qkv) -> (kind, block)``: the op's branch in the whole-mixer C++ op
-            (``kernels/mix/csrc/mix.cpp``, ``cpu`` paths): its kind code there and the token block of its step
+        mix: ``(head_dim, qkv) -> (code, block)``: the op's branch in the whole-mixer C++ op
+            (``kernels/mix/csrc/mix.cpp``, ``cpu`` paths): its op code there and the token block of its step
             on tensors like qkv; ``None``: no branch there (mixers with such a branch run the Python node).
         whole: the path's hooks for a whole node of its branches (``Whole``); ``None``: branch by branch.
         stored: ``(parameter, initial) -> bool``: whether the whole-mixer C++ op (``mix``) takes the inner

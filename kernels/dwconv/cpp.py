@@ -89,9 +89,9 @@ def _node_backward(
 
 
 # The C++ path in the fused node: the kernel reads and writes the token rows in place.
-# The depthwise op's kind code in the whole-mixer C++ op (``kernels/mix/csrc/mix.cpp``: ``kDwconv``); its step
+# The depthwise op's code in the whole-mixer C++ op (``kernels/mix/csrc/mix.cpp``: ``kDwconv``); its step
 # walks the token rows in C++, no block to choose.
-MIX_KIND = 1
+MIX_CODE = 1
 
 
 def _stored(parameter: Tensor, initial: Tensor) -> bool:
@@ -103,6 +103,6 @@ NODE = Node(
     heads=False,
     forward=_node_forward,
     backward=_node_backward,
-    mix=lambda d, qkv: (MIX_KIND, 1),
+    mix=lambda d, qkv: (MIX_CODE, 1),
     stored=_stored,
 )

@@ -52,8 +52,8 @@ def block_tokens(n: int, d: int, itemsize: int) -> int:
     return min(n, block_rows(d, itemsize))
 
 
-# SwiGLU's kind code in the whole-mixer C++ op (``kernels/mix/csrc/mix.cpp``: ``kSwiGLU``).
-MIX_KIND = 0
+# SwiGLU's op code in the whole-mixer C++ op (``kernels/mix/csrc/mix.cpp``: ``kSwiGLU``).
+MIX_CODE = 0
 
 
 def kernel_block(d: int, like: Tensor) -> int:
@@ -511,7 +511,7 @@ def _node(cpp: bool) -> Node:
         forward=forward,
         backward=backward,
         copies=dense_inputs,
-        mix=lambda d, qkv: (MIX_KIND, kernel_block(d, qkv)),
+        mix=lambda d, qkv: (MIX_CODE, kernel_block(d, qkv)),
     )
 
 

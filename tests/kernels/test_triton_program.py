@@ -60,10 +60,10 @@ def _inputs(
     for br in plan.branches:
         shape = (
             (1, br.heads * br.head_dim, 3, 3)
-            if br.kind == "dwconv"
+            if br.op == "dwconv"
             else (1, br.heads, br.head_dim, br.head_dim)
         )
-        count = 2 if br.kind == "swiglu" else 1
+        count = 2 if br.op == "swiglu" else 1
         weights += [torch.randn(shape, generator=g, dtype=torch.float64) * 0.3 for _ in range(count)]
     return qkv.to(device, dtype), [w.to(device, dtype) for w in weights]
 

@@ -47,7 +47,7 @@ class MixBranch(NamedTuple):
     (``[q | k | v]``, ``heads * head_dim`` each), RoPE on q and k, and the op's path whose node hooks run it
     (``"eager"``, ``"cpu"``: the C++ CPU kernel, ``"triton"``: the Triton kernels)."""
 
-    kind: str
+    op: str
     offset: int
     heads: int
     head_dim: int
@@ -151,18 +151,18 @@ def mix_layout(plan: MixPlan) -> MixLayout:
     """``plan``'s ``MixLayout``, made once per plan (a mixer calls the node with a few plans only)."""
     found = []
     for br in plan.branches:
-        op = OPS.get(br.kind)
+        op = OPS.get(br.op)
         path = op.paths.get(br.path) if op is not None else None
         if path is None or path.node is None:
             node_ops = [name for name, o in OPS.items() if any(p.node for p in o.paths.values())]
-            raise ValueError(f"fused_mix serves the inner models {node_ops}, got {br.kind!r}")
+            raise ValueError(f"fused_mix serves the inner models {node_ops}, got {br.op!r}")
         found.append((path.node, len(op.weights), br.heads * br.head_dim))
     hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
     twice = all(node.twice for node, *_ in found)
     whole = found[0][0].whole if found else None
     if any(node.whole is not whole for node, *_ in found):
         whole = None
-    names = tuple(br.kind for br in plan.branches)
+    names = tuple(br.op for br in plan.branches)
     unrotated = None if any(br.rope for br in plan.branches) else (None,) * len(plan.branches)
     return MixLayout(plan, tuple(found), sum(w for *_, w in found), hyper, twice, names, whole, {}, unrotated)
 
@@ -172,7 +172,7 @@ def reference_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     it): the read-outs ``[B, N, sum(widths)]`` of qkv ``[B, N, 3 * sum(widths)]``, differentiable."""
     geom, outs, wi, hyper = _geom(qkv), [], 0, Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm)
     for br in plan.branches:
-        op = OPS[br.kind]
+        op = OPS[br.op]
         q, k, v = _branch_views(qkv, geom, br, True)
         if br.rope:
             q, k = (_heads(apply_rope_2d(t, plan.grid, plan.rope_base), br.heads) for t in (q, k))
@@ -188,7 +188,7 @@ def takes(plan: MixPlan, dtype: torch.dtype) -> bool:
     from the ops' tables, not ``mix_layout`` (traced calls ask: ``torch.compile`` would trace its cache)."""
     return dtype in (torch.float32, torch.float64) or (
         dtype in (torch.float16, torch.bfloat16)
-        and all(OPS[br.kind].paths[br.path].node.low_precision for br in plan.branches)
+        and all(OPS[br.op].paths[br.path].node.low_precision for br in plan.branches)
     )
 
 
@@ -427,7 +427,7 @@ def op_args(plan: MixPlan) -> tuple:
     ints = [v for br in plan.branches for v in (br.offset, br.heads, br.head_dim, int(br.rope))]
     return (
         plan.branches[0].path,
-        ",".join(br.kind for br in plan.branches),
+        ",".join(br.op for br in plan.branches),
         [*ints, *plan.grid],
         [float(plan.scale), float(plan.lr), float(plan.rope_base)],
         bool(plan.grad_norm),
@@ -437,9 +437,9 @@ def op_args(plan: MixPlan) -> tuple:
 
 @functools.lru_cache(maxsize=64)
 def _plan_of(
-    path: str, kinds: str, ints: tuple[int, ...], floats: tuple[float, ...], grad_norm: bool, recompute: bool
+    path: str, ops: str, ints: tuple[int, ...], floats: tuple[float, ...], grad_norm: bool, recompute: bool
 ) -> MixPlan:
-    names = kinds.split(",")
+    names = ops.split(",")
     branches = tuple(
         MixBranch(name, *ints[4 * i : 4 * i + 3], bool(ints[4 * i + 3]), path) for i, name in enumerate(names)
     )
@@ -448,10 +448,10 @@ def _plan_of(
 
 
 def plan_of(
-    path: str, kinds: str, ints: list[int], floats: list[float], grad_norm: bool, recompute: bool
+    path: str, ops: str, ints: list[int], floats: list[float], grad_norm: bool, recompute: bool
 ) -> MixPlan:
     """The ``MixPlan`` of the mixer op's arguments (``op_args``)."""
-    return _plan_of(path, kinds, tuple(ints), tuple(floats), grad_norm, recompute)
+    return _plan_of(path, ops, tuple(ints), tuple(floats), grad_norm, recompute)
 
 
 def _op_layout(args: tuple) -> MixLayout:
@@ -463,23 +463,23 @@ def _op_layout(args: tuple) -> MixLayout:
 
 @torch.library.custom_op("vit3::mix", mutates_args=())
 def mix_op(
-    qkv: Tensor, weights: list[Tensor], path: str, kinds: str, ints: list[int], floats: list[float],
+    qkv: Tensor, weights: list[Tensor], path: str, ops: str, ints: list[int], floats: list[float],
     grad_norm: bool, recompute: bool, save: bool,
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """The mixer call as one op: every branch's step and read-out (``fused_mix``) through its path's
     whole-node hooks; returns the read-outs ``[B, N, sum(widths)]`` and what the backward needs (empty
     unless ``save``). The plan: ``op_args``."""
-    layout = _op_layout((path, kinds, ints, floats, grad_norm, recompute))
+    layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
     out, saved, _ = _forward(qkv, layout, save, tuple(weights))
     return out, saved
 
 
 @mix_op.register_fake
 def _mix_op_fake(
-    qkv: Tensor, weights: list[Tensor], path: str, kinds: str, ints: list[int], floats: list[float],
+    qkv: Tensor, weights: list[Tensor], path: str, ops: str, ints: list[int], floats: list[float],
     grad_norm: bool, recompute: bool, save: bool,
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    layout = _op_layout((path, kinds, ints, floats, grad_norm, recompute))
+    layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
     b, n, _ = qkv.shape
     out = qkv.new_empty(b, n, layout.width)
     if not save:
@@ -490,12 +490,12 @@ def _mix_op_fake(
 
 @torch.library.custom_op("vit3::mix_backward", mutates_args=())
 def mix_backward_op(
-    d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], path: str, kinds: str,
+    d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], path: str, ops: str,
     ints: list[int], floats: list[float], grad_norm: bool, recompute: bool,
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """``mix_op``'s backward on what it saved: the qkv gradient and, per branch, its initial weights'
     gradients as one tensor (two weights stacked ``[2, ...]``)."""
-    layout = _op_layout((path, kinds, ints, floats, grad_norm, recompute))
+    layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
     pairs = iter(saved[1:])
     rotated = [next(pairs) if br.rope else None for br in layout.plan.branches]
 
@@ -509,10 +509,10 @@ def mix_backward_op(
 
 @mix_backward_op.register_fake
 def _mix_backward_fake(
-    d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], path: str, kinds: str,
+    d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], path: str, ops: str,
     ints: list[int], floats: list[float], grad_norm: bool, recompute: bool,
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    layout = _op_layout((path, kinds, ints, floats, grad_norm, recompute))
+    layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
     dws, wi = [], 0
     for _, count, _ in layout.nodes:
         w = weights[wi]

@@ -62,7 +62,7 @@ def call_key(device: torch.device, dtype: torch.dtype, n: int, grad: bool, grid:
 
 def cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
     """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_plan`` on tensors like ``qkv`` (its
-    key's device, dtype and N): per branch its kind, offset, heads, head dim, RoPE and token block (its op's
+    key's device, dtype and N): per branch its op, offset, heads, head dim, RoPE and token block (its op's
     ``Node.mix``), then the shared settings, and whether the branches take dense copies of q, k, v (the Python
     node's rule, ``Node.copies``: for N > 1 a matter of shapes alone, and the op copies a qkv without unit
     channel stride)."""
@@ -71,15 +71,15 @@ def cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
     b, n, _ = qkv.shape
     s0, s1, s2 = qkv.stride()
     for br in mix_plan.branches:
-        node = OPS[br.kind].paths["cpu"].node
+        node = OPS[br.op].paths["cpu"].node
         view = qkv.as_strided(
             (b, br.heads, n, br.head_dim),
             (s0, br.head_dim * s2, s1, s2),
             qkv.storage_offset() + br.offset * s2,
         )
         dense = dense or (node.copies is not None and node.copies(view))
-        kind, block = node.mix(br.head_dim, qkv)
-        plan += [kind, br.offset, br.heads, br.head_dim, int(br.rope), block]
+        code, block = node.mix(br.head_dim, qkv)
+        plan += [code, br.offset, br.heads, br.head_dim, int(br.rope), block]
     h, w = mix_plan.grid
     return (
         plan,

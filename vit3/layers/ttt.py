@@ -60,7 +60,7 @@ def _takes_cpp_op(plan: backends.Plan, mix_plan: MixPlan | None) -> bool:
         CPP_NODE
         and mix_plan is not None
         and all(b == "cpu" for b in plan.backends)
-        and all(OPS[br.kind].paths["cpu"].node.mix is not None for br in mix_plan.branches)
+        and all(OPS[br.op].paths["cpu"].node.mix is not None for br in mix_plan.branches)
     )
 
 

@@ -8,7 +8,7 @@
 // rotates q and k (rope_2d, bit for bit vit3/layers/rope.py's apply_rope_2d); the read-outs are written into one
 // output [B, N, sum(widths)] and the backward writes dq, dk, dv into one qkv gradient.
 //
-// The plan is a flat int list, kFields per branch: kind (0 SwiGLU, 1 depthwise), offset in qkv, heads, head dim,
+// The plan is a flat int list, kFields per branch: op code (0 SwiGLU, 1 depthwise), offset in qkv, heads, head dim,
 // RoPE (0/1), the SwiGLU kernel's token block. Ops: mix (autograd: one node), mix_forward / mix_backward (its two
 // directions, CPU), rope_2d.
 
@@ -34,12 +34,12 @@ constexpr int64_t kFields = 6;
 constexpr int64_t kSwiGLUSaved = 7, kDwconvSaved = 6;
 
 struct Branch {
-  int64_t kind, offset, heads, head_dim;
+  int64_t op, offset, heads, head_dim;
   bool rope;
   int64_t block;
   int64_t width() const { return heads * head_dim; }
-  int64_t weights() const { return kind == kSwiGLU ? 2 : 1; }
-  int64_t saved(bool recompute) const { return kind == kSwiGLU ? kSwiGLUSaved + (recompute ? 0 : 2) : kDwconvSaved; }
+  int64_t weights() const { return op == kSwiGLU ? 2 : 1; }
+  int64_t saved(bool recompute) const { return op == kSwiGLU ? kSwiGLUSaved + (recompute ? 0 : 2) : kDwconvSaved; }
 };
 
 std::vector<Branch> branches_of(at::IntArrayRef plan) {
@@ -48,8 +48,8 @@ std::vector<Branch> branches_of(at::IntArrayRef plan) {
   std::vector<Branch> out;
   for (size_t i = 0; i < plan.size(); i += kFields) {
     const Branch br{plan[i], plan[i + 1], plan[i + 2], plan[i + 3], plan[i + 4] != 0, plan[i + 5]};
-    TORCH_CHECK(br.kind == kSwiGLU || br.kind == kDwconv, "vit3_cpu.mix: branch kind 0 (SwiGLU) or 1 (depthwise), got ",
-                br.kind);
+    TORCH_CHECK(br.op == kSwiGLU || br.op == kDwconv, "vit3_cpu.mix: branch op 0 (SwiGLU) or 1 (depthwise), got ",
+                br.op);
     TORCH_CHECK(br.offset >= 0 && br.heads > 0 && br.head_dim > 0 && br.block > 0,
                 "vit3_cpu.mix: bad branch (offset ", br.offset, ", heads ", br.heads, ", head dim ", br.head_dim,
                 ", block ", br.block, ")");
@@ -217,7 +217,7 @@ std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::Te
       k = rk;
     }
     const Tensor dest = tokens_view(out, col, W);
-    if (br.kind == kSwiGLU) {
+    if (br.op == kSwiGLU) {
       Tensor qh = heads_view(q, H, d), kh = heads_view(k, H, d), vh = heads_view(v, H, d);
       if (dense) {
         qh = qh.contiguous();
@@ -285,7 +285,7 @@ std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at:
     const Tensor rq = br.rope ? at::empty({B, N, W}, d_out.options()) : dq;
     const Tensor rk = br.rope ? at::empty({B, N, W}, d_out.options()) : dk;
     const auto s = saved.slice(si, br.saved(recompute));
-    if (br.kind == kSwiGLU) {
+    if (br.op == kSwiGLU) {
       const auto opt = [&](size_t i) { return recompute ? std::nullopt : std::optional<Tensor>(s[i]); };
       const Tensor dw = ttt_backward(heads_view(dout, H, d), s[0], s[1], s[2], opt(7), opt(8), s[3], s[4], s[5],
                                      s[6], heads_view(rq, H, d), heads_view(rk, H, d), heads_view(dv, H, d), c, lr,
