@@ -107,12 +107,13 @@ def build_paths(
         "sdpa": sdpa,
     }
     if device.type == "cpu":  # its tiles are sized for CPU caches: on a GPU auto never takes it
+        from vit3.kernels.swiglu.cpp import PASSES
         from vit3.kernels.swiglu.eager import swiglu_ttt
 
         def torch_fast(qkv, w1, w2):
             ct = torch.promote_types(qkv.dtype, torch.float32)
             q, k, v = (t.to(ct) for t in split_heads(qkv, heads))
-            return merge(swiglu_ttt(q, k, v, w1.to(ct), w2.to(ct), scale=SCALE, cpp=True), qkv.dtype)
+            return merge(swiglu_ttt(q, k, v, w1.to(ct), w2.to(ct), scale=SCALE, passes=PASSES), qkv.dtype)
 
         paths["torch_fast"] = torch_fast
     for name, source in COMPILED.items():  # compiled on first call (per shape, then with dynamic shapes)

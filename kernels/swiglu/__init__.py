@@ -1,12 +1,12 @@
 """The SwiGLU op (the official ViT³ inner model): ``reference`` (the one definition), ``eager`` (the tiled
-PyTorch path with a hand-written backward, and the glue of the same passes in the C++ CPU kernel,
+PyTorch path with a hand-written backward), ``cpp`` (the same passes in the C++ CPU kernel,
 ``csrc/swiglu.cpp``, built by ``vit3.kernels.cpp``) and the Triton kernels (``vit3.kernels.triton``, shared
 with the other ops)."""
 
 from ..ops import Op, Path
 from ..paths import cpu_supports, eager_supports
 from ..triton_path import triton_path
-from .eager import CPP_NODE, EAGER_NODE, prefers_kernel, run
+from . import cpp, eager
 from .reference import op_reference
 
 OP = Op(
@@ -16,7 +16,7 @@ OP = Op(
     rope=True,
     paths={
         "triton": triton_path("swiglu"),
-        "cpu": Path(supports=cpu_supports, run=run(cpp=True), prefers=prefers_kernel, node=CPP_NODE),
-        "eager": Path(supports=eager_supports, run=run(cpp=False), node=EAGER_NODE),
+        "cpu": Path(supports=cpu_supports, run=cpp.RUN, prefers=cpp.prefers, node=cpp.NODE),
+        "eager": Path(supports=eager_supports, run=eager.RUN, node=eager.NODE),
     },
 )

@@ -4,8 +4,9 @@ Same numbers as the op's reference (``vit3.kernels.swiglu.reference``), much les
 are walked in tiles of about a MiB so every intermediate lives in cache, and only the small per-(sample, head)
 results (G, its norms, the updated weights) are kept between the two passes of each direction. The read-out
 and the input gradients are written into caller-given views (``swiglu_forward`` / ``swiglu_backward``, the
-fused node's). With ``cpp=True`` the passes run in the C++ CPU kernel (``csrc/swiglu.cpp``). Saved for
-the backward: dense q, k, v and the weights, plus ``Z = k W``, ``Y = q W'`` unless ``recompute``.
+fused node's). Saved for the backward: dense q, k, v and the weights, plus ``Z = k W``, ``Y = q W'`` unless
+``recompute``. The autograd node, the fused node's hooks and the ``run`` of a pair of passes (``Passes``)
+serve the C++ path's passes (``swiglu.cpp``) too.
 
 The passes, the layouts and what is saved, in full: ``docs/design/kernels.md``.
 """
@@ -13,23 +14,24 @@ The passes, the layouts and what is saved, in full: ``docs/design/kernels.md``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..common import autocast_backward, autocast_forward, grad_flows, step, step_backward, weight_grad
-from ..cpp import cpu_kernel_ops
-from ..ops import Branch, Hyper, Inputs, Node, NodeCall, Settings, Step
-from ..paths import FEW_TOKENS, MIN_CPU_KERNEL_TOKENS, compute_inputs
+from ..ops import Hyper, Node, NodeCall, Step
+from ..paths import compute_inputs
 
 __all__ = [
-    "CPP_NODE",
-    "EAGER_NODE",
+    "NODE",
+    "PASSES",
+    "RUN",
+    "Passes",
     "SwiGLUSaved",
-    "dense_inputs",
-    "prefers_kernel",
+    "node",
     "run",
     "swiglu_backward",
     "swiglu_forward",
@@ -50,16 +52,6 @@ def block_rows(d: int, itemsize: int) -> int:
 def block_tokens(n: int, d: int, itemsize: int) -> int:
     """Tokens per tile of one head: about ``TILE_BYTES`` of ``[tokens, d]``."""
     return min(n, block_rows(d, itemsize))
-
-
-# SwiGLU's op code in the whole-mixer C++ op (``kernels/mix/csrc/mix.cpp``: ``kSwiGLU``).
-MIX_CODE = 0
-
-
-def kernel_block(d: int, like: Tensor) -> int:
-    """The C++ kernel's block: rows of ``[rows, 2d]`` (Z, Y) in about ``TILE_BYTES``, not capped by N, so that
-    the heads of a sample whose tokens fit together form one group of batched matmuls."""
-    return block_rows(2 * d, like.element_size())
 
 
 class _Tiles:
@@ -150,18 +142,6 @@ def _baddbmm_(c: Tensor, a: Tensor, b: Tensor, beta: float = 1.0) -> Tensor:
     return c
 
 
-def dense_inputs(q: Tensor) -> bool:
-    """Whether the C++ kernel gets dense copies of q, k, v ``[B, H, N, d]`` views (else it reads them in
-    place, and the backward saves the views: the qkv projection they view, instead of copies of the same
-    size).
-
-    Copies pay where one sample's heads exceed a tile: its strided rows then no longer stay in cache between
-    the passes; below, the copies cost more than the strided reads (docs/design/kernels.md).
-    """
-    _, h, n, d = q.shape
-    return q.stride(-1) != 1 or (not q.is_contiguous() and h * n * d * q.element_size() > TILE_BYTES)
-
-
 def _fold(shape: torch.Size, itemsize: int) -> bool:
     """Whether to fold ``[B, H, N, d]`` to ``[1, B*H, N, d]``: one sample fills less than half a tile."""
     b, h, n, d = shape
@@ -208,8 +188,6 @@ def swiglu_forward(
     grad_norm: bool,
     save: bool = True,
     recompute: bool = False,
-    cpp: bool = False,
-    dense: bool | None = None,
 ) -> SwiGLUSaved | None:
     """Inner step and read-out, written into ``out``; returns what the backward needs (when ``save``).
 
@@ -224,20 +202,12 @@ def swiglu_forward(
         save: keep what ``swiglu_backward`` needs.
         recompute: keep only q, k, v and the weights: the backward recomputes the pre-activations Z, Y
             (4·d fewer values per token and head, four more ``[N, d] x [d, d]`` matmuls).
-        cpp: run the passes in the C++ CPU kernel (``vit3.kernels.cpp``: float32/float64 CPU
-            tensors; raises when it cannot be built), else the tiled PyTorch path.
-        dense: the kernel gets dense copies of q, k, v (``None``: ``dense_inputs(q)``); the tiled path always.
     """
     b, h, n, d = q.shape
     c = scale / n
-    ops = _kernel(cpp, q)
     # One dense copy of each input: matmuls reading rows strided across a whole qkv tensor touch many more
-    # pages and run slower on a CPU, on every one of the dozen passes that read them; one copy here beats
-    # copying each block in the kernel (docs/design/kernels.md). The kernel reads small problems in place.
-    if ops is None or (dense_inputs(q) if dense is None else dense):
-        q, k, v = (t.contiguous() for t in (q, k, v))
-    if ops is not None:
-        return _kernel_forward(ops, (q, k, v), (w1, w2), out, (c, lr, grad_norm), save, not recompute)
+    # pages and run slower on a CPU, on every one of the dozen passes that read them (docs/design/kernels.md).
+    q, k, v = (t.contiguous() for t in (q, k, v))
     w = torch.stack([w1.expand(b, h, d, d), w2.expand(b, h, d, d)], dim=2)  # [B, H, 2, d, d]
     folded = _fold(q.shape, q.element_size())
     dest = out
@@ -288,8 +258,6 @@ def swiglu_backward(
 ) -> tuple[Tensor, Tensor]:
     """Gradients of ``swiglu_forward``: writes ``dq``, ``dk``, ``dv`` in place, returns ``dW1, dW2``.
 
-    Runs in the C++ kernel when the forward did (``saved.layout == "kernel"``).
-
     Args:
         d_out: gradient of the read-out ``[B, H, N, d]``, any strides.
         saved: the forward's ``SwiGLUSaved``.
@@ -302,8 +270,6 @@ def swiglu_backward(
     q, k, v, w, g, norm, w_new, z_all, y_all, layout = saved
     shape = d_out.shape
     c = scale / shape[-2]
-    if layout == "kernel":
-        return _kernel_backward(d_out, saved, dq, dk, dv, c=c, lr=lr, grad_norm=grad_norm)
     folded = layout == "folded"
     dests = (dq, dk, dv)
     if folded:
@@ -361,76 +327,42 @@ def swiglu_backward(
     return dw[:, :, 0], dw[:, :, 1]
 
 
-def _kernel(flag: bool, like: Tensor) -> Any:
-    """The C++ CPU extension's ops for tensors like ``like`` when ``flag`` (``vit3.kernels.cpp``), else
-    ``None``."""
-    return cpu_kernel_ops(like) if flag else None
+@dataclass
+class Passes:
+    """A path's two passes: ``forward`` with ``swiglu_forward``'s signature, ``backward`` with
+    ``swiglu_backward``'s (read on every call: a test may put a spy in either)."""
+
+    forward: Callable[..., SwiGLUSaved | None]
+    backward: Callable[..., tuple[Tensor, Tensor]]
 
 
-def _unit_stride(t: Tensor) -> Tensor:
-    """``t`` itself when its last dim has unit stride (the kernel's need), else a dense copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _kernel_forward(
-    ops: Any,
-    qkv: tuple[Tensor, Tensor, Tensor],
-    weights: tuple[Tensor, Tensor],
-    out: Tensor,
-    step: tuple[float, float, bool],
-    save: bool,
-    keep: bool,
-) -> SwiGLUSaved | None:
-    """``swiglu_forward`` in the C++ kernel, one call (both passes and the step between them) on q, k, v
-    ``[B, H, N, d]`` (unit stride along d) and ``(w1, w2)``; ``step``: ``(c = s / N, lr, grad_norm)``. The
-    weights side by side, ``[W1 | W2]`` ``[B, H, d, 2d]`` (the step's column norms are those of W1 and W2);
-    ``keep``: save Z and Y."""
-    q, k, v = qkv
-    b, h, n, d = q.shape
-    z, y = (q.new_empty(b, h, n, 2 * d) if save and keep else None for _ in range(2))
-    dest = _unit_stride(out)
-    w, g, norm, w_new = ops.ttt_forward(q, k, v, *weights, dest, z, y, *step, kernel_block(d, q))
-    if dest is not out:
-        out.copy_(dest)
-    return SwiGLUSaved(q, k, v, w, g, norm, w_new, z, y, "kernel") if save else None
-
-
-def _kernel_backward(
-    d_out: Tensor,
-    saved: SwiGLUSaved,
-    dq: Tensor,
-    dk: Tensor,
-    dv: Tensor,
-    *,
-    c: float,
-    lr: float,
-    grad_norm: bool,
-) -> tuple[Tensor, Tensor]:
-    """``swiglu_backward`` in the C++ kernel (its forward ran there), one call."""
-    ops = _kernel(True, saved.q)
-    q, k, v, w, g, norm, w_new, z, y, _ = saved
-    d = q.shape[3]
-    dests = [_unit_stride(t) for t in (dq, dk, dv)]
-    dw = ops.ttt_backward(
-        _unit_stride(d_out), q, k, v, z, y, w, g, norm, w_new, *dests, c, lr, grad_norm, kernel_block(d, q)
-    )  # [B, H, d, 2d]
-    for dest, t in zip(dests, (dq, dk, dv)):
-        if dest is not t:
-            t.copy_(dest)
-    return dw[..., :d], dw[..., d:]
+PASSES = Passes(swiglu_forward, swiglu_backward)
 
 
 class _SwiGLUTTT(torch.autograd.Function):
     @staticmethod
     @autocast_forward
-    def forward(ctx, q, k, v, w1, w2, scale: float, lr: float, grad_norm: bool, save: bool, recompute, cpp):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        w1,
+        w2,
+        scale: float,
+        lr: float,
+        grad_norm: bool,
+        save: bool,
+        recompute: bool,
+        passes: Passes,
+    ):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         hyper = {"scale": scale, "lr": lr, "grad_norm": grad_norm}
-        saved = swiglu_forward(q, k, v, w1, w2, out, save=save, recompute=recompute, cpp=cpp, **hyper)
+        saved = passes.forward(q, k, v, w1, w2, out, save=save, recompute=recompute, **hyper)
         if saved is not None:  # through save_for_backward, so saved-tensor hooks (checkpointing) see them
             ctx.save_for_backward(*saved[:-1])
             ctx.layout = saved.layout
-        ctx.hyper, ctx.weight_shapes = hyper, (w1.shape, w2.shape)
+        ctx.hyper, ctx.weight_shapes, ctx.passes = hyper, (w1.shape, w2.shape), passes
         return out
 
     @staticmethod
@@ -438,7 +370,7 @@ class _SwiGLUTTT(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out):
         dq, dk, dv = (torch.empty(d_out.shape, dtype=d_out.dtype, device=d_out.device) for _ in range(3))
-        dw1, dw2 = swiglu_backward(
+        dw1, dw2 = ctx.passes.backward(
             d_out, SwiGLUSaved(*ctx.saved_tensors, ctx.layout), dq, dk, dv, **ctx.hyper
         )
         s1, s2 = ctx.weight_shapes
@@ -456,7 +388,7 @@ def swiglu_ttt(
     lr: float = 1.0,
     grad_norm: bool = True,
     recompute: bool = False,
-    cpp: bool = False,
+    passes: Passes = PASSES,
 ) -> Tensor:
     """One full-batch dot-loss TTT step of the SwiGLU inner model, then its read-out on q.
 
@@ -470,56 +402,40 @@ def swiglu_ttt(
         lr: inner learning rate.
         grad_norm: apply ``G / (||G|| + 1)`` per output column.
         recompute: memory-lean backward: recompute the pre-activations Z, Y instead of saving them.
-        cpp: C++ CPU kernel or the tiled PyTorch path (``swiglu_forward``).
+        passes: the tiled PyTorch passes (``PASSES``) or the C++ kernel's (``swiglu.cpp.PASSES``).
 
     Returns:
         ``(q W1') ⊙ silu(q W2')`` ``[B, H, N, d]``, W' the per-sample weights after the step.
     """
     save = grad_flows(q, k, v, w1, w2)
-    return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm, save, recompute, cpp)
+    return _SwiGLUTTT.apply(q, k, v, w1, w2, scale, lr, grad_norm, save, recompute, passes)
 
 
-def _node(cpp: bool) -> Node:
-    """The fused node's hooks of the tiled path (``cpp=False``) or the C++ kernel's (``cpp=True``)."""
+def node(
+    passes: Passes, copies: Callable[[Tensor], bool], mix: Callable[..., tuple[int, int]] | None = None
+) -> Node:
+    """The fused node's hooks of a path's ``passes``; ``copies`` and ``mix`` as ``Node`` has them."""
 
     def forward(x: NodeCall) -> tuple[list[Tensor], str]:
         h = x.hyper
-        if cpp:  # straight to the kernel: the plan chose it for these tensors, the views are heads of qkv
-            qkv = tuple(t.contiguous() for t in (x.q, x.k, x.v)) if x.dense else (x.q, x.k, x.v)
-            step = (h.scale / x.q.shape[2], h.lr, h.grad_norm)
-            saved = _kernel_forward(
-                cpu_kernel_ops(x.q), qkv, x.weights, x.dest, step, x.save, not h.recompute
-            )
-        else:
-            hyper = {"scale": h.scale, "lr": h.lr, "grad_norm": h.grad_norm}
-            saved = swiglu_forward(
-                x.q, x.k, x.v, *x.weights, x.dest, save=x.save, recompute=h.recompute, **hyper
-            )
+        q, k, v = (t.contiguous() for t in (x.q, x.k, x.v)) if x.dense else (x.q, x.k, x.v)
+        saved = passes.forward(
+            q, k, v, *x.weights, x.dest, scale=h.scale, lr=h.lr, grad_norm=h.grad_norm, save=x.save,
+            recompute=h.recompute,
+        )  # fmt: skip
         return ([], "") if saved is None else (list(saved[:-1]), saved.layout)
 
     def backward(
         d_out: Tensor, saved: tuple[Tensor, ...], tag: str, dq: Tensor, dk: Tensor, dv: Tensor, h: Hyper
     ) -> tuple[Tensor, Tensor]:
         hyper = {"scale": h.scale, "lr": h.lr, "grad_norm": h.grad_norm}
-        return swiglu_backward(d_out, SwiGLUSaved(*saved, tag), dq, dk, dv, **hyper)
+        return passes.backward(d_out, SwiGLUSaved(*saved, tag), dq, dk, dv, **hyper)
 
-    # The tiled path always copies q, k, v dense; the kernel reads small problems in place.
-    if not cpp:
-        return Node(heads=True, forward=forward, backward=backward, copies=lambda q: True)
-    return Node(
-        heads=True,
-        forward=forward,
-        backward=backward,
-        copies=dense_inputs,
-        mix=lambda d, qkv: (MIX_CODE, kernel_block(d, qkv)),
-    )
+    return Node(heads=True, forward=forward, backward=backward, copies=copies, mix=mix)
 
 
-EAGER_NODE, CPP_NODE = _node(cpp=False), _node(cpp=True)
-
-
-def run(cpp: bool) -> Callable[..., Tensor]:
-    """The ``run`` of the tiled path (``cpp=False``) or the C++ kernel's: :func:`swiglu_ttt` on a branch."""
+def run(passes: Passes) -> Callable[..., Tensor]:
+    """The ``run`` of a path's ``passes``: :func:`swiglu_ttt` on a branch."""
 
     def run_branch(
         step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Tensor | None
@@ -536,17 +452,11 @@ def run(cpp: bool) -> Callable[..., Tensor]:
             lr=c.inner_lr,
             grad_norm=c.grad_norm,
             recompute=step.recompute,
-            cpp=cpp,
+            passes=passes,
         )
 
     return run_branch
 
 
-def prefers_kernel(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    """The C++ path's ``prefers``: auto keeps the tiled path below ``MIN_CPU_KERNEL_TOKENS`` tokens a head."""
-    if x.tokens == FEW_TOKENS:
-        return False, (
-            f"fewer than {MIN_CPU_KERNEL_TOKENS} tokens per head: the tiled path, which folds every sample's "
-            "problems into one tile, is faster"
-        )
-    return True, ""
+# The tiled path copies q, k, v dense.
+NODE, RUN = node(PASSES, copies=lambda q: True), run(PASSES)

@@ -19,6 +19,7 @@ from helpers.common import count_calls, load_benchmark
 from helpers.ops import assert_matches_reference
 
 import vit3.kernels.cpp as cpu_ext
+import vit3.kernels.swiglu.cpp as swiglu_cpp
 import vit3.kernels.swiglu.eager as fast
 from vit3.kernels.swiglu.reference import swiglu_ttt_ref
 from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
@@ -29,7 +30,7 @@ H, D = 2, 8
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts forwards that ran in the kernel."""
-    return count_calls(monkeypatch, fast, "_kernel_forward")
+    return count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
 
 
 @pytest.fixture
@@ -73,8 +74,8 @@ def _triton(q, k, v, w1, w2, *, scale: float, lr: float, grad_norm: bool) -> tor
 
 # Every fast path of the op, called like the reference. Triton takes shared initial weights and d >= 16.
 PATHS = {
-    "eager-tiles": lambda *a, **kw: fast.swiglu_ttt(*a, cpp=False, **kw),
-    "cpp": lambda *a, **kw: fast.swiglu_ttt(*a, cpp=True, **kw),
+    "eager-tiles": lambda *a, **kw: fast.swiglu_ttt(*a, **kw),
+    "cpp": lambda *a, **kw: fast.swiglu_ttt(*a, passes=swiglu_cpp.PASSES, **kw),
     "triton": _triton,
     "generic": _generic,
 }
@@ -154,7 +155,7 @@ def test_eager_tilings_equal_the_reference(monkeypatch, tile_bytes, grad_norm, s
         for _ in range(2)
     )
     hyper = {"scale": 0.4, "lr": 0.8, "grad_norm": grad_norm}
-    out = fast.swiglu_ttt(q, k, v, w1, w2, cpp=cpp, **hyper)
+    out = fast.swiglu_ttt(q, k, v, w1, w2, passes=swiglu_cpp.PASSES if cpp else fast.PASSES, **hyper)
     assert_matches_reference(out, swiglu_ttt_ref(q, k, v, w1, w2, **hyper), qkv, {"w1": w1, "w2": w2})
 
 
@@ -189,7 +190,7 @@ def test_kernel_matches_float64_reference_every_gradient(
     threads(n_threads)
     qkv, q, k, v, w1, w2 = _inputs(b, h, n, d, shared=shared)
     hyper = {"scale": 0.4, "lr": 0.8, "grad_norm": True}
-    out = fast.swiglu_ttt(q, k, v, w1, w2, cpp=True, recompute=recompute, **hyper)
+    out = fast.swiglu_ttt(q, k, v, w1, w2, passes=swiglu_cpp.PASSES, recompute=recompute, **hyper)
     ref = _reference(q, k, v, w1, w2, **hyper)
     assert kernel_calls["n"] == 1
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
@@ -209,7 +210,7 @@ def test_saturated_gates_stay_finite_and_match_float64(kernel_calls):
     want = _grads(ref, dout, [qkv, w1, w2])
     qkv32, w1_32, w2_32 = (t.detach().float().requires_grad_() for t in (qkv, w1, w2))
     q32, k32, v32 = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in qkv32.split(H * D, dim=-1))
-    out = fast.swiglu_ttt(q32, k32, v32, w1_32, w2_32, cpp=True, **hyper)
+    out = fast.swiglu_ttt(q32, k32, v32, w1_32, w2_32, passes=swiglu_cpp.PASSES, **hyper)
     got = _grads(out, dout.float(), [qkv32, w1_32, w2_32])
     assert kernel_calls["n"] == 1
     assert (k32.detach() @ w2_32.detach()).abs().max() > 50  # the gates really saturate
@@ -227,7 +228,9 @@ def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls
     for on in (False, True):
         before = kernel_calls["n"]
         if how == "argument":
-            out = fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpp=on)
+            out = fast.swiglu_ttt(
+                q, k, v, w1, w2, scale=1 / 3, passes=swiglu_cpp.PASSES if on else fast.PASSES
+            )
         else:  # the mixer registry's backends pass the flag down
             model = create_inner_model("swiglu", H, D, TTTConfig())
             step = backends.Step("swiglu", model, (1, 30), 1 / 3, TTTConfig())
@@ -294,15 +297,14 @@ def test_ops_reject_mismatched_inputs_by_name():
 def test_forcing_the_kernel_onto_unsupported_tensors_names_the_problem():
     _, q, k, v, w1, w2 = _inputs(1, H, 6, D, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"float32/float64 CPU tensors, got torch\.bfloat16"):
-        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpp=True)
+        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, passes=swiglu_cpp.PASSES)
 
 
-def test_a_failed_build_raises_naming_the_error(monkeypatch, kernel_calls):
+def test_a_failed_build_raises_naming_the_error(monkeypatch):
     monkeypatch.setattr(cpu_ext, "load", lambda: (None, "CalledProcessError: no C++ compiler"))
     _, q, k, v, w1, w2 = _inputs(2, H, 12, D)
     with pytest.raises(RuntimeError, match=r"could not be built.*no C\+\+ compiler"):
-        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, cpp=True)
-    assert kernel_calls["n"] == 0
+        fast.swiglu_ttt(q, k, v, w1, w2, scale=1 / 3, passes=swiglu_cpp.PASSES)
 
 
 def test_build_targets_the_cpus_vector_unit():
@@ -368,13 +370,14 @@ import sys
 sys.modules["triton"] = None
 import torch
 from vit3.kernels.cpp import cpu_kernel_ops
+from vit3.kernels.swiglu.cpp import PASSES
 from vit3.kernels.swiglu.eager import swiglu_ttt
 from vit3.kernels import triton_path
 from vit3.layers import TTTMixer
 
 q = torch.randn(2, 2, 128, 16)
 w = 0.1 * torch.randn(1, 2, 16, 16)
-assert swiglu_ttt(q, q, q, w, w, scale=1 / 3, cpp=True).shape == q.shape
+assert swiglu_ttt(q, q, q, w, w, scale=1 / 3, passes=PASSES).shape == q.shape
 cpu_kernel_ops(q)
 expl = TTTMixer(64, 4).explain(torch.randn(1, 144, 64), (12, 12))
 assert [b.backend for b in expl.branches] == ["cpu", "cpu"], expl

@@ -27,7 +27,7 @@ from helpers.backends import (
 )
 from helpers.common import count_calls
 
-import vit3.kernels.swiglu.eager as fast
+import vit3.kernels.swiglu.cpp as swiglu_cpp
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends import guard
@@ -71,7 +71,7 @@ def test_forced_backend_gives_generic_output_and_gradients(request, monkeypatch,
     x, dout = tokens(GRID).to(device), tokens(GRID).to(device)
     expl = mixer.explain(x, GRID)
     assert {b.name: b.backend for b in expl.branches if b.name != "linear"} == FORCED[name]
-    kernel = count_calls(monkeypatch, fast, "_kernel_forward")
+    kernel = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
     got = run_grads(mixer, x, GRID, dout)
     assert kernel["n"] == int(name == "cpu")  # the C++ kernel ran exactly when named
     monkeypatch.delenv(reg.BACKEND_ENV, raising=False)
