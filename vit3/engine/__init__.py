@@ -12,10 +12,8 @@ from typing import Any
 
 import torch
 
-from .config import Config, ConfigError, check_whole, load_config, save_config
+from .config import TASKS, Config, ConfigError, check_whole, load_config, save_config
 from .cpu import tune_malloc
-
-TASKS = ("classification", "detection", "segmentation", "generation", "convert")
 
 __all__ = ["TASKS", "Config", "ConfigError", "load_config", "run", "save_config", "tune_malloc"]
 

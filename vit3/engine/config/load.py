@@ -47,6 +47,7 @@ TASK_CONFIGS = {
     "generation": "generation/default.yaml",
     "convert": "convert/base.yaml",
 }
+TASKS = tuple(TASK_CONFIGS)  # the tasks a config may name
 # Keys that belong to one command rather than to its run: a config rebuilt from a checkpoint resets them.
 COMMAND_KEYS = ("train.resume", "train.force_resume", "train.overwrite")
 # The config's list of the dotted keys the user wrote (overrides, the user's own config files).
@@ -59,6 +60,7 @@ __all__ = [
     "CONSTRAINTS",
     "DEFAULT_CONFIG",
     "NULLABLE",
+    "TASKS",
     "TASK_CONFIGS",
     "WRITTEN_KEY",
     "Config",

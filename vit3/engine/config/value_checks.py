@@ -266,6 +266,6 @@ def dense_archs(cfg: Any) -> tuple[str, ...] | None:
 
 
 def task_names(cfg: Any) -> tuple[str, ...]:
-    from .. import TASKS
+    from .load import TASKS
 
     return TASKS
