@@ -76,13 +76,13 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
     c, d = weights[0].shape[1] * weights[0].shape[2], weights[0].shape[2]
     branches = (fused_mix.MixBranch("swiglu", 0, heads, d, False, "triton"),
                 fused_mix.MixBranch("dwconv", 3 * c, 1, d, False, "triton"))  # fmt: skip
-    layout = fused_mix.mix_layout(fused_mix.MixPlan(branches, grid, scale, 1.0, True, 10000.0))
+    layout = fused_mix.mix_layout(fused_mix.MixSpec(branches, grid, scale, 1.0, True, 10000.0))
     layouts = {"branch hooks": layout._replace(whole=None) if hasattr(layout, "whole") else layout}
     if getattr(layout, "whole", None) is not None:
         layouts = {"program": layout} | layouts
     # H-ViT³'s mixer: RoPE on the SwiGLU branch's q, k (rotated around the program or the branch hooks)
     rope = (branches[0]._replace(rope=True), branches[1])
-    rope_layout = fused_mix.mix_layout(fused_mix.MixPlan(rope, grid, scale, 1.0, True, 10000.0))
+    rope_layout = fused_mix.mix_layout(fused_mix.MixSpec(rope, grid, scale, 1.0, True, 10000.0))
     if getattr(rope_layout, "whole", None) is not None:
         layouts["rope, program"] = rope_layout
     layouts["rope, branch hooks"] = (

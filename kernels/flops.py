@@ -22,7 +22,7 @@ __all__ = [
     "depthwise_pass",
     "fvcore_handles",
     "linear_step",
-    "mix_plan",
+    "mix_macs",
     "register",
     "swiglu_step",
 ]
@@ -55,13 +55,13 @@ def linear_step(b: int, h: int, n: int, d: int, loss: str, backward: bool = Fals
     return b * h * n * d * d * ((7 if mse else 4) if backward else (3 if mse else 2))
 
 
-def mix_plan(plan: Sequence[int], b: int, n: int, backward: bool = False, recompute: bool = True) -> int:
+def mix_macs(spec: Sequence[int], b: int, n: int, backward: bool = False, recompute: bool = True) -> int:
     """MACs of the whole-mixer op (``vit3_cpu::mix``) on ``b`` samples of ``n`` tokens: each branch of
-    ``plan`` (6 ints per branch: op 0 SwiGLU / 1 depthwise, qkv offset, heads, head dim, RoPE, token block),
+    ``spec`` (6 ints per branch: op 0 SwiGLU / 1 depthwise, qkv offset, heads, head dim, RoPE, token block),
     its step forward or backward (a SwiGLU backward recomputes ``Z`` and ``Y`` when ``recompute``)."""
     total = 0
-    for i in range(0, len(plan), 6):
-        code, heads, d = plan[i], plan[i + 2], plan[i + 3]
+    for i in range(0, len(spec), 6):
+        code, heads, d = spec[i], spec[i + 2], spec[i + 3]
         if code == 0:
             total += swiglu_step(b, heads, n, d, backward, 2 if recompute else 0)
         else:
@@ -112,26 +112,26 @@ def _lean_mlp(x: Shape, ln_w: Any, ln_b: Any, eps: Any, w1: Shape, b1: Any, w2: 
     return _tokens(x) * (math.prod(w1) + math.prod(w2))
 
 
-def _mix(qkv: Shape, weights: Any, plan: Sequence[int], *_: Any) -> int:
-    return mix_plan(plan, qkv[0], qkv[1])
+def _mix(qkv: Shape, weights: Any, spec: Sequence[int], *_: Any) -> int:
+    return mix_macs(spec, qkv[0], qkv[1])
 
 
 def _mix_backward(
-    d_out: Shape, saved: Any, shapes: Any, plan: Sequence[int], gh: int, gw: int, scale: float, lr: float,
+    d_out: Shape, saved: Any, shapes: Any, spec: Sequence[int], gh: int, gw: int, scale: float, lr: float,
     grad_norm: bool, rope_base: float, recompute: bool, *_: Any,
 ) -> int:  # fmt: skip
-    return mix_plan(plan, d_out[0], d_out[1], backward=True, recompute=recompute)
+    return mix_macs(spec, d_out[0], d_out[1], backward=True, recompute=recompute)
 
 
 def _ttt_block(
     x: Shape, lean: bool, cpe_w: Shape, cpe_b: Any, n1_w: Any, n1_b: Any, eps1: float, qkv_w: Shape,
-    qkv_b: Any, weights: Any, plan: Sequence[int], gh: int, gw: int, scale: float, lr: float, grad_norm: bool,
+    qkv_b: Any, weights: Any, spec: Sequence[int], gh: int, gw: int, scale: float, lr: float, grad_norm: bool,
     rope_base: float, recompute: bool, dense: bool, proj_w: Shape, proj_b: Any, n2_w: Any, n2_b: Any,
     eps2: float, fc1_w: Shape, fc1_b: Any, fc2_w: Shape, *_: Any,
 ) -> int:  # fmt: skip
     tokens = _tokens(x)
     linears = math.prod(qkv_w) + math.prod(proj_w) + math.prod(fc1_w) + math.prod(fc2_w)
-    return _cpe(x) + tokens * linears + mix_plan(plan, x[0], x[1] * x[2])
+    return _cpe(x) + tokens * linears + mix_macs(spec, x[0], x[1] * x[2])
 
 
 def _triton_forward(q: Shape, k: Shape, v: Shape, w1: Shape, w2: Any, model: str, loss: str, *_: Any) -> int:

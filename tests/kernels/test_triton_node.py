@@ -17,7 +17,7 @@ from helpers.ops import SCALE, intercept_launches, rel_rms
 
 from vit3.kernels.triton import plan as tplan
 from vit3.layers import backends as reg
-from vit3.layers.fused_mix import MixBranch, MixPlan, _FusedMix, fused_mix, reference_mix, takes
+from vit3.layers.fused_mix import MixBranch, MixSpec, _FusedMix, fused_mix, reference_mix, takes
 
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("no_backend_env")]
 
@@ -30,11 +30,11 @@ def _nan_fill(monkeypatch):
     monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
 
 
-def _plan(path: str, rope: bool) -> MixPlan:
+def _spec(path: str, rope: bool) -> MixSpec:
     """Both official branches (SwiGLU heads, the depthwise conv on one head) on ``path``."""
     c = HEADS * D
     branches = (MixBranch("swiglu", 0, HEADS, D, rope, path), MixBranch("dwconv", 3 * c, 1, D, False, path))
-    return MixPlan(branches, SIDE, SCALE, LR, True, ROPE_BASE)
+    return MixSpec(branches, SIDE, SCALE, LR, True, ROPE_BASE)
 
 
 def _inputs(device: torch.device, dtype: torch.dtype, b: int = 2) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -57,7 +57,7 @@ def _grads(fn, qkv: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Ten
 
 def _reference(rope: bool):
     """The op references branch by branch, as the node's output (``reference_mix``)."""
-    return lambda qkv, weights: reference_mix(qkv, _plan("eager", rope), weights)
+    return lambda qkv, weights: reference_mix(qkv, _spec("eager", rope), weights)
 
 
 NAMES = ["out", "d_qkv", "d_w1", "d_w2", "d_conv_weight"]
@@ -66,10 +66,10 @@ NAMES = ["out", "d_qkv", "d_w1", "d_w2", "d_conv_weight"]
 @pytest.mark.parametrize("rope", [False, True], ids=["rope-off", "rope-on"])
 def test_float64_node_matches_the_references_and_the_eager_node(triton_device, rope):
     qkv, weights = _inputs(triton_device, torch.float64)
-    got = _grads(lambda x, w: fused_mix(x, _plan("triton", rope), w), qkv, weights)
+    got = _grads(lambda x, w: fused_mix(x, _spec("triton", rope), w), qkv, weights)
     assert got[0].grad_fn.name() == _FusedMix.__name__ + "Backward"  # one node for both branches
     assert_same(got, _grads(_reference(rope), qkv, weights), NAMES)
-    assert_same(got, _grads(lambda x, w: fused_mix(x, _plan("eager", rope), w), qkv, weights), NAMES)
+    assert_same(got, _grads(lambda x, w: fused_mix(x, _spec("eager", rope), w), qkv, weights), NAMES)
 
 
 @pytest.mark.parametrize(
@@ -81,8 +81,8 @@ def test_native_operands_match_the_references(triton_device, dtype, tol, rope):
     """fp32 and fp16 q, k, v in place (no upcast copy: the output and the qkv gradient in qkv's dtype), fp32
     accumulation: within ``tol`` (relative RMS) of the references on the same values in float64."""
     qkv, weights = _inputs(triton_device, dtype)
-    assert takes(_plan("triton", rope), dtype) and not takes(_plan("eager", rope), torch.float16)
-    got = _grads(lambda x, w: fused_mix(x, _plan("triton", rope), w), qkv, weights)
+    assert takes(_spec("triton", rope), dtype) and not takes(_spec("eager", rope), torch.float16)
+    got = _grads(lambda x, w: fused_mix(x, _spec("triton", rope), w), qkv, weights)
     assert got[0].dtype == got[1].dtype == dtype
     want = _grads(_reference(rope), qkv.double(), [w.double() for w in weights])
     for name, g, w in zip(NAMES, got, want):
@@ -96,7 +96,7 @@ def test_bf16_emulated_matches_the_references(triton_device):
     qkv, weights = _inputs(triton_device, torch.bfloat16)
     run = qkv if native else qkv.float()
     got = _grads(
-        lambda x, w: fused_mix(x, _plan("triton", False), w), run, [w.to(run.dtype) for w in weights]
+        lambda x, w: fused_mix(x, _spec("triton", False), w), run, [w.to(run.dtype) for w in weights]
     )
     want = _grads(_reference(False), qkv.double(), [w.double() for w in weights])
     for name, g, w in zip(NAMES, got, want):
@@ -106,7 +106,7 @@ def test_bf16_emulated_matches_the_references(triton_device):
 def test_fused_mix_refuses_half_qkv_on_other_paths():
     qkv, weights = _inputs(torch.device("cpu"), torch.float16)
     with pytest.raises(ValueError, match="only branches on Triton take it"):
-        fused_mix(qkv, _plan("eager", False), weights)
+        fused_mix(qkv, _spec("eager", False), weights)
 
 
 def test_the_registry_fuses_traced_triton_branches_only_all_together():
@@ -159,9 +159,9 @@ def test_a_half_precision_mixer_hands_the_triton_node_its_qkv_as_it_is(monkeypat
     seen = []
     real = ttt.fused_mix
 
-    def spy(qkv, plan, weights):
+    def spy(qkv, spec, weights):
         seen.append((qkv.dtype, {w.dtype for w in weights}))
-        return real(qkv, plan, weights)
+        return real(qkv, spec, weights)
 
     monkeypatch.setattr(ttt, "fused_mix", spy)
     mixer = make_mixer().to(triton_device)
@@ -191,7 +191,7 @@ def test_weights_the_kernels_cannot_read_in_place_are_refused_by_the_node_and_co
     for bad, rule in (([column_major[0], weights[1], weights[2]], "one layout and dtype"),
                       ([*weights[:2], taps_apart], "3 x 3 taps one stride apart")):  # fmt: skip
         with pytest.raises(ValueError, match=f"the Triton node reads .*{rule}"):
-            fused_mix(qkv, _plan("triton", False), bad)
+            fused_mix(qkv, _spec("triton", False), bad)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 1, SIDE[0] * SIDE[1], D, generator=g, dtype=torch.float64).to(triton_device)
                for _ in range(3))  # fmt: skip

@@ -41,23 +41,23 @@ CASES = {
 }
 
 
-def _plan(branches, grid, path: str = "triton", rope: bool = False) -> em.MixPlan:
+def _spec(branches, grid, path: str = "triton", rope: bool = False) -> em.MixSpec:
     found, offset = [], 0
     for name, heads, d in branches:
         found.append(em.MixBranch(name, offset, heads, d, rope and name != "dwconv", path))
         offset += 3 * heads * d
-    return em.MixPlan(tuple(found), grid, SCALE, LR, True, 10000.0)
+    return em.MixSpec(tuple(found), grid, SCALE, LR, True, 10000.0)
 
 
 def _inputs(
-    plan: em.MixPlan, b: int, dtype: torch.dtype, device: torch.device = CPU
+    spec: em.MixSpec, b: int, dtype: torch.dtype, device: torch.device = CPU
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    n = plan.grid[0] * plan.grid[1]
-    width = sum(br.heads * br.head_dim for br in plan.branches)
+    n = spec.grid[0] * spec.grid[1]
+    width = sum(br.heads * br.head_dim for br in spec.branches)
     qkv = torch.randn(b, n, 3 * width, generator=g, dtype=torch.float64)
     weights = []
-    for br in plan.branches:
+    for br in spec.branches:
         shape = (
             (1, br.heads * br.head_dim, 3, 3)
             if br.op == "dwconv"
@@ -68,11 +68,11 @@ def _inputs(
     return qkv.to(device, dtype), [w.to(device, dtype) for w in weights]
 
 
-def _run(plan: em.MixPlan, qkv: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+def _run(spec: em.MixSpec, qkv: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """The node's output and the gradients of qkv and every weight, for a fixed upstream gradient."""
     qkv = qkv.detach().requires_grad_()
     weights = [w.detach().requires_grad_() for w in weights]
-    out = em.fused_mix(qkv, plan, weights)
+    out = em.fused_mix(qkv, spec, weights)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     return [out, *torch.autograd.grad(out, [qkv, *weights], dout.to(out))]
 
@@ -81,11 +81,11 @@ def _run(plan: em.MixPlan, qkv: torch.Tensor, weights: list[torch.Tensor]) -> li
 def per_branch(monkeypatch):
     """Runs the fused node branch by branch (every branch's ``Node`` hooks), as it did before the program."""
 
-    def run(plan, qkv, weights, how=_run):
+    def run(spec, qkv, weights, how=_run):
         real = em.mix_layout
         with monkeypatch.context() as patch:
             patch.setattr(em, "mix_layout", lambda p: real(p)._replace(whole=None))
-            return how(plan, qkv, weights)
+            return how(spec, qkv, weights)
 
     return run
 
@@ -104,22 +104,22 @@ def _fresh_programs():
 @pytest.mark.triton
 def test_a_node_of_triton_branches_is_one_program(monkeypatch, triton_device):
     branches, b, grid = CASES["official"]
-    assert em.mix_layout(_plan(branches, grid)).whole is not None
-    assert em.mix_layout(_plan(branches, grid, rope=True)).whole is not None  # RoPE: q, k rotated as bases
-    assert em.mix_layout(_plan(branches, grid, path="eager")).whole is None
-    mixed = _plan(branches, grid)._replace(branches=(_plan(branches, grid).branches[0], em.MixBranch(
+    assert em.mix_layout(_spec(branches, grid)).whole is not None
+    assert em.mix_layout(_spec(branches, grid, rope=True)).whole is not None  # RoPE: q, k rotated as bases
+    assert em.mix_layout(_spec(branches, grid, path="eager")).whole is None
+    mixed = _spec(branches, grid)._replace(branches=(_spec(branches, grid).branches[0], em.MixBranch(
         "dwconv", 192, 1, 32, False, "eager")))  # fmt: skip
     assert em.mix_layout(mixed).whole is None
     hooks = count_calls(monkeypatch, tnode, "forward")
     made = count_calls(monkeypatch, tprogram, "MixProgram")
-    plan = _plan(branches, grid)
-    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float64, triton_device)
     for _ in range(2):
-        _run(plan, qkv, weights)
+        _run(spec, qkv, weights)
     with torch.no_grad():
-        em.fused_mix(qkv, plan, weights)
+        em.fused_mix(qkv, spec, weights)
     assert hooks["n"] == 0 and made["n"] == 1  # one program for training and inference calls of one layout
-    _run(plan, qkv[:1], weights)  # another batch: another program
+    _run(spec, qkv[:1], weights)  # another batch: another program
     assert made["n"] == 2
 
 
@@ -155,14 +155,14 @@ def test_the_program_computes_what_the_branch_hooks_compute(
         monkeypatch.setattr(tnode, "plan_key", lambda *a, **k: real(*a, **k)._replace(chunk=chunk))
     monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
     branches, b, grid = CASES[case]
-    plan = _plan(branches, grid, rope=rope)
-    qkv, weights = _inputs(plan, b, dtype, triton_device)
-    got = _run(plan, qkv, weights)
-    want = per_branch(plan, qkv, weights)
+    spec = _spec(branches, grid, rope=rope)
+    qkv, weights = _inputs(spec, b, dtype, triton_device)
+    got = _run(spec, qkv, weights)
+    want = per_branch(spec, qkv, weights)
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.isfinite(g).all() and torch.equal(g, w), i
     if dtype is torch.float64:
-        ref = em.reference_mix(qkv.requires_grad_(), plan, [w.requires_grad_() for w in weights])
+        ref = em.reference_mix(qkv.requires_grad_(), spec, [w.requires_grad_() for w in weights])
         assert torch.allclose(got[0], ref, rtol=1e-10, atol=1e-12)
 
 
@@ -177,11 +177,11 @@ def test_the_nan_fill_reaches_every_element_the_kernels_write(
     kernel fails to write (a fresh allocation may hold the right numbers of a call before)."""
     monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
     branches, b, grid = CASES["official"]
-    plan = _plan(branches, grid, rope=rope)
-    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
-    want = _run(plan, qkv, weights)
+    spec = _spec(branches, grid, rope=rope)
+    qkv, weights = _inputs(spec, b, torch.float64, triton_device)
+    want = _run(spec, qkv, weights)
     intercept_launches(monkeypatch, lambda name, args, kwargs, launch: None)
-    got = _run(plan, qkv, weights) if whole else per_branch(plan, qkv, weights)
+    got = _run(spec, qkv, weights) if whole else per_branch(spec, qkv, weights)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape and torch.isnan(g).all(), i
 
@@ -192,24 +192,24 @@ def test_unusual_layouts_compute_what_the_branch_hooks_compute(per_branch, monke
     16-bit node) and an upstream gradient that is not contiguous: bit for bit the per-branch hooks."""
     monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
     branches, b, grid = CASES["two-swiglu-dwconv"]
-    plan = _plan(branches, grid)
-    qkv, weights = _inputs(plan, b, torch.float16, triton_device)
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float16, triton_device)
     wide = torch.zeros(*qkv.shape[:-1], qkv.shape[-1] + 24, dtype=qkv.dtype, device=triton_device)
     wide[..., 8 : 8 + qkv.shape[-1]] = qkv
     qkv = wide[..., 8 : 8 + qkv.shape[-1]]
     weights = [w.float() for w in weights]
 
-    def run(plan, qkv, weights):
+    def run(spec, qkv, weights):
         qkv = qkv.detach().requires_grad_()
         weights = [w.detach().requires_grad_() for w in weights]
-        out = em.fused_mix(qkv, plan, weights)
+        out = em.fused_mix(qkv, spec, weights)
         dout = (
             torch.randn(out.shape[::-1], generator=torch.Generator().manual_seed(1)).to(out).permute(2, 1, 0)
         )
         return [out, *torch.autograd.grad(out, [qkv, *weights], dout)]
 
-    got = run(plan, qkv, weights)
-    want = per_branch(plan, qkv, weights, run)
+    got = run(spec, qkv, weights)
+    want = per_branch(spec, qkv, weights, run)
     assert qkv.storage_offset() == 8 and not qkv.is_contiguous()
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.isfinite(g).all() and torch.equal(g, w), i
@@ -218,13 +218,13 @@ def test_unusual_layouts_compute_what_the_branch_hooks_compute(per_branch, monke
 @pytest.mark.triton
 def test_inference_writes_the_training_output_and_saves_nothing(triton_device):
     branches, b, grid = CASES["official"]
-    plan = _plan(branches, grid)
-    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float64, triton_device)
     with torch.no_grad():
-        out = em.fused_mix(qkv, plan, weights)
-    assert torch.equal(out, _run(plan, qkv, weights)[0])
-    layout, again = em.mix_layout(plan), torch.empty_like(out)
-    plain = [None] * len(plan.branches)  # no RoPE
+        out = em.fused_mix(qkv, spec, weights)
+    assert torch.equal(out, _run(spec, qkv, weights)[0])
+    layout, again = em.mix_layout(spec), torch.empty_like(out)
+    plain = [None] * len(spec.branches)  # no RoPE
     views = em._whole_calls(qkv, again, layout, tuple(weights), False, plain)
     saved, _ = tprogram.forward({}, layout.names, qkv, again, weights, False, plain, lambda: views)
     assert saved == [] and torch.equal(again, out)
@@ -237,17 +237,17 @@ def test_swiglu_weight_gradients_are_kept_as_the_kernels_write_them(how, per_bra
     autograd keeps them as ``.grad`` (``zero_grad``'s ``None``) instead of copying each: both ``.grad`` s on
     the kernel's one buffer. (Interleaved ``[1, G, 2, c, c]`` halves were copied, one storage each.)"""
     branches, b, grid = CASES["official"]
-    plan = _plan(branches, grid)
-    qkv, weights = _inputs(plan, b, torch.float32, triton_device)
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float32, triton_device)
     weights = [w.requires_grad_() for w in weights]
 
-    def train(plan, qkv, weights):
-        em.fused_mix(qkv.requires_grad_(), plan, weights).sum().backward()
+    def train(spec, qkv, weights):
+        em.fused_mix(qkv.requires_grad_(), spec, weights).sum().backward()
 
     if how == "program":
-        train(plan, qkv, weights)
+        train(spec, qkv, weights)
     else:
-        per_branch(plan, qkv, weights, how=train)
+        per_branch(spec, qkv, weights, how=train)
     w1, w2 = weights[:2]
     assert w1.grad.is_contiguous() and w2.grad.is_contiguous()
     assert w1.grad.untyped_storage().data_ptr() == w2.grad.untyped_storage().data_ptr()
@@ -258,13 +258,13 @@ def test_a_second_order_backward_goes_through_the_references(triton_device):
     """``create_graph=True``: the saved qkv and weights (the program's saved list ends with them) feed the
     reference's differentiable backward."""
     branches, b, grid = CASES["official"]
-    plan = _plan(branches, grid)
-    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float64, triton_device)
     got, want = [], []
     for fn, into in ((em.fused_mix, got), (em.reference_mix, want)):
         x = qkv.detach().requires_grad_()
         w = [t.detach().requires_grad_() for t in weights]
-        (gx,) = torch.autograd.grad(fn(x, plan, w).square().sum(), [x], create_graph=True)
+        (gx,) = torch.autograd.grad(fn(x, spec, w).square().sum(), [x], create_graph=True)
         into += torch.autograd.grad(gx.square().sum(), [x, *w])
     for g, w in zip(got, want):
         assert torch.allclose(g, w, rtol=1e-9, atol=1e-11)
@@ -317,16 +317,16 @@ def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypa
     real = tnode.plan_key
     monkeypatch.setattr(tnode, "plan_key", lambda *a, **k: real(*a, **k)._replace(chunk=16))
     branches, b, grid = CASES[case.removesuffix("-rope")]
-    plan = _plan(branches, grid, rope=case.endswith("-rope"))
-    layout = em.mix_layout(plan)
+    spec = _spec(branches, grid, rope=case.endswith("-rope"))
+    layout = em.mix_layout(spec)
     calls = []
     for seed in (0, 1):  # the same tensors for both runs, other tensors for each call
-        qkv, weights = _inputs(plan, b, torch.float32)
+        qkv, weights = _inputs(spec, b, torch.float32)
         qkv = qkv + seed
         out = qkv.new_empty(b, qkv.shape[1], layout.width)
         dqkv = torch.empty_like(qkv)
-        rotated = [em._rotated(qkv, em._geom(qkv), br, plan) if br.rope else None for br in plan.branches]
-        d_rotated = [em._rotated_grads(dqkv, br) if br.rope else None for br in plan.branches]
+        rotated = [em._rotated(qkv, em._geom(qkv), br, spec) if br.rope else None for br in spec.branches]
+        d_rotated = [em._rotated_grads(dqkv, br) if br.rope else None for br in spec.branches]
         calls.append((qkv, weights, out, torch.randn_like(out), dqkv, rotated, d_rotated))
     seen: dict[str, list] = {}
     for mode in ("interpreter", "gpu"):
@@ -357,8 +357,8 @@ def test_two_threads_never_see_each_others_addresses(monkeypatch):
     one program (a lock around each call's launches) each launch on their own tensors."""
     _gpu_host(monkeypatch)
     branches, b, grid = CASES["official"]
-    plan = _plan(branches, grid)
-    layout = em.mix_layout(plan)
+    spec = _spec(branches, grid)
+    layout = em.mix_layout(spec)
     wrong, checked = [], []
     reads_qkv_first = {"forward_kernel", "grad_partial_kernel", "readout_kernel", "conv_grad_partial_kernel"}
 
@@ -371,14 +371,14 @@ def test_two_threads_never_see_each_others_addresses(monkeypatch):
                 wrong.append(name)
 
     intercept_launches(monkeypatch, hook)
-    qkv, weights = _inputs(plan, b, torch.float32)
+    qkv, weights = _inputs(spec, b, torch.float32)
     cache: dict = {}
 
     def calls(x: torch.Tensor) -> None:
         threading.current_thread().qkv = x
         for _ in range(20):
             out = x.new_empty(b, x.shape[1], layout.width)
-            plain = [None] * len(layout.plan.branches)  # no RoPE
+            plain = [None] * len(layout.spec.branches)  # no RoPE
             views = em._whole_calls(x, out, layout, tuple(weights), False, plain)
             tprogram.forward(cache, layout.names, x, out, weights, False, plain, lambda v=views: v)
 
@@ -395,10 +395,10 @@ def test_workspace_buffers_are_aligned_and_apart(triton_device):
     """Each buffer of a workspace starts on an ``ALIGN`` boundary and overlaps no other; the workspace holds
     them all."""
     branches, b, grid = CASES["two-swiglu-dwconv"]
-    plan = _plan(branches, grid)
-    qkv, weights = _inputs(plan, b, torch.float32, triton_device)
-    _run(plan, qkv, weights)
-    (program,) = em.mix_layout(plan).programs.values()
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float32, triton_device)
+    _run(spec, qkv, weights)
+    (program,) = em.mix_layout(spec).programs.values()
     launches, n_saved, n_scratch, _ = program._forward(True)
     infer, no_saved, n_infer, _ = program._forward(False)
     (back, n_back, _) = next(iter(program._backwards.values()))
@@ -423,29 +423,29 @@ def test_a_branch_the_program_cannot_take_is_named(triton_device):
     """SwiGLU weights in two layouts: the second branch's check raises, tagged with its index (the guard
     demotes that branch alone)."""
     branches, b, grid = CASES["two-swiglu-dwconv"]
-    plan = _plan(branches, grid)
-    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float64, triton_device)
     weights[2] = weights[2].transpose(-1, -2).contiguous().transpose(-1, -2)  # branch 1's w1, column-major
     with pytest.raises(ValueError, match="one layout and dtype") as caught:
-        em.fused_mix(qkv, plan, weights)
+        em.fused_mix(qkv, spec, weights)
     assert getattr(caught.value, BRANCH_ATTR) == 1
 
 
 @pytest.mark.triton
 def test_cleared_plans_and_another_launcher_make_a_new_program(monkeypatch, triton_device):
     branches, b, grid = CASES["official"]
-    plan = _plan(branches, grid)
-    qkv, weights = _inputs(plan, b, torch.float64, triton_device)
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float64, triton_device)
     made = count_calls(monkeypatch, tprogram, "MixProgram")
     for step in range(3):
         with torch.no_grad():
-            em.fused_mix(qkv, plan, weights)
+            em.fused_mix(qkv, spec, weights)
         if step == 0:
             top.clear_plans()
         if step == 1:
             intercept_launches(monkeypatch, lambda name, args, kwargs, run: run())
     with torch.no_grad():
-        em.fused_mix(qkv, plan, weights)
+        em.fused_mix(qkv, spec, weights)
     assert made["n"] == 3
 
 
@@ -486,10 +486,10 @@ def test_a_training_call_reads_no_tensor_data_on_the_host(monkeypatch):
     launched = []
     intercept_launches(monkeypatch, lambda name, args, kwargs, run: launched.append(name))
     branches, b, grid = CASES["official"]
-    plan = _plan(branches, grid)
-    qkv, weights = _inputs(plan, b, torch.float32, torch.device("meta"))
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float32, torch.device("meta"))
     for _ in range(2):
-        got = _run(plan, qkv, weights)
+        got = _run(spec, qkv, weights)
     assert all(t.device.type == "meta" for t in got)
     half = len(launched) // 2
     assert half > 10 and launched[:half] == launched[half:]  # the same launches, made once

@@ -1,6 +1,6 @@
 """The mixer op ``vit3::mix`` (``fused_mix.mix_op``): a mixer call on Triton as one op of a compiled graph.
 
-That its plan survives its plain arguments, that it computes bit for bit what the fused node computes (forward
+That its spec survives its plain arguments, that it computes bit for bit what the fused node computes (forward
 and every gradient, with and without RoPE), that ``torch.library.opcheck`` passes (schema, fakes, symbolic
 sizes, autograd registration), that a compiled mixer (and a whole compiled ViT³ or H-ViT³) is one forward and
 one backward op per call, and that the backward finds its program again after the plans were cleared.
@@ -27,17 +27,17 @@ CASES = {
 }
 
 
-def _plan(branches, rope: bool, grid) -> em.MixPlan:
+def _spec(branches, rope: bool, grid) -> em.MixSpec:
     found, offset = [], 0
     for name, heads, d in branches:
         found.append(em.MixBranch(name, offset, heads, d, rope and name != "dwconv", "triton"))
         offset += 3 * heads * d
-    return em.MixPlan(tuple(found), grid, 0.3, 1 / 3, True, 10000.0)
+    return em.MixSpec(tuple(found), grid, 0.3, 1 / 3, True, 10000.0)
 
 
-def _inputs(case: str, device: torch.device) -> tuple[em.MixPlan, torch.Tensor, list[torch.Tensor]]:
+def _inputs(case: str, device: torch.device) -> tuple[em.MixSpec, torch.Tensor, list[torch.Tensor]]:
     branches, rope, b, grid = CASES[case]
-    plan = _plan(branches, rope, grid)
+    spec = _spec(branches, rope, grid)
     g = torch.Generator().manual_seed(0)
     width = sum(heads * d for _, heads, d in branches)
     qkv = torch.randn(b, grid[0] * grid[1], 3 * width, generator=g, dtype=torch.float64)
@@ -46,7 +46,7 @@ def _inputs(case: str, device: torch.device) -> tuple[em.MixPlan, torch.Tensor, 
         matrix = (1, heads, d, d)
         shapes = {"swiglu": [matrix] * 2, "linear": [matrix], "dwconv": [(1, heads * d, 3, 3)]}
         weights += [0.2 * torch.randn(s, generator=g, dtype=torch.float64) for s in shapes[name]]
-    return plan, qkv.to(device).requires_grad_(), [w.to(device).requires_grad_() for w in weights]
+    return spec, qkv.to(device).requires_grad_(), [w.to(device).requires_grad_() for w in weights]
 
 
 def _train(out: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -55,16 +55,16 @@ def _train(out: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def test_the_plan_survives_the_ops_arguments():
     for case in CASES.values():
-        plan = _plan(case[0], case[1], case[3])
-        assert em.plan_of(*em.op_args(plan)) == plan
+        spec = _spec(case[0], case[1], case[3])
+        assert em.spec_of(*em.op_args(spec)) == spec
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_op_computes_what_the_node_computes(case, triton_device):
-    plan, qkv, weights = _inputs(case, triton_device)
+    spec, qkv, weights = _inputs(case, triton_device)
     leaves = [qkv, *weights]
-    exp = _train(em.fused_mix(qkv, plan, weights), leaves)
-    got = _train(em.mix_op(qkv, weights, *em.op_args(plan), True)[0], leaves)
+    exp = _train(em.fused_mix(qkv, spec, weights), leaves)
+    got = _train(em.mix_op(qkv, weights, *em.op_args(spec), True)[0], leaves)
     for a, e in zip(got, exp):
         assert a.shape == e.shape and torch.equal(a, e)
 
@@ -72,10 +72,10 @@ def test_the_op_computes_what_the_node_computes(case, triton_device):
 def test_a_second_order_backward_is_the_nodes(triton_device):
     """``create_graph=True``: the op's gradients are differentiable (through the op references, as the
     node's), and their own gradients are the node's."""
-    plan, qkv, weights = _inputs("official-rope", triton_device)
+    spec, qkv, weights = _inputs("official-rope", triton_device)
     leaves = [qkv, *weights]
     found = []
-    for out in (em.fused_mix(qkv, plan, weights), em.mix_op(qkv, weights, *em.op_args(plan), True)[0]):
+    for out in (em.fused_mix(qkv, spec, weights), em.mix_op(qkv, weights, *em.op_args(spec), True)[0]):
         first = torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
         found.append(torch.autograd.grad(sum(g.square().sum() for g in first), leaves))
     for a, e in zip(*found):
@@ -85,8 +85,8 @@ def test_a_second_order_backward_is_the_nodes(triton_device):
 def test_opcheck_passes(triton_device):
     """Schema, fakes (shapes, strides, dtypes of every output, symbolic sizes included), the registered
     autograd, and AOT dispatch, of both ops."""
-    plan, qkv, weights = _inputs("official-rope", triton_device)
-    args = em.op_args(plan)
+    spec, qkv, weights = _inputs("official-rope", triton_device)
+    args = em.op_args(spec)
     torch.library.opcheck(em.mix_op, (qkv, weights, *args, True))
     torch.library.opcheck(em.mix_op, (qkv.detach(), [w.detach() for w in weights], *args, False))
     out, saved = em.mix_op(qkv, weights, *args, True)
@@ -96,10 +96,10 @@ def test_opcheck_passes(triton_device):
 
 
 def test_the_backward_finds_its_program_after_the_plans_are_cleared(triton_device):
-    plan, qkv, weights = _inputs("official-rope", triton_device)
+    spec, qkv, weights = _inputs("official-rope", triton_device)
     leaves = [qkv, *weights]
-    exp = _train(em.mix_op(qkv, weights, *em.op_args(plan), True)[0], leaves)
-    out = em.mix_op(qkv, weights, *em.op_args(plan), True)[0]
+    exp = _train(em.mix_op(qkv, weights, *em.op_args(spec), True)[0], leaves)
+    out = em.mix_op(qkv, weights, *em.op_args(spec), True)[0]
     top.clear_plans()
     got = [out, *torch.autograd.grad(out.square().sum(), leaves)]
     for a, e in zip(got, exp):

@@ -30,14 +30,14 @@ __all__ = [
     "BRANCH_ATTR",
     "WHOLE_PATH",
     "MixBranch",
-    "MixPlan",
+    "MixSpec",
     "fused_mix",
     "mix_backward_op",
     "mix_op",
     "op_args",
-    "plan_of",
     "reference_mix",
     "runs_whole",
+    "spec_of",
     "takes",
 ]
 
@@ -55,7 +55,7 @@ class MixBranch(NamedTuple):
     path: str = "eager"
 
 
-class MixPlan(NamedTuple):
+class MixSpec(NamedTuple):
     """The branches in qkv (and output) order and the inner-loop settings they share; ``recompute``: the
     SwiGLU backward recomputes Z = k W, Y = q W' instead of saving them (memory-lean)."""
 
@@ -109,10 +109,10 @@ def _qk(t: Tensor, geom: tuple[int, ...], br: MixBranch) -> Tensor:
     return _view(t, geom, br.offset, 2, br.heads * br.head_dim, True)
 
 
-def _rotated(qkv: Tensor, geom: tuple[int, ...], br: MixBranch, plan: MixPlan) -> Tensor:
+def _rotated(qkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec) -> Tensor:
     """RoPE branch ``br``'s q and k rotated, ``[B, 2, N, width]`` in qkv's dtype (the rotation of 16-bit q, k
     comes back in float32)."""
-    return apply_rope_2d(_qk(qkv, geom, br), plan.grid, plan.rope_base).to(qkv.dtype)
+    return apply_rope_2d(_qk(qkv, geom, br), spec.grid, spec.rope_base).to(qkv.dtype)
 
 
 def _rotated_grads(dqkv: Tensor, br: MixBranch) -> Tensor:
@@ -120,9 +120,9 @@ def _rotated_grads(dqkv: Tensor, br: MixBranch) -> Tensor:
     return dqkv.new_empty(dqkv.shape[0], 2, dqkv.shape[1], br.heads * br.head_dim)
 
 
-def _rotate_back(dqkv: Tensor, geom: tuple[int, ...], br: MixBranch, plan: MixPlan, grads: Tensor) -> None:
+def _rotate_back(dqkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, grads: Tensor) -> None:
     """Branch ``br``'s dq, dk ``grads`` (``_rotated_grads``) rotated back into place in ``dqkv``."""
-    _qk(dqkv, geom, br).copy_(apply_rope_2d(grads, plan.grid, plan.rope_base, inverse=True))
+    _qk(dqkv, geom, br).copy_(apply_rope_2d(grads, spec.grid, spec.rope_base, inverse=True))
 
 
 def _heads_of(pair: Tensor, heads: int) -> tuple[Tensor, Tensor]:
@@ -132,70 +132,70 @@ def _heads_of(pair: Tensor, heads: int) -> tuple[Tensor, Tensor]:
 
 
 class MixLayout(NamedTuple):
-    """What every call of one ``MixPlan`` shares: the plan; per branch its node hooks, its op's number of
+    """What every call of one ``MixSpec`` shares: the spec; per branch its node hooks, its op's number of
     initial weights and its width ``heads * head_dim``; the width of all, and the step's ``Hyper``."""
 
-    plan: MixPlan
+    spec: MixSpec
     nodes: tuple[tuple[Node, int, int], ...]
     width: int
     hyper: Hyper
     twice: bool  # every branch's backward may be differentiated (``Node.twice``)
     names: tuple[str, ...]  # the branches' ops
     whole: Whole | None  # every branch's path runs the whole node (``Node.whole``), else ``None``
-    programs: dict  # the cache ``whole`` keeps for this plan
+    programs: dict  # the cache ``whole`` keeps for this spec
     unrotated: tuple[None, ...] | None  # no branch has RoPE: ``whole``'s (d_)rotated, one ``None`` per branch
 
 
 @functools.lru_cache(maxsize=64)
-def mix_layout(plan: MixPlan) -> MixLayout:
-    """``plan``'s ``MixLayout``, made once per plan (a mixer calls the node with a few plans only)."""
+def mix_layout(spec: MixSpec) -> MixLayout:
+    """``spec``'s ``MixLayout``, made once per spec (a mixer calls the node with a few specs only)."""
     found = []
-    for br in plan.branches:
+    for br in spec.branches:
         op = OPS.get(br.op)
         path = op.paths.get(br.path) if op is not None else None
         if path is None or path.node is None:
             node_ops = [name for name, o in OPS.items() if any(p.node for p in o.paths.values())]
             raise ValueError(f"fused_mix serves the inner models {node_ops}, got {br.op!r}")
         found.append((path.node, len(op.weights), br.heads * br.head_dim))
-    hyper = Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm, "dot", plan.recompute)
+    hyper = Hyper(spec.grid, spec.scale, spec.lr, spec.grad_norm, "dot", spec.recompute)
     twice = all(node.twice for node, *_ in found)
     whole = found[0][0].whole if found else None
     if any(node.whole is not whole for node, *_ in found):
         whole = None
-    names = tuple(br.op for br in plan.branches)
-    unrotated = None if any(br.rope for br in plan.branches) else (None,) * len(plan.branches)
-    return MixLayout(plan, tuple(found), sum(w for *_, w in found), hyper, twice, names, whole, {}, unrotated)
+    names = tuple(br.op for br in spec.branches)
+    unrotated = None if any(br.rope for br in spec.branches) else (None,) * len(spec.branches)
+    return MixLayout(spec, tuple(found), sum(w for *_, w in found), hyper, twice, names, whole, {}, unrotated)
 
 
-def reference_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
+def reference_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
     """What the node computes, from the op references (``Op.reference``; RoPE on q and k where a branch has
     it): the read-outs ``[B, N, sum(widths)]`` of qkv ``[B, N, 3 * sum(widths)]``, differentiable."""
-    geom, outs, wi, hyper = _geom(qkv), [], 0, Hyper(plan.grid, plan.scale, plan.lr, plan.grad_norm)
-    for br in plan.branches:
+    geom, outs, wi, hyper = _geom(qkv), [], 0, Hyper(spec.grid, spec.scale, spec.lr, spec.grad_norm)
+    for br in spec.branches:
         op = OPS[br.op]
         q, k, v = _branch_views(qkv, geom, br, True)
         if br.rope:
-            q, k = (_heads(apply_rope_2d(t, plan.grid, plan.rope_base), br.heads) for t in (q, k))
+            q, k = (_heads(apply_rope_2d(t, spec.grid, spec.rope_base), br.heads) for t in (q, k))
         params = dict(zip(op.weights, weights[wi : wi + len(op.weights)]))
         wi += len(op.weights)
         outs.append(op.reference(q, k, v, params, hyper).transpose(1, 2).flatten(2))
     return torch.cat(outs, dim=-1)
 
 
-def takes(plan: MixPlan, dtype: torch.dtype) -> bool:
-    """Whether ``fused_mix`` takes a qkv of ``dtype`` on ``plan`` as it is: float32 / float64 always, float16
+def takes(spec: MixSpec, dtype: torch.dtype) -> bool:
+    """Whether ``fused_mix`` takes a qkv of ``dtype`` on ``spec`` as it is: float32 / float64 always, float16
     / bfloat16 where every branch's hooks do (Triton's; the others' inner loop needs float32 at least). Read
     from the ops' tables, not ``mix_layout`` (traced calls ask: ``torch.compile`` would trace its cache)."""
     return dtype in (torch.float32, torch.float64) or (
         dtype in (torch.float16, torch.bfloat16)
-        and all(OPS[br.op].paths[br.path].node.low_precision for br in plan.branches)
+        and all(OPS[br.op].paths[br.path].node.low_precision for br in spec.branches)
     )
 
 
-def runs_whole(plan: MixPlan) -> bool:
-    """Whether the node runs ``plan``'s branches in one call of their path's whole-node hooks (``Node.whole``:
+def runs_whole(spec: MixSpec) -> bool:
+    """Whether the node runs ``spec``'s branches in one call of their path's whole-node hooks (``Node.whole``:
     every branch on such a path), e.g. Triton's launch program."""
-    return mix_layout(plan).whole is not None
+    return mix_layout(spec).whole is not None
 
 
 def _forward(
@@ -204,11 +204,11 @@ def _forward(
     """Every branch's step and read-out into one output ``[B, N, sum(widths)]``; returns it, what the backward
     needs (when ``save``) and, per branch, its first saved tensor, their count and its hooks' tag."""
     b, n, _ = qkv.shape
-    plan = layout.plan
+    spec = layout.spec
     out = qkv.new_empty(b, n, layout.width)
     if layout.whole is not None:
         rotated = layout.unrotated or [
-            _rotated(qkv, _geom(qkv), br, plan) if br.rope else None for br in plan.branches
+            _rotated(qkv, _geom(qkv), br, spec) if br.rope else None for br in spec.branches
         ]
         saved, state = layout.whole.forward(
             layout.programs, layout.names, qkv, out, weights, save, rotated,
@@ -220,16 +220,16 @@ def _forward(
     geom, out_geom = _geom(qkv), _geom(out)
     dense = any(
         node.copies is not None and node.copies(_view(qkv, geom, br.offset, br.heads, br.head_dim, True))
-        for br, (node, *_) in zip(plan.branches, layout.nodes)
+        for br, (node, *_) in zip(spec.branches, layout.nodes)
     )
     saved: list[Tensor] = []
     tags: list[tuple[int, int, str]] = []
     col, wi = 0, 0
-    for i, (br, (node, count, width)) in enumerate(zip(plan.branches, layout.nodes)):
+    for i, (br, (node, count, width)) in enumerate(zip(spec.branches, layout.nodes)):
         # q, k, v and the destination as the hooks take them (q, k as tokens to rotate first)
         q, k, v = _branch_views(qkv, geom, br, node.heads)
         if br.rope:  # q and k in one rotation
-            pair = _rotated(qkv, geom, br, plan)
+            pair = _rotated(qkv, geom, br, spec)
             q, k = _heads_of(pair, br.heads) if node.heads else pair.unbind(1)
         dest = _view(out, out_geom, col, br.heads, br.head_dim, node.heads)
         try:
@@ -253,7 +253,7 @@ def _whole_calls(
     """Each branch's ``NodeCall`` for ``Whole.forward``: q, k, v and the destination as heads views (a RoPE
     branch's q, k: of its ``rotated`` pair)."""
     geom, out_geom, calls, col, wi = _geom(qkv), _geom(out), [], 0, 0
-    for br, (_, count, width), pair in zip(layout.plan.branches, layout.nodes, rotated):
+    for br, (_, count, width), pair in zip(layout.spec.branches, layout.nodes, rotated):
         q, k, v = _branch_views(qkv, geom, br, True)
         if pair is not None:
             q, k = _heads_of(pair, br.heads)
@@ -269,7 +269,7 @@ def _whole_grads(
     """Each branch's ``(dout, dq, dk, dv)`` heads views for ``Whole.backward`` (a RoPE branch's dq, dk: of
     its ``d_rotated`` pair)."""
     geom, out_geom, views, col = _geom(dqkv), _geom(d_out), [], 0
-    for br, (_, _, width), pair in zip(layout.plan.branches, layout.nodes, d_rotated):
+    for br, (_, _, width), pair in zip(layout.spec.branches, layout.nodes, d_rotated):
         dout = _view(d_out, out_geom, col, br.heads, br.head_dim, True)
         dq, dk, dv = _branch_views(dqkv, geom, br, True)
         if pair is not None:
@@ -284,17 +284,17 @@ def _whole_backward(
 ) -> tuple[Tensor, list[Tensor]]:
     """The whole-node hooks' backward (``Whole.backward``): the qkv gradient and, per branch, its weights'
     gradients as one tensor (two weights stacked)."""
-    plan = layout.plan
+    spec = layout.spec
     dqkv = d_out.new_empty(qkv_shape)
-    d_rotated = layout.unrotated or [_rotated_grads(dqkv, br) if br.rope else None for br in plan.branches]
+    d_rotated = layout.unrotated or [_rotated_grads(dqkv, br) if br.rope else None for br in spec.branches]
     dws = layout.whole.backward(
         d_out, dqkv, saved, state, d_rotated, lambda: _whole_grads(d_out, dqkv, layout, d_rotated)
     )
     if layout.unrotated is None:
         geom = _geom(dqkv)
-        for br, grads in zip(plan.branches, d_rotated):
+        for br, grads in zip(spec.branches, d_rotated):
             if grads is not None:
-                _rotate_back(dqkv, geom, br, plan, grads)
+                _rotate_back(dqkv, geom, br, spec, grads)
     return dqkv, dws
 
 
@@ -307,7 +307,7 @@ def _split_grads(layout: MixLayout, dws: list[Tensor]) -> list[Tensor]:
 def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     """Every branch's backward hooks: dq, dk, dv into one qkv gradient, the weights' gradients."""
     layout, tags, qkv_shape, weight_shapes = ctx.state
-    plan, hyper = layout.plan, layout.hyper
+    spec, hyper = layout.spec, layout.hyper
     saved = ctx.saved_tensors
     if layout.whole is not None:
         dqkv, dws = _whole_backward(layout, d_out, saved, tags, qkv_shape)
@@ -317,7 +317,7 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     grads: list[Tensor] = []
     col, wi = 0, 0
     for i, (br, (node, count, width), (start, n_saved, tag)) in enumerate(
-        zip(plan.branches, layout.nodes, tags)
+        zip(spec.branches, layout.nodes, tags)
     ):
         # as the hooks take them (dq, dk as tokens to rotate back)
         dq, dk, dv = _branch_views(dqkv, geom, br, node.heads)
@@ -333,7 +333,7 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
             tag_branch(exc, i)
             raise
         if br.rope:
-            _rotate_back(dqkv, geom, br, plan, rotated)
+            _rotate_back(dqkv, geom, br, spec, rotated)
         grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + count])]
         wi += count
         col += width
@@ -344,14 +344,14 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
 _backward_once = once_differentiable(_backward)
 
 
-def _reference_grads(plan: MixPlan, d_out: Tensor, qkv: Tensor, weights: list[Tensor]) -> list[Tensor | None]:
+def _reference_grads(spec: MixSpec, d_out: Tensor, qkv: Tensor, weights: list[Tensor]) -> list[Tensor | None]:
     """The gradients of qkv and the weights as a differentiable graph (``create_graph=True``): autograd
     through ``reference_mix``, in float32 at least (the hooks' backwards have no derivative of their own);
     ``None`` for an input that does not require one."""
     inputs = [qkv, *weights]
     wanted = [t for t in inputs if t.requires_grad]
     acc = torch.promote_types(qkv.dtype, torch.float32)
-    out = reference_mix(qkv.to(acc), plan, [w.to(acc) for w in weights])
+    out = reference_mix(qkv.to(acc), spec, [w.to(acc) for w in weights])
     grads = iter(torch.autograd.grad(out, wanted, d_out.to(acc), create_graph=True, allow_unused=True))
     return [next(grads) if t.requires_grad else None for t in inputs]
 
@@ -361,7 +361,7 @@ def _backward_twice(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     qkv and weights."""
     layout, _, _, weight_shapes = ctx.state
     qkv, *weights = ctx.saved_tensors[-1 - len(weight_shapes) :]
-    got = _reference_grads(layout.plan, d_out, qkv, weights)
+    got = _reference_grads(layout.spec, d_out, qkv, weights)
     return (got[0], None, None, *got[1:])
 
 
@@ -383,13 +383,13 @@ class _FusedMix(torch.autograd.Function):
         return (_backward_twice if ctx.state[0].twice else _backward_once)(ctx, d_out)
 
 
-def fused_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
+def fused_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
     """All branches' inner loops and read-outs as one autograd node.
 
     Args:
         qkv: the qkv projection ``[B, N, 3 * sum(widths)]`` (branch by branch ``[q | k | v]``), float32 or
             float64, or float16 / bfloat16 where every branch runs on Triton (``takes``).
-        plan: the branches and shared settings.
+        spec: the branches and shared settings.
         weights: the initial inner weights, branch by branch in their op's ``weights`` order: ``w1, w2
             [1, G, c, c]`` (SwiGLU) or ``weight [1, G*c, 3, 3]`` (depthwise conv), in qkv's dtype.
 
@@ -398,12 +398,12 @@ def fused_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
     """
     # Traced: the mixer op, which the graph keeps whole. Eager: the node itself, the same forward and backward
     # (through torch.library's Python dispatch a training call makes ~600 Python calls more).
-    if torch.compiler.is_compiling() and any(br.path == WHOLE_PATH for br in plan.branches):
-        return _traced_mix(qkv, plan, weights)
-    layout = mix_layout(plan)
+    if torch.compiler.is_compiling() and any(br.path == WHOLE_PATH for br in spec.branches):
+        return _traced_mix(qkv, spec, weights)
+    layout = mix_layout(spec)
     if qkv.shape[-1] != 3 * layout.width:
         raise ValueError(f"qkv has {qkv.shape[-1]} channels, the branches need {3 * layout.width}")
-    if not takes(plan, qkv.dtype):
+    if not takes(spec, qkv.dtype):
         raise ValueError(
             f"{qkv.dtype} qkv: only branches on Triton take it as it is (float32 / float64 else)"
         )
@@ -420,42 +420,42 @@ def fused_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
 WHOLE_PATH = "triton"
 
 
-def op_args(plan: MixPlan) -> tuple:
-    """``plan`` as the mixer op's plain arguments after qkv and the weights (``plan_of`` reads them back):
+def op_args(spec: MixSpec) -> tuple:
+    """``spec`` as the mixer op's plain arguments after qkv and the weights (``spec_of`` reads them back):
     the branches' path, their ops (comma-separated), per branch its offset, heads, head dim and RoPE then
     the grid, the scale, lr and RoPE base, ``grad_norm`` and ``recompute``. Traceable by ``torch.compile``."""
-    ints = [v for br in plan.branches for v in (br.offset, br.heads, br.head_dim, int(br.rope))]
+    ints = [v for br in spec.branches for v in (br.offset, br.heads, br.head_dim, int(br.rope))]
     return (
-        plan.branches[0].path,
-        ",".join(br.op for br in plan.branches),
-        [*ints, *plan.grid],
-        [float(plan.scale), float(plan.lr), float(plan.rope_base)],
-        bool(plan.grad_norm),
-        bool(plan.recompute),
+        spec.branches[0].path,
+        ",".join(br.op for br in spec.branches),
+        [*ints, *spec.grid],
+        [float(spec.scale), float(spec.lr), float(spec.rope_base)],
+        bool(spec.grad_norm),
+        bool(spec.recompute),
     )
 
 
 @functools.lru_cache(maxsize=64)
-def _plan_of(
+def _spec_of(
     path: str, ops: str, ints: tuple[int, ...], floats: tuple[float, ...], grad_norm: bool, recompute: bool
-) -> MixPlan:
+) -> MixSpec:
     names = ops.split(",")
     branches = tuple(
         MixBranch(name, *ints[4 * i : 4 * i + 3], bool(ints[4 * i + 3]), path) for i, name in enumerate(names)
     )
     scale, lr, rope_base = floats
-    return MixPlan(branches, tuple(ints[-2:]), scale, lr, grad_norm, rope_base, recompute)
+    return MixSpec(branches, tuple(ints[-2:]), scale, lr, grad_norm, rope_base, recompute)
 
 
-def plan_of(
+def spec_of(
     path: str, ops: str, ints: list[int], floats: list[float], grad_norm: bool, recompute: bool
-) -> MixPlan:
-    """The ``MixPlan`` of the mixer op's arguments (``op_args``)."""
-    return _plan_of(path, ops, tuple(ints), tuple(floats), grad_norm, recompute)
+) -> MixSpec:
+    """The ``MixSpec`` of the mixer op's arguments (``op_args``)."""
+    return _spec_of(path, ops, tuple(ints), tuple(floats), grad_norm, recompute)
 
 
 def _op_layout(args: tuple) -> MixLayout:
-    layout = mix_layout(plan_of(*args))
+    layout = mix_layout(spec_of(*args))
     if layout.whole is None:
         raise ValueError(f"vit3::mix runs branches on a path with whole-node hooks, got {args[:2]}")
     return layout
@@ -468,7 +468,7 @@ def mix_op(
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """The mixer call as one op: every branch's step and read-out (``fused_mix``) through its path's
     whole-node hooks; returns the read-outs ``[B, N, sum(widths)]`` and what the backward needs (empty
-    unless ``save``). The plan: ``op_args``."""
+    unless ``save``). The spec: ``op_args``."""
     layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
     out, saved, _ = _forward(qkv, layout, save, tuple(weights))
     return out, saved
@@ -484,7 +484,7 @@ def _mix_op_fake(
     out = qkv.new_empty(b, n, layout.width)
     if not save:
         return out, []
-    dims = [(br.heads, br.head_dim, br.rope) for br in layout.plan.branches]
+    dims = [(br.heads, br.head_dim, br.rope) for br in layout.spec.branches]
     return out, layout.whole.saved_like(layout.names, qkv, dims)
 
 
@@ -497,7 +497,7 @@ def mix_backward_op(
     gradients as one tensor (two weights stacked ``[2, ...]``)."""
     layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
     pairs = iter(saved[1:])
-    rotated = [next(pairs) if br.rope else None for br in layout.plan.branches]
+    rotated = [next(pairs) if br.rope else None for br in layout.spec.branches]
 
     def calls() -> tuple[Tensor, list[NodeCall]]:
         out = qkv.new_empty(qkv.shape[0], qkv.shape[1], layout.width)
@@ -534,7 +534,7 @@ def _mix_op_backward(ctx: Any, d_out: Tensor, _d_saved: Any) -> tuple:
     saved, (qkv, *weights) = tensors[: ctx.n_saved], tensors[ctx.n_saved :]
     layout = _op_layout(ctx.args)
     if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
-        dqkv, *dws = _reference_grads(layout.plan, d_out, qkv, weights)
+        dqkv, *dws = _reference_grads(layout.spec, d_out, qkv, weights)
     else:
         dqkv, stacked = mix_backward_op(d_out, qkv, weights, list(saved), *ctx.args)
         dws = _split_grads(layout, stacked)
@@ -544,6 +544,6 @@ def _mix_op_backward(ctx: Any, d_out: Tensor, _d_saved: Any) -> tuple:
 mix_op.register_autograd(_mix_op_backward, setup_context=_setup_mix)
 
 
-def _traced_mix(qkv: Tensor, plan: MixPlan, weights: list[Tensor]) -> Tensor:
+def _traced_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
     """``fused_mix`` under ``torch.compile``: the mixer op, which the graph keeps whole."""
-    return mix_op(qkv, list(weights), *op_args(plan), grad_flows(qkv, *weights))[0]
+    return mix_op(qkv, list(weights), *op_args(spec), grad_flows(qkv, *weights))[0]

@@ -9,21 +9,21 @@ from torch import Tensor
 from vit3.kernels import OPS
 
 from . import backends
-from .fused_mix import MixPlan
+from .fused_mix import MixSpec
 
 # Keys a mixer keeps plans for before it starts over (grids and batch sizes of one model run are few).
 MAX_CALLS = 16
 
 
 class Call:
-    """A mixer call's plan as the mixer keeps it: the backends' ``Plan``, the fused node's ``MixPlan``
+    """A mixer call's plan as the mixer keeps it: the backends' ``Plan``, the fused node's ``MixSpec``
     (``None`` unless ``plan.fused``), whether it runs unguarded from now on (``backends.settled``), and the
     constant arguments of the whole-mixer C++ op after qkv and the weights (``None``: the Python node)."""
 
-    __slots__ = ("cpp", "mix_plan", "plan", "settled")
+    __slots__ = ("cpp", "mix_spec", "plan", "settled")
 
-    def __init__(self, plan: backends.Plan, mix_plan: MixPlan | None, cpp: tuple | None) -> None:
-        self.plan, self.mix_plan, self.cpp, self.settled = plan, mix_plan, cpp, bool(plan.tracing)
+    def __init__(self, plan: backends.Plan, mix_spec: MixSpec | None, cpp: tuple | None) -> None:
+        self.plan, self.mix_spec, self.cpp, self.settled = plan, mix_spec, cpp, bool(plan.tracing)
 
 
 class Calls:
@@ -60,17 +60,17 @@ def call_key(device: torch.device, dtype: torch.dtype, n: int, grad: bool, grid:
     return (device, dtype, n, grad, grid)
 
 
-def cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
-    """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_plan`` on tensors like ``qkv`` (its
+def cpp_args(mix_spec: MixSpec, qkv: Tensor) -> tuple:
+    """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_spec`` on tensors like ``qkv`` (its
     key's device, dtype and N): per branch its op, offset, heads, head dim, RoPE and token block (its op's
     ``Node.mix``), then the shared settings, and whether the branches take dense copies of q, k, v (the Python
     node's rule, ``Node.copies``: for N > 1 a matter of shapes alone, and the op copies a qkv without unit
     channel stride)."""
-    plan: list[int] = []
+    spec: list[int] = []
     dense = False
     b, n, _ = qkv.shape
     s0, s1, s2 = qkv.stride()
-    for br in mix_plan.branches:
+    for br in mix_spec.branches:
         node = OPS[br.op].paths["cpu"].node
         view = qkv.as_strided(
             (b, br.heads, n, br.head_dim),
@@ -79,16 +79,16 @@ def cpp_args(mix_plan: MixPlan, qkv: Tensor) -> tuple:
         )
         dense = dense or (node.copies is not None and node.copies(view))
         code, block = node.mix(br.head_dim, qkv)
-        plan += [code, br.offset, br.heads, br.head_dim, int(br.rope), block]
-    h, w = mix_plan.grid
+        spec += [code, br.offset, br.heads, br.head_dim, int(br.rope), block]
+    h, w = mix_spec.grid
     return (
-        plan,
+        spec,
         h,
         w,
-        mix_plan.scale,
-        mix_plan.lr,
-        mix_plan.grad_norm,
-        mix_plan.rope_base,
-        mix_plan.recompute,
+        mix_spec.scale,
+        mix_spec.lr,
+        mix_spec.grad_norm,
+        mix_spec.rope_base,
+        mix_spec.recompute,
         dense,
     )

@@ -22,7 +22,7 @@ from vit3.kernels.common import autocast_backward, autocast_forward, autocast_on
 from . import backends
 from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig, check_count, is_count
-from .fused_mix import MixBranch, MixPlan, fused_mix, takes
+from .fused_mix import MixBranch, MixSpec, fused_mix, takes
 from .inner import Params, assert_finite, create_inner_model, inner_loop
 from .inner_math import shape_text, tracing_kind
 from .mixer_calls import MAX_CALLS, Call, Calls, call_key, cpp_args
@@ -52,31 +52,31 @@ CPP_NODE = True
 _COMPUTE_DTYPES = (torch.float32, torch.float64)  # the inner loop's dtypes: no cast to call
 
 
-def _takes_cpp_op(plan: backends.Plan, mix_plan: MixPlan | None) -> bool:
-    """Whether an untraced call on ``plan`` (its fused node's ``mix_plan``, ``None`` where not fused) runs,
+def _takes_cpp_op(plan: backends.Plan, mix_spec: MixSpec | None) -> bool:
+    """Whether an untraced call on ``plan`` (its fused node's ``mix_spec``, ``None`` where not fused) runs,
     once settled, as the whole-mixer C++ op ``torch.ops.vit3_cpu.mix``: every branch on ``cpu`` and in the op
     (``Node.mix``), ``CPP_NODE`` on (the call adds: no gates, the weights in qkv's dtype)."""
     return (
         CPP_NODE
-        and mix_plan is not None
+        and mix_spec is not None
         and all(b == "cpu" for b in plan.backends)
-        and all(OPS[br.op].paths["cpu"].node.mix is not None for br in mix_plan.branches)
+        and all(OPS[br.op].paths["cpu"].node.mix is not None for br in mix_spec.branches)
     )
 
 
-def _fused(mix_plan: MixPlan, qkv: Tensor, flat: list[Tensor]) -> Tensor:
+def _fused(mix_spec: MixSpec, qkv: Tensor, flat: list[Tensor]) -> Tensor:
     """The fused node on ``qkv`` and the initial weights ``flat``. The inner loop runs in float32 at
     least (bf16/fp16 gradients of the inner loss are too coarse): a node whose branches all read 16-bit q, k,
     v as they are (Triton's, accumulating in float32; ``fused_mix.takes``) gets qkv so and float32 weights,
     the others a float32 copy of qkv, their read-out cast back to qkv's dtype."""
     dtype = qkv.dtype
     if dtype in _COMPUTE_DTYPES and all(p.dtype == dtype for p in flat):  # no casts to call
-        return fused_mix(qkv, mix_plan, flat)
+        return fused_mix(qkv, mix_spec, flat)
     compute = torch.promote_types(dtype, torch.float32)
     flat = [p if p.dtype == compute else p.to(compute) for p in flat]
-    if dtype not in _COMPUTE_DTYPES and takes(mix_plan, dtype):  # native 16-bit operands: no copy of qkv
-        return fused_mix(qkv, mix_plan, flat)
-    return fused_mix(qkv.to(compute), mix_plan, flat).to(dtype)
+    if dtype not in _COMPUTE_DTYPES and takes(mix_spec, dtype):  # native 16-bit operands: no copy of qkv
+        return fused_mix(qkv, mix_spec, flat)
+    return fused_mix(qkv.to(compute), mix_spec, flat).to(dtype)
 
 
 class TTTMixer(nn.Module):
@@ -189,9 +189,9 @@ class TTTMixer(nn.Module):
                 kind,
                 c.recompute,
             )
-            mix_plan = self._mix_plan(plan, grid) if plan.fused else None
-            cpp = cpp_args(mix_plan, qkv) if not kind and _takes_cpp_op(plan, mix_plan) else None
-            found = Call(plan, mix_plan, cpp)
+            mix_spec = self._mix_spec(plan, grid) if plan.fused else None
+            cpp = cpp_args(mix_spec, qkv) if not kind and _takes_cpp_op(plan, mix_spec) else None
+            found = Call(plan, mix_spec, cpp)
             if not kind:  # traced grids and sizes may be symbolic: not kept
                 calls = self._calls
                 if len(calls.plans) >= MAX_CALLS:
@@ -323,7 +323,7 @@ class TTTMixer(nn.Module):
             if not plan.fused:
                 return self._mix(plan, qkv, grid, gates, weights, guard=True)
             if call.settled:  # verified: no guard, the node itself
-                return _fused(call.mix_plan, qkv, flat)
+                return _fused(call.mix_spec, qkv, flat)
             names = [list(w) for w in weights]
 
             def compute(p: backends.Plan, qkv: Tensor, *flat: Tensor) -> Tensor:
@@ -347,7 +347,7 @@ class TTTMixer(nn.Module):
     ) -> Tensor:
         """``mix`` on ``plan``: one fused node, or branch by branch (each guarded when ``guard``)."""
         if plan.fused:
-            return _fused(self._mix_plan(plan, grid), qkv, [p for w in weights for p in w.values()])
+            return _fused(self._mix_spec(plan, grid), qkv, [p for w in weights for p in w.values()])
         pieces, outs, offset = self._split(qkv), [], 0
         for i, ((name, heads), model) in enumerate(zip(self.branch_specs, self.inner)):
             q, k, v, gate = self._branch_inputs(pieces, i, heads, model.grid_model, grid, gates, offset)
@@ -466,20 +466,20 @@ class TTTMixer(nn.Module):
     def _runs_cpp_op(self, plan: backends.Plan, grid: tuple[int, int], dtype: torch.dtype) -> bool:
         """Whether a settled call on ``plan`` with ``dtype`` tokens runs as the whole-mixer C++ op (what
         ``explain`` says; the call's own rule, ``_takes_cpp_op``, with the parameters in that dtype)."""
-        mix_plan = self._mix_plan(plan, grid) if plan.fused else None
+        mix_spec = self._mix_spec(plan, grid) if plan.fused else None
         return all(
             p.dtype is dtype for m in self.inner for p in m.initial_params().values()
-        ) and _takes_cpp_op(plan, mix_plan)
+        ) and _takes_cpp_op(plan, mix_spec)
 
-    def _mix_plan(self, plan: backends.Plan, grid: tuple[int, int]) -> MixPlan:
-        """The fused node's ``MixPlan`` for ``plan`` on ``grid``."""
+    def _mix_spec(self, plan: backends.Plan, grid: tuple[int, int]) -> MixSpec:
+        """The fused node's ``MixSpec`` for ``plan`` on ``grid``."""
         cfg = self.cfg
         branches, offset = [], 0
         for (name, heads), width, backend in zip(self.branch_specs, self.widths, plan.backends):
             rope = cfg.rope and name not in GRID_MODELS
             branches.append(MixBranch(name, offset, heads, self.head_dim, rope, backend))
             offset += 3 * width
-        return MixPlan(
+        return MixSpec(
             tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, plan.recompute
         )
 

@@ -33,7 +33,7 @@ Tensor dropped(const Tensor& y, const OptTensor& keep) { return keep.has_value()
 
 Tensor ttt_block(const Tensor& x, bool lean, const Tensor& cpe_w, const OptTensor& cpe_b, const OptTensor& n1_w,
                  const OptTensor& n1_b, double eps1, const Tensor& qkv_w, const OptTensor& qkv_b,
-                 at::TensorList weights, at::IntArrayRef plan, int64_t gh, int64_t gw, double scale, double lr,
+                 at::TensorList weights, at::IntArrayRef spec, int64_t gh, int64_t gw, double scale, double lr,
                  bool grad_norm, double rope_base, bool recompute, bool dense, const Tensor& proj_w,
                  const OptTensor& proj_b, const OptTensor& n2_w, const OptTensor& n2_b, double eps2,
                  const Tensor& fc1_w, const OptTensor& fc1_b, const Tensor& fc2_w, const OptTensor& fc2_b,
@@ -44,7 +44,7 @@ Tensor ttt_block(const Tensor& x, bool lean, const Tensor& cpe_w, const OptTenso
   static const auto mix = op_of<Mix>("vit3_cpu::mix");
   static const auto lean_mlp = op_of<LeanMlp>("vit3_cpu::lean_mlp");
   TORCH_CHECK(x.dim() == 4 && x.size(1) == gh && x.size(2) == gw, "vit3_cpu.ttt_block: x [B, ", gh, ", ", gw,
-              ", C] for the plan's grid, got ", x.sizes());
+              ", C] for the spec's grid, got ", x.sizes());
   const int64_t b = x.size(0), c = x.size(3);
   Tensor t, n;
   if (lean) {
@@ -54,7 +54,7 @@ Tensor ttt_block(const Tensor& x, bool lean, const Tensor& cpe_w, const OptTenso
     n = at::layer_norm(t, {c}, n1_w, n1_b, eps1);
   }
   const Tensor qkv = at::linear(n.reshape({b, gh * gw, c}), qkv_w, qkv_b);  // [B, N, 3 * sum(widths)]
-  const Tensor mixed = mix.call(qkv, weights, plan, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense);
+  const Tensor mixed = mix.call(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense);
   t = t + dropped(at::linear(mixed, proj_w, proj_b).reshape({b, gh, gw, c}), keep1);
   const Tensor ffn = lean ? lean_mlp.call(t, n2_w, n2_b, eps2, fc1_w, fc1_b, fc2_w, fc2_b, approximate)
                          : at::linear(at::gelu(at::linear(at::layer_norm(t, {c}, n2_w, n2_b, eps2), fc1_w, fc1_b),
@@ -68,7 +68,7 @@ Tensor ttt_block(const Tensor& x, bool lean, const Tensor& cpe_w, const OptTenso
 TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
   m.def(
       "ttt_block(Tensor x, bool lean, Tensor cpe_w, Tensor? cpe_b, Tensor? n1_w, Tensor? n1_b, float eps1, Tensor qkv_w, "
-      "Tensor? qkv_b, Tensor[] weights, int[] plan, int gh, int gw, float scale, float lr, bool grad_norm, "
+      "Tensor? qkv_b, Tensor[] weights, int[] spec, int gh, int gw, float scale, float lr, bool grad_norm, "
       "float rope_base, bool recompute, bool dense, Tensor proj_w, Tensor? proj_b, Tensor? n2_w, Tensor? n2_b, "
       "float eps2, Tensor fc1_w, Tensor? fc1_b, Tensor fc2_w, Tensor? fc2_b, str approximate, Tensor? keep1, "
       "Tensor? keep2) -> Tensor");

@@ -8,7 +8,7 @@
 // rotates q and k (rope_2d, bit for bit vit3/layers/rope.py's apply_rope_2d); the read-outs are written into one
 // output [B, N, sum(widths)] and the backward writes dq, dk, dv into one qkv gradient.
 //
-// The plan is a flat int list, kFields per branch: op code (0 SwiGLU, 1 depthwise), offset in qkv, heads, head dim,
+// The spec is a flat int list, kFields per branch: op code (0 SwiGLU, 1 depthwise), offset in qkv, heads, head dim,
 // RoPE (0/1), the SwiGLU kernel's token block. Ops: mix (autograd: one node), mix_forward / mix_backward (its two
 // directions, CPU), rope_2d.
 
@@ -42,12 +42,12 @@ struct Branch {
   int64_t saved(bool recompute) const { return op == kSwiGLU ? kSwiGLUSaved + (recompute ? 0 : 2) : kDwconvSaved; }
 };
 
-std::vector<Branch> branches_of(at::IntArrayRef plan) {
-  TORCH_CHECK(!plan.empty() && plan.size() % kFields == 0, "vit3_cpu.mix: the plan holds ", kFields,
-              " ints per branch, got ", plan.size());
+std::vector<Branch> branches_of(at::IntArrayRef spec) {
+  TORCH_CHECK(!spec.empty() && spec.size() % kFields == 0, "vit3_cpu.mix: the spec holds ", kFields,
+              " ints per branch, got ", spec.size());
   std::vector<Branch> out;
-  for (size_t i = 0; i < plan.size(); i += kFields) {
-    const Branch br{plan[i], plan[i + 1], plan[i + 2], plan[i + 3], plan[i + 4] != 0, plan[i + 5]};
+  for (size_t i = 0; i < spec.size(); i += kFields) {
+    const Branch br{spec[i], spec[i + 1], spec[i + 2], spec[i + 3], spec[i + 4] != 0, spec[i + 5]};
     TORCH_CHECK(br.op == kSwiGLU || br.op == kDwconv, "vit3_cpu.mix: branch op 0 (SwiGLU) or 1 (depthwise), got ",
                 br.op);
     TORCH_CHECK(br.offset >= 0 && br.heads > 0 && br.head_dim > 0 && br.block > 0,
@@ -178,12 +178,12 @@ Tensor weight_grad(const Tensor& dw, at::IntArrayRef shape, int64_t C, bool dept
 // Every branch's step and read-out into one output [B, N, sum(widths)]; returns it and (when save) what
 // mix_backward needs, Branch::saved tensors per branch. dense: the
 // branches get (SwiGLU) or save (depthwise) dense copies of q, k, v (fused_mix's rule, decided by the caller).
-std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::TensorList weights, at::IntArrayRef plan,
+std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::TensorList weights, at::IntArrayRef spec,
                                                     int64_t gh, int64_t gw, double scale, double lr, bool grad_norm,
                                                     double rope_base, bool recompute, bool dense, bool save) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // the inner loop's dtype
-  const auto brs = branches_of(plan);
+  const auto brs = branches_of(spec);
   check_tokens(qkv_in, gh, gw, "qkv");
   const int64_t total = total_width(brs);
   TORCH_CHECK(qkv_in.size(2) == 3 * total, "vit3_cpu.mix: qkv has ", qkv_in.size(2), " channels, the branches need ",
@@ -252,12 +252,12 @@ std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::Te
 // The backward of mix_forward from d_out [B, N, sum(widths)]: dq, dk, dv written into one qkv gradient, and the
 // initial weights' gradients in their shapes (weight_shapes: 4 sizes per weight, as mix got them).
 std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at::TensorList saved,
-                                                     at::IntArrayRef weight_shapes, at::IntArrayRef plan, int64_t gh,
+                                                     at::IntArrayRef weight_shapes, at::IntArrayRef spec, int64_t gh,
                                                      int64_t gw, double scale, double lr, bool grad_norm,
                                                      double rope_base, bool recompute) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const auto brs = branches_of(plan);
+  const auto brs = branches_of(spec);
   check_tokens(d_out_in, gh, gw, "d_out");
   const int64_t total = total_width(brs);
   TORCH_CHECK(d_out_in.size(2) == total, "vit3_cpu.mix_backward: d_out has ", d_out_in.size(2),
@@ -312,12 +312,12 @@ std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at:
 // modes and profilers see them). Once differentiable, as the Python node (@once_differentiable): a backward with
 // create_graph=True returns gradients whose own backward raises.
 struct MixFunction : public torch::autograd::Function<MixFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& qkv, at::TensorList weights, at::IntArrayRef plan,
+  static variable_list forward(AutogradContext* ctx, const Tensor& qkv, at::TensorList weights, at::IntArrayRef spec,
                                int64_t gh, int64_t gw, double scale, double lr, bool grad_norm, double rope_base,
                                bool recompute, bool dense) {
     static auto op = vit3_cpu::op_of<decltype(mix_forward)>("vit3_cpu::mix_forward");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, saved] = op.call(qkv, weights, plan, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, true);
+    auto [out, saved] = op.call(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, true);
     // The saved views of qkv share its version counter (views made below autograd do not), so that an in-place
     // change of qkv before the backward raises on unpacking, as with the Python node's views; the same tensors as
     // that node's are saved (checkpointing compares the two when a plan settles between forward and rerun).
@@ -332,7 +332,7 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
       shapes.insert(shapes.end(), w.sizes().begin(), w.sizes().end());
     }
     ctx->saved_data["shapes"] = shapes;
-    ctx->saved_data["plan"] = plan.vec();
+    ctx->saved_data["spec"] = spec.vec();
     ctx->saved_data["grid"] = std::vector<int64_t>{gh, gw};
     ctx->saved_data["hyper"] = std::vector<double>{scale, lr, rope_base};
     ctx->saved_data["flags"] = std::vector<bool>{grad_norm, recompute};
@@ -343,7 +343,7 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
     static auto op = vit3_cpu::op_of<decltype(mix_backward)>("vit3_cpu::mix_backward");
     const auto saved = ctx->get_saved_variables();
     const auto shapes = ctx->saved_data["shapes"].toIntVector();
-    const auto plan = ctx->saved_data["plan"].toIntVector();
+    const auto spec = ctx->saved_data["spec"].toIntVector();
     const auto grid = ctx->saved_data["grid"].toIntVector();
     const auto hyper = ctx->saved_data["hyper"].toDoubleVector();
     const auto flags = ctx->saved_data["flags"].toBoolList();
@@ -354,48 +354,48 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       at::NoGradGuard no_grad;
-      std::tie(dqkv, dws) = op.call(d_out, saved, shapes, plan, grid[0], grid[1], hyper[0], hyper[1], grad_norm,
+      std::tie(dqkv, dws) = op.call(d_out, saved, shapes, spec, grid[0], grid[1], hyper[0], hyper[1], grad_norm,
                                     hyper[2], recompute);
     }
     variable_list grads{dqkv};
     grads.insert(grads.end(), dws.begin(), dws.end());
     grads = once_differentiable(std::move(grads), at::GradMode::is_enabled() && d_out.requires_grad(),
                                 "vit3_cpu.mix (the mixer's C++ node)");
-    grads.resize(grads.size() + 9);  // plan, grid, scale, lr, grad_norm, rope_base, recompute, dense: no gradients
+    grads.resize(grads.size() + 9);  // spec, grid, scale, lr, grad_norm, rope_base, recompute, dense: no gradients
     return grads;
   }
 };
 
 // The autograd kernel of mix: the node when gradients flow, else mix_forward saving nothing.
-Tensor mix_autograd(const Tensor& qkv, at::TensorList weights, at::IntArrayRef plan, int64_t gh, int64_t gw,
+Tensor mix_autograd(const Tensor& qkv, at::TensorList weights, at::IntArrayRef spec, int64_t gh, int64_t gw,
                     double scale, double lr, bool grad_norm, double rope_base, bool recompute, bool dense) {
   bool flows = qkv.requires_grad();
   for (const auto& w : weights) flows = flows || w.requires_grad();
   if (at::GradMode::is_enabled() && flows) {
-    return MixFunction::apply(qkv, weights, plan, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense)[0];
+    return MixFunction::apply(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense)[0];
   }
   static auto op = vit3_cpu::op_of<decltype(mix_forward)>("vit3_cpu::mix_forward");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return std::get<0>(op.call(qkv, weights, plan, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, false));
+  return std::get<0>(op.call(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, false));
 }
 
 // mix below autograd (inference mode, tensors without autograd keys): the forward alone.
-Tensor mix_cpu(const Tensor& qkv, at::TensorList weights, at::IntArrayRef plan, int64_t gh, int64_t gw, double scale,
+Tensor mix_cpu(const Tensor& qkv, at::TensorList weights, at::IntArrayRef spec, int64_t gh, int64_t gw, double scale,
                double lr, bool grad_norm, double rope_base, bool recompute, bool dense) {
-  return std::get<0>(mix_forward(qkv, weights, plan, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, false));
+  return std::get<0>(mix_forward(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, false));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
   m.def(
-      "mix(Tensor qkv, Tensor[] weights, int[] plan, int gh, int gw, float scale, float lr, bool grad_norm, "
+      "mix(Tensor qkv, Tensor[] weights, int[] spec, int gh, int gw, float scale, float lr, bool grad_norm, "
       "float rope_base, bool recompute, bool dense) -> Tensor");
   m.def(
-      "mix_forward(Tensor qkv, Tensor[] weights, int[] plan, int gh, int gw, float scale, float lr, bool grad_norm, "
+      "mix_forward(Tensor qkv, Tensor[] weights, int[] spec, int gh, int gw, float scale, float lr, bool grad_norm, "
       "float rope_base, bool recompute, bool dense, bool save) -> (Tensor, Tensor[])");
   m.def(
-      "mix_backward(Tensor d_out, Tensor[] saved, int[] weight_shapes, int[] plan, int gh, int gw, float scale, "
+      "mix_backward(Tensor d_out, Tensor[] saved, int[] weight_shapes, int[] spec, int gh, int gw, float scale, "
       "float lr, bool grad_norm, float rope_base, bool recompute) -> (Tensor, Tensor[])");
   m.def("rope_2d(Tensor x, int gh, int gw, float base=10000.0, bool inverse=False) -> Tensor");
 }

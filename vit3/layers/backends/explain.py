@@ -179,13 +179,13 @@ def _fused_plan(out: list[BranchExplanation]) -> Plan:
 
 def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int, int]) -> bool:
     """Whether the fused node runs every branch in one call of their path's whole-node hooks (``Node.whole``),
-    as the mixer's call would: every branch's path has them, and the mixer's ``MixPlan`` on these backends
+    as the mixer's call would: every branch's path has them, and the mixer's ``MixSpec`` on these backends
     lets them run (``fused_mix.runs_whole``)."""
     for b in out:
         path = OPS[b.name].paths.get(b.backend) if b.name in OPS else None
         if path is None or path.node is None or path.node.whole is None:
             return False
-    return runs_whole(mixer._mix_plan(_fused_plan(out), grid))
+    return runs_whole(mixer._mix_spec(_fused_plan(out), grid))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from vit3.kernels.ops import OPS
 from vit3.kernels.paths import compute_inputs
 
 from ..config import BACKEND_NAMES
-from ..fused_mix import WHOLE_PATH, MixBranch, MixPlan, fused_mix
+from ..fused_mix import WHOLE_PATH, MixBranch, MixSpec, fused_mix
 from .interface import Backend, Branch, Inputs, Settings, Step
 
 BACKEND_ENV = (
@@ -58,7 +58,7 @@ def _run_node(step: Step, path: str, q: Tensor, k: Tensor, v: Tensor, params: di
     c = step.cfg
     b, g, n, d = q.shape
     qkv = torch.cat([t.transpose(1, 2).reshape(b, n, g * d) for t in (q, k, v)], dim=-1)  # [B, N, 3*G*d]
-    plan = MixPlan(
+    spec = MixSpec(
         (MixBranch(step.name, 0, g, d, False, path),),
         step.grid,
         step.scale,
@@ -68,7 +68,7 @@ def _run_node(step: Step, path: str, q: Tensor, k: Tensor, v: Tensor, params: di
         step.recompute,
     )
     weights = [params[name] for name in OPS[step.name].weights]
-    return fused_mix(qkv, plan, weights).unflatten(-1, (g, d)).transpose(1, 2)
+    return fused_mix(qkv, spec, weights).unflatten(-1, (g, d)).transpose(1, 2)
 
 
 def _run_generic(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
