@@ -137,8 +137,7 @@ class TTTConfig:
         qkv_bias: bias of the qkv projection.
         backend: the implementation of the inner loops: ``"auto"`` (the default: ``$VIT3_TTT_BACKEND``, else
             the best that serves), ``"triton"``, ``"cpu"``, ``"eager"`` or ``"generic"``; see
-            ``vit3.layers.backends``. It wins over ``$VIT3_TTT_BACKEND``. (Old configs' ``impl`` is read as
-            this: ``"torch"`` as ``"eager"``.)
+            ``vit3.layers.backends``. It wins over ``$VIT3_TTT_BACKEND``.
         recompute: what the SwiGLU backward of the fused eager paths (``cpu``, ``eager``) does with the
             per-token pre-activations Z = k W, Y = q W': ``"auto"`` (the default: ``$VIT3_TTT_RECOMPUTE``,
             else as ``"always"``), ``"always"`` (recompute them: memory-lean, a little slower), ``"never"``

@@ -2,8 +2,7 @@
 // branch, and ConvPosEnc's x + dwconv3x3(x) outside the mixer, vit3/layers/blocks.py), and the branch's TTT step
 // built on them, dwconv_ttt_forward / dwconv_ttt_backward (the step between them is vit3_cpu.h's; the whole-mixer
 // op, kernels/mix/csrc/mix.cpp, calls them directly). Built with the SwiGLU op (kernels/swiglu/csrc/swiglu.cpp)
-// and that op into one extension, vit3_cpu (kernels/cpp.py): ops
-// torch.ops.vit3_cpu.dwconv*. The same stages in PyTorch are kernels/dwconv/eager.py; the op's reference is
+// and the whole-mixer op into one extension, vit3_cpu (kernels/cpp.py): ops torch.ops.vit3_cpu.dwconv*. The same stages in PyTorch are kernels/dwconv/eager.py; the op's reference is
 // kernels/dwconv/reference.py.
 
 #include "vit3_cpu.h"

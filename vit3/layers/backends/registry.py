@@ -121,7 +121,7 @@ LEAN_BACKENDS = ("cpu", "eager")
 
 def fuses(names: Sequence[str], branches: Sequence[str], loss: str, tracing: str) -> bool:
     """Whether a mixer call whose branches (inner models ``branches``) run on backends ``names`` is one fused
-    fused node (``fused_mix``): every backend runs a path with node hooks for its branch's op, on the dot
+    node (``fused_mix``): every backend runs a path with node hooks for its branch's op, on the dot
     loss the node takes. Traced, branches on Triton fuse only all together: the mixer op
     (``fused_mix.mix_op``) runs them, as one op of the graph."""
     if loss != "dot":
