@@ -17,8 +17,10 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +51,7 @@ __all__ = [
     "atomic_path",
     "atomic_write",
     "hold_folder",
+    "interrupts_deferred",
     "lock_holder",
     "write_bytes",
     "write_text",
@@ -140,6 +143,27 @@ def atomic_path(
 
 
 @contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Holds back Ctrl-C (SIGINT) for the body, then raises the ``KeyboardInterrupt`` it held, if any.
+
+    A write that Ctrl-C cuts short leaves what wrote it half done: ``torch.save``'s zip writer, cut, later
+    finishes its archive into the file closed under it, and the process aborts at exit. Held back, the write
+    completes first. Only the main thread receives signals; elsewhere the body runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # no signal here, or a handler set outside Python, which could not be put back
+        return
+    held: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if held:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def atomic_write(
     path: str | Path,
     what: str = "file",
@@ -149,12 +173,13 @@ def atomic_write(
     newline: str | None = None,
 ) -> Iterator[IO[Any]]:
     """:func:`atomic_path` with the temporary file open for the body: binary, or UTF-8 text with ``text``
-    (``newline`` as :func:`open`'s); the other arguments are :func:`atomic_path`'s.
+    (``newline`` as :func:`open`'s); the other arguments are :func:`atomic_path`'s. Ctrl-C waits for the
+    write (:func:`interrupts_deferred`).
 
     Raises:
         OutputError: the system refused the write (see :func:`atomic_path`).
     """
-    with atomic_path(path, what, durable, clean) as tmp:
+    with interrupts_deferred(), atomic_path(path, what, durable, clean) as tmp:
         mode = {"mode": "w", "encoding": "utf-8", "newline": newline} if text else {"mode": "wb"}
         with open(tmp, **mode) as f:
             yield f

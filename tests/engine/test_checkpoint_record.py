@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 import torch
@@ -215,3 +216,21 @@ def test_stale_temp_files_are_removed_and_writes_are_fsynced(tmp_path, monkeypat
     save_checkpoint(tmp_path / "last.pt", {"model": {}})
     assert not stale.exists() and [p.name for p in tmp_path.iterdir()] == ["last.pt"]
     assert events[:2] == ["fsync", "replace"]  # the data reaches the disk before the rename
+
+
+def test_ctrl_c_during_a_checkpoint_write_waits_for_the_write(tmp_path, monkeypatch):
+    """SIGINT in the middle of ``torch.save``: the checkpoint is written whole, then the interrupt is raised
+    (cut short, torch's zip writer finishes its archive into the closed file later and the process aborts)."""
+    real = torch.save
+
+    def interrupted(obj, f):
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs its handler at the next instruction, here
+        real(obj, f)
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "last.pt", {"model": {"w": torch.arange(3.0)}})
+    assert signal.getsignal(signal.SIGINT) is before
+    got = torch.load(tmp_path / "last.pt", weights_only=True)
+    torch.testing.assert_close(got["model"]["w"], torch.arange(3.0))

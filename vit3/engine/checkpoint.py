@@ -132,8 +132,9 @@ def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Path:
         try:
             torch.save({"format": FORMAT, "version": VERSION, **state}, f)
         except RuntimeError as e:
-            # torch's zip writer reports a refused write (a full disk), or Ctrl-C in the middle of its
-            # writing, as its own error ("enforce fail at inline_container.cc")
+            # torch's zip writer reports a refused write (a full disk), or a KeyboardInterrupt in the middle
+            # of its writing (where atomic_write cannot hold Ctrl-C back), as its own error ("enforce fail
+            # at inline_container.cc")
             if isinstance(e.__context__, OSError | KeyboardInterrupt):
                 raise e.__context__ from None
             raise
