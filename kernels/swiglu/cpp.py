@@ -54,19 +54,9 @@ def _unit_stride(t: Tensor) -> Tensor:
 
 
 def ttt_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    w1: Tensor,
-    w2: Tensor,
-    out: Tensor,
-    *,
-    scale: float,
-    lr: float,
-    grad_norm: bool,
-    save: bool = True,
-    recompute: bool = False,
-) -> SwiGLUSaved | None:
+    q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, out: Tensor, *, scale: float, lr: float,
+    grad_norm: bool, save: bool = True, recompute: bool = False,
+) -> SwiGLUSaved | None:  # fmt: skip
     """``swiglu.eager.swiglu_forward`` in the kernel, one call: the step and the read-out written into
     ``out``; q, k, v ``[B, H, N, d]`` read in place unless ``dense_inputs``. Raises where the kernel cannot
     be built."""
@@ -84,16 +74,9 @@ def ttt_forward(
 
 
 def ttt_backward(
-    d_out: Tensor,
-    saved: SwiGLUSaved,
-    dq: Tensor,
-    dk: Tensor,
-    dv: Tensor,
-    *,
-    scale: float,
-    lr: float,
+    d_out: Tensor, saved: SwiGLUSaved, dq: Tensor, dk: Tensor, dv: Tensor, *, scale: float, lr: float,
     grad_norm: bool,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``swiglu.eager.swiglu_backward`` in the kernel (its forward ran there), one call."""
     q, k, v, w, g, norm, w_new, z, y, _ = saved
     n, d = q.shape[2:]

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from .config import TASKS, Config, ConfigError, check_whole, load_config, save_config
+from .config import Config, ConfigError, check_whole, load_config, save_config
+from .config.load import TASKS
 from .cpu import tune_malloc
 
 __all__ = ["TASKS", "Config", "ConfigError", "load_config", "run", "save_config", "tune_malloc"]

@@ -266,6 +266,6 @@ def dense_archs(cfg: Any) -> tuple[str, ...] | None:
 
 
 def task_names(cfg: Any) -> tuple[str, ...]:
-    from .load import TASKS
+    from .. import TASKS
 
     return TASKS
