@@ -26,6 +26,7 @@ __all__ = [
     "gelu_tanh_grad",
     "layer_norm_backward",
     "layer_norm_forward",
+    "legacy_onnx_export",
     "shape_text",
     "shifted_dwconv",
     "shifted_dwconv_weight_grad",
@@ -175,6 +176,11 @@ def tracing() -> bool:
         return tracing_kind() != ""
 
 
+def legacy_onnx_export() -> bool:
+    """Whether the legacy ONNX exporter (``torch.onnx.export(dynamo=False)``, a ``jit.trace``) is tracing."""
+    return torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()
+
+
 def shape_text(x: Tensor) -> str:
     """``x``'s shape as a message writes it, ``(2, 3, 8)`` (``str(tuple(x.shape))``, not in TorchScript)."""
     sizes = [str(n) for n in x.shape]
@@ -196,7 +202,7 @@ def _shifted_taps(x: Tensor) -> Tensor:
     """
     padded = F.pad(x, (1, 1, 1, 1))
     if not torch.jit.is_scripting():  # nested: TorchScript compiles both operands of an ``and``
-        if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():
+        if legacy_onnx_export():
             return _legacy_onnx_taps(x, padded)
     return padded.unfold(2, 3, 1).unfold(3, 3, 1)
 

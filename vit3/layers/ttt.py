@@ -97,7 +97,7 @@ class TTTMixer(nn.Module):
         cfg: a ``TTTConfig`` (or dict); keyword overrides are applied on top.
     """
 
-    # The plans, in the instance's ``__dict__`` once made (``_calls``); read so by ``mix``'s short path.
+    # The plans, in the instance's ``__dict__`` once made (``_calls``); read so by ``_mixed``'s short path.
     _call_cache: Calls | None = None
     # TorchScript leaves the plans' cache alone (it would read the property, making it, and fail on its type).
     __jit_ignored_attributes__ = ("_call_cache", "_calls")
@@ -243,7 +243,7 @@ class TTTMixer(nn.Module):
             params = [p for m in (self.qkv, self.inner) for p in m.parameters()]
             mixed = _RecomputedMix.apply(self, grid, x, gates, *params)
         else:
-            mixed = self.mix(self.qkv(x), grid, gates)
+            mixed = self._mixed(self.qkv(x), grid, gates, kind)
         return self.proj(mixed)
 
     def _project_and_mix(self, x: Tensor, grid: tuple[int, int], gates: Tensor | None) -> Tensor:
@@ -268,6 +268,10 @@ class TTTMixer(nn.Module):
         Returns:
             The branch read-outs concatenated, ``[B, N, sum(widths)]``, in ``qkv``'s dtype.
         """
+        return self._mixed(qkv, grid, gates, tracing_kind())
+
+    def _mixed(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
+        """``mix`` under tracing ``kind`` (``inner_math.tracing_kind()``), which ``forward`` has asked."""
         # The short path (``Calls``): the last settled call on the whole-mixer C++ op kept for this grad mode
         # (``_cpp_call``), where it had this dtype and grid, on a CPU qkv, with the same weight tensors in
         # that dtype: the conditions of ``settled_cpp_args`` without building its plan key (N is the grid's,
@@ -279,7 +283,6 @@ class TTTMixer(nn.Module):
             device = qkv.device.type
             with torch.autocast(device, enabled=False) if autocast_on(device) else contextlib.nullcontext():
                 return self.reference_mix(qkv, grid, gates)
-        kind = tracing_kind()
         if gates is None and not kind:
             calls = self._call_cache
             flat = calls.flat if calls is not None else None
@@ -306,7 +309,7 @@ class TTTMixer(nn.Module):
         return out
 
     def _mix_tokens(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
-        """``mix`` under tracing ``kind`` (``inner_math.tracing_kind()``)."""
+        """``_mixed`` past its short path: the planned call."""
         if not kind and gates is None and (out := self._cpp_call(qkv, grid)) is not None:
             return out
         weights = [model.initial_params() for model in self.inner]
@@ -422,7 +425,7 @@ class TTTMixer(nn.Module):
 
     def _cpp_call(self, qkv: Tensor, grid: tuple[int, int]) -> Tensor | None:
         """A settled call on the whole-mixer C++ op (no node in Python), or ``None`` where this call takes the
-        general path (``settled_cpp_args``). The call is kept for ``mix``'s short path (``Calls.short``)."""
+        general path (``settled_cpp_args``). The call is kept for ``_mixed``'s short path (``Calls.short``)."""
         found = self.settled_cpp_args(qkv.device, qkv.dtype, qkv.shape[1], grid, qkv)
         if found is None:
             return None

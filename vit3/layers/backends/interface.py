@@ -17,6 +17,8 @@ from torch import Tensor
 from vit3.kernels.ops import Branch, Inputs, Settings, Step, ops_with
 from vit3.kernels.paths import FEW_TOKENS, MIN_CPU_KERNEL_TOKENS
 
+from ..inner_math import legacy_onnx_export
+
 __all__ = [
     "MIN_CPU_KERNEL_TOKENS",
     "Backend",
@@ -48,7 +50,7 @@ def legacy_onnx_dynamic_axes() -> bool:
     own frames while it traces (the argument of ``torch.onnx.export`` and of the functions it hands them to),
     so they are read there; a trace records the sizes it sees as constants, which such a graph then reads as
     dynamic."""
-    if torch.compiler.is_compiling() or not (torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()):
+    if torch.compiler.is_compiling() or not legacy_onnx_export():
         return False
     frame = sys._getframe(1)
     while frame is not None:
