@@ -205,6 +205,24 @@ def test_resume_refuses_another_world_size_and_force_resume_continues(pretrained
     assert [r["epoch"] for r in json.loads((out / "metrics.json").read_text())] == [1, 2, 3]
 
 
+def test_a_resume_takes_its_configs_optimizer_settings_and_schedule(pretrained, digits, tmp_path, capsys):
+    """A forced resume at half the batch runs twice the steps per epoch at half the lr, and a new weight decay
+    is the one AdamW uses: the checkpoint's optimizer moments and step come back, not its settings."""
+    out = tmp_path / "run"
+    ckpt = read_ckpt(pretrained)
+    ckpt.update(epoch=2, batch_in_epoch=3, history=ckpt["history"][:2])  # inside epoch 3
+    save_checkpoint(out / "last.pt", {k: v for k, v in ckpt.items() if k not in ("format", "version")})
+    args = ("train.epochs=3", "train.resume=auto", "data.mean=[0.13]", "data.std=[0.31]")
+    changes = ("data.batch_size=10", "train.force_resume=true", "train.weight_decay=0.123")
+    run(tiny_cfg(digits, out, *args, *changes), "train")
+    assert "note: the lr schedule differs from" in capsys.readouterr().out
+    old, new = ckpt["scheduler"], read_ckpt(out / "last.pt")["scheduler"]
+    assert new["t_initial"] == 2 * old["t_initial"] and new["warmup_t"] == 2 * old["warmup_t"]
+    assert new["base_values"] == pytest.approx([v / 2 for v in old["base_values"]])
+    decays = {g["weight_decay"] for g in read_ckpt(out / "last.pt")["optimizer"]["param_groups"]}
+    assert decays == {0.0, 0.123} and ckpt["config"]["train"]["weight_decay"] != 0.123
+
+
 # ----------------------------------------------------------------------------------- checkpoint files
 def test_stale_temp_files_are_removed_and_writes_are_fsynced(tmp_path, monkeypatch):
     stale = tmp_path / ".last.pt.tmp999999999"  # left by a killed writer (no such process)

@@ -154,24 +154,7 @@ def _save(run: ClassificationRun, name: str) -> Path:
 
 def _restore(run: ClassificationRun, ckpt: dict[str, Any], source: str) -> _Progress:
     """Restores ``run`` from ``ckpt`` (read from ``source``); returns its progress."""
-    schedule = (
-        "epochs",
-        "warmup_epochs",
-        "base_lr",
-        "warmup_lr",
-        "min_lr",
-        "lr_batch",
-        "lr_scale",
-        "accum_steps",
-    )
-    before = {"lr_scale": "linear", **ckpt["config"].get("train", {})}  # linear: runs from before the key
-    same_schedule = all(before.get(k) == run.cfg.train[k] for k in schedule)
-    run.load_training_state(ckpt, source, scheduler=same_schedule)
-    if not same_schedule:  # e.g. more epochs: the new config's schedule applies from the restored step on
-        log(
-            run.info,
-            f"note: the lr schedule settings differ from {source}; the new config's schedule applies",
-        )
+    run.load_training_state(ckpt, source)
     p = run.progress
     p.restore(ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps))
     p.loss_sum, p.loss_count = ckpt["epoch_loss"]

@@ -45,7 +45,7 @@ from .dense_model import (
 )
 from .distributed import DistInfo, barrier, distributed, log
 from .loop import optimizer_step
-from .optim import DenseSchedule, build_dense_optimizer, scaled_lrs
+from .optim import DenseSchedule, build_dense_optimizer, load_optimizer_state, scaled_lrs
 from .process import amp_dtype, autocast, wrap_ddp
 from .resume import Progress, check_resume, restore_rng, save_state, start_run
 from .run_folder import claim_output, in_process_group, open_output
@@ -131,7 +131,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
     p = _Progress()
     if ckpt is not None:  # not resume.open_run: its finished-run note counts train.epochs, not dense.iters
         model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(opt, ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
         p.restore(ckpt, bs, info.world, accum)
         p.roll_over(batches_per_epoch)

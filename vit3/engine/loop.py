@@ -19,7 +19,7 @@ from torch import nn
 from .checkpoint import load_model_weights
 from .config import Config, ConfigError, run_metadata, to_plain
 from .distributed import DistInfo, log
-from .optim import Optimization, lr_factor
+from .optim import Optimization, load_optimizer_state, lr_factor, schedule_changed
 from .process import check_ranks_agree
 from .resume import Progress
 
@@ -68,8 +68,9 @@ class TrainRun:
             "meta": run_metadata(),
         }
 
-    def load_training_state(self, ckpt: Mapping[str, Any], source: str, scheduler: bool = True) -> None:
-        """Restores :meth:`training_state` from ``ckpt`` (the scheduler's only with ``scheduler``).
+    def load_training_state(self, ckpt: Mapping[str, Any], source: str) -> None:
+        """Restores :meth:`training_state` from ``ckpt``, but for the settings this run's config gives: the
+        optimizer's hyperparameters and the lr schedule (a note says when the schedule changed).
 
         Raises:
             ConfigError: the run has an EMA and ``ckpt`` holds none.
@@ -80,9 +81,9 @@ class TrainRun:
             if ckpt.get("ema") is None:
                 raise ConfigError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
             self.ema.module.load_state_dict(ckpt["ema"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        if scheduler:
-            self.scheduler.load_state_dict(ckpt["scheduler"])
+        load_optimizer_state(self.optimizer, ckpt["optimizer"])
+        if schedule_changed(self.scheduler, ckpt["scheduler"]):  # e.g. more epochs, another batch size
+            log(self.info, f"note: the lr schedule differs from {source}'s; this config's applies")
         self.scaler.load_state_dict(ckpt["scaler"])
 
 

@@ -33,8 +33,10 @@ __all__ = [
     "build_scheduler",
     "dense_lr_factor",
     "dense_param_groups",
+    "load_optimizer_state",
     "lr_factor",
     "scaled_lrs",
+    "schedule_changed",
 ]
 
 LR_SCALES = ("linear", "sqrt")
@@ -106,6 +108,25 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, 
         cycle_limit=1,
         t_in_epochs=False,
     )
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Loads a checkpoint's optimizer ``state`` (AdamW's moments and step counts) into ``optimizer`` and keeps
+    the hyperparameters its groups were built with from this run's config (weight decay, layer-decay lr
+    scales, betas, eps), which ``load_state_dict`` alone would replace by the checkpoint's.
+    """
+    built = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, settings in zip(optimizer.param_groups, built):
+        group.update(settings)
+
+
+def schedule_changed(scheduler: Any, saved: dict[str, Any]) -> bool:
+    """Whether the schedule ``scheduler`` (this run's, built from its config) differs from a checkpoint's
+    ``saved`` state. timm's schedules are a function of their settings and the step, so a resume never loads
+    ``saved``; it only says when the schedule changed."""
+    mine = scheduler.state_dict()
+    return any(mine[k] != saved[k] for k in mine.keys() & saved.keys())
 
 
 class Optimization(NamedTuple):
