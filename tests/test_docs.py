@@ -85,3 +85,15 @@ def test_the_check_finds_a_broken_file_link_and_a_broken_heading(tmp_path):
         "docs/missing.md (no such file)",
     ]
     assert pages(tmp_path) == [readme, tmp_path / "docs" / "a.md"]
+
+
+def test_the_mixer_page_describes_every_registered_inner_model():
+    from vit3.layers import INNER_MODELS
+
+    row = next(
+        line
+        for line in (REPO / "docs" / "mixer.md").read_text().splitlines()
+        if line.startswith("| `branches`")
+    )
+    named = set(re.findall(r"`(\w+)`", row.split("|")[3]))
+    assert set(INNER_MODELS) <= named, sorted(set(INNER_MODELS) - named)

@@ -106,10 +106,8 @@ class TTTConfig:
 
     Attributes:
         branches: inner models side by side, each ``"name"`` (``num_heads`` heads) or ``"name:k"`` (k heads
-            of ``head_dim``); names from ``INNER_MODELS``: ``linear`` (FC), ``silu`` (SiLU(FC)), ``mlp``
-            (2-layer MLP), ``mlp3`` (3-layer MLP), ``swiglu`` (FC ⊙ SiLU(FC), official), ``swiglu_out``
-            ((FC ⊙ SiLU(FC)) W3), ``conv`` (dense 3x3 conv over the grid, all channels of a head),
-            ``dwconv`` (3x3 depthwise conv, official).
+            of ``head_dim``); names from ``INNER_MODELS``, the registry (each described in
+            ``docs/mixer.md``).
         loss: inner loss, one of ``INNER_LOSSES``.
         inner_lr: inner learning rate η.
         lr_mode: ``"fixed"`` (η) or ``"token"`` (η·σ(x W_η), one gate per token and head).

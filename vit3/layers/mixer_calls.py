@@ -1,5 +1,5 @@
 """The calls a TTT mixer keeps: the plan of each key and, in front of them, the short path of a settled call
-on the whole-mixer C++ op (``TTTMixer.mix``), with the op's constant arguments."""
+on the whole-mixer C++ op (``TTTMixer._mixed``), with the op's constant arguments."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class Call:
 
 
 class Calls:
-    """A mixer's plans by key (``plans``, ``TTTMixer._call``) and, in front of them for ``TTTMixer.mix``'s
+    """A mixer's plans by key (``plans``, ``TTTMixer._call``) and, in front of them for ``TTTMixer._mixed``'s
     short path, per grad mode the last call settled on the whole-mixer C++ op
     (``short[grad]``: its qkv dtype, grid, the op and its arguments after the weights), with where the weights
     are read from (``sources``, ``TTTMixer._param_sources``) and the weights it took (``flat``: a later call
