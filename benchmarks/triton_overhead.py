@@ -36,13 +36,24 @@ from vit3.layers import backends as reg
 
 
 def stub_launches() -> list[str]:
-    """Makes the CPU look like a GPU to the Triton path and Triton's launcher (``JITFunction.run``, called by
-    ``kernel[grid](...)``) a no-op that records its kernel; the registry does not verify new specialisations
-    (stubbed launches compute nothing: it would demote them)."""
+    """Makes the CPU look like a GPU to the Triton path and Triton's launchers no-ops that record their
+    kernel: ``JITFunction.run`` (called by ``kernel[grid](...)``) and the compiled kernels a launch program
+    calls itself (``JITFunction.warmup`` compiles nothing, the compiled kernel's ``[grid]`` launches nothing);
+    the registry does not verify new specialisations (stubbed launches compute nothing: it would demote
+    them)."""
     launched: list[str] = []
 
-    def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        launched.append(self.fn.__name__)
+    class Compiled:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: tuple[int, int, int]) -> Callable[..., None]:
+            return lambda *args, stream=None: launched.append(self.name)
+
+    def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Compiled:
+        if not warmup:
+            launched.append(self.fn.__name__)
+        return Compiled(self.fn.__name__)
 
     JITFunction.run = run
     for module in (device, checks):

@@ -220,6 +220,14 @@ def test_triton_overhead_benchmark_reports_every_call(tmp_path):
     assert all(float(r["median_us"]) > 0 for r in rows)
 
 
+def test_launcher_overhead_times_both_launchers_on_every_launch(tmp_path):
+    out = tmp_path / "launcher.csv"
+    _run("launcher_overhead.py", "--models", "vit3_tiny", "--repeats", "3", "--out", str(out))
+    (row,) = csv.DictReader(out.open())
+    assert row["model"] == "vit3_tiny" and int(row["launches per call"]) > 4
+    assert float(row["JIT launcher us"]) > 0 and float(row["pre-bound us"]) > 0
+
+
 def test_autograd_floor_benchmark_times_both_nodes(tmp_path):
     """The Python node, its bodies alone and (with a C++ compiler, which the C++ kernel needs too) the C++
     node calling the same Python bodies."""

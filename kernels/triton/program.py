@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from triton.runtime.jit import KernelInterface
+from triton.runtime.jit import JITFunction, KernelInterface
 
 from ..ops import NodeCall, tag_branch
 from . import plan
@@ -28,8 +28,12 @@ from .device import acc_dtype, interpreting
 from .node import checked_entry, state_of
 from .plan import Buffer, backward_template, forward_template, on_device, tensor_meta
 
-__all__ = ["Address", "MixProgram", "at_address", "backward", "clear", "forward", "program_key", "saved_like",
-           "state"]  # fmt: skip
+__all__ = ["Address", "MixProgram", "at_address", "backward", "bound_arguments", "clear", "forward",
+           "program_key", "saved_like", "state"]  # fmt: skip
+
+# Whether a GPU host calls each launch's compiled kernel itself (``_Launches.direct``); False: through
+# Triton's JIT launcher, as the per-branch plans do (benchmarks/launcher_overhead.py's switch; a way back).
+BIND_COMPILED = True
 
 # Each buffer of a workspace starts on a multiple of this many bytes (Triton specialises pointers on 16-byte
 # alignment; 256 keeps every buffer on its own cache lines).
@@ -107,16 +111,20 @@ def _offset(t: Tensor, base: Tensor) -> int:
     return (t.storage_offset() - base.storage_offset()) * t.element_size()
 
 
+_UNBOUND = object()  # no compiled kernels bound yet for a device and alignment
+
+
 class _Launches:
     """The launches of a forward or a backward: the distinct places its tensors lie at, its constant arguments
     and, per launch, its branch, label, runner and where its arguments come from (``take`` on the call's
     values: one per place, then the constants); on a GPU also the addresses and each launch's arguments, made
-    once (``gpu``)."""
+    once (``gpu``), and each launch's compiled kernel bound to them (``direct``, per device and alignment of
+    the bases: Triton's JIT launcher, its binder and cache lookup, skipped)."""
 
     def __init__(self) -> None:
         self._places: dict[_Where, int] = {}
         self._consts: list[Any] = []
-        self._launches: list[tuple[int, str, Callable[..., Any], list[int | None]]] = []
+        self._launches: list[tuple[int, str, Any, tuple[int, ...], dict[str, Any], list[int | None]]] = []
 
     def add(self, branch: int, template: plan.LaunchPlan, wheres: Sequence[_Where]) -> None:
         """``template``'s launches with their tensors at ``wheres`` (by the plan's tensor index)."""
@@ -129,26 +137,30 @@ class _Launches:
                 else:
                     picks.append(None)
                     self._consts.append(arg)
-            run = _runner(plan.launcher(launch.kernel), launch.grid, launch.kwargs)
-            self._launches.append((branch, launch.label, run, picks))
+            self._launches.append(
+                (branch, launch.label, plan.launcher(launch.kernel), launch.grid, launch.kwargs, picks)
+            )
 
     def build(self) -> None:
         """Fixes the places, constants and launches (after every ``add``)."""
         self.places = tuple(self._places)
         self.consts = tuple(self._consts)
-        first, c, found = len(self.places), 0, []
-        for branch, label, run, picks in self._launches:
+        first, c, found, jit = len(self.places), 0, [], []
+        for branch, label, launcher, grid, kwargs, picks in self._launches:
             index = []
             for pick in picks:
                 index.append(first + c if pick is None else pick)
                 c += pick is None
             take = operator.itemgetter(*index) if len(index) > 1 else (lambda v, i=index[0]: (v[i],))
-            found.append((branch, label, run, take))
+            found.append((branch, label, _runner(launcher, grid, kwargs), take))
+            jit.append((branch, launcher, grid, kwargs, take))
         self.steps = tuple(found)
         self.addresses = [Address(0, w.dtype, w.shape, w.stride) for w in self.places]
         self.binds = tuple((a, w.base, w.offset) for a, w in zip(self.addresses, self.places))
         values = [*self.addresses, *self.consts]
         self.gpu = tuple((branch, run, take(values)) for branch, _, run, take in self.steps)
+        self._jit = tuple((b, launcher, grid, kw, take(values)) for b, launcher, grid, kw, take in jit)
+        self.direct: dict[tuple, tuple | None] = {}
         self.lock = threading.Lock()
         del self._places, self._consts, self._launches
 
@@ -165,7 +177,30 @@ class _Launches:
             for address, base, offset in self.binds:
                 address.address = bases[base] + offset
             with on_device(device):
-                _run(self.gpu)
+                if not BIND_COMPILED:
+                    _run(self.gpu)
+                    return
+                key = (device.index, *(b & 15 for b in bases))  # Triton specialises on 16-byte alignment
+                direct = self.direct.get(key, _UNBOUND)
+                if direct is _UNBOUND:
+                    direct = self.direct[key] = self._bind_compiled()
+                _run(self.gpu if direct is None else direct)
+
+    def _bind_compiled(self) -> tuple | None:
+        """Each launch's kernel compiled for the addresses as they are bound now (``JITFunction.warmup``:
+        compiled, not launched) and called as Triton's JIT launcher calls it, with every parameter of the
+        kernel in order; ``None`` where a launcher is not Triton's JIT (a test hook), has pre-run hooks or
+        compiles nothing (a JIT hook that skips it): those launch through Triton's JIT launcher."""
+        found = []
+        for branch, launcher, grid, kwargs, args in self._jit:
+            if type(launcher) is not JITFunction or launcher.pre_run_hooks:
+                return None
+            kernel = launcher.warmup(*args, grid=grid, **kwargs)
+            kernel = kernel.result() if hasattr(kernel, "result") else kernel  # an asynchronous compile
+            if kernel is None:
+                return None
+            found.append((branch, kernel[(*grid, 1, 1)[:3]], bound_arguments(launcher, args, kwargs)))
+        return tuple(found)
 
 
 def _runner(launcher: Any, grid: tuple[int, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -175,6 +210,16 @@ def _runner(launcher: Any, grid: tuple[int, ...], kwargs: dict[str, Any]) -> Cal
     if isinstance(launcher, KernelInterface):
         return functools.partial(launcher.run, grid=grid, warmup=False, **kwargs)
     return functools.partial(launcher[grid], **kwargs)
+
+
+def bound_arguments(launcher: JITFunction, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """What Triton's JIT launcher hands a compiled kernel for ``launcher[grid](*args, **kwargs)``: every
+    parameter of the kernel in its order, constexprs and defaults included (the options, such as
+    ``num_warps``, apart)."""
+    sig = launcher.signature
+    bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
 
 
 def _run(launches: Sequence[tuple[int, Callable[..., Any], tuple]]) -> None:

@@ -10,14 +10,18 @@ are simulated on CPU tensors on any host (``TRITON_INTERPRET=0`` for the program
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
-from helpers.common import count_calls
-from helpers.ops import SCALE, intercept_launches
+from helpers.common import REPO, count_calls
+from helpers.ops import SCALE, intercept_launches, use_gpu_kernels
 
 from vit3.kernels.ops import BRANCH_ATTR
 from vit3.kernels.triton import checks as tchecks
@@ -477,6 +481,74 @@ def test_triton_specialises_an_address_as_the_tensor_there(dtype):
         assert specialise(BaseBackend, address, False, True, True) == specialise(
             BaseBackend, t, False, True, True
         )
+
+
+def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launcher_would(monkeypatch):
+    """On a GPU host a program compiles its kernels once per device and 16-byte alignment of its bases
+    (``JITFunction.warmup``: compiled, not launched) and calls each compiled kernel itself, Triton's JIT
+    launcher (its binder, its cache lookup) skipped, with the arguments that launcher would hand it: those of
+    Triton's own binder for an sm_90 target, checked at every launch, the first call's included."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    # The binder's first call imports Gluon, whose helpers check the kernels' kind against the interpreter
+    # setting: imported here, as this process's kernels are, before the GPU host's setting.
+    importlib.import_module("triton.experimental.gluon")
+    _gpu_host(monkeypatch)
+    use_gpu_kernels(monkeypatch)
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    compiled, launched = [], []
+
+    class Compiled:
+        def __init__(self, kernel: JITFunction, args: tuple, kwargs: dict) -> None:
+            self.name = kernel.fn.__name__
+            binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+            self.expected = list(binder(*args, **kwargs)[0].values())
+
+        def __getitem__(self, grid: tuple):
+            assert len(grid) == 3 and all(isinstance(n, int) and n >= 1 for n in grid)
+
+            def launch(*args, stream=None):
+                assert list(args) == self.expected, self.name
+                launched.append(self.name)
+
+            return launch
+
+    def warmup(kernel: JITFunction, *args, grid, **kwargs):
+        compiled.append(kernel.fn.__name__)
+        return Compiled(kernel, args, kwargs)
+
+    monkeypatch.setattr(JITFunction, "warmup", warmup)
+    monkeypatch.setattr(JITFunction, "run", lambda *a, **k: pytest.fail("Triton's JIT launcher ran"))
+    branches, b, grid = CASES["official"]
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float32)
+    _run(spec, qkv, weights)
+    kernels = len(compiled)
+    assert kernels > 10 and launched == compiled
+    _run(spec, qkv.clone(), weights)  # other tensors, aligned as before: nothing compiled again
+    assert len(compiled) == kernels and len(launched) == 2 * kernels
+    shifted = torch.empty(qkv.numel() + 2).narrow(0, 2, qkv.numel()).view_as(qkv).copy_(qkv)  # 8 bytes off
+    _run(spec, shifted, weights)
+    assert len(compiled) > kernels and len(launched) == 3 * kernels
+
+
+@pytest.mark.skipif(
+    not os.environ.get("VIT3_OTHER_TRITON"), reason="no other Triton named (VIT3_OTHER_TRITON)"
+)
+def test_the_compiled_kernels_take_the_same_arguments_under_the_other_triton():
+    """The test above under the Triton in ``$VIT3_OTHER_TRITON`` (3.6 in CI, what the H200 runs)."""
+    import triton
+
+    other = os.environ["VIT3_OTHER_TRITON"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [other, os.environ.get("PYTHONPATH")]))}
+    test = f"{__file__}::test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launcher_would"
+    code = "import sys, pytest, triton; print(triton.__version__); sys.exit(pytest.main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", code, "-q", "-p", "no:cacheprovider", test]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0] != triton.__version__ and "1 passed" in proc.stdout
 
 
 def test_a_training_call_reads_no_tensor_data_on_the_host(monkeypatch):
