@@ -87,13 +87,12 @@ def test_the_check_finds_a_broken_file_link_and_a_broken_heading(tmp_path):
     assert pages(tmp_path) == [readme, tmp_path / "docs" / "a.md"]
 
 
-def test_the_mixer_page_describes_every_registered_inner_model():
-    from vit3.layers import INNER_MODELS
+def test_the_mixer_page_names_every_registered_inner_model_and_those_with_biases():
+    from vit3.layers.config import BIAS_MODELS, INNER_MODELS
 
-    row = next(
-        line
-        for line in (REPO / "docs" / "mixer.md").read_text().splitlines()
-        if line.startswith("| `branches`")
-    )
-    named = set(re.findall(r"`(\w+)`", row.split("|")[3]))
+    rows = {line.split("|")[1].strip(): line for line in (REPO / "docs" / "mixer.md").read_text().splitlines()
+            if line.startswith("| `")}  # fmt: skip
+    named = set(re.findall(r"`(\w+)`", rows["`branches`"].split("|")[3]))
     assert set(INNER_MODELS) <= named, sorted(set(INNER_MODELS) - named)
+    biased = rows["`inner_norm`, `inner_bias`"].split("FC layers of")[1]
+    assert set(re.findall(r"`(\w+)`", biased)) == set(BIAS_MODELS)

@@ -1,8 +1,8 @@
 """An independent float64 reference of the TTT mixer: inner models written as plain forward functions and
 inner gradients taken with ``torch.autograd.grad(create_graph=True)`` instead of closed forms.
 
-Nothing here calls the closed-form gradients of ``vit3.layers.inner``; the tests compare the two. The inner
-models with an op of their own (``swiglu``, ``linear``, ``dwconv``) are that op's reference model
+Nothing here calls the closed-form gradients of ``vit3.layers.inner_models``; the tests compare the two.
+The inner models with an op of their own (``swiglu``, ``linear``, ``dwconv``) are that op's reference model
 (``vit3.kernels.<op>.reference``), and the normalisation is the shared ``normalize_grad``: no formula twice.
 """
 

@@ -2,7 +2,8 @@
 
 The recipe follows the official ViTTT code (main.py / main_ema.py): AdamW, scaled lr with per-step warmup +
 cosine (:mod:`vit3.engine.optim`), Mixup/CutMix, clipping, AMP, EMA and MESA. Resume is exact
-(:mod:`vit3.engine.resume`); a diverging run raises :class:`TrainingDiverged`. A task built on this loop
+(:mod:`vit3.engine.resume`; the optimizer and schedule: ``loop.TrainRun.load_training_state``); a diverging
+run raises :class:`TrainingDiverged`. A task built on this loop
 (:mod:`vit3.engine.convert`) hands its model and data to :func:`assemble_run` with a
 :class:`ClassificationRun` subclass and runs :func:`train_in_group`. The model, losses and validation are in
 :mod:`vit3.engine.classification_model`, ``eval.py`` in :mod:`vit3.engine.classification_eval` (both

@@ -82,7 +82,7 @@ class TrainRun:
                 raise ConfigError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
             self.ema.module.load_state_dict(ckpt["ema"])
         load_optimizer_state(self.optimizer, ckpt["optimizer"])
-        if schedule_changed(self.scheduler, ckpt["scheduler"]):  # e.g. more epochs, another batch size
+        if schedule_changed(self.scheduler, ckpt["scheduler"]):  # e.g. more epochs, a forced resume's batch
             log(self.info, f"note: the lr schedule differs from {source}'s; this config's applies")
         self.scaler.load_state_dict(ckpt["scaler"])
 

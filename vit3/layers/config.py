@@ -126,8 +126,7 @@ class TTTConfig:
             ``mlp3``; W3 of ``swiglu_out``); needs ``mlp_ratio`` 1.
         inner_norm: ``"none"`` or ``"ln"``: every token-wise inner model g becomes f(x) = x + LN(g(x)) with a
             learnable per-head LayerNorm (weight 1, bias 0 at init, eps 1e-6; trained by the outer loop only),
-            as in TTT-Linear/TTT-MLP (Sun et al. 2024). Grid models (``conv``, ``dwconv``) are left as they
-            are.
+            as in TTT-Linear/TTT-MLP (Sun et al. 2024). Grid models (``GRID_MODELS``) are left as they are.
         inner_bias: FC layers of the ``BIAS_MODELS`` with biases (zero at init, trained by the inner loop), as
             in TTT-Linear/TTT-MLP; other inner models are left as they are.
         rope: 2-D RoPE on q and k of the token-wise branches (H-ViT³).

@@ -36,7 +36,8 @@ class Calls:
     yet). ``clear`` drops them all; so does every change the backends' plans depend on (a demotion, a new
     environment, ``backends.reset``): the cache is kept with them (``backends.keep_with_plans``).
 
-    Why here and not in the mixer's ``__dict__``, and why the short path: ``docs/design/dispatch.md``.
+    Why one object (in the mixer's ``__dict__``, a single leaf ``torch.export`` writes back as is) and why the
+    short path: ``docs/design/dispatch.md``.
     """
 
     __slots__ = ("__weakref__", "flat", "plans", "short", "sources", "weight_places")

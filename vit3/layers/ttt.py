@@ -87,7 +87,8 @@ class TTTMixer(nn.Module):
     outputs are concatenated and projected back to ``dim``.
 
     Which implementation runs each branch (the Triton kernel, the C++ CPU kernel, the fused eager path or
-    the generic inner loop) is decided by ``vit3.layers.backends``; ``explain`` says which and why. A mixer
+    the generic inner loop) is decided by ``vit3.layers.backends``; ``explain`` says which and why. Where
+    every branch takes the C++ kernel, settled calls run the whole-mixer C++ op (``_takes_cpp_op``). A mixer
     built under timm's ``set_scriptable(True)`` (``backends.scriptable_build``) runs the reference math of
     every branch (:meth:`reference_mix`), eager and under ``torch.jit.script`` alike.
 
@@ -224,7 +225,8 @@ class TTTMixer(nn.Module):
         """Mixes tokens ``[B, N, C]`` laid out on ``grid = (h, w)`` (raster order); returns ``[B, N, C]``.
 
         Inside a plain ViT³ block on a CPU, settled calls run the whole block as one C++ op and do not come
-        here (a breakpoint goes silent after warm-up; ``explain`` says so, docs/kernels.md says why)."""
+        here (a breakpoint goes silent after warm-up; ``vit3.layers.explain(model, ...)`` says which blocks,
+        docs/kernels.md says why)."""
         # Compiled by TorchScript (a mixer built scriptable): the reference path, no finiteness check.
         if torch.jit.is_scripting():
             self.check_shape(x, grid)
@@ -425,7 +427,8 @@ class TTTMixer(nn.Module):
 
     def _cpp_call(self, qkv: Tensor, grid: tuple[int, int]) -> Tensor | None:
         """A settled call on the whole-mixer C++ op (no node in Python), or ``None`` where this call takes the
-        general path (``settled_cpp_args``). The call is kept for ``_mixed``'s short path (``Calls.short``)."""
+        general path (``settled_cpp_args``). The call is kept for ``_mixed``'s short path
+        (``Calls.short``)."""
         found = self.settled_cpp_args(qkv.device, qkv.dtype, qkv.shape[1], grid, qkv)
         if found is None:
             return None

@@ -208,8 +208,8 @@ def recompute_choice(cfg_recompute: str = "auto") -> tuple[bool, str]:
     """Whether the SwiGLU backward of the fused eager paths recomputes Z = k W, Y = q W', and why.
 
     ``auto`` (memory-lean) and ``always`` recompute, ``never`` saves them. ``qkv`` recomputes the mixer's qkv
-    projection and inner loops in its backward (``ttt._RecomputedMix``): the mixer then saves only its input, at
-    more training FLOPs; inside that recomputation Z, Y are kept (for one mixer at a time). What each mode
+    projection and inner loops in its backward (``ttt._RecomputedMix``): the mixer then saves only its input,
+    at more training FLOPs; inside that recomputation Z, Y are kept (for one mixer at a time). What each mode
     costs, as measured: ``docs/design/dispatch.md`` (memory-lean training).
 
     Args:
