@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .triton import plan, tiles
+from .triton import plan, rope, tiles
 from .triton.device import ARCHS, Arch
 from .triton.plan import Launch
 
@@ -43,6 +43,7 @@ __all__ = [
     "matrix",
     "plan_case",
     "plan_launches",
+    "rope_launches",
     "smem_bound",
     "specialise",
     "spill_bound",
@@ -129,17 +130,32 @@ def plan_launches(case: Case, batch: int | None = None) -> tuple[list[Launch], l
     return fwd, bwd
 
 
+def rope_launches(case: Case) -> list[Launch]:
+    """The RoPE rotations of a token-wise model's fused node (``triton.rope``): its q, k pair rotated, from
+    the qkv projection, and their gradients back, into the qkv gradient; none for the depthwise conv."""
+    if case.model == "dwconv":
+        return []
+    dtype, _ = MODES[case.mode]
+    b, n, c = case.batch, case.n_tok, case.heads * case.d
+    qkv = torch.empty(b, n, 3 * c, dtype=dtype, device="meta")
+    pair = qkv[..., : 2 * c].unflatten(-1, (2, c)).transpose(1, 2)  # [B, 2, N, C], as the node views it
+    acc = torch.promote_types(dtype, torch.float32)
+    tables = tuple(torch.empty(n, c // 2, dtype=acc, device="meta") for _ in range(2))
+    fresh = torch.empty(b, 2, n, c, dtype=dtype, device="meta")
+    return [rope.rotation(pair, tables, False, fresh), rope.rotation(fresh, tables, True, pair)]
+
+
 def plan_case(case: Case) -> list[Launch]:
     """Every distinct launch (by label) ``triton_ttt`` makes for ``case``, planned by its own set-up: at
     ``case.batch`` samples (N split over programs) and at enough samples for two programs per SM (N whole:
-    the one-launch forward and the fused backward stages)."""
+    the one-launch forward and the fused backward stages); and the fused node's RoPE rotations."""
     whole = -(-2 * case.arch.sms // case.heads)
     launches: dict[str, Launch] = {}
     for batch in (case.batch, whole):
         fwd, bwd = plan_launches(case, batch)
         for launch in fwd + bwd:
             launches.setdefault(launch.label, launch)
-    return list(launches.values())
+    return list(launches.values()) + rope_launches(case)
 
 
 def _ptxas_usage(log: str) -> tuple[int, int, int, int]:

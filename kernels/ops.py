@@ -191,6 +191,9 @@ class Node(NamedTuple):
         stored: ``(parameter, initial) -> bool``: whether the whole-mixer C++ op (``mix``) takes the inner
             model's ``parameter`` as stored where the model hands ``initial``, a view of it (the op reads the
             module's parameters on every call); ``None``: only an initial weight that is the parameter itself.
+        rotate: ``(pair, tables, inverse, out) -> None``: RoPE's rotation of a branch's q, k pair
+            ``[B, 2, N, C]`` into ``out`` by the ``rope_tables`` ``(cos, sin)``, the bits of
+            ``apply_rope_2d`` (``inverse``: rotated back); ``None``: the node rotates with PyTorch ops.
     """
 
     heads: bool
@@ -202,6 +205,7 @@ class Node(NamedTuple):
     mix: Callable[[int, Tensor], tuple[int, int]] | None = None
     whole: Whole | None = None
     stored: Callable[[Tensor, Tensor], bool] | None = None
+    rotate: Callable[[Tensor, tuple[Tensor, Tensor], bool, Tensor], None] | None = None
 
 
 @dataclass(frozen=True)

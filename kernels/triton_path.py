@@ -114,6 +114,10 @@ def _whole_saved_like(*args: Any) -> list[Tensor]:
     return _triton("program").saved_like(*args)
 
 
+def _rotate(*args: Any) -> None:
+    _triton("rope").rotate(*args)
+
+
 # A node whose branches are all on Triton: one launch program for all of them (``triton/program.py``).
 _WHOLE = Whole(_whole_forward, _whole_backward, _whole_state, _whole_saved_like)
 
@@ -127,6 +131,12 @@ def triton_path(name: str) -> Path:
         return _triton("node").forward(name, call)
 
     node = Node(
-        heads=True, forward=forward, backward=_node_backward, low_precision=True, twice=True, whole=_WHOLE
+        heads=True,
+        forward=forward,
+        backward=_node_backward,
+        low_precision=True,
+        twice=True,
+        whole=_WHOLE,
+        rotate=_rotate,
     )
     return Path(supports=_supports, run=_run, fits=_fits, node=node)

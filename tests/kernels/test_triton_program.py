@@ -329,7 +329,10 @@ def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypa
         qkv = qkv + seed
         out = qkv.new_empty(b, qkv.shape[1], layout.width)
         dqkv = torch.empty_like(qkv)
-        rotated = [em._rotated(qkv, em._geom(qkv), br, spec) if br.rope else None for br in spec.branches]
+        rotated = [
+            em._rotated(qkv, em._geom(qkv), br, spec, node) if br.rope else None
+            for br, (node, *_) in zip(spec.branches, layout.nodes)
+        ]
         d_rotated = [em._rotated_grads(dqkv, br) if br.rope else None for br in spec.branches]
         calls.append((qkv, weights, out, torch.randn_like(out), dqkv, rotated, d_rotated))
     seen: dict[str, list] = {}

@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, weight_grad
 from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Whole, tag_branch
 
-from .rope import apply_rope_2d
+from .rope import apply_rope_2d, rope_tables
 
 __all__ = [
     "BRANCH_ATTR",
@@ -109,10 +109,21 @@ def _qk(t: Tensor, geom: tuple[int, ...], br: MixBranch) -> Tensor:
     return _view(t, geom, br.offset, 2, br.heads * br.head_dim, True)
 
 
-def _rotated(qkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec) -> Tensor:
+def _tables(pair: Tensor, spec: MixSpec) -> tuple[Tensor, Tensor]:
+    """The ``rope_tables`` a pair ``[B, 2, N, C]`` of ``spec`` is rotated by (float32 at least)."""
+    dtype = torch.promote_types(pair.dtype, torch.float32)
+    return rope_tables(spec.grid, pair.shape[-1], spec.rope_base, pair.device, dtype)
+
+
+def _rotated(qkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, node: Node) -> Tensor:
     """RoPE branch ``br``'s q and k rotated, ``[B, 2, N, width]`` in qkv's dtype (the rotation of 16-bit q, k
-    comes back in float32)."""
-    return apply_rope_2d(_qk(qkv, geom, br), spec.grid, spec.rope_base).to(qkv.dtype)
+    is computed in float32), by its path's ``Node.rotate`` where it has one."""
+    pair = _qk(qkv, geom, br)
+    if node.rotate is None:
+        return apply_rope_2d(pair, spec.grid, spec.rope_base).to(qkv.dtype)
+    out = qkv.new_empty(pair.shape)
+    node.rotate(pair, _tables(pair, spec), False, out)
+    return out
 
 
 def _rotated_grads(dqkv: Tensor, br: MixBranch) -> Tensor:
@@ -120,9 +131,14 @@ def _rotated_grads(dqkv: Tensor, br: MixBranch) -> Tensor:
     return dqkv.new_empty(dqkv.shape[0], 2, dqkv.shape[1], br.heads * br.head_dim)
 
 
-def _rotate_back(dqkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, grads: Tensor) -> None:
+def _rotate_back(
+    dqkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, grads: Tensor, node: Node
+) -> None:
     """Branch ``br``'s dq, dk ``grads`` (``_rotated_grads``) rotated back into place in ``dqkv``."""
-    _qk(dqkv, geom, br).copy_(apply_rope_2d(grads, spec.grid, spec.rope_base, inverse=True))
+    if node.rotate is None:
+        _qk(dqkv, geom, br).copy_(apply_rope_2d(grads, spec.grid, spec.rope_base, inverse=True))
+    else:
+        node.rotate(grads, _tables(grads, spec), True, _qk(dqkv, geom, br))
 
 
 def _heads_of(pair: Tensor, heads: int) -> tuple[Tensor, Tensor]:
@@ -208,7 +224,8 @@ def _forward(
     out = qkv.new_empty(b, n, layout.width)
     if layout.whole is not None:
         rotated = layout.unrotated or [
-            _rotated(qkv, _geom(qkv), br, spec) if br.rope else None for br in spec.branches
+            _rotated(qkv, _geom(qkv), br, spec, node) if br.rope else None
+            for br, (node, *_) in zip(spec.branches, layout.nodes)
         ]
         saved, state = layout.whole.forward(
             layout.programs, layout.names, qkv, out, weights, save, rotated,
@@ -229,7 +246,7 @@ def _forward(
         # q, k, v and the destination as the hooks take them (q, k as tokens to rotate first)
         q, k, v = _branch_views(qkv, geom, br, node.heads)
         if br.rope:  # q and k in one rotation
-            pair = _rotated(qkv, geom, br, spec)
+            pair = _rotated(qkv, geom, br, spec, node)
             q, k = _heads_of(pair, br.heads) if node.heads else pair.unbind(1)
         dest = _view(out, out_geom, col, br.heads, br.head_dim, node.heads)
         try:
@@ -292,9 +309,9 @@ def _whole_backward(
     )
     if layout.unrotated is None:
         geom = _geom(dqkv)
-        for br, grads in zip(spec.branches, d_rotated):
+        for br, (node, *_), grads in zip(spec.branches, layout.nodes, d_rotated):
             if grads is not None:
-                _rotate_back(dqkv, geom, br, spec, grads)
+                _rotate_back(dqkv, geom, br, spec, grads, node)
     return dqkv, dws
 
 
@@ -333,7 +350,7 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
             tag_branch(exc, i)
             raise
         if br.rope:
-            _rotate_back(dqkv, geom, br, spec, rotated)
+            _rotate_back(dqkv, geom, br, spec, rotated, node)
         grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + count])]
         wi += count
         col += width
