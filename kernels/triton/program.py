@@ -183,14 +183,19 @@ class _Launches:
                 key = (device.index, *(b & 15 for b in bases))  # Triton specialises on 16-byte alignment
                 direct = self.direct.get(key, _UNBOUND)
                 if direct is _UNBOUND:
-                    direct = self.direct[key] = self._bind_compiled()
+                    try:
+                        direct = self._bind_compiled()
+                    except Exception:  # e.g. another Triton's API: its JIT launcher compiles and reports
+                        direct = None
+                    self.direct[key] = direct
                 _run(self.gpu if direct is None else direct)
 
     def _bind_compiled(self) -> tuple | None:
         """Each launch's kernel compiled for the addresses as they are bound now (``JITFunction.warmup``:
         compiled, not launched) and called as Triton's JIT launcher calls it, with every parameter of the
         kernel in order; ``None`` where a launcher is not Triton's JIT (a test hook), has pre-run hooks or
-        compiles nothing (a JIT hook that skips it): those launch through Triton's JIT launcher."""
+        compiles nothing (a JIT hook that skips it): those launch through Triton's JIT launcher, as every
+        launch does where this raises (a kernel that fails to compile then raises there)."""
         found = []
         for branch, launcher, grid, kwargs, args in self._jit:
             if type(launcher) is not JITFunction or launcher.pre_run_hooks:

@@ -537,6 +537,28 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
     assert len(compiled) > kernels and len(launched) == 3 * kernels
 
 
+def test_where_binding_the_compiled_kernels_fails_tritons_launcher_launches(monkeypatch):
+    """A GPU host whose Triton cannot be pre-bound (here ``JITFunction.warmup`` raises, as another release's
+    API might): every launch goes through Triton's JIT launcher, which compiles and reports a real failure."""
+    from triton.runtime.jit import JITFunction
+
+    _gpu_host(monkeypatch)
+    use_gpu_kernels(monkeypatch)
+    launched = []
+
+    def warmup(kernel, *args, grid, **kwargs):
+        raise TypeError("warmup() got an unexpected keyword argument")
+
+    monkeypatch.setattr(JITFunction, "warmup", warmup)
+    monkeypatch.setattr(JITFunction, "run", lambda kernel, *a, grid, warmup, **k: launched.append(kernel))
+    branches, b, grid = CASES["official"]
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float32)
+    for _ in range(2):
+        _run(spec, qkv, weights)
+    assert len(launched) > 20 and len(launched) % 2 == 0
+
+
 @pytest.mark.skipif(
     not os.environ.get("VIT3_OTHER_TRITON"), reason="no other Triton named (VIT3_OTHER_TRITON)"
 )
