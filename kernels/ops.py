@@ -29,6 +29,7 @@ __all__ = [
     "NodeCall",
     "Op",
     "Path",
+    "Rotation",
     "Settings",
     "Step",
     "Whole",
@@ -132,28 +133,45 @@ def tag_branch(exc: BaseException, branch: int) -> None:
         setattr(exc, BRANCH_ATTR, branch)
 
 
-class Whole(NamedTuple):
-    """A path's hooks for a whole fused node whose branches all take that path: one call for every branch
-    (e.g. the Triton path's launch program), instead of each branch's ``Node`` hooks.
+class Rotation(NamedTuple):
+    """A RoPE branch's q and k as whole-node hooks rotate them (``Whole``).
 
     Attributes:
-        forward: ``(cache, names, qkv, out, weights, save, rotated, calls) -> (saved, state)``: every branch's
+        source: the branch's q, k in the node's qkv as one ``[B, 2, N, C]`` view (in a backward: its dq, dk
+            in the qkv gradient, where the rotated-back gradients go).
+        pair: a ``[B, 2, N, C]`` tensor laid out as the hooks keep the rotated pair; the branch's
+            ``NodeCall`` q, k (in a backward its dq, dk) are views of it.
+        tables: the ``rope_tables`` ``(cos, sin)`` of the grid and C, float32 at least.
+    """
+
+    source: Tensor
+    pair: Tensor
+    tables: tuple[Tensor, Tensor]
+
+
+class Whole(NamedTuple):
+    """A path's hooks for a whole fused node whose branches all take that path: one call for every branch
+    (e.g. the Triton path's launch program), instead of each branch's ``Node`` hooks. They rotate the RoPE
+    branches' q, k themselves, and their gradients back.
+
+    Attributes:
+        forward: ``(cache, names, qkv, out, weights, save, calls) -> (saved, state)``: every branch's
             read-out written into ``out`` ``[B, N, sum(widths)]``; ``cache`` a dict the node keeps per plan,
-            ``names`` the branches' ops, ``rotated`` per branch its q and k rotated by RoPE,
-            ``[B, 2, N, width]`` (the hooks read that branch's q, k there), ``None`` for a branch without
-            RoPE, ``calls()`` makes each branch's ``NodeCall`` (views of qkv, the rotated pairs and out; asked
-            only where the hooks need them, e.g. the first call of a layout); ``saved`` the tensors the
-            backward needs besides qkv and the weights (the node saves those after them; empty unless
-            ``save``), ``state`` what the backward gets back. An exception names its branch (``BRANCH_ATTR``).
-        backward: ``(d_out, dqkv, saved, state, d_rotated, calls) -> grads``: writes dq, dk, dv of every
-            branch into ``dqkv`` (qkv's shape), a RoPE branch's dq, dk into its pair in ``d_rotated`` (per
-            branch, as ``rotated``; the node rotates them back); ``saved``: the forward's, then qkv and the
-            weights; ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views; returns per branch
+            ``names`` the branches' ops, ``calls()`` makes each branch's ``NodeCall`` (views of qkv and out;
+            a RoPE branch's q, k views of its ``Rotation.pair``) and per branch its ``Rotation`` (``None``
+            without RoPE), asked only where the hooks need them (e.g. the first call of a layout); ``saved``
+            the tensors the backward needs besides qkv and the weights (the node saves those after them;
+            empty unless ``save``), ``state`` what the backward gets back. An exception names its branch
+            (``BRANCH_ATTR``).
+        backward: ``(d_out, dqkv, saved, state, calls) -> grads``: writes dq, dk, dv of every branch into
+            ``dqkv`` (qkv's shape; a RoPE branch's dq, dk rotated back); ``saved``: the forward's, then qkv
+            and the weights; ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views and per
+            branch its ``Rotation`` (``source`` in ``dqkv``; dq, dk views of its ``pair``); returns per branch
             its initial weights' gradients, summed over the batch, as one tensor (the weights' shape; two
             weights stacked ``[2, ...]``).
-        state: ``(cache, names, qkv, weights, rotated, calls) -> state``: the ``state`` a training
-            ``forward`` of ``(qkv, weights)`` returned, found again (the mixer op's backward, which gets
-            tensors only); ``calls()`` makes an output and the ``NodeCall`` s, as for ``forward``.
+        state: ``(cache, names, qkv, weights, calls) -> state``: the ``state`` a training ``forward`` of
+            ``(qkv, weights)`` returned, found again (the mixer op's backward, which gets tensors only);
+            ``calls()`` makes an output, the ``NodeCall`` s and the ``Rotation`` s, as for ``forward``.
         saved_like: ``(names, qkv, branches) -> saved``: empty tensors laid out as a training ``forward``
             saves them, for ``branches`` ``(heads, head_dim, rope)`` (the mixer op's fake; sizes may be
             symbolic).

@@ -39,6 +39,7 @@ __all__ = [
     "launcher",
     "plan_key",
     "reduce_split",
+    "slotted",
     "stat_shape",
     "tensor_meta",
     "weight_grad_shape",
@@ -164,13 +165,17 @@ class _Builder:
         self.launches.append(Launch(label, kernel, fold_grid(programs), args, kwargs, programs))
 
     def plan(self, outputs: tuple[Tensor, ...]) -> LaunchPlan:
+        launches = tuple(slotted(launch, self.tensors) for launch in self.launches)
         ids = {id(t): i for i, t in enumerate(self.tensors) if t is not None}
-        launches = []
-        for launch in self.launches:
-            slots = tuple((p, ids[id(a)]) for p, a in enumerate(launch.args) if isinstance(a, Tensor))
-            args = tuple(None if isinstance(a, Tensor) else a for a in launch.args)
-            launches.append(launch._replace(args=args, slots=slots))
-        return LaunchPlan(tuple(self.buffers), tuple(launches), tuple(ids[id(t)] for t in outputs))
+        return LaunchPlan(tuple(self.buffers), launches, tuple(ids[id(t)] for t in outputs))
+
+
+def slotted(launch: Launch, tensors: Sequence[Tensor | None]) -> Launch:
+    """``launch`` with its tensor arguments left out as slots: each the index of the same object in
+    ``tensors``."""
+    ids = {id(t): i for i, t in enumerate(tensors) if t is not None}
+    slots = tuple((p, ids[id(a)]) for p, a in enumerate(launch.args) if isinstance(a, Tensor))
+    return launch._replace(args=tuple(None if isinstance(a, Tensor) else a for a in launch.args), slots=slots)
 
 
 class LaunchPlan(NamedTuple):

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 from triton.runtime.jit import JITFunction, KernelInterface
 
-from ..ops import NodeCall, tag_branch
-from . import plan
+from ..ops import NodeCall, Rotation, tag_branch
+from . import plan, rope
 from .device import acc_dtype, interpreting
 from .node import checked_entry, state_of
 from .plan import Buffer, backward_template, forward_template, on_device, tensor_meta
@@ -245,43 +245,47 @@ def program_key(qkv: Tensor, weights: Sequence[Tensor]) -> tuple:
     return tuple(key)
 
 
-# The bases of a forward call, then the weights, then each RoPE branch's rotated q, k; of a backward call,
-# then each branch's dW, the weights, each RoPE branch's rotated q, k and the pair its dq, dk are written
-# into.
+# The bases of a forward call, then the weights, then each RoPE branch's cos and sin tables; of a backward
+# call, then each branch's dW, the weights and the tables.
 QKV, OUT, SAVED, SCRATCH = range(4)
 D_OUT, B_QKV, B_SAVED, B_SCRATCH, D_QKV = range(5)
+# A RoPE branch's q, k (dq, dk) until its rotated pair is placed: offsets into that pair.
+_PAIR = -1
 
 
 class MixProgram:
     """Every branch's forward and backward launches of one fused Triton node, bound by address.
 
-    Built from the first call's branch calls (``NodeCall`` s: views of that call's qkv, the RoPE branches'
-    rotated q, k pairs and the output), checked as the per-branch hooks check them; later calls of the same
-    ``program_key`` take only qkv, the output, the weights and the rotated pairs.
+    Built from the first call's branch calls (``NodeCall`` s: views of that call's qkv and the output, a RoPE
+    branch's q, k views of its ``Rotation.pair``), checked as the per-branch hooks check them; later calls of
+    the same ``program_key`` take only qkv, the output and the weights. A RoPE branch's pair is rotated by the
+    program's launch before the branch's (into the workspace) and its gradients back after them.
     """
 
     def __init__(
         self, names: Sequence[str], qkv: Tensor, out: Tensor, calls: Sequence[NodeCall],
-        rotated: Sequence[Tensor | None],
+        rotations: Sequence[Rotation | None],
     ) -> None:  # fmt: skip
         self.names, self.interpret = tuple(names), interpreting()
         self.counts = tuple(len(call.weights) for call in calls)
-        self.n_rotated = sum(pair is not None for pair in rotated)
-        self.entries, self.inputs = [], []
-        self.rot_first = at = SCRATCH + 1 + sum(self.counts)  # the first rotated pair's base
-        for i, (name, call, pair) in enumerate(zip(names, calls, rotated)):
+        self.entries, self.inputs, self.tables = [], [], []
+        for i, (name, call, rot) in enumerate(zip(names, calls, rotations)):
             try:
                 self.entries.append(checked_entry(name, call))
             except Exception as exc:
                 tag_branch(exc, i)
                 raise
-            if pair is None:
-                where = [_Where.of(QKV, _offset(t, qkv), t) for t in (call.q, call.k, call.v)]
+            if rot is None:
+                where, turn = [_Where.of(QKV, _offset(t, qkv), t) for t in (call.q, call.k, call.v)], None
             else:
-                where = [_Where.of(at, _offset(t, pair), t) for t in (call.q, call.k)]
+                where = [_Where.of(_PAIR, _offset(t, rot.pair), t) for t in (call.q, call.k)]
                 where.append(_Where.of(QKV, _offset(call.v, qkv), call.v))
-                at += 1
-            self.inputs.append((where, _Where.of(OUT, _offset(call.dest, out), call.dest)))
+                turn = (_Where.of(QKV, _offset(rot.source, qkv), rot.source), _meta(rot.pair))
+                turn += (len(self.tables),)
+                self.tables += rot.tables
+            self.inputs.append((where, _Where.of(OUT, _offset(call.dest, out), call.dest), turn))
+        base = _storage_base if self.interpret else Tensor.data_ptr
+        self.fixed = [base(t) for t in self.tables]  # the tables' bases, the same every call
         self._forwards: dict[bool, tuple] = {}
         self._backwards: dict[tuple, tuple] = {}
 
@@ -294,34 +298,52 @@ class MixProgram:
             at += count
         return found
 
+    def _rotation(
+        self, launches: _Launches, branch: int, src: _Where, dst: _Where, tables: tuple[int, int],
+        inverse: bool,
+    ) -> None:  # fmt: skip
+        """Adds to ``launches`` the RoPE rotation of the pair at ``src`` into ``dst`` (``inverse``: back) by
+        the tables ``(index in self.tables, its base)``."""
+        index, first = tables
+        cos_sin = self.tables[index : index + 2]
+        metas = [_meta(w).alloc(torch.device("meta")) for w in (src, dst)]
+        launch = rope.rotation(metas[0], tuple(cos_sin), inverse, metas[1])
+        if launch is not None:
+            wheres = [src, dst, *(_Where.of(first + j, 0, t) for j, t in enumerate(cos_sin))]
+            launches.add(branch, plan.LaunchPlan((), (plan.slotted(launch, [*metas, *cos_sin]),), ()), wheres)
+
     def _forward(self, save: bool) -> tuple:
         """The forward's launches, its saved workspace's and scratch's sizes and where each branch's ``G``,
-        ``||G||`` lie in the saved workspace."""
+        ``||G||`` and rotated pair (``None`` without RoPE) lie in the saved workspace."""
         found = self._forwards.get(save)
         if found is not None:
             return found
         saved, scratch = _Workspace(SAVED), _Workspace(SCRATCH)
         launches, kept = _Launches(), []
-        for i, ((key, metas), (qkv_at, out_at), w_at) in enumerate(
+        first_table = SCRATCH + 1 + sum(self.counts)
+        for i, ((key, metas), (qkv_at, out_at, turn), w_at) in enumerate(
             zip(self.entries, self.inputs, self._weights(SCRATCH + 1))
         ):
+            pair_at = None
+            if turn is not None:  # the rotated pair first: a training call saves it for the backward
+                source, pair, index = turn
+                pair_at = (saved if save else scratch).place(pair)
+                qkv_at = [_in_pair(w, pair_at) for w in qkv_at]
+                self._rotation(launches, i, source, pair_at, (index, first_table + index), False)
             template = forward_template(key, save, metas[:5], metas[5])
             wheres = [*qkv_at, *w_at, out_at]
             outs = set(template.outputs[1:])
             for j, buf in enumerate(template.buffers, start=len(wheres)):  # inference: all in the scratch
                 wheres.append((saved if save and j in outs else scratch).place(buf))
-            kept.append(tuple(wheres[j] for j in template.outputs[1:]))
+            kept.append((*(wheres[j] for j in template.outputs[1:]), pair_at))
             launches.add(i, template, wheres)
         launches.build()
         found = self._forwards[save] = (launches, saved.size, scratch.size, tuple(kept))
         return found
 
-    def forward(
-        self, qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool, rotated: Sequence[Tensor]
-    ) -> tuple[Tensor, Any]:
-        """Writes every branch's read-out into ``out`` (``rotated``: the RoPE branches' pairs, in order);
-        returns the saved workspace (``G``, ``||G||``; empty unless ``save``) and where in it each branch's
-        lie, for the backward."""
+    def forward(self, qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool) -> tuple[Tensor, Any]:
+        """Writes every branch's read-out into ``out``; returns the saved workspace (``G``, ``||G||`` and the
+        rotated pairs; empty unless ``save``) and where in it each branch's lie, for the backward."""
         launches, n_saved, n_scratch, kept = self._forwards.get(save) or self._forward(save)
         if plan.DEBUG_FILL is not None:
             plan.debug_filled(out)
@@ -329,39 +351,38 @@ class MixProgram:
         scratch = _alloc(n_scratch, device)
         ws = _alloc(n_saved, device) if save else scratch  # inference saves nothing (n_saved 0): no workspace
         base = _storage_base if self.interpret else Tensor.data_ptr
-        bases = [base(qkv), base(out), base(ws), base(scratch), *map(base, weights), *map(base, rotated)]
+        bases = [base(qkv), base(out), base(ws), base(scratch), *map(base, weights), *self.fixed]
         launches.run(bases, self.interpret, device)
         return ws, kept
 
     def _backward(
-        self, kept: tuple, calls: Sequence[tuple[Tensor, ...]], d_out: Tensor, dqkv: Tensor,
-        d_rotated: Sequence[Tensor],
+        self, kept: tuple, calls: tuple[Sequence[tuple[Tensor, ...]], Sequence[Rotation | None]],
+        d_out: Tensor, dqkv: Tensor,
     ) -> tuple:  # fmt: skip
         """The backward's launches for the gradients' layout, its scratch size and each branch's dW buffer;
-        ``calls``: each branch's (dout, dq, dk, dv) views of that call's ``d_out``, ``dqkv`` and (a RoPE
-        branch's dq, dk) its pair in ``d_rotated``."""
+        ``calls``: each branch's (dout, dq, dk, dv) views of that call's ``d_out`` and ``dqkv`` (a RoPE
+        branch's dq, dk: of its ``Rotation.pair``) and its ``Rotation``."""
         scratch = _Workspace(B_SCRATCH)
         launches, dws = _Launches(), []
         first_w = D_QKV + 1 + len(self.entries)
-        moved = first_w - SCRATCH - 1  # a forward base past the scratch -> the backward's (after the dWs)
-        for i, ((key, metas), (qkv_at, _), w_at, (g_at, n_at), views) in enumerate(
-            zip(self.entries, self.inputs, self._weights(first_w), kept, calls)
+        first_table = first_w + sum(self.counts)
+        views, rotations = calls
+        branches = zip(self.entries, self.inputs, self._weights(first_w), kept, views, rotations)
+        for i, ((key, metas), (qkv_at, _, turn), w_at, (g_at, n_at, pair_at), call, rot) in enumerate(
+            branches
         ):
-            dout, *grads = views
+            dout, *grads = call
             template = backward_template(key, metas[:5], tensor_meta(dout), tuple(map(tensor_meta, grads)))
             wheres = [_Where.of(D_OUT, _offset(dout, d_out), dout)]
-            wheres += [w._replace(base=B_QKV if w.base == QKV else w.base + moved) for w in qkv_at] + w_at
-            wheres += [w._replace(base=B_SAVED) for w in (g_at, n_at)]
-            if qkv_at[0].base >= self.rot_first:  # a RoPE branch: dq, dk into its pair of d_rotated
-                # (the pairs of the gradients follow the rotated pairs' bases)
-                pair, base = (
-                    d_rotated[qkv_at[0].base - self.rot_first],
-                    qkv_at[0].base + moved + self.n_rotated,
-                )
-                wheres += [_Where.of(base, _offset(t, pair), t) for t in grads[:2]]
-                wheres.append(_Where.of(D_QKV, _offset(grads[2], dqkv), grads[2]))
-            else:
+            saved_pair = None if pair_at is None else pair_at._replace(base=B_SAVED)
+            wheres += [w._replace(base=B_QKV) if w.base == QKV else _in_pair(w, saved_pair) for w in qkv_at]
+            wheres += w_at + [w._replace(base=B_SAVED) for w in (g_at, n_at)]
+            if turn is None:
                 wheres += [_Where.of(D_QKV, _offset(t, dqkv), t) for t in grads]
+            else:  # dq, dk in the rotated frame, into a pair in the scratch
+                d_pair = scratch.place(_meta(rot.pair))
+                wheres += [_in_pair(_Where.of(_PAIR, _offset(t, rot.pair), t), d_pair) for t in grads[:2]]
+                wheres.append(_Where.of(D_QKV, _offset(grads[2], dqkv), grads[2]))
             dw = template.outputs[3]
             for j, buf in enumerate(template.buffers, start=len(wheres)):
                 if j == dw:
@@ -370,26 +391,27 @@ class MixProgram:
                 else:
                     wheres.append(scratch.place(buf))
             launches.add(i, template, wheres)
+            if turn is not None:  # dq, dk rotated back into place
+                back = _Where.of(D_QKV, _offset(rot.source, dqkv), rot.source)
+                self._rotation(launches, i, d_pair, back, (turn[2], first_table + turn[2]), True)
         launches.build()
         return launches, scratch.size, tuple(dws)
 
     def backward(
         self, d_out: Tensor, dqkv: Tensor, qkv: Tensor, weights: Sequence[Tensor], ws: Tensor, kept: tuple,
-        rotated: Sequence[Tensor], d_rotated: Sequence[Tensor],
-        calls: Callable[[], Sequence[tuple[Tensor, ...]]],
+        calls: Callable[[], tuple[Sequence[tuple[Tensor, ...]], Sequence[Rotation | None]]],
     ) -> list[Tensor]:  # fmt: skip
-        """Writes dq, dk, dv of every branch into ``dqkv`` (a RoPE branch's dq, dk into its pair of
-        ``d_rotated``, its q, k read from its pair of ``rotated``, both in order); returns each branch's
-        initial weights' gradients as one tensor (SwiGLU's two stacked). ``calls``: makes each branch's
-        (dout, dq, dk, dv) views (the first time of a layout)."""
-        layout = d_out.stride()  # dqkv, d_rotated: made by the node, of qkv's shape (the key), contiguous
+        """Writes dq, dk, dv of every branch into ``dqkv`` (a RoPE branch's q, k read from its rotated pair in
+        ``ws``, its dq, dk rotated back); returns each branch's initial weights' gradients as one tensor
+        (SwiGLU's two stacked). ``calls``: makes each branch's (dout, dq, dk, dv) views and ``Rotation``
+        (the first time of a layout)."""
+        layout = d_out.stride()  # dqkv: made by the node, of qkv's shape (the key), contiguous
         found = self._backwards.get(layout)
         if found is None:
-            found = self._backwards[layout] = self._backward(kept, calls(), d_out, dqkv, d_rotated)
+            found = self._backwards[layout] = self._backward(kept, calls(), d_out, dqkv)
         launches, n_scratch, dw_bufs = found
         if plan.DEBUG_FILL is not None:
-            for t in (dqkv, *d_rotated):
-                plan.debug_filled(t)
+            plan.debug_filled(dqkv)
         device = d_out.device
         dws = [buf.alloc(device) for buf in dw_bufs]
         scratch = _alloc(n_scratch, device)
@@ -402,20 +424,34 @@ class MixProgram:
             base(dqkv),
             *map(base, dws),
             *map(base, weights),
-            *map(base, rotated),
-            *map(base, d_rotated),
+            *self.fixed,
         ]
         launches.run(bases, self.interpret, device)
         return dws
 
     def saved_places(self) -> tuple:
-        """Where each branch's ``G``, ``||G||`` lie in a training forward's saved workspace (what
-        ``backward`` takes back)."""
+        """Where each branch's ``G``, ``||G||`` and rotated pair lie in a training forward's saved workspace
+        (what ``backward`` takes back)."""
         return (self._forwards.get(True) or self._forward(True))[3]
 
     def labels(self, save: bool = True) -> list[tuple[int, str]]:
         """The forward's launches as (branch, kernel label), in order."""
         return [(branch, label) for branch, label, *_ in self._forward(save)[0].steps]
+
+
+def _meta(like: Tensor | _Where) -> Buffer:
+    """The layout of a tensor or a place, as a ``Buffer``."""
+    if isinstance(like, Tensor):
+        return Buffer(*tensor_meta(like))
+    return Buffer(like.shape, like.stride, like.dtype)
+
+
+def _in_pair(where: _Where, pair: _Where) -> _Where:
+    """``where`` (a q, k or its gradient at an offset into its rotated pair, base ``_PAIR``) at ``pair``'s
+    place; any other place as it is."""
+    if where.base != _PAIR:
+        return where
+    return where._replace(base=pair.base, offset=pair.offset + where.offset)
 
 
 def _storage_base(t: Tensor) -> tuple[Any, int]:
@@ -439,69 +475,68 @@ def clear() -> None:
 
 def _program(
     cache: dict, names: Sequence[str], qkv: Tensor, weights: Sequence[Tensor],
-    rotated: Sequence[Tensor | None], calls: Callable[[], tuple[Tensor, Sequence[NodeCall]]],
+    calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Rotation | None]]],
 ) -> MixProgram:  # fmt: skip
-    """The program of ``(qkv, weights)`` found in ``cache`` or made from ``calls()`` (the output and each
-    branch's ``NodeCall``)."""
+    """The program of ``(qkv, weights)`` found in ``cache`` or made from ``calls()`` (the output, each
+    branch's ``NodeCall`` and ``Rotation``)."""
     key = (_GENERATION[0], program_key(qkv, weights))
     program = cache.get(key)
     if program is None:
         if len(cache) >= MAX_PROGRAMS:
             cache.clear()
-        program = cache[key] = MixProgram(names, qkv, *calls(), rotated)
+        program = cache[key] = MixProgram(names, qkv, *calls())
     return program
 
 
 def forward(
     cache: dict, names: Sequence[str], qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool,
-    rotated: Sequence[Tensor | None], calls: Callable[[], Sequence[NodeCall]],
+    calls: Callable[[], tuple[Sequence[NodeCall], Sequence[Rotation | None]]],
 ) -> tuple[list[Tensor], Any]:  # fmt: skip
     """``Whole.forward`` of the Triton path: the program of ``(qkv, weights)`` found in ``cache`` or made from
-    ``calls()``, run; saves the workspace of ``G``, ``||G||`` and the RoPE branches' rotated pairs (the
-    backward reads q, k there; the pairs are fresh, of qkv's shape: its key covers them)."""
-    program = _program(cache, names, qkv, weights, rotated, lambda: (out, calls()))
-    pairs = [pair for pair in rotated if pair is not None] if program.n_rotated else ()
-    ws, kept = program.forward(qkv, out, weights, save, pairs)
-    return ([ws, *pairs] if save else []), (program, kept)
+    ``calls()``, run; saves its workspace (``G``, ``||G||``, the RoPE branches' rotated pairs)."""
+    program = _program(cache, names, qkv, weights, lambda: (out, *calls()))
+    ws, kept = program.forward(qkv, out, weights, save)
+    return ([ws] if save else []), (program, kept)
 
 
 def state(
     cache: dict, names: Sequence[str], qkv: Tensor, weights: Sequence[Tensor],
-    rotated: Sequence[Tensor | None], calls: Callable[[], tuple[Tensor, Sequence[NodeCall]]],
+    calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Rotation | None]]],
 ) -> Any:  # fmt: skip
     """``Whole.state`` of the Triton path: what ``forward`` handed its backward for a training call on
-    ``(qkv, weights)``, found again (the program, where its statistics lie)."""
-    program = _program(cache, names, qkv, weights, rotated, calls)
+    ``(qkv, weights)``, found again (the program, where its statistics and pairs lie)."""
+    program = _program(cache, names, qkv, weights, calls)
     return program, program.saved_places()
 
 
+def _dense(shape: Sequence[Any], dtype: torch.dtype) -> Buffer:
+    """A contiguous ``shape`` (sizes may be symbolic)."""
+    stride = [1]
+    for size in reversed(shape[1:]):
+        stride.insert(0, stride[0] * size)
+    return Buffer(tuple(shape), tuple(stride), dtype)
+
+
 def saved_like(names: Sequence[str], qkv: Tensor, branches: Sequence[tuple[int, int, bool]]) -> list[Tensor]:
-    """``Whole.saved_like`` of the Triton path: empty tensors laid out as a training ``forward`` saves them
-    (the workspace, the RoPE branches' pairs) for ``branches`` ``(heads, head_dim, rope)``; sizes may be
-    symbolic (``torch.compile``'s fake tensors)."""
+    """``Whole.saved_like`` of the Triton path: an empty workspace laid out as a training ``forward`` saves it
+    for ``branches`` ``(heads, head_dim, rope)``: per branch its rotated pair (RoPE), then its statistics;
+    sizes may be symbolic (``torch.compile``'s fake tensors)."""
     b, n, _ = qkv.shape
     acc = acc_dtype(qkv.dtype)[0]
     ws = _Workspace(SAVED)
-    for name, (heads, d, _) in zip(names, branches):
+    for name, (heads, d, rotated) in zip(names, branches):
+        if rotated:
+            ws.place(_dense((b, 2, n, heads * d), qkv.dtype))
         for shape in plan.stat_shapes(name, b * heads, d):
-            stride = [1]
-            for size in reversed(shape[1:]):
-                stride.insert(0, stride[0] * size)
-            ws.place(Buffer(shape, tuple(stride), acc))
-    pairs = [qkv.new_empty(b, 2, n, heads * d) for heads, d, rope in branches if rope]
-    return [qkv.new_empty(ws.size, dtype=torch.uint8), *pairs]
+            ws.place(_dense(shape, acc))
+    return [qkv.new_empty(ws.size, dtype=torch.uint8)]
 
 
 def backward(
-    d_out: Tensor, dqkv: Tensor, saved: Sequence[Tensor], state: Any, d_rotated: Sequence[Tensor | None],
-    calls: Callable[[], Sequence[tuple[Tensor, ...]]],
+    d_out: Tensor, dqkv: Tensor, saved: Sequence[Tensor], state: Any,
+    calls: Callable[[], tuple[Sequence[tuple[Tensor, ...]], Sequence[Rotation | None]]],
 ) -> list[Tensor]:  # fmt: skip
     """``Whole.backward`` of the Triton path: the program's backward on what ``forward`` saved."""
     program, kept = state
-    if not program.n_rotated:
-        ws, qkv, *weights = saved
-        return program.backward(d_out, dqkv, qkv, weights, ws, kept, (), (), calls)
-    n = program.n_rotated
-    ws, pairs, (qkv, *weights) = saved[0], saved[1 : 1 + n], saved[1 + n :]
-    d_pairs = [pair for pair in d_rotated if pair is not None]
-    return program.backward(d_out, dqkv, qkv, weights, ws, kept, pairs, d_pairs, calls)
+    ws, qkv, *weights = saved
+    return program.backward(d_out, dqkv, qkv, weights, ws, kept, calls)

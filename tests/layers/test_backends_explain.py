@@ -254,7 +254,7 @@ def test_the_backends_a_config_may_name_are_the_registrys():
 @pytest.mark.parametrize("rope", [False, True], ids=["rope-off", "rope-on"])
 def test_explain_says_when_the_fused_node_is_one_launch_program(monkeypatch, rope):
     """Both branches on Triton: one launch program, with or without RoPE on the SwiGLU branch (its q, k
-    rotated into the program's bases); never on the CPU paths. As the mixer's call runs it."""
+    rotated by the program's own launches); never on the CPU paths. As the mixer's call runs it."""
     mixer = hb.make_mixer(dtype=torch.float32, rope=rope)
     x = hb.tokens(BIG_GRID, dtype=torch.float32)
     assert not mixer.explain(x, BIG_GRID).program  # cpu, cpu

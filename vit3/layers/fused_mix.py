@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, weight_grad
-from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Whole, tag_branch
+from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Rotation, Whole, tag_branch
 
 from .rope import apply_rope_2d, rope_tables
 
@@ -126,6 +126,14 @@ def _rotated(qkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, n
     return out
 
 
+def _rotation(t: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec) -> Rotation:
+    """RoPE branch ``br``'s q, k (or their gradients) in ``t`` as whole-node hooks rotate them: the view, a
+    fresh pair laid out as the hooks keep theirs, the tables."""
+    source = _qk(t, geom, br)
+    pair = t.new_empty(source.shape)
+    return Rotation(source, pair, _tables(pair, spec))
+
+
 def _rotated_grads(dqkv: Tensor, br: MixBranch) -> Tensor:
     """Where RoPE branch ``br``'s hooks write dq, dk in the rotated frame: ``[B, 2, N, width]``."""
     return dqkv.new_empty(dqkv.shape[0], 2, dqkv.shape[1], br.heads * br.head_dim)
@@ -159,7 +167,6 @@ class MixLayout(NamedTuple):
     names: tuple[str, ...]  # the branches' ops
     whole: Whole | None  # every branch's path runs the whole node (``Node.whole``), else ``None``
     programs: dict  # the cache ``whole`` keeps for this spec
-    unrotated: tuple[None, ...] | None  # no branch has RoPE: ``whole``'s (d_)rotated, one ``None`` per branch
 
 
 @functools.lru_cache(maxsize=64)
@@ -179,8 +186,7 @@ def mix_layout(spec: MixSpec) -> MixLayout:
     if any(node.whole is not whole for node, *_ in found):
         whole = None
     names = tuple(br.op for br in spec.branches)
-    unrotated = None if any(br.rope for br in spec.branches) else (None,) * len(spec.branches)
-    return MixLayout(spec, tuple(found), sum(w for *_, w in found), hyper, twice, names, whole, {}, unrotated)
+    return MixLayout(spec, tuple(found), sum(w for *_, w in found), hyper, twice, names, whole, {})
 
 
 def reference_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
@@ -223,13 +229,9 @@ def _forward(
     spec = layout.spec
     out = qkv.new_empty(b, n, layout.width)
     if layout.whole is not None:
-        rotated = layout.unrotated or [
-            _rotated(qkv, _geom(qkv), br, spec, node) if br.rope else None
-            for br, (node, *_) in zip(spec.branches, layout.nodes)
-        ]
         saved, state = layout.whole.forward(
-            layout.programs, layout.names, qkv, out, weights, save, rotated,
-            lambda: _whole_calls(qkv, out, layout, weights, save, rotated),
+            layout.programs, layout.names, qkv, out, weights, save,
+            lambda: _whole_calls(qkv, out, layout, weights, save),
         )  # fmt: skip
         return out, saved, state
     # Dense copies of every branch's q, k, v or none (the C++ kernel reads small problems in place, the tiled
@@ -264,36 +266,39 @@ def _forward(
 
 
 def _whole_calls(
-    qkv: Tensor, out: Tensor, layout: MixLayout, weights: tuple[Tensor, ...], save: bool,
-    rotated: list[Tensor | None],
-) -> list[NodeCall]:  # fmt: skip
-    """Each branch's ``NodeCall`` for ``Whole.forward``: q, k, v and the destination as heads views (a RoPE
-    branch's q, k: of its ``rotated`` pair)."""
-    geom, out_geom, calls, col, wi = _geom(qkv), _geom(out), [], 0, 0
-    for br, (_, count, width), pair in zip(layout.spec.branches, layout.nodes, rotated):
+    qkv: Tensor, out: Tensor, layout: MixLayout, weights: tuple[Tensor, ...], save: bool
+) -> tuple[list[NodeCall], list[Rotation | None]]:
+    """Each branch's ``NodeCall`` and ``Rotation`` (``None`` without RoPE) for ``Whole.forward``: q, k, v and
+    the destination as heads views (a RoPE branch's q, k: of its rotation's pair)."""
+    geom, out_geom, calls, rotations, col, wi = _geom(qkv), _geom(out), [], [], 0, 0
+    for br, (_, count, width) in zip(layout.spec.branches, layout.nodes):
         q, k, v = _branch_views(qkv, geom, br, True)
-        if pair is not None:
-            q, k = _heads_of(pair, br.heads)
+        rotation = _rotation(qkv, geom, br, layout.spec) if br.rope else None
+        if rotation is not None:
+            q, k = _heads_of(rotation.pair, br.heads)
         dest = _view(out, out_geom, col, br.heads, br.head_dim, True)
         calls.append(NodeCall(q, k, v, weights[wi : wi + count], dest, layout.hyper, save, False))
+        rotations.append(rotation)
         col, wi = col + width, wi + count
-    return calls
+    return calls, rotations
 
 
 def _whole_grads(
-    d_out: Tensor, dqkv: Tensor, layout: MixLayout, d_rotated: list[Tensor | None]
-) -> list[tuple[Tensor, ...]]:
-    """Each branch's ``(dout, dq, dk, dv)`` heads views for ``Whole.backward`` (a RoPE branch's dq, dk: of
-    its ``d_rotated`` pair)."""
-    geom, out_geom, views, col = _geom(dqkv), _geom(d_out), [], 0
-    for br, (_, _, width), pair in zip(layout.spec.branches, layout.nodes, d_rotated):
+    d_out: Tensor, dqkv: Tensor, layout: MixLayout
+) -> tuple[list[tuple[Tensor, ...]], list[Rotation | None]]:
+    """Each branch's ``(dout, dq, dk, dv)`` heads views and ``Rotation`` for ``Whole.backward`` (a RoPE
+    branch's dq, dk: of its rotation's pair, rotated back into ``dqkv`` by the hooks)."""
+    geom, out_geom, views, rotations, col = _geom(dqkv), _geom(d_out), [], [], 0
+    for br, (_, _, width) in zip(layout.spec.branches, layout.nodes):
         dout = _view(d_out, out_geom, col, br.heads, br.head_dim, True)
         dq, dk, dv = _branch_views(dqkv, geom, br, True)
-        if pair is not None:
-            dq, dk = _heads_of(pair, br.heads)
+        rotation = _rotation(dqkv, geom, br, layout.spec) if br.rope else None
+        if rotation is not None:
+            dq, dk = _heads_of(rotation.pair, br.heads)
         views.append((dout, dq, dk, dv))
+        rotations.append(rotation)
         col += width
-    return views
+    return views, rotations
 
 
 def _whole_backward(
@@ -301,17 +306,8 @@ def _whole_backward(
 ) -> tuple[Tensor, list[Tensor]]:
     """The whole-node hooks' backward (``Whole.backward``): the qkv gradient and, per branch, its weights'
     gradients as one tensor (two weights stacked)."""
-    spec = layout.spec
     dqkv = d_out.new_empty(qkv_shape)
-    d_rotated = layout.unrotated or [_rotated_grads(dqkv, br) if br.rope else None for br in spec.branches]
-    dws = layout.whole.backward(
-        d_out, dqkv, saved, state, d_rotated, lambda: _whole_grads(d_out, dqkv, layout, d_rotated)
-    )
-    if layout.unrotated is None:
-        geom = _geom(dqkv)
-        for br, (node, *_), grads in zip(spec.branches, layout.nodes, d_rotated):
-            if grads is not None:
-                _rotate_back(dqkv, geom, br, spec, grads, node)
+    dws = layout.whole.backward(d_out, dqkv, saved, state, lambda: _whole_grads(d_out, dqkv, layout))
     return dqkv, dws
 
 
@@ -513,14 +509,12 @@ def mix_backward_op(
     """``mix_op``'s backward on what it saved: the qkv gradient and, per branch, its initial weights'
     gradients as one tensor (two weights stacked ``[2, ...]``)."""
     layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
-    pairs = iter(saved[1:])
-    rotated = [next(pairs) if br.rope else None for br in layout.spec.branches]
 
-    def calls() -> tuple[Tensor, list[NodeCall]]:
+    def calls() -> tuple[Tensor, list[NodeCall], list[Rotation | None]]:
         out = qkv.new_empty(qkv.shape[0], qkv.shape[1], layout.width)
-        return out, _whole_calls(qkv, out, layout, tuple(weights), True, rotated)
+        return out, *_whole_calls(qkv, out, layout, tuple(weights), True)
 
-    state = layout.whole.state(layout.programs, layout.names, qkv, weights, rotated, calls)
+    state = layout.whole.state(layout.programs, layout.names, qkv, weights, calls)
     return _whole_backward(layout, d_out, (*saved, qkv, *weights), state, qkv.shape)
 
 
