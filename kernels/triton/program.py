@@ -114,17 +114,33 @@ def _offset(t: Tensor, base: Tensor) -> int:
 _UNBOUND = object()  # no compiled kernels bound yet for a device and alignment
 
 
+class _Step(NamedTuple):
+    """One launch of a ``_Launches``: its branch and label, Triton's launcher, grid and keyword arguments,
+    and ``take``, which picks its arguments from a call's values (one per place, then the constants)."""
+
+    branch: int
+    label: str
+    launcher: Any
+    grid: tuple[int, ...]
+    kwargs: dict[str, Any]
+    take: Callable[[Sequence[Any]], tuple]
+
+    def bound(self, values: Sequence[Any]) -> tuple[int, Callable[..., Any], tuple]:
+        """``(branch, runner, arguments)`` on ``values``: Triton's JIT launcher with the grid and the
+        keyword arguments bound, what ``_run`` calls."""
+        return self.branch, _runner(self.launcher, self.grid, self.kwargs), self.take(values)
+
+
 class _Launches:
     """The launches of a forward or a backward: the distinct places its tensors lie at, its constant arguments
-    and, per launch, its branch, label, runner and where its arguments come from (``take`` on the call's
-    values: one per place, then the constants); on a GPU also the addresses and each launch's arguments, made
-    once (``gpu``), and each launch's compiled kernel bound to them (``direct``, per device and alignment of
-    the bases: Triton's JIT launcher, its binder and cache lookup, skipped)."""
+    and its ``steps`` (``_Step``); on a GPU also the addresses and each launch bound to them once (``gpu``),
+    and each launch's compiled kernel bound to them (``direct``, per device and alignment of the bases:
+    Triton's JIT launcher, its binder and cache lookup, skipped)."""
 
     def __init__(self) -> None:
         self._places: dict[_Where, int] = {}
         self._consts: list[Any] = []
-        self._launches: list[tuple[int, str, Any, tuple[int, ...], dict[str, Any], list[int | None]]] = []
+        self._launches: list[tuple[int, plan.Launch, list[int | None]]] = []
 
     def add(self, branch: int, template: plan.LaunchPlan, wheres: Sequence[_Where]) -> None:
         """``template``'s launches with their tensors at ``wheres`` (by the plan's tensor index)."""
@@ -137,29 +153,26 @@ class _Launches:
                 else:
                     picks.append(None)
                     self._consts.append(arg)
-            self._launches.append(
-                (branch, launch.label, plan.launcher(launch.kernel), launch.grid, launch.kwargs, picks)
-            )
+            self._launches.append((branch, launch, picks))
 
     def build(self) -> None:
         """Fixes the places, constants and launches (after every ``add``)."""
         self.places = tuple(self._places)
         self.consts = tuple(self._consts)
-        first, c, found, jit = len(self.places), 0, [], []
-        for branch, label, launcher, grid, kwargs, picks in self._launches:
+        first, c, steps = len(self.places), 0, []
+        for branch, launch, picks in self._launches:
             index = []
             for pick in picks:
                 index.append(first + c if pick is None else pick)
                 c += pick is None
             take = operator.itemgetter(*index) if len(index) > 1 else (lambda v, i=index[0]: (v[i],))
-            found.append((branch, label, _runner(launcher, grid, kwargs), take))
-            jit.append((branch, launcher, grid, kwargs, take))
-        self.steps = tuple(found)
+            launcher = plan.launcher(launch.kernel)
+            steps.append(_Step(branch, launch.label, launcher, launch.grid, launch.kwargs, take))
+        self.steps = tuple(steps)
         self.addresses = [Address(0, w.dtype, w.shape, w.stride) for w in self.places]
         self.binds = tuple((a, w.base, w.offset) for a, w in zip(self.addresses, self.places))
         values = [*self.addresses, *self.consts]
-        self.gpu = tuple((branch, run, take(values)) for branch, _, run, take in self.steps)
-        self._jit = tuple((b, launcher, grid, kw, take(values)) for b, launcher, grid, kw, take in jit)
+        self.gpu = tuple(step.bound(values) for step in self.steps)
         self.direct: dict[tuple, tuple | None] = {}
         self.lock = threading.Lock()
         del self._places, self._consts, self._launches
@@ -171,7 +184,7 @@ class _Launches:
         if interpret:
             values = [at_address(bases[where.base], where) for where in self.places]
             values += self.consts
-            _run(tuple((branch, run, take(values)) for branch, _, run, take in self.steps))
+            _run(tuple(step.bound(values) for step in self.steps))
             return
         with self.lock:
             for address, base, offset in self.binds:
@@ -197,7 +210,8 @@ class _Launches:
         compiles nothing (a JIT hook that skips it): those launch through Triton's JIT launcher, as every
         launch does where this raises (a kernel that fails to compile then raises there)."""
         found = []
-        for branch, launcher, grid, kwargs, args in self._jit:
+        for step, (branch, _, args) in zip(self.steps, self.gpu):
+            launcher, grid, kwargs = step.launcher, step.grid, step.kwargs
             if type(launcher) is not JITFunction or launcher.pre_run_hooks:
                 return None
             kernel = launcher.warmup(*args, grid=grid, **kwargs)
@@ -436,7 +450,7 @@ class MixProgram:
 
     def labels(self, save: bool = True) -> list[tuple[int, str]]:
         """The forward's launches as (branch, kernel label), in order."""
-        return [(branch, label) for branch, label, *_ in self._forward(save)[0].steps]
+        return [(step.branch, step.label) for step in self._forward(save)[0].steps]
 
 
 def _meta(like: Tensor | _Where) -> Buffer:
