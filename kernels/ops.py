@@ -173,8 +173,8 @@ class Whole(NamedTuple):
             ``(qkv, weights)`` returned, found again (the mixer op's backward, which gets tensors only);
             ``calls()`` makes an output, the ``NodeCall`` s and the ``Rotation`` s, as for ``forward``.
         saved_like: ``(names, qkv, branches) -> saved``: empty tensors laid out as a training ``forward``
-            saves them, for ``branches`` ``(heads, head_dim, rope)`` (the mixer op's fake; sizes may be
-            symbolic).
+            saves them, for ``branches`` ``(heads, head_dim, pair)`` (``pair``: it saves a RoPE branch's
+            rotated q, k, as where ``Hyper.recompute`` is off; the mixer op's fake; sizes may be symbolic).
     """
 
     forward: Callable[..., tuple[list[Tensor], Any]]

@@ -272,8 +272,9 @@ class MixProgram:
 
     Built from the first call's branch calls (``NodeCall`` s: views of that call's qkv and the output, a RoPE
     branch's q, k views of its ``Rotation.pair``), checked as the per-branch hooks check them; later calls of
-    the same ``program_key`` take only qkv, the output and the weights. A RoPE branch's pair is rotated by the
-    program's launch before the branch's (into the workspace) and its gradients back after them.
+    the same ``program_key`` take only qkv, the output and the weights. A RoPE branch's q, k are rotated by a
+    launch of the program before the branch's, into a pair in its workspace (saved where ``Hyper.recompute``
+    is off, else rotated again by the backward), and its dq, dk back by one after them.
     """
 
     def __init__(
@@ -282,6 +283,9 @@ class MixProgram:
     ) -> None:  # fmt: skip
         self.names, self.interpret = tuple(names), interpreting()
         self.counts = tuple(len(call.weights) for call in calls)
+        # A training call saves the RoPE branches' rotated pairs only where Z, Y are saved too
+        # (``Hyper.recompute`` off); else its backward rotates q, k again.
+        self.keep_pairs = bool(calls) and not calls[0].hyper.recompute
         self.entries, self.inputs, self.tables = [], [], []
         for i, (name, call, rot) in enumerate(zip(names, calls, rotations)):
             try:
@@ -328,7 +332,8 @@ class MixProgram:
 
     def _forward(self, save: bool) -> tuple:
         """The forward's launches, its saved workspace's and scratch's sizes and where each branch's ``G``,
-        ``||G||`` and rotated pair (``None`` without RoPE) lie in the saved workspace."""
+        ``||G||`` and rotated pair (``None`` without RoPE or where the backward rotates again) lie in the
+        saved workspace."""
         found = self._forwards.get(save)
         if found is not None:
             return found
@@ -338,10 +343,10 @@ class MixProgram:
         for i, ((key, metas), (qkv_at, out_at, turn), w_at) in enumerate(
             zip(self.entries, self.inputs, self._weights(SCRATCH + 1))
         ):
-            pair_at = None
-            if turn is not None:  # the rotated pair first: a training call saves it for the backward
+            pair_at, keep = None, save and self.keep_pairs
+            if turn is not None:  # the rotated pair first (kept for the backward, or in the scratch)
                 source, pair, index = turn
-                pair_at = (saved if save else scratch).place(pair)
+                pair_at = (saved if keep else scratch).place(pair)
                 qkv_at = [_in_pair(w, pair_at) for w in qkv_at]
                 self._rotation(launches, i, source, pair_at, (index, first_table + index), False)
             template = forward_template(key, save, metas[:5], metas[5])
@@ -349,7 +354,7 @@ class MixProgram:
             outs = set(template.outputs[1:])
             for j, buf in enumerate(template.buffers, start=len(wheres)):  # inference: all in the scratch
                 wheres.append((saved if save and j in outs else scratch).place(buf))
-            kept.append((*(wheres[j] for j in template.outputs[1:]), pair_at))
+            kept.append((*(wheres[j] for j in template.outputs[1:]), pair_at if keep else None))
             launches.add(i, template, wheres)
         launches.build()
         found = self._forwards[save] = (launches, saved.size, scratch.size, tuple(kept))
@@ -388,8 +393,13 @@ class MixProgram:
             dout, *grads = call
             template = backward_template(key, metas[:5], tensor_meta(dout), tuple(map(tensor_meta, grads)))
             wheres = [_Where.of(D_OUT, _offset(dout, d_out), dout)]
-            saved_pair = None if pair_at is None else pair_at._replace(base=B_SAVED)
-            wheres += [w._replace(base=B_QKV) if w.base == QKV else _in_pair(w, saved_pair) for w in qkv_at]
+            if turn is not None and pair_at is None:  # q, k rotated again, into the scratch
+                pair_at = scratch.place(turn[1])
+                src = turn[0]._replace(base=B_QKV)
+                self._rotation(launches, i, src, pair_at, (turn[2], first_table + turn[2]), False)
+            elif pair_at is not None:
+                pair_at = pair_at._replace(base=B_SAVED)
+            wheres += [w._replace(base=B_QKV) if w.base == QKV else _in_pair(w, pair_at) for w in qkv_at]
             wheres += w_at + [w._replace(base=B_SAVED) for w in (g_at, n_at)]
             if turn is None:
                 wheres += [_Where.of(D_QKV, _offset(t, dqkv), t) for t in grads]
@@ -533,13 +543,14 @@ def _dense(shape: Sequence[Any], dtype: torch.dtype) -> Buffer:
 
 def saved_like(names: Sequence[str], qkv: Tensor, branches: Sequence[tuple[int, int, bool]]) -> list[Tensor]:
     """``Whole.saved_like`` of the Triton path: an empty workspace laid out as a training ``forward`` saves it
-    for ``branches`` ``(heads, head_dim, rope)``: per branch its rotated pair (RoPE), then its statistics;
-    sizes may be symbolic (``torch.compile``'s fake tensors)."""
+    for ``branches`` ``(heads, head_dim, pair)``: per branch its rotated pair (where ``pair``: RoPE, and
+    ``Hyper.recompute`` off), then its statistics; sizes may be symbolic (``torch.compile``'s fake
+    tensors)."""
     b, n, _ = qkv.shape
     acc = acc_dtype(qkv.dtype)[0]
     ws = _Workspace(SAVED)
-    for name, (heads, d, rotated) in zip(names, branches):
-        if rotated:
+    for name, (heads, d, pair) in zip(names, branches):
+        if pair:
             ws.place(_dense((b, 2, n, heads * d), qkv.dtype))
         for shape in plan.stat_shapes(name, b * heads, d):
             ws.place(_dense(shape, acc))

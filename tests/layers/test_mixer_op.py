@@ -82,10 +82,12 @@ def test_a_second_order_backward_is_the_nodes(triton_device):
         assert torch.equal(a, e)
 
 
-def test_opcheck_passes(triton_device):
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "save"])
+def test_opcheck_passes(recompute, triton_device):
     """Schema, fakes (shapes, strides, dtypes of every output, symbolic sizes included), the registered
-    autograd, and AOT dispatch, of both ops."""
+    autograd, and AOT dispatch, of both ops; the rotated pair saved or rotated again in the backward."""
     spec, qkv, weights = _inputs("official-rope", triton_device)
+    spec = spec._replace(recompute=recompute)
     args = em.op_args(spec)
     torch.library.opcheck(em.mix_op, (qkv, weights, *args, True))
     torch.library.opcheck(em.mix_op, (qkv.detach(), [w.detach() for w in weights], *args, False))

@@ -497,7 +497,8 @@ def _mix_op_fake(
     out = qkv.new_empty(b, n, layout.width)
     if not save:
         return out, []
-    dims = [(br.heads, br.head_dim, br.rope) for br in layout.spec.branches]
+    spec = layout.spec
+    dims = [(br.heads, br.head_dim, br.rope and not spec.recompute) for br in spec.branches]
     return out, layout.whole.saved_like(layout.names, qkv, dims)
 
 
