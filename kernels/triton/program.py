@@ -361,8 +361,9 @@ class MixProgram:
         return found
 
     def forward(self, qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool) -> tuple[Tensor, Any]:
-        """Writes every branch's read-out into ``out``; returns the saved workspace (``G``, ``||G||`` and the
-        rotated pairs; empty unless ``save``) and where in it each branch's lie, for the backward."""
+        """Writes every branch's read-out into ``out``; returns the saved workspace (``G``, ``||G||``, the
+        rotated pairs where they are kept; empty unless ``save``) and where in it each branch's lie, for the
+        backward."""
         launches, n_saved, n_scratch, kept = self._forwards.get(save) or self._forward(save)
         if plan.DEBUG_FILL is not None:
             plan.debug_filled(out)
@@ -426,9 +427,9 @@ class MixProgram:
         calls: Callable[[], tuple[Sequence[tuple[Tensor, ...]], Sequence[Rotation | None]]],
     ) -> list[Tensor]:  # fmt: skip
         """Writes dq, dk, dv of every branch into ``dqkv`` (a RoPE branch's q, k read from its rotated pair in
-        ``ws``, its dq, dk rotated back); returns each branch's initial weights' gradients as one tensor
-        (SwiGLU's two stacked). ``calls``: makes each branch's (dout, dq, dk, dv) views and ``Rotation``
-        (the first time of a layout)."""
+        ``ws`` or rotated again, its dq, dk rotated back); returns each branch's initial weights' gradients
+        as one tensor (SwiGLU's two stacked). ``calls``: makes each branch's (dout, dq, dk, dv) views and
+        ``Rotation`` (the first time of a layout)."""
         layout = d_out.stride()  # dqkv: made by the node, of qkv's shape (the key), contiguous
         found = self._backwards.get(layout)
         if found is None:
