@@ -3,9 +3,10 @@
 Where every branch of the fused node (``vit3.layers.fused_mix``) runs on Triton, a call is one
 :class:`MixProgram`: the launch plans of ``plan.py`` of every branch, each tensor argument turned into an
 address ``base + offset`` over a few bases (qkv, the output, the weights, one workspace, one scratch buffer,
-the gradients). A call then allocates two or three buffers, reads one pointer per base and launches. On a GPU
-the kernels get :class:`Address` es written under the program's lock; Triton's interpreter gets one-element
-tensors on the base's storage instead (``at_address``), the same offsets.
+the RoPE tables, the gradients); a RoPE branch's rotations are launches of it too. A call then allocates two
+or three buffers, reads one pointer per base and launches. On a GPU the kernels get :class:`Address` es
+written under the program's lock; Triton's interpreter gets one-element tensors on the base's storage instead
+(``at_address``), the same offsets.
 
 The bases one by one and why addresses: ``docs/design/kernels.md``.
 """
@@ -518,7 +519,8 @@ def forward(
     calls: Callable[[], tuple[Sequence[NodeCall], Sequence[Rotation | None]]],
 ) -> tuple[list[Tensor], Any]:  # fmt: skip
     """``Whole.forward`` of the Triton path: the program of ``(qkv, weights)`` found in ``cache`` or made from
-    ``calls()``, run; saves its workspace (``G``, ``||G||``, the RoPE branches' rotated pairs)."""
+    ``calls()``, run; saves its workspace (``G``, ``||G||``, the RoPE branches' rotated pairs where they are
+    kept)."""
     program = _program(cache, names, qkv, weights, lambda: (out, *calls()))
     ws, kept = program.forward(qkv, out, weights, save)
     return ([ws] if save else []), (program, kept)

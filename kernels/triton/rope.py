@@ -1,7 +1,8 @@
 """RoPE's 2-D rotation of a branch's q, k pair as one Triton launch, forward or back.
 
-The fused node rotates a RoPE branch's q and k (``[B, 2, N, C]``) before its kernels read them and their
-gradients back after (``vit3.layers.fused_mix``); with the cos / sin tables of ``vit3.layers.rope`` this is
+A RoPE branch's q and k (``[B, 2, N, C]``) are rotated before its kernels read them and their gradients back
+after: by launches of the launch program (``program.py``), or by the fused node around the branch hooks
+(``vit3.layers.fused_mix``); with the cos / sin tables of ``vit3.layers.rope`` this is
 that rotation's arithmetic, product by product and without fused multiply-adds, so it gives the bits of
 ``apply_rope_2d`` in one launch instead of a dozen PyTorch ops.
 """

@@ -139,11 +139,11 @@ class TTTConfig:
             per-token pre-activations Z = k W, Y = q W': ``"auto"`` (the default: ``$VIT3_TTT_RECOMPUTE``,
             else as ``"always"``), ``"always"`` (recompute them: memory-lean, a little slower), ``"never"``
             (save them: 4·d more values per token and head; the fastest) or ``"qkv"`` (the mixer's backward
-            reruns its qkv projection and inner loops, any backend: it saves only its input, for more
-            training compute). The Triton backward always recomputes Z, Y; unless ``"never"`` it also
-            rotates a RoPE branch's q, k again instead of saving them. The ViT³ block follows it too:
-            unless ``"never"``, its backward recomputes the CPE output and the MLP's LayerNorm and GELU
-            outputs (``vit3.layers.blocks.LeanMlp``).
+            reruns its qkv projection and inner loops, any backend: it saves only its input, for more training
+            compute). The Triton backward always recomputes Z, Y; under ``"auto"`` and ``"always"`` it also
+            rotates a RoPE branch's q, k again instead of saving them. The ViT³ block follows it too: unless
+            ``"never"``, its backward recomputes the CPE output and the MLP's LayerNorm and GELU outputs
+            (``vit3.layers.blocks.LeanMlp``).
         check_finite: raise on non-finite input tokens (skipped under tracing and compilation).
     """
 

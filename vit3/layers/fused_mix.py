@@ -1,13 +1,14 @@
 """The mixer's fused node: the inner loops of all branches, between the two projections, as one autograd node.
 
-The branches take q, k and v as views of the qkv projection and write their read-outs straight into the
-output ``[B, N, sum(widths)]``; the backward writes dq, dk and dv straight into one qkv gradient, so no layout
-copies are made either way. Each branch runs one full-batch dot-loss step through the node hooks
+The branches take q, k and v as views of the qkv projection and write their read-outs straight into the output
+``[B, N, sum(widths)]``; the backward writes dq, dk and dv straight into one qkv gradient, so no layout copies
+are made either way. Each branch runs one full-batch dot-loss step through the node hooks
 (``vit3.kernels.ops.Node``) of its op's path ``MixBranch.path`` (``"cpu"``, ``"eager"``, ``"triton"``), or all
-branches at once through their path's whole-node hooks (``Node.whole``: Triton's launch program). RoPE
-rotates q and k here; a branch whose hooks raise is tagged (``BRANCH_ATTR``) so the guard demotes it alone.
-``vit3.layers.backends`` decides when it runs; settled all-``cpu`` calls take ``torch.ops.vit3_cpu.mix``,
-traced whole-node calls the custom op ``vit3::mix`` (``mix_op``: the same forward and backward).
+branches at once through their path's whole-node hooks (``Node.whole``: Triton's launch program). RoPE rotates
+q and k here around the branch hooks (the whole-node hooks rotate them themselves); a branch whose hooks raise
+is tagged (``BRANCH_ATTR``) so the guard demotes it alone. ``vit3.layers.backends`` decides when it runs;
+settled all-``cpu`` calls take ``torch.ops.vit3_cpu.mix``, traced whole-node calls the custom op ``vit3::mix``
+(``mix_op``: the same forward and backward).
 
 The node's hooks, views and the whole-mixer C++ op beside it: ``docs/design/dispatch.md``.
 """
@@ -57,7 +58,8 @@ class MixBranch(NamedTuple):
 
 class MixSpec(NamedTuple):
     """The branches in qkv (and output) order and the inner-loop settings they share; ``recompute``: the
-    SwiGLU backward recomputes Z = k W, Y = q W' instead of saving them (memory-lean)."""
+    SwiGLU backward recomputes Z = k W, Y = q W' instead of saving them, and the Triton launch program
+    rotates a RoPE branch's q, k again instead of saving the pair (memory-lean)."""
 
     branches: tuple[MixBranch, ...]
     grid: tuple[int, int]
