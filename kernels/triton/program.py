@@ -117,19 +117,20 @@ _UNBOUND = object()  # no compiled kernels bound yet for a device and alignment
 
 class _Step(NamedTuple):
     """One launch of a ``_Launches``: its branch and label, Triton's launcher, grid and keyword arguments,
-    and ``take``, which picks its arguments from a call's values (one per place, then the constants)."""
+    ``runner`` (the launcher with the grid and keyword arguments bound, made once) and ``take``, which picks
+    its arguments from a call's values (one per place, then the constants)."""
 
     branch: int
     label: str
     launcher: Any
     grid: tuple[int, ...]
     kwargs: dict[str, Any]
+    runner: Callable[..., Any]
     take: Callable[[Sequence[Any]], tuple]
 
     def bound(self, values: Sequence[Any]) -> tuple[int, Callable[..., Any], tuple]:
-        """``(branch, runner, arguments)`` on ``values``: Triton's JIT launcher with the grid and the
-        keyword arguments bound, what ``_run`` calls."""
-        return self.branch, _runner(self.launcher, self.grid, self.kwargs), self.take(values)
+        """``(branch, runner, arguments)`` on ``values``: what ``_run`` calls."""
+        return self.branch, self.runner, self.take(values)
 
 
 class _Launches:
@@ -168,7 +169,8 @@ class _Launches:
                 c += pick is None
             take = operator.itemgetter(*index) if len(index) > 1 else (lambda v, i=index[0]: (v[i],))
             launcher = plan.launcher(launch.kernel)
-            steps.append(_Step(branch, launch.label, launcher, launch.grid, launch.kwargs, take))
+            runner = _runner(launcher, launch.grid, launch.kwargs)
+            steps.append(_Step(branch, launch.label, launcher, launch.grid, launch.kwargs, runner, take))
         self.steps = tuple(steps)
         self.addresses = [Address(0, w.dtype, w.shape, w.stride) for w in self.places]
         self.binds = tuple((a, w.base, w.offset) for a, w in zip(self.addresses, self.places))
