@@ -141,12 +141,13 @@ class Rotation(NamedTuple):
             in the qkv gradient, where the rotated-back gradients go).
         pair: a ``[B, 2, N, C]`` tensor laid out as the hooks keep the rotated pair; the branch's
             ``NodeCall`` q, k (in a backward its dq, dk) are views of it.
-        tables: the ``rope_tables`` ``(cos, sin)`` of the grid and C, float32 at least.
+        tables: the ``rope_tables`` ``(cos, sin)`` of the grid and C, float32 at least (a backward's: empty,
+            the hooks rotate back by their forward's).
     """
 
     source: Tensor
     pair: Tensor
-    tables: tuple[Tensor, Tensor]
+    tables: tuple[Tensor, ...]
 
 
 class Whole(NamedTuple):

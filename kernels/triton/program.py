@@ -270,6 +270,15 @@ D_OUT, B_QKV, B_SAVED, B_SCRATCH, D_QKV = range(5)
 _PAIR = -1
 
 
+class _Turn(NamedTuple):
+    """A RoPE branch's rotation: its q, k in qkv, its rotated pair's layout and its cos table's index in
+    ``MixProgram.tables`` (sin's next)."""
+
+    source: _Where
+    pair: Buffer
+    table: int
+
+
 class MixProgram:
     """Every branch's forward and backward launches of one fused Triton node, bound by address.
 
@@ -301,8 +310,9 @@ class MixProgram:
             else:
                 where = [_Where.of(_PAIR, _offset(t, rot.pair), t) for t in (call.q, call.k)]
                 where.append(_Where.of(QKV, _offset(call.v, qkv), call.v))
-                turn = (_Where.of(QKV, _offset(rot.source, qkv), rot.source), _meta(rot.pair))
-                turn += (len(self.tables),)
+                turn = _Turn(
+                    _Where.of(QKV, _offset(rot.source, qkv), rot.source), _meta(rot.pair), len(self.tables)
+                )
                 self.tables += rot.tables
             self.inputs.append((where, _Where.of(OUT, _offset(call.dest, out), call.dest), turn))
         base = _storage_base if self.interpret else Tensor.data_ptr
@@ -320,12 +330,13 @@ class MixProgram:
         return found
 
     def _rotation(
-        self, launches: _Launches, branch: int, src: _Where, dst: _Where, tables: tuple[int, int],
+        self, launches: _Launches, branch: int, src: _Where, dst: _Where, turn: _Turn, first_table: int,
         inverse: bool,
     ) -> None:  # fmt: skip
         """Adds to ``launches`` the RoPE rotation of the pair at ``src`` into ``dst`` (``inverse``: back) by
-        the tables ``(index in self.tables, its base)``."""
-        index, first = tables
+        ``turn``'s tables, whose bases start at ``first_table``."""
+        index = turn.table
+        first = first_table + index
         cos_sin = self.tables[index : index + 2]
         metas = [_meta(w).alloc(torch.device("meta")) for w in (src, dst)]
         launch = rope.rotation(metas[0], tuple(cos_sin), inverse, metas[1])
@@ -348,10 +359,9 @@ class MixProgram:
         ):
             pair_at, keep = None, save and self.keep_pairs
             if turn is not None:  # the rotated pair first (kept for the backward, or in the scratch)
-                source, pair, index = turn
-                pair_at = (saved if keep else scratch).place(pair)
+                pair_at = (saved if keep else scratch).place(turn.pair)
                 qkv_at = [_in_pair(w, pair_at) for w in qkv_at]
-                self._rotation(launches, i, source, pair_at, (index, first_table + index), False)
+                self._rotation(launches, i, turn.source, pair_at, turn, first_table, False)
             template = forward_template(key, save, metas[:5], metas[5])
             wheres = [*qkv_at, *w_at, out_at]
             outs = set(template.outputs[1:])
@@ -398,9 +408,9 @@ class MixProgram:
             template = backward_template(key, metas[:5], tensor_meta(dout), tuple(map(tensor_meta, grads)))
             wheres = [_Where.of(D_OUT, _offset(dout, d_out), dout)]
             if turn is not None and pair_at is None:  # q, k rotated again, into the scratch
-                pair_at = scratch.place(turn[1])
-                src = turn[0]._replace(base=B_QKV)
-                self._rotation(launches, i, src, pair_at, (turn[2], first_table + turn[2]), False)
+                pair_at = scratch.place(turn.pair)
+                src = turn.source._replace(base=B_QKV)
+                self._rotation(launches, i, src, pair_at, turn, first_table, False)
             elif pair_at is not None:
                 pair_at = pair_at._replace(base=B_SAVED)
             wheres += [w._replace(base=B_QKV) if w.base == QKV else _in_pair(w, pair_at) for w in qkv_at]
@@ -421,7 +431,7 @@ class MixProgram:
             launches.add(i, template, wheres)
             if turn is not None:  # dq, dk rotated back into place
                 back = _Where.of(D_QKV, _offset(rot.source, dqkv), rot.source)
-                self._rotation(launches, i, d_pair, back, (turn[2], first_table + turn[2]), True)
+                self._rotation(launches, i, d_pair, back, turn, first_table, True)
         launches.build()
         return launches, scratch.size, tuple(dws)
 

@@ -45,12 +45,12 @@ CASES = {
 }
 
 
-def _spec(branches, grid, path: str = "triton", rope: bool = False) -> em.MixSpec:
+def _spec(branches, grid, path: str = "triton", rope: bool = False, recompute: bool = True) -> em.MixSpec:
     found, offset = [], 0
     for name, heads, d in branches:
         found.append(em.MixBranch(name, offset, heads, d, rope and name != "dwconv", path))
         offset += 3 * heads * d
-    return em.MixSpec(tuple(found), grid, SCALE, LR, True, 10000.0)
+    return em.MixSpec(tuple(found), grid, SCALE, LR, True, 10000.0, recompute)
 
 
 def _inputs(
@@ -131,14 +131,16 @@ def test_a_node_of_triton_branches_is_one_program(monkeypatch, triton_device):
 # exactly
 
 
-# RoPE on every branch but the depthwise conv's (H-ViT³'s mixer): a few layouts, both dtypes, one chunk
+# RoPE on every branch but the depthwise conv's (H-ViT³'s mixer): a few layouts, both dtypes, one chunk, the
+# rotated pairs rotated again by the backward (recompute) or saved
 ROPE_CASES = [
-    pytest.param(case, dtype, None, True, id=f"{case}-rope-{name}")
+    pytest.param(case, dtype, None, True, recompute, id=f"{case}-rope-{name}-{how}")
     for case in ("official", "two-swiglu-dwconv", "linear")
     for dtype, name in ((torch.float64, "fp64"), (torch.float16, "fp16"))
+    for recompute, how in ((True, "rotated-again"), (False, "saved"))
 ]
 PLAIN_CASES = [
-    pytest.param(case, dtype, chunk, False, id=f"{case}-{name}-{how}")
+    pytest.param(case, dtype, chunk, False, True, id=f"{case}-{name}-{how}")
     for case in CASES
     for dtype, name in ((torch.float64, "fp64"), (torch.float16, "fp16"))
     for chunk, how in ((None, "one-chunk"), (8, "chunks-of-8"))
@@ -146,20 +148,20 @@ PLAIN_CASES = [
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize(("case", "dtype", "chunk", "rope"), PLAIN_CASES + ROPE_CASES)
+@pytest.mark.parametrize(("case", "dtype", "chunk", "rope", "recompute"), PLAIN_CASES + ROPE_CASES)
 def test_the_program_computes_what_the_branch_hooks_compute(
-    case, dtype, chunk, rope, per_branch, monkeypatch, triton_device
+    case, dtype, chunk, rope, recompute, per_branch, monkeypatch, triton_device
 ):
     """Output and every gradient bit for bit the per-branch hooks' (the same launches on the same memory,
     every buffer NaN-filled so an unwritten element shows); with N cut in chunks of 8 tokens too (the split
     stages and the two-stage weight-gradient reduction); with RoPE (q, k read from the rotated pairs, dq, dk
-    written to theirs)."""
+    written to theirs; the pairs saved or rotated again)."""
     if chunk is not None:
         real = tnode.plan_key
         monkeypatch.setattr(tnode, "plan_key", lambda *a, **k: real(*a, **k)._replace(chunk=chunk))
     monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
     branches, b, grid = CASES[case]
-    spec = _spec(branches, grid, rope=rope)
+    spec = _spec(branches, grid, rope=rope, recompute=recompute)
     qkv, weights = _inputs(spec, b, dtype, triton_device)
     got = _run(spec, qkv, weights)
     want = per_branch(spec, qkv, weights)
@@ -391,11 +393,13 @@ def test_two_threads_never_see_each_others_addresses(monkeypatch):
 
 
 @pytest.mark.triton
-def test_workspace_buffers_are_aligned_and_apart(triton_device):
+@pytest.mark.parametrize(("rope", "recompute"), [(False, True), (True, True), (True, False)],
+                         ids=["plain", "rope-rotated-again", "rope-saved"])  # fmt: skip
+def test_workspace_buffers_are_aligned_and_apart(rope, recompute, triton_device):
     """Each buffer of a workspace starts on an ``ALIGN`` boundary and overlaps no other; the workspace holds
-    them all."""
+    them all (with RoPE: the rotated pairs among them)."""
     branches, b, grid = CASES["two-swiglu-dwconv"]
-    spec = _spec(branches, grid)
+    spec = _spec(branches, grid, rope=rope, recompute=recompute)
     qkv, weights = _inputs(spec, b, torch.float32, triton_device)
     _run(spec, qkv, weights)
     (program,) = em.mix_layout(spec).programs.values()
@@ -406,12 +410,17 @@ def test_workspace_buffers_are_aligned_and_apart(triton_device):
              (infer, tprogram.SCRATCH): n_infer, (back, tprogram.B_SCRATCH): n_back}  # fmt: skip
     # inference keeps nothing: its G, ||G|| lie in its scratch (a saved workspace of 0 bytes held them before)
     assert no_saved == 0 and all(w.base != tprogram.SAVED for w in infer.places)
+    inside = 0
     for (run, base), size in sizes.items():
-        spans = sorted((w.offset, w.offset + tprogram._nbytes(tplan.Buffer(w.shape, w.stride, w.dtype)))
-                       for w in run.places if w.base == base)  # fmt: skip
+        every = {(w.offset, w.offset + tprogram._nbytes(tplan.Buffer(w.shape, w.stride, w.dtype)))
+                 for w in run.places if w.base == base}  # fmt: skip
+        # the buffers: a rotated pair's q, k (dq, dk) heads views lie inside it
+        spans = sorted(s for s in every if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in every))
         assert spans and size == spans[-1][1]
+        inside += len(every) - len(spans)
         assert all(start % tprogram.ALIGN == 0 for start, _ in spans)
         assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
+    assert (inside > 0) == rope
 
 
 # --------------------------------------------------------------------------------------- made once, names a

@@ -123,28 +123,30 @@ def _rotated(qkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, n
     pair = _qk(qkv, geom, br)
     if node.rotate is None:
         return apply_rope_2d(pair, spec.grid, spec.rope_base).to(qkv.dtype)
-    out = qkv.new_empty(pair.shape)
+    out = _pair(qkv, br)
     node.rotate(pair, _tables(pair, spec), False, out)
     return out
 
 
-def _rotation(t: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec) -> Rotation:
+def _rotation(
+    t: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, backward: bool = False
+) -> Rotation:
     """RoPE branch ``br``'s q, k (or their gradients) in ``t`` as whole-node hooks rotate them: the view, a
-    fresh pair laid out as the hooks keep theirs, the tables."""
-    source = _qk(t, geom, br)
-    pair = t.new_empty(source.shape)
-    return Rotation(source, pair, _tables(pair, spec))
+    fresh pair laid out as the hooks keep theirs, the tables (none in a ``backward``: the forward's serve)."""
+    pair = _pair(t, br)
+    return Rotation(_qk(t, geom, br), pair, () if backward else _tables(pair, spec))
 
 
-def _rotated_grads(dqkv: Tensor, br: MixBranch) -> Tensor:
-    """Where RoPE branch ``br``'s hooks write dq, dk in the rotated frame: ``[B, 2, N, width]``."""
-    return dqkv.new_empty(dqkv.shape[0], 2, dqkv.shape[1], br.heads * br.head_dim)
+def _pair(t: Tensor, br: MixBranch) -> Tensor:
+    """A fresh ``[B, 2, N, width]`` pair for RoPE branch ``br``'s q, k (or their gradients) out of ``t``
+    ``[B, N, ...]``: where a path keeps them rotated."""
+    return t.new_empty(t.shape[0], 2, t.shape[1], br.heads * br.head_dim)
 
 
 def _rotate_back(
     dqkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, grads: Tensor, node: Node
 ) -> None:
-    """Branch ``br``'s dq, dk ``grads`` (``_rotated_grads``) rotated back into place in ``dqkv``."""
+    """Branch ``br``'s dq, dk ``grads`` (a ``_pair``) rotated back into place in ``dqkv``."""
     if node.rotate is None:
         _qk(dqkv, geom, br).copy_(apply_rope_2d(grads, spec.grid, spec.rope_base, inverse=True))
     else:
@@ -294,7 +296,7 @@ def _whole_grads(
     for br, (_, _, width) in zip(layout.spec.branches, layout.nodes):
         dout = _view(d_out, out_geom, col, br.heads, br.head_dim, True)
         dq, dk, dv = _branch_views(dqkv, geom, br, True)
-        rotation = _rotation(dqkv, geom, br, layout.spec) if br.rope else None
+        rotation = _rotation(dqkv, geom, br, layout.spec, backward=True) if br.rope else None
         if rotation is not None:
             dq, dk = _heads_of(rotation.pair, br.heads)
         views.append((dout, dq, dk, dv))
@@ -340,7 +342,7 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         # RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place.
         dqh, dkh = dq, dk
         if br.rope:
-            rotated = _rotated_grads(dqkv, br)
+            rotated = _pair(dqkv, br)
             dqh, dkh = _heads_of(rotated, br.heads) if node.heads else rotated.unbind(1)
         try:
             dws = node.backward(dout, saved[start : start + n_saved], tag, dqh, dkh, dv, hyper)
