@@ -190,7 +190,7 @@ class TTTMixer(nn.Module):
                 kind,
                 c.recompute,
             )
-            mix_spec = self._mix_spec(plan, grid) if plan.fused else None
+            mix_spec = self.mix_spec(plan, grid) if plan.fused else None
             cpp = cpp_args(mix_spec, qkv) if not kind and _takes_cpp_op(plan, mix_spec) else None
             found = Call(plan, mix_spec, cpp)
             if not kind:  # traced grids and sizes may be symbolic: not kept
@@ -352,7 +352,7 @@ class TTTMixer(nn.Module):
     ) -> Tensor:
         """``mix`` on ``plan``: one fused node, or branch by branch (each guarded when ``guard``)."""
         if plan.fused:
-            return _fused(self._mix_spec(plan, grid), qkv, [p for w in weights for p in w.values()])
+            return _fused(self.mix_spec(plan, grid), qkv, [p for w in weights for p in w.values()])
         pieces, outs, offset = self._split(qkv), [], 0
         for i, ((name, heads), model) in enumerate(zip(self.branch_specs, self.inner)):
             q, k, v, gate = self._branch_inputs(pieces, i, heads, model.grid_model, grid, gates, offset)
@@ -469,15 +469,15 @@ class TTTMixer(nn.Module):
             return None
         return (flat, *call.cpp)
 
-    def _runs_cpp_op(self, plan: backends.Plan, grid: tuple[int, int], dtype: torch.dtype) -> bool:
+    def runs_cpp_op(self, plan: backends.Plan, grid: tuple[int, int], dtype: torch.dtype) -> bool:
         """Whether a settled call on ``plan`` with ``dtype`` tokens runs as the whole-mixer C++ op (what
         ``explain`` says; the call's own rule, ``_takes_cpp_op``, with the parameters in that dtype)."""
-        mix_spec = self._mix_spec(plan, grid) if plan.fused else None
+        mix_spec = self.mix_spec(plan, grid) if plan.fused else None
         return all(
             p.dtype is dtype for m in self.inner for p in m.initial_params().values()
         ) and _takes_cpp_op(plan, mix_spec)
 
-    def _mix_spec(self, plan: backends.Plan, grid: tuple[int, int]) -> MixSpec:
+    def mix_spec(self, plan: backends.Plan, grid: tuple[int, int]) -> MixSpec:
         """The fused node's ``MixSpec`` for ``plan`` on ``grid``."""
         cfg = self.cfg
         branches, offset = [], 0

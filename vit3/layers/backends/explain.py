@@ -135,7 +135,7 @@ def explain_mixer(
     program = fused and _one_program(mixer, out, grid)
     # asked of the mixer (its call's rule) where every branch takes the C++ kernel at all
     cpp_op = (
-        fused and all(b.backend == "cpu" for b in out) and mixer._runs_cpp_op(_fused_plan(out), grid, dtype)
+        fused and all(b.backend == "cpu" for b in out) and mixer.runs_cpp_op(_fused_plan(out), grid, dtype)
     )
     lean = grad and (
         recompute_mode(cfg.recompute)[0] == "qkv"
@@ -185,7 +185,7 @@ def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int
         path = OPS[b.name].paths.get(b.backend) if b.name in OPS else None
         if path is None or path.node is None or path.node.whole is None:
             return False
-    return runs_whole(mixer._mix_spec(_fused_plan(out), grid))
+    return runs_whole(mixer.mix_spec(_fused_plan(out), grid))
 
 
 @dataclass(frozen=True)
