@@ -206,8 +206,9 @@ def test_resume_refuses_another_world_size_and_force_resume_continues(pretrained
 
 
 def test_a_resume_takes_its_configs_optimizer_settings_and_schedule(pretrained, digits, tmp_path, capsys):
-    """A forced resume at half the batch runs twice the steps per epoch at half the lr, and a new weight decay
-    is the one AdamW uses: the checkpoint's optimizer moments and step come back, not its settings."""
+    """A forced resume at half the batch runs twice the steps per epoch at half the lr, from the step its
+    schedule has after the images already seen, and a new weight decay is the one AdamW uses: the
+    checkpoint's optimizer moments come back, not its settings."""
     out = tmp_path / "run"
     ckpt = read_ckpt(pretrained)
     ckpt.update(epoch=2, batch_in_epoch=3, history=ckpt["history"][:2])  # inside epoch 3
@@ -221,6 +222,8 @@ def test_a_resume_takes_its_configs_optimizer_settings_and_schedule(pretrained, 
     assert new["base_values"] == pytest.approx([v / 2 for v in old["base_values"]])
     decays = {g["weight_decay"] for g in read_ckpt(out / "last.pt")["optimizer"]["param_groups"]}
     assert decays == {0.0, 0.123} and ckpt["config"]["train"]["weight_decay"] != 0.123
+    # the step goes on from where this run's schedule is after the same images: the run ends on its last step
+    assert read_ckpt(out / "last.pt")["global_step"] == new["t_initial"]
 
 
 # ----------------------------------------------------------------------------------- checkpoint files

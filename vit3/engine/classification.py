@@ -157,12 +157,13 @@ def _restore(run: ClassificationRun, ckpt: dict[str, Any], source: str) -> _Prog
     """Restores ``run`` from ``ckpt`` (read from ``source``); returns its progress."""
     run.load_training_state(ckpt, source)
     p = run.progress
-    p.restore(ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps))
+    p.restore(
+        ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps), run.batches_per_epoch
+    )
     p.loss_sum, p.loss_count = ckpt["epoch_loss"]
     p.best_top1, p.history = ckpt["best_top1"], list(ckpt["history"])
     p.resumed_from, p.seconds_before = source, ckpt.get("run_seconds")
     run.restore_extra(ckpt)
-    p.roll_over(run.batches_per_epoch)
     return p
 
 

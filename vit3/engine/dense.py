@@ -133,8 +133,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         model.load_state_dict(ckpt["model"])
         load_optimizer_state(opt, ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
-        p.restore(ckpt, bs, info.world, accum)
-        p.roll_over(batches_per_epoch)
+        p.restore(ckpt, bs, info.world, accum, batches_per_epoch, by_epochs=not d.iters)
         p.history, p.losses, p.best = list(ckpt["history"]), list(ckpt["losses"]), float(ckpt["best"])
         restore_rng(ckpt, info)
         log(

@@ -94,10 +94,11 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> _Progress:
     """Restores ``run`` from ``ckpt`` (read from ``source``); returns its progress."""
     run.load_training_state(ckpt, source)
     p, loss = run.progress, ckpt["epoch_loss"]
-    p.restore(ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps))
+    p.restore(
+        ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps), run.batches_per_epoch
+    )
     p.sums, p.count, p.window = dict(loss["sums"]), int(loss["count"]), dict(loss["window"])
     p.history, p.curve = list(ckpt["history"]), list(ckpt["curve"])
-    p.roll_over(run.batches_per_epoch)
     return p
 
 

@@ -100,14 +100,18 @@ def build_optimizer(model: nn.Module, train_cfg, lr: float) -> torch.optim.AdamW
 def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, float], steps_per_epoch: int):
     """Per-update warmup + cosine: timm's ``CosineLRScheduler`` over ``epochs * steps_per_epoch`` updates.
 
-    The lr of update k (0-based) is set before it (``loop.optimizer_step`` calls ``step_update(k)``), so the
-    first update runs at ``warmup_lr``. The warmup (``int(warmup_epochs * steps_per_epoch)`` updates, a
-    fraction cut off) lies inside the cosine's span (timm's ``warmup_prefix=False``): after it the lr joins
-    the cosine where it is, below ``base_lr``. timm multiplies each group's lr by its ``lr_scale``
-    (``build_optimizer``, layer decay). Around this: ``lrs`` are :func:`scaled_lrs` of the total batch,
-    ``recipe.fit_epochs`` may have raised the epochs and warmup first, a resume rebuilds the schedule from the
-    config and continues at its step (``TrainRun.load_training_state``), and a conversion scales stage 1's
-    groups by ``convert.transfer_lr_scale``.
+    Every place that sets a classification (or generation, conversion) lr:
+
+    - here: update k (0-based) runs at the lr ``loop.optimizer_step`` sets before it (``step_update(k)``);
+      building the schedule already sets ``warmup_lr``. The warmup (``int(warmup_epochs *
+      steps_per_epoch)`` updates) lies inside the cosine's span (``warmup_prefix=False``): after it the lr
+      joins the cosine where it is, below ``base_lr``. timm multiplies each group's lr, ``warmup_lr`` and
+      ``min_lr`` included, by the group's ``lr_scale`` (layer decay, ``build_optimizer``);
+    - ``lrs``: :func:`scaled_lrs` of the total batch (``build_optimization``), which
+      ``recipe.fit_batch_size`` may have changed, as ``recipe.fit_epochs`` the epochs and warmup;
+    - a resume rebuilds this schedule from the config (``TrainRun.load_training_state``) and goes on at the
+      step ``resume.Progress.restore`` gives (re-derived where the batch per update changed);
+    - a conversion scales stage 1's groups by ``convert.transfer_lr_scale`` (``engine/convert.py``).
     """
     return CosineLRScheduler(
         optimizer,

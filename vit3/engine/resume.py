@@ -44,16 +44,28 @@ class Progress:
     def counters(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "global_step": self.global_step}
 
-    def restore(self, ckpt: Mapping[str, Any], batch_size: int, world: int, accum: int) -> None:
-        """Restores the counters of ``ckpt``. A (forced) resume with another total batch (``batch_size`` per
-        process x ``world``) continues after the samples already seen: the batch inside the epoch is rescaled
-        to whole accumulation steps of ``accum`` batches."""
+    def restore(
+        self, ckpt: Mapping[str, Any], batch_size: int, world: int, accum: int, batches_per_epoch: int,
+        by_epochs: bool = True,
+    ) -> None:  # fmt: skip
+        """Restores the counters of ``ckpt`` and moves on to the next epoch where its epoch was done.
+
+        A (forced) resume with another batch per update (``batch_size`` per process x ``world`` x ``accum``)
+        continues after the samples already seen: the batch inside the epoch is rescaled to whole
+        accumulation steps, and, where the schedule counts epochs (``by_epochs``; not a dense run of
+        ``dense.iters``), the step is the one this run's schedule has there (updates per epoch x epochs done
+        + updates into the epoch), so the lr goes on from the same point of training.
+        """
         self.epoch, self.batch_in_epoch = int(ckpt["epoch"]), int(ckpt["batch_in_epoch"])
         self.global_step = int(ckpt["global_step"])
         old = int(ckpt["config"]["data"]["batch_size"]) * int(ckpt.get("world_size", 1))
         new = int(batch_size) * int(world)
-        if self.batch_in_epoch and old != new:
+        old_accum = int(ckpt["config"]["train"].get("accum_steps", 1))
+        if old != new:
             self.batch_in_epoch = self.batch_in_epoch * old // new // accum * accum
+        self.roll_over(batches_per_epoch)
+        if by_epochs and (old != new or old_accum != accum):
+            self.global_step = self.epoch * (batches_per_epoch // accum) + self.batch_in_epoch // accum
 
     def roll_over(self, batches_per_epoch: int) -> None:
         """Moves to the start of the next epoch when this one's batches are all done."""
