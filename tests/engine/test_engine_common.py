@@ -9,7 +9,7 @@ from helpers.dist import ranks_agree_worker
 
 from vit3.engine import ConfigError, load_config
 from vit3.engine.process import amp_dtype
-from vit3.engine.resume import check_resume_task
+from vit3.engine.resume import Progress, check_resume_task
 
 
 @pytest.mark.parametrize(
@@ -55,3 +55,29 @@ def test_ranks_are_compared_for_real_in_a_two_process_group(perturb, tmp_path):
     else:
         for r in results:
             assert r.startswith("error DDP ranks [1] disagree with rank 0 on the final weights"), r
+
+
+def _counters(epoch: int, batch: int, step: int, batch_size: int = 10, accum: int = 1) -> dict:
+    """A checkpoint's counters and the settings they were counted in (one process)."""
+    config = {"data": {"batch_size": batch_size}, "train": {"accum_steps": accum}}
+    return {"epoch": epoch, "batch_in_epoch": batch, "global_step": step, "world_size": 1, "config": config}
+
+
+def test_a_resume_with_another_batch_per_update_goes_on_after_the_images_seen():
+    """7 batches of 10 images into epoch 3 of 20 batches, an update a batch: resumed with the same settings
+    the counters come back; with another batch per update the batch goes on after the same images, in whole
+    accumulation steps, and the step is where the new schedule is there (dense runs by iterations keep
+    theirs); a finished epoch moves on to the next."""
+    cases = [  # (batch size, accumulation, batches an epoch, by epochs) -> (epoch, batch, step)
+        ((10, 1, 20, True), (2, 7, 47)),
+        ((10, 2, 20, True), (2, 6, 2 * 10 + 3)),
+        ((5, 1, 40, True), (2, 14, 2 * 40 + 14)),
+        ((5, 1, 40, False), (2, 14, 47)),
+    ]
+    for (batch_size, accum, batches, by_epochs), want in cases:
+        p = Progress()
+        p.restore(_counters(2, 7, 47), batch_size, 1, accum, batches, by_epochs=by_epochs)
+        assert (p.epoch, p.batch_in_epoch, p.global_step) == want, (batch_size, accum, by_epochs)
+    p = Progress()
+    p.restore(_counters(1, 20, 40), 10, 1, 2, 20)
+    assert (p.epoch, p.batch_in_epoch, p.global_step) == (2, 0, 2 * 10)

@@ -106,7 +106,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, 
       building the schedule already sets ``warmup_lr``. The warmup (``int(warmup_epochs *
       steps_per_epoch)`` updates) lies inside the cosine's span (``warmup_prefix=False``): after it the lr
       joins the cosine where it is, below ``base_lr``. timm multiplies each group's lr, ``warmup_lr`` and
-      ``min_lr`` included, by the group's ``lr_scale`` (layer decay, ``build_optimizer``);
+      ``min_lr`` included, by the group's ``lr_scale``, a key of timm's parameter groups: layer decay sets it
+      per layer of the model's ``group_matcher`` (``build_optimizer``), a conversion scales it (below);
     - ``lrs``: :func:`scaled_lrs` of the total batch (``build_optimization``), which
       ``recipe.fit_batch_size`` may have changed, as ``recipe.fit_epochs`` the epochs and warmup;
     - a resume rebuilds this schedule from the config (``TrainRun.load_training_state``) and goes on at the

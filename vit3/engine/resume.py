@@ -61,10 +61,11 @@ class Progress:
         old = int(ckpt["config"]["data"]["batch_size"]) * int(ckpt.get("world_size", 1))
         new = int(batch_size) * int(world)
         old_accum = int(ckpt["config"]["train"].get("accum_steps", 1))
-        if old != new:
+        changed = old != new or old_accum != accum
+        if changed:
             self.batch_in_epoch = self.batch_in_epoch * old // new // accum * accum
         self.roll_over(batches_per_epoch)
-        if by_epochs and (old != new or old_accum != accum):
+        if by_epochs and changed:
             self.global_step = self.epoch * (batches_per_epoch // accum) + self.batch_in_epoch // accum
 
     def roll_over(self, batches_per_epoch: int) -> None:
