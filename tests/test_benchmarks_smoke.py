@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -262,6 +264,23 @@ def test_gpu_check_skips_what_its_time_budget_cannot_hold(tmp_path):
     sections = ["env", "warm", "step", "kernel", "tests"]
     assert [line.split()[0] for line in lines] == [*sections, "total"]
     assert all("skipped" in line for line in lines[:-1])
+
+
+def test_gpu_check_tests_select_tests_on_a_gpu_and_in_the_dry_run(tmp_path):
+    """The tests section's selections pick tests: the GPU's (``TESTS`` and ``TESTS_ARGS`` of its CUDA branch,
+    collected here) and the dry run's (run: its section ends with rc 0, not pytest's 5 for none)."""
+    script = (REPO / "benchmarks" / "gpu_check.sh").read_text()
+    tests = re.findall(r"^\s*TESTS=\((.*)\)$", script, re.MULTILINE)
+    args = re.findall(r"^\s*TESTS_ARGS=\((.*)\)$", script, re.MULTILINE)
+    assert len(tests) == len(args) == 2  # the CUDA branch's, then the dry run's
+    collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run([*collect, *shlex.split(tests[0]), *shlex.split(args[0])], capture_output=True,
+                          text=True, timeout=600, cwd=REPO)  # fmt: skip
+    found = re.search(r"(\d+)/\d+ tests collected", proc.stdout)
+    assert proc.returncode == 0 and found and int(found.group(1)) >= 20, proc.stdout[-2000:]
+    gpu = _gpu_check(tmp_path / "out", tmp_path / "work", GPU_CHECK_ONLY="tests")
+    assert gpu.returncode == 0, gpu.stderr[-3000:]
+    assert "tests rc=0" in (tmp_path / "out" / "summary.txt").read_text()
 
 
 @pytest.mark.slow
