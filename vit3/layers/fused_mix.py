@@ -1,16 +1,12 @@
 """The mixer's fused node: the inner loops of all branches, between the two projections, as one autograd node.
 
-The branches take q, k and v as views of the qkv projection and write their read-outs straight into the output
-``[B, N, sum(widths)]``; the backward writes dq, dk and dv straight into one qkv gradient, so no layout copies
-are made either way. Each branch runs one full-batch dot-loss step through the node hooks
-(``vit3.kernels.ops.Node``) of its op's path ``MixBranch.path`` (``"cpu"``, ``"eager"``, ``"triton"``), or all
-branches at once through their path's whole-node hooks (``Node.whole``: Triton's launch program). RoPE rotates
-q and k here around the branch hooks (the whole-node hooks rotate them themselves); a branch whose hooks raise
-is tagged (``BRANCH_ATTR``) so the guard demotes it alone. ``vit3.layers.backends`` decides when it runs;
-settled all-``cpu`` calls take ``torch.ops.vit3_cpu.mix``, traced whole-node calls the custom op ``vit3::mix``
-(``mix_op``: the same forward and backward).
-
-The node's hooks, views and the whole-mixer C++ op beside it: ``docs/design/dispatch.md``.
+The branches read q, k, v as views of the qkv projection and write their read-outs straight into the output
+``[B, N, sum(widths)]``; the backward writes dq, dk, dv straight into one qkv gradient: no layout copies.
+Each branch runs through the node hooks (``vit3.kernels.ops.Node``) of its path (``MixBranch.path``), or all
+branches at once through their path's whole-node hooks (``Node.whole``: Triton's launch program). RoPE
+rotates q, k here (the whole-node hooks rotate them themselves); a branch whose hooks raise is tagged
+(``BRANCH_ATTR``) so the guard demotes it alone. Traced, the same node is the custom op ``vit3::mix``
+(``mix_op``); settled all-``cpu`` calls take ``torch.ops.vit3_cpu.mix``. Why: ``docs/design/dispatch.md``.
 """
 
 from __future__ import annotations

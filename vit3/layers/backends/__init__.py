@@ -1,16 +1,14 @@
-"""Which implementation runs each branch of a TTT mixer, and why: the one place that decides it. How a
-settled call then runs (the node, the whole-mixer C++ op, the block op) follows from it in ``ttt.py`` and
-``blocks.py``.
+"""Which implementation runs each branch of a TTT mixer, and why: the one place that decides it.
 
 A *backend* is one implementation of a branch's inner loop + read-out: ``triton`` (the Triton op), ``cpu``
-(the C++ CPU kernel), ``eager`` (the eager paths) or ``generic`` (the closed-form inner loop, every config);
-all but ``generic`` run a fast path of the ops in ``vit3.kernels.ops.OPS``. ``TTTConfig.backend`` names one
-(it wins over ``$VIT3_TTT_BACKEND``; both default to ``auto``, an order per device type). A call's plan is
-cached per key; failures demote, never kill: a key's first calls run guarded and a backend that fails is
-demoted with one warning (``VIT3_TTT_STRICT=1`` raises). ``TTTMixer.explain`` says why.
+(the C++ CPU kernel), ``eager`` (the eager paths) or ``generic`` (the closed-form inner loop, every config).
+``TTTConfig.backend`` names one (it wins over ``$VIT3_TTT_BACKEND``; both default to ``auto``, an order per
+device type). A call's plan is cached per key; a key's first calls run guarded and a backend that fails is
+demoted with one warning (``VIT3_TTT_STRICT=1`` raises). ``TTTMixer.explain`` says why. How a settled call
+then runs follows in ``ttt.py`` and ``blocks.py``.
 
 Modules, bottom up: ``interface``, ``registry``, ``planner``, ``verify``, ``guard``, ``explain``. The rules
-in full (the auto order, the plan cache, demotion, memory-lean training): ``docs/design/dispatch.md``.
+in full: ``docs/design/dispatch.md``.
 """
 
 from .explain import BranchExplanation, MixerExplanation, ModelExplanation, explain_mixer
