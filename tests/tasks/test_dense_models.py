@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+from helpers.common import load_fixture
 from torch import nn
 
 import vit3  # noqa: F401  (registers the vit3 models)
@@ -254,6 +255,29 @@ def test_backbone_weights_load_from_a_classification_state_dict(tmp_path):
     torch.save({"model": {"unrelated.weight": torch.zeros(3)}}, tmp_path / "bad.pth")
     with pytest.raises(ValueError, match="none of its 1 weights fit"):
         load_backbone_weights(backbone, str(tmp_path / "bad.pth"))
+
+
+@pytest.mark.parametrize(
+    ("fixture", "arch"),
+    [("vit3_plain_tiny_cfg.pt", "vit3_tiny"), ("vit3_hier_tiny_cfg.pt", "h_vit3_tiny")],
+    ids=["plain", "hierarchical"],
+)
+def test_backbone_weights_of_an_official_file_are_timms_pretrained_weights(fixture, arch, tmp_path):
+    """An official ViTTT file (its own key names) fills the backbone as timm's pretrained path does: every
+    weight the two share, the mixers' inner weights and H-ViT³'s renamed stages included."""
+    fx = load_fixture(fixture)
+    path = tmp_path / "official.pth"
+    torch.save({"model": fx["state_dict"], "epoch": 300}, path)
+    kwargs = {k: v for k, v in fx["config"].items() if k != "num_classes"}
+    if arch.startswith("h_"):
+        kwargs.pop("img_size")  # the official H-ViT³ fixes its grid from img_size; ours reads the input
+    want = FeatureBackbone(arch, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **kwargs)
+    backbone = FeatureBackbone(arch, **kwargs)
+    missing = load_backbone_weights(backbone, str(path))
+    got, ref = backbone.body.state_dict(), want.body.state_dict()
+    assert all("norm" in k for k in missing)
+    assert all(torch.equal(got[k], ref[k]) for k in ref if k not in missing)
+    assert any(".inner." in k for k in ref)
 
 
 def test_pyramid_backbone_requires_the_strides():

@@ -14,7 +14,7 @@ from torch import nn
 from ..data.ade import ADESegmentation
 from ..data.coco import CocoDetection
 from ..errors import DataError
-from ..models import load_checkpoint_file
+from ..models import load_checkpoint_file, to_our_names
 from ..models.record import peek_vit3_checkpoint, require_classifier
 from ..tasks.backbone import FeatureBackbone
 from ..tasks.detection import build_detector
@@ -175,7 +175,7 @@ def load_backbone_weights(backbone: FeatureBackbone, path: str, use_ema: bool = 
         if state is None:
             raise CheckpointError(f"checkpoint {path} holds no EMA weights (trained with train.ema=false)")
     else:
-        state = load_checkpoint_file(path, use_ema=use_ema)  # official layouts (converted keys)
+        state = to_our_names(backbone.model_name, load_checkpoint_file(path, use_ema=use_ema))
     body = backbone.body.state_dict()
     loaded, missing = {}, []
     for key, value in body.items():

@@ -7,12 +7,34 @@ DiT³ is a diffusers model: ``DiT3`` and ``create_dit3`` import ``vit3.models.di
 
 from typing import Any
 
+from torch import Tensor
+
+from . import h_vit3, vit3
 from ._pretrained import load_checkpoint_file
 from .h_vit3 import HViT3
 from .swap import swap_attention_for_ttt
 from .vit3 import ViT3
 
-__all__ = ["DiT3", "HViT3", "ViT3", "create_dit3", "load_checkpoint_file", "swap_attention_for_ttt"]
+__all__ = [
+    "DiT3",
+    "HViT3",
+    "ViT3",
+    "create_dit3",
+    "load_checkpoint_file",
+    "swap_attention_for_ttt",
+    "to_our_names",
+]
+
+
+def to_our_names(model_name: str, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state_dict`` in the names of the vit3 model ``model_name`` (a timm name, tag or not): an official
+    ViTTT file's keys converted as its family's ``official_to_ours`` does; other models' weights as they
+    are."""
+    arch = model_name.split(".")[0]
+    for family in (vit3, h_vit3):
+        if arch in family.VARIANTS:
+            return family.official_to_ours(state_dict)
+    return state_dict
 
 
 def __getattr__(name: str) -> Any:

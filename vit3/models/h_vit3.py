@@ -28,7 +28,7 @@ from vit3.layers.embed import ConvDownsample, ConvStem, check_image
 from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
 from ._pretrained import check_state_dict, select_weights
 
-__all__ = ["TIMM_FIXED", "HViT3", "HViT3Stage", "checkpoint_filter_fn"]
+__all__ = ["TIMM_FIXED", "HViT3", "HViT3Stage", "checkpoint_filter_fn", "official_to_ours"]
 
 # timm kwargs for dynamic inputs: H-ViT³ always takes any size (every stride-2 convolution pads).
 TIMM_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -261,19 +261,21 @@ def convert_official_key(key: str) -> str | None:
     return key
 
 
+def official_to_ours(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Official ViTTT weights (``h_vittt_*``) in this family's names (``convert_official_key``; the RoPE
+    tables dropped); weights already in our names pass through."""
+    if any(k.startswith("stages.") for k in state_dict):
+        return dict(state_dict)
+    return {new: v for k, v in state_dict.items() if (new := convert_official_key(k)) is not None}
+
+
 def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: HViT3) -> dict[str, Tensor]:
     """Converts official ViTTT weights (``h_vittt_*``) to this model and checks they fit.
 
     See ``convert_official_key``; weights already in our names pass through. Raises ``ValueError`` listing
     missing, unexpected and mis-shaped keys when the checkpoint belongs to another model or size.
     """
-    state_dict = select_weights(state_dict)  # the "model" / "state_dict" entry of a training checkpoint
-    ours = any(k.startswith("stages.") for k in state_dict)
-    out = {}
-    for key, value in state_dict.items():
-        new = key if ours else convert_official_key(key)
-        if new is not None:
-            out[new] = value
+    out = official_to_ours(select_weights(state_dict))  # a training checkpoint's "model" / "state_dict"
     check_state_dict(out, model, ignore_prefixes=("head.",), in_chans_keys=("stem.0.conv.weight",))
     return out
 

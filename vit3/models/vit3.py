@@ -27,7 +27,7 @@ from vit3.layers.embed import check_image, check_image_size
 from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
 from ._pretrained import check_state_dict, select_weights
 
-__all__ = ["TIMM_VIT_FIXED", "ViT3", "checkpoint_filter_fn"]
+__all__ = ["TIMM_VIT_FIXED", "ViT3", "checkpoint_filter_fn", "official_to_ours"]
 
 # timm VisionTransformer kwargs ViT³ has no parameter for: the values that describe ViT³ (accepted, no effect)
 # and why another value makes no sense here. dynamic_img_size / dynamic_img_pad / pos_drop_rate / final_norm
@@ -264,6 +264,14 @@ def _check_attention_args(attn_mask: Tensor | None, is_causal: bool) -> None:
 # --- checkpoints -------------------------------------------------------------------------------------
 
 
+def official_to_ours(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Official ViTTT weights (``vittt_*``) in this family's names: the mixer's inner weights renamed
+    (``convert_official_mixer_key``); weights already in our names pass through."""
+    if any(".attn.inner." in k for k in state_dict):
+        return dict(state_dict)
+    return {convert_official_mixer_key(k): v for k, v in state_dict.items()}
+
+
 def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ViT3) -> dict[str, Tensor]:
     """Converts official ViTTT weights (``vittt_*``) to this model and checks they fit.
 
@@ -272,11 +280,9 @@ def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ViT3) -> dict[str
     patch size is resampled (timm ``resample_patch_embed``). Raises ``ValueError`` listing missing, unexpected
     and mis-shaped keys when the checkpoint belongs to another model or size.
     """
-    state_dict = select_weights(state_dict)  # the "model" / "state_dict" entry of a training checkpoint
-    ours = any(".attn.inner." in k for k in state_dict)
     out = {}
-    for key, value in state_dict.items():
-        key = key if ours else convert_official_mixer_key(key)
+    # the "model" / "state_dict" entry of a training checkpoint, in our names
+    for key, value in official_to_ours(select_weights(state_dict)).items():
         if key == "patch_embed.proj.weight" and value.ndim == 4:
             target = model.patch_embed.proj.weight.shape[-2:]
             if value.shape[-2:] != target:
