@@ -139,6 +139,23 @@ def test_torchscript_exporter_refuses_a_dynamic_graph_in_one_line(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the (quick) TorchScript exporter is deprecated
+def test_an_opset_the_dynamo_exporter_cannot_write_is_never_replaced(tmp_path):
+    """Opset 17 (below what the dynamo exporter writes, which torch fails to convert down): a dynamic graph
+    is refused naming it; a static one falls back to the TorchScript exporter, which writes opset 17."""
+    import onnx
+
+    extractor = FeatureExtractor("test_vit3_ttt")
+    with pytest.raises(RuntimeError, match=r"dynamo.*wrote opset 18, not the opset 17 asked"):
+        export_onnx(extractor, tmp_path / "dynamic.onnx", 64, opset=17)
+    assert not (tmp_path / "dynamic.onnx").exists()
+    info = export_onnx(
+        extractor, tmp_path / "static.onnx", 64, opset=17, dynamic_batch=False, dynamic_size=False
+    )
+    assert info["exporter"] == "torchscript" and "opset 17" in info["errors"]["dynamo"]
+    assert onnx.load(tmp_path / "static.onnx").opset_import[0].version == 17
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the (quick) TorchScript exporter is deprecated
 def test_check_onnx_reports_shape_mismatch(tmp_path):
     class Tiny(torch.nn.Module):
         names = ("a",)

@@ -431,6 +431,9 @@ def export_onnx(
                         optimize=optimize,
                         **kwargs,
                     )
+                wrote = program.model.opset_imports.get("", opset)
+                if wrote != opset:  # torch logs a failed down-conversion and keeps its own opset
+                    raise ValueError(f"it wrote opset {wrote}, not the opset {opset} asked (no conversion)")
                 if not optimize:
                     fold_onnx(program.model)
                 nodes = len(program.model.graph)
