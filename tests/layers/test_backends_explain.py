@@ -217,6 +217,13 @@ def test_cli_prints_the_explanation(capsys):
     )
 
 
+def test_cli_builds_a_fixed_size_model_for_its_image_size(capsys):
+    """A timm ViT with TTT swapped in fixes its patch grid at build time: built for ``--img-size``, it
+    explains 64 px images (built for its default 224, the forward refused them)."""
+    assert cli_main(["ttt_swap", "--img-size", "64"]) == 0
+    assert "img_size 64" in capsys.readouterr().out
+
+
 def test_cli_runs_as_a_module_and_rejects_bad_arguments():
     proc = subprocess.run(
         [sys.executable, "-m", "vit3.scripts.explain", "test_vit3_ttt", "--img-size", "32", "--json"],

@@ -50,7 +50,11 @@ def _explain(args: argparse.Namespace) -> int:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
-    model = timm.create_model(args.model, pretrained=False).to(device).eval()
+    try:  # built for --img-size where the model takes one (a timm ViT fixes its patch grid)
+        model = timm.create_model(args.model, pretrained=False, img_size=args.img_size)
+    except TypeError:  # no img_size argument: the model reads the size from its input
+        model = timm.create_model(args.model, pretrained=False)
+    model = model.to(device).eval()
     autocast = dtype in (torch.bfloat16, torch.float16)
     if not autocast:
         model = model.to(dtype)
@@ -58,8 +62,8 @@ def _explain(args: argparse.Namespace) -> int:
     try:
         with context:
             report = explain(model, args.img_size, grad=args.train, batch=args.batch)
-    except ValueError as e:  # the model's check of the image ("image 8x8 is too small ...")
-        if not str(e).startswith("image "):
+    except (ValueError, AssertionError) as e:  # the model's check of the image ("image 8x8 is too small ...")
+        if isinstance(e, ValueError) and not str(e).startswith("image "):
             raise
         raise ConfigError(
             f"--img-size must be an image size {args.model} takes, got {args.img_size}: {e}"
