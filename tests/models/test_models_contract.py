@@ -136,6 +136,14 @@ def test_every_registered_name_passes_timms_default_cfgs_shape_checks(name):
     assert unpooled.ndim == 4 and tuple(unpooled.shape[i] for i in spatial) == tuple(cfg["pool_size"])
 
 
+def test_plain_model_takes_an_activation_by_timm_name():
+    """``act_layer`` as timm's ViT takes it: a module class or a name timm resolves (``get_act_layer``)."""
+    named = timm.create_model("test_vit3_ttt", act_layer="silu")
+    assert all(type(b.mlp.act) is torch.nn.SiLU for b in named.blocks)
+    assert type(timm.create_model("test_vit3_ttt").blocks[0].mlp.act) is torch.nn.GELU
+    assert named(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
+
+
 def test_reset_classifier_and_get_classifier(name):
     model = timm.create_model(name)
     model.reset_classifier(7, "max")

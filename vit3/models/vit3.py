@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from timm.layers import PatchEmbed, resample_patch_embed
+from timm.layers import PatchEmbed, get_act_layer, resample_patch_embed
 from timm.models._input import update_model_input_size
 from torch import Tensor, nn
 
@@ -81,7 +81,7 @@ class ViT3(FamilyBackbone):
         drop_path_rate: stochastic depth, linearly increasing over the blocks (official training: T 0.0,
             S 0.1, B 0.4).
         ttt_cfg: mixer configuration (``TTTConfig`` or dict of its fields), used by every block.
-        act_layer: MLP activation.
+        act_layer: MLP activation: a module class or a timm name (``"silu"``, as timm's ViT takes).
         dynamic_img_size: take any image size (default); ``False``: only ``img_size`` (timm's strict size).
         dynamic_img_pad: zero-pad the image to a multiple of the patch size (default); ``False``: the sides
             must be multiples of it.
@@ -112,7 +112,7 @@ class ViT3(FamilyBackbone):
         proj_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         ttt_cfg: TTTConfig | dict[str, Any] | None = None,
-        act_layer: type[nn.Module] = nn.GELU,
+        act_layer: str | type[nn.Module] = nn.GELU,
         dynamic_img_size: bool = True,
         dynamic_img_pad: bool = True,
         pos_drop_rate: float = 0.0,
@@ -143,7 +143,9 @@ class ViT3(FamilyBackbone):
         self.pos_drop = nn.Dropout(pos_drop_rate)
         norm_layer = partial(nn.LayerNorm, eps=1e-6)
         dpr = stochastic_depth_rates(drop_path_rate, depth)
-        mlp = dict(mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate, act_layer=act_layer)
+        mlp = dict(
+            mlp_ratio=mlp_ratio, proj_drop=proj_drop_rate, act_layer=get_act_layer(act_layer) or nn.GELU
+        )
         self.blocks = ttt_blocks(embed_dim, num_heads, dpr, ttt_cfg=cfg, norm_layer=norm_layer, **mlp)
         reduction = max(self.patch_embed.patch_size)
         self.feature_info = [
