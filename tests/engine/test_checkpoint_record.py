@@ -226,6 +226,27 @@ def test_a_resume_takes_its_configs_optimizer_settings_and_schedule(pretrained, 
     assert read_ckpt(out / "last.pt")["global_step"] == new["t_initial"]
 
 
+def test_a_resume_with_no_weight_decay_carries_the_moments_into_one_group(pretrained, digits, tmp_path):
+    """``train.weight_decay=0`` on resume: timm builds one parameter group, not the checkpoint's two (decay
+    and no-decay); the run resumes (its moments follow their parameters) instead of failing in torch's
+    ``load_state_dict``."""
+    out = tmp_path / "run"
+    ckpt = read_ckpt(pretrained)
+    ckpt.update(epoch=2, batch_in_epoch=3, history=ckpt["history"][:2])
+    save_checkpoint(out / "last.pt", {k: v for k, v in ckpt.items() if k not in ("format", "version")})
+    assert len(ckpt["optimizer"]["param_groups"]) > 1
+    args = (
+        "train.epochs=3",
+        "train.resume=auto",
+        "data.mean=[0.13]",
+        "data.std=[0.31]",
+        "train.weight_decay=0",
+    )
+    run(tiny_cfg(digits, out, *args), "train")
+    groups = read_ckpt(out / "last.pt")["optimizer"]["param_groups"]
+    assert len(groups) == 1 and groups[0]["weight_decay"] == 0.0
+
+
 # ----------------------------------------------------------------------------------- checkpoint files
 def test_stale_temp_files_are_removed_and_writes_are_fsynced(tmp_path, monkeypatch):
     stale = tmp_path / ".last.pt.tmp999999999"  # left by a killed writer (no such process)

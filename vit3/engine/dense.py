@@ -131,7 +131,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
     p = _Progress()
     if ckpt is not None:  # not resume.open_run: its finished-run note counts train.epochs, not dense.iters
         model.load_state_dict(ckpt["model"])
-        load_optimizer_state(opt, ckpt["optimizer"])
+        load_optimizer_state(opt, ckpt["optimizer"], source=resume)
         scaler.load_state_dict(ckpt["scaler"])
         p.restore(ckpt, bs, info.world, accum, batches_per_epoch, by_epochs=not d.iters)
         p.history, p.losses, p.best = list(ckpt["history"]), list(ckpt["losses"]), float(ckpt["best"])

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .checkpoint import load_model_weights
 from .config import Config, ConfigError, run_metadata, to_plain
 from .distributed import DistInfo, log
-from .optim import Optimization, load_optimizer_state, lr_factor, schedule_changed
+from .optim import Optimization, build_optimizer, load_optimizer_state, lr_factor, schedule_changed
 from .process import check_ranks_agree
 from .resume import Progress
 
@@ -81,10 +81,19 @@ class TrainRun:
             if ckpt.get("ema") is None:
                 raise ConfigError(f"cannot resume with train.ema=true from {source}: it holds no EMA weights")
             self.ema.module.load_state_dict(ckpt["ema"])
-        load_optimizer_state(self.optimizer, ckpt["optimizer"])
+        load_optimizer_state(self.optimizer, ckpt["optimizer"], self._saved_order(ckpt), source)
         if schedule_changed(self.scheduler, ckpt["scheduler"]):  # e.g. more epochs, a forced resume's batch
             log(self.info, f"note: the lr schedule differs from {source}'s; this config's applies")
         self.scaler.load_state_dict(ckpt["scaler"])
+
+    def _saved_order(self, ckpt: Mapping[str, Any]) -> list[Tensor] | None:
+        """The checkpoint run's trained parameters in its optimizer's order: :func:`build_optimizer` of its
+        config on this model (``None`` where that config cannot build one)."""
+        try:
+            saved = build_optimizer(self.model, Config(ckpt["config"]["train"]), 0.0)
+        except (KeyError, AttributeError, TypeError, ValueError):
+            return None
+        return [p for group in saved.param_groups for p in group["params"]]
 
 
 def epoch_batches(cfg: Config, samples: int) -> int:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -125,15 +126,69 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, 
     )
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    saved_order: Sequence[Tensor] | None = None,
+    source: str = "the checkpoint",
+) -> None:
     """Loads a checkpoint's optimizer ``state`` (AdamW's moments and step counts) into ``optimizer`` and keeps
     the hyperparameters its groups were built with from this run's config (weight decay, layer-decay lr
     scales, betas, eps), which ``load_state_dict`` alone would replace by the checkpoint's.
+
+    Where this config groups the parameters otherwise than the checkpoint's run did (``train.weight_decay``
+    0 puts them in one group, ``train.layer_decay`` in one per layer), ``saved_order`` (the checkpoint
+    run's parameters in its optimizer's order: :func:`build_optimizer` of its config on this model) carries
+    each parameter's moments to its group here.
+
+    Raises:
+        ConfigError: the state does not fit this optimizer's parameters (another ``train.freeze``, or groups
+            that ``saved_order`` does not map), naming ``source``.
     """
     built = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if [len(g["params"]) for g in state["param_groups"]] != sizes:
+        state = _regrouped(optimizer, state, saved_order, source)
     optimizer.load_state_dict(state)
     for group, settings in zip(optimizer.param_groups, built):
         group.update(settings)
+
+
+def _regrouped(
+    optimizer: torch.optim.Optimizer, state: dict[str, Any], saved_order: Sequence[Tensor] | None, source: str
+) -> dict[str, Any]:
+    """``state`` laid out in ``optimizer``'s groups, each parameter's moments found by ``saved_order``."""
+    here = [p for g in optimizer.param_groups for p in g["params"]]
+    index = {id(p): i for i, p in enumerate(here)}
+    positions = [i for g in state["param_groups"] for i in g["params"]]
+    fits = (
+        saved_order is not None
+        and len(saved_order) == len(positions) == len(here)
+        and all(id(p) in index for p in saved_order)
+    )
+    moments: dict[int, Any] = {}
+    if fits:
+        to_here = {saved: index[id(p)] for saved, p in zip(positions, saved_order)}
+        for saved, values in state["state"].items():
+            i = to_here[saved]
+            avg = values.get("exp_avg") if isinstance(values, dict) else None
+            fits = fits and (avg is None or avg.shape == here[i].shape)
+            moments[i] = values
+    if not fits:
+        raise ConfigError(
+            f"cannot resume the optimizer of {source}: its {len(positions)} trained parameters do not map "
+            f"onto the {len(here)} this config trains (train.freeze, train.weight_decay or "
+            "train.layer_decay changed); keep the checkpoint's settings, or start a run from its weights "
+            "(model.pretrained)"
+        )
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        n = len(group["params"])
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + n))}
+        )
+        start += n
+    return {"state": moments, "param_groups": groups}
 
 
 def schedule_changed(scheduler: Any, saved: dict[str, Any]) -> bool:
