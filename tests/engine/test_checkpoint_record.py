@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -245,6 +246,22 @@ def test_a_resume_with_no_weight_decay_carries_the_moments_into_one_group(pretra
     run(tiny_cfg(digits, out, *args), "train")
     groups = read_ckpt(out / "last.pt")["optimizer"]["param_groups"]
     assert len(groups) == 1 and groups[0]["weight_decay"] == 0.0
+
+
+def test_a_resume_into_another_folder_names_the_best_checkpoint_that_exists(pretrained, digits, tmp_path):
+    """Resumed into another folder, a run that does not beat its checkpoint's best writes no ``best.pt``:
+    its summary names the resumed run's, not a file that does not exist (or none where that has none)."""
+    source = tmp_path / "source"
+    ckpt = read_ckpt(pretrained)
+    ckpt.update(best_top1=100.0)  # no epoch can beat it
+    save_checkpoint(source / "last.pt", {k: v for k, v in ckpt.items() if k not in ("format", "version")})
+    args = ("train.epochs=4", "data.mean=[0.13]", "data.std=[0.31]", f"train.resume={source / 'last.pt'}")
+    run(tiny_cfg(digits, tmp_path / "a", *args), "train")
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["best"] is None
+    shutil.copy(pretrained.parent / "best.pt", source / "best.pt")
+    run(tiny_cfg(digits, tmp_path / "b", *args), "train")
+    assert not (tmp_path / "b" / "best.pt").exists()
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["best"] == str(source / "best.pt")
 
 
 # ----------------------------------------------------------------------------------- checkpoint files

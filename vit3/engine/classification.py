@@ -424,6 +424,17 @@ def _finish_epoch(run: ClassificationRun, epoch_time: float, images: int) -> dic
     return row
 
 
+def _best_file(run: ClassificationRun, p: _Progress) -> str | None:
+    """The checkpoint of the best epoch (``train.keep_best``): this run's ``best.pt``, else, for a run
+    resumed into another folder that has not beaten its checkpoint's best, the resumed run's; ``None``
+    where neither exists."""
+    if not run.cfg.train.keep_best:
+        return None
+    folders = [run.out, *([Path(p.resumed_from).parent] if p.resumed_from else [])]
+    found = next((f / "best.pt" for f in folders if (f / "best.pt").is_file()), None)
+    return str(found) if found is not None else None
+
+
 def _time_summary(p: _Progress) -> dict[str, Any]:
     """The summary's run time: ``wall_time_s`` the whole run's (the time before a resume is what its
     checkpoint kept), ``wall_time_covers`` says what it covers, and for a resumed run
@@ -474,7 +485,7 @@ def train_in_group(
             run_bar.close()
     summary = {
         **run_summary(run, run.out, p.history),
-        "best": str(run.out / "best.pt") if cfg.train.keep_best else None,
+        "best": _best_file(run, p),
         "best_top1": p.best_top1,
         **run.summary_extra(),
         **_time_summary(p),
