@@ -107,6 +107,15 @@ def test_the_keys_the_user_wrote_are_recorded_and_the_shipped_defaults_are_not(t
         tmp_path / "run.yaml", {"base": ["early.yaml", "mine.yaml"], "data": {"batch_size": 12}}
     )
     assert not written_keys(load_config(finetune))
+    # a checkout's copy of the shipped configs beside an installed package's (the same bytes): not written;
+    # an edited copy: the user's
+    copy = tmp_path / "checkout" / "configs"
+    copy.mkdir(parents=True)
+    for name in ("finetune.yaml", "default.yaml"):
+        (copy / name).write_bytes((CONFIG_DIR / name).read_bytes())
+    assert not written_keys(load_config(copy / "finetune.yaml"))
+    (copy / "finetune.yaml").write_text((copy / "finetune.yaml").read_text() + "seed: 7\n")
+    assert "seed" in written_keys(load_config(copy / "finetune.yaml"))
     cfg = load_config(run_file, ["train.min_steps=5", "aug.scale=[0.5, 1]", "model.kwargs={b: {c: 2}}"])
     # not model.kwargs.a of mine.yaml: the override's mapping replaced it
     assert written_keys(cfg) == {

@@ -229,8 +229,8 @@ def _read_yaml_tree(
     path: Path, stack: tuple[Path, ...] = (), origin: dict[str, bool] | None = None
 ) -> dict[str, Any]:
     """Reads ``path`` and its ``base:`` chain into one merged dict (``base`` removed). ``origin``, when given,
-    gets for each leaf key whether the file that set it last (the merge's winner) is the user's: outside
-    :data:`CONFIG_DIR`."""
+    gets for each leaf key whether the file that set it last (the merge's winner) is the user's: not one of
+    vit3's configs (``_shipped``)."""
     path = path.resolve()
     if path in stack:
         chain = " -> ".join(str(p) for p in (*stack, path))
@@ -259,9 +259,23 @@ def _read_yaml_tree(
     for base in bases:
         merged = _deep_merge(merged, _read_yaml_tree(path.parent / base, (*stack, path), origin))
     if origin is not None:
-        users = not path.is_relative_to(CONFIG_DIR.resolve())
-        origin.update(dict.fromkeys(_leaf_keys(data), users))
+        origin.update(dict.fromkeys(_leaf_keys(data), not _shipped(path)))
     return _deep_merge(merged, data)
+
+
+def _shipped(path: Path) -> bool:
+    """Whether ``path`` (resolved) is one of vit3's configs: under :data:`CONFIG_DIR`, or a copy of one (the
+    same bytes at the same place under a ``configs`` folder: a checkout's beside the installed package's).
+    An edited copy is the user's."""
+    root = CONFIG_DIR.resolve()
+    if path.is_relative_to(root):
+        return True
+    parts = path.parts
+    if "configs" not in parts[:-1]:
+        return False
+    at = len(parts) - 1 - parts[::-1].index("configs")
+    twin = root.joinpath(*parts[at + 1 :])
+    return twin.is_file() and twin.read_bytes() == path.read_bytes()
 
 
 def glued_key(value: Any) -> str | None:
