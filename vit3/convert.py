@@ -112,7 +112,8 @@ def init_student(student: nn.Module, teacher: nn.Module, pairs: Sequence[LayerPa
     branch from its attention's ``qkv``/``proj`` (:func:`~vit3.models.swap.copy_attention_weights`).
 
     Raises:
-        ValueError: a student weight outside the mixers has no counterpart in the teacher.
+        ValueError: a student weight outside the mixers has no counterpart in the teacher, or a mixer has no
+            branch of its attention's shapes.
     """
     theirs = teacher.state_dict()
     ours = student.state_dict()

@@ -443,3 +443,23 @@ def test_a_misspelt_key_in_a_config_file_is_named(tmp_path):
     ):
         check_convert_cfg(load_config(path))
     check_convert_cfg(load_config(CONFIG_DIR / "convert" / "demo_mnist.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "model.pretrained=some/best.pt",
+            r"^model\.pretrained='some/best\.pt': the conversion's student starts",
+        ),
+        ("train.freeze=backbone", r"^train\.freeze='backbone': the conversion chooses what trains"),
+    ],
+    ids=["pretrained", "freeze"],
+)
+def test_settings_the_conversion_would_ignore_are_refused(override, message):
+    """A student checkpoint (``model.pretrained``) and a freeze were silently ignored: the student starts
+    from the teacher, and each stage sets what trains (a freeze left stage 1 training nothing)."""
+    from vit3.engine.convert import check_convert_cfg
+
+    with pytest.raises(ConfigError, match=message):
+        check_convert_cfg(load_config(CONFIG_DIR / "convert" / "demo_mnist.yaml", [override]))

@@ -149,9 +149,17 @@ def test_ttt_cfg_reaches_every_mixer():
 
 def test_copy_refuses_other_shapes_and_swap_refuses_other_models():
     mixer = TTTMixer(32, 2)
-    assert not copy_attention_weights(mixer, torch.nn.Linear(16, 48), torch.nn.Linear(16, 16))
+    with pytest.raises(ValueError, match=r"cannot start the TTT mixer \(width 32.*init_from_attention=False"):
+        copy_attention_weights(mixer, torch.nn.Linear(16, 48), torch.nn.Linear(16, 16))
     with pytest.raises(ValueError, match="no timm ViT Attention or Swin"):
         swap_attention_for_ttt(timm.create_model("test_vit3_ttt"))
+    # a Swin whose heads are narrower than its width over its heads: its attention fits no mixer branch
+    narrow = _swin(head_dim=8)
+    with pytest.raises(ValueError, match=r"no branch has its \d+ channels"):
+        swap_attention_for_ttt(narrow)
+    assert _mixers(swap_attention_for_ttt(narrow, init_from_attention=False))
+    with pytest.raises(ValueError, match=r"drops patch tokens in training \(patch_drop_rate\)"):
+        swap_attention_for_ttt(timm.create_model("test_vit", img_size=64, patch_drop_rate=0.25))
     with pytest.raises(ValueError, match="scope"):
         swap_attention_for_ttt(_swin(), scope="global")
 

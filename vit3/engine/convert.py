@@ -122,6 +122,17 @@ def check_convert_cfg(cfg: Config) -> Config:
             "leave "
             f"model.name empty and name the teacher in convert.teacher"
         )
+    if cfg.model.get("pretrained"):
+        raise ConfigError(
+            f"model.pretrained={cfg.model.pretrained!r}: the conversion's student starts from the "
+            "teacher (convert.teacher); to go on from a converted checkpoint, resume it (train.resume) or "
+            "fine-tune it (task classification, configs/finetune.yaml)"
+        )
+    if cfg.train.get("freeze", "none") != "none":
+        raise ConfigError(
+            f"train.freeze={cfg.train.freeze!r}: the conversion chooses what trains in each stage "
+            "(stage 1 the mixers, stage 2 all); set it none"
+        )
     return conv
 
 
@@ -392,10 +403,10 @@ def _setup(cfg: Config, info: DistInfo) -> _ConvertRun:
         raise ConfigError(f"cannot convert the teacher {cfg.convert.teacher} ({record['name']}): {e}") from e
     try:
         pairs = layer_pairs(teacher, student)
-    except ValueError as e:  # e.g. a teacher that is a TTT model already
+        if ckpt is None:
+            init_student(student, teacher, pairs)
+    except ValueError as e:  # a teacher that is a TTT model already, an attention no mixer can start from
         raise ConfigError(f"cannot convert the teacher {cfg.convert.teacher} ({record['name']}): {e}") from e
-    if ckpt is None:
-        init_student(student, teacher, pairs)
     teacher.to(info.device)
     make_run = functools.partial(
         _ConvertRun,

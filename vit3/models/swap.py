@@ -43,19 +43,29 @@ SWIN_SCOPES = ("stage", "window")
 
 
 @torch.no_grad()
-def copy_attention_weights(mixer: TTTMixer, qkv: nn.Linear, proj: nn.Linear) -> bool:
+def copy_attention_weights(mixer: TTTMixer, qkv: nn.Linear, proj: nn.Linear) -> None:
     """Copies an attention's ``qkv`` ``[3C, C]`` and ``proj`` ``[C, C]`` into the mixer's first full branch.
 
     The mixer's ``qkv`` rows are laid out branch by branch, ``[q, k, v]`` each, and its ``proj`` columns
     likewise; the rows and columns of the other branches keep their initialisation. A missing attention
-    ``qkv`` bias copies as zeros. Returns ``False`` (nothing copied) when no branch has the attention's
-    shapes.
+    ``qkv`` bias copies as zeros.
+
+    Raises:
+        ValueError: no branch of the mixer has the attention's shapes (e.g. a Swin ``head_dim`` other than
+            its width over its heads, or a mixer config without a branch of the attention's width).
     """
     width = qkv.out_features // 3
-    if qkv.in_features != mixer.dim or proj.out_features != mixer.dim or proj.in_features != width:
-        return False
-    if width not in mixer.widths:
-        return False
+    if (
+        qkv.in_features != mixer.dim
+        or proj.out_features != mixer.dim
+        or proj.in_features != width
+        or width not in mixer.widths
+    ):
+        raise ValueError(
+            f"cannot start the TTT mixer (width {mixer.dim}, branch widths {list(mixer.widths)}) from an "
+            f"attention of qkv {tuple(qkv.weight.shape)} and proj {tuple(proj.weight.shape)}: no branch "
+            f"has its {width} channels; swap with init_from_attention=False to start the mixers afresh"
+        )
     offset = sum(mixer.widths[: mixer.widths.index(width)])  # channels of the branches before it
     rows = slice(3 * offset, 3 * (offset + width))
     mixer.qkv.weight[rows] = qkv.weight
@@ -64,7 +74,6 @@ def copy_attention_weights(mixer: TTTMixer, qkv: nn.Linear, proj: nn.Linear) -> 
     mixer.proj.weight[:, offset : offset + width] = proj.weight
     if proj.bias is not None:
         mixer.proj.bias.copy_(proj.bias)
-    return True
 
 
 def _mixer_like(
@@ -180,10 +189,15 @@ class SwinStageTTTBlock(nn.Module):
 
 
 def _swap_vit(vit: VisionTransformer, ttt_cfg: Any, init: bool) -> int:
+    if not isinstance(getattr(vit, "patch_drop", nn.Identity()), nn.Identity):
+        raise ValueError(
+            "a TTT mixer trains on the whole patch grid: this ViT drops patch tokens in training "
+            "(patch_drop_rate); build it with patch_drop_rate=0"
+        )
     state = _GridState(vit.patch_embed)
     count = 0
     for block in vit.blocks:
-        if isinstance(block.attn, Attention):
+        if isinstance(getattr(block, "attn", None), Attention):
             mixer = _mixer_like(block.attn, block.attn.qkv.in_features, ttt_cfg, init)
             block.attn = TokenTTT(mixer, vit.num_prefix_tokens, state)
             count += 1
@@ -226,7 +240,9 @@ def swap_attention_for_ttt(
 
     Raises:
         TypeError: ``model`` is no ``nn.Module`` (e.g. a model's name).
-        ValueError: unknown ``scope``, or no timm attention found to replace.
+        ValueError: unknown ``scope``, no timm attention found to replace, a ViT that drops patch tokens
+            (``patch_drop_rate``), or (``init_from_attention``) a mixer with no branch of its attention's
+            shapes.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
