@@ -78,6 +78,25 @@ def test_killed_mid_epoch_then_bare_resume_gives_the_uninterrupted_weights(task,
     assert_same_tensors(_resumable(tmp_path / "full" / "last.pt"), _resumable(killed / "last.pt"))
 
 
+def test_a_detection_run_checkpoints_every_epoch_and_keeps_best_only_when_asked(
+    coco_root, tmp_path, monkeypatch
+):
+    """``last.pt`` at every epoch's end, not only at an evaluation (a kill between evaluations lost whole
+    epochs), and no ``best.pt`` under ``train.keep_best=false``."""
+    import vit3.engine.dense as dense
+
+    saved, real = [], dense.save_state
+
+    def spy(state, path, info, also=()):
+        saved.append((state()["global_step"], path.name, [p.name for p in also]))
+        return real(state, path, info, also)
+
+    monkeypatch.setattr(dense, "save_state", spy)
+    train(load_config(DET, [*det_args(coco_root, tmp_path), "train.keep_best=false"]))
+    assert saved == [(4, "last.pt", []), (8, "last.pt", []), (12, "last.pt", []), (16, "last.pt", [])]
+    assert not (tmp_path / "best.pt").exists()
+
+
 def test_upernet_on_a_plain_backbone_trains_and_evaluates_miou(ade_root, tmp_path):
     overrides = [
         *seg_args(ade_root, tmp_path / "run"),
@@ -128,6 +147,18 @@ def test_segmentation_loss_falls_in_a_few_steps(ade_root, tmp_path):
 
 
 SEG_ARGS = ["task=segmentation", "dense.arch=upernet", "data.dataset=ade20k", "dense.num_classes=3"]
+
+
+def test_a_detector_normalises_with_the_configs_mean_and_std(coco_root, tmp_path):
+    """``data.mean`` / ``data.std`` reach the detector's transform, as the segmenter's data (they were left
+    at the backbone's while the checkpoint recorded them); unset, the backbone's."""
+    from vit3.engine.dense import model_and_data
+
+    stats = ["data.mean=[0.5, 0.5, 0.5]", "data.std=[0.25, 0.25, 0.25]"]
+    model, _, _ = model_and_data(load_config(DET, [*det_args(coco_root, tmp_path), *stats]), False)
+    assert model.transform.image_mean == [0.5] * 3 and model.transform.image_std == [0.25] * 3
+    model, _, _ = model_and_data(load_config(DET, det_args(coco_root, tmp_path)), False)
+    assert model.transform.image_mean == list(model.backbone.backbone.data_config["mean"])
 
 
 @pytest.mark.parametrize(

@@ -204,7 +204,8 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
                 if info.is_main:
                     p.history.append({"step": step, "loss": p.losses[-1], **scalars(metrics)})
                     p.best = max(p.best, metrics[key])
-                save_state(state, out / "last.pt", info, [out / "best.pt"] if improved else [])
+                best = [out / "best.pt"] if improved and cfg.train.keep_best else []
+                save_state(state, out / "last.pt", info, best)
                 if info.is_main:
                     write_text(out / "metrics.json", nan_free_json(p.history), "metrics")
                     print(
@@ -213,8 +214,8 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
                     )
                 barrier()
                 net.train()
-            elif save_every and step % save_every == 0:
-                save_state(state, out / "last.pt", info)
+            elif (save_every and step % save_every == 0) or p.batch_in_epoch == batches_per_epoch:
+                save_state(state, out / "last.pt", info)  # every epoch's end, as classification saves
         p.roll_over(batches_per_epoch)
     return {"history": p.history, "final": p.history[-1] if p.history else {}, "losses": p.losses}
 

@@ -145,11 +145,24 @@ def _build_dense_model(cfg: Config, d: Config, num_classes: int) -> nn.Module:
             mask_head_dim=d.mask_head_dim,
             backbone_kwargs=_backbone_kwargs(cfg),
             box_detections_per_img=d.detections_per_img,
+            image_mean=_rgb_stat(cfg, "mean"),
+            image_std=_rgb_stat(cfg, "std"),
             **(d.detector_kwargs or {}),
         )
     return build_segmenter(
         cfg.model.name, num_classes, d.arch, d.aux_weight, d.head_channels, _backbone_kwargs(cfg)
     )
+
+
+def _rgb_stat(cfg: Config, key: str) -> tuple[float, ...] | None:
+    """``data.mean`` or ``data.std`` of a dense config, one value per RGB channel (``None``: unset, the
+    backbone's)."""
+    values = cfg.data.get(key)
+    if not values:
+        return None
+    if len(values) != 3:
+        raise ConfigError(f"data.{key} must hold one value per RGB channel (3), got {list(values)}")
+    return tuple(float(v) for v in values)
 
 
 def dense_backbone(model: nn.Module) -> FeatureBackbone:
@@ -203,7 +216,7 @@ def model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]:
     """Model, training set (None unless ``with_train``) and validation set of a dense config.
 
     Detection takes its classes from the COCO files (train and val must agree); segmentation from
-    ``dense.num_classes`` and normalises with the backbone's mean / std (``data.mean`` / ``data.std``
+    ``dense.num_classes``. Both normalise with the backbone's mean / std (``data.mean`` / ``data.std``
     override).
     """
     d = cfg.dense
@@ -221,9 +234,6 @@ def model_and_data(cfg: Config, with_train: bool) -> tuple[nn.Module, Any, Any]:
         raise ConfigError("segmentation needs dense.num_classes (150 for ADE20K)")
     model = build_dense_model(cfg, d.num_classes)
     dc = dense_backbone(model).data_config
-    mean, std = tuple(cfg.data.mean or dc["mean"]), tuple(cfg.data.std or dc["std"])
-    for key, values in (("mean", mean), ("std", std)):
-        if len(values) != 3:
-            raise ConfigError(f"data.{key} must hold one value per RGB channel (3), got {list(values)}")
+    mean, std = _rgb_stat(cfg, "mean") or tuple(dc["mean"]), _rgb_stat(cfg, "std") or tuple(dc["std"])
     train_set = build_dataset(cfg, True, mean, std) if with_train else None
     return model, train_set, build_dataset(cfg, False, mean, std)

@@ -70,6 +70,8 @@ def build_detector(
     box_head_dim: int = 1024,
     mask_head_dim: int = 256,
     backbone_kwargs: dict | None = None,
+    image_mean: Sequence[float] | None = None,
+    image_std: Sequence[float] | None = None,
     **detector_kwargs,
 ) -> nn.Module:
     """Builds a torchvision two-stage detector on a timm backbone.
@@ -85,10 +87,11 @@ def build_detector(
         box_head_dim: width of the two-FC box head (torchvision: 1024).
         mask_head_dim: width of the four-conv mask head and its deconv (torchvision: 256).
         backbone_kwargs: forwarded to :class:`FeatureBackbone` (``pretrained``, ``drop_path_rate``, ...).
+        image_mean, image_std: the normalisation (``None``: the backbone's).
         **detector_kwargs: forwarded to the torchvision detector (``box_detections_per_img``, ...).
 
     Returns:
-        The detector; its normalisation (``image_mean`` / ``image_std``) is the backbone's.
+        The detector.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown detection arch {arch!r}; expected one of {ARCHS}")
@@ -113,8 +116,8 @@ def build_detector(
         num_classes=None,  # given through the predictors
         min_size=min_size,
         max_size=max_size,
-        image_mean=list(backbone.data_config["mean"]),
-        image_std=list(backbone.data_config["std"]),
+        image_mean=list(image_mean or backbone.data_config["mean"]),
+        image_std=list(image_std or backbone.data_config["std"]),
         rpn_anchor_generator=anchors,
         **heads,
         **detector_kwargs,
