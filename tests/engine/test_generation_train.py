@@ -160,6 +160,13 @@ def test_eval_default_folder_names_the_settings(trained):
     )
     report = json.loads((out / "samples_dpm++2_cfg2_n2_seed0" / "eval.json").read_text())
     assert report["sampler"] == "dpm++" and report["checkpoint"] == str(out / "last.pt")
+    assert report["use_ema"] and report["sampled_classes"] is None
+    # other weights or classes: another folder (they replaced the first's samples before), named in the report
+    args = ["--checkpoint", str(out / "last.pt"), "--sampler", "dpm++", "--steps", "2", "--num-samples", "2"]
+    assert eval_script.main([*args, "sample.use_ema=false", "sample.classes=[3]"]) == 0
+    other = json.loads((out / "samples_dpm++2_cfg2_n2_seed0_classes3_raw" / "eval.json").read_text())
+    assert not other["use_ema"] and other["sampled_classes"] == [3]
+    assert json.loads((out / "samples_dpm++2_cfg2_n2_seed0" / "eval.json").read_text()) == report
 
 
 @pytest.mark.parametrize(

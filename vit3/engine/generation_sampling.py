@@ -261,6 +261,10 @@ def sample_and_evaluate(
             "cfg_scale": float(s.cfg_scale),
             "num_samples": len(labels),
             "seed": int(s.seed),
+            "sampled_classes": None if s.get("classes") is None else list(s.classes),
+            "guided_channels": s.get("guided_channels"),
+            "amp": str(s.get("amp", "none")),
+            "use_ema": bool(s.get("use_ema", True)),
             "classes": classes,
             "sample_time_s": round(sample_time, 1),
             "processes": info.world,
@@ -303,10 +307,20 @@ def sample_and_evaluate(
 
 # -------------------------------------------------------------------------------------------- evaluation
 def _default_out(cfg: Config, path: str) -> Path:
+    """``sample.out``, else a folder beside the checkpoint named after every setting the samples depend on
+    (the defaults' names unchanged: other classes, guided channels, autocast and the raw weights added)."""
     s = cfg.sample
     name = (
         f"samples_{s.sampler}{int(s.steps)}_cfg{float(s.cfg_scale):g}_n{int(s.num_samples)}_seed{int(s.seed)}"
     )
+    if s.get("classes") is not None:
+        name += "_classes" + "-".join(str(c) for c in s.classes)
+    if s.get("guided_channels") is not None:
+        name += f"_guided{int(s.guided_channels)}"
+    if str(s.get("amp", "none")) != "none":
+        name += f"_{s.amp}"
+    if not s.get("use_ema", True):
+        name += "_raw"
     return Path(s.out) if s.out else Path(path).parent / name
 
 
