@@ -13,7 +13,7 @@ import torch
 from helpers.common import REPO
 
 from vit3 import ablate
-from vit3.ablate import ABLATIONS_DIR, TABLES, catalog_markdown, knob, load_rows, row_config
+from vit3.ablate import ABLATIONS_DIR, TABLES, catalog_markdown, knob, load_rows, reference_row, row_config
 from vit3.engine import load_config
 from vit3.engine.classification import TrainingDiverged
 from vit3.engine.config import CONFIG_DIR
@@ -86,6 +86,17 @@ class TestConfigs:
         assert knob(rows["loss/mse.yaml"], base) == "loss=mse"
         assert knob(rows["inner_model/conv.yaml"], base) == "branches=conv"
         assert knob(base, base) == ""
+
+    def test_rows_chosen_without_their_base_row_are_told_against_base_yaml(self):
+        """Two rows of a table, its base row not among them: each still names its change (against the
+        shipped ``base.yaml``, as the catalog does), not "unchanged"."""
+        chosen = ("loss/mse.yaml", "loss/mae.yaml")
+        rows = {r.path.relative_to(ABLATIONS_DIR).as_posix(): r for r in ALL_ROWS}
+        picked = [rows[name] for name in chosen]
+        assert not any(r.base for r in picked)
+        base = reference_row(picked)
+        assert base.path == ABLATIONS_DIR / "base.yaml"
+        assert [knob(r, base) for r in picked] == ["loss=mse", "loss=mae"]
 
 
 def _budget_entry(doc: str, name: str) -> str:
@@ -261,6 +272,11 @@ def test_resume_reads_finished_rows_back_and_overwrite_keeps_them_aside(few_digi
     assert ablate.main([*args, "--resume"]) == 0
     again = table()
     assert (again["top1"], again["params_m"]) == (first["top1"], first["params_m"])
+    # the row's whole run time (its summary's, the time before the resume included), not the resumed call's
+    summary = json.loads((tmp_path / "ttt_mlp" / "summary.json").read_text())
+    assert float(again["wall_s"]) == summary["wall_time_s"] and summary["wall_time_covers"].startswith(
+        "the whole"
+    )
     assert (tmp_path / "ttt_mlp" / "last.pt").read_bytes() == checkpoint  # read back, not trained again
     assert ablate.main([*args, "--overwrite"]) == 0
     (aside,) = (tmp_path / "ttt_mlp").glob("replaced-*")

@@ -39,8 +39,8 @@ _KNOB_PREFIX = "model.kwargs.ttt_cfg."
 TABLES = ("loss", "batch", "epochs", "lr", "inner_model", "deep_fixes", "scale")
 
 __all__ = [
-    "Row", "RowResult", "catalog_markdown", "check_folders", "check_table", "load_rows", "main", "row_config",
-    "run_rows",
+    "Row", "RowResult", "catalog_markdown", "check_folders", "check_table", "knob", "load_rows", "main",
+    "reference_row", "row_config", "run_rows",
 ]  # fmt: skip
 
 
@@ -111,11 +111,9 @@ def load_rows(paths: Sequence[str | Path]) -> list[Row]:
     return sorted(rows, key=lambda r: (r.table, r.order, r.name))
 
 
-def knob(row: Row, base: Row | None) -> str:
+def knob(row: Row, base: Row) -> str:
     """What ``row`` changes from ``base``: ``"loss=mse"`` (mixer keys without their prefix), ``""`` for the
     base."""
-    if base is None:
-        return ""
     mine, ref = _flatten(row.cfg.to_dict()), _flatten(base.cfg.to_dict())
     changed = []
     for key in sorted(set(mine) | set(ref)):
@@ -127,9 +125,13 @@ def knob(row: Row, base: Row | None) -> str:
     return " ".join(changed)
 
 
-def _base_row(rows: Sequence[Row]) -> Row | None:
+def reference_row(rows: Sequence[Row], root: Path = ABLATIONS_DIR) -> Row:
+    """What each row's change is told against: the one base row among ``rows``, else the shipped
+    ``base.yaml`` every table's rows build on (as :func:`catalog_markdown` tells it)."""
     bases = [r for r in rows if r.base]
-    return bases[0] if len(bases) == 1 else None
+    if len(bases) == 1:
+        return bases[0]
+    return Row(root / "base.yaml", "", "", None, 0, True, load_config(root / "base.yaml"))
 
 
 # ----------------------------------------------------------------------------------------------- budget
@@ -283,7 +285,7 @@ def run_rows(rows: Sequence[Row], out: Path, log=print, **budget: Any) -> list[R
     """Trains every row under the same budget (keywords of :func:`row_config`); never raises for one row."""
     from .engine.classification import TrainingDiverged
 
-    base = _base_row(rows)
+    base = reference_row(rows)
     results = []
     for i, row in enumerate(rows, 1):
         res = RowResult(row, knob(row, base), "error")
@@ -292,7 +294,8 @@ def run_rows(rows: Sequence[Row], out: Path, log=print, **budget: Any) -> list[R
         try:
             cfg = row_config(row, out, **budget)
             res.output = str(cfg.output)
-            final = _train_row(cfg)["final"]
+            summary = _train_row(cfg)
+            final = summary["final"]
             res.status = "ok"
             res.top1, res.top5, res.val_loss = (
                 final.get("val_top1"),
@@ -308,6 +311,8 @@ def run_rows(rows: Sequence[Row], out: Path, log=print, **budget: Any) -> list[R
         if res.output:
             res.best_top1, res.best_epoch, res.epochs = _best_epoch(Path(res.output))
         res.wall_s = time.perf_counter() - tick
+        if res.status == "ok":  # the whole run's (a resumed row's time before the resume included)
+            res.wall_s = float(summary.get("wall_time_s", res.wall_s))
         log(
             f"    -> {res.status}"
             + (f": top-1 {res.top1:.2f}%" if res.top1 is not None else f" ({res.message})")
@@ -516,7 +521,7 @@ def catalog_markdown(root: Path = ABLATIONS_DIR) -> str:
     folders += sorted(p for p in root.iterdir() if p.is_dir() and p not in folders and p.name != "budgets")
     rows = [row for d in folders for row in load_rows([d])]  # the paper's table order, then row order
     rows += load_rows(sorted(p for p in root.glob("*.yaml") if p.name != "base.yaml"))
-    base = Row(root / "base.yaml", "", "", None, 0, True, load_config(root / "base.yaml"))
+    base = reference_row((), root)
     for row in rows:
         rel = row.path.relative_to(root).as_posix()
         change = knob(row, base) or "— (base row)"
