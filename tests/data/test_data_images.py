@@ -99,3 +99,18 @@ def test_an_undecodable_file_is_named(tmp_path):
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
     with pytest.raises(CorruptImageError, match=r"cannot read image file .*broken\.png"):
         open_image(bad)
+
+
+def test_hidden_files_and_folders_in_a_class_folder_are_not_samples(tmp_path):
+    """macOS's ``._*`` copies (no image) and a Jupyter ``.ipynb_checkpoints`` copy (an image, of any class)
+    are hidden: never samples, never counted, never warned about."""
+    for name in ("a", "b"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "train" / name / "0.png")
+    (tmp_path / "train" / "a" / "._0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    hidden = tmp_path / "train" / "b" / ".ipynb_checkpoints"
+    hidden.mkdir()
+    Image.new("RGB", (8, 8)).save(hidden / "0-checkpoint.png")
+    data = ImageFolderDataset(tmp_path / "train")
+    assert [(p.rsplit("train/", 1)[1], t) for p, t in data.samples] == [("a/0.png", 0), ("b/0.png", 1)]
+    assert all(data[i][1] == t for i, (_, t) in enumerate(data.samples))

@@ -26,6 +26,16 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS)
 
 
+def _walk(folder: Path) -> list[tuple[str, list[str]]]:
+    """``(dirpath, files)`` of every folder under ``folder``, sorted by path, files sorted: hidden files and
+    folders left out (a leading dot: ``.ipynb_checkpoints``, macOS's ``._*`` copies)."""
+    found = []
+    for dirpath, dirnames, files in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found.append((dirpath, sorted(f for f in files if not f.startswith("."))))
+    return sorted(found)
+
+
 def find_classes(root: str | Path) -> list[str]:
     """Sorted class-folder names of ``root``, each checked to hold at least one image.
 
@@ -40,7 +50,7 @@ def find_classes(root: str | Path) -> list[str]:
     if not classes:
         raise DataError(f"image folder {root} has no class folders (expected {root}/<class>/<image files>)")
     for name in classes:
-        if not any(_is_image(f) for _, _, files in os.walk(root / name) for f in files):
+        if not any(_is_image(f) for _, files in _walk(root / name) for f in files):
             raise DataError(
                 f"class folder {root / name} holds no image files (extensions: {', '.join(IMG_EXTENSIONS)})"
             )
@@ -85,11 +95,11 @@ class ImageFolderDataset(Dataset):
         self.samples: list[tuple[str, int]] = []
         skipped = []
         for name in found:
-            for dirpath, _, files in sorted(os.walk(self.root / name)):
-                for f in sorted(files):
+            for dirpath, files in _walk(self.root / name):
+                for f in files:
                     if _is_image(f):
                         self.samples.append((os.path.join(dirpath, f), index[name]))
-                    elif not f.startswith("."):
+                    else:
                         skipped.append(os.path.join(dirpath, f))
         warn_skipped(self.root, skipped, IMG_EXTENSIONS)
         self.targets = [t for _, t in self.samples]
