@@ -106,6 +106,31 @@ def test_keep_head_keeps_the_classifier_and_its_class_names(pretrained, digits, 
         run(cfg, "train")
 
 
+def test_keep_head_of_an_official_file_labels_the_folders_by_its_synsets(tmp_path):
+    """model.keep_head with an official (ImageNet-1k) file: the folders are labelled by the head's synsets,
+    as eval.py labels them (they took their sorted order: n15075141 trained as class 2, not 999)."""
+    import timm
+    from PIL import Image
+
+    from vit3.engine.classification import _setup
+    from vit3.engine.distributed import distributed
+
+    synsets = ("n01440764", "n01443537", "n15075141")  # ImageNet classes 0, 1 and 999
+    for split in ("train", "val"):
+        for name in synsets:
+            (tmp_path / "data" / split / name).mkdir(parents=True)
+            for i in range(4 if split == "train" else 2):
+                Image.new("RGB", (64, 64), (60 * i, 0, 0)).save(tmp_path / "data" / split / name / f"{i}.png")
+    official = tmp_path / "official.pth"
+    torch.save({"model": timm.create_model("test_h_vit3", num_classes=1000).state_dict()}, official)
+    args = _finetune(tmp_path / "data", tmp_path / "out", official, "model.keep_head=true")
+    cfg = load_config(FINETUNE, [*args, "model.name=test_h_vit3", "data.img_size=64"])
+    with distributed("cpu", "auto") as info:
+        run_ = _setup(cfg, info)
+    assert run_.num_classes == 1000 and [run_.classes[i] for i in (0, 1, 999)] == list(synsets)
+    assert sorted(set(run_.wrapped.dataset.targets)) == [0, 1, 999]
+
+
 def test_an_explicit_model_name_wins_with_a_warning(pretrained, digits, tmp_path):
     cfg = load_config(FINETUNE, _finetune(digits, tmp_path / "x", pretrained, "model.name=h_vit3_tiny"))
     with pytest.warns(UserWarning, match=r"'h_vit3_tiny' was asked for, but .* holds a 'test_h_vit3'"):

@@ -39,6 +39,7 @@ from .classification_model import (
     data_stats,
     input_channels,
     label_loss,
+    official_eval_classes,
     resolve_data_cfg,
     soft_cross_entropy,
     validate,
@@ -191,11 +192,16 @@ def _setup(cfg: Config, info: DistInfo) -> ClassificationRun:
     keep_head = bool(cfg.model.keep_head) and bool(pretrained)
     # The labels of a kept (or resumed) classifier are its own classes, matched to the folders by name.
     head = record if record is not None and (ckpt is not None or keep_head) else None
+    labels = head["classes"] if head else None
+    if keep_head and head is None:  # an official file's classifier: its synsets label the folders
+        default = timm.models.get_pretrained_cfg_value(cfg.model.name, "num_classes") or 1000
+        num_classes = int(cfg.model.num_classes or default)
+        labels = official_eval_classes(cfg, num_classes, pretrained)
     in_chans = input_channels(cfg)
     data = build_datasets(
         cfg,
         in_chans,
-        classes=head["classes"] if head else None,
+        classes=labels,
         classes_from=f"the classifier of {resume or pretrained}",
         min_classes=2,
     )
@@ -208,10 +214,7 @@ def _setup(cfg: Config, info: DistInfo) -> ClassificationRun:
                 "has "
                 f"{num_classes} classes (it is kept: {'resume' if ckpt else 'model.keep_head=true'})"
             )
-    elif keep_head:  # an official file's classifier
-        default = timm.models.get_pretrained_cfg_value(cfg.model.name, "num_classes") or 1000
-        num_classes = int(cfg.model.num_classes or default)
-    else:
+    elif not keep_head:
         num_classes = int(cfg.model.num_classes or len(classes))
     if num_classes < len(classes):
         raise ConfigError(f"model.num_classes={num_classes} is below the {len(classes)} classes of the data")
