@@ -41,6 +41,10 @@ def test_mask_rcnn_trains_and_evaluates_through_pycocotools(coco_root, tmp_path)
     assert metrics["bbox_AP"] == pytest.approx(
         result["final"]["bbox_AP"]
     )  # eval.py reproduces the run's eval
+    # --data names the COCO root: the checkpoint's dataset stays (it was made an image folder, refused)
+    args = ["--checkpoint", str(ckpt), "--data", str(coco_root), "--json", str(out), "device=cpu"]
+    assert load_script("eval").main(args) == 0
+    assert json.loads(out.read_text())["metrics"]["bbox_AP"] == pytest.approx(metrics["bbox_AP"])
 
 
 def _resumable(path):

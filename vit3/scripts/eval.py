@@ -82,11 +82,14 @@ def _evaluate(args: argparse.Namespace) -> int:
     }
     for key in ("sampler", "steps", "cfg_scale", "num_samples"):
         flags[f"sample.{key}"] = (f"--{key.replace('_', '-')}", getattr(args, key))
-    flags = _task_flags(flags, _task(args), args.checkpoint)
+    task = _task(args)
+    flags = _task_flags(flags, task, args.checkpoint)
     check_flag_overrides(overrides, flags)
     for key, (_, value) in flags.items():
         if value is not None and key != "eval.checkpoint":
-            overrides += ["data.dataset=folder"] if key == "data.path" else []
+            # --data is an image folder, but for a dense checkpoint, which keeps its dataset (COCO, ADE20K)
+            dense = task in ("detection", "segmentation")
+            overrides += ["data.dataset=folder"] if key == "data.path" and not dense else []
             overrides.append(f"{key}={str(value).lower() if value is True else value}")
     overrides.append(f"eval.checkpoint={args.checkpoint}")
     run(config_for_checkpoint(args.checkpoint, args.config, overrides), "eval")
