@@ -3,6 +3,9 @@ trainable."""
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import timm
 import torch
@@ -145,6 +148,33 @@ def test_ttt_cfg_reaches_every_mixer():
     cfg = TTTConfig(branches=("linear",))
     model = swap_attention_for_ttt(_swin(), ttt_cfg=cfg, init_from_attention=False)
     assert all(m.branch_specs == [("linear", m.num_heads)] for m in _mixers(model))
+
+
+def test_gradient_checkpointing_recomputes_each_mixer_on_its_own_grid():
+    """Two forwards on transposed grids (the same token count) before one backward: with gradient
+    checkpointing the gradients are the plain model's (timm's block checkpoint recomputed every mixer on the
+    last forward's grid: wrong gradients); copies and pickles keep their own switch."""
+    torch.manual_seed(0)
+    kw = dict(img_size=32, patch_size=8, depth=2, num_classes=3, dynamic_img_size=True)
+    model = timm.create_model("ttt_swap", base="vit_tiny_patch16_224", **kw)
+    wide, tall = torch.randn(2, 3, 32, 64), torch.randn(2, 3, 64, 32)
+
+    def grads(checkpointing: bool) -> torch.Tensor:
+        m = copy.deepcopy(model)
+        m.set_grad_checkpointing(checkpointing)
+        ((m(wide) ** 2).sum() + (m(tall) ** 2).sum()).backward()
+        return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+    torch.testing.assert_close(grads(True), grads(False), rtol=0, atol=0)
+    on = copy.deepcopy(model)
+    on.set_grad_checkpointing(True)
+    assert not any(m.checkpoint for m in model.modules() if isinstance(m, TokenTTT))
+    buffer = io.BytesIO()
+    torch.save(on, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    loaded.set_grad_checkpointing(False)
+    assert all(m.checkpoint for m in on.modules() if isinstance(m, TokenTTT))
 
 
 def test_copy_refuses_other_shapes_and_swap_refuses_other_models():

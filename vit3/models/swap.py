@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from timm.layers import Attention
 from timm.models import register_model
 from timm.models.swin_transformer import SwinTransformerBlock, WindowAttention
@@ -116,6 +117,7 @@ class TokenTTT(nn.Module):
         self.mixer = mixer
         self.num_prefix_tokens = num_prefix_tokens
         self._grid_state = grid_state
+        self.checkpoint = False  # the model's gradient checkpointing (_CheckpointMixers)
 
     def forward(
         self, x: Tensor, attn_mask: Tensor | None = None, grid: tuple[int, int] | None = None, **_: Any
@@ -134,7 +136,10 @@ class TokenTTT(nn.Module):
             raise ValueError(
                 f"cannot lay {n} patch tokens on the recorded grid {grid}; call the model on images"
             )
-        y = self.mixer(x[:, p:], grid=grid)  # [B, h*w, C]
+        if self.checkpoint and torch.is_grad_enabled():  # recomputed on this call's grid, an argument
+            y = torch.utils.checkpoint.checkpoint(self.mixer, x[:, p:], grid=grid, use_reentrant=False)
+        else:
+            y = self.mixer(x[:, p:], grid=grid)  # [B, h*w, C]
         if p == 0:
             return y
         return torch.cat([y.mean(1, keepdim=True).expand(-1, p, -1), y], dim=1)
@@ -188,6 +193,22 @@ class SwinStageTTTBlock(nn.Module):
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
+class _CheckpointMixers:
+    """A swapped ViT's ``set_grad_checkpointing``: each mixer checkpoints itself, its patch grid an argument
+    of the recomputation. timm's checkpoint of whole blocks would recompute the mixers on the grid of the
+    model's last forward, wrong where another image size came between a forward and its backward. An object
+    holding its model, so that copies and pickles of the model take it along."""
+
+    def __init__(self, vit: VisionTransformer) -> None:
+        self.vit = vit
+
+    def __call__(self, enable: bool = True) -> None:
+        self.vit.grad_checkpointing = False
+        for module in self.vit.modules():
+            if isinstance(module, TokenTTT):
+                module.checkpoint = enable
+
+
 def _swap_vit(vit: VisionTransformer, ttt_cfg: Any, init: bool) -> int:
     if not isinstance(getattr(vit, "patch_drop", nn.Identity()), nn.Identity):
         raise ValueError(
@@ -201,6 +222,10 @@ def _swap_vit(vit: VisionTransformer, ttt_cfg: Any, init: bool) -> int:
             mixer = _mixer_like(block.attn, block.attn.qkv.in_features, ttt_cfg, init)
             block.attn = TokenTTT(mixer, vit.num_prefix_tokens, state)
             count += 1
+    if count:
+        checkpointing = bool(getattr(vit, "grad_checkpointing", False))
+        vit.set_grad_checkpointing = _CheckpointMixers(vit)
+        vit.set_grad_checkpointing(checkpointing)
     return count
 
 
