@@ -325,3 +325,18 @@ def test_torchrun_with_a_batch_larger_than_a_ranks_share_says_so_once(digits, tm
         "lower data.batch_size, or let data.fit_batch=8 fit it (configs/finetune.yaml does)"
     ], done.stderr
     assert "exitcode  : 2" in done.stderr  # rank 0's own exit code, in torchrun's summary
+
+
+@pytest.mark.parametrize(
+    "name", ["run #3", "2024-01-02", "null", "[a]"], ids=["hash", "date", "null", "brackets"]
+)
+def test_a_path_flag_is_taken_as_written(name, tmp_path, monkeypatch):
+    """``--output`` (and eval.py's path flags) become config overrides, which read YAML: the value is quoted,
+    so a ``#`` no longer cut the folder name short and a date-like name is no date."""
+    import vit3.scripts.train as train_script
+
+    seen = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train_script, "run", lambda cfg, task: seen.append(cfg.output))
+    assert train_script.main(["--output", name, "train.epochs=1"]) == 0
+    assert seen == [name]

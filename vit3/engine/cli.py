@@ -10,6 +10,7 @@ exception is a bug and keeps its traceback. Ctrl-C ends it with one line naming 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -41,6 +42,7 @@ __all__ = [
     "ArgumentParser",
     "add_debug_flag",
     "check_flag_overrides",
+    "flag_override",
     "interrupted_message",
     "is_user_error",
     "run_cli",
@@ -122,6 +124,15 @@ def _overrides_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[st
         is_value = action is not None and action.nargs in (None, 1) and action.const is None
         (overrides if OVERRIDE.match(token) and not is_value else rest).append(token)
     return [*rest, "--", *overrides] if overrides else rest
+
+
+def flag_override(key: str, value: Any) -> str:
+    """``key=value`` for a command-line flag's value, as the config reads an override (YAML): a string
+    quoted, so that it is taken as written (a path with ``#``, a date-like folder name); ``true`` /
+    ``false``; numbers and lists as they print."""
+    if isinstance(value, bool):
+        return f"{key}={str(value).lower()}"
+    return f"{key}={json.dumps(value) if isinstance(value, str) else value}"
 
 
 def check_flag_overrides(overrides: Sequence[str], flags: Mapping[str, tuple[str, Any]]) -> None:

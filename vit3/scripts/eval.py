@@ -18,7 +18,7 @@ import warnings
 
 from vit3.engine import load_config, run
 from vit3.engine.checkpoint import config_for_checkpoint
-from vit3.engine.cli import ArgumentParser, check_flag_overrides, run_cli
+from vit3.engine.cli import ArgumentParser, check_flag_overrides, flag_override, run_cli
 from vit3.engine.config.path_checks import existing
 from vit3.errors import ConfigError
 from vit3.models.record import file_task
@@ -90,8 +90,8 @@ def _evaluate(args: argparse.Namespace) -> int:
             # --data is an image folder, but for a dense checkpoint, which keeps its dataset (COCO, ADE20K)
             dense = task in ("detection", "segmentation")
             overrides += ["data.dataset=folder"] if key == "data.path" and not dense else []
-            overrides.append(f"{key}={str(value).lower() if value is True else value}")
-    overrides.append(f"eval.checkpoint={args.checkpoint}")
+            overrides.append(flag_override(key, value))
+    overrides.append(flag_override("eval.checkpoint", args.checkpoint))
     run(config_for_checkpoint(args.checkpoint, args.config, overrides), "eval")
     return 0
 

@@ -18,7 +18,7 @@ import sys
 
 from vit3.engine import load_config, run
 from vit3.engine.checkpoint import config_for_resume
-from vit3.engine.cli import ArgumentParser, check_flag_overrides, run_cli
+from vit3.engine.cli import ArgumentParser, check_flag_overrides, flag_override, run_cli
 from vit3.engine.config import CONFIG_DIR, parse_override
 
 DEMO_CONFIG = CONFIG_DIR / "demo_mnist.yaml"
@@ -46,7 +46,7 @@ def _train(args: argparse.Namespace) -> int:
         if resume == "auto":
             overrides.append("train.resume=auto")
         if args.output is not None:
-            overrides.append(f"output={args.output}")
+            overrides.append(flag_override("output", args.output))
         cfg = load_config(args.config or DEMO_CONFIG, overrides)
     run(cfg, "train")
     return 0
