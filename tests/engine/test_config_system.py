@@ -301,3 +301,17 @@ def test_every_key_has_its_check(config):
     keys = [k for k in _keys(load_config(config).to_dict()) if not k.startswith("_")]
     known = {*schema.CONSTRAINTS, *schema.CHECKED_ON_USE, *schema.FREE}
     assert [k for k in keys if k not in known] == []
+
+
+def test_two_written_drop_path_rates_that_differ_are_refused():
+    """``model.drop_path_rate`` and ``model.kwargs.drop_path_rate`` both written: one error (the kwargs one
+    was silently taken); the top-level one alone is used."""
+    from vit3.engine.classification_model import build_model
+
+    both = ["model.name=test_vit3_ttt", "model.drop_path_rate=0.3", "model.kwargs.drop_path_rate=0.0"]
+    with pytest.raises(
+        ConfigError, match=r"model.drop_path_rate=0.3 and model.kwargs.drop_path_rate=0.0 differ"
+    ):
+        build_model(load_config(None, both), 10, "")
+    model, _ = build_model(load_config(None, both[:2]), 10, "")
+    assert model.blocks[-1].drop_path1.drop_prob == pytest.approx(0.3)

@@ -22,7 +22,7 @@ from ..data.mnist import STD as MNIST_STD
 from ..errors import DataError
 from ..models.record import peek_vit3_checkpoint
 from .checkpoint import classifier_prefixes, load_model_weights
-from .config import Config, ConfigError, model_arguments
+from .config import Config, ConfigError, model_arguments, written_keys
 from .distributed import sum_tensor
 from .process import autocast
 
@@ -157,7 +157,16 @@ def _build_model(
     cfg: Config, num_classes: int, pretrained: str, keep_head: bool | None
 ) -> tuple[nn.Module, list[str]]:
     kwargs = dict(cfg.model.kwargs)
-    kwargs.setdefault("drop_path_rate", cfg.model.drop_path_rate)
+    written = written_keys(cfg)
+    rate = cfg.model.drop_path_rate
+    if "model.drop_path_rate" in written and "drop_path_rate" in kwargs and kwargs["drop_path_rate"] != rate:
+        if "model.kwargs.drop_path_rate" in written:
+            raise ConfigError(
+                f"model.drop_path_rate={rate} and model.kwargs.drop_path_rate={kwargs['drop_path_rate']} "
+                "differ: set one of them"
+            )
+        kwargs["drop_path_rate"] = rate  # written over a checkpoint record's
+    kwargs.setdefault("drop_path_rate", rate)
     name = cfg.model.name
     keep_head = bool(cfg.model.get("keep_head", False)) if keep_head is None else keep_head
     if pretrained:
