@@ -62,6 +62,7 @@ def _fill(text: str, **paths: Path) -> str:
 # (overrides, what the one line says): each was a traceback or trained silently
 TRAIN_MISTAKES = {
     "negative-lr": (["train.base_lr=-1e-3"], "config key train.base_lr must be > 0, got -0.001"),
+    "device-vit3-does-not-run-on": (["device=mps"], "got 'mps': vit3 runs on cpu or cuda, not mps"),
     "negative-clip-grad": (
         ["train.clip_grad=-1"],
         "train.clip_grad must be > 0 (or null: no clipping), got -1",

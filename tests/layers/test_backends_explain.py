@@ -224,6 +224,13 @@ def test_cli_builds_a_fixed_size_model_for_its_image_size(capsys):
     assert "img_size 64" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("device", ["foo", "mps"])
+def test_cli_refuses_a_device_in_one_line(device, capsys):
+    """A device torch does not know, or one vit3 does not run on: one error line, not a traceback."""
+    assert cli_main(["test_vit3_ttt", "--device", device]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --device must be cpu, cuda or cuda:N, got '{device}'")
+
+
 def test_cli_runs_as_a_module_and_rejects_bad_arguments():
     proc = subprocess.run(
         [sys.executable, "-m", "vit3.scripts.explain", "test_vit3_ttt", "--img-size", "32", "--json"],

@@ -19,7 +19,7 @@ import torch
 
 import vit3  # registers the vit3 models in timm
 from vit3.engine.cli import ArgumentParser, run_cli
-from vit3.engine.config.value_checks import timm_model
+from vit3.engine.config.value_checks import timm_model, torch_device
 from vit3.errors import ConfigError
 from vit3.layers.backends import BACKEND_ENV, STRICT_ENV
 from vit3.layers.ttt import explain
@@ -47,6 +47,9 @@ def _explain(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"model must be a timm model name (e.g. vit3_small, h_vit3_tiny), got {args.model!r}: {problem}"
         )
+    why = torch_device(args.device, None)
+    if why is not None:
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}: {why}")
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")

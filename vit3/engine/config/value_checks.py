@@ -137,9 +137,11 @@ def torch_device(value: Any, cfg: Any) -> str | None:
     if value == "auto":
         return None
     try:
-        torch.device(str(value))
+        device = torch.device(str(value))
     except (RuntimeError, ValueError):
         return "torch knows no such device"
+    if device.type not in ("cpu", "cuda"):
+        return f"vit3 runs on cpu or cuda, not {device.type}"
     return None
 
 
