@@ -109,6 +109,10 @@ def test_default_cfg_consistency(name):
     torch.testing.assert_close(unpooled, feats)
     fresh = timm.create_model(name, num_classes=0, global_pool="").eval()
     assert fresh(x).shape == feats.shape
+    # a classifier on the unpooled map: logits per position [B, h, w, K] (H-ViT³'s NCHW map broke it)
+    model.reset_classifier(5, "")
+    grid = [feats.shape[d] for d in model.spatial_dims]
+    assert model(x).shape == (1, *grid, 5)
 
 
 @pytest.mark.parametrize("name", REGISTERED)

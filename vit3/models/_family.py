@@ -199,10 +199,16 @@ class ClassifierHeadMixin:
         self.head.train(self.training)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Features -> logits ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``)."""
+        """Features -> logits ``[B, num_classes]`` (pooled ``[B, C]`` with ``pre_logits``); unpooled
+        (``global_pool=''``) the features themselves, and a classifier's logits a map ``[B, h, w,
+        num_classes]`` whatever the features' layout."""
         x = pool_features(x, self.global_pool, self.spatial_dims)
         x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
+        if pre_logits:
+            return x
+        if self.global_pool == "" and self.num_classes > 0 and self.spatial_dims[0] == 2:
+            x = x.movedim(1, -1)  # a channels-first map: the classifier reads channels last
+        return self.head(x)
 
 
 class LayerStackMixin:
