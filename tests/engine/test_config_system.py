@@ -315,3 +315,15 @@ def test_two_written_drop_path_rates_that_differ_are_refused():
         build_model(load_config(None, both), 10, "")
     model, _ = build_model(load_config(None, both[:2]), 10, "")
     assert model.blocks[-1].drop_path1.drop_prob == pytest.approx(0.3)
+
+
+def test_a_null_image_size_is_the_one_the_model_was_built_at():
+    """``data.img_size=null`` with ``model.kwargs.img_size``: the data at the model's size (it took the
+    variant's default cfg size, 64, while the model was built for 48)."""
+    from vit3.engine.classification_model import build_model, resolve_data_cfg
+
+    for kwargs, size in (("model.kwargs={img_size: 48}", 48), ("model.kwargs={}", 64)):
+        cfg = load_config(None, ["model.name=test_vit3_ttt", "data.img_size=null", kwargs])
+        model, _ = build_model(cfg, 10, "")
+        resolve_data_cfg(cfg, model, 3)
+        assert cfg.data.img_size == size, kwargs

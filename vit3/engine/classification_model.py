@@ -56,8 +56,9 @@ def input_channels(cfg: Config) -> int:
 
 
 def resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
-    """Fills the null ``data.img_size``/``interpolation``/``crop_pct``/``mean``/``std`` in place: MNIST's
-    statistics for the demo data, else the model's ``pretrained_cfg`` (a one-channel model on RGB statistics
+    """Fills the null ``data.img_size``/``interpolation``/``crop_pct``/``mean``/``std`` in place: the size
+    ``model.kwargs.img_size`` built the model at, MNIST's statistics for the demo data, else the model's
+    ``pretrained_cfg`` (a one-channel model on RGB statistics
     takes their average); checks that ``data.mean``/``std`` fit the model's channels.
 
     Raises:
@@ -65,8 +66,9 @@ def resolve_data_cfg(cfg: Config, model: nn.Module, in_chans: int) -> None:
     """
     d = cfg.data
     resolved = resolve_data_config({}, model=model)
-    if d.img_size is None:
-        d.img_size = int(resolved["input_size"][-1])
+    if d.img_size is None:  # the size the model was built at (model.kwargs.img_size), else its cfg's
+        built = (cfg.model.kwargs or {}).get("img_size")
+        d.img_size = int(built) if isinstance(built, int) else int(resolved["input_size"][-1])
     if d.interpolation is None:
         d.interpolation = resolved["interpolation"]
     if d.crop_pct is None:
