@@ -97,15 +97,11 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-# The kernels that run per (sample, head) step or reduce over the batch, not over the tokens.
-_STEP_KERNELS = ("step_kernel", "step_bwd_kernel", "wgrad_reduce_kernel")
-
-
 def markdown(rows: list[dict]) -> str:
     """The README's table of ``rows`` (this script's CSV rows): per (arch, mode) a line, per head dim the
     worst kernel of the inner models that fit: shared memory KB · registers · spilled bytes per thread of the
-    token kernels, in parentheses those of the step/reduction kernels where not 0; ‡ where an inner model does
-    not fit.
+    token kernels, in parentheses those of the weight-gradient reduction where not 0; ‡ where an inner model
+    does not fit.
     """
     cells: dict[tuple[str, str], dict[int, list[dict]]] = {}
     for r in sorted(rows, key=lambda r: int(str(r["arch"]).removeprefix("sm_"))):
@@ -119,8 +115,9 @@ def markdown(rows: list[dict]) -> str:
         for d in sorted(by_d):
             rs = by_d[d]
             ok = [r for r in rs if str(r["fits"]) == "True"]
-            step = [int(r["spill_stores"]) for r in ok if r["kernel"].split("[")[0] in _STEP_KERNELS]
-            token = [int(r["spill_stores"]) for r in ok if r["kernel"].split("[")[0] not in _STEP_KERNELS]
+            small = [aot.kernel_name(r["kernel"]) in aot.SMALL_KERNELS for r in ok]
+            step = [int(r["spill_stores"]) for r, s in zip(ok, small) if s]
+            token = [int(r["spill_stores"]) for r, s in zip(ok, small) if not s]
             smem, regs = max(float(r["smem_kb"]) for r in ok), max(int(r["regs"]) for r in ok)
             cell = f"{smem:.0f} · {regs} · {max(token)}"
             cell += f" ({max(step)})" if max(step) else ""

@@ -208,9 +208,6 @@ def price_launch(launch: Any, swiglu: bool) -> Cost:
     stages = a.get("num_stages", 1)
     if kernel == "wgrad_reduce_kernel":
         return _price_reduce(launch.label, a, programs)
-    if kernel in ("step_kernel", "step_bwd_kernel"):
-        moved = sum(_nbytes(t) for n, t in a.items() if n.endswith("_ptr") and not n.startswith("w"))
-        return Cost(launch.label, programs, moved, 0, 0, "-", 0, a["S"] * a["NW"], 1)
     tokens = {n: a[n] for n in TOKENS if n in a}
     b, g, n, d = tokens.get("q_ptr", tokens.get("k_ptr")).shape
     chunk = min(a.get("CHUNK", n), n)

@@ -38,7 +38,7 @@ from benchmarks.common import (
 # Kernel categories, first match wins (names as the CUDA profiler records them; CPU ops in the dry run).
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("flash", r"flash|fmha|attention"),
-    ("vit3_triton", r"forward_kernel|grad_partial|grad_bwd|readout|step_kernel|step_bwd|wgrad_reduce|conv_"),
+    ("vit3_triton", r"fused__|forward_kernel|grad_partial|grad_bwd|readout|wgrad_reduce|conv_"),
     ("inductor", r"^triton_"),
     ("cublas", r"gemm|cutlass|cublas|xmma|sm\d+_|addmm|\bmm\b|bmm|matmul|linear"),
     ("cudnn", r"cudnn|conv|implicit_"),

@@ -18,18 +18,19 @@ import multiprocessing
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .triton import plan, rope, tiles
+from .triton import plan, program, rope, tiles
 from .triton.device import ARCHS, Arch
 from .triton.plan import Launch
 
 __all__ = [
     "ARCHS",
+    "MIXERS",
     "MODELS",
     "MODES",
     "Case",
@@ -60,7 +61,10 @@ MODES: dict[str, tuple[torch.dtype, str]] = {
 }
 
 
-MODELS = (("swiglu", "dot"), ("linear", "dot"), ("linear", "mse"), ("dwconv", "dot"))
+MODELS = (("swiglu", "dot"), ("linear", "dot"), ("linear", "mse"), ("dwconv", "dot"), ("vit3", "dot"))
+# The mixers whose branches' launches a launch program fuses stage by stage (``triton.program.stages``):
+# compiled as those fused launches. ViT³'s: SwiGLU and the 3x3 depthwise conv.
+MIXERS: dict[str, tuple[tuple[str, str], ...]] = {"vit3": (("swiglu", "dot"), ("dwconv", "dot"))}
 HEAD_DIMS = (16, 32, 64, 128)
 
 
@@ -73,7 +77,7 @@ class Case:
     projection is a representative training launch.
     """
 
-    model: str  # "swiglu", "linear", "dwconv"
+    model: str  # "swiglu", "linear", "dwconv", or a mixer of ``MIXERS``
     loss: str  # "dot", or "mse" (linear)
     d: int
     mode: str  # a key of MODES
@@ -133,7 +137,7 @@ def plan_launches(case: Case, batch: int | None = None) -> tuple[list[Launch], l
 def rope_launches(case: Case) -> list[Launch]:
     """The RoPE rotations of a token-wise model's fused node (``triton.rope``): its q, k pair rotated, from
     the qkv projection, and their gradients back, into the qkv gradient; none for the depthwise conv."""
-    if case.model == "dwconv":
+    if case.model in ("dwconv", *MIXERS):
         return []
     dtype, _ = MODES[case.mode]
     b, n, c = case.batch, case.n_tok, case.heads * case.d
@@ -148,12 +152,20 @@ def rope_launches(case: Case) -> list[Launch]:
 def plan_case(case: Case) -> list[Launch]:
     """Every distinct launch (by label) ``triton_ttt`` makes for ``case``, planned by its own set-up: at
     ``case.batch`` samples (N split over programs) and at enough samples for two programs per SM (N whole:
-    the one-launch forward and the fused backward stages); and the fused node's RoPE rotations."""
+    the one-launch forward and the fused backward stages); and the fused node's RoPE rotations. A mixer's:
+    its branches' launches in a launch program's stages."""
     whole = -(-2 * case.arch.sms // case.heads)
     launches: dict[str, Launch] = {}
     for batch in (case.batch, whole):
-        fwd, bwd = plan_launches(case, batch)
-        for launch in fwd + bwd:
+        if case.model in MIXERS:
+            plans = [
+                plan_launches(replace(case, model=m, loss=loss), batch) for m, loss in MIXERS[case.model]
+            ]
+            staged = [program.stages(dict(enumerate(side))) for side in zip(*plans)]
+            found = [launch for side in staged for _, launch in side]  # (branches, launch) per stage
+        else:
+            found = [launch for side in plan_launches(case, batch) for launch in side]
+        for launch in found:
             launches.setdefault(launch.label, launch)
     return list(launches.values()) + rope_launches(case)
 
@@ -273,9 +285,9 @@ def compile_launch(launch: Launch, arch: Arch) -> Compiled:
         in_loops = loop_spills(_disassemble(compiled.asm["cubin"])) if usage[1] or usage[2] else 0
         _MEASURED[key] = (int(compiled.metadata.shared), *usage, in_loops, *mmas)
     kw = launch.kwargs
+    tile = {k: kw.get(k, kw.get(f"k0_{k}", 0)) for k in ("BLOCK_N", "BLOCK_C")}  # a fused launch: its first's
     return Compiled(
-        launch.label, *_MEASURED[key], kw["num_warps"], kw["num_stages"], kw.get("BLOCK_N", 0),
-        kw.get("BLOCK_C", 0),
+        launch.label, *_MEASURED[key], kw["num_warps"], kw["num_stages"], tile["BLOCK_N"], tile["BLOCK_C"],
     )  # fmt: skip
 
 
@@ -304,12 +316,14 @@ def compile_cases(cases: list[Case], jobs: int = 1) -> list[tuple[Case, list[Com
         return list(pool.map(_compile_or_error, cases, chunksize=4))
 
 
-SMALL_KERNELS = ("step_kernel", "step_bwd_kernel", "wgrad_reduce_kernel")
+# The kernels that reduce over the batch, not over the tokens (their own spill bound: ``spill_bound``).
+SMALL_KERNELS = ("wgrad_reduce_kernel",)
 
 
 def kernel_name(label: str) -> str:
-    """The kernel of a launch label (``"grad_bwd_kernel[cols,fused]"`` -> ``"grad_bwd_kernel"``)."""
-    return label.partition("[")[0]
+    """The kernel of a launch label, the first of a fused launch's (``"grad_bwd_kernel[cols,fused]"``,
+    ``"grad_bwd_kernel[fused]+conv_grad_bwd_kernel"`` -> ``"grad_bwd_kernel"``)."""
+    return label.partition("+")[0].partition("[")[0]
 
 
 def spill_bound(case: Case, kernel: str) -> int:
@@ -317,7 +331,7 @@ def spill_bound(case: Case, kernel: str) -> int:
 
     2048 for fp64 (a checking mode: FMA dots on twice the registers; the SwiGLU backward at d = 128 spills
     there); 64 bytes for every other kernel: the registers ptxas's allocator now and then parks across a loop
-    (one store and one load per program), and for the O(d²) step and reduction kernels. The token kernels of
+    (one store and one load per program), and for the weight-gradient reduction. The token kernels of
     16-bit inputs at d <= 64 (the training configurations) may not spill inside a loop (``strict_spills``).
     The spills measured: ``docs/design/kernels.md`` (tile sizes).
     """
@@ -330,18 +344,27 @@ def strict_spills(case: Case, kernel: str) -> bool:
     return kernel_name(kernel) not in SMALL_KERNELS and case.d <= 64 and case.mode in ("bf16", "fp16")
 
 
+def _branch_models(case: Case) -> list[str]:
+    """The inner models whose kernels ``case`` compiles: its own, or its mixer's branches'."""
+    return [m for m, _ in MIXERS[case.model]] if case.model in MIXERS else [case.model]
+
+
 def smem_bound(case: Case) -> int:
     """Shared memory (bytes) each kernel of ``case`` is held to: ``triton.tiles.smem_need``, what
     ``fits_device`` compares with the GPU's limit."""
     dtype, prec = MODES[case.mode]
-    return tiles.smem_need(case.model, case.d, dtype, prec, case.arch)
+    return max(tiles.smem_need(m, case.d, dtype, prec, case.arch) for m in _branch_models(case))
 
 
 def fits(case: Case) -> tuple[bool, str]:
     """``fits_device``'s answer for ``case`` on its arch (no GPU needed)."""
     dtype, prec = MODES[case.mode]
     block_d = max(16, 1 << (case.d - 1).bit_length())
-    return tiles.fits_arch(case.model, block_d, dtype, prec, case.arch)
+    for model in _branch_models(case):
+        ok, why = tiles.fits_arch(model, block_d, dtype, prec, case.arch)
+        if not ok:
+            return ok, why
+    return True, ""
 
 
 def matrix(kind: str = "full") -> list[Case]:
@@ -375,6 +398,7 @@ def matrix(kind: str = "full") -> list[Case]:
         Case("linear", "mse", 128, "fp32-ieee", sm["sm_90"]),
         Case("linear", "dot", 64, "bf16", sm["sm_100"]),
         Case("swiglu", "dot", 32, "bf16", sm["sm_90"]),  # H-ViT³'s head dim on an H100: wgmma where 64 rows
+        Case("vit3", "dot", 32, "bf16", sm["sm_90"]),  # ViT³-T's mixer on an H100: its fused launches
         Case("linear", "dot", 64, "fp16", sm["sm_90"]),
         Case("swiglu", "dot", 32, "bf16", sm["sm_120"]),  # H-ViT³'s head dim
         Case("swiglu", "dot", 32, "fp32-tf32", sm["sm_120"]),

@@ -102,11 +102,12 @@ def conv_grad_partial_kernel(
     skb, skg, skn, skc, svb, svg, svn, svc,
     coef: tl.float64,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+    PID0=0,
 ):  # fmt: skip
     """Partial ``G[δ, c]`` of one chunk of tokens into ``part_ptr`` ``[B*G, S, 9, d]``."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         coef = tl.cast(coef, ACC)
-    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
+    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1, PID0)
     if dead:
         return
     rd = tl.arange(0, BLOCK_D)
@@ -129,6 +130,7 @@ def conv_readout_kernel(
     lr: tl.float64,
     GRAD_NORM: tl.constexpr, SAVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ACC: tl.constexpr,
+    PID0=0,
 ):  # fmt: skip
     """The step and ``out = dwconv3x3(q; W')`` for one chunk of tokens: each program sums the ``S``
     partials of ``part_ptr`` ``[B*G, S, 9, d]`` in order into ``G`` (a few thousand numbers: no step launch)
@@ -136,7 +138,7 @@ def conv_readout_kernel(
     ``||G||`` for the backward."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         lr = tl.cast(lr, ACC)
-    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
+    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1, PID0)
     if dead:
         return
     rd = tl.arange(0, BLOCK_D)
@@ -163,12 +165,13 @@ def conv_readout_bwd_kernel(
     swg, swr, swc,
     lr: tl.float64,
     GRAD_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+    PID0=0,
 ):  # fmt: skip
     """Read-out backward for one chunk: ``dq`` (written) and the partial ``dW'``, into slot ``s`` of
     ``part_ptr`` ``[B*G, S + 1, 9, d]``."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         lr = tl.cast(lr, ACC)
-    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
+    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1, PID0)
     if dead:
         return
     rd = tl.arange(0, BLOCK_D)
@@ -194,6 +197,7 @@ def conv_grad_bwd_kernel(
     sdkb, sdkg, sdkn, sdkc, sdvb, sdvg, sdvn, sdvc,
     coef: tl.float64, lr: tl.float64,
     GRAD_NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+    PID0=0,
 ):  # fmt: skip
     """The step's backward and the inner-gradient backward for one chunk: each program sums the read-out
     partials (slots ``0..S-1`` of ``part_ptr`` ``[B*G, S + 1, 9, d]``) in order into ``dW'`` (the first
@@ -202,7 +206,7 @@ def conv_grad_bwd_kernel(
     on the weight: no weight-gradient partial)."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         coef, lr = tl.cast(coef, ACC), tl.cast(lr, ACC)
-    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1)
+    dead, _c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, 1, PID0)
     if dead:
         return
     rd = tl.arange(0, BLOCK_D)

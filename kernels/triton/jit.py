@@ -18,6 +18,7 @@ __all__ = [
     "chunk_of",
     "col_norm",
     "column_block",
+    "last_to_arrive",
     "load_mat",
     "load_tile",
     "norm_at",
@@ -36,33 +37,47 @@ __all__ = [
 
 
 @triton.jit
-def program(S, C):
-    """This program on the folded grid: ``(pid, c, s, bg)``, the flat id and, from it, the column block ``c``
-    (fastest, so the programs that read one chunk's tokens run side by side), the chunk ``s`` and the sample x
-    head ``bg``. A program with ``pid >= B*G*S*C`` (the tail of a folded grid) must return."""
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+def program(S, C, PID0):
+    """This program on the folded grid: ``(pid, c, s, bg)``, the flat id counted from ``PID0`` (0, or where a
+    fused launch starts this kernel's programs: ``fuse``) and, from it, the column block ``c`` (fastest, so
+    the programs that read one chunk's tokens run side by side), the chunk ``s`` and the sample x head ``bg``.
+    A program with ``pid >= B*G*S*C`` (the tail of a folded grid) must return."""
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0) - PID0
     t = pid // C
     return pid, pid % C, t % S, t // S
 
 
 @triton.jit
-def chunk_of(BG, G, N, CHUNK, S, C):
+def chunk_of(BG, G, N, CHUNK, S, C, PID0):
     """This program's share when each of the ``BG`` (sample, head) pairs splits into ``S`` chunks of ``CHUNK``
     tokens and ``C`` column blocks: ``(dead, c, s, bg, b, g, lo, hi)``, the column block, the chunk, the
     sample x head with its sample ``b`` and head ``g`` (int64), and the chunk's tokens ``lo .. hi``. A
     ``dead`` program (the tail of a folded grid) must return."""
-    pid, c, s, bg = program(S, C)
+    pid, c, s, bg = program(S, C, PID0)
     lo = s * CHUNK
     b, g = (bg // G).to(tl.int64), (bg % G).to(tl.int64)
     return pid >= BG * S * C, c, s, bg, b, g, lo, tl.minimum(lo + CHUNK, N)
 
 
 @triton.jit
-def column_block(BG, D, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def column_block(BG, D, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PID0):
     """This program's ``[BLOCK_R, BLOCK_C]`` tile of every (sample, head)'s ``R x D`` weights (one block of
     whole columns): ``(dead, bg, rr, cols)``. A ``dead`` program (the tail of a folded grid) must return."""
-    pid, c, _s, bg = program(1, tl.cdiv(D, BLOCK_C))
+    pid, c, _s, bg = program(1, tl.cdiv(D, BLOCK_C), PID0)
     return pid >= BG * tl.cdiv(D, BLOCK_C), bg, tl.arange(0, BLOCK_R), c * BLOCK_C + tl.arange(0, BLOCK_C)
+
+
+@triton.jit
+def last_to_arrive(cnt_ptr, idx, total):
+    """Whether this program is the last of the ``total`` that call this on int32 counter ``idx`` (zero before
+    the first) in one launch. The last one sees every store the others made before their call, and sets the
+    counter back to zero for the next launch (``plan.counters``)."""
+    tl.debug_barrier()  # every thread's stores made before the release below
+    old = tl.atomic_add(cnt_ptr + idx, 1, sem="acq_rel", scope="gpu")
+    last = old == total - 1
+    if last:
+        tl.store(cnt_ptr + idx, 0)
+    return last
 
 
 @triton.jit

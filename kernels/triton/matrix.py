@@ -18,6 +18,7 @@ import triton.language as tl
 from .jit import (
     chunk_of,
     col_norm,
+    last_to_arrive,
     load_mat,
     load_tile,
     norm_at,
@@ -29,6 +30,7 @@ from .jit import (
     store_tile,
     updated,
 )
+from .step import step_bwd_sum, step_sum
 
 __all__ = [
     "forward_kernel",
@@ -40,12 +42,12 @@ __all__ = [
 
 
 @triton.jit
-def _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+def _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PID0):
     """This program's chunk of tokens and block of ``BLOCK_C`` output columns (:func:`chunk_of` over
-    ``cdiv(D, BLOCK_C)`` column blocks): ``(dead, s, bg, b, g, lo, hi, rd, cols)``, ``rd`` the weights' rows.
-    A ``dead`` program (the tail of a folded grid) must return."""
-    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C))
-    return dead, s, bg, b, g, lo, hi, tl.arange(0, BLOCK_D), c * BLOCK_C + tl.arange(0, BLOCK_C)
+    ``cdiv(D, BLOCK_C)`` column blocks): ``(dead, c, s, bg, b, g, lo, hi, rd, cols)``, ``rd`` the weights'
+    rows. A ``dead`` program (the tail of a folded grid) must return."""
+    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C), PID0)
+    return dead, c, s, bg, b, g, lo, hi, tl.arange(0, BLOCK_D), c * BLOCK_C + tl.arange(0, BLOCK_C)
 
 
 @triton.jit
@@ -312,6 +314,7 @@ def forward_kernel(
     SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, SAVE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    PID0=0,
 ):  # fmt: skip
     """The whole forward of one (sample, head) and column block, all N tokens in one program (``S == 1``).
 
@@ -321,7 +324,7 @@ def forward_kernel(
     """
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         coef, lr = tl.cast(coef, ACC), tl.cast(lr, ACC)
-    dead, _s, bg, b, g, _lo, _hi, rd, cols = _chunk_columns(BG, G, N, N, 1, D, BLOCK_D, BLOCK_C)
+    dead, _c, _s, bg, b, g, _lo, _hi, rd, cols = _chunk_columns(BG, G, N, N, 1, D, BLOCK_D, BLOCK_C, PID0)
     if dead:
         return
     w1, w2, acc1, acc2 = _grad_tiles(
@@ -350,7 +353,7 @@ def forward_kernel(
 
 @triton.jit
 def grad_partial_kernel(
-    k_ptr, v_ptr, w1_ptr, w2_ptr, part_ptr,
+    k_ptr, v_ptr, w1_ptr, w2_ptr, part_ptr, g_ptr, n_ptr, cnt_ptr,
     BG, G, N, D, CHUNK, S,
     skb, skg, skn, skc, svb, svg, svn, svc,
     swg, swr, swc,
@@ -358,12 +361,15 @@ def grad_partial_kernel(
     SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    PID0=0,
 ):  # fmt: skip
     """Partial inner gradients ``kᵀ P`` of one chunk of tokens and one column block (``S > 1``) into
-    ``part_ptr`` ``[B*G, S, NW, d, d]``."""
+    ``part_ptr`` ``[B*G, S, NW, d, d]``; the last of a column block's ``S`` programs to finish (``cnt_ptr``:
+    ``B*G x blocks`` counters) sums them: ``G`` and ``||G||`` (``g_ptr`` ``[B*G, NW, d, d]``, ``n_ptr``
+    ``[B*G, NW, d]``)."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         coef = tl.cast(coef, ACC)
-    dead, s, bg, b, g, lo, hi, rd, cols = _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D, BLOCK_C)
+    dead, c, s, bg, b, g, lo, hi, rd, cols = _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D, BLOCK_C, PID0)
     if dead:
         return
     _w1, _w2, acc1, acc2 = _grad_tiles(
@@ -371,6 +377,8 @@ def grad_partial_kernel(
         swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     _store_pair(part_ptr, bg, s, S, rd, cols, D, coef * acc1, coef * acc2, SWIGLU)
+    if last_to_arrive(cnt_ptr, bg * tl.cdiv(D, BLOCK_C) + c, S):
+        step_sum(part_ptr, g_ptr, n_ptr, bg, S, rd, cols, D, D, NW, BLOCK_D, BLOCK_C, ACC)
 
 
 @triton.jit
@@ -382,12 +390,13 @@ def readout_kernel(
     SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    PID0=0,
 ):  # fmt: skip
     """The read-out of one chunk of queries and one column block, ``W'`` recomputed from ``W``, ``G`` and
     ``||G||``."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         lr = tl.cast(lr, ACC)
-    dead, _s, bg, b, g, lo, hi, rd, cols = _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D, BLOCK_C)
+    dead, _c, _s, bg, b, g, lo, hi, rd, cols = _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D, BLOCK_C, PID0)
     if dead:
         return
     o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr, SWIGLU,
@@ -403,7 +412,7 @@ def readout_kernel(
 
 @triton.jit
 def readout_bwd_kernel(
-    q_ptr, do_ptr, w1_ptr, w2_ptr, g_ptr, n_ptr, dq_ptr, part_ptr, dg_ptr,
+    q_ptr, do_ptr, w1_ptr, w2_ptr, g_ptr, n_ptr, dq_ptr, part_ptr, dg_ptr, cnt_ptr,
     BG, G, N, D, CHUNK, S,
     sqb, sqg, sqn, sqc, sdob, sdog, sdon, sdoc, sdqb, sdqg, sdqn, sdqc,
     swg, swr, swc,
@@ -412,18 +421,21 @@ def readout_bwd_kernel(
     COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    PID0=0,
 ):  # fmt: skip
     """Read-out backward for one chunk: ``dW' = qᵀ dY`` of the program's column block and/or ``dq``.
 
     ``COLS``: ``dW'`` of the block; ``FUSED`` (``S == 1``: the program holds all of it) stores it in slot 1
     of ``part_ptr`` ``[B*G, 2, NW, d, d]`` and back-propagates the step into ``dg_ptr`` ``[B*G, NW, d, d]``;
-    otherwise it stores the chunk's partial in slot ``s`` of ``part_ptr`` ``[B*G, S + 1, NW, d, d]``.
+    otherwise it stores the chunk's partial in slot ``s`` of ``part_ptr`` ``[B*G, S + 1, NW, d, d]``, and
+    the last of the block's ``S`` programs to finish (``cnt_ptr``: ``B*G x blocks`` counters) sums them into
+    slot ``S`` and back-propagates the step.
     ``CROSS``: ``dq``, summed over every column block (with ``COLS``, the grid must have one block,
     ``C == 1``; without, the launch has one program per chunk and each walks the blocks in order).
     """
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         lr = tl.cast(lr, ACC)
-    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C) if COLS else 1)
+    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C) if COLS else 1, PID0)
     if dead:
         return
     q_base = q_ptr + b * sqb + g * sqg
@@ -456,6 +468,9 @@ def readout_bwd_kernel(
                 step_bwd_tile(acc2, g_ptr, n_ptr, dg_ptr, bg, 1, NW, rd, cols, D, D, lr, GRAD_NORM, ACC)
         else:
             _store_pair(part_ptr, bg, s, S + 1, rd, cols, D, acc1, acc2, SWIGLU)
+            if last_to_arrive(cnt_ptr, bg * tl.cdiv(D, BLOCK_C) + c, S):
+                step_bwd_sum(part_ptr, g_ptr, n_ptr, dg_ptr, bg, S, rd, cols, D, D, lr, NW, GRAD_NORM,
+                             BLOCK_D, BLOCK_C, ACC)  # fmt: skip
     else:
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
@@ -482,6 +497,7 @@ def grad_bwd_kernel(
     COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr, WGRAD: tl.constexpr, TRANS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+    PID0=0,
 ):  # fmt: skip
     """Inner-gradient backward for one chunk: ``dv`` and the partial ``kᵀ dZ`` per weight and/or ``dk``.
 
@@ -495,7 +511,7 @@ def grad_bwd_kernel(
     """
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         coef = tl.cast(coef, ACC)
-    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C) if COLS else 1)
+    dead, c, s, bg, b, g, lo, hi = chunk_of(BG, G, N, CHUNK, S, tl.cdiv(D, BLOCK_C) if COLS else 1, PID0)
     if dead:
         return
     rd = tl.arange(0, BLOCK_D)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from ..dwconv import triton as dwconv_kernels
 from . import matrix as matrix_kernels
@@ -32,6 +33,7 @@ __all__ = [
     "PlanKey",
     "backward_plan",
     "backward_template",
+    "counters",
     "debug_filled",
     "fold_grid",
     "forward_plan",
@@ -39,6 +41,7 @@ __all__ = [
     "launcher",
     "plan_key",
     "reduce_split",
+    "reset_counters",
     "slotted",
     "stat_shape",
     "tensor_meta",
@@ -111,6 +114,7 @@ class Launch(NamedTuple):
     kwargs: dict[str, Any]  # constexprs and launch options (num_warps, num_stages)
     programs: int = 0  # the programs that do work (``fold_grid``'s grid may round them up)
     slots: tuple[tuple[int, int], ...] = ()  # (argument position, index into the plan's tensors)
+    parts: tuple[Launch, ...] = ()  # the launches a fused launch runs side by side (``fuse``)
 
     def bound(self, tensors: Sequence[Tensor]) -> tuple:
         """The launch's arguments with the plan's ``tensors`` in their slots."""
@@ -143,6 +147,31 @@ class Buffer(NamedTuple):
         return debug_filled(torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device))
 
 
+_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
+
+
+def counters(device: torch.device, n: int) -> Tensor:
+    """At least ``n`` int32 counters of ``jit.last_to_arrive`` on ``device``, zero: the same for every launch
+    on the current stream (each launch leaves them zero; a failed one, ``reset_counters``). While a CUDA graph
+    is captured the stream's own are not made: its launches take the device's first (those of the warm-up
+    before it), so a replay reads no memory of the capture's pool."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    found = _COUNTERS.get(key)
+    if found is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        found = next((t for (dev, _), t in _COUNTERS.items() if dev == device), None)
+    if found is None or found.numel() < n:
+        found = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return found
+
+
+def reset_counters(device: torch.device) -> None:
+    """Zeroes ``device``'s counters: after a launch that failed midway (its programs may have counted)."""
+    for (dev, _), t in _COUNTERS.items():
+        if dev == device:
+            t.zero_()
+
+
 def debug_filled(t: Tensor) -> Tensor:
     """``t`` filled with ``DEBUG_FILL`` where that is set."""
     return t if DEBUG_FILL is None else t.fill_(DEBUG_FILL)
@@ -154,6 +183,7 @@ class _Builder:
     def __init__(self, inputs: tuple[Tensor | None, ...]) -> None:
         self.tensors = list(inputs)
         self.buffers: list[Buffer] = []
+        self.counted: list[int] = []
         self.launches: list[Launch] = []
 
     def buffer(self, *shape: int, dtype: torch.dtype, perm: tuple[int, ...] | None = None) -> Tensor:
@@ -161,13 +191,19 @@ class _Builder:
         self.tensors.append(self.buffers[-1].alloc(torch.device("meta")))
         return self.tensors[-1]
 
+    def counters(self, n: int) -> Tensor:
+        """``n`` int32 counters for ``jit.last_to_arrive``: zero when a launch starts, and left zero."""
+        self.counted.append(len(self.buffers))
+        return self.buffer(max(n, 1), dtype=torch.int32)
+
     def launch(self, label: str, kernel: Any, programs: int, args: tuple, kwargs: dict[str, Any]) -> None:
         self.launches.append(Launch(label, kernel, fold_grid(programs), args, kwargs, programs))
 
     def plan(self, outputs: tuple[Tensor, ...]) -> LaunchPlan:
         launches = tuple(slotted(launch, self.tensors) for launch in self.launches)
         ids = {id(t): i for i, t in enumerate(self.tensors) if t is not None}
-        return LaunchPlan(tuple(self.buffers), launches, tuple(ids[id(t)] for t in outputs))
+        outs = tuple(ids[id(t)] for t in outputs)
+        return LaunchPlan(tuple(self.buffers), launches, outs, tuple(self.counted))
 
 
 def slotted(launch: Launch, tensors: Sequence[Tensor | None]) -> Launch:
@@ -181,31 +217,44 @@ def slotted(launch: Launch, tensors: Sequence[Tensor | None]) -> Launch:
 class LaunchPlan(NamedTuple):
     """The cached launch plan of one key: buffers to allocate, launches (with their tensor arguments left out:
     ``Launch.slots`` maps argument positions to the plan's tensors, inputs then buffers), which tensors it
-    returns."""
+    returns, which buffers are counters (``counters``: not allocated, the device's shared ones)."""
 
     buffers: tuple[Buffer, ...]
     launches: tuple[Launch, ...]
     outputs: tuple[int, ...]
+    counted: tuple[int, ...] = ()
 
-    def _tensors(self, inputs: tuple[Tensor, ...]) -> list[Tensor]:
+    def _tensors(self, inputs: tuple[Tensor, ...], launch: bool) -> list[Tensor]:
         device = inputs[0].device
-        made = [torch.empty_strided(b.shape, b.stride, dtype=b.dtype, device=device) for b in self.buffers]
-        return [*inputs, *(made if DEBUG_FILL is None else map(debug_filled, made))]
+        shared = launch and not is_fake(inputs[0])  # fake tensors (a trace): counters of their own
+        made = []
+        for i, b in enumerate(self.buffers):
+            if i in self.counted and shared:  # one launch after another: each may use the same counters
+                made.append(counters(device, b.shape[0])[: b.shape[0]])
+            else:
+                made.append(
+                    debug_filled(torch.empty_strided(b.shape, b.stride, dtype=b.dtype, device=device))
+                )
+        return [*inputs, *made]
 
     def bind(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], list[Launch]]:
         """Allocates the buffers on the inputs' device; returns the outputs and the launches on them."""
-        tensors = self._tensors(inputs)
+        tensors = self._tensors(inputs, inputs[0].device.type != "meta")
         launches = [launch._replace(args=launch.bound(tensors), slots=()) for launch in self.launches]
         return tuple(tensors[i] for i in self.outputs), launches
 
     def run(self, inputs: tuple[Tensor, ...], launch: bool = True) -> tuple[Tensor, ...]:
         """Allocates the buffers on the inputs' device, runs the launches on them in order (``launch=False``:
         none, for fake tensors) under ``on_device`` and returns the outputs."""
-        tensors = self._tensors(inputs)
+        tensors = self._tensors(inputs, launch)
         if launch:
             with on_device(inputs[0].device):
-                for one in self.launches:
-                    one(tensors)
+                try:
+                    for one in self.launches:
+                        one(tensors)
+                except Exception:
+                    reset_counters(inputs[0].device)
+                    raise
         return tuple([tensors[i] for i in self.outputs])
 
 
@@ -232,11 +281,6 @@ def _tile_kwargs(cfg: LaunchConfig, role: str, acc_tl: Any, **flags: Any) -> dic
     if role != "conv":
         out |= {"BLOCK_C": t.block_c, "DOT": cfg.dot, "EMU": cfg.emulate, "PREC": cfg.prec}
     return out
-
-
-def _small_kwargs(cfg: LaunchConfig, acc_tl: Any, nw: int) -> dict[str, Any]:
-    t = cfg.tiles["small"]
-    return {"NW": nw, "BLOCK_R": cfg.block_r, "BLOCK_C": t.block_c, "ACC": acc_tl, **t.options()}
 
 
 def _weight_strides(model: str, w: Tensor, d: int) -> tuple[int, int, int]:
@@ -287,9 +331,10 @@ def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: 
             slots: tuple[int, int, int], conv: bool, arch: Arch, interpret: bool, acc: torch.dtype,
             acc_tl: Any) -> None:  # fmt: skip
     """The weight-gradient reduction of ``part`` ``[B, G, L, E]`` (slots ``lo .. lo + nuse - 1`` of ``L``)
-    into ``dw``: one launch, or two (runs of items, then the runs) where the first would leave the GPU idle,
-    on narrower blocks of numbers where the runs alone cannot give every SM a program. The interpreter, which
-    runs programs one after another, takes blocks of up to 8192 numbers (fewer programs, the same runs)."""
+    into ``dw``: one launch, in runs of items (their sum taken by the last program of each block) where one
+    program per block would leave the GPU idle, on narrower blocks of numbers where the runs alone cannot
+    give every SM a program. The interpreter, which runs programs one after another, takes blocks of up to
+    8192 numbers (fewer programs, the same runs)."""
     length, lo, nuse = slots
 
     def programs(width: int) -> int:
@@ -306,16 +351,10 @@ def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: 
     # (head stride, weight stride, rows per weight, row stride, column stride) of dW: the conv weight
     # [G*d, 3, 3], element (tap, c) at c * 9 + tap; W1, W2 [(2,) 1, G, d, d], each contiguous
     final = (e, 0, e // d, 1, 9) if conv else (d * d, g * d * d, d, d, 1)
-    kernel = step_kernels.wgrad_reduce_kernel
-    if split == 1:
-        args = (part, dw, b, g, e, d, length, lo, nuse, per, 1, *final)
-        bld.launch("wgrad_reduce_kernel", kernel, blocks, args, kw)
-        return
-    runs = bld.buffer(split, g, e, dtype=acc)
-    args = (part, runs, b, g, e, d, length, lo, nuse, per, split, e, 0, e // d, d, 1)
-    bld.launch("wgrad_reduce_kernel[runs]", kernel, blocks * split, args, kw)
-    args = (runs, dw, split, g, e, d, 1, 0, 1, split, 1, *final)
-    bld.launch("wgrad_reduce_kernel[final]", kernel, blocks, args, kw)
+    runs = bld.buffer(split, g, e, dtype=acc) if split > 1 else dw
+    count = bld.counters(g * cdiv(e, gpu_e)) if split > 1 else dw  # enough for the interpreter's blocks too
+    args = (part, runs, dw, count, b, g, e, d, length, lo, nuse, per, split, *final)
+    bld.launch("wgrad_reduce_kernel", step_kernels.wgrad_reduce_kernel, blocks * split, args, kw)
 
 
 class PlanKey(NamedTuple):
@@ -403,7 +442,8 @@ def forward_template(key: PlanKey, save: bool, metas: tuple, out_meta: tuple | N
         bld.launch("conv_grad_partial_kernel", dwconv_kernels.conv_grad_partial_kernel, bgn * s, args, conv)
     else:
         kw = _tile_kwargs(cfg, "grad", acc_tl, MSE=key.loss == "mse", **flags)
-        args = (k, v, w1, w2, part, *sizes, *k.stride(), *v.stride(), *ws, coef)
+        count = bld.counters(bgn * cfg.cols("grad", d))
+        args = (k, v, w1, w2, part, gbuf, nbuf, count, *sizes, *k.stride(), *v.stride(), *ws, coef)
         bld.launch(
             "grad_partial_kernel", matrix_kernels.grad_partial_kernel, bgn * s * cfg.cols("grad", d), args, kw
         )
@@ -411,9 +451,7 @@ def forward_template(key: PlanKey, save: bool, metas: tuple, out_meta: tuple | N
         args = (q, w1, part, gbuf, nbuf, out, *sizes, key.h, key.wd, *q.stride(), *out.stride(), *ws, key.lr)
         kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm, SAVE=save)
         bld.launch("conv_readout_kernel", dwconv_kernels.conv_readout_kernel, bgn * s, args, kw)
-    else:
-        args, kw = (part, gbuf, nbuf, bgn, r, d, s), _small_kwargs(cfg, acc_tl, nw)
-        bld.launch("step_kernel", step_kernels.step_kernel, bgn * cfg.cols("small", d), args, kw)
+    else:  # the step: taken by the gradient's programs
         args = (q, w1, w2, gbuf, nbuf, out, *sizes, *q.stride(), *out.stride(), *ws, key.lr)
         kw = _tile_kwargs(cfg, "readout", acc_tl, GRAD_NORM=key.grad_norm, **flags)
         bld.launch(
@@ -458,13 +496,10 @@ def backward_template(
         kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
         bld.launch("conv_readout_bwd_kernel", dwconv_kernels.conv_readout_bwd_kernel, bgn * s, args, kw)
     else:
-        args = (q, dout, w1, w2, gbuf, nbuf, dq, part, dgbuf, *sizes, *io, *ws, key.lr)
+        count = dw if fused else bld.counters(bgn * cfg.cols("readout_bwd", d))  # for the step's backward
+        args = (q, dout, w1, w2, gbuf, nbuf, dq, part, dgbuf, count, *sizes, *io, *ws, key.lr)
         rflags = flags | {"GRAD_NORM": key.grad_norm, "FUSED": fused}
         _stage(bld, cfg, "readout_bwd", matrix_kernels.readout_bwd_kernel, bgn, d, args, acc_tl, rflags)
-    if not fused and not conv:
-        args = (part, gbuf, nbuf, dgbuf, bgn, r, d, s, key.lr)
-        kw = _small_kwargs(cfg, acc_tl, nw) | {"GRAD_NORM": key.grad_norm}
-        bld.launch("step_bwd_kernel", step_kernels.step_bwd_kernel, bgn * cfg.cols("small", d), args, kw)
     if conv:
         args = (k, v, part, gbuf, nbuf, dk, dv, *sizes, key.h, key.wd, *kv, coef, key.lr)
         kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)

@@ -3,8 +3,9 @@
 Where every branch of the fused node (``vit3.layers.fused_mix``) runs on Triton, a call is one
 :class:`MixProgram`: the launch plans of ``plan.py`` of every branch, each tensor argument turned into an
 address ``base + offset`` over a few bases (qkv, the output, the weights, one workspace, one scratch buffer,
-the RoPE tables, the gradients); a RoPE branch's rotations are launches of it too. A call then allocates two
-or three buffers, reads one pointer per base and launches. On a GPU the kernels get :class:`Address` es
+the counters, the RoPE tables, the gradients); a RoPE branch's rotations are launches of it too. The
+branches' launches of one stage run as one (``fuse``). A call then allocates two or three buffers, reads one
+pointer per base and launches. On a GPU the kernels get :class:`Address` es
 written under the program's lock; Triton's interpreter gets one-element tensors on the base's storage instead
 (``at_address``), the same offsets.
 
@@ -24,17 +25,21 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction, KernelInterface
 
 from ..ops import NodeCall, Rotation, tag_branch
-from . import plan, rope
+from . import fuse, plan, rope
 from .device import acc_dtype, interpreting
 from .node import checked_entry, state_of
 from .plan import Buffer, backward_template, forward_template, on_device, tensor_meta
 
 __all__ = ["Address", "MixProgram", "at_address", "backward", "bound_arguments", "clear", "forward",
-           "program_key", "saved_like", "state"]  # fmt: skip
+           "program_key", "saved_like", "stages", "state"]  # fmt: skip
 
 # Whether a GPU host calls each launch's compiled kernel itself (``_Launches.direct``); False: through
 # Triton's JIT launcher, as the per-branch plans do (benchmarks/launcher_overhead.py's switch; a way back).
 BIND_COMPILED = True
+
+# Whether the launches of a program's branches at the same stage run as one launch (``fuse``); False: one
+# launch each, branch after branch.
+FUSE_BRANCHES = True
 
 # Each buffer of a workspace starts on a multiple of this many bytes (Triton specialises pointers on 16-byte
 # alignment; 256 keeps every buffer on its own cache lines).
@@ -116,19 +121,21 @@ _UNBOUND = object()  # no compiled kernels bound yet for a device and alignment
 
 
 class _Step(NamedTuple):
-    """One launch of a ``_Launches``: its branch and label, Triton's launcher, grid and keyword arguments,
-    ``runner`` (the launcher with the grid and keyword arguments bound, made once) and ``take``, which picks
-    its arguments from a call's values (one per place, then the constants)."""
+    """One launch of a ``_Launches``: its branch (``None``: branches fused) and label, Triton's launcher,
+    grid and keyword arguments, ``runner`` (the launcher with the grid and keyword arguments bound, made
+    once) and ``take``, which picks its arguments from a call's values (one per place, then the
+    constants)."""
 
-    branch: int
+    branch: int | None
     label: str
     launcher: Any
     grid: tuple[int, ...]
     kwargs: dict[str, Any]
     runner: Callable[..., Any]
     take: Callable[[Sequence[Any]], tuple]
+    parts: tuple[_Step, ...] = ()  # a fused launch's parts, each of its own branch (``fuse``)
 
-    def bound(self, values: Sequence[Any]) -> tuple[int, Callable[..., Any], tuple]:
+    def bound(self, values: Sequence[Any]) -> tuple[int | None, Callable[..., Any], tuple]:
         """``(branch, runner, arguments)`` on ``values``: what ``_run`` calls."""
         return self.branch, self.runner, self.take(values)
 
@@ -140,61 +147,120 @@ class _Launches:
     Triton's JIT launcher, its binder and cache lookup, skipped)."""
 
     def __init__(self) -> None:
-        self._places: dict[_Where, int] = {}
-        self._consts: list[Any] = []
-        self._launches: list[tuple[int, plan.Launch, list[int | None]]] = []
+        self._wheres: list[_Where] = []
+        self._launches: list[tuple[int, plan.Launch]] = []
 
     def add(self, branch: int, template: plan.LaunchPlan, wheres: Sequence[_Where]) -> None:
         """``template``'s launches with their tensors at ``wheres`` (by the plan's tensor index)."""
+        first = len(self._wheres)
+        self._wheres += wheres
         for launch in template.launches:
-            slots = dict(launch.slots)
-            picks: list[int | None] = []
-            for pos, arg in enumerate(launch.args):
-                if pos in slots:
-                    picks.append(self._places.setdefault(wheres[slots[pos]], len(self._places)))
-                else:
-                    picks.append(None)
-                    self._consts.append(arg)
-            self._launches.append((branch, launch, picks))
+            self._launches.append(
+                (branch, launch._replace(slots=tuple((p, first + i) for p, i in launch.slots)))
+            )
+
+    def _stages(self) -> list[tuple[tuple[int, ...], plan.Launch]]:
+        if not FUSE_BRANCHES:
+            return [((branch,), launch) for branch, launch in self._launches]
+        by_branch: dict[int, list[plan.Launch]] = {}
+        for branch, launch in self._launches:
+            by_branch.setdefault(branch, []).append(launch)
+        return stages(by_branch)
 
     def build(self) -> None:
         """Fixes the places, constants and launches (after every ``add``)."""
-        self.places = tuple(self._places)
-        self.consts = tuple(self._consts)
-        first, c, steps = len(self.places), 0, []
-        for branch, launch, picks in self._launches:
-            index = []
-            for pick in picks:
-                index.append(first + c if pick is None else pick)
-                c += pick is None
+        places: dict[_Where, int] = {}
+        consts: list[Any] = []
+
+        def picks(launch: plan.Launch) -> list[int]:  # a place's index, or -1 - a constant's
+            slots, found = dict(launch.slots), []
+            for pos, arg in enumerate(launch.args):
+                if pos in slots:
+                    found.append(places.setdefault(self._wheres[slots[pos]], len(places)))
+                else:
+                    found.append(-1 - len(consts))
+                    consts.append(arg)
+            return found
+
+        staged = [
+            (branches, launch, picks(launch), [picks(part) for part in launch.parts])
+            for branches, launch in self._stages()
+        ]
+        self.places = tuple(places)
+        self.consts = tuple(consts)
+        first = len(self.places)
+
+        def step(branch: int | None, launch: plan.Launch, found: list[int], parts: tuple = ()) -> _Step:
+            index = [pick if pick >= 0 else first - 1 - pick for pick in found]
             take = operator.itemgetter(*index) if len(index) > 1 else (lambda v, i=index[0]: (v[i],))
             launcher = plan.launcher(launch.kernel)
             runner = _runner(launcher, launch.grid, launch.kwargs)
-            steps.append(_Step(branch, launch.label, launcher, launch.grid, launch.kwargs, runner, take))
-        self.steps = tuple(steps)
+            return _Step(branch, launch.label, launcher, launch.grid, launch.kwargs, runner, take, parts)
+
+        self.steps = tuple(
+            step(
+                branches[0] if len(branches) == 1 else None,
+                launch,
+                found,
+                tuple(step(b, part, p) for b, part, p in zip(branches, launch.parts, part_picks)),
+            )
+            for branches, launch, found, part_picks in staged
+        )
         self.addresses = [Address(0, w.dtype, w.shape, w.stride) for w in self.places]
         self.binds = tuple((a, w.base, w.offset) for a, w in zip(self.addresses, self.places))
-        values = [*self.addresses, *self.consts]
-        self.gpu = tuple(step.bound(values) for step in self.steps)
+        self.values = [*self.addresses, *self.consts]
+        self.gpu = tuple(step.bound(self.values) for step in self.steps)
         self.direct: dict[tuple, tuple | None] = {}
         self.lock = threading.Lock()
-        del self._places, self._consts, self._launches
+        del self._wheres, self._launches
+
+    def _splitter(self, values: Sequence[Any]) -> Callable[[int, Exception], None]:
+        """``_run``'s ``split`` for this call's launches (``steps`` as they are now) on ``values``: after
+        fused launch ``index`` raised ``exc``, runs its parts one by one. A part that raises names its branch
+        (``BRANCH_ATTR``); where none does (the fused kernel alone failed, say to compile), this and every
+        later call launches the parts instead."""
+        return functools.partial(self._split, self.steps, values)
+
+    def _split(self, steps: tuple[_Step, ...], values: Sequence[Any], index: int, exc: Exception) -> None:
+        fused = steps[index]
+        for part in fused.parts:
+            branch, run, args = part.bound(values)
+            try:
+                run(*args)
+            except Exception as failed:
+                tag_branch(failed, branch)
+                raise failed from exc
+        now = list(self.steps)
+        at = now.index(fused)
+        now[at : at + 1] = fused.parts
+        self.steps = tuple(now)
+        self.gpu = tuple(step.bound(self.values) for step in self.steps)
+        self.direct.clear()
 
     def run(self, bases: Sequence[Any], interpret: bool, device: torch.device) -> None:
         """Launches on ``bases`` (device pointers, or ``(storage, byte start)`` under the interpreter), with
         ``device`` current where it is a GPU (``plan.on_device``); an exception names its branch
-        (``BRANCH_ATTR``)."""
+        (``BRANCH_ATTR``); the device's counters are zeroed after a failed launch
+        (``plan.reset_counters``)."""
+        try:
+            self._run(bases, interpret, device)
+        except Exception:
+            plan.reset_counters(device)
+            raise
+
+    def _run(self, bases: Sequence[Any], interpret: bool, device: torch.device) -> None:
         if interpret:
             values = [at_address(bases[where.base], where) for where in self.places]
             values += self.consts
-            _run(tuple(step.bound(values) for step in self.steps))
+            _run(tuple(step.bound(values) for step in self.steps), self._splitter(values))
             return
         with self.lock:
             for address, base, offset in self.binds:
                 address.address = bases[base] + offset
             with on_device(device):
+                split = self._splitter(self.values)
                 if not BIND_COMPILED:
-                    _run(self.gpu)
+                    _run(self.gpu, split)
                     return
                 key = (device.index, *(b & 15 for b in bases))  # Triton specialises on 16-byte alignment
                 direct = self.direct.get(key, _UNBOUND)
@@ -204,7 +270,7 @@ class _Launches:
                     except Exception:  # e.g. another Triton's API: its JIT launcher compiles and reports
                         direct = None
                     self.direct[key] = direct
-                _run(self.gpu if direct is None else direct)
+                _run(self.gpu if direct is None else direct, split)
 
     def _bind_compiled(self) -> tuple | None:
         """Each launch's kernel compiled for the addresses as they are bound now (``JITFunction.warmup``:
@@ -223,6 +289,26 @@ class _Launches:
                 return None
             found.append((branch, kernel[(*grid, 1, 1)[:3]], bound_arguments(launcher, args, kwargs)))
         return tuple(found)
+
+
+def stages(branches: dict[int, Sequence[plan.Launch]]) -> list[tuple[tuple[int, ...], plan.Launch]]:
+    """Each branch's launches (in order; the branches' work does not overlap) in stages, ``(branches,
+    launch)``: at each stage the next launch of every branch as one launch where ``fuse.fusable`` allows;
+    else the next one of the branch with the most launches left, with those the others have next that fuse
+    with it. A fused launch names its parts' branches, in the order of its ``parts``."""
+    left = {b: list(ls) for b, ls in branches.items() if ls}
+    staged: list[tuple[tuple[int, ...], plan.Launch]] = []
+    while left:
+        first = max(left, key=lambda b: len(left[b]))  # the first such branch, in branch order
+        group = [first]
+        for b in left:
+            if b != first and fuse.fusable([left[x][0] for x in (*group, b)]):
+                group.append(b)
+        group.sort()
+        parts = [left[b].pop(0) for b in group]
+        staged.append((tuple(group), parts[0] if len(parts) == 1 else fuse.fuse(parts)))
+        left = {b: ls for b, ls in left.items() if ls}
+    return staged
 
 
 def _runner(launcher: Any, grid: tuple[int, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -244,11 +330,19 @@ def bound_arguments(launcher: JITFunction, args: tuple, kwargs: dict[str, Any]) 
     return tuple(bound.arguments.values())
 
 
-def _run(launches: Sequence[tuple[int, Callable[..., Any], tuple]]) -> None:
-    for branch, run, args in launches:
+def _run(
+    launches: Sequence[tuple[int | None, Callable[..., Any], tuple]],
+    split: Callable[[int, Exception], None],
+) -> None:
+    """Runs ``launches`` in order; an exception names its branch, and a fused launch (branch ``None``) that
+    raises is ``split(index, exc)``."""
+    for i, (branch, run, args) in enumerate(launches):
         try:
             run(*args)
         except Exception as exc:
+            if branch is None:
+                split(i, exc)
+                continue
             tag_branch(exc, branch)
             raise
 
@@ -264,8 +358,9 @@ def program_key(qkv: Tensor, weights: Sequence[Tensor]) -> tuple:
 
 # The bases of a forward call, then the weights, then each RoPE branch's cos and sin tables; of a backward
 # call, then each branch's dW, the weights and the tables.
-QKV, OUT, SAVED, SCRATCH = range(4)
-D_OUT, B_QKV, B_SAVED, B_SCRATCH, D_QKV = range(5)
+# Both: the counters of ``jit.last_to_arrive`` (``plan.counters``), each branch's own.
+QKV, OUT, SAVED, SCRATCH, COUNT = range(5)
+D_OUT, B_QKV, B_SAVED, B_SCRATCH, B_COUNT, D_QKV = range(6)
 # A RoPE branch's q, k (dq, dk) until its rotated pair is placed: offsets into that pair.
 _PAIR = -1
 
@@ -351,11 +446,11 @@ class MixProgram:
         found = self._forwards.get(save)
         if found is not None:
             return found
-        saved, scratch = _Workspace(SAVED), _Workspace(SCRATCH)
+        saved, scratch, count = _Workspace(SAVED), _Workspace(SCRATCH), _Workspace(COUNT)
         launches, kept = _Launches(), []
-        first_table = SCRATCH + 1 + sum(self.counts)
+        first_table = COUNT + 1 + sum(self.counts)
         for i, ((key, metas), (qkv_at, out_at, turn), w_at) in enumerate(
-            zip(self.entries, self.inputs, self._weights(SCRATCH + 1))
+            zip(self.entries, self.inputs, self._weights(COUNT + 1))
         ):
             pair_at, keep = None, save and self.keep_pairs
             if turn is not None:  # the rotated pair first (kept for the backward, or in the scratch)
@@ -365,26 +460,39 @@ class MixProgram:
             template = forward_template(key, save, metas[:5], metas[5])
             wheres = [*qkv_at, *w_at, out_at]
             outs = set(template.outputs[1:])
-            for j, buf in enumerate(template.buffers, start=len(wheres)):  # inference: all in the scratch
-                wheres.append((saved if save and j in outs else scratch).place(buf))
+            for j, buf in enumerate(template.buffers):  # inference: all in the scratch
+                at = len(wheres)  # the buffer's index among the plan's tensors
+                if j in template.counted:
+                    wheres.append(count.place(buf))
+                else:
+                    wheres.append((saved if save and at in outs else scratch).place(buf))
             kept.append((*(wheres[j] for j in template.outputs[1:]), pair_at if keep else None))
             launches.add(i, template, wheres)
         launches.build()
-        found = self._forwards[save] = (launches, saved.size, scratch.size, tuple(kept))
+        found = self._forwards[save] = (launches, saved.size, scratch.size, tuple(kept), count.size)
         return found
 
     def forward(self, qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool) -> tuple[Tensor, Any]:
         """Writes every branch's read-out into ``out``; returns the saved workspace (``G``, ``||G||``, the
         rotated pairs where they are kept; empty unless ``save``) and where in it each branch's lie, for the
         backward."""
-        launches, n_saved, n_scratch, kept = self._forwards.get(save) or self._forward(save)
+        launches, n_saved, n_scratch, kept, n_count = self._forwards.get(save) or self._forward(save)
         if plan.DEBUG_FILL is not None:
             plan.debug_filled(out)
         device = qkv.device
         scratch = _alloc(n_scratch, device)
         ws = _alloc(n_saved, device) if save else scratch  # inference saves nothing (n_saved 0): no workspace
         base = _storage_base if self.interpret else Tensor.data_ptr
-        bases = [base(qkv), base(out), base(ws), base(scratch), *map(base, weights), *self.fixed]
+        counters = plan.counters(device, n_count // 4)
+        bases = [
+            base(qkv),
+            base(out),
+            base(ws),
+            base(scratch),
+            base(counters),
+            *map(base, weights),
+            *self.fixed,
+        ]
         launches.run(bases, self.interpret, device)
         return ws, kept
 
@@ -395,7 +503,7 @@ class MixProgram:
         """The backward's launches for the gradients' layout, its scratch size and each branch's dW buffer;
         ``calls``: each branch's (dout, dq, dk, dv) views of that call's ``d_out`` and ``dqkv`` (a RoPE
         branch's dq, dk: of its ``Rotation.pair``) and its ``Rotation``."""
-        scratch = _Workspace(B_SCRATCH)
+        scratch, count = _Workspace(B_SCRATCH), _Workspace(B_COUNT)
         launches, dws = _Launches(), []
         first_w = D_QKV + 1 + len(self.entries)
         first_table = first_w + sum(self.counts)
@@ -422,18 +530,18 @@ class MixProgram:
                 wheres += [_in_pair(_Where.of(_PAIR, _offset(t, rot.pair), t), d_pair) for t in grads[:2]]
                 wheres.append(_Where.of(D_QKV, _offset(grads[2], dqkv), grads[2]))
             dw = template.outputs[3]
-            for j, buf in enumerate(template.buffers, start=len(wheres)):
-                if j == dw:
+            for j, buf in enumerate(template.buffers):
+                if len(wheres) == dw:
                     dws.append(buf)
                     wheres.append(_Where.of(D_QKV + 1 + i, 0, buf))
                 else:
-                    wheres.append(scratch.place(buf))
+                    wheres.append((count if j in template.counted else scratch).place(buf))
             launches.add(i, template, wheres)
             if turn is not None:  # dq, dk rotated back into place
                 back = _Where.of(D_QKV, _offset(rot.source, dqkv), rot.source)
                 self._rotation(launches, i, d_pair, back, turn, first_table, True)
         launches.build()
-        return launches, scratch.size, tuple(dws)
+        return launches, scratch.size, tuple(dws), count.size
 
     def backward(
         self, d_out: Tensor, dqkv: Tensor, qkv: Tensor, weights: Sequence[Tensor], ws: Tensor, kept: tuple,
@@ -447,7 +555,7 @@ class MixProgram:
         found = self._backwards.get(layout)
         if found is None:
             found = self._backwards[layout] = self._backward(kept, calls(), d_out, dqkv)
-        launches, n_scratch, dw_bufs = found
+        launches, n_scratch, dw_bufs, n_count = found
         if plan.DEBUG_FILL is not None:
             plan.debug_filled(dqkv)
         device = d_out.device
@@ -459,6 +567,7 @@ class MixProgram:
             base(qkv),
             base(ws),
             base(scratch),
+            base(plan.counters(device, n_count // 4)),
             base(dqkv),
             *map(base, dws),
             *map(base, weights),

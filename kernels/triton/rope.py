@@ -30,11 +30,12 @@ def rope_kernel(
     N, HALF, BLOCKS, PROGRAMS,
     sxb, sxp, sxn, sob, sop, son,
     INVERSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, ACC: tl.constexpr,
+    PID0=0,
 ):  # fmt: skip
     """Rotates ``x_ptr`` ``[B, 2, N, 2 * HALF]`` (channel pairs ``(2j, 2j + 1)``, unit stride) into
     ``out_ptr`` by ``(cos, sin)`` ``[N, HALF]`` (``INVERSE``: by ``-sin``, the transpose); ``BLOCK_N`` tokens
     of one (sample, q or k) per program, on the folded grid."""
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0) - PID0
     if pid >= PROGRAMS:
         return
     bp = (pid // BLOCKS).to(tl.int64)

@@ -78,12 +78,11 @@ class LaunchConfig:
     ``tiles`` holds one ``Tiles`` per kernel role: ``"forward"`` (``forward_kernel``, the whole forward in
     one launch when N is not split), ``"grad"`` (``grad_partial_kernel``), ``"readout"``,
     ``"readout_bwd"`` / ``"grad_bwd"`` (their column or fused launch) and ``"readout_bwd_cross"`` /
-    ``"grad_bwd_cross"`` (the cross launch, used where the column launch has more than one block),
-    ``"conv"`` (the four depthwise-conv kernels) and ``"small"`` (step and step backward).
+    ``"grad_bwd_cross"`` (the cross launch, used where the column launch has more than one block)
+    and ``"conv"`` (the four depthwise-conv kernels).
     """
 
     block_d: int  # the head dim padded to a power of two
-    block_r: int  # rows of the weights: BLOCK_D, or 16 for the 9 taps of the depthwise conv
     chunk: int  # tokens per program along N (a multiple of every token tile)
     s: int  # chunks: cdiv(N, chunk)
     prec: str  # ``tl.dot`` input precision of fp32 operands
@@ -212,13 +211,6 @@ def _conv_tiles(block_d: int, dtype: torch.dtype, arch: Arch) -> Tiles:
     return Tiles(16 if block_d == 128 else 32, block_d, 4 if block_d <= one_group else 8, 2)
 
 
-def _small_tiles(block_r: int, block_d: int, dtype: torch.dtype) -> Tiles:
-    """The step and step-backward kernels: ``[BLOCK_R, cols]`` tiles of at most 2048 fp32 (1024 fp64)
-    elements (4096, the d = 64 matrices, make them spill registers)."""
-    elems = 1024 if dtype == torch.float64 else 2048
-    return Tiles(0, min(block_d, max(16, elems // block_r)), 4, 1)
-
-
 MATRIX_ROLES = (
     "forward", "grad", "readout", "readout_bwd", "readout_bwd_cross", "grad_bwd", "grad_bwd_cross",
 )  # fmt: skip
@@ -229,18 +221,14 @@ def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, 
                    prec: str, chunk: int | None, interpret: bool,
                    tiles_as: tuple | None) -> LaunchConfig:  # fmt: skip
     block_d = max(16, next_pow2(d))
-    block_r = 16 if model == "dwconv" else block_d
     tile_arch, tile_prec = tiles_as or (INTERPRET_TILES if interpret else (arch, prec))
     if model == "dwconv":
         tiles = {"conv": _conv_tiles(block_d, dtype, tile_arch)}
     else:
         tiles = {r: _matrix_tiles(model, loss, r, block_d, dtype, tile_prec, tile_arch) for r in MATRIX_ROLES}
-    tiles["small"] = _small_tiles(block_r, block_d, dtype)
     if interpret:
         big = min(256, max(16, next_pow2(n_tok)))
-        tiles = {
-            role: replace(t, block_n=big if role != "small" else 0, num_warps=4) for role, t in tiles.items()
-        }
+        tiles = {role: replace(t, block_n=big, num_warps=4) for role, t in tiles.items()}
         want = n_tok
     else:
         want = cdiv(n_tok, max(1, cdiv(2 * arch.sms, bg)))  # about two programs per SM
@@ -257,7 +245,7 @@ def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, 
     # 16-bit operands at d = 64: the one-block gradient backward on transposed 32-token tiles
     # (``_half_tiles``)
     transposed = native and block_d == 64 and tiles["grad_bwd"].block_c == block_d
-    return LaunchConfig(block_d, block_r, size, cdiv(n_tok, size), prec, dot, emulate, transposed, tiles)
+    return LaunchConfig(block_d, size, cdiv(n_tok, size), prec, dot, emulate, transposed, tiles)
 
 
 def clear() -> None:

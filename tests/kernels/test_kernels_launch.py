@@ -51,7 +51,7 @@ def _nan_fill(monkeypatch):
 def structure(model: str, d: int, dtype: torch.dtype, arch: Arch, prec: str) -> tuple:
     """What decides which launches run and which columns each program owns: column blocks per role."""
     cfg = ttiles.launch_config(model, 3136, d, 8, dtype, arch, prec=prec, interpret=False)
-    return tuple(sorted((role, t.block_c) for role, t in cfg.tiles.items() if role != "small"))
+    return tuple(sorted((role, t.block_c) for role, t in cfg.tiles.items()))
 
 
 # ------------------------------------------------------------------------------------------- tile table
@@ -69,8 +69,7 @@ def test_every_configuration_is_well_formed(arch, mode):
                 assert cfg.s * cfg.chunk >= n > (cfg.s - 1) * cfg.chunk
                 for role, t in cfg.tiles.items():
                     assert 16 <= t.block_c <= cfg.block_d and t.block_c & (t.block_c - 1) == 0, role
-                    if role != "small":
-                        assert t.block_n >= 16 and cfg.chunk % t.block_n == 0, role  # a chunk is whole tiles
+                    assert t.block_n >= 16 and cfg.chunk % t.block_n == 0, role  # a chunk is whole tiles
                     assert t.num_warps in (4, 8) and t.num_stages in (1, 2, 3), role
 
 
@@ -104,7 +103,7 @@ def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
                 assert not cfg.emulate
                 assert cfg.transposed == (native and d == 64)
                 if tdev.warp_group_mma(arch):
-                    long = {r for r, t in cfg.tiles.items() if r != "small" and t.block_n >= 64}
+                    long = {r for r, t in cfg.tiles.items() if t.block_n >= 64}
                     short = {"grad_bwd"} if d in (32, 64) else ({"grad_bwd_cross"} if d == 128 else set())
                     assert long == set(ttiles.MATRIX_ROLES) - short, (arch.sm, d)
     here = ttiles.launch_config("swiglu", 197, 64, 2, torch.bfloat16, ARCHS["sm_90"], interpret=True)

@@ -132,7 +132,7 @@ def test_a_failing_branch_alone_is_demoted(monkeypatch, triton_device, phase):
     kernel = "conv_readout_kernel" if phase == "forward" else "conv_readout_bwd_kernel"
 
     def launch(name, args, kwargs, run):
-        if name == kernel:
+        if kernel in name.split("__"):  # the kernel, or a fused launch of it: split, its part fails alone
             raise RuntimeError(f"{kernel} failed")
         return run()
 

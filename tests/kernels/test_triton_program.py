@@ -312,6 +312,12 @@ def _fixed_buffers(monkeypatch) -> None:
     monkeypatch.setattr(tplan.Buffer, "alloc", lambda buf, device: made.setdefault(buf, real(buf, device)))
 
 
+def _no_starts(row: tuple) -> tuple:
+    """A recorded launch without the starts of a fused launch (``fuse``: one per kernel after the first)."""
+    starts = len(row[0].split("__")) - 2 if row[0].startswith("fused__") else 0
+    return row[: len(row) - starts] if starts > 0 else row
+
+
 @pytest.mark.parametrize("case", ["official", "two-swiglu-dwconv", "official-rope"])
 def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypatch):
     """Forward and backward, two calls of one program on other tensors: every launch gets at each pointer
@@ -349,10 +355,95 @@ def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypa
                 grads = em._whole_grads(d_out, dqkv, layout)  # saved: the program's, qkv, weights
                 tprogram.backward(d_out, dqkv, [*saved, qkv, *weights], state, lambda g=grads: g)
             assert len(cache) == 1
-    assert len(seen["gpu"]) % 2 == 0 and len(seen["gpu"]) > 10
-    assert seen["gpu"] == seen["interpreter"]
+    assert len(seen["gpu"]) % 2 == 0 and len(seen["gpu"]) >= 10
+    # a fused launch's starts (its last arguments) count programs, which the interpreter sizes otherwise
+    assert [_no_starts(r) for r in seen["gpu"]] == [_no_starts(r) for r in seen["interpreter"]]
     first = len(seen["gpu"]) // 2
     assert seen["gpu"][:first] != seen["gpu"][first:]  # the second call's pointers, not the first's
+
+
+@pytest.mark.parametrize("chunk", [63, 16], ids=["N-whole", "N-in-chunks"])
+def test_a_vit3_mixer_call_is_one_launch_per_stage_for_both_branches(chunk, monkeypatch):
+    """A GPU host's training call of ViT³'s mixer (SwiGLU and the depthwise conv): 2 forward launches and 3
+    backward, each running both branches (``fuse``); with N in chunks too (each sum of partials and the
+    step taken by the last program to arrive, not a launch of its own). Branch after branch: more."""
+    if chunk is not None:
+        real = tnode.plan_key
+        monkeypatch.setattr(tnode, "plan_key", lambda *a, **k: real(*a, **k)._replace(chunk=chunk))
+    _gpu_host(monkeypatch)
+    branches, b, grid = CASES["official"]
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float32)
+    names: list[str] = []
+    intercept_launches(monkeypatch, lambda name, args, kwargs, run: names.append(name))
+    counts = {}
+    for fused in (True, False):
+        monkeypatch.setattr(tprogram, "FUSE_BRANCHES", fused)
+        top.clear_plans()
+        names.clear()
+        _run(spec, qkv, weights)
+        counts[fused] = list(names)
+    lone = [n for n in counts[True] if not n.startswith("fused__")]
+    assert len(counts[True]) == 5 and lone == ([] if chunk < 63 else ["conv_readout_kernel"]), counts[True]
+    first = "grad_partial_kernel" if chunk < 63 else "forward_kernel"  # N whole: SwiGLU's forward is one
+    assert counts[True][0].split("__")[1:] == [first, "conv_grad_partial_kernel"]
+    assert len(counts[False]) >= 7
+
+
+@pytest.mark.triton
+def test_a_fused_launch_that_fails_alone_runs_as_its_parts_from_then_on(monkeypatch, triton_device):
+    """A fused launch whose kernel fails while its parts run (say it did not compile): the call completes on
+    the parts, with the results of branch after branch, no branch is blamed, and later calls launch the
+    parts without trying the fused kernel again."""
+    monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
+    branches, b, grid = CASES["official"]
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float64, triton_device)
+    want = _run(spec, qkv, weights)
+    names: list[str] = []
+
+    def launch(name, args, kwargs, run):
+        names.append(name)
+        if name.startswith("fused__"):
+            raise RuntimeError("the fused kernel failed")
+        return run()
+
+    intercept_launches(monkeypatch, launch)
+    for call in range(2):
+        names.clear()
+        got = _run(spec, qkv, weights)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), (call, i)
+        fused = [n for n in names if n.startswith("fused__")]
+        assert (len(fused) > 0) == (call == 0) and len(names) > len(fused) + 5, names
+
+
+@pytest.mark.triton
+def test_every_launch_leaves_the_counters_zero_and_they_matter(monkeypatch, triton_device):
+    """The last-to-arrive counters (``plan.counters``) are zero after each training call; counters left
+    otherwise (a launch killed midway) would let no program be the last: no ``G``, no step (NaN, the fill).
+    A launch that fails has the device's counters zeroed (``plan.reset_counters``)."""
+    real = tnode.plan_key
+    monkeypatch.setattr(tnode, "plan_key", lambda *a, **k: real(*a, **k)._replace(chunk=8))
+    monkeypatch.setattr(tplan, "DEBUG_FILL", float("nan"))
+    branches, b, grid = CASES["official"]
+    spec = _spec(branches, grid)
+    qkv, weights = _inputs(spec, b, torch.float64, triton_device)
+    counters = tplan.counters(triton_device, 64)
+    good = _run(spec, qkv, weights)
+    assert all(torch.isfinite(g).all() for g in good) and not counters.any()
+    counters.fill_(3)
+    spoiled = _run(spec, qkv, weights)
+    assert torch.isnan(spoiled[0]).any()
+    counters.fill_(3)
+
+    def fail(name, args, kwargs, run):
+        raise RuntimeError("a launch that fails")
+
+    intercept_launches(monkeypatch, fail)
+    with pytest.raises(RuntimeError, match="a launch that fails"):
+        _run(spec, qkv, weights)
+    assert not tplan.counters(triton_device, 64).any()
 
 
 def test_two_threads_never_see_each_others_addresses(monkeypatch):
@@ -367,7 +458,8 @@ def test_two_threads_never_see_each_others_addresses(monkeypatch):
 
     def hook(name, args, kwargs, run):
         time.sleep(1e-4)  # hand the other thread the interpreter between launches
-        if name in reads_qkv_first:  # its first argument is q or k: a view of the calling thread's qkv
+        first = name.split("__")[1] if name.startswith("fused__") else name  # a fused launch's first kernel
+        if first in reads_qkv_first:  # its first argument is q or k: a view of the calling thread's qkv
             mine = threading.current_thread().qkv
             checked.append(name)
             if not mine.data_ptr() <= args[0].data_ptr() < mine.data_ptr() + mine.nbytes:
@@ -403,11 +495,13 @@ def test_workspace_buffers_are_aligned_and_apart(rope, recompute, triton_device)
     qkv, weights = _inputs(spec, b, torch.float32, triton_device)
     _run(spec, qkv, weights)
     (program,) = em.mix_layout(spec).programs.values()
-    launches, n_saved, n_scratch, _ = program._forward(True)
-    infer, no_saved, n_infer, _ = program._forward(False)
-    (back, n_back, _) = next(iter(program._backwards.values()))
+    launches, n_saved, n_scratch, _, n_count = program._forward(True)
+    infer, no_saved, n_infer, _, _ = program._forward(False)
+    (back, n_back, _, n_back_count) = next(iter(program._backwards.values()))
     sizes = {(launches, tprogram.SAVED): n_saved, (launches, tprogram.SCRATCH): n_scratch,
-             (infer, tprogram.SCRATCH): n_infer, (back, tprogram.B_SCRATCH): n_back}  # fmt: skip
+             (infer, tprogram.SCRATCH): n_infer, (back, tprogram.B_SCRATCH): n_back,
+             (launches, tprogram.COUNT): n_count, (back, tprogram.B_COUNT): n_back_count}  # fmt: skip
+    sizes = {k: v for k, v in sizes.items() if v}  # no counters where no launch counts (N whole)
     # inference keeps nothing: its G, ||G|| lie in its scratch (a saved workspace of 0 bytes held them before)
     assert no_saved == 0 and all(w.base != tprogram.SAVED for w in infer.places)
     inside = 0
@@ -533,7 +627,7 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
     qkv, weights = _inputs(spec, b, torch.float32)
     _run(spec, qkv, weights)
     kernels = len(compiled)
-    assert kernels > 10 and launched == compiled
+    assert kernels >= 5 and launched == compiled
     assert compiled.count("rope_kernel") == (3 if rope else 0)  # q, k; again in the backward; dq, dk back
     _run(spec, qkv.clone(), weights)  # other tensors, aligned as before: nothing compiled again
     assert len(compiled) == kernels and len(launched) == 2 * kernels
@@ -561,7 +655,7 @@ def test_where_binding_the_compiled_kernels_fails_tritons_launcher_launches(monk
     qkv, weights = _inputs(spec, b, torch.float32)
     for _ in range(2):
         _run(spec, qkv, weights)
-    assert len(launched) > 20 and len(launched) % 2 == 0
+    assert len(launched) >= 10 and len(launched) % 2 == 0
 
 
 @pytest.mark.skipif(
@@ -597,4 +691,4 @@ def test_a_training_call_reads_no_tensor_data_on_the_host(rope, monkeypatch):
         got = _run(spec, qkv, weights)
     assert all(t.device.type == "meta" for t in got)
     half = len(launched) // 2
-    assert half > 10 and launched[:half] == launched[half:]  # the same launches, made once
+    assert half >= 5 and launched[:half] == launched[half:]  # the same launches, made once
