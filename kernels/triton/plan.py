@@ -148,6 +148,7 @@ class Buffer(NamedTuple):
 
 
 _COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
+_RETIRED: list[Tensor] = []
 
 
 def counters(device: torch.device, n: int) -> Tensor:
@@ -161,6 +162,8 @@ def counters(device: torch.device, n: int) -> Tensor:
     if found is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         found = next((t for (dev, _), t in _COUNTERS.items() if dev == device), None)
     if found is None or found.numel() < n:
+        if found is not None:  # a captured graph may hold its address: never freed, never reused
+            _RETIRED.append(found)
         found = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return found
 
