@@ -22,11 +22,14 @@ import triton.language as tl
 from .device import interpreting
 from .plan import Launch, fold_grid
 
-__all__ = ["OPTIONS", "fusable", "fuse", "fused_kernel"]
+__all__ = ["OPTIONS", "PREFIX", "fusable", "fuse", "fused_kernel", "kernel_names"]
 
 # The launch options that the fused kernel takes as the largest of its parts'; any other option (such as
 # ``enable_fp_fusion``) must be the same in every part.
 OPTIONS = ("num_warps", "num_stages")
+
+# A fused kernel's name: this, then its parts' names joined by ``SEP`` (``kernel_names`` reads it back).
+PREFIX, SEP = "fused__", "__"
 
 _KERNELS: dict[tuple[Any, ...], Any] = {}
 _COUNTER = itertools.count()
@@ -67,7 +70,7 @@ def fused_kernel(kernels: Sequence[Any]) -> Any:
     found = _KERNELS.get(key)
     if found is not None:
         return found
-    name = "fused__" + "__".join(k.fn.__name__ for k in kernels)
+    name = PREFIX + SEP.join(k.fn.__name__ for k in kernels)
     runtime, constexprs, calls = [], [], []
     scope: dict[str, Any] = {"tl": tl}
     for i, kernel in enumerate(kernels):
@@ -96,6 +99,12 @@ def fused_kernel(kernels: Sequence[Any]) -> Any:
     fn.__module__ = __name__
     found = _KERNELS[key] = triton.jit(fn)
     return found
+
+
+def kernel_names(name: str) -> list[str]:
+    """The kernels a launched kernel of this ``name`` runs: its parts' names for a fused kernel, else
+    itself."""
+    return name.removeprefix(PREFIX).split(SEP) if name.startswith(PREFIX) else [name]
 
 
 def fusable(launches: Sequence[Launch]) -> bool:

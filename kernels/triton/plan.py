@@ -354,6 +354,7 @@ def _reduce(bld: _Builder, part: Tensor, dw: Tensor, b: int, g: int, e: int, d: 
     # (head stride, weight stride, rows per weight, row stride, column stride) of dW: the conv weight
     # [G*d, 3, 3], element (tap, c) at c * 9 + tap; W1, W2 [(2,) 1, G, d, d], each contiguous
     final = (e, 0, e // d, 1, 9) if conv else (d * d, g * d * d, d, d, 1)
+    # one stage (split 1): dw stands in for the runs and the counters, which the kernel does not read then
     runs = bld.buffer(split, g, e, dtype=acc) if split > 1 else dw
     count = bld.counters(g * cdiv(e, gpu_e)) if split > 1 else dw  # enough for the interpreter's blocks too
     args = (part, runs, dw, count, b, g, e, d, length, lo, nuse, per, split, *final)
@@ -499,7 +500,8 @@ def backward_template(
         kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
         bld.launch("conv_readout_bwd_kernel", dwconv_kernels.conv_readout_bwd_kernel, bgn * s, args, kw)
     else:
-        count = dw if fused else bld.counters(bgn * cfg.cols("readout_bwd", d))  # for the step's backward
+        # the step's backward, by the last of a block's programs; fused: one program a block, dw stands in
+        count = dw if fused else bld.counters(bgn * cfg.cols("readout_bwd", d))
         args = (q, dout, w1, w2, gbuf, nbuf, dq, part, dgbuf, count, *sizes, *io, *ws, key.lr)
         rflags = flags | {"GRAD_NORM": key.grad_norm, "FUSED": fused}
         _stage(bld, cfg, "readout_bwd", matrix_kernels.readout_bwd_kernel, bgn, d, args, acc_tl, rflags)

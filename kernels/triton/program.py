@@ -483,13 +483,12 @@ class MixProgram:
         scratch = _alloc(n_scratch, device)
         ws = _alloc(n_saved, device) if save else scratch  # inference saves nothing (n_saved 0): no workspace
         base = _storage_base if self.interpret else Tensor.data_ptr
-        counters = plan.counters(device, n_count // 4)
         bases = [
             base(qkv),
             base(out),
             base(ws),
             base(scratch),
-            base(counters),
+            _counters(n_count, device, base),
             *map(base, weights),
             *self.fixed,
         ]
@@ -567,7 +566,7 @@ class MixProgram:
             base(qkv),
             base(ws),
             base(scratch),
-            base(plan.counters(device, n_count // 4)),
+            _counters(n_count, device, base),
             base(dqkv),
             *map(base, dws),
             *map(base, weights),
@@ -603,6 +602,11 @@ def _in_pair(where: _Where, pair: _Where) -> _Where:
 
 def _storage_base(t: Tensor) -> tuple[Any, int]:
     return t.untyped_storage(), t.storage_offset() * t.element_size()
+
+
+def _counters(nbytes: int, device: torch.device, base: Callable[[Tensor], Any]) -> Any:
+    """The counters' base for ``nbytes`` of them (``plan.counters``); 0 where no launch counts."""
+    return base(plan.counters(device, nbytes // 4)) if nbytes else 0
 
 
 def _alloc(nbytes: int, device: torch.device) -> Tensor:

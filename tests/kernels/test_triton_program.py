@@ -25,6 +25,7 @@ from helpers.ops import SCALE, intercept_launches, use_gpu_kernels
 
 from vit3.kernels.ops import BRANCH_ATTR
 from vit3.kernels.triton import checks as tchecks
+from vit3.kernels.triton import fuse
 from vit3.kernels.triton import node as tnode
 from vit3.kernels.triton import op as top
 from vit3.kernels.triton import plan as tplan
@@ -314,7 +315,7 @@ def _fixed_buffers(monkeypatch) -> None:
 
 def _no_starts(row: tuple) -> tuple:
     """A recorded launch without the starts of a fused launch (``fuse``: one per kernel after the first)."""
-    starts = len(row[0].split("__")) - 2 if row[0].startswith("fused__") else 0
+    starts = len(fuse.kernel_names(row[0])) - 1
     return row[: len(row) - starts] if starts > 0 else row
 
 
@@ -383,10 +384,10 @@ def test_a_vit3_mixer_call_is_one_launch_per_stage_for_both_branches(chunk, monk
         names.clear()
         _run(spec, qkv, weights)
         counts[fused] = list(names)
-    lone = [n for n in counts[True] if not n.startswith("fused__")]
+    lone = [n for n in counts[True] if len(fuse.kernel_names(n)) == 1]
     assert len(counts[True]) == 5 and lone == ([] if chunk < 63 else ["conv_readout_kernel"]), counts[True]
     first = "grad_partial_kernel" if chunk < 63 else "forward_kernel"  # N whole: SwiGLU's forward is one
-    assert counts[True][0].split("__")[1:] == [first, "conv_grad_partial_kernel"]
+    assert fuse.kernel_names(counts[True][0]) == [first, "conv_grad_partial_kernel"]
     assert len(counts[False]) >= 7
 
 
@@ -404,7 +405,7 @@ def test_a_fused_launch_that_fails_alone_runs_as_its_parts_from_then_on(monkeypa
 
     def launch(name, args, kwargs, run):
         names.append(name)
-        if name.startswith("fused__"):
+        if len(fuse.kernel_names(name)) > 1:
             raise RuntimeError("the fused kernel failed")
         return run()
 
@@ -414,7 +415,7 @@ def test_a_fused_launch_that_fails_alone_runs_as_its_parts_from_then_on(monkeypa
         got = _run(spec, qkv, weights)
         for i, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g, w), (call, i)
-        fused = [n for n in names if n.startswith("fused__")]
+        fused = [n for n in names if len(fuse.kernel_names(n)) > 1]
         assert (len(fused) > 0) == (call == 0) and len(names) > len(fused) + 5, names
 
 
@@ -458,7 +459,7 @@ def test_two_threads_never_see_each_others_addresses(monkeypatch):
 
     def hook(name, args, kwargs, run):
         time.sleep(1e-4)  # hand the other thread the interpreter between launches
-        first = name.split("__")[1] if name.startswith("fused__") else name  # a fused launch's first kernel
+        first = fuse.kernel_names(name)[0]  # a fused launch's: its first part's
         if first in reads_qkv_first:  # its first argument is q or k: a view of the calling thread's qkv
             mine = threading.current_thread().qkv
             checked.append(name)

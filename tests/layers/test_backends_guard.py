@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from triton.runtime.errors import OutOfResources
 
 from vit3.kernels import cpp as cpu_ext
+from vit3.kernels.triton import fuse
 from vit3.kernels.triton import plan as tplan
 from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
@@ -58,8 +59,8 @@ def _on(device: torch.device, mixer: TTTMixer, *tensors: torch.Tensor):
 def _runs(kernels: set[str], name: str, kwargs: dict, swiglu_only: bool = True) -> bool:
     """Whether a launch (``name``, its constexprs) runs one of ``kernels`` (of the SwiGLU model where
     ``swiglu_only``), alone or as a part of a fused launch (``fuse``: ``k<i>_`` constexprs)."""
-    if name.startswith("fused__"):
-        parts = name.split("__")[1:]
+    parts = fuse.kernel_names(name)
+    if len(parts) > 1:
         own = [
             {k.split("_", 1)[1]: v for k, v in kwargs.items() if k.startswith(f"k{i}_")}
             for i in range(len(parts))
@@ -75,7 +76,7 @@ def _failing_launch(monkeypatch, kernels: set[str], swiglu_only: bool = True, er
 
     def launch(name, args, kwargs, run):
         if _runs(kernels, name, kwargs, swiglu_only):
-            raised["n"] += not name.startswith("fused__")  # counted where a part fails on its own
+            raised["n"] += len(fuse.kernel_names(name)) == 1  # counted where a part fails on its own
             raise error() if error else OutOfResources(188416, 101376, "shared memory")
         return run()
 
