@@ -40,15 +40,25 @@ def stub_launches() -> list[str]:
     kernel: ``JITFunction.run`` (called by ``kernel[grid](...)``) and the compiled kernels a launch program
     calls itself (``JITFunction.warmup`` compiles nothing, the compiled kernel's ``[grid]`` launches nothing);
     the registry does not verify new specialisations (stubbed launches compute nothing: it would demote
-    them)."""
+    them). A compiled kernel's launch calls each pointer argument's ``data_ptr`` as Triton's launcher does."""
     launched: list[str] = []
 
     class Compiled:
         def __init__(self, name: str) -> None:
             self.name = name
+            self.pointers: list[int] | None = None  # the positions of arguments with a ``data_ptr``
 
         def __getitem__(self, grid: tuple[int, int, int]) -> Callable[..., None]:
-            return lambda *args, stream=None: launched.append(self.name)
+            def launch(*args: Any, stream: int | None = None) -> None:
+                # Triton's launcher takes an integer pointer as it is and calls ``data_ptr()`` of anything
+                # else (then asks the driver about the address: not emulated)
+                if self.pointers is None:
+                    self.pointers = [i for i, a in enumerate(args) if hasattr(a, "data_ptr")]
+                for i in self.pointers:
+                    args[i].data_ptr()
+                launched.append(self.name)
+
+            return launch
 
     def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Compiled:
         if not warmup:

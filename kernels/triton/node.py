@@ -70,10 +70,11 @@ class _Entry:
         return found
 
 
-def state_of(q: Tensor) -> tuple:
-    """The module state a plan key reads besides the call's tensors: the interpreter, TF32 (float32 on a GPU)
-    and the test hooks (``tiles.TILES_AS``, ``plan.GRID_X_MAX``, ``plan.launcher``)."""
-    tf32 = q.dtype is torch.float32 and q.device.type == "cuda" and fp32_uses_tf32()
+def state_of(dtype: torch.dtype, device: torch.device) -> tuple:
+    """The module state a plan key of a ``dtype`` call on ``device`` reads besides the call's tensors: the
+    interpreter, TF32 (float32 on a GPU) and the test hooks (``tiles.TILES_AS``, ``plan.GRID_X_MAX``,
+    ``plan.launcher``)."""
+    tf32 = dtype is torch.float32 and device.type == "cuda" and fp32_uses_tf32()
     return interpreting(), tf32, tiles.TILES_AS, plan.GRID_X_MAX, plan.launcher
 
 
@@ -81,7 +82,8 @@ def _signature(name: str, call: NodeCall) -> tuple:
     """What a branch's checks and plans depend on: its op and settings, every tensor's shape, strides and
     dtype, the device, and the module state the plan key reads (``state_of``)."""
     q, k, v, dest = call.q, call.k, call.v, call.dest
-    sig = [name, call.hyper, q.device, *state_of(q)]
+    device = q.device
+    sig = [name, call.hyper, device, *state_of(q.dtype, device)]
     for t in (q, k, v, dest, *call.weights):
         sig += (t.shape, t.stride(), t.dtype)
     return tuple(sig)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+from triton.runtime import driver
 
 from ..dwconv import triton as dwconv_kernels
 from . import matrix as matrix_kernels
@@ -156,8 +157,7 @@ def counters(device: torch.device, n: int) -> Tensor:
     on the current stream (each launch leaves them zero; a failed one, ``reset_counters``). While a CUDA graph
     is captured the stream's own are not made: its launches take the device's first (those of the warm-up
     before it), so a replay reads no memory of the capture's pool."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
+    key = (device, current_stream(device))
     found = _COUNTERS.get(key)
     if found is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         found = next((t for (dev, _), t in _COUNTERS.items() if dev == device), None)
@@ -166,6 +166,14 @@ def counters(device: torch.device, n: int) -> Tensor:
             _RETIRED.append(found)
         found = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return found
+
+
+def current_stream(device: torch.device) -> int:
+    """The handle of ``device``'s current stream, as Triton's launcher takes it; 0 off a GPU. Triton's
+    driver asks PyTorch directly (``torch.cuda.current_stream`` builds a ``Stream`` object first)."""
+    if device.type != "cuda":
+        return 0
+    return driver.active.get_current_stream(device.index)
 
 
 def reset_counters(device: torch.device) -> None:

@@ -5,9 +5,9 @@ Where every branch of the fused node (``vit3.layers.fused_mix``) runs on Triton,
 address ``base + offset`` over a few bases (qkv, the output, the weights, one workspace, one scratch buffer,
 the counters, the RoPE tables, the gradients); a RoPE branch's rotations are launches of it too. The
 branches' launches of one stage run as one (``fuse``). A call then allocates two or three buffers, reads one
-pointer per base and launches. On a GPU the kernels get :class:`Address` es
-written under the program's lock; Triton's interpreter gets one-element tensors on the base's storage instead
-(``at_address``), the same offsets.
+pointer per base and launches: on a GPU each compiled kernel takes its addresses as integers (Triton's JIT
+launcher, where it runs, :class:`Address` es); Triton's interpreter gets one-element tensors on the base's
+storage instead (``at_address``), the same offsets.
 
 The bases one by one and why addresses: ``docs/design/kernels.md``.
 """
@@ -207,21 +207,18 @@ class _Launches:
             for branches, launch, found, part_picks in staged
         )
         self.addresses = [Address(0, w.dtype, w.shape, w.stride) for w in self.places]
-        self.binds = tuple((a, w.base, w.offset) for a, w in zip(self.addresses, self.places))
+        self.offsets = tuple((w.base, w.offset) for w in self.places)
         self.values = [*self.addresses, *self.consts]
         self.gpu = tuple(step.bound(self.values) for step in self.steps)
-        self.direct: dict[tuple, tuple | None] = {}
-        self.lock = threading.Lock()
+        self.direct: dict[Any, _Direct | None] = {}
+        self.lock = threading.Lock()  # the addresses are bound in place for Triton's JIT launcher
         del self._wheres, self._launches
 
-    def _splitter(self, values: Sequence[Any]) -> Callable[[int, Exception], None]:
-        """``_run``'s ``split`` for this call's launches (``steps`` as they are now) on ``values``: after
-        fused launch ``index`` raised ``exc``, runs its parts one by one. A part that raises names its branch
-        (``BRANCH_ATTR``); where none does (the fused kernel alone failed, say to compile), this and every
-        later call launches the parts instead."""
-        return functools.partial(self._split, self.steps, values)
-
     def _split(self, steps: tuple[_Step, ...], values: Sequence[Any], index: int, exc: Exception) -> None:
+        """After fused launch ``index`` of ``steps`` (``self.steps`` as the call began) raised ``exc``: runs
+        its parts one by one on ``values`` (Triton's JIT launcher). A part that raises names its branch
+        (``BRANCH_ATTR``); where none does (the fused kernel alone failed, say to compile), this and every
+        later call launch the parts instead."""
         fused = steps[index]
         for part in fused.parts:
             branch, run, args = part.bound(values)
@@ -243,41 +240,76 @@ class _Launches:
         (``BRANCH_ATTR``); the device's counters are zeroed after a failed launch
         (``plan.reset_counters``)."""
         try:
-            self._run(bases, interpret, device)
+            if interpret:
+                values = [at_address(bases[where.base], where) for where in self.places]
+                values += self.consts
+                steps = self.steps
+                _run(tuple(step.bound(values) for step in steps), steps, values, self._split)
+                return
+            with on_device(device):
+                direct = self._direct(bases, device) if BIND_COMPILED else None
+                if direct is None:
+                    self._run_bound(bases)
+                else:
+                    self._run_direct(direct, bases)
         except Exception:
             plan.reset_counters(device)
             raise
 
-    def _run(self, bases: Sequence[Any], interpret: bool, device: torch.device) -> None:
-        if interpret:
-            values = [at_address(bases[where.base], where) for where in self.places]
-            values += self.consts
-            _run(tuple(step.bound(values) for step in self.steps), self._splitter(values))
-            return
-        with self.lock:
-            for address, base, offset in self.binds:
-                address.address = bases[base] + offset
-            with on_device(device):
-                split = self._splitter(self.values)
-                if not BIND_COMPILED:
-                    _run(self.gpu, split)
-                    return
-                key = (device.index, *(b & 15 for b in bases))  # Triton specialises on 16-byte alignment
-                direct = self.direct.get(key, _UNBOUND)
-                if direct is _UNBOUND:
-                    try:
-                        direct = self._bind_compiled()
-                    except Exception:  # e.g. another Triton's API: its JIT launcher compiles and reports
-                        direct = None
-                    self.direct[key] = direct
-                _run(self.gpu if direct is None else direct, split)
+    def _bind(self, bases: Sequence[int]) -> None:
+        for address, (base, offset) in zip(self.addresses, self.offsets):
+            address.address = bases[base] + offset
 
-    def _bind_compiled(self) -> tuple | None:
+    def _run_bound(self, bases: Sequence[int]) -> None:
+        """Every launch through Triton's JIT launcher, on the ``Address`` es bound to ``bases``."""
+        with self.lock:
+            self._bind(bases)
+            _run(self.gpu, self.steps, self.values, self._split)
+
+    def _run_direct(self, direct: _Direct, bases: Sequence[int]) -> None:
+        """Every launch's compiled kernel called on the addresses as integers (Triton's launcher reads an
+        integer as it is; an ``Address`` through its ``data_ptr`` and a driver query). A fused launch that
+        raises runs as its parts (``_split``), through Triton's JIT launcher."""
+        values = [bases[base] + offset for base, offset in self.offsets]
+        values += direct.consts
+        for i, (branch, run, take) in enumerate(direct.steps):
+            try:
+                run(*take(values))
+            except Exception as exc:
+                if branch is not None:
+                    tag_branch(exc, branch)
+                    raise
+                with self.lock:
+                    self._bind(bases)
+                    self._split(direct.launches, self.values, i, exc)
+
+    def _direct(self, bases: Sequence[int], device: torch.device) -> _Direct | None:
+        """The compiled kernels bound for ``bases``' device and 16-byte alignment (Triton specialises
+        pointers on it), bound the first time (``_bind_compiled``); ``None``: launch through Triton's JIT
+        launcher."""
+        misaligned = functools.reduce(operator.or_, bases) & 15
+        key = (device.index, *(b & 15 for b in bases)) if misaligned else device.index
+        direct = self.direct.get(key, _UNBOUND)
+        if direct is _UNBOUND:
+            try:
+                with self.lock:
+                    self._bind(bases)
+                    direct = self._bind_compiled()
+            except Exception:  # e.g. another Triton's API: its JIT launcher compiles and reports
+                direct = None
+            self.direct[key] = direct
+        return direct
+
+    def _bind_compiled(self) -> _Direct | None:
         """Each launch's kernel compiled for the addresses as they are bound now (``JITFunction.warmup``:
-        compiled, not launched) and called as Triton's JIT launcher calls it, with every parameter of the
-        kernel in order; ``None`` where a launcher is not Triton's JIT (a test hook), has pre-run hooks or
-        compiles nothing (a JIT hook that skips it): those launch through Triton's JIT launcher, as every
-        launch does where this raises (a kernel that fails to compile then raises there)."""
+        compiled, not launched), with what Triton's JIT launcher would hand it: every parameter of the kernel
+        in order, each address an integer; ``None`` where a launcher is not Triton's JIT (a test hook), has
+        pre-run hooks or compiles nothing (a JIT hook that skips it): those launch through Triton's JIT
+        launcher, as every launch does where this raises (a kernel that fails to compile then raises
+        there)."""
+        places = {id(a): i for i, a in enumerate(self.addresses)}
+        consts: list[Any] = []
+        known: dict[tuple[type, Any], int] = {}  # a constant's index, each value once
         found = []
         for step, (branch, _, args) in zip(self.steps, self.gpu):
             launcher, grid, kwargs = step.launcher, step.grid, step.kwargs
@@ -287,8 +319,29 @@ class _Launches:
             kernel = kernel.result() if hasattr(kernel, "result") else kernel  # an asynchronous compile
             if kernel is None:
                 return None
-            found.append((branch, kernel[(*grid, 1, 1)[:3]], bound_arguments(launcher, args, kwargs)))
-        return tuple(found)
+            index = []
+            for arg in bound_arguments(launcher, args, kwargs):
+                if type(arg) is Address:
+                    index.append(places[id(arg)])
+                    continue
+                key = (type(arg), arg)
+                if key not in known:
+                    known[key] = len(self.places) + len(consts)
+                    consts.append(arg)
+                index.append(known[key])
+            take = operator.itemgetter(*index) if len(index) > 1 else (lambda v, i=index[0]: (v[i],))
+            found.append((branch, kernel[(*grid, 1, 1)[:3]], take))
+        return _Direct(self.steps, tuple(found), consts)
+
+
+class _Direct(NamedTuple):
+    """A ``_Launches``' compiled kernels bound for one device and alignment: per launch ``(branch, runner,
+    take)``, ``take`` picking its arguments from a call's addresses followed by ``consts``; ``launches``: the
+    ``_Launches.steps`` they were bound from."""
+
+    launches: tuple[_Step, ...]
+    steps: tuple[tuple[int | None, Callable[..., Any], Callable[[Sequence[Any]], tuple]], ...]
+    consts: list[Any]
 
 
 def stages(branches: dict[int, Sequence[plan.Launch]]) -> list[tuple[tuple[int, ...], plan.Launch]]:
@@ -332,16 +385,18 @@ def bound_arguments(launcher: JITFunction, args: tuple, kwargs: dict[str, Any]) 
 
 def _run(
     launches: Sequence[tuple[int | None, Callable[..., Any], tuple]],
-    split: Callable[[int, Exception], None],
+    steps: tuple[_Step, ...],
+    values: Sequence[Any],
+    split: Callable[[tuple[_Step, ...], Sequence[Any], int, Exception], None],
 ) -> None:
-    """Runs ``launches`` in order; an exception names its branch, and a fused launch (branch ``None``) that
-    raises is ``split(index, exc)``."""
+    """Runs ``launches`` (``steps`` bound to ``values``) in order; an exception names its branch, and a fused
+    launch (branch ``None``) that raises is ``split(steps, values, index, exc)``."""
     for i, (branch, run, args) in enumerate(launches):
         try:
             run(*args)
         except Exception as exc:
             if branch is None:
-                split(i, exc)
+                split(steps, values, i, exc)
                 continue
             tag_branch(exc, branch)
             raise
@@ -350,7 +405,8 @@ def _run(
 def program_key(qkv: Tensor, weights: Sequence[Tensor]) -> tuple:
     """What a program depends on besides the node's plan: qkv's and every weight's shape, strides and dtype,
     the device, and the module state the plan key reads (interpreter, TF32, the test hooks)."""
-    key = [qkv.shape, qkv.stride(), qkv.dtype, qkv.device, *state_of(qkv)]
+    dtype, device = qkv.dtype, qkv.device
+    key = [qkv.shape, qkv.stride(), dtype, device, *state_of(dtype, device)]
     for w in weights:
         key += (w.shape, w.stride(), w.dtype)
     return tuple(key)

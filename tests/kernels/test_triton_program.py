@@ -319,6 +319,20 @@ def _no_starts(row: tuple) -> tuple:
     return row[: len(row) - starts] if starts > 0 else row
 
 
+def _program_call(cache: dict, layout: em.MixLayout, qkv, weights, out, d_out, dqkv) -> None:
+    """A training call of the program of ``layout`` in ``cache``, forward and backward, on these tensors."""
+    views = em._whole_calls(qkv, out, layout, tuple(weights), True)
+    saved, state = tprogram.forward(cache, layout.names, qkv, out, weights, True, lambda: views)
+    grads = em._whole_grads(d_out, dqkv, layout)  # saved: the program's, qkv, weights
+    tprogram.backward(d_out, dqkv, [*saved, qkv, *weights], state, lambda: grads)
+
+
+def _call_tensors(spec: em.MixSpec, qkv: torch.Tensor, weights: list) -> tuple:
+    """``_program_call``'s tensors for ``qkv`` and ``weights``: theirs, an output, its gradient, qkv's."""
+    out = qkv.new_empty(*qkv.shape[:2], em.mix_layout(spec).width)
+    return qkv, weights, out, torch.randn_like(out), torch.empty_like(qkv)
+
+
 @pytest.mark.parametrize("case", ["official", "two-swiglu-dwconv", "official-rope"])
 def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypatch):
     """Forward and backward, two calls of one program on other tensors: every launch gets at each pointer
@@ -334,10 +348,7 @@ def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypa
     calls = []
     for seed in (0, 1):  # the same tensors for both runs, other tensors for each call
         qkv, weights = _inputs(spec, b, torch.float32)
-        qkv = qkv + seed
-        out = qkv.new_empty(b, qkv.shape[1], layout.width)
-        dqkv = torch.empty_like(qkv)
-        calls.append((qkv, weights, out, torch.randn_like(out), dqkv))
+        calls.append(_call_tensors(spec, qkv + seed, weights))
     seen: dict[str, list] = {}
     for mode in ("interpreter", "gpu"):
         with monkeypatch.context() as patch:
@@ -348,13 +359,8 @@ def test_on_a_gpu_host_the_addresses_are_the_interpreters_tensors(case, monkeypa
             seen[mode] = rows = []
             intercept_launches(patch, _record(rows))
             cache: dict = {}
-            for qkv, weights, out, d_out, dqkv in calls:
-                views = em._whole_calls(qkv, out, layout, tuple(weights), True)
-                saved, state = tprogram.forward(
-                    cache, layout.names, qkv, out, weights, True, lambda v=views: v
-                )
-                grads = em._whole_grads(d_out, dqkv, layout)  # saved: the program's, qkv, weights
-                tprogram.backward(d_out, dqkv, [*saved, qkv, *weights], state, lambda g=grads: g)
+            for call in calls:
+                _program_call(cache, layout, *call)
             assert len(cache) == 1
     assert len(seen["gpu"]) % 2 == 0 and len(seen["gpu"]) >= 10
     # a fused launch's starts (its last arguments) count programs, which the interpreter sizes otherwise
@@ -445,6 +451,23 @@ def test_every_launch_leaves_the_counters_zero_and_they_matter(monkeypatch, trit
     with pytest.raises(RuntimeError, match="a launch that fails"):
         _run(spec, qkv, weights)
     assert not tplan.counters(triton_device, 64).any()
+
+
+def test_the_counters_stream_is_the_one_tritons_driver_launches_on(monkeypatch):
+    """``plan.current_stream``: the handle Triton's launcher would take for the device's current stream (its
+    driver's, per device index); 0 off a GPU, where one set of counters serves."""
+
+    class Active:
+        @staticmethod
+        def get_current_stream(index: int) -> int:
+            return 1000 + index
+
+    class Driver:
+        active = Active()
+
+    monkeypatch.setattr(tplan, "driver", Driver)
+    assert tplan.current_stream(torch.device("cuda", 1)) == 1001
+    assert tplan.current_stream(torch.device("cpu")) == 0
 
 
 def test_two_threads_never_see_each_others_addresses(monkeypatch):
@@ -588,8 +611,9 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
     """On a GPU host a program compiles its kernels once per device and 16-byte alignment of its bases
     (``JITFunction.warmup``: compiled, not launched) and calls each compiled kernel itself, Triton's JIT
     launcher (its binder, its cache lookup) skipped, with the arguments that launcher would hand it: those of
-    Triton's own binder for an sm_90 target, checked at every launch, the first call's included; with RoPE
-    the rotations among them."""
+    Triton's own binder for an sm_90 target, each pointer as the integer address Triton's launcher would read
+    from it (``data_ptr``), checked at every launch against the JIT launcher's on the same tensors, the first
+    call's included; with RoPE the rotations among them."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -602,39 +626,60 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
     backend = make_backend(GPUTarget("cuda", 90, 32))
     compiled, launched = [], []
 
+    def resolved(args) -> list:
+        return [a.data_ptr() if isinstance(a, tprogram.Address) else a for a in args]
+
     class Compiled:
         def __init__(self, kernel: JITFunction, args: tuple, kwargs: dict) -> None:
             self.name = kernel.fn.__name__
             binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-            self.expected = list(binder(*args, **kwargs)[0].values())
+            self.expected = resolved(binder(*args, **kwargs)[0].values())  # the addresses bound now
 
         def __getitem__(self, grid: tuple):
             assert len(grid) == 3 and all(isinstance(n, int) and n >= 1 for n in grid)
 
             def launch(*args, stream=None):
-                assert list(args) == self.expected, self.name
-                launched.append(self.name)
+                assert not any(isinstance(a, tprogram.Address) for a in args), self.name
+                assert len(args) == len(self.expected), self.name
+                launched.append((self.name, list(args)))
 
             return launch
 
     def warmup(kernel: JITFunction, *args, grid, **kwargs):
-        compiled.append(kernel.fn.__name__)
-        return Compiled(kernel, args, kwargs)
+        made = Compiled(kernel, args, kwargs)
+        compiled.append(made)
+        return made
+
+    through_jit = []
+
+    def run(kernel: JITFunction, *args, grid, warmup, **kwargs):  # Triton's JIT launcher, reading pointers
+        through_jit.append((kernel.fn.__name__, resolved(tprogram.bound_arguments(kernel, args, kwargs))))
 
     monkeypatch.setattr(JITFunction, "warmup", warmup)
-    monkeypatch.setattr(JITFunction, "run", lambda *a, **k: pytest.fail("Triton's JIT launcher ran"))
+    monkeypatch.setattr(JITFunction, "run", run)
+    _fixed_buffers(monkeypatch)  # the program's buffers at the same addresses in both runs below
     branches, b, grid = CASES["official"]
     spec = _spec(branches, grid, rope=rope)
+    layout = em.mix_layout(spec)
     qkv, weights = _inputs(spec, b, torch.float32)
-    _run(spec, qkv, weights)
-    kernels = len(compiled)
-    assert kernels >= 5 and launched == compiled
-    assert compiled.count("rope_kernel") == (3 if rope else 0)  # q, k; again in the backward; dq, dk back
-    _run(spec, qkv.clone(), weights)  # other tensors, aligned as before: nothing compiled again
-    assert len(compiled) == kernels and len(launched) == 2 * kernels
     shifted = torch.empty(qkv.numel() + 2).narrow(0, 2, qkv.numel()).view_as(qkv).copy_(qkv)  # 8 bytes off
-    _run(spec, shifted, weights)
-    assert len(compiled) > kernels and len(launched) == 3 * kernels
+    # other tensors aligned as before, then another alignment
+    calls = [_call_tensors(spec, x, weights) for x in (qkv, qkv.clone(), shifted)]
+    cache: dict = {}
+    for call in calls:
+        _program_call(cache, layout, *call)
+    kernels = len(compiled) // 2  # compiled for the first call's alignment, then for the shifted one's
+    assert kernels >= 5 and len(launched) == 3 * kernels and not through_jit
+    assert sum(k.name == "rope_kernel" for k in compiled[:kernels]) == (3 if rope else 0)  # q, k; again; back
+    firsts = [*launched[:kernels], *launched[2 * kernels :]]  # the calls the kernels were compiled for
+    assert [args for _, args in firsts] == [k.expected for k in compiled]
+    # every call's integers are the addresses Triton's JIT launcher reads on the same tensors
+    with monkeypatch.context() as patch:
+        patch.setattr(tprogram, "BIND_COMPILED", False)
+        for call in calls:
+            _program_call(cache, layout, *call)
+    assert launched == through_jit
+    assert launched[:kernels] != launched[kernels : 2 * kernels]  # the second call: its own pointers
 
 
 def test_where_binding_the_compiled_kernels_fails_tritons_launcher_launches(monkeypatch):
