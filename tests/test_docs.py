@@ -96,3 +96,12 @@ def test_the_mixer_page_names_every_registered_inner_model_and_those_with_biases
     assert set(INNER_MODELS) <= named, sorted(set(INNER_MODELS) - named)
     biased = rows["`inner_norm`, `inner_bias`"].split("FC layers of")[1]
     assert set(re.findall(r"`(\w+)`", biased)) == set(BIAS_MODELS)
+
+
+def test_the_mixer_page_names_every_activation_of_the_inner_models():
+    from vit3.layers.inner_math import ACTIVATIONS
+
+    row = next(line for line in (REPO / "docs" / "mixer.md").read_text().splitlines()
+               if line.startswith("| `mlp_ratio`, `mlp_act`"))  # fmt: skip
+    named = set(re.findall(r"`(\w+)`", row.split("|")[3].split(";")[1]))
+    assert named == set(ACTIVATIONS)

@@ -24,6 +24,7 @@ from vit3.layers import (
 )
 from vit3.layers.config import BIAS_MODELS, GRID_MODELS
 from vit3.layers.inner_math import (
+    ACTIVATIONS,
     activation,
     activation_grad,
     layer_norm_backward,
@@ -176,11 +177,24 @@ def test_an_inner_model_name_is_registered_once(registry):
         TTTConfig(branches=("gate",))
 
 
-@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu"])
-def test_activation_derivatives_equal_autograd(name: str):
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_each_activation_is_its_table_entry_and_its_derivative_autograds(name: str):
+    """``activation`` and ``activation_grad`` (one branch per name, for TorchScript) compute what
+    ``ACTIVATIONS`` holds; the derivative is autograd's of the activation."""
     z = torch.linspace(-8, 8, 401, requires_grad=True)
+    fn, grad = ACTIVATIONS[name]
+    torch.testing.assert_close(activation(name, z), fn(z), rtol=0, atol=0)
+    torch.testing.assert_close(activation_grad(name, z.detach()), grad(z.detach()), rtol=0, atol=0)
     (expected,) = torch.autograd.grad(activation(name, z).sum(), z)
     torch.testing.assert_close(activation_grad(name, z.detach()), expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("fn", [activation, activation_grad])
+def test_an_unknown_activation_is_refused_naming_every_known_one(fn):
+    z = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"unknown activation tanh; choose from (.*)") as err:
+        fn("tanh", z)
+    assert err.value.args[0].split("choose from ")[1].split(", ") == list(ACTIVATIONS)
 
 
 def test_the_tracing_probe_names_each_tracer():

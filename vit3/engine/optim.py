@@ -101,19 +101,23 @@ def build_optimizer(model: nn.Module, train_cfg, lr: float) -> torch.optim.AdamW
 def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, float], steps_per_epoch: int):
     """Per-update warmup + cosine: timm's ``CosineLRScheduler`` over ``epochs * steps_per_epoch`` updates.
 
-    Every place that sets a classification (or generation, conversion) lr:
+    Update k (0-based) of W warmup and T updates in all (``int(warmup_epochs * steps_per_epoch)``,
+    ``int(epochs * steps_per_epoch)``) runs group g at ``s_g * (warmup_lr + k * (base_lr - warmup_lr) / W)``
+    for k < W, else ``s_g * (min_lr + (base_lr - min_lr) * (1 + cos(pi * k / T)) / 2)``: the warmup lies
+    inside the cosine's span (``warmup_prefix=False``). ``s_g`` is the group's ``lr_scale`` (1 without one).
+    The logs and ``metrics.csv`` show the largest group's lr after the epoch's last update. Every place that
+    sets a classification (or generation, conversion) lr:
 
-    - here: update k (0-based) runs at the lr ``loop.optimizer_step`` sets before it (``step_update(k)``);
-      building the schedule already sets ``warmup_lr``. The warmup (``int(warmup_epochs *
-      steps_per_epoch)`` updates) lies inside the cosine's span (``warmup_prefix=False``): after it the lr
-      joins the cosine where it is, below ``base_lr``. timm multiplies each group's lr, ``warmup_lr`` and
-      ``min_lr`` included, by the group's ``lr_scale``, a key of timm's parameter groups: layer decay sets it
-      per layer of the model's ``group_matcher`` (``build_optimizer``), a conversion scales it (below);
+    - here; ``loop.optimizer_step`` calls ``step_update(k)`` before update k (building the schedule already
+      sets ``warmup_lr``); timm's ``Scheduler.update_groups`` writes ``group["lr"]``, nothing else does;
     - ``lrs``: :func:`scaled_lrs` of the total batch (``build_optimization``), which
-      ``recipe.fit_batch_size`` may have changed, as ``recipe.fit_epochs`` the epochs and warmup;
+      ``recipe.fit_batch_size`` may have changed, as ``recipe.fit_epochs`` the epochs and warmup (and
+      ``vit3.ablate``'s ``--epochs``, warmup scaled alike);
+    - ``lr_scale``: layer decay sets it per layer of the model's ``group_matcher`` (``build_optimizer``,
+      timm's ``param_groups_layer_decay``: the head 1, each block below it ``layer_decay`` times the one
+      above); a conversion multiplies it by ``convert.transfer_lr_scale`` in stage 1 (``engine/convert.py``);
     - a resume rebuilds this schedule from the config (``TrainRun.load_training_state``) and goes on at the
-      step ``resume.Progress.restore`` gives (re-derived where the batch per update changed);
-    - a conversion scales stage 1's groups by ``convert.transfer_lr_scale`` (``engine/convert.py``).
+      step ``resume.Progress.restore`` gives (re-derived where the batch per update changed).
     """
     return CosineLRScheduler(
         optimizer,

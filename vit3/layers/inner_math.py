@@ -66,7 +66,8 @@ def _gelu_tanh(z: Tensor) -> Tensor:
     return F.gelu(z, approximate="tanh")
 
 
-# name -> (activation, its derivative); the names are ``config.INNERACTIVATIONS``
+# name -> (activation, its derivative): the names configs take (``config.INNER_ACTIVATIONS``). A new one also
+# gets a branch in ``activation`` and in ``activation_grad`` (the tests hold all three to each other).
 ACTIVATIONS = {
     "gelu": (F.gelu, gelu_grad),
     "gelu_tanh": (_gelu_tanh, gelu_tanh_grad),
