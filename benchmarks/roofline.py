@@ -467,17 +467,68 @@ def check_calibration(op: ModuleType, measured: dict, regs: dict) -> tuple[list[
 MODEL_SHAPES = (("ViT3-T-224-b128", 128, 6, 196, 32), ("ViT3-T-1248-b32", 32, 6, 6084, 32))
 
 
+def _wave_us(fit: dict, kernel: str, c: Cost, waves: int) -> tuple[float, bool]:
+    """µs of one wave of a launch's programs, launch cost apart, and whether the calibrated model gave it
+    (else ``predict``'s time spread over the waves)."""
+    us = calibrated_us(fit, kernel, c, waves)
+    calibrated = us is not None
+    if us is None:
+        us = predict(c, GPUS["H200"])["us"]
+    return (us - LAUNCH * 1e6) / max(1, waves), calibrated
+
+
+def staged(op: ModuleType, branches: dict[str, tuple]) -> list[tuple[tuple[str, ...], Any]]:
+    """Each branch's launches (``plan``'s forward, then its backward) as the launch program runs them: the
+    forward's and then the backward's stages, one launch each where they fuse (``program.stages``); branch
+    after branch where ``op`` is another checkout's, which has no stages."""
+    names = list(branches)
+    if op.__name__ != "vit3.kernels.triton.plan":
+        return [
+            ((name,), launch) for name, phases in branches.items() for phase in phases for launch in phase
+        ]
+    from vit3.kernels.triton.program import stages
+
+    found = []
+    for phase in (0, 1):
+        launches = {i: phases[phase] for i, phases in enumerate(branches.values())}
+        found += [(tuple(names[i] for i in group), launch) for group, launch in stages(launches)]
+    return found
+
+
 def price_models(op: ModuleType, fit: dict, regs: dict) -> list[dict]:
-    """The models' shapes priced launch by launch: the calibrated model where the kernel was profiled (its
-    d = 64 latencies: d = 32 tiles are not slower), the uncalibrated one (``predict``) elsewhere."""
-    rows = []
+    """The models' shapes priced launch by launch as the launch program runs them: the calibrated model where
+    the kernel was profiled (its d = 64 latencies: d = 32 tiles are not slower), the uncalibrated one
+    (``predict``) elsewhere. A fused launch (both branches' stage) holds the CTAs its compile row allows (else
+    the fewest of its parts') and takes one launch cost and the programs' work spread over the GPU's CTA
+    slots, at least its longest wave."""
+    rows, gpu = [], GPUS["H200"]
     for label, b, g, n, d in MODEL_SHAPES:
-        for model, heads in (("swiglu", g), ("dwconv", 1)):
-            for kernel, c, waves in waved(op, model, b, heads, n, d, regs):
-                us = calibrated_us(fit, kernel, c, waves)
-                rows.append({"shape": label, "branch": model, "kernel": c.label, "waves": waves,
-                             "iters": c.iters, "us": us if us is not None else predict(c, GPUS["H200"])["us"],
-                             "calibrated": us is not None})  # fmt: skip
+        side = math.isqrt(n)
+        shapes = (("swiglu", g), ("dwconv", 1))
+        plans = {m: plan(op, m, b, h, n, d, gpu, (side, n // side)) for m, h in shapes}
+        for models, launch in staged(op, plans):
+            parts = getattr(launch, "parts", ()) or (launch,)
+            priced = []
+            for model, part in zip(models, parts):
+                c, kernel = price_launch(part, model == "swiglu"), part.kernel.fn.__name__
+                slots = gpu.sms * occupancy(regs, model, d, c.label, kernel)
+                waves = math.ceil(c.programs / slots)
+                priced.append((c, *_wave_us(fit, kernel, c, waves), slots))
+            if len(priced) == 1:
+                c, wave, calibrated, slots = priced[0]
+                waves = math.ceil(c.programs / slots)
+                us = LAUNCH * 1e6 + waves * wave
+            else:
+                fused = ("vit3", d, launch.label) in regs  # the fused kernel's own compile row
+                own = gpu.sms * occupancy(regs, "vit3", d, launch.label, "")
+                slots = own if fused else min(p[3] for p in priced)
+                work = sum(c.programs * wave for c, wave, _, _ in priced) / slots
+                us = LAUNCH * 1e6 + max(work, max(wave for _, wave, _, _ in priced))
+                waves = math.ceil(sum(c.programs for c, *_ in priced) / slots)
+                calibrated = all(p[2] for p in priced)
+            rows.append({"shape": label, "branch": "+".join(models), "kernel": launch.label, "waves": waves,
+                         "iters": max(p[0].iters for p in priced), "us": us,
+                         "calibrated": calibrated})  # fmt: skip
     return rows
 
 
