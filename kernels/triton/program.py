@@ -538,16 +538,7 @@ class MixProgram:
         device = qkv.device
         scratch = _alloc(n_scratch, device)
         ws = _alloc(n_saved, device) if save else scratch  # inference saves nothing (n_saved 0): no workspace
-        base = _storage_base if self.interpret else Tensor.data_ptr
-        bases = [
-            base(qkv),
-            base(out),
-            base(ws),
-            base(scratch),
-            _counters(n_count, device, base),
-            *map(base, weights),
-            *self.fixed,
-        ]
+        bases = self._bases((qkv, out, ws, scratch), n_count, device, weights)
         launches.run(bases, self.interpret, device)
         return ws, kept
 
@@ -616,20 +607,18 @@ class MixProgram:
         device = d_out.device
         dws = [buf.alloc(device) for buf in dw_bufs]
         scratch = _alloc(n_scratch, device)
-        base = _storage_base if self.interpret else Tensor.data_ptr
-        bases = [
-            base(d_out),
-            base(qkv),
-            base(ws),
-            base(scratch),
-            _counters(n_count, device, base),
-            base(dqkv),
-            *map(base, dws),
-            *map(base, weights),
-            *self.fixed,
-        ]
+        bases = self._bases((d_out, qkv, ws, scratch), n_count, device, (dqkv, *dws, *weights))
         launches.run(bases, self.interpret, device)
         return dws
+
+    def _bases(
+        self, first: Sequence[Tensor], n_count: int, device: torch.device, rest: Sequence[Tensor]
+    ) -> list[Any]:
+        """A call's bases: ``first`` (the call's tensors before the counters), the counters of ``n_count``
+        bytes, ``rest``, then the RoPE tables'; device pointers, or ``(storage, byte start)`` under the
+        interpreter."""
+        base = _storage_base if self.interpret else Tensor.data_ptr
+        return [*map(base, first), _counters(n_count, device, base), *map(base, rest), *self.fixed]
 
     def saved_places(self) -> tuple:
         """Where each branch's ``G``, ``||G||`` and rotated pair lie in a training forward's saved workspace
