@@ -88,7 +88,10 @@ def _reference_g(name: str, p: dict[str, Tensor], x: Tensor, grid: tuple[int, in
         w = w.transpose(-2, -1).reshape(w.shape[0], g * c, c, 3, 3)
         out = _per_sample_conv(maps, w, groups=g)
     else:
-        raise ValueError(name)
+        raise ValueError(
+            f"no reference forward for the inner model {name!r}: each registered model needs its own here "
+            "(docs/layout.md, 'Adding an inner model')"
+        )
     return out.reshape(b, g, c, n).transpose(-2, -1)
 
 

@@ -104,9 +104,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, 
     Update k (0-based) of W warmup and T updates in all (``int(warmup_epochs * steps_per_epoch)``,
     ``int(epochs * steps_per_epoch)``) runs group g at ``s_g * (warmup_lr + k * (base_lr - warmup_lr) / W)``
     for k < W, else ``s_g * (min_lr + (base_lr - min_lr) * (1 + cos(pi * k / T)) / 2)``: the warmup lies
-    inside the cosine's span (``warmup_prefix=False``). ``s_g`` is the group's ``lr_scale`` (1 without one).
-    The logs and ``metrics.csv`` show the largest group's lr after the epoch's last update. Every place that
-    sets a classification (or generation, conversion) lr:
+    inside the cosine's span (``warmup_prefix=False``), so it never reaches ``base_lr``: update W starts on
+    the cosine at W / T. ``s_g`` is the group's ``lr_scale`` (1 without one). The logs and ``metrics.csv``
+    show the largest group's lr after the epoch's last update. ``tests/engine/test_train_recipe.py`` holds
+    the schedule to this formula. Every place that sets a classification (or generation, conversion) lr:
 
     - here; ``loop.optimizer_step`` calls ``step_update(k)`` before update k (building the schedule already
       sets ``warmup_lr``); timm's ``Scheduler.update_groups`` writes ``group["lr"]``, nothing else does;

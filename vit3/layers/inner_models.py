@@ -7,7 +7,8 @@ hand (no autograd inside the inner loop) while ordinary autograd flows through t
 itself where it is defined: :func:`register_inner_model` names it, its class attributes (``grid_model``,
 ``takes_bias``) and ``from_config`` say the rest; ``vit3.layers.config`` (``INNER_MODELS``, ``GRID_MODELS``,
 ``BIAS_MODELS``) and :func:`create_inner_model` read that one registry. The methods are typed so that
-TorchScript compiles them (the reference path of a model built scriptable, ``InnerModel.ttt``).
+TorchScript compiles them (the reference path of a model built scriptable, ``InnerModel.ttt``). Adding one:
+the checklist of ``docs/layout.md`` ("Adding an inner model").
 """
 
 from __future__ import annotations
