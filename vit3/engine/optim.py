@@ -111,14 +111,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, 
 
     - here; ``loop.optimizer_step`` calls ``step_update(k)`` before update k (building the schedule already
       sets ``warmup_lr``); timm's ``Scheduler.update_groups`` writes ``group["lr"]``, nothing else does;
-    - ``lrs``: :func:`scaled_lrs` of the total batch (``build_optimization``), which
-      ``recipe.fit_batch_size`` may have changed, as ``recipe.fit_epochs`` the epochs and warmup (and
-      ``vit3.ablate``'s ``--epochs``, warmup scaled alike);
-    - ``lr_scale``: layer decay sets it per layer of the model's ``group_matcher`` (``build_optimizer``,
-      timm's ``param_groups_layer_decay``: the head 1, each block below it ``layer_decay`` times the one
-      above); a conversion multiplies it by ``convert.transfer_lr_scale`` in stage 1 (``engine/convert.py``);
-    - a resume rebuilds this schedule from the config (``TrainRun.load_training_state``) and goes on at the
-      step ``resume.Progress.restore`` gives (re-derived where the batch per update changed).
+    - ``lrs``: :func:`scaled_lrs` of the total batch (``build_optimization``; ``steps_per_epoch`` from
+      ``loop.epoch_batches``), which ``recipe.fit_batch_size`` may have changed, as ``recipe.fit_epochs`` the
+      epochs and warmup (and ``vit3.ablate``'s ``--epochs``, warmup scaled alike);
+    - ``lr_scale``: layer decay sets it per layer of the model's ``group_matcher`` (``vit3/models/vit3.py``,
+      ``h_vit3.py``) in ``build_optimizer`` (timm's ``param_groups_layer_decay``: the head 1, each block
+      below it ``layer_decay`` times the one above); a conversion multiplies it by
+      ``convert.transfer_lr_scale`` in stage 1 (``engine/convert.py``);
+    - a resume rebuilds this schedule from the run's config (``train.py --resume FILE``: the checkpoint's
+      own, ``checkpoint.config_for_resume``; ``TrainRun.load_training_state``) and goes on at the step
+      ``resume.Progress.restore`` gives (re-derived where the batch per update changed).
     """
     return CosineLRScheduler(
         optimizer,
