@@ -356,10 +356,13 @@ def training_step(op: ModuleType, name: str, b: int, gpu: GPU) -> dict[str, Any]
 
 # ----------------------------------------------------------------------------- calibrated on the H200 profile
 
-# The H200 run's per-kernel profile of the fused op (bf16, d 64; N 196 / 3136, B*H 64 / 1024) and the offline
-# compile rows (registers, warps, shared memory per kernel) of the kernels it ran, sm_90 bf16 of the
-# 2026-12-03 matrix: the calibration's inputs. The models are priced at this tree's matrix.
+# The H200 run's per-kernel profile of the fused op (bf16, d 64; N 196 / 3136, B*H 64 / 1024), the launches of
+# the design it ran (``3faaef0``: each launch's kernel, label, programs and serial tile iterations, as that
+# tree's plans made them; today's plans launch other kernels) and the offline compile rows (registers, warps,
+# shared memory per kernel) of those kernels, sm_90 bf16 of the 2026-12-03 matrix: the calibration's inputs.
+# The models are priced at this tree's plans and matrix.
 PROFILE = RESULTS / "ttt_kernel_profile_cuda.csv"
+PROFILED_LAUNCHES = RESULTS / "roofline_profiled_launches.csv"
 PROFILED_MATRIX = RESULTS / "compile_matrix_h200_profiled.csv"
 COMPILE_MATRIX = RESULTS / "compile_matrix.csv"
 FIT_BH, CHECK_BH = 64, 1024  # the profile's B*H fitted on, and the one predicted from that fit
@@ -377,7 +380,8 @@ def occupancy(matrix: dict, model: str, d: int, label: str, kernel: str) -> int:
 
 
 def read_profile(profile: Path) -> dict:
-    """``{(N, B*H, kernel): us per call}`` of the profile's fused path."""
+    """``{(N, B*H, kernel): us per launch}`` of the profile's fused path (a kernel launched twice a call: the
+    mean)."""
     with profile.open() as f:
         return {
             (int(r["N"]), int(r["BH"]), r["kernel"]): float(r["us"]) / float(r["calls"])
@@ -396,29 +400,32 @@ def read_matrix(matrix: Path) -> dict:
         }
 
 
-def waved(op: ModuleType, model: str, b: int, g: int, n: int, d: int, regs: dict) -> list[tuple]:
-    """``(kernel, Cost, waves)`` of every launch of one H200 call: its programs in waves at its occupancy."""
-    gpu, side = GPUS["H200"], math.isqrt(n)
-    fwd, bwd = plan(op, model, b, g, n, d, gpu, (side, n // side))
-    out = []
-    for launch in (*fwd, *bwd):
-        c, kernel = price_launch(launch, model == "swiglu"), launch.kernel.fn.__name__
-        per_wave = gpu.sms * occupancy(regs, model, d, c.label, kernel)
-        out.append((kernel, c, math.ceil(c.programs / per_wave)))
-    return out
+def read_launches(path: Path, regs: dict) -> dict[tuple[int, int], list[tuple[str, str, int, int]]]:
+    """``{(N, B*H): [(kernel, label, iters, waves)]}``: the profiled design's launches, each its programs in
+    waves of the CTAs an H200 holds (``occupancy`` of ``regs``)."""
+    sms = GPUS["H200"].sms
+    found: dict[tuple[int, int], list[tuple[str, str, int, int]]] = {}
+    with path.open() as f:
+        for r in csv.DictReader(f):
+            slots = sms * occupancy(regs, "swiglu", int(r["d"]), r["label"], r["kernel"])
+            waves = math.ceil(int(r["programs"]) / slots)
+            found.setdefault((int(r["N"]), int(r["BH"])), []).append(
+                (r["kernel"], r["label"], int(r["iters"]), waves)
+            )
+    return found
 
 
-def calibrate(op: ModuleType, measured: dict, regs: dict) -> dict[str, tuple[float, float]]:
+def calibrate(measured: dict, launches: dict) -> dict[str, tuple[float, float]]:
     """Per kernel ``(P, L)``: a wave of programs takes ``P + iters * L`` µs (a prologue and one latency per
     serial tile iteration), fitted on the profile's B*H = ``FIT_BH`` rows at both N (two equations); where
     that gives a negative prologue, ``P = 0`` and L their mean. The one-launch forward (not split at
     B*H 64) takes the split pair's prologues and their mean latency per tile role."""
     seen: dict[str, list[tuple[int, int, float]]] = {}
     for n in sorted({k[0] for k in measured}):
-        for kernel, c, waves in waved(op, "swiglu", FIT_BH // 4, 4, n, 64, regs):
+        for kernel, _, iters, waves in launches[(n, FIT_BH)]:
             t = measured.get((n, FIT_BH, kernel))
             if t is not None:
-                seen.setdefault(kernel, []).append((waves, c.iters, t - LAUNCH * 1e6))
+                seen.setdefault(kernel, []).append((waves, iters, t - LAUNCH * 1e6))
     fit = {}
     for kernel, points in seen.items():
         (w1, i1, t1), (w2, i2, t2) = points[0], points[-1]
@@ -432,29 +439,29 @@ def calibrate(op: ModuleType, measured: dict, regs: dict) -> dict[str, tuple[flo
     return fit
 
 
-def calibrated_us(fit: dict, kernel: str, c: Cost, waves: int) -> float | None:
+def calibrated_us(fit: dict, kernel: str, iters: int, waves: int) -> float | None:
     """A launch's µs by the calibrated latency model; ``None`` for a kernel the profile never had."""
     if kernel not in fit:
         return None
     prologue, slope = fit[kernel]
-    return LAUNCH * 1e6 + waves * (prologue + c.iters * slope)
+    return LAUNCH * 1e6 + waves * (prologue + iters * slope)
 
 
-def check_calibration(op: ModuleType, measured: dict, regs: dict) -> tuple[list[dict], dict]:
-    """The fit on the profile and the compile rows of its kernels, and per launch and shape of the profile its
+def check_calibration(measured: dict, launches: dict) -> tuple[list[dict], dict]:
+    """The fit on the profile and its design's launches, and per launch and shape of the profile its
     prediction against the measured µs: the B*H ``FIT_BH`` rows in-sample, the ``CHECK_BH`` rows out of
     sample (a ``(total)`` row per shape)."""
-    fit = calibrate(op, measured, regs)
+    fit = calibrate(measured, launches)
     rows = []
     for bh in (FIT_BH, CHECK_BH):
         for n in sorted({k[0] for k in measured}):
             shape = {"N": n, "BH": bh, "d": 64, "sample": "fitted" if bh == FIT_BH else "predicted"}
             got = want = 0.0
-            for kernel, c, waves in waved(op, "swiglu", bh // 4, 4, n, 64, regs):
-                us = calibrated_us(fit, kernel, c, waves) or 0.0
-                meas = measured.get((n, bh, kernel), 0.0)
+            for kernel, label, iters, waves in launches[(n, bh)]:
+                us = calibrated_us(fit, kernel, iters, waves) or 0.0
+                meas = measured.get((n, bh, kernel), 0.0)  # per launch: a kernel's time over its launches
                 got, want = got + us, want + meas
-                rows.append(shape | {"kernel": c.label, "waves": waves, "iters": c.iters, "us": us,
+                rows.append(shape | {"kernel": label, "waves": waves, "iters": iters, "us": us,
                                      "measured_us": meas})  # fmt: skip
             rows.append(
                 shape | {"kernel": "(total)", "us": got, "measured_us": want, "error": got / want - 1}
@@ -470,7 +477,7 @@ MODEL_SHAPES = (("ViT3-T-224-b128", 128, 6, 196, 32), ("ViT3-T-1248-b32", 32, 6,
 def _wave_us(fit: dict, kernel: str, c: Cost, waves: int) -> tuple[float, bool]:
     """µs of one wave of a launch's programs, launch cost apart, and whether the calibrated model gave it
     (else ``predict``'s time spread over the waves)."""
-    us = calibrated_us(fit, kernel, c, waves)
+    us = calibrated_us(fit, kernel, c.iters, waves)
     calibrated = us is not None
     if us is None:
         us = predict(c, GPUS["H200"])["us"]
@@ -595,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def calibration_main(op: ModuleType, out: Path) -> int:
     """``--calibrate``: the fit checked against the profile, then the models' shapes priced by it."""
-    rows, fit = check_calibration(op, read_profile(PROFILE), read_matrix(PROFILED_MATRIX))
+    launches = read_launches(PROFILED_LAUNCHES, read_matrix(PROFILED_MATRIX))
+    rows, fit = check_calibration(read_profile(PROFILE), launches)
     print("per-kernel fit (µs): " + ", ".join(f"{k} P {p:.2f} L {lat:.3f}" for k, (p, lat) in fit.items()))
     print_table(rows, floatfmt="{:.4g}")
     models = price_models(op, fit, read_matrix(COMPILE_MATRIX))
