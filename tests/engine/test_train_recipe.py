@@ -61,6 +61,37 @@ def test_lr_scales_with_total_batch_and_follows_warmup_then_cosine():
         assert opt.param_groups[0]["lr"] == pytest.approx(reference(t), rel=1e-9), t
 
 
+@pytest.mark.parametrize("warmup_epochs", [0, 2, 20], ids=["no-warmup", "warmup", "warmup-past-the-end"])
+def test_the_schedule_is_timms_cosine_bit_for_bit(warmup_epochs):
+    """``WarmupCosine`` sets every layer-decay group's lr to what timm's ``CosineLRScheduler`` of the same
+    settings (one cycle, warmup inside it, per update) sets, exactly: at construction and at every update,
+    past the schedule's end too; its state keeps the names earlier checkpoints hold."""
+    from timm.scheduler import CosineLRScheduler
+
+    cfg = load_config(
+        None, ["train.layer_decay=0.7", "train.epochs=10", f"train.warmup_epochs={warmup_epochs}"]
+    )
+    lrs = scaled_lrs(cfg.train, 300)
+    steps_per_epoch = 7
+    ours, theirs = (
+        build_optimizer(timm.create_model("test_vit3_ttt", num_classes=3), cfg.train, lrs["base_lr"])
+        for _ in range(2)
+    )
+    sched = build_scheduler(ours, cfg.train, lrs, steps_per_epoch)
+    ref = CosineLRScheduler(theirs, t_initial=10 * steps_per_epoch, lr_min=lrs["min_lr"],
+                            warmup_lr_init=lrs["warmup_lr"], warmup_t=warmup_epochs * steps_per_epoch,
+                            cycle_limit=1, t_in_epochs=False)  # fmt: skip
+    assert len({g["lr_scale"] for g in ours.param_groups}) > 2
+    for t in [None, *range(0, 10 * steps_per_epoch + 3)]:
+        if t is not None:
+            sched.step_update(t)
+            ref.step_update(t)
+        assert [g["lr"] for g in ours.param_groups] == [g["lr"] for g in theirs.param_groups], t
+    state, timms = sched.state_dict(), ref.state_dict()
+    for key in ("t_initial", "warmup_t", "base_values", "lr_min", "warmup_lr_init", "warmup_steps"):
+        assert state[key] == timms[key], key
+
+
 def test_layer_decay_scales_earlier_blocks_down():
     model = timm.create_model("test_vit3_ttt", num_classes=5)
     cfg = load_config(None, ["train.layer_decay=0.5"])

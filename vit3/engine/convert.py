@@ -275,7 +275,7 @@ class _ConvertRun(classification.ClassificationRun):
             q.requires_grad_(stage == 2 or id(q) in mixers)
         factor = float(self.cfg.convert.transfer_lr_scale) if stage == 1 else 1.0
         for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
-            group["lr_scale"] = scale * factor  # timm's scheduler multiplies each group's lr by it
+            group["lr_scale"] = scale * factor  # the schedule multiplies each group's lr by it
         self.net = wrap_ddp(TransferNet(self.model, self.pairs), self.cfg, self.info)
         self.built_stage = stage
         trained = sum(q.numel() for q in self.model.parameters() if q.requires_grad)

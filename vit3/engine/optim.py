@@ -11,12 +11,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
-from timm.scheduler import CosineLRScheduler
 from torch import Tensor, nn
 
 from ..tasks.backbone import block_layer_ids
@@ -28,6 +28,7 @@ __all__ = [
     "LR_SCALES",
     "DenseSchedule",
     "Optimization",
+    "WarmupCosine",
     "build_dense_optimizer",
     "build_optimization",
     "build_optimizer",
@@ -98,19 +99,21 @@ def build_optimizer(model: nn.Module, train_cfg, lr: float) -> torch.optim.AdamW
     )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, float], steps_per_epoch: int):
-    """Per-update warmup + cosine: timm's ``CosineLRScheduler`` over ``epochs * steps_per_epoch`` updates.
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, float], steps_per_epoch: int
+) -> WarmupCosine:
+    """Per-update warmup + cosine over ``epochs * steps_per_epoch`` updates (:class:`WarmupCosine`).
 
     Update k (0-based) of W warmup and T updates in all (``int(warmup_epochs * steps_per_epoch)``,
     ``int(epochs * steps_per_epoch)``) runs group g at ``s_g * (warmup_lr + k * (base_lr - warmup_lr) / W)``
     for k < W, else ``s_g * (min_lr + (base_lr - min_lr) * (1 + cos(pi * k / T)) / 2)``: the warmup lies
-    inside the cosine's span (``warmup_prefix=False``), so it never reaches ``base_lr``: update W starts on
-    the cosine at W / T. ``s_g`` is the group's ``lr_scale`` (1 without one). The logs and ``metrics.csv``
+    inside the cosine's span, so it never reaches ``base_lr``: update W starts on the cosine at W / T; from
+    update T on, ``min_lr``. ``s_g`` is the group's ``lr_scale`` (1 without one). The logs and ``metrics.csv``
     show the largest group's lr after the epoch's last update. ``tests/engine/test_train_recipe.py`` holds
     the schedule to this formula. Every place that sets a classification (or generation, conversion) lr:
 
     - here; ``loop.optimizer_step`` calls ``step_update(k)`` before update k (building the schedule already
-      sets ``warmup_lr``); timm's ``Scheduler.update_groups`` writes ``group["lr"]``, nothing else does;
+      sets ``warmup_lr``); :class:`WarmupCosine` writes ``group["lr"]``, nothing else does;
     - ``lrs``: :func:`scaled_lrs` of the total batch (``build_optimization``; ``steps_per_epoch`` from
       ``loop.epoch_batches``), which ``recipe.fit_batch_size`` may have changed, as ``recipe.fit_epochs`` the
       epochs and warmup (and ``vit3.ablate``'s ``--epochs``, warmup scaled alike);
@@ -122,15 +125,57 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, 
       own, ``checkpoint.config_for_resume``; ``TrainRun.load_training_state``) and goes on at the step
       ``resume.Progress.restore`` gives (re-derived where the batch per update changed).
     """
-    return CosineLRScheduler(
+    return WarmupCosine(
         optimizer,
         t_initial=max(1, int(train_cfg.epochs * steps_per_epoch)),
         lr_min=lrs["min_lr"],
-        warmup_lr_init=lrs["warmup_lr"],
         warmup_t=int(train_cfg.warmup_epochs * steps_per_epoch),
-        cycle_limit=1,
-        t_in_epochs=False,
+        warmup_lr_init=lrs["warmup_lr"],
     )
+
+
+class WarmupCosine:
+    """The warmup + cosine schedule of :func:`build_scheduler`, per optimizer update.
+
+    Each group's base lr is its lr when the schedule is made (kept as ``initial_lr``, where a group has none
+    yet); the lr of update ``t`` is the group's value times its ``lr_scale`` (timm's parameter-group key,
+    1 without one). Same arithmetic as timm's ``CosineLRScheduler`` with one cycle, no noise and the warmup
+    inside the cycle, whose state names ``state_dict`` keeps (checkpoints hold them: ``schedule_changed``).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, t_initial: int, lr_min: float, warmup_t: int,
+        warmup_lr_init: float,
+    ) -> None:  # fmt: skip
+        if t_initial < 1 or warmup_t < 0:
+            raise ValueError(f"a schedule of {t_initial} updates with {warmup_t} of warmup")
+        self.optimizer = optimizer
+        self.t_initial, self.lr_min = t_initial, lr_min
+        self.warmup_t, self.warmup_lr_init = warmup_t, warmup_lr_init
+        self.base_values = [g.setdefault("initial_lr", g["lr"]) for g in optimizer.param_groups]
+        self.warmup_steps = [(v - warmup_lr_init) / warmup_t if warmup_t else 1 for v in self.base_values]
+        self._set([warmup_lr_init] * len(self.base_values) if warmup_t else self.base_values)
+
+    def lrs(self, t: int) -> list[float]:
+        """Each group's lr of update ``t`` (0-based) before its ``lr_scale``."""
+        if t < self.warmup_t:
+            return [self.warmup_lr_init + t * s for s in self.warmup_steps]
+        if t >= self.t_initial:
+            return [self.lr_min for _ in self.base_values]
+        cos = 1 + math.cos(math.pi * t / self.t_initial)
+        return [self.lr_min + 0.5 * (v - self.lr_min) * cos for v in self.base_values]
+
+    def step_update(self, num_updates: int) -> None:
+        """Sets every group's lr for optimizer update ``num_updates`` (0-based)."""
+        self._set(self.lrs(num_updates))
+
+    def _set(self, values: list[float]) -> None:
+        for group, value in zip(self.optimizer.param_groups, values):
+            group["lr"] = value * group["lr_scale"] if "lr_scale" in group else value
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's settings and base lrs (no optimizer): what ``schedule_changed`` compares."""
+        return {k: v for k, v in vars(self).items() if k != "optimizer"}
 
 
 def load_optimizer_state(
@@ -200,7 +245,7 @@ def _regrouped(
 
 def schedule_changed(scheduler: Any, saved: dict[str, Any]) -> bool:
     """Whether the schedule ``scheduler`` (this run's, built from its config) differs from a checkpoint's
-    ``saved`` state. timm's schedules are a function of their settings and the step, so a resume never loads
+    ``saved`` state. A schedule is a function of its settings and the step, so a resume never loads
     ``saved``; it only says when the schedule changed."""
     mine = scheduler.state_dict()
     return any(mine[k] != saved[k] for k in mine.keys() & saved.keys())
