@@ -173,6 +173,9 @@ def test_a_new_inner_model_is_one_registered_class(registry):
 def test_an_inner_model_name_is_registered_once(registry):
     with pytest.raises(ValueError, match="'swiglu' is registered already"):
         register_inner_model("swiglu")(_GateInner)
+    for name in ("gated-linear", "gate:2", ""):
+        with pytest.raises(ValueError, match="letters, digits and '_'"):
+            register_inner_model(name)
     with pytest.raises(ValueError, match="unknown inner model 'gate'"):
         TTTConfig(branches=("gate",))
 

@@ -122,8 +122,13 @@ def build_scheduler(
       below it ``layer_decay`` times the one above); a conversion multiplies it by
       ``convert.transfer_lr_scale`` in stage 1 (``engine/convert.py``);
     - a resume rebuilds this schedule from the run's config (``train.py --resume FILE``: the checkpoint's
-      own, ``checkpoint.config_for_resume``; ``TrainRun.load_training_state``) and goes on at the step
-      ``resume.Progress.restore`` gives (re-derived where the batch per update changed).
+      own, ``checkpoint.config_for_resume``, the overrides on top) before the checkpoint's optimizer state
+      loads, which keeps this run's ``initial_lr`` and ``lr_scale`` (``load_optimizer_state``), and goes on
+      at the 0-based step ``resume.Progress.restore`` gives (re-derived where the batch per update changed).
+
+    Tested: the formula, timm's scheduler bit for bit and the layer-decay groups
+    (``tests/engine/test_train_recipe.py``); a forced resume with another batch
+    (``test_a_resume_takes_its_configs_optimizer_settings_and_schedule``).
     """
     return WarmupCosine(
         optimizer,

@@ -71,8 +71,11 @@ def register_inner_model(name: str, **options: Any) -> Callable[[_Model], _Model
             ``"mlp3"`` is ``MLPInner`` with ``layers=3``).
 
     Raises:
-        ValueError: ``name`` is registered already.
+        ValueError: ``name`` is registered already, or is not letters, digits and ``_`` (a branch string
+            puts ``:heads`` after it, the tests' ids ``-variant``).
     """
+    if not name.isidentifier():
+        raise ValueError(f"an inner model's name is letters, digits and '_', got {name!r}")
 
     def register(cls: _Model) -> _Model:
         if name in _REGISTRY:
