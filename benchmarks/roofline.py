@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -485,21 +485,29 @@ def _wave_us(fit: dict, kernel: str, c: Cost, waves: int) -> tuple[float, bool]:
 
 
 def staged(op: ModuleType, branches: dict[str, tuple]) -> list[tuple[tuple[str, ...], Any]]:
-    """Each branch's launches (``plan``'s forward, then its backward) as the launch program runs them: the
-    forward's and then the backward's stages, one launch each where they fuse (``program.stages``); branch
-    after branch where ``op`` is another checkout's, which has no stages."""
-    names = list(branches)
+    """Each branch's launches (``plan``'s forward, then its backward) as the launch program runs them
+    (``program.mixer_stages``: one launch per stage where they fuse); branch after branch where ``op`` is
+    another checkout's, which has no stages."""
     if op.__name__ != "vit3.kernels.triton.plan":
         return [
             ((name,), launch) for name, phases in branches.items() for phase in phases for launch in phase
         ]
-    from vit3.kernels.triton.program import stages
+    from vit3.kernels.triton.program import mixer_stages
 
-    found = []
-    for phase in (0, 1):
-        launches = {i: phases[phase] for i, phases in enumerate(branches.values())}
-        found += [(tuple(names[i] for i in group), launch) for group, launch in stages(launches)]
-    return found
+    names = list(branches)
+    return [
+        (tuple(names[i] for i in group), launch) for group, launch in mixer_stages(list(branches.values()))
+    ]
+
+
+class _Part(NamedTuple):
+    """One kernel of a launch, priced: its ``Cost``, µs per wave, whether calibrated, CTA slots, waves."""
+
+    cost: Cost
+    wave_us: float
+    calibrated: bool
+    slots: int
+    waves: int
 
 
 def price_models(op: ModuleType, fit: dict, regs: dict) -> list[dict]:
@@ -514,28 +522,24 @@ def price_models(op: ModuleType, fit: dict, regs: dict) -> list[dict]:
         shapes = (("swiglu", g), ("dwconv", 1))
         plans = {m: plan(op, m, b, h, n, d, gpu, (side, n // side)) for m, h in shapes}
         for models, launch in staged(op, plans):
-            parts = getattr(launch, "parts", ()) or (launch,)
             priced = []
-            for model, part in zip(models, parts):
+            for model, part in zip(models, getattr(launch, "parts", ()) or (launch,)):
                 c, kernel = price_launch(part, model == "swiglu"), part.kernel.fn.__name__
                 slots = gpu.sms * occupancy(regs, model, d, c.label, kernel)
                 waves = math.ceil(c.programs / slots)
-                priced.append((c, *_wave_us(fit, kernel, c, waves), slots))
+                priced.append(_Part(c, *_wave_us(fit, kernel, c, waves), slots, waves))
             if len(priced) == 1:
-                c, wave, calibrated, slots = priced[0]
-                waves = math.ceil(c.programs / slots)
-                us = LAUNCH * 1e6 + waves * wave
+                waves, us = priced[0].waves, LAUNCH * 1e6 + priced[0].waves * priced[0].wave_us
             else:
                 fused = ("vit3", d, launch.label) in regs  # the fused kernel's own compile row
                 own = gpu.sms * occupancy(regs, "vit3", d, launch.label, "")
-                slots = own if fused else min(p[3] for p in priced)
-                work = sum(c.programs * wave for c, wave, _, _ in priced) / slots
-                us = LAUNCH * 1e6 + max(work, max(wave for _, wave, _, _ in priced))
-                waves = math.ceil(sum(c.programs for c, *_ in priced) / slots)
-                calibrated = all(p[2] for p in priced)
+                slots = own if fused else min(p.slots for p in priced)
+                work = sum(p.cost.programs * p.wave_us for p in priced) / slots
+                us = LAUNCH * 1e6 + max(work, max(p.wave_us for p in priced))
+                waves = math.ceil(sum(p.cost.programs for p in priced) / slots)
             rows.append({"shape": label, "branch": "+".join(models), "kernel": launch.label, "waves": waves,
-                         "iters": max(p[0].iters for p in priced), "us": us,
-                         "calibrated": calibrated})  # fmt: skip
+                         "iters": max(p.cost.iters for p in priced), "us": us,
+                         "calibrated": all(p.calibrated for p in priced)})  # fmt: skip
     return rows
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .triton import plan, program, rope, tiles
+from .triton import fuse, plan, program, rope, tiles
 from .triton.device import ARCHS, Arch
 from .triton.plan import Launch
 
@@ -161,8 +161,7 @@ def plan_case(case: Case) -> list[Launch]:
             plans = [
                 plan_launches(replace(case, model=m, loss=loss), batch) for m, loss in MIXERS[case.model]
             ]
-            staged = [program.stages(dict(enumerate(side))) for side in zip(*plans)]
-            found = [launch for side in staged for _, launch in side]  # (branches, launch) per stage
+            found = [launch for _, launch in program.mixer_stages(plans)]
         else:
             found = [launch for side in plan_launches(case, batch) for launch in side]
         for launch in found:
@@ -285,7 +284,8 @@ def compile_launch(launch: Launch, arch: Arch) -> Compiled:
         in_loops = loop_spills(_disassemble(compiled.asm["cubin"])) if usage[1] or usage[2] else 0
         _MEASURED[key] = (int(compiled.metadata.shared), *usage, in_loops, *mmas)
     kw = launch.kwargs
-    tile = {k: kw.get(k, kw.get(f"k0_{k}", 0)) for k in ("BLOCK_N", "BLOCK_C")}  # a fused launch: its first's
+    # a fused launch: its first part's
+    tile = {k: kw.get(k, kw.get(fuse.param_name(0, k), 0)) for k in ("BLOCK_N", "BLOCK_C")}
     return Compiled(
         launch.label, *_MEASURED[key], kw["num_warps"], kw["num_stages"], tile["BLOCK_N"], tile["BLOCK_C"],
     )  # fmt: skip

@@ -22,7 +22,7 @@ import triton.language as tl
 from .device import interpreting
 from .plan import Launch, fold_grid
 
-__all__ = ["OPTIONS", "PREFIX", "fusable", "fuse", "fused_kernel", "kernel_names"]
+__all__ = ["OPTIONS", "PREFIX", "fusable", "fuse", "fused_kernel", "kernel_names", "param_name"]
 
 # The launch options that the fused kernel takes as the largest of its parts'; any other option (such as
 # ``enable_fp_fusion``) must be the same in every part.
@@ -41,6 +41,11 @@ def _parameters(kernel: Any) -> list[inspect.Parameter]:
     if not params or params[-1].name != "PID0":
         raise ValueError(f"{kernel.fn.__name__} takes no PID0 as its last parameter: it cannot be fused")
     return params[:-1]
+
+
+def param_name(i: int, name: str) -> str:
+    """The fused kernel's name of parameter ``name`` of its ``i``-th kernel."""
+    return f"k{i}_{name}"
 
 
 def _annotation(p: inspect.Parameter) -> str:
@@ -78,10 +83,10 @@ def fused_kernel(kernels: Sequence[Any]) -> Any:
         own = _parameters(kernel)
         for p in own:
             text = _annotation(p)
-            param = f"k{i}_{p.name}" + (f": {text}" if text else "")
+            param = param_name(i, p.name) + (f": {text}" if text else "")
             (constexprs if _constexpr(p) else runtime).append(param)
         start = "0" if i == 0 else f"START{i}"
-        calls.append(f"K{i}({', '.join(f'k{i}_{p.name}' for p in own)}, {start})")
+        calls.append(f"K{i}({', '.join(param_name(i, p.name) for p in own)}, {start})")
     params = runtime + [f"START{i}" for i in range(1, len(kernels))] + constexprs
     lines = [f"def {name}(", *(f"    {p}," for p in params), "):"]
     lines.append("    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)")
@@ -152,7 +157,7 @@ def fuse(launches: Sequence[Launch]) -> Launch:
             if _constexpr(p):
                 if pos in given:
                     raise ValueError(f"{launch.label} passes a tensor as constexpr {p.name}")
-                kwargs[f"k{i}_{p.name}"] = value
+                kwargs[param_name(i, p.name)] = value
             else:
                 if pos in given:
                     slots.append((len(args), given[pos]))

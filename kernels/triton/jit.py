@@ -17,7 +17,6 @@ import triton.language as tl
 __all__ = [
     "chunk_of",
     "col_norm",
-    "column_block",
     "last_to_arrive",
     "load_mat",
     "load_tile",
@@ -57,14 +56,6 @@ def chunk_of(BG, G, N, CHUNK, S, C, PID0):
     lo = s * CHUNK
     b, g = (bg // G).to(tl.int64), (bg % G).to(tl.int64)
     return pid >= BG * S * C, c, s, bg, b, g, lo, tl.minimum(lo + CHUNK, N)
-
-
-@triton.jit
-def column_block(BG, D, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PID0):
-    """This program's ``[BLOCK_R, BLOCK_C]`` tile of every (sample, head)'s ``R x D`` weights (one block of
-    whole columns): ``(dead, bg, rr, cols)``. A ``dead`` program (the tail of a folded grid) must return."""
-    pid, c, _s, bg = program(1, tl.cdiv(D, BLOCK_C), PID0)
-    return pid >= BG * tl.cdiv(D, BLOCK_C), bg, tl.arange(0, BLOCK_R), c * BLOCK_C + tl.arange(0, BLOCK_C)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ from .node import checked_entry, state_of
 from .plan import Buffer, backward_template, forward_template, on_device, tensor_meta
 
 __all__ = ["Address", "MixProgram", "at_address", "backward", "bound_arguments", "clear", "forward",
-           "program_key", "saved_like", "stages", "state"]  # fmt: skip
+           "mixer_stages", "program_key", "saved_like", "stages", "state"]  # fmt: skip
 
 # Whether a GPU host calls each launch's compiled kernel itself (``_Launches.direct``); False: through
 # Triton's JIT launcher, as the per-branch plans do (benchmarks/launcher_overhead.py's switch; a way back).
@@ -362,6 +362,14 @@ def stages(branches: dict[int, Sequence[plan.Launch]]) -> list[tuple[tuple[int, 
         staged.append((tuple(group), parts[0] if len(parts) == 1 else fuse.fuse(parts)))
         left = {b: ls for b, ls in left.items() if ls}
     return staged
+
+
+def mixer_stages(
+    plans: Sequence[tuple[Sequence[plan.Launch], Sequence[plan.Launch]]],
+) -> list[tuple[tuple[int, ...], plan.Launch]]:
+    """Each branch's ``(forward, backward)`` launches as a program runs them: the forward's ``stages``, then
+    the backward's."""
+    return [staged for phase in zip(*plans) for staged in stages(dict(enumerate(phase)))]
 
 
 def _runner(launcher: Any, grid: tuple[int, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
