@@ -91,8 +91,9 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
     """The fused node of both branches on Triton: inference, and forward + backward end to end; as one launch
     program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks), and both
     with RoPE on the SwiGLU branch (H-ViT³'s mixer: q, k rotated by the program's launches or around the
-    hooks); and the floor of any Python autograd node with its inputs (``common.FloorNode``). ``{}`` on a tree
-    without the Triton node."""
+    hooks); the program through the mixer op ``vit3::mix``, called eagerly (the dispatcher's cost) and
+    compiled (``aot_eager``); and the floor of any Python autograd node with its inputs
+    (``common.FloorNode``). ``{}`` on a tree without the Triton node."""
     if "path" not in fused_mix.MixBranch._fields:
         return {}
     c, d = weights[0].shape[1] * weights[0].shape[2], weights[0].shape[2]
@@ -117,17 +118,32 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
 
     def both(layout: Any) -> Callable[[], None]:
         def run() -> None:
-            _train_backward([fused_mix._FusedMix.apply(qkv, layout, True, *weights)], [qkv, *weights])
+            _train_backward([fused_mix._FusedMix.apply(qkv, layout, None, *weights)], [qkv, *weights])
 
         return run
 
     def floor() -> None:
         _train_backward([FloorNode.apply(qkv, c + d, *weights)], [qkv, *weights])
 
+    def through(call: Callable[..., Any]) -> Callable[[], None]:
+        args = fused_mix.op_args(layout.spec)
+
+        def run() -> None:
+            _train_backward([call(qkv, *weights, args=args)], [qkv, *weights])
+
+        return run
+
+    def op_call(qkv: torch.Tensor, *weights: torch.Tensor, args: tuple) -> torch.Tensor:
+        return fused_mix.mix_op(qkv, list(weights), *args, True)[0]
+
     fns = {}
     for how, lay in layouts.items():
         fns[f"{NODE} infer ({how})"] = infer(lay)
         fns[f"{NODE} fwd+bwd ({how})"] = both(lay)
+    if "program" in layouts:  # the mixer op: called eagerly (the dispatcher's cost), compiled (the graph's)
+        fns[f"{NODE} fwd+bwd (program, through the op)"] = through(op_call)
+        compiled = torch.compile(op_call, backend="aot_eager", fullgraph=True)
+        fns[f"{NODE} fwd+bwd (program, the op compiled)"] = through(compiled)
     fns["floor: an empty autograd node, fwd+bwd"] = floor
     return fns
 

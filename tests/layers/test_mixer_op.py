@@ -1,9 +1,10 @@
 """The mixer op ``vit3::mix`` (``fused_mix.mix_op``): a mixer call on Triton as one op of a compiled graph.
 
 That its spec survives its plain arguments, that it computes bit for bit what the fused node computes (forward
-and every gradient, with and without RoPE), that ``torch.library.opcheck`` passes (schema, fakes, symbolic
-sizes, autograd registration), that a compiled mixer (and a whole compiled ViT³ or H-ViT³) is one forward and
-one backward op per call, and that the backward finds its program again after the plans were cleared.
+and every gradient, with and without RoPE), that its autograd kernel is that node, that
+``torch.library.opcheck`` passes (schema, fakes, symbolic sizes, autograd registration), that a compiled
+mixer (and a whole compiled ViT³ or H-ViT³) is one forward and one backward op per call, and that the
+backward finds its program again after the plans were cleared.
 Kernels run where Triton runs (``triton_device``: the GPU, or the interpreter on CPU).
 """
 
@@ -67,6 +68,32 @@ def test_the_op_computes_what_the_node_computes(case, triton_device):
     got = _train(em.mix_op(qkv, weights, *em.op_args(spec), True)[0], leaves)
     for a, e in zip(got, exp):
         assert a.shape == e.shape and torch.equal(a, e)
+
+
+def test_the_ops_autograd_kernel_is_the_node(triton_device):
+    """One autograd node for the mixer call, eager or through the op: the op's autograd kernel is the fused
+    node, which hands the op's saved tensors back as non-differentiable outputs; called under a dispatch mode
+    (as tracing is), the node dispatches the op below autograd and records the op's two halves."""
+    spec, qkv, weights = _inputs("official-rope", triton_device)
+    args = em.op_args(spec)
+    node = em.fused_mix(qkv, spec, weights).grad_fn.name()
+    out, saved = em.mix_op(qkv, weights, *args, True)
+    assert out.grad_fn.name() == node and saved and not any(t.requires_grad for t in saved)
+
+    class Seen(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        out = em.mix_op(qkv, weights, *args, True)[0]
+        out.backward(torch.ones_like(out))
+    assert out.grad_fn.name() == node
+    assert seen.ops.count("vit3.mix.default") == 1 and seen.ops.count("vit3.mix_backward.default") == 1
 
 
 def test_a_second_order_backward_is_the_nodes(triton_device):

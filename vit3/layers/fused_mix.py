@@ -5,8 +5,9 @@ The branches read q, k, v as views of the qkv projection and write their read-ou
 Each branch runs through the node hooks (``vit3.kernels.ops.Node``) of its path (``MixBranch.path``), or all
 branches at once through their path's whole-node hooks (``Node.whole``: Triton's launch program). RoPE
 rotates q, k here (the whole-node hooks rotate them themselves); a branch whose hooks raise is tagged
-(``BRANCH_ATTR``) so the guard demotes it alone. Traced, the same node is the custom op ``vit3::mix``
-(``mix_op``); settled all-``cpu`` calls take ``torch.ops.vit3_cpu.mix``. Why: ``docs/design/dispatch.md``.
+(``BRANCH_ATTR``) so the guard demotes it alone. The node is the autograd kernel of the op ``vit3::mix``
+(``mix_op``), which a traced call records; settled all-``cpu`` calls take ``torch.ops.vit3_cpu.mix``. Why:
+``docs/design/dispatch.md``.
 """
 
 from __future__ import annotations
@@ -319,7 +320,7 @@ def _split_grads(layout: MixLayout, dws: list[Tensor]) -> list[Tensor]:
 
 def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     """Every branch's backward hooks: dq, dk, dv into one qkv gradient, the weights' gradients."""
-    layout, tags, qkv_shape, weight_shapes = ctx.state
+    layout, tags, qkv_shape, weight_shapes, _ = ctx.state
     spec, hyper = layout.spec, layout.hyper
     saved = ctx.saved_tensors
     if layout.whole is not None:
@@ -372,26 +373,42 @@ def _reference_grads(spec: MixSpec, d_out: Tensor, qkv: Tensor, weights: list[Te
 def _backward_twice(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     """A backward that is itself differentiable (``create_graph=True``, ``_reference_grads``) on the saved
     qkv and weights."""
-    layout, _, _, weight_shapes = ctx.state
+    layout, _, _, weight_shapes, _ = ctx.state
     qkv, *weights = ctx.saved_tensors[-1 - len(weight_shapes) :]
     got = _reference_grads(layout.spec, d_out, qkv, weights)
     return (got[0], None, None, *got[1:])
 
 
 class _FusedMix(torch.autograd.Function):
+    """The node of every training call, and the mixer op's autograd kernel. ``args``: the op's arguments
+    (``op_args``) where the call came through the op, else ``None``. Where the op meets traced tensors
+    (``torch.compile``, a dispatch mode), forward and backward dispatch the op below autograd; else they run
+    its kernels here."""
+
     @staticmethod
     @autocast_forward
-    def forward(ctx, qkv: Tensor, layout: MixLayout, save: bool, *weights: Tensor) -> Tensor:
-        out, saved, tags = _forward(qkv, layout, save, weights)
-        if save:  # then qkv and the weights, where the backward is differentiable or the whole-node hooks run
-            ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice or layout.whole else ()))
-        ctx.state = (layout, tags, qkv.shape, [w.shape for w in weights])
-        return out
+    def forward(ctx, qkv: Tensor, layout: MixLayout, args: tuple | None, *weights: Tensor) -> Tensor:
+        if args is not None and _traced(qkv):
+            with torch._C._AutoDispatchBelowAutograd():
+                out, saved = mix_op(qkv, list(weights), *args, True)
+            tags = None
+        else:
+            out, saved, tags = _forward(qkv, layout, True, weights)
+        # qkv and the weights too where the backward is differentiable or the whole-node hooks run
+        ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice or layout.whole else ()))
+        ctx.state = (layout, tags, qkv.shape, [w.shape for w in weights], args)
+        if args is None:
+            return out
+        ctx.mark_non_differentiable(*saved)  # the op returns them too
+        return (out, *saved)
 
     @staticmethod
     @autocast_backward  # the forward runs with autocast off (the mixer's inner loops): so does this
-    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        if not torch.is_grad_enabled():  # the usual backward (not create_graph): no wrapper to pay for
+    def backward(ctx: Any, d_out: Tensor, *_d_saved: Tensor) -> tuple[Tensor | None, ...]:
+        grad = torch.is_grad_enabled()  # create_graph=True: the gradients must be differentiable themselves
+        if ctx.state[1] is None:  # traced: the op's backward
+            return (_backward_twice if grad else _op_backward)(ctx, d_out)
+        if not grad:  # the usual backward: no wrapper to pay for
             return _backward(ctx, d_out)
         return (_backward_twice if ctx.state[0].twice else _backward_once)(ctx, d_out)
 
@@ -409,8 +426,8 @@ def fused_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
     Returns:
         The read-outs concatenated ``[B, N, sum(widths)]``.
     """
-    # Traced: the mixer op, which the graph keeps whole. Eager: the node itself, the same forward and backward
-    # (through torch.library's Python dispatch a training call makes ~600 Python calls more).
+    # Traced: the mixer op, which the graph keeps whole. Eager: the op's autograd kernel, the node, entered
+    # directly (the dispatcher's argument parsing and Python kernels cost more: docs/kernels.md).
     if torch.compiler.is_compiling() and any(br.path == WHOLE_PATH for br in spec.branches):
         return _traced_mix(qkv, spec, weights)
     layout = mix_layout(spec)
@@ -423,7 +440,7 @@ def fused_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
     # Saving for the backward only when autograd will call it (not under no_grad / inference); without it
     # the node is not needed either.
     if grad_flows(qkv, *weights):
-        return _FusedMix.apply(qkv, layout, True, *weights)
+        return _FusedMix.apply(qkv, layout, None, *weights)
     return _forward(qkv, layout, False, tuple(weights))[0]
 
 
@@ -474,21 +491,38 @@ def _op_layout(args: tuple) -> MixLayout:
     return layout
 
 
-@torch.library.custom_op("vit3::mix", mutates_args=())
-def mix_op(
+# The mixer op and its backward, defined here; their kernels (CPU, CUDA), fakes and autograd kernel below.
+_LIB = torch.library.Library("vit3", "DEF")
+_SPEC = "str path, str ops, int[] ints, float[] floats, bool grad_norm, bool recompute"
+_LIB.define(f"mix(Tensor qkv, Tensor[] weights, {_SPEC}, bool save) -> (Tensor, Tensor[])")
+_LIB.define(
+    f"mix_backward(Tensor d_out, Tensor qkv, Tensor[] weights, Tensor[] saved, {_SPEC}) -> (Tensor, Tensor[])"
+)
+mix_op = torch.ops.vit3.mix.default
+"""The mixer call as one op: every branch's step and read-out (``fused_mix``) through its path's whole-node
+hooks; returns the read-outs ``[B, N, sum(widths)]`` and what the backward needs (empty unless ``save``).
+The spec: ``op_args``."""
+mix_backward_op = torch.ops.vit3.mix_backward.default
+"""``mix_op``'s backward on what it saved: the qkv gradient and, per branch, its initial weights' gradients
+as one tensor (two weights stacked ``[2, ...]``)."""
+
+
+def _traced(qkv: Tensor) -> bool:
+    """Whether an op call meets traced tensors (a tensor subclass, a dispatch mode): it then dispatches the
+    op below autograd, which tracing records, where an eager call runs its kernels directly."""
+    return type(qkv) is not Tensor or torch._C._len_torch_dispatch_stack() > 0
+
+
+def _mix_kernel(
     qkv: Tensor, weights: list[Tensor], path: str, ops: str, ints: list[int], floats: list[float],
     grad_norm: bool, recompute: bool, save: bool,
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    """The mixer call as one op: every branch's step and read-out (``fused_mix``) through its path's
-    whole-node hooks; returns the read-outs ``[B, N, sum(widths)]`` and what the backward needs (empty
-    unless ``save``). The spec: ``op_args``."""
     layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
     out, saved, _ = _forward(qkv, layout, save, tuple(weights))
     return out, saved
 
 
-@mix_op.register_fake
-def _mix_op_fake(
+def _mix_fake(
     qkv: Tensor, weights: list[Tensor], path: str, ops: str, ints: list[int], floats: list[float],
     grad_norm: bool, recompute: bool, save: bool,
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
@@ -502,13 +536,23 @@ def _mix_op_fake(
     return out, layout.whole.saved_like(layout.names, qkv, dims)
 
 
-@torch.library.custom_op("vit3::mix_backward", mutates_args=())
-def mix_backward_op(
+def _mix_autograd(
+    qkv: Tensor, weights: list[Tensor], path: str, ops: str, ints: list[int], floats: list[float],
+    grad_norm: bool, recompute: bool, save: bool,
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """The op's autograd kernel: the node (``_FusedMix``) where gradients flow, saving inside it."""
+    args = (path, ops, ints, floats, grad_norm, recompute)
+    if grad_flows(qkv, *weights):
+        out, *saved = _FusedMix.apply(qkv, _op_layout(args), args, *weights)
+        return out, saved if save else []
+    with torch._C._AutoDispatchBelowAutograd():
+        return mix_op(qkv, weights, *args, save)
+
+
+def _mix_backward_kernel(
     d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], path: str, ops: str,
     ints: list[int], floats: list[float], grad_norm: bool, recompute: bool,
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    """``mix_op``'s backward on what it saved: the qkv gradient and, per branch, its initial weights'
-    gradients as one tensor (two weights stacked ``[2, ...]``)."""
     layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
 
     def calls() -> tuple[Tensor, list[NodeCall], list[Rotation | None]]:
@@ -519,7 +563,6 @@ def mix_backward_op(
     return _whole_backward(layout, d_out, (*saved, qkv, *weights), state, qkv.shape)
 
 
-@mix_backward_op.register_fake
 def _mix_backward_fake(
     d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], path: str, ops: str,
     ints: list[int], floats: list[float], grad_norm: bool, recompute: bool,
@@ -533,27 +576,22 @@ def _mix_backward_fake(
     return d_out.new_empty(qkv.shape), dws
 
 
-def _setup_mix(ctx: Any, inputs: tuple, output: tuple) -> None:
-    qkv, weights, *args = inputs
-    saved = output[1]
-    ctx.save_for_backward(*saved, qkv, *weights)
-    ctx.args, ctx.n_saved = tuple(args[:-1]), len(saved)
-    ctx.mark_non_differentiable(*saved)
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("mix", _mix_kernel, _key)
+    _LIB.impl("mix_backward", _mix_backward_kernel, _key)
+_LIB.impl("mix", _mix_autograd, "Autograd")
+torch.library.register_fake("vit3::mix", _mix_fake, lib=_LIB)
+torch.library.register_fake("vit3::mix_backward", _mix_backward_fake, lib=_LIB)
 
 
-def _mix_op_backward(ctx: Any, d_out: Tensor, _d_saved: Any) -> tuple:
+def _op_backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+    """``_FusedMix``'s backward of a traced op call: ``mix_backward_op`` on what the op saved."""
+    layout, _, _, weight_shapes, args = ctx.state
     tensors = ctx.saved_tensors
-    saved, (qkv, *weights) = tensors[: ctx.n_saved], tensors[ctx.n_saved :]
-    layout = _op_layout(ctx.args)
-    if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
-        dqkv, *dws = _reference_grads(layout.spec, d_out, qkv, weights)
-    else:
-        dqkv, stacked = mix_backward_op(d_out, qkv, weights, list(saved), *ctx.args)
-        dws = _split_grads(layout, stacked)
-    return (dqkv, dws, *(None,) * (len(ctx.args) + 1))
-
-
-mix_op.register_autograd(_mix_op_backward, setup_context=_setup_mix)
+    n_saved = len(tensors) - 1 - len(weight_shapes)
+    qkv, *weights = tensors[n_saved:]
+    dqkv, stacked = mix_backward_op(d_out, qkv, weights, list(tensors[:n_saved]), *args)
+    return (dqkv, None, None, *_split_grads(layout, stacked))
 
 
 def _traced_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
