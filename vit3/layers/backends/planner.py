@@ -46,38 +46,48 @@ class _Env(NamedTuple):
     recompute: str | None
 
 
-_env: _Env | None = None
-# Caches of plans kept elsewhere (each mixer's, ``TTTMixer._calls``): cleared with this module's own.
-_kept: weakref.WeakSet = weakref.WeakSet()
+class _State:
+    """All the dispatcher remembers, in one place: the environment's snapshot, the plans by call, the
+    demotions (applied, and pending until a backward pass ends), the verified entries, the warnings given,
+    and the caches of plans kept elsewhere (each mixer's ``Calls``, held weakly)."""
+
+    def __init__(self) -> None:
+        self.env: _Env | None = None
+        self.plans: dict[tuple, Plan] = {}
+        self.demoted: dict[BranchKey, dict[str, str]] = {}  # key -> {backend: error}
+        self.pending: dict[BranchKey, dict[str, str]] = {}  # demoted during a backward pass
+        # (key, backend, specialisation or None) that ran a guarded, verified forward (+ backward)
+        self.verified: set[tuple[BranchKey, str, tuple | None]] = set()
+        self.warned: set[str] = set()
+        self.kept: weakref.WeakSet = weakref.WeakSet()
 
 
 def refresh_env() -> None:
     """Reads the ``VIT3_*`` variables again and forgets the plans made under the old ones; call it after
     changing one in a running process (they are read once, on first use)."""
-    global _env
     get = os.environ.get
-    _env = _Env(get(BACKEND_ENV), get(STRICT_ENV), get(RECOMPUTE_ENV))
+    _STATE.env = _Env(get(BACKEND_ENV), get(STRICT_ENV), get(RECOMPUTE_ENV))
     forget_plans()
 
 
 def env() -> _Env:
     """The snapshot of the ``VIT3_*`` variables (read on first use; :func:`refresh_env`)."""
-    if _env is None:
+    if _STATE.env is None:
         refresh_env()
-    return _env
+    return _STATE.env
 
 
 def keep_with_plans(cache: Any) -> None:
     """Has :func:`forget_plans` clear ``cache`` too (an object with ``clear()``, held weakly): a cache of
     plans then needs no key of its own telling whether they still hold."""
-    _kept.add(cache)
+    _STATE.kept.add(cache)
 
 
 def forget_plans() -> None:
     """Drops every cached plan (after a demotion, a new environment), the kept caches' too
     (:func:`keep_with_plans`): the next calls re-plan."""
-    _plans.clear()
-    for cache in list(_kept):
+    _STATE.plans.clear()
+    for cache in list(_STATE.kept):
         cache.clear()
 
 
@@ -138,13 +148,10 @@ def scriptable_build(cfg_backend: str = "auto") -> bool:
     return True
 
 
-_warned: set[str] = set()
-
-
 def warn_once(message: str) -> None:
     """Warns ``message`` (a ``BackendWarning``) the first time only, until ``reset``."""
-    if message not in _warned:
-        _warned.add(message)
+    if message not in _STATE.warned:
+        _STATE.warned.add(message)
         warnings.warn(message, BackendWarning, stacklevel=4)
 
 
@@ -228,17 +235,13 @@ def recompute_choice(cfg_recompute: str = "auto") -> tuple[bool, str]:
     return True, f"recomputes Z = k W, Y = q W' ({source}; saved per token and head: q, k, v)"
 
 
-_plans: dict[tuple, Plan] = {}
-_demoted: dict[BranchKey, dict[str, str]] = {}  # key -> {backend: error}
-_pending: dict[BranchKey, dict[str, str]] = {}  # demoted during a backward pass, applied at its end
-# (key, backend, specialisation or None) that ran a guarded, verified forward (+ backward)
-_verified: set[tuple[BranchKey, str, tuple | None]] = set()
+_STATE = _State()
 
 
 def reset() -> None:
     """Forgets every cached plan, demotion, verified key and warning, and the fused node's layouts (tests; a
     new device; an op replaced in the table)."""
-    for state in (_demoted, _pending, _verified, _warned):
+    for state in (_STATE.demoted, _STATE.pending, _STATE.verified, _STATE.warned):
         state.clear()
     mix_layout.cache_clear()
     forget_plans()
@@ -255,7 +258,7 @@ def branch_keys(settings: Settings, branches: tuple, x: Inputs) -> tuple[BranchK
 def demotions() -> dict[BranchKey, dict[str, str]]:
     """Every demotion, those waiting for the end of a backward pass too: ``{key: {backend: error}}``."""
     out: dict[BranchKey, dict[str, str]] = {}
-    for m in (_demoted, _pending):
+    for m in (_STATE.demoted, _STATE.pending):
         for key, errors in m.items():
             out.setdefault(key, {}).update(errors)
     return out
@@ -264,25 +267,25 @@ def demotions() -> dict[BranchKey, dict[str, str]]:
 def demote(key: BranchKey, backend: str, error: str, in_backward: bool) -> None:
     """Demotes ``backend`` for ``key`` (``error``: why). In a backward pass the demotion waits for its end
     (``apply_pending``: recomputations keep their plan); else it applies now, once ``forget_plans`` ran."""
-    (_pending if in_backward else _demoted).setdefault(key, {})[backend] = error
+    (_STATE.pending if in_backward else _STATE.demoted).setdefault(key, {})[backend] = error
 
 
 def apply_pending() -> None:
     """End of a backward pass: its demotions apply to the calls that follow."""
-    for key, errors in _pending.items():
-        _demoted.setdefault(key, {}).update(errors)
-    _pending.clear()
+    for key, errors in _STATE.pending.items():
+        _STATE.demoted.setdefault(key, {}).update(errors)
+    _STATE.pending.clear()
     forget_plans()
 
 
 def mark_verified(entry: tuple[BranchKey, str, tuple | None]) -> None:
     """Records that ``(key, backend, specialisation or None)`` ran a guarded, verified forward (+backward)."""
-    _verified.add(entry)
+    _STATE.verified.add(entry)
 
 
 def is_verified(entry: tuple[BranchKey, str, tuple | None]) -> bool:
     """Whether ``entry`` was verified (``mark_verified``) since the last ``reset``."""
-    return entry in _verified
+    return entry in _STATE.verified
 
 
 def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: bool) -> Plan:
@@ -355,9 +358,10 @@ def plan(
         recompute: ``TTTConfig.recompute``.
     """
     args = (settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, recompute)
-    found = _plans.get(args)
+    plans = _STATE.plans
+    found = plans.get(args)
     if found is None:
-        found = _plans[args] = resolve(args, _demoted, warn=True)
+        found = plans[args] = resolve(args, _STATE.demoted, warn=True)
     return found
 
 
