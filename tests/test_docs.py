@@ -1,5 +1,6 @@
 """The README and the docs/ pages link only to what exists: every relative link names an existing file, and
-a ``#heading`` in it names a heading of that Markdown file (GitHub's anchors)."""
+a ``#heading`` in it names a heading of that Markdown file (GitHub's anchors); the pages' lists of inner
+models and activations are the registry's, and the inner-model example of docs/layout.md works."""
 
 from __future__ import annotations
 
@@ -105,3 +106,38 @@ def test_the_mixer_page_names_every_activation_of_the_inner_models():
                if line.startswith("| `mlp_ratio`, `mlp_act`"))  # fmt: skip
     named = set(re.findall(r"`(\w+)`", row.split("|")[3].split(";")[1]))
     assert named == set(ACTIVATIONS)
+
+
+def test_the_inner_model_example_of_the_checklist_is_a_working_model(monkeypatch):
+    """The complete example of docs/layout.md's "Adding an inner model", run as written in
+    ``vit3.layers.inner_models``' namespace: it registers, its ``grads`` (from the cache of
+    ``need_output=False`` too) are autograd's of its own forward, and a mixer built with it trains."""
+    import torch
+
+    from vit3.layers import TTTMixer, inner_models
+    from vit3.layers.config import INNER_MODELS
+
+    text = (REPO / "docs" / "layout.md").read_text()
+    section = text.split("## Adding an inner model", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    monkeypatch.setattr(inner_models, "_REGISTRY", dict(inner_models._REGISTRY))
+    before = set(INNER_MODELS)
+    exec(code, dict(vars(inner_models)))
+    (name,) = set(INNER_MODELS) - before
+    cls = inner_models._REGISTRY[name][0]
+    model = cls(3, 8).double()
+    g = torch.Generator().manual_seed(0)
+    p = {n: (w.detach().expand(2, *w.shape[1:]) + 0.1 * torch.randn(2, *w.shape[1:], generator=g,
+             dtype=torch.float64)).requires_grad_() for n, w in model.initial_params().items()}  # fmt: skip
+    k, e = (torch.randn(2, 3, 20, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out, _ = model.forward_train(p, k, (4, 5), need_output=True)
+    expected = torch.autograd.grad((out * e).sum(), list(p.values()))
+    _, cache = model.forward_train(p, k, (4, 5), need_output=False)
+    got = model.grads(p, k, e, cache, (4, 5))
+    for n, want in zip(p, expected):
+        torch.testing.assert_close(got[n], want, rtol=1e-12, atol=1e-12)
+    mixer = TTTMixer(32, 4, branches=(name, "dwconv:1")).double()
+    x = torch.randn(2, 20, 32, dtype=torch.float64, requires_grad=True)
+    mixer(x, (4, 5)).square().sum().backward()
+    assert isinstance(mixer.inner[0], cls)
+    assert all(w.grad is not None and w.grad.isfinite().all() for w in mixer.inner[0].parameters())

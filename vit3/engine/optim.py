@@ -108,23 +108,32 @@ def build_scheduler(
     ``int(epochs * steps_per_epoch)``) runs group g at ``s_g * (warmup_lr + k * (base_lr - warmup_lr) / W)``
     for k < W, else ``s_g * (min_lr + (base_lr - min_lr) * (1 + cos(pi * k / T)) / 2)``: the warmup lies
     inside the cosine's span, so it never reaches ``base_lr``: update W starts on the cosine at W / T; from
-    update T on, ``min_lr``. ``s_g`` is the group's ``lr_scale`` (1 without one). The logs and ``metrics.csv``
-    show the largest group's lr after the epoch's last update. ``tests/engine/test_train_recipe.py`` holds
-    the schedule to this formula. Every place that sets a classification (or generation, conversion) lr:
+    update T on, ``min_lr``. ``s_g`` is the group's ``lr_scale`` (1 without one). The settings are the keys
+    ``train.base_lr``, ``warmup_lr``, ``min_lr``, ``warmup_epochs``, ``epochs`` (defaults:
+    ``configs/default.yaml``; a key ``lr`` is refused). The logs and ``metrics.csv`` show the largest
+    group's lr after the epoch's last update. ``tests/engine/test_train_recipe.py`` holds the schedule to
+    this formula. Every place that sets a classification (or generation, conversion) lr:
 
-    - here; ``loop.optimizer_step`` calls ``step_update(k)`` before update k (building the schedule already
-      sets ``warmup_lr``); :class:`WarmupCosine` writes ``group["lr"]``, nothing else does;
+    - here, called by ``build_optimization`` (``classification.assemble_run``); ``loop.optimizer_step`` calls
+      ``step_update(k)`` before update k (building the schedule already sets ``warmup_lr``), k being
+      ``Progress.global_step``, which ``classification._train_epoch`` passes on every ``accum_steps``-th
+      batch and raises by 1 after each update (micro-batches do not count; an fp16 update the scaler skips
+      does); :class:`WarmupCosine` writes ``group["lr"]``, nothing else does;
     - ``lrs``: :func:`scaled_lrs` of the total batch (``build_optimization``; ``steps_per_epoch`` from
-      ``loop.epoch_batches``), which ``recipe.fit_batch_size`` may have changed, as ``recipe.fit_epochs`` the
-      epochs and warmup (and ``vit3.ablate``'s ``--epochs``, warmup scaled alike);
+      ``loop.epoch_batches``: whole accumulation steps, left-over micro-batches dropped). Before it,
+      ``recipe.fit_batch_size`` may lower the batch and ``recipe.fit_epochs`` raise the epochs and warmup,
+      only where ``data.fit_batch`` / ``train.min_steps`` is above 0 and never a key the user wrote (and
+      ``vit3.ablate``'s ``--epochs``, warmup scaled alike);
     - ``lr_scale``: layer decay sets it per layer of the model's ``group_matcher`` (``vit3/models/vit3.py``,
       ``h_vit3.py``) in ``build_optimizer`` (timm's ``param_groups_layer_decay``: the head 1, each block
       below it ``layer_decay`` times the one above); a conversion multiplies it by
       ``convert.transfer_lr_scale`` in stage 1 (``engine/convert.py``);
-    - a resume rebuilds this schedule from the run's config (``train.py --resume FILE``: the checkpoint's
-      own, ``checkpoint.config_for_resume``, the overrides on top) before the checkpoint's optimizer state
-      loads, which keeps this run's ``initial_lr`` and ``lr_scale`` (``load_optimizer_state``), and goes on
-      at the 0-based step ``resume.Progress.restore`` gives (re-derived where the batch per update changed).
+    - a resume never loads the schedule: it rebuilds it from the run's config (``train.py --resume FILE``:
+      the checkpoint's own, or ``--config``'s, the overrides on top) before the checkpoint's optimizer state
+      loads, which keeps this run's ``initial_lr`` and ``lr_scale`` (``load_optimizer_state``), and goes on at
+      the checkpoint's ``global_step`` (``resume.Progress.restore``; re-derived only where the batch per
+      update or ``accum_steps`` changed). A resume that changes ``epochs``, ``warmup_epochs`` or an lr moves
+      to the new schedule's lr at that step at once (``loop.TrainRun.load_training_state`` logs a note).
 
     Tested: the formula, timm's scheduler bit for bit and the layer-decay groups
     (``tests/engine/test_train_recipe.py``); a forced resume with another batch
