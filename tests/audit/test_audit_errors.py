@@ -333,6 +333,11 @@ MORE_CLI_MISTAKES = {
         ["model.kwargs.dims=[16,32,64]"],
         "do not build test_h_vit3: dims, depths and num_heads must have equal lengths",
     ),
+    "kwargs-heads-not-a-list": (
+        "train",
+        ["model.kwargs.num_heads=-1"],
+        "do not build test_h_vit3: TypeError: object of type 'int' has no len()",
+    ),
     "kwargs-ttt-key-unknown": (
         "train",
         ["model.kwargs.ttt_cfg={bogus: 1}"],

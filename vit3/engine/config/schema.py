@@ -485,7 +485,8 @@ def model_arguments(name: str, kwargs: Mapping[str, Any], key: str = "model.kwar
     """Reports a keyword argument the model does not take (``TypeError``), one that vit3 passes itself (e.g.
     ``num_classes``), a drop rate outside [0, 1) (:data:`DROP_RATES`) or values the model refuses as it is
     built (its ``ValueError`` / ``AssertionError``, e.g. ``num_heads`` that do not divide the width), given
-    by the user in ``kwargs`` (the config's ``key``), as a :class:`~vit3.errors.ConfigError` naming it."""
+    by the user in ``kwargs`` (the config's ``key``), as a :class:`~vit3.errors.ConfigError` naming it; a
+    ``TypeError`` of another kind (a value of the wrong type, e.g. an int for a list) names all of them."""
     for rate in DROP_RATES:
         value = kwargs.get(rate)
         if value is not None and not (is_number(value) and 0 <= value < 1):
@@ -501,7 +502,10 @@ def model_arguments(name: str, kwargs: Mapping[str, Any], key: str = "model.kwar
     except TypeError as e:
         match = re.search(r"(unexpected|multiple values for) keyword argument '(\w+)'", str(e))
         if match is None or match.group(2) not in kwargs:
-            raise
+            if not kwargs:
+                raise
+            given = ", ".join(f"{k}: {v!r}" for k, v in kwargs.items())  # a value of the wrong type
+            raise ConfigError(f"{key} ({given}) do not build {name}: TypeError: {e}") from e
         arg = match.group(2)
         if match.group(1) == "unexpected":
             raise ConfigError(f"{key}.{arg} is not an argument of {name} ({e})") from e
