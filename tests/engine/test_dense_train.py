@@ -16,6 +16,7 @@ from helpers.train import REPO, assert_same_tensors, kill_when_checkpoint, load_
 from vit3.engine import ConfigError, load_config
 from vit3.engine.config import CONFIG_DIR
 from vit3.engine.dense import train
+from vit3.engine.dense_metrics import nan_free_json
 
 DET = CONFIG_DIR / "dense" / "demo_detection.yaml"
 SEG = CONFIG_DIR / "dense" / "demo_segmentation.yaml"
@@ -33,6 +34,13 @@ def test_mask_rcnn_trains_and_evaluates_through_pycocotools(coco_root, tmp_path)
     ckpt = tmp_path / "run" / "last.pt"
     assert ckpt.exists() and (tmp_path / "run" / "best.pt").exists()
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())[-1]["step"] == 16
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # as every task writes one
+    assert summary == json.loads(nan_free_json(result["summary"]))
+    assert summary["last"] == str(ckpt) and summary["best"] == str(tmp_path / "run" / "best.pt")
+    assert summary["steps"] == 16 and summary["final"]["step"] == 16
+    assert summary["best_bbox_AP"] == max(
+        h["bbox_AP"] for h in json.loads((tmp_path / "run" / "metrics.json").read_text())
+    )
     out = tmp_path / "eval.json"
     assert load_script("eval").main(["--checkpoint", str(ckpt), "--json", str(out), "device=cpu"]) == 0
     metrics = json.loads(out.read_text())["metrics"]
@@ -99,6 +107,7 @@ def test_a_detection_run_checkpoints_every_epoch_and_keeps_best_only_when_asked(
     train(load_config(DET, [*det_args(coco_root, tmp_path), "train.keep_best=false"]))
     assert saved == [(4, "last.pt", []), (8, "last.pt", []), (12, "last.pt", []), (16, "last.pt", [])]
     assert not (tmp_path / "best.pt").exists()
+    assert json.loads((tmp_path / "summary.json").read_text())["best"] is None
 
 
 def test_upernet_on_a_plain_backbone_trains_and_evaluates_miou(ade_root, tmp_path):

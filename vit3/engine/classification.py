@@ -487,7 +487,7 @@ def train_in_group(
         if run_bar is not None:
             run_bar.close()
     summary = {
-        **run_summary(run, run.out, p.history),
+        **run_summary(run.model, run.info.world, run.out, p.history),
         "best": _best_file(run, p),
         "best_top1": p.best_top1,
         **run.summary_extra(),

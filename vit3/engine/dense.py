@@ -44,7 +44,7 @@ from .dense_model import (
     model_and_data,
 )
 from .distributed import DistInfo, barrier, distributed, log
-from .loop import optimizer_step
+from .loop import optimizer_step, run_summary
 from .optim import DenseSchedule, build_dense_optimizer, load_optimizer_state, scaled_lrs
 from .process import amp_dtype, autocast, wrap_ddp
 from .resume import Progress, check_resume, restore_rng, save_state, start_run
@@ -79,7 +79,8 @@ def train(cfg: Config) -> dict[str, Any]:
     end.
 
     Returns:
-        ``{"history": [...], "final": metrics of the last evaluation, "losses": per-step total losses}``.
+        ``{"history": [...], "final": metrics of the last evaluation, "losses": per-step total losses,
+        "summary": the run summary}`` (the summary also in ``<output>/summary.json``).
     """
     d = dense_section(cfg)
     return in_process_group(cfg, _train, d, hold_output=True)
@@ -217,7 +218,16 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
             elif (save_every and step % save_every == 0) or p.batch_in_epoch == batches_per_epoch:
                 save_state(state, out / "last.pt", info)  # every epoch's end, as classification saves
         p.roll_over(batches_per_epoch)
-    return {"history": p.history, "final": p.history[-1] if p.history else {}, "losses": p.losses}
+    summary = {
+        **run_summary(model, info.world, out, p.history),
+        "best": str(out / "best.pt") if cfg.train.keep_best and (out / "best.pt").is_file() else None,
+        f"best_{key}": p.best if p.history else None,
+        "steps": p.global_step,
+        "wall_time_this_process_s": round(time.time() - t0, 1),
+    }
+    if info.is_main:
+        write_text(out / "summary.json", nan_free_json(summary), "summary")
+    return {"history": p.history, "final": summary["final"], "losses": p.losses, "summary": summary}
 
 
 def evaluate(cfg: Config) -> dict[str, Any]:

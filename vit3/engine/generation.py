@@ -249,7 +249,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     run_epochs(
         run, p, run.batches_per_epoch, lambda: _train_epoch(run), lambda s, n: _finish_epoch(run, s, n)
     )
-    summary: dict[str, Any] = run_summary(run, run.out, p.history)
+    summary: dict[str, Any] = run_summary(run.model, run.info.world, run.out, p.history)
     summary["train_time_s"] = round(time.perf_counter() - start, 1)
     if info.is_main:
         curves = _plot(run)

@@ -176,14 +176,15 @@ def run_epochs(
         finish_epoch(time.perf_counter() - tick, images)
 
 
-def run_summary(run: TrainRun, out: Path, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The summary fields every engine reports (collective: the ranks' weights are compared first)."""
-    digests = check_ranks_agree(run.model)
+def run_summary(model: nn.Module, world: int, out: Path, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary fields every engine reports, of a run of ``world`` processes writing to ``out``
+    (collective: the ranks' weights of ``model`` are compared first)."""
+    digests = check_ranks_agree(model)
     return {
         "output": str(out),
         "last": str(out / "last.pt"),
         "final": history[-1] if history else {},
-        "world_size": run.info.world,
+        "world_size": world,
         "rank_weights_sha1": digests,  # compared by check_ranks_agree: one per rank, all equal
         "weights_sha1": digests[0],
     }
