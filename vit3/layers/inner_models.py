@@ -488,8 +488,8 @@ class MLPInner(FCChainInner):
         return cls(heads, head_dim, identity_init=cfg.mlp_identity_init, **mlp, **options)
 
 
-def _glu_forward(x: Tensor, w1: Tensor, w2: Tensor, cache: Cache | None) -> Tensor:
-    """``(x W1) ⊙ SiLU(x W2)``, keeping in ``cache`` what :func:`_glu_grads` needs."""
+def _swiglu_forward(x: Tensor, w1: Tensor, w2: Tensor, cache: Cache | None) -> Tensor:
+    """``(x W1) ⊙ SiLU(x W2)``, keeping in ``cache`` what :func:`_swiglu_grads` needs."""
     z1 = x @ w1
     z2 = x @ w2
     sig = torch.sigmoid(z2)
@@ -499,7 +499,7 @@ def _glu_forward(x: Tensor, w1: Tensor, w2: Tensor, cache: Cache | None) -> Tens
     return z1 * a
 
 
-def _glu_grads(x: Tensor, dh: Tensor, cache: Cache) -> tuple[Tensor, Tensor]:
+def _swiglu_grads(x: Tensor, dh: Tensor, cache: Cache) -> tuple[Tensor, Tensor]:
     """Gradients of ``sum <dh, (x W1) ⊙ SiLU(x W2)>`` w.r.t. W1 and W2."""
     xt = x.transpose(-2, -1)
     g1 = xt @ (dh * cache["a"])
@@ -523,15 +523,15 @@ class SwiGLUInner(InnerModel):
         self, p: Params, k: Tensor, grid: tuple[int, int], need_output: bool
     ) -> tuple[Tensor | None, Cache]:
         cache: Cache = {}
-        out = _glu_forward(k, p["w1"], p["w2"], cache)
+        out = _swiglu_forward(k, p["w1"], p["w2"], cache)
         return (out if need_output else None), cache
 
     def grads(self, p: Params, k: Tensor, e: Tensor, cache: Cache, grid: tuple[int, int]) -> Params:
-        g1, g2 = _glu_grads(k, e, cache)
+        g1, g2 = _swiglu_grads(k, e, cache)
         return {"w1": g1, "w2": g2}
 
     def apply_to(self, p: Params, q: Tensor, grid: tuple[int, int]) -> Tensor:
-        return _glu_forward(q, p["w1"], p["w2"], None)
+        return _swiglu_forward(q, p["w1"], p["w2"], None)
 
 
 @register_inner_model("swiglu_out")
@@ -567,16 +567,16 @@ class SwiGLUOutInner(InnerModel):
         self, p: Params, k: Tensor, grid: tuple[int, int], need_output: bool
     ) -> tuple[Tensor | None, Cache]:
         cache: Cache = {}
-        h = _glu_forward(k, p["w1"], p["w2"], cache)
+        h = _swiglu_forward(k, p["w1"], p["w2"], cache)
         cache["h"] = h
         return (h @ p["w3"] if need_output else None), cache
 
     def grads(self, p: Params, k: Tensor, e: Tensor, cache: Cache, grid: tuple[int, int]) -> Params:
-        g1, g2 = _glu_grads(k, e @ p["w3"].transpose(-2, -1), cache)
+        g1, g2 = _swiglu_grads(k, e @ p["w3"].transpose(-2, -1), cache)
         return {"w1": g1, "w2": g2, "w3": cache["h"].transpose(-2, -1) @ e}
 
     def apply_to(self, p: Params, q: Tensor, grid: tuple[int, int]) -> Tensor:
-        return _glu_forward(q, p["w1"], p["w2"], None) @ p["w3"]
+        return _swiglu_forward(q, p["w1"], p["w2"], None) @ p["w3"]
 
 
 @register_inner_model("conv")
