@@ -27,11 +27,36 @@ def _write(path, data):
 
 
 def test_base_inheritance_merges_deeply_and_child_keys_are_valid(tmp_path):
-    _write(tmp_path / "parent.yaml", {"a": {"x": 1, "y": 2}, "b": "p"})
-    child = _write(tmp_path / "child.yaml", {"base": "parent.yaml", "a": {"y": 3}, "dense": {"anchors": 9}})
-    cfg = load_config(child, ["dense.anchors=5"])  # a key the child introduced is overridable
-    assert cfg.a.x == 1 and cfg.a.y == 3 and cfg.b == "p" and cfg.dense.anchors == 5
-    assert "base" not in cfg
+    _write(tmp_path / "parent.yaml", {"train": {"epochs": 3, "base_lr": 0.1}, "output": "p"})
+    child = _write(
+        tmp_path / "child.yaml",
+        {
+            "base": "parent.yaml",
+            "train": {"base_lr": 0.2},
+            "dense": {"min_size": 9},
+            "model": {"kwargs": {"z": 1}},
+        },
+    )
+    cfg = load_config(child, ["dense.min_size=5"])  # a key the child introduced is overridable
+    assert (
+        cfg.train.epochs == 3 and cfg.train.base_lr == 0.2 and cfg.output == "p" and cfg.dense.min_size == 5
+    )
+    assert cfg.model.kwargs.z == 1 and "base" not in cfg
+
+
+@pytest.mark.parametrize("where", ["child", "parent"])
+def test_a_key_no_config_of_vit3_has_is_refused_naming_the_file(tmp_path, where):
+    """A file's key that no config of vit3 has (``train.lr`` for ``train.base_lr``) would be kept and never
+    read: refused, naming the file that wrote it and the keys it may have meant; the keys under an open
+    mapping (``model.kwargs``: the model's arguments) are the user's own."""
+    _write(tmp_path / "parent.yaml", {"train": {"epochs": 3} | ({"lr": 0.1} if where == "parent" else {})})
+    child = _write(
+        tmp_path / "child.yaml", {"base": "parent.yaml", "train": {"lr": 0.1} if where == "child" else {}}
+    )
+    with pytest.raises(
+        ConfigError, match=rf"{where}.yaml: unknown config key 'train.lr'; did you mean .*train.base_lr"
+    ):
+        load_config(child)
 
 
 @pytest.mark.parametrize(

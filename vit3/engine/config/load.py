@@ -2,8 +2,9 @@
 
 :func:`load_config` (``config_from_dict`` for a resolved dict, :func:`config_from_checkpoint` for a
 checkpoint's) -> :class:`Config`, a ``dict`` with attribute access. Paths under ``configs/`` resolve to the
-installed ``vit3.configs`` (:data:`CONFIG_DIR`). Overrides are ``key.sub=value`` (YAML values) and must name
-existing keys; values are typed by ``configs/default.yaml`` (:func:`check_types`) and checked against
+installed ``vit3.configs`` (:data:`CONFIG_DIR`). A file's keys must be those of vit3's configs; overrides
+are ``key.sub=value`` (YAML values) and must name existing keys; values are typed by
+``configs/default.yaml`` (:func:`check_types`) and checked against
 :data:`~vit3.engine.config.schema.CONSTRAINTS` (:func:`check_config`). What the user wrote is listed in
 ``cfg["_written"]`` (:func:`written_keys`). :func:`save_config` writes ``config.yaml`` with ``_meta``.
 The full rules: ``docs/design/engine.md``.
@@ -163,8 +164,7 @@ class Config(dict):
         """Sets an existing key ``"a.b.c"`` (raises :class:`ConfigError` for an unknown one)."""
         parent_path, _, leaf = dotted.rpartition(".")
         parent = self.get_path(parent_path) if parent_path else self
-        free_form = parent_path.rpartition(".")[2].endswith("kwargs")  # e.g. model.kwargs.embed_dim
-        if not isinstance(parent, Mapping) or (leaf not in parent and not free_form):
+        if not isinstance(parent, Mapping) or (leaf not in parent and not _free_form(parent_path)):
             known = parent.keys() if isinstance(parent, Mapping) else []
             raise ConfigError(_unknown_key_message(dotted, _full_keys(known, parent_path)))
         parent[leaf] = _wrap(value)
@@ -226,11 +226,11 @@ def _leaf_keys(tree: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
 
 
 def _read_yaml_tree(
-    path: Path, stack: tuple[Path, ...] = (), origin: dict[str, bool] | None = None
+    path: Path, stack: tuple[Path, ...] = (), origin: dict[str, Path | None] | None = None
 ) -> dict[str, Any]:
     """Reads ``path`` and its ``base:`` chain into one merged dict (``base`` removed). ``origin``, when given,
-    gets for each leaf key whether the file that set it last (the merge's winner) is the user's: not one of
-    vit3's configs (``_shipped``)."""
+    gets for each leaf key the file that set it last (the merge's winner) where that file is the user's (not
+    one of vit3's configs, ``_shipped``), else ``None``."""
     path = path.resolve()
     if path in stack:
         chain = " -> ".join(str(p) for p in (*stack, path))
@@ -259,8 +259,36 @@ def _read_yaml_tree(
     for base in bases:
         merged = _deep_merge(merged, _read_yaml_tree(path.parent / base, (*stack, path), origin))
     if origin is not None:
-        origin.update(dict.fromkeys(_leaf_keys(data), not _shipped(path)))
+        origin.update(dict.fromkeys(_leaf_keys(data), None if _shipped(path) else path))
     return _deep_merge(merged, data)
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_keys() -> frozenset[str]:
+    """Every dotted key of vit3's configs (each file as written, ``base`` left out)."""
+    keys: set[str] = set()
+    for file in CONFIG_DIR.rglob("*.yaml"):
+        with open(file, encoding="utf-8") as f:
+            data = _yaml_load(f) or {}
+        data.pop("base", None)
+        keys.update(_all_dotted_keys(data))
+    return frozenset(keys)
+
+
+# Mappings whose keys are the user's own besides every ``...kwargs`` one (a constructor's arguments).
+_OPEN = ("dense.synthetic.splits",)
+
+
+def _free_form(mapping: str) -> bool:
+    """Whether the mapping at dotted ``mapping`` takes keys of the user's own: a ``...kwargs`` one (e.g.
+    ``model.kwargs``, a model's arguments) or one of ``_OPEN``; every other mapping has vit3's keys."""
+    return mapping.rpartition(".")[2].endswith("kwargs") or mapping in _OPEN
+
+
+def _known_key(key: str) -> bool:
+    """Whether a config file may write ``key``: a key of vit3's configs, or one inside a free-form mapping."""
+    parts = key.split(".")
+    return key in _shipped_keys() or any(_free_form(".".join(parts[:i])) for i in range(1, len(parts)))
 
 
 def _shipped(path: Path) -> bool:
@@ -347,12 +375,17 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         :data:`WRITTEN_KEY` the keys the user wrote (the overrides, the keys of the user's own files).
 
     Raises:
-        ConfigError: missing/unparsable file, inheritance cycle, bad override syntax or unknown key.
+        ConfigError: missing/unparsable file, inheritance cycle, a file's key that no config of vit3's has
+            (naming the file), bad override syntax or unknown key.
     """
     path = resolve_config_path(path) if path is not None else DEFAULT_CONFIG
-    origin: dict[str, bool] = {}
+    origin: dict[str, Path | None] = {}
     data = _read_yaml_tree(path, origin=origin)
-    data[WRITTEN_KEY] = [key for key, users in origin.items() if users]
+    for key, where in origin.items():
+        if where is not None and not _known_key(key):
+            alike = [k for k in _shipped_keys() if k.count(".") == key.count(".")]  # keys at its depth
+            raise ConfigError(f"{where}: {_unknown_key_message(key, sorted(alike))}")
+    data[WRITTEN_KEY] = [key for key, where in origin.items() if where is not None]
     try:
         cfg = config_from_dict(data, overrides)
     except ConfigError:  # a file that is no whole config: that, rather than the first key it lacks
@@ -547,7 +580,7 @@ def check_types(cfg: Config) -> None:
             if isinstance(default, Mapping):
                 if not isinstance(value, Mapping):
                     errors.append(f"config key {dotted} must be a mapping (key: value), got {value!r}")
-                elif not key.endswith("kwargs"):  # kwargs sections are free-form
+                elif not _free_form(dotted):
                     walk(value, default, f"{dotted}.")
                 continue
             try:
