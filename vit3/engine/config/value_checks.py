@@ -229,9 +229,8 @@ def warmup_advice(warmup: Any, cfg: Any) -> str | None:
     reached = min(1.0, epochs / warmup)
     return (
         f"train.warmup_epochs={warmup:g} is not below train.epochs={epochs}: the whole run is warmup (the lr "
-        f"climbs linearly from train.warmup_lr and ends at {reached:.0%} of the way to train.base_lr, with "
-        "no "
-        f"cosine decay); lower train.warmup_epochs for the full schedule"
+        f"climbs linearly from train.warmup_lr and ends one update short of {reached:.0%} of the way to "
+        "train.base_lr, with no cosine decay); lower train.warmup_epochs for the full schedule"
     )
 
 
