@@ -61,6 +61,41 @@ def test_lr_scales_with_total_batch_and_follows_warmup_then_cosine():
         assert opt.param_groups[0]["lr"] == pytest.approx(reference(t), rel=1e-9), t
 
 
+def test_a_run_applies_the_formulas_lr_at_every_update(digits, tmp_path, monkeypatch):
+    """A classification run with gradient accumulation: update k (counted per optimizer update, not per
+    batch) runs at ``build_scheduler``'s formula on the lrs scaled to the total batch, k passing from one
+    epoch into the next; the logged lr is the last update's."""
+    import vit3.engine.classification as classification
+
+    seen, real = [], classification.optimizer_step
+
+    def spy(model, optimizer, scaler, clip, scheduler, step, *rest):
+        real(model, optimizer, scaler, clip, scheduler, step, *rest)
+        seen.append((step, [g["lr"] for g in optimizer.param_groups]))
+
+    monkeypatch.setattr(classification, "optimizer_step", spy)
+    overrides = ["data.batch_size=4", "train.accum_steps=2", "train.epochs=3", "train.warmup_epochs=1"]
+    cfg = tiny_cfg(digits, tmp_path / "run", *overrides, "train.warmup_lr=1e-5", "train.min_lr=1e-4")
+    run(cfg, "train")
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    # 80 images: 20 batches of 4 an epoch, 10 updates of 2 batches; warmup 10 updates of 30
+    steps_per_epoch, total, warm = 10, 30, 10
+    lrs = scaled_lrs(cfg.train, 4 * 2)  # lr_batch 20 (tiny_cfg): x 8 / 20
+    assert lrs["base_lr"] == pytest.approx(2e-3 * 8 / 20)
+
+    def formula(k):
+        if k < warm:
+            return lrs["warmup_lr"] + k * (lrs["base_lr"] - lrs["warmup_lr"]) / warm
+        return lrs["min_lr"] + (lrs["base_lr"] - lrs["min_lr"]) * (1 + math.cos(math.pi * k / total)) / 2
+
+    assert [k for k, _ in seen] == list(range(total))
+    for k, group_lrs in seen:
+        assert group_lrs == pytest.approx([formula(k)] * len(group_lrs), rel=1e-12), k
+    assert [h["lr"] for h in history] == pytest.approx(
+        [formula(steps_per_epoch * e - 1) for e in (1, 2, 3)], rel=1e-6
+    )
+
+
 @pytest.mark.parametrize("warmup_epochs", [0, 2, 20], ids=["no-warmup", "warmup", "warmup-past-the-end"])
 def test_the_schedule_is_timms_cosine_bit_for_bit(warmup_epochs):
     """``WarmupCosine`` sets every layer-decay group's lr to what timm's ``CosineLRScheduler`` of the same

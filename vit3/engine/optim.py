@@ -136,8 +136,9 @@ def build_scheduler(
       to the new schedule's lr at that step at once (``loop.TrainRun.load_training_state`` logs a note).
 
     Tested: the formula, timm's scheduler bit for bit and the layer-decay groups
-    (``tests/engine/test_train_recipe.py``); a forced resume with another batch
-    (``test_a_resume_takes_its_configs_optimizer_settings_and_schedule``).
+    (``tests/engine/test_train_recipe.py``); a run with gradient accumulation applies the formula at every
+    update, the count going on across epochs (``test_a_run_applies_the_formulas_lr_at_every_update``); a
+    forced resume with another batch (``test_a_resume_takes_its_configs_optimizer_settings_and_schedule``).
     """
     return WarmupCosine(
         optimizer,
