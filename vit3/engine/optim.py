@@ -119,8 +119,9 @@ def build_scheduler(
       ``Progress.global_step``, which ``classification._train_epoch`` passes on every ``accum_steps``-th
       batch and raises by 1 after each update (micro-batches do not count; an fp16 update the scaler skips
       does); :class:`WarmupCosine` writes ``group["lr"]``, nothing else does;
-    - ``lrs``: :func:`scaled_lrs` of the total batch (``build_optimization``; ``steps_per_epoch`` from
-      ``loop.epoch_batches``: whole accumulation steps, left-over micro-batches dropped). Before it,
+    - ``lrs``: :func:`scaled_lrs` of the total batch (``build_optimization``; ``steps_per_epoch`` S from
+      ``loop.epoch_batches``: training images per process (the sampler's share) // ``data.batch_size`` //
+      ``accum_steps``, left-over micro-batches dropped). Before it,
       ``recipe.fit_batch_size`` may lower the batch and ``recipe.fit_epochs`` raise the epochs and warmup,
       only where ``data.fit_batch`` / ``train.min_steps`` is above 0 and never a key the user wrote (and
       ``vit3.ablate``'s ``--epochs``, warmup scaled alike);
@@ -131,9 +132,12 @@ def build_scheduler(
     - a resume never loads the schedule: it rebuilds it from the run's config (``train.py --resume FILE``:
       the checkpoint's own, or ``--config``'s, the overrides on top) before the checkpoint's optimizer state
       loads, which keeps this run's ``initial_lr`` and ``lr_scale`` (``load_optimizer_state``), and goes on at
-      the checkpoint's ``global_step`` (``resume.Progress.restore``; re-derived only where the batch per
-      update or ``accum_steps`` changed). A resume that changes ``epochs``, ``warmup_epochs`` or an lr moves
-      to the new schedule's lr at that step at once (``loop.TrainRun.load_training_state`` logs a note).
+      the checkpoint's ``global_step`` (``resume.Progress.restore``; re-derived as epochs done x S +
+      batches into the epoch // ``accum_steps`` only where the batch per update or ``accum_steps`` changed).
+      A resume that changes ``epochs``, ``warmup_epochs``, an lr or ``accum_steps`` is taken as it is, and
+      moves to the new schedule's lr at that step at once (``loop.TrainRun.load_training_state`` logs a
+      note); one that changes the batch, the seed, the data or the process count needs
+      ``train.force_resume=true`` (``checkpoint.DATA_STREAM_KEYS``).
 
     Tested: the formula, timm's scheduler bit for bit and the layer-decay groups
     (``tests/engine/test_train_recipe.py``); a run with gradient accumulation applies the formula at every
