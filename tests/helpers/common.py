@@ -1,5 +1,5 @@
 """Paths and small helpers shared by the test modules: the repository, the official fixtures, error metrics,
-call counting, a default-dtype switch, benchmark modules, saved-for-backward accounting."""
+call counting, a default-dtype switch, benchmark modules, saved-for-backward accounting, dispatched ops."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -117,3 +118,15 @@ def saved_values(fn: Callable[[], object]) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(storages.values())
+
+
+class OpNames(TorchDispatchMode):
+    """Names of the ops dispatched under it (``"aten.mm.default"``, ``"vit3.mix.default"``), in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))

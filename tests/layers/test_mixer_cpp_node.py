@@ -15,10 +15,10 @@ import pickle
 import pytest
 import torch
 from helpers.backends import make_mixer
+from helpers.common import OpNames
 from helpers.reference import assert_mixer_matches_reference
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import vit3.layers.ttt as ttt
@@ -29,18 +29,6 @@ from vit3.layers.rope import apply_rope_2d
 
 GRID = (5, 7)
 NODE = "MixFunction"  # the C++ node's name in autograd graphs (CppNode<...MixFunction>)
-
-
-class _Ops(TorchDispatchMode):
-    """Names of the ops dispatched under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _ops():
@@ -150,7 +138,7 @@ def test_without_gradients_the_op_saves_nothing_and_gives_the_same_output(mode):
     _settle(mixer, x)
     want = mixer(x, GRID).detach()
     context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
-    with context, _Ops() as seen:
+    with context, OpNames() as seen:
         out = mixer(x.detach(), GRID)
     assert "vit3_cpu.mix_forward.default" in seen.names or "vit3_cpu.mix.default" in seen.names
     assert out.grad_fn is None
@@ -364,7 +352,7 @@ def test_a_settled_call_takes_the_short_path_without_the_plan_key(monkeypatch):
 
         monkeypatch.setattr(mixer, "settled_cpp_args", refused)
         monkeypatch.setattr(mixer, "_call", refused)
-        with _Ops() as seen:
+        with OpNames() as seen:
             out, short = _mix(mixer, qkv, GRID)
     assert short
     assert seen.names == ["vit3_cpu.mix_forward.default"]  # without gradients its autograd kernel steps aside
@@ -425,7 +413,7 @@ def test_a_new_backend_in_the_environment_ends_the_short_path(monkeypatch):
     monkeypatch.setenv("VIT3_TTT_BACKEND", "generic")
     backends.refresh_env()
     try:
-        with torch.no_grad(), _Ops() as seen:
+        with torch.no_grad(), OpNames() as seen:
             got, short = _mix(mixer, qkv, GRID)
     finally:
         monkeypatch.delenv("VIT3_TTT_BACKEND")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+from helpers.common import OpNames
 
 import vit3  # noqa: F401  (registers the models)
 from vit3.kernels.triton import op as top
@@ -79,21 +80,11 @@ def test_the_ops_autograd_kernel_is_the_node(triton_device):
     node = em.fused_mix(qkv, spec, weights).grad_fn.name()
     out, saved = em.mix_op(qkv, weights, *args, True)
     assert out.grad_fn.name() == node and saved and not any(t.requires_grad for t in saved)
-
-    class Seen(torch.utils._python_dispatch.TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Seen() as seen:
+    with OpNames() as seen:
         out = em.mix_op(qkv, weights, *args, True)[0]
         out.backward(torch.ones_like(out))
     assert out.grad_fn.name() == node
-    assert seen.ops.count("vit3.mix.default") == 1 and seen.ops.count("vit3.mix_backward.default") == 1
+    assert seen.names.count("vit3.mix.default") == 1 and seen.names.count("vit3.mix_backward.default") == 1
 
 
 def test_a_second_order_backward_is_the_nodes(triton_device):

@@ -497,15 +497,13 @@ def model_arguments(name: str, kwargs: Mapping[str, Any], key: str = "model.kwar
         if not kwargs or isinstance(e, UserError):
             raise
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        given = ", ".join(f"{k}: {v!r}" for k, v in kwargs.items())
-        raise ConfigError(f"{key} ({given}) do not build {name}: {reason}") from e
+        raise ConfigError(_not_built(key, kwargs, name, reason)) from e
     except TypeError as e:
         match = re.search(r"(unexpected|multiple values for) keyword argument '(\w+)'", str(e))
         if match is None or match.group(2) not in kwargs:
             if not kwargs:
                 raise
-            given = ", ".join(f"{k}: {v!r}" for k, v in kwargs.items())  # a value of the wrong type
-            raise ConfigError(f"{key} ({given}) do not build {name}: TypeError: {e}") from e
+            raise ConfigError(_not_built(key, kwargs, name, f"TypeError: {e}")) from e  # a value's type
         arg = match.group(2)
         if match.group(1) == "unexpected":
             raise ConfigError(f"{key}.{arg} is not an argument of {name} ({e})") from e
@@ -513,6 +511,11 @@ def model_arguments(name: str, kwargs: Mapping[str, Any], key: str = "model.kwar
         raise ConfigError(
             f"{key}.{arg}={kwargs[arg]!r}: vit3 passes {arg} to {name} itself; leave it out of {key}{instead}"
         ) from e
+
+
+def _not_built(key: str, kwargs: Mapping[str, Any], name: str, reason: str) -> str:
+    given = ", ".join(f"{k}: {v!r}" for k, v in kwargs.items())
+    return f"{key} ({given}) do not build {name}: {reason}"
 
 
 def check_batch_norm_batch(
