@@ -492,7 +492,7 @@ def _op_layout(args: tuple) -> MixLayout:
 
 
 # The mixer op and its backward, defined here; their kernels (CPU, CUDA), fakes and autograd kernel below.
-_LIB = torch.library.Library("vit3", "DEF")
+_LIB = torch.library.Library("vit3", "FRAGMENT")  # the namespace is shared with the per-branch ops
 _SPEC = "str path, str ops, int[] ints, float[] floats, bool grad_norm, bool recompute"
 _LIB.define(f"mix(Tensor qkv, Tensor[] weights, {_SPEC}, bool save) -> (Tensor, Tensor[])")
 _LIB.define(
