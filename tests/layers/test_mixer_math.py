@@ -279,6 +279,17 @@ def test_mixer_equals_autograd_reference(case: str):
     _check_mixer(TTTMixer(32, 4, **MIXER_CASES[case]))
 
 
+@pytest.mark.parametrize("name", list(INNER_MODELS))
+def test_every_registered_inner_model_in_a_mixer_equals_autograd_reference(name: str):
+    """Each registered inner model as a branch of a whole mixer (beside a depthwise-conv branch, token lr
+    gates, two steps of two mini-batches, the MSE loss, RoPE where it applies): the mixer's output equals the
+    reference's, built from the model's forward in ``helpers.reference``; a model added to the registry is
+    checked here without a row of its own."""
+    branches = ("dwconv",) if name == "dwconv" else (f"{name}:2", "dwconv:1")
+    cfg = dict(branches=branches, loss="mse", steps=2, mini_batches=2, lr_mode="token", rope=True)
+    _check_mixer(TTTMixer(32, 4, **cfg))
+
+
 def test_forced_kernel_steps_aside_for_the_ttt_wrapper():
     """The Triton kernel fuses the bare linear model (head dim 16 here, which it takes): with the LayerNorm
     wrapper and biases it must leave the branch to the generic path, and say why."""
