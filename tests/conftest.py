@@ -78,6 +78,14 @@ def triton_device(monkeypatch) -> torch.device:
 
 
 @pytest.fixture
+def registry(monkeypatch):
+    """The inner-model registry, restored after the test (a registration there stays out of other tests)."""
+    from vit3.layers import inner_models
+
+    monkeypatch.setattr(inner_models, "_REGISTRY", dict(inner_models._REGISTRY))
+
+
+@pytest.fixture
 def one_thread():
     """One intra-op thread: on a shared 2-core machine, two spinning OpenMP threads are far slower.
 

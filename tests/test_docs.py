@@ -108,7 +108,7 @@ def test_the_mixer_page_names_every_activation_of_the_inner_models():
     assert named == set(ACTIVATIONS)
 
 
-def test_the_inner_model_example_of_the_checklist_is_a_working_model(monkeypatch):
+def test_the_inner_model_example_of_the_checklist_is_a_working_model(registry):
     """The complete example of docs/layout.md's "Adding an inner model", run as written in
     ``vit3.layers.inner_models``' namespace: it registers, its ``grads`` (from the cache of
     ``need_output=False`` too) are autograd's of its own forward, and a mixer built with it trains."""
@@ -120,7 +120,6 @@ def test_the_inner_model_example_of_the_checklist_is_a_working_model(monkeypatch
     text = (REPO / "docs" / "layout.md").read_text()
     section = text.split("## Adding an inner model", 1)[1].split("\n## ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
-    monkeypatch.setattr(inner_models, "_REGISTRY", dict(inner_models._REGISTRY))
     before = set(INNER_MODELS)
     exec(code, dict(vars(inner_models)))
     (name,) = set(INNER_MODELS) - before

@@ -17,7 +17,6 @@ from vit3.layers import (
     TTTMixer,
     create_inner_model,
     inner_loop,
-    inner_models,
     loss_grad,
     loss_value,
     register_inner_model,
@@ -147,12 +146,6 @@ class _GateInner(InnerModel):
 
     def apply_to(self, p, q, grid):
         return q * p["w"]
-
-
-@pytest.fixture
-def registry(monkeypatch):
-    """The inner-model registry, restored after the test (a registration there stays out of other tests)."""
-    monkeypatch.setattr(inner_models, "_REGISTRY", dict(inner_models._REGISTRY))
 
 
 def test_a_new_inner_model_is_one_registered_class(registry):

@@ -13,6 +13,7 @@ rotates q, k here (the whole-node hooks rotate them themselves); a branch whose 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -484,7 +485,7 @@ def spec_of(
     return _spec_of(path, ops, tuple(ints), tuple(floats), grad_norm, recompute)
 
 
-def _op_layout(args: tuple) -> MixLayout:
+def _op_layout(args: Sequence[Any]) -> MixLayout:
     layout = mix_layout(spec_of(*args))
     if layout.whole is None:
         raise ValueError(f"vit3::mix runs branches on a path with whole-node hooks, got {args[:2]}")
@@ -513,47 +514,43 @@ def _traced(qkv: Tensor) -> bool:
     return type(qkv) is not Tensor or torch._C._len_torch_dispatch_stack() > 0
 
 
-def _mix_kernel(
-    qkv: Tensor, weights: list[Tensor], path: str, ops: str, ints: list[int], floats: list[float],
-    grad_norm: bool, recompute: bool, save: bool,
-) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
-    out, saved, _ = _forward(qkv, layout, save, tuple(weights))
+# The kernels take the op's arguments as the schema orders them: its tensors, the spec (``op_args``), and for
+# ``mix`` last ``save``.
+
+
+def _mix_kernel(qkv: Tensor, weights: list[Tensor], *args: Any) -> tuple[Tensor, list[Tensor]]:
+    *spec, save = args
+    out, saved, _ = _forward(qkv, _op_layout(spec), save, tuple(weights))
     return out, saved
 
 
-def _mix_fake(
-    qkv: Tensor, weights: list[Tensor], path: str, ops: str, ints: list[int], floats: list[float],
-    grad_norm: bool, recompute: bool, save: bool,
-) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
+def _mix_fake(qkv: Tensor, weights: list[Tensor], *args: Any) -> tuple[Tensor, list[Tensor]]:
+    *spec, save = args
+    layout = _op_layout(spec)
     b, n, _ = qkv.shape
     out = qkv.new_empty(b, n, layout.width)
     if not save:
         return out, []
-    spec = layout.spec
-    dims = [(br.heads, br.head_dim, br.rope and not spec.recompute) for br in spec.branches]
+    recompute = layout.spec.recompute
+    dims = [(br.heads, br.head_dim, br.rope and not recompute) for br in layout.spec.branches]
     return out, layout.whole.saved_like(layout.names, qkv, dims)
 
 
-def _mix_autograd(
-    qkv: Tensor, weights: list[Tensor], path: str, ops: str, ints: list[int], floats: list[float],
-    grad_norm: bool, recompute: bool, save: bool,
-) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+def _mix_autograd(qkv: Tensor, weights: list[Tensor], *args: Any) -> tuple[Tensor, list[Tensor]]:
     """The op's autograd kernel: the node (``_FusedMix``) where gradients flow, saving inside it."""
-    args = (path, ops, ints, floats, grad_norm, recompute)
+    *spec, save = args
+    spec = tuple(spec)
     if grad_flows(qkv, *weights):
-        out, *saved = _FusedMix.apply(qkv, _op_layout(args), args, *weights)
+        out, *saved = _FusedMix.apply(qkv, _op_layout(spec), spec, *weights)
         return out, saved if save else []
     with torch._C._AutoDispatchBelowAutograd():
-        return mix_op(qkv, weights, *args, save)
+        return mix_op(qkv, weights, *args)
 
 
 def _mix_backward_kernel(
-    d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], path: str, ops: str,
-    ints: list[int], floats: list[float], grad_norm: bool, recompute: bool,
-) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
+    d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], *spec: Any
+) -> tuple[Tensor, list[Tensor]]:
+    layout = _op_layout(spec)
 
     def calls() -> tuple[Tensor, list[NodeCall], list[Rotation | None]]:
         out = qkv.new_empty(qkv.shape[0], qkv.shape[1], layout.width)
@@ -564,10 +561,9 @@ def _mix_backward_kernel(
 
 
 def _mix_backward_fake(
-    d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], path: str, ops: str,
-    ints: list[int], floats: list[float], grad_norm: bool, recompute: bool,
-) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    layout = _op_layout((path, ops, ints, floats, grad_norm, recompute))
+    d_out: Tensor, qkv: Tensor, weights: list[Tensor], saved: list[Tensor], *spec: Any
+) -> tuple[Tensor, list[Tensor]]:
+    layout = _op_layout(spec)
     dws, wi = [], 0
     for _, count, _ in layout.nodes:
         w = weights[wi]
