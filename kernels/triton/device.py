@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 import triton.language as tl
 
 __all__ = [
@@ -28,7 +27,6 @@ __all__ = [
     "MIN_HEAD_DIM",
     "TL_DTYPES",
     "TRITON_LOSSES",
-    "TRITON_RELEASE",
     "WEIGHT_NAMES",
     "Arch",
     "acc_dtype",
@@ -46,9 +44,6 @@ __all__ = [
 ]
 
 TRITON_LOSSES = {"swiglu": ("dot",), "linear": ("dot", "mse"), "dwconv": ("dot",)}
-# The Triton release that compiles the kernels, (major, minor): where two releases' register allocators part
-# ways, the tiles follow it (``tiles._half_tiles``).
-TRITON_RELEASE = tuple(int(part) for part in triton.__version__.split(".")[:2])
 # The inner models whose kernels multiply with ``tl.dot`` (the depthwise conv's are elementwise).
 DOT_MODELS = ("swiglu", "linear")
 WEIGHT_NAMES = {"swiglu": ("w1", "w2"), "linear": ("w",), "dwconv": ("weight",)}

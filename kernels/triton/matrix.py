@@ -4,8 +4,9 @@ Per (sample b, head g) with tokens ``q, k, v [N, d]`` and initial weights ``W [d
 SwiGLU), the forward computes the inner gradient ``G = kᵀ P``, its column norms ``||G||``, the step
 ``W' = W - lr G / (||G|| + 1)`` and the read-out ``O = f(q; W')``; only ``G`` and ``||G||`` are saved for the
 backward. Every program owns one block of ``BLOCK_C`` output columns; a (sample, head) may be split along N
-into ``S`` chunks (``tiles.launch_config``). Constexpr switches: ``SWIGLU``, ``MSE``, ``GRAD_NORM``, ``PREC``,
-``DOT`` / ``EMU``, ``COLS`` / ``CROSS`` / ``FUSED``, ``WGRAD``; ``NW`` = 2 weights for SwiGLU, 1 for linear.
+into ``S`` chunks (``tiles.launch_config``). Constexpr switches: ``SWIGLU``, ``MSE``, ``GRAD_NORM``,
+``PREC``, ``DOT`` / ``EMU``, ``COLS`` / ``CROSS`` / ``FUSED``, ``WGRAD``, ``TRANS``; ``NW`` = 2 weights for
+SwiGLU, 1 for linear.
 
 The launches, the dot operands, the column blocks and the switches: ``docs/design/kernels.md``.
 """
@@ -117,23 +118,78 @@ def _swiglu_acts(z2):
 
 
 # ------------------------------------------------------------------------------------------ per-tile math
+# A stage may hold its token tiles transposed, channels x tokens (``TRANS``): every dot then has ``BLOCK_D``
+# or ``BLOCK_C`` rows whatever the token tile (sm_90's ``wgmma`` takes 64), and short token tiles keep to
+# one warp group's registers. The stages' three products, in either orientation:
 
 
 @triton.jit
-def _token_tiles(x_base, y_base, sxn, sxc, syn, syc, rows, rd, cols, N, D, DOT: tl.constexpr,
-                 EMU: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+def _xw(x, w, TRANS: tl.constexpr, PREC: tl.constexpr):
+    """``x w``, tokens through weight columns: ``[BLOCK_N, BLOCK_C]`` (``TRANS``: ``wᵀ xᵀ`` from ``xᵀ``)."""
+    if TRANS:
+        y = tl.dot(tl.trans(w), x, input_precision=PREC)
+    else:
+        y = tl.dot(x, w, input_precision=PREC)
+    return y
+
+
+@triton.jit
+def _xtp(x, p, TRANS: tl.constexpr, PREC: tl.constexpr):
+    """``xᵀ p``, a token tile's share of a weight gradient: ``[BLOCK_D, BLOCK_C]`` (``TRANS``: from ``xᵀ``
+    and ``pᵀ``)."""
+    if TRANS:
+        y = tl.dot(x, tl.trans(p), input_precision=PREC)
+    else:
+        y = tl.dot(tl.trans(x), p, input_precision=PREC)
+    return y
+
+
+@triton.jit
+def _pwt(p, w, TRANS: tl.constexpr, PREC: tl.constexpr):
+    """``p wᵀ``, back through weight columns to every channel: ``[BLOCK_N, BLOCK_D]`` (``TRANS``: ``w pᵀ``
+    from ``pᵀ``)."""
+    if TRANS:
+        y = tl.dot(w, p, input_precision=PREC)
+    else:
+        y = tl.dot(p, tl.trans(w), input_precision=PREC)
+    return y
+
+
+@triton.jit
+def _load_rows(base, sn, sc, rows, cols, N, D, TRANS: tl.constexpr):
+    """Tokens ``rows``, channels ``cols`` of an ``[N, D]`` tensor (strides ``sn, sc``): a
+    ``[len(rows), len(cols)]`` tile, or its transpose (``TRANS``)."""
+    if TRANS:
+        x = load_tile(base, sc, sn, cols, rows, D, N)
+    else:
+        x = load_tile(base, sn, sc, rows, cols, N, D)
+    return x
+
+
+@triton.jit
+def _store_rows(base, sn, sc, rows, cols, N, D, x, TRANS: tl.constexpr):
+    """Stores ``x`` where ``_load_rows`` loads its tile."""
+    if TRANS:
+        store_tile(base, sc, sn, cols, rows, D, N, x)
+    else:
+        store_tile(base, sn, sc, rows, cols, N, D, x)
+
+
+@triton.jit
+def _token_tiles(x_base, y_base, sxn, sxc, syn, syc, rows, rd, cols, N, D, TRANS: tl.constexpr,
+                 DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """Tokens ``rows`` of ``x`` (every channel, as a dot operand) and of ``y`` (the block's columns ``cols``,
     in ``ACC``): the ``(k, v)`` or ``(q, dO)`` tiles of a token loop."""
-    x = operand(load_tile(x_base, sxn, sxc, rows, rd, N, D), DOT, EMU)
-    y = load_tile(y_base, syn, syc, rows, cols, N, D).to(ACC)
+    x = operand(_load_rows(x_base, sxn, sxc, rows, rd, N, D, TRANS), DOT, EMU)
+    y = _load_rows(y_base, syn, syc, rows, cols, N, D, TRANS).to(ACC)
     return x, y
 
 
 @triton.jit
 def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg, swr, swc, N, D, rd, cols,
-                SWIGLU: tl.constexpr, MSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_C: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr,
-                PREC: tl.constexpr):  # fmt: skip
+                SWIGLU: tl.constexpr, MSE: tl.constexpr, TRANS: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
+                ACC: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """The initial weights' columns ``cols`` (``_weights``) and ``kᵀ P / coef`` of tokens ``lo .. hi`` for
     that column block: ``(w1, w2, acc1, acc2)``, ``[BLOCK_D, BLOCK_C]`` each.
 
@@ -147,45 +203,44 @@ def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, s
     acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
     for start in range(lo, hi, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
-        k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, DOT, EMU, ACC)
-        kt = tl.trans(k)
+        k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, TRANS, DOT, EMU, ACC)
         if SWIGLU:
-            z1 = tl.dot(k, o1, input_precision=PREC)
-            z2 = tl.dot(k, o2, input_precision=PREC)
+            z1 = _xw(k, o1, TRANS, PREC)
+            z2 = _xw(k, o2, TRANS, PREC)
             _, a, da = _swiglu_acts(z2)
-            acc1 += tl.dot(kt, operand(-v * a, DOT, EMU), input_precision=PREC)
-            acc2 += tl.dot(kt, operand(-v * z1 * da, DOT, EMU), input_precision=PREC)
+            acc1 += _xtp(k, operand(-v * a, DOT, EMU), TRANS, PREC)
+            acc2 += _xtp(k, operand(-v * z1 * da, DOT, EMU), TRANS, PREC)
         else:
             if MSE:
-                e = tl.dot(k, o1, input_precision=PREC) - v
+                e = _xw(k, o1, TRANS, PREC) - v
             else:
                 e = -v
-            acc1 += tl.dot(kt, operand(e, DOT, EMU), input_precision=PREC)
+            acc1 += _xtp(k, operand(e, DOT, EMU), TRANS, PREC)
     return w1, w2, acc1, acc2
 
 
 @triton.jit
 def _readout_tiles(q_base, o_base, sqn, sqc, son, soc, lo, hi, N, D, rd, cols, o1, o2,
-                   SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
-                   PREC: tl.constexpr):  # fmt: skip
+                   SWIGLU: tl.constexpr, TRANS: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+                   EMU: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """``O = q W'`` (linear) or ``(q W1') ⊙ silu(q W2')`` of tokens ``lo .. hi``, one column block (``o1``,
     ``o2``: ``W'`` columns as dot operands)."""
     for start in range(lo, hi, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
-        q = operand(load_tile(q_base, sqn, sqc, rows, rd, N, D), DOT, EMU)
-        y = tl.dot(q, o1, input_precision=PREC)
+        q = operand(_load_rows(q_base, sqn, sqc, rows, rd, N, D, TRANS), DOT, EMU)
+        y = _xw(q, o1, TRANS, PREC)
         if SWIGLU:
-            y2 = tl.dot(q, o2, input_precision=PREC)
+            y2 = _xw(q, o2, TRANS, PREC)
             y = y * y2 * tl.sigmoid(y2)
-        store_tile(o_base, son, soc, rows, cols, N, D, y)
+        _store_rows(o_base, son, soc, rows, cols, N, D, y, TRANS)
 
 
 @triton.jit
-def _readout_dy(q, do, o1, o2, SWIGLU: tl.constexpr, PREC: tl.constexpr):
+def _readout_dy(q, do, o1, o2, SWIGLU: tl.constexpr, TRANS: tl.constexpr, PREC: tl.constexpr):
     """One column block of ``dY1 = dO ⊙ silu(Y2)``, ``dY2 = dO ⊙ Y1 ⊙ silu'(Y2)`` (linear: ``dO``)."""
     if SWIGLU:
-        y1 = tl.dot(q, o1, input_precision=PREC)
-        y2 = tl.dot(q, o2, input_precision=PREC)
+        y1 = _xw(q, o1, TRANS, PREC)
+        y2 = _xw(q, o2, TRANS, PREC)
         _, act, dact = _swiglu_acts(y2)
         dy1 = do * act
         dy2 = do * y1 * dact
@@ -196,18 +251,18 @@ def _readout_dy(q, do, o1, o2, SWIGLU: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _readout_dq(dy1, dy2, o1, o2, SWIGLU: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
-                PREC: tl.constexpr):  # fmt: skip
+def _readout_dq(dy1, dy2, o1, o2, SWIGLU: tl.constexpr, TRANS: tl.constexpr, DOT: tl.constexpr,
+                EMU: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """One column block's share of ``dq = dY1 W1'ᵀ + dY2 W2'ᵀ``: ``[BLOCK_N, BLOCK_D]``."""
-    dq = tl.dot(operand(dy1, DOT, EMU), tl.trans(o1), input_precision=PREC)
+    dq = _pwt(operand(dy1, DOT, EMU), o1, TRANS, PREC)
     if SWIGLU:
-        dq += tl.dot(operand(dy2, DOT, EMU), tl.trans(o2), input_precision=PREC)
+        dq += _pwt(operand(dy2, DOT, EMU), o2, TRANS, PREC)
     return dq
 
 
 @triton.jit
 def _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU: tl.constexpr, MSE: tl.constexpr,
-                   PREC: tl.constexpr):  # fmt: skip
+                   TRANS: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """One column block of the gradient backward: ``dv``, and ``P1``, ``P2``, ``dZ1``, ``dZ2`` over ``coef``.
 
     ``k`` (every channel) and the weight / ``dG`` columns ``o*``, ``og*`` are dot operands, ``v`` fp32. With
@@ -215,13 +270,13 @@ def _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU: tl.constexpr, MSE: tl.c
     ``P1 = E ⊙ A``, ``P2 = E ⊙ Z1 ⊙ A'`` (linear: ``P = E``), ``dZ1 = dP2 ⊙ E ⊙ A'``,
     ``dZ2 = dP1 ⊙ E ⊙ A' + dP2 ⊙ E ⊙ Z1 ⊙ A''`` (linear MSE: ``E = coef (kW - v)``, ``dZ = coef dP``).
     """
-    dp1 = tl.dot(k, og1, input_precision=PREC)
+    dp1 = _xw(k, og1, TRANS, PREC)
     if SWIGLU:
-        z1 = tl.dot(k, o1, input_precision=PREC)
-        z2 = tl.dot(k, o2, input_precision=PREC)
+        z1 = _xw(k, o1, TRANS, PREC)
+        z2 = _xw(k, o2, TRANS, PREC)
         sig, a, da = _swiglu_acts(z2)
         dda = sig * (1.0 - sig) * (2.0 + z2 * (1.0 - 2.0 * sig))  # silu''(z2)
-        dp2 = tl.dot(k, og2, input_precision=PREC)
+        dp2 = _xw(k, og2, TRANS, PREC)
         dz1 = -v * dp2 * da
         dz2 = -v * (dp1 * da + dp2 * z1 * dda)
         dv = -coef * (dp1 * a + dp2 * z1 * da)
@@ -230,7 +285,7 @@ def _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU: tl.constexpr, MSE: tl.c
     else:
         dv = -coef * dp1
         if MSE:
-            p1 = tl.dot(k, o1, input_precision=PREC) - v  # padded rows: k = v = 0 -> 0
+            p1 = _xw(k, o1, TRANS, PREC) - v  # padded rows: k = v = 0 -> 0
         else:
             p1 = -v
         p2 = p1
@@ -241,63 +296,41 @@ def _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU: tl.constexpr, MSE: tl.c
 
 @triton.jit
 def _grad_bwd_dk(p1, p2, dz1, dz2, o1, o2, og1, og2, SWIGLU: tl.constexpr, MSE: tl.constexpr,
-                 DOT: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                 TRANS: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """One column block's share of ``dk / coef = P1 dG1ᵀ + P2 dG2ᵀ + dZ1 W1ᵀ + dZ2 W2ᵀ`` (``P``, ``dZ`` over
     ``coef``): ``[BLOCK_N, BLOCK_D]``. Linear: ``P dGᵀ``, plus ``dZ Wᵀ`` for the MSE loss (the dot loss does
     not depend on W)."""
-    dk = tl.dot(operand(p1, DOT, EMU), tl.trans(og1), input_precision=PREC)
+    dk = _pwt(operand(p1, DOT, EMU), og1, TRANS, PREC)
     if SWIGLU:
-        dk += tl.dot(operand(p2, DOT, EMU), tl.trans(og2), input_precision=PREC)
-        dk += tl.dot(operand(dz1, DOT, EMU), tl.trans(o1), input_precision=PREC)
-        dk += tl.dot(operand(dz2, DOT, EMU), tl.trans(o2), input_precision=PREC)
+        dk += _pwt(operand(p2, DOT, EMU), og2, TRANS, PREC)
+        dk += _pwt(operand(dz1, DOT, EMU), o1, TRANS, PREC)
+        dk += _pwt(operand(dz2, DOT, EMU), o2, TRANS, PREC)
     else:
         if MSE:
-            dk += tl.dot(operand(dz1, DOT, EMU), tl.trans(o1), input_precision=PREC)
+            dk += _pwt(operand(dz1, DOT, EMU), o1, TRANS, PREC)
     return dk
 
 
 @triton.jit
-def _swiglu_bwd_tile(k, v, o1, o2, og1, og2, coef, DOT: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr):
+def _swiglu_bwd_tile(k, v, o1, o2, og1, og2, coef, TRANS: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
+                     PREC: tl.constexpr):  # fmt: skip
     """The SwiGLU gradient backward of one token tile holding every column (``_grad_bwd_cols`` then
-    ``_grad_bwd_dk``, interleaved): ``dk / coef``, ``dZ1 / coef``, ``dZ2 / coef`` and ``dv``."""
-    dp1 = tl.dot(k, og1, input_precision=PREC)
-    dp2 = tl.dot(k, og2, input_precision=PREC)
-    z1 = tl.dot(k, o1, input_precision=PREC)
-    z2 = tl.dot(k, o2, input_precision=PREC)
+    ``_grad_bwd_dk``, interleaved so that each tile dies soon after it is made): ``dk / coef``,
+    ``dZ1 / coef``, ``dZ2 / coef`` and ``dv``."""
+    dp1 = _xw(k, og1, TRANS, PREC)
+    dp2 = _xw(k, og2, TRANS, PREC)
+    z1 = _xw(k, o1, TRANS, PREC)
+    z2 = _xw(k, o2, TRANS, PREC)
     sig, a, da = _swiglu_acts(z2)
     dda = sig * (1.0 - sig) * (2.0 + z2 * (1.0 - 2.0 * sig))  # silu''(z2)
     dv = -coef * (dp1 * a + dp2 * z1 * da)
-    dk = tl.dot(operand(-v * a, DOT, EMU), tl.trans(og1), input_precision=PREC)
+    dk = _pwt(operand(-v * a, DOT, EMU), og1, TRANS, PREC)
     vda = -v * da
-    dk += tl.dot(operand(vda * z1, DOT, EMU), tl.trans(og2), input_precision=PREC)
+    dk += _pwt(operand(vda * z1, DOT, EMU), og2, TRANS, PREC)
     dz1 = vda * dp2
-    dk += tl.dot(operand(dz1, DOT, EMU), tl.trans(o1), input_precision=PREC)
+    dk += _pwt(operand(dz1, DOT, EMU), o1, TRANS, PREC)
     dz2 = vda * dp1 - v * dp2 * z1 * dda
-    dk += tl.dot(operand(dz2, DOT, EMU), tl.trans(o2), input_precision=PREC)
-    return dk, dz1, dz2, dv
-
-
-@triton.jit
-def _swiglu_bwd_tile_t(kt, vt, o1, o2, og1, og2, coef, DOT: tl.constexpr, EMU: tl.constexpr,
-                       PREC: tl.constexpr):  # fmt: skip
-    """``_swiglu_bwd_tile`` on transposed tiles (``kᵀ`` ``[BLOCK_D, BLOCK_N]``, ``vᵀ``
-    ``[BLOCK_C, BLOCK_N]``): ``dkᵀ / coef``, ``dZ1ᵀ / coef``, ``dZ2ᵀ / coef``, ``dvᵀ``. Every dot then has
-    ``BLOCK_C`` or ``BLOCK_D`` rows, whatever the token tile: ``Z1ᵀ = W1ᵀ kᵀ``, ``dP1ᵀ = dG1ᵀ kᵀ``,
-    ``dkᵀ = dG1 P1ᵀ + ... + W2 dZ2ᵀ``."""
-    dp1 = tl.dot(tl.trans(og1), kt, input_precision=PREC)
-    dp2 = tl.dot(tl.trans(og2), kt, input_precision=PREC)
-    z1 = tl.dot(tl.trans(o1), kt, input_precision=PREC)
-    z2 = tl.dot(tl.trans(o2), kt, input_precision=PREC)
-    sig, a, da = _swiglu_acts(z2)
-    dda = sig * (1.0 - sig) * (2.0 + z2 * (1.0 - 2.0 * sig))  # silu''(z2)
-    dv = -coef * (dp1 * a + dp2 * z1 * da)
-    dk = tl.dot(og1, operand(-vt * a, DOT, EMU), input_precision=PREC)
-    vda = -vt * da
-    dk += tl.dot(og2, operand(vda * z1, DOT, EMU), input_precision=PREC)
-    dz1 = vda * dp2
-    dk += tl.dot(o1, operand(dz1, DOT, EMU), input_precision=PREC)
-    dz2 = vda * dp1 - vt * dp2 * z1 * dda
-    dk += tl.dot(o2, operand(dz2, DOT, EMU), input_precision=PREC)
+    dk += _pwt(operand(dz2, DOT, EMU), o2, TRANS, PREC)
     return dk, dz1, dz2, dv
 
 
@@ -312,7 +345,7 @@ def forward_kernel(
     swg, swr, swc,
     coef: tl.float64, lr: tl.float64,
     SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, SAVE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    TRANS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
 ):  # fmt: skip
@@ -329,7 +362,7 @@ def forward_kernel(
         return
     w1, w2, acc1, acc2 = _grad_tiles(
         k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, 0, N, w1_ptr, w2_ptr, g, skn, skc, svn, svc,
-        swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
+        swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, TRANS, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     g1 = coef * acc1
     n1 = col_norm(g1)
@@ -347,7 +380,7 @@ def forward_kernel(
         wp2 = wp1
     _readout_tiles(
         q_ptr + b * sqb + g * sqg, o_ptr + b * sob + g * sog, sqn, sqc, son, soc, 0, N, N, D, rd, cols,
-        operand(wp1, DOT, EMU), operand(wp2, DOT, EMU), SWIGLU, BLOCK_N, DOT, EMU, PREC,
+        operand(wp1, DOT, EMU), operand(wp2, DOT, EMU), SWIGLU, TRANS, BLOCK_N, DOT, EMU, PREC,
     )  # fmt: skip
 
 
@@ -358,7 +391,7 @@ def grad_partial_kernel(
     skb, skg, skn, skc, svb, svg, svn, svc,
     swg, swr, swc,
     coef: tl.float64,
-    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr,
+    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, TRANS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
@@ -374,7 +407,7 @@ def grad_partial_kernel(
         return
     _w1, _w2, acc1, acc2 = _grad_tiles(
         k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc,
-        swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
+        swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, TRANS, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     _store_pair(part_ptr, bg, s, S, rd, cols, D, coef * acc1, coef * acc2, SWIGLU)
     if last_to_arrive(cnt_ptr, bg * tl.cdiv(D, BLOCK_C) + c, S):
@@ -387,7 +420,7 @@ def readout_kernel(
     BG, G, N, D, CHUNK, S,
     sqb, sqg, sqn, sqc, sob, sog, son, soc,
     swg, swr, swc, lr: tl.float64,
-    SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr,
+    SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, TRANS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
@@ -403,7 +436,7 @@ def readout_kernel(
                                GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
     _readout_tiles(
         q_ptr + b * sqb + g * sqg, o_ptr + b * sob + g * sog, sqn, sqc, son, soc, lo, hi, N, D, rd, cols,
-        o1, o2, SWIGLU, BLOCK_N, DOT, EMU, PREC,
+        o1, o2, SWIGLU, TRANS, BLOCK_N, DOT, EMU, PREC,
     )  # fmt: skip
 
 
@@ -418,7 +451,7 @@ def readout_bwd_kernel(
     swg, swr, swc,
     lr: tl.float64,
     SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr,
-    COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr,
+    COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr, TRANS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
@@ -432,6 +465,7 @@ def readout_bwd_kernel(
     slot ``S`` and back-propagates the step.
     ``CROSS``: ``dq``, summed over every column block (with ``COLS``, the grid must have one block,
     ``C == 1``; without, the launch has one program per chunk and each walks the blocks in order).
+    ``TRANS`` (``COLS`` only): the token tiles transposed, channels x tokens.
     """
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         lr = tl.cast(lr, ACC)
@@ -451,15 +485,15 @@ def readout_bwd_kernel(
         acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
-            q, do = _token_tiles(q_base, do_base, sqn, sqc, sdon, sdoc, rows, rd, cols, N, D, DOT, EMU, ACC)
-            dy1, dy2 = _readout_dy(q, do, o1, o2, SWIGLU, PREC)
-            qt = tl.trans(q)
-            acc1 += tl.dot(qt, operand(dy1, DOT, EMU), input_precision=PREC)
+            q, do = _token_tiles(q_base, do_base, sqn, sqc, sdon, sdoc, rows, rd, cols, N, D, TRANS, DOT, EMU,
+                                 ACC)  # fmt: skip
+            dy1, dy2 = _readout_dy(q, do, o1, o2, SWIGLU, TRANS, PREC)
+            acc1 += _xtp(q, operand(dy1, DOT, EMU), TRANS, PREC)
             if SWIGLU:
-                acc2 += tl.dot(qt, operand(dy2, DOT, EMU), input_precision=PREC)
+                acc2 += _xtp(q, operand(dy2, DOT, EMU), TRANS, PREC)
             if CROSS:
-                dq = _readout_dq(dy1, dy2, o1, o2, SWIGLU, DOT, EMU, PREC)
-                store_tile(dq_base, sdqn, sdqc, rows, rd, N, D, dq)
+                dq = _readout_dq(dy1, dy2, o1, o2, SWIGLU, TRANS, DOT, EMU, PREC)
+                _store_rows(dq_base, sdqn, sdqc, rows, rd, N, D, dq, TRANS)
         if FUSED:  # dW' into slot 1 of [B*G, 2, NW, d, d], and dG
             store_mat(slot_at(part_ptr, bg, 1, 2, 0, NW, D, D), rd, cols, D, D, acc1)
             step_bwd_tile(acc1, g_ptr, n_ptr, dg_ptr, bg, 0, NW, rd, cols, D, D, lr, GRAD_NORM, ACC)
@@ -481,8 +515,8 @@ def readout_bwd_kernel(
                 oj1, oj2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cj, D,
                                              lr, SWIGLU, GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
                 do = load_tile(do_base, sdon, sdoc, rows, cj, N, D).to(ACC)
-                dy1, dy2 = _readout_dy(q, do, oj1, oj2, SWIGLU, PREC)
-                dq += _readout_dq(dy1, dy2, oj1, oj2, SWIGLU, DOT, EMU, PREC)
+                dy1, dy2 = _readout_dy(q, do, oj1, oj2, SWIGLU, False, PREC)
+                dq += _readout_dq(dy1, dy2, oj1, oj2, SWIGLU, False, DOT, EMU, PREC)
             store_tile(dq_base, sdqn, sdqc, rows, rd, N, D, dq)
 
 
@@ -506,8 +540,7 @@ def grad_bwd_kernel(
     ``kᵀ dZ`` into slot ``s`` of ``part_ptr`` ``[B*G, S + 1, NW, d, d]``; ``FUSED`` (``S == 1``) adds the
     ``dW'`` of slot 1 to it, so slot 0 holds the sample's whole weight gradient. ``CROSS``: ``dk``, summed
     over every column block (as in ``readout_bwd_kernel``: with ``COLS`` only for ``C == 1``). ``TRANS``
-    (SwiGLU, ``COLS`` and ``CROSS``): the tiles transposed, channels x tokens (``_swiglu_bwd_tile_t``), so
-    that every dot has d rows (sm_90's ``wgmma`` takes 64) with token tiles short enough for the registers.
+    (``COLS`` only): the token tiles transposed, channels x tokens.
     """
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         coef = tl.cast(coef, ACC)
@@ -528,32 +561,21 @@ def grad_bwd_kernel(
         acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
-            if TRANS:
-                kt = operand(load_tile(k_base, skc, skn, rd, rows, D, N), DOT, EMU)
-                vt = load_tile(v_base, svc, svn, cols, rows, D, N).to(ACC)
-                dkt, dz1t, dz2t, dvt = _swiglu_bwd_tile_t(kt, vt, o1, o2, og1, og2, coef, DOT, EMU, PREC)
-                store_tile(dk_base, sdkc, sdkn, rd, rows, D, N, coef * dkt)
-                store_tile(dv_base, sdvc, sdvn, cols, rows, D, N, dvt)
-                acc1 += tl.dot(kt, tl.trans(operand(dz1t, DOT, EMU)), input_precision=PREC)
-                acc2 += tl.dot(kt, tl.trans(operand(dz2t, DOT, EMU)), input_precision=PREC)
+            k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, TRANS, DOT, EMU,
+                                ACC)  # fmt: skip
+            if CROSS and SWIGLU:
+                dk, dz1, dz2, dv = _swiglu_bwd_tile(k, v, o1, o2, og1, og2, coef, TRANS, DOT, EMU, PREC)
+                _store_rows(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk, TRANS)
             else:
-                k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, DOT, EMU, ACC)
-                if CROSS and SWIGLU:
-                    # The whole stage for one block of all columns, ordered so that each N x d tile dies soon
-                    # after it is made (the fewest live tiles).
-                    dk, dz1, dz2, dv = _swiglu_bwd_tile(k, v, o1, o2, og1, og2, coef, DOT, EMU, PREC)
-                    store_tile(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk)
-                else:
-                    dv, p1, p2, dz1, dz2 = _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU, MSE, PREC)
-                    if CROSS:
-                        dk = _grad_bwd_dk(p1, p2, dz1, dz2, o1, o2, og1, og2, SWIGLU, MSE, DOT, EMU, PREC)
-                        store_tile(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk)
-                store_tile(dv_base, sdvn, sdvc, rows, cols, N, D, dv)
-                if WGRAD:
-                    kt = tl.trans(k)
-                    acc1 += tl.dot(kt, operand(dz1, DOT, EMU), input_precision=PREC)
-                    if SWIGLU:
-                        acc2 += tl.dot(kt, operand(dz2, DOT, EMU), input_precision=PREC)
+                dv, p1, p2, dz1, dz2 = _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU, MSE, TRANS, PREC)
+                if CROSS:
+                    dk = _grad_bwd_dk(p1, p2, dz1, dz2, o1, o2, og1, og2, SWIGLU, MSE, TRANS, DOT, EMU, PREC)
+                    _store_rows(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk, TRANS)
+            _store_rows(dv_base, sdvn, sdvc, rows, cols, N, D, dv, TRANS)
+            if WGRAD:
+                acc1 += _xtp(k, operand(dz1, DOT, EMU), TRANS, PREC)
+                if SWIGLU:
+                    acc2 += _xtp(k, operand(dz2, DOT, EMU), TRANS, PREC)
         if WGRAD:
             acc1 = coef * acc1
             acc2 = coef * acc2
@@ -572,6 +594,7 @@ def grad_bwd_kernel(
                 oj1, oj2, ogj1, ogj2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd,
                                                           cj, D, SWIGLU, DOT, EMU, ACC)  # fmt: skip
                 v = load_tile(v_base, svn, svc, rows, cj, N, D).to(ACC)
-                _, p1, p2, dz1, dz2 = _grad_bwd_cols(k, v, oj1, oj2, ogj1, ogj2, coef, SWIGLU, MSE, PREC)
-                dk += _grad_bwd_dk(p1, p2, dz1, dz2, oj1, oj2, ogj1, ogj2, SWIGLU, MSE, DOT, EMU, PREC)
+                _, p1, p2, dz1, dz2 = _grad_bwd_cols(k, v, oj1, oj2, ogj1, ogj2, coef, SWIGLU, MSE, False,
+                                                     PREC)  # fmt: skip
+                dk += _grad_bwd_dk(p1, p2, dz1, dz2, oj1, oj2, ogj1, ogj2, SWIGLU, MSE, False, DOT, EMU, PREC)
             store_tile(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk)

@@ -290,7 +290,7 @@ def _tile_kwargs(cfg: LaunchConfig, role: str, acc_tl: Any, **flags: Any) -> dic
     t = cfg.tiles[role]
     out = {"BLOCK_N": t.block_n, "BLOCK_D": cfg.block_d, "ACC": acc_tl, **flags, **t.options()}
     if role != "conv":
-        out |= {"BLOCK_C": t.block_c, "DOT": cfg.dot, "EMU": cfg.emulate, "PREC": cfg.prec}
+        out |= {"BLOCK_C": t.block_c, "TRANS": t.trans, "DOT": cfg.dot, "EMU": cfg.emulate, "PREC": cfg.prec}
     return out
 
 
@@ -321,7 +321,7 @@ def _stage(
         bld.launch(label(*tag), kernel, bg * cfg.s, args, kw)
         return
     cols = _tile_kwargs(cfg, role, acc_tl, COLS=True, CROSS=False, **flags)
-    flags = flags | {"FUSED": False} | ({"TRANS": False} if "TRANS" in flags else {})  # COLS-only switches
+    flags = flags | {"FUSED": False}  # a COLS-only switch
     cross = _tile_kwargs(cfg, role + "_cross", acc_tl, COLS=False, CROSS=True, **flags)
     bld.launch(label("cols", *tag), kernel, bg * cfg.s * c, args, cols)
     bld.launch(label("cross"), kernel, bg * cfg.s, args, cross)
@@ -519,8 +519,7 @@ def backward_template(
         bld.launch("conv_grad_bwd_kernel", dwconv_kernels.conv_grad_bwd_kernel, bgn * s, args, kw)
     else:
         args = (k, v, w1, w2, dgbuf, dk, dv, part, *sizes, *kv, *ws, coef)
-        trans = key.model == "swiglu" and cfg.transposed
-        gflags = flags | {"MSE": key.loss == "mse", "FUSED": fused, "WGRAD": wgrad, "TRANS": trans}
+        gflags = flags | {"MSE": key.loss == "mse", "FUSED": fused, "WGRAD": wgrad}
         _stage(bld, cfg, "grad_bwd", matrix_kernels.grad_bwd_kernel, bgn, d, args, acc_tl, gflags)
     # The weight gradient sums, per head, every sample's slots that hold a part of it: all S + 1 (the kᵀdZ
     # partials and dW'), only slot 0 when the fused gradient pass added dW' to it, only dW' without kᵀdZ.

@@ -20,7 +20,6 @@ from .device import (
     MIN_HEAD_DIM,
     TL_DTYPES,
     TRITON_LOSSES,
-    TRITON_RELEASE,
     Arch,
     acc_dtype,
     dot_precision,
@@ -66,6 +65,7 @@ class Tiles:
     block_c: int  # output columns per program (matrix kernels), or per tile of the small kernels
     num_warps: int
     num_stages: int  # Triton's software pipelining of the token loops (1: none)
+    trans: bool = False  # token tiles held transposed, channels x tokens (``TRANS``; one column block only)
 
     def options(self) -> dict[str, int]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -88,7 +88,6 @@ class LaunchConfig:
     prec: str  # ``tl.dot`` input precision of fp32 operands
     dot: Any  # the dtype of the ``tl.dot`` operands (triton): the input's (16-bit on sm_80+), else ACC's
     emulate: bool  # bf16 operands on the interpreter: rounded to bf16, multiplied in fp32
-    transposed: bool  # the SwiGLU gradient backward of one column block on transposed tiles (``TRANS``)
     tiles: dict[str, Tiles]
 
     def cols(self, role: str, d: int) -> int:
@@ -127,24 +126,27 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> T
     ``q W'``, ``dY W'ᵀ``, ``P dGᵀ`` ...) have the 64 rows sm_90's ``wgmma`` needs (a warp group of 4 warps
     per 64 rows), and so do the weight-gradient dots (``kᵀ P``, ``qᵀ dY``, ``kᵀ dZ``) from d = 64 on.
 
-    The SwiGLU gradient backward with all columns in one block (d <= 64) takes 32-token tiles: at 64 its
-    tiles need more than the 255 registers a thread has (spills at d = 64, a reload inside the token loop at
-    d = 32); at d = 64 it runs on transposed tiles (``LaunchConfig.transposed``), whose dots all have 64 rows
-    (``wgmma`` on sm_90; on ``mma.sync`` parts the orientation that keeps its fragments out of local memory,
-    where the other spills). The spills measured: docs/design/kernels.md (tile sizes).
-    On ``mma.sync`` parts the other SwiGLU kernels at d = 64 also hold their fragments in registers: 32-token
-    tiles, and the one-launch forward in two column blocks of 32. At d = 128: 16 or 32 columns a block,
-    32-token tiles in the gradient cross launch.
-    On ``wgmma`` parts the kernels at d <= 32, the linear model's and SwiGLU's gradient pass and read-out at
-    d = 64 run on one warp group: at most 1024 registers x warps, two blocks per SM. SwiGLU's one-launch
-    forward and backward stages at d = 64 need two warp groups.
+    SwiGLU's one-block stages at d = 64 (the one-launch forward, both backward stages) run on transposed
+    tiles (``Tiles.trans``), whose dots all have 64 rows whatever the token tile: on ``wgmma`` parts one
+    warp group with 16- or 32-token tiles, two blocks per SM (sm_100's forward keeps two warp groups on
+    64-token tiles); on ``mma.sync`` parts the gradient backward on 32-token tiles over two warp groups,
+    the orientation that keeps its fragments out of local memory. At d = 32 that backward takes 32-token
+    tiles (a reload inside the token loop at 64). The other SwiGLU kernels at d = 64 on ``mma.sync`` parts
+    also hold their fragments in registers: 32-token tiles, and the one-launch forward in two column blocks
+    of 32. At d = 128: 16 or 32 columns a block, 32-token tiles in the gradient cross launch. On ``wgmma``
+    parts every other kernel at d <= 64 runs on one warp group. The spills and registers measured:
+    docs/design/kernels.md (tile sizes).
     """
     backward = role.startswith(("readout_bwd", "grad_bwd"))
-    if model == "swiglu" and role == "grad_bwd" and block_d in (32, 64):
-        # Triton before 3.7 spills that stage at d = 64 on wgmma parts (104 B a thread on sm_90, 9 spills in
-        # the token loop): 16-token tiles there, spill-free.
-        short = block_d == 64 and warp_group_mma(arch) and TRITON_RELEASE < (3, 7)
-        return Tiles(16 if short else 32, block_d, 4 if block_d == 32 else 8, 2)
+    if model == "swiglu" and block_d == 64 and role in ("forward", "readout_bwd", "grad_bwd"):
+        if warp_group_mma(arch) and not (role == "forward" and arch.capability == 100):
+            return Tiles(16 if role == "grad_bwd" else 32, 64, 4, 2, trans=True)
+        if role == "grad_bwd":
+            return Tiles(32, 64, 8, 2, trans=True)
+        if warp_group_mma(arch):
+            return Tiles(64, 64, 8, 2)
+    if model == "swiglu" and role == "grad_bwd" and block_d == 32:
+        return Tiles(32, 32, 4, 2)
     one_group = warp_group_mma(arch) and (
         block_d <= 32 or (block_d == 64 and (model == "linear" or role in ("grad", "readout")))
     )
@@ -204,11 +206,13 @@ def _conv_tiles(block_d: int, dtype: torch.dtype, arch: Arch) -> Tiles:
     dots; the token tile and warps per head dim that the compile matrix found spill-free under Triton 3.6 and
     3.8 (16 tokens for fp64; at d = 32, 16 tokens over 4 warps spill under 3.6). One warp group holds a tile
     up to d = 64 within 1024 registers x warps (two blocks per SM), except 16-bit tiles on ``mma.sync`` parts,
-    which spill there on 4 warps (sm_80's fp16 read-out backward at d = 32) and take 8 from d = 32."""
+    which spill there on 4 warps (sm_80's fp16 read-out backward at d = 32) and take 8 from d = 32. 16-bit
+    tiles at d = 64 on ``wgmma`` parts take 16 tokens: room for SwiGLU's stages beside them in one launch."""
     if dtype == torch.float64:
         return Tiles(16, block_d, 4 if block_d <= 32 else 8, 2)
     one_group = 64 if warp_group_mma(arch) or dtype == torch.float32 else 16
-    return Tiles(16 if block_d == 128 else 32, block_d, 4 if block_d <= one_group else 8, 2)
+    short = block_d == 128 or (block_d == 64 and warp_group_mma(arch) and native_half(dtype, arch))
+    return Tiles(16 if short else 32, block_d, 4 if block_d <= one_group else 8, 2)
 
 
 MATRIX_ROLES = (
@@ -236,16 +240,15 @@ def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, 
         cap = max(16, next_pow2(chunk))
         tiles = {role: replace(t, block_n=min(t.block_n, cap)) for role, t in tiles.items()}
         want = chunk
+    if any(t.trans and t.block_c < block_d for t in tiles.values()):
+        raise ValueError(f"{model} d={d}: transposed tiles need one column block (block_c {block_d})")
     step = max(t.block_n for t in tiles.values())
     size = cdiv(max(want, 1), step) * step
     _, acc_tl = acc_dtype(dtype)
     native = model != "dwconv" and native_half(dtype, tile_arch)
     dot = TL_DTYPES[dtype] if native else acc_tl
     emulate = native and interpret and dtype == torch.bfloat16
-    # 16-bit operands at d = 64: the one-block gradient backward on transposed 32-token tiles
-    # (``_half_tiles``)
-    transposed = native and block_d == 64 and tiles["grad_bwd"].block_c == block_d
-    return LaunchConfig(block_d, size, cdiv(n_tok, size), prec, dot, emulate, transposed, tiles)
+    return LaunchConfig(block_d, size, cdiv(n_tok, size), prec, dot, emulate, tiles)
 
 
 def clear() -> None:

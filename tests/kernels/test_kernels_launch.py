@@ -93,7 +93,9 @@ def test_d64_backward_is_one_launch_only_where_it_fits():
 def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
     """bf16 / fp16 operands from sm_80 on (sm_75 has no bf16 MMA: fp32 operands), the SwiGLU gradient backward
     of one column block at d = 64 on transposed tiles. On warp-group parts (sm_90, sm_100) 64-token tiles but
-    in that backward; the interpreter takes sm_90's, with bf16 operands emulated."""
+    in SwiGLU's transposed stages (and its gradient backward at d = 32), one warp group on sm_90; the
+    interpreter takes sm_90's, with bf16 operands emulated."""
+    stages = {"forward", "readout_bwd", "grad_bwd"}
     for arch in ARCHS.values():
         for dtype in (torch.bfloat16, torch.float16):
             for d in HEAD_DIMS:
@@ -101,13 +103,23 @@ def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
                 native = arch.capability >= 80
                 assert cfg.dot == (tdev.TL_DTYPES[dtype] if native else tdev.tl.float32)
                 assert not cfg.emulate
-                assert cfg.transposed == (native and d == 64)
+                trans = {r for r, t in cfg.tiles.items() if t.trans}
+                if not native or d != 64:
+                    assert not trans, (arch.sm, d)
+                elif not tdev.warp_group_mma(arch):
+                    assert trans == {"grad_bwd"}, arch.sm
+                else:  # sm_100's one-launch forward keeps two warp groups on untransposed tiles
+                    assert trans == stages - ({"forward"} if arch.sm == "sm_100" else set()), arch.sm
                 if tdev.warp_group_mma(arch):
                     long = {r for r, t in cfg.tiles.items() if t.block_n >= 64}
-                    short = {"grad_bwd"} if d in (32, 64) else ({"grad_bwd_cross"} if d == 128 else set())
+                    short = {16: set(), 32: {"grad_bwd"}, 64: trans, 128: {"grad_bwd_cross"}}[d]
                     assert long == set(ttiles.MATRIX_ROLES) - short, (arch.sm, d)
+                    if arch.sm == "sm_90" and d <= 64:  # one column block: no cross launch
+                        warps = {t.num_warps for r, t in cfg.tiles.items() if not r.endswith("_cross")}
+                        assert warps == {4}, d
     here = ttiles.launch_config("swiglu", 197, 64, 2, torch.bfloat16, ARCHS["sm_90"], interpret=True)
-    assert here.dot == tdev.tl.bfloat16 and here.emulate and here.transposed
+    assert here.dot == tdev.tl.bfloat16 and here.emulate
+    assert {r for r, t in here.tiles.items() if t.trans} == stages
 
 
 def test_interpreter_follows_the_tiles_of_a_gpu(monkeypatch):

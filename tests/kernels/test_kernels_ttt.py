@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from vit3.kernels.triton import node as tnode
 from vit3.kernels.triton import op as top
 from vit3.kernels.triton import plan as tplan
 from vit3.kernels.triton import program as tprogram
+from vit3.kernels.triton import tiles as ttiles
 from vit3.kernels.triton.jit import operand
 from vit3.layers import TTTConfig, TTTMixer, backends
 
@@ -82,6 +84,41 @@ def test_fp32_output_and_every_gradient_match_reference(name, loss, shape, chunk
 def test_fp64_matches_reference_to_rounding(name, loss, grad_norm, lr, d):
     out, ref, got, exp, weights = run_both(name, (1, 2, (7, 9), d), torch.float64, loss=loss, lr=lr,
                                            grad_norm=grad_norm, chunk=32)  # fmt: skip
+    assert max_rel_err(out, ref) < 1e-12
+    for label, a, e in per_tensor(got, exp, weights):
+        assert max_rel_err(a, e) < 1e-12, f"gradient of {label}"
+
+
+@pytest.fixture
+def transposed(monkeypatch):
+    """Every matrix stage of one column block on transposed token tiles (``Tiles.trans``), in any dtype: the
+    tables take them for 16-bit inputs at d = 64 only."""
+    real = ttiles._matrix_tiles
+
+    def table(model, loss, role, block_d, dtype, prec, arch):
+        t = real(model, loss, role, block_d, dtype, prec, arch)
+        return t if role.endswith("_cross") else replace(t, block_c=block_d, trans=True)
+
+    monkeypatch.setattr(ttiles, "_matrix_tiles", table)
+    top.clear_plans()
+    yield
+    monkeypatch.undo()
+    top.clear_plans()
+
+
+@pytest.mark.parametrize(
+    ("name", "loss", "chunk"),
+    [
+        pytest.param("swiglu", "dot", None, id="swiglu-whole"),
+        pytest.param("swiglu", "dot", 16, id="swiglu-split4"),
+        pytest.param("linear", "mse", None, id="linear-mse-whole"),
+        pytest.param("linear", "dot", 16, id="linear-dot-split4"),
+    ],
+)
+def test_transposed_tiles_match_reference_in_fp64(name, loss, chunk, transposed):
+    """The one-launch forward, the split forward's two stages and both backward stages on transposed tiles
+    (every product through ``matrix._xw`` / ``_xtp`` / ``_pwt`` the other way round) to fp64 rounding."""
+    out, ref, got, exp, weights = run_both(name, (1, 2, 63, 32), torch.float64, loss=loss, chunk=chunk)
     assert max_rel_err(out, ref) < 1e-12
     for label, a, e in per_tensor(got, exp, weights):
         assert max_rel_err(a, e) < 1e-12, f"gradient of {label}"
