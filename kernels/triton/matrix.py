@@ -134,13 +134,23 @@ def _xw(x, w, TRANS: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _xtp(x, p, TRANS: tl.constexpr, PREC: tl.constexpr):
-    """``xᵀ p``, a token tile's share of a weight gradient: ``[BLOCK_D, BLOCK_C]`` (``TRANS``: from ``xᵀ``
-    and ``pᵀ``)."""
+def _channels_first(x, TRANS: tl.constexpr):
+    """A token tile as ``xᵀ`` ``[BLOCK_D, BLOCK_N]``, the left operand of ``_xtp``."""
     if TRANS:
-        y = tl.dot(x, tl.trans(p), input_precision=PREC)
+        y = x
     else:
-        y = tl.dot(tl.trans(x), p, input_precision=PREC)
+        y = tl.trans(x)
+    return y
+
+
+@triton.jit
+def _xtp(xt, p, TRANS: tl.constexpr, PREC: tl.constexpr):
+    """``xᵀ p``, a token tile's share of a weight gradient: ``[BLOCK_D, BLOCK_C]``, from ``xᵀ``
+    (``_channels_first``) and ``p`` (``TRANS``: ``pᵀ``)."""
+    if TRANS:
+        y = tl.dot(xt, tl.trans(p), input_precision=PREC)
+    else:
+        y = tl.dot(xt, p, input_precision=PREC)
     return y
 
 
@@ -204,18 +214,19 @@ def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, s
     for start in range(lo, hi, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
         k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, TRANS, DOT, EMU, ACC)
+        kt = _channels_first(k, TRANS)
         if SWIGLU:
             z1 = _xw(k, o1, TRANS, PREC)
             z2 = _xw(k, o2, TRANS, PREC)
             _, a, da = _swiglu_acts(z2)
-            acc1 += _xtp(k, operand(-v * a, DOT, EMU), TRANS, PREC)
-            acc2 += _xtp(k, operand(-v * z1 * da, DOT, EMU), TRANS, PREC)
+            acc1 += _xtp(kt, operand(-v * a, DOT, EMU), TRANS, PREC)
+            acc2 += _xtp(kt, operand(-v * z1 * da, DOT, EMU), TRANS, PREC)
         else:
             if MSE:
                 e = _xw(k, o1, TRANS, PREC) - v
             else:
                 e = -v
-            acc1 += _xtp(k, operand(e, DOT, EMU), TRANS, PREC)
+            acc1 += _xtp(kt, operand(e, DOT, EMU), TRANS, PREC)
     return w1, w2, acc1, acc2
 
 
@@ -488,9 +499,10 @@ def readout_bwd_kernel(
             q, do = _token_tiles(q_base, do_base, sqn, sqc, sdon, sdoc, rows, rd, cols, N, D, TRANS, DOT, EMU,
                                  ACC)  # fmt: skip
             dy1, dy2 = _readout_dy(q, do, o1, o2, SWIGLU, TRANS, PREC)
-            acc1 += _xtp(q, operand(dy1, DOT, EMU), TRANS, PREC)
+            qt = _channels_first(q, TRANS)
+            acc1 += _xtp(qt, operand(dy1, DOT, EMU), TRANS, PREC)
             if SWIGLU:
-                acc2 += _xtp(q, operand(dy2, DOT, EMU), TRANS, PREC)
+                acc2 += _xtp(qt, operand(dy2, DOT, EMU), TRANS, PREC)
             if CROSS:
                 dq = _readout_dq(dy1, dy2, o1, o2, SWIGLU, TRANS, DOT, EMU, PREC)
                 _store_rows(dq_base, sdqn, sdqc, rows, rd, N, D, dq, TRANS)
@@ -573,9 +585,10 @@ def grad_bwd_kernel(
                     _store_rows(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk, TRANS)
             _store_rows(dv_base, sdvn, sdvc, rows, cols, N, D, dv, TRANS)
             if WGRAD:
-                acc1 += _xtp(k, operand(dz1, DOT, EMU), TRANS, PREC)
+                kt = _channels_first(k, TRANS)
+                acc1 += _xtp(kt, operand(dz1, DOT, EMU), TRANS, PREC)
                 if SWIGLU:
-                    acc2 += _xtp(k, operand(dz2, DOT, EMU), TRANS, PREC)
+                    acc2 += _xtp(kt, operand(dz2, DOT, EMU), TRANS, PREC)
         if WGRAD:
             acc1 = coef * acc1
             acc2 = coef * acc2
