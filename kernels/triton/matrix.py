@@ -111,6 +111,12 @@ def _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_buf, bg, rd, cols, D
 
 
 @triton.jit
+def _zero_pair(BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+    """Two ``[BLOCK_D, BLOCK_C]`` accumulators, one per weight (the second is dead code for linear)."""
+    return tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC), tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
+
+
+@triton.jit
 def _swiglu_acts(z2):
     """``σ(z2)``, ``A = silu(z2)`` and ``A' = silu'(z2) = σ (1 + z2 (1 - σ))``."""
     sig = tl.sigmoid(z2)
@@ -209,8 +215,7 @@ def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, s
     w1, w2 = _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU, ACC)
     o1 = operand(w1, DOT, EMU)
     o2 = operand(w2, DOT, EMU)
-    acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
-    acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
+    acc1, acc2 = _zero_pair(BLOCK_D, BLOCK_C, ACC)
     for start in range(lo, hi, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
         k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, TRANS, DOT, EMU, ACC)
@@ -492,8 +497,7 @@ def readout_bwd_kernel(
         cols = c * BLOCK_C + rc
         o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr,
                                    SWIGLU, GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
-        acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
-        acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
+        acc1, acc2 = _zero_pair(BLOCK_D, BLOCK_C, ACC)
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
             q, do = _token_tiles(q_base, do_base, sqn, sqc, sdon, sdoc, rows, rd, cols, N, D, TRANS, DOT, EMU,
@@ -569,8 +573,7 @@ def grad_bwd_kernel(
         cols = c * BLOCK_C + rc
         o1, o2, og1, og2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd, cols, D,
                                               SWIGLU, DOT, EMU, ACC)  # fmt: skip
-        acc1 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)
-        acc2 = tl.zeros((BLOCK_D, BLOCK_C), dtype=ACC)  # SwiGLU's second weight (dead code for linear)
+        acc1, acc2 = _zero_pair(BLOCK_D, BLOCK_C, ACC)
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
             k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, TRANS, DOT, EMU,
