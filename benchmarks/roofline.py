@@ -470,8 +470,13 @@ def check_calibration(measured: dict, launches: dict) -> tuple[list[dict], dict]
 
 
 # The models' own mixer shapes (bf16 training, H200): ViT³-T at 224 px, batch 128 (B*G 768 at N 196) and
-# 1248 px, batch 32 (B*G 192 at N 6084), both branches (six SwiGLU heads of 32, one depthwise head of 32).
-MODEL_SHAPES = (("ViT3-T-224-b128", 128, 6, 196, 32), ("ViT3-T-1248-b32", 32, 6, 6084, 32))
+# 1248 px, batch 32 (B*G 192 at N 6084), both branches (six SwiGLU heads of 32, one depthwise head of 32);
+# ViT³-S at 224 px, batch 128 (heads of 64).
+MODEL_SHAPES = (
+    ("ViT3-T-224-b128", 128, 6, 196, 32),
+    ("ViT3-T-1248-b32", 32, 6, 6084, 32),
+    ("ViT3-S-224-b128", 128, 6, 196, 64),
+)
 
 
 def _wave_us(fit: dict, kernel: str, c: Cost, waves: int) -> tuple[float, bool]:

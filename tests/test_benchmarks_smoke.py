@@ -461,8 +461,8 @@ def test_step_counts_counts_ops_launches_syncs_and_memory(tmp_path):
 
 def test_roofline_calibrated_on_the_h200_profile_predicts_the_unfitted_shapes(tmp_path):
     """The latency model fitted on the profile's B*H = 64 rows predicts its B*H = 1024 totals within 20%,
-    and prices both branches of ViT³-T's own shapes as the launch program runs them: 5 launches a training
-    call, most of them both branches' stage in one."""
+    and prices both branches of ViT³-T's and ViT³-S's own shapes as the launch program runs them: 5 launches
+    a training call, most of them both branches' stage in one."""
     out = tmp_path / "calibration.csv"
     _run("roofline.py", "--calibrate", "--out", str(out))
     rows = list(csv.DictReader(out.open()))
@@ -476,7 +476,7 @@ def test_roofline_calibrated_on_the_h200_profile_predicts_the_unfitted_shapes(tm
     checked = {r["kernel"] for r in rows if r["table"] == "check"}
     assert {"step_kernel", "step_bwd_kernel"} <= checked
     models = [r for r in rows if r["table"] == "models"]
-    for shape in ("ViT3-T-224-b128", "ViT3-T-1248-b32"):
+    for shape in ("ViT3-T-224-b128", "ViT3-T-1248-b32", "ViT3-S-224-b128"):
         launches = [r for r in models if r["shape"] == shape]
         assert len(launches) == 5, launches
         assert sum(r["branch"] == "swiglu+dwconv" for r in launches) >= 4
