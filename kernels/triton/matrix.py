@@ -195,7 +195,7 @@ def _store_rows(base, sn, sc, rows, cols, N, D, x, TRANS: tl.constexpr):
 def _token_tiles(x_base, y_base, sxn, sxc, syn, syc, rows, rd, cols, N, D, TRANS: tl.constexpr,
                  DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """Tokens ``rows`` of ``x`` (every channel, as a dot operand) and of ``y`` (the block's columns ``cols``,
-    in ``ACC``): the ``(k, v)`` or ``(q, dO)`` tiles of a token loop."""
+    in ``ACC``): the ``(k, v)`` or ``(q, dO)`` tiles of a token loop (``TRANS``: transposed)."""
     x = operand(_load_rows(x_base, sxn, sxc, rows, rd, N, D, TRANS), DOT, EMU)
     y = _load_rows(y_base, syn, syc, rows, cols, N, D, TRANS).to(ACC)
     return x, y
@@ -253,7 +253,8 @@ def _readout_tiles(q_base, o_base, sqn, sqc, son, soc, lo, hi, N, D, rd, cols, o
 
 @triton.jit
 def _readout_dy(q, do, o1, o2, SWIGLU: tl.constexpr, TRANS: tl.constexpr, PREC: tl.constexpr):
-    """One column block of ``dY1 = dO ⊙ silu(Y2)``, ``dY2 = dO ⊙ Y1 ⊙ silu'(Y2)`` (linear: ``dO``)."""
+    """One column block of ``dY1 = dO ⊙ silu(Y2)``, ``dY2 = dO ⊙ Y1 ⊙ silu'(Y2)`` (linear: ``dO``;
+    ``TRANS``: transposed)."""
     if SWIGLU:
         y1 = _xw(q, o1, TRANS, PREC)
         y2 = _xw(q, o2, TRANS, PREC)
@@ -269,7 +270,8 @@ def _readout_dy(q, do, o1, o2, SWIGLU: tl.constexpr, TRANS: tl.constexpr, PREC: 
 @triton.jit
 def _readout_dq(dy1, dy2, o1, o2, SWIGLU: tl.constexpr, TRANS: tl.constexpr, DOT: tl.constexpr,
                 EMU: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-    """One column block's share of ``dq = dY1 W1'ᵀ + dY2 W2'ᵀ``: ``[BLOCK_N, BLOCK_D]``."""
+    """One column block's share of ``dq = dY1 W1'ᵀ + dY2 W2'ᵀ``: ``[BLOCK_N, BLOCK_D]`` (``TRANS``:
+    transposed)."""
     dq = _pwt(operand(dy1, DOT, EMU), o1, TRANS, PREC)
     if SWIGLU:
         dq += _pwt(operand(dy2, DOT, EMU), o2, TRANS, PREC)
@@ -285,6 +287,7 @@ def _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU: tl.constexpr, MSE: tl.c
     ``dP = k dG`` and ``E = -coef v``: ``dv = -coef (dP1 ⊙ A + dP2 ⊙ Z1 ⊙ A')`` (linear: ``-coef dP``),
     ``P1 = E ⊙ A``, ``P2 = E ⊙ Z1 ⊙ A'`` (linear: ``P = E``), ``dZ1 = dP2 ⊙ E ⊙ A'``,
     ``dZ2 = dP1 ⊙ E ⊙ A' + dP2 ⊙ E ⊙ Z1 ⊙ A''`` (linear MSE: ``E = coef (kW - v)``, ``dZ = coef dP``).
+    ``TRANS``: every tile transposed.
     """
     dp1 = _xw(k, og1, TRANS, PREC)
     if SWIGLU:
@@ -314,8 +317,8 @@ def _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU: tl.constexpr, MSE: tl.c
 def _grad_bwd_dk(p1, p2, dz1, dz2, o1, o2, og1, og2, SWIGLU: tl.constexpr, MSE: tl.constexpr,
                  TRANS: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """One column block's share of ``dk / coef = P1 dG1ᵀ + P2 dG2ᵀ + dZ1 W1ᵀ + dZ2 W2ᵀ`` (``P``, ``dZ`` over
-    ``coef``): ``[BLOCK_N, BLOCK_D]``. Linear: ``P dGᵀ``, plus ``dZ Wᵀ`` for the MSE loss (the dot loss does
-    not depend on W)."""
+    ``coef``): ``[BLOCK_N, BLOCK_D]`` (``TRANS``: transposed). Linear: ``P dGᵀ``, plus ``dZ Wᵀ`` for the MSE
+    loss (the dot loss does not depend on W)."""
     dk = _pwt(operand(p1, DOT, EMU), og1, TRANS, PREC)
     if SWIGLU:
         dk += _pwt(operand(p2, DOT, EMU), og2, TRANS, PREC)
@@ -332,7 +335,7 @@ def _swiglu_bwd_tile(k, v, o1, o2, og1, og2, coef, TRANS: tl.constexpr, DOT: tl.
                      PREC: tl.constexpr):  # fmt: skip
     """The SwiGLU gradient backward of one token tile holding every column (``_grad_bwd_cols`` then
     ``_grad_bwd_dk``, interleaved so that each tile dies soon after it is made): ``dk / coef``,
-    ``dZ1 / coef``, ``dZ2 / coef`` and ``dv``."""
+    ``dZ1 / coef``, ``dZ2 / coef`` and ``dv`` (``TRANS``: transposed)."""
     dp1 = _xw(k, og1, TRANS, PREC)
     dp2 = _xw(k, og2, TRANS, PREC)
     z1 = _xw(k, o1, TRANS, PREC)

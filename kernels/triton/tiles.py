@@ -134,7 +134,8 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> T
     tiles (a reload inside the token loop at 64). The other SwiGLU kernels at d = 64 on ``mma.sync`` parts
     also hold their fragments in registers: 32-token tiles, and the one-launch forward in two column blocks
     of 32. At d = 128: 16 or 32 columns a block, 32-token tiles in the gradient cross launch. On ``wgmma``
-    parts every other kernel at d <= 64 runs on one warp group. The spills and registers measured:
+    parts every other kernel launched at d <= 64 runs on one warp group (the cross launches, at d = 64 never
+    launched, keep the default). The spills and registers measured:
     docs/design/kernels.md (tile sizes).
     """
     backward = role.startswith(("readout_bwd", "grad_bwd"))

@@ -149,7 +149,7 @@ def test_h200_cases_fit_under_the_other_triton(tmp_path):
 
 def test_sm90_half_kernels_issue_wgmma(default_matrix):
     """16-bit operands on sm_90: at d = 64 (ViT³-S/B) every dot of every kernel is a ``wgmma`` (no warp-level
-    ``mma.sync`` left: the SwiGLU gradient backward runs on transposed tiles); at d = 32 (H-ViT³), where the
+    ``mma.sync`` left: SwiGLU's one-block stages run on transposed tiles); at d = 32 (H-ViT³), where the
     weight-gradient dots have 32 rows, every kernel with 64-token tiles issues ``wgmma``."""
     for case in aot.matrix("default"):
         if case.arch.sm != "sm_90" or case.mode not in ("bf16", "fp16") or case.d not in (32, 64):

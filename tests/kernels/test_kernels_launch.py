@@ -91,10 +91,11 @@ def test_d64_backward_is_one_launch_only_where_it_fits():
 
 
 def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
-    """bf16 / fp16 operands from sm_80 on (sm_75 has no bf16 MMA: fp32 operands), the SwiGLU gradient backward
-    of one column block at d = 64 on transposed tiles. On warp-group parts (sm_90, sm_100) 64-token tiles but
-    in SwiGLU's transposed stages (and its gradient backward at d = 32), one warp group on sm_90; the
-    interpreter takes sm_90's, with bf16 operands emulated."""
+    """bf16 / fp16 operands from sm_80 on (sm_75 has no bf16 MMA: fp32 operands). At d = 64 SwiGLU's
+    one-block stages run on transposed tiles: all three on warp-group parts (sm_90, sm_100; sm_100's forward
+    apart), the gradient backward elsewhere. On warp-group parts 64-token tiles but in those stages (and the
+    gradient backward at d = 32), one warp group on sm_90, and the depthwise conv's tiles at d = 64 of 16
+    tokens; the interpreter takes sm_90's, with bf16 operands emulated."""
     stages = {"forward", "readout_bwd", "grad_bwd"}
     for arch in ARCHS.values():
         for dtype in (torch.bfloat16, torch.float16):
@@ -114,6 +115,8 @@ def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
                     long = {r for r, t in cfg.tiles.items() if t.block_n >= 64}
                     short = {16: set(), 32: {"grad_bwd"}, 64: trans, 128: {"grad_bwd_cross"}}[d]
                     assert long == set(ttiles.MATRIX_ROLES) - short, (arch.sm, d)
+                    conv = ttiles.launch_config("dwconv", 3136, d, 8, dtype, arch, interpret=False)
+                    assert conv.tiles["conv"].block_n == (16 if d in (64, 128) else 32), (arch.sm, d)
                     if arch.sm == "sm_90" and d <= 64:  # one column block: no cross launch
                         warps = {t.num_warps for r, t in cfg.tiles.items() if not r.endswith("_cross")}
                         assert warps == {4}, d
@@ -326,7 +329,8 @@ def test_launches_run_on_the_inputs_device_with_tiles_for_it(monkeypatch, fresh_
 
 
 def _tiles(kwargs: dict) -> dict:
-    return {key: kwargs[key] for key in ("BLOCK_N", "BLOCK_C", "num_warps", "num_stages") if key in kwargs}
+    keys = ("BLOCK_N", "BLOCK_C", "TRANS", "num_warps", "num_stages")
+    return {key: kwargs[key] for key in keys if key in kwargs}
 
 
 # ------------------------------------------------------------------------------------------ dot precision

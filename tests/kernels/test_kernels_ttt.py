@@ -115,10 +115,13 @@ def transposed(monkeypatch):
         pytest.param("linear", "dot", 16, id="linear-dot-split4"),
     ],
 )
-def test_transposed_tiles_match_reference_in_fp64(name, loss, chunk, transposed):
+@pytest.mark.parametrize("n_tok, d", [(63, 32), (300, 24)], ids=["N63-d32", "N300-d24-padded-2tiles"])
+def test_transposed_tiles_match_reference_in_fp64(name, loss, chunk, n_tok, d, transposed):
     """The one-launch forward, the split forward's two stages and both backward stages on transposed tiles
-    (every product through ``matrix._xw`` / ``_xtp`` / ``_pwt`` the other way round) to fp64 rounding."""
-    out, ref, got, exp, weights = run_both(name, (1, 2, 63, 32), torch.float64, loss=loss, chunk=chunk)
+    (every product through ``matrix._xw`` / ``_xtp`` / ``_pwt`` the other way round) to fp64 rounding; at
+    N = 300 the interpreter's 256-token tiles make two iterations of each token loop, and d = 24 pads the
+    channels."""
+    out, ref, got, exp, weights = run_both(name, (1, 2, n_tok, d), torch.float64, loss=loss, chunk=chunk)
     assert max_rel_err(out, ref) < 1e-12
     for label, a, e in per_tensor(got, exp, weights):
         assert max_rel_err(a, e) < 1e-12, f"gradient of {label}"
@@ -137,7 +140,7 @@ HALF_CASES = [
     pytest.param("swiglu", "dot", (2, 2, 70, 32), None, torch.bfloat16, id="swiglu-N70-d32-whole-bf16"),
     pytest.param("swiglu", "dot", (1, 2, 97, 64), 32, torch.bfloat16, id="swiglu-N97-d64-split4-bf16"),
     pytest.param("swiglu", "dot", (2, 1, 63, 24), None, torch.float16, id="swiglu-N63-d24-padded-fp16"),
-    # d = 64 on sm_90's tiles: the gradient backward on transposed tiles; d = 48 pads them to 64
+    # d = 64 on sm_90's tiles: SwiGLU's one-block stages on transposed tiles; d = 48 pads them to 64
     pytest.param("swiglu", "dot", (2, 1, 70, 48), None, torch.float16, id="swiglu-N70-d48-transposed-fp16"),
     pytest.param("linear", "mse", (2, 2, 63, 64), None, torch.float16, id="linear-mse-N63-d64-fp16"),
     pytest.param("linear", "mse", (1, 2, 63, 64), 16, torch.bfloat16, id="linear-mse-N63-d64-split4-bf16"),
