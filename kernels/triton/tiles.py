@@ -144,8 +144,6 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> T
             return Tiles(16 if role == "grad_bwd" else 32, 64, 4, 2, trans=True)
         if role == "grad_bwd":
             return Tiles(32, 64, 8, 2, trans=True)
-        if warp_group_mma(arch):
-            return Tiles(64, 64, 8, 2)
     if model == "swiglu" and role == "grad_bwd" and block_d == 32:
         return Tiles(32, 32, 4, 2)
     one_group = warp_group_mma(arch) and (
