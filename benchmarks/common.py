@@ -248,6 +248,22 @@ def apply_runtime(args: argparse.Namespace) -> None:
         tune_malloc()
 
 
+class GpuDriver:
+    """The driver calls Triton's launchers and the launch programs make, answered without a GPU (an sm_90
+    device 0, stream 0): ``triton.runtime.driver.set_active(GpuDriver())`` where a CPU plays a GPU."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
 class FloorNode(torch.autograd.Function):
     """The least a Python autograd node with the fused node's inputs and output costs: it saves qkv and the
     weights and returns fresh gradients of their shapes, and does nothing else."""

@@ -25,32 +25,18 @@ if os.environ.pop("TRITON_INTERPRET", None) == "1":  # before Triton is imported
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, print_table, time_samples, write_csv
+from benchmarks.common import RESULTS, GpuDriver, print_table, time_samples, write_csv
 from vit3.kernels.triton import checks, device, program, tiles
 from vit3.layers import fused_mix
 
 # (name, SwiGLU heads, head dim, grid): a model's mixer per block
 SHAPES = {"vit3_tiny": (6, 32, (14, 14)), "vit3_small": (6, 64, (14, 14))}
-
-
-class _Driver:
-    """The driver calls Triton's launchers make, answered without a GPU (an sm_90 device 0, stream 0)."""
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
 
 
 class _Compiled:
@@ -76,7 +62,7 @@ def _compile_nothing(self: JITFunction, key: Any, *args: Any, **kwargs: Any) -> 
 
 def gpu_host() -> None:
     """The CPU taken for a GPU by the Triton path and Triton's launchers, compiling and launching nothing."""
-    driver.set_active(_Driver())
+    driver.set_active(GpuDriver())
     JITFunction._do_compile = _compile_nothing
     for module in (device, checks):
         module.triton_runs_on = lambda where: True

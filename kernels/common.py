@@ -11,6 +11,7 @@ inner loop of ``vit3.layers``, the eager tiled paths, the official baseline of t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from .losses import loss_value
 __all__ = [
     "autocast_backward",
     "autocast_forward",
+    "autocast_off",
     "autocast_on",
     "grad_flows",
     "normalize_grad",
@@ -43,6 +45,15 @@ def grad_flows(*tensors: Tensor | None) -> bool:
 def autocast_on(device: str) -> bool:
     """Whether autocast is on for ``device`` (a type without autocast, such as ``meta``: off)."""
     return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: where autocast is off already
+
+
+def autocast_off(device: str) -> contextlib.AbstractContextManager:
+    """A context with autocast off for ``device`` (a device type); where it is off already, one that does
+    nothing (entering ``torch.autocast`` costs more than the check)."""
+    return torch.autocast(device, enabled=False) if autocast_on(device) else _NO_CONTEXT
 
 
 def autocast_forward(forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -98,28 +98,16 @@ def _node_backward(
     return _triton("node").backward(d_out, saved, tag, dq, dk, dv, hyper)
 
 
-def _whole_forward(*args: Any) -> tuple[list[Tensor], Any]:
-    return _triton("program").forward(*args)
-
-
-def _whole_backward(*args: Any) -> list[Tensor]:
-    return _triton("program").backward(*args)
-
-
-def _whole_state(*args: Any) -> Any:
-    return _triton("program").state(*args)
-
-
-def _whole_saved_like(*args: Any) -> list[Tensor]:
-    return _triton("program").saved_like(*args)
-
-
 def _rotate(*args: Any) -> None:
     _triton("rope").rotate(*args)
 
 
-# A node whose branches are all on Triton: one launch program for all of them (``triton/program.py``).
-_WHOLE = Whole(_whole_forward, _whole_backward, _whole_state, _whole_saved_like)
+@functools.cache
+def _whole() -> Whole:
+    """A node whose branches are all on Triton: one launch program for all of them (``triton/program.py``),
+    its functions called directly (a mixer call's host time counts on a GPU)."""
+    program = _triton("program")
+    return Whole(program.forward, program.backward, program.state, program.saved_like)
 
 
 def triton_path(name: str) -> Path:
@@ -136,7 +124,7 @@ def triton_path(name: str) -> Path:
         backward=_node_backward,
         low_precision=True,
         twice=True,
-        whole=_WHOLE,
+        whole=_whole,
         rotate=_rotate,
     )
     return Path(supports=_supports, run=_run, fits=_fits, node=node)

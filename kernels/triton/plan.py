@@ -276,8 +276,9 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """The context a plan's or a program's launches run in: ``device`` current on a GPU. Triton launches on
     the current CUDA device and its current stream: a tensor of another GPU would hand that GPU's pointers to
     a kernel on the current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Off a
-    GPU it costs one comparison (launch programs call it per launch list)."""
-    if device.type != "cuda":
+    GPU, or where ``device`` is current already, a context that does nothing: launch programs call this per
+    launch list, and ``torch.cuda.device`` costs several times the check."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
         return _NO_CONTEXT
     return torch.cuda.device(device)
 

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from triton.runtime import driver
 from triton.runtime.jit import JITFunction, KernelInterface
 
 from ..ops import NodeCall, Rotation, tag_branch
@@ -247,11 +248,17 @@ class _Launches:
                 _run(tuple(step.bound(values) for step in steps), steps, values, self._split)
                 return
             with on_device(device):
-                direct = self._direct(bases, device) if BIND_COMPILED else None
+                # the compiled kernels bound for the bases' device and 16-byte alignment (Triton
+                # specialises pointers on it), bound the first time; ``None``: Triton's JIT launcher
+                misaligned = functools.reduce(operator.or_, bases) & 15
+                key = (device.index, *(b & 15 for b in bases)) if misaligned else device.index
+                direct = self.direct.get(key, _UNBOUND) if BIND_COMPILED else None
+                if direct is _UNBOUND:
+                    direct = self._direct(bases, key)
                 if direct is None:
                     self._run_bound(bases)
-                else:
-                    self._run_direct(direct, bases)
+                else:  # the stream Triton's launcher would ask for at every launch, asked once
+                    self._run_direct(direct, bases, driver.active.get_current_stream(device.index))
         except Exception:
             plan.reset_counters(device)
             raise
@@ -266,15 +273,16 @@ class _Launches:
             self._bind(bases)
             _run(self.gpu, self.steps, self.values, self._split)
 
-    def _run_direct(self, direct: _Direct, bases: Sequence[int]) -> None:
+    def _run_direct(self, direct: _Direct, bases: Sequence[int], stream: Any) -> None:
         """Every launch's compiled kernel called on the addresses as integers (Triton's launcher reads an
-        integer as it is; an ``Address`` through its ``data_ptr`` and a driver query). A fused launch that
-        raises runs as its parts (``_split``), through Triton's JIT launcher."""
+        integer as it is; an ``Address`` through its ``data_ptr`` and a driver query), on ``stream`` (the
+        device's current one). A fused launch that raises runs as its parts (``_split``), through Triton's
+        JIT launcher."""
         values = [bases[base] + offset for base, offset in self.offsets]
         values += direct.consts
         for i, (branch, run, take) in enumerate(direct.steps):
             try:
-                run(*take(values))
+                run(*take(values), stream=stream)
             except Exception as exc:
                 if branch is not None:
                     tag_branch(exc, branch)
@@ -283,21 +291,16 @@ class _Launches:
                     self._bind(bases)
                     self._split(direct.launches, self.values, i, exc)
 
-    def _direct(self, bases: Sequence[int], device: torch.device) -> _Direct | None:
-        """The compiled kernels bound for ``bases``' device and 16-byte alignment (Triton specialises
-        pointers on it), bound the first time (``_bind_compiled``); ``None``: launch through Triton's JIT
-        launcher."""
-        misaligned = functools.reduce(operator.or_, bases) & 15
-        key = (device.index, *(b & 15 for b in bases)) if misaligned else device.index
-        direct = self.direct.get(key, _UNBOUND)
-        if direct is _UNBOUND:
-            try:
-                with self.lock:
-                    self._bind(bases)
-                    direct = self._bind_compiled()
-            except Exception:  # e.g. another Triton's API: its JIT launcher compiles and reports
-                direct = None
-            self.direct[key] = direct
+    def _direct(self, bases: Sequence[int], key: Any) -> _Direct | None:
+        """The compiled kernels bound for ``bases`` (``_bind_compiled``), kept under ``key`` (their device and
+        alignment); ``None``: launch through Triton's JIT launcher."""
+        try:
+            with self.lock:
+                self._bind(bases)
+                direct = self._bind_compiled()
+        except Exception:  # e.g. another Triton's API: its JIT launcher compiles and reports
+            direct = None
+        self.direct[key] = direct
         return direct
 
     def _bind_compiled(self) -> _Direct | None:
@@ -411,10 +414,11 @@ def _run(
 
 
 def program_key(qkv: Tensor, weights: Sequence[Tensor]) -> tuple:
-    """What a program depends on besides the node's plan: qkv's and every weight's shape, strides and dtype,
-    the device, and the module state the plan key reads (interpreter, TF32, the test hooks)."""
+    """What a program depends on besides the node's plan: the programs' generation (``clear``), qkv's and
+    every weight's shape, strides and dtype, the device, and the module state the plan key reads
+    (interpreter, TF32, the test hooks)."""
     dtype, device = qkv.dtype, qkv.device
-    key = [qkv.shape, qkv.stride(), dtype, device, *state_of(dtype, device)]
+    key = [_GENERATION[0], qkv.shape, qkv.stride(), dtype, device, *state_of(dtype, device)]
     for w in weights:
         key += (w.shape, w.stride(), w.dtype)
     return tuple(key)
@@ -683,12 +687,18 @@ def _program(
 ) -> MixProgram:  # fmt: skip
     """The program of ``(qkv, weights)`` found in ``cache`` or made from ``calls()`` (the output, each
     branch's ``NodeCall`` and ``Rotation``)."""
-    key = (_GENERATION[0], program_key(qkv, weights))
-    program = cache.get(key)
-    if program is None:
-        if len(cache) >= MAX_PROGRAMS:
-            cache.clear()
-        program = cache[key] = MixProgram(names, qkv, *calls())
+    key = program_key(qkv, weights)
+    return cache.get(key) or _made(cache, key, names, qkv, calls)
+
+
+def _made(
+    cache: dict, key: tuple, names: Sequence[str], qkv: Tensor,
+    calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Rotation | None]]],
+) -> MixProgram:  # fmt: skip
+    """A new program of ``key`` kept in ``cache`` (forgotten at once where it is full)."""
+    if len(cache) >= MAX_PROGRAMS:
+        cache.clear()
+    program = cache[key] = MixProgram(names, qkv, *calls())
     return program
 
 
@@ -699,7 +709,8 @@ def forward(
     """``Whole.forward`` of the Triton path: the program of ``(qkv, weights)`` found in ``cache`` or made from
     ``calls()``, run; saves its workspace (``G``, ``||G||``, the RoPE branches' rotated pairs where they are
     kept)."""
-    program = _program(cache, names, qkv, weights, lambda: (out, *calls()))
+    key = program_key(qkv, weights)
+    program = cache.get(key) or _made(cache, key, names, qkv, lambda: (out, *calls()))
     ws, kept = program.forward(qkv, out, weights, save)
     return ([ws] if save else []), (program, kept)
 

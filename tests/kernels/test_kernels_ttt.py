@@ -439,12 +439,12 @@ def mixer_run(
 
 def _triton_calls(monkeypatch) -> list[str]:
     """The inner models the Triton path runs, in order: a branch alone (``triton_ttt``), in the fused node
-    (``triton.node.forward``) or in its launch program (``triton.program.forward``: every branch)."""
+    (``triton.node.forward``) or in its launch program (``MixProgram.forward``: every branch)."""
     calls: list[str] = []
-    alone, in_node, whole = top.triton_ttt, tnode.forward, tprogram.forward
+    alone, in_node, whole = top.triton_ttt, tnode.forward, tprogram.MixProgram.forward
     monkeypatch.setattr(top, "triton_ttt", lambda *a, **k: calls.append(a[0]) or alone(*a, **k))
     monkeypatch.setattr(tnode, "forward", lambda name, call: calls.append(name) or in_node(name, call))
-    monkeypatch.setattr(tprogram, "forward", lambda c, names, *a: calls.extend(names) or whole(c, names, *a))
+    monkeypatch.setattr(tprogram.MixProgram, "forward", lambda p, *a: calls.extend(p.names) or whole(p, *a))
     return calls
 
 

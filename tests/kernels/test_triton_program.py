@@ -106,6 +106,31 @@ def _fresh_programs():
 # serves
 
 
+def test_the_node_computes_in_its_inputs_dtype_under_autocast():
+    """``fused_mix`` under a bfloat16 autocast region, forward and backward: the same output and gradients,
+    bit for bit, as without it (its PyTorch passes, here the branches' tiled ones, run with autocast off)."""
+    branches, b, grid = CASES["official"]
+    spec = _spec(branches, grid, path="eager")
+    qkv, weights = _inputs(spec, b, torch.float32)
+    plain = _run(spec, qkv, weights)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = _run(spec, qkv, weights)
+    for got, exp in zip(under, plain, strict=True):
+        assert got.dtype == exp.dtype and torch.equal(got, exp)
+
+
+def test_launches_switch_the_current_gpu_only_for_another_gpus_tensors(monkeypatch):
+    """``on_device``: nothing to enter for CPU tensors and for the current GPU's (the usual call, where
+    ``torch.cuda.device`` would cost more than the launches' own Python), the GPU's context for another's."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    nothing = tplan.on_device(CPU)
+    assert tplan.on_device(torch.device("cuda", 1)) is nothing
+    with nothing:
+        pass
+    other = tplan.on_device(torch.device("cuda", 0))
+    assert isinstance(other, torch.cuda.device) and other.idx == 0
+
+
 @pytest.mark.triton
 def test_a_node_of_triton_branches_is_one_program(monkeypatch, triton_device):
     branches, b, grid = CASES["official"]
@@ -613,7 +638,8 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
     launcher (its binder, its cache lookup) skipped, with the arguments that launcher would hand it: those of
     Triton's own binder for an sm_90 target, each pointer as the integer address Triton's launcher would read
     from it (``data_ptr``), checked at every launch against the JIT launcher's on the same tensors, the first
-    call's included; with RoPE the rotations among them."""
+    call's included; with RoPE the rotations among them. Each launch goes on the stream the driver names
+    current, asked once per launch list (Triton's launcher asks at every launch)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -624,7 +650,14 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
     _gpu_host(monkeypatch)
     use_gpu_kernels(monkeypatch)
     backend = make_backend(GPUTarget("cuda", 90, 32))
-    compiled, launched = [], []
+    compiled, launched, streams, asked = [], [], [], []
+
+    class Driver:
+        def get_current_stream(self, device):
+            asked.append(device)
+            return 1234
+
+    monkeypatch.setattr(tprogram.driver, "_active", Driver())
 
     def resolved(args) -> list:
         return [a.data_ptr() if isinstance(a, tprogram.Address) else a for a in args]
@@ -642,6 +675,7 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
                 assert not any(isinstance(a, tprogram.Address) for a in args), self.name
                 assert len(args) == len(self.expected), self.name
                 launched.append((self.name, list(args)))
+                streams.append(stream)
 
             return launch
 
@@ -670,6 +704,7 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
         _program_call(cache, layout, *call)
     kernels = len(compiled) // 2  # compiled for the first call's alignment, then for the shifted one's
     assert kernels >= 5 and len(launched) == 3 * kernels and not through_jit
+    assert streams == [1234] * len(launched) and len(asked) == 3 * 2  # three calls' forward and backward
     assert sum(k.name == "rope_kernel" for k in compiled[:kernels]) == (3 if rope else 0)  # q, k; again; back
     firsts = [*launched[:kernels], *launched[2 * kernels :]]  # the calls the kernels were compiled for
     assert [args for _, args in firsts] == [k.expected for k in compiled]

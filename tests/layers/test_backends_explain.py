@@ -278,7 +278,7 @@ def test_explain_says_when_the_fused_node_is_one_launch_program(monkeypatch, rop
     assert expl.program and "as one launch program" in str(expl)
     assert json.loads(json.dumps(expl.to_dict()))["launch_program"]
     needs_kernels(CPU)
-    called = count_calls(monkeypatch, tprogram, "forward")
+    called = count_calls(monkeypatch, tprogram.MixProgram, "forward")
     mixer(x, BIG_GRID)
     mixer(x, BIG_GRID)  # settled: the fused node itself
     assert called["n"] > 0

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from vit3.kernels.common import autocast_backward, autocast_forward, grad_flows, weight_grad
+from vit3.kernels.common import autocast_off, grad_flows, weight_grad
 from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Rotation, Whole, tag_branch
 
 from .rope import apply_rope_2d, rope_tables
@@ -169,6 +169,8 @@ class MixLayout(NamedTuple):
     names: tuple[str, ...]  # the branches' ops
     whole: Whole | None  # every branch's path runs the whole node (``Node.whole``), else ``None``
     programs: dict  # the cache ``whole`` keeps for this spec
+    n_weights: int  # the initial weights of all branches
+    stacked: tuple[bool, ...]  # per branch: its weights' gradients come as one stacked tensor (two weights)
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,11 +186,15 @@ def mix_layout(spec: MixSpec) -> MixLayout:
         found.append((path.node, len(op.weights), br.heads * br.head_dim))
     hyper = Hyper(spec.grid, spec.scale, spec.lr, spec.grad_norm, "dot", spec.recompute)
     twice = all(node.twice for node, *_ in found)
-    whole = found[0][0].whole if found else None
-    if any(node.whole is not whole for node, *_ in found):
-        whole = None
+    make_whole = found[0][0].whole if found else None
+    if any(node.whole is not make_whole for node, *_ in found):
+        make_whole = None
+    whole = make_whole() if make_whole is not None else None
     names = tuple(br.op for br in spec.branches)
-    return MixLayout(spec, tuple(found), sum(w for *_, w in found), hyper, twice, names, whole, {})
+    counts = [count for _, count, _ in found]
+    stacked = tuple(count == 2 for count in counts)
+    width = sum(w for *_, w in found)
+    return MixLayout(spec, tuple(found), width, hyper, twice, names, whole, {}, sum(counts), stacked)
 
 
 def reference_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
@@ -315,8 +321,13 @@ def _whole_backward(
 
 def _split_grads(layout: MixLayout, dws: list[Tensor]) -> list[Tensor]:
     """Each branch's weight gradients (``_whole_backward``: one tensor per branch) one by one."""
-    counts = [count for _, count, _ in layout.nodes]
-    return [g for dw, count in zip(dws, counts) for g in (dw.unbind(0) if count == 2 else (dw,))]
+    grads: list[Tensor] = []
+    for dw, stacked in zip(dws, layout.stacked):
+        if stacked:
+            grads += dw.unbind(0)
+        else:
+            grads.append(dw)
+    return grads
 
 
 def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
@@ -374,8 +385,8 @@ def _reference_grads(spec: MixSpec, d_out: Tensor, qkv: Tensor, weights: list[Te
 def _backward_twice(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     """A backward that is itself differentiable (``create_graph=True``, ``_reference_grads``) on the saved
     qkv and weights."""
-    layout, _, _, weight_shapes, _ = ctx.state
-    qkv, *weights = ctx.saved_tensors[-1 - len(weight_shapes) :]
+    layout = ctx.state[0]
+    qkv, *weights = ctx.saved_tensors[-1 - layout.n_weights :]
     got = _reference_grads(layout.spec, d_out, qkv, weights)
     return (got[0], None, None, *got[1:])
 
@@ -387,7 +398,6 @@ class _FusedMix(torch.autograd.Function):
     its kernels here."""
 
     @staticmethod
-    @autocast_forward
     def forward(ctx, qkv: Tensor, layout: MixLayout, args: tuple | None, *weights: Tensor) -> Tensor:
         if args is not None and _traced(qkv):
             with torch._C._AutoDispatchBelowAutograd():
@@ -396,22 +406,34 @@ class _FusedMix(torch.autograd.Function):
         else:
             out, saved, tags = _forward(qkv, layout, True, weights)
         # qkv and the weights too where the backward is differentiable or the whole-node hooks run
-        ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice or layout.whole else ()))
-        ctx.state = (layout, tags, qkv.shape, [w.shape for w in weights], args)
+        whole = layout.whole is not None
+        ctx.save_for_backward(*saved, *((qkv, *weights) if layout.twice or whole else ()))
+        # the weights' shapes where the branches' hooks return their gradients unshaped (``weight_grad``)
+        ctx.state = (layout, tags, qkv.shape, None if whole else [w.shape for w in weights], args)
         if args is None:
             return out
         ctx.mark_non_differentiable(*saved)  # the op returns them too
         return (out, *saved)
 
     @staticmethod
-    @autocast_backward  # the forward runs with autocast off (the mixer's inner loops): so does this
     def backward(ctx: Any, d_out: Tensor, *_d_saved: Tensor) -> tuple[Tensor | None, ...]:
         grad = torch.is_grad_enabled()  # create_graph=True: the gradients must be differentiable themselves
-        if ctx.state[1] is None:  # traced: the op's backward
-            return (_backward_twice if grad else _op_backward)(ctx, d_out)
-        if not grad:  # the usual backward: no wrapper to pay for
+        if not grad and ctx.state[1] is not None and ctx.state[0].whole is not None:
+            # the usual backward of an eager call on the whole-node hooks: they allocate in explicit dtypes
+            # and run no PyTorch op that autocast would change
             return _backward(ctx, d_out)
-        return (_backward_twice if ctx.state[0].twice else _backward_once)(ctx, d_out)
+        with autocast_off(d_out.device.type):  # as the forward ran (``fused_mix``)
+            return _any_backward(ctx, d_out, grad)
+
+
+def _any_backward(ctx: Any, d_out: Tensor, grad: bool) -> tuple[Tensor | None, ...]:
+    """``_FusedMix.backward`` of a traced op call, of the branches' hooks, or differentiable itself
+    (``grad``: ``create_graph=True``)."""
+    if ctx.state[1] is None:  # traced: the op's backward
+        return (_backward_twice if grad else _op_backward)(ctx, d_out)
+    if not grad:  # the usual backward: no wrapper to pay for
+        return _backward(ctx, d_out)
+    return (_backward_twice if ctx.state[0].twice else _backward_once)(ctx, d_out)
 
 
 def fused_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
@@ -425,7 +447,8 @@ def fused_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
             [1, G, c, c]`` (SwiGLU) or ``weight [1, G*c, 3, 3]`` (depthwise conv), in qkv's dtype.
 
     Returns:
-        The read-outs concatenated ``[B, N, sum(widths)]``.
+        The read-outs concatenated ``[B, N, sum(widths)]``, computed in qkv's dtype whatever the autocast
+        state (the backward too).
     """
     # Traced: the mixer op, which the graph keeps whole. Eager: the op's autograd kernel, the node, entered
     # directly (the dispatcher's argument parsing and Python kernels cost more: docs/kernels.md).
@@ -439,10 +462,11 @@ def fused_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
             f"{qkv.dtype} qkv: only branches on Triton take it as it is (float32 / float64 else)"
         )
     # Saving for the backward only when autograd will call it (not under no_grad / inference); without it
-    # the node is not needed either.
-    if grad_flows(qkv, *weights):
-        return _FusedMix.apply(qkv, layout, None, *weights)
-    return _forward(qkv, layout, False, tuple(weights))[0]
+    # the node is not needed either. Autocast off: the node computes in qkv's dtype, its backward too.
+    with autocast_off(qkv.device.type):
+        if grad_flows(qkv, *weights):
+            return _FusedMix.apply(qkv, layout, None, *weights)
+        return _forward(qkv, layout, False, tuple(weights))[0]
 
 
 # ------------------------------------------------------------------------------------------------ the op
@@ -582,9 +606,9 @@ torch.library.register_fake("vit3::mix_backward", _mix_backward_fake, lib=_LIB)
 
 def _op_backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
     """``_FusedMix``'s backward of a traced op call: ``mix_backward_op`` on what the op saved."""
-    layout, _, _, weight_shapes, args = ctx.state
+    layout, args = ctx.state[0], ctx.state[4]
     tensors = ctx.saved_tensors
-    n_saved = len(tensors) - 1 - len(weight_shapes)
+    n_saved = len(tensors) - 1 - layout.n_weights
     qkv, *weights = tensors[n_saved:]
     dqkv, stacked = mix_backward_op(d_out, qkv, weights, list(tensors[:n_saved]), *args)
     return (dqkv, None, None, *_split_grads(layout, stacked))

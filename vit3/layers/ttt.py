@@ -8,7 +8,6 @@ method, and the op references (``vit3.kernels.<op>.reference``) for the formulas
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels import OPS
-from vit3.kernels.common import autocast_backward, autocast_forward, autocast_on, grad_flows, normalize_grad
+from vit3.kernels.common import autocast_backward, autocast_forward, autocast_off, grad_flows, normalize_grad
 
 from . import backends
 from .backends import MixerExplanation, ModelExplanation
@@ -282,8 +281,7 @@ class TTTMixer(nn.Module):
         if not qkv.shape[0]:  # no kernel path takes an empty batch
             return self._empty_mix(qkv, gates)
         if self.scriptable:  # built for TorchScript: the path it compiles, eager too (autocast off inside)
-            device = qkv.device.type
-            with torch.autocast(device, enabled=False) if autocast_on(device) else contextlib.nullcontext():
+            with autocast_off(qkv.device.type):
                 return self.reference_mix(qkv, grid, gates)
         if gates is None and not kind:
             calls = self._call_cache
@@ -318,13 +316,7 @@ class TTTMixer(nn.Module):
         flat = [p for w in weights for p in w.values()]
         call = self._call(qkv, grid, grad_flows(qkv, gates, *flat), kind)
         plan = call.plan
-        device = qkv.device.type
-        # autocast off inside; entering the context costs more than the check where it is off already
-        with (
-            torch.autocast(device_type=device, enabled=False)
-            if autocast_on(device)
-            else contextlib.nullcontext()
-        ):
+        with autocast_off(qkv.device.type):  # the inner loops compute in qkv's dtype
             if not plan.fused:
                 return self._mix(plan, qkv, grid, gates, weights, guard=True)
             if call.settled:  # verified: no guard, the node itself
