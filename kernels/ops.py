@@ -206,9 +206,9 @@ class Node(NamedTuple):
         mix: ``(head_dim, qkv) -> (code, block)``: the op's branch in the whole-mixer C++ op
             (``kernels/mix/csrc/mix.cpp``, ``cpu`` paths): its op code there and the token block of its step
             on tensors like qkv; ``None``: no branch there (mixers with such a branch run the Python node).
-        whole: makes the path's hooks for a whole node of its branches (``Whole``), once: the node asks the
-            first time it meets a call of them (the hooks' module may import what a path's table must not,
-            such as Triton); ``None``: branch by branch.
+        whole: a zero-argument callable making the path's hooks for a whole node of its branches
+            (``Whole``), called by ``fused_mix.mix_layout`` when it builds a layout of them (the hooks' module
+            may import what a path's table must not, such as Triton); ``None``: branch by branch.
         stored: ``(parameter, initial) -> bool``: whether the whole-mixer C++ op (``mix``) takes the inner
             model's ``parameter`` as stored where the model hands ``initial``, a view of it (the op reads the
             module's parameters on every call); ``None``: only an initial weight that is the parameter itself.

@@ -105,7 +105,8 @@ def _rotate(*args: Any) -> None:
 @functools.cache
 def _whole() -> Whole:
     """A node whose branches are all on Triton: one launch program for all of them (``triton/program.py``),
-    its functions called directly (a mixer call's host time counts on a GPU)."""
+    its functions called directly (a mixer call's host time counts on a GPU). Made once: a test that watches
+    the program patches ``MixProgram``'s methods, not these functions."""
     program = _triton("program")
     return Whole(program.forward, program.backward, program.state, program.saved_like)
 

@@ -106,16 +106,30 @@ def _fresh_programs():
 # serves
 
 
-def test_the_node_computes_in_its_inputs_dtype_under_autocast():
-    """``fused_mix`` under a bfloat16 autocast region, forward and backward: the same output and gradients,
-    bit for bit, as without it (its PyTorch passes, here the branches' tiled ones, run with autocast off)."""
-    branches, b, grid = CASES["official"]
-    spec = _spec(branches, grid, path="eager")
-    qkv, weights = _inputs(spec, b, torch.float32)
+@pytest.mark.parametrize("backward", ["inside", "after"])
+@pytest.mark.parametrize(
+    "path", ["eager", pytest.param("triton", marks=pytest.mark.triton)], ids=["tiled-passes", "program-rope"]
+)
+def test_the_node_computes_in_its_inputs_dtype_under_autocast(path, backward, request):
+    """``fused_mix`` under a bfloat16 autocast region, its backward inside the region or after it: the same
+    output and gradients, bit for bit, as without autocast (the branches' tiled PyTorch passes run with it
+    off; so does whatever PyTorch op the launch program's path runs, RoPE on)."""
+    device = request.getfixturevalue("triton_device") if path == "triton" else CPU
+    branches, b, grid = CASES["batch-1"]
+    spec = _spec(branches, grid, path=path, rope=path == "triton")
+    qkv, weights = _inputs(spec, b, torch.float32, device)
     plain = _run(spec, qkv, weights)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        under = _run(spec, qkv, weights)
-    for got, exp in zip(under, plain, strict=True):
+
+    def under() -> list[torch.Tensor]:
+        leaves = [t.detach().requires_grad_() for t in (qkv, *weights)]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = em.fused_mix(leaves[0], spec, leaves[1:])
+            if backward == "inside":
+                return [out, *torch.autograd.grad(out, leaves, dout.to(out))]
+        return [out, *torch.autograd.grad(out, leaves, dout.to(out))]
+
+    dout = torch.randn(plain[0].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for got, exp in zip(under(), plain, strict=True):
         assert got.dtype == exp.dtype and torch.equal(got, exp)
 
 
@@ -641,7 +655,7 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
     call's included; with RoPE the rotations among them. Each launch goes on the stream the driver names
     current, asked once per launch list (Triton's launcher asks at every launch)."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
+    from triton.compiler import CompiledKernel, make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
     # The binder's first call imports Gluon, whose helpers check the kernels' kind against the interpreter
@@ -663,21 +677,28 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
         return [a.data_ptr() if isinstance(a, tprogram.Address) else a for a in args]
 
     class Compiled:
+        """A compiled kernel launching nothing, launched through Triton's own ``[grid]`` runner."""
+
+        function = packed_metadata = src = None
+        __getitem__ = CompiledKernel.__getitem__
+        launch_metadata = CompiledKernel.launch_metadata
+
         def __init__(self, kernel: JITFunction, args: tuple, kwargs: dict) -> None:
             self.name = kernel.fn.__name__
             binder = create_function_from_signature(kernel.signature, kernel.params, backend)
             self.expected = resolved(binder(*args, **kwargs)[0].values())  # the addresses bound now
 
-        def __getitem__(self, grid: tuple):
-            assert len(grid) == 3 and all(isinstance(n, int) and n >= 1 for n in grid)
+        def _init_handles(self) -> None:
+            pass
 
-            def launch(*args, stream=None):
-                assert not any(isinstance(a, tprogram.Address) for a in args), self.name
-                assert len(args) == len(self.expected), self.name
-                launched.append((self.name, list(args)))
-                streams.append(stream)
-
-            return launch
+        def run(self, *grid_stream_meta_args):  # the driver's launch: grid, stream, 5 handles, arguments
+            *grid, stream = grid_stream_meta_args[:4]
+            args = grid_stream_meta_args[9:]
+            assert all(isinstance(n, int) and n >= 1 for n in grid)
+            assert not any(isinstance(a, tprogram.Address) for a in args), self.name
+            assert len(args) == len(self.expected), self.name
+            launched.append((self.name, list(args)))
+            streams.append(stream)
 
     def warmup(kernel: JITFunction, *args, grid, **kwargs):
         made = Compiled(kernel, args, kwargs)
@@ -704,7 +725,8 @@ def test_a_gpu_host_calls_each_compiled_kernel_with_the_arguments_tritons_launch
         _program_call(cache, layout, *call)
     kernels = len(compiled) // 2  # compiled for the first call's alignment, then for the shifted one's
     assert kernels >= 5 and len(launched) == 3 * kernels and not through_jit
-    assert streams == [1234] * len(launched) and len(asked) == 3 * 2  # three calls' forward and backward
+    # three calls' forward and backward, each asking for its device's (CPU tensors here: no index)
+    assert streams == [1234] * len(launched) and asked == [None] * 3 * 2
     assert sum(k.name == "rope_kernel" for k in compiled[:kernels]) == (3 if rope else 0)  # q, k; again; back
     firsts = [*launched[:kernels], *launched[2 * kernels :]]  # the calls the kernels were compiled for
     assert [args for _, args in firsts] == [k.expected for k in compiled]

@@ -447,8 +447,8 @@ def fused_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
             [1, G, c, c]`` (SwiGLU) or ``weight [1, G*c, 3, 3]`` (depthwise conv), in qkv's dtype.
 
     Returns:
-        The read-outs concatenated ``[B, N, sum(widths)]``, computed in qkv's dtype whatever the autocast
-        state (the backward too).
+        The read-outs concatenated ``[B, N, sum(widths)]``, computed in qkv's dtype with autocast off (the
+        backward too).
     """
     # Traced: the mixer op, which the graph keeps whole. Eager: the op's autograd kernel, the node, entered
     # directly (the dispatcher's argument parsing and Python kernels cost more: docs/kernels.md).
