@@ -139,10 +139,13 @@ def build_scheduler(
       note); one that changes the batch, the seed, the data or the process count needs
       ``train.force_resume=true`` (``checkpoint.DATA_STREAM_KEYS``).
 
-    Tested: the formula, timm's scheduler bit for bit and the layer-decay groups
-    (``tests/engine/test_train_recipe.py``); a run with gradient accumulation applies the formula at every
-    update, the count going on across epochs (``test_a_run_applies_the_formulas_lr_at_every_update``); a
-    forced resume with another batch (``test_a_resume_takes_its_configs_optimizer_settings_and_schedule``).
+    Tested: the formula, timm's scheduler bit for bit, the layer-decay groups, and a run with gradient
+    accumulation applying the formula at every update, the count going on across epochs
+    (``tests/engine/test_train_recipe.py``, ``test_a_run_applies_the_formulas_lr_at_every_update``); a forced
+    resume with another batch (``tests/engine/test_checkpoint_record.py``,
+    ``test_a_resume_takes_its_configs_optimizer_settings_and_schedule``); the step a resume re-derives
+    (``tests/engine/test_engine_common.py``,
+    ``test_a_resume_with_another_batch_per_update_goes_on_after_the_images_seen``).
     """
     return WarmupCosine(
         optimizer,
