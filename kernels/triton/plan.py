@@ -277,8 +277,11 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     the current CUDA device and its current stream: a tensor of another GPU would hand that GPU's pointers to
     a kernel on the current one (an illegal, sticky memory fault), on tiles sized for the wrong part. Off a
     GPU, or where ``device`` is current already, a context that does nothing: launch programs call this per
-    launch list, and ``torch.cuda.device`` costs several times the check."""
-    if device.type != "cuda" or device.index == torch.cuda.current_device():
+    launch list, and ``torch.cuda.device`` costs several times the check (asked once CUDA is initialised:
+    fake tensors of a GPU can reach here on a host without one)."""
+    if device.type != "cuda":
+        return _NO_CONTEXT
+    if torch.cuda.is_initialized() and device.index == torch.cuda.current_device():
         return _NO_CONTEXT
     return torch.cuda.device(device)
 

@@ -135,12 +135,17 @@ def test_the_node_computes_in_its_inputs_dtype_under_autocast(path, backward, re
 
 def test_launches_switch_the_current_gpu_only_for_another_gpus_tensors(monkeypatch):
     """``on_device``: nothing to enter for CPU tensors and for the current GPU's (the usual call, where
-    ``torch.cuda.device`` would cost more than the launches' own Python), the GPU's context for another's."""
+    ``torch.cuda.device`` would cost more than the launches' own Python), the GPU's context for another's;
+    before CUDA is initialised (fake tensors of a GPU on a host without one) the GPU's context, unasked."""
+    initialised = [False]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialised[0])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     nothing = tplan.on_device(CPU)
-    assert tplan.on_device(torch.device("cuda", 1)) is nothing
     with nothing:
         pass
+    assert isinstance(tplan.on_device(torch.device("cuda", 1)), torch.cuda.device)
+    initialised[0] = True
+    assert tplan.on_device(torch.device("cuda", 1)) is nothing
     other = tplan.on_device(torch.device("cuda", 0))
     assert isinstance(other, torch.cuda.device) and other.idx == 0
 
