@@ -55,6 +55,16 @@ def test_mask_rcnn_trains_and_evaluates_through_pycocotools(coco_root, tmp_path)
     assert json.loads(out.read_text())["metrics"]["bbox_AP"] == pytest.approx(metrics["bbox_AP"])
 
 
+def test_a_resume_into_another_folder_names_the_best_checkpoint_that_exists(coco_root, tmp_path):
+    """A finished detection run resumed into another folder trains nothing more and writes no ``best.pt``:
+    its summary names the resumed run's, as a classification run's does (``loop.best_checkpoint``)."""
+    source, again = tmp_path / "source", tmp_path / "again"
+    train(load_config(DET, det_args(coco_root, source)))
+    train(load_config(DET, [*det_args(coco_root, again), f"train.resume={source / 'last.pt'}"]))
+    assert (source / "best.pt").is_file() and not (again / "best.pt").exists()
+    assert json.loads((again / "summary.json").read_text())["best"] == str(source / "best.pt")
+
+
 def _resumable(path):
     ckpt = read_ckpt(path)
     return {k: ckpt[k] for k in ("model", "optimizer", "scaler", "global_step", "epoch", "losses", "history")}

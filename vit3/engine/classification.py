@@ -46,7 +46,7 @@ from .classification_model import (
 )
 from .config import Config, ConfigError, check_batch_norm_batch, check_config, check_input_size, key_name
 from .distributed import DistInfo, log, log_row
-from .loop import TrainRun, epoch_batches, log_setup, optimizer_step, run_epochs, run_summary
+from .loop import TrainRun, best_checkpoint, epoch_batches, log_setup, optimizer_step, run_epochs, run_summary
 from .metrics import plot_curves, write_metrics
 from .optim import build_optimization
 from .process import autocast, wrap_ddp
@@ -427,17 +427,6 @@ def _finish_epoch(run: ClassificationRun, epoch_time: float, images: int) -> dic
     return row
 
 
-def _best_file(run: ClassificationRun, p: _Progress) -> str | None:
-    """The checkpoint of the best epoch (``train.keep_best``): this run's ``best.pt``, else, for a run
-    resumed into another folder that has not beaten its checkpoint's best, the resumed run's; ``None``
-    where neither exists."""
-    if not run.cfg.train.keep_best:
-        return None
-    folders = [run.out, *([Path(p.resumed_from).parent] if p.resumed_from else [])]
-    found = next((f / "best.pt" for f in folders if (f / "best.pt").is_file()), None)
-    return str(found) if found is not None else None
-
-
 def _time_summary(p: _Progress) -> dict[str, Any]:
     """The summary's run time: ``wall_time_s`` the whole run's (the time before a resume is what its
     checkpoint kept), ``wall_time_covers`` says what it covers, and for a resumed run
@@ -488,7 +477,7 @@ def train_in_group(
             run_bar.close()
     summary = {
         **run_summary(run.model, run.info.world, run.out, p.history),
-        "best": _best_file(run, p),
+        "best": best_checkpoint(run.out, run.cfg.train.keep_best, p.resumed_from),
         "best_top1": p.best_top1,
         **run.summary_extra(),
         **_time_summary(p),

@@ -44,7 +44,7 @@ from .dense_model import (
     model_and_data,
 )
 from .distributed import DistInfo, barrier, distributed, log
-from .loop import optimizer_step, run_summary
+from .loop import best_checkpoint, optimizer_step, run_summary
 from .optim import DenseSchedule, build_dense_optimizer, load_optimizer_state, scaled_lrs
 from .process import amp_dtype, autocast, wrap_ddp
 from .resume import Progress, check_resume, restore_rng, save_state, start_run
@@ -220,7 +220,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         p.roll_over(batches_per_epoch)
     summary = {
         **run_summary(model, info.world, out, p.history),
-        "best": str(out / "best.pt") if cfg.train.keep_best and (out / "best.pt").is_file() else None,
+        "best": best_checkpoint(out, cfg.train.keep_best, resume or None),
         f"best_{key}": p.best if p.history else None,
         "steps": p.global_step,
         "wall_time_this_process_s": round(time.time() - t0, 1),

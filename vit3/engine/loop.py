@@ -23,7 +23,15 @@ from .optim import Optimization, build_optimizer, load_optimizer_state, lr_facto
 from .process import check_ranks_agree
 from .resume import Progress
 
-__all__ = ["TrainRun", "epoch_batches", "log_setup", "optimizer_step", "run_epochs", "run_summary"]
+__all__ = [
+    "TrainRun",
+    "best_checkpoint",
+    "epoch_batches",
+    "log_setup",
+    "optimizer_step",
+    "run_epochs",
+    "run_summary",
+]
 
 
 @dataclass
@@ -174,6 +182,17 @@ def run_epochs(
         train_epoch()
         images = (batches_per_epoch - batch0) * int(cfg.data.batch_size) * run.info.world
         finish_epoch(time.perf_counter() - tick, images)
+
+
+def best_checkpoint(out: Path, keep_best: bool, resumed_from: str | None) -> str | None:
+    """The checkpoint of the run's best evaluation (``train.keep_best``): ``out``'s ``best.pt``, else, for a
+    run resumed into another folder that has not beaten its checkpoint's best, the resumed run's; ``None``
+    where neither exists (a summary names no file that is not there)."""
+    if not keep_best:
+        return None
+    folders = [out, *([Path(resumed_from).parent] if resumed_from else [])]
+    found = next((f / "best.pt" for f in folders if (f / "best.pt").is_file()), None)
+    return str(found) if found is not None else None
 
 
 def run_summary(model: nn.Module, world: int, out: Path, history: list[dict[str, Any]]) -> dict[str, Any]:
