@@ -22,6 +22,7 @@ from torch import Tensor
 from .losses import loss_value
 
 __all__ = [
+    "NO_CONTEXT",
     "autocast_backward",
     "autocast_forward",
     "autocast_off",
@@ -47,13 +48,14 @@ def autocast_on(device: str) -> bool:
     return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
 
 
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: where autocast is off already
+NO_CONTEXT = contextlib.nullcontext()
+"""A context that does nothing, one instance for every call that needs none (a hot path's ``with``)."""
 
 
 def autocast_off(device: str) -> contextlib.AbstractContextManager:
     """A context with autocast off for ``device`` (a device type); where it is off already, one that does
     nothing (entering ``torch.autocast`` costs more than the check)."""
-    return torch.autocast(device, enabled=False) if autocast_on(device) else _NO_CONTEXT
+    return torch.autocast(device, enabled=False) if autocast_on(device) else NO_CONTEXT
 
 
 def autocast_forward(forward: Callable[..., Any]) -> Callable[..., Any]:

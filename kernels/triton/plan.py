@@ -18,6 +18,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from triton.runtime import driver
 
+from ..common import NO_CONTEXT
 from ..dwconv import triton as dwconv_kernels
 from . import matrix as matrix_kernels
 from . import step as step_kernels
@@ -269,9 +270,6 @@ class LaunchPlan(NamedTuple):
         return tuple([tensors[i] for i in self.outputs])
 
 
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: one instance serves every call off a GPU
-
-
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """The context a plan's or a program's launches run in: ``device`` current on a GPU. Triton launches on
     the current CUDA device and its current stream: a tensor of another GPU would hand that GPU's pointers to
@@ -280,9 +278,9 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     launch list, and ``torch.cuda.device`` costs several times the check (asked once CUDA is initialised:
     fake tensors of a GPU can reach here on a host without one)."""
     if device.type != "cuda":
-        return _NO_CONTEXT
+        return NO_CONTEXT
     if torch.cuda.is_initialized() and device.index == torch.cuda.current_device():
-        return _NO_CONTEXT
+        return NO_CONTEXT
     return torch.cuda.device(device)
 
 

@@ -220,7 +220,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         p.roll_over(batches_per_epoch)
     summary = {
         **run_summary(model, info.world, out, p.history),
-        "best": best_checkpoint(out, cfg.train.keep_best, resume or None),
+        "best": best_checkpoint(out, cfg.train.keep_best, resume),
         f"best_{key}": p.best if p.history else None,
         "steps": p.global_step,
         "wall_time_this_process_s": round(time.time() - t0, 1),

@@ -184,10 +184,11 @@ def run_epochs(
         finish_epoch(time.perf_counter() - tick, images)
 
 
-def best_checkpoint(out: Path, keep_best: bool, resumed_from: str | None) -> str | None:
+def best_checkpoint(out: Path, keep_best: bool, resumed_from: str) -> str | None:
     """The checkpoint of the run's best evaluation (``train.keep_best``): ``out``'s ``best.pt``, else, for a
-    run resumed into another folder that has not beaten its checkpoint's best, the resumed run's; ``None``
-    where neither exists (a summary names no file that is not there)."""
+    run resumed (from checkpoint ``resumed_from``, "" for a fresh run) into another folder that has not
+    beaten its checkpoint's best, the resumed run's; ``None`` where neither exists (a summary names no file
+    that is not there)."""
     if not keep_best:
         return None
     folders = [out, *([Path(resumed_from).parent] if resumed_from else [])]
