@@ -4,6 +4,8 @@ inner gradients taken with ``torch.autograd.grad(create_graph=True)`` instead of
 Nothing here calls the closed-form gradients of ``vit3.layers.inner_models``; the tests compare the two.
 The inner models with an op of their own (``swiglu``, ``linear``, ``dwconv``) are that op's reference model
 (``vit3.kernels.<op>.reference``), and the normalisation is the shared ``normalize_grad``: no formula twice.
+A registered model written nowhere here is its own definition: its ``forward_train``, layouts and
+``norm_dims`` stand in, and the loop, the gradients and the mixer around it stay this file's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from vit3.kernels.linear.reference import linear
 from vit3.kernels.swiglu.reference import swiglu
 from vit3.layers import TTTMixer, apply_rope_2d, loss_value
 from vit3.layers.config import GRID_MODELS
+from vit3.layers.inner_models import InnerModel, ResidualNormInner, create_inner_model
+
+WRITTEN_HERE = ("linear", "silu", "swiglu", "swiglu_out", "dwconv", "mlp", "mlp3", "conv")
 
 _ACTS = {"gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "silu": F.silu}
 
@@ -82,17 +87,20 @@ def _reference_g(name: str, p: dict[str, Tensor], x: Tensor, grid: tuple[int, in
     if name in ("mlp", "mlp3"):
         return _mlp(p, x, cfg, 3 if name == "mlp3" else 2)
     b, g, n, c = x.shape
+    if name not in WRITTEN_HERE:
+        return _own_definition(name, g, c, cfg).forward_train(p, x, grid, need_output=True)[0]
     maps = x.permute(0, 1, 3, 2).reshape(b, g * c, *grid)  # [B, G*c, h, w]
-    if name == "conv":
-        w = p["weight"]  # [B|1, G, 9c, c] -> conv weights [B|1, G*c_out, c_in, 3, 3]
-        w = w.transpose(-2, -1).reshape(w.shape[0], g * c, c, 3, 3)
-        out = _per_sample_conv(maps, w, groups=g)
-    else:
-        raise ValueError(
-            f"no reference forward for the inner model {name!r}: each registered model needs its own here "
-            "(docs/layout.md, 'Adding an inner model')"
-        )
+    w = p["weight"]  # [B|1, G, 9c, c] -> conv weights [B|1, G*c_out, c_in, 3, 3]
+    w = w.transpose(-2, -1).reshape(w.shape[0], g * c, c, 3, 3)
+    out = _per_sample_conv(maps, w, groups=g)
     return out.reshape(b, g, c, n).transpose(-2, -1)
+
+
+def _own_definition(name: str, heads: int, head_dim: int, cfg) -> InnerModel:
+    """The registered model ``name`` without its ``x + LN(g(x))`` wrapper: the definition of one that is
+    not written in this file."""
+    model = create_inner_model(name, heads, head_dim, cfg)
+    return model.model if isinstance(model, ResidualNormInner) else model
 
 
 def reference_params(name: str, model) -> tuple[dict[str, Tensor], tuple[Tensor, Tensor] | None]:
@@ -104,6 +112,9 @@ def reference_params(name: str, model) -> tuple[dict[str, Tensor], tuple[Tensor,
     if "ln_weight" in named:
         norm = (named.pop("ln_weight").view(heads, c), named.pop("ln_bias").view(heads, c))
         named = {key.removeprefix("model."): val for key, val in named.items()}
+    if name not in WRITTEN_HERE:
+        bare = model.model if isinstance(model, ResidualNormInner) else model
+        return dict(bare.initial_params()), norm
     p = {}
     for key, val in named.items():
         if name == "dwconv":
@@ -128,7 +139,10 @@ def reference_inner_loop(
     norm: tuple[Tensor, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """Inner training by autograd: per-sample weights, loss ``(s/n) sum_n gate_n l_n`` per mini-batch."""
-    b, _, n, _ = k.shape
+    b, heads, n, c = k.shape
+    dims = {key: (-2, -1) if name == "dwconv" else (-2,) for key in p0}
+    if name not in WRITTEN_HERE:
+        dims = {key: tuple(_own_definition(name, heads, c, cfg).norm_dims(key)) for key in p0}
     params = {key: val.expand(b, *val.shape[1:]) + 0.0 for key, val in p0.items()}  # per-sample copies
     chunks = torch.arange(n).tensor_split(cfg.mini_batches)
     for _ in range(cfg.steps):
@@ -142,7 +156,7 @@ def reference_inner_loop(
             new = {}
             for (key, w), g in zip(params.items(), grads):
                 if cfg.grad_norm:
-                    g = normalize_grad(g, (-2, -1) if name == "dwconv" else (-2,))
+                    g = normalize_grad(g, dims[key])
                 new[key] = w - cfg.inner_lr * g
             params = new
     return params

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.reference import assert_mixer_matches_reference, reference_forward, reference_params
+from helpers import reference
+from helpers.reference import (
+    WRITTEN_HERE,
+    assert_mixer_matches_reference,
+    reference_forward,
+    reference_params,
+)
 from torch import nn
 
 from vit3.layers import (
@@ -156,6 +162,9 @@ def test_a_new_inner_model_is_one_registered_class(registry):
     x = torch.randn(2, GRID[0] * GRID[1], 32, requires_grad=True)
     mixer(x, GRID).square().sum().backward()
     assert mixer.inner[0].w.grad.abs().sum() > 0 and x.grad.isfinite().all()
+    with torch.no_grad():
+        mixer.inner[0].w.add_(0.1 * torch.randn_like(mixer.inner[0].w))
+    assert_mixer_matches_reference(mixer, x.detach().double().requires_grad_(), GRID)
     p = {"w": torch.randn(2, 3, 1, 8, requires_grad=True)}
     k, v = torch.randn(2, 3, 35, 8), torch.randn(2, 3, 35, 8)
     got = inner_loop(_GateInner(3, 8), {"w": p["w"].detach()}, k, v, GRID, loss="mse", grad_norm=False)
@@ -349,3 +358,19 @@ def test_ttt_wrapper_with_identity_norm_reduces_to_the_plain_model(name: str, lo
         for key in p0:
             torch.testing.assert_close(got[key], explicit[key], rtol=1e-10, atol=1e-10, msg=key)
         torch.testing.assert_close(out, residual.apply_to(explicit, q, grid), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", WRITTEN_HERE)
+def test_the_reference_writes_out_each_model_it_names_without_the_models_code(name: str, monkeypatch):
+    """The models ``helpers.reference`` names are written there from their definitions: its forward, layouts
+    and inner loop never build the model under test (only a model added later stands in for itself)."""
+
+    def refuse(*args):
+        raise AssertionError(f"the reference asked the model under test for {name!r}")
+
+    monkeypatch.setattr(reference, "_own_definition", refuse)
+    _, cfg, model = _model(name)
+    p0, norm = reference_params(name, model)
+    k, v = torch.randn(2, 3, GRID[0] * GRID[1], 8), torch.randn(2, 3, GRID[0] * GRID[1], 8)
+    params = reference.reference_inner_loop(name, p0, k.double(), v.double(), GRID, cfg, 0.3, None, norm)
+    assert reference_forward(name, params, k.double(), GRID, cfg, norm).isfinite().all()
