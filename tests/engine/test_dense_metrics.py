@@ -1,5 +1,5 @@
-"""Dense metrics: mIoU / accuracy against a direct count, COCO AP through pycocotools on known predictions,
-and the learning-rate schedule."""
+"""Dense metrics: mIoU / accuracy against a direct count, COCO AP through pycocotools on known predictions
+(the dense lr schedule: ``test_optim.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import torch
 from torch import nn
 
 from vit3.data.coco import CocoDetection
-from vit3.engine.config import Config
 from vit3.engine.dense import confusion_matrix, evaluate_detection, segmentation_metrics
-from vit3.engine.optim import dense_lr_factor
 
 
 # ------------------------------------------------------------------------------------------ mIoU
@@ -92,32 +90,3 @@ def test_coco_ap_of_a_slightly_shifted_oracle_is_between_zero_and_one(coco_root)
     m = evaluate_detection(_Oracle(ds, shift=0.15), ds)
     assert 0.0 < m["bbox_AP"] < 1.0 and m["bbox_AP50"] == pytest.approx(1.0)
     assert m["segm_AP"] == pytest.approx(1.0)  # the masks were not moved
-
-
-# ------------------------------------------------------------------------------------------ schedule
-def _sched(**kw) -> Config:
-    base = dict(
-        lr_schedule="step",
-        milestones=[2, 3],
-        gamma=0.1,
-        poly_power=1.0,
-        warmup_iters=4,
-        warmup_factor=0.001,
-        iters=0,
-    )
-    return Config({**base, **kw})
-
-
-def test_lr_schedule_warmup_step_and_poly():
-    d = _sched()
-    assert dense_lr_factor(0, 100, d, iters_per_epoch=10) == pytest.approx(0.001)
-    assert dense_lr_factor(2, 100, d, 10) == pytest.approx(0.001 + 0.999 * 0.5)
-    assert [dense_lr_factor(s, 100, d, 10) for s in (4, 19, 20, 29, 30)] == pytest.approx(
-        [1, 1, 0.1, 0.1, 0.01]
-    )
-    d = _sched(iters=50, milestones=[20])  # milestones count iterations when training by iterations
-    assert [dense_lr_factor(s, 50, d, 10) for s in (19, 20)] == pytest.approx([1, 0.1])
-    d = _sched(lr_schedule="poly", warmup_iters=0, poly_power=0.9)
-    assert [dense_lr_factor(s, 100, d, 10) for s in (0, 50, 100)] == pytest.approx([1, 0.5**0.9, 0])
-    with pytest.raises(ValueError, match=r"unknown dense\.lr_schedule"):
-        dense_lr_factor(0, 10, _sched(lr_schedule="cosine"), 10)

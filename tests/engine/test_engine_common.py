@@ -1,4 +1,4 @@
-"""The plumbing every engine shares (vit3.engine.process, .resume, .optim): AMP, lr scaling, DDP, resume."""
+"""The plumbing every engine shares (vit3.engine.process, .resume): AMP, DDP, resume."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch.multiprocessing as mp
 from helpers.dist import ranks_agree_worker
 
 from vit3.engine import ConfigError, load_config
-from vit3.engine.optim import build_optimizer, load_optimizer_state
 from vit3.engine.process import amp_dtype
 from vit3.engine.resume import Progress, check_resume_task
 
@@ -82,29 +81,3 @@ def test_a_resume_with_another_batch_per_update_goes_on_after_the_images_seen():
     p = Progress()
     p.restore(_counters(1, 20, 40), 10, 1, 2, 20)
     assert (p.epoch, p.batch_in_epoch, p.global_step) == (2, 0, 2 * 10)
-
-
-def test_optimizer_moments_follow_their_parameters_into_other_groups():
-    """A resume whose config groups the parameters otherwise (weight decay 0: one group, not decay and
-    no-decay) carries each parameter's AdamW moments to its new place; other trained parameters (a freeze)
-    are refused naming the settings."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
-
-    def train_cfg(wd: float):
-        return load_config(None, [f"train.weight_decay={wd}"]).train
-
-    saved = build_optimizer(model, train_cfg(0.05), 1e-3)
-    model(torch.randn(5, 4)).sum().backward()
-    saved.step()
-    order = [p for g in saved.param_groups for p in g["params"]]
-    fresh = build_optimizer(model, train_cfg(0.0), 1e-3)
-    assert len(fresh.param_groups) != len(saved.param_groups)
-    load_optimizer_state(fresh, saved.state_dict(), order)
-    for p in model.parameters():
-        assert torch.equal(fresh.state[p]["exp_avg"], saved.state[p]["exp_avg"])
-    assert {g["weight_decay"] for g in fresh.param_groups} == {0.0}
-    model[0].requires_grad_(False)
-    frozen = build_optimizer(model, train_cfg(0.0), 1e-3)
-    with pytest.raises(ConfigError, match=r"cannot resume the optimizer of .*train.freeze"):
-        load_optimizer_state(frozen, saved.state_dict(), order)

@@ -1,7 +1,7 @@
 """Fine-tuning on a small image folder out of the box (configs/finetune.yaml, vit3.engine.recipe): the batch
-fitted to the data, the lrs following the batch, enough optimizer steps for a tiny folder, layer-wise lr decay
-groups, the linear probe (frozen backbone), and the README's fine-tune command run as written on a folder of
-real photographs."""
+fitted to the data (the lrs follow it: ``test_optim.py``), enough optimizer steps for a tiny folder,
+layer-wise lr decay groups, the linear probe (frozen backbone), and the README's fine-tune command run as
+written on a folder of real photographs."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from vit3.data.samples import main as sample_folder_main
 from vit3.data.samples import make_photo_folder
 from vit3.engine import Config, ConfigError, load_config, run
 from vit3.engine.config import CONFIG_DIR, WRITTEN_KEY, config_from_dict, written_keys
-from vit3.engine.optim import build_optimizer, scaled_lrs
+from vit3.engine.optim import build_optimizer
 from vit3.engine.recipe import fit_batch_size, fit_epochs, freeze_for_training
 from vit3.errors import UserError
 
@@ -121,7 +121,7 @@ def test_without_fit_batch_a_batch_above_the_images_names_the_fix(photos, tmp_pa
         run(cfg, "train")
 
 
-# ------------------------------------------------------------------------------------------- epochs, lr
+# ----------------------------------------------------------------------------------------------- epochs
 @pytest.mark.parametrize(
     ("steps_per_epoch", "epochs", "warmup"),
     [
@@ -230,27 +230,6 @@ def test_a_fine_tune_runs_the_written_epochs_at_the_written_batch(pretrained, ph
     saved = read_ckpt(tmp_path / "ft" / "last.pt")["config"]
     assert (saved["data"]["batch_size"], saved["train"]["epochs"]) == (12, 2)
     assert {"train.epochs", "data.batch_size"} <= set(saved[WRITTEN_KEY])
-
-
-@pytest.mark.parametrize(
-    ("rule", "total_batch", "factor"),
-    [
-        pytest.param("linear", 128, 0.25, id="linear-quarter-batch"),
-        pytest.param("sqrt", 128, 0.5, id="sqrt-quarter-batch"),
-        pytest.param("sqrt", 8, 0.125, id="sqrt-batch-of-8"),
-        pytest.param("sqrt", 2048, 2.0, id="sqrt-4x-batch"),
-    ],
-)
-def test_lrs_follow_the_total_batch_by_the_recipes_rule(rule, total_batch, factor):
-    cfg = load_config(None, [f"train.lr_scale={rule}", "train.lr_batch=512"])
-    lrs = scaled_lrs(cfg.train, total_batch)
-    for key in ("base_lr", "warmup_lr", "min_lr"):
-        assert lrs[key] == pytest.approx(cfg.train[key] * factor, rel=1e-12), key
-
-
-def test_an_unknown_lr_rule_is_refused():
-    with pytest.raises(ConfigError, match=r"train.lr_scale must be one of linear, sqrt, got 'cubic'"):
-        scaled_lrs(load_config(None, ["train.lr_scale=cubic"]).train, 64)
 
 
 def test_a_fitted_run_resumes_with_the_command_that_started_it(pretrained, photos, tmp_path, monkeypatch):

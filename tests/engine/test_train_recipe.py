@@ -1,20 +1,17 @@
-"""The training recipe pieces: AdamW groups, lr scaling and schedule, layer decay, MESA, AMP,
-checkpointing."""
+"""The training recipe pieces beside the optimizer (``test_optim.py``): soft cross-entropy, MESA, AMP and
+gradient checkpointing."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
-import timm
 import torch
 from helpers.train import assert_same_tensors, make_digit_folder, read_ckpt, tiny_cfg
 
 import vit3.models  # noqa: F401  (registers the models)
-from vit3.engine import load_config, run
+from vit3.engine import run
 from vit3.engine.classification import soft_cross_entropy
-from vit3.engine.optim import build_optimizer, build_scheduler, scaled_lrs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,122 +19,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     return make_digit_folder(tmp_path_factory.mktemp("digits"), digits=(0, 1, 2, 3), n_train=20, n_val=10)
-
-
-def _groups_by_param(opt):
-    return {id(p): g for g in opt.param_groups for p in g["params"]}
-
-
-@pytest.mark.parametrize("name", ["test_vit3_ttt", "test_h_vit3"])
-def test_weight_decay_skips_1d_params_biases_and_no_weight_decay(name):
-    model = timm.create_model(name, num_classes=5)
-    cfg = load_config()
-    opt = build_optimizer(model, cfg.train, 1e-3)
-    groups = _groups_by_param(opt)
-    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    for n, p in model.named_parameters():
-        expected = 0.0 if (p.ndim <= 1 or n.endswith(".bias") or n in skip) else 0.05
-        assert groups[id(p)]["weight_decay"] == expected, n
-    assert len(groups) == sum(1 for _ in model.parameters())  # every parameter optimised once
-
-
-def test_lr_scales_with_total_batch_and_follows_warmup_then_cosine():
-    cfg = load_config()
-    lrs = scaled_lrs(cfg.train, 1024)  # the official 8 x 128
-    assert lrs == pytest.approx({"base_lr": 1e-3, "warmup_lr": 1e-6, "min_lr": 1e-5})
-    model = torch.nn.Linear(4, 2)
-    opt = build_optimizer(model, cfg.train, lrs["base_lr"])
-    steps_per_epoch = 10
-    sched = build_scheduler(opt, cfg.train, lrs, steps_per_epoch)
-    total, warm = 300 * steps_per_epoch, 20 * steps_per_epoch
-
-    def reference(t):
-        if t < warm:
-            return lrs["warmup_lr"] + t * (lrs["base_lr"] - lrs["warmup_lr"]) / warm
-        return lrs["min_lr"] + 0.5 * (lrs["base_lr"] - lrs["min_lr"]) * (1 + math.cos(math.pi * t / total))
-
-    for t in (0, 1, warm - 1, warm, 1234, total - 1):
-        sched.step_update(t)
-        assert opt.param_groups[0]["lr"] == pytest.approx(reference(t), rel=1e-9), t
-
-
-def test_a_run_applies_the_formulas_lr_at_every_update(digits, tmp_path, monkeypatch):
-    """A classification run with gradient accumulation: update k (counted per optimizer update, not per
-    batch) runs at ``build_scheduler``'s formula on the lrs scaled to the total batch, k passing from one
-    epoch into the next; the logged lr is the last update's."""
-    import vit3.engine.classification as classification
-
-    seen, real = [], classification.optimizer_step
-
-    def spy(model, optimizer, scaler, clip, scheduler, step, *rest):
-        real(model, optimizer, scaler, clip, scheduler, step, *rest)
-        seen.append((step, [g["lr"] for g in optimizer.param_groups]))
-
-    monkeypatch.setattr(classification, "optimizer_step", spy)
-    overrides = ["data.batch_size=4", "train.accum_steps=2", "train.epochs=3", "train.warmup_epochs=1"]
-    cfg = tiny_cfg(digits, tmp_path / "run", *overrides, "train.warmup_lr=1e-5", "train.min_lr=1e-4")
-    run(cfg, "train")
-    history = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    # 80 images: 20 batches of 4 an epoch, 10 updates of 2 batches; warmup 10 updates of 30
-    steps_per_epoch, total, warm = 10, 30, 10
-    lrs = scaled_lrs(cfg.train, 4 * 2)  # lr_batch 20 (tiny_cfg): x 8 / 20
-    assert lrs["base_lr"] == pytest.approx(2e-3 * 8 / 20)
-
-    def formula(k):
-        if k < warm:
-            return lrs["warmup_lr"] + k * (lrs["base_lr"] - lrs["warmup_lr"]) / warm
-        return lrs["min_lr"] + (lrs["base_lr"] - lrs["min_lr"]) * (1 + math.cos(math.pi * k / total)) / 2
-
-    assert [k for k, _ in seen] == list(range(total))
-    for k, group_lrs in seen:
-        assert group_lrs == pytest.approx([formula(k)] * len(group_lrs), rel=1e-12), k
-    assert [h["lr"] for h in history] == pytest.approx(
-        [formula(steps_per_epoch * e - 1) for e in (1, 2, 3)], rel=1e-6
-    )
-
-
-@pytest.mark.parametrize("warmup_epochs", [0, 2, 20], ids=["no-warmup", "warmup", "warmup-past-the-end"])
-def test_the_schedule_is_timms_cosine_bit_for_bit(warmup_epochs):
-    """``WarmupCosine`` sets every layer-decay group's lr to what timm's ``CosineLRScheduler`` of the same
-    settings (one cycle, warmup inside it, per update) sets, exactly: at construction and at every update,
-    past the schedule's end too; its state keeps the names earlier checkpoints hold."""
-    from timm.scheduler import CosineLRScheduler
-
-    cfg = load_config(
-        None, ["train.layer_decay=0.7", "train.epochs=10", f"train.warmup_epochs={warmup_epochs}"]
-    )
-    lrs = scaled_lrs(cfg.train, 300)
-    steps_per_epoch = 7
-    ours, theirs = (
-        build_optimizer(timm.create_model("test_vit3_ttt", num_classes=3), cfg.train, lrs["base_lr"])
-        for _ in range(2)
-    )
-    sched = build_scheduler(ours, cfg.train, lrs, steps_per_epoch)
-    ref = CosineLRScheduler(theirs, t_initial=10 * steps_per_epoch, lr_min=lrs["min_lr"],
-                            warmup_lr_init=lrs["warmup_lr"], warmup_t=warmup_epochs * steps_per_epoch,
-                            cycle_limit=1, t_in_epochs=False)  # fmt: skip
-    assert len({g["lr_scale"] for g in ours.param_groups}) > 2
-    for t in [None, *range(0, 10 * steps_per_epoch + 3)]:
-        if t is not None:
-            sched.step_update(t)
-            ref.step_update(t)
-        assert [g["lr"] for g in ours.param_groups] == [g["lr"] for g in theirs.param_groups], t
-    state, timms = sched.state_dict(), ref.state_dict()
-    for key in ("t_initial", "warmup_t", "base_values", "lr_min", "warmup_lr_init", "warmup_steps"):
-        assert state[key] == timms[key], key
-
-
-def test_layer_decay_scales_earlier_blocks_down():
-    model = timm.create_model("test_vit3_ttt", num_classes=5)
-    cfg = load_config(None, ["train.layer_decay=0.5"])
-    opt = build_optimizer(model, cfg.train, 1e-3)
-    sched = build_scheduler(opt, cfg.train, {"base_lr": 1e-3, "warmup_lr": 1e-3, "min_lr": 1e-3}, 1)
-    sched.step_update(0)
-    groups = _groups_by_param(opt)
-    lr = {n: groups[id(p)]["lr"] for n, p in model.named_parameters()}
-    assert lr["head.weight"] == pytest.approx(1e-3)
-    assert lr["blocks.0.attn.qkv.weight"] < lr["blocks.2.attn.qkv.weight"] < lr["head.weight"]
-    assert lr["blocks.1.attn.qkv.weight"] == pytest.approx(0.5 * lr["blocks.2.attn.qkv.weight"])
 
 
 def test_soft_cross_entropy_matches_float64_reference():

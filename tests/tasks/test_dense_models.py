@@ -1,5 +1,6 @@
 """Dense models on vit3 backbones: feature pyramids, torchvision detectors, segmentation heads and inference,
-and the backbone fine-tuning controls (layer-wise lr, drop path, gradient checkpointing)."""
+and the backbone fine-tuning controls (layer ids, drop path, gradient checkpointing; their lr groups:
+``tests/engine/test_optim.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from torch import nn
 
 import vit3  # noqa: F401  (registers the vit3 models)
 from vit3.engine.dense import load_backbone_weights
-from vit3.engine.optim import dense_param_groups
 from vit3.tasks.backbone import (
     FeatureBackbone,
     PyramidBackbone,
@@ -189,20 +189,6 @@ def test_layer_ids_follow_block_depth(kind):
     if kind == "hierarchical":  # stage 2's downsampling takes the id of the stage's first block
         down = next(k for k in names if k.startswith("model.stages.1.") and ".blocks." not in k)
         assert ids[down] == ids[next(k for k in names if k.startswith("model.stages.1.blocks.0."))]
-
-
-def test_dense_param_groups_apply_layer_decay_backbone_mult_and_no_decay():
-    model = build_segmenter("test_vit3_ttt", num_classes=3, head="semantic_fpn", head_channels=8)
-    body = model.backbone.backbone.body
-    groups = dense_param_groups(model, body, lr=1.0, weight_decay=0.05, backbone_lr_mult=0.5, layer_decay=0.5)
-    by_param = {id(p): g for g in groups for p in g["params"]}
-    assert len(by_param) == sum(1 for p in model.parameters() if p.requires_grad)
-    ids, n = block_layer_ids(model.backbone.backbone.body)
-    for name, p in model.backbone.backbone.body.named_parameters():
-        assert by_param[id(p)]["lr"] == pytest.approx(0.5 * 0.5 ** (n - 1 - ids[name])), name
-        assert by_param[id(p)]["weight_decay"] == (0.0 if "norm" in name else 0.05), name
-    head_w = model.head.classifier[1].weight
-    assert by_param[id(head_w)]["lr"] == 1.0 and by_param[id(head_w)]["weight_decay"] == 0.05
 
 
 def test_drop_path_reaches_the_backbone():

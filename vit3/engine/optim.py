@@ -110,42 +110,9 @@ def build_scheduler(
     inside the cosine's span, so it never reaches ``base_lr``: update W starts on the cosine at W / T; from
     update T on, ``min_lr``. ``s_g`` is the group's ``lr_scale`` (1 without one). The settings are the keys
     ``train.base_lr``, ``warmup_lr``, ``min_lr``, ``warmup_epochs``, ``epochs`` (defaults:
-    ``configs/default.yaml``; a key ``lr`` is refused). The logs and ``metrics.csv`` show the largest
-    group's lr after the epoch's last update. ``tests/engine/test_train_recipe.py`` holds the schedule to
-    this formula. Every place that sets a classification (or generation, conversion) lr:
-
-    - here, called by ``build_optimization`` (``classification.assemble_run``); ``loop.optimizer_step`` calls
-      ``step_update(k)`` before update k (building the schedule already sets ``warmup_lr``), k being
-      ``Progress.global_step``, which ``classification._train_epoch`` passes on every ``accum_steps``-th
-      batch and raises by 1 after each update (micro-batches do not count; an fp16 update the scaler skips
-      does); :class:`WarmupCosine` writes ``group["lr"]``, nothing else does;
-    - ``lrs``: :func:`scaled_lrs` of the total batch (``build_optimization``; ``steps_per_epoch`` S from
-      ``loop.epoch_batches``: training images per process (the sampler's share) // ``data.batch_size`` //
-      ``accum_steps``, left-over micro-batches dropped). Before it,
-      ``recipe.fit_batch_size`` may lower the batch and ``recipe.fit_epochs`` raise the epochs and warmup,
-      only where ``data.fit_batch`` / ``train.min_steps`` is above 0 and never a key the user wrote (and
-      ``vit3.ablate``'s ``--epochs``, warmup scaled alike);
-    - ``lr_scale``: layer decay sets it per layer of the model's ``group_matcher`` (``vit3/models/vit3.py``,
-      ``h_vit3.py``) in ``build_optimizer`` (timm's ``param_groups_layer_decay``: the head 1, each block
-      below it ``layer_decay`` times the one above); a conversion multiplies it by
-      ``convert.transfer_lr_scale`` in stage 1 (``engine/convert.py``);
-    - a resume never loads the schedule: it rebuilds it from the run's config (``train.py --resume FILE``:
-      the checkpoint's own, or ``--config``'s, the overrides on top) before the checkpoint's optimizer state
-      loads, which keeps this run's ``initial_lr`` and ``lr_scale`` (``load_optimizer_state``), and goes on at
-      the checkpoint's ``global_step`` (``resume.Progress.restore``; re-derived as epochs done x S +
-      batches into the epoch // ``accum_steps`` only where the batch per update or ``accum_steps`` changed).
-      A resume that changes ``epochs``, ``warmup_epochs``, an lr or ``accum_steps`` is taken as it is, and
-      moves to the new schedule's lr at that step at once (``loop.TrainRun.load_training_state`` logs a
-      note); one that changes the batch, the seed, the data or the process count needs
-      ``train.force_resume=true`` (``checkpoint.DATA_STREAM_KEYS``).
-
-    Tested: the formula, timm's scheduler bit for bit, the layer-decay groups, and a run with gradient
-    accumulation applying the formula at every update, the count going on across epochs
-    (``tests/engine/test_train_recipe.py``, ``test_a_run_applies_the_formulas_lr_at_every_update``); a forced
-    resume with another batch (``tests/engine/test_checkpoint_record.py``,
-    ``test_a_resume_takes_its_configs_optimizer_settings_and_schedule``); the step a resume re-derives
-    (``tests/engine/test_engine_common.py``,
-    ``test_a_resume_with_another_batch_per_update_goes_on_after_the_images_seen``).
+    ``configs/default.yaml``; a key ``lr`` is refused). Tested in ``tests/engine/test_optim.py``: the
+    formula, timm's scheduler bit for bit, a run applying it at every update. What else takes part in a run's
+    lr (the step, a resume, the recipe's fitting, layer decay, a conversion): ``docs/design/engine.md``.
     """
     return WarmupCosine(
         optimizer,
