@@ -13,16 +13,8 @@ import torch
 from helpers.train import make_digit_folder, tiny_cfg
 
 import vit3.models  # noqa: F401  (registers the models)
-from vit3.engine import ConfigError, load_config, run
+from vit3.engine import ConfigError, load_config, optim, run
 from vit3.engine.config import Config
-from vit3.engine.optim import (
-    build_optimizer,
-    build_scheduler,
-    dense_lr_factor,
-    dense_param_groups,
-    load_optimizer_state,
-    scaled_lrs,
-)
 from vit3.tasks.backbone import block_layer_ids
 from vit3.tasks.segmentation import build_segmenter
 
@@ -46,14 +38,14 @@ def digits(tmp_path_factory):
 )
 def test_lrs_follow_the_total_batch_by_the_recipes_rule(rule, total_batch, factor):
     cfg = load_config(None, [f"train.lr_scale={rule}", "train.lr_batch=512"])
-    lrs = scaled_lrs(cfg.train, total_batch)
+    lrs = optim.scaled_lrs(cfg.train, total_batch)
     for key in ("base_lr", "warmup_lr", "min_lr"):
         assert lrs[key] == pytest.approx(cfg.train[key] * factor, rel=1e-12), key
 
 
 def test_an_unknown_lr_rule_is_refused():
     with pytest.raises(ConfigError, match=r"train.lr_scale must be one of linear, sqrt, got 'cubic'"):
-        scaled_lrs(load_config(None, ["train.lr_scale=cubic"]).train, 64)
+        optim.scaled_lrs(load_config(None, ["train.lr_scale=cubic"]).train, 64)
 
 
 # ------------------------------------------------------------------------------ AdamW's groups
@@ -65,7 +57,7 @@ def _groups_by_param(opt):
 def test_weight_decay_skips_1d_params_biases_and_no_weight_decay(name):
     model = timm.create_model(name, num_classes=5)
     cfg = load_config()
-    opt = build_optimizer(model, cfg.train, 1e-3)
+    opt = optim.build_optimizer(model, cfg.train, 1e-3)
     groups = _groups_by_param(opt)
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
     for n, p in model.named_parameters():
@@ -77,8 +69,8 @@ def test_weight_decay_skips_1d_params_biases_and_no_weight_decay(name):
 def test_layer_decay_scales_earlier_blocks_down():
     model = timm.create_model("test_vit3_ttt", num_classes=5)
     cfg = load_config(None, ["train.layer_decay=0.5"])
-    opt = build_optimizer(model, cfg.train, 1e-3)
-    sched = build_scheduler(opt, cfg.train, {"base_lr": 1e-3, "warmup_lr": 1e-3, "min_lr": 1e-3}, 1)
+    opt = optim.build_optimizer(model, cfg.train, 1e-3)
+    sched = optim.build_scheduler(opt, cfg.train, {"base_lr": 1e-3, "warmup_lr": 1e-3, "min_lr": 1e-3}, 1)
     sched.step_update(0)
     groups = _groups_by_param(opt)
     lr = {n: groups[id(p)]["lr"] for n, p in model.named_parameters()}
@@ -90,12 +82,12 @@ def test_layer_decay_scales_earlier_blocks_down():
 # ------------------------------------------------------------------------------ warmup + cosine
 def test_lr_scales_with_total_batch_and_follows_warmup_then_cosine():
     cfg = load_config()
-    lrs = scaled_lrs(cfg.train, 1024)  # the official 8 x 128
+    lrs = optim.scaled_lrs(cfg.train, 1024)  # the official 8 x 128
     assert lrs == pytest.approx({"base_lr": 1e-3, "warmup_lr": 1e-6, "min_lr": 1e-5})
     model = torch.nn.Linear(4, 2)
-    opt = build_optimizer(model, cfg.train, lrs["base_lr"])
+    opt = optim.build_optimizer(model, cfg.train, lrs["base_lr"])
     steps_per_epoch = 10
-    sched = build_scheduler(opt, cfg.train, lrs, steps_per_epoch)
+    sched = optim.build_scheduler(opt, cfg.train, lrs, steps_per_epoch)
     total, warm = 300 * steps_per_epoch, 20 * steps_per_epoch
 
     def reference(t):
@@ -118,13 +110,13 @@ def test_the_schedule_is_timms_cosine_bit_for_bit(warmup_epochs):
     cfg = load_config(
         None, ["train.layer_decay=0.7", "train.epochs=10", f"train.warmup_epochs={warmup_epochs}"]
     )
-    lrs = scaled_lrs(cfg.train, 300)
+    lrs = optim.scaled_lrs(cfg.train, 300)
     steps_per_epoch = 7
     ours, theirs = (
-        build_optimizer(timm.create_model("test_vit3_ttt", num_classes=3), cfg.train, lrs["base_lr"])
+        optim.build_optimizer(timm.create_model("test_vit3_ttt", num_classes=3), cfg.train, lrs["base_lr"])
         for _ in range(2)
     )
-    sched = build_scheduler(ours, cfg.train, lrs, steps_per_epoch)
+    sched = optim.build_scheduler(ours, cfg.train, lrs, steps_per_epoch)
     ref = CosineLRScheduler(theirs, t_initial=10 * steps_per_epoch, lr_min=lrs["min_lr"],
                             warmup_lr_init=lrs["warmup_lr"], warmup_t=warmup_epochs * steps_per_epoch,
                             cycle_limit=1, t_in_epochs=False)  # fmt: skip
@@ -158,7 +150,7 @@ def test_a_run_applies_the_formulas_lr_at_every_update(digits, tmp_path, monkeyp
     history = json.loads((tmp_path / "run" / "metrics.json").read_text())
     # 80 images: 20 batches of 4 an epoch, 10 updates of 2 batches; warmup 10 updates of 30
     steps_per_epoch, total, warm = 10, 30, 10
-    lrs = scaled_lrs(cfg.train, 4 * 2)  # lr_batch 20 (tiny_cfg): x 8 / 20
+    lrs = optim.scaled_lrs(cfg.train, 4 * 2)  # lr_batch 20 (tiny_cfg): x 8 / 20
     assert lrs["base_lr"] == pytest.approx(2e-3 * 8 / 20)
 
     def formula(k):
@@ -185,27 +177,29 @@ def test_optimizer_moments_follow_their_parameters_into_other_groups():
     def train_cfg(wd: float):
         return load_config(None, [f"train.weight_decay={wd}"]).train
 
-    saved = build_optimizer(model, train_cfg(0.05), 1e-3)
+    saved = optim.build_optimizer(model, train_cfg(0.05), 1e-3)
     model(torch.randn(5, 4)).sum().backward()
     saved.step()
     order = [p for g in saved.param_groups for p in g["params"]]
-    fresh = build_optimizer(model, train_cfg(0.0), 1e-3)
+    fresh = optim.build_optimizer(model, train_cfg(0.0), 1e-3)
     assert len(fresh.param_groups) != len(saved.param_groups)
-    load_optimizer_state(fresh, saved.state_dict(), order)
+    optim.load_optimizer_state(fresh, saved.state_dict(), order)
     for p in model.parameters():
         assert torch.equal(fresh.state[p]["exp_avg"], saved.state[p]["exp_avg"])
     assert {g["weight_decay"] for g in fresh.param_groups} == {0.0}
     model[0].requires_grad_(False)
-    frozen = build_optimizer(model, train_cfg(0.0), 1e-3)
+    frozen = optim.build_optimizer(model, train_cfg(0.0), 1e-3)
     with pytest.raises(ConfigError, match=r"cannot resume the optimizer of .*train.freeze"):
-        load_optimizer_state(frozen, saved.state_dict(), order)
+        optim.load_optimizer_state(frozen, saved.state_dict(), order)
 
 
 # ------------------------------------------------------------------------------ dense recipes
 def test_dense_param_groups_apply_layer_decay_backbone_mult_and_no_decay():
     model = build_segmenter("test_vit3_ttt", num_classes=3, head="semantic_fpn", head_channels=8)
     body = model.backbone.backbone.body
-    groups = dense_param_groups(model, body, lr=1.0, weight_decay=0.05, backbone_lr_mult=0.5, layer_decay=0.5)
+    groups = optim.dense_param_groups(
+        model, body, lr=1.0, weight_decay=0.05, backbone_lr_mult=0.5, layer_decay=0.5
+    )
     by_param = {id(p): g for g in groups for p in g["params"]}
     assert len(by_param) == sum(1 for p in model.parameters() if p.requires_grad)
     ids, n = block_layer_ids(model.backbone.backbone.body)
@@ -231,14 +225,14 @@ def _sched(**kw) -> Config:
 
 def test_lr_schedule_warmup_step_and_poly():
     d = _sched()
-    assert dense_lr_factor(0, 100, d, iters_per_epoch=10) == pytest.approx(0.001)
-    assert dense_lr_factor(2, 100, d, 10) == pytest.approx(0.001 + 0.999 * 0.5)
-    assert [dense_lr_factor(s, 100, d, 10) for s in (4, 19, 20, 29, 30)] == pytest.approx(
+    assert optim.dense_lr_factor(0, 100, d, iters_per_epoch=10) == pytest.approx(0.001)
+    assert optim.dense_lr_factor(2, 100, d, 10) == pytest.approx(0.001 + 0.999 * 0.5)
+    assert [optim.dense_lr_factor(s, 100, d, 10) for s in (4, 19, 20, 29, 30)] == pytest.approx(
         [1, 1, 0.1, 0.1, 0.01]
     )
     d = _sched(iters=50, milestones=[20])  # milestones count iterations when training by iterations
-    assert [dense_lr_factor(s, 50, d, 10) for s in (19, 20)] == pytest.approx([1, 0.1])
+    assert [optim.dense_lr_factor(s, 50, d, 10) for s in (19, 20)] == pytest.approx([1, 0.1])
     d = _sched(lr_schedule="poly", warmup_iters=0, poly_power=0.9)
-    assert [dense_lr_factor(s, 100, d, 10) for s in (0, 50, 100)] == pytest.approx([1, 0.5**0.9, 0])
+    assert [optim.dense_lr_factor(s, 100, d, 10) for s in (0, 50, 100)] == pytest.approx([1, 0.5**0.9, 0])
     with pytest.raises(ValueError, match=r"unknown dense\.lr_schedule"):
-        dense_lr_factor(0, 10, _sched(lr_schedule="cosine"), 10)
+        optim.dense_lr_factor(0, 10, _sched(lr_schedule="cosine"), 10)
