@@ -4,11 +4,14 @@ inner gradients taken with ``torch.autograd.grad(create_graph=True)`` instead of
 Nothing here calls the closed-form gradients of ``vit3.layers.inner_models``; the tests compare the two.
 The inner models with an op of their own (``swiglu``, ``linear``, ``dwconv``) are that op's reference model
 (``vit3.kernels.<op>.reference``), and the normalisation is the shared ``normalize_grad``: no formula twice.
-A registered model written nowhere here is its own definition: its ``forward_train``, layouts and
-``norm_dims`` stand in, and the loop, the gradients and the mixer around it stay this file's.
+A registered model not written out here (not in ``WRITTEN_HERE``) is its own definition: the model under
+test hands its ``forward_train``, ``initial_params`` and ``norm_dims`` in (``own``), while the loop, the
+gradients and the mixer around it stay this file's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +23,9 @@ from vit3.kernels.linear.reference import linear
 from vit3.kernels.swiglu.reference import swiglu
 from vit3.layers import TTTMixer, apply_rope_2d, loss_value
 from vit3.layers.config import GRID_MODELS
-from vit3.layers.inner_models import InnerModel, ResidualNormInner, create_inner_model
+from vit3.layers.inner_models import InnerModel, ResidualNormInner
 
-WRITTEN_HERE = ("linear", "silu", "swiglu", "swiglu_out", "dwconv", "mlp", "mlp3", "conv")
-
-_ACTS = {"gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "silu": F.silu}
+REFERENCE_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "silu": F.silu}
 
 
 def _bias(p: dict[str, Tensor], name: str) -> Tensor | float:
@@ -39,7 +40,7 @@ def _per_sample_conv(x: Tensor, weight: Tensor, groups: int) -> Tensor:
 
 
 def _mlp(p: dict[str, Tensor], x: Tensor, cfg, layers: int) -> Tensor:
-    act = _ACTS[cfg.mlp_act]
+    act = REFERENCE_ACTIVATIONS[cfg.mlp_act]
     a = x
     for i in range(1, layers + 1):
         w = p[f"w{i}"]
@@ -58,48 +59,59 @@ def reference_forward(
     grid: tuple[int, int],
     cfg,
     norm: tuple[Tensor, Tensor] | None = None,
+    own: InnerModel | None = None,
 ) -> Tensor:
-    """Inner model ``name`` on tokens ``[B, G, n, c]`` written directly from its definition.
+    """Inner model ``name`` on tokens ``[B, G, n, c]``: written out here from its definition, or ``own``'s
+    ``forward_train`` where it stands in (:func:`stand_in`).
 
-    ``p`` holds per-sample weights in the inner models' documented layouts (leading dim B or 1): FC weights
+    ``p`` holds per-sample weights in the written-out models' layouts (leading dim B or 1): FC weights
     ``[B, G, in, out]``, FC biases ``[B, G, 1, out]``, ``conv`` ``[B, G, 9c, c]`` (row ``i * 9 + 3 * kh + kw``
-    for input channel i), ``dwconv`` ``[B, G*c, 3, 3]``. ``norm = (weight, bias)`` (``[G, c]`` each) makes it
-    ``x + LayerNorm(g(x))``.
+    for input channel i), ``dwconv`` ``[B, G*c, 3, 3]``; a stand-in's own. ``norm = (weight, bias)``
+    (``[G, c]`` each) makes it ``x + LayerNorm(g(x))``.
     """
-    y = _reference_g(name, p, x, grid, cfg)
+    y = _reference_g(name, p, x, grid, cfg, own)
     if norm is None:
         return y
     weight, bias = norm
     return x + F.layer_norm(y, y.shape[-1:], eps=1e-6) * weight[:, None] + bias[:, None]
 
 
-def _reference_g(name: str, p: dict[str, Tensor], x: Tensor, grid: tuple[int, int], cfg) -> Tensor:
-    if name == "linear":
-        return linear(x, p["w"]) + _bias(p, "b")
-    if name == "silu":
-        return F.silu(linear(x, p["w"]) + _bias(p, "b"))
-    if name == "swiglu":
-        return swiglu(x, p["w1"], p["w2"])
-    if name == "swiglu_out":
-        return swiglu(x, p["w1"], p["w2"]) @ p["w3"]
-    if name == "dwconv":
-        return dwconv(x, p["weight"], grid)
-    if name in ("mlp", "mlp3"):
-        return _mlp(p, x, cfg, 3 if name == "mlp3" else 2)
+def _conv(p: dict[str, Tensor], x: Tensor, grid: tuple[int, int], cfg) -> Tensor:
     b, g, n, c = x.shape
-    if name not in WRITTEN_HERE:
-        return _own_definition(name, g, c, cfg).forward_train(p, x, grid, need_output=True)[0]
     maps = x.permute(0, 1, 3, 2).reshape(b, g * c, *grid)  # [B, G*c, h, w]
     w = p["weight"]  # [B|1, G, 9c, c] -> conv weights [B|1, G*c_out, c_in, 3, 3]
     w = w.transpose(-2, -1).reshape(w.shape[0], g * c, c, 3, 3)
-    out = _per_sample_conv(maps, w, groups=g)
-    return out.reshape(b, g, c, n).transpose(-2, -1)
+    return _per_sample_conv(maps, w, groups=g).reshape(b, g, c, n).transpose(-2, -1)
 
 
-def _own_definition(name: str, heads: int, head_dim: int, cfg) -> InnerModel:
-    """The registered model ``name`` without its ``x + LN(g(x))`` wrapper: the definition of one that is
-    not written in this file."""
-    model = create_inner_model(name, heads, head_dim, cfg)
+# The inner models written out here, name -> forward(p, x, grid, cfg): each from its definition.
+WRITTEN_HERE: dict[str, Callable[..., Tensor]] = {
+    "linear": lambda p, x, grid, cfg: linear(x, p["w"]) + _bias(p, "b"),
+    "silu": lambda p, x, grid, cfg: F.silu(linear(x, p["w"]) + _bias(p, "b")),
+    "swiglu": lambda p, x, grid, cfg: swiglu(x, p["w1"], p["w2"]),
+    "swiglu_out": lambda p, x, grid, cfg: swiglu(x, p["w1"], p["w2"]) @ p["w3"],
+    "dwconv": lambda p, x, grid, cfg: dwconv(x, p["weight"], grid),
+    "mlp": lambda p, x, grid, cfg: _mlp(p, x, cfg, 2),
+    "mlp3": lambda p, x, grid, cfg: _mlp(p, x, cfg, 3),
+    "conv": _conv,
+}
+
+
+def _reference_g(
+    name: str, p: dict[str, Tensor], x: Tensor, grid: tuple[int, int], cfg, own: InnerModel | None
+) -> Tensor:
+    if name in WRITTEN_HERE:
+        return WRITTEN_HERE[name](p, x, grid, cfg)
+    if own is None:
+        raise ValueError(f"{name!r} is not written out here: pass the model under test as own (stand_in)")
+    return own.forward_train(p, x, grid, need_output=True)[0]
+
+
+def stand_in(name: str, model: InnerModel) -> InnerModel | None:
+    """The model under test, without its ``x + LN(g(x))`` wrapper, where it is its own definition (``name``
+    not in ``WRITTEN_HERE``); else ``None``: the reference asks it nothing."""
+    if name in WRITTEN_HERE:
+        return None
     return model.model if isinstance(model, ResidualNormInner) else model
 
 
@@ -112,9 +124,9 @@ def reference_params(name: str, model) -> tuple[dict[str, Tensor], tuple[Tensor,
     if "ln_weight" in named:
         norm = (named.pop("ln_weight").view(heads, c), named.pop("ln_bias").view(heads, c))
         named = {key.removeprefix("model."): val for key, val in named.items()}
-    if name not in WRITTEN_HERE:
-        bare = model.model if isinstance(model, ResidualNormInner) else model
-        return dict(bare.initial_params()), norm
+    own = stand_in(name, model)
+    if own is not None:
+        return dict(own.initial_params()), norm
     p = {}
     for key, val in named.items():
         if name == "dwconv":
@@ -137,17 +149,20 @@ def reference_inner_loop(
     scale: float,
     gate: Tensor | None,
     norm: tuple[Tensor, Tensor] | None = None,
+    own: InnerModel | None = None,
 ) -> dict[str, Tensor]:
-    """Inner training by autograd: per-sample weights, loss ``(s/n) sum_n gate_n l_n`` per mini-batch."""
-    b, heads, n, c = k.shape
-    dims = {key: (-2, -1) if name == "dwconv" else (-2,) for key in p0}
-    if name not in WRITTEN_HERE:
-        dims = {key: tuple(_own_definition(name, heads, c, cfg).norm_dims(key)) for key in p0}
+    """Inner training by autograd: per-sample weights, loss ``(s/n) sum_n gate_n l_n`` per mini-batch; the
+    gradient normalised over the dims ``own`` names where it stands in."""
+    b, _, n, _ = k.shape
+    if name in WRITTEN_HERE:
+        dims = {key: (-2, -1) if name == "dwconv" else (-2,) for key in p0}
+    else:
+        dims = {key: tuple(own.norm_dims(key)) for key in p0}
     params = {key: val.expand(b, *val.shape[1:]) + 0.0 for key, val in p0.items()}  # per-sample copies
     chunks = torch.arange(n).tensor_split(cfg.mini_batches)
     for _ in range(cfg.steps):
         for idx in chunks:
-            vhat = reference_forward(name, params, k, grid, cfg, norm)[..., idx, :]
+            vhat = reference_forward(name, params, k, grid, cfg, norm, own)[..., idx, :]
             per_tok = loss_value(cfg.loss, vhat, v[..., idx, :])  # [B, G, n_c]
             if gate is not None:
                 per_tok = per_tok * gate[..., idx]
@@ -184,8 +199,9 @@ def reference_mixer(mixer: TTTMixer, x: Tensor, grid: tuple[int, int]) -> Tensor
             q, k = apply_rope_2d(q, grid, cfg.rope_base), apply_rope_2d(k, grid, cfg.rope_base)
         q, k, v = (t.reshape(b, n, heads, -1).transpose(1, 2) for t in (q, k, v))
         p0, norm = reference_params(name, model)
-        params = reference_inner_loop(name, p0, k, v, grid, cfg, mixer.scale, gate, norm)
-        y = reference_forward(name, params, q, grid, cfg, norm)
+        own = stand_in(name, model)
+        params = reference_inner_loop(name, p0, k, v, grid, cfg, mixer.scale, gate, norm, own)
+        y = reference_forward(name, params, q, grid, cfg, norm, own)
         outs.append(y.transpose(1, 2).reshape(b, n, width))
     return mixer.proj(torch.cat(outs, dim=-1))
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import reference
 from helpers.reference import (
+    REFERENCE_ACTIVATIONS,
     WRITTEN_HERE,
     assert_mixer_matches_reference,
     reference_forward,
+    reference_inner_loop,
     reference_params,
+    stand_in,
 )
 from torch import nn
 
@@ -48,7 +50,7 @@ def _float64():
 
 
 # Rows with options. Every registered inner model also gets a row with its defaults (``MODELS``): a new one is
-# held to its forward written in ``helpers/reference.py`` without a line here.
+# held to autograd of its own forward (``helpers.reference.stand_in``) without a line here.
 VARIANTS = {
     "linear": {},
     "linear-bias": {"inner_bias": True},
@@ -115,7 +117,7 @@ def test_closed_form_inner_gradient_equals_autograd(model_id: str, loss: str):
     }
     _, norm = reference_params(name, model)
 
-    pred = reference_forward(name, p, k, GRID, cfg, norm)
+    pred = reference_forward(name, p, k, GRID, cfg, norm, stand_in(name, model))
     total = loss_value(loss, pred, v).sum() * (0.37 / n)
     expected = torch.autograd.grad(total, list(p.values()))
 
@@ -153,6 +155,9 @@ class _GateInner(InnerModel):
     def apply_to(self, p, q, grid):
         return q * p["w"]
 
+    def norm_dims(self, name):
+        return [-1]  # a per-channel vector: its gradient normalised over the channels
+
 
 def test_a_new_inner_model_is_one_registered_class(registry):
     register_inner_model("gate")(_GateInner)
@@ -162,9 +167,9 @@ def test_a_new_inner_model_is_one_registered_class(registry):
     x = torch.randn(2, GRID[0] * GRID[1], 32, requires_grad=True)
     mixer(x, GRID).square().sum().backward()
     assert mixer.inner[0].w.grad.abs().sum() > 0 and x.grad.isfinite().all()
-    with torch.no_grad():
-        mixer.inner[0].w.add_(0.1 * torch.randn_like(mixer.inner[0].w))
-    assert_mixer_matches_reference(mixer, x.detach().double().requires_grad_(), GRID)
+    for norm in ("none", "ln"):  # the reference asks the model for its forward and norm_dims, bare or wrapped
+        mixer = TTTMixer(32, 4, branches=("gate", "dwconv:1"), loss="mse", inner_norm=norm).double()
+        _check_mixer(mixer)
     p = {"w": torch.randn(2, 3, 1, 8, requires_grad=True)}
     k, v = torch.randn(2, 3, 35, 8), torch.randn(2, 3, 35, 8)
     got = inner_loop(_GateInner(3, 8), {"w": p["w"].detach()}, k, v, GRID, loss="mse", grad_norm=False)
@@ -285,8 +290,8 @@ def test_mixer_equals_autograd_reference(case: str):
 def test_every_registered_inner_model_in_a_mixer_equals_autograd_reference(name: str):
     """Each registered inner model as a branch of a whole mixer (beside a depthwise-conv branch, token lr
     gates, two steps of two mini-batches, the MSE loss, RoPE where it applies): the mixer's output equals the
-    reference's, built from the model's forward in ``helpers.reference``; a model added to the registry is
-    checked here without a row of its own."""
+    reference's (each model's forward written out in ``helpers.reference``, a model added to the registry
+    standing in for itself), with no row of its own here."""
     branches = ("dwconv",) if name == "dwconv" else (f"{name}:2", "dwconv:1")
     cfg = dict(branches=branches, loss="mse", steps=2, mini_batches=2, lr_mode="token", rope=True)
     _check_mixer(TTTMixer(32, 4, **cfg))
@@ -360,17 +365,24 @@ def test_ttt_wrapper_with_identity_norm_reduces_to_the_plain_model(name: str, lo
         torch.testing.assert_close(out, residual.apply_to(explicit, q, grid), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("name", WRITTEN_HERE)
-def test_the_reference_writes_out_each_model_it_names_without_the_models_code(name: str, monkeypatch):
-    """The models ``helpers.reference`` names are written there from their definitions: its forward, layouts
-    and inner loop never build the model under test (only a model added later stands in for itself)."""
+class _Refuses:
+    """A model under test that answers nothing."""
 
-    def refuse(*args):
-        raise AssertionError(f"the reference asked the model under test for {name!r}")
+    def __getattr__(self, attr: str):
+        raise AssertionError(f"the reference asked the model under test for {attr!r}")
 
-    monkeypatch.setattr(reference, "_own_definition", refuse)
+
+@pytest.mark.parametrize("name", list(WRITTEN_HERE))
+def test_the_reference_writes_out_each_model_it_names_without_the_models_code(name: str):
+    """The models ``helpers.reference`` writes out never consult the model under test: its forward, layouts
+    and inner loop stay the reference's own even when a stand-in is handed in."""
     _, cfg, model = _model(name)
+    assert stand_in(name, model) is None
     p0, norm = reference_params(name, model)
     k, v = torch.randn(2, 3, GRID[0] * GRID[1], 8), torch.randn(2, 3, GRID[0] * GRID[1], 8)
-    params = reference.reference_inner_loop(name, p0, k.double(), v.double(), GRID, cfg, 0.3, None, norm)
-    assert reference_forward(name, params, k.double(), GRID, cfg, norm).isfinite().all()
+    params = reference_inner_loop(name, p0, k, v, GRID, cfg, 0.3, None, norm, _Refuses())
+    assert reference_forward(name, params, k, GRID, cfg, norm, _Refuses()).isfinite().all()
+
+
+def test_the_reference_writes_out_every_activation():
+    assert set(REFERENCE_ACTIVATIONS) == set(ACTIVATIONS)
