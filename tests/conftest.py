@@ -86,6 +86,16 @@ def registry(monkeypatch):
 
 
 @pytest.fixture
+def float64():
+    """float64 as the default dtype: modules of float64 math opt in with
+    ``pytestmark = pytest.mark.usefixtures("float64")``."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+@pytest.fixture
 def one_thread():
     """One intra-op thread: on a shared 2-core machine, two spinning OpenMP threads are far slower.
 

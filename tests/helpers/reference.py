@@ -220,3 +220,19 @@ def assert_mixer_matches_reference(mixer: TTTMixer, x: Tensor, grid: tuple[int, 
     for name, g, g_ref in zip(names, grads, ref_grads):
         torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-12, msg=f"gradient of {name}")
     return out
+
+
+def check_mixer(mixer: TTTMixer, grid: tuple[int, int]) -> None:
+    """``mixer`` in float64, its inner weights enlarged (so the step is not negligible) and its biases and
+    LayerNorm affine moved off 0 / 1, held to the reference on a random input
+    (:func:`assert_mixer_matches_reference`)."""
+    torch.manual_seed(2)
+    mixer = mixer.double()
+    with torch.no_grad():
+        for model in mixer.inner:
+            for p in model.parameters():
+                p.mul_(20)
+                if p.ndim == 1:
+                    p.add_(0.5 * torch.randn_like(p))
+    x = torch.randn(2, grid[0] * grid[1], mixer.qkv.in_features, dtype=torch.float64, requires_grad=True)
+    assert_mixer_matches_reference(mixer, x, grid)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.export import Dim
 
 import vit3  # registers the vit3 models
-from vit3.layers import INNER_MODELS, TTTMixer, backends
+from vit3.layers import TTTMixer, backends
 from vit3.layers.blocks import ConvFFN, TTTBlock
 from vit3.layers.inner_math import shifted_dwconv, shifted_dwconv_weight_grad
 
@@ -133,25 +133,6 @@ def test_a_model_built_scriptable_scripts_saves_and_computes_as_eager(name, kwar
         want = model(x)
         torch.testing.assert_close(loaded(x), want, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(usual(x), want, rtol=1e-10, atol=1e-10)
-
-
-def test_a_mixer_built_scriptable_scripts_every_inner_model_and_setting():
-    """Every registered inner model (FC chains with biases and the LayerNorm wrapper, grid models), RoPE,
-    token lr gates, several steps and mini-batches and a residual loss: scripted, as eager and as the generic
-    backend of a mixer built as usual."""
-    torch.manual_seed(0)
-    branches = ("swiglu", "dwconv:1", *(f"{m}:1" for m in INNER_MODELS if m not in ("swiglu", "dwconv")))
-    cfg = dict(branches=branches, inner_norm="ln", inner_bias=True, lr_mode="token", steps=2, mini_batches=3)
-    cfg.update(loss="mse", rope=True, backend="generic")
-    with timm.layers.set_scriptable(True):
-        mixer = TTTMixer(32, 2, cfg).double()
-    usual = TTTMixer(32, 2, cfg).double()
-    usual.load_state_dict(mixer.state_dict())
-    x = torch.randn(2, 20, 32, dtype=torch.float64)
-    with torch.jit.optimized_execution(False):
-        got = torch.jit.script(mixer)(x, (4, 5))
-    torch.testing.assert_close(got, mixer(x, (4, 5)), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got, usual(x, (4, 5)), rtol=1e-12, atol=1e-12)
 
 
 def test_the_fx_graph_of_a_model_built_scriptable_scripts():
