@@ -89,10 +89,10 @@ def registry(monkeypatch):
 def float64():
     """float64 as the default dtype: modules of float64 math opt in with
     ``pytestmark = pytest.mark.usefixtures("float64")``."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+    from helpers.common import default_dtype
+
+    with default_dtype(torch.float64):
+        yield
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+from helpers.common import default_dtype
 from helpers.reference import (
     REFERENCE_ACTIVATIONS,
     WRITTEN_HERE,
@@ -135,23 +136,28 @@ def test_every_registered_inner_model_in_a_mixer_equals_autograd_reference(name:
     check_mixer(TTTMixer(32, 4, **cfg), GRID)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_a_mixer_built_scriptable_scripts_every_inner_model_and_setting():
     """Every registered inner model (FC chains with biases and the LayerNorm wrapper, grid models), RoPE,
     token lr gates, several steps and mini-batches and a residual loss: scripted, as eager and as the generic
-    backend of a mixer built as usual."""
-    torch.manual_seed(0)
-    branches = ("swiglu", "dwconv:1", *(f"{m}:1" for m in INNER_MODELS if m not in ("swiglu", "dwconv")))
-    cfg = dict(branches=branches, inner_norm="ln", inner_bias=True, lr_mode="token", steps=2, mini_batches=3)
-    cfg.update(loss="mse", rope=True, backend="generic")
-    with timm.layers.set_scriptable(True):
-        mixer = TTTMixer(32, 2, cfg).double()
-    usual = TTTMixer(32, 2, cfg).double()
-    usual.load_state_dict(mixer.state_dict())
-    x = torch.randn(2, 20, 32, dtype=torch.float64)
-    with torch.jit.optimized_execution(False):
-        got = torch.jit.script(mixer)(x, (4, 5))
-    torch.testing.assert_close(got, mixer(x, (4, 5)), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got, usual(x, (4, 5)), rtol=1e-12, atol=1e-12)
+    backend of a mixer built as usual. Under the float32 default, as users build it: a tensor ``.double()``
+    misses or one made without a dtype would show."""
+    with default_dtype(torch.float32):
+        torch.manual_seed(0)
+        branches = ("swiglu", "dwconv:1", *(f"{m}:1" for m in INNER_MODELS if m not in ("swiglu", "dwconv")))
+        cfg = dict(
+            branches=branches, inner_norm="ln", inner_bias=True, lr_mode="token", steps=2, mini_batches=3
+        )
+        cfg.update(loss="mse", rope=True, backend="generic")
+        with timm.layers.set_scriptable(True):
+            mixer = TTTMixer(32, 2, cfg).double()
+        usual = TTTMixer(32, 2, cfg).double()
+        usual.load_state_dict(mixer.state_dict())
+        x = torch.randn(2, 20, 32, dtype=torch.float64)
+        with torch.jit.optimized_execution(False):
+            got = torch.jit.script(mixer)(x, (4, 5))
+        torch.testing.assert_close(got, mixer(x, (4, 5)), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got, usual(x, (4, 5)), rtol=1e-12, atol=1e-12)
 
 
 class _GateInner(InnerModel):
