@@ -85,6 +85,15 @@ def registry(monkeypatch):
     monkeypatch.setattr(inner_models, "_REGISTRY", dict(inner_models._REGISTRY))
 
 
+@pytest.fixture(scope="module")
+def four_digits(tmp_path_factory):
+    """Real MNIST digits 0-3 as an image folder: 20 train / 10 val images per class, 80 training images
+    (one per test module)."""
+    from helpers.train import make_digit_folder
+
+    return make_digit_folder(tmp_path_factory.mktemp("digits"), digits=(0, 1, 2, 3), n_train=20, n_val=10)
+
+
 @pytest.fixture
 def float64():
     """float64 as the default dtype: modules of float64 math opt in with

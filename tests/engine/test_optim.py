@@ -10,7 +10,7 @@ import math
 import pytest
 import timm
 import torch
-from helpers.train import make_digit_folder, tiny_cfg
+from helpers.train import tiny_cfg
 
 import vit3.models  # noqa: F401  (registers the models)
 from vit3.engine import ConfigError, load_config, optim, run
@@ -19,11 +19,6 @@ from vit3.tasks.backbone import block_layer_ids
 from vit3.tasks.segmentation import build_segmenter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    return make_digit_folder(tmp_path_factory.mktemp("digits"), digits=(0, 1, 2, 3), n_train=20, n_val=10)
 
 
 # ------------------------------------------------------------------------------ lrs scaled to the batch
@@ -131,7 +126,7 @@ def test_the_schedule_is_timms_cosine_bit_for_bit(warmup_epochs):
         assert state[key] == timms[key], key
 
 
-def test_a_run_applies_the_formulas_lr_at_every_update(digits, tmp_path, monkeypatch):
+def test_a_run_applies_the_formulas_lr_at_every_update(four_digits, tmp_path, monkeypatch):
     """A classification run with gradient accumulation: update k (counted per optimizer update, not per
     batch) runs at ``build_scheduler``'s formula on the lrs scaled to the total batch, k passing from one
     epoch into the next; the logged lr is the last update's."""
@@ -145,7 +140,7 @@ def test_a_run_applies_the_formulas_lr_at_every_update(digits, tmp_path, monkeyp
 
     monkeypatch.setattr(classification, "optimizer_step", spy)
     overrides = ["data.batch_size=4", "train.accum_steps=2", "train.epochs=3", "train.warmup_epochs=1"]
-    cfg = tiny_cfg(digits, tmp_path / "run", *overrides, "train.warmup_lr=1e-5", "train.min_lr=1e-4")
+    cfg = tiny_cfg(four_digits, tmp_path / "run", *overrides, "train.warmup_lr=1e-5", "train.min_lr=1e-4")
     run(cfg, "train")
     history = json.loads((tmp_path / "run" / "metrics.json").read_text())
     # 80 images: 20 batches of 4 an epoch, 10 updates of 2 batches; warmup 10 updates of 30
