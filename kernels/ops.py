@@ -5,8 +5,8 @@ names it), its pure-PyTorch reference, the names of its initial weights, whether
 and its paths (:class:`Path`) keyed by the backend that runs them (``"triton"``, ``"cpu"``, ``"eager"``).
 Each op's folder builds its ``Op`` and :func:`register` s it in :data:`OPS`; the backend registry
 (``vit3.layers.backends``) asks it for each backend's path, the fused node for its node hooks. The types
-a path reads (:class:`Branch`, :class:`Settings`, :class:`Inputs`, :class:`Step`) are defined here, below the
-registry that builds them. ``kernels/README.md`` says how to add an op; ``docs/design/kernels.md`` why so.
+a path reads (:class:`Branch`, :class:`Settings`, :class:`Inputs`) are defined here, below the registry that
+builds them. ``kernels/README.md`` says how to add an op; ``docs/design/kernels.md`` why so.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ __all__ = [
     "Path",
     "Rotation",
     "Settings",
-    "Step",
     "Whole",
     "ops_with",
     "register",
@@ -70,17 +69,6 @@ class Inputs(NamedTuple):
     tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
 
 
-class Step(NamedTuple):
-    """What a backend's ``run`` computes: one branch's inner loop and read-out."""
-
-    name: str
-    model: Any  # the branch's ``vit3.layers.inner.InnerModel`` (what the generic path trains)
-    grid: tuple[int, int]
-    scale: float
-    cfg: Any  # the mixer's TTTConfig
-    recompute: bool = True  # the plan's memory-lean backward (``Plan.recompute``)
-
-
 class Hyper(NamedTuple):
     """The settings of one inner step, as an op's ``reference`` and its node hooks take them."""
 
@@ -94,9 +82,6 @@ class Hyper(NamedTuple):
 
 # ``(branch, cfg, x) -> (ok, reason)``: a path's ``supports`` / ``prefers`` / ``fits``.
 Check = Callable[[Branch, Settings, Inputs], tuple[bool, str]]
-# ``(step, q, k, v, params, gate) -> out``: q, k, v ``[B, G, N, c]`` in the io dtype, the initial weights by
-# name, the token lr gate ``[B, G, N]`` or ``None``; returns ``[B, G, N, c]``.
-Run = Callable[[Step, Tensor, Tensor, Tensor, dict[str, Tensor], Tensor | None], Tensor]
 
 
 class NodeCall(NamedTuple):
@@ -236,8 +221,6 @@ class Path:
     Attributes:
         supports: whether it can serve the branch, and why not; may read only ``Settings`` / ``Inputs``
             fields.
-        run: the branch alone (``Run``); ``None`` for a path with a ``node``: the registry runs it as a
-            one-branch fused node.
         prefers: auto only: where auto passes a serving path over (another is faster there).
         fits: asked once ``supports`` passed: whether the hardware at hand can run it (a refusal steps aside
             with a warning).
@@ -246,7 +229,6 @@ class Path:
     """
 
     supports: Check
-    run: Run | None = None
     prefers: Check | None = None
     fits: Check | None = None
     node: Node | None = None

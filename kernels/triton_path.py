@@ -1,4 +1,4 @@
-"""The Triton path of every op: its ``supports``, ``fits``, ``run`` and fused-node hooks
+"""The Triton path of every op: its ``supports``, ``fits`` and fused-node hooks
 (``triton_path(name)``, one :class:`~vit3.kernels.ops.Path` per op).
 
 Built only on the public Triton names of ``vit3.kernels`` (``triton_ttt``, ``TRITON_LOSSES``, ``IO_DTYPES``,
@@ -15,12 +15,10 @@ from typing import Any
 
 from torch import Tensor
 
-from .ops import Branch, Hyper, Inputs, Node, NodeCall, Path, Settings, Step, Whole
+from .ops import Branch, Hyper, Inputs, Node, NodeCall, Path, Settings, Whole
 from .paths import bare_why, one_step_why
 
 __all__ = ["triton_path"]
-
-_OP_MODULE = f"{__package__}.triton.op"  # the Triton op's module (imported on first use)
 
 
 @functools.cache
@@ -67,25 +65,6 @@ def _fits(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
     return _kernels()[0].fits_device(branch.name, branch.head_dim, x.dtype, x.device)
 
 
-def _run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
-    c = step.cfg
-    # The op's module, which ``_supports`` imported: read from sys.modules, not through the cached
-    # ``_kernels()``, whose cache torch.compile would trace through (with a warning at every compile).
-    return sys.modules[_OP_MODULE].triton_ttt(
-        step.name,
-        q,
-        k,
-        v,
-        params,
-        grid=step.grid,
-        scale=step.scale,
-        lr=c.inner_lr,
-        grad_norm=c.grad_norm,
-        loss=c.loss,
-        backend="triton",
-    )
-
-
 @functools.cache
 def _triton(name: str) -> Any:
     """``vit3.kernels.triton.<name>`` (imports Triton: on the first node call, not with the table)."""
@@ -112,9 +91,9 @@ def _whole() -> Whole:
 
 
 def triton_path(name: str) -> Path:
-    """Op ``name``'s Triton path: a branch alone through ``triton_ttt``, or its hooks in the fused node
-    (heads views, float16 / bfloat16 inputs as they are, a backward differentiable through the reference;
-    a node of Triton branches alone runs as one launch program)."""
+    """Op ``name``'s Triton path: its hooks in the fused node (heads views, float16 / bfloat16 inputs as they
+    are, a backward differentiable through the reference; a node of Triton branches alone runs as one launch
+    program)."""
 
     def forward(call: NodeCall) -> tuple[list[Tensor], str]:
         return _triton("node").forward(name, call)
@@ -128,4 +107,4 @@ def triton_path(name: str) -> Path:
         whole=_whole,
         rotate=_rotate,
     )
-    return Path(supports=_supports, run=_run, fits=_fits, node=node)
+    return Path(supports=_supports, fits=_fits, node=node)

@@ -1,7 +1,6 @@
 """The 3x3 depthwise-conv op (the official ViT³ second branch): ``reference`` (the one definition),
 ``eager`` (the closed form, one native convolution call per stage), ``cpp`` (the same stages on token rows in
 the C++ CPU kernel's depthwise ops) and ``triton`` (its Triton kernels, launched by ``vit3.kernels.triton``).
-Its eager and C++ paths run in the fused node only (no ``run``: alone, a branch is a one-branch node);
 RoPE does not apply (a grid model sees the positions itself)."""
 
 from ..ops import Op, Path

@@ -16,7 +16,7 @@ OP = Op(
     rope=True,
     paths={
         "triton": triton_path("swiglu"),
-        "cpu": Path(supports=cpu_supports, run=cpp.RUN, prefers=cpp.prefers, node=cpp.NODE),
-        "eager": Path(supports=eager_supports, run=eager.RUN, node=eager.NODE),
+        "cpu": Path(supports=cpu_supports, prefers=cpp.prefers, node=cpp.NODE),
+        "eager": Path(supports=eager_supports, node=eager.NODE),
     },
 )

@@ -13,13 +13,12 @@ from ..cpp import cpu_kernel_ops
 from ..ops import Branch, Inputs, Settings
 from ..paths import FEW_TOKENS, MIN_CPU_KERNEL_TOKENS
 from . import eager
-from .eager import Passes, SwiGLUSaved, node, run
+from .eager import Passes, SwiGLUSaved, node
 
 __all__ = [
     "MIX_CODE",
     "NODE",
     "PASSES",
-    "RUN",
     "dense_inputs",
     "kernel_block",
     "prefers",
@@ -103,4 +102,3 @@ def prefers(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
 
 PASSES = Passes(ttt_forward, ttt_backward)
 NODE = node(PASSES, copies=dense_inputs, mix=lambda d, qkv: (MIX_CODE, kernel_block(d, qkv)))
-RUN = run(PASSES)

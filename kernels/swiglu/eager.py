@@ -22,17 +22,14 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..common import autocast_backward, autocast_forward, grad_flows, step, step_backward, weight_grad
-from ..ops import Hyper, Node, NodeCall, Step
-from ..paths import compute_inputs
+from ..ops import Hyper, Node, NodeCall
 
 __all__ = [
     "NODE",
     "PASSES",
-    "RUN",
     "Passes",
     "SwiGLUSaved",
     "node",
-    "run",
     "swiglu_backward",
     "swiglu_forward",
     "swiglu_ttt",
@@ -434,29 +431,5 @@ def node(
     return Node(heads=True, forward=forward, backward=backward, copies=copies, mix=mix)
 
 
-def run(passes: Passes) -> Callable[..., Tensor]:
-    """The ``run`` of a path's ``passes``: :func:`swiglu_ttt` on a branch."""
-
-    def run_branch(
-        step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Tensor | None
-    ) -> Tensor:
-        q, k, v, params = compute_inputs(q, k, v, params)
-        c = step.cfg
-        return swiglu_ttt(
-            q,
-            k,
-            v,
-            params["w1"],
-            params["w2"],
-            scale=step.scale,
-            lr=c.inner_lr,
-            grad_norm=c.grad_norm,
-            recompute=step.recompute,
-            passes=passes,
-        )
-
-    return run_branch
-
-
 # The tiled path copies q, k, v dense.
-NODE, RUN = node(PASSES, copies=lambda q: True), run(PASSES)
+NODE = node(PASSES, copies=lambda q: True)

@@ -16,7 +16,7 @@ import torch
 import vit3.kernels as kernels
 from helpers.common import max_rel_err as _max_rel_err
 from vit3.kernels.reference import reference_ttt
-from vit3.layers import TTTMixer, apply_rope_2d
+from vit3.layers import TTTMixer, apply_rope_2d, fused_mix
 from vit3.layers.config import GRID_MODELS
 
 SCALE = 9**-0.5
@@ -60,6 +60,21 @@ def make_inputs(name: str, b: int, g: int, n: int, d: int, dtype: torch.dtype) -
     if dtype == torch.float64:
         params = {w: p.detach().double().requires_grad_(True) for w, p in params.items()}
     return qkv, params
+
+
+def branch_node(
+    name: str, path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: dict[str, torch.Tensor],
+    grid: tuple[int, int], *, scale: float, lr: float = 1.0, grad_norm: bool = True, recompute: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """One branch of op ``name`` on its ``path`` (``"eager"``, ``"cpu"``, ``"triton"``) as a one-branch
+    mixer op (``fused_mix``): q, k, v ``[B, G, N, d]`` copied into one qkv ``[B, N, 3*G*d]`` -> ``[B, G, N,
+    d]``."""
+    b, g, n, d = q.shape
+    qkv = torch.cat([t.transpose(1, 2).reshape(b, n, g * d) for t in (q, k, v)], dim=-1)
+    branch = fused_mix.MixBranch(name, 0, g, d, False, path)
+    spec = fused_mix.MixSpec((branch,), grid, scale, lr, grad_norm, 10000.0, recompute)
+    weights = [params[w] for w in kernels.OPS[name].weights]
+    return fused_mix.fused_mix(qkv, spec, weights).unflatten(-1, (g, d)).transpose(1, 2)
 
 
 def split_heads(qkv: torch.Tensor, g: int) -> list[torch.Tensor]:

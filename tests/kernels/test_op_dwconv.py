@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.common import count_calls, load_benchmark
-from helpers.ops import assert_matches_reference
+from helpers.ops import assert_matches_reference, branch_node
 
 import vit3.kernels.cpp as cpu_ext
 from vit3.kernels.dwconv.eager import dwconv_backward
 from vit3.kernels.dwconv.reference import dwconv, dwconv_ttt_ref
-from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
+from vit3.layers import TTTConfig, create_inner_model, inner_loop
 
 H = 2
 
@@ -42,10 +42,9 @@ def _generic(q, k, v, w, grid, *, scale, lr, grad_norm):
 
 
 def _eager(q, k, v, w, grid, *, scale, lr, grad_norm):
-    """The registry's eager backend: the closed form of ``dwconv.eager`` in a one-branch fused node."""
-    cfg = TTTConfig(inner_lr=lr, grad_norm=grad_norm)
-    step = backends.Step("dwconv", _model(q), grid, scale, cfg)
-    return backends.BACKENDS["eager"].run(step, q, k, v, {"weight": w}, None)
+    """The eager backend: the closed form of ``dwconv.eager`` in a one-branch mixer op."""
+    hyper = {"scale": scale, "lr": lr, "grad_norm": grad_norm}
+    return branch_node("dwconv", "eager", q, k, v, {"weight": w}, grid, **hyper)
 
 
 def _triton(q, k, v, w, grid, *, scale, lr, grad_norm):
@@ -58,10 +57,9 @@ def _triton(q, k, v, w, grid, *, scale, lr, grad_norm):
 
 
 def _cpp(q, k, v, w, grid, *, scale, lr, grad_norm):
-    """The registry's cpu backend: the same stages on token rows in the C++ kernel's depthwise ops."""
-    cfg = TTTConfig(inner_lr=lr, grad_norm=grad_norm)
-    step = backends.Step("dwconv", _model(q), grid, scale, cfg)
-    return backends.BACKENDS["cpu"].run(step, q, k, v, {"weight": w}, None)
+    """The cpu backend: the same stages on token rows in the C++ kernel's depthwise ops."""
+    hyper = {"scale": scale, "lr": lr, "grad_norm": grad_norm}
+    return branch_node("dwconv", "cpu", q, k, v, {"weight": w}, grid, **hyper)
 
 
 PATHS = {"eager": _eager, "cpp": _cpp, "triton": _triton, "generic": _generic}

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.common import count_calls, load_benchmark
-from helpers.ops import assert_matches_reference
+from helpers.ops import assert_matches_reference, branch_node
 
 import vit3.kernels.cpp as cpu_ext
 import vit3.kernels.swiglu.cpp as swiglu_cpp
 import vit3.kernels.swiglu.eager as fast
 from vit3.kernels.swiglu.reference import swiglu_ttt_ref
-from vit3.layers import TTTConfig, backends, create_inner_model, inner_loop
+from vit3.layers import TTTConfig, create_inner_model, inner_loop
 
 H, D = 2, 8
 
@@ -231,11 +231,9 @@ def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls
             out = fast.swiglu_ttt(
                 q, k, v, w1, w2, scale=1 / 3, passes=swiglu_cpp.PASSES if on else fast.PASSES
             )
-        else:  # the mixer registry's backends pass the flag down
-            model = create_inner_model("swiglu", H, D, TTTConfig())
-            step = backends.Step("swiglu", model, (1, 30), 1 / 3, TTTConfig())
-            run = backends.BACKENDS["cpu" if on else "eager"].run
-            out = run(step, q, k, v, {"w1": w1, "w2": w2}, None)
+        else:  # the backends' paths in the mixer op pass the flag down
+            path = "cpu" if on else "eager"
+            out = branch_node("swiglu", path, q, k, v, {"w1": w1, "w2": w2}, (1, 30), scale=1 / 3)
         assert kernel_calls["n"] - before == int(on)
         results[on] = [out, *_grads(out, dout, [qkv, w1, w2])]
     for a, b in zip(results[False], results[True]):  # float32, sums in different orders

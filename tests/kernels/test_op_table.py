@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.ops import branch_node
 from torch import Tensor
 
 from vit3.kernels import OPS, common, ops_with
@@ -106,8 +107,7 @@ def test_a_registered_op_is_chosen_explained_and_matches_its_reference(toy):
     assert f"no '{TOY}' in the C++ CPU kernel" in passed["cpu"] and "ranks higher" in passed["generic"]
 
     q, k, v, w = _inputs()
-    step = reg.Step(TOY, None, GRID, 0.5, cfg, plan.recompute)
-    out = reg.run_branch(plan, 0, step, q, k, v, {"w": w}, None)
+    out = branch_node(TOY, "eager", q, k, v, {"w": w}, GRID, scale=0.5, recompute=plan.recompute)
     hyper = {"grid": GRID, "scale": 0.5, "lr": cfg.inner_lr, "grad_norm": cfg.grad_norm}
     want = reference_ttt(TOY, q, k, v, {"w": w}, **hyper)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)

@@ -111,15 +111,27 @@ def test_fused_mix_refuses_half_qkv_on_other_paths():
 
 
 def test_the_registry_fuses_traced_triton_branches_only_all_together():
-    """Traced, Triton branches fuse as the mixer op (``fused_mix.mix_op``), which runs them all."""
+    """Traced, Triton branches fuse as the mixer op (``fused_mix.mix_op``), which runs them all; a call that
+    does not fuse runs the generic path for every branch (``registry.joined``)."""
     names, models = ("triton", "triton"), ("swiglu", "dwconv")
-    assert reg.registry.fuses(names, models, "dot", "")
-    assert reg.registry.fuses(("triton", "eager"), models, "dot", "")
-    assert reg.registry.fuses(names, models, "dot", "compile")
-    assert not reg.registry.fuses(("triton", "eager"), models, "dot", "compile")
-    assert reg.registry.fuses(("eager", "eager"), models, "dot", "compile")
-    assert not reg.registry.fuses(("triton", "generic"), models, "dot", "")
-    assert not reg.registry.fuses(("triton",), ("linear",), "mse", "")
+    assert not reg.registry.apart(names, models, "dot", "")
+    assert not reg.registry.apart(("triton", "eager"), models, "dot", "")
+    assert not reg.registry.apart(names, models, "dot", "compile")
+    assert "traced" in reg.registry.apart(("triton", "eager"), models, "dot", "compile")
+    assert not reg.registry.apart(("eager", "eager"), models, "dot", "compile")
+    assert "branch 1 ('dwconv') runs 'generic'" in reg.registry.apart(
+        ("triton", "generic"), models, "dot", ""
+    )
+    assert "dot loss only" in reg.registry.apart(("triton",), ("linear",), "mse", "")
+    picked = [
+        reg.registry.Choice("triton", (("generic", "'triton' is named"),), ""),
+        reg.registry.Choice("eager", (("triton", "a reason"),), ""),
+    ]
+    both, fused = reg.registry.joined(picked, models, "dot", "compile", requested="triton")
+    assert not fused and [c.backend for c in both] == ["generic", "generic"]
+    assert both[0].named_refused and not both[1].named_refused  # the named backend warns, auto's does not
+    why = reg.registry.apart(("triton", "eager"), models, "dot", "compile")
+    assert dict(both[0].passed_over) == {"triton": why} and dict(both[1].passed_over)["eager"] == why
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])

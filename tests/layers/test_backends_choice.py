@@ -19,15 +19,18 @@ from helpers.backends import (
     CPU,
     GRID,
     assert_same,
+    backends_of,
     generic_twin,
     make_mixer,
     param_names,
+    reason_of,
     run_grads,
     tokens,
 )
 from helpers.common import count_calls
 
 import vit3.kernels.swiglu.cpp as swiglu_cpp
+import vit3.kernels.swiglu.eager as swiglu_eager
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends import guard
@@ -56,7 +59,8 @@ FORCED = {
 )
 def test_forced_backend_gives_generic_output_and_gradients(request, monkeypatch, name, how, cfg):
     """The Triton kernels where Triton runs (``triton_device``: the GPU, else the interpreter), the others on
-    CPU tensors."""
+    CPU tensors. Beside a linear branch, which only Triton implements, the C++ and eager backends leave the
+    mixer op to the generic path (with a warning)."""
     device = request.getfixturevalue("triton_device") if name == "triton" else CPU
     if how == "env":
         monkeypatch.setenv(reg.BACKEND_ENV, name)
@@ -70,10 +74,14 @@ def test_forced_backend_gives_generic_output_and_gradients(request, monkeypatch,
         monkeypatch.setenv(reg.BACKEND_ENV, name)
     x, dout = tokens(GRID).to(device), tokens(GRID).to(device)
     expl = mixer.explain(x, GRID)
-    assert {b.name: b.backend for b in expl.branches if b.name != "linear"} == FORCED[name]
+    linear = any(b.startswith("linear") for b in cfg.get("branches", ()))
+    served = "generic" if linear and name != "triton" else name
+    assert {b.name: b.backend for b in expl.branches if b.name != "linear"} == FORCED[served]
     kernel = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
-    got = run_grads(mixer, x, GRID, dout)
-    assert kernel["n"] == int(name == "cpu")  # the C++ kernel ran exactly when named
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if served != name else "error", reg.BackendWarning)
+        got = run_grads(mixer, x, GRID, dout)
+    assert kernel["n"] == int(served == "cpu")  # the C++ kernel ran exactly when it served
     monkeypatch.delenv(reg.BACKEND_ENV, raising=False)
     assert_same(got, run_grads(reference, x, GRID, dout), param_names(mixer))
 
@@ -93,6 +101,30 @@ def test_named_backend_that_cannot_serve_warns_once_or_raises_when_strict(monkey
     monkeypatch.setenv(reg.STRICT_ENV, "1")
     with pytest.raises(ValueError, match="cannot serve the 'swiglu' branch"):
         mixer(x, GRID)
+
+
+def test_a_call_runs_the_mixer_op_or_the_generic_path_never_branch_by_branch(monkeypatch):
+    """A fast path runs only inside the mixer op: beside a branch without one (an MLP), the SwiGLU branch
+    takes the generic inner loop too, named or not, and the named backend's warning says why."""
+    mixer, x, dout = make_mixer(branches=("swiglu", "mlp:1")), tokens(BIG_GRID), tokens(BIG_GRID)
+    expl = mixer.explain(x, BIG_GRID)
+    assert not expl.fused and backends_of(expl) == ["generic", "generic"]
+    assert (
+        reason_of(expl, 0, "cpu")
+        == "branch 1 ('mlp') runs 'generic', and the mixer op runs every branch or none"
+    )
+    kernel = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
+    tiled = count_calls(monkeypatch, swiglu_eager.PASSES, "forward")
+    got = run_grads(mixer, x, BIG_GRID, dout)
+    assert kernel["n"] == tiled["n"] == 0
+    assert_same(got, run_grads(generic_twin(mixer), x, BIG_GRID, dout), param_names(mixer), rtol=0)
+    named = make_mixer(branches=("swiglu", "mlp:1"), backend="cpu")
+    with pytest.warns(
+        reg.BackendWarning,
+        match=r"backend 'cpu' .* cannot serve the 'swiglu' branch: branch 1 \('mlp'\) runs",
+    ):
+        named(x, BIG_GRID)
+    assert kernel["n"] == 0
 
 
 def test_named_backend_implementing_no_branch_warns():

@@ -22,7 +22,7 @@ from . import backends
 from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig, check_count, is_count
 from .fused_mix import MixBranch, MixSpec, fused_mix, takes
-from .inner import Params, assert_finite, create_inner_model, inner_loop
+from .inner import assert_finite, create_inner_model, inner_loop
 from .inner_math import shape_text, tracing_kind
 from .mixer_calls import MAX_CALLS, Call, Calls, call_key, cpp_args
 from .rope import apply_rope_2d, rope_tables
@@ -317,49 +317,37 @@ class TTTMixer(nn.Module):
         call = self._call(qkv, grid, grad_flows(qkv, gates, *flat), kind)
         plan = call.plan
         with autocast_off(qkv.device.type):  # the inner loops compute in qkv's dtype
-            if not plan.fused:
-                return self._mix(plan, qkv, grid, gates, weights, guard=True)
+            if not plan.fused:  # every branch on the generic inner loop, which needs no guard
+                return self.reference_mix(qkv, grid, gates)
             if call.settled:  # verified: no guard, the node itself
                 return _fused(call.mix_spec, qkv, flat)
             names = [list(w) for w in weights]
 
             def compute(p: backends.Plan, qkv: Tensor, *flat: Tensor) -> Tensor:
-                it = iter(flat)
+                if p.fused:
+                    return _fused(self.mix_spec(p, grid), qkv, list(flat))
+                it = iter(flat)  # a branch demoted to generic: every branch with it
                 again = [{name: next(it) for name in branch} for branch in names]
-                return self._mix(p, qkv, grid, gates, again, guard=False)
+                return self.reference_mix(qkv, grid, gates, again)
 
             units = tuple(range(len(weights)))
             out = backends.run(plan, units, compute, [qkv, *flat])
             call.settled = backends.settled(plan, units)
             return out
 
-    def _mix(
+    def reference_mix(
         self,
-        plan: backends.Plan,
         qkv: Tensor,
         grid: tuple[int, int],
-        gates: Tensor | None,
-        weights: list[Params],
-        guard: bool,
+        gates: Tensor | None = None,
+        weights: list[dict[str, Tensor]] | None = None,
     ) -> Tensor:
-        """``mix`` on ``plan``: one fused node, or branch by branch (each guarded when ``guard``)."""
-        if plan.fused:
-            return _fused(self.mix_spec(plan, grid), qkv, [p for w in weights for p in w.values()])
-        pieces, outs, offset = self._split(qkv), [], 0
-        for i, ((name, heads), model) in enumerate(zip(self.branch_specs, self.inner)):
-            q, k, v, gate = self._branch_inputs(pieces, i, heads, model.grid_model, grid, gates, offset)
-            offset += heads
-            step = backends.Step(name, model, grid, self.scale, self.cfg, plan.recompute)
-            y = backends.run_branch(plan, i, step, q, k, v, weights[i], gate, guard=guard)
-            outs.append(y.to(qkv.dtype).transpose(1, 2))  # [B, N, G, c]
-        return self._joined(outs, qkv)
-
-    def reference_mix(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None = None) -> Tensor:
-        """``mix`` by the reference math of every branch (``InnerModel.ttt``, the generic backend's), without
-        plans: the path a mixer built scriptable runs, eager and compiled by TorchScript.
+        """``mix`` by the reference math of every branch (``InnerModel.ttt``): the generic backend, and the
+        path a mixer built scriptable runs, eager and compiled by TorchScript.
 
         Args:
             qkv: ``[B, N, 3 * sum(widths)]``; grid: ``(h, w)``; gates: ``[B, sum(heads), N]`` or ``None``.
+            weights: each branch's initial weights by name; ``None``: the inner models' own.
 
         Returns:
             ``[B, N, sum(widths)]`` in ``qkv``'s dtype.
@@ -370,7 +358,10 @@ class TTTMixer(nn.Module):
             heads = self.branch_specs[i][1]
             q, k, v, gate = self._branch_inputs(pieces, i, heads, model.grid_model, grid, gates, offset)
             offset += heads
-            params = model.initial_params()
+            if weights is None:
+                params = model.initial_params()
+            else:
+                params = weights[i]
             y = model.ttt(q, k, v, params, grid, gate, loss, self.scale, lr, steps, mini_batches, grad_norm)
             outs.append(y.to(qkv.dtype).transpose(1, 2))  # [B, N, G, c]
         return self._joined(outs, qkv)

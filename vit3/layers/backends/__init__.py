@@ -4,22 +4,22 @@ A *backend* is one implementation of a branch's inner loop + read-out: ``triton`
 (the C++ CPU kernel), ``eager`` (the eager paths) or ``generic`` (the closed-form inner loop, every config).
 ``TTTConfig.backend`` names one (it wins over ``$VIT3_TTT_BACKEND``; both default to ``auto``, an order per
 device type). A call's plan is cached per key; a key's first calls run guarded and a backend that fails is
-demoted with one warning (``VIT3_TTT_STRICT=1`` raises). ``TTTMixer.explain`` says why. How a settled call
-then runs follows in ``ttt.py`` and ``blocks.py``.
+demoted with one warning (``VIT3_TTT_STRICT=1`` raises). A call runs the mixer op (every branch on a fast
+path) or the generic inner loop for every branch (``registry.joined``). ``TTTMixer.explain`` says why. How a
+settled call then runs follows in ``ttt.py`` and ``blocks.py``.
 
 Modules, bottom up: ``interface``, ``registry``, ``planner``, ``verify``, ``guard``, ``explain``. The rules
 in full: ``docs/design/dispatch.md``.
 """
 
 from .explain import BranchExplanation, MixerExplanation, ModelExplanation, explain_mixer
-from .guard import KernelFault, run, run_branch, settled
+from .guard import KernelFault, run, settled
 from .interface import (
     MIN_CPU_KERNEL_TOKENS,
     Backend,
     Branch,
     Inputs,
     Settings,
-    Step,
     legacy_onnx_dynamic_axes,
     token_class,
 )
@@ -65,7 +65,6 @@ __all__ = [
     "ModelExplanation",
     "Plan",
     "Settings",
-    "Step",
     "VerificationError",
     "conv_pos_kernel",
     "cpu_block_kernel",
@@ -79,7 +78,6 @@ __all__ = [
     "refresh_env",
     "reset",
     "run",
-    "run_branch",
     "scriptable_build",
     "settled",
     "token_class",

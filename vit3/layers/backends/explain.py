@@ -22,7 +22,7 @@ from .planner import (
     recompute_mode,
     requested_backend,
 )
-from .registry import BACKENDS, LEAN_BACKENDS, Branch, choose, fuses
+from .registry import BACKENDS, LEAN_BACKENDS, Branch, choose, joined
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class MixerExplanation:
             f"TTTMixer dim={self.dim} heads={self.num_heads} | {self.device} {self.dtype} | N={self.tokens} "
             f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
             "  "
-            + ("one fused node runs every branch" if self.fused else "branch by branch")
+            + ("one fused node runs every branch" if self.fused else "the generic inner loop, every branch")
             + (", as one launch program (compiled: the graph's one op vit3::mix)" if self.program else "")
             + (", as one C++ op (vit3_cpu::mix) once settled" if self.cpp_op else ""),
         ]
@@ -127,11 +127,21 @@ def explain_mixer(
     requested, source = requested_backend(cfg.backend)
     branches = mixer.plan_branches
     demoted = demotions()
-    out = []
-    for i, ((name, heads, d, plain), key) in enumerate(zip(branches, branch_keys(settings, branches, x))):
-        c = choose(Branch(i, name, heads, d, plain), settings, x, requested, source, demoted.get(key, {}))
-        out.append(BranchExplanation(i, name, heads, d, c.backend, c.passed_over))
-    fused = fuses([b.backend for b in out], [b.name for b in out], settings.loss, "")
+    keys = branch_keys(settings, branches, x)
+    choices, fused = joined(
+        [
+            choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
+            for i, (branch, key) in enumerate(zip(branches, keys))
+        ],
+        [name for name, *_ in branches],
+        settings.loss,
+        "",
+        requested,
+    )
+    out = [
+        BranchExplanation(i, name, heads, d, c.backend, c.passed_over)
+        for i, ((name, heads, d, _), c) in enumerate(zip(branches, choices))
+    ]
     program = fused and _one_program(mixer, out, grid)
     # asked of the mixer (its call's rule) where every branch takes the C++ kernel at all
     cpp_op = (

@@ -15,7 +15,6 @@ from torch import Tensor
 from vit3.kernels.common import grad_flows
 
 from ..fused_mix import BRANCH_ATTR
-from .interface import Step
 from .planner import (
     BACKEND_ENV,
     STRICT_ENV,
@@ -290,34 +289,3 @@ def run(
         if not grad:
             guard.verify()
         return out
-
-
-def run_branch(
-    plan: Plan,
-    i: int,
-    step: Step,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    params: dict[str, Tensor],
-    gate: Tensor | None,
-    guard: bool = True,
-) -> Tensor:
-    """Branch ``i``'s inner loop and read-out on its planned backend (guarded unless ``guard=False``).
-
-    Args:
-        q, k, v: ``[B, G, N, c]`` (views of the qkv projection, io dtype).
-        params: the branch's initial weights by name.
-        gate: the token lr gate ``[B, G, N]`` or ``None``.
-
-    Returns:
-        ``[B, G, N, c]``.
-    """
-    names = list(params)
-
-    def compute(p: Plan, q: Tensor, k: Tensor, v: Tensor, *rest: Tensor) -> Tensor:
-        g = rest[len(names)] if gate is not None else None
-        return BACKENDS[p.backends[i]].run(step, q, k, v, dict(zip(names, rest)), g)
-
-    tensors = [q, k, v, *params.values(), *([gate] if gate is not None else [])]
-    return run(plan, (i,), compute, tensors) if guard else compute(plan, *tensors)

@@ -1,8 +1,8 @@
-"""The backend interface: what a backend sees of a branch and its call, what it computes, and ``Backend``.
+"""The backend interface: what a backend sees of a branch and its call, and ``Backend``.
 
 ``Branch``, ``Settings`` and ``Inputs`` are all that a backend's ``supports`` may read (every field is in the
-plan key, ``planner.BranchKey``); ``Step`` is what its ``run`` computes (defined with the table of ops,
-``vit3.kernels.ops``, whose paths read them); ``token_class`` is the token-count rule the key holds.
+plan key, ``planner.BranchKey``; defined with the table of ops, ``vit3.kernels.ops``, whose paths read them);
+``token_class`` is the token-count rule the key holds.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
-from vit3.kernels.ops import Branch, Inputs, Settings, Step, ops_with
+from vit3.kernels.ops import Branch, Inputs, Settings, ops_with
 from vit3.kernels.paths import FEW_TOKENS, MIN_CPU_KERNEL_TOKENS
 
 from ..inner_math import legacy_onnx_export
@@ -25,7 +24,6 @@ __all__ = [
     "Branch",
     "Inputs",
     "Settings",
-    "Step",
     "legacy_onnx_dynamic_axes",
     "token_class",
 ]
@@ -64,7 +62,8 @@ def legacy_onnx_dynamic_axes() -> bool:
 
 @dataclass(frozen=True)
 class Backend:
-    """One implementation of a branch's inner loop + read-out.
+    """One implementation of a branch's inner loop + read-out: a fast path in the mixer op, or the generic
+    inner loop.
 
     Attributes:
         name: what ``TTTConfig.backend`` / ``$VIT3_TTT_BACKEND`` call it.
@@ -73,14 +72,12 @@ class Backend:
             loop, which runs every inner model.
         priority: rank per device type (higher first; ``"*"``: other device types); absent: only when named.
         supports: ``(branch, cfg, x) -> (ok, reason)``; may read only ``Settings`` / ``Inputs`` fields.
-        run: ``(step, q, k, v, params, gate) -> out``, q, k, v ``[B, G, N, c]`` in the io dtype, the
-            initial weights by name, the token lr gate ``[B, G, N]`` or ``None``; returns ``[B, G, N, c]``.
         prefers: auto only: ``(branch, cfg, x) -> (ok, reason)``, where auto passes a serving backend over.
         native: compiled code (kernels), the likeliest culprit when a fused node of several fails.
         fits: ``(branch, cfg, x) -> (ok, reason)``, asked once ``supports`` passed: whether the hardware at
             hand can run it. A refusal steps aside with a warning, in auto too (``planner.resolve``).
         specialises: compiled per input specialisation (Triton's JIT: shapes, strides, alignment), which the
-            plan key does not hold: the first call of each new one runs guarded and verified (``run``).
+            plan key does not hold: the first call of each new one runs guarded and verified (``guard.run``).
     """
 
     name: str
@@ -88,7 +85,6 @@ class Backend:
     path: str | None
     priority: Mapping[str, int]
     supports: Callable[[Branch, Settings, Inputs], tuple[bool, str]]
-    run: Callable[..., Tensor]
     prefers: Callable[[Branch, Settings, Inputs], tuple[bool, str]] | None = None
     native: bool = False
     fits: Callable[[Branch, Settings, Inputs], tuple[bool, str]] | None = None

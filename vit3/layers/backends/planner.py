@@ -28,7 +28,7 @@ from ..config import RECOMPUTE_MODES
 from ..fused_mix import mix_layout
 from ..inner_math import tracing_kind
 from .interface import Inputs, Settings
-from .registry import BACKEND_ENV, BACKENDS, NAMES, Branch, choose, fuses, not_implemented, order
+from .registry import BACKEND_ENV, BACKENDS, NAMES, Branch, choose, joined, not_implemented, order
 
 STRICT_ENV = "VIT3_TTT_STRICT"
 RECOMPUTE_ENV = "VIT3_TTT_RECOMPUTE"
@@ -296,10 +296,16 @@ def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: b
     x = Inputs(device, dtype, tokens, grad, tracing)
     requested, source = requested_backend(cfg_backend)
     keys = branch_keys(settings, branches, x)
-    choices = [
-        choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
-        for i, (branch, key) in enumerate(zip(branches, keys))
-    ]
+    choices, fused = joined(
+        [
+            choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
+            for i, (branch, key) in enumerate(zip(branches, keys))
+        ],
+        [name for name, *_ in branches],
+        settings.loss,
+        tracing,
+        requested,
+    )
     if warn and requested != "auto":
         raises = strict()
         impl = BACKENDS[requested].models
@@ -329,7 +335,6 @@ def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: b
                     )
     names = tuple(c.backend for c in choices)
     recompute, why = recompute_choice(cfg_recompute)
-    fused = fuses(names, [name for name, *_ in branches], settings.loss, tracing)
     return Plan(names, fused, keys, tracing, args, recompute, why)
 
 

@@ -1,10 +1,10 @@
-"""The backends, their order per device type, and the choice of one for a branch (``choose``).
+"""The backends, their order per device type, the choice of one for a branch (``choose``) and of the call.
 
-Each ``Backend`` but the generic one runs one fast path of the ops (``vit3.kernels.ops``): it implements the
-ops that have that path, and its ``supports`` / ``run`` are the branch's op's (``_on_path``);
-``choose`` takes the named one when it serves, else the first of the auto order that does, and says why
-each other one was passed over. Who asks (config or environment) and what was demoted is the plan's
-(``planner``): the choice reads neither.
+Each ``Backend`` but the generic one runs one fast path of the ops (``vit3.kernels.ops``) in the mixer op: it
+implements the ops that have that path, and its checks are the branch's op's (``_on_path``). ``choose`` takes
+the named one when it serves, else the first of the auto order that does, and says why each other one was
+passed over; ``joined`` makes a call the mixer op or the generic inner loop for every branch. Who asks
+(config or environment) and what was demoted is the plan's (``planner``): the choice reads neither.
 """
 
 from __future__ import annotations
@@ -12,15 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import torch
-from torch import Tensor
-
 from vit3.kernels.ops import OPS
-from vit3.kernels.paths import compute_inputs
 
 from ..config import BACKEND_NAMES
-from ..fused_mix import WHOLE_PATH, MixBranch, MixSpec, fused_mix
-from .interface import Backend, Branch, Inputs, Settings, Step
+from ..fused_mix import WHOLE_PATH
+from .interface import Backend, Branch, Inputs, Settings
 
 BACKEND_ENV = (
     "VIT3_TTT_BACKEND"  # names a backend for every mixer whose config says "auto" (read by ``planner``)
@@ -28,9 +24,9 @@ BACKEND_ENV = (
 
 
 def _on_path(path: str) -> dict[str, Callable[..., Any]]:
-    """A backend's ``supports`` / ``prefers`` / ``fits`` / ``run``: those of fast path ``path`` of the
-    branch's op (``OPS[name].paths[path]``, looked up per call: an op registered later is served too). A path
-    without ``prefers`` / ``fits`` passes them; one without ``run`` runs as a one-branch fused node."""
+    """A backend's ``supports`` / ``prefers`` / ``fits``: those of fast path ``path`` of the branch's op
+    (``OPS[name].paths[path]``, looked up per call: an op registered later is served too). A path without
+    ``prefers`` / ``fits`` passes them."""
 
     def supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
         return OPS[branch.name].paths[path].supports(branch, cfg, x)
@@ -43,41 +39,7 @@ def _on_path(path: str) -> dict[str, Callable[..., Any]]:
         check = OPS[branch.name].paths[path].fits
         return check(branch, cfg, x) if check is not None else (True, "")
 
-    def run(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
-        found = OPS[step.name].paths[path]
-        if found.run is not None:
-            return found.run(step, q, k, v, params, gate)
-        return _run_node(step, path, *compute_inputs(q, k, v, params))
-
-    return {"supports": supports, "prefers": prefers, "fits": fits, "run": run}
-
-
-def _run_node(step: Step, path: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor]) -> Tensor:
-    """One branch as a one-branch fused node (``fused_mix``) on the op's path ``path``; q, k, v
-    ``[B, G, N, d]`` (RoPE, where it applies, already on q and k) -> ``[B, G, N, d]``."""
-    c = step.cfg
-    b, g, n, d = q.shape
-    qkv = torch.cat([t.transpose(1, 2).reshape(b, n, g * d) for t in (q, k, v)], dim=-1)  # [B, N, 3*G*d]
-    spec = MixSpec(
-        (MixBranch(step.name, 0, g, d, False, path),),
-        step.grid,
-        step.scale,
-        c.inner_lr,
-        c.grad_norm,
-        c.rope_base,
-        step.recompute,
-    )
-    weights = [params[name] for name in OPS[step.name].weights]
-    return fused_mix(qkv, spec, weights).unflatten(-1, (g, d)).transpose(1, 2)
-
-
-def _run_generic(step: Step, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], gate: Any) -> Tensor:
-    """The branch's inner model's own reference step (``InnerModel.ttt``: the inner loop, the read-out on q),
-    which a model built scriptable runs under TorchScript too."""
-    c = step.cfg
-    return step.model.ttt(
-        q, k, v, params, step.grid, gate, c.loss, step.scale, c.inner_lr, c.steps, c.mini_batches, c.grad_norm
-    )
+    return {"supports": supports, "prefers": prefers, "fits": fits}
 
 
 BACKENDS: dict[str, Backend] = {
@@ -110,7 +72,6 @@ BACKENDS: dict[str, Backend] = {
             path=None,
             priority={"cpu": 1, "*": 2},
             supports=lambda branch, cfg, x: (True, ""),
-            run=_run_generic,
         ),
     )
 }
@@ -119,17 +80,41 @@ NAMES = BACKEND_NAMES  # what a config may name (vit3.layers.config): "auto" and
 LEAN_BACKENDS = ("cpu", "eager")
 
 
-def fuses(names: Sequence[str], branches: Sequence[str], loss: str, tracing: str) -> bool:
-    """Whether a mixer call whose branches (inner models ``branches``) run on backends ``names`` is one fused
-    node (``fused_mix``): every backend runs a path with node hooks for its branch's op, on the dot
-    loss the node takes. Traced, branches on Triton fuse only all together: the mixer op
-    (``fused_mix.mix_op``) runs them, as one op of the graph."""
+def apart(names: Sequence[str], branches: Sequence[str], loss: str, tracing: str) -> str:
+    """Why a mixer call whose branches (inner models ``branches``) run on backends ``names`` is not the mixer
+    op (``fused_mix``), ``""`` where it is: every backend runs a path with node hooks for its branch's op, on
+    the dot loss the op takes; traced, the op runs Triton for every branch or for none."""
     if loss != "dot":
-        return False
-    paths = [BACKENDS[name].path for name in names]
-    if any(path is None or OPS[model].paths[path].node is None for path, model in zip(paths, branches)):
-        return False
-    return not tracing or all(p == WHOLE_PATH for p in paths) or WHOLE_PATH not in paths
+        return f"the mixer op takes the dot loss only (loss {loss!r})"
+    for i, (name, model) in enumerate(zip(names, branches)):
+        path = BACKENDS[name].path
+        if path is None or OPS[model].paths[path].node is None:
+            return f"branch {i} ({model!r}) runs {name!r}, and the mixer op runs every branch or none"
+    paths = {BACKENDS[name].path for name in names}
+    if tracing and WHOLE_PATH in paths and len(paths) > 1:
+        return f"traced, the mixer op runs {WHOLE_PATH!r} for every branch or for none"
+    return ""
+
+
+def joined(
+    choices: Sequence[Choice], branches: Sequence[str], loss: str, tracing: str, requested: str = "auto"
+) -> tuple[list[Choice], bool]:
+    """The backends of a mixer call from its branches' choices, and whether they form the mixer op: a call
+    runs the op or the generic inner loop, never branch by branch. Where the choices do not form the op
+    (``apart``), every branch takes ``generic``, the backend it would have run passed over with that reason
+    (refused, where it is the ``requested`` one)."""
+    why = apart([c.backend for c in choices], branches, loss, tracing)
+    if not why:
+        return list(choices), True
+    out = []
+    for c in choices:
+        if c.backend == "generic":
+            out.append(c)
+            continue
+        passed = [(c.backend, why), *((n, r) for n, r in c.passed_over if n != "generic")]
+        refused = why if c.backend == requested else c.named_refused
+        out.append(c._replace(backend="generic", passed_over=tuple(passed), named_refused=refused))
+    return out, False
 
 
 def order(device_type: str) -> list[str]:
