@@ -101,8 +101,8 @@ def joined(
 ) -> tuple[list[Choice], bool]:
     """The backends of a mixer call from its branches' choices, and whether they form the mixer op: a call
     runs the op or the generic inner loop, never branch by branch. Where the choices do not form the op
-    (``apart``), every branch takes ``generic``, the backend it would have run passed over with that reason
-    (refused, where it is the ``requested`` one)."""
+    (``apart``), every branch takes ``generic``, each fast backend that could serve it passed over with that
+    reason (refused, where it is the ``requested`` one)."""
     why = apart([c.backend for c in choices], branches, loss, tracing)
     if not why:
         return list(choices), True
@@ -111,7 +111,8 @@ def joined(
         if c.backend == "generic":
             out.append(c)
             continue
-        passed = [(c.backend, why), *((n, r) for n, r in c.passed_over if n != "generic")]
+        others = ((n, why if n in c.serving else r) for n, r in c.passed_over if n != "generic")
+        passed = [(c.backend, why), *others]
         refused = why if c.backend == requested else c.named_refused
         out.append(c._replace(backend="generic", passed_over=tuple(passed), named_refused=refused))
     return out, False
@@ -133,6 +134,7 @@ class Choice(NamedTuple):
     passed_over: tuple[tuple[str, str], ...]  # (backend, reason), in the order they were considered
     named_refused: str  # why the named backend cannot serve this branch it implements ("" if it can / n.a.)
     unfit: tuple[tuple[str, str], ...] = ()  # (backend, reason): refused by its ``fits`` (the hardware)
+    serving: tuple[str, ...] = ()  # the backends that could serve the branch, the chosen one among them
 
 
 def choose(
@@ -183,4 +185,5 @@ def choose(
         else:
             why = f"not used on {dev} unless named ({BACKEND_ENV}={name} or TTTConfig.backend)"
         passed.append((name, why))
-    return Choice(chosen, tuple(passed), refused, tuple(unfit))
+    serving = tuple(name for name, why in verdicts.items() if not why)
+    return Choice(chosen, tuple(passed), refused, tuple(unfit), serving)
