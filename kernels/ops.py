@@ -224,14 +224,14 @@ class Path:
         prefers: auto only: where auto passes a serving path over (another is faster there).
         fits: asked once ``supports`` passed: whether the hardware at hand can run it (a refusal steps aside
             with a warning).
-        node: its hooks in the fused node (``cpu`` / ``eager`` / ``triton`` paths; traced, Triton's
-            only as the mixer op ``vit3::mix``).
+        node: its hooks in the fused node, the mixer op, which is where a fast path runs (traced, Triton's
+            only, as the op ``vit3::mix``).
     """
 
     supports: Check
+    node: Node
     prefers: Check | None = None
     fits: Check | None = None
-    node: Node | None = None
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ are walked in tiles of about a MiB so every intermediate lives in cache, and onl
 results (G, its norms, the updated weights) are kept between the two passes of each direction. The read-out
 and the input gradients are written into caller-given views (``swiglu_forward`` / ``swiglu_backward``, the
 fused node's). Saved for the backward: dense q, k, v and the weights, plus ``Z = k W``, ``Y = q W'`` unless
-``recompute``. The autograd node, the fused node's hooks and the ``run`` of a pair of passes (``Passes``)
-serve the C++ path's passes (``swiglu.cpp``) too.
+``recompute``. The autograd node (``swiglu_ttt``) and the fused node's hooks of a pair of passes
+(``Passes``) serve the C++ path's passes (``swiglu.cpp``) too.
 
 The passes, the layouts and what is saved, in full: ``docs/design/kernels.md``.
 """

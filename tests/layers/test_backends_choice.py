@@ -78,9 +78,11 @@ def test_forced_backend_gives_generic_output_and_gradients(request, monkeypatch,
     served = "generic" if linear and name != "triton" else name
     assert {b.name: b.backend for b in expl.branches if b.name != "linear"} == FORCED[served]
     kernel = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore" if served != name else "error", reg.BackendWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", reg.BackendWarning)
         got = run_grads(mixer, x, GRID, dout)
+    said = [str(w.message) for w in caught if issubclass(w.category, reg.BackendWarning)]
+    assert len(said) == (served != name) and all("cannot serve the mixer op" in s for s in said)
     assert kernel["n"] == int(served == "cpu")  # the C++ kernel ran exactly when it served
     monkeypatch.delenv(reg.BACKEND_ENV, raising=False)
     assert_same(got, run_grads(reference, x, GRID, dout), param_names(mixer))
@@ -105,11 +107,12 @@ def test_named_backend_that_cannot_serve_warns_once_or_raises_when_strict(monkey
 
 def test_a_call_runs_the_mixer_op_or_the_generic_path_never_branch_by_branch(monkeypatch):
     """A fast path runs only inside the mixer op: beside a branch without one (an MLP), the SwiGLU branch
-    takes the generic inner loop too, named or not, and the named backend's warning says why."""
+    takes the generic inner loop too, named or not, and the named backend's warning says why (raises under
+    ``VIT3_TTT_STRICT=1``)."""
     mixer, x, dout = make_mixer(branches=("swiglu", "mlp:1")), tokens(BIG_GRID), tokens(BIG_GRID)
     expl = mixer.explain(x, BIG_GRID)
     assert not expl.fused and backends_of(expl) == ["generic", "generic"]
-    why = "branch 1 ('mlp') runs 'generic', and the mixer op runs every branch or none"
+    why = "branch 1 ('mlp') has no fast path here, and the mixer op runs every branch or none"
     assert reason_of(expl, 0, "cpu") == reason_of(expl, 0, "eager") == why
     kernel = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
     tiled = count_calls(monkeypatch, swiglu_eager.PASSES, "forward")
@@ -119,10 +122,13 @@ def test_a_call_runs_the_mixer_op_or_the_generic_path_never_branch_by_branch(mon
     named = make_mixer(branches=("swiglu", "mlp:1"), backend="cpu")
     with pytest.warns(
         reg.BackendWarning,
-        match=r"backend 'cpu' .* cannot serve the 'swiglu' branch: branch 1 \('mlp'\) runs",
+        match=r"backend 'cpu' .* cannot serve the mixer op: branch 1 \('mlp'\) has no fast path",
     ):
         named(x, BIG_GRID)
     assert kernel["n"] == 0
+    monkeypatch.setenv(reg.STRICT_ENV, "1")
+    with pytest.raises(ValueError, match=r"backend 'eager' .* cannot serve the mixer op"):
+        make_mixer(branches=("swiglu", "mlp:1"), backend="eager")(x, BIG_GRID)
 
 
 def test_named_backend_implementing_no_branch_warns():

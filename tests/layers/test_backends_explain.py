@@ -121,7 +121,7 @@ VARIANTS = {
     "with-linear": (
         {"branches": ("swiglu:2", "linear:2", "dwconv:1")},
         ["generic", "generic", "generic"],
-        (0, "cpu", "branch 1 ('linear') runs 'generic', and the mixer op runs every branch or none"),
+        (0, "cpu", "branch 1 ('linear') has no fast path here, and the mixer op runs every branch or none"),
     ),
     "named-generic": ({"backend": "generic"}, ["generic", "generic"], (0, "cpu", "'generic' is named")),
     "named-triton": ({"backend": "triton"}, ["triton", "triton"], (0, "cpu", "'triton' is named")),

@@ -180,9 +180,8 @@ def mix_layout(spec: MixSpec) -> MixLayout:
     for br in spec.branches:
         op = OPS.get(br.op)
         path = op.paths.get(br.path) if op is not None else None
-        if path is None or path.node is None:
-            node_ops = [name for name, o in OPS.items() if any(p.node for p in o.paths.values())]
-            raise ValueError(f"fused_mix serves the inner models {node_ops}, got {br.op!r}")
+        if path is None:
+            raise ValueError(f"fused_mix serves the inner models {list(OPS)}, got {br.op!r} on {br.path!r}")
         found.append((path.node, len(op.weights), br.heads * br.head_dim))
     hyper = Hyper(spec.grid, spec.scale, spec.lr, spec.grad_norm, "dot", spec.recompute)
     twice = all(node.twice for node, *_ in found)

@@ -486,7 +486,7 @@ class TTTMixer(nn.Module):
         sources = []
         for (kind, _), model in zip(self.branch_specs, self.inner):
             cpu = OPS[kind].paths.get("cpu") if kind in OPS else None
-            stored = cpu.node.stored if cpu is not None and cpu.node is not None else None
+            stored = cpu.node.stored if cpu is not None else None
             for name, t in model.initial_params().items():
                 p = model._parameters.get(name)
                 if p is None or (p is not t and not (stored is not None and stored(p, t))):

@@ -128,16 +128,12 @@ def explain_mixer(
     branches = mixer.plan_branches
     demoted = demotions()
     keys = branch_keys(settings, branches, x)
-    choices, fused = joined(
-        [
-            choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
-            for i, (branch, key) in enumerate(zip(branches, keys))
-        ],
-        [name for name, *_ in branches],
-        settings.loss,
-        "",
-        requested,
-    )
+    chosen = [
+        choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
+        for i, (branch, key) in enumerate(zip(branches, keys))
+    ]
+    choices, apart = joined(chosen, [name for name, *_ in branches], settings.loss, "")
+    fused = not apart
     out = [
         BranchExplanation(i, name, heads, d, c.backend, c.passed_over)
         for i, ((name, heads, d, _), c) in enumerate(zip(branches, choices))
@@ -193,7 +189,7 @@ def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int
     lets them run (``fused_mix.runs_whole``)."""
     for b in out:
         path = OPS[b.name].paths.get(b.backend) if b.name in OPS else None
-        if path is None or path.node is None or path.node.whole is None:
+        if path is None or path.node.whole is None:
             return False
     return runs_whole(mixer.mix_spec(_fused_plan(out), grid))
 

@@ -269,9 +269,9 @@ def run(
 
     Args:
         plan: the call's plan.
-        units: the branches ``compute`` covers (one, or all of a fused node).
+        units: the branches ``compute`` covers (the mixer's call: all of them).
         compute: ``(plan, *tensors) -> Tensor``, run again with the re-planned backends after a failure.
-        tensors: every tensor input gradients may flow to (q, k, v or qkv, the weights, a gate).
+        tensors: every tensor input gradients may flow to (qkv and the initial weights).
     """
     if settled(plan, units):
         return compute(plan, *tensors)

@@ -296,16 +296,11 @@ def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: b
     x = Inputs(device, dtype, tokens, grad, tracing)
     requested, source = requested_backend(cfg_backend)
     keys = branch_keys(settings, branches, x)
-    choices, fused = joined(
-        [
-            choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
-            for i, (branch, key) in enumerate(zip(branches, keys))
-        ],
-        [name for name, *_ in branches],
-        settings.loss,
-        tracing,
-        requested,
-    )
+    chosen = [
+        choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
+        for i, (branch, key) in enumerate(zip(branches, keys))
+    ]
+    choices, apart = joined(chosen, [name for name, *_ in branches], settings.loss, tracing)
     if warn and requested != "auto":
         raises = strict()
         impl = BACKENDS[requested].models
@@ -317,6 +312,9 @@ def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: b
                 for (name, *_), c in zip(branches, choices)
                 if c.named_refused
             ]
+            served = BACKENDS[requested].path is not None and any(c.backend == requested for c in chosen)
+            if apart and served:  # a fast path that served a branch, but the call runs generic
+                problems.append(f"mixer op: {apart}; every branch runs 'generic'")
         for problem in problems:
             message = (
                 f"vit3: backend {requested!r} ({source}) cannot serve the {problem} (on {device}, {dtype})"
@@ -335,7 +333,7 @@ def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: b
                     )
     names = tuple(c.backend for c in choices)
     recompute, why = recompute_choice(cfg_recompute)
-    return Plan(names, fused, keys, tracing, args, recompute, why)
+    return Plan(names, not apart, keys, tracing, args, recompute, why)
 
 
 @torch.compiler.assume_constant_result  # traced once by torch.compile: the plan is a constant of the graph

@@ -82,14 +82,13 @@ LEAN_BACKENDS = ("cpu", "eager")
 
 def apart(names: Sequence[str], branches: Sequence[str], loss: str, tracing: str) -> str:
     """Why a mixer call whose branches (inner models ``branches``) run on backends ``names`` is not the mixer
-    op (``fused_mix``), ``""`` where it is: every backend runs a path with node hooks for its branch's op, on
-    the dot loss the op takes; traced, the op runs Triton for every branch or for none."""
+    op (``fused_mix``), ``""`` where it is: every backend runs a fast path (each has the op's hooks), on the
+    dot loss the op takes; traced, the op runs Triton for every branch or for none."""
     if loss != "dot":
         return f"the mixer op takes the dot loss only (loss {loss!r})"
     for i, (name, model) in enumerate(zip(names, branches)):
-        path = BACKENDS[name].path
-        if path is None or OPS[model].paths[path].node is None:
-            return f"branch {i} ({model!r}) runs {name!r}, and the mixer op runs every branch or none"
+        if BACKENDS[name].path is None:
+            return f"branch {i} ({model!r}) has no fast path here, and the mixer op runs every branch or none"
     paths = {BACKENDS[name].path for name in names}
     if tracing and WHOLE_PATH in paths and len(paths) > 1:
         return f"traced, the mixer op runs {WHOLE_PATH!r} for every branch or for none"
@@ -97,25 +96,23 @@ def apart(names: Sequence[str], branches: Sequence[str], loss: str, tracing: str
 
 
 def joined(
-    choices: Sequence[Choice], branches: Sequence[str], loss: str, tracing: str, requested: str = "auto"
-) -> tuple[list[Choice], bool]:
-    """The backends of a mixer call from its branches' choices, and whether they form the mixer op: a call
-    runs the op or the generic inner loop, never branch by branch. Where the choices do not form the op
-    (``apart``), every branch takes ``generic``, each fast backend that could serve it passed over with that
-    reason (refused, where it is the ``requested`` one)."""
+    choices: Sequence[Choice], branches: Sequence[str], loss: str, tracing: str
+) -> tuple[list[Choice], str]:
+    """The backends of a mixer call from its branches' choices, and why they do not form the mixer op (``""``
+    where they do): a call runs the op or the generic inner loop, never branch by branch. Where the choices
+    do not form the op (``apart``), every branch takes ``generic``, each fast backend that could serve it
+    passed over with that reason."""
     why = apart([c.backend for c in choices], branches, loss, tracing)
     if not why:
-        return list(choices), True
+        return list(choices), ""
     out = []
     for c in choices:
         if c.backend == "generic":
             out.append(c)
             continue
         others = ((n, why if n in c.serving else r) for n, r in c.passed_over if n != "generic")
-        passed = [(c.backend, why), *others]
-        refused = why if c.backend == requested else c.named_refused
-        out.append(c._replace(backend="generic", passed_over=tuple(passed), named_refused=refused))
-    return out, False
+        out.append(c._replace(backend="generic", passed_over=((c.backend, why), *others)))
+    return out, why
 
 
 def order(device_type: str) -> list[str]:
