@@ -330,9 +330,8 @@ class TTTMixer(nn.Module):
                 again = [{name: next(it) for name in branch} for branch in names]
                 return self.reference_mix(qkv, grid, gates, again)
 
-            units = tuple(range(len(weights)))
-            out = backends.run(plan, units, compute, [qkv, *flat])
-            call.settled = backends.settled(plan, units)
+            out = backends.run(plan, compute, [qkv, *flat])
+            call.settled = backends.settled(plan)
             return out
 
     def reference_mix(

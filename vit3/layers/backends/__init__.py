@@ -1,7 +1,8 @@
 """Which implementation runs each branch of a TTT mixer, and why: the one place that decides it.
 
-A *backend* is one implementation of a branch's inner loop + read-out: ``triton`` (the Triton kernels), ``cpu``
-(the C++ CPU kernel), ``eager`` (the eager paths) or ``generic`` (the closed-form inner loop, every config).
+A *backend* is one implementation of a branch's inner loop + read-out: ``triton`` (the Triton kernels),
+``cpu`` (the C++ CPU kernel), ``eager`` (the eager paths) or ``generic`` (the closed-form inner loop, every
+config).
 ``TTTConfig.backend`` names one (it wins over ``$VIT3_TTT_BACKEND``; both default to ``auto``, an order per
 device type). A call's plan is cached per key; a key's first calls run guarded and a backend that fails is
 demoted with one warning (``VIT3_TTT_STRICT=1`` raises). A call runs the mixer op (every branch on a fast

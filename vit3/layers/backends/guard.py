@@ -71,14 +71,13 @@ def _error_line(exc: BaseException) -> str:
 
 
 class _Guard:
-    """One guarded unit of a mixer call: branches ``units`` computed by ``compute(plan, *tensors)``;
-    ``shapes`` the inputs' specialisation (``verify.specialisation``) where a unit's backend specialises on
-    it, else ``None``."""
+    """One guarded mixer call: its branches (``units``) computed by ``compute(plan, *tensors)``; ``shapes``
+    the inputs' specialisation (``verify.specialisation``) where a branch's backend specialises on it, else
+    ``None``."""
 
-    def __init__(
-        self, plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor], shapes: tuple | None
-    ) -> None:
-        self.plan, self.units, self.compute, self.shapes = plan, units, compute, shapes
+    def __init__(self, plan: Plan, compute: Callable[..., Tensor], shapes: tuple | None) -> None:
+        self.plan, self.compute, self.shapes = plan, compute, shapes
+        self.units = tuple(range(len(plan.backends)))
         self.first = plan  # whose kernels a sticky fault is laid to, even where it surfaces in a fallback
 
     def checks(self) -> bool:
@@ -125,8 +124,7 @@ class _Guard:
 
     def _reference_plan(self) -> Plan:
         p = self.plan
-        names = tuple("generic" if i in self.units else name for i, name in enumerate(p.backends))
-        return p._replace(backends=names, fused=False)
+        return p._replace(backends=("generic",) * len(p.backends), fused=False)
 
     def _slice(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return sliced(tensors, self.shapes[0][0][0])
@@ -249,36 +247,35 @@ class _GuardFn(torch.autograd.Function):
         return [next(it) if t.requires_grad else None for t in inputs]
 
 
-def settled(plan: Plan, units: tuple[int, ...]) -> bool:
-    """Whether branches ``units`` of ``plan`` run unguarded on every call from now on: traced, on the generic
-    path, or verified on backends that do not specialise per input. It holds until the plans are forgotten
-    (a demotion, ``reset``, ``refresh_env``), so callers may cache it with the plan in a cache that
+def settled(plan: Plan) -> bool:
+    """Whether a mixer call on ``plan`` runs unguarded on every call from now on: traced, on the generic path,
+    or verified on backends that do not specialise per input. It holds until the plans are forgotten (a
+    demotion, ``reset``, ``refresh_env``), so callers may cache it with the plan in a cache that
     ``keep_with_plans`` clears with the plans (``TTTMixer``'s ``Calls``)."""
-    if plan.tracing or all(plan.backends[i] == "generic" for i in units):
+    if plan.tracing or not plan.fused:
         return True
+    units = range(len(plan.backends))
     return not any(BACKENDS[plan.backends[i]].specialises for i in units) and all(
         is_verified(_entry(plan, i, None)) for i in units
     )
 
 
-def run(
-    plan: Plan, units: tuple[int, ...], compute: Callable[..., Tensor], tensors: Sequence[Tensor]
-) -> Tensor:
-    """``compute(plan, *tensors)`` for branches ``units`` of a mixer call, guarded on a key's first calls, and
-    on the first call of each new input specialisation of a backend that specialises (Triton).
+def run(plan: Plan, compute: Callable[..., Tensor], tensors: Sequence[Tensor]) -> Tensor:
+    """``compute(plan, *tensors)``: a mixer call, guarded on a key's first calls, and on the first call of
+    each new input specialisation of a backend that specialises (Triton).
 
     Args:
         plan: the call's plan.
-        units: the branches ``compute`` covers (the mixer's call: all of them).
         compute: ``(plan, *tensors) -> Tensor``, run again with the re-planned backends after a failure.
         tensors: every tensor input gradients may flow to (qkv and the initial weights).
     """
-    if settled(plan, units):
+    if settled(plan):
         return compute(plan, *tensors)
+    units = range(len(plan.backends))
     shapes = specialisation(tensors) if any(BACKENDS[plan.backends[i]].specialises for i in units) else None
     if shapes is not None and all(is_verified(_entry(plan, i, shapes)) for i in units):
         return compute(plan, *tensors)
-    guard = _Guard(plan, units, compute, shapes)
+    guard = _Guard(plan, compute, shapes)
     grad = grad_flows(*tensors)
     while True:
         try:
