@@ -14,16 +14,15 @@ import warnings
 import pytest
 import timm
 import torch
+from helpers import backends as hb
 from helpers.backends import (
     BIG_GRID,
     CPU,
     GRID,
     assert_same,
-    backends_of,
     generic_twin,
     make_mixer,
     param_names,
-    reason_of,
     run_grads,
     tokens,
 )
@@ -111,9 +110,9 @@ def test_a_call_runs_the_mixer_op_or_the_generic_path_never_branch_by_branch(mon
     ``VIT3_TTT_STRICT=1``)."""
     mixer, x, dout = make_mixer(branches=("swiglu", "mlp:1")), tokens(BIG_GRID), tokens(BIG_GRID)
     expl = mixer.explain(x, BIG_GRID)
-    assert not expl.fused and backends_of(expl) == ["generic", "generic"]
+    assert not expl.fused and hb.backends_of(expl) == ["generic", "generic"]
     why = "branch 1 ('mlp') has no fast path here, and the mixer op runs every branch or none"
-    assert reason_of(expl, 0, "cpu") == reason_of(expl, 0, "eager") == why
+    assert hb.reason_of(expl, 0, "cpu") == hb.reason_of(expl, 0, "eager") == why
     kernel = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
     tiled = count_calls(monkeypatch, swiglu_eager.PASSES, "forward")
     got = run_grads(mixer, x, BIG_GRID, dout)
