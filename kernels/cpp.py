@@ -5,7 +5,7 @@ The sources live in the ops' folders (``swiglu/csrc``, ``dwconv/csrc``, ``mix/cs
 extension is compiled on first use with ``torch.utils.cpp_extension`` into a folder keyed by a hash of what
 makes the binary (``build_target``), one process building under a lock while the others wait
 (``build_once``). The backend registry (``vit3.layers.backends``, backend ``cpu``) decides when it runs; a
-failed build raises from ``cpu_kernel_ops`` and the registry demotes the backend with a warning.
+failed build raises from ``cpu_kernel_ops`` and the backends' guard demotes the backend with a warning.
 
 The sources one by one, the build cache and why it is keyed so: ``docs/design/kernels.md``.
 """

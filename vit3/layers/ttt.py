@@ -224,7 +224,7 @@ class TTTMixer(nn.Module):
         """Mixes tokens ``[B, N, C]`` laid out on ``grid = (h, w)`` (raster order); returns ``[B, N, C]``.
 
         Inside a plain ViT³ block on a CPU, settled calls run the whole block as one C++ op and do not come
-        here (a breakpoint goes silent after warm-up; ``vit3.layers.explain(model, ...)`` says which blocks,
+        here (a breakpoint goes silent after warm-up; ``vit3.explain(model, ...)`` says which blocks,
         docs/kernels.md says why)."""
         # Compiled by TorchScript (a mixer built scriptable): the reference path, no finiteness check.
         if torch.jit.is_scripting():
