@@ -197,3 +197,17 @@ class TestBadInput:
     def test_config_roundtrip_from_dict(self):
         cfg = TTTConfig.create({"loss": "mse", "branches": "linear,dwconv:1"})
         assert cfg.branches == ("linear", "dwconv:1") and cfg.loss == "mse"
+
+
+def test_mix_refuses_gates_its_lr_mode_does_not_take():
+    """``mix`` takes token lr gates exactly when ``lr_mode="token"``: a fixed-lr mixer's fused path would
+    ignore them, a token-lr mixer cannot run without them."""
+    x = torch.randn(2, 16, 32)
+    fixed, token = TTTMixer(32, 2), TTTMixer(32, 2, TTTConfig(lr_mode="token"))
+    gates = torch.rand(2, 3, 16)
+    with pytest.raises(ValueError, match="lr_mode='fixed' takes no token lr gates"):
+        fixed.mix(fixed.qkv(x), (4, 4), gates)
+    with pytest.raises(ValueError, match="lr_mode='token' needs token lr gates"):
+        token.mix(token.qkv(x), (4, 4))
+    out = token.mix(token.qkv(x), (4, 4), gates)
+    assert out.shape == (2, 16, sum(token.widths)) and torch.isfinite(out).all()

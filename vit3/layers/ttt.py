@@ -264,11 +264,15 @@ class TTTMixer(nn.Module):
         Args:
             qkv: the qkv projection output ``[B, N, 3 * sum(widths)]`` (branch by branch: q, k, v).
             grid: ``(h, w)``.
-            gates: token lr gates ``[B, sum(heads), N]`` when ``lr_mode="token"``.
+            gates: token lr gates ``[B, sum(heads), N]``, required when ``lr_mode="token"`` and refused
+                otherwise.
 
         Returns:
             The branch read-outs concatenated, ``[B, N, sum(widths)]``, in ``qkv``'s dtype.
         """
+        if (gates is None) != (self.lr_gate is None):
+            need = "needs" if gates is None else "takes no"
+            raise ValueError(f"TTTMixer.mix: lr_mode={self.cfg.lr_mode!r} {need} token lr gates (gates=)")
         return self._mixed(qkv, grid, gates, tracing_kind())
 
     def _mixed(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
