@@ -39,11 +39,11 @@ def _supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
     kernels, why = _kernels()
     if kernels is None:
         return False, why
+    if why := bare_why(branch) or one_step_why(cfg):
+        return False, why
     if cfg.loss != "dot":  # the mixer op's loss; ``triton_ttt`` runs a branch alone on TRITON_LOSSES
         losses = ", ".join(kernels.TRITON_LOSSES[branch.name])
         return False, f"loss {cfg.loss!r} is not fused in the mixer op (dot; triton_ttt alone: {losses})"
-    if why := bare_why(branch) or one_step_why(cfg):
-        return False, why
     if x.tracing == "trace":
         return False, "jit tracing / ONNX export: traceable ops serve"
     if x.dtype not in kernels.IO_DTYPES:
