@@ -16,13 +16,13 @@ from .planner import (
     SCRIPTABLE_PATH,
     SCRIPTABLE_WHY,
     Plan,
-    branch_keys,
+    call_choices,
     demotions,
     recompute_choice,
     recompute_mode,
     requested_backend,
 )
-from .registry import BACKENDS, LEAN_BACKENDS, Branch, choose, joined
+from .registry import BACKENDS, LEAN_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -126,17 +126,11 @@ def explain_mixer(
     x = Inputs(device, dtype, token_class(n), grad, "")
     requested, source = requested_backend(cfg.backend)
     branches = mixer.plan_branches
-    demoted = demotions()
-    keys = branch_keys(settings, branches, x)
-    chosen = [
-        choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
-        for i, (branch, key) in enumerate(zip(branches, keys))
-    ]
-    choices, apart = joined(chosen, [name for name, *_ in branches], settings.loss, "")
-    fused = not apart
+    found = call_choices(settings, branches, x, requested, source, demotions())
+    fused = not found.apart
     out = [
         BranchExplanation(i, name, heads, d, c.backend, c.passed_over)
-        for i, ((name, heads, d, _), c) in enumerate(zip(branches, choices))
+        for i, ((name, heads, d, _), c) in enumerate(zip(branches, found.choices))
     ]
     program = fused and _one_program(mixer, out, grid)
     # asked of the mixer (its call's rule) where every branch takes the C++ kernel at all

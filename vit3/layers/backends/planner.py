@@ -28,7 +28,7 @@ from ..config import RECOMPUTE_MODES
 from ..fused_mix import mix_layout
 from ..inner_math import tracing_kind
 from .interface import Inputs, Settings
-from .registry import BACKEND_ENV, BACKENDS, NAMES, Branch, choose, joined, not_implemented, order
+from .registry import BACKEND_ENV, BACKENDS, NAMES, Branch, Choice, choose, joined, not_implemented, order
 
 STRICT_ENV = "VIT3_TTT_STRICT"
 RECOMPUTE_ENV = "VIT3_TTT_RECOMPUTE"
@@ -255,6 +255,31 @@ def branch_keys(settings: Settings, branches: tuple, x: Inputs) -> tuple[BranchK
     )
 
 
+class Chosen(NamedTuple):
+    """A call's choices (``call_choices``): the branch keys, each branch's own choice (``chosen``), the
+    call's backends after ``joined`` (``choices``) and why they are not the mixer op (``apart``, ``""``)."""
+
+    keys: tuple[BranchKey, ...]
+    chosen: list[Choice]
+    choices: list[Choice]
+    apart: str
+
+
+def call_choices(
+    settings: Settings, branches: tuple, x: Inputs, requested: str, source: str,
+    demoted: Mapping[BranchKey, Mapping[str, str]],
+) -> Chosen:  # fmt: skip
+    """The backends of a call on ``x`` for ``branches`` ``(inner model, heads, head_dim, plain)``, with the
+    backends ``demoted`` per key passed over: what ``resolve`` plans and ``explain_mixer`` reports."""
+    keys = branch_keys(settings, branches, x)
+    chosen = [
+        choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
+        for i, (branch, key) in enumerate(zip(branches, keys))
+    ]
+    choices, apart = joined(chosen, [name for name, *_ in branches], settings.loss, x.tracing)
+    return Chosen(keys, chosen, choices, apart)
+
+
 def demotions() -> dict[BranchKey, dict[str, str]]:
     """Every demotion, those waiting for the end of a backward pass too: ``{key: {backend: error}}``."""
     out: dict[BranchKey, dict[str, str]] = {}
@@ -295,12 +320,7 @@ def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: b
     settings = Settings(*settings)
     x = Inputs(device, dtype, tokens, grad, tracing)
     requested, source = requested_backend(cfg_backend)
-    keys = branch_keys(settings, branches, x)
-    chosen = [
-        choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
-        for i, (branch, key) in enumerate(zip(branches, keys))
-    ]
-    choices, apart = joined(chosen, [name for name, *_ in branches], settings.loss, tracing)
+    keys, chosen, choices, apart = call_choices(settings, branches, x, requested, source, demoted)
     if warn and requested != "auto":
         raises = strict()
         impl = BACKENDS[requested].models
