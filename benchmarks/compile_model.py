@@ -4,8 +4,10 @@ speed-up.
 Per model: the number of graphs and graph breaks Dynamo finds in the forward (and each break's reason),
 then ``torch.compile`` (``--backend``, Inductor by default) of the forward under ``--mode`` (``infer``:
 ``inference_mode``, the model in ``eval()``; ``train``: forward + backward, the model in ``train()``), the
-first call's time (the compile) and the median time of the compiled and the eager model side by side.
-Writes ``compile_model<--tag>.csv`` to ``--out-dir``, a row as each model finishes.
+first call's time (the compile) and the median time of the compiled and the eager model side by side; with
+``--generic-too`` also the model with every mixer on the generic inner loop (``ttt_cfg`` backend ``generic``,
+the same weights), compiled: what the mixer op's kernels save under compile. Writes
+``compile_model<--tag>.csv`` to ``--out-dir``, a row as each model finishes.
 
     python benchmarks/compile_model.py --device cuda --models vit3_tiny h_vit3_tiny --img-size 224
     python benchmarks/compile_model.py --device cpu --models test_vit3_ttt --img-size 64 --backend aot_eager
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vit3  # noqa: F401  - registers the vit3 models in timm
-from benchmarks.common import RESULTS, CsvRows, print_table, sync, time_interleaved
+from benchmarks.common import RESULTS, CsvRows, paired_ratio, print_table, sync, time_samples
 
 
 def graph_breaks(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int, list[str]]:
@@ -48,6 +51,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--tag", default="", help="appended to the CSV name: compile_model<tag>.csv")
+    p.add_argument("--generic-too", action="store_true", help="also TTT models compiled on the generic path")
     args = p.parse_args()
     device = torch.device(args.device)
     amp = (args.amp or ("bf16" if device.type == "cuda" else "none")) == "bf16"
@@ -74,14 +78,26 @@ def main() -> None:
         call(compiled)
         sync(device)
         first = time.perf_counter() - start
-        times = time_interleaved(
-            {"compiled": lambda: call(compiled), "eager": lambda: call(model)}, device, repeats=args.repeats
-        )
+        fns = {"compiled": lambda: call(compiled), "eager": lambda: call(model)}
+        if args.generic_too and name.startswith(("vit3", "h_vit3")):
+            kwargs = {"img_size": args.img_size, "num_classes": 1000, "ttt_cfg": {"backend": "generic"}}
+            generic = timm.create_model(name, **kwargs)
+            generic.load_state_dict(model.state_dict())
+            generic = torch.compile(generic.to(device).train(args.mode == "train"), backend=args.backend)
+            fns["compiled_generic"] = lambda: call(generic)
+        samples = time_samples(fns, device, repeats=args.repeats)
+        times = {key: statistics.median(ts) for key, ts in samples.items()}
+        generic_ms = 1e3 * times["compiled_generic"] if "compiled_generic" in times else float("nan")
+        over_generic = (
+            paired_ratio(samples["compiled_generic"], samples["compiled"]) if "compiled_generic" in times
+            else float("nan")
+        )  # fmt: skip
         rows.add({"model": name, "img": args.img_size, "batch": args.batch, "mode": args.mode,
                   "amp": "bf16" if amp else "none", "backend": args.backend, "graphs": graphs,
                   "graph_breaks": breaks, "first_call_s": first, "compiled_ms": 1e3 * times["compiled"],
                   "eager_ms": 1e3 * times["eager"],
-                  "speedup": times["eager"] / times["compiled"]})  # fmt: skip
+                  "speedup": paired_ratio(samples["eager"], samples["compiled"]),
+                  "compiled_generic_ms": generic_ms, "speedup_over_generic": over_generic})  # fmt: skip
     print_table(rows.rows)
     print(f"wrote {rows.path}")
 

@@ -117,8 +117,8 @@ def _mix(qkv: Shape, weights: Any, spec: Sequence[int], *_: Any) -> int:
 
 
 def _mix_backward(
-    d_out: Shape, saved: Any, shapes: Any, spec: Sequence[int], gh: int, gw: int, scale: float, lr: float,
-    grad_norm: bool, rope_base: float, recompute: bool, *_: Any,
+    d_out: Shape, qkv: Shape, saved: Any, shapes: Any, spec: Sequence[int], gh: int, gw: int, scale: float,
+    lr: float, grad_norm: bool, rope_base: float, recompute: bool, *_: Any,
 ) -> int:  # fmt: skip
     return mix_macs(spec, d_out[0], d_out[1], backward=True, recompute=recompute)
 

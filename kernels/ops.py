@@ -66,7 +66,7 @@ class Inputs(NamedTuple):
     dtype: torch.dtype  # of the qkv projection output, what the backends read
     tokens: str  # token-count class (``token_class``): "N<32", "N>=32", or "any N" under tracing
     grad: bool  # gradients flow through the mixer
-    tracing: str  # "", "compile" (torch.compile / torch.export) or "trace" (jit.trace, ONNX export)
+    tracing: str  # "", "compile" (torch.compile), "export" (torch.export) or "trace" (jit.trace, ONNX export)
 
 
 class Hyper(NamedTuple):
@@ -137,30 +137,31 @@ class Rotation(NamedTuple):
 
 class Whole(NamedTuple):
     """A path's hooks for a whole fused node whose branches all take that path: one call for every branch
-    (e.g. the Triton path's launch program), instead of each branch's ``Node`` hooks. They rotate the RoPE
-    branches' q, k themselves, and their gradients back.
+    (the Triton path's launch program, the C++ kernel's whole-mixer op), instead of each branch's ``Node``
+    hooks. They rotate the RoPE branches' q, k themselves, and their gradients back. ``spec``: the node's
+    ``MixSpec`` (``vit3.layers.fused_mix``: per branch its op, offset, heads, head dim and RoPE, then the
+    grid and the step's settings).
 
     Attributes:
-        forward: ``(cache, names, qkv, out, weights, save, calls) -> (saved, state)``: every branch's
-            read-out written into ``out`` ``[B, N, sum(widths)]``; ``cache`` a dict the node keeps per plan,
-            ``names`` the branches' ops, ``calls()`` makes each branch's ``NodeCall`` (views of qkv and out;
-            a RoPE branch's q, k views of its ``Rotation.pair``) and per branch its ``Rotation`` (``None``
-            without RoPE), asked only where the hooks need them (e.g. the first call of a layout); ``saved``
-            the tensors the backward needs besides qkv and the weights (the node saves those after them;
+        forward: ``(cache, spec, qkv, out, weights, save, calls) -> (saved, state)``: every branch's
+            read-out written into ``out`` ``[B, N, sum(widths)]``; ``cache`` a dict the node keeps per spec,
+            ``calls()`` makes each branch's ``NodeCall`` (views of qkv and out; a RoPE branch's q, k views of
+            its ``Rotation.pair``) and per branch its ``Rotation`` (``None`` without RoPE), asked only where
+            the hooks need them (e.g. the first call of a layout); ``saved`` the tensors the backward needs
+            besides qkv and the weights, none a view of qkv (the node saves qkv and the weights after them;
             empty unless ``save``), ``state`` what the backward gets back. An exception names its branch
-            (``BRANCH_ATTR``).
+            (``BRANCH_ATTR``) where the hooks know it.
         backward: ``(d_out, dqkv, saved, state, calls) -> grads``: writes dq, dk, dv of every branch into
             ``dqkv`` (qkv's shape; a RoPE branch's dq, dk rotated back); ``saved``: the forward's, then qkv
             and the weights; ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views and per
             branch its ``Rotation`` (``source`` in ``dqkv``; dq, dk views of its ``pair``); returns per branch
             its initial weights' gradients, summed over the batch, as one tensor (the weights' shape; two
             weights stacked ``[2, ...]``).
-        state: ``(cache, names, qkv, weights, calls) -> state``: the ``state`` a training ``forward`` of
+        state: ``(cache, spec, qkv, weights, calls) -> state``: the ``state`` a training ``forward`` of
             ``(qkv, weights)`` returned, found again (the mixer op's backward, which gets tensors only);
             ``calls()`` makes an output, the ``NodeCall`` s and the ``Rotation`` s, as for ``forward``.
-        saved_like: ``(names, qkv, branches) -> saved``: empty tensors laid out as a training ``forward``
-            saves them, for ``branches`` ``(heads, head_dim, pair)`` (``pair``: it saves a RoPE branch's
-            rotated q, k, as where ``Hyper.recompute`` is off; the mixer op's fake; sizes may be symbolic).
+        saved_like: ``(spec, qkv) -> saved``: empty tensors laid out as a training ``forward`` saves them
+            (the mixer op's fake; sizes may be symbolic).
     """
 
     forward: Callable[..., tuple[list[Tensor], Any]]
@@ -182,15 +183,16 @@ class Node(NamedTuple):
         backward: ``(d_out, saved, tag, dq, dk, dv, hyper) -> weight grads``: writes dq, dk, dv, returns the
             per-sample gradient ``[B, ...]`` of each initial weight, in ``Op.weights`` order.
         copies: ``(q) -> bool`` for the heads view q ``[B, G, N, c]``: whether this path copies q, k, v dense
-            (then every branch's saved inputs are dense copies: saved views would keep all of qkv alive
-            beside them); ``None``: never.
+            (then every branch's hooks save dense copies: saved views would keep all of qkv alive beside them;
+            the ``cpu`` path's whole call saves qkv and copies again in the backward); ``None``: never.
         low_precision: the hooks take float16 / bfloat16 q, k, v as they are (accumulating in float32);
             else float32 / float64 only.
         twice: the node may differentiate this path's backward (``create_graph=True``) through the op's
             reference on the saved qkv (where every branch's path allows it).
         mix: ``(head_dim, qkv) -> (code, block)``: the op's branch in the whole-mixer C++ op
             (``kernels/mix/csrc/mix.cpp``, ``cpu`` paths): its op code there and the token block of its step
-            on tensors like qkv; ``None``: no branch there (mixers with such a branch run the Python node).
+            on tensors like qkv; ``None``: no branch there (mixers with such a branch run each branch's hooks
+            in the Python node; the ``cpu`` path's ``whole`` needs ``mix``).
         whole: a zero-argument callable making the path's hooks for a whole node of its branches
             (``Whole``), called by ``fused_mix.mix_layout`` when it builds a layout of them (the hooks' module
             may import what a path's table must not, such as Triton); ``None``: branch by branch.
@@ -224,8 +226,8 @@ class Path:
         prefers: auto only: where auto passes a serving path over (another is faster there).
         fits: asked once ``supports`` passed: whether the hardware at hand can run it (a refusal steps aside
             with a warning).
-        node: its hooks in the fused node, the mixer op, which is where a fast path runs (traced, Triton's
-            only, as the op ``vit3::mix``).
+        node: its hooks in the fused node, the mixer op, which is where a fast path runs (compiled, Triton's
+            and the C++ kernel's, as the op ``vit3::mix``).
     """
 
     supports: Check

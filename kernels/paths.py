@@ -2,7 +2,8 @@
 
 Every fused path (Triton, C++, eager) implements one full-batch step of the bare inner model at a fixed
 learning rate (:func:`bare_why`, :func:`one_step_why`); the eager paths and the C++ kernel inside them run the
-dot loss and no traced code (:func:`eager_supports`, :func:`cpu_supports`).
+dot loss; traced code takes no eager path, and the C++ kernel only under ``torch.compile``, as the mixer op
+(:func:`eager_supports`, :func:`cpu_supports`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import cpp
 from .ops import Branch, Inputs, Settings
 
 __all__ = [
@@ -48,31 +50,35 @@ def one_step_why(cfg: Settings) -> str:
     return ""
 
 
-def _eager_why(branch: Branch, cfg: Settings, x: Inputs) -> str:
-    """Why the fused eager path (and the CPU kernel inside it) cannot serve, ``""`` when it can."""
+def _eager_why(branch: Branch, cfg: Settings) -> str:
+    """Why the fused eager path (and the CPU kernel inside it) cannot serve ``branch``, ``""`` when it can."""
     if why := bare_why(branch):
         return why
     if cfg.loss != "dot":
         return f"loss {cfg.loss!r} is not fused (the eager path runs the dot loss)"
-    if why := one_step_why(cfg):
-        return why
-    if x.tracing:
-        return "tracing/compiling: traceable ops serve"
-    return ""
+    return one_step_why(cfg)
 
 
 def eager_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    """The ``supports`` of an op's eager path (PyTorch ops in the fused node)."""
-    why = _eager_why(branch, cfg, x)
+    """The ``supports`` of an op's eager path (PyTorch ops in the fused node): untraced code only."""
+    why = _eager_why(branch, cfg) or ("tracing/compiling: traceable ops serve" if x.tracing else "")
     return not why, why
 
 
 def cpu_supports(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
-    """The ``supports`` of an op's C++ path (the C++ CPU kernel in the fused node)."""
-    if why := _eager_why(branch, cfg, x):
+    """The ``supports`` of an op's C++ path (the C++ CPU kernel in the fused node): eager code, and under
+    ``torch.compile`` as the mixer op, where the kernel has been built (compiled code runs unguarded: a build
+    that failed there could not step aside)."""
+    if why := _eager_why(branch, cfg):
         return False, why
     if x.device.type != "cpu":
         return False, f"{x.device.type} tensors: the C++ kernel runs CPU tensors"
+    if x.tracing and x.tracing != "compile":
+        return False, "jit tracing, ONNX or torch.export: portable ops serve"
+    if x.tracing:
+        built, why = cpp.load()
+        if built is None:
+            return False, f"the C++ kernel could not be built ({why}); compiled code cannot step aside"
     return True, ""
 
 

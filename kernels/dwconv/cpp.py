@@ -16,6 +16,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..cpp import cpu_kernel_ops
+from ..mix.cpp import whole
 from ..ops import Hyper, Node, NodeCall
 
 __all__ = ["NODE", "ttt_backward", "ttt_forward", "untaps"]
@@ -105,4 +106,5 @@ NODE = Node(
     backward=_node_backward,
     mix=lambda d, qkv: (MIX_CODE, 1),
     stored=_stored,
+    whole=whole,
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..cpp import cpu_kernel_ops
+from ..mix.cpp import whole
 from ..ops import Branch, Inputs, Settings
 from ..paths import FEW_TOKENS, MIN_CPU_KERNEL_TOKENS
 from . import eager
@@ -37,8 +38,9 @@ def kernel_block(d: int, like: Tensor) -> int:
 
 
 def dense_inputs(q: Tensor) -> bool:
-    """Whether the kernel gets dense copies of q, k, v ``[B, H, N, d]`` views (else it reads them in place,
-    and the backward saves the views: the qkv projection they view, instead of copies of the same size).
+    """Whether the kernel gets dense copies of q, k, v ``[B, H, N, d]`` views (else it reads them in place;
+    the branch's own hooks then save the views, the qkv projection they view, instead of copies of the same
+    size, and the whole-mixer call copies again in its backward).
 
     Copies pay where one sample's heads exceed a tile: its strided rows then no longer stay in cache between
     the passes; below, the copies cost more than the strided reads (docs/design/kernels.md).
@@ -101,4 +103,4 @@ def prefers(branch: Branch, cfg: Settings, x: Inputs) -> tuple[bool, str]:
 
 
 PASSES = Passes(ttt_forward, ttt_backward)
-NODE = node(PASSES, copies=dense_inputs, mix=lambda d, qkv: (MIX_CODE, kernel_block(d, qkv)))
+NODE = node(PASSES, copies=dense_inputs, mix=lambda d, qkv: (MIX_CODE, kernel_block(d, qkv)), whole=whole)

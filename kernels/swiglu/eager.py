@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..common import autocast_backward, autocast_forward, grad_flows, step, step_backward, weight_grad
-from ..ops import Hyper, Node, NodeCall
+from ..ops import Hyper, Node, NodeCall, Whole
 
 __all__ = [
     "NODE",
@@ -409,9 +409,13 @@ def swiglu_ttt(
 
 
 def node(
-    passes: Passes, copies: Callable[[Tensor], bool], mix: Callable[..., tuple[int, int]] | None = None
+    passes: Passes,
+    copies: Callable[[Tensor], bool],
+    mix: Callable[..., tuple[int, int]] | None = None,
+    whole: Callable[[], Whole] | None = None,
 ) -> Node:
-    """The fused node's hooks of a path's ``passes``; ``copies`` and ``mix`` as ``Node`` has them."""
+    """The fused node's hooks of a path's ``passes``; ``copies``, ``mix`` and ``whole`` as ``Node`` has
+    them."""
 
     def forward(x: NodeCall) -> tuple[list[Tensor], str]:
         h = x.hyper
@@ -428,7 +432,7 @@ def node(
         hyper = {"scale": h.scale, "lr": h.lr, "grad_norm": h.grad_norm}
         return passes.backward(d_out, SwiGLUSaved(*saved, tag), dq, dk, dv, **hyper)
 
-    return Node(heads=True, forward=forward, backward=backward, copies=copies, mix=mix)
+    return Node(heads=True, forward=forward, backward=backward, copies=copies, mix=mix, whole=whole)
 
 
 # The tiled path copies q, k, v dense.

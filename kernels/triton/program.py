@@ -682,46 +682,47 @@ def clear() -> None:
 
 
 def _program(
-    cache: dict, names: Sequence[str], qkv: Tensor, weights: Sequence[Tensor],
+    cache: dict, spec: Any, qkv: Tensor, weights: Sequence[Tensor],
     calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Rotation | None]]],
 ) -> MixProgram:  # fmt: skip
     """The program of ``(qkv, weights)`` found in ``cache`` or made from ``calls()`` (the output, each
     branch's ``NodeCall`` and ``Rotation``)."""
     key = program_key(qkv, weights)
-    return cache.get(key) or _made(cache, key, names, qkv, calls)
+    return cache.get(key) or _made(cache, key, spec, qkv, calls)
 
 
 def _made(
-    cache: dict, key: tuple, names: Sequence[str], qkv: Tensor,
+    cache: dict, key: tuple, spec: Any, qkv: Tensor,
     calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Rotation | None]]],
 ) -> MixProgram:  # fmt: skip
-    """A new program of ``key`` kept in ``cache`` (forgotten at once where it is full)."""
+    """A new program of ``key`` for ``spec``'s branches, kept in ``cache`` (forgotten at once where it is
+    full)."""
     if len(cache) >= MAX_PROGRAMS:
         cache.clear()
-    program = cache[key] = MixProgram(names, qkv, *calls())
+    program = cache[key] = MixProgram([br.op for br in spec.branches], qkv, *calls())
     return program
 
 
 def forward(
-    cache: dict, names: Sequence[str], qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool,
+    cache: dict, spec: Any, qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool,
     calls: Callable[[], tuple[Sequence[NodeCall], Sequence[Rotation | None]]],
 ) -> tuple[list[Tensor], Any]:  # fmt: skip
     """``Whole.forward`` of the Triton path: the program of ``(qkv, weights)`` found in ``cache`` or made from
     ``calls()``, run; saves its workspace (``G``, ``||G||``, the RoPE branches' rotated pairs where they are
     kept)."""
     key = program_key(qkv, weights)
-    program = cache.get(key) or _made(cache, key, names, qkv, lambda: (out, *calls()))
+    program = cache.get(key) or _made(cache, key, spec, qkv, lambda: (out, *calls()))
     ws, kept = program.forward(qkv, out, weights, save)
     return ([ws] if save else []), (program, kept)
 
 
 def state(
-    cache: dict, names: Sequence[str], qkv: Tensor, weights: Sequence[Tensor],
+    cache: dict, spec: Any, qkv: Tensor, weights: Sequence[Tensor],
     calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Rotation | None]]],
 ) -> Any:  # fmt: skip
     """``Whole.state`` of the Triton path: what ``forward`` handed its backward for a training call on
     ``(qkv, weights)``, found again (the program, where its statistics and pairs lie)."""
-    program = _program(cache, names, qkv, weights, calls)
+    program = _program(cache, spec, qkv, weights, calls)
     return program, program.saved_places()
 
 
@@ -733,18 +734,18 @@ def _dense(shape: Sequence[Any], dtype: torch.dtype) -> Buffer:
     return Buffer(tuple(shape), tuple(stride), dtype)
 
 
-def saved_like(names: Sequence[str], qkv: Tensor, branches: Sequence[tuple[int, int, bool]]) -> list[Tensor]:
-    """``Whole.saved_like`` of the Triton path: an empty workspace laid out as a training ``forward`` saves it
-    for ``branches`` ``(heads, head_dim, pair)``: per branch its rotated pair (where ``pair``: RoPE, and
-    ``Hyper.recompute`` off), then its statistics; sizes may be symbolic (``torch.compile``'s fake
-    tensors)."""
+def saved_like(spec: Any, qkv: Tensor) -> list[Tensor]:
+    """``Whole.saved_like`` of the Triton path: an empty workspace laid out as a training ``forward`` of
+    ``spec`` saves it: per branch its rotated pair (RoPE, where ``spec.recompute`` is off), then its
+    statistics; sizes may be symbolic (``torch.compile``'s fake tensors)."""
     b, n, _ = qkv.shape
     acc = acc_dtype(qkv.dtype)[0]
     ws = _Workspace(SAVED)
-    for name, (heads, d, pair) in zip(names, branches):
-        if pair:
+    for br in spec.branches:
+        heads, d = br.heads, br.head_dim
+        if br.rope and not spec.recompute:
             ws.place(_dense((b, 2, n, heads * d), qkv.dtype))
-        for shape in plan.stat_shapes(name, b * heads, d):
+        for shape in plan.stat_shapes(br.op, b * heads, d):
             ws.place(_dense(shape, acc))
     return [qkv.new_empty(ws.size, dtype=torch.uint8)]
 

@@ -80,6 +80,25 @@ def count_calls(monkeypatch, owner, name: str) -> dict[str, int]:
     return count
 
 
+def count_cpp_swiglu(monkeypatch) -> dict[str, int]:
+    """Counts the forwards of the SwiGLU op that run in the C++ kernel (``["n"]``) for one test: a branch's
+    own hooks (``swiglu.cpp.PASSES``) or a whole mixer call with a SwiGLU branch (``mix.cpp.forward``)."""
+    from vit3.kernels.mix import cpp as mix_cpp
+    from vit3.kernels.swiglu import cpp as swiglu_cpp
+    from vit3.layers.fused_mix import mix_layout
+
+    count = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
+    real = mix_cpp.forward
+
+    def counting(cache, spec, *args, **kwargs):
+        count["n"] += any(br.op == "swiglu" for br in spec.branches)
+        return real(cache, spec, *args, **kwargs)
+
+    monkeypatch.setattr(mix_cpp, "forward", counting)
+    mix_layout.cache_clear()  # layouts made before hold the hooks they were made with
+    return count
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """``torch.set_default_dtype(dtype)`` for a block: models built in it hold float64 fixture weights exactly

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.common import count_calls, load_benchmark
+from helpers.common import count_cpp_swiglu, load_benchmark
 from helpers.ops import assert_matches_reference, branch_node
 
 import vit3.kernels.cpp as cpu_ext
@@ -30,7 +30,7 @@ H, D = 2, 8
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts forwards that ran in the kernel."""
-    return count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
+    return count_cpp_swiglu(monkeypatch)
 
 
 @pytest.fixture
@@ -231,7 +231,7 @@ def test_switch_picks_the_path_it_names_and_both_agree(monkeypatch, kernel_calls
             out = fast.swiglu_ttt(
                 q, k, v, w1, w2, scale=1 / 3, passes=swiglu_cpp.PASSES if on else fast.PASSES
             )
-        else:  # the backends' paths in the mixer op pass the flag down
+        else:  # a one-branch mixer op on the path (on cpu: the whole-mixer C++ call)
             path = "cpu" if on else "eager"
             out = branch_node("swiglu", path, q, k, v, {"w1": w1, "w2": w2}, (1, 30), scale=1 / 3)
         assert kernel_calls["n"] - before == int(on)

@@ -117,7 +117,7 @@ def test_the_registry_fuses_traced_triton_branches_only_all_together():
     assert not reg.registry.apart(names, models, "dot", "")
     assert not reg.registry.apart(("triton", "eager"), models, "dot", "")
     assert not reg.registry.apart(names, models, "dot", "compile")
-    assert "traced" in reg.registry.apart(("triton", "eager"), models, "dot", "compile")
+    assert "compiled" in reg.registry.apart(("triton", "eager"), models, "dot", "compile")
     assert not reg.registry.apart(("eager", "eager"), models, "dot", "compile")
     assert "branch 1 ('dwconv') has no fast path" in reg.registry.apart(
         ("triton", "generic"), models, "dot", ""

@@ -276,7 +276,7 @@ def test_inference_writes_the_training_output_and_saves_nothing(triton_device):
     assert torch.equal(out, _run(spec, qkv, weights)[0])
     layout, again = em.mix_layout(spec), torch.empty_like(out)
     views = em._whole_calls(qkv, again, layout, tuple(weights), False)
-    saved, _ = tprogram.forward({}, layout.names, qkv, again, weights, False, lambda: views)
+    saved, _ = tprogram.forward({}, layout.spec, qkv, again, weights, False, lambda: views)
     assert saved == [] and torch.equal(again, out)
 
 
@@ -366,7 +366,7 @@ def _no_starts(row: tuple) -> tuple:
 def _program_call(cache: dict, layout: em.MixLayout, qkv, weights, out, d_out, dqkv) -> None:
     """A training call of the program of ``layout`` in ``cache``, forward and backward, on these tensors."""
     views = em._whole_calls(qkv, out, layout, tuple(weights), True)
-    saved, state = tprogram.forward(cache, layout.names, qkv, out, weights, True, lambda: views)
+    saved, state = tprogram.forward(cache, layout.spec, qkv, out, weights, True, lambda: views)
     grads = em._whole_grads(d_out, dqkv, layout)  # saved: the program's, qkv, weights
     tprogram.backward(d_out, dqkv, [*saved, qkv, *weights], state, lambda: grads)
 
@@ -542,7 +542,7 @@ def test_two_threads_never_see_each_others_addresses(monkeypatch):
         for _ in range(20):
             out = x.new_empty(b, x.shape[1], layout.width)
             views = em._whole_calls(x, out, layout, tuple(weights), False)
-            tprogram.forward(cache, layout.names, x, out, weights, False, lambda v=views: v)
+            tprogram.forward(cache, layout.spec, x, out, weights, False, lambda v=views: v)
 
     threads = [threading.Thread(target=calls, args=(qkv.clone(),)) for _ in range(2)]
     for t in threads:

@@ -26,9 +26,8 @@ from helpers.backends import (
     run_grads,
     tokens,
 )
-from helpers.common import count_calls
+from helpers.common import count_calls, count_cpp_swiglu
 
-import vit3.kernels.swiglu.cpp as swiglu_cpp
 import vit3.kernels.swiglu.eager as swiglu_eager
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
@@ -76,7 +75,7 @@ def test_forced_backend_gives_generic_output_and_gradients(request, monkeypatch,
     linear = any(b.startswith("linear") for b in cfg.get("branches", ()))
     served = "generic" if linear and name != "triton" else name
     assert {b.name: b.backend for b in expl.branches if b.name != "linear"} == FORCED[served]
-    kernel = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
+    kernel = count_cpp_swiglu(monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", reg.BackendWarning)
         got = run_grads(mixer, x, GRID, dout)
@@ -113,7 +112,7 @@ def test_a_call_runs_the_mixer_op_or_the_generic_path_never_branch_by_branch(mon
     assert not expl.fused and hb.backends_of(expl) == ["generic", "generic"]
     why = "branch 1 ('mlp') has no fast path here, and the mixer op runs every branch or none"
     assert hb.reason_of(expl, 0, "cpu") == hb.reason_of(expl, 0, "eager") == why
-    kernel = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
+    kernel = count_cpp_swiglu(monkeypatch)
     tiled = count_calls(monkeypatch, swiglu_eager.PASSES, "forward")
     got = run_grads(mixer, x, BIG_GRID, dout)
     assert kernel["n"] == tiled["n"] == 0

@@ -148,7 +148,7 @@ def test_explain_variants(cfg, expected, why):
 
 
 @pytest.mark.usefixtures("interpreter")
-def test_traced_and_compiled_calls_plan_traceable_ops():
+def test_traced_calls_plan_portable_ops_and_compiled_ones_the_mixer_op():
     mixer = hb.make_mixer()
     args = (
         (mixer.cfg.loss, 1, 1, "fixed"),
@@ -160,7 +160,9 @@ def test_traced_and_compiled_calls_plan_traceable_ops():
         True,
     )
     assert reg.plan(*args, "trace").backends == ("generic", "generic")
-    assert reg.plan(*args, "compile").backends == ("generic", "generic")
+    assert reg.plan(*args, "export").backends == ("generic", "generic")
+    compiled = "cpu" if cpp.load()[0] is not None else "generic"  # the mixer op on the C++ kernel, if built
+    assert reg.plan(*args, "compile").backends == (compiled, compiled)
     assert reg.plan(*args, "").backends == ("cpu", "cpu")
     named = ((mixer.cfg.loss, 1, 1, "fixed"), "triton", *args[2:])
     assert reg.plan(*named, "compile").backends == ("triton", "triton")  # the custom op compiles
@@ -268,15 +270,16 @@ def test_the_backends_a_config_may_name_are_the_registrys():
 @pytest.mark.parametrize("rope", [False, True], ids=["rope-off", "rope-on"])
 def test_explain_says_when_the_fused_node_is_one_launch_program(monkeypatch, rope):
     """Both branches on Triton: one launch program, with or without RoPE on the SwiGLU branch (its q, k
-    rotated by the program's own launches); never on the CPU paths. As the mixer's call runs it."""
+    rotated by the program's own launches); on the C++ kernel one C++ call. As the mixer's call runs it."""
     mixer = hb.make_mixer(dtype=torch.float32, rope=rope)
     x = hb.tokens(BIG_GRID, dtype=torch.float32)
-    assert not mixer.explain(x, BIG_GRID).program  # cpu, cpu
+    cpu = mixer.explain(x, BIG_GRID)
+    assert hb.backends_of(cpu) == ["cpu", "cpu"] and cpu.program and "as one C++ call" in str(cpu)
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")
     expl = mixer.explain(x, BIG_GRID)
     assert hb.backends_of(expl) == ["triton", "triton"] and expl.fused
     assert expl.program and "as one launch program" in str(expl)
-    assert json.loads(json.dumps(expl.to_dict()))["launch_program"]
+    assert json.loads(json.dumps(expl.to_dict()))["whole_call"]
     needs_kernels(CPU)
     called = count_calls(monkeypatch, tprogram.MixProgram, "forward")
     mixer(x, BIG_GRID)

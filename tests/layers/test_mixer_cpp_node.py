@@ -1,10 +1,11 @@
 """The whole-mixer C++ op (``torch.ops.vit3_cpu.mix``, ``kernels/mix/csrc/mix.cpp``): settled mixer calls
 whose branches all run the C++ CPU kernel take it, one C++ autograd node. It computes what the Python node
-(``vit3.layers.fused_mix``) computes, forward and every gradient, and what the mixer defines (the float64
-reference); its RoPE is ``apply_rope_2d`` bit for bit; it honours no-grad, autocast, saved-tensor hooks,
-checkpointing and the once-differentiable contract, and sees parameters replaced after its plan was made.
-``mix`` reaches it by a short path (``vit3.layers.mixer_calls.Calls``) that steps aside wherever the settled
-call's key, weights or the absence of tracing no longer hold."""
+(``vit3.layers.fused_mix``, the same C++ call) computes, forward and every gradient, and what the mixer
+defines (the float64 reference; against each branch's own hooks: ``test_mixer_op_cpu.py``); its RoPE is
+``apply_rope_2d`` bit for bit; it honours no-grad, autocast, saved-tensor hooks, checkpointing and the
+once-differentiable contract, and sees parameters replaced after its plan was made. ``mix`` reaches it by a
+short path (``vit3.layers.mixer_calls.Calls``) that steps aside wherever the settled call's key, weights or
+the absence of tracing no longer hold."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pickle
 import pytest
 import torch
 from helpers.backends import make_mixer
-from helpers.common import OpNames
+from helpers.common import OpNames, count_calls
 from helpers.reference import assert_mixer_matches_reference
 from torch import nn
 from torch.nn.utils import parametrize
@@ -24,7 +25,9 @@ from torch.utils.checkpoint import checkpoint
 import vit3.layers.ttt as ttt
 from vit3.kernels import OPS
 from vit3.kernels.cpp import load
+from vit3.kernels.swiglu import cpp as swiglu_cpp
 from vit3.layers import TTTMixer, backends
+from vit3.layers.fused_mix import mix_layout
 from vit3.layers.rope import apply_rope_2d
 
 GRID = (5, 7)
@@ -183,7 +186,8 @@ def test_saved_tensor_hooks_see_the_node_and_checkpointing_gives_the_same_gradie
     qkv = mixer.qkv(x)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = mixer.mix(qkv, GRID)
-    assert NODE in out.grad_fn.name() and len(packed) >= 6  # q, k, v, the step's tensors per branch
+    # per branch its rotated q, k (RoPE) and step statistics, then qkv and the weights
+    assert NODE in out.grad_fn.name() and len(packed) >= 6
     hooked = torch.autograd.grad(mixer.proj(out).square().sum(), params)
     ckpt = checkpoint(lambda t: mixer(t, GRID), x, use_reentrant=False)
     got = torch.autograd.grad(ckpt.square().sum(), params)
@@ -214,7 +218,7 @@ def test_changing_qkv_in_place_before_the_backward_raises(monkeypatch, node):
     out.sum().backward(retain_graph=True)
     with torch.no_grad():
         qkv.add_(1)
-    # the C++ node: qkv's saved version; the Python node: its saved views of qkv
+    # both nodes save qkv itself, and its version
     with pytest.raises(RuntimeError, match=r"modified by an inplace operation|modified inplace"):
         out.sum().backward()
 
@@ -292,7 +296,8 @@ def test_bad_arguments_raise_clear_errors():
 
 def test_an_op_without_a_branch_in_the_cpp_op_keeps_the_python_node(monkeypatch):
     """The whole-mixer C++ op serves the ops whose ``cpu`` node names their branch there (``Node.mix``): with
-    SwiGLU's taken away, a settled official mixer runs the Python node, with the same numbers."""
+    SwiGLU's taken away (and with it the whole call, ``Node.whole``), a settled official mixer runs each
+    branch's hooks in the Python node, with the same numbers."""
     x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
     mixer = _mixer(rope=True)
     dout = torch.randn(2, GRID[0] * GRID[1], sum(mixer.widths), dtype=torch.float64)
@@ -301,13 +306,15 @@ def test_an_op_without_a_branch_in_the_cpp_op_keeps_the_python_node(monkeypatch)
     assert NODE in node
     op = OPS["swiglu"]
     cpu = op.paths["cpu"]
-    cpu = dataclasses.replace(cpu, node=cpu.node._replace(mix=None))
+    cpu = dataclasses.replace(cpu, node=cpu.node._replace(mix=None, whole=None))
     monkeypatch.setitem(OPS, "swiglu", dataclasses.replace(op, paths={**op.paths, "cpu": cpu}))
     mixer._calls.clear()
+    mix_layout.cache_clear()
+    hooks = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
     for _ in range(4):  # planned again, and settled
         mixer(x, GRID)
     ref, ref_node, ref_grads = _run(mixer, x, dout)
-    assert NODE not in ref_node and "FusedMix" in ref_node
+    assert NODE not in ref_node and "FusedMix" in ref_node and hooks["n"] > 0
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
     _assert_same(grads, ref_grads, rtol=1e-12, atol=1e-13)
 
@@ -355,7 +362,8 @@ def test_a_settled_call_takes_the_short_path_without_the_plan_key(monkeypatch):
         with OpNames() as seen:
             out, short = _mix(mixer, qkv, GRID)
     assert short
-    assert seen.names == ["vit3_cpu.mix_forward.default"]  # without gradients its autograd kernel steps aside
+    # without gradients its autograd kernel steps aside: the output, then the forward writing into it
+    assert seen.names == ["aten.empty.memory_format", "vit3_cpu.mix_forward.default"]
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
@@ -461,5 +469,5 @@ def test_traced_calls_of_a_settled_mixer_hold_no_cpp_op(tracer):
         else:
             program = torch.export.export(Mix(), (qkv,), strict=False)
             graph, got = str(program.graph), program.module()(qkv)
-    assert "vit3_cpu" not in graph
+    assert "vit3_cpu" not in graph and "vit3.mix" not in graph  # the portable path, not the mixer op
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.common import count_calls, saved_values
+from helpers.common import count_calls, count_cpp_swiglu, saved_values
 from helpers.reference import assert_mixer_matches_reference
 from torch.utils.checkpoint import checkpoint
 
-import vit3.kernels.swiglu.cpp as swiglu_cpp
+import vit3.kernels.mix.cpp as mix_cpp
 import vit3.kernels.swiglu.eager as fast
 import vit3.layers.ttt as ttt
 from vit3.kernels.dwconv.eager import fold_batch, token_map, write_tokens
@@ -91,7 +91,7 @@ TILINGS = {
 def test_fused_path_output_and_every_gradient_match_reference(
     calls, monkeypatch, tile_bytes, cfg, backend, recompute
 ):
-    kernel = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
+    kernel = count_cpp_swiglu(monkeypatch)
     monkeypatch.setenv("VIT3_TTT_BACKEND", backend)
     monkeypatch.setattr(fast, "TILE_BYTES", tile_bytes)
     monkeypatch.setattr(fast, "MIN_TILE_TOKENS", 4)
@@ -185,13 +185,13 @@ def test_recompute_qkv_saves_only_the_mixer_input_and_matches_reference(monkeypa
 
 def test_without_gradients_nothing_is_saved_and_output_is_unchanged(calls, monkeypatch):
     saves = []
-    real = swiglu_cpp.PASSES.forward  # the C++ kernel serves the SwiGLU branch here (auto, 36 tokens)
+    real = mix_cpp.forward  # the C++ kernel serves both branches here (auto, 36 tokens): one whole call
 
-    def spy(*args, save, **kwargs):
+    def spy(cache, spec, qkv, out, weights, save, calls):
         saves.append(save)
-        return real(*args, save=save, **kwargs)
+        return real(cache, spec, qkv, out, weights, save, calls)
 
-    monkeypatch.setattr(swiglu_cpp.PASSES, "forward", spy)
+    monkeypatch.setattr(mix_cpp, "forward", spy)
     mixer = _mixer()
     x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64)
     with torch.no_grad():

@@ -2,12 +2,11 @@
 
 The branches read q, k, v as views of the qkv projection and write their read-outs straight into the output
 ``[B, N, sum(widths)]``; the backward writes dq, dk, dv straight into one qkv gradient: no layout copies.
-Each branch runs through the node hooks (``vit3.kernels.ops.Node``) of its path (``MixBranch.path``), or all
-branches at once through their path's whole-node hooks (``Node.whole``: Triton's launch program). RoPE
-rotates q, k here (the whole-node hooks rotate them themselves); a branch whose hooks raise is tagged
-(``BRANCH_ATTR``) so the guard demotes it alone. The node is the autograd kernel of the op ``vit3::mix``
-(``mix_op``), which a traced call records; settled all-``cpu`` calls take ``torch.ops.vit3_cpu.mix``. Why:
-``docs/design/dispatch.md``.
+All branches run at once through their path's whole-node hooks (``Node.whole``: Triton's launch program, the
+C++ kernel's whole-mixer op) where they share such a path, else each through its path's node hooks
+(``vit3.kernels.ops.Node``, ``MixBranch.path``; RoPE rotates q, k here). The node is the autograd kernel of
+the op ``vit3::mix`` (``mix_op``), which a compiled call records; settled all-``cpu`` calls enter the C++
+op's own node (``torch.ops.vit3_cpu.mix``). Why: ``docs/design/dispatch.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from .rope import apply_rope_2d, rope_tables
 
 __all__ = [
     "BRANCH_ATTR",
-    "WHOLE_PATH",
     "MixBranch",
     "MixSpec",
     "fused_mix",
@@ -38,6 +36,7 @@ __all__ = [
     "runs_whole",
     "spec_of",
     "takes",
+    "whole_path",
 ]
 
 
@@ -166,7 +165,6 @@ class MixLayout(NamedTuple):
     width: int
     hyper: Hyper
     twice: bool  # every branch's backward may be differentiated (``Node.twice``)
-    names: tuple[str, ...]  # the branches' ops
     whole: Whole | None  # every branch's path runs the whole node (``Node.whole``), else ``None``
     programs: dict  # the cache ``whole`` keeps for this spec
     n_weights: int  # the initial weights of all branches
@@ -189,11 +187,10 @@ def mix_layout(spec: MixSpec) -> MixLayout:
     if any(node.whole is not make_whole for node, *_ in found):
         make_whole = None
     whole = make_whole() if make_whole is not None else None
-    names = tuple(br.op for br in spec.branches)
     counts = [count for _, count, _ in found]
     stacked = tuple(count == 2 for count in counts)
     width = sum(w for *_, w in found)
-    return MixLayout(spec, tuple(found), width, hyper, twice, names, whole, {}, sum(counts), stacked)
+    return MixLayout(spec, tuple(found), width, hyper, twice, whole, {}, sum(counts), stacked)
 
 
 def reference_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
@@ -237,7 +234,7 @@ def _forward(
     out = qkv.new_empty(b, n, layout.width)
     if layout.whole is not None:
         saved, state = layout.whole.forward(
-            layout.programs, layout.names, qkv, out, weights, save,
+            layout.programs, spec, qkv, out, weights, save,
             lambda: _whole_calls(qkv, out, layout, weights, save),
         )  # fmt: skip
         return out, saved, state
@@ -449,9 +446,9 @@ def fused_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
         The read-outs concatenated ``[B, N, sum(widths)]``, computed in qkv's dtype with autocast off (the
         backward too).
     """
-    # Traced: the mixer op, which the graph keeps whole. Eager: the op's autograd kernel, the node, entered
+    # Compiled: the mixer op, which the graph keeps whole. Eager: the op's autograd kernel, the node, entered
     # directly (the dispatcher's argument parsing and Python kernels cost more: docs/kernels.md).
-    if torch.compiler.is_compiling() and any(br.path == WHOLE_PATH for br in spec.branches):
+    if torch.compiler.is_compiling() and whole_path(spec):
         return _traced_mix(qkv, spec, weights)
     layout = mix_layout(spec)
     if qkv.shape[-1] != 3 * layout.width:
@@ -470,8 +467,13 @@ def fused_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
 
 # ------------------------------------------------------------------------------------------------ the op
 
-# The path whose whole-node hooks (``Node.whole``) the mixer op runs.
-WHOLE_PATH = "triton"
+
+def whole_path(spec: MixSpec) -> bool:
+    """Whether ``spec``'s branches all take one path, with whole-node hooks (``Node.whole``): what the mixer
+    op runs (Triton's launch program, the C++ kernel's whole-mixer op). Read from the ops' tables, not
+    ``mix_layout`` (traced calls ask)."""
+    path = spec.branches[0].path
+    return all(br.path == path and OPS[br.op].paths[path].node.whole is not None for br in spec.branches)
 
 
 def op_args(spec: MixSpec) -> tuple:
@@ -509,7 +511,13 @@ def spec_of(
 
 
 def _op_layout(args: Sequence[Any]) -> MixLayout:
-    layout = mix_layout(spec_of(*args))
+    """The layout of the mixer op's arguments ``args`` (``op_args``). Traced with symbolic sizes, the grid
+    may be symbolic: the fakes and the autograd kernel then get a layout on a grid of zeros (they read
+    shapes, not the grid; the kernels run on real sizes)."""
+    path, ops, ints, *rest = args
+    if not all(type(v) is int for v in ints[-2:]):
+        ints = [*ints[:-2], 0, 0]
+    layout = mix_layout(spec_of(path, ops, ints, *rest))
     if layout.whole is None:
         raise ValueError(f"vit3::mix runs branches on a path with whole-node hooks, got {args[:2]}")
     return layout
@@ -517,7 +525,7 @@ def _op_layout(args: Sequence[Any]) -> MixLayout:
 
 # The mixer op and its backward, defined here; their kernels (CPU, CUDA), fakes and autograd kernel below.
 _LIB = torch.library.Library("vit3", "FRAGMENT")  # the namespace is shared with the per-branch ops
-_SPEC = "str path, str ops, int[] ints, float[] floats, bool grad_norm, bool recompute"
+_SPEC = "str path, str ops, SymInt[] ints, float[] floats, bool grad_norm, bool recompute"
 _LIB.define(f"mix(Tensor qkv, Tensor[] weights, {_SPEC}, bool save) -> (Tensor, Tensor[])")
 _LIB.define(
     f"mix_backward(Tensor d_out, Tensor qkv, Tensor[] weights, Tensor[] saved, {_SPEC}) -> (Tensor, Tensor[])"
@@ -554,9 +562,7 @@ def _mix_fake(qkv: Tensor, weights: list[Tensor], *args: Any) -> tuple[Tensor, l
     out = qkv.new_empty(b, n, layout.width)
     if not save:
         return out, []
-    recompute = layout.spec.recompute
-    dims = [(br.heads, br.head_dim, br.rope and not recompute) for br in layout.spec.branches]
-    return out, layout.whole.saved_like(layout.names, qkv, dims)
+    return out, layout.whole.saved_like(layout.spec, qkv)
 
 
 def _mix_autograd(qkv: Tensor, weights: list[Tensor], *args: Any) -> tuple[Tensor, list[Tensor]]:
@@ -579,7 +585,7 @@ def _mix_backward_kernel(
         out = qkv.new_empty(qkv.shape[0], qkv.shape[1], layout.width)
         return out, *_whole_calls(qkv, out, layout, tuple(weights), True)
 
-    state = layout.whole.state(layout.programs, layout.names, qkv, weights, calls)
+    state = layout.whole.state(layout.programs, layout.spec, qkv, weights, calls)
     return _whole_backward(layout, d_out, (*saved, qkv, *weights), state, qkv.shape)
 
 

@@ -161,10 +161,13 @@ _in_onnx_export = _onnx_export_probe()
 
 def tracing_kind() -> str:
     """How the model is being traced, the one answer every layer reads: ``"trace"`` under ``torch.jit.trace``
-    (fvcore's FLOP count) and ONNX export, ``"compile"`` under ``torch.compile`` / ``torch.export``, else
-    ``""``. Traced code takes plain, traceable ops rather than the eager fast paths."""
-    if torch.compiler.is_compiling():  # dynamo folds the public check (not the flags' property) to a constant
-        return "trace" if torch.onnx.is_in_onnx_export() else "compile"
+    (fvcore's FLOP count) and ONNX export, ``"export"`` under ``torch.export``, ``"compile"`` under
+    ``torch.compile``, else ``""``. Traced code takes plain, traceable ops rather than the eager fast paths;
+    compiled and exported code may keep the mixer op (``docs/kernels.md``)."""
+    if torch.compiler.is_compiling():  # dynamo folds the public checks (not the flags' property) to constants
+        if torch.onnx.is_in_onnx_export():
+            return "trace"
+        return "export" if torch.compiler.is_exporting() else "compile"
     return "trace" if torch._C._is_tracing() or _in_onnx_export() else ""
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vit3.kernels import OPS
-
 from . import backends
 from .fused_mix import MixSpec
 
@@ -59,37 +57,3 @@ def call_key(device: torch.device, dtype: torch.dtype, n: int, grad: bool, grid:
     """A mixer's key for the plan of a call on qkv of ``device``, ``dtype`` and ``n`` tokens
     (``TTTMixer._call``)."""
     return (device, dtype, n, grad, grid)
-
-
-def cpp_args(mix_spec: MixSpec, qkv: Tensor) -> tuple:
-    """The constant arguments of ``torch.ops.vit3_cpu.mix`` for ``mix_spec`` on tensors like ``qkv`` (its
-    key's device, dtype and N): per branch its op, offset, heads, head dim, RoPE and token block (its op's
-    ``Node.mix``), then the shared settings, and whether the branches take dense copies of q, k, v (the Python
-    node's rule, ``Node.copies``: for N > 1 a matter of shapes alone, and the op copies a qkv without unit
-    channel stride)."""
-    spec: list[int] = []
-    dense = False
-    b, n, _ = qkv.shape
-    s0, s1, s2 = qkv.stride()
-    for br in mix_spec.branches:
-        node = OPS[br.op].paths["cpu"].node
-        view = qkv.as_strided(
-            (b, br.heads, n, br.head_dim),
-            (s0, br.head_dim * s2, s1, s2),
-            qkv.storage_offset() + br.offset * s2,
-        )
-        dense = dense or (node.copies is not None and node.copies(view))
-        code, block = node.mix(br.head_dim, qkv)
-        spec += [code, br.offset, br.heads, br.head_dim, int(br.rope), block]
-    h, w = mix_spec.grid
-    return (
-        spec,
-        h,
-        w,
-        mix_spec.scale,
-        mix_spec.lr,
-        mix_spec.grad_norm,
-        mix_spec.rope_base,
-        mix_spec.recompute,
-        dense,
-    )

@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from vit3.kernels import OPS
 from vit3.kernels.common import autocast_backward, autocast_forward, autocast_off, grad_flows, normalize_grad
+from vit3.kernels.mix.cpp import cpp_args
 
 from . import backends
 from .backends import MixerExplanation, ModelExplanation
@@ -24,7 +25,7 @@ from .config import GRID_MODELS, TTTConfig, check_count, is_count
 from .fused_mix import MixBranch, MixSpec, fused_mix, takes
 from .inner import assert_finite, create_inner_model, inner_loop
 from .inner_math import shape_text, tracing_kind
-from .mixer_calls import MAX_CALLS, Call, Calls, call_key, cpp_args
+from .mixer_calls import MAX_CALLS, Call, Calls, call_key
 from .rope import apply_rope_2d, rope_tables
 
 __all__ = [
@@ -43,7 +44,7 @@ class NonFiniteError(ValueError):
 
 
 # Whether fused calls whose branches all run the C++ CPU kernel take the whole-mixer C++ op
-# (``mixer_calls.cpp_args``); read when a call is planned. ``False`` keeps the Python node
+# (``vit3.kernels.mix.cpp.cpp_args``); read when a call is planned. ``False`` keeps the Python node
 # (``benchmarks/mixer_overhead.py --python-node``).
 CPP_NODE = True
 

@@ -1,12 +1,14 @@
 // The whole CPU mixer call as one op: vit3_cpu::mix (the inner loops of all branches of TTTMixer.mix, between the
 // two projections), with one C++ autograd node, so a settled mixer call runs no Python between its two projections.
-// The same call in Python is the fused node (vit3/layers/fused_mix.py), tested against it
-// (tests/layers/test_mixer_cpp_node.py); the branches' steps are the SwiGLU and depthwise ops' (swiglu.cpp, dwconv.cpp,
-// declared in vit3_cpu.h), called directly.
+// Its two directions, mix_forward and mix_backward, are also the CPU kernels of the mixer op vit3::mix
+// (vit3/layers/fused_mix.py, through kernels/mix/cpp.py), which the Python node and torch.compile run; the branches'
+// steps are the SwiGLU and depthwise ops' (swiglu.cpp, dwconv.cpp, declared in vit3_cpu.h), called directly.
 //
 // q, k, v of each branch are strided views of qkv [B, N, 3 * sum(widths)] (branch by branch [q | k | v]); RoPE
 // rotates q and k (rope_2d, bit for bit vit3/layers/rope.py's apply_rope_2d); the read-outs are written into one
-// output [B, N, sum(widths)] and the backward writes dq, dk, dv into one qkv gradient.
+// output [B, N, sum(widths)] and the backward writes dq, dk, dv into one qkv gradient. What the forward saves never
+// aliases qkv (the backward takes qkv and views it again), and its layout does not depend on sizes: per branch the
+// rotated q, k where it has RoPE, then its step's statistics.
 //
 // The spec is a flat int list, kFields per branch: op code (0 SwiGLU, 1 depthwise), offset in qkv, heads, head dim,
 // RoPE (0/1), the SwiGLU kernel's token block. Ops: mix (autograd: one node), mix_forward / mix_backward (its two
@@ -29,9 +31,9 @@ using torch::autograd::variable_list;
 
 enum Kind : int64_t { kSwiGLU = 0, kDwconv = 1 };
 constexpr int64_t kFields = 6;
-// What a SwiGLU branch saves (q, k, v, w, g, norm, w_new, and z, y unless the backward recomputes them) and a
-// depthwise one (q, k, v, g, norm, w_new).
-constexpr int64_t kSwiGLUSaved = 7, kDwconvSaved = 6;
+// What a SwiGLU branch's step saves (w, g, norm, w_new, and z, y unless the backward recomputes them) and a
+// depthwise one's (g, norm, w_new); a RoPE branch saves its rotated q, k before them.
+constexpr int64_t kSwiGLUSaved = 4, kDwconvSaved = 3;
 
 struct Branch {
   int64_t op, offset, heads, head_dim;
@@ -39,7 +41,9 @@ struct Branch {
   int64_t block;
   int64_t width() const { return heads * head_dim; }
   int64_t weights() const { return op == kSwiGLU ? 2 : 1; }
-  int64_t saved(bool recompute) const { return op == kSwiGLU ? kSwiGLUSaved + (recompute ? 0 : 2) : kDwconvSaved; }
+  int64_t saved(bool recompute) const {
+    return (rope ? 2 : 0) + (op == kSwiGLU ? kSwiGLUSaved + (recompute ? 0 : 2) : kDwconvSaved);
+  }
 };
 
 std::vector<Branch> branches_of(at::IntArrayRef spec) {
@@ -175,12 +179,28 @@ Tensor weight_grad(const Tensor& dw, at::IntArrayRef shape, int64_t C, bool dept
   return g.sizes() == shape ? g : g.reshape(shape);
 }
 
-// Every branch's step and read-out into one output [B, N, sum(widths)]; returns it and (when save) what
-// mix_backward needs, Branch::saved tensors per branch. dense: the
-// branches get (SwiGLU) or save (depthwise) dense copies of q, k, v (fused_mix's rule, decided by the caller).
-std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::TensorList weights, at::IntArrayRef spec,
-                                                    int64_t gh, int64_t gw, double scale, double lr, bool grad_norm,
-                                                    double rope_base, bool recompute, bool dense, bool save) {
+// That `t` (`what`) is a CPU [B, N, channels] tensor of like's B, N and dtype, with unit channel stride where `unit`.
+void check_buffer(const Tensor& t, const Tensor& like, int64_t channels, const char* what, bool unit = true) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == like.scalar_type() && t.dim() == 3 &&
+                  t.size(0) == like.size(0) && t.size(1) == like.size(1) && t.size(2) == channels &&
+                  (!unit || t.stride(2) == 1),
+              "vit3_cpu.mix: ", what, " must be a CPU ", like.scalar_type(), " [", like.size(0), ", ", like.size(1), ", ",
+              channels, "] tensor", unit ? " with unit channel stride" : "", ", got ", t.scalar_type(), " ", t.sizes());
+}
+
+// qkv as the branches read it: with unit channel stride (a dense copy where it has none, and then dense inputs).
+Tensor unit_channels(const Tensor& qkv, bool& dense) {
+  if (qkv.stride(2) == 1) return qkv;
+  dense = true;
+  return qkv.contiguous();
+}
+
+// Every branch's step and read-out written into out [B, N, sum(widths)]; returns (when save) what mix_backward needs
+// besides qkv: per branch its rotated q, k where it has RoPE, then its step's statistics (Branch::saved). dense: the
+// SwiGLU branches read dense copies of q, k, v (fused_mix's rule, decided by the caller).
+std::vector<Tensor> mix_forward(const Tensor& qkv_in, at::TensorList weights, at::IntArrayRef spec, int64_t gh,
+                                int64_t gw, double scale, double lr, bool grad_norm, double rope_base, bool recompute,
+                                bool dense, bool save, const Tensor& out) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // the inner loop's dtype
   const auto brs = branches_of(spec);
@@ -188,6 +208,7 @@ std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::Te
   const int64_t total = total_width(brs);
   TORCH_CHECK(qkv_in.size(2) == 3 * total, "vit3_cpu.mix: qkv has ", qkv_in.size(2), " channels, the branches need ",
               3 * total);
+  check_buffer(out, qkv_in, total, "out");
   int64_t count = 0;
   for (const auto& br : brs) count += br.weights();
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == count, "vit3_cpu.mix: the branches take ", count,
@@ -197,24 +218,22 @@ std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::Te
                 "vit3_cpu.mix: weights must be CPU tensors of qkv's dtype ", qkv_in.scalar_type(), ", got ",
                 w.scalar_type());
   }
-  const bool strided = qkv_in.stride(2) != 1;
-  const Tensor qkv = strided ? qkv_in.contiguous() : qkv_in;
-  dense = dense || strided;
+  const Tensor qkv = unit_channels(qkv_in, dense);
   const int64_t B = qkv.size(0), N = qkv.size(1);
-  Tensor out = at::empty({B, N, total}, qkv.options());
   std::vector<Tensor> saved;
   const double c = scale / N;
   int64_t col = 0, wi = 0;
   for (const auto& br : brs) {
     const int64_t W = br.width(), H = br.heads, d = br.head_dim;
     Tensor q = tokens_view(qkv, br.offset, W), k = tokens_view(qkv, br.offset + W, W);
-    Tensor v = tokens_view(qkv, br.offset + 2 * W, W);
+    const Tensor v = tokens_view(qkv, br.offset + 2 * W, W);
     if (br.rope) {
       Tensor rq = at::empty({B, N, W}, qkv.options()), rk = at::empty({B, N, W}, qkv.options());
       rotate(q, rq, gh, gw, rope_base, false);
       rotate(k, rk, gh, gw, rope_base, false);
       q = rq;
       k = rk;
+      if (save) saved.insert(saved.end(), {rq, rk});
     }
     const Tensor dest = tokens_view(out, col, W);
     if (br.op == kSwiGLU) {
@@ -230,31 +249,25 @@ std::tuple<Tensor, std::vector<Tensor>> mix_forward(const Tensor& qkv_in, at::Te
       auto r = ttt_forward(qh, kh, vh, weights[wi], weights[wi + 1], heads_view(dest, H, d),
                            keep ? std::optional<Tensor>(z) : std::nullopt,
                            keep ? std::optional<Tensor>(y) : std::nullopt, c, lr, grad_norm, br.block);
-      if (save) saved.insert(saved.end(), std::initializer_list<Tensor>{qh, kh, vh, r[0], r[1], r[2], r[3]});
+      if (save) saved.insert(saved.end(), r.begin(), r.end());
       if (keep) saved.insert(saved.end(), {z, y});
     } else {
       auto r = dwconv_ttt_forward(q, k, v, taps_layout(weights[wi], W), dest, gh, gw, c, lr, grad_norm);
-      if (save) {
-        if (dense) {  // saved views keep all of qkv alive: copies only where the other branches copy too
-          q = q.contiguous();
-          k = k.contiguous();
-          v = v.contiguous();
-        }
-        saved.insert(saved.end(), std::initializer_list<Tensor>{q, k, v, r[0], r[1], r[2]});
-      }
+      if (save) saved.insert(saved.end(), r.begin(), r.end());
     }
     col += W;
     wi += br.weights();
   }
-  return {out, saved};
+  return saved;
 }
 
-// The backward of mix_forward from d_out [B, N, sum(widths)]: dq, dk, dv written into one qkv gradient, and the
-// initial weights' gradients in their shapes (weight_shapes: 4 sizes per weight, as mix got them).
-std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at::TensorList saved,
-                                                     at::IntArrayRef weight_shapes, at::IntArrayRef spec, int64_t gh,
-                                                     int64_t gw, double scale, double lr, bool grad_norm,
-                                                     double rope_base, bool recompute) {
+// The backward of mix_forward from d_out [B, N, sum(widths)] on qkv and what the forward saved: dq, dk, dv written
+// into dqkv (qkv's shape, unit channel stride); returns the initial weights' gradients in their shapes (weight_shapes:
+// 4 sizes per weight, as mix got them).
+std::vector<Tensor> mix_backward(const Tensor& d_out_in, const Tensor& qkv_in, at::TensorList saved,
+                                 at::IntArrayRef weight_shapes, at::IntArrayRef spec, int64_t gh, int64_t gw,
+                                 double scale, double lr, bool grad_norm, double rope_base, bool recompute, bool dense,
+                                 const Tensor& dqkv) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const auto brs = branches_of(spec);
@@ -262,6 +275,8 @@ std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at:
   const int64_t total = total_width(brs);
   TORCH_CHECK(d_out_in.size(2) == total, "vit3_cpu.mix_backward: d_out has ", d_out_in.size(2),
               " channels, the branches write ", total);
+  check_buffer(qkv_in, d_out_in, 3 * total, "qkv", false);
+  check_buffer(dqkv, d_out_in, 3 * total, "dqkv");
   int64_t n_saved = 0, n_weights = 0;
   for (const auto& br : brs) {
     n_saved += br.saved(recompute);
@@ -272,28 +287,38 @@ std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at:
               saved.size(), " and ", weight_shapes.size());
   const auto shape = [&](int64_t i) { return weight_shapes.slice(4 * i, 4); };
   const Tensor d_out = d_out_in.stride(2) == 1 ? d_out_in : d_out_in.contiguous();
+  const Tensor qkv = unit_channels(qkv_in, dense);
   const int64_t B = d_out.size(0), N = d_out.size(1);
-  Tensor dqkv = at::empty({B, N, 3 * total}, d_out.options());
   std::vector<Tensor> grads;
   const double c = scale / N;
   int64_t col = 0, wi = 0, si = 0;
   for (const auto& br : brs) {
     const int64_t W = br.width(), H = br.heads, d = br.head_dim;
+    const auto s = saved.slice(si, br.saved(recompute));
+    const int64_t st = br.rope ? 2 : 0;  // the step's statistics after the rotated q, k
+    const Tensor q = br.rope ? s[0] : tokens_view(qkv, br.offset, W);
+    const Tensor k = br.rope ? s[1] : tokens_view(qkv, br.offset + W, W);
+    const Tensor v = tokens_view(qkv, br.offset + 2 * W, W);
     const Tensor dq = tokens_view(dqkv, br.offset, W), dk = tokens_view(dqkv, br.offset + W, W);
     const Tensor dv = tokens_view(dqkv, br.offset + 2 * W, W), dout = tokens_view(d_out, col, W);
     // RoPE'd branches get dq, dk in the rotated frame first, then rotate them back into place
     const Tensor rq = br.rope ? at::empty({B, N, W}, d_out.options()) : dq;
     const Tensor rk = br.rope ? at::empty({B, N, W}, d_out.options()) : dk;
-    const auto s = saved.slice(si, br.saved(recompute));
     if (br.op == kSwiGLU) {
-      const auto opt = [&](size_t i) { return recompute ? std::nullopt : std::optional<Tensor>(s[i]); };
-      const Tensor dw = ttt_backward(heads_view(dout, H, d), s[0], s[1], s[2], opt(7), opt(8), s[3], s[4], s[5],
-                                     s[6], heads_view(rq, H, d), heads_view(rk, H, d), heads_view(dv, H, d), c, lr,
-                                     grad_norm, br.block);  // [B, H, d, 2d]
+      Tensor qh = heads_view(q, H, d), kh = heads_view(k, H, d), vh = heads_view(v, H, d);
+      if (dense) {
+        qh = qh.contiguous();
+        kh = kh.contiguous();
+        vh = vh.contiguous();
+      }
+      const auto opt = [&](int64_t i) { return recompute ? std::nullopt : std::optional<Tensor>(s[st + 4 + i]); };
+      const Tensor dw = ttt_backward(heads_view(dout, H, d), qh, kh, vh, opt(0), opt(1), s[st], s[st + 1], s[st + 2],
+                                     s[st + 3], heads_view(rq, H, d), heads_view(rk, H, d), heads_view(dv, H, d), c,
+                                     lr, grad_norm, br.block);  // [B, H, d, 2d]
       grads.push_back(weight_grad(dw.narrow(3, 0, d), shape(wi), W, false));
       grads.push_back(weight_grad(dw.narrow(3, d, d), shape(wi + 1), W, false));
     } else {
-      const Tensor dw = dwconv_ttt_backward(dout, s[0], s[1], s[2], s[3], s[4], s[5], rq, rk, dv, gh, gw, c, lr,
+      const Tensor dw = dwconv_ttt_backward(dout, q, k, v, s[st], s[st + 1], s[st + 2], rq, rk, dv, gh, gw, c, lr,
                                             grad_norm);  // taps [B, 9, C]
       grads.push_back(weight_grad(dw.transpose(1, 2).unflatten(-1, {3, 3}), shape(wi), W, true));
     }
@@ -305,7 +330,7 @@ std::tuple<Tensor, std::vector<Tensor>> mix_backward(const Tensor& d_out_in, at:
     wi += br.weights();
     si += br.saved(recompute);
   }
-  return {dqkv, grads};
+  return grads;
 }
 
 // The mixer call's autograd node: mix_forward saving for mix_backward, both through the dispatcher (so dispatch
@@ -317,45 +342,55 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
                                bool recompute, bool dense) {
     static auto op = vit3_cpu::op_of<decltype(mix_forward)>("vit3_cpu::mix_forward");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, saved] = op.call(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, true);
-    // The saved views of qkv share its version counter (views made below autograd do not), so that an in-place
-    // change of qkv before the backward raises on unpacking, as with the Python node's views; the same tensors as
-    // that node's are saved (checkpointing compares the two when a plan settles between forward and rerun).
-    const auto& version = torch::autograd::impl::version_counter(qkv);
-    for (const auto& t : saved) {
-      if (t.is_alias_of(qkv)) torch::autograd::impl::set_version_counter(t, version);
+    const Tensor out = at::empty({qkv.size(0), qkv.size(1), total_width(branches_of(spec))}, qkv.options());
+    auto saved = op.call(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, true, out);
+    // what the forward saved, then qkv and the weights as the models hand them (a depthwise weight [1, C, 3, 3]):
+    // the Python node's tensors, which checkpointing compares when a plan settles between forward and rerun
+    saved.push_back(qkv);
+    std::vector<int64_t> shapes;
+    int64_t wi = 0;
+    for (const auto& br : branches_of(spec)) {
+      for (int64_t j = 0; j < br.weights(); ++j, ++wi) {
+        const Tensor& w = weights[wi];
+        TORCH_CHECK(w.dim() == 4, "vit3_cpu.mix: initial weights are 4-D, got ", w.sizes());
+        shapes.insert(shapes.end(), w.sizes().begin(), w.sizes().end());
+        Tensor kept = br.op == kDwconv ? taps_layout(w, br.width()) : w;
+        if (!kept.is_same(w)) {  // a view made below autograd: it shares w's version, as the Python node's view
+          torch::autograd::impl::set_version_counter(kept, torch::autograd::impl::version_counter(w));
+        }
+        saved.push_back(kept);
+      }
     }
     ctx->save_for_backward(saved);
-    std::vector<int64_t> shapes;
-    for (const auto& w : weights) {
-      TORCH_CHECK(w.dim() == 4, "vit3_cpu.mix: initial weights are 4-D, got ", w.sizes());
-      shapes.insert(shapes.end(), w.sizes().begin(), w.sizes().end());
-    }
     ctx->saved_data["shapes"] = shapes;
     ctx->saved_data["spec"] = spec.vec();
     ctx->saved_data["grid"] = std::vector<int64_t>{gh, gw};
     ctx->saved_data["hyper"] = std::vector<double>{scale, lr, rope_base};
-    ctx->saved_data["flags"] = std::vector<bool>{grad_norm, recompute};
+    ctx->saved_data["flags"] = std::vector<bool>{grad_norm, recompute, dense};
     return {out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     static auto op = vit3_cpu::op_of<decltype(mix_backward)>("vit3_cpu::mix_backward");
-    const auto saved = ctx->get_saved_variables();
+    auto saved = ctx->get_saved_variables();
     const auto shapes = ctx->saved_data["shapes"].toIntVector();
     const auto spec = ctx->saved_data["spec"].toIntVector();
     const auto grid = ctx->saved_data["grid"].toIntVector();
     const auto hyper = ctx->saved_data["hyper"].toDoubleVector();
     const auto flags = ctx->saved_data["flags"].toBoolList();
-    const bool grad_norm = flags[0], recompute = flags[1];
+    const bool grad_norm = flags[0], recompute = flags[1], dense = flags[2];
+    const size_t n_weights = shapes.size() / 4;
+    const Tensor qkv = saved[saved.size() - 1 - n_weights];
+    saved.resize(saved.size() - 1 - n_weights);
     const Tensor& d_out = grad_out[0];
-    Tensor dqkv;
     std::vector<Tensor> dws;
+    Tensor dqkv;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       at::NoGradGuard no_grad;
-      std::tie(dqkv, dws) = op.call(d_out, saved, shapes, spec, grid[0], grid[1], hyper[0], hyper[1], grad_norm,
-                                    hyper[2], recompute);
+      dqkv = at::empty(qkv.sizes(), d_out.options());
+      dws = op.call(d_out, qkv, saved, shapes, spec, grid[0], grid[1], hyper[0], hyper[1], grad_norm, hyper[2],
+                    recompute, dense, dqkv);
     }
     variable_list grads{dqkv};
     grads.insert(grads.end(), dws.begin(), dws.end());
@@ -366,7 +401,17 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
   }
 };
 
-// The autograd kernel of mix: the node when gradients flow, else mix_forward saving nothing.
+// The forward alone (no saving) through the dispatcher, below autograd.
+Tensor mix_inference(const Tensor& qkv, at::TensorList weights, at::IntArrayRef spec, int64_t gh, int64_t gw,
+                     double scale, double lr, bool grad_norm, double rope_base, bool recompute, bool dense) {
+  static auto op = vit3_cpu::op_of<decltype(mix_forward)>("vit3_cpu::mix_forward");
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const Tensor out = at::empty({qkv.size(0), qkv.size(1), total_width(branches_of(spec))}, qkv.options());
+  op.call(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, false, out);
+  return out;
+}
+
+// The autograd kernel of mix: the node when gradients flow, else the forward saving nothing.
 Tensor mix_autograd(const Tensor& qkv, at::TensorList weights, at::IntArrayRef spec, int64_t gh, int64_t gw,
                     double scale, double lr, bool grad_norm, double rope_base, bool recompute, bool dense) {
   bool flows = qkv.requires_grad();
@@ -374,15 +419,7 @@ Tensor mix_autograd(const Tensor& qkv, at::TensorList weights, at::IntArrayRef s
   if (at::GradMode::is_enabled() && flows) {
     return MixFunction::apply(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense)[0];
   }
-  static auto op = vit3_cpu::op_of<decltype(mix_forward)>("vit3_cpu::mix_forward");
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return std::get<0>(op.call(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, false));
-}
-
-// mix below autograd (inference mode, tensors without autograd keys): the forward alone.
-Tensor mix_cpu(const Tensor& qkv, at::TensorList weights, at::IntArrayRef spec, int64_t gh, int64_t gw, double scale,
-               double lr, bool grad_norm, double rope_base, bool recompute, bool dense) {
-  return std::get<0>(mix_forward(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, false));
+  return mix_inference(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense);
 }
 
 }  // namespace
@@ -393,15 +430,15 @@ TORCH_LIBRARY_FRAGMENT(vit3_cpu, m) {
       "float rope_base, bool recompute, bool dense) -> Tensor");
   m.def(
       "mix_forward(Tensor qkv, Tensor[] weights, int[] spec, int gh, int gw, float scale, float lr, bool grad_norm, "
-      "float rope_base, bool recompute, bool dense, bool save) -> (Tensor, Tensor[])");
+      "float rope_base, bool recompute, bool dense, bool save, Tensor(a!) out) -> Tensor[]");
   m.def(
-      "mix_backward(Tensor d_out, Tensor[] saved, int[] weight_shapes, int[] spec, int gh, int gw, float scale, "
-      "float lr, bool grad_norm, float rope_base, bool recompute) -> (Tensor, Tensor[])");
+      "mix_backward(Tensor d_out, Tensor qkv, Tensor[] saved, int[] weight_shapes, int[] spec, int gh, int gw, "
+      "float scale, float lr, bool grad_norm, float rope_base, bool recompute, bool dense, Tensor(a!) dqkv) -> Tensor[]");
   m.def("rope_2d(Tensor x, int gh, int gw, float base=10000.0, bool inverse=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vit3_cpu, CPU, m) {
-  m.impl("mix", &mix_cpu);
+  m.impl("mix", &mix_inference);
   m.impl("mix_forward", &mix_forward);
   m.impl("mix_backward", &mix_backward);
   m.impl("rope_2d", &rope_2d);

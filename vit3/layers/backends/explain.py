@@ -63,8 +63,8 @@ class MixerExplanation:
     branches: tuple[BranchExplanation, ...]
     # training with a SwiGLU branch on ``cpu`` / ``eager``: what its backward recomputes or saves, and why
     recompute: str = ""
-    # the fused node runs every branch in one call of their path's whole-node hooks (Triton's launch program;
-    # under torch.compile the mixer op ``vit3::mix`` runs them)
+    # the fused node runs every branch in one call of their path's whole-node hooks (Triton's launch program,
+    # the C++ kernel's whole-mixer op; under torch.compile the mixer op ``vit3::mix`` runs them)
     program: bool = False
     # settled calls run as the whole-mixer C++ op (``torch.ops.vit3_cpu.mix``), no node in Python
     cpp_op: bool = False
@@ -76,7 +76,7 @@ class MixerExplanation:
             f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
             "  "
             + ("one fused node runs every branch" if self.fused else "the generic inner loop, every branch")
-            + (", as one launch program (compiled: the graph's one op vit3::mix)" if self.program else "")
+            + (f", as one {self._whole()} (compiled: the graph's one op vit3::mix)" if self.program else "")
             + (", as one C++ op (vit3_cpu::mix) once settled" if self.cpp_op else ""),
         ]
         if self.recompute:
@@ -94,6 +94,10 @@ class MixerExplanation:
         lines += [f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}".rstrip() for r in rows]
         return "\n".join(lines)
 
+    def _whole(self) -> str:
+        """What runs the branches' whole-node hooks: Triton's launch program or the C++ whole-mixer op."""
+        return "C++ call" if self.branches[0].backend == "cpu" else "launch program"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "dim": self.dim,
@@ -105,7 +109,7 @@ class MixerExplanation:
             "grad": self.grad,
             "requested": self.requested,
             "fused_node": self.fused,
-            "launch_program": self.program,
+            "whole_call": self.program,
             "cpp_op": self.cpp_op,
             "recompute": self.recompute,
             "branches": [b.to_dict() for b in self.branches],

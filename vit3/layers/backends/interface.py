@@ -34,8 +34,9 @@ _ANY_TOKENS = "any N"
 def token_class(n: int, tracing: str = "") -> str:
     """The token-count class of ``n`` tokens per head: the CPU kernel's rule (``MIN_CPU_KERNEL_TOKENS``).
 
-    Under tracing (``inner_math.tracing_kind()``) only the traceable paths serve, and they take any count:
-    one class, decided without reading ``n``, so the rule becomes no guard on the traced program's size.
+    Under tracing (``inner_math.tracing_kind()``) only the traceable paths and the mixer op serve, and they
+    take any count: one class, decided without reading ``n``, so the rule becomes no guard on the traced
+    program's size.
     """
     if tracing:
         return _ANY_TOKENS

@@ -62,18 +62,23 @@ class _State:
         self.kept: weakref.WeakSet = weakref.WeakSet()
 
 
+def _read_env() -> _Env:
+    get = os.environ.get
+    return _Env(get(BACKEND_ENV), get(STRICT_ENV), get(RECOMPUTE_ENV))
+
+
 def refresh_env() -> None:
     """Reads the ``VIT3_*`` variables again and forgets the plans made under the old ones; call it after
     changing one in a running process (they are read once, on first use)."""
-    get = os.environ.get
-    _STATE.env = _Env(get(BACKEND_ENV), get(STRICT_ENV), get(RECOMPUTE_ENV))
+    _STATE.env = _read_env()
     forget_plans()
 
 
 def env() -> _Env:
-    """The snapshot of the ``VIT3_*`` variables (read on first use; :func:`refresh_env`)."""
+    """The snapshot of the ``VIT3_*`` variables (read on first use, where no plan can have read them yet: a
+    first use under ``torch.compile`` leaves no guard on the plans; :func:`refresh_env`)."""
     if _STATE.env is None:
-        refresh_env()
+        _STATE.env = _read_env()
     return _STATE.env
 
 

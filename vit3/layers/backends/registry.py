@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 from vit3.kernels.ops import OPS
 
 from ..config import BACKEND_NAMES
-from ..fused_mix import WHOLE_PATH
 from .interface import Backend, Branch, Inputs, Settings
 
 BACKEND_ENV = (
@@ -83,15 +82,15 @@ LEAN_BACKENDS = ("cpu", "eager")
 def apart(names: Sequence[str], branches: Sequence[str], loss: str, tracing: str) -> str:
     """Why a mixer call whose branches (inner models ``branches``) run on backends ``names`` is not the mixer
     op (``fused_mix``), ``""`` where it is: every backend runs a fast path (each has the op's hooks), on the
-    dot loss the op takes; traced, the op runs Triton for every branch or for none."""
+    dot loss the op takes; compiled, the op runs one path for every branch or for none."""
     if loss != "dot":
         return f"the mixer op takes the dot loss only (loss {loss!r})"
     for i, (name, model) in enumerate(zip(names, branches)):
         if BACKENDS[name].path is None:
             return f"branch {i} ({model!r}) has no fast path here, and the mixer op runs every branch or none"
     paths = {BACKENDS[name].path for name in names}
-    if tracing and WHOLE_PATH in paths and len(paths) > 1:
-        return f"traced, the mixer op runs {WHOLE_PATH!r} for every branch or for none"
+    if tracing and len(paths) > 1:
+        return f"compiled, the mixer op runs one path for every branch or for none, not {sorted(paths)}"
     return ""
 
 

@@ -1,0 +1,1 @@
+"""The whole-mixer C++ op (``csrc/mix.cpp``) and its glue (``cpp.py``)."""
