@@ -80,6 +80,43 @@ def count_calls(monkeypatch, owner, name: str) -> dict[str, int]:
     return count
 
 
+def compiled_with_ops(module: torch.nn.Module) -> tuple[torch.nn.Module, list[list[str]]]:
+    """``module`` compiled whole (``fullgraph``) through AOT autograd, and the ops (``call_function``
+    targets) of each graph it makes: the forward's, then the backward's, filled by the first call and its
+    backward."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[list[str]] = []
+
+    def keep(gm, _inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    return torch.compile(module, fullgraph=True, backend=backend), graphs
+
+
+def compiled_model_ops(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rtol: float, atol: float
+) -> tuple[list[str], list[str]]:
+    """A training step of ``model`` (cross-entropy on ``x``, ``y``) compiled whole against eager: the loss
+    and every parameter's gradient within ``rtol`` / ``atol``; returns the forward and backward graphs'
+    ops."""
+
+    def train(net: torch.nn.Module) -> list[torch.Tensor]:
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        return [loss, *torch.autograd.grad(loss, list(model.parameters()))]
+
+    exp = train(model)
+    compiled, graphs = compiled_with_ops(model)
+    for a, e in zip(train(compiled), exp):
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
+    forward, backward = graphs
+    return forward, backward
+
+
 def count_cpp_swiglu(monkeypatch) -> dict[str, int]:
     """Counts the forwards of the SwiGLU op that run in the C++ kernel (``["n"]``) for one test: a branch's
     own hooks (``swiglu.cpp.PASSES``) or a whole mixer call with a SwiGLU branch (``mix.cpp.forward``)."""

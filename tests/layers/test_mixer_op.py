@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
-from helpers.common import OpNames
+from helpers.common import OpNames, compiled_model_ops, compiled_with_ops
 
 import vit3  # noqa: F401  (registers the models)
 from vit3.kernels.triton import op as top
@@ -126,28 +126,6 @@ def test_the_backward_finds_its_program_after_the_plans_are_cleared(triton_devic
         assert torch.equal(a, e)
 
 
-def _compiled(module: torch.nn.Module) -> tuple[torch.nn.Module, list]:
-    """``module`` compiled whole (``fullgraph``) through AOT autograd, and the forward and backward graphs
-    it makes (filled by the first call and its backward)."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = []
-
-    def keep(gm, _inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    torch._dynamo.reset()
-    return torch.compile(
-        module, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)
-    ), graphs
-
-
-def _ops(graphs: list) -> tuple[list[str], list[str]]:
-    return tuple([str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for gm in graphs)
-
-
 def test_a_compiled_mixer_is_one_op_per_call(triton_device):
     """Compiled whole (``fullgraph``), a mixer of two Triton branches with RoPE is one ``vit3::mix`` in the
     forward graph and one ``vit3::mix_backward`` in the backward graph: no per-branch ops, no concatenation;
@@ -156,11 +134,11 @@ def test_a_compiled_mixer_is_one_op_per_call(triton_device):
     mixer = TTTMixer(64, 4, branches=("swiglu", "dwconv"), rope=True, backend="triton").to(triton_device)
     x = torch.randn(2, 16, 64, device=triton_device, requires_grad=True)
     exp = _train(mixer(x, (4, 4)), [x, *mixer.parameters()])
-    compiled, graphs = _compiled(mixer)
+    compiled, graphs = compiled_with_ops(mixer)
     got = _train(compiled(x, (4, 4)), [x, *mixer.parameters()])
+    forward, backward = graphs
     for a, e in zip(got, exp):
         assert torch.equal(a, e)
-    forward, backward = _ops(graphs)
     assert forward.count("vit3.mix.default") == 1 and backward.count("vit3.mix_backward.default") == 1
     assert not [t for t in forward + backward if "triton_ttt" in t or t == "aten.cat.default"]
 
@@ -176,17 +154,7 @@ def test_a_compiled_model_is_one_mixer_op_per_block(name, size, triton_device, m
     torch.manual_seed(0)
     model = timm.create_model(name, img_size=32, num_classes=10, drop_path_rate=0.0, **size).to(triton_device)
     x, y = torch.randn(2, 3, 32, 32, device=triton_device), torch.tensor([1, 7], device=triton_device)
-
-    def train(net) -> list[torch.Tensor]:
-        loss = torch.nn.functional.cross_entropy(net(x), y)
-        return [loss, *torch.autograd.grad(loss, list(model.parameters()))]
-
-    exp = train(model)
-    compiled, graphs = _compiled(model)
-    got = train(compiled)
-    for a, e in zip(got, exp):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
-    forward, backward = _ops(graphs)
+    forward, backward = compiled_model_ops(model, x, y, rtol=1e-5, atol=1e-6)
     blocks = sum(isinstance(m, TTTMixer) for m in model.modules())
     assert forward.count("vit3.mix.default") == blocks == backward.count("vit3.mix_backward.default")
     assert not [t for t in forward + backward if "triton_ttt" in t]

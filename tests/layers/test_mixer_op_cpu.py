@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
-from helpers.common import OpNames
+from helpers.common import OpNames, compiled_model_ops, compiled_with_ops
 
 import vit3  # noqa: F401  (registers the models)
 from vit3.kernels import cpp as cpu_ext
@@ -129,22 +129,6 @@ def test_opcheck_passes(rope, recompute):
     torch.library.opcheck(fm.mix_backward_op, (*inputs, *args))
 
 
-def _compiled(module: torch.nn.Module) -> tuple[torch.nn.Module, list]:
-    """``module`` compiled whole through AOT autograd, and the forward and backward graphs it makes."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = []
-
-    def keep(gm, _inputs):
-        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        return make_boxed_func(gm.forward)
-
-    torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
-    return torch.compile(module, fullgraph=True, backend=backend), graphs
-
-
 @pytest.mark.parametrize("rope", [False, True])
 def test_a_compiled_mixer_on_cpu_is_one_op_per_call(rope):
     """Under ``torch.compile`` a CPU mixer keeps the C++ kernel: one ``vit3::mix`` in the forward graph and
@@ -154,11 +138,11 @@ def test_a_compiled_mixer_on_cpu_is_one_op_per_call(rope):
     mixer = TTTMixer(64, 4, branches=("swiglu", "dwconv"), rope=rope).double()
     x = torch.randn(2, 30, 64, dtype=torch.float64, requires_grad=True)
     exp = _train(mixer(x, GRID), [x, *mixer.parameters()])
-    compiled, graphs = _compiled(mixer)
+    compiled, graphs = compiled_with_ops(mixer)
     got = _train(compiled(x, GRID), [x, *mixer.parameters()])
+    forward, backward = graphs
     for a, e in zip(got, exp):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-14)
-    forward, backward = graphs
     assert forward.count("vit3.mix.default") == 1 and backward.count("vit3.mix_backward.default") == 1
     assert not [t for t in forward + backward if "vit3_cpu" in t]
 
@@ -172,17 +156,7 @@ def test_a_compiled_model_on_cpu_is_one_mixer_op_per_block(name, size):
     torch.manual_seed(0)
     model = timm.create_model(name, img_size=32, num_classes=10, drop_path_rate=0.0, **size).double()
     x, y = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 7])
-
-    def train(net) -> list[torch.Tensor]:
-        loss = torch.nn.functional.cross_entropy(net(x), y)
-        return [loss, *torch.autograd.grad(loss, list(model.parameters()))]
-
-    exp = train(model)
-    compiled, graphs = _compiled(model)
-    got = train(compiled)
-    for a, e in zip(got, exp):
-        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
-    forward, backward = graphs
+    forward, backward = compiled_model_ops(model, x, y, rtol=1e-9, atol=1e-12)
     blocks = sum(isinstance(m, TTTMixer) for m in model.modules())
     assert forward.count("vit3.mix.default") == blocks == backward.count("vit3.mix_backward.default")
 

@@ -100,8 +100,8 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
 def compile_mode(mode: str, device: torch.device) -> str | None:
     """The ``torch.compile`` mode of ``train.compile`` on ``device``, ``None`` for eager (``"none"``);
     ``"auto"`` is ``"reduce-overhead"`` (the whole step replayed as CUDA graphs) on CUDA and eager
-    elsewhere: on a CPU the compiled step is slower than vit3's C++ kernels (docs/training.md). A mode
-    named explicitly is compiled on every device."""
+    elsewhere: on a CPU the compiled step is slower than the eager one, which runs whole blocks as C++ ops
+    (docs/training.md). A mode named explicitly is compiled on every device."""
     if mode == "none":
         return None
     if mode == "auto":

@@ -188,6 +188,14 @@ void check_buffer(const Tensor& t, const Tensor& like, int64_t channels, const c
               channels, "] tensor", unit ? " with unit channel stride" : "", ", got ", t.scalar_type(), " ", t.sizes());
 }
 
+// A SwiGLU branch's q, k, v tokens [B, N, H*d] as its step takes them, heads [B, H, N, d]: views, or dense copies.
+std::tuple<Tensor, Tensor, Tensor> swiglu_inputs(const Tensor& q, const Tensor& k, const Tensor& v, int64_t H,
+                                                 int64_t d, bool dense) {
+  const Tensor qh = heads_view(q, H, d), kh = heads_view(k, H, d), vh = heads_view(v, H, d);
+  if (!dense) return {qh, kh, vh};
+  return {qh.contiguous(), kh.contiguous(), vh.contiguous()};
+}
+
 // qkv as the branches read it: with unit channel stride (a dense copy where it has none, and then dense inputs).
 Tensor unit_channels(const Tensor& qkv, bool& dense) {
   if (qkv.stride(2) == 1) return qkv;
@@ -237,12 +245,7 @@ std::vector<Tensor> mix_forward(const Tensor& qkv_in, at::TensorList weights, at
     }
     const Tensor dest = tokens_view(out, col, W);
     if (br.op == kSwiGLU) {
-      Tensor qh = heads_view(q, H, d), kh = heads_view(k, H, d), vh = heads_view(v, H, d);
-      if (dense) {
-        qh = qh.contiguous();
-        kh = kh.contiguous();
-        vh = vh.contiguous();
-      }
+      const auto [qh, kh, vh] = swiglu_inputs(q, k, v, H, d, dense);
       const bool keep = save && !recompute;  // Z = k W and Y = q W' saved, else recomputed by the backward
       Tensor z = keep ? at::empty({B, H, N, 2 * d}, qkv.options()) : Tensor();
       Tensor y = keep ? at::empty({B, H, N, 2 * d}, qkv.options()) : Tensor();
@@ -305,12 +308,7 @@ std::vector<Tensor> mix_backward(const Tensor& d_out_in, const Tensor& qkv_in, a
     const Tensor rq = br.rope ? at::empty({B, N, W}, d_out.options()) : dq;
     const Tensor rk = br.rope ? at::empty({B, N, W}, d_out.options()) : dk;
     if (br.op == kSwiGLU) {
-      Tensor qh = heads_view(q, H, d), kh = heads_view(k, H, d), vh = heads_view(v, H, d);
-      if (dense) {
-        qh = qh.contiguous();
-        kh = kh.contiguous();
-        vh = vh.contiguous();
-      }
+      const auto [qh, kh, vh] = swiglu_inputs(q, k, v, H, d, dense);
       const auto opt = [&](int64_t i) { return recompute ? std::nullopt : std::optional<Tensor>(s[st + 4 + i]); };
       const Tensor dw = ttt_backward(heads_view(dout, H, d), qh, kh, vh, opt(0), opt(1), s[st], s[st + 1], s[st + 2],
                                      s[st + 3], heads_view(rq, H, d), heads_view(rk, H, d), heads_view(dv, H, d), c,
