@@ -33,7 +33,6 @@ __all__ = [
     "mix_op",
     "op_args",
     "reference_mix",
-    "runs_whole",
     "spec_of",
     "takes",
     "whole_path",
@@ -183,10 +182,7 @@ def mix_layout(spec: MixSpec) -> MixLayout:
         found.append((path.node, len(op.weights), br.heads * br.head_dim))
     hyper = Hyper(spec.grid, spec.scale, spec.lr, spec.grad_norm, "dot", spec.recompute)
     twice = all(node.twice for node, *_ in found)
-    make_whole = found[0][0].whole if found else None
-    if any(node.whole is not make_whole for node, *_ in found):
-        make_whole = None
-    whole = make_whole() if make_whole is not None else None
+    whole = found[0][0].whole() if whole_path(spec) else None
     counts = [count for _, count, _ in found]
     stacked = tuple(count == 2 for count in counts)
     width = sum(w for *_, w in found)
@@ -216,12 +212,6 @@ def takes(spec: MixSpec, dtype: torch.dtype) -> bool:
         dtype in (torch.float16, torch.bfloat16)
         and all(OPS[br.op].paths[br.path].node.low_precision for br in spec.branches)
     )
-
-
-def runs_whole(spec: MixSpec) -> bool:
-    """Whether the node runs ``spec``'s branches in one call of their path's whole-node hooks (``Node.whole``:
-    every branch on such a path), e.g. Triton's launch program."""
-    return mix_layout(spec).whole is not None
 
 
 def _forward(

@@ -340,14 +340,15 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
                                bool recompute, bool dense) {
     static auto op = vit3_cpu::op_of<decltype(mix_forward)>("vit3_cpu::mix_forward");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const Tensor out = at::empty({qkv.size(0), qkv.size(1), total_width(branches_of(spec))}, qkv.options());
+    const auto brs = branches_of(spec);
+    const Tensor out = at::empty({qkv.size(0), qkv.size(1), total_width(brs)}, qkv.options());
     auto saved = op.call(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, true, out);
     // what the forward saved, then qkv and the weights as the models hand them (a depthwise weight [1, C, 3, 3]):
     // the Python node's tensors, which checkpointing compares when a plan settles between forward and rerun
     saved.push_back(qkv);
     std::vector<int64_t> shapes;
     int64_t wi = 0;
-    for (const auto& br : branches_of(spec)) {
+    for (const auto& br : brs) {
       for (int64_t j = 0; j < br.weights(); ++j, ++wi) {
         const Tensor& w = weights[wi];
         TORCH_CHECK(w.dim() == 4, "vit3_cpu.mix: initial weights are 4-D, got ", w.sizes());

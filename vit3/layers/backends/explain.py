@@ -8,9 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vit3.kernels.ops import OPS
-
-from ..fused_mix import runs_whole
+from ..fused_mix import whole_path
 from .interface import Inputs, Settings, token_class
 from .planner import (
     SCRIPTABLE_PATH,
@@ -183,13 +181,8 @@ def _fused_plan(out: list[BranchExplanation]) -> Plan:
 
 def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int, int]) -> bool:
     """Whether the fused node runs every branch in one call of their path's whole-node hooks (``Node.whole``),
-    as the mixer's call would: every branch's path has them, and the mixer's ``MixSpec`` on these backends
-    lets them run (``fused_mix.runs_whole``)."""
-    for b in out:
-        path = OPS[b.name].paths.get(b.backend) if b.name in OPS else None
-        if path is None or path.node.whole is None:
-            return False
-    return runs_whole(mixer.mix_spec(_fused_plan(out), grid))
+    as the mixer's call would (``fused_mix.whole_path`` of its ``MixSpec`` on these backends)."""
+    return whole_path(mixer.mix_spec(_fused_plan(out), grid))
 
 
 @dataclass(frozen=True)
