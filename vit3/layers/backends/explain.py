@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vit3.kernels.ops import OPS
+
 from ..fused_mix import whole_path
 from .interface import Inputs, Settings, token_class
 from .planner import (
@@ -181,7 +183,10 @@ def _fused_plan(out: list[BranchExplanation]) -> Plan:
 
 def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int, int]) -> bool:
     """Whether the fused node runs every branch in one call of their path's whole-node hooks (``Node.whole``),
-    as the mixer's call would (``fused_mix.whole_path`` of its ``MixSpec`` on these backends)."""
+    as the mixer's call would (``fused_mix.whole_path`` of its ``MixSpec`` on these backends); ``False``
+    without asking the mixer where a branch's path has none."""
+    if not all(OPS[b.name].paths[b.backend].node.whole for b in out):
+        return False
     return whole_path(mixer.mix_spec(_fused_plan(out), grid))
 
 
