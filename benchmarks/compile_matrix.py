@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", nargs="+", default=None, help="only these archs (e.g. sm_86)")
     p.add_argument("--d", type=int, nargs="+", default=None, help="only these head dims")
     p.add_argument("--mode", nargs="+", default=None, choices=list(aot.MODES), help="only these dtype modes")
+    models = sorted({m for m, _ in aot.MODELS})
+    p.add_argument("--model", nargs="+", default=None, choices=models, help="only these models / mixers")
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument("--out", type=Path, default=RESULTS / "compile_matrix.csv")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON (the tests read it)")
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.arch is None or c.arch.sm in args.arch)
         and (args.d is None or c.d in args.d)
         and (args.mode is None or c.mode in args.mode)
+        and (args.model is None or c.model in args.model)
     ]
     start = time.perf_counter()
     rows = rows_of(aot.compile_cases(cases, args.jobs))

@@ -313,8 +313,9 @@ MODELS = {
 }  # fmt: skip
 
 
-def block_rest(st: Stage, b: int, gpu: GPU) -> tuple[float, float]:
-    """(seconds, FLOPs per image) of one block's forward + backward outside the TTT op, bf16 activations."""
+def block_rest(st: Stage, b: int, gpu: GPU, rope_passes: bool) -> tuple[float, float]:
+    """(seconds, FLOPs per image) of one block's forward + backward outside the TTT op, bf16 activations;
+    ``rope_passes``: RoPE rotates q, k outside the op's kernels (designs before RoPE on load)."""
     t = b * st.side**2
     c, width = st.dim, st.dim + st.d  # the SwiGLU heads and the conv branch's d channels
     gemms = [(c, 3 * width), (width, c), (c, st.mlp * c), (st.mlp * c, c)]
@@ -327,7 +328,7 @@ def block_rest(st: Stage, b: int, gpu: GPU) -> tuple[float, float]:
     act = 2 * t * c  # bytes of one bf16 [T, C] activation
     passes = 2 * 2 + 2 * 2 + 2  # two LayerNorms, two residual adds (read + write), the CPE (read + write)
     passes += 2 * st.mlp * (2 if not st.conv_ffn else 6)  # GELU (and the ConvFFN's dw conv + second GELU)
-    passes += 2 * width / c + (4 if st.rope else 0)  # the concatenation of the branch read-outs, RoPE on q, k
+    passes += 2 * width / c + (4 if st.rope and rope_passes else 0)  # the branches' read-outs, RoPE on q, k
     seconds += 3 * passes * act / gpu.hbm  # backward ~ twice the forward's traffic
     return seconds, flops
 
@@ -345,7 +346,8 @@ def training_step(op: ModuleType, name: str, b: int, gpu: GPU) -> dict[str, Any]
         grid = (st.side, st.side)
         rows = price(op, "swiglu", b, st.heads, st.side**2, st.d, gpu, grid)
         rows += price(op, "dwconv", b, 1, st.side**2, st.d, gpu, grid)
-        other, f = block_rest(st, b, gpu)
+        on_load = "rope" in getattr(getattr(op, "PlanKey", None), "_fields", ())  # RoPE in the op's kernels
+        other, f = block_rest(st, b, gpu, not on_load)
         mixer += st.depth * sum(r["us"] for r in rows) * 1e-6
         rest += st.depth * other
         flops += st.depth * (f + sum(r["GFLOP"] for r in rows if r["phase"] == "fwd") * 1e9 / b)

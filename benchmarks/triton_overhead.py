@@ -92,7 +92,7 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
                 scale: float) -> dict[str, Callable[[], None]]:  # fmt: skip
     """The fused node of both branches on Triton: inference, and forward + backward end to end; as one launch
     program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks), and both
-    with RoPE on the SwiGLU branch (H-ViT³'s mixer: q, k rotated by the program's launches or around the
+    with RoPE on the SwiGLU branch (H-ViT³'s mixer: q, k rotated by the program's kernels or around the
     hooks); the program through the mixer op ``vit3::mix``, called eagerly (the dispatcher's cost) and
     compiled (``aot_eager``); and the floor of any Python autograd node with its inputs
     (``common.FloorNode``). ``{}`` on a tree without the Triton node."""
@@ -105,7 +105,7 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
     layouts = {"branch hooks": layout._replace(whole=None) if hasattr(layout, "whole") else layout}
     if getattr(layout, "whole", None) is not None:
         layouts = {"program": layout} | layouts
-    # H-ViT³'s mixer: RoPE on the SwiGLU branch's q, k (rotated inside the program, around the branch hooks)
+    # H-ViT³'s mixer: RoPE on the SwiGLU branch's q, k (rotated by the program's kernels, around the hooks)
     rope = (branches[0]._replace(rope=True), branches[1])
     rope_layout = fused_mix.mix_layout(fused_mix.MixSpec(rope, grid, scale, 1.0, True, 10000.0))
     if getattr(rope_layout, "whole", None) is not None:

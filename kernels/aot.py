@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .triton import fuse, plan, program, rope, tiles
+from .triton import fuse, plan, program, tiles
 from .triton.device import ARCHS, Arch
 from .triton.plan import Launch
 
@@ -44,7 +44,6 @@ __all__ = [
     "matrix",
     "plan_case",
     "plan_launches",
-    "rope_launches",
     "smem_bound",
     "specialise",
     "spill_bound",
@@ -61,10 +60,17 @@ MODES: dict[str, tuple[torch.dtype, str]] = {
 }
 
 
-MODELS = (("swiglu", "dot"), ("linear", "dot"), ("linear", "mse"), ("dwconv", "dot"), ("vit3", "dot"))
+MODELS = (
+    ("swiglu", "dot"), ("linear", "dot"), ("linear", "mse"), ("dwconv", "dot"), ("vit3", "dot"),
+    ("h_vit3", "dot"),
+)  # fmt: skip
 # The mixers whose branches' launches a launch program fuses stage by stage (``triton.program.stages``):
-# compiled as those fused launches. ViT³'s: SwiGLU and the 3x3 depthwise conv.
-MIXERS: dict[str, tuple[tuple[str, str], ...]] = {"vit3": (("swiglu", "dot"), ("dwconv", "dot"))}
+# compiled as those fused launches, each branch as ``(model, loss, rope)``. ViT³'s: SwiGLU and the 3x3
+# depthwise conv; H-ViT³'s: the same with RoPE on SwiGLU's q, k (rotated by its kernels).
+MIXERS: dict[str, tuple[tuple[str, str, bool], ...]] = {
+    "vit3": (("swiglu", "dot", False), ("dwconv", "dot", False)),
+    "h_vit3": (("swiglu", "dot", True), ("dwconv", "dot", False)),
+}
 HEAD_DIMS = (16, 32, 64, 128)
 
 
@@ -85,6 +91,7 @@ class Case:
     n_tok: int = 3136
     batch: int = 2
     heads: int = 4
+    rope: bool = False  # the kernels rotate q, k by RoPE (a mixer's branch)
 
     @property
     def label(self) -> str:
@@ -126,47 +133,36 @@ def plan_launches(case: Case, batch: int | None = None) -> tuple[list[Launch], l
     w1 = torch.empty(shape, dtype=acc, device="meta")
     w2 = torch.empty(shape, dtype=acc, device="meta") if case.model == "swiglu" else None
     common = (case.model, case.loss, *grid, 9**-0.5, 1.0, True, 0)
-    outs, fwd = plan.forward_plan(q, k, v, w1, w2, *common, arch=case.arch, prec=prec, interpret=False)
+    tables = torch.empty(n, g * d // 2, 2, dtype=acc, device="meta") if case.rope else None
+    outs, fwd = plan.forward_plan(
+        q, k, v, w1, w2, *common, arch=case.arch, prec=prec, interpret=False, rope=tables
+    )
     # The upstream gradient of the token-major read-out: [B, N, G*d] contiguous, seen as [B, G, N, d].
     dout = torch.empty(b, n, g, d, dtype=dtype, device="meta").transpose(1, 2)
     _, bwd = plan.backward_plan(dout, q, k, v, w1, w2, *outs[1:], *common, arch=case.arch, prec=prec,
-                                     interpret=False)  # fmt: skip
+                                interpret=False, rope=tables)  # fmt: skip
     return fwd, bwd
-
-
-def rope_launches(case: Case) -> list[Launch]:
-    """The RoPE rotations of a token-wise model's fused node (``triton.rope``): its q, k pair rotated, from
-    the qkv projection, and their gradients back, into the qkv gradient; none for the depthwise conv."""
-    if case.model in ("dwconv", *MIXERS):
-        return []
-    dtype, _ = MODES[case.mode]
-    b, n, c = case.batch, case.n_tok, case.heads * case.d
-    qkv = torch.empty(b, n, 3 * c, dtype=dtype, device="meta")
-    pair = qkv[..., : 2 * c].unflatten(-1, (2, c)).transpose(1, 2)  # [B, 2, N, C], as the node views it
-    acc = torch.promote_types(dtype, torch.float32)
-    tables = tuple(torch.empty(n, c // 2, dtype=acc, device="meta") for _ in range(2))
-    fresh = torch.empty(b, 2, n, c, dtype=dtype, device="meta")
-    return [rope.rotation(pair, tables, False, fresh), rope.rotation(fresh, tables, True, pair)]
 
 
 def plan_case(case: Case) -> list[Launch]:
     """Every distinct launch (by label) ``triton_ttt`` makes for ``case``, planned by its own set-up: at
     ``case.batch`` samples (N split over programs) and at enough samples for two programs per SM (N whole:
-    the one-launch forward and the fused backward stages); and the fused node's RoPE rotations. A mixer's:
-    its branches' launches in a launch program's stages."""
+    the one-launch forward and the fused backward stages). A mixer's: its branches' launches in a launch
+    program's stages."""
     whole = -(-2 * case.arch.sms // case.heads)
     launches: dict[str, Launch] = {}
     for batch in (case.batch, whole):
         if case.model in MIXERS:
             plans = [
-                plan_launches(replace(case, model=m, loss=loss), batch) for m, loss in MIXERS[case.model]
+                plan_launches(replace(case, model=m, loss=loss, rope=rope), batch)
+                for m, loss, rope in MIXERS[case.model]
             ]
             found = [launch for _, launch in program.mixer_stages(plans)]
         else:
             found = [launch for side in plan_launches(case, batch) for launch in side]
         for launch in found:
             launches.setdefault(launch.label, launch)
-    return list(launches.values()) + rope_launches(case)
+    return list(launches.values())
 
 
 def _ptxas_usage(log: str) -> tuple[int, int, int, int]:
@@ -346,7 +342,7 @@ def strict_spills(case: Case, kernel: str) -> bool:
 
 def _branch_models(case: Case) -> list[str]:
     """The inner models whose kernels ``case`` compiles: its own, or its mixer's branches'."""
-    return [m for m, _ in MIXERS[case.model]] if case.model in MIXERS else [case.model]
+    return [m for m, _, _ in MIXERS[case.model]] if case.model in MIXERS else [case.model]
 
 
 def smem_bound(case: Case) -> int:
@@ -399,6 +395,7 @@ def matrix(kind: str = "full") -> list[Case]:
         Case("linear", "dot", 64, "bf16", sm["sm_100"]),
         Case("swiglu", "dot", 32, "bf16", sm["sm_90"]),  # H-ViT³'s head dim on an H100: wgmma where 64 rows
         Case("vit3", "dot", 32, "bf16", sm["sm_90"]),  # ViT³-T's mixer on an H100: its fused launches
+        Case("h_vit3", "dot", 32, "bf16", sm["sm_90"]),  # H-ViT³-T's: RoPE in the SwiGLU kernels
         Case("linear", "dot", 64, "fp16", sm["sm_90"]),
         Case("swiglu", "dot", 32, "bf16", sm["sm_120"]),  # H-ViT³'s head dim
         Case("swiglu", "dot", 32, "fp32-tf32", sm["sm_120"]),

@@ -29,7 +29,6 @@ __all__ = [
     "NodeCall",
     "Op",
     "Path",
-    "Rotation",
     "Settings",
     "Whole",
     "ops_with",
@@ -118,23 +117,6 @@ def tag_branch(exc: BaseException, branch: int) -> None:
         setattr(exc, BRANCH_ATTR, branch)
 
 
-class Rotation(NamedTuple):
-    """A RoPE branch's q and k as whole-node hooks rotate them (``Whole``).
-
-    Attributes:
-        source: the branch's q, k in the node's qkv as one ``[B, 2, N, C]`` view (in a backward: its dq, dk
-            in the qkv gradient, where the rotated-back gradients go).
-        pair: a ``[B, 2, N, C]`` tensor laid out as the hooks keep the rotated pair; the branch's
-            ``NodeCall`` q, k (in a backward its dq, dk) are views of it.
-        tables: the ``rope_tables`` ``(cos, sin)`` of the grid and C, float32 at least (a backward's: empty,
-            the hooks rotate back by their forward's).
-    """
-
-    source: Tensor
-    pair: Tensor
-    tables: tuple[Tensor, ...]
-
-
 class Whole(NamedTuple):
     """A path's hooks for a whole fused node whose branches all take that path: one call for every branch
     (the Triton path's launch program, the C++ kernel's whole-mixer op), instead of each branch's ``Node``
@@ -145,21 +127,21 @@ class Whole(NamedTuple):
     Attributes:
         forward: ``(cache, spec, qkv, out, weights, save, calls) -> (saved, state)``: every branch's
             read-out written into ``out`` ``[B, N, sum(widths)]``; ``cache`` a dict the node keeps per spec,
-            ``calls()`` makes each branch's ``NodeCall`` (views of qkv and out; a RoPE branch's q, k views of
-            its ``Rotation.pair``) and per branch its ``Rotation`` (``None`` without RoPE), asked only where
-            the hooks need them (e.g. the first call of a layout); ``saved`` the tensors the backward needs
+            ``calls()`` makes each branch's ``NodeCall`` (views of qkv and out, q and k not rotated) and per
+            branch its RoPE table (``vit3.layers.rope.rope_cos_sin`` of the grid and its C channels, float32
+            at least, ``[N, C / 2, 2]``; ``None`` without RoPE), asked only where the hooks need them (e.g.
+            the first call of a layout); ``saved`` the tensors the backward needs
             besides qkv and the weights, none a view of qkv (the node saves qkv and the weights after them;
             empty unless ``save``), ``state`` what the backward gets back. An exception names its branch
             (``BRANCH_ATTR``) where the hooks know it.
         backward: ``(d_out, dqkv, saved, state, calls) -> grads``: writes dq, dk, dv of every branch into
             ``dqkv`` (qkv's shape; a RoPE branch's dq, dk rotated back); ``saved``: the forward's, then qkv
-            and the weights; ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views and per
-            branch its ``Rotation`` (``source`` in ``dqkv``; dq, dk views of its ``pair``); returns per branch
-            its initial weights' gradients, summed over the batch, as one tensor (the weights' shape; two
-            weights stacked ``[2, ...]``).
+            and the weights; ``calls()`` makes each branch's ``(dout, dq, dk, dv)`` heads views of ``d_out``
+            and ``dqkv``; returns per branch its initial weights' gradients, summed over the batch, as one
+            tensor (the weights' shape; two weights stacked ``[2, ...]``).
         state: ``(cache, spec, qkv, weights, calls) -> state``: the ``state`` a training ``forward`` of
             ``(qkv, weights)`` returned, found again (the mixer op's backward, which gets tensors only);
-            ``calls()`` makes an output, the ``NodeCall`` s and the ``Rotation`` s, as for ``forward``.
+            ``calls()`` makes an output, the ``NodeCall`` s and the RoPE tables, as for ``forward``.
         saved_like: ``(spec, qkv) -> saved``: empty tensors laid out as a training ``forward`` saves them
             (the mixer op's fake; sizes may be symbolic).
     """
@@ -199,9 +181,6 @@ class Node(NamedTuple):
         stored: ``(parameter, initial) -> bool``: whether the whole-mixer C++ op (``mix``) takes the inner
             model's ``parameter`` as stored where the model hands ``initial``, a view of it (the op reads the
             module's parameters on every call); ``None``: only an initial weight that is the parameter itself.
-        rotate: ``(pair, tables, inverse, out) -> None``: RoPE's rotation of a branch's q, k pair
-            ``[B, 2, N, C]`` into ``out`` by the ``rope_tables`` ``(cos, sin)``, the bits of
-            ``apply_rope_2d`` (``inverse``: rotated back); ``None``: the node rotates with PyTorch ops.
     """
 
     heads: bool
@@ -213,7 +192,6 @@ class Node(NamedTuple):
     mix: Callable[[int, Tensor], tuple[int, int]] | None = None
     whole: Callable[[], Whole] | None = None
     stored: Callable[[Tensor, Tensor], bool] | None = None
-    rotate: Callable[[Tensor, tuple[Tensor, Tensor], bool, Tensor], None] | None = None
 
 
 @dataclass(frozen=True)

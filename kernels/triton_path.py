@@ -77,10 +77,6 @@ def _node_backward(
     return _triton("node").backward(d_out, saved, tag, dq, dk, dv, hyper)
 
 
-def _rotate(*args: Any) -> None:
-    _triton("rope").rotate(*args)
-
-
 @functools.cache
 def _whole() -> Whole:
     """A node whose branches are all on Triton: one launch program for all of them (``triton/program.py``),
@@ -105,6 +101,5 @@ def triton_path(name: str) -> Path:
         low_precision=True,
         twice=True,
         whole=_whole,
-        rotate=_rotate,
     )
     return Path(supports=_supports, fits=_fits, node=node)

@@ -192,18 +192,78 @@ def _store_rows(base, sn, sc, rows, cols, N, D, x, TRANS: tl.constexpr):
 
 
 @triton.jit
-def _token_tiles(x_base, y_base, sxn, sxc, syn, syc, rows, rd, cols, N, D, TRANS: tl.constexpr,
-                 DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """Tokens ``rows`` of ``x`` (every channel, as a dot operand) and of ``y`` (the block's columns ``cols``,
-    in ``ACC``): the ``(k, v)`` or ``(q, dO)`` tiles of a token loop (``TRANS``: transposed)."""
-    x = operand(_load_rows(x_base, sxn, sxc, rows, rd, N, D, TRANS), DOT, EMU)
+def _pairs(x):
+    """``x`` ``[R, C]`` as its even and odd columns (channel pairs ``(2j, 2j + 1)``), ``[R, C / 2]`` each."""
+    return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+
+
+@triton.jit
+def _unpairs(even, odd):
+    """The ``[R, C]`` tile of ``_pairs`` ``(even, odd)``."""
+    return tl.reshape(tl.join(even, odd), (even.shape[0], 2 * even.shape[1]))
+
+
+@triton.jit
+def _rope_cs(cs_h, HALF, rows, cols, N, D):
+    """RoPE's cos and sin at tokens ``rows`` for the channel pairs of ``cols`` (``[len(rows), len(cols) / 2]``
+    each): from ``cs_h``, the ``[N, HALF, 2]`` table of (cos, sin) from this head's first pair on."""
+    return _pairs(load_tile(cs_h, 2 * HALF, 1, rows, cols, N, D))
+
+
+@triton.jit
+def _qk_rows(base, sn, sc, rows, cols, N, D, cs_h, HALF, TRANS: tl.constexpr, ROPE: tl.constexpr,
+             ACC: tl.constexpr):  # fmt: skip
+    """Tokens ``rows`` of q or k, every channel (``cols``: the head's, from 0): ``_load_rows``'s tile, rotated
+    by RoPE on the way in (``ROPE``: ``(re, im) -> (re cos - im sin, re sin + im cos)`` per channel pair, in
+    ``ACC``, the table's dtype)."""
+    if ROPE:
+        re, im = _pairs(load_tile(base, sn, sc, rows, cols, N, D).to(ACC))
+        c, s = _rope_cs(cs_h, HALF, rows, cols, N, D)
+        x = _unpairs(re * c - im * s, re * s + im * c)
+        if TRANS:
+            x = tl.trans(x)
+    else:
+        x = _load_rows(base, sn, sc, rows, cols, N, D, TRANS)
+    return x
+
+
+@triton.jit
+def _qk_store(base, sn, sc, rows, cols, N, D, x, cs_h, HALF, TRANS: tl.constexpr, ROPE: tl.constexpr):
+    """Stores dq or dk ``x`` (in the accumulation dtype) where ``_qk_rows`` loads q or k, rotated back first
+    (``ROPE``: by the transpose of the rotation, from the rotated frame to the inputs')."""
+    if ROPE:
+        if TRANS:
+            x = tl.trans(x)
+        re, im = _pairs(x)
+        c, s = _rope_cs(cs_h, HALF, rows, cols, N, D)
+        store_tile(base, sn, sc, rows, cols, N, D, _unpairs(re * c + im * s, im * c - re * s))
+    else:
+        _store_rows(base, sn, sc, rows, cols, N, D, x, TRANS)
+
+
+@triton.jit
+def _rope_heads(cs_ptr, g, G, D):
+    """Head ``g``'s RoPE table for ``_rope_cs``: the ``[N, G d / 2, 2]`` (cos, sin) table from its first
+    channel pair on, and the table's pairs per token."""
+    return cs_ptr + g * D, G * D // 2
+
+
+@triton.jit
+def _token_tiles(x_base, y_base, sxn, sxc, syn, syc, rows, rd, cols, N, D, cs_h, HALF,
+                 TRANS: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
+                 ACC: tl.constexpr):  # fmt: skip
+    """Tokens ``rows`` of ``x`` (q or k: every channel, rotated where ``ROPE``, as a dot operand) and of
+    ``y`` (the block's columns ``cols``, in ``ACC``): the ``(k, v)`` or ``(q, dO)`` tiles of a token loop
+    (``TRANS``: transposed)."""
+    x = operand(_qk_rows(x_base, sxn, sxc, rows, rd, N, D, cs_h, HALF, TRANS, ROPE, ACC), DOT, EMU)
     y = _load_rows(y_base, syn, syc, rows, cols, N, D, TRANS).to(ACC)
     return x, y
 
 
 @triton.jit
 def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg, swr, swc, N, D, rd, cols,
-                SWIGLU: tl.constexpr, MSE: tl.constexpr, TRANS: tl.constexpr, BLOCK_N: tl.constexpr,
+                cs_h, HALF, SWIGLU: tl.constexpr, MSE: tl.constexpr, TRANS: tl.constexpr,
+                ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
                 ACC: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """The initial weights' columns ``cols`` (``_weights``) and ``kᵀ P / coef`` of tokens ``lo .. hi`` for
@@ -218,7 +278,8 @@ def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, s
     acc1, acc2 = _zero_pair(BLOCK_D, BLOCK_C, ACC)
     for start in range(lo, hi, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
-        k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, TRANS, DOT, EMU, ACC)
+        k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, cs_h, HALF,
+                            TRANS, ROPE, DOT, EMU, ACC)  # fmt: skip
         kt = _channels_first(k, TRANS)
         if SWIGLU:
             z1 = _xw(k, o1, TRANS, PREC)
@@ -236,14 +297,15 @@ def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, s
 
 
 @triton.jit
-def _readout_tiles(q_base, o_base, sqn, sqc, son, soc, lo, hi, N, D, rd, cols, o1, o2,
-                   SWIGLU: tl.constexpr, TRANS: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
-                   EMU: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+def _readout_tiles(q_base, o_base, sqn, sqc, son, soc, lo, hi, N, D, rd, cols, o1, o2, cs_h, HALF,
+                   SWIGLU: tl.constexpr, TRANS: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """``O = q W'`` (linear) or ``(q W1') ⊙ silu(q W2')`` of tokens ``lo .. hi``, one column block (``o1``,
     ``o2``: ``W'`` columns as dot operands)."""
     for start in range(lo, hi, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
-        q = operand(_load_rows(q_base, sqn, sqc, rows, rd, N, D, TRANS), DOT, EMU)
+        q = _qk_rows(q_base, sqn, sqc, rows, rd, N, D, cs_h, HALF, TRANS, ROPE, ACC)
+        q = operand(q, DOT, EMU)
         y = _xw(q, o1, TRANS, PREC)
         if SWIGLU:
             y2 = _xw(q, o2, TRANS, PREC)
@@ -358,13 +420,14 @@ def _swiglu_bwd_tile(k, v, o1, o2, og1, og2, coef, TRANS: tl.constexpr, DOT: tl.
 
 @triton.jit
 def forward_kernel(
-    q_ptr, k_ptr, v_ptr, w1_ptr, w2_ptr, o_ptr, g_ptr, n_ptr,
+    q_ptr, k_ptr, v_ptr, w1_ptr, w2_ptr, o_ptr, g_ptr, n_ptr, cs_ptr,
     BG, G, N, D,
     sqb, sqg, sqn, sqc, skb, skg, skn, skc, svb, svg, svn, svc, sob, sog, son, soc,
     swg, swr, swc,
     coef: tl.float64, lr: tl.float64,
     SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, SAVE: tl.constexpr,
-    TRANS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    TRANS: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
 ):  # fmt: skip
@@ -379,9 +442,11 @@ def forward_kernel(
     dead, _c, _s, bg, b, g, _lo, _hi, rd, cols = _chunk_columns(BG, G, N, N, 1, D, BLOCK_D, BLOCK_C, PID0)
     if dead:
         return
+    cs_h, half = _rope_heads(cs_ptr, g, G, D)
     w1, w2, acc1, acc2 = _grad_tiles(
         k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, 0, N, w1_ptr, w2_ptr, g, skn, skc, svn, svc,
-        swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, TRANS, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
+        swg, swr, swc, N, D, rd, cols, cs_h, half, SWIGLU, MSE, TRANS, ROPE, BLOCK_N, BLOCK_D,
+        BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     g1 = coef * acc1
     n1 = col_norm(g1)
@@ -399,18 +464,19 @@ def forward_kernel(
         wp2 = wp1
     _readout_tiles(
         q_ptr + b * sqb + g * sqg, o_ptr + b * sob + g * sog, sqn, sqc, son, soc, 0, N, N, D, rd, cols,
-        operand(wp1, DOT, EMU), operand(wp2, DOT, EMU), SWIGLU, TRANS, BLOCK_N, DOT, EMU, PREC,
+        operand(wp1, DOT, EMU), operand(wp2, DOT, EMU), cs_h, half, SWIGLU, TRANS, ROPE, BLOCK_N, DOT,
+        EMU, ACC, PREC,
     )  # fmt: skip
 
 
 @triton.jit
 def grad_partial_kernel(
-    k_ptr, v_ptr, w1_ptr, w2_ptr, part_ptr, g_ptr, n_ptr, cnt_ptr,
+    k_ptr, v_ptr, w1_ptr, w2_ptr, part_ptr, g_ptr, n_ptr, cnt_ptr, cs_ptr,
     BG, G, N, D, CHUNK, S,
     skb, skg, skn, skc, svb, svg, svn, svc,
     swg, swr, swc,
     coef: tl.float64,
-    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, TRANS: tl.constexpr,
+    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, TRANS: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
@@ -424,9 +490,11 @@ def grad_partial_kernel(
     dead, c, s, bg, b, g, lo, hi, rd, cols = _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D, BLOCK_C, PID0)
     if dead:
         return
+    cs_h, half = _rope_heads(cs_ptr, g, G, D)
     _w1, _w2, acc1, acc2 = _grad_tiles(
         k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc,
-        swg, swr, swc, N, D, rd, cols, SWIGLU, MSE, TRANS, BLOCK_N, BLOCK_D, BLOCK_C, DOT, EMU, ACC, PREC,
+        swg, swr, swc, N, D, rd, cols, cs_h, half, SWIGLU, MSE, TRANS, ROPE, BLOCK_N, BLOCK_D,
+        BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     _store_pair(part_ptr, bg, s, S, rd, cols, D, coef * acc1, coef * acc2, SWIGLU)
     if last_to_arrive(cnt_ptr, bg * tl.cdiv(D, BLOCK_C) + c, S):
@@ -435,11 +503,11 @@ def grad_partial_kernel(
 
 @triton.jit
 def readout_kernel(
-    q_ptr, w1_ptr, w2_ptr, g_ptr, n_ptr, o_ptr,
+    q_ptr, w1_ptr, w2_ptr, g_ptr, n_ptr, o_ptr, cs_ptr,
     BG, G, N, D, CHUNK, S,
     sqb, sqg, sqn, sqc, sob, sog, son, soc,
     swg, swr, swc, lr: tl.float64,
-    SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, TRANS: tl.constexpr,
+    SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, TRANS: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
@@ -453,9 +521,10 @@ def readout_kernel(
         return
     o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr, SWIGLU,
                                GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
+    cs_h, half = _rope_heads(cs_ptr, g, G, D)
     _readout_tiles(
         q_ptr + b * sqb + g * sqg, o_ptr + b * sob + g * sog, sqn, sqc, son, soc, lo, hi, N, D, rd, cols,
-        o1, o2, SWIGLU, TRANS, BLOCK_N, DOT, EMU, PREC,
+        o1, o2, cs_h, half, SWIGLU, TRANS, ROPE, BLOCK_N, DOT, EMU, ACC, PREC,
     )  # fmt: skip
 
 
@@ -464,13 +533,13 @@ def readout_kernel(
 
 @triton.jit
 def readout_bwd_kernel(
-    q_ptr, do_ptr, w1_ptr, w2_ptr, g_ptr, n_ptr, dq_ptr, part_ptr, dg_ptr, cnt_ptr,
+    q_ptr, do_ptr, w1_ptr, w2_ptr, g_ptr, n_ptr, dq_ptr, part_ptr, dg_ptr, cnt_ptr, cs_ptr,
     BG, G, N, D, CHUNK, S,
     sqb, sqg, sqn, sqc, sdob, sdog, sdon, sdoc, sdqb, sdqg, sdqn, sdqc,
     swg, swr, swc,
     lr: tl.float64,
     SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr,
-    COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr, TRANS: tl.constexpr,
+    COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr, TRANS: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
@@ -494,6 +563,7 @@ def readout_bwd_kernel(
     q_base = q_ptr + b * sqb + g * sqg
     do_base = do_ptr + b * sdob + g * sdog
     dq_base = dq_ptr + b * sdqb + g * sdqg
+    cs_h, half = _rope_heads(cs_ptr, g, G, D)
     rd = tl.arange(0, BLOCK_D)
     rc = tl.arange(0, BLOCK_C)
     if COLS:
@@ -503,8 +573,8 @@ def readout_bwd_kernel(
         acc1, acc2 = _zero_pair(BLOCK_D, BLOCK_C, ACC)
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
-            q, do = _token_tiles(q_base, do_base, sqn, sqc, sdon, sdoc, rows, rd, cols, N, D, TRANS, DOT, EMU,
-                                 ACC)  # fmt: skip
+            q, do = _token_tiles(q_base, do_base, sqn, sqc, sdon, sdoc, rows, rd, cols, N, D, cs_h, half,
+                                 TRANS, ROPE, DOT, EMU, ACC)  # fmt: skip
             dy1, dy2 = _readout_dy(q, do, o1, o2, SWIGLU, TRANS, PREC)
             qt = _channels_first(q, TRANS)
             acc1 += _xtp(qt, operand(dy1, DOT, EMU), TRANS, PREC)
@@ -512,7 +582,7 @@ def readout_bwd_kernel(
                 acc2 += _xtp(qt, operand(dy2, DOT, EMU), TRANS, PREC)
             if CROSS:
                 dq = _readout_dq(dy1, dy2, o1, o2, SWIGLU, TRANS, DOT, EMU, PREC)
-                _store_rows(dq_base, sdqn, sdqc, rows, rd, N, D, dq, TRANS)
+                _qk_store(dq_base, sdqn, sdqc, rows, rd, N, D, dq, cs_h, half, TRANS, ROPE)
         if FUSED:  # dW' into slot 1 of [B*G, 2, NW, d, d], and dG
             store_mat(slot_at(part_ptr, bg, 1, 2, 0, NW, D, D), rd, cols, D, D, acc1)
             step_bwd_tile(acc1, g_ptr, n_ptr, dg_ptr, bg, 0, NW, rd, cols, D, D, lr, GRAD_NORM, ACC)
@@ -528,7 +598,8 @@ def readout_bwd_kernel(
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
             dq = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
-            q = operand(load_tile(q_base, sqn, sqc, rows, rd, N, D), DOT, EMU)
+            q = operand(_qk_rows(q_base, sqn, sqc, rows, rd, N, D, cs_h, half, False, ROPE, ACC), DOT,
+                        EMU)  # fmt: skip
             for c0 in range(0, D, BLOCK_C):
                 cj = c0 + rc
                 oj1, oj2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cj, D,
@@ -536,19 +607,19 @@ def readout_bwd_kernel(
                 do = load_tile(do_base, sdon, sdoc, rows, cj, N, D).to(ACC)
                 dy1, dy2 = _readout_dy(q, do, oj1, oj2, SWIGLU, False, PREC)
                 dq += _readout_dq(dy1, dy2, oj1, oj2, SWIGLU, False, DOT, EMU, PREC)
-            store_tile(dq_base, sdqn, sdqc, rows, rd, N, D, dq)
+            _qk_store(dq_base, sdqn, sdqc, rows, rd, N, D, dq, cs_h, half, False, ROPE)
 
 
 @triton.jit
 def grad_bwd_kernel(
-    k_ptr, v_ptr, w1_ptr, w2_ptr, dg_ptr, dk_ptr, dv_ptr, part_ptr,
+    k_ptr, v_ptr, w1_ptr, w2_ptr, dg_ptr, dk_ptr, dv_ptr, part_ptr, cs_ptr,
     BG, G, N, D, CHUNK, S,
     skb, skg, skn, skc, svb, svg, svn, svc, sdkb, sdkg, sdkn, sdkc, sdvb, sdvg, sdvn, sdvc,
     swg, swr, swc,
     coef: tl.float64,
     SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr,
     COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr, WGRAD: tl.constexpr, TRANS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
 ):  # fmt: skip
@@ -572,6 +643,7 @@ def grad_bwd_kernel(
     v_base = v_ptr + b * svb + g * svg
     dk_base = dk_ptr + b * sdkb + g * sdkg
     dv_base = dv_ptr + b * sdvb + g * sdvg
+    cs_h, half = _rope_heads(cs_ptr, g, G, D)
     if COLS:
         cols = c * BLOCK_C + rc
         o1, o2, og1, og2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd, cols, D,
@@ -579,16 +651,16 @@ def grad_bwd_kernel(
         acc1, acc2 = _zero_pair(BLOCK_D, BLOCK_C, ACC)
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
-            k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, TRANS, DOT, EMU,
-                                ACC)  # fmt: skip
+            k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, cs_h, half,
+                                TRANS, ROPE, DOT, EMU, ACC)  # fmt: skip
             if CROSS and SWIGLU:
                 dk, dz1, dz2, dv = _swiglu_bwd_tile(k, v, o1, o2, og1, og2, coef, TRANS, DOT, EMU, PREC)
-                _store_rows(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk, TRANS)
+                _qk_store(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk, cs_h, half, TRANS, ROPE)
             else:
                 dv, p1, p2, dz1, dz2 = _grad_bwd_cols(k, v, o1, o2, og1, og2, coef, SWIGLU, MSE, TRANS, PREC)
                 if CROSS:
                     dk = _grad_bwd_dk(p1, p2, dz1, dz2, o1, o2, og1, og2, SWIGLU, MSE, TRANS, DOT, EMU, PREC)
-                    _store_rows(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk, TRANS)
+                    _qk_store(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk, cs_h, half, TRANS, ROPE)
             _store_rows(dv_base, sdvn, sdvc, rows, cols, N, D, dv, TRANS)
             if WGRAD:
                 kt = _channels_first(k, TRANS)
@@ -606,7 +678,8 @@ def grad_bwd_kernel(
     else:
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
-            k = operand(load_tile(k_base, skn, skc, rows, rd, N, D), DOT, EMU)
+            k = operand(_qk_rows(k_base, skn, skc, rows, rd, N, D, cs_h, half, False, ROPE, ACC), DOT,
+                        EMU)  # fmt: skip
             dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
             for c0 in range(0, D, BLOCK_C):
                 cj = c0 + rc
@@ -616,4 +689,4 @@ def grad_bwd_kernel(
                 _, p1, p2, dz1, dz2 = _grad_bwd_cols(k, v, oj1, oj2, ogj1, ogj2, coef, SWIGLU, MSE, False,
                                                      PREC)  # fmt: skip
                 dk += _grad_bwd_dk(p1, p2, dz1, dz2, oj1, oj2, ogj1, ogj2, SWIGLU, MSE, False, DOT, EMU, PREC)
-            store_tile(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk)
+            _qk_store(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk, cs_h, half, False, ROPE)

@@ -89,11 +89,17 @@ def _signature(name: str, call: NodeCall) -> tuple:
     return tuple(sig)
 
 
-def checked_entry(name: str, call: NodeCall) -> tuple[Any, tuple]:
+def checked_entry(name: str, call: NodeCall, rope: Tensor | None = None) -> tuple[Any, tuple]:
     """A branch call checked as ``triton_ttt`` checks it (a ``ValueError`` naming what is wrong) and its
     weights as the kernels read them in place: its plan key and the metas of q, k, v, W1, W2 (``None`` but
-    for SwiGLU) and the read-out view."""
+    for SwiGLU) and the read-out view. ``rope``: the RoPE table its kernels rotate q, k by (the launch
+    program's RoPE branches: ``vit3.layers.rope.rope_cos_sin``)."""
     q, k, v, weights, h = call.q, call.k, call.v, call.weights, call.hyper
+    if rope is not None:
+        _, g, n, d = q.shape
+        want = (n, g * d // 2, 2), torch.promote_types(q.dtype, torch.float32)
+        if (rope.shape, rope.dtype) != want or not rope.is_contiguous():
+            raise ValueError(f"RoPE takes a contiguous {want[1]} table {want[0]}, got {tuple(rope.shape)}")
     params = dict(zip(WEIGHT_NAMES[name], weights))
     check_call(name, q, k, v, params, h.grid, h.loss, "triton", None)
     why = not_in_place(name, list(weights))  # the node reads them in place (``triton_ttt`` copies them)
@@ -103,7 +109,8 @@ def checked_entry(name: str, call: NodeCall) -> tuple[Any, tuple]:
         raise ValueError(
             f"the read-out view must be {tuple(q.shape)} {q.dtype}, got {tuple(call.dest.shape)}"
         )
-    key = plan_key(q, name, h.loss, h.grid[0], h.grid[1], float(h.scale), float(h.lr), bool(h.grad_norm), 0)
+    key = plan_key(q, name, h.loss, h.grid[0], h.grid[1], float(h.scale), float(h.lr), bool(h.grad_norm), 0,
+                   rope=rope is not None)  # fmt: skip
     w2 = weights[1] if len(weights) == 2 else None
     return key, (*map(tensor_meta, (q, k, v, weights[0], w2)), tensor_meta(call.dest))
 

@@ -387,6 +387,7 @@ class PlanKey(NamedTuple):
     interpret: bool
     tiles_as: tuple | None
     grid_x: int
+    rope: bool = False  # q, k rotated on load, dq, dk back on store (the table: the plan's last input)
 
 
 def tensor_meta(t: Tensor | None) -> tuple | None:
@@ -396,14 +397,17 @@ def tensor_meta(t: Tensor | None) -> tuple | None:
 
 def plan_key(
     q: Tensor, model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int,
-    arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None,
+    arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None, rope: bool = False,
 ) -> PlanKey:  # fmt: skip
-    """The ``PlanKey`` of a call on ``q`` (arch, dot precision and interpreter: those of now by default)."""
+    """The ``PlanKey`` of a call on ``q`` (arch, dot precision and interpreter: those of now by default;
+    ``rope``: RoPE applied in the kernels)."""
+    if rope and model == "dwconv":
+        raise ValueError("RoPE does not apply to the depthwise conv (it sees positions itself)")
     interpret = interpreting() if interpret is None else interpret
     if prec is None:
         prec = "ieee" if interpret else gpu_dot_precision(q.dtype)
     return PlanKey(model, loss, h, wd, scale, lr, grad_norm, chunk, arch or _device_arch(q.device), prec,
-                   interpret, tiles.TILES_AS, GRID_X_MAX)  # fmt: skip
+                   interpret, tiles.TILES_AS, GRID_X_MAX, rope)  # fmt: skip
 
 
 def _on_meta(meta: tuple | None) -> Tensor | None:
@@ -413,16 +417,28 @@ def _on_meta(meta: tuple | None) -> Tensor | None:
 def _config(key: PlanKey, q: Tensor) -> LaunchConfig:
     b, g, n_tok, d = q.shape
     return launch_config(key.model, n_tok, d, b * g, q.dtype, key.arch, loss=key.loss, prec=key.prec,
-                         chunk=key.chunk or None, interpret=key.interpret)  # fmt: skip
+                         chunk=key.chunk or None, interpret=key.interpret, rope=key.rope)  # fmt: skip
+
+
+def _tables(key: PlanKey, q: Tensor) -> tuple[Tensor, ...]:
+    """The RoPE table a plan of ``key`` takes as its last input: ``[N, G d / 2, 2]``, each channel pair's cos
+    and sin in the accumulation dtype (``vit3.layers.rope.rope_cos_sin``); none without ``key.rope``."""
+    if not key.rope:
+        return ()
+    _, g, n_tok, d = q.shape
+    return (torch.empty(n_tok, g * d // 2, 2, dtype=acc_dtype(q.dtype)[0], device="meta"),)
 
 
 @functools.lru_cache(maxsize=256)
 def forward_template(key: PlanKey, save: bool, metas: tuple, out_meta: tuple | None = None) -> LaunchPlan:
-    """The forward plan of ``(key, metas)`` (q, k, v, W1, W2); its inputs are ``q, k, v, W1, W2 (or W1)`` and,
-    with ``out_meta``, the output ``[B, G, N, c]`` it writes (the fused node's view), else it allocates it."""
+    """The forward plan of ``(key, metas)`` (q, k, v, W1, W2); its inputs are ``q, k, v, W1, W2 (or W1)``,
+    with ``out_meta`` the output ``[B, G, N, c]`` it writes (the fused node's view, else it allocates it),
+    and with ``key.rope`` the RoPE table (``_tables``)."""
     q, k, v, w1, w2 = (_on_meta(m) for m in metas)
     given = _on_meta(out_meta)
-    bld = _Builder((q, k, v, w1, w2) if given is None else (q, k, v, w1, w2, given))
+    tables = _tables(key, q)
+    bld = _Builder((q, k, v, w1, w2, *(() if given is None else (given,)), *tables))
+    cs = tables or (q,)  # q stands in for a table the kernels do not read
     b, g, n_tok, d = q.shape
     cfg = _config(key, q)
     acc, acc_tl = acc_dtype(q.dtype)
@@ -440,12 +456,12 @@ def forward_template(key: PlanKey, save: bool, metas: tuple, out_meta: tuple | N
     else:
         g_shape, n_shape = stat_shapes(key.model, bgn, d)
         gbuf, nbuf = bld.buffer(*g_shape, dtype=acc), bld.buffer(*n_shape, dtype=acc)
-    flags = {"SWIGLU": key.model == "swiglu", "NW": nw}
+    flags = {"SWIGLU": key.model == "swiglu", "NW": nw, "ROPE": key.rope}
     if one:
         kw = _tile_kwargs(cfg, "forward", acc_tl, MSE=key.loss == "mse", GRAD_NORM=key.grad_norm,
                           SAVE=save, **flags)  # fmt: skip
-        args = (q, k, v, w1, w2, out, gbuf, nbuf, bgn, g, n_tok, d, *q.stride(), *k.stride(), *v.stride(),
-                *out.stride(), *ws, coef, key.lr)  # fmt: skip
+        args = (q, k, v, w1, w2, out, gbuf, nbuf, *cs, bgn, g, n_tok, d, *q.stride(), *k.stride(),
+                *v.stride(), *out.stride(), *ws, coef, key.lr)  # fmt: skip
         bld.launch("forward_kernel", matrix_kernels.forward_kernel, bgn * cfg.cols("forward", d), args, kw)
         return bld.plan((out, gbuf, nbuf))
     part = bld.buffer(bgn, s, nw, r, d, dtype=acc)
@@ -457,7 +473,7 @@ def forward_template(key: PlanKey, save: bool, metas: tuple, out_meta: tuple | N
     else:
         kw = _tile_kwargs(cfg, "grad", acc_tl, MSE=key.loss == "mse", **flags)
         count = bld.counters(bgn * cfg.cols("grad", d))
-        args = (k, v, w1, w2, part, gbuf, nbuf, count, *sizes, *k.stride(), *v.stride(), *ws, coef)
+        args = (k, v, w1, w2, part, gbuf, nbuf, count, *cs, *sizes, *k.stride(), *v.stride(), *ws, coef)
         bld.launch(
             "grad_partial_kernel", matrix_kernels.grad_partial_kernel, bgn * s * cfg.cols("grad", d), args, kw
         )
@@ -466,7 +482,7 @@ def forward_template(key: PlanKey, save: bool, metas: tuple, out_meta: tuple | N
         kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm, SAVE=save)
         bld.launch("conv_readout_kernel", dwconv_kernels.conv_readout_kernel, bgn * s, args, kw)
     else:  # the step: taken by the gradient's programs
-        args = (q, w1, w2, gbuf, nbuf, out, *sizes, *q.stride(), *out.stride(), *ws, key.lr)
+        args = (q, w1, w2, gbuf, nbuf, out, *cs, *sizes, *q.stride(), *out.stride(), *ws, key.lr)
         kw = _tile_kwargs(cfg, "readout", acc_tl, GRAD_NORM=key.grad_norm, **flags)
         bld.launch(
             "readout_kernel", matrix_kernels.readout_kernel, bgn * s * cfg.cols("readout", d), args, kw
@@ -479,8 +495,9 @@ def backward_template(
     key: PlanKey, metas: tuple, dout_meta: tuple, grad_metas: tuple | None = None
 ) -> LaunchPlan:
     """The backward plan after the forward of ``(key, metas)`` (q, k, v, W1, W2), for an upstream gradient
-    ``dout_meta``; its inputs are ``dout, q, k, v, W1, W2 (or W1), G, ||G||`` and, with ``grad_metas``, the
-    ``dq, dk, dv`` it writes (the fused node's views of its qkv gradient), else it allocates them."""
+    ``dout_meta``; its inputs are ``dout, q, k, v, W1, W2 (or W1), G, ||G||``, with ``grad_metas`` the
+    ``dq, dk, dv`` it writes (the fused node's views of its qkv gradient, else it allocates them), and with
+    ``key.rope`` the RoPE table (``_tables``)."""
     q, k, v, w1, w2 = (_on_meta(m) for m in metas)
     b, g, n_tok, d = q.shape
     nw, r = stat_shape(key.model, d)
@@ -488,7 +505,9 @@ def backward_template(
     gbuf, nbuf = (torch.empty(shape, dtype=acc, device="meta") for shape in stat_shapes(key.model, b * g, d))
     dout = _on_meta(dout_meta)
     given = None if grad_metas is None else tuple(_on_meta(m) for m in grad_metas)
-    bld = _Builder((dout, q, k, v, w1, w2, gbuf, nbuf, *(given or ())))
+    tables = _tables(key, q)
+    cs = tables or (q,)  # q stands in for a table the kernels do not read
+    bld = _Builder((dout, q, k, v, w1, w2, gbuf, nbuf, *(given or ()), *tables))
     cfg = _config(key, q)
     conv = key.model == "dwconv"
     bgn, s = b * g, cfg.s
@@ -504,7 +523,7 @@ def backward_template(
     sizes = (bgn, g, n_tok, d, cfg.chunk, s)
     io = (*q.stride(), *dout.stride(), *dq.stride())
     kv = (*k.stride(), *v.stride(), *dk.stride(), *dv.stride())
-    flags = {"SWIGLU": key.model == "swiglu", "NW": nw}
+    flags = {"SWIGLU": key.model == "swiglu", "NW": nw, "ROPE": key.rope}
     if conv:
         args = (q, dout, w1, gbuf, nbuf, dq, part, *sizes, key.h, key.wd, *io, *ws, key.lr)
         kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
@@ -512,7 +531,7 @@ def backward_template(
     else:
         # the step's backward, by the last of a block's programs; fused: one program a block, dw stands in
         count = dw if fused else bld.counters(bgn * cfg.cols("readout_bwd", d))
-        args = (q, dout, w1, w2, gbuf, nbuf, dq, part, dgbuf, count, *sizes, *io, *ws, key.lr)
+        args = (q, dout, w1, w2, gbuf, nbuf, dq, part, dgbuf, count, *cs, *sizes, *io, *ws, key.lr)
         rflags = flags | {"GRAD_NORM": key.grad_norm, "FUSED": fused}
         _stage(bld, cfg, "readout_bwd", matrix_kernels.readout_bwd_kernel, bgn, d, args, acc_tl, rflags)
     if conv:
@@ -520,7 +539,7 @@ def backward_template(
         kw = _tile_kwargs(cfg, "conv", acc_tl, GRAD_NORM=key.grad_norm)
         bld.launch("conv_grad_bwd_kernel", dwconv_kernels.conv_grad_bwd_kernel, bgn * s, args, kw)
     else:
-        args = (k, v, w1, w2, dgbuf, dk, dv, part, *sizes, *kv, *ws, coef)
+        args = (k, v, w1, w2, dgbuf, dk, dv, part, *cs, *sizes, *kv, *ws, coef)
         gflags = flags | {"MSE": key.loss == "mse", "FUSED": fused, "WGRAD": wgrad}
         _stage(bld, cfg, "grad_bwd", matrix_kernels.grad_bwd_kernel, bgn, d, args, acc_tl, gflags)
     # The weight gradient sums, per head, every sample's slots that hold a part of it: all S + 1 (the kᵀdZ
@@ -533,30 +552,38 @@ def backward_template(
 def forward_plan(
     q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, model: str, loss: str, h: int, wd: int,
     scale: float, lr: float, grad_norm: bool, chunk: int, *, save: bool = True, arch: Arch | None = None,
-    prec: str | None = None, interpret: bool | None = None,
+    prec: str | None = None, interpret: bool | None = None, rope: Tensor | None = None,
 ) -> tuple[tuple[Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
     """The forward's outputs ``(out, G, ||G||)`` (allocated, unwritten) and the launches that write them.
 
     Arguments as ``_fwd_op``'s; ``save=False`` (inference) lets the one-launch forward skip storing ``G`` and
     ``||G||`` (q stands in for them); ``arch``, ``prec`` and ``interpret`` as ``launch_config``'s (default:
-    ``q``'s device, what PyTorch allows now, ``$TRITON_INTERPRET``). The plan is built once per key (settings,
-    shapes, strides, dtypes, arch) on meta tensors and cached; each call allocates its buffers and binds its
-    tensors. Tensors may live on the meta device: the offline compiles (``vit3.kernels.aot``) and the roofline
-    (``benchmarks/roofline.py``) read the launches a GPU would run from shapes and strides alone.
+    ``q``'s device, what PyTorch allows now, ``$TRITON_INTERPRET``); ``rope``: the RoPE table the kernels
+    rotate q, k by (``_tables``). The plan is built once per key (settings, shapes, strides, dtypes, arch) on
+    meta tensors and cached; each call allocates its buffers and binds its tensors. Tensors may live on the
+    meta device: the offline compiles (``vit3.kernels.aot``) and the roofline (``benchmarks/roofline.py``)
+    read the launches a GPU would run from shapes and strides alone.
     """
-    key = plan_key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
+    key = plan_key(
+        q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret, rope is not None
+    )
     plan = forward_template(key, save, tuple(tensor_meta(t) for t in (q, k, v, w1, w2)))
-    return plan.bind((q, k, v, w1, w1 if w2 is None else w2))
+    return plan.bind((q, k, v, w1, w1 if w2 is None else w2, *(() if rope is None else (rope,))))
 
 
 def backward_plan(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor | None, gbuf: Tensor, nbuf: Tensor,
     model: str, loss: str, h: int, wd: int, scale: float, lr: float, grad_norm: bool, chunk: int, *,
     arch: Arch | None = None, prec: str | None = None, interpret: bool | None = None,
+    rope: Tensor | None = None,
 ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], list[Launch]]:  # fmt: skip
     """The backward's gradients ``(dq, dk, dv, dW)`` (allocated, unwritten) and the launches that write them
     (as ``forward_plan``). ``dW`` is SwiGLU's ``[2, 1, G, c, c]``, the linear model's ``[1, G, c, c]`` or the
     depthwise conv's ``[1, G*c, 3, 3]``."""
-    key = plan_key(q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret)
+    key = plan_key(
+        q, model, loss, h, wd, scale, lr, grad_norm, chunk, arch, prec, interpret, rope is not None
+    )
     plan = backward_template(key, tuple(tensor_meta(t) for t in (q, k, v, w1, w2)), tensor_meta(dout))
-    return plan.bind((dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf))
+    return plan.bind(
+        (dout, q, k, v, w1, w1 if w2 is None else w2, gbuf, nbuf, *(() if rope is None else (rope,)))
+    )

@@ -25,8 +25,8 @@ from torch import Tensor
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction, KernelInterface
 
-from ..ops import NodeCall, Rotation, tag_branch
-from . import fuse, plan, rope
+from ..ops import NodeCall, tag_branch
+from . import fuse, plan
 from .device import acc_dtype, interpreting
 from .node import checked_entry, state_of
 from .plan import Buffer, backward_template, forward_template, on_device, tensor_meta
@@ -424,60 +424,39 @@ def program_key(qkv: Tensor, weights: Sequence[Tensor]) -> tuple:
     return tuple(key)
 
 
-# The bases of a forward call, then the weights, then each RoPE branch's cos and sin tables; of a backward
+# The bases of a forward call, then the weights, then each RoPE branch's (cos, sin) table; of a backward
 # call, then each branch's dW, the weights and the tables.
 # Both: the counters of ``jit.last_to_arrive`` (``plan.counters``), each branch's own.
 QKV, OUT, SAVED, SCRATCH, COUNT = range(5)
 D_OUT, B_QKV, B_SAVED, B_SCRATCH, B_COUNT, D_QKV = range(6)
-# A RoPE branch's q, k (dq, dk) until its rotated pair is placed: offsets into that pair.
-_PAIR = -1
-
-
-class _Turn(NamedTuple):
-    """A RoPE branch's rotation: its q, k in qkv, its rotated pair's layout and its cos table's index in
-    ``MixProgram.tables`` (sin's next)."""
-
-    source: _Where
-    pair: Buffer
-    table: int
 
 
 class MixProgram:
     """Every branch's forward and backward launches of one fused Triton node, bound by address.
 
-    Built from the first call's branch calls (``NodeCall`` s: views of that call's qkv and the output, a RoPE
-    branch's q, k views of its ``Rotation.pair``), checked as the per-branch hooks check them; later calls of
-    the same ``program_key`` take only qkv, the output and the weights. A RoPE branch's q, k are rotated by a
-    launch of the program before the branch's, into a pair in its workspace (saved where ``Hyper.recompute``
-    is off, else rotated again by the backward), and its dq, dk back by one after them.
+    Built from the first call's branch calls (``NodeCall`` s: views of that call's qkv and the output) and
+    each branch's RoPE table, checked as the per-branch hooks check them; later calls of the same
+    ``program_key`` take only qkv, the output and the weights. A RoPE branch's kernels rotate q, k as they
+    load them and dq, dk back as they store them (``plan.PlanKey.rope``): no rotated pair is made or saved.
     """
 
     def __init__(
         self, names: Sequence[str], qkv: Tensor, out: Tensor, calls: Sequence[NodeCall],
-        rotations: Sequence[Rotation | None],
+        tables: Sequence[Tensor | None],
     ) -> None:  # fmt: skip
         self.names, self.interpret = tuple(names), interpreting()
         self.counts = tuple(len(call.weights) for call in calls)
-        # A training call saves the RoPE branches' rotated pairs only where Z, Y are saved too
-        # (``Hyper.recompute`` off); else its backward rotates q, k again.
-        self.keep_pairs = bool(calls) and not calls[0].hyper.recompute
         self.entries, self.inputs, self.tables = [], [], []
-        for i, (name, call, rot) in enumerate(zip(names, calls, rotations)):
+        for i, (name, call, rope) in enumerate(zip(names, calls, tables)):
             try:
-                self.entries.append(checked_entry(name, call))
+                self.entries.append(checked_entry(name, call, rope))
             except Exception as exc:
                 tag_branch(exc, i)
                 raise
-            if rot is None:
-                where, turn = [_Where.of(QKV, _offset(t, qkv), t) for t in (call.q, call.k, call.v)], None
-            else:
-                where = [_Where.of(_PAIR, _offset(t, rot.pair), t) for t in (call.q, call.k)]
-                where.append(_Where.of(QKV, _offset(call.v, qkv), call.v))
-                turn = _Turn(
-                    _Where.of(QKV, _offset(rot.source, qkv), rot.source), _meta(rot.pair), len(self.tables)
-                )
-                self.tables += rot.tables
-            self.inputs.append((where, _Where.of(OUT, _offset(call.dest, out), call.dest), turn))
+            where = [_Where.of(QKV, _offset(t, qkv), t) for t in (call.q, call.k, call.v)]
+            at = None if rope is None else len(self.tables)  # its table's index
+            self.inputs.append((where, _Where.of(OUT, _offset(call.dest, out), call.dest), at))
+            self.tables += [] if rope is None else [rope]
         base = _storage_base if self.interpret else Tensor.data_ptr
         self.fixed = [base(t) for t in self.tables]  # the tables' bases, the same every call
         self._forwards: dict[bool, tuple] = {}
@@ -492,41 +471,25 @@ class MixProgram:
             at += count
         return found
 
-    def _rotation(
-        self, launches: _Launches, branch: int, src: _Where, dst: _Where, turn: _Turn, first_table: int,
-        inverse: bool,
-    ) -> None:  # fmt: skip
-        """Adds to ``launches`` the RoPE rotation of the pair at ``src`` into ``dst`` (``inverse``: back) by
-        ``turn``'s tables, whose bases start at ``first_table``."""
-        index = turn.table
-        first = first_table + index
-        cos_sin = self.tables[index : index + 2]
-        metas = [_meta(w).alloc(torch.device("meta")) for w in (src, dst)]
-        launch = rope.rotation(metas[0], tuple(cos_sin), inverse, metas[1])
-        if launch is not None:
-            wheres = [src, dst, *(_Where.of(first + j, 0, t) for j, t in enumerate(cos_sin))]
-            launches.add(branch, plan.LaunchPlan((), (plan.slotted(launch, [*metas, *cos_sin]),), ()), wheres)
+    def _tables(self, at: int | None, first: int) -> list[_Where]:
+        """A RoPE branch's table (``at``: its index in ``tables``) as a base from ``first`` on; none without
+        RoPE."""
+        return [] if at is None else [_Where.of(first + at, 0, self.tables[at])]
 
     def _forward(self, save: bool) -> tuple:
-        """The forward's launches, its saved workspace's and scratch's sizes and where each branch's ``G``,
-        ``||G||`` and rotated pair (``None`` without RoPE or where the backward rotates again) lie in the
-        saved workspace."""
+        """The forward's launches, its saved workspace's and scratch's sizes and where each branch's ``G``
+        and ``||G||`` lie in the saved workspace."""
         found = self._forwards.get(save)
         if found is not None:
             return found
         saved, scratch, count = _Workspace(SAVED), _Workspace(SCRATCH), _Workspace(COUNT)
         launches, kept = _Launches(), []
         first_table = COUNT + 1 + sum(self.counts)
-        for i, ((key, metas), (qkv_at, out_at, turn), w_at) in enumerate(
+        for i, ((key, metas), (qkv_at, out_at, table), w_at) in enumerate(
             zip(self.entries, self.inputs, self._weights(COUNT + 1))
         ):
-            pair_at, keep = None, save and self.keep_pairs
-            if turn is not None:  # the rotated pair first (kept for the backward, or in the scratch)
-                pair_at = (saved if keep else scratch).place(turn.pair)
-                qkv_at = [_in_pair(w, pair_at) for w in qkv_at]
-                self._rotation(launches, i, turn.source, pair_at, turn, first_table, False)
             template = forward_template(key, save, metas[:5], metas[5])
-            wheres = [*qkv_at, *w_at, out_at]
+            wheres = [*qkv_at, *w_at, out_at, *self._tables(table, first_table)]
             outs = set(template.outputs[1:])
             for j, buf in enumerate(template.buffers):  # inference: all in the scratch
                 at = len(wheres)  # the buffer's index among the plan's tensors
@@ -534,16 +497,15 @@ class MixProgram:
                     wheres.append(count.place(buf))
                 else:
                     wheres.append((saved if save and at in outs else scratch).place(buf))
-            kept.append((*(wheres[j] for j in template.outputs[1:]), pair_at if keep else None))
+            kept.append(tuple(wheres[j] for j in template.outputs[1:]))
             launches.add(i, template, wheres)
         launches.build()
         found = self._forwards[save] = (launches, saved.size, scratch.size, tuple(kept), count.size)
         return found
 
     def forward(self, qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool) -> tuple[Tensor, Any]:
-        """Writes every branch's read-out into ``out``; returns the saved workspace (``G``, ``||G||``, the
-        rotated pairs where they are kept; empty unless ``save``) and where in it each branch's lie, for the
-        backward."""
+        """Writes every branch's read-out into ``out``; returns the saved workspace (``G`` and ``||G||``;
+        empty unless ``save``) and where in it each branch's lie, for the backward."""
         launches, n_saved, n_scratch, kept, n_count = self._forwards.get(save) or self._forward(save)
         if plan.DEBUG_FILL is not None:
             plan.debug_filled(out)
@@ -555,38 +517,23 @@ class MixProgram:
         return ws, kept
 
     def _backward(
-        self, kept: tuple, calls: tuple[Sequence[tuple[Tensor, ...]], Sequence[Rotation | None]],
-        d_out: Tensor, dqkv: Tensor,
-    ) -> tuple:  # fmt: skip
+        self, kept: tuple, views: Sequence[tuple[Tensor, ...]], d_out: Tensor, dqkv: Tensor
+    ) -> tuple:
         """The backward's launches for the gradients' layout, its scratch size and each branch's dW buffer;
-        ``calls``: each branch's (dout, dq, dk, dv) views of that call's ``d_out`` and ``dqkv`` (a RoPE
-        branch's dq, dk: of its ``Rotation.pair``) and its ``Rotation``."""
+        ``views``: each branch's (dout, dq, dk, dv) views of that call's ``d_out`` and ``dqkv``."""
         scratch, count = _Workspace(B_SCRATCH), _Workspace(B_COUNT)
         launches, dws = _Launches(), []
         first_w = D_QKV + 1 + len(self.entries)
         first_table = first_w + sum(self.counts)
-        views, rotations = calls
-        branches = zip(self.entries, self.inputs, self._weights(first_w), kept, views, rotations)
-        for i, ((key, metas), (qkv_at, _, turn), w_at, (g_at, n_at, pair_at), call, rot) in enumerate(
-            branches
-        ):
+        branches = zip(self.entries, self.inputs, self._weights(first_w), kept, views)
+        for i, ((key, metas), (qkv_at, _, table), w_at, stats, call) in enumerate(branches):
             dout, *grads = call
             template = backward_template(key, metas[:5], tensor_meta(dout), tuple(map(tensor_meta, grads)))
             wheres = [_Where.of(D_OUT, _offset(dout, d_out), dout)]
-            if turn is not None and pair_at is None:  # q, k rotated again, into the scratch
-                pair_at = scratch.place(turn.pair)
-                src = turn.source._replace(base=B_QKV)
-                self._rotation(launches, i, src, pair_at, turn, first_table, False)
-            elif pair_at is not None:
-                pair_at = pair_at._replace(base=B_SAVED)
-            wheres += [w._replace(base=B_QKV) if w.base == QKV else _in_pair(w, pair_at) for w in qkv_at]
-            wheres += w_at + [w._replace(base=B_SAVED) for w in (g_at, n_at)]
-            if turn is None:
-                wheres += [_Where.of(D_QKV, _offset(t, dqkv), t) for t in grads]
-            else:  # dq, dk in the rotated frame, into a pair in the scratch
-                d_pair = scratch.place(_meta(rot.pair))
-                wheres += [_in_pair(_Where.of(_PAIR, _offset(t, rot.pair), t), d_pair) for t in grads[:2]]
-                wheres.append(_Where.of(D_QKV, _offset(grads[2], dqkv), grads[2]))
+            wheres += [w._replace(base=B_QKV) for w in qkv_at]
+            wheres += w_at + [w._replace(base=B_SAVED) for w in stats]
+            wheres += [_Where.of(D_QKV, _offset(t, dqkv), t) for t in grads]
+            wheres += self._tables(table, first_table)
             dw = template.outputs[3]
             for j, buf in enumerate(template.buffers):
                 if len(wheres) == dw:
@@ -595,20 +542,16 @@ class MixProgram:
                 else:
                     wheres.append((count if j in template.counted else scratch).place(buf))
             launches.add(i, template, wheres)
-            if turn is not None:  # dq, dk rotated back into place
-                back = _Where.of(D_QKV, _offset(rot.source, dqkv), rot.source)
-                self._rotation(launches, i, d_pair, back, turn, first_table, True)
         launches.build()
         return launches, scratch.size, tuple(dws), count.size
 
     def backward(
         self, d_out: Tensor, dqkv: Tensor, qkv: Tensor, weights: Sequence[Tensor], ws: Tensor, kept: tuple,
-        calls: Callable[[], tuple[Sequence[tuple[Tensor, ...]], Sequence[Rotation | None]]],
+        calls: Callable[[], Sequence[tuple[Tensor, ...]]],
     ) -> list[Tensor]:  # fmt: skip
-        """Writes dq, dk, dv of every branch into ``dqkv`` (a RoPE branch's q, k read from its rotated pair in
-        ``ws`` or rotated again, its dq, dk rotated back); returns each branch's initial weights' gradients
-        as one tensor (SwiGLU's two stacked). ``calls``: makes each branch's (dout, dq, dk, dv) views and
-        ``Rotation`` (the first time of a layout)."""
+        """Writes dq, dk, dv of every branch into ``dqkv``; returns each branch's initial weights' gradients
+        as one tensor (SwiGLU's two stacked). ``calls``: makes each branch's (dout, dq, dk, dv) views (the
+        first time of a layout)."""
         layout = d_out.stride()  # dqkv: made by the node, of qkv's shape (the key), contiguous
         found = self._backwards.get(layout)
         if found is None:
@@ -633,28 +576,13 @@ class MixProgram:
         return [*map(base, first), _counters(n_count, device, base), *map(base, rest), *self.fixed]
 
     def saved_places(self) -> tuple:
-        """Where each branch's ``G``, ``||G||`` and rotated pair lie in a training forward's saved workspace
-        (what ``backward`` takes back)."""
+        """Where each branch's ``G`` and ``||G||`` lie in a training forward's saved workspace (what
+        ``backward`` takes back)."""
         return (self._forwards.get(True) or self._forward(True))[3]
 
     def labels(self, save: bool = True) -> list[tuple[int, str]]:
         """The forward's launches as (branch, kernel label), in order."""
         return [(step.branch, step.label) for step in self._forward(save)[0].steps]
-
-
-def _meta(like: Tensor | _Where) -> Buffer:
-    """The layout of a tensor or a place, as a ``Buffer``."""
-    if isinstance(like, Tensor):
-        return Buffer(*tensor_meta(like))
-    return Buffer(like.shape, like.stride, like.dtype)
-
-
-def _in_pair(where: _Where, pair: _Where) -> _Where:
-    """``where`` (a q, k or its gradient at an offset into its rotated pair, base ``_PAIR``) at ``pair``'s
-    place; any other place as it is."""
-    if where.base != _PAIR:
-        return where
-    return where._replace(base=pair.base, offset=pair.offset + where.offset)
 
 
 def _storage_base(t: Tensor) -> tuple[Any, int]:
@@ -683,17 +611,17 @@ def clear() -> None:
 
 def _program(
     cache: dict, spec: Any, qkv: Tensor, weights: Sequence[Tensor],
-    calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Rotation | None]]],
+    calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Tensor | None]]],
 ) -> MixProgram:  # fmt: skip
     """The program of ``(qkv, weights)`` found in ``cache`` or made from ``calls()`` (the output, each
-    branch's ``NodeCall`` and ``Rotation``)."""
+    branch's ``NodeCall`` and RoPE tables)."""
     key = program_key(qkv, weights)
     return cache.get(key) or _made(cache, key, spec, qkv, calls)
 
 
 def _made(
     cache: dict, key: tuple, spec: Any, qkv: Tensor,
-    calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Rotation | None]]],
+    calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Tensor | None]]],
 ) -> MixProgram:  # fmt: skip
     """A new program of ``key`` for ``spec``'s branches, kept in ``cache`` (forgotten at once where it is
     full)."""
@@ -705,11 +633,10 @@ def _made(
 
 def forward(
     cache: dict, spec: Any, qkv: Tensor, out: Tensor, weights: Sequence[Tensor], save: bool,
-    calls: Callable[[], tuple[Sequence[NodeCall], Sequence[Rotation | None]]],
+    calls: Callable[[], tuple[Sequence[NodeCall], Sequence[Tensor | None]]],
 ) -> tuple[list[Tensor], Any]:  # fmt: skip
     """``Whole.forward`` of the Triton path: the program of ``(qkv, weights)`` found in ``cache`` or made from
-    ``calls()``, run; saves its workspace (``G``, ``||G||``, the RoPE branches' rotated pairs where they are
-    kept)."""
+    ``calls()``, run; saves its workspace (every branch's ``G`` and ``||G||``)."""
     key = program_key(qkv, weights)
     program = cache.get(key) or _made(cache, key, spec, qkv, lambda: (out, *calls()))
     ws, kept = program.forward(qkv, out, weights, save)
@@ -718,10 +645,10 @@ def forward(
 
 def state(
     cache: dict, spec: Any, qkv: Tensor, weights: Sequence[Tensor],
-    calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Rotation | None]]],
+    calls: Callable[[], tuple[Tensor, Sequence[NodeCall], Sequence[Tensor | None]]],
 ) -> Any:  # fmt: skip
     """``Whole.state`` of the Triton path: what ``forward`` handed its backward for a training call on
-    ``(qkv, weights)``, found again (the program, where its statistics and pairs lie)."""
+    ``(qkv, weights)``, found again (the program, where its statistics lie)."""
     program = _program(cache, spec, qkv, weights, calls)
     return program, program.saved_places()
 
@@ -736,23 +663,20 @@ def _dense(shape: Sequence[Any], dtype: torch.dtype) -> Buffer:
 
 def saved_like(spec: Any, qkv: Tensor) -> list[Tensor]:
     """``Whole.saved_like`` of the Triton path: an empty workspace laid out as a training ``forward`` of
-    ``spec`` saves it: per branch its rotated pair (RoPE, where ``spec.recompute`` is off), then its
-    statistics; sizes may be symbolic (``torch.compile``'s fake tensors)."""
-    b, n, _ = qkv.shape
+    ``spec`` saves it, every branch's statistics; sizes may be symbolic (``torch.compile``'s fake
+    tensors)."""
+    b = qkv.shape[0]
     acc = acc_dtype(qkv.dtype)[0]
     ws = _Workspace(SAVED)
     for br in spec.branches:
-        heads, d = br.heads, br.head_dim
-        if br.rope and not spec.recompute:
-            ws.place(_dense((b, 2, n, heads * d), qkv.dtype))
-        for shape in plan.stat_shapes(br.op, b * heads, d):
+        for shape in plan.stat_shapes(br.op, b * br.heads, br.head_dim):
             ws.place(_dense(shape, acc))
     return [qkv.new_empty(ws.size, dtype=torch.uint8)]
 
 
 def backward(
     d_out: Tensor, dqkv: Tensor, saved: Sequence[Tensor], state: Any,
-    calls: Callable[[], tuple[Sequence[tuple[Tensor, ...]], Sequence[Rotation | None]]],
+    calls: Callable[[], Sequence[tuple[Tensor, ...]]],
 ) -> list[Tensor]:  # fmt: skip
     """``Whole.backward`` of the Triton path: the program's backward on what ``forward`` saved."""
     program, kept = state

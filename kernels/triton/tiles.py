@@ -121,7 +121,7 @@ FUSED_BACKWARD_SMEM = 200 * KB
 HALF_BACKWARD_SMEM = 96 * KB
 
 
-def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> Tiles:
+def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope: bool) -> Tiles:
     """Tiles of 16-bit operands on tensor cores (sm_80+): 64-token tiles, so the token-row dots (``k W``,
     ``q W'``, ``dY W'ᵀ``, ``P dGᵀ`` ...) have the 64 rows sm_90's ``wgmma`` needs (a warp group of 4 warps
     per 64 rows), and so do the weight-gradient dots (``kᵀ P``, ``qᵀ dY``, ``kᵀ dZ``) from d = 64 on.
@@ -135,9 +135,16 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> T
     also hold their fragments in registers: 32-token tiles, and the one-launch forward in two column blocks
     of 32. At d = 128: 16 or 32 columns a block, 32-token tiles in the gradient cross launch. On ``wgmma``
     parts every other kernel launched at d <= 64 runs on one warp group (the cross launches, at d = 64 never
-    launched, keep the default). The spills and registers measured:
+    launched, keep the default). RoPE in SwiGLU's kernels (``rope``: its rotation's tiles beside the others)
+    takes shorter token tiles where the registers would spill: the gradient backward at d = 32 on transposed
+    16-token tiles, the gradient partials at d = 64 on 32-token tiles. The spills and registers measured:
     docs/design/kernels.md (tile sizes).
     """
+    if rope and model == "swiglu" and warp_group_mma(arch):
+        if role == "grad_bwd" and block_d == 32:
+            return Tiles(16, 32, 4, 2, trans=True)
+        if role == "grad" and block_d == 64:
+            return Tiles(32, 64, 4, 2)
     backward = role.startswith(("readout_bwd", "grad_bwd"))
     if model == "swiglu" and block_d == 64 and role in ("forward", "readout_bwd", "grad_bwd"):
         if warp_group_mma(arch) and not (role == "forward" and arch.capability == 100):
@@ -163,7 +170,7 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch) -> T
 
 
 def _matrix_tiles(
-    model: str, loss: str, role: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arch
+    model: str, loss: str, role: str, block_d: int, dtype: torch.dtype, prec: str, arch: Arch, rope: bool
 ) -> Tiles:
     """Tiles of one matrix-kernel role: ``launch_config``'s table.
 
@@ -181,7 +188,7 @@ def _matrix_tiles(
     if dtype == torch.float64:
         return Tiles(16, 16, 8, 1)
     if native_half(dtype, arch):
-        return _half_tiles(model, loss, role, block_d, arch)
+        return _half_tiles(model, loss, role, block_d, arch, rope)
     if not _tensor_cores(dtype, prec, arch):
         return Tiles(16, min(block_d, 32 if block_d <= 64 else 16), 8, 1)
     backward = role.startswith(("readout_bwd", "grad_bwd"))
@@ -221,14 +228,16 @@ MATRIX_ROLES = (
 
 @functools.lru_cache(maxsize=1024)
 def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, arch: Arch, loss: str,
-                   prec: str, chunk: int | None, interpret: bool,
-                   tiles_as: tuple | None) -> LaunchConfig:  # fmt: skip
+                   prec: str, chunk: int | None, interpret: bool, tiles_as: tuple | None,
+                   rope: bool) -> LaunchConfig:  # fmt: skip
     block_d = max(16, next_pow2(d))
     tile_arch, tile_prec = tiles_as or (INTERPRET_TILES if interpret else (arch, prec))
     if model == "dwconv":
         tiles = {"conv": _conv_tiles(block_d, dtype, tile_arch)}
     else:
-        tiles = {r: _matrix_tiles(model, loss, r, block_d, dtype, tile_prec, tile_arch) for r in MATRIX_ROLES}
+        tiles = {
+            r: _matrix_tiles(model, loss, r, block_d, dtype, tile_prec, tile_arch, rope) for r in MATRIX_ROLES
+        }
     if interpret:
         big = min(256, max(16, next_pow2(n_tok)))
         tiles = {role: replace(t, block_n=big, num_warps=4) for role, t in tiles.items()}
@@ -267,6 +276,7 @@ def launch_config(
     prec: str | None = None,
     chunk: int | None = None,
     interpret: bool | None = None,
+    rope: bool = False,
 ) -> LaunchConfig:
     """The launch configuration of inner model ``model``'s kernels on ``arch``: the one place that sizes them.
 
@@ -283,13 +293,14 @@ def launch_config(
         interpret: size for Triton's interpreter (default: ``$TRITON_INTERPRET``): the GPU's column blocks,
             dot operands and launch structure, but large token tiles and a single chunk, since it runs
             programs one after another.
+        rope: the kernels rotate q, k by RoPE (``plan.PlanKey.rope``).
 
     Returns:
         The ``LaunchConfig`` (cached per arguments and ``TILES_AS``).
     """
     interpret = interpreting() if interpret is None else interpret
     prec = prec or dot_precision(dtype)
-    return _launch_config(model, n_tok, d, bg, dtype, arch, loss, prec, chunk, interpret, TILES_AS)
+    return _launch_config(model, n_tok, d, bg, dtype, arch, loss, prec, chunk, interpret, TILES_AS, rope)
 
 
 def smem_need(model: str, d: int, dtype: torch.dtype, prec: str, arch: Arch) -> int:

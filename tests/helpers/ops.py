@@ -179,7 +179,6 @@ KERNEL_MODULES = (
     "vit3.kernels.triton.step",
     "vit3.kernels.triton.matrix",
     "vit3.kernels.dwconv.triton",
-    "vit3.kernels.triton.rope",
 )
 
 

@@ -96,6 +96,18 @@ def test_rope_tables_are_made_once_per_key_in_eager_mode(monkeypatch):
     assert len(made) > 3 and len(rope._TABLES) == 3  # made while tracing (its sizes are traced), not kept
 
 
+def test_the_interleaved_rope_table_is_the_tables_bits_made_once_per_key(monkeypatch):
+    """``rope_cos_sin``: each channel pair's cos and sin side by side (what the Triton kernels read), the bits
+    of ``rope_tables``; one tensor per key, kept."""
+    monkeypatch.setattr(rope, "_COS_SIN", {})
+    table = rope.rope_cos_sin((3, 4), 16, 10000.0, torch.device("cpu"), torch.float32)
+    cos, sin = rope.rope_tables((3, 4), 16, 10000.0, torch.device("cpu"), torch.float32)
+    assert table.shape == (12, 8, 2) and table.is_contiguous()
+    assert torch.equal(table[..., 0], cos.reshape(12, 8)) and torch.equal(table[..., 1], sin.reshape(12, 8))
+    assert rope.rope_cos_sin((3, 4), 16, 10000.0, "cpu", torch.float32) is table
+    assert rope.rope_cos_sin((3, 4), 16, 10000.0, "cpu", torch.float64) is not table
+
+
 def test_rope_tables_made_under_inference_mode_serve_training(monkeypatch):
     """Tables first made under ``inference_mode`` are normal tensors: a later training call saves them."""
     monkeypatch.setattr(rope, "_TABLES", {})

@@ -103,7 +103,7 @@ def test_a_second_order_backward_is_the_nodes(triton_device):
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "save"])
 def test_opcheck_passes(recompute, triton_device):
     """Schema, fakes (shapes, strides, dtypes of every output, symbolic sizes included), the registered
-    autograd, and AOT dispatch, of both ops; the rotated pair saved or rotated again in the backward."""
+    autograd, and AOT dispatch, of both ops, a RoPE branch among them, under either ``recompute``."""
     spec, qkv, weights = _inputs("official-rope", triton_device)
     spec = spec._replace(recompute=recompute)
     args = em.op_args(spec)

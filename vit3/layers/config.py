@@ -140,8 +140,8 @@ class TTTConfig:
             else as ``"always"``), ``"always"`` (recompute them: memory-lean, a little slower), ``"never"``
             (save them: 4·d more values per token and head; the fastest) or ``"qkv"`` (the mixer's backward
             reruns its qkv projection and inner loops, any backend: it saves only its input, for more training
-            compute). The Triton backward always recomputes Z, Y; under ``"auto"`` and ``"always"`` it also
-            rotates a RoPE branch's q, k again instead of saving them. The ViT³ block follows it too: unless
+            compute). The Triton backward always recomputes Z, Y (and rotates a RoPE branch's q, k as it
+            loads them). The ViT³ block follows it too: unless
             ``"never"``, its backward recomputes the CPE output and the MLP's LayerNorm and GELU outputs
             (``vit3.layers.blocks.LeanMlp``).
         check_finite: raise on non-finite input tokens (skipped under tracing and compilation).

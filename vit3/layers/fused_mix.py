@@ -20,9 +20,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vit3.kernels.common import autocast_off, grad_flows, weight_grad
-from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Rotation, Whole, tag_branch
+from vit3.kernels.ops import BRANCH_ATTR, OPS, Hyper, Node, NodeCall, Whole, tag_branch
 
-from .rope import apply_rope_2d, rope_tables
+from .rope import apply_rope_2d, rope_cos_sin
 
 __all__ = [
     "BRANCH_ATTR",
@@ -54,8 +54,7 @@ class MixBranch(NamedTuple):
 
 class MixSpec(NamedTuple):
     """The branches in qkv (and output) order and the inner-loop settings they share; ``recompute``: the
-    SwiGLU backward recomputes Z = k W, Y = q W' instead of saving them, and the Triton launch program
-    rotates a RoPE branch's q, k again instead of saving the pair (memory-lean)."""
+    SwiGLU backward recomputes Z = k W, Y = q W' instead of saving them (memory-lean)."""
 
     branches: tuple[MixBranch, ...]
     grid: tuple[int, int]
@@ -90,13 +89,17 @@ def _geom(t: Tensor) -> tuple[int, ...]:
     return (b, n, *t.stride(), t.storage_offset())
 
 
-def _branch_views(t: Tensor, geom: tuple[int, ...], br: MixBranch, heads: bool) -> list[Tensor]:
+def _branch_views(
+    t: Tensor, geom: tuple[int, ...], br: MixBranch, heads: bool, whole: bool = False
+) -> list[Tensor]:
     """Branch ``br``'s q, k, v (or their gradients) in ``t`` (the node's qkv or its gradient) as its hooks
     take them: as heads where ``heads`` (the ``Node``'s), but q and k as tokens where RoPE rotates them
-    first."""
+    first (not for ``whole``-node hooks, which rotate them themselves)."""
     width = br.heads * br.head_dim
     return [
-        _view(t, geom, br.offset + j * width, br.heads, br.head_dim, heads and (j == 2 or not br.rope))
+        _view(
+            t, geom, br.offset + j * width, br.heads, br.head_dim, heads and (j == 2 or whole or not br.rope)
+        )
         for j in range(3)
     ]
 
@@ -107,30 +110,16 @@ def _qk(t: Tensor, geom: tuple[int, ...], br: MixBranch) -> Tensor:
     return _view(t, geom, br.offset, 2, br.heads * br.head_dim, True)
 
 
-def _tables(pair: Tensor, spec: MixSpec) -> tuple[Tensor, Tensor]:
-    """The ``rope_tables`` a pair ``[B, 2, N, C]`` of ``spec`` is rotated by (float32 at least)."""
-    dtype = torch.promote_types(pair.dtype, torch.float32)
-    return rope_tables(spec.grid, pair.shape[-1], spec.rope_base, pair.device, dtype)
+def _cos_sin(qkv: Tensor, br: MixBranch, spec: MixSpec) -> Tensor:
+    """The ``rope_cos_sin`` table RoPE branch ``br``'s q, k in ``qkv`` are rotated by (float32 at least)."""
+    dtype = torch.promote_types(qkv.dtype, torch.float32)
+    return rope_cos_sin(spec.grid, br.heads * br.head_dim, spec.rope_base, qkv.device, dtype)
 
 
-def _rotated(qkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, node: Node) -> Tensor:
+def _rotated(qkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec) -> Tensor:
     """RoPE branch ``br``'s q and k rotated, ``[B, 2, N, width]`` in qkv's dtype (the rotation of 16-bit q, k
-    is computed in float32), by its path's ``Node.rotate`` where it has one."""
-    pair = _qk(qkv, geom, br)
-    if node.rotate is None:
-        return apply_rope_2d(pair, spec.grid, spec.rope_base).to(qkv.dtype)
-    out = _pair(qkv, br)
-    node.rotate(pair, _tables(pair, spec), False, out)
-    return out
-
-
-def _rotation(
-    t: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, backward: bool = False
-) -> Rotation:
-    """RoPE branch ``br``'s q, k (or their gradients) in ``t`` as whole-node hooks rotate them: the view, a
-    fresh pair laid out as the hooks keep theirs, the tables (none in a ``backward``: the forward's serve)."""
-    pair = _pair(t, br)
-    return Rotation(_qk(t, geom, br), pair, () if backward else _tables(pair, spec))
+    is computed in float32)."""
+    return apply_rope_2d(_qk(qkv, geom, br), spec.grid, spec.rope_base).to(qkv.dtype)
 
 
 def _pair(t: Tensor, br: MixBranch) -> Tensor:
@@ -139,14 +128,9 @@ def _pair(t: Tensor, br: MixBranch) -> Tensor:
     return t.new_empty(t.shape[0], 2, t.shape[1], br.heads * br.head_dim)
 
 
-def _rotate_back(
-    dqkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, grads: Tensor, node: Node
-) -> None:
+def _rotate_back(dqkv: Tensor, geom: tuple[int, ...], br: MixBranch, spec: MixSpec, grads: Tensor) -> None:
     """Branch ``br``'s dq, dk ``grads`` (a ``_pair``) rotated back into place in ``dqkv``."""
-    if node.rotate is None:
-        _qk(dqkv, geom, br).copy_(apply_rope_2d(grads, spec.grid, spec.rope_base, inverse=True))
-    else:
-        node.rotate(grads, _tables(grads, spec), True, _qk(dqkv, geom, br))
+    _qk(dqkv, geom, br).copy_(apply_rope_2d(grads, spec.grid, spec.rope_base, inverse=True))
 
 
 def _heads_of(pair: Tensor, heads: int) -> tuple[Tensor, Tensor]:
@@ -242,7 +226,7 @@ def _forward(
         # q, k, v and the destination as the hooks take them (q, k as tokens to rotate first)
         q, k, v = _branch_views(qkv, geom, br, node.heads)
         if br.rope:  # q and k in one rotation
-            pair = _rotated(qkv, geom, br, spec, node)
+            pair = _rotated(qkv, geom, br, spec)
             q, k = _heads_of(pair, br.heads) if node.heads else pair.unbind(1)
         dest = _view(out, out_geom, col, br.heads, br.head_dim, node.heads)
         try:
@@ -261,38 +245,27 @@ def _forward(
 
 def _whole_calls(
     qkv: Tensor, out: Tensor, layout: MixLayout, weights: tuple[Tensor, ...], save: bool
-) -> tuple[list[NodeCall], list[Rotation | None]]:
-    """Each branch's ``NodeCall`` and ``Rotation`` (``None`` without RoPE) for ``Whole.forward``: q, k, v and
-    the destination as heads views (a RoPE branch's q, k: of its rotation's pair)."""
-    geom, out_geom, calls, rotations, col, wi = _geom(qkv), _geom(out), [], [], 0, 0
+) -> tuple[list[NodeCall], list[Tensor | None]]:
+    """Each branch's ``NodeCall`` (q, k, v and the destination as heads views, q and k as they are in qkv)
+    and RoPE table (``rope_cos_sin``; ``None`` without RoPE) for ``Whole.forward``."""
+    geom, out_geom, calls, tables, col, wi = _geom(qkv), _geom(out), [], [], 0, 0
     for br, (_, count, width) in zip(layout.spec.branches, layout.nodes):
-        q, k, v = _branch_views(qkv, geom, br, True)
-        rotation = _rotation(qkv, geom, br, layout.spec) if br.rope else None
-        if rotation is not None:
-            q, k = _heads_of(rotation.pair, br.heads)
+        q, k, v = _branch_views(qkv, geom, br, True, whole=True)
+        tables.append(_cos_sin(qkv, br, layout.spec) if br.rope else None)
         dest = _view(out, out_geom, col, br.heads, br.head_dim, True)
         calls.append(NodeCall(q, k, v, weights[wi : wi + count], dest, layout.hyper, save, False))
-        rotations.append(rotation)
         col, wi = col + width, wi + count
-    return calls, rotations
+    return calls, tables
 
 
-def _whole_grads(
-    d_out: Tensor, dqkv: Tensor, layout: MixLayout
-) -> tuple[list[tuple[Tensor, ...]], list[Rotation | None]]:
-    """Each branch's ``(dout, dq, dk, dv)`` heads views and ``Rotation`` for ``Whole.backward`` (a RoPE
-    branch's dq, dk: of its rotation's pair, rotated back into ``dqkv`` by the hooks)."""
-    geom, out_geom, views, rotations, col = _geom(dqkv), _geom(d_out), [], [], 0
+def _whole_grads(d_out: Tensor, dqkv: Tensor, layout: MixLayout) -> list[tuple[Tensor, ...]]:
+    """Each branch's ``(dout, dq, dk, dv)`` heads views for ``Whole.backward``."""
+    geom, out_geom, views, col = _geom(dqkv), _geom(d_out), [], 0
     for br, (_, _, width) in zip(layout.spec.branches, layout.nodes):
         dout = _view(d_out, out_geom, col, br.heads, br.head_dim, True)
-        dq, dk, dv = _branch_views(dqkv, geom, br, True)
-        rotation = _rotation(dqkv, geom, br, layout.spec, backward=True) if br.rope else None
-        if rotation is not None:
-            dq, dk = _heads_of(rotation.pair, br.heads)
-        views.append((dout, dq, dk, dv))
-        rotations.append(rotation)
+        views.append((dout, *_branch_views(dqkv, geom, br, True, whole=True)))
         col += width
-    return views, rotations
+    return views
 
 
 def _whole_backward(
@@ -345,7 +318,7 @@ def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
             tag_branch(exc, i)
             raise
         if br.rope:
-            _rotate_back(dqkv, geom, br, spec, rotated, node)
+            _rotate_back(dqkv, geom, br, spec, rotated)
         grads += [weight_grad(dw, shape) for dw, shape in zip(dws, weight_shapes[wi : wi + count])]
         wi += count
         col += width
@@ -571,7 +544,7 @@ def _mix_backward_kernel(
 ) -> tuple[Tensor, list[Tensor]]:
     layout = _op_layout(spec)
 
-    def calls() -> tuple[Tensor, list[NodeCall], list[Rotation | None]]:
+    def calls() -> tuple[Tensor, list[NodeCall], list[Tensor | None]]:
         out = qkv.new_empty(qkv.shape[0], qkv.shape[1], layout.width)
         return out, *_whole_calls(qkv, out, layout, tuple(weights), True)
 

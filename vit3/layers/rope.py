@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .inner_math import tracing
 
-__all__ = ["apply_rope_2d", "rope_angles", "rope_tables"]
+__all__ = ["apply_rope_2d", "rope_angles", "rope_cos_sin", "rope_tables"]
 
 
 def _frequencies(dim: int, base: float, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -82,6 +82,28 @@ def rope_tables(
         if len(_TABLES) >= MAX_TABLES:
             _TABLES.clear()
         _TABLES[key] = found
+    return found
+
+
+_COS_SIN: dict[tuple, Tensor] = {}
+
+
+def rope_cos_sin(
+    grid: tuple[int, int], dim: int, base: float, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """``[h * w, dim / 2, 2]``: each channel pair's cos and sin side by side, :func:`rope_tables` interleaved
+    as kernels that rotate q, k on load read them; kept as those are."""
+    cos, sin = rope_tables(grid, dim, base, device, dtype)
+    if tracing() or cos.device.type == "meta":
+        return torch.stack([cos, sin], dim=-1).reshape(-1, dim // 2, 2)
+    key = (tuple(grid), dim, float(base), cos.device, dtype)
+    found = _COS_SIN.get(key)
+    if found is None:
+        with torch.inference_mode(False), torch.no_grad():
+            found = torch.stack([cos, sin], dim=-1).reshape(-1, dim // 2, 2)
+        if len(_COS_SIN) >= MAX_TABLES:
+            _COS_SIN.clear()
+        _COS_SIN[key] = found
     return found
 
 
