@@ -97,6 +97,8 @@ def checked_entry(name: str, call: NodeCall, rope: Tensor | None = None) -> tupl
     q, k, v, weights, h = call.q, call.k, call.v, call.weights, call.hyper
     if rope is not None:
         _, g, n, d = q.shape
+        if d % 2:  # a channel pair would straddle two heads
+            raise ValueError(f"RoPE in the Triton kernels needs an even head dim, got {d}")
         want = (n, g * d // 2, 2), torch.promote_types(q.dtype, torch.float32)
         if (rope.shape, rope.dtype) != want or not rope.is_contiguous():
             raise ValueError(f"RoPE takes a contiguous {want[1]} table {want[0]}, got {tuple(rope.shape)}")

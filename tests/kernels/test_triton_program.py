@@ -657,6 +657,17 @@ def test_a_branch_the_program_cannot_take_is_named(triton_device):
 
 
 @pytest.mark.triton
+def test_a_rope_branch_of_an_odd_head_dim_is_refused_by_name(triton_device):
+    """Rotated per head on load, a RoPE branch needs an even head dim (a channel pair of the rotation must not
+    straddle two heads): refused, tagged with the branch."""
+    spec = _spec((("dwconv", 1, 16), ("swiglu", 4, 3)), (4, 5), rope=True)
+    qkv, weights = _inputs(spec, 2, torch.float64, triton_device)
+    with pytest.raises(ValueError, match="even head dim, got 3") as caught:
+        em.fused_mix(qkv, spec, weights)
+    assert getattr(caught.value, BRANCH_ATTR) == 1
+
+
+@pytest.mark.triton
 def test_cleared_plans_and_another_launcher_make_a_new_program(monkeypatch, triton_device):
     branches, b, grid = CASES["official"]
     spec = _spec(branches, grid)
