@@ -398,6 +398,8 @@ def matrix(kind: str = "full") -> list[Case]:
         Case("h_vit3", "dot", 32, "bf16", sm["sm_90"]),  # H-ViT³-T's: RoPE in the SwiGLU kernels
         Case("linear", "dot", 64, "fp16", sm["sm_90"]),
         Case("swiglu", "dot", 32, "bf16", sm["sm_120"]),  # H-ViT³'s head dim
+        Case("h_vit3", "dot", 32, "bf16", sm["sm_120"]),  # RoPE on halved token tiles (spills on whole ones)
+        Case("h_vit3", "dot", 32, "fp16", sm["sm_100"]),
         Case("swiglu", "dot", 32, "fp32-tf32", sm["sm_120"]),
         Case("swiglu", "dot", 128, "fp64", sm["sm_120"]),  # near its shared memory, the most fp64 spills
         Case("linear", "dot", 16, "fp16", sm["sm_120"]),

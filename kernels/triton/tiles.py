@@ -135,16 +135,13 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope
     also hold their fragments in registers: 32-token tiles, and the one-launch forward in two column blocks
     of 32. At d = 128: 16 or 32 columns a block, 32-token tiles in the gradient cross launch. On ``wgmma``
     parts every other kernel launched at d <= 64 runs on one warp group (the cross launches, at d = 64 never
-    launched, keep the default). RoPE in SwiGLU's kernels (``rope``: its rotation's tiles beside the others)
-    takes shorter token tiles where the registers would spill: the gradient backward at d = 32 on transposed
-    16-token tiles, the gradient partials at d = 64 on 32-token tiles. The spills and registers measured:
-    docs/design/kernels.md (tile sizes).
+    launched, keep the default). With RoPE in the kernels (``rope``): ``_rope_half_tiles``. The spills and
+    registers measured: docs/design/kernels.md (tile sizes).
     """
-    if rope and model == "swiglu" and warp_group_mma(arch):
-        if role == "grad_bwd" and block_d == 32:
-            return Tiles(16, 32, 4, 2, trans=True)
-        if role == "grad" and block_d == 64:
-            return Tiles(32, 64, 4, 2)
+    if rope:
+        return _rope_half_tiles(
+            model, role, block_d, arch, _half_tiles(model, loss, role, block_d, arch, False)
+        )
     backward = role.startswith(("readout_bwd", "grad_bwd"))
     if model == "swiglu" and block_d == 64 and role in ("forward", "readout_bwd", "grad_bwd"):
         if warp_group_mma(arch) and not (role == "forward" and arch.capability == 100):
@@ -167,6 +164,22 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope
     if model == "swiglu" and not warp_group_mma(arch) and role != "readout":
         return Tiles(64, 32, 8, 2) if role == "forward" else Tiles(32, 64, 8, 2)
     return Tiles(64, 64, 8, 2)
+
+
+def _rope_half_tiles(model: str, role: str, block_d: int, arch: Arch, plain: Tiles) -> Tiles:
+    """16-bit tiles with RoPE in the kernels, whose rotation keeps its tiles live beside the others: on
+    ``wgmma`` parts SwiGLU's gradient backward at d = 32 on transposed 16-token tiles and its gradient
+    partials at d = 64 on 32-token tiles; then, but on sm_90 up to d = 64, every token tile of ``plain``
+    halved (16 tokens at least)."""
+    t = plain
+    if model == "swiglu" and warp_group_mma(arch):
+        if role == "grad_bwd" and block_d == 32:
+            t = Tiles(16, 32, 4, 2, trans=True)
+        elif role == "grad" and block_d == 64:
+            t = Tiles(32, 64, 4, 2)
+    if arch.capability == 90 and block_d <= 64:
+        return t
+    return replace(t, block_n=max(16, t.block_n // 2))
 
 
 def _matrix_tiles(
