@@ -133,7 +133,7 @@ def plan_launches(case: Case, batch: int | None = None) -> tuple[list[Launch], l
     w1 = torch.empty(shape, dtype=acc, device="meta")
     w2 = torch.empty(shape, dtype=acc, device="meta") if case.model == "swiglu" else None
     common = (case.model, case.loss, *grid, 9**-0.5, 1.0, True, 0)
-    tables = torch.empty(n, g * d // 2, 2, dtype=acc, device="meta") if case.rope else None
+    tables = plan.rope_table_like(q) if case.rope else None
     outs, fwd = plan.forward_plan(
         q, k, v, w1, w2, *common, arch=case.arch, prec=prec, interpret=False, rope=tables
     )

@@ -96,12 +96,14 @@ def checked_entry(name: str, call: NodeCall, rope: Tensor | None = None) -> tupl
     program's RoPE branches: ``vit3.layers.rope.rope_cos_sin``)."""
     q, k, v, weights, h = call.q, call.k, call.v, call.weights, call.hyper
     if rope is not None:
-        _, g, n, d = q.shape
+        d = q.shape[-1]
         if d % 2:  # a channel pair would straddle two heads
             raise ValueError(f"RoPE in the Triton kernels needs an even head dim, got {d}")
-        want = (n, g * d // 2, 2), torch.promote_types(q.dtype, torch.float32)
-        if (rope.shape, rope.dtype) != want or not rope.is_contiguous():
-            raise ValueError(f"RoPE takes a contiguous {want[1]} table {want[0]}, got {tuple(rope.shape)}")
+        want = plan.rope_table_like(q)
+        if (rope.shape, rope.dtype) != (want.shape, want.dtype) or not rope.is_contiguous():
+            raise ValueError(
+                f"RoPE takes a contiguous {want.dtype} table {tuple(want.shape)}, got {tuple(rope.shape)}"
+            )
     params = dict(zip(WEIGHT_NAMES[name], weights))
     check_call(name, q, k, v, params, h.grid, h.loss, "triton", None)
     why = not_in_place(name, list(weights))  # the node reads them in place (``triton_ttt`` copies them)

@@ -420,13 +420,18 @@ def _config(key: PlanKey, q: Tensor) -> LaunchConfig:
                          chunk=key.chunk or None, interpret=key.interpret, rope=key.rope)  # fmt: skip
 
 
-def _tables(key: PlanKey, q: Tensor) -> tuple[Tensor, ...]:
-    """The RoPE table a plan of ``key`` takes as its last input: ``[N, G d / 2, 2]``, each channel pair's cos
-    and sin in the accumulation dtype (``vit3.layers.rope.rope_cos_sin``); none without ``key.rope``."""
-    if not key.rope:
-        return ()
+def rope_table_like(q: Tensor) -> Tensor:
+    """An empty meta tensor laid out as the RoPE table the kernels take for heads ``q`` ``[B, G, N, d]``:
+    ``[N, G d / 2, 2]``, each channel pair's cos and sin in the accumulation dtype
+    (``vit3.layers.rope.rope_cos_sin``)."""
     _, g, n_tok, d = q.shape
-    return (torch.empty(n_tok, g * d // 2, 2, dtype=acc_dtype(q.dtype)[0], device="meta"),)
+    return torch.empty(n_tok, g * d // 2, 2, dtype=acc_dtype(q.dtype)[0], device="meta")
+
+
+def _tables(key: PlanKey, q: Tensor) -> tuple[Tensor, ...]:
+    """The RoPE table a plan of ``key`` takes as its last input (``rope_table_like``); none without
+    ``key.rope``."""
+    return (rope_table_like(q),) if key.rope else ()
 
 
 @functools.lru_cache(maxsize=256)

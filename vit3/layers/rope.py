@@ -93,14 +93,16 @@ def rope_cos_sin(
 ) -> Tensor:
     """``[h * w, dim / 2, 2]``: each channel pair's cos and sin side by side, :func:`rope_tables` interleaved
     as kernels that rotate q, k on load read them; kept as those are."""
-    cos, sin = rope_tables(grid, dim, base, device, dtype)
-    if tracing() or cos.device.type == "meta":
-        return torch.stack([cos, sin], dim=-1).reshape(-1, dim // 2, 2)
-    key = (tuple(grid), dim, float(base), cos.device, dtype)
+    device = torch.device(device)
+    key = (tuple(grid), dim, float(base), device, dtype)
     found = _COS_SIN.get(key)
-    if found is None:
-        with torch.inference_mode(False), torch.no_grad():
-            found = torch.stack([cos, sin], dim=-1).reshape(-1, dim // 2, 2)
+    if found is not None and not tracing():
+        return found
+    cos, sin = rope_tables(grid, dim, base, device, dtype)
+    if tracing() or device.type == "meta":
+        return torch.stack([cos, sin], dim=-1).reshape(-1, dim // 2, 2)
+    with torch.inference_mode(False), torch.no_grad():
+        found = torch.stack([cos, sin], dim=-1).reshape(-1, dim // 2, 2)
         if len(_COS_SIN) >= MAX_TABLES:
             _COS_SIN.clear()
         _COS_SIN[key] = found
