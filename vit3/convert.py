@@ -44,14 +44,14 @@ class LayerPair:
 
     Attributes:
         name: the module's name (the same in both models), e.g. ``blocks.3.attn``.
-        kind: ``"token"`` (ViT/DeiT), ``"window"`` (Swin, window scope) or ``"stage"`` (Swin, stage scope).
+        scope: ``"token"`` (ViT/DeiT), ``"window"`` (Swin, window scope) or ``"stage"`` (Swin, stage scope).
         teacher: the teacher's ``Attention`` / ``WindowAttention``, or its ``SwinTransformerBlock`` (stage).
         student: the student's ``TokenTTT`` / ``WindowTTT`` / ``SwinStageTTTBlock``.
         patch_embed: ``token`` pairs: the teacher ViT's patch embedding (its call fixes the patch grid).
     """
 
     name: str
-    kind: str
+    scope: str
     teacher: nn.Module
     student: nn.Module
     patch_embed: nn.Module | None = None
@@ -59,18 +59,18 @@ class LayerPair:
     @property
     def mixer(self) -> TTTMixer:
         """The student's TTT mixer of this layer (what attention transfer trains)."""
-        return self.student.attn if self.kind == "stage" else self.student.mixer
+        return self.student.attn if self.scope == "stage" else self.student.mixer
 
     @property
     def attention(self) -> nn.Module:
         """The teacher's attention module (its ``qkv``/``proj`` initialise the mixer)."""
-        return self.teacher.attn if self.kind == "stage" else self.teacher
+        return self.teacher.attn if self.scope == "stage" else self.teacher
 
     def student_output(self, x: Tensor, grid: tuple[int, int] | None) -> Tensor:
         """The student's mixer on the teacher's layer input ``x`` (the shape of the teacher's output)."""
-        if self.kind == "token":
+        if self.scope == "token":
             return self.student(x, grid=grid)
-        if self.kind == "stage":
+        if self.scope == "stage":
             return self.student.mix(x)
         return self.student(x)
 
@@ -117,7 +117,7 @@ def init_student(student: nn.Module, teacher: nn.Module, pairs: Sequence[LayerPa
     """
     theirs = teacher.state_dict()
     ours = student.state_dict()
-    mixers = tuple(f"{p.name}.{'attn' if p.kind == 'stage' else 'mixer'}." for p in pairs)
+    mixers = tuple(f"{p.name}.{'attn' if p.scope == 'stage' else 'mixer'}." for p in pairs)
     shared = {k: v for k, v in theirs.items() if k in ours and ours[k].shape == v.shape}
     missing = [k for k in ours if k not in shared and not k.startswith(mixers)]
     if missing:
@@ -164,7 +164,7 @@ class LayerCapture:
 
     def _hook(self, pair: LayerPair, rec: _Record) -> None:
         add = self._handles.append
-        if pair.kind == "stage":  # the block's attention branch: norm1's output in, drop_path1's input out
+        if pair.scope == "stage":  # the block's attention branch: norm1's output in, drop_path1's input out
 
             def branch_in(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
                 rec.input = out.detach()

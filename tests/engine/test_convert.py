@@ -65,11 +65,11 @@ def _pair_models(name, kwargs, scope):
 
 
 # ------------------------------------------------------------------------------------------- layer pairs
-@pytest.mark.parametrize(("name", "kwargs", "scope", "kind"), CASES)
-def test_student_starts_as_the_teacher_swapped(name, kwargs, scope, kind):
+@pytest.mark.parametrize(("name", "kwargs", "scope", "pair_scope"), CASES)
+def test_student_starts_as_the_teacher_swapped(name, kwargs, scope, pair_scope):
     teacher, student, pairs = _pair_models(name, kwargs, scope)
     n_attn = sum(1 for m in teacher.modules() if isinstance(m, SwinTransformerBlock)) or len(teacher.blocks)
-    assert len(pairs) == n_attn and {p.kind for p in pairs} == {kind}
+    assert len(pairs) == n_attn and {p.scope for p in pairs} == {pair_scope}
     theirs, ours = teacher.state_dict(), student.state_dict()
     mixer_keys = [
         k

@@ -32,6 +32,8 @@ import vit3.kernels.swiglu.eager as swiglu_eager
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends import guard
+from vit3.layers.blocks import ConvFFN, ConvPosEnc, LeanMlp
+from vit3.layers.lean import RecomputedStack
 
 pytestmark = pytest.mark.usefixtures("no_backend_env")
 
@@ -235,3 +237,22 @@ def test_an_unknown_config_key_is_refused_naming_it():
     ):
         with pytest.raises(ValueError, match=r"unknown TTT config keys \['impl'\]"):
             make()
+
+
+@pytest.mark.parametrize(
+    "make, key",
+    [
+        (lambda: ConvPosEnc(8, backend="torch"), "backend"),
+        (lambda: ConvFFN(8, 16, backend="torch"), "backend"),
+        (lambda: ConvFFN(8, 16, recompute="yes"), "recompute"),
+        (lambda: LeanMlp(8, 16, backend="torch"), "backend"),
+        (lambda: LeanMlp(8, 16, recompute="yes"), "recompute"),
+        (lambda: RecomputedStack(torch.nn.Identity(), recompute="yes"), "recompute"),
+    ],
+)
+def test_a_block_layer_refuses_a_bad_backend_or_recompute_when_built(make, key):
+    """The layers outside the mixer that take the block's backend or recompute check it as ``TTTConfig``
+    does (one check, ``config.check_backend`` / ``check_recompute``), when built: the dispatcher takes it as
+    checked."""
+    with pytest.raises(ValueError, match=f"{key} must be one of"):
+        make()

@@ -9,7 +9,7 @@ import torch
 from helpers.common import load_fixture
 from helpers.ops import reference_mixer
 
-from vit3.layers import TTTMixer, convert_official_mixer_key
+from vit3.layers import TTTMixer, mixer_key_from_official
 
 CASES = [
     # float64 throughout: measured ~8e-16 on every backend.
@@ -25,7 +25,7 @@ def build_from_fixture(fx: dict, backend: str = "auto") -> TTTMixer:
     mixer = TTTMixer(
         cfg["dim"], cfg["num_heads"], qkv_bias=cfg["qkv_bias"], rope=cfg["rope"], backend=backend
     ).double()
-    state = {convert_official_mixer_key(k): v for k, v in fx["state_dict"].items()}
+    state = {mixer_key_from_official(k): v for k, v in fx["state_dict"].items()}
     mixer.load_state_dict(state, strict=True)
     return mixer
 
@@ -55,7 +55,7 @@ def test_output_and_every_gradient_match_official(name: str, rtol: float, path: 
         "fixture gradients cover input and every parameter"
     )
     for key, expected in grads.items():
-        got = x.grad if key == "input0" else params[convert_official_mixer_key(key)].grad
+        got = x.grad if key == "input0" else params[mixer_key_from_official(key)].grad
         assert got is not None, key
         torch.testing.assert_close(
             got, expected, rtol=rtol, atol=rtol * expected.abs().max().item(), msg=f"gradient of {key}"
@@ -67,5 +67,5 @@ def test_conversion_is_a_pure_rename():
     mixer = build_from_fixture(fx)
     ours = mixer.state_dict()
     for key, value in fx["state_dict"].items():
-        assert torch.equal(ours[convert_official_mixer_key(key)], value)
+        assert torch.equal(ours[mixer_key_from_official(key)], value)
     assert len(ours) == len(fx["state_dict"])

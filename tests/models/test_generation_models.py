@@ -11,7 +11,7 @@ import torch
 from helpers.common import FIXTURES, default_dtype, load_fixture
 
 import vit3
-from vit3.layers import convert_official_mixer_key
+from vit3.layers import mixer_key_from_official
 from vit3.models.dit3 import DIT3_CONFIGS, DiT3, create_dit3, num_params, sincos_pos_embed_2d
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,7 +58,7 @@ def test_fixture_output_and_every_gradient_match_the_official_model(fixture_file
     _close(out, fx["out"], "output")
     (out * fx["out_proj"]).sum().backward()
     params = dict(model.named_parameters())
-    grads = {convert_official_mixer_key(k): v for k, v in fx["grads"].items() if k != "x"}
+    grads = {mixer_key_from_official(k): v for k, v in fx["grads"].items() if k != "x"}
     assert set(grads) == set(params), (
         "every parameter has an official gradient (pos_embed is not a parameter)"
     )
@@ -94,7 +94,7 @@ def test_parameter_counts_and_shapes_match_the_official_models(official):
         model = create_dit3(official)  # the official name is accepted as well as dit3_s_2 ...
     assert num_params(model) == want["params"]
     ours = {k: list(v.shape) for k, v in model.state_dict().items()}
-    theirs = {convert_official_mixer_key(k): v for k, v in want["state_dict"].items() if k != "pos_embed"}
+    theirs = {mixer_key_from_official(k): v for k, v in want["state_dict"].items() if k != "pos_embed"}
     assert ours == theirs
 
 

@@ -14,16 +14,16 @@ import torch
 from helpers.common import FIXTURES, default_dtype, load_fixture
 
 import vit3  # noqa: F401 - registers the models
-from vit3.layers import convert_official_mixer_key
+from vit3.layers import mixer_key_from_official
 from vit3.models import _pretrained, h_vit3
 from vit3.models import vit3 as plain
 
 # Float64 throughout: measured ~5e-15 (plain). The official RoPE casts to float32 before rotating (H-ViT³
 # only): that fixture carries float32 rounding (measured ~4e-7).
 FIXTURE_CASES = [
-    pytest.param("vit3_plain_tiny_cfg.pt", "vit3_tiny", convert_official_mixer_key, 1e-12, id="plain"),
+    pytest.param("vit3_plain_tiny_cfg.pt", "vit3_tiny", mixer_key_from_official, 1e-12, id="plain"),
     pytest.param(
-        "vit3_hier_tiny_cfg.pt", "h_vit3_tiny", h_vit3.convert_official_key, 1e-5, id="hierarchical-rope"
+        "vit3_hier_tiny_cfg.pt", "h_vit3_tiny", h_vit3.key_from_official, 1e-5, id="hierarchical-rope"
     ),
 ]
 MANIFEST_CASES = [

@@ -12,7 +12,7 @@ from diffusers import DDPMScheduler
 from helpers.common import LOCAL_FIXTURES, default_dtype, load_fixture, load_tree
 from torch import nn
 
-from vit3.models.dit3 import convert_official_dit3, create_dit3
+from vit3.models.dit3 import create_dit3, dit3_state_from_official
 from vit3.tasks import diffusion as diffusion_module
 from vit3.tasks.diffusion import SAMPLERS, GaussianDiffusion, LatentAutoencoder, space_timesteps
 
@@ -261,7 +261,7 @@ def official():
     weights = load_fixture(fx["model_fixture"])
     with default_dtype(torch.float64):
         model = create_dit3("dit3_s_2", **weights["config"])
-    model.load_state_dict(convert_official_dit3(weights["state_dict"], model))
+    model.load_state_dict(dit3_state_from_official(weights["state_dict"], model))
     return fx, model.eval()
 
 

@@ -5,7 +5,7 @@ from .config import INNER_LOSSES, INNER_MODELS, TTTConfig
 from .inner_models import *  # noqa: F403 -- the inner models and their registry, listed once (inner_models.__all__)
 from .losses import loss_grad, loss_value
 from .rope import apply_rope_2d, rope_angles
-from .ttt import OFFICIAL_MIXER_KEYS, TTTMixer, convert_official_mixer_key, inner_loop, normalize_grad
+from .ttt import OFFICIAL_MIXER_KEYS, TTTMixer, inner_loop, mixer_key_from_official, normalize_grad
 
 __all__ = [
     "INNER_LOSSES",
@@ -14,7 +14,7 @@ __all__ = [
     "TTTConfig",
     "TTTMixer",
     "apply_rope_2d",
-    "convert_official_mixer_key",
+    "mixer_key_from_official",
     "inner_loop",
     "loss_grad",
     "loss_value",

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from vit3.kernels.common import autocast_backward, autocast_forward
 
 from . import backends
-from .config import TTTConfig
+from .config import TTTConfig, check_backend, check_recompute
 from .inner_math import tracing_kind
 from .lean import hooked, lean_eligible
 from .ttt import TTTMixer
@@ -57,7 +57,7 @@ class ConvPosEnc(nn.Conv2d):
 
     def __init__(self, dim: int, kernel_size: int = 3, backend: str = "auto") -> None:
         super().__init__(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
-        self.backend = backend
+        self.backend = check_backend(backend)
 
     def on_kernel(self, x: Tensor) -> bool:
         """Whether a call on ``x`` takes the C++ kernel's depthwise op (3x3, the backend registry's rule)."""
@@ -120,7 +120,7 @@ class ConvFFN(nn.Module):
         self.dwc = ConvPosEnc(hidden, backend=backend)
         self.fc2 = nn.Linear(hidden, in_features)
         self.drop2 = nn.Dropout(drop)
-        self.recompute = recompute
+        self.recompute = check_recompute(recompute)
 
     def middle(self, h: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
         """``act(dwconv(drop(act(h))))``: ``[B, H, W, hidden]``; the depthwise step is the module ``dwc`` (a
@@ -311,7 +311,7 @@ class LeanMlp(Mlp):
 
     def __init__(self, *args: Any, recompute: str = "auto", backend: str = "auto", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.recompute, self.backend = recompute, backend
+        self.recompute, self.backend = check_recompute(recompute), check_backend(backend)
 
     def _fusable(self) -> bool:
         """What the lean nodes compute: GELU between the layers, no norm between them, no dropout in force."""

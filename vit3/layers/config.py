@@ -21,7 +21,9 @@ __all__ = [
     "NUMBER_FIELDS",
     "RECOMPUTE_MODES",
     "TTTConfig",
+    "check_backend",
     "check_count",
+    "check_recompute",
     "is_count",
     "parse_branch",
 ]
@@ -41,6 +43,22 @@ SCALES = ("head_dim", "1/head_dim")
 # fused eager paths' SwiGLU backward does with the per-token pre-activations Z, Y (``TTTConfig.recompute``).
 BACKEND_NAMES = ("auto", "triton", "cpu", "eager", "generic")
 RECOMPUTE_MODES = ("auto", "always", "never", "qkv")
+
+
+def check_backend(name: str) -> str:
+    """``name`` where a config may name it as ``TTTConfig.backend`` (``BACKEND_NAMES``); else a ValueError
+    naming the key. The one check of a backend a module is given: the dispatcher takes it as checked."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    return name
+
+
+def check_recompute(mode: str) -> str:
+    """``mode`` where it is a ``TTTConfig.recompute`` (``RECOMPUTE_MODES``); else a ValueError naming the
+    key. The one check of a recompute mode a module is given: the dispatcher takes it as checked."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
+    return mode
 
 
 def parse_branch(spec: str, num_heads: int) -> tuple[str, int]:
@@ -191,10 +209,8 @@ class TTTConfig:
             raise ValueError(f"mlp_act must be one of {INNER_ACTIVATIONS}, got {self.mlp_act!r}")
         if self.mlp_residual not in MLP_RESIDUALS:
             raise ValueError(f"mlp_residual must be one of {MLP_RESIDUALS}, got {self.mlp_residual!r}")
-        if self.backend not in BACKEND_NAMES:
-            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        check_backend(self.backend)
+        check_recompute(self.recompute)
         if isinstance(self.scale, str) and self.scale not in SCALES:
             raise ValueError(f"scale must be a number, None, 'head_dim' or '1/head_dim', got {self.scale!r}")
         if self.inner_norm not in INNER_NORMS:

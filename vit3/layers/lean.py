@@ -14,6 +14,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.utils.checkpoint import checkpoint
 
 from . import backends
+from .config import check_recompute
 from .inner_math import tracing
 
 __all__ = ["RecomputedStack", "hooked", "lean_eligible"]
@@ -64,7 +65,7 @@ class RecomputedStack(nn.Sequential):
 
     def __init__(self, *layers: nn.Module, recompute: str = "auto") -> None:
         super().__init__(*layers)
-        self.recompute = recompute
+        self.recompute = check_recompute(recompute)
 
     def _lean(self, x: Tensor) -> bool:
         return (

@@ -32,9 +32,9 @@ __all__ = [
     "OFFICIAL_MIXER_KEYS",
     "NonFiniteError",
     "TTTMixer",
-    "convert_official_mixer_key",
     "explain",
     "inner_loop",
+    "mixer_key_from_official",
     "normalize_grad",
 ]
 
@@ -226,7 +226,7 @@ class TTTMixer(nn.Module):
 
         Inside a plain ViT³ block on a CPU, settled calls run the whole block as one C++ op and do not come
         here (a breakpoint goes silent after warm-up; ``vit3.explain(model, ...)`` says which blocks,
-        docs/kernels.md says why)."""
+        docs/layout.md follows the call)."""
         # Compiled by TorchScript (a mixer built scriptable): the reference path, no finiteness check.
         if torch.jit.is_scripting():
             self.check_shape(x, grid)
@@ -488,8 +488,8 @@ class TTTMixer(nn.Module):
         if sources is not False:
             return sources
         sources = []
-        for (kind, _), model in zip(self.branch_specs, self.inner):
-            cpu = OPS[kind].paths.get("cpu") if kind in OPS else None
+        for (op_name, _), model in zip(self.branch_specs, self.inner):
+            cpu = OPS[op_name].paths.get("cpu") if op_name in OPS else None
             stored = cpu.node.stored if cpu is not None else None
             for name, t in model.initial_params().items():
                 p = model._parameters.get(name)
@@ -590,7 +590,7 @@ _register_fx_leaf()
 OFFICIAL_MIXER_KEYS = {"w1": "inner.0.w1", "w2": "inner.0.w2", "w3": "inner.1.weight"}
 
 
-def convert_official_mixer_key(key: str) -> str:
+def mixer_key_from_official(key: str) -> str:
     """Maps an official mixer key (``attn.w3``, ``layers.0.blocks.1.attn.w1``, ``qkv.weight``...) to ours.
 
     Only the inner weights move (``w1``/``w2`` -> ``inner.0.*``, ``w3`` -> ``inner.1.weight``); ``qkv`` and

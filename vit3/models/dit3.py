@@ -23,7 +23,7 @@ from timm.layers import PatchEmbed
 from torch import Tensor, nn
 
 from vit3._diffusers import ConfigMixin, ModelMixin, register_to_config
-from vit3.layers import TTTConfig, convert_official_mixer_key
+from vit3.layers import TTTConfig, mixer_key_from_official
 from vit3.layers.inner_math import assert_finite
 
 from ._dit3_blocks import DiT3Block, FinalLayer, LabelEmbedder, TimestepEmbedder, sincos_pos_embed_2d
@@ -37,9 +37,9 @@ __all__ = [
     "FinalLayer",
     "LabelEmbedder",
     "TimestepEmbedder",
-    "convert_official_dit3",
     "create_dit3",
     "dit3_model_args",
+    "dit3_state_from_official",
     "load_dit3_weights",
     "num_params",
     "sincos_pos_embed_2d",
@@ -327,13 +327,13 @@ def _select_state_dict(obj: Any, source: str) -> dict[str, Tensor]:
     return strip_wrapper_prefixes(state)
 
 
-def convert_official_dit3(
+def dit3_state_from_official(
     state_dict: Mapping[str, Tensor], model: DiT3, source: str = "checkpoint"
 ) -> dict[str, Tensor]:
     """Official DiTTT weights (or ours) -> this model's names, checked against ``model``.
 
     Only the TTT inner weights move (``attn.w1/w2/w3`` -> ``attn.inner.0.w1/inner.0.w2/inner.1.weight``, as
-    :func:`vit3.layers.convert_official_mixer_key`). The official fixed ``pos_embed`` table is not a weight
+    :func:`vit3.layers.mixer_key_from_official`). The official fixed ``pos_embed`` table is not a weight
     here (computed per grid): it is compared with ours and dropped.
 
     Raises:
@@ -346,7 +346,7 @@ def convert_official_dit3(
         if key == "pos_embed":
             _check_pos_embed(value, model, source)
             continue
-        out[key if ours or model.mixer != "ttt" else convert_official_mixer_key(key)] = value
+        out[key if ours or model.mixer != "ttt" else mixer_key_from_official(key)] = value
     check_state_dict(out, model, what=source)
     return out
 
@@ -380,7 +380,7 @@ def load_dit3_weights(model: DiT3, path: str | os.PathLike) -> DiT3:
             obj = safe_torch_load(path)  # official train.py files pickle an argparse Namespace: read as inert
         except Exception as exc:
             raise ValueError(f"cannot read DiT³ checkpoint {path}: {type(exc).__name__}: {exc}") from exc
-    state = convert_official_dit3(_select_state_dict(obj, path), model, path)
+    state = dit3_state_from_official(_select_state_dict(obj, path), model, path)
     model.load_state_dict(state)
     return model
 

@@ -21,7 +21,7 @@ from timm.models import checkpoint_seq
 from timm.models._input import update_model_input_size
 from torch import Tensor, nn
 
-from vit3.layers import TTTConfig, convert_official_mixer_key
+from vit3.layers import TTTConfig, mixer_key_from_official
 from vit3.layers.blocks import ConvFFN
 from vit3.layers.embed import ConvDownsample, ConvStem, check_image
 
@@ -244,16 +244,16 @@ _STAGE_RULES = (
 )
 
 
-def convert_official_key(key: str) -> str | None:
+def key_from_official(key: str) -> str | None:
     """Maps one official H-ViT³ key to ours (``None`` for the RoPE tables, recomputed per grid).
 
     ``patch_embed.conv.i`` -> ``stem.i``; ``layers.i.blocks`` -> ``stages.i.blocks``;
     ``layers.i.downsample.conv.j`` (end of stage i) -> ``stages.{i+1}.downsample.j`` (start of stage i+1);
-    mixer inner weights as in ``convert_official_mixer_key``.
+    mixer inner weights as in ``mixer_key_from_official``.
     """
     if key.endswith(".rope.rotations"):
         return None
-    key = convert_official_mixer_key(key)
+    key = mixer_key_from_official(key)
     for pattern, repl in _STAGE_RULES:
         m = pattern.match(key)
         if m:
@@ -262,17 +262,17 @@ def convert_official_key(key: str) -> str | None:
 
 
 def official_to_ours(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Official ViTTT weights (``h_vittt_*``) in this family's names (``convert_official_key``; the RoPE
+    """Official ViTTT weights (``h_vittt_*``) in this family's names (``key_from_official``; the RoPE
     tables dropped); weights already in our names pass through."""
     if any(k.startswith("stages.") for k in state_dict):
         return dict(state_dict)
-    return {new: v for k, v in state_dict.items() if (new := convert_official_key(k)) is not None}
+    return {new: v for k, v in state_dict.items() if (new := key_from_official(k)) is not None}
 
 
 def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: HViT3) -> dict[str, Tensor]:
     """Converts official ViTTT weights (``h_vittt_*``) to this model and checks they fit.
 
-    See ``convert_official_key``; weights already in our names pass through. Raises ``ValueError`` listing
+    See ``key_from_official``; weights already in our names pass through. Raises ``ValueError`` listing
     missing, unexpected and mis-shaped keys when the checkpoint belongs to another model or size.
     """
     out = official_to_ours(select_weights(state_dict))  # a training checkpoint's "model" / "state_dict"

@@ -21,7 +21,7 @@ from timm.layers import PatchEmbed, get_act_layer, resample_patch_embed
 from timm.models._input import update_model_input_size
 from torch import Tensor, nn
 
-from vit3.layers import TTTConfig, convert_official_mixer_key
+from vit3.layers import TTTConfig, mixer_key_from_official
 from vit3.layers.embed import check_image, check_image_size
 
 from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
@@ -268,10 +268,10 @@ def _check_attention_args(attn_mask: Tensor | None, is_causal: bool) -> None:
 
 def official_to_ours(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """Official ViTTT weights (``vittt_*``) in this family's names: the mixer's inner weights renamed
-    (``convert_official_mixer_key``); weights already in our names pass through."""
+    (``mixer_key_from_official``); weights already in our names pass through."""
     if any(".attn.inner." in k for k in state_dict):
         return dict(state_dict)
-    return {convert_official_mixer_key(k): v for k, v in state_dict.items()}
+    return {mixer_key_from_official(k): v for k, v in state_dict.items()}
 
 
 def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ViT3) -> dict[str, Tensor]:

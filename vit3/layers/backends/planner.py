@@ -107,10 +107,9 @@ def strict() -> bool:
 
 
 def requested_backend(cfg_backend: str) -> tuple[str, str]:
-    """The backend asked for and who asked: the config (argument) wins over ``$VIT3_TTT_BACKEND``."""
+    """The backend asked for and who asked: the config (argument, checked: ``config.check_backend``) wins over
+    ``$VIT3_TTT_BACKEND``."""
     if cfg_backend != "auto":
-        if cfg_backend not in NAMES:
-            raise ValueError(f"TTTConfig.backend must be one of {', '.join(NAMES)}, got {cfg_backend!r}")
         return cfg_backend, f"TTTConfig.backend={cfg_backend!r}"
     name = (env().backend or "").strip().lower() or "auto"
     if name not in NAMES:
@@ -201,11 +200,7 @@ LEAN_DEFAULT = "memory-lean default"
 
 def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
     """The recompute mode in force (``always``, ``never`` or ``qkv``; ``auto`` is ``always``) and who set it:
-    ``TTTConfig.recompute`` wins over ``$VIT3_TTT_RECOMPUTE``."""
-    if cfg_recompute not in RECOMPUTE_MODES:
-        raise ValueError(
-            f"TTTConfig.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {cfg_recompute!r}"
-        )
+    ``TTTConfig.recompute`` (checked: ``config.check_recompute``) wins over ``$VIT3_TTT_RECOMPUTE``."""
     if cfg_recompute != "auto":
         return cfg_recompute, f"TTTConfig.recompute={cfg_recompute!r}"
     mode = (env().recompute or "").strip().lower() or "auto"
