@@ -1,11 +1,12 @@
 """The C++ CPU extension ``vit3_cpu``: build and load it (one extension, its sources split per op).
 
-The sources live in the ops' folders (``swiglu/csrc``, ``dwconv/csrc``, ``mix/csrc``, ``mlp/csrc``,
-``block/csrc``) around the shared header ``csrc/vit3_cpu.h``; the ops are ``torch.ops.vit3_cpu.*``. The
-extension is compiled on first use with ``torch.utils.cpp_extension`` into a folder keyed by a hash of what
-makes the binary (``build_target``), one process building under a lock while the others wait
-(``build_once``). The backend registry (``vit3.layers.backends``, backend ``cpu``) decides when it runs; a
-failed build raises from ``cpu_kernel_ops`` and the backends' guard demotes the backend with a warning.
+The sources live in the ops' folders (``swiglu/csrc``, ``dwconv/csrc``, ``mix/csrc``) and the block's
+(``block/csrc``: its nodes outside the mixer and the block op) around the shared header ``csrc/vit3_cpu.h``;
+the ops are ``torch.ops.vit3_cpu.*``. The extension is compiled on first use with
+``torch.utils.cpp_extension`` into a folder keyed by a hash of what makes the binary (``build_target``), one
+process building under a lock while the others wait (``build_once``). The backend registry
+(``vit3.layers.backends``, backend ``cpu``) decides when it runs; a failed build raises from
+``cpu_kernel_ops`` and the backends' guard demotes the backend with a warning.
 
 The sources one by one, the build cache and why it is keyed so: ``docs/design/kernels.md``.
 """
@@ -36,7 +37,8 @@ FILES = (
     _HERE / "swiglu" / "csrc" / "swiglu.cpp",
     _HERE / "dwconv" / "csrc" / "dwconv.cpp",
     _HERE / "mix" / "csrc" / "mix.cpp",
-    _HERE / "mlp" / "csrc" / "lean_mlp.cpp",
+    _HERE / "block" / "csrc" / "cpe.cpp",
+    _HERE / "block" / "csrc" / "lean_mlp.cpp",
     _HERE / "block" / "csrc" / "ttt_block.cpp",
     _HERE / "csrc" / "vit3_cpu.h",
 )

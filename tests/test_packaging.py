@@ -96,7 +96,7 @@ def test_wheel_ships_the_cpu_extensions_sources(installed, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = [Path(f) for f in json.loads(proc.stdout.strip().splitlines()[-1])]
-    names = ["dwconv.cpp", "lean_mlp.cpp", "mix.cpp", "swiglu.cpp", "ttt_block.cpp", "vit3_cpu.h"]
+    names = ["cpe.cpp", "dwconv.cpp", "lean_mlp.cpp", "mix.cpp", "swiglu.cpp", "ttt_block.cpp", "vit3_cpu.h"]
     assert sorted(f.name for f in found) == names
     assert all(f.is_relative_to(site) for f in found)
 

@@ -309,7 +309,7 @@ def export_features(
 
 @contextlib.contextmanager
 def _without_stack_traces() -> Iterator[None]:
-    """torch.fx records the Python stack of every traced op (ONNX debug metadata): ~10% of an export."""
+    """torch.fx records the Python stack of every traced op (ONNX debug metadata): a cost an export skips."""
     import torch.fx.config as fx_config
 
     before = fx_config.do_not_emit_stack_traces

@@ -138,6 +138,13 @@ Tensor ttt_backward(const Tensor& d_out, const Tensor& q, const Tensor& k, const
                     const Tensor& norm, const Tensor& w_new, Tensor dq, Tensor dk, Tensor dv, double c, double lr,
                     bool grad_norm, int64_t block);
 
+// The 3x3 depthwise convolution on token rows (dwconv.cpp; the ops dwconv / dwconv_weight_grad): x, out [B, N, C]
+// with unit stride along C on an gh x gw grid, taps w [1|B, 9, C] or a weight [C, 1, 3, 3]; out = dwconv(x) (+ bias)
+// (+ x where residual); the taps' gradient per sample [B, 9, C] into gw_out.
+void dwconv(const Tensor& x, const Tensor& w, Tensor out, int64_t gh, int64_t gw, const std::optional<Tensor>& bias,
+            bool residual);
+void dwconv_weight_grad(const Tensor& g, const Tensor& x, Tensor gw_out, int64_t gh, int64_t gw);
+
 // The depthwise op's step on token rows (dwconv.cpp; the ops dwconv_ttt_forward / dwconv_ttt_backward): q, k, v
 // [B, N, C] with unit stride along C, weight [1|B, C, 3, 3]; returns G, the norms and W' (taps [B, 9, C]); the
 // backward returns dW' [B, 9, C] (taps) per sample and writes dq, dk, dv.

@@ -9,8 +9,8 @@
 // GELU, fc2 as ATen ops. keep1 / keep2 are the drop-path scales [B, 1, 1, 1] that timm's drop_path draws (absent:
 // no drop path). The op is CompositeImplicitAutograd: autograd records the nodes of the ops it calls, as the
 // layer-by-layer call does, so the values and every gradient are the same bits (tests/layers/test_block_one_op.py); what it
-// removes is the Python between them (~0.15-0.2 ms per block of ViT³-T at 224 px on one CPU thread, with the
-// caches that Python code evicts). Built into the extension vit3_cpu (kernels/cpp.py).
+// removes is the Python between them, and the caches that Python evicts (docs/design/kernels.md). Built into the
+// extension vit3_cpu (kernels/cpp.py).
 
 #include "vit3_cpu.h"
 

@@ -127,10 +127,8 @@ inline void each(const Group& g, int64_t d, F f) {
 // split evenly; else each head is walked in blocks of `block` tokens. Groups are spread across threads when there
 // are enough of them, else run one after another (every op then parallel inside). scratch: `slots` buffers of
 // block * `width` elements per thread; `view(scratch, slot, group, c)` shapes one as [gh, n, c].
-// Rows (heads x tokens) a group of small problems grows to. Measured on the 2-core VM, one thread, the SwiGLU
-// step forward / forward + backward against one head per call: 1.24x / 1.09x at 6 heads x 196 tokens (d = 32),
-// 1.7x / 1.3x at 16 x 49; larger groups lose it again in training (0.97x at 4096 rows) and at 784 tokens
-// (0.94x), where one head's calls are already long and a group's blocks leave the core's cache.
+// Rows (heads x tokens) a group of small problems grows to: larger groups leave the core's cache
+// (docs/design/kernels.md).
 constexpr int64_t kGroupRows = 1024;
 
 template <typename F>

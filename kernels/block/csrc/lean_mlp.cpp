@@ -1,8 +1,8 @@
 // The plain ViT³ block's memory-lean feed-forward as one op with one C++ autograd node: vit3_cpu::lean_mlp,
 // fc2(GELU(fc1(LN(x)))) (the LayerNorm optional) saving x, the norm's statistics and output and h = fc1(LN(x))
 // only; the backward recomputes GELU(h). It is the Python node vit3/layers/blocks.py's _LeanMlpFn without Python:
-// the same ATen calls in the same order (the same bits, tests/layers/test_blocks_memory.py), where a training step of
-// ViT³-T at 224 px spent ~0.1 ms per block in that node's Python and its calls' bindings. The op's reference is
+// the same ATen calls in the same order (the same bits, tests/layers/test_blocks_memory.py), without that node's
+// Python and its calls' bindings (docs/design/kernels.md). The op's reference is
 // LayerNorm then timm's Mlp through autograd. Built into the extension vit3_cpu (kernels/cpp.py).
 
 #include "vit3_cpu.h"
