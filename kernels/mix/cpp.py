@@ -91,15 +91,13 @@ def state(cache: dict, spec: Any, qkv: Tensor, weights: Sequence[Tensor], calls:
 
 
 def saved_like(spec: Any, qkv: Tensor) -> list[Tensor]:
-    """``Whole.saved_like`` of the ``cpu`` path: what ``mix_forward`` saves, per branch its rotated q, k
-    ``[B, N, width]`` (RoPE), then its step's statistics: SwiGLU's ``[W1 | W2]``, G, the column norms, W'
-    (and Z, Y where ``spec.recompute`` is off), the depthwise conv's G, norms and W' (taps)."""
+    """``Whole.saved_like`` of the ``cpu`` path: what ``mix_forward`` saves, per branch its step's statistics:
+    SwiGLU's ``[W1 | W2]``, G, the column norms, W' (and Z, Y where ``spec.recompute`` is off), the depthwise
+    conv's G, norms and W' (taps). A RoPE branch's rotated q, k are not saved: the backward rotates again."""
     b, n, _ = qkv.shape
     out = []
     for br in spec.branches:
         h, d = br.heads, br.head_dim
-        if br.rope:
-            out += [qkv.new_empty(b, n, h * d) for _ in range(2)]
         if br.op == "swiglu":
             out += [qkv.new_empty(b, h, d, 2 * d) for _ in range(2)]
             out += [qkv.new_empty(b, h, 1, 2 * d), qkv.new_empty(b, h, d, 2 * d)]

@@ -128,3 +128,32 @@ def test_a_path_that_refuses_the_branch_is_passed_over_with_its_reason(toy):
     expl = reg.explain_mixer(mixer, torch.device("cpu"), torch.float64, GRID, grad=False)
     assert expl.branches[0].backend == "generic" and not expl.fused
     assert dict(expl.branches[0].passed_over)["eager"].startswith("loss 'mse' is not fused")
+
+
+def test_the_triton_weight_names_are_the_tables():
+    """``triton.device.WEIGHT_NAMES`` names each Triton op's weights as its table entry does (``Op.weights``),
+    in the same order: the Triton path zips them with the weights it is given."""
+    from vit3.kernels.triton.device import WEIGHT_NAMES
+
+    triton_ops = {name for name, op in OPS.items() if "triton" in op.paths}
+    assert set(WEIGHT_NAMES) == triton_ops
+    for name in triton_ops:
+        assert WEIGHT_NAMES[name] == OPS[name].weights, name
+
+
+def test_each_cpu_nodes_mix_code_is_the_mix_ops_code_for_it():
+    """The code a ``cpu`` node hands the whole-mixer C++ op (``Node.mix``) is the one ``mix.cpp``'s
+    ``OpCode`` gives the op (``kSwiGLU``, ``kDwconv``), and every op the C++ op knows has a ``cpu`` node."""
+    import re
+    from pathlib import Path as FilePath
+
+    import vit3.kernels
+
+    source = (FilePath(vit3.kernels.__file__).parent / "mix" / "csrc" / "mix.cpp").read_text()
+    enum = re.search(r"enum OpCode : int64_t \{([^}]*)\}", source)
+    assert enum, "mix.cpp has no enum OpCode"
+    codes = {name.lower(): int(code) for name, code in re.findall(r"k(\w+) = (\d+)", enum.group(1))}
+    qkv = torch.zeros(1, 49, 3 * 64)
+    nodes = {name: op.paths["cpu"].node for name, op in OPS.items() if "cpu" in op.paths}
+    given = {name: node.mix(32, qkv)[0] for name, node in nodes.items() if node.mix is not None}
+    assert given == codes

@@ -186,7 +186,7 @@ def test_saved_tensor_hooks_see_the_node_and_checkpointing_gives_the_same_gradie
     qkv = mixer.qkv(x)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = mixer.mix(qkv, GRID)
-    # per branch its rotated q, k (RoPE) and step statistics, then qkv and the weights
+    # per branch its step statistics, then qkv and the weights
     assert NODE in out.grad_fn.name() and len(packed) >= 6
     hooked = torch.autograd.grad(mixer.proj(out).square().sum(), params)
     ckpt = checkpoint(lambda t: mixer(t, GRID), x, use_reentrant=False)
@@ -194,6 +194,27 @@ def test_saved_tensor_hooks_see_the_node_and_checkpointing_gives_the_same_gradie
     for g, h, g_ref in zip(got, hooked, plain):
         torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(h, g_ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("recompute", ["always", "never"])
+def test_a_rope_branch_on_the_op_saves_what_one_without_rope_saves(recompute):
+    """The C++ op rotates a RoPE branch's q, k again in its backward instead of saving them: a settled call
+    saves the same tensors with and without RoPE, under either recompute setting."""
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    saved = {}
+    for rope in (False, True):
+        torch.manual_seed(0)
+        mixer = _mixer(rope=rope, recompute=recompute)
+        _settle(mixer, x)
+        packed: list[torch.Size] = []
+        saved[rope] = packed
+        qkv = mixer.qkv(x)
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, into=packed: into.append(t.shape) or t, lambda t: t
+        ):
+            out = mixer.mix(qkv, GRID)
+        assert NODE in out.grad_fn.name()
+    assert saved[True] == saved[False]
 
 
 def _settled_call(monkeypatch, node: str) -> tuple[TTTMixer, torch.Tensor, torch.Tensor]:

@@ -7,8 +7,8 @@
 // q, k, v of each branch are strided views of qkv [B, N, 3 * sum(widths)] (branch by branch [q | k | v]); RoPE
 // rotates q and k (rope_2d, bit for bit vit3/layers/rope.py's apply_rope_2d); the read-outs are written into one
 // output [B, N, sum(widths)] and the backward writes dq, dk, dv into one qkv gradient. What the forward saves never
-// aliases qkv (the backward takes qkv and views it again), and its layout does not depend on sizes: per branch the
-// rotated q, k where it has RoPE, then its step's statistics.
+// aliases qkv (the backward takes qkv and views it again), and its layout does not depend on sizes: per branch its
+// step's statistics. A RoPE branch's rotated q, k are not saved: the backward rotates them again.
 //
 // The spec is a flat int list, kFields per branch: op code (0 SwiGLU, 1 depthwise), offset in qkv, heads, head dim,
 // RoPE (0/1), the SwiGLU kernel's token block. Ops: mix (autograd: one node), mix_forward / mix_backward (its two
@@ -29,10 +29,10 @@ using namespace vit3_cpu;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-enum Kind : int64_t { kSwiGLU = 0, kDwconv = 1 };
+enum OpCode : int64_t { kSwiGLU = 0, kDwconv = 1 };  // each op's MIX_CODE (kernels/<op>/cpp.py)
 constexpr int64_t kFields = 6;
 // What a SwiGLU branch's step saves (w, g, norm, w_new, and z, y unless the backward recomputes them) and a
-// depthwise one's (g, norm, w_new); a RoPE branch saves its rotated q, k before them.
+// depthwise one's (g, norm, w_new).
 constexpr int64_t kSwiGLUSaved = 4, kDwconvSaved = 3;
 
 struct Branch {
@@ -42,7 +42,7 @@ struct Branch {
   int64_t width() const { return heads * head_dim; }
   int64_t weights() const { return op == kSwiGLU ? 2 : 1; }
   int64_t saved(bool recompute) const {
-    return (rope ? 2 : 0) + (op == kSwiGLU ? kSwiGLUSaved + (recompute ? 0 : 2) : kDwconvSaved);
+    return op == kSwiGLU ? kSwiGLUSaved + (recompute ? 0 : 2) : kDwconvSaved;
   }
 };
 
@@ -146,6 +146,13 @@ void rotate(const Tensor& x, const Tensor& out, int64_t gh, int64_t gw, double b
   VIT3_DISPATCH(x, rotate_impl, x, cos, sin, out, inverse);
 }
 
+// Tokens x [B, N, C] (unit stride along C) rotated by their position on the gh x gw grid, as a new [B, N, C].
+Tensor rotated(const Tensor& x, int64_t gh, int64_t gw, double base) {
+  Tensor out = at::empty(x.sizes(), x.options());
+  rotate(x, out, gh, gw, base, false);
+  return out;
+}
+
 void check_tokens(const Tensor& t, int64_t gh, int64_t gw, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "vit3_cpu.mix: ", name, " must be a CPU tensor");
   check_float(t);
@@ -204,7 +211,7 @@ Tensor unit_channels(const Tensor& qkv, bool& dense) {
 }
 
 // Every branch's step and read-out written into out [B, N, sum(widths)]; returns (when save) what mix_backward needs
-// besides qkv: per branch its rotated q, k where it has RoPE, then its step's statistics (Branch::saved). dense: the
+// besides qkv: per branch its step's statistics (Branch::saved). dense: the
 // SwiGLU branches read dense copies of q, k, v (fused_mix's rule, decided by the caller).
 std::vector<Tensor> mix_forward(const Tensor& qkv_in, at::TensorList weights, at::IntArrayRef spec, int64_t gh,
                                 int64_t gw, double scale, double lr, bool grad_norm, double rope_base, bool recompute,
@@ -236,12 +243,8 @@ std::vector<Tensor> mix_forward(const Tensor& qkv_in, at::TensorList weights, at
     Tensor q = tokens_view(qkv, br.offset, W), k = tokens_view(qkv, br.offset + W, W);
     const Tensor v = tokens_view(qkv, br.offset + 2 * W, W);
     if (br.rope) {
-      Tensor rq = at::empty({B, N, W}, qkv.options()), rk = at::empty({B, N, W}, qkv.options());
-      rotate(q, rq, gh, gw, rope_base, false);
-      rotate(k, rk, gh, gw, rope_base, false);
-      q = rq;
-      k = rk;
-      if (save) saved.insert(saved.end(), {rq, rk});
+      q = rotated(q, gh, gw, rope_base);
+      k = rotated(k, gh, gw, rope_base);
     }
     const Tensor dest = tokens_view(out, col, W);
     if (br.op == kSwiGLU) {
@@ -298,9 +301,11 @@ std::vector<Tensor> mix_backward(const Tensor& d_out_in, const Tensor& qkv_in, a
   for (const auto& br : brs) {
     const int64_t W = br.width(), H = br.heads, d = br.head_dim;
     const auto s = saved.slice(si, br.saved(recompute));
-    const int64_t st = br.rope ? 2 : 0;  // the step's statistics after the rotated q, k
-    const Tensor q = br.rope ? s[0] : tokens_view(qkv, br.offset, W);
-    const Tensor k = br.rope ? s[1] : tokens_view(qkv, br.offset + W, W);
+    Tensor q = tokens_view(qkv, br.offset, W), k = tokens_view(qkv, br.offset + W, W);
+    if (br.rope) {  // rotated again, as the forward did
+      q = rotated(q, gh, gw, rope_base);
+      k = rotated(k, gh, gw, rope_base);
+    }
     const Tensor v = tokens_view(qkv, br.offset + 2 * W, W);
     const Tensor dq = tokens_view(dqkv, br.offset, W), dk = tokens_view(dqkv, br.offset + W, W);
     const Tensor dv = tokens_view(dqkv, br.offset + 2 * W, W), dout = tokens_view(d_out, col, W);
@@ -309,14 +314,14 @@ std::vector<Tensor> mix_backward(const Tensor& d_out_in, const Tensor& qkv_in, a
     const Tensor rk = br.rope ? at::empty({B, N, W}, d_out.options()) : dk;
     if (br.op == kSwiGLU) {
       const auto [qh, kh, vh] = swiglu_inputs(q, k, v, H, d, dense);
-      const auto opt = [&](int64_t i) { return recompute ? std::nullopt : std::optional<Tensor>(s[st + 4 + i]); };
-      const Tensor dw = ttt_backward(heads_view(dout, H, d), qh, kh, vh, opt(0), opt(1), s[st], s[st + 1], s[st + 2],
-                                     s[st + 3], heads_view(rq, H, d), heads_view(rk, H, d), heads_view(dv, H, d), c,
+      const auto opt = [&](int64_t i) { return recompute ? std::nullopt : std::optional<Tensor>(s[4 + i]); };
+      const Tensor dw = ttt_backward(heads_view(dout, H, d), qh, kh, vh, opt(0), opt(1), s[0], s[1], s[2],
+                                     s[3], heads_view(rq, H, d), heads_view(rk, H, d), heads_view(dv, H, d), c,
                                      lr, grad_norm, br.block);  // [B, H, d, 2d]
       grads.push_back(weight_grad(dw.narrow(3, 0, d), shape(wi), W, false));
       grads.push_back(weight_grad(dw.narrow(3, d, d), shape(wi + 1), W, false));
     } else {
-      const Tensor dw = dwconv_ttt_backward(dout, q, k, v, s[st], s[st + 1], s[st + 2], rq, rk, dv, gh, gw, c, lr,
+      const Tensor dw = dwconv_ttt_backward(dout, q, k, v, s[0], s[1], s[2], rq, rk, dv, gh, gw, c, lr,
                                             grad_norm);  // taps [B, 9, C]
       grads.push_back(weight_grad(dw.transpose(1, 2).unflatten(-1, {3, 3}), shape(wi), W, true));
     }
