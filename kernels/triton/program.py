@@ -1,13 +1,11 @@
 """The whole fused mixer call on Triton as one launch program, its tensors bound by address.
 
 Where every branch of the fused node (``vit3.layers.fused_mix``) runs on Triton, a call is one
-:class:`MixProgram`: the launch plans of ``plan.py`` of every branch, each tensor argument turned into an
-address ``base + offset`` over a few bases (qkv, the output, the weights, one workspace, one scratch buffer,
-the counters, the RoPE tables, the gradients); a RoPE branch's rotations are launches of it too. The
-branches' launches of one stage run as one (``fuse``). A call then allocates two or three buffers, reads one
-pointer per base and launches: on a GPU each compiled kernel takes its addresses as integers (Triton's JIT
-launcher, where it runs, :class:`Address` es); Triton's interpreter gets one-element tensors on the base's
-storage instead (``at_address``), the same offsets.
+:class:`MixProgram`: every branch's launch plans (``plan.py``), each tensor argument an address ``base +
+offset`` over a few bases (qkv, the output, the weights, the workspaces, the counters, the RoPE tables, the
+gradients). One stage's launches of the branches run as one (``fuse``). A call allocates two or three
+buffers, reads one pointer per base and launches: each compiled kernel takes its addresses as integers (under
+the interpreter: one-element tensors on the base's storage, ``at_address``).
 
 The bases one by one and why addresses: ``docs/design/kernels.md``.
 """

@@ -1,13 +1,11 @@
 """Which implementation runs each branch of a TTT mixer, and why: the one place that decides it.
 
-A *backend* is one implementation of a branch's inner loop + read-out: ``triton`` (the Triton kernels),
-``cpu`` (the C++ CPU kernel), ``eager`` (the eager paths) or ``generic`` (the closed-form inner loop, every
-config).
-``TTTConfig.backend`` names one (it wins over ``$VIT3_TTT_BACKEND``; both default to ``auto``, an order per
-device type). A call's plan is cached per key; a key's first calls run guarded and a backend that fails is
-demoted with one warning (``VIT3_TTT_STRICT=1`` raises). A call runs the mixer op (every branch on a fast
-path) or the generic inner loop for every branch (``registry.joined``). ``TTTMixer.explain`` says why. How a
-settled call then runs follows in ``ttt.py`` and ``blocks.py``.
+A *backend* is one implementation of a branch's inner loop + read-out: ``triton``, ``cpu`` (C++),
+``eager`` or ``generic`` (the closed-form inner loop, every config). ``TTTConfig.backend`` names one (over
+``$VIT3_TTT_BACKEND``; both default to ``auto``, an order per device type). A call's plan is cached per key;
+a key's first calls run guarded and a backend that fails is demoted with one warning (``VIT3_TTT_STRICT=1``
+raises). A call runs the mixer op (every branch on a fast path) or the generic path for every branch
+(``registry.joined``); ``TTTMixer.explain`` says why.
 
 Modules, bottom up: ``interface``, ``registry``, ``planner``, ``verify``, ``guard``, ``explain``. The rules
 in full: ``docs/design/dispatch.md``.
