@@ -94,7 +94,8 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
     program (``triton.program``, where the tree has it) and branch by branch (the ``Node`` hooks), and both
     with RoPE on the SwiGLU branch (H-ViT³'s mixer: q, k rotated by the program's kernels or around the
     hooks); the program through the mixer op ``vit3::mix``, called eagerly (the dispatcher's cost) and
-    compiled (``aot_eager``); and the floor of any Python autograd node with its inputs
+    compiled (``aot_eager``), and through a settled mixer's ``TTTMixer.mix`` (its short path, what a model's
+    call runs between the projections); and the floor of any Python autograd node with its inputs
     (``common.FloorNode``). ``{}`` on a tree without the Triton node."""
     if "path" not in fused_mix.MixBranch._fields:
         return {}
@@ -146,6 +147,13 @@ def _node_calls(qkv: torch.Tensor, weights: list[torch.Tensor], grid: tuple[int,
         fns[f"{NODE} fwd+bwd (program, through the op)"] = through(op_call)
         compiled = torch.compile(op_call, backend="aot_eager", fullgraph=True)
         fns[f"{NODE} fwd+bwd (program, the op compiled)"] = through(compiled)
+        mixer = TTTMixer(c, heads, backend="triton")
+        inner = list(mixer.inner.parameters())
+
+        def mix() -> None:
+            _train_backward([mixer.mix(qkv, grid)], [qkv, *inner])
+
+        fns[f"{NODE} fwd+bwd (program, TTTMixer.mix)"] = mix
     fns["floor: an empty autograd node, fwd+bwd"] = floor
     return fns
 

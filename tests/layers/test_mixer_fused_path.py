@@ -240,3 +240,98 @@ def test_depthwise_maps_fold_the_batch_into_channels_last_and_back():
     dest = torch.zeros(b, h * w, 3 * c)[..., c : 2 * c]
     write_tokens(m, dest)
     torch.testing.assert_close(dest, tokens, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------- the node's short path
+
+
+def _settled_on_the_node(monkeypatch) -> tuple[TTTMixer, torch.Tensor]:
+    """A RoPE'd mixer settled on the Python node (the C++ op off) in both grad modes, and its input."""
+    monkeypatch.setattr(ttt, "CPP_NODE", False)
+    mixer = _mixer(rope=True)
+    x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
+    for _ in range(4):
+        mixer(x, GRID).sum().backward()
+        with torch.no_grad():
+            mixer(x, GRID)
+    return mixer, x
+
+
+def _through(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, bool]:
+    """``mixer.mix(qkv, grid)`` and whether the short path served it (``_mix_tokens`` not reached)."""
+    general, reached = mixer._mix_tokens, []
+    mixer._mix_tokens = lambda *args: reached.append(True) or general(*args)
+    try:
+        return mixer.mix(qkv, grid), not reached
+    finally:
+        del mixer._mix_tokens
+
+
+def _twin(mixer: TTTMixer) -> TTTMixer:
+    twin = _mixer(rope=True)
+    twin.load_state_dict(mixer.state_dict())
+    return twin
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_a_settled_call_on_the_node_takes_its_short_path_with_the_same_bits(monkeypatch, grad):
+    """A settled call on the fused node skips the mixer's plan (``Calls.node``): the same output and
+    gradients as a mixer that plans every call."""
+    mixer, x = _settled_on_the_node(monkeypatch)
+    twin = _twin(mixer)
+    for _ in range(4):
+        twin(x, GRID)  # settled too, through the general path below
+    qkv = mixer.qkv(x.detach()).detach().requires_grad_(grad)
+    monkeypatch.setattr(mixer, "_call", lambda *args: pytest.fail("the plan was asked"))
+    with torch.set_grad_enabled(grad):
+        got, short = _through(mixer, qkv, GRID)
+    assert short
+    qkv2 = qkv.detach().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        want = twin._mix_tokens(qkv2, GRID, None, "")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if grad:
+        dout = torch.randn_like(got)
+        params = [qkv, *mixer.inner.parameters()]
+        grads = torch.autograd.grad(got, params, dout)
+        ref = torch.autograd.grad(want, [qkv2, *twin.inner.parameters()], dout)
+        for g, r in zip(grads, ref):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+def _changed(mixer: TTTMixer, qkv: torch.Tensor, change: str) -> tuple[torch.Tensor, tuple[int, int]]:
+    if change == "grid":  # the same N, another layout: RoPE's angles differ
+        return qkv, GRID[::-1]
+    if change == "dtype":
+        return qkv.float(), GRID
+    if change == "weight-dtype":  # one weight converted in place (no ``Module.to``)
+        mixer.inner[0].w1.data = mixer.inner[0].w1.data.float()
+    elif change == "plans-cleared":
+        mixer._calls.clear()
+    return qkv, GRID
+
+
+@pytest.mark.parametrize("change", ["grid", "dtype", "weight-dtype", "plans-cleared"])
+def test_the_nodes_short_path_steps_aside_where_the_settled_call_does_not_hold(monkeypatch, change):
+    """The call goes the general way and gives what a mixer without plans (the same change made to it)
+    gives."""
+    mixer, x = _settled_on_the_node(monkeypatch)
+    qkv, grid = _changed(mixer, mixer.qkv(x.detach()).detach(), change)
+    twin = _twin(mixer).to(qkv.dtype)
+    if change == "weight-dtype":
+        twin.inner[0].w1.data = twin.inner[0].w1.data.float()
+    with torch.no_grad():
+        got, short = _through(mixer, qkv, grid)
+        want = twin.mix(qkv, grid)
+    assert not short
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+def test_a_qkv_on_another_device_does_not_take_the_nodes_short_path(monkeypatch):
+    mixer, x = _settled_on_the_node(monkeypatch)
+    qkv = mixer.qkv(x.detach()).detach()
+    general = object()
+    monkeypatch.setattr(mixer, "_mix_tokens", lambda *args: general)  # meta tensors: no general path to run
+    with torch.no_grad():
+        assert mixer.mix(qkv.to("meta"), GRID) is general
+        assert mixer.mix(qkv, GRID) is not general  # the same call on the CPU: the short path

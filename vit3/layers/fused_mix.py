@@ -31,6 +31,7 @@ __all__ = [
     "fused_mix",
     "mix_backward_op",
     "mix_op",
+    "node_call",
     "op_args",
     "reference_mix",
     "spec_of",
@@ -422,8 +423,15 @@ def fused_mix(qkv: Tensor, spec: MixSpec, weights: list[Tensor]) -> Tensor:
         )
     # Saving for the backward only when autograd will call it (not under no_grad / inference); without it
     # the node is not needed either. Autocast off: the node computes in qkv's dtype, its backward too.
+    return node_call(qkv, weights, layout, grad_flows(qkv, *weights))
+
+
+def node_call(qkv: Tensor, weights: list[Tensor], layout: MixLayout, grad: bool) -> Tensor:
+    """``fused_mix`` of a settled call whose checks passed before (``TTTMixer``'s short path): ``layout``
+    (``mix_layout``) on a whole path, ``weights`` in the dtype the node takes with ``qkv``'s, not traced;
+    ``grad``: gradients flow (``grad_flows``)."""
     with autocast_off(qkv.device.type):
-        if grad_flows(qkv, *weights):
+        if grad:
             return _FusedMix.apply(qkv, layout, None, *weights)
         return _forward(qkv, layout, False, tuple(weights))[0]
 

@@ -1,5 +1,5 @@
-"""The calls a TTT mixer keeps: the plan of each key and, in front of them, the short path of a settled call
-on the whole-mixer C++ op (``TTTMixer._mixed``), with the op's constant arguments."""
+"""The calls a TTT mixer keeps: the plan of each key and, in front of them, the short paths of a settled call
+(``TTTMixer._mixed``): on the whole-mixer C++ op, with the op's constant arguments, or on the fused node."""
 
 from __future__ import annotations
 
@@ -31,14 +31,16 @@ class Calls:
     are read from (``sources``, ``TTTMixer._param_sources``) and the weights it took (``flat``: a later call
     takes the short path only while each ``sources`` entry still holds that same tensor, in that dtype), and
     where the weights are, looked up once (``weight_places``, ``TTTMixer._param_sources``; ``False``: not
-    yet). ``clear`` drops them all; so does every change the backends' plans depend on (a demotion, a new
-    environment, ``backends.reset``): the cache is kept with them (``backends.keep_with_plans``).
+    yet); and the last call settled on the fused node, taken as it is (``node``: its device, qkv dtype, grid,
+    weight dtype and per grad mode its ``MixLayout``; ``TTTMixer._keep_node``). ``clear`` drops them all; so
+    does every change the backends' plans depend on (a demotion, a new environment, ``backends.reset``): the
+    cache is kept with them (``backends.keep_with_plans``).
 
     Why one object (in the mixer's ``__dict__``, a single leaf ``torch.export`` writes back as is) and why the
     short path: ``docs/design/dispatch.md``.
     """
 
-    __slots__ = ("__weakref__", "flat", "plans", "short", "sources", "weight_places")
+    __slots__ = ("__weakref__", "flat", "node", "plans", "short", "sources", "weight_places")
 
     def __init__(self) -> None:
         self.plans: dict[tuple, Call] = {}
@@ -51,6 +53,7 @@ class Calls:
         self.sources: list[tuple[dict[str, Tensor], str]] | None = None
         self.flat: list[Tensor] | None = None
         self.weight_places: list[tuple[dict[str, Tensor], str]] | bool | None = False
+        self.node: tuple | None = None
 
 
 def call_key(device: torch.device, dtype: torch.dtype, n: int, grad: bool, grid: tuple[int, int]) -> tuple:

@@ -22,7 +22,7 @@ from vit3.kernels.mix.cpp import cpp_args
 from . import backends
 from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig, check_count, is_count
-from .fused_mix import MixBranch, MixSpec, fused_mix, takes
+from .fused_mix import MixBranch, MixSpec, fused_mix, mix_layout, node_call, takes
 from .inner import assert_finite, create_inner_model, inner_loop
 from .inner_math import shape_text, tracing_kind
 from .mixer_calls import MAX_CALLS, Call, Calls, call_key
@@ -302,6 +302,15 @@ class TTTMixer(nn.Module):
                             break
                     else:
                         return call[2](qkv, flat, *call[3])
+            node = calls.node if calls is not None else None
+            # the short path of a settled call on the fused node (``_keep_node``): this device, dtype and
+            # grid, the weights in the dtype it had
+            if node is not None and node[1] is qkv.dtype and node[2] == grid and qkv.device == node[0]:
+                flat = [p for m in self.inner for p in m.initial_params().values()]
+                grad = torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))
+                layout = node[4][grad]
+                if layout is not None and all(p.dtype is node[3] for p in flat):
+                    return node_call(qkv, flat, layout, grad)
         return self._mix_tokens(qkv, grid, gates, kind)
 
     def _empty_mix(self, qkv: Tensor, gates: Tensor | None) -> Tensor:
@@ -325,6 +334,8 @@ class TTTMixer(nn.Module):
             if not plan.fused:  # every branch on the generic inner loop, which needs no guard
                 return self.reference_mix(qkv, grid, gates)
             if call.settled:  # verified: no guard, the node itself
+                if gates is None and not kind:
+                    self._keep_node(qkv, grid, call.mix_spec, flat)
                 return _fused(call.mix_spec, qkv, flat)
             names = [list(w) for w in weights]
 
@@ -411,6 +422,23 @@ class TTTMixer(nn.Module):
         writes them in token order in one pass."""
         b, n = qkv.shape[0], qkv.shape[1]
         return torch.cat(outs, dim=2).view(b, n, -1) if len(outs) > 1 else outs[0].reshape(b, n, -1)
+
+    def _keep_node(self, qkv: Tensor, grid: tuple[int, int], spec: MixSpec, flat: list[Tensor]) -> None:
+        """Keeps a settled call on the fused node for ``_mixed``'s short path (``Calls.node``) where
+        ``_fused`` hands it qkv and the weights as they are (no cast), per grad mode."""
+        dtype, wdtype = qkv.dtype, flat[0].dtype
+        if any(p.dtype is not wdtype for p in flat) or not (
+            (dtype in _COMPUTE_DTYPES and wdtype is dtype)
+            or (wdtype is torch.promote_types(dtype, torch.float32) and takes(spec, dtype))
+        ):
+            return
+        calls = self._calls
+        node = calls.node
+        if node is None or node[:4] != (qkv.device, dtype, grid, wdtype):
+            node = calls.node = (qkv.device, dtype, grid, wdtype, [None, None])
+        node[4][torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))] = (
+            mix_layout(spec)
+        )
 
     def _cpp_call(self, qkv: Tensor, grid: tuple[int, int]) -> Tensor | None:
         """A settled call on the whole-mixer C++ op (no node in Python), or ``None`` where this call takes the
