@@ -13,7 +13,6 @@ benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -33,15 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, FloorNode, GpuDriver, print_table, time_samples, write_csv
 from vit3.kernels.triton import checks, device, op, tiles
 from vit3.layers import TTTMixer, fused_mix
-from vit3.layers import backends as reg
+from vit3.layers.backends import guard
 
 
 def stub_launches() -> list[str]:
     """Makes the CPU look like a GPU to the Triton path and Triton's launchers no-ops that record their
     kernel: ``JITFunction.run`` (called by ``kernel[grid](...)``) and the compiled kernels a launch program
     calls itself (``JITFunction.warmup`` compiles nothing, the compiled kernel's ``[grid]`` launches nothing);
-    the registry does not verify new specialisations (stubbed launches compute nothing: it would demote
-    them). A compiled kernel's launch calls each pointer argument's ``data_ptr`` as Triton's launcher does."""
+    the registry still guards each new input specialisation, as on a GPU, but verifies it without comparing
+    (stubbed launches compute nothing: it would demote them). A compiled kernel's launch calls each pointer
+    argument's ``data_ptr`` as Triton's launcher does."""
     launched: list[str] = []
 
     class Compiled:
@@ -72,7 +72,7 @@ def stub_launches() -> list[str]:
         module.triton_runs_on = lambda where: True
     sys.modules["vit3.kernels"].triton_runs_on = device.triton_runs_on
     tiles.fits_device = lambda *args: (True, "")
-    reg.BACKENDS["triton"] = dataclasses.replace(reg.BACKENDS["triton"], specialises=False)
+    guard._Guard.checks = lambda self: False  # a new specialisation is verified without a comparison
     return launched
 
 

@@ -31,6 +31,7 @@ from vit3.kernels.triton import node as tnode
 from vit3.kernels.triton import op as top
 from vit3.kernels.triton import plan as tplan
 from vit3.kernels.triton import program as tprogram
+from vit3.layers import TTTMixer
 from vit3.layers import fused_mix as em
 
 LR = 0.7
@@ -477,6 +478,42 @@ def test_a_vit3_mixer_call_is_one_launch_per_stage_for_both_branches(chunk, monk
     first = "grad_partial_kernel" if chunk < 63 else "forward_kernel"  # N whole: SwiGLU's forward is one
     assert fuse.kernel_names(counts[True][0]) == [first, "conv_grad_partial_kernel"]
     assert len(counts[False]) >= 7
+
+
+@pytest.mark.triton
+def test_a_mixer_on_the_program_takes_the_short_path_on_a_verified_specialisation(triton_device):
+    """Triton specialises (a call never settles): once a call's input specialisation is verified, the next
+    call of that specialisation takes the mixer's short path to the program, with the general path's output
+    and gradients (a differentiable one too); a new batch size is a new specialisation: the general path,
+    guarded, then the short path again."""
+    torch.manual_seed(0)
+    mixer = TTTMixer(32, 2, backend="triton").to(triton_device, torch.float64)
+    grid = (4, 4)
+
+    def qkv_of(b: int) -> torch.Tensor:
+        x = torch.randn(b, 16, 32, dtype=torch.float64, device=triton_device)
+        return mixer.qkv(x).detach().requires_grad_()
+
+    general, reached = mixer._mix_tokens, []
+    mixer._mix_tokens = lambda *args: reached.append(True) or general(*args)
+    qkv = qkv_of(2)
+    for _ in range(3):  # guarded and verified in its backward; unguarded, and kept; the short path
+        mixer.mix(qkv, grid).sum().backward()
+    assert reached == [True] * 2 and not any(c.settled for c in mixer._calls.plans.values())
+    reached.clear()
+    got = mixer.mix(qkv, grid)
+    assert not reached
+    params = [qkv, *mixer.inner.parameters()]
+    grads = torch.autograd.grad(got.square().sum(), params, create_graph=True)
+    want = general(qkv, grid, None, "")
+    ref = torch.autograd.grad(want.square().sum(), params, create_graph=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(sum(g.sum() for g in grads), params[1:]))
+    reached.clear()
+    mixer.mix(qkv_of(3), grid).sum().backward()  # another batch: another specialisation
+    assert reached
 
 
 @pytest.mark.triton

@@ -26,15 +26,16 @@ class Call:
 
 class Calls:
     """A mixer's plans by key (``plans``, ``TTTMixer._call``) and, in front of them for ``TTTMixer._mixed``'s
-    short path, per grad mode the last call settled on the whole-mixer C++ op
-    (``short[grad]``: its qkv dtype, grid, the op and its arguments after the weights), with where the weights
-    are read from (``sources``, ``TTTMixer._param_sources``) and the weights it took (``flat``: a later call
-    takes the short path only while each ``sources`` entry still holds that same tensor, in that dtype), and
-    where the weights are, looked up once (``weight_places``, ``TTTMixer._param_sources``; ``False``: not
-    yet); and the last call settled on the fused node, taken as it is (``node``: its device, qkv dtype, grid,
-    weight dtype and per grad mode its ``MixLayout``; ``TTTMixer._keep_node``). ``clear`` drops them all; so
-    does every change the backends' plans depend on (a demotion, a new environment, ``backends.reset``): the
-    cache is kept with them (``backends.keep_with_plans``).
+    short path, per grad mode the last call settled on the whole-mixer C++ op (``short[grad]``: its qkv dtype,
+    grid, the op and its arguments after the weights), with where the weights are read from (``sources``,
+    ``TTTMixer._param_sources``) and the weights it took (``flat``: a later call takes the short path only
+    while each ``sources`` entry still holds that same tensor, in that dtype), and where the weights are,
+    looked up once (``weight_places``, ``TTTMixer._param_sources``; ``False``: not yet); and the last call
+    unguarded on the fused node, taken as it is (``node``: its device, qkv dtype, grid, weight dtype, and per
+    grad mode its ``MixLayout`` with the input specialisation verified on a backend that specialises;
+    ``TTTMixer._keep_node``). ``clear`` drops them all; so does every change the backends' plans depend on (a
+    demotion, a new environment, ``backends.reset``): the cache is kept with them
+    (``backends.keep_with_plans``).
 
     Why one object (in the mixer's ``__dict__``, a single leaf ``torch.export`` writes back as is) and why the
     short path: ``docs/design/dispatch.md``.

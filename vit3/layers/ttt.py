@@ -304,13 +304,18 @@ class TTTMixer(nn.Module):
                         return call[2](qkv, flat, *call[3])
             node = calls.node if calls is not None else None
             # the short path of a settled call on the fused node (``_keep_node``): this device, dtype and
-            # grid, the weights in the dtype it had
+            # grid, the weights in the dtype it had, and on a backend that specialises (Triton) the input
+            # specialisation it verified
             if node is not None and node[1] is qkv.dtype and node[2] == grid and qkv.device == node[0]:
                 flat = [p for m in self.inner for p in m.initial_params().values()]
                 grad = torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))
-                layout = node[4][grad]
-                if layout is not None and all(p.dtype is node[3] for p in flat):
-                    return node_call(qkv, flat, layout, grad)
+                kept = node[4][grad]  # its layout, and the specialisation verified (``()``: a settled call)
+                if (
+                    kept is not None
+                    and all(p.dtype is node[3] for p in flat)
+                    and (not kept[1] or backends.specialisation([qkv, *flat]) == kept[1])
+                ):
+                    return node_call(qkv, flat, kept[0], grad)
         return self._mix_tokens(qkv, grid, gates, kind)
 
     def _empty_mix(self, qkv: Tensor, gates: Tensor | None) -> Tensor:
@@ -335,7 +340,7 @@ class TTTMixer(nn.Module):
                 return self.reference_mix(qkv, grid, gates)
             if call.settled:  # verified: no guard, the node itself
                 if gates is None and not kind:
-                    self._keep_node(qkv, grid, call.mix_spec, flat)
+                    self._keep_node(qkv, grid, call.mix_spec, flat, ())
                 return _fused(call.mix_spec, qkv, flat)
             names = [list(w) for w in weights]
 
@@ -346,8 +351,14 @@ class TTTMixer(nn.Module):
                 again = [{name: next(it) for name in branch} for branch in names]
                 return self.reference_mix(qkv, grid, gates, again)
 
-            out = backends.run(plan, compute, [qkv, *flat])
+            tensors = [qkv, *flat]
+            # a backend that specialises (Triton) never settles: its verified specialisation is kept instead
+            # (a settled call is kept above, once the C++ op has passed it)
+            unguarded = backends.unguarded(plan, tensors) if gates is None and not kind else None
+            out = backends.run(plan, compute, tensors)
             call.settled = backends.settled(plan)
+            if unguarded:
+                self._keep_node(qkv, grid, call.mix_spec, flat, unguarded)
             return out
 
     def reference_mix(
@@ -423,9 +434,12 @@ class TTTMixer(nn.Module):
         b, n = qkv.shape[0], qkv.shape[1]
         return torch.cat(outs, dim=2).view(b, n, -1) if len(outs) > 1 else outs[0].reshape(b, n, -1)
 
-    def _keep_node(self, qkv: Tensor, grid: tuple[int, int], spec: MixSpec, flat: list[Tensor]) -> None:
-        """Keeps a settled call on the fused node for ``_mixed``'s short path (``Calls.node``) where
-        ``_fused`` hands it qkv and the weights as they are (no cast), per grad mode."""
+    def _keep_node(
+        self, qkv: Tensor, grid: tuple[int, int], spec: MixSpec, flat: list[Tensor], unguarded: tuple
+    ) -> None:
+        """Keeps a call on the fused node that ran unguarded (``backends.unguarded``: settled, ``()``, or on a
+        verified input specialisation) for ``_mixed``'s short path (``Calls.node``), where ``_fused`` hands
+        the node qkv and the weights as they are (no cast), per grad mode."""
         dtype, wdtype = qkv.dtype, flat[0].dtype
         if any(p.dtype is not wdtype for p in flat) or not (
             (dtype in _COMPUTE_DTYPES and wdtype is dtype)
@@ -436,9 +450,8 @@ class TTTMixer(nn.Module):
         node = calls.node
         if node is None or node[:4] != (qkv.device, dtype, grid, wdtype):
             node = calls.node = (qkv.device, dtype, grid, wdtype, [None, None])
-        node[4][torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))] = (
-            mix_layout(spec)
-        )
+        grad = torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))
+        node[4][grad] = (mix_layout(spec), unguarded)
 
     def _cpp_call(self, qkv: Tensor, grid: tuple[int, int]) -> Tensor | None:
         """A settled call on the whole-mixer C++ op (no node in Python), or ``None`` where this call takes the

@@ -12,7 +12,7 @@ in full: ``docs/design/dispatch.md``.
 """
 
 from .explain import BranchExplanation, MixerExplanation, ModelExplanation, explain_mixer
-from .guard import KernelFault, run, settled
+from .guard import KernelFault, run, settled, unguarded
 from .interface import (
     MIN_CPU_KERNEL_TOKENS,
     Backend,
@@ -41,7 +41,7 @@ from .planner import (
     scriptable_build,
 )
 from .registry import BACKEND_ENV, BACKENDS, NAMES, order
-from .verify import VERIFY_RTOL, VerificationError
+from .verify import VERIFY_RTOL, VerificationError, specialisation
 
 __all__ = [
     "BACKENDS",
@@ -79,5 +79,7 @@ __all__ = [
     "run",
     "scriptable_build",
     "settled",
+    "specialisation",
     "token_class",
+    "unguarded",
 ]

@@ -260,6 +260,19 @@ def settled(plan: Plan) -> bool:
     )
 
 
+def unguarded(plan: Plan, tensors: Sequence[Tensor]) -> tuple | None:
+    """What a mixer call on ``plan`` with ``tensors`` (``run``'s) runs unguarded on: ``()`` where the plan
+    is ``settled``, the input specialisation (``verify.specialisation``) where every branch has verified it
+    on a backend that specialises, ``None`` where ``run`` guards the call."""
+    if settled(plan):
+        return ()
+    units = range(len(plan.backends))
+    if not any(BACKENDS[plan.backends[i]].specialises for i in units):
+        return None
+    shapes = specialisation(tensors)
+    return shapes if all(is_verified(_entry(plan, i, shapes)) for i in units) else None
+
+
 def run(plan: Plan, compute: Callable[..., Tensor], tensors: Sequence[Tensor]) -> Tensor:
     """``compute(plan, *tensors)``: a mixer call, guarded on a key's first calls, and on the first call of
     each new input specialisation of a backend that specialises (Triton).
@@ -269,12 +282,10 @@ def run(plan: Plan, compute: Callable[..., Tensor], tensors: Sequence[Tensor]) -
         compute: ``(plan, *tensors) -> Tensor``, run again with the re-planned backends after a failure.
         tensors: every tensor input gradients may flow to (qkv and the initial weights).
     """
-    if settled(plan):
+    if unguarded(plan, tensors) is not None:
         return compute(plan, *tensors)
     units = range(len(plan.backends))
     shapes = specialisation(tensors) if any(BACKENDS[plan.backends[i]].specialises for i in units) else None
-    if shapes is not None and all(is_verified(_entry(plan, i, shapes)) for i in units):
-        return compute(plan, *tensors)
     guard = _Guard(plan, compute, shapes)
     grad = grad_flows(*tensors)
     while True:
