@@ -59,3 +59,14 @@ def reason_of(expl: reg.MixerExplanation, branch: int, backend: str) -> str:
 
 def tokens(grid, dim=32, b=2, dtype=torch.float64):
     return torch.randn(b, grid[0] * grid[1], dim, dtype=dtype)
+
+
+def mix_short(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, bool]:
+    """``mixer.mix(qkv, grid)`` and whether its short path served it (the general path, ``_mix_tokens``, not
+    reached)."""
+    general, reached = mixer._mix_tokens, []
+    mixer._mix_tokens = lambda *args: reached.append(True) or general(*args)
+    try:
+        return mixer.mix(qkv, grid), not reached
+    finally:
+        del mixer._mix_tokens

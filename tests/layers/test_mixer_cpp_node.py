@@ -15,7 +15,7 @@ import pickle
 
 import pytest
 import torch
-from helpers.backends import make_mixer
+from helpers.backends import make_mixer, mix_short
 from helpers.common import OpNames, count_calls
 from helpers.reference import assert_mixer_matches_reference
 from torch import nn
@@ -352,17 +352,6 @@ def _short_path_mixer() -> tuple[TTTMixer, torch.Tensor]:
     return mixer, mixer.qkv(x).detach()
 
 
-def _mix(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, bool]:
-    """``mixer.mix(qkv, grid)`` and whether its short path served it (the general path, ``_mix_tokens``, not
-    reached)."""
-    general, reached = mixer._mix_tokens, []
-    mixer._mix_tokens = lambda *args: reached.append(True) or general(*args)
-    try:
-        return mixer.mix(qkv, grid), not reached
-    finally:
-        del mixer._mix_tokens
-
-
 def _fresh_twin(mixer: TTTMixer) -> TTTMixer:
     """The same weights in a mixer that has planned nothing."""
     twin = _mixer(rope=True)
@@ -381,7 +370,7 @@ def test_a_settled_call_takes_the_short_path_without_the_plan_key(monkeypatch):
         monkeypatch.setattr(mixer, "settled_cpp_args", refused)
         monkeypatch.setattr(mixer, "_call", refused)
         with OpNames() as seen:
-            out, short = _mix(mixer, qkv, GRID)
+            out, short = mix_short(mixer, qkv, GRID)
     assert short
     # without gradients its autograd kernel steps aside: the output, then the forward writing into it
     assert seen.names == ["aten.empty.memory_format", "vit3_cpu.mix_forward.default"]
@@ -421,7 +410,7 @@ def test_the_short_path_steps_aside_where_the_settled_key_does_not_hold(change):
     if change == "weight-dtype":  # float32 w1 beside float64 weights: the general path casts it
         twin.inner[0].w1.data = twin.inner[0].w1.data.float()
     with torch.set_grad_enabled(grad):
-        got, short = _mix(mixer, qkv, grid)
+        got, short = mix_short(mixer, qkv, grid)
         want = twin.mix(qkv, grid)
     assert not short
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
@@ -443,7 +432,7 @@ def test_a_new_backend_in_the_environment_ends_the_short_path(monkeypatch):
     backends.refresh_env()
     try:
         with torch.no_grad(), OpNames() as seen:
-            got, short = _mix(mixer, qkv, GRID)
+            got, short = mix_short(mixer, qkv, GRID)
     finally:
         monkeypatch.delenv("VIT3_TTT_BACKEND")
         backends.refresh_env()
@@ -461,7 +450,7 @@ def test_a_copy_of_a_settled_mixer_runs_its_own_weights():
             clone.inner[0].w1.mul_(2)
             for _ in range(4):  # the copy's own calls settle
                 clone.mix(qkv, GRID)
-            got, short = _mix(clone, qkv, GRID)
+            got, short = mix_short(clone, qkv, GRID)
             assert short
             torch.testing.assert_close(got, _fresh_twin(clone).mix(qkv, GRID), rtol=1e-12, atol=1e-13)
             assert not torch.allclose(got, mixer.mix(qkv, GRID))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.backends import mix_short
 from helpers.common import count_calls, count_cpp_swiglu, saved_values
 from helpers.reference import assert_mixer_matches_reference
 from torch.utils.checkpoint import checkpoint
@@ -257,16 +258,6 @@ def _settled_on_the_node(monkeypatch) -> tuple[TTTMixer, torch.Tensor]:
     return mixer, x
 
 
-def _through(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int]) -> tuple[torch.Tensor, bool]:
-    """``mixer.mix(qkv, grid)`` and whether the short path served it (``_mix_tokens`` not reached)."""
-    general, reached = mixer._mix_tokens, []
-    mixer._mix_tokens = lambda *args: reached.append(True) or general(*args)
-    try:
-        return mixer.mix(qkv, grid), not reached
-    finally:
-        del mixer._mix_tokens
-
-
 def _twin(mixer: TTTMixer) -> TTTMixer:
     twin = _mixer(rope=True)
     twin.load_state_dict(mixer.state_dict())
@@ -284,7 +275,7 @@ def test_a_settled_call_on_the_node_takes_its_short_path_with_the_same_bits(monk
     qkv = mixer.qkv(x.detach()).detach().requires_grad_(grad)
     monkeypatch.setattr(mixer, "_call", lambda *args: pytest.fail("the plan was asked"))
     with torch.set_grad_enabled(grad):
-        got, short = _through(mixer, qkv, GRID)
+        got, short = mix_short(mixer, qkv, GRID)
     assert short
     qkv2 = qkv.detach().requires_grad_(grad)
     with torch.set_grad_enabled(grad):
@@ -321,7 +312,7 @@ def test_the_nodes_short_path_steps_aside_where_the_settled_call_does_not_hold(m
     if change == "weight-dtype":
         twin.inner[0].w1.data = twin.inner[0].w1.data.float()
     with torch.no_grad():
-        got, short = _through(mixer, qkv, grid)
+        got, short = mix_short(mixer, qkv, grid)
         want = twin.mix(qkv, grid)
     assert not short
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
