@@ -25,9 +25,9 @@ VERIFY_RTOL_DEFAULT = 0.1
 
 def specialisation(tensors: Sequence[Tensor]) -> tuple:
     """What a JIT-compiled backend specialises on beyond the plan key, as far as its inputs decide it: the
-    shape, strides and storage offset of q, k, v (Triton: sizes and strides equal to 1 or multiples of 16,
-    16-byte aligned pointers; and the grid). The weights' (``[1, G, ...]``, contiguous) are the key's; a
-    gate's follow q's."""
+    shape, strides and storage offset of the first three of a mixer call's ``tensors`` (``[qkv, *weights]``:
+    qkv and the first two initial weights; Triton: sizes and strides equal to 1 or multiples of 16, 16-byte
+    aligned pointers; and the grid). The weights' shapes and dtype are the key's; a gate's follow qkv's."""
     return tuple((t.shape, t.stride(), t.storage_offset()) for t in tensors[:3])
 
 
