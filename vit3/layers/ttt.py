@@ -333,14 +333,15 @@ class TTTMixer(nn.Module):
             return out
         weights = [model.initial_params() for model in self.inner]
         flat = [p for w in weights for p in w.values()]
-        call = self._call(qkv, grid, grad_flows(qkv, gates, *flat), kind)
+        grad = grad_flows(qkv, gates, *flat)
+        call = self._call(qkv, grid, grad, kind)
         plan = call.plan
         with autocast_off(qkv.device.type):  # the inner loops compute in qkv's dtype
             if not plan.fused:  # every branch on the generic inner loop, which needs no guard
                 return self.reference_mix(qkv, grid, gates)
             if call.settled:  # verified: no guard, the node itself
                 if gates is None and not kind:
-                    self._keep_node(qkv, grid, call.mix_spec, flat, ())
+                    self._keep_node(qkv, grid, call.mix_spec, flat, grad, ())
                 return _fused(call.mix_spec, qkv, flat)
             names = [list(w) for w in weights]
 
@@ -352,13 +353,17 @@ class TTTMixer(nn.Module):
                 return self.reference_mix(qkv, grid, gates, again)
 
             tensors = [qkv, *flat]
+            unguarded = backends.unguarded(plan, tensors)
+            if unguarded is None:  # a key's first calls, a new input specialisation
+                out = backends.guarded(plan, compute, tensors)
+                call.settled = backends.settled(plan)
+                return out
+            out = _fused(call.mix_spec, qkv, flat)  # the plan's own spec: no demotion to replan
+            call.settled = unguarded == ()
             # a backend that specialises (Triton) never settles: its verified specialisation is kept instead
             # (a settled call is kept above, once the C++ op has passed it)
-            unguarded = backends.unguarded(plan, tensors) if gates is None and not kind else None
-            out = backends.run(plan, compute, tensors)
-            call.settled = backends.settled(plan)
-            if unguarded:
-                self._keep_node(qkv, grid, call.mix_spec, flat, unguarded)
+            if unguarded and gates is None and not kind:
+                self._keep_node(qkv, grid, call.mix_spec, flat, grad, unguarded)
             return out
 
     def reference_mix(
@@ -435,11 +440,17 @@ class TTTMixer(nn.Module):
         return torch.cat(outs, dim=2).view(b, n, -1) if len(outs) > 1 else outs[0].reshape(b, n, -1)
 
     def _keep_node(
-        self, qkv: Tensor, grid: tuple[int, int], spec: MixSpec, flat: list[Tensor], unguarded: tuple
+        self,
+        qkv: Tensor,
+        grid: tuple[int, int],
+        spec: MixSpec,
+        flat: list[Tensor],
+        grad: bool,
+        unguarded: tuple,
     ) -> None:
         """Keeps a call on the fused node that ran unguarded (``backends.unguarded``: settled, ``()``, or on a
         verified input specialisation) for ``_mixed``'s short path (``Calls.node``), where ``_fused`` hands
-        the node qkv and the weights as they are (no cast), per grad mode."""
+        the node qkv and the weights as they are (no cast), per grad mode (``grad``: ``grad_flows``)."""
         dtype, wdtype = qkv.dtype, flat[0].dtype
         if any(p.dtype is not wdtype for p in flat) or not (
             (dtype in _COMPUTE_DTYPES and wdtype is dtype)
@@ -450,7 +461,6 @@ class TTTMixer(nn.Module):
         node = calls.node
         if node is None or node[:4] != (qkv.device, dtype, grid, wdtype):
             node = calls.node = (qkv.device, dtype, grid, wdtype, [None, None])
-        grad = torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))
         node[4][grad] = (mix_layout(spec), unguarded)
 
     def _cpp_call(self, qkv: Tensor, grid: tuple[int, int]) -> Tensor | None:
@@ -584,7 +594,7 @@ class _RecomputedMix(torch.autograd.Function):
     inner loops with gradients and differentiates that (``TTTConfig.recompute="qkv"``).
 
     Not ``torch.utils.checkpoint``: its non-reentrant form matches the saved tensors of the rerun against the
-    first run's, and the mixer's first calls of a plan run guarded (``backends.run``), later ones not. The
+    first run's, and the mixer's first calls of a plan run guarded (``backends.guarded``), later ones not. The
     rerun takes the forward's autocast state (``autocast_backward``), so it recomputes what the forward did.
     """
 

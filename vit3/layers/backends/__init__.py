@@ -12,7 +12,7 @@ in full: ``docs/design/dispatch.md``.
 """
 
 from .explain import BranchExplanation, MixerExplanation, ModelExplanation, explain_mixer
-from .guard import KernelFault, run, settled, unguarded
+from .guard import KernelFault, guarded, settled, unguarded
 from .interface import (
     MIN_CPU_KERNEL_TOKENS,
     Backend,
@@ -68,6 +68,7 @@ __all__ = [
     "conv_pos_kernel",
     "cpu_block_kernel",
     "explain_mixer",
+    "guarded",
     "keep_with_plans",
     "legacy_onnx_dynamic_axes",
     "order",
@@ -76,7 +77,6 @@ __all__ = [
     "recompute_mode",
     "refresh_env",
     "reset",
-    "run",
     "scriptable_build",
     "settled",
     "specialisation",

@@ -261,9 +261,9 @@ def settled(plan: Plan) -> bool:
 
 
 def unguarded(plan: Plan, tensors: Sequence[Tensor]) -> tuple | None:
-    """What a mixer call on ``plan`` with ``tensors`` (``run``'s) runs unguarded on: ``()`` where the plan
+    """What a mixer call on ``plan`` with ``tensors`` (``guarded``'s) runs unguarded on: ``()`` where the plan
     is ``settled``, the input specialisation (``verify.specialisation``) where every branch has verified it
-    on a backend that specialises, ``None`` where ``run`` guards the call."""
+    on a backend that specialises; ``None``: the call runs ``guarded``. Asked once per call."""
     if settled(plan):
         return ()
     units = range(len(plan.backends))
@@ -273,17 +273,15 @@ def unguarded(plan: Plan, tensors: Sequence[Tensor]) -> tuple | None:
     return shapes if all(is_verified(_entry(plan, i, shapes)) for i in units) else None
 
 
-def run(plan: Plan, compute: Callable[..., Tensor], tensors: Sequence[Tensor]) -> Tensor:
-    """``compute(plan, *tensors)``: a mixer call, guarded on a key's first calls, and on the first call of
-    each new input specialisation of a backend that specialises (Triton).
+def guarded(plan: Plan, compute: Callable[..., Tensor], tensors: Sequence[Tensor]) -> Tensor:
+    """``compute(plan, *tensors)`` guarded: a mixer call that does not run ``unguarded``, a key's first calls
+    and the first call of each new input specialisation of a backend that specialises (Triton).
 
     Args:
         plan: the call's plan.
         compute: ``(plan, *tensors) -> Tensor``, run again with the re-planned backends after a failure.
         tensors: every tensor input gradients may flow to (qkv and the initial weights).
     """
-    if unguarded(plan, tensors) is not None:
-        return compute(plan, *tensors)
     units = range(len(plan.backends))
     shapes = specialisation(tensors) if any(BACKENDS[plan.backends[i]].specialises for i in units) else None
     guard = _Guard(plan, compute, shapes)

@@ -78,7 +78,8 @@ class Backend:
         fits: ``(branch, cfg, x) -> (ok, reason)``, asked once ``supports`` passed: whether the hardware at
             hand can run it. A refusal steps aside with a warning, in auto too (``planner.resolve``).
         specialises: compiled per input specialisation (Triton's JIT: shapes, strides, alignment), which the
-            plan key does not hold: the first call of each new one runs guarded and verified (``guard.run``).
+            plan key does not hold: the first call of each new one runs guarded and verified
+            (``guard.guarded``).
     """
 
     name: str
