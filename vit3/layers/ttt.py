@@ -49,9 +49,6 @@ class NonFiniteError(ValueError):
 CPP_NODE = True
 
 
-_COMPUTE_DTYPES = (torch.float32, torch.float64)  # the inner loop's dtypes: no cast to call
-
-
 def _takes_cpp_op(plan: backends.Plan, mix_spec: MixSpec | None) -> bool:
     """Whether an untraced call on ``plan`` (its fused node's ``mix_spec``, ``None`` where not fused) runs,
     once settled, as the whole-mixer C++ op ``torch.ops.vit3_cpu.mix``: every branch on ``cpu`` and in the op
@@ -64,17 +61,25 @@ def _takes_cpp_op(plan: backends.Plan, mix_spec: MixSpec | None) -> bool:
     )
 
 
+def _takes_as_is(mix_spec: MixSpec, dtype: torch.dtype, flat: list[Tensor]) -> bool:
+    """Whether the fused node takes qkv of ``dtype`` and the initial weights ``flat`` as they are (``_fused``
+    casts nothing): the weights in the inner loop's dtype (``dtype``, float32 at least), and qkv in it too or
+    read as it is (``fused_mix.takes``)."""
+    compute = torch.promote_types(dtype, torch.float32)
+    return all(p.dtype == compute for p in flat) and (dtype == compute or takes(mix_spec, dtype))
+
+
 def _fused(mix_spec: MixSpec, qkv: Tensor, flat: list[Tensor]) -> Tensor:
     """The fused node on ``qkv`` and the initial weights ``flat``. The inner loop runs in float32 at
     least (bf16/fp16 gradients of the inner loss are too coarse): a node whose branches all read 16-bit q, k,
     v as they are (Triton's, accumulating in float32; ``fused_mix.takes``) gets qkv so and float32 weights,
     the others a float32 copy of qkv, their read-out cast back to qkv's dtype."""
     dtype = qkv.dtype
-    if dtype in _COMPUTE_DTYPES and all(p.dtype == dtype for p in flat):  # no casts to call
+    if _takes_as_is(mix_spec, dtype, flat):  # no casts to call
         return fused_mix(qkv, mix_spec, flat)
     compute = torch.promote_types(dtype, torch.float32)
     flat = [p if p.dtype == compute else p.to(compute) for p in flat]
-    if dtype not in _COMPUTE_DTYPES and takes(mix_spec, dtype):  # native 16-bit operands: no copy of qkv
+    if _takes_as_is(mix_spec, dtype, flat):  # the weights cast; native 16-bit operands: no copy of qkv
         return fused_mix(qkv, mix_spec, flat)
     return fused_mix(qkv.to(compute), mix_spec, flat).to(dtype)
 
@@ -452,10 +457,7 @@ class TTTMixer(nn.Module):
         verified input specialisation) for ``_mixed``'s short path (``Calls.node``), where ``_fused`` hands
         the node qkv and the weights as they are (no cast), per grad mode (``grad``: ``grad_flows``)."""
         dtype, wdtype = qkv.dtype, flat[0].dtype
-        if any(p.dtype is not wdtype for p in flat) or not (
-            (dtype in _COMPUTE_DTYPES and wdtype is dtype)
-            or (wdtype is torch.promote_types(dtype, torch.float32) and takes(spec, dtype))
-        ):
+        if not _takes_as_is(spec, dtype, flat):
             return
         calls = self._calls
         node = calls.node
