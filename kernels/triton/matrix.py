@@ -5,8 +5,8 @@ SwiGLU), the forward computes the inner gradient ``G = kᵀ P``, its column norm
 ``W' = W - lr G / (||G|| + 1)`` and the read-out ``O = f(q; W')``; only ``G`` and ``||G||`` are saved for the
 backward. Every program owns one block of ``BLOCK_C`` output columns; a (sample, head) may be split along N
 into ``S`` chunks (``tiles.launch_config``). Constexpr switches: ``SWIGLU``, ``MSE``, ``GRAD_NORM``,
-``PREC``, ``DOT`` / ``EMU``, ``COLS`` / ``CROSS`` / ``FUSED``, ``WGRAD``, ``TRANS``; ``NW`` = 2 weights for
-SwiGLU, 1 for linear.
+``PREC``, ``DOT`` / ``EMU``, ``COLS`` / ``CROSS`` / ``FUSED``, ``WGRAD``, ``TRANS``, ``STACK``; ``NW`` = 2
+weights for SwiGLU, 1 for linear.
 
 The launches, the dot operands, the column blocks and the switches: ``docs/design/kernels.md``.
 """
@@ -172,6 +172,51 @@ def _pwt(p, w, TRANS: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _zero_wgrad(BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, STACK: tl.constexpr, ACC: tl.constexpr):
+    """The weight-gradient accumulators of a token loop: ``_zero_pair``, or (``STACK``) one
+    ``[2 * BLOCK_C, BLOCK_D]`` accumulator of both weights' transposed products (the second is unused)."""
+    if STACK:
+        acc = tl.zeros((2 * BLOCK_C, BLOCK_D), dtype=ACC)
+        pair = acc, acc
+    else:
+        pair = _zero_pair(BLOCK_D, BLOCK_C, ACC)
+    return pair
+
+
+@triton.jit
+def _add_wgrad(acc1, acc2, x, p1, p2, SWIGLU: tl.constexpr, STACK: tl.constexpr, TRANS: tl.constexpr,
+               PREC: tl.constexpr):  # fmt: skip
+    """A token tile's share of the weight gradients ``xᵀ p1``, ``xᵀ p2`` added to ``_zero_wgrad``'s
+    accumulators (``x``: the token tile as loaded, ``p*`` dot operands). ``STACK`` (SwiGLU): both as one
+    product ``[p1 | p2]ᵀ x`` of ``2 * BLOCK_C`` rows, the 64 that sm_90's ``wgmma`` needs at d = 32."""
+    if STACK:
+        if TRANS:  # pᵀ [BLOCK_C, BLOCK_N], x = xᵀ
+            pt = tl.reshape(tl.permute(tl.join(p1, p2), (2, 0, 1)), (2 * p1.shape[0], p1.shape[1]))
+            acc1 += tl.dot(pt, tl.trans(x), input_precision=PREC)
+        else:
+            pt = tl.reshape(tl.permute(tl.join(p1, p2), (2, 1, 0)), (2 * p1.shape[1], p1.shape[0]))
+            acc1 += tl.dot(pt, x, input_precision=PREC)
+    else:
+        xt = _channels_first(x, TRANS)
+        acc1 += _xtp(xt, p1, TRANS, PREC)
+        if SWIGLU:
+            acc2 += _xtp(xt, p2, TRANS, PREC)
+    return acc1, acc2
+
+
+@triton.jit
+def _wgrad_pair(acc1, acc2, STACK: tl.constexpr):
+    """``_add_wgrad``'s sums as ``[BLOCK_D, BLOCK_C]`` tiles, one per weight."""
+    if STACK:
+        d: tl.constexpr = acc1.shape[1]
+        c: tl.constexpr = acc1.shape[0] // 2
+        pair = tl.split(tl.permute(tl.reshape(acc1, (2, c, d)), (2, 1, 0)))
+    else:
+        pair = acc1, acc2
+    return pair
+
+
+@triton.jit
 def _load_rows(base, sn, sc, rows, cols, N, D, TRANS: tl.constexpr):
     """Tokens ``rows``, channels ``cols`` of an ``[N, D]`` tensor (strides ``sn, sc``): a
     ``[len(rows), len(cols)]`` tile, or its transpose (``TRANS``)."""
@@ -263,7 +308,7 @@ def _token_tiles(x_base, y_base, sxn, sxc, syn, syc, rows, rd, cols, N, D, cs_h,
 @triton.jit
 def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, swg, swr, swc, N, D, rd, cols,
                 cs_h, HALF, SWIGLU: tl.constexpr, MSE: tl.constexpr, TRANS: tl.constexpr,
-                ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                STACK: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr, EMU: tl.constexpr,
                 ACC: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """The initial weights' columns ``cols`` (``_weights``) and ``kᵀ P / coef`` of tokens ``lo .. hi`` for
@@ -275,24 +320,26 @@ def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, s
     w1, w2 = _weights(w1_ptr, w2_ptr, g, swg, swr, swc, rd, cols, D, SWIGLU, ACC)
     o1 = operand(w1, DOT, EMU)
     o2 = operand(w2, DOT, EMU)
-    acc1, acc2 = _zero_pair(BLOCK_D, BLOCK_C, ACC)
+    acc1, acc2 = _zero_wgrad(BLOCK_D, BLOCK_C, STACK, ACC)
     for start in range(lo, hi, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
         k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, cs_h, HALF,
                             TRANS, ROPE, DOT, EMU, ACC)  # fmt: skip
-        kt = _channels_first(k, TRANS)
         if SWIGLU:
             z1 = _xw(k, o1, TRANS, PREC)
             z2 = _xw(k, o2, TRANS, PREC)
             _, a, da = _swiglu_acts(z2)
-            acc1 += _xtp(kt, operand(-v * a, DOT, EMU), TRANS, PREC)
-            acc2 += _xtp(kt, operand(-v * z1 * da, DOT, EMU), TRANS, PREC)
+            p1 = operand(-v * a, DOT, EMU)
+            p2 = operand(-v * z1 * da, DOT, EMU)
         else:
             if MSE:
                 e = _xw(k, o1, TRANS, PREC) - v
             else:
                 e = -v
-            acc1 += _xtp(kt, operand(e, DOT, EMU), TRANS, PREC)
+            p1 = operand(e, DOT, EMU)
+            p2 = p1
+        acc1, acc2 = _add_wgrad(acc1, acc2, k, p1, p2, SWIGLU, STACK, TRANS, PREC)
+    acc1, acc2 = _wgrad_pair(acc1, acc2, STACK)
     return w1, w2, acc1, acc2
 
 
@@ -426,7 +473,7 @@ def forward_kernel(
     swg, swr, swc,
     coef: tl.float64, lr: tl.float64,
     SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, SAVE: tl.constexpr,
-    TRANS: tl.constexpr, ROPE: tl.constexpr,
+    TRANS: tl.constexpr, STACK: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
@@ -445,7 +492,7 @@ def forward_kernel(
     cs_h, half = _rope_heads(cs_ptr, g, G, D)
     w1, w2, acc1, acc2 = _grad_tiles(
         k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, 0, N, w1_ptr, w2_ptr, g, skn, skc, svn, svc,
-        swg, swr, swc, N, D, rd, cols, cs_h, half, SWIGLU, MSE, TRANS, ROPE, BLOCK_N, BLOCK_D,
+        swg, swr, swc, N, D, rd, cols, cs_h, half, SWIGLU, MSE, TRANS, STACK, ROPE, BLOCK_N, BLOCK_D,
         BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     g1 = coef * acc1
@@ -476,8 +523,8 @@ def grad_partial_kernel(
     skb, skg, skn, skc, svb, svg, svn, svc,
     swg, swr, swc,
     coef: tl.float64,
-    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, TRANS: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr, TRANS: tl.constexpr, STACK: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
 ):  # fmt: skip
@@ -493,7 +540,7 @@ def grad_partial_kernel(
     cs_h, half = _rope_heads(cs_ptr, g, G, D)
     _w1, _w2, acc1, acc2 = _grad_tiles(
         k_ptr + b * skb + g * skg, v_ptr + b * svb + g * svg, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc,
-        swg, swr, swc, N, D, rd, cols, cs_h, half, SWIGLU, MSE, TRANS, ROPE, BLOCK_N, BLOCK_D,
+        swg, swr, swc, N, D, rd, cols, cs_h, half, SWIGLU, MSE, TRANS, STACK, ROPE, BLOCK_N, BLOCK_D,
         BLOCK_C, DOT, EMU, ACC, PREC,
     )  # fmt: skip
     _store_pair(part_ptr, bg, s, S, rd, cols, D, coef * acc1, coef * acc2, SWIGLU)
@@ -507,13 +554,13 @@ def readout_kernel(
     BG, G, N, D, CHUNK, S,
     sqb, sqg, sqn, sqc, sob, sog, son, soc,
     swg, swr, swc, lr: tl.float64,
-    SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, TRANS: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr, TRANS: tl.constexpr, STACK: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
 ):  # fmt: skip
     """The read-out of one chunk of queries and one column block, ``W'`` recomputed from ``W``, ``G`` and
-    ``||G||``."""
+    ``||G||`` (no weight-gradient dot: ``STACK`` changes nothing here)."""
     if ACC != tl.float64:  # float arguments are declared fp64 (a Python float is typed fp32)
         lr = tl.cast(lr, ACC)
     dead, _c, _s, bg, b, g, lo, hi, rd, cols = _chunk_columns(BG, G, N, CHUNK, S, D, BLOCK_D, BLOCK_C, PID0)
@@ -539,8 +586,8 @@ def readout_bwd_kernel(
     swg, swr, swc,
     lr: tl.float64,
     SWIGLU: tl.constexpr, NW: tl.constexpr, GRAD_NORM: tl.constexpr,
-    COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr, TRANS: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr, TRANS: tl.constexpr, STACK: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
 ):  # fmt: skip
@@ -570,19 +617,18 @@ def readout_bwd_kernel(
         cols = c * BLOCK_C + rc
         o1, o2 = _updated_operands(w1_ptr, w2_ptr, g, swg, swr, swc, g_ptr, n_ptr, bg, rd, cols, D, lr,
                                    SWIGLU, GRAD_NORM, DOT, EMU, ACC)  # fmt: skip
-        acc1, acc2 = _zero_pair(BLOCK_D, BLOCK_C, ACC)
+        acc1, acc2 = _zero_wgrad(BLOCK_D, BLOCK_C, STACK, ACC)
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
             q, do = _token_tiles(q_base, do_base, sqn, sqc, sdon, sdoc, rows, rd, cols, N, D, cs_h, half,
                                  TRANS, ROPE, DOT, EMU, ACC)  # fmt: skip
             dy1, dy2 = _readout_dy(q, do, o1, o2, SWIGLU, TRANS, PREC)
-            qt = _channels_first(q, TRANS)
-            acc1 += _xtp(qt, operand(dy1, DOT, EMU), TRANS, PREC)
-            if SWIGLU:
-                acc2 += _xtp(qt, operand(dy2, DOT, EMU), TRANS, PREC)
+            acc1, acc2 = _add_wgrad(acc1, acc2, q, operand(dy1, DOT, EMU), operand(dy2, DOT, EMU), SWIGLU,
+                                    STACK, TRANS, PREC)  # fmt: skip
             if CROSS:
                 dq = _readout_dq(dy1, dy2, o1, o2, SWIGLU, TRANS, DOT, EMU, PREC)
                 _qk_store(dq_base, sdqn, sdqc, rows, rd, N, D, dq, cs_h, half, TRANS, ROPE)
+        acc1, acc2 = _wgrad_pair(acc1, acc2, STACK)
         if FUSED:  # dW' into slot 1 of [B*G, 2, NW, d, d], and dG
             store_mat(slot_at(part_ptr, bg, 1, 2, 0, NW, D, D), rd, cols, D, D, acc1)
             step_bwd_tile(acc1, g_ptr, n_ptr, dg_ptr, bg, 0, NW, rd, cols, D, D, lr, GRAD_NORM, ACC)
@@ -619,7 +665,8 @@ def grad_bwd_kernel(
     coef: tl.float64,
     SWIGLU: tl.constexpr, MSE: tl.constexpr, NW: tl.constexpr,
     COLS: tl.constexpr, CROSS: tl.constexpr, FUSED: tl.constexpr, WGRAD: tl.constexpr, TRANS: tl.constexpr,
-    ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    STACK: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
     PID0=0,
 ):  # fmt: skip
@@ -648,7 +695,7 @@ def grad_bwd_kernel(
         cols = c * BLOCK_C + rc
         o1, o2, og1, og2 = _grad_bwd_operands(w1_ptr, w2_ptr, g, swg, swr, swc, dg_ptr, bg, rd, cols, D,
                                               SWIGLU, DOT, EMU, ACC)  # fmt: skip
-        acc1, acc2 = _zero_pair(BLOCK_D, BLOCK_C, ACC)
+        acc1, acc2 = _zero_wgrad(BLOCK_D, BLOCK_C, STACK, ACC)
         for start in range(lo, hi, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
             k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, cs_h, half,
@@ -663,11 +710,10 @@ def grad_bwd_kernel(
                     _qk_store(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk, cs_h, half, TRANS, ROPE)
             _store_rows(dv_base, sdvn, sdvc, rows, cols, N, D, dv, TRANS)
             if WGRAD:
-                kt = _channels_first(k, TRANS)
-                acc1 += _xtp(kt, operand(dz1, DOT, EMU), TRANS, PREC)
-                if SWIGLU:
-                    acc2 += _xtp(kt, operand(dz2, DOT, EMU), TRANS, PREC)
+                acc1, acc2 = _add_wgrad(acc1, acc2, k, operand(dz1, DOT, EMU), operand(dz2, DOT, EMU), SWIGLU,
+                                        STACK, TRANS, PREC)  # fmt: skip
         if WGRAD:
+            acc1, acc2 = _wgrad_pair(acc1, acc2, STACK)
             acc1 = coef * acc1
             acc2 = coef * acc2
             if FUSED:

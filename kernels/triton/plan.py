@@ -292,7 +292,8 @@ def _tile_kwargs(cfg: LaunchConfig, role: str, acc_tl: Any, **flags: Any) -> dic
     t = cfg.tiles[role]
     out = {"BLOCK_N": t.block_n, "BLOCK_D": cfg.block_d, "ACC": acc_tl, **flags, **t.options()}
     if role != "conv":
-        out |= {"BLOCK_C": t.block_c, "TRANS": t.trans, "DOT": cfg.dot, "EMU": cfg.emulate, "PREC": cfg.prec}
+        out |= {"BLOCK_C": t.block_c, "TRANS": t.trans, "STACK": t.stack}
+        out |= {"DOT": cfg.dot, "EMU": cfg.emulate, "PREC": cfg.prec}
     return out
 
 

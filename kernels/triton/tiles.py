@@ -66,6 +66,7 @@ class Tiles:
     num_warps: int
     num_stages: int  # Triton's software pipelining of the token loops (1: none)
     trans: bool = False  # token tiles held transposed, channels x tokens (``TRANS``; one column block only)
+    stack: bool = False  # SwiGLU's two weight-gradient products as one dot of 2 x block_c rows (``STACK``)
 
     def options(self) -> dict[str, int]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -126,17 +127,18 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope
     ``q W'``, ``dY W'ᵀ``, ``P dGᵀ`` ...) have the 64 rows sm_90's ``wgmma`` needs (a warp group of 4 warps
     per 64 rows), and so do the weight-gradient dots (``kᵀ P``, ``qᵀ dY``, ``kᵀ dZ``) from d = 64 on.
 
-    SwiGLU's one-block stages at d = 64 (the one-launch forward, both backward stages) run on transposed
-    tiles (``Tiles.trans``), whose dots all have 64 rows whatever the token tile: on ``wgmma`` parts one
-    warp group with 16- or 32-token tiles, two blocks per SM (sm_100's forward keeps two warp groups on
-    64-token tiles); on ``mma.sync`` parts the gradient backward on 32-token tiles over two warp groups,
-    the orientation that keeps its fragments out of local memory. At d = 32 that backward takes 32-token
-    tiles (a reload inside the token loop at 64). The other SwiGLU kernels at d = 64 on ``mma.sync`` parts
-    also hold their fragments in registers: 32-token tiles, and the one-launch forward in two column blocks
-    of 32. At d = 128: 16 or 32 columns a block, 32-token tiles in the gradient cross launch. On ``wgmma``
-    parts every other kernel launched at d <= 64 runs on one warp group (the cross launches, at d = 64 never
-    launched, keep the default). With RoPE in the kernels (``rope``): ``_rope_half_tiles``. The spills and
-    registers measured: docs/design/kernels.md (tile sizes).
+    SwiGLU's one-block stages at d = 64 (the one-launch forward, both backward stages) run on transposed tiles
+    (``Tiles.trans``), whose dots all have 64 rows whatever the token tile: on ``wgmma`` parts one warp group
+    with 16- or 32-token tiles, two blocks per SM (sm_100's forward keeps two warp groups on 64-token tiles);
+    on ``mma.sync`` parts the gradient backward on 32-token tiles over two warp groups, the orientation that
+    keeps its fragments out of local memory. At d = 32 SwiGLU's weight-gradient dots are stacked on sm_90
+    (``_stacked``) and its gradient backward takes 64-token tiles there, 32 elsewhere (a reload inside the
+    token loop at 64 without the stack). The other SwiGLU kernels at d = 64 on ``mma.sync`` parts also hold
+    their fragments in registers: 32-token tiles, and the one-launch forward in two column blocks of 32. At
+    d = 128: 16 or 32 columns a block, 32-token tiles in the gradient cross launch. On ``wgmma`` parts every
+    other kernel launched at d <= 64 runs on one warp group (the cross launches, at d = 64 never launched,
+    keep the default). With RoPE in the kernels (``rope``): ``_rope_half_tiles``. The spills and registers
+    measured: docs/design/kernels.md (tile sizes).
     """
     if rope:
         return _rope_half_tiles(
@@ -149,7 +151,7 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope
         if role == "grad_bwd":
             return Tiles(32, 64, 8, 2, trans=True)
     if model == "swiglu" and role == "grad_bwd" and block_d == 32:
-        return Tiles(32, 32, 4, 2)
+        return Tiles(64 if arch.capability == 90 else 32, 32, 4, 2)
     one_group = warp_group_mma(arch) and (
         block_d <= 32 or (block_d == 64 and (model == "linear" or role in ("grad", "readout")))
     )
@@ -168,9 +170,9 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope
 
 def _rope_half_tiles(model: str, role: str, block_d: int, arch: Arch, plain: Tiles) -> Tiles:
     """16-bit tiles with RoPE in the kernels, whose rotation keeps its tiles live beside the others: on
-    ``wgmma`` parts SwiGLU's gradient backward at d = 32 on transposed 16-token tiles and its gradient
-    partials at d = 64 on 32-token tiles; then, but on sm_90 up to d = 64, every token tile of ``plain``
-    halved (16 tokens at least)."""
+    ``wgmma`` parts SwiGLU's gradient backward at d = 32 on transposed 16-token tiles (on 64, fused with the
+    conv branch, it spills under Triton 3.6) and its gradient partials at d = 64 on 32-token tiles; then, but
+    on sm_90 up to d = 64, every token tile of ``plain`` halved (16 tokens at least)."""
     t = plain
     if model == "swiglu" and warp_group_mma(arch):
         if role == "grad_bwd" and block_d == 32:
@@ -180,6 +182,14 @@ def _rope_half_tiles(model: str, role: str, block_d: int, arch: Arch, plain: Til
     if arch.capability == 90 and block_d <= 64:
         return t
     return replace(t, block_n=max(16, t.block_n // 2))
+
+
+def _stacked(model: str, role: str, block_d: int, arch: Arch) -> bool:
+    """Whether a SwiGLU stage with weight-gradient dots takes both weights' as one (``Tiles.stack``): at
+    d = 32 on sm_90, where each alone has 32 rows and the pair the 64 a ``wgmma`` needs (sm_100's gradient
+    backward spills on the 64-token tiles that go with it)."""
+    wgrad = role in ("forward", "grad", "readout_bwd", "grad_bwd")
+    return model == "swiglu" and block_d == 32 and wgrad and arch.capability == 90
 
 
 def _matrix_tiles(
@@ -201,7 +211,8 @@ def _matrix_tiles(
     if dtype == torch.float64:
         return Tiles(16, 16, 8, 1)
     if native_half(dtype, arch):
-        return _half_tiles(model, loss, role, block_d, arch, rope)
+        t = _half_tiles(model, loss, role, block_d, arch, rope)
+        return replace(t, stack=True) if _stacked(model, role, block_d, arch) else t
     if not _tensor_cores(dtype, prec, arch):
         return Tiles(16, min(block_d, 32 if block_d <= 64 else 16), 8, 1)
     backward = role.startswith(("readout_bwd", "grad_bwd"))
@@ -263,6 +274,8 @@ def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, 
         want = chunk
     if any(t.trans and t.block_c < block_d for t in tiles.values()):
         raise ValueError(f"{model} d={d}: transposed tiles need one column block (block_c {block_d})")
+    if model != "swiglu" and any(t.stack for t in tiles.values()):
+        raise ValueError(f"{model}: stacked weight-gradient dots are SwiGLU's (two weights)")
     step = max(t.block_n for t in tiles.values())
     size = cdiv(max(want, 1), step) * step
     _, acc_tl = acc_dtype(dtype)

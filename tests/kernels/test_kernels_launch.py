@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -93,9 +94,11 @@ def test_d64_backward_is_one_launch_only_where_it_fits():
 def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
     """bf16 / fp16 operands from sm_80 on (sm_75 has no bf16 MMA: fp32 operands). At d = 64 SwiGLU's
     one-block stages run on transposed tiles: all three on warp-group parts (sm_90, sm_100; sm_100's forward
-    apart), the gradient backward elsewhere. On warp-group parts 64-token tiles but in those stages (and the
-    gradient backward at d = 32), one warp group on sm_90, and the depthwise conv's tiles at d = 64 of 16
-    tokens; the interpreter takes sm_90's, with bf16 operands emulated."""
+    apart), the gradient backward elsewhere. On warp-group parts 64-token tiles but in those stages, one warp
+    group on sm_90, the depthwise conv's tiles at d = 64 of 16 tokens, and at d = 32 on sm_90 SwiGLU's
+    weight-gradient dots stacked (``Tiles.stack``) in every stage that has them (its gradient backward on
+    64-token tiles there, 32 elsewhere); the interpreter takes sm_90's, with bf16
+    operands emulated."""
     stages = {"forward", "readout_bwd", "grad_bwd"}
     for arch in ARCHS.values():
         for dtype in (torch.bfloat16, torch.float16):
@@ -105,6 +108,9 @@ def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
                 assert cfg.dot == (tdev.TL_DTYPES[dtype] if native else tdev.tl.float32)
                 assert not cfg.emulate
                 trans = {r for r, t in cfg.tiles.items() if t.trans}
+                stacked = {r for r, t in cfg.tiles.items() if t.stack}
+                wgrad = {"forward", "grad", "readout_bwd", "grad_bwd"}
+                assert stacked == (wgrad if d == 32 and arch.sm == "sm_90" else set()), (arch.sm, d)
                 if not native or d != 64:
                     assert not trans, (arch.sm, d)
                 elif not tdev.warp_group_mma(arch):
@@ -113,7 +119,8 @@ def test_half_inputs_meet_the_dots_as_they_are_with_wgmma_sized_tiles():
                     assert trans == stages - ({"forward"} if arch.sm == "sm_100" else set()), arch.sm
                 if tdev.warp_group_mma(arch):
                     long = {r for r, t in cfg.tiles.items() if t.block_n >= 64}
-                    short = {16: set(), 32: {"grad_bwd"}, 64: trans, 128: {"grad_bwd_cross"}}[d]
+                    short_bwd = {"grad_bwd"} - stacked  # 32 tokens where not stacked
+                    short = {16: set(), 32: short_bwd, 64: trans, 128: {"grad_bwd_cross"}}[d]
                     assert long == set(ttiles.MATRIX_ROLES) - short, (arch.sm, d)
                     conv = ttiles.launch_config("dwconv", 3136, d, 8, dtype, arch, interpret=False)
                     assert conv.tiles["conv"].block_n == (16 if d in (64, 128) else 32), (arch.sm, d)
@@ -563,3 +570,11 @@ def test_backward_saves_g_and_its_norm_not_the_stepped_weights():
     assert all(t.dtype == torch.float32 for t in extra)
     out.float().sum().backward()
     assert all(p.grad is not None for p in params.values())
+
+
+def test_stacked_weight_gradient_dots_are_refused_for_a_one_weight_model(monkeypatch):
+    """``Tiles.stack`` joins two weights' products: a linear model's tiles with it are refused by name."""
+    real = ttiles._matrix_tiles
+    monkeypatch.setattr(ttiles, "_matrix_tiles", lambda *args: replace(real(*args), stack=True))
+    with pytest.raises(ValueError, match="stacked weight-gradient dots are SwiGLU's"):
+        ttiles.launch_config("linear", 3136, 32, 8, torch.bfloat16, ARCHS["sm_90"], interpret=False)

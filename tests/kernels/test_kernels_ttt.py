@@ -127,6 +127,38 @@ def test_transposed_tiles_match_reference_in_fp64(name, loss, chunk, n_tok, d, t
         assert max_rel_err(a, e) < 1e-12, f"gradient of {label}"
 
 
+@pytest.fixture(params=[False, True], ids=["rows", "transposed"])
+def stacked(request, monkeypatch):
+    """SwiGLU's weight-gradient dots stacked (``Tiles.stack``) in every stage that has them, in any dtype and
+    both orientations (the tables stack them for 16-bit inputs at d = 32 on ``wgmma`` parts only)."""
+    real = ttiles._matrix_tiles
+
+    def table(*args):
+        t, role, block_d = real(*args), args[2], args[3]
+        if role not in ("forward", "grad", "readout_bwd", "grad_bwd"):
+            return t
+        return replace(t, stack=True, **({"block_c": block_d, "trans": True} if request.param else {}))
+
+    monkeypatch.setattr(ttiles, "_matrix_tiles", table)
+    top.clear_plans()
+    yield
+    monkeypatch.undo()
+    top.clear_plans()
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["whole", "split"])
+@pytest.mark.parametrize("n_tok, d", [(63, 32), (300, 24)], ids=["N63-d32", "N300-d24-padded-2tiles"])
+def test_stacked_weight_gradients_match_reference_in_fp64(chunk, n_tok, d, stacked):
+    """SwiGLU's two weight-gradient products as one ``[p1 | p2]ᵀ x`` dot (``matrix._add_wgrad``), split
+    back per weight after the token loop (``_wgrad_pair``): the forward's ``G``, the read-out backward's
+    ``dW'`` and the gradient backward's ``kᵀ dZ``, to fp64 rounding; whole and split, rows and transposed
+    tiles, d = 24 padding the channels and the weights' columns."""
+    out, ref, got, exp, weights = run_both("swiglu", (1, 2, n_tok, d), torch.float64, chunk=chunk)
+    assert max_rel_err(out, ref) < 1e-12
+    for label, a, e in per_tensor(got, exp, weights):
+        assert max_rel_err(a, e) < 1e-12, f"gradient of {label}"
+
+
 # 16-bit inputs meet tl.dot as they are (sm_80+, and the interpreter, which takes sm_90's tiles), every
 # operand computed on chip (P, dY, dZ, W', dG) rounded to their dtype, fp32 accumulation. fp16 runs natively
 # in the interpreter (its fp16 dots are exact); bf16 with its operands rounded to bf16 (to nearest even) and
