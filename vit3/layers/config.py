@@ -22,6 +22,7 @@ __all__ = [
     "RECOMPUTE_MODES",
     "TTTConfig",
     "check_backend",
+    "check_choice",
     "check_count",
     "check_recompute",
     "is_count",
@@ -45,20 +46,23 @@ BACKEND_NAMES = ("auto", "triton", "cpu", "eager", "generic")
 RECOMPUTE_MODES = ("auto", "always", "never", "qkv")
 
 
+def check_choice(key: str, value: Any, choices: tuple) -> Any:
+    """``value`` where it is one of ``choices``; else a ValueError naming ``key`` and the choices."""
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {choices}, got {value!r}")
+    return value
+
+
 def check_backend(name: str) -> str:
-    """``name`` where a config may name it as ``TTTConfig.backend`` (``BACKEND_NAMES``); else a ValueError
-    naming the key. The one check of a backend a module is given: the dispatcher takes it as checked."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
-    return name
+    """``name`` where a config may name it as ``TTTConfig.backend`` (``BACKEND_NAMES``). The one check of a
+    backend a module is given: the dispatcher takes it as checked."""
+    return check_choice("backend", name, BACKEND_NAMES)
 
 
 def check_recompute(mode: str) -> str:
-    """``mode`` where it is a ``TTTConfig.recompute`` (``RECOMPUTE_MODES``); else a ValueError naming the
-    key. The one check of a recompute mode a module is given: the dispatcher takes it as checked."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
-    return mode
+    """``mode`` where it is a ``TTTConfig.recompute`` (``RECOMPUTE_MODES``). The one check of a recompute
+    mode a module is given: the dispatcher takes it as checked."""
+    return check_choice("recompute", mode, RECOMPUTE_MODES)
 
 
 def parse_branch(spec: str, num_heads: int) -> tuple[str, int]:
@@ -205,16 +209,13 @@ class TTTConfig:
             raise ValueError(f"lr_mode must be 'fixed' or 'token', got {self.lr_mode!r}")
         if self.steps < 1 or self.mini_batches < 1:
             raise ValueError(f"steps and mini_batches must be >= 1, got {self.steps}, {self.mini_batches}")
-        if self.mlp_act not in INNER_ACTIVATIONS:
-            raise ValueError(f"mlp_act must be one of {INNER_ACTIVATIONS}, got {self.mlp_act!r}")
-        if self.mlp_residual not in MLP_RESIDUALS:
-            raise ValueError(f"mlp_residual must be one of {MLP_RESIDUALS}, got {self.mlp_residual!r}")
+        check_choice("mlp_act", self.mlp_act, INNER_ACTIVATIONS)
+        check_choice("mlp_residual", self.mlp_residual, MLP_RESIDUALS)
         check_backend(self.backend)
         check_recompute(self.recompute)
         if isinstance(self.scale, str) and self.scale not in SCALES:
             raise ValueError(f"scale must be a number, None, 'head_dim' or '1/head_dim', got {self.scale!r}")
-        if self.inner_norm not in INNER_NORMS:
-            raise ValueError(f"inner_norm must be one of {INNER_NORMS}, got {self.inner_norm!r}")
+        check_choice("inner_norm", self.inner_norm, INNER_NORMS)
         names = [parse_branch(b, 1)[0] for b in self.branches]
         if self.inner_norm != "none" and all(n in GRID_MODELS for n in names):
             raise ValueError(
