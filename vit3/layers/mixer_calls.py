@@ -3,14 +3,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from . import backends
-from .fused_mix import MixSpec
+from .fused_mix import MixLayout, MixSpec
 
 # Keys a mixer keeps plans for before it starts over (grids and batch sizes of one model run are few).
 MAX_CALLS = 16
+
+
+class CppShort(NamedTuple):
+    """A call settled on the whole-mixer C++ op (``Calls.short``): qkv's dtype, the grid, the op and its
+    constant arguments after qkv and the weights."""
+
+    dtype: torch.dtype
+    grid: tuple[int, int]
+    op: Callable[..., Tensor]
+    args: tuple
+
+
+class NodeShort(NamedTuple):
+    """A call that ran unguarded on the fused node (``Calls.node``): its device, qkv's dtype, the grid, the
+    weights' dtype and, per grad mode, its ``MixLayout`` with the input specialisation verified (``()``: a
+    settled call; ``None``: no call of that grad mode kept)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    grid: tuple[int, int]
+    wdtype: torch.dtype
+    by_grad: list[tuple[MixLayout, tuple] | None]
 
 
 class Call:
@@ -26,16 +51,14 @@ class Call:
 
 class Calls:
     """A mixer's plans by key (``plans``, ``TTTMixer._call``) and, in front of them for ``TTTMixer._mixed``'s
-    short path, per grad mode the last call settled on the whole-mixer C++ op (``short[grad]``: its qkv dtype,
-    grid, the op and its arguments after the weights), with where the weights are read from (``sources``,
-    ``TTTMixer._param_sources``) and the weights it took (``flat``: a later call takes the short path only
-    while each ``sources`` entry still holds that same tensor, in that dtype), and where the weights are,
-    looked up once (``weight_places``, ``TTTMixer._param_sources``; ``False``: not yet); and the last call
-    unguarded on the fused node, taken as it is (``node``: its device, qkv dtype, grid, weight dtype, and per
-    grad mode its ``MixLayout`` with the input specialisation verified on a backend that specialises;
-    ``TTTMixer._keep_node``). ``clear`` drops them all; so does every change the backends' plans depend on (a
-    demotion, a new environment, ``backends.reset``): the cache is kept with them
-    (``backends.keep_with_plans``).
+    short path, per grad mode the last call settled on the whole-mixer C++ op (``short[grad]``, a
+    ``CppShort``), with where the weights are read from (``sources``, ``TTTMixer._param_sources``) and the
+    weights it took (``flat``: a later call takes the short path only while each ``sources`` entry still holds
+    that same tensor, in that dtype), and where the weights are, looked up once (``weight_places``,
+    ``TTTMixer._param_sources``; ``False``: not yet); and the last call unguarded on the fused node, taken as
+    it is (``node``, a ``NodeShort``; ``TTTMixer._keep_node``). ``clear`` drops them all; so does every change
+    the backends' plans depend on (a demotion, a new environment, ``backends.reset``): the cache is kept with
+    them (``backends.keep_with_plans``).
 
     Why one object (in the mixer's ``__dict__``, a single leaf ``torch.export`` writes back as is) and why the
     short path: ``docs/design/dispatch.md``.
@@ -50,11 +73,11 @@ class Calls:
 
     def clear(self) -> None:
         self.plans.clear()
-        self.short: list[tuple | None] = [None, None]
+        self.short: list[CppShort | None] = [None, None]
         self.sources: list[tuple[dict[str, Tensor], str]] | None = None
         self.flat: list[Tensor] | None = None
         self.weight_places: list[tuple[dict[str, Tensor], str]] | bool | None = False
-        self.node: tuple | None = None
+        self.node: NodeShort | None = None
 
 
 def call_key(device: torch.device, dtype: torch.dtype, n: int, grad: bool, grid: tuple[int, int]) -> tuple:

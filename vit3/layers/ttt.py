@@ -25,7 +25,7 @@ from .config import GRID_MODELS, TTTConfig, check_count, is_count
 from .fused_mix import MixBranch, MixSpec, fused_mix, mix_layout, node_call, takes
 from .inner import assert_finite, create_inner_model, inner_loop
 from .inner_math import shape_text, tracing_kind
-from .mixer_calls import MAX_CALLS, Call, Calls, call_key
+from .mixer_calls import MAX_CALLS, Call, Calls, CppShort, NodeShort, call_key
 from .rope import apply_rope_2d, rope_tables
 
 __all__ = [
@@ -300,24 +300,29 @@ class TTTMixer(nn.Module):
                 call = calls.short[
                     torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))
                 ]
-                if call is not None and call[0] is qkv.dtype and call[1] == grid and qkv.is_cpu:
-                    dtype = call[0]
+                if call is not None and call.dtype is qkv.dtype and call.grid == grid and qkv.is_cpu:
+                    dtype = call.dtype
                     for (params, name), p in zip(calls.sources, flat):
                         if params.get(name) is not p or p.dtype is not dtype:
                             break
                     else:
-                        return call[2](qkv, flat, *call[3])
+                        return call.op(qkv, flat, *call.args)
             node = calls.node if calls is not None else None
             # the short path of a settled call on the fused node (``_keep_node``): this device, dtype and
             # grid, the weights in the dtype it had, and on a backend that specialises (Triton) the input
             # specialisation it verified
-            if node is not None and node[1] is qkv.dtype and node[2] == grid and qkv.device == node[0]:
+            if (
+                node is not None
+                and node.dtype is qkv.dtype
+                and node.grid == grid
+                and qkv.device == node.device
+            ):
                 flat = [p for m in self.inner for p in m.initial_params().values()]
                 grad = torch.is_grad_enabled() and (qkv.requires_grad or any(p.requires_grad for p in flat))
-                kept = node[4][grad]  # its layout, and the specialisation verified (``()``: a settled call)
+                kept = node.by_grad[grad]  # its layout, and the specialisation verified (``()``: settled)
                 if (
                     kept is not None
-                    and all(p.dtype is node[3] for p in flat)
+                    and all(p.dtype is node.wdtype for p in flat)
                     and (not kept[1] or backends.specialisation([qkv, *flat]) == kept[1])
                 ):
                     return node_call(qkv, flat, kept[0], grad)
@@ -462,8 +467,8 @@ class TTTMixer(nn.Module):
         calls = self._calls
         node = calls.node
         if node is None or node[:4] != (qkv.device, dtype, grid, wdtype):
-            node = calls.node = (qkv.device, dtype, grid, wdtype, [None, None])
-        node[4][grad] = (mix_layout(spec), unguarded)
+            node = calls.node = NodeShort(qkv.device, dtype, grid, wdtype, [None, None])
+        node.by_grad[grad] = (mix_layout(spec), unguarded)
 
     def _cpp_call(self, qkv: Tensor, grid: tuple[int, int]) -> Tensor | None:
         """A settled call on the whole-mixer C++ op (no node in Python), or ``None`` where this call takes the
@@ -478,7 +483,7 @@ class TTTMixer(nn.Module):
         op = getattr(overload, "_op", overload)
         calls = self._calls
         calls.sources, calls.flat = self._param_sources(), flat
-        calls.short[grad_flows(qkv, *flat)] = (qkv.dtype, grid, op, cpp)
+        calls.short[grad_flows(qkv, *flat)] = CppShort(qkv.dtype, grid, op, cpp)
         return op(qkv, *found)
 
     def settled_cpp_args(
