@@ -1,6 +1,6 @@
-"""Shared by the backend registry's tests (``test_backends_*``): a mixer with inner weights large enough that
-the step matters, its twin on the generic path, a run that returns the output and every gradient, and readers
-of an explanation."""
+"""Shared by the backend registry's tests (``test_backends_*``) and the mixer's short paths': a mixer with
+inner weights large enough that the step matters, its twin with no plans made (on the generic path or its
+own), a run that returns the output and every gradient, readers of an explanation, a settled call changed."""
 
 from __future__ import annotations
 
@@ -26,10 +26,45 @@ def make_mixer(dim: int = 32, heads: int = 2, dtype=torch.float64, gain: float =
     return mixer
 
 
+def fresh_twin(mixer: TTTMixer, **cfg) -> TTTMixer:
+    """The same mixer (config with ``cfg`` on top, weights, dtype, device) with no plans made."""
+    twin = TTTMixer(mixer.dim, mixer.num_heads, mixer.cfg, **cfg).to(next(mixer.parameters()))
+    twin.load_state_dict(mixer.state_dict())
+    return twin
+
+
 def generic_twin(mixer: TTTMixer) -> TTTMixer:
     """The same mixer (weights, dtype, device) on the generic backend."""
-    twin = TTTMixer(mixer.dim, mixer.num_heads, mixer.cfg, backend="generic").to(next(mixer.parameters()))
-    twin.load_state_dict(mixer.state_dict())
+    return fresh_twin(mixer, backend="generic")
+
+
+# What a settled call's short path holds, one at a time (``changed_call``).
+SHORT_PATH_CHANGES = ("grid", "dtype", "weight-dtype", "plans-cleared")
+
+
+def changed_call(
+    mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int], change: str
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The next call's qkv and grid with one of ``SHORT_PATH_CHANGES`` made: another grid of the same tokens
+    (RoPE's angles differ), float32 qkv, ``mixer``'s first inner weight converted to float32 in place (no
+    ``Module.to``), or its plans cleared."""
+    if change == "grid":
+        return qkv, grid[::-1]
+    if change == "dtype":
+        return qkv.float(), grid
+    if change == "weight-dtype":
+        mixer.inner[0].w1.data = mixer.inner[0].w1.data.float()
+    elif change == "plans-cleared":
+        mixer._calls.clear()
+    return qkv, grid
+
+
+def changed_twin(mixer: TTTMixer, qkv: torch.Tensor, change: str) -> TTTMixer:
+    """``fresh_twin`` in qkv's dtype with ``changed_call``'s change of ``mixer``'s weights made to it: what
+    the changed call must give."""
+    twin = fresh_twin(mixer).to(qkv.dtype)
+    if change == "weight-dtype":  # float32 w1 beside the other weights: the general path casts it
+        twin.inner[0].w1.data = twin.inner[0].w1.data.float()
     return twin
 
 

@@ -15,7 +15,7 @@ import pickle
 
 import pytest
 import torch
-from helpers.backends import make_mixer, mix_short
+from helpers.backends import SHORT_PATH_CHANGES, changed_call, changed_twin, fresh_twin, make_mixer, mix_short
 from helpers.common import OpNames, count_calls
 from helpers.reference import assert_mixer_matches_reference
 from torch import nn
@@ -352,13 +352,6 @@ def _short_path_mixer() -> tuple[TTTMixer, torch.Tensor]:
     return mixer, mixer.qkv(x).detach()
 
 
-def _fresh_twin(mixer: TTTMixer) -> TTTMixer:
-    """The same weights in a mixer that has planned nothing."""
-    twin = _mixer(rope=True)
-    twin.load_state_dict(mixer.state_dict())
-    return twin
-
-
 def test_a_settled_call_takes_the_short_path_without_the_plan_key(monkeypatch):
     mixer, qkv = _short_path_mixer()
     with torch.no_grad():
@@ -379,36 +372,23 @@ def test_a_settled_call_takes_the_short_path_without_the_plan_key(monkeypatch):
 
 def _change(mixer: TTTMixer, qkv: torch.Tensor, change: str) -> tuple[torch.Tensor, tuple[int, int], bool]:
     """One thing the plan key (or the op's weights) holds, changed: qkv, grid and grad mode of the next
-    call."""
-    if change == "grid":  # the same N, another layout: RoPE's angles differ
-        return qkv, GRID[::-1], False
+    call (``changed_call``, and two of this path's own)."""
     if change == "grad-mode":  # only the short path of calls without gradients kept
         mixer._calls.short[True] = None
         return qkv.requires_grad_(), GRID, True
-    if change == "dtype":
-        return qkv.float(), GRID, False
-    if change == "weight-dtype":  # one weight converted in place (no ``Module.to``)
-        mixer.inner[0].w1.data = mixer.inner[0].w1.data.float()
-    elif change == "plans-cleared":
-        mixer._calls.clear()
-    elif (
-        change == "environment"
-    ):  # ``$VIT3_TTT_BACKEND`` read again: ``forget_plans`` clears the mixers' caches
+    if change == "environment":  # ``$VIT3_TTT_BACKEND`` read again: ``forget_plans`` clears the caches
         backends.refresh_env()
-    return qkv, GRID, False
+        return qkv, GRID, False
+    return *changed_call(mixer, qkv, GRID, change), False
 
 
-@pytest.mark.parametrize(
-    "change", ["grid", "grad-mode", "dtype", "weight-dtype", "plans-cleared", "environment"]
-)
+@pytest.mark.parametrize("change", [*SHORT_PATH_CHANGES, "grad-mode", "environment"])
 def test_the_short_path_steps_aside_where_the_settled_key_does_not_hold(change):
     """The call is not served by the short path, and gives what a mixer without plans (the same change made to
     it) gives."""
     mixer, qkv = _short_path_mixer()
     qkv, grid, grad = _change(mixer, qkv, change)
-    twin = _fresh_twin(mixer).to(qkv.dtype)
-    if change == "weight-dtype":  # float32 w1 beside float64 weights: the general path casts it
-        twin.inner[0].w1.data = twin.inner[0].w1.data.float()
+    twin = changed_twin(mixer, qkv, change)
     with torch.set_grad_enabled(grad):
         got, short = mix_short(mixer, qkv, grid)
         want = twin.mix(qkv, grid)
@@ -439,7 +419,7 @@ def test_a_new_backend_in_the_environment_ends_the_short_path(monkeypatch):
     assert not short
     assert not any(name.startswith("vit3_cpu") for name in seen.names)
     with torch.no_grad():
-        torch.testing.assert_close(got, _fresh_twin(mixer).mix(qkv, GRID), rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(got, fresh_twin(mixer).mix(qkv, GRID), rtol=1e-12, atol=1e-13)
 
 
 def test_a_copy_of_a_settled_mixer_runs_its_own_weights():
@@ -452,7 +432,7 @@ def test_a_copy_of_a_settled_mixer_runs_its_own_weights():
                 clone.mix(qkv, GRID)
             got, short = mix_short(clone, qkv, GRID)
             assert short
-            torch.testing.assert_close(got, _fresh_twin(clone).mix(qkv, GRID), rtol=1e-12, atol=1e-13)
+            torch.testing.assert_close(got, fresh_twin(clone).mix(qkv, GRID), rtol=1e-12, atol=1e-13)
             assert not torch.allclose(got, mixer.mix(qkv, GRID))
 
 

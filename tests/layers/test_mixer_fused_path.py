@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.backends import mix_short
+from helpers.backends import SHORT_PATH_CHANGES, changed_call, changed_twin, fresh_twin, mix_short
 from helpers.common import count_calls, count_cpp_swiglu, saved_values
 from helpers.reference import assert_mixer_matches_reference
 from torch.utils.checkpoint import checkpoint
@@ -258,18 +258,12 @@ def _settled_on_the_node(monkeypatch) -> tuple[TTTMixer, torch.Tensor]:
     return mixer, x
 
 
-def _twin(mixer: TTTMixer) -> TTTMixer:
-    twin = _mixer(rope=True)
-    twin.load_state_dict(mixer.state_dict())
-    return twin
-
-
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 def test_a_settled_call_on_the_node_takes_its_short_path_with_the_same_bits(monkeypatch, grad):
     """A settled call on the fused node skips the mixer's plan (``Calls.node``): the same output and
     gradients as a mixer that plans every call."""
     mixer, x = _settled_on_the_node(monkeypatch)
-    twin = _twin(mixer)
+    twin = fresh_twin(mixer)
     for _ in range(4):
         twin(x, GRID)  # settled too, through the general path below
     qkv = mixer.qkv(x.detach()).detach().requires_grad_(grad)
@@ -290,27 +284,13 @@ def test_a_settled_call_on_the_node_takes_its_short_path_with_the_same_bits(monk
             torch.testing.assert_close(g, r, rtol=0, atol=0)
 
 
-def _changed(mixer: TTTMixer, qkv: torch.Tensor, change: str) -> tuple[torch.Tensor, tuple[int, int]]:
-    if change == "grid":  # the same N, another layout: RoPE's angles differ
-        return qkv, GRID[::-1]
-    if change == "dtype":
-        return qkv.float(), GRID
-    if change == "weight-dtype":  # one weight converted in place (no ``Module.to``)
-        mixer.inner[0].w1.data = mixer.inner[0].w1.data.float()
-    elif change == "plans-cleared":
-        mixer._calls.clear()
-    return qkv, GRID
-
-
-@pytest.mark.parametrize("change", ["grid", "dtype", "weight-dtype", "plans-cleared"])
+@pytest.mark.parametrize("change", SHORT_PATH_CHANGES)
 def test_the_nodes_short_path_steps_aside_where_the_settled_call_does_not_hold(monkeypatch, change):
     """The call goes the general way and gives what a mixer without plans (the same change made to it)
     gives."""
     mixer, x = _settled_on_the_node(monkeypatch)
-    qkv, grid = _changed(mixer, mixer.qkv(x.detach()).detach(), change)
-    twin = _twin(mixer).to(qkv.dtype)
-    if change == "weight-dtype":
-        twin.inner[0].w1.data = twin.inner[0].w1.data.float()
+    qkv, grid = changed_call(mixer, mixer.qkv(x.detach()).detach(), GRID, change)
+    twin = changed_twin(mixer, qkv, change)
     with torch.no_grad():
         got, short = mix_short(mixer, qkv, grid)
         want = twin.mix(qkv, grid)
