@@ -1,8 +1,9 @@
 """Times the SwiGLU-branch TTT inner loop: fused Triton op vs compiled and eager PyTorch vs official vs SDPA.
 
 Per (N tokens, head dim d, B*H sample-heads, dtype) and mode (forward; forward + backward) it times the paths
-``fused``, ``compiled``, ``compiled_official``, ``torch_fast`` (CPU), ``torch_loop``, ``official``, ``sdpa``
-and ``dwconv``, and prints times, speed-ups over ``official``, GB/s, TFLOP/s, ``peak_mib`` and ``rel_err``.
+``fused``, ``fused_unstacked`` (the same op with ``triton.tiles.STACK`` off: the design before), ``compiled``,
+``compiled_official``, ``torch_fast`` (CPU), ``torch_loop``, ``official``, ``sdpa`` and ``dwconv``, and prints
+times, speed-ups over ``official``, GB/s, TFLOP/s, ``peak_mib`` and ``rel_err``.
 ``--profile`` adds a per-kernel profile of ``--profile-paths``. Method: benchmarks/README.md.
 
     python benchmarks/ttt_kernel.py --quick            # small CPU run (reference paths only)
@@ -41,7 +42,10 @@ from vit3.layers import DWConvInner, SwiGLUInner, inner_loop
 SCALE = 9**-0.5
 # Dense bf16 tensor-core TFLOP/s and HBM GB/s of common accelerators (vendor datasheets).
 PEAKS = {"H200": (989.0, 4800.0), "H100": (989.0, 3350.0), "A100": (312.0, 2039.0), "L40S": (362.0, 864.0)}
-PATHS = ("fused", "compiled", "compiled_official", "torch_fast", "torch_loop", "official", "sdpa", "dwconv")
+PATHS = (
+    "fused", "fused_unstacked", "compiled", "compiled_official", "torch_fast", "torch_loop", "official",
+    "sdpa", "dwconv",
+)  # fmt: skip
 COMPILED = {"compiled": "torch_loop", "compiled_official": "official"}  # path -> the path it compiles
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -130,6 +134,16 @@ def build_paths(
             return y.transpose(1, 2).flatten(2)  # token-major output: a free view
 
         paths["fused"] = fused
+        from vit3.kernels.triton import tiles
+
+        def fused_unstacked(qkv, w1, w2):  # the design before the stacked weight-gradient dots (d = 32)
+            tiles.STACK = False
+            try:
+                return fused(qkv, w1, w2)
+            finally:
+                tiles.STACK = True
+
+        paths["fused_unstacked"] = fused_unstacked
     return {name: paths[name] for name in PATHS if name in paths}
 
 
@@ -359,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--profile-paths",
         nargs="+",
-        default=["fused", "compiled", "official"],
+        default=["fused", "fused_unstacked", "compiled", "official"],
         choices=PATHS,
         help="profiled",
     )

@@ -72,10 +72,10 @@ class _Entry:
 
 def state_of(dtype: torch.dtype, device: torch.device) -> tuple:
     """The module state a plan key of a ``dtype`` call on ``device`` reads besides the call's tensors: the
-    interpreter, TF32 (float32 on a GPU) and the test hooks (``tiles.TILES_AS``, ``plan.GRID_X_MAX``,
+    interpreter, TF32 (float32 on a GPU) and the test hooks (``tiles.table_hooks``, ``plan.GRID_X_MAX``,
     ``plan.launcher``)."""
     tf32 = dtype is torch.float32 and device.type == "cuda" and fp32_uses_tf32()
-    return interpreting(), tf32, tiles.TILES_AS, plan.GRID_X_MAX, plan.launcher
+    return interpreting(), tf32, tiles.table_hooks(), plan.GRID_X_MAX, plan.launcher
 
 
 def _signature(name: str, call: NodeCall) -> tuple:

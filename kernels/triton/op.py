@@ -236,9 +236,9 @@ def _signature(
     name: str, q: Tensor, k: Tensor, v: Tensor, params: dict[str, Tensor], *settings: Any
 ) -> tuple:
     """What a ``triton_ttt`` call's checks, plan and weight layout depend on: the settings (with the module
-    hooks ``TILES_AS`` and ``GRID_X_MAX``), every tensor's shape, strides, dtype and device, the weights'
+    hooks ``table_hooks`` and ``GRID_X_MAX``), every tensor's shape, strides, dtype and device, the weights'
     names."""
-    sig = [name, *settings, tiles.TILES_AS, plan.GRID_X_MAX]
+    sig = [name, *settings, tiles.table_hooks(), plan.GRID_X_MAX]
     for t in (q, k, v, *params.values()):
         sig += (t.shape, t.stride(), t.dtype, t.device)
     return (*sig, *params)

@@ -386,7 +386,7 @@ class PlanKey(NamedTuple):
     arch: Arch
     prec: str
     interpret: bool
-    tiles_as: tuple | None
+    table: tuple  # ``tiles.table_hooks``
     grid_x: int
     rope: bool = False  # q, k rotated on load, dq, dk back on store (the table: the plan's last input)
 
@@ -408,7 +408,7 @@ def plan_key(
     if prec is None:
         prec = "ieee" if interpret else gpu_dot_precision(q.dtype)
     return PlanKey(model, loss, h, wd, scale, lr, grad_norm, chunk, arch or _device_arch(q.device), prec,
-                   interpret, tiles.TILES_AS, GRID_X_MAX, rope)  # fmt: skip
+                   interpret, tiles.table_hooks(), GRID_X_MAX, rope)  # fmt: skip
 
 
 def _on_meta(meta: tuple | None) -> Tensor | None:

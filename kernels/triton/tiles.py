@@ -37,6 +37,7 @@ __all__ = [
     "HALF_BACKWARD_SMEM",
     "INTERPRET_TILES",
     "MATRIX_ROLES",
+    "STACK",
     "TILES_AS",
     "LaunchConfig",
     "Tiles",
@@ -55,6 +56,16 @@ INTERPRET_TILES: tuple[Arch, str] = (ARCHS["sm_90"], "tf32")
 # Test hook: when set, every launch takes the tiles of this (arch, dot precision), on the interpreter or a
 # GPU, so tests run each configuration of the table on the hardware at hand.
 TILES_AS: tuple[Arch, str] | None = None
+# Benchmark hook: ``False`` keeps SwiGLU's weight-gradient dots apart and its gradient backward at d = 32 on
+# 32-token tiles (``_stacked``), the design before the stack, so both run side by side in one process
+# (``benchmarks/ttt_kernel.py``, path ``fused_unstacked``).
+STACK: bool = True
+
+
+def table_hooks() -> tuple:
+    """The hooks the tables read (``TILES_AS``, ``STACK``): part of the key of every launch configuration,
+    plan and launch program."""
+    return TILES_AS, STACK
 
 
 @dataclass(frozen=True)
@@ -151,7 +162,7 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope
         if role == "grad_bwd":
             return Tiles(32, 64, 8, 2, trans=True)
     if model == "swiglu" and role == "grad_bwd" and block_d == 32:
-        return Tiles(64 if arch.capability == 90 else 32, 32, 4, 2)
+        return Tiles(64 if _stacked(model, role, block_d, arch) else 32, 32, 4, 2)
     one_group = warp_group_mma(arch) and (
         block_d <= 32 or (block_d == 64 and (model == "linear" or role in ("grad", "readout")))
     )
@@ -189,7 +200,7 @@ def _stacked(model: str, role: str, block_d: int, arch: Arch) -> bool:
     d = 32 on sm_90, where each alone has 32 rows and the pair the 64 a ``wgmma`` needs (sm_100's gradient
     backward spills on the 64-token tiles that go with it)."""
     wgrad = role in ("forward", "grad", "readout_bwd", "grad_bwd")
-    return model == "swiglu" and block_d == 32 and wgrad and arch.capability == 90
+    return STACK and model == "swiglu" and block_d == 32 and wgrad and arch.capability == 90
 
 
 def _matrix_tiles(
@@ -252,10 +263,10 @@ MATRIX_ROLES = (
 
 @functools.lru_cache(maxsize=1024)
 def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, arch: Arch, loss: str,
-                   prec: str, chunk: int | None, interpret: bool, tiles_as: tuple | None,
+                   prec: str, chunk: int | None, interpret: bool, hooks: tuple,
                    rope: bool) -> LaunchConfig:  # fmt: skip
     block_d = max(16, next_pow2(d))
-    tile_arch, tile_prec = tiles_as or (INTERPRET_TILES if interpret else (arch, prec))
+    tile_arch, tile_prec = hooks[0] or (INTERPRET_TILES if interpret else (arch, prec))
     if model == "dwconv":
         tiles = {"conv": _conv_tiles(block_d, dtype, tile_arch)}
     else:
@@ -322,11 +333,11 @@ def launch_config(
         rope: the kernels rotate q, k by RoPE (``plan.PlanKey.rope``).
 
     Returns:
-        The ``LaunchConfig`` (cached per arguments and ``TILES_AS``).
+        The ``LaunchConfig`` (cached per arguments and ``table_hooks``).
     """
     interpret = interpreting() if interpret is None else interpret
     prec = prec or dot_precision(dtype)
-    return _launch_config(model, n_tok, d, bg, dtype, arch, loss, prec, chunk, interpret, TILES_AS, rope)
+    return _launch_config(model, n_tok, d, bg, dtype, arch, loss, prec, chunk, interpret, table_hooks(), rope)
 
 
 def smem_need(model: str, d: int, dtype: torch.dtype, prec: str, arch: Arch) -> int:

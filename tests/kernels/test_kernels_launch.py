@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import types
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -578,3 +579,23 @@ def test_stacked_weight_gradient_dots_are_refused_for_a_one_weight_model(monkeyp
     monkeypatch.setattr(ttiles, "_matrix_tiles", lambda *args: replace(real(*args), stack=True))
     with pytest.raises(ValueError, match="stacked weight-gradient dots are SwiGLU's"):
         ttiles.launch_config("linear", 3136, 32, 8, torch.bfloat16, ARCHS["sm_90"], interpret=False)
+
+
+def test_the_stack_hook_gives_the_design_before_under_a_key_of_its_own(monkeypatch):
+    """``tiles.STACK = False`` (the benchmarks' side-by-side timing of the design before): SwiGLU at d = 32 on
+    sm_90 without stacked dots and its gradient backward on 32-token tiles, in launch configurations and plan
+    keys of their own (both designs' plans live side by side)."""
+    sm90 = ARCHS["sm_90"]
+    q = torch.empty(2, 4, 196, 32, dtype=torch.bfloat16)
+
+    def table() -> tuple[dict, Any]:
+        cfg = ttiles.launch_config("swiglu", 3136, 32, 8, torch.bfloat16, sm90, interpret=False)
+        key = tplan.plan_key(q, "swiglu", "dot", 4, 32, 1.0, 1.0, True, 196, arch=sm90, prec="tf32")
+        return cfg.tiles, key
+
+    on, on_key = table()
+    monkeypatch.setattr(ttiles, "STACK", False)
+    off, off_key = table()
+    assert {r for r, t in on.items() if t.stack} == {"forward", "grad", "readout_bwd", "grad_bwd"}
+    assert (on["grad_bwd"].block_n, off["grad_bwd"].block_n) == (64, 32)
+    assert not any(t.stack for t in off.values()) and on_key != off_key
