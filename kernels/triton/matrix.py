@@ -174,7 +174,7 @@ def _pwt(p, w, TRANS: tl.constexpr, PREC: tl.constexpr):
 @triton.jit
 def _zero_wgrad(BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, STACK: tl.constexpr, ACC: tl.constexpr):
     """The weight-gradient accumulators of a token loop: ``_zero_pair``, or (``STACK``) one
-    ``[2 * BLOCK_C, BLOCK_D]`` accumulator of both weights' transposed products (the second is unused)."""
+    ``[2 * BLOCK_C, BLOCK_D]`` accumulator of ``_xtp_stacked`` (the second is unused)."""
     if STACK:
         acc = tl.zeros((2 * BLOCK_C, BLOCK_D), dtype=ACC)
         pair = acc, acc
@@ -184,29 +184,23 @@ def _zero_wgrad(BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, STACK: tl.constexp
 
 
 @triton.jit
-def _add_wgrad(acc1, acc2, x, p1, p2, SWIGLU: tl.constexpr, STACK: tl.constexpr, TRANS: tl.constexpr,
-               PREC: tl.constexpr):  # fmt: skip
-    """A token tile's share of the weight gradients ``xᵀ p1``, ``xᵀ p2`` added to ``_zero_wgrad``'s
-    accumulators (``x``: the token tile as loaded, ``p*`` dot operands). ``STACK`` (SwiGLU): both as one
-    product ``[p1 | p2]ᵀ x`` of ``2 * BLOCK_C`` rows, the 64 that sm_90's ``wgmma`` needs at d = 32."""
-    if STACK:
-        if TRANS:  # pᵀ [BLOCK_C, BLOCK_N], x = xᵀ
-            pt = tl.reshape(tl.permute(tl.join(p1, p2), (2, 0, 1)), (2 * p1.shape[0], p1.shape[1]))
-            acc1 += tl.dot(pt, tl.trans(x), input_precision=PREC)
-        else:
-            pt = tl.reshape(tl.permute(tl.join(p1, p2), (2, 1, 0)), (2 * p1.shape[1], p1.shape[0]))
-            acc1 += tl.dot(pt, x, input_precision=PREC)
+def _xtp_stacked(x, p1, p2, TRANS: tl.constexpr, PREC: tl.constexpr):
+    """``xᵀ p1`` and ``xᵀ p2`` as one product ``[p1 | p2]ᵀ x``, ``[2 * BLOCK_C, BLOCK_D]`` (``STACK``: the
+    64 rows sm_90's ``wgmma`` needs at d = 32), from the token tile ``x`` as loaded and the operands ``p*``
+    (``TRANS``: ``xᵀ`` and ``p*ᵀ``)."""
+    if TRANS:
+        pt = tl.reshape(tl.permute(tl.join(p1, p2), (2, 0, 1)), (2 * p1.shape[0], p1.shape[1]))
+        y = tl.dot(pt, tl.trans(x), input_precision=PREC)
     else:
-        xt = _channels_first(x, TRANS)
-        acc1 += _xtp(xt, p1, TRANS, PREC)
-        if SWIGLU:
-            acc2 += _xtp(xt, p2, TRANS, PREC)
-    return acc1, acc2
+        pt = tl.reshape(tl.permute(tl.join(p1, p2), (2, 1, 0)), (2 * p1.shape[1], p1.shape[0]))
+        y = tl.dot(pt, x, input_precision=PREC)
+    return y
 
 
 @triton.jit
 def _wgrad_pair(acc1, acc2, STACK: tl.constexpr):
-    """``_add_wgrad``'s sums as ``[BLOCK_D, BLOCK_C]`` tiles, one per weight."""
+    """``_zero_wgrad``'s accumulators after the token loop as ``[BLOCK_D, BLOCK_C]`` tiles, one per
+    weight."""
     if STACK:
         d: tl.constexpr = acc1.shape[1]
         c: tl.constexpr = acc1.shape[0] // 2
@@ -325,20 +319,23 @@ def _grad_tiles(k_base, v_base, lo, hi, w1_ptr, w2_ptr, g, skn, skc, svn, svc, s
         rows = start + tl.arange(0, BLOCK_N)
         k, v = _token_tiles(k_base, v_base, skn, skc, svn, svc, rows, rd, cols, N, D, cs_h, HALF,
                             TRANS, ROPE, DOT, EMU, ACC)  # fmt: skip
+        kt = _channels_first(k, TRANS)
         if SWIGLU:
             z1 = _xw(k, o1, TRANS, PREC)
             z2 = _xw(k, o2, TRANS, PREC)
             _, a, da = _swiglu_acts(z2)
-            p1 = operand(-v * a, DOT, EMU)
-            p2 = operand(-v * z1 * da, DOT, EMU)
+            if STACK:
+                p2 = operand(-v * z1 * da, DOT, EMU)
+                acc1 += _xtp_stacked(k, operand(-v * a, DOT, EMU), p2, TRANS, PREC)
+            else:
+                acc1 += _xtp(kt, operand(-v * a, DOT, EMU), TRANS, PREC)
+                acc2 += _xtp(kt, operand(-v * z1 * da, DOT, EMU), TRANS, PREC)
         else:
             if MSE:
                 e = _xw(k, o1, TRANS, PREC) - v
             else:
                 e = -v
-            p1 = operand(e, DOT, EMU)
-            p2 = p1
-        acc1, acc2 = _add_wgrad(acc1, acc2, k, p1, p2, SWIGLU, STACK, TRANS, PREC)
+            acc1 += _xtp(kt, operand(e, DOT, EMU), TRANS, PREC)
     acc1, acc2 = _wgrad_pair(acc1, acc2, STACK)
     return w1, w2, acc1, acc2
 
@@ -623,8 +620,13 @@ def readout_bwd_kernel(
             q, do = _token_tiles(q_base, do_base, sqn, sqc, sdon, sdoc, rows, rd, cols, N, D, cs_h, half,
                                  TRANS, ROPE, DOT, EMU, ACC)  # fmt: skip
             dy1, dy2 = _readout_dy(q, do, o1, o2, SWIGLU, TRANS, PREC)
-            acc1, acc2 = _add_wgrad(acc1, acc2, q, operand(dy1, DOT, EMU), operand(dy2, DOT, EMU), SWIGLU,
-                                    STACK, TRANS, PREC)  # fmt: skip
+            if STACK:
+                acc1 += _xtp_stacked(q, operand(dy1, DOT, EMU), operand(dy2, DOT, EMU), TRANS, PREC)
+            else:
+                qt = _channels_first(q, TRANS)
+                acc1 += _xtp(qt, operand(dy1, DOT, EMU), TRANS, PREC)
+                if SWIGLU:
+                    acc2 += _xtp(qt, operand(dy2, DOT, EMU), TRANS, PREC)
             if CROSS:
                 dq = _readout_dq(dy1, dy2, o1, o2, SWIGLU, TRANS, DOT, EMU, PREC)
                 _qk_store(dq_base, sdqn, sdqc, rows, rd, N, D, dq, cs_h, half, TRANS, ROPE)
@@ -709,9 +711,13 @@ def grad_bwd_kernel(
                     dk = _grad_bwd_dk(p1, p2, dz1, dz2, o1, o2, og1, og2, SWIGLU, MSE, TRANS, DOT, EMU, PREC)
                     _qk_store(dk_base, sdkn, sdkc, rows, rd, N, D, coef * dk, cs_h, half, TRANS, ROPE)
             _store_rows(dv_base, sdvn, sdvc, rows, cols, N, D, dv, TRANS)
-            if WGRAD:
-                acc1, acc2 = _add_wgrad(acc1, acc2, k, operand(dz1, DOT, EMU), operand(dz2, DOT, EMU), SWIGLU,
-                                        STACK, TRANS, PREC)  # fmt: skip
+            if WGRAD and STACK:
+                acc1 += _xtp_stacked(k, operand(dz1, DOT, EMU), operand(dz2, DOT, EMU), TRANS, PREC)
+            elif WGRAD:
+                kt = _channels_first(k, TRANS)
+                acc1 += _xtp(kt, operand(dz1, DOT, EMU), TRANS, PREC)
+                if SWIGLU:
+                    acc2 += _xtp(kt, operand(dz2, DOT, EMU), TRANS, PREC)
         if WGRAD:
             acc1, acc2 = _wgrad_pair(acc1, acc2, STACK)
             acc1 = coef * acc1
