@@ -39,7 +39,7 @@ from vit3.kernels.triton import fuse
 from vit3.kernels.triton import plan as tplan
 from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
-from vit3.layers.backends import guard
+from vit3.layers.backends import guard, verify
 from vit3.layers.backends.planner import demotions
 
 pytestmark = pytest.mark.usefixtures("no_backend_env")
@@ -254,6 +254,23 @@ def test_a_specialisation_that_computes_wrong_is_caught_and_demoted(
         assert torch.isfinite(g).all()
     assert_same(got, run_grads(reference, x, GRID, dout), param_names(mixer))
     assert backends_of(mixer.explain(x, GRID))[0] == FALLBACK[triton_device.type]
+
+
+@pytest.mark.triton
+def test_without_comparison_a_new_specialisation_is_taken_as_verified(monkeypatch, triton_device):
+    """``verify.COMPARE`` off (benchmarks whose launches compute nothing): the same wrong specialisation is
+    still guarded, but not compared, so it is not demoted."""
+    monkeypatch.setenv(reg.BACKEND_ENV, "triton")
+    monkeypatch.setattr(verify, "COMPARE", False)
+    mixer, x, dout = _on(triton_device, make_mixer(), tokens(GRID, b=3), tokens(GRID, b=3))
+    run_grads(mixer, x[:2], GRID, dout[:2])
+    _skipped_launch(monkeypatch, FORWARD_KERNELS, batch=3)
+    guarded = count_calls(monkeypatch, guard._Guard, "forward")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", reg.BackendWarning)  # no demotion
+        out = run_grads(mixer, x, GRID, dout)[0]
+    assert guarded["n"] == 1 and not torch.isfinite(out).all()
+    assert backends_of(mixer.explain(x, GRID))[0] == "triton"
 
 
 @pytest.mark.triton

@@ -15,6 +15,7 @@ from torch import Tensor
 from vit3.kernels.common import grad_flows
 
 from ..fused_mix import BRANCH_ATTR
+from . import verify
 from .planner import (
     BACKEND_ENV,
     STRICT_ENV,
@@ -81,9 +82,12 @@ class _Guard:
         self.first = plan  # whose kernels a sticky fault is laid to, even where it surfaces in a fallback
 
     def checks(self) -> bool:
-        """Whether this call is verified against the generic path: a unit's backend specialises per input."""
-        return self.shapes is not None and any(
-            BACKENDS[self.plan.backends[i]].specialises for i in self.units
+        """Whether this call is verified against the generic path: a unit's backend specialises per input
+        (and ``verify.COMPARE`` is on)."""
+        return (
+            verify.COMPARE
+            and self.shapes is not None
+            and any(BACKENDS[self.plan.backends[i]].specialises for i in self.units)
         )
 
     def forward(self, *tensors: Tensor) -> Tensor:
