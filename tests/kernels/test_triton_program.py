@@ -21,6 +21,7 @@ import time
 
 import pytest
 import torch
+from helpers.backends import mix_short
 from helpers.common import REPO, count_calls
 from helpers.ops import SCALE, intercept_launches, use_gpu_kernels
 
@@ -494,26 +495,26 @@ def test_a_mixer_on_the_program_takes_the_short_path_on_a_verified_specialisatio
         x = torch.randn(b, 16, 32, dtype=torch.float64, device=triton_device)
         return mixer.qkv(x).detach().requires_grad_()
 
-    general, reached = mixer._mix_tokens, []
-    mixer._mix_tokens = lambda *args: reached.append(True) or general(*args)
+    def call(qkv: torch.Tensor) -> bool:
+        out, short = mix_short(mixer, qkv, grid)
+        out.sum().backward()
+        return short
+
     qkv = qkv_of(2)
-    for _ in range(3):  # guarded and verified in its backward; unguarded, and kept; the short path
-        mixer.mix(qkv, grid).sum().backward()
-    assert reached == [True] * 2 and not any(c.settled for c in mixer._calls.plans.values())
-    reached.clear()
-    got = mixer.mix(qkv, grid)
-    assert not reached
+    # guarded and verified in its backward; unguarded, and kept; the short path
+    shorts = [call(qkv) for _ in range(3)]
+    assert shorts == [False, False, True] and not any(c.settled for c in mixer._calls.plans.values())
+    got, short = mix_short(mixer, qkv, grid)
+    assert short
     params = [qkv, *mixer.inner.parameters()]
     grads = torch.autograd.grad(got.square().sum(), params, create_graph=True)
-    want = general(qkv, grid, None, "")
+    want = mixer._mix_tokens(qkv, grid, None, "")
     ref = torch.autograd.grad(want.square().sum(), params, create_graph=True)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(sum(g.sum() for g in grads), params[1:]))
-    reached.clear()
-    mixer.mix(qkv_of(3), grid).sum().backward()  # another batch: another specialisation
-    assert reached
+    assert not call(qkv_of(3))  # another batch: another specialisation
 
 
 @pytest.mark.triton
