@@ -1,6 +1,7 @@
 """vit3.engine.optim: AdamW's parameter groups, the lrs scaled to the total batch, the warmup + cosine
-schedule (against its formula, timm's scheduler and a whole run), optimizer state across regroupings, and
-the dense recipes' groups and schedule."""
+schedule (against its formula, timm's scheduler and whole classification runs: accumulation across epochs,
+a resume, the recipe's fitting), optimizer state across regroupings, and the dense recipes' groups and
+schedule."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import math
 import pytest
 import timm
 import torch
-from helpers.train import tiny_cfg
+from helpers.train import load_script, run_until_crash, tiny_cfg
 
 import vit3.models  # noqa: F401  (registers the models)
 from vit3.engine import ConfigError, load_config, optim, run
-from vit3.engine.config import Config
+from vit3.engine.config import WRITTEN_KEY, Config, config_from_dict
 from vit3.tasks.backbone import block_layer_ids
 from vit3.tasks.segmentation import build_segmenter
 
@@ -126,10 +127,15 @@ def test_the_schedule_is_timms_cosine_bit_for_bit(warmup_epochs):
         assert state[key] == timms[key], key
 
 
-def test_a_run_applies_the_formulas_lr_at_every_update(four_digits, tmp_path, monkeypatch):
-    """A classification run with gradient accumulation: update k (counted per optimizer update, not per
-    batch) runs at ``build_scheduler``'s formula on the lrs scaled to the total batch, k passing from one
-    epoch into the next; the logged lr is the last update's."""
+# ------------------------------------------------------------------------------ a whole run's lr
+# A classification run on 80 images: 20 batches of 4 an epoch, an update every 2 (10 updates an epoch).
+_ACCUM_RUN = ("data.batch_size=4", "train.accum_steps=2", "train.warmup_lr=1e-5", "train.min_lr=1e-4")
+_UPDATES_PER_EPOCH = 10
+
+
+def _spy_on_updates(monkeypatch) -> list[tuple[int, list[float]]]:
+    """Records, in order, ``(k, every group's lr)`` at each optimizer update of the classification runs
+    this test starts (the step ``loop.optimizer_step`` is given and the lrs the update ran at)."""
     import vit3.engine.classification as classification
 
     seen, real = [], classification.optimizer_step
@@ -139,13 +145,15 @@ def test_a_run_applies_the_formulas_lr_at_every_update(four_digits, tmp_path, mo
         seen.append((step, [g["lr"] for g in optimizer.param_groups]))
 
     monkeypatch.setattr(classification, "optimizer_step", spy)
-    overrides = ["data.batch_size=4", "train.accum_steps=2", "train.epochs=3", "train.warmup_epochs=1"]
-    cfg = tiny_cfg(four_digits, tmp_path / "run", *overrides, "train.warmup_lr=1e-5", "train.min_lr=1e-4")
-    run(cfg, "train")
-    history = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    # 80 images: 20 batches of 4 an epoch, 10 updates of 2 batches; warmup 10 updates of 30
-    steps_per_epoch, total, warm = 10, 30, 10
-    lrs = optim.scaled_lrs(cfg.train, 4 * 2)  # lr_batch 20 (tiny_cfg): x 8 / 20
+    return seen
+
+
+def _assert_the_formula_at_every_update(seen, out, train_cfg, epochs: int, warmup_epochs: float) -> None:
+    """The updates ``seen`` are exactly 0..T-1 (T = ``epochs`` x 10) and update k runs every group at
+    ``build_scheduler``'s formula, written out here (W = ``warmup_epochs`` x 10), on the lrs scaled to the
+    total batch of 8; ``out/metrics.json`` logs each epoch's last update's lr."""
+    total, warm = epochs * _UPDATES_PER_EPOCH, int(warmup_epochs * _UPDATES_PER_EPOCH)
+    lrs = optim.scaled_lrs(train_cfg, 4 * 2)  # lr_batch 20 (tiny_cfg): x 8 / 20
     assert lrs["base_lr"] == pytest.approx(2e-3 * 8 / 20)
 
     def formula(k):
@@ -156,9 +164,47 @@ def test_a_run_applies_the_formulas_lr_at_every_update(four_digits, tmp_path, mo
     assert [k for k, _ in seen] == list(range(total))
     for k, group_lrs in seen:
         assert group_lrs == pytest.approx([formula(k)] * len(group_lrs), rel=1e-12), k
+    history = json.loads((out / "metrics.json").read_text())
     assert [h["lr"] for h in history] == pytest.approx(
-        [formula(steps_per_epoch * e - 1) for e in (1, 2, 3)], rel=1e-6
+        [formula(_UPDATES_PER_EPOCH * e - 1) for e in range(1, epochs + 1)], rel=1e-6
     )
+
+
+def test_a_run_applies_the_formulas_lr_at_every_update(four_digits, tmp_path, monkeypatch):
+    """A classification run with gradient accumulation: update k (counted per optimizer update, not per
+    batch) runs at ``build_scheduler``'s formula on the lrs scaled to the total batch, k passing from one
+    epoch into the next; the logged lr is the last update's."""
+    seen = _spy_on_updates(monkeypatch)
+    cfg = tiny_cfg(four_digits, tmp_path / "run", *_ACCUM_RUN, "train.epochs=3", "train.warmup_epochs=1")
+    run(cfg, "train")
+    _assert_the_formula_at_every_update(seen, tmp_path / "run", cfg.train, epochs=3, warmup_epochs=1)
+
+
+def test_a_resumed_run_goes_on_at_the_same_update_and_lr(four_digits, tmp_path, monkeypatch):
+    """The same run stopped right after its first epoch's checkpoint (update 10), then a bare
+    ``train.py --resume last.pt`` (the schedule rebuilt from the checkpoint's config, the step restored):
+    the two processes' updates together are exactly 0..29, each at the formula's lr."""
+    seen = _spy_on_updates(monkeypatch)
+    out = tmp_path / "run"
+    cfg = tiny_cfg(four_digits, out, *_ACCUM_RUN, "train.epochs=3", "train.warmup_epochs=1")
+    run_until_crash(monkeypatch, cfg, global_step=_UPDATES_PER_EPOCH)
+    assert [k for k, _ in seen] == list(range(_UPDATES_PER_EPOCH))  # stopped after the first epoch
+    torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
+    assert load_script("train").main(["--resume", str(out / "last.pt")]) == 0
+    _assert_the_formula_at_every_update(seen, out, cfg.train, epochs=3, warmup_epochs=1)
+
+
+def test_a_fitted_run_follows_the_fitted_epochs_and_warmup(four_digits, tmp_path, monkeypatch):
+    """``train.min_steps=20`` over the recipe's 1 epoch of 10 updates (epochs and warmup not written, so
+    ``recipe.fit_epochs`` may fit them): 2 epochs and a warmup of 1, and the schedule is the formula with
+    those totals (T = 20, W = 10), not the unfitted ones (T = 10, W = 5)."""
+    seen = _spy_on_updates(monkeypatch)
+    fit = ("train.epochs=1", "train.warmup_epochs=0.5", "train.min_steps=20")
+    data = tiny_cfg(four_digits, tmp_path / "run", *_ACCUM_RUN, *fit).to_dict()
+    data[WRITTEN_KEY] = [k for k in data[WRITTEN_KEY] if k not in ("train.epochs", "train.warmup_epochs")]
+    cfg = config_from_dict(data)
+    run(cfg, "train")
+    _assert_the_formula_at_every_update(seen, tmp_path / "run", cfg.train, epochs=2, warmup_epochs=1)
 
 
 # ------------------------------------------------------------------------------ optimizer state

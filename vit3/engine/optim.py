@@ -111,8 +111,8 @@ def build_scheduler(
     update T on, ``min_lr``. ``s_g`` is the group's ``lr_scale`` (1 without one). The settings are the keys
     ``train.base_lr``, ``warmup_lr``, ``min_lr``, ``warmup_epochs``, ``epochs`` (defaults:
     ``configs/default.yaml``; a key ``lr`` is refused). Tested in ``tests/engine/test_optim.py``: the
-    formula, timm's scheduler bit for bit, a run applying it at every update. What else takes part in a run's
-    lr (the step, a resume, the recipe's fitting, layer decay, a conversion): ``docs/design/engine.md``.
+    formula, timm's scheduler bit for bit, and whole runs applying it at every update (with accumulation, a
+    resume, the recipe's fitting). Where each input comes from: ``docs/design/engine.md``.
     """
     return WarmupCosine(
         optimizer,
