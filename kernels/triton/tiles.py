@@ -133,7 +133,7 @@ FUSED_BACKWARD_SMEM = 200 * KB
 HALF_BACKWARD_SMEM = 96 * KB
 
 
-def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope: bool) -> Tiles:
+def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope: bool, stack: bool) -> Tiles:
     """Tiles of 16-bit operands on tensor cores (sm_80+): 64-token tiles, so the token-row dots (``k W``,
     ``q W'``, ``dY W'ᵀ``, ``P dGᵀ`` ...) have the 64 rows sm_90's ``wgmma`` needs (a warp group of 4 warps
     per 64 rows), and so do the weight-gradient dots (``kᵀ P``, ``qᵀ dY``, ``kᵀ dZ``) from d = 64 on.
@@ -143,17 +143,17 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope
     with 16- or 32-token tiles, two blocks per SM (sm_100's forward keeps two warp groups on 64-token tiles);
     on ``mma.sync`` parts the gradient backward on 32-token tiles over two warp groups, the orientation that
     keeps its fragments out of local memory. At d = 32 SwiGLU's weight-gradient dots are stacked on sm_90
-    (``_stacked``) and its gradient backward takes 64-token tiles there, 32 elsewhere (a reload inside the
-    token loop at 64 without the stack). The other SwiGLU kernels at d = 64 on ``mma.sync`` parts also hold
-    their fragments in registers: 32-token tiles, and the one-launch forward in two column blocks of 32. At
-    d = 128: 16 or 32 columns a block, 32-token tiles in the gradient cross launch. On ``wgmma`` parts every
-    other kernel launched at d <= 64 runs on one warp group (the cross launches, at d = 64 never launched,
-    keep the default). With RoPE in the kernels (``rope``): ``_rope_half_tiles``. The spills and registers
-    measured: docs/design/kernels.md (tile sizes).
+    (``stack``, from ``_stacked``) and its gradient backward takes 64-token tiles there, 32 elsewhere (a
+    reload inside the token loop at 64 without the stack). The other SwiGLU kernels at d = 64 on ``mma.sync``
+    parts also hold their fragments in registers: 32-token tiles, and the one-launch forward in two column
+    blocks of 32. At d = 128: 16 or 32 columns a block, 32-token tiles in the gradient cross launch. On
+    ``wgmma`` parts every other kernel launched at d <= 64 runs on one warp group (the cross launches, at
+    d = 64 never launched, keep the default). With RoPE in the kernels (``rope``): ``_rope_half_tiles``. The
+    spills and registers measured: docs/design/kernels.md (tile sizes).
     """
     if rope:
         return _rope_half_tiles(
-            model, role, block_d, arch, _half_tiles(model, loss, role, block_d, arch, False)
+            model, role, block_d, arch, _half_tiles(model, loss, role, block_d, arch, False, stack)
         )
     backward = role.startswith(("readout_bwd", "grad_bwd"))
     if model == "swiglu" and block_d == 64 and role in ("forward", "readout_bwd", "grad_bwd"):
@@ -162,7 +162,7 @@ def _half_tiles(model: str, loss: str, role: str, block_d: int, arch: Arch, rope
         if role == "grad_bwd":
             return Tiles(32, 64, 8, 2, trans=True)
     if model == "swiglu" and role == "grad_bwd" and block_d == 32:
-        return Tiles(64 if _stacked(model, role, block_d, arch) else 32, 32, 4, 2)
+        return Tiles(64 if stack else 32, 32, 4, 2)
     one_group = warp_group_mma(arch) and (
         block_d <= 32 or (block_d == 64 and (model == "linear" or role in ("grad", "readout")))
     )
@@ -222,8 +222,9 @@ def _matrix_tiles(
     if dtype == torch.float64:
         return Tiles(16, 16, 8, 1)
     if native_half(dtype, arch):
-        t = _half_tiles(model, loss, role, block_d, arch, rope)
-        return replace(t, stack=True) if _stacked(model, role, block_d, arch) else t
+        stack = _stacked(model, role, block_d, arch)
+        t = _half_tiles(model, loss, role, block_d, arch, rope, stack)
+        return replace(t, stack=True) if stack else t
     if not _tensor_cores(dtype, prec, arch):
         return Tiles(16, min(block_d, 32 if block_d <= 64 else 16), 8, 1)
     backward = role.startswith(("readout_bwd", "grad_bwd"))
