@@ -55,9 +55,9 @@ def replay(ops: list[tuple]) -> None:
 
 
 def with_bare_ops(infer, train) -> tuple[dict, dict[str, list[tuple]]]:
-    """``infer`` (run under ``torch.no_grad`` here) and ``train`` warmed up (kernels built, plans resolved and
-    verified), their ops recorded: the four calls ``infer``, ``bare infer``, ``train``, ``bare train``, and
-    the records by mode."""
+    """``infer`` (run under ``torch.no_grad`` here) and ``train`` warmed up (kernels built, routes resolved
+    and verified), their ops recorded: the four calls ``infer``, ``bare infer``, ``train``, ``bare train``,
+    and the records by mode."""
 
     def infer_() -> None:
         with torch.no_grad():
@@ -83,7 +83,7 @@ def with_bare_ops(infer, train) -> tuple[dict, dict[str, list[tuple]]]:
 
 def _mixer_fns(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int], upstream: torch.Tensor) -> dict:
     """The mixer's calls (``mix infer``, ``mix train``) and their bare ops (``bare infer``, ``bare train``),
-    warmed up: the plans resolved and verified (``ttt.CPP_NODE`` is read then)."""
+    warmed up: the routes resolved and verified (``ttt.CPP_NODE`` is read then)."""
     leaves = [qkv, *mixer.parameters()]
 
     def train() -> None:
@@ -100,10 +100,10 @@ def _mixer_fns(mixer: TTTMixer, qkv: torch.Tensor, grid: tuple[int, int], upstre
 
 def _op_fns(mixer: TTTMixer, qkv: torch.Tensor, leaves: list, upstream: torch.Tensor) -> dict:
     """The whole-mixer C++ op called directly (``op infer``, ``op train``) with the arguments the mixer's
-    settled plans hand it: the same op and autograd node as ``mix``, without the mixer's Python in front."""
+    settled routes hand it: the same op and autograd node as ``mix``, without the mixer's Python in front."""
     flat = [d[name] for d, name in mixer._param_sources()]
     # by grad mode (the key's fourth field)
-    args = {key[3]: call.cpp for key, call in mixer._calls.plans.items()}
+    args = {key[3]: call.cpp for key, call in mixer._calls.routes.items()}
     op = torch.ops.vit3_cpu.mix
 
     def infer() -> None:
@@ -155,10 +155,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     upstream = torch.randn(args.batch, n, sum(mixer.widths), device=device)
     nodes = ["cpp", "python"] if args.python_node else ["cpp"]
     fns, n_ops = {}, {}
-    for node in nodes:  # each mixer plans its calls with its node
+    for node in nodes:  # each mixer routes its calls with its node
         ttt.CPP_NODE = node == "cpp"
         # a shallow copy: the same parameters and inputs (both nodes then read the same, cache-warm, memory),
-        # its own plans (pickling state drops them)
+        # its own routes (pickling state drops them)
         got = _mixer_fns(copy.copy(mixer), qkv, grid, upstream)
         fns |= {f"{node} {name}": fn for name, fn in got["fns"].items()}
         n_ops[node] = got["ops"]

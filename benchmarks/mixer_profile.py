@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     upstream = torch.randn(args.batch, n, args.dim, device=device)
     layers = {"ttt_mixer": lambda: mixer(x, grid), "sdpa_attention": attn}
     totals = {name: collections.Counter() for name in layers}
-    for fn in layers.values():  # warm-up: builds the kernel, resolves the plans
+    for fn in layers.values():  # warm-up: builds the kernel, resolves the routes
         for _ in range(2):
             (fn(x) if fn is attn else fn()).backward(upstream)
     for _ in range(args.rounds):

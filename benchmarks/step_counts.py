@@ -76,7 +76,7 @@ def count_step(name: str, res: int, batch: int, launched: list[str], top: int = 
         out.float().sum().backward()
         model.zero_grad(set_to_none=True)
 
-    for _ in range(2):  # plans made, caches warm
+    for _ in range(2):  # routes made, caches warm
         step()
     launched.clear()
     counter = OpCounter()

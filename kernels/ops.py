@@ -50,7 +50,7 @@ class Branch(NamedTuple):
 
 
 class Settings(NamedTuple):
-    """The ``TTTConfig`` fields a backend's ``supports`` may read (all of them are in the plan key)."""
+    """The ``TTTConfig`` fields a backend's ``supports`` may read (all of them are in the route key)."""
 
     loss: str
     steps: int
@@ -59,7 +59,7 @@ class Settings(NamedTuple):
 
 
 class Inputs(NamedTuple):
-    """What a backend's ``supports`` may read of the mixer input x (all of it is in the plan key)."""
+    """What a backend's ``supports`` may read of the mixer input x (all of it is in the route key)."""
 
     device: torch.device
     dtype: torch.dtype  # of the qkv projection output, what the backends read

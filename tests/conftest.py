@@ -142,7 +142,7 @@ def _backend_env_follows(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _fresh_backend_registry():
-    """Each test starts with no cached mixer plans, demotions or backend warnings."""
+    """Each test starts with no cached mixer routes, demotions or backend warnings."""
     from vit3.layers import backends
 
     backends.reset()

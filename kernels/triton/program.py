@@ -412,7 +412,7 @@ def _run(
 
 
 def program_key(qkv: Tensor, weights: Sequence[Tensor]) -> tuple:
-    """What a program depends on besides the node's plan: the programs' generation (``clear``), qkv's and
+    """What a program depends on besides the node's route: the programs' generation (``clear``), qkv's and
     every weight's shape, strides and dtype, the device, and the module state the plan key reads
     (interpreter, TF32, the test hooks)."""
     dtype, device = qkv.dtype, qkv.device
@@ -599,7 +599,7 @@ def _alloc(nbytes: int, device: torch.device) -> Tensor:
 
 # Bumped by ``clear``: the programs cached before are not found again.
 _GENERATION = [0]
-MAX_PROGRAMS = 64  # per node plan; then its cache is forgotten at once
+MAX_PROGRAMS = 64  # per node route; then its cache is forgotten at once
 
 
 def clear() -> None:

@@ -370,8 +370,8 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
     PyTorch allows now (TF32 or IEEE): ``smem_need``. On ROCm (``torch.version.hip``), first whether Triton's
     AMD backend takes the dots' input precision on this GPU (most parts reject TF32; ``DOT_MODELS``). Cheap:
     cached per (model, head-dim class, dtype, precision, device). On a CPU the interpreter
-    (``TRITON_INTERPRET=1``) runs any configuration. A CUDA device asked about where no GPU is present (a plan
-    explained ahead of time) passes: the check is made where the GPU is.
+    (``TRITON_INTERPRET=1``) runs any configuration. A CUDA device asked about where no GPU is present (a
+    route explained ahead of time) passes: the check is made where the GPU is.
 
     Args:
         name: ``"swiglu"``, ``"linear"`` or ``"dwconv"`` (the loss does not change the shared memory).
@@ -396,7 +396,7 @@ def fits_device(name: str, head_dim: int, dtype: torch.dtype, device: torch.devi
             False,
             f"the Triton kernels run on CUDA GPUs (or on CPU with TRITON_INTERPRET=1), not on {device}",
         )
-    if not torch.cuda.is_available():  # a CUDA plan explained where there is no GPU to inspect
+    if not torch.cuda.is_available():  # a CUDA route explained where there is no GPU to inspect
         return True, ""
     prec = gpu_dot_precision(dtype)
     if torch.version.hip and name in DOT_MODELS:

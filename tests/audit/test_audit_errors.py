@@ -1041,7 +1041,7 @@ def test_a_coco_image_without_sizes_beyond_the_pixel_limit_names_its_file(
 
 
 # ----------------------------------------------------------------------------------------------------- API
-# (model, kwargs): each family, at a size whose plans take the C++ kernels' one-op paths
+# (model, kwargs): each family, at a size whose routes take the C++ kernels' one-op paths
 EMPTY_BATCH_MODELS = {
     "test_vit3_ttt": ("test_vit3_ttt", {}),
     "test_h_vit3": ("test_h_vit3", {}),
@@ -1053,7 +1053,7 @@ EMPTY_BATCH_MODELS = {
 
 @pytest.mark.parametrize(("name", "kwargs"), EMPTY_BATCH_MODELS.values(), ids=EMPTY_BATCH_MODELS.keys())
 def test_an_empty_batch_gives_an_empty_result(name, kwargs):
-    """B = 0 after settled calls of B = 2 (whose plans the kernels' one-op paths serve), in inference and in
+    """B = 0 after settled calls of B = 2 (whose routes the kernels' one-op paths serve), in inference and in
     training: ``[0, classes]`` as timm's models give, and a backward that gives every weight a zero gradient
     (a SIGFPE in the C++ kernel or a groups error before)."""
     torch.manual_seed(0)

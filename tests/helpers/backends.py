@@ -1,5 +1,5 @@
 """Shared by the backend registry's tests (``test_backends_*``) and the mixer's short paths': a mixer with
-inner weights large enough that the step matters, its twin with no plans made (on the generic path or its
+inner weights large enough that the step matters, its twin with no routes made (on the generic path or its
 own), a run that returns the output and every gradient, readers of an explanation, a settled call changed."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def make_mixer(dim: int = 32, heads: int = 2, dtype=torch.float64, gain: float =
 
 
 def fresh_twin(mixer: TTTMixer, **cfg) -> TTTMixer:
-    """The same mixer (config with ``cfg`` on top, weights, dtype, device) with no plans made."""
+    """The same mixer (config with ``cfg`` on top, weights, dtype, device) with no routes made."""
     twin = TTTMixer(mixer.dim, mixer.num_heads, mixer.cfg, **cfg).to(next(mixer.parameters()))
     twin.load_state_dict(mixer.state_dict())
     return twin
@@ -39,7 +39,7 @@ def generic_twin(mixer: TTTMixer) -> TTTMixer:
 
 
 # What a settled call's short path holds, one at a time (``changed_call``).
-SHORT_PATH_CHANGES = ("grid", "dtype", "weight-dtype", "plans-cleared")
+SHORT_PATH_CHANGES = ("grid", "dtype", "weight-dtype", "routes-cleared")
 
 
 def changed_call(
@@ -47,14 +47,14 @@ def changed_call(
 ) -> tuple[torch.Tensor, tuple[int, int]]:
     """The next call's qkv and grid with one of ``SHORT_PATH_CHANGES`` made: another grid of the same tokens
     (RoPE's angles differ), float32 qkv, ``mixer``'s first inner weight converted to float32 in place (no
-    ``Module.to``), or its plans cleared."""
+    ``Module.to``), or its routes cleared."""
     if change == "grid":
         return qkv, grid[::-1]
     if change == "dtype":
         return qkv.float(), grid
     if change == "weight-dtype":
         mixer.inner[0].w1.data = mixer.inner[0].w1.data.float()
-    elif change == "plans-cleared":
+    elif change == "routes-cleared":
         mixer._calls.clear()
     return qkv, grid
 

@@ -53,7 +53,7 @@ def test_backward_counts_as_autograd_on_the_generic_path():
         torch.manual_seed(0)
         cfg = {"branches": ("swiglu",), "backend": backend, "recompute": "never"}
         model = timm.create_model("vit3_tiny", img_size=96, depth=1, embed_dim=64, num_heads=2, ttt_cfg=cfg)
-        for _ in range(2):  # the first calls of a plan run guarded
+        for _ in range(2):  # the first calls of a route run guarded
             model(x).sum().backward()
         with FlopCounterMode(display=False) as forward:
             out = model(x)

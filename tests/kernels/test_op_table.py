@@ -97,17 +97,19 @@ def test_a_registered_op_is_chosen_explained_and_matches_its_reference(toy):
     branches = ((TOY, HEADS, D, True),)
     cpu = torch.device("cpu")
     assert TOY in reg.BACKENDS["eager"].models and TOY not in reg.BACKENDS["cpu"].models
-    plan = reg.plan(settings, "auto", branches, cpu, torch.float64, reg.token_class(N), True, "")
-    assert plan.backends == ("eager",)
+    route = reg.route(settings, "auto", branches, cpu, torch.float64, reg.token_class(N), True, "")
+    assert route.backends == ("eager",)
 
-    mixer = SimpleNamespace(cfg=cfg, plan_branches=branches, dim=HEADS * D, num_heads=HEADS, scriptable=False)
+    mixer = SimpleNamespace(
+        cfg=cfg, route_branches=branches, dim=HEADS * D, num_heads=HEADS, scriptable=False
+    )
     expl = reg.explain_mixer(mixer, cpu, torch.float64, GRID, grad=True)
     assert expl.branches[0].backend == "eager" and expl.fused
     passed = dict(expl.branches[0].passed_over)
     assert f"no '{TOY}' in the C++ CPU kernel" in passed["cpu"] and "ranks higher" in passed["generic"]
 
     q, k, v, w = _inputs()
-    out = branch_node(TOY, "eager", q, k, v, {"w": w}, GRID, scale=0.5, recompute=plan.recompute)
+    out = branch_node(TOY, "eager", q, k, v, {"w": w}, GRID, scale=0.5, recompute=route.recompute)
     hyper = {"grid": GRID, "scale": 0.5, "lr": cfg.inner_lr, "grad_norm": cfg.grad_norm}
     want = reference_ttt(TOY, q, k, v, {"w": w}, **hyper)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
@@ -123,7 +125,7 @@ def test_a_path_that_refuses_the_branch_is_passed_over_with_its_reason(toy):
     generic."""
     cfg = TTTConfig(loss="mse")
     mixer = SimpleNamespace(
-        cfg=cfg, plan_branches=((TOY, HEADS, D, True),), dim=HEADS * D, num_heads=HEADS, scriptable=False
+        cfg=cfg, route_branches=((TOY, HEADS, D, True),), dim=HEADS * D, num_heads=HEADS, scriptable=False
     )
     expl = reg.explain_mixer(mixer, torch.device("cpu"), torch.float64, GRID, grad=False)
     assert expl.branches[0].backend == "generic" and not expl.fused

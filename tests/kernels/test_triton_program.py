@@ -503,7 +503,7 @@ def test_a_mixer_on_the_program_takes_the_short_path_on_a_verified_specialisatio
     qkv = qkv_of(2)
     # guarded and verified in its backward; unguarded, and kept; the short path
     shorts = [call(qkv) for _ in range(3)]
-    assert shorts == [False, False, True] and not any(c.settled for c in mixer._calls.plans.values())
+    assert shorts == [False, False, True] and not any(c.settled for c in mixer._calls.routes.values())
     got, short = mix_short(mixer, qkv, grid)
     assert short
     params = [qkv, *mixer.inner.parameters()]

@@ -1,6 +1,6 @@
 """The mixer's backend registry (``vit3.layers.backends``): every backend it can be forced onto (by the config
 or by ``VIT3_TTT_BACKEND``) computes the generic path's output and gradients, a named backend that cannot
-serve warns once (or raises under ``VIT3_TTT_STRICT=1``), plans are resolved once per key, and an unknown
+serve warns once (or raises under ``VIT3_TTT_STRICT=1``), routes are resolved once per key, and an unknown
 config key is refused by name.
 
 The tests that launch kernels run where Triton runs (``triton_device``: the GPU, else the interpreter)."""
@@ -154,8 +154,8 @@ def test_bad_backend_values_are_rejected_by_name(monkeypatch):
 # --------------------------------------------------------------------------------------------- caching
 
 
-def test_plans_are_resolved_once_per_key(monkeypatch):
-    resolved = count_calls(monkeypatch, importlib.import_module("vit3.layers.backends.planner"), "resolve")
+def test_routes_are_resolved_once_per_key(monkeypatch):
+    resolved = count_calls(monkeypatch, importlib.import_module("vit3.layers.backends.routes"), "resolve")
     first, second = make_mixer(), make_mixer()
     x = tokens(GRID)
     for _ in range(3):
@@ -190,8 +190,8 @@ class _CountedEnviron(dict):
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
-def test_a_mixer_keeps_its_plan_and_reads_no_environment_after_the_first_call(monkeypatch, grad):
-    """The plan of a (mixer, key) is decided once and kept on the mixer: a later call of that key asks the
+def test_a_mixer_keeps_its_route_and_reads_no_environment_after_the_first_call(monkeypatch, grad):
+    """The route of a (mixer, key) is decided once and kept on the mixer: a later call of that key asks the
     backends' cache nothing and reads no environment variable."""
     mixer, x = make_mixer(), tokens(BIG_GRID, b=1)
     with torch.set_grad_enabled(grad):
@@ -199,14 +199,14 @@ def test_a_mixer_keeps_its_plan_and_reads_no_environment_after_the_first_call(mo
             out = mixer(x, BIG_GRID)
             if grad:
                 out.sum().backward()
-        planned = count_calls(monkeypatch, reg, "plan")
+        routed = count_calls(monkeypatch, reg, "route")
         environ = _CountedEnviron(os.environ)
         monkeypatch.setattr("os.environ", environ)
         out = mixer(x, BIG_GRID)
         if grad:
             out.sum().backward()
-    assert planned["n"] == 0 and environ.reads == 0
-    assert not mixer(tokens(GRID, b=1), GRID).isnan().any() and planned["n"] == 1  # a new key is planned
+    assert routed["n"] == 0 and environ.reads == 0
+    assert not mixer(tokens(GRID, b=1), GRID).isnan().any() and routed["n"] == 1  # a new key is routed
 
 
 def test_a_key_runs_guarded_until_one_forward_and_backward_succeeded(monkeypatch):

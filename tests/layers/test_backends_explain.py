@@ -55,8 +55,8 @@ def test_explain_says_triton_needs_the_interpreter_on_cpu(monkeypatch):
     assert hb.reason_of(expl, 0, "triton") == "CPU tensors: Triton runs them only under TRITON_INTERPRET=1"
 
 
-def test_explain_default_cuda_plan_is_triton_then_generic():
-    """The CUDA plan is resolved without a GPU: the registry only reads the device type."""
+def test_explain_default_cuda_route_is_triton_then_generic():
+    """The CUDA route is resolved without a GPU: the registry only reads the device type."""
     mixer = hb.make_mixer(dim=64, heads=2)
     expl = reg.explain_mixer(mixer, torch.device("cuda"), torch.bfloat16, BIG_GRID, grad=True)
     assert hb.backends_of(expl) == ["triton", "triton"] and expl.fused  # one node: the Triton hooks
@@ -78,10 +78,10 @@ def test_a_gpu_that_cannot_run_the_kernels_steps_aside_with_a_warning(fake_gpu):
     expl = reg.explain_mixer(mixer, gpu, torch.bfloat16, BIG_GRID, grad=True)
     assert hb.backends_of(expl) == ["generic", "generic"]
     assert hb.reason_of(expl, 0, "triton").startswith("ROCm gfx90a: Triton's AMD backend takes")
-    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.plan_branches, gpu)
+    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.route_branches, gpu)
     with pytest.warns(reg.BackendWarning) as caught:
-        assert reg.plan(*args, torch.bfloat16, "N>=32", True, "").backends == ("generic", "generic")
-        reg.plan(*args, torch.bfloat16, "N>=32", False, "")  # another key: no second warning
+        assert reg.route(*args, torch.bfloat16, "N>=32", True, "").backends == ("generic", "generic")
+        reg.route(*args, torch.bfloat16, "N>=32", False, "")  # another key: no second warning
     warned = [str(w.message) for w in caught if "'swiglu' branch" in str(w.message)]
     assert len(warned) == 1
     for part in (
@@ -93,7 +93,7 @@ def test_a_gpu_that_cannot_run_the_kernels_steps_aside_with_a_warning(fake_gpu):
         assert part in warned[0], warned[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert reg.plan(*args, torch.float64, "N>=32", True, "").backends == ("triton", "triton")
+        assert reg.route(*args, torch.float64, "N>=32", True, "").backends == ("triton", "triton")
 
 
 def test_explain_without_triton_names_the_import_error_and_keeps_the_cpp_kernel(monkeypatch):
@@ -148,30 +148,30 @@ def test_explain_variants(cfg, expected, why):
 
 
 @pytest.mark.usefixtures("interpreter")
-def test_traced_calls_plan_portable_ops_and_compiled_ones_the_mixer_op():
+def test_traced_calls_route_portable_ops_and_compiled_ones_the_mixer_op():
     mixer = hb.make_mixer()
     args = (
         (mixer.cfg.loss, 1, 1, "fixed"),
         "auto",
-        mixer.plan_branches,
+        mixer.route_branches,
         CPU,
         torch.float64,
         "N>=32",
         True,
     )
-    assert reg.plan(*args, "trace").backends == ("generic", "generic")
-    assert reg.plan(*args, "export").backends == ("generic", "generic")
+    assert reg.route(*args, "trace").backends == ("generic", "generic")
+    assert reg.route(*args, "export").backends == ("generic", "generic")
     compiled = "cpu" if cpp.load()[0] is not None else "generic"  # the mixer op on the C++ kernel, if built
-    assert reg.plan(*args, "compile").backends == (compiled, compiled)
-    assert reg.plan(*args, "").backends == ("cpu", "cpu")
+    assert reg.route(*args, "compile").backends == (compiled, compiled)
+    assert reg.route(*args, "").backends == ("cpu", "cpu")
     named = ((mixer.cfg.loss, 1, 1, "fixed"), "triton", *args[2:])
-    assert reg.plan(*named, "compile").backends == ("triton", "triton")  # the custom op compiles
+    assert reg.route(*named, "compile").backends == ("triton", "triton")  # the custom op compiles
     with pytest.warns(reg.BackendWarning, match="jit tracing / ONNX export"):
-        assert reg.plan(*named, "trace").backends == ("generic", "generic")
+        assert reg.route(*named, "trace").backends == ("generic", "generic")
 
 
 def test_compiled_mixer_has_no_graph_break_and_matches_eager():
-    """The plan is a constant of the compiled graph (fullgraph fails on any break)."""
+    """The route is a constant of the compiled graph (fullgraph fails on any break)."""
     mixer = hb.make_mixer()
     x, dout = hb.tokens(BIG_GRID), hb.tokens(BIG_GRID)
     torch._dynamo.reset()
@@ -185,7 +185,7 @@ def test_compiled_mixer_has_no_graph_break_and_matches_eager():
 # --------------------------------------------------------------------------------- model-level explain
 
 
-def test_model_explain_groups_mixers_with_one_plan():
+def test_model_explain_groups_mixers_with_one_route():
     model = timm.create_model("test_vit3_ttt")
     report = vit3.explain(model, 64)
     ((names, expl),) = report.groups

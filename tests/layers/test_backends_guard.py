@@ -40,7 +40,7 @@ from vit3.kernels.triton import plan as tplan
 from vit3.layers import TTTMixer
 from vit3.layers import backends as reg
 from vit3.layers.backends import guard, verify
-from vit3.layers.backends.planner import demotions
+from vit3.layers.backends.routes import demotions
 
 pytestmark = pytest.mark.usefixtures("no_backend_env")
 
@@ -146,7 +146,7 @@ def test_forward_out_of_resources_demotes_with_one_warning(monkeypatch, grad, tr
         with torch.set_grad_enabled(grad):
             out = _two_blocks(mixer, x.requires_grad_(grad))
     assert len([w for w in caught if issubclass(w.category, reg.BackendWarning)]) == 1
-    assert raised["n"] == 1  # the second block already took the demoted plan
+    assert raised["n"] == 1  # the second block already took the demoted route
     torch.testing.assert_close(out, _two_blocks(reference, x), rtol=1e-10, atol=1e-12)
     if grad:
         dout = tokens(GRID).to(triton_device)
@@ -173,7 +173,7 @@ def test_failure_raises_when_strict(monkeypatch, phase, triton_device):
 
 @pytest.mark.triton
 def test_backward_failure_under_activation_checkpointing(monkeypatch, triton_device):
-    """The recomputation of the second checkpointed block keeps the plan of its forward (the demotion applies
+    """The recomputation of the second checkpointed block keeps the route of its forward (the demotion applies
     once the backward pass is over), so checkpointing sees the tensors it saved."""
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")
     mixer, x = _on(triton_device, make_mixer(), tokens(GRID))
@@ -211,7 +211,7 @@ def _skipped_launch(monkeypatch, kernels: set[str], batch: int) -> None:
 
 @pytest.mark.triton
 def test_each_new_input_specialisation_runs_guarded_and_verified_once(monkeypatch, triton_device):
-    """The plan key holds no batch size nor exact N; Triton specialises on both (and on strides). Both
+    """The route key holds no batch size nor exact N; Triton specialises on both (and on strides). Both
     branches run on Triton in one fused node: one guarded unit per guarded call."""
     monkeypatch.setenv(reg.BACKEND_ENV, "triton")
     mixer, x, dout = _on(triton_device, make_mixer(), tokens(GRID, b=3), tokens(GRID, b=3))

@@ -34,7 +34,7 @@ def _x(requires_grad: bool = False) -> torch.Tensor:
 
 
 def _settle(block: TTTBlock, x: torch.Tensor) -> None:
-    """The first calls of the mixer's plan run layer by layer, guarded (with gradients, up to the backward
+    """The first calls of the mixer's route run layer by layer, guarded (with gradients, up to the backward
     that verifies them); afterwards the call is settled."""
     for _ in range(2):
         out = block(x)
@@ -163,7 +163,7 @@ def test_under_autocast_and_before_the_mixer_settles_the_block_runs_layer_by_lay
     block = _block().float().eval()
     x = _x().float()
     with torch.no_grad():
-        assert block.one_op(x) is None  # the first call: the mixer's plan is verified layer by layer
+        assert block.one_op(x) is None  # the first call: the mixer's route is verified layer by layer
         _settle(block, x)
         assert block.one_op(x) is not None
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -3,7 +3,7 @@ whose branches all run the C++ CPU kernel take it, one C++ autograd node. It com
 (``vit3.layers.fused_mix``, the same C++ call) computes, forward and every gradient, and what the mixer
 defines (the float64 reference; against each branch's own hooks: ``test_mixer_op_cpu.py``); its RoPE is
 ``apply_rope_2d`` bit for bit; it honours no-grad, autocast, saved-tensor hooks, checkpointing and the
-once-differentiable contract, and sees parameters replaced after its plan was made. ``mix`` reaches it by a
+once-differentiable contract, and sees parameters replaced after its route was made. ``mix`` reaches it by a
 short path (``vit3.layers.mixer_calls.Calls``) that steps aside wherever the settled call's key, weights or
 the absence of tracing no longer hold."""
 
@@ -46,15 +46,15 @@ def _mixer(dim: int = 32, heads: int = 4, dtype: torch.dtype = torch.float64, **
 
 
 def _settle(mixer: TTTMixer, x: torch.Tensor, grid: tuple[int, int] = GRID) -> None:
-    """Calls the mixer (with and without gradients) until its plans run unguarded on the C++ op."""
+    """Calls the mixer (with and without gradients) until its routes run unguarded on the C++ op."""
     _ops()
     for _ in range(8):
         mixer(x, grid).sum().backward()
         with torch.no_grad():
             mixer(x, grid)
-        if mixer._calls.plans and all(c.settled and c.cpp is not None for c in mixer._calls.plans.values()):
+        if mixer._calls.routes and all(c.settled and c.cpp is not None for c in mixer._calls.routes.values()):
             return
-    pytest.fail(f"the mixer's calls did not settle on the C++ op: {list(mixer._calls.plans.values())}")
+    pytest.fail(f"the mixer's calls did not settle on the C++ op: {list(mixer._calls.routes.values())}")
 
 
 def _run(mixer: TTTMixer, x: torch.Tensor, dout: torch.Tensor, grid: tuple[int, int] = GRID):
@@ -65,7 +65,7 @@ def _run(mixer: TTTMixer, x: torch.Tensor, dout: torch.Tensor, grid: tuple[int, 
 
 
 def _python_node(mixer: TTTMixer, monkeypatch) -> None:
-    """The mixer re-plans its calls on the Python node."""
+    """The mixer re-routes its calls on the Python node."""
     monkeypatch.setattr(ttt, "CPP_NODE", False)
     mixer._calls.clear()
 
@@ -160,7 +160,7 @@ def test_under_cpu_autocast_the_mixer_gives_what_the_python_node_gives(monkeypat
         grads = torch.autograd.grad(out.float().sum() + mixed.sum(), [x, *mixer.parameters()])
         return out.detach(), mixed.detach(), mixed.grad_fn, grads
 
-    for _ in range(4):  # the bf16 key's plans settle too
+    for _ in range(4):  # the bf16 key's routes settle too
         out, mixed, _, grads = run()
     _python_node(mixer, monkeypatch)
     for _ in range(4):
@@ -254,7 +254,7 @@ def test_a_second_backward_raises_as_the_python_node_does(monkeypatch, node):
         dqkv.sum().backward()
 
 
-def test_parameters_changed_after_planning_are_seen():
+def test_parameters_changed_after_routing_are_seen():
     mixer = _mixer(rope=True)
     x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
     _settle(mixer, x)
@@ -287,7 +287,7 @@ class _Double(nn.Module):
         return 2 * w
 
 
-def test_a_parametrization_added_after_planning_is_seen():
+def test_a_parametrization_added_after_routing_is_seen():
     mixer = _mixer(rope=True)
     x = torch.randn(2, GRID[0] * GRID[1], 32, dtype=torch.float64, requires_grad=True)
     _settle(mixer, x)
@@ -295,7 +295,7 @@ def test_a_parametrization_added_after_planning_is_seen():
     with torch.no_grad():
         fresh.inner[0].w1.mul_(2)
     parametrize.register_parametrization(mixer.inner[0], "w1", _Double())
-    for _ in range(2):  # the call after the change, and the one after its re-planning
+    for _ in range(2):  # the call after the change, and the one after its re-routing
         torch.testing.assert_close(mixer(x, GRID), fresh(x, GRID), rtol=0, atol=0)
 
 
@@ -304,7 +304,7 @@ def test_bad_arguments_raise_clear_errors():
     mixer = _mixer()
     x = torch.randn(1, GRID[0] * GRID[1], 32, dtype=torch.float64)
     _settle(mixer, x.requires_grad_())
-    call = next(iter(mixer._calls.plans.values()))
+    call = next(iter(mixer._calls.routes.values()))
     flat = [p for m in mixer.inner for p in m.initial_params().values()]
     qkv = mixer.qkv(x).detach()
     with pytest.raises(RuntimeError, match="qkv has 95 channels"):
@@ -332,7 +332,7 @@ def test_an_op_without_a_branch_in_the_cpp_op_keeps_the_python_node(monkeypatch)
     mixer._calls.clear()
     mix_layout.cache_clear()
     hooks = count_calls(monkeypatch, swiglu_cpp.PASSES, "forward")
-    for _ in range(4):  # planned again, and settled
+    for _ in range(4):  # routed again, and settled
         mixer(x, GRID)
     ref, ref_node, ref_grads = _run(mixer, x, dout)
     assert NODE not in ref_node and "FusedMix" in ref_node and hooks["n"] > 0
@@ -352,13 +352,13 @@ def _short_path_mixer() -> tuple[TTTMixer, torch.Tensor]:
     return mixer, mixer.qkv(x).detach()
 
 
-def test_a_settled_call_takes_the_short_path_without_the_plan_key(monkeypatch):
+def test_a_settled_call_takes_the_short_path_without_the_route_key(monkeypatch):
     mixer, qkv = _short_path_mixer()
     with torch.no_grad():
         want = mixer.mix(qkv, GRID)
 
         def refused(*args, **kwargs):
-            raise AssertionError("the plan key was built")
+            raise AssertionError("the route key was built")
 
         monkeypatch.setattr(mixer, "settled_cpp_args", refused)
         monkeypatch.setattr(mixer, "_call", refused)
@@ -371,12 +371,12 @@ def test_a_settled_call_takes_the_short_path_without_the_plan_key(monkeypatch):
 
 
 def _change(mixer: TTTMixer, qkv: torch.Tensor, change: str) -> tuple[torch.Tensor, tuple[int, int], bool]:
-    """One thing the plan key (or the op's weights) holds, changed: qkv, grid and grad mode of the next
+    """One thing the route key (or the op's weights) holds, changed: qkv, grid and grad mode of the next
     call (``changed_call``, and two of this path's own)."""
     if change == "grad-mode":  # only the short path of calls without gradients kept
         mixer._calls.short[True] = None
         return qkv.requires_grad_(), GRID, True
-    if change == "environment":  # ``$VIT3_TTT_BACKEND`` read again: ``forget_plans`` clears the caches
+    if change == "environment":  # ``$VIT3_TTT_BACKEND`` read again: ``forget_routes`` clears the caches
         backends.refresh_env()
         return qkv, GRID, False
     return *changed_call(mixer, qkv, GRID, change), False
@@ -384,8 +384,8 @@ def _change(mixer: TTTMixer, qkv: torch.Tensor, change: str) -> tuple[torch.Tens
 
 @pytest.mark.parametrize("change", [*SHORT_PATH_CHANGES, "grad-mode", "environment"])
 def test_the_short_path_steps_aside_where_the_settled_key_does_not_hold(change):
-    """The call is not served by the short path, and gives what a mixer without plans (the same change made to
-    it) gives."""
+    """The call is not served by the short path, and gives what a mixer without routes (the same change made
+    to it) gives."""
     mixer, qkv = _short_path_mixer()
     qkv, grid, grad = _change(mixer, qkv, change)
     twin = changed_twin(mixer, qkv, change)
@@ -425,7 +425,7 @@ def test_a_new_backend_in_the_environment_ends_the_short_path(monkeypatch):
 def test_a_copy_of_a_settled_mixer_runs_its_own_weights():
     mixer, qkv = _short_path_mixer()
     for clone in (copy.deepcopy(mixer), pickle.loads(pickle.dumps(mixer))):
-        assert clone._call_cache is None  # plans are this object's: not copied
+        assert clone._call_cache is None  # routes are this object's: not copied
         with torch.no_grad():
             clone.inner[0].w1.mul_(2)
             for _ in range(4):  # the copy's own calls settle

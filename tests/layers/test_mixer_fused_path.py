@@ -260,14 +260,14 @@ def _settled_on_the_node(monkeypatch) -> tuple[TTTMixer, torch.Tensor]:
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 def test_a_settled_call_on_the_node_takes_its_short_path_with_the_same_bits(monkeypatch, grad):
-    """A settled call on the fused node skips the mixer's plan (``Calls.node``): the same output and
-    gradients as a mixer that plans every call."""
+    """A settled call on the fused node skips the mixer's route (``Calls.node``): the same output and
+    gradients as a mixer that routes every call."""
     mixer, x = _settled_on_the_node(monkeypatch)
     twin = fresh_twin(mixer)
     for _ in range(4):
         twin(x, GRID)  # settled too, through the general path below
     qkv = mixer.qkv(x.detach()).detach().requires_grad_(grad)
-    monkeypatch.setattr(mixer, "_call", lambda *args: pytest.fail("the plan was asked"))
+    monkeypatch.setattr(mixer, "_call", lambda *args: pytest.fail("the route was asked"))
     with torch.set_grad_enabled(grad):
         got, short = mix_short(mixer, qkv, GRID)
     assert short
@@ -286,7 +286,7 @@ def test_a_settled_call_on_the_node_takes_its_short_path_with_the_same_bits(monk
 
 @pytest.mark.parametrize("change", SHORT_PATH_CHANGES)
 def test_the_nodes_short_path_steps_aside_where_the_settled_call_does_not_hold(monkeypatch, change):
-    """The call goes the general way and gives what a mixer without plans (the same change made to it)
+    """The call goes the general way and gives what a mixer without routes (the same change made to it)
     gives."""
     mixer, x = _settled_on_the_node(monkeypatch)
     qkv, grid = changed_call(mixer, mixer.qkv(x.detach()).detach(), GRID, change)

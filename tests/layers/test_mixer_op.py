@@ -55,7 +55,7 @@ def _train(out: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     return [out, *torch.autograd.grad(out.square().sum(), leaves)]
 
 
-def test_the_plan_survives_the_ops_arguments():
+def test_the_route_survives_the_ops_arguments():
     for case in CASES.values():
         spec = _spec(case[0], case[1], case[3])
         assert em.spec_of(*em.op_args(spec)) == spec

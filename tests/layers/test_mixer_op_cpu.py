@@ -6,7 +6,7 @@ That the node's one C++ call computes bit for bit what each branch's own hooks c
 gradient; RoPE, dense copies, a strided qkv, Z and Y saved or recomputed), that the op through the
 dispatcher does too, that ``torch.library.opcheck`` passes (schema, fakes, autograd), that a compiled mixer is
 one forward and one backward op with eager's bits, that a compiled model keeps them per block, and that
-``torch.compile`` plans the C++ kernel only where it built, never ``torch.export`` or tracing.
+``torch.compile`` routes to the C++ kernel only where it built, never ``torch.export`` or tracing.
 """
 
 from __future__ import annotations
@@ -161,18 +161,18 @@ def test_a_compiled_model_on_cpu_is_one_mixer_op_per_block(name, size):
     assert forward.count("vit3.mix.default") == blocks == backward.count("vit3.mix_backward.default")
 
 
-def _plan(tracing: str) -> reg.Plan:
+def _route(tracing: str) -> reg.Route:
     mixer = TTTMixer(64, 4)
-    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.plan_branches, torch.device("cpu"), torch.float64)
-    return reg.plan(*args, "any N" if tracing else "N>=32", True, tracing)
+    args = ((mixer.cfg.loss, 1, 1, "fixed"), "auto", mixer.route_branches, torch.device("cpu"), torch.float64)
+    return reg.route(*args, "any N" if tracing else "N>=32", True, tracing)
 
 
-def test_only_torch_compile_plans_the_cpp_kernel(monkeypatch):
+def test_only_torch_compile_routes_to_the_cpp_kernel(monkeypatch):
     """``torch.compile`` takes the C++ kernel where it built; ``torch.export``, ``torch.jit.trace`` and ONNX
-    take the portable generic path. A kernel that failed to build is not planned under compile (compiled code
-    runs unguarded) and says why."""
-    assert _plan("compile").backends == ("cpu", "cpu")
-    assert _plan("export").backends == ("generic", "generic") == _plan("trace").backends
+    take the portable generic path. A kernel that failed to build is not routed to under compile (compiled
+    code runs unguarded) and says why."""
+    assert _route("compile").backends == ("cpu", "cpu")
+    assert _route("export").backends == ("generic", "generic") == _route("trace").backends
     branch, settings = Branch(0, "swiglu", 4, 16, True), Settings("dot", 1, 1, "fixed")
     x = Inputs(torch.device("cpu"), torch.float32, "any N", True, "compile")
     assert cpu_supports(branch, settings, x) == (True, "")
@@ -182,4 +182,4 @@ def test_only_torch_compile_plans_the_cpp_kernel(monkeypatch):
     assert not served and "no C++ compiler" in why and "cannot step aside" in why
     assert cpu_supports(branch, settings, x._replace(tracing=""))[0]  # eager: the guard demotes a bad build
     reg.reset()
-    assert _plan("compile").backends == ("generic", "generic")
+    assert _route("compile").backends == ("generic", "generic")

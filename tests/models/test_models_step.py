@@ -43,7 +43,7 @@ def test_settled_training_step_has_no_host_sync(name):
     torch.manual_seed(0)
     model = timm.create_model(name, img_size=64, num_classes=10).train()
     x, y = torch.randn(2, 3, 64, 64), torch.tensor([1, 7])
-    for _ in range(2):  # settle: plans decided, verifications done
+    for _ in range(2):  # settle: routes decided, verifications done
         _step(model, x, y)
     with SyncCounter() as counter:
         _step(model, x, y)

@@ -514,7 +514,7 @@ class TTTBlock(nn.Module):
         computes and calls nothing else (no hooks, no compiled submodule): the C++ kernel's CPE and lean MLP
         on ``x`` (``backends.cpu_block_kernel``, the block's backend), LayerNorms, a mixer without token gates
         or finiteness checks whose call on these tokens is settled on the whole-mixer C++ op
-        (``TTTMixer.settled_cpp_args``: the first calls of a plan run layer by layer, guarded), and with
+        (``TTTMixer.settled_cpp_args``: the first calls of a route run layer by layer, guarded), and with
         gradients the memory-lean block (recompute ``always``, the lean nodes) or the saving one (``never``:
         the CPE's node, then the norms and the MLP's layers as ATen ops); ``qkv`` keeps the mixer's own node.
         """

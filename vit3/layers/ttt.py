@@ -44,19 +44,19 @@ class NonFiniteError(ValueError):
 
 
 # Whether fused calls whose branches all run the C++ CPU kernel take the whole-mixer C++ op
-# (``vit3.kernels.mix.cpp.cpp_args``); read when a call is planned. ``False`` keeps the Python node
+# (``vit3.kernels.mix.cpp.cpp_args``); read when a call is routed. ``False`` keeps the Python node
 # (``benchmarks/mixer_overhead.py --python-node``).
 CPP_NODE = True
 
 
-def _takes_cpp_op(plan: backends.Plan, mix_spec: MixSpec | None) -> bool:
-    """Whether an untraced call on ``plan`` (its fused node's ``mix_spec``, ``None`` where not fused) runs,
+def _takes_cpp_op(route: backends.Route, mix_spec: MixSpec | None) -> bool:
+    """Whether an untraced call on ``route`` (its fused node's ``mix_spec``, ``None`` where not fused) runs,
     once settled, as the whole-mixer C++ op ``torch.ops.vit3_cpu.mix``: every branch on ``cpu`` and in the op
     (``Node.mix``), ``CPP_NODE`` on (the call adds: no gates, the weights in qkv's dtype)."""
     return (
         CPP_NODE
         and mix_spec is not None
-        and all(b == "cpu" for b in plan.backends)
+        and all(b == "cpu" for b in route.backends)
         and all(OPS[br.op].paths["cpu"].node.mix is not None for br in mix_spec.branches)
     )
 
@@ -103,9 +103,10 @@ class TTTMixer(nn.Module):
         cfg: a ``TTTConfig`` (or dict); keyword overrides are applied on top.
     """
 
-    # The plans, in the instance's ``__dict__`` once made (``_calls``); read so by ``_mixed``'s short path.
+    # The routes, in the instance's ``__dict__`` once made (``_calls``); read so by ``_mixed``'s short path.
     _call_cache: Calls | None = None
-    # TorchScript leaves the plans' cache alone (it would read the property, making it, and fail on its type).
+    # TorchScript leaves the routes' cache alone (it would read the property, making it, and fail on its
+    # type).
     __jit_ignored_attributes__ = ("_call_cache", "_calls")
     __jit_unused_properties__ = ("_calls",)
 
@@ -123,7 +124,7 @@ class TTTMixer(nn.Module):
         self.head_dim = head_dim = dim // num_heads
         self.branch_specs = cfg.branch_specs(num_heads)
         # What the backend registry sees of each branch: (inner model, heads, head dim, bare model?).
-        self.plan_branches = tuple(
+        self.route_branches = tuple(
             (name, heads, head_dim, cfg.plain_branch(name)) for name, heads in self.branch_specs
         )
         self.widths = [heads * head_dim for _, heads in self.branch_specs]
@@ -175,19 +176,19 @@ class TTTMixer(nn.Module):
             )
 
     def _call(self, qkv: Tensor, grid: tuple[int, int], grad: bool, kind: str) -> Call:
-        """This call's plan: decided once per key (device, dtype, N, grad mode, grid) and kept on the mixer
-        (``Calls``), in front of the backends' own cache (``backends.plan``); traced calls ask that one.
+        """This call's route: decided once per key (device, dtype, N, grad mode, grid) and kept on the mixer
+        (``Calls``), in front of the backends' own cache (``backends.route``); traced calls ask that one.
 
-        The config is read when a key is first planned (a mixer's config is fixed at construction).
+        The config is read when a key is first routed (a mixer's config is fixed at construction).
         """
         key = call_key(qkv.device, qkv.dtype, qkv.shape[1], grad, grid)
-        found = None if kind else self._calls.plans.get(key)
+        found = None if kind else self._calls.routes.get(key)
         if found is None:
             c = self.cfg
-            plan = backends.plan(
+            route = backends.route(
                 (c.loss, c.steps, c.mini_batches, c.lr_mode),
                 c.backend,
-                self.plan_branches,
+                self.route_branches,
                 qkv.device,
                 qkv.dtype,
                 backends.token_class(qkv.shape[1], kind),
@@ -195,14 +196,14 @@ class TTTMixer(nn.Module):
                 kind,
                 c.recompute,
             )
-            mix_spec = self.mix_spec(plan, grid) if plan.fused else None
-            cpp = cpp_args(mix_spec, qkv) if not kind and _takes_cpp_op(plan, mix_spec) else None
-            found = Call(plan, mix_spec, cpp)
+            mix_spec = self.mix_spec(route, grid) if route.fused else None
+            cpp = cpp_args(mix_spec, qkv) if not kind and _takes_cpp_op(route, mix_spec) else None
+            found = Call(route, mix_spec, cpp)
             if not kind:  # traced grids and sizes may be symbolic: not kept
                 calls = self._calls
-                if len(calls.plans) >= MAX_CALLS:
+                if len(calls.routes) >= MAX_CALLS:
                     calls.clear()
-                calls.plans[key] = found
+                calls.routes[key] = found
         return found
 
     def explain(
@@ -213,7 +214,7 @@ class TTTMixer(nn.Module):
         Args:
             x: tokens ``[B, N, C]`` (only their device, dtype under the current autocast, and N matter).
             grid: ``(h, w)``.
-            grad: explain the plan with gradients flowing; ``None``: as a forward here would (grad mode on
+            grad: explain the route with gradients flowing; ``None``: as a forward here would (grad mode on
                 and parameters or ``x`` requiring grad).
 
         Returns:
@@ -285,7 +286,7 @@ class TTTMixer(nn.Module):
         """``mix`` under tracing ``kind`` (``inner_math.tracing_kind()``), which ``forward`` has asked."""
         # The short path (``Calls``): the last settled call on the whole-mixer C++ op kept for this grad mode
         # (``_cpp_call``), where it had this dtype and grid, on a CPU qkv, with the same weight tensors in
-        # that dtype: the conditions of ``settled_cpp_args`` without building its plan key (N is the grid's,
+        # that dtype: the conditions of ``settled_cpp_args`` without building its route key (N is the grid's,
         # which the op checks), outside tracing. Written out in this one frame (``grad_flows``'s rule too):
         # beside the op's kernels on a CPU every Python call here counts (``benchmarks/mixer_overhead.py``).
         if not qkv.shape[0]:  # no kernel path takes an empty batch
@@ -338,16 +339,16 @@ class TTTMixer(nn.Module):
         return out
 
     def _mix_tokens(self, qkv: Tensor, grid: tuple[int, int], gates: Tensor | None, kind: str) -> Tensor:
-        """``_mixed`` past its short path: the planned call."""
+        """``_mixed`` past its short path: the routed call."""
         if not kind and gates is None and (out := self._cpp_call(qkv, grid)) is not None:
             return out
         weights = [model.initial_params() for model in self.inner]
         flat = [p for w in weights for p in w.values()]
         grad = grad_flows(qkv, gates, *flat)
         call = self._call(qkv, grid, grad, kind)
-        plan = call.plan
+        route = call.route
         with autocast_off(qkv.device.type):  # the inner loops compute in qkv's dtype
-            if not plan.fused:  # every branch on the generic inner loop, which needs no guard
+            if not route.fused:  # every branch on the generic inner loop, which needs no guard
                 return self.reference_mix(qkv, grid, gates)
             if call.settled:  # verified: no guard, the node itself
                 if gates is None and not kind:
@@ -355,7 +356,7 @@ class TTTMixer(nn.Module):
                 return _fused(call.mix_spec, qkv, flat)
             names = [list(w) for w in weights]
 
-            def compute(p: backends.Plan, qkv: Tensor, *flat: Tensor) -> Tensor:
+            def compute(p: backends.Route, qkv: Tensor, *flat: Tensor) -> Tensor:
                 if p.fused:
                     return _fused(self.mix_spec(p, grid), qkv, list(flat))
                 it = iter(flat)  # a branch demoted to generic: every branch with it
@@ -363,12 +364,12 @@ class TTTMixer(nn.Module):
                 return self.reference_mix(qkv, grid, gates, again)
 
             tensors = [qkv, *flat]
-            unguarded = backends.unguarded(plan, tensors)
+            unguarded = backends.unguarded(route, tensors)
             if unguarded is None:  # a key's first calls, a new input specialisation
-                out = backends.guarded(plan, compute, tensors)
-                call.settled = backends.settled(plan)
+                out = backends.guarded(route, compute, tensors)
+                call.settled = backends.settled(route)
                 return out
-            out = _fused(call.mix_spec, qkv, flat)  # the plan's own spec: no demotion to replan
+            out = _fused(call.mix_spec, qkv, flat)  # the route's own spec: no demotion to reroute
             call.settled = unguarded == ()
             # a backend that specialises (Triton) never settles: its verified specialisation is kept instead
             # (a settled call is kept above, once the C++ op has passed it)
@@ -494,10 +495,10 @@ class TTTMixer(nn.Module):
         grid: tuple[int, int],
         *inputs: Tensor | None,
     ) -> tuple | None:
-        """The arguments of ``torch.ops.vit3_cpu.mix`` after qkv (the initial weights, then the plan's
+        """The arguments of ``torch.ops.vit3_cpu.mix`` after qkv (the initial weights, then the route's
         constants) for a call on qkv of ``device``, ``dtype`` and ``n`` tokens on ``grid``, that qkv requiring
         grad as ``inputs`` say (``grad_flows``: qkv itself, or what it is computed from); ``None`` where that
-        call takes the general path (not planned or not settled yet, other backends, weights not the
+        call takes the general path (not routed or not settled yet, other backends, weights not the
         parameters themselves or in another dtype). A ``TTTBlock`` asks it to run the whole block as one
         op."""
         sources = self._param_sources()
@@ -509,29 +510,29 @@ class TTTMixer(nn.Module):
             calls = self._calls
             calls.weight_places, calls.sources, calls.flat = False, None, None
             return None
-        call = self._calls.plans.get(call_key(device, dtype, n, grad_flows(*inputs, *flat), grid))
+        call = self._calls.routes.get(call_key(device, dtype, n, grad_flows(*inputs, *flat), grid))
         if call is None or call.cpp is None or not call.settled or any(p.dtype is not dtype for p in flat):
             return None
         return (flat, *call.cpp)
 
-    def runs_cpp_op(self, plan: backends.Plan, grid: tuple[int, int], dtype: torch.dtype) -> bool:
-        """Whether a settled call on ``plan`` with ``dtype`` tokens runs as the whole-mixer C++ op (what
+    def runs_cpp_op(self, route: backends.Route, grid: tuple[int, int], dtype: torch.dtype) -> bool:
+        """Whether a settled call on ``route`` with ``dtype`` tokens runs as the whole-mixer C++ op (what
         ``explain`` says; the call's own rule, ``_takes_cpp_op``, with the parameters in that dtype)."""
-        mix_spec = self.mix_spec(plan, grid) if plan.fused else None
+        mix_spec = self.mix_spec(route, grid) if route.fused else None
         return all(
             p.dtype is dtype for m in self.inner for p in m.initial_params().values()
-        ) and _takes_cpp_op(plan, mix_spec)
+        ) and _takes_cpp_op(route, mix_spec)
 
-    def mix_spec(self, plan: backends.Plan, grid: tuple[int, int]) -> MixSpec:
-        """The fused node's ``MixSpec`` for ``plan`` on ``grid``."""
+    def mix_spec(self, route: backends.Route, grid: tuple[int, int]) -> MixSpec:
+        """The fused node's ``MixSpec`` for ``route`` on ``grid``."""
         cfg = self.cfg
         branches, offset = [], 0
-        for (name, heads), width, backend in zip(self.branch_specs, self.widths, plan.backends):
+        for (name, heads), width, backend in zip(self.branch_specs, self.widths, route.backends):
             rope = cfg.rope and name not in GRID_MODELS
             branches.append(MixBranch(name, offset, heads, self.head_dim, rope, backend))
             offset += 3 * width
         return MixSpec(
-            tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, plan.recompute
+            tuple(branches), grid, self.scale, cfg.inner_lr, cfg.grad_norm, cfg.rope_base, route.recompute
         )
 
     def _param_sources(self) -> list[tuple[dict[str, Tensor], str]] | None:
@@ -562,7 +563,7 @@ class TTTMixer(nn.Module):
 
     @property
     def _calls(self) -> Calls:
-        """The plans of this mixer's calls by key (``_call``); not copied by pickling (``__getstate__``)."""
+        """The routes of this mixer's calls by key (``_call``); not copied by pickling (``__getstate__``)."""
         calls = self._call_cache
         if calls is None:
             calls = self.__dict__["_call_cache"] = Calls()
@@ -570,13 +571,13 @@ class TTTMixer(nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
-        state.pop("_call_cache", None)  # plans hold this process's devices and verified kernels
+        state.pop("_call_cache", None)  # routes hold this process's devices and verified kernels
         return state
 
     def __prepare_scriptable__(self) -> TTTMixer:
         """``torch.jit.script`` calls this on every module first: a mixer built scriptable is compiled as it
         is (its reference path); another refuses, naming what works, before TorchScript's compiler fails deep
-        inside on the Python it cannot compile (the backend registry, its cached plans, the fused nodes)."""
+        inside on the Python it cannot compile (the backend registry, its cached routes, the fused nodes)."""
         if self.scriptable:
             return self
         raise RuntimeError(
@@ -601,8 +602,9 @@ class _RecomputedMix(torch.autograd.Function):
     inner loops with gradients and differentiates that (``TTTConfig.recompute="qkv"``).
 
     Not ``torch.utils.checkpoint``: its non-reentrant form matches the saved tensors of the rerun against the
-    first run's, and the mixer's first calls of a plan run guarded (``backends.guarded``), later ones not. The
-    rerun takes the forward's autocast state (``autocast_backward``), so it recomputes what the forward did.
+    first run's, and the mixer's first calls of a route run guarded (``backends.guarded``), later ones not.
+    The rerun takes the forward's autocast state (``autocast_backward``), so it recomputes what the forward
+    did.
     """
 
     @staticmethod
@@ -679,13 +681,13 @@ def explain(
     ``TTTBlock`` runs as one op (``TTTBlock.explain_one_op``).
 
     Runs one forward (without gradients) with hooks that capture each mixer's input and grid (and each block's
-    input); mixers with the same plan, and blocks with the same answer, are listed together.
+    input); mixers with the same route, and blocks with the same answer, are listed together.
 
     Args:
         model: any module holding ``TTTMixer`` s (vit3 models, ``swap_attention_for_ttt`` results).
         inputs: an input batch, or an image size (``224``, ``(h, w)``) for random images of ``batch`` samples
             on the model's device and dtype.
-        grad: explain the training plan (gradients flowing) instead of the inference one.
+        grad: explain the training route (gradients flowing) instead of the inference one.
         batch: samples of the random batch.
 
     Raises:

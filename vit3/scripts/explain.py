@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--train", action="store_true", help="explain the training plan (gradients flowing)")
+    parser.add_argument("--train", action="store_true", help="explain the training route (gradients flowing)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return run_cli(parser, _explain, argv, intermixed=False)
 

@@ -2,7 +2,7 @@
 // their order, each through its own op, so one Python call runs a whole block. The memory-lean block (lean):
 //
 //   t, n = cpe_norm(x)                              t = x + dwconv3x3(x), n = LN1(t)
-//   t = t + keep1 * proj(mix(qkv(n)))                the mixer (vit3_cpu::mix on the settled call's plan)
+//   t = t + keep1 * proj(mix(qkv(n)))                the mixer (vit3_cpu::mix on the settled call's route)
 //   out = t + keep2 * lean_mlp(t)                    fc2(GELU(fc1(LN2(t))))
 //
 // and the saving one (recompute="never" in training) with the CPE's node (vit3_cpu::cpe) then LN1, and LN2, fc1,

@@ -349,7 +349,7 @@ struct MixFunction : public torch::autograd::Function<MixFunction> {
     const Tensor out = at::empty({qkv.size(0), qkv.size(1), total_width(brs)}, qkv.options());
     auto saved = op.call(qkv, weights, spec, gh, gw, scale, lr, grad_norm, rope_base, recompute, dense, true, out);
     // what the forward saved, then qkv and the weights as the models hand them (a depthwise weight [1, C, 3, 3]):
-    // the Python node's tensors, which checkpointing compares when a plan settles between forward and rerun
+    // the Python node's tensors, which checkpointing compares when a route settles between forward and rerun
     saved.push_back(qkv);
     std::vector<int64_t> shapes;
     int64_t wi = 0;

@@ -2,12 +2,12 @@
 
 A *backend* is one implementation of a branch's inner loop + read-out: ``triton``, ``cpu`` (C++),
 ``eager`` or ``generic`` (the closed-form inner loop, every config). ``TTTConfig.backend`` names one (over
-``$VIT3_TTT_BACKEND``; both default to ``auto``, an order per device type). A call's plan is cached per key;
+``$VIT3_TTT_BACKEND``; both default to ``auto``, an order per device type). A call's route is cached per key;
 a key's first calls run guarded and a backend that fails is demoted with one warning (``VIT3_TTT_STRICT=1``
 raises). A call runs the mixer op (every branch on a fast path) or the generic path for every branch
 (``registry.joined``); ``TTTMixer.explain`` says why.
 
-Modules, bottom up: ``interface``, ``registry``, ``planner``, ``verify``, ``guard``, ``explain``. The rules
+Modules, bottom up: ``interface``, ``registry``, ``routes``, ``verify``, ``guard``, ``explain``. The rules
 in full: ``docs/design/dispatch.md``.
 """
 
@@ -22,25 +22,25 @@ from .interface import (
     legacy_onnx_dynamic_axes,
     token_class,
 )
-from .planner import (
+from .registry import BACKEND_ENV, BACKENDS, NAMES, order
+from .routes import (
     LEAN_DEFAULT,
     RECOMPUTE_ENV,
     RECOMPUTE_MODES,
     SCRIPTABLE_PATH,
     STRICT_ENV,
     BackendWarning,
-    Plan,
+    Route,
     conv_pos_kernel,
     cpu_block_kernel,
-    keep_with_plans,
-    plan,
+    keep_with_routes,
     recompute_choice,
     recompute_mode,
     refresh_env,
     reset,
+    route,
     scriptable_build,
 )
-from .registry import BACKEND_ENV, BACKENDS, NAMES, order
 from .verify import VERIFY_RTOL, VerificationError, specialisation
 
 __all__ = [
@@ -62,21 +62,21 @@ __all__ = [
     "KernelFault",
     "MixerExplanation",
     "ModelExplanation",
-    "Plan",
+    "Route",
     "Settings",
     "VerificationError",
     "conv_pos_kernel",
     "cpu_block_kernel",
     "explain_mixer",
     "guarded",
-    "keep_with_plans",
+    "keep_with_routes",
     "legacy_onnx_dynamic_axes",
     "order",
-    "plan",
     "recompute_choice",
     "recompute_mode",
     "refresh_env",
     "reset",
+    "route",
     "scriptable_build",
     "settled",
     "specialisation",

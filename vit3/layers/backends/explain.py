@@ -12,17 +12,17 @@ from vit3.kernels.ops import OPS
 
 from ..fused_mix import whole_path
 from .interface import Inputs, Settings, token_class
-from .planner import (
+from .registry import BACKENDS, LEAN_BACKENDS
+from .routes import (
     SCRIPTABLE_PATH,
     SCRIPTABLE_WHY,
-    Plan,
+    Route,
     call_choices,
     demotions,
     recompute_choice,
     recompute_mode,
     requested_backend,
 )
-from .registry import BACKENDS, LEAN_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class MixerExplanation:
 def explain_mixer(
     mixer: nn.Module, device: torch.device, dtype: torch.dtype, grid: tuple[int, int], grad: bool
 ) -> MixerExplanation:
-    """The plan a call of ``mixer`` (a ``TTTMixer``: this registry stands below the mixer, which calls it)
+    """The route a call of ``mixer`` (a ``TTTMixer``: this registry stands below the mixer, which calls it)
     would take, with reasons (no warnings, nothing cached); a mixer built scriptable (``scriptable_build``)
     runs the reference path, every branch on ``generic``."""
     cfg = mixer.cfg
@@ -129,7 +129,7 @@ def explain_mixer(
         return _scriptable(mixer, device, dtype, grid, grad)
     x = Inputs(device, dtype, token_class(n), grad, "")
     requested, source = requested_backend(cfg.backend)
-    branches = mixer.plan_branches
+    branches = mixer.route_branches
     found = call_choices(settings, branches, x, requested, source, demotions())
     fused = not found.apart
     out = [
@@ -139,7 +139,7 @@ def explain_mixer(
     program = fused and _one_program(mixer, out, grid)
     # asked of the mixer (its call's rule) where every branch takes the C++ kernel at all
     cpp_op = (
-        fused and all(b.backend == "cpu" for b in out) and mixer.runs_cpp_op(_fused_plan(out), grid, dtype)
+        fused and all(b.backend == "cpu" for b in out) and mixer.runs_cpp_op(_fused_route(out), grid, dtype)
     )
     lean = grad and (
         recompute_mode(cfg.recompute)[0] == "qkv"
@@ -163,7 +163,7 @@ def _scriptable(
     others = tuple((name, SCRIPTABLE_WHY) for name in BACKENDS if name != "generic")
     branches = tuple(
         BranchExplanation(i, name, heads, d, "generic", others)
-        for i, (name, heads, d, _) in enumerate(mixer.plan_branches)
+        for i, (name, heads, d, _) in enumerate(mixer.route_branches)
     )
     return MixerExplanation(*_call_of(mixer, device, dtype, grid, grad), SCRIPTABLE_PATH, False, branches)
 
@@ -176,9 +176,9 @@ def _call_of(
     return mixer.dim, mixer.num_heads, str(device), str(dtype), grid[0] * grid[1], tuple(grid), grad
 
 
-def _fused_plan(out: list[BranchExplanation]) -> Plan:
-    """The fused ``Plan`` of the branches' backends (what the mixer's rules read of a plan)."""
-    return Plan(tuple(b.backend for b in out), True, (), "", ())
+def _fused_route(out: list[BranchExplanation]) -> Route:
+    """The fused ``Route`` of the branches' backends (what the mixer's rules read of a route)."""
+    return Route(tuple(b.backend for b in out), True, (), "", ())
 
 
 def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int, int]) -> bool:
@@ -187,12 +187,12 @@ def _one_program(mixer: nn.Module, out: list[BranchExplanation], grid: tuple[int
     without asking the mixer where a branch's path has none."""
     if not all(OPS[b.name].paths[b.backend].node.whole for b in out):
         return False
-    return whole_path(mixer.mix_spec(_fused_plan(out), grid))
+    return whole_path(mixer.mix_spec(_fused_route(out), grid))
 
 
 @dataclass(frozen=True)
 class ModelExplanation:
-    """``explain(model, input)``: each distinct mixer plan, with the mixers (module names) that take it, and
+    """``explain(model, input)``: each distinct mixer route, with the mixers (module names) that take it, and
     whether the blocks that hold them run as one op (``blocks``: the block names by the reason they run layer
     by layer, ``""`` where they run as one op; blocks that can say so: ``TTTBlock.explain_one_op``)."""
 

@@ -16,22 +16,22 @@ from vit3.kernels.common import grad_flows
 
 from ..fused_mix import BRANCH_ATTR
 from . import verify
-from .planner import (
+from .registry import BACKENDS
+from .routes import (
     BACKEND_ENV,
     STRICT_ENV,
-    Plan,
+    Route,
     apply_pending,
     demote,
     demotions,
     device_name,
-    forget_plans,
+    forget_routes,
     is_verified,
     mark_verified,
     resolve,
     strict,
     warn_once,
 )
-from .registry import BACKENDS
 from .verify import VerificationError, compare, sliced, specialisation, synchronize
 
 
@@ -46,11 +46,11 @@ class KernelFault(RuntimeError):
     backend can take over in this process."""
 
 
-def _entry(plan: Plan, i: int, shapes: tuple | None) -> tuple:
+def _entry(route: Route, i: int, shapes: tuple | None) -> tuple:
     """Branch ``i``'s entry among the verified ones (``mark_verified``): its key and backend, and the
     specialisation if it has them."""
-    name = plan.backends[i]
-    return plan.keys[i], name, shapes if BACKENDS[name].specialises else None
+    name = route.backends[i]
+    return route.keys[i], name, shapes if BACKENDS[name].specialises else None
 
 
 def _context_lost(device: torch.device) -> bool:
@@ -72,14 +72,14 @@ def _error_line(exc: BaseException) -> str:
 
 
 class _Guard:
-    """One guarded mixer call: its branches (``units``) computed by ``compute(plan, *tensors)``; ``shapes``
+    """One guarded mixer call: its branches (``units``) computed by ``compute(route, *tensors)``; ``shapes``
     the inputs' specialisation (``verify.specialisation``) where a branch's backend specialises on it, else
     ``None``."""
 
-    def __init__(self, plan: Plan, compute: Callable[..., Tensor], shapes: tuple | None) -> None:
-        self.plan, self.compute, self.shapes = plan, compute, shapes
-        self.units = tuple(range(len(plan.backends)))
-        self.first = plan  # whose kernels a sticky fault is laid to, even where it surfaces in a fallback
+    def __init__(self, route: Route, compute: Callable[..., Tensor], shapes: tuple | None) -> None:
+        self.route, self.compute, self.shapes = route, compute, shapes
+        self.units = tuple(range(len(route.backends)))
+        self.first = route  # whose kernels a sticky fault is laid to, even where it surfaces in a fallback
 
     def checks(self) -> bool:
         """Whether this call is verified against the generic path: a unit's backend specialises per input
@@ -87,18 +87,18 @@ class _Guard:
         return (
             verify.COMPARE
             and self.shapes is not None
-            and any(BACKENDS[self.plan.backends[i]].specialises for i in self.units)
+            and any(BACKENDS[self.route.backends[i]].specialises for i in self.units)
         )
 
     def forward(self, *tensors: Tensor) -> Tensor:
-        """``compute`` on the current plan; where ``checks``, synchronised (an asynchronous fault surfaces
+        """``compute`` on the current route; where ``checks``, synchronised (an asynchronous fault surfaces
         here, inside the guard) and the output of the first and last sample compared with the generic
         path's."""
-        out = self.compute(self.plan, *tensors)
+        out = self.compute(self.route, *tensors)
         if self.checks():
             synchronize(out.device)
             with torch.no_grad():  # nothing recorded: activation checkpointing counts the saved tensors
-                want = self.compute(self._reference_plan(), *self._slice(tensors))
+                want = self.compute(self._reference_route(), *self._slice(tensors))
                 self._compare("output", self._slice([out])[0], want)
         return out
 
@@ -111,7 +111,7 @@ class _Guard:
         b = leaves[0].shape[0]
         sliced = [s.detach().requires_grad_(t.requires_grad) for s, t in zip(self._slice(leaves), leaves)]
         with torch.enable_grad():
-            out = self.compute(self._reference_plan(), *sliced)
+            out = self.compute(self._reference_route(), *sliced)
         wanted = [s for s in sliced if s.requires_grad]
         want = iter(torch.autograd.grad(out, wanted, self._slice([grad_out])[0], allow_unused=True))
         got = iter(grads)
@@ -126,8 +126,8 @@ class _Guard:
             elif not torch.isfinite(g).all():
                 raise VerificationError(f"the gradient of input {j} is not finite")
 
-    def _reference_plan(self) -> Plan:
-        p = self.plan
+    def _reference_route(self) -> Route:
+        p = self.route
         return p._replace(backends=("generic",) * len(p.backends), fused=False)
 
     def _slice(self, tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -137,10 +137,10 @@ class _Guard:
         compare(what, got, want, self.shapes[0][0][0])
 
     def demote(self, exc: Exception, phase: str, in_backward: bool) -> None:
-        """Demotes the backend(s) that raised ``exc`` for their keys and re-plans; re-raises when strict,
+        """Demotes the backend(s) that raised ``exc`` for their keys and re-routes; re-raises when strict,
         for out-of-memory errors and when only the generic path was left. A sticky GPU fault raises
         ``KernelFault`` naming the kernels that ran first: no backend can compute on that GPU any more."""
-        p = self.plan
+        p = self.route
         device = p.keys[self.units[0]].device
         if _context_lost(device):
             raise self._fault(exc, phase, device) from exc
@@ -166,17 +166,17 @@ class _Guard:
             for k in (key, key._replace(grad=not key.grad)) if phase == "forward" else (key,):
                 demote(k, name, f"{error} ({phase})", in_backward)
         if in_backward:
-            try:  # the demotion applies once this backward pass is over (recomputations keep their plan)
+            try:  # the demotion applies once this backward pass is over (recomputations keep their route)
                 torch.autograd.Variable._execution_engine.queue_callback(apply_pending)
             except RuntimeError:
                 apply_pending()
         else:
-            forget_plans()
-        self.plan = resolve(p.args, demotions(), warn=False)
+            forget_routes()
+        self.route = resolve(p.args, demotions(), warn=False)
         for i, key, name in fresh:
             warn_once(
                 f"vit3: backend {name!r} failed in the {phase} on {device_name(key.device)} for the {key}: "
-                f"{error}. It is demoted for this key; {self.plan.backends[i]!r} computes the result "
+                f"{error}. It is demoted for this key; {self.route.backends[i]!r} computes the result "
                 f"(set {STRICT_ENV}=1 to raise instead)."
             )
 
@@ -194,7 +194,7 @@ class _Guard:
 
     def verify(self) -> None:
         for i in self.units:
-            mark_verified(_entry(self.plan, i, self.shapes))
+            mark_verified(_entry(self.route, i, self.shapes))
 
 
 class _GuardFn(torch.autograd.Function):
@@ -219,9 +219,9 @@ class _GuardFn(torch.autograd.Function):
         wanted = [t for t in leaves if t.requires_grad]
         while True:
             try:
-                if out is None:  # re-run the forward on the saved inputs with the demoted plan
+                if out is None:  # re-run the forward on the saved inputs with the demoted route
                     with torch.enable_grad(), _no_autocast(grad_out.device):
-                        out = ctx.out = guard.compute(guard.plan, *leaves)
+                        out = ctx.out = guard.compute(guard.route, *leaves)
                 grads = torch.autograd.grad(out, wanted, grad_out, retain_graph=True, allow_unused=True)
                 if guard.checks():
                     guard.check_backward(leaves, grads, grad_out)
@@ -242,7 +242,7 @@ class _GuardFn(torch.autograd.Function):
         while True:
             try:
                 with _no_autocast(grad_out.device):
-                    out = guard.compute(guard.plan, *inputs)
+                    out = guard.compute(guard.route, *inputs)
                 grads = torch.autograd.grad(out, wanted, grad_out, create_graph=True, allow_unused=True)
                 break
             except Exception as exc:
@@ -251,44 +251,44 @@ class _GuardFn(torch.autograd.Function):
         return [next(it) if t.requires_grad else None for t in inputs]
 
 
-def settled(plan: Plan) -> bool:
-    """Whether a mixer call on ``plan`` runs unguarded on every call from now on: traced, on the generic path,
-    or verified on backends that do not specialise per input. It holds until the plans are forgotten (a
-    demotion, ``reset``, ``refresh_env``), so callers may cache it with the plan in a cache that
-    ``keep_with_plans`` clears with the plans (``TTTMixer``'s ``Calls``)."""
-    if plan.tracing or not plan.fused:
+def settled(route: Route) -> bool:
+    """Whether a mixer call on ``route`` runs unguarded on every call from now on: traced, on the generic
+    path, or verified on backends that do not specialise per input. It holds until the routes are forgotten (a
+    demotion, ``reset``, ``refresh_env``), so callers may cache it with the route in a cache that
+    ``keep_with_routes`` clears with the routes (``TTTMixer``'s ``Calls``)."""
+    if route.tracing or not route.fused:
         return True
-    units = range(len(plan.backends))
-    return not any(BACKENDS[plan.backends[i]].specialises for i in units) and all(
-        is_verified(_entry(plan, i, None)) for i in units
+    units = range(len(route.backends))
+    return not any(BACKENDS[route.backends[i]].specialises for i in units) and all(
+        is_verified(_entry(route, i, None)) for i in units
     )
 
 
-def unguarded(plan: Plan, tensors: Sequence[Tensor]) -> tuple | None:
-    """What a mixer call on ``plan`` with ``tensors`` (``guarded``'s) runs unguarded on: ``()`` where the plan
-    is ``settled``, the input specialisation (``verify.specialisation``) where every branch has verified it
-    on a backend that specialises; ``None``: the call runs ``guarded``. Asked once per call."""
-    if settled(plan):
+def unguarded(route: Route, tensors: Sequence[Tensor]) -> tuple | None:
+    """What a mixer call on ``route`` with ``tensors`` (``guarded``'s) runs unguarded on: ``()`` where the
+    route is ``settled``, the input specialisation (``verify.specialisation``) where every branch has verified
+    it on a backend that specialises; ``None``: the call runs ``guarded``. Asked once per call."""
+    if settled(route):
         return ()
-    units = range(len(plan.backends))
-    if not any(BACKENDS[plan.backends[i]].specialises for i in units):
+    units = range(len(route.backends))
+    if not any(BACKENDS[route.backends[i]].specialises for i in units):
         return None
     shapes = specialisation(tensors)
-    return shapes if all(is_verified(_entry(plan, i, shapes)) for i in units) else None
+    return shapes if all(is_verified(_entry(route, i, shapes)) for i in units) else None
 
 
-def guarded(plan: Plan, compute: Callable[..., Tensor], tensors: Sequence[Tensor]) -> Tensor:
-    """``compute(plan, *tensors)`` guarded: a mixer call that does not run ``unguarded``, a key's first calls
+def guarded(route: Route, compute: Callable[..., Tensor], tensors: Sequence[Tensor]) -> Tensor:
+    """``compute(route, *tensors)`` guarded: a mixer call that does not run ``unguarded``, a key's first calls
     and the first call of each new input specialisation of a backend that specialises (Triton).
 
     Args:
-        plan: the call's plan.
-        compute: ``(plan, *tensors) -> Tensor``, run again with the re-planned backends after a failure.
+        route: the call's route.
+        compute: ``(route, *tensors) -> Tensor``, run again with the re-routed backends after a failure.
         tensors: every tensor input gradients may flow to (qkv and the initial weights).
     """
-    units = range(len(plan.backends))
-    shapes = specialisation(tensors) if any(BACKENDS[plan.backends[i]].specialises for i in units) else None
-    guard = _Guard(plan, compute, shapes)
+    units = range(len(route.backends))
+    shapes = specialisation(tensors) if any(BACKENDS[route.backends[i]].specialises for i in units) else None
+    guard = _Guard(route, compute, shapes)
     grad = grad_flows(*tensors)
     while True:
         try:

@@ -1,7 +1,7 @@
 """The backend interface: what a backend sees of a branch and its call, and ``Backend``.
 
 ``Branch``, ``Settings`` and ``Inputs`` are all that a backend's ``supports`` may read (every field is in the
-plan key, ``planner.BranchKey``; defined with the table of ops, ``vit3.kernels.ops``, whose paths read them);
+route key, ``routes.BranchKey``; defined with the table of ops, ``vit3.kernels.ops``, whose paths read them);
 ``token_class`` is the token-count rule the key holds.
 """
 
@@ -76,9 +76,9 @@ class Backend:
         prefers: auto only: ``(branch, cfg, x) -> (ok, reason)``, where auto passes a serving backend over.
         native: compiled code (kernels), the likeliest culprit when a fused node of several fails.
         fits: ``(branch, cfg, x) -> (ok, reason)``, asked once ``supports`` passed: whether the hardware at
-            hand can run it. A refusal steps aside with a warning, in auto too (``planner.resolve``).
+            hand can run it. A refusal steps aside with a warning, in auto too (``routes.resolve``).
         specialises: compiled per input specialisation (Triton's JIT: shapes, strides, alignment), which the
-            plan key does not hold: the first call of each new one runs guarded and verified
+            route key does not hold: the first call of each new one runs guarded and verified
             (``guard.guarded``).
     """
 

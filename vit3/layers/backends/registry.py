@@ -4,7 +4,7 @@ Each ``Backend`` but the generic one runs one fast path of the ops (``vit3.kerne
 implements the ops that have that path, and its checks are the branch's op's (``_on_path``). ``choose`` takes
 the named one when it serves, else the first of the auto order that does, and says why each other one was
 passed over; ``joined`` makes a call the mixer op or the generic inner loop for every branch. Who asks
-(config or environment) and what was demoted is the plan's (``planner``): the choice reads neither.
+(config or environment) and what was demoted is the route's (``routes``): the choice reads neither.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..config import BACKEND_NAMES
 from .interface import Backend, Branch, Inputs, Settings
 
 BACKEND_ENV = (
-    "VIT3_TTT_BACKEND"  # names a backend for every mixer whose config says "auto" (read by ``planner``)
+    "VIT3_TTT_BACKEND"  # names a backend for every mixer whose config says "auto" (read by ``routes``)
 )
 
 
@@ -75,7 +75,7 @@ BACKENDS: dict[str, Backend] = {
     )
 }
 NAMES = BACKEND_NAMES  # what a config may name (vit3.layers.config): "auto" and these backends
-# Backends whose SwiGLU backward in the fused node may recompute Z = k W, Y = q W' (``Plan.recompute``).
+# Backends whose SwiGLU backward in the fused node may recompute Z = k W, Y = q W' (``Route.recompute``).
 LEAN_BACKENDS = ("cpu", "eager")
 
 

@@ -27,7 +27,7 @@ COMPARE = True
 
 
 def specialisation(tensors: Sequence[Tensor]) -> tuple:
-    """What a JIT-compiled backend specialises on beyond the plan key, as far as its inputs decide it: the
+    """What a JIT-compiled backend specialises on beyond the route key, as far as its inputs decide it: the
     shape, strides and storage offset of the first three of a mixer call's ``tensors`` (``[qkv, *weights]``:
     qkv and the first two initial weights; Triton: sizes and strides equal to 1 or multiples of 16, 16-byte
     aligned pointers; and the grid). The weights' shapes and dtype are the key's; a gate's follow qkv's."""

@@ -1,12 +1,12 @@
-"""A mixer call's plan: the keys, the plan cache, the recompute policy and the ``VIT3_*`` environment.
+"""A mixer call's route: the keys, the route cache, the recompute policy and the ``VIT3_*`` environment.
 
 This module is the one reader of the ``VIT3_*`` variables: ``$VIT3_TTT_BACKEND`` (``registry.BACKEND_ENV``),
 ``$VIT3_TTT_STRICT`` and ``$VIT3_TTT_RECOMPUTE``. It reads them once, on first use (a CLI or trainer that
 sets them before its first mixer call is served), into a snapshot that every call reads instead of
 ``os.environ``; code that changes them later calls
 :func:`refresh_env` (the tests' ``monkeypatch.setenv`` does, through ``tests/conftest.py``). Every change
-to what plans depend on (a refreshed environment, a demotion, ``reset``) drops the cached plans, the mixers'
-own caches with them (:func:`keep_with_plans`). A layer built for TorchScript takes no plan at all
+to what routes depend on (a refreshed environment, a demotion, ``reset``) drops the cached routes, the mixers'
+own caches with them (:func:`keep_with_routes`). A layer built for TorchScript takes no route at all
 (:func:`scriptable_build`).
 """
 
@@ -47,13 +47,13 @@ class _Env(NamedTuple):
 
 
 class _State:
-    """All the dispatcher remembers, in one place: the environment's snapshot, the plans by call, the
+    """All the dispatcher remembers, in one place: the environment's snapshot, the routes by call, the
     demotions (applied, and pending until a backward pass ends), the verified entries, the warnings given,
-    and the caches of plans kept elsewhere (each mixer's ``Calls``, held weakly)."""
+    and the caches of routes kept elsewhere (each mixer's ``Calls``, held weakly)."""
 
     def __init__(self) -> None:
         self.env: _Env | None = None
-        self.plans: dict[tuple, Plan] = {}
+        self.routes: dict[tuple, Route] = {}
         self.demoted: dict[BranchKey, dict[str, str]] = {}  # key -> {backend: error}
         self.pending: dict[BranchKey, dict[str, str]] = {}  # demoted during a backward pass
         # (key, backend, specialisation or None) that ran a guarded, verified forward (+ backward)
@@ -68,30 +68,30 @@ def _read_env() -> _Env:
 
 
 def refresh_env() -> None:
-    """Reads the ``VIT3_*`` variables again and forgets the plans made under the old ones; call it after
+    """Reads the ``VIT3_*`` variables again and forgets the routes made under the old ones; call it after
     changing one in a running process (they are read once, on first use)."""
     _STATE.env = _read_env()
-    forget_plans()
+    forget_routes()
 
 
 def env() -> _Env:
-    """The snapshot of the ``VIT3_*`` variables (read on first use, where no plan can have read them yet: a
-    first use under ``torch.compile`` leaves no guard on the plans; :func:`refresh_env`)."""
+    """The snapshot of the ``VIT3_*`` variables (read on first use, where no route can have read them yet: a
+    first use under ``torch.compile`` leaves no guard on the routes; :func:`refresh_env`)."""
     if _STATE.env is None:
         _STATE.env = _read_env()
     return _STATE.env
 
 
-def keep_with_plans(cache: Any) -> None:
-    """Has :func:`forget_plans` clear ``cache`` too (an object with ``clear()``, held weakly): a cache of
-    plans then needs no key of its own telling whether they still hold."""
+def keep_with_routes(cache: Any) -> None:
+    """Has :func:`forget_routes` clear ``cache`` too (an object with ``clear()``, held weakly): a cache of
+    routes then needs no key of its own telling whether they still hold."""
     _STATE.kept.add(cache)
 
 
-def forget_plans() -> None:
-    """Drops every cached plan (after a demotion, a new environment), the kept caches' too
-    (:func:`keep_with_plans`): the next calls re-plan."""
-    _STATE.plans.clear()
+def forget_routes() -> None:
+    """Drops every cached route (after a demotion, a new environment), the kept caches' too
+    (:func:`keep_with_routes`): the next calls re-route."""
+    _STATE.routes.clear()
     for cache in list(_STATE.kept):
         cache.clear()
 
@@ -128,7 +128,7 @@ SCRIPTABLE_WHY = (
 def scriptable_build(cfg_backend: str = "auto") -> bool:
     """Whether a layer built now takes the path TorchScript compiles (``torch.jit.script``): the reference
     math of every branch (``InnerModel.ttt``, the generic backend's) and the blocks' plain PyTorch layers, no
-    kernel and no plan. Decided once, when the layer is built, by timm's layer config:
+    kernel and no route. Decided once, when the layer is built, by timm's layer config:
     ``timm.layers.set_scriptable(True)`` / ``set_layer_config(scriptable=True)`` /
     ``timm.create_model(name, scriptable=True)``, under which timm's contract is that the model scripts.
     ``$VIT3_TTT_BACKEND`` is not read then (a warning says so when set).
@@ -181,15 +181,15 @@ class BranchKey(NamedTuple):
         )
 
 
-class Plan(NamedTuple):
-    """A mixer call's plan: the backend of each branch, whether they form one fused node, the keys,
+class Route(NamedTuple):
+    """A mixer call's route: the backend of each branch, whether they form one fused node, the keys,
     and whether the fused eager paths recompute the per-token pre-activations in the backward (and why)."""
 
     backends: tuple[str, ...]
     fused: bool
     keys: tuple[BranchKey, ...]
     tracing: str
-    args: tuple  # what ``plan`` was called with (to re-plan after a demotion)
+    args: tuple  # what ``route`` was called with (to re-route after a demotion)
     recompute: bool = True
     recompute_why: str = ""
 
@@ -239,12 +239,12 @@ _STATE = _State()
 
 
 def reset() -> None:
-    """Forgets every cached plan, demotion, verified key and warning, and the fused node's layouts (tests; a
+    """Forgets every cached route, demotion, verified key and warning, and the fused node's layouts (tests; a
     new device; an op replaced in the table)."""
     for state in (_STATE.demoted, _STATE.pending, _STATE.verified, _STATE.warned):
         state.clear()
     mix_layout.cache_clear()
-    forget_plans()
+    forget_routes()
 
 
 def branch_keys(settings: Settings, branches: tuple, x: Inputs) -> tuple[BranchKey, ...]:
@@ -270,7 +270,7 @@ def call_choices(
     demoted: Mapping[BranchKey, Mapping[str, str]],
 ) -> Chosen:  # fmt: skip
     """The backends of a call on ``x`` for ``branches`` ``(inner model, heads, head_dim, plain)``, with the
-    backends ``demoted`` per key passed over: what ``resolve`` plans and ``explain_mixer`` reports."""
+    backends ``demoted`` per key passed over: what ``resolve`` routes and ``explain_mixer`` reports."""
     keys = branch_keys(settings, branches, x)
     chosen = [
         choose(Branch(i, *branch), settings, x, requested, source, demoted.get(key, {}))
@@ -291,7 +291,7 @@ def demotions() -> dict[BranchKey, dict[str, str]]:
 
 def demote(key: BranchKey, backend: str, error: str, in_backward: bool) -> None:
     """Demotes ``backend`` for ``key`` (``error``: why). In a backward pass the demotion waits for its end
-    (``apply_pending``: recomputations keep their plan); else it applies now, once ``forget_plans`` ran."""
+    (``apply_pending``: recomputations keep their route); else it applies now, once ``forget_routes`` ran."""
     (_STATE.pending if in_backward else _STATE.demoted).setdefault(key, {})[backend] = error
 
 
@@ -300,7 +300,7 @@ def apply_pending() -> None:
     for key, errors in _STATE.pending.items():
         _STATE.demoted.setdefault(key, {}).update(errors)
     _STATE.pending.clear()
-    forget_plans()
+    forget_routes()
 
 
 def mark_verified(entry: tuple[BranchKey, str, tuple | None]) -> None:
@@ -313,8 +313,8 @@ def is_verified(entry: tuple[BranchKey, str, tuple | None]) -> bool:
     return entry in _STATE.verified
 
 
-def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: bool) -> Plan:
-    """The plan of a mixer call made with ``args`` (``plan``'s arguments), with the backends ``demoted``
+def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: bool) -> Route:
+    """The route of a mixer call made with ``args`` (``route``'s arguments), with the backends ``demoted``
     passed over; ``warn``: say what a named backend or the hardware refused (once per message)."""
     settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, cfg_recompute = args
     settings = Settings(*settings)
@@ -353,11 +353,11 @@ def resolve(args: tuple, demoted: Mapping[BranchKey, Mapping[str, str]], warn: b
                     )
     names = tuple(c.backend for c in choices)
     recompute, why = recompute_choice(cfg_recompute)
-    return Plan(names, not apart, keys, tracing, args, recompute, why)
+    return Route(names, not apart, keys, tracing, args, recompute, why)
 
 
-@torch.compiler.assume_constant_result  # traced once by torch.compile: the plan is a constant of the graph
-def plan(
+@torch.compiler.assume_constant_result  # traced once by torch.compile: the route is a constant of the graph
+def route(
     settings: tuple,
     cfg_backend: str,
     branches: tuple,
@@ -367,8 +367,8 @@ def plan(
     grad: bool,
     tracing: str,
     recompute: str = "auto",
-) -> Plan:
-    """The cached plan of a mixer call (plain values only, so that compilers can fold the call).
+) -> Route:
+    """The cached route of a mixer call (plain values only, so that compilers can fold the call).
 
     Args:
         settings: ``Settings`` fields of the mixer's config, as a tuple.
@@ -381,10 +381,10 @@ def plan(
         recompute: ``TTTConfig.recompute``.
     """
     args = (settings, cfg_backend, branches, device, dtype, tokens, grad, tracing, recompute)
-    plans = _STATE.plans
-    found = plans.get(args)
+    routes = _STATE.routes
+    found = routes.get(args)
     if found is None:
-        found = plans[args] = resolve(args, _STATE.demoted, warn=True)
+        found = routes[args] = resolve(args, _STATE.demoted, warn=True)
     return found
 
 
