@@ -180,15 +180,18 @@ def test_a_run_applies_the_formulas_lr_at_every_update(four_digits, tmp_path, mo
     _assert_the_formula_at_every_update(seen, tmp_path / "run", cfg.train, epochs=3, warmup_epochs=1)
 
 
-def test_a_resumed_run_goes_on_at_the_same_update_and_lr(four_digits, tmp_path, monkeypatch):
-    """The same run stopped right after its first epoch's checkpoint (update 10), then a bare
-    ``train.py --resume last.pt`` (the schedule rebuilt from the checkpoint's config, the step restored):
-    the two processes' updates together are exactly 0..29, each at the formula's lr."""
+@pytest.mark.parametrize("stop", [_UPDATES_PER_EPOCH, _UPDATES_PER_EPOCH + 5], ids=["epoch-end", "mid-epoch"])
+def test_a_resumed_run_goes_on_at_the_same_update_and_lr(four_digits, tmp_path, monkeypatch, stop):
+    """The same run stopped right after the checkpoint of update ``stop`` (an epoch's end, or inside the
+    second epoch: ``train.save_every_steps``), then a bare ``train.py --resume last.pt`` (the schedule
+    rebuilt from the checkpoint's config, the step restored): the two processes' updates together are
+    exactly 0..29, each at the formula's lr."""
     seen = _spy_on_updates(monkeypatch)
     out = tmp_path / "run"
-    cfg = tiny_cfg(four_digits, out, *_ACCUM_RUN, "train.epochs=3", "train.warmup_epochs=1")
-    run_until_crash(monkeypatch, cfg, global_step=_UPDATES_PER_EPOCH)
-    assert [k for k, _ in seen] == list(range(_UPDATES_PER_EPOCH))  # stopped after the first epoch
+    every = ("train.save_every_steps=5",)
+    cfg = tiny_cfg(four_digits, out, *_ACCUM_RUN, *every, "train.epochs=3", "train.warmup_epochs=1")
+    run_until_crash(monkeypatch, cfg, global_step=stop)
+    assert [k for k, _ in seen] == list(range(stop))
     torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
     assert load_script("train").main(["--resume", str(out / "last.pt")]) == 0
     _assert_the_formula_at_every_update(seen, out, cfg.train, epochs=3, warmup_epochs=1)
