@@ -54,7 +54,9 @@ class Progress:
         continues after the samples already seen: the batch inside the epoch is rescaled to whole
         accumulation steps, and, where the schedule counts epochs (``by_epochs``; not a dense run of
         ``dense.iters``), the step is the one this run's schedule has there (updates per epoch x epochs done
-        + updates into the epoch), so the lr goes on from the same point of training.
+        + updates into the epoch), so the lr goes on from the same point of training. Every task restores
+        its step here (classification, generation, dense); ``tests/engine/test_optim.py`` resumes a run at an
+        epoch's end and inside an epoch against the schedule's formula.
         """
         self.epoch, self.batch_in_epoch = int(ckpt["epoch"]), int(ckpt["batch_in_epoch"])
         self.global_step = int(ckpt["global_step"])
