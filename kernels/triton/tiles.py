@@ -284,10 +284,14 @@ def _launch_config(model: str, n_tok: int, d: int, bg: int, dtype: torch.dtype, 
         cap = max(16, next_pow2(chunk))
         tiles = {role: replace(t, block_n=min(t.block_n, cap)) for role, t in tiles.items()}
         want = chunk
-    if any(t.trans and t.block_c < block_d for t in tiles.values()):
-        raise ValueError(f"{model} d={d}: transposed tiles need one column block (block_c {block_d})")
     if model != "swiglu" and any(t.stack for t in tiles.values()):
         raise ValueError(f"{model}: stacked weight-gradient dots are SwiGLU's (two weights)")
+    if any(t.trans or t.stack for role, t in tiles.items() if role.endswith("_cross")):
+        raise ValueError(
+            f"{model} d={d}: a cross launch runs untransposed and unstacked tiles (the kernels' rule)"
+        )
+    if any(t.trans and t.block_c < block_d for t in tiles.values()):
+        raise ValueError(f"{model} d={d}: transposed tiles need one column block (block_c {block_d})")
     step = max(t.block_n for t in tiles.values())
     size = cdiv(max(want, 1), step) * step
     _, acc_tl = acc_dtype(dtype)

@@ -581,6 +581,24 @@ def test_stacked_weight_gradient_dots_are_refused_for_a_one_weight_model(monkeyp
         ttiles.launch_config("linear", 3136, 32, 8, torch.bfloat16, ARCHS["sm_90"], interpret=False)
 
 
+@pytest.mark.parametrize("flag", ["trans", "stack"])
+def test_a_cross_launch_refuses_tiles_its_kernels_would_ignore(monkeypatch, flag):
+    """The cross launch of a split backward stage (``dq`` / ``dk`` over every column block) runs its token
+    tiles untransposed and its dots unstacked whatever its tiles say: a table giving a cross role ``trans``
+    or ``stack`` is refused by name, not ignored."""
+    real = ttiles._matrix_tiles
+
+    def patched(model, loss, role, *rest):
+        t = real(model, loss, role, *rest)
+        return replace(t, **{flag: True}) if role.endswith("_cross") else t
+
+    monkeypatch.setattr(ttiles, "_matrix_tiles", patched)
+    ttiles.clear()
+    with pytest.raises(ValueError, match="a cross launch runs untransposed and unstacked tiles"):
+        ttiles.launch_config("swiglu", 3136, 128, 8, torch.bfloat16, ARCHS["sm_90"], interpret=False)
+    ttiles.clear()
+
+
 def test_the_stack_hook_gives_the_design_before_under_a_key_of_its_own(monkeypatch):
     """``tiles.STACK = False`` (the benchmarks' side-by-side timing of the design before): SwiGLU at d = 32 on
     sm_90 without stacked dots and its gradient backward on 32-token tiles, in launch configurations and plan
