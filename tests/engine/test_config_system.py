@@ -94,6 +94,19 @@ def test_kwargs_sections_are_free_form():
     assert cfg.model.kwargs == {"embed_dim": 64}
 
 
+def test_an_override_inside_a_free_form_mapping_makes_the_mappings_on_its_way():
+    """``model.kwargs.ttt_cfg.branches=[...]`` where the config has no ``ttt_cfg`` (what docs/layout.md tells
+    a new inner model's user to write) makes it, as a config file writing the same key would; a key beside
+    it keeps it; outside a free-form mapping, or through a value that is not a mapping, the key is unknown."""
+    cfg = load_config(None, ["model.kwargs.ttt_cfg.branches=[dwconv]", "model.kwargs.ttt_cfg.rope=false"])
+    assert cfg.model.kwargs == {"ttt_cfg": {"branches": ["dwconv"], "rope": False}}
+    assert {"model.kwargs.ttt_cfg.branches", "model.kwargs.ttt_cfg.rope"} <= set(written_keys(cfg))
+    for bad in (["train.foo.bar=1"], ["model.kwargz.ttt_cfg.branches=[dwconv]"],
+                ["model.kwargs.depth=4", "model.kwargs.depth.x=1"]):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"unknown config key '{bad[-1].split('=')[0]}'"):
+            load_config(None, bad)
+
+
 @pytest.mark.parametrize("bad", ["novalue", "=3", "a..b=1"], ids=["no-equals", "no-key", "empty-part"])
 def test_malformed_override_is_rejected(bad):
     with pytest.raises(ConfigError, match="bad override"):

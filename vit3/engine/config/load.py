@@ -161,13 +161,29 @@ class Config(dict):
         return node
 
     def set_path(self, dotted: str, value: Any) -> None:
-        """Sets an existing key ``"a.b.c"`` (raises :class:`ConfigError` for an unknown one)."""
+        """Sets an existing key ``"a.b.c"``, or a new one inside a free-form mapping, the mappings on the way
+        made (``model.kwargs.ttt_cfg.branches``); raises :class:`ConfigError` for an unknown one."""
         parent_path, _, leaf = dotted.rpartition(".")
+        self._make_free_form_parents(parent_path)
         parent = self.get_path(parent_path) if parent_path else self
-        if not isinstance(parent, Mapping) or (leaf not in parent and not _free_form(parent_path)):
+        if not isinstance(parent, Mapping) or (leaf not in parent and not _in_free_form(parent_path)):
             known = parent.keys() if isinstance(parent, Mapping) else []
             raise ConfigError(_unknown_key_message(dotted, _full_keys(known, parent_path)))
         parent[leaf] = _wrap(value)
+
+    def _make_free_form_parents(self, dotted: str) -> None:
+        """Makes the missing mappings of ``dotted`` below its first free-form mapping (``_free_form``), where
+        that mapping exists; nothing where ``dotted`` is not inside one."""
+        parts = dotted.split(".") if dotted else []
+        node: Any = self
+        for i, part in enumerate(parts):
+            if not isinstance(node, Mapping):
+                return
+            if part not in node:
+                if not _in_free_form(".".join(parts[:i])):
+                    return
+                node[part] = Config({})
+            node = node[part]
 
 
 def _wrap(value: Any) -> Any:
@@ -285,10 +301,15 @@ def _free_form(mapping: str) -> bool:
     return mapping.rpartition(".")[2].endswith("kwargs") or mapping in _OPEN
 
 
+def _in_free_form(mapping: str) -> bool:
+    """Whether the mapping at dotted ``mapping`` is free-form (``_free_form``) or lies inside one."""
+    parts = mapping.split(".") if mapping else []
+    return any(_free_form(".".join(parts[:i])) for i in range(1, len(parts) + 1))
+
+
 def _known_key(key: str) -> bool:
     """Whether a config file may write ``key``: a key of vit3's configs, or one inside a free-form mapping."""
-    parts = key.split(".")
-    return key in _shipped_keys() or any(_free_form(".".join(parts[:i])) for i in range(1, len(parts)))
+    return key in _shipped_keys() or _in_free_form(key.rpartition(".")[0])
 
 
 def _shipped(path: Path) -> bool:
