@@ -122,6 +122,13 @@ def run_until_crash(monkeypatch, cfg: Config, global_step: int) -> dict:
     return read_ckpt(Path(cfg.output) / "last.pt")
 
 
+def bare_resume(checkpoint: Path) -> None:
+    """Resumes ``checkpoint`` by a bare ``train.py --resume FILE`` in this process, from unrelated RNG states
+    (a resumed process starts from its own); asserts it finished."""
+    torch.manual_seed(123)
+    assert load_script("train").main(["--resume", str(checkpoint)]) == 0
+
+
 def crash_then_bare_resume(
     monkeypatch, make_cfg: Callable[[Path], Config], tmp_path: Path, global_step: int
 ) -> tuple[Path, Path, dict]:
@@ -135,8 +142,7 @@ def crash_then_bare_resume(
     full, killed = tmp_path / "full", tmp_path / "killed"
     run(make_cfg(full), "train")
     partial = run_until_crash(monkeypatch, make_cfg(killed), global_step)
-    torch.manual_seed(123)  # a resumed process starts from unrelated RNG states
-    assert load_script("train").main(["--resume", str(killed / "last.pt")]) == 0
+    bare_resume(killed / "last.pt")
     return full, killed, partial
 
 
