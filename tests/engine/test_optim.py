@@ -33,15 +33,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     ],
 )
 def test_lrs_follow_the_total_batch_by_the_recipes_rule(rule, total_batch, factor):
-    cfg = load_config(None, [f"train.lr_scale={rule}", "train.lr_batch=512"])
+    cfg = load_config(None, [f"train.lr_batch_rule={rule}", "train.lr_batch=512"])
     lrs = optim.scaled_lrs(cfg.train, total_batch)
     for key in ("base_lr", "warmup_lr", "min_lr"):
         assert lrs[key] == pytest.approx(cfg.train[key] * factor, rel=1e-12), key
 
 
 def test_an_unknown_lr_rule_is_refused():
-    with pytest.raises(ConfigError, match=r"train.lr_scale must be one of linear, sqrt, got 'cubic'"):
-        optim.scaled_lrs(load_config(None, ["train.lr_scale=cubic"]).train, 64)
+    with pytest.raises(ConfigError, match=r"train.lr_batch_rule must be one of linear, sqrt, got 'cubic'"):
+        optim.scaled_lrs(load_config(None, ["train.lr_batch_rule=cubic"]).train, 64)
 
 
 # ------------------------------------------------------------------------------ AdamW's groups

@@ -136,7 +136,7 @@ def log_setup(
         f"data: {data} | {info.world} process(es) on {info.device}, total batch {opt.total_batch}, "
         f"lr {opt.lrs['base_lr']:.3g} "
         f"(train.base_lr {cfg.train.base_lr:g} x {lr_factor(cfg.train, opt.total_batch):.4g}, "
-        f"{cfg.train.get('lr_scale', 'linear')} in the batch) | amp {opt.amp_dtype} | "
+        f"{cfg.train.get('lr_batch_rule', 'linear')} in the batch) | amp {opt.amp_dtype} | "
         f"ema {'on' if ema else 'off'}",
     )
 

@@ -4,7 +4,7 @@
   ``*.bias`` and ``model.no_weight_decay()`` (official optimizer.py), optional layer-wise lr decay
   (``train.layer_decay``, timm's ``group_matcher``), and the per-update warmup + cosine schedule
   (:func:`build_scheduler`).
-* Every engine scales its lrs to the total batch (:func:`scaled_lrs`: ``train.lr_scale`` linear or sqrt).
+* Every engine scales its lrs to the total batch (:func:`scaled_lrs`: ``train.lr_batch_rule`` linear or sqrt).
 * Detection / segmentation keep the official dense recipes' groups (:func:`dense_param_groups`) and their
   per-iteration warmup + step / poly schedule (:func:`dense_lr_factor`, :class:`DenseSchedule`).
 """
@@ -25,7 +25,7 @@ from .distributed import DistInfo
 from .process import amp_dtype
 
 __all__ = [
-    "LR_SCALES",
+    "LR_BATCH_RULES",
     "DenseSchedule",
     "Optimization",
     "WarmupCosine",
@@ -41,18 +41,18 @@ __all__ = [
     "schedule_changed",
 ]
 
-LR_SCALES = ("linear", "sqrt")
+LR_BATCH_RULES = ("linear", "sqrt")
 
 
 def lr_factor(train_cfg, total_batch: int) -> float:
-    """What the lrs are multiplied by: ``total_batch / lr_batch``, or its square root (``lr_scale: sqrt``).
+    """The lrs' factor: ``total_batch / lr_batch``, or its square root (``lr_batch_rule: sqrt``).
 
     Raises:
-        ConfigError: an unknown ``train.lr_scale`` or a non-positive ``train.lr_batch``.
+        ConfigError: an unknown ``train.lr_batch_rule`` or a non-positive ``train.lr_batch``.
     """
-    rule = train_cfg.get("lr_scale", "linear")
-    if rule not in LR_SCALES:
-        raise ConfigError(f"train.lr_scale must be one of {', '.join(LR_SCALES)}, got {rule!r}")
+    rule = train_cfg.get("lr_batch_rule", "linear")
+    if rule not in LR_BATCH_RULES:
+        raise ConfigError(f"train.lr_batch_rule must be one of {', '.join(LR_BATCH_RULES)}, got {rule!r}")
     if float(train_cfg.lr_batch) <= 0:
         raise ConfigError(f"train.lr_batch must be positive, got {train_cfg.lr_batch}")
     ratio = total_batch / float(train_cfg.lr_batch)

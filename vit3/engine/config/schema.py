@@ -190,7 +190,7 @@ CONSTRAINTS: dict[str, Constraint | tuple[Constraint, ...]] = {
     "train.warmup_lr": Range(0, "train.base_lr"),
     "train.min_lr": Range(0, "train.base_lr"),
     "train.lr_batch": POSITIVE,
-    "train.lr_scale": Choice("vit3.engine.optim:LR_SCALES"),
+    "train.lr_batch_rule": Choice("vit3.engine.optim:LR_BATCH_RULES"),
     "train.weight_decay": NON_NEGATIVE,
     "train.betas": Range(0, 1, hi_open=True, length=PAIR),
     "train.eps": POSITIVE,
