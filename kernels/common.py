@@ -108,7 +108,9 @@ def normalized(g: Tensor, dims: list[int] = (-2,)) -> tuple[Tensor, Tensor]:  # 
     depthwise-conv kernel over its 3x3 taps (``dims=(-2, -1)``). ``dims`` is any sequence of ints (typed a
     list: TorchScript compiles this, for the inner loop of a model built scriptable).
     """
-    if g.requires_grad:  # autograd through the norm: vector_norm's backward is 0 where G = 0 (sqrt's is NaN)
+    # autograd through the norm: vector_norm's backward is 0 where G = 0 (sqrt's is NaN); a trace records it
+    # whatever the grad mode (torch.jit.trace checks its graph again under no_grad)
+    if g.requires_grad or torch.jit.is_tracing():
         norm = torch.linalg.vector_norm(g, dim=dims, keepdim=True)
     else:  # the fast paths' steps: over a non-innermost dim of these small tensors vector_norm is slower
         norm = g.square().sum(dims, keepdim=True).sqrt_()

@@ -235,6 +235,18 @@ def _outputs_and_grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [frozen, out.detach(), x.grad, *(p.grad for p in model.parameters())]
 
 
+@pytest.mark.parametrize("name", ["test_vit3_ttt", "test_h_vit3"])
+def test_jit_trace_passes_its_own_check(name):
+    """``torch.jit.trace`` with its defaults traces the model again under ``no_grad`` and compares the graphs
+    (names included): the traced path must not depend on the grad mode. It did: the gradient's norm was
+    another op without gradients, and the C++ kernels' checks read sizes (ops a tracer records, naming
+    values after the frame that asked) only without gradients."""
+    model, x = _model(name), torch.randn(2, 3, 64, 64)
+    traced = torch.jit.trace(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)
+
+
 EXPORTERS = {
     "onnx-dynamo": lambda m, x, path: torch.onnx.export(m, (x,), path, dynamo=True, optimize=False),
     "onnx-dynamo-dynamic_axes": lambda m, x, path: torch.onnx.export(

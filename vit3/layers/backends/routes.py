@@ -396,11 +396,11 @@ def cpu_block_kernel(x: Tensor, backend: str = "auto") -> bool:
     build warns through the mixer's backends)."""
     if (
         not isinstance(x, Tensor)  # an FX proxy: traced code takes the plain path
+        or tracing_kind()  # before a size a tracer would record: one graph whatever the grad mode
         or x.device.type != "cpu"
         or x.dtype not in (torch.float32, torch.float64)
         or not x.numel()  # an empty batch: PyTorch's ops take it
         or torch.is_autocast_enabled("cpu")
-        or tracing_kind()
     ):
         return False
     if requested_backend(backend)[0] not in ("auto", "cpu"):
@@ -413,6 +413,8 @@ def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
     depthwise op instead of oneDNN (faster at every grid measured, ``docs/design/dispatch.md``): a 3x3 weight
     of the input's dtype and ``cpu_block_kernel``'s rule."""
     if not isinstance(x, Tensor) or not isinstance(weight, Tensor):  # an FX proxy: traced code takes the conv
+        return False
+    if tracing_kind():  # before the weight's size, which a tracer would record
         return False
     if weight.dtype != x.dtype or weight.shape[-2:] != (3, 3):
         return False
