@@ -12,6 +12,7 @@ import pytest
 import timm
 import torch
 from helpers.common import FIXTURES, default_dtype, load_fixture
+from torch import nn
 
 import vit3  # noqa: F401 - registers the models
 from vit3.layers import mixer_key_from_official
@@ -105,6 +106,33 @@ def test_official_checkpoint_loads_into_features_only_and_other_heads(tmp_path, 
         arch, pretrained=True, in_chans=1, num_classes=10, pretrained_cfg_overlay=overlay, **kwargs
     )
     torch.testing.assert_close(gray.state_dict()[ours][:, 0], fx["state_dict"][stem].sum(1).float())
+
+
+@pytest.mark.parametrize(("fixture", "arch", "convert", "rtol"), FIXTURE_CASES)
+def test_official_file_loads_through_every_state_dict_route(tmp_path, fixture, arch, convert, rtol):
+    """An official file's weights in their own names load through ``load_state_dict``, timm's
+    ``load_checkpoint`` and ``create_model(checkpoint_path=...)`` as through the pretrained overlay, and
+    under a prefix (the model inside another one); the official names go, ours come (a renaming hook)."""
+    fx = load_fixture(fixture)
+    path = tmp_path / "official.pth"
+    torch.save({"model": fx["state_dict"], "epoch": 300}, path)
+    kwargs = _model_kwargs(fx)
+    with default_dtype(torch.float64):
+        want = _fixture_model(fx, arch, tmp_path).state_dict()
+        routes = {
+            "checkpoint_path": timm.create_model(arch, checkpoint_path=str(path), **kwargs),
+            "load_checkpoint": timm.create_model(arch, **kwargs),
+            "load_state_dict": timm.create_model(arch, **kwargs),
+            "under a prefix": nn.Sequential(timm.create_model(arch, **kwargs)),
+        }
+    timm.models.load_checkpoint(routes["load_checkpoint"], str(path))
+    routes["load_state_dict"].load_state_dict(fx["state_dict"])
+    routes["under a prefix"].load_state_dict({f"0.{k}": v for k, v in fx["state_dict"].items()})
+    for how, model in routes.items():
+        got = model.state_dict()
+        got = {k.removeprefix("0."): v for k, v in got.items()} if how == "under a prefix" else got
+        assert got.keys() == want.keys(), how
+        assert all(torch.equal(got[k], want[k]) for k in want), how
 
 
 def test_classifier_size_mismatch_says_how_to_declare_it(tmp_path):
@@ -210,6 +238,37 @@ def test_checkpoint_of_another_model_lists_missing_unexpected_and_misshaped_keys
         )
     if official == "h_vittt_tiny":
         assert "stages.0.blocks.1.cpe.weight" in msg.split("unexpected")[0]  # missing: S has more blocks
+
+
+@pytest.mark.parametrize(("name", "depth"), [("test_vit3_ttt", 2), ("test_vit3_ttt", 4), ("test_h_vit3", 1)])
+def test_pretrained_strict_false_loads_what_fits(tmp_path, name, depth):
+    """timm's ``pretrained_strict=False`` loads the keys that fit and leaves the rest as built, as with timm's
+    own models (a deeper model: missing keys; a shallower one: unexpected keys); strict, the default, lists
+    them; a mis-shaped key is refused either way."""
+    torch.manual_seed(0)
+    source = timm.create_model(name)
+    path = tmp_path / "weights.pth"
+    torch.save(source.state_dict(), path)
+    other = dict(depth=depth) if name == "test_vit3_ttt" else dict(depths=(1, 1, 1, 2))
+    with pytest.raises(ValueError, match="does not fit"):
+        timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **other)
+    torch.manual_seed(1)
+    model = timm.create_model(
+        name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), pretrained_strict=False, **other
+    )
+    theirs, ours = source.state_dict(), model.state_dict()
+    shared = set(theirs) & set(ours)
+    assert shared and set(ours) != set(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in shared)
+    torch.save({k: v[..., :1] if k.endswith("qkv.weight") else v for k, v in theirs.items()}, path)
+    with pytest.raises(ValueError, match="mis-shaped keys"):
+        timm.create_model(
+            name,
+            pretrained=True,
+            pretrained_cfg_overlay=dict(file=str(path)),
+            pretrained_strict=False,
+            **other,
+        )
 
 
 def test_pretrained_without_file_explains_how_to_pass_one_when_offline(monkeypatch, tmp_path):

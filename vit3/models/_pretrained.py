@@ -11,6 +11,7 @@ timm's ``hf-hub:`` and ``local-dir:`` sources (``save_for_hf`` folders) are load
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import warnings
@@ -31,6 +32,7 @@ __all__ = [
     "check_state_dict",
     "create_model_with_official_weights",
     "load_checkpoint_file",
+    "rename_official_keys",
     "select_weights",
     "strip_wrapper_prefixes",
 ]
@@ -117,12 +119,34 @@ def strip_wrapper_prefixes(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor
     return out
 
 
+def rename_official_keys(
+    module: nn.Module,
+    state_dict: dict[str, Tensor],
+    prefix: str,
+    *_: Any,
+    convert: Callable[[dict[str, Tensor]], dict[str, Tensor]],
+) -> None:
+    """A ViT³ family's ``load_state_dict`` pre-hook: the official ViTTT names under ``prefix`` renamed to
+    ours by ``convert`` (the family's ``official_to_ours``), in place. So ``load_state_dict``,
+    ``timm.models.load_checkpoint`` and ``create_model(..., checkpoint_path=...)`` take an official file's
+    weights as ``pretrained_cfg_overlay=dict(file=...)`` does; weights in our names pass as they are."""
+    keys = [k for k in state_dict if k.startswith(prefix)]
+    theirs = {k[len(prefix) :]: state_dict[k] for k in keys}
+    ours = convert(theirs)
+    if ours.keys() == theirs.keys():
+        return
+    for k in keys:
+        del state_dict[k]
+    state_dict.update({prefix + k: v for k, v in ours.items()})
+
+
 def check_state_dict(
     state_dict: Mapping[str, Tensor],
     model: nn.Module,
     ignore_prefixes: Iterable[str] = (),
     in_chans_keys: Iterable[str] = (),
     what: str = "checkpoint",
+    strict: bool = True,
 ) -> None:
     """Raises one ``ValueError`` listing every missing, unexpected and mis-shaped key, if there is any.
 
@@ -132,6 +156,8 @@ def check_state_dict(
         ignore_prefixes: key prefixes not compared (the classifier, which timm drops or keeps itself).
         in_chans_keys: first-conv weights whose input-channel dim timm adapts after the filter.
         what: the checkpoint's name in the message.
+        strict: False (timm's ``pretrained_strict=False``): missing and unexpected keys pass, as
+            ``load_state_dict(strict=False)`` takes them; mis-shaped keys, or none that fits, still raise.
     """
     ignore = tuple(ignore_prefixes)
     adapt = set(in_chans_keys)
@@ -151,6 +177,8 @@ def check_state_dict(
             f"{what} does not fit this {name}: none of its {len(theirs)} key(s) (e.g. "
             f"{', '.join(sorted(theirs)[:3])}) names one of the model's weights"
         )
+    if not strict:
+        missing, unexpected = [], []
     if missing or unexpected or misshaped:
         raise CheckpointMismatchError(
             f"{what} does not fit this {name} (another model or size?):\n"
@@ -164,12 +192,15 @@ def _official_file(variant: str, cfg: PretrainedCfg) -> str:
     """The local file of the official weights: ``cfg.file``, or the official URL downloaded once (hub)."""
     if cfg.file:
         return os.fspath(cfg.file)
-    how = (
-        f"download it yourself and pass it with timm.create_model({variant!r}, pretrained=True, "
-        f"pretrained_cfg_overlay=dict(file='/path/to/checkpoint.pth'))"
+    pass_file = (
+        f"timm.create_model({variant!r}, pretrained=True, "
+        "pretrained_cfg_overlay=dict(file='/path/to/weights.pth'))"
     )
     if not cfg.url:
-        raise WeightsUnavailableError(f"no official weights are published for {variant}; {how}")
+        raise WeightsUnavailableError(
+            f"no official weights are published for {variant}; load weights of your own with {pass_file}"
+        )
+    how = f"download the file yourself and pass it with {pass_file}"
     cache = os.path.join(torch.hub.get_dir(), "checkpoints", "vit3", f"{variant}.pth")
     if not os.path.isfile(cache):
         os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -271,8 +302,8 @@ def create_model_with_official_weights(
     With ``pretrained=True`` the weights come from ``pretrained_cfg_overlay=dict(file=...)`` or, without a
     file, from the official URL (downloaded once); ``pretrained_ema=True`` takes the EMA weights of the file.
     A cfg of timm's ``hf-hub:`` / ``local-dir:`` sources (or with an ``hf_hub_id`` and no file) is timm's to
-    load. timm then converts them with ``filter_fn`` (the model's ``checkpoint_filter_fn``), adapts the
-    classifier and the input channels, and loads them strictly.
+    load. timm then converts them with ``filter_fn`` (the model's ``checkpoint_filter_fn``, told timm's
+    ``pretrained_strict``), adapts the classifier and the input channels, and loads them.
 
     Raises:
         ValueError: ``pretrained_ema=True`` with weights from timm's hub sources (they hold one set).
@@ -299,7 +330,7 @@ def create_model_with_official_weights(
             model_cls,
             variant,
             pretrained,
-            pretrained_filter_fn=filter_fn,
+            pretrained_filter_fn=functools.partial(filter_fn, strict=kwargs.get("pretrained_strict", True)),
             feature_cfg=dict(feature_cfg),
             **kwargs,
         )

@@ -14,6 +14,7 @@ What differs from the official code, and why: ``docs/design/models.md``.
 # code TorchScript compiles (timm's FX + TorchScript path), where a string annotation names no type.
 import re
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from vit3.layers.blocks import ConvFFN
 from vit3.layers.embed import ConvDownsample, ConvStem, check_image
 
 from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
-from ._pretrained import check_state_dict, select_weights
+from ._pretrained import check_state_dict, rename_official_keys, select_weights
 
 __all__ = ["TIMM_FIXED", "HViT3", "HViT3Stage", "checkpoint_filter_fn", "official_to_ours"]
 
@@ -176,6 +177,7 @@ class HViT3(FamilyBackbone):
         ]
         self.norm = nn.BatchNorm2d(dims[-1])  # official BatchNorm1d over tokens: same statistics and keys
         self._add_head(drop_rate)
+        self.register_load_state_dict_pre_hook(partial(rename_official_keys, convert=official_to_ours))
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
 
@@ -269,14 +271,19 @@ def official_to_ours(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     return {new: v for k, v in state_dict.items() if (new := key_from_official(k)) is not None}
 
 
-def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: HViT3) -> dict[str, Tensor]:
+def checkpoint_filter_fn(
+    state_dict: dict[str, Tensor], model: HViT3, strict: bool = True
+) -> dict[str, Tensor]:
     """Converts official ViTTT weights (``h_vittt_*``) to this model and checks they fit.
 
     See ``key_from_official``; weights already in our names pass through. Raises ``ValueError`` listing
-    missing, unexpected and mis-shaped keys when the checkpoint belongs to another model or size.
+    missing, unexpected and mis-shaped keys when the checkpoint belongs to another model or size; with
+    ``strict=False`` (timm's ``pretrained_strict``) missing and unexpected keys pass.
     """
     out = official_to_ours(select_weights(state_dict))  # a training checkpoint's "model" / "state_dict"
-    check_state_dict(out, model, ignore_prefixes=("head.",), in_chans_keys=("stem.0.conv.weight",))
+    check_state_dict(
+        out, model, ignore_prefixes=("head.",), in_chans_keys=("stem.0.conv.weight",), strict=strict
+    )
     return out
 
 

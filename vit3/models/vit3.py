@@ -25,7 +25,7 @@ from vit3.layers import TTTConfig, mixer_key_from_official
 from vit3.layers.embed import check_image, check_image_size
 
 from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
-from ._pretrained import check_state_dict, select_weights
+from ._pretrained import check_state_dict, rename_official_keys, select_weights
 
 __all__ = ["TIMM_VIT_FIXED", "ViT3", "checkpoint_filter_fn", "official_to_ours"]
 
@@ -153,6 +153,7 @@ class ViT3(FamilyBackbone):
         ]
         self.norm = norm_layer(embed_dim) if final_norm else nn.Identity()
         self._add_head(drop_rate)
+        self.register_load_state_dict_pre_hook(partial(rename_official_keys, convert=official_to_ours))
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
 
@@ -274,13 +275,16 @@ def official_to_ours(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     return {mixer_key_from_official(k): v for k, v in state_dict.items()}
 
 
-def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ViT3) -> dict[str, Tensor]:
+def checkpoint_filter_fn(
+    state_dict: dict[str, Tensor], model: ViT3, strict: bool = True
+) -> dict[str, Tensor]:
     """Converts official ViTTT weights (``vittt_*``) to this model and checks they fit.
 
     Official names equal ours except the mixer's inner weights (``attn.w1/w2/w3`` ->
     ``attn.inner.0.w1/inner.0.w2/inner.1.weight``); weights already in our names pass through. A different
     patch size is resampled (timm ``resample_patch_embed``). Raises ``ValueError`` listing missing, unexpected
-    and mis-shaped keys when the checkpoint belongs to another model or size.
+    and mis-shaped keys when the checkpoint belongs to another model or size; with ``strict=False`` (timm's
+    ``pretrained_strict``) missing and unexpected keys pass.
     """
     out = {}
     # the "model" / "state_dict" entry of a training checkpoint, in our names
@@ -290,7 +294,9 @@ def checkpoint_filter_fn(state_dict: dict[str, Tensor], model: ViT3) -> dict[str
             if value.shape[-2:] != target:
                 value = resample_patch_embed(value, list(target))
         out[key] = value
-    check_state_dict(out, model, ignore_prefixes=("head.",), in_chans_keys=("patch_embed.proj.weight",))
+    check_state_dict(
+        out, model, ignore_prefixes=("head.",), in_chans_keys=("patch_embed.proj.weight",), strict=strict
+    )
     return out
 
 
