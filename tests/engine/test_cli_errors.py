@@ -14,6 +14,7 @@ from helpers.train import TINY_MODEL, load_script, make_digit_folder, one_error_
 from vit3.engine.checkpoint import CheckpointError, save_checkpoint
 from vit3.engine.cli import DEBUG_ENV, USER_ERROR_EXIT
 from vit3.engine.config import ConfigError, load_config
+from vit3.layers import backends
 from vit3.models.record import load_checkpoint, peek_vit3_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,6 +92,21 @@ def test_engine_errors_are_as_clean_as_config_errors(digits, tmp_path, capsys):
     assert "data.mean must hold one value per input channel of the model (1)" in line
     assert train.main(_folder_run(digits, tmp_path, "data.mean=[0.5]")) == 2
     assert "data.mean is set but not its partner" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("VIT3_TTT_BACKEND", "gpu"), ("VIT3_TTT_RECOMPUTE", "sometimes"), ("VIT3_TTT_STRICT", "2")],
+)
+def test_a_bad_environment_variable_is_one_error_line(digits, tmp_path, capsys, monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    backends.refresh_env()  # read once per process: the run must see this one
+    try:
+        assert load_script("train").main(_folder_run(digits, tmp_path)) == USER_ERROR_EXIT
+    finally:
+        monkeypatch.delenv(variable)
+        backends.refresh_env()
+    assert f"${variable} must be " in one_error_line(capsys)
 
 
 def test_debug_flag_and_environment_show_the_traceback(monkeypatch):

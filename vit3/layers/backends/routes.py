@@ -22,6 +22,7 @@ import torch
 from timm.layers import is_scriptable
 from torch import Tensor
 
+from vit3.errors import ConfigError
 from vit3.kernels import cpp as cpu_ext
 
 from ..config import RECOMPUTE_MODES
@@ -39,11 +40,12 @@ class BackendWarning(UserWarning):
 
 
 class _Env(NamedTuple):
-    """The ``VIT3_*`` variables as read by :func:`refresh_env` (``None``: unset)."""
+    """The ``VIT3_*`` variables as read and checked by :func:`refresh_env`: the backend and the recompute mode
+    asked for (``auto`` where unset) and whether a demotion raises."""
 
-    backend: str | None
-    strict: str | None
-    recompute: str | None
+    backend: str
+    strict: bool
+    recompute: str
 
 
 class _State:
@@ -63,14 +65,29 @@ class _State:
 
 
 def _read_env() -> _Env:
+    """The ``VIT3_*`` variables, checked (a ``ConfigError`` naming one whose value it does not take)."""
     get = os.environ.get
-    return _Env(get(BACKEND_ENV), get(STRICT_ENV), get(RECOMPUTE_ENV))
+    backend = (get(BACKEND_ENV) or "").strip().lower() or "auto"
+    if backend not in NAMES:
+        raise ConfigError(f"${BACKEND_ENV} must be one of {', '.join(NAMES)}, got {backend!r}")
+    recompute = (get(RECOMPUTE_ENV) or "").strip().lower() or "auto"
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"${RECOMPUTE_ENV} must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    strict = (get(STRICT_ENV) or "").strip().lower()
+    if strict not in STRICT_VALUES:
+        raise ConfigError(f"${STRICT_ENV} must be 0 or 1, got {strict!r}")
+    return _Env(backend, STRICT_VALUES[strict], recompute)
+
+
+# ``$VIT3_TTT_STRICT``'s values (unset: off).
+STRICT_VALUES = {"": False, "0": False, "false": False, "no": False, "off": False}
+STRICT_VALUES |= {"1": True, "true": True, "yes": True, "on": True}
 
 
 def refresh_env() -> None:
-    """Reads the ``VIT3_*`` variables again and forgets the routes made under the old ones; call it after
-    changing one in a running process (they are read once, on first use)."""
-    _STATE.env = _read_env()
+    """Forgets the ``VIT3_*`` variables read and the routes made under them: the next use reads them again
+    (they are read once, on first use); call it after changing one in a running process."""
+    _STATE.env = None
     forget_routes()
 
 
@@ -98,12 +115,7 @@ def forget_routes() -> None:
 
 def strict() -> bool:
     """``$VIT3_TTT_STRICT``: 0 or 1 (``false`` / ``true``, ``no`` / ``yes``, ``off`` / ``on``)."""
-    value = (env().strict or "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"${STRICT_ENV} must be 0 or 1, got {value!r}")
+    return env().strict
 
 
 def requested_backend(cfg_backend: str) -> tuple[str, str]:
@@ -111,9 +123,7 @@ def requested_backend(cfg_backend: str) -> tuple[str, str]:
     ``$VIT3_TTT_BACKEND``."""
     if cfg_backend != "auto":
         return cfg_backend, f"TTTConfig.backend={cfg_backend!r}"
-    name = (env().backend or "").strip().lower() or "auto"
-    if name not in NAMES:
-        raise ValueError(f"${BACKEND_ENV} must be one of {', '.join(NAMES)}, got {name!r}")
+    name = env().backend
     return name, f"{BACKEND_ENV}={name}"
 
 
@@ -146,8 +156,8 @@ def scriptable_build(cfg_backend: str = "auto") -> bool:
             f"TTTConfig.backend={cfg_backend!r}: a model built scriptable (timm's set_scriptable(True)) runs "
             "the generic reference path TorchScript compiles; use backend 'auto' or 'generic'"
         )
-    name = (env().backend or "").strip().lower()
-    if cfg_backend == "auto" and name not in ("", "auto", "generic"):
+    name = env().backend
+    if cfg_backend == "auto" and name not in ("auto", "generic"):
         warn_once(f"vit3: {BACKEND_ENV}={name} is not read by a model built scriptable ({SCRIPTABLE_WHY}).")
     return True
 
@@ -203,9 +213,7 @@ def recompute_mode(cfg_recompute: str = "auto") -> tuple[str, str]:
     ``TTTConfig.recompute`` (checked: ``config.check_recompute``) wins over ``$VIT3_TTT_RECOMPUTE``."""
     if cfg_recompute != "auto":
         return cfg_recompute, f"TTTConfig.recompute={cfg_recompute!r}"
-    mode = (env().recompute or "").strip().lower() or "auto"
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"${RECOMPUTE_ENV} must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    mode = env().recompute
     return ("always" if mode == "auto" else mode), (
         LEAN_DEFAULT if mode == "auto" else f"{RECOMPUTE_ENV}={mode}"
     )
