@@ -12,6 +12,7 @@ from vit3.engine.config import (
     CONFIG_DIR,
     DEFAULT_CONFIG,
     ConfigError,
+    check_config,
     config_from_checkpoint,
     load_config,
     parse_override,
@@ -365,3 +366,17 @@ def test_a_null_image_size_is_the_one_the_model_was_built_at():
         model, _ = build_model(cfg, 10, "")
         resolve_data_cfg(cfg, model, 3)
         assert cfg.data.img_size == size, kwargs
+
+
+@pytest.mark.parametrize("demo", ["demo_detection", "demo_segmentation"])
+def test_an_evaluation_reads_the_synthetic_digits_and_never_writes_them(tmp_path, demo):
+    """A dense demo's training writes its synthetic digits to ``data.path`` on first use; an evaluation
+    reads them: a path that is not there is refused by name (it was filled with a new dataset)."""
+    missing = tmp_path / "no" / "such"
+    cfg = load_config(CONFIG_DIR / "dense" / f"{demo}.yaml", [f"data.path={missing}", f"output={tmp_path}"])
+    with pytest.raises(
+        ConfigError, match=rf"data\.path .*must be an existing folder.*{re.escape(str(missing))}"
+    ):
+        check_config(cfg, "eval")
+    check_config(cfg, "train")  # the training run writes them there
+    assert not missing.exists()

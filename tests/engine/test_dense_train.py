@@ -134,7 +134,10 @@ def test_upernet_on_a_plain_backbone_trains_and_evaluates_miou(ade_root, tmp_pat
     out = tmp_path / "eval.json"
     args = ["--checkpoint", str(tmp_path / "run" / "best.pt"), "--json", str(out), "dense.inference=slide"]
     assert load_script("eval").main([*args, "dense.slide_crop=[48,48]", "dense.slide_stride=[32,32]"]) == 0
-    metrics = json.loads(out.read_text())["metrics"]
+    report = json.loads(out.read_text())
+    metrics = report["metrics"]
+    assert report["settings"]["dense.inference"] == "slide"  # two evaluations of one checkpoint tell apart
+    assert report["settings"]["dense.slide_crop"] == [48, 48]
     assert set(metrics["per_class_IoU"]) == {"background", "three", "seven"}
     ious = list(metrics["per_class_IoU"].values())
     assert metrics["mIoU"] == pytest.approx(np.nanmean(ious)) and 0.0 <= metrics["aAcc"] <= 1.0

@@ -15,7 +15,8 @@ from helpers.train import bare_resume, run_until_crash, tiny_cfg
 
 import vit3.models  # noqa: F401  (registers the models)
 from vit3.engine import ConfigError, load_config, optim, run
-from vit3.engine.config import WRITTEN_KEY, Config, config_from_dict
+from vit3.engine.config import CONFIG_DIR, WRITTEN_KEY, Config, config_from_dict
+from vit3.engine.config.value_checks import dense_warmup_advice
 from vit3.tasks.backbone import block_layer_ids
 from vit3.tasks.segmentation import build_segmenter
 
@@ -279,3 +280,15 @@ def test_lr_schedule_warmup_step_and_poly():
     assert [optim.dense_lr_factor(s, 100, d, 10) for s in (0, 50, 100)] == pytest.approx([1, 0.5**0.9, 0])
     with pytest.raises(ValueError, match=r"unknown dense\.lr_schedule"):
         optim.dense_lr_factor(0, 10, _sched(lr_schedule="cosine"), 10)
+
+
+def test_a_run_all_warmup_is_told_what_its_lr_does():
+    """The demo's schedule with ``dense.iters=5``: all warmup, and its milestone (3) counted in iterations
+    decays the lr inside the warmup; the warning says both (it said the lr never decays)."""
+    cfg = load_config(CONFIG_DIR / "dense" / "demo_detection.yaml", ["dense.iters=5"])
+    d = cfg.dense
+    factors = [optim.dense_lr_factor(s, 5, d, iters_per_epoch=100) for s in range(5)]
+    assert factors[3] < factors[2] and max(factors) < 1
+    advice = dense_warmup_advice(d.warmup_iters, cfg)
+    assert "never decays" not in advice
+    assert f"dense.milestones {list(d.milestones)}, counted in iterations" in advice

@@ -108,6 +108,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         for change in check_resume(cfg, ckpt, info.world, resume):
             log(info, f"warning: train.force_resume=true: {change}")
     folder = claim_output(cfg, resume, ckpt)
+    synthetic = cfg.data.dataset == "digits" and not Path(cfg.data.path).exists()  # written on first use
     model, train_set, val_set = model_and_data(cfg, with_train=True)
     open_output(folder, cfg, info)  # nothing written before the model and the data are known to be right
     model.to(device)
@@ -129,6 +130,14 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
     schedule = DenseSchedule(opt, lr, total, d, iters_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
     net = wrap_ddp(model, cfg, info)
+    wrote = " (the synthetic digits, written now)" if synthetic else ""
+    log(
+        info,
+        f"{cfg.task} {d.arch} on {cfg.model.name}: {sum(q.numel() for q in model.parameters()) / 1e6:.2f}M "
+        f"params | data: {len(train_set)} train / {len(val_set)} val images in {cfg.data.path}{wrote} | "
+        f"{info.world} process(es) on {device}, total batch {bs * info.world * accum}, lr {lr:.3g}, {total} "
+        f"steps | amp {amp} | output {out}",
+    )
     p = _Progress()
     if ckpt is not None:  # not resume.open_run: its finished-run note counts train.epochs, not dense.iters
         model.load_state_dict(ckpt["model"])
@@ -227,6 +236,14 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
     }
     if info.is_main:
         write_text(out / "summary.json", nan_free_json(summary), "summary")
+        log(
+            info,
+            f"\ndone in {summary['wall_time_this_process_s']:.0f} s: {key} "
+            f"{summary['final'].get(key, math.nan):.4f} (best {p.best:.4f})\n"
+            f"  checkpoint: {summary['last']}\n  best:       {summary['best']}\n"
+            f"  metrics:    {out / 'metrics.json'}\n"
+            f"  evaluate:   python eval.py --checkpoint {summary['best'] or summary['last']}",
+        )
     return {"history": p.history, "final": summary["final"], "losses": p.losses, "summary": summary}
 
 
@@ -271,6 +288,14 @@ def _evaluate(cfg: Config, device: torch.device) -> dict[str, Any]:
         if cfg.eval.json
         else (Path(path).with_suffix(".eval.json") if path else Path(cfg.output) / "eval.json")
     )
-    write_text(out, nan_free_json({"checkpoint": path, "task": cfg.task, "metrics": metrics}), "report")
+    d = cfg.dense  # the test-time settings: two evaluations of one checkpoint tell themselves apart
+    keys = (
+        ("min_size", "max_size")
+        if cfg.task == "detection"
+        else ("inference", "scale", "slide_crop", "slide_stride")
+    )
+    settings = {f"dense.{k}": d[k] for k in keys} | {"data.path": str(cfg.data.path)}
+    report = {"checkpoint": path, "task": cfg.task, "settings": settings, "metrics": metrics}
+    write_text(out, nan_free_json(report), "report")
     print(nan_free_json(scalars(metrics)))
     return metrics

@@ -217,8 +217,10 @@ def metrics_read(cfg: Any, mode: str | None) -> bool:
 
 
 def data_folder(cfg: Any, mode: str | None) -> bool:
-    """``data.path`` is read: a folder, COCO or ADE20K dataset (a generation evaluation may not need it)."""
-    read = config_value(cfg, "data.dataset") in ("folder", "coco", "ade20k")
+    """``data.path`` is read: a folder, COCO or ADE20K dataset (a generation evaluation may not need it), or
+    the synthetic digits an evaluation reads (their training run writes them)."""
+    dataset = config_value(cfg, "data.dataset")
+    read = dataset in ("folder", "coco", "ade20k") or (dataset == "digits" and mode == EVAL)
     return read and not (mode == EVAL and is_generation(cfg))
 
 
@@ -238,10 +240,16 @@ def dense_warmup_advice(warmup: Any, cfg: Any) -> str | None:
     iters = config_value(cfg, "dense.iters")
     if not (is_number(iters) and iters > 0 and is_number(warmup)) or warmup < iters:
         return None
+    milestones = config_value(cfg, "dense.milestones")
+    step = config_value(cfg, "dense.lr_schedule") == "step" and milestones
+    decay = (
+        f"dense.milestones {list(milestones)}, counted in iterations as dense.iters is set" if step else ""
+    )
     return (
         f"dense.warmup_iters={warmup} is not below dense.iters={iters}: the whole run is warmup (the lr "
-        "climbs "
-        f"from dense.warmup_factor x lr and never decays); lower dense.warmup_iters for the full schedule"
+        "climbs from dense.warmup_factor x lr, times the schedule's decay"
+        f"{f' at {decay}' if decay else ''}, and never reaches its full value); lower dense.warmup_iters for "
+        "the full schedule"
     )
 
 
