@@ -233,6 +233,17 @@ def test_cli_refuses_a_device_in_one_line(device, capsys):
     assert capsys.readouterr().err.startswith(f"error: --device must be cpu, cuda or cuda:N, got '{device}'")
 
 
+def test_cli_points_a_dit3_name_to_its_mixers(capsys):
+    """A DiT³ name is no timm model: the error says what it is and how to ask its mixers (timm's near names
+    were suggested instead); the way it names works."""
+    assert cli_main(["dit3_s_2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: dit3_s_2 is a DiT³ generator") and "pit_s_224" not in err
+    model = vit3.create_dit3("dit3_s_2")
+    mixer = model.blocks[0].attn
+    assert mixer.explain(torch.randn(1, 16, mixer.dim), (4, 4)).branches
+
+
 def test_cli_runs_as_a_module_and_rejects_bad_arguments():
     proc = subprocess.run(
         [sys.executable, "-m", "vit3.scripts.explain", "test_vit3_ttt", "--img-size", "32", "--json"],

@@ -19,7 +19,7 @@ import torch
 
 import vit3  # registers the vit3 models in timm
 from vit3.engine.cli import ArgumentParser, run_cli
-from vit3.engine.config.value_checks import timm_model, torch_device
+from vit3.engine.config.value_checks import dit3_model, timm_model, torch_device
 from vit3.errors import ConfigError
 from vit3.layers.backends import BACKEND_ENV, STRICT_ENV
 from vit3.layers.ttt import explain
@@ -43,6 +43,12 @@ def _explain(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.img_size < 1:
         raise ConfigError("--batch and --img-size must be positive")
     problem = timm_model(args.model, None)
+    if problem is not None and dit3_model(args.model, None) is None:
+        raise ConfigError(
+            f"{args.model} is a DiT³ generator (vit3.create_dit3), which vit3-explain does not build: it "
+            "runs timm models on images. A DiT³ mixer explains itself: "
+            f"vit3.create_dit3({args.model!r}).blocks[0].attn.explain(tokens, grid)"
+        )
     if problem is not None:
         raise ConfigError(
             f"model must be a timm model name (e.g. vit3_small, h_vit3_tiny), got {args.model!r}: {problem}"
