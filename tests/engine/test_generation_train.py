@@ -230,6 +230,7 @@ def test_latent_training_and_sampling_through_a_local_vae(digits, tmp_path):
     kwargs = train_helpers.read_ckpt(out / "last.pt")["model_kwargs"]
     assert (kwargs["in_channels"], kwargs["input_size"]) == (4, 14)  # 28 px / 2, 4 latent channels
     assert np.load(summary["eval"]["npz"])["arr_0"].shape == (3, 28, 28, 3)
+    assert summary["eval"]["checkpoint"] == str(out / "last.pt")  # the weights it sampled: the run's last
     with pytest.raises(ConfigError, match=r"multiple of the VAE's downsampling 2"):
         run(
             tiny_gen_cfg(digits, tmp_path / "odd", f"vae.path={vae}", "data.channels=3", "data.img_size=27"),

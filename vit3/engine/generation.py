@@ -257,7 +257,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     if cfg.train.final_eval:
         model = run.ema.module if run.ema is not None else run.model
         summary["eval"] = sample_and_evaluate(
-            cfg, model, run.diffusion, run.vae, run.classes, info, run.out / "samples"
+            cfg, model, run.diffusion, run.vae, run.classes, info, run.out / "samples", summary["last"]
         )
     summary["wall_time_s"] = round(time.perf_counter() - start, 1)
     if info.is_main:
