@@ -148,6 +148,31 @@ def test_eval_samples_write_the_reference_suite_layout(trained, tmp_path):
     assert not np.array_equal(np.load(tmp_path / "c" / "samples.npz")["arr_0"], npz["arr_0"])
 
 
+@pytest.mark.parametrize("use_ema", [True, False])
+def test_the_final_samples_of_a_run_use_the_weights_sample_use_ema_names(digits, tmp_path, use_ema):
+    """``train.final_eval`` samples the EMA or the raw weights as ``sample.use_ema`` says (the EMA always,
+    before): the same images as ``eval.py`` sampling the run's last.pt with that setting."""
+    out = tmp_path / "run"
+    setting = f"sample.use_ema={str(use_ema).lower()}"
+    sampling = ["sample.num_samples=3", "sample.sampler=ddim", "sample.steps=2", "metrics.classifier=null"]
+    cfg = tiny_gen_cfg(digits, out, "train.epochs=1", "train.final_eval=true", setting, *sampling)
+    final = np.load(run(cfg, "train")["eval"]["npz"])["arr_0"]
+    args = [
+        "--sampler",
+        "ddim",
+        "--steps",
+        "2",
+        "--num-samples",
+        "3",
+        "--cfg-scale",
+        str(cfg.sample.cfg_scale),
+    ]
+    for weights in (True, False):
+        _eval(out / "last.pt", tmp_path / str(weights), *args, f"sample.use_ema={str(weights).lower()}")
+        again = np.load(tmp_path / str(weights) / "samples.npz")["arr_0"]
+        assert np.array_equal(again, final) == (weights == use_ema)
+
+
 def test_eval_default_folder_names_the_settings(trained):
     out, _ = trained
     eval_script = train_helpers.load_script("eval")

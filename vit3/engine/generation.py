@@ -255,7 +255,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
         curves = _plot(run)
         summary["curves"] = str(curves) if curves else None
     if cfg.train.final_eval:
-        model = run.ema.module if run.ema is not None else run.model
+        model = run.ema.module if run.ema is not None and cfg.sample.use_ema else run.model
         summary["eval"] = sample_and_evaluate(
             cfg, model, run.diffusion, run.vae, run.classes, info, run.out / "samples", summary["last"]
         )
