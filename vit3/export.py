@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 MANIFEST = "manifest.json"
+DYNAMO_MIN_OPSET = 18  # torch.export's ONNX exporter writes this opset and up
 
 
 class FeatureExtractor(nn.Module):
@@ -379,7 +380,8 @@ def export_onnx(
         of exporters that failed or were not tried).
 
     Raises:
-        ValueError: an unknown ``exporter``, or ``torchscript`` asked for a dynamic batch or size.
+        ValueError: an unknown ``exporter``, ``torchscript`` asked for a dynamic batch or size, or an
+            ``opset`` below :data:`DYNAMO_MIN_OPSET` for a dynamic graph or from ``dynamo``.
     """
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ValueError(f"unknown exporter {exporter!r}: expected auto, dynamo or torchscript")
@@ -389,6 +391,13 @@ def export_onnx(
             "exporter='torchscript' writes a static graph (the legacy exporter fixes the sizes it traces): "
             "pass dynamic_batch=False and dynamic_size=False, or exporter='dynamo' for a dynamic batch or "
             "size"
+        )
+    if opset < DYNAMO_MIN_OPSET and (exporter == "dynamo" or not static):
+        raise ConfigError(
+            f"opset {opset}: the torch.export exporter writes opset {DYNAMO_MIN_OPSET} and up; below it only "
+            "the legacy exporter writes a graph, a static one (--exporter torchscript, or "
+            "exporter='torchscript': one image of the export size): ask for it, or for opset "
+            f"{DYNAMO_MIN_OPSET} or more"
         )
     h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
     path = Path(path)
@@ -404,6 +413,9 @@ def export_onnx(
     x = torch.rand(2 if dynamic_batch else 1, extractor.in_chans, h, w)
     errors: dict[str, str] = {}
     kinds = ("dynamo", "torchscript") if exporter == "auto" else (exporter,)
+    if opset < DYNAMO_MIN_OPSET:  # a static graph (above): the legacy exporter's alone
+        kinds = ("torchscript",)
+        errors["dynamo"] = f"not tried: it writes opset {DYNAMO_MIN_OPSET} and up"
     if not static and "torchscript" in kinds:  # auto for a dynamic graph: dynamo alone
         kinds = ("dynamo",)
         errors["torchscript"] = "not tried: it writes static graphs only (dynamic_batch / dynamic_size asked)"
