@@ -187,7 +187,10 @@ def test_eval_model_flag_takes_effect_with_a_warning(pretrained, tmp_path, capsy
 
 
 def test_eval_at_another_size_and_dense_img_size_refused(tmp_path):
-    cfg = load_config(CONFIG_DIR / "dense" / "demo_detection.yaml", ["eval.img_sizes=[64]", "device=cpu"])
+    cfg = load_config(
+        CONFIG_DIR / "dense" / "demo_detection.yaml",
+        ["eval.img_sizes=[64]", "device=cpu", f"data.path={tmp_path}"],
+    )
     with pytest.raises(
         ConfigError, match=r"eval.img_sizes=\[64\] sets classification resolutions.*dense.min_size"
     ):
