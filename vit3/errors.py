@@ -11,6 +11,7 @@ file).
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 __all__ = [
     "OUTPUT_ERRNOS",
@@ -20,11 +21,13 @@ __all__ = [
     "DataError",
     "MissingWeightsError",
     "OutputError",
+    "Terminated",
     "TrainingDiverged",
     "UserError",
     "WeightsUnavailableError",
     "describe_os_error",
     "divergence_advice",
+    "raise_terminated",
 ]
 
 # What the system answers when it will not take an output the user pointed at: no permission, a read-only or
@@ -64,6 +67,16 @@ def describe_os_error(exc: OSError) -> str:
     ...)."""
     reason = exc.strerror or str(exc)
     return f"{exc.filename}: {reason}" if exc.filename else reason
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``timeout``, a batch scheduler's stop) where a script takes it as Ctrl-C
+    (``vit3.engine.cli.run_cli``): the run ends as an interrupted one, naming its last checkpoint."""
+
+
+def raise_terminated(signum: int, frame: Any) -> None:
+    """A SIGTERM handler: raises :class:`Terminated` in the main thread."""
+    raise Terminated
 
 
 class DataError(UserError, ValueError):

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import OUTPUT_ERRNOS, ConfigError, OutputError
+from .errors import OUTPUT_ERRNOS, ConfigError, OutputError, Terminated, raise_terminated
 
 try:
     import fcntl
@@ -144,7 +144,9 @@ def atomic_path(
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    """Holds back Ctrl-C (SIGINT) for the body, then raises the ``KeyboardInterrupt`` it held, if any.
+    """Holds back Ctrl-C (SIGINT), and SIGTERM where a script takes it as Ctrl-C
+    (``errors.raise_terminated``), for the body, then raises the ``KeyboardInterrupt`` (``Terminated``) it
+    held, if any.
 
     A write that Ctrl-C cuts short leaves what wrote it half done: ``torch.save``'s zip writer, cut, later
     finishes its archive into the file closed under it, and the process aborts at exit. Held back, the write
@@ -154,13 +156,15 @@ def interrupts_deferred() -> Iterator[None]:
         yield  # no signal here, or a handler set outside Python, which could not be put back
         return
     held: list[int] = []
-    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    signals = [signal.SIGINT] + [signal.SIGTERM] * (signal.getsignal(signal.SIGTERM) is raise_terminated)
+    before = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, before)
+        for s, handler in before.items():
+            signal.signal(s, handler)
     if held:
-        raise KeyboardInterrupt
+        raise Terminated if held[0] == signal.SIGTERM else KeyboardInterrupt
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from PIL import Image
 import vit3
 from vit3 import ablate
 from vit3.ablate import ABLATIONS_DIR
-from vit3.engine.cli import INTERRUPTED_EXIT, USER_ERROR_EXIT, ArgumentParser, run_cli
+from vit3.engine.cli import INTERRUPTED_EXIT, TERMINATED_EXIT, USER_ERROR_EXIT, ArgumentParser, run_cli
 from vit3.engine.config import CONFIG_DIR
 from vit3.errors import ConfigError
 from vit3.layers.ttt import TTTMixer
@@ -1372,11 +1372,20 @@ def test_a_model_built_on_the_meta_device_runs_meta_images(name):
 
 
 # ------------------------------------------------------------------------------------------ signals, disk
-def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(digits, tmp_path):
+@pytest.mark.parametrize(
+    ("sig", "code", "what"),
+    [
+        (signal.SIGINT, INTERRUPTED_EXIT, "interrupted (Ctrl-C)"),
+        (signal.SIGTERM, TERMINATED_EXIT, "terminated (SIGTERM)"),
+    ],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(digits, tmp_path, sig, code, what):
     """SIGINT once the first checkpoint is written: exit 130 and one line naming it, no traceback (the data
     read in the main process, the one process the test signals). The run starts with SIGINT's default action
     whatever the test process has (a shell's background job starts with SIGINT ignored, which a child keeps
-    through exec); a run that goes on after the signal fails naming its signal masks."""
+    through exec); a run that goes on after the signal fails naming its signal masks. SIGTERM (``timeout``,
+    a batch scheduler) ends it alike, exit 143 (it killed the run with no word, its folder's lock left)."""
     out = tmp_path / "run"
     args = _run(digits, out, "train.epochs=1000", "data.num_workers=0")
     proc = subprocess.Popen(
@@ -1389,7 +1398,7 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(digits, tmp_path):
         while not (out / "last.pt").is_file():  # replaced atomically: a file that is there is whole
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         try:
             _, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:  # say how the run saw the signal: ignored, caught or blocked
@@ -1405,12 +1414,13 @@ def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(digits, tmp_path):
             )
     finally:
         proc.kill()
-    assert proc.returncode == INTERRUPTED_EXIT, err[-3000:]
+    assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == (
-        f"error: interrupted (Ctrl-C); the last checkpoint written is {out / 'last.pt'} "
+        f"error: {what}; the last checkpoint written is {out / 'last.pt'} "
         f"(train.py --resume {out / 'last.pt'} continues it)"
     )
+    assert not (out / ".vit3.lock").exists()
 
 
 class _Storage(io.RawIOBase):

@@ -4,15 +4,17 @@ raised (config values of the wrong type, engine checks, truncated checkpoints, D
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
 
 import pytest
 import torch
 from helpers.train import TINY_MODEL, load_script, make_digit_folder, one_error_line
+from tqdm import tqdm
 
 from vit3.engine.checkpoint import CheckpointError, save_checkpoint
-from vit3.engine.cli import DEBUG_ENV, USER_ERROR_EXIT
+from vit3.engine.cli import DEBUG_ENV, INTERRUPTED_EXIT, USER_ERROR_EXIT, ArgumentParser, run_cli
 from vit3.engine.config import ConfigError, load_config
 from vit3.layers import backends
 from vit3.models.record import load_checkpoint, peek_vit3_checkpoint
@@ -107,6 +109,22 @@ def test_a_bad_environment_variable_is_one_error_line(digits, tmp_path, capsys, 
         monkeypatch.delenv(variable)
         backends.refresh_env()
     assert f"${variable} must be " in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("failure", [ConfigError("bad value"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_the_error_line_starts_a_line_of_its_own_after_a_progress_bar(failure, capsys):
+    """A mistake met mid-epoch (a corrupt image) or Ctrl-C: the epoch's progress bar is ended before the
+    error line, not left open for the line to be written after it on the terminal both go to."""
+    out = io.StringIO()
+
+    def body(args):
+        bar = tqdm(total=10, file=out, leave=False, desc="epoch 1/2")
+        bar.update(3)
+        raise failure
+
+    assert run_cli(ArgumentParser(), body, []) in (USER_ERROR_EXIT, INTERRUPTED_EXIT)
+    assert out.getvalue().endswith("\r") and "epoch 1/2" in out.getvalue()  # the bar's line, cleared
+    assert capsys.readouterr().err.startswith("error: ")
 
 
 def test_debug_flag_and_environment_show_the_traceback(monkeypatch):

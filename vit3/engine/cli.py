@@ -4,7 +4,8 @@
 error (:class:`~vit3.errors.UserError`) ends the script with one line ``error: <message>`` and exit code
 :data:`USER_ERROR_EXIT`, wherever it was raised (``--debug`` / ``VIT3_DEBUG=1``: its traceback); any other
 exception is a bug and keeps its traceback. Ctrl-C ends it with one line naming the last checkpoint
-(:data:`INTERRUPTED_EXIT`). Under torchrun, rank 0 reports. Details: ``docs/design/engine.md``.
+(:data:`INTERRUPTED_EXIT`), and so does SIGTERM (:data:`TERMINATED_EXIT`). Under torchrun, rank 0 reports.
+Details: ``docs/design/engine.md``.
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..errors import OUTPUT_ERRNOS, ConfigError, UserError, describe_os_error
+from tqdm import tqdm
+
+from ..errors import OUTPUT_ERRNOS, ConfigError, Terminated, UserError, describe_os_error, raise_terminated
 from .config import parse_override
 
 USER_ERROR_EXIT = 2  # the exit code of argparse's own usage errors
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, a shell's code for a command ended by Ctrl-C
+TERMINATED_EXIT = 143  # 128 + SIGTERM
 DEBUG_ENV = "VIT3_DEBUG"
 OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")  # key.sub=value
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError)
@@ -37,6 +43,7 @@ __all__ = [
     "DEBUG_ENV",
     "INTERRUPTED_EXIT",
     "RANK_REPORT_DELAY_S",
+    "TERMINATED_EXIT",
     "USER_ERRORS",
     "USER_ERROR_EXIT",
     "ArgumentParser",
@@ -99,18 +106,16 @@ def user_message(exc: BaseException) -> str:
     return text
 
 
-def interrupted_message(resume: str = "train.py --resume {path}") -> str:
+def interrupted_message(resume: str = "train.py --resume {path}", terminated: bool = False) -> str:
     """What an interrupted script says: the last checkpoint it wrote and how to continue from it (``resume``,
-    with ``{path}`` standing for that checkpoint)."""
+    with ``{path}`` standing for that checkpoint); ``terminated``: by SIGTERM, not Ctrl-C."""
     from .checkpoint import last_saved  # torch, which the scripts' bodies import anyway
 
+    what = "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
     path = last_saved()
     if path is None:
-        return "interrupted (Ctrl-C) before this run wrote a checkpoint"
-    return (
-        f"interrupted (Ctrl-C); the last checkpoint written is {path} ({resume.format(path=path)} "
-        "continues it)"
-    )
+        return f"{what} before this run wrote a checkpoint"
+    return f"{what}; the last checkpoint written is {path} ({resume.format(path=path)} continues it)"
 
 
 def _overrides_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -197,14 +202,17 @@ def run_cli(
     except SystemExit as exc:  # --help, or a usage error already printed: the script's exit code
         return exc.code if isinstance(exc.code, int) else USER_ERROR_EXIT
     before, warnings.formatwarning = warnings.formatwarning, _format_warning
+    sigterm = _take_sigterm()
     try:
         return body(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if _debug(args):
             raise
+        terminated = isinstance(exc, Terminated)
         if not _rank():  # Ctrl-C reaches every process of a torchrun launch: rank 0 says it once
-            print(f"error: {interrupted_message(resume)}", file=sys.stderr)
-        return INTERRUPTED_EXIT
+            _close_bars()
+            print(f"error: {interrupted_message(resume, terminated)}", file=sys.stderr)
+        return TERMINATED_EXIT if terminated else INTERRUPTED_EXIT
     except Exception as exc:
         if not is_user_error(exc) or _debug(args):
             raise
@@ -212,7 +220,30 @@ def run_cli(
         if rank:  # rank 0 reports a mistake every rank meets; see RANK_REPORT_DELAY_S
             time.sleep(RANK_REPORT_DELAY_S)
             message = f"(rank {rank}) {message}"
+        _close_bars()
         print(f"error: {message}", file=sys.stderr)
         return USER_ERROR_EXIT
     finally:
         warnings.formatwarning = before
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
+
+
+def _close_bars() -> None:
+    """Ends the progress bars an exception left open (a bar's line is cleared or finished), so that the
+    error line that follows starts a line of its own (the bars write to stdout, the error to stderr: one
+    terminal)."""
+    for bar in list(tqdm._instances):
+        bar.close()
+    sys.stdout.flush()
+
+
+def _take_sigterm() -> Any:
+    """Has SIGTERM raise :class:`~vit3.errors.Terminated` (ended as Ctrl-C ends a run: its last checkpoint
+    named, its folder's lock released) where it has its default action, in the main thread; returns the
+    handler to put back, or ``None`` where nothing changed."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, raise_terminated)
