@@ -45,6 +45,20 @@ def test_base_inheritance_merges_deeply_and_child_keys_are_valid(tmp_path):
     assert cfg.model.kwargs.z == 1 and "base" not in cfg
 
 
+def test_a_base_is_beside_the_file_else_one_of_vit3s_configs(tmp_path):
+    """``base: configs/finetune.yaml`` in a user's own file elsewhere reads vit3's (it was looked for beside
+    the file only, and refused as not found); a file beside it of that name comes first."""
+    mine = _write(tmp_path / "my.yaml", {"base": "configs/finetune.yaml", "train": {"epochs": 7}})
+    cfg = load_config(mine)
+    assert cfg.train.epochs == 7 and cfg.train.lr_batch_rule == "sqrt"  # finetune.yaml's
+    (tmp_path / "configs").mkdir()
+    _write(tmp_path / "configs" / "finetune.yaml", {"train": {"lr_batch_rule": "linear"}})
+    assert load_config(mine).train.lr_batch_rule == "linear"
+    gone = _write(tmp_path / "gone.yaml", {"base": "configs/nothing.yaml"})
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "configs" / "nothing.yaml"))):
+        load_config(gone)
+
+
 @pytest.mark.parametrize("where", ["child", "parent"])
 def test_a_key_no_config_of_vit3_has_is_refused_naming_the_file(tmp_path, where):
     """A file's key that no config of vit3 has (``train.lr`` for ``train.base_lr``) would be kept and never

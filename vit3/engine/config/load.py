@@ -272,8 +272,10 @@ def _read_yaml_tree(
     if isinstance(bases, str):
         bases = [bases]
     merged: dict[str, Any] = {}
-    for base in bases:
-        merged = _deep_merge(merged, _read_yaml_tree(path.parent / base, (*stack, path), origin))
+    for base in bases:  # beside this file, else vit3's own configs/<file>
+        where = path.parent / base
+        where = where if where.exists() else _shipped_copy(Path(base)) or where
+        merged = _deep_merge(merged, _read_yaml_tree(where, (*stack, path), origin))
     if origin is not None:
         origin.update(dict.fromkeys(_leaf_keys(data), None if _shipped(path) else path))
     return _deep_merge(merged, data)
@@ -422,10 +424,15 @@ def resolve_config_path(path: str | Path) -> Path:
     ``CONFIG_DIR / "dense/demo_detection.yaml"``. A path found nowhere is returned unchanged (loading it
     raises :class:`ConfigError` naming it)."""
     path = Path(path)
-    if path.exists() or path.is_absolute() or not path.parts or path.parts[0] != "configs":
-        return path
+    return path if path.exists() else _shipped_copy(path) or path
+
+
+def _shipped_copy(path: Path) -> Path | None:
+    """vit3's installed copy of a relative ``configs/<file>`` path, where there is one."""
+    if path.is_absolute() or not path.parts or path.parts[0] != "configs":
+        return None
     installed = CONFIG_DIR.joinpath(*path.parts[1:])
-    return installed if installed.is_file() else path
+    return installed if installed.is_file() else None
 
 
 def config_from_dict(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> Config:
