@@ -99,6 +99,15 @@ def test_bad_image_folders_are_named(tmp_path):
         export_features(model, tmp_path / "dup", tmp_path / "out")
 
 
+def test_a_feature_keeps_its_name_whichever_out_indices_chose_it():
+    """Names come from the model's feature index (the last stage was ``feat0_s32`` under
+    ``--out-indices 3`` and ``feat3_s32`` by default: code keyed by name broke)."""
+    every = FeatureExtractor("test_h_vit3").names
+    assert every == ["feat0_s4", "feat1_s8", "feat2_s16", "feat3_s32"]
+    for indices, want in (((3,), ["feat3_s32"]), ((-1,), ["feat3_s32"]), ((1, 3), ["feat1_s8", "feat3_s32"])):
+        assert FeatureExtractor("test_h_vit3", out_indices=indices).names == want, indices
+
+
 def test_export_script_features_command(image_dir, tmp_path):
     from helpers.train import load_script
 

@@ -106,7 +106,8 @@ class FeatureExtractor(nn.Module):
             "std", torch.tensor(self.preprocessing["std"]).view(1, c, 1, 1), persistent=False
         )
         info = self.backbone.body.feature_info
-        self.names = [f"feat{i}_s{s}" for i, s in enumerate(info.reduction())]
+        # by the model's feature index: a map keeps its name whichever out_indices were asked
+        self.names = [f"feat{i}_s{s}" for i, s in zip(info.out_indices, info.reduction())]
         self.eval()
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
