@@ -257,7 +257,8 @@ def _fake_checkpoint(folder: Path, task: str) -> Path:
         "segmentation": CONFIG_DIR / "dense" / "demo_segmentation.yaml",
         "generation": CONFIG_DIR / "generation" / "demo_mnist.yaml",
     }
-    cfg = load_config(configs[task], [f"output={folder}"]).to_dict()
+    data = [f"data.path={folder}"] if task == "segmentation" else []  # an evaluation reads the digits there
+    cfg = load_config(configs[task], [f"output={folder}", *data]).to_dict()
     return save_checkpoint(folder / "last.pt", {"task": task, "config": cfg, "global_step": 1})
 
 
@@ -278,7 +279,8 @@ def test_an_eval_report_never_replaces_a_runs_own_files(task, name, tmp_path, ca
     assert line.endswith(
         f"{name} is one of a training run's own files, which a report must not replace: give the report "
         "another "
-        f"name (without --json it goes beside the checkpoint as <name>.eval.json)"
+        "name (without --json it goes beside the checkpoint as <name>.eval.json, <name>.<folder>.eval.json "
+        "for another data folder)"
     )
     assert _digests(tmp_path) == before
 
@@ -503,7 +505,8 @@ def test_an_eval_report_never_replaces_a_json_file_of_the_users(
     assert load_script("eval").main(args) == 2
     assert one_error_line(capsys, last=True).endswith(
         f"{theirs} exists and is no vit3 evaluation report, which this report would replace: give the report "
-        f"another name (without --json it goes beside the checkpoint as <name>.eval.json)"
+        "another name (without --json it goes beside the checkpoint as <name>.eval.json, "
+        "<name>.<folder>.eval.json for another data folder)"
     )
     assert theirs.read_bytes() == before
 

@@ -71,6 +71,21 @@ def test_eval_on_another_folder_with_fewer_classes(trained, tmp_path):
     assert code == 0 and json.loads((tmp_path / "o.json").read_text())["results"][0]["images"] == 10
 
 
+def test_a_report_on_another_folder_keeps_the_first(trained, tmp_path):
+    """Without --json a report goes beside the checkpoint: on the run's own data as ``last.eval.json``, on
+    another folder as ``last.<folder>.eval.json`` (it replaced the first); each report names its data."""
+    data, out, _ = trained
+    other = make_digit_folder(tmp_path / "other", digits=(0, 1), n_train=1, n_val=5)
+    evaluate = load_script("eval")
+    args = ["--checkpoint", str(out / "last.pt"), "eval.flops=false", "eval.throughput_batches=1"]
+    assert evaluate.main(args) == 0
+    assert evaluate.main([*args, "--data", str(other)]) == 0
+    own, theirs = out / "last.eval.json", out / "last.other.eval.json"
+    assert json.loads(own.read_text())["data"]["path"] == str(data)
+    assert json.loads(theirs.read_text())["data"]["path"] == str(other)
+    assert json.loads(own.read_text())["results"][0]["images"] == 60
+
+
 def test_eval_rejects_a_checkpoint_of_another_model(trained, tmp_path, capsys):
     _, out, _ = trained
     ckpt = read_ckpt(out / "last.pt")

@@ -69,6 +69,21 @@ def _flops(model: nn.Module, x: torch.Tensor) -> float | None:
         return float(analysis.total())
 
 
+def report_path(path: str, ckpt: dict[str, Any] | None, cfg: Config) -> Path:
+    """Where an evaluation of checkpoint ``path`` (``ckpt``: its contents, ``None`` for an official file)
+    writes its report without ``eval.json``: ``<checkpoint>.eval.json`` on the data it was trained on,
+    ``<checkpoint>.<folder>.eval.json`` on another folder (which overwrote the first)."""
+    own = ((ckpt or {}).get("config") or {}).get("data") or {}
+    here = str(cfg.data.path or "")
+    same = own.get("dataset") == cfg.data.dataset and _same_folder(str(own.get("path") or ""), here)
+    other = ckpt is not None and not same and here
+    return Path(path).with_suffix(f".{Path(here).name}.eval.json" if other else ".eval.json")
+
+
+def _same_folder(a: str, b: str) -> bool:
+    return a == b or (bool(a) and bool(b) and Path(a).resolve() == Path(b).resolve())
+
+
 def evaluate(cfg: Config) -> dict[str, Any]:
     """Evaluates ``cfg.eval.checkpoint`` on the val split at each of ``cfg.eval.img_sizes``.
 
@@ -165,6 +180,7 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         )
     report = {
         "checkpoint": path,
+        "data": {"dataset": cfg.data.dataset, "path": str(cfg.data.path or "")},
         "model": name,
         "weights": "ema" if cfg.eval.use_ema else "model",
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
@@ -172,7 +188,7 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         "amp": str(amp),
         "results": results,
     }
-    out = Path(cfg.eval.json) if cfg.eval.json else Path(path).with_suffix(".eval.json")
+    out = Path(cfg.eval.json) if cfg.eval.json else report_path(path, ckpt, cfg)
     if info.is_main:
         write_text(out, json.dumps(report, indent=1), "report")
         log(info, f"{name} ({report['weights']} weights, {report['params_m']:.2f}M params) on {info.device}")

@@ -90,7 +90,8 @@ def report_file(value: Any, cfg: Any) -> str | None:
     if value:
         path = Path(str(value))
         rename = (
-            "give the report another name (without --json it goes beside the checkpoint as <name>.eval.json)"
+            "give the report another name (without --json it goes beside the checkpoint as <name>.eval.json, "
+            "<name>.<folder>.eval.json for another data folder)"
         )
         if path.name in RUN_FILES and path.suffix == ".json":
             return (
