@@ -187,7 +187,9 @@ def test_the_one_op_block_is_once_differentiable():
     ("model", "expected"),
     [
         pytest.param("test_vit3_ttt", "blocks.0 ... blocks.2 (3 blocks): one C++ op each", id="vit3"),
-        pytest.param("test_h_vit3", "layer by layer: the feed-forward is not the lean MLP", id="h-vit3"),
+        pytest.param(
+            "test_h_vit3", "layer by layer: the feed-forward is ConvFFN, not the lean MLP", id="h-vit3"
+        ),
     ],
 )
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
@@ -196,6 +198,17 @@ def test_explain_says_whether_the_blocks_run_as_one_op(model, expected, grad):
     assert expected in str(report), str(report)
     (entry,) = report.blocks_to_dict()
     assert entry["one_op"] == (model == "test_vit3_ttt")
+
+
+def test_explain_names_the_reason_a_block_is_no_cpp_op():
+    """bf16, under autocast or as the model's dtype: the blocks' reason names the dtype rule they meet (it
+    cited a function's name)."""
+    model = timm.create_model("test_vit3_ttt")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = str(vit3.explain(model, 128))
+    for report in (under_autocast, str(vit3.explain(model.to(torch.bfloat16), 128))):
+        assert "layer by layer: torch.bfloat16 tensors: the C++ kernel takes float32 and float64" in report
+        assert "cpu_block_kernel" not in report
 
 
 @pytest.mark.parametrize(("recompute", "expected"), [("never", "one C++ op each"), ("qkv", "layer by layer: "

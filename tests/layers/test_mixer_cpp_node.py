@@ -461,3 +461,21 @@ def test_traced_calls_of_a_settled_mixer_hold_no_cpp_op(tracer):
             graph, got = str(program.graph), program.module()(qkv)
     assert "vit3_cpu" not in graph and "vit3.mix" not in graph  # the portable path, not the mixer op
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+def test_a_model_cast_to_bf16_after_calls_under_autocast_still_runs():
+    """Calls under bf16 autocast make routes for bf16 qkv, which reach the C++ kernel through a cast to
+    float32. Cast to bf16 afterwards (weights in qkv's dtype), the model's settled calls took the whole-mixer
+    C++ op with bf16 qkv, which refuses it (a RuntimeError): that op takes float32 and float64 only."""
+    torch.manual_seed(0)
+    mixer, x = TTTMixer(32, 2).eval(), torch.randn(2, 64, 32)
+    fresh = copy.deepcopy(mixer).to(torch.bfloat16)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for _ in range(3):  # settled
+                mixer(x, (8, 8))
+        mixer.to(torch.bfloat16)
+        got = [mixer(x.bfloat16(), (8, 8)) for _ in range(2)]
+        want = fresh(x.bfloat16(), (8, 8))
+    assert all(torch.equal(g, want) for g in got)
+    assert not mixer.explain(x.bfloat16(), (8, 8)).cpp_op

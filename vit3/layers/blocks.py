@@ -468,9 +468,13 @@ class TTTBlock(nn.Module):
         if attn.scriptable:
             return None, f"built scriptable: the plain layers serve ({backends.SCRIPTABLE_PATH})"
         backend = attn.cfg.backend
-        if not backends.cpu_block_kernel(x, backend):
-            return None, "not a C++ kernel call (backends.cpu_block_kernel: CPU float32/float64, backend)"
-        not_lean_mlp = "the feed-forward is not the lean MLP (fc1, GELU, fc2 without dropout in force)"
+        why = backends.cpu_block_reason(x, backend)
+        if why:
+            return None, why
+        not_lean_mlp = (
+            f"the feed-forward is {type(mlp).__name__}, not the lean MLP the op computes (fc1, GELU, fc2 "
+            "without dropout in force)"
+        )
         if type(mlp) is not LeanMlp:
             return None, not_lean_mlp
         fc1, act, fc2 = mlp._modules["fc1"], mlp._modules["act"], mlp._modules["fc2"]

@@ -49,12 +49,14 @@ class NonFiniteError(ValueError):
 CPP_NODE = True
 
 
-def _takes_cpp_op(route: backends.Route, mix_spec: MixSpec | None) -> bool:
-    """Whether an untraced call on ``route`` (its fused node's ``mix_spec``, ``None`` where not fused) runs,
-    once settled, as the whole-mixer C++ op ``torch.ops.vit3_cpu.mix``: every branch on ``cpu`` and in the op
-    (``Node.mix``), ``CPP_NODE`` on (the call adds: no gates, the weights in qkv's dtype)."""
+def _takes_cpp_op(route: backends.Route, mix_spec: MixSpec | None, dtype: torch.dtype) -> bool:
+    """Whether an untraced call on ``route`` (its fused node's ``mix_spec``, ``None`` where not fused) with
+    ``dtype`` qkv runs, once settled, as the whole-mixer C++ op ``torch.ops.vit3_cpu.mix``: every branch on
+    ``cpu`` and in the op (``Node.mix``), qkv in a dtype the op computes in (float32, float64: a 16-bit qkv
+    is cast first, off the op), ``CPP_NODE`` on (the call adds: no gates, the weights in qkv's dtype)."""
     return (
         CPP_NODE
+        and (dtype is torch.float32 or dtype is torch.float64)
         and mix_spec is not None
         and all(b == "cpu" for b in route.backends)
         and all(OPS[br.op].paths["cpu"].node.mix is not None for br in mix_spec.branches)
@@ -197,7 +199,7 @@ class TTTMixer(nn.Module):
                 c.recompute,
             )
             mix_spec = self.mix_spec(route, grid) if route.fused else None
-            cpp = cpp_args(mix_spec, qkv) if not kind and _takes_cpp_op(route, mix_spec) else None
+            cpp = cpp_args(mix_spec, qkv) if not kind and _takes_cpp_op(route, mix_spec, qkv.dtype) else None
             found = Call(route, mix_spec, cpp)
             if not kind:  # traced grids and sizes may be symbolic: not kept
                 calls = self._calls
@@ -521,7 +523,7 @@ class TTTMixer(nn.Module):
         mix_spec = self.mix_spec(route, grid) if route.fused else None
         return all(
             p.dtype is dtype for m in self.inner for p in m.initial_params().values()
-        ) and _takes_cpp_op(route, mix_spec)
+        ) and _takes_cpp_op(route, mix_spec, dtype)
 
     def mix_spec(self, route: backends.Route, grid: tuple[int, int]) -> MixSpec:
         """The fused node's ``MixSpec`` for ``route`` on ``grid``."""

@@ -77,7 +77,11 @@ class MixerExplanation:
             "  "
             + ("one fused node runs every branch" if self.fused else "the generic inner loop, every branch")
             + (f", as one {self._whole()} (compiled: the graph's one op vit3::mix)" if self.program else "")
-            + (", as one C++ op (vit3_cpu::mix) once settled" if self.cpp_op else ""),
+            + (
+                ", as one C++ op (vit3_cpu::mix) once settled (after its first calls, run guarded)"
+                if self.cpp_op
+                else ""
+            ),
         ]
         if self.recompute:
             lines.append(f"  SwiGLU backward: {self.recompute}")
@@ -204,7 +208,11 @@ class ModelExplanation:
             return "no TTT mixers ran"
         parts = [f"{_names(names, 'mixers')}:\n{expl}" for names, expl in self.groups]
         for names, why in self.blocks:
-            how = "layer by layer: " + why if why else "one C++ op each (vit3_cpu::ttt_block) once settled"
+            how = (
+                "layer by layer: " + why
+                if why
+                else "one C++ op each (vit3_cpu::ttt_block) once settled (after the mixer's first calls)"
+            )
             parts.append(f"{_names(names, 'blocks')}: {how}")
         return "\n\n".join(parts)
 

@@ -401,19 +401,31 @@ def cpu_block_kernel(x: Tensor, backend: str = "auto") -> bool:
     C++ CPU kernel: CPU float32/float64 tensors, no autocast, not tracing (FX, jit, ONNX, compile), the
     backend asked for ``auto`` or ``cpu`` (``backend``, the block's ``TTTConfig.backend``, which wins over
     ``$VIT3_TTT_BACKEND`` as for the mixer), and the kernel built (else the PyTorch path serves, as a failed
-    build warns through the mixer's backends)."""
-    if (
-        not isinstance(x, Tensor)  # an FX proxy: traced code takes the plain path
-        or tracing_kind()  # before a size a tracer would record: one graph whatever the grad mode
-        or x.device.type != "cpu"
-        or x.dtype not in (torch.float32, torch.float64)
-        or not x.numel()  # an empty batch: PyTorch's ops take it
-        or torch.is_autocast_enabled("cpu")
-    ):
-        return False
-    if requested_backend(backend)[0] not in ("auto", "cpu"):
-        return False
-    return cpu_ext.load()[0] is not None
+    build warns through the mixer's backends). :func:`cpu_block_reason` says why not."""
+    return not cpu_block_reason(x, backend)
+
+
+def cpu_block_reason(x: Tensor, backend: str = "auto") -> str:
+    """Why a block's op outside the mixer does not run on the C++ CPU kernel for ``x``; ``""``: it does
+    (:func:`cpu_block_kernel`'s rule)."""
+    if not isinstance(x, Tensor):  # an FX proxy: traced code takes the plain path
+        return "traced: the layers' own paths serve"
+    if tracing_kind():  # before a size a tracer would record: one graph whatever the grad mode
+        return "traced or compiled: the layers' own paths serve"
+    if x.device.type != "cpu":
+        return f"{x.device.type} tensors: the C++ kernel runs on CPUs"
+    if x.dtype not in (torch.float32, torch.float64):
+        return f"{x.dtype} tensors: the C++ kernel takes float32 and float64"
+    if not x.numel():
+        return "an empty batch: PyTorch's layers take it"
+    if torch.is_autocast_enabled("cpu"):
+        return "autocast: the C++ kernel takes float32 and float64 as they are"
+    asked, who = requested_backend(backend)
+    if asked not in ("auto", "cpu"):
+        return f"{who}: the C++ kernel serves backend auto or cpu"
+    if cpu_ext.load()[0] is None:
+        return "the C++ kernel is not built"
+    return ""
 
 
 def conv_pos_kernel(x: Tensor, weight: Tensor, backend: str = "auto") -> bool:
