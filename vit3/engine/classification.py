@@ -289,8 +289,9 @@ def assemble_run(
         _Progress(),
     )  # fmt: skip
     images = f"{len(data['train'])} train / {len(data['val'])} val images"
-    classes_mesa = f"{num_classes} classes, mesa {cfg.train.mesa}"
-    log_setup(info, cfg, model, opt, ema, cfg.model.name, classes_mesa, images)
+    mesa = float(cfg.train.mesa or 0.0)  # the official recipe's self-distillation from the EMA (train.mesa)
+    about = f"{num_classes} classes" + (f", MESA self-distillation x{mesa:g}" if mesa else "")
+    log_setup(info, cfg, model, opt, ema, cfg.model.name, about, images)
     open_run(folder, cfg, info, ckpt, resume, lambda: _restore(run, ckpt, resume))
     return run
 
