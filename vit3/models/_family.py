@@ -16,6 +16,7 @@ import inspect
 import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from vit3.errors import ConfigError
 from vit3.layers import TTTConfig
 from vit3.layers.blocks import TTTBlock
 
-from ._pretrained import apply_checkpoint_record, create_model_with_official_weights
+from ._pretrained import apply_checkpoint_record, create_model_with_official_weights, rename_official_keys
 
 __all__ = [
     "OFFICIAL_WEIGHTS",
@@ -327,8 +328,9 @@ class LayerStackMixin:
 
 class FamilyBackbone(ClassifierHeadMixin, LayerStackMixin, nn.Module):
     """The construction both ViT³ families share around their own layers: ``__init__`` checks timm's kwargs
-    and sets the head's settings and the mixer config ``self.ttt_cfg``; :meth:`_add_head`, called after every
-    other module, adds the classifier and applies the official init.
+    and sets the head's settings and the mixer config ``self.ttt_cfg``; :meth:`_finish`, called after every
+    other module, adds the classifier, applies the official init and has ``load_state_dict`` take official
+    names.
 
     Args:
         timm_kwargs: the model's other kwargs, checked against ``fixed`` (:func:`check_timm_kwargs`).
@@ -366,12 +368,22 @@ class FamilyBackbone(ClassifierHeadMixin, LayerStackMixin, nn.Module):
             self.ttt_cfg.check_finite
         )  # what the image check reads (a value TorchScript reads)
 
-    def _add_head(self, drop_rate: float) -> None:
+    def _finish(
+        self,
+        drop_rate: float,
+        official_to_ours: Callable[[dict[str, Tensor]], dict[str, Tensor]],
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
         """The classifier (dropout ``drop_rate``, then Linear) after every other module, then the official
-        init (which draws in module order, as the official code's)."""
+        init (which draws in module order, as the official code's); official names renamed as any state dict
+        loads (``official_to_ours``: the family's); the model on ``device`` in ``dtype`` where given."""
         self.head_drop = nn.Dropout(drop_rate)
         self.reset_classifier(self.num_classes)
         self.apply(init_weights)
+        self.register_load_state_dict_pre_hook(partial(rename_official_keys, convert=official_to_ours))
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
 
 
 def family_cfg(url: str = "", **kwargs: Any) -> dict[str, Any]:

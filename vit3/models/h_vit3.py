@@ -14,7 +14,6 @@ What differs from the official code, and why: ``docs/design/models.md``.
 # code TorchScript compiles (timm's FX + TorchScript path), where a string annotation names no type.
 import re
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from vit3.layers.blocks import ConvFFN
 from vit3.layers.embed import ConvDownsample, ConvStem, check_image
 
 from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
-from ._pretrained import check_state_dict, rename_official_keys, select_weights
+from ._pretrained import check_state_dict, select_weights
 
 __all__ = ["TIMM_FIXED", "HViT3", "HViT3Stage", "checkpoint_filter_fn", "official_to_ours"]
 
@@ -176,10 +175,7 @@ class HViT3(FamilyBackbone):
             dict(module=f"stages.{i}", num_chs=dims[i], reduction=4 * 2**i) for i in range(len(dims))
         ]
         self.norm = nn.BatchNorm2d(dims[-1])  # official BatchNorm1d over tokens: same statistics and keys
-        self._add_head(drop_rate)
-        self.register_load_state_dict_pre_hook(partial(rename_official_keys, convert=official_to_ours))
-        if device is not None or dtype is not None:
-            self.to(device=device, dtype=dtype)
+        self._finish(drop_rate, official_to_ours, device, dtype)
 
     # --- timm model API -------------------------------------------------------------------------------
 

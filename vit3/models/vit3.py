@@ -25,7 +25,7 @@ from vit3.layers import TTTConfig, mixer_key_from_official
 from vit3.layers.embed import check_image, check_image_size
 
 from ._family import FamilyBackbone, create_family_model, register_family, stochastic_depth_rates, ttt_blocks
-from ._pretrained import check_state_dict, rename_official_keys, select_weights
+from ._pretrained import check_state_dict, select_weights
 
 __all__ = ["TIMM_VIT_FIXED", "ViT3", "checkpoint_filter_fn", "official_to_ours"]
 
@@ -152,10 +152,7 @@ class ViT3(FamilyBackbone):
             dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=reduction) for i in range(depth)
         ]
         self.norm = norm_layer(embed_dim) if final_norm else nn.Identity()
-        self._add_head(drop_rate)
-        self.register_load_state_dict_pre_hook(partial(rename_official_keys, convert=official_to_ours))
-        if device is not None or dtype is not None:
-            self.to(device=device, dtype=dtype)
+        self._finish(drop_rate, official_to_ours, device, dtype)
 
     # --- timm model API -------------------------------------------------------------------------------
 
