@@ -156,7 +156,9 @@ def interrupts_deferred() -> Iterator[None]:
         yield  # no signal here, or a handler set outside Python, which could not be put back
         return
     held: list[int] = []
-    signals = [signal.SIGINT] + [signal.SIGTERM] * (signal.getsignal(signal.SIGTERM) is raise_terminated)
+    signals = [signal.SIGINT]
+    if signal.getsignal(signal.SIGTERM) is raise_terminated:  # run_cli's: SIGTERM taken as Ctrl-C
+        signals.append(signal.SIGTERM)
     before = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in signals}
     try:
         yield

@@ -80,8 +80,10 @@ def _read_env() -> _Env:
 
 
 # ``$VIT3_TTT_STRICT``'s values (unset: off).
-STRICT_VALUES = {"": False, "0": False, "false": False, "no": False, "off": False}
-STRICT_VALUES |= {"1": True, "true": True, "yes": True, "on": True}
+STRICT_VALUES = {
+    **dict.fromkeys(("", "0", "false", "no", "off"), False),
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+}
 
 
 def refresh_env() -> None:
@@ -410,12 +412,12 @@ def cpu_block_reason(x: Tensor, backend: str = "auto") -> str:
     (:func:`cpu_block_kernel`'s rule)."""
     if not isinstance(x, Tensor):  # an FX proxy: traced code takes the plain path
         return "traced: the layers' own paths serve"
-    if tracing_kind():  # before a size a tracer would record: one graph whatever the grad mode
-        return "traced or compiled: the layers' own paths serve"
-    if x.device.type != "cpu":
+    if x.device.type != "cpu":  # before tracing_kind: a GPU host's every block call asks
         return f"{x.device.type} tensors: the C++ kernel runs on CPUs"
     if x.dtype not in (torch.float32, torch.float64):
         return f"{x.dtype} tensors: the C++ kernel takes float32 and float64"
+    if tracing_kind():  # before a size a tracer would record: one graph whatever the grad mode
+        return "traced or compiled: the layers' own paths serve"
     if not x.numel():
         return "an empty batch: PyTorch's layers take it"
     if torch.is_autocast_enabled("cpu"):
