@@ -1,9 +1,10 @@
 """The README and the docs/ pages link only to what exists: every relative link names an existing file, and
-a ``#heading`` in it names a heading of that Markdown file (GitHub's anchors); the pages' lists of inner
-models and activations are the registry's, and the inner-model example of docs/layout.md works."""
+a ``#heading`` in it names a heading of that Markdown file (GitHub's anchors); the pages' parts written by
+docs/generate.py are current, their activations are the code's, and layout.md's inner-model example works."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import unicodedata
 from pathlib import Path
@@ -88,16 +89,35 @@ def test_the_check_finds_a_broken_file_link_and_a_broken_heading(tmp_path):
     assert pages(tmp_path) == [readme, tmp_path / "docs" / "a.md"]
 
 
-def test_the_mixer_page_names_every_registered_inner_model_and_those_with_biases():
-    from vit3.layers.config import BIAS_MODELS, INNER_MODELS
+def generator():
+    """``docs/generate.py``, the script that writes the docs' generated parts, imported from its file."""
+    spec = importlib.util.spec_from_file_location("docs_generate", REPO / "docs" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    rows = {line.split("|")[1].strip(): line for line in (REPO / "docs" / "mixer.md").read_text().splitlines()
-            if line.startswith("| `")}  # fmt: skip
-    named = set(re.findall(r"`(\w+)`", rows["`branches`"].split("|")[3]))
-    missing = sorted(set(INNER_MODELS) - named)
-    assert not missing, f"docs/mixer.md: name {missing} in the `branches` row, as `` `tanh` (tanh(FC)), ``"
-    biased = set(re.findall(r"`(\w+)`", rows["`inner_norm`, `inner_bias`"].split("FC layers of")[1]))
-    assert biased == set(BIAS_MODELS), f"docs/mixer.md's `inner_bias` row must name {sorted(BIAS_MODELS)}"
+
+def test_the_generated_parts_of_the_docs_are_current():
+    stale = generator().stale_pages()
+    assert not stale, f"{[str(p) for p in stale]}: not the registry's; run `python docs/generate.py`"
+
+
+def test_the_inner_model_table_follows_the_registry(registry, tmp_path):
+    """A model registered after the page was written makes it stale; the rewrite adds its row, a model
+    without a formula is refused by name, and a formula with a ``|`` at its registration."""
+    from vit3.layers.inner_models import LinearInner, register_inner_model
+
+    gen = generator()
+    (tmp_path / "mixer.md").write_text((REPO / "docs" / "mixer.md").read_text())
+    assert gen.stale_pages(tmp_path) == []
+    register_inner_model("gate", formula="k ⊙ w")(LinearInner)
+    assert gen.stale_pages(tmp_path) == [tmp_path / "mixer.md"]
+    assert "| `gate` | k ⊙ w | yes |  |" in gen.written(tmp_path / "mixer.md").splitlines()
+    register_inner_model("bare")(LinearInner)
+    with pytest.raises(ValueError, match="inner model 'bare' has no formula"):
+        gen.inner_model_table()
+    with pytest.raises(ValueError, match="its formula is a table cell"):
+        register_inner_model("absolute", formula="|k W|")
 
 
 def test_the_mixer_page_names_every_activation_of_the_inner_models():
@@ -125,11 +145,11 @@ def test_the_inner_model_example_of_the_checklist_is_a_working_model(registry):
     text = (REPO / "docs" / "layout.md").read_text()
     section = text.split("## Adding an inner model", 1)[1].split("\n## ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
-    inner_models._REGISTRY.pop(re.search(r'register_inner_model\("(\w+)"\)', code)[1], None)
+    inner_models._REGISTRY.pop(re.search(r'register_inner_model\("(\w+)"', code)[1], None)
     before = set(INNER_MODELS)
     exec(code, dict(vars(inner_models)))
     (name,) = set(INNER_MODELS) - before
-    cls = inner_models._REGISTRY[name][0]
+    cls = inner_models._REGISTRY[name].cls
     model = cls(3, 8).double()
     g = torch.Generator().manual_seed(0)
     p = {n: (w.detach().expand(2, *w.shape[1:]) + 0.1 * torch.randn(2, *w.shape[1:], generator=g,

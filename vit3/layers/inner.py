@@ -5,8 +5,8 @@ sample with the model's closed-form gradients and returns its per-sample weights
 them to q (``InnerModel.apply_to``). The shared math the models build on is :mod:`vit3.layers.inner_math`.
 
 Adding an inner model on the generic path (every backend falls back to it) is one class in
-``inner_models.py`` under ``@register_inner_model("name")`` and its name in ``docs/mixer.md``: the checklist
-and a complete example are in ``docs/layout.md`` ("Adding an inner model").
+``inner_models.py`` under ``@register_inner_model("name", formula=...)``, then ``python docs/generate.py``:
+the checklist and a complete example are in ``docs/layout.md`` ("Adding an inner model").
 """
 
 from __future__ import annotations

@@ -4,17 +4,17 @@ An inner model is a tiny network whose weights are trained at test time on the (
 (:func:`vit3.layers.inner.inner_loop`); its learnable *initial* weights are shared by the batch, the
 per-sample weights are used once, on q. Tensors are ``[B, G, n, c]`` tokens; gradients are written out by
 hand (no autograd inside the inner loop) while ordinary autograd flows through them. Each model declares
-itself where it is defined: :func:`register_inner_model` names it, its class attributes (``grid_model``,
-``takes_bias``) and ``from_config`` say the rest; ``vit3.layers.config`` (``INNER_MODELS``, ``GRID_MODELS``,
-``BIAS_MODELS``) and :func:`create_inner_model` read that one registry. The methods are typed so that
-TorchScript compiles them (the reference path of a model built scriptable, ``InnerModel.ttt``). Adding one:
-the checklist of ``docs/layout.md`` ("Adding an inner model").
+itself where it is defined: :func:`register_inner_model` names it and gives its formula, its class
+attributes (``grid_model``, ``takes_bias``) and ``from_config`` say the rest; ``vit3.layers.config``
+(``INNER_MODELS``, ``GRID_MODELS``, ``BIAS_MODELS``), :func:`create_inner_model` and docs/mixer.md's table
+(``docs/generate.py``) read that one registry. The methods are typed for TorchScript (``InnerModel.ttt``).
+Adding one: the checklist of ``docs/layout.md`` ("Adding an inner model").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ __all__ = [
     "DWConvInner",
     "FCChainInner",
     "InnerModel",
+    "InnerModelInfo",
     "LinearInner",
     "MLPInner",
     "Params",
@@ -52,38 +53,65 @@ __all__ = [
     "SwiGLUOutInner",
     "create_inner_model",
     "register_inner_model",
+    "registered_inner_models",
 ]
 
 Params = dict[str, Tensor]
 Cache = dict[str, Tensor]
 
-# name -> (class, the constructor keywords that name fixes), in registration order
-_REGISTRY: dict[str, tuple[type[InnerModel], dict[str, Any]]] = {}
 _Model = TypeVar("_Model", bound="type[InnerModel]")
 
 
-def register_inner_model(name: str, **options: Any) -> Callable[[_Model], _Model]:
+class InnerModelInfo(NamedTuple):
+    """One registered inner model, as :func:`register_inner_model` recorded it.
+
+    Attributes:
+        name: the branch name.
+        cls: its class.
+        options: the constructor keywords the name fixes.
+        formula: ``v_hat`` in words and symbols, for the docs (``""`` where the registration gave none).
+    """
+
+    name: str
+    cls: type[InnerModel]
+    options: dict[str, Any]
+    formula: str
+
+
+_REGISTRY: dict[str, InnerModelInfo] = {}  # in registration order
+
+
+def register_inner_model(name: str, *, formula: str = "", **options: Any) -> Callable[[_Model], _Model]:
     """Class decorator: registers an inner model under ``name``, the name a ``TTTConfig`` branch gives.
 
     Args:
         name: the branch name (``"swiglu"``, ``"dwconv"``, ...).
+        formula: what it computes from ``k``, as docs/mixer.md's table of inner models shows it
+            (``"tanh(k W)"``); no ``|``, which would split the table's row.
         **options: constructor keywords this name fixes (one class may stand under several names, e.g.
             ``"mlp3"`` is ``MLPInner`` with ``layers=3``).
 
     Raises:
         ValueError: ``name`` is registered already, or is not letters, digits and ``_`` (a branch string
-            puts ``:heads`` after it, the tests' ids ``-variant``).
+            puts ``:heads`` after it, the tests' ids ``-variant``); ``formula`` holds a ``|``.
     """
     if not name.isidentifier():
         raise ValueError(f"an inner model's name is letters, digits and '_', got {name!r}")
+    if "|" in formula:
+        raise ValueError(f"inner model {name!r}: its formula is a table cell, no |: {formula!r}")
 
     def register(cls: _Model) -> _Model:
         if name in _REGISTRY:
-            raise ValueError(f"inner model {name!r} is registered already ({_REGISTRY[name][0].__name__})")
-        _REGISTRY[name] = (cls, options)
+            raise ValueError(f"inner model {name!r} is registered already ({_REGISTRY[name].cls.__name__})")
+        _REGISTRY[name] = InnerModelInfo(name, cls, options, formula)
         return cls
 
     return register
+
+
+def registered_inner_models() -> tuple[InnerModelInfo, ...]:
+    """Every registered inner model, in registration order."""
+    return tuple(_REGISTRY.values())
 
 
 class RegisteredNames(Sequence[str]):
@@ -94,7 +122,7 @@ class RegisteredNames(Sequence[str]):
         self._keep = keep
 
     def _names(self) -> tuple[str, ...]:
-        return tuple(name for name, (cls, _) in _REGISTRY.items() if self._keep(cls))
+        return tuple(name for name, info in _REGISTRY.items() if self._keep(info.cls))
 
     def __getitem__(self, index: int | slice) -> str | tuple[str, ...]:
         return self._names()[index]
@@ -436,7 +464,7 @@ class FCChainInner(InnerModel):
         return out
 
 
-@register_inner_model("linear")
+@register_inner_model("linear", formula="k W")
 class LinearInner(FCChainInner):
     """One FC layer ``v_hat = k W (+ b)``; with the dot loss one step is non-causal linear attention."""
 
@@ -444,7 +472,7 @@ class LinearInner(FCChainInner):
         super().__init__(heads, head_dim, [head_dim, head_dim], [None], bias=bias)
 
 
-@register_inner_model("silu")
+@register_inner_model("silu", formula="SiLU(k W)")
 class SiLUInner(FCChainInner):
     """``v_hat = SiLU(k W (+ b))`` (the paper's SiLU(FC))."""
 
@@ -452,8 +480,8 @@ class SiLUInner(FCChainInner):
         super().__init__(heads, head_dim, [head_dim, head_dim], ["silu"], bias=bias)
 
 
-@register_inner_model("mlp3", layers=3)
-@register_inner_model("mlp", layers=2)  # applied first: "mlp" is registered before "mlp3"
+@register_inner_model("mlp3", formula="act(act(k W1) W2) W3", layers=3)
+@register_inner_model("mlp", formula="act(k W1) W2", layers=2)  # applied first: registered before "mlp3"
 class MLPInner(FCChainInner):
     """MLP with ``layers - 1`` hidden layers of ``ratio * head_dim``: ``act(k W1) W2`` (``layers=2``, the
     paper's 2-layer MLP), ``act(act(k W1) W2) W3`` (``layers=3``), and the paper's residual variants.
@@ -507,7 +535,7 @@ def _swiglu_grads(x: Tensor, dh: Tensor, cache: Cache) -> tuple[Tensor, Tensor]:
     return g1, g2
 
 
-@register_inner_model("swiglu")
+@register_inner_model("swiglu", formula="(k W1) ⊙ SiLU(k W2), the official model")
 class SwiGLUInner(InnerModel):
     """The official ViT³ inner model ``v_hat = (k W1) ⊙ SiLU(k W2)`` (SwiGLU, identity output layer)."""
 
@@ -534,7 +562,7 @@ class SwiGLUInner(InnerModel):
         return _swiglu_forward(q, p["w1"], p["w2"], None)
 
 
-@register_inner_model("swiglu_out")
+@register_inner_model("swiglu_out", formula="((k W1) ⊙ SiLU(k W2)) W3")
 class SwiGLUOutInner(InnerModel):
     """SwiGLU with its output layer, ``v_hat = ((k W1) ⊙ SiLU(k W2)) W3`` (the paper's "SwiGLU" row).
 
@@ -579,7 +607,7 @@ class SwiGLUOutInner(InnerModel):
         return _swiglu_forward(q, p["w1"], p["w2"], None) @ p["w3"]
 
 
-@register_inner_model("conv")
+@register_inner_model("conv", formula="conv3x3(k), dense over the grid: all channels of a head")
 class ConvInner(InnerModel):
     """A dense 3x3 convolution over the grid (zero padding) from all ``c`` channels of a head to all ``c``.
 
@@ -620,7 +648,7 @@ class ConvInner(InnerModel):
         return self.patches_t(q, grid).transpose(-2, -1) @ p["weight"]
 
 
-@register_inner_model("dwconv")
+@register_inner_model("dwconv", formula="dwconv3x3(k), depthwise over the grid")
 class DWConvInner(InnerModel):
     """A 3x3 depthwise convolution over the grid (zero padding), one kernel per channel.
 
@@ -741,6 +769,6 @@ def create_inner_model(name: str, heads: int, head_dim: int, cfg: Any) -> InnerM
     """
     if name not in _REGISTRY:
         raise ValueError(f"unknown inner model {name!r}; choose from {tuple(_REGISTRY)}")
-    cls, options = _REGISTRY[name]
-    model = cls.from_config(heads, head_dim, cfg, **options)
+    info = _REGISTRY[name]
+    model = info.cls.from_config(heads, head_dim, cfg, **info.options)
     return ResidualNormInner(model) if cfg.branch_norm(name) else model
