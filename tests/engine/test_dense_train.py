@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -141,6 +142,12 @@ def test_upernet_on_a_plain_backbone_trains_and_evaluates_miou(ade_root, tmp_pat
     assert set(metrics["per_class_IoU"]) == {"background", "three", "seven"}
     ious = list(metrics["per_class_IoU"].values())
     assert metrics["mIoU"] == pytest.approx(np.nanmean(ious)) and 0.0 <= metrics["aAcc"] <= 1.0
+    # without --json: beside the checkpoint, and a report on another folder keeps the one on the run's own
+    other = shutil.copytree(ade_root, tmp_path / "other")
+    assert load_script("eval").main(args[:2]) == 0
+    assert load_script("eval").main([*args[:2], f"data.path={other}"]) == 0
+    own, theirs = (json.loads((tmp_path / "run" / f"best{s}.eval.json").read_text()) for s in ("", ".other"))
+    assert own["settings"]["data.path"] == str(ade_root) and theirs["settings"]["data.path"] == str(other)
 
 
 def test_segmentation_loss_falls_in_a_few_steps(ade_root, tmp_path):

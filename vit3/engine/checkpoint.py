@@ -47,6 +47,7 @@ __all__ = [
     "classifier_prefixes",
     "config_for_checkpoint",
     "config_for_resume",
+    "eval_report_path",
     "get_rng_state",
     "last_saved",
     "load_model_weights",
@@ -378,3 +379,18 @@ def load_model_weights(
         )
     model.load_state_dict({**model_sd, **state})
     return fresh
+
+
+def eval_report_path(path: str, ckpt: dict[str, Any] | None, cfg: Config) -> Path:
+    """Where an evaluation of checkpoint ``path`` (``ckpt``: its contents, ``None`` for an official file)
+    writes its report without ``eval.json``: ``<checkpoint>.eval.json`` on the data it was trained on,
+    ``<checkpoint>.<folder>.eval.json`` on another folder (so that it keeps the first)."""
+    own = ((ckpt or {}).get("config") or {}).get("data") or {}
+    here = str(cfg.data.path or "")
+    same = own.get("dataset") == cfg.data.dataset and _same_folder(str(own.get("path") or ""), here)
+    other = ckpt is not None and not same and here
+    return Path(path).with_suffix(f".{Path(here).name}.eval.json" if other else ".eval.json")
+
+
+def _same_folder(a: str, b: str) -> bool:
+    return a == b or (bool(a) and bool(b) and Path(a).resolve() == Path(b).resolve())

@@ -19,7 +19,7 @@ from ..errors import DataError
 from ..kernels.flops import fvcore_handles
 from ..models.record import model_record, peek_vit3_checkpoint
 from ..outputs import write_text
-from .checkpoint import apply_model_record, load_model_weights
+from .checkpoint import apply_model_record, eval_report_path, load_model_weights
 from .classification_model import (
     build_model,
     data_stats,
@@ -67,21 +67,6 @@ def _flops(model: nn.Module, x: torch.Tensor) -> float | None:
         analysis = FlopCountAnalysis(model, x[:1]).set_op_handle(**fvcore_handles())
         analysis.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
         return float(analysis.total())
-
-
-def report_path(path: str, ckpt: dict[str, Any] | None, cfg: Config) -> Path:
-    """Where an evaluation of checkpoint ``path`` (``ckpt``: its contents, ``None`` for an official file)
-    writes its report without ``eval.json``: ``<checkpoint>.eval.json`` on the data it was trained on,
-    ``<checkpoint>.<folder>.eval.json`` on another folder (which overwrote the first)."""
-    own = ((ckpt or {}).get("config") or {}).get("data") or {}
-    here = str(cfg.data.path or "")
-    same = own.get("dataset") == cfg.data.dataset and _same_folder(str(own.get("path") or ""), here)
-    other = ckpt is not None and not same and here
-    return Path(path).with_suffix(f".{Path(here).name}.eval.json" if other else ".eval.json")
-
-
-def _same_folder(a: str, b: str) -> bool:
-    return a == b or (bool(a) and bool(b) and Path(a).resolve() == Path(b).resolve())
 
 
 def evaluate(cfg: Config) -> dict[str, Any]:
@@ -188,7 +173,7 @@ def _evaluate(cfg: Config, info: DistInfo) -> dict[str, Any]:
         "amp": str(amp),
         "results": results,
     }
-    out = Path(cfg.eval.json) if cfg.eval.json else report_path(path, ckpt, cfg)
+    out = Path(cfg.eval.json) if cfg.eval.json else eval_report_path(path, ckpt, cfg)
     if info.is_main:
         write_text(out, json.dumps(report, indent=1), "report")
         log(info, f"{name} ({report['weights']} weights, {report['params_m']:.2f}M params) on {info.device}")

@@ -24,7 +24,7 @@ from ..data.coco import collate_detection
 from ..errors import TrainingDiverged, divergence_advice
 from ..models.record import load_checkpoint
 from ..outputs import write_text
-from .checkpoint import CheckpointMismatchError, make_model_record
+from .checkpoint import CheckpointMismatchError, eval_report_path, make_model_record
 from .config import Config, ConfigError, check_config, run_metadata
 from .dense_metrics import (
     coco_results,
@@ -286,7 +286,7 @@ def _evaluate(cfg: Config, device: torch.device) -> dict[str, Any]:
     out = (
         Path(cfg.eval.json)
         if cfg.eval.json
-        else (Path(path).with_suffix(".eval.json") if path else Path(cfg.output) / "eval.json")
+        else (eval_report_path(path, ckpt, cfg) if path else Path(cfg.output) / "eval.json")
     )
     d = cfg.dense  # the test-time settings: two evaluations of one checkpoint tell themselves apart
     keys = (
