@@ -164,7 +164,10 @@ def _assert_the_formula_at_every_update(seen, out, train_cfg, epochs: int, warmu
 
     assert [k for k, _ in seen] == list(range(total))
     for k, group_lrs in seen:
-        assert group_lrs == pytest.approx([formula(k)] * len(group_lrs), rel=1e-12), k
+        assert group_lrs == pytest.approx([formula(k)] * len(group_lrs), rel=1e-12), (
+            f"update {k}: lr {group_lrs[0]:.6g}, the formula's {formula(k):.6g} over T = {total} updates, "
+            f"W = {warm} of warmup ({_UPDATES_PER_EPOCH} updates an epoch of 2 micro-batches each)"
+        )
     history = json.loads((out / "metrics.json").read_text())
     assert [h["lr"] for h in history] == pytest.approx(
         [formula(_UPDATES_PER_EPOCH * e - 1) for e in range(1, epochs + 1)], rel=1e-6

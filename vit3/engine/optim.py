@@ -254,7 +254,8 @@ class Optimization(NamedTuple):
 def build_optimization(cfg: Config, info: DistInfo, model: nn.Module, batches_per_epoch: int) -> Optimization:
     """Moves ``model`` to the run's device (with gradient checkpointing when ``model.grad_checkpointing``)
     and builds the AdamW optimizer, the warmup + cosine schedule of ``batches_per_epoch // accum_steps``
-    steps per epoch, the AMP dtype and the grad scaler of ``cfg.train``."""
+    updates per epoch, the AMP dtype and the grad scaler of ``cfg.train``. ``batches_per_epoch`` counts
+    micro-batches (:func:`vit3.engine.loop.epoch_batches`), not updates."""
     model.to(info.device)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
