@@ -74,14 +74,7 @@ class MixerExplanation:
         lines = [
             f"TTTMixer dim={self.dim} heads={self.num_heads} | {self.device} {self.dtype} | N={self.tokens} "
             f"({self.grid[0]}x{self.grid[1]}) | {mode} | backend {self.requested}",
-            "  "
-            + ("one fused node runs every branch" if self.fused else "the generic inner loop, every branch")
-            + (f", as one {self._whole()} (compiled: the graph's one op vit3::mix)" if self.program else "")
-            + (
-                ", as one C++ op (vit3_cpu::mix) once settled (after its first calls, run guarded)"
-                if self.cpp_op
-                else ""
-            ),
+            "  " + "; ".join(self._route()),
         ]
         if self.recompute:
             lines.append(f"  SwiGLU backward: {self.recompute}")
@@ -97,6 +90,17 @@ class MixerExplanation:
         widths = [max(len(r[j]) for r in rows) for j in range(2)]
         lines += [f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}".rstrip() for r in rows]
         return "\n".join(lines)
+
+    def _route(self) -> list[str]:
+        """How the call runs: the node, then the settled op and the compiled graph's where they differ."""
+        parts = ["one fused node runs every branch" if self.fused else "the generic inner loop, every branch"]
+        if self.program:
+            parts[0] += f", as one {self._whole()}"
+        if self.cpp_op:
+            parts.append("settled (after its first calls, run guarded): as one C++ op, vit3_cpu::mix")
+        if self.program:
+            parts.append("under torch.compile: the graph's one op vit3::mix")
+        return parts
 
     def _whole(self) -> str:
         """What runs the branches' whole-node hooks: Triton's launch program or the C++ whole-mixer op."""
