@@ -228,9 +228,11 @@ def test_the_program_computes_what_the_branch_hooks_compute(
     stages and the two-stage weight-gradient reduction).
 
     With RoPE the program's kernels rotate q, k on load and dq, dk back on store, where the hooks rotate into
-    a pair and back by launches of their own: under the interpreter still the same bits, but for 16-bit dq,
-    dk, rounded once where the hooks round twice (within a unit in the last place); on a GPU, whose kernels
-    contract the rotation into fused multiply-adds, close."""
+    a pair and back by launches of their own. Under the interpreter that gives the same bits in fp64; in 16
+    bits dq, dk are rounded once where the hooks round twice, and the dots on the rotated q, k, in another
+    form than the hooks', may round otherwise in the CPU's BLAS (OpenBLAS's FMA kernels do, its AVX ones
+    not): every output within a unit in the last place. On a GPU, whose kernels contract the rotation into
+    fused multiply-adds, close."""
     if chunk is not None:
         real = tnode.plan_key
         monkeypatch.setattr(tnode, "plan_key", lambda *a, **k: real(*a, **k)._replace(chunk=chunk))
@@ -250,8 +252,11 @@ def test_the_program_computes_what_the_branch_hooks_compute(
             assert _within_a_rounding_of_the_pair(got[1][..., rotated], want[1][..., rotated], 10)
             assert not torch.equal(got[1][..., rotated], want[1][..., rotated])  # rounded once, not twice
             got[1][..., rotated] = want[1][..., rotated]
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert torch.isfinite(g).all() and torch.equal(g, w), i
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert torch.isfinite(g).all() and ((g - w).abs() <= w.abs() * 2.0**-10 + 2.0**-24).all(), i
+        else:
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert torch.isfinite(g).all() and torch.equal(g, w), i
     if dtype is torch.float64:
         ref = em.reference_mix(qkv.requires_grad_(), spec, [w.requires_grad_() for w in weights])
         assert torch.allclose(got[0], ref, rtol=1e-10, atol=1e-12)
