@@ -575,7 +575,7 @@ MORE_CLI_MISTAKES = {
     ),
     "export-command-unknown": ("export", ["bogus"], "argument command: invalid choice: 'bogus'"),
     "export-no-command": ("export", [], "the following arguments are required: command"),
-    "explain-no-model": ("explain", [], "the following arguments are required: model"),
+    "explain-no-model": ("explain", [], "name a model (e.g. vit3-explain vit3_small) or give --config"),
     "explain-size-a-word": (
         "explain",
         ["vit3_tiny", "--img-size", "abc"],

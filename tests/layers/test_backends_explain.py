@@ -244,6 +244,27 @@ def test_cli_points_a_dit3_name_to_its_mixers(capsys):
     assert mixer.explain(torch.randn(1, 16, mixer.dim), (4, 4)).branches
 
 
+def test_cli_explains_the_model_of_a_config(tmp_path, capsys):
+    """``--config``: the config's model with its ``model.kwargs`` (a ``ttt_cfg`` of its own) at its
+    ``data.img_size``; a flag given wins; a config of another task, or of another model than the one named,
+    is refused in one line."""
+    config = tmp_path / "mine.yaml"
+    config.write_text("base: configs/demo_mnist.yaml\nmodel: {kwargs: {ttt_cfg: {branches: [silu]}}}\n")
+    assert cli_main(["--config", str(config), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["model"], report["img_size"], report["config"]) == ("h_vit3_tiny", 32, str(config))
+    branches = [b for mixer in report["mixers"] for b in mixer["branches"]]
+    assert {(b["inner_model"], b["backend"]) for b in branches} == {("silu", "generic")}
+    assert cli_main(["--config", str(config), "--img-size", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["img_size"] == 64
+    assert cli_main(["--config", str(REPO / "configs" / "dense" / "demo_detection.yaml")]) == 2
+    assert "this one's task is detection" in capsys.readouterr().err
+    assert cli_main(["vit3_small", "--config", str(config)]) == 2
+    assert "model.name h_vit3_tiny differ" in capsys.readouterr().err
+    assert cli_main([]) == 2
+    assert "or give --config" in capsys.readouterr().err
+
+
 def test_cli_runs_as_a_module_and_rejects_bad_arguments():
     proc = subprocess.run(
         [sys.executable, "-m", "vit3.scripts.explain", "test_vit3_ttt", "--img-size", "32", "--json"],

@@ -1,6 +1,8 @@
 """``vit3-explain <timm model> --img-size 224`` (or ``python -m vit3.scripts.explain``): which backend runs
 every TTT mixer branch of a model, and why each other one was passed over (``vit3.explain``).
 
+``--config FILE`` takes the model of a classification config instead: its ``model.name`` and
+``model.kwargs`` (``ttt_cfg`` included), ``data.img_size`` and ``train.amp``, where no flag gives them.
 Honours ``$VIT3_TTT_BACKEND`` and the model's ``TTTConfig.backend``; ``--dtype bf16``/``fp16`` run the forward
 under autocast (the mixers then read 16-bit q, k, v), ``fp32``/``fp64`` cast the model. A mistake in the input
 ends with one ``error:`` line and exit code 2 (``--debug`` shows the traceback).
@@ -13,13 +15,16 @@ import contextlib
 import json
 import os
 import sys
+from typing import Any
 
 import timm
 import torch
 
 import vit3  # registers the vit3 models in timm
 from vit3.engine.cli import ArgumentParser, run_cli
+from vit3.engine.config import load_config, model_arguments, to_plain
 from vit3.engine.config.value_checks import dit3_model, timm_model, torch_device
+from vit3.engine.process import amp_dtype
 from vit3.errors import ConfigError
 from vit3.layers.backends import BACKEND_ENV, STRICT_ENV
 from vit3.layers.ttt import explain
@@ -29,10 +34,17 @@ DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="vit3-explain", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="timm model name (e.g. vit3_small, h_vit3_tiny)")
-    parser.add_argument("--img-size", type=int, default=224, help="input height and width in pixels")
+    parser.add_argument("model", nargs="?", help="timm model name (e.g. vit3_small, h_vit3_tiny)")
+    parser.add_argument(
+        "--config", help="a classification config: its model.name, model.kwargs, data.img_size, train.amp"
+    )
+    parser.add_argument(
+        "--img-size", type=int, help="input height and width in pixels (default: the config's, else 224)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), help="default: the config's train.amp on the device, else fp32"
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--train", action="store_true", help="explain the training route (gradients flowing)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -40,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
+    kwargs = _from_config(args) if args.config else {}
+    if args.model is None:
+        raise ConfigError("name a model (e.g. vit3-explain vit3_small) or give --config")
+    args.img_size = 224 if args.img_size is None else args.img_size
+    args.dtype = args.dtype or "fp32"
     if args.batch < 1 or args.img_size < 1:
         raise ConfigError("--batch and --img-size must be positive")
     problem = timm_model(args.model, None)
@@ -59,10 +76,14 @@ def _explain(args: argparse.Namespace) -> int:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
-    try:  # built for --img-size where the model takes one (a timm ViT fixes its patch grid)
-        model = timm.create_model(args.model, pretrained=False, img_size=args.img_size)
-    except TypeError:  # no img_size argument: the model reads the size from its input
-        model = timm.create_model(args.model, pretrained=False)
+    size = {} if "img_size" in kwargs else {"img_size": args.img_size}
+    with model_arguments(args.model, kwargs):
+        try:  # built for --img-size where the model takes one (a timm ViT fixes its patch grid)
+            model = timm.create_model(args.model, pretrained=False, **kwargs, **size)
+        except TypeError as e:  # no img_size argument: the model reads the size from its input
+            if not size or "img_size" not in str(e):
+                raise
+            model = timm.create_model(args.model, pretrained=False, **kwargs)
     model = model.to(device).eval()
     autocast = dtype in (torch.bfloat16, torch.float16)
     if not autocast:
@@ -79,6 +100,7 @@ def _explain(args: argparse.Namespace) -> int:
         ) from e
     setting = {
         "model": args.model,
+        "config": args.config or "",
         "img_size": args.img_size,
         "batch": args.batch,
         "device": str(device),
@@ -98,6 +120,32 @@ def _explain(args: argparse.Namespace) -> int:
         print(" | ".join(f"{key} {value}" for key, value in setting.items() if value not in ("", False)))
         print(report)
     return 0
+
+
+def _from_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Fills ``args.model`` and, where no flag gave them, ``args.img_size`` and ``args.dtype`` from the
+    classification config ``args.config``; returns its ``model.kwargs``.
+
+    Raises:
+        ConfigError: the config is not a classification one, or names another model than ``args.model``.
+    """
+    cfg = load_config(args.config)
+    if cfg.task != "classification":
+        raise ConfigError(
+            f"--config {args.config}: vit3-explain takes classification configs, this one's task is "
+            f"{cfg.task}; name its model instead (vit3-explain MODEL --img-size N)"
+        )
+    if args.model not in (None, cfg.model.name):
+        raise ConfigError(
+            f"model {args.model} and {args.config}'s model.name {cfg.model.name} differ: give one"
+        )
+    args.model = cfg.model.name
+    if args.img_size is None and cfg.data.img_size:
+        args.img_size = int(cfg.data.img_size)
+    if args.dtype is None:
+        amp = amp_dtype(cfg.train.amp, torch.device(args.device))
+        args.dtype = next((name for name, dtype in DTYPES.items() if dtype == amp), "fp32")
+    return to_plain(cfg.model.kwargs)
 
 
 if __name__ == "__main__":
