@@ -45,11 +45,12 @@ def written(page: Path) -> str:
     Raises:
         ValueError: the page lacks one of the markers, or a model has no formula.
     """
-    text = page.read_text()
-    if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise ValueError(f"{page}: needs the lines {BEGIN!r} and {END!r} once each")
-    head, rest = text.split(BEGIN)
-    return f"{head}{BEGIN}\n\n{inner_model_table()}\n\n{END}{rest.split(END)[1]}"
+    lines = page.read_text().splitlines(keepends=True)
+    stripped = [line.rstrip("\n") for line in lines]
+    if stripped.count(BEGIN) != 1 or stripped.count(END) != 1 or stripped.index(BEGIN) > stripped.index(END):
+        raise ValueError(f"{page}: needs the line {BEGIN!r} once, and after it the line {END!r} once")
+    begin, end = stripped.index(BEGIN), stripped.index(END)
+    return "".join([*lines[: begin + 1], f"\n{inner_model_table()}\n\n", *lines[end:]])
 
 
 def stale_pages(docs: Path = DOCS) -> list[Path]:

@@ -104,7 +104,9 @@ def test_the_generated_parts_of_the_docs_are_current():
 
 def test_the_inner_model_table_follows_the_registry(registry, tmp_path):
     """A model registered after the page was written makes it stale; the rewrite adds its row, a model
-    without a formula is refused by name, and a formula with a ``|`` at its registration."""
+    without a formula is refused by name, markers out of order too, and a formula with a ``|`` at its
+    registration."""
+    from vit3.layers import inner_models
     from vit3.layers.inner_models import LinearInner, register_inner_model
 
     gen = generator()
@@ -113,11 +115,16 @@ def test_the_inner_model_table_follows_the_registry(registry, tmp_path):
     register_inner_model("gate", formula="k ⊙ w")(LinearInner)
     assert gen.stale_pages(tmp_path) == [tmp_path / "mixer.md"]
     assert "| `gate` | k ⊙ w | yes |  |" in gen.written(tmp_path / "mixer.md").splitlines()
-    register_inner_model("bare")(LinearInner)
-    with pytest.raises(ValueError, match="inner model 'bare' has no formula"):
+    del inner_models._REGISTRY["gate"]
+    register_inner_model("gate")(LinearInner)
+    with pytest.raises(ValueError, match="inner model 'gate' has no formula"):
         gen.inner_model_table()
+    swapped = tmp_path / "swapped.md"
+    swapped.write_text(f"{gen.END}\n{gen.BEGIN}\n")
+    with pytest.raises(ValueError, match="after it the line"):
+        gen.written(swapped)
     with pytest.raises(ValueError, match="its formula is a table cell"):
-        register_inner_model("absolute", formula="|k W|")
+        register_inner_model("gate_abs", formula="|k W|")
 
 
 def test_the_mixer_page_names_every_activation_of_the_inner_models():

@@ -1,8 +1,8 @@
 """The fused node of Triton branches as one launch program (``vit3.kernels.triton.program``): when it serves,
-that it launches what the per-branch hooks launch (bit for bit the same results, every configuration and
-dtype), that on a GPU host its addresses are the interpreter's tensors' (shape, strides and pointer, call
-after call and thread against thread), how it lays out its workspaces, and that it is made once per layout and
-names a branch that fails.
+that it launches what the per-branch hooks launch (bit for bit the same results; 16-bit RoPE outputs within
+a unit in the last place), that on a GPU host its addresses are the interpreter's tensors' (shape, strides
+and pointer, call after call and thread against thread), how it lays out its workspaces, and that it is made
+once per layout and names a branch that fails.
 
 Numerics run where Triton runs (``triton_device``: the GPU, or the interpreter on CPU); a GPU host's addresses
 are simulated on CPU tensors on any host (``TRITON_INTERPRET=0`` for the program, launches recorded, not run).

@@ -245,22 +245,43 @@ def test_cli_points_a_dit3_name_to_its_mixers(capsys):
 
 
 def test_cli_explains_the_model_of_a_config(tmp_path, capsys):
-    """``--config``: the config's model with its ``model.kwargs`` (a ``ttt_cfg`` of its own) at its
-    ``data.img_size``; a flag given wins; a config of another task, or of another model than the one named,
-    is refused in one line."""
-    config = tmp_path / "mine.yaml"
-    config.write_text("base: configs/demo_mnist.yaml\nmodel: {kwargs: {ttt_cfg: {branches: [silu]}}}\n")
-    assert cli_main(["--config", str(config), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert (report["model"], report["img_size"], report["config"]) == ("h_vit3_tiny", 32, str(config))
+    """``--config``: the model ``train.py`` builds from the config (its ``model.kwargs``, a ``ttt_cfg`` of its
+    own) at the run's image size, ``data.img_size`` or, null, the size the model was built at, and under its
+    ``train.amp``; a flag given wins; a config of another task, of another model than the one named or of
+    none, and a bad ``--device``, are refused in one line."""
+
+    def run(*argv: str, **sections: str) -> dict:
+        config = tmp_path / "mine.yaml"
+        body = "".join(f"{key}: {{{value}}}\n" for key, value in sections.items())
+        config.write_text(
+            "base: configs/demo_mnist.yaml\nmodel: {kwargs: {ttt_cfg: {branches: [silu]}}}\n" + body
+        )
+        assert cli_main(["--config", str(config), "--device", "cpu", "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    def tokens(report: dict) -> list[int]:  # each stage's first mixer: 8x8, 4x4, ... tokens at 32 px
+        return sorted({mixer["tokens"] for mixer in report["mixers"]}, reverse=True)
+
+    report = run()
+    assert (report["model"], report["img_size"], report["dtype"]) == ("h_vit3_tiny", 32, "fp32")
     branches = [b for mixer in report["mixers"] for b in mixer["branches"]]
     assert {(b["inner_model"], b["backend"]) for b in branches} == {("silu", "generic")}
-    assert cli_main(["--config", str(config), "--img-size", "64", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["img_size"] == 64
+    assert tokens(report) == [64, 16, 4, 1]
+    assert tokens(run("--img-size", "64")) == [256, 64, 16, 4]
+    null = run(data="img_size: null")  # the size model.kwargs built it at
+    assert null["img_size"] == 32 and tokens(null) == [64, 16, 4, 1]
+    assert run(train="amp: bf16")["dtype"] == "bf16 (autocast)"
+    assert run("--dtype", "fp64", train="amp: bf16")["dtype"] == "fp64"
+    config = tmp_path / "mine.yaml"
     assert cli_main(["--config", str(REPO / "configs" / "dense" / "demo_detection.yaml")]) == 2
     assert "this one's task is detection" in capsys.readouterr().err
     assert cli_main(["vit3_small", "--config", str(config)]) == 2
     assert "model.name h_vit3_tiny differ" in capsys.readouterr().err
+    assert cli_main(["--config", str(config), "--device", "gpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: --device must be cpu, cuda or cuda:N")
+    config.write_text("base: configs/finetune.yaml\n")
+    assert cli_main(["--config", str(config)]) == 2
+    assert "has no model.name" in capsys.readouterr().err
     assert cli_main([]) == 2
     assert "or give --config" in capsys.readouterr().err
 

@@ -1,7 +1,7 @@
 """Every registered inner model through each check a model gets, a model added later included: its
 closed-form gradients against autograd of its forward, a mixer with it as a branch against the float64
 reference (``helpers.reference``: written out there, or standing in for itself), scripting; registering one;
-the reference's own guards. Its ``docs/mixer.md`` rows and the guide's example: ``tests/test_docs.py``."""
+the reference's own guards. Its row in docs/mixer.md and the guide's example: ``tests/test_docs.py``."""
 
 from __future__ import annotations
 

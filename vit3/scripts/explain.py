@@ -1,8 +1,8 @@
 """``vit3-explain <timm model> --img-size 224`` (or ``python -m vit3.scripts.explain``): which backend runs
 every TTT mixer branch of a model, and why each other one was passed over (``vit3.explain``).
 
-``--config FILE`` takes the model of a classification config instead: its ``model.name`` and
-``model.kwargs`` (``ttt_cfg`` included), ``data.img_size`` and ``train.amp``, where no flag gives them.
+``--config FILE`` takes the model of a classification config instead, built as ``train.py`` builds it, at its
+run's image size, ``train.amp`` and ``device``, where no flag gives them.
 Honours ``$VIT3_TTT_BACKEND`` and the model's ``TTTConfig.backend``; ``--dtype bf16``/``fp16`` run the forward
 under autocast (the mixers then read 16-bit q, k, v), ``fp32``/``fp64`` cast the model. A mistake in the input
 ends with one ``error:`` line and exit code 2 (``--debug`` shows the traceback).
@@ -15,14 +15,15 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any
 
 import timm
 import torch
+from torch import nn
 
 import vit3  # registers the vit3 models in timm
+from vit3.engine.classification_model import input_channels, resolve_data_cfg
 from vit3.engine.cli import ArgumentParser, run_cli
-from vit3.engine.config import load_config, model_arguments, to_plain
+from vit3.engine.config import Config, load_config, model_arguments, to_plain
 from vit3.engine.config.value_checks import dit3_model, timm_model, torch_device
 from vit3.engine.process import amp_dtype
 from vit3.errors import ConfigError
@@ -39,9 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         "--config", help="a classification config: its model.name, model.kwargs, data.img_size, train.amp"
     )
     parser.add_argument(
-        "--img-size", type=int, help="input height and width in pixels (default: the config's, else 224)"
+        "--img-size",
+        type=int,
+        help="input height and width in pixels (default: the config's run's, else 224)",
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", help="cpu, cuda or cuda:N (default: the config's device, else cuda if any)"
+    )
     parser.add_argument(
         "--dtype", choices=list(DTYPES), help="default: the config's train.amp on the device, else fp32"
     )
@@ -52,12 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    kwargs = _from_config(args) if args.config else {}
+    cfg = _read_config(args) if args.config else None
     if args.model is None:
         raise ConfigError("name a model (e.g. vit3-explain vit3_small) or give --config")
-    args.img_size = 224 if args.img_size is None else args.img_size
-    args.dtype = args.dtype or "fp32"
-    if args.batch < 1 or args.img_size < 1:
+    if args.batch < 1 or (args.img_size is not None and args.img_size < 1):
         raise ConfigError("--batch and --img-size must be positive")
     problem = timm_model(args.model, None)
     if problem is not None and dit3_model(args.model, None) is None:
@@ -70,21 +73,20 @@ def _explain(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"model must be a timm model name (e.g. vit3_small, h_vit3_tiny), got {args.model!r}: {problem}"
         )
+    if args.device is None:
+        written = cfg.device if cfg is not None and cfg.device != "auto" else None
+        args.device = written or ("cuda" if torch.cuda.is_available() else "cpu")
     why = torch_device(args.device, None)
     if why is not None:
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}: {why}")
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
-    size = {} if "img_size" in kwargs else {"img_size": args.img_size}
-    with model_arguments(args.model, kwargs):
-        try:  # built for --img-size where the model takes one (a timm ViT fixes its patch grid)
-            model = timm.create_model(args.model, pretrained=False, **kwargs, **size)
-        except TypeError as e:  # no img_size argument: the model reads the size from its input
-            if not size or "img_size" not in str(e):
-                raise
-            model = timm.create_model(args.model, pretrained=False, **kwargs)
-    model = model.to(device).eval()
+    if args.dtype is None:
+        amp = amp_dtype(cfg.train.amp, device) if cfg is not None else None
+        args.dtype = next((name for name, dtype in DTYPES.items() if dtype == amp), "fp32")
+    dtype = DTYPES[args.dtype]
+    model = _build(args, cfg).to(device).eval()
     autocast = dtype in (torch.bfloat16, torch.float16)
     if not autocast:
         model = model.to(dtype)
@@ -122,12 +124,12 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _from_config(args: argparse.Namespace) -> dict[str, Any]:
-    """Fills ``args.model`` and, where no flag gave them, ``args.img_size`` and ``args.dtype`` from the
-    classification config ``args.config``; returns its ``model.kwargs``.
+def _read_config(args: argparse.Namespace) -> Config:
+    """The classification config ``args.config``; fills ``args.model`` from its ``model.name``.
 
     Raises:
-        ConfigError: the config is not a classification one, or names another model than ``args.model``.
+        ConfigError: the config is not a classification one, names another model than ``args.model``, or
+            none (``model.name: ""``, the model of ``model.pretrained``) where no model is named either.
     """
     cfg = load_config(args.config)
     if cfg.task != "classification":
@@ -135,17 +137,42 @@ def _from_config(args: argparse.Namespace) -> dict[str, Any]:
             f"--config {args.config}: vit3-explain takes classification configs, this one's task is "
             f"{cfg.task}; name its model instead (vit3-explain MODEL --img-size N)"
         )
-    if args.model not in (None, cfg.model.name):
+    name = cfg.model.name
+    if not name and args.model is None:
         raise ConfigError(
-            f"model {args.model} and {args.config}'s model.name {cfg.model.name} differ: give one"
+            f"{args.config} has no model.name (its model is model.pretrained's): name the model, e.g. "
+            f"vit3-explain h_vit3_tiny --config {args.config}"
         )
-    args.model = cfg.model.name
-    if args.img_size is None and cfg.data.img_size:
+    if name and args.model not in (None, name):
+        raise ConfigError(
+            f"model {args.model} and {args.config}'s model.name {name} differ: give one of them"
+        )
+    args.model = args.model or name
+    return cfg
+
+
+def _build(args: argparse.Namespace, cfg: Config | None) -> nn.Module:
+    """The model to explain; sets ``args.img_size`` where no flag gave it.
+
+    Without a config: ``args.model`` built for ``--img-size`` (224) where it takes one (a timm ViT fixes its
+    patch grid). With one: as ``train.py`` builds it, from ``model.kwargs`` (gradient checkpointing too),
+    at the image size training resolves (``data.img_size``, else the size the model was built at).
+    """
+    if cfg is None:
+        args.img_size = args.img_size or 224
+        try:
+            return timm.create_model(args.model, pretrained=False, img_size=args.img_size)
+        except TypeError:  # no img_size argument: the model reads the size from its input
+            return timm.create_model(args.model, pretrained=False)
+    kwargs = to_plain(cfg.model.kwargs)
+    with model_arguments(args.model, kwargs):
+        model = timm.create_model(args.model, pretrained=False, **kwargs)
+    if cfg.model.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    if args.img_size is None:
+        resolve_data_cfg(cfg, model, input_channels(cfg))
         args.img_size = int(cfg.data.img_size)
-    if args.dtype is None:
-        amp = amp_dtype(cfg.train.amp, torch.device(args.device))
-        args.dtype = next((name for name, dtype in DTYPES.items() if dtype == amp), "fp32")
-    return to_plain(cfg.model.kwargs)
+    return model
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ class MixerExplanation:
         return "\n".join(lines)
 
     def _route(self) -> list[str]:
-        """How the call runs: the node, then the settled op and the compiled graph's where they differ."""
+        """How the call runs: the node, then, where they apply, the settled C++ op and the compiled op."""
         parts = ["one fused node runs every branch" if self.fused else "the generic inner loop, every branch"]
         if self.program:
             parts[0] += f", as one {self._whole()}"
