@@ -128,6 +128,19 @@ def test_the_schedule_is_timms_cosine_bit_for_bit(warmup_epochs):
         assert state[key] == timms[key], key
 
 
+@pytest.mark.parametrize(
+    ("loader_batches", "accum", "batches", "updates"),
+    [(10, 1, 10, 10), (10, 3, 9, 3), (10, 4, 8, 2), (3, 3, 3, 1)],
+)
+def test_an_epoch_is_whole_updates_of_accumulated_batches(loader_batches, accum, batches, updates):
+    assert optim.epoch_steps(loader_batches, accum) == (batches, updates)
+
+
+def test_an_epoch_without_one_whole_update_is_refused():
+    with pytest.raises(ConfigError, match=r"^train.accum_steps=4 exceeds the 3 batches per epoch$"):
+        optim.epoch_steps(3, 4)
+
+
 # ------------------------------------------------------------------------------ a whole run's lr
 # A classification run on 80 images: 20 batches of 4 an epoch, an update every 2 (10 updates an epoch).
 _ACCUM_RUN = ("data.batch_size=4", "train.accum_steps=2", "train.warmup_lr=1e-5", "train.min_lr=1e-4")

@@ -46,9 +46,9 @@ from .classification_model import (
 )
 from .config import Config, ConfigError, check_batch_norm_batch, check_config, check_input_size, key_name
 from .distributed import DistInfo, log, log_row
-from .loop import TrainRun, best_checkpoint, epoch_batches, log_setup, optimizer_step, run_epochs, run_summary
+from .loop import TrainRun, best_checkpoint, log_setup, optimizer_step, run_epochs, run_summary
 from .metrics import plot_curves, write_metrics
-from .optim import build_optimization
+from .optim import build_optimization, epoch_steps
 from .process import autocast, wrap_ddp
 from .recipe import eval_frozen, fit_batch_size, fit_epochs, freeze_for_training
 from .resume import Progress, check_resume, open_run, save_state, start_run
@@ -266,18 +266,17 @@ def assemble_run(
     val_loader = build_val_loader(
         data["val"], build_transform(cfg, False, mean, std), cfg, cfg.data.batch_size, info.rank, info.world
     )
-    accum = int(cfg.train.accum_steps)
-    batches_per_epoch = epoch_batches(cfg, sampler.num_samples)
+    steps = epoch_steps(len(loader), int(cfg.train.accum_steps))
     if mixup is not None and cfg.data.batch_size % 2:
         raise ConfigError(f"Mixup/CutMix needs an even data.batch_size, got {cfg.data.batch_size}")
-    fitted.append(fit_epochs(cfg, batches_per_epoch // accum))
+    fitted.append(fit_epochs(cfg, steps.updates))
     trainable = freeze_for_training(model, cfg.train.freeze)
     if cfg.train.freeze != "none":
         fitted.append(f"train.freeze={cfg.train.freeze}: only {', '.join(trainable)} train")
     for note in filter(None, fitted):
         log(info, note)
 
-    opt = build_optimization(cfg, info, model, batches_per_epoch)
+    opt = build_optimization(cfg, info, model, steps)
     ema = None
     if cfg.train.ema:
         decay = float(cfg.train.ema_decay) ** (opt.total_batch / float(cfg.train.ema_batch))  # as official
@@ -285,7 +284,7 @@ def assemble_run(
     net = wrap_ddp(model, cfg, info)
     run = run_type(
         cfg, info, model, net, ema, opt.optimizer, opt.scheduler, opt.scaler, opt.amp_dtype, mixup,
-        loader, wrapped, sampler, val_loader, batches_per_epoch, folder.path, num_classes, classes,
+        loader, wrapped, sampler, val_loader, steps.batches, folder.path, num_classes, classes,
         _Progress(),
     )  # fmt: skip
     images = f"{len(data['train'])} train / {len(data['val'])} val images"

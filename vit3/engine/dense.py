@@ -45,7 +45,7 @@ from .dense_model import (
 )
 from .distributed import DistInfo, barrier, distributed, log
 from .loop import best_checkpoint, optimizer_step, run_summary
-from .optim import DenseSchedule, build_dense_optimizer, load_optimizer_state, scaled_lrs
+from .optim import DenseSchedule, build_dense_optimizer, epoch_steps, load_optimizer_state, scaled_lrs
 from .process import amp_dtype, autocast, wrap_ddp
 from .resume import Progress, check_resume, restore_rng, save_state, start_run
 from .run_folder import claim_output, in_process_group, open_output
@@ -120,10 +120,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         collate_fn=collate_detection if cfg.task == "detection" else None,
     )  # fmt: skip
     accum, bs = int(cfg.train.accum_steps), int(cfg.data.batch_size)
-    batches_per_epoch = len(loader) // accum * accum  # every optimizer step accumulates within one epoch
-    if batches_per_epoch == 0:
-        raise ConfigError(f"train.accum_steps={accum} exceeds the {len(loader)} batches per epoch")
-    iters_per_epoch = batches_per_epoch // accum
+    batches_per_epoch, iters_per_epoch = epoch_steps(len(loader), accum)
     total = d.iters or cfg.train.epochs * iters_per_epoch
     lr = scaled_lrs(cfg.train, bs * info.world * accum)["base_lr"]
     opt = build_dense_optimizer(model, dense_backbone(model).body, cfg, lr)

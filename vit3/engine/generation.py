@@ -39,9 +39,9 @@ from .generation_sampling import (
     latent_space,
     sample_and_evaluate,
 )
-from .loop import TrainRun, epoch_batches, log_setup, optimizer_step, run_epochs, run_summary
+from .loop import TrainRun, log_setup, optimizer_step, run_epochs, run_summary
 from .metrics import plot_series, write_metrics
-from .optim import build_optimization
+from .optim import build_optimization, epoch_steps
 from .process import autocast, wrap_ddp
 from .resume import Progress, check_resume, open_run, save_state, start_run
 from .run_folder import claim_output, in_process_group
@@ -122,14 +122,14 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
     )
     transform = build_generation_transform(int(cfg.data.img_size), float(cfg.data.hflip))
     loader, wrapped, sampler = build_train_loader(data["train"], transform, cfg, info.rank, info.world)
-    batches_per_epoch = epoch_batches(cfg, sampler.num_samples)
-    opt = build_optimization(cfg, info, model, batches_per_epoch)
+    steps = epoch_steps(len(loader), int(cfg.train.accum_steps))
+    opt = build_optimization(cfg, info, model, steps)
     ema = ModelEmaV3(model, decay=float(cfg.train.ema_decay)) if cfg.train.ema else None
     net = wrap_ddp(model, cfg, info)
     diffusion = build_diffusion(cfg, model.learn_sigma)
     run = _Run(
         cfg, info, model, net, ema, opt.optimizer, opt.scheduler, opt.scaler, opt.amp_dtype, diffusion, vae,
-        loader, wrapped, sampler, batches_per_epoch, out, kwargs, classes, _Progress(),
+        loader, wrapped, sampler, steps.batches, out, kwargs, classes, _Progress(),
     )  # fmt: skip
     space = (
         f"latent {in_channels}x{input_size}² (VAE {cfg.vae.path})"

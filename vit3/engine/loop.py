@@ -26,7 +26,6 @@ from .resume import Progress
 __all__ = [
     "TrainRun",
     "best_checkpoint",
-    "epoch_batches",
     "log_setup",
     "optimizer_step",
     "run_epochs",
@@ -102,20 +101,6 @@ class TrainRun:
         except (KeyError, AttributeError, TypeError, ValueError):
             return None
         return [p for group in saved.param_groups for p in group["params"]]
-
-
-def epoch_batches(cfg: Config, samples: int) -> int:
-    """The batches of an epoch of ``samples`` samples per process: whole accumulation steps of
-    ``train.accum_steps`` batches of ``data.batch_size``.
-
-    Raises:
-        ConfigError: not one accumulation step fits in an epoch.
-    """
-    accum, bs = int(cfg.train.accum_steps), int(cfg.data.batch_size)
-    batches = samples // bs // accum * accum
-    if batches == 0:
-        raise ConfigError(f"train.accum_steps={accum} exceeds the {samples // bs} batches per epoch")
-    return batches
 
 
 def log_setup(

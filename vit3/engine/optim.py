@@ -27,6 +27,7 @@ from .process import amp_dtype
 __all__ = [
     "LR_BATCH_RULES",
     "DenseSchedule",
+    "EpochSteps",
     "Optimization",
     "WarmupCosine",
     "build_dense_optimizer",
@@ -35,6 +36,7 @@ __all__ = [
     "build_scheduler",
     "dense_lr_factor",
     "dense_param_groups",
+    "epoch_steps",
     "load_optimizer_state",
     "lr_factor",
     "scaled_lrs",
@@ -42,6 +44,26 @@ __all__ = [
 ]
 
 LR_BATCH_RULES = ("linear", "sqrt")
+
+
+class EpochSteps(NamedTuple):
+    """An epoch's length in micro-batches and in optimizer updates (:func:`epoch_steps`)."""
+
+    batches: int  # micro-batches per process: whole updates only
+    updates: int  # batches // train.accum_steps: what the schedule counts
+
+
+def epoch_steps(loader_batches: int, accum: int) -> EpochSteps:
+    """The length of an epoch of ``loader_batches`` batches of ``accum`` micro-batches per update: the
+    left-over batches of an incomplete update are dropped, so every update accumulates within one epoch.
+
+    Raises:
+        ConfigError: not one update of ``accum`` (``train.accum_steps``) batches fits in an epoch.
+    """
+    updates = loader_batches // accum
+    if updates == 0:
+        raise ConfigError(f"train.accum_steps={accum} exceeds the {loader_batches} batches per epoch")
+    return EpochSteps(updates * accum, updates)
 
 
 def lr_factor(train_cfg, total_batch: int) -> float:
@@ -251,11 +273,10 @@ class Optimization(NamedTuple):
     scaler: torch.amp.GradScaler  # enabled for fp16 only
 
 
-def build_optimization(cfg: Config, info: DistInfo, model: nn.Module, batches_per_epoch: int) -> Optimization:
+def build_optimization(cfg: Config, info: DistInfo, model: nn.Module, steps: EpochSteps) -> Optimization:
     """Moves ``model`` to the run's device (with gradient checkpointing when ``model.grad_checkpointing``)
-    and builds the AdamW optimizer, the warmup + cosine schedule of ``batches_per_epoch // accum_steps``
-    updates per epoch, the AMP dtype and the grad scaler of ``cfg.train``. ``batches_per_epoch`` counts
-    micro-batches (:func:`vit3.engine.loop.epoch_batches`), not updates."""
+    and builds the AdamW optimizer, the warmup + cosine schedule of ``steps.updates`` updates per epoch,
+    the AMP dtype and the grad scaler of ``cfg.train``."""
     model.to(info.device)
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -263,7 +284,7 @@ def build_optimization(cfg: Config, info: DistInfo, model: nn.Module, batches_pe
     total_batch = int(cfg.data.batch_size) * info.world * accum
     lrs = scaled_lrs(cfg.train, total_batch)
     optimizer = build_optimizer(model, cfg.train, lrs["base_lr"])
-    scheduler = build_scheduler(optimizer, cfg.train, lrs, batches_per_epoch // accum)
+    scheduler = build_scheduler(optimizer, cfg.train, lrs, steps.updates)
     amp = amp_dtype(cfg.train.amp, info.device)
     scaler = torch.amp.GradScaler(info.device.type, enabled=amp == torch.float16)
     return Optimization(total_batch, lrs, optimizer, scheduler, amp, scaler)
