@@ -123,7 +123,7 @@ def test_without_fit_batch_a_batch_above_the_images_names_the_fix(photos, tmp_pa
 
 # ----------------------------------------------------------------------------------------------- epochs
 @pytest.mark.parametrize(
-    ("steps_per_epoch", "epochs", "warmup"),
+    ("updates_per_epoch", "epochs", "warmup"),
     [
         pytest.param(8, 75, 5.0, id="tiny-folder-stretched-to-600-steps"),
         pytest.param(7, 86, 86 * 2 / 30, id="rounded-up"),
@@ -132,14 +132,14 @@ def test_without_fit_batch_a_batch_above_the_images_names_the_fix(photos, tmp_pa
     ],
 )
 def test_min_steps_gives_a_tiny_folder_more_epochs_with_the_warmup_share_kept(
-    steps_per_epoch, epochs, warmup
+    updates_per_epoch, epochs, warmup
 ):
     cfg = _recipe("train.epochs=30", "train.warmup_epochs=2", "train.min_steps=600")
-    note = fit_epochs(cfg, steps_per_epoch)
+    note = fit_epochs(cfg, updates_per_epoch)
     assert cfg.train.epochs == epochs and cfg.train.warmup_epochs == pytest.approx(warmup)
-    assert cfg.train.epochs * steps_per_epoch >= 600
+    assert cfg.train.epochs * updates_per_epoch >= 600
     assert (note is None) == (epochs == 30)
-    fit_epochs(cfg, steps_per_epoch)
+    fit_epochs(cfg, updates_per_epoch)
     assert cfg.train.epochs == epochs  # idempotent
 
 

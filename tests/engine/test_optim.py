@@ -83,9 +83,9 @@ def test_lr_scales_with_total_batch_and_follows_warmup_then_cosine():
     assert lrs == pytest.approx({"base_lr": 1e-3, "warmup_lr": 1e-6, "min_lr": 1e-5})
     model = torch.nn.Linear(4, 2)
     opt = optim.build_optimizer(model, cfg.train, lrs["base_lr"])
-    steps_per_epoch = 10
-    sched = optim.build_scheduler(opt, cfg.train, lrs, steps_per_epoch)
-    total, warm = 300 * steps_per_epoch, 20 * steps_per_epoch
+    updates_per_epoch = 10
+    sched = optim.build_scheduler(opt, cfg.train, lrs, updates_per_epoch)
+    total, warm = 300 * updates_per_epoch, 20 * updates_per_epoch
 
     def reference(t):
         if t < warm:
@@ -108,17 +108,17 @@ def test_the_schedule_is_timms_cosine_bit_for_bit(warmup_epochs):
         None, ["train.layer_decay=0.7", "train.epochs=10", f"train.warmup_epochs={warmup_epochs}"]
     )
     lrs = optim.scaled_lrs(cfg.train, 300)
-    steps_per_epoch = 7
+    updates_per_epoch = 7
     ours, theirs = (
         optim.build_optimizer(timm.create_model("test_vit3_ttt", num_classes=3), cfg.train, lrs["base_lr"])
         for _ in range(2)
     )
-    sched = optim.build_scheduler(ours, cfg.train, lrs, steps_per_epoch)
-    ref = CosineLRScheduler(theirs, t_initial=10 * steps_per_epoch, lr_min=lrs["min_lr"],
-                            warmup_lr_init=lrs["warmup_lr"], warmup_t=warmup_epochs * steps_per_epoch,
+    sched = optim.build_scheduler(ours, cfg.train, lrs, updates_per_epoch)
+    ref = CosineLRScheduler(theirs, t_initial=10 * updates_per_epoch, lr_min=lrs["min_lr"],
+                            warmup_lr_init=lrs["warmup_lr"], warmup_t=warmup_epochs * updates_per_epoch,
                             cycle_limit=1, t_in_epochs=False)  # fmt: skip
     assert len({g["lr_scale"] for g in ours.param_groups}) > 2
-    for t in [None, *range(0, 10 * steps_per_epoch + 3)]:
+    for t in [None, *range(0, 10 * updates_per_epoch + 3)]:
         if t is not None:
             sched.step_update(t)
             ref.step_update(t)

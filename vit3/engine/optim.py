@@ -122,12 +122,12 @@ def build_optimizer(model: nn.Module, train_cfg, lr: float) -> torch.optim.AdamW
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, float], steps_per_epoch: int
+    optimizer: torch.optim.Optimizer, train_cfg, lrs: dict[str, float], updates_per_epoch: int
 ) -> WarmupCosine:
-    """Per-update warmup + cosine over ``epochs * steps_per_epoch`` updates (:class:`WarmupCosine`).
+    """Per-update warmup + cosine over ``epochs * updates_per_epoch`` updates (:class:`WarmupCosine`).
 
-    Update k (0-based) of W warmup and T updates in all (``int(warmup_epochs * steps_per_epoch)``,
-    ``int(epochs * steps_per_epoch)``) runs group g at ``s_g * (warmup_lr + k * (base_lr - warmup_lr) / W)``
+    Update k (0-based) of W warmup and T updates in all (``int(warmup_epochs * updates_per_epoch)``,
+    ``int(epochs * updates_per_epoch)``) runs group g at ``s_g * (warmup_lr + k * (base_lr - warmup_lr) / W)``
     for k < W, else ``s_g * (min_lr + (base_lr - min_lr) * (1 + cos(pi * k / T)) / 2)``: the warmup lies
     inside the cosine's span, so it never reaches ``base_lr``: update W starts on the cosine at W / T; from
     update T on, ``min_lr``. ``s_g`` is the group's ``lr_scale`` (1 without one). The settings are the keys
@@ -138,9 +138,9 @@ def build_scheduler(
     """
     return WarmupCosine(
         optimizer,
-        t_initial=max(1, int(train_cfg.epochs * steps_per_epoch)),
+        t_initial=max(1, int(train_cfg.epochs * updates_per_epoch)),
         lr_min=lrs["min_lr"],
-        warmup_t=int(train_cfg.warmup_epochs * steps_per_epoch),
+        warmup_t=int(train_cfg.warmup_epochs * updates_per_epoch),
         warmup_lr_init=lrs["warmup_lr"],
     )
 

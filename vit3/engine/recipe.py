@@ -82,13 +82,13 @@ def fit_batch_size(cfg: Config, images_per_process: int, even: bool) -> str | No
     )
 
 
-def fit_epochs(cfg: Config, steps_per_epoch: int) -> str | None:
+def fit_epochs(cfg: Config, updates_per_epoch: int) -> str | None:
     """Raises ``cfg.train.epochs`` (and ``warmup_epochs`` alike) in place to reach ``train.min_steps``, unless
     the user wrote them (:func:`~vit3.engine.config.written_keys`): then they are kept.
 
     Args:
         cfg: run config (``train.epochs``, ``train.warmup_epochs``, ``train.min_steps``).
-        steps_per_epoch: optimizer steps per epoch (batches per epoch / ``train.accum_steps``).
+        updates_per_epoch: optimizer updates per epoch (``optim.epoch_steps``).
 
     Returns:
         The log line of the change, or of the epochs kept as written; ``None`` when the recipe has nothing
@@ -103,17 +103,17 @@ def fit_epochs(cfg: Config, steps_per_epoch: int) -> str | None:
     written = written_keys(cfg)
     if want == 0:
         return None
-    steps = epochs * steps_per_epoch
+    steps = epochs * updates_per_epoch
     if "train.epochs" in written:
         if steps < want and "train.min_steps" in written:
             raise ConfigError(
                 f"train.epochs={epochs} and train.min_steps={want} are both written, but {epochs} epochs of "
-                f"{steps_per_epoch} optimizer steps make {steps}: drop one of them"
+                f"{updates_per_epoch} optimizer steps make {steps}: drop one of them"
             )
         return f"train.epochs={epochs} as written ({steps} optimizer steps; not fitted to train.min_steps)"
     if steps >= want:
         return None
-    fitted = math.ceil(want / steps_per_epoch)
+    fitted = math.ceil(want / updates_per_epoch)
     warmup = float(t.warmup_epochs)
     t.epochs = fitted
     if "train.warmup_epochs" in written:
@@ -122,7 +122,7 @@ def fit_epochs(cfg: Config, steps_per_epoch: int) -> str | None:
         t.warmup_epochs = warmup * fitted / epochs
         kept = f"train.warmup_epochs: {warmup:g} -> {t.warmup_epochs:g}"
     return (
-        f"train.epochs: {epochs} -> {fitted}, {kept} (fitted, train.min_steps={want} at {steps_per_epoch} "
+        f"train.epochs: {epochs} -> {fitted}, {kept} (fitted, train.min_steps={want} at {updates_per_epoch} "
         "steps "
         "per epoch)"
     )
