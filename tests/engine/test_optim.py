@@ -149,13 +149,16 @@ _UPDATES_PER_EPOCH = 10
 
 def _spy_on_updates(monkeypatch) -> list[tuple[int, list[float]]]:
     """Records, in order, ``(k, every group's lr)`` at each optimizer update of the classification runs
-    this test starts (the step ``loop.optimizer_step`` is given and the lrs the update ran at)."""
+    this test starts (the step ``loop.optimizer_step`` is given, which it counts, and the lrs the update
+    ran at)."""
     import vit3.engine.classification as classification
 
     seen, real = [], classification.optimizer_step
 
-    def spy(model, optimizer, scaler, clip, scheduler, step, *rest):
-        real(model, optimizer, scaler, clip, scheduler, step, *rest)
+    def spy(model, optimizer, scaler, clip, scheduler, progress, *rest):
+        step = progress.global_step
+        real(model, optimizer, scaler, clip, scheduler, progress, *rest)
+        assert progress.global_step == step + 1, "optimizer_step counts its update"
         seen.append((step, [g["lr"] for g in optimizer.param_groups]))
 
     monkeypatch.setattr(classification, "optimizer_step", spy)

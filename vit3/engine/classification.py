@@ -378,10 +378,9 @@ def _train_epoch(run: ClassificationRun, run_bar: tqdm | None = None) -> None:
                     raise TrainingDiverged(f"non-finite gradient norm {float(norm)} {where}: {advice}")
 
             optimizer_step(
-                run.model, run.optimizer, run.scaler, cfg.train.clip_grad, run.scheduler, p.global_step,
-                run.ema, check_norm,
+                run.model, run.optimizer, run.scaler, cfg.train.clip_grad, run.scheduler, p, run.ema,
+                check_norm,
             )  # fmt: skip
-            p.global_step += 1
             every = int(cfg.train.save_every_steps or 0)
             if every and p.global_step % every == 0 and p.batch_in_epoch < run.batches_per_epoch:
                 _save(run, "last.pt")

@@ -195,8 +195,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
             p.batch_in_epoch = b + 1
             if not update:
                 continue
-            optimizer_step(model, opt, scaler, cfg.train.clip_grad, schedule, p.global_step)
-            p.global_step += 1
+            optimizer_step(model, opt, scaler, cfg.train.clip_grad, schedule, p)
             p.losses.append(step_loss)
             step, step_loss = p.global_step, 0.0
             if info.is_main and cfg.train.log_every and step % cfg.train.log_every == 0:

@@ -194,10 +194,9 @@ def _train_epoch(run: _Run) -> None:
                 run.scaler,
                 cfg.train.clip_grad,
                 run.scheduler,
-                p.global_step,
+                p,
                 run.ema,
             )
-            p.global_step += 1
             if p.global_step % log_every == 0:
                 n = p.window.pop("n")
                 p.curve.append({"step": p.global_step, **{k: v / n for k, v in p.window.items()}})

@@ -131,15 +131,16 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     clip_grad: float | None,
-    scheduler: Any = None,
-    step: int = 0,
+    scheduler: Any,
+    progress: Progress,
     ema: Any = None,
     check_norm: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
-    """One update of accumulated gradients: the scheduler's lr for ``step``, gradient clipping (unscaled;
-    ``check_norm`` sees the norm before the step), the (scaled) optimizer step, zeroed gradients, the EMA."""
-    if scheduler is not None:
-        scheduler.step_update(step)  # lr of this update
+    """One update of accumulated gradients: the scheduler's lr for update ``progress.global_step``, gradient
+    clipping (unscaled; ``check_norm`` sees the norm before the step), the (scaled) optimizer step, zeroed
+    gradients, the EMA; then ``progress.global_step`` counts the update (also one the fp16 scaler skips).
+    The one place every engine's step counter rises."""
+    scheduler.step_update(progress.global_step)  # lr of this update
     if clip_grad:
         scaler.unscale_(optimizer)
         norm = nn.utils.clip_grad_norm_(model.parameters(), float(clip_grad))
@@ -150,6 +151,7 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     if ema is not None:
         ema.update(model)
+    progress.global_step += 1
 
 
 def run_epochs(
