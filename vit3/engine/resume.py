@@ -17,6 +17,7 @@ from ..models.record import checkpoint_task, load_checkpoint
 from .checkpoint import get_rng_state, resume_differences, save_checkpoint, set_rng_state
 from .config import Config, ConfigError
 from .distributed import DistInfo, all_gather_objects, barrier, log
+from .optim import epoch_steps
 from .process import seed_process, set_threads
 from .run_folder import OutputFolder, open_output
 
@@ -68,7 +69,8 @@ class Progress:
             self.batch_in_epoch = self.batch_in_epoch * old // new // accum * accum
         self.roll_over(batches_per_epoch)
         if by_epochs and changed:
-            self.global_step = self.epoch * (batches_per_epoch // accum) + self.batch_in_epoch // accum
+            updates = epoch_steps(batches_per_epoch, accum).updates
+            self.global_step = self.epoch * updates + self.batch_in_epoch // accum
 
     def roll_over(self, batches_per_epoch: int) -> None:
         """Moves to the start of the next epoch when this one's batches are all done."""
