@@ -1,16 +1,18 @@
 """vit3.engine.optim: AdamW's parameter groups, the lrs scaled to the total batch, the warmup + cosine
-schedule (against its formula, timm's scheduler and whole classification runs: accumulation across epochs,
-a resume, the recipe's fitting), optimizer state across regroupings, and the dense recipes' groups and
-schedule."""
+schedule (against its formula, timm's scheduler and whole classification and generation runs: accumulation
+across epochs, a resume, the recipe's fitting), optimizer state across regroupings, and the dense recipes'
+groups and schedule."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 
 import pytest
 import timm
 import torch
+from helpers.generation import tiny_gen_cfg
 from helpers.train import bare_resume, run_until_crash, tiny_cfg
 
 import vit3.models  # noqa: F401  (registers the models)
@@ -147,13 +149,12 @@ _ACCUM_RUN = ("data.batch_size=4", "train.accum_steps=2", "train.warmup_lr=1e-5"
 _UPDATES_PER_EPOCH = 10
 
 
-def _spy_on_updates(monkeypatch) -> list[tuple[int, list[float]]]:
-    """Records, in order, ``(k, every group's lr)`` at each optimizer update of the classification runs
-    this test starts (the step ``loop.optimizer_step`` is given, which it counts, and the lrs the update
-    ran at)."""
-    import vit3.engine.classification as classification
-
-    seen, real = [], classification.optimizer_step
+def _spy_on_updates(monkeypatch, engine: str = "classification") -> list[tuple[int, list[float]]]:
+    """Records, in order, ``(k, every group's lr)`` at each optimizer update of the runs of ``engine`` (a
+    module of ``vit3.engine``) this test starts (the step ``loop.optimizer_step`` is given, which it
+    counts, and the lrs the update ran at)."""
+    module = importlib.import_module(f"vit3.engine.{engine}")
+    seen, real = [], module.optimizer_step
 
     def spy(model, optimizer, scaler, clip, scheduler, progress, *rest):
         step = progress.global_step
@@ -161,17 +162,20 @@ def _spy_on_updates(monkeypatch) -> list[tuple[int, list[float]]]:
         assert progress.global_step == step + 1, "optimizer_step counts its update"
         seen.append((step, [g["lr"] for g in optimizer.param_groups]))
 
-    monkeypatch.setattr(classification, "optimizer_step", spy)
+    monkeypatch.setattr(module, "optimizer_step", spy)
     return seen
 
 
-def _assert_the_formula_at_every_update(seen, out, train_cfg, epochs: int, warmup_epochs: float) -> None:
+def _assert_the_formula_at_every_update(
+    seen, out, train_cfg, epochs: int, warmup_epochs: float, base_lr: float = 2e-3
+) -> None:
     """The updates ``seen`` are exactly 0..T-1 (T = ``epochs`` x 10) and update k runs every group at
     ``build_scheduler``'s formula, written out here (W = ``warmup_epochs`` x 10), on the lrs scaled to the
-    total batch of 8; ``out/metrics.json`` logs each epoch's last update's lr."""
+    total batch of 8 (``base_lr`` at ``lr_batch`` 20: x 8 / 20); ``out/metrics.json`` logs each epoch's
+    last update's lr."""
     total, warm = epochs * _UPDATES_PER_EPOCH, int(warmup_epochs * _UPDATES_PER_EPOCH)
-    lrs = optim.scaled_lrs(train_cfg, 4 * 2)  # lr_batch 20 (tiny_cfg): x 8 / 20
-    assert lrs["base_lr"] == pytest.approx(2e-3 * 8 / 20)
+    lrs = optim.scaled_lrs(train_cfg, 4 * 2)
+    assert lrs["base_lr"] == pytest.approx(base_lr * 8 / 20)
 
     def formula(k):
         if k < warm:
@@ -198,6 +202,17 @@ def test_a_run_applies_the_formulas_lr_at_every_update(four_digits, tmp_path, mo
     cfg = tiny_cfg(four_digits, tmp_path / "run", *_ACCUM_RUN, "train.epochs=3", "train.warmup_epochs=1")
     run(cfg, "train")
     _assert_the_formula_at_every_update(seen, tmp_path / "run", cfg.train, epochs=3, warmup_epochs=1)
+
+
+def test_a_generation_run_applies_the_formulas_lr_at_every_update(four_digits, tmp_path, monkeypatch):
+    """The same schedule through the generation engine (DiT³ on the same digits, batches and accumulation):
+    it builds it with ``build_optimization`` and steps it from its own loop."""
+    seen = _spy_on_updates(monkeypatch, "generation")
+    cfg = tiny_gen_cfg(four_digits, tmp_path / "gen", *_ACCUM_RUN, "train.epochs=3", "train.warmup_epochs=1")
+    run(cfg, "train")
+    _assert_the_formula_at_every_update(
+        seen, tmp_path / "gen", cfg.train, epochs=3, warmup_epochs=1, base_lr=3e-3
+    )
 
 
 @pytest.mark.parametrize("stop", [_UPDATES_PER_EPOCH, _UPDATES_PER_EPOCH + 5], ids=["epoch-end", "mid-epoch"])

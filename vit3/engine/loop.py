@@ -1,8 +1,8 @@
 """The epoch loop every epoch-based engine shares (classification, generation, conversion).
 
 :class:`TrainRun` holds a run's model, optimizer, scheduler and scaler; :func:`optimizer_step` is one update
-(the scheduler's lr, clipping, scaler, EMA); :func:`run_epochs` runs the epochs left; :func:`run_summary`
-reports the end.
+(the scheduler's lr, clipping, scaler, EMA) and counts it (``Progress.global_step``); :func:`run_epochs` runs
+the epochs left; :func:`run_summary` reports the end.
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ class EpochSteps(NamedTuple):
 
 
 def epoch_steps(loader_batches: int, accum: int) -> EpochSteps:
-    """The length of an epoch of ``loader_batches`` batches of ``accum`` micro-batches per update: the
-    left-over batches of an incomplete update are dropped, so every update accumulates within one epoch.
+    """The length of an epoch of ``loader_batches`` batches (a whole epoch's: ``len(loader)`` before a resume
+    offsets its sampler) and ``accum`` micro-batches per update: the left-over batches of an incomplete
+    update are dropped, so every update accumulates within one epoch.
 
     Raises:
         ConfigError: not one update of ``accum`` (``train.accum_steps``) batches fits in an epoch.
