@@ -8,6 +8,7 @@ import torch.multiprocessing as mp
 from helpers.dist import ranks_agree_worker
 
 from vit3.engine import ConfigError, load_config
+from vit3.engine.optim import epoch_steps
 from vit3.engine.process import amp_dtype
 from vit3.engine.resume import Progress, check_resume_task
 
@@ -76,8 +77,8 @@ def test_a_resume_with_another_batch_per_update_goes_on_after_the_images_seen():
     ]
     for (batch_size, accum, batches, by_epochs), want in cases:
         p = Progress()
-        p.restore(_counters(2, 7, 47), batch_size, 1, accum, batches, by_epochs=by_epochs)
+        p.restore(_counters(2, 7, 47), batch_size, 1, accum, epoch_steps(batches, accum), by_epochs=by_epochs)
         assert (p.epoch, p.batch_in_epoch, p.global_step) == want, (batch_size, accum, by_epochs)
     p = Progress()
-    p.restore(_counters(1, 20, 40), 10, 1, 2, 20)
+    p.restore(_counters(1, 20, 40), 10, 1, 2, epoch_steps(20, 2))
     assert (p.epoch, p.batch_in_epoch, p.global_step) == (2, 0, 2 * 10)

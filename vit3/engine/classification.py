@@ -48,7 +48,7 @@ from .config import Config, ConfigError, check_batch_norm_batch, check_config, c
 from .distributed import DistInfo, log, log_row
 from .loop import TrainRun, best_checkpoint, log_setup, optimizer_step, run_epochs, run_summary
 from .metrics import plot_curves, write_metrics
-from .optim import build_optimization, epoch_steps
+from .optim import EpochSteps, build_optimization, epoch_steps
 from .process import autocast, wrap_ddp
 from .recipe import eval_frozen, fit_batch_size, fit_epochs, freeze_for_training
 from .resume import Progress, check_resume, open_run, save_state, start_run
@@ -96,7 +96,7 @@ class ClassificationRun(TrainRun):
     wrapped: Any
     sampler: Any
     val_loader: Any
-    batches_per_epoch: int
+    steps: EpochSteps  # the epoch's micro-batches and updates (``optim.epoch_steps``)
     out: Path
     num_classes: int
     classes: list[str]
@@ -158,9 +158,7 @@ def _restore(run: ClassificationRun, ckpt: dict[str, Any], source: str) -> _Prog
     """Restores ``run`` from ``ckpt`` (read from ``source``); returns its progress."""
     run.load_training_state(ckpt, source)
     p = run.progress
-    p.restore(
-        ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps), run.batches_per_epoch
-    )
+    p.restore(ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps), run.steps)
     p.loss_sum, p.loss_count = ckpt["epoch_loss"]
     p.best_top1, p.history = ckpt["best_top1"], list(ckpt["history"])
     p.resumed_from, p.seconds_before = source, ckpt.get("run_seconds")
@@ -284,7 +282,7 @@ def assemble_run(
     net = wrap_ddp(model, cfg, info)
     run = run_type(
         cfg, info, model, net, ema, opt.optimizer, opt.scheduler, opt.scaler, opt.amp_dtype, mixup,
-        loader, wrapped, sampler, val_loader, steps.batches, folder.path, num_classes, classes,
+        loader, wrapped, sampler, val_loader, steps, folder.path, num_classes, classes,
         _Progress(),
     )  # fmt: skip
     images = f"{len(data['train'])} train / {len(data['val'])} val images"
@@ -337,7 +335,7 @@ def _train_epoch(run: ClassificationRun, run_bar: tqdm | None = None) -> None:
     desc = f"epoch {p.epoch + 1}/{cfg.train.epochs}"
     if run_bar is None:
         bar = tqdm(
-            total=run.batches_per_epoch, initial=p.batch_in_epoch, desc=desc,
+            total=run.steps.batches, initial=p.batch_in_epoch, desc=desc,
             disable=not (info.is_main and cfg.train.progress), dynamic_ncols=True, leave=False,
             file=sys.stdout,
         )  # fmt: skip
@@ -348,14 +346,14 @@ def _train_epoch(run: ClassificationRun, run_bar: tqdm | None = None) -> None:
     dev = info.device
     advice = divergence_advice(cfg.train.base_lr, cfg.train.clip_grad)
     for b, (x, y) in enumerate(run.loader, start=p.batch_in_epoch):
-        if b >= run.batches_per_epoch:
+        if b >= run.steps.batches:
             break
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         if run.mixup is not None:
             x, y = run.mixup(x, y)
         update = (b + 1) % accum == 0
         sync = run.net.no_sync() if info.distributed and not update else contextlib.nullcontext()
-        where = f"at step {p.global_step + 1} (epoch {p.epoch + 1}, batch {b + 1} of {run.batches_per_epoch})"
+        where = f"at step {p.global_step + 1} (epoch {p.epoch + 1}, batch {b + 1} of {run.steps.batches})"
         with (
             sync,
             _diverged_on_nonfinite_tokens(where, advice),
@@ -382,7 +380,7 @@ def _train_epoch(run: ClassificationRun, run_bar: tqdm | None = None) -> None:
                 check_norm,
             )  # fmt: skip
             every = int(cfg.train.save_every_steps or 0)
-            if every and p.global_step % every == 0 and p.batch_in_epoch < run.batches_per_epoch:
+            if every and p.global_step % every == 0 and p.batch_in_epoch < run.steps.batches:
                 _save(run, "last.pt")
         bar.update(1)
         if info.is_main and (b + 1) % max(1, int(cfg.train.log_every)) == 0:
@@ -462,13 +460,13 @@ def train_in_group(
     run_bar = None
     if cfg.train.progress == "run":  # one bar for the whole run instead of one per epoch
         run_bar = tqdm(
-            total=cfg.train.epochs * run.batches_per_epoch,
-            initial=p.epoch * run.batches_per_epoch + p.batch_in_epoch, desc=Path(cfg.output).name,
+            total=cfg.train.epochs * run.steps.batches,
+            initial=p.epoch * run.steps.batches + p.batch_in_epoch, desc=Path(cfg.output).name,
             disable=not info.is_main, dynamic_ncols=True, file=sys.stdout,
         )  # fmt: skip
     try:
         run_epochs(
-            run, p, run.batches_per_epoch, lambda: _train_epoch(run, run_bar),
+            run, p, run.steps.batches, lambda: _train_epoch(run, run_bar),
             lambda seconds, images: _finish_epoch(run, seconds, images),
         )  # fmt: skip
     finally:

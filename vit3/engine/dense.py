@@ -120,7 +120,8 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         collate_fn=collate_detection if cfg.task == "detection" else None,
     )  # fmt: skip
     accum, bs = int(cfg.train.accum_steps), int(cfg.data.batch_size)
-    batches_per_epoch, iters_per_epoch = epoch_steps(len(loader), accum)
+    steps = epoch_steps(len(loader), accum)
+    batches_per_epoch, iters_per_epoch = steps
     total = d.iters or cfg.train.epochs * iters_per_epoch
     lr = scaled_lrs(cfg.train, bs * info.world * accum)["base_lr"]
     opt = build_dense_optimizer(model, dense_backbone(model).body, cfg, lr)
@@ -140,7 +141,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         model.load_state_dict(ckpt["model"])
         load_optimizer_state(opt, ckpt["optimizer"], source=resume)
         scaler.load_state_dict(ckpt["scaler"])
-        p.restore(ckpt, bs, info.world, accum, batches_per_epoch, by_epochs=not d.iters)
+        p.restore(ckpt, bs, info.world, accum, steps, by_epochs=not d.iters)
         p.history, p.losses, p.best = list(ckpt["history"]), list(ckpt["losses"]), float(ckpt["best"])
         restore_rng(ckpt, info)
         log(

@@ -41,7 +41,7 @@ from .generation_sampling import (
 )
 from .loop import TrainRun, log_setup, optimizer_step, run_epochs, run_summary
 from .metrics import plot_series, write_metrics
-from .optim import build_optimization, epoch_steps
+from .optim import EpochSteps, build_optimization, epoch_steps
 from .process import autocast, wrap_ddp
 from .resume import Progress, check_resume, open_run, save_state, start_run
 from .run_folder import claim_output, in_process_group
@@ -68,7 +68,7 @@ class _Run(TrainRun):
     loader: Any
     wrapped: Any
     sampler: Any
-    batches_per_epoch: int
+    steps: EpochSteps  # the epoch's micro-batches and updates (``optim.epoch_steps``)
     out: Path
     model_kwargs: dict[str, Any]
     classes: list[str]
@@ -94,9 +94,7 @@ def _restore(run: _Run, ckpt: dict[str, Any], source: str) -> _Progress:
     """Restores ``run`` from ``ckpt`` (read from ``source``); returns its progress."""
     run.load_training_state(ckpt, source)
     p, loss = run.progress, ckpt["epoch_loss"]
-    p.restore(
-        ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps), run.batches_per_epoch
-    )
+    p.restore(ckpt, run.cfg.data.batch_size, run.info.world, int(run.cfg.train.accum_steps), run.steps)
     p.sums, p.count, p.window = dict(loss["sums"]), int(loss["count"]), dict(loss["window"])
     p.history, p.curve = list(ckpt["history"]), list(ckpt["curve"])
     return p
@@ -129,7 +127,7 @@ def _setup(cfg: Config, info: DistInfo) -> _Run:
     diffusion = build_diffusion(cfg, model.learn_sigma)
     run = _Run(
         cfg, info, model, net, ema, opt.optimizer, opt.scheduler, opt.scaler, opt.amp_dtype, diffusion, vae,
-        loader, wrapped, sampler, steps.batches, out, kwargs, classes, _Progress(),
+        loader, wrapped, sampler, steps, out, kwargs, classes, _Progress(),
     )  # fmt: skip
     space = (
         f"latent {in_channels}x{input_size}² (VAE {cfg.vae.path})"
@@ -155,12 +153,12 @@ def _train_epoch(run: _Run) -> None:
     run.wrapped.set_epoch(p.epoch)
     run.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
     bar = tqdm(
-        total=run.batches_per_epoch, initial=p.batch_in_epoch, desc=f"epoch {p.epoch + 1}/{cfg.train.epochs}",
+        total=run.steps.batches, initial=p.batch_in_epoch, desc=f"epoch {p.epoch + 1}/{cfg.train.epochs}",
         disable=not (info.is_main and cfg.train.progress), dynamic_ncols=True, leave=False, file=sys.stdout,
     )  # fmt: skip
     dev, diffusion = info.device, run.diffusion
     for b, (x, y) in enumerate(run.loader, start=p.batch_in_epoch):
-        if b >= run.batches_per_epoch:
+        if b >= run.steps.batches:
             break
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         if run.vae is not None:
@@ -203,7 +201,7 @@ def _train_epoch(run: _Run) -> None:
                 p.window = {}
                 bar.set_postfix(loss=f"{p.curve[-1]['loss']:.4f}")
             every = int(cfg.train.save_every_steps or 0)
-            if every and p.global_step % every == 0 and p.batch_in_epoch < run.batches_per_epoch:
+            if every and p.global_step % every == 0 and p.batch_in_epoch < run.steps.batches:
                 _save(run, "last.pt")
         bar.update(1)
     bar.close()
@@ -245,9 +243,7 @@ def _train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     start = time.perf_counter()
     run = _setup(cfg, info)
     p = run.progress
-    run_epochs(
-        run, p, run.batches_per_epoch, lambda: _train_epoch(run), lambda s, n: _finish_epoch(run, s, n)
-    )
+    run_epochs(run, p, run.steps.batches, lambda: _train_epoch(run), lambda s, n: _finish_epoch(run, s, n))
     summary: dict[str, Any] = run_summary(run.model, run.info.world, run.out, p.history)
     summary["train_time_s"] = round(time.perf_counter() - start, 1)
     if info.is_main:

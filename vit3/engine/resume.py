@@ -17,7 +17,7 @@ from ..models.record import checkpoint_task, load_checkpoint
 from .checkpoint import get_rng_state, resume_differences, save_checkpoint, set_rng_state
 from .config import Config, ConfigError
 from .distributed import DistInfo, all_gather_objects, barrier, log
-from .optim import epoch_steps
+from .optim import EpochSteps
 from .process import seed_process, set_threads
 from .run_folder import OutputFolder, open_output
 
@@ -46,7 +46,7 @@ class Progress:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "global_step": self.global_step}
 
     def restore(
-        self, ckpt: Mapping[str, Any], batch_size: int, world: int, accum: int, batches_per_epoch: int,
+        self, ckpt: Mapping[str, Any], batch_size: int, world: int, accum: int, steps: EpochSteps,
         by_epochs: bool = True,
     ) -> None:  # fmt: skip
         """Restores the counters of ``ckpt`` and moves on to the next epoch where its epoch was done.
@@ -67,10 +67,9 @@ class Progress:
         changed = old != new or old_accum != accum
         if changed:
             self.batch_in_epoch = self.batch_in_epoch * old // new // accum * accum
-        self.roll_over(batches_per_epoch)
+        self.roll_over(steps.batches)
         if by_epochs and changed:
-            updates = epoch_steps(batches_per_epoch, accum).updates
-            self.global_step = self.epoch * updates + self.batch_in_epoch // accum
+            self.global_step = self.epoch * steps.updates + self.batch_in_epoch // accum
 
     def roll_over(self, batches_per_epoch: int) -> None:
         """Moves to the start of the next epoch when this one's batches are all done."""
