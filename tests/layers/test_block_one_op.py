@@ -59,6 +59,24 @@ def _run(
     return out, list(grads), rng
 
 
+@pytest.mark.parametrize("settled", [False, True], ids=["first-call", "settled"])
+@pytest.mark.parametrize(
+    "shape", [(2, GRID[0] * GRID[1], DIM), (2, *GRID, DIM // 2)], ids=["tokens", "other-width"]
+)
+def test_a_block_names_the_map_it_takes(settled, shape):
+    """Tokens ``[B, N, C]`` or a map of another width are refused in one line naming the map a block takes,
+    before and after its calls settle on the one op (before: an ``IndexError``, or the C++ CPE's message)."""
+    block = _block()
+    with torch.no_grad():
+        if settled:
+            _settle(block, _x())
+            assert block.one_op(_x()) is not None
+        with pytest.raises(
+            ValueError, match=r"^TTTBlock built for C=32 expects a channels-last map \[B, H, W, C\], got \("
+        ):
+            block(torch.randn(*shape, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("recompute", ["always", "never"], ids=["lean", "saving"])
 @pytest.mark.parametrize("drop_path", [0.0, 0.3], ids=["no-drop-path", "drop-path"])
 @pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "inference_mode"])

@@ -24,7 +24,7 @@ from vit3.kernels.common import autocast_backward, autocast_forward
 
 from . import backends
 from .config import TTTConfig, check_backend, check_recompute
-from .inner_math import tracing_kind
+from .inner_math import shape_text, tracing_kind
 from .lean import hooked, lean_eligible
 from .ttt import TTTMixer
 
@@ -563,6 +563,12 @@ class TTTBlock(nn.Module):
             if args is not None:
                 dp1, dp2 = self._modules["drop_path1"], self._modules["drop_path2"]
                 return torch.ops.vit3_cpu.ttt_block(*args, _drop_scale(dp1, x), _drop_scale(dp2, x))
+            dim = self._modules["attn"].dim
+            if not isinstance(x, torch.fx.Proxy) and (x.ndim != 4 or x.shape[3] != dim):
+                raise ValueError(
+                    f"TTTBlock built for C={dim} expects a channels-last map [B, H, W, C], got "
+                    f"{shape_text(x)}"
+                )
         b, h, w, c = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
         x, n = self._cpe_norm(x)
         y = self.attn(n.reshape(b, h * w, c), grid=(h, w)).reshape(b, h, w, c)  # [B, H*W, C] -> [B, H, W, C]
