@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 import vit3  # registers the vit3 models in timm
-from vit3.engine.classification_model import input_channels, resolve_data_cfg
+from vit3.engine.classification_model import build_model, input_channels, resolve_data_cfg
 from vit3.engine.cli import ArgumentParser, run_cli
-from vit3.engine.config import Config, load_config, model_arguments, to_plain
+from vit3.engine.config import Config, load_config
 from vit3.engine.config.value_checks import dit3_model, timm_model, torch_device
 from vit3.engine.process import amp_dtype
 from vit3.errors import ConfigError
@@ -155,8 +155,10 @@ def _build(args: argparse.Namespace, cfg: Config | None) -> nn.Module:
     """The model to explain; sets ``args.img_size`` where no flag gave it.
 
     Without a config: ``args.model`` built for ``--img-size`` (224) where it takes one (a timm ViT fixes its
-    patch grid). With one: as ``train.py`` builds it, from ``model.kwargs`` (gradient checkpointing too),
-    at the image size training resolves (``data.img_size``, else the size the model was built at).
+    patch grid). With one: by ``train.py``'s ``build_model`` (``model.kwargs``, ``drop_path_rate``; gradient
+    checkpointing too) with ``model.num_classes`` classes (1000 where the data would say: a head's width
+    routes no mixer), at the image size training resolves (``data.img_size``, else the size the model was
+    built at).
     """
     if cfg is None:
         args.img_size = args.img_size or 224
@@ -164,9 +166,8 @@ def _build(args: argparse.Namespace, cfg: Config | None) -> nn.Module:
             return timm.create_model(args.model, pretrained=False, img_size=args.img_size)
         except TypeError:  # no img_size argument: the model reads the size from its input
             return timm.create_model(args.model, pretrained=False)
-    kwargs = to_plain(cfg.model.kwargs)
-    with model_arguments(args.model, kwargs):
-        model = timm.create_model(args.model, pretrained=False, **kwargs)
+    cfg.set_path("model.name", args.model)
+    model, _ = build_model(cfg, int(cfg.model.num_classes or 1000))
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
     if args.img_size is None:
