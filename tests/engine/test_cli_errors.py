@@ -4,15 +4,14 @@ raised (config values of the wrong type, engine checks, truncated checkpoints, D
 
 from __future__ import annotations
 
-import io
 import re
 import shutil
 
 import pytest
 import torch
-from helpers.train import TINY_MODEL, load_script, make_digit_folder, one_error_line
-from tqdm import tqdm
+from helpers.train import TINY_MODEL, Terminal, load_script, make_digit_folder, one_error_line
 
+from vit3.engine.bars import progress_bar
 from vit3.engine.checkpoint import CheckpointError, save_checkpoint
 from vit3.engine.cli import DEBUG_ENV, INTERRUPTED_EXIT, USER_ERROR_EXIT, ArgumentParser, run_cli
 from vit3.engine.config import ConfigError, load_config
@@ -115,10 +114,10 @@ def test_a_bad_environment_variable_is_one_error_line(digits, tmp_path, capsys, 
 def test_the_error_line_starts_a_line_of_its_own_after_a_progress_bar(failure, capsys):
     """A mistake met mid-epoch (a corrupt image) or Ctrl-C: the epoch's progress bar is ended before the
     error line, not left open for the line to be written after it on the terminal both go to."""
-    out = io.StringIO()
+    out = Terminal()
 
     def body(args):
-        bar = tqdm(total=10, file=out, leave=False, desc="epoch 1/2")
+        bar = progress_bar(10, "epoch 1/2", True, file=out)
         bar.update(3)
         raise failure
 

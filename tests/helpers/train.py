@@ -5,6 +5,7 @@ Test modules import it.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -44,6 +45,13 @@ def make_digit_folder(
             for i, r in enumerate(picked):
                 Image.fromarray(images[r]).save(folder / f"{i:04d}.png")
     return root
+
+
+class Terminal(io.StringIO):
+    """A text buffer that says it is a terminal, where a progress bar draws (``vit3.engine.bars``)."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 def short_run(data_root: Path, out: Path, base_lr: float) -> list[str]:

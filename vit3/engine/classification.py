@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,13 +24,13 @@ import timm
 import torch
 from timm.utils import ModelEmaV3
 from torch import nn
-from tqdm import tqdm
 
 from ..data import build_datasets, build_mixup, build_train_loader, build_transform, build_val_loader
 from ..errors import TrainingDiverged, divergence_advice
 from ..layers.ttt import NonFiniteError
 from ..models.record import model_record, peek_vit3_checkpoint, require_classifier
 from ..outputs import write_text
+from .bars import Bar, progress_bar
 from .checkpoint import apply_model_record, make_model_record
 from .classification_eval import evaluate
 from .classification_model import (
@@ -321,7 +320,7 @@ def _one_image_batches_refused(batch_size: int, model_name: str):
         ) from exc
 
 
-def _train_epoch(run: ClassificationRun, run_bar: tqdm | None = None) -> None:
+def _train_epoch(run: ClassificationRun, run_bar: Bar | None = None) -> None:
     """One epoch (from ``progress.batch_in_epoch`` on); ``run_bar``: the run's bar
     (``train.progress=run``)."""
     cfg, info, p = run.cfg, run.info, run.progress
@@ -334,11 +333,8 @@ def _train_epoch(run: ClassificationRun, run_bar: tqdm | None = None) -> None:
     mesa_on = float(cfg.train.mesa or 0.0) > 0 and p.epoch >= int(cfg.train.mesa_start * cfg.train.epochs)
     desc = f"epoch {p.epoch + 1}/{cfg.train.epochs}"
     if run_bar is None:
-        bar = tqdm(
-            total=run.steps.batches, initial=p.batch_in_epoch, desc=desc,
-            disable=not (info.is_main and cfg.train.progress), dynamic_ncols=True, leave=False,
-            file=sys.stdout,
-        )  # fmt: skip
+        shown = info.is_main and bool(cfg.train.progress)
+        bar = progress_bar(run.steps.batches, desc, shown, initial=p.batch_in_epoch)
     else:
         bar = run_bar
         bar.set_description(f"{Path(cfg.output).name} {desc}")
@@ -459,11 +455,8 @@ def train_in_group(
     p.started = start
     run_bar = None
     if cfg.train.progress == "run":  # one bar for the whole run instead of one per epoch
-        run_bar = tqdm(
-            total=cfg.train.epochs * run.steps.batches,
-            initial=p.epoch * run.steps.batches + p.batch_in_epoch, desc=Path(cfg.output).name,
-            disable=not info.is_main, dynamic_ncols=True, file=sys.stdout,
-        )  # fmt: skip
+        total, done = cfg.train.epochs * run.steps.batches, p.epoch * run.steps.batches + p.batch_in_epoch
+        run_bar = progress_bar(total, Path(cfg.output).name, info.is_main, initial=done, leave=True)
     try:
         run_epochs(
             run, p, run.steps.batches, lambda: _train_epoch(run, run_bar),

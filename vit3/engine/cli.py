@@ -22,9 +22,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tqdm import tqdm
-
 from ..errors import OUTPUT_ERRNOS, ConfigError, Terminated, UserError, describe_os_error, raise_terminated
+from .bars import close_bars
 from .config import parse_override
 
 USER_ERROR_EXIT = 2  # the exit code of argparse's own usage errors
@@ -210,7 +209,7 @@ def run_cli(
             raise
         terminated = isinstance(exc, Terminated)
         if not _rank():  # Ctrl-C reaches every process of a torchrun launch: rank 0 says it once
-            _close_bars()
+            close_bars()
             print(f"error: {interrupted_message(resume, terminated)}", file=sys.stderr)
         return TERMINATED_EXIT if terminated else INTERRUPTED_EXIT
     except Exception as exc:
@@ -220,22 +219,13 @@ def run_cli(
         if rank:  # rank 0 reports a mistake every rank meets; see RANK_REPORT_DELAY_S
             time.sleep(RANK_REPORT_DELAY_S)
             message = f"(rank {rank}) {message}"
-        _close_bars()
+        close_bars()
         print(f"error: {message}", file=sys.stderr)
         return USER_ERROR_EXIT
     finally:
         warnings.formatwarning = before
         if sigterm is not None:
             signal.signal(signal.SIGTERM, sigterm)
-
-
-def _close_bars() -> None:
-    """Ends the progress bars an exception left open (a bar's line is cleared or finished), so that the
-    error line that follows starts a line of its own (the bars write to stdout, the error to stderr: one
-    terminal)."""
-    for bar in list(tqdm._instances):
-        bar.close()
-    sys.stdout.flush()
 
 
 def _take_sigterm() -> Any:

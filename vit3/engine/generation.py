@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,6 @@ from typing import Any
 
 import torch
 from timm.utils import ModelEmaV3
-from tqdm import tqdm
 
 from ..data import build_datasets, build_train_loader
 from ..data.generation import build_generation_transform
@@ -28,6 +26,7 @@ from ..errors import TrainingDiverged, divergence_advice
 from ..models.dit3 import DiT3
 from ..outputs import write_text
 from ..tasks.diffusion import GaussianDiffusion, LatentAutoencoder
+from .bars import progress_bar
 from .config import Config, ConfigError
 from .distributed import DistInfo, log, log_row
 from .generation_sampling import (
@@ -152,10 +151,9 @@ def _train_epoch(run: _Run) -> None:
     run.net.train()
     run.wrapped.set_epoch(p.epoch)
     run.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
-    bar = tqdm(
-        total=run.steps.batches, initial=p.batch_in_epoch, desc=f"epoch {p.epoch + 1}/{cfg.train.epochs}",
-        disable=not (info.is_main and cfg.train.progress), dynamic_ncols=True, leave=False, file=sys.stdout,
-    )  # fmt: skip
+    desc = f"epoch {p.epoch + 1}/{cfg.train.epochs}"
+    shown = info.is_main and bool(cfg.train.progress)
+    bar = progress_bar(run.steps.batches, desc, shown, initial=p.batch_in_epoch)
     dev, diffusion = info.device, run.diffusion
     for b, (x, y) in enumerate(run.loader, start=p.batch_in_epoch):
         if b >= run.steps.batches:
@@ -185,6 +183,7 @@ def _train_epoch(run: _Run) -> None:
         _add(p.window, {**values, "n": 1.0})
         p.count += 1
         p.batch_in_epoch = b + 1
+        bar.update(1)
         if update:
             optimizer_step(
                 run.model,
@@ -203,7 +202,6 @@ def _train_epoch(run: _Run) -> None:
             every = int(cfg.train.save_every_steps or 0)
             if every and p.global_step % every == 0 and p.batch_in_epoch < run.steps.batches:
                 _save(run, "last.pt")
-        bar.update(1)
     bar.close()
 
 

@@ -8,14 +8,12 @@ seeds, the files in the reference evaluation suite's layout and their metrics (`
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..data import build_datasets
 from ..data.generation import to_uint8
@@ -23,6 +21,7 @@ from ..models.dit3 import DiT3, create_dit3
 from ..models.record import peek_vit3_checkpoint
 from ..outputs import atomic_write, write_text
 from ..tasks.diffusion import GaussianDiffusion, LatentAutoencoder
+from .bars import progress_iter
 from .checkpoint import load_model_weights
 from .config import Config, ConfigError, check_config, model_arguments
 from .distributed import DistInfo, barrier, log
@@ -146,9 +145,7 @@ def generate(
     amp = amp_dtype(s.amp, device, "sample.amp")
     out = []
     bs = max(1, int(s.batch_size))
-    for i in tqdm(
-        range(0, len(labels), bs), disable=not progress, desc="sampling", leave=False, file=sys.stdout
-    ):
+    for i in progress_iter(range(0, len(labels), bs), "sampling", progress):
         gens = [torch.Generator().manual_seed(int(seed)) for seed in seeds[i : i + bs]]
         with autocast(device, amp):
             z = diffusion.sample(

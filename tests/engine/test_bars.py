@@ -1,0 +1,107 @@
+"""Progress: a bar on a terminal, whole log lines anywhere else (a log file keeps no carriage returns),
+nothing where progress is off; the bars an error leaves open are ended."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+
+import pytest
+from helpers.generation import tiny_gen_cfg
+from helpers.train import Terminal, tiny_cfg
+from tqdm import tqdm
+
+from vit3.engine import bars, run
+from vit3.engine.bars import LogLines, close_bars, progress_bar, progress_iter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TIMES = r"\[\d\d:\d\d<\d\d:\d\d\]"
+LINE = rf"epoch 1/1 (\d+)/(\d+) {TIMES}"
+
+
+def test_a_bar_off_a_terminal_writes_a_whole_line_each_time_its_figures_are_set(monkeypatch):
+    """Each line: the steps done, the time since the bar began and the time left at its rate so far (a
+    resumed epoch's bar counts from where it began), then the figures."""
+    clock = iter([100.0, 110.0, 112.0])  # made, then read at each line
+    monkeypatch.setattr(bars.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    bar = progress_bar(62, "epoch 1/6", True, initial=2, file=out)
+    assert isinstance(bar, LogLines)
+    bar.update(3)
+    assert out.getvalue() == ""  # a step alone writes nothing
+    bar.set_postfix(loss="2.3106", lr="7.39e-05")
+    bar.set_description("n4 epoch 2/6")
+    bar.update()
+    bar.set_postfix(loss="2.2938")
+    bar.close()
+    assert out.getvalue().splitlines() == [
+        "epoch 1/6 5/62 [00:10<03:10] loss 2.3106 lr 7.39e-05",  # 3 steps in 10 s, 57 left
+        "n4 epoch 2/6 6/62 [00:12<02:48] loss 2.2938",  # 4 in 12 s, 56 left
+    ]
+
+
+def test_a_bar_on_a_terminal_draws_and_close_bars_ends_it():
+    """``close_bars``: what the scripts call on an error or Ctrl-C before their one ``error:`` line."""
+    out = Terminal()
+    bar = progress_bar(10, "epoch 1/2", True, file=out)
+    assert isinstance(bar, tqdm)
+    bar.update(3)
+    bar.set_postfix(loss="1.0")
+    assert "\r" in out.getvalue() and "3/10" in out.getvalue()
+    close_bars()
+    assert bar.disable and out.getvalue().endswith("\r")  # closed, its line cleared
+    close_bars()  # a closed bar is ended once
+
+
+@pytest.mark.parametrize("out", [io.StringIO(), Terminal()], ids=["log", "terminal"])
+def test_a_disabled_bar_writes_nothing(out):
+    bar = progress_bar(10, "epoch 1/2", False, file=out)
+    bar.update(3)
+    bar.set_postfix(loss="1.0")
+    bar.close()
+    assert out.getvalue() == ""
+
+
+@pytest.mark.parametrize("stdout", [io.StringIO(), Terminal()], ids=["log", "terminal"])
+def test_progress_over_items_draws_on_a_terminal_and_logs_each_tenth_elsewhere(stdout, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert list(progress_iter(range(0, 9, 3), "sampling", False)) == [0, 3, 6]
+    assert stdout.getvalue() == ""  # off: nothing anywhere
+    seen = []
+    for item in progress_iter(range(25), "sampling", True):
+        seen.append((item, stdout.getvalue().count("\n")))
+    assert [item for item, _ in seen] == list(range(25))
+    if stdout.isatty():
+        assert "sampling" in stdout.getvalue() and "\r" in stdout.getvalue()
+        return
+    lines = stdout.getvalue().splitlines()
+    done = [int(re.fullmatch(rf"sampling (\d+)/25 {TIMES}", line)[1]) for line in lines]
+    assert done == [3, 6, 9, 12, 15, 18, 21, 24, 25]  # a tenth of 25 is 3 (rounded up), then the last
+    assert [count for _, count in seen[:4]] == [0, 0, 0, 1]  # a line once an item is done, not before
+
+
+def _log_lines(out: str, batches: int) -> list[tuple[int, int]]:
+    """The (step, total) of every progress line of a run's stdout, which holds no carriage return."""
+    assert "\r" not in out
+    found = [(int(m[1]), int(m[2])) for m in re.finditer(LINE + r" loss \d", out)]
+    assert found and all(total == batches for _, total in found), out
+    return found
+
+
+SHOWN = ("train.epochs=1", "train.progress=true")
+
+
+def test_a_classification_run_logged_to_a_file_writes_a_line_every_log_every_batches(
+    four_digits, tmp_path, capsys
+):
+    run(tiny_cfg(four_digits, tmp_path / "out", *SHOWN, "train.log_every=2"), "train")
+    assert _log_lines(capsys.readouterr().out, 4) == [(2, 4), (4, 4)]  # 80 images, batches of 20
+
+
+def test_a_generation_run_logged_to_a_file_writes_a_line_every_log_every_updates(
+    four_digits, tmp_path, capsys
+):
+    run(tiny_gen_cfg(four_digits, tmp_path / "gen", *SHOWN, "train.log_every=1"), "train")
+    assert _log_lines(capsys.readouterr().out, 4) == [(1, 4), (2, 4), (3, 4), (4, 4)]
