@@ -53,9 +53,11 @@ def written(page: Path) -> str:
     return "".join([*lines[: begin + 1], f"\n{inner_model_table()}\n\n", *lines[end:]])
 
 
-def stale_pages(docs: Path = DOCS) -> list[Path]:
-    """The pages under ``docs`` whose generated part is not what the code defines now."""
-    return [page for page in [docs / "mixer.md"] if page.read_text() != written(page)]
+def stale_pages(docs: Path = DOCS) -> dict[Path, str]:
+    """The pages under ``docs`` whose generated part is not what the code defines now, each with its text
+    as the code defines it."""
+    pages = {page: written(page) for page in [docs / "mixer.md"]}
+    return {page: text for page, text in pages.items() if page.read_text() != text}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     stale = stale_pages()
-    for page in stale:
+    for page, text in stale.items():
         if args.check:
             print(f"{page}: not current; run `python docs/generate.py`", file=sys.stderr)
         else:
-            page.write_text(written(page))
+            page.write_text(text)
             print(f"wrote {page}")
     return 1 if args.check and stale else 0
 
