@@ -121,11 +121,10 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
     )  # fmt: skip
     accum, bs = int(cfg.train.accum_steps), int(cfg.data.batch_size)
     steps = epoch_steps(len(loader), accum)
-    batches_per_epoch, iters_per_epoch = steps
-    total = d.iters or cfg.train.epochs * iters_per_epoch
+    total = d.iters or cfg.train.epochs * steps.updates
     lr = scaled_lrs(cfg.train, bs * info.world * accum)["base_lr"]
     opt = build_dense_optimizer(model, dense_backbone(model).body, cfg, lr)
-    schedule = DenseSchedule(opt, lr, total, d, iters_per_epoch)
+    schedule = DenseSchedule(opt, lr, total, d, steps.updates)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
     net = wrap_ddp(model, cfg, info)
     wrote = " (the synthetic digits, written now)" if synthetic else ""
@@ -167,7 +166,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
             "meta": run_metadata(),
         }
 
-    eval_every = d.eval_interval or (cfg.train.eval_every or 1) * iters_per_epoch
+    eval_every = d.eval_interval or (cfg.train.eval_every or 1) * steps.updates
     save_every = int(cfg.train.save_every_steps or 0)
     key = "bbox_AP" if cfg.task == "detection" else "mIoU"
     net.train()
@@ -177,7 +176,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
         sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
         step_loss = 0.0
         for b, batch in enumerate(loader, start=p.batch_in_epoch):
-            if b >= batches_per_epoch or p.global_step >= total:
+            if b >= steps.batches or p.global_step >= total:
                 break
             update = (b + 1) % accum == 0
             sync = net.no_sync() if info.distributed and not update else contextlib.nullcontext()
@@ -221,9 +220,9 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
                     )
                 barrier()
                 net.train()
-            elif (save_every and step % save_every == 0) or p.batch_in_epoch == batches_per_epoch:
+            elif (save_every and step % save_every == 0) or p.batch_in_epoch == steps.batches:
                 save_state(state, out / "last.pt", info)  # every epoch's end, as classification saves
-        p.roll_over(batches_per_epoch)
+        p.roll_over(steps.batches)
     summary = {
         **run_summary(model, info.world, out, p.history),
         "best": best_checkpoint(out, cfg.train.keep_best, resume),
