@@ -1,5 +1,6 @@
-"""Progress: a bar on a terminal, whole log lines anywhere else (a log file keeps no carriage returns),
-nothing where progress is off; the bars an error leaves open are ended."""
+"""What a run writes as it goes: progress as a bar on a terminal, whole log lines anywhere else (a log file
+keeps no carriage returns), nothing where progress is off; the bars an error leaves open are ended. The
+run's first line says when ``model.kwargs`` changed the model it names."""
 
 from __future__ import annotations
 
@@ -97,11 +98,15 @@ def test_a_classification_run_logged_to_a_file_writes_a_line_every_log_every_bat
     four_digits, tmp_path, capsys
 ):
     run(tiny_cfg(four_digits, tmp_path / "out", *SHOWN, "train.log_every=2"), "train")
-    assert _log_lines(capsys.readouterr().out, 4) == [(2, 4), (4, 4)]  # 80 images, batches of 20
+    out = capsys.readouterr().out
+    assert out.startswith("model test_h_vit3 + model.kwargs: ")
+    assert _log_lines(out, 4) == [(2, 4), (4, 4)]  # 80 images, batches of 20
 
 
 def test_a_generation_run_logged_to_a_file_writes_a_line_every_log_every_updates(
     four_digits, tmp_path, capsys
 ):
     run(tiny_gen_cfg(four_digits, tmp_path / "gen", *SHOWN, "train.log_every=1"), "train")
-    assert _log_lines(capsys.readouterr().out, 4) == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    out = capsys.readouterr().out
+    assert "model dit3_s_4 (ttt) + model.kwargs: " in out
+    assert _log_lines(out, 4) == [(1, 4), (2, 4), (3, 4), (4, 4)]

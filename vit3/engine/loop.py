@@ -113,11 +113,12 @@ def log_setup(
     about: str,
     data: str,
 ) -> None:
-    """Logs what a run trains: the model (``name``, its size, ``about`` it), the ``data``, the processes,
-    total batch, lr (and how it was scaled), AMP and EMA."""
+    """Logs what a run trains: the model (``name``, whether ``model.kwargs`` changed it, its size, ``about``
+    it), the ``data``, the processes, total batch, lr (and how it was scaled), AMP and EMA."""
+    changed = " + model.kwargs" if cfg.model.get("kwargs") else ""
     log(
         info,
-        f"model {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {about} | "
+        f"model {name}{changed}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {about} | "
         f"data: {data} | {info.world} process(es) on {info.device}, total batch {opt.total_batch}, "
         f"lr {opt.lrs['base_lr']:.3g} "
         f"(train.base_lr {cfg.train.base_lr:g} x {lr_factor(cfg.train, opt.total_batch):.4g}, "
