@@ -1,7 +1,10 @@
 """Times the SwiGLU-branch TTT inner loop: fused Triton op vs compiled and eager PyTorch vs official vs SDPA.
 
 Per (N tokens, head dim d, B*H sample-heads, dtype) and mode (forward; forward + backward) it times the paths
-``fused``, ``fused_unstacked`` (the same op with ``triton.tiles.STACK`` off: the design before), ``compiled``,
+``fused``, ``fused_unstacked`` (the same op with ``triton.tiles.STACK`` off: the design before),
+``fused_chunked`` (the same op with N split into chunks of ``CHUNK_TOKENS`` per program, their partials summed
+by the last program to arrive, at every size: the chunk-parallel split, where ``fused`` splits N only for
+fewer than about two programs per SM), ``compiled``,
 ``compiled_official``, ``torch_fast`` (CPU), ``torch_loop``, ``official``, ``sdpa`` and ``dwconv``, and prints
 times, speed-ups over ``official``, GB/s, TFLOP/s, ``peak_mib`` and ``rel_err``.
 ``--profile`` adds a per-kernel profile of ``--profile-paths``. Method: benchmarks/README.md.
@@ -43,9 +46,10 @@ SCALE = 9**-0.5
 # Dense bf16 tensor-core TFLOP/s and HBM GB/s of common accelerators (vendor datasheets).
 PEAKS = {"H200": (989.0, 4800.0), "H100": (989.0, 3350.0), "A100": (312.0, 2039.0), "L40S": (362.0, 864.0)}
 PATHS = (
-    "fused", "fused_unstacked", "compiled", "compiled_official", "torch_fast", "torch_loop", "official",
-    "sdpa", "dwconv",
+    "fused", "fused_unstacked", "fused_chunked", "compiled", "compiled_official", "torch_fast", "torch_loop",
+    "official", "sdpa", "dwconv",
 )  # fmt: skip
+CHUNK_TOKENS = 256  # tokens per program of ``fused_chunked``
 COMPILED = {"compiled": "torch_loop", "compiled_official": "official"}  # path -> the path it compiles
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -127,13 +131,14 @@ def build_paths(
     if triton_runs_on(device):
         from vit3.kernels import triton_ttt
 
-        def fused(qkv, w1, w2):
-            y = triton_ttt(
-                "swiglu", *split_heads(qkv, heads), {"w1": w1, "w2": w2}, scale=SCALE, backend="triton"
-            )
+        def fused(qkv, w1, w2, chunk=None):
+            q, k, v = split_heads(qkv, heads)
+            params = {"w1": w1, "w2": w2}
+            y = triton_ttt("swiglu", q, k, v, params, scale=SCALE, backend="triton", chunk=chunk)
             return y.transpose(1, 2).flatten(2)  # token-major output: a free view
 
         paths["fused"] = fused
+        paths["fused_chunked"] = functools.partial(fused, chunk=CHUNK_TOKENS)
         from vit3.kernels.triton import tiles
 
         def fused_unstacked(qkv, w1, w2):  # the design before the stacked weight-gradient dots (d = 32)
@@ -373,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--profile-paths",
         nargs="+",
-        default=["fused", "fused_unstacked", "compiled", "official"],
+        default=["fused", "fused_unstacked", "fused_chunked", "compiled", "official"],
         choices=PATHS,
         help="profiled",
     )

@@ -1,8 +1,9 @@
 """Fills the Triton kernel cache in parallel before a timed run: one process per item, all cores at once.
 
-Items: ``kernel:D:N:BH`` (the fused op as ``ttt_kernel.py`` runs it) and ``model:NAME:RES:BATCH`` (a training
-step and an inference forward as ``models.py`` runs them). Prints one line per item (exit status, seconds);
-exits 1 if any item failed or timed out. Why and how: benchmarks/README.md.
+Items: ``kernel:D:N:BH`` (the fused op as ``ttt_kernel.py`` runs it, whole and chunked) and
+``model:NAME:RES:BATCH`` (a training step and an inference forward as ``models.py`` runs them). Prints one
+line per item (exit status, seconds); exits 1 if any item failed or timed out. Why and how:
+benchmarks/README.md.
 
     python benchmarks/warm_cache.py --jobs 16 --timeout 120 kernel:64:3136:64 model:vit3_tiny:224:64
 """
@@ -31,12 +32,13 @@ def warm(item: str, device: torch.device) -> None:
         d, n, bh = map(int, fields)
         heads = min(4, bh)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        fused = build_paths(heads, d, device)["fused"]
+        paths = build_paths(heads, d, device)
         qkv = torch.randn(bh // heads, n, 3 * heads * d, device=device, dtype=dtype, requires_grad=True)
         w1, w2 = ((0.02 * torch.randn(1, heads, d, d, device=device)).requires_grad_() for _ in range(2))
         dout = torch.randn(bh // heads, n, heads * d, device=device, dtype=dtype)
-        for mode in ("fwd", "fwd+bwd"):
-            step(fused, mode, qkv, w1, w2, dout)
+        for path in ("fused", "fused_chunked"):  # their launches differ where the second splits N
+            for mode in ("fwd", "fwd+bwd"):
+                step(paths[path], mode, qkv, w1, w2, dout)
     elif kind == "model":
         from benchmarks.models import build
 

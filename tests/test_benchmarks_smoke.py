@@ -286,9 +286,9 @@ def test_gpu_check_tests_select_tests_on_a_gpu_and_in_the_dry_run(tmp_path):
 @pytest.mark.slow
 def test_gpu_check_dry_run_writes_its_csvs_row_by_row_and_a_summary(tmp_path):
     """The CPU dry run (``GPU_CHECK_DEVICE=cpu``: the interpreter, tiny sizes) of the environment and kernel
-    sections: the fused path through the interpreter (and with ``tiles.STACK`` off), the compiled paths, two
-    batch x heads sizes, the per-kernel profile; what the device tool brings back (8 plain files at most)
-    lands in the output folder."""
+    sections: the fused path through the interpreter (also with ``tiles.STACK`` off, and chunked), the
+    compiled paths, two batch x heads sizes, the per-kernel profile; what the device tool brings back (8
+    plain files at most) lands in the output folder."""
     out, work = tmp_path / "out", tmp_path / "work"
     proc = _gpu_check(out, work, GPU_CHECK_ONLY="env kernel")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -299,10 +299,11 @@ def test_gpu_check_dry_run_writes_its_csvs_row_by_row_and_a_summary(tmp_path):
     ]  # fmt: skip
     rows = list(csv.DictReader((out / "ttt_kernel_cpu.csv").open()))
     assert {(r["path"], r["BH"]) for r in rows} >= {
-        (p, bh) for p in ("fused", "fused_unstacked", "compiled") for bh in ("2", "4")
+        (p, bh) for p in ("fused", "fused_unstacked", "fused_chunked", "compiled") for bh in ("2", "4")
     }
     profile = list(csv.DictReader((out / "ttt_kernel_profile_cpu.csv").open()))
-    assert {r["path"] for r in profile} == {"fused", "fused_unstacked", "compiled", "official"}
+    profiled = {"fused", "fused_unstacked", "fused_chunked", "compiled", "official"}
+    assert {r["path"] for r in profile} == profiled
     assert (work / "kernel.log").stat().st_size > 0
 
 
