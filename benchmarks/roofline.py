@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, print_table, write_csv
+from benchmarks.ttt_kernel import CHUNK_TOKENS
 
 KB = 1024
 
@@ -104,9 +105,18 @@ def load_triton_op(kernels: Path | None) -> ModuleType:
 
 
 def plan(
-    op: ModuleType, model: str, b: int, g: int, n: int, d: int, gpu: GPU, grid: tuple[int, int]
+    op: ModuleType,
+    model: str,
+    b: int,
+    g: int,
+    n: int,
+    d: int,
+    gpu: GPU,
+    grid: tuple[int, int],
+    chunk: int = 0,
 ) -> tuple:
-    """``(forward, backward)`` launches of one bf16 call on ``gpu``, planned by ``op`` on meta tensors.
+    """``(forward, backward)`` launches of one bf16 call on ``gpu``, planned by ``op`` on meta tensors
+    (``chunk``: tokens per program, as ``triton_ttt``'s; 0: the launcher chooses).
 
     q, k, v are views of one ``[B, N, 3*G*d]`` projection, the upstream gradient a contiguous ``[B, N, G*d]``.
     Takes either plan signature: separate weights (``w1``, ``w2``) or one stacked ``[1, G, NW, R, d]``.
@@ -120,7 +130,7 @@ def plan(
         weights = (torch.empty(shape, device="meta"), torch.empty(shape, device="meta") if nw == 2 else None)
     else:
         weights = (torch.empty(1, g, nw, r, d, device="meta"),)
-    common = (model, "dot", *grid, 9**-0.5, 1.0, True, 0)
+    common = (model, "dot", *grid, 9**-0.5, 1.0, True, chunk)
     outs, fwd = op.forward_plan(q, k, v, *weights, *common, arch=arch, prec="tf32", interpret=False)
     dout = torch.empty(b, n, g, d, dtype=torch.bfloat16, device="meta").transpose(1, 2)
     _, bwd = op.backward_plan(
@@ -517,17 +527,20 @@ class _Part(NamedTuple):
     waves: int
 
 
-def price_models(op: ModuleType, fit: dict, regs: dict) -> list[dict]:
+def price_models(
+    op: ModuleType, fit: dict, regs: dict, shapes: tuple = MODEL_SHAPES, dwconv: bool = True, chunk: int = 0
+) -> list[dict]:
     """The models' shapes priced launch by launch as the launch program runs them: the calibrated model where
     the kernel was profiled (its d = 64 latencies: d = 32 tiles are not slower), the uncalibrated one
     (``predict``) elsewhere. A fused launch (both branches' stage) holds the CTAs its compile row allows (else
     the fewest of its parts') and takes one launch cost and the programs' work spread over the GPU's CTA
-    slots, at least its longest wave."""
+    slots, at least its longest wave. ``shapes``: ``(label, B, G, N, d)`` rows; ``dwconv``: with the
+    depthwise branch (else SwiGLU's alone, as ``ttt_kernel.py`` times it); ``chunk``: ``plan``'s."""
     rows, gpu = [], GPUS["H200"]
-    for label, b, g, n, d in MODEL_SHAPES:
+    for label, b, g, n, d in shapes:
         side = math.isqrt(n)
-        shapes = (("swiglu", g), ("dwconv", 1))
-        plans = {m: plan(op, m, b, h, n, d, gpu, (side, n // side)) for m, h in shapes}
+        branches = (("swiglu", g), ("dwconv", 1)) if dwconv else (("swiglu", g),)
+        plans = {m: plan(op, m, b, h, n, d, gpu, (side, n // side), chunk) for m, h in branches}
         for models, launch in staged(op, plans):
             priced = []
             for model, part in zip(models, getattr(launch, "parts", ()) or (launch,)):
@@ -547,6 +560,29 @@ def price_models(op: ModuleType, fit: dict, regs: dict) -> list[dict]:
             rows.append({"shape": label, "branch": "+".join(models), "kernel": launch.label, "waves": waves,
                          "iters": max(p.cost.iters for p in priced), "us": us,
                          "calibrated": all(p.calibrated for p in priced)})  # fmt: skip
+    return rows
+
+
+# The GPU check's kernel shapes (``ttt_kernel.py``: SwiGLU alone, 4 heads), priced whole and chunked as its
+# ``fused`` and ``fused_chunked`` paths run them: the model's prediction for the split alone.
+KERNEL_SHAPES = (
+    ("kernel-d32-n196-bh768", 192, 4, 196, 32),
+    ("kernel-d32-n6084-bh192", 48, 4, 6084, 32),
+    ("kernel-d64-n3136-bh1024", 256, 4, 3136, 64),
+)
+
+
+def price_chunked(op: ModuleType, fit: dict, regs: dict) -> list[dict]:
+    """``KERNEL_SHAPES`` priced by the calibrated model whole (the launcher's split) and chunked
+    (``CHUNK_TOKENS`` a program): per shape and path its launches, waves and µs (fwd + bwd). The model keeps
+    a kernel's latency per tile iteration whatever the split: chunking buys the waves' fill (shorter programs,
+    a shorter last wave) and costs a prologue per wave and the partials' reduction."""
+    rows = []
+    for path, chunk in (("fused", 0), ("fused_chunked", CHUNK_TOKENS)):
+        for shape in KERNEL_SHAPES:
+            priced = price_models(op, fit, regs, (shape,), dwconv=False, chunk=chunk)
+            waves, us = sum(r["waves"] for r in priced), sum(r["us"] for r in priced)
+            rows.append({"shape": shape[0], "path": path, "launches": len(priced), "waves": waves, "us": us})
     return rows
 
 
@@ -622,7 +658,10 @@ def calibration_main(op: ModuleType, out: Path) -> int:
     for label, *_ in MODEL_SHAPES:
         total = sum(r["us"] for r in models if r["shape"] == label)
         print(f"{label}: {total:.1f} µs per mixer call (fwd + bwd, both branches)")
-    write_csv([{"table": "check"} | r for r in rows] + [{"table": "models"} | r for r in models], out)
+    chunked = price_chunked(op, fit, read_matrix(COMPILE_MATRIX))
+    print_table(chunked, floatfmt="{:.4g}")
+    tables = {"check": rows, "models": models, "chunked": chunked}
+    write_csv([{"table": name} | r for name, table in tables.items() for r in table], out)
     print(f"wrote {out}")
     return 0
 

@@ -463,7 +463,8 @@ def test_step_counts_counts_ops_launches_syncs_and_memory(tmp_path):
 def test_roofline_calibrated_on_the_h200_profile_predicts_the_unfitted_shapes(tmp_path):
     """The latency model fitted on the profile's B*H = 64 rows predicts its B*H = 1024 totals within 20%,
     and prices both branches of ViT³-T's and ViT³-S's own shapes as the launch program runs them: 5 launches
-    a training call, most of them both branches' stage in one."""
+    a training call, most of them both branches' stage in one; and the GPU check's kernel shapes whole and
+    chunked."""
     out = tmp_path / "calibration.csv"
     _run("roofline.py", "--calibrate", "--out", str(out))
     rows = list(csv.DictReader(out.open()))
@@ -483,3 +484,13 @@ def test_roofline_calibrated_on_the_h200_profile_predicts_the_unfitted_shapes(tm
         assert sum(r["branch"] == "swiglu+dwconv" for r in launches) >= 4
         assert {b for r in launches for b in r["branch"].split("+")} == {"swiglu", "dwconv"}
     assert all(float(r["us"]) > 0 for r in models)
+    # the GPU check's kernel shapes, whole and chunked at 256 tokens a program: one chunk at N 196 (the same
+    # launches), more and shorter waves wherever N splits
+    chunked = {(r["shape"], r["path"]): r for r in rows if r["table"] == "chunked"}
+    assert {path for _, path in chunked} == {"fused", "fused_chunked"} and len(chunked) == 6
+    for shape in {shape for shape, _ in chunked}:
+        whole, split = chunked[(shape, "fused")], chunked[(shape, "fused_chunked")]
+        if "n196-" in shape:
+            assert (whole["waves"], whole["us"]) == (split["waves"], split["us"])
+        else:
+            assert int(split["waves"]) > int(whole["waves"]) and float(split["us"]) > 0
