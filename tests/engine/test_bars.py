@@ -9,17 +9,20 @@ import re
 import sys
 
 import pytest
+from helpers.dense import det_args
 from helpers.generation import tiny_gen_cfg
 from helpers.train import Terminal, tiny_cfg
 from tqdm import tqdm
 
-from vit3.engine import bars, run
+from vit3.engine import bars, load_config, run
 from vit3.engine.bars import LogLines, close_bars, progress_bar, progress_iter
+from vit3.engine.config import CONFIG_DIR
+from vit3.engine.dense import train as train_dense
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+DET = CONFIG_DIR / "dense" / "demo_detection.yaml"
 TIMES = r"\[\d\d:\d\d<\d\d:\d\d\]"
-LINE = rf"epoch 1/1 (\d+)/(\d+) {TIMES}"
 
 
 def test_a_bar_off_a_terminal_writes_a_whole_line_each_time_its_figures_are_set(monkeypatch):
@@ -83,11 +86,12 @@ def test_progress_over_items_draws_on_a_terminal_and_logs_each_tenth_elsewhere(s
     assert [count for _, count in seen[:4]] == [0, 0, 0, 1]  # a line once an item is done, not before
 
 
-def _log_lines(out: str, batches: int) -> list[tuple[int, int]]:
-    """The (step, total) of every progress line of a run's stdout, which holds no carriage return."""
+def _log_lines(out: str, steps: int, desc: str = "epoch 1/1") -> list[tuple[int, int]]:
+    """The (step, total) of every progress line ``desc``, of ``steps`` steps, in a run's stdout, which holds
+    no carriage return."""
     assert "\r" not in out
-    found = [(int(m[1]), int(m[2])) for m in re.finditer(LINE + r" loss \d", out)]
-    assert found and all(total == batches for _, total in found), out
+    found = [(int(m[1]), int(m[2])) for m in re.finditer(rf"{desc} (\d+)/(\d+) {TIMES} loss \d", out)]
+    assert found and all(total == steps for _, total in found), out
     return found
 
 
@@ -110,3 +114,12 @@ def test_a_generation_run_logged_to_a_file_writes_a_line_every_log_every_updates
     out = capsys.readouterr().out
     assert "model dit3_s_4 (ttt) + model.kwargs: " in out
     assert _log_lines(out, 4) == [(1, 4), (2, 4), (3, 4), (4, 4)]
+
+
+def test_a_dense_run_logged_to_a_file_writes_a_line_every_log_every_updates(coco_root, tmp_path, capsys):
+    """Detection counts its updates over the whole run (one bar), and its evaluation lines stay whole."""
+    cfg = load_config(DET, [*det_args(coco_root, tmp_path / "det"), *SHOWN, "train.log_every=2"])
+    train_dense(cfg)
+    out = capsys.readouterr().out
+    assert _log_lines(out, 4, "step") == [(2, 4), (4, 4)]  # 7 annotated images, batches of 2
+    assert re.search(r"^step 4: bbox_AP \d", out, re.MULTILINE), out

@@ -24,6 +24,7 @@ from ..data.coco import collate_detection
 from ..errors import TrainingDiverged, divergence_advice
 from ..models.record import load_checkpoint
 from ..outputs import write_text
+from .bars import progress_bar
 from .checkpoint import CheckpointMismatchError, eval_report_path, make_model_record
 from .config import Config, ConfigError, check_config, run_metadata
 from .dense_metrics import (
@@ -171,6 +172,9 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
     key = "bbox_AP" if cfg.task == "detection" else "mIoU"
     net.train()
     t0 = time.time()
+    bar = progress_bar(
+        total, "step", info.is_main and bool(cfg.train.progress), initial=p.global_step, leave=True
+    )
     while p.global_step < total:
         wrapped.set_epoch(p.epoch)
         sampler.set_epoch(p.epoch, start=p.batch_in_epoch * bs)
@@ -198,12 +202,9 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
             optimizer_step(model, opt, scaler, cfg.train.clip_grad, schedule, p)
             p.losses.append(step_loss)
             step, step_loss = p.global_step, 0.0
-            if info.is_main and cfg.train.log_every and step % cfg.train.log_every == 0:
-                print(
-                    f"step {step}/{total} loss {p.losses[-1]:.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                    f"({time.time() - t0:.0f}s)",
-                    flush=True,
-                )
+            bar.update(1)
+            if cfg.train.log_every and step % cfg.train.log_every == 0:
+                bar.set_postfix(loss=f"{p.losses[-1]:.4f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
             if step % eval_every == 0 or step == total:
                 metrics = evaluate_dense(cfg, model, val_set, device) if info.is_main else {}
                 improved = info.is_main and metrics[key] > p.best
@@ -214,15 +215,16 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
                 save_state(state, out / "last.pt", info, best)
                 if info.is_main:
                     write_text(out / "metrics.json", nan_free_json(p.history), "metrics")
-                    print(
+                    log(
+                        info,
                         f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scalars(metrics).items()),
-                        flush=True,
                     )
                 barrier()
                 net.train()
             elif (save_every and step % save_every == 0) or p.batch_in_epoch == steps.batches:
                 save_state(state, out / "last.pt", info)  # every epoch's end, as classification saves
         p.roll_over(steps.batches)
+    bar.close()
     summary = {
         **run_summary(model, info.world, out, p.history),
         "best": best_checkpoint(out, cfg.train.keep_best, resume),
