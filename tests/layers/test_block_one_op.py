@@ -4,6 +4,8 @@ the bits of the block run layer by layer, forward and every gradient, drop path 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import timm
 import torch
@@ -75,6 +77,16 @@ def test_a_block_names_the_map_it_takes(settled, shape):
             ValueError, match=r"^TTTBlock built for C=32 expects a channels-last map \[B, H, W, C\], got \("
         ):
             block(torch.randn(*shape, dtype=torch.float64))
+
+
+def test_a_traced_block_records_no_check_of_its_map():
+    """Under ``torch.jit.trace`` (fvcore's FLOP count, the legacy ONNX export) the map check reads traced
+    sizes: it stays out of the trace, which would warn of a tensor turned into a Python bool."""
+    block = _block().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.jit.trace(block, (_x(),), check_trace=False)
+    assert not [w for w in caught if w.filename.endswith("blocks.py")], [str(w.message) for w in caught]
 
 
 @pytest.mark.parametrize("recompute", ["always", "never"], ids=["lean", "saving"])

@@ -564,7 +564,8 @@ class TTTBlock(nn.Module):
                 dp1, dp2 = self._modules["drop_path1"], self._modules["drop_path2"]
                 return torch.ops.vit3_cpu.ttt_block(*args, _drop_scale(dp1, x), _drop_scale(dp2, x))
             dim = self._modules["attn"].dim
-            if not isinstance(x, torch.fx.Proxy) and (x.ndim != 4 or x.shape[3] != dim):
+            traced = isinstance(x, torch.fx.Proxy) or tracing_kind() == "trace"  # sizes a tracer records
+            if not traced and (x.ndim != 4 or x.shape[3] != dim):
                 raise ValueError(
                     f"TTTBlock built for C={dim} expects a channels-last map [B, H, W, C], got "
                     f"{shape_text(x)}"
