@@ -56,7 +56,9 @@ def test_a_bar_on_a_terminal_draws_and_close_bars_ends_it():
     assert "\r" in out.getvalue() and "3/10" in out.getvalue()
     close_bars()
     assert bar.disable and out.getvalue().endswith("\r")  # closed, its line cleared
+    drawn = out.getvalue()
     close_bars()  # a closed bar is ended once
+    assert out.getvalue() == drawn
 
 
 @pytest.mark.parametrize("out", [io.StringIO(), Terminal()], ids=["log", "terminal"])
@@ -107,13 +109,36 @@ def test_a_classification_run_logged_to_a_file_writes_a_line_every_log_every_bat
     assert _log_lines(out, 4) == [(2, 4), (4, 4)]  # 80 images, batches of 20
 
 
-def test_a_generation_run_logged_to_a_file_writes_a_line_every_log_every_updates(
+def test_a_classification_run_logs_no_figures_with_log_every_0_and_one_count_with_progress_run(
     four_digits, tmp_path, capsys
 ):
-    run(tiny_gen_cfg(four_digits, tmp_path / "gen", *SHOWN, "train.log_every=1"), "train")
+    run(tiny_cfg(four_digits, tmp_path / "quiet", *SHOWN, "train.log_every=0"), "train")
+    out = capsys.readouterr().out
+    assert "\r" not in out and "done in" in out and not re.search(TIMES, out), out  # the run, no figures
+    whole = ("train.epochs=2", "train.progress=run", "train.log_every=2")
+    run(tiny_cfg(four_digits, tmp_path / "whole", *whole), "train")
+    out = capsys.readouterr().out
+    found = re.finditer(rf"whole (epoch ./2) (\d+)/(\d+) {TIMES} loss", out)
+    lines = [(m[1], int(m[2]), int(m[3])) for m in found]
+    assert lines == [("epoch 1/2", 2, 8), ("epoch 1/2", 4, 8), ("epoch 2/2", 6, 8), ("epoch 2/2", 8, 8)], out
+
+
+@pytest.mark.parametrize("shown", [True, False], ids=["progress", "no-progress"])
+def test_a_generation_run_logged_to_a_file_writes_a_line_every_log_every_updates(
+    shown, four_digits, tmp_path, capsys
+):
+    """With its final evaluation: sampling's lines too (8 samples in batches of 4), and neither where
+    ``train.progress=false``."""
+    overrides = ("train.epochs=1", f"train.progress={str(shown).lower()}", "train.log_every=1")
+    run(tiny_gen_cfg(four_digits, tmp_path / "gen", *overrides, "train.final_eval=true"), "train")
     out = capsys.readouterr().out
     assert "model dit3_s_4 (ttt) + model.kwargs: " in out
+    sampled = [int(m[1]) for m in re.finditer(rf"^sampling (\d)/2 {TIMES}$", out, re.MULTILINE)]
+    if not shown:
+        assert "\r" not in out and not re.search(TIMES, out) and "done in" in out, out
+        return
     assert _log_lines(out, 4) == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert sampled == [1, 2], out
 
 
 def test_a_dense_run_logged_to_a_file_writes_a_line_every_log_every_updates(coco_root, tmp_path, capsys):

@@ -19,6 +19,7 @@ from tqdm import tqdm
 T = TypeVar("T")
 
 _OPEN: weakref.WeakSet[tqdm] = weakref.WeakSet()  # the bars made here and not yet closed
+LINE_FORMAT = "{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]"  # a log line's start, in tqdm's fields
 
 
 class LogLines:
@@ -37,17 +38,23 @@ class LogLines:
         self.desc = desc
 
     def set_postfix(self, **figures: Any) -> None:
-        seconds, done = time.perf_counter() - self.start, self.n - self.initial
-        left = tqdm.format_interval(seconds / done * (self.total - self.n)) if done > 0 else "?"
+        seconds = time.perf_counter() - self.start
+        meter = tqdm.format_meter(self.n, self.total, seconds, prefix=self.desc, initial=self.initial,
+                                  bar_format=LINE_FORMAT)  # fmt: skip
         values = "".join(f" {key} {value}" for key, value in figures.items())
-        times = f"{tqdm.format_interval(seconds)}<{left}"
-        print(f"{self.desc} {self.n}/{self.total} [{times}]{values}", file=self.file, flush=True)
+        print(meter + values, file=self.file, flush=True)
 
     def close(self) -> None:
         """Nothing to end: every line was whole."""
 
 
 Bar = tqdm | LogLines  # what :func:`progress_bar` returns
+
+
+def figures_due(step: int, every: int) -> bool:
+    """Whether a bar's figures (off a terminal, a log line) are due after ``step`` (counted from 1): every
+    ``every`` steps (``train.log_every``), never where ``every`` is 0."""
+    return every > 0 and step % every == 0
 
 
 def on_terminal(file: IO[str]) -> bool:

@@ -30,7 +30,7 @@ from ..errors import TrainingDiverged, divergence_advice
 from ..layers.ttt import NonFiniteError
 from ..models.record import model_record, peek_vit3_checkpoint, require_classifier
 from ..outputs import write_text
-from .bars import Bar, progress_bar
+from .bars import Bar, figures_due, progress_bar
 from .checkpoint import apply_model_record, make_model_record
 from .classification_eval import evaluate
 from .classification_model import (
@@ -379,7 +379,7 @@ def _train_epoch(run: ClassificationRun, run_bar: Bar | None = None) -> None:
             if every and p.global_step % every == 0 and p.batch_in_epoch < run.steps.batches:
                 _save(run, "last.pt")
         bar.update(1)
-        if info.is_main and (b + 1) % max(1, int(cfg.train.log_every)) == 0:
+        if info.is_main and figures_due(b + 1, int(cfg.train.log_every)):
             rate = seen / max(time.perf_counter() - tick, 1e-9)
             lr = max(g["lr"] for g in run.optimizer.param_groups)
             bar.set_postfix(loss=f"{p.loss_sum / p.loss_count:.4f}", lr=f"{lr:.2e}", img_s=f"{rate:.0f}")

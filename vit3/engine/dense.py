@@ -24,7 +24,7 @@ from ..data.coco import collate_detection
 from ..errors import TrainingDiverged, divergence_advice
 from ..models.record import load_checkpoint
 from ..outputs import write_text
-from .bars import progress_bar
+from .bars import figures_due, progress_bar
 from .checkpoint import CheckpointMismatchError, eval_report_path, make_model_record
 from .config import Config, ConfigError, check_config, run_metadata
 from .dense_metrics import (
@@ -203,7 +203,7 @@ def _train(cfg: Config, d: Any, info: DistInfo) -> dict[str, Any]:
             p.losses.append(step_loss)
             step, step_loss = p.global_step, 0.0
             bar.update(1)
-            if cfg.train.log_every and step % cfg.train.log_every == 0:
+            if figures_due(step, int(cfg.train.log_every)):
                 bar.set_postfix(loss=f"{p.losses[-1]:.4f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
             if step % eval_every == 0 or step == total:
                 metrics = evaluate_dense(cfg, model, val_set, device) if info.is_main else {}

@@ -26,7 +26,7 @@ from ..errors import TrainingDiverged, divergence_advice
 from ..models.dit3 import DiT3
 from ..outputs import write_text
 from ..tasks.diffusion import GaussianDiffusion, LatentAutoencoder
-from .bars import progress_bar
+from .bars import figures_due, progress_bar
 from .config import Config, ConfigError
 from .distributed import DistInfo, log, log_row
 from .generation_sampling import (
@@ -198,7 +198,8 @@ def _train_epoch(run: _Run) -> None:
                 n = p.window.pop("n")
                 p.curve.append({"step": p.global_step, **{k: v / n for k, v in p.window.items()}})
                 p.window = {}
-                bar.set_postfix(loss=f"{p.curve[-1]['loss']:.4f}")
+                if figures_due(p.global_step, int(cfg.train.log_every)):
+                    bar.set_postfix(loss=f"{p.curve[-1]['loss']:.4f}")
             every = int(cfg.train.save_every_steps or 0)
             if every and p.global_step % every == 0 and p.batch_in_epoch < run.steps.batches:
                 _save(run, "last.pt")

@@ -228,7 +228,8 @@ def sample_and_evaluate(
     shape = (model.in_channels, size, size)
     classifier = resolve_classifier(m.classifier) if m.classifier else None  # may train it: before sampling
     tick = time.perf_counter()
-    images = generate(model, diffusion, vae, labels[mine], seeds[mine], shape, cfg, progress=info.is_main)
+    shown = info.is_main and bool(cfg.train.get("progress", True))
+    images = generate(model, diffusion, vae, labels[mine], seeds[mine], shape, cfg, progress=shown)
     sample_time = time.perf_counter() - tick
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
