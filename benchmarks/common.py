@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CHUNK_TOKENS = 256  # tokens a program of the chunked split: ttt_kernel's fused_chunked, roofline's prices
 
 
 def sync(device: torch.device) -> None:

@@ -28,8 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, print_table, write_csv
-from benchmarks.ttt_kernel import CHUNK_TOKENS
+from benchmarks.common import CHUNK_TOKENS, RESULTS, print_table, write_csv
 
 KB = 1024
 
@@ -653,12 +652,13 @@ def calibration_main(op: ModuleType, out: Path) -> int:
     rows, fit = check_calibration(read_profile(PROFILE), launches)
     print("per-kernel fit (µs): " + ", ".join(f"{k} P {p:.2f} L {lat:.3f}" for k, (p, lat) in fit.items()))
     print_table(rows, floatfmt="{:.4g}")
-    models = price_models(op, fit, read_matrix(COMPILE_MATRIX))
+    regs = read_matrix(COMPILE_MATRIX)
+    models = price_models(op, fit, regs)
     print_table(models, floatfmt="{:.4g}")
     for label, *_ in MODEL_SHAPES:
         total = sum(r["us"] for r in models if r["shape"] == label)
         print(f"{label}: {total:.1f} µs per mixer call (fwd + bwd, both branches)")
-    chunked = price_chunked(op, fit, read_matrix(COMPILE_MATRIX))
+    chunked = price_chunked(op, fit, regs)
     print_table(chunked, floatfmt="{:.4g}")
     tables = {"check": rows, "models": models, "chunked": chunked}
     write_csv([{"table": name} | r for name, table in tables.items() for r in table], out)

@@ -31,6 +31,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
+    CHUNK_TOKENS,
     RESULTS,
     CsvRows,
     peak_tensor_memory,
@@ -49,7 +50,6 @@ PATHS = (
     "fused", "fused_unstacked", "fused_chunked", "compiled", "compiled_official", "torch_fast", "torch_loop",
     "official", "sdpa", "dwconv",
 )  # fmt: skip
-CHUNK_TOKENS = 256  # tokens per program of ``fused_chunked``
 COMPILED = {"compiled": "torch_loop", "compiled_official": "official"}  # path -> the path it compiles
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
