@@ -7,7 +7,9 @@ model as it was."""
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,10 +22,14 @@ import vit3  # registers the vit3 models
 from vit3.layers import TTTMixer, backends
 from vit3.layers.blocks import ConvFFN, TTTBlock
 from vit3.layers.inner_math import shifted_dwconv, shifted_dwconv_weight_grad
+from vit3.models.dit3 import create_dit3
+from vit3.models.swap import swap_attention_for_ttt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DYNAMIC_HW = {2: Dim.AUTO, 3: Dim.AUTO}
+# vit3's code: the package and its kernels (installed as ``vit3.kernels``)
+PACKAGE_DIRS = [Path(vit3.__file__).resolve().parent, Path(vit3.kernels.__file__).resolve().parent]
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -189,6 +195,52 @@ def test_legacy_onnx_exporter_runs_at_static_shapes(name, tmp_path):
             want = model(x).numpy()
         got = session.run(None, {"x": x.numpy()})[0]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(shape))
+
+
+def _swapped_deit() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    model = swap_attention_for_ttt(timm.create_model("deit_tiny_patch16_224", depth=1, img_size=64))
+    return model.eval(), (torch.randn(2, 3, 64, 64),)
+
+
+def _dit3() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    model = create_dit3("dit3_s_8", depth=1, input_size=16, num_classes=10).eval()
+    return model, (torch.randn(2, 4, 16, 16), torch.tensor([3.0, 500.0]), torch.tensor([1, 7]))
+
+
+TRACED = {
+    "test_vit3_ttt": lambda: (_model("test_vit3_ttt"), (torch.randn(2, 3, 64, 64),)),
+    "test_h_vit3": lambda: (_model("test_h_vit3"), (torch.randn(2, 3, 64, 64),)),
+    "deit with TTT swapped in": _swapped_deit,
+    "dit3": _dit3,
+}
+
+
+@pytest.mark.parametrize("exporter", ["torch.jit.trace", "onnx-legacy"])
+@pytest.mark.parametrize("name", list(TRACED))
+def test_a_trace_meets_no_python_test_of_a_traced_size_in_vit3(name, exporter, tmp_path):
+    """Under a trace (``torch.jit.trace``, the legacy ONNX exporter) sizes read off a shape are tensors, and
+    every Python test of one warns (``TracerWarning``): a trace of ``vit3_tiny`` gave 171 such warnings from
+    vit3's checks and branches, none of timm's models more than 4 (from torch). vit3 reads them as ints
+    there (``static_shape``): none is left in its code, and the trace computes what eager does."""
+    model, args = TRACED[name]()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if exporter == "torch.jit.trace":
+            traced = torch.jit.trace(model, args)
+        else:
+            torch.onnx.export(model, args, tmp_path / "m.onnx", dynamo=False)
+    ours = [
+        f"{w.filename}:{w.lineno}"
+        for w in caught
+        if issubclass(w.category, torch.jit.TracerWarning)
+        and any(Path(w.filename).resolve().is_relative_to(d) for d in PACKAGE_DIRS)
+    ]
+    assert not ours, ours
+    if exporter == "torch.jit.trace":
+        with torch.no_grad():
+            torch.testing.assert_close(traced(*args), model(*args), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("axes", [{0: "batch"}, [2, 3]], ids=["batch", "size"])

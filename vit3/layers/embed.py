@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from vit3.kernels.common import autocast_on
 
-from .inner_math import assert_finite, shape_text, tracing
+from .inner_math import assert_finite, shape_text, static_shape, tracing
 from .lean import RecomputedStack
 
 __all__ = [
@@ -173,9 +173,10 @@ def check_image(x: Tensor, in_chans: int, min_size: int, check_finite: bool = Tr
     """
     if x.ndim != 4:
         raise ValueError(f"expected images [B, C, H, W], got a tensor of shape {shape_text(x)}")
-    if x.shape[1] != in_chans:
-        raise ValueError(f"model expects {in_chans} input channels, got {x.shape[1]} (input {shape_text(x)})")
-    h, w = x.shape[-2], x.shape[-1]
+    shape = static_shape(x)
+    if shape[1] != in_chans:
+        raise ValueError(f"model expects {in_chans} input channels, got {shape[1]} (input {shape_text(x)})")
+    h, w = shape[-2], shape[-1]
     if h < min_size or w < min_size:
         raise ValueError(
             f"image {h}x{w} is too small for this model: both sides must be at least {min_size} pixels "
@@ -227,7 +228,8 @@ def check_image_size(
     Raises:
         ValueError: naming the size found and the one expected.
     """
-    h, w = x.shape[-2], x.shape[-1]
+    shape = static_shape(x)
+    h, w = shape[-2], shape[-1]
     if size is not None and (h != size[0] or w != size[1]):
         raise ValueError(
             f"image {h}x{w}: this model was built for {size[0]}x{size[1]} only (dynamic_img_size=False)"

@@ -10,7 +10,7 @@ gradients from it, and the blocks and models ask :func:`tracing` / :func:`assert
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,8 @@ __all__ = [
     "shifted_dwconv",
     "shifted_dwconv_weight_grad",
     "silu_grad",
+    "static_shape",
+    "static_sizes",
     "tracing",
     "tracing_kind",
 ]
@@ -169,6 +171,31 @@ def tracing_kind() -> str:
             return "trace"
         return "export" if torch.compiler.is_exporting() else "compile"
     return "trace" if torch._C._is_tracing() or _in_onnx_export() else ""
+
+
+def static_shape(t: Tensor) -> list[int]:
+    """``t``'s sizes for checks and branches: ``t.shape``, but Python ints under ``torch.jit.trace`` (the
+    legacy ONNX exporter, fvcore's FLOP count), which hands sizes out as tensors and warns at every Python
+    test of one (``static_sizes``). A trace of ViT³ fixes its sizes at the example's (``TTTMixer._check``).
+    In Python a ``torch.Size`` outside a trace (``list[int]``: TorchScript's type of ``t.shape``)."""
+    if torch.jit.is_scripting():
+        return t.shape
+    else:  # not compiled by TorchScript
+        return static_sizes(t.shape)
+
+
+def static_sizes(sizes: Sequence[int | Tensor]) -> Sequence[int]:
+    """``sizes`` read off a shape (a grid, say) as Python ints under ``torch.jit.trace``, where they are
+    tensors and every Python test of one warns; else as they are (compiled or exported: symbolic sizes,
+    which stay so)."""
+    if torch.compiler.is_compiling() or not torch._C._is_tracing():  # dynamo never sees the tracer's state
+        return sizes
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        return [int(n) for n in sizes]
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 def tracing() -> bool:

@@ -32,6 +32,7 @@ from .inner_math import (
     shifted_dwconv,
     shifted_dwconv_weight_grad,
     silu_grad,
+    static_shape,
     tracing,
 )
 from .losses import loss_grad, loss_needs_prediction
@@ -244,7 +245,7 @@ class InnerModel(nn.Module):
         Returns:
             The updated weights, each ``[B, ...]`` (or ``[1, ...]`` where nothing depends on the sample).
         """
-        n_tok = k.shape[-2]
+        n_tok = static_shape(k)[-2]
         if mini_batches > n_tok:
             raise ValueError(f"mini_batches={mini_batches} is larger than the sequence length N={n_tok}")
         # Chunk bounds as torch.tensor_split cuts them (the first N % m chunks one longer), in plain integer

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .inner_math import tracing
+from .inner_math import static_shape, tracing
 
 __all__ = ["apply_rope_2d", "rope_angles", "rope_cos_sin", "rope_tables"]
 
@@ -123,7 +123,7 @@ def apply_rope_2d(
     :func:`rope_tables` of this grid, channel count, base and dtype, when several tensors share them.
     """
     dtype = torch.promote_types(x.dtype, torch.float32)
-    c = x.shape[-1]
+    c = static_shape(x)[-1]
     cos, sin = tables if tables is not None else rope_tables(grid, c, base, x.device, dtype)
     if inverse:
         sin = -sin

@@ -24,7 +24,7 @@ from .backends import MixerExplanation, ModelExplanation
 from .config import GRID_MODELS, TTTConfig, check_count, is_count
 from .fused_mix import MixBranch, MixSpec, fused_mix, mix_layout, node_call, takes
 from .inner import assert_finite, create_inner_model, inner_loop
-from .inner_math import shape_text, tracing_kind
+from .inner_math import shape_text, static_shape, static_sizes, tracing_kind
 from .mixer_calls import MAX_CALLS, Call, Calls, CppShort, NodeShort, call_key
 from .rope import apply_rope_2d, rope_tables
 
@@ -156,7 +156,8 @@ class TTTMixer(nn.Module):
             raise ValueError(
                 f"TTTMixer expects tokens [B, N, C], got a tensor of rank {x.ndim} {shape_text(x)}"
             )
-        n, c = x.shape[1], x.shape[2]
+        shape = static_shape(x)
+        n, c = shape[1], shape[2]
         if c != self.dim:
             raise ValueError(f"TTTMixer built for C={self.dim} channels got C={c} (input {shape_text(x)})")
         h, w = grid
@@ -245,6 +246,8 @@ class TTTMixer(nn.Module):
     def _forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """``forward`` in Python: the checks, the token gates, ``mix`` between the projections."""
         kind = tracing_kind()
+        if kind == "trace":  # under torch.jit.trace, a grid read off a shape holds tensors
+            grid = tuple(static_sizes(grid))
         self._check(x, grid, kind)
         gates = (
             torch.sigmoid(self.lr_gate(x)).transpose(1, 2) if self.lr_gate is not None else None
@@ -291,7 +294,8 @@ class TTTMixer(nn.Module):
         # that dtype: the conditions of ``settled_cpp_args`` without building its route key (N is the grid's,
         # which the op checks), outside tracing. Written out in this one frame (``grad_flows``'s rule too):
         # beside the op's kernels on a CPU every Python call here counts (``benchmarks/mixer_overhead.py``).
-        if not qkv.shape[0]:  # no kernel path takes an empty batch
+        batch = static_shape(qkv)[0] if kind == "trace" else qkv.shape[0]
+        if not batch:  # no kernel path takes an empty batch
             return self._empty_mix(qkv, gates)
         if self.scriptable:  # built for TorchScript: the path it compiles, eager too (autocast off inside)
             with autocast_off(qkv.device.type):
@@ -434,7 +438,7 @@ class TTTMixer(nn.Module):
         compute = torch.promote_types(io_dtype, torch.float32)
         gate = None if gates is None else gates[:, offset : offset + heads].to(compute)
         if self.rope and not grid_model:  # one angle table for q and k
-            rope = rope_tables(grid, q.shape[-1], self.rope_base, q.device, compute)
+            rope = rope_tables(grid, static_shape(q)[-1], self.rope_base, q.device, compute)
             # back to the io dtype, as the fused node hands them on: q, k, v share one dtype
             q = apply_rope_2d(q, grid, self.rope_base, False, rope).to(io_dtype)
             k = apply_rope_2d(k, grid, self.rope_base, False, rope).to(io_dtype)

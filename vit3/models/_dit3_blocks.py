@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers.blocks import ConvPosEnc
+from vit3.layers.inner_math import tracing_kind
 
 __all__ = [
     "DiT3Block",
@@ -34,9 +35,8 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale) + shift
 
 
-@functools.lru_cache(maxsize=32)
 def _sincos_table(dim: int, h: int, w: int) -> Tensor:
-    """The table of :func:`sincos_pos_embed_2d` on CPU (cached: it is a pure function of the grid)."""
+    """The table of :func:`sincos_pos_embed_2d` on CPU."""
     if dim % 4:
         raise ValueError(f"the 2-D sin-cos position table needs hidden_size divisible by 4, got {dim}")
     quarter = dim // 4
@@ -52,6 +52,11 @@ def _sincos_table(dim: int, h: int, w: int) -> Tensor:
     return torch.cat(parts, dim=1).float()  # [N, D]
 
 
+# Eager calls keep the tables (a pure function of the grid); a trace records the ops of every call, as
+# ``torch.jit.trace``'s check traces twice and compares.
+_cached_sincos_table = functools.lru_cache(maxsize=32)(_sincos_table)
+
+
 def sincos_pos_embed_2d(dim: int, grid: tuple[int, int]) -> Tensor:
     """The fixed 2-D sin-cos position embedding of DiT (MAE's table) for an ``h x w`` token grid.
 
@@ -61,7 +66,8 @@ def sincos_pos_embed_2d(dim: int, grid: tuple[int, int]) -> Tensor:
     Returns:
         ``[h * w, dim]`` float32 (computed in float64, rounded as the official table).
     """
-    return _sincos_table(int(dim), int(grid[0]), int(grid[1]))
+    table = _sincos_table if tracing_kind() == "trace" else _cached_sincos_table
+    return table(int(dim), int(grid[0]), int(grid[1]))
 
 
 class TimestepEmbedder(nn.Module):

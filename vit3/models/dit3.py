@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from vit3._diffusers import ConfigMixin, ModelMixin, register_to_config
 from vit3.layers import TTTConfig, mixer_key_from_official
-from vit3.layers.inner_math import assert_finite
+from vit3.layers.inner_math import assert_finite, static_shape, tracing
 
 from ._dit3_blocks import DiT3Block, FinalLayer, LabelEmbedder, TimestepEmbedder, sincos_pos_embed_2d
 from ._pretrained import check_state_dict, safe_torch_load, strip_wrapper_prefixes
@@ -191,20 +191,21 @@ class DiT3(ModelMixin, ConfigMixin):
         """Raises ``ValueError`` naming the problem for a wrong latent, timestep or label batch."""
         if x.ndim != 4:
             raise ValueError(f"DiT3 expects latents [B, C, H, W], got a tensor of shape {tuple(x.shape)}")
-        if x.shape[1] != self.in_channels:
+        shape = static_shape(x)  # ints under torch.jit.trace, as the other sizes here
+        if shape[1] != self.in_channels:
             raise ValueError(
-                f"DiT3 built for {self.in_channels} latent channels got {x.shape[1]} "
-                f"(input {tuple(x.shape)}); "
+                f"DiT3 built for {self.in_channels} latent channels got {shape[1]} "
+                f"(input {tuple(shape)}); "
                 f"a VAE latent has its VAE's latent_channels, a pixel-space model the image channels"
             )
-        b = x.shape[0]
-        if t.ndim != 1 or t.shape[0] != b:
-            raise ValueError(f"timesteps must be [B] = [{b}], got {tuple(t.shape)}")
-        if y.ndim != 1 or y.shape[0] != b:
-            raise ValueError(f"labels must be [B] = [{b}], got {tuple(y.shape)}")
+        b = shape[0]
+        if t.ndim != 1 or static_shape(t)[0] != b:
+            raise ValueError(f"timesteps must be [B] = [{b}], got {tuple(static_shape(t))}")
+        if y.ndim != 1 or static_shape(y)[0] != b:
+            raise ValueError(f"labels must be [B] = [{b}], got {tuple(static_shape(y))}")
         if y.is_floating_point() or y.is_complex():
             raise ValueError(f"labels must be integer class indices, got dtype {y.dtype}")
-        if not torch.compiler.is_compiling() and y.numel():
+        if not tracing() and y.numel():  # the values: eager only
             top = self.num_classes if self.has_null_class else self.num_classes - 1
             lo, hi = int(y.min()), int(y.max())
             if lo < 0 or hi > top:
@@ -240,7 +241,7 @@ class DiT3(ModelMixin, ConfigMixin):
         self.check_inputs(x, t, y)
         size = x.shape[-2:]
         x = self.x_embedder(x)  # [B, h, w, C]
-        _, h, w, ch = x.shape
+        _, h, w, ch = static_shape(x)  # the table is made for these sizes (fixed in a trace)
         pos = sincos_pos_embed_2d(ch, (h, w)).to(device=x.device, dtype=x.dtype)
         x = x + pos.view(1, h, w, ch)
         c = self.t_embedder(t) + self.y_embedder(y, self.training)  # [B, C]

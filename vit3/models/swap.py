@@ -24,6 +24,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, TTTMixer
+from vit3.layers.inner_math import static_shape
 
 __all__ = [
     "SWAP_DEFAULT_BASE",
@@ -99,7 +100,7 @@ class _GridState:
         self.handle = patch_embed.register_forward_pre_hook(self._record)
 
     def _record(self, module: nn.Module, args: tuple[Tensor, ...]) -> None:
-        h, w = args[0].shape[-2:]
+        h, w = static_shape(args[0])[-2:]  # under torch.jit.trace, ints: a trace fixes the grid
         self.grid = tuple(module.dynamic_feat_size((h, w)))
 
 
@@ -130,7 +131,7 @@ class TokenTTT(nn.Module):
         if attn_mask is not None:
             raise ValueError("a TTT mixer has no attention mask; attn_mask must be None")
         p = self.num_prefix_tokens
-        n = x.shape[1] - p
+        n = static_shape(x)[1] - p
         grid = self._grid_state.grid if grid is None else tuple(grid)
         if grid is None or grid[0] * grid[1] != n:
             raise ValueError(
