@@ -249,6 +249,21 @@ def test_non_square_grid_uses_the_grid_of_the_input():
     assert torch.equal(sincos_pos_embed_2d(8, (4, 4)), sincos_pos_embed_2d(8, (4, 4)))
 
 
+def test_torch_export_takes_any_batch_and_latent_size_and_leaves_eager_calls_running():
+    """``torch.export`` of DiT³ with a dynamic batch and latent size gives eager's numbers at others, and
+    eager calls still run afterwards. The sin-cos table, kept per grid for eager calls, was made and kept
+    under the export's fake tensors (the next eager call at that grid failed: a fake tensor in a CPU op),
+    and made from ints, which fixed the exported program's latent size at the example's."""
+    model = _randomize(create_dit3("dit3_s_2", **TINY)).eval()
+    sample = (torch.randn(2, 4, 8, 8), torch.tensor([3.0, 500.0]), torch.tensor([1, 7]))
+    batch, side = torch.export.Dim("batch", min=1, max=16), torch.export.Dim.AUTO
+    dims = ({0: batch, 2: side, 3: side}, {0: batch}, {0: batch})
+    program = torch.export.export(model, sample, dynamic_shapes=dims).module()
+    x, t, y = torch.randn(3, 4, 12, 10), torch.tensor([1.0, 40.0, 900.0]), torch.tensor([0, 4, 9])
+    with torch.no_grad():
+        torch.testing.assert_close(program(x, t, y), model(x, t, y))
+
+
 def test_padding_never_leaks_into_the_kept_pixels():
     """A 7x9 latent is padded to 8x10: the prediction is cropped back, and equals the padded input's crop."""
     model = _randomize(create_dit3("dit3_s_2", **TINY)).eval()
