@@ -262,6 +262,7 @@ def test_torch_export_takes_any_batch_and_latent_size_and_leaves_eager_calls_run
     x, t, y = torch.randn(3, 4, 12, 10), torch.tensor([1.0, 40.0, 900.0]), torch.tensor([0, 4, 9])
     with torch.no_grad():
         torch.testing.assert_close(program(x, t, y), model(x, t, y))
+        torch.testing.assert_close(program(*sample), model(*sample))  # eager at the example's grid
 
 
 def test_padding_never_leaks_into_the_kept_pixels():

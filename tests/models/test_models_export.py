@@ -197,21 +197,34 @@ def test_legacy_onnx_exporter_runs_at_static_shapes(name, tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(shape))
 
 
-def _swapped_deit() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+Inputs = tuple[torch.Tensor, ...]
+
+
+def _images(name: str) -> tuple[nn.Module, Inputs, list[Inputs]]:
+    """A model that takes any image size, its example and other batches and sizes (the same token count on
+    another grid, another count)."""
+    shapes = [(3, 3, 64, 64), (2, 3, 32, 128), (1, 3, 96, 96)]
+    return _model(name), (torch.randn(2, 3, 64, 64),), [(torch.randn(shape),) for shape in shapes]
+
+
+def _swapped_deit() -> tuple[nn.Module, Inputs, list[Inputs]]:
     torch.manual_seed(0)
     model = swap_attention_for_ttt(timm.create_model("deit_tiny_patch16_224", depth=1, img_size=64))
-    return model.eval(), (torch.randn(2, 3, 64, 64),)
+    return model.eval(), (torch.randn(2, 3, 64, 64),), [(torch.randn(3, 3, 64, 64),)]
 
 
-def _dit3() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def _dit3() -> tuple[nn.Module, Inputs, list[Inputs]]:
     torch.manual_seed(0)
     model = create_dit3("dit3_s_8", depth=1, input_size=16, num_classes=10).eval()
-    return model, (torch.randn(2, 4, 16, 16), torch.tensor([3.0, 500.0]), torch.tensor([1, 7]))
+    other = (torch.randn(3, 4, 16, 16), torch.tensor([1.0, 40.0, 900.0]), torch.tensor([0, 4, 9]))
+    return model, (torch.randn(2, 4, 16, 16), torch.tensor([3.0, 500.0]), torch.tensor([1, 7])), [other]
 
 
+# Each model, its example and the other inputs its trace takes: ViT³ and H-ViT³ any batch and image size,
+# the others any batch (DiT³'s position table and timm's position embedding are made for one size).
 TRACED = {
-    "test_vit3_ttt": lambda: (_model("test_vit3_ttt"), (torch.randn(2, 3, 64, 64),)),
-    "test_h_vit3": lambda: (_model("test_h_vit3"), (torch.randn(2, 3, 64, 64),)),
+    "test_vit3_ttt": partial(_images, "test_vit3_ttt"),
+    "test_h_vit3": partial(_images, "test_h_vit3"),
     "deit with TTT swapped in": _swapped_deit,
     "dit3": _dit3,
 }
@@ -223,8 +236,9 @@ def test_a_trace_meets_no_python_test_of_a_traced_size_in_vit3(name, exporter, t
     """Under a trace (``torch.jit.trace``, the legacy ONNX exporter) sizes read off a shape are tensors, and
     every Python test of one warns (``TracerWarning``): a trace of ``vit3_tiny`` gave 171 such warnings from
     vit3's checks and branches, none of timm's models more than 4 (from torch). vit3 reads them as ints
-    there (``static_shape``): none is left in its code, and the trace computes what eager does."""
-    model, args = TRACED[name]()
+    where it only checks or chooses (``static_shape``): none is left in its code, and the trace computes
+    what eager does, at the example and at the other batches and sizes it took before."""
+    model, args, others = TRACED[name]()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if exporter == "torch.jit.trace":
@@ -239,8 +253,10 @@ def test_a_trace_meets_no_python_test_of_a_traced_size_in_vit3(name, exporter, t
     ]
     assert not ours, ours
     if exporter == "torch.jit.trace":
-        with torch.no_grad():
-            torch.testing.assert_close(traced(*args), model(*args), rtol=1e-5, atol=1e-5)
+        for inputs in [args, *others]:
+            with torch.no_grad():
+                got, want = traced(*inputs), model(*inputs)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(inputs[0].shape))
 
 
 @pytest.mark.parametrize("axes", [{0: "batch"}, [2, 3]], ids=["batch", "size"])

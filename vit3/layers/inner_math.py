@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ __all__ = [
     "static_sizes",
     "tracing",
     "tracing_kind",
+    "untraced",
 ]
 
 LN_EPS = 1e-6  # the LayerNorm of ``inner_norm="ln"`` (TTT-Linear/TTT-MLP use 1e-6)
@@ -173,27 +175,37 @@ def tracing_kind() -> str:
     return "trace" if torch._C._is_tracing() or _in_onnx_export() else ""
 
 
+T = TypeVar("T")
+
+
 def static_shape(t: Tensor) -> list[int]:
-    """``t``'s sizes for checks and branches: ``t.shape``, but Python ints under ``torch.jit.trace`` (the
-    legacy ONNX exporter, fvcore's FLOP count), which hands sizes out as tensors and warns at every Python
-    test of one (``static_sizes``). A trace of ViT³ fixes its sizes at the example's (``TTTMixer._check``).
-    In Python a ``torch.Size`` outside a trace (``list[int]``: TorchScript's type of ``t.shape``)."""
+    """``t``'s sizes for a check or a branch that only chooses: ``t.shape``, but Python ints under
+    ``torch.jit.trace`` (the legacy ONNX exporter, fvcore's FLOP count), which hands sizes out as tensors and
+    warns at every Python test of one (``static_sizes``). Sizes the computation takes keep ``t.shape``:
+    traced, they stay live at other sizes. In Python a ``torch.Size`` outside a trace (``list[int]`` is
+    TorchScript's type of ``t.shape``)."""
     if torch.jit.is_scripting():
         return t.shape
     else:  # not compiled by TorchScript
         return static_sizes(t.shape)
 
 
-def static_sizes(sizes: Sequence[int | Tensor]) -> Sequence[int]:
+def static_sizes(sizes: Sequence[Any]) -> Sequence[Any]:
     """``sizes`` read off a shape (a grid, say) as Python ints under ``torch.jit.trace``, where they are
-    tensors and every Python test of one warns; else as they are (compiled or exported: symbolic sizes,
-    which stay so)."""
+    tensors and every Python test of one warns; else as they are (eager ints, or symbolic sizes compiled or
+    exported)."""
     if torch.compiler.is_compiling() or not torch._C._is_tracing():  # dynamo never sees the tracer's state
         return sizes
+    return untraced(lambda: [int(n) for n in sizes])
+
+
+def untraced(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with ``torch.jit.trace``'s state set aside: its ops are not recorded (a tensor it makes
+    is a constant of the trace) and the sizes it reads are ints. Outside a trace, ``fn(*args)``."""
     state = torch._C._get_tracing_state()
     torch._C._set_tracing_state(None)
     try:
-        return [int(n) for n in sizes]
+        return fn(*args)
     finally:
         torch._C._set_tracing_state(state)
 

@@ -245,20 +245,23 @@ class InnerModel(nn.Module):
         Returns:
             The updated weights, each ``[B, ...]`` (or ``[1, ...]`` where nothing depends on the sample).
         """
-        n_tok = static_shape(k)[-2]
-        if mini_batches > n_tok:
+        n_tok = k.shape[-2]  # traced (torch.jit.trace): a tensor, so a trace runs at other sizes
+        if mini_batches > static_shape(k)[-2]:
             raise ValueError(f"mini_batches={mini_batches} is larger than the sequence length N={n_tok}")
         # Chunk bounds as torch.tensor_split cuts them (the first N % m chunks one longer), in plain integer
         # arithmetic so that tracing / ONNX export sees no data-dependent values.
-        size, extra = n_tok // mini_batches, n_tok % mini_batches
+        full = mini_batches == 1  # one chunk, the whole sequence
         bounds: list[tuple[int, int]] = []
-        for i in range(mini_batches):
-            start = bounds[i - 1][1] if i else 0
-            bounds.append((start, (i + 1) * size + min(i + 1, extra)))
+        if full:
+            bounds.append((0, n_tok))
+        else:
+            size, extra = n_tok // mini_batches, n_tok % mini_batches
+            for i in range(mini_batches):
+                start = bounds[i - 1][1] if i else 0
+                bounds.append((start, (i + 1) * size + min(i + 1, extra)))
         need_pred = loss_needs_prediction(loss)
         for _ in range(steps):
             for start, end in bounds:
-                full = start == 0 and end == n_tok
                 if full or not self.grid_model:
                     kc, vc = (k, v) if full else (k[..., start:end, :], v[..., start:end, :])
                 else:

@@ -167,7 +167,8 @@ class TTTMixer(nn.Module):
     def _check(self, x: Tensor, grid: tuple[int, int], kind: str) -> None:
         """Shape and (``TTTConfig.check_finite``, not under tracing: ``kind``) finiteness checks of the input;
         under a trace, the refusal of a legacy ONNX export with ``dynamic_axes``."""
-        self.check_shape(x, grid)
+        # under torch.jit.trace a grid read off a shape holds tensors: checked as ints, computed with as it is
+        self.check_shape(x, tuple(static_sizes(grid)) if kind == "trace" else grid)
         if self.cfg.check_finite and not kind:
             assert_finite(x, NonFiniteError, "TTTMixer input contains non-finite values (NaN or Inf)")
         if kind == "trace" and backends.legacy_onnx_dynamic_axes():
@@ -246,8 +247,6 @@ class TTTMixer(nn.Module):
     def _forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """``forward`` in Python: the checks, the token gates, ``mix`` between the projections."""
         kind = tracing_kind()
-        if kind == "trace":  # under torch.jit.trace, a grid read off a shape holds tensors
-            grid = tuple(static_sizes(grid))
         self._check(x, grid, kind)
         gates = (
             torch.sigmoid(self.lr_gate(x)).transpose(1, 2) if self.lr_gate is not None else None

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, TTTMixer
 from vit3.layers.blocks import ConvPosEnc
-from vit3.layers.inner_math import tracing
+from vit3.layers.inner_math import untraced
 
 __all__ = [
     "DiT3Block",
@@ -36,7 +36,8 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
 
 
 def _sincos_table(dim: int, h: int, w: int) -> Tensor:
-    """The table of :func:`sincos_pos_embed_2d` on CPU (in traced code ``h`` and ``w`` may be symbolic)."""
+    """The table of :func:`sincos_pos_embed_2d` on CPU (compiled or exported, ``h`` and ``w`` may be
+    symbolic)."""
     if dim % 4:
         raise ValueError(f"the 2-D sin-cos position table needs hidden_size divisible by 4, got {dim}")
     quarter = dim // 4
@@ -52,8 +53,9 @@ def _sincos_table(dim: int, h: int, w: int) -> Tensor:
     return torch.cat(parts, dim=1).float()  # [N, D]
 
 
-# Eager calls keep the tables (a pure function of the grid). Traced code makes them in every call: a table
-# made under torch.export is a fake tensor, and torch.jit.trace's check traces twice and compares the two.
+# Eager calls and torch.jit.trace keep the tables (a pure function of the grid; made out of a trace's sight,
+# a constant of it in both passes of its check). Compiled and exported code makes them in the graph: a table
+# made there is a fake tensor, from sizes that may be symbolic.
 _cached_sincos_table = functools.lru_cache(maxsize=32)(_sincos_table)
 
 
@@ -66,9 +68,9 @@ def sincos_pos_embed_2d(dim: int, grid: tuple[int, int]) -> Tensor:
     Returns:
         ``[h * w, dim]`` float32 (computed in float64, rounded as the official table).
     """
-    if tracing():  # made in the traced call: sizes may be symbolic (torch.export's dynamic latent size)
+    if torch.compiler.is_compiling():  # torch.export's dynamic latent size: symbolic sides
         return _sincos_table(int(dim), grid[0], grid[1])
-    return _cached_sincos_table(int(dim), int(grid[0]), int(grid[1]))
+    return untraced(_cached_sincos_table, int(dim), int(grid[0]), int(grid[1]))
 
 
 class TimestepEmbedder(nn.Module):

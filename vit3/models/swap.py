@@ -13,6 +13,7 @@ The token layouts, Swin's windows, shifts and bias, and the registered name: ``d
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from vit3.layers import TTTConfig, TTTMixer
-from vit3.layers.inner_math import static_shape
+from vit3.layers.inner_math import static_shape, static_sizes
 
 __all__ = [
     "SWAP_DEFAULT_BASE",
@@ -100,7 +101,7 @@ class _GridState:
         self.handle = patch_embed.register_forward_pre_hook(self._record)
 
     def _record(self, module: nn.Module, args: tuple[Tensor, ...]) -> None:
-        h, w = static_shape(args[0])[-2:]  # under torch.jit.trace, ints: a trace fixes the grid
+        h, w = args[0].shape[-2:]
         self.grid = tuple(module.dynamic_feat_size((h, w)))
 
 
@@ -131,9 +132,9 @@ class TokenTTT(nn.Module):
         if attn_mask is not None:
             raise ValueError("a TTT mixer has no attention mask; attn_mask must be None")
         p = self.num_prefix_tokens
-        n = static_shape(x)[1] - p
+        n = static_shape(x)[1] - p  # checked as ints (under torch.jit.trace sizes are tensors)
         grid = self._grid_state.grid if grid is None else tuple(grid)
-        if grid is None or grid[0] * grid[1] != n:
+        if grid is None or math.prod(static_sizes(grid)) != n:
             raise ValueError(
                 f"cannot lay {n} patch tokens on the recorded grid {grid}; call the model on images"
             )
